@@ -1,0 +1,38 @@
+"""Flag profiles per target: the payload's ``build_profile`` (one code path for Linux and
+Windows, shared with standalone builds) applied to a :class:`~ci.targets.Target`."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from functools import cache
+from pathlib import Path
+
+from ci.targets import Target
+
+PAYLOAD = Path(__file__).resolve().parent.parent / "sageattn3"
+
+
+@cache
+def _build_profile():
+    spec = importlib.util.spec_from_file_location("sageattn3_build_profile", PAYLOAD / "build_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def compiler_for(target: Target) -> str:
+    return "msvc" if target.os.platform == "windows" else "gcc"
+
+
+def profile_for(target: Target, stable_abi_floor: str, limited_api_python: str = "3.10") -> dict:
+    return _build_profile().profile(
+        platform=target.os.platform,
+        cuda=target.cuda,
+        archs=list(target.archs),
+        torch_version=target.build_torch,
+        stable_abi_floor=stable_abi_floor if target.variant.stable else None,
+        limited_api_python=limited_api_python if target.abi3 else target.python,
+        compiler=compiler_for(target),
+    )

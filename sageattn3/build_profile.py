@@ -1,0 +1,103 @@
+"""Compiler and linker flags for sageattn3, as data: one function per concern, the same code
+for every OS. Used by ``setup.py`` (standalone builds) and by the factory (``ci.flags``),
+which records the effective profile in each wheel's build record.
+
+Standard library only: it runs before anything is installed.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Torch >= 2.13 headers require C++20 (older ones compile as C++17 and 20 alike).
+CXX20_FROM_TORCH = (2, 13)
+MSVC_HOST_FLAGS = ("/Zc:__cplusplus", "/Zc:preprocessor", "/bigobj", "/permissive-", "/EHsc")
+# Torch's own libraries and the CUDA runtime: never bundled, torch loads them first.
+TORCH_LINK_LIBS = ("c10", "torch_cpu", "torch_cuda")
+
+
+def _mm(version: str) -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if not m:
+        raise ValueError(f"not a version: {version!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def gencode(arch: str) -> str:
+    """'sm_120a' -> '-gencode=arch=compute_120a,code=sm_120a' (real machine code only: the
+    a/f targets have no forward-compatible PTX worth shipping)."""
+    m = re.fullmatch(r"sm_(\d+[af]?)", arch)
+    if not m:
+        raise ValueError(f"not a GPU arch: {arch!r} (expected e.g. 'sm_120a')")
+    return f"-gencode=arch=compute_{m.group(1)},code=sm_{m.group(1)}"
+
+
+def default_archs(cuda: str) -> list[str]:
+    """What a CUDA release can compile of the sm_120 family (12.8: 120a; 12.9+: 120a, 121a)."""
+    if _mm(cuda) >= (12, 9):
+        return ["sm_120a", "sm_121a"]
+    if _mm(cuda) >= (12, 8):
+        return ["sm_120a"]
+    raise ValueError(f"CUDA {cuda} cannot compile the sm_120 family (needs >= 12.8)")
+
+
+def cxx_standard(torch_version: str) -> str:
+    return "c++20" if _mm(torch_version) >= CXX20_FROM_TORCH else "c++17"
+
+
+def torch_target_version(floor: str) -> str:
+    """The TORCH_TARGET_VERSION define for a stable-ABI floor: '2.10' -> 0x020A000000000000."""
+    major, minor = _mm(floor)
+    return f"0x{major:02X}{minor:02X}000000000000"
+
+
+def profile(
+    *,
+    platform: str,
+    cuda: str,
+    archs: list[str],
+    torch_version: str,
+    stable_abi_floor: str | None,
+    limited_api_python: str = "3.10",
+    compiler: str | None = None,
+) -> dict:
+    """The full flag profile for one build. ``platform`` is 'linux' or 'windows'."""
+    if platform not in ("linux", "windows"):
+        raise ValueError(f"unknown platform {platform!r}: expected 'linux' or 'windows'")
+    compiler = compiler or ("msvc" if platform == "windows" else "gcc")
+    std = cxx_standard(torch_version)
+    py_major, py_minor = _mm(limited_api_python)
+    # USE_CUDA: declares torch's CUDA shim functions (current stream) in the stable C API.
+    defines = ["NDEBUG", "USE_CUDA", f"Py_LIMITED_API=0x{py_major:02X}{py_minor:02X}0000"]
+    if stable_abi_floor:
+        defines.append(f"TORCH_TARGET_VERSION={torch_target_version(stable_abi_floor)}")
+    # No --use_fast_math: the quantizer must be bit-exact with the reference (IEEE division).
+    nvcc = ["-O3", f"-std={std}", "-lineinfo", "--expt-relaxed-constexpr"]
+    if _mm(cuda) >= (12, 8):
+        nvcc.append("--compress-mode=size")
+    nvcc += [gencode(a) for a in archs]
+    env: dict[str, str] = {}
+    if compiler == "msvc":
+        defines += ["NOMINMAX", "WIN32_LEAN_AND_MEAN"]
+        host = ["/O2", f"/std:{std}", *MSVC_HOST_FLAGS]
+        cxx = list(host)
+        nvcc += [f"-Xcompiler={f}" for f in host]
+        ldflags: list[str] = []
+        env["DISTUTILS_USE_SDK"] = "1"
+    else:
+        host = ["-O3", "-fPIC", "-fvisibility=hidden"]
+        cxx = [*host, f"-std={std}"]
+        nvcc += ["-Xcompiler=" + ",".join(host)]
+        ldflags = ["-shared", "-Wl,--as-needed", "-Wl,-O1"]
+    return {
+        "platform": platform,
+        "compiler": compiler,
+        "cxx_std": std,
+        "archs": list(archs),
+        "defines": defines,
+        "nvcc_flags": nvcc,
+        "cxx_flags": cxx,
+        "ldflags": ldflags,
+        "link_libs": [*TORCH_LINK_LIBS, "cudart"],
+        "env": env,
+    }
