@@ -60,8 +60,13 @@ def profile(
     stable_abi_floor: str | None,
     limited_api_python: str = "3.10",
     compiler: str | None = None,
+    mma_model: bool = False,
 ) -> dict:
-    """The full flag profile for one build. ``platform`` is 'linux' or 'windows'."""
+    """The full flag profile for one build. ``platform`` is 'linux' or 'windows'.
+
+    ``mma_model``: the test-only flavour in which the block-scaled FP4 MMA instruction is
+    replaced by its software model (``SAGEATTN3_MMA_MODEL``), so the rest of the sm_120
+    kernel runs on sm_90a. Never shipped: the factory refuses to publish such wheels."""
     if platform not in ("linux", "windows"):
         raise ValueError(f"unknown platform {platform!r}: expected 'linux' or 'windows'")
     compiler = compiler or ("msvc" if platform == "windows" else "gcc")
@@ -69,6 +74,8 @@ def profile(
     py_major, py_minor = _mm(limited_api_python)
     # USE_CUDA: declares torch's CUDA shim functions (current stream) in the stable C API.
     defines = ["NDEBUG", "USE_CUDA", f"Py_LIMITED_API=0x{py_major:02X}{py_minor:02X}0000"]
+    if mma_model:
+        defines.append("SAGEATTN3_MMA_MODEL=1")
     if stable_abi_floor:
         defines.append(f"TORCH_TARGET_VERSION={torch_target_version(stable_abi_floor)}")
     # No --use_fast_math: the quantizer must be bit-exact with the reference (IEEE division).

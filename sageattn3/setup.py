@@ -51,20 +51,26 @@ def _standalone_config() -> dict:
     home = _cuda_home()
     out = subprocess.run([str(home / "bin" / "nvcc"), "--version"], capture_output=True, text=True, check=True).stdout
     cuda = re.search(r"release (\d+\.\d+)", out).group(1)
-    archs = [a for a in os.environ.get("SAGEATTN3_ARCHS", "").split(";") if a] or build_profile.default_archs(cuda)
+    mma_model = os.environ.get("SAGEATTN3_MMA_MODEL") == "1"
+    archs = [a for a in os.environ.get("SAGEATTN3_ARCHS", "").split(";") if a] or (
+        ["sm_90a"] if mma_model else build_profile.default_archs(cuda)
+    )
     floor = os.environ.get("SAGEATTN3_STABLE_ABI_FLOOR", "2.10")
     prof = build_profile.profile(
         platform="windows" if os.name == "nt" else "linux", cuda=cuda, archs=archs,
-        torch_version=torch.__version__, stable_abi_floor=floor,
+        torch_version=torch.__version__, stable_abi_floor=floor, mma_model=mma_model,
     )
     major, minor = cuda.split(".")
     return {
         "profile": prof,
         "cuda_home": str(home),
-        "local_label": f"cu{major}{minor}.torch{floor}.stable",
+        "local_label": f"cu{major}{minor}.torch{floor}.stable" + (".mmamodel" if mma_model else ""),
         "requires_torch": f"torch>={floor}",
         "launcher": [],
-        "record": {"cuda": cuda, "archs": archs, "torch_build": torch.__version__, "variant": f"cu{major}{minor}.torch{floor}.stable"},
+        "record": {
+            "cuda": cuda, "archs": archs, "torch_build": torch.__version__,
+            "variant": f"cu{major}{minor}.torch{floor}.stable", "mma_model": mma_model,
+        },
     }
 
 
