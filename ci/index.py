@@ -1,29 +1,84 @@
-"""The pip index: PEP 503 simple pages per variant plus flat ``--find-links`` pages.
+"""The pip index: PEP 503 simple pages per variant, an all-variants page, flat ``--find-links``
+pages, PEP 658 metadata files, a human table at the root, and a manifest for tools.
 
-Layout under the index root (``dist/index`` locally, the Pages site when published)::
+Layout under the index root (``dist/index`` locally, the GitHub Pages site when published)::
 
-    files/<wheel>                     the wheels, and <wheel>.metadata (PEP 658)
-    simple/                           every variant: a PEP 503 root (index.html, sageattn3/)
-    cu130/                            every wheel built for CUDA 13.x torch variants ...
-    cu130/torch2.14/                  ... that loads into torch 2.14 (the page users pick)
-    links/cu130.html, links/all.html  flat pages for pip --find-links
+    index.html                        the picker: one row per torch line x CUDA, with its URL
+    index.json                        the manifest: every wheel's record (the merge source)
+    files/<wheel>                     the wheels ...
+    files/<wheel>.metadata            ... and their METADATA files (PEP 658)
+    <cu>/torch<X.Y>/                  PEP 503 root for users of torch X.Y built for CUDA <cu>'s
+    <cu>/torch<X.Y>/sageattn3/          major: the page users pass as --index-url
+    <cu>/ , <cu>/sageattn3/           every wheel compiled with that CUDA (all torch lines)
+    simple/ , simple/sageattn3/       every wheel of every variant (the all-variants page)
+    links/<cu>-torch<X.Y>.html        the same sets as flat pages for pip --find-links
+    links/<cu>.html, links/all.html
 
 Every anchor carries ``#sha256=``, ``data-requires-python`` and PEP 658
-``data-dist-info-metadata``/``data-core-metadata``. Output depends only on the records, so
-the same inputs give byte-identical files.
+``data-dist-info-metadata``/``data-core-metadata`` (the sha256 of the ``.metadata`` file);
+hrefs are relative (the tree works under any base URL) and percent-encoded, text and
+attributes HTML-escaped. Output depends only on the manifest, so the same inputs give
+byte-identical files.
+
+Merging: the manifest (``index.json``) holds every wheel the index ever received. Writing new
+records adds to it; earlier versions stay unless ``remove`` names them. A record whose wheel
+name is already indexed with another sha256 is refused: a published file is never replaced
+in place.
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import html
+import json
+import os
 import shutil
-from dataclasses import dataclass
+import sys
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from email.parser import BytesHeaderParser
+from html.parser import HTMLParser
 from pathlib import Path
 
-from packaging.utils import canonicalize_name
+from packaging.utils import canonicalize_name, parse_wheel_filename
+from packaging.version import Version
 
-from ci.record import BuildRecord, sha256_of, wheel_metadata
-from ci.variant import cuda_tag
+from ci.record import BuildRecord, load_records, sha256_of, wheel_metadata
+from ci.variant import Variant, cuda_tag, torch_line
+
+MANIFEST = "index.json"
+MANIFEST_FORMAT = 1
+DEFAULT_PROJECT = "sageattn3"
+
+
+class IndexError_(ValueError):
+    """The index cannot be written as asked (the message says what to change)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One wheel in the index: its build record plus what the index derived from the file."""
+
+    record: BuildRecord
+    metadata_sha256: str
+    yanked: str | None = None  # reason; None when not yanked
+
+    @property
+    def wheel(self) -> str:
+        return self.record.wheel
+
+    def to_dict(self) -> dict:
+        d = json.loads(self.record.to_json())
+        d["metadata_sha256"] = self.metadata_sha256
+        if self.yanked is not None:
+            d["yanked"] = self.yanked
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Entry":
+        return cls(BuildRecord.from_dict(d), d["metadata_sha256"], d.get("yanked"))
 
 
 @dataclass(frozen=True)
@@ -33,12 +88,29 @@ class Page:
     path: str  # "cu130/torch2.14"
     records: tuple[BuildRecord, ...]
 
+    @property
+    def flat_name(self) -> str:
+        return "all" if self.path == "simple" else self.path.replace("/", "-")
+
+
+@dataclass
+class IndexResult:
+    pages: list[Page]
+    added: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    written: list[str] = field(default_factory=list)  # files (re)written, relative to the root
+    deleted: list[str] = field(default_factory=list)
+
 
 def torch_lines_of(rec: BuildRecord) -> list[str]:
-    lines = rec.extra.get("torch_lines")
+    lines = rec.extra.get("torch_lines") if isinstance(rec.extra, dict) else None
     if lines:
         return list(lines)
     return [rec.variant_value.torch]
+
+
+def _line_key(line: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in line.split("."))
 
 
 def pages_for(records: list[BuildRecord]) -> list[Page]:
@@ -51,66 +123,451 @@ def pages_for(records: list[BuildRecord]) -> list[Page]:
     return [Page(p, tuple(sorted(rs, key=lambda r: r.wheel))) for p, rs in sorted(by_path.items())]
 
 
-def _anchor(href: str, rec: BuildRecord, meta_sha: str) -> str:
-    return (
-        f'<a href="{html.escape(href)}#sha256={rec.sha256}" '
-        f'data-requires-python="{html.escape(rec.requires_python)}" '
-        f'data-dist-info-metadata="sha256={meta_sha}" data-core-metadata="sha256={meta_sha}">'
-        f"{html.escape(rec.wheel)}</a><br>"
-    )
+# -- rendering ----------------------------------------------------------------------------
+
+def _esc(s: str) -> str:
+    return html.escape(s, quote=True)
+
+
+def _anchor(href_to_files: str, e: Entry) -> str:
+    rec = e.record
+    href = href_to_files + urllib.parse.quote(rec.wheel)
+    attrs = [f'href="{_esc(href)}#sha256={_esc(rec.sha256)}"']
+    if rec.requires_python:
+        attrs.append(f'data-requires-python="{_esc(rec.requires_python)}"')
+    meta = _esc(f"sha256={e.metadata_sha256}")
+    attrs.append(f'data-dist-info-metadata="{meta}" data-core-metadata="{meta}"')
+    if e.yanked is not None:
+        attrs.append(f'data-yanked="{_esc(e.yanked)}"')
+    return f"<a {' '.join(attrs)}>{_esc(rec.wheel)}</a><br>"
 
 
 def _html(title: str, body: list[str]) -> str:
     return (
-        "<!DOCTYPE html>\n<html>\n<head><meta name=\"pypi:repository-version\" content=\"1.0\">"
-        f"<title>{html.escape(title)}</title></head>\n<body>\n<h1>{html.escape(title)}</h1>\n"
-        + "\n".join(body)
-        + "\n</body>\n</html>\n"
+        "<!DOCTYPE html>\n<html>\n<head>\n<meta charset=\"utf-8\">\n"
+        "<meta name=\"pypi:repository-version\" content=\"1.0\">\n"
+        f"<title>{_esc(title)}</title>\n</head>\n<body>\n<h1>{_esc(title)}</h1>\n"
+        + "".join(line + "\n" for line in body)
+        + "</body>\n</html>\n"
     )
 
 
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists() or path.read_text() != text:
-        path.write_text(text)
+def _url(base: str | None, path: str) -> str:
+    """The absolute URL of an index path when the base is known, else a relative one."""
+    return (base.rstrip("/") + "/" + path) if base else path
 
 
-def write_index(records: list[BuildRecord], wheels_dir: Path, out: Path, project: str = "sageattn3") -> list[Page]:
-    """Write (or bring up to date) the index at ``out`` for ``records`` whose wheels lie in
-    ``wheels_dir``. Idempotent: unchanged inputs rewrite nothing."""
-    files = out / "files"
-    files.mkdir(parents=True, exist_ok=True)
-    meta_sha: dict[str, str] = {}
-    for rec in records:
-        src = wheels_dir / rec.wheel
-        dst = files / rec.wheel
-        if dst.exists() and sha256_of(dst) != rec.sha256:
-            raise ValueError(
-                f"{rec.wheel}: the index already holds a different file under this name "
-                f"(sha256 {sha256_of(dst)[:12]}… vs {rec.sha256[:12]}…); a published wheel is never "
-                f"replaced in place: bump the version, or remove it from the index first"
-            )
-        if not dst.exists():
-            shutil.copy2(src, dst)
-        meta = wheel_metadata(dst)
-        meta_path = files / (rec.wheel + ".metadata")
-        if not meta_path.exists() or meta_path.read_bytes() != meta:
-            meta_path.write_bytes(meta)
-        meta_sha[rec.wheel] = sha256_of(meta_path)
+def _picker_rows(pages: list[Page]) -> list[tuple[str, str, Page]]:
+    rows = []
+    for p in pages:
+        parts = p.path.split("/")
+        if len(parts) == 2 and parts[1].startswith("torch"):
+            rows.append((parts[1].removeprefix("torch"), parts[0], p))
+    rows.sort(key=lambda r: (tuple(-x for x in _line_key(r[0])), r[1]))
+    return rows
+
+
+def _root_page(project: str, pages: list[Page], base_url: str | None) -> str:
     name = canonicalize_name(project)
+    body = [
+        "<p>Pick the row of the torch you have (<code>python -c \"import torch; "
+        "print(torch.__version__, torch.version.cuda)\"</code>) and pass its URL to pip. "
+        "pip then installs the matching wheel and leaves your torch as it is.</p>",
+        "<table>",
+        "<tr><th>torch</th><th>torch built for CUDA</th><th>wheel variants</th><th>install</th><th>--find-links page</th></tr>",
+    ]
+    for line, cu, page in _picker_rows(pages):
+        major = Variant.parse(page.records[0].variant).cuda_major if page.records else 0
+        variants = sorted({r.variant for r in page.records})
+        url = _url(base_url, f"{page.path}/")
+        flat = _url(base_url, f"links/{page.flat_name}.html")
+        body.append(
+            f"<tr><td>{_esc(line)}</td><td>{major}.x (wheels compiled with {_esc(cu)})</td>"
+            f"<td>{_esc(', '.join(variants))}</td>"
+            f"<td><code>pip install {_esc(name)} --index-url <a href=\"{_esc(page.path)}/\">{_esc(url)}</a></code></td>"
+            f"<td><a href=\"links/{_esc(page.flat_name)}.html\">{_esc(flat)}</a></td></tr>"
+        )
+    body.append("</table>")
+    body.append(
+        f"<p>Every variant on one page (browsing; pip cannot tell CUDA builds apart there): "
+        f"<a href=\"simple/\">simple/</a>, <a href=\"links/all.html\">links/all.html</a>. "
+        f"Machine-readable: <a href=\"{MANIFEST}\">{MANIFEST}</a>.</p>"
+    )
+    return _html(f"{project} wheels", body)
+
+
+def render(entries: dict[str, Entry], project: str = DEFAULT_PROJECT,
+           base_url: str | None = None) -> tuple[list[Page], dict[str, bytes]]:
+    """Every generated file of the index (path relative to the root -> bytes), wheels and
+    .metadata files excluded. Pure: depends only on its arguments."""
+    name = canonicalize_name(project)
+    records = [entries[k].record for k in sorted(entries)]
     pages = pages_for(records)
+    out: dict[str, str] = {}
     for page in pages:
         depth = page.path.count("/") + 1
         up = "../" * (depth + 1)  # from <page>/<project>/ to the root
-        _write(out / page.path / "index.html", _html("Simple index", [f'<a href="{name}/">{name}</a><br>']))
-        anchors = [_anchor(f"{up}files/{r.wheel}", r, meta_sha[r.wheel]) for r in page.records]
-        _write(out / page.path / name / "index.html", _html(f"Links for {name}", anchors))
-        flat = "all" if page.path == "simple" else page.path.replace("/", "-")
-        _write(out / "links" / f"{flat}.html", _html(f"{name} wheels ({flat})", [_anchor(f"../files/{r.wheel}", r, meta_sha[r.wheel]) for r in page.records]))
-    return pages
+        out[f"{page.path}/index.html"] = _html("Simple index", [f'<a href="{_esc(name)}/">{_esc(name)}</a><br>'])
+        anchors = [_anchor(f"{up}files/", entries[r.wheel]) for r in page.records]
+        out[f"{page.path}/{name}/index.html"] = _html(f"Links for {name}", anchors)
+        flat = [_anchor("../files/", entries[r.wheel]) for r in page.records]
+        out[f"links/{page.flat_name}.html"] = _html(f"{name} wheels ({page.flat_name})", flat)
+    out["index.html"] = _root_page(project, pages, base_url)
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "project": name,
+        "base_url": base_url.rstrip("/") + "/" if base_url else None,
+        "pages": {p.path: [r.wheel for r in p.records] for p in pages},
+        "wheels": {k: entries[k].to_dict() for k in sorted(entries)},
+    }
+    out[MANIFEST] = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+    return pages, {k: v.encode("utf-8") for k, v in sorted(out.items())}
+
+
+# -- writing ------------------------------------------------------------------------------
+
+def _write_bytes(path: Path, data: bytes) -> bool:
+    """Write only when different; bytes, so no newline translation on any OS."""
+    try:
+        if path.read_bytes() == data:
+            return False
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return True
+
+
+def load_manifest(out: Path) -> dict:
+    p = Path(out) / MANIFEST
+    if not p.exists():
+        return {}
+    d = json.loads(p.read_text(encoding="utf-8"))
+    if d.get("format") != MANIFEST_FORMAT:
+        raise IndexError_(f"{p}: manifest format {d.get('format')!r}, this factory writes {MANIFEST_FORMAT}")
+    return d
+
+
+def _metadata_requires_python(meta: bytes) -> str:
+    return BytesHeaderParser().parsebytes(meta).get("Requires-Python", "") or ""
+
+
+def _matches_removal(wheel: str, spec: str) -> bool:
+    """A removal spec is a wheel file name, or a version (``1.0.0`` removes every variant of
+    1.0.0; ``1.0.0+cu128.torch2.8`` only that one)."""
+    if spec == wheel:
+        return True
+    try:
+        _, version, _, _ = parse_wheel_filename(wheel)
+        want = Version(spec)
+    except Exception:
+        return False
+    if want.local is None:
+        return version.public == want.public
+    return version == want
+
+
+def write_index(records: list[BuildRecord], wheels_dir: Path, out: Path, project: str = DEFAULT_PROJECT,
+                *, base_url: str | None = None, remove: tuple[str, ...] | list[str] = (),
+                yank: dict[str, str] | None = None) -> list[Page]:
+    """Merge ``records`` (wheels in ``wheels_dir``) into the index at ``out`` and bring every
+    page up to date. Returns the pages. See :func:`update_index` for the details."""
+    return update_index(records, wheels_dir, out, project, base_url=base_url, remove=remove, yank=yank).pages
+
+
+def update_index(records: list[BuildRecord], wheels_dir: Path, out: Path, project: str = DEFAULT_PROJECT,
+                 *, base_url: str | None = None, remove: tuple[str, ...] | list[str] = (),
+                 yank: dict[str, str] | None = None) -> IndexResult:
+    """Merge and write. Earlier wheels stay unless a ``remove`` spec names them (file name or
+    version); ``yank`` maps a wheel name to a reason (PEP 592). A wheel name already indexed
+    with another sha256 is refused. Idempotent: unchanged inputs rewrite nothing. When
+    ``base_url`` is None the one remembered in the manifest is kept."""
+    wheels_dir, out = Path(wheels_dir), Path(out)
+    files = out / "files"
+    old = load_manifest(out)
+    if base_url is None:
+        base_url = old.get("base_url")
+    entries = {k: Entry.from_dict(v) for k, v in old.get("wheels", {}).items()}
+    old_pages = set(old.get("pages", {}))
+    result = IndexResult(pages=[])
+
+    for spec in remove:
+        hits = [w for w in entries if _matches_removal(w, spec)]
+        if not hits:
+            raise IndexError_(f"--remove {spec!r}: no indexed wheel has that name or version")
+        for w in hits:
+            del entries[w]
+            result.removed.append(w)
+
+    for rec in sorted(records, key=lambda r: r.wheel):
+        if not rec.wheel or not rec.sha256:
+            raise IndexError_(f"a record without wheel/sha256 ({rec.target or rec.variant}); records beside wheels have both")
+        if rec.wheel in result.removed:
+            raise IndexError_(f"{rec.wheel}: asked both to add and to remove it")
+        dst = files / rec.wheel
+        have = entries.get(rec.wheel)
+        if have is not None and have.record.sha256 != rec.sha256:
+            raise IndexError_(
+                f"{rec.wheel}: the index already holds a different file under this name "
+                f"(sha256 {have.record.sha256[:12]}… vs {rec.sha256[:12]}…); a published wheel is never "
+                f"replaced in place: bump the version, or remove it from the index first (--remove {rec.wheel})"
+            )
+        if have is not None and dst.exists():
+            if have.record != rec:
+                entries[rec.wheel] = Entry(rec, have.metadata_sha256, have.yanked)
+            continue  # already indexed, same bytes: nothing to read
+        src = wheels_dir / rec.wheel
+        if dst.exists() and sha256_of(dst) != rec.sha256:
+            raise IndexError_(
+                f"{rec.wheel}: {dst} holds a different file under this name; a published wheel is never "
+                f"replaced in place: bump the version, or delete that file"
+            )
+        if not dst.exists():
+            if not src.exists():
+                raise IndexError_(f"{rec.wheel}: not in {wheels_dir}")
+            if sha256_of(src) != rec.sha256:
+                raise IndexError_(f"{rec.wheel}: its record's sha256 does not match {src}; rebuild it")
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dst.with_name(dst.name + ".tmp")
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
+            result.written.append(f"files/{rec.wheel}")
+        meta = wheel_metadata(dst)
+        rp = _metadata_requires_python(meta)
+        if rp.replace(" ", "") != rec.requires_python.replace(" ", ""):
+            raise IndexError_(
+                f"{rec.wheel}: Requires-Python in the wheel ({rp!r}) differs from its build record "
+                f"({rec.requires_python!r}); the index would advertise the wrong one"
+            )
+        if _write_bytes(files / (rec.wheel + ".metadata"), meta):
+            result.written.append(f"files/{rec.wheel}.metadata")
+        entries[rec.wheel] = Entry(rec, hashlib.sha256(meta).hexdigest(), have.yanked if have else None)
+        if have is None:
+            result.added.append(rec.wheel)
+
+    for w, reason in (yank or {}).items():
+        if w not in entries:
+            raise IndexError_(f"--yank {w!r}: not an indexed wheel")
+        entries[w] = Entry(entries[w].record, entries[w].metadata_sha256, reason or "")
+
+    missing = [w for w in entries if not (files / w).exists() or not (files / (w + ".metadata")).exists()]
+    if missing:
+        raise IndexError_(
+            f"{out}: the manifest lists wheels whose files are gone: {', '.join(sorted(missing)[:5])}"
+            f"{' …' if len(missing) > 5 else ''}; restore them or --remove them"
+        )
+
+    pages, generated = render(entries, project, base_url)
+    for rel, data in generated.items():
+        if _write_bytes(out / rel, data):
+            result.written.append(rel)
+    # Pages no longer produced (after a removal) and the files of removed wheels go.
+    name = canonicalize_name(project)
+    new_paths = {p.path for p in pages}
+    for path in sorted(old_pages - new_paths, reverse=True):  # deepest first, so dirs empty
+        for rel in (f"{path}/{name}/index.html", f"{path}/index.html", f"links/{Page(path, ()).flat_name}.html"):
+            if (out / rel).exists():
+                (out / rel).unlink()
+                result.deleted.append(rel)
+        for d in (out / path / name, out / path):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+    for w in result.removed:
+        for rel in (f"files/{w}", f"files/{w}.metadata"):
+            if (out / rel).exists():
+                (out / rel).unlink()
+                result.deleted.append(rel)
+    result.pages = pages
+    return result
 
 
 def index_url(base: str, cuda: str, torch_line: str | None = None) -> str:
     """The --index-url a user with that torch passes."""
     base = base.rstrip("/")
     return f"{base}/{cuda_tag(cuda)}/" + (f"torch{torch_line}/" if torch_line else "")
+
+
+# -- the user's side: which URL? ----------------------------------------------------------
+
+def _fetch(location: str, rel: str) -> bytes:
+    if "://" in location:
+        url = urllib.parse.urljoin(location.rstrip("/") + "/", rel)
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.read()
+    return (Path(location) / rel).read_bytes()
+
+
+def choose_page(manifest: dict, torch_version: str, torch_cuda: str | None) -> tuple[str | None, list[str]]:
+    """The page (``cu130/torch2.14``) for that torch, and why each other variant was rejected.
+    Among wheels that serve it, prefer one compiled with the same CUDA, else the newest CUDA
+    not newer than torch's (a newer CUDA minor may need a newer runtime than torch ships)."""
+    line = torch_line(torch_version)
+    reasons: list[str] = []
+    candidates: list[tuple[tuple, str]] = []
+    variants = sorted({(w["variant"], w["cuda"]) for w in manifest.get("wheels", {}).values()})
+    for label, cuda in variants:
+        v = Variant.parse(label)
+        if torch_cuda is None:
+            reasons.append(f"{label}: your torch is not a CUDA build")
+            continue
+        if not v.serves(torch_version, torch_cuda):
+            why = (f"built for CUDA {v.cuda_major}.x, your torch is CUDA {torch_cuda}"
+                   if int(torch_cuda.split(".")[0]) != v.cuda_major else
+                   f"serves torch {'>= ' if v.stable else ''}{v.torch}, you have {line}")
+            reasons.append(f"{label}: {why}")
+            continue
+        page = f"{cuda_tag(cuda)}/torch{line}"
+        if page not in manifest.get("pages", {}):
+            reasons.append(f"{label}: no page {page}/ (torch {line} not among the lines it was published for)")
+            continue
+        c, t = Version(cuda), Version(torch_cuda)
+        candidates.append(((c == t, c <= t, c), page))
+    if not candidates:
+        return None, reasons
+    candidates.sort(reverse=True)
+    return candidates[0][1], reasons
+
+
+def _installed_torch() -> tuple[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ver = version("torch")
+    except PackageNotFoundError:
+        raise SystemExit("torch is not installed in this environment: install torch first, then run this again")
+    local = Version(ver).local or ""
+    if local.startswith("cu") and local[2:].isdigit():
+        digits = local[2:]
+        return ver, f"{int(digits[:-1])}.{int(digits[-1])}"
+    if local:
+        return ver, None  # +cpu, +rocm…
+    import torch  # an unlabelled PyPI wheel: only torch itself knows its CUDA
+
+    return ver, getattr(torch.version, "cuda", None)
+
+
+def which(index: str, torch_version: str | None = None, torch_cuda: str | None = None) -> str:
+    manifest = json.loads(_fetch(index, MANIFEST))
+    if torch_version is None:
+        torch_version, torch_cuda = _installed_torch()
+    page, reasons = choose_page(manifest, torch_version, torch_cuda)
+    base = index.rstrip("/") + "/" if "://" in index else (manifest.get("base_url") or index.rstrip("/") + "/")
+    if page is None:
+        raise SystemExit(
+            f"no {manifest.get('project', DEFAULT_PROJECT)} wheel for torch {torch_version} "
+            f"(CUDA {torch_cuda or 'none'}):\n  " + "\n  ".join(reasons)
+        )
+    return base + page + "/"
+
+
+# -- checking a served index (the crawler) ------------------------------------------------
+
+class _Anchors(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.anchors: list[dict[str, str | None]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "a":
+            self.anchors.append(dict(attrs))
+
+
+def parse_anchors(page: bytes) -> list[dict[str, str | None]]:
+    p = _Anchors()
+    p.feed(page.decode("utf-8"))
+    return p.anchors
+
+
+def check_index(location: str, project: str = DEFAULT_PROJECT, log=print) -> int:
+    """Crawl every page the manifest names (over HTTP or on disk), fetch every linked file
+    and its .metadata, and check the sha256s and that each page lists exactly the manifest's
+    wheels. Returns the number of files checked; raises IndexError_ on the first mismatch."""
+    remote = "://" in location
+    manifest = json.loads(_fetch(location, MANIFEST))
+    name = canonicalize_name(project)
+    hashes: dict[str, str] = {}
+    checked_pages = 0
+    for path, wheels in sorted(manifest["pages"].items()):
+        for rel in (f"{path}/{name}/", f"links/{Page(path, ()).flat_name}.html"):
+            anchors = parse_anchors(_fetch(location, rel if remote or not rel.endswith("/") else rel + "index.html"))
+            checked_pages += 1
+            got = sorted(urllib.parse.unquote(urllib.parse.urlsplit(a.get("href") or "").path.rsplit("/", 1)[-1])
+                         for a in anchors)
+            if got != sorted(wheels):
+                raise IndexError_(f"{rel}: lists {got}, the manifest says {sorted(wheels)}")
+            for a in anchors:
+                href = a.get("href") or ""
+                parts = urllib.parse.urlsplit(href)
+                if not parts.fragment.startswith("sha256="):
+                    raise IndexError_(f"{rel}: {href} has no #sha256= fragment")
+                target = urllib.parse.urljoin(rel, parts.path)
+                where = target if remote else urllib.parse.unquote(target)
+                if target not in hashes:
+                    hashes[target] = hashlib.sha256(_fetch(location, where)).hexdigest()
+                    meta_sha = hashlib.sha256(_fetch(location, where + ".metadata")).hexdigest()
+                    for attr in ("data-core-metadata", "data-dist-info-metadata"):
+                        if a.get(attr) != f"sha256={meta_sha}":
+                            raise IndexError_(f"{rel}: {href}: {attr} does not match the .metadata file")
+                if hashes[target] != parts.fragment.removeprefix("sha256="):
+                    raise IndexError_(f"{rel}: {target}: sha256 {hashes[target]}, the page says {parts.fragment}")
+    log(f"checked {checked_pages} pages, {len(hashes)} files: every sha256 and .metadata matches")
+    return len(hashes)
+
+
+# -- CLI ----------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = argv.pop(0) if argv and argv[0] in ("build", "which", "check") else "build"
+    ap = argparse.ArgumentParser(prog=f"python -m ci.index {cmd}")
+    if cmd == "build":
+        ap.description = "Merge the wheels of a directory into a PEP 503/658 index (see ci/index.py for the layout)."
+        ap.add_argument("--wheels", type=Path, default=Path("dist/wheels"), help="wheels with their <wheel>.json records")
+        ap.add_argument("--out", type=Path, default=Path("dist/index"), help="the index root (merged into when it exists)")
+        ap.add_argument("--base-url", default=None, help="the URL the index root is served at (shown on the picker page)")
+        ap.add_argument("--project", default=DEFAULT_PROJECT)
+        ap.add_argument("--remove", action="append", default=[], metavar="WHEEL_OR_VERSION",
+                        help="drop a wheel (file name) or a version (1.0.0 = every variant of it); repeatable")
+        ap.add_argument("--yank", action="append", default=[], metavar="WHEEL=REASON", help="mark a wheel yanked (PEP 592)")
+        a = ap.parse_args(argv)
+        records = load_records(a.wheels) if a.wheels.exists() else []
+        yank = dict(y.split("=", 1) if "=" in y else (y, "") for y in a.yank)
+        try:
+            r = update_index(records, a.wheels, a.out, a.project, base_url=a.base_url, remove=a.remove, yank=yank)
+        except IndexError_ as e:
+            print(f"index: {e}", file=sys.stderr)
+            return 2
+        print(f"index {a.out}: {len(r.pages)} pages, +{len(r.added)} wheels, -{len(r.removed)} wheels, "
+              f"{len(r.written)} files written, {len(r.deleted)} deleted")
+        return 0
+    if cmd == "which":
+        ap.description = "Print the --index-url for the torch installed in this environment."
+        ap.add_argument("--index", default=os.environ.get("SAGEATTN3_INDEX", "dist/index"),
+                        help="index root URL or directory (default $SAGEATTN3_INDEX or dist/index)")
+        ap.add_argument("--torch", default=None, help="a torch version instead of the installed one, e.g. 2.14.1+cu130")
+        ap.add_argument("--cuda", default=None, help="with --torch when its version has no +cuXYZ label, e.g. 13.0")
+        a = ap.parse_args(argv)
+        tv, tc = a.torch, a.cuda
+        if tv and tc is None:
+            loc = Version(tv).local or ""
+            if loc.startswith("cu"):
+                tc = f"{int(loc[2:-1])}.{int(loc[-1])}"
+        url = which(a.index, tv, tc)
+        print(f"pip install {DEFAULT_PROJECT} --index-url {url}")
+        return 0
+    ap.description = "Crawl an index (URL or directory): every link, sha256 and .metadata."
+    ap.add_argument("location")
+    a = ap.parse_args(argv)
+    try:
+        check_index(a.location)
+    except IndexError_ as e:
+        print(f"index check: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
