@@ -91,6 +91,8 @@ class CudaBuildExt(build_ext):
         cuda_home = Path(cfg["cuda_home"])
         torch_dir = Path(torch.__file__).parent
         includes = [
+            # Patched copies of third-party headers (torch, CUTLASS) shadow the originals.
+            *([Path(cfg["include_overlay"])] if cfg.get("include_overlay") else []),
             HERE / "csrc",
             torch_dir / "include",
             cuda_home / "include",

@@ -1,0 +1,223 @@
+"""The build stage: stage a copy of the payload, apply patches, write the build config,
+and compile it with the target's torch and CUDA into ``dist/raw/<target>/``.
+
+The checkout is never modified: everything happens in ``build/stage/<compile key>/``, a path
+that depends only on what is compiled (CUDA, archs, torch, flags), so the compiler cache
+(sccache) hits across rebuilds and across targets that compile the same thing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.version import Version
+
+from ci import patches as patchmod
+from ci.flags import PAYLOAD, compiler_for, profile_for
+from ci.targets import Matrix, Target
+from ci.toolchain import (
+    CudaToolkit,
+    ToolchainError,
+    TorchEnv,
+    cache_root,
+    compiler_launcher,
+    cutlass_include,
+    find_cuda,
+    find_python,
+    host_compiler_version,
+    torch_env,
+)
+
+REPO = PAYLOAD.parent
+PYTORCH_INDEX = os.environ.get("SAGEATTN3_PYTORCH_INDEX", "https://download.pytorch.org/whl")
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def host_os_key() -> str:
+    import platform
+
+    machine = platform.machine().lower()
+    if sys.platform.startswith("linux"):
+        return f"linux-{'aarch64' if machine in ('aarch64', 'arm64') else machine}"
+    if sys.platform == "win32":
+        return "windows-amd64"
+    return f"{sys.platform}-{machine}"
+
+
+def source_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "sageattn3", "patches"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def local_blockers(target: Target) -> list[str]:
+    """Why this target cannot be built on this machine (empty: it can)."""
+    reasons = []
+    if target.os.key != host_os_key():
+        reasons.append(f"needs a {target.os.key} machine (this is {host_os_key()}); the release pipeline builds it")
+    if target.cuda != target.build_torch_pypi_cuda and not os.environ.get("SAGEATTN3_PYTORCH_INDEX"):
+        reasons.append(
+            f"torch {target.build_torch}+{target.variant.cuda_tag} comes from PyTorch's own index "
+            f"({PYTORCH_INDEX}), not PyPI; set SAGEATTN3_PYTORCH_INDEX where that index is reachable"
+        )
+    if Version(target.cuda).major < 13:
+        try:
+            find_cuda(target.cuda, provision=False)
+        except ToolchainError:
+            reasons.append(f"needs a CUDA {target.cuda} toolkit (NVIDIA's installer; not on PyPI): set CUDA_HOME")
+    return reasons
+
+
+def build_python(target: Target) -> str:
+    """The interpreter that compiles: the running one when it qualifies (abi3 wheels are
+    the same for every Python from target.python on), else the target's own."""
+    here = "%d.%d" % sys.version_info[:2]
+    if Version(here) >= Version(target.python):
+        return here
+    find_python(target.python)
+    return target.python
+
+
+def torch_spec(target: Target) -> tuple[str, tuple[str, ...]]:
+    """The pip requirement for the build torch, plus extra pip args for non-PyPI variants."""
+    if target.cuda == target.build_torch_pypi_cuda:
+        return f"torch=={target.build_torch}", ()
+    return f"torch=={target.build_torch}+{target.variant.cuda_tag}", ("--extra-index-url", f"{PYTORCH_INDEX}/{target.variant.cuda_tag}")
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    target: Target
+    wheel: Path
+    config: dict
+    cuda: CudaToolkit
+    env: TorchEnv
+
+
+def compile_key(target: Target, profile: dict, patch_names: list[str]) -> str:
+    blob = json.dumps([target.cuda, list(target.archs), target.build_torch, profile, patch_names], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def stage(target: Target, matrix: Matrix, *, force_patches: tuple[str, ...] = (), build_root: Path | None = None,
+          mma_model: bool = False) -> tuple[Path, dict, list[patchmod.Patch]]:
+    """Copy the payload into its staging dir and apply the target's patches. Returns the
+    staging dir, the flag profile and the applied patches. Raises before compiling on drift."""
+    profile = profile_for(target, matrix.stable_abi_floor, matrix.limited_api_python)
+    if mma_model:
+        profile = dict(profile, defines=[*profile["defines"], "SAGEATTN3_MMA_MODEL=1"])
+    chosen = patchmod.select(
+        patchmod.load_manifest(), os_key=target.os.key, compiler=compiler_for(target),
+        cuda=target.cuda, torch_version=target.build_torch, force=force_patches,
+    )
+    root = (build_root or REPO / "build") / "stage" / compile_key(target, profile, [p.name for p in chosen])
+    if root.exists():
+        shutil.rmtree(root)
+    shutil.copytree(
+        PAYLOAD, root,
+        ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "*.so", "_build_record.json"),
+    )
+    return root, profile, chosen
+
+
+def build(target: Target, matrix: Matrix, raw_dir: Path, *, force_patches: tuple[str, ...] = (),
+          jobs: int | None = None, log=print) -> BuildResult:
+    """Build one target's wheel into ``raw_dir`` (emptied first)."""
+    staging, profile, chosen = stage(target, matrix, force_patches=force_patches)
+    cuda = find_cuda(target.cuda)
+    spec, extra = torch_spec(target)
+    env = torch_env(build_python(target), spec) if not extra else _torch_env_with_index(target, spec, extra)
+    if env.torch_cuda != target.cuda:
+        raise ToolchainError(
+            f"{target.id}: the build torch is {env.torch_version} (CUDA {env.torch_cuda}); the target "
+            f"needs torch {target.build_torch} built for CUDA {target.cuda}"
+        )
+    overlay = staging / "build" / "include-overlay"
+    torch_include = env.site_packages / "torch" / "include"
+    cutlass = cutlass_include()
+    roots = {"src": staging, "torch": torch_include, "cutlass": cutlass}
+    for p in chosen:
+        patchmod.apply(p, roots, overlay)
+
+    launcher = compiler_launcher()
+    config = {
+        "profile": profile,
+        "cuda_home": str(cuda.home),
+        "cutlass_include": str(cutlass),
+        "include_overlay": str(overlay) if overlay.exists() else None,
+        "local_label": target.variant.label,
+        "requires_torch": target.requires_torch,
+        "limited_api": target.python_tag,
+        "launcher": launcher,
+        "jobs": jobs or os.cpu_count() or 2,
+        "record": {
+            "target": target.id,
+            "variant": target.variant.label,
+            "requires_python": f">={target.python}",
+            "torch_build": env.torch_version,
+            "cuda": target.cuda,
+            "archs": list(target.archs),
+            "os": target.os.key,
+            "toolchain": {
+                "nvcc": cuda.version,
+                "cuda_source": cuda.source,
+                "host_compiler": host_compiler_version(),
+                "python": env.python_version,
+                "torch": env.torch_version,
+                "cutlass": "4.2.0.0",
+                "compiler_cache": "sccache" if launcher else "none",
+            },
+            "flags": profile,
+            "patches": [p.name for p in chosen],
+            "source_commit": source_commit(),
+            "extra": {"torch_lines": list(target.torch_lines), "mma_model": "SAGEATTN3_MMA_MODEL=1" in profile["defines"]},
+        },
+    }
+    cfg_path = staging / "build" / "sageattn3-build-config.json"
+    cfg_path.parent.mkdir(parents=True, exist_ok=True)
+    cfg_path.write_text(json.dumps(config, indent=2, sort_keys=True))
+
+    if raw_dir.exists():
+        shutil.rmtree(raw_dir)
+    raw_dir.mkdir(parents=True)
+    run_env = {
+        **os.environ,
+        **profile["env"],
+        "SAGEATTN3_BUILD_CONFIG": str(cfg_path),
+        "CUDA_HOME": str(cuda.home),
+        "SCCACHE_DIR": os.environ.get("SCCACHE_DIR", str(cache_root() / "sccache")),
+        "PATH": f"{cuda.home / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PIP_NO_INPUT": "1",
+    }
+    cmd = [str(env.python), "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", str(raw_dir), str(staging)]
+    log(f"[build] {target.id}: {' '.join(cmd)}")
+    proc = subprocess.run(cmd, env=run_env, capture_output=True, text=True)
+    (raw_dir.parent / f"{target.id}.build.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        shutil.rmtree(raw_dir, ignore_errors=True)
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        raise BuildError(f"{target.id}: compiling failed (pip wheel exited {proc.returncode}); last lines:\n{tail}")
+    wheels = list(raw_dir.glob("*.whl"))
+    if len(wheels) != 1:
+        raise BuildError(f"{target.id}: expected one wheel in {raw_dir}, found {[w.name for w in wheels]}")
+    return BuildResult(target, wheels[0], config, cuda, env)
+
+
+def _torch_env_with_index(target: Target, spec: str, extra: tuple[str, ...]) -> TorchEnv:
+    from ci.toolchain import BUILD_ENV_PACKAGES
+
+    return torch_env(build_python(target), spec, extra=(*extra, *BUILD_ENV_PACKAGES))

@@ -1,0 +1,106 @@
+"""Command line of the factory (``python -m ci <command>``); nox sessions call these."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from ci.build import REPO, host_os_key, local_blockers
+from ci.targets import Matrix, MatrixError, Target
+from ci.toolchain import ToolchainError
+
+
+def torch_pip_would_install(python: str = sys.executable) -> str:
+    """The torch release `pip install torch` resolves to here (honours pip's config/caps)."""
+    proc = subprocess.run(
+        [python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "--quiet",
+         "--report", "-", "torch"],
+        capture_output=True, text=True,
+    )
+    if proc.returncode != 0:
+        raise ToolchainError(f"could not ask pip which torch it would install:\n{proc.stderr[-2000:]}")
+    report = json.loads(proc.stdout)
+    return report["install"][0]["metadata"]["version"]
+
+
+def default_target(matrix: Matrix, torch_version: str | None = None) -> Target:
+    """This machine's target: the running Python, the torch pip would give it, that torch's
+    PyPI CUDA variant."""
+    version = torch_version or torch_pip_would_install()
+    line = matrix.line(".".join(version.split("+")[0].split(".")[:2]))
+    py = "%d.%d" % sys.version_info[:2]
+    return matrix.target_for_torch(host_os_key(), py, version, line.pypi_default)
+
+
+def cmd_build_wheels(args: argparse.Namespace) -> int:
+    from ci.pipeline import build_wheels
+
+    matrix = Matrix.load()
+    if args.list_targets:
+        for t in matrix.targets:
+            blockers = local_blockers(t)
+            mark = "local" if not blockers else "     "
+            print(f"{mark}  {t.describe()}")
+        return 0
+    if args.target:
+        targets = [matrix.target(i) for i in args.target]
+    elif args.all_local:
+        targets = []
+        for t in matrix.targets:
+            blockers = local_blockers(t)
+            if blockers:
+                print(f"skip {t.id}: {'; '.join(blockers)}")
+            else:
+                targets.append(t)
+        if not targets:
+            print("no target of the matrix can be built on this machine", file=sys.stderr)
+            return 2
+    else:
+        targets = [default_target(matrix, args.torch)]
+    pythons = args.verify_python or ["%d.%d" % sys.version_info[:2]]
+    runs = build_wheels(targets, matrix, Path(args.dist), verify_pythons=pythons, skip_verify=args.no_verify,
+                        force_patches=tuple(args.force_patch or ()))
+    return 1 if any(r.error for r in runs) else 0
+
+
+def cmd_matrix(args: argparse.Namespace) -> int:
+    print(json.dumps(Matrix.load().gha_matrix(), indent=None if args.compact else 2))
+    return 0
+
+
+def cmd_coverage(args: argparse.Namespace) -> int:
+    print(Matrix.load().coverage_table())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ci", description="sageattn3 wheel factory")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build-wheels", help="build, repair, tag, verify and index wheels")
+    b.add_argument("--list-targets", action="store_true", help="list target ids ('local': buildable here)")
+    b.add_argument("--target", action="append", metavar="ID", help="build this target (repeatable)")
+    b.add_argument("--all-local", action="store_true", help="build every target buildable on this machine")
+    b.add_argument("--torch", help="default target for this torch version instead of the one pip would install")
+    b.add_argument("--verify-python", action="append", metavar="X.Y", help="verify in these Pythons (repeatable)")
+    b.add_argument("--no-verify", action="store_true", help="skip the verify stage (never for releases)")
+    b.add_argument("--force-patch", action="append", metavar="NAME", help="apply this patch whatever its predicate")
+    b.add_argument("--dist", default=str(REPO / "dist"), help="output root (default: dist/)")
+    b.set_defaults(fn=cmd_build_wheels)
+    m = sub.add_parser("matrix", help="print the GitHub Actions matrix JSON")
+    m.add_argument("--compact", action="store_true")
+    m.set_defaults(fn=cmd_matrix)
+    c = sub.add_parser("coverage", help="print the coverage table (markdown)")
+    c.set_defaults(fn=cmd_coverage)
+    args = p.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (MatrixError, ToolchainError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""build-wheels: plan -> toolchain + patches + flags -> build -> repair -> tag -> verify -> index.
+
+Each stage leaves its artifact on disk (``dist/raw``, ``dist/repaired``, ``dist/wheels``,
+``dist/index``). A wheel reaches ``dist/wheels`` only once it is repaired, tagged and
+verified; a failing target leaves nothing there.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.metadata import Metadata
+from packaging.requirements import Requirement
+from packaging.utils import parse_wheel_filename
+
+from ci import build as buildmod
+from ci import index as indexmod
+from ci import repair as repairmod
+from ci import verify as verifymod
+from ci.record import BuildRecord, load_records, read_record_in_wheel, record_path, wheel_metadata
+from ci.targets import Matrix, Target
+
+
+class TagError(RuntimeError):
+    pass
+
+
+@dataclass
+class TargetRun:
+    target: Target
+    timings: dict[str, float] = field(default_factory=dict)
+    wheel: Path | None = None
+    error: str | None = None
+    verify: verifymod.VerifyReport | None = None
+
+    @contextmanager
+    def stage(self, name: str):
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.timings[name] = time.monotonic() - t0
+
+
+def tag(repaired: Path, target: Target, out_dir: Path) -> BuildRecord:
+    """Check the wheel says what the target says (variant label, torch requirement, abi3),
+    then write the beside-record with the final name and sha256."""
+    name, version, _, tags = parse_wheel_filename(repaired.name)
+    if version.local != target.variant.label:
+        raise TagError(f"{repaired.name}: local label {version.local!r}, expected {target.variant.label!r}")
+    if not all(t.abi == "abi3" and t.interpreter == target.python_tag for t in tags):
+        raise TagError(f"{repaired.name}: tags {sorted(map(str, tags))}, expected {target.python_tag}-abi3")
+    meta = Metadata.from_email(wheel_metadata(repaired), validate=False)
+    torch_reqs = [r for r in (meta.requires_dist or []) if r.name == "torch"]
+    if [str(r.specifier) for r in torch_reqs] != [str(Requirement(target.requires_torch).specifier)]:
+        raise TagError(f"{repaired.name}: Requires-Dist torch {torch_reqs}, expected {target.requires_torch}")
+    inside = read_record_in_wheel(repaired)
+    if inside.get("target") != target.id:
+        raise TagError(f"{repaired.name}: its build record names {inside.get('target')!r}, not {target.id}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    final = out_dir / repaired.name
+    shutil.copy2(repaired, final)
+    rec = BuildRecord.from_dict(inside).with_wheel(final)
+    record_path(final).write_text(rec.to_json())
+    return rec
+
+
+def run_target(target: Target, matrix: Matrix, dist: Path, *, verify_pythons: list[str], skip_verify: bool = False,
+               force_patches: tuple[str, ...] = (), log=print) -> TargetRun:
+    run = TargetRun(target)
+    tagged_dir = dist / "tagged" / target.id
+    try:
+        with run.stage("plan"):
+            blockers = buildmod.local_blockers(target)
+            if blockers:
+                raise buildmod.BuildError(f"{target.id} cannot be built here: " + "; ".join(blockers))
+        with run.stage("build"):
+            result = buildmod.build(target, matrix, dist / "raw" / target.id, force_patches=force_patches, log=log)
+        with run.stage("repair"):
+            repaired = repairmod.repair(result.wheel, dist / "repaired" / target.id, target.os.platform, log=log)
+        with run.stage("tag"):
+            if tagged_dir.exists():
+                shutil.rmtree(tagged_dir)
+            rec = tag(repaired, target, tagged_dir)
+        with run.stage("verify"):
+            if not skip_verify:
+                # Verify against an index of this wheel alone, before it joins dist/.
+                vindex = dist / "tagged" / f"{target.id}.index"
+                shutil.rmtree(vindex, ignore_errors=True)
+                indexmod.write_index([rec], tagged_dir, vindex)
+                run.verify = verifymod.verify(rec, vindex, verify_pythons, log=log)
+                shutil.rmtree(vindex, ignore_errors=True)
+        with run.stage("index"):
+            wheels = dist / "wheels"
+            wheels.mkdir(parents=True, exist_ok=True)
+            final = wheels / rec.wheel
+            for old in wheels.glob(f"sageattn3-*+{target.variant.label}-*.whl"):
+                if old.name != rec.wheel:
+                    old.unlink()
+                    record_path(old).unlink(missing_ok=True)
+            shutil.copy2(tagged_dir / rec.wheel, final)
+            shutil.copy2(record_path(tagged_dir / rec.wheel), record_path(final))
+            _rebuild_index(dist)
+        run.wheel = final
+    except Exception as e:  # reported per target; nothing of it reached dist/wheels
+        run.error = f"{type(e).__name__}: {e}"
+    finally:
+        shutil.rmtree(tagged_dir, ignore_errors=True)
+    return run
+
+
+def _rebuild_index(dist: Path) -> None:
+    out = dist / "index"
+    shutil.rmtree(out, ignore_errors=True)
+    indexmod.write_index(load_records(dist / "wheels"), dist / "wheels", out)
+
+
+def summary_table(runs: list[TargetRun]) -> str:
+    stages = ["plan", "build", "repair", "tag", "verify", "index"]
+    head = ["target", "wheel", "size", *stages, "result"]
+    rows = []
+    for r in runs:
+        size = f"{r.wheel.stat().st_size / 1e6:.2f} MB" if r.wheel else "-"
+        rows.append([r.target.id, r.wheel.name if r.wheel else "-", size,
+                     *[f"{r.timings[s]:.1f}s" if s in r.timings else "-" for s in stages],
+                     "ok" if not r.error else "FAILED"])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    fmt = lambda row: "  ".join(str(x).ljust(w) for x, w in zip(row, widths))  # noqa: E731
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, rows)])
+
+
+def install_hint(dist: Path, runs: list[TargetRun]) -> list[str]:
+    lines = []
+    for r in runs:
+        if not r.wheel:
+            continue
+        rec = BuildRecord.load(record_path(r.wheel))
+        line = r.target.torch_lines[-1]
+        page = (dist / "index").resolve() / indexmod.index_url("", rec.cuda, line).lstrip("/")
+        lines.append(f"pip install sageattn3 --index-url {page.as_uri()}/")
+    return lines
+
+
+def build_wheels(targets: list[Target], matrix: Matrix, dist: Path, *, verify_pythons: list[str],
+                 skip_verify: bool = False, force_patches: tuple[str, ...] = (), log=print) -> list[TargetRun]:
+    runs = []
+    for t in targets:
+        log(f"== {t.describe()}")
+        run = run_target(t, matrix, dist, verify_pythons=verify_pythons, skip_verify=skip_verify,
+                         force_patches=force_patches, log=log)
+        if run.error:
+            log(f"!! {t.id}: {run.error}")
+        runs.append(run)
+    log("\n" + summary_table(runs))
+    for r in runs:
+        if r.verify:
+            log(f"verified {r.verify.wheel} on Python {', '.join(r.verify.pythons)}; ABI guard: {r.verify.abi_guard}")
+    hints = install_hint(dist, runs)
+    if hints:
+        log("\nInstall with (torch already installed; pip will not touch it):")
+        for h in hints:
+            log("    " + h)
+    sys.stdout.flush()
+    return runs

