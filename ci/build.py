@@ -117,7 +117,7 @@ def stage(target: Target, matrix: Matrix, *, force_patches: tuple[str, ...] = ()
           mma_model: bool = False) -> tuple[Path, dict, list[patchmod.Patch]]:
     """Copy the payload into its staging dir and apply the target's patches. Returns the
     staging dir, the flag profile and the applied patches. Raises before compiling on drift."""
-    profile = profile_for(target, matrix.stable_abi_floor, matrix.limited_api_python)
+    profile = profile_for(target, matrix.stable_abi_floor)
     if mma_model:
         profile = dict(profile, defines=[*profile["defines"], "SAGEATTN3_MMA_MODEL=1"])
     chosen = patchmod.select(

@@ -26,13 +26,13 @@ def compiler_for(target: Target) -> str:
     return "msvc" if target.os.platform == "windows" else "gcc"
 
 
-def profile_for(target: Target, stable_abi_floor: str, limited_api_python: str = "3.10") -> dict:
+def profile_for(target: Target, stable_abi_floor: str) -> dict:
     return _build_profile().profile(
         platform=target.os.platform,
         cuda=target.cuda,
         archs=list(target.archs),
         torch_version=target.build_torch,
         stable_abi_floor=stable_abi_floor if target.variant.stable else None,
-        limited_api_python=limited_api_python if target.abi3 else target.python,
+        limited_api_python=target.python,  # the wheel is <python_tag>-abi3
         compiler=compiler_for(target),
     )

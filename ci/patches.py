@@ -82,7 +82,8 @@ class Patch:
         return f"{self.name}: {self.reason} (touches {', '.join(f.ref for f in self.files)})"
 
 
-def load_manifest(path: Path = MANIFEST) -> list[Patch]:
+def load_manifest(path: Path | None = None) -> list[Patch]:
+    path = Path(path or os.environ.get("SAGEATTN3_PATCH_MANIFEST") or MANIFEST)
     if not path.exists():
         return []
     data = tomllib.loads(path.read_text())

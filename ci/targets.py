@@ -7,6 +7,7 @@ entry and saying what to change.
 
 from __future__ import annotations
 
+import os
 import tomllib
 from dataclasses import dataclass
 from functools import cached_property
@@ -115,7 +116,8 @@ class Matrix:
     torch: tuple[TorchLine, ...]
 
     @classmethod
-    def load(cls, path: Path = TARGETS_FILE) -> "Matrix":
+    def load(cls, path: Path | None = None) -> "Matrix":
+        path = Path(path or os.environ.get("SAGEATTN3_TARGETS_FILE") or TARGETS_FILE)
         try:
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:

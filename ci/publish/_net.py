@@ -1,0 +1,182 @@
+"""What every publisher shares: the token from the environment, redaction of secrets from
+everything printed or raised, retries with backoff that honour ``Retry-After``, and a write
+throttle (GitHub asks for at least a second between mutating requests)."""
+
+from __future__ import annotations
+
+import email.utils
+import http.client
+import logging
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+TOKEN_VARS = ("GITHUB_TOKEN", "GH_TOKEN")
+
+
+class PublishError(RuntimeError):
+    """Publishing cannot go on; the message says why and what to do (never a secret)."""
+
+
+class Redactor:
+    """Replaces every known secret by ``***`` in text; also a logging filter."""
+
+    def __init__(self, secrets: list[str] | None = None) -> None:
+        self.secrets = [s for s in (secrets or []) if s and len(s) >= 4]
+
+    @classmethod
+    def from_env(cls) -> "Redactor":
+        names = [*TOKEN_VARS, "TWINE_PASSWORD", "TWINE_USERNAME"]
+        return cls([os.environ.get(n, "") for n in names if n != "TWINE_USERNAME" or os.environ.get(n) != "__token__"])
+
+    def __call__(self, text: object) -> str:
+        s = str(text)
+        for secret in self.secrets:
+            s = s.replace(secret, "***")
+        return s
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg = self(record.getMessage())
+        record.args = ()
+        return True
+
+    def install(self) -> None:
+        """Redact in every log record of this process (PyGithub, urllib3, twine…)."""
+        root = logging.getLogger()
+        root.addFilter(self)
+        for h in root.handlers:
+            h.addFilter(self)
+
+
+def token_from_env(required: bool = True) -> str | None:
+    for name in TOKEN_VARS:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return value
+    if required:
+        raise PublishError(f"no GitHub token: set {' or '.join(TOKEN_VARS)} in the environment "
+                           "(a token with contents: write on the repository)")
+    return None
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 6
+    backoff: float = 1.0  # first wait; doubles each attempt, with jitter
+    max_backoff: float = 60.0
+    max_wait: float = 600.0  # the longest Retry-After / rate-limit reset we accept to sleep
+
+    def delay(self, attempt: int) -> float:
+        d = min(self.backoff * (2 ** attempt), self.max_backoff)
+        return d * (0.5 + random.random() / 2)
+
+
+class Transient(Exception):
+    """A failure worth retrying; ``wait`` is what the server asked for, if anything."""
+
+    def __init__(self, what: str, wait: float | None = None) -> None:
+        super().__init__(what)
+        self.wait = wait
+
+
+def _header(headers: dict | None, name: str) -> str | None:
+    for k, v in (headers or {}).items():
+        if k.lower() == name.lower():
+            return str(v)
+    return None
+
+
+def retry_after_seconds(headers: dict | None) -> float | None:
+    v = _header(headers, "Retry-After")
+    if v is None:
+        return None
+    try:
+        return max(float(v), 0.0)
+    except ValueError:
+        when = email.utils.parsedate_to_datetime(v)
+        return max(when.timestamp() - time.time(), 0.0)
+
+
+def classify(exc: BaseException) -> Transient | None:
+    """A Transient for errors worth retrying (5xx, 403/429 rate limits, dropped or timed-out
+    connections), None for the rest."""
+    from github import GithubException
+
+    if isinstance(exc, Transient):
+        return exc
+    if isinstance(exc, GithubException):
+        status, headers = exc.status, exc.headers or {}
+        wait = retry_after_seconds(headers)
+        if status in (403, 429):
+            remaining = _header(headers, "X-RateLimit-Remaining")
+            message = str(getattr(exc, "data", "") or "").lower()
+            if wait is None and remaining == "0":
+                reset = _header(headers, "X-RateLimit-Reset")
+                wait = max(float(reset) - time.time(), 0.0) + 1 if reset else None
+            if wait is not None or "rate limit" in message or status == 429:
+                return Transient(f"HTTP {status} rate limited", wait)
+            return None
+        if status >= 500:
+            return Transient(f"HTTP {status}", wait)
+        return None
+    try:
+        import requests
+
+        if isinstance(exc, (requests.ConnectionError, requests.Timeout)):
+            return Transient(f"connection: {type(exc).__name__}")
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(exc, (ConnectionError, TimeoutError, http.client.HTTPException)):
+        return Transient(f"connection: {type(exc).__name__}")
+    return None
+
+
+def retrying(fn: Callable[[], T], what: str, policy: RetryPolicy, *, log: Callable[[str], None] = print,
+             before_retry: Callable[[], T | None] | None = None, sleep: Callable[[float], None] = time.sleep) -> T:
+    """Call ``fn`` until it succeeds, retrying transient failures with exponential backoff
+    (or the server's ``Retry-After``). ``before_retry`` runs before each retry and may return a
+    result that ends the loop (the write landed although its answer was lost)."""
+    for attempt in range(policy.attempts):
+        try:
+            return fn()
+        except BaseException as e:  # noqa: BLE001 - classified below
+            t = classify(e)
+            if t is None:
+                raise
+            if attempt == policy.attempts - 1:
+                raise PublishError(f"{what}: still failing after {policy.attempts} attempts ({t})") from None
+            wait = t.wait if t.wait is not None else policy.delay(attempt)
+            if wait > policy.max_wait:
+                raise PublishError(f"{what}: the server asks to wait {wait:.0f}s (more than {policy.max_wait:.0f}s); "
+                                   "re-run later: the publish resumes where it stopped") from None
+            log(f"  retry {attempt + 1}/{policy.attempts - 1} of {what} in {wait:.1f}s ({t})")
+            sleep(wait)
+            if before_retry is not None:
+                done = before_retry()
+                if done is not None:
+                    return done
+    raise AssertionError("unreachable")
+
+
+class Throttle:
+    """At least ``interval`` seconds between the starts of mutating requests, across threads."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._next = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        if self.interval <= 0:
+            return
+        with self._lock:
+            now = time.monotonic()
+            wait = self._next - now
+            self._next = max(now, self._next) + self.interval
+        if wait > 0:
+            time.sleep(wait)

@@ -1,0 +1,53 @@
+"""Flag profiles: the same code for Linux and Windows, per torch and CUDA."""
+
+import pytest
+
+from ci.flags import profile_for
+from ci.targets import Matrix
+
+
+@pytest.fixture(scope="module")
+def m():
+    return Matrix.load()
+
+
+def test_linux_stable_profile(m):
+    p = profile_for(m.target("linux-x86_64-cu130-torch2.10-stable"), m.stable_abi_floor)
+    nv = p["nvcc_flags"]
+    assert "-O3" in nv and "-lineinfo" in nv and "--compress-mode=size" in nv and "-std=c++20" in nv
+    assert "-gencode=arch=compute_120a,code=sm_120a" in nv and "-gencode=arch=compute_121a,code=sm_121a" in nv
+    assert "--use_fast_math" not in " ".join(nv)  # the quantizer is bit-exact
+    assert "NDEBUG" in p["defines"] and "TORCH_TARGET_VERSION=0x020A000000000000" in p["defines"]
+    assert "Py_LIMITED_API=0x030A0000" in p["defines"]
+    assert p["cxx_flags"][-1] == "-std=c++20" and "-fPIC" in p["cxx_flags"]
+    assert p["link_libs"] == ["c10", "torch_cpu", "torch_cuda", "cudart"]
+
+
+def test_older_torch_builds_as_cxx17_without_stable_define(m):
+    p = profile_for(m.target("linux-x86_64-cu128-torch2.8"), m.stable_abi_floor)
+    assert "-std=c++17" in p["nvcc_flags"]
+    assert not any(d.startswith("TORCH_TARGET_VERSION") for d in p["defines"])
+    assert "-gencode=arch=compute_121a,code=sm_121a" not in p["nvcc_flags"]
+    assert "Py_LIMITED_API=0x03090000" in p["defines"]
+
+
+def test_windows_profile_from_the_same_code(m):
+    p = profile_for(m.target("windows-amd64-cu130-torch2.10-stable"), m.stable_abi_floor)
+    assert p["compiler"] == "msvc"
+    for f in ("/Zc:__cplusplus", "/Zc:preprocessor", "/bigobj", "/permissive-", "/std:c++20"):
+        assert f in p["cxx_flags"] and f"-Xcompiler={f}" in p["nvcc_flags"]
+    assert {"NOMINMAX", "USE_CUDA"} <= set(p["defines"])
+    assert p["env"] == {"DISTUTILS_USE_SDK": "1"}
+    assert "-fPIC" not in " ".join(p["nvcc_flags"])
+
+
+def test_bad_arch_and_platform_are_refused():
+    from ci.flags import _build_profile
+
+    bp = _build_profile()
+    with pytest.raises(ValueError, match="not a GPU arch"):
+        bp.gencode("ampere")
+    with pytest.raises(ValueError, match="unknown platform"):
+        bp.profile(platform="macos", cuda="13.0", archs=["sm_120a"], torch_version="2.14", stable_abi_floor=None)
+    with pytest.raises(ValueError, match="cannot compile the sm_120 family"):
+        bp.default_archs("12.6")

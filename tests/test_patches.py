@@ -1,0 +1,106 @@
+"""The patch stage: predicates, pins, apply/idempotence/reverse, drift stops the build."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ci import patches as P
+from ci.build import stage
+from ci.record import sha256_of
+from ci.targets import Matrix
+
+REPO = Path(__file__).resolve().parent.parent
+TARGET_FILE = "csrc/sageattn3.h"
+
+
+def make_test_patch(tmp: Path, *, sha: str | None = None, when: str = "{}") -> Path:
+    """A real patch against the payload's current header: inserts one line after line 1."""
+    src = REPO / "sageattn3" / TARGET_FILE
+    lines = src.read_text().splitlines(keepends=True)
+    a, b = tmp / "a", tmp / "b"
+    for root in (a, b):
+        (root / "csrc").mkdir(parents=True, exist_ok=True)
+    (a / TARGET_FILE).write_text("".join(lines))
+    (b / TARGET_FILE).write_text("".join(lines[:1] + ["// patched-by-test\n"] + lines[1:]))
+    diff = subprocess.run(["git", "diff", "--no-index", "--no-prefix", "a/" + TARGET_FILE, "b/" + TARGET_FILE],
+                          cwd=tmp, capture_output=True, text=True).stdout
+    diff = diff.replace("--- a/a/", "--- a/").replace("+++ b/b/", "+++ b/").replace("a/a/", "a/").replace("b/b/", "b/")
+    diff = diff.replace(f"--- a/{TARGET_FILE}", f"--- a/{TARGET_FILE}").replace(f"+++ b/{TARGET_FILE}", f"+++ b/{TARGET_FILE}")
+    (tmp / "test.patch").write_text(diff)
+    manifest = tmp / "manifest.toml"
+    manifest.write_text(
+        f'[[patch]]\nname = "test-comment"\nfile = "test.patch"\nreason = "exercise the patch stage"\n'
+        f'files = [{{ path = "src:{TARGET_FILE}", sha256 = "{sha or sha256_of(src)}" }}]\nwhen = {when}\n'
+    )
+    return manifest
+
+
+def test_predicates_select_by_os_compiler_cuda_torch(tmp_path):
+    m = make_test_patch(tmp_path, when='{ os = ["windows-amd64"], compiler = ["msvc"], cuda = ">=12.8", torch = ">=2.7,<2.14" }')
+    patches = P.load_manifest(m)
+    sel = lambda **kw: [p.name for p in P.select(patches, **kw)]  # noqa: E731
+    assert sel(os_key="windows-amd64", compiler="msvc", cuda="13.0", torch_version="2.13.0") == ["test-comment"]
+    assert sel(os_key="linux-x86_64", compiler="gcc", cuda="13.0", torch_version="2.13.0") == []
+    assert sel(os_key="windows-amd64", compiler="msvc", cuda="13.0", torch_version="2.14.1+cu130") == []
+    assert sel(os_key="linux-x86_64", compiler="gcc", cuda="13.0", torch_version="2.14.1", force=("test-comment",)) == ["test-comment"]
+    with pytest.raises(P.PatchError, match="no such patch"):
+        P.select(patches, os_key="x", compiler="gcc", cuda="13.0", torch_version="2.14.1", force=("nope",))
+
+
+def test_apply_is_idempotent_and_reversible(tmp_path):
+    m = make_test_patch(tmp_path / "p")
+    (patch,) = P.load_manifest(m)
+    work = tmp_path / "src"
+    shutil.copytree(REPO / "sageattn3" / "csrc", work / "csrc")
+    assert P.state(patch.file, work) == "applies"
+    P.apply(patch, {"src": work}, tmp_path / "overlay")
+    assert "// patched-by-test" in (work / TARGET_FILE).read_text()
+    assert P.state(patch.file, work) == "applied"
+    # applying again is a no-op, not a double edit... except that the pin no longer matches
+    # the now-patched file, which is exactly the drift check:
+    with pytest.raises(P.PatchDrift):
+        P.apply(patch, {"src": work}, tmp_path / "overlay")
+    assert P._git_apply(patch.file, work, "--reverse").returncode == 0
+    assert (work / TARGET_FILE).read_text() == (REPO / "sageattn3" / TARGET_FILE).read_text()
+
+
+def test_staging_gets_the_patch_and_the_checkout_does_not(tmp_path, monkeypatch):
+    m = make_test_patch(tmp_path / "p")
+    monkeypatch.setenv("SAGEATTN3_PATCH_MANIFEST", str(m))
+    matrix = Matrix.load()
+    t = matrix.target("linux-x86_64-cu130-torch2.10-stable")
+    staging, profile, chosen = stage(t, matrix, force_patches=("test-comment",), build_root=tmp_path / "b")
+    assert [p.name for p in chosen] == ["test-comment"]
+    (patch,) = chosen
+    P.apply(patch, {"src": staging}, staging / "build" / "include-overlay")
+    assert "// patched-by-test" in (staging / TARGET_FILE).read_text()
+    assert "// patched-by-test" not in (REPO / "sageattn3" / TARGET_FILE).read_text()
+
+
+def test_drift_message_names_patch_file_and_hashes(tmp_path):
+    m = make_test_patch(tmp_path / "p", sha="0" * 64)
+    (patch,) = P.load_manifest(m)
+    work = tmp_path / "src"
+    shutil.copytree(REPO / "sageattn3" / "csrc", work / "csrc")
+    with pytest.raises(P.PatchDrift) as e:
+        P.apply(patch, {"src": work}, tmp_path / "overlay")
+    msg = str(e.value)
+    assert "test-comment" in msg and f"src:{TARGET_FILE}" in msg and "0" * 64 in msg
+    assert sha256_of(work / TARGET_FILE) in msg and "Refresh the patch" in msg
+    assert "// patched-by-test" not in (work / TARGET_FILE).read_text()
+
+
+def test_manifest_errors_are_clear(tmp_path):
+    (tmp_path / "m.toml").write_text('[[patch]]\nname = "x"\nfile = "missing.patch"\nreason = "r"\nfiles = [{ path = "src:a", sha256 = "0" }]\n')
+    with pytest.raises(P.PatchError, match="patch file missing.patch not found"):
+        P.load_manifest(tmp_path / "m.toml")
+    (tmp_path / "n.toml").write_text('[[patch]]\nname = "x"\nfile = "m.toml"\nreason = "r"\nfiles = [{ path = "usr:a", sha256 = "0" }]\n')
+    with pytest.raises(P.PatchError, match="must be '<root>:<path>'"):
+        P.load_manifest(tmp_path / "n.toml")
+
+
+def test_shipped_manifest_loads():
+    assert isinstance(P.load_manifest(P.MANIFEST), list)

@@ -1,0 +1,118 @@
+"""The matrix: validity rules, derived targets, GitHub matrix, docs table, variant names."""
+
+import copy
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from ci.targets import TARGETS_FILE, Matrix, MatrixError
+from ci.variant import Variant
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def data():
+    return tomllib.loads(TARGETS_FILE.read_text())
+
+
+def bad(data, mutate):
+    d = copy.deepcopy(data)
+    mutate(d)
+    with pytest.raises(MatrixError) as e:
+        Matrix.from_data(d, source="targets.toml")
+    return str(e.value)
+
+
+def line(d, name):
+    return next(t for t in d["torch"] if t["line"] == name)
+
+
+def test_matrix_loads_and_ids_are_unique():
+    m = Matrix.load()
+    ids = [t.id for t in m.targets]
+    assert len(ids) == len(set(ids)) == 24
+    assert "linux-x86_64-cu130-torch2.10-stable" in ids
+    t = m.target("linux-x86_64-cu130-torch2.10-stable")
+    assert t.archs == ("sm_120a", "sm_121a")
+    assert t.torch_lines == ("2.10", "2.11", "2.12", "2.13", "2.14")
+    assert t.build_torch == "2.14.1" and t.abi3 and t.python_tag == "cp310"
+    assert m.target("linux-x86_64-cu128-torch2.8").archs == ("sm_120a",)
+
+
+def test_unpublished_combination_is_rejected_naming_the_entry(data):
+    msg = bad(data, lambda d: line(d, "2.8")["cuda"].append("13.0"))
+    assert "torch 2.8 + CUDA 13.0" in msg and "never published" in msg and "12.6, 12.8, 12.9" in msg
+
+
+def test_unknown_cuda_is_rejected(data):
+    def mutate(d):
+        line(d, "2.14")["published"].append("13.9")
+        line(d, "2.14")["cuda"].append("13.9")
+    assert "unknown CUDA toolkit" in bad(data, mutate)
+
+
+def test_cuda_below_12_8_cannot_compile_sm120(data):
+    msg = bad(data, lambda d: d["cuda"].update({"12.6": {"archs": ["sm_120a"]}}))
+    assert "CUDA 12.6 cannot compile the sm_120 family" in msg
+
+
+def test_arch_too_new_for_its_cuda(data):
+    msg = bad(data, lambda d: d["cuda"]["12.8"].update(archs=["sm_120a", "sm_121a"]))
+    assert "sm_121a needs CUDA >= 12.9" in msg
+
+
+def test_unknown_os_and_bad_python_and_build_version(data):
+    assert "unknown os 'macos-arm64'" in bad(data, lambda d: line(d, "2.9")["os"].append("macos-arm64"))
+    assert "python '3.x'" in bad(data, lambda d: line(d, "2.9")["python"].append("3.x"))
+    assert "not a 2.9.x release" in bad(data, lambda d: line(d, "2.9").update(build_version="2.10.0"))
+
+
+def test_gha_matrix_has_one_job_per_target():
+    m = Matrix.load()
+    jobs = m.gha_matrix()["include"]
+    assert [j["id"] for j in jobs] == [t.id for t in m.targets]
+    assert {j["runner"] for j in jobs} == {"ubuntu-24.04", "ubuntu-24.04-arm", "windows-2022"}
+
+
+def test_nox_matrix_session_prints_the_same_json():
+    out = subprocess.run([sys.executable, "-m", "ci", "matrix", "--compact"], cwd=REPO, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == Matrix.load().gha_matrix()
+
+
+def test_readme_coverage_table_is_generated_from_the_matrix():
+    readme = (REPO / "README.md").read_text()
+    table = re.search(r"<!-- coverage:start -->\n(.*?)\n<!-- coverage:end -->", readme, re.S).group(1)
+    assert table == Matrix.load().coverage_table()
+
+
+@pytest.mark.parametrize("label", ["cu130.torch2.10.stable", "cu128.torch2.8", "cu132.torch2.10.stable", "cu129.torch2.8"])
+def test_variant_round_trip(label):
+    v = Variant.parse(label)
+    assert v.label == label and Variant.of_version(f"0.1.0+{label}") == v
+
+
+def test_variant_rejects_garbage_and_serves():
+    with pytest.raises(ValueError, match="expected e.g."):
+        Variant.parse("cu130-torch2.10")
+    s = Variant("13.0", "2.10", True)
+    assert s.serves("2.14.1+cu130", "13.0") and s.serves("2.11.0", "13.2")
+    assert not s.serves("2.9.1", "13.0") and not s.serves("2.14.1", "12.8") and not s.serves("2.13.0+cpu", None)
+    p = Variant("12.8", "2.8", False)
+    assert p.requires_torch == "torch>=2.8,<2.9" and s.requires_torch == "torch>=2.10"
+    assert p.serves("2.8.0", "12.9") and not p.serves("2.9.0", "12.8")
+
+
+def test_target_for_torch_explains_rejections():
+    m = Matrix.load()
+    assert m.target_for_torch("linux-x86_64", "3.11", "2.14.1+cu130", "13.0").id == "linux-x86_64-cu130-torch2.10-stable"
+    assert m.target_for_torch("linux-x86_64", "3.12", "2.9.1", "13.0").id == "linux-x86_64-cu130-torch2.9"
+    with pytest.raises(MatrixError, match="needs Python >= 3.10"):
+        m.target_for_torch("linux-x86_64", "3.9", "2.9.1", "13.0")
+    with pytest.raises(MatrixError, match="no target serves torch 2.14.1"):
+        m.target_for_torch("linux-x86_64", "3.11", "2.14.1", "12.6")
