@@ -1,0 +1,499 @@
+"""Publishing wheels to a GitHub Release, idempotently and resumably, through PyGithub.
+
+What a release holds, for tag ``vX.Y.Z``: every wheel of ``dist/wheels``, each wheel's build
+record (``<wheel>.json``), and ``SHA256SUMS`` (``sha256sum -c`` format, one line per other
+asset of the release).
+
+The rules:
+
+- The release is found by listing releases (drafts are invisible to "get by tag"), or created
+  as a **draft**. It is published (``draft: false``) only once every asset is present and
+  verified; a release found already published just gets what it lacks.
+- An asset present with the right sha256 is skipped; present with other content is an error
+  (nothing is uploaded) unless ``replace``; an upload left half-done (``state != uploaded``) is
+  deleted and redone. Names are unique on a release (GitHub answers 422), so there are never
+  duplicates; an upload whose answer was lost is reconciled by looking, not by re-sending.
+- **How an asset's sha256 is known** (the skip/verify rule): the asset's ``digest``
+  (``sha256:…``, returned by current API versions); without it, a size equal to the local
+  file and a line for it in the release's ``SHA256SUMS`` with the local sha256 (that file is
+  written only after every upload was checked); otherwise the asset is downloaded and hashed.
+  A size that differs is a difference without downloading anything.
+- ``SHA256SUMS`` is derived, not a build output: it is rewritten (delete + upload) when the
+  asset set changes, after every other asset is in place.
+- Limits, checked before any upload: every asset < 2 GiB; at most 1000 assets on the release
+  after this run (policy: refuse with a message, never split a release across tags; 1000
+  assets is 499 wheels with their records). Names must be plain (``[A-Za-z0-9._+-]``) because
+  GitHub silently renames others, which would defeat the by-name idempotency.
+- Network: every call retried with exponential backoff on 5xx and dropped connections, after
+  ``Retry-After`` on 403/429 secondary rate limits (or until ``X-RateLimit-Reset`` when the
+  primary limit is spent), at most ``concurrency`` uploads in flight, and at least
+  ``write_interval`` seconds between the starts of mutating requests.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ci.publish._net import PublishError, RetryPolicy, Throttle, classify, retrying
+from ci.record import load_records, record_path, sha256_of
+
+SUMS = "SHA256SUMS"
+MAX_ASSET_BYTES = 2 * 1024**3  # GitHub: each asset < 2 GiB
+MAX_ASSETS = 1000  # GitHub: at most 1000 assets per release
+NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+DEFAULT_API = "https://api.github.com"
+
+
+@dataclass(frozen=True)
+class LocalAsset:
+    name: str
+    sha256: str
+    size: int
+    kind: str  # "wheel", "record" or "sums"
+    path: Path | None = None
+    data: bytes | None = None
+
+    def open(self):
+        return open(self.path, "rb") if self.path is not None else io.BytesIO(self.data or b"")
+
+    @classmethod
+    def from_bytes(cls, name: str, data: bytes, kind: str) -> "LocalAsset":
+        import hashlib
+
+        return cls(name, hashlib.sha256(data).hexdigest(), len(data), kind, data=data)
+
+
+@dataclass(frozen=True)
+class ReleaseOptions:
+    repo: str
+    tag: str
+    wheels: Path = Path("dist/wheels")
+    api_url: str = DEFAULT_API
+    dry_run: bool = False
+    replace: bool = False
+    prune: bool = False
+    concurrency: int = 4
+    name: str | None = None
+    notes: str = ""
+    prerelease: bool = False
+    target_commitish: str | None = None
+    retry: RetryPolicy = RetryPolicy()
+    write_interval: float = 1.0
+    timeout: int = 60
+
+
+@dataclass
+class Summary:
+    tag: str
+    release_url: str = ""
+    created: bool = False
+    published: bool = False
+    already_published: bool = False
+    plan: list[str] = field(default_factory=list)
+    uploaded: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    replaced: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)
+
+    def line(self) -> str:
+        state = ("published" if self.published or self.already_published else "left as draft")
+        return (f"release {self.tag}: uploaded {len(self.uploaded)}, skipped {len(self.skipped)}, "
+                f"replaced {len(self.replaced)}, deleted {len(self.deleted)}, failed {len(self.failed)}"
+                + (f", kept {len(self.kept)} not in this run" if self.kept else "")
+                + f"; {state}" + (f": {self.release_url}" if self.release_url else ""))
+
+
+def local_assets(wheels_dir: Path) -> list[LocalAsset]:
+    """Every wheel with its build record (checked against the file by load_records)."""
+    wheels_dir = Path(wheels_dir)
+    if not wheels_dir.is_dir():
+        raise PublishError(f"{wheels_dir}: no such directory; build wheels first (nox -s build-wheels)")
+    records = load_records(wheels_dir)
+    if not records:
+        raise PublishError(f"{wheels_dir}: no wheels to publish; build them first (nox -s build-wheels)")
+    out: list[LocalAsset] = []
+    for rec in records:
+        w = wheels_dir / rec.wheel
+        out.append(LocalAsset(rec.wheel, rec.sha256, w.stat().st_size, "wheel", path=w))
+        rp = record_path(w)
+        out.append(LocalAsset(rp.name, sha256_of(rp), rp.stat().st_size, "record", path=rp))
+    return out
+
+
+def sums_text(shas: dict[str, str]) -> bytes:
+    return "".join(f"{shas[n]}  {n}\n" for n in sorted(shas)).encode()
+
+
+def parse_sums(data: bytes) -> dict[str, str]:
+    out = {}
+    for line in data.decode("utf-8", "replace").splitlines():
+        parts = line.strip().split(None, 1)
+        if len(parts) == 2 and len(parts[0]) == 64:
+            out[parts[1].lstrip("*")] = parts[0].lower()
+    return out
+
+
+def _raw(obj) -> dict:
+    """The JSON an object was built from, without PyGithub completing it (which would cost
+    one GET per asset whose JSON lacks an attribute, e.g. ``digest`` on older servers)."""
+    from github.GithubObject import GithubObject
+
+    return GithubObject.raw_data.fget(obj)  # type: ignore[attr-defined]
+
+
+class _Client:
+    """PyGithub objects per thread: PyGithub's connection object is not thread-safe."""
+
+    def __init__(self, opts: ReleaseOptions, token: str | None) -> None:
+        self.opts = opts
+        self._token = token
+        self._tls = threading.local()
+
+    def gh(self):
+        g = getattr(self._tls, "gh", None)
+        if g is None:
+            from github import Auth, Github
+
+            g = Github(base_url=self.opts.api_url.rstrip("/"), auth=Auth.Token(self._token) if self._token else None,
+                       timeout=self.opts.timeout, per_page=100, retry=None, pool_size=2,
+                       seconds_between_requests=None, seconds_between_writes=None)
+            self._tls.gh = g
+        return g
+
+    def repo(self):
+        return self.gh().get_repo(self.opts.repo, lazy=True)
+
+    def release(self, raw: dict):
+        from github.GitRelease import GitRelease
+
+        return self.gh().create_from_raw_data(GitRelease, raw)
+
+    def download(self, asset_raw: dict) -> bytes:
+        """An asset's bytes: the API URL with Accept: octet-stream redirects to storage,
+        which gets no Authorization header (signed URL)."""
+        import requests
+
+        headers = {"Accept": "application/octet-stream"}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        r = requests.get(asset_raw["url"], headers=headers, allow_redirects=False, timeout=self.opts.timeout)
+        if r.status_code in (301, 302, 303, 307, 308):
+            r = requests.get(r.headers["Location"], timeout=self.opts.timeout)
+        if r.status_code != 200:
+            from github import GithubException
+
+            raise GithubException(r.status_code, {"message": f"download of {asset_raw.get('name')}"}, dict(r.headers))
+        return r.content
+
+
+class ReleasePublisher:
+    def __init__(self, opts: ReleaseOptions, token: str | None, log: Callable[[str], None] = print) -> None:
+        self.opts = opts
+        self.log = log
+        self.client = _Client(opts, token)
+        self.throttle = Throttle(opts.write_interval)
+        self.summary = Summary(opts.tag)
+        self._sums_cache: dict[str, str] | None = None
+
+    # -- reading ---------------------------------------------------------------------------
+    def _call(self, fn, what: str, before_retry=None):
+        return retrying(fn, what, self.opts.retry, log=self.log, before_retry=before_retry)
+
+    def find_release(self) -> dict | None:
+        """The release for the tag (published one first, else the oldest draft). Empty
+        duplicate drafts (a create whose answer was lost, then retried) are deleted."""
+        def scan() -> list[dict]:
+            return [_raw(r) for r in self.client.repo().get_releases() if r.tag_name == self.opts.tag]
+        rels = self._call(scan, f"list releases of {self.opts.repo}")
+        published = [r for r in rels if not r["draft"]]
+        if published:
+            return published[0]
+        drafts = sorted(rels, key=lambda r: r["id"])
+        if not drafts:
+            return None
+        keep, extra = drafts[0], drafts[1:]
+        busy = [r for r in extra if r.get("assets")]
+        if busy:
+            raise PublishError(f"{len(drafts)} draft releases carry tag {self.opts.tag} and more than one has assets "
+                               f"(ids {', '.join(str(r['id']) for r in drafts)}); delete all but one on GitHub, then re-run")
+        for r in extra:
+            if not self.opts.dry_run:
+                self.throttle()
+                rel = self.client.release(r)
+                self._call(rel.delete_release, f"delete duplicate empty draft {r['id']}")
+                self.log(f"  deleted a duplicate empty draft release (id {r['id']})")
+        return keep
+
+    def list_assets(self, release: dict) -> dict[str, dict]:
+        def scan() -> dict[str, dict]:
+            return {_raw(a)["name"]: _raw(a) for a in self.client.release(release).get_assets()}
+        return self._call(scan, f"list assets of {self.opts.tag}")
+
+    def remote_sums(self, assets: dict[str, dict]) -> dict[str, str]:
+        if self._sums_cache is None:
+            a = assets.get(SUMS)
+            self._sums_cache = {}
+            if a is not None and a.get("state") == "uploaded":
+                self._sums_cache = parse_sums(self._call(lambda: self.client.download(a), f"download {SUMS}"))
+        return self._sums_cache
+
+    def remote_sha256(self, a: dict, local: LocalAsset | None, assets: dict[str, dict]) -> tuple[str | None, str]:
+        """(sha256 or None, how it was learnt) of a remote asset; see the module's rule."""
+        if a.get("state") != "uploaded":
+            return None, f"incomplete upload (state {a.get('state')})"
+        digest = a.get("digest")
+        if isinstance(digest, str) and digest.startswith("sha256:"):
+            return digest.removeprefix("sha256:"), "digest"
+        if local is not None and a.get("size") != local.size:
+            return f"size:{a.get('size')}", f"size {a.get('size')} != {local.size}"
+        listed = self.remote_sums(assets).get(a["name"])
+        if local is not None and listed == local.sha256:
+            return listed, f"size and {SUMS}"
+        import hashlib
+
+        data = self._call(lambda: self.client.download(a), f"download {a['name']}")
+        return hashlib.sha256(data).hexdigest(), "downloaded and hashed"
+
+    # -- planning --------------------------------------------------------------------------
+    def plan(self, local: list[LocalAsset], release: dict | None, assets: dict[str, dict]):
+        """Classify every local asset; raise before any write on conflicts or limits."""
+        uploads: list[tuple[LocalAsset, dict | None, str]] = []  # (asset, remote to delete first, action)
+        conflicts = []
+        for la in local:
+            bad = [] if NAME_OK.match(la.name) else [la.name]
+            if bad:
+                raise PublishError(f"{la.name}: GitHub would rename this asset (only [A-Za-z0-9._+-] are kept); rename it")
+            if la.size >= MAX_ASSET_BYTES:
+                raise PublishError(f"{la.name}: {la.size / 2**30:.2f} GiB; GitHub release assets must be < 2 GiB. "
+                                   "Nothing was uploaded: shrink the wheel (fewer archs, strip debug info)")
+            ra = assets.get(la.name)
+            if ra is None:
+                uploads.append((la, None, "upload"))
+                continue
+            sha, how = self.remote_sha256(ra, la, assets)
+            if sha is None:
+                uploads.append((la, ra, f"redo ({how})"))
+            elif sha == la.sha256:
+                self.summary.skipped.append(la.name)
+                self.summary.plan.append(f"skip     {la.name} (same sha256: {how})")
+            elif self.opts.replace:
+                uploads.append((la, ra, "replace"))
+            else:
+                conflicts.append(f"{la.name} ({how})")
+        if conflicts:
+            raise PublishError(
+                f"release {self.opts.tag} already holds different content under {len(conflicts)} name(s): "
+                + ", ".join(conflicts[:10]) + (" …" if len(conflicts) > 10 else "")
+                + ". Nothing was uploaded. A published wheel should not change: bump the version; "
+                "or pass --replace to overwrite them"
+            )
+        local_names = {la.name for la in local}
+        extras = sorted(n for n in assets if n not in local_names and n != SUMS)
+        final = len(local_names | {SUMS} | (set() if self.opts.prune else set(extras)))
+        if final > MAX_ASSETS:
+            raise PublishError(
+                f"release {self.opts.tag} would hold {final} assets; GitHub allows {MAX_ASSETS} per release. "
+                f"Nothing was uploaded. Publish fewer targets per tag (each wheel costs 2 assets: wheel + record)"
+                + ("" if self.opts.prune or not extras else f", or --prune the {len(extras)} assets not in this run")
+            )
+        for la, _, action in uploads:
+            self.summary.plan.append(f"{action:<8} {la.name} ({la.size} bytes)")
+        for n in extras:
+            self.summary.plan.append(f"{'delete' if self.opts.prune else 'keep'}     {n} (on the release, not in {self.opts.wheels})")
+        return uploads, extras
+
+    # -- writing ---------------------------------------------------------------------------
+    def ensure_release(self) -> dict:
+        rel = self.find_release()
+        if rel is not None:
+            return rel
+        repo = self.client.repo()
+
+        def create() -> dict:
+            self.throttle()
+            kw = {}
+            if self.opts.target_commitish:
+                kw["target_commitish"] = self.opts.target_commitish
+            r = repo.create_git_release(self.opts.tag, self.opts.name or self.opts.tag, self.opts.notes,
+                                        draft=True, prerelease=self.opts.prerelease, **kw)
+            return _raw(r)
+        rel = self._call(create, f"create draft release {self.opts.tag}", before_retry=self.find_release)
+        self.summary.created = True
+        self.log(f"created draft release {self.opts.tag} (id {rel['id']})")
+        return rel
+
+    def _delete_asset(self, a: dict) -> None:
+        from github import GithubException
+        from github.GitReleaseAsset import GitReleaseAsset
+
+        def go() -> bool:
+            self.throttle()
+            try:
+                return self.client.gh().create_from_raw_data(GitReleaseAsset, a).delete_asset()
+            except GithubException as e:
+                if e.status == 404:  # already gone (an earlier attempt's answer was lost)
+                    return True
+                raise
+        self._call(go, f"delete asset {a['name']}")
+
+    def _find_asset(self, release: dict, name: str) -> dict | None:
+        return self.list_assets(release).get(name)
+
+    def upload(self, release: dict, la: LocalAsset, old: dict | None) -> dict:
+        from github import GithubException
+
+        if old is not None:
+            self._delete_asset(old)
+
+        def attempt() -> dict:
+            self.throttle()
+            rel = self.client.release(release)
+            with la.open() as f:
+                return _raw(rel.upload_asset_from_memory(f, la.size, la.name, content_type="application/octet-stream"))
+
+        def reconcile() -> dict | None:
+            """The upload may have landed although its answer was lost: look before re-sending."""
+            cur = self._find_asset(release, la.name)
+            if cur is None:
+                return None
+            sha, how = self.remote_sha256(cur, la, {la.name: cur})
+            if sha is None:
+                self._delete_asset(cur)  # a half-done upload
+                return None
+            if sha != la.sha256:
+                raise PublishError(f"{la.name}: appeared on the release with other content ({how}) while uploading")
+            return cur
+
+        try:
+            got = self._call(attempt, f"upload {la.name}", before_retry=reconcile)
+        except GithubException as e:
+            if e.status != 422:
+                raise
+            got = reconcile()  # already_exists: someone (an earlier attempt) got there first
+            if got is None:
+                raise
+        if got.get("size") != la.size or (got.get("digest") and got["digest"] != f"sha256:{la.sha256}"):
+            self._delete_asset(got)
+            raise PublishError(f"{la.name}: GitHub stored {got.get('size')} bytes / {got.get('digest')}, "
+                               f"expected {la.size} / sha256:{la.sha256}; deleted it, re-run to retry")
+        return got
+
+    def _upload_all(self, release: dict, uploads: list[tuple[LocalAsset, dict | None, str]]) -> None:
+        if not uploads:
+            return
+        with ThreadPoolExecutor(max_workers=max(1, self.opts.concurrency)) as pool:
+            futures = {pool.submit(self.upload, release, la, old): (la, action) for la, old, action in uploads}
+            for fut in as_completed(futures):
+                la, action = futures[fut]
+                try:
+                    fut.result()
+                except Exception as e:  # noqa: BLE001 - reported per asset
+                    t = classify(e)
+                    reason = str(e) if isinstance(e, PublishError) else f"{type(e).__name__}: {t or e}"
+                    self.summary.failed.append((la.name, reason))
+                    self.log(f"  FAILED {la.name}: {reason}")
+                    continue
+                (self.summary.replaced if action == "replace" else self.summary.uploaded).append(la.name)
+                self.log(f"  {'replaced' if action == 'replace' else 'uploaded'} {la.name}")
+
+    def _sums_asset(self, local: list[LocalAsset], assets: dict[str, dict], extras: list[str]) -> LocalAsset:
+        shas = {la.name: la.sha256 for la in local}
+        for n in extras:
+            if not self.opts.prune:
+                sha, _ = self.remote_sha256(assets[n], None, assets)
+                if sha:
+                    shas[n] = sha
+        return LocalAsset.from_bytes(SUMS, sums_text(shas), "sums")
+
+    def run(self) -> Summary:
+        o = self.opts
+        local = local_assets(o.wheels)
+        if o.dry_run:
+            release = self.find_release()
+            assets = self.list_assets(release) if release else {}
+            self.summary.plan.append(f"{'reuse' if release else 'create'}   release {o.tag}"
+                                     + (" (published)" if release and not release["draft"] else " (draft)"))
+            uploads, extras = self.plan(local, release, assets)
+            sums = self._sums_asset(local, assets, extras)
+            cur = assets.get(SUMS)
+            same = cur is not None and self.remote_sha256(cur, sums, assets)[0] == sums.sha256
+            self.summary.plan.append(f"{'skip' if same else 'write':<8} {SUMS}")
+            if not release or release["draft"]:
+                self.summary.plan.append(f"publish  release {o.tag} once every asset is verified")
+            return self.summary
+
+        release = self.ensure_release()
+        self.summary.release_url = release.get("html_url", "")
+        self.summary.already_published = not release["draft"]
+        assets = self.list_assets(release)
+        uploads, extras = self.plan(local, release, assets)
+        if o.prune:
+            for n in extras:
+                self._delete_asset(assets[n])
+                self.summary.deleted.append(n)
+        else:
+            self.summary.kept = list(extras)
+        self._upload_all(release, uploads)
+        if self.summary.failed:
+            raise PublishError(self.summary.line() + ". The release stays a draft" * (not self.summary.already_published)
+                               + "; re-run the same command to finish (uploaded assets are kept)")
+
+        # SHA256SUMS last: it vouches for assets that are all in place now.
+        sums = self._sums_asset(local, assets, extras)
+        cur = assets.get(SUMS)
+        if cur is None or self.remote_sha256(cur, sums, assets)[0] != sums.sha256:
+            self.upload(release, sums, cur)
+            (self.summary.replaced if cur is not None else self.summary.uploaded).append(SUMS)
+            self.log(f"  {'rewrote' if cur is not None else 'uploaded'} {SUMS}")
+        else:
+            self.summary.skipped.append(SUMS)
+
+        wrote = self.summary.uploaded or self.summary.replaced or self.summary.deleted
+        self.verify(release, local + [sums], None if wrote else assets)
+        if release["draft"]:
+            self.publish(release)
+        return self.summary
+
+    def verify(self, release: dict, expected: list[LocalAsset], assets: dict[str, dict] | None = None) -> None:
+        """Every expected asset present, uploaded, right size (and digest when given); with
+        ``assets`` None the release is listed afresh (something was written)."""
+        assets = self.list_assets(release) if assets is None else assets
+        bad = []
+        for la in expected:
+            a = assets.get(la.name)
+            if a is None or a.get("state") != "uploaded" or a.get("size") != la.size:
+                bad.append(la.name)
+            elif a.get("digest") and a["digest"] != f"sha256:{la.sha256}":
+                bad.append(la.name)
+        if bad:
+            raise PublishError(f"release {self.opts.tag}: after uploading, {len(bad)} asset(s) are missing or differ: "
+                               f"{', '.join(bad[:10])}; the release stays a draft; re-run to finish")
+
+    def publish(self, release: dict) -> None:
+        def go() -> dict:
+            self.throttle()
+            rel = self.client.release(release)
+            return _raw(rel.update_release(rel.title or self.opts.tag, rel.body or "", draft=False,
+                                           prerelease=bool(rel.prerelease)))
+
+        def landed() -> dict | None:
+            cur = self.find_release()
+            return cur if cur is not None and not cur["draft"] else None
+        rel = self._call(go, f"publish release {self.opts.tag}", before_retry=landed)
+        self.summary.published = True
+        self.summary.release_url = rel.get("html_url", self.summary.release_url)
+
+
+def publish_release(opts: ReleaseOptions, token: str | None, log: Callable[[str], None] = print) -> Summary:
+    """Create or reuse the release for ``opts.tag``, upload what is missing, publish. Raises
+    PublishError (with the summary line) when something is left to do; re-running the same
+    call finishes the job."""
+    return ReleasePublisher(opts, token, log).run()

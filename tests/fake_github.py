@@ -1,0 +1,547 @@
+"""A loopback HTTP server that speaks the part of GitHub's documented REST contract that the
+publisher uses, laid out like GitHub Enterprise Server: the API under ``/api/v3`` and the
+uploads host under ``/api/uploads`` (a release's ``upload_url`` is a hypermedia template
+pointing there). Written from docs.github.com (REST: releases, release assets, git
+database, pagination):
+
+- releases: list (newest first, ``per_page``/``page`` with ``Link`` headers), create (201;
+  422 when a published release has the tag), get, get by tag (published releases only, as
+  documented), update (``draft: false`` publishes and creates the tag), delete;
+- assets: list (paginated), upload (``POST {upload_url}?name=&label=``; 201; 422
+  ``already_exists`` on a duplicate name), get (JSON, or ``Accept: application/octet-stream``
+  -> 302 to the download), delete (204); assets carry ``digest: "sha256:..."`` unless the
+  server is started with ``digests=False`` (older API versions / GHES);
+- git database: blobs, trees (with ``base_tree``, nested paths, deletion by ``sha: null``,
+  ``recursive``), commits, refs (get, create, update with fast-forward check), with real git
+  object ids for blobs;
+- authentication: ``Authorization: token|Bearer <token>`` must match, else 401.
+
+Faults are injected per request (``inject``): ``500``/``502``/``503``, ``403`` and ``429``
+with ``Retry-After``, ``drop`` (close without answering, nothing applied), ``drop_after``
+(apply, then close without answering: the client cannot know it worked), ``partial`` (an
+upload that leaves a ``starter`` asset behind, then drops), ``slow`` (answer late). Every
+request is counted (``requests``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def git_blob_sha(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@dataclass
+class Fault:
+    kind: str
+    method: str | None = None
+    path_re: str | None = None
+    times: int = 1
+    retry_after: int = 1
+    delay: float = 0.0
+    hits: int = 0
+
+    def matches(self, method: str, path: str) -> bool:
+        return (self.times > 0 and (self.method is None or self.method == method)
+                and (self.path_re is None or re.search(self.path_re, path) is not None))
+
+
+@dataclass
+class Logged:
+    method: str
+    path: str
+    status: int
+    auth: str | None
+
+
+@dataclass
+class Repo:
+    owner: str
+    name: str
+    releases: dict[int, dict] = field(default_factory=dict)
+    assets: dict[int, dict] = field(default_factory=dict)  # id -> asset json (+ "_data")
+    tags: set[str] = field(default_factory=set)
+    objects: dict[str, tuple[str, object]] = field(default_factory=dict)  # sha -> (type, payload)
+    refs: dict[str, str] = field(default_factory=dict)  # "refs/heads/gh-pages" -> commit sha
+
+
+class FakeGitHub:
+    def __init__(self, token: str, *, digests: bool = True, per_page_max: int = 100) -> None:
+        self.token = token
+        self.digests = digests
+        self.per_page_max = per_page_max
+        self.repos: dict[str, Repo] = {}
+        self.faults: list[Fault] = []
+        self.requests: list[Logged] = []
+        self.lock = threading.RLock()
+        self._ids = iter(range(1000, 10**9))
+        handler = type("Handler", (_Handler,), {"gh": self})
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.root = f"http://127.0.0.1:{self.port}"
+        self.api_url = f"{self.root}/api/v3"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    # -- control -------------------------------------------------------------------------
+    def __enter__(self) -> "FakeGitHub":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def add_repo(self, full: str) -> Repo:
+        owner, name = full.split("/")
+        with self.lock:
+            return self.repos.setdefault(full, Repo(owner, name))
+
+    def inject(self, kind: str, method: str | None = None, path_re: str | None = None, *, times: int = 1,
+               retry_after: int = 1, delay: float = 0.0) -> Fault:
+        f = Fault(kind, method, path_re, times, retry_after, delay)
+        with self.lock:
+            self.faults.append(f)
+        return f
+
+    def count(self, method: str | None = None, path_re: str | None = None) -> int:
+        with self.lock:
+            return sum(1 for r in self.requests if (method is None or r.method == method)
+                       and (path_re is None or re.search(path_re, r.path)))
+
+    def uploads(self) -> int:
+        return self.count("POST", r"^/api/uploads/")
+
+    def release_by_tag(self, full: str, tag: str) -> list[dict]:
+        with self.lock:
+            return [r for r in self.repos[full].releases.values() if r["tag_name"] == tag]
+
+    def asset_files(self, full: str, release_id: int) -> dict[str, bytes]:
+        with self.lock:
+            out: dict[str, bytes] = {}
+            for a in self.repos[full].assets.values():
+                if a["_release"] == release_id:
+                    assert a["name"] not in out, f"duplicate asset name {a['name']}"
+                    out[a["name"]] = a["_data"]
+            return out
+
+    def branch_files(self, full: str, branch: str) -> dict[str, bytes]:
+        repo = self.repos[full]
+        commit = repo.objects[repo.refs[f"refs/heads/{branch}"]][1]
+        return {p: repo.objects[s][1] for p, (_, s) in self._flatten(repo, commit["tree"]).items()}
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    # -- json shapes ---------------------------------------------------------------------
+    def _release_json(self, repo: Repo, rel: dict) -> dict:
+        base = f"{self.api_url}/repos/{repo.owner}/{repo.name}"
+        rid = rel["id"]
+        assets = [self._asset_json(repo, a) for a in sorted(repo.assets.values(), key=lambda a: a["id"])
+                  if a["_release"] == rid]
+        return {
+            "url": f"{base}/releases/{rid}", "id": rid, "node_id": f"RE_{rid}",
+            "html_url": f"{self.root}/{repo.owner}/{repo.name}/releases/tag/{rel['tag_name']}",
+            "assets_url": f"{base}/releases/{rid}/assets",
+            "upload_url": f"{self.root}/api/uploads/repos/{repo.owner}/{repo.name}/releases/{rid}/assets{{?name,label}}",
+            "tarball_url": None, "zipball_url": None,
+            "tag_name": rel["tag_name"], "target_commitish": rel["target_commitish"], "name": rel["name"],
+            "body": rel["body"], "draft": rel["draft"], "prerelease": rel["prerelease"],
+            "created_at": rel["created_at"], "published_at": rel["published_at"],
+            "author": {"login": "bot", "id": 1}, "assets": assets,
+        }
+
+    def _asset_json(self, repo: Repo, a: dict) -> dict:
+        d = {k: v for k, v in a.items() if not k.startswith("_")}
+        d["url"] = f"{self.api_url}/repos/{repo.owner}/{repo.name}/releases/assets/{a['id']}"
+        d["browser_download_url"] = f"{self.root}/download/{a['id']}/{urllib.parse.quote(a['name'])}"
+        if self.digests and a["state"] == "uploaded":
+            d["digest"] = "sha256:" + hashlib.sha256(a["_data"]).hexdigest()
+        return d
+
+    # -- git objects ---------------------------------------------------------------------
+    def _store(self, repo: Repo, kind: str, payload, raw: bytes) -> str:
+        sha = hashlib.sha1(f"{kind} {len(raw)}\0".encode() + raw).hexdigest()
+        repo.objects[sha] = (kind, payload)
+        return sha
+
+    def _put_tree(self, repo: Repo, entries: dict[str, tuple[str, str, str]]) -> str:
+        """entries: name -> (mode, type, sha); returns the tree's sha (git's real format)."""
+        def key(n: str) -> str:
+            return n + "/" if entries[n][1] == "tree" else n
+        raw = b"".join(f"{entries[n][0]} {n}\0".encode() + bytes.fromhex(entries[n][2]) for n in sorted(entries, key=key))
+        return self._store(repo, "tree", dict(entries), raw)
+
+    def _flatten(self, repo: Repo, tree_sha: str, prefix: str = "") -> dict[str, tuple[str, str]]:
+        out: dict[str, tuple[str, str]] = {}
+        for name, (mode, typ, sha) in repo.objects[tree_sha][1].items():
+            if typ == "tree":
+                out.update(self._flatten(repo, sha, prefix + name + "/"))
+            else:
+                out[prefix + name] = (mode, sha)
+        return out
+
+    def _build_tree(self, repo: Repo, files: dict[str, tuple[str, str]]) -> str:
+        top: dict[str, tuple[str, str, str]] = {}
+        subdirs: dict[str, dict[str, tuple[str, str]]] = {}
+        for path, (mode, sha) in files.items():
+            head, _, rest = path.partition("/")
+            if rest:
+                subdirs.setdefault(head, {})[rest] = (mode, sha)
+            else:
+                top[head] = (mode, "blob", sha)
+        for d, sub in subdirs.items():
+            top[d] = ("040000", "tree", self._build_tree(repo, sub))
+        return self._put_tree(repo, top)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    gh: FakeGitHub
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a) -> None:
+        pass
+
+    # -- plumbing ------------------------------------------------------------------------
+    def _body(self) -> bytes:
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n else b""
+
+    def _send(self, status: int, payload=None, headers: dict[str, str] | None = None, raw: bytes | None = None) -> None:
+        data = raw if raw is not None else (b"" if payload is None else json.dumps(payload).encode())
+        self.send_response(status)
+        if raw is None and payload is not None:
+            self.send_header("Content-Type", "application/json; charset=utf-8")
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if data and self.command != "HEAD":
+            self.wfile.write(data)
+        self._status = status
+
+    def _error(self, status: int, message: str, **extra) -> None:
+        self._send(status, {"message": message, "documentation_url": "https://docs.github.com/rest", **extra})
+
+    def _drop(self) -> None:
+        self.close_connection = True
+        self._status = 0
+        try:
+            self.connection.shutdown(2)
+        except OSError:
+            pass
+
+    def _handle(self) -> None:
+        gh = self.gh
+        self._status = 0
+        parsed = urllib.parse.urlsplit(self.path)
+        path, query = parsed.path, urllib.parse.parse_qs(parsed.query)
+        auth = self.headers.get("Authorization")
+        fault = None
+        with gh.lock:
+            for f in gh.faults:
+                if f.matches(self.command, path):
+                    f.times -= 1
+                    f.hits += 1
+                    fault = f
+                    break
+        body = self._body()
+        try:
+            if fault and fault.kind == "slow":
+                time.sleep(fault.delay)
+            if fault and fault.kind in ("500", "502", "503"):
+                return self._error(int(fault.kind), "Server Error")
+            if fault and fault.kind == "403":
+                return self._send(403, {"message": "You have exceeded a secondary rate limit. Please wait a few minutes before you try again."},
+                                  {"Retry-After": str(fault.retry_after)})
+            if fault and fault.kind == "429":
+                return self._send(429, {"message": "Too Many Requests"}, {"Retry-After": str(fault.retry_after)})
+            if fault and fault.kind == "drop":
+                return self._drop()
+            if not path.startswith("/download/"):
+                token = (auth or "").split(" ", 1)[-1]
+                if not auth or token != gh.token:
+                    return self._error(401, "Bad credentials")
+            self._route(path, query, body, fault)
+        finally:
+            with gh.lock:
+                gh.requests.append(Logged(self.command, path, self._status, auth))
+
+    do_GET = do_POST = do_PATCH = do_DELETE = do_PUT = do_HEAD = _handle
+
+    def _after(self, fault: Fault | None, status: int, payload=None, headers=None) -> None:
+        if fault and fault.kind == "drop_after":
+            return self._drop()
+        self._send(status, payload, headers)
+
+    def _paginate(self, items: list, query: dict, base: str) -> None:
+        per_page = min(int(query.get("per_page", ["30"])[0]), self.gh.per_page_max)
+        page = max(int(query.get("page", ["1"])[0]), 1)
+        last = max((len(items) + per_page - 1) // per_page, 1)
+        chunk = items[(page - 1) * per_page: page * per_page]
+        links = []
+        url = lambda p: f"<{self.gh.root}{base}?per_page={per_page}&page={p}>"  # noqa: E731
+        if page < last:
+            links += [f'{url(page + 1)}; rel="next"', f'{url(last)}; rel="last"']
+        if page > 1:
+            links += [f'{url(1)}; rel="first"', f'{url(page - 1)}; rel="prev"']
+        self._send(200, chunk, {"Link": ", ".join(links)} if links else None)
+
+    # -- routes --------------------------------------------------------------------------
+    def _route(self, path: str, query: dict, body: bytes, fault: Fault | None) -> None:
+        gh = self.gh
+        m = re.match(r"^/download/(\d+)/", path)
+        if m:
+            with gh.lock:
+                a = next((a for r in gh.repos.values() for a in r.assets.values() if a["id"] == int(m[1])), None)
+            if not a:
+                return self._error(404, "Not Found")
+            return self._send(200, raw=a["_data"], headers={"Content-Type": "application/octet-stream"})
+        m = re.match(r"^/api/(v3|uploads)/repos/([^/]+)/([^/]+)(/.*)?$", path)
+        if not m:
+            return self._error(404, "Not Found")
+        full = f"{m[2]}/{m[3]}"
+        with gh.lock:
+            repo = gh.repos.get(full)
+        if repo is None:
+            return self._error(404, "Not Found")
+        rest = m[4] or ""
+        base = f"/api/v3/repos/{full}"
+        v = self.command
+        with gh.lock:
+            if m[1] == "uploads":
+                mm = re.match(r"^/releases/(\d+)/assets$", rest)
+                if v != "POST" or not mm:
+                    return self._error(404, "Not Found")
+                return self._upload(repo, int(mm[1]), query, body, fault)
+            if rest == "" and v == "GET":
+                return self._send(200, {"id": 1, "name": repo.name, "full_name": full, "owner": {"login": repo.owner},
+                                        "url": f"{gh.api_url}/repos/{full}", "default_branch": "main", "private": False})
+            if rest == "/releases" and v == "GET":
+                rels = sorted(repo.releases.values(), key=lambda r: r["id"], reverse=True)
+                return self._paginate([gh._release_json(repo, r) for r in rels], query, base + "/releases")
+            if rest == "/releases" and v == "POST":
+                d = json.loads(body or b"{}")
+                tag = d.get("tag_name")
+                if not tag:
+                    return self._error(422, "Validation Failed", errors=[{"resource": "Release", "code": "missing_field", "field": "tag_name"}])
+                if any(r["tag_name"] == tag and not r["draft"] for r in repo.releases.values()):
+                    return self._error(422, "Validation Failed", errors=[{"resource": "Release", "code": "already_exists", "field": "tag_name"}])
+                rid = gh.next_id()
+                rel = {"id": rid, "tag_name": tag, "target_commitish": d.get("target_commitish") or "main",
+                       "name": d.get("name") or tag, "body": d.get("body") or "", "draft": bool(d.get("draft")),
+                       "prerelease": bool(d.get("prerelease")), "created_at": _now(), "published_at": None}
+                if not rel["draft"]:
+                    rel["published_at"] = _now()
+                    repo.tags.add(tag)
+                repo.releases[rid] = rel
+                return self._after(fault, 201, gh._release_json(repo, rel))
+            mm = re.match(r"^/releases/tags/(.+)$", rest)
+            if mm and v == "GET":
+                tag = urllib.parse.unquote(mm[1])
+                rel = next((r for r in repo.releases.values() if r["tag_name"] == tag and not r["draft"]), None)
+                return self._send(200, gh._release_json(repo, rel)) if rel else self._error(404, "Not Found")
+            mm = re.match(r"^/releases/assets/(\d+)$", rest)
+            if mm:
+                a = repo.assets.get(int(mm[1]))
+                if a is None:
+                    return self._error(404, "Not Found")
+                if v == "GET":
+                    if "application/octet-stream" in (self.headers.get("Accept") or ""):
+                        return self._send(302, None, {"Location": gh._asset_json(repo, a)["browser_download_url"]})
+                    return self._send(200, gh._asset_json(repo, a))
+                if v == "DELETE":
+                    del repo.assets[a["id"]]
+                    return self._after(fault, 204)
+                return self._error(404, "Not Found")
+            mm = re.match(r"^/releases/(\d+)(/assets)?$", rest)
+            if mm:
+                rel = repo.releases.get(int(mm[1]))
+                if rel is None:
+                    return self._error(404, "Not Found")
+                if mm[2] and v == "GET":
+                    assets = [gh._asset_json(repo, a) for a in sorted(repo.assets.values(), key=lambda a: a["id"])
+                              if a["_release"] == rel["id"]]
+                    return self._paginate(assets, query, f"{base}/releases/{rel['id']}/assets")
+                if mm[2]:
+                    return self._error(404, "Not Found")
+                if v == "GET":
+                    return self._send(200, gh._release_json(repo, rel))
+                if v == "PATCH":
+                    d = json.loads(body or b"{}")
+                    for k in ("tag_name", "name", "body", "prerelease", "target_commitish"):
+                        if k in d:
+                            rel[k] = d[k]
+                    if "draft" in d and rel["draft"] and not d["draft"]:
+                        if any(r["tag_name"] == rel["tag_name"] and not r["draft"] and r["id"] != rel["id"]
+                               for r in repo.releases.values()):
+                            return self._error(422, "Validation Failed", errors=[{"resource": "Release", "code": "already_exists", "field": "tag_name"}])
+                        rel["draft"] = False
+                        rel["published_at"] = _now()
+                        repo.tags.add(rel["tag_name"])
+                    return self._after(fault, 200, gh._release_json(repo, rel))
+                if v == "DELETE":
+                    del repo.releases[rel["id"]]
+                    for aid in [i for i, a in repo.assets.items() if a["_release"] == rel["id"]]:
+                        del repo.assets[aid]
+                    return self._after(fault, 204)
+            if rest.startswith("/git/"):
+                return self._git(repo, rest[len("/git"):], query, body, fault)
+        return self._error(404, "Not Found")
+
+    def _upload(self, repo: Repo, rid: int, query: dict, body: bytes, fault: Fault | None) -> None:
+        gh = self.gh
+        if rid not in repo.releases:
+            return self._error(404, "Not Found")
+        name = (query.get("name") or [""])[0]
+        if not name:
+            return self._error(422, "Validation Failed", errors=[{"resource": "ReleaseAsset", "code": "missing_field", "field": "name"}])
+        if any(a["name"] == name and a["_release"] == rid for a in repo.assets.values()):
+            return self._error(422, "Validation Failed", errors=[{"resource": "ReleaseAsset", "code": "already_exists", "field": "name"}])
+        if len(body) != int(self.headers.get("Content-Length") or 0):
+            return self._error(400, "Bad Content-Length")
+        aid = gh.next_id()
+        partial = fault is not None and fault.kind == "partial"
+        a = {"id": aid, "node_id": f"RA_{aid}", "name": name, "label": (query.get("label") or [""])[0] or None,
+             "content_type": self.headers.get("Content-Type") or "application/octet-stream",
+             "state": "starter" if partial else "uploaded", "size": len(body) // 2 if partial else len(body),
+             "download_count": 0, "created_at": _now(), "updated_at": _now(), "uploader": {"login": "bot", "id": 1},
+             "_release": rid, "_data": body[: len(body) // 2] if partial else body}
+        repo.assets[aid] = a
+        if partial:
+            return self._drop()
+        return self._after(fault, 201, gh._asset_json(repo, a))
+
+    def _git(self, repo: Repo, rest: str, query: dict, body: bytes, fault: Fault | None) -> None:
+        gh = self.gh
+        v = self.command
+        d = json.loads(body or b"{}") if v in ("POST", "PATCH") else {}
+        url = f"{gh.api_url}/repos/{repo.owner}/{repo.name}/git"
+        if rest == "/blobs" and v == "POST":
+            import base64
+            data = base64.b64decode(d["content"]) if d.get("encoding") == "base64" else d["content"].encode()
+            sha = gh._store(repo, "blob", data, data)
+            return self._after(fault, 201, {"sha": sha, "url": f"{url}/blobs/{sha}"})
+        mm = re.match(r"^/blobs/([0-9a-f]{40})$", rest)
+        if mm and v == "GET":
+            import base64
+            o = repo.objects.get(mm[1])
+            if not o or o[0] != "blob":
+                return self._error(404, "Not Found")
+            return self._send(200, {"sha": mm[1], "size": len(o[1]), "encoding": "base64", "url": f"{url}/blobs/{mm[1]}",
+                                    "content": base64.b64encode(o[1]).decode()})
+        if rest == "/trees" and v == "POST":
+            files: dict[str, tuple[str, str]] = {}
+            if d.get("base_tree"):
+                if d["base_tree"] not in repo.objects:
+                    return self._error(422, "Invalid tree info")
+                files = gh._flatten(repo, d["base_tree"])
+            for e in d.get("tree", []):
+                p = e["path"]
+                if e.get("sha", "x") is None:
+                    files = {k: val for k, val in files.items() if k != p and not k.startswith(p + "/")}
+                    continue
+                if "content" in e:
+                    raw = e["content"].encode()
+                    sha = gh._store(repo, "blob", raw, raw)
+                else:
+                    sha = e["sha"]
+                    if sha not in repo.objects:
+                        return self._error(422, "Invalid tree info", errors=[f"{p}: object {sha} not found"])
+                files[p] = (e.get("mode", "100644"), sha)
+            sha = gh._build_tree(repo, files)
+            return self._after(fault, 201, self._tree_json(repo, sha, recursive=False))
+        mm = re.match(r"^/trees/([0-9a-f]{40})$", rest)
+        if mm and v == "GET":
+            if mm[1] not in repo.objects:
+                return self._error(404, "Not Found")
+            return self._send(200, self._tree_json(repo, mm[1], recursive=query.get("recursive", ["0"])[0] not in ("0", "false")))
+        if rest == "/commits" and v == "POST":
+            if d["tree"] not in repo.objects:
+                return self._error(422, "Tree SHA does not exist")
+            c = {"tree": d["tree"], "parents": list(d.get("parents", [])), "message": d["message"]}
+            raw = json.dumps(c, sort_keys=True).encode() + _now().encode()
+            sha = gh._store(repo, "commit", c, raw)
+            return self._after(fault, 201, self._commit_json(repo, sha))
+        mm = re.match(r"^/commits/([0-9a-f]{40})$", rest)
+        if mm and v == "GET":
+            if mm[1] not in repo.objects:
+                return self._error(404, "Not Found")
+            return self._send(200, self._commit_json(repo, mm[1]))
+        mm = re.match(r"^/ref/(.+)$", rest)
+        if mm and v == "GET":
+            ref = "refs/" + urllib.parse.unquote(mm[1])
+            if ref not in repo.refs:
+                return self._error(404, "Not Found")
+            return self._send(200, self._ref_json(repo, ref))
+        if rest == "/refs" and v == "POST":
+            ref = d["ref"]
+            if ref in repo.refs:
+                return self._error(422, "Reference already exists")
+            if d["sha"] not in repo.objects:
+                return self._error(422, "Object does not exist")
+            repo.refs[ref] = d["sha"]
+            return self._after(fault, 201, self._ref_json(repo, ref))
+        mm = re.match(r"^/refs/(.+)$", rest)
+        if mm and v == "PATCH":
+            ref = "refs/" + urllib.parse.unquote(mm[1])
+            if ref not in repo.refs:
+                return self._error(422, "Reference does not exist")
+            new = d["sha"]
+            if not d.get("force") and not self._descends(repo, new, repo.refs[ref]):
+                return self._error(422, "Update is not a fast forward")
+            repo.refs[ref] = new
+            return self._after(fault, 200, self._ref_json(repo, ref))
+        return self._error(404, "Not Found")
+
+    def _descends(self, repo: Repo, sha: str, ancestor: str) -> bool:
+        todo = [sha]
+        while todo:
+            s = todo.pop()
+            if s == ancestor:
+                return True
+            o = repo.objects.get(s)
+            if o and o[0] == "commit":
+                todo += o[1]["parents"]
+        return False
+
+    def _tree_json(self, repo: Repo, sha: str, recursive: bool) -> dict:
+        url = f"{self.gh.api_url}/repos/{repo.owner}/{repo.name}/git"
+        entries = []
+        if recursive:
+            def walk(tsha: str, prefix: str) -> None:
+                for name, (mode, typ, s) in sorted(repo.objects[tsha][1].items()):
+                    entries.append({"path": prefix + name, "mode": mode, "type": typ, "sha": s,
+                                    "url": f"{url}/{typ}s/{s}", **({"size": len(repo.objects[s][1])} if typ == "blob" else {})})
+                    if typ == "tree":
+                        walk(s, prefix + name + "/")
+            walk(sha, "")
+        else:
+            for name, (mode, typ, s) in sorted(repo.objects[sha][1].items()):
+                entries.append({"path": name, "mode": mode, "type": typ, "sha": s, "url": f"{url}/{typ}s/{s}"})
+        return {"sha": sha, "url": f"{url}/trees/{sha}", "tree": entries, "truncated": False}
+
+    def _commit_json(self, repo: Repo, sha: str) -> dict:
+        url = f"{self.gh.api_url}/repos/{repo.owner}/{repo.name}/git"
+        c = repo.objects[sha][1]
+        who = {"name": "bot", "email": "bot@example.invalid", "date": _now()}
+        return {"sha": sha, "url": f"{url}/commits/{sha}", "message": c["message"], "author": who, "committer": who,
+                "tree": {"sha": c["tree"], "url": f"{url}/trees/{c['tree']}"},
+                "parents": [{"sha": p, "url": f"{url}/commits/{p}"} for p in c["parents"]]}
+
+    def _ref_json(self, repo: Repo, ref: str) -> dict:
+        url = f"{self.gh.api_url}/repos/{repo.owner}/{repo.name}/git"
+        sha = repo.refs[ref]
+        return {"ref": ref, "url": f"{url}/{ref}", "object": {"type": "commit", "sha": sha, "url": f"{url}/commits/{sha}"}}
+
