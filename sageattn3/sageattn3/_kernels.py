@@ -1,0 +1,109 @@
+"""Whether the compiled kernels can run, and thin wrappers over ``torch.ops.sageattn3.*``.
+
+The extension ``sageattn3._C`` is loaded by ``sageattn3/__init__.py``; this module only asks
+whether that worked and whether the wheel holds machine code for a given device. The wrappers
+allocate the outputs (the ops write into them) and assume validated, contiguous inputs.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+# Set by __init__: None when the extension is loaded, else why it is not.
+NOT_LOADED_REASON: str | None = "not initialised"
+ARCHS: tuple[str, ...] = ()
+
+ATTN_HEAD_DIMS = (64, 128)  # what the FP4 attention kernel supports
+FP4_MMA_CCS = ((12, 0), (12, 1))  # sm_120 / sm_121: block-scaled FP4 mma.sync
+
+
+def loaded() -> bool:
+    return NOT_LOADED_REASON is None
+
+
+def arch_runs_on(arch: str, cc: tuple[int, int]) -> bool:
+    """Whether code built for ``arch`` ('sm_120a', 'sm_120f', 'sm_90') runs on compute
+    capability ``cc``: 'a' targets only on that exact CC, 'f' targets on the family (same
+    major, minor >= theirs), plain targets on the same major with minor >= theirs."""
+    m = re.fullmatch(r"sm_(\d+)(\d)([af]?)", arch)
+    if not m:
+        return False
+    major, minor, suffix = int(m.group(1)), int(m.group(2)), m.group(3)
+    if suffix == "a":
+        return cc == (major, minor)
+    return cc[0] == major and cc[1] >= minor
+
+
+def device_cc(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def kernels_run_on(device: torch.device) -> str | None:
+    """None if the quantization kernels can run on ``device``, else why not."""
+    if device.type != "cuda":
+        return f"{device.type} tensors"
+    if not loaded():
+        return f"kernels not built ({NOT_LOADED_REASON})"
+    cc = device_cc(device)
+    if not any(arch_runs_on(a, cc) for a in ARCHS):
+        return f"this build has no code for sm_{cc[0]}{cc[1]} (built for {', '.join(ARCHS) or 'nothing'})"
+    return None
+
+
+def has_attention_kernel() -> bool:
+    return loaded() and hasattr(torch.ops.sageattn3, "blockscaled_fp4_attn")
+
+
+def _ops():
+    return torch.ops.sageattn3
+
+
+def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    d = x.shape[-1]
+    packed = torch.empty((*x.shape[:-1], d // 2), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((*x.shape[:-1], d // 16), dtype=torch.float8_e4m3fn, device=x.device)
+    _ops().quant_fp4_rows(x, packed, scales)
+    return packed, scales
+
+
+def quant_cols(x: torch.Tensor, seq_pad: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., S, D) contiguous -> (..., D, Sp/2), (..., D, Sp/16), Sp = S up to seq_pad."""
+    s, d = x.shape[-2], x.shape[-1]
+    sp = -(-s // seq_pad) * seq_pad
+    packed = torch.empty((*x.shape[:-2], d, sp // 2), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((*x.shape[:-2], d, sp // 16), dtype=torch.float8_e4m3fn, device=x.device)
+    _ops().quant_fp4_cols(x, packed, scales)
+    return packed, scales
+
+
+def colsum(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """x (G, S, D) -> float32 partial column sums (G, ceil(S/chunk), D)."""
+    g, s, d = x.shape
+    partial = torch.empty((g, -(-s // chunk), d), dtype=torch.float32, device=x.device)
+    _ops().colsum(x, chunk, partial)
+    return partial
+
+
+def smooth_quant_rows(x: torch.Tensor, mean: torch.Tensor, compute_mean: bool, mean_block: int,
+                      seq_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (G, S, D): rows minus mean[g, r // mean_block] (mean_block 0: one mean), NVFP4 along
+    D, rows padded with zero codes to a multiple of ``seq_pad``. compute_mean: the kernel
+    computes the 128-row means itself and writes them into ``mean``."""
+    g, s, d = x.shape
+    sp = -(-s // seq_pad) * seq_pad
+    packed = torch.empty((g, sp, d // 2), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((g, sp, d // 16), dtype=torch.float8_e4m3fn, device=x.device)
+    _ops().smooth_quant_rows(x, mean, compute_mean, mean_block, packed, scales)
+    return packed, scales
+
+
+def delta_s(k: torch.Tensor, mean_k: torch.Tensor, mean_q: torch.Tensor, seq_pad: int) -> torch.Tensor:
+    """k (B, Hkv, Sk, D), mean_k (B, Hkv, 1, D), mean_q (B, Hq, nblk, D) -> (B, Hq, nblk, Sk_p)."""
+    b, hq, nblk, _ = mean_q.shape
+    sk = k.shape[2]
+    sp = -(-sk // seq_pad) * seq_pad
+    out = torch.empty((b, hq, nblk, sp), dtype=torch.float32, device=k.device)
+    _ops().delta_s(k, mean_k, mean_q, out)
+    return out

@@ -1,0 +1,245 @@
+"""The public API: validation (here, in Python, with messages naming the argument), dispatch
+between the CUDA kernels, the exact reference and torch SDPA."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from sageattn3 import _kernels, reference
+from sageattn3.reference import Preprocessed
+
+_QUANT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_ATTN_DTYPES = (torch.float16, torch.bfloat16)
+_warned: set[str] = set()
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_tensor(x, name: str, dtypes, min_dim: int = 1) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must be one of {names}, got {str(x.dtype).replace('torch.', '')}")
+    if x.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dims, got shape {tuple(x.shape)}")
+
+
+def _check_qkv(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(t, name, _ATTN_DTYPES)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}: all must match")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}: all must be on one device")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k has batch {k.shape[0]} but q has batch {q.shape[0]}")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"k has head_dim {k.shape[3]} but q has head_dim {q.shape[3]}")
+    if q.shape[3] == 0:
+        raise ValueError("q has head_dim 0")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"q heads ({q.shape[1]}) must be a positive multiple of k/v heads ({k.shape[1]}) (GQA/MQA)"
+        )
+    if k.shape[2] == 0:
+        raise ValueError("k and v have sequence length 0: attention needs at least one key")
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend selection
+# ---------------------------------------------------------------------------------------------
+
+
+def _attention_path(device: torch.device, head_dim: int | None = None) -> str:
+    if device.type != "cuda":
+        return "sdpa: CPU tensors" if device.type == "cpu" else f"sdpa: {device.type} tensors"
+    cc = _kernels.device_cc(device)
+    arch = f"sm_{cc[0]}{cc[1]}"
+    if cc not in _kernels.FP4_MMA_CCS:
+        return f"sdpa: {arch} has no FP4 MMA (the FP4 path needs sm_120/sm_121)"
+    why = _kernels.kernels_run_on(device)
+    if why is not None:
+        return f"sdpa: {why}"
+    if not _kernels.has_attention_kernel():
+        return f"sdpa: the FP4 attention kernel is not in this build yet ({arch} quantization kernels available)"
+    if head_dim is not None and head_dim not in _kernels.ATTN_HEAD_DIMS:
+        return f"sdpa: head_dim {head_dim} is not supported by the FP4 kernel ({'/'.join(map(str, _kernels.ATTN_HEAD_DIMS))})"
+    return f"fp4-sm{cc[0]}{cc[1]}"
+
+
+def backend(device=None, head_dim: int | None = None) -> str:
+    """Which path ``sageattn3_blackwell`` takes on ``device`` (default: the current CUDA
+    device, or CPU without CUDA) and why: "fp4-sm120", or "sdpa: <reason>"."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _attention_path(device, head_dim)
+
+
+def is_available(device=None) -> bool:
+    """True when ``sageattn3_blackwell`` runs the FP4 kernel on ``device``."""
+    return not backend(device).startswith("sdpa")
+
+
+def _warn_once(reason: str) -> None:
+    if reason in _warned:
+        return
+    _warned.add(reason)
+    warnings.warn(f"sageattn3: falling back to torch scaled_dot_product_attention ({reason})", RuntimeWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+
+
+def _sdpa(q, k, v, is_causal: bool) -> torch.Tensor:
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+
+def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_block_mean: bool = True):
+    """FP4 attention. q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D), float16 or bfloat16, one
+    device; Hq a multiple of Hkv (GQA/MQA); any sequence lengths (Sk >= 1). Returns
+    (B, Hq, Sq, D) in q's dtype; the inputs are never modified. ``is_causal``: key j is visible
+    to query i iff j <= i (top-left aligned, as torch SDPA). ``attn_mask`` is not supported.
+
+    On sm_120/sm_121 with this build's FP4 kernel: the SageAttention3 algorithm (see
+    ``sageattn3.reference.sageattn3``). Elsewhere (other GPUs, CPU tensors, unsupported head
+    dims, kernel not built): torch SDPA, with one warning per process and reason."""
+    if attn_mask is not None:
+        raise NotImplementedError(
+            "sageattn3_blackwell does not support attn_mask (it is never silently ignored); use "
+            "is_causal=True for causal masking or torch.nn.functional.scaled_dot_product_attention"
+        )
+    _check_qkv(q, k, v)
+    if q.shape[2] == 0 or q.shape[0] == 0 or q.shape[1] == 0:
+        return q.new_empty(q.shape)
+    path = _attention_path(q.device, q.shape[3])
+    if path.startswith("sdpa"):
+        _warn_once(path.removeprefix("sdpa: "))
+        return _sdpa(q, k, v, bool(is_causal))
+    return blockscaled_fp4_attn(q, k, v, is_causal=bool(is_causal), per_block_mean=bool(per_block_mean))
+
+
+def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool = True, **kwargs):
+    """The FP4 block-scaled attention kernel itself (sm_120/sm_121). Not in this build yet:
+    raises NotImplementedError until the attention kernel lands."""
+    if not _kernels.has_attention_kernel():
+        raise NotImplementedError(
+            "sageattn3.blockscaled_fp4_attn: the FP4 attention kernel is not implemented in this "
+            "build yet; use sageattn3_blackwell (falls back to SDPA) or sageattn3.reference.sageattn3"
+        )
+    raise NotImplementedError("sageattn3.blockscaled_fp4_attn: binding pending")  # pragma: no cover
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantization
+# ---------------------------------------------------------------------------------------------
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and _kernels.kernels_run_on(x.device) is None
+
+
+def scale_and_quant_fp4(x):
+    """NVFP4 quantization along the last dim of x (..., D), D a multiple of 16; float16,
+    bfloat16 or float32; any device (CUDA kernels where built, else the exact reference).
+
+    Returns ``(packed, scales)``:
+    - packed: uint8 (..., D/2), row-major; byte i of a row holds elements 2i (low nibble) and
+      2i+1 (high nibble) as E2M1 codes (bit 3 = sign, magnitudes 0,0.5,1,1.5,2,3,4,6).
+    - scales: float8_e4m3fn (..., D/16), row-major; scale j covers elements 16j..16j+15.
+    Value = E2M1(code) * scale. Rounding, saturation and NaN/Inf: ``sageattn3.reference``."""
+    _check_tensor(x, "x", _QUANT_DTYPES)
+    if x.shape[-1] % 16:
+        raise ValueError(f"x's last dim ({x.shape[-1]}) must be a multiple of 16")
+    if _use_kernels(x) and x.numel():
+        return _kernels.quant_rows(x.contiguous())
+    return reference.quantize_rows(x)
+
+
+def scale_and_quant_fp4_permute(x):
+    """The layout the FP4 attention kernel consumes for Q and K. At present it is exactly the
+    row-major layout of ``scale_and_quant_fp4``: x (..., S, D) -> packed uint8 (..., S, D/2)
+    (byte i of row s: elements 2i low nibble, 2i+1 high nibble) and scales float8_e4m3fn
+    (..., S, D/16) (scale j of row s covers elements 16j..16j+15). Consume it through this
+    function, not by assumption: the kernel may adopt a permuted layout later."""
+    _check_tensor(x, "x", _QUANT_DTYPES, min_dim=2)
+    return scale_and_quant_fp4(x)
+
+
+def scale_and_quant_fp4_transpose(x):
+    """NVFP4 quantization along the sequence (the layout of V): x (..., S, D) with D a
+    multiple of 16 -> packed uint8 (..., D, S16/2) and scales float8_e4m3fn (..., D, S16/16),
+    where S16 is S rounded up to a multiple of 16 and the padding tokens are zeros (codes 0 and
+    scale 0 when a whole 16-block is padding). Row d of packed holds tokens 2i (low nibble)
+    and 2i+1 (high nibble) of channel d; scale j of row d covers tokens 16j..16j+15."""
+    _check_tensor(x, "x", _QUANT_DTYPES, min_dim=2)
+    if x.shape[-1] % 16:
+        raise ValueError(f"x's last dim ({x.shape[-1]}) must be a multiple of 16")
+    if _use_kernels(x) and x.numel():
+        return _kernels.quant_cols(x.contiguous())
+    return reference.quantize_transposed(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused preprocessing
+# ---------------------------------------------------------------------------------------------
+
+COLSUM_CHUNK = 512  # rows per partial column sum (deterministic two-stage mean)
+
+
+def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128) -> Preprocessed:
+    """Smoothing + NVFP4 quantization of Q, K, V for the attention kernel (never modifies the
+    inputs). Layouts and the definition of every output: ``sageattn3.reference.Preprocessed``.
+    On CUDA with the kernels: K column sums (1 read of K), Q block means fused with Q's
+    quantization (1 read of Q), K smoothing + quantization (2nd read of K), V along the
+    sequence (1 read of V), delta_s (3rd read of K, mostly from L2 for short sequences).
+    Elsewhere: the reference."""
+    _check_qkv(q, k, v)
+    if not isinstance(pad, int) or pad <= 0 or pad % 16:
+        raise ValueError(f"pad must be a positive multiple of 16, got {pad!r}")
+    if not _use_kernels(q) or q.shape[2] == 0 or q.shape[0] == 0:
+        return reference.preprocess(q, k, v, per_block_mean, pad)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    b, hq, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    if d % 16 or d > 256:
+        raise ValueError(f"head_dim {d} not supported by the preprocessing kernels (multiple of 16, <= 256)")
+    k3, q3 = k.view(b * hk, sk, d), q.view(b * hq, sq, d)
+    mean_k = (_kernels.colsum(k3, COLSUM_CHUNK).sum(dim=1, keepdim=True) / sk).contiguous()
+    if per_block_mean:
+        nblk = -(-sq // reference.Q_MEAN_BLOCK)
+        mean_q = torch.empty((b * hq, nblk, d), dtype=torch.float32, device=q.device)
+        qp, qsc = _kernels.smooth_quant_rows(q3, mean_q, True, reference.Q_MEAN_BLOCK, pad)
+    else:
+        mean_q = (_kernels.colsum(q3, COLSUM_CHUNK).sum(dim=1, keepdim=True) / sq).contiguous()
+        qp, qsc = _kernels.smooth_quant_rows(q3, mean_q, False, 0, pad)
+    kp, ksc = _kernels.smooth_quant_rows(k3, mean_k, False, 0, pad)
+    vp, vsc = _kernels.quant_cols(v, pad)
+    mean_q4 = mean_q.view(b, hq, -1, d)
+    mean_k4 = mean_k.view(b, hk, 1, d)
+    ds = _kernels.delta_s(k, mean_k4, mean_q4, pad)
+    return Preprocessed(
+        qp.view(b, hq, -1, d // 2), qsc.view(b, hq, -1, d // 16),
+        kp.view(b, hk, -1, d // 2), ksc.view(b, hk, -1, d // 16),
+        vp, vsc, ds, mean_q4, mean_k4, sq, sk,
+    )

@@ -1,0 +1,340 @@
+"""Pure-PyTorch reference of everything sageattn3 computes: the oracle of the kernel tests.
+
+Runs on any device (CPU included); everything is computed in float32.
+
+NVFP4 quantization (bit-exact with the CUDA kernels)
+-----------------------------------------------------
+Along the quantized dimension, every 16 consecutive values form a block:
+
+1. ``amax`` = max |x| over the block, in float32. NaN propagates: a block holding a NaN has a
+   NaN amax.
+2. The block scale is ``e4m3(amax / 6)``: float32 division, then conversion to unsigned E4M3
+   with round-to-nearest-even and saturation at 448 (an infinite amax gives 448). A NaN amax
+   gives the E4M3 NaN byte 0x7F. Scale bytes never have the sign bit set.
+3. If the scale value is 0 or NaN, all 16 codes are 0 (so a block with a NaN dequantizes to
+   NaN everywhere, and a block of tiny values to zeros).
+4. Otherwise each value is multiplied by the correctly rounded float32 reciprocal ``1/scale``
+   and converted to E2M1 (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6): round to nearest, ties to
+   the even code, saturate at 6 (so +-Inf become +-6). The sign is kept, also for zero: a
+   negative value that rounds to 0 gives code 8 (-0).
+5. Codes pack two per byte, the first (even-index) value in the low nibble.
+
+The kernels compute exactly this: ``amax / 6.0f``, ``__nv_cvt_float_to_fp8(satfinite, e4m3)``,
+``__frcp_rn``, one float32 multiply, then the hardware ``cvt.rn.satfinite.e2m1x2.f32`` (never
+fed a NaN) or an equivalent software conversion.
+
+Layouts
+-------
+- rows (``quantize_rows``): x (..., N), N % 16 == 0 -> packed uint8 (..., N/2), scales
+  float8_e4m3fn (..., N/16); block j of a row covers elements 16j..16j+15.
+- transposed (``quantize_transposed``): x (..., S, D) -> packed (..., D, S16/2), scales
+  (..., D, S16/16), where S16 is S rounded up to a multiple of 16 (zero padding): the blocks
+  run along the sequence.
+
+The quantized attention (``sageattn3``)
+----------------------------------------
+See ``preprocess`` and ``sageattn3`` below for the exact definition of the smoothing, the
+correction ``delta_s`` and the two-level quantization of P.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 16  # values per NVFP4 scale block
+FP4_MAX = 6.0
+E4M3_MAX = 448.0
+P_SCALE = E4M3_MAX * FP4_MAX  # 2688: where the row max of P is mapped (two-level quantization)
+Q_MEAN_BLOCK = 128  # tokens per Q mean block (per_block_mean=True)
+LOG2E = 1.4426950408889634
+
+# E2M1 code -> value (codes 8..15 are the negatives of 0..7; code 8 is -0.0).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def e2m1_encode(y: torch.Tensor) -> torch.Tensor:
+    """float32 -> E2M1 code (uint8 0..15), round to nearest, ties to even code, saturating.
+
+    Decision thresholds (|y|): <=0.25 -> 0, <0.75 -> 0.5, <=1.25 -> 1, <1.75 -> 1.5,
+    <=2.5 -> 2, <3.5 -> 3, <=5 -> 4, else 6 (+Inf included). NaN gives code 7 with the NaN's
+    sign (the quantizer never encodes a NaN: a NaN makes its block's scale NaN, codes 0)."""
+    y = y.float()
+    a = y.abs()
+    m = (
+        (a > 0.25).to(torch.uint8)
+        + (a >= 0.75)
+        + (a > 1.25)
+        + (a >= 1.75)
+        + (a > 2.5)
+        + (a >= 3.5)
+        + (a > 5.0)
+    ).to(torch.uint8)
+    m = torch.where(torch.isnan(a), torch.full_like(m, 7), m)
+    sign = torch.signbit(y).to(torch.uint8) << 3
+    return m | sign
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8 0..15) -> float32 values."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    return table[codes.long()]
+
+
+def e4m3_scale_byte(amax: torch.Tensor) -> torch.Tensor:
+    """Block amax (float32, >= 0 or NaN) -> unsigned E4M3 scale byte (uint8)."""
+    s = amax.float() / FP4_MAX
+    s = torch.where(torch.isnan(s), s, s.clamp(max=E4M3_MAX))
+    return s.to(torch.float8_e4m3fn).view(torch.uint8) & 0x7F
+
+
+def e4m3_decode(b: torch.Tensor) -> torch.Tensor:
+    """E4M3 bytes (uint8 or float8_e4m3fn) -> float32."""
+    if b.dtype == torch.uint8:
+        b = b.view(torch.float8_e4m3fn)
+    return b.float()
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """(..., 2n) codes -> (..., n) bytes, element 2i in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 along the last dim (a multiple of 16). Returns (packed uint8 (..., N/2),
+    scales float8_e4m3fn (..., N/16))."""
+    n = x.shape[-1]
+    if n % BLOCK:
+        raise ValueError(f"the last dim ({n}) must be a multiple of {BLOCK}")
+    xf = x.float().reshape(*x.shape[:-1], n // BLOCK, BLOCK)
+    amax = xf.abs().amax(dim=-1, keepdim=True)  # propagates NaN
+    sbyte = e4m3_scale_byte(amax)
+    s = e4m3_decode(sbyte)
+    ok = s > 0  # False for 0 and NaN
+    inv = torch.where(ok, torch.div(1.0, torch.where(ok, s, torch.ones_like(s))), torch.zeros_like(s))
+    codes = e2m1_encode(xf * inv)
+    codes = torch.where(ok, codes, torch.zeros_like(codes))
+    packed = pack_codes(codes.reshape(*x.shape[:-1], n))
+    return packed, sbyte.reshape(*x.shape[:-1], n // BLOCK).view(torch.float8_e4m3fn)
+
+
+def dequantize_rows(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``quantize_rows`` (float32)."""
+    vals = e2m1_decode(unpack_codes(packed))
+    s = e4m3_decode(scales)
+    n = vals.shape[-1]
+    out = vals.reshape(*vals.shape[:-1], n // BLOCK, BLOCK) * s.unsqueeze(-1)
+    return out.reshape(*vals.shape[:-1], n)
+
+
+def pad_dim(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    """Zero-pad ``dim`` up to a multiple of ``multiple``."""
+    size = x.shape[dim]
+    target = -(-size // multiple) * multiple
+    if target == size:
+        return x
+    shape = list(x.shape)
+    shape[dim] = target - size
+    return torch.cat((x, torch.zeros(shape, dtype=x.dtype, device=x.device)), dim=dim)
+
+
+def quantize_transposed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 along the sequence: x (..., S, D) -> packed (..., D, S16/2), scales
+    (..., D, S16/16), S16 = S rounded up to a multiple of 16 (zero padded)."""
+    xt = pad_dim(x.float().transpose(-1, -2), -1, BLOCK)
+    return quantize_rows(xt)
+
+
+def dequantize_transposed(packed: torch.Tensor, scales: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Inverse of ``quantize_transposed``: back to (..., S, D) float32."""
+    return dequantize_rows(packed, scales)[..., :seq_len].transpose(-1, -2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Smoothing and preprocessing
+# ---------------------------------------------------------------------------------------------
+
+
+def k_mean(k: torch.Tensor) -> torch.Tensor:
+    """Mean of K over the sequence, per (batch, head): (B, H, 1, D) float32."""
+    return k.float().mean(dim=-2, keepdim=True)
+
+
+def q_mean(q: torch.Tensor, per_block_mean: bool = True) -> torch.Tensor:
+    """Q means, (B, H, nblk, D) float32: per 128-token block (the last block averages only its
+    real tokens), or one mean over the whole sequence (nblk = 1)."""
+    qf = q.float()
+    if not per_block_mean:
+        return qf.mean(dim=-2, keepdim=True)
+    s = q.shape[-2]
+    nblk = -(-s // Q_MEAN_BLOCK)
+    qp = pad_dim(qf, -2, Q_MEAN_BLOCK).reshape(*q.shape[:-2], nblk, Q_MEAN_BLOCK, q.shape[-1])
+    counts = torch.clamp(s - torch.arange(nblk, device=q.device) * Q_MEAN_BLOCK, max=Q_MEAN_BLOCK)
+    return qp.sum(dim=-2) / counts.to(torch.float32).unsqueeze(-1)
+
+
+def expand_kv(x: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """(B, Hkv, ...) -> (B, Hq, ...): q head h reads kv head h // (Hq / Hkv)."""
+    rep = q_heads // x.shape[1]
+    return x if rep == 1 else x.repeat_interleave(rep, dim=1)
+
+
+def q_block_index(seq_q: int, n_means: int, device=None) -> torch.Tensor:
+    """For each query row, which Q mean (and delta_s row) it uses."""
+    idx = torch.arange(seq_q, device=device) // Q_MEAN_BLOCK
+    return idx if n_means > 1 else torch.zeros_like(idx)
+
+
+@dataclass
+class Preprocessed:
+    """What the attention kernel consumes (all sequence dims padded with zeros to ``pad``).
+
+    - q_packed (B, Hq, Sq_p, D/2) uint8, q_scales (B, Hq, Sq_p, D/16) e4m3: Q - mean_q, rows.
+    - k_packed (B, Hkv, Sk_p, D/2), k_scales (B, Hkv, Sk_p, D/16): K - mean_k, rows.
+    - v_packed (B, Hkv, D, Sk_p/2), v_scales (B, Hkv, D, Sk_p/16): V along the sequence.
+    - delta_s (B, Hq, nblk, Sk_p) float32: mean_q · (K - mean_k)ᵀ (0 in padded columns);
+      nblk = ceil(Sq/128) with per_block_mean, else 1. Query row i adds row i // 128 (or 0).
+    - mean_q (B, Hq, nblk, D), mean_k (B, Hkv, 1, D) float32.
+    """
+
+    q_packed: torch.Tensor
+    q_scales: torch.Tensor
+    k_packed: torch.Tensor
+    k_scales: torch.Tensor
+    v_packed: torch.Tensor
+    v_scales: torch.Tensor
+    delta_s: torch.Tensor
+    mean_q: torch.Tensor
+    mean_k: torch.Tensor
+    seq_q: int
+    seq_k: int
+
+
+def smooth_q(q: torch.Tensor, mean_q: torch.Tensor) -> torch.Tensor:
+    """Q - its mean(s), float32 (one float32 subtraction per element)."""
+    idx = q_block_index(q.shape[-2], mean_q.shape[-2], q.device)
+    return q.float() - mean_q[..., idx, :]
+
+
+def delta_s(mean_q: torch.Tensor, k_smoothed: torch.Tensor) -> torch.Tensor:
+    """mean_q · K_smoothedᵀ in float32 (GQA: K expanded to the q heads): (B, Hq, nblk, Sk)."""
+    ks = expand_kv(k_smoothed.float(), mean_q.shape[1])
+    return torch.matmul(mean_q.double(), ks.double().transpose(-1, -2)).float()
+
+
+def preprocess(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    per_block_mean: bool = True,
+    pad: int = 128,
+    mean_q: torch.Tensor | None = None,
+    mean_k: torch.Tensor | None = None,
+) -> Preprocessed:
+    """The reference of the fused preprocessing kernel. ``mean_q`` / ``mean_k`` let a test feed
+    the means a kernel computed (float32 sums depend on the summation order), so that the
+    quantized tensors can be compared bit for bit."""
+    sq, sk = q.shape[-2], k.shape[-2]
+    mq = q_mean(q, per_block_mean) if mean_q is None else mean_q.float()
+    mk = k_mean(k) if mean_k is None else mean_k.float()
+    qs = smooth_q(q, mq)
+    ks = k.float() - mk
+    qp, qsc = quantize_rows(pad_dim(qs, -2, pad))
+    kp, ksc = quantize_rows(pad_dim(ks, -2, pad))
+    vp, vsc = quantize_transposed(pad_dim(v.float(), -2, pad))
+    ds = pad_dim(delta_s(mq, ks), -1, pad)
+    return Preprocessed(qp, qsc, kp, ksc, vp, vsc, ds, mq, mk, sq, sk)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+
+
+def exact_attention(q, k, v, is_causal: bool = False, sm_scale: float | None = None) -> torch.Tensor:
+    """Plain float64 softmax attention, float32 result; GQA by expanding kv heads; causal =
+    top-left aligned (key j visible to query i iff j <= i), like torch SDPA's ``is_causal``."""
+    hq = q.shape[1]
+    qd, kd, vd = q.double(), expand_kv(k.double(), hq), expand_kv(v.double(), hq)
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = torch.matmul(qd, kd.transpose(-1, -2)) * scale
+    if is_causal:
+        sq, sk = s.shape[-2:]
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), vd).float()
+
+
+def sageattn3(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool = False,
+    per_block_mean: bool = True,
+    sm_scale: float | None = None,
+    block_n: int = 128,
+) -> torch.Tensor:
+    """The quantized SageAttention3 algorithm, float32 output (B, Hq, Sq, D).
+
+    With Qd, Kd, Vd the dequantized NVFP4 tensors of ``preprocess`` and c = sm_scale·log2(e):
+
+    - scores, per query row i and key j: t_ij = c · (Qd_i · Kd_j + delta_s[i // 128 or 0, j])
+      (float32; masked entries, j >= Sk or causal j > i, are -inf).
+    - keys are processed in tiles of ``block_n`` (the kernel's tile, default 128). For tile t,
+      the running row max m_t = max(m_{t-1}, max_{j in t} t_ij), and
+      P_ij = exp2(t_ij - m_t) · 2688   (row max mapped to 448·6: the per-row factor exp2(-m_t)
+      and the constant 2688, both folded into the exponent in the kernel),
+      P̂ = NVFP4(P) along the keys (16-key blocks, the same quantizer as everything else),
+      l_t = l_{t-1} · exp2(m_{t-1} - m_t) + Σ_j P_ij   (row sums of the unquantized P, in the
+      same scaled domain),
+      acc_t = acc_{t-1} · exp2(m_{t-1} - m_t) + P̂ · Vd_t.
+    - O_i = acc / l.
+    """
+    b, hq, sq, d = q.shape
+    sk = k.shape[-2]
+    if block_n % BLOCK:
+        raise ValueError("block_n must be a multiple of 16")
+    pre = preprocess(q, k, v, per_block_mean, pad=block_n)
+    qd = dequantize_rows(pre.q_packed, pre.q_scales)[..., :sq, :]
+    kd = expand_kv(dequantize_rows(pre.k_packed, pre.k_scales), hq)  # (B, Hq, Sk_p, D)
+    vd = expand_kv(dequantize_transposed(pre.v_packed, pre.v_scales, pre.v_packed.shape[-1] * 2), hq)
+    ds_rows = pre.delta_s[..., q_block_index(sq, pre.delta_s.shape[-2], q.device), :]  # (B,Hq,Sq,Sk_p)
+    c = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)) * LOG2E
+    sk_p = kd.shape[-2]
+    rows = torch.arange(sq, device=q.device).unsqueeze(-1)
+    m = torch.full((b, hq, sq, 1), float("-inf"), device=q.device)
+    l = torch.zeros((b, hq, sq, 1), device=q.device)
+    acc = torch.zeros((b, hq, sq, d), device=q.device)
+    for j0 in range(0, sk_p, block_n):
+        cols = torch.arange(j0, j0 + block_n, device=q.device).unsqueeze(0)
+        s = torch.matmul(qd, kd[..., j0 : j0 + block_n, :].transpose(-1, -2)) + ds_rows[..., j0 : j0 + block_n]
+        t = s * c
+        mask = cols >= sk
+        if is_causal:
+            mask = mask | (cols > rows)
+        t = t.masked_fill(mask, float("-inf"))
+        m_new = torch.maximum(m, t.amax(dim=-1, keepdim=True))
+        live = torch.isfinite(m_new)  # rows with no visible key so far contribute nothing
+        m_safe = torch.where(live, m_new, torch.zeros_like(m_new))
+        alpha = torch.where(live, torch.exp2(m - m_safe), torch.zeros_like(m))
+        p = torch.exp2(t - m_safe) * P_SCALE
+        p = torch.where(live, p, torch.zeros_like(p))
+        pp, psc = quantize_rows(p)
+        ph = dequantize_rows(pp, psc)
+        l = l * alpha + p.sum(dim=-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(ph, vd[..., j0 : j0 + block_n, :])
+        m = m_new
+    return acc / l
+
+
+def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))

@@ -1,0 +1,117 @@
+"""The reference SageAttention3 algorithm against exact attention, and its building blocks."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sageattn3 import reference as ref
+
+from payload_data import qkv
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seq", [1, 17, 128, 1000])
+def test_cos_sim_against_exact(d, causal, seq):
+    q, k, v = qkv(1, 2, 2, seq, seq, d, seed=seq + d)
+    out = ref.sageattn3(q, k, v, is_causal=causal)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    assert ref.cosine_similarity(out, ref.exact_attention(q, k, v, is_causal=causal)) >= 0.99
+
+
+@pytest.mark.parametrize("hq,hk", [(4, 2), (6, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_and_mqa(hq, hk, causal):
+    q, k, v = qkv(2, hq, hk, 200, 200, 64, seed=hq)
+    out = ref.sageattn3(q, k, v, is_causal=causal)
+    assert ref.cosine_similarity(out, ref.exact_attention(q, k, v, is_causal=causal)) >= 0.99
+
+
+@pytest.mark.parametrize("sq,sk", [(50, 300), (300, 50)])
+def test_different_q_and_kv_lengths(sq, sk):
+    q, k, v = qkv(1, 2, 2, sq, sk, 64, seed=5)
+    for causal in (False, True):
+        out = ref.sageattn3(q, k, v, is_causal=causal)
+        assert ref.cosine_similarity(out, ref.exact_attention(q, k, v, is_causal=causal)) >= 0.99
+
+
+def test_whole_sequence_q_mean_and_fp16():
+    q, k, v = qkv(1, 2, 2, 300, 300, 128, dtype=torch.float16, seed=7)
+    out = ref.sageattn3(q, k, v, per_block_mean=False)
+    assert ref.cosine_similarity(out, ref.exact_attention(q, k, v)) >= 0.99
+
+
+def test_exact_attention_matches_sdpa():
+    q, k, v = qkv(1, 4, 2, 33, 45, 64, dtype=torch.float32, seed=8)
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    for causal in (False, True):
+        want = F.scaled_dot_product_attention(q, kk, vv, is_causal=causal)
+        assert torch.allclose(ref.exact_attention(q, k, v, is_causal=causal), want, atol=1e-5)
+
+
+def test_preprocess_layout_and_smoothing():
+    q, k, v = qkv(2, 4, 2, 300, 200, 64, seed=9)
+    pre = ref.preprocess(q, k, v, per_block_mean=True, pad=128)
+    assert pre.q_packed.shape == (2, 4, 384, 32) and pre.q_scales.shape == (2, 4, 384, 4)
+    assert pre.k_packed.shape == (2, 2, 256, 32) and pre.k_scales.shape == (2, 2, 256, 4)
+    assert pre.v_packed.shape == (2, 2, 64, 128) and pre.v_scales.shape == (2, 2, 64, 16)
+    assert pre.delta_s.shape == (2, 4, 3, 256) and pre.delta_s.dtype == torch.float32
+    assert pre.mean_q.shape == (2, 4, 3, 64) and pre.mean_k.shape == (2, 2, 1, 64)
+    # the last Q block averages only its 44 real tokens
+    assert torch.allclose(pre.mean_q[:, :, 2], q[:, :, 256:].float().mean(-2), atol=1e-5)
+    assert torch.allclose(pre.mean_k[:, :, 0], k.float().mean(-2), atol=1e-5)
+    # padding rows/columns are zero codes and zero scales; delta_s padding is 0
+    assert (pre.q_packed[:, :, 300:] == 0).all() and (pre.q_scales.view(torch.uint8)[:, :, 300:] == 0).all()
+    assert (pre.k_packed[:, :, 200:] == 0).all()
+    assert (ref.unpack_codes(pre.v_packed)[..., 200:] == 0).all()
+    assert (pre.delta_s[..., 200:] == 0).all()
+    # delta_s = mean_q . (K - mean_k)^T, kv head h // 2 for q head h
+    ks = k.float() - pre.mean_k
+    want = pre.mean_q[:, 3] @ ks[:, 1].transpose(-1, -2)
+    assert torch.allclose(pre.delta_s[:, 3, :, :200], want, rtol=1e-5, atol=1e-4)
+    # dequantized smoothed K has ~zero mean; dequantized Q + mean ~ Q
+    kd = ref.dequantize_rows(pre.k_packed, pre.k_scales)[:, :, :200]
+    assert kd.mean(-2).abs().max() < 0.2
+    qd = ref.dequantize_rows(pre.q_packed, pre.q_scales)[:, :, :300] + pre.mean_q[:, :, ref.q_block_index(300, 3)]
+    assert ref.cosine_similarity(qd, q.float()) > 0.99
+
+
+def test_preprocess_with_given_means_is_the_quantizer():
+    q, k, v = qkv(1, 2, 1, 130, 40, 32, seed=10)
+    mq = torch.randn(1, 2, 2, 32)
+    mk = torch.randn(1, 1, 1, 32)
+    pre = ref.preprocess(q, k, v, mean_q=mq, mean_k=mk, pad=16)
+    qs = q.float() - mq[:, :, ref.q_block_index(130, 2)]
+    p, s = ref.quantize_rows(ref.pad_dim(qs, -2, 16))
+    assert torch.equal(p, pre.q_packed) and torch.equal(s.view(torch.uint8), pre.q_scales.view(torch.uint8))
+    p, s = ref.quantize_rows(ref.pad_dim(k.float() - mk, -2, 16))
+    assert torch.equal(p, pre.k_packed)
+
+
+def test_smoothing_matters_for_k_outliers():
+    # a large per-channel K offset: without smoothing FP4 would drown the signal; with it the
+    # result stays close (softmax is invariant to K's mean).
+    q, k, v = qkv(1, 2, 2, 256, 256, 64, seed=11)
+    k = (k.float() + 40 * torch.randn(64)).to(k.dtype)
+    out = ref.sageattn3(q, k, v)
+    assert ref.cosine_similarity(out, ref.exact_attention(q, k, v)) >= 0.99
+
+
+def test_p_quantization_maps_row_max_to_2688():
+    # One key tile: the row max of P is exactly 2688 = 448 * 6, whose block scale is 448.
+    t = torch.tensor([[0.0, -1.0, -2.0] + [-30.0] * 13])
+    p = torch.exp2(t - t.amax(-1, keepdim=True)) * ref.P_SCALE
+    packed, scales = ref.quantize_rows(p)
+    assert p.max().item() == 2688.0
+    assert scales.view(torch.uint8).item() == 0x7E
+    assert ref.dequantize_rows(packed, scales)[0, :3].tolist() == [2688.0, 1344.0, 448.0 * 1.5]
+
+
+def test_sm_scale_and_block_n():
+    q, k, v = qkv(1, 1, 1, 100, 300, 64, seed=12)
+    out = ref.sageattn3(q, k, v, sm_scale=0.05, block_n=64)
+    assert ref.cosine_similarity(out, ref.exact_attention(q, k, v, sm_scale=0.05)) >= 0.99
+    with pytest.raises(ValueError):
+        ref.sageattn3(q, k, v, block_n=40)
