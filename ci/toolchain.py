@@ -315,3 +315,22 @@ def torch_env(python_version: str, torch_spec: str, extra: tuple[str, ...] = BUI
         marker.write_text(info)
     version, cuda = json.loads(marker.read_text())
     return TorchEnv(root, python_version, version, cuda)
+
+
+CUOBJDUMP_PIN = "nvidia-cuda-cuobjdump==13.2.86"  # reads cubins of every CUDA 12.8+/13.x build
+
+
+def cuobjdump() -> Path:
+    """cuobjdump (not in the system toolkit here): from PATH, else PyPI into the cache."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return Path(found)
+    dest = cache_root() / "tools" / CUOBJDUMP_PIN.replace("==", "-")
+    exe = dest / "nvidia" / "cu13" / "bin" / "cuobjdump"
+    if not exe.exists():
+        try:
+            run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(dest), CUOBJDUMP_PIN])
+        except subprocess.CalledProcessError as e:
+            raise ToolchainError(f"cuobjdump is missing: `pip install {CUOBJDUMP_PIN}` failed") from e
+        exe.chmod(exe.stat().st_mode | 0o111)
+    return exe

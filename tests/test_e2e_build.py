@@ -1,0 +1,121 @@
+"""End to end: `python -m ci build-wheels` builds this machine's target for real (nvcc,
+auditwheel), verifies it with real pip from the index over HTTP in two Pythons, checks the
+ABI guard, and fails cleanly on bad input without writing to dist/wheels."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from ci.record import BuildRecord, sha256_of
+from ci.toolchain import cuobjdump
+
+REPO = Path(__file__).resolve().parent.parent
+TARGET = "linux-x86_64-cu130-torch2.10-stable"
+needs_nvcc = pytest.mark.skipif(not shutil.which("nvcc"), reason="needs a CUDA 13.0 toolkit")
+
+
+def factory(*args, env=None, timeout=3600):
+    return subprocess.run([sys.executable, "-m", "ci", *args], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    dist = tmp_path_factory.mktemp("e2e") / "dist"
+    proc = factory("build-wheels", "--verify-python", "3.11", "--verify-python", "3.12", "--dist", str(dist))
+    print(proc.stdout[-6000:], proc.stderr[-3000:])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return dist, proc.stdout
+
+
+@needs_nvcc
+def test_default_target_is_built_repaired_tagged_and_recorded(built):
+    dist, out = built
+    (wheel,) = (dist / "wheels").glob("*.whl")
+    assert wheel.name == "sageattn3-0.1.0+cu130.torch2.10.stable-cp310-abi3-manylinux_2_34_x86_64.whl"
+    rec = BuildRecord.load(wheel.with_name(wheel.name + ".json"))
+    assert rec.sha256 == sha256_of(wheel) and rec.size == wheel.stat().st_size
+    assert rec.target == TARGET and rec.archs == ("sm_120a", "sm_121a") and rec.requires_torch == "torch>=2.10"
+    assert rec.toolchain["nvcc"].startswith("13.0") and rec.toolchain["torch"].startswith("2.14.1")
+    assert "-gencode=arch=compute_121a,code=sm_121a" in rec.flags["nvcc_flags"] and rec.patches == ()
+    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", rec.source_commit)
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        inside = json.loads(z.read("sageattn3/_build_record.json"))
+        meta = z.read("sageattn3-0.1.0+cu130.torch2.10.stable.dist-info/METADATA").decode()
+    assert inside["target"] == TARGET and "sha256" not in inside or inside.get("sha256") == ""
+    assert "Requires-Dist: torch>=2.10" in meta
+    assert not [n for n in names if "libtorch" in n or "libcudart" in n or n.startswith("sageattn3.libs/")]
+    # the summary table and the install command
+    assert re.search(rf"{TARGET}\s+sageattn3-.*manylinux_2_34_x86_64\.whl\s+[\d.]+ MB(\s+[\d.]+s){{6}}\s+ok", out)
+    assert "pip install sageattn3 --index-url file://" in out and "/cu130/torch2.14/" in out
+
+
+@needs_nvcc
+def test_wheel_carries_real_kernels_for_both_archs(built, tmp_path):
+    dist, _ = built
+    (wheel,) = (dist / "wheels").glob("*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        so = tmp_path / "_C.abi3.so"
+        so.write_bytes(z.read("sageattn3/_C.abi3.so"))
+    elves = subprocess.run([str(cuobjdump()), "--list-elf", str(so)], capture_output=True, text=True, check=True).stdout
+    assert ".sm_120a.cubin" in elves and ".sm_121a.cubin" in elves
+    needed = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True, check=True).stdout
+    assert "libtorch_cpu.so" in needed and "libcudart.so.13" in needed and "libtorch_python" not in needed
+
+
+@needs_nvcc
+def test_verified_in_two_pythons_with_the_abi_guard(built):
+    _, out = built
+    assert "on Python 3.11, 3.12; ABI guard: torch 2.13.0+cpu: ImportError as expected" in out
+    assert "ABI guard with torch 2.13.0+cpu: sageattn3._guard.TorchMismatchError: sageattn3 0.1.0+cu130.torch2.10.stable" in out
+
+
+@needs_nvcc
+def test_index_pages_list_the_wheel_with_its_sha256(built):
+    dist, _ = built
+    (wheel,) = (dist / "wheels").glob("*.whl")
+    page = (dist / "index" / "cu130" / "torch2.14" / "sageattn3" / "index.html").read_text()
+    assert f"#sha256={sha256_of(wheel)}" in page and 'data-requires-python="&gt;=3.10"' in page
+
+
+def test_unknown_target_is_a_clear_error(tmp_path):
+    proc = factory("build-wheels", "--target", "linux-x86_64-cu999", "--dist", str(tmp_path / "dist"))
+    assert proc.returncode == 2 and "unknown target 'linux-x86_64-cu999'" in proc.stderr and "--list-targets" in proc.stderr
+    assert not (tmp_path / "dist" / "wheels").exists()
+
+
+def test_target_that_cannot_be_built_here(tmp_path):
+    proc = factory("build-wheels", "--target", "linux-aarch64-cu130-torch2.10-stable", "--target",
+                   "linux-x86_64-cu128-torch2.10-stable", "--dist", str(tmp_path / "dist"))
+    assert proc.returncode == 1
+    assert "needs a linux-aarch64 machine" in proc.stdout and "needs a CUDA 12.8 toolkit" in proc.stdout
+    assert not list((tmp_path / "dist").glob("wheels/*"))
+
+
+def test_bad_matrix_entry_fails_naming_it(tmp_path):
+    text = (REPO / "ci" / "targets.toml").read_text().replace('cuda = ["12.8", "12.9"]', 'cuda = ["12.8", "13.0"]', 1)
+    bad = tmp_path / "targets.toml"
+    bad.write_text(text)
+    proc = factory("build-wheels", "--dist", str(tmp_path / "dist"), env={"SAGEATTN3_TARGETS_FILE": str(bad)})
+    assert proc.returncode == 2 and "torch 2.8 + CUDA 13.0: PyTorch never published this combination" in proc.stderr
+    assert not (tmp_path / "dist").exists()
+
+
+@needs_nvcc
+def test_drifted_patch_stops_before_compiling(tmp_path):
+    from test_patches import make_test_patch
+
+    manifest = make_test_patch(tmp_path / "p", sha="f" * 64)
+    proc = factory("build-wheels", "--force-patch", "test-comment", "--no-verify", "--torch", "2.14.1",
+                   "--dist", str(tmp_path / "dist"), env={"SAGEATTN3_PATCH_MANIFEST": str(manifest)})
+    assert proc.returncode == 1 and "PatchDrift: patch test-comment: src:csrc/sageattn3.h has changed" in proc.stdout
+    assert "f" * 64 in proc.stdout and "Nothing was built" in proc.stdout
+    assert not list((tmp_path / "dist").glob("wheels/*")) and not list((tmp_path / "dist").glob("raw/*/*.whl"))
