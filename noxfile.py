@@ -1,5 +1,7 @@
 """nox sessions of the sageattn3 wheel factory: each a few lines that call into ci/."""
 
+from pathlib import Path
+
 import nox
 
 nox.options.default_venv_backend = "venv"
@@ -29,5 +31,42 @@ def matrix(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """The test suite (CPU; GPU tests skip without a GPU)."""
     _factory(session)
-    session.install("-r", "ci/requirements-test.txt")
+    # torch 2.13.0 (CPU build) for the payload's reference tests; builds use their own envs.
+    session.install("pytest", "numpy", "torch==2.13.0")
+    if Path("ci/requirements-test.txt").exists():
+        session.install("-r", "ci/requirements-test.txt")
     session.run("python", "-m", "pytest", *(session.posargs or ["tests", "-q", "-rs"]))
+
+
+@nox.session(name="bench-build")
+def bench_build(session: nox.Session) -> None:
+    """Cold/warm build time, peak memory and wheel size of the host target (prints figures)."""
+    _factory(session)
+    session.run("python", "-m", "ci.bench", *session.posargs)
+
+
+def _publisher(session: nox.Session) -> None:
+    _factory(session)
+    if Path("ci/requirements-test.txt").exists():
+        session.install("-r", "ci/requirements-test.txt")
+
+
+@nox.session
+def publish(session: nox.Session) -> None:
+    """Publish dist/wheels to a GitHub Release (token from GITHUB_TOKEN/GH_TOKEN)."""
+    _publisher(session)
+    session.run("python", "-m", "ci.publish", "github", *session.posargs)
+
+
+@nox.session
+def index(session: nox.Session) -> None:
+    """Write or merge the pip index (PEP 503 per variant + find-links pages)."""
+    _publisher(session)
+    session.run("python", "-m", "ci.index", *session.posargs)
+
+
+@nox.session(name="upload-index")
+def upload_index(session: nox.Session) -> None:
+    """twine upload (skip-existing) to a PyPI-compatible server; credentials from the environment."""
+    _publisher(session)
+    session.run("python", "-m", "ci.publish", "pypi", *session.posargs)
