@@ -384,6 +384,50 @@ def update_index(records: list[BuildRecord], wheels_dir: Path, out: Path, projec
     return result
 
 
+def site_files(local_dir: Path, remote_manifest: dict | None, project: str = DEFAULT_PROJECT,
+               base_url: str | None = None, remove: tuple[str, ...] | list[str] = ()
+               ) -> tuple[dict[str, bytes | Path], set[str], list[str]]:
+    """Merge a locally built index into one already published (its manifest), for a host
+    whose other files stay as they are (the Pages branch). Returns the files to put
+    (generated pages as bytes, this index's wheels and .metadata files as paths), the paths
+    to delete (pages no longer produced, removed wheels) and the wheels added. Refuses a
+    wheel name published with another sha256."""
+    local = load_manifest(local_dir)
+    if not local:
+        raise IndexError_(f"{local_dir}: no {MANIFEST}; build the index first (python -m ci.index --out {local_dir})")
+    remote = remote_manifest or {}
+    entries = {k: Entry.from_dict(v) for k, v in remote.get("wheels", {}).items()}
+    old_generated = set(render(entries, project, remote.get("base_url"))[1]) if entries else set()
+    added = []
+    for name, d in sorted(local.get("wheels", {}).items()):
+        e = Entry.from_dict(d)
+        have = entries.get(name)
+        if have is not None and have.record.sha256 != e.record.sha256:
+            raise IndexError_(f"{name}: the published index holds a different file under this name "
+                              f"(sha256 {have.record.sha256[:12]}… vs {e.record.sha256[:12]}…); bump the version "
+                              f"or --remove it first")
+        if have is None:
+            added.append(name)
+        entries[name] = e if have is None or have.yanked == e.yanked or e.yanked is not None else have
+    removed = []
+    for spec in remove:
+        hits = [w for w in entries if _matches_removal(w, spec)]
+        if not hits:
+            raise IndexError_(f"--remove {spec!r}: no published wheel has that name or version")
+        for w in hits:
+            del entries[w]
+            removed.append(w)
+    base = base_url or local.get("base_url") or remote.get("base_url")
+    _, generated = render(entries, project, base)
+    files: dict[str, bytes | Path] = dict(generated)
+    for name in local.get("wheels", {}):
+        if name in entries:
+            files[f"files/{name}"] = Path(local_dir) / "files" / name
+            files[f"files/{name}.metadata"] = Path(local_dir) / "files" / (name + ".metadata")
+    deletions = (old_generated - set(generated)) | {f"files/{w}{x}" for w in removed for x in ("", ".metadata")}
+    return files, deletions, added
+
+
 def index_url(base: str, cuda: str, torch_line: str | None = None) -> str:
     """The --index-url a user with that torch passes."""
     base = base.rstrip("/")

@@ -109,7 +109,7 @@ def serve_dir(root: Path):
     requested: list[str] = []
     handler = functools.partial(type("H", (_Quiet,), {"requested": requested}), directory=str(root))
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     t.start()
     url = Served(f"http://127.0.0.1:{srv.server_address[1]}/")
     url.requested = requested

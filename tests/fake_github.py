@@ -92,7 +92,7 @@ class FakeGitHub:
         self.port = self.httpd.server_address[1]
         self.root = f"http://127.0.0.1:{self.port}"
         self.api_url = f"{self.root}/api/v3"
-        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 
     # -- control -------------------------------------------------------------------------
     def __enter__(self) -> "FakeGitHub":
@@ -251,7 +251,7 @@ class _Handler(BaseHTTPRequestHandler):
         fault = None
         with gh.lock:
             for f in gh.faults:
-                if f.matches(self.command, path):
+                if f.matches(self.command, self.path):  # path and query
                     f.times -= 1
                     f.hits += 1
                     fault = f

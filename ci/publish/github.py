@@ -163,13 +163,13 @@ class _Client:
             from github import Auth, Github
 
             g = Github(base_url=self.opts.api_url.rstrip("/"), auth=Auth.Token(self._token) if self._token else None,
-                       timeout=self.opts.timeout, per_page=100, retry=None, pool_size=2,
+                       timeout=self.opts.timeout, per_page=100, retry=None, pool_size=2, lazy=True,
                        seconds_between_requests=None, seconds_between_writes=None)
             self._tls.gh = g
         return g
 
     def repo(self):
-        return self.gh().get_repo(self.opts.repo, lazy=True)
+        return self.gh().get_repo(self.opts.repo)  # lazy client: no request
 
     def release(self, raw: dict):
         from github.GitRelease import GitRelease
@@ -202,6 +202,7 @@ class ReleasePublisher:
         self.throttle = Throttle(opts.write_interval)
         self.summary = Summary(opts.tag)
         self._sums_cache: dict[str, str] | None = None
+        self._sums_bytes: bytes | None = None
 
     # -- reading ---------------------------------------------------------------------------
     def _call(self, fn, what: str, before_retry=None):
@@ -240,10 +241,21 @@ class ReleasePublisher:
     def remote_sums(self, assets: dict[str, dict]) -> dict[str, str]:
         if self._sums_cache is None:
             a = assets.get(SUMS)
-            self._sums_cache = {}
+            self._sums_cache, self._sums_bytes = {}, None
             if a is not None and a.get("state") == "uploaded":
-                self._sums_cache = parse_sums(self._call(lambda: self.client.download(a), f"download {SUMS}"))
+                self._sums_bytes = self._call(lambda: self.client.download(a), f"download {SUMS}")
+                self._sums_cache = parse_sums(self._sums_bytes)
         return self._sums_cache
+
+    def sums_current(self, sums: LocalAsset, assets: dict[str, dict]) -> bool:
+        """Is the release's SHA256SUMS exactly ``sums``? (digest, else the one download)"""
+        cur = assets.get(SUMS)
+        if cur is None or cur.get("state") != "uploaded" or cur.get("size") != sums.size:
+            return False
+        if cur.get("digest"):
+            return cur["digest"] == f"sha256:{sums.sha256}"
+        self.remote_sums(assets)
+        return self._sums_bytes == sums.data
 
     def remote_sha256(self, a: dict, local: LocalAsset | None, assets: dict[str, dict]) -> tuple[str | None, str]:
         """(sha256 or None, how it was learnt) of a remote asset; see the module's rule."""
@@ -391,18 +403,26 @@ class ReleasePublisher:
             return
         with ThreadPoolExecutor(max_workers=max(1, self.opts.concurrency)) as pool:
             futures = {pool.submit(self.upload, release, la, old): (la, action) for la, old, action in uploads}
-            for fut in as_completed(futures):
-                la, action = futures[fut]
-                try:
-                    fut.result()
-                except Exception as e:  # noqa: BLE001 - reported per asset
-                    t = classify(e)
-                    reason = str(e) if isinstance(e, PublishError) else f"{type(e).__name__}: {t or e}"
-                    self.summary.failed.append((la.name, reason))
-                    self.log(f"  FAILED {la.name}: {reason}")
-                    continue
-                (self.summary.replaced if action == "replace" else self.summary.uploaded).append(la.name)
-                self.log(f"  {'replaced' if action == 'replace' else 'uploaded'} {la.name}")
+            try:
+                self._collect(futures)
+            except BaseException:  # interrupted: start nothing new; a re-run resumes
+                for f in futures:
+                    f.cancel()
+                raise
+
+    def _collect(self, futures) -> None:
+        for fut in as_completed(futures):
+            la, action = futures[fut]
+            try:
+                fut.result()
+            except Exception as e:  # noqa: BLE001 - reported per asset
+                t = classify(e)
+                reason = str(e) if isinstance(e, PublishError) else f"{type(e).__name__}: {t or e}"
+                self.summary.failed.append((la.name, reason))
+                self.log(f"  FAILED {la.name}: {reason}")
+                continue
+            (self.summary.replaced if action == "replace" else self.summary.uploaded).append(la.name)
+            self.log(f"  {'replaced' if action == 'replace' else 'uploaded'} {la.name}")
 
     def _sums_asset(self, local: list[LocalAsset], assets: dict[str, dict], extras: list[str]) -> LocalAsset:
         shas = {la.name: la.sha256 for la in local}
@@ -423,9 +443,7 @@ class ReleasePublisher:
                                      + (" (published)" if release and not release["draft"] else " (draft)"))
             uploads, extras = self.plan(local, release, assets)
             sums = self._sums_asset(local, assets, extras)
-            cur = assets.get(SUMS)
-            same = cur is not None and self.remote_sha256(cur, sums, assets)[0] == sums.sha256
-            self.summary.plan.append(f"{'skip' if same else 'write':<8} {SUMS}")
+            self.summary.plan.append(f"{'skip' if self.sums_current(sums, assets) else 'write':<8} {SUMS}")
             if not release or release["draft"]:
                 self.summary.plan.append(f"publish  release {o.tag} once every asset is verified")
             return self.summary
@@ -449,7 +467,7 @@ class ReleasePublisher:
         # SHA256SUMS last: it vouches for assets that are all in place now.
         sums = self._sums_asset(local, assets, extras)
         cur = assets.get(SUMS)
-        if cur is None or self.remote_sha256(cur, sums, assets)[0] != sums.sha256:
+        if not self.sums_current(sums, assets):
             self.upload(release, sums, cur)
             (self.summary.replaced if cur is not None else self.summary.uploaded).append(SUMS)
             self.log(f"  {'rewrote' if cur is not None else 'uploaded'} {SUMS}")
@@ -481,7 +499,7 @@ class ReleasePublisher:
         def go() -> dict:
             self.throttle()
             rel = self.client.release(release)
-            return _raw(rel.update_release(rel.title or self.opts.tag, rel.body or "", draft=False,
+            return _raw(rel.update_release(rel.name or self.opts.tag, rel.body or "", draft=False,
                                            prerelease=bool(rel.prerelease)))
 
         def landed() -> dict | None:

@@ -1,0 +1,164 @@
+"""twine uploads to PyPI-compatible servers, and the unlabelled default variant for PyPI.
+
+Two modes:
+
+- **all variants** (any server that accepts PEP 440 local versions, e.g. pypiserver or a
+  devpi index): every labelled wheel of ``dist/wheels``, ``twine upload --skip-existing``.
+- **PyPI mode** (automatic for ``*.pypi.org`` URLs, or ``--pypi``): PyPI refuses local
+  version labels, so only one variant goes there, as a plain version. The default variant
+  is the one that serves what ``pip install torch`` gives from PyPI: the newest torch line of
+  ``ci/targets.toml`` with its ``pypi_default`` CUDA (today ``cu130.torch2.10.stable``), or
+  ``--default-variant``. Each of its wheels (one per OS/arch) is **derived** by rewriting
+  only the version: ``sageattn3-1.0.0+cu130.torch2.10.stable-<tags>.whl`` becomes
+  ``sageattn3-1.0.0-<tags>.whl`` (``.dist-info`` directory, ``METADATA`` ``Version:`` and
+  ``RECORD`` hashes rewritten; every other byte identical, so the build record inside still
+  names the variant). Users of other torch/CUDA builds use the per-variant index.
+
+Credentials are twine's own environment variables (``TWINE_USERNAME``, ``TWINE_PASSWORD``;
+``__token__`` + an API token for PyPI); nothing is passed on a command line, and twine's
+output is redacted before it is printed.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import subprocess
+import sys
+import urllib.parse
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from packaging.utils import parse_wheel_filename
+from packaging.version import Version
+
+from ci.publish._net import PublishError, Redactor
+from ci.record import BuildRecord, load_records
+from ci.variant import Variant
+
+
+@dataclass(frozen=True)
+class UploadOptions:
+    repository_url: str
+    wheels: Path = Path("dist/wheels")
+    pypi: bool | None = None  # None: decide from the URL
+    default_variant: str | None = None
+    out: Path = Path("dist/pypi")
+    dry_run: bool = False
+    timeout: int = 600
+
+
+def is_pypi(url: str) -> bool:
+    host = urllib.parse.urlsplit(url).hostname or ""
+    return host == "pypi.org" or host.endswith(".pypi.org")
+
+
+def default_variant_from_matrix() -> str:
+    """The variant serving torch's newest line as PyPI ships it (its pypi_default CUDA)."""
+    from ci.targets import Matrix
+
+    m = Matrix.load()
+    newest = max(m.torch, key=lambda t: Version(t.line))
+    cands = sorted({t.variant for t in m.targets if t.variant.serves(f"{newest.line}.0", newest.pypi_default)
+                    and newest.line in t.torch_lines and t.cuda == newest.pypi_default})
+    if not cands:
+        raise PublishError(f"no target serves torch {newest.line} with CUDA {newest.pypi_default} (PyPI's default); "
+                           "pass --default-variant")
+    return str(cands[-1])
+
+
+def select_default(records: list[BuildRecord], variant: str) -> list[BuildRecord]:
+    """The newest version's wheels of that variant (one per platform tag)."""
+    Variant.parse(variant)
+    mine = [r for r in records if r.variant == variant]
+    if not mine:
+        have = sorted({r.variant for r in records})
+        raise PublishError(f"no wheel of the default variant {variant} in the wheels directory (have: {', '.join(have) or 'none'})")
+    newest = max(Version(r.version).public for r in mine)
+    return sorted((r for r in mine if Version(r.version).public == newest), key=lambda r: r.wheel)
+
+
+def _b64(d: bytes) -> str:
+    return base64.urlsafe_b64encode(d).rstrip(b"=").decode()
+
+
+def derive_unlabelled(wheel: Path, out_dir: Path) -> Path:
+    """A copy of the wheel with the local label dropped from its version (see the module doc)."""
+    name, version, build, tags = parse_wheel_filename(wheel.name)
+    if version.local is None:
+        return wheel
+    plain = version.public
+    stem_old = wheel.name.split("-")[0]
+    old_info = f"{stem_old}-{version}.dist-info/"
+    new_info = f"{stem_old}-{plain}.dist-info/"
+    new_name = wheel.name.replace(f"-{version}-", f"-{plain}-", 1)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dst = out_dir / new_name
+    entries: list[tuple[zipfile.ZipInfo, bytes]] = []
+    with zipfile.ZipFile(wheel) as zin:
+        for zi in zin.infolist():
+            data = zin.read(zi)
+            n = zi.filename
+            if n.startswith(old_info):
+                n = new_info + n[len(old_info):]
+                if n == new_info + "METADATA":
+                    lines = data.decode("utf-8").split("\n")
+                    lines = [f"Version: {plain}" if ln.startswith("Version: ") else ln for ln in lines]
+                    data = "\n".join(lines).encode("utf-8")
+            nzi = zipfile.ZipInfo(n, date_time=zi.date_time)
+            nzi.external_attr, nzi.compress_type, nzi.create_system = zi.external_attr, zi.compress_type, zi.create_system
+            entries.append((nzi, data))
+    record_name = new_info + "RECORD"
+    rows = []
+    for zi, data in entries:
+        if zi.filename == record_name:
+            rows.append(f"{record_name},,")
+        else:
+            rows.append(f"{zi.filename},sha256={_b64(hashlib.sha256(data).digest())},{len(data)}")
+    record = ("\n".join(rows) + "\n").encode()
+    tmp = dst.with_name(dst.name + ".tmp")
+    with zipfile.ZipFile(tmp, "w") as zout:
+        for zi, data in entries:
+            zout.writestr(zi, record if zi.filename == record_name else data)
+    os.replace(tmp, dst)
+    return dst
+
+
+def _twine(files: list[Path], url: str, timeout: int) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "twine", "upload", "--non-interactive", "--skip-existing",
+           "--disable-progress-bar", "--repository-url", url, *map(str, files)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def upload_index(opts: UploadOptions, log: Callable[[str], None] = print) -> int:
+    redact = Redactor.from_env()
+    records = load_records(opts.wheels)
+    if not records:
+        raise PublishError(f"{opts.wheels}: no wheels to upload")
+    pypi = is_pypi(opts.repository_url) if opts.pypi is None else opts.pypi
+    if pypi:
+        variant = opts.default_variant or default_variant_from_matrix()
+        chosen = select_default(records, variant)
+        others = sorted({r.variant for r in records} - {variant})
+        log(f"PyPI mode: PyPI refuses local version labels (+{variant}), so only the default variant {variant} is "
+            f"uploaded, as plain version {Version(chosen[0].version).public} ({len(chosen)} wheel(s)). "
+            + (f"Not uploaded: {', '.join(others)} (they are on GitHub Releases and the per-variant index)." if others else ""))
+        files = [derive_unlabelled(opts.wheels / r.wheel, opts.out) for r in chosen]
+    else:
+        files = [opts.wheels / r.wheel for r in records]
+    for f in files:
+        log(f"  {'would upload' if opts.dry_run else 'upload'} {f.name}")
+    if opts.dry_run:
+        return 0
+    p = _twine(files, opts.repository_url, opts.timeout)
+    for line in (p.stdout + p.stderr).splitlines():
+        if line.strip():
+            log(redact(f"  twine: {line}"))
+    if p.returncode != 0:
+        raise PublishError(f"twine upload to {redact(opts.repository_url)} failed (exit {p.returncode}); see its output above")
+    skipped = sum(1 for line in (p.stdout + p.stderr).splitlines() if "Skipping" in line)
+    log(f"uploaded {len(files) - skipped}, skipped {skipped} (already on the server)")
+    return 0
