@@ -91,7 +91,7 @@ def _pypi(argv: list[str], out) -> int:
     from ci.publish.pypi import UploadOptions, upload_index
 
     ap = argparse.ArgumentParser(prog="python -m ci.publish pypi",
-                                 description="twine upload --skip-existing to a PyPI-compatible server. Credentials: "
+                                 description="twine upload (skipping files the server has) to a PyPI-compatible server. Credentials: "
                                              "TWINE_USERNAME/TWINE_PASSWORD (or a __token__ password) in the environment.")
     ap.add_argument("--repository-url", required=True)
     ap.add_argument("--wheels", type=Path, default=Path("dist/wheels"))
@@ -102,10 +102,12 @@ def _pypi(argv: list[str], out) -> int:
                       help="upload every labelled wheel (servers that accept local versions)")
     ap.add_argument("--default-variant", default=None, help="variant label to publish unlabelled (default: from ci/targets.toml)")
     ap.add_argument("--out", type=Path, default=Path("dist/pypi"), help="where PyPI-mode wheels are written")
+    ap.add_argument("--simple-url", default=None,
+                    help="the server's PEP 503 root, read to skip files it has (default: pypi.org/simple or <repository-url>/simple/)")
     ap.add_argument("--dry-run", action="store_true")
     a = ap.parse_args(argv)
     opts = UploadOptions(repository_url=a.repository_url, wheels=a.wheels, pypi=a.pypi, default_variant=a.default_variant,
-                         out=a.out, dry_run=a.dry_run)
+                         out=a.out, dry_run=a.dry_run, simple_url=a.simple_url)
     return upload_index(opts, log=out)
 
 

@@ -14,6 +14,12 @@ Two modes:
   ``RECORD`` hashes rewritten; every other byte identical, so the build record inside still
   names the variant). Users of other torch/CUDA builds use the per-variant index.
 
+Skip-existing is done here, not by twine (twine 6+ refuses ``--skip-existing`` for servers it
+does not know): the server's PEP 503 page for the project (``--simple-url``; default
+``https://pypi.org/simple/`` for PyPI, ``<repository-url>/simple/`` otherwise, as pypiserver
+serves it) is read first; a file already there with the same sha256 is skipped, one with
+another sha256 is an error (an index never changes a published file), the rest go to twine.
+
 Credentials are twine's own environment variables (``TWINE_USERNAME``, ``TWINE_PASSWORD``;
 ``__token__`` + an API token for PyPI); nothing is passed on a command line, and twine's
 output is redacted before it is printed.
@@ -48,6 +54,7 @@ class UploadOptions:
     default_variant: str | None = None
     out: Path = Path("dist/pypi")
     dry_run: bool = False
+    simple_url: str | None = None
     timeout: int = 600
 
 
@@ -127,8 +134,44 @@ def derive_unlabelled(wheel: Path, out_dir: Path) -> Path:
     return dst
 
 
+def simple_url_for(repository_url: str) -> str:
+    host = urllib.parse.urlsplit(repository_url).hostname or ""
+    if is_pypi(repository_url):
+        return "https://test.pypi.org/simple/" if host.startswith("test.") else "https://pypi.org/simple/"
+    return urllib.parse.urljoin(repository_url.rstrip("/") + "/", "simple/")
+
+
+def existing_files(simple_url: str, project: str, send_auth: bool) -> dict[str, str | None]:
+    """File name -> sha256 (None when the page gives none) of what the server already has."""
+    import urllib.request
+    from urllib.error import HTTPError
+
+    from packaging.utils import canonicalize_name
+
+    from ci.index import parse_anchors
+
+    url = urllib.parse.urljoin(simple_url.rstrip("/") + "/", canonicalize_name(project) + "/")
+    req = urllib.request.Request(url, headers={"Accept": "text/html"})
+    user, pw = os.environ.get("TWINE_USERNAME"), os.environ.get("TWINE_PASSWORD")
+    if send_auth and user and pw:
+        req.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{pw}".encode()).decode())
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            page = r.read()
+    except HTTPError as e:
+        if e.code == 404:
+            return {}
+        raise PublishError(f"reading {url} to skip existing files: HTTP {e.code}") from None
+    out: dict[str, str | None] = {}
+    for a in parse_anchors(page):
+        parts = urllib.parse.urlsplit(a.get("href") or "")
+        name = urllib.parse.unquote(parts.path.rsplit("/", 1)[-1])
+        out[name] = parts.fragment.removeprefix("sha256=") if parts.fragment.startswith("sha256=") else None
+    return out
+
+
 def _twine(files: list[Path], url: str, timeout: int) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "twine", "upload", "--non-interactive", "--skip-existing",
+    cmd = [sys.executable, "-m", "twine", "upload", "--non-interactive",
            "--disable-progress-bar", "--repository-url", url, *map(str, files)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
@@ -149,16 +192,30 @@ def upload_index(opts: UploadOptions, log: Callable[[str], None] = print) -> int
         files = [derive_unlabelled(opts.wheels / r.wheel, opts.out) for r in chosen]
     else:
         files = [opts.wheels / r.wheel for r in records]
+    from ci.record import sha256_of
+
+    have = existing_files(opts.simple_url or simple_url_for(opts.repository_url), "sageattn3",
+                          send_auth=not is_pypi(opts.repository_url))
+    todo, skipped = [], 0
     for f in files:
+        if f.name in have:
+            if have[f.name] not in (None, sha256_of(f)):
+                raise PublishError(f"{f.name}: the server already has a different file under this name; "
+                                   "a published file never changes: bump the version")
+            skipped += 1
+            log(f"  skip {f.name} (already on the server)")
+            continue
+        todo.append(f)
         log(f"  {'would upload' if opts.dry_run else 'upload'} {f.name}")
-    if opts.dry_run:
+    if opts.dry_run or not todo:
+        log(f"uploaded 0, skipped {skipped} (already on the server)" + (" (dry run)" if opts.dry_run else ""))
         return 0
+    files = todo
     p = _twine(files, opts.repository_url, opts.timeout)
     for line in (p.stdout + p.stderr).splitlines():
         if line.strip():
             log(redact(f"  twine: {line}"))
     if p.returncode != 0:
         raise PublishError(f"twine upload to {redact(opts.repository_url)} failed (exit {p.returncode}); see its output above")
-    skipped = sum(1 for line in (p.stdout + p.stderr).splitlines() if "Skipping" in line)
-    log(f"uploaded {len(files) - skipped}, skipped {skipped} (already on the server)")
+    log(f"uploaded {len(files)}, skipped {skipped} (already on the server)")
     return 0
