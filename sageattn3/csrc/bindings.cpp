@@ -39,32 +39,162 @@ void check_cuda_kernel(int err, const char* what) {
   STD_TORCH_CHECK(err == 0, "sageattn3: ", what, " failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
-// quant_fp4_rows(x, packed!, scales!): x viewed as (rows, cols) with unit stride along cols.
+// Runs the launch on the tensors' device (custom ops get no device guard from the dispatcher).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    cudaGetDevice(&prev_);
+    if (prev_ != device) cudaSetDevice(device);
+  }
+  ~DeviceScope() {
+    int cur = -1;
+    cudaGetDevice(&cur);
+    if (cur != prev_) cudaSetDevice(prev_);
+  }
+
+ private:
+  int prev_ = 0;
+};
+
+void check_cuda(const Tensor& t, const Tensor& ref, const char* name) {
+  STD_TORCH_CHECK(t.is_cuda(), "sageattn3: ", name, " must be a CUDA tensor");
+  STD_TORCH_CHECK(t.get_device() == ref.get_device(), "sageattn3: ", name, " is on another device");
+  STD_TORCH_CHECK(t.is_contiguous(), "sageattn3: ", name, " must be contiguous");
+}
+
+void check_bytes(const Tensor& t, const char* name) {
+  STD_TORCH_CHECK(t.scalar_type() == torch::headeronly::ScalarType::Byte ||
+                      t.scalar_type() == torch::headeronly::ScalarType::Float8_e4m3fn,
+                  "sageattn3: ", name, " must be uint8 or float8_e4m3fn");
+}
+
+void check_f32(const Tensor& t, const char* name) {
+  STD_TORCH_CHECK(t.scalar_type() == torch::headeronly::ScalarType::Float, "sageattn3: ", name, " must be float32");
+}
+
+uint8_t* bytes(const Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
+float* floats(const Tensor& t) { return static_cast<float*>(t.data_ptr()); }
+
+// quant_fp4_rows(x, packed!, scales!): x (..., D) contiguous, D % 16 == 0.
 void quant_fp4_rows(Tensor x, Tensor packed, Tensor scales) {
-  STD_TORCH_CHECK(x.is_cuda() && packed.is_cuda() && scales.is_cuda(), "sageattn3: tensors must be on CUDA");
-  STD_TORCH_CHECK(x.get_device() == packed.get_device() && x.get_device() == scales.get_device(),
-                  "sageattn3: tensors on different devices");
+  check_cuda(x, x, "x");
+  check_cuda(packed, x, "packed");
+  check_cuda(scales, x, "scales");
+  check_bytes(packed, "packed");
+  check_bytes(scales, "scales");
   const int64_t cols = x.dim() ? x.size(x.dim() - 1) : 0;
-  STD_TORCH_CHECK(x.dim() >= 1 && cols % 16 == 0, "sageattn3: last dim must be a multiple of 16");
-  STD_TORCH_CHECK(x.stride(x.dim() - 1) == 1 && x.is_contiguous(), "sageattn3: x must be contiguous");
-  STD_TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous(), "sageattn3: outputs must be contiguous");
-  const int64_t rows = cols ? x.numel() / cols : 0;
-  STD_TORCH_CHECK(packed.numel() == rows * cols / 2 && scales.numel() == rows * cols / 16,
-                  "sageattn3: output sizes do not match x");
-  check_cuda_kernel(sageattn3::quant_fp4_rows(x.data_ptr(), dtype_of(x, "x"), rows, cols, cols,
-                                              static_cast<uint8_t*>(packed.data_ptr()),
-                                              static_cast<uint8_t*>(scales.data_ptr()), current_stream(x)),
+  STD_TORCH_CHECK(x.dim() >= 1 && cols > 0 && cols % 16 == 0, "sageattn3: last dim must be a positive multiple of 16");
+  const int64_t n = x.numel();
+  STD_TORCH_CHECK(packed.numel() == n / 2 && scales.numel() == n / 16, "sageattn3: output sizes do not match x");
+  DeviceScope scope(x.get_device());
+  check_cuda_kernel(sageattn3::quant_fp4_rows(x.data_ptr(), dtype_of(x, "x"), n, cols, bytes(packed), bytes(scales),
+                                              current_stream(x)),
                     "quant_fp4_rows");
+}
+
+// quant_fp4_cols(x, packed!, scales!): x (..., S, D) -> packed (..., D, Sp/2), scales (..., D, Sp/16).
+void quant_fp4_cols(Tensor x, Tensor packed, Tensor scales) {
+  check_cuda(x, x, "x");
+  check_cuda(packed, x, "packed");
+  check_cuda(scales, x, "scales");
+  check_bytes(packed, "packed");
+  check_bytes(scales, "scales");
+  STD_TORCH_CHECK(x.dim() >= 2 && packed.dim() >= 2, "sageattn3: x must have at least 2 dims");
+  const int64_t S = x.size(x.dim() - 2), D = x.size(x.dim() - 1);
+  STD_TORCH_CHECK(D > 0 && D % 16 == 0, "sageattn3: last dim must be a positive multiple of 16");
+  const int64_t G = S * D ? x.numel() / (S * D) : 0;
+  const int64_t Sp = packed.size(packed.dim() - 1) * 2;
+  STD_TORCH_CHECK(Sp % 16 == 0 && Sp >= S, "sageattn3: packed's last dim must be S padded to a multiple of 16, halved");
+  STD_TORCH_CHECK(packed.numel() == G * D * Sp / 2 && scales.numel() == G * D * Sp / 16,
+                  "sageattn3: output sizes do not match x");
+  DeviceScope scope(x.get_device());
+  check_cuda_kernel(sageattn3::quant_fp4_cols(x.data_ptr(), dtype_of(x, "x"), G, S, D, Sp, bytes(packed),
+                                              bytes(scales), current_stream(x)),
+                    "quant_fp4_cols");
+}
+
+// colsum(x, chunk, partial!): x (G, S, D) -> partial (G, ceil(S/chunk), D) fp32.
+void colsum(Tensor x, int64_t chunk, Tensor partial) {
+  check_cuda(x, x, "x");
+  check_cuda(partial, x, "partial");
+  check_f32(partial, "partial");
+  STD_TORCH_CHECK(x.dim() == 3 && chunk > 0, "sageattn3: colsum takes x (G, S, D) and chunk > 0");
+  const int64_t G = x.size(0), S = x.size(1), D = x.size(2);
+  STD_TORCH_CHECK(D % 16 == 0 && D <= 256, "sageattn3: D must be a multiple of 16, at most 256");
+  STD_TORCH_CHECK(partial.numel() == G * ((S + chunk - 1) / chunk) * D, "sageattn3: partial has the wrong size");
+  DeviceScope scope(x.get_device());
+  check_cuda_kernel(sageattn3::colsum(x.data_ptr(), dtype_of(x, "x"), G, S, D, chunk, floats(partial), current_stream(x)),
+                    "colsum");
+}
+
+// smooth_quant_rows(x, mean!, compute_mean, mean_block, packed!, scales!): x (G, S, D);
+// mean (G, nm, D) fp32; packed (G, Sp, D/2); scales (G, Sp, D/16).
+void smooth_quant_rows(Tensor x, Tensor mean, bool compute_mean, int64_t mean_block, Tensor packed, Tensor scales) {
+  check_cuda(x, x, "x");
+  check_cuda(mean, x, "mean");
+  check_cuda(packed, x, "packed");
+  check_cuda(scales, x, "scales");
+  check_f32(mean, "mean");
+  check_bytes(packed, "packed");
+  check_bytes(scales, "scales");
+  STD_TORCH_CHECK(x.dim() == 3 && packed.dim() == 3, "sageattn3: x and packed must be 3-D (G, S, D)");
+  const int64_t G = x.size(0), S = x.size(1), D = x.size(2), Sp = packed.size(1);
+  STD_TORCH_CHECK(D % 16 == 0 && D <= 256, "sageattn3: D must be a multiple of 16, at most 256");
+  STD_TORCH_CHECK(mean_block == 0 || mean_block == 128, "sageattn3: mean_block must be 0 or 128");
+  STD_TORCH_CHECK(!compute_mean || mean_block == 128, "sageattn3: compute_mean needs mean_block 128");
+  const int64_t nm = mean_block ? (S + 127) / 128 : 1;
+  STD_TORCH_CHECK(mean.numel() == G * nm * D, "sageattn3: mean has the wrong size");
+  STD_TORCH_CHECK(Sp >= S && packed.numel() == G * Sp * D / 2 && scales.numel() == G * Sp * D / 16,
+                  "sageattn3: output sizes do not match x");
+  DeviceScope scope(x.get_device());
+  check_cuda_kernel(sageattn3::smooth_quant_rows(x.data_ptr(), dtype_of(x, "x"), G, S, D, floats(mean), compute_mean,
+                                                 static_cast<int>(mean_block), Sp, bytes(packed), bytes(scales),
+                                                 current_stream(x)),
+                    "smooth_quant_rows");
+}
+
+// delta_s(k, mean_k, mean_q, out!): k (B, Hkv, Sk, D); mean_k (B, Hkv, 1, D); mean_q (B, Hq, nblk, D);
+// out (B, Hq, nblk, Sp) fp32.
+void delta_s(Tensor k, Tensor mean_k, Tensor mean_q, Tensor out) {
+  check_cuda(k, k, "k");
+  check_cuda(mean_k, k, "mean_k");
+  check_cuda(mean_q, k, "mean_q");
+  check_cuda(out, k, "out");
+  check_f32(mean_k, "mean_k");
+  check_f32(mean_q, "mean_q");
+  check_f32(out, "out");
+  STD_TORCH_CHECK(k.dim() == 4 && mean_q.dim() == 4 && out.dim() == 4, "sageattn3: delta_s takes 4-D tensors");
+  const int64_t B = k.size(0), Hkv = k.size(1), Sk = k.size(2), D = k.size(3);
+  const int64_t Hq = mean_q.size(1), nblk = mean_q.size(2), Sp = out.size(3);
+  STD_TORCH_CHECK(D % 16 == 0, "sageattn3: D must be a multiple of 16");
+  STD_TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && mean_q.size(0) == B && mean_q.size(3) == D,
+                  "sageattn3: mean_q does not match k");
+  STD_TORCH_CHECK(mean_k.numel() == B * Hkv * D, "sageattn3: mean_k does not match k");
+  STD_TORCH_CHECK(out.size(0) == B && out.size(1) == Hq && out.size(2) == nblk && Sp % 16 == 0 && Sp >= Sk,
+                  "sageattn3: out has the wrong shape");
+  DeviceScope scope(k.get_device());
+  check_cuda_kernel(sageattn3::delta_s(k.data_ptr(), dtype_of(k, "k"), B, Hq, Hkv, Sk, D, nblk, floats(mean_k),
+                                       floats(mean_q), Sp, floats(out), current_stream(k)),
+                    "delta_s");
 }
 
 }  // namespace
 
 STABLE_TORCH_LIBRARY(sageattn3, m) {
   m.def("quant_fp4_rows(Tensor x, Tensor(a!) packed, Tensor(b!) scales) -> ()");
+  m.def("quant_fp4_cols(Tensor x, Tensor(a!) packed, Tensor(b!) scales) -> ()");
+  m.def("colsum(Tensor x, int chunk, Tensor(a!) partial) -> ()");
+  m.def("smooth_quant_rows(Tensor x, Tensor(a!) mean, bool compute_mean, int mean_block, Tensor(b!) packed, "
+        "Tensor(c!) scales) -> ()");
+  m.def("delta_s(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) out) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(sageattn3, CUDA, m) {
   m.impl("quant_fp4_rows", TORCH_BOX(&quant_fp4_rows));
+  m.impl("quant_fp4_cols", TORCH_BOX(&quant_fp4_cols));
+  m.impl("colsum", TORCH_BOX(&colsum));
+  m.impl("smooth_quant_rows", TORCH_BOX(&smooth_quant_rows));
+  m.impl("delta_s", TORCH_BOX(&delta_s));
 }
 
 // `import sageattn3._C` only needs the module to exist: loading the library runs the static

@@ -1,5 +1,8 @@
 // Host-side launch API of the sageattn3 kernels: plain C types only (no torch headers), so
 // the .cu translation units compile without parsing torch and the bindings stay thin.
+// Every function returns a cudaError_t (as int). All tensors are contiguous; "G" is a flattened
+// group of (batch, head); S a sequence length; D a head dim (a multiple of 16).
+// NVFP4 numerics: common/nvfp4.cuh (bit-exact with sageattn3/reference.py).
 #pragma once
 #include <cstdint>
 #include <cuda_runtime_api.h>
@@ -8,10 +11,33 @@ namespace sageattn3 {
 
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
 
-// NVFP4 quantization of `rows` rows of `cols` elements (cols % 16 == 0) along each row.
-// x: row i starts at x + i * row_stride (elements). packed: rows x cols/2 bytes (low nibble =
-// even element); scales: rows x cols/16 E4M3 bytes. Returns a cudaError_t.
-int quant_fp4_rows(const void* x, DType dtype, int64_t rows, int64_t cols, int64_t row_stride,
-                   uint8_t* packed, uint8_t* scales, cudaStream_t stream);
+// NVFP4 along rows: x is `n` contiguous elements forming rows of `cols` (cols % 16 == 0);
+// packed[n/2] (element 2i low nibble of byte i), scales[n/16] (one E4M3 byte per 16 elements).
+int quant_fp4_rows(const void* x, DType dtype, int64_t n, int64_t cols, uint8_t* packed, uint8_t* scales,
+                   cudaStream_t stream);
+
+// NVFP4 along the sequence: x (G, S, D) -> packed (G, D, Sp/2), scales (G, D, Sp/16), with
+// Sp >= S a multiple of 16; tokens S..Sp-1 are zeros.
+int quant_fp4_cols(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, int64_t Sp, uint8_t* packed,
+                   uint8_t* scales, cudaStream_t stream);
+
+// Partial column sums: x (G, S, D) -> partial (G, ceil(S/chunk), D) fp32, each the sum of
+// rows [c*chunk, min(S, (c+1)*chunk)) in a fixed order (deterministic).
+int colsum(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, int64_t chunk, float* partial,
+           cudaStream_t stream);
+
+// Smoothing + NVFP4 along D: row r of group g becomes x[g, r] - mean[g, m(r)] (fp32), with
+// m(r) = r / 128 if mean_block == 128, else 0 (mean_block == 0: one mean per group);
+// mean has shape (G, nm, D) fp32. compute_mean (needs mean_block == 128): the kernel computes
+// each 128-row block's mean (over its rows < S) and writes it to `mean` first. Output rows
+// S..Sp-1 (Sp a multiple of 16... any Sp >= S) are zero codes with zero scales.
+int smooth_quant_rows(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, float* mean, bool compute_mean,
+                      int mean_block, int64_t Sp, uint8_t* packed, uint8_t* scales, cudaStream_t stream);
+
+// delta_s[b, hq, i, j] = sum_d mean_q[b, hq, i, d] * (k[b, hq / (Hq/Hkv), j, d] - mean_k[b, hkv, d])
+// for j < Sk, 0 for Sk <= j < Sp. k (B, Hkv, Sk, D); mean_k (B, Hkv, D); mean_q (B, Hq, nblk, D);
+// out (B, Hq, nblk, Sp), all fp32 except k.
+int delta_s(const void* k, DType dtype, int64_t B, int64_t Hq, int64_t Hkv, int64_t Sk, int64_t D, int64_t nblk,
+            const float* mean_k, const float* mean_q, int64_t Sp, float* out, cudaStream_t stream);
 
 }  // namespace sageattn3

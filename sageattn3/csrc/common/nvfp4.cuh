@@ -1,43 +1,130 @@
-// NVFP4 numerics on the device: E2M1 (round to nearest even, saturating to +-6) and the
-// E4M3 block scale. The hardware conversion (cvt.rn.satfinite.e2m1x2.f32) is used where the
-// target has it; the software path elsewhere gives the same bits.
+// NVFP4 numerics on the device, bit-exact with sageattn3/reference.py:
+//   amax over 16 values (NaN propagates) -> scale byte = e4m3_satfinite(amax / 6) & 0x7F
+//   scale 0 or NaN -> all 16 codes 0; else code = e2m1_rn_satfinite(x * rcp_rn(scale)).
+// The hardware conversion (cvt.rn.satfinite.e2m1x2.f32) is used on targets that have it; the
+// software conversion elsewhere gives the same bits. NaN never reaches either conversion (a NaN
+// makes its block's scale NaN and its codes 0), so their differing NaN rules do not matter.
 #pragma once
 #include <cstdint>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
+
+// cvt ... e2m1x2 exists on the family/arch-specific targets of sm_100 and later (100a/f,
+// 103a/f, 110a/f, 120a/f, 121a/f); nvcc defines __CUDA_ARCH_FAMILY_SPECIFIC__ for those (and
+// for sm_90a, hence the lower bound).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FAMILY_SPECIFIC__) && (__CUDA_ARCH_FAMILY_SPECIFIC__ >= 1000)
+#define SAGEATTN3_HW_E2M1 1
+#else
+#define SAGEATTN3_HW_E2M1 0
+#endif
 
 namespace sageattn3 {
 
-// |x| -> E2M1 magnitude code (0..7), round to nearest, ties to even code, saturate at 6.
-// NaN maps to code 7 (6.0) with its sign, like satfinite.
+// |x| -> E2M1 magnitude code (0..7), round to nearest, ties to the even code, saturating at 6.
 __device__ __forceinline__ uint32_t e2m1_code_sw(float x) {
   const uint32_t sign = (__float_as_uint(x) >> 31) << 3;
   const float a = fabsf(x);
-  uint32_t m;
-  if (a <= 0.25f) m = 0;
-  else if (a < 0.75f) m = 1;
-  else if (a <= 1.25f) m = 2;
-  else if (a < 1.75f) m = 3;
-  else if (a <= 2.5f) m = 4;
-  else if (a < 3.5f) m = 5;
-  else if (a <= 5.0f) m = 6;
-  else m = 7;  // includes +inf and NaN (comparisons with NaN are false)
+  const uint32_t m = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
   return sign | m;
 }
 
 // Two floats -> one byte, `lo` in the low nibble.
 __device__ __forceinline__ uint32_t e2m1x2(float lo, float hi) {
+#if SAGEATTN3_HW_E2M1
+  uint16_t r;
+  // cvt d, a, b puts a in the upper nibble and b in the lower one.
+  asm("{\n .reg .b8 t;\n cvt.rn.satfinite.e2m1x2.f32 t, %1, %2;\n mov.b16 %0, {t, 0};\n}" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
   return e2m1_code_sw(lo) | (e2m1_code_sw(hi) << 4);
+#endif
 }
 
-// E4M3 (finite, saturating at 448) of a non-negative scale, as its byte.
-__device__ __forceinline__ uint8_t e4m3_byte(float s) {
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(s, __NV_SATFINITE, __NV_E4M3));
+// 8 floats (already multiplied by 1/scale) -> 8 codes in one word, element 0 in the low nibble.
+__device__ __forceinline__ uint32_t e2m1x8(const float (&y)[8]) {
+  return e2m1x2(y[0], y[1]) | (e2m1x2(y[2], y[3]) << 8) | (e2m1x2(y[4], y[5]) << 16) | (e2m1x2(y[6], y[7]) << 24);
 }
 
-__device__ __forceinline__ float e4m3_value(uint8_t b) {
-  __nv_fp8_e4m3 v;
-  v.__x = b;
-  return static_cast<float>(v);
+// E4M3 byte of a block amax (>= 0 or NaN): amax/6 in fp32, saturating RN conversion, no sign.
+__device__ __forceinline__ uint32_t e4m3_scale_byte(float amax) {
+  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(amax / 6.0f, __NV_SATFINITE, __NV_E4M3)) & 0x7Fu;
 }
+
+__device__ __forceinline__ float e4m3_value(uint32_t b) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3)));
+}
+
+// max |v| as bits: for non-negative floats the integer order is the float order, and every NaN
+// is above +Inf, so NaN propagates (fmaxf would drop it).
+__device__ __forceinline__ uint32_t abs_bits_max(uint32_t acc, float v) {
+  return max(acc, __float_as_uint(v) & 0x7FFFFFFFu);
+}
+
+// Quantize 8 values whose block amax (bits) is known: returns the packed codes, sets `sbyte`.
+__device__ __forceinline__ uint32_t quant8_with_amax(const float (&v)[8], uint32_t amax_bits, uint32_t& sbyte) {
+  sbyte = e4m3_scale_byte(__uint_as_float(amax_bits));
+  const float s = e4m3_value(sbyte);
+  const bool ok = s > 0.f;  // false for 0 and NaN
+  const float inv = ok ? __frcp_rn(s) : 0.f;
+  float y[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(v[i], inv);
+  const uint32_t w = e2m1x8(y);
+  return ok ? w : 0u;
+}
+
+// A 16-block split over a lane pair (lane, lane ^ 1), 8 values each: every lane of the warp must
+// call this together.
+__device__ __forceinline__ uint32_t quant8_pair(const float (&v)[8], uint32_t& sbyte) {
+  uint32_t a = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) a = abs_bits_max(a, v[i]);
+  a = max(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
+  return quant8_with_amax(v, a, sbyte);
+}
+
+// ---- element types (storage only) and loads: 8 consecutive elements (16-byte aligned) ----
+
+struct bf16_t { uint16_t bits; };
+struct f16_t { uint16_t bits; };
+
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+template <typename T>
+struct Load8;
+
+template <>
+struct Load8<bf16_t> {
+  static __device__ __forceinline__ void run(const void* p, float (&v)[8]) {
+    const uint4 r = __ldg(static_cast<const uint4*>(p));
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { v[2 * i] = bf16_lo(w[i]); v[2 * i + 1] = bf16_hi(w[i]); }
+  }
+};
+
+template <>
+struct Load8<f16_t> {
+  static __device__ __forceinline__ void run(const void* p, float (&v)[8]) {
+    const uint4 r = __ldg(static_cast<const uint4*>(p));
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      v[2 * i] = f.x;
+      v[2 * i + 1] = f.y;
+    }
+  }
+};
+
+template <>
+struct Load8<float> {
+  static __device__ __forceinline__ void run(const void* p, float (&v)[8]) {
+    const float4 a = __ldg(static_cast<const float4*>(p));
+    const float4 b = __ldg(static_cast<const float4*>(p) + 1);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+  }
+};
 
 }  // namespace sageattn3

@@ -1,0 +1,99 @@
+"""Kernel benchmarks (plain script): python tests/bench/bench_kernels.py
+
+1. NVFP4 quantization throughput as a % of the device's measured copy bandwidth, on tensors
+   >= 256 MB (rows and transposed layouts, bf16 and fp16). Bandwidth counts bytes read + written.
+2. Whole preprocessing of Q, K, V (batch 1, 24 heads, 32k tokens, D 128) against the time one
+   bf16 read of Q, K, V plus the FP4 write would take at the measured copy bandwidth; shown
+   with per-block Q means (delta_s is then (1, 24, 256, 32768) fp32 = 805 MB) and with one Q
+   mean (delta_s 3 MB).
+Times are medians of CUDA-event-timed runs after warm-up."""
+
+import statistics
+import sys
+
+import torch
+
+
+def time_ms(fn, warmup=3, iters=10):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes):
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms * 1e-3)  # bytes/s, read + write
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("bench_kernels: no CUDA device, skipped")
+        return 0
+    import sageattn3
+    from sageattn3 import _kernels
+
+    dev = torch.device("cuda")
+    why = _kernels.kernels_run_on(dev)
+    if why:
+        print(f"bench_kernels: kernels cannot run here ({why}), skipped")
+        return 0
+    print(f"device: {torch.cuda.get_device_name()}  sageattn3 {sageattn3.__version__}  torch {torch.__version__}")
+    bw = copy_bandwidth(1 << 30)
+    print(f"device copy bandwidth (1 GiB, read+write): {bw / 1e9:.0f} GB/s")
+
+    print("\n1. NVFP4 quantization (bytes = input read + packed + scales written)")
+    for dtype in (torch.bfloat16, torch.float16):
+        for shape in [(1, 24, 32768, 128), (8, 32, 8192, 64)]:
+            x = torch.randn(shape, dtype=dtype, device="cuda")
+            nin = x.numel() * x.element_size()
+            nout = x.numel() // 2 + x.numel() // 16
+            for name, fn in (("rows", sageattn3.scale_and_quant_fp4), ("transpose", sageattn3.scale_and_quant_fp4_transpose)):
+                ms = time_ms(lambda: fn(x))
+                rate = (nin + nout) / (ms * 1e-3)
+                print(f"  {name:9s} {str(dtype)[6:]:9s} {str(shape):22s} {nin / 2**20:6.0f} MiB in  {ms:7.3f} ms  "
+                      f"{rate / 1e9:6.0f} GB/s  {100 * rate / bw:5.1f}% of copy")
+            del x
+
+    print("\n2. preprocessing of Q, K, V: batch 1, 24 heads, 32768 tokens, D 128, bf16")
+    shape = (1, 24, 32768, 128)
+    q, k, v = (torch.randn(shape, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    n = q.numel()
+    floor_bytes = 3 * 2 * n + 3 * (n // 2 + n // 16)  # one bf16 read of Q, K, V + the FP4 write
+    floor_ms = floor_bytes / bw * 1e3
+    print(f"  floor (one read of Q,K,V + FP4 write at copy bandwidth): {floor_ms:.3f} ms")
+    for pbm in (True, False):
+        ms = time_ms(lambda: sageattn3.preprocess(q, k, v, per_block_mean=pbm), warmup=2, iters=5)
+        pre = sageattn3.preprocess(q, k, v, per_block_mean=pbm)
+        ds_mb = pre.delta_s.numel() * 4 / 1e6
+        print(f"  per_block_mean={pbm!s:5s}: {ms:.3f} ms = {ms / floor_ms:.2f}x the floor (delta_s {ds_mb:.0f} MB)")
+        del pre
+    # the stages on their own
+    b, h, s, d = shape
+    k3, q3 = k.view(b * h, s, d), q.view(b * h, s, d)
+    mean_k = (_kernels.colsum(k3, 512).sum(dim=1, keepdim=True) / s).contiguous()
+    mean_q = torch.empty((b * h, s // 128, d), dtype=torch.float32, device="cuda")
+    stages = {
+        "K column sums": lambda: _kernels.colsum(k3, 512),
+        "Q block means + quant": lambda: _kernels.smooth_quant_rows(q3, mean_q, True, 128, 128),
+        "K smooth + quant": lambda: _kernels.smooth_quant_rows(k3, mean_k, False, 0, 128),
+        "V transposed quant": lambda: _kernels.quant_cols(v, 128),
+        "delta_s (per-block)": lambda: _kernels.delta_s(k, mean_k.view(b, h, 1, d), mean_q.view(b, h, -1, d), 128),
+    }
+    for name, fn in stages.items():
+        print(f"    {name:24s} {time_ms(fn, warmup=2, iters=5):7.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""A small, script-friendly run of every quantization/preprocessing kernel over awkward shapes,
+for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitize_quant.py
+
+Exits 0 when every kernel ran and matched the reference, 2 without CUDA or kernels."""
+
+import sys
+
+import torch
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("sanitize_quant: no CUDA device, nothing to run")
+        return 2
+    import sageattn3
+    from sageattn3 import _kernels
+    from sageattn3 import reference as ref
+
+    why = _kernels.kernels_run_on(torch.device("cuda"))
+    if why:
+        print(f"sanitize_quant: kernels cannot run here: {why}")
+        return 2
+    bad = 0
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for shape in [(1, 1, 1, 16), (1, 2, 17, 64), (2, 1, 129, 128), (1, 3, 33, 48), (1, 1, 5, 256)]:
+            x = torch.randn(shape, dtype=dtype, device="cuda")
+            for fn, rf in ((sageattn3.scale_and_quant_fp4, ref.quantize_rows),
+                           (sageattn3.scale_and_quant_fp4_transpose, ref.quantize_transposed)):
+                p, s = fn(x)
+                rp, rs = rf(x.cpu())
+                ok = torch.equal(p.cpu(), rp) and torch.equal(s.view(torch.uint8).cpu(), rs.view(torch.uint8))
+                bad += not ok
+                print(f"{fn.__name__:32s} {str(dtype):15s} {shape}: {'ok' if ok else 'MISMATCH'}")
+    for dtype in (torch.bfloat16, torch.float16):
+        for (b, hq, hk, sq, sk, d) in [(1, 2, 1, 1, 1, 64), (1, 2, 2, 130, 17, 128), (1, 4, 2, 257, 300, 48)]:
+            for pbm in (True, False):
+                q = torch.randn(b, hq, sq, d, dtype=dtype, device="cuda")
+                k = torch.randn(b, hk, sk, d, dtype=dtype, device="cuda")
+                v = torch.randn(b, hk, sk, d, dtype=dtype, device="cuda")
+                pre = sageattn3.preprocess(q, k, v, per_block_mean=pbm)
+                want = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), pbm, mean_q=pre.mean_q.cpu(), mean_k=pre.mean_k.cpu())
+                ok = all(torch.equal(getattr(pre, n).view(torch.uint8).cpu(), getattr(want, n).view(torch.uint8))
+                         for n in ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales"))
+                bad += not ok
+                print(f"preprocess {str(dtype):15s} {(b, hq, hk, sq, sk, d)} pbm={pbm}: {'ok' if ok else 'MISMATCH'}")
+    torch.cuda.synchronize()
+    print("sanitize_quant:", "all ok" if not bad else f"{bad} mismatches")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
