@@ -220,6 +220,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, payload=None, headers: dict[str, str] | None = None, raw: bytes | None = None) -> None:
         data = raw if raw is not None else (b"" if payload is None else json.dumps(payload).encode())
+        self._log(status)  # before answering: a client that got its answer finds it counted
         self.send_response(status)
         if raw is None and payload is not None:
             self.send_header("Content-Type", "application/json; charset=utf-8")
@@ -234,7 +235,15 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, status: int, message: str, **extra) -> None:
         self._send(status, {"message": message, "documentation_url": "https://docs.github.com/rest", **extra})
 
+    def _log(self, status: int) -> None:
+        if not self._logged:
+            self._logged = True
+            with self.gh.lock:
+                self.gh.requests.append(Logged(self.command, urllib.parse.urlsplit(self.path).path, status,
+                                               self.headers.get("Authorization")))
+
     def _drop(self) -> None:
+        self._log(0)
         self.close_connection = True
         self._status = 0
         try:
@@ -245,6 +254,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _handle(self) -> None:
         gh = self.gh
         self._status = 0
+        self._logged = False
         parsed = urllib.parse.urlsplit(self.path)
         path, query = parsed.path, urllib.parse.parse_qs(parsed.query)
         auth = self.headers.get("Authorization")
@@ -275,8 +285,7 @@ class _Handler(BaseHTTPRequestHandler):
                     return self._error(401, "Bad credentials")
             self._route(path, query, body, fault)
         finally:
-            with gh.lock:
-                gh.requests.append(Logged(self.command, path, self._status, auth))
+            self._log(self._status)
 
     do_GET = do_POST = do_PATCH = do_DELETE = do_PUT = do_HEAD = _handle
 
