@@ -17,7 +17,7 @@ import psutil
 from ci import build as buildmod
 from ci.cli import default_target
 from ci.targets import Matrix
-from ci.toolchain import compiler_launcher
+from ci.toolchain import compiler_launcher, sccache_env
 
 
 class PeakRSS:
@@ -44,12 +44,16 @@ class PeakRSS:
         self._t.join()
 
 
-def _restart_compiler_cache(cache_dir: Path) -> None:
-    """sccache's server reads SCCACHE_DIR when it starts: stop it so the next build uses ours."""
+def _use_compiler_cache(cache_dir: Path | None) -> None:
+    """Point builds at ``cache_dir`` (a server of its own: see sccache_env), stopping the
+    server of the previous one."""
     launcher = compiler_launcher()
-    if launcher:
-        subprocess.run([*launcher, "--stop-server"], capture_output=True)
-    os.environ["SCCACHE_DIR"] = str(cache_dir)
+    if launcher and os.environ.get("SCCACHE_DIR"):
+        subprocess.run([*launcher, "--stop-server"], capture_output=True, env={**os.environ, **sccache_env()})
+    if cache_dir is None:
+        os.environ.pop("SCCACHE_DIR", None)
+    else:
+        os.environ["SCCACHE_DIR"] = str(cache_dir)
 
 
 def timed_build(target, matrix, out: Path) -> tuple[float, int, Path]:
@@ -63,12 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     matrix = Matrix.load()
     target = matrix.target(argv[0]) if argv else default_target(matrix)
     with tempfile.TemporaryDirectory(prefix="sageattn3-bench-") as tmp:
-        _restart_compiler_cache(Path(tmp) / "sccache-prime")
-        # Warm the torch/CUDA/CUTLASS provisioning first so only compiling is measured.
-        buildmod.build(target, matrix, Path(tmp) / "prime", log=lambda *_: None)
-        _restart_compiler_cache(Path(tmp) / "sccache-cold")  # cold: an empty compiler cache
-        cold, cold_mem, wheel = timed_build(target, matrix, Path(tmp) / "cold")
-        warm, warm_mem, _ = timed_build(target, matrix, Path(tmp) / "warm")
+        try:
+            _use_compiler_cache(Path(tmp) / "sccache-prime")
+            # Warm the torch/CUDA/CUTLASS provisioning first so only compiling is measured.
+            buildmod.build(target, matrix, Path(tmp) / "prime", log=lambda *_: None)
+            _use_compiler_cache(Path(tmp) / "sccache-cold")  # cold: an empty compiler cache
+            cold, cold_mem, wheel = timed_build(target, matrix, Path(tmp) / "cold")
+            warm, warm_mem, _ = timed_build(target, matrix, Path(tmp) / "warm")
+        finally:
+            _use_compiler_cache(None)
         size = wheel.stat().st_size
         print(f"target            {target.id} (archs {' '.join(target.archs)})")
         print(f"cold build        {cold:7.1f} s   (empty compiler cache)")
@@ -77,8 +84,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warm / cold       {warm / cold:7.1%}")
         print(f"wheel size        {size / 1e6:7.3f} MB ({wheel.name})")
         print(f"cpus              {os.cpu_count()}")
-        _restart_compiler_cache(Path(tmp))  # leave no server pointing into the temp dir
-        os.environ.pop("SCCACHE_DIR")
     return 0
 
 

@@ -26,12 +26,12 @@ from ci.toolchain import (
     CudaToolkit,
     ToolchainError,
     TorchEnv,
-    cache_root,
     compiler_launcher,
     cutlass_include,
     find_cuda,
     find_python,
     host_compiler_version,
+    sccache_env,
     torch_env,
 )
 
@@ -199,11 +199,11 @@ def build(target: Target, matrix: Matrix, raw_dir: Path, *, force_patches: tuple
         **profile["env"],
         "SAGEATTN3_BUILD_CONFIG": str(cfg_path),
         "CUDA_HOME": str(cuda.home),
-        "SCCACHE_DIR": os.environ.get("SCCACHE_DIR", str(cache_root() / "sccache")),
+        **sccache_env(),
         "PATH": f"{cuda.home / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
         "PIP_NO_INPUT": "1",
     }
-    cmd = [str(env.python), "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", str(raw_dir), str(staging)]
+    cmd = [str(env.python), "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps", "-w", str(raw_dir), str(staging)]
     log(f"[build] {target.id}: {' '.join(cmd)}")
     proc = subprocess.run(cmd, env=run_env, capture_output=True, text=True)
     (raw_dir.parent / f"{target.id}.build.log").write_text(proc.stdout + proc.stderr)

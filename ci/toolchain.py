@@ -265,6 +265,14 @@ def compiler_launcher() -> list[str]:
     return [exe] if exe else []
 
 
+def sccache_env(cache_dir: str | None = None) -> dict[str, str]:
+    """The environment of our sccache server: its cache dir, and a port derived from that
+    dir, so a server another process started with another cache is never reused."""
+    d = cache_dir or os.environ.get("SCCACHE_DIR") or str(cache_root() / "sccache")
+    port = 20000 + int(hashlib.sha256(d.encode()).hexdigest(), 16) % 20000
+    return {"SCCACHE_DIR": d, "SCCACHE_SERVER_PORT": str(port)}
+
+
 def host_compiler_version() -> str:
     cxx = os.environ.get("CXX", "c++")
     try:

@@ -119,3 +119,34 @@ def test_drifted_patch_stops_before_compiling(tmp_path):
     assert proc.returncode == 1 and "PatchDrift: patch test-comment: src:csrc/sageattn3.h has changed" in proc.stdout
     assert "f" * 64 in proc.stdout and "Nothing was built" in proc.stdout
     assert not list((tmp_path / "dist").glob("wheels/*")) and not list((tmp_path / "dist").glob("raw/*/*.whl"))
+
+
+def _sccache_stats() -> dict:
+    from ci.toolchain import compiler_launcher, sccache_env
+
+    (exe,) = compiler_launcher()
+    out = subprocess.run([exe, "--show-stats", "--stats-format", "json"], capture_output=True, text=True, check=True,
+                         env={**os.environ, **sccache_env()})
+    s = json.loads(out.stdout)["stats"]
+    total = lambda d: sum(d.get("counts", {}).values())  # noqa: E731
+    return {"requests": s["compile_requests"], "hits": total(s["cache_hits"]), "misses": total(s["cache_misses"])}
+
+
+@needs_nvcc
+def test_python_only_change_recompiles_nothing(built, tmp_path):
+    """The compiler cache is keyed by what is compiled: adding a Python file to the payload
+    changes the wheel but every C++/CUDA translation unit comes from the cache."""
+    probe = REPO / "sageattn3" / "sageattn3" / "_cache_probe.py"
+    probe.write_text("# a Python-only change\n")
+    try:
+        before = _sccache_stats()
+        proc = factory("build-wheels", "--no-verify", "--dist", str(tmp_path / "dist"))
+        after = _sccache_stats()
+    finally:
+        probe.unlink()
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert after["requests"] > before["requests"]
+    assert after["misses"] == before["misses"], (before, after)
+    assert after["hits"] > before["hits"]
+    (wheel,) = (tmp_path / "dist" / "wheels").glob("*.whl")
+    assert "sageattn3/_cache_probe.py" in zipfile.ZipFile(wheel).namelist()

@@ -61,7 +61,7 @@ def check_torch(torch_version: str, torch_cuda: str | None, record: dict | None 
         return
     right = f"{INDEX_URL}/{_cuda_tag(torch_cuda)}/torch{have[0]}.{have[1]}/"
     raise TorchMismatchError(
-        f"sageattn3 {rec.get('version', '?')} was built for torch {rec.get('requires_torch', '?')} "
+        f"sageattn3 {rec.get('version', '?')} was built for {rec.get('requires_torch', 'torch ?')} "
         f"with CUDA {rec.get('cuda', '?')} (variant {variant}), but this process has torch "
         f"{torch_version} (CUDA {torch_cuda or 'none'}): {'; '.join(problems)}. Install the wheel "
         f"that matches your torch:\n    pip install --force-reinstall --no-deps sageattn3 --index-url {right}"
