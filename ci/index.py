@@ -32,12 +32,13 @@ import argparse
 import functools
 import hashlib
 import html
+import io
 import json
 import os
-import shutil
 import sys
 import urllib.parse
 import urllib.request
+import zipfile
 from dataclasses import dataclass, field
 from email.parser import BytesHeaderParser
 from html.parser import HTMLParser
@@ -265,6 +266,15 @@ def load_manifest(out: Path) -> dict:
     return d
 
 
+def _metadata_of(fileobj, wheel: str) -> bytes:
+    """The wheel's ``<name>-<version>.dist-info/METADATA`` (what PEP 658 serves)."""
+    with zipfile.ZipFile(fileobj) as z:
+        for n in z.namelist():
+            if n.endswith(".dist-info/METADATA") and n.count("/") == 1:
+                return z.read(n)
+    raise IndexError_(f"{wheel}: no .dist-info/METADATA")
+
+
 def _metadata_requires_python(meta: bytes) -> str:
     return BytesHeaderParser().parsebytes(meta).get("Requires-Python", "") or ""
 
@@ -340,16 +350,20 @@ def update_index(records: list[BuildRecord], wheels_dir: Path, out: Path, projec
                 f"replaced in place: bump the version, or delete that file"
             )
         if not dst.exists():
-            if not src.exists():
-                raise IndexError_(f"{rec.wheel}: not in {wheels_dir}")
-            if sha256_of(src) != rec.sha256:
+            try:
+                data = src.read_bytes()  # read once: hashed, copied and searched for METADATA
+            except FileNotFoundError:
+                raise IndexError_(f"{rec.wheel}: not in {wheels_dir}") from None
+            if hashlib.sha256(data).hexdigest() != rec.sha256:
                 raise IndexError_(f"{rec.wheel}: its record's sha256 does not match {src}; rebuild it")
             dst.parent.mkdir(parents=True, exist_ok=True)
             tmp = dst.with_name(dst.name + ".tmp")
-            shutil.copyfile(src, tmp)
+            tmp.write_bytes(data)
             os.replace(tmp, dst)
             result.written.append(f"files/{rec.wheel}")
-        meta = wheel_metadata(dst)
+            meta = _metadata_of(io.BytesIO(data), rec.wheel)
+        else:
+            meta = wheel_metadata(dst)
         rp = _metadata_requires_python(meta)
         if rp.replace(" ", "") != rec.requires_python.replace(" ", ""):
             raise IndexError_(
