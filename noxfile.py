@@ -70,3 +70,10 @@ def upload_index(session: nox.Session) -> None:
     """twine upload (skip-existing) to a PyPI-compatible server; credentials from the environment."""
     _publisher(session)
     session.run("python", "-m", "ci.publish", "pypi", *session.posargs)
+
+
+@nox.session
+def patches(session: nox.Session) -> None:
+    """`-- check`: every patch applies/reverses cleanly against its pins; `-- list --target ID`."""
+    _factory(session)
+    session.run("python", "-m", "ci.patches", *(session.posargs or ["check"]))

@@ -175,3 +175,90 @@ def apply(patch: Patch, roots: dict[str, Path], overlay: Path) -> None:
     res = _git_apply(patch.file, work)
     if res.returncode != 0:
         raise PatchError(f"patch {patch.name} failed to apply: {res.stderr.strip()}")
+
+
+# -- checks and listing (nox -s patches -- check | list --target ID) --------------------
+
+def pristine_roots(torch_include: Path | None = None, cutlass_include: Path | None = None) -> dict[str, Path]:
+    from ci.flags import PAYLOAD
+
+    roots = {"src": PAYLOAD}
+    if torch_include:
+        roots["torch"] = torch_include
+    if cutlass_include:
+        roots["cutlass"] = cutlass_include
+    return roots
+
+
+def check_patch(patch: Patch, roots: dict[str, Path], work: Path) -> list[str]:
+    """Apply to a copy of the pinned files: pins match, applies with no fuzz, is detected as
+    applied afterwards (idempotent), and reverses to the pristine bytes. Returns problems."""
+    if patch.root not in roots:
+        return [f"{patch.name}: no {patch.root!r} tree to check against here"]
+    base = roots[patch.root]
+    problems = []
+    for f in patch.files:
+        src = base / f.path
+        if not src.exists():
+            problems.append(f"{patch.name}: {f.ref} missing")
+            continue
+        if sha256_of(src) != f.sha256:
+            problems.append(f"{patch.name}: {f.ref} drifted (pin {f.sha256[:12]}…, found {sha256_of(src)[:12]}…)")
+        dst = work / f.path
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dst)
+    if problems:
+        return problems
+    if state(patch.file, work) != "applies":
+        return [f"{patch.name}: does not apply cleanly"]
+    if _git_apply(patch.file, work).returncode != 0:
+        return [f"{patch.name}: git apply failed"]
+    if state(patch.file, work) != "applied":
+        problems.append(f"{patch.name}: not detected as applied after applying")
+    if _git_apply(patch.file, work, "--reverse").returncode != 0:
+        problems.append(f"{patch.name}: does not reverse cleanly")
+    for f in patch.files:
+        if sha256_of(work / f.path) != f.sha256:
+            problems.append(f"{patch.name}: reversing does not restore {f.ref}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+    import tempfile
+
+    from ci.flags import compiler_for
+    from ci.targets import Matrix
+
+    ap = argparse.ArgumentParser(prog="python -m ci.patches")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("check", help="every patch applies, is idempotent and reverses, against its pins")
+    ls = sub.add_parser("list", help="what a target gets")
+    ls.add_argument("--target", required=True)
+    args = ap.parse_args(argv)
+    patches = load_manifest()
+    if args.cmd == "list":
+        t = Matrix.load().target(args.target)
+        chosen = select(patches, os_key=t.os.key, compiler=compiler_for(t), cuda=t.cuda, torch_version=t.build_torch)
+        print(f"{t.id}: {len(chosen)} patch(es)")
+        for p in chosen:
+            print(f"  {p.describe()}")
+        return 0
+    from ci.toolchain import cutlass_include
+
+    roots = pristine_roots(cutlass_include=cutlass_include())
+    failed = 0
+    for p in patches:
+        with tempfile.TemporaryDirectory() as tmp:
+            problems = check_patch(p, roots, Path(tmp))
+        print(("FAIL " if problems else "ok   ") + p.describe())
+        for msg in problems:
+            print(f"     {msg}")
+        failed += bool(problems)
+    print(f"{len(patches) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -104,3 +104,46 @@ def test_manifest_errors_are_clear(tmp_path):
 
 def test_shipped_manifest_loads():
     assert isinstance(P.load_manifest(P.MANIFEST), list)
+
+
+def test_patches_check_command_on_a_real_patch(tmp_path):
+    m = make_test_patch(tmp_path / "p")
+    env = {**__import__("os").environ, "SAGEATTN3_PATCH_MANIFEST": str(m)}
+    out = subprocess.run([sys.executable, "-m", "ci.patches", "check"], cwd=REPO, capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and "1 passed, 0 failed" in out.stdout, out.stdout + out.stderr
+    drifted = make_test_patch(tmp_path / "q", sha="e" * 64)
+    env["SAGEATTN3_PATCH_MANIFEST"] = str(drifted)
+    out = subprocess.run([sys.executable, "-m", "ci.patches", "check"], cwd=REPO, capture_output=True, text=True, env=env)
+    assert out.returncode == 1 and "drifted" in out.stdout and "0 passed, 1 failed" in out.stdout
+
+
+def test_torch_msvc_header_fix_against_real_torch_headers():
+    """Every torch installed in the factory's cache: the compiled_autograd.h C2872 needs no
+    patch because the profile defines USE_CUDA (and stable builds cannot include it)."""
+    import glob
+
+    from ci.flags import profile_for
+    from ci.toolchain import cache_root
+    from ci.torch_msvc import status
+
+    includes = sorted(glob.glob(str(cache_root() / "envs" / "*" / "lib" / "python3.*" / "site-packages" / "torch" / "include")))
+    if not includes:
+        pytest.skip("no torch environment in the factory cache yet (run nox -s build-wheels)")
+    for inc in includes:
+        assert status(Path(inc)) in ("fenced-off", "guarded"), inc
+    m = Matrix.load()
+    for t in m.targets:
+        if t.os.platform == "windows":
+            assert "USE_CUDA" in profile_for(t, m.stable_abi_floor)["defines"]
+
+
+def test_torch_msvc_status_detects_an_unguarded_header(tmp_path):
+    from ci.torch_msvc import HEADER, status
+
+    h = tmp_path / HEADER
+    h.parent.mkdir(parents=True)
+    h.write_text("#pragma once\nif constexpr (::std::is_same_v<T, int>) {}\n")
+    assert status(tmp_path) == "needs-patch"
+    h.write_text("#if defined(_WIN32) && (defined(USE_CUDA) || defined(USE_ROCM))\n#else\nif constexpr (x) {}\n#endif\n")
+    assert status(tmp_path) == "guarded"
+    assert status(tmp_path / "nothing") == "absent"
