@@ -1,0 +1,53 @@
+// Host API of the FP4 attention kernel and of the MMA probe: plain C types only (no torch).
+//
+// Tensor layouts (all contiguous, row-major; "pad" = padded with zeros to a multiple of 128):
+//   q      uint8 (B, Hq,  Sq_pad, D/2)   NVFP4 codes along D, low nibble = even element
+//   q_sf   uint8 (B, Hq,  Sq_pad, D/16)  E4M3 scale of each 16 elements
+//   k      uint8 (B, Hkv, Sk_pad, D/2),  k_sf (B, Hkv, Sk_pad, D/16)       (K smoothed: mean removed)
+//   v      uint8 (B, Hkv, D, Sk_pad/2),  v_sf (B, Hkv, D, Sk_pad/16)       (V^T: 16-blocks along keys)
+//   delta  fp32  (B, Hq, delta_qblocks, Sk_pad): added to Q K^T before scaling; delta_qblocks is
+//          Sq_pad/128 (one row per 128-query block, per_block_mean) or 1 (one Q mean)
+//   out    bf16/fp16 (B, Hq, Sq, D)
+// Q/K/V/delta must be 16-byte aligned, scales 4-byte aligned.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+#include "sageattn3.h"
+
+namespace sageattn3 {
+
+struct Fp4AttnArgs {
+  const void* q;
+  const void* q_sf;
+  const void* k;
+  const void* k_sf;
+  const void* v;
+  const void* v_sf;
+  const float* delta;
+  void* out;
+  int batch, heads_q, heads_kv, head_dim;
+  int seq_q, seq_k, seq_q_pad, seq_k_pad;
+  int delta_qblocks;
+  float sm_scale;
+  int causal;
+  DType out_dtype;  // kBFloat16 or kFloat16
+};
+
+// Launches the attention forward on `stream` (device = current device). Returns a cudaError_t;
+// cudaErrorInvalidValue for arguments the kernel does not support (see attn_launch.cu).
+int fp4_attn_fwd(const Fp4AttnArgs& args, cudaStream_t stream);
+
+// One m16n8k64 block-scaled FP4 MMA per problem (n problems), operands given as plain matrices
+// and placed into registers by the PTX ISA's fragment formulas: a (n,16,32) bytes = A row-major,
+// b (n,8,32) bytes = B column-major (row = column of B), sfa (n,16,4), sfb (n,8,4) UE4M3 bytes,
+// c and d (n,16,8) fp32. Lanes not selected by (tid_a, tid_b) carry NaN scales. Runs the real
+// instruction on sm_120/121 and the software model in the SAGEATTN3_MMA_MODEL flavour.
+int fp4_mma_probe(const uint8_t* a, const uint8_t* b, const uint8_t* sfa, const uint8_t* sfb, const float* c,
+                  float* d, int n, int tid_a, int tid_b, cudaStream_t stream);
+
+// 1 if this build carries a kernel that can run on `device` (sm_120/121, or sm_90 in the model
+// flavour), else 0.
+int fp4_attn_supported(int device);
+
+}  // namespace sageattn3

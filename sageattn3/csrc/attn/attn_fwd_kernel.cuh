@@ -1,0 +1,343 @@
+// The FP4 attention forward kernel (SageAttention3 algorithm) for the sm_120 family.
+//
+// One CTA = 8 warps (16 query rows each, 128 rows per tile); thread 0 doubles as the TMA
+// producer that streams Q tiles and K/V/delta_s stages through an mbarrier ring (a dedicated
+// producer warp would cost the register budget of 4 warps: registers are allocated per 4 warps). Tiles
+// (batch x q-head x 128-row block) are distributed over a persistent grid sized from the
+// device's SM count; causal tiles are visited longest first.
+//
+// Per 128-key stage, each consumer warp computes
+//   S  = delta_s + Q K^T            (block-scaled FP4 MMA, fp32 accumulate, S keys permuted: key_of)
+//   online softmax in exp2 domain, P2 = exp2(S*scale*log2e - m + log2 2688)   (level 1)
+//   P2 -> NVFP4 in registers (level 2), O = O*alpha + P2 V    (block-scaled FP4 MMA)
+// and finally O / l in bf16/fp16.
+#pragma once
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "attn/attn_params.h"
+#include "attn/epilogue.cuh"
+#include "attn/fp4_mma.cuh"
+#include "attn/fragments.cuh"
+#include "attn/softmax_pquant.cuh"
+#include "attn/tma_pipeline.cuh"
+
+namespace sageattn3::attn {
+
+template <int D>
+struct SmemLayout {
+  static constexpr int kQBytes = kBlockM * D / 2;
+  static constexpr int kQSfBytes = kBlockM * D / 16;
+  static constexpr int kKBytes = kBlockN * D / 2;
+  static constexpr int kKSfBytes = kBlockN * D / 16;
+  static constexpr int kVBytes = D * kBlockN / 2;
+  static constexpr int kDeltaBytes = kBlockN * 4;
+  // Offsets from a 1024-aligned base; every swizzled tile starts on a 1024 boundary.
+  static constexpr int kQ = 0;
+  static constexpr int kQSf = kQ + kQBytes;
+  static constexpr int kStage0 = ((kQSf + kQSfBytes + 1023) / 1024) * 1024;
+  static constexpr int kStageK = 0;
+  static constexpr int kStageV = kKBytes;
+  static constexpr int kStageKSf = kStageV + kVBytes;
+  static constexpr int kStageDelta = kStageKSf + kKSfBytes;
+  static constexpr int kStageBytes = ((kStageDelta + kDeltaBytes + 1023) / 1024) * 1024;
+  static constexpr int kBarriers = kStage0 + kStages * kStageBytes;
+  static constexpr int kBarrierBytes = 8 * (2 + 2 * kStages);
+  static constexpr int kProducerState = kBarriers + kBarrierBytes;  // thread 0's cursor (see Producer)
+  static constexpr int kTotal = kProducerState + 64 + 1024;        // + slack to align the base
+  static constexpr uint32_t kStageTx = kKBytes + kVBytes + kKSfBytes + kDeltaBytes;
+  static constexpr uint32_t kQTx = kQBytes + kQSfBytes;
+};
+
+struct TileCoord {
+  int b, hq, hk, mb, num_kb;
+};
+
+__device__ __forceinline__ TileCoord decode_tile(const AttnParams& p, int tile) {
+  TileCoord c;
+  const int bh_count = p.batch * p.heads_q;
+  const int bh = tile % bh_count, step = tile / bh_count;
+  c.b = bh / p.heads_q;
+  c.hq = bh % p.heads_q;
+  c.hk = c.hq / (p.heads_q / p.heads_kv);
+  // Causal: the last row blocks see the most keys, so they go first.
+  c.mb = p.causal ? p.num_m_blocks - 1 - step : step;
+  const int kb_all = (p.seq_k + kBlockN - 1) / kBlockN;
+  c.num_kb = p.causal ? min(kb_all, (c.mb * kBlockM + kBlockM - 1) / kBlockN + 1) : kb_all;
+  return c;
+}
+
+// The TMA producer: thread 0 of the CTA, run between its own MMA work. It walks this CTA's
+// (tile, key block) sequence ahead of the consumers, at most kStages stages ahead, and issues each
+// tile's Q when it enters the tile. Thread 0 is also a consumer, so it never waits for a stage that
+// its own warp has not released: stage n + kStages - 1 is issued at the start of iteration n,
+// after every warp (its own included) released stage n - 1.
+template <int D>
+struct Producer {
+  using L = SmemLayout<D>;
+  // Lives in shared memory: only thread 0 touches it, and keeping it out of registers leaves the
+  // register budget (identical for all threads) to the MMA accumulators.
+  int tile = 0, kb = 0;
+  TileCoord c{};
+  uint32_t n = 0, q_round = 0;
+
+  __device__ __forceinline__ void start(const AttnParams& p) {
+    n = 0;
+    q_round = 0;
+    tile = blockIdx.x;
+    kb = 0;
+    if (tile < p.num_tiles) c = decode_tile(p, tile);
+    tma_prefetch_desc(&p.tm_q);
+    tma_prefetch_desc(&p.tm_q_sf);
+    tma_prefetch_desc(&p.tm_k);
+    tma_prefetch_desc(&p.tm_k_sf);
+    tma_prefetch_desc(&p.tm_v);
+    tma_prefetch_desc(&p.tm_delta);
+  }
+
+  // Issues stages until `limit` stages have been issued in total (or the work runs out).
+  __device__ __forceinline__ void run(const AttnParams& p, uint8_t* smem, uint32_t limit) {
+    uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
+    uint64_t* q_full = bars + 0;
+    uint64_t* q_empty = bars + 1;
+    uint64_t* full = bars + 2;
+    uint64_t* empty = bars + 2 + kStages;
+    while (n < limit && tile < p.num_tiles) {
+      if (kb == 0) {
+        const int q_row0 = (c.b * p.heads_q + c.hq) * p.seq_q_pad + c.mb * kBlockM;
+        mbar_wait(q_empty, (q_round & 1u) ^ 1u);
+        mbar_arrive_expect_tx(q_full, L::kQTx);
+        tma_load_2d(smem + L::kQ, &p.tm_q, q_full, 0, q_row0);
+        tma_load_2d(smem + L::kQSf, &p.tm_q_sf, q_full, 0, q_row0 / kBlockM * (D / 16));
+        ++q_round;
+      }
+      const uint32_t st = n % kStages;
+      uint8_t* stage = smem + L::kStage0 + st * L::kStageBytes;
+      mbar_wait(&empty[st], ((n / kStages) & 1u) ^ 1u);
+      mbar_arrive_expect_tx(&full[st], L::kStageTx);
+      const int kv_bh = c.b * p.heads_kv + c.hk;
+      const int delta_row = (c.b * p.heads_q + c.hq) * p.delta_qblocks + (p.delta_qblocks > 1 ? c.mb : 0);
+      const int k_row0 = kv_bh * p.seq_k_pad + kb * kBlockN;
+      tma_load_2d(stage + L::kStageK, &p.tm_k, &full[st], 0, k_row0);
+      tma_load_2d(stage + L::kStageKSf, &p.tm_k_sf, &full[st], 0, k_row0 / kBlockN * (D / 16));
+      tma_load_2d(stage + L::kStageV, &p.tm_v, &full[st], kb * (kBlockN / 2), kv_bh * D);
+      tma_load_2d(stage + L::kStageDelta, &p.tm_delta, &full[st], kb * kBlockN, delta_row);
+      ++n;
+      if (++kb == c.num_kb) {
+        kb = 0;
+        tile += gridDim.x;
+        if (tile < p.num_tiles) c = decode_tile(p, tile);
+      }
+    }
+  }
+};
+
+template <int D>
+__device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int warp) {
+  using L = SmemLayout<D>;
+  constexpr int kChunks = D / 64;       // k64 chunks of the head dim
+  constexpr int kNT = kBlockN / 8;      // n-tiles of S
+  constexpr int kDT = D / 8;            // n-tiles of O
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
+  uint64_t* q_full = bars + 0;
+  uint64_t* q_empty = bars + 1;
+  uint64_t* full = bars + 2;
+  uint64_t* empty = bars + 2 + kStages;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const uint32_t s_base = smem_u32(smem);
+  const int row_in_tile = warp * 16;
+
+  const bool is_producer = threadIdx.x == 0;
+  Producer<D>& prod = *reinterpret_cast<Producer<D>*>(smem + L::kProducerState);
+  if (is_producer) prod.start(p);
+
+  // Per-lane parts of the shared-memory addresses (see the loops below).
+  // D=128: lane L reads row key_of(j, L&7), bytes 16(L>>3) (one n-tile, both chunks);
+  // D=64:  lane L reads row key_of(j + (L>>4), L&7) = key_of(j, L&7) + 2(L>>4), bytes 16((L>>3)&1).
+  const uint32_t k_lane_row = (kChunks == 2 ? key_of(0, lane & 7) : key_of(0, lane & 7) + 2 * (lane >> 4)) * (D / 2);
+  const uint32_t k_lane_col = kChunks == 2 ? 16 * (lane >> 3) : 16 * ((lane >> 3) & 1);
+  const uint32_t ksf_lane = key_of(0, g) * (D / 16) + (kChunks == 2 ? 4 * (t & 1) : 0);
+  const uint32_t v_lane = swizzled<kBlockN / 2>((lane & 7) * (kBlockN / 2) + 16 * (lane >> 3));
+
+  RingPos<kStages> ring;
+  uint32_t q_round = 0;
+  for (int tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x, ++q_round) {
+    const TileCoord c = decode_tile(p, tile);
+    const int m0 = c.mb * kBlockM;
+    if (is_producer) prod.run(p, smem, ring.n + kStages);
+    __syncwarp();
+
+    // ---- Q fragments and scales into registers, then hand the Q buffer back ----
+    mbar_wait(q_full, q_round & 1u);
+    uint32_t qa[kChunks][4];
+#pragma unroll
+    for (int ch = 0; ch < kChunks; ++ch) {
+      // matrices: rows 0-7 / 8-15 of the warp's 16, bytes [32ch, +16) then [32ch+16, +16)
+      const int r = row_in_tile + (lane & 7) + 8 * ((lane >> 3) & 1);
+      const int byte = 32 * ch + 16 * (lane >> 4);
+      ldmatrix_x4(qa[ch], s_base + L::kQ + swizzled<D / 2>(r * (D / 2) + byte));
+    }
+    // lane 4g+t: row g + 8(t&1), k-chunk t>>1 (SF_A with thread-id-a = chunk)
+    const uint32_t q_sf = lds_u32(s_base + L::kQSf + (row_in_tile + g + 8 * (t & 1)) * (D / 16) +
+                                  4 * (kChunks == 2 ? (t >> 1) : 0));
+    __syncwarp();
+    if (lane == 0) mbar_arrive(q_empty);
+
+    float o[kDT][4];
+#pragma unroll
+    for (int n = 0; n < kDT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY};
+    float row_sum[2] = {0.f, 0.f};
+
+    const int kv_bh = c.b * p.heads_kv + c.hk;
+    const uint8_t* v_sf_head = p.v_sf + static_cast<int64_t>(kv_bh) * D * (p.seq_k_pad / 16);
+    const int row_g = m0 + row_in_tile + g;  // this lane's rows: row_g, row_g + 8
+    const uint8_t* v_sf_lane = v_sf_head + static_cast<int64_t>(g) * (p.seq_k_pad / 16) + 4 * (t & 1);
+
+    for (int kb = 0; kb < c.num_kb; ++kb, ring.advance()) {
+      const int k0 = kb * kBlockN;
+      if (is_producer) prod.run(p, smem, ring.n + kStages);
+      __syncwarp();
+      const uint32_t st = ring.stage();
+      const uint32_t stage = s_base + L::kStage0 + st * L::kStageBytes;
+      mbar_wait(&full[st], ring.full_parity());
+
+      // ---- S = delta_s + Q K^T ----
+      float s[kNT][4];
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+        const float2 dl = lds_f2(stage + L::kStageDelta + 4 * (key_of(j, 0) + key_of(0, 2 * t)));
+        s[j][0] = dl.x; s[j][1] = dl.y; s[j][2] = dl.x; s[j][3] = dl.y;
+      }
+      // Key rows of n-tile j: key_of(j, x) = key_of(j, 0) + key_of(0, x), and the swizzle XOR of
+      // such a row depends on j only (see key_swizzle), so each address is a per-lane base plus
+      // compile-time terms.
+#pragma unroll
+      for (int j = 0; j < kNT; j += (kChunks == 2 ? 1 : 2)) {
+        uint32_t kf[4];
+        const uint32_t k_addr = stage + L::kStageK + k_lane_row + key_of(j, 0) * (D / 2) + (k_lane_col ^ key_swizzle<D / 2>(j));
+        ldmatrix_x4(kf, k_addr);
+        const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+        if constexpr (kChunks == 2) {
+          // lane 4g+t: key column g of n-tile j, chunk t (SF_B with thread-id-b = chunk)
+          const uint32_t k_sf = lds_u32(stage + L::kStageKSf + ksf_lane + key_of(j, 0) * (D / 16));
+          mma_fp4<0, 0>(s[j], qa[0], b0, s[j], q_sf, k_sf);
+          mma_fp4<1, 1>(s[j], qa[kChunks - 1], b1, s[j], q_sf, k_sf);
+        } else {
+          const uint32_t k_sf0 = lds_u32(stage + L::kStageKSf + ksf_lane + key_of(j, 0) * (D / 16));
+          const uint32_t k_sf1 = lds_u32(stage + L::kStageKSf + ksf_lane + key_of(j + 1, 0) * (D / 16));
+          mma_fp4<0, 0>(s[j], qa[0], b0, s[j], q_sf, k_sf0);
+          mma_fp4<0, 0>(s[j + 1], qa[0], b1, s[j + 1], q_sf, k_sf1);
+        }
+      }
+
+      // ---- masks: keys past seq_k, and the causal diagonal ----
+      const bool tail = k0 + kBlockN > p.seq_k;
+      const bool diag = p.causal && (k0 + kBlockN - 1 > m0 + row_in_tile);
+      if (tail || diag) {
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = k0 + key_of(j, 0) + key_of(0, 2 * t + (e & 1));
+            const int row = row_g + 8 * (e >> 1);
+            if (key >= p.seq_k || (p.causal && key > row)) s[j][e] = -INFINITY;
+          }
+        }
+      }
+
+      // ---- online softmax (exp2 domain), level-1 scaling folded into the exponent ----
+      float bias[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(row_max[r], mx * p.scale_log2);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: P = 0
+        const float alpha = fast_exp2(row_max[r] - m_use);      // exp2(-inf) = 0 on the first block
+        row_max[r] = m_new;
+        row_sum[r] *= alpha;
+#pragma unroll
+        for (int n = 0; n < kDT; ++n) {
+          o[n][2 * r] *= alpha;
+          o[n][2 * r + 1] *= alpha;
+        }
+        bias[r] = kLog2P2Max - m_use;
+      }
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float v = fast_exp2(fmaf(s[j][e], p.scale_log2, bias[e >> 1]));
+          s[j][e] = v;
+          row_sum[e >> 1] += v;
+        }
+      }
+
+      // ---- P2 -> NVFP4 (level 2) and O += P V ----
+      uint32_t pa[kBlockN / 64][4], p_sf[kBlockN / 64];
+#pragma unroll
+      for (int q = 0; q < kBlockN / 64; ++q) {
+        float pv[2][2][8];  // [h][r][i]: row g+8r, keys 64q + 32h + 8t + i
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              pv[h][r][2 * jj] = s[8 * q + 4 * h + jj][2 * r];
+              pv[h][r][2 * jj + 1] = s[8 * q + 4 * h + jj][2 * r + 1];
+            }
+        quantize_p_chunk(pv, pa[q], p_sf[q]);
+      }
+#pragma unroll
+      for (int n = 0; n < kDT; ++n) {
+        // V^T rows d = 8n .. 8n+7; matrices = key bytes [0,16) [16,32) [32,48) [48,64)
+        // V scales straight from global (L1/L2): lane 4g+t holds d = 8n+g, key chunk t&1.
+        const uint32_t v_sf = __ldg(reinterpret_cast<const uint32_t*>(v_sf_lane + static_cast<int64_t>(8 * n) * (p.seq_k_pad / 16) + k0 / 16));
+        uint32_t vf[4];
+        ldmatrix_x4(vf, stage + L::kStageV + v_lane + 8 * n * (kBlockN / 2));
+        const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
+        // SF_B of column d = 8n+g for key chunk q sits in lane 4g + q: thread-id-b = q
+        mma_fp4<0, 0>(o[n], pa[0], b0, o[n], p_sf[0], v_sf);
+        mma_fp4<0, 1>(o[n], pa[1], b1, o[n], p_sf[1], v_sf);
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[st]);
+    }
+
+    // ---- epilogue ----
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+      row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+    }
+    store_output<D>(p, c.b * p.heads_q + c.hq, row_g, o, row_sum);
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void attn_fwd_body(const AttnParams& p) {
+  using L = SmemLayout<D>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int warp = threadIdx.x >> 5;
+  if (threadIdx.x == 0) {
+    uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
+    mbar_init(&bars[0], 1);                   // q_full: producer's expect_tx arrival
+    mbar_init(&bars[1], kConsumerWarps);      // q_empty: one arrival per consumer warp
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&bars[2 + s], 1);
+      mbar_init(&bars[2 + kStages + s], kConsumerWarps);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  consumer<D>(p, smem, warp);
+}
+
+}  // namespace sageattn3::attn

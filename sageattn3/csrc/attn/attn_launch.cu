@@ -1,0 +1,156 @@
+// Host side of the FP4 attention: argument checks, TMA descriptors, grid size, the one launch.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <mutex>
+
+#include "attn/attn_api.h"
+#include "attn/attn_fwd_kernel.cuh"
+
+namespace sageattn3 {
+namespace attn {
+
+// The single kernel entry point (one instantiation per head dim).
+template <int D>
+__global__ void __launch_bounds__(kThreads, 1) fp4_attn_fwd_kernel(const __grid_constant__ AttnParams p) {
+  attn_fwd_body<D>(p);
+}
+
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status) ==
+            cudaSuccess &&
+        status == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  });
+  return fn;
+}
+
+CUtensorMapSwizzle swizzle_for(int row_bytes) {
+  return row_bytes == 32 ? CU_TENSOR_MAP_SWIZZLE_32B : row_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B;
+}
+
+// A 2D map over `rows` rows of `cols` elements (row stride = cols), box box_cols x box_rows.
+bool make_map(CUtensorMap* map, const void* base, CUtensorMapDataType type, int elem_bytes, uint64_t cols,
+              uint64_t rows, uint32_t box_cols, uint32_t box_rows, CUtensorMapSwizzle swizzle) {
+  auto fn = encode_fn();
+  if (!fn) return false;
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {cols * elem_bytes};
+  const cuuint32_t box[2] = {box_cols, box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  return fn(map, type, 2, const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+            swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+struct DeviceInfo {
+  int sms = 0;
+  int major = 0;
+};
+
+DeviceInfo device_info(int dev) {
+  DeviceInfo info;
+  cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, dev);
+  cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, dev);
+  return info;
+}
+
+bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
+
+template <int D>
+int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
+  using L = SmemLayout<D>;
+  AttnParams p{};
+  const uint64_t bq = static_cast<uint64_t>(a.batch) * a.heads_q, bk = static_cast<uint64_t>(a.batch) * a.heads_kv;
+  bool ok = true;
+  ok &= make_map(&p.tm_q, a.q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, D / 2, bq * a.seq_q_pad, D / 2, kBlockM,
+                 swizzle_for(D / 2));
+  ok &= make_map(&p.tm_q_sf, a.q_sf, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 128, bq * a.seq_q_pad * (D / 16) / 128, 128,
+                 kBlockM * (D / 16) / 128, CU_TENSOR_MAP_SWIZZLE_NONE);
+  ok &= make_map(&p.tm_k, a.k, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, D / 2, bk * a.seq_k_pad, D / 2, kBlockN,
+                 swizzle_for(D / 2));
+  ok &= make_map(&p.tm_k_sf, a.k_sf, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 128, bk * a.seq_k_pad * (D / 16) / 128, 128,
+                 kBlockN * (D / 16) / 128, CU_TENSOR_MAP_SWIZZLE_NONE);
+  ok &= make_map(&p.tm_v, a.v, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a.seq_k_pad / 2, bk * D, kBlockN / 2, D,
+                 swizzle_for(kBlockN / 2));
+  ok &= make_map(&p.tm_delta, a.delta, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, a.seq_k_pad, bq * a.delta_qblocks,
+                 kBlockN, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
+  if (!ok) return cudaErrorInvalidValue;
+  p.v_sf = static_cast<const uint8_t*>(a.v_sf);
+  p.out = a.out;
+  p.batch = a.batch;
+  p.heads_q = a.heads_q;
+  p.heads_kv = a.heads_kv;
+  p.seq_q = a.seq_q;
+  p.seq_k = a.seq_k;
+  p.seq_q_pad = a.seq_q_pad;
+  p.seq_k_pad = a.seq_k_pad;
+  p.delta_qblocks = a.delta_qblocks;
+  p.num_m_blocks = (a.seq_q + kBlockM - 1) / kBlockM;
+  p.num_tiles = static_cast<int>(bq * p.num_m_blocks);
+  p.scale_log2 = a.sm_scale * 1.4426950408889634f;
+  p.causal = a.causal ? 1 : 0;
+  p.out_bf16 = a.out_dtype == DType::kBFloat16 ? 1 : 0;
+
+  int dev = 0;
+  cudaGetDevice(&dev);
+  const DeviceInfo info = device_info(dev);
+  auto kernel = fp4_attn_fwd_kernel<D>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kTotal);
+  if (err != cudaSuccess) return err;
+  int per_sm = 0;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, L::kTotal);
+  if (err != cudaSuccess) return err;
+  const int grid = std::max(1, std::min(p.num_tiles, info.sms * std::max(per_sm, 1)));
+  // The one launch site (see attn_params.h for why it matters).
+  kernel<<<grid, kThreads, L::kTotal, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+}  // namespace attn
+
+int fp4_attn_fwd(const Fp4AttnArgs& a, cudaStream_t stream) {
+  using attn::kBlockM;
+  using attn::kBlockN;
+  if (a.batch < 1 || a.heads_q < 1 || a.heads_kv < 1 || a.heads_q % a.heads_kv != 0) return cudaErrorInvalidValue;
+  if (a.seq_q < 1 || a.seq_k < 1 || a.seq_q_pad % kBlockM || a.seq_k_pad % kBlockN || a.seq_q_pad < a.seq_q ||
+      a.seq_k_pad < a.seq_k)
+    return cudaErrorInvalidValue;
+  if (a.delta_qblocks != 1 && a.delta_qblocks != a.seq_q_pad / kBlockM) return cudaErrorInvalidValue;
+  if (a.out_dtype != DType::kBFloat16 && a.out_dtype != DType::kFloat16) return cudaErrorInvalidValue;
+  if (!attn::aligned(a.q, 16) || !attn::aligned(a.k, 16) || !attn::aligned(a.v, 16) || !attn::aligned(a.delta, 16) ||
+      !attn::aligned(a.q_sf, 16) || !attn::aligned(a.k_sf, 16) || !attn::aligned(a.v_sf, 4) || !attn::aligned(a.out, 4))
+    return cudaErrorInvalidValue;
+  switch (a.head_dim) {
+    case 64: return attn::launch<64>(a, stream);
+    case 128: return attn::launch<128>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+int fp4_attn_supported(int device) {
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return 0;
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  cudaFuncAttributes attr;
+  // A kernel image for this device exists iff the attributes can be read.
+  if (cudaFuncGetAttributes(&attr, attn::fp4_attn_fwd_kernel<128>) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+#if defined(SAGEATTN3_MMA_MODEL)
+  return major == 9 ? 1 : 0;
+#else
+  return major == 12 ? 1 : 0;
+#endif
+}
+
+}  // namespace sageattn3

@@ -1,0 +1,36 @@
+// Launch parameters of the FP4 attention kernel. Passed to the kernel by value as a
+// __grid_constant__ (the TMA descriptors must live in parameter/const space). The kernel body
+// only ever sees `const AttnParams&`, so a toolchain that cannot pass this over-aligned struct by
+// value (MSVC: CUtensorMap is alignas(64/128)) can switch the single entry point and the single
+// launch site (attn_launch.cu) to a pointer to a device copy without touching the body.
+#pragma once
+#include <cstdint>
+#include <cuda.h>
+
+namespace sageattn3::attn {
+
+constexpr int kBlockM = 128;         // query rows per tile (= the Q smoothing block of delta_s)
+constexpr int kBlockN = 128;         // keys per pipeline stage
+constexpr int kConsumerWarps = 8;    // 16 query rows each
+constexpr int kThreads = kConsumerWarps * 32;       // thread 0 also issues the TMA loads
+constexpr int kStages = 3;
+
+struct AttnParams {
+  CUtensorMap tm_q;      // Q packed  (B*Hq*Sq_pad rows, D/2 bytes), box D/2 x 128, swizzled
+  CUtensorMap tm_q_sf;   // Q scales as 128-byte lines, box 128 x D/16
+  CUtensorMap tm_k;      // K packed  (B*Hkv*Sk_pad rows, D/2 bytes), box D/2 x 128, swizzled
+  CUtensorMap tm_k_sf;   // K scales as 128-byte lines
+  CUtensorMap tm_v;      // V^T packed (B*Hkv*D rows, Sk_pad/2 bytes), box 64 x D, swizzled
+  CUtensorMap tm_delta;  // delta_s fp32 (B*Hq*delta_qblocks rows, Sk_pad), box 128 x 1
+  const uint8_t* v_sf;   // V scales (B, Hkv, D, Sk_pad/16) bytes
+  void* out;             // (B, Hq, Sq, D), bf16 or fp16
+  int batch, heads_q, heads_kv;
+  int seq_q, seq_k, seq_q_pad, seq_k_pad;
+  int delta_qblocks;     // 1 (one Q mean) or seq_q_pad / 128 (one per 128-row block)
+  int num_m_blocks, num_tiles;
+  float scale_log2;      // softmax scale * log2(e)
+  int causal;            // top-left aligned (key j visible to query i iff j <= i), like SDPA
+  int out_bf16;          // 1: bf16 output, 0: fp16
+};
+
+}  // namespace sageattn3::attn

@@ -1,0 +1,140 @@
+// The one tensor-core instruction of the attention kernel, and its software model.
+//
+//   mma.sync.aligned.kind::mxf4nvf4.block_scale.scale_vec::4X.m16n8k64.row.col.f32.e2m1.e2m1.f32.ue4m3
+//
+// D(16x8, f32) = (A(16x64, e2m1) * SF_A) x (B(64x8, e2m1) * SF_B) + C, where every row of A and
+// every column of B has four UE4M3 scale factors, one per 16 consecutive k.
+//
+// Register fragments (PTX ISA, "Matrix Fragments for mma.m16n8k64", e2m1; lane = 4*g + t with
+// g = groupID = lane >> 2 and t = threadID_in_group = lane & 3; element i of a register sits in
+// bits [4i, 4i+4)):
+//   A  a0: row g,   k  8t .. 8t+7        a1: row g+8, k  8t .. 8t+7
+//      a2: row g,   k 32+8t .. 32+8t+7   a3: row g+8, k 32+8t .. 32+8t+7
+//   B  b0: col g,   k  8t .. 8t+7        b1: col g,   k 32+8t .. 32+8t+7
+//   C/D d0: (g, 2t)  d1: (g, 2t+1)  d2: (g+8, 2t)  d3: (g+8, 2t+1)
+// Scale factors ("Block Scaling for mma.sync", scale_vec::4X with ue4m3: byte-id must be 0 and
+// the four bytes of the 32-bit operand are the four k-chunks, byte s = k 16s .. 16s+15):
+//   SF_A of row g   comes from lane 4g + 2*thread-id-a,  of row g+8 from lane 4g + 2*thread-id-a + 1
+//   SF_B of col n   comes from lane 4n + thread-id-b
+// (thread-id-a in {0,1}, thread-id-b in {0,1,2,3}; the operands of the other lanes are ignored).
+//
+// mma_fp4<TID_A, TID_B>(d, a, b, c, sfa, sfb) is the real instruction on the sm_120 family and,
+// when SAGEATTN3_MMA_MODEL is defined (the test flavour, compiled for sm_90a), a model that
+// gathers the same operands from the same lanes with warp shuffles and computes the same sums in
+// fp32 (products of e2m1 values and the per-chunk sums are exact; the 4 chunk sums are scaled by
+// SF_A*SF_B and added to C in order). All 32 lanes must call it together, as for mma.sync.
+#pragma once
+#include <cstdint>
+
+#if defined(__CUDA_ARCH_FEAT_SM120_ALL) || defined(__CUDA_ARCH_FEAT_SM121_ALL) || \
+    (defined(__CUDA_ARCH_SPECIFIC__) && (__CUDA_ARCH_SPECIFIC__ == 1200 || __CUDA_ARCH_SPECIFIC__ == 1210)) || \
+    (defined(__CUDA_ARCH_FAMILY_SPECIFIC__) && (__CUDA_ARCH_FAMILY_SPECIFIC__ == 1200))
+#define SAGEATTN3_HAS_FP4_MMA 1
+#endif
+
+namespace sageattn3::attn {
+
+// E2M1 code (4 bits) -> value, exact.
+__device__ __forceinline__ float e2m1_value(uint32_t code) {
+  const uint32_t m = code & 7u;
+  // magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}
+  const float mag = m < 4u ? 0.5f * static_cast<float>(m) : static_cast<float>((m & 1u) ? (m == 5u ? 3 : 6) : (m == 4u ? 2 : 4));
+  return (code & 8u) ? -mag : mag;
+}
+
+// UE4M3 byte -> value (bias 7, subnormals, 0x7f = NaN).
+__device__ __forceinline__ float ue4m3_value(uint32_t byte) {
+  byte &= 0x7fu;
+  if (byte == 0x7fu) return __int_as_float(0x7fffffff);
+  const uint32_t e = byte >> 3, m = byte & 7u;
+  if (e == 0) return static_cast<float>(m) * 0.001953125f;  // m * 2^-9
+  return __uint_as_float(((e + 120u) << 23) | (m << 20));     // (1 + m/8) * 2^(e-7)
+}
+
+#if defined(SAGEATTN3_MMA_MODEL)
+namespace model {
+
+// Dot product of 8 e2m1 pairs, times 4 (an exact integer: every e2m1 value is a multiple of .5).
+__device__ __forceinline__ int dot8_x4(uint32_t x, uint32_t y) {
+  int s = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float p = e2m1_value((x >> (4 * i)) & 15u) * e2m1_value((y >> (4 * i)) & 15u);
+    s += static_cast<int>(p * 4.f);
+  }
+  return s;
+}
+
+struct Acc {
+  float d0, d1, d2, d3;
+};
+
+// Not inlined: the kernel has dozens of MMA sites, and one out-of-line model keeps the test
+// flavour's compile time and code size small (its speed does not matter).
+__device__ __noinline__ Acc mma(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1,
+                                float c0, float c1, float c2, float c3, uint32_t sfa, uint32_t sfb, int tid_a,
+                                int tid_b) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const uint32_t a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};
+  float acc[4] = {c0, c1, c2, c3};
+  // Scale operands of the rows this lane produces (g, g+8) and of its columns (2t, 2t+1).
+  const uint32_t sa_lo = __shfl_sync(0xffffffffu, sfa, 4 * g + 2 * tid_a);
+  const uint32_t sa_hi = __shfl_sync(0xffffffffu, sfa, 4 * g + 2 * tid_a + 1);
+  const uint32_t sb_0 = __shfl_sync(0xffffffffu, sfb, 4 * (2 * t) + tid_b);
+  const uint32_t sb_1 = __shfl_sync(0xffffffffu, sfb, 4 * (2 * t + 1) + tid_b);
+  // k-chunk s (k 16s .. 16s+15): k 16s + 8h + i sits in element i of register a[2(s>>1)] (row g)
+  // / a[2(s>>1)+1] (row g+8) of lane 4g + 2(s&1) + h, and of b[s>>1] of lane 4n + 2(s&1) + h.
+#pragma unroll 1
+  for (int s = 0; s < 4; ++s) {
+    int sum[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int src_t = 2 * (s & 1) + h;
+      const uint32_t ar_lo = (s >> 1) ? a[2] : a[0], ar_hi = (s >> 1) ? a[3] : a[1], br = (s >> 1) ? b[1] : b[0];
+      const uint32_t x_lo = __shfl_sync(0xffffffffu, ar_lo, 4 * g + src_t);
+      const uint32_t x_hi = __shfl_sync(0xffffffffu, ar_hi, 4 * g + src_t);
+      const uint32_t y_0 = __shfl_sync(0xffffffffu, br, 4 * (2 * t) + src_t);
+      const uint32_t y_1 = __shfl_sync(0xffffffffu, br, 4 * (2 * t + 1) + src_t);
+      sum[0] += dot8_x4(x_lo, y_0);
+      sum[1] += dot8_x4(x_lo, y_1);
+      sum[2] += dot8_x4(x_hi, y_0);
+      sum[3] += dot8_x4(x_hi, y_1);
+    }
+    const float fa_lo = ue4m3_value((sa_lo >> (8 * s)) & 0xffu), fa_hi = ue4m3_value((sa_hi >> (8 * s)) & 0xffu);
+    const float fb_0 = ue4m3_value((sb_0 >> (8 * s)) & 0xffu), fb_1 = ue4m3_value((sb_1 >> (8 * s)) & 0xffu);
+    acc[0] += (static_cast<float>(sum[0]) * 0.25f) * (fa_lo * fb_0);
+    acc[1] += (static_cast<float>(sum[1]) * 0.25f) * (fa_lo * fb_1);
+    acc[2] += (static_cast<float>(sum[2]) * 0.25f) * (fa_hi * fb_0);
+    acc[3] += (static_cast<float>(sum[3]) * 0.25f) * (fa_hi * fb_1);
+  }
+  return Acc{acc[0], acc[1], acc[2], acc[3]};
+}
+
+}  // namespace model
+#endif
+
+template <int TID_A, int TID_B>
+__device__ __forceinline__ void mma_fp4(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                        const float (&c)[4], uint32_t sfa, uint32_t sfb) {
+  static_assert(TID_A >= 0 && TID_A < 2 && TID_B >= 0 && TID_B < 4, "scale selectors out of range");
+#if defined(SAGEATTN3_MMA_MODEL)
+  const model::Acc r = model::mma(a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3], sfa, sfb, TID_A, TID_B);
+  d[0] = r.d0; d[1] = r.d1; d[2] = r.d2; d[3] = r.d3;
+#elif defined(SAGEATTN3_HAS_FP4_MMA)
+  asm volatile(
+      "mma.sync.aligned.kind::mxf4nvf4.block_scale.scale_vec::4X.m16n8k64.row.col.f32.e2m1.e2m1.f32.ue4m3 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13}, "
+      "{%14}, {0, %16}, {%15}, {0, %17};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+        "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]), "r"(sfa), "r"(sfb), "n"(TID_A), "n"(TID_B));
+#else
+  // No FP4 tensor cores on this target and no model requested: the kernels are never launched
+  // here (the host refuses), this only keeps the code compilable for other archs.
+  (void)a; (void)b; (void)sfa; (void)sfb;
+  d[0] = c[0]; d[1] = c[1]; d[2] = c[2]; d[3] = c[3];
+  __trap();
+#endif
+}
+
+}  // namespace sageattn3::attn

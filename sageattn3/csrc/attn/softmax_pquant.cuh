@@ -1,0 +1,102 @@
+// Online softmax (fp32, exp2 domain) and the two-level quantization of P, in registers.
+//
+// Level 1: P is produced already multiplied by 448*6 = 2688 relative to the running row max m:
+//   P2 = exp2(S*scale*log2(e) - m + log2(2688)),  so a row's largest P2 is 2688 in the block that
+//   holds the row max and <= 2688 elsewhere (the per-row fp32 factor is folded into the exponent).
+//   Row sums l are accumulated from the same P2 (fp32, before level 2), so O/l cancels the factor.
+// Level 2: NVFP4 of P2 along the keys: per 16 keys an E4M3 scale amax/6 (<= 448), values
+//   multiplied by 1/scale and rounded to E2M1 (nearest even, saturating), like the input quantizer.
+#pragma once
+#include <cstdint>
+#include <cuda_fp8.h>
+
+#include <cuda_fp16.h>
+
+#include "attn/fp4_mma.cuh"
+
+namespace sageattn3::attn {
+
+constexpr float kLog2P2Max = 11.392317422778761f;  // log2(448 * 6)
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// NVFP4 numerics of P, the same rules as sageattn3.reference.quantize_rows (kept local so the
+// kernel does not depend on the quantization kernels' headers):
+// |x| -> E2M1 code, round to nearest, ties to the even code, saturating at 6.
+__device__ __forceinline__ uint32_t p_e2m1_code(float x) {
+  const float a = fabsf(x);
+  const uint32_t m = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  return ((__float_as_uint(x) >> 31) << 3) | m;
+}
+
+// Block amax (>= 0) -> unsigned E4M3 scale byte: amax/6 in fp32, saturating RN conversion.
+__device__ __forceinline__ uint32_t p_scale_byte(float amax) {
+  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(__fdiv_rn(amax, 6.0f), __NV_SATFINITE, __NV_E4M3)) & 0x7fu;
+}
+
+__device__ __forceinline__ float p_scale_value(uint32_t b) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3)));
+}
+
+// Eight non-negative floats (already divided by their block scale) -> eight E2M1 codes, element i
+// in bits [4i, 4i+4).
+__device__ __forceinline__ uint32_t e2m1x8(const float (&v)[8], float inv) {
+#if defined(SAGEATTN3_HAS_FP4_MMA) && !defined(SAGEATTN3_MMA_MODEL) && !defined(SAGEATTN3_SOFTWARE_E2M1)
+  uint32_t r;
+  // cvt ... e2m1x2 d, a, b puts a in the upper nibble and b in the lower one.
+  asm("{\n"
+      ".reg .b8 b0, b1, b2, b3;\n"
+      "cvt.rn.satfinite.e2m1x2.f32 b0, %2, %1;\n"
+      "cvt.rn.satfinite.e2m1x2.f32 b1, %4, %3;\n"
+      "cvt.rn.satfinite.e2m1x2.f32 b2, %6, %5;\n"
+      "cvt.rn.satfinite.e2m1x2.f32 b3, %8, %7;\n"
+      "mov.b32 %0, {b0, b1, b2, b3};\n"
+      "}\n"
+      : "=r"(r)
+      : "f"(__fmul_rn(v[0], inv)), "f"(__fmul_rn(v[1], inv)), "f"(__fmul_rn(v[2], inv)), "f"(__fmul_rn(v[3], inv)),
+        "f"(__fmul_rn(v[4], inv)), "f"(__fmul_rn(v[5], inv)), "f"(__fmul_rn(v[6], inv)), "f"(__fmul_rn(v[7], inv)));
+  return r;
+#else
+  uint32_t r = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) r |= p_e2m1_code(__fmul_rn(v[i], inv)) << (4 * i);
+  return r;
+#endif
+}
+
+// One 64-key chunk of P for one warp: the A fragment (a0..a3) and the scale operand.
+// p[h][r][i]: row g + 8r, keys 32h + 8t + i of the chunk (lane = 4g + t).
+// The scale register of lane 4g + t holds the 4 block scales of row g + 8(t&1), so it serves as
+// SF_A with thread-id-a 0 (and 1).
+__device__ __forceinline__ void quantize_p_chunk(const float (&p)[2][2][8], uint32_t (&a)[4], uint32_t& sf) {
+  const int t = threadIdx.x & 3;
+  uint32_t byte[2][2];  // [h][r]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float amax = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, p[h][r][i]);
+      // Lanes t and t^1 share the 16-key block 32h + 16(t>>1).
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      const uint32_t sb = p_scale_byte(amax);
+      const float s = p_scale_value(sb);
+      const float inv = s > 0.f ? __frcp_rn(s) : 0.f;
+      a[2 * h + r] = e2m1x8(p[h][r], inv);
+      byte[h][r] = sb;
+    }
+  }
+  // Lane t owns blocks (t>>1) and 2 + (t>>1) of row g + 8(t&1); lane t^2 owns the other two.
+  const uint32_t r = t & 1;
+  const uint32_t mine = r ? (byte[0][1] | (byte[1][1] << 8)) : (byte[0][0] | (byte[1][0] << 8));
+  const uint32_t other = __shfl_xor_sync(0xffffffffu, mine, 2);
+  const uint32_t lo = (t >> 1) ? other : mine, hi = (t >> 1) ? mine : other;
+  sf = (lo & 0xffu) | ((hi & 0xffu) << 8) | ((lo >> 8) << 16) | ((hi >> 8) << 24);
+}
+
+}  // namespace sageattn3::attn
