@@ -12,6 +12,7 @@
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/util/Exception.h>
 
+#include "attn/attn_api.h"
 #include "sageattn3.h"
 
 namespace {
@@ -178,6 +179,85 @@ void delta_s(Tensor k, Tensor mean_k, Tensor mean_q, Tensor out) {
                     "delta_s");
 }
 
+// ---- FP4 attention (csrc/attn; owner: the attention kernel) --------------------------------
+// blockscaled_fp4_attn(q, q_sf, k, k_sf, v, v_sf, delta_s, out!, seq_q, seq_k, sm_scale, causal):
+// layouts in attn/attn_api.h (sequence dims padded to multiples of 128, zeros).
+void blockscaled_fp4_attn(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, Tensor v_sf, Tensor delta,
+                          Tensor out, int64_t seq_q, int64_t seq_k, double sm_scale, bool causal) {
+  check_cuda(q, q, "q");
+  for (auto* t : {&q_sf, &k, &k_sf, &v, &v_sf, &delta, &out}) check_cuda(*t, q, "an attention operand");
+  check_bytes(q, "q");
+  check_bytes(q_sf, "q_sf");
+  check_bytes(k, "k");
+  check_bytes(k_sf, "k_sf");
+  check_bytes(v, "v");
+  check_bytes(v_sf, "v_sf");
+  check_f32(delta, "delta_s");
+  STD_TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q_sf.dim() == 4 && k_sf.dim() == 4 &&
+                      v_sf.dim() == 4 && delta.dim() == 4 && out.dim() == 4,
+                  "sageattn3: blockscaled_fp4_attn takes 4-D tensors");
+  const int64_t B = q.size(0), Hq = q.size(1), Sqp = q.size(2), D = q.size(3) * 2;
+  const int64_t Hkv = k.size(1), Skp = k.size(2);
+  STD_TORCH_CHECK(D == 64 || D == 128, "sageattn3: head_dim must be 64 or 128");
+  STD_TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "sageattn3: q heads must be a multiple of kv heads");
+  STD_TORCH_CHECK(Sqp % 128 == 0 && Skp % 128 == 0, "sageattn3: padded sequence lengths must be multiples of 128");
+  STD_TORCH_CHECK(seq_q >= 1 && seq_q <= Sqp && seq_k >= 1 && seq_k <= Skp, "sageattn3: seq_q/seq_k out of range");
+  auto same = [](const Tensor& t, int64_t a, int64_t b, int64_t c, int64_t d) {
+    return t.size(0) == a && t.size(1) == b && t.size(2) == c && t.size(3) == d;
+  };
+  STD_TORCH_CHECK(same(q_sf, B, Hq, Sqp, D / 16), "sageattn3: q_sf shape");
+  STD_TORCH_CHECK(same(k, B, Hkv, Skp, D / 2) && same(k_sf, B, Hkv, Skp, D / 16), "sageattn3: k/k_sf shape");
+  STD_TORCH_CHECK(same(v, B, Hkv, D, Skp / 2) && same(v_sf, B, Hkv, D, Skp / 16), "sageattn3: v/v_sf shape");
+  const int64_t nblk = delta.size(2);
+  STD_TORCH_CHECK(same(delta, B, Hq, nblk, Skp) && (nblk == 1 || nblk == Sqp / 128), "sageattn3: delta_s shape");
+  STD_TORCH_CHECK(same(out, B, Hq, seq_q, D), "sageattn3: out shape");
+  DeviceScope scope(q.get_device());
+  sageattn3::Fp4AttnArgs a{};
+  a.q = q.data_ptr();
+  a.q_sf = q_sf.data_ptr();
+  a.k = k.data_ptr();
+  a.k_sf = k_sf.data_ptr();
+  a.v = v.data_ptr();
+  a.v_sf = v_sf.data_ptr();
+  a.delta = floats(delta);
+  a.out = out.data_ptr();
+  a.batch = static_cast<int>(B);
+  a.heads_q = static_cast<int>(Hq);
+  a.heads_kv = static_cast<int>(Hkv);
+  a.head_dim = static_cast<int>(D);
+  a.seq_q = static_cast<int>(seq_q);
+  a.seq_k = static_cast<int>(seq_k);
+  a.seq_q_pad = static_cast<int>(Sqp);
+  a.seq_k_pad = static_cast<int>(Skp);
+  a.delta_qblocks = static_cast<int>(nblk);
+  a.sm_scale = static_cast<float>(sm_scale);
+  a.causal = causal ? 1 : 0;
+  a.out_dtype = dtype_of(out, "out");
+  STD_TORCH_CHECK(a.out_dtype != sageattn3::DType::kFloat32, "sageattn3: out must be float16 or bfloat16");
+  check_cuda_kernel(sageattn3::fp4_attn_fwd(a, current_stream(q)), "blockscaled_fp4_attn");
+}
+
+// fp4_mma_probe(a, b, sfa, sfb, c, d!, tid_a, tid_b): one block-scaled FP4 MMA per problem
+// (a (n,16,32), b (n,8,32), sfa (n,16,4), sfb (n,8,4) bytes; c, d (n,16,8) fp32).
+void fp4_mma_probe(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, Tensor d, int64_t tid_a, int64_t tid_b) {
+  check_cuda(a, a, "a");
+  for (auto* t : {&b, &sfa, &sfb, &c, &d}) check_cuda(*t, a, "a probe operand");
+  for (auto* t : {&a, &b, &sfa, &sfb}) check_bytes(*t, "a probe operand");
+  check_f32(c, "c");
+  check_f32(d, "d");
+  const int64_t n = a.numel() / (16 * 32);
+  STD_TORCH_CHECK(a.numel() == n * 512 && b.numel() == n * 256 && sfa.numel() == n * 64 && sfb.numel() == n * 32 &&
+                      c.numel() == n * 128 && d.numel() == n * 128,
+                  "sageattn3: fp4_mma_probe operand sizes");
+  STD_TORCH_CHECK(tid_a >= 0 && tid_a < 2 && tid_b >= 0 && tid_b < 4, "sageattn3: tid_a in [0,2), tid_b in [0,4)");
+  DeviceScope scope(a.get_device());
+  check_cuda_kernel(sageattn3::fp4_mma_probe(bytes(a), bytes(b), bytes(sfa), bytes(sfb), floats(c), floats(d),
+                                             static_cast<int>(n), static_cast<int>(tid_a), static_cast<int>(tid_b),
+                                             current_stream(a)),
+                    "fp4_mma_probe");
+}
+// ---- end FP4 attention ----------------------------------------------------------------------
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY(sageattn3, m) {
@@ -187,6 +267,9 @@ STABLE_TORCH_LIBRARY(sageattn3, m) {
   m.def("smooth_quant_rows(Tensor x, Tensor(a!) mean, bool compute_mean, int mean_block, Tensor(b!) packed, "
         "Tensor(c!) scales) -> ()");
   m.def("delta_s(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) out) -> ()");
+  m.def("blockscaled_fp4_attn(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, Tensor v_sf, Tensor delta_s, "
+        "Tensor(a!) out, int seq_q, int seq_k, float sm_scale, bool causal) -> ()");
+  m.def("fp4_mma_probe(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, Tensor(a!) d, int tid_a, int tid_b) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(sageattn3, CUDA, m) {
@@ -195,6 +278,8 @@ STABLE_TORCH_LIBRARY_IMPL(sageattn3, CUDA, m) {
   m.impl("colsum", TORCH_BOX(&colsum));
   m.impl("smooth_quant_rows", TORCH_BOX(&smooth_quant_rows));
   m.impl("delta_s", TORCH_BOX(&delta_s));
+  m.impl("blockscaled_fp4_attn", TORCH_BOX(&blockscaled_fp4_attn));
+  m.impl("fp4_mma_probe", TORCH_BOX(&fp4_mma_probe));
 }
 
 // `import sageattn3._C` only needs the module to exist: loading the library runs the static
