@@ -1,0 +1,150 @@
+"""The FP4 attention kernel (csrc/attn) from Python: input checks and the call of
+``torch.ops.sageattn3.blockscaled_fp4_attn``, plus the probe of the FP4 MMA instruction.
+
+Inputs are what ``sageattn3.reference.Preprocessed`` / ``sageattn3.api.preprocess(pad=128)``
+produce (all sequence dims padded with zeros to a multiple of 128):
+
+- q (B, Hq, Sq_p, D/2) uint8 + q_sf (B, Hq, Sq_p, D/16) e4m3: Q minus its mean(s), NVFP4 along D
+  (``scale_and_quant_fp4_permute`` layout: row-major, low nibble = even element);
+- k (B, Hkv, Sk_p, D/2) + k_sf (B, Hkv, Sk_p, D/16): K minus its mean, same layout;
+- v (B, Hkv, D, Sk_p/2) + v_sf (B, Hkv, D, Sk_p/16): V along the sequence
+  (``scale_and_quant_fp4_transpose`` layout);
+- delta_s (B, Hq, nblk, Sk_p) float32, nblk = Sq_p/128 (per-block Q means) or 1: added to
+  Q·Kᵀ before the softmax scale; query row i uses row i // 128 (or 0).
+
+The kernel computes ``sageattn3.reference.sageattn3`` with block_n = 128: online softmax in the
+exp2 domain, P = exp2(t - m_running)·2688 (level 1, folded into the exponent), NVFP4 of P along
+the keys (level 2), row sums of the unquantized P; causal = top-left aligned (key j visible to
+query i iff j <= i). D = 64 or 128; GQA/MQA (Hq a multiple of Hkv).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+HEAD_DIMS = (64, 128)
+SEQ_PAD = 128  # the kernel's tile along both sequences
+
+
+def _ops():
+    return torch.ops.sageattn3
+
+
+def has_kernel() -> bool:
+    try:
+        return hasattr(_ops(), "blockscaled_fp4_attn")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _bytes(x: torch.Tensor, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype == torch.float8_e4m3fn:
+        x = x.view(torch.uint8)
+    if x.dtype != torch.uint8:
+        raise TypeError(f"{name} must be uint8 or float8_e4m3fn, got {x.dtype}")
+    return x.contiguous()
+
+
+def _pad_seq(x: torch.Tensor, dim: int, multiple: int = SEQ_PAD) -> torch.Tensor:
+    size = x.shape[dim]
+    target = -(-size // multiple) * multiple
+    if target == size:
+        return x
+    pad_shape = list(x.shape)
+    pad_shape[dim] = target - size
+    return torch.cat((x, x.new_zeros(pad_shape)), dim=dim)
+
+
+def _pad_to(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    if x.shape[dim] >= size:
+        return x
+    pad_shape = list(x.shape)
+    pad_shape[dim] = size - x.shape[dim]
+    return torch.cat((x, x.new_zeros(pad_shape)), dim=dim)
+
+
+def fp4_attention(
+    q: torch.Tensor,
+    q_sf: torch.Tensor,
+    k: torch.Tensor,
+    k_sf: torch.Tensor,
+    v: torch.Tensor,
+    v_sf: torch.Tensor,
+    delta_s: torch.Tensor,
+    *,
+    seq_q: int,
+    seq_k: int,
+    sm_scale: float | None = None,
+    is_causal: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Runs the FP4 attention kernel on preprocessed NVFP4 tensors (layouts: module doc) and
+    returns (B, Hq, seq_q, D) in ``out_dtype`` (bfloat16 or float16). Sequence dims that are
+    not yet multiples of 128 are zero-padded here (a copy); ``seq_q``/``seq_k`` are the real
+    lengths (keys past seq_k are masked, rows past seq_q are not written)."""
+    q, q_sf, k, k_sf = _bytes(q, "q"), _bytes(q_sf, "q_sf"), _bytes(k, "k"), _bytes(k_sf, "k_sf")
+    v, v_sf = _bytes(v, "v"), _bytes(v_sf, "v_sf")
+    for name, t in (("q", q), ("q_sf", q_sf), ("k", k), ("k_sf", k_sf), ("v", v), ("v_sf", v_sf), ("delta_s", delta_s)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
+        if t.device != q.device or t.device.type != "cuda":
+            raise ValueError(f"{name} must be a CUDA tensor on q's device ({q.device}), got {t.device}")
+    if delta_s.dtype != torch.float32:
+        raise TypeError(f"delta_s must be float32, got {delta_s.dtype}")
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"out_dtype must be bfloat16 or float16, got {out_dtype}")
+    b, hq, _, d2 = q.shape
+    d = 2 * d2
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head_dim {d} is not supported by the FP4 kernel ({'/'.join(map(str, HEAD_DIMS))})")
+    hk = k.shape[1]
+    if hk == 0 or hq % hk:
+        raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hk})")
+    if not (1 <= seq_q <= q.shape[2]) or not (1 <= seq_k <= k.shape[2]):
+        raise ValueError(f"seq_q={seq_q} / seq_k={seq_k} do not fit q ({q.shape[2]} rows) / k ({k.shape[2]} rows)")
+    if v.shape[:3] != (b, hk, d) or v_sf.shape[:3] != (b, hk, d):
+        raise ValueError(f"v/v_sf must be (B, Hkv, D, ...) = ({b}, {hk}, {d}, ...), got {tuple(v.shape)} / {tuple(v_sf.shape)}")
+    q, q_sf = _pad_seq(q, 2), _pad_seq(q_sf, 2)
+    k, k_sf = _pad_seq(k, 2), _pad_seq(k_sf, 2)
+    sk_p = k.shape[2]
+    if v.shape[3] * 2 > sk_p or v_sf.shape[3] * 16 > sk_p:
+        raise ValueError(f"v covers more keys ({v.shape[3] * 2}) than k ({sk_p})")
+    v, v_sf = _pad_to(v, 3, sk_p // 2), _pad_to(v_sf, 3, sk_p // 16)
+    delta_s = _pad_to(delta_s.contiguous(), 3, sk_p)
+    nblk = delta_s.shape[2]
+    if delta_s.shape[:2] != (b, hq) or nblk not in (1, q.shape[2] // SEQ_PAD):
+        raise ValueError(
+            f"delta_s must be (B, Hq, 1 or Sq_p/128, Sk_p) = ({b}, {hq}, 1|{q.shape[2] // SEQ_PAD}, {sk_p}), "
+            f"got {tuple(delta_s.shape)}"
+        )
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
+    out = torch.empty((b, hq, seq_q, d), dtype=out_dtype, device=q.device)
+    _ops().blockscaled_fp4_attn(q, q_sf, k, k_sf, v.contiguous(), v_sf.contiguous(), delta_s, out,
+                                int(seq_q), int(seq_k), scale, bool(is_causal))
+    return out
+
+
+def attention_from_preprocessed(pre, *, is_causal: bool = False, sm_scale: float | None = None,
+                                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``fp4_attention`` on a ``sageattn3.reference.Preprocessed`` (as ``api.preprocess``
+    returns it, pad=128)."""
+    return fp4_attention(pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
+                         pre.delta_s, seq_q=pre.seq_q, seq_k=pre.seq_k, sm_scale=sm_scale, is_causal=is_causal,
+                         out_dtype=out_dtype)
+
+
+def mma_probe(a: torch.Tensor, b: torch.Tensor, sfa: torch.Tensor, sfb: torch.Tensor, c: torch.Tensor,
+              tid_a: int = 0, tid_b: int = 0) -> torch.Tensor:
+    """One block-scaled FP4 MMA (m16n8k64, e2m1, ue4m3 scale_vec::4X) per problem: a (n,16,32)
+    bytes = A row-major (16 x 64 codes), b (n,8,32) = B column-major (8 columns x 64 codes),
+    sfa (n,16,4) / sfb (n,8,4) scale bytes, c (n,16,8) float32. Returns D (n,16,8) float32.
+    The real instruction on sm_120/121, the software model in the test flavour (sm_90)."""
+    n = a.shape[0]
+    d = torch.empty((n, 16, 8), dtype=torch.float32, device=a.device)
+    _ops().fp4_mma_probe(_bytes(a, "a"), _bytes(b, "b"), _bytes(sfa, "sfa"), _bytes(sfb, "sfb"),
+                         c.float().contiguous(), d, int(tid_a), int(tid_b))
+    return d
