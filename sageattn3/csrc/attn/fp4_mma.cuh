@@ -71,7 +71,7 @@ struct Acc {
 
 // Not inlined: the kernel has dozens of MMA sites, and one out-of-line model keeps the test
 // flavour's compile time and code size small (its speed does not matter).
-__device__ __noinline__ Acc mma(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1,
+static __device__ __noinline__ Acc mma(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1,
                                 float c0, float c1, float c2, float c3, uint32_t sfa, uint32_t sfb, int tid_a,
                                 int tid_b) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
