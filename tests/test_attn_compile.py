@@ -1,0 +1,108 @@
+"""CPU-side checks of the FP4 attention kernel: it compiles for sm_120a and sm_121a with 0 bytes
+of spill, and the sm_120a machine code holds the block-scaled FP4 MMA
+(OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X). Skips without nvcc >= 12.9. cuobjdump/nvdisasm come from
+PyPI (nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm 13.x) into a cache dir when not on PATH."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "sageattn3" / "csrc"
+ATTN_CU = CSRC / "attn" / "attn_launch.cu"
+OMMA = "OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X"
+
+
+def _nvcc() -> tuple[Path, tuple[int, int]]:
+    home = os.environ.get("CUDA_HOME")
+    nvcc = Path(home) / "bin" / "nvcc" if home else (Path(shutil.which("nvcc")) if shutil.which("nvcc") else None)
+    if nvcc is None or not nvcc.exists():
+        pytest.skip("no nvcc (set CUDA_HOME to a CUDA >= 12.9 toolkit)")
+    out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    ver = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+    if ver < (12, 9):
+        pytest.skip(f"nvcc {ver} cannot compile sm_121a (needs >= 12.9)")
+    return nvcc, ver
+
+
+@pytest.fixture(scope="module")
+def cubins(tmp_path_factory):
+    """Both arch objects, compiled in parallel (one nvcc per arch), with ptxas -v output."""
+    nvcc, _ = _nvcc()
+    out = tmp_path_factory.mktemp("attn")
+    procs = {}
+    for arch in ("120a", "121a"):
+        obj = out / f"attn_{arch}.o"
+        cmd = [str(nvcc), "-c", str(ATTN_CU), "-o", str(obj), f"-gencode=arch=compute_{arch},code=sm_{arch}",
+               "-O3", "-std=c++20", "-Xptxas", "-v", f"-I{CSRC}"]
+        procs[arch] = (obj, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    res = {}
+    for arch, (obj, p) in procs.items():
+        log = p.communicate()[0]
+        assert p.returncode == 0, f"sm_{arch} compile failed:\n{log}"
+        res[arch] = (obj, log)
+    return res
+
+
+def _kernel_reports(log: str) -> dict[str, str]:
+    """ptxas -v lines per attention kernel entry."""
+    reports, cur = {}, None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)'", line)
+        if m:
+            cur = m.group(1) if "fp4_attn_fwd_kernel" in m.group(1) else None
+            if cur:
+                reports[cur] = ""
+        elif cur:
+            reports[cur] += line + "\n"
+    return reports
+
+
+@pytest.mark.parametrize("arch", ["120a", "121a"])
+def test_attention_kernels_do_not_spill(cubins, arch):
+    _, log = cubins[arch]
+    reports = _kernel_reports(log)
+    assert len(reports) == 2, f"expected the D=64 and D=128 kernels, got {list(reports)}\n{log}"
+    for name, rep in reports.items():
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
+        assert m and m.group(1) == "0" and m.group(2) == "0", f"sm_{arch} {name} spills:\n{rep}"
+        regs = re.search(r"Used (\d+) registers", rep)
+        print(f"sm_{arch} {name}: {regs.group(1) if regs else '?'} registers")
+
+
+def _tool(name: str, package: str) -> Path | None:
+    found = shutil.which(name)
+    if found:
+        return Path(found)
+    cache = Path(os.environ.get("SAGEATTN3_TOOL_CACHE", Path.home() / ".cache" / "sageattn3-tools")) / package
+    exe = next(iter(cache.glob(f"**/bin/{name}")), None) if cache.exists() else None
+    if exe is None:
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(cache), f"{package}==13.*"],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            return None
+        exe = next(iter(cache.glob(f"**/bin/{name}")), None)
+    return exe
+
+
+def test_sm120a_sass_has_block_scaled_fp4_mma(cubins):
+    cuobjdump = _tool("cuobjdump", "nvidia-cuda-cuobjdump")
+    nvdisasm = _tool("nvdisasm", "nvidia-cuda-nvdisasm")
+    if cuobjdump is None or nvdisasm is None:
+        pytest.skip("cuobjdump/nvdisasm not available (PATH or pip install nvidia-cuda-cuobjdump/-nvdisasm)")
+    obj, _ = cubins["120a"]
+    env = dict(os.environ, PATH=f"{nvdisasm.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    sass = subprocess.run([str(cuobjdump), "-sass", str(obj)], capture_output=True, text=True, env=env)
+    assert sass.returncode == 0, sass.stderr
+    count = sass.stdout.count(OMMA)
+    # D=128: 2 (QK^T) x 16 n-tiles + 2 (PV) x 16; D=64: 16 + 2 x 8, unless the compiler rolls loops.
+    assert count >= 2, f"{OMMA} not found in the sm_120a SASS ({count} hits)"
+    print(f"{count} x {OMMA} in sm_120a SASS")
