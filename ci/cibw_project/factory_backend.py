@@ -1,0 +1,28 @@
+"""PEP 517 backend of the cibuildwheel shim: ``build_wheel`` hands over to the factory.
+
+It runs under cibuildwheel's build Python (the target's oldest, e.g. 3.9), while the factory
+needs Python >= 3.11: it calls ``$SAGEATTN3_FACTORY_PYTHON ci/cibw.py build`` (falling back to
+the running interpreter), which compiles with the target's own torch environment."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+CIBW = Path(__file__).resolve().parent.parent / "cibw.py"
+
+
+def get_requires_for_build_wheel(config_settings=None):
+    return []
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    python = os.environ.get("SAGEATTN3_FACTORY_PYTHON") or sys.executable
+    before = set(os.listdir(wheel_directory))
+    subprocess.run([python, str(CIBW), "build", "--out", str(wheel_directory)], check=True)
+    new = sorted(n for n in os.listdir(wheel_directory) if n.endswith(".whl") and n not in before)
+    if len(new) != 1:
+        raise RuntimeError(f"the factory's build stage left {new} in {wheel_directory}, expected one wheel")
+    return new[0]
