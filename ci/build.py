@@ -117,9 +117,7 @@ def stage(target: Target, matrix: Matrix, *, force_patches: tuple[str, ...] = ()
           mma_model: bool = False) -> tuple[Path, dict, list[patchmod.Patch]]:
     """Copy the payload into its staging dir and apply the target's patches. Returns the
     staging dir, the flag profile and the applied patches. Raises before compiling on drift."""
-    profile = profile_for(target, matrix.stable_abi_floor)
-    if mma_model:
-        profile = dict(profile, defines=[*profile["defines"], "SAGEATTN3_MMA_MODEL=1"])
+    profile = profile_for(target, matrix.stable_abi_floor, mma_model=mma_model)
     chosen = patchmod.select(
         patchmod.load_manifest(), os_key=target.os.key, compiler=compiler_for(target),
         cuda=target.cuda, torch_version=target.build_torch, force=force_patches,
@@ -134,10 +132,14 @@ def stage(target: Target, matrix: Matrix, *, force_patches: tuple[str, ...] = ()
     return root, profile, chosen
 
 
+TEST_FLAVOUR_LABEL = "mmamodel"
+
+
 def build(target: Target, matrix: Matrix, raw_dir: Path, *, force_patches: tuple[str, ...] = (),
-          jobs: int | None = None, log=print) -> BuildResult:
-    """Build one target's wheel into ``raw_dir`` (emptied first)."""
-    staging, profile, chosen = stage(target, matrix, force_patches=force_patches)
+          jobs: int | None = None, mma_model: bool = False, log=print) -> BuildResult:
+    """Build one target's wheel into ``raw_dir`` (emptied first). ``mma_model``: the test
+    flavour (adds sm_90a, FP4 MMA replaced by its software model); never published."""
+    staging, profile, chosen = stage(target, matrix, force_patches=force_patches, mma_model=mma_model)
     cuda = find_cuda(target.cuda)
     spec, extra = torch_spec(target)
     env = torch_env(build_python(target), spec) if not extra else _torch_env_with_index(target, spec, extra)
@@ -159,7 +161,7 @@ def build(target: Target, matrix: Matrix, raw_dir: Path, *, force_patches: tuple
         "cuda_home": str(cuda.home),
         "cutlass_include": str(cutlass),
         "include_overlay": str(overlay) if overlay.exists() else None,
-        "local_label": target.variant.label,
+        "local_label": target.variant.label + (f".{TEST_FLAVOUR_LABEL}" if mma_model else ""),
         "requires_torch": target.requires_torch,
         "limited_api": target.python_tag,
         "launcher": launcher,
@@ -170,7 +172,7 @@ def build(target: Target, matrix: Matrix, raw_dir: Path, *, force_patches: tuple
             "requires_python": f">={target.python}",
             "torch_build": env.torch_version,
             "cuda": target.cuda,
-            "archs": list(target.archs),
+            "archs": profile["archs"],
             "os": target.os.key,
             "toolchain": {
                 "nvcc": cuda.version,
@@ -184,7 +186,7 @@ def build(target: Target, matrix: Matrix, raw_dir: Path, *, force_patches: tuple
             "flags": profile,
             "patches": [p.name for p in chosen],
             "source_commit": source_commit(),
-            "extra": {"torch_lines": list(target.torch_lines), "mma_model": "SAGEATTN3_MMA_MODEL=1" in profile["defines"]},
+            "extra": {"torch_lines": list(target.torch_lines), "mma_model": mma_model},
         },
     }
     cfg_path = staging / "build" / "sageattn3-build-config.json"

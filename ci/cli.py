@@ -60,6 +60,12 @@ def cmd_build_wheels(args: argparse.Namespace) -> int:
             return 2
     else:
         targets = [default_target(matrix, args.torch)]
+    if args.test_flavour:
+        from ci.pipeline import build_test_wheel
+
+        for t in targets:
+            build_test_wheel(t, matrix, Path(args.dist))
+        return 0
     pythons = args.verify_python or ["%d.%d" % sys.version_info[:2]]
     runs = build_wheels(targets, matrix, Path(args.dist), verify_pythons=pythons, skip_verify=args.no_verify,
                         force_patches=tuple(args.force_patch or ()))
@@ -87,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--verify-python", action="append", metavar="X.Y", help="verify in these Pythons (repeatable)")
     b.add_argument("--no-verify", action="store_true", help="skip the verify stage (never for releases)")
     b.add_argument("--force-patch", action="append", metavar="NAME", help="apply this patch whatever its predicate")
+    b.add_argument("--test-flavour", action="store_true",
+                   help="build the test flavour (adds sm_90a; FP4 MMA software model) into dist/test/; never published")
     b.add_argument("--dist", default=str(REPO / "dist"), help="output root (default: dist/)")
     b.set_defaults(fn=cmd_build_wheels)
     m = sub.add_parser("matrix", help="print the GitHub Actions matrix JSON")

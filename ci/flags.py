@@ -26,11 +26,16 @@ def compiler_for(target: Target) -> str:
     return "msvc" if target.os.platform == "windows" else "gcc"
 
 
-def profile_for(target: Target, stable_abi_floor: str) -> dict:
+# The test flavour adds Hopper machine code so an H100 can run everything but the FP4 MMA.
+MMA_MODEL_ARCH = "sm_90a"
+
+
+def profile_for(target: Target, stable_abi_floor: str, *, mma_model: bool = False) -> dict:
     return _build_profile().profile(
         platform=target.os.platform,
         cuda=target.cuda,
-        archs=list(target.archs),
+        archs=[*target.archs, *([MMA_MODEL_ARCH] if mma_model else [])],
+        mma_model=mma_model,
         torch_version=target.build_torch,
         stable_abi_floor=stable_abi_floor if target.variant.stable else None,
         limited_api_python=target.python,  # the wheel is <python_tag>-abi3

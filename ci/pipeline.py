@@ -146,6 +146,18 @@ def install_hint(dist: Path, runs: list[TargetRun]) -> list[str]:
     return lines
 
 
+def build_test_wheel(target: Target, matrix: Matrix, dist: Path, log=print) -> Path:
+    """The test flavour of a target (sm_90a added, FP4 MMA modelled) into dist/test/, repaired
+    and recorded, outside dist/wheels and the index: for running GPU tests on Hopper."""
+    result = buildmod.build(target, matrix, dist / "raw" / f"{target.id}-test", mma_model=True, log=log)
+    out = dist / "test"
+    repaired = repairmod.repair(result.wheel, out, target.os.platform, log=log)
+    rec = BuildRecord.from_dict(read_record_in_wheel(repaired)).with_wheel(repaired)
+    record_path(repaired).write_text(rec.to_json())
+    log(f"test-flavour wheel: {repaired}")
+    return repaired
+
+
 def build_wheels(targets: list[Target], matrix: Matrix, dist: Path, *, verify_pythons: list[str],
                  skip_verify: bool = False, force_patches: tuple[str, ...] = (), log=print) -> list[TargetRun]:
     runs = []

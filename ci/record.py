@@ -101,6 +101,8 @@ def load_records(wheels_dir: Path) -> list[BuildRecord]:
         if not rp.exists():
             raise ValueError(f"{wheel.name}: no build record beside it ({rp.name}); rebuild it with nox -s build-wheels")
         rec = BuildRecord.load(rp)
+        if rec.extra.get("mma_model"):
+            raise ValueError(f"{wheel.name}: a test-flavour wheel (FP4 MMA software model); never indexed or published")
         if rec.wheel != wheel.name or rec.sha256 != sha256_of(wheel):
             raise ValueError(f"{wheel.name}: its build record does not match the file (name or sha256 differ)")
         out.append(rec)

@@ -51,3 +51,11 @@ def test_bad_arch_and_platform_are_refused():
         bp.profile(platform="macos", cuda="13.0", archs=["sm_120a"], torch_version="2.14", stable_abi_floor=None)
     with pytest.raises(ValueError, match="cannot compile the sm_120 family"):
         bp.default_archs("12.6")
+
+
+def test_test_flavour_adds_hopper_and_the_mma_model_define(m):
+    t = m.target("linux-x86_64-cu130-torch2.10-stable")
+    p = profile_for(t, m.stable_abi_floor, mma_model=True)
+    assert p["archs"] == ["sm_120a", "sm_121a", "sm_90a"]
+    assert "-gencode=arch=compute_90a,code=sm_90a" in p["nvcc_flags"] and "SAGEATTN3_MMA_MODEL=1" in p["defines"]
+    assert "SAGEATTN3_MMA_MODEL=1" not in profile_for(t, m.stable_abi_floor)["defines"]
