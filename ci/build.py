@@ -186,6 +186,7 @@ def build(target: Target, matrix: Matrix, raw_dir: Path, *, force_patches: tuple
             "flags": profile,
             "patches": [p.name for p in chosen],
             "source_commit": source_commit(),
+            "index_url": os.environ.get("SAGEATTN3_INDEX_URL") or matrix.index_url,
             "extra": {"torch_lines": list(target.torch_lines), "mma_model": mma_model},
         },
     }

@@ -41,6 +41,7 @@ class BuildRecord:
     flags: dict
     patches: tuple[str, ...]
     source_commit: str
+    index_url: str = ""
     wheel: str = ""
     sha256: str = ""
     size: int = 0

@@ -111,6 +111,7 @@ class Matrix:
     name: str
     stable_abi_floor: str
     limited_api_python: str
+    index_url: str
     oses: dict[str, OsSpec]
     cuda_archs: dict[str, tuple[str, ...]]
     torch: tuple[TorchLine, ...]
@@ -148,6 +149,7 @@ class Matrix:
             name=pkg.get("name", "sageattn3"),
             stable_abi_floor=pkg.get("stable_abi_floor", "2.10"),
             limited_api_python=pkg.get("limited_api_python", "3.10"),
+            index_url=pkg.get("index_url", ""),
             oses=oses,
             cuda_archs=cuda_archs,
             torch=tuple(lines),

@@ -9,7 +9,9 @@ import json
 import re
 from importlib import resources
 
-INDEX_URL = "https://sageattn3.github.io/whl"  # the published index root (see the README)
+# Where the wheels are published; the factory writes the real root into the build record
+# (ci/targets.toml [package] index_url, or SAGEATTN3_INDEX_URL at build time).
+DEFAULT_INDEX_URL = "https://sageattn3.github.io/sageattn3"
 
 
 class TorchMismatchError(ImportError):
@@ -59,7 +61,8 @@ def check_torch(torch_version: str, torch_cuda: str | None, record: dict | None 
         problems.append(f"this wheel is for torch {m.group(3)}.x only")
     if not problems:
         return
-    right = f"{INDEX_URL}/{_cuda_tag(torch_cuda)}/torch{have[0]}.{have[1]}/"
+    base = (rec.get("index_url") or DEFAULT_INDEX_URL).rstrip("/")
+    right = f"{base}/{_cuda_tag(torch_cuda)}/torch{have[0]}.{have[1]}/"
     raise TorchMismatchError(
         f"sageattn3 {rec.get('version', '?')} was built for {rec.get('requires_torch', 'torch ?')} "
         f"with CUDA {rec.get('cuda', '?')} (variant {variant}), but this process has torch "
