@@ -77,3 +77,11 @@ def patches(session: nox.Session) -> None:
     """`-- check`: every patch applies/reverses cleanly against its pins; `-- list --target ID`."""
     _factory(session)
     session.run("python", "-m", "ci.patches", *(session.posargs or ["check"]))
+
+
+@nox.session
+def release(session: nox.Session) -> None:
+    """Release pipeline steps (`-- plan|report|gather|pages|lint-workflows`); `-- --dry-run` runs
+    the whole pipeline for the targets buildable here, publishing to a local GitHub-REST server."""
+    _publisher(session)
+    session.run("python", "-m", "ci.release", *(session.posargs or ["--help"]))

