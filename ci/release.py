@@ -372,7 +372,8 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
     if missing:
         dr.summary = "\n".join(parts)
         (dist / "summary.md").write_text(dr.summary)
-        raise ReleaseError(f"dry run: {len(missing)} target(s) failed, nothing published: {', '.join(missing)}")
+        raise ReleaseError(f"dry run: {len(missing)} target(s) failed, nothing published: "
+                           + "; ".join(f"{m}: {dr.errors.get(m, 'no artifact')}" for m in missing))
 
     wheels_dir = dist / "wheels"
     shutil.rmtree(wheels_dir, ignore_errors=True)
