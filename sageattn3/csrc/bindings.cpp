@@ -179,6 +179,43 @@ void delta_s(Tensor k, Tensor mean_k, Tensor mean_q, Tensor out) {
                     "delta_s");
 }
 
+// smooth_quant_k_delta(k, mean_k, mean_q, packed!, scales!, delta!): k (B, Hkv, Sk, D) bf16/fp16,
+// D <= 128; mean_k (B, Hkv, 1, D), mean_q (B, Hq, nblk, D) fp32; packed (B, Hkv, Skp, D/2),
+// scales (B, Hkv, Skp, D/16); delta (B, Hq, nblk, Skp) fp32.
+void smooth_quant_k_delta(Tensor k, Tensor mean_k, Tensor mean_q, Tensor packed, Tensor scales, Tensor out) {
+  check_cuda(k, k, "k");
+  check_cuda(mean_k, k, "mean_k");
+  check_cuda(mean_q, k, "mean_q");
+  check_cuda(packed, k, "packed");
+  check_cuda(scales, k, "scales");
+  check_cuda(out, k, "delta");
+  check_f32(mean_k, "mean_k");
+  check_f32(mean_q, "mean_q");
+  check_f32(out, "delta");
+  check_bytes(packed, "packed");
+  check_bytes(scales, "scales");
+  const auto dt = dtype_of(k, "k");
+  STD_TORCH_CHECK(dt != sageattn3::DType::kFloat32, "sageattn3: smooth_quant_k_delta takes float16/bfloat16 k");
+  STD_TORCH_CHECK(k.dim() == 4 && mean_q.dim() == 4 && out.dim() == 4, "sageattn3: smooth_quant_k_delta takes 4-D tensors");
+  const int64_t B = k.size(0), Hkv = k.size(1), Sk = k.size(2), D = k.size(3);
+  const int64_t Hq = mean_q.size(1), nblk = mean_q.size(2), Skp = out.size(3);
+  STD_TORCH_CHECK(D % 16 == 0 && D > 0 && D <= 128, "sageattn3: D must be a multiple of 16, at most 128");
+  STD_TORCH_CHECK(Sk >= 1 && nblk >= 1, "sageattn3: empty k or mean_q");
+  STD_TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && mean_q.size(0) == B && mean_q.size(3) == D,
+                  "sageattn3: mean_q does not match k");
+  STD_TORCH_CHECK(mean_k.numel() == B * Hkv * D, "sageattn3: mean_k does not match k");
+  STD_TORCH_CHECK(out.size(0) == B && out.size(1) == Hq && out.size(2) == nblk && Skp % 16 == 0 && Skp >= Sk,
+                  "sageattn3: delta has the wrong shape");
+  STD_TORCH_CHECK(packed.numel() == B * Hkv * Skp * D / 2 && scales.numel() == B * Hkv * Skp * D / 16,
+                  "sageattn3: packed/scales sizes do not match k");
+  STD_TORCH_CHECK(reinterpret_cast<uintptr_t>(k.data_ptr()) % 16 == 0, "sageattn3: k must be 16-byte aligned");
+  DeviceScope scope(k.get_device());
+  check_cuda_kernel(sageattn3::smooth_quant_k_delta(k.data_ptr(), dt, B, Hq, Hkv, Sk, D, nblk, floats(mean_k),
+                                                    floats(mean_q), Skp, bytes(packed), bytes(scales), floats(out),
+                                                    current_stream(k)),
+                    "smooth_quant_k_delta");
+}
+
 // ---- FP4 attention (csrc/attn; owner: the attention kernel) --------------------------------
 // blockscaled_fp4_attn(q, q_sf, k, k_sf, v, v_sf, delta_s, out!, seq_q, seq_k, sm_scale, causal):
 // layouts in attn/attn_api.h (sequence dims padded to multiples of 128, zeros).
@@ -267,6 +304,8 @@ STABLE_TORCH_LIBRARY(sageattn3, m) {
   m.def("smooth_quant_rows(Tensor x, Tensor(a!) mean, bool compute_mean, int mean_block, Tensor(b!) packed, "
         "Tensor(c!) scales) -> ()");
   m.def("delta_s(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) out) -> ()");
+  m.def("smooth_quant_k_delta(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) packed, Tensor(b!) scales, "
+        "Tensor(c!) delta) -> ()");
   m.def("blockscaled_fp4_attn(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, Tensor v_sf, Tensor delta_s, "
         "Tensor(a!) out, int seq_q, int seq_k, float sm_scale, bool causal) -> ()");
   m.def("fp4_mma_probe(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, Tensor(a!) d, int tid_a, int tid_b) -> ()");
@@ -278,6 +317,7 @@ STABLE_TORCH_LIBRARY_IMPL(sageattn3, CUDA, m) {
   m.impl("colsum", TORCH_BOX(&colsum));
   m.impl("smooth_quant_rows", TORCH_BOX(&smooth_quant_rows));
   m.impl("delta_s", TORCH_BOX(&delta_s));
+  m.impl("smooth_quant_k_delta", TORCH_BOX(&smooth_quant_k_delta));
   m.impl("blockscaled_fp4_attn", TORCH_BOX(&blockscaled_fp4_attn));
   m.impl("fp4_mma_probe", TORCH_BOX(&fp4_mma_probe));
 }

@@ -40,4 +40,12 @@ int smooth_quant_rows(const void* x, DType dtype, int64_t G, int64_t S, int64_t 
 int delta_s(const void* k, DType dtype, int64_t B, int64_t Hq, int64_t Hkv, int64_t Sk, int64_t D, int64_t nblk,
             const float* mean_k, const float* mean_q, int64_t Sp, float* out, cudaStream_t stream);
 
+// K smoothing + NVFP4 + delta_s in one pass over K (bf16/fp16 K, D a multiple of 16, <= 128):
+// packed (B, Hkv, Skp, D/2) and scales (B, Hkv, Skp, D/16) of K - mean_k as smooth_quant_rows
+// writes them (rows Sk..Skp-1 zero), and delta (B, Hq, nblk, Skp) fp32 as delta() defines it,
+// computed on tensor cores with fp32 mean_q split into bf16/fp16 parts (fp32-level accuracy).
+int smooth_quant_k_delta(const void* k, DType dtype, int64_t B, int64_t Hq, int64_t Hkv, int64_t Sk, int64_t D,
+                         int64_t nblk, const float* mean_k, const float* mean_q, int64_t Skp, uint8_t* packed,
+                         uint8_t* scales, float* delta, cudaStream_t stream);
+
 }  // namespace sageattn3

@@ -41,3 +41,50 @@ def test_preprocess_matches_reference(dtype, per_block_mean, b, hq, hk, sq, sk, 
     assert pre.delta_s.shape == want.delta_s.shape
     scale = want.delta_s.abs().max().clamp_min(1.0)
     assert (pre.delta_s.cpu() - exact.delta_s).abs().max() <= 2e-5 * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b,hq,hk,sq,sk,d", [(1, 2, 1, 8300, 300, 64),    # > 64 Q-mean rows: several chunks
+                                             (1, 3, 3, 130, 2049, 128),   # several 256-key tiles, ragged end
+                                             (2, 4, 1, 256, 513, 32)])    # MQA, small D
+def test_fused_k_delta_matches_reference(dtype, b, hq, hk, sq, sk, d):
+    """The fused K smoothing + quantization + tensor-core delta_s kernel (D <= 128)."""
+    sa = kernels_or_skip()
+    from sageattn3 import reference as ref
+
+    q, k, v = qkv(b, hq, hk, sq, sk, d, dtype, seed=sq * 7 + sk)
+    pre = sa.preprocess(q, k, v, per_block_mean=True)
+    exact = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), per_block_mean=True,
+                           mean_q=pre.mean_q.cpu(), mean_k=pre.mean_k.cpu())
+    for name in ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales"):
+        assert same_bytes(getattr(pre, name), getattr(exact, name)), name
+    scale = exact.delta_s.abs().max().clamp_min(1.0)
+    assert (pre.delta_s.cpu() - exact.delta_s).abs().max() <= 2e-5 * scale
+    assert torch.all(pre.delta_s[..., sk:] == 0)
+
+
+def test_single_key_delta_is_exactly_zero():
+    """K == mean_k for one key: mean_q · (K - mean_k) is exactly 0, as in the reference."""
+    sa = kernels_or_skip()
+    q, k, v = qkv(1, 2, 2, 300, 1, 128, torch.bfloat16, seed=5)
+    pre = sa.preprocess(q, k, v, per_block_mean=True)
+    assert torch.all(pre.delta_s == 0)
+
+
+def test_misaligned_inputs():
+    """Views whose storage offset breaks 16-byte alignment are copied, not misread."""
+    sa = kernels_or_skip()
+    from sageattn3 import reference as ref
+
+    base = torch.randn(2 * 4 * 200 * 64 + 1, dtype=torch.bfloat16, device="cuda")
+    x = base[1:].view(2, 4, 200, 64)
+    assert x.data_ptr() % 16
+    p, s = sa.scale_and_quant_fp4(x)
+    rp, rs = ref.quantize_rows(x.cpu())
+    assert same_bytes(p, rp) and same_bytes(s, rs)
+    p, s = sa.scale_and_quant_fp4_transpose(x)
+    rp, rs = ref.quantize_transposed(x.cpu())
+    assert same_bytes(p, rp) and same_bytes(s, rs)
+    pre = sa.preprocess(x, x[:, :2], x[:, :2])
+    want = ref.preprocess(x.cpu(), x[:, :2].cpu(), x[:, :2].cpu(), mean_q=pre.mean_q.cpu(), mean_k=pre.mean_k.cpu())
+    assert same_bytes(pre.k_packed, want.k_packed) and same_bytes(pre.q_packed, want.q_packed)

@@ -20,12 +20,20 @@
 
 namespace sageattn3 {
 
-// |x| -> E2M1 magnitude code (0..7), round to nearest, ties to the even code, saturating at 6.
+// x (not NaN) -> E2M1 code (sign in bit 3), round to nearest, ties to the even code,
+// saturating at 6. The E2M1 grid has spacing 0.5 below 2, 1 in [2, 4) and 2 from 4 on: adding
+// 2^22, 2^23 or 2^24 in fp32 rounds |x| to that spacing (the adder's own round-to-nearest-even),
+// and the difference of the bit patterns counts the steps. About 9 instructions instead of 7
+// compare/select pairs; checked against the threshold definition for every fp32 in [0, 16]
+// and a sweep up to +Inf.
 __device__ __forceinline__ uint32_t e2m1_code_sw(float x) {
-  const uint32_t sign = (__float_as_uint(x) >> 31) << 3;
+  const uint32_t sign = (__float_as_uint(x) >> 28) & 8u;
   const float a = fabsf(x);
-  const uint32_t m = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
-  return sign | m;
+  const bool r0 = a < 2.f, r1 = a < 4.f;
+  const float magic = r0 ? 4194304.f : (r1 ? 8388608.f : 16777216.f);
+  const int base = r0 ? 0x4A800000 : (r1 ? 0x4B000000 - 2 : 0x4B800000 - 4);
+  const int m = min(__float_as_int(__fadd_rn(a, magic)) - base, 7);
+  return sign | static_cast<uint32_t>(m);
 }
 
 // Two floats -> one byte, `lo` in the low nibble.
@@ -126,5 +134,100 @@ struct Load8<float> {
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
   }
 };
+
+
+// ---- whole 16-blocks per thread (the bandwidth kernels) ----
+
+// 16 values (already smoothed, fp32) of one block whose amax bits are known -> codes of
+// elements 0-7 (x) and 8-15 (y), scale byte in `sbyte`. Same arithmetic as quant8_with_amax.
+__device__ __forceinline__ uint2 quant16_with_amax(const float (&v)[16], uint32_t amax_bits, uint32_t& sbyte) {
+  sbyte = e4m3_scale_byte(__uint_as_float(amax_bits));
+  const float s = e4m3_value(sbyte);
+  const bool ok = s > 0.f;  // false for 0 and NaN
+  const float inv = ok ? __frcp_rn(s) : 0.f;
+  float y0[8], y1[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    y0[i] = __fmul_rn(v[i], inv);
+    y1[i] = __fmul_rn(v[8 + i], inv);
+  }
+  const uint2 w = make_uint2(e2m1x8(y0), e2m1x8(y1));
+  return ok ? w : make_uint2(0u, 0u);
+}
+
+__device__ __forceinline__ uint2 quant16(const float (&v)[16], uint32_t& sbyte) {
+  uint32_t a = 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) a = abs_bits_max(a, v[i]);
+  return quant16_with_amax(v, a, sbyte);
+}
+
+// Raw storage of 16 consecutive elements (one NVFP4 block): loaded with 16-byte vector loads,
+// converted to fp32 only when needed.
+template <typename T>
+struct Raw16 {
+  static constexpr int kWords = 16 * static_cast<int>(sizeof(T)) / 4;  // 8 (16-bit) or 16 (fp32)
+  uint32_t w[kWords];
+
+  // p: 16-byte aligned. Streaming (evict-first) loads: every byte is read once.
+  __device__ __forceinline__ void load(const T* p) {
+#pragma unroll
+    for (int i = 0; i < kWords / 4; ++i) {
+      const uint4 r = __ldcs(reinterpret_cast<const uint4*>(p) + i);
+      w[4 * i] = r.x; w[4 * i + 1] = r.y; w[4 * i + 2] = r.z; w[4 * i + 3] = r.w;
+    }
+  }
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) w[i] = 0u;
+  }
+  __device__ __forceinline__ void to_float(float (&v)[16]) const;
+  // max |x| as fp32 bits (NaN propagates), computed on the raw 16-bit patterns two at a time.
+  __device__ __forceinline__ uint32_t amax_bits() const;
+};
+
+template <>
+__device__ __forceinline__ void Raw16<bf16_t>::to_float(float (&v)[16]) const {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) { v[2 * i] = bf16_lo(w[i]); v[2 * i + 1] = bf16_hi(w[i]); }
+}
+template <>
+__device__ __forceinline__ void Raw16<f16_t>::to_float(float (&v)[16]) const {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+template <>
+__device__ __forceinline__ void Raw16<float>::to_float(float (&v)[16]) const {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = __uint_as_float(w[i]);
+}
+
+// For 16-bit floats |x| orders like its bit pattern and NaN sits above Inf, so an unsigned
+// 16-bit max of the patterns with the sign cleared is amax (NaN-propagating) in the input type.
+__device__ __forceinline__ uint32_t max_abs_halves(const uint32_t (&w)[8]) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) m = __vmaxu2(m, w[i] & 0x7FFF7FFFu);
+  return max(m & 0xFFFFu, m >> 16);
+}
+template <>
+__device__ __forceinline__ uint32_t Raw16<bf16_t>::amax_bits() const {
+  return max_abs_halves(w) << 16;
+}
+template <>
+__device__ __forceinline__ uint32_t Raw16<f16_t>::amax_bits() const {
+  return __float_as_uint(__half2float(__ushort_as_half(static_cast<unsigned short>(max_abs_halves(w)))));
+}
+template <>
+__device__ __forceinline__ uint32_t Raw16<float>::amax_bits() const {
+  uint32_t a = 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) a = max(a, w[i] & 0x7FFFFFFFu);
+  return a;
+}
 
 }  // namespace sageattn3

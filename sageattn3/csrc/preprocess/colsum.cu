@@ -1,4 +1,6 @@
-// Partial column sums over fixed row chunks (the first stage of a deterministic mean).
+// Partial column sums over fixed row chunks (the first stage of a deterministic mean). Each
+// thread sums whole 16-channel blocks of rows rl, rl + rpp, ... with kUnroll rows of loads in
+// flight; the row slots are then reduced in a fixed order.
 #include "common/launch.cuh"
 #include "common/nvfp4.cuh"
 #include "preprocess/rowblock.cuh"
@@ -7,15 +9,40 @@
 namespace sageattn3 {
 namespace {
 
+constexpr int kUnroll = 4;
+
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads) colsum_kernel(const T* __restrict__ x, int64_t S, int D,
                                                              int64_t chunk, int64_t n_chunks,
                                                              float* __restrict__ partial) {
-  __shared__ float red[kRowThreads * 8];
+  __shared__ float red[kRowThreads * 16];
+  const RowMap m(D);
   const int64_t g = blockIdx.x / n_chunks, c = blockIdx.x % n_chunks;
   const int64_t r0 = c * chunk, r1 = std::min<int64_t>(S, r0 + chunk);
-  column_sums<T>(x + g * S * D, r0, r1, D, red);
-  if (threadIdx.x < D) partial[(g * n_chunks + c) * D + threadIdx.x] = red[threadIdx.x];
+  const T* xg = x + g * S * D + m.cb * 16;
+  float acc[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+  if (m.active) {
+    for (int64_t r = r0 + m.rl; r < r1; r += static_cast<int64_t>(m.rpp) * kUnroll) {
+      Raw16<T> raw[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t row = r + static_cast<int64_t>(u) * m.rpp;
+        if (row < r1) raw[u].load(xg + row * D);
+        else raw[u].zero();
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        float v[16];
+        raw[u].to_float(v);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[i] += v[i];
+      }
+    }
+  }
+  reduce_columns(m, D, acc, red);
+  if (static_cast<int>(threadIdx.x) < D) partial[(g * n_chunks + c) * D + threadIdx.x] = red[threadIdx.x];
 }
 
 template <typename T>

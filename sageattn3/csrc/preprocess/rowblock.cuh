@@ -1,43 +1,42 @@
-// Shared pieces of the row-block kernels: a CTA of 256 threads walks rows of D channels, each
-// thread one 8-channel chunk (cg = t % (D/8)) of rows t / (D/8), t / (D/8) + R, ... with
-// R = 256 / (D/8); lane pairs (cg even/odd) hold one 16-channel NVFP4 block.
+// Shared pieces of the row kernels (K/Q smoothing, column sums): a CTA of 256 threads covers
+// rows of D channels, each thread one whole 16-channel NVFP4 block of a row:
+//   cb = t % (D/16) (its block column), rl = t / (D/16) (its row within a pass),
+//   kRowThreads / (D/16) rows per pass (threads beyond that idle).
+// Whole blocks per thread: two adjacent 16-byte loads, no shuffles, one scale computation.
 #pragma once
 #include "common/nvfp4.cuh"
 
 namespace sageattn3 {
 
 constexpr int kRowThreads = 256;
-constexpr int kMaxD = 256;  // D/8 <= 32 chunks per row
+constexpr int kMaxD = 256;  // D/16 <= 16 blocks per row
 
-// Column sums of rows [r0, r1) of x (rows of D), in a fixed order; the D sums end in red[0..D).
-// red must hold kRowThreads * 8 floats. Ends with a __syncthreads.
-template <typename T>
-__device__ __forceinline__ void column_sums(const T* __restrict__ x, int64_t r0, int64_t r1, int D,
-                                            float* red) {
-  const int t = threadIdx.x;
-  const int CG = D / 8, R = kRowThreads / CG;
-  const int cg = t % CG, rl = t / CG;
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  if (rl < R) {
-    for (int64_t r = r0 + rl; r < r1; r += R) {
-      float v[8];
-      Load8<T>::run(x + r * D + cg * 8, v);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] += v[i];
-    }
+struct RowMap {
+  int bpr, rpp, cb, rl;
+  bool active;
+  __device__ __forceinline__ explicit RowMap(int D) {
+    bpr = D / 16;
+    rpp = kRowThreads / bpr;
+    cb = threadIdx.x % bpr;
+    rl = threadIdx.x / bpr;
+    active = rl < rpp;
   }
-  __syncthreads();
-  if (rl < R) {
+};
+
+// Reduce per-thread column sums acc[16] (block column m.cb, one row slot m.rl) over the row
+// slots in a fixed order: on return red[0..D) holds the D column sums. red: kRowThreads*16 floats.
+__device__ __forceinline__ void reduce_columns(const RowMap& m, int D, const float (&acc)[16], float* red) {
+  if (m.active) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) red[rl * D + cg * 8 + i] = acc[i];
+    for (int i = 0; i < 16; ++i) red[m.rl * D + m.cb * 16 + i] = acc[i];
   }
   __syncthreads();
   float s = 0.f;
-  if (t < D) {
-    for (int j = 0; j < R; ++j) s += red[j * D + t];
+  if (static_cast<int>(threadIdx.x) < D) {
+    for (int r = 0; r < m.rpp; ++r) s += red[r * D + threadIdx.x];
   }
   __syncthreads();
-  if (t < D) red[t] = s;
+  if (static_cast<int>(threadIdx.x) < D) red[threadIdx.x] = s;
   __syncthreads();
 }
 

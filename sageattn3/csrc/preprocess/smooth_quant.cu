@@ -1,6 +1,7 @@
-// Smoothing + NVFP4 along D for Q and K: a CTA owns 128 rows of one group. For Q with
-// per-block means it first computes the block's mean (column sums of the same 128 rows; the
-// second read of those rows comes from L1/L2), so Q crosses DRAM once.
+// Smoothing + NVFP4 along D for Q (and K on the fallback path): a CTA owns 128 rows of one
+// group and holds them in registers: every thread loads its P row blocks (whole 16-channel
+// blocks, all loads in flight at once), so with per-block means the block's column sums, the
+// mean and the quantization all come from one read of Q from DRAM.
 #include "common/launch.cuh"
 #include "common/nvfp4.cuh"
 #include "preprocess/rowblock.cuh"
@@ -11,83 +12,105 @@ namespace {
 
 constexpr int kRows = 128;
 
-template <typename T>
+template <typename T, int P>
 __global__ void __launch_bounds__(kRowThreads) smooth_quant_kernel(const T* __restrict__ x, int64_t S, int D,
                                                                    float* __restrict__ mean, bool compute_mean,
                                                                    int mean_block, int64_t Sp, int64_t tiles,
-                                                                   uint32_t* __restrict__ packed,
+                                                                   uint2* __restrict__ packed,
                                                                    uint8_t* __restrict__ scales) {
-  __shared__ float red[kRowThreads * 8];
-  const int t = threadIdx.x;
+  __shared__ float red[kRowThreads * 16];
+  const RowMap m(D);
   const int64_t g = blockIdx.x / tiles, tile = blockIdx.x % tiles;
   const int64_t row0 = tile * kRows;
-  const T* xg = x + g * S * D;
+  const int64_t r1 = std::min<int64_t>(S, row0 + kRows);  // real rows of this tile: [row0, r1)
+  const T* xg = x + g * S * D + m.cb * 16;
   const int64_t nm = mean_block ? ceil_div(S, kRows) : 1;
-  const int64_t m = mean_block ? tile : 0;
+  const int64_t mi = mean_block ? tile : 0;
   const bool has_rows = row0 < S;
 
+  Raw16<T> raw[P];
+#pragma unroll
+  for (int p = 0; p < P; ++p) {
+    const int r = m.rl + p * m.rpp;
+    const int64_t row = row0 + r;
+    if (m.active && r < kRows && row < r1) raw[p].load(xg + row * D);
+    else raw[p].zero();
+  }
+
   if (compute_mean) {
-    if (has_rows) {
-      const int64_t r1 = std::min<int64_t>(S, row0 + kRows);
-      column_sums<T>(xg, row0, r1, D, red);  // red[0..D) = sums
-      if (t < D) {
-        const float mu = red[t] / static_cast<float>(r1 - row0);
-        mean[(g * nm + m) * D + t] = mu;
-        red[t] = mu;
-      }
+    float acc[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      float v[16];
+      raw[p].to_float(v);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) acc[i] += v[i];
     }
-  } else if (has_rows && t < D) {
-    red[t] = mean[(g * nm + m) * D + t];
+    reduce_columns(m, D, acc, red);  // red[0..D) = column sums
+    if (has_rows && static_cast<int>(threadIdx.x) < D) {
+      const float mu = red[threadIdx.x] / static_cast<float>(r1 - row0);
+      mean[(g * nm + mi) * D + threadIdx.x] = mu;
+      red[threadIdx.x] = mu;
+    }
+  } else if (has_rows && static_cast<int>(threadIdx.x) < D) {
+    red[threadIdx.x] = mean[(g * nm + mi) * D + threadIdx.x];
   }
   __syncthreads();
+  if (!m.active) return;
 
-  const int CG = D / 8, R = kRowThreads / CG;
-  const int cg = t % CG, rl = t / CG;
-  float mu[8];
+  float mu[16];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) mu[i] = has_rows ? red[cg * 8 + i] : 0.f;
-  const int iters = (kRows + R - 1) / R;
-  for (int it = 0; it < iters; ++it) {
-    const int r = rl + it * R;
+  for (int i = 0; i < 16; ++i) mu[i] = has_rows ? red[m.cb * 16 + i] : 0.f;
+  const int bpr = m.bpr;
+#pragma unroll
+  for (int p = 0; p < P; ++p) {
+    const int r = m.rl + p * m.rpp;
     const int64_t row = row0 + r;
-    const bool active = rl < R && r < kRows && row < Sp;
-    float v[8];
-    if (active && row < S) {
-      Load8<T>::run(xg + row * D + cg * 8, v);
+    if (r >= kRows || row >= Sp) continue;
+    float v[16];
+    raw[p].to_float(v);
+    const bool real = row < r1;  // padding rows are zeros after smoothing
 #pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = __fsub_rn(v[i], mu[i]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = 0.f;
-    }
+    for (int i = 0; i < 16; ++i) v[i] = real ? __fsub_rn(v[i], mu[i]) : 0.f;
     uint32_t sb;
-    const uint32_t w = quant8_pair(v, sb);
-    if (active) {
-      const int64_t out_row = g * Sp + row;
-      packed[out_row * CG + cg] = w;
-      if (!(cg & 1)) scales[out_row * (D / 16) + cg / 2] = static_cast<uint8_t>(sb);
-    }
+    const uint2 w = quant16(v, sb);
+    const int64_t ob = (g * Sp + row) * bpr + m.cb;  // output block index
+    __stcs(packed + ob, w);
+    __stcs(reinterpret_cast<char*>(scales + ob), static_cast<char>(sb));
   }
+}
+
+template <typename T, int P>
+int launch_p(const void* x, int64_t G, int64_t S, int64_t D, float* mean, bool compute_mean, int mean_block,
+             int64_t Sp, uint8_t* packed, uint8_t* scales, cudaStream_t stream) {
+  const int64_t tiles = ceil_div(Sp, kRows);
+  const int64_t grid = G * tiles;
+  if (grid == 0) return cudaSuccess;
+  if (grid > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  smooth_quant_kernel<T, P><<<static_cast<unsigned>(grid), kRowThreads, 0, stream>>>(
+      static_cast<const T*>(x), S, static_cast<int>(D), mean, compute_mean, mean_block, Sp, tiles,
+      reinterpret_cast<uint2*>(packed), scales);
+  return cudaGetLastError();
 }
 
 template <typename T>
 int launch(const void* x, int64_t G, int64_t S, int64_t D, float* mean, bool compute_mean, int mean_block,
            int64_t Sp, uint8_t* packed, uint8_t* scales, cudaStream_t stream) {
-  const int64_t tiles = ceil_div(Sp, kRows);
-  const int64_t grid = G * tiles;
-  if (grid == 0) return cudaSuccess;
-  if (grid > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  smooth_quant_kernel<T><<<static_cast<unsigned>(grid), kRowThreads, 0, stream>>>(
-      static_cast<const T*>(x), S, static_cast<int>(D), mean, compute_mean, mean_block, Sp, tiles,
-      reinterpret_cast<uint32_t*>(packed), scales);
-  return cudaGetLastError();
+  const int64_t rpp = kRowThreads / (D / 16);
+  const int64_t passes = ceil_div(kRows, rpp);
+  if (passes <= 1) return launch_p<T, 1>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
+  if (passes <= 2) return launch_p<T, 2>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
+  if (passes <= 4) return launch_p<T, 4>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
+  return launch_p<T, 8>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
 }
 
 }  // namespace
 
 int smooth_quant_rows(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, float* mean, bool compute_mean,
                       int mean_block, int64_t Sp, uint8_t* packed, uint8_t* scales, cudaStream_t stream) {
-  if (D % 16 || D > kMaxD || Sp < S || (mean_block != 0 && mean_block != kRows) ||
+  if (D % 16 || D <= 0 || D > kMaxD || Sp < S || (mean_block != 0 && mean_block != kRows) ||
       (compute_mean && mean_block != kRows))
     return cudaErrorInvalidValue;
   switch (dtype) {
