@@ -7,6 +7,8 @@ allocate the outputs (the ops write into them) and assume validated, contiguous 
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 
 import torch
@@ -17,6 +19,11 @@ ARCHS: tuple[str, ...] = ()
 
 ATTN_HEAD_DIMS = (64, 128)  # what the FP4 attention kernel supports
 FP4_MMA_CCS = ((12, 0), (12, 1))  # sm_120 / sm_121: block-scaled FP4 mma.sync
+
+# Test-only opt-in: with the MMA-model test flavour installed (the FP4 MMA replaced by its
+# software model, built for sm_90a), route GPUs without FP4 MMA (the H100) through the FP4 path.
+# Ignored by normal wheels: users on an H100 keep the SDPA fallback.
+FORCE_FP4_ENV = "SAGEATTN3_FORCE_FP4"
 
 
 def loaded() -> bool:
@@ -50,6 +57,21 @@ def kernels_run_on(device: torch.device) -> str | None:
     if not any(arch_runs_on(a, cc) for a in ARCHS):
         return f"this build has no code for sm_{cc[0]}{cc[1]} (built for {', '.join(ARCHS) or 'nothing'})"
     return None
+
+
+@functools.cache
+def mma_model_build() -> bool:
+    """Whether this wheel is the MMA-model test flavour: its build record says so, at the top
+    level (standalone `pip wheel` builds) or under ``extra`` (the factory's build record)."""
+    from sageattn3._guard import build_record
+
+    rec = build_record()
+    extra = rec.get("extra") or {}
+    return bool(rec.get("mma_model") or (isinstance(extra, dict) and extra.get("mma_model")))
+
+
+def force_fp4_requested() -> bool:
+    return os.environ.get(FORCE_FP4_ENV, "").strip() == "1"
 
 
 def has_attention_kernel() -> bool:

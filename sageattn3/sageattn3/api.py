@@ -8,7 +8,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from sageattn3 import _kernels, reference
+from sageattn3 import _attn, _kernels, _selfcheck, reference
 from sageattn3.reference import Preprocessed
 
 _QUANT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -63,12 +63,21 @@ def _check_qkv(q, k, v) -> None:
 
 
 def _attention_path(device: torch.device, head_dim: int | None = None) -> str:
+    """"fp4-sm120" / "fp4-sm121" (the FP4 kernel), "fp4-model-sm90" (the MMA-model test flavour,
+    forced with SAGEATTN3_FORCE_FP4=1), or "sdpa: <why>"."""
     if device.type != "cuda":
         return "sdpa: CPU tensors" if device.type == "cpu" else f"sdpa: {device.type} tensors"
     cc = _kernels.device_cc(device)
     arch = f"sm_{cc[0]}{cc[1]}"
+    forced = False
     if cc not in _kernels.FP4_MMA_CCS:
-        return f"sdpa: {arch} has no FP4 MMA (the FP4 path needs sm_120/sm_121)"
+        why = f"{arch} has no FP4 MMA (the FP4 path needs sm_120/sm_121)"
+        if not _kernels.force_fp4_requested():
+            return f"sdpa: {why}"
+        if not _kernels.mma_model_build():
+            return (f"sdpa: {why}; {_kernels.FORCE_FP4_ENV}=1 is ignored: it only applies to the MMA-model "
+                    "test flavour, and this wheel is a normal build")
+        forced = True
     why = _kernels.kernels_run_on(device)
     if why is not None:
         return f"sdpa: {why}"
@@ -76,18 +85,38 @@ def _attention_path(device: torch.device, head_dim: int | None = None) -> str:
         return f"sdpa: the FP4 attention kernel is not in this build yet ({arch} quantization kernels available)"
     if head_dim is not None and head_dim not in _kernels.ATTN_HEAD_DIMS:
         return f"sdpa: head_dim {head_dim} is not supported by the FP4 kernel ({'/'.join(map(str, _kernels.ATTN_HEAD_DIMS))})"
+    failed = _selfcheck.failure(device)
+    if failed is not None:
+        return f"sdpa: {_selfcheck.fallback_reason(failed)}"
+    if forced:
+        return f"fp4-model-sm{cc[0]}{cc[1]}"
     return f"fp4-sm{cc[0]}{cc[1]}"
+
+
+def _explain(path: str, device: torch.device) -> str:
+    """What backend() adds to an FP4 path: which flavour runs, and the self-check's state."""
+    notes = []
+    if path.startswith("fp4-model"):
+        notes.append(f"{_kernels.FORCE_FP4_ENV}=1 with the MMA-model test flavour: the FP4 MMA runs as a software "
+                     "model (for testing the wiring; not fast, not for production)")
+    elif _kernels.mma_model_build():
+        notes.append("MMA-model test flavour: the FP4 MMA runs as a software model")
+    notes.append(_selfcheck.describe(device))
+    return f"{path} ({'; '.join(notes)})"
 
 
 def backend(device=None, head_dim: int | None = None) -> str:
     """Which path ``sageattn3_blackwell`` takes on ``device`` (default: the current CUDA
-    device, or CPU without CUDA) and why: "fp4-sm120", or "sdpa: <reason>"."""
+    device, or CPU without CUDA) and why: "fp4-sm120 (self-check ...)", or "sdpa: <reason>".
+    The MMA-model test flavour with SAGEATTN3_FORCE_FP4=1 on a GPU without FP4 MMA (an H100):
+    "fp4-model-sm90 (...)"."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return _attention_path(device, head_dim)
+    path = _attention_path(device, head_dim)
+    return path if path.startswith("sdpa") else _explain(path, device)
 
 
 def is_available(device=None) -> bool:
@@ -121,9 +150,13 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     (B, Hq, Sq, D) in q's dtype; the inputs are never modified. ``is_causal``: key j is visible
     to query i iff j <= i (top-left aligned, as torch SDPA). ``attn_mask`` is not supported.
 
-    On sm_120/sm_121 with this build's FP4 kernel: the SageAttention3 algorithm (see
-    ``sageattn3.reference.sageattn3``). Elsewhere (other GPUs, CPU tensors, unsupported head
-    dims, kernel not built): torch SDPA, with one warning per process and reason."""
+    On sm_120/sm_121 with this build's FP4 kernel and D 64/128: preprocessing (smoothing +
+    NVFP4, ``preprocess``) and the FP4 attention kernel, i.e. the SageAttention3 algorithm of
+    ``sageattn3.reference.sageattn3``. The first FP4 call on a device runs a tiny known-answer
+    check first (``sageattn3._selfcheck``; SAGEATTN3_SKIP_SELFCHECK=1 skips it); if it fails,
+    one loud warning and SDPA on that device from then on. Elsewhere (other GPUs, CPU tensors,
+    unsupported head dims, kernel not built): torch SDPA, with one warning per process and
+    reason. ``backend()`` says which path a device takes and why."""
     if attn_mask is not None:
         raise NotImplementedError(
             "sageattn3_blackwell does not support attn_mask (it is never silently ignored); use "
@@ -136,18 +169,50 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     if path.startswith("sdpa"):
         _warn_once(path.removeprefix("sdpa: "))
         return _sdpa(q, k, v, bool(is_causal))
-    return blockscaled_fp4_attn(q, k, v, is_causal=bool(is_causal), per_block_mean=bool(per_block_mean))
+    if not _checked(q.device):
+        return _sdpa(q, k, v, bool(is_causal))
+    return _fp4_attention(q, k, v, bool(is_causal), bool(per_block_mean))
 
 
-def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool = True, **kwargs):
-    """The FP4 block-scaled attention kernel itself (sm_120/sm_121). Not in this build yet:
-    raises NotImplementedError until the attention kernel lands."""
+def _checked(device: torch.device) -> bool:
+    """Runs the self-check on the first FP4 call on ``device``; False when it failed (it then
+    warned, once: that warning stands for the fallback's own)."""
+    res = _selfcheck.ensure(device, _fp4_attention)
+    if res is None or res.ok:
+        return True
+    _warned.add(_selfcheck.fallback_reason(res))
+    return False
+
+
+def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None = None) -> torch.Tensor:
+    """The FP4 path on validated, non-empty q, k, v: preprocess (new tensors; the inputs are
+    only read), then the attention kernel; output (B, Hq, Sq, D) in q's dtype."""
+    with torch.cuda.device(q.device):
+        pre = preprocess(q, k, v, per_block_mean=per_block_mean, pad=_attn.SEQ_PAD)
+        return _attn.attention_from_preprocessed(pre, is_causal=is_causal, sm_scale=sm_scale, out_dtype=q.dtype)
+
+
+def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool = True, sm_scale: float | None = None):
+    """The FP4 block-scaled attention kernel itself, without fallback: q, k, v as for
+    ``sageattn3_blackwell`` (float16/bfloat16, D 64 or 128, GQA/MQA, any lengths); ``sm_scale``
+    defaults to 1/sqrt(D). Raises NotImplementedError when this build has no attention kernel,
+    RuntimeError when the kernel cannot run on q's device (the message says why, as
+    ``backend()`` does) or when the device failed the self-check."""
     if not _kernels.has_attention_kernel():
         raise NotImplementedError(
-            "sageattn3.blockscaled_fp4_attn: the FP4 attention kernel is not implemented in this "
-            "build yet; use sageattn3_blackwell (falls back to SDPA) or sageattn3.reference.sageattn3"
+            "sageattn3.blockscaled_fp4_attn: the FP4 attention kernel is not implemented in this build "
+            f"({_kernels.NOT_LOADED_REASON or 'no blockscaled_fp4_attn op'}); use sageattn3_blackwell "
+            "(falls back to SDPA) or sageattn3.reference.sageattn3"
         )
-    raise NotImplementedError("sageattn3.blockscaled_fp4_attn: binding pending")  # pragma: no cover
+    _check_qkv(q, k, v)
+    path = _attention_path(q.device, q.shape[3])
+    if path.startswith("sdpa"):
+        raise RuntimeError(f"sageattn3.blockscaled_fp4_attn cannot run here: {path.removeprefix('sdpa: ')}")
+    if q.shape[2] == 0 or q.shape[0] == 0 or q.shape[1] == 0:
+        return q.new_empty(q.shape)
+    if not _checked(q.device):
+        raise RuntimeError(f"sageattn3.blockscaled_fp4_attn: {_selfcheck.fallback_reason(_selfcheck.failure(q.device))}")
+    return _fp4_attention(q, k, v, bool(is_causal), bool(per_block_mean), sm_scale)
 
 
 # ---------------------------------------------------------------------------------------------

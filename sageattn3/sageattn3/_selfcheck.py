@@ -1,0 +1,246 @@
+"""The safety net of the FP4 path: a known-answer check on the first FP4 call on each device.
+
+Nobody who wrote the sm_120 kernel could run it on real Blackwell hardware (it was verified on
+an H100 through a software model of the FP4 MMA). So before ``sageattn3_blackwell`` trusts the
+kernel on a device, it runs two tiny attentions (one 128 x 128 tile each: D 128 bf16 GQA 2:1
+non-causal, D 64 fp16 causal; a handful of small kernel launches, microseconds of GPU time) and
+compares them with ``sageattn3.reference.sageattn3`` computed on the CPU. On a mismatch: ONE
+loud ``RuntimeWarning`` with the figures, and ``sageattn3_blackwell`` uses torch SDPA on that
+device for the rest of the process. ``SAGEATTN3_SKIP_SELFCHECK=1`` skips the check.
+
+Why the thresholds are what they are. The inputs are dyadic (multiples of 1/8, |x| <= 4): every
+sum of 128 of them, every mean (sum / 128) and every difference x - mean is exact in float32, in
+any summation order. So the kernel's preprocessing and the reference produce bit-identical NVFP4
+codes and scales for Q, K and V: the same quantization on both sides. What remains are float32
+rounding differences: accumulation order in Q·Kᵀ and P·V (~1e-6 relative), the hardware exp2
+(~2 ulp), which can flip a rare P code sitting on an FP4 rounding boundary, and the rounding of
+the output to bf16/fp16 (2^-9 relative, a cos-sim loss of ~1e-6). Expected: 1 - cos-sim of order
+1e-5 or less. A wrong kernel (fragment layout, scale selector, masking, a missed rescale) gives an
+output as far from the reference as a different algorithm: 1 - cos-sim of order 1e-2, larger
+than the FP4 quantization noise itself (1 - cos-sim(reference, exact) ~ 5e-3 to 1e-2 on these
+inputs: a kernel that skipped the quantization would fail too). The bar,
+cos-sim >= 0.999, sits two orders of magnitude above the benign level and below the noise floor.
+cos-sim ignores scale, so the relative L2 error must also stay <= 0.05 (what cos-sim 0.999
+allows for equal norms is 0.045), and everything must be finite.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+SKIP_ENV = "SAGEATTN3_SKIP_SELFCHECK"
+MIN_COS = 0.999
+MAX_REL_L2 = 0.05
+
+# (batch, q heads, kv heads, seq, head_dim, dtype, causal): one 128 x 128 tile each.
+CASES = (
+    (1, 2, 1, 128, 128, torch.bfloat16, False),
+    (1, 1, 1, 128, 64, torch.float16, True),
+)
+
+
+@dataclass
+class Result:
+    ok: bool
+    device: str
+    figures: list[dict] = field(default_factory=list)  # one per case
+    error: str | None = None  # an exception raised by the kernel, if any
+    gpu_ms: float | None = None  # GPU time of the kernel calls (CUDA events)
+    wall_ms: float = 0.0  # whole check, CPU reference included
+
+    def summary(self) -> str:
+        if self.error:
+            return f"the kernel raised {self.error}"
+        parts = []
+        for f in self.figures:
+            parts.append(
+                f"D={f['head_dim']} {f['dtype']}{' causal' if f['causal'] else ''}: cos-sim {f['cos']:.6f} "
+                f"(need >= {MIN_COS}), rel L2 {f['rel_l2']:.2e} (need <= {MAX_REL_L2}), max abs error "
+                f"{f['max_err']:.3e} (output max {f['ref_max']:.3f}; reference vs exact cos-sim {f['ref_exact_cos']:.5f})"
+            )
+        return "; ".join(parts)
+
+
+_results: dict[str, Result] = {}
+_lock = threading.Lock()
+run_count = 0  # how many checks ran in this process (tests)
+
+
+def _key(device: torch.device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
+def skipped() -> bool:
+    return os.environ.get(SKIP_ENV, "").strip() == "1"
+
+
+def result(device) -> Result | None:
+    """The cached result for ``device`` (None: not run yet in this process)."""
+    return _results.get(_key(device))
+
+
+def failure(device) -> Result | None:
+    r = _results.get(_key(device))
+    return r if r is not None and not r.ok else None
+
+
+def reset() -> None:
+    """Forget every cached result (tests)."""
+    global run_count
+    with _lock:
+        _results.clear()
+        run_count = 0
+
+
+def describe(device) -> str:
+    """One line for ``sageattn3.backend()``."""
+    if skipped():
+        return f"self-check skipped ({SKIP_ENV}=1)"
+    r = result(device)
+    if r is None:
+        return "self-check runs on the first call"
+    worst = min((f["cos"] for f in r.figures), default=float("nan"))
+    gpu = f", {r.gpu_ms * 1e3:.0f} us GPU" if r.gpu_ms is not None else ""
+    return f"self-check {'passed' if r.ok else 'FAILED'}: worst cos-sim {worst:.6f}{gpu}"
+
+
+def fallback_reason(r: Result) -> str:
+    return f"the FP4 self-check failed on {r.device}: {r.summary()}"
+
+
+def _dyadic(gen: torch.Generator, shape, scale_offset: int) -> torch.Tensor:
+    """Multiples of 1/8 with |x| <= 4 (exact in bf16/fp16; sums of 128 exact in float32): a
+    spread of +-2 plus a per-channel offset of up to +-scale_offset (what the smoothing removes).
+    At this scale the FP4 quantization noise is 1 - cos-sim(reference, exact) ~ 5e-3 to 1e-2."""
+    x = torch.randint(-16, 17, shape, generator=gen).float()
+    off = torch.randint(-8, 9, (shape[-1],), generator=gen).float() * scale_offset
+    return (x + off) / 8
+
+
+def _inputs(case, seed: int):
+    b, hq, hk, s, d, dtype, causal = case
+    g = torch.Generator().manual_seed(seed)
+    q = _dyadic(g, (b, hq, s, d), 1).to(dtype)
+    k = _dyadic(g, (b, hk, s, d), 2).to(dtype)
+    v = _dyadic(g, (b, hk, s, d), 1).to(dtype)
+    return q, k, v
+
+
+def _figures(out: torch.Tensor, ref_out: torch.Tensor, exact: torch.Tensor) -> dict:
+    from sageattn3 import reference
+
+    o, r = out.double().cpu(), ref_out.double()
+    diff = o - r
+    finite = bool(torch.isfinite(o).all())
+    return {
+        "finite": finite,
+        "cos": reference.cosine_similarity(o, r) if finite else float("nan"),
+        "rel_l2": float(diff.norm() / r.norm().clamp_min(1e-300)) if finite else float("inf"),
+        "max_err": float(diff.abs().max()) if finite else float("inf"),
+        "ref_max": float(r.abs().max()),
+        "ref_exact_cos": reference.cosine_similarity(r, exact.double()),
+    }
+
+
+def _passes(f: dict) -> bool:
+    return f["finite"] and f["cos"] >= MIN_COS and f["rel_l2"] <= MAX_REL_L2
+
+
+def run(device, attention) -> Result:
+    """Run the check on ``device`` with ``attention(q, k, v, is_causal, per_block_mean)`` (the
+    FP4 path) and return the result (not cached)."""
+    from sageattn3 import reference
+
+    global run_count
+    run_count += 1
+    device = torch.device(device)
+    t0 = time.perf_counter()
+    res = Result(ok=True, device=_key(device))
+    cases = [(c, _inputs(c, seed=20250 + i)) for i, c in enumerate(CASES)]
+    outs = []
+    try:
+        ctx = torch.cuda.device(device) if device.type == "cuda" else _null()
+        with ctx:
+            dev_in = [tuple(t.to(device) for t in qkv) for _, qkv in cases]
+            ev = None
+            if device.type == "cuda":
+                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                ev[0].record()
+            for (c, _), (q, k, v) in zip(cases, dev_in):
+                outs.append(attention(q, k, v, c[6], True))
+            if ev is not None:
+                ev[1].record()
+                ev[1].synchronize()
+                res.gpu_ms = ev[0].elapsed_time(ev[1])
+            outs = [o.float().cpu() for o in outs]
+    except Exception as e:  # noqa: BLE001  (any failure of the kernel is a failed check)
+        res.ok, res.error = False, f"{type(e).__name__}: {e}"
+        res.wall_ms = (time.perf_counter() - t0) * 1e3
+        return res
+    for (c, (q, k, v)), out in zip(cases, outs):
+        b, hq, hk, s, d, dtype, causal = c
+        ref_out = reference.sageattn3(q, k, v, is_causal=causal, per_block_mean=True)
+        exact = reference.exact_attention(q, k, v, is_causal=causal)
+        if tuple(out.shape) != tuple(ref_out.shape):
+            res.ok, res.error = False, f"output shape {tuple(out.shape)} != {tuple(ref_out.shape)}"
+            break
+        f = _figures(out, ref_out, exact)
+        f.update(head_dim=d, dtype=str(dtype).replace("torch.", ""), causal=causal)
+        res.figures.append(f)
+        res.ok = res.ok and _passes(f)
+    res.wall_ms = (time.perf_counter() - t0) * 1e3
+    return res
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def ensure(device, attention) -> Result | None:
+    """The check for ``device``, run once per process (cached): returns the result, or None
+    when skipped (``SAGEATTN3_SKIP_SELFCHECK=1``) or impossible right now (inside CUDA graph
+    capture; the next call outside capture runs it). On a failure, warns once, loudly."""
+    key = _key(device)
+    r = _results.get(key)
+    if r is not None:
+        return r
+    if skipped():
+        return None
+    if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    with _lock:
+        r = _results.get(key)
+        if r is not None:
+            return r
+        r = run(device, attention)
+        _results[key] = r
+    if not r.ok:
+        name = ""
+        if torch.device(device).type == "cuda":
+            try:
+                cc = torch.cuda.get_device_capability(device)
+                name = f" ({torch.cuda.get_device_name(device)}, sm_{cc[0]}{cc[1]})"
+            except Exception:  # noqa: BLE001
+                pass
+        warnings.warn(
+            f"sageattn3: FP4 SELF-CHECK FAILED on {key}{name}. The FP4 attention kernel disagrees with "
+            f"sageattn3.reference on a known-answer test: {r.summary()}. sageattn3_blackwell falls back to "
+            f"torch scaled_dot_product_attention on this device for the rest of this process. Please report "
+            f"this with sageattn3.build_info() and your GPU/driver; {SKIP_ENV}=1 skips the check.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return r

@@ -1,0 +1,311 @@
+"""Dispatch of sageattn3_blackwell / blockscaled_fp4_attn on CPU, with the device capability and
+the kernels mocked: which path each (GPU, build, environment) takes and what backend() says; the
+FP4 wiring and the self-check's caching, skipping and fallback with a fake kernel (the
+reference itself, or a deliberately wrong one)."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sageattn3
+from sageattn3 import _guard, _kernels, _selfcheck, api
+from sageattn3 import reference as ref
+
+from payload_data import qkv
+
+CUDA0 = torch.device("cuda", 0)
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch):
+    monkeypatch.delenv(_kernels.FORCE_FP4_ENV, raising=False)
+    monkeypatch.delenv(_selfcheck.SKIP_ENV, raising=False)
+    api._warned.clear()
+    _selfcheck.reset()
+    yield
+    api._warned.clear()
+    _selfcheck.reset()
+
+
+def gpu(monkeypatch, cc, *, model=False, runs=None, attn=True):
+    """Pretend cuda:0 has capability ``cc`` and this wheel's kernels are loaded."""
+    monkeypatch.setattr(_kernels, "device_cc", lambda device: cc)
+    monkeypatch.setattr(_kernels, "kernels_run_on", lambda device: runs)
+    monkeypatch.setattr(_kernels, "has_attention_kernel", lambda: attn)
+    monkeypatch.setattr(_kernels, "mma_model_build", lambda: model)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which path, and why
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cc,want", [((12, 0), "fp4-sm120"), ((12, 1), "fp4-sm121")])
+@pytest.mark.parametrize("d", [64, 128, None])
+def test_sm120_family_takes_fp4(monkeypatch, cc, want, d):
+    gpu(monkeypatch, cc)
+    assert api._attention_path(CUDA0, d) == want
+    assert sageattn3.backend(CUDA0, d) == f"{want} (self-check runs on the first call)"
+    assert sageattn3.is_available(CUDA0)
+
+
+@pytest.mark.parametrize("d", [32, 80, 96, 256])
+def test_unsupported_head_dim_falls_back(monkeypatch, d):
+    gpu(monkeypatch, (12, 0))
+    assert api._attention_path(CUDA0, d) == f"sdpa: head_dim {d} is not supported by the FP4 kernel (64/128)"
+
+
+@pytest.mark.parametrize("cc", [(9, 0), (10, 0), (10, 3), (8, 9), (11, 0)])
+def test_other_gpus_fall_back(monkeypatch, cc):
+    gpu(monkeypatch, cc)
+    want = f"sdpa: sm_{cc[0]}{cc[1]} has no FP4 MMA (the FP4 path needs sm_120/sm_121)"
+    assert api._attention_path(CUDA0, 128) == want
+    assert sageattn3.backend(CUDA0) == want
+    assert not sageattn3.is_available(CUDA0)
+
+
+def test_force_needs_the_model_flavour(monkeypatch):
+    gpu(monkeypatch, (9, 0), model=False)
+    monkeypatch.setenv(_kernels.FORCE_FP4_ENV, "1")
+    path = api._attention_path(CUDA0, 128)
+    assert path.startswith("sdpa: sm_90 has no FP4 MMA") and "SAGEATTN3_FORCE_FP4=1 is ignored" in path
+    assert "normal build" in path
+
+
+@pytest.mark.parametrize("value,forced", [("1", True), ("0", False), ("", False), ("yes", False)])
+def test_force_routes_sm90_through_the_model(monkeypatch, value, forced):
+    gpu(monkeypatch, (9, 0), model=True)
+    monkeypatch.setenv(_kernels.FORCE_FP4_ENV, value)
+    path = api._attention_path(CUDA0, 64)
+    assert (path == "fp4-model-sm90") is forced
+    if forced:
+        b = sageattn3.backend(CUDA0)
+        assert b.startswith("fp4-model-sm90 (") and "software model" in b and "self-check" in b
+        assert api._attention_path(CUDA0, 96).startswith("sdpa: head_dim 96")
+    else:
+        assert path == "sdpa: sm_90 has no FP4 MMA (the FP4 path needs sm_120/sm_121)"
+
+
+def test_model_flavour_without_force_keeps_sdpa(monkeypatch):
+    gpu(monkeypatch, (9, 0), model=True)
+    assert api._attention_path(CUDA0, 128) == "sdpa: sm_90 has no FP4 MMA (the FP4 path needs sm_120/sm_121)"
+
+
+def test_model_flavour_on_sm120_says_so(monkeypatch):
+    gpu(monkeypatch, (12, 0), model=True)
+    b = sageattn3.backend(CUDA0)
+    assert b.startswith("fp4-sm120 (MMA-model test flavour")
+
+
+def test_kernels_that_cannot_run(monkeypatch):
+    gpu(monkeypatch, (12, 0), runs="this build has no code for sm_120 (built for sm_90a)")
+    assert api._attention_path(CUDA0, 128) == "sdpa: this build has no code for sm_120 (built for sm_90a)"
+    gpu(monkeypatch, (9, 0), model=True, runs="this build has no code for sm_90 (built for sm_120a)")
+    monkeypatch.setenv(_kernels.FORCE_FP4_ENV, "1")
+    assert api._attention_path(CUDA0, 128) == "sdpa: this build has no code for sm_90 (built for sm_120a)"
+
+
+def test_no_attention_kernel(monkeypatch):
+    gpu(monkeypatch, (12, 0), attn=False)
+    assert api._attention_path(CUDA0, 128).startswith("sdpa: the FP4 attention kernel is not in this build")
+
+
+def test_cpu_and_other_devices():
+    assert api._attention_path(torch.device("cpu"), 128) == "sdpa: CPU tensors"
+    assert api._attention_path(torch.device("meta"), 128) == "sdpa: meta tensors"
+
+
+def test_failed_self_check_is_remembered_per_device(monkeypatch):
+    gpu(monkeypatch, (12, 0))
+    bad = _selfcheck.Result(ok=False, device="cuda:0", error="RuntimeError: boom")
+    _selfcheck._results["cuda:0"] = bad
+    path = api._attention_path(CUDA0, 128)
+    assert path == "sdpa: the FP4 self-check failed on cuda:0: the kernel raised RuntimeError: boom"
+    assert api._attention_path(torch.device("cuda", 1), 128) == "fp4-sm120"
+    _selfcheck._results["cuda:1"] = _selfcheck.Result(ok=True, device="cuda:1", figures=[{"cos": 0.99999}], gpu_ms=0.05)
+    assert sageattn3.backend(torch.device("cuda", 1)) == "fp4-sm120 (self-check passed: worst cos-sim 0.999990, 50 us GPU)"
+    monkeypatch.setenv(_selfcheck.SKIP_ENV, "1")
+    assert sageattn3.backend(torch.device("cuda", 2)) == "fp4-sm120 (self-check skipped (SAGEATTN3_SKIP_SELFCHECK=1))"
+
+
+@pytest.mark.parametrize("record,want", [
+    ({}, False),
+    ({"mma_model": False, "extra": {"mma_model": False}}, False),
+    ({"mma_model": True}, True),  # standalone `pip wheel` build record
+    ({"extra": {"torch_lines": ["2.14"], "mma_model": True}}, True),  # the factory's record
+])
+def test_mma_model_build_reads_the_record(monkeypatch, record, want):
+    monkeypatch.setattr(_guard, "build_record", lambda: record)
+    assert _kernels.mma_model_build.__wrapped__() is want
+
+
+# ---------------------------------------------------------------------------------------------
+# The FP4 wiring and the self-check, with a fake kernel on CPU tensors
+# ---------------------------------------------------------------------------------------------
+
+
+def fake_path(device, head_dim=None):
+    """The FP4 path for CPU tensors (as on sm_120), unless the self-check failed there."""
+    failed = _selfcheck.failure(device)
+    if failed is not None:
+        return f"sdpa: {_selfcheck.fallback_reason(failed)}"
+    if head_dim is not None and head_dim not in (64, 128):
+        return f"sdpa: head_dim {head_dim} is not supported by the FP4 kernel (64/128)"
+    return "fp4-sm120"
+
+
+class Kernel:
+    """A stand-in for the FP4 path: the reference algorithm, optionally corrupted."""
+
+    def __init__(self, corrupt=None):
+        self.corrupt = corrupt
+        self.calls = []
+
+    def __call__(self, q, k, v, is_causal, per_block_mean, sm_scale=None):
+        self.calls.append((tuple(q.shape), tuple(k.shape), q.dtype, is_causal, per_block_mean))
+        out = ref.sageattn3(q, k, v, is_causal=is_causal, per_block_mean=per_block_mean, sm_scale=sm_scale)
+        if self.corrupt is not None:
+            out = self.corrupt(q, k, v, is_causal, out)
+        return out.to(q.dtype)
+
+
+def wire(monkeypatch, kernel):
+    monkeypatch.setattr(api, "_attention_path", fake_path)
+    monkeypatch.setattr(api, "_fp4_attention", kernel)
+
+
+def sdpa(q, k, v, causal):
+    rep = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=causal)
+
+
+def calls_with_warnings(fn, n=1):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        outs = [fn() for _ in range(n)]
+    return outs, [str(x.message) for x in w if "sageattn3" in str(x.message)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp4_path_is_wired(monkeypatch, dtype, causal):
+    kern = Kernel()
+    wire(monkeypatch, kern)
+    q, k, v = qkv(2, 4, 2, 77, 77, 64, dtype=dtype)
+    copies = [t.clone() for t in (q, k, v)]
+    (out, out2), msgs = calls_with_warnings(lambda: sageattn3.sageattn3_blackwell(q, k, v, is_causal=causal), 2)
+    assert msgs == []
+    assert out.dtype == dtype and out.shape == q.shape
+    want = ref.sageattn3(q, k, v, is_causal=causal).to(dtype)
+    assert torch.equal(out, want) and torch.equal(out2, want)
+    for t, c in zip((q, k, v), copies):
+        assert torch.equal(t, c)
+    # the self-check ran once (its own two calls), then the two user calls
+    assert _selfcheck.run_count == 1
+    assert [c[0] for c in kern.calls] == [(1, 2, 128, 128), (1, 1, 128, 64), (2, 4, 77, 64), (2, 4, 77, 64)]
+    r = _selfcheck.result(q.device)
+    assert r.ok and len(r.figures) == 2 and all(f["cos"] > 0.99999 for f in r.figures)
+
+
+def test_blockscaled_fp4_attn_is_the_fp4_path(monkeypatch):
+    kern = Kernel()
+    wire(monkeypatch, kern)
+    monkeypatch.setattr(_kernels, "has_attention_kernel", lambda: True)
+    q, k, v = qkv(1, 2, 1, 40, 50, 128)
+    out = sageattn3.blockscaled_fp4_attn(q, k, v, is_causal=False, per_block_mean=False, sm_scale=0.1)
+    assert torch.equal(out, ref.sageattn3(q, k, v, per_block_mean=False, sm_scale=0.1).bfloat16())
+    assert kern.calls[-1] == ((1, 2, 40, 128), (1, 1, 50, 128), torch.bfloat16, False, False)
+    with pytest.raises(RuntimeError, match="head_dim 96"):
+        sageattn3.blockscaled_fp4_attn(*qkv(1, 1, 1, 8, 8, 96))
+
+
+def test_unsupported_head_dim_never_reaches_the_kernel(monkeypatch):
+    kern = Kernel()
+    wire(monkeypatch, kern)
+    q, k, v = qkv(1, 2, 2, 20, 20, 96)
+    (out,), msgs = calls_with_warnings(lambda: sageattn3.sageattn3_blackwell(q, k, v))
+    assert kern.calls == [] and len(msgs) == 1 and "head_dim 96" in msgs[0]
+    assert torch.allclose(out.float(), sdpa(q, k, v, False).float(), atol=1e-2)
+
+
+def test_self_check_can_be_skipped(monkeypatch):
+    kern = Kernel(corrupt=lambda q, k, v, c, out: -out)  # would fail the check
+    wire(monkeypatch, kern)
+    monkeypatch.setenv(_selfcheck.SKIP_ENV, "1")
+    q, k, v = qkv(1, 1, 1, 30, 30, 64)
+    (out,), msgs = calls_with_warnings(lambda: sageattn3.sageattn3_blackwell(q, k, v))
+    assert msgs == [] and _selfcheck.run_count == 0 and len(kern.calls) == 1
+    assert torch.equal(out, (-ref.sageattn3(q, k, v)).bfloat16())
+
+
+def wrong_layout(q, k, v, causal, out):
+    return out.flip(-1)  # e.g. a transposed fragment: right values, wrong places
+
+
+def wrong_scale(q, k, v, causal, out):
+    return out * 1.1  # e.g. a missed normalisation: cos-sim 1, the relative L2 error catches it
+
+
+def skipped_quantization(q, k, v, causal, out):
+    return ref.exact_attention(q, k, v, is_causal=causal)  # a different algorithm (no FP4)
+
+
+def nan_output(q, k, v, causal, out):
+    return out.masked_fill(torch.rand(out.shape, generator=torch.Generator().manual_seed(0)) < 0.01, float("nan"))
+
+
+@pytest.mark.parametrize("corrupt", [wrong_layout, wrong_scale, skipped_quantization, nan_output])
+def test_mismatch_warns_once_and_falls_back(monkeypatch, corrupt):
+    kern = Kernel(corrupt=corrupt)
+    wire(monkeypatch, kern)
+    q, k, v = qkv(2, 4, 1, 65, 65, 128, dtype=torch.float16)
+    copies = [t.clone() for t in (q, k, v)]
+    outs, msgs = calls_with_warnings(lambda: sageattn3.sageattn3_blackwell(q, k, v, is_causal=True), 3)
+    assert len(msgs) == 1, msgs
+    assert "FP4 SELF-CHECK FAILED on cpu" in msgs[0] and "falls back to torch scaled_dot_product_attention" in msgs[0]
+    if corrupt is not nan_output:
+        assert "cos-sim" in msgs[0] and "max abs error" in msgs[0] and "rel L2" in msgs[0]
+    want = sdpa(q, k, v, True)
+    for out in outs:
+        assert torch.equal(out, want)
+    assert len(kern.calls) == 2  # only the self-check's own calls
+    assert _selfcheck.run_count == 1
+    for t, c in zip((q, k, v), copies):
+        assert torch.equal(t, c)
+    assert fake_path(q.device).startswith("sdpa: the FP4 self-check failed on cpu")
+    monkeypatch.setattr(_kernels, "has_attention_kernel", lambda: True)
+    with pytest.raises(RuntimeError, match="self-check failed"):
+        sageattn3.blockscaled_fp4_attn(q, k, v)
+
+
+def test_kernel_error_is_a_failed_check(monkeypatch):
+    def boom(*a, **kw):
+        raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+
+    wire(monkeypatch, boom)
+    q, k, v = qkv(1, 1, 1, 10, 10, 64)
+    (out, _), msgs = calls_with_warnings(lambda: sageattn3.sageattn3_blackwell(q, k, v), 2)
+    assert len(msgs) == 1 and "no kernel image" in msgs[0]
+    assert torch.equal(out, sdpa(q, k, v, False))
+
+
+def test_self_check_inputs_are_exact():
+    """The check's premise: its inputs' sums and means are exact in float32 whatever the
+    order, so kernel and reference quantize identical values."""
+    for i, case in enumerate(_selfcheck.CASES):
+        for t in _selfcheck._inputs(case, seed=20250 + i):
+            x = t.double()
+            assert torch.equal((x * 8).round(), x * 8) and x.abs().max() <= 4
+            s32 = t.float().sum(dim=-2)
+            s32_rev = t.float().flip(-2).cumsum(dim=-2)[..., -1, :]
+            assert torch.equal(s32.double(), x.sum(dim=-2)) and torch.equal(s32, s32_rev)
+
+
+def test_self_check_thresholds():
+    ok = {"finite": True, "cos": 0.9995, "rel_l2": 0.03}
+    assert _selfcheck._passes(ok)
+    assert not _selfcheck._passes({**ok, "cos": 0.998})
+    assert not _selfcheck._passes({**ok, "rel_l2": 0.06})
+    assert not _selfcheck._passes({**ok, "finite": False})
