@@ -93,7 +93,7 @@ def run_target(target: Target, matrix: Matrix, dist: Path, *, verify_pythons: li
                 vindex = dist / "tagged" / f"{target.id}.index"
                 shutil.rmtree(vindex, ignore_errors=True)
                 indexmod.write_index([rec], tagged_dir, vindex)
-                run.verify = verifymod.verify(rec, vindex, verify_pythons, log=log)
+                run.verify = verifymod.verify(rec, vindex, verify_pythons, torch_spec=buildmod.torch_spec(target), log=log)
                 shutil.rmtree(vindex, ignore_errors=True)
         with run.stage("index"):
             wheels = dist / "wheels"

@@ -31,6 +31,15 @@ class ToolchainError(RuntimeError):
     """A build tool is missing or wrong; the message says what to install or set."""
 
 
+WINDOWS = os.name == "nt"
+EXE = ".exe" if WINDOWS else ""
+
+
+def venv_python(root: Path) -> Path:
+    """The interpreter of a virtual environment, on either OS."""
+    return root / ("Scripts" if WINDOWS else "bin") / f"python{EXE}"
+
+
 def cache_root() -> Path:
     root = os.environ.get("SAGEATTN3_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sageattn3-factory"
@@ -102,7 +111,7 @@ class CudaToolkit:
 
     @property
     def nvcc(self) -> Path:
-        return self.home / "bin" / "nvcc"
+        return self.home / "bin" / f"nvcc{EXE}"
 
     @property
     def include_dirs(self) -> list[Path]:
@@ -159,11 +168,12 @@ def find_cuda(major_minor: str, provision: bool = True) -> CudaToolkit:
     seen: set[Path] = set()
     for home, source in _candidate_homes():
         home = home.resolve()
-        if home in seen or not (home / "bin" / "nvcc").exists():
+        nvcc = home / "bin" / f"nvcc{EXE}"
+        if home in seen or not nvcc.exists():
             continue
         seen.add(home)
         try:
-            ver = nvcc_version(home / "bin" / "nvcc")
+            ver = nvcc_version(nvcc)
         except (OSError, subprocess.SubprocessError, ToolchainError):
             continue
         tk = CudaToolkit(ver, home, source)
@@ -294,7 +304,7 @@ class TorchEnv:
 
     @property
     def python(self) -> Path:
-        return self.root / "bin" / "python"
+        return venv_python(self.root)
 
     @property
     def site_packages(self) -> Path:
@@ -312,14 +322,14 @@ def torch_env(python_version: str, torch_spec: str, extra: tuple[str, ...] = BUI
         py = find_python(python_version)
         run([str(py), "-m", "venv", str(root)])
         try:
-            run([str(root / "bin" / "python"), "-m", "pip", "install", "--quiet", torch_spec, *extra])
+            run([str(venv_python(root)), "-m", "pip", "install", "--quiet", torch_spec, *extra])
         except subprocess.CalledProcessError as e:
             shutil.rmtree(root, ignore_errors=True)
             raise ToolchainError(
                 f"could not install {torch_spec} for Python {python_version} (pip exited {e.returncode}); "
                 f"is that torch published for Python {python_version}?"
             ) from e
-        info = _output([str(root / "bin" / "python"), "-c", "import torch, json; print(json.dumps([torch.__version__, torch.version.cuda]))"])
+        info = _output([str(venv_python(root)), "-c", "import torch, json; print(json.dumps([torch.__version__, torch.version.cuda]))"])
         marker.write_text(info)
     version, cuda = json.loads(marker.read_text())
     return TorchEnv(root, python_version, version, cuda)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ci.record import BuildRecord
-from ci.toolchain import TorchEnv, torch_env
+from ci.toolchain import BUILD_ENV_PACKAGES, TorchEnv, torch_env, venv_python
 from ci.variant import cuda_tag, torch_line
 
 
@@ -66,7 +66,7 @@ def make_venv_with(base: TorchEnv, where: Path) -> Path:
     real = subprocess.run([str(base.python), "-c", "import sys; print(sys._base_executable)"],
                           capture_output=True, text=True, check=True).stdout.strip()
     subprocess.run([real or str(py), "-m", "venv", str(where)], check=True)
-    vpy = where / "bin" / "python"
+    vpy = venv_python(where)
     site = subprocess.run([str(vpy), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     Path(site, "_base_torch.pth").write_text(str(base.site_packages) + "\n")
@@ -155,13 +155,15 @@ def check_abi_guard(rec: BuildRecord, foreign: TorchEnv, index_url: str, work: P
     return f"torch {foreign.torch_version}: ImportError as expected"
 
 
-def verify(rec: BuildRecord, index_dir: Path, pythons: list[str], *, foreign_torch: str | None = "torch==2.13.0",
-           log=print) -> VerifyReport:
+def verify(rec: BuildRecord, index_dir: Path, pythons: list[str], *, torch_spec: tuple[str, tuple[str, ...]] | None = None,
+           foreign_torch: str | None = "torch==2.13.0", log=print) -> VerifyReport:
+    """``torch_spec``: the pip requirement (and extra pip args, e.g. PyTorch's index for a
+    non-default CUDA variant) of the torch to verify against; default the build's torch."""
     report = VerifyReport(rec.wheel)
-    build_torch = rec.torch_build.split("+")[0]
+    spec, extra = torch_spec or (f"torch=={rec.torch_build.split('+')[0]}", ())
     with serve(index_dir) as url, tempfile.TemporaryDirectory(prefix="sageattn3-verify-") as tmp:
         for i, py in enumerate(pythons):
-            base = torch_env(py, f"torch=={build_torch}")
+            base = torch_env(py, spec, extra=(*extra, *BUILD_ENV_PACKAGES))
             if base.torch_cuda != rec.cuda:
                 raise VerifyError(f"the verify torch for Python {py} is {base.torch_version}, not a CUDA {rec.cuda} build")
             install_and_check(rec, base, url, Path(tmp) / f"venv-{py}", log=log)
