@@ -85,3 +85,31 @@ def release(session: nox.Session) -> None:
     the whole pipeline for the targets buildable here, publishing to a local GitHub-REST server."""
     _publisher(session)
     session.run("python", "-m", "ci.release", *(session.posargs or ["--help"]))
+
+
+def _has_gpu() -> bool:
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    return bool(smi) and subprocess.run([smi, "-L"], capture_output=True).returncode == 0
+
+
+@nox.session(name="bench-kernels")
+def bench_kernels(session: nox.Session) -> None:
+    """Registers, shared memory and spills per kernel for sm_120a/sm_121a/sm_90a-model (CPU:
+    compiles the sources; `-- --wheel W.whl` reads a wheel's cubins instead); with a GPU, also
+    tests/bench/bench_kernels.py against the wheel named by SAGEATTN3_BENCH_WHEEL (installed
+    here with torch), or whatever sageattn3 this session already has."""
+    _factory(session)
+    session.run("python", "-m", "ci.kernel_report", *session.posargs)
+    if not _has_gpu():
+        session.log("no GPU: kernel benchmark skipped")
+        return
+    session.install("torch", "numpy")
+    import os
+
+    wheel = os.environ.get("SAGEATTN3_BENCH_WHEEL")
+    if wheel:
+        session.install("--no-deps", "--force-reinstall", wheel)
+    session.run("python", "tests/bench/bench_kernels.py")
