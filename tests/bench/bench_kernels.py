@@ -135,6 +135,42 @@ def main() -> int:
           f"{bound:.3f} ms = {bound / floor_ms:.2f}x the floor")
     for name, fn in stages.items():
         print(f"    {name:26s} {time_ms(fn, warmup=2, iters=5):7.3f} ms  back-to-back {time_ms_batched(fn):7.3f} ms")
+    del q, k, v, k3, q3, kp, ksc, ds, stages
+    return bench_attention()
+
+
+def bench_attention() -> int:
+    import sageattn3
+    from sageattn3 import _attn, _kernels
+
+    print("\n3. FP4 attention: batch 1, 16 heads, 4096 tokens, bf16")
+    cc = torch.cuda.get_device_capability()
+    model = _kernels.mma_model_build()
+    if model and cc not in _kernels.FP4_MMA_CCS:
+        os.environ[_kernels.FORCE_FP4_ENV] = "1"  # the test flavour on an H100: route through the model
+    path = sageattn3.backend()
+    if not path.startswith("fp4"):
+        print(f"  skipped: {path}")
+        return 0
+    if model:
+        print("  *** MMA-MODEL TEST FLAVOUR: the FP4 MMA runs as a SOFTWARE MODEL on this GPU; these times are NOT")
+        print("  *** representative of the real sm_120 kernel (reported only to track the rest of the kernel) ***")
+    print(f"  path: {path}")
+    b, h, s = 1, 16, 4096
+    for d in (64, 128):
+        q, k, v = (torch.randn(b, h, s, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        pre = sageattn3.preprocess(q, k, v, pad=128)
+        for causal in (False, True):
+            flops = 4 * b * h * s * s * d / (2 if causal else 1)
+            t_kernel = time_ms(lambda: _attn.attention_from_preprocessed(pre, is_causal=causal, out_dtype=q.dtype),
+                               warmup=1, iters=5)
+            t_call = time_ms(lambda: sageattn3.sageattn3_blackwell(q, k, v, is_causal=causal), warmup=1, iters=5)
+            t_pre = time_ms(lambda: sageattn3.preprocess(q, k, v, pad=128), warmup=1, iters=5)
+            t_sdpa = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), warmup=2, iters=10)
+            print(f"  D={d:3d} causal={causal!s:5s}: kernel {t_kernel:8.3f} ms ({flops / t_kernel / 1e9:6.1f} TFLOP/s)  "
+                  f"preprocess {t_pre:7.3f} ms  sageattn3_blackwell {t_call:8.3f} ms  | torch SDPA bf16 {t_sdpa:6.3f} ms "
+                  f"({flops / t_sdpa / 1e9:6.1f} TFLOP/s)")
+        del q, k, v, pre
     return 0
 
 
