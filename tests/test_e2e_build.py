@@ -66,7 +66,10 @@ def test_wheel_carries_real_kernels_for_both_archs(built, tmp_path):
         so = tmp_path / "_C.abi3.so"
         so.write_bytes(z.read("sageattn3/_C.abi3.so"))
     elves = subprocess.run([str(cuobjdump()), "--list-elf", str(so)], capture_output=True, text=True, check=True).stdout
-    assert ".sm_120a.cubin" in elves and ".sm_121a.cubin" in elves
+    for arch in ("sm_120a", "sm_121a"):  # the attention and quantization kernels for every arch
+        for unit in ("attn_launch", "quant_rows", "quant_cols"):
+            assert f"{unit}.{arch}.cubin" in elves, elves
+    assert "sm_90" not in elves  # the model flavour's Hopper code never ships
     needed = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True, check=True).stdout
     assert "libtorch_cpu.so" in needed and "libcudart.so.13" in needed and "libtorch_python" not in needed
 
