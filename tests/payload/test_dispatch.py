@@ -125,7 +125,7 @@ def test_failed_self_check_is_remembered_per_device(monkeypatch):
     assert path == "sdpa: the FP4 self-check failed on cuda:0: the kernel raised RuntimeError: boom"
     assert api._attention_path(torch.device("cuda", 1), 128) == "fp4-sm120"
     _selfcheck._results["cuda:1"] = _selfcheck.Result(ok=True, device="cuda:1", figures=[{"cos": 0.99999}], gpu_ms=0.05)
-    assert sageattn3.backend(torch.device("cuda", 1)) == "fp4-sm120 (self-check passed: worst cos-sim 0.999990, 50 us GPU)"
+    assert sageattn3.backend(torch.device("cuda", 1)) == "fp4-sm120 (self-check passed: worst cos-sim 0.999990, GPU span 50 us)"
     monkeypatch.setenv(_selfcheck.SKIP_ENV, "1")
     assert sageattn3.backend(torch.device("cuda", 2)) == "fp4-sm120 (self-check skipped (SAGEATTN3_SKIP_SELFCHECK=1))"
 
