@@ -12,12 +12,12 @@ from gpu_common import sageattn3_or_skip
 
 def attn_or_skip():
     sageattn3 = sageattn3_or_skip()
-    from sageattn3 import _attn
+    from sageattn3 import _attn, _kernels
 
     if not _attn.has_kernel():
         pytest.skip("this wheel has no blockscaled_fp4_attn op")
     cc = torch.cuda.get_device_capability()
-    model = bool(sageattn3.build_info().get("mma_model"))
+    model = _kernels.mma_model_build()  # standalone or factory-built record
     if model and cc[0] != 9:
         pytest.skip(f"MMA-model flavour runs on sm_90 only, this is sm_{cc[0]}{cc[1]}")
     if not model and cc not in ((12, 0), (12, 1)):
