@@ -74,7 +74,7 @@ def test_patch_is_small_and_leaves_the_kernel_body_alone(patch):
     assert touched == [LAUNCH]
     added = [ln for ln in text.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
     removed = [ln for ln in text.splitlines() if ln.startswith("-") and not ln.startswith("---")]
-    assert len(removed) <= 4 and len(added) <= 25, (len(added), len(removed))
+    assert len(removed) <= 4 and len(added) <= 40, (len(added), len(removed))
     body = "\n".join(ln[1:] for ln in added)
     # entry: a pointer to the params in global memory, body bound to a reference to *params
     assert re.search(r"fp4_attn_fwd_kernel\(const AttnParams\* __restrict__ \w+\)", body)
@@ -85,10 +85,12 @@ def test_patch_is_small_and_leaves_the_kernel_body_alone(patch):
     assert all(f"&pp->{m}" in body for m in ("tm_q", "tm_q_sf", "tm_k", "tm_k_sf", "tm_v", "tm_delta"))
     # launcher: stream-ordered alloc, async copy, launch with the pointer, stream-ordered free
     order = ["cudaStreamIsCapturing(stream", "cudaMallocAsync(", "aligned(dp, 64)", "cudaMemcpyAsync(dp, &p,",
-             "cudaMemcpyHostToDevice, stream)", "(dp);", "cudaFreeAsync(dp, stream)"]
+             "cudaMemcpyHostToDevice, stream)", "put_params<<<1, 64, 0, stream>>>(words,", "(dp);",
+             "cudaFreeAsync(dp, stream)"]
     pos = [body.find(s) for s in order]
     assert all(p >= 0 for p in pos) and pos == sorted(pos), dict(zip(order, pos))
-    assert "cudaErrorStreamCaptureUnsupported" in body
+    # under capture the params go by value as 16-byte words (no over-aligned by-value parameter)
+    assert re.search(r"struct ParamWords \{\s*uint4 w\[", body)
 
 
 def _target_ids(matrix: Matrix) -> list:
@@ -165,6 +167,7 @@ def test_patched_sources_compile(compiled, arch):
     entries = re.findall(r"Compiling entry function '(\S*fp4_attn_fwd_kernel\S*)'", log)
     assert sorted(entries) == sorted(f"_ZN9sageattn34attn19fp4_attn_fwd_kernelILi{d}EEEvPKNS0_10AttnParamsE"
                                      for d in (64, 128)), entries
+    assert "Compiling entry function '_ZN9sageattn34attn10put_paramsENS0_10ParamWordsEP5uint4'" in log
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert spills and all(s == ("0", "0") for s in spills), log
 
