@@ -146,4 +146,6 @@ def test_torch_msvc_status_detects_an_unguarded_header(tmp_path):
     assert status(tmp_path) == "needs-patch"
     h.write_text("#if defined(_WIN32) && (defined(USE_CUDA) || defined(USE_ROCM))\n#else\nif constexpr (x) {}\n#endif\n")
     assert status(tmp_path) == "guarded"
+    h.write_text("#ifdef _WIN32\n  TORCH_INTERNAL_ASSERT(false);\n#else\nif constexpr (x) {}\n#endif\n")
+    assert status(tmp_path) == "guarded"  # torch 2.7/2.8's form
     assert status(tmp_path / "nothing") == "absent"
