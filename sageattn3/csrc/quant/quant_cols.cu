@@ -2,13 +2,21 @@
 // (G, D, Sp/16).
 //
 // A CTA transposes one tile of 256 tokens x 128 bytes of channels (64 channels of 16-bit
-// input, 32 of fp32) through shared memory so that both sides are coalesced:
-//   1. load: each token's 128-byte row segment is 8 16-byte loads by 8 consecutive threads;
-//      every thread issues all 8 of its loads before storing any to shared memory;
-//   2. convert: a thread reads one 32-bit word column (two 16-bit channels) over 16 tokens,
-//      i.e. two whole 16-blocks, amax on the raw patterns two channels at a time;
-//   3. store: codes and scales are staged in shared memory, then written as 8-byte words,
-//      each channel's 128 bytes of codes by consecutive threads (streaming stores).
+// input, 32 of fp32) through shared memory so that both sides are coalesced. On an H100 the
+// E2M1 conversion is software (about 10 instructions an element), so the kernel is about as
+// much instruction-bound as memory-bound: every instruction outside the conversion counts.
+//   0. the grid is (s tiles, d tiles, groups): no 64-bit division per tile (a launch per
+//      65535 groups);
+//   1. load: each token's 128-byte row segment is 8 16-byte streaming loads by 8 consecutive
+//      threads; every thread issues all of its loads before storing any to shared memory (a
+//      quarter warp stores one whole 128-byte row: no bank conflicts, no padding needed);
+//   2. convert: warp w takes 16-token blocks w and w+8; lane l reads 32-bit word column l (two
+//      16-bit channels) over the block's 16 tokens (a warp reads whole rows: conflict-free),
+//      amax on the raw patterns two channels at a time, fp16 widened with the half selectors
+//      (no unpacking); codes staged in shared memory in 16-byte slots with an XOR swizzle;
+//   3. store: each channel's 128 bytes of codes by 8 consecutive threads as 16-byte streaming
+//      stores (8-byte ones where the output rows are not 16-byte aligned), each channel's 16
+//      scale bytes as one 16-byte store (8-byte or single ones where unaligned or at the end).
 #include <type_traits>
 
 #include "common/launch.cuh"
@@ -23,109 +31,159 @@ constexpr int kTS = 256;              // tokens per tile
 constexpr int kRowBytes = 128;        // channel bytes per tile row
 constexpr int kWords = kRowBytes / 4; // 32-bit words per tile row
 constexpr int kSegs = kTS / 16;       // 16-token blocks per tile
-constexpr int kPad = 4;               // words of padding per row (row stride 144 bytes)
+constexpr int kPairs = kSegs / 2;     // 16-byte code chunks per channel per tile
+static_assert(kWords == 32 && kPairs == 8, "one lane per word column, 8 chunks per channel");
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) quant_cols_kernel(const T* __restrict__ x, int64_t S, int64_t D,
-                                                              int64_t Sp, int64_t s_tiles, int64_t d_tiles,
-                                                              uint8_t* __restrict__ packed,
-                                                              uint8_t* __restrict__ scales) {
-  constexpr int kCh = kRowBytes / static_cast<int>(sizeof(T));  // channels per tile
-  constexpr int kPerWord = 4 / static_cast<int>(sizeof(T));     // channels per word (2 or 1)
-  __shared__ __align__(16) uint32_t tile[kTS][kWords + kPad];
-  __shared__ uint2 out_codes[kCh][kSegs + 1];
-  __shared__ uint8_t out_scales[kCh][kSegs];
+__host__ __device__ constexpr int channels() { return kRowBytes / static_cast<int>(sizeof(T)); }
+
+// Slot of 16-byte code chunk `pair` of the channel whose word column is `w`: the converting
+// lanes of a quarter warp (consecutive w) hit distinct banks, and so do the reads of one
+// channel's 8 chunks by 8 consecutive threads.
+__device__ __forceinline__ int chunk_slot(int w, int pair) { return pair ^ (w & 7); }
+
+template <typename T, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    quant_cols_kernel(const T* __restrict__ x, int64_t S, int64_t D, int64_t Sp, int codes16,
+                      int scales_align, uint8_t* __restrict__ packed, uint8_t* __restrict__ scales) {
+  constexpr int kCh = channels<T>();
+  constexpr int kPerWord = 4 / static_cast<int>(sizeof(T));  // channels per word (2 or 1)
+  constexpr int kChunks = kRowBytes / 16;                    // 16-byte chunks per tile row
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  constexpr int kPasses = kTS / kRowsPerPass;
+  __shared__ __align__(16) uint32_t tile[kTS][kWords];
+  __shared__ __align__(16) uint2 out_codes[kCh][kSegs];
+  __shared__ __align__(16) uint8_t out_scales[kCh][kSegs];
+
   const int t = threadIdx.x;
-  int64_t id = blockIdx.x;
-  const int64_t st = id % s_tiles;
-  id /= s_tiles;
-  const int64_t dt = id % d_tiles;
-  const int64_t g = id / d_tiles;
-  const int64_t s0 = st * kTS, d0 = dt * kCh;
-  const T* xg = x + g * S * D;
-
-  // 1. load (16-byte chunks: 8 per row, 32 rows per pass, 8 passes)
-  constexpr int kChunks = kRowBytes / 16;
-  constexpr int kPasses = kTS * kChunks / kThreads;
-  uint4 buf[kPasses];
+  const int lane = t & 31, warp = t >> 5;
   const int cc = t % kChunks, r0 = t / kChunks;
+  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * kTS;
+  const int64_t d0 = static_cast<int64_t>(blockIdx.y) * kCh;
   const int64_t d = d0 + cc * (16 / static_cast<int>(sizeof(T)));
-#pragma unroll
-  for (int k = 0; k < kPasses; ++k) {
-    const int64_t s = s0 + r0 + k * (kThreads / kChunks);
-    buf[k] = make_uint4(0u, 0u, 0u, 0u);
-    if (s < S && d < D) buf[k] = __ldcs(reinterpret_cast<const uint4*>(xg + s * D + d));
-  }
-#pragma unroll
-  for (int k = 0; k < kPasses; ++k)
-    *reinterpret_cast<uint4*>(&tile[r0 + k * (kThreads / kChunks)][cc * 4]) = buf[k];
-  __syncthreads();
+  const int64_t left = (Sp - s0) / 16;
+  const int nseg = left < kSegs ? static_cast<int>(left) : kSegs;
 
-  // 2. convert: job = (word column, 16-token segment); lanes take consecutive words
+  {
+    const int64_t g = blockIdx.z;
+    // 1. load
+    uint4 buf[kPasses];
+    const T* src = x + (g * S + s0 + r0) * D + d;
 #pragma unroll
-  for (int k = 0; k < kWords * kSegs / kThreads; ++k) {
-    const int j = t + k * kThreads;
-    const int w = j % kWords, seg = j / kWords;
-    uint32_t raw[16];
+    for (int k = 0; k < kPasses; ++k) {
+      buf[k] = make_uint4(0u, 0u, 0u, 0u);
+      if (s0 + r0 + k * kRowsPerPass < S && d < D)
+        buf[k] = __ldcs(reinterpret_cast<const uint4*>(src + static_cast<int64_t>(k * kRowsPerPass) * D));
+    }
 #pragma unroll
-    for (int i = 0; i < 16; ++i) raw[i] = tile[seg * 16 + i][w];
-    if constexpr (kPerWord == 2) {
-      uint32_t m = 0;
+    for (int k = 0; k < kPasses; ++k) *reinterpret_cast<uint4*>(&tile[r0 + k * kRowsPerPass][cc * 4]) = buf[k];
+    __syncthreads();
+
+    // 2. convert: job = (16-token block `seg`, word column `lane`)
 #pragma unroll
-      for (int i = 0; i < 16; ++i) m = __vmaxu2(m, raw[i] & 0x7FFF7FFFu);
+    for (int k = 0; k < kWords * kSegs / kThreads; ++k) {
+      const int seg = warp + k * (kThreads / 32);
+      uint32_t raw[16];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      for (int i = 0; i < 16; ++i) raw[i] = tile[seg * 16 + i][lane];
+      if constexpr (kPerWord == 2) {
+        uint32_t m = 0;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) m = __vmaxu2(m, raw[i] & 0x7FFF7FFFu);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float v[16];
+#pragma unroll
+          for (int i = 0; i < 16; ++i) {
+            if constexpr (std::is_same_v<T, bf16_t>) {
+              v[i] = __uint_as_float(h ? raw[i] & 0xFFFF0000u : raw[i] << 16);
+            } else {
+              const __half2 p = *reinterpret_cast<const __half2*>(&raw[i]);
+              v[i] = h ? __high2float(p) : __low2float(p);
+            }
+          }
+          const uint32_t mh = h ? m >> 16 : m & 0xFFFFu;
+          uint32_t amax;
+          if constexpr (std::is_same_v<T, bf16_t>) amax = mh << 16;
+          else amax = __float_as_uint(__half2float(__ushort_as_half(static_cast<unsigned short>(mh))));
+          uint32_t sb;
+          const uint2 c = quant16_with_amax(v, amax, sb);
+          out_codes[2 * lane + h][2 * chunk_slot(lane, seg / 2) + seg % 2] = c;
+          out_scales[2 * lane + h][seg] = static_cast<uint8_t>(sb);
+        }
+      } else {
         float v[16];
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const uint32_t b16 = h ? raw[i] >> 16 : raw[i] & 0xFFFFu;
-          if constexpr (sizeof(T) == 2 && std::is_same_v<T, bf16_t>) v[i] = __uint_as_float(b16 << 16);
-          else v[i] = __half2float(__ushort_as_half(static_cast<unsigned short>(b16)));
-        }
-        const uint32_t mh = h ? m >> 16 : m & 0xFFFFu;
-        uint32_t amax;
-        if constexpr (std::is_same_v<T, bf16_t>) amax = mh << 16;
-        else amax = __float_as_uint(__half2float(__ushort_as_half(static_cast<unsigned short>(mh))));
+        for (int i = 0; i < 16; ++i) v[i] = __uint_as_float(raw[i]);
         uint32_t sb;
-        out_codes[2 * w + h][seg] = quant16_with_amax(v, amax, sb);
-        out_scales[2 * w + h][seg] = static_cast<uint8_t>(sb);
+        const uint2 c = quant16(v, sb);
+        out_codes[lane][2 * chunk_slot(lane, seg / 2) + seg % 2] = c;
+        out_scales[lane][seg] = static_cast<uint8_t>(sb);
       }
-    } else {
-      float v[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) v[i] = __uint_as_float(raw[i]);
-      uint32_t sb;
-      out_codes[w][seg] = quant16(v, sb);
-      out_scales[w][seg] = static_cast<uint8_t>(sb);
     }
-  }
-  __syncthreads();
+    __syncthreads();
 
-  // 3. store: consecutive threads write one channel's consecutive 8-byte code words
-  const int64_t nseg = std::min<int64_t>(kSegs, (Sp - s0) / 16);
+    // 3. store
+    const int64_t row0 = g * D + d0;
 #pragma unroll
-  for (int k = 0; k < kCh * kSegs / kThreads; ++k) {
-    const int j = t + k * kThreads;
-    const int c = j / kSegs, seg = j % kSegs;
-    if (d0 + c < D && seg < nseg) {
-      const int64_t row = g * D + d0 + c;
-      __stcs(reinterpret_cast<uint2*>(packed + row * (Sp / 2) + s0 / 2) + seg, out_codes[c][seg]);
-      __stcs(reinterpret_cast<char*>(scales + row * (Sp / 16) + s0 / 16 + seg), static_cast<char>(out_scales[c][seg]));
+    for (int k = 0; k < kCh * kPairs / kThreads; ++k) {
+      const int j = t + k * kThreads;
+      const int c = j / kPairs, p = j % kPairs;
+      if (d0 + c < D) {
+        const uint4 w = *reinterpret_cast<const uint4*>(&out_codes[c][2 * chunk_slot(c / kPerWord, p)]);
+        uint8_t* dst = packed + (row0 + c) * (Sp / 2) + s0 / 2 + 16 * p;
+        if (codes16 && 2 * p + 1 < nseg) {
+          __stcs(reinterpret_cast<uint4*>(dst), w);
+        } else {
+          if (2 * p < nseg) __stcs(reinterpret_cast<uint2*>(dst), make_uint2(w.x, w.y));
+          if (2 * p + 1 < nseg) __stcs(reinterpret_cast<uint2*>(dst + 8), make_uint2(w.z, w.w));
+        }
+      }
+    }
+    if (nseg == kSegs && scales_align == 16) {
+      if (t < kCh && d0 + t < D)
+        __stcs(reinterpret_cast<uint4*>(scales + (row0 + t) * (Sp / 16) + s0 / 16),
+               *reinterpret_cast<const uint4*>(out_scales[t]));
+    } else if (nseg == kSegs && scales_align == 8) {
+      if (t < 2 * kCh && d0 + t / 2 < D)
+        __stcs(reinterpret_cast<uint2*>(scales + (row0 + t / 2) * (Sp / 16) + s0 / 16) + t % 2,
+               reinterpret_cast<const uint2*>(out_scales[t / 2])[t % 2]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kCh * kSegs / kThreads; ++k) {
+        const int j = t + k * kThreads;
+        const int c = j / kSegs, seg = j % kSegs;
+        if (d0 + c < D && seg < nseg)
+          __stcs(reinterpret_cast<char*>(scales + (row0 + c) * (Sp / 16) + s0 / 16 + seg),
+                 static_cast<char>(out_scales[c][seg]));
+      }
     }
   }
 }
 
-template <typename T>
+template <typename T, int kMinBlocks = 4>
 int launch(const void* x, int64_t G, int64_t S, int64_t D, int64_t Sp, uint8_t* packed, uint8_t* scales,
            cudaStream_t stream) {
-  constexpr int kCh = kRowBytes / static_cast<int>(sizeof(T));
-  const int64_t s_tiles = ceil_div(Sp, kTS), d_tiles = ceil_div(D, kCh);
-  const int64_t grid = G * s_tiles * d_tiles;
-  if (grid == 0) return cudaSuccess;
-  if (grid > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  quant_cols_kernel<T><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(static_cast<const T*>(x), S, D, Sp,
-                                                                             s_tiles, d_tiles, packed, scales);
-  return cudaGetLastError();
+  const int64_t s_tiles = ceil_div(Sp, kTS), d_tiles = ceil_div(D, channels<T>());
+  if (G == 0 || s_tiles == 0) return cudaSuccess;
+  if (s_tiles > 0x7FFFFFFF || d_tiles > 65535) return cudaErrorInvalidValue;
+  // grid z holds at most 65535 groups: more go in further launches (a loop over groups inside
+  // the kernel would cost registers, i.e. occupancy, on the common path)
+  for (int64_t g0 = 0; g0 < G; g0 += 65535) {
+    const int64_t ng = G - g0 < 65535 ? G - g0 : 65535;
+    const T* xg = static_cast<const T*>(x) + g0 * S * D;
+    uint8_t* pg = packed + g0 * D * (Sp / 2);
+    uint8_t* sg = scales + g0 * D * (Sp / 16);
+    const int codes16 = (Sp % 32 == 0 && reinterpret_cast<uintptr_t>(pg) % 16 == 0) ? 1 : 0;
+    const int scales_align = (Sp % 256 == 0 && reinterpret_cast<uintptr_t>(sg) % 16 == 0)  ? 16
+                             : (Sp % 128 == 0 && reinterpret_cast<uintptr_t>(sg) % 8 == 0) ? 8
+                                                                                            : 1;
+    const dim3 grid(static_cast<unsigned>(s_tiles), static_cast<unsigned>(d_tiles), static_cast<unsigned>(ng));
+    quant_cols_kernel<T, kMinBlocks><<<grid, kThreads, 0, stream>>>(xg, S, D, Sp, codes16, scales_align, pg, sg);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace
