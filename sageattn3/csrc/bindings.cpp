@@ -217,21 +217,22 @@ void smooth_quant_k_delta(Tensor k, Tensor mean_k, Tensor mean_q, Tensor packed,
 }
 
 // ---- FP4 attention (csrc/attn; owner: the attention kernel) --------------------------------
-// blockscaled_fp4_attn(q, q_sf, k, k_sf, v, v_sf, delta_s, out!, seq_q, seq_k, sm_scale, causal):
-// layouts in attn/attn_api.h (sequence dims padded to multiples of 128, zeros).
-void blockscaled_fp4_attn(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, Tensor v_sf, Tensor delta,
+// blockscaled_fp4_attn(q, q_sf, k, k_sf, v, v_sf, mean_q, out!, seq_q, seq_k, sm_scale, causal):
+// layouts in attn/attn_api.h (sequence dims padded to multiples of 128, zeros); mean_q
+// (B, Hq, 1 or Sq_p/128, D) fp32: the kernel adds delta_s = mean_q . dequant(k)^T itself.
+void blockscaled_fp4_attn(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, Tensor v_sf, Tensor mean_q,
                           Tensor out, int64_t seq_q, int64_t seq_k, double sm_scale, bool causal) {
   check_cuda(q, q, "q");
-  for (auto* t : {&q_sf, &k, &k_sf, &v, &v_sf, &delta, &out}) check_cuda(*t, q, "an attention operand");
+  for (auto* t : {&q_sf, &k, &k_sf, &v, &v_sf, &mean_q, &out}) check_cuda(*t, q, "an attention operand");
   check_bytes(q, "q");
   check_bytes(q_sf, "q_sf");
   check_bytes(k, "k");
   check_bytes(k_sf, "k_sf");
   check_bytes(v, "v");
   check_bytes(v_sf, "v_sf");
-  check_f32(delta, "delta_s");
+  check_f32(mean_q, "mean_q");
   STD_TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q_sf.dim() == 4 && k_sf.dim() == 4 &&
-                      v_sf.dim() == 4 && delta.dim() == 4 && out.dim() == 4,
+                      v_sf.dim() == 4 && mean_q.dim() == 4 && out.dim() == 4,
                   "sageattn3: blockscaled_fp4_attn takes 4-D tensors");
   const int64_t B = q.size(0), Hq = q.size(1), Sqp = q.size(2), D = q.size(3) * 2;
   const int64_t Hkv = k.size(1), Skp = k.size(2);
@@ -245,8 +246,8 @@ void blockscaled_fp4_attn(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v
   STD_TORCH_CHECK(same(q_sf, B, Hq, Sqp, D / 16), "sageattn3: q_sf shape");
   STD_TORCH_CHECK(same(k, B, Hkv, Skp, D / 2) && same(k_sf, B, Hkv, Skp, D / 16), "sageattn3: k/k_sf shape");
   STD_TORCH_CHECK(same(v, B, Hkv, D, Skp / 2) && same(v_sf, B, Hkv, D, Skp / 16), "sageattn3: v/v_sf shape");
-  const int64_t nblk = delta.size(2);
-  STD_TORCH_CHECK(same(delta, B, Hq, nblk, Skp) && (nblk == 1 || nblk == Sqp / 128), "sageattn3: delta_s shape");
+  const int64_t nblk = mean_q.size(2);
+  STD_TORCH_CHECK(same(mean_q, B, Hq, nblk, D) && (nblk == 1 || nblk == Sqp / 128), "sageattn3: mean_q shape");
   STD_TORCH_CHECK(same(out, B, Hq, seq_q, D), "sageattn3: out shape");
   DeviceScope scope(q.get_device());
   sageattn3::Fp4AttnArgs a{};
@@ -256,7 +257,7 @@ void blockscaled_fp4_attn(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v
   a.k_sf = k_sf.data_ptr();
   a.v = v.data_ptr();
   a.v_sf = v_sf.data_ptr();
-  a.delta = floats(delta);
+  a.mean_q = floats(mean_q);
   a.out = out.data_ptr();
   a.batch = static_cast<int>(B);
   a.heads_q = static_cast<int>(Hq);
@@ -266,7 +267,7 @@ void blockscaled_fp4_attn(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v
   a.seq_k = static_cast<int>(seq_k);
   a.seq_q_pad = static_cast<int>(Sqp);
   a.seq_k_pad = static_cast<int>(Skp);
-  a.delta_qblocks = static_cast<int>(nblk);
+  a.mean_qblocks = static_cast<int>(nblk);
   a.sm_scale = static_cast<float>(sm_scale);
   a.causal = causal ? 1 : 0;
   a.out_dtype = dtype_of(out, "out");
@@ -306,7 +307,7 @@ STABLE_TORCH_LIBRARY(sageattn3, m) {
   m.def("delta_s(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) out) -> ()");
   m.def("smooth_quant_k_delta(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) packed, Tensor(b!) scales, "
         "Tensor(c!) delta) -> ()");
-  m.def("blockscaled_fp4_attn(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, Tensor v_sf, Tensor delta_s, "
+  m.def("blockscaled_fp4_attn(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, Tensor v_sf, Tensor mean_q, "
         "Tensor(a!) out, int seq_q, int seq_k, float sm_scale, bool causal) -> ()");
   m.def("fp4_mma_probe(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, Tensor(a!) d, int tid_a, int tid_b) -> ()");
 }

@@ -9,8 +9,10 @@ produce (all sequence dims padded with zeros to a multiple of 128):
 - k (B, Hkv, Sk_p, D/2) + k_sf (B, Hkv, Sk_p, D/16): K minus its mean, same layout;
 - v (B, Hkv, D, Sk_p/2) + v_sf (B, Hkv, D, Sk_p/16): V along the sequence
   (``scale_and_quant_fp4_transpose`` layout);
-- delta_s (B, Hq, nblk, Sk_p) float32, nblk = Sq_p/128 (per-block Q means) or 1: added to
-  Q·Kᵀ before the softmax scale; query row i uses row i // 128 (or 0).
+- mean_q (B, Hq, nblk, D) float32, nblk = Sq_p/128 (per-block Q means) or 1: the Q means
+  removed from q. The kernel adds delta_s = mean_q · Kdᵀ (Kd: the dequantized k) to Q·Kᵀ
+  before the softmax scale, computed per 128-key tile on the fly (query row i uses mean
+  i // 128, or 0); delta_s is never materialised.
 
 The kernel computes ``sageattn3.reference.sageattn3`` with block_n = 128: online softmax in the
 exp2 domain, P = exp2(t - m_running)·2688 (level 1, folded into the exponent), NVFP4 of P along
@@ -74,7 +76,7 @@ def fp4_attention(
     k_sf: torch.Tensor,
     v: torch.Tensor,
     v_sf: torch.Tensor,
-    delta_s: torch.Tensor,
+    mean_q: torch.Tensor,
     *,
     seq_q: int,
     seq_k: int,
@@ -88,13 +90,13 @@ def fp4_attention(
     lengths (keys past seq_k are masked, rows past seq_q are not written)."""
     q, q_sf, k, k_sf = _bytes(q, "q"), _bytes(q_sf, "q_sf"), _bytes(k, "k"), _bytes(k_sf, "k_sf")
     v, v_sf = _bytes(v, "v"), _bytes(v_sf, "v_sf")
-    for name, t in (("q", q), ("q_sf", q_sf), ("k", k), ("k_sf", k_sf), ("v", v), ("v_sf", v_sf), ("delta_s", delta_s)):
+    for name, t in (("q", q), ("q_sf", q_sf), ("k", k), ("k_sf", k_sf), ("v", v), ("v_sf", v_sf), ("mean_q", mean_q)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
         if t.device != q.device or t.device.type != "cuda":
             raise ValueError(f"{name} must be a CUDA tensor on q's device ({q.device}), got {t.device}")
-    if delta_s.dtype != torch.float32:
-        raise TypeError(f"delta_s must be float32, got {delta_s.dtype}")
+    if mean_q.dtype != torch.float32:
+        raise TypeError(f"mean_q must be float32, got {mean_q.dtype}")
     if out_dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"out_dtype must be bfloat16 or float16, got {out_dtype}")
     b, hq, _, d2 = q.shape
@@ -114,16 +116,18 @@ def fp4_attention(
     if v.shape[3] * 2 > sk_p or v_sf.shape[3] * 16 > sk_p:
         raise ValueError(f"v covers more keys ({v.shape[3] * 2}) than k ({sk_p})")
     v, v_sf = _pad_to(v, 3, sk_p // 2), _pad_to(v_sf, 3, sk_p // 16)
-    delta_s = _pad_to(delta_s.contiguous(), 3, sk_p)
-    nblk = delta_s.shape[2]
-    if delta_s.shape[:2] != (b, hq) or nblk not in (1, q.shape[2] // SEQ_PAD):
+    mean_q = mean_q.contiguous()
+    if mean_q.data_ptr() % 16:
+        mean_q = mean_q.clone()
+    nblk = mean_q.shape[2]
+    if mean_q.shape[:2] != (b, hq) or mean_q.shape[3] != d or nblk not in (1, q.shape[2] // SEQ_PAD):
         raise ValueError(
-            f"delta_s must be (B, Hq, 1 or Sq_p/128, Sk_p) = ({b}, {hq}, 1|{q.shape[2] // SEQ_PAD}, {sk_p}), "
-            f"got {tuple(delta_s.shape)}"
+            f"mean_q must be (B, Hq, 1 or Sq_p/128, D) = ({b}, {hq}, 1|{q.shape[2] // SEQ_PAD}, {d}), "
+            f"got {tuple(mean_q.shape)}"
         )
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
     out = torch.empty((b, hq, seq_q, d), dtype=out_dtype, device=q.device)
-    _ops().blockscaled_fp4_attn(q, q_sf, k, k_sf, v.contiguous(), v_sf.contiguous(), delta_s, out,
+    _ops().blockscaled_fp4_attn(q, q_sf, k, k_sf, v.contiguous(), v_sf.contiguous(), mean_q, out,
                                 int(seq_q), int(seq_k), scale, bool(is_causal))
     return out
 
@@ -133,7 +137,7 @@ def attention_from_preprocessed(pre, *, is_causal: bool = False, sm_scale: float
     """``fp4_attention`` on a ``sageattn3.reference.Preprocessed`` (as ``api.preprocess``
     returns it, pad=128)."""
     return fp4_attention(pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
-                         pre.delta_s, seq_q=pre.seq_q, seq_k=pre.seq_k, sm_scale=sm_scale, is_causal=is_causal,
+                         pre.mean_q, seq_q=pre.seq_q, seq_k=pre.seq_k, sm_scale=sm_scale, is_causal=is_causal,
                          out_dtype=out_dtype)
 
 

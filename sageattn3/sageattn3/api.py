@@ -270,7 +270,6 @@ def scale_and_quant_fp4_transpose(x):
 # ---------------------------------------------------------------------------------------------
 
 COLSUM_CHUNK = 512  # rows per partial column sum (deterministic two-stage mean)
-FUSED_K_MAX_D = 128  # the fused K + delta_s kernel (tensor cores) takes head dims up to this
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
@@ -287,15 +286,12 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128) -> Preproce
     1. K column sums (1st read of K) -> mean_k;
     2. Q: with per-block means, one kernel holds each 128-row block in registers, computes its
        mean and quantizes it (1 read of Q); with one mean, Q column sums first (2 reads of Q);
-    3. K: one kernel smooths and quantizes K and computes delta_s on tensor cores (2nd read of
-       K; delta_s written once, fp32);
+    3. K: one kernel smooths and quantizes K (2nd read of K);
     4. V along the sequence (1 read of V, transposed through shared memory).
-    Bytes that must move: Q, K, V read (3 x 2 bytes/element) + FP4 written (3 x 0.5625) + K read
-    again for its mean + delta_s (B, Hq, Sq/128, Sk) fp32. With per-block means at 32k tokens
-    delta_s alone (805 MB) is larger than the read of Q, K and V (604 MB), so the whole is bound
-    by ~2.3x the time of "one read of Q, K, V plus the FP4 write": see the benchmark's notes.
-    Head dims above 128 (or fp32 inputs) use separate K and delta_s kernels. Elsewhere: the
-    reference."""
+    The correction delta_s = mean_q · Kdᵀ is not computed here: the attention kernel computes
+    it per K tile from ``mean_q`` (``Preprocessed.delta_s`` materialises it for tests).
+    Bytes that must move: Q, K, V read (3 x 2 bytes/element) + FP4 written (3 x 0.5625) + K
+    read again for its mean + the means (tiny). Elsewhere: the reference."""
     _check_qkv(q, k, v)
     if not isinstance(pad, int) or pad <= 0 or pad % 16:
         raise ValueError(f"pad must be a positive multiple of 16, got {pad!r}")
@@ -317,18 +313,10 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128) -> Preproce
         qp, qsc = _kernels.smooth_quant_rows(q3, mean_q, False, 0, pad)
     mean_q4 = mean_q.view(b, hq, -1, d)
     mean_k4 = mean_k.view(b, hk, 1, d)
-    if d <= FUSED_K_MAX_D and hasattr(_kernels._ops(), "smooth_quant_k_delta"):
-        skp = -(-sk // pad) * pad
-        kp = torch.empty((b, hk, skp, d // 2), dtype=torch.uint8, device=q.device)
-        ksc = torch.empty((b, hk, skp, d // 16), dtype=torch.float8_e4m3fn, device=q.device)
-        ds = torch.empty((b, hq, mean_q4.shape[2], skp), dtype=torch.float32, device=q.device)
-        _kernels._ops().smooth_quant_k_delta(k, mean_k4, mean_q4, kp, ksc, ds)
-    else:
-        kp, ksc = _kernels.smooth_quant_rows(k3, mean_k, False, 0, pad)
-        ds = _kernels.delta_s(k, mean_k4, mean_q4, pad)
+    kp, ksc = _kernels.smooth_quant_rows(k3, mean_k, False, 0, pad)
     vp, vsc = _kernels.quant_cols(v, pad)
     return Preprocessed(
         qp.view(b, hq, -1, d // 2), qsc.view(b, hq, -1, d // 16),
         kp.view(b, hk, -1, d // 2), ksc.view(b, hk, -1, d // 16),
-        vp, vsc, ds, mean_q4, mean_k4, sq, sk,
+        vp, vsc, mean_q4, mean_k4, sq, sk,
     )

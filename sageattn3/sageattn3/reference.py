@@ -200,9 +200,13 @@ class Preprocessed:
     - q_packed (B, Hq, Sq_p, D/2) uint8, q_scales (B, Hq, Sq_p, D/16) e4m3: Q - mean_q, rows.
     - k_packed (B, Hkv, Sk_p, D/2), k_scales (B, Hkv, Sk_p, D/16): K - mean_k, rows.
     - v_packed (B, Hkv, D, Sk_p/2), v_scales (B, Hkv, D, Sk_p/16): V along the sequence.
-    - delta_s (B, Hq, nblk, Sk_p) float32: mean_q · (K - mean_k)ᵀ (0 in padded columns);
-      nblk = ceil(Sq/128) with per_block_mean, else 1. Query row i adds row i // 128 (or 0).
-    - mean_q (B, Hq, nblk, D), mean_k (B, Hkv, 1, D) float32.
+    - mean_q (B, Hq, nblk, D) float32: the Q means (nblk = ceil(Sq/128) with per_block_mean,
+      else 1; query row i uses mean i // 128, or 0); mean_k (B, Hkv, 1, D) float32.
+    - delta_s (a property, computed on demand: the kernels never materialise it) (B, Hq, nblk,
+      Sk_p) float32: mean_q · Kdᵀ with Kd = dequantize_rows(k_packed, k_scales), the smoothed K
+      exactly as the attention kernel holds it (0 in padded columns). The attention kernel
+      computes it per 128-key tile from mean_q and the tile in shared memory; query row i adds
+      row i // 128 (or 0).
     """
 
     q_packed: torch.Tensor
@@ -211,11 +215,14 @@ class Preprocessed:
     k_scales: torch.Tensor
     v_packed: torch.Tensor
     v_scales: torch.Tensor
-    delta_s: torch.Tensor
     mean_q: torch.Tensor
     mean_k: torch.Tensor
     seq_q: int
     seq_k: int
+
+    @property
+    def delta_s(self) -> torch.Tensor:
+        return delta_s(self.mean_q, dequantize_rows(self.k_packed, self.k_scales))
 
 
 def smooth_q(q: torch.Tensor, mean_q: torch.Tensor) -> torch.Tensor:
@@ -225,7 +232,9 @@ def smooth_q(q: torch.Tensor, mean_q: torch.Tensor) -> torch.Tensor:
 
 
 def delta_s(mean_q: torch.Tensor, k_smoothed: torch.Tensor) -> torch.Tensor:
-    """mean_q · K_smoothedᵀ in float32 (GQA: K expanded to the q heads): (B, Hq, nblk, Sk)."""
+    """mean_q · K_smoothedᵀ (float64 products, float32 result; GQA: K expanded to the q heads):
+    (B, Hq, nblk, Sk). SageAttention3's correction uses the dequantized smoothed K
+    (``Preprocessed.delta_s``), which is what the attention kernel multiplies with."""
     ks = expand_kv(k_smoothed.float(), mean_q.shape[1])
     return torch.matmul(mean_q.double(), ks.double().transpose(-1, -2)).float()
 
@@ -250,8 +259,7 @@ def preprocess(
     qp, qsc = quantize_rows(pad_dim(qs, -2, pad))
     kp, ksc = quantize_rows(pad_dim(ks, -2, pad))
     vp, vsc = quantize_transposed(pad_dim(v.float(), -2, pad))
-    ds = pad_dim(delta_s(mq, ks), -1, pad)
-    return Preprocessed(qp, qsc, kp, ksc, vp, vsc, ds, mq, mk, sq, sk)
+    return Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,7 +295,9 @@ def sageattn3(
     With Qd, Kd, Vd the dequantized NVFP4 tensors of ``preprocess`` and c = sm_scale·log2(e):
 
     - scores, per query row i and key j: t_ij = c · (Qd_i · Kd_j + delta_s[i // 128 or 0, j])
-      (float32; masked entries, j >= Sk or causal j > i, are -inf).
+      with delta_s = mean_q · Kdᵀ (``Preprocessed.delta_s``: the dequantized K, so the
+      correction is exact for what the kernel multiplies) (float32; masked entries, j >= Sk or
+      causal j > i, are -inf).
     - keys are processed in tiles of ``block_n`` (the kernel's tile, default 128). For tile t,
       the running row max m_t = max(m_{t-1}, max_{j in t} t_ij), and
       P_ij = exp2(t_ij - m_t) · 2688   (row max mapped to 448·6: the per-row factor exp2(-m_t)

@@ -66,7 +66,7 @@ def raw_call(pre, out: torch.Tensor, causal: bool = False) -> None:
     torch.ops.sageattn3.blockscaled_fp4_attn(
         pre.q_packed.view(torch.uint8), pre.q_scales.view(torch.uint8), pre.k_packed.view(torch.uint8),
         pre.k_scales.view(torch.uint8), pre.v_packed.view(torch.uint8), pre.v_scales.view(torch.uint8),
-        pre.delta_s, out, int(pre.seq_q), int(pre.seq_k), 1.0 / (2 * pre.q_packed.shape[-1]) ** 0.5, causal)
+        pre.mean_q, out, int(pre.seq_q), int(pre.seq_k), 1.0 / (2 * pre.q_packed.shape[-1]) ** 0.5, causal)
 
 
 # -- the default stream-ordered pool (what cudaMallocAsync draws from), through the driver API ----
@@ -158,7 +158,7 @@ def graph_capture() -> dict:
             torch.cuda.synchronize()
             ok &= same(out, want)
         res["replay_matches"] = ok
-        names = ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales", "delta_s")
+        names = ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales", "mean_q")
         for n in names:
             getattr(pre, n).copy_(getattr(pre2, n))
         g.replay()

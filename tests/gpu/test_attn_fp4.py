@@ -29,8 +29,9 @@ def ref_rows(pre, rows: torch.Tensor, is_causal: bool, sm_scale: float) -> torch
     qd = ref.dequantize_rows(pre.q_packed, pre.q_scales)[..., rows, :]
     kd = ref.expand_kv(ref.dequantize_rows(pre.k_packed, pre.k_scales), hq)
     vd = ref.expand_kv(ref.dequantize_transposed(pre.v_packed, pre.v_scales, pre.v_packed.shape[-1] * 2), hq)
-    nblk = pre.delta_s.shape[-2]
-    ds_rows = pre.delta_s[..., (rows // 128) if nblk > 1 else torch.zeros_like(rows), :]
+    delta_s = pre.delta_s  # mean_q . Kd^T, materialised here only (the kernel computes it per tile)
+    nblk = delta_s.shape[-2]
+    ds_rows = delta_s[..., (rows // 128) if nblk > 1 else torch.zeros_like(rows), :]
     c = sm_scale * ref.LOG2E
     b, _, n, d = qd.shape
     m = torch.full((b, hq, n, 1), float("-inf"), device=qd.device)
@@ -89,10 +90,10 @@ def run_case(dtype, d, causal, sq, sk=None, b=2, hq=8, hk=1, per_block_mean=True
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     pre = ref.preprocess(q, k, v, per_block_mean=per_block_mean, pad=128)
     before = [t.clone() for t in (pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed,
-                                  pre.v_scales, pre.delta_s)]
+                                  pre.v_scales, pre.mean_q)]
     out = _attn.attention_from_preprocessed(pre, is_causal=causal, sm_scale=sm_scale, out_dtype=dtype)
     torch.cuda.synchronize()
-    after = (pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales, pre.delta_s)
+    after = (pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales, pre.mean_q)
     for x, y in zip(before, after):
         assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), "the kernel modified an input"
     assert out.shape == (b, hq, sq, d) and out.dtype == dtype

@@ -48,19 +48,24 @@ def test_preprocess_matches_reference(dtype, per_block_mean, b, hq, hk, sq, sk, 
                                              (1, 3, 3, 130, 2049, 128),   # several 256-key tiles, ragged end
                                              (2, 4, 1, 256, 513, 32)])    # MQA, small D
 def test_fused_k_delta_matches_reference(dtype, b, hq, hk, sq, sk, d):
-    """The fused K smoothing + quantization + tensor-core delta_s kernel (D <= 128)."""
+    """The standalone fused K smoothing + quantization + tensor-core delta_s op (D <= 128; no
+    longer used by preprocess, whose delta_s the attention kernel computes): its delta_s is
+    mean_q . (K - mean_k)^T of the unquantized smoothed K."""
     sa = kernels_or_skip()
     from sageattn3 import reference as ref
 
     q, k, v = qkv(b, hq, hk, sq, sk, d, dtype, seed=sq * 7 + sk)
     pre = sa.preprocess(q, k, v, per_block_mean=True)
-    exact = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), per_block_mean=True,
-                           mean_q=pre.mean_q.cpu(), mean_k=pre.mean_k.cpu())
-    for name in ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales"):
-        assert same_bytes(getattr(pre, name), getattr(exact, name)), name
-    scale = exact.delta_s.abs().max().clamp_min(1.0)
-    assert (pre.delta_s.cpu() - exact.delta_s).abs().max() <= 2e-5 * scale
-    assert torch.all(pre.delta_s[..., sk:] == 0)
+    skp = -(-sk // 128) * 128
+    kp = torch.empty((b, hk, skp, d // 2), dtype=torch.uint8, device=k.device)
+    ksc = torch.empty((b, hk, skp, d // 16), dtype=torch.float8_e4m3fn, device=k.device)
+    ds = torch.empty((b, hq, pre.mean_q.shape[2], skp), dtype=torch.float32, device=k.device)
+    torch.ops.sageattn3.smooth_quant_k_delta(k, pre.mean_k, pre.mean_q, kp, ksc, ds)
+    assert same_bytes(kp, pre.k_packed) and same_bytes(ksc, pre.k_scales)
+    want = ref.delta_s(pre.mean_q.cpu(), k.cpu().float() - pre.mean_k.cpu())
+    scale = want.abs().max().clamp_min(1.0)
+    assert (ds[..., :sk].cpu() - want).abs().max() <= 2e-5 * scale
+    assert torch.all(ds[..., sk:] == 0)
 
 
 def test_single_key_delta_is_exactly_zero():

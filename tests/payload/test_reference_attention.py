@@ -67,10 +67,14 @@ def test_preprocess_layout_and_smoothing():
     assert (pre.k_packed[:, :, 200:] == 0).all()
     assert (ref.unpack_codes(pre.v_packed)[..., 200:] == 0).all()
     assert (pre.delta_s[..., 200:] == 0).all()
-    # delta_s = mean_q . (K - mean_k)^T, kv head h // 2 for q head h
-    ks = k.float() - pre.mean_k
-    want = pre.mean_q[:, 3] @ ks[:, 1].transpose(-1, -2)
+    # delta_s = mean_q . Kd^T (Kd: the dequantized smoothed K), kv head h // 2 for q head h
+    kdq = ref.dequantize_rows(pre.k_packed, pre.k_scales)[:, :, :200]
+    want = pre.mean_q[:, 3] @ kdq[:, 1].transpose(-1, -2)
     assert torch.allclose(pre.delta_s[:, 3, :, :200], want, rtol=1e-5, atol=1e-4)
+    # ... close to mean_q . (K - mean_k)^T (the unquantized correction)
+    ks = k.float() - pre.mean_k
+    loose = pre.mean_q[:, 3] @ ks[:, 1].transpose(-1, -2)
+    assert ref.cosine_similarity(pre.delta_s[:, 3, :, :200], loose) > 0.99
     # dequantized smoothed K has ~zero mean; dequantized Q + mean ~ Q
     kd = ref.dequantize_rows(pre.k_packed, pre.k_scales)[:, :, :200]
     assert kd.mean(-2).abs().max() < 0.2

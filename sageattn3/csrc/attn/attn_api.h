@@ -5,10 +5,12 @@
 //   q_sf   uint8 (B, Hq,  Sq_pad, D/16)  E4M3 scale of each 16 elements
 //   k      uint8 (B, Hkv, Sk_pad, D/2),  k_sf (B, Hkv, Sk_pad, D/16)       (K smoothed: mean removed)
 //   v      uint8 (B, Hkv, D, Sk_pad/2),  v_sf (B, Hkv, D, Sk_pad/16)       (V^T: 16-blocks along keys)
-//   delta  fp32  (B, Hq, delta_qblocks, Sk_pad): added to Q K^T before scaling; delta_qblocks is
-//          Sq_pad/128 (one row per 128-query block, per_block_mean) or 1 (one Q mean)
+//   mean_q fp32  (B, Hq, mean_qblocks, D): the Q means removed from q; mean_qblocks is Sq_pad/128
+//          (one per 128-query block, per_block_mean) or 1 (one Q mean). The kernel adds
+//          delta_s = mean_q . K_s^T to Q K^T before scaling, with K_s the dequantized k (codes x
+//          scales, exactly the operand in shared memory), computed per K tile on the CUDA cores.
 //   out    bf16/fp16 (B, Hq, Sq, D)
-// Q/K/V/delta must be 16-byte aligned, scales 4-byte aligned.
+// Q/K/V/mean_q must be 16-byte aligned, scales 4-byte aligned.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime_api.h>
@@ -24,11 +26,11 @@ struct Fp4AttnArgs {
   const void* k_sf;
   const void* v;
   const void* v_sf;
-  const float* delta;
+  const float* mean_q;
   void* out;
   int batch, heads_q, heads_kv, head_dim;
   int seq_q, seq_k, seq_q_pad, seq_k_pad;
-  int delta_qblocks;
+  int mean_qblocks;
   float sm_scale;
   int causal;
   DType out_dtype;  // kBFloat16 or kFloat16

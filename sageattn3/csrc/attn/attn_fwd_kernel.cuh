@@ -1,12 +1,15 @@
 // The FP4 attention forward kernel (SageAttention3 algorithm) for the sm_120 family.
 //
 // One CTA = 8 warps (16 query rows each, 128 rows per tile); thread 0 doubles as the TMA
-// producer that streams Q tiles and K/V/delta_s stages through an mbarrier ring (a dedicated
+// producer that streams Q tiles and K/V stages through an mbarrier ring (a dedicated
 // producer warp would cost the register budget of 4 warps: registers are allocated per 4 warps). Tiles
 // (batch x q-head x 128-row block) are distributed over a persistent grid sized from the
 // device's SM count; causal tiles are visited longest first.
 //
-// Per 128-key stage, each consumer warp computes
+// Per 128-key stage, the CTA first computes delta_s[j] = mean_q . K_s[j] for the stage's 128 keys
+// on the CUDA cores (K_s = the dequantized smoothed K in shared memory, mean_q = this tile's Q
+// mean, loaded once per tile; 2 threads per key, a fixed summation order) into a 128-float
+// vector of the stage, then each consumer warp computes
 //   S  = delta_s + Q K^T            (block-scaled FP4 MMA, fp32 accumulate, S keys permuted: key_of)
 //   online softmax in exp2 domain, P2 = exp2(S*scale*log2e - m + log2 2688)   (level 1)
 //   P2 -> NVFP4 in registers (level 2), O = O*alpha + P2 V    (block-scaled FP4 MMA)
@@ -45,8 +48,13 @@ struct SmemLayout {
   static constexpr int kBarriers = kStage0 + kStages * kStageBytes;
   static constexpr int kBarrierBytes = 8 * (2 + 2 * kStages);
   static constexpr int kProducerState = kBarriers + kBarrierBytes;  // thread 0's cursor (see Producer)
-  static constexpr int kTotal = kProducerState + 64 + 1024;        // + slack to align the base
-  static constexpr uint32_t kStageTx = kKBytes + kVBytes + kKSfBytes + kDeltaBytes;
+  // This tile's Q mean (fp32), the second half of D 16 bytes further (no bank conflict between
+  // the two threads of a key, see delta_s_part).
+  static constexpr int kMeanQ = kProducerState + 64;
+  static constexpr int kMeanQBytes = D * 4 + 16;
+  static constexpr int kTotal = kMeanQ + kMeanQBytes + 1024;        // + slack to align the base
+  // The stage's delta_s vector (kStageDelta) is written by the consumers, not by TMA.
+  static constexpr uint32_t kStageTx = kKBytes + kVBytes + kKSfBytes;
   static constexpr uint32_t kQTx = kQBytes + kQSfBytes;
 };
 
@@ -93,7 +101,6 @@ struct Producer {
     tma_prefetch_desc(&p.tm_k);
     tma_prefetch_desc(&p.tm_k_sf);
     tma_prefetch_desc(&p.tm_v);
-    tma_prefetch_desc(&p.tm_delta);
   }
 
   // Issues stages until `limit` stages have been issued in total (or the work runs out).
@@ -117,12 +124,10 @@ struct Producer {
       mbar_wait(&empty[st], ((n / kStages) & 1u) ^ 1u);
       mbar_arrive_expect_tx(&full[st], L::kStageTx);
       const int kv_bh = c.b * p.heads_kv + c.hk;
-      const int delta_row = (c.b * p.heads_q + c.hq) * p.delta_qblocks + (p.delta_qblocks > 1 ? c.mb : 0);
       const int k_row0 = kv_bh * p.seq_k_pad + kb * kBlockN;
       tma_load_2d(stage + L::kStageK, &p.tm_k, &full[st], 0, k_row0);
       tma_load_2d(stage + L::kStageKSf, &p.tm_k_sf, &full[st], 0, k_row0 / kBlockN * (D / 16));
       tma_load_2d(stage + L::kStageV, &p.tm_v, &full[st], kb * (kBlockN / 2), kv_bh * D);
-      tma_load_2d(stage + L::kStageDelta, &p.tm_delta, &full[st], kb * kBlockN, delta_row);
       ++n;
       if (++kb == c.num_kb) {
         kb = 0;
@@ -132,6 +137,76 @@ struct Producer {
     }
   }
 };
+
+__device__ __forceinline__ uint4 lds_u4(uint32_t saddr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(saddr));
+  return v;
+}
+
+__device__ __forceinline__ float4 lds_f4(uint32_t saddr) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(saddr));
+  return v;
+}
+
+__device__ __forceinline__ void sts_f32(uint32_t saddr, float v) {
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(saddr), "f"(v) : "memory");
+}
+
+// Byte x (two E2M1 codes, element 0 in the low nibble) -> the two values times 2^-14, exactly:
+// the code's 3 magnitude bits placed at fp16 bits 9..11 (exponent 0..3, mantissa bit 9) give
+// 2^-14 x E2M1 (normal and subnormal alike), the sign bit at bit 15.
+__device__ __forceinline__ float2 e2m1x2_scaled(uint32_t x) {
+  const uint32_t h = ((x & 0x7u) << 9) | ((x & 0x8u) << 12) | ((x & 0x70u) << 21) | ((x & 0x80u) << 24);
+  __half2 v;
+  *reinterpret_cast<uint32_t*>(&v) = h;
+  return __half22float2(v);
+}
+
+// One thread's half of delta_s for key row `key` of a stage's K tile: sum over the elements
+// d = half*D/2 .. half*D/2 + D/2 - 1 of mean_q[d] * K_s[key][d], K_s = E2M1(code) x E4M3 scale.
+// Order (fixed): per 16-element block, a sequential fp32 fma chain over the block's elements in
+// order (on the values times 2^-14), times (scale x 2^14); block results summed in order.
+template <int D>
+__device__ __forceinline__ float delta_s_part(uint32_t k_tile, uint32_t ksf_tile, uint32_t mean_q, int key, int half) {
+  constexpr int kBlocks = D / 32;  // 16-element blocks per half
+  const uint32_t sf_addr = ksf_tile + key * (D / 16) + half * kBlocks;
+  uint32_t sf;
+  if constexpr (kBlocks == 4) {
+    sf = lds_u32(sf_addr);
+  } else {
+    uint16_t v;
+    asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(sf_addr));
+    sf = v;
+  }
+  float total = 0.f;
+#pragma unroll
+  for (int b = 0; b < kBlocks; b += 2) {
+    // 16 bytes = blocks b and b+1 (8 bytes each) of this half
+    const uint4 w = lds_u4(k_tile + swizzled<D / 2>(key * (D / 2) + half * (D / 4) + 8 * b));
+    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int bb = 0; bb < 2; ++bb) {
+      const uint32_t m_addr = mean_q + 4 * (half * (D / 2 + 4) + 16 * (b + bb));
+      float acc = 0.f;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float4 m = lds_f4(m_addr + 16 * q);
+        const uint32_t word = words[2 * bb + (q >> 1)];
+        const float2 v0 = e2m1x2_scaled(word >> (16 * (q & 1)));
+        const float2 v1 = e2m1x2_scaled(word >> (16 * (q & 1) + 8));
+        acc = fmaf(m.x, v0.x, acc);
+        acc = fmaf(m.y, v0.y, acc);
+        acc = fmaf(m.z, v1.x, acc);
+        acc = fmaf(m.w, v1.y, acc);
+      }
+      const float scale = p_scale_value((sf >> (8 * (b + bb))) & 0xffu) * 16384.f;
+      total = fmaf(acc, scale, total);
+    }
+  }
+  return total;
+}
 
 template <int D>
 __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int warp) {
@@ -162,11 +237,25 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
 
   RingPos<kStages> ring;
   uint32_t q_round = 0;
+  // delta_s: thread i handles half (i & 1) of the head dim of key row i >> 1 of each stage.
+  const int ds_key = threadIdx.x >> 1, ds_half = threadIdx.x & 1;
+  static_assert(kThreads == 2 * kBlockN, "two threads per key for delta_s");
   for (int tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x, ++q_round) {
     const TileCoord c = decode_tile(p, tile);
     const int m0 = c.mb * kBlockM;
     if (is_producer) prod.run(p, smem, ring.n + kStages);
     __syncwarp();
+
+    // ---- this tile's Q mean into shared memory ----
+    // Safe to overwrite: every thread read the previous tile's mean before the last stage barrier.
+    if (threadIdx.x < D / 4) {
+      const float* mq = p.mean_q + (static_cast<int64_t>(c.b * p.heads_q + c.hq) * p.mean_qblocks +
+                                    (p.mean_qblocks > 1 ? c.mb : 0)) * D;
+      const float4 v = __ldg(reinterpret_cast<const float4*>(mq) + threadIdx.x);
+      const int d = 4 * threadIdx.x;
+      *reinterpret_cast<float4*>(smem + L::kMeanQ + 4 * (d + (d >= D / 2 ? 4 : 0))) = v;
+    }
+    __syncthreads();
 
     // ---- Q fragments and scales into registers, then hand the Q buffer back ----
     mbar_wait(q_full, q_round & 1u);
@@ -202,6 +291,16 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       const uint32_t st = ring.stage();
       const uint32_t stage = s_base + L::kStage0 + st * L::kStageBytes;
       mbar_wait(&full[st], ring.full_parity());
+
+      // ---- delta_s of this stage's keys (whole CTA), into the stage's vector ----
+      // The vector of stage st is rewritten kStages iterations later, after 2 more barriers: by
+      // then every warp has read it.
+      {
+        const float part = delta_s_part<D>(stage + L::kStageK, stage + L::kStageKSf, s_base + L::kMeanQ, ds_key, ds_half);
+        const float other = __shfl_xor_sync(0xffffffffu, part, 1);
+        if (ds_half == 0) sts_f32(stage + L::kStageDelta + 4 * ds_key, part + other);
+      }
+      __syncthreads();
 
       // ---- S = delta_s + Q K^T ----
       float s[kNT][4];

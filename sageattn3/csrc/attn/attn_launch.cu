@@ -80,10 +80,9 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
                  kBlockN * (D / 16) / 128, CU_TENSOR_MAP_SWIZZLE_NONE);
   ok &= make_map(&p.tm_v, a.v, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a.seq_k_pad / 2, bk * D, kBlockN / 2, D,
                  swizzle_for(kBlockN / 2));
-  ok &= make_map(&p.tm_delta, a.delta, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, a.seq_k_pad, bq * a.delta_qblocks,
-                 kBlockN, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
   if (!ok) return cudaErrorInvalidValue;
   p.v_sf = static_cast<const uint8_t*>(a.v_sf);
+  p.mean_q = a.mean_q;
   p.out = a.out;
   p.batch = a.batch;
   p.heads_q = a.heads_q;
@@ -92,7 +91,7 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
   p.seq_k = a.seq_k;
   p.seq_q_pad = a.seq_q_pad;
   p.seq_k_pad = a.seq_k_pad;
-  p.delta_qblocks = a.delta_qblocks;
+  p.mean_qblocks = a.mean_qblocks;
   p.num_m_blocks = (a.seq_q + kBlockM - 1) / kBlockM;
   p.num_tiles = static_cast<int>(bq * p.num_m_blocks);
   p.scale_log2 = a.sm_scale * 1.4426950408889634f;
@@ -124,9 +123,9 @@ int fp4_attn_fwd(const Fp4AttnArgs& a, cudaStream_t stream) {
   if (a.seq_q < 1 || a.seq_k < 1 || a.seq_q_pad % kBlockM || a.seq_k_pad % kBlockN || a.seq_q_pad < a.seq_q ||
       a.seq_k_pad < a.seq_k)
     return cudaErrorInvalidValue;
-  if (a.delta_qblocks != 1 && a.delta_qblocks != a.seq_q_pad / kBlockM) return cudaErrorInvalidValue;
+  if (a.mean_qblocks != 1 && a.mean_qblocks != a.seq_q_pad / kBlockM) return cudaErrorInvalidValue;
   if (a.out_dtype != DType::kBFloat16 && a.out_dtype != DType::kFloat16) return cudaErrorInvalidValue;
-  if (!attn::aligned(a.q, 16) || !attn::aligned(a.k, 16) || !attn::aligned(a.v, 16) || !attn::aligned(a.delta, 16) ||
+  if (!attn::aligned(a.q, 16) || !attn::aligned(a.k, 16) || !attn::aligned(a.v, 16) || !attn::aligned(a.mean_q, 16) ||
       !attn::aligned(a.q_sf, 16) || !attn::aligned(a.k_sf, 16) || !attn::aligned(a.v_sf, 4) || !attn::aligned(a.out, 4))
     return cudaErrorInvalidValue;
   switch (a.head_dim) {

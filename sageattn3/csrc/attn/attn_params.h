@@ -9,7 +9,7 @@
 
 namespace sageattn3::attn {
 
-constexpr int kBlockM = 128;         // query rows per tile (= the Q smoothing block of delta_s)
+constexpr int kBlockM = 128;         // query rows per tile (= the Q smoothing block of mean_q)
 constexpr int kBlockN = 128;         // keys per pipeline stage
 constexpr int kConsumerWarps = 8;    // 16 query rows each
 constexpr int kThreads = kConsumerWarps * 32;       // thread 0 also issues the TMA loads
@@ -21,12 +21,12 @@ struct AttnParams {
   CUtensorMap tm_k;      // K packed  (B*Hkv*Sk_pad rows, D/2 bytes), box D/2 x 128, swizzled
   CUtensorMap tm_k_sf;   // K scales as 128-byte lines
   CUtensorMap tm_v;      // V^T packed (B*Hkv*D rows, Sk_pad/2 bytes), box 64 x D, swizzled
-  CUtensorMap tm_delta;  // delta_s fp32 (B*Hq*delta_qblocks rows, Sk_pad), box 128 x 1
   const uint8_t* v_sf;   // V scales (B, Hkv, D, Sk_pad/16) bytes
+  const float* mean_q;   // Q means fp32 (B*Hq*mean_qblocks rows, D): delta_s = mean_q . K_s^T in-kernel
   void* out;             // (B, Hq, Sq, D), bf16 or fp16
   int batch, heads_q, heads_kv;
   int seq_q, seq_k, seq_q_pad, seq_k_pad;
-  int delta_qblocks;     // 1 (one Q mean) or seq_q_pad / 128 (one per 128-row block)
+  int mean_qblocks;      // 1 (one Q mean) or seq_q_pad / 128 (one per 128-row block)
   int num_m_blocks, num_tiles;
   float scale_log2;      // softmax scale * log2(e)
   int causal;            // top-left aligned (key j visible to query i iff j <= i), like SDPA
