@@ -63,6 +63,12 @@ void check_cuda(const Tensor& t, const Tensor& ref, const char* name) {
   STD_TORCH_CHECK(t.is_contiguous(), "sageattn3: ", name, " must be contiguous");
 }
 
+// The kernels use 16-byte vector loads and stores.
+void check_aligned(const Tensor& t, const char* name) {
+  STD_TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "sageattn3: ", name,
+                  " must be 16-byte aligned (pass a fresh tensor or .clone())");
+}
+
 void check_bytes(const Tensor& t, const char* name) {
   STD_TORCH_CHECK(t.scalar_type() == torch::headeronly::ScalarType::Byte ||
                       t.scalar_type() == torch::headeronly::ScalarType::Float8_e4m3fn,
@@ -79,10 +85,13 @@ float* floats(const Tensor& t) { return static_cast<float*>(t.data_ptr()); }
 // quant_fp4_rows(x, packed!, scales!): x (..., D) contiguous, D % 16 == 0.
 void quant_fp4_rows(Tensor x, Tensor packed, Tensor scales) {
   check_cuda(x, x, "x");
+  check_aligned(x, "x");
   check_cuda(packed, x, "packed");
   check_cuda(scales, x, "scales");
   check_bytes(packed, "packed");
+  check_aligned(packed, "packed");
   check_bytes(scales, "scales");
+  check_aligned(scales, "scales");
   const int64_t cols = x.dim() ? x.size(x.dim() - 1) : 0;
   STD_TORCH_CHECK(x.dim() >= 1 && cols > 0 && cols % 16 == 0, "sageattn3: last dim must be a positive multiple of 16");
   const int64_t n = x.numel();
@@ -96,10 +105,13 @@ void quant_fp4_rows(Tensor x, Tensor packed, Tensor scales) {
 // quant_fp4_cols(x, packed!, scales!): x (..., S, D) -> packed (..., D, Sp/2), scales (..., D, Sp/16).
 void quant_fp4_cols(Tensor x, Tensor packed, Tensor scales) {
   check_cuda(x, x, "x");
+  check_aligned(x, "x");
   check_cuda(packed, x, "packed");
   check_cuda(scales, x, "scales");
   check_bytes(packed, "packed");
+  check_aligned(packed, "packed");
   check_bytes(scales, "scales");
+  check_aligned(scales, "scales");
   STD_TORCH_CHECK(x.dim() >= 2 && packed.dim() >= 2, "sageattn3: x must have at least 2 dims");
   const int64_t S = x.size(x.dim() - 2), D = x.size(x.dim() - 1);
   STD_TORCH_CHECK(D > 0 && D % 16 == 0, "sageattn3: last dim must be a positive multiple of 16");
@@ -117,6 +129,7 @@ void quant_fp4_cols(Tensor x, Tensor packed, Tensor scales) {
 // colsum(x, chunk, partial!): x (G, S, D) -> partial (G, ceil(S/chunk), D) fp32.
 void colsum(Tensor x, int64_t chunk, Tensor partial) {
   check_cuda(x, x, "x");
+  check_aligned(x, "x");
   check_cuda(partial, x, "partial");
   check_f32(partial, "partial");
   STD_TORCH_CHECK(x.dim() == 3 && chunk > 0, "sageattn3: colsum takes x (G, S, D) and chunk > 0");
@@ -132,12 +145,15 @@ void colsum(Tensor x, int64_t chunk, Tensor partial) {
 // mean (G, nm, D) fp32; packed (G, Sp, D/2); scales (G, Sp, D/16).
 void smooth_quant_rows(Tensor x, Tensor mean, bool compute_mean, int64_t mean_block, Tensor packed, Tensor scales) {
   check_cuda(x, x, "x");
+  check_aligned(x, "x");
   check_cuda(mean, x, "mean");
   check_cuda(packed, x, "packed");
   check_cuda(scales, x, "scales");
   check_f32(mean, "mean");
   check_bytes(packed, "packed");
+  check_aligned(packed, "packed");
   check_bytes(scales, "scales");
+  check_aligned(scales, "scales");
   STD_TORCH_CHECK(x.dim() == 3 && packed.dim() == 3, "sageattn3: x and packed must be 3-D (G, S, D)");
   const int64_t G = x.size(0), S = x.size(1), D = x.size(2), Sp = packed.size(1);
   STD_TORCH_CHECK(D % 16 == 0 && D <= 256, "sageattn3: D must be a multiple of 16, at most 256");
@@ -152,6 +168,40 @@ void smooth_quant_rows(Tensor x, Tensor mean, bool compute_mean, int64_t mean_bl
                                                  static_cast<int>(mean_block), Sp, bytes(packed), bytes(scales),
                                                  current_stream(x)),
                     "smooth_quant_rows");
+}
+
+// smooth_quant_seq(x, mean!, partial!, sync!, packed!, scales!, two_pass): x (G, S, D), S >= 1;
+// mean (G, 1, D) fp32; partial (G, ceil(S/128), D) fp32; sync (2 + 2G) int32; packed (G, Sp, D/2).
+void smooth_quant_seq(Tensor x, Tensor mean, Tensor partial, Tensor sync, Tensor packed, Tensor scales,
+                      bool two_pass) {
+  check_cuda(x, x, "x");
+  check_aligned(x, "x");
+  check_cuda(mean, x, "mean");
+  check_cuda(partial, x, "partial");
+  check_cuda(sync, x, "sync");
+  check_cuda(packed, x, "packed");
+  check_cuda(scales, x, "scales");
+  check_f32(mean, "mean");
+  check_f32(partial, "partial");
+  STD_TORCH_CHECK(sync.scalar_type() == torch::headeronly::ScalarType::Int, "sageattn3: sync must be int32");
+  check_bytes(packed, "packed");
+  check_aligned(packed, "packed");
+  check_bytes(scales, "scales");
+  check_aligned(scales, "scales");
+  STD_TORCH_CHECK(x.dim() == 3 && packed.dim() == 3, "sageattn3: x and packed must be 3-D (G, S, D)");
+  const int64_t G = x.size(0), S = x.size(1), D = x.size(2), Sp = packed.size(1);
+  STD_TORCH_CHECK(S >= 1 && D % 16 == 0 && D > 0 && D <= 256,
+                  "sageattn3: S must be >= 1 and D a positive multiple of 16, at most 256");
+  STD_TORCH_CHECK(mean.numel() == G * D && partial.numel() == G * ((S + 127) / 128) * D && sync.numel() == 2 + 2 * G,
+                  "sageattn3: mean, partial or sync has the wrong size");
+  STD_TORCH_CHECK(reinterpret_cast<uintptr_t>(sync.data_ptr()) % 8 == 0, "sageattn3: sync must be 8-byte aligned");
+  STD_TORCH_CHECK(Sp >= S && packed.numel() == G * Sp * D / 2 && scales.numel() == G * Sp * D / 16,
+                  "sageattn3: output sizes do not match x");
+  DeviceScope scope(x.get_device());
+  check_cuda_kernel(sageattn3::smooth_quant_seq(x.data_ptr(), dtype_of(x, "x"), G, S, D, floats(mean), floats(partial),
+                                                static_cast<int*>(sync.data_ptr()), Sp, bytes(packed), bytes(scales),
+                                                two_pass, current_stream(x)),
+                    "smooth_quant_seq");
 }
 
 // delta_s(k, mean_k, mean_q, out!): k (B, Hkv, Sk, D); mean_k (B, Hkv, 1, D); mean_q (B, Hq, nblk, D);
@@ -304,6 +354,8 @@ STABLE_TORCH_LIBRARY(sageattn3, m) {
   m.def("colsum(Tensor x, int chunk, Tensor(a!) partial) -> ()");
   m.def("smooth_quant_rows(Tensor x, Tensor(a!) mean, bool compute_mean, int mean_block, Tensor(b!) packed, "
         "Tensor(c!) scales) -> ()");
+  m.def("smooth_quant_seq(Tensor x, Tensor(a!) mean, Tensor(b!) partial, Tensor(c!) sync, Tensor(d!) packed, "
+        "Tensor(e!) scales, bool two_pass) -> ()");
   m.def("delta_s(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) out) -> ()");
   m.def("smooth_quant_k_delta(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) packed, Tensor(b!) scales, "
         "Tensor(c!) delta) -> ()");
@@ -317,6 +369,7 @@ STABLE_TORCH_LIBRARY_IMPL(sageattn3, CUDA, m) {
   m.impl("quant_fp4_cols", TORCH_BOX(&quant_fp4_cols));
   m.impl("colsum", TORCH_BOX(&colsum));
   m.impl("smooth_quant_rows", TORCH_BOX(&smooth_quant_rows));
+  m.impl("smooth_quant_seq", TORCH_BOX(&smooth_quant_seq));
   m.impl("delta_s", TORCH_BOX(&delta_s));
   m.impl("smooth_quant_k_delta", TORCH_BOX(&smooth_quant_k_delta));
   m.impl("blockscaled_fp4_attn", TORCH_BOX(&blockscaled_fp4_attn));

@@ -34,6 +34,16 @@ int colsum(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, int64_t 
 int smooth_quant_rows(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, float* mean, bool compute_mean,
                       int mean_block, int64_t Sp, uint8_t* packed, uint8_t* scales, cudaStream_t stream);
 
+// Smoothing with one mean per group over the whole sequence + NVFP4 along D (S >= 1):
+// mean (G, D) = (sum over the 128-row tiles in order of each tile's column sums) / S, then
+// rows as smooth_quant_rows with mean_block 0. Workspace: partial (G, ceil(S/128), D) fp32 and
+// sync (2 + 2G) int32, 8-byte aligned (zeroed here). One read of x when the whole grid of
+// 128-row tiles is resident at once; otherwise (or force_two_pass) tile sums, means, then the
+// quantization (two reads). Both give the same bits.
+int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, float* mean, float* partial,
+                     int* sync, int64_t Sp, uint8_t* packed, uint8_t* scales, bool force_two_pass,
+                     cudaStream_t stream);
+
 // delta_s[b, hq, i, j] = sum_d mean_q[b, hq, i, d] * (k[b, hq / (Hq/Hkv), j, d] - mean_k[b, hkv, d])
 // for j < Sk, 0 for Sk <= j < Sp. k (B, Hkv, Sk, D); mean_k (B, Hkv, D); mean_q (B, Hq, nblk, D);
 // out (B, Hq, nblk, Sp), all fp32 except k.

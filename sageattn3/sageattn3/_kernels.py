@@ -121,6 +121,23 @@ def smooth_quant_rows(x: torch.Tensor, mean: torch.Tensor, compute_mean: bool, m
     return packed, scales
 
 
+def smooth_quant_seq(x: torch.Tensor, seq_pad: int, two_pass: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (G, S, D), S >= 1: rows minus their mean over the whole sequence, NVFP4 along D, rows
+    padded with zero codes to a multiple of ``seq_pad``; returns (packed, scales, mean (G, 1, D)).
+    One read of x when all its 128-row tiles fit on the device at once, else (or with
+    ``two_pass``) two; the mean (tile sums in a fixed order, / S) has the same bits either way."""
+    g, s, d = x.shape
+    sp = -(-s // seq_pad) * seq_pad
+    packed = torch.empty((g, sp, d // 2), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((g, sp, d // 16), dtype=torch.float8_e4m3fn, device=x.device)
+    mean = torch.empty((g, 1, d), dtype=torch.float32, device=x.device)
+    partial = torch.empty((g, -(-s // 128), d), dtype=torch.float32, device=x.device)
+    sync = torch.empty((2 + 2 * g,), dtype=torch.int32, device=x.device)
+    _ops().smooth_quant_seq(x, mean, partial, sync, packed, scales, two_pass)
+    return packed, scales, mean
+
+
 def delta_s(k: torch.Tensor, mean_k: torch.Tensor, mean_q: torch.Tensor, seq_pad: int) -> torch.Tensor:
     """k (B, Hkv, Sk, D), mean_k (B, Hkv, 1, D), mean_q (B, Hq, nblk, D) -> (B, Hq, nblk, Sk_p)."""
     b, hq, nblk, _ = mean_q.shape

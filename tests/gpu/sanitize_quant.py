@@ -45,6 +45,14 @@ def main() -> int:
                          for n in ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales"))
                 bad += not ok
                 print(f"preprocess {str(dtype):15s} {(b, hq, hk, sq, sk, d)} pbm={pbm}: {'ok' if ok else 'MISMATCH'}")
+    for dtype in (torch.bfloat16, torch.float32):
+        for (g, s, d) in [(1, 1, 16), (6, 1000, 64), (3, 300, 256)]:
+            x = torch.randn(g, s, d, dtype=dtype, device="cuda") + 2
+            one, two = _kernels.smooth_quant_seq(x, 128), _kernels.smooth_quant_seq(x, 128, two_pass=True)
+            ok = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(one[:2], two[:2]))
+            ok = ok and torch.equal(one[2], two[2])
+            bad += not ok
+            print(f"smooth_quant_seq one/two reads {str(dtype):15s} {(g, s, d)}: {'ok' if ok else 'MISMATCH'}")
     torch.cuda.synchronize()
     print("sanitize_quant:", "all ok" if not bad else f"{bad} mismatches")
     return 1 if bad else 0

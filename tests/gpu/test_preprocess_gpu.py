@@ -93,3 +93,70 @@ def test_misaligned_inputs():
     pre = sa.preprocess(x, x[:, :2], x[:, :2])
     want = ref.preprocess(x.cpu(), x[:, :2].cpu(), x[:, :2].cpu(), mean_q=pre.mean_q.cpu(), mean_k=pre.mean_k.cpu())
     assert same_bytes(pre.k_packed, want.k_packed) and same_bytes(pre.q_packed, want.q_packed)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("g,s,d,pad", [(1, 1, 64, 128), (3, 17, 128, 128), (2, 128, 64, 16), (5, 129, 128, 128),
+                                       (2, 1000, 48, 16), (24, 4096, 128, 128), (4, 3000, 256, 128)])
+def test_seq_mean_one_read_equals_two_reads_and_reference(dtype, g, s, d, pad):
+    """The one-read whole-sequence smoothing (CTAs of a group reduce the mean among themselves)
+    gives the same bits as the two-read path, and the reference's bits given that mean."""
+    kernels_or_skip()
+    from sageattn3 import _kernels
+    from sageattn3 import reference as ref
+
+    gen = torch.Generator().manual_seed(s * 31 + d)
+    x = (torch.randn(g, s, d, generator=gen) * 2 + 5 * torch.randn(d, generator=gen)).to(dtype).cuda()
+    one = _kernels.smooth_quant_seq(x, pad)
+    two = _kernels.smooth_quant_seq(x, pad, two_pass=True)
+    for a, b in zip(one, two):
+        assert same_bytes(a, b)
+    packed, scales, mean = one
+    assert torch.allclose(mean.cpu(), x.cpu().float().mean(dim=1, keepdim=True), rtol=1e-5, atol=1e-5)
+    sp = -(-s // pad) * pad
+    smoothed = torch.zeros(g, sp, d)
+    smoothed[:, :s] = x.cpu().float() - mean.cpu()
+    rp, rs = ref.quantize_rows(smoothed)
+    assert same_bytes(packed, rp) and same_bytes(scales, rs)
+    # repeated launches reuse nothing stale (the sync words are zeroed per launch)
+    again = _kernels.smooth_quant_seq(x, pad)
+    for a, b in zip(one, again):
+        assert same_bytes(a, b)
+
+
+def test_seq_mean_large_groups_two_reads():
+    """Groups with more tiles than the device holds at once (two reads, several groups larger
+    than the L2): the same bits as the forced two-read path, the reference mean, and the
+    last group's last rows quantized from that mean."""
+    kernels_or_skip()
+    from sageattn3 import _kernels
+
+    props = torch.cuda.get_device_properties(0)
+    d = 64
+    s = max(128 * (props.multi_processor_count * 16 + 7), props.L2_cache_size // (d * 2) + 77)
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, s, d, generator=gen) + torch.randn(d, generator=gen)).to(torch.bfloat16).cuda()
+    one = _kernels.smooth_quant_seq(x, 128)
+    two = _kernels.smooth_quant_seq(x, 128, two_pass=True)
+    torch.cuda.synchronize()
+    for a, b in zip(one, two):
+        assert same_bytes(a, b)
+    assert torch.allclose(one[2].cpu(), x.cpu().float().mean(dim=1, keepdim=True), rtol=1e-4, atol=1e-4)
+    from sageattn3 import reference as ref
+    last = x[2:, -5:].cpu().float() - one[2][2:].cpu()
+    rp, rs = ref.quantize_rows(last)
+    assert same_bytes(one[0][2:, s - 5:s], rp) and same_bytes(one[1][2:, s - 5:s], rs)
+
+
+def test_direct_op_rejects_misaligned_input():
+    """A direct op call with a misaligned view is an error naming the argument, not a CUDA fault."""
+    kernels_or_skip()
+    base = torch.randn(4 * 64 + 8, dtype=torch.bfloat16, device="cuda")
+    x = base[8:].view(4, 64)  # 16-byte offset: aligned; base[1:] is not
+    torch.ops.sageattn3.quant_fp4_rows(x, torch.empty(4, 32, dtype=torch.uint8, device="cuda"),
+                                       torch.empty(4, 4, dtype=torch.uint8, device="cuda"))
+    bad = base[1:257].view(4, 64)
+    with pytest.raises(RuntimeError, match="x must be 16-byte aligned"):
+        torch.ops.sageattn3.quant_fp4_rows(bad, torch.empty(4, 32, dtype=torch.uint8, device="cuda"),
+                                           torch.empty(4, 4, dtype=torch.uint8, device="cuda"))
+    torch.cuda.synchronize()

@@ -15,7 +15,7 @@ template <typename T>
 __global__ void __launch_bounds__(kRowThreads) colsum_kernel(const T* __restrict__ x, int64_t S, int D,
                                                              int64_t chunk, int64_t n_chunks,
                                                              float* __restrict__ partial) {
-  __shared__ float red[kRowThreads * 16];
+  __shared__ __align__(16) float red[kRowThreads * 16];
   const RowMap m(D);
   const int64_t g = blockIdx.x / n_chunks, c = blockIdx.x % n_chunks;
   const int64_t r0 = c * chunk, r1 = std::min<int64_t>(S, r0 + chunk);

@@ -25,15 +25,31 @@ struct RowMap {
 
 // Reduce per-thread column sums acc[16] (block column m.cb, one row slot m.rl) over the row
 // slots in a fixed order: on return red[0..D) holds the D column sums. red: kRowThreads*16 floats.
-__device__ __forceinline__ void reduce_columns(const RowMap& m, int D, const float (&acc)[16], float* red) {
-  if (m.active) {
+// When D/16 divides 32, the lanes of a warp that share a block column are summed with shuffles
+// first (fewer, less conflicting shared stores), then the warps in order.
+__device__ __forceinline__ void reduce_columns(const RowMap& m, int D, float (&acc)[16], float* red) {
+  const int bpr = m.bpr;
+  int slots = m.rpp;  // row slots left to combine through shared memory
+  if ((32 % bpr) == 0) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      for (int off = 16; off >= bpr; off >>= 1) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
+    }
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (lane < bpr) {
+      float4* dst = reinterpret_cast<float4*>(red + warp * D + lane * 16);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) dst[i] = make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
+    }
+    slots = kRowThreads / 32;
+  } else if (m.active) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) red[m.rl * D + m.cb * 16 + i] = acc[i];
   }
   __syncthreads();
   float s = 0.f;
   if (static_cast<int>(threadIdx.x) < D) {
-    for (int r = 0; r < m.rpp; ++r) s += red[r * D + threadIdx.x];
+    for (int r = 0; r < slots; ++r) s += red[r * D + threadIdx.x];
   }
   __syncthreads();
   if (static_cast<int>(threadIdx.x) < D) red[threadIdx.x] = s;

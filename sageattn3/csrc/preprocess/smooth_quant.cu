@@ -1,7 +1,12 @@
-// Smoothing + NVFP4 along D for Q (and K on the fallback path): a CTA owns 128 rows of one
-// group and holds them in registers: every thread loads its P row blocks (whole 16-channel
-// blocks, all loads in flight at once), so with per-block means the block's column sums, the
-// mean and the quantization all come from one read of Q from DRAM.
+// Smoothing + NVFP4 along D for Q and K: a CTA owns 128 rows of one group and holds them in
+// registers: every thread loads its P row blocks (whole 16-channel blocks, all loads in flight
+// at once), so the tile's column sums, the mean and the quantization all come from one read of
+// the tile from DRAM.
+//
+// Means over 128-row blocks (Q with per_block_mean) are local to a CTA. A mean over the whole
+// sequence (K; Q without per_block_mean) is a reduction across the group's CTAs: one read
+// when the whole grid is resident at once, else tile sums, means, then the quantization
+// (smooth_quant_seq below).
 #include "common/launch.cuh"
 #include "common/nvfp4.cuh"
 #include "preprocess/rowblock.cuh"
@@ -12,32 +17,23 @@ namespace {
 
 constexpr int kRows = 128;
 
+// The rows of one 128-row tile a thread holds: rows rl + p*rpp, p < P.
 template <typename T, int P>
-__global__ void __launch_bounds__(kRowThreads) smooth_quant_kernel(const T* __restrict__ x, int64_t S, int D,
-                                                                   float* __restrict__ mean, bool compute_mean,
-                                                                   int mean_block, int64_t Sp, int64_t tiles,
-                                                                   uint2* __restrict__ packed,
-                                                                   uint8_t* __restrict__ scales) {
-  __shared__ float red[kRowThreads * 16];
-  const RowMap m(D);
-  const int64_t g = blockIdx.x / tiles, tile = blockIdx.x % tiles;
-  const int64_t row0 = tile * kRows;
-  const int64_t r1 = std::min<int64_t>(S, row0 + kRows);  // real rows of this tile: [row0, r1)
-  const T* xg = x + g * S * D + m.cb * 16;
-  const int64_t nm = mean_block ? ceil_div(S, kRows) : 1;
-  const int64_t mi = mean_block ? tile : 0;
-  const bool has_rows = row0 < S;
-
+struct Tile {
   Raw16<T> raw[P];
+
+  __device__ __forceinline__ void load(const RowMap& m, const T* xg, int D, int64_t row0, int64_t r1) {
 #pragma unroll
-  for (int p = 0; p < P; ++p) {
-    const int r = m.rl + p * m.rpp;
-    const int64_t row = row0 + r;
-    if (m.active && r < kRows && row < r1) raw[p].load(xg + row * D);
-    else raw[p].zero();
+    for (int p = 0; p < P; ++p) {
+      const int r = m.rl + p * m.rpp;
+      const int64_t row = row0 + r;
+      if (m.active && r < kRows && row < r1) raw[p].load(xg + row * D);
+      else raw[p].zero();
+    }
   }
 
-  if (compute_mean) {
+  // red[0..D) = the column sums of the tile (padding rows hold zeros), a fixed order.
+  __device__ __forceinline__ void colsum(const RowMap& m, int D, float* red) const {
     float acc[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) acc[i] = 0.f;
@@ -48,7 +44,53 @@ __global__ void __launch_bounds__(kRowThreads) smooth_quant_kernel(const T* __re
 #pragma unroll
       for (int i = 0; i < 16; ++i) acc[i] += v[i];
     }
-    reduce_columns(m, D, acc, red);  // red[0..D) = column sums
+    reduce_columns(m, D, acc, red);
+  }
+
+  // Writes rows [row0, min(row0 + 128, Sp)) of x - mu (rows >= r1 are padding: zeros); mu:
+  // this thread's 16 means in shared memory (read per use: fewer registers, more CTAs per SM).
+  __device__ __forceinline__ void quantize(const RowMap& m, const float* mu, int64_t g, int64_t row0,
+                                           int64_t r1, int64_t Sp, uint2* __restrict__ packed,
+                                           uint8_t* __restrict__ scales) const {
+    const int bpr = m.bpr;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      const int r = m.rl + p * m.rpp;
+      const int64_t row = row0 + r;
+      if (r >= kRows || row >= Sp) continue;
+      float v[16];
+      raw[p].to_float(v);
+      const bool real = row < r1;  // padding rows are zeros after smoothing
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[i] = real ? __fsub_rn(v[i], mu[i]) : 0.f;
+      uint32_t sb;
+      const uint2 w = quant16(v, sb);
+      const int64_t ob = (g * Sp + row) * bpr + m.cb;  // output block index
+      __stcs(packed + ob, w);
+      __stcs(reinterpret_cast<char*>(scales + ob), static_cast<char>(sb));
+    }
+  }
+};
+
+template <typename T, int P>
+__global__ void __launch_bounds__(kRowThreads, (P <= 4 ? 3 : 1)) smooth_quant_kernel(const T* __restrict__ x, int64_t S, int D,
+                                                                   float* __restrict__ mean, bool compute_mean,
+                                                                   int mean_block, int64_t Sp, int64_t tiles,
+                                                                   uint2* __restrict__ packed,
+                                                                   uint8_t* __restrict__ scales) {
+  __shared__ __align__(16) float red[kRowThreads * 16];
+  const RowMap m(D);
+  const int64_t g = blockIdx.x / tiles, tile = blockIdx.x % tiles;
+  const int64_t row0 = tile * kRows;
+  const int64_t r1 = std::min<int64_t>(S, row0 + kRows);  // real rows of this tile: [row0, r1)
+  const int64_t nm = mean_block ? ceil_div(S, kRows) : 1;
+  const int64_t mi = mean_block ? tile : 0;
+  const bool has_rows = row0 < S;
+
+  Tile<T, P> t;
+  t.load(m, x + g * S * D + m.cb * 16, D, row0, r1);
+  if (compute_mean) {
+    t.colsum(m, D, red);
     if (has_rows && static_cast<int>(threadIdx.x) < D) {
       const float mu = red[threadIdx.x] / static_cast<float>(r1 - row0);
       mean[(g * nm + mi) * D + threadIdx.x] = mu;
@@ -59,27 +101,156 @@ __global__ void __launch_bounds__(kRowThreads) smooth_quant_kernel(const T* __re
   }
   __syncthreads();
   if (!m.active) return;
+  t.quantize(m, red + m.cb * 16, g, row0, r1, Sp, packed, scales);
+}
 
-  float mu[16];
+// ---- one mean over the whole sequence -------------------------------------------------------
+// The mean of group g is sum over its real tiles (in tile order) of the tile column sums, / S.
+// Fused (one read): CTAs take tickets in launch order (ticket -> group-major tile), load their
+// tile, publish its column sums and arrive on the group's counter; the last to arrive sums the
+// partials in tile order, publishes the mean and raises the group's flag; the others wait for
+// the flag, then quantize the tile still in registers. A CTA only waits on tiles of its own
+// group, handed out before any later ticket, so a group whose tiles all fit on the device
+// cannot deadlock; the launcher is stricter and fuses only grids that are resident at once
+// (a group waiting for slots held by waiting CTAs serialises the groups: on an H100 at 24
+// heads x 32k tokens that was 2x slower than two reads). Otherwise tile sums, a mean kernel,
+// then smooth_quant_kernel.
+// Both give the same bits.
+
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// The mean of group g from its nt tile sums, by all kRowThreads threads of a CTA (both paths
+// call this, so both give the same bits): D/4 column quads x L = 256/(D/4) lanes; lane j sums
+// tiles j, j+L, ... (16-byte L2 loads, 4 in flight, 4 accumulators combined in a fixed order);
+// then the lanes are combined in order and divided by S. On return red[0..D) holds the mean
+// (red: at least kRowThreads*4 floats), and mean[g*D..] too when `mean` is not null.
+__device__ __forceinline__ void group_mean(const float* partial, int64_t g, int64_t nt, int D, int64_t S,
+                                           float* red, float* mean) {
+  const int quads = D / 4;
+  const int lanes = kRowThreads / quads;
+  const int q = threadIdx.x % quads, j = threadIdx.x / quads;
+  float4 acc[4];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) mu[i] = has_rows ? red[m.cb * 16 + i] : 0.f;
-  const int bpr = m.bpr;
+  for (int u = 0; u < 4; ++u) acc[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (j < lanes) {
+    const float4* p = reinterpret_cast<const float4*>(partial + g * nt * D) + q;
+    const int64_t step = static_cast<int64_t>(lanes) * quads;  // float4s between a lane's tiles
+    int64_t i = j;
+    for (; i + 3 * lanes < nt; i += 4 * lanes) {
+      float4 v[4];
 #pragma unroll
-  for (int p = 0; p < P; ++p) {
-    const int r = m.rl + p * m.rpp;
-    const int64_t row = row0 + r;
-    if (r >= kRows || row >= Sp) continue;
-    float v[16];
-    raw[p].to_float(v);
-    const bool real = row < r1;  // padding rows are zeros after smoothing
+      for (int u = 0; u < 4; ++u) v[u] = __ldcg(p + (i * quads) + u * step);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = real ? __fsub_rn(v[i], mu[i]) : 0.f;
-    uint32_t sb;
-    const uint2 w = quant16(v, sb);
-    const int64_t ob = (g * Sp + row) * bpr + m.cb;  // output block index
-    __stcs(packed + ob, w);
-    __stcs(reinterpret_cast<char*>(scales + ob), static_cast<char>(sb));
+      for (int u = 0; u < 4; ++u) {
+        acc[u].x += v[u].x; acc[u].y += v[u].y; acc[u].z += v[u].z; acc[u].w += v[u].w;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 3; ++u) {  // at most 3 tiles left
+      if (i + u * lanes < nt) {
+        const float4 v = __ldcg(p + i * quads + u * step);
+        acc[u].x += v.x; acc[u].y += v.y; acc[u].z += v.z; acc[u].w += v.w;
+      }
+    }
   }
+  __syncthreads();  // red may still be read by the caller's previous phase
+  if (j < lanes) {
+    const float4 t = make_float4((acc[0].x + acc[1].x) + (acc[2].x + acc[3].x),
+                                 (acc[0].y + acc[1].y) + (acc[2].y + acc[3].y),
+                                 (acc[0].z + acc[1].z) + (acc[2].z + acc[3].z),
+                                 (acc[0].w + acc[1].w) + (acc[2].w + acc[3].w));
+    reinterpret_cast<float4*>(red)[j * quads + q] = t;
+  }
+  __syncthreads();
+  float mu = 0.f;
+  if (static_cast<int>(threadIdx.x) < D) {
+    float s = 0.f;
+    for (int l = 0; l < lanes; ++l) s += red[l * D + threadIdx.x];
+    mu = s / static_cast<float>(S);
+  }
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < D) {
+    red[threadIdx.x] = mu;
+    if (mean) mean[g * D + threadIdx.x] = mu;
+  }
+}
+
+// sync: [0] the ticket counter, [1 + g] arrivals of group g, [1 + G + g] group g's mean is ready.
+template <typename T, int P, bool kFused>
+__global__ void __launch_bounds__(kRowThreads, (P <= 4 ? 3 : 1)) seq_mean_quant_kernel(const T* __restrict__ x, int64_t G, int64_t S,
+                                                                     int D, int64_t Sp, int64_t tiles,
+                                                                     float* __restrict__ partial,
+                                                                     float* __restrict__ mean, int* __restrict__ sync,
+                                                                     uint2* __restrict__ packed,
+                                                                     uint8_t* __restrict__ scales) {
+  __shared__ __align__(16) float red[kRowThreads * 16];
+  __shared__ int64_t s_ticket;
+  __shared__ int s_last;
+  const RowMap m(D);
+  int64_t ticket = blockIdx.x;
+  if (kFused) {
+    if (threadIdx.x == 0) s_ticket = atomicAdd(reinterpret_cast<unsigned long long*>(sync), 1ull);
+    __syncthreads();
+    ticket = s_ticket;
+  }
+  const int64_t g = ticket / tiles, tile = ticket % tiles;
+  const int64_t nt = ceil_div(S, kRows);  // tiles with real rows
+  const int64_t row0 = tile * kRows;
+  const int64_t r1 = std::min<int64_t>(S, row0 + kRows);
+  const bool has_rows = row0 < S;
+
+  Tile<T, P> t;
+  t.load(m, x + g * S * D + m.cb * 16, D, row0, r1);
+  if (has_rows) {
+    t.colsum(m, D, red);
+    if (static_cast<int>(threadIdx.x) < D) {
+      partial[(g * nt + tile) * D + threadIdx.x] = red[threadIdx.x];
+      if (kFused) __threadfence();
+    }
+  }
+  if (!kFused) return;  // tile sums only
+
+  int* arrive = reinterpret_cast<int*>(sync + 2) + g;
+  int* ready = reinterpret_cast<int*>(sync + 2) + G + g;
+  if (has_rows) {
+    __syncthreads();  // every partial of this CTA written
+    if (threadIdx.x == 0) {
+      __threadfence();
+      s_last = atomicAdd(arrive, 1) == nt - 1;
+      __threadfence();
+    }
+    __syncthreads();
+    if (s_last) {
+      group_mean(partial, g, nt, static_cast<int>(D), S, red, mean);
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        st_release(ready, 1);
+      }
+    } else {
+      if (threadIdx.x == 0) {
+        while (ld_acquire(ready) == 0) __nanosleep(128);
+      }
+      __syncthreads();
+      if (static_cast<int>(threadIdx.x) < D) red[threadIdx.x] = __ldcg(mean + g * D + threadIdx.x);
+    }
+    __syncthreads();
+  }
+  if (!m.active) return;
+  t.quantize(m, red + m.cb * 16, g, row0, r1, Sp, packed, scales);
+}
+
+__global__ void __launch_bounds__(kRowThreads) seq_mean_kernel(const float* __restrict__ partial, int64_t nt, int D,
+                                                                int64_t S, float* __restrict__ mean) {
+  __shared__ __align__(16) float red[kRowThreads * 4];
+  group_mean(partial, blockIdx.x, nt, D, S, red, mean);
 }
 
 template <typename T, int P>
@@ -95,15 +266,62 @@ int launch_p(const void* x, int64_t G, int64_t S, int64_t D, float* mean, bool c
   return cudaGetLastError();
 }
 
+// Whole-sequence mean. One read (fused) when every CTA of the grid is resident at once: no CTA
+// then waits for a slot, and all groups progress together. Otherwise two reads (tile sums,
+// means, quantization). force_two_pass: always the latter.
+template <typename T, int P>
+int launch_seq_p(const void* x, int64_t G, int64_t S, int64_t D, float* mean, float* partial, int* sync,
+                 int64_t Sp, uint8_t* packed, uint8_t* scales, bool force_two_pass, cudaStream_t stream) {
+  const int64_t tiles = ceil_div(Sp, kRows), nt = ceil_div(S, kRows);
+  const int64_t grid = G * tiles;
+  if (grid == 0) return cudaSuccess;
+  if (grid > 0x7FFFFFFF || G > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  int per_sm = 0;
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, seq_mean_quant_kernel<T, P, true>,
+                                                                kRowThreads, 0);
+  if (e != cudaSuccess) return e;
+  const T* xt = static_cast<const T*>(x);
+  if (!force_two_pass && grid <= static_cast<int64_t>(per_sm) * sm_count()) {
+    e = cudaMemsetAsync(sync, 0, sizeof(int) * (2 + 2 * G), stream);
+    if (e != cudaSuccess) return e;
+    seq_mean_quant_kernel<T, P, true><<<static_cast<unsigned>(grid), kRowThreads, 0, stream>>>(
+        xt, G, S, static_cast<int>(D), Sp, tiles, partial, mean, sync, reinterpret_cast<uint2*>(packed), scales);
+    return cudaGetLastError();
+  }
+  // Tile sums of the real tiles, the means, then the quantization with them. (Running this by
+  // L2-sized chunks of groups, so the second read hits L2, measured slower on an H100: the
+  // small grids and the serial mean kernels cost more than the DRAM read they save.)
+  seq_mean_quant_kernel<T, P, false><<<static_cast<unsigned>(G * nt), kRowThreads, 0, stream>>>(
+      xt, G, S, static_cast<int>(D), Sp, nt, partial, mean, sync, reinterpret_cast<uint2*>(packed), scales);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  seq_mean_kernel<<<static_cast<unsigned>(G), kRowThreads, 0, stream>>>(partial, nt, static_cast<int>(D), S, mean);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  return launch_p<T, P>(x, G, S, D, mean, false, 0, Sp, packed, scales, stream);
+}
+
+// P: rows per thread, so that a CTA covers 128 rows (rpp = 256 / (D/16) rows per pass).
+inline int passes_for(int64_t D) { return static_cast<int>(ceil_div(kRows, kRowThreads / (D / 16))); }
+
 template <typename T>
 int launch(const void* x, int64_t G, int64_t S, int64_t D, float* mean, bool compute_mean, int mean_block,
            int64_t Sp, uint8_t* packed, uint8_t* scales, cudaStream_t stream) {
-  const int64_t rpp = kRowThreads / (D / 16);
-  const int64_t passes = ceil_div(kRows, rpp);
-  if (passes <= 1) return launch_p<T, 1>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
-  if (passes <= 2) return launch_p<T, 2>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
-  if (passes <= 4) return launch_p<T, 4>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
-  return launch_p<T, 8>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
+  switch (passes_for(D)) {
+    case 1: return launch_p<T, 1>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
+    case 2: return launch_p<T, 2>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
+    case 3: case 4: return launch_p<T, 4>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
+    default: return launch_p<T, 8>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
+  }
+}
+
+template <typename T>
+int launch_seq(const void* x, int64_t G, int64_t S, int64_t D, float* mean, float* partial, int* sync, int64_t Sp,
+               uint8_t* packed, uint8_t* scales, bool force_two_pass, cudaStream_t stream) {
+  switch (passes_for(D)) {
+    case 1: return launch_seq_p<T, 1>(x, G, S, D, mean, partial, sync, Sp, packed, scales, force_two_pass, stream);
+    case 2: return launch_seq_p<T, 2>(x, G, S, D, mean, partial, sync, Sp, packed, scales, force_two_pass, stream);
+    case 3: case 4: return launch_seq_p<T, 4>(x, G, S, D, mean, partial, sync, Sp, packed, scales, force_two_pass, stream);
+    default: return launch_seq_p<T, 8>(x, G, S, D, mean, partial, sync, Sp, packed, scales, force_two_pass, stream);
+  }
 }
 
 }  // namespace
@@ -117,6 +335,21 @@ int smooth_quant_rows(const void* x, DType dtype, int64_t G, int64_t S, int64_t 
     case DType::kFloat16: return launch<f16_t>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
     case DType::kBFloat16: return launch<bf16_t>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
     case DType::kFloat32: return launch<float>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, float* mean, float* partial,
+                     int* sync, int64_t Sp, uint8_t* packed, uint8_t* scales, bool force_two_pass,
+                     cudaStream_t stream) {
+  if (D % 16 || D <= 0 || D > kMaxD || Sp < S || S < 1) return cudaErrorInvalidValue;
+  switch (dtype) {
+    case DType::kFloat16:
+      return launch_seq<f16_t>(x, G, S, D, mean, partial, sync, Sp, packed, scales, force_two_pass, stream);
+    case DType::kBFloat16:
+      return launch_seq<bf16_t>(x, G, S, D, mean, partial, sync, Sp, packed, scales, force_two_pass, stream);
+    case DType::kFloat32:
+      return launch_seq<float>(x, G, S, D, mean, partial, sync, Sp, packed, scales, force_two_pass, stream);
   }
   return cudaErrorInvalidValue;
 }
