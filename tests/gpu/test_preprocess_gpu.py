@@ -160,3 +160,28 @@ def test_direct_op_rejects_misaligned_input():
         torch.ops.sageattn3.quant_fp4_rows(bad, torch.empty(4, 32, dtype=torch.uint8, device="cuda"),
                                            torch.empty(4, 4, dtype=torch.uint8, device="cuda"))
     torch.cuda.synchronize()
+
+
+def test_seq_mean_under_graph_capture():
+    """Captured into a CUDA graph (the one-read path is a cooperative launch, so capture takes
+    two reads): replays give the same bits as an eager call."""
+    kernels_or_skip()
+    from sageattn3 import _kernels
+
+    x = (torch.randn(4, 300, 128, device="cuda") + 1).to(torch.bfloat16)
+    eager = _kernels.smooth_quant_seq(x, 128)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _kernels.smooth_quant_seq(x, 128)  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _kernels.smooth_quant_seq(x, 128)
+    for _ in range(2):
+        for t in captured:
+            t.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(eager, captured):
+            assert same_bytes(a, b)

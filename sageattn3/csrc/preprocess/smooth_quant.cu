@@ -266,9 +266,10 @@ int launch_p(const void* x, int64_t G, int64_t S, int64_t D, float* mean, bool c
   return cudaGetLastError();
 }
 
-// Whole-sequence mean. One read (fused) when every CTA of the grid is resident at once: no CTA
-// then waits for a slot, and all groups progress together. Otherwise two reads (tile sums,
-// means, quantization). force_two_pass: always the latter.
+// Whole-sequence mean. One read (fused, a cooperative launch) when every CTA of the grid is
+// resident at once: no CTA then waits for a slot, and all groups progress together. Otherwise,
+// under stream capture, or when the driver refuses the cooperative launch: two reads (tile
+// sums, means, quantization). force_two_pass: always the latter.
 template <typename T, int P>
 int launch_seq_p(const void* x, int64_t G, int64_t S, int64_t D, float* mean, float* partial, int* sync,
                  int64_t Sp, uint8_t* packed, uint8_t* scales, bool force_two_pass, cudaStream_t stream) {
@@ -281,12 +282,27 @@ int launch_seq_p(const void* x, int64_t G, int64_t S, int64_t D, float* mean, fl
                                                                 kRowThreads, 0);
   if (e != cudaSuccess) return e;
   const T* xt = static_cast<const T*>(x);
-  if (!force_two_pass && grid <= static_cast<int64_t>(per_sm) * sm_count()) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) capture = cudaStreamCaptureStatusActive;
+  if (!force_two_pass && capture == cudaStreamCaptureStatusNone && grid <= static_cast<int64_t>(per_sm) * sm_count()) {
+    // A cooperative launch: the driver refuses it unless every CTA can be resident at once (also
+    // when MPS or other limits shrink the device), which the waiting CTAs rely on.
     e = cudaMemsetAsync(sync, 0, sizeof(int) * (2 + 2 * G), stream);
     if (e != cudaSuccess) return e;
-    seq_mean_quant_kernel<T, P, true><<<static_cast<unsigned>(grid), kRowThreads, 0, stream>>>(
-        xt, G, S, static_cast<int>(D), Sp, tiles, partial, mean, sync, reinterpret_cast<uint2*>(packed), scales);
-    return cudaGetLastError();
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(grid));
+    cfg.blockDim = dim3(kRowThreads);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeCooperative;
+    attr[0].val.cooperative = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    e = cudaLaunchKernelEx(&cfg, seq_mean_quant_kernel<T, P, true>, xt, G, S, static_cast<int>(D), Sp, tiles, partial,
+                           mean, sync, reinterpret_cast<uint2*>(packed), scales);
+    if (e == cudaSuccess) return cudaSuccess;
+    if (e != cudaErrorCooperativeLaunchTooLarge && e != cudaErrorNotSupported) return e;
+    cudaGetLastError();  // refused: clear it and take two reads
   }
   // Tile sums of the real tiles, the means, then the quantization with them. (Running this by
   // L2-sized chunks of groups, so the second read hits L2, measured slower on an H100: the
