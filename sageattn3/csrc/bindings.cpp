@@ -79,19 +79,31 @@ void check_f32(const Tensor& t, const char* name) {
   STD_TORCH_CHECK(t.scalar_type() == torch::headeronly::ScalarType::Float, "sageattn3: ", name, " must be float32");
 }
 
+// x: the CUDA input of a quant/smoothing op (the reference device of the other tensors).
+void check_input(const Tensor& x) {
+  check_cuda(x, x, "x");
+  check_aligned(x, "x");
+}
+
+// packed/scales: the NVFP4 outputs of a quant/smoothing op, on x's device.
+void check_code_tensor(const Tensor& t, const Tensor& x, const char* name) {
+  check_cuda(t, x, name);
+  check_bytes(t, name);
+  check_aligned(t, name);
+}
+
+void check_codes(const Tensor& packed, const Tensor& scales, const Tensor& x) {
+  check_code_tensor(packed, x, "packed");
+  check_code_tensor(scales, x, "scales");
+}
+
 uint8_t* bytes(const Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 float* floats(const Tensor& t) { return static_cast<float*>(t.data_ptr()); }
 
 // quant_fp4_rows(x, packed!, scales!): x (..., D) contiguous, D % 16 == 0.
 void quant_fp4_rows(Tensor x, Tensor packed, Tensor scales) {
-  check_cuda(x, x, "x");
-  check_aligned(x, "x");
-  check_cuda(packed, x, "packed");
-  check_cuda(scales, x, "scales");
-  check_bytes(packed, "packed");
-  check_aligned(packed, "packed");
-  check_bytes(scales, "scales");
-  check_aligned(scales, "scales");
+  check_input(x);
+  check_codes(packed, scales, x);
   const int64_t cols = x.dim() ? x.size(x.dim() - 1) : 0;
   STD_TORCH_CHECK(x.dim() >= 1 && cols > 0 && cols % 16 == 0, "sageattn3: last dim must be a positive multiple of 16");
   const int64_t n = x.numel();
@@ -104,14 +116,8 @@ void quant_fp4_rows(Tensor x, Tensor packed, Tensor scales) {
 
 // quant_fp4_cols(x, packed!, scales!): x (..., S, D) -> packed (..., D, Sp/2), scales (..., D, Sp/16).
 void quant_fp4_cols(Tensor x, Tensor packed, Tensor scales) {
-  check_cuda(x, x, "x");
-  check_aligned(x, "x");
-  check_cuda(packed, x, "packed");
-  check_cuda(scales, x, "scales");
-  check_bytes(packed, "packed");
-  check_aligned(packed, "packed");
-  check_bytes(scales, "scales");
-  check_aligned(scales, "scales");
+  check_input(x);
+  check_codes(packed, scales, x);
   STD_TORCH_CHECK(x.dim() >= 2 && packed.dim() >= 2, "sageattn3: x must have at least 2 dims");
   const int64_t S = x.size(x.dim() - 2), D = x.size(x.dim() - 1);
   STD_TORCH_CHECK(D > 0 && D % 16 == 0, "sageattn3: last dim must be a positive multiple of 16");
@@ -128,8 +134,7 @@ void quant_fp4_cols(Tensor x, Tensor packed, Tensor scales) {
 
 // colsum(x, chunk, partial!): x (G, S, D) -> partial (G, ceil(S/chunk), D) fp32.
 void colsum(Tensor x, int64_t chunk, Tensor partial) {
-  check_cuda(x, x, "x");
-  check_aligned(x, "x");
+  check_input(x);
   check_cuda(partial, x, "partial");
   check_f32(partial, "partial");
   STD_TORCH_CHECK(x.dim() == 3 && chunk > 0, "sageattn3: colsum takes x (G, S, D) and chunk > 0");
@@ -144,16 +149,10 @@ void colsum(Tensor x, int64_t chunk, Tensor partial) {
 // smooth_quant_rows(x, mean!, compute_mean, mean_block, packed!, scales!): x (G, S, D);
 // mean (G, nm, D) fp32; packed (G, Sp, D/2); scales (G, Sp, D/16).
 void smooth_quant_rows(Tensor x, Tensor mean, bool compute_mean, int64_t mean_block, Tensor packed, Tensor scales) {
-  check_cuda(x, x, "x");
-  check_aligned(x, "x");
+  check_input(x);
   check_cuda(mean, x, "mean");
-  check_cuda(packed, x, "packed");
-  check_cuda(scales, x, "scales");
   check_f32(mean, "mean");
-  check_bytes(packed, "packed");
-  check_aligned(packed, "packed");
-  check_bytes(scales, "scales");
-  check_aligned(scales, "scales");
+  check_codes(packed, scales, x);
   STD_TORCH_CHECK(x.dim() == 3 && packed.dim() == 3, "sageattn3: x and packed must be 3-D (G, S, D)");
   const int64_t G = x.size(0), S = x.size(1), D = x.size(2), Sp = packed.size(1);
   STD_TORCH_CHECK(D % 16 == 0 && D <= 256, "sageattn3: D must be a multiple of 16, at most 256");
@@ -174,20 +173,14 @@ void smooth_quant_rows(Tensor x, Tensor mean, bool compute_mean, int64_t mean_bl
 // mean (G, 1, D) fp32; partial (G, ceil(S/128), D) fp32; sync (2 + 2G) int32; packed (G, Sp, D/2).
 void smooth_quant_seq(Tensor x, Tensor mean, Tensor partial, Tensor sync, Tensor packed, Tensor scales,
                       bool two_pass) {
-  check_cuda(x, x, "x");
-  check_aligned(x, "x");
+  check_input(x);
   check_cuda(mean, x, "mean");
   check_cuda(partial, x, "partial");
   check_cuda(sync, x, "sync");
-  check_cuda(packed, x, "packed");
-  check_cuda(scales, x, "scales");
   check_f32(mean, "mean");
   check_f32(partial, "partial");
   STD_TORCH_CHECK(sync.scalar_type() == torch::headeronly::ScalarType::Int, "sageattn3: sync must be int32");
-  check_bytes(packed, "packed");
-  check_aligned(packed, "packed");
-  check_bytes(scales, "scales");
-  check_aligned(scales, "scales");
+  check_codes(packed, scales, x);
   STD_TORCH_CHECK(x.dim() == 3 && packed.dim() == 3, "sageattn3: x and packed must be 3-D (G, S, D)");
   const int64_t G = x.size(0), S = x.size(1), D = x.size(2), Sp = packed.size(1);
   STD_TORCH_CHECK(S >= 1 && D % 16 == 0 && D > 0 && D <= 256,
