@@ -132,20 +132,6 @@ void quant_fp4_cols(Tensor x, Tensor packed, Tensor scales) {
                     "quant_fp4_cols");
 }
 
-// colsum(x, chunk, partial!): x (G, S, D) -> partial (G, ceil(S/chunk), D) fp32.
-void colsum(Tensor x, int64_t chunk, Tensor partial) {
-  check_input(x);
-  check_cuda(partial, x, "partial");
-  check_f32(partial, "partial");
-  STD_TORCH_CHECK(x.dim() == 3 && chunk > 0, "sageattn3: colsum takes x (G, S, D) and chunk > 0");
-  const int64_t G = x.size(0), S = x.size(1), D = x.size(2);
-  STD_TORCH_CHECK(D % 16 == 0 && D <= 256, "sageattn3: D must be a multiple of 16, at most 256");
-  STD_TORCH_CHECK(partial.numel() == G * ((S + chunk - 1) / chunk) * D, "sageattn3: partial has the wrong size");
-  DeviceScope scope(x.get_device());
-  check_cuda_kernel(sageattn3::colsum(x.data_ptr(), dtype_of(x, "x"), G, S, D, chunk, floats(partial), current_stream(x)),
-                    "colsum");
-}
-
 // smooth_quant_rows(x, mean!, compute_mean, mean_block, packed!, scales!): x (G, S, D);
 // mean (G, nm, D) fp32; packed (G, Sp, D/2); scales (G, Sp, D/16).
 void smooth_quant_rows(Tensor x, Tensor mean, bool compute_mean, int64_t mean_block, Tensor packed, Tensor scales) {
@@ -344,7 +330,6 @@ void fp4_mma_probe(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, Tensor 
 STABLE_TORCH_LIBRARY(sageattn3, m) {
   m.def("quant_fp4_rows(Tensor x, Tensor(a!) packed, Tensor(b!) scales) -> ()");
   m.def("quant_fp4_cols(Tensor x, Tensor(a!) packed, Tensor(b!) scales) -> ()");
-  m.def("colsum(Tensor x, int chunk, Tensor(a!) partial) -> ()");
   m.def("smooth_quant_rows(Tensor x, Tensor(a!) mean, bool compute_mean, int mean_block, Tensor(b!) packed, "
         "Tensor(c!) scales) -> ()");
   m.def("smooth_quant_seq(Tensor x, Tensor(a!) mean, Tensor(b!) partial, Tensor(c!) sync, Tensor(d!) packed, "
@@ -360,7 +345,6 @@ STABLE_TORCH_LIBRARY(sageattn3, m) {
 STABLE_TORCH_LIBRARY_IMPL(sageattn3, CUDA, m) {
   m.impl("quant_fp4_rows", TORCH_BOX(&quant_fp4_rows));
   m.impl("quant_fp4_cols", TORCH_BOX(&quant_fp4_cols));
-  m.impl("colsum", TORCH_BOX(&colsum));
   m.impl("smooth_quant_rows", TORCH_BOX(&smooth_quant_rows));
   m.impl("smooth_quant_seq", TORCH_BOX(&smooth_quant_seq));
   m.impl("delta_s", TORCH_BOX(&delta_s));

@@ -21,11 +21,6 @@ int quant_fp4_rows(const void* x, DType dtype, int64_t n, int64_t cols, uint8_t*
 int quant_fp4_cols(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, int64_t Sp, uint8_t* packed,
                    uint8_t* scales, cudaStream_t stream);
 
-// Partial column sums: x (G, S, D) -> partial (G, ceil(S/chunk), D) fp32, each the sum of
-// rows [c*chunk, min(S, (c+1)*chunk)) in a fixed order (deterministic).
-int colsum(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, int64_t chunk, float* partial,
-           cudaStream_t stream);
-
 // Smoothing + NVFP4 along D: row r of group g becomes x[g, r] - mean[g, m(r)] (fp32), with
 // m(r) = r / 128 if mean_block == 128, else 0 (mean_block == 0: one mean per group);
 // mean has shape (G, nm, D) fp32. compute_mean (needs mean_block == 128): the kernel computes

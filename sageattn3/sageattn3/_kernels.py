@@ -100,14 +100,6 @@ def quant_cols(x: torch.Tensor, seq_pad: int = 16) -> tuple[torch.Tensor, torch.
     return packed, scales
 
 
-def colsum(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """x (G, S, D) -> float32 partial column sums (G, ceil(S/chunk), D)."""
-    g, s, d = x.shape
-    partial = torch.empty((g, -(-s // chunk), d), dtype=torch.float32, device=x.device)
-    _ops().colsum(x, chunk, partial)
-    return partial
-
-
 def smooth_quant_rows(x: torch.Tensor, mean: torch.Tensor, compute_mean: bool, mean_block: int,
                       seq_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x (G, S, D): rows minus mean[g, r // mean_block] (mean_block 0: one mean), NVFP4 along
