@@ -79,6 +79,12 @@ void check_f32(const Tensor& t, const char* name) {
   STD_TORCH_CHECK(t.scalar_type() == torch::headeronly::ScalarType::Float, "sageattn3: ", name, " must be float32");
 }
 
+// An fp32 workspace/output of an op, on ref's device.
+void check_f32_on(const Tensor& t, const Tensor& ref, const char* name) {
+  check_cuda(t, ref, name);
+  check_f32(t, name);
+}
+
 // x: the CUDA input of a quant/smoothing op (the reference device of the other tensors).
 void check_input(const Tensor& x) {
   check_cuda(x, x, "x");
@@ -181,6 +187,43 @@ void smooth_quant_seq(Tensor x, Tensor mean, Tensor partial, Tensor sync, Tensor
                                                 static_cast<int*>(sync.data_ptr()), Sp, bytes(packed), bytes(scales),
                                                 two_pass, current_stream(x)),
                     "smooth_quant_seq");
+}
+
+// smooth_quant_q_blocks_k_sums(q, k, mean_q!, q_packed!, q_scales!, mean_k!, partial_k!, sync!):
+// q (Gq, Sq, D) and k (Gk, Sk, D), same dtype, Sk >= 1; mean_q (Gq, ceil(Sq/128), D) fp32;
+// q_packed (Gq, Sqp, D/2); q_scales (Gq, Sqp, D/16); mean_k (Gk, 1, D) fp32; partial_k
+// (Gk, ceil(Sk/128), D) fp32; sync (Gk) int32.
+void smooth_quant_q_blocks_k_sums(Tensor q, Tensor k, Tensor mean_q, Tensor q_packed, Tensor q_scales, Tensor mean_k,
+                                  Tensor partial_k, Tensor sync) {
+  check_cuda(q, q, "q");
+  check_aligned(q, "q");
+  check_cuda(k, q, "k");
+  check_aligned(k, "k");
+  check_f32_on(mean_q, q, "mean_q");
+  check_f32_on(mean_k, q, "mean_k");
+  check_f32_on(partial_k, q, "partial_k");
+  check_cuda(sync, q, "sync");
+  STD_TORCH_CHECK(sync.scalar_type() == torch::headeronly::ScalarType::Int, "sageattn3: sync must be int32");
+  check_code_tensor(q_packed, q, "q_packed");
+  check_code_tensor(q_scales, q, "q_scales");
+  STD_TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q_packed.dim() == 3, "sageattn3: q, k and q_packed must be 3-D (G, S, D)");
+  const auto dt = dtype_of(q, "q");
+  STD_TORCH_CHECK(dtype_of(k, "k") == dt, "sageattn3: q and k must have the same dtype");
+  const int64_t Gq = q.size(0), Sq = q.size(1), D = q.size(2), Gk = k.size(0), Sk = k.size(1), Sqp = q_packed.size(1);
+  STD_TORCH_CHECK(k.size(2) == D, "sageattn3: q and k must have the same head dim");
+  STD_TORCH_CHECK(D % 16 == 0 && D > 0 && D <= 256, "sageattn3: D must be a positive multiple of 16, at most 256");
+  STD_TORCH_CHECK(Sk >= 1 && Gk >= 1, "sageattn3: k must not be empty");
+  STD_TORCH_CHECK(mean_q.numel() == Gq * ((Sq + 127) / 128) * D, "sageattn3: mean_q has the wrong size");
+  STD_TORCH_CHECK(mean_k.numel() == Gk * D && partial_k.numel() == Gk * ((Sk + 127) / 128) * D && sync.numel() == Gk,
+                  "sageattn3: mean_k, partial_k or sync has the wrong size");
+  STD_TORCH_CHECK(Sqp >= Sq && q_packed.numel() == Gq * Sqp * D / 2 && q_scales.numel() == Gq * Sqp * D / 16,
+                  "sageattn3: q_packed/q_scales sizes do not match q");
+  DeviceScope scope(q.get_device());
+  check_cuda_kernel(sageattn3::smooth_quant_q_blocks_k_sums(q.data_ptr(), k.data_ptr(), dt, Gq, Sq, Gk, Sk, D,
+                                                            floats(mean_q), Sqp, bytes(q_packed), bytes(q_scales),
+                                                            floats(mean_k), floats(partial_k),
+                                                            static_cast<int*>(sync.data_ptr()), current_stream(q)),
+                    "smooth_quant_q_blocks_k_sums");
 }
 
 // delta_s(k, mean_k, mean_q, out!): k (B, Hkv, Sk, D); mean_k (B, Hkv, 1, D); mean_q (B, Hq, nblk, D);
@@ -334,6 +377,8 @@ STABLE_TORCH_LIBRARY(sageattn3, m) {
         "Tensor(c!) scales) -> ()");
   m.def("smooth_quant_seq(Tensor x, Tensor(a!) mean, Tensor(b!) partial, Tensor(c!) sync, Tensor(d!) packed, "
         "Tensor(e!) scales, bool two_pass) -> ()");
+  m.def("smooth_quant_q_blocks_k_sums(Tensor q, Tensor k, Tensor(a!) mean_q, Tensor(b!) q_packed, "
+        "Tensor(c!) q_scales, Tensor(d!) mean_k, Tensor(e!) partial_k, Tensor(f!) sync) -> ()");
   m.def("delta_s(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) out) -> ()");
   m.def("smooth_quant_k_delta(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) packed, Tensor(b!) scales, "
         "Tensor(c!) delta) -> ()");
@@ -347,6 +392,7 @@ STABLE_TORCH_LIBRARY_IMPL(sageattn3, CUDA, m) {
   m.impl("quant_fp4_cols", TORCH_BOX(&quant_fp4_cols));
   m.impl("smooth_quant_rows", TORCH_BOX(&smooth_quant_rows));
   m.impl("smooth_quant_seq", TORCH_BOX(&smooth_quant_seq));
+  m.impl("smooth_quant_q_blocks_k_sums", TORCH_BOX(&smooth_quant_q_blocks_k_sums));
   m.impl("delta_s", TORCH_BOX(&delta_s));
   m.impl("smooth_quant_k_delta", TORCH_BOX(&smooth_quant_k_delta));
   m.impl("blockscaled_fp4_attn", TORCH_BOX(&blockscaled_fp4_attn));

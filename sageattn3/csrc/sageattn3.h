@@ -39,6 +39,16 @@ int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D
                      int* sync, int64_t Sp, uint8_t* packed, uint8_t* scales, bool force_two_pass,
                      cudaStream_t stream);
 
+// Q's 128-row block means + smoothing + NVFP4 (as smooth_quant_rows with compute_mean: mean_q
+// (Gq, ceil(Sq/128), D), q_packed (Gq, Sqp, D/2), q_scales (Gq, Sqp, D/16)) and K's
+// whole-sequence mean (as smooth_quant_seq computes it, same bits: tile sums into partial_k
+// (Gk, ceil(Sk/128), D), mean_k (Gk, D)) in one launch; K is then quantized by
+// smooth_quant_rows(k, mean_k, false, 0, ...). q and k share dtype and D; Sk >= 1. sync: Gk
+// int32 (zeroed here).
+int smooth_quant_q_blocks_k_sums(const void* q, const void* k, DType dtype, int64_t Gq, int64_t Sq, int64_t Gk,
+                                 int64_t Sk, int64_t D, float* mean_q, int64_t Sqp, uint8_t* q_packed,
+                                 uint8_t* q_scales, float* mean_k, float* partial_k, int* sync, cudaStream_t stream);
+
 // delta_s[b, hq, i, j] = sum_d mean_q[b, hq, i, d] * (k[b, hq / (Hq/Hkv), j, d] - mean_k[b, hkv, d])
 // for j < Sk, 0 for Sk <= j < Sp. k (B, Hkv, Sk, D); mean_k (B, Hkv, D); mean_q (B, Hq, nblk, D);
 // out (B, Hq, nblk, Sp), all fp32 except k.

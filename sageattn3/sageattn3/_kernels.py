@@ -130,6 +130,26 @@ def smooth_quant_seq(x: torch.Tensor, seq_pad: int, two_pass: bool = False
     return packed, scales, mean
 
 
+def smooth_quant_q_blocks_k_sums(q: torch.Tensor, k: torch.Tensor, seq_pad: int
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (Gq, Sq, D), k (Gk, Sk, D), Sk >= 1, one launch: Q minus its 128-row block means, NVFP4
+    along D, rows padded to a multiple of ``seq_pad`` (as ``smooth_quant_rows`` with
+    compute_mean), and K's whole-sequence mean (the bits ``smooth_quant_seq`` gives). Returns
+    (q_packed, q_scales, mean_q (Gq, nblk, D), mean_k (Gk, 1, D)); K is then quantized with
+    ``smooth_quant_rows(k, mean_k, False, 0, seq_pad)``."""
+    gq, sq, d = q.shape
+    gk, sk, _ = k.shape
+    sp = -(-sq // seq_pad) * seq_pad
+    q_packed = torch.empty((gq, sp, d // 2), dtype=torch.uint8, device=q.device)
+    q_scales = torch.empty((gq, sp, d // 16), dtype=torch.float8_e4m3fn, device=q.device)
+    mean_q = torch.empty((gq, -(-sq // 128), d), dtype=torch.float32, device=q.device)
+    mean_k = torch.empty((gk, 1, d), dtype=torch.float32, device=q.device)
+    partial = torch.empty((gk, -(-sk // 128), d), dtype=torch.float32, device=q.device)
+    sync = torch.empty((gk,), dtype=torch.int32, device=q.device)
+    _ops().smooth_quant_q_blocks_k_sums(q, k, mean_q, q_packed, q_scales, mean_k, partial, sync)
+    return q_packed, q_scales, mean_q, mean_k
+
+
 def delta_s(k: torch.Tensor, mean_k: torch.Tensor, mean_q: torch.Tensor, seq_pad: int) -> torch.Tensor:
     """k (B, Hkv, Sk, D), mean_k (B, Hkv, 1, D), mean_q (B, Hq, nblk, D) -> (B, Hq, nblk, Sk_p)."""
     b, hq, nblk, _ = mean_q.shape

@@ -281,18 +281,19 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128) -> Preproce
     """Smoothing + NVFP4 quantization of Q, K, V for the attention kernel (never modifies the
     inputs). Layouts and the definition of every output: ``sageattn3.reference.Preprocessed``.
 
-    On CUDA with the kernels (bf16 at 24 heads x 32k tokens, D 128 on an H100: ~2.2x the time
-    of one read of Q, K, V plus the FP4 write):
-    1. Q: with per-block means, each CTA holds a 128-row block in registers, computes its mean
-       and quantizes it (one read); with one mean per head, as K;
-    2. K: tile column sums, the head means, then the smoothing + quantization (two reads of K;
-       one when all of K's 128-row tiles fit on the device at once: the CTAs reduce the mean
-       among themselves and quantize the tiles still in registers);
-    3. V along the sequence (transposed through shared memory).
+    On CUDA with the kernels:
+    1. per_block_mean: one launch computes Q's 128-row block means and quantizes Q (each CTA
+       holds a block in registers: one read) while other CTAs of the same grid sum K's tiles
+       (K's reads overlap Q's arithmetic) and reduce K's means; then K is quantized with them
+       (K is read twice, once under Q's work);
+       one mean per head: Q and K each as ``smooth_quant_seq`` (one read when all of a
+       tensor's 128-row tiles fit on the device at once, else tile sums, means, quantization);
+    2. V along the sequence (transposed through shared memory).
     The correction delta_s = mean_q · Kdᵀ is not computed here: the attention kernel computes
     it per K tile from ``mean_q`` (``Preprocessed.delta_s`` materialises it for tests).
     Bytes that must move: Q, K, V read (3 x 2 bytes/element) + FP4 written (3 x 0.5625) + the
-    means (tiny) + the second read of K. Elsewhere: the reference."""
+    means (tiny) + the second read of K. Figures: tests/bench/bench_kernels.py. Elsewhere: the
+    reference."""
     _check_qkv(q, k, v)
     if not isinstance(pad, int) or pad <= 0 or pad % 16:
         raise ValueError(f"pad must be a positive multiple of 16, got {pad!r}")
@@ -304,12 +305,11 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128) -> Preproce
     if d % 16 or d > 256:
         raise ValueError(f"head_dim {d} not supported by the preprocessing kernels (multiple of 16, <= 256)")
     k3, q3 = k.view(b * hk, sk, d), q.view(b * hq, sq, d)
-    kp, ksc, mean_k = _kernels.smooth_quant_seq(k3, pad)
     if per_block_mean:
-        nblk = -(-sq // reference.Q_MEAN_BLOCK)
-        mean_q = torch.empty((b * hq, nblk, d), dtype=torch.float32, device=q.device)
-        qp, qsc = _kernels.smooth_quant_rows(q3, mean_q, True, reference.Q_MEAN_BLOCK, pad)
+        qp, qsc, mean_q, mean_k = _kernels.smooth_quant_q_blocks_k_sums(q3, k3, pad)
+        kp, ksc = _kernels.smooth_quant_rows(k3, mean_k, False, 0, pad)
     else:
+        kp, ksc, mean_k = _kernels.smooth_quant_seq(k3, pad)
         qp, qsc, mean_q = _kernels.smooth_quant_seq(q3, pad)
     mean_q4 = mean_q.view(b, hq, -1, d)
     mean_k4 = mean_k.view(b, hk, 1, d)

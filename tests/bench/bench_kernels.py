@@ -6,7 +6,8 @@
    bf16 read of Q, K, V plus the FP4 write would take at the measured copy bandwidth; shown
    with per-block Q means and with one Q mean. delta_s is not materialised (the attention kernel
    computes mean_q . K^T per tile); the bytes-moved bound counts everything preprocessing moves:
-   the floor + the 2nd read of K (its column sums) + the means and partial sums (tiny).
+   the floor + the 2nd read of K (its column sums) + the means and partial sums (tiny). With
+   per-block means K's first read runs inside Q's launch ("Q block means + quant + K mean").
 3. FP4 attention (batch 1, 16 heads, 4096 tokens, D 64/128, bf16, causal and not): the kernel on
    preprocessed inputs, the whole sageattn3_blackwell call (preprocessing included) and torch
    SDPA for comparison. On an H100 this needs the MMA-model test flavour (SAGEATTN3_FORCE_FP4=1 is
@@ -124,6 +125,7 @@ def main() -> int:
     mk4, mq4 = mean_k.view(b, h, 1, d), mean_q.view(b, h, -1, d)
     stages = {
         "Q block means + quant": lambda: _kernels.smooth_quant_rows(q3, mean_q, True, 128, 128),
+        "Q block means + quant + K mean": lambda: _kernels.smooth_quant_q_blocks_k_sums(q3, k3, 128),
         "K mean + quant, one read": lambda: _kernels.smooth_quant_seq(k3, 128),
         "K mean + quant, two reads": lambda: _kernels.smooth_quant_seq(k3, 128, two_pass=True),
         "K quant, mean given": lambda: _kernels.smooth_quant_rows(k3, mean_k, False, 0, 128),

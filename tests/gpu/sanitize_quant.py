@@ -53,6 +53,18 @@ def main() -> int:
             ok = ok and torch.equal(one[2], two[2])
             bad += not ok
             print(f"smooth_quant_seq one/two reads {str(dtype):15s} {(g, s, d)}: {'ok' if ok else 'MISMATCH'}")
+    for dtype in (torch.bfloat16, torch.float16):
+        for (gq, sq, gk, sk, d) in [(2, 1, 1, 1, 64), (3, 300, 1, 1000, 128), (4, 257, 2, 130, 48)]:
+            q = torch.randn(gq, sq, d, dtype=dtype, device="cuda") + 1
+            k = torch.randn(gk, sk, d, dtype=dtype, device="cuda") - 1
+            qp, qsc, mq, mk = _kernels.smooth_quant_q_blocks_k_sums(q, k, 128)
+            mq2 = torch.empty_like(mq)
+            qp2, qsc2 = _kernels.smooth_quant_rows(q, mq2, True, 128, 128)
+            mk2 = _kernels.smooth_quant_seq(k, 128)[2]
+            ok = torch.equal(mq, mq2) and torch.equal(mk, mk2) and torch.equal(qp, qp2)
+            ok = ok and torch.equal(qsc.view(torch.uint8), qsc2.view(torch.uint8))
+            bad += not ok
+            print(f"q_blocks_k_sums {str(dtype):15s} {(gq, sq, gk, sk, d)}: {'ok' if ok else 'MISMATCH'}")
     torch.cuda.synchronize()
     print("sanitize_quant:", "all ok" if not bad else f"{bad} mismatches")
     return 1 if bad else 0

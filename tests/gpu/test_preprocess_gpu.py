@@ -124,6 +124,48 @@ def test_seq_mean_one_read_equals_two_reads_and_reference(dtype, g, s, d, pad):
         assert same_bytes(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("gq,sq,gk,sk,d,pad", [(2, 300, 2, 1000, 128, 128), (4, 17, 1, 5000, 64, 16),
+                                               (3, 129, 3, 1, 48, 128), (1, 1, 2, 257, 256, 128),
+                                               (24, 2048, 24, 2048, 128, 128), (8, 4000, 2, 4000, 64, 128)])
+def test_q_blocks_k_sums_equals_separate_ops(dtype, gq, sq, gk, sk, d, pad):
+    """One launch for Q's block means + quantization and K's whole-sequence mean (K CTAs spread
+    among the Q ones, the last of a group reduces its mean): the same bits as the separate ops
+    (smooth_quant_rows with compute_mean; smooth_quant_seq's mean), including GQA/MQA shapes and
+    different Q/K lengths; K quantized with that mean equals smooth_quant_seq."""
+    kernels_or_skip()
+    from sageattn3 import _kernels
+
+    gen = torch.Generator().manual_seed(gq * 100 + sk + d)
+    q = (torch.randn(gq, sq, d, generator=gen) * 2 + torch.randn(d, generator=gen)).to(dtype).cuda()
+    k = (torch.randn(gk, sk, d, generator=gen) + 3 * torch.randn(d, generator=gen)).to(dtype).cuda()
+    qp, qsc, mean_q, mean_k = _kernels.smooth_quant_q_blocks_k_sums(q, k, pad)
+    mean_q2 = torch.empty_like(mean_q)
+    qp2, qsc2 = _kernels.smooth_quant_rows(q, mean_q2, True, 128, pad)
+    assert same_bytes(mean_q, mean_q2) and same_bytes(qp, qp2) and same_bytes(qsc, qsc2)
+    kp2, ksc2, mean_k2 = _kernels.smooth_quant_seq(k, pad)
+    assert same_bytes(mean_k, mean_k2)
+    kp, ksc = _kernels.smooth_quant_rows(k, mean_k, False, 0, pad)
+    assert same_bytes(kp, kp2) and same_bytes(ksc, ksc2)
+    # again: the arrival counters are zeroed per launch
+    again = _kernels.smooth_quant_q_blocks_k_sums(q, k, pad)
+    assert same_bytes(again[3], mean_k) and same_bytes(again[0], qp)
+
+
+def test_q_blocks_k_sums_rejects_mismatched_inputs():
+    kernels_or_skip()
+    from sageattn3 import _kernels
+
+    q = torch.randn(2, 64, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        _kernels.smooth_quant_q_blocks_k_sums(q, q.half(), 128)
+    with pytest.raises(RuntimeError, match="same head dim"):
+        _kernels.smooth_quant_q_blocks_k_sums(q, torch.randn(2, 64, 128, device="cuda", dtype=torch.bfloat16), 128)
+    with pytest.raises(RuntimeError, match="k must not be empty"):
+        _kernels.smooth_quant_q_blocks_k_sums(q, q[:, :0], 128)
+    torch.cuda.synchronize()
+
+
 def test_seq_mean_large_groups_two_reads():
     """Groups with more tiles than the device holds at once (two reads, several groups larger
     than the L2): the same bits as the forced two-read path, the reference mean, and the
@@ -185,3 +227,26 @@ def test_seq_mean_under_graph_capture():
         torch.cuda.synchronize()
         for a, b in zip(eager, captured):
             assert same_bytes(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_smoothing_quant_inf_nan_blocks(dtype):
+    """The smoothing kernels' block amax propagates NaN (the block's scale is NaN, its codes 0)
+    and saturates Inf, as the reference does."""
+    kernels_or_skip()
+    from sageattn3 import _kernels
+    from sageattn3 import reference as ref
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 300, 64, generator=gen)
+    x[0, 3, 5] = float("inf")
+    x[0, 4, 17] = float("-inf")
+    x[1, 200, 40] = float("nan")
+    x[1, 201, :16] = 0.0
+    x = x.to(dtype)
+    mean = torch.randn(2, 1, 64, generator=gen)
+    p, s = _kernels.smooth_quant_rows(x.cuda(), mean.cuda(), False, 0, 128)
+    smoothed = torch.zeros(2, 384, 64)
+    smoothed[:, :300] = x.float() - mean
+    rp, rs = ref.quantize_rows(smoothed)
+    assert same_bytes(p, rp) and same_bytes(s, rs)

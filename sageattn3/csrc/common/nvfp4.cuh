@@ -155,11 +155,19 @@ __device__ __forceinline__ uint2 quant16_with_amax(const float (&v)[16], uint32_
   return ok ? w : make_uint2(0u, 0u);
 }
 
+// max(acc, |v|), NaN if either is NaN (max.NaN: one instruction, |v| an operand modifier; the
+// bit-pattern max above takes two).
+__device__ __forceinline__ float abs_max_nan(float acc, float v) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(acc), "f"(fabsf(v)));
+  return r;
+}
+
 __device__ __forceinline__ uint2 quant16(const float (&v)[16], uint32_t& sbyte) {
-  uint32_t a = 0;
+  float a = 0.f;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) a = abs_bits_max(a, v[i]);
-  return quant16_with_amax(v, a, sbyte);
+  for (int i = 0; i < 16; ++i) a = abs_max_nan(a, v[i]);
+  return quant16_with_amax(v, __float_as_uint(a), sbyte);
 }
 
 // Raw storage of 16 consecutive elements (one NVFP4 block): loaded with 16-byte vector loads,

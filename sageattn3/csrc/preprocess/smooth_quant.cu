@@ -10,77 +10,27 @@
 #include "common/launch.cuh"
 #include "common/nvfp4.cuh"
 #include "preprocess/rowblock.cuh"
+#include "preprocess/tile.cuh"
 #include "sageattn3.h"
 
 namespace sageattn3 {
 namespace {
 
-constexpr int kRows = 128;
+using rowtile::kRows;
+using rowtile::Tile;
+using rowtile::passes_for;
+using rowtile::group_mean;
+using rowtile::ld_acquire;
+using rowtile::st_release;
 
-// The rows of one 128-row tile a thread holds: rows rl + p*rpp, p < P.
+// Tile `tile` of group g: rows minus their mean (computed from the tile when compute_mean, else
+// read from `mean`), NVFP4. red: kRowThreads * 16 floats of shared memory.
 template <typename T, int P>
-struct Tile {
-  Raw16<T> raw[P];
-
-  __device__ __forceinline__ void load(const RowMap& m, const T* xg, int D, int64_t row0, int64_t r1) {
-#pragma unroll
-    for (int p = 0; p < P; ++p) {
-      const int r = m.rl + p * m.rpp;
-      const int64_t row = row0 + r;
-      if (m.active && r < kRows && row < r1) raw[p].load(xg + row * D);
-      else raw[p].zero();
-    }
-  }
-
-  // red[0..D) = the column sums of the tile (padding rows hold zeros), a fixed order.
-  __device__ __forceinline__ void colsum(const RowMap& m, int D, float* red) const {
-    float acc[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) acc[i] = 0.f;
-#pragma unroll
-    for (int p = 0; p < P; ++p) {
-      float v[16];
-      raw[p].to_float(v);
-#pragma unroll
-      for (int i = 0; i < 16; ++i) acc[i] += v[i];
-    }
-    reduce_columns(m, D, acc, red);
-  }
-
-  // Writes rows [row0, min(row0 + 128, Sp)) of x - mu (rows >= r1 are padding: zeros); mu:
-  // this thread's 16 means in shared memory (read per use: fewer registers, more CTAs per SM).
-  __device__ __forceinline__ void quantize(const RowMap& m, const float* mu, int64_t g, int64_t row0,
-                                           int64_t r1, int64_t Sp, uint2* __restrict__ packed,
-                                           uint8_t* __restrict__ scales) const {
-    const int bpr = m.bpr;
-#pragma unroll
-    for (int p = 0; p < P; ++p) {
-      const int r = m.rl + p * m.rpp;
-      const int64_t row = row0 + r;
-      if (r >= kRows || row >= Sp) continue;
-      float v[16];
-      raw[p].to_float(v);
-      const bool real = row < r1;  // padding rows are zeros after smoothing
-#pragma unroll
-      for (int i = 0; i < 16; ++i) v[i] = real ? __fsub_rn(v[i], mu[i]) : 0.f;
-      uint32_t sb;
-      const uint2 w = quant16(v, sb);
-      const int64_t ob = (g * Sp + row) * bpr + m.cb;  // output block index
-      __stcs(packed + ob, w);
-      __stcs(reinterpret_cast<char*>(scales + ob), static_cast<char>(sb));
-    }
-  }
-};
-
-template <typename T, int P>
-__global__ void __launch_bounds__(kRowThreads, (P <= 4 ? 3 : 1)) smooth_quant_kernel(const T* __restrict__ x, int64_t S, int D,
-                                                                   float* __restrict__ mean, bool compute_mean,
-                                                                   int mean_block, int64_t Sp, int64_t tiles,
-                                                                   uint2* __restrict__ packed,
-                                                                   uint8_t* __restrict__ scales) {
-  __shared__ __align__(16) float red[kRowThreads * 16];
+__device__ __forceinline__ void smooth_quant_tile(const T* __restrict__ x, int64_t S, int D, float* __restrict__ mean,
+                                                  bool compute_mean, int mean_block, int64_t Sp, int64_t g,
+                                                  int64_t tile, uint2* __restrict__ packed,
+                                                  uint8_t* __restrict__ scales, float* red) {
   const RowMap m(D);
-  const int64_t g = blockIdx.x / tiles, tile = blockIdx.x % tiles;
   const int64_t row0 = tile * kRows;
   const int64_t r1 = std::min<int64_t>(S, row0 + kRows);  // real rows of this tile: [row0, r1)
   const int64_t nm = mean_block ? ceil_div(S, kRows) : 1;
@@ -104,6 +54,18 @@ __global__ void __launch_bounds__(kRowThreads, (P <= 4 ? 3 : 1)) smooth_quant_ke
   t.quantize(m, red + m.cb * 16, g, row0, r1, Sp, packed, scales);
 }
 
+template <typename T, int P>
+__global__ void __launch_bounds__(kRowThreads, (P <= 4 ? 3 : 1)) smooth_quant_kernel(const T* __restrict__ x, int64_t S, int D,
+                                                                   float* __restrict__ mean, bool compute_mean,
+                                                                   int mean_block, int64_t Sp, int64_t tiles,
+                                                                   uint2* __restrict__ packed,
+                                                                   uint8_t* __restrict__ scales) {
+  __shared__ __align__(16) float red[kRowThreads * 16];
+  const uint32_t nt = static_cast<uint32_t>(tiles);  // the grid (< 2^31 CTAs) bounds it: 32-bit division
+  smooth_quant_tile<T, P>(x, S, D, mean, compute_mean, mean_block, Sp, blockIdx.x / nt, blockIdx.x % nt, packed,
+                          scales, red);
+}
+
 // ---- one mean over the whole sequence -------------------------------------------------------
 // The mean of group g is sum over its real tiles (in tile order) of the tile column sums, / S.
 // Fused (one read): CTAs take tickets in launch order (ticket -> group-major tile), load their
@@ -116,71 +78,6 @@ __global__ void __launch_bounds__(kRowThreads, (P <= 4 ? 3 : 1)) smooth_quant_ke
 // heads x 32k tokens that was 2x slower than two reads). Otherwise tile sums, a mean kernel,
 // then smooth_quant_kernel.
 // Both give the same bits.
-
-__device__ __forceinline__ int ld_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release(int* p, int v) {
-  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-// The mean of group g from its nt tile sums, by all kRowThreads threads of a CTA (both paths
-// call this, so both give the same bits): D/4 column quads x L = 256/(D/4) lanes; lane j sums
-// tiles j, j+L, ... (16-byte L2 loads, 4 in flight, 4 accumulators combined in a fixed order);
-// then the lanes are combined in order and divided by S. On return red[0..D) holds the mean
-// (red: at least kRowThreads*4 floats), and mean[g*D..] too when `mean` is not null.
-__device__ __forceinline__ void group_mean(const float* partial, int64_t g, int64_t nt, int D, int64_t S,
-                                           float* red, float* mean) {
-  const int quads = D / 4;
-  const int lanes = kRowThreads / quads;
-  const int q = threadIdx.x % quads, j = threadIdx.x / quads;
-  float4 acc[4];
-#pragma unroll
-  for (int u = 0; u < 4; ++u) acc[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (j < lanes) {
-    const float4* p = reinterpret_cast<const float4*>(partial + g * nt * D) + q;
-    const int64_t step = static_cast<int64_t>(lanes) * quads;  // float4s between a lane's tiles
-    int64_t i = j;
-    for (; i + 3 * lanes < nt; i += 4 * lanes) {
-      float4 v[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) v[u] = __ldcg(p + (i * quads) + u * step);
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        acc[u].x += v[u].x; acc[u].y += v[u].y; acc[u].z += v[u].z; acc[u].w += v[u].w;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < 3; ++u) {  // at most 3 tiles left
-      if (i + u * lanes < nt) {
-        const float4 v = __ldcg(p + i * quads + u * step);
-        acc[u].x += v.x; acc[u].y += v.y; acc[u].z += v.z; acc[u].w += v.w;
-      }
-    }
-  }
-  __syncthreads();  // red may still be read by the caller's previous phase
-  if (j < lanes) {
-    const float4 t = make_float4((acc[0].x + acc[1].x) + (acc[2].x + acc[3].x),
-                                 (acc[0].y + acc[1].y) + (acc[2].y + acc[3].y),
-                                 (acc[0].z + acc[1].z) + (acc[2].z + acc[3].z),
-                                 (acc[0].w + acc[1].w) + (acc[2].w + acc[3].w));
-    reinterpret_cast<float4*>(red)[j * quads + q] = t;
-  }
-  __syncthreads();
-  float mu = 0.f;
-  if (static_cast<int>(threadIdx.x) < D) {
-    float s = 0.f;
-    for (int l = 0; l < lanes; ++l) s += red[l * D + threadIdx.x];
-    mu = s / static_cast<float>(S);
-  }
-  __syncthreads();
-  if (static_cast<int>(threadIdx.x) < D) {
-    red[threadIdx.x] = mu;
-    if (mean) mean[g * D + threadIdx.x] = mu;
-  }
-}
 
 // sync: [0] the ticket counter, [1 + g] arrivals of group g, [1 + G + g] group g's mean is ready.
 template <typename T, int P, bool kFused>
@@ -315,8 +212,89 @@ int launch_seq_p(const void* x, int64_t G, int64_t S, int64_t D, float* mean, fl
   return launch_p<T, P>(x, G, S, D, mean, false, 0, Sp, packed, scales, stream);
 }
 
-// P: rows per thread, so that a CTA covers 128 rows (rpp = 256 / (D/16) rows per pass).
-inline int passes_for(int64_t D) { return static_cast<int>(ceil_div(kRows, kRowThreads / (D / 16))); }
+// ---- Q block means and K's tile sums in one launch ------------------------------------------
+// Q's block-mean kernel is bound by instruction issue (the quantization), K's tile-sum pass by
+// DRAM (it only adds): run as one grid, with the K CTAs spread evenly among the Q ones, the K
+// reads proceed under Q's arithmetic instead of after it. The last K CTA of a group to finish
+// reduces the group's mean (group_mean: the bits smooth_quant_seq gives) for K's quantization.
+struct QBlocks {
+  const void* x;
+  int64_t S, Sp, tiles;  // tiles: ceil(Sp / 128) per group
+  float* mean;
+  uint2* packed;
+  uint8_t* scales;
+};
+struct KSums {
+  const void* x;
+  int64_t S, nt;  // nt: ceil(S / 128) tiles per group
+  float* partial;
+  float* mean;
+  int* arrive;  // one counter per group, zero at launch
+};
+
+// Once per group, by one CTA: out of line, so that its registers do not count against the
+// quantizing CTAs of the same kernel (inlined, the kernel spilled at 3 CTAs per SM).
+__device__ __noinline__ void group_mean_call(const float* partial, int64_t g, int64_t nt, int D, int64_t S,
+                                             float* red, float* mean) {
+  group_mean(partial, g, nt, D, S, red, mean);
+}
+
+// The grid (nq + nk < 2^31 CTAs) in nk runs of `period` = 1 + floor(nq / nk) CTAs, each led by
+// one K CTA, then Q CTAs to the end: 32-bit index arithmetic only.
+template <typename T, int P>
+__global__ void __launch_bounds__(kRowThreads, (P <= 4 ? 3 : 1)) q_blocks_k_sums_kernel(const QBlocks q, const KSums k,
+                                                                                         int D, uint32_t nk,
+                                                                                         uint32_t period) {
+  __shared__ __align__(16) float red[kRowThreads * 16];
+  __shared__ int s_last;
+  const uint32_t b = blockIdx.x, run = b / period;
+  if (run >= nk || b % period != 0) {  // a Q CTA; K CTAs before it: min(run + 1, nk)
+    const uint32_t i = b - min(run + 1, nk), tiles = static_cast<uint32_t>(q.tiles);
+    smooth_quant_tile<T, P>(static_cast<const T*>(q.x), q.S, D, q.mean, true, kRows, q.Sp, i / tiles, i % tiles,
+                            q.packed, q.scales, red);
+    return;
+  }
+  const uint32_t ntk = static_cast<uint32_t>(k.nt);
+  const int64_t g = run / ntk, tile = run % ntk;
+  const RowMap m(D);
+  const int64_t row0 = tile * kRows;
+  Tile<T, P> t;
+  t.load(m, static_cast<const T*>(k.x) + g * k.S * D + m.cb * 16, D, row0, std::min<int64_t>(k.S, row0 + kRows));
+  t.colsum(m, D, red);
+  if (static_cast<int>(threadIdx.x) < D) {
+    k.partial[(g * k.nt + tile) * D + threadIdx.x] = red[threadIdx.x];
+    __threadfence();
+  }
+  __syncthreads();  // every partial of this CTA written
+  if (threadIdx.x == 0) {
+    __threadfence();
+    s_last = atomicAdd(k.arrive + g, 1) == k.nt - 1;
+    __threadfence();
+  }
+  __syncthreads();
+  if (s_last) group_mean_call(k.partial, g, k.nt, D, k.S, red, k.mean);
+}
+
+template <typename T, int P>
+int launch_q_blocks_k_sums(const QBlocks& q, int64_t Gq, const KSums& k, int64_t Gk, int64_t D, cudaStream_t stream) {
+  const int64_t nq = Gq * q.tiles, nk = Gk * k.nt;  // nk >= 1
+  if (nq + nk > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  cudaError_t e = cudaMemsetAsync(k.arrive, 0, sizeof(int) * Gk, stream);
+  if (e != cudaSuccess) return e;
+  q_blocks_k_sums_kernel<T, P><<<static_cast<unsigned>(nq + nk), kRowThreads, 0, stream>>>(
+      q, k, static_cast<int>(D), static_cast<uint32_t>(nk), static_cast<uint32_t>(1 + nq / nk));
+  return cudaGetLastError();
+}
+
+template <typename T>
+int launch_fused(const QBlocks& q, int64_t Gq, const KSums& k, int64_t Gk, int64_t D, cudaStream_t stream) {
+  switch (passes_for(D)) {
+    case 1: return launch_q_blocks_k_sums<T, 1>(q, Gq, k, Gk, D, stream);
+    case 2: return launch_q_blocks_k_sums<T, 2>(q, Gq, k, Gk, D, stream);
+    case 3: case 4: return launch_q_blocks_k_sums<T, 4>(q, Gq, k, Gk, D, stream);
+    default: return launch_q_blocks_k_sums<T, 8>(q, Gq, k, Gk, D, stream);
+  }
+}
 
 template <typename T>
 int launch(const void* x, int64_t G, int64_t S, int64_t D, float* mean, bool compute_mean, int mean_block,
@@ -366,6 +344,20 @@ int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D
       return launch_seq<bf16_t>(x, G, S, D, mean, partial, sync, Sp, packed, scales, force_two_pass, stream);
     case DType::kFloat32:
       return launch_seq<float>(x, G, S, D, mean, partial, sync, Sp, packed, scales, force_two_pass, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+int smooth_quant_q_blocks_k_sums(const void* q, const void* k, DType dtype, int64_t Gq, int64_t Sq, int64_t Gk,
+                                 int64_t Sk, int64_t D, float* mean_q, int64_t Sqp, uint8_t* q_packed,
+                                 uint8_t* q_scales, float* mean_k, float* partial_k, int* sync, cudaStream_t stream) {
+  if (D % 16 || D <= 0 || D > kMaxD || Sqp < Sq || Sk < 1 || Gk < 1) return cudaErrorInvalidValue;
+  const QBlocks qa{q, Sq, Sqp, ceil_div(Sqp, kRows), mean_q, reinterpret_cast<uint2*>(q_packed), q_scales};
+  const KSums ka{k, Sk, ceil_div(Sk, kRows), partial_k, mean_k, sync};
+  switch (dtype) {
+    case DType::kFloat16: return launch_fused<f16_t>(qa, Gq, ka, Gk, D, stream);
+    case DType::kBFloat16: return launch_fused<bf16_t>(qa, Gq, ka, Gk, D, stream);
+    case DType::kFloat32: return launch_fused<float>(qa, Gq, ka, Gk, D, stream);
   }
   return cudaErrorInvalidValue;
 }
