@@ -7,21 +7,81 @@
 // sequence (K; Q without per_block_mean) is a reduction across the group's CTAs: one read
 // when the whole grid is resident at once, else tile sums, means, then the quantization
 // (smooth_quant_seq below).
+#include <type_traits>
+
 #include "common/launch.cuh"
 #include "common/nvfp4.cuh"
 #include "preprocess/rowblock.cuh"
-#include "preprocess/tile.cuh"
 #include "sageattn3.h"
 
 namespace sageattn3 {
 namespace {
 
-using rowtile::kRows;
-using rowtile::Tile;
-using rowtile::passes_for;
-using rowtile::group_mean;
-using rowtile::ld_acquire;
-using rowtile::st_release;
+constexpr int kRows = 128;
+
+// The rows of one 128-row tile a thread holds: rows rl + p*rpp, p < P.
+template <typename T, int P>
+struct Tile {
+  Raw16<T> raw[P];
+
+  __device__ __forceinline__ void load(const RowMap& m, const T* xg, int D, int64_t row0, int64_t r1) {
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      const int r = m.rl + p * m.rpp;
+      const int64_t row = row0 + r;
+      if (m.active && r < kRows && row < r1) raw[p].load(xg + row * D);
+      else raw[p].zero();
+    }
+  }
+
+  // red[0..D) = the column sums of the tile (padding rows hold zeros), a fixed order.
+  __device__ __forceinline__ void colsum(const RowMap& m, int D, float* red) const {
+    float acc[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      float v[16];
+      raw[p].to_float(v);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) acc[i] += v[i];
+    }
+    reduce_columns(m, D, acc, red);
+  }
+
+  // Writes rows [row0, min(row0 + 128, Sp)) of x - mu (rows >= r1 are padding: zero codes and
+  // scales); mu: this thread's 16 means in shared memory, 16-byte aligned (read per row, as four
+  // 16-byte loads: fewer registers, more CTAs per SM).
+  __device__ __forceinline__ void quantize(const RowMap& m, const float* mu, int64_t g, int64_t row0,
+                                           int64_t r1, int64_t Sp, uint2* __restrict__ packed,
+                                           uint8_t* __restrict__ scales) const {
+    const int bpr = m.bpr;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      const int r = m.rl + p * m.rpp;
+      const int64_t row = row0 + r;
+      if (r >= kRows || row >= Sp) continue;
+      uint32_t sb = 0;
+      uint2 w = make_uint2(0u, 0u);
+      if (row < r1) {
+        float v[16];
+        raw[p].to_float(v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float4 u = reinterpret_cast<const float4*>(mu)[i];
+          v[4 * i] = __fsub_rn(v[4 * i], u.x);
+          v[4 * i + 1] = __fsub_rn(v[4 * i + 1], u.y);
+          v[4 * i + 2] = __fsub_rn(v[4 * i + 2], u.z);
+          v[4 * i + 3] = __fsub_rn(v[4 * i + 3], u.w);
+        }
+        w = quant16(v, sb);
+      }
+      const int64_t ob = (g * Sp + row) * bpr + m.cb;  // output block index
+      __stcs(packed + ob, w);
+      __stcs(reinterpret_cast<char*>(scales + ob), static_cast<char>(sb));
+    }
+  }
+};
 
 // Tile `tile` of group g: rows minus their mean (computed from the tile when compute_mean, else
 // read from `mean`), NVFP4. red: kRowThreads * 16 floats of shared memory.
@@ -79,6 +139,98 @@ __global__ void __launch_bounds__(kRowThreads, (P <= 4 ? 3 : 1)) smooth_quant_ke
 // then smooth_quant_kernel.
 // Both give the same bits.
 
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// The mean of group g from its nt tile sums, by all kRowThreads threads of a CTA (both paths
+// call this, so both give the same bits): D/4 column quads x L = 256/(D/4) lanes; lane j sums
+// tiles j, j+L, ... (16-byte L2 loads, 4 in flight, 4 accumulators combined in a fixed order);
+// then the lanes are combined in order and divided by S. On return red[0..D) holds the mean
+// (red: at least kRowThreads*4 floats), and mean[g*D..] too when `mean` is not null.
+__device__ __forceinline__ void group_mean(const float* partial, int64_t g, int64_t nt, int D, int64_t S,
+                                           float* red, float* mean) {
+  const int quads = D / 4;
+  const int lanes = kRowThreads / quads;
+  const int q = threadIdx.x % quads, j = threadIdx.x / quads;
+  float4 acc[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) acc[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (j < lanes) {
+    const float4* p = reinterpret_cast<const float4*>(partial + g * nt * D) + q;
+    const int64_t step = static_cast<int64_t>(lanes) * quads;  // float4s between a lane's tiles
+    int64_t i = j;
+    for (; i + 3 * lanes < nt; i += 4 * lanes) {
+      float4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) v[u] = __ldcg(p + (i * quads) + u * step);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        acc[u].x += v[u].x; acc[u].y += v[u].y; acc[u].z += v[u].z; acc[u].w += v[u].w;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 3; ++u) {  // at most 3 tiles left
+      if (i + u * lanes < nt) {
+        const float4 v = __ldcg(p + i * quads + u * step);
+        acc[u].x += v.x; acc[u].y += v.y; acc[u].z += v.z; acc[u].w += v.w;
+      }
+    }
+  }
+  __syncthreads();  // red may still be read by the caller's previous phase
+  if (j < lanes) {
+    const float4 t = make_float4((acc[0].x + acc[1].x) + (acc[2].x + acc[3].x),
+                                 (acc[0].y + acc[1].y) + (acc[2].y + acc[3].y),
+                                 (acc[0].z + acc[1].z) + (acc[2].z + acc[3].z),
+                                 (acc[0].w + acc[1].w) + (acc[2].w + acc[3].w));
+    reinterpret_cast<float4*>(red)[j * quads + q] = t;
+  }
+  __syncthreads();
+  float mu = 0.f;
+  if (static_cast<int>(threadIdx.x) < D) {
+    float s = 0.f;
+    for (int l = 0; l < lanes; ++l) s += red[l * D + threadIdx.x];
+    mu = s / static_cast<float>(S);
+  }
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < D) {
+    red[threadIdx.x] = mu;
+    if (mean) mean[g * D + threadIdx.x] = mu;
+  }
+}
+
+// group_mean from a kernel that also quantizes (once per group, by one CTA): out of line, so
+// that its registers do not count against the tile the kernel holds (inlined, the kernels
+// spilled at 3 CTAs per SM).
+__device__ __noinline__ void group_mean_call(const float* partial, int64_t g, int64_t nt, int D, int64_t S,
+                                             float* red, float* mean) {
+  group_mean(partial, g, nt, D, S, red, mean);
+}
+
+// After colsum left the tile's column sums in red[0..D): store them as this tile's row of the
+// partial sums and count the tile on *arrive. Every thread of the CTA gets whether it brought
+// the group's last tile (the one to reduce the mean). s_last: a shared int.
+__device__ __forceinline__ bool publish_tile_sum(const float* red, float* partial_row, int D, int* arrive, int64_t nt,
+                                                 int* s_last) {
+  if (static_cast<int>(threadIdx.x) < D) {
+    partial_row[threadIdx.x] = red[threadIdx.x];
+    __threadfence();
+  }
+  __syncthreads();  // every partial of this CTA written
+  if (threadIdx.x == 0) {
+    __threadfence();
+    *s_last = atomicAdd(arrive, 1) == nt - 1;
+    __threadfence();
+  }
+  __syncthreads();
+  return *s_last;
+}
+
 // sync: [0] the ticket counter, [1 + g] arrivals of group g, [1 + G + g] group g's mean is ready.
 template <typename T, int P, bool kFused>
 __global__ void __launch_bounds__(kRowThreads, (P <= 4 ? 3 : 1)) seq_mean_quant_kernel(const T* __restrict__ x, int64_t G, int64_t S,
@@ -105,27 +257,17 @@ __global__ void __launch_bounds__(kRowThreads, (P <= 4 ? 3 : 1)) seq_mean_quant_
 
   Tile<T, P> t;
   t.load(m, x + g * S * D + m.cb * 16, D, row0, r1);
-  if (has_rows) {
-    t.colsum(m, D, red);
-    if (static_cast<int>(threadIdx.x) < D) {
-      partial[(g * nt + tile) * D + threadIdx.x] = red[threadIdx.x];
-      if (kFused) __threadfence();
-    }
+  if (has_rows) t.colsum(m, D, red);
+  if (!kFused) {  // tile sums only
+    if (has_rows && static_cast<int>(threadIdx.x) < D) partial[(g * nt + tile) * D + threadIdx.x] = red[threadIdx.x];
+    return;
   }
-  if (!kFused) return;  // tile sums only
 
   int* arrive = reinterpret_cast<int*>(sync + 2) + g;
   int* ready = reinterpret_cast<int*>(sync + 2) + G + g;
   if (has_rows) {
-    __syncthreads();  // every partial of this CTA written
-    if (threadIdx.x == 0) {
-      __threadfence();
-      s_last = atomicAdd(arrive, 1) == nt - 1;
-      __threadfence();
-    }
-    __syncthreads();
-    if (s_last) {
-      group_mean(partial, g, nt, static_cast<int>(D), S, red, mean);
+    if (publish_tile_sum(red, partial + (g * nt + tile) * D, static_cast<int>(D), arrive, nt, &s_last)) {
+      group_mean_call(partial, g, nt, static_cast<int>(D), S, red, mean);
       __threadfence();
       __syncthreads();
       if (threadIdx.x == 0) {
@@ -232,13 +374,6 @@ struct KSums {
   int* arrive;  // one counter per group, zero at launch
 };
 
-// Once per group, by one CTA: out of line, so that its registers do not count against the
-// quantizing CTAs of the same kernel (inlined, the kernel spilled at 3 CTAs per SM).
-__device__ __noinline__ void group_mean_call(const float* partial, int64_t g, int64_t nt, int D, int64_t S,
-                                             float* red, float* mean) {
-  group_mean(partial, g, nt, D, S, red, mean);
-}
-
 // The grid (nq + nk < 2^31 CTAs) in nk runs of `period` = 1 + floor(nq / nk) CTAs, each led by
 // one K CTA, then Q CTAs to the end: 32-bit index arithmetic only.
 template <typename T, int P>
@@ -261,18 +396,8 @@ __global__ void __launch_bounds__(kRowThreads, (P <= 4 ? 3 : 1)) q_blocks_k_sums
   Tile<T, P> t;
   t.load(m, static_cast<const T*>(k.x) + g * k.S * D + m.cb * 16, D, row0, std::min<int64_t>(k.S, row0 + kRows));
   t.colsum(m, D, red);
-  if (static_cast<int>(threadIdx.x) < D) {
-    k.partial[(g * k.nt + tile) * D + threadIdx.x] = red[threadIdx.x];
-    __threadfence();
-  }
-  __syncthreads();  // every partial of this CTA written
-  if (threadIdx.x == 0) {
-    __threadfence();
-    s_last = atomicAdd(k.arrive + g, 1) == k.nt - 1;
-    __threadfence();
-  }
-  __syncthreads();
-  if (s_last) group_mean_call(k.partial, g, k.nt, D, k.S, red, k.mean);
+  if (publish_tile_sum(red, k.partial + (g * k.nt + tile) * D, D, k.arrive + g, k.nt, &s_last))
+    group_mean_call(k.partial, g, k.nt, D, k.S, red, k.mean);
 }
 
 template <typename T, int P>
@@ -286,36 +411,40 @@ int launch_q_blocks_k_sums(const QBlocks& q, int64_t Gq, const KSums& k, int64_t
   return cudaGetLastError();
 }
 
-template <typename T>
-int launch_fused(const QBlocks& q, int64_t Gq, const KSums& k, int64_t Gk, int64_t D, cudaStream_t stream) {
+// P: rows per thread, so that a CTA covers 128 rows (rpp = 256 / (D/16) rows per pass).
+inline int passes_for(int64_t D) { return static_cast<int>(ceil_div(kRows, kRowThreads / (D / 16))); }
+
+// Calls f(std::integral_constant<int, P>{}) with the rows per thread P that D needs.
+template <typename F>
+int with_passes(int64_t D, F&& f) {
   switch (passes_for(D)) {
-    case 1: return launch_q_blocks_k_sums<T, 1>(q, Gq, k, Gk, D, stream);
-    case 2: return launch_q_blocks_k_sums<T, 2>(q, Gq, k, Gk, D, stream);
-    case 3: case 4: return launch_q_blocks_k_sums<T, 4>(q, Gq, k, Gk, D, stream);
-    default: return launch_q_blocks_k_sums<T, 8>(q, Gq, k, Gk, D, stream);
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: case 4: return f(std::integral_constant<int, 4>{});
+    default: return f(std::integral_constant<int, 8>{});
   }
 }
 
 template <typename T>
 int launch(const void* x, int64_t G, int64_t S, int64_t D, float* mean, bool compute_mean, int mean_block,
            int64_t Sp, uint8_t* packed, uint8_t* scales, cudaStream_t stream) {
-  switch (passes_for(D)) {
-    case 1: return launch_p<T, 1>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
-    case 2: return launch_p<T, 2>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
-    case 3: case 4: return launch_p<T, 4>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
-    default: return launch_p<T, 8>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
-  }
+  return with_passes(D, [&](auto p) {
+    return launch_p<T, decltype(p)::value>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
+  });
 }
 
 template <typename T>
 int launch_seq(const void* x, int64_t G, int64_t S, int64_t D, float* mean, float* partial, int* sync, int64_t Sp,
                uint8_t* packed, uint8_t* scales, bool force_two_pass, cudaStream_t stream) {
-  switch (passes_for(D)) {
-    case 1: return launch_seq_p<T, 1>(x, G, S, D, mean, partial, sync, Sp, packed, scales, force_two_pass, stream);
-    case 2: return launch_seq_p<T, 2>(x, G, S, D, mean, partial, sync, Sp, packed, scales, force_two_pass, stream);
-    case 3: case 4: return launch_seq_p<T, 4>(x, G, S, D, mean, partial, sync, Sp, packed, scales, force_two_pass, stream);
-    default: return launch_seq_p<T, 8>(x, G, S, D, mean, partial, sync, Sp, packed, scales, force_two_pass, stream);
-  }
+  return with_passes(D, [&](auto p) {
+    return launch_seq_p<T, decltype(p)::value>(x, G, S, D, mean, partial, sync, Sp, packed, scales, force_two_pass,
+                                               stream);
+  });
+}
+
+template <typename T>
+int launch_fused(const QBlocks& q, int64_t Gq, const KSums& k, int64_t Gk, int64_t D, cudaStream_t stream) {
+  return with_passes(D, [&](auto p) { return launch_q_blocks_k_sums<T, decltype(p)::value>(q, Gq, k, Gk, D, stream); });
 }
 
 }  // namespace
