@@ -179,7 +179,6 @@ void smooth_quant_seq(Tensor x, Tensor mean, Tensor partial, Tensor sync, Tensor
                   "sageattn3: S must be >= 1 and D a positive multiple of 16, at most 256");
   STD_TORCH_CHECK(mean.numel() == G * D && partial.numel() == G * ((S + 127) / 128) * D && sync.numel() == 2 + 2 * G,
                   "sageattn3: mean, partial or sync has the wrong size");
-  STD_TORCH_CHECK(reinterpret_cast<uintptr_t>(sync.data_ptr()) % 8 == 0, "sageattn3: sync must be 8-byte aligned");
   STD_TORCH_CHECK(Sp >= S && packed.numel() == G * Sp * D / 2 && scales.numel() == G * Sp * D / 16,
                   "sageattn3: output sizes do not match x");
   DeviceScope scope(x.get_device());
@@ -189,12 +188,13 @@ void smooth_quant_seq(Tensor x, Tensor mean, Tensor partial, Tensor sync, Tensor
                     "smooth_quant_seq");
 }
 
-// smooth_quant_q_blocks_k_sums(q, k, mean_q!, q_packed!, q_scales!, mean_k!, partial_k!, sync!):
-// q (Gq, Sq, D) and k (Gk, Sk, D), same dtype, Sk >= 1; mean_q (Gq, ceil(Sq/128), D) fp32;
-// q_packed (Gq, Sqp, D/2); q_scales (Gq, Sqp, D/16); mean_k (Gk, 1, D) fp32; partial_k
-// (Gk, ceil(Sk/128), D) fp32; sync (Gk) int32.
-void smooth_quant_q_blocks_k_sums(Tensor q, Tensor k, Tensor mean_q, Tensor q_packed, Tensor q_scales, Tensor mean_k,
-                                  Tensor partial_k, Tensor sync) {
+// smooth_quant_qk(q, k, mean_q!, q_packed!, q_scales!, mean_k!, k_packed!, k_scales!, partial_k!,
+// sync!, lag): q (Gq, Sq, D) and k (Gk, Sk, D), same dtype, Sk >= 1; mean_q (Gq, ceil(Sq/128), D)
+// fp32; q_packed (Gq, Sqp, D/2); q_scales (Gq, Sqp, D/16); mean_k (Gk, 1, D) fp32; k_packed
+// (Gk, Skp, D/2); k_scales (Gk, Skp, D/16); partial_k (Gk, ceil(Sk/128), D) fp32; sync (2 + 2Gk)
+// int32; lag >= 0 (0: automatic).
+void smooth_quant_qk(Tensor q, Tensor k, Tensor mean_q, Tensor q_packed, Tensor q_scales, Tensor mean_k,
+                     Tensor k_packed, Tensor k_scales, Tensor partial_k, Tensor sync, int64_t lag) {
   check_cuda(q, q, "q");
   check_aligned(q, "q");
   check_cuda(k, q, "k");
@@ -206,24 +206,32 @@ void smooth_quant_q_blocks_k_sums(Tensor q, Tensor k, Tensor mean_q, Tensor q_pa
   STD_TORCH_CHECK(sync.scalar_type() == torch::headeronly::ScalarType::Int, "sageattn3: sync must be int32");
   check_code_tensor(q_packed, q, "q_packed");
   check_code_tensor(q_scales, q, "q_scales");
-  STD_TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q_packed.dim() == 3, "sageattn3: q, k and q_packed must be 3-D (G, S, D)");
+  check_code_tensor(k_packed, q, "k_packed");
+  check_code_tensor(k_scales, q, "k_scales");
+  STD_TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q_packed.dim() == 3 && k_packed.dim() == 3,
+                  "sageattn3: q, k, q_packed and k_packed must be 3-D (G, S, D)");
   const auto dt = dtype_of(q, "q");
   STD_TORCH_CHECK(dtype_of(k, "k") == dt, "sageattn3: q and k must have the same dtype");
-  const int64_t Gq = q.size(0), Sq = q.size(1), D = q.size(2), Gk = k.size(0), Sk = k.size(1), Sqp = q_packed.size(1);
+  const int64_t Gq = q.size(0), Sq = q.size(1), D = q.size(2), Gk = k.size(0), Sk = k.size(1);
+  const int64_t Sqp = q_packed.size(1), Skp = k_packed.size(1);
   STD_TORCH_CHECK(k.size(2) == D, "sageattn3: q and k must have the same head dim");
   STD_TORCH_CHECK(D % 16 == 0 && D > 0 && D <= 256, "sageattn3: D must be a positive multiple of 16, at most 256");
   STD_TORCH_CHECK(Sk >= 1 && Gk >= 1, "sageattn3: k must not be empty");
+  STD_TORCH_CHECK(lag >= 0 && lag <= 0x7FFFFFFF, "sageattn3: lag must be >= 0 (0: automatic)");
   STD_TORCH_CHECK(mean_q.numel() == Gq * ((Sq + 127) / 128) * D, "sageattn3: mean_q has the wrong size");
-  STD_TORCH_CHECK(mean_k.numel() == Gk * D && partial_k.numel() == Gk * ((Sk + 127) / 128) * D && sync.numel() == Gk,
+  STD_TORCH_CHECK(mean_k.numel() == Gk * D && partial_k.numel() == Gk * ((Sk + 127) / 128) * D &&
+                      sync.numel() == 2 + 2 * Gk,
                   "sageattn3: mean_k, partial_k or sync has the wrong size");
   STD_TORCH_CHECK(Sqp >= Sq && q_packed.numel() == Gq * Sqp * D / 2 && q_scales.numel() == Gq * Sqp * D / 16,
                   "sageattn3: q_packed/q_scales sizes do not match q");
+  STD_TORCH_CHECK(Skp >= Sk && k_packed.numel() == Gk * Skp * D / 2 && k_scales.numel() == Gk * Skp * D / 16,
+                  "sageattn3: k_packed/k_scales sizes do not match k");
   DeviceScope scope(q.get_device());
-  check_cuda_kernel(sageattn3::smooth_quant_q_blocks_k_sums(q.data_ptr(), k.data_ptr(), dt, Gq, Sq, Gk, Sk, D,
-                                                            floats(mean_q), Sqp, bytes(q_packed), bytes(q_scales),
-                                                            floats(mean_k), floats(partial_k),
-                                                            static_cast<int*>(sync.data_ptr()), current_stream(q)),
-                    "smooth_quant_q_blocks_k_sums");
+  check_cuda_kernel(sageattn3::smooth_quant_qk(q.data_ptr(), k.data_ptr(), dt, Gq, Sq, Gk, Sk, D, floats(mean_q), Sqp,
+                                               bytes(q_packed), bytes(q_scales), floats(mean_k), floats(partial_k),
+                                               static_cast<int*>(sync.data_ptr()), Skp, bytes(k_packed),
+                                               bytes(k_scales), static_cast<int>(lag), current_stream(q)),
+                    "smooth_quant_qk");
 }
 
 // delta_s(k, mean_k, mean_q, out!): k (B, Hkv, Sk, D); mean_k (B, Hkv, 1, D); mean_q (B, Hq, nblk, D);
@@ -377,8 +385,9 @@ STABLE_TORCH_LIBRARY(sageattn3, m) {
         "Tensor(c!) scales) -> ()");
   m.def("smooth_quant_seq(Tensor x, Tensor(a!) mean, Tensor(b!) partial, Tensor(c!) sync, Tensor(d!) packed, "
         "Tensor(e!) scales, bool two_pass) -> ()");
-  m.def("smooth_quant_q_blocks_k_sums(Tensor q, Tensor k, Tensor(a!) mean_q, Tensor(b!) q_packed, "
-        "Tensor(c!) q_scales, Tensor(d!) mean_k, Tensor(e!) partial_k, Tensor(f!) sync) -> ()");
+  m.def("smooth_quant_qk(Tensor q, Tensor k, Tensor(a!) mean_q, Tensor(b!) q_packed, Tensor(c!) q_scales, "
+        "Tensor(d!) mean_k, Tensor(e!) k_packed, Tensor(f!) k_scales, Tensor(g!) partial_k, Tensor(h!) sync, "
+        "int lag) -> ()");
   m.def("delta_s(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) out) -> ()");
   m.def("smooth_quant_k_delta(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) packed, Tensor(b!) scales, "
         "Tensor(c!) delta) -> ()");
@@ -392,7 +401,7 @@ STABLE_TORCH_LIBRARY_IMPL(sageattn3, CUDA, m) {
   m.impl("quant_fp4_cols", TORCH_BOX(&quant_fp4_cols));
   m.impl("smooth_quant_rows", TORCH_BOX(&smooth_quant_rows));
   m.impl("smooth_quant_seq", TORCH_BOX(&smooth_quant_seq));
-  m.impl("smooth_quant_q_blocks_k_sums", TORCH_BOX(&smooth_quant_q_blocks_k_sums));
+  m.impl("smooth_quant_qk", TORCH_BOX(&smooth_quant_qk));
   m.impl("delta_s", TORCH_BOX(&delta_s));
   m.impl("smooth_quant_k_delta", TORCH_BOX(&smooth_quant_k_delta));
   m.impl("blockscaled_fp4_attn", TORCH_BOX(&blockscaled_fp4_attn));

@@ -32,22 +32,24 @@ int smooth_quant_rows(const void* x, DType dtype, int64_t G, int64_t S, int64_t 
 // Smoothing with one mean per group over the whole sequence + NVFP4 along D (S >= 1):
 // mean (G, D) = (sum over the 128-row tiles in order of each tile's column sums) / S, then
 // rows as smooth_quant_rows with mean_block 0. Workspace: partial (G, ceil(S/128), D) fp32 and
-// sync (2 + 2G) int32, 8-byte aligned (zeroed here). One read of x when the whole grid of
-// 128-row tiles is resident at once; otherwise (or force_two_pass) tile sums, means, then the
-// quantization (two reads). Both give the same bits.
+// sync (2 + 2G) int32 (zeroed here). One launch that reads x from DRAM once (each group's tiles
+// are summed, then quantized a few groups later, when they are still in L2); force_two_pass:
+// tile sums, means, then the quantization (two reads). Both give the same bits.
 int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, float* mean, float* partial,
                      int* sync, int64_t Sp, uint8_t* packed, uint8_t* scales, bool force_two_pass,
                      cudaStream_t stream);
 
-// Q's 128-row block means + smoothing + NVFP4 (as smooth_quant_rows with compute_mean: mean_q
-// (Gq, ceil(Sq/128), D), q_packed (Gq, Sqp, D/2), q_scales (Gq, Sqp, D/16)) and K's
-// whole-sequence mean (as smooth_quant_seq computes it, same bits: tile sums into partial_k
-// (Gk, ceil(Sk/128), D), mean_k (Gk, D)) in one launch; K is then quantized by
-// smooth_quant_rows(k, mean_k, false, 0, ...). q and k share dtype and D; Sk >= 1. sync: Gk
-// int32 (zeroed here).
-int smooth_quant_q_blocks_k_sums(const void* q, const void* k, DType dtype, int64_t Gq, int64_t Sq, int64_t Gk,
-                                 int64_t Sk, int64_t D, float* mean_q, int64_t Sqp, uint8_t* q_packed,
-                                 uint8_t* q_scales, float* mean_k, float* partial_k, int* sync, cudaStream_t stream);
+// One launch for Q and K: Q's 128-row block means + smoothing + NVFP4 (as smooth_quant_rows
+// with compute_mean: mean_q (Gq, ceil(Sq/128), D), q_packed (Gq, Sqp, D/2), q_scales
+// (Gq, Sqp, D/16)) and K's whole-sequence smoothing (as smooth_quant_seq, same bits: mean_k
+// (Gk, D), k_packed (Gk, Skp, D/2), k_scales (Gk, Skp, D/16); workspace partial_k
+// (Gk, ceil(Sk/128), D) fp32 and sync (2 + 2Gk) int32). q and k share dtype and D; Sk >= 1;
+// Gq may be 0 (K only). lag: K groups between a group's tile sums and its quantization (0: chosen
+// from the L2 size; any value gives the same bits).
+int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64_t Sq, int64_t Gk, int64_t Sk,
+                    int64_t D, float* mean_q, int64_t Sqp, uint8_t* q_packed, uint8_t* q_scales, float* mean_k,
+                    float* partial_k, int* sync, int64_t Skp, uint8_t* k_packed, uint8_t* k_scales, int lag,
+                    cudaStream_t stream);
 
 // delta_s[b, hq, i, j] = sum_d mean_q[b, hq, i, d] * (k[b, hq / (Hq/Hkv), j, d] - mean_k[b, hkv, d])
 // for j < Sk, 0 for Sk <= j < Sp. k (B, Hkv, Sk, D); mean_k (B, Hkv, D); mean_q (B, Hq, nblk, D);

@@ -106,9 +106,7 @@ def smooth_quant_rows(x: torch.Tensor, mean: torch.Tensor, compute_mean: bool, m
     D, rows padded with zero codes to a multiple of ``seq_pad``. compute_mean: the kernel
     computes the 128-row means itself and writes them into ``mean``."""
     g, s, d = x.shape
-    sp = -(-s // seq_pad) * seq_pad
-    packed = torch.empty((g, sp, d // 2), dtype=torch.uint8, device=x.device)
-    scales = torch.empty((g, sp, d // 16), dtype=torch.float8_e4m3fn, device=x.device)
+    packed, scales = _codes(x, g, s, d, seq_pad)
     _ops().smooth_quant_rows(x, mean, compute_mean, mean_block, packed, scales)
     return packed, scales
 
@@ -117,37 +115,45 @@ def smooth_quant_seq(x: torch.Tensor, seq_pad: int, two_pass: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (G, S, D), S >= 1: rows minus their mean over the whole sequence, NVFP4 along D, rows
     padded with zero codes to a multiple of ``seq_pad``; returns (packed, scales, mean (G, 1, D)).
-    One read of x when all its 128-row tiles fit on the device at once, else (or with
-    ``two_pass``) two; the mean (tile sums in a fixed order, / S) has the same bits either way."""
+    One launch reading x from DRAM once (``smooth_quant_qk`` without Q); ``two_pass``: tile sums,
+    means, quantization. The mean (tile sums in a fixed order, / S) has the same bits either way."""
     g, s, d = x.shape
-    sp = -(-s // seq_pad) * seq_pad
-    packed = torch.empty((g, sp, d // 2), dtype=torch.uint8, device=x.device)
-    scales = torch.empty((g, sp, d // 16), dtype=torch.float8_e4m3fn, device=x.device)
+    packed, scales = _codes(x, g, s, d, seq_pad)
     mean = torch.empty((g, 1, d), dtype=torch.float32, device=x.device)
-    partial = torch.empty((g, -(-s // 128), d), dtype=torch.float32, device=x.device)
-    sync = torch.empty((2 + 2 * g,), dtype=torch.int32, device=x.device)
+    partial, sync = _seq_workspace(x, g, s, d)
     _ops().smooth_quant_seq(x, mean, partial, sync, packed, scales, two_pass)
     return packed, scales, mean
 
 
-def smooth_quant_q_blocks_k_sums(q: torch.Tensor, k: torch.Tensor, seq_pad: int
-                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (Gq, Sq, D), k (Gk, Sk, D), Sk >= 1, one launch: Q minus its 128-row block means, NVFP4
-    along D, rows padded to a multiple of ``seq_pad`` (as ``smooth_quant_rows`` with
-    compute_mean), and K's whole-sequence mean (the bits ``smooth_quant_seq`` gives). Returns
-    (q_packed, q_scales, mean_q (Gq, nblk, D), mean_k (Gk, 1, D)); K is then quantized with
-    ``smooth_quant_rows(k, mean_k, False, 0, seq_pad)``."""
+def smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, seq_pad: int, lag: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (Gq, Sq, D), k (Gk, Sk, D), Sk >= 1, one launch: Q minus its 128-row block means (as
+    ``smooth_quant_rows`` with compute_mean) and K minus its whole-sequence mean (as
+    ``smooth_quant_seq``, same bits), both NVFP4 along D, rows padded to a multiple of
+    ``seq_pad``. Returns (q_packed, q_scales, mean_q (Gq, nblk, D), k_packed, k_scales,
+    mean_k (Gk, 1, D)). ``lag``: K groups between a group's tile sums and its quantization
+    (0: from the L2 size; every value gives the same bits)."""
     gq, sq, d = q.shape
     gk, sk, _ = k.shape
-    sp = -(-sq // seq_pad) * seq_pad
-    q_packed = torch.empty((gq, sp, d // 2), dtype=torch.uint8, device=q.device)
-    q_scales = torch.empty((gq, sp, d // 16), dtype=torch.float8_e4m3fn, device=q.device)
+    q_packed, q_scales = _codes(q, gq, sq, d, seq_pad)
+    k_packed, k_scales = _codes(q, gk, sk, d, seq_pad)
     mean_q = torch.empty((gq, -(-sq // 128), d), dtype=torch.float32, device=q.device)
     mean_k = torch.empty((gk, 1, d), dtype=torch.float32, device=q.device)
-    partial = torch.empty((gk, -(-sk // 128), d), dtype=torch.float32, device=q.device)
-    sync = torch.empty((gk,), dtype=torch.int32, device=q.device)
-    _ops().smooth_quant_q_blocks_k_sums(q, k, mean_q, q_packed, q_scales, mean_k, partial, sync)
-    return q_packed, q_scales, mean_q, mean_k
+    partial, sync = _seq_workspace(q, gk, sk, d)
+    _ops().smooth_quant_qk(q, k, mean_q, q_packed, q_scales, mean_k, k_packed, k_scales, partial, sync, lag)
+    return q_packed, q_scales, mean_q, k_packed, k_scales, mean_k
+
+
+def _codes(x: torch.Tensor, g: int, s: int, d: int, seq_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    sp = -(-s // seq_pad) * seq_pad
+    return (torch.empty((g, sp, d // 2), dtype=torch.uint8, device=x.device),
+            torch.empty((g, sp, d // 16), dtype=torch.float8_e4m3fn, device=x.device))
+
+
+def _seq_workspace(x: torch.Tensor, g: int, s: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tile sums (G, ceil(S/128), D) and the ticket/arrival/ready counters (2 + 2G)."""
+    return (torch.empty((g, -(-s // 128), d), dtype=torch.float32, device=x.device),
+            torch.empty((2 + 2 * g,), dtype=torch.int32, device=x.device))
 
 
 def delta_s(k: torch.Tensor, mean_k: torch.Tensor, mean_q: torch.Tensor, seq_pad: int) -> torch.Tensor:

@@ -282,18 +282,17 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128) -> Preproce
     inputs). Layouts and the definition of every output: ``sageattn3.reference.Preprocessed``.
 
     On CUDA with the kernels:
-    1. per_block_mean: one launch computes Q's 128-row block means and quantizes Q (each CTA
-       holds a block in registers: one read) while other CTAs of the same grid sum K's tiles
-       (K's reads overlap Q's arithmetic) and reduce K's means; then K is quantized with them
-       (K is read twice, once under Q's work);
-       one mean per head: Q and K each as ``smooth_quant_seq`` (one read when all of a
-       tensor's 128-row tiles fit on the device at once, else tile sums, means, quantization);
-    2. V along the sequence (transposed through shared memory).
+    1. V along the sequence (transposed through shared memory);
+    2. per_block_mean: one launch smooths and quantizes Q and K. Q's CTAs each hold a 128-row
+       block in registers (its mean and codes from one read); K's tiles are summed, then, a few
+       heads later (still in L2), quantized with the head's mean, so K is read from DRAM once;
+       Q's and K's CTAs are interleaved (K's sums are bound by DRAM, the quantization by
+       arithmetic). One mean per head: Q and K each as ``smooth_quant_seq`` (the K part alone).
     The correction delta_s = mean_q · Kdᵀ is not computed here: the attention kernel computes
     it per K tile from ``mean_q`` (``Preprocessed.delta_s`` materialises it for tests).
     Bytes that must move: Q, K, V read (3 x 2 bytes/element) + FP4 written (3 x 0.5625) + the
-    means (tiny) + the second read of K. Figures: tests/bench/bench_kernels.py. Elsewhere: the
-    reference."""
+    means (tiny); K's second read comes from L2 when a few heads fit in it. Figures:
+    tests/bench/bench_kernels.py. Elsewhere: the reference."""
     _check_qkv(q, k, v)
     if not isinstance(pad, int) or pad <= 0 or pad % 16:
         raise ValueError(f"pad must be a positive multiple of 16, got {pad!r}")
@@ -305,15 +304,14 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128) -> Preproce
     if d % 16 or d > 256:
         raise ValueError(f"head_dim {d} not supported by the preprocessing kernels (multiple of 16, <= 256)")
     k3, q3 = k.view(b * hk, sk, d), q.view(b * hq, sq, d)
+    vp, vsc = _kernels.quant_cols(v, pad)
     if per_block_mean:
-        qp, qsc, mean_q, mean_k = _kernels.smooth_quant_q_blocks_k_sums(q3, k3, pad)
-        kp, ksc = _kernels.smooth_quant_rows(k3, mean_k, False, 0, pad)
+        qp, qsc, mean_q, kp, ksc, mean_k = _kernels.smooth_quant_qk(q3, k3, pad)
     else:
         kp, ksc, mean_k = _kernels.smooth_quant_seq(k3, pad)
         qp, qsc, mean_q = _kernels.smooth_quant_seq(q3, pad)
     mean_q4 = mean_q.view(b, hq, -1, d)
     mean_k4 = mean_k.view(b, hk, 1, d)
-    vp, vsc = _kernels.quant_cols(v, pad)
     return Preprocessed(
         qp.view(b, hq, -1, d // 2), qsc.view(b, hq, -1, d // 16),
         kp.view(b, hk, -1, d // 2), ksc.view(b, hk, -1, d // 16),

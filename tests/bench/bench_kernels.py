@@ -107,7 +107,7 @@ def main() -> int:
     print(f"  floor (one read of Q,K,V + FP4 write at copy bandwidth): {floor_ms:.3f} ms")
     for pbm in (True, False):
         ms = time_ms(lambda: sageattn3.preprocess(q, k, v, per_block_mean=pbm), warmup=2, iters=5)
-        msb = time_ms_batched(lambda: sageattn3.preprocess(q, k, v, per_block_mean=pbm), calls=4)
+        msb = time_ms_batched(lambda: sageattn3.preprocess(q, k, v, per_block_mean=pbm))
         pre = sageattn3.preprocess(q, k, v, per_block_mean=pbm)
         mq_mb = pre.mean_q.numel() * 4 / 1e6
         print(f"  per_block_mean={pbm!s:5s}: {ms:.3f} ms = {ms / floor_ms:.2f}x the floor (mean_q {mq_mb:.1f} MB, "
@@ -125,7 +125,9 @@ def main() -> int:
     mk4, mq4 = mean_k.view(b, h, 1, d), mean_q.view(b, h, -1, d)
     stages = {
         "Q block means + quant": lambda: _kernels.smooth_quant_rows(q3, mean_q, True, 128, 128),
-        "Q block means + quant + K mean": lambda: _kernels.smooth_quant_q_blocks_k_sums(q3, k3, 128),
+        "Q and K smoothed + quant, one launch": lambda: _kernels.smooth_quant_qk(q3, k3, 128),
+        "  the same, lag 1 group": lambda: _kernels.smooth_quant_qk(q3, k3, 128, lag=1),
+        "  the same, lag 5 groups": lambda: _kernels.smooth_quant_qk(q3, k3, 128, lag=5),
         "K mean + quant, one read": lambda: _kernels.smooth_quant_seq(k3, 128),
         "K mean + quant, two reads": lambda: _kernels.smooth_quant_seq(k3, 128, two_pass=True),
         "K quant, mean given": lambda: _kernels.smooth_quant_rows(k3, mean_k, False, 0, 128),
@@ -139,7 +141,7 @@ def main() -> int:
     print(f"  bytes-moved bound with per-block means (floor + K tile sums and means "
           f"{(partial_bytes + mean_bytes) / 1e6:.1f} MB): {bound:.3f} ms = {bound / floor_ms:.2f}x the floor")
     for name, fn in stages.items():
-        print(f"    {name:30s} {time_ms(fn, warmup=2, iters=5):7.3f} ms  back-to-back {time_ms_batched(fn):7.3f} ms")
+        print(f"    {name:38s} {time_ms(fn, warmup=2, iters=5):7.3f} ms  back-to-back {time_ms_batched(fn):7.3f} ms")
     del q, k, v, k3, q3, kp, ksc, ds, stages
     return bench_attention()
 

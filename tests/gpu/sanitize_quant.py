@@ -57,14 +57,16 @@ def main() -> int:
         for (gq, sq, gk, sk, d) in [(2, 1, 1, 1, 64), (3, 300, 1, 1000, 128), (4, 257, 2, 130, 48)]:
             q = torch.randn(gq, sq, d, dtype=dtype, device="cuda") + 1
             k = torch.randn(gk, sk, d, dtype=dtype, device="cuda") - 1
-            qp, qsc, mq, mk = _kernels.smooth_quant_q_blocks_k_sums(q, k, 128)
-            mq2 = torch.empty_like(mq)
-            qp2, qsc2 = _kernels.smooth_quant_rows(q, mq2, True, 128, 128)
-            mk2 = _kernels.smooth_quant_seq(k, 128)[2]
-            ok = torch.equal(mq, mq2) and torch.equal(mk, mk2) and torch.equal(qp, qp2)
-            ok = ok and torch.equal(qsc.view(torch.uint8), qsc2.view(torch.uint8))
-            bad += not ok
-            print(f"q_blocks_k_sums {str(dtype):15s} {(gq, sq, gk, sk, d)}: {'ok' if ok else 'MISMATCH'}")
+            for lag in (0, 1):
+                qp, qsc, mq, kp, ksc, mk = _kernels.smooth_quant_qk(q, k, 128, lag=lag)
+                mq2 = torch.empty_like(mq)
+                qp2, qsc2 = _kernels.smooth_quant_rows(q, mq2, True, 128, 128)
+                kp2, ksc2, mk2 = _kernels.smooth_quant_seq(k, 128, two_pass=True)
+                ok = torch.equal(mq, mq2) and torch.equal(mk, mk2) and torch.equal(qp, qp2) and torch.equal(kp, kp2)
+                ok = ok and torch.equal(qsc.view(torch.uint8), qsc2.view(torch.uint8))
+                ok = ok and torch.equal(ksc.view(torch.uint8), ksc2.view(torch.uint8))
+                bad += not ok
+                print(f"smooth_quant_qk lag={lag} {str(dtype):15s} {(gq, sq, gk, sk, d)}: {'ok' if ok else 'MISMATCH'}")
     torch.cuda.synchronize()
     print("sanitize_quant:", "all ok" if not bad else f"{bad} mismatches")
     return 1 if bad else 0

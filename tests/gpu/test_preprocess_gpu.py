@@ -99,8 +99,9 @@ def test_misaligned_inputs():
 @pytest.mark.parametrize("g,s,d,pad", [(1, 1, 64, 128), (3, 17, 128, 128), (2, 128, 64, 16), (5, 129, 128, 128),
                                        (2, 1000, 48, 16), (24, 4096, 128, 128), (4, 3000, 256, 128)])
 def test_seq_mean_one_read_equals_two_reads_and_reference(dtype, g, s, d, pad):
-    """The one-read whole-sequence smoothing (CTAs of a group reduce the mean among themselves)
-    gives the same bits as the two-read path, and the reference's bits given that mean."""
+    """The one-read whole-sequence smoothing (tile sums, the last of a group reduces the mean,
+    the group quantized a few groups later) gives the same bits as the two-read path, and the
+    reference's bits given that mean."""
     kernels_or_skip()
     from sageattn3 import _kernels
     from sageattn3 import reference as ref
@@ -127,48 +128,52 @@ def test_seq_mean_one_read_equals_two_reads_and_reference(dtype, g, s, d, pad):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("gq,sq,gk,sk,d,pad", [(2, 300, 2, 1000, 128, 128), (4, 17, 1, 5000, 64, 16),
                                                (3, 129, 3, 1, 48, 128), (1, 1, 2, 257, 256, 128),
-                                               (24, 2048, 24, 2048, 128, 128), (8, 4000, 2, 4000, 64, 128)])
-def test_q_blocks_k_sums_equals_separate_ops(dtype, gq, sq, gk, sk, d, pad):
-    """One launch for Q's block means + quantization and K's whole-sequence mean (K CTAs spread
-    among the Q ones, the last of a group reduces its mean): the same bits as the separate ops
-    (smooth_quant_rows with compute_mean; smooth_quant_seq's mean), including GQA/MQA shapes and
-    different Q/K lengths; K quantized with that mean equals smooth_quant_seq."""
+                                               (24, 2048, 24, 2048, 128, 128), (8, 4000, 2, 4000, 64, 128),
+                                               (0, 5, 40, 300, 64, 16)])
+@pytest.mark.parametrize("lag", [0, 1, 3, 1000])
+def test_qk_one_launch_equals_separate_ops(dtype, gq, sq, gk, sk, d, pad, lag):
+    """One launch for Q's block means + quantization and K's whole-sequence smoothing (K's tile
+    sums, its mean, its quantization `lag` groups later, merged with Q's blocks): the same bits
+    as the separate ops (smooth_quant_rows with compute_mean for Q; the two-read
+    smooth_quant_seq for K), for GQA/MQA shapes, different Q/K lengths, no Q at all, and any
+    lag (1: each group's quantization right after its sums, the most waiting)."""
     kernels_or_skip()
     from sageattn3 import _kernels
 
     gen = torch.Generator().manual_seed(gq * 100 + sk + d)
     q = (torch.randn(gq, sq, d, generator=gen) * 2 + torch.randn(d, generator=gen)).to(dtype).cuda()
     k = (torch.randn(gk, sk, d, generator=gen) + 3 * torch.randn(d, generator=gen)).to(dtype).cuda()
-    qp, qsc, mean_q, mean_k = _kernels.smooth_quant_q_blocks_k_sums(q, k, pad)
+    qp, qsc, mean_q, kp, ksc, mean_k = _kernels.smooth_quant_qk(q, k, pad, lag=lag)
     mean_q2 = torch.empty_like(mean_q)
     qp2, qsc2 = _kernels.smooth_quant_rows(q, mean_q2, True, 128, pad)
     assert same_bytes(mean_q, mean_q2) and same_bytes(qp, qp2) and same_bytes(qsc, qsc2)
-    kp2, ksc2, mean_k2 = _kernels.smooth_quant_seq(k, pad)
-    assert same_bytes(mean_k, mean_k2)
-    kp, ksc = _kernels.smooth_quant_rows(k, mean_k, False, 0, pad)
-    assert same_bytes(kp, kp2) and same_bytes(ksc, ksc2)
-    # again: the arrival counters are zeroed per launch
-    again = _kernels.smooth_quant_q_blocks_k_sums(q, k, pad)
-    assert same_bytes(again[3], mean_k) and same_bytes(again[0], qp)
+    kp2, ksc2, mean_k2 = _kernels.smooth_quant_seq(k, pad, two_pass=True)
+    assert same_bytes(mean_k, mean_k2) and same_bytes(kp, kp2) and same_bytes(ksc, ksc2)
+    # again: the tickets and counters are zeroed per launch
+    again = _kernels.smooth_quant_qk(q, k, pad, lag=lag)
+    for a, b in zip(again, (qp, qsc, mean_q, kp, ksc, mean_k)):
+        assert same_bytes(a, b)
 
 
-def test_q_blocks_k_sums_rejects_mismatched_inputs():
+def test_qk_rejects_mismatched_inputs():
     kernels_or_skip()
     from sageattn3 import _kernels
 
     q = torch.randn(2, 64, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="same dtype"):
-        _kernels.smooth_quant_q_blocks_k_sums(q, q.half(), 128)
+        _kernels.smooth_quant_qk(q, q.half(), 128)
     with pytest.raises(RuntimeError, match="same head dim"):
-        _kernels.smooth_quant_q_blocks_k_sums(q, torch.randn(2, 64, 128, device="cuda", dtype=torch.bfloat16), 128)
+        _kernels.smooth_quant_qk(q, torch.randn(2, 64, 128, device="cuda", dtype=torch.bfloat16), 128)
     with pytest.raises(RuntimeError, match="k must not be empty"):
-        _kernels.smooth_quant_q_blocks_k_sums(q, q[:, :0], 128)
+        _kernels.smooth_quant_qk(q, q[:, :0], 128)
+    with pytest.raises(RuntimeError, match="lag must be >= 0"):
+        _kernels.smooth_quant_qk(q, q, 128, lag=-1)
     torch.cuda.synchronize()
 
 
-def test_seq_mean_large_groups_two_reads():
-    """Groups with more tiles than the device holds at once (two reads, several groups larger
-    than the L2): the same bits as the forced two-read path, the reference mean, and the
+def test_seq_mean_large_groups():
+    """Groups with more tiles than the device holds at once and larger than the L2 (the second
+    read misses L2): the same bits as the forced two-read path, the reference mean, and the
     last group's last rows quantized from that mean."""
     kernels_or_skip()
     from sageattn3 import _kernels
@@ -205,8 +210,8 @@ def test_direct_op_rejects_misaligned_input():
 
 
 def test_seq_mean_under_graph_capture():
-    """Captured into a CUDA graph (the one-read path is a cooperative launch, so capture takes
-    two reads): replays give the same bits as an eager call."""
+    """Captured into a CUDA graph (the counters' reset is captured with the launch): replays
+    give the same bits as an eager call."""
     kernels_or_skip()
     from sageattn3 import _kernels
 

@@ -20,37 +20,74 @@
 
 namespace sageattn3 {
 
-// x (not NaN) -> E2M1 code (sign in bit 3), round to nearest, ties to the even code,
-// saturating at 6. The E2M1 grid has spacing 0.5 below 2, 1 in [2, 4) and 2 from 4 on: adding
-// 2^22, 2^23 or 2^24 in fp32 rounds |x| to that spacing (the adder's own round-to-nearest-even),
-// and the difference of the bit patterns counts the steps. About 9 instructions instead of 7
-// compare/select pairs; checked against the threshold definition for every fp32 in [0, 16]
-// and a sweep up to +Inf.
-__device__ __forceinline__ uint32_t e2m1_code_sw(float x) {
-  const uint32_t sign = (__float_as_uint(x) >> 28) & 8u;
-  const float a = fabsf(x);
-  const bool r0 = a < 2.f, r1 = a < 4.f;
-  const float magic = r0 ? 4194304.f : (r1 ? 8388608.f : 16777216.f);
-  const int base = r0 ? 0x4A800000 : (r1 ? 0x4B000000 - 2 : 0x4B800000 - 4);
-  const int m = min(__float_as_int(__fadd_rn(a, magic)) - base, 7);
-  return sign | static_cast<uint32_t>(m);
+// Software E2M1, exact (round to nearest, ties to the even code, saturating at 6), arranged for
+// sm_90's pipes: integer/logic instructions issue at half the rate of fp32 ones, so the rounding
+// is fp32 arithmetic and the integer work is a few instructions per 8 values.
+// The values come pre-scaled: y = x * 2^-14 (folded into 1/scale; exact while y is normal, and
+// smaller values give code 0 either way), which maps the E2M1 grid {0, 0.5, ..., 6} onto fp16
+// {0, 2^-15, ..., 1.5 * 2^-12}: exponents aligned, E2M1's subnormal onto fp16's, so the fp16 bit
+// pattern of a grid value is its code << 9. For a = |y| in [2^e, 2^(e+1)) the grid spacing there
+// is 2^(e-1) (2^-15 below 2^-14): adding M = 2^(max(e, -14) + 22) puts a + M in a binade whose
+// ulp is that spacing, so the adder's own round-to-nearest-even rounds a onto the grid (even
+// multiples are the even codes) and h = (a + M) - M is exact; one cvt.rn.f16x2 turns two h into
+// their codes. Every fp32 |x| < 7 gives the code of the 7 compare/select definition (checked
+// exhaustively), and every fp32 up to +Inf with kClamp (a clamped to 6 * 2^-14 first). Without
+// it a block needs |x| < 7, i.e. a normal E4M3 scale below 448 (amax/6 rounds by < 1/16:
+// |x| <= 6.4); NaN never gets here.
+constexpr float kE2M1Prescale = 0x1p-14f;
+
+template <bool kClamp>
+__device__ __forceinline__ float e2m1_grid_sw(float y) {
+  const float a = kClamp ? fminf(fabsf(y), 6.f * kE2M1Prescale) : fabsf(y);
+  const float m = __uint_as_float(max((__float_as_uint(a) & 0x7F800000u) + (22u << 23), (127u - 14u + 22u) << 23));
+  return __fsub_rn(__fadd_rn(a, m), m);
 }
 
-// Two floats -> one byte, `lo` in the low nibble.
-__device__ __forceinline__ uint32_t e2m1x2(float lo, float hi) {
-#if SAGEATTN3_HW_E2M1
-  uint16_t r;
-  // cvt d, a, b puts a in the upper nibble and b in the lower one.
-  asm("{\n .reg .b8 t;\n cvt.rn.satfinite.e2m1x2.f32 t, %1, %2;\n mov.b16 %0, {t, 0};\n}" : "=h"(r) : "f"(hi), "f"(lo));
+// prmt.b32 in its default mode: a selector nibble with bit 3 set replicates the selected byte's
+// sign bit (__byte_perm ignores that bit).
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
   return r;
-#else
-  return e2m1_code_sw(lo) | (e2m1_code_sw(hi) << 4);
-#endif
 }
 
-// 8 floats (already multiplied by 1/scale) -> 8 codes in one word, element 0 in the low nibble.
-__device__ __forceinline__ uint32_t e2m1x8(const float (&y)[8]) {
-  return e2m1x2(y[0], y[1]) | (e2m1x2(y[2], y[3]) << 8) | (e2m1x2(y[4], y[5]) << 16) | (e2m1x2(y[6], y[7]) << 24);
+// 8 pre-scaled values -> 8 codes in one word, element 0 in the low nibble.
+template <bool kClamp>
+__device__ __forceinline__ uint32_t e2m1x8_sw(const float (&y)[8]) {
+  // Elements j and j + 4 share an fp16 pair: codes at bits 9-11 and 25-27, shifted into
+  // nibbles j and j + 4. Signs: prmt copies the sign bits of y[j] and y[j + 4] into whole
+  // bytes, masked onto bit 3 of those nibbles.
+  uint32_t r[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const __half2 p = __floats2half2_rn(e2m1_grid_sw<kClamp>(y[j]), e2m1_grid_sw<kClamp>(y[j + 4]));
+    r[j] = *reinterpret_cast<const uint32_t*>(&p);
+  }
+  uint32_t w = (r[0] >> 9) | (r[1] >> 5) | (r[2] >> 1) | (r[3] << 3);
+  w |= prmt(__float_as_uint(y[0]), __float_as_uint(y[4]), 0x0F0B) & 0x00080008u;
+  w |= prmt(__float_as_uint(y[1]), __float_as_uint(y[5]), 0x0F0B) & 0x00800080u;
+  w |= prmt(__float_as_uint(y[2]), __float_as_uint(y[6]), 0xF0B0) & 0x08000800u;
+  w |= prmt(__float_as_uint(y[3]), __float_as_uint(y[7]), 0xF0B0) & 0x80008000u;
+  return w;
+}
+
+// Hardware E2M1: 8 values (already multiplied by 1/scale) -> 8 codes, element 0 in the low nibble.
+__device__ __forceinline__ uint32_t e2m1x8_hw(const float (&y)[8]) {
+  uint32_t r = 0;
+#if SAGEATTN3_HW_E2M1
+  // cvt d, a, b puts a in the upper nibble and b in the lower one.
+  asm("{\n"
+      ".reg .b8 b0, b1, b2, b3;\n"
+      "cvt.rn.satfinite.e2m1x2.f32 b0, %2, %1;\n"
+      "cvt.rn.satfinite.e2m1x2.f32 b1, %4, %3;\n"
+      "cvt.rn.satfinite.e2m1x2.f32 b2, %6, %5;\n"
+      "cvt.rn.satfinite.e2m1x2.f32 b3, %8, %7;\n"
+      "mov.b32 %0, {b0, b1, b2, b3};\n"
+      "}\n"
+      : "=r"(r)
+      : "f"(y[0]), "f"(y[1]), "f"(y[2]), "f"(y[3]), "f"(y[4]), "f"(y[5]), "f"(y[6]), "f"(y[7]));
+#endif
+  return r;
 }
 
 // E4M3 byte of a block amax (>= 0 or NaN): amax/6 in fp32, saturating RN conversion, no sign.
@@ -60,35 +97,6 @@ __device__ __forceinline__ uint32_t e4m3_scale_byte(float amax) {
 
 __device__ __forceinline__ float e4m3_value(uint32_t b) {
   return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3)));
-}
-
-// max |v| as bits: for non-negative floats the integer order is the float order, and every NaN
-// is above +Inf, so NaN propagates (fmaxf would drop it).
-__device__ __forceinline__ uint32_t abs_bits_max(uint32_t acc, float v) {
-  return max(acc, __float_as_uint(v) & 0x7FFFFFFFu);
-}
-
-// Quantize 8 values whose block amax (bits) is known: returns the packed codes, sets `sbyte`.
-__device__ __forceinline__ uint32_t quant8_with_amax(const float (&v)[8], uint32_t amax_bits, uint32_t& sbyte) {
-  sbyte = e4m3_scale_byte(__uint_as_float(amax_bits));
-  const float s = e4m3_value(sbyte);
-  const bool ok = s > 0.f;  // false for 0 and NaN
-  const float inv = ok ? __frcp_rn(s) : 0.f;
-  float y[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(v[i], inv);
-  const uint32_t w = e2m1x8(y);
-  return ok ? w : 0u;
-}
-
-// A 16-block split over a lane pair (lane, lane ^ 1), 8 values each: every lane of the warp must
-// call this together.
-__device__ __forceinline__ uint32_t quant8_pair(const float (&v)[8], uint32_t& sbyte) {
-  uint32_t a = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) a = abs_bits_max(a, v[i]);
-  a = max(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
-  return quant8_with_amax(v, a, sbyte);
 }
 
 // ---- element types (storage only) and loads: 8 consecutive elements (16-byte aligned) ----
@@ -146,12 +154,27 @@ __device__ __forceinline__ uint2 quant16_with_amax(const float (&v)[16], uint32_
   const bool ok = s > 0.f;  // false for 0 and NaN
   const float inv = ok ? __frcp_rn(s) : 0.f;
   float y0[8], y1[8];
+  uint2 w;
+#if SAGEATTN3_HW_E2M1
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     y0[i] = __fmul_rn(v[i], inv);
     y1[i] = __fmul_rn(v[8 + i], inv);
   }
-  const uint2 w = make_uint2(e2m1x8(y0), e2m1x8(y1));
+  w = make_uint2(e2m1x8_hw(y0), e2m1x8_hw(y1));
+#else
+  const float inv_pre = inv * kE2M1Prescale;  // exact: a power-of-two scaling of a normal float
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    y0[i] = __fmul_rn(v[i], inv_pre);
+    y1[i] = __fmul_rn(v[8 + i], inv_pre);
+  }
+  if (sbyte >= 8u && sbyte != 0x7Eu) {  // normal scale below 448: |v * inv| <= 6.4
+    w = make_uint2(e2m1x8_sw<false>(y0), e2m1x8_sw<false>(y1));
+  } else {  // subnormal, zero or saturated scale (rare): clamp to 6 first
+    w = make_uint2(e2m1x8_sw<true>(y0), e2m1x8_sw<true>(y1));
+  }
+#endif
   return ok ? w : make_uint2(0u, 0u);
 }
 
@@ -177,11 +200,14 @@ struct Raw16 {
   static constexpr int kWords = 16 * static_cast<int>(sizeof(T)) / 4;  // 8 (16-bit) or 16 (fp32)
   uint32_t w[kWords];
 
-  // p: 16-byte aligned. Streaming (evict-first) loads: every byte is read once.
+  // p: 16-byte aligned. kLastUse: streaming (evict-first) loads, the bytes are not read again;
+  // else read-only loads with the default cache policy.
+  template <bool kLastUse = true>
   __device__ __forceinline__ void load(const T* p) {
 #pragma unroll
     for (int i = 0; i < kWords / 4; ++i) {
-      const uint4 r = __ldcs(reinterpret_cast<const uint4*>(p) + i);
+      const uint4* a = reinterpret_cast<const uint4*>(p) + i;
+      const uint4 r = kLastUse ? __ldcs(a) : __ldg(a);
       w[4 * i] = r.x; w[4 * i + 1] = r.y; w[4 * i + 2] = r.z; w[4 * i + 3] = r.w;
     }
   }

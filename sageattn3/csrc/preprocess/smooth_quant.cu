@@ -4,9 +4,8 @@
 // the tile from DRAM.
 //
 // Means over 128-row blocks (Q with per_block_mean) are local to a CTA. A mean over the whole
-// sequence (K; Q without per_block_mean) is a reduction across the group's CTAs: one read
-// when the whole grid is resident at once, else tile sums, means, then the quantization
-// (smooth_quant_seq below).
+// sequence (K; Q without per_block_mean) is a reduction across the group's CTAs: tile sums
+// first, the quantization a few groups later from L2 (below).
 #include <type_traits>
 
 #include "common/launch.cuh"
@@ -24,12 +23,14 @@ template <typename T, int P>
 struct Tile {
   Raw16<T> raw[P];
 
+  // kLastUse: streaming loads (evict first); else normal ones (the tile is read again soon).
+  template <bool kLastUse = true>
   __device__ __forceinline__ void load(const RowMap& m, const T* xg, int D, int64_t row0, int64_t r1) {
 #pragma unroll
     for (int p = 0; p < P; ++p) {
       const int r = m.rl + p * m.rpp;
       const int64_t row = row0 + r;
-      if (m.active && r < kRows && row < r1) raw[p].load(xg + row * D);
+      if (m.active && r < kRows && row < r1) raw[p].template load<kLastUse>(xg + row * D);
       else raw[p].zero();
     }
   }
@@ -83,22 +84,19 @@ struct Tile {
   }
 };
 
-// Tile `tile` of group g: rows minus their mean (computed from the tile when compute_mean, else
-// read from `mean`), NVFP4. red: kRowThreads * 16 floats of shared memory.
+// Tile `tile` of group g, already in t: rows minus their mean (computed from the tile when
+// compute_mean, else read from `mean`), NVFP4. red: kRowThreads * 16 floats of shared memory.
 template <typename T, int P>
-__device__ __forceinline__ void smooth_quant_tile(const T* __restrict__ x, int64_t S, int D, float* __restrict__ mean,
-                                                  bool compute_mean, int mean_block, int64_t Sp, int64_t g,
-                                                  int64_t tile, uint2* __restrict__ packed,
-                                                  uint8_t* __restrict__ scales, float* red) {
+__device__ __forceinline__ void smooth_quant_loaded(const Tile<T, P>& t, int64_t S, int D, float* __restrict__ mean,
+                                                    bool compute_mean, int mean_block, int64_t Sp, int64_t g,
+                                                    int64_t tile, uint2* __restrict__ packed,
+                                                    uint8_t* __restrict__ scales, float* red) {
   const RowMap m(D);
   const int64_t row0 = tile * kRows;
   const int64_t r1 = std::min<int64_t>(S, row0 + kRows);  // real rows of this tile: [row0, r1)
   const int64_t nm = mean_block ? ceil_div(S, kRows) : 1;
   const int64_t mi = mean_block ? tile : 0;
   const bool has_rows = row0 < S;
-
-  Tile<T, P> t;
-  t.load(m, x + g * S * D + m.cb * 16, D, row0, r1);
   if (compute_mean) {
     t.colsum(m, D, red);
     if (has_rows && static_cast<int>(threadIdx.x) < D) {
@@ -110,8 +108,7 @@ __device__ __forceinline__ void smooth_quant_tile(const T* __restrict__ x, int64
     red[threadIdx.x] = mean[(g * nm + mi) * D + threadIdx.x];
   }
   __syncthreads();
-  if (!m.active) return;
-  t.quantize(m, red + m.cb * 16, g, row0, r1, Sp, packed, scales);
+  if (m.active) t.quantize(m, red + m.cb * 16, g, row0, r1, Sp, packed, scales);
 }
 
 template <typename T, int P>
@@ -122,22 +119,29 @@ __global__ void __launch_bounds__(kRowThreads, (P <= 4 ? 3 : 1)) smooth_quant_ke
                                                                    uint8_t* __restrict__ scales) {
   __shared__ __align__(16) float red[kRowThreads * 16];
   const uint32_t nt = static_cast<uint32_t>(tiles);  // the grid (< 2^31 CTAs) bounds it: 32-bit division
-  smooth_quant_tile<T, P>(x, S, D, mean, compute_mean, mean_block, Sp, blockIdx.x / nt, blockIdx.x % nt, packed,
-                          scales, red);
+  const int64_t g = blockIdx.x / nt, tile = blockIdx.x % nt, row0 = tile * kRows;
+  const RowMap m(D);
+  Tile<T, P> t;
+  t.load(m, x + g * S * D + m.cb * 16, D, row0, std::min<int64_t>(S, row0 + kRows));
+  smooth_quant_loaded<T, P>(t, S, D, mean, compute_mean, mean_block, Sp, g, tile, packed, scales, red);
 }
 
 // ---- one mean over the whole sequence -------------------------------------------------------
-// The mean of group g is sum over its real tiles (in tile order) of the tile column sums, / S.
-// Fused (one read): CTAs take tickets in launch order (ticket -> group-major tile), load their
-// tile, publish its column sums and arrive on the group's counter; the last to arrive sums the
-// partials in tile order, publishes the mean and raises the group's flag; the others wait for
-// the flag, then quantize the tile still in registers. A CTA only waits on tiles of its own
-// group, handed out before any later ticket, so a group whose tiles all fit on the device
-// cannot deadlock; the launcher is stricter and fuses only grids that are resident at once
-// (a group waiting for slots held by waiting CTAs serialises the groups: on an H100 at 24
-// heads x 32k tokens that was 2x slower than two reads). Otherwise tile sums, a mean kernel,
-// then smooth_quant_kernel.
-// Both give the same bits.
+// The mean of group g is (sum over its real tiles, in tile order, of the tile column sums) / S:
+// group_mean below, the same bits on every path.
+//
+// Streamed (one read from DRAM): persistent CTAs take tickets; a ticket names a work item of a
+// fixed order in which group g's tile sums come `lag` rounds before its quantization (a round:
+// one group's tile sums interleaved with an earlier group's tiles to quantize). A tile sum
+// publishes the tile's column sums and arrives on the group's counter; the last to arrive
+// reduces the mean and raises the group's flag. A quantization item loads its tile, waits for
+// the flag, then quantizes. Its tile was read from DRAM by the sum item `lag` rounds earlier:
+// the lag is chosen so that those rounds' tiles fit in 3/4 of the L2, where the second read
+// finds them (an H100 reads K from DRAM once at 24 x 32k x 128 bf16). Deadlock-free on any
+// grid: a waiting item only waits for sum items with earlier tickets, held by CTAs that run
+// them first. Q's 128-row block items (local means, no waiting) are spread evenly among K's.
+// Two reads (force_two_pass; the reference the streamed path is tested against): tile sums, a
+// mean kernel, then smooth_quant_kernel.
 
 __device__ __forceinline__ int ld_acquire(const int* p) {
   int v;
@@ -148,8 +152,8 @@ __device__ __forceinline__ void st_release(int* p, int v) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// The mean of group g from its nt tile sums, by all kRowThreads threads of a CTA (both paths
-// call this, so both give the same bits): D/4 column quads x L = 256/(D/4) lanes; lane j sums
+// The mean of group g from its nt tile sums, by all kRowThreads threads of a CTA (every path
+// calls this, so all give the same bits): D/4 column quads x L = 256/(D/4) lanes; lane j sums
 // tiles j, j+L, ... (16-byte L2 loads, 4 in flight, 4 accumulators combined in a fixed order);
 // then the lanes are combined in order and divided by S. On return red[0..D) holds the mean
 // (red: at least kRowThreads*4 floats), and mean[g*D..] too when `mean` is not null.
@@ -204,92 +208,200 @@ __device__ __forceinline__ void group_mean(const float* partial, int64_t g, int6
   }
 }
 
-// group_mean from a kernel that also quantizes (once per group, by one CTA): out of line, so
-// that its registers do not count against the tile the kernel holds (inlined, the kernels
-// spilled at 3 CTAs per SM).
+// group_mean from the streamed kernel (once per group, by one CTA): out of line, so that its
+// registers do not count against the tile the kernel holds.
 __device__ __noinline__ void group_mean_call(const float* partial, int64_t g, int64_t nt, int D, int64_t S,
                                              float* red, float* mean) {
   group_mean(partial, g, nt, D, S, red, mean);
 }
 
-// After colsum left the tile's column sums in red[0..D): store them as this tile's row of the
-// partial sums and count the tile on *arrive. Every thread of the CTA gets whether it brought
-// the group's last tile (the one to reduce the mean). s_last: a shared int.
-__device__ __forceinline__ bool publish_tile_sum(const float* red, float* partial_row, int D, int* arrive, int64_t nt,
-                                                 int* s_last) {
-  if (static_cast<int>(threadIdx.x) < D) {
-    partial_row[threadIdx.x] = red[threadIdx.x];
-    __threadfence();
-  }
-  __syncthreads();  // every partial of this CTA written
-  if (threadIdx.x == 0) {
-    __threadfence();
-    *s_last = atomicAdd(arrive, 1) == nt - 1;
-    __threadfence();
-  }
-  __syncthreads();
-  return *s_last;
-}
-
-// sync: [0] the ticket counter, [1 + g] arrivals of group g, [1 + G + g] group g's mean is ready.
-template <typename T, int P, bool kFused>
-__global__ void __launch_bounds__(kRowThreads, (P <= 4 ? 3 : 1)) seq_mean_quant_kernel(const T* __restrict__ x, int64_t G, int64_t S,
-                                                                     int D, int64_t Sp, int64_t tiles,
-                                                                     float* __restrict__ partial,
-                                                                     float* __restrict__ mean, int* __restrict__ sync,
-                                                                     uint2* __restrict__ packed,
-                                                                     uint8_t* __restrict__ scales) {
+// Two reads, first pass: the column sums of each real tile, partial (G, nt, D).
+template <typename T, int P>
+__global__ void __launch_bounds__(kRowThreads, (P <= 4 ? 3 : 1)) tile_sums_kernel(const T* __restrict__ x, int64_t S,
+                                                                                   int D, int64_t nt,
+                                                                                   float* __restrict__ partial) {
   __shared__ __align__(16) float red[kRowThreads * 16];
-  __shared__ int64_t s_ticket;
-  __shared__ int s_last;
   const RowMap m(D);
-  int64_t ticket = blockIdx.x;
-  if (kFused) {
-    if (threadIdx.x == 0) s_ticket = atomicAdd(reinterpret_cast<unsigned long long*>(sync), 1ull);
-    __syncthreads();
-    ticket = s_ticket;
-  }
-  const int64_t g = ticket / tiles, tile = ticket % tiles;
-  const int64_t nt = ceil_div(S, kRows);  // tiles with real rows
-  const int64_t row0 = tile * kRows;
-  const int64_t r1 = std::min<int64_t>(S, row0 + kRows);
-  const bool has_rows = row0 < S;
-
+  const uint32_t n = static_cast<uint32_t>(nt);
+  const int64_t g = blockIdx.x / n, tile = blockIdx.x % n, row0 = tile * kRows;
   Tile<T, P> t;
-  t.load(m, x + g * S * D + m.cb * 16, D, row0, r1);
-  if (has_rows) t.colsum(m, D, red);
-  if (!kFused) {  // tile sums only
-    if (has_rows && static_cast<int>(threadIdx.x) < D) partial[(g * nt + tile) * D + threadIdx.x] = red[threadIdx.x];
-    return;
-  }
-
-  int* arrive = reinterpret_cast<int*>(sync + 2) + g;
-  int* ready = reinterpret_cast<int*>(sync + 2) + G + g;
-  if (has_rows) {
-    if (publish_tile_sum(red, partial + (g * nt + tile) * D, static_cast<int>(D), arrive, nt, &s_last)) {
-      group_mean_call(partial, g, nt, static_cast<int>(D), S, red, mean);
-      __threadfence();
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        st_release(ready, 1);
-      }
-    } else {
-      if (threadIdx.x == 0) {
-        while (ld_acquire(ready) == 0) __nanosleep(128);
-      }
-      __syncthreads();
-      if (static_cast<int>(threadIdx.x) < D) red[threadIdx.x] = __ldcg(mean + g * D + threadIdx.x);
-    }
-    __syncthreads();
-  }
-  if (!m.active) return;
-  t.quantize(m, red + m.cb * 16, g, row0, r1, Sp, packed, scales);
+  t.load(m, x + g * S * D + m.cb * 16, D, row0, std::min<int64_t>(S, row0 + kRows));
+  t.colsum(m, D, red);
+  if (static_cast<int>(threadIdx.x) < D) partial[(g * nt + tile) * D + threadIdx.x] = red[threadIdx.x];
 }
 
 __global__ void __launch_bounds__(kRowThreads) seq_mean_kernel(const float* __restrict__ partial, int64_t nt, int D,
                                                                 int64_t S, float* __restrict__ mean) {
   __shared__ __align__(16) float red[kRowThreads * 4];
   group_mean(partial, blockIdx.x, nt, D, S, red, mean);
+}
+
+// Q's 128-row block items (as smooth_quant_rows with compute_mean).
+struct QBlocks {
+  const void* x;
+  int64_t S, Sp;
+  uint32_t tiles;  // ceil(Sp / 128) per group
+  float* mean;
+  uint2* packed;
+  uint8_t* scales;
+};
+
+// K (or any tensor smoothed by its whole-sequence mean), streamed.
+struct SeqK {
+  const void* x;
+  int64_t S, Sp;
+  uint32_t G, nt, tiles, lag;  // nt = ceil(S / 128) tile sums, tiles = ceil(Sp / 128) to quantize
+  float* partial;               // (G, nt, D)
+  float* mean;                  // (G, D)
+  int* sync;                    // [0] tickets, [2 + g] arrivals of group g, [2 + G + g] g's mean ready
+  uint2* packed;
+  uint8_t* scales;
+};
+
+struct KItem {
+  uint32_t g, tile;
+  bool sum;
+};
+
+// Work item i of the streamed order (lag in [1, G]): the tile sums of groups 0..lag-1; then
+// rounds r = 0..G-lag-1, each the tile sums of group r + lag interleaved with the tiles of
+// group r to quantize (padding tiles last); then the tiles of the last lag groups.
+__device__ __forceinline__ KItem k_item(const SeqK& k, uint32_t i) {
+  const uint32_t L = k.lag, nt = k.nt, tiles = k.tiles, R = nt + tiles;
+  if (i < L * nt) return {i / nt, i % nt, true};
+  i -= L * nt;
+  const uint32_t steady = (k.G - L) * R;
+  if (i < steady) {
+    const uint32_t r = i / R, o = i % R;
+    if (o < 2 * nt) return (o & 1u) ? KItem{r, o >> 1, false} : KItem{r + L, o >> 1, true};
+    return {r, o - nt, false};
+  }
+  i -= steady;
+  return {k.G - L + i / tiles, i % tiles, false};
+}
+
+// After colsum left the tile's column sums in red[0..D): store them as this tile's row of the
+// partial sums and count the tile on *arrive. Every thread of the CTA gets whether it brought
+// the group's last tile (the one to reduce the mean). s_last: a shared int.
+__device__ __forceinline__ bool publish_tile_sum(const float* red, float* partial_row, int D, int* arrive, uint32_t nt,
+                                                 int* s_last) {
+  if (static_cast<int>(threadIdx.x) < D) partial_row[threadIdx.x] = red[threadIdx.x];
+  __syncthreads();  // every partial of this CTA written; one fence after the barrier releases them all
+  if (threadIdx.x == 0) {
+    __threadfence();
+    *s_last = atomicAdd(arrive, 1) == static_cast<int>(nt) - 1;
+    __threadfence();
+  }
+  __syncthreads();
+  return *s_last;
+}
+
+// The streamed launch's work items: nk = G * (nt + tiles) K items (k_item) and nq Q block items
+// (nk + nq < 2^31), spread evenly so that Q's arithmetic and K's reads overlap: tickets come in
+// runs of `period` = 1 + floor(larger / smaller), each led by one item of the smaller set
+// (`k_leads`: K's) and filled with items of the larger one; after `smaller` runs, the rest of
+// the larger set (32-bit arithmetic only).
+struct Item {
+  uint32_t kind;  // 0: Q block, 1: K tile sum, 2: K tile to quantize
+  uint32_t g, tile;
+};
+
+__device__ __forceinline__ Item decode(const SeqK& k, const QBlocks& q, uint32_t nk, uint32_t nq, bool k_leads,
+                                       uint32_t period, uint32_t t) {
+  uint32_t ki = t;  // K item index, or Q's with is_q
+  bool is_q = false;
+  if (nq) {
+    const uint32_t leads = k_leads ? nk : nq, run = t / period;
+    const bool lead = run < leads && t % period == 0;
+    ki = lead ? run : t - min(run + 1, leads);
+    is_q = lead != k_leads;
+  }
+  if (is_q) return {0u, ki / q.tiles, ki % q.tiles};
+  const KItem it = k_item(k, ki);
+  return {it.sum ? 1u : 2u, it.g, it.tile};
+}
+
+template <typename T, int P>
+__device__ __forceinline__ void load_item(Tile<T, P>& tl, const SeqK& k, const QBlocks& q, const Item& it, int D) {
+  const RowMap m(D);
+  const bool is_q = it.kind == 0;
+  const int64_t S = is_q ? q.S : k.S, row0 = static_cast<int64_t>(it.tile) * kRows;
+  const T* x = static_cast<const T*>(is_q ? q.x : k.x) + static_cast<int64_t>(it.g) * S * D + m.cb * 16;
+  // K's tile sums leave their tile in L2 for its quantization; every other read is the last
+  if (it.kind == 1) tl.template load<false>(m, x, D, row0, std::min<int64_t>(S, row0 + kRows));
+  else tl.load(m, x, D, row0, std::min<int64_t>(S, row0 + kRows));
+}
+
+template <typename T, int P>
+__device__ __forceinline__ void process_item(const Tile<T, P>& tl, const SeqK& k, const QBlocks& q, const Item& it,
+                                             int D, float* red, int* s_last) {
+  if (it.kind == 0) {
+    smooth_quant_loaded<T, P>(tl, q.S, D, q.mean, true, kRows, q.Sp, it.g, it.tile, q.packed, q.scales, red);
+    return;
+  }
+  const RowMap m(D);
+  const int64_t g = it.g, row0 = static_cast<int64_t>(it.tile) * kRows;
+  const int64_t r1 = std::min<int64_t>(k.S, row0 + kRows);
+  if (it.kind == 1) {
+    tl.colsum(m, D, red);
+    if (publish_tile_sum(red, k.partial + (g * k.nt + it.tile) * D, D, k.sync + 2 + g, k.nt, s_last)) {
+      group_mean_call(k.partial, g, k.nt, D, k.S, red, k.mean);
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        __threadfence();
+        st_release(k.sync + 2 + k.G + g, 1);
+      }
+    }
+    return;
+  }
+  if (row0 < k.S) {  // padding tiles need no mean
+    if (threadIdx.x == 0) {
+      while (ld_acquire(k.sync + 2 + k.G + g) == 0) __nanosleep(200);
+    }
+    __syncthreads();
+    if (static_cast<int>(threadIdx.x) < D) red[threadIdx.x] = __ldcg(k.mean + g * D + threadIdx.x);
+    __syncthreads();
+  }
+  if (m.active) tl.quantize(m, red + m.cb * 16, g, row0, r1, k.Sp, k.packed, k.scales);
+}
+
+// Persistent CTAs (as many as are resident) take tickets until all nk + nq items are done; the
+// next ticket is fetched while the current item runs. A CTA may hold a fetched ticket while it
+// waits, but only a later one than the one it waits on: the earliest waiting item depends only
+// on items that run.
+// CTAs per SM the streamed kernel is compiled for with 16-bit inputs and P <= 4 (fp32: 2), the largest
+// count at which it does not spill: 4 (64 registers) with the software E2M1 (sm_90: 32 warps
+// hide more latency than 24); 2 with the hardware one (sm_120a/121a spill at 3, 80 registers;
+// 16 warps keep 64 KB of loads in flight per SM, more than their DRAM needs).
+#if defined(__CUDA_ARCH__) && !SAGEATTN3_HW_E2M1
+constexpr int kStreamCtas16 = 4;
+#else
+constexpr int kStreamCtas16 = 2;
+#endif
+
+template <typename T, int P>
+__global__ void __launch_bounds__(kRowThreads, (P > 4 ? 1 : sizeof(T) == 2 ? kStreamCtas16 : 2)) seq_stream_kernel(const SeqK k, const QBlocks q,
+                                                                                    uint32_t nk, uint32_t nq,
+                                                                                    bool k_leads, uint32_t period,
+                                                                                    int D) {
+  __shared__ __align__(16) float red[kRowThreads * 16];
+  __shared__ uint32_t s_ticket[2];
+  __shared__ int s_last;
+  unsigned* const tickets = reinterpret_cast<unsigned*>(k.sync);
+  if (threadIdx.x == 0) s_ticket[0] = atomicAdd(tickets, 1u);
+  __syncthreads();
+  for (int b = 0;; b ^= 1) {
+    const uint32_t t = s_ticket[b];
+    if (t >= nk + nq) break;
+    uint32_t next = 0;
+    if (threadIdx.x == 0) next = atomicAdd(tickets, 1u);
+    const Item it = decode(k, q, nk, nq, k_leads, period, t);
+    Tile<T, P> tl;
+    load_item(tl, k, q, it, D);
+    process_item<T, P>(tl, k, q, it, D, red, &s_last);
+    if (threadIdx.x == 0) s_ticket[b ^ 1] = next;
+    __syncthreads();
+  }
 }
 
 template <typename T, int P>
@@ -305,110 +417,50 @@ int launch_p(const void* x, int64_t G, int64_t S, int64_t D, float* mean, bool c
   return cudaGetLastError();
 }
 
-// Whole-sequence mean. One read (fused, a cooperative launch) when every CTA of the grid is
-// resident at once: no CTA then waits for a slot, and all groups progress together. Otherwise,
-// under stream capture, or when the driver refuses the cooperative launch: two reads (tile
-// sums, means, quantization). force_two_pass: always the latter.
+// The lag (in rounds) between a group's tile sums and its quantization: long enough that the
+// last sum's mean is ready when the first quantization item starts (about two grids' worth of
+// resident CTAs in between), short enough that the lag + 1 groups in flight fit in 3/4 of the L2.
+inline uint32_t auto_lag(const SeqK& k, int64_t D, int64_t elt_bytes, int64_t resident) {
+  int dev = 0, l2 = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev) != cudaSuccess) {
+    cudaGetLastError();
+    l2 = 0;
+  }
+  const int64_t by_items = 1 + ceil_div(2 * resident, static_cast<int64_t>(k.nt) + k.tiles);
+  const int64_t by_l2 = l2 * 3 / 4 / (k.S * D * elt_bytes) - 1;
+  return static_cast<uint32_t>(std::max<int64_t>(1, std::min<int64_t>({by_items, by_l2, k.G})));
+}
+
 template <typename T, int P>
-int launch_seq_p(const void* x, int64_t G, int64_t S, int64_t D, float* mean, float* partial, int* sync,
-                 int64_t Sp, uint8_t* packed, uint8_t* scales, bool force_two_pass, cudaStream_t stream) {
-  const int64_t tiles = ceil_div(Sp, kRows), nt = ceil_div(S, kRows);
-  const int64_t grid = G * tiles;
-  if (grid == 0) return cudaSuccess;
-  if (grid > 0x7FFFFFFF || G > 0x7FFFFFFF) return cudaErrorInvalidValue;
+int launch_stream_p(SeqK k, const QBlocks& q, int64_t Gq, int64_t D, int lag, cudaStream_t stream) {
+  const int64_t nk = static_cast<int64_t>(k.G) * (k.nt + k.tiles), nq = Gq * q.tiles;
+  if (nk + nq > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  auto* kernel = seq_stream_kernel<T, P>;
   int per_sm = 0;
-  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, seq_mean_quant_kernel<T, P, true>,
-                                                                kRowThreads, 0);
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kRowThreads, 0);
   if (e != cudaSuccess) return e;
-  const T* xt = static_cast<const T*>(x);
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) capture = cudaStreamCaptureStatusActive;
-  if (!force_two_pass && capture == cudaStreamCaptureStatusNone && grid <= static_cast<int64_t>(per_sm) * sm_count()) {
-    // A cooperative launch: the driver refuses it unless every CTA can be resident at once (also
-    // when MPS or other limits shrink the device), which the waiting CTAs rely on.
-    e = cudaMemsetAsync(sync, 0, sizeof(int) * (2 + 2 * G), stream);
-    if (e != cudaSuccess) return e;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(grid));
-    cfg.blockDim = dim3(kRowThreads);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeCooperative;
-    attr[0].val.cooperative = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    e = cudaLaunchKernelEx(&cfg, seq_mean_quant_kernel<T, P, true>, xt, G, S, static_cast<int>(D), Sp, tiles, partial,
-                           mean, sync, reinterpret_cast<uint2*>(packed), scales);
-    if (e == cudaSuccess) return cudaSuccess;
-    if (e != cudaErrorCooperativeLaunchTooLarge && e != cudaErrorNotSupported) return e;
-    cudaGetLastError();  // refused: clear it and take two reads
-  }
-  // Tile sums of the real tiles, the means, then the quantization with them. (Running this by
-  // L2-sized chunks of groups, so the second read hits L2, measured slower on an H100: the
-  // small grids and the serial mean kernels cost more than the DRAM read they save.)
-  seq_mean_quant_kernel<T, P, false><<<static_cast<unsigned>(G * nt), kRowThreads, 0, stream>>>(
-      xt, G, S, static_cast<int>(D), Sp, nt, partial, mean, sync, reinterpret_cast<uint2*>(packed), scales);
-  if ((e = cudaGetLastError()) != cudaSuccess) return e;
-  seq_mean_kernel<<<static_cast<unsigned>(G), kRowThreads, 0, stream>>>(partial, nt, static_cast<int>(D), S, mean);
-  if ((e = cudaGetLastError()) != cudaSuccess) return e;
-  return launch_p<T, P>(x, G, S, D, mean, false, 0, Sp, packed, scales, stream);
-}
-
-// ---- Q block means and K's tile sums in one launch ------------------------------------------
-// Q's block-mean kernel is bound by instruction issue (the quantization), K's tile-sum pass by
-// DRAM (it only adds): run as one grid, with the K CTAs spread evenly among the Q ones, the K
-// reads proceed under Q's arithmetic instead of after it. The last K CTA of a group to finish
-// reduces the group's mean (group_mean: the bits smooth_quant_seq gives) for K's quantization.
-struct QBlocks {
-  const void* x;
-  int64_t S, Sp, tiles;  // tiles: ceil(Sp / 128) per group
-  float* mean;
-  uint2* packed;
-  uint8_t* scales;
-};
-struct KSums {
-  const void* x;
-  int64_t S, nt;  // nt: ceil(S / 128) tiles per group
-  float* partial;
-  float* mean;
-  int* arrive;  // one counter per group, zero at launch
-};
-
-// The grid (nq + nk < 2^31 CTAs) in nk runs of `period` = 1 + floor(nq / nk) CTAs, each led by
-// one K CTA, then Q CTAs to the end: 32-bit index arithmetic only.
-template <typename T, int P>
-__global__ void __launch_bounds__(kRowThreads, (P <= 4 ? 3 : 1)) q_blocks_k_sums_kernel(const QBlocks q, const KSums k,
-                                                                                         int D, uint32_t nk,
-                                                                                         uint32_t period) {
-  __shared__ __align__(16) float red[kRowThreads * 16];
-  __shared__ int s_last;
-  const uint32_t b = blockIdx.x, run = b / period;
-  if (run >= nk || b % period != 0) {  // a Q CTA; K CTAs before it: min(run + 1, nk)
-    const uint32_t i = b - min(run + 1, nk), tiles = static_cast<uint32_t>(q.tiles);
-    smooth_quant_tile<T, P>(static_cast<const T*>(q.x), q.S, D, q.mean, true, kRows, q.Sp, i / tiles, i % tiles,
-                            q.packed, q.scales, red);
-    return;
-  }
-  const uint32_t ntk = static_cast<uint32_t>(k.nt);
-  const int64_t g = run / ntk, tile = run % ntk;
-  const RowMap m(D);
-  const int64_t row0 = tile * kRows;
-  Tile<T, P> t;
-  t.load(m, static_cast<const T*>(k.x) + g * k.S * D + m.cb * 16, D, row0, std::min<int64_t>(k.S, row0 + kRows));
-  t.colsum(m, D, red);
-  if (publish_tile_sum(red, k.partial + (g * k.nt + tile) * D, D, k.arrive + g, k.nt, &s_last))
-    group_mean_call(k.partial, g, k.nt, D, k.S, red, k.mean);
-}
-
-template <typename T, int P>
-int launch_q_blocks_k_sums(const QBlocks& q, int64_t Gq, const KSums& k, int64_t Gk, int64_t D, cudaStream_t stream) {
-  const int64_t nq = Gq * q.tiles, nk = Gk * k.nt;  // nk >= 1
-  if (nq + nk > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  cudaError_t e = cudaMemsetAsync(k.arrive, 0, sizeof(int) * Gk, stream);
+  const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count();
+  k.lag = lag > 0 ? std::min<uint32_t>(static_cast<uint32_t>(lag), k.G)
+                  : auto_lag(k, D, static_cast<int64_t>(sizeof(T)), resident);
+  e = cudaMemsetAsync(k.sync, 0, sizeof(int) * (2 + 2 * static_cast<size_t>(k.G)), stream);
   if (e != cudaSuccess) return e;
-  q_blocks_k_sums_kernel<T, P><<<static_cast<unsigned>(nq + nk), kRowThreads, 0, stream>>>(
-      q, k, static_cast<int>(D), static_cast<uint32_t>(nk), static_cast<uint32_t>(1 + nq / nk));
+  kernel<<<static_cast<unsigned>(std::min(nk + nq, resident)), kRowThreads, 0, stream>>>(
+      k, q, static_cast<uint32_t>(nk), static_cast<uint32_t>(nq), nk <= nq,
+      static_cast<uint32_t>(nq ? 1 + std::max(nk, nq) / std::min(nk, nq) : 1), static_cast<int>(D));
   return cudaGetLastError();
+}
+
+template <typename T, int P>
+int launch_two_pass_p(const SeqK& k, int64_t D, cudaStream_t stream) {
+  const int64_t nt = k.nt;
+  tile_sums_kernel<T, P><<<static_cast<unsigned>(k.G * nt), kRowThreads, 0, stream>>>(
+      static_cast<const T*>(k.x), k.S, static_cast<int>(D), nt, k.partial);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  seq_mean_kernel<<<k.G, kRowThreads, 0, stream>>>(k.partial, nt, static_cast<int>(D), k.S, k.mean);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  return launch_p<T, P>(k.x, k.G, k.S, D, k.mean, false, 0, k.Sp, reinterpret_cast<uint8_t*>(k.packed), k.scales,
+                        stream);
 }
 
 // P: rows per thread, so that a CTA covers 128 rows (rpp = 256 / (D/16) rows per pass).
@@ -434,17 +486,28 @@ int launch(const void* x, int64_t G, int64_t S, int64_t D, float* mean, bool com
 }
 
 template <typename T>
-int launch_seq(const void* x, int64_t G, int64_t S, int64_t D, float* mean, float* partial, int* sync, int64_t Sp,
-               uint8_t* packed, uint8_t* scales, bool force_two_pass, cudaStream_t stream) {
+int launch_seq(const SeqK& k, const QBlocks& q, int64_t Gq, int64_t D, int lag, bool two_pass, cudaStream_t stream) {
   return with_passes(D, [&](auto p) {
-    return launch_seq_p<T, decltype(p)::value>(x, G, S, D, mean, partial, sync, Sp, packed, scales, force_two_pass,
-                                               stream);
+    constexpr int P = decltype(p)::value;
+    return two_pass ? launch_two_pass_p<T, P>(k, D, stream) : launch_stream_p<T, P>(k, q, Gq, D, lag, stream);
   });
 }
 
-template <typename T>
-int launch_fused(const QBlocks& q, int64_t Gq, const KSums& k, int64_t Gk, int64_t D, cudaStream_t stream) {
-  return with_passes(D, [&](auto p) { return launch_q_blocks_k_sums<T, decltype(p)::value>(q, Gq, k, Gk, D, stream); });
+template <typename... A>
+int by_dtype(DType dtype, const SeqK& k, A... a) {
+  switch (dtype) {
+    case DType::kFloat16: return launch_seq<f16_t>(k, a...);
+    case DType::kBFloat16: return launch_seq<bf16_t>(k, a...);
+    case DType::kFloat32: return launch_seq<float>(k, a...);
+  }
+  return cudaErrorInvalidValue;
+}
+
+SeqK seq_k(const void* x, int64_t G, int64_t S, int64_t Sp, float* mean, float* partial, int* sync, uint8_t* packed,
+           uint8_t* scales) {
+  return SeqK{x, S, Sp, static_cast<uint32_t>(G), static_cast<uint32_t>(ceil_div(S, kRows)),
+              static_cast<uint32_t>(ceil_div(Sp, kRows)), 1, partial, mean, sync,
+              reinterpret_cast<uint2*>(packed), scales};
 }
 
 }  // namespace
@@ -466,29 +529,23 @@ int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D
                      int* sync, int64_t Sp, uint8_t* packed, uint8_t* scales, bool force_two_pass,
                      cudaStream_t stream) {
   if (D % 16 || D <= 0 || D > kMaxD || Sp < S || S < 1) return cudaErrorInvalidValue;
-  switch (dtype) {
-    case DType::kFloat16:
-      return launch_seq<f16_t>(x, G, S, D, mean, partial, sync, Sp, packed, scales, force_two_pass, stream);
-    case DType::kBFloat16:
-      return launch_seq<bf16_t>(x, G, S, D, mean, partial, sync, Sp, packed, scales, force_two_pass, stream);
-    case DType::kFloat32:
-      return launch_seq<float>(x, G, S, D, mean, partial, sync, Sp, packed, scales, force_two_pass, stream);
-  }
-  return cudaErrorInvalidValue;
+  if (G == 0) return cudaSuccess;
+  if (G > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  const SeqK k = seq_k(x, G, S, Sp, mean, partial, sync, packed, scales);
+  return by_dtype(dtype, k, QBlocks{}, int64_t{0}, D, 0, force_two_pass, stream);
 }
 
-int smooth_quant_q_blocks_k_sums(const void* q, const void* k, DType dtype, int64_t Gq, int64_t Sq, int64_t Gk,
-                                 int64_t Sk, int64_t D, float* mean_q, int64_t Sqp, uint8_t* q_packed,
-                                 uint8_t* q_scales, float* mean_k, float* partial_k, int* sync, cudaStream_t stream) {
-  if (D % 16 || D <= 0 || D > kMaxD || Sqp < Sq || Sk < 1 || Gk < 1) return cudaErrorInvalidValue;
-  const QBlocks qa{q, Sq, Sqp, ceil_div(Sqp, kRows), mean_q, reinterpret_cast<uint2*>(q_packed), q_scales};
-  const KSums ka{k, Sk, ceil_div(Sk, kRows), partial_k, mean_k, sync};
-  switch (dtype) {
-    case DType::kFloat16: return launch_fused<f16_t>(qa, Gq, ka, Gk, D, stream);
-    case DType::kBFloat16: return launch_fused<bf16_t>(qa, Gq, ka, Gk, D, stream);
-    case DType::kFloat32: return launch_fused<float>(qa, Gq, ka, Gk, D, stream);
-  }
-  return cudaErrorInvalidValue;
+int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64_t Sq, int64_t Gk, int64_t Sk,
+                    int64_t D, float* mean_q, int64_t Sqp, uint8_t* q_packed, uint8_t* q_scales, float* mean_k,
+                    float* partial_k, int* sync, int64_t Skp, uint8_t* k_packed, uint8_t* k_scales, int lag,
+                    cudaStream_t stream) {
+  if (D % 16 || D <= 0 || D > kMaxD || Sqp < Sq || Skp < Sk || Sk < 1 || Gk < 1 || Gk > 0x7FFFFFFF || Gq < 0 ||
+      lag < 0)
+    return cudaErrorInvalidValue;
+  const QBlocks qa{q, Sq, Sqp, static_cast<uint32_t>(ceil_div(Sqp, kRows)), mean_q,
+                   reinterpret_cast<uint2*>(q_packed), q_scales};
+  const SeqK ka = seq_k(k, Gk, Sk, Skp, mean_k, partial_k, sync, k_packed, k_scales);
+  return by_dtype(dtype, ka, qa, Gq, D, lag, false, stream);
 }
 
 }  // namespace sageattn3
