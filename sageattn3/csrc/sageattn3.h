@@ -32,8 +32,8 @@ int smooth_quant_rows(const void* x, DType dtype, int64_t G, int64_t S, int64_t 
 // Smoothing with one mean per group over the whole sequence + NVFP4 along D (S >= 1):
 // mean (G, D) = (sum over the 128-row tiles in order of each tile's column sums) / S, then
 // rows as smooth_quant_rows with mean_block 0. Workspace: partial (G, ceil(S/128), D) fp32 and
-// sync (2 + 2G) int32 (zeroed here). One launch that reads x from DRAM once (each group's tiles
-// are summed, then quantized a few groups later, when they are still in L2); force_two_pass:
+// sync (2 + 2G) int32 (zeroed here). One launch (each group's tiles are summed, then quantized a
+// few groups later, when most are still in L2: x comes from DRAM about once); force_two_pass:
 // tile sums, means, then the quantization (two reads). Both give the same bits.
 int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, float* mean, float* partial,
                      int* sync, int64_t Sp, uint8_t* packed, uint8_t* scales, bool force_two_pass,

@@ -115,7 +115,7 @@ def smooth_quant_seq(x: torch.Tensor, seq_pad: int, two_pass: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (G, S, D), S >= 1: rows minus their mean over the whole sequence, NVFP4 along D, rows
     padded with zero codes to a multiple of ``seq_pad``; returns (packed, scales, mean (G, 1, D)).
-    One launch reading x from DRAM once (``smooth_quant_qk`` without Q); ``two_pass``: tile sums,
+    One launch, x from DRAM about once (``smooth_quant_qk`` without Q); ``two_pass``: tile sums,
     means, quantization. The mean (tile sums in a fixed order, / S) has the same bits either way."""
     g, s, d = x.shape
     packed, scales = _codes(x, g, s, d, seq_pad)

@@ -285,13 +285,13 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128) -> Preproce
     1. V along the sequence (transposed through shared memory);
     2. per_block_mean: one launch smooths and quantizes Q and K. Q's CTAs each hold a 128-row
        block in registers (its mean and codes from one read); K's tiles are summed, then, a few
-       heads later (still in L2), quantized with the head's mean, so K is read from DRAM once;
+       heads later (mostly still in L2), quantized with the head's mean;
        Q's and K's CTAs are interleaved (K's sums are bound by DRAM, the quantization by
        arithmetic). One mean per head: Q and K each as ``smooth_quant_seq`` (the K part alone).
     The correction delta_s = mean_q · Kdᵀ is not computed here: the attention kernel computes
     it per K tile from ``mean_q`` (``Preprocessed.delta_s`` materialises it for tests).
     Bytes that must move: Q, K, V read (3 x 2 bytes/element) + FP4 written (3 x 0.5625) + the
-    means (tiny); K's second read comes from L2 when a few heads fit in it. Figures:
+    means (tiny); K's second read comes mostly from L2 when a few heads fit in it. Figures:
     tests/bench/bench_kernels.py. Elsewhere: the reference."""
     _check_qkv(q, k, v)
     if not isinstance(pad, int) or pad <= 0 or pad % 16:
