@@ -4,10 +4,11 @@
    >= 256 MB (rows and transposed layouts, bf16 and fp16). Bandwidth counts bytes read + written.
 2. Whole preprocessing of Q, K, V (batch 1, 24 heads, 32k tokens, D 128) against the time one
    bf16 read of Q, K, V plus the FP4 write would take at the measured copy bandwidth; shown
-   with per-block Q means and with one Q mean. delta_s is not materialised (the attention kernel
-   computes mean_q . K^T per tile); the bytes-moved bound counts everything preprocessing moves:
-   the floor + the 2nd read of K (its column sums) + the means and partial sums (tiny). With
-   per-block means K's first read runs inside Q's launch ("Q block means + quant + K mean").
+   with per-block Q means and with one Q mean, for one call and per call over 10 back-to-back
+   calls. delta_s is not materialised (the attention kernel computes mean_q . K^T per tile); the
+   bytes-moved bound adds K's tile sums and the means (tiny) to the floor, i.e. it assumes K's
+   second read comes from L2. Then the stages alone: with per-block means Q and K run in one
+   launch ("Q and K smoothed + quant, one launch", also at fixed lags).
 3. FP4 attention (batch 1, 16 heads, 4096 tokens, D 64/128, bf16, causal and not): the kernel on
    preprocessed inputs, the whole sageattn3_blackwell call (preprocessing included) and torch
    SDPA for comparison. On an H100 this needs the MMA-model test flavour (SAGEATTN3_FORCE_FP4=1 is

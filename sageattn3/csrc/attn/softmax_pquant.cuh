@@ -13,6 +13,7 @@
 #include <cuda_fp16.h>
 
 #include "attn/fp4_mma.cuh"
+#include "common/nvfp4.cuh"
 
 namespace sageattn3::attn {
 
@@ -24,8 +25,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// NVFP4 numerics of P, the same rules as sageattn3.reference.quantize_rows (kept local so the
-// kernel does not depend on the quantization kernels' headers):
+// NVFP4 numerics of P, the same rules as sageattn3.reference.quantize_rows (the hardware
+// conversion is common/nvfp4.cuh's; the software one below is this kernel's own):
 // |x| -> E2M1 code, round to nearest, ties to the even code, saturating at 6.
 __device__ __forceinline__ uint32_t p_e2m1_code(float x) {
   const float a = fabsf(x);
@@ -45,25 +46,15 @@ __device__ __forceinline__ float p_scale_value(uint32_t b) {
 // Eight non-negative floats (already divided by their block scale) -> eight E2M1 codes, element i
 // in bits [4i, 4i+4).
 __device__ __forceinline__ uint32_t e2m1x8(const float (&v)[8], float inv) {
-#if defined(SAGEATTN3_HAS_FP4_MMA) && !defined(SAGEATTN3_MMA_MODEL) && !defined(SAGEATTN3_SOFTWARE_E2M1)
-  uint32_t r;
-  // cvt ... e2m1x2 d, a, b puts a in the upper nibble and b in the lower one.
-  asm("{\n"
-      ".reg .b8 b0, b1, b2, b3;\n"
-      "cvt.rn.satfinite.e2m1x2.f32 b0, %2, %1;\n"
-      "cvt.rn.satfinite.e2m1x2.f32 b1, %4, %3;\n"
-      "cvt.rn.satfinite.e2m1x2.f32 b2, %6, %5;\n"
-      "cvt.rn.satfinite.e2m1x2.f32 b3, %8, %7;\n"
-      "mov.b32 %0, {b0, b1, b2, b3};\n"
-      "}\n"
-      : "=r"(r)
-      : "f"(__fmul_rn(v[0], inv)), "f"(__fmul_rn(v[1], inv)), "f"(__fmul_rn(v[2], inv)), "f"(__fmul_rn(v[3], inv)),
-        "f"(__fmul_rn(v[4], inv)), "f"(__fmul_rn(v[5], inv)), "f"(__fmul_rn(v[6], inv)), "f"(__fmul_rn(v[7], inv)));
-  return r;
+  float y[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(v[i], inv);
+#if SAGEATTN3_HW_E2M1 && !defined(SAGEATTN3_MMA_MODEL) && !defined(SAGEATTN3_SOFTWARE_E2M1)
+  return e2m1x8_hw(y);
 #else
   uint32_t r = 0;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) r |= p_e2m1_code(__fmul_rn(v[i], inv)) << (4 * i);
+  for (int i = 0; i < 8; ++i) r |= p_e2m1_code(y[i]) << (4 * i);
   return r;
 #endif
 }

@@ -71,10 +71,10 @@ __device__ __forceinline__ uint32_t e2m1x8_sw(const float (&y)[8]) {
   return w;
 }
 
+#if SAGEATTN3_HW_E2M1
 // Hardware E2M1: 8 values (already multiplied by 1/scale) -> 8 codes, element 0 in the low nibble.
 __device__ __forceinline__ uint32_t e2m1x8_hw(const float (&y)[8]) {
-  uint32_t r = 0;
-#if SAGEATTN3_HW_E2M1
+  uint32_t r;
   // cvt d, a, b puts a in the upper nibble and b in the lower one.
   asm("{\n"
       ".reg .b8 b0, b1, b2, b3;\n"
@@ -86,9 +86,9 @@ __device__ __forceinline__ uint32_t e2m1x8_hw(const float (&y)[8]) {
       "}\n"
       : "=r"(r)
       : "f"(y[0]), "f"(y[1]), "f"(y[2]), "f"(y[3]), "f"(y[4]), "f"(y[5]), "f"(y[6]), "f"(y[7]));
-#endif
   return r;
 }
+#endif
 
 // E4M3 byte of a block amax (>= 0 or NaN): amax/6 in fp32, saturating RN conversion, no sign.
 __device__ __forceinline__ uint32_t e4m3_scale_byte(float amax) {
@@ -153,22 +153,18 @@ __device__ __forceinline__ uint2 quant16_with_amax(const float (&v)[16], uint32_
   const float s = e4m3_value(sbyte);
   const bool ok = s > 0.f;  // false for 0 and NaN
   const float inv = ok ? __frcp_rn(s) : 0.f;
+  // the software conversion takes its values pre-scaled (exact: a power-of-two scaling)
+  const float mul = SAGEATTN3_HW_E2M1 ? inv : inv * kE2M1Prescale;
   float y0[8], y1[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    y0[i] = __fmul_rn(v[i], mul);
+    y1[i] = __fmul_rn(v[8 + i], mul);
+  }
   uint2 w;
 #if SAGEATTN3_HW_E2M1
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    y0[i] = __fmul_rn(v[i], inv);
-    y1[i] = __fmul_rn(v[8 + i], inv);
-  }
   w = make_uint2(e2m1x8_hw(y0), e2m1x8_hw(y1));
 #else
-  const float inv_pre = inv * kE2M1Prescale;  // exact: a power-of-two scaling of a normal float
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    y0[i] = __fmul_rn(v[i], inv_pre);
-    y1[i] = __fmul_rn(v[8 + i], inv_pre);
-  }
   if (sbyte >= 8u && sbyte != 0x7Eu) {  // normal scale below 448: |v * inv| <= 6.4
     w = make_uint2(e2m1x8_sw<false>(y0), e2m1x8_sw<false>(y1));
   } else {  // subnormal, zero or saturated scale (rare): clamp to 6 first
@@ -178,8 +174,8 @@ __device__ __forceinline__ uint2 quant16_with_amax(const float (&v)[16], uint32_
   return ok ? w : make_uint2(0u, 0u);
 }
 
-// max(acc, |v|), NaN if either is NaN (max.NaN: one instruction, |v| an operand modifier; the
-// bit-pattern max above takes two).
+// max(acc, |v|), NaN if either is NaN (max.NaN: one instruction, |v| an operand modifier;
+// fmaxf would drop a NaN).
 __device__ __forceinline__ float abs_max_nan(float acc, float v) {
   float r;
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(acc), "f"(fabsf(v)));

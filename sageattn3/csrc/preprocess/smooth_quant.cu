@@ -35,6 +35,13 @@ struct Tile {
     }
   }
 
+  // Tile `tile` (rows [128 tile, 128 tile + 128) of those < S) of group g of x (G, S, D).
+  template <bool kLastUse = true>
+  __device__ __forceinline__ void load_tile(const RowMap& m, const T* x, int64_t S, int D, int64_t g, int64_t tile) {
+    const int64_t row0 = tile * kRows;
+    load<kLastUse>(m, x + g * S * D + m.cb * 16, D, row0, std::min<int64_t>(S, row0 + kRows));
+  }
+
   // red[0..D) = the column sums of the tile (padding rows hold zeros), a fixed order.
   __device__ __forceinline__ void colsum(const RowMap& m, int D, float* red) const {
     float acc[16];
@@ -119,10 +126,9 @@ __global__ void __launch_bounds__(kRowThreads, (P <= 4 ? 3 : 1)) smooth_quant_ke
                                                                    uint8_t* __restrict__ scales) {
   __shared__ __align__(16) float red[kRowThreads * 16];
   const uint32_t nt = static_cast<uint32_t>(tiles);  // the grid (< 2^31 CTAs) bounds it: 32-bit division
-  const int64_t g = blockIdx.x / nt, tile = blockIdx.x % nt, row0 = tile * kRows;
-  const RowMap m(D);
+  const int64_t g = blockIdx.x / nt, tile = blockIdx.x % nt;
   Tile<T, P> t;
-  t.load(m, x + g * S * D + m.cb * 16, D, row0, std::min<int64_t>(S, row0 + kRows));
+  t.load_tile(RowMap(D), x, S, D, g, tile);
   smooth_quant_loaded<T, P>(t, S, D, mean, compute_mean, mean_block, Sp, g, tile, packed, scales, red);
 }
 
@@ -224,9 +230,9 @@ __global__ void __launch_bounds__(kRowThreads, (P <= 4 ? 3 : 1)) tile_sums_kerne
   __shared__ __align__(16) float red[kRowThreads * 16];
   const RowMap m(D);
   const uint32_t n = static_cast<uint32_t>(nt);
-  const int64_t g = blockIdx.x / n, tile = blockIdx.x % n, row0 = tile * kRows;
+  const int64_t g = blockIdx.x / n, tile = blockIdx.x % n;
   Tile<T, P> t;
-  t.load(m, x + g * S * D + m.cb * 16, D, row0, std::min<int64_t>(S, row0 + kRows));
+  t.load_tile(m, x, S, D, g, tile);
   t.colsum(m, D, red);
   if (static_cast<int>(threadIdx.x) < D) partial[(g * nt + tile) * D + threadIdx.x] = red[threadIdx.x];
 }
@@ -325,12 +331,10 @@ __device__ __forceinline__ Item decode(const SeqK& k, const QBlocks& q, uint32_t
 template <typename T, int P>
 __device__ __forceinline__ void load_item(Tile<T, P>& tl, const SeqK& k, const QBlocks& q, const Item& it, int D) {
   const RowMap m(D);
-  const bool is_q = it.kind == 0;
-  const int64_t S = is_q ? q.S : k.S, row0 = static_cast<int64_t>(it.tile) * kRows;
-  const T* x = static_cast<const T*>(is_q ? q.x : k.x) + static_cast<int64_t>(it.g) * S * D + m.cb * 16;
   // K's tile sums leave their tile in L2 for its quantization; every other read is the last
-  if (it.kind == 1) tl.template load<false>(m, x, D, row0, std::min<int64_t>(S, row0 + kRows));
-  else tl.load(m, x, D, row0, std::min<int64_t>(S, row0 + kRows));
+  if (it.kind == 0) tl.load_tile(m, static_cast<const T*>(q.x), q.S, D, it.g, it.tile);
+  else if (it.kind == 1) tl.template load_tile<false>(m, static_cast<const T*>(k.x), k.S, D, it.g, it.tile);
+  else tl.load_tile(m, static_cast<const T*>(k.x), k.S, D, it.g, it.tile);
 }
 
 template <typename T, int P>
@@ -366,19 +370,20 @@ __device__ __forceinline__ void process_item(const Tile<T, P>& tl, const SeqK& k
   if (m.active) tl.quantize(m, red + m.cb * 16, g, row0, r1, k.Sp, k.packed, k.scales);
 }
 
-// Persistent CTAs (as many as are resident) take tickets until all nk + nq items are done; the
-// next ticket is fetched while the current item runs. A CTA may hold a fetched ticket while it
-// waits, but only a later one than the one it waits on: the earliest waiting item depends only
-// on items that run.
-// CTAs per SM the streamed kernel is compiled for with 16-bit inputs and P <= 4 (fp32: 2), the largest
-// count at which it does not spill: 4 (64 registers) with the software E2M1 (sm_90: 32 warps
-// hide more latency than 24); 2 with the hardware one (sm_120a/121a spill at 3, 80 registers;
-// 16 warps keep 64 KB of loads in flight per SM, more than their DRAM needs).
+// CTAs per SM the streamed kernel is compiled for with 16-bit inputs and P <= 4 (fp32: 2), the
+// largest count at which it does not spill: 4 (64 registers) with the software E2M1 (on an H100
+// 32 warps hid more latency than 24); 2 with the hardware one (sm_120a/121a spill at 3 and 80
+// registers; unmeasured there).
 #if defined(__CUDA_ARCH__) && !SAGEATTN3_HW_E2M1
 constexpr int kStreamCtas16 = 4;
 #else
 constexpr int kStreamCtas16 = 2;
 #endif
+
+// Persistent CTAs (as many as are resident) take tickets until all nk + nq items are done; the
+// next ticket is fetched while the current item runs. A CTA may hold a fetched ticket while it
+// waits, but only a later one than the one it waits on: the earliest waiting item depends only
+// on items that run.
 
 template <typename T, int P>
 __global__ void __launch_bounds__(kRowThreads, (P > 4 ? 1 : sizeof(T) == 2 ? kStreamCtas16 : 2)) seq_stream_kernel(const SeqK k, const QBlocks q,
@@ -454,6 +459,7 @@ int launch_stream_p(SeqK k, const QBlocks& q, int64_t Gq, int64_t D, int lag, cu
 template <typename T, int P>
 int launch_two_pass_p(const SeqK& k, int64_t D, cudaStream_t stream) {
   const int64_t nt = k.nt;
+  if (static_cast<int64_t>(k.G) * k.tiles > 0x7FFFFFFF) return cudaErrorInvalidValue;  // before any launch
   tile_sums_kernel<T, P><<<static_cast<unsigned>(k.G * nt), kRowThreads, 0, stream>>>(
       static_cast<const T*>(k.x), k.S, static_cast<int>(D), nt, k.partial);
   cudaError_t e = cudaGetLastError();
@@ -494,12 +500,13 @@ int launch_seq(const SeqK& k, const QBlocks& q, int64_t Gq, int64_t D, int lag, 
   });
 }
 
-template <typename... A>
-int by_dtype(DType dtype, const SeqK& k, A... a) {
+// Calls f(T{}) with the storage type of dtype.
+template <typename F>
+int with_dtype(DType dtype, F&& f) {
   switch (dtype) {
-    case DType::kFloat16: return launch_seq<f16_t>(k, a...);
-    case DType::kBFloat16: return launch_seq<bf16_t>(k, a...);
-    case DType::kFloat32: return launch_seq<float>(k, a...);
+    case DType::kFloat16: return f(f16_t{});
+    case DType::kBFloat16: return f(bf16_t{});
+    case DType::kFloat32: return f(float{});
   }
   return cudaErrorInvalidValue;
 }
@@ -518,12 +525,9 @@ int smooth_quant_rows(const void* x, DType dtype, int64_t G, int64_t S, int64_t 
   if (D % 16 || D <= 0 || D > kMaxD || Sp < S || (mean_block != 0 && mean_block != kRows) ||
       (compute_mean && mean_block != kRows))
     return cudaErrorInvalidValue;
-  switch (dtype) {
-    case DType::kFloat16: return launch<f16_t>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
-    case DType::kBFloat16: return launch<bf16_t>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
-    case DType::kFloat32: return launch<float>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
-  }
-  return cudaErrorInvalidValue;
+  return with_dtype(dtype, [&](auto t) {
+    return launch<decltype(t)>(x, G, S, D, mean, compute_mean, mean_block, Sp, packed, scales, stream);
+  });
 }
 
 int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, float* mean, float* partial,
@@ -533,7 +537,9 @@ int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D
   if (G == 0) return cudaSuccess;
   if (G > 0x7FFFFFFF) return cudaErrorInvalidValue;
   const SeqK k = seq_k(x, G, S, Sp, mean, partial, sync, packed, scales);
-  return by_dtype(dtype, k, QBlocks{}, int64_t{0}, D, 0, force_two_pass, stream);
+  return with_dtype(dtype, [&](auto t) {
+    return launch_seq<decltype(t)>(k, QBlocks{}, 0, D, 0, force_two_pass, stream);
+  });
 }
 
 int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64_t Sq, int64_t Gk, int64_t Sk,
@@ -546,7 +552,7 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
   const QBlocks qa{q, Sq, Sqp, static_cast<uint32_t>(ceil_div(Sqp, kRows)), mean_q,
                    reinterpret_cast<uint2*>(q_packed), q_scales};
   const SeqK ka = seq_k(k, Gk, Sk, Skp, mean_k, partial_k, sync, k_packed, k_scales);
-  return by_dtype(dtype, ka, qa, Gq, D, lag, false, stream);
+  return with_dtype(dtype, [&](auto t) { return launch_seq<decltype(t)>(ka, qa, Gq, D, lag, false, stream); });
 }
 
 }  // namespace sageattn3
