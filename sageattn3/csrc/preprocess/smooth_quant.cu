@@ -331,10 +331,12 @@ __device__ __forceinline__ Item decode(const SeqK& k, const QBlocks& q, uint32_t
 template <typename T, int P>
 __device__ __forceinline__ void load_item(Tile<T, P>& tl, const SeqK& k, const QBlocks& q, const Item& it, int D) {
   const RowMap m(D);
+  const bool is_q = it.kind == 0;
+  const T* x = static_cast<const T*>(is_q ? q.x : k.x);
+  const int64_t S = is_q ? q.S : k.S;
   // K's tile sums leave their tile in L2 for its quantization; every other read is the last
-  if (it.kind == 0) tl.load_tile(m, static_cast<const T*>(q.x), q.S, D, it.g, it.tile);
-  else if (it.kind == 1) tl.template load_tile<false>(m, static_cast<const T*>(k.x), k.S, D, it.g, it.tile);
-  else tl.load_tile(m, static_cast<const T*>(k.x), k.S, D, it.g, it.tile);
+  if (it.kind == 1) tl.template load_tile<false>(m, x, S, D, it.g, it.tile);
+  else tl.load_tile(m, x, S, D, it.g, it.tile);
 }
 
 template <typename T, int P>
