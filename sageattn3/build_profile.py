@@ -14,6 +14,17 @@ CXX20_FROM_TORCH = (2, 13)
 MSVC_HOST_FLAGS = ("/Zc:__cplusplus", "/Zc:preprocessor", "/bigobj", "/permissive-", "/EHsc")
 # Torch's own libraries and the CUDA runtime: never bundled, torch loads them first.
 TORCH_LINK_LIBS = ("c10", "torch_cpu", "torch_cuda")
+# The torch-facing translation unit (the only one that includes torch headers): the LibTorch
+# stable ABI from the floor on, the classic dispatcher API (one build per torch line) below it.
+STABLE_UNIT = "csrc/torch/stable.cpp"
+CLASSIC_UNIT = "csrc/torch/classic.cpp"
+# The classic unit also takes the current stream from c10's CUDA library.
+CLASSIC_LINK_LIBS = ("c10", "c10_cuda", "torch_cpu", "torch_cuda")
+
+
+def torch_unit(stable_abi_floor: str | None) -> str:
+    """The torch-facing unit a build compiles: stable when it targets a stable-ABI floor."""
+    return STABLE_UNIT if stable_abi_floor else CLASSIC_UNIT
 
 
 def _mm(version: str) -> tuple[int, int]:
@@ -105,6 +116,8 @@ def profile(
         "nvcc_flags": nvcc,
         "cxx_flags": cxx,
         "ldflags": ldflags,
-        "link_libs": [*TORCH_LINK_LIBS, "cudart"],
+        "torch_unit": torch_unit(stable_abi_floor),
+        "torch_include_subdirs": ["include"],
+        "link_libs": [*(TORCH_LINK_LIBS if stable_abi_floor else CLASSIC_LINK_LIBS), "cudart"],
         "env": env,
     }

@@ -56,20 +56,25 @@ def _standalone_config() -> dict:
         ["sm_90a"] if mma_model else build_profile.default_archs(cuda)
     )
     floor = os.environ.get("SAGEATTN3_STABLE_ABI_FLOOR", "2.10")
+    line = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    # SAGEATTN3_BINDINGS=classic: the classic unit even where the stable one applies (to compare
+    # the two builds' outputs on one torch); the wheel is then a per-torch-line one.
+    stable = build_profile._mm(line) >= build_profile._mm(floor) and os.environ.get("SAGEATTN3_BINDINGS") != "classic"
     prof = build_profile.profile(
         platform="windows" if os.name == "nt" else "linux", cuda=cuda, archs=archs,
-        torch_version=torch.__version__, stable_abi_floor=floor, mma_model=mma_model,
+        torch_version=torch.__version__, stable_abi_floor=floor if stable else None, mma_model=mma_model,
     )
     major, minor = cuda.split(".")
+    variant = f"cu{major}{minor}.torch{floor}.stable" if stable else f"cu{major}{minor}.torch{line}"
     return {
         "profile": prof,
         "cuda_home": str(home),
-        "local_label": f"cu{major}{minor}.torch{floor}.stable" + (".mmamodel" if mma_model else ""),
-        "requires_torch": f"torch>={floor}",
+        "local_label": variant + (".mmamodel" if mma_model else ""),
+        "requires_torch": f"torch>={floor}" if stable else f"torch>={line},<{line.split('.')[0]}.{int(line.split('.')[1]) + 1}",
         "launcher": [],
         "record": {
             "cuda": cuda, "archs": archs, "torch_build": torch.__version__,
-            "variant": f"cu{major}{minor}.torch{floor}.stable", "mma_model": mma_model,
+            "variant": variant, "mma_model": mma_model,
         },
     }
 
@@ -142,7 +147,9 @@ class CudaBuildExt(build_ext):
 
 
 cfg = load_config()
-sources = sorted(p.relative_to(HERE).as_posix() for p in (HERE / "csrc").rglob("*") if p.suffix in (".cu", ".cpp"))
+# Every kernel (.cu, torch-free) plus the one torch-facing unit the profile chose.
+sources = sorted(p.relative_to(HERE).as_posix() for p in (HERE / "csrc").rglob("*.cu"))
+sources.append(cfg["profile"].get("torch_unit", build_profile.STABLE_UNIT))
 version = BASE_VERSION + (f"+{cfg['local_label']}" if cfg.get("local_label") else "")
 
 # The build record travels inside the wheel (sageattn3.build_info() reads it).

@@ -1,416 +1,51 @@
-// The only translation unit that sees torch: registers sageattn3's ops with the dispatcher
-// through the LibTorch stable ABI (TORCH_TARGET_VERSION pins the oldest torch it must load
-// into) and defines a Python limited-API module so `import sageattn3._C` loads it.
-//
-// Ops write into outputs the Python side allocated and validated (shapes, dtypes, devices
-// are checked there with messages naming the argument); here we re-check the invariants the
-// kernels rely on, so a direct torch.ops call can never reach a kernel with bad memory.
-#include <Python.h>
-
+// The torch-facing unit for torch >= the stable-ABI floor: registers the ops of ops.h through
+// the LibTorch stable ABI (TORCH_TARGET_VERSION pins the oldest torch the binary must load
+// into), so one wheel serves every later torch of its CUDA major.
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/util/Exception.h>
 
-#include "attn/attn_api.h"
-#include "sageattn3.h"
+#include "torch/ops.h"
 
-namespace {
+namespace sageattn3::torch_ops {
 
-using torch::stable::Tensor;
+using StableTensor = torch::stable::Tensor;
 
-cudaStream_t current_stream(const Tensor& t) {
-  void* stream = nullptr;
-  STD_TORCH_CHECK(aoti_torch_get_current_cuda_stream(t.get_device(), &stream) == AOTI_TORCH_SUCCESS,
-                  "sageattn3: could not get the current CUDA stream");
-  return static_cast<cudaStream_t>(stream);
-}
-
-sageattn3::DType dtype_of(const Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case torch::headeronly::ScalarType::Half: return sageattn3::DType::kFloat16;
-    case torch::headeronly::ScalarType::BFloat16: return sageattn3::DType::kBFloat16;
-    case torch::headeronly::ScalarType::Float: return sageattn3::DType::kFloat32;
-    default: STD_TORCH_CHECK(false, "sageattn3: ", name, " must be float16, bfloat16 or float32");
+template <>
+struct TensorApi<StableTensor> {
+  static Kind kind(const StableTensor& t) {
+    using torch::headeronly::ScalarType;
+    switch (t.scalar_type()) {
+      case ScalarType::Half: return Kind::kHalf;
+      case ScalarType::BFloat16: return Kind::kBFloat16;
+      case ScalarType::Float: return Kind::kFloat;
+      case ScalarType::Byte: return Kind::kByte;
+      case ScalarType::Float8_e4m3fn: return Kind::kFloat8e4m3fn;
+      case ScalarType::Int: return Kind::kInt;
+      default: return Kind::kOther;
+    }
   }
-  return sageattn3::DType::kFloat32;
-}
-
-void check_cuda_kernel(int err, const char* what) {
-  STD_TORCH_CHECK(err == 0, "sageattn3: ", what, " failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
-}
-
-// Runs the launch on the tensors' device (custom ops get no device guard from the dispatcher).
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    cudaGetDevice(&prev_);
-    if (prev_ != device) cudaSetDevice(device);
+  static cudaStream_t stream(const StableTensor& t) {
+    void* s = nullptr;
+    STD_TORCH_CHECK(aoti_torch_get_current_cuda_stream(t.get_device(), &s) == AOTI_TORCH_SUCCESS,
+                    "sageattn3: could not get the current CUDA stream");
+    return static_cast<cudaStream_t>(s);
   }
-  ~DeviceScope() {
-    int cur = -1;
-    cudaGetDevice(&cur);
-    if (cur != prev_) cudaSetDevice(prev_);
-  }
-
- private:
-  int prev_ = 0;
+  [[noreturn]] static void fail(const std::string& msg) { throw std::runtime_error(msg); }
 };
 
-void check_cuda(const Tensor& t, const Tensor& ref, const char* name) {
-  STD_TORCH_CHECK(t.is_cuda(), "sageattn3: ", name, " must be a CUDA tensor");
-  STD_TORCH_CHECK(t.get_device() == ref.get_device(), "sageattn3: ", name, " is on another device");
-  STD_TORCH_CHECK(t.is_contiguous(), "sageattn3: ", name, " must be contiguous");
-}
-
-// The kernels use 16-byte vector loads and stores.
-void check_aligned(const Tensor& t, const char* name) {
-  STD_TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "sageattn3: ", name,
-                  " must be 16-byte aligned (pass a fresh tensor or .clone())");
-}
-
-void check_bytes(const Tensor& t, const char* name) {
-  STD_TORCH_CHECK(t.scalar_type() == torch::headeronly::ScalarType::Byte ||
-                      t.scalar_type() == torch::headeronly::ScalarType::Float8_e4m3fn,
-                  "sageattn3: ", name, " must be uint8 or float8_e4m3fn");
-}
-
-void check_f32(const Tensor& t, const char* name) {
-  STD_TORCH_CHECK(t.scalar_type() == torch::headeronly::ScalarType::Float, "sageattn3: ", name, " must be float32");
-}
-
-// An fp32 workspace/output of an op, on ref's device.
-void check_f32_on(const Tensor& t, const Tensor& ref, const char* name) {
-  check_cuda(t, ref, name);
-  check_f32(t, name);
-}
-
-// x: the CUDA input of a quant/smoothing op (the reference device of the other tensors).
-void check_input(const Tensor& x) {
-  check_cuda(x, x, "x");
-  check_aligned(x, "x");
-}
-
-// packed/scales: the NVFP4 outputs of a quant/smoothing op, on x's device.
-void check_code_tensor(const Tensor& t, const Tensor& x, const char* name) {
-  check_cuda(t, x, name);
-  check_bytes(t, name);
-  check_aligned(t, name);
-}
-
-void check_codes(const Tensor& packed, const Tensor& scales, const Tensor& x) {
-  check_code_tensor(packed, x, "packed");
-  check_code_tensor(scales, x, "scales");
-}
-
-uint8_t* bytes(const Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
-float* floats(const Tensor& t) { return static_cast<float*>(t.data_ptr()); }
-
-// quant_fp4_rows(x, packed!, scales!): x (..., D) contiguous, D % 16 == 0.
-void quant_fp4_rows(Tensor x, Tensor packed, Tensor scales) {
-  check_input(x);
-  check_codes(packed, scales, x);
-  const int64_t cols = x.dim() ? x.size(x.dim() - 1) : 0;
-  STD_TORCH_CHECK(x.dim() >= 1 && cols > 0 && cols % 16 == 0, "sageattn3: last dim must be a positive multiple of 16");
-  const int64_t n = x.numel();
-  STD_TORCH_CHECK(packed.numel() == n / 2 && scales.numel() == n / 16, "sageattn3: output sizes do not match x");
-  DeviceScope scope(x.get_device());
-  check_cuda_kernel(sageattn3::quant_fp4_rows(x.data_ptr(), dtype_of(x, "x"), n, cols, bytes(packed), bytes(scales),
-                                              current_stream(x)),
-                    "quant_fp4_rows");
-}
-
-// quant_fp4_cols(x, packed!, scales!): x (..., S, D) -> packed (..., D, Sp/2), scales (..., D, Sp/16).
-void quant_fp4_cols(Tensor x, Tensor packed, Tensor scales) {
-  check_input(x);
-  check_codes(packed, scales, x);
-  STD_TORCH_CHECK(x.dim() >= 2 && packed.dim() >= 2, "sageattn3: x must have at least 2 dims");
-  const int64_t S = x.size(x.dim() - 2), D = x.size(x.dim() - 1);
-  STD_TORCH_CHECK(D > 0 && D % 16 == 0, "sageattn3: last dim must be a positive multiple of 16");
-  const int64_t G = S * D ? x.numel() / (S * D) : 0;
-  const int64_t Sp = packed.size(packed.dim() - 1) * 2;
-  STD_TORCH_CHECK(Sp % 16 == 0 && Sp >= S, "sageattn3: packed's last dim must be S padded to a multiple of 16, halved");
-  STD_TORCH_CHECK(packed.numel() == G * D * Sp / 2 && scales.numel() == G * D * Sp / 16,
-                  "sageattn3: output sizes do not match x");
-  DeviceScope scope(x.get_device());
-  check_cuda_kernel(sageattn3::quant_fp4_cols(x.data_ptr(), dtype_of(x, "x"), G, S, D, Sp, bytes(packed),
-                                              bytes(scales), current_stream(x)),
-                    "quant_fp4_cols");
-}
-
-// smooth_quant_rows(x, mean!, compute_mean, mean_block, packed!, scales!): x (G, S, D);
-// mean (G, nm, D) fp32; packed (G, Sp, D/2); scales (G, Sp, D/16).
-void smooth_quant_rows(Tensor x, Tensor mean, bool compute_mean, int64_t mean_block, Tensor packed, Tensor scales) {
-  check_input(x);
-  check_cuda(mean, x, "mean");
-  check_f32(mean, "mean");
-  check_codes(packed, scales, x);
-  STD_TORCH_CHECK(x.dim() == 3 && packed.dim() == 3, "sageattn3: x and packed must be 3-D (G, S, D)");
-  const int64_t G = x.size(0), S = x.size(1), D = x.size(2), Sp = packed.size(1);
-  STD_TORCH_CHECK(D % 16 == 0 && D <= 256, "sageattn3: D must be a multiple of 16, at most 256");
-  STD_TORCH_CHECK(mean_block == 0 || mean_block == 128, "sageattn3: mean_block must be 0 or 128");
-  STD_TORCH_CHECK(!compute_mean || mean_block == 128, "sageattn3: compute_mean needs mean_block 128");
-  const int64_t nm = mean_block ? (S + 127) / 128 : 1;
-  STD_TORCH_CHECK(mean.numel() == G * nm * D, "sageattn3: mean has the wrong size");
-  STD_TORCH_CHECK(Sp >= S && packed.numel() == G * Sp * D / 2 && scales.numel() == G * Sp * D / 16,
-                  "sageattn3: output sizes do not match x");
-  DeviceScope scope(x.get_device());
-  check_cuda_kernel(sageattn3::smooth_quant_rows(x.data_ptr(), dtype_of(x, "x"), G, S, D, floats(mean), compute_mean,
-                                                 static_cast<int>(mean_block), Sp, bytes(packed), bytes(scales),
-                                                 current_stream(x)),
-                    "smooth_quant_rows");
-}
-
-// smooth_quant_seq(x, mean!, partial!, sync!, packed!, scales!, two_pass): x (G, S, D), S >= 1;
-// mean (G, 1, D) fp32; partial (G, ceil(S/128), D) fp32; sync (2 + 2G) int32; packed (G, Sp, D/2).
-void smooth_quant_seq(Tensor x, Tensor mean, Tensor partial, Tensor sync, Tensor packed, Tensor scales,
-                      bool two_pass) {
-  check_input(x);
-  check_cuda(mean, x, "mean");
-  check_cuda(partial, x, "partial");
-  check_cuda(sync, x, "sync");
-  check_f32(mean, "mean");
-  check_f32(partial, "partial");
-  STD_TORCH_CHECK(sync.scalar_type() == torch::headeronly::ScalarType::Int, "sageattn3: sync must be int32");
-  check_codes(packed, scales, x);
-  STD_TORCH_CHECK(x.dim() == 3 && packed.dim() == 3, "sageattn3: x and packed must be 3-D (G, S, D)");
-  const int64_t G = x.size(0), S = x.size(1), D = x.size(2), Sp = packed.size(1);
-  STD_TORCH_CHECK(S >= 1 && D % 16 == 0 && D > 0 && D <= 256,
-                  "sageattn3: S must be >= 1 and D a positive multiple of 16, at most 256");
-  STD_TORCH_CHECK(mean.numel() == G * D && partial.numel() == G * ((S + 127) / 128) * D && sync.numel() == 2 + 2 * G,
-                  "sageattn3: mean, partial or sync has the wrong size");
-  STD_TORCH_CHECK(Sp >= S && packed.numel() == G * Sp * D / 2 && scales.numel() == G * Sp * D / 16,
-                  "sageattn3: output sizes do not match x");
-  DeviceScope scope(x.get_device());
-  check_cuda_kernel(sageattn3::smooth_quant_seq(x.data_ptr(), dtype_of(x, "x"), G, S, D, floats(mean), floats(partial),
-                                                static_cast<int*>(sync.data_ptr()), Sp, bytes(packed), bytes(scales),
-                                                two_pass, current_stream(x)),
-                    "smooth_quant_seq");
-}
-
-// smooth_quant_qk(q, k, mean_q!, q_packed!, q_scales!, mean_k!, k_packed!, k_scales!, partial_k!,
-// sync!, lag): q (Gq, Sq, D) and k (Gk, Sk, D), same dtype, Sk >= 1; mean_q (Gq, ceil(Sq/128), D)
-// fp32; q_packed (Gq, Sqp, D/2); q_scales (Gq, Sqp, D/16); mean_k (Gk, 1, D) fp32; k_packed
-// (Gk, Skp, D/2); k_scales (Gk, Skp, D/16); partial_k (Gk, ceil(Sk/128), D) fp32; sync (2 + 2Gk)
-// int32; lag >= 0 (0: automatic).
-void smooth_quant_qk(Tensor q, Tensor k, Tensor mean_q, Tensor q_packed, Tensor q_scales, Tensor mean_k,
-                     Tensor k_packed, Tensor k_scales, Tensor partial_k, Tensor sync, int64_t lag) {
-  check_cuda(q, q, "q");
-  check_aligned(q, "q");
-  check_cuda(k, q, "k");
-  check_aligned(k, "k");
-  check_f32_on(mean_q, q, "mean_q");
-  check_f32_on(mean_k, q, "mean_k");
-  check_f32_on(partial_k, q, "partial_k");
-  check_cuda(sync, q, "sync");
-  STD_TORCH_CHECK(sync.scalar_type() == torch::headeronly::ScalarType::Int, "sageattn3: sync must be int32");
-  check_code_tensor(q_packed, q, "q_packed");
-  check_code_tensor(q_scales, q, "q_scales");
-  check_code_tensor(k_packed, q, "k_packed");
-  check_code_tensor(k_scales, q, "k_scales");
-  STD_TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q_packed.dim() == 3 && k_packed.dim() == 3,
-                  "sageattn3: q, k, q_packed and k_packed must be 3-D (G, S, D)");
-  const auto dt = dtype_of(q, "q");
-  STD_TORCH_CHECK(dtype_of(k, "k") == dt, "sageattn3: q and k must have the same dtype");
-  const int64_t Gq = q.size(0), Sq = q.size(1), D = q.size(2), Gk = k.size(0), Sk = k.size(1);
-  const int64_t Sqp = q_packed.size(1), Skp = k_packed.size(1);
-  STD_TORCH_CHECK(k.size(2) == D, "sageattn3: q and k must have the same head dim");
-  STD_TORCH_CHECK(D % 16 == 0 && D > 0 && D <= 256, "sageattn3: D must be a positive multiple of 16, at most 256");
-  STD_TORCH_CHECK(Sk >= 1 && Gk >= 1, "sageattn3: k must not be empty");
-  STD_TORCH_CHECK(lag >= 0 && lag <= 0x7FFFFFFF, "sageattn3: lag must be >= 0 (0: automatic)");
-  STD_TORCH_CHECK(mean_q.numel() == Gq * ((Sq + 127) / 128) * D, "sageattn3: mean_q has the wrong size");
-  STD_TORCH_CHECK(mean_k.numel() == Gk * D && partial_k.numel() == Gk * ((Sk + 127) / 128) * D &&
-                      sync.numel() == 2 + 2 * Gk,
-                  "sageattn3: mean_k, partial_k or sync has the wrong size");
-  STD_TORCH_CHECK(Sqp >= Sq && q_packed.numel() == Gq * Sqp * D / 2 && q_scales.numel() == Gq * Sqp * D / 16,
-                  "sageattn3: q_packed/q_scales sizes do not match q");
-  STD_TORCH_CHECK(Skp >= Sk && k_packed.numel() == Gk * Skp * D / 2 && k_scales.numel() == Gk * Skp * D / 16,
-                  "sageattn3: k_packed/k_scales sizes do not match k");
-  DeviceScope scope(q.get_device());
-  check_cuda_kernel(sageattn3::smooth_quant_qk(q.data_ptr(), k.data_ptr(), dt, Gq, Sq, Gk, Sk, D, floats(mean_q), Sqp,
-                                               bytes(q_packed), bytes(q_scales), floats(mean_k), floats(partial_k),
-                                               static_cast<int*>(sync.data_ptr()), Skp, bytes(k_packed),
-                                               bytes(k_scales), static_cast<int>(lag), current_stream(q)),
-                    "smooth_quant_qk");
-}
-
-// delta_s(k, mean_k, mean_q, out!): k (B, Hkv, Sk, D); mean_k (B, Hkv, 1, D); mean_q (B, Hq, nblk, D);
-// out (B, Hq, nblk, Sp) fp32.
-void delta_s(Tensor k, Tensor mean_k, Tensor mean_q, Tensor out) {
-  check_cuda(k, k, "k");
-  check_cuda(mean_k, k, "mean_k");
-  check_cuda(mean_q, k, "mean_q");
-  check_cuda(out, k, "out");
-  check_f32(mean_k, "mean_k");
-  check_f32(mean_q, "mean_q");
-  check_f32(out, "out");
-  STD_TORCH_CHECK(k.dim() == 4 && mean_q.dim() == 4 && out.dim() == 4, "sageattn3: delta_s takes 4-D tensors");
-  const int64_t B = k.size(0), Hkv = k.size(1), Sk = k.size(2), D = k.size(3);
-  const int64_t Hq = mean_q.size(1), nblk = mean_q.size(2), Sp = out.size(3);
-  STD_TORCH_CHECK(D % 16 == 0, "sageattn3: D must be a multiple of 16");
-  STD_TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && mean_q.size(0) == B && mean_q.size(3) == D,
-                  "sageattn3: mean_q does not match k");
-  STD_TORCH_CHECK(mean_k.numel() == B * Hkv * D, "sageattn3: mean_k does not match k");
-  STD_TORCH_CHECK(out.size(0) == B && out.size(1) == Hq && out.size(2) == nblk && Sp % 16 == 0 && Sp >= Sk,
-                  "sageattn3: out has the wrong shape");
-  DeviceScope scope(k.get_device());
-  check_cuda_kernel(sageattn3::delta_s(k.data_ptr(), dtype_of(k, "k"), B, Hq, Hkv, Sk, D, nblk, floats(mean_k),
-                                       floats(mean_q), Sp, floats(out), current_stream(k)),
-                    "delta_s");
-}
-
-// smooth_quant_k_delta(k, mean_k, mean_q, packed!, scales!, delta!): k (B, Hkv, Sk, D) bf16/fp16,
-// D <= 128; mean_k (B, Hkv, 1, D), mean_q (B, Hq, nblk, D) fp32; packed (B, Hkv, Skp, D/2),
-// scales (B, Hkv, Skp, D/16); delta (B, Hq, nblk, Skp) fp32.
-void smooth_quant_k_delta(Tensor k, Tensor mean_k, Tensor mean_q, Tensor packed, Tensor scales, Tensor out) {
-  check_cuda(k, k, "k");
-  check_cuda(mean_k, k, "mean_k");
-  check_cuda(mean_q, k, "mean_q");
-  check_cuda(packed, k, "packed");
-  check_cuda(scales, k, "scales");
-  check_cuda(out, k, "delta");
-  check_f32(mean_k, "mean_k");
-  check_f32(mean_q, "mean_q");
-  check_f32(out, "delta");
-  check_bytes(packed, "packed");
-  check_bytes(scales, "scales");
-  const auto dt = dtype_of(k, "k");
-  STD_TORCH_CHECK(dt != sageattn3::DType::kFloat32, "sageattn3: smooth_quant_k_delta takes float16/bfloat16 k");
-  STD_TORCH_CHECK(k.dim() == 4 && mean_q.dim() == 4 && out.dim() == 4, "sageattn3: smooth_quant_k_delta takes 4-D tensors");
-  const int64_t B = k.size(0), Hkv = k.size(1), Sk = k.size(2), D = k.size(3);
-  const int64_t Hq = mean_q.size(1), nblk = mean_q.size(2), Skp = out.size(3);
-  STD_TORCH_CHECK(D % 16 == 0 && D > 0 && D <= 128, "sageattn3: D must be a multiple of 16, at most 128");
-  STD_TORCH_CHECK(Sk >= 1 && nblk >= 1, "sageattn3: empty k or mean_q");
-  STD_TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && mean_q.size(0) == B && mean_q.size(3) == D,
-                  "sageattn3: mean_q does not match k");
-  STD_TORCH_CHECK(mean_k.numel() == B * Hkv * D, "sageattn3: mean_k does not match k");
-  STD_TORCH_CHECK(out.size(0) == B && out.size(1) == Hq && out.size(2) == nblk && Skp % 16 == 0 && Skp >= Sk,
-                  "sageattn3: delta has the wrong shape");
-  STD_TORCH_CHECK(packed.numel() == B * Hkv * Skp * D / 2 && scales.numel() == B * Hkv * Skp * D / 16,
-                  "sageattn3: packed/scales sizes do not match k");
-  STD_TORCH_CHECK(reinterpret_cast<uintptr_t>(k.data_ptr()) % 16 == 0, "sageattn3: k must be 16-byte aligned");
-  DeviceScope scope(k.get_device());
-  check_cuda_kernel(sageattn3::smooth_quant_k_delta(k.data_ptr(), dt, B, Hq, Hkv, Sk, D, nblk, floats(mean_k),
-                                                    floats(mean_q), Skp, bytes(packed), bytes(scales), floats(out),
-                                                    current_stream(k)),
-                    "smooth_quant_k_delta");
-}
-
-// ---- FP4 attention (csrc/attn; owner: the attention kernel) --------------------------------
-// blockscaled_fp4_attn(q, q_sf, k, k_sf, v, v_sf, mean_q, out!, seq_q, seq_k, sm_scale, causal):
-// layouts in attn/attn_api.h (sequence dims padded to multiples of 128, zeros); mean_q
-// (B, Hq, 1 or Sq_p/128, D) fp32: the kernel adds delta_s = mean_q . dequant(k)^T itself.
-void blockscaled_fp4_attn(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, Tensor v_sf, Tensor mean_q,
-                          Tensor out, int64_t seq_q, int64_t seq_k, double sm_scale, bool causal) {
-  check_cuda(q, q, "q");
-  for (auto* t : {&q_sf, &k, &k_sf, &v, &v_sf, &mean_q, &out}) check_cuda(*t, q, "an attention operand");
-  check_bytes(q, "q");
-  check_bytes(q_sf, "q_sf");
-  check_bytes(k, "k");
-  check_bytes(k_sf, "k_sf");
-  check_bytes(v, "v");
-  check_bytes(v_sf, "v_sf");
-  check_f32(mean_q, "mean_q");
-  STD_TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q_sf.dim() == 4 && k_sf.dim() == 4 &&
-                      v_sf.dim() == 4 && mean_q.dim() == 4 && out.dim() == 4,
-                  "sageattn3: blockscaled_fp4_attn takes 4-D tensors");
-  const int64_t B = q.size(0), Hq = q.size(1), Sqp = q.size(2), D = q.size(3) * 2;
-  const int64_t Hkv = k.size(1), Skp = k.size(2);
-  STD_TORCH_CHECK(D == 64 || D == 128, "sageattn3: head_dim must be 64 or 128");
-  STD_TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "sageattn3: q heads must be a multiple of kv heads");
-  STD_TORCH_CHECK(Sqp % 128 == 0 && Skp % 128 == 0, "sageattn3: padded sequence lengths must be multiples of 128");
-  STD_TORCH_CHECK(seq_q >= 1 && seq_q <= Sqp && seq_k >= 1 && seq_k <= Skp, "sageattn3: seq_q/seq_k out of range");
-  auto same = [](const Tensor& t, int64_t a, int64_t b, int64_t c, int64_t d) {
-    return t.size(0) == a && t.size(1) == b && t.size(2) == c && t.size(3) == d;
-  };
-  STD_TORCH_CHECK(same(q_sf, B, Hq, Sqp, D / 16), "sageattn3: q_sf shape");
-  STD_TORCH_CHECK(same(k, B, Hkv, Skp, D / 2) && same(k_sf, B, Hkv, Skp, D / 16), "sageattn3: k/k_sf shape");
-  STD_TORCH_CHECK(same(v, B, Hkv, D, Skp / 2) && same(v_sf, B, Hkv, D, Skp / 16), "sageattn3: v/v_sf shape");
-  const int64_t nblk = mean_q.size(2);
-  STD_TORCH_CHECK(same(mean_q, B, Hq, nblk, D) && (nblk == 1 || nblk == Sqp / 128), "sageattn3: mean_q shape");
-  STD_TORCH_CHECK(same(out, B, Hq, seq_q, D), "sageattn3: out shape");
-  DeviceScope scope(q.get_device());
-  sageattn3::Fp4AttnArgs a{};
-  a.q = q.data_ptr();
-  a.q_sf = q_sf.data_ptr();
-  a.k = k.data_ptr();
-  a.k_sf = k_sf.data_ptr();
-  a.v = v.data_ptr();
-  a.v_sf = v_sf.data_ptr();
-  a.mean_q = floats(mean_q);
-  a.out = out.data_ptr();
-  a.batch = static_cast<int>(B);
-  a.heads_q = static_cast<int>(Hq);
-  a.heads_kv = static_cast<int>(Hkv);
-  a.head_dim = static_cast<int>(D);
-  a.seq_q = static_cast<int>(seq_q);
-  a.seq_k = static_cast<int>(seq_k);
-  a.seq_q_pad = static_cast<int>(Sqp);
-  a.seq_k_pad = static_cast<int>(Skp);
-  a.mean_qblocks = static_cast<int>(nblk);
-  a.sm_scale = static_cast<float>(sm_scale);
-  a.causal = causal ? 1 : 0;
-  a.out_dtype = dtype_of(out, "out");
-  STD_TORCH_CHECK(a.out_dtype != sageattn3::DType::kFloat32, "sageattn3: out must be float16 or bfloat16");
-  check_cuda_kernel(sageattn3::fp4_attn_fwd(a, current_stream(q)), "blockscaled_fp4_attn");
-}
-
-// fp4_mma_probe(a, b, sfa, sfb, c, d!, tid_a, tid_b): one block-scaled FP4 MMA per problem
-// (a (n,16,32), b (n,8,32), sfa (n,16,4), sfb (n,8,4) bytes; c, d (n,16,8) fp32).
-void fp4_mma_probe(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, Tensor d, int64_t tid_a, int64_t tid_b) {
-  check_cuda(a, a, "a");
-  for (auto* t : {&b, &sfa, &sfb, &c, &d}) check_cuda(*t, a, "a probe operand");
-  for (auto* t : {&a, &b, &sfa, &sfb}) check_bytes(*t, "a probe operand");
-  check_f32(c, "c");
-  check_f32(d, "d");
-  const int64_t n = a.numel() / (16 * 32);
-  STD_TORCH_CHECK(a.numel() == n * 512 && b.numel() == n * 256 && sfa.numel() == n * 64 && sfb.numel() == n * 32 &&
-                      c.numel() == n * 128 && d.numel() == n * 128,
-                  "sageattn3: fp4_mma_probe operand sizes");
-  STD_TORCH_CHECK(tid_a >= 0 && tid_a < 2 && tid_b >= 0 && tid_b < 4, "sageattn3: tid_a in [0,2), tid_b in [0,4)");
-  DeviceScope scope(a.get_device());
-  check_cuda_kernel(sageattn3::fp4_mma_probe(bytes(a), bytes(b), bytes(sfa), bytes(sfb), floats(c), floats(d),
-                                             static_cast<int>(n), static_cast<int>(tid_a), static_cast<int>(tid_b),
-                                             current_stream(a)),
-                    "fp4_mma_probe");
-}
-// ---- end FP4 attention ----------------------------------------------------------------------
-
-}  // namespace
+}  // namespace sageattn3::torch_ops
 
 STABLE_TORCH_LIBRARY(sageattn3, m) {
-  m.def("quant_fp4_rows(Tensor x, Tensor(a!) packed, Tensor(b!) scales) -> ()");
-  m.def("quant_fp4_cols(Tensor x, Tensor(a!) packed, Tensor(b!) scales) -> ()");
-  m.def("smooth_quant_rows(Tensor x, Tensor(a!) mean, bool compute_mean, int mean_block, Tensor(b!) packed, "
-        "Tensor(c!) scales) -> ()");
-  m.def("smooth_quant_seq(Tensor x, Tensor(a!) mean, Tensor(b!) partial, Tensor(c!) sync, Tensor(d!) packed, "
-        "Tensor(e!) scales, bool two_pass) -> ()");
-  m.def("smooth_quant_qk(Tensor q, Tensor k, Tensor(a!) mean_q, Tensor(b!) q_packed, Tensor(c!) q_scales, "
-        "Tensor(d!) mean_k, Tensor(e!) k_packed, Tensor(f!) k_scales, Tensor(g!) partial_k, Tensor(h!) sync, "
-        "int lag) -> ()");
-  m.def("delta_s(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) out) -> ()");
-  m.def("smooth_quant_k_delta(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) packed, Tensor(b!) scales, "
-        "Tensor(c!) delta) -> ()");
-  m.def("blockscaled_fp4_attn(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, Tensor v_sf, Tensor mean_q, "
-        "Tensor(a!) out, int seq_q, int seq_k, float sm_scale, bool causal) -> ()");
-  m.def("fp4_mma_probe(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, Tensor(a!) d, int tid_a, int tid_b) -> ()");
+#define SAGEATTN3_DEF(name, schema) m.def(schema);
+  SAGEATTN3_OPS(SAGEATTN3_DEF)
+#undef SAGEATTN3_DEF
 }
 
 STABLE_TORCH_LIBRARY_IMPL(sageattn3, CUDA, m) {
-  m.impl("quant_fp4_rows", TORCH_BOX(&quant_fp4_rows));
-  m.impl("quant_fp4_cols", TORCH_BOX(&quant_fp4_cols));
-  m.impl("smooth_quant_rows", TORCH_BOX(&smooth_quant_rows));
-  m.impl("smooth_quant_seq", TORCH_BOX(&smooth_quant_seq));
-  m.impl("smooth_quant_qk", TORCH_BOX(&smooth_quant_qk));
-  m.impl("delta_s", TORCH_BOX(&delta_s));
-  m.impl("smooth_quant_k_delta", TORCH_BOX(&smooth_quant_k_delta));
-  m.impl("blockscaled_fp4_attn", TORCH_BOX(&blockscaled_fp4_attn));
-  m.impl("fp4_mma_probe", TORCH_BOX(&fp4_mma_probe));
-}
-
-// `import sageattn3._C` only needs the module to exist: loading the library runs the static
-// registrations above.
-static struct PyModuleDef sageattn3_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-PyMODINIT_FUNC PyInit__C(void) {
-  return PyModule_Create(&sageattn3_module);
+#define SAGEATTN3_IMPL(name, schema) \
+  m.impl(#name, TORCH_BOX(&sageattn3::torch_ops::name<sageattn3::torch_ops::StableTensor>));
+  SAGEATTN3_OPS(SAGEATTN3_IMPL)
+#undef SAGEATTN3_IMPL
 }

@@ -1,0 +1,43 @@
+// The torch-facing unit for torch lines below the stable-ABI floor (2.7-2.9): registers the ops
+// of ops.h through the classic dispatcher API (TORCH_LIBRARY, at::Tensor). Built once per torch
+// line: the binary is tied to that line's C++ ABI, and the import guard refuses other lines.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "torch/ops.h"
+
+namespace sageattn3::torch_ops {
+
+template <>
+struct TensorApi<at::Tensor> {
+  static Kind kind(const at::Tensor& t) {
+    switch (t.scalar_type()) {
+      case at::ScalarType::Half: return Kind::kHalf;
+      case at::ScalarType::BFloat16: return Kind::kBFloat16;
+      case at::ScalarType::Float: return Kind::kFloat;
+      case at::ScalarType::Byte: return Kind::kByte;
+      case at::ScalarType::Float8_e4m3fn: return Kind::kFloat8e4m3fn;
+      case at::ScalarType::Int: return Kind::kInt;
+      default: return Kind::kOther;
+    }
+  }
+  static cudaStream_t stream(const at::Tensor& t) {
+    return c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
+  }
+  [[noreturn]] static void fail(const std::string& msg) { TORCH_CHECK(false, msg); }
+};
+
+}  // namespace sageattn3::torch_ops
+
+TORCH_LIBRARY(sageattn3, m) {
+#define SAGEATTN3_DEF(name, schema) m.def(schema);
+  SAGEATTN3_OPS(SAGEATTN3_DEF)
+#undef SAGEATTN3_DEF
+}
+
+TORCH_LIBRARY_IMPL(sageattn3, CUDA, m) {
+#define SAGEATTN3_IMPL(name, schema) m.impl(#name, &sageattn3::torch_ops::name<at::Tensor>);
+  SAGEATTN3_OPS(SAGEATTN3_IMPL)
+#undef SAGEATTN3_IMPL
+}
