@@ -20,11 +20,11 @@ from pathlib import Path
 from packaging.version import Version
 
 from ci import patches as patchmod
+from ci import torch_source as torch_sources
 from ci.flags import PAYLOAD, compiler_for, profile_for
 from ci.targets import Matrix, Target
 from ci.toolchain import (
     CudaToolkit,
-    BUILD_ENV_PACKAGES,
     ToolchainError,
     TorchEnv,
     compiler_launcher,
@@ -33,11 +33,9 @@ from ci.toolchain import (
     find_python,
     host_compiler_version,
     sccache_env,
-    torch_env,
 )
 
 REPO = PAYLOAD.parent
-PYTORCH_INDEX = os.environ.get("SAGEATTN3_PYTORCH_INDEX", "https://download.pytorch.org/whl")
 
 
 class BuildError(RuntimeError):
@@ -70,11 +68,9 @@ def local_blockers(target: Target) -> list[str]:
     reasons = []
     if target.os.key != host_os_key():
         reasons.append(f"needs a {target.os.key} machine (this is {host_os_key()}); the release pipeline builds it")
-    if target.cuda != target.build_torch_pypi_cuda and not os.environ.get("SAGEATTN3_PYTORCH_INDEX"):
-        reasons.append(
-            f"torch {target.build_torch}+{target.variant.cuda_tag} comes from PyTorch's own index "
-            f"({PYTORCH_INDEX}), not PyPI; set SAGEATTN3_PYTORCH_INDEX where that index is reachable"
-        )
+    unreachable = torch_sources.unreachable_reason(target)
+    if unreachable:
+        reasons.append(unreachable)
     if Version(target.cuda).major < 13:
         try:
             find_cuda(target.cuda, provision=False)
@@ -85,7 +81,15 @@ def local_blockers(target: Target) -> list[str]:
 
 def build_python(target: Target) -> str:
     """The interpreter that compiles: the running one when it qualifies (abi3 wheels are
-    the same for every Python from target.python on), else the target's own."""
+    the same for every Python from target.python on), else the target's own.
+    ``$SAGEATTN3_BUILD_PYTHON`` (X.Y) chooses it: the release's cibuildwheel shim sets its own,
+    the target's oldest, so that verify reuses the build's torch environment."""
+    chosen = os.environ.get("SAGEATTN3_BUILD_PYTHON")
+    if chosen:
+        if Version(chosen) < Version(target.python):
+            raise BuildError(f"{target.id}: SAGEATTN3_BUILD_PYTHON={chosen} is older than the target's Python {target.python}")
+        find_python(chosen)
+        return chosen
     here = "%d.%d" % sys.version_info[:2]
     if Version(here) >= Version(target.python):
         return here
@@ -93,11 +97,9 @@ def build_python(target: Target) -> str:
     return target.python
 
 
-def torch_spec(target: Target) -> tuple[str, tuple[str, ...]]:
-    """The pip requirement for the build torch, plus extra pip args for non-PyPI variants."""
-    if target.cuda == target.build_torch_pypi_cuda:
-        return f"torch=={target.build_torch}", ()
-    return f"torch=={target.build_torch}+{target.variant.cuda_tag}", ("--extra-index-url", f"{PYTORCH_INDEX}/{target.variant.cuda_tag}")
+def torch_spec(target: Target) -> torch_sources.TorchSource:
+    """Where the build torch comes from (the same source verify and the release use)."""
+    return torch_sources.torch_source(target)
 
 
 @dataclass(frozen=True)
@@ -142,8 +144,7 @@ def build(target: Target, matrix: Matrix, raw_dir: Path, *, force_patches: tuple
     flavour (adds sm_90a, FP4 MMA replaced by its software model); never published."""
     staging, profile, chosen = stage(target, matrix, force_patches=force_patches, mma_model=mma_model)
     cuda = find_cuda(target.cuda)
-    spec, extra = torch_spec(target)
-    env = torch_env(build_python(target), spec, extra=(*extra, *BUILD_ENV_PACKAGES))
+    env = torch_sources.torch_env_for(build_python(target), torch_spec(target))
     if env.torch_cuda != target.cuda:
         raise ToolchainError(
             f"{target.id}: the build torch is {env.torch_version} (CUDA {env.torch_cuda}); the target "

@@ -311,9 +311,16 @@ class TorchEnv:
         return Path(_output([str(self.python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip())
 
 
-def torch_env(python_version: str, torch_spec: str, extra: tuple[str, ...] = BUILD_ENV_PACKAGES) -> TorchEnv:
-    """A cached venv with ``torch_spec`` (e.g. "torch==2.14.1") for that Python."""
-    key = hashlib.sha256(json.dumps([python_version, torch_spec, list(extra)]).encode()).hexdigest()[:10]
+def torch_env(python_version: str, torch_spec: str, extra: tuple[str, ...] = BUILD_ENV_PACKAGES,
+              index_args: tuple[str, ...] = ()) -> TorchEnv:
+    """A cached venv with ``torch_spec`` (e.g. "torch==2.14.1") for that Python. With
+    ``index_args`` (e.g. PyTorch's ``--index-url``) torch comes from there and ``extra`` from
+    pip's default index, in a second install."""
+    # A loopback stand-in index (the release rehearsal) gets a new port each run; what it
+    # serves does not change, so the port is not part of the key.
+    where = [re.sub(r"^(https?://127\.0\.0\.1):\d+", r"\1", a) for a in index_args]
+    what = [python_version, torch_spec, list(extra)] + ([where] if where else [])
+    key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:10]
     root = cache_root() / "envs" / f"py{python_version}-{torch_spec.replace('==', '-').replace('+', '_')}-{key}"
     marker = root / ".complete"
     if not marker.exists():
@@ -322,7 +329,12 @@ def torch_env(python_version: str, torch_spec: str, extra: tuple[str, ...] = BUI
         py = find_python(python_version)
         run([str(py), "-m", "venv", str(root)])
         try:
-            run([str(venv_python(root)), "-m", "pip", "install", "--quiet", torch_spec, *extra])
+            if index_args:
+                run([str(venv_python(root)), "-m", "pip", "install", "--quiet", torch_spec, *index_args])
+                if extra:
+                    run([str(venv_python(root)), "-m", "pip", "install", "--quiet", *extra])
+            else:
+                run([str(venv_python(root)), "-m", "pip", "install", "--quiet", torch_spec, *extra])
         except subprocess.CalledProcessError as e:
             shutil.rmtree(root, ignore_errors=True)
             raise ToolchainError(

@@ -138,3 +138,19 @@ def foreign_torch_source(target: Target, matrix: Matrix, python: str, pytorch_in
         raise ValueError(f"{target.id}: torch {version} from {directory} is served by {target.variant.label}")
     return TorchSource(f"torch=={version}", f"{root}/{directory}", cuda,
                        why=f"torch {torch_line(version)} is outside {target.variant.label}'s range")
+
+
+def torch_env_for(python: str, source: TorchSource, extra: tuple[str, ...] | None = None):
+    """The cached environment holding ``source``'s torch for ``python`` (build and verify ask
+    with the same arguments, so they share one environment), checked to be that build."""
+    from ci.toolchain import BUILD_ENV_PACKAGES, ToolchainError, torch_env
+
+    env = torch_env(python, source.requirement, extra=BUILD_ENV_PACKAGES if extra is None else extra,
+                    index_args=tuple(source.index_args()))
+    if not source.accepts(env.torch_version, env.torch_cuda):
+        raise ToolchainError(
+            f"the environment for {source.describe()} holds torch {env.torch_version} "
+            f"({'CUDA ' + env.torch_cuda if env.torch_cuda else 'CPU'} build): {env.root}. Remove it; "
+            f"if it comes back, the index serves the wrong build"
+        )
+    return env

@@ -14,19 +14,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import http.server
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ci.record import BuildRecord
-from ci.toolchain import BUILD_ENV_PACKAGES, TorchEnv, torch_env, venv_python
+from ci.toolchain import ToolchainError, TorchEnv, torch_env, venv_python
+from ci.torch_source import TorchSource, torch_env_for
 from ci.variant import cuda_tag, torch_line
 
 
@@ -155,22 +154,37 @@ def check_abi_guard(rec: BuildRecord, foreign: TorchEnv, index_url: str, work: P
     return f"torch {foreign.torch_version}: ImportError as expected"
 
 
-def verify(rec: BuildRecord, index_dir: Path, pythons: list[str], *, torch_spec: tuple[str, tuple[str, ...]] | None = None,
-           foreign_torch: str | None = "torch==2.13.0", log=print) -> VerifyReport:
-    """``torch_spec``: the pip requirement (and extra pip args, e.g. PyTorch's index for a
-    non-default CUDA variant) of the torch to verify against; default the build's torch."""
+# The local default foreign torch (``nox -s build-wheels``): whatever pip's configuration gives
+# for it (a CPU build where one lies on local disk). The release jobs pass
+# ci.torch_source.foreign_torch_source instead: a CPU build from PyTorch's CPU index.
+LOCAL_FOREIGN_TORCH = "torch==2.13.0"
+
+
+def verify(rec: BuildRecord, index_dir: Path, pythons: list[str], *, torch_spec: TorchSource | None = None,
+           foreign_torch: TorchSource | str | None = LOCAL_FOREIGN_TORCH, log=print) -> VerifyReport:
+    """``torch_spec``: where the torch to verify against comes from (the build's: the same
+    source and Python give the build's cached environment back, no second install); default
+    ``torch==<the record's torch>`` from pip's default index. ``foreign_torch``: the torch the
+    ABI guard must refuse (a TorchSource, or a plain requirement from pip's default index)."""
     report = VerifyReport(rec.wheel)
-    spec, extra = torch_spec or (f"torch=={rec.torch_build.split('+')[0]}", ())
+    source = torch_spec or TorchSource(f"torch=={rec.torch_build.split('+')[0]}", None, rec.cuda)
     with serve(index_dir) as url, tempfile.TemporaryDirectory(prefix="sageattn3-verify-") as tmp:
-        for i, py in enumerate(pythons):
-            base = torch_env(py, spec, extra=(*extra, *BUILD_ENV_PACKAGES))
+        for py in pythons:
+            try:
+                base = torch_env_for(py, source)
+            except ToolchainError as e:
+                raise VerifyError(f"the verify torch for Python {py}: {e}") from e
             if base.torch_cuda != rec.cuda:
                 raise VerifyError(f"the verify torch for Python {py} is {base.torch_version}, not a CUDA {rec.cuda} build")
+            log(f"[verify] py{py}: torch {base.torch_version} ({source.describe()})")
             install_and_check(rec, base, url, Path(tmp) / f"venv-{py}", log=log)
             report.pythons.append(py)
         if foreign_torch:
             py = pythons[0]
-            foreign = torch_env(py, foreign_torch)
+            if isinstance(foreign_torch, TorchSource):
+                foreign = torch_env_for(py, foreign_torch, extra=())
+            else:
+                foreign = torch_env(py, foreign_torch)
             if rec.variant_value.serves(foreign.torch_version, foreign.torch_cuda):
                 report.abi_guard = f"skipped: {foreign.torch_version} is served by {rec.variant}"
                 return report
