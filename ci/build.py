@@ -136,62 +136,154 @@ def stage(target: Target, matrix: Matrix, *, force_patches: tuple[str, ...] = ()
 
 
 TEST_FLAVOUR_LABEL = "mmamodel"
+PROOF_FLAVOUR_LABEL = "proof"
+# The proof flavour compiles a per-torch target with the CUDA 13 toolkit available here (its own
+# 12.x comes only from NVIDIA's installer) and links the CUDA runtime statically, so the module
+# loads next to that torch's CUDA 12 runtime. It proves the per-torch path (classic unit, that
+# torch's headers and libraries, repair, tag, import, ABI guard); it is never indexed or published.
+PROOF_CUDA = "13.0"
 
 
-def build(target: Target, matrix: Matrix, raw_dir: Path, *, force_patches: tuple[str, ...] = (),
-          jobs: int | None = None, mma_model: bool = False, log=print) -> BuildResult:
-    """Build one target's wheel into ``raw_dir`` (emptied first). ``mma_model``: the test
-    flavour (adds sm_90a, FP4 MMA replaced by its software model); never published."""
-    staging, profile, chosen = stage(target, matrix, force_patches=force_patches, mma_model=mma_model)
-    cuda = find_cuda(target.cuda)
+@dataclass(frozen=True)
+class ResolvedToolchain:
+    """Everything a target's build uses, resolved once before anything compiles (the build
+    stage and the build record read only this)."""
+
+    target: Target
+    profile: dict
+    patches: tuple[patchmod.Patch, ...]
+    cuda: CudaToolkit
+    env: TorchEnv
+    host_compiler: str
+    launcher: tuple[str, ...]
+    cutlass: Path
+    flavour: str  # "release" | TEST_FLAVOUR_LABEL | PROOF_FLAVOUR_LABEL
+
+    @property
+    def local_label(self) -> str:
+        return self.target.variant.label + ("" if self.flavour == "release" else f".{self.flavour}")
+
+
+def select_flags(target: Target, matrix: Matrix, *, force_patches: tuple[str, ...] = (), mma_model: bool = False,
+                 proof: bool = False) -> tuple[dict, tuple[patchmod.Patch, ...]]:
+    """The flag profile and the patches of a build (pure: nothing is installed)."""
+    if mma_model and proof:
+        raise BuildError("the test flavour and the proof flavour are exclusive")
+    if proof and target.variant.stable:
+        raise BuildError(f"{target.id}: the proof flavour is for per-torch targets (below the stable-ABI floor)")
+    profile = profile_for(target, matrix.stable_abi_floor, mma_model=mma_model,
+                          cuda=PROOF_CUDA if proof else None, static_cudart=proof)
+    chosen = patchmod.select(
+        patchmod.load_manifest(), os_key=target.os.key, compiler=compiler_for(target),
+        cuda=target.cuda, torch_version=target.build_torch, force=force_patches,
+    )
+    return profile, tuple(chosen)
+
+
+def resolve_toolchain(target: Target, matrix: Matrix, *, force_patches: tuple[str, ...] = (),
+                      mma_model: bool = False, proof: bool = False) -> ResolvedToolchain:
+    """Find or provision the CUDA toolkit, the torch build environment, CUTLASS, the host
+    compiler and the compiler cache for ``target``, and choose its flags and patches."""
+    profile, chosen = select_flags(target, matrix, force_patches=force_patches, mma_model=mma_model, proof=proof)
+    cuda = find_cuda(PROOF_CUDA if proof else target.cuda)
     env = torch_sources.torch_env_for(build_python(target), torch_spec(target))
     if env.torch_cuda != target.cuda:
         raise ToolchainError(
             f"{target.id}: the build torch is {env.torch_version} (CUDA {env.torch_cuda}); the target "
             f"needs torch {target.build_torch} built for CUDA {target.cuda}"
         )
-    overlay = staging / "build" / "include-overlay"
-    torch_include = env.site_packages / "torch" / "include"
-    cutlass = cutlass_include()
-    roots = {"src": staging, "torch": torch_include, "cutlass": cutlass}
-    for p in chosen:
-        patchmod.apply(p, roots, overlay)
+    flavour = TEST_FLAVOUR_LABEL if mma_model else PROOF_FLAVOUR_LABEL if proof else "release"
+    return ResolvedToolchain(target, profile, chosen, cuda, env, host_compiler_version(),
+                             tuple(compiler_launcher()), cutlass_include(), flavour)
 
-    launcher = compiler_launcher()
-    config = {
+
+def _copy_payload(target: Target, profile: dict, patches, build_root: Path | None) -> Path:
+    root = (build_root or REPO / "build") / "stage" / compile_key(target, profile, [p.name for p in patches])
+    if root.exists():
+        shutil.rmtree(root)
+    shutil.copytree(
+        PAYLOAD, root,
+        ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "*.so", "_build_record.json"),
+    )
+    return root
+
+
+def stage(target: Target, matrix: Matrix, *, force_patches: tuple[str, ...] = (), build_root: Path | None = None,
+          mma_model: bool = False, proof: bool = False) -> tuple[Path, dict, list[patchmod.Patch]]:
+    """Copy the payload into its staging dir (the path depends only on what is compiled).
+    Returns the staging dir, the flag profile and the patches to apply."""
+    profile, chosen = select_flags(target, matrix, force_patches=force_patches, mma_model=mma_model, proof=proof)
+    return _copy_payload(target, profile, chosen, build_root), profile, list(chosen)
+
+
+def index_pages(matrix: Matrix) -> list[str]:
+    """Every ``<cu tag>/torch<X.Y>`` page the matrix publishes (the wheel's guard and its
+    "which wheel" answer name only these)."""
+    return sorted({f"{t.variant.cuda_tag}/torch{line}" for t in matrix.targets for line in t.torch_lines})
+
+
+def build_config(tc: ResolvedToolchain, matrix: Matrix, overlay: Path, jobs: int | None = None) -> dict:
+    target, profile = tc.target, tc.profile
+    extra = {"torch_lines": list(target.torch_lines), "mma_model": tc.flavour == TEST_FLAVOUR_LABEL,
+             "index_pages": index_pages(matrix)}
+    if tc.flavour == PROOF_FLAVOUR_LABEL:
+        extra["proof"] = (f"compiled with CUDA {tc.cuda.version} instead of {target.cuda}, CUDA runtime linked "
+                          f"statically; proves the per-torch build path; never indexed or published")
+    return {
         "profile": profile,
-        "cuda_home": str(cuda.home),
-        "cutlass_include": str(cutlass),
+        "cuda_home": str(tc.cuda.home),
+        "cutlass_include": str(tc.cutlass),
         "include_overlay": str(overlay) if overlay.exists() else None,
-        "local_label": target.variant.label + (f".{TEST_FLAVOUR_LABEL}" if mma_model else ""),
+        "local_label": tc.local_label,
         "requires_torch": target.requires_torch,
         "limited_api": target.python_tag,
-        "launcher": launcher,
+        "launcher": list(tc.launcher),
         "jobs": jobs or os.cpu_count() or 2,
         "record": {
             "target": target.id,
             "variant": target.variant.label,
             "requires_python": f">={target.python}",
-            "torch_build": env.torch_version,
+            "torch_build": tc.env.torch_version,
             "cuda": target.cuda,
             "archs": profile["archs"],
             "os": target.os.key,
             "toolchain": {
-                "nvcc": cuda.version,
-                "cuda_source": cuda.source,
-                "host_compiler": host_compiler_version(),
-                "python": env.python_version,
-                "torch": env.torch_version,
+                "nvcc": tc.cuda.version,
+                "cuda_source": tc.cuda.source,
+                "host_compiler": tc.host_compiler,
+                "python": tc.env.python_version,
+                "torch": tc.env.torch_version,
                 "cutlass": "4.2.0.0",
-                "compiler_cache": "sccache" if launcher else "none",
+                "compiler_cache": "sccache" if tc.launcher else "none",
             },
             "flags": profile,
-            "patches": [p.name for p in chosen],
+            "patches": [p.name for p in tc.patches],
             "source_commit": source_commit(),
             "index_url": os.environ.get("SAGEATTN3_INDEX_URL") or matrix.index_url,
-            "extra": {"torch_lines": list(target.torch_lines), "mma_model": mma_model},
+            "extra": extra,
         },
     }
+
+
+def build(target: Target, matrix: Matrix, raw_dir: Path, *, force_patches: tuple[str, ...] = (),
+          jobs: int | None = None, mma_model: bool = False, proof: bool = False, log=print) -> BuildResult:
+    """Build one target's wheel into ``raw_dir`` (emptied first). ``mma_model``: the test
+    flavour (adds sm_90a, FP4 MMA replaced by its software model); ``proof``: the proof flavour
+    (see PROOF_CUDA); neither is ever published."""
+    tc = resolve_toolchain(target, matrix, force_patches=force_patches, mma_model=mma_model, proof=proof)
+    return build_resolved(tc, matrix, raw_dir, jobs=jobs, log=log)
+
+
+def build_resolved(tc: ResolvedToolchain, matrix: Matrix, raw_dir: Path, *, jobs: int | None = None,
+                   log=print) -> BuildResult:
+    """The build stage proper: stage, patch, write the config, compile (or skip when unchanged)."""
+    target, profile, cuda, env = tc.target, tc.profile, tc.cuda, tc.env
+    staging = _copy_payload(target, profile, tc.patches, None)
+    overlay = staging / "build" / "include-overlay"
+    roots = {"src": staging, "torch": env.site_packages / "torch" / "include", "cutlass": tc.cutlass}
+    for p in tc.patches:
+        patchmod.apply(p, roots, overlay)
+    config = build_config(tc, matrix, overlay, jobs)
     cfg_path = staging / "build" / "sageattn3-build-config.json"
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
     cfg_path.write_text(json.dumps(config, indent=2, sort_keys=True))

@@ -60,6 +60,23 @@ def cmd_build_wheels(args: argparse.Namespace) -> int:
             return 2
     else:
         targets = [default_target(matrix, args.torch)]
+    if args.proof_flavour:
+        from ci.pipeline import build_proof_wheel
+
+        from ci.torch_source import unreachable_reason
+
+        def provable(t: Target) -> bool:  # its torch installs here; its CUDA toolkit need not
+            return not t.variant.stable and t.os.key == host_os_key() and unreachable_reason(t) is None
+
+        per_torch = [t for t in matrix.targets if provable(t)]
+        for t in targets:
+            if not provable(t):
+                raise MatrixError(f"{t.id}: the proof flavour needs a per-torch {host_os_key()} target whose torch "
+                                  f"installs here; these are: {', '.join(o.id for o in per_torch)}")
+            others = [o for o in per_torch if o.torch_lines != t.torch_lines][:1]
+            rep = build_proof_wheel(t, matrix, Path(args.dist), foreign=others)
+            print(f"proof-flavour wheel: {rep.wheel}")
+        return 0
     if args.test_flavour:
         from ci.pipeline import build_test_wheel
 
@@ -95,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--force-patch", action="append", metavar="NAME", help="apply this patch whatever its predicate")
     b.add_argument("--test-flavour", action="store_true",
                    help="build the test flavour (adds sm_90a; FP4 MMA software model) into dist/test/; never published")
+    b.add_argument("--proof-flavour", action="store_true",
+                   help="per-torch targets compiled with the local CUDA 13 toolkit into dist/proof/, imported "
+                        "with their own torch and refused by another; never published")
     b.add_argument("--dist", default=str(REPO / "dist"), help="output root (default: dist/)")
     b.set_defaults(fn=cmd_build_wheels)
     m = sub.add_parser("matrix", help="print the GitHub Actions matrix JSON")

@@ -30,14 +30,17 @@ def compiler_for(target: Target) -> str:
 MMA_MODEL_ARCH = "sm_90a"
 
 
-def profile_for(target: Target, stable_abi_floor: str, *, mma_model: bool = False) -> dict:
+def profile_for(target: Target, stable_abi_floor: str, *, mma_model: bool = False, cuda: str | None = None,
+                static_cudart: bool = False) -> dict:
+    """``cuda``: the toolkit that compiles, when it is not the target's (the proof flavour)."""
     return _build_profile().profile(
         platform=target.os.platform,
-        cuda=target.cuda,
+        cuda=cuda or target.cuda,
         archs=[*target.archs, *([MMA_MODEL_ARCH] if mma_model else [])],
         mma_model=mma_model,
         torch_version=target.build_torch,
         stable_abi_floor=stable_abi_floor if target.variant.stable else None,
         limited_api_python=target.python,  # the wheel is <python_tag>-abi3
         compiler=compiler_for(target),
+        static_cudart=static_cudart,
     )

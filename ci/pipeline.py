@@ -47,12 +47,14 @@ class TargetRun:
             self.timings[name] = time.monotonic() - t0
 
 
-def tag(repaired: Path, target: Target, out_dir: Path) -> BuildRecord:
+def tag(repaired: Path, target: Target, out_dir: Path, *, flavour: str | None = None) -> BuildRecord:
     """Check the wheel says what the target says (variant label, torch requirement, abi3),
-    then write the beside-record with the final name and sha256."""
+    then write the beside-record with the final name and sha256. ``flavour``: a non-release
+    flavour's label suffix (``proof``), expected after the variant label."""
     name, version, _, tags = parse_wheel_filename(repaired.name)
-    if version.local != target.variant.label:
-        raise TagError(f"{repaired.name}: local label {version.local!r}, expected {target.variant.label!r}")
+    label = target.variant.label + (f".{flavour}" if flavour else "")
+    if version.local != label:
+        raise TagError(f"{repaired.name}: local label {version.local!r}, expected {label!r}")
     if not all(t.abi == "abi3" and t.interpreter == target.python_tag for t in tags):
         raise TagError(f"{repaired.name}: tags {sorted(map(str, tags))}, expected {target.python_tag}-abi3")
     meta = Metadata.from_email(wheel_metadata(repaired), validate=False)
@@ -156,6 +158,74 @@ def build_test_wheel(target: Target, matrix: Matrix, dist: Path, log=print) -> P
     record_path(repaired).write_text(rec.to_json())
     log(f"test-flavour wheel: {repaired}")
     return repaired
+
+
+PROOF_PROBE = (
+    "import json, torch, sageattn3;"
+    "ops = sorted(n for n in dir(torch.ops.sageattn3) if not n.startswith('_'));"
+    "print(json.dumps({'record': sageattn3.build_info(), 'ops': ops,"
+    " 'attn_schema': str(torch.ops.sageattn3.blockscaled_fp4_attn.default._schema)}))"
+)
+
+
+@dataclass
+class ProofReport:
+    wheel: Path
+    own_torch: str
+    ops: list[str]
+    guard: dict[str, str]  # foreign torch version -> the first line of its ImportError
+
+
+def build_proof_wheel(target: Target, matrix: Matrix, dist: Path, *, foreign: list[Target] | None = None,
+                      log=print) -> ProofReport:
+    """The proof flavour of a per-torch target (see ci.build.PROOF_CUDA): build, repair, tag into
+    dist/proof/ (never indexed or published), then install it with real pip into a fresh venv
+    holding the target's own torch and import it there with no GPU (the dynamic loader resolves
+    every symbol of _C at import); then into venvs with the torch of each ``foreign`` target,
+    where the ABI guard must refuse it with its message."""
+    from ci import torch_source as torch_sources
+
+    if target.variant.stable:
+        raise buildmod.BuildError(f"{target.id}: the proof flavour is for per-torch targets")
+    result = buildmod.build(target, matrix, dist / "raw" / f"{target.id}-proof", proof=True, log=log)
+    repaired = repairmod.repair(result.wheel, dist / "repaired" / f"{target.id}-proof", target.os.platform, log=log)
+    out = dist / "proof"
+    for old in out.glob(f"sageattn3-*+{target.variant.label}.{buildmod.PROOF_FLAVOUR_LABEL}-*.whl"):
+        old.unlink()
+    rec = tag(repaired, target, out, flavour=buildmod.PROOF_FLAVOUR_LABEL)
+    wheel = out / rec.wheel
+    import tempfile
+
+    env_vars = {**verifymod._isolated_pip_env(), "CUDA_VISIBLE_DEVICES": ""}
+    with tempfile.TemporaryDirectory(prefix="sageattn3-proof-") as tmp:
+        vpy = verifymod.make_venv_with(result.env, Path(tmp) / "own")
+        pip = [str(vpy), "-m", "pip", "install", "--no-deps", "--no-index", "--quiet", str(wheel)]
+        import subprocess
+
+        subprocess.run(pip, check=True, env=env_vars)
+        res = subprocess.run([str(vpy), "-c", PROOF_PROBE], capture_output=True, text=True, env=env_vars)
+        if res.returncode != 0:
+            raise buildmod.BuildError(f"{wheel.name}: import into torch {result.env.torch_version} failed:\n{res.stderr[-3000:]}")
+        import json
+
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        if got["record"].get("target") != target.id:
+            raise buildmod.BuildError(f"{wheel.name}: imported build record names {got['record'].get('target')}")
+        log(f"[proof] {wheel.name}: imports into torch {result.env.torch_version} without a GPU; ops {', '.join(got['ops'])}")
+        guard = {}
+        for other in foreign or []:
+            fenv = torch_sources.torch_env_for(buildmod.build_python(other), torch_sources.torch_source(other))
+            fpy = verifymod.make_venv_with(fenv, Path(tmp) / f"foreign-{other.id}")
+            subprocess.run([str(fpy), "-m", "pip", "install", "--no-deps", "--no-index", "--quiet", str(wheel)],
+                           check=True, env=env_vars)
+            res = subprocess.run([str(fpy), "-c", "import sageattn3"], capture_output=True, text=True, env=env_vars)
+            lines = [ln for ln in res.stderr.splitlines() if "TorchMismatchError" in ln]
+            if res.returncode == 0 or not lines or "undefined symbol" in res.stderr:
+                raise buildmod.BuildError(f"{wheel.name}: imported into torch {fenv.torch_version} without the "
+                                          f"ABI guard's ImportError:\n{res.stderr[-2000:]}")
+            guard[fenv.torch_version] = lines[-1]
+            log(f"[proof] torch {fenv.torch_version}: {lines[-1][:240]}")
+    return ProofReport(wheel, result.env.torch_version, got["ops"], guard)
 
 
 def build_wheels(targets: list[Target], matrix: Matrix, dist: Path, *, verify_pythons: list[str],

@@ -72,6 +72,7 @@ def profile(
     limited_api_python: str = "3.10",
     compiler: str | None = None,
     mma_model: bool = False,
+    static_cudart: bool = False,
 ) -> dict:
     """The full flag profile for one build. ``platform`` is 'linux' or 'windows'.
 
@@ -118,6 +119,9 @@ def profile(
         "ldflags": ldflags,
         "torch_unit": torch_unit(stable_abi_floor),
         "torch_include_subdirs": ["include"],
-        "link_libs": [*(TORCH_LINK_LIBS if stable_abi_floor else CLASSIC_LINK_LIBS), "cudart"],
+        # static_cudart: the CUDA runtime linked in (the proof flavour, compiled with another
+        # CUDA major than its torch's runtime); normally torch's own libcudart is used.
+        "link_libs": [*(TORCH_LINK_LIBS if stable_abi_floor else CLASSIC_LINK_LIBS),
+                      *(("cudart_static", "dl", "rt", "pthread") if static_cudart else ("cudart",))],
         "env": env,
     }
