@@ -95,7 +95,18 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
 
 def cmd_coverage(args: argparse.Namespace) -> int:
-    print(Matrix.load().coverage_table())
+    from ci import coverage
+
+    matrix = Matrix.load()
+    if args.record:
+        for line in coverage.record_evidence([Path(d) for d in args.record], matrix):
+            print(f"evidence: {line}")
+    table = coverage.coverage_table(matrix)
+    if args.write_readme:
+        changed = coverage.update_readme(REPO / "README.md", table)
+        print("README.md coverage table " + ("updated" if changed else "already current"))
+        return 0
+    print(table)
     return 0
 
 
@@ -120,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("matrix", help="print the GitHub Actions matrix JSON")
     m.add_argument("--compact", action="store_true")
     m.set_defaults(fn=cmd_matrix)
-    c = sub.add_parser("coverage", help="print the coverage table (markdown)")
+    c = sub.add_parser("coverage", help="print the coverage table (markdown), proven levels from ci/evidence.json")
+    c.add_argument("--record", action="append", metavar="DIR",
+                   help="add the build records in DIR (dist/wheels, dist/proof) to ci/evidence.json")
+    c.add_argument("--write-readme", action="store_true", help="write the table into README.md")
     c.set_defaults(fn=cmd_coverage)
     args = p.parse_args(argv)
     try:

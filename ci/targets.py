@@ -313,17 +313,3 @@ class Matrix:
                 for t in self.targets
             ]
         }
-
-    def coverage_table(self) -> str:
-        """Markdown: torch line x CUDA variant -> which wheel serves it, per OS."""
-        rows = ["| torch | CUDA | archs | wheel variant | Python | OS |", "| --- | --- | --- | --- | --- | --- |"]
-        for t in sorted(self.torch, key=lambda t: _v(t.line)):
-            for c in t.cuda:
-                stable = _v(t.line) >= _v(self.stable_abi_floor)
-                variant = Variant(c, self.stable_abi_floor if stable else t.line, stable)
-                py = f"{self.limited_api_python}+" if stable else f"{t.python[0]}–{t.python[-1]}"
-                rows.append(
-                    f"| {t.line} | {c} | {' '.join(self.cuda_archs[c])} | `{variant.label}` | {py} | "
-                    f"{', '.join(t.os)} |"
-                )
-        return "\n".join(rows)

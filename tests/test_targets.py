@@ -85,12 +85,6 @@ def test_nox_matrix_session_prints_the_same_json():
     assert json.loads(out.stdout) == Matrix.load().gha_matrix()
 
 
-def test_readme_coverage_table_is_generated_from_the_matrix():
-    readme = (REPO / "README.md").read_text()
-    table = re.search(r"<!-- coverage:start -->\n(.*?)\n<!-- coverage:end -->", readme, re.S).group(1)
-    assert table == Matrix.load().coverage_table()
-
-
 @pytest.mark.parametrize("label", ["cu130.torch2.10.stable", "cu128.torch2.8", "cu132.torch2.10.stable", "cu129.torch2.8"])
 def test_variant_round_trip(label):
     v = Variant.parse(label)

@@ -1,0 +1,109 @@
+"""The README's coverage table, from evidence: per row (torch line x CUDA variant), how far each
+wheel was proven and how.
+
+Three levels, strongest first:
+
+- **built + verified here**: a release-flavour wheel of the target was built, repaired, tagged
+  and verified (fresh venv, real pip, import, ABI guard) on a development machine; its build
+  record is kept in ``ci/evidence.json``;
+- **proof wheel here**: the per-torch target was built in the proof flavour (the local CUDA 13
+  toolkit standing in for 12.x), repaired, tagged, imported with its own torch and refused by
+  another (``ci.pipeline.build_proof_wheel``); recorded the same way;
+- **compiled vs real headers**: the torch-facing unit the row's wheels use compiles against the
+  row's torch headers: the compile gate (``ci.compile_gate``), run by every ``nox -s tests`` and
+  by the release plan, so every row of a passing test suite has it;
+
+and everything else about a row (CUDA 12.x toolkits, Windows, aarch64) is proven only by the
+release pipeline itself.
+
+``python -m ci coverage --record DIR...`` adds the build records found in DIRs (``dist/wheels``,
+``dist/proof``) to the evidence; ``python -m ci coverage`` prints the table the README holds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ci.targets import Matrix, _v
+from ci.variant import Variant
+
+EVIDENCE_FILE = Path(__file__).with_name("evidence.json")
+LEVELS = {"release": "built + verified here", "proof": "proof wheel built + imported here"}
+
+
+def load_evidence(path: Path = EVIDENCE_FILE) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def flavour_of(record: dict) -> str | None:
+    """'release', 'proof', or None for flavours that prove nothing about a shipped wheel."""
+    extra = record.get("extra") or {}
+    if extra.get("mma_model"):
+        return None
+    return "proof" if extra.get("proof") else "release"
+
+
+def record_evidence(dirs: list[Path], matrix: Matrix, path: Path = EVIDENCE_FILE) -> list[str]:
+    """Add every build record (``<wheel>.json``) found in ``dirs`` to the evidence file; returns
+    what was added. A record naming no target of the matrix is refused."""
+    ev = load_evidence(path)
+    ids = {t.id for t in matrix.targets}
+    added = []
+    for d in dirs:
+        for rec_path in sorted(Path(d).glob("*.whl.json")):
+            rec = json.loads(rec_path.read_text())
+            kind = flavour_of(rec)
+            if kind is None:
+                continue
+            if rec.get("target") not in ids:
+                raise ValueError(f"{rec_path.name}: target {rec.get('target')!r} is not in the matrix")
+            entry = {
+                "wheel": rec["wheel"], "sha256": rec["sha256"], "torch_build": rec["torch_build"],
+                "nvcc": rec.get("toolchain", {}).get("nvcc"), "source_commit": rec.get("source_commit"),
+            }
+            ev.setdefault(rec["target"], {})[kind] = entry
+            added.append(f"{rec['target']}: {LEVELS[kind]} ({rec['wheel']})")
+    path.write_text(json.dumps(ev, indent=2, sort_keys=True) + "\n")
+    return added
+
+
+def _row_proof(matrix: Matrix, evidence: dict, line: str, cuda: str, gate_version: str) -> str:
+    parts = []
+    for t in matrix.targets:
+        if line in t.torch_lines and t.cuda == cuda and t.id in evidence:
+            for kind in ("release", "proof"):
+                if kind in evidence[t.id]:
+                    e = evidence[t.id][kind]
+                    parts.append(f"{t.os.key}: {LEVELS[kind]} (torch {e['torch_build']}, nvcc {e['nvcc']})")
+                    break
+    parts.append(f"unit compiled vs torch {gate_version} headers")
+    return "; ".join(parts) + "; the rest: release pipeline only"
+
+
+def coverage_table(matrix: Matrix, evidence: dict | None = None) -> str:
+    """Markdown: torch line x CUDA variant -> which wheel serves it, per OS, and how far proven."""
+    evidence = load_evidence() if evidence is None else evidence
+    rows = ["| torch | CUDA | archs | wheel variant | Python | OS | proven |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for t in sorted(matrix.torch, key=lambda t: _v(t.line)):
+        for c in t.cuda:
+            stable = _v(t.line) >= _v(matrix.stable_abi_floor)
+            variant = Variant(c, matrix.stable_abi_floor if stable else t.line, stable)
+            py = f"{matrix.limited_api_python}+" if stable else f"{t.python[0]}–{t.python[-1]}"
+            rows.append(
+                f"| {t.line} | {c} | {' '.join(matrix.cuda_archs[c])} | `{variant.label}` | {py} | "
+                f"{', '.join(t.os)} | {_row_proof(matrix, evidence, t.line, c, t.build_version)} |"
+            )
+    return "\n".join(rows)
+
+
+def update_readme(readme: Path, table: str) -> bool:
+    """Replace the README's generated block with ``table``; True if it changed."""
+    text = readme.read_text()
+    start, end = "<!-- coverage:start -->\n", "\n<!-- coverage:end -->"
+    i, j = text.index(start) + len(start), text.index(end)
+    if text[i:j] == table:
+        return False
+    readme.write_text(text[:i] + table + text[j:])
+    return True
