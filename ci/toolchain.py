@@ -12,12 +12,13 @@ import glob
 import hashlib
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from packaging.version import Version
 
@@ -67,42 +68,112 @@ def _python_version(exe: str | Path) -> str | None:
     return out.strip()
 
 
-def find_python(version: str) -> Path:
-    """An interpreter for ``version`` ("3.12"), found explicitly: the running one, pyenv's
-    installs (whose shims fail unless enabled), then ``python3.X`` on PATH."""
+def _env_var(version: str) -> str:
+    return f"SAGEATTN3_PYTHON_{version.replace('.', '_')}"
+
+
+def _newest_first(paths: list[str], version_of) -> list[str]:
+    def key(p: str) -> Version:
+        try:
+            return Version(version_of(p))
+        except Exception:  # noqa: BLE001 - an odd directory name sorts last
+            return Version("0")
+
+    return sorted(paths, key=key, reverse=True)
+
+
+def _py_launcher(version: str) -> str | None:
+    """What the Windows ``py`` launcher runs for ``-3.X`` (it prints that interpreter's
+    sys.executable), or None without a launcher or that version."""
+    py = shutil.which("py")
+    if not py:
+        return None
+    try:
+        out = _output([py, f"-{version}", "-c", "import sys; print(sys.executable)"], timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = out.strip().splitlines()
+    return lines[-1].strip() if lines else None
+
+
+def _windows_pythons(version: str) -> list[str]:
+    """Where Windows keeps a Python 3.X, in the order tried: the ``py -3.X`` launcher, the
+    per-user and all-users python.org installs, ``C:\\Python3X``, then the hosted tool cache
+    of GitHub runners (``$RUNNER_TOOL_CACHE\\Python\\3.X.Y\\x64``, newest patch first)."""
+    tag = version.replace(".", "")
+    found = [p for p in [_py_launcher(version)] if p]
+    for base in (os.path.join(os.environ.get("LOCALAPPDATA", ""), "Programs", "Python"),
+                 os.environ.get("ProgramFiles", "C:\\Program Files"), "C:\\"):
+        if base and os.path.isdir(base):
+            found.append(os.path.join(base, f"Python{tag}", "python.exe"))
+    cache = os.environ.get("RUNNER_TOOL_CACHE") or os.environ.get("AGENT_TOOLSDIRECTORY") or "C:\\hostedtoolcache\\windows"
+    found += _newest_first(glob.glob(os.path.join(cache, "Python", f"{version}.*", "x64", "python.exe")),
+                           lambda p: Path(p).parent.parent.name)
+    return found
+
+
+def _pyenv_pythons(version: str) -> list[str]:
+    pyenv_root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
+    return _newest_first(glob.glob(os.path.join(pyenv_root, "versions", f"{version}.*", "bin", "python3")),
+                         lambda p: Path(p).parent.parent.name.split("-")[0])
+
+
+def find_python(version: str, *, windows: bool = WINDOWS) -> Path:
+    """An interpreter for ``version`` ("3.12"), found explicitly and checked by asking it its
+    version: the running one, ``$SAGEATTN3_PYTHON_3_X``, then where the OS keeps one (Windows:
+    the ``py`` launcher, python.org's install dirs, the runners' hosted tool cache; elsewhere
+    pyenv's installs, whose shims fail unless enabled), then ``python3.X``/``python3``/``python``
+    on PATH."""
     if "%d.%d" % sys.version_info[:2] == version:
         return Path(sys.executable)
     candidates: list[str] = []
-    env_override = os.environ.get(f"SAGEATTN3_PYTHON_{version.replace('.', '_')}")
-    if env_override:
-        candidates.append(env_override)
-    pyenv_root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
-    installs = sorted(
-        glob.glob(os.path.join(pyenv_root, "versions", f"{version}.*", "bin", "python3")),
-        key=lambda p: Version(Path(p).parent.parent.name.split("-")[0]),
-        reverse=True,
-    )
-    candidates += installs
-    on_path = shutil.which(f"python{version}")
-    if on_path:
-        candidates.append(on_path)
+    if os.environ.get(_env_var(version)):
+        candidates.append(os.environ[_env_var(version)])
+    candidates += _windows_pythons(version) if windows else _pyenv_pythons(version)
+    for name in (f"python{version}", "python3", "python"):
+        on_path = shutil.which(name)
+        if on_path:
+            candidates.append(on_path)
+    seen: set[str] = set()
     for c in candidates:
+        if c in seen or not os.path.isfile(c):
+            continue
+        seen.add(c)
         if _python_version(c) == version:
             return Path(c)
+    override = os.environ.get(_env_var(version))
+    if override:
+        raise ToolchainError(f"{_env_var(version)}={override} is not a Python {version} interpreter: point it at "
+                             f"the python executable of a Python {version} install")
+    where = ("the py launcher (py -{v}), %LOCALAPPDATA%\\Programs\\Python\\Python{t}, "
+             "%ProgramFiles%\\Python{t}, C:\\Python{t}, the hosted tool cache ($RUNNER_TOOL_CACHE)"
+             if windows else "pyenv's versions/").format(v=version, t=version.replace(".", ""))
+    install = (f"install Python {version} (python.org, or actions/setup-python on a runner)" if windows
+               else f"install it (e.g. `pyenv install {version}`)")
     raise ToolchainError(
-        f"Python {version} not found (looked at the running interpreter, pyenv's versions/ and "
-        f"python{version} on PATH). Install it (e.g. `pyenv install {version}`) or point "
-        f"SAGEATTN3_PYTHON_{version.replace('.', '_')} at an interpreter."
+        f"Python {version} not found (looked at the running interpreter, ${_env_var(version)}, {where} and "
+        f"python{version}/python3/python on PATH). {install[0].upper() + install[1:]} or set {_env_var(version)} "
+        f"to its python executable."
     )
 
 
 # -- CUDA -----------------------------------------------------------------------------
 
+# Where NVIDIA's Linux layout keeps per-target headers and libraries, by machine.
+LINUX_CUDA_TARGET_DIR = {"x86_64": "x86_64-linux", "aarch64": "sbsa-linux", "arm64": "sbsa-linux"}
+
+
+def _linux_target_dir() -> str:
+    machine = platform.machine().lower()
+    return LINUX_CUDA_TARGET_DIR.get(machine, f"{machine}-linux")
+
+
 @dataclass(frozen=True)
 class CudaToolkit:
     version: str  # full, "13.0.88"
-    home: Path
+    home: PurePath
     source: str  # "system" | "pypi" | "env"
+    platform: str = "windows" if WINDOWS else "linux"
 
     @property
     def major_minor(self) -> str:
@@ -110,20 +181,26 @@ class CudaToolkit:
         return f"{v.major}.{v.minor}"
 
     @property
-    def nvcc(self) -> Path:
-        return self.home / "bin" / f"nvcc{EXE}"
+    def nvcc(self) -> PurePath:
+        return self.home / "bin" / ("nvcc.exe" if self.platform == "windows" else "nvcc")
 
     @property
-    def include_dirs(self) -> list[Path]:
+    def include_dirs(self) -> list[PurePath]:
         dirs = [self.home / "include"]
-        tgt = self.home / "targets" / "x86_64-linux" / "include"
-        if tgt.is_dir():
-            dirs.append(tgt)
+        if self.platform != "windows":
+            tgt = Path(self.home) / "targets" / _linux_target_dir() / "include"
+            if tgt.is_dir():
+                dirs.append(tgt)
         return dirs
 
     @property
-    def lib_dir(self) -> Path:
-        for cand in (self.home / "lib64", self.home / "lib", self.home / "targets" / "x86_64-linux" / "lib"):
+    def lib_dir(self) -> PurePath:
+        """Where the CUDA runtime's link library is: ``lib\\x64`` (cudart.lib) on Windows; on
+        Linux the first of lib64, lib, targets/<arch>-linux/lib holding libcudart.so."""
+        if self.platform == "windows":
+            return self.home / "lib" / "x64"
+        for cand in (self.home / "lib64", self.home / "lib", self.home / "targets" / _linux_target_dir() / "lib"):
+            cand = Path(cand)
             if (cand / "libcudart.so").exists() or list(cand.glob("libcudart.so.*")):
                 return cand
         return self.home / "lib64"
@@ -154,8 +231,13 @@ def _candidate_homes() -> list[tuple[Path, str]]:
     for var in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(var):
             homes.append((Path(os.environ[var]), "env"))
-    homes += [(Path(p), "system") for p in sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]
-    homes.append((Path("/usr/local/cuda"), "system"))
+    if WINDOWS:  # NVIDIA's installer sets CUDA_PATH_V13_0 etc. and installs under Program Files
+        homes += [(Path(v), "env") for k, v in sorted(os.environ.items(), reverse=True) if k.upper().startswith("CUDA_PATH_V")]
+        toolkits = os.path.join(os.environ.get("ProgramFiles", "C:\\Program Files"), "NVIDIA GPU Computing Toolkit", "CUDA")
+        homes += [(Path(p), "system") for p in sorted(glob.glob(os.path.join(toolkits, "v*")), reverse=True)]
+    else:
+        homes += [(Path(p), "system") for p in sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]
+        homes.append((Path("/usr/local/cuda"), "system"))
     nv = shutil.which("nvcc")
     if nv:
         homes.append((_nvcc_home(nv), "system"))
@@ -283,7 +365,25 @@ def sccache_env(cache_dir: str | None = None) -> dict[str, str]:
     return {"SCCACHE_DIR": d, "SCCACHE_SERVER_PORT": str(port)}
 
 
-def host_compiler_version() -> str:
+def host_compiler_version(*, windows: bool = WINDOWS) -> str:
+    """The host compiler's first banner line, for the build record: ``cl``'s on Windows (it
+    prints its banner on stderr when run without arguments; nvcc uses the cl on PATH), else
+    ``$CXX --version`` (default ``c++``)."""
+    if windows:
+        cl = shutil.which("cl")
+        if not cl:
+            raise ToolchainError(
+                "no MSVC compiler (cl.exe) on PATH: run from a VS 2022 x64 developer prompt (vcvars64.bat), "
+                "or export its variables with `python -m ci.cibw msvc-env`"
+            )
+        try:
+            proc = subprocess.run([cl], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise ToolchainError(f"{cl} did not run ({e}): repair the Visual Studio C++ toolset") from e
+        banner = next((ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if "Compiler Version" in ln), None)
+        if not banner:
+            raise ToolchainError(f"{cl} printed no 'Compiler Version' banner: is it MSVC's cl.exe?")
+        return banner
     cxx = os.environ.get("CXX", "c++")
     try:
         return _output([cxx, "--version"]).splitlines()[0]

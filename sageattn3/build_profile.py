@@ -11,7 +11,8 @@ import re
 
 # Torch >= 2.13 headers require C++20 (older ones compile as C++17 and 20 alike).
 CXX20_FROM_TORCH = (2, 13)
-MSVC_HOST_FLAGS = ("/Zc:__cplusplus", "/Zc:preprocessor", "/bigobj", "/permissive-", "/EHsc")
+# /MD: the DLL C runtime torch and Python use (cl defaults to the static /MT).
+MSVC_HOST_FLAGS = ("/Zc:__cplusplus", "/Zc:preprocessor", "/bigobj", "/permissive-", "/EHsc", "/MD")
 # Torch's own libraries and the CUDA runtime: never bundled, torch loads them first.
 TORCH_LINK_LIBS = ("c10", "torch_cpu", "torch_cuda")
 # The torch-facing translation unit (the only one that includes torch headers): the LibTorch

@@ -1,6 +1,8 @@
-"""Build sageattn3's extension: nvcc for csrc/**/*.cu, the host compiler for csrc/**/*.cpp,
-compiled in parallel, linked into one ``sageattn3/_C.abi3.so`` (LibTorch stable ABI +
-Python limited API: one binary for every CPython >= 3.10 and torch >= the floor).
+"""Build sageattn3's extension: nvcc for csrc/**/*.cu, the host compiler for the one
+torch-facing unit the profile names, compiled in parallel, linked into one
+``sageattn3/_C.abi3.so`` (Linux, GCC style) or ``sageattn3/_C.pyd`` (Windows, MSVC: cl and link)
+with the Python limited API: one binary for every CPython from the target's floor on. The
+command lines come from ``build_commands`` (pure functions of the profile and the paths).
 
 Needs torch (headers and libraries) in the build environment, so build with
 ``pip wheel --no-build-isolation ./sageattn3`` and a CUDA toolkit (CUDA_HOME).
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -29,6 +32,7 @@ from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import build_commands as bc  # noqa: E402
 import build_profile  # noqa: E402
 
 BASE_VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "sageattn3" / "_version.py").read_text()).group(1)
@@ -87,46 +91,38 @@ def load_config() -> dict:
 
 
 class CudaBuildExt(build_ext):
-    """Compiles each translation unit in its own process (parallel), then links once."""
+    """Compiles each translation unit in its own process (parallel), then links once, with the
+    commands ``build_commands`` makes for the profile's compiler: GCC-style on Linux, MSVC
+    (cl, link, CUDA's lib\\x64, a .pyd) on Windows."""
 
     def build_extension(self, ext: Extension) -> None:
         import torch
 
         prof = cfg["profile"]
+        style = bc.style_of(prof)
         cuda_home = Path(cfg["cuda_home"])
         torch_dir = Path(torch.__file__).parent
-        includes = [
-            # Patched copies of third-party headers (torch, CUTLASS) shadow the originals.
-            *([Path(cfg["include_overlay"])] if cfg.get("include_overlay") else []),
-            HERE / "csrc",
-            torch_dir / "include",
-            cuda_home / "include",
-            *([Path(cfg["cutlass_include"])] if cfg.get("cutlass_include") else []),
-            Path(sysconfig.get_paths()["include"]),
-        ]
-        tgt_inc = cuda_home / "targets" / "x86_64-linux" / "include"
-        if tgt_inc.is_dir():
-            includes.append(tgt_inc)
-        inc_flags = [f"-I{p}" for p in includes]
-        def_flags = [f"-D{d}" for d in prof["defines"]]
-        launcher = list(cfg.get("launcher") or [])
-        nvcc = str(cuda_home / "bin" / "nvcc")
-        cxx = os.environ.get("CXX", "c++")
+        machine = platform.machine().lower()
+        includes = bc.include_dirs(
+            style, csrc=HERE / "csrc", torch_dir=torch_dir, torch_subdirs=prof.get("torch_include_subdirs"),
+            cuda_home=cuda_home, python_include=sysconfig.get_paths()["include"],
+            cutlass=cfg.get("cutlass_include"), overlay=cfg.get("include_overlay"), machine=machine,
+        )
+        includes = [d for d in includes if Path(d).is_dir()]  # e.g. targets/<arch>-linux: NVIDIA's layout only
+        tools = bc.tools(style, cuda_home, cxx=os.environ.get("CXX") if style == "gcc" else None,
+                         launcher=cfg.get("launcher") or ())
+        env = {**os.environ, **bc.build_environment(prof, cuda_home)}
         objdir = Path(self.build_temp) / "obj"
         jobs = int(cfg.get("jobs") or os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
 
         def compile_one(src: str) -> str:
-            rel = Path(src)
-            obj = objdir / rel.with_suffix(rel.suffix + ".o")
-            obj.parent.mkdir(parents=True, exist_ok=True)
-            if src.endswith(".cu"):
-                cmd = [*launcher, nvcc, "-c", str(rel), "-o", str(obj), *prof["nvcc_flags"], *def_flags, *inc_flags]
-            else:
-                cmd = [*launcher, cxx, "-c", str(rel), "-o", str(obj), *prof["cxx_flags"], *def_flags, *inc_flags]
+            obj = bc.object_path(style, objdir, src)
+            Path(obj).parent.mkdir(parents=True, exist_ok=True)
+            cmd = bc.compile_command(tools, prof, src, obj, includes)
             print(" ".join(cmd), flush=True)
-            res = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True)
+            res = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True)
             if res.returncode != 0:
-                raise RuntimeError(f"compiling {rel} failed ({res.returncode}):\n{res.stdout}{res.stderr}")
+                raise RuntimeError(f"compiling {src} failed ({res.returncode}):\n{res.stdout}{res.stderr}")
             if res.stderr.strip():
                 print(res.stderr, file=sys.stderr, flush=True)
             return str(obj)
@@ -136,30 +132,44 @@ class CudaBuildExt(build_ext):
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             objects = list(pool.map(compile_one, sources))
 
+        # setuptools names the module: _C.abi3.so on Linux, _C.pyd on Windows (abi3 or not).
         out = Path(self.get_ext_fullpath(ext.name))
         out.parent.mkdir(parents=True, exist_ok=True)
-        lib_dirs = [torch_dir / "lib", cuda_home / "lib64", cuda_home / "lib", cuda_home / "targets" / "x86_64-linux" / "lib"]
-        link = [cxx, *objects, "-o", str(out), *prof["ldflags"]]
-        link += [f"-L{d}" for d in lib_dirs if d.is_dir()]
-        link += [f"-l{lib}" for lib in prof["link_libs"]]
+        lib_dirs = bc.library_dirs(style, torch_dir=torch_dir, cuda_home=cuda_home,
+                                   python_prefix=sys.base_exec_prefix, machine=machine)
+        link = bc.link_command(tools, prof, objects, out, [d for d in lib_dirs if Path(d).is_dir()],
+                               implib_dir=objdir)
         print(" ".join(link), flush=True)
-        subprocess.run(link, check=True)
+        subprocess.run(link, cwd=HERE, env=env, check=True)
+
+
+def python_requires(cfg: dict) -> str:
+    """The wheel's Requires-Python: the target's Python floor from the build record (the factory
+    writes '>=3.9' for its cp39-abi3 targets), else the floor of the abi3 tag ('>=3.10'
+    standalone). The two must agree: a cp39-abi3 wheel that says '>=3.10' is refused by 3.9."""
+    tag = cfg.get("limited_api", "cp310")
+    floor = f">={tag[2]}.{tag[3:]}"
+    declared = (cfg.get("record") or {}).get("requires_python") or floor
+    if declared != floor:
+        sys.exit(f"sageattn3: the build record's requires_python {declared!r} disagrees with the wheel's "
+                 f"{tag}-abi3 tag (expected {floor!r}): fix the build config")
+    return declared
 
 
 cfg = load_config()
 # Every kernel (.cu, torch-free) plus the one torch-facing unit the profile chose.
-sources = sorted(p.relative_to(HERE).as_posix() for p in (HERE / "csrc").rglob("*.cu"))
-sources.append(cfg["profile"].get("torch_unit", build_profile.STABLE_UNIT))
+sources = bc.translation_units(cfg["profile"], (p.relative_to(HERE).as_posix() for p in (HERE / "csrc").rglob("*")))
 version = BASE_VERSION + (f"+{cfg['local_label']}" if cfg.get("local_label") else "")
 
 # The build record travels inside the wheel (sageattn3.build_info() reads it).
 record = dict(cfg.get("record") or {})
-record.update(version=version, requires_torch=cfg["requires_torch"])
+record.update(version=version, requires_torch=cfg["requires_torch"], requires_python=python_requires(cfg))
 (HERE / "sageattn3" / "_build_record.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 setup(
     version=version,
     install_requires=[cfg["requires_torch"]],
+    python_requires=record["requires_python"],
     ext_modules=[Extension("sageattn3._C", sources=sources, py_limited_api=True)],
     cmdclass={"build_ext": CudaBuildExt},
     options={"bdist_wheel": {"py_limited_api": cfg.get("limited_api", "cp310")}},

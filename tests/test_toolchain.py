@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ci.toolchain import ToolchainError, find_cuda, find_python, nvcc_version
+from ci.toolchain import ToolchainError, find_cuda, find_python, host_compiler_version, nvcc_version
 
 PYENV = Path(os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))) / "versions"
 INSTALLED = sorted({Path(p).name.rsplit(".", 1)[0] for p in glob.glob(str(PYENV / "3.*"))})
@@ -50,3 +50,86 @@ def test_cuda_13_2_is_provisioned_from_pypi_and_compiles_sm120(tmp_path):
     subprocess.run([str(tk.nvcc), "-c", str(src), "-o", str(tmp_path / "k.o"),
                     "-gencode=arch=compute_120a,code=sm_120a", "-gencode=arch=compute_121a,code=sm_121a"], check=True)
     assert (tmp_path / "k.o").stat().st_size > 0
+
+
+# -- Windows discovery, exercised here with real executables in a Windows-like layout -------
+
+def _fake_python(path: Path, version: str) -> Path:
+    """An executable that answers the version question as a Python ``version`` would."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/sh\necho {version}\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def windows_machine(tmp_path, monkeypatch):
+    """No Python on PATH, an empty %LOCALAPPDATA%, %ProgramFiles% and hosted tool cache. The
+    versions asked for (3.97, 3.98) are ones no interpreter here has, so the running one never
+    answers."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setenv("LOCALAPPDATA", str(tmp_path / "AppData" / "Local"))
+    monkeypatch.setenv("ProgramFiles", str(tmp_path / "Program Files"))
+    monkeypatch.setenv("RUNNER_TOOL_CACHE", str(tmp_path / "hostedtoolcache"))
+    monkeypatch.delenv("AGENT_TOOLSDIRECTORY", raising=False)
+    for v in ("3_97", "3_98"):
+        monkeypatch.delenv(f"SAGEATTN3_PYTHON_{v}", raising=False)
+    return tmp_path
+
+
+def test_windows_python_from_the_py_launcher(windows_machine):
+    target = _fake_python(windows_machine / "Python397" / "python.exe", "3.97")
+    launcher = windows_machine / "bin" / "py"
+    # the launcher is asked for `-3.97 -c 'import sys; print(sys.executable)'`
+    launcher.write_text(f'#!/bin/sh\n[ "$1" = "-3.97" ] && [ "$2" = "-c" ] && echo "{target}" && exit 0\n'
+                        'echo "No suitable Python runtime found" >&2\nexit 103\n')
+    launcher.chmod(0o755)
+    assert find_python("3.97", windows=True) == target
+    with pytest.raises(ToolchainError, match="SAGEATTN3_PYTHON_3_98"):
+        find_python("3.98", windows=True)
+
+
+def test_windows_python_from_the_install_dirs_and_the_tool_cache(windows_machine):
+    cache = windows_machine / "hostedtoolcache" / "Python"
+    _fake_python(cache / "3.98.9" / "x64" / "python.exe", "3.98")
+    newest = _fake_python(cache / "3.98.11" / "x64" / "python.exe", "3.98")
+    assert find_python("3.98", windows=True) == newest  # newest patch first (not string order)
+    per_user = _fake_python(windows_machine / "AppData" / "Local" / "Programs" / "Python" / "Python398" / "python.exe",
+                            "3.98")
+    assert find_python("3.98", windows=True) == per_user  # python.org's install before the tool cache
+    # a directory named for 3.98 holding another version is not taken
+    _fake_python(windows_machine / "Program Files" / "Python397" / "python.exe", "3.12")
+    with pytest.raises(ToolchainError) as e:
+        find_python("3.97", windows=True)
+    msg = str(e.value)
+    assert "py -3.97" in msg and "RUNNER_TOOL_CACHE" in msg and "set SAGEATTN3_PYTHON_3_97 to its python executable" in msg
+
+
+def test_windows_python_from_the_environment_and_path(windows_machine, monkeypatch):
+    on_path = _fake_python(windows_machine / "bin" / "python", "3.97")
+    assert find_python("3.97", windows=True) == on_path  # a virtualenv's python, checked by version
+    chosen = _fake_python(windows_machine / "elsewhere" / "python.exe", "3.97")
+    monkeypatch.setenv("SAGEATTN3_PYTHON_3_97", str(chosen))
+    assert find_python("3.97", windows=True) == chosen  # the override wins
+    monkeypatch.setenv("SAGEATTN3_PYTHON_3_98", str(chosen))  # a 3.97 where 3.98 is asked for
+    with pytest.raises(ToolchainError, match=r"SAGEATTN3_PYTHON_3_98=.* is not a Python 3\.98 interpreter"):
+        find_python("3.98", windows=True)
+
+
+def test_windows_host_compiler_is_cl(tmp_path, monkeypatch):
+    """cl.exe prints its banner on stderr when run without arguments; that is what is recorded."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ToolchainError, match="no MSVC compiler .cl.exe. on PATH.*vcvars64"):
+        host_compiler_version(windows=True)
+    cl = tmp_path / "cl"
+    cl.write_text("#!/bin/sh\n[ $# -eq 0 ] || exit 9\n"
+                  "echo 'Microsoft (R) C/C++ Optimizing Compiler Version 19.44.35211 for x64' >&2\n"
+                  "echo 'Copyright (C) Microsoft Corporation.  All rights reserved.' >&2\n"
+                  "echo 'usage: cl [ option... ] filename... [ /link linkoption... ]'\n")
+    cl.chmod(0o755)
+    (tmp_path / "c++").write_text("#!/bin/sh\necho 'x86_64-w64-mingw32-g++ (GCC) 13.2.0'\n")
+    (tmp_path / "c++").chmod(0o755)
+    assert host_compiler_version(windows=True) == "Microsoft (R) C/C++ Optimizing Compiler Version 19.44.35211 for x64"
+    assert host_compiler_version(windows=False) == "x86_64-w64-mingw32-g++ (GCC) 13.2.0"
