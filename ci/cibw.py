@@ -24,23 +24,30 @@ exactly that target's one build.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script ({project}/ci/cibw.py) inside a container
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ci.targets import Matrix, Target  # noqa: E402
+from ci.torch_source import PYTORCH_INDEX, TorchSource, foreign_torch_source, torch_source  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_FILE = REPO / "ci" / "cibuildwheel.toml"
 PACKAGE_DIR = REPO / "ci" / "cibw_project"
-PYTORCH_INDEX = "https://download.pytorch.org/whl"
+# Memory one nvcc of the payload may take at its peak (CuTe-heavy translation units); the
+# parallel compile count of a release job is capped by the runner's memory over this.
+NVCC_JOB_MEMORY_GB = 4
 
 # cibuildwheel's names for a target's platform and machine.
 CIBW_PLATFORM = {"linux": "linux", "windows": "windows"}
@@ -57,11 +64,31 @@ RPM_PACKAGES = ("cuda-nvcc", "cuda-cudart-devel", "cuda-cccl", "cuda-nvrtc-devel
 # release each major.minor resolves to (update with the matrix; `check` RELEASING.md).
 WINDOWS_CUDA_RELEASES = {"12.8": "12.8.1", "12.9": "12.9.1", "13.0": "13.0.2", "13.2": "13.2.0"}
 WINDOWS_INSTALLER = "https://developer.download.nvidia.com/compute/cuda/{full}/network_installers/cuda_{full}_windows_network.exe"
-# Component names as the installer's silent mode takes them (`-s nvcc_12.8 ...`); CUDA 13 split
-# crt and nvvm out of nvcc (*check* these against the installation guide of each new release).
+# Component names as the installer's silent mode takes them (`-s nvcc_12.8 ...`), from NVIDIA's
+# "CUDA Installation Guide for Microsoft Windows", table "Possible Subpackage Names"
+# (docs.nvidia.com/cuda/cuda-installation-guide-microsoft-windows). Its CUDA 13.2 edition lists
+# every name below with the _13.2 suffix, plus crt_13.2 and nvvm_13.2 as their own subpackages:
+# CUDA 13 split nvcc's headers (crt) and its NVVM compiler out of nvcc, so without them nvcc
+# 13.x cannot compile (crt/host_config.h missing). 12.x tables have neither (nvcc carries them).
+# Public builds with the 13.0.2 network installer use nvcc/cudart/crt/nvvm_13.0 the same way.
+# From 13.4 the installer is named cuda_<full>_windows_x86_64_network.exe: update
+# WINDOWS_INSTALLER before adding a 13.4 entry.
 WINDOWS_COMPONENTS = ("nvcc", "cudart", "nvrtc", "nvrtc_dev", "cublas_dev", "cusparse_dev", "cusolver_dev",
                       "curand_dev", "thrust", "visual_studio_integration")
 WINDOWS_COMPONENTS_13 = ("crt", "nvvm")
+# The installer download: per-read timeout, attempts, and the installer's own time limit.
+DOWNLOAD_TIMEOUT_S = 60
+DOWNLOAD_ATTEMPTS = 4
+INSTALLER_TIMEOUT_S = 40 * 60
+
+# Preinstalled software a build never uses, removed before building to free runner disk
+# (a Linux job holds the manylinux image, CUDA and two torch environments at once).
+RUNNER_BLOAT = {
+    "linux": ("/usr/share/dotnet", "/usr/local/lib/android", "/opt/ghc", "/usr/local/.ghcup",
+              "/opt/hostedtoolcache/CodeQL", "/usr/share/swift", "/usr/local/share/powershell"),
+    # Windows deletes slowly; only the two largest that nothing here uses.
+    "windows": (r"C:\Android", r"C:\hostedtoolcache\windows\CodeQL"),
+}
 
 
 class CibwError(RuntimeError):
@@ -79,18 +106,48 @@ def identifier(target: Target) -> str:
     return f"{py}-manylinux_{CIBW_ARCH[target.os.machine]}"
 
 
-def job_env(target: Target) -> dict[str, str]:
-    """The environment a release build job exports for ``target`` (before cibuildwheel runs)."""
-    env = {
+def machine_memory_bytes() -> int:
+    """Physical memory of this machine."""
+    if sys.platform == "win32":
+        import ctypes
+
+        class MemoryStatus(ctypes.Structure):
+            _fields_ = [("dwLength", ctypes.c_ulong), ("dwMemoryLoad", ctypes.c_ulong),
+                        ("ullTotalPhys", ctypes.c_ulonglong), ("ullAvailPhys", ctypes.c_ulonglong),
+                        ("ullTotalPageFile", ctypes.c_ulonglong), ("ullAvailPageFile", ctypes.c_ulonglong),
+                        ("ullTotalVirtual", ctypes.c_ulonglong), ("ullAvailVirtual", ctypes.c_ulonglong),
+                        ("ullAvailExtendedVirtual", ctypes.c_ulonglong)]
+
+        stat = MemoryStatus()
+        stat.dwLength = ctypes.sizeof(MemoryStatus)
+        ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(stat))  # type: ignore[attr-defined]
+        return int(stat.ullTotalPhys)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def nvcc_jobs(cpus: int | None = None, memory_bytes: int | None = None) -> int:
+    """Parallel compiles for this machine: one per CPU, but no more than its memory holds at
+    NVCC_JOB_MEMORY_GB each (a 16 GB hosted runner: 4), at least one."""
+    cpus = cpus or os.cpu_count() or 1
+    mem_gb = (memory_bytes if memory_bytes is not None else machine_memory_bytes()) / 2**30
+    return max(1, min(cpus, math.floor(mem_gb / NVCC_JOB_MEMORY_GB)))
+
+
+def job_env(target: Target, *, jobs: int | None = None) -> dict[str, str]:
+    """The environment a release build job exports for ``target`` (before cibuildwheel runs):
+    the target, cibuildwheel's selection, PyTorch's index (every target's torch comes from its
+    own cuXYZ directory there), the parallel compile cap of this runner, and the cleanup of
+    build-only files before verify."""
+    return {
         "SAGEATTN3_TARGET": target.id,
         "SAGEATTN3_CUDA": target.cuda,
         "CIBW_PLATFORM": CIBW_PLATFORM[target.os.platform],
         "CIBW_ARCHS": CIBW_ARCH[target.os.machine],
         "CIBW_BUILD": identifier(target),
+        "SAGEATTN3_PYTORCH_INDEX": PYTORCH_INDEX,
+        "MAX_JOBS": str(jobs or nvcc_jobs()),
+        "SAGEATTN3_CI_CLEANUP": "1",
     }
-    if target.cuda != target.build_torch_pypi_cuda:
-        env["SAGEATTN3_PYTORCH_INDEX"] = PYTORCH_INDEX
-    return env
 
 
 def load_target(target_id: str | None = None) -> tuple[Matrix, Target]:
@@ -139,6 +196,27 @@ def cuda_commands(target: Target) -> list[list[str]]:
     return [["<installer>", "-s", *[f"{c}_{target.cuda}" for c in comps]]]
 
 
+def download(url: str, dest: Path, *, timeout: float = DOWNLOAD_TIMEOUT_S, attempts: int = DOWNLOAD_ATTEMPTS,
+             log=print) -> Path:
+    """``url`` into ``dest``: each read times out after ``timeout`` s (a stalled connection fails
+    instead of hanging the job), retried with backoff; a partial file never remains."""
+    for attempt in range(1, attempts + 1):
+        part = dest.with_name(dest.name + ".part")
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as resp, open(part, "wb") as out:  # noqa: S310
+                shutil.copyfileobj(resp, out, 1 << 20)
+            part.replace(dest)
+            return dest
+        except (urllib.error.URLError, OSError) as e:
+            part.unlink(missing_ok=True)
+            if attempt == attempts:
+                raise CibwError(f"could not download {url} after {attempts} attempts: {e}") from e
+            wait = 5 * 2 ** (attempt - 1)
+            log(f"[cuda] download failed ({e}); attempt {attempt + 1}/{attempts} in {wait}s")
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
 def install_cuda(target: Target, github_env: Path | None = None, log=print) -> None:
     from ci.toolchain import find_cuda
 
@@ -148,8 +226,11 @@ def install_cuda(target: Target, github_env: Path | None = None, log=print) -> N
         with tempfile.TemporaryDirectory() as tmp:
             exe = Path(tmp) / f"cuda_{full}_windows_network.exe"
             log(f"[cuda] downloading NVIDIA's CUDA {full} network installer")
-            urllib.request.urlretrieve(WINDOWS_INSTALLER.format(full=full), exe)  # noqa: S310 (fixed https URL)
-            subprocess.run([str(exe), *cmds[0][1:]], check=True)
+            download(WINDOWS_INSTALLER.format(full=full), exe, log=log)
+            try:
+                subprocess.run([str(exe), *cmds[0][1:]], check=True, timeout=INSTALLER_TIMEOUT_S)
+            except subprocess.TimeoutExpired as e:
+                raise CibwError(f"the CUDA {full} installer ran over {INSTALLER_TIMEOUT_S // 60} minutes") from e
         home = Path(os.environ.get("ProgramFiles", r"C:\Program Files")) / "NVIDIA GPU Computing Toolkit" / "CUDA" / f"v{target.cuda}"
         if not (home / "bin" / "nvcc.exe").exists():
             raise CibwError(f"CUDA {target.cuda} installer finished but {home}\\bin\\nvcc.exe is missing")
@@ -217,16 +298,90 @@ DELVEWHEEL = "delvewheel==1.13.2"
 # -- the stages cibuildwheel calls ----------------------------------------------------------
 
 def build_into(wheel_dir: Path, log=print) -> Path:
-    """The build stage for $SAGEATTN3_TARGET; the raw wheel is copied into ``wheel_dir``."""
+    """The build stage for $SAGEATTN3_TARGET; the raw wheel is copied into ``wheel_dir``.
+    ``$MAX_JOBS`` caps the parallel compiles (default: what this machine's memory holds);
+    with ``$SAGEATTN3_CI_CLEANUP=1`` what only the build needed is removed afterwards."""
     from ci.build import build
 
     _container_pythons()
     matrix, target = load_target()
-    result = build(target, matrix, _dist() / "raw" / target.id, log=log)
+    jobs = int(os.environ.get("MAX_JOBS") or nvcc_jobs())
+    log(f"[build] {target.id}: {jobs} parallel compiles; torch {torch_source(target).describe()}")
+    result = build(target, matrix, _dist() / "raw" / target.id, jobs=jobs, log=log)
     wheel_dir.mkdir(parents=True, exist_ok=True)
     out = wheel_dir / result.wheel.name
     shutil.copy2(result.wheel, out)
+    if os.environ.get("SAGEATTN3_CI_CLEANUP") == "1":
+        verify_pythons = _verify_pythons(target)
+        keep = [result.env.root] if result.env.python_version in verify_pythons else []
+        cleanup_after_build(target, keep=keep, log=log)
     return out
+
+
+def _verify_pythons(target: Target, pythons: list[str] | None = None) -> list[str]:
+    return pythons or os.environ.get("SAGEATTN3_VERIFY_PYTHONS", target.python).split()
+
+
+def _size(path: Path) -> int:
+    if path.is_symlink() or path.is_file():
+        return path.lstat().st_size
+    return sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() or p.is_symlink())
+
+
+def cleanup_after_build(target: Target, *, keep: list[Path] = (), cache: Path | None = None,
+                        stage: Path | None = None, log=print) -> dict[str, int]:
+    """Remove what only the build needed, before verify installs its own torch: the factory's
+    CUDA toolkits, CUTLASS headers and torch environments (except ``keep``: the build's, when
+    verify reuses it), the staging copies, pip's download cache, and in a manylinux container
+    the CUDA 12.x toolkit from NVIDIA's repository. The compiler cache stays (the job saves it).
+    Returns the bytes freed per path."""
+    from ci.toolchain import cache_root
+
+    cache = cache or cache_root()
+    keep_resolved = {Path(k).resolve() for k in keep}
+    doomed = [cache / "cuda", cache / "cutlass"]
+    envs = cache / "envs"
+    if envs.is_dir():
+        doomed += [e for e in sorted(envs.iterdir()) if e.resolve() not in keep_resolved]
+    doomed.append(stage or REPO / "build" / "stage")
+    in_container = Path("/opt/python").is_dir() and hasattr(os, "geteuid") and os.geteuid() == 0
+    if in_container and int(target.cuda.split(".")[0]) < 13:
+        doomed.append(Path(f"/usr/local/cuda-{target.cuda}"))
+    freed: dict[str, int] = {}
+    for path in doomed:
+        if not path.exists():
+            continue
+        size = _size(path)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        freed[str(path)] = size
+    subprocess.run([sys.executable, "-m", "pip", "cache", "purge"], capture_output=True)
+    total = sum(freed.values())
+    log(f"[cleanup] removed {len(freed)} build-only paths, {total / 2**30:.1f} GiB"
+        + (f"; kept {', '.join(str(k) for k in keep)}" if keep else ""))
+    return freed
+
+
+def free_disk(paths: tuple[str, ...] | None = None, *, log=print) -> int:
+    """Remove the runner's preinstalled software that no build uses (``RUNNER_BLOAT`` for this
+    OS); returns the bytes the disk gained. On Linux the paths are root's: ``sudo rm``."""
+    platform = "windows" if sys.platform == "win32" else "linux"
+    paths = RUNNER_BLOAT[platform] if paths is None else paths
+    root = Path(os.environ.get("GITHUB_WORKSPACE") or Path.cwd()).anchor or "/"
+    before = shutil.disk_usage(root).free
+    sudo = ["sudo", "-n"] if platform == "linux" and os.geteuid() != 0 and shutil.which("sudo") else []
+    for p in paths:
+        if not os.path.exists(p):
+            continue
+        if sudo:
+            subprocess.run([*sudo, "rm", "-rf", p], check=False)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+    after = shutil.disk_usage(root).free
+    log(f"[disk] {root}: {before / 2**30:.1f} GiB free before, {after / 2**30:.1f} GiB after")
+    return after - before
 
 
 def repair_into(wheel: Path, dest_dir: Path, log=print) -> Path:
@@ -241,15 +396,28 @@ def repair_into(wheel: Path, dest_dir: Path, log=print) -> Path:
     return dest_dir / rec.wheel
 
 
+FOREIGN_DIR_ENV = "SAGEATTN3_FOREIGN_TORCH_DIR"
+
+
+def verify_sources(target: Target, matrix: Matrix, python: str) -> tuple[TorchSource, TorchSource]:
+    """The torch verify installs (the build's: same source) and the foreign torch of the ABI
+    guard check: a CPU build from PyTorch's ``cpu`` directory, or ``$SAGEATTN3_FOREIGN_TORCH_DIR``
+    where an index has no CPU builds (the local rehearsal's stand-in)."""
+    return (torch_source(target),
+            foreign_torch_source(target, matrix, python, directory=os.environ.get(FOREIGN_DIR_ENV) or "cpu"))
+
+
 def verify_wheel(wheel: Path, pythons: list[str] | None = None, log=print):
-    """The verify stage on one repaired wheel, against an index of that wheel alone."""
+    """The verify stage on one repaired wheel, against an index of that wheel alone, with the
+    target's own torch (the build's environment when the Python is the build's)."""
     from ci import index as indexmod
     from ci.record import BuildRecord, read_record_in_wheel, record_path
     from ci.verify import verify
 
     _container_pythons()
-    _, target = load_target()
-    pythons = pythons or os.environ.get("SAGEATTN3_VERIFY_PYTHONS", target.python).split()
+    matrix, target = load_target()
+    pythons = _verify_pythons(target, pythons)
+    source, foreign = verify_sources(target, matrix, pythons[0])
     with tempfile.TemporaryDirectory(prefix="sageattn3-cibw-verify-") as tmp:
         wheels = Path(tmp) / "wheels"
         wheels.mkdir()
@@ -260,7 +428,7 @@ def verify_wheel(wheel: Path, pythons: list[str] | None = None, log=print):
             raise CibwError(f"{wheel.name} was built for {rec.target}, not {target.id}")
         record_path(copy).write_text(rec.to_json())
         indexmod.write_index([rec], wheels, Path(tmp) / "index")
-        report = verify(rec, Path(tmp) / "index", pythons, log=log)
+        report = verify(rec, Path(tmp) / "index", pythons, torch_spec=source, foreign_torch=foreign, log=log)
     log(f"[verify] {report.wheel}: Python {', '.join(report.pythons)}; ABI guard: {report.abi_guard}")
     return report
 
@@ -279,6 +447,109 @@ def collect(wheelhouse: Path, out: Path, target_id: str | None = None, log=print
     return [out / rec.wheel]
 
 
+# -- a job, resolved without running it ------------------------------------------------------
+
+@dataclass(frozen=True)
+class JobPlan:
+    """Everything one release build job will run for a target, resolved up front: what the
+    rehearsal prints and checks for every target, including those this machine cannot build."""
+
+    target: Target
+    runner: str
+    identifier: str
+    env: dict[str, str]
+    torch: TorchSource
+    foreign: TorchSource
+    verify_python: str
+    requires_python: str
+    steps: tuple[tuple[str, tuple[str, ...]], ...]  # (step, argv) in the order the job runs them
+
+    def describe(self) -> str:
+        lines = [f"{self.target.id} on {self.runner} ({self.identifier}):",
+                 f"  torch   {self.torch.describe()}",
+                 f"  guard   {self.foreign.describe()}",
+                 f"  python  build + verify {self.verify_python}; Requires-Python {self.requires_python}"]
+        lines += [f"  {name:<8}{' '.join(argv)}" for name, argv in self.steps]
+        return "\n".join(lines)
+
+
+def _cibw_config() -> dict:
+    import tomllib
+
+    return tomllib.loads(CONFIG_FILE.read_text())["tool"]["cibuildwheel"]
+
+
+def plan_job(target: Target, matrix: Matrix, *, pytorch_index: str = PYTORCH_INDEX, jobs: int = 4) -> JobPlan:
+    """The job of ``target`` on its runner (``jobs``: the runner's parallel compile cap, 4 on
+    a 16 GB hosted runner): its exported environment, where torch comes from, and the argv
+    of each step, with cibuildwheel's placeholders filled in as it fills them."""
+    from ci.targets import GHA_RUNNERS
+
+    cfg = _cibw_config()
+    plat = cfg.get(target.os.platform, {})
+    ident = identifier(target)
+    env = job_env(target, jobs=jobs)
+    env["SAGEATTN3_PYTORCH_INDEX"] = pytorch_index
+    src = torch_source(target, pytorch_index)
+    foreign = foreign_torch_source(target, matrix, target.python, pytorch_index)
+    wheel = f"{{wheelhouse}}/{matrix.name}-<version>+{target.variant.label}-{target.python_tag}-abi3-<platform>.whl"
+    steps: list[tuple[str, tuple[str, ...]]] = []
+    if target.os.platform == "linux":
+        steps.append(("disk", ("python", "-m", "ci.cibw", "free-disk")))
+        for cmd in cuda_commands(target) or [["(PyPI)", "ci.toolchain.provision_cuda_from_pypi", target.cuda]]:
+            steps.append(("cuda", tuple(cmd)))
+    else:
+        steps.append(("disk", ("python", "-m", "ci.cibw", "free-disk")))
+        full = WINDOWS_CUDA_RELEASES[target.cuda]
+        steps.append(("cuda", (WINDOWS_INSTALLER.format(full=full), *cuda_commands(target)[0][1:])))
+        steps.append(("msvc", ("python", "-m", "ci.cibw", "msvc-env")))
+    steps.append(("torch", ("pip", "install", *src.pip_args())))
+    steps.append(("build", ("pip", "wheel", "--no-build-isolation", "ci/cibw_project", "->", "ci/cibw.py", "build")))
+    for key, name in (("repair-wheel-command", "repair"), ("test-command", "verify")):
+        cmd = plat.get(key) or cfg.get(key)
+        steps.append((name, tuple(cmd.replace("{wheel}", wheel).replace("{dest_dir}", "{dest_dir}").split())))
+    steps.append(("guard", ("pip", "install", *foreign.pip_args())))
+    steps.append(("collect", ("python", "-m", "ci.cibw", "collect", "--wheelhouse", "wheelhouse", "--out", "artifact")))
+    return JobPlan(target, GHA_RUNNERS[target.os.key], ident, env, src, foreign, target.python,
+                   f">={target.python}", tuple(steps))
+
+
+def check_job(job: JobPlan, matrix: Matrix) -> list[str]:
+    """What would make this job fail or build the wrong thing (empty: nothing found)."""
+    t, problems = job.target, []
+    want_plat = "win_amd64" if t.os.platform == "windows" else f"manylinux_{t.os.machine}"
+    if job.identifier != f"{t.python_tag}-{want_plat}":
+        problems.append(f"cibuildwheel builds {job.identifier}, the target is {t.python_tag} on {want_plat}")
+    tag = t.variant.cuda_tag
+    if job.torch.index_url is None or not job.torch.index_url.endswith(f"/{tag}"):
+        problems.append(f"torch comes from {job.torch.index_url or 'PyPI'}, not PyTorch's {tag} index")
+    if job.torch.requirement != f"torch=={t.build_torch}" or job.torch.cuda != t.cuda:
+        problems.append(f"torch {job.torch.requirement} (CUDA {job.torch.cuda}) is not the build's {t.build_torch}")
+    if t.variant.serves(job.foreign.version, t.cuda) or job.foreign.cuda is not None:
+        problems.append(f"the guard's torch {job.foreign.describe()} would load the wheel")
+    if job.verify_python not in matrix.line(".".join(job.foreign.version.split(".")[:2])).python:
+        problems.append(f"the guard's torch {job.foreign.version} has no Python {job.verify_python} build")
+    if job.requires_python != f">={t.python}":
+        problems.append(f"Requires-Python {job.requires_python} differs from the target's floor {t.python}")
+    cuda = [argv for name, argv in job.steps if name == "cuda"]
+    major, minor = t.cuda.split(".")
+    if t.os.platform == "windows":
+        comps = set(cuda[0][1:]) if cuda else set()
+        need = {f"{c}_{t.cuda}" for c in WINDOWS_COMPONENTS + (WINDOWS_COMPONENTS_13 if int(major) >= 13 else ())}
+        if comps != {"-s", *need}:
+            problems.append(f"Windows CUDA installer components {sorted(comps)} are not {sorted(need)}")
+        if not cuda or WINDOWS_CUDA_RELEASES.get(t.cuda, "?") not in cuda[0][0]:
+            problems.append(f"no Windows CUDA {t.cuda} installer")
+    elif int(major) < 13:
+        flat = " ".join(" ".join(c) for c in cuda)
+        if f"cuda-nvcc-{major}-{minor}" not in flat or f"rhel8/{RHEL8_REPO_ARCH[t.os.machine]}/" not in flat:
+            problems.append(f"the CUDA {t.cuda} packages for {t.os.machine} are not NVIDIA's RHEL 8 ones: {flat}")
+    env = job.env
+    if env["CIBW_BUILD"] != job.identifier or env["SAGEATTN3_TARGET"] != t.id or int(env["MAX_JOBS"]) < 1:
+        problems.append(f"the job environment does not select the target: {env}")
+    return problems
+
+
 # -- CLI ------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("env", help="KEY=VALUE lines a release job exports for a target")
     e.add_argument("--target", required=True)
+    sub.add_parser("free-disk", help="remove the runner's preinstalled software no build uses")
+    pj = sub.add_parser("plan", help="what each step of a target's release job runs (no build)")
+    pj.add_argument("--target", action="append", help="target id (repeatable; default: all)")
     c = sub.add_parser("install-cuda", help="install the target's CUDA toolkit (before-all / a Windows step)")
     c.add_argument("--target")
     c.add_argument("--github-env", type=Path, default=os.environ.get("GITHUB_ENV"))
@@ -312,6 +586,17 @@ def main(argv: list[str] | None = None) -> int:
             _, t = load_target(a.target)
             for key, val in job_env(t).items():
                 print(f"{key}={val}")
+        elif a.cmd == "free-disk":
+            free_disk()
+        elif a.cmd == "plan":
+            matrix = Matrix.load()
+            bad = 0
+            for t in [matrix.target(i) for i in a.target] if a.target else matrix.targets:
+                job = plan_job(t, matrix)
+                problems = check_job(job, matrix)
+                bad += bool(problems)
+                print(job.describe() + "".join(f"\n  PROBLEM {p}" for p in problems))
+            return 1 if bad else 0
         elif a.cmd == "install-cuda":
             install_cuda(load_target(a.target)[1], a.github_env)
         elif a.cmd == "msvc-env":

@@ -25,16 +25,20 @@ and publishes to a local server speaking GitHub's REST contract (tests/fake_gith
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from ci.targets import Matrix
@@ -79,6 +83,34 @@ def plan(matrix_json: dict, only: list[str] | None = None, matrix: Matrix | None
             raise ReleaseError(f"unknown target ids {bad}; list them with `nox -s build-wheels -- --list-targets`")
         entries = [e for e in entries if e["id"] in wanted]
     return {"include": entries}
+
+
+# -- the tag ------------------------------------------------------------------------------------
+
+VERSION_FILE = REPO / "sageattn3" / "sageattn3" / "_version.py"
+
+
+def package_version(path: Path = VERSION_FILE) -> str:
+    """The payload's version (``__version__`` in sageattn3/_version.py), PEP 440 normalised."""
+    from packaging.version import InvalidVersion, Version
+
+    m = re.search(r"^__version__\s*=\s*[\"']([^\"']+)[\"']", path.read_text(), flags=re.M)
+    if not m:
+        raise ReleaseError(f"{path.name}: no __version__ = \"X.Y.Z\" line")
+    try:
+        return str(Version(m.group(1)))
+    except InvalidVersion:
+        raise ReleaseError(f"{path.name}: __version__ {m.group(1)!r} is not a PEP 440 version") from None
+
+
+def check_tag(tag: str, path: Path = VERSION_FILE) -> str:
+    """The release tag must be ``v`` + the payload's normalised version (``v0.2.0`` for
+    ``0.2.0``; ``v1.0.0rc1`` for ``1.0.0-rc.1``); returns the version."""
+    version = package_version(path)
+    if tag != f"v{version}":
+        raise ReleaseError(f"tag {tag!r} does not match the package version {version} "
+                           f"(sageattn3/sageattn3/_version.py): tag v{version}, or change __version__")
+    return version
 
 
 # -- artifacts: report and gather -------------------------------------------------------------
@@ -248,6 +280,152 @@ def lint_workflows(workflows: Path = WORKFLOWS) -> list[tuple[str, int, str]]:
     return problems
 
 
+# -- the rehearsal's stand-in for PyTorch's index ----------------------------------------------
+
+PYPI_SIMPLE = "https://pypi.org/simple"
+
+
+def _isolated_pip_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """pip with no configuration but what we pass (no machine-local find-links or mirrors)."""
+    env = {k: v for k, v in (base or os.environ).items()
+           if not k.startswith("PIP_") or k in ("PIP_CERT", "PIP_DEFAULT_TIMEOUT")}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
+    return env
+
+
+def standin_dir(version: str, matrix: Matrix) -> str:
+    """The PyTorch index directory PyPI's x86_64 ``torch==version`` belongs in: PyPI ships one
+    CUDA variant per release (the line's ``pypi_default``: cu128 for 2.8-2.10, cu130 from 2.11)."""
+    from ci.variant import cuda_tag, torch_line
+
+    return cuda_tag(matrix.line(torch_line(version)).pypi_default)
+
+
+def standin_wheels() -> Path:
+    from ci.toolchain import cache_root
+
+    return cache_root() / "torch-index"
+
+
+def fetch_torch(version: str, python: str, matrix: Matrix, *, platform: str = "manylinux_2_28_x86_64",
+                log=print) -> Path:
+    """PyPI's x86_64 wheel of ``torch==version`` for ``python`` into the factory cache, under
+    the PyTorch index directory it is a build of (``torch-index/cu128/...``)."""
+    dest = standin_wheels() / standin_dir(version, matrix)
+    tag = "cp" + python.replace(".", "")
+    have = sorted(dest.glob(f"torch-{version}-{tag}-{tag}-*{platform.split('_', 3)[-1]}.whl")) if dest.is_dir() else []
+    if have:
+        return have[0]
+    dest.mkdir(parents=True, exist_ok=True)
+    log(f"[stand-in] downloading torch {version} ({tag}, {platform}) from PyPI into {dest}")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", f"torch=={version}",
+           "--python-version", python, "--platform", platform, "--index-url", PYPI_SIMPLE, "-d", str(dest)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_isolated_pip_env())
+    got = sorted(dest.glob(f"torch-{version}-{tag}-*.whl"))
+    if proc.returncode != 0 or not got:
+        raise ReleaseError(f"could not download torch {version} for Python {python} from PyPI:\n{proc.stderr[-2000:]}")
+    return got[0]
+
+
+class _StandInHandler(BaseHTTPRequestHandler):
+    """``/whl/<dir>/torch/``: a PEP 503 page of the wheels in ``<root>/<dir>``; the wheels
+    themselves; ``/whl/<dir>/<other>/``: 302 to PyPI's page (torch's dependencies, which
+    PyTorch's index mirrors from PyPI)."""
+
+    root: Path
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, code: int, body: bytes = b"", ctype: str = "text/html", headers: dict | None = None) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def do_HEAD(self):
+        self.do_GET()
+
+    def do_GET(self):
+        from urllib.parse import unquote, urlsplit
+
+        parts = [p for p in unquote(urlsplit(self.path).path).split("/") if p]
+        if len(parts) < 2 or parts[0] != "whl" or not re.fullmatch(r"cpu|cu\d{3,4}", parts[1]):
+            return self._send(404, b"not a PyTorch index path")
+        folder = self.root / parts[1]
+        if len(parts) == 2:
+            return self._send(200, b'<!DOCTYPE html><html><body><a href="torch/">torch</a></body></html>')
+        project = re.sub(r"[-_.]+", "-", parts[2]).lower()
+        if project != "torch":
+            if len(parts) == 3:
+                return self._send(302, headers={"Location": f"{PYPI_SIMPLE}/{project}/"})
+            return self._send(404)
+        if len(parts) == 3:
+            anchors = "".join(
+                f'<a href="{w.name.replace("+", "%2B")}#sha256={_sha256_cached(w)}">{w.name}</a><br>'
+                for w in sorted(folder.glob("torch-*.whl")))
+            return self._send(200, f"<!DOCTYPE html><html><body>{anchors}</body></html>".encode())
+        wheel = folder / parts[3]
+        if len(parts) == 4 and wheel.is_file() and wheel.parent == folder:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(wheel.stat().st_size))
+            self.end_headers()
+            if self.command != "HEAD":
+                with open(wheel, "rb") as f:
+                    shutil.copyfileobj(f, self.wfile, 1 << 20)
+            return None
+        return self._send(404)
+
+
+def _sha256_cached(path: Path) -> str:
+    """A wheel's sha256, remembered beside it (torch wheels are ~1 GB)."""
+    memo = path.with_name(path.name + ".sha256")
+    st = path.stat()
+    stamp = f"{st.st_size}:{st.st_mtime_ns}"
+    if memo.exists():
+        stored_stamp, _, digest = memo.read_text().partition(" ")
+        if stored_stamp == stamp:
+            return digest.strip()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    memo.write_text(f"{stamp} {h.hexdigest()}")
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def pytorch_index_standin(root: Path | None = None):
+    """A real HTTP server on 127.0.0.1 laid out like PyTorch's index; yields its ``/whl`` URL
+    (what ``SAGEATTN3_PYTORCH_INDEX`` points at in the rehearsal)."""
+    handler = type("StandIn", (_StandInHandler,), {"root": Path(root or standin_wheels())})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/whl"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def standin_serves(target, matrix: Matrix) -> str | None:
+    """Why the stand-in cannot serve this target's torch (None: it can). It serves what PyPI
+    has: Linux x86_64 CUDA builds, one CUDA variant per torch release."""
+    if target.os.key != "linux-x86_64":
+        return f"PyPI has no CUDA torch for {target.os.key} (PyTorch's index only)"
+    pypi = standin_dir(target.build_torch, matrix)
+    if pypi != target.variant.cuda_tag:
+        return (f"PyPI's torch {target.build_torch} is the {pypi} build, the target needs "
+                f"{target.variant.cuda_tag} (PyTorch's index only)")
+    return None
+
+
 # -- the local dry run ---------------------------------------------------------------------------
 
 @dataclass
@@ -261,6 +439,7 @@ class DryRun:
     wheels: list[Path] = field(default_factory=list)
     publish_log: list[str] = field(default_factory=list)
     summary: str = ""
+    jobs: list = field(default_factory=list)  # TargetRehearsal per target
 
     @property
     def artifacts(self) -> Path:
@@ -275,44 +454,142 @@ def _load_fake_github():
     return mod.FakeGitHub
 
 
-def build_target_like_cibuildwheel(target_id: str, dist: Path, artifacts: Path, verify_pythons: list[str],
-                                   log=print) -> dict[str, float]:
-    """What one release build job does, with cibuildwheel's steps called in its order on this
-    machine (no container): the shim's build_wheel -> repair-wheel-command -> test-command ->
-    collect into the artifact directory ``wheel-<id>``."""
-    from ci import cibw
+def _run_hook(name: str, cmd: list[str], env: dict[str, str], logs: Path, log=print) -> float:
+    """One cibuildwheel step as a process of its own (as cibuildwheel runs it); its output goes
+    to ``logs/<name>.log``; a failure raises with the last lines."""
+    logs.mkdir(parents=True, exist_ok=True)
+    log(f"[{name}] {' '.join(cmd)}")
+    t0 = time.monotonic()
+    with open(logs / f"{name}.log", "w", encoding="utf-8") as out:
+        proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
+    took = time.monotonic() - t0
+    if proc.returncode != 0:
+        tail = "\n".join((logs / f"{name}.log").read_text(errors="replace").splitlines()[-30:])
+        raise ReleaseError(f"{name} exited {proc.returncode} after {took:.0f}s ({logs / (name + '.log')}):\n{tail}")
+    return took
 
-    times: dict[str, float] = {}
-    old = {k: os.environ.get(k) for k in ("SAGEATTN3_TARGET", "SAGEATTN3_DIST", "SAGEATTN3_FACTORY_PYTHON")}
-    os.environ.update(SAGEATTN3_TARGET=target_id, SAGEATTN3_DIST=str(dist), SAGEATTN3_FACTORY_PYTHON=sys.executable)
+
+def build_target_like_cibuildwheel(target_id: str, dist: Path, artifacts: Path, *, pytorch_index: str,
+                                   foreign_dir: str = "cpu", verify_pythons: list[str] | None = None,
+                                   log=print) -> dict[str, float]:
+    """What one release build job runs, step by step, in cibuildwheel's order and each as its own
+    process with the job's environment (``python -m ci.cibw env``) and ``pytorch_index`` in
+    place of PyTorch's: the target's oldest Python runs ``pip wheel`` on the shim project
+    (-> ``ci/cibw.py build``), then ``ci/cibw.py repair``, ``ci/cibw.py verify``, and
+    ``python -m ci.cibw collect`` into the artifact directory ``wheel-<id>``. No container: the
+    Linux wheel gets this machine's glibc tag."""
+    from ci import cibw
+    from ci.toolchain import find_python
+
+    matrix = Matrix.load()
+    target = matrix.target(target_id)
     work = dist / "cibw" / target_id
     shutil.rmtree(work, ignore_errors=True)
-    try:
-        spec = importlib.util.spec_from_file_location("factory_backend", cibw.PACKAGE_DIR / "factory_backend.py")
-        backend = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(backend)
-        t0 = time.monotonic()
-        (work / "built").mkdir(parents=True)
-        built = work / "built" / backend.build_wheel(str(work / "built"))
-        times["build"] = time.monotonic() - t0
-        t0 = time.monotonic()
-        repaired = cibw.repair_into(built, work / "repaired", log=log)
-        times["repair+tag"] = time.monotonic() - t0
-        t0 = time.monotonic()
-        cibw.verify_wheel(repaired, verify_pythons, log=log)
-        times["verify"] = time.monotonic() - t0
-        t0 = time.monotonic()
-        dest = artifacts / f"{ARTIFACT_PREFIX}{target_id}"
-        shutil.rmtree(dest, ignore_errors=True)
-        cibw.collect(work / "repaired", dest, target_id, log=log)
-        times["collect"] = time.monotonic() - t0
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    env = _isolated_pip_env()
+    env.update(cibw.job_env(target))
+    env.update(SAGEATTN3_PYTORCH_INDEX=pytorch_index, SAGEATTN3_FOREIGN_TORCH_DIR=foreign_dir,
+               SAGEATTN3_DIST=str(dist), SAGEATTN3_FACTORY_PYTHON=sys.executable,
+               # a developer machine keeps its caches: no cleanup between the steps
+               SAGEATTN3_CI_CLEANUP="0")
+    if verify_pythons:
+        env["SAGEATTN3_VERIFY_PYTHONS"] = " ".join(verify_pythons)
+    floor = find_python(target.python)
+    logs = work / "logs"
+    factory = [sys.executable, str(cibw.REPO / "ci" / "cibw.py")]
+    times = {"build": _run_hook("build", [str(floor), "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
+                                          "-w", str(work / "built"), str(cibw.PACKAGE_DIR)], env, logs, log)}
+    built = sorted((work / "built").glob("*.whl"))
+    if len(built) != 1:
+        raise ReleaseError(f"{target_id}: the build step left {[w.name for w in built]}, expected one wheel")
+    times["repair+tag"] = _run_hook("repair", [*factory, "repair", "--wheel", str(built[0]), "--dest-dir",
+                                               str(work / "repaired")], env, logs, log)
+    repaired = sorted((work / "repaired").glob("*.whl"))
+    if len(repaired) != 1:
+        raise ReleaseError(f"{target_id}: the repair step left {[w.name for w in repaired]}, expected one wheel")
+    times["verify"] = _run_hook("verify", [*factory, "verify", "--wheel", str(repaired[0])], env, logs, log)
+    dest = artifacts / f"{ARTIFACT_PREFIX}{target_id}"
+    shutil.rmtree(dest, ignore_errors=True)
+    times["collect"] = _run_hook("collect", [sys.executable, "-m", "ci.cibw", "collect", "--wheelhouse",
+                                             str(work / "repaired"), "--out", str(dest), "--target", target_id],
+                                 env, logs, log)
+    for line in (logs / "verify.log").read_text(errors="replace").splitlines():
+        if line.startswith("[verify]"):
+            log(line)
     return times
+
+
+@dataclass
+class TargetRehearsal:
+    """One target in the rehearsal: its job resolved and checked, and whether it ran here."""
+
+    id: str
+    job: object  # ci.cibw.JobPlan
+    problems: list[str]
+    runs_here: bool
+    why_not: str = ""
+
+
+def rehearse_plan(matrix: Matrix, pytorch_index: str | None = None, log=print) -> list[TargetRehearsal]:
+    """Every target's release job resolved (environment, torch and guard sources, CUDA install,
+    cibuildwheel selection, each step's command) and checked; which of them can run here
+    with the stand-in index (the rest are only planned, with the reason)."""
+    from ci import cibw
+    from ci.build import local_blockers
+
+    out = []
+    for t in matrix.targets:
+        job = cibw.plan_job(t, matrix)
+        problems = cibw.check_job(job, matrix) + _windows_commands_problems(t, matrix)
+        old = os.environ.get("SAGEATTN3_PYTORCH_INDEX")
+        os.environ["SAGEATTN3_PYTORCH_INDEX"] = pytorch_index or "http://127.0.0.1/whl"
+        try:
+            blockers = local_blockers(t)  # with the stand-in as PyTorch's index
+        finally:
+            if old is None:
+                os.environ.pop("SAGEATTN3_PYTORCH_INDEX", None)
+            else:
+                os.environ["SAGEATTN3_PYTORCH_INDEX"] = old
+        served = standin_serves(t, matrix)
+        why = "; ".join(blockers + ([f"the stand-in index cannot serve its torch: {served}"] if served else []))
+        out.append(TargetRehearsal(t.id, job, problems, not why, why))
+    return out
+
+
+def _windows_commands_problems(target, matrix: Matrix) -> list[str]:
+    """For a Windows target: the compile and link commands of its flag profile, made by the
+    payload's own command builder with the job's paths, must be MSVC's (cl/link, nvcc with
+    -Xcompiler, CUDA's lib\\x64, a .pyd). Skipped (no problem) where the payload has no builder."""
+    if target.os.platform != "windows":
+        return []
+    builder = REPO / "sageattn3" / "build_commands.py"
+    if not builder.exists():
+        return []
+    spec = importlib.util.spec_from_file_location("sageattn3_build_commands", builder)
+    bc = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, bc)
+    spec.loader.exec_module(bc)
+    from ci.flags import profile_for
+
+    profile = profile_for(target, matrix.stable_abi_floor)
+    home = rf"C:\Program Files\NVIDIA GPU Computing Toolkit\CUDA\v{target.cuda}"
+    torch_dir = r"C:\cache\envs\torch\Lib\site-packages\torch"
+    problems = []
+    try:
+        t = bc.tools(bc.style_of(profile), home)
+        cu = bc.compile_command(t, profile, "csrc/attn.cu", r"C:\b\attn.cu.obj", [home + r"\include"])
+        libs = bc.library_dirs("msvc", torch_dir=torch_dir, cuda_home=home, python_prefix=r"C:\Python310")
+        link = bc.link_command(t, profile, [r"C:\b\attn.cu.obj"], r"C:\b\sageattn3\_C.pyd", libs)
+    except Exception as e:  # noqa: BLE001 - reported as the target's problem
+        return [f"the MSVC commands cannot be made: {type(e).__name__}: {e}"]
+    if t.style != "msvc" or not t.nvcc.endswith("nvcc.exe") or t.linker != "link":
+        problems.append(f"the Windows toolchain is not MSVC's: {t}")
+    if "-c" not in cu or not any(a.startswith("-Xcompiler") for a in cu):
+        problems.append(f"nvcc's host flags do not go through -Xcompiler: {cu}")
+    if not any(a.lower() == rf"/libpath:{home}\lib\x64".lower() for a in link):
+        problems.append(f"the link does not search CUDA's lib\\x64: {link}")
+    if not any(a.startswith("/OUT:") and a.endswith(".pyd") for a in link):
+        problems.append(f"the link does not produce a .pyd: {link}")
+    return problems
 
 
 def publish_steps(wheels: Path, index_dir: Path, api_url: str, repo: str, tag: str, token: str,
@@ -344,31 +621,63 @@ def publish_steps(wheels: Path, index_dir: Path, api_url: str, repo: str, tag: s
 
 
 def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, repo: str = "sageattn3/sageattn3",
-            tag: str | None = None, log=print) -> DryRun:
-    """plan -> build -> repair -> verify (each buildable target) -> gather -> publish to a local
-    GitHub-REST server -> index + Pages branch -> summary. ``fake``: a running FakeGitHub to
-    publish to (default: one started here). Raises ReleaseError when a target fails (after
+            tag: str | None = None, only: list[str] | None = None, plan_only: bool = False,
+            log=print) -> DryRun:
+    """The release rehearsal. plan -> every target's job resolved and checked (all of them,
+    also those this machine cannot build) -> each target that can run here goes through the
+    release job's steps (cibuildwheel's order, one process each) with a local stand-in for
+    PyTorch's index serving PyPI's torch wheels under the target's index path -> gather ->
+    publish to a local GitHub-REST server -> index + Pages branch -> summary. ``only``: the
+    target ids to run (default: every one that can run here); ``plan_only``: stop after the
+    checks. Raises ReleaseError when a job's plan has a problem or a target fails (after
     writing the summary that names it): nothing is published then."""
-    from ci.build import local_blockers
-
     matrix = Matrix.load()
     dr = DryRun(dist=dist, repo=repo)
-    verify_pythons = verify_pythons or ["%d.%d" % sys.version_info[:2]]
-    local = [t.id for t in matrix.targets if not local_blockers(t)]
-    if not local:
-        raise ReleaseError("no target of the matrix can be built on this machine (`nox -s build-wheels -- --list-targets`)")
-    dr.planned = plan(matrix.gha_matrix(), only=local, matrix=matrix)
-    log(f"[plan] {len(dr.planned['include'])} of {len(matrix.targets)} targets buildable here: {', '.join(local)}")
-    shutil.rmtree(dr.artifacts, ignore_errors=True)
-    for e in dr.planned["include"]:
-        log(f"== {e['id']}")
-        try:
-            dr.timings[e["id"]] = build_target_like_cibuildwheel(e["id"], dist, dr.artifacts, verify_pythons, log=log)
-        except Exception as exc:  # noqa: BLE001 - a failed target is reported by name
-            dr.errors[e["id"]] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
-            log(f"!! {e['id']}: {dr.errors[e['id']]}")
+    dist.mkdir(parents=True, exist_ok=True)
+    with pytorch_index_standin() as index_url:
+        dr.jobs = rehearse_plan(matrix, index_url, log=log)
+        bad = [r for r in dr.jobs if r.problems]
+        runnable = [r.id for r in dr.jobs if r.runs_here]
+        log(f"[plan] {len(dr.jobs)} jobs resolved and checked; {len(runnable)} can run here: {', '.join(runnable) or 'none'}")
+        if bad:
+            dr.summary = _jobs_table(dr)
+            (dist / "summary.md").write_text(dr.summary)
+            raise ReleaseError("the plan has problems: " + "; ".join(f"{r.id}: {', '.join(r.problems)}" for r in bad))
+        if only:
+            unknown = sorted(set(only) - {r.id for r in dr.jobs})
+            cannot = [r for r in dr.jobs if r.id in only and not r.runs_here]
+            if unknown or cannot:
+                raise ReleaseError(f"cannot rehearse {unknown + [r.id for r in cannot]} here: "
+                                   + "; ".join(f"{r.id}: {r.why_not}" for r in cannot))
+            runnable = [i for i in runnable if i in only]
+        if plan_only:
+            dr.summary = _jobs_table(dr)
+            (dist / "summary.md").write_text(dr.summary)
+            return dr
+        if not runnable:
+            raise ReleaseError("no target of the matrix can run here (each job's reason: `nox -s release -- --dry-run --plan-only`)")
+        dr.planned = plan(matrix.gha_matrix(), only=runnable, matrix=matrix)
+        shutil.rmtree(dr.artifacts, ignore_errors=True)
+        for e in dr.planned["include"]:
+            log(f"== {e['id']}")
+            try:
+                target = matrix.target(e["id"])
+                job = next(r.job for r in dr.jobs if r.id == e["id"])
+                # the stand-in's torch: the build's, and the guard's from the directory PyPI's
+                # build of it belongs in (no CPU builds of x86_64 torch on PyPI)
+                fetch_torch(target.build_torch, target.python, matrix, log=log)
+                foreign_dir = standin_dir(job.foreign.version, matrix)
+                for py in verify_pythons or [target.python]:
+                    fetch_torch(target.build_torch, py, matrix, log=log)
+                fetch_torch(job.foreign.version, (verify_pythons or [target.python])[0], matrix, log=log)
+                dr.timings[e["id"]] = build_target_like_cibuildwheel(
+                    e["id"], dist, dr.artifacts, pytorch_index=index_url, foreign_dir=foreign_dir,
+                    verify_pythons=verify_pythons, log=log)
+            except Exception as exc:  # noqa: BLE001 - a failed target is reported by name
+                dr.errors[e["id"]] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
+                log(f"!! {e['id']}: {dr.errors[e['id']]}")
     build_md, missing = report(dr.planned, dr.artifacts, tag)
-    parts = [build_md, "", _timing_table(dr)]
+    parts = [build_md, "", _timing_table(dr), "", _jobs_table(dr)]
     if missing:
         dr.summary = "\n".join(parts)
         (dist / "summary.md").write_text(dr.summary)
@@ -382,6 +691,7 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
 
     version = BuildRecord.load(record_path(dr.wheels[0])).version.split("+")[0]
     dr.tag = tag or f"v{version}"
+    check_tag(dr.tag)
     (dist / "SHA256SUMS").write_text(sha256sums(dr.wheels))
     log("[attest] skipped in a dry run (the publish job runs actions/attest-build-provenance on dist/wheels/*.whl)")
 
@@ -413,6 +723,27 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
     dr.summary = "\n".join(parts) + "\n"
     (dist / "summary.md").write_text(dr.summary)
     return dr
+
+
+def _jobs_table(dr: DryRun) -> str:
+    """Every target's job: where its torch and the guard's come from, its CUDA install, and
+    whether the rehearsal ran it (or why not)."""
+    rows = ["| target | torch (build, verify) | ABI-guard torch | CUDA | plan | here |", "|---|---|---|---|---|---|"]
+    for r in dr.jobs:
+        cuda = next((" ".join(argv) for name, argv in r.job.steps if name == "cuda"), "")
+        cuda = "NVIDIA installer" if ".exe" in cuda else ("PyPI" if "PyPI" in cuda else "NVIDIA RHEL 8 repo")
+        src = r.job.torch.index_url.rsplit("/", 1)[-1] if r.job.torch.index_url else "PyPI"
+        if r.id in dr.timings:
+            ran = "built + verified"
+        elif r.id in dr.errors:
+            ran = "FAILED"
+        elif r.runs_here:
+            ran = "can run here" + ("" if not dr.planned else " (not chosen)")
+        else:
+            ran = "planned only: " + r.why_not
+        rows.append(f"| `{r.id}` | {r.job.torch.requirement} `{src}` | {r.job.foreign.requirement} `cpu` | {cuda} | "
+                    f"{'ok' if not r.problems else 'PROBLEMS: ' + '; '.join(r.problems)} | {ran} |")
+    return "\n".join(rows)
 
 
 def _variant_page(rec) -> str:
@@ -464,11 +795,15 @@ def main(argv: list[str] | None = None) -> int:
     pg = sub.add_parser("pages", help="publish the built index to the Pages branch (python -m ci.publish pages)")
     pg.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("lint-workflows", help="actionlint + zizmor on .github/workflows")
+    ct = sub.add_parser("check-tag", help="the tag must be v + the package version")
+    ct.add_argument("--tag", required=True)
     d = sub.add_parser("dry-run", help="the whole pipeline for the targets buildable here, publishing locally")
     d.add_argument("--dist", type=Path, default=REPO / "dist" / "dry-run")
     d.add_argument("--verify-python", action="append", metavar="X.Y")
     d.add_argument("--repo", default="sageattn3/sageattn3")
     d.add_argument("--tag", default=None)
+    d.add_argument("--only", action="append", metavar="TARGET", help="rehearse only this target (repeatable)")
+    d.add_argument("--plan-only", action="store_true", help="resolve and check every job, build nothing")
     a = ap.parse_args(argv)
     try:
         if a.cmd == "plan":
@@ -500,8 +835,11 @@ def main(argv: list[str] | None = None) -> int:
             print("workflows: " + ("actionlint and zizmor found nothing" if not problems else
                                    f"{len(problems)} tool(s) complained"))
             return 1 if problems else 0
+        elif a.cmd == "check-tag":
+            print(f"tag {a.tag} matches sageattn3 {check_tag(a.tag)}")
         elif a.cmd == "dry-run":
-            dr = dry_run(a.dist, verify_pythons=a.verify_python, repo=a.repo, tag=a.tag)
+            dr = dry_run(a.dist, verify_pythons=a.verify_python, repo=a.repo, tag=a.tag, only=a.only,
+                         plan_only=a.plan_only)
             print("\n" + dr.summary)
             print(f"dry run complete: artifacts in {a.dist}")
     except ReleaseError as e:

@@ -42,9 +42,6 @@ class TorchSource:
     index_url: str | None  # "https://download.pytorch.org/whl/cu128"; None = PyPI
     cuda: str | None  # "12.8"; None = CPU build
     why: str = ""
-    # Indexes consulted after index_url for torch's *dependencies* (the local rehearsal's PyPI
-    # fallback: its stand-in index serves torch only). Empty in the release.
-    extra_index_urls: tuple[str, ...] = ()
 
     @property
     def version(self) -> str:
@@ -52,10 +49,7 @@ class TorchSource:
 
     def index_args(self) -> list[str]:
         """The pip options that choose where it comes from."""
-        args = ["--index-url", self.index_url] if self.index_url else []
-        for url in self.extra_index_urls:
-            args += ["--extra-index-url", url]
-        return args
+        return ["--index-url", self.index_url] if self.index_url else []
 
     def pip_args(self) -> list[str]:
         """``pip install`` arguments: the requirement, then the index options."""
@@ -64,8 +58,7 @@ class TorchSource:
     def describe(self) -> str:
         build = f"CUDA {self.cuda}" if self.cuda else "CPU"
         where = self.index_url or "PyPI"
-        extra = "".join(f" (+ {u} for its dependencies)" for u in self.extra_index_urls)
-        return f"{self.requirement} ({build} build) from {where}{extra}" + (f": {self.why}" if self.why else "")
+        return f"{self.requirement} ({build} build) from {where}" + (f": {self.why}" if self.why else "")
 
     def accepts(self, torch_version: str, torch_cuda: str | None) -> bool:
         """Is an installed torch (``torch.__version__``, ``torch.version.cuda``) this one?"""

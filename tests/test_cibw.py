@@ -83,9 +83,6 @@ def test_a_source_accepts_only_its_own_build():
     assert not src.accepts("2.8.0+cpu", None) and not src.accepts("2.8.0", "12.6")
     assert not src.accepts("2.9.1+cu128", "12.8")
     assert "CUDA 12.8 build" in src.describe() and "https://x/cu128" in src.describe()
-    extra = TorchSource("torch==2.8.0", "http://127.0.0.1:1/whl/cu128", "12.8",
-                        extra_index_urls=("https://pypi.org/simple",))
-    assert extra.pip_args()[-2:] == ["--extra-index-url", "https://pypi.org/simple"]
 
 
 # -- the ABI guard's foreign torch ---------------------------------------------------------

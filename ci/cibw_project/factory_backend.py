@@ -2,7 +2,9 @@
 
 It runs under cibuildwheel's build Python (the target's oldest, e.g. 3.9), while the factory
 needs Python >= 3.11: it calls ``$SAGEATTN3_FACTORY_PYTHON ci/cibw.py build`` (falling back to
-the running interpreter), which compiles with the target's own torch environment."""
+the running interpreter), which compiles with the target's own torch environment. The torch
+environment is made for *this* Python (``SAGEATTN3_BUILD_PYTHON``), the one verify installs the
+wheel into next, so verify reuses it instead of installing torch a second time."""
 
 from __future__ import annotations
 
@@ -20,8 +22,12 @@ def get_requires_for_build_wheel(config_settings=None):
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     python = os.environ.get("SAGEATTN3_FACTORY_PYTHON") or sys.executable
+    here = "%d.%d" % sys.version_info[:2]
+    env = dict(os.environ, SAGEATTN3_BUILD_PYTHON=here)
+    # cibuildwheel builds in a venv; the factory makes its own venvs from the base interpreter.
+    env.setdefault("SAGEATTN3_PYTHON_" + here.replace(".", "_"), getattr(sys, "_base_executable", sys.executable))
     before = set(os.listdir(wheel_directory))
-    subprocess.run([python, str(CIBW), "build", "--out", str(wheel_directory)], check=True)
+    subprocess.run([python, str(CIBW), "build", "--out", str(wheel_directory)], check=True, env=env)
     new = sorted(n for n in os.listdir(wheel_directory) if n.endswith(".whl") and n not in before)
     if len(new) != 1:
         raise RuntimeError(f"the factory's build stage left {new} in {wheel_directory}, expected one wheel")
