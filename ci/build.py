@@ -116,25 +116,6 @@ def compile_key(target: Target, profile: dict, patch_names: list[str]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def stage(target: Target, matrix: Matrix, *, force_patches: tuple[str, ...] = (), build_root: Path | None = None,
-          mma_model: bool = False) -> tuple[Path, dict, list[patchmod.Patch]]:
-    """Copy the payload into its staging dir and apply the target's patches. Returns the
-    staging dir, the flag profile and the applied patches. Raises before compiling on drift."""
-    profile = profile_for(target, matrix.stable_abi_floor, mma_model=mma_model)
-    chosen = patchmod.select(
-        patchmod.load_manifest(), os_key=target.os.key, compiler=compiler_for(target),
-        cuda=target.cuda, torch_version=target.build_torch, force=force_patches,
-    )
-    root = (build_root or REPO / "build") / "stage" / compile_key(target, profile, [p.name for p in chosen])
-    if root.exists():
-        shutil.rmtree(root)
-    shutil.copytree(
-        PAYLOAD, root,
-        ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "*.so", "_build_record.json"),
-    )
-    return root, profile, chosen
-
-
 TEST_FLAVOUR_LABEL = "mmamodel"
 PROOF_FLAVOUR_LABEL = "proof"
 # The proof flavour compiles a per-torch target with the CUDA 13 toolkit available here (its own

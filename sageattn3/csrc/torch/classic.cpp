@@ -26,18 +26,14 @@ struct TensorApi<at::Tensor> {
     return c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
   }
   [[noreturn]] static void fail(const std::string& msg) { TORCH_CHECK(false, msg); }
+  template <auto F>
+  static auto kernel() {
+    return F;
+  }
 };
 
 }  // namespace sageattn3::torch_ops
 
-TORCH_LIBRARY(sageattn3, m) {
-#define SAGEATTN3_DEF(name, schema) m.def(schema);
-  SAGEATTN3_OPS(SAGEATTN3_DEF)
-#undef SAGEATTN3_DEF
-}
+TORCH_LIBRARY(sageattn3, m) { sageattn3::torch_ops::define_ops(m); }
 
-TORCH_LIBRARY_IMPL(sageattn3, CUDA, m) {
-#define SAGEATTN3_IMPL(name, schema) m.impl(#name, &sageattn3::torch_ops::name<at::Tensor>);
-  SAGEATTN3_OPS(SAGEATTN3_IMPL)
-#undef SAGEATTN3_IMPL
-}
+TORCH_LIBRARY_IMPL(sageattn3, CUDA, m) { sageattn3::torch_ops::implement_ops<at::Tensor>(m); }

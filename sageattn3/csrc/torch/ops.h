@@ -31,6 +31,7 @@ enum class Kind { kHalf, kBFloat16, kFloat, kByte, kFloat8e4m3fn, kInt, kOther }
 //   static Kind kind(const T&);
 //   static cudaStream_t stream(const T&);           // torch's current stream on t's device
 //   [[noreturn]] static void fail(const std::string&);  // throw torch's error with the message
+//   template <auto F> static auto kernel();         // what the unit's m.impl takes for op F
 template <class T>
 struct TensorApi;
 
@@ -440,6 +441,26 @@ void fp4_mma_probe(T a, T b, T sfa, T sfb, T c, T d, int64_t tid_a, int64_t tid_
                           "bool causal) -> ()")                                                                     \
   X(fp4_mma_probe, "fp4_mma_probe(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, Tensor(a!) d, int tid_a, " \
                    "int tid_b) -> ()")
+
+namespace sageattn3::torch_ops {
+
+// The unit's TORCH_LIBRARY block calls define_ops(m), its TORCH_LIBRARY_IMPL(.., CUDA, m) block
+// implement_ops<Tensor>(m): the same table, whichever API registers it.
+template <class Library>
+void define_ops(Library& m) {
+#define SAGEATTN3_DEF(name, schema) m.def(schema);
+  SAGEATTN3_OPS(SAGEATTN3_DEF)
+#undef SAGEATTN3_DEF
+}
+
+template <class T, class Library>
+void implement_ops(Library& m) {
+#define SAGEATTN3_IMPL(name, schema) m.impl(#name, TensorApi<T>::template kernel<&name<T>>());
+  SAGEATTN3_OPS(SAGEATTN3_IMPL)
+#undef SAGEATTN3_IMPL
+}
+
+}  // namespace sageattn3::torch_ops
 
 // `import sageattn3._C` only needs the module to exist: loading the library runs the unit's
 // static op registrations. (Defined here, in the one torch-facing unit a build compiles.)

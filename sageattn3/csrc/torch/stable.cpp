@@ -33,19 +33,16 @@ struct TensorApi<StableTensor> {
     return static_cast<cudaStream_t>(s);
   }
   [[noreturn]] static void fail(const std::string& msg) { throw std::runtime_error(msg); }
+  template <auto F>
+  static auto kernel() {
+    return TORCH_BOX(F);
+  }
 };
 
 }  // namespace sageattn3::torch_ops
 
-STABLE_TORCH_LIBRARY(sageattn3, m) {
-#define SAGEATTN3_DEF(name, schema) m.def(schema);
-  SAGEATTN3_OPS(SAGEATTN3_DEF)
-#undef SAGEATTN3_DEF
-}
+STABLE_TORCH_LIBRARY(sageattn3, m) { sageattn3::torch_ops::define_ops(m); }
 
 STABLE_TORCH_LIBRARY_IMPL(sageattn3, CUDA, m) {
-#define SAGEATTN3_IMPL(name, schema) \
-  m.impl(#name, TORCH_BOX(&sageattn3::torch_ops::name<sageattn3::torch_ops::StableTensor>));
-  SAGEATTN3_OPS(SAGEATTN3_IMPL)
-#undef SAGEATTN3_IMPL
+  sageattn3::torch_ops::implement_ops<sageattn3::torch_ops::StableTensor>(m);
 }
