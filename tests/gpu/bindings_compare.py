@@ -4,7 +4,7 @@ MMA-model test flavour against the same torch (the one installed where this runs
 compared bit for bit over the attention shapes of the GPU tests and the quantization and
 preprocessing shapes of tests/gpu/test_quant_kernels.py and test_preprocess_gpu.py.
 
-    python3 tests/gpu/bindings_compare.py build WORK [JOBS_EACH]   # WORK/{stable,classic}/site
+    python3 tests/gpu/bindings_compare.py build WORK [JOBS_EACH [PAYLOAD_DIR]]   # WORK/{stable,classic}/site
     python3 tests/gpu/bindings_compare.py save FILE                 # outputs of the importable wheel
     python3 tests/gpu/bindings_compare.py compare A B               # bit identity, exit 1 if not
 
@@ -49,15 +49,15 @@ def build_config(src: Path, bindings: str, jobs: int) -> dict:
         "local_label": f"{variant}.mmamodel",
         "requires_torch": "torch>=2.10" if stable else f"torch>={line},<{major}.{minor + 1}",
         "record": {"cuda": cuda, "archs": ["sm_90a"], "torch_build": torch.__version__, "mma_model": True,
-                   "variant": variant, "target": f"bindings-{bindings}", "requires_python": ">=3.9"},
+                   "variant": variant, "target": f"bindings-{bindings}", "requires_python": ">=3.10"},
     }
 
 
-def prepare(work: Path, bindings: str, jobs: int) -> Path:
+def prepare(work: Path, bindings: str, jobs: int, payload: Path) -> Path:
     base = work / bindings
     if base.exists():
         shutil.rmtree(base)
-    shutil.copytree(ROOT / "sageattn3", base / "src", ignore=shutil.ignore_patterns(
+    shutil.copytree(payload, base / "src", ignore=shutil.ignore_patterns(
         "build", "*.egg-info", "__pycache__", "*.so", "_build_record.json"))
     (base / "build-config.json").write_text(json.dumps(build_config(base / "src", bindings, jobs), indent=1))
     return base
@@ -164,7 +164,8 @@ def main() -> int:
         work = Path(sys.argv[2]).resolve()
         jobs = int(sys.argv[3]) if len(sys.argv) > 3 else max(1, (os.cpu_count() or 2) // 2)
         work.mkdir(parents=True, exist_ok=True)
-        bases = [prepare(work, b, jobs) for b in ("stable", "classic")]
+        payload = Path(sys.argv[4]).resolve() if len(sys.argv) > 4 else ROOT / "sageattn3"
+        bases = [prepare(work, b, jobs, payload) for b in ("stable", "classic")]
         with ThreadPoolExecutor(2) as pool:
             for site in pool.map(build, bases):
                 print(site)
