@@ -125,17 +125,28 @@ def fp4_attention(
             f"mean_q must be (B, Hq, 1 or Sq_p/128, D) = ({b}, {hq}, 1|{q.shape[2] // SEQ_PAD}, {d}), "
             f"got {tuple(mean_q.shape)}"
         )
-    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
-    out = torch.empty((b, hq, seq_q, d), dtype=out_dtype, device=q.device)
-    _ops().blockscaled_fp4_attn(q, q_sf, k, k_sf, v.contiguous(), v_sf.contiguous(), mean_q, out,
-                                int(seq_q), int(seq_k), scale, bool(is_causal))
+    return _launch(q, q_sf, k, k_sf, v.contiguous(), v_sf.contiguous(), mean_q, int(seq_q), int(seq_k), sm_scale,
+                   bool(is_causal), out_dtype)
+
+
+def _launch(q, q_sf, k, k_sf, v, v_sf, mean_q, seq_q: int, seq_k: int, sm_scale: float | None, is_causal: bool,
+            out_dtype: torch.dtype) -> torch.Tensor:
+    """The kernel call itself, on operands in the kernel's layout (the op checks them again)."""
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(2 * q.shape[3])
+    out = torch.empty((q.shape[0], q.shape[1], seq_q, 2 * q.shape[3]), dtype=out_dtype, device=q.device)
+    _ops().blockscaled_fp4_attn(q, q_sf, k, k_sf, v, v_sf, mean_q, out, seq_q, seq_k, scale, is_causal)
     return out
 
 
 def attention_from_preprocessed(pre, *, is_causal: bool = False, sm_scale: float | None = None,
-                                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                                out_dtype: torch.dtype = torch.bfloat16, trusted: bool = False) -> torch.Tensor:
     """``fp4_attention`` on a ``sageattn3.reference.Preprocessed`` (as ``api.preprocess``
-    returns it, pad=128)."""
+    returns it, pad=128). ``trusted``: ``pre`` comes straight from the preprocessing kernels
+    with pad=128 (contiguous, aligned, padded, uint8/e4m3 codes and scales) and out_dtype is
+    q's dtype: the Python checks and padding are skipped (the op's own checks remain)."""
+    if trusted:
+        return _launch(pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
+                       pre.mean_q, pre.seq_q, pre.seq_k, sm_scale, is_causal, out_dtype)
     return fp4_attention(pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
                          pre.mean_q, seq_q=pre.seq_q, seq_k=pre.seq_k, sm_scale=sm_scale, is_causal=is_causal,
                          out_dtype=out_dtype)

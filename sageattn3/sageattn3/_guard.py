@@ -1,17 +1,17 @@
 """The ABI guard: before the compiled extension is loaded, check that the torch in this
 process is one the wheel was built for. A mismatch raises ImportError naming the wheel's
-torch/CUDA, the user's, and the command that installs the right wheel; never an
-"undefined symbol" from the dynamic loader."""
+torch/CUDA, the user's, and the command that installs the right wheel (the same answer as
+``python -m sageattn3 which``: only pages the index serves); never an "undefined symbol" from
+the dynamic loader."""
 
 from __future__ import annotations
 
 import json
-import re
 from importlib import resources
 
-# Where the wheels are published; the factory writes the real root into the build record
-# (ci/targets.toml [package] index_url, or SAGEATTN3_INDEX_URL at build time).
-DEFAULT_INDEX_URL = "https://sageattn3.github.io/sageattn3"
+from sageattn3 import _which
+
+DEFAULT_INDEX_URL = _which.DEFAULT_INDEX_URL.rstrip("/")
 
 
 class TorchMismatchError(ImportError):
@@ -25,47 +25,44 @@ def build_record() -> dict:
         return {}
 
 
-def _line(version: str) -> tuple[int, int]:
-    m = re.match(r"(\d+)\.(\d+)", version)
-    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+def _spec(torch_version: str, torch_cuda: str | None) -> _which.TorchSpec:
+    """The running torch: its CUDA is torch.version.cuda (None: +cpu, ROCm, ...)."""
+    if torch_cuda:
+        return _which.torch_spec(torch_version, torch_cuda)
+    return _which.torch_spec(torch_version, running=(torch_version, None))
 
 
-def _cuda_tag(cuda: str | None) -> str:
-    if not cuda:
-        return "cpu"
-    major, minor = cuda.split(".")[:2]
-    return f"cu{major}{minor}"
+def torch_problems(torch_version: str, torch_cuda: str | None, record: dict | None = None) -> list[str]:
+    """Why this wheel cannot load into that torch (empty: it can, or there is nothing to check)."""
+    rec = build_record() if record is None else record
+    if not rec:
+        return []  # a source tree without a record: nothing to check against
+    try:
+        spec = _spec(torch_version, torch_cuda)
+    except _which.TorchVersionError:
+        return []  # a version this cannot read (a local build): let the loader decide
+    return _which.variant_problems(rec.get("variant", ""), spec) or []
 
 
 def check_torch(torch_version: str, torch_cuda: str | None, record: dict | None = None) -> None:
     """Raise TorchMismatchError when this wheel cannot load into that torch."""
     rec = build_record() if record is None else record
-    if not rec:
-        return  # a source tree without a record: nothing to check against
-    variant = rec.get("variant", "")
-    m = re.match(r"cu(\d+)(\d)\.torch(\d+\.\d+)(\.stable)?$", variant)
-    if not m:
-        return
-    cuda_major = int(m.group(1))
-    floor = _line(m.group(3))
-    stable = bool(m.group(4))
-    have = _line(torch_version)
-    problems = []
-    if torch_cuda is None:
-        problems.append("your torch is a CPU-only build")
-    elif int(torch_cuda.split(".")[0]) != cuda_major:
-        problems.append(f"your torch uses CUDA {torch_cuda}, this wheel CUDA {cuda_major}.x")
-    if stable and have < floor:
-        problems.append(f"this wheel needs torch >= {m.group(3)}")
-    if not stable and have != floor:
-        problems.append(f"this wheel is for torch {m.group(3)}.x only")
+    problems = torch_problems(torch_version, torch_cuda, rec)
     if not problems:
         return
-    base = (rec.get("index_url") or DEFAULT_INDEX_URL).rstrip("/")
-    right = f"{base}/{_cuda_tag(torch_cuda)}/torch{have[0]}.{have[1]}/"
-    raise TorchMismatchError(
+    raise TorchMismatchError(mismatch_message(torch_version, torch_cuda, rec, problems))
+
+
+def mismatch_message(torch_version: str, torch_cuda: str | None, rec: dict, problems: list[str]) -> str:
+    ans = _which.answer(_spec(torch_version, torch_cuda), rec, reinstall=True)
+    if ans.command:
+        advice = f"Install the wheel that matches your torch:\n    {ans.command}"
+    else:
+        advice = (f"No published wheel matches your torch: {ans.reason}. The picker lists every torch line x "
+                  f"CUDA: {ans.url}\n    then: pip install --force-reinstall --no-deps sageattn3 --index-url "
+                  f"<the page it names>")
+    return (
         f"sageattn3 {rec.get('version', '?')} was built for {rec.get('requires_torch', 'torch ?')} "
-        f"with CUDA {rec.get('cuda', '?')} (variant {variant}), but this process has torch "
-        f"{torch_version} (CUDA {torch_cuda or 'none'}): {'; '.join(problems)}. Install the wheel "
-        f"that matches your torch:\n    pip install --force-reinstall --no-deps sageattn3 --index-url {right}"
+        f"with CUDA {rec.get('cuda', '?')} (variant {rec.get('variant', '?')}), but this process has torch "
+        f"{torch_version} (CUDA {torch_cuda or 'none'}): {'; '.join(problems)}. {advice}"
     )

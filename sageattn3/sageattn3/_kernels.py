@@ -15,6 +15,9 @@ import torch
 
 # Set by __init__: None when the extension is loaded, else why it is not.
 NOT_LOADED_REASON: str | None = "not initialised"
+# Set by __init__ under `python -m sageattn3` only: the ABI guard's refusal or the load error of
+# the extension (elsewhere these propagate from `import sageattn3`).
+LOAD_ERROR: BaseException | None = None
 ARCHS: tuple[str, ...] = ()
 
 ATTN_HEAD_DIMS = (64, 128)  # what the FP4 attention kernel supports
@@ -43,20 +46,39 @@ def arch_runs_on(arch: str, cc: tuple[int, int]) -> bool:
     return cc[0] == major and cc[1] >= minor
 
 
+_CC: dict[int, tuple[int, int]] = {}
+_RUNS_ON: dict[tuple, str | None] = {}
+
+
 def device_cc(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+    """The device's compute capability (asked once per device: it cannot change)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cc = _CC.get(index)
+    if cc is None:
+        cc = _CC[index] = tuple(torch.cuda.get_device_capability(index))
+    return cc
 
 
 def kernels_run_on(device: torch.device) -> str | None:
-    """None if the quantization kernels can run on ``device``, else why not."""
+    """None if the quantization kernels can run on ``device``, else why not (decided once per
+    device and load state: every public call asks)."""
+    key = (device, NOT_LOADED_REASON, ARCHS)
+    try:
+        return _RUNS_ON[key]
+    except KeyError:
+        pass
     if device.type != "cuda":
-        return f"{device.type} tensors"
-    if not loaded():
-        return f"kernels not built ({NOT_LOADED_REASON})"
-    cc = device_cc(device)
-    if not any(arch_runs_on(a, cc) for a in ARCHS):
-        return f"this build has no code for sm_{cc[0]}{cc[1]} (built for {', '.join(ARCHS) or 'nothing'})"
-    return None
+        why = f"{device.type} tensors"
+    elif not loaded():
+        why = f"kernels not built ({NOT_LOADED_REASON})"
+    else:
+        cc = device_cc(device)
+        why = None
+        if not any(arch_runs_on(a, cc) for a in ARCHS):
+            why = f"this build has no code for sm_{cc[0]}{cc[1]} (built for {', '.join(ARCHS) or 'nothing'})"
+    if device.type != "cuda" or device.index is not None:
+        _RUNS_ON[key] = why
+    return why
 
 
 @functools.cache
@@ -164,3 +186,54 @@ def delta_s(k: torch.Tensor, mean_k: torch.Tensor, mean_q: torch.Tensor, seq_pad
     out = torch.empty((b, hq, nblk, sp), dtype=torch.float32, device=k.device)
     _ops().delta_s(k, mean_k, mean_q, out)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake (meta) implementations, for torch.compile and FakeTensor tracing
+# ---------------------------------------------------------------------------------------------
+
+# The ops the compiled library registers (csrc/torch/ops.h, SAGEATTN3_OPS). Each writes into
+# output tensors its caller allocated and returns nothing ("-> ()"), so its fake has nothing
+# to compute: the outputs already exist, with their shapes. A new op must be added here after
+# checking that it, too, only writes into its outputs (tests compare this tuple with the C++
+# table and with the loaded library).
+OUTPUT_WRITING_OPS = (
+    "quant_fp4_rows",
+    "quant_fp4_cols",
+    "smooth_quant_rows",
+    "smooth_quant_seq",
+    "smooth_quant_qk",
+    "delta_s",
+    "smooth_quant_k_delta",
+    "blockscaled_fp4_attn",
+    "fp4_mma_probe",
+)
+# Ops defined in Python (sageattn3.api), with their own fakes.
+PYTHON_OPS = ("attention",)
+
+_faked: set[str] = set()
+
+
+def library_ops() -> list[str]:
+    """The names of every ``torch.ops.sageattn3.*`` op registered in this process."""
+    prefix = "sageattn3::"
+    return sorted({n[len(prefix):].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix)})
+
+
+def _writes_outputs_only(*args, **kwargs) -> None:
+    return None
+
+
+def register_fakes() -> list[str]:
+    """Give every output-writing op of the loaded library its fake (once); returns the ops of
+    the library that have none (an op this module does not know)."""
+    missing = []
+    for name in library_ops():
+        if name in PYTHON_OPS or name in _faked:
+            continue
+        if name not in OUTPUT_WRITING_OPS:
+            missing.append(name)
+            continue
+        torch.library.register_fake(f"sageattn3::{name}", _writes_outputs_only)
+        _faked.add(name)
+    return missing

@@ -95,12 +95,22 @@ def failure(device) -> Result | None:
     return r if r is not None and not r.ok else None
 
 
+_reset_hooks: list = []
+
+
+def on_reset(fn) -> None:
+    """Call ``fn()`` on every ``reset()`` (caches built on the results: api's per-device paths)."""
+    _reset_hooks.append(fn)
+
+
 def reset() -> None:
-    """Forget every cached result (tests)."""
+    """Forget every cached result, and what was decided from them (tests)."""
     global run_count
     with _lock:
         _results.clear()
         run_count = 0
+    for fn in _reset_hooks:
+        fn()
 
 
 def describe(device) -> str:

@@ -1,5 +1,11 @@
 """The public API: validation (here, in Python, with messages naming the argument), dispatch
-between the CUDA kernels, the exact reference and torch SDPA."""
+between the CUDA kernels, the exact reference and torch SDPA.
+
+Per call, the eager path does little Python: one pass of checks, one dict lookup for the path
+a (device, head dim) takes (decided, warned about and self-checked on the first call), then the
+kernels. Under ``torch.compile`` the path is decided at trace time (``_compile_path``) and the FP4
+path is one custom op, ``torch.ops.sageattn3.attention`` (self-check and fallback run inside
+it, at run time), so ``sageattn3_blackwell`` compiles with ``fullgraph=True`` without breaks."""
 
 from __future__ import annotations
 
@@ -32,6 +38,13 @@ def _check_tensor(x, name: str, dtypes, min_dim: int = 1) -> None:
 
 
 def _check_qkv(q, k, v) -> None:
+    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+        qs, ks = q.shape, k.shape
+        if (q.dtype in _ATTN_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and len(qs) == 4
+                and len(ks) == 4 and v.shape == ks and ks[0] == qs[0] and ks[3] == qs[3] and qs[3] != 0
+                and ks[1] != 0 and ks[2] != 0 and qs[1] % ks[1] == 0 and k.device == q.device
+                and v.device == q.device):
+            return  # the common case in one expression; anything else gets its message below
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(t, name, _ATTN_DTYPES)
         if t.dim() != 4:
@@ -124,11 +137,39 @@ def is_available(device=None) -> bool:
     return not backend(device).startswith("sdpa")
 
 
-def _warn_once(reason: str) -> None:
+def _warn_once(reason: str, stacklevel: int = 3) -> None:
     if reason in _warned:
         return
     _warned.add(reason)
-    warnings.warn(f"sageattn3: falling back to torch scaled_dot_product_attention ({reason})", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"sageattn3: falling back to torch scaled_dot_product_attention ({reason})", RuntimeWarning,
+                  stacklevel=stacklevel)
+
+
+# (device, head_dim) -> None: the FP4 path, self-checked (or the check skipped); or the reason
+# for SDPA (warned about once per process). Filled by _decide on the first call; emptied by
+# _selfcheck.reset() (tests).
+_paths: dict[tuple[torch.device, int], str | None] = {}
+_selfcheck.on_reset(_paths.clear)
+
+
+def _decide(device: torch.device, head_dim: int) -> str | None:
+    """The first call's decision for (device, head_dim): the path, its one warning and the
+    self-check. Remembered unless it could not be final (the self-check postponed because the
+    stream is being captured into a CUDA graph)."""
+    path = _attention_path(device, head_dim)
+    if path.startswith("sdpa"):
+        reason = path.removeprefix("sdpa: ")
+        _paths[(device, head_dim)] = reason
+        return reason
+    res = _selfcheck.ensure(device, _fp4_attention)
+    if res is not None and not res.ok:
+        reason = _selfcheck.fallback_reason(res)
+        _warned.add(reason)  # the self-check's own loud warning stands for it
+        _paths[(device, head_dim)] = reason
+        return reason
+    if res is not None or _selfcheck.skipped():
+        _paths[(device, head_dim)] = None
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,22 +197,74 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     check first (``sageattn3._selfcheck``; SAGEATTN3_SKIP_SELFCHECK=1 skips it); if it fails,
     one loud warning and SDPA on that device from then on. Elsewhere (other GPUs, CPU tensors,
     unsupported head dims, kernel not built): torch SDPA, with one warning per process and
-    reason. ``backend()`` says which path a device takes and why."""
+    reason. ``backend()`` says which path a device takes and why; the path of a (device, head
+    dim) is decided on its first call.
+
+    Under ``torch.compile`` (``fullgraph=True`` works): the path is decided when tracing; the
+    FP4 path is the custom op ``torch.ops.sageattn3.attention`` (not differentiable, like the
+    kernel itself), the SDPA path stays in the graph."""
     if attn_mask is not None:
         raise NotImplementedError(
             "sageattn3_blackwell does not support attn_mask (it is never silently ignored); use "
             "is_causal=True for causal masking or torch.nn.functional.scaled_dot_product_attention"
         )
+    if torch.compiler.is_compiling():
+        return _traced(q, k, v, bool(is_causal), bool(per_block_mean))
+    return _eager_call(q, k, v, bool(is_causal), bool(per_block_mean))
+
+
+def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool) -> torch.Tensor:
+    """What ``sageattn3_blackwell`` does outside torch.compile (the custom op's body)."""
     _check_qkv(q, k, v)
-    if q.shape[2] == 0 or q.shape[0] == 0 or q.shape[1] == 0:
+    if q.numel() == 0:
         return q.new_empty(q.shape)
-    path = _attention_path(q.device, q.shape[3])
+    key = (q.device, q.shape[3])
+    why = _paths[key] if key in _paths else _decide(*key)
+    if why is None:
+        return _fp4_attention(q, k, v, is_causal, per_block_mean)
+    if why not in _warned:
+        _warn_once(why, stacklevel=4)
+    return _sdpa(q, k, v, is_causal)
+
+
+@torch.library.custom_op("sageattn3::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                  per_block_mean: bool) -> torch.Tensor:
+    """``sageattn3_blackwell`` as one op for compiled graphs: the self-check, the fallback and
+    the kernels run here, at run time. Contiguous (B, Hq, Sq, D) output, as its fake says."""
+    return _eager_call(q, k, v, is_causal, per_block_mean).contiguous()
+
+
+@_attention_op.register_fake
+def _attention_op_fake(q, k, v, is_causal, per_block_mean):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _compile_path(device: torch.device) -> bool:
+    """Whether the FP4 kernel serves ``device`` (head dims 64/128). Dynamo runs this while
+    tracing and keeps the result as a constant (``torch._dynamo.assume_constant_result``), so
+    the device queries never enter the graph; the one warning for the SDPA fallback is given
+    here, at compile time. A failed self-check still falls back, inside the op."""
+    path = _attention_path(device, None)
     if path.startswith("sdpa"):
-        _warn_once(path.removeprefix("sdpa: "))
-        return _sdpa(q, k, v, bool(is_causal))
-    if not _checked(q.device):
-        return _sdpa(q, k, v, bool(is_causal))
-    return _fp4_attention(q, k, v, bool(is_causal), bool(per_block_mean))
+        _warn_once(path.removeprefix("sdpa: "), stacklevel=2)
+        return False
+    return True
+
+
+# What torch._dynamo.assume_constant_result does (it sets this attribute and nothing else),
+# without importing torch._dynamo when sageattn3 is imported (seconds on a small machine).
+_compile_path._dynamo_marked_constant = True
+
+
+def _traced(q, k, v, is_causal: bool, per_block_mean: bool) -> torch.Tensor:
+    """The compiled form of ``sageattn3_blackwell``: only what dynamo traces without breaks."""
+    _check_qkv(q, k, v)
+    if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
+        return q.new_empty(q.shape)
+    if q.shape[3] in _kernels.ATTN_HEAD_DIMS and _compile_path(q.device):
+        return torch.ops.sageattn3.attention(q, k, v, is_causal, per_block_mean)
+    return _sdpa(q, k, v, is_causal)
 
 
 def _checked(device: torch.device) -> bool:
@@ -186,10 +279,11 @@ def _checked(device: torch.device) -> bool:
 
 def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None = None) -> torch.Tensor:
     """The FP4 path on validated, non-empty q, k, v: preprocess (new tensors; the inputs are
-    only read), then the attention kernel; output (B, Hq, Sq, D) in q's dtype."""
-    with torch.cuda.device(q.device):
-        pre = preprocess(q, k, v, per_block_mean=per_block_mean, pad=_attn.SEQ_PAD)
-        return _attn.attention_from_preprocessed(pre, is_causal=is_causal, sm_scale=sm_scale, out_dtype=q.dtype)
+    only read), then the attention kernel; output (B, Hq, Sq, D) in q's dtype. Every
+    allocation names q's device and every op sets its device itself: no device switch here."""
+    pre = _preprocess_kernels(q, k, v, per_block_mean, _attn.SEQ_PAD)
+    return _attn.attention_from_preprocessed(pre, is_causal=is_causal, sm_scale=sm_scale, out_dtype=q.dtype,
+                                             trusted=True)
 
 
 def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool = True, sm_scale: float | None = None):
@@ -220,8 +314,15 @@ def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool 
 # ---------------------------------------------------------------------------------------------
 
 
+def _kernels_serve(device: torch.device) -> bool:
+    return _kernels.kernels_run_on(device) is None
+
+
+_kernels_serve._dynamo_marked_constant = True  # decided while tracing (see _compile_path)
+
+
 def _use_kernels(x: torch.Tensor) -> bool:
-    return x.device.type == "cuda" and _kernels.kernels_run_on(x.device) is None
+    return x.device.type == "cuda" and _kernels_serve(x.device)
 
 
 def scale_and_quant_fp4(x):
@@ -272,8 +373,12 @@ def scale_and_quant_fp4_transpose(x):
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
-    """Contiguous and 16-byte aligned (the kernels use 16-byte vector loads)."""
+    """Contiguous and 16-byte aligned (the kernels use 16-byte vector loads). Under
+    torch.compile only contiguous: a traced tensor has no address yet (the ops refuse a
+    misaligned one with a clear error)."""
     x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return x
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
@@ -298,11 +403,17 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128) -> Preproce
         raise ValueError(f"pad must be a positive multiple of 16, got {pad!r}")
     if not _use_kernels(q) or q.shape[2] == 0 or q.shape[0] == 0:
         return reference.preprocess(q, k, v, per_block_mean, pad)
+    d = q.shape[3]
+    if d % 16 or d > 256:
+        raise ValueError(f"head_dim {d} not supported by the preprocessing kernels (multiple of 16, <= 256)")
+    return _preprocess_kernels(q, k, v, per_block_mean, pad)
+
+
+def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int) -> Preprocessed:
+    """``preprocess`` on the kernels, for checked inputs (the FP4 path calls it directly)."""
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
-    if d % 16 or d > 256:
-        raise ValueError(f"head_dim {d} not supported by the preprocessing kernels (multiple of 16, <= 256)")
     k3, q3 = k.view(b * hk, sk, d), q.view(b * hq, sq, d)
     vp, vsc = _kernels.quant_cols(v, pad)
     if per_block_mean:
