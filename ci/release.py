@@ -262,8 +262,8 @@ def lint_tools() -> dict[str, Path]:
 
 
 def lint_workflows(workflows: Path = WORKFLOWS) -> list[tuple[str, int, str]]:
-    """Run actionlint and zizmor (offline: GitHub is not reachable from every machine) on every
-    workflow; returns (tool, exit code, output) for each that complained."""
+    """Run actionlint and zizmor, default and pedantic (offline: GitHub is not reachable from
+    every machine), on every workflow; returns (tool, exit code, output) for each that complained."""
     tools = lint_tools()
     files = sorted(str(p) for p in workflows.glob("*.y*ml"))
     if not files:
@@ -272,6 +272,8 @@ def lint_workflows(workflows: Path = WORKFLOWS) -> list[tuple[str, int, str]]:
     runs = {
         "actionlint": [str(tools["actionlint"]), "-no-color", *files],
         "zizmor": [str(tools["zizmor"]), "--offline", "--no-progress", "--format", "plain", *files],
+        "zizmor --pedantic": [str(tools["zizmor"]), "--offline", "--no-progress", "--pedantic", "--format", "plain",
+                              *files],
     }
     for name, cmd in runs.items():
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)

@@ -1,5 +1,6 @@
-"""The GitHub Actions workflows, checked here because GitHub is not: actionlint and zizmor on
-every workflow, every action pinned by commit SHA, the permission layout, cibuildwheel's
+"""The GitHub Actions workflows, checked here because GitHub is not: actionlint and zizmor
+(default and pedantic) on every workflow, every action pinned by commit SHA at a current major,
+a time limit on every step, the permission layout, the compiler cache's keys, cibuildwheel's
 selection of exactly one build per target, and the plan the build jobs receive."""
 
 import json
@@ -19,6 +20,12 @@ from ci.targets import Matrix
 REPO = Path(__file__).resolve().parent.parent
 WORKFLOWS = sorted((REPO / ".github" / "workflows").glob("*.yml"))
 SHA_PIN = re.compile(r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_./-]+@[0-9a-f]{40}$")
+SELF_REF = re.compile(r"^\$/\.github/workflows/[a-z-]+\.yml$")
+# The majors that run on Node 24 (GitHub's current Actions runtime); older majors of these are
+# Node-20-era and must not come back.
+CURRENT_MAJORS = {"actions/checkout": 6, "actions/setup-python": 6, "actions/cache": 5, "actions/cache/restore": 5,
+                  "actions/cache/save": 5, "actions/upload-artifact": 6, "actions/download-artifact": 6,
+                  "actions/attest-build-provenance": 4}
 
 
 def _jobs(text: str) -> dict[str, str]:
@@ -28,8 +35,19 @@ def _jobs(text: str) -> dict[str, str]:
     return {parts[i]: parts[i + 1] for i in range(1, len(parts), 2)}
 
 
-def test_the_two_workflows_exist():
-    assert {p.name for p in WORKFLOWS} == {"ci.yml", "release.yml"}
+def _steps(text: str) -> list[str]:
+    """The text of every step of every job (the items of each `steps:` list)."""
+    out = []
+    for m in re.finditer(r"^( +)steps:\n((?:\1  .*\n|\s*\n)+)", text, flags=re.M):
+        indent = m.group(1) + "  - "
+        body = m.group(2)
+        starts = [i.start() for i in re.finditer("^" + re.escape(indent), body, flags=re.M)]
+        out += [body[a:b] for a, b in zip(starts, starts[1:] + [len(body)])]
+    return out
+
+
+def test_the_workflows_exist():
+    assert {p.name for p in WORKFLOWS} == {"ci.yml", "release.yml", "build-target.yml"}
 
 
 def test_actionlint_and_zizmor_pass_on_every_workflow():
@@ -38,12 +56,42 @@ def test_actionlint_and_zizmor_pass_on_every_workflow():
 
 
 @pytest.mark.parametrize("wf", WORKFLOWS, ids=lambda p: p.name)
-def test_every_action_is_pinned_by_a_full_commit_sha(wf):
+def test_every_action_is_pinned_by_a_full_commit_sha_at_a_current_major(wf):
     uses = re.findall(r"^\s*(?:-\s+)?uses:\s*(\S+)(.*)$", wf.read_text(), flags=re.M)
     assert uses
     for ref, comment in uses:
+        if SELF_REF.match(ref):  # this repository's reusable workflow, at the run's own commit
+            assert (REPO / ref[2:]).is_file(), ref
+            continue
         assert SHA_PIN.match(ref), f"{wf.name}: {ref} is not pinned by a 40-hex commit SHA"
-        assert re.search(r"v\d+\.\d+\.\d+", comment), f"{wf.name}: {ref} lacks its version comment"
+        version = re.search(r"v(\d+)\.\d+\.\d+", comment)
+        assert version, f"{wf.name}: {ref} lacks its version comment"
+        action = ref.split("@")[0]
+        assert action in CURRENT_MAJORS, f"{wf.name}: {action} has no known current major"
+        assert int(version.group(1)) >= CURRENT_MAJORS[action], f"{wf.name}: {ref} is an old major ({comment.strip()})"
+
+
+def test_one_sha_per_action_and_version_across_workflows():
+    pins: dict[str, set[str]] = {}
+    for wf in WORKFLOWS:
+        for ref, comment in re.findall(r"uses:\s*([^$\s]\S*)(.*)$", wf.read_text(), flags=re.M):
+            version = re.search(r"v\d+\.\d+\.\d+", comment).group(0)
+            pins.setdefault(f"{ref.split('@')[0].split('/')[0]}/{ref.split('@')[0].split('/')[1]} {version}",
+                            set()).add(ref.split("@")[1])
+    assert all(len(shas) == 1 for shas in pins.values()), pins
+
+
+@pytest.mark.parametrize("wf", WORKFLOWS, ids=lambda p: p.name)
+def test_every_job_and_step_has_a_time_limit(wf):
+    text = wf.read_text()
+    steps = _steps(text)
+    assert steps
+    for step in steps:
+        assert re.search(r"^\s+timeout-minutes: \d+$", step, flags=re.M), f"{wf.name}: step without a timeout:\n{step}"
+    for job, body in _jobs(text).items():
+        if re.search(r"^    uses:", body, flags=re.M):
+            continue  # a reusable workflow call: its jobs carry the limits
+        assert re.search(r"^    timeout-minutes: \d+$", body, flags=re.M), f"{wf.name}: job {job} has no timeout"
 
 
 @pytest.mark.parametrize("wf", WORKFLOWS, ids=lambda p: p.name)
@@ -59,6 +107,8 @@ def test_permissions_are_minimal_and_no_pull_request_target(wf):
             assert perm in pub
     else:
         assert writers == set()
+    for m in re.finditer(r"^\s+[a-z-]+: write(.*)$", text, flags=re.M):
+        assert m.group(1).strip().startswith("#"), f"{wf.name}: a write permission without its reason"
     for m in re.finditer(r"persist-credentials:\s*(\S+)", text):
         assert m.group(1) == "false"
     assert text.count("actions/checkout@") == text.count("persist-credentials: false")
@@ -81,19 +131,24 @@ def test_no_expression_is_expanded_inside_a_shell_script():
                 assert "${{" not in line, f"{wf.name}: expression inside a script: {line.strip()}"
 
 
-def test_release_is_tag_triggered_per_tag_concurrency_and_all_or_nothing():
+def test_release_is_tag_triggered_never_cancelled_and_all_or_nothing():
     text = (REPO / ".github" / "workflows" / "release.yml").read_text()
     assert re.search(r"^  push:\n    tags: \[\"v\*\"\]", text, flags=re.M)
-    assert "group: release-${{ github.ref_name }}" in text and "cancel-in-progress: false" in text
+    # a group per run: a queued release is never cancelled by a newer run
+    assert "group: release-${{ github.ref_name }}-${{ github.run_id }}" in text and "cancel-in-progress: false" in text
     jobs = _jobs(text)
     assert set(jobs) == {"plan", "build", "report", "publish"}
-    assert "nox -s matrix" in jobs["plan"] and "release -- plan" in jobs["plan"]
+    plan_job = jobs["plan"]
+    assert "nox -s matrix" in plan_job and "release -- plan" in plan_job
+    assert 'release -- check-tag --tag "${GITHUB_REF_NAME}"' in plan_job
+    assert plan_job.index("check-tag") < plan_job.index("release -- plan")
     assert "matrix: ${{ fromJSON(needs.plan.outputs.matrix) }}" in jobs["build"]
     assert "fail-fast: false" in jobs["build"]
-    assert "name: wheel-${{ matrix.id }}" in jobs["build"]
-    assert "--config-file ci/cibuildwheel.toml" in jobs["build"]
-    # publish needs every build and has no always(): one failed target publishes nothing
+    assert "uses: $/.github/workflows/build-target.yml" in jobs["build"]
+    assert "target: ${{ matrix.id }}" in jobs["build"] and "runner: ${{ matrix.runner }}" in jobs["build"]
+    # publish needs every build, only for tags, and has no always(): one failed target publishes nothing
     assert "needs: [plan, build]" in jobs["publish"] and "always()" not in jobs["publish"]
+    assert "if: github.ref_type == 'tag'" in jobs["publish"]
     assert "always()" in jobs["report"]
     pub = jobs["publish"]
     order = [pub.index(s) for s in ("release -- gather", "actions/attest-build-provenance@",
@@ -101,11 +156,47 @@ def test_release_is_tag_triggered_per_tag_concurrency_and_all_or_nothing():
     assert order == sorted(order), "gather -> attest -> release -> index -> pages"
 
 
-def test_ci_runs_lint_tests_and_one_real_build():
-    jobs = _jobs((REPO / ".github" / "workflows" / "ci.yml").read_text())
+def test_build_target_runs_cibuildwheel_through_the_factory_with_a_rerunnable_cache():
+    text = (REPO / ".github" / "workflows" / "build-target.yml").read_text()
+    assert re.search(r"^on:\n  workflow_call:", text, flags=re.M)
+    steps = _steps(text)
+    names = [re.search(r"(?:name|uses): (.+)", st).group(1) for st in steps]
+
+    def at(fragment: str) -> int:
+        return next(i for i, st in enumerate(steps) if fragment in st)
+
+    env, disk, restore = at("ci.cibw env --target"), at("ci.cibw free-disk"), at("actions/cache/restore@")
+    toolchain, cibw, upload, save = (at("ci.cibw install-cuda"), at("--config-file ci/cibuildwheel.toml"),
+                                     at("actions/upload-artifact@"), at("actions/cache/save@"))
+    assert env < disk < cibw and restore < cibw and toolchain < cibw < upload < save, names
+    assert steps[disk].count("df -h") == 2
+    key = re.search(r"key: (.+)", steps[restore]).group(1)
+    assert key.startswith("sccache-${{ inputs.target }}-") and key.endswith("-${{ github.run_id }}-${{ github.run_attempt }}")
+    block = re.search(r"restore-keys: \|\n((?:\s+.+\n?)+)", steps[restore]).group(1)
+    fallbacks = [ln.strip() for ln in block.splitlines() if ln.strip()]
+    assert fallbacks[0] == key.removesuffix("${{ github.run_id }}-${{ github.run_attempt }}")
+    assert fallbacks[-1] == "sccache-${{ inputs.target }}-" and all(f.endswith("-") for f in fallbacks)
+    # saved after a failure too, under the key the restore step computed
+    assert "if: always() && steps.sccache.outcome == 'success'" in steps[save]
+    assert "key: ${{ steps.sccache.outputs.cache-primary-key }}" in steps[save]
+    assert "name: wheel-${{ inputs.target }}" in steps[upload]
+
+
+def test_ci_builds_one_windows_and_one_aarch64_target_through_build_target():
+    text = (REPO / ".github" / "workflows" / "ci.yml").read_text()
+    jobs = _jobs(text)
     assert "lint-workflows" in jobs["lint"]
     assert "nox -s tests" in jobs["tests"]
     assert "nox -s build-wheels" in jobs["build"]
+    assert 'release -- plan --matrix @matrix.json --targets "${CIBW_TARGETS}"' in jobs["cibw-plan"]
+    assert "uses: $/.github/workflows/build-target.yml" in jobs["cibuildwheel"]
+    assert "matrix: ${{ fromJSON(needs.cibw-plan.outputs.matrix) }}" in jobs["cibuildwheel"]
+    ids = re.search(r'CIBW_TARGETS: "([^"]+)"', text).group(1).split(",")
+    m = Matrix.load()
+    oses = {m.target(i).os.key for i in ids}  # each an existing target
+    assert oses == {"windows-amd64", "linux-aarch64"}
+    planned = plan(_matrix_json(), only=ids, matrix=m)["include"]
+    assert {e["runner"] for e in planned} == {"windows-2022", "ubuntu-24.04-arm"}
 
 
 # -- the plan -----------------------------------------------------------------------------
@@ -207,8 +298,9 @@ def test_cuda_comes_from_pypi_for_13_and_from_nvidia_for_12():
     assert "rhel8/x86_64/cuda-rhel8.repo" in " ".join(x86[1]) and "cuda-nvcc-12-8" in x86[2]
     assert "rhel8/sbsa/cuda-rhel8.repo" in " ".join(arm[1]) and "cuda-nvcc-12-9" in arm[2]
     win = cibw.cuda_commands(by_id["windows-amd64-cu130-torch2.10-stable"])[0]
-    assert "nvcc_13.0" in win and "crt_13.0" in win
-    assert "crt_12.8" not in cibw.cuda_commands(by_id["windows-amd64-cu128-torch2.7"])[0]
+    assert {"nvcc_13.0", "crt_13.0", "nvvm_13.0", "cudart_13.0"} <= set(win)
+    win12 = cibw.cuda_commands(by_id["windows-amd64-cu128-torch2.7"])[0]
+    assert "nvcc_12.8" in win12 and not any(c.startswith(("crt_", "nvvm_")) for c in win12)
     for t in m.targets:
         if t.os.platform == "windows":
             assert t.cuda in cibw.WINDOWS_CUDA_RELEASES, f"{t.id}: no Windows installer release for CUDA {t.cuda}"
