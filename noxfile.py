@@ -51,24 +51,33 @@ def _publisher(session: nox.Session) -> None:
         session.install("-r", "ci/requirements-test.txt")
 
 
+PUBLISH_LOCK = "ci/requirements-publish.txt"
+
+
+def _publish_tools(session: nox.Session) -> None:
+    """Only what publishing imports (PyGithub, requests, twine, packaging), every file pinned
+    by hash: these sessions hold the release token."""
+    session.install("--require-hashes", "--only-binary", ":all:", "-r", PUBLISH_LOCK)
+
+
 @nox.session
 def publish(session: nox.Session) -> None:
     """Publish dist/wheels to a GitHub Release (token from GITHUB_TOKEN/GH_TOKEN)."""
-    _publisher(session)
+    _publish_tools(session)
     session.run("python", "-m", "ci.publish", "github", *session.posargs)
 
 
 @nox.session
 def index(session: nox.Session) -> None:
     """Write or merge the pip index (PEP 503 per variant + find-links pages)."""
-    _publisher(session)
+    _publish_tools(session)
     session.run("python", "-m", "ci.index", *session.posargs)
 
 
 @nox.session(name="upload-index")
 def upload_index(session: nox.Session) -> None:
     """twine upload (skip-existing) to a PyPI-compatible server; credentials from the environment."""
-    _publisher(session)
+    _publish_tools(session)
     session.run("python", "-m", "ci.publish", "pypi", *session.posargs)
 
 

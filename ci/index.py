@@ -35,6 +35,7 @@ import html
 import io
 import json
 import os
+import re
 import sys
 import urllib.parse
 import urllib.request
@@ -47,8 +48,8 @@ from pathlib import Path
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
-from ci.record import BuildRecord, load_records, sha256_of, wheel_metadata
-from ci.variant import Variant, cuda_tag, torch_line
+from ci.record import BuildRecord, RecordError, check_wheel, load_records, sha256_of, wheel_metadata
+from ci.variant import cuda_from_tag, cuda_tag
 
 MANIFEST = "index.json"
 MANIFEST_FORMAT = 1
@@ -174,24 +175,36 @@ def _picker_rows(pages: list[Page]) -> list[tuple[str, str, Page]]:
     return rows
 
 
+PICKER_JS = Path(__file__).with_name("picker.js")
+ASK_TORCH = 'python -c "import torch; print(torch.__version__, torch.version.cuda)"'
+
+
 def _root_page(project: str, pages: list[Page], base_url: str | None) -> str:
+    """The picker: a table of every torch line x CUDA page, and a box where a user pastes
+    their torch version to get the pip command (``picker.js``, plain JS reading the table;
+    :func:`pick` is its Python twin)."""
     name = canonicalize_name(project)
     body = [
-        "<p>Pick the row of the torch you have (<code>python -c \"import torch; "
-        "print(torch.__version__, torch.version.cuda)\"</code>) and pass its URL to pip. "
-        "pip then installs the matching wheel and leaves your torch as it is.</p>",
-        "<table>",
+        f"<p>Which wheel? Paste what <code>{_esc(ASK_TORCH)}</code> prints (e.g. <code>2.14.1+cu130 13.0</code>):</p>",
+        '<p><input id="torch-version" size="40" autocomplete="off" placeholder="2.14.1+cu130 13.0"></p>',
+        '<pre id="pick-answer"></pre>',
+        "<p><code>--no-deps</code> keeps pip away from your torch: it installs this package alone, whatever "
+        "other indexes your pip configuration adds. A wheel that does not fit your torch refuses to import "
+        "and names the page to use.</p>",
+        f'<table data-project="{_esc(name)}">',
         "<tr><th>torch</th><th>torch built for CUDA</th><th>wheel variants</th><th>install</th><th>--find-links page</th></tr>",
     ]
     for line, cu, page in _picker_rows(pages):
-        major = Variant.parse(page.records[0].variant).cuda_major if page.records else 0
+        cuda = cuda_from_tag(cu)
         variants = sorted({r.variant for r in page.records})
         url = _url(base_url, f"{page.path}/")
         flat = _url(base_url, f"links/{page.flat_name}.html")
         body.append(
-            f"<tr><td>{_esc(line)}</td><td>{major}.x (wheels compiled with {_esc(cu)})</td>"
+            f'<tr data-line="{_esc(line)}" data-cuda="{_esc(cuda)}" data-page="{_esc(page.path)}" '
+            f'data-url="{_esc(url)}" data-links="{_esc(flat)}">'
+            f"<td>{_esc(line)}</td><td>{int(cuda.split('.')[0])}.x (wheels compiled with {_esc(cu)})</td>"
             f"<td>{_esc(', '.join(variants))}</td>"
-            f"<td><code>pip install {_esc(name)} --index-url <a href=\"{_esc(page.path)}/\">{_esc(url)}</a></code></td>"
+            f"<td><code>pip install {_esc(name)} --no-deps --index-url <a href=\"{_esc(page.path)}/\">{_esc(url)}</a></code></td>"
             f"<td><a href=\"links/{_esc(page.flat_name)}.html\">{_esc(flat)}</a></td></tr>"
         )
     body.append("</table>")
@@ -200,6 +213,7 @@ def _root_page(project: str, pages: list[Page], base_url: str | None) -> str:
         f"<a href=\"simple/\">simple/</a>, <a href=\"links/all.html\">links/all.html</a>. "
         f"Machine-readable: <a href=\"{MANIFEST}\">{MANIFEST}</a>.</p>"
     )
+    body.append("<script>\n" + PICKER_JS.read_text(encoding="utf-8").strip() + "\n</script>")
     return _html(f"{project} wheels", body)
 
 
@@ -326,6 +340,8 @@ def update_index(records: list[BuildRecord], wheels_dir: Path, out: Path, projec
             del entries[w]
             result.removed.append(w)
 
+    # Every record is checked before anything is written: a refusal leaves the index as it was.
+    to_add: list[BuildRecord] = []
     for rec in sorted(records, key=lambda r: r.wheel):
         if not rec.wheel or not rec.sha256:
             raise IndexError_(f"a record without wheel/sha256 ({rec.target or rec.variant}); records beside wheels have both")
@@ -342,19 +358,31 @@ def update_index(records: list[BuildRecord], wheels_dir: Path, out: Path, projec
         if have is not None and dst.exists():
             if have.record != rec:
                 entries[rec.wheel] = Entry(rec, have.metadata_sha256, have.yanked)
-            continue  # already indexed, same bytes: nothing to read
-        src = wheels_dir / rec.wheel
+            continue  # already indexed (checked then), same bytes: nothing to read
         if dst.exists() and sha256_of(dst) != rec.sha256:
             raise IndexError_(
                 f"{rec.wheel}: {dst} holds a different file under this name; a published wheel is never "
                 f"replaced in place: bump the version, or delete that file"
             )
+        src = dst if dst.exists() else wheels_dir / rec.wheel
+        if not src.is_file():
+            raise IndexError_(f"{rec.wheel}: not in {wheels_dir}")
+        try:
+            check_wheel(src, rec, project)  # name, METADATA, WHEEL tags, inner record vs this record
+        except RecordError as e:
+            raise IndexError_(str(e)) from None
+        to_add.append(rec)
+    for w in yank or {}:
+        if w not in entries and w not in {r.wheel for r in to_add}:
+            raise IndexError_(f"--yank {w!r}: not an indexed wheel")
+
+    for rec in to_add:
+        dst = files / rec.wheel
+        have = entries.get(rec.wheel)
         if not dst.exists():
-            try:
-                data = src.read_bytes()  # read once: hashed, copied and searched for METADATA
-            except FileNotFoundError:
-                raise IndexError_(f"{rec.wheel}: not in {wheels_dir}") from None
-            if hashlib.sha256(data).hexdigest() != rec.sha256:
+            src = wheels_dir / rec.wheel
+            data = src.read_bytes()  # read once: hashed, copied and searched for METADATA
+            if hashlib.sha256(data).hexdigest() != rec.sha256:  # changed since it was checked
                 raise IndexError_(f"{rec.wheel}: its record's sha256 does not match {src}; rebuild it")
             dst.parent.mkdir(parents=True, exist_ok=True)
             tmp = dst.with_name(dst.name + ".tmp")
@@ -364,12 +392,6 @@ def update_index(records: list[BuildRecord], wheels_dir: Path, out: Path, projec
             meta = _metadata_of(io.BytesIO(data), rec.wheel)
         else:
             meta = wheel_metadata(dst)
-        rp = _metadata_requires_python(meta)
-        if rp.replace(" ", "") != rec.requires_python.replace(" ", ""):
-            raise IndexError_(
-                f"{rec.wheel}: Requires-Python in the wheel ({rp!r}) differs from its build record "
-                f"({rec.requires_python!r}); the index would advertise the wrong one"
-            )
         if _write_bytes(files / (rec.wheel + ".metadata"), meta):
             result.written.append(f"files/{rec.wheel}.metadata")
         entries[rec.wheel] = Entry(rec, hashlib.sha256(meta).hexdigest(), have.yanked if have else None)
@@ -377,8 +399,6 @@ def update_index(records: list[BuildRecord], wheels_dir: Path, out: Path, projec
             result.added.append(rec.wheel)
 
     for w, reason in (yank or {}).items():
-        if w not in entries:
-            raise IndexError_(f"--yank {w!r}: not an indexed wheel")
         entries[w] = Entry(entries[w].record, entries[w].metadata_sha256, reason or "")
 
     present = set(os.listdir(files)) if files.is_dir() else set()
@@ -465,7 +485,85 @@ def index_url(base: str, cuda: str, torch_line: str | None = None) -> str:
     return f"{base}/{cuda_tag(cuda)}/" + (f"torch{torch_line}/" if torch_line else "")
 
 
-# -- the user's side: which URL? ----------------------------------------------------------
+# -- the picker's decision ---------------------------------------------------------------
+# The same rules as picker.js (which reads them from the picker page's table); a test runs
+# both on the same inputs. Users run `python -m sageattn3 which` where torch is installed.
+
+def picker_rows(manifest: dict, base: str | None = None) -> list[dict[str, str]]:
+    """The rows of the picker table, from a manifest (what picker.js reads from the page)."""
+    base = base if base is not None else manifest.get("base_url")
+    rows = []
+    for path in manifest.get("pages", {}):
+        parts = path.split("/")
+        if len(parts) == 2 and parts[1].startswith("torch"):
+            rows.append({"line": parts[1].removeprefix("torch"), "cuda": cuda_from_tag(parts[0]), "page": path,
+                         "url": _url(base, f"{path}/"), "links": _url(base, f"links/{Page(path, ()).flat_name}.html")})
+    rows.sort(key=lambda r: (tuple(-x for x in _line_key(r["line"])), r["page"]))
+    return rows
+
+
+def _dotted(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split("."))
+
+
+def _sorted_unique(values) -> str:
+    return ", ".join(sorted(set(values), key=_dotted))
+
+
+_TORCH_VERSION = re.compile(r"(\d+)\.(\d+)([.0-9a-z]*)(?:\+([.0-9a-z]+))?", re.I | re.A)
+
+
+def pick(rows: list[dict[str, str]], project: str, text: str) -> dict[str, str]:
+    """What the picker answers for what a user pasted (``torch.__version__`` and optionally
+    ``torch.version.cuda``): ``kind`` ("ok" with ``command``, or why not) and ``reason``."""
+    tokens = [t for t in re.split(r"[\s,]+", text.strip()) if t]
+    if not tokens:
+        return {"kind": "empty", "reason": f"paste what {ASK_TORCH} prints"}
+    m = _TORCH_VERSION.fullmatch(tokens[0])
+    if not m or len(tokens) > 2:
+        return {"kind": "unparsed", "reason": f"not a torch version: {json.dumps(' '.join(tokens), ensure_ascii=False)}"
+                f"; paste what {ASK_TORCH} prints, e.g. 2.14.1+cu130 13.0"}
+    version, line, label = tokens[0], f"{int(m[1])}.{int(m[2])}", (m[4] or "").lower()
+    cuda: str | None = None
+    if label.startswith("rocm"):
+        return {"kind": "rocm", "reason": f"torch {version} is a ROCm build; sageattn3 needs torch built for CUDA (NVIDIA GPUs)"}
+    if len(tokens) == 2:
+        c = re.fullmatch(r"(\d+)\.(\d+)", tokens[1], re.A)
+        if re.fullmatch(r"none", tokens[1], re.I):
+            cuda = None
+        elif c:
+            cuda = f"{int(c[1])}.{int(c[2])}"
+        else:
+            return {"kind": "unparsed", "reason": f"not a CUDA version: {json.dumps(tokens[1], ensure_ascii=False)}"
+                    " (torch.version.cuda prints e.g. 13.0, or None for a CPU build)"}
+    elif c := re.fullmatch(r"cu(\d+)(\d)", label, re.A):
+        cuda = f"{int(c[1])}.{int(c[2])}"
+    elif label != "cpu":
+        return {"kind": "no-cuda", "reason": f"torch {version} does not say which CUDA it was built for; paste what "
+                f"{ASK_TORCH} prints"}
+    if cuda is None:
+        return {"kind": "cpu", "reason": f"torch {version} is a CPU-only build; sageattn3 needs torch built for CUDA: "
+                "install a CUDA build of torch, then pick again"}
+    same = [r for r in rows if r["line"] == line]
+    if not same:
+        return {"kind": "unknown-line", "reason": f"no wheels for torch {line} on this index; it serves torch "
+                f"{_sorted_unique(r['line'] for r in rows)}"}
+    major = _dotted(cuda)[0]
+    fits = [r for r in same if _dotted(r["cuda"])[0] == major]
+    if not fits:
+        return {"kind": "no-variant", "reason": f"no wheels for torch {line} built for CUDA {cuda}; torch {line} is "
+                f"served for CUDA {_sorted_unique(r['cuda'] for r in same)}"}
+    # Same CUDA first, else the newest not newer than torch's (a newer minor may need a newer
+    # runtime than torch ships), else the oldest newer one.
+    def rank(r: dict[str, str]) -> tuple:
+        k = _dotted(r["cuda"])
+        older = k <= _dotted(cuda)
+        return (r["cuda"] == cuda, older, tuple(x if older else -x for x in k))
+    best = max(fits, key=rank)
+    return {"kind": "ok", "page": best["page"], "url": best["url"], "links": best["links"],
+            "command": f"pip install {project} --no-deps --index-url {best['url']}",
+            "reason": f"torch {line} built for CUDA {cuda}: wheels compiled with CUDA {best['cuda']}"}
+
 
 def _fetch(location: str, rel: str) -> bytes:
     if "://" in location:
@@ -473,69 +571,6 @@ def _fetch(location: str, rel: str) -> bytes:
         with urllib.request.urlopen(url, timeout=30) as r:
             return r.read()
     return (Path(location) / rel).read_bytes()
-
-
-def choose_page(manifest: dict, torch_version: str, torch_cuda: str | None) -> tuple[str | None, list[str]]:
-    """The page (``cu130/torch2.14``) for that torch, and why each other variant was rejected.
-    Among wheels that serve it, prefer one compiled with the same CUDA, else the newest CUDA
-    not newer than torch's (a newer CUDA minor may need a newer runtime than torch ships)."""
-    line = torch_line(torch_version)
-    reasons: list[str] = []
-    candidates: list[tuple[tuple, str]] = []
-    variants = sorted({(w["variant"], w["cuda"]) for w in manifest.get("wheels", {}).values()})
-    for label, cuda in variants:
-        v = Variant.parse(label)
-        if torch_cuda is None:
-            reasons.append(f"{label}: your torch is not a CUDA build")
-            continue
-        if not v.serves(torch_version, torch_cuda):
-            why = (f"built for CUDA {v.cuda_major}.x, your torch is CUDA {torch_cuda}"
-                   if int(torch_cuda.split(".")[0]) != v.cuda_major else
-                   f"serves torch {'>= ' if v.stable else ''}{v.torch}, you have {line}")
-            reasons.append(f"{label}: {why}")
-            continue
-        page = f"{cuda_tag(cuda)}/torch{line}"
-        if page not in manifest.get("pages", {}):
-            reasons.append(f"{label}: no page {page}/ (torch {line} not among the lines it was published for)")
-            continue
-        c, t = Version(cuda), Version(torch_cuda)
-        candidates.append(((c == t, c <= t, c), page))
-    if not candidates:
-        return None, reasons
-    candidates.sort(reverse=True)
-    return candidates[0][1], reasons
-
-
-def _installed_torch() -> tuple[str, str | None]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        ver = version("torch")
-    except PackageNotFoundError:
-        raise SystemExit("torch is not installed in this environment: install torch first, then run this again")
-    local = Version(ver).local or ""
-    if local.startswith("cu") and local[2:].isdigit():
-        digits = local[2:]
-        return ver, f"{int(digits[:-1])}.{int(digits[-1])}"
-    if local:
-        return ver, None  # +cpu, +rocm…
-    import torch  # an unlabelled PyPI wheel: only torch itself knows its CUDA
-
-    return ver, getattr(torch.version, "cuda", None)
-
-
-def which(index: str, torch_version: str | None = None, torch_cuda: str | None = None) -> str:
-    manifest = json.loads(_fetch(index, MANIFEST))
-    if torch_version is None:
-        torch_version, torch_cuda = _installed_torch()
-    page, reasons = choose_page(manifest, torch_version, torch_cuda)
-    base = index.rstrip("/") + "/" if "://" in index else (manifest.get("base_url") or index.rstrip("/") + "/")
-    if page is None:
-        raise SystemExit(
-            f"no {manifest.get('project', DEFAULT_PROJECT)} wheel for torch {torch_version} "
-            f"(CUDA {torch_cuda or 'none'}):\n  " + "\n  ".join(reasons)
-        )
-    return base + page + "/"
 
 
 # -- checking a served index (the crawler) ------------------------------------------------
@@ -594,54 +629,71 @@ def check_index(location: str, project: str = DEFAULT_PROJECT, log=print) -> int
 
 # -- CLI ----------------------------------------------------------------------------------
 
+def _build(a) -> int:
+    if a.wheels is None and (a.remove or a.yank):
+        records, wheels = [], Path("dist/wheels")  # only removing/yanking: no wheels needed
+    else:
+        wheels = a.wheels or Path("dist/wheels")
+        records = load_records(wheels, a.project)
+    yank = {}
+    for y in a.yank:
+        w, _, reason = y.partition("=")
+        if not w.endswith(".whl"):
+            raise IndexError_(f"--yank {y!r}: expected WHEEL=REASON with the wheel's file name (…whl=why)")
+        yank[w] = reason
+    r = update_index(records, wheels, a.out, a.project, base_url=a.base_url, remove=a.remove, yank=yank)
+    print(f"index {a.out}: {len(r.pages)} pages, +{len(r.added)} wheels, -{len(r.removed)} wheels, "
+          f"{len(r.written)} files written, {len(r.deleted)} deleted")
+    return 0
+
+
+def _check(a) -> int:
+    try:
+        check_index(a.location)
+    except IndexError_ as e:
+        print(f"index check: {e}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError, KeyError) as e:  # unreachable, missing, not an index
+        why = getattr(e, "reason", None) or e
+        print(f"index check: cannot read an index at {a.location} ({type(e).__name__}: {why}); "
+              "pass the index root (the directory or URL holding index.json)", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = argv.pop(0) if argv and argv[0] in ("build", "which", "check") else "build"
     ap = argparse.ArgumentParser(prog=f"python -m ci.index {cmd}")
+    if cmd == "which":
+        print("python -m ci.index which is gone: where torch is installed, run `python -m sageattn3 which`, "
+              "or paste your torch version into the index's picker page (index.html)", file=sys.stderr)
+        return 2
     if cmd == "build":
         ap.description = "Merge the wheels of a directory into a PEP 503/658 index (see ci/index.py for the layout)."
-        ap.add_argument("--wheels", type=Path, default=Path("dist/wheels"), help="wheels with their <wheel>.json records")
+        ap.add_argument("--wheels", type=Path, default=None,
+                        help="wheels with their <wheel>.json records (default dist/wheels; must exist and hold wheels)")
         ap.add_argument("--out", type=Path, default=Path("dist/index"), help="the index root (merged into when it exists)")
         ap.add_argument("--base-url", default=None, help="the URL the index root is served at (shown on the picker page)")
         ap.add_argument("--project", default=DEFAULT_PROJECT)
         ap.add_argument("--remove", action="append", default=[], metavar="WHEEL_OR_VERSION",
                         help="drop a wheel (file name) or a version (1.0.0 = every variant of it); repeatable")
         ap.add_argument("--yank", action="append", default=[], metavar="WHEEL=REASON", help="mark a wheel yanked (PEP 592)")
-        a = ap.parse_args(argv)
-        records = load_records(a.wheels) if a.wheels.exists() else []
-        yank = dict(y.split("=", 1) if "=" in y else (y, "") for y in a.yank)
-        try:
-            r = update_index(records, a.wheels, a.out, a.project, base_url=a.base_url, remove=a.remove, yank=yank)
-        except IndexError_ as e:
-            print(f"index: {e}", file=sys.stderr)
-            return 2
-        print(f"index {a.out}: {len(r.pages)} pages, +{len(r.added)} wheels, -{len(r.removed)} wheels, "
-              f"{len(r.written)} files written, {len(r.deleted)} deleted")
-        return 0
-    if cmd == "which":
-        ap.description = "Print the --index-url for the torch installed in this environment."
-        ap.add_argument("--index", default=os.environ.get("SAGEATTN3_INDEX", "dist/index"),
-                        help="index root URL or directory (default $SAGEATTN3_INDEX or dist/index)")
-        ap.add_argument("--torch", default=None, help="a torch version instead of the installed one, e.g. 2.14.1+cu130")
-        ap.add_argument("--cuda", default=None, help="with --torch when its version has no +cuXYZ label, e.g. 13.0")
-        a = ap.parse_args(argv)
-        tv, tc = a.torch, a.cuda
-        if tv and tc is None:
-            loc = Version(tv).local or ""
-            if loc.startswith("cu"):
-                tc = f"{int(loc[2:-1])}.{int(loc[-1])}"
-        url = which(a.index, tv, tc)
-        print(f"pip install {DEFAULT_PROJECT} --index-url {url}")
-        return 0
-    ap.description = "Crawl an index (URL or directory): every link, sha256 and .metadata."
-    ap.add_argument("location")
+        run = _build
+    else:
+        ap.description = "Crawl an index (URL or directory): every link, sha256 and .metadata."
+        ap.add_argument("location")
+        run = _check
     a = ap.parse_args(argv)
     try:
-        check_index(a.location)
-    except IndexError_ as e:
-        print(f"index check: {e}", file=sys.stderr)
+        return run(a)
+    except (IndexError_, RecordError) as e:  # bad input: nothing was written
+        print(f"index: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"index: {e.strerror or e}: {e.filename or ''} (nothing half-written is left: files are replaced whole)",
+              file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

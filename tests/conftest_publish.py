@@ -10,6 +10,7 @@ import contextlib
 import functools
 import hashlib
 import http.server
+import json
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from packaging.tags import sys_tags
 
-from ci.record import BuildRecord, record_path
+from ci.record import RECORD_IN_WHEEL, BuildRecord, record_path
 from ci.variant import Variant
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,24 +59,64 @@ def build_wheel(out: Path, name: str, version: str, tag: str = "py3-none-any", *
 
 
 def sage_wheel(out: Path, variant: str, version: str = "1.0.0", *, torch_lines: tuple[str, ...] | None = None,
-               platform: str = PLATFORM, payload: bytes = b"", requires_python: str = ">=3.10") -> tuple[Path, BuildRecord]:
-    """A synthetic sageattn3 wheel for a variant, with its build record beside it. Its module
-    says which variant it is (tests import it to see what pip picked)."""
+               platform: str = PLATFORM, payload: bytes = b"", requires_python: str = ">=3.10",
+               os_key: str | None = None) -> tuple[Path, BuildRecord]:
+    """A synthetic sageattn3 wheel for a variant, carrying its build record inside (as the
+    factory's wheels do) and with the beside-record next to it. Its module says which variant
+    it is (tests import it to see what pip picked)."""
     v = Variant.parse(variant)
     lines = torch_lines or (tuple(f"2.{m}" for m in range(int(v.torch.split('.')[1]), 15)) if v.stable else (v.torch,))
     full = f"{version}+{variant}"
-    files = {"sageattn3/__init__.py": f"VARIANT = {variant!r}\nVERSION = {full!r}\n".encode()}
+    inner = BuildRecord(
+        target=f"test-{v.cuda_tag}-torch{v.torch}", variant=variant, version=full, requires_torch=v.requires_torch,
+        requires_python=requires_python, torch_build="", cuda=v.cuda, archs=("sm_120a",),
+        os=os_key or os_key_of(platform), toolchain={}, flags={}, patches=(), source_commit="0" * 40,
+        extra={"torch_lines": list(lines)},
+    )
+    inside = {k: val for k, val in json.loads(inner.to_json()).items() if k not in ("wheel", "sha256", "size")}
+    files = {"sageattn3/__init__.py": f"VARIANT = {variant!r}\nVERSION = {full!r}\n".encode(),
+             RECORD_IN_WHEEL: (json.dumps(inside, indent=2, sort_keys=True) + "\n").encode()}
     if payload:
         files["sageattn3/_payload.bin"] = payload
     wheel = build_wheel(out, "sageattn3", full, f"cp310-abi3-{platform}",
                         requires=(v.requires_torch,), requires_python=requires_python, files=files)
-    rec = BuildRecord(
-        target=f"test-{v.cuda_tag}-torch{v.torch}", variant=variant, version=full, requires_torch=v.requires_torch,
-        requires_python=requires_python, torch_build="", cuda=v.cuda, archs=("sm_120a",), os="linux-x86_64",
-        toolchain={}, flags={}, patches=(), source_commit="0" * 40, extra={"torch_lines": list(lines)},
-    ).with_wheel(wheel)
+    rec = inner.with_wheel(wheel)
     record_path(wheel).write_text(rec.to_json())
     return wheel, rec
+
+
+def os_key_of(platform: str) -> str:
+    """The build record's os key for a platform tag (linux_x86_64 -> linux-x86_64)."""
+    if platform == "win_amd64":
+        return "windows-amd64"
+    return "linux-" + ("aarch64" if platform.endswith("aarch64") else "x86_64")
+
+
+def rewrite_wheel(wheel: Path, changes: dict[str, bytes | None], new_name: str | None = None) -> Path:
+    """A doctored copy of a wheel: members replaced (bytes), added, or dropped (None), RECORD
+    rewritten to match (so only what the test changes disagrees), optionally under a new
+    name. Replaces the wheel when the name is kept."""
+    with zipfile.ZipFile(wheel) as z:
+        content = {n: z.read(n) for n in z.namelist()}
+    for n, data in changes.items():
+        if data is None:
+            content.pop(n, None)
+        else:
+            content[n] = data
+    record = next(n for n in content if n.endswith(".dist-info/RECORD"))
+    rows = [f"{p},sha256={_b64(hashlib.sha256(b).digest())},{len(b)}" for p, b in content.items() if p != record]
+    content[record] = ("\n".join(rows + [f"{record},,"]) + "\n").encode()
+    dst = wheel.with_name(new_name or wheel.name)
+    tmp = dst.with_name(dst.name + ".tmp")
+    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
+        for n, b in content.items():
+            zi = zipfile.ZipInfo(n, date_time=(2020, 1, 1, 0, 0, 0))
+            zi.external_attr = 0o644 << 16
+            z.writestr(zi, b)
+    os.replace(tmp, dst)
+    if dst != wheel:
+        wheel.unlink()
+    return dst
 
 
 def torch_standin(out: Path, version: str) -> Path:
@@ -139,9 +180,11 @@ class Venv:
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=60)
         self.python = str(path / ("Scripts/python.exe" if os.name == "nt" else "bin/python"))
 
-    def pip(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    def pip(self, *args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """The real pip; ``env`` adds to (or overrides) the clean pip environment, e.g. a
+        pip.conf through PIP_CONFIG_FILE, or PIP_EXTRA_INDEX_URL."""
         cmd = [sys.executable, "-m", "pip", "--python", self.python, *args]
-        p = subprocess.run(cmd, env=pip_env(), capture_output=True, text=True, timeout=180)
+        p = subprocess.run(cmd, env=pip_env(**(env or {})), capture_output=True, text=True, timeout=180)
         if check and p.returncode != 0:
             raise AssertionError(f"pip {' '.join(args)} failed:\n{p.stdout}\n{p.stderr}")
         return p

@@ -135,23 +135,30 @@ def test_yank_marks_the_anchor(tmp_path):
     assert a["data-yanked"] == "broken <kernel>"
 
 
-@pytest.mark.parametrize("torch,cuda,page", [
-    ("2.14.1+cu130", "13.0", "cu130/torch2.14"),
-    ("2.12.0+cu132", "13.2", "cu130/torch2.12"),   # no cu132 wheel: the 13.0 build serves 13.x
-    ("2.11.0+cu128", "12.8", "cu128/torch2.11"),
-    ("2.8.0+cu128", "12.8", "cu128/torch2.8"),
-    ("2.8.0+cu129", "12.9", "cu128/torch2.8"),
-    ("2.12.0+cu126", "12.6", None),                 # CUDA 12 wheels only serve 2.8, 2.10, 2.11
-    ("2.14.1+cpu", None, None),
+@pytest.mark.parametrize("pasted,page", [
+    ("2.14.1+cu130", "cu130/torch2.14"),
+    ("2.14.1 13.0", "cu130/torch2.14"),            # PyPI's unlabelled build: torch.version.cuda tells
+    ("2.12.0+cu132", "cu130/torch2.12"),           # no cu132 wheel: the 13.0 build serves 13.x
+    ("2.11.0+cu128", "cu128/torch2.11"),
+    ("2.8.0+cu128", "cu128/torch2.8"),
+    ("2.8.0+cu129 12.9", "cu128/torch2.8"),
+    ("2.12.0+cu126", None),                        # CUDA 12 wheels only serve 2.8, 2.10, 2.11
+    ("2.14.1+cpu", None),
+    ("2.14.1 None", None),
+    ("2.15.0+cu130", None),                        # a torch line the index does not serve (yet)
+    ("2.14.1", None),                              # unlabelled without torch.version.cuda: cannot tell
 ])
-def test_which_page(tmp_path, torch, cuda, page):
+def test_pick_page(tmp_path, pasted, page):
     wd = _wheels(tmp_path / "w")
     out = tmp_path / "idx"
     ix.write_index(load_records(wd), wd, out)
-    got, reasons = ix.choose_page(json.loads((out / "index.json").read_text()), torch, cuda)
-    assert got == page
+    manifest = json.loads((out / "index.json").read_text())
+    got = ix.pick(ix.picker_rows(manifest), "sageattn3", pasted)
+    assert got.get("page") == page, got
     if page is None:
-        assert reasons and all(":" in r for r in reasons)
+        assert got["kind"] != "ok" and got["reason"]
+    else:
+        assert got["command"] == f"pip install sageattn3 --no-deps --index-url {page}/"
 
 
 def test_crawler_checks_every_link_over_http(tmp_path):
@@ -233,14 +240,13 @@ def test_pip_refuses_a_mismatched_page_without_touching_torch(tmp_path, served_i
     assert p.returncode != 0
     assert "torch" in (p.stdout + p.stderr)  # pip names the conflicting requirement
     assert venv.installed()["torch"] == "2.8.0+cu128" and "sageattn3" not in venv.installed()
-    # and the which command names the right page
-    w = subprocess.run([sys.executable, "-m", "ci.index", "which", "--index", url, "--torch", "2.8.0+cu128"],
-                       cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert w.returncode == 0, w.stderr
-    assert w.stdout.strip() == f"pip install sageattn3 --index-url {url}cu128/torch2.8/"
+    # and the picker names the right page (served: the absolute URL of it)
+    manifest = json.loads(urllib.request.urlopen(url + "index.json", timeout=10).read())
+    got = ix.pick(ix.picker_rows(manifest, url), "sageattn3", "2.8.0+cu128")
+    assert got["command"] == f"pip install sageattn3 --no-deps --index-url {url}cu128/torch2.8/"
 
 
-def test_cli_build_which_check(tmp_path):
+def test_cli_build_check_and_which_points_at_the_user_side_command(tmp_path):
     wd = _wheels(tmp_path / "w")
     out = tmp_path / "idx"
     run = lambda *a: subprocess.run([sys.executable, "-m", "ci.index", *a], cwd=REPO, capture_output=True,  # noqa: E731
@@ -249,6 +255,7 @@ def test_cli_build_which_check(tmp_path):
     assert p.returncode == 0, p.stderr
     assert run("check", str(out)).returncode == 0
     p = run("which", "--index", str(out), "--torch", "2.13.0+cu130")
-    assert p.stdout.strip() == "pip install sageattn3 --index-url https://o.github.io/r/cu130/torch2.13/"
-    p = run("which", "--index", str(out), "--torch", "2.13.0+cu126")
-    assert p.returncode != 0 and "CUDA 12" not in p.stdout and "cu130.torch2.10.stable: built for CUDA 13.x" in p.stderr
+    assert p.returncode == 2 and "python -m sageattn3 which" in p.stderr and "Traceback" not in p.stderr
+    p = run("--wheels", str(tmp_path / "typo"), "--out", str(tmp_path / "idx2"))
+    assert p.returncode == 2 and "no such directory" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "idx2").exists()

@@ -19,6 +19,7 @@ import pytest
 
 from ci import index as ix
 from ci.publish import PublishError, ReleaseOptions, RetryPolicy, publish_release
+from ci.publish._net import InputError
 from ci.publish.github import SUMS, LocalAsset, ReleasePublisher, parse_sums
 from ci.publish.pages import PagesOptions, publish_pages
 from ci.record import load_records
@@ -99,19 +100,53 @@ def test_dry_run_prints_the_plan_and_writes_nothing(gh, wheels, capsys):
     assert writes(gh) == 0 and gh.release_by_tag(FULL, "v1.0.0") == []
 
 
-def test_changed_content_is_refused_unless_replace(gh, wheels, tmp_path):
-    publish_release(opts(gh, wheels), TOKEN, log=lambda m: None)
+def _rebuild_one(wheels: Path, tmp_path: Path) -> Path:
+    """The cu128.torch2.8 wheel rebuilt with other bytes (same name), record beside it."""
     victim = next(wheels.glob("*cu128.torch2.8*.whl"))
     rebuilt = tmp_path / "rebuilt"
-    sage_wheel(rebuilt, "cu128.torch2.8", payload=b"different bytes")
+    sage_wheel(rebuilt, "cu128.torch2.8", payload=os.urandom(64))
     for p in rebuilt.iterdir():
         (wheels / p.name).write_bytes(p.read_bytes())
-    before = gh.uploads()
+    return victim
+
+
+def test_changed_content_is_refused_and_replace_on_a_published_release_needs_a_second_flag(gh, wheels, tmp_path):
+    publish_release(opts(gh, wheels), TOKEN, log=lambda m: None)
+    victim = _rebuild_one(wheels, tmp_path)
+    before = gh.uploads(), writes(gh)
     with pytest.raises(PublishError, match="different content.*Nothing was uploaded.*--replace"):
         publish_release(opts(gh, wheels), TOKEN, log=lambda m: None)
-    assert gh.uploads() == before
-    s = publish_release(opts(gh, wheels, replace=True), TOKEN, log=lambda m: None)
-    assert sorted(s.replaced) == sorted([victim.name, victim.name + ".json", SUMS])
+    # --replace alone: the release is published, so it is refused too, before any write
+    with pytest.raises(InputError, match=r"v1\.0\.0 is published.*Nothing was uploaded.*--replace-published"):
+        publish_release(opts(gh, wheels, replace=True), TOKEN, log=lambda m: None)
+    assert (gh.uploads(), writes(gh)) == before
+    # the CLI says so with exit status 2
+    cmd, env = _cli(gh, wheels, "--replace")
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--replace-published" in p.stderr and (gh.uploads(), writes(gh)) == before
+    # both flags: replaced, and each replaced asset is logged with what it was and what it becomes
+    p = subprocess.run(_cli(gh, wheels, "--replace", "--replace-published")[0], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    for name in (victim.name, victim.name + ".json"):
+        sha = hashlib.sha256((wheels / name).read_bytes()).hexdigest()
+        assert re.search(rf"^  {re.escape(name)}: replacing the asset of the PUBLISHED release v1\.0\.0 "
+                         rf"\(\d+ bytes, sha256:[0-9a-f]{{64}} -> \d+ bytes, sha256:{sha}\)$", p.stdout, re.M), p.stdout
+    assert "replaced 3" in p.stdout  # the wheel, its record, SHA256SUMS
+    assert_complete(gh, wheels)
+
+
+def test_replace_on_a_draft_needs_no_second_flag(gh, wheels, tmp_path):
+    gh.inject("503", "POST", r"^/api/uploads/.*SHA256SUMS", times=100)  # stops short of publishing
+    with pytest.raises(PublishError):
+        publish_release(opts(gh, wheels, retry=RetryPolicy(attempts=2, backoff=0.01)), TOKEN, log=lambda m: None)
+    assert gh.release_by_tag(FULL, "v1.0.0")[0]["draft"] is True
+    gh.faults.clear()
+    victim = _rebuild_one(wheels, tmp_path)
+    logs: list[str] = []
+    s = publish_release(opts(gh, wheels, replace=True), TOKEN, log=logs.append)
+    assert sorted(s.replaced) == sorted([victim.name, victim.name + ".json"]) and s.published
+    assert any(m.startswith(f"  {victim.name}: replacing the asset of the draft release v1.0.0") for m in logs)
     assert_complete(gh, wheels)
 
 
@@ -133,7 +168,39 @@ def test_faults_are_retried_and_end_in_the_exact_state(gh, wheels):
     assert all(f.times == 0 for f in gh.faults), [f for f in gh.faults if f.times]
     assert_complete(gh, wheels)
     assert len([r for r in gh.repos[FULL].releases.values()]) == 1  # the lost-answer create was not repeated
-    assert any("retry" in m and "Retry" not in m for m in logs)
+    retries = [m for m in logs if ": retry " in m]
+    subject = r"(\S+\.whl(\.json)?|SHA256SUMS|release v1\.0\.0|octo/sageattn3)"  # what each retry is about, first
+    assert retries and all(re.match(rf"^  {subject}: [a-z][a-z ]*: retry \d+/\d+ in \d+\.\d+s \(.+\)$", m)
+                           for m in retries), retries
+    names = set(expected_assets(wheels)) | {SUMS}
+    uploads = [m for m in retries if ": upload: retry" in m]
+    assert uploads and all(m.split(":")[0].strip() in names for m in uploads), uploads
+
+
+class _TwoPartWriter:
+    """Writes a message, then (a moment later) its newline, as print() does: without a lock
+    around each line, lines of concurrent threads run into each other."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def __call__(self, msg: str) -> None:
+        self.text += msg
+        time.sleep(0.002)
+        self.text += "\n"
+
+
+def test_log_lines_of_concurrent_uploads_never_interleave(gh, wheels):
+    for _ in range(2):
+        gh.inject("500", "POST", r"^/api/uploads/", times=6)  # several threads retrying at once
+    out = _TwoPartWriter()
+    publish_release(opts(gh, wheels, concurrency=4, retry=RetryPolicy(attempts=8, backoff=0.001, max_backoff=0.002)),
+                    TOKEN, log=out)
+    names = "|".join(re.escape(n) for n in [*expected_assets(wheels), SUMS])
+    line = re.compile(rf"^(created draft release v1\.0\.0 \(id \d+\)|  ({names}): (upload: retry .+|uploaded))$")
+    lines = out.text.splitlines()
+    assert sum(": retry " in ln for ln in lines) >= 6
+    assert [ln for ln in lines if not line.match(ln)] == []
 
 
 def test_gives_up_with_a_summary_and_finishes_on_rerun(gh, wheels):
@@ -265,12 +332,16 @@ def test_token_never_leaks(gh, wheels, tmp_path):
     assert ok.returncode == 0
     # a failing run: every upload answered 500 until it gives up; the exception path prints
     gh.inject("500", "POST", r"^/api/uploads/", times=1000)
-    cmd2, _ = _cli(gh, wheels, "--tag", "v2.0.0", "--retries", "2")
+    w2, w3 = tmp_path / "w2", tmp_path / "w3"
+    for v in VARIANTS:
+        sage_wheel(w2, v, "2.0.0")
+        sage_wheel(w3, v, "3.0.0")
+    cmd2, _ = _cli(gh, w2, "--tag", "v2.0.0", "--retries", "2")
     bad = subprocess.run(cmd2, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "still failing" in bad.stdout + bad.stderr and "failed 6" in bad.stderr
     # in-process: the exception text
     with pytest.raises(PublishError) as ei:
-        publish_release(opts(gh, wheels, tag="v3.0.0", retry=RetryPolicy(attempts=2, backoff=0.01)), TOKEN, log=lambda m: None)
+        publish_release(opts(gh, w3, tag="v3.0.0", retry=RetryPolicy(attempts=2, backoff=0.01)), TOKEN, log=lambda m: None)
     import traceback
     texts = [log_file.read_text(), bad.stdout, bad.stderr, str(ei.value), repr(ei.value),
              "".join(traceback.format_exception(ei.value))]

@@ -33,18 +33,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def pypiserver(tmp_path):
+def _start_pypiserver(tmp_path: Path, auth: bool):
     pkgs = tmp_path / "packages"
     pkgs.mkdir()
-    ht = passlib_apache.HtpasswdFile(str(tmp_path / "htpasswd"), new=True)
-    ht.set_password(USER, PASSWORD)
-    ht.save()
+    if auth:
+        ht = passlib_apache.HtpasswdFile(str(tmp_path / "htpasswd"), new=True)
+        ht.set_password(USER, PASSWORD)
+        ht.save()
+        auth_args = ["-P", str(tmp_path / "htpasswd"), "-a", "update"]
+    else:
+        auth_args = ["-P", ".", "-a", "."]  # no authentication at all
     port = _free_port()
     log = open(tmp_path / "pypiserver.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "pypiserver", "run", "-i", "127.0.0.1", "-p", str(port),
-                             "-P", str(tmp_path / "htpasswd"), "-a", "update", "--backend", "simple-dir", str(pkgs)],
+                             *auth_args, "--backend", "simple-dir", str(pkgs)],
                             stdout=log, stderr=subprocess.STDOUT)
+    return proc, log, pkgs, port
+
+
+@pytest.fixture
+def pypiserver(tmp_path):
+    yield from _serve(tmp_path, auth=True)
+
+
+@pytest.fixture
+def open_pypiserver(tmp_path):
+    yield from _serve(tmp_path, auth=False)
+
+
+def _serve(tmp_path: Path, auth: bool):
+    proc, log, pkgs, port = _start_pypiserver(tmp_path, auth)
     url = f"http://127.0.0.1:{port}/"
     deadline = time.monotonic() + 30
     while True:
@@ -71,8 +89,11 @@ def wheels(tmp_path) -> Path:
     return d
 
 
-def upload(url: str, wheels: Path, *extra: str, password: str = PASSWORD, tmp: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TWINE_USERNAME": USER, "TWINE_PASSWORD": password}
+def upload(url: str, wheels: Path, *extra: str, password: str | None = PASSWORD, tmp: Path | None = None,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TWINE_")}, **(env or {})}
+    if password is not None:
+        env.update(TWINE_USERNAME=USER, TWINE_PASSWORD=password)
     cmd = [sys.executable, "-m", "ci.publish", "pypi", "--repository-url", url, "--wheels", str(wheels), *extra]
     if tmp is not None:
         cmd += ["--out", str(tmp / "pypi")]
@@ -134,3 +155,34 @@ def test_default_variant_and_derived_wheel_are_valid(wheels, tmp_path):
                 data = z.read(path)
                 assert h == "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
                 assert int(size) == len(data)
+
+
+def test_upload_to_a_server_without_authentication_needs_no_credentials_and_prints_no_colours(open_pypiserver, wheels):
+    url, pkgs = open_pypiserver
+    # a terminal that asks for colours: twine's output must still reach the log without escape codes
+    p = upload(url, wheels, "--all-variants", password=None, env={"FORCE_COLOR": "1", "TERM": "xterm-256color"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(x.name for x in pkgs.iterdir()) == sorted(w.name for w in wheels.glob("*.whl"))
+    assert "without credentials" in p.stdout and "twine: " in p.stdout
+    assert "\x1b" not in p.stdout + p.stderr and "Credential not found" not in p.stdout + p.stderr
+
+
+def test_credentials_refused_by_a_server_say_which_variables_to_set(pypiserver, wheels):
+    url, pkgs = pypiserver
+    p = upload(url, wheels, "--all-variants", password=None)
+    assert p.returncode == 1 and "TWINE_USERNAME and TWINE_PASSWORD" in p.stderr, p.stdout + p.stderr
+    assert not list(pkgs.iterdir())
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--repository-url", "notaurl"], "not an http(s) URL"),
+    (["--repository-url", "http://127.0.0.1:9/", "--wheels", "/nonexistent-wheels-dir"], "no such directory"),
+    (["--repository-url", "http://127.0.0.1:9/", "--pypi", "--default-variant", "cu130"], "--default-variant"),
+])
+def test_bad_input_is_refused_with_exit_2(wheels, args, needle):
+    args = list(args)
+    if "--wheels" not in args:
+        args += ["--wheels", str(wheels)]
+    p = subprocess.run([sys.executable, "-m", "ci.publish", "pypi", *args], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from ci.publish._net import PublishError, Redactor, RetryPolicy, token_from_env
+from ci.publish._net import InputError, LineLog, PublishError, Redactor, RetryPolicy, check_repo, token_from_env
 
 
 def _retry_args(ap: argparse.ArgumentParser) -> None:
@@ -35,7 +35,10 @@ def _github(argv: list[str], out) -> int:
     ap.add_argument("--api-url", default=os.environ.get("GITHUB_API_URL", DEFAULT_API))
     ap.add_argument("--wheels", type=Path, default=Path("dist/wheels"))
     ap.add_argument("--dry-run", action="store_true", help="print the plan; write nothing")
-    ap.add_argument("--replace", action="store_true", help="overwrite assets whose content differs")
+    ap.add_argument("--replace", action="store_true",
+                    help="overwrite assets whose content differs (a draft release; see --replace-published)")
+    ap.add_argument("--replace-published", action="store_true",
+                    help="with --replace: also overwrite assets of a release that is already published (each is logged)")
     ap.add_argument("--prune", action="store_true", help="delete assets of the release that this run does not have")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--name", default=None, help="release title (default: the tag)")
@@ -44,12 +47,14 @@ def _github(argv: list[str], out) -> int:
     ap.add_argument("--target-commitish", default=os.environ.get("GITHUB_SHA") or None)
     _retry_args(ap)
     a = ap.parse_args(argv)
-    token = token_from_env(required=not a.dry_run)
+    if a.replace_published and not a.replace:
+        raise InputError("--replace-published only widens --replace: pass both to overwrite assets of a published release")
     opts = ReleaseOptions(repo=a.repo, tag=a.tag, wheels=a.wheels, api_url=a.api_url, dry_run=a.dry_run,
-                          replace=a.replace, prune=a.prune, concurrency=a.concurrency, name=a.name, notes=a.notes,
+                          replace=a.replace, replace_published=a.replace_published, prune=a.prune, concurrency=a.concurrency, name=a.name, notes=a.notes,
                           prerelease=a.prerelease, target_commitish=a.target_commitish, retry=_policy(a),
                           write_interval=a.write_interval)
-    s = publish_release(opts, token, log=out)
+    # The token is required only once the input has been checked (publish_release does both).
+    s = publish_release(opts, token_from_env(required=False), log=out)
     if a.dry_run:
         out(f"plan for release {a.tag} of {a.repo} (dry run: nothing written):")
         for line in s.plan:
@@ -78,6 +83,9 @@ def _pages(argv: list[str], out) -> int:
     ap.add_argument("--dry-run", action="store_true")
     _retry_args(ap)
     a = ap.parse_args(argv)
+    check_repo(a.repo)
+    if not (a.index / "index.json").is_file():
+        raise InputError(f"--index {a.index}: no index.json there; build the index first (nox -s index)")
     token = token_from_env(required=not a.dry_run)
     opts = PagesOptions(repo=a.repo, index=a.index, branch=a.branch, prefix=a.prefix, base_url=a.base_url,
                         message=a.message or f"index: {a.tag or 'update'}", remove=tuple(a.remove), api_url=a.api_url,
@@ -120,11 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     for h in logging.getLogger().handlers:
         h.addFilter(redact)
 
-    def out(msg: str) -> None:
-        print(redact(msg), flush=True)
+    def write(msg: str) -> None:
+        sys.stdout.write(redact(msg) + "\n")  # one write per event: lines of two threads never mix
+        sys.stdout.flush()
 
+    out = LineLog(write)
     try:
         return {"github": _github, "pages": _pages, "pypi": _pypi}[cmd](argv, out)
+    except InputError as e:
+        print(redact(f"publish {cmd}: {e}"), file=sys.stderr, flush=True)
+        return 2
     except PublishError as e:
         print(redact(f"publish {cmd}: {e}"), file=sys.stderr, flush=True)
         return 1

@@ -9,6 +9,7 @@ import http.client
 import logging
 import os
 import random
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -21,6 +22,35 @@ TOKEN_VARS = ("GITHUB_TOKEN", "GH_TOKEN")
 
 class PublishError(RuntimeError):
     """Publishing cannot go on; the message says why and what to do (never a secret)."""
+
+
+class InputError(PublishError):
+    """What was asked is refused before anything is sent (a bad tag, repository, wheel or
+    flag): the command line must change. Exit status 2."""
+
+
+REPO_RE = re.compile(r"^(?P<owner>[A-Za-z0-9](?:[A-Za-z0-9-]{0,38}))/(?P<name>[A-Za-z0-9._-]{1,100})$")
+
+
+def check_repo(repo: str) -> str:
+    """``OWNER/NAME`` as GitHub spells repositories, or InputError."""
+    m = REPO_RE.match(repo or "")
+    if m is None or m["name"] in (".", ".."):
+        raise InputError(f"--repo {repo!r}: not a GitHub repository; expected OWNER/NAME (e.g. octo/sageattn3)")
+    return repo
+
+
+class LineLog:
+    """A log function safe to call from several threads: each message is written whole, as
+    its own line(s), never interleaved with another thread's."""
+
+    def __init__(self, write: Callable[[str], None]) -> None:
+        self._write = write
+        self._lock = threading.Lock()
+
+    def __call__(self, msg: str) -> None:
+        with self._lock:
+            self._write(msg)
 
 
 class Redactor:
@@ -154,7 +184,7 @@ def retrying(fn: Callable[[], T], what: str, policy: RetryPolicy, *, log: Callab
             if wait > policy.max_wait:
                 raise PublishError(f"{what}: the server asks to wait {wait:.0f}s (more than {policy.max_wait:.0f}s); "
                                    "re-run later: the publish resumes where it stopped") from None
-            log(f"  retry {attempt + 1}/{policy.attempts - 1} of {what} in {wait:.1f}s ({t})")
+            log(f"  {what}: retry {attempt + 1}/{policy.attempts - 1} in {wait:.1f}s ({t})")
             sleep(wait)
             if before_retry is not None:
                 done = before_retry()

@@ -9,9 +9,14 @@ The rules:
 - The release is found by listing releases (drafts are invisible to "get by tag"), or created
   as a **draft**. It is published (``draft: false``) only once every asset is present and
   verified; a release found already published just gets what it lacks.
+- Before any request: the repository must be ``OWNER/NAME``, the tag ``v`` + the version of
+  every wheel (``v0.1.0`` for ``0.1.0+cu130...``), and every wheel must agree with its
+  beside-record (``ci.record.check_wheel``: file name, METADATA, WHEEL tags, the record inside
+  the wheel). Anything else is an ``InputError`` and nothing is sent.
 - An asset present with the right sha256 is skipped; present with other content is an error
-  (nothing is uploaded) unless ``replace``; an upload left half-done (``state != uploaded``) is
-  deleted and redone. Names are unique on a release (GitHub answers 422), so there are never
+  (nothing is uploaded) unless ``replace``; on a release already published, ``replace`` is
+  refused too unless ``replace_published`` says so, and each replaced asset is logged. An upload
+  left half-done (``state != uploaded``) is deleted and redone. Names are unique on a release (GitHub answers 422), so there are never
   duplicates; an upload whose answer was lost is reconciled by looking, not by re-sending.
 - **How an asset's sha256 is known** (the skip/verify rule): the asset's ``digest``
   (``sha256:…``, returned by current API versions); without it, a size equal to the local
@@ -40,8 +45,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ci.publish._net import PublishError, RetryPolicy, Throttle, classify, retrying
-from ci.record import load_records, record_path, sha256_of
+from packaging.version import InvalidVersion, Version
+
+from ci.publish._net import (InputError, LineLog, PublishError, RetryPolicy, Throttle, check_repo, classify, retrying,
+                             token_from_env)
+from ci.record import BuildRecord, RecordError, load_records, record_path, sha256_of
 
 SUMS = "SHA256SUMS"
 MAX_ASSET_BYTES = 2 * 1024**3  # GitHub: each asset < 2 GiB
@@ -77,6 +85,7 @@ class ReleaseOptions:
     api_url: str = DEFAULT_API
     dry_run: bool = False
     replace: bool = False
+    replace_published: bool = False  # with replace: also overwrite assets of a published release
     prune: bool = False
     concurrency: int = 4
     name: str | None = None
@@ -111,14 +120,30 @@ class Summary:
                 + f"; {state}" + (f": {self.release_url}" if self.release_url else ""))
 
 
-def local_assets(wheels_dir: Path) -> list[LocalAsset]:
-    """Every wheel with its build record (checked against the file by load_records)."""
-    wheels_dir = Path(wheels_dir)
-    if not wheels_dir.is_dir():
-        raise PublishError(f"{wheels_dir}: no such directory; build wheels first (nox -s build-wheels)")
-    records = load_records(wheels_dir)
-    if not records:
-        raise PublishError(f"{wheels_dir}: no wheels to publish; build them first (nox -s build-wheels)")
+def check_tag(tag: str, records: list[BuildRecord]) -> None:
+    """The release tag must be ``v`` + the (public, PEP 440 normalised) version that every
+    wheel carries: ``v0.1.0`` for ``0.1.0+cu130.torch2.10.stable``."""
+    versions: dict[str, str] = {}  # public version -> one wheel that has it
+    for rec in records:
+        versions.setdefault(Version(rec.version).public, rec.wheel)
+    if len(versions) > 1:
+        (a, wa), (b, wb) = sorted(versions.items())[:2]
+        raise InputError(f"{wb}: version: {b}, but {wa} is {a}; one release holds one version: "
+                         "publish each version from its own wheels directory")
+    (version, wheel), = versions.items()
+    want = f"v{version}"
+    if tag == want:
+        return
+    try:
+        said = Version(tag[1:]) if tag.startswith("v") else None
+    except InvalidVersion:
+        said = None
+    why = ("is empty" if not tag else "is not v + a version" if said is None else
+           f"is not the wheels' version {version}")
+    raise InputError(f"--tag {tag!r} {why} ({wheel}: version {version}); use --tag {want}")
+
+
+def assets_of(wheels_dir: Path, records: list[BuildRecord]) -> list[LocalAsset]:
     out: list[LocalAsset] = []
     for rec in records:
         w = wheels_dir / rec.wheel
@@ -156,6 +181,10 @@ class _Client:
         self.opts = opts
         self._token = token
         self._tls = threading.local()
+
+    @property
+    def has_token(self) -> bool:
+        return bool(self._token)
 
     def gh(self):
         g = getattr(self._tls, "gh", None)
@@ -197,7 +226,7 @@ class _Client:
 class ReleasePublisher:
     def __init__(self, opts: ReleaseOptions, token: str | None, log: Callable[[str], None] = print) -> None:
         self.opts = opts
-        self.log = log
+        self.log = LineLog(log)  # upload threads log too: one whole line per event
         self.client = _Client(opts, token)
         self.throttle = Throttle(opts.write_interval)
         self.summary = Summary(opts.tag)
@@ -213,7 +242,7 @@ class ReleasePublisher:
         duplicate drafts (a create whose answer was lost, then retried) are deleted."""
         def scan() -> list[dict]:
             return [_raw(r) for r in self.client.repo().get_releases() if r.tag_name == self.opts.tag]
-        rels = self._call(scan, f"list releases of {self.opts.repo}")
+        rels = self._call(scan, f"{self.opts.repo}: list releases")
         published = [r for r in rels if not r["draft"]]
         if published:
             return published[0]
@@ -229,21 +258,21 @@ class ReleasePublisher:
             if not self.opts.dry_run:
                 self.throttle()
                 rel = self.client.release(r)
-                self._call(rel.delete_release, f"delete duplicate empty draft {r['id']}")
+                self._call(rel.delete_release, f"release {self.opts.tag}: delete duplicate empty draft {r['id']}")
                 self.log(f"  deleted a duplicate empty draft release (id {r['id']})")
         return keep
 
-    def list_assets(self, release: dict) -> dict[str, dict]:
+    def list_assets(self, release: dict, what: str | None = None) -> dict[str, dict]:
         def scan() -> dict[str, dict]:
             return {_raw(a)["name"]: _raw(a) for a in self.client.release(release).get_assets()}
-        return self._call(scan, f"list assets of {self.opts.tag}")
+        return self._call(scan, what or f"release {self.opts.tag}: list assets")
 
     def remote_sums(self, assets: dict[str, dict]) -> dict[str, str]:
         if self._sums_cache is None:
             a = assets.get(SUMS)
             self._sums_cache, self._sums_bytes = {}, None
             if a is not None and a.get("state") == "uploaded":
-                self._sums_bytes = self._call(lambda: self.client.download(a), f"download {SUMS}")
+                self._sums_bytes = self._call(lambda: self.client.download(a), f"{SUMS}: download")
                 self._sums_cache = parse_sums(self._sums_bytes)
         return self._sums_cache
 
@@ -271,7 +300,7 @@ class ReleasePublisher:
             return listed, f"size and {SUMS}"
         import hashlib
 
-        data = self._call(lambda: self.client.download(a), f"download {a['name']}")
+        data = self._call(lambda: self.client.download(a), f"{a['name']}: download")
         return hashlib.sha256(data).hexdigest(), "downloaded and hashed"
 
     # -- planning --------------------------------------------------------------------------
@@ -279,6 +308,7 @@ class ReleasePublisher:
         """Classify every local asset; raise before any write on conflicts or limits."""
         uploads: list[tuple[LocalAsset, dict | None, str]] = []  # (asset, remote to delete first, action)
         conflicts = []
+        replacing: list[tuple[LocalAsset, str]] = []  # (asset, the remote's sha256 or how it differs)
         for la in local:
             bad = [] if NAME_OK.match(la.name) else [la.name]
             if bad:
@@ -296,8 +326,9 @@ class ReleasePublisher:
             elif sha == la.sha256:
                 self.summary.skipped.append(la.name)
                 self.summary.plan.append(f"skip     {la.name} (same sha256: {how})")
-            elif self.opts.replace:
+            elif self.opts.replace or self.opts.replace_published:
                 uploads.append((la, ra, "replace"))
+                replacing.append((la, sha))
             else:
                 conflicts.append(f"{la.name} ({how})")
         if conflicts:
@@ -307,6 +338,18 @@ class ReleasePublisher:
                 + ". Nothing was uploaded. A published wheel should not change: bump the version; "
                 "or pass --replace to overwrite them"
             )
+        published = release is not None and not release["draft"]
+        if replacing and published and not self.opts.replace_published:
+            names = [la.name for la, _ in replacing]
+            raise InputError(
+                f"release {self.opts.tag} is published: --replace would overwrite {len(names)} asset(s) users may "
+                f"already have ({', '.join(names[:5])}{' …' if len(names) > 5 else ''}). Nothing was uploaded. "
+                "Publish a new version instead, or add --replace-published to overwrite them anyway"
+            )
+        for la, old in replacing:
+            self.summary.plan.append(f"replace  {la.name} on the {'published' if published else 'draft'} release "
+                                     f"(remote {old if old.startswith('size:') else 'sha256:' + old[:12]}, "
+                                     f"local sha256:{la.sha256[:12]})")
         local_names = {la.name for la in local}
         extras = sorted(n for n in assets if n not in local_names and n != SUMS)
         final = len(local_names | {SUMS} | (set() if self.opts.prune else set(extras)))
@@ -317,7 +360,8 @@ class ReleasePublisher:
                 + ("" if self.opts.prune or not extras else f", or --prune the {len(extras)} assets not in this run")
             )
         for la, _, action in uploads:
-            self.summary.plan.append(f"{action:<8} {la.name} ({la.size} bytes)")
+            if action != "replace":
+                self.summary.plan.append(f"{action:<8} {la.name} ({la.size} bytes)")
         for n in extras:
             self.summary.plan.append(f"{'delete' if self.opts.prune else 'keep'}     {n} (on the release, not in {self.opts.wheels})")
         return uploads, extras
@@ -337,7 +381,7 @@ class ReleasePublisher:
             r = repo.create_git_release(self.opts.tag, self.opts.name or self.opts.tag, self.opts.notes,
                                         draft=True, prerelease=self.opts.prerelease, **kw)
             return _raw(r)
-        rel = self._call(create, f"create draft release {self.opts.tag}", before_retry=self.find_release)
+        rel = self._call(create, f"release {self.opts.tag}: create draft", before_retry=self.find_release)
         self.summary.created = True
         self.log(f"created draft release {self.opts.tag} (id {rel['id']})")
         return rel
@@ -354,15 +398,20 @@ class ReleasePublisher:
                 if e.status == 404:  # already gone (an earlier attempt's answer was lost)
                     return True
                 raise
-        self._call(go, f"delete asset {a['name']}")
+        self._call(go, f"{a['name']}: delete")
 
     def _find_asset(self, release: dict, name: str) -> dict | None:
-        return self.list_assets(release).get(name)
+        return self.list_assets(release, f"{name}: look for it on the release").get(name)
 
     def upload(self, release: dict, la: LocalAsset, old: dict | None) -> dict:
         from github import GithubException
 
         if old is not None:
+            if old.get("state") == "uploaded" and la.kind != "sums":
+                state = "draft" if release.get("draft") else "PUBLISHED"
+                self.log(f"  {la.name}: replacing the asset of the {state} release {self.opts.tag} "
+                         f"({old.get('size')} bytes{', ' + old['digest'] if old.get('digest') else ''} -> "
+                         f"{la.size} bytes, sha256:{la.sha256})")
             self._delete_asset(old)
 
         def attempt() -> dict:
@@ -385,7 +434,7 @@ class ReleasePublisher:
             return cur
 
         try:
-            got = self._call(attempt, f"upload {la.name}", before_retry=reconcile)
+            got = self._call(attempt, f"{la.name}: upload", before_retry=reconcile)
         except GithubException as e:
             if e.status != 422:
                 raise
@@ -419,10 +468,10 @@ class ReleasePublisher:
                 t = classify(e)
                 reason = str(e) if isinstance(e, PublishError) else f"{type(e).__name__}: {t or e}"
                 self.summary.failed.append((la.name, reason))
-                self.log(f"  FAILED {la.name}: {reason}")
+                self.log(f"  {la.name}: FAILED: {reason}")
                 continue
             (self.summary.replaced if action == "replace" else self.summary.uploaded).append(la.name)
-            self.log(f"  {'replaced' if action == 'replace' else 'uploaded'} {la.name}")
+            self.log(f"  {la.name}: {'replaced' if action == 'replace' else 'uploaded'}")
 
     def _sums_asset(self, local: list[LocalAsset], assets: dict[str, dict], extras: list[str]) -> LocalAsset:
         shas = {la.name: la.sha256 for la in local}
@@ -433,9 +482,24 @@ class ReleasePublisher:
                     shas[n] = sha
         return LocalAsset.from_bytes(SUMS, sums_text(shas), "sums")
 
+    def validate(self) -> list[LocalAsset]:
+        """Everything that can be refused without asking GitHub: repository, tag, wheels."""
+        o = self.opts
+        check_repo(o.repo)
+        try:
+            records = load_records(Path(o.wheels))
+        except RecordError as e:
+            raise InputError(str(e)) from None
+        check_tag(o.tag, records)
+        if o.concurrency < 1:
+            raise InputError(f"--concurrency {o.concurrency}: must be at least 1")
+        return assets_of(Path(o.wheels), records)
+
     def run(self) -> Summary:
         o = self.opts
-        local = local_assets(o.wheels)
+        local = self.validate()
+        if not o.dry_run and not self.client.has_token:
+            token_from_env(required=True)  # raises: says which variables to set
         if o.dry_run:
             release = self.find_release()
             assets = self.list_assets(release) if release else {}
@@ -470,7 +534,7 @@ class ReleasePublisher:
         if not self.sums_current(sums, assets):
             self.upload(release, sums, cur)
             (self.summary.replaced if cur is not None else self.summary.uploaded).append(SUMS)
-            self.log(f"  {'rewrote' if cur is not None else 'uploaded'} {SUMS}")
+            self.log(f"  {SUMS}: {'rewritten' if cur is not None else 'uploaded'}")
         else:
             self.summary.skipped.append(SUMS)
 
@@ -505,7 +569,7 @@ class ReleasePublisher:
         def landed() -> dict | None:
             cur = self.find_release()
             return cur if cur is not None and not cur["draft"] else None
-        rel = self._call(go, f"publish release {self.opts.tag}", before_retry=landed)
+        rel = self._call(go, f"release {self.opts.tag}: publish", before_retry=landed)
         self.summary.published = True
         self.summary.release_url = rel.get("html_url", self.summary.release_url)
 

@@ -22,7 +22,10 @@ another sha256 is an error (an index never changes a published file), the rest g
 
 Credentials are twine's own environment variables (``TWINE_USERNAME``, ``TWINE_PASSWORD``;
 ``__token__`` + an API token for PyPI); nothing is passed on a command line, and twine's
-output is redacted before it is printed.
+output is redacted before it is printed. A server that needs no authentication (pypiserver
+``-a . -P .``, a devpi index open to all) needs no variables: without them twine is given
+placeholder credentials, which such a server ignores and any other refuses (the message says
+which variables to set). twine runs without colours or progress bars: its output goes to logs.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import urllib.parse
@@ -41,8 +45,8 @@ from typing import Callable
 from packaging.utils import parse_wheel_filename
 from packaging.version import Version
 
-from ci.publish._net import PublishError, Redactor
-from ci.record import BuildRecord, load_records
+from ci.publish._net import InputError, PublishError, Redactor
+from ci.record import BuildRecord, RecordError, load_records
 from ci.variant import Variant
 
 
@@ -83,9 +87,10 @@ def select_default(records: list[BuildRecord], variant: str) -> list[BuildRecord
     mine = [r for r in records if r.variant == variant]
     if not mine:
         have = sorted({r.variant for r in records})
-        raise PublishError(f"no wheel of the default variant {variant} in the wheels directory (have: {', '.join(have) or 'none'})")
-    newest = max(Version(r.version).public for r in mine)
-    return sorted((r for r in mine if Version(r.version).public == newest), key=lambda r: r.wheel)
+        raise InputError(f"no wheel of the default variant {variant} in the wheels directory (have: {', '.join(have) or 'none'}); "
+                         "pass --default-variant or --all-variants")
+    newest = max(Version(Version(r.version).public) for r in mine)  # as versions: 1.10 > 1.9
+    return sorted((r for r in mine if Version(Version(r.version).public) == newest), key=lambda r: r.wheel)
 
 
 def _b64(d: bytes) -> str:
@@ -161,7 +166,13 @@ def existing_files(simple_url: str, project: str, send_auth: bool) -> dict[str, 
     except HTTPError as e:
         if e.code == 404:
             return {}
-        raise PublishError(f"reading {url} to skip existing files: HTTP {e.code}") from None
+        raise PublishError(f"reading {url} to skip existing files: HTTP {e.code}"
+                           + ("; the server wants credentials: set TWINE_USERNAME and TWINE_PASSWORD" if e.code in (401, 403) else "")
+                           ) from None
+    except OSError as e:  # refused, unreachable, timed out
+        reason = getattr(e, "reason", None) or e
+        raise PublishError(f"reading {url} to skip existing files: {reason}; is --repository-url right "
+                           "(or pass --simple-url)?") from None
     out: dict[str, str | None] = {}
     for a in parse_anchors(page):
         parts = urllib.parse.urlsplit(a.get("href") or "")
@@ -170,20 +181,48 @@ def existing_files(simple_url: str, project: str, send_auth: bool) -> dict[str, 
     return out
 
 
-def _twine(files: list[Path], url: str, timeout: int) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "twine", "upload", "--non-interactive",
+ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
+def twine_env(repository_url: str, log: Callable[[str], None]) -> dict[str, str]:
+    """twine's environment: no colours, never a prompt, and placeholder credentials for a
+    server without authentication when none are set (twine refuses to run without)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "CLICOLOR_FORCE", "PY_COLORS")}
+    env.update(NO_COLOR="1", TERM="dumb", TWINE_NON_INTERACTIVE="1")
+    if not is_pypi(repository_url) and not env.get("TWINE_USERNAME") and not env.get("TWINE_PASSWORD"):
+        log("  no TWINE_USERNAME/TWINE_PASSWORD set: uploading without credentials (servers that need them refuse)")
+        env.update(TWINE_USERNAME="anonymous", TWINE_PASSWORD="none",
+                   PYTHON_KEYRING_BACKEND="keyring.backends.null.Keyring")
+    return env
+
+
+def _twine(files: list[Path], url: str, timeout: int, env: dict[str, str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "twine", "--no-color", "upload", "--non-interactive",
            "--disable-progress-bar", "--repository-url", url, *map(str, files)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise PublishError(f"twine upload to {url} did not finish in {timeout} s; re-run (files already "
+                           "on the server are skipped)") from None
 
 
 def upload_index(opts: UploadOptions, log: Callable[[str], None] = print) -> int:
     redact = Redactor.from_env()
-    records = load_records(opts.wheels)
-    if not records:
-        raise PublishError(f"{opts.wheels}: no wheels to upload")
+    parts = urllib.parse.urlsplit(opts.repository_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InputError(f"--repository-url {opts.repository_url!r}: not an http(s) URL "
+                         "(e.g. https://upload.pypi.org/legacy/ or http://127.0.0.1:8080/)")
+    try:
+        records = load_records(opts.wheels)
+    except RecordError as e:
+        raise InputError(str(e)) from None
     pypi = is_pypi(opts.repository_url) if opts.pypi is None else opts.pypi
     if pypi:
         variant = opts.default_variant or default_variant_from_matrix()
+        try:
+            Variant.parse(variant)
+        except ValueError as e:
+            raise InputError(f"--default-variant: {e}") from None
         chosen = select_default(records, variant)
         others = sorted({r.variant for r in records} - {variant})
         log(f"PyPI mode: PyPI refuses local version labels (+{variant}), so only the default variant {variant} is "
@@ -211,11 +250,14 @@ def upload_index(opts: UploadOptions, log: Callable[[str], None] = print) -> int
         log(f"uploaded 0, skipped {skipped} (already on the server)" + (" (dry run)" if opts.dry_run else ""))
         return 0
     files = todo
-    p = _twine(files, opts.repository_url, opts.timeout)
-    for line in (p.stdout + p.stderr).splitlines():
+    p = _twine(files, opts.repository_url, opts.timeout, twine_env(opts.repository_url, log))
+    output = ANSI.sub("", p.stdout + p.stderr)
+    for line in output.splitlines():
         if line.strip():
-            log(redact(f"  twine: {line}"))
+            log(redact(f"  twine: {line.rstrip()}"))
     if p.returncode != 0:
-        raise PublishError(f"twine upload to {redact(opts.repository_url)} failed (exit {p.returncode}); see its output above")
+        hint = ("; the server refused the credentials: set TWINE_USERNAME and TWINE_PASSWORD"
+                if re.search(r"\b(401|403)\b", output) else "; see its output above")
+        raise PublishError(f"twine upload to {redact(opts.repository_url)} failed (exit {p.returncode}){hint}")
     log(f"uploaded {len(files)}, skipped {skipped} (already on the server)")
     return 0

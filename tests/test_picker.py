@@ -1,0 +1,133 @@
+"""The index's picker page answers "which wheel?" in the browser: plain JS in index.html reads
+the page's own table and turns a pasted torch version into the pip command or the reason
+there is none. Its Python twin (``ci.index.pick``, reading index.json) must answer the same:
+node runs the page's script on the page's table, Python runs on the manifest, for the same
+inputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ci import index as ix
+from ci.record import load_records
+from conftest_publish import sage_wheel
+
+NODE = shutil.which("node")
+
+# A stand-in for the few DOM calls the script makes (querySelector/querySelectorAll on the
+# table and its rows, getAttribute), built from the page's HTML; then the script's pick() is
+# run on every input and the answers printed as JSON.
+HARNESS = r"""
+const fs = require("fs");
+const html = fs.readFileSync(process.argv[2], "utf8");
+const inputs = JSON.parse(fs.readFileSync(process.argv[3], "utf8"));
+const scripts = [...html.matchAll(/<script>([\s\S]*?)<\/script>/g)].map(m => m[1]);
+if (scripts.length !== 1) throw new Error("expected one script, found " + scripts.length);
+const unescape = s => s.replace(/&quot;/g, '"').replace(/&#x27;/g, "'").replace(/&lt;/g, "<")
+  .replace(/&gt;/g, ">").replace(/&amp;/g, "&");
+const attrsOf = tag => {
+  const a = {};
+  for (const m of tag.matchAll(/([\w-]+)="([^"]*)"/g)) a[m[1]] = unescape(m[2]);
+  return {getAttribute: n => (n in a ? a[n] : null), has: n => n in a};
+};
+const tables = [...html.matchAll(/<table\b([^>]*)>([\s\S]*?)<\/table>/g)];
+const fakeDoc = {
+  querySelector(sel) {
+    if (sel !== "table[data-project]") throw new Error("unexpected selector " + sel);
+    const t = tables.find(m => attrsOf(m[1]).has("data-project"));
+    const el = attrsOf(t[1]);
+    el.querySelectorAll = s => {
+      if (s !== "tr[data-page]") throw new Error("unexpected selector " + s);
+      return [...t[2].matchAll(/<tr\b([^>]*)>/g)].map(m => attrsOf(m[1])).filter(r => r.has("data-page"));
+    };
+    return el;
+  },
+};
+const mod = {exports: {}};
+new Function("module", "document", scripts[0])(mod, undefined);
+const data = mod.exports.readTable(fakeDoc);
+console.log(JSON.stringify({rows: data.rows, answers: inputs.map(t => mod.exports.pick(data.rows, data.project, t))}));
+"""
+
+INPUTS = [
+    "2.14.1+cu130", "2.14.1+cu130 13.0", "  2.14.1+cu130\t13.0 ", "2.14.1,13.0", "2.14.1 13.0", "2.14.1",
+    "2.14.1+cu132", "2.14.1+cu132 13.2", "2.14.1 12.8", "2.14.1+cu130 None", "2.13.0+cpu", "2.13.0+cpu None",
+    "2.9.0+cu128", "2.9.0+cu130", "2.8.0+cu128", "2.8.0+cu129", "2.8.0+cu126", "2.10.0.dev20250101+cu128",
+    "2.10.0a0+git1234", "2.10.0a0+git1234 12.8", "2.11.0+CU128", "2.15.0+cu130", "3.0.0+cu130", "2.9.0+rocm6.2",
+    "", "   ", "abc", "2.14", "2", "v2.14.1", "2.14.1+cu130 13.0 extra", "2.14.1+cu130 thirteen", "2.14.1+cu130 13",
+    "2.12.0+cu132", "2.12.0+cu126", "02.014.1+cu130", "2.14.1+cu1300",
+]
+
+
+@pytest.fixture(scope="module")
+def index_dirs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("picker")
+    wd = tmp / "w"
+    sage_wheel(wd, "cu130.torch2.10.stable")
+    sage_wheel(wd, "cu132.torch2.10.stable", torch_lines=("2.12", "2.13", "2.14"))
+    sage_wheel(wd, "cu128.torch2.10.stable", torch_lines=("2.10", "2.11"))
+    sage_wheel(wd, "cu128.torch2.8")
+    sage_wheel(wd, "cu129.torch2.8")
+    out = {}
+    for name, base in (("absolute", "https://octo.github.io/sageattn3/"), ("relative", None)):
+        out[name] = tmp / name
+        ix.write_index(load_records(wd), wd, out[name], base_url=base)
+    return out
+
+
+def _python_answers(index_dir: Path) -> tuple[list[dict], list[dict]]:
+    manifest = json.loads((index_dir / "index.json").read_text())
+    rows = ix.picker_rows(manifest)
+    return rows, [ix.pick(rows, manifest["project"], t) for t in INPUTS]
+
+
+@pytest.mark.skipif(NODE is None, reason="node is not installed")
+@pytest.mark.parametrize("which", ["absolute", "relative"])
+def test_the_page_script_and_python_give_the_same_answers(index_dirs, tmp_path, which):
+    index_dir = index_dirs[which]
+    harness, inputs = tmp_path / "harness.cjs", tmp_path / "inputs.json"
+    harness.write_text(HARNESS)
+    inputs.write_text(json.dumps(INPUTS))
+    p = subprocess.run([NODE, str(harness), str(index_dir / "index.html"), str(inputs)], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    js = json.loads(p.stdout)
+    rows, answers = _python_answers(index_dir)
+    assert js["rows"] == rows  # the page's table is the manifest's pages
+    for text, a, b in zip(INPUTS, js["answers"], answers):
+        assert a == b, text
+    kinds = {a["kind"] for a in answers}
+    assert kinds == {"ok", "cpu", "rocm", "no-cuda", "unknown-line", "no-variant", "unparsed", "empty"}
+
+
+def test_answers(index_dirs):
+    rows, answers = _python_answers(index_dirs["absolute"])
+    got = dict(zip(INPUTS, answers))
+    base = "https://octo.github.io/sageattn3/"
+    assert got["2.14.1+cu130"]["command"] == f"pip install sageattn3 --no-deps --index-url {base}cu130/torch2.14/"
+    assert got["2.14.1 13.0"]["page"] == got["2.14.1,13.0"]["page"] == "cu130/torch2.14"
+    assert got["2.14.1+cu132"]["page"] == "cu132/torch2.14"          # compiled with the same CUDA preferred
+    assert got["2.12.0+cu132"]["page"] == "cu132/torch2.12"
+    assert got["2.8.0+cu129"]["page"] == "cu129/torch2.8"
+    assert got["2.8.0+cu126"]["page"] == "cu128/torch2.8"            # no 12.6 build: the newest 12.x one
+    assert got["2.10.0.dev20250101+cu128"]["page"] == "cu128/torch2.10"
+    assert got["2.10.0a0+git1234 12.8"]["page"] == "cu128/torch2.10"
+    assert got["2.11.0+CU128"]["page"] == "cu128/torch2.11"
+    assert got["2.14.1+cu130"]["links"] == f"{base}links/cu130-torch2.14.html"
+    assert got["2.13.0+cpu"]["kind"] == got["2.14.1+cu130 None"]["kind"] == "cpu"
+    assert "CPU-only build" in got["2.13.0+cpu"]["reason"]
+    assert got["2.14.1"]["kind"] == "no-cuda" and "torch.version.cuda" in got["2.14.1"]["reason"]
+    assert got["2.15.0+cu130"]["kind"] == "unknown-line"
+    assert got["2.15.0+cu130"]["reason"].endswith("it serves torch 2.8, 2.10, 2.11, 2.12, 2.13, 2.14")
+    assert got["2.9.0+cu128"]["kind"] == "unknown-line"              # no wheel serves torch 2.9 here
+    assert got["2.12.0+cu126"]["kind"] == "no-variant" and "served for CUDA 13.0, 13.2" in got["2.12.0+cu126"]["reason"]
+    assert got["2.9.0+rocm6.2"]["kind"] == "rocm"
+    for bad in ("abc", "2", "v2.14.1", "2.14.1+cu130 13.0 extra", "2.14.1+cu130 thirteen", "2.14.1+cu130 13"):
+        assert got[bad]["kind"] == "unparsed", bad
+    page = (index_dirs["absolute"] / "index.html").read_text()
+    assert 'id="torch-version"' in page and 'id="pick-answer"' in page and "<script src" not in page
