@@ -622,6 +622,14 @@ def publish_steps(wheels: Path, index_dir: Path, api_url: str, repo: str, tag: s
     return lines
 
 
+def compile_gate_problem(matrix: Matrix, log=print) -> str | None:
+    """Why the matrix cannot be released: a torch line whose torch-facing unit does not compile
+    against that torch's real headers (ci.compile_gate); None when every line compiles."""
+    from ci import compile_gate
+
+    return compile_gate.failures_message(matrix, compile_gate.run_gate(matrix, log=log))
+
+
 def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, repo: str = "sageattn3/sageattn3",
             tag: str | None = None, only: list[str] | None = None, plan_only: bool = False,
             log=print) -> DryRun:
@@ -638,6 +646,9 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
     dist.mkdir(parents=True, exist_ok=True)
     with pytorch_index_standin() as index_url:
         dr.jobs = rehearse_plan(matrix, index_url, log=log)
+        gate_problem = compile_gate_problem(matrix, log=log)
+        if gate_problem:
+            raise ReleaseError(f"the plan has problems: {gate_problem}")
         bad = [r for r in dr.jobs if r.problems]
         runnable = [r.id for r in dr.jobs if r.runs_here]
         log(f"[plan] {len(dr.jobs)} jobs resolved and checked; {len(runnable)} can run here: {', '.join(runnable) or 'none'}")
@@ -785,6 +796,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--matrix", default="-", help="JSON, @file or - (stdin; default)")
     p.add_argument("--targets", default="", help="comma-separated target ids to build (default: all)")
     p.add_argument("--github-output", type=Path, default=os.environ.get("GITHUB_OUTPUT"))
+    p.add_argument("--no-compile-gate", action="store_true",
+                   help="skip compiling each torch line's unit against its torch headers (ci.compile_gate)")
     r = sub.add_parser("report", help="which planned targets built (markdown; exit 1 when any failed)")
     r.add_argument("--plan", required=True, help="the plan JSON, @file or -")
     r.add_argument("--artifacts", type=Path, required=True)
@@ -810,6 +823,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.cmd == "plan":
             out = plan(_read_json_arg(a.matrix), only=[t for t in a.targets.split(",") if t.strip()])
+            gate_problem = None if a.no_compile_gate else compile_gate_problem(Matrix.load(), log=lambda m: print(m, file=sys.stderr))
+            if gate_problem:
+                raise ReleaseError(f"refusing the matrix: {gate_problem}")
             text = json.dumps(out, separators=(",", ":"))
             if a.github_output:
                 with open(a.github_output, "a", encoding="utf-8") as f:

@@ -143,3 +143,23 @@ def test_classic_unit_never_includes_the_c2872_header(version):
     deps = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert "torch/library.h" in deps and "c10/cuda/CUDAStream.h" in deps
     assert "compiled_autograd.h" not in deps
+
+
+def test_release_plan_refuses_a_matrix_whose_unit_does_not_compile(tmp_path):
+    """The release workflow's plan step (`nox -s release -- plan`) runs the gate: a targets file
+    whose floor makes torch 2.8's wheels use the stable unit is refused, naming the line."""
+    import json
+    import os
+
+    toml = (PAYLOAD.parent / "ci" / "targets.toml").read_text()
+    f = tmp_path / "targets.toml"
+    f.write_text(toml.replace('stable_abi_floor = "2.10"', 'stable_abi_floor = "2.8"'))
+    env = {**os.environ, "SAGEATTN3_TARGETS_FILE": str(f)}
+    m = subprocess.run([sys.executable, "-m", "ci", "matrix", "--compact"], cwd=PAYLOAD.parent, env=env,
+                       capture_output=True, text=True, check=True).stdout
+    (tmp_path / "m.json").write_text(m)
+    assert json.loads(m)["include"]
+    proc = subprocess.run([sys.executable, "-m", "ci.release", "plan", "--matrix", f"@{tmp_path / 'm.json'}",
+                           "--targets", ""], cwd=PAYLOAD.parent, env=env, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "refusing the matrix: torch 2.8 (stable.cpp" in proc.stderr, proc.stderr[-2000:]
