@@ -210,9 +210,10 @@ def answer(spec: TorchSpec, record: dict | None, *, reinstall: bool | None = Non
             why += f"; the installed wheel ({variant}) loads into this torch, so nothing needs installing"
         return picker(why)
     # Same CUDA as torch first, then the newest CUDA not newer than torch's (a newer CUDA minor
-    # may need a newer runtime than the torch ships), then the rest.
+    # may need a newer runtime than the torch ships), then the oldest of the newer ones.
     want = (major, minor)
-    fits.sort(key=lambda cp: (cp[0] == want, cp[0] <= want, cp[0]), reverse=True)
+    fits.sort(key=lambda cp: (cp[0] == want, cp[0] <= want, cp[0] if cp[0] <= want else (-cp[0][0], -cp[0][1])),
+              reverse=True)
     cu, page = fits[0]
     url = f"{root}{page}/"
     why = f"torch {spec.line_str} with CUDA {spec.cuda} ({spec.cuda_source})"

@@ -1,0 +1,215 @@
+"""torch.compile on CPU: sageattn3_blackwell traces into one graph (0 graph breaks,
+fullgraph=True) on the SDPA path and on the FP4 path (the custom op sageattn3::attention; the
+FP4 kernel replaced by the reference, as in test_dispatch), compiled == eager; every op of the
+C++ op table has a fake, and an op the table gains without one is reported."""
+
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import sageattn3
+from sageattn3 import _kernels, _selfcheck, api
+from sageattn3 import reference as ref
+
+from payload_data import qkv
+
+ROOT = Path(__file__).resolve().parents[2]
+OPS_H = ROOT / "sageattn3" / "csrc" / "torch" / "ops.h"
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    monkeypatch.delenv(_kernels.FORCE_FP4_ENV, raising=False)
+    monkeypatch.delenv(_selfcheck.SKIP_ENV, raising=False)
+    torch._dynamo.reset()
+    api._warned.clear()
+    _selfcheck.reset()
+    yield
+    torch._dynamo.reset()
+    api._warned.clear()
+    _selfcheck.reset()
+
+
+def explain(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch._dynamo.explain(fn)(*args, **kwargs)
+
+
+@pytest.mark.parametrize("shape,causal", [((2, 4, 2, 37, 37, 64), True), ((1, 2, 2, 130, 70, 128), False)])
+def test_sdpa_path_compiles_without_breaks(shape, causal):
+    q, k, v = qkv(*shape)
+    e = explain(sageattn3.sageattn3_blackwell, q, k, v, is_causal=causal)
+    assert e.graph_break_count == 0, e.break_reasons
+    assert e.graph_count == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = torch.compile(sageattn3.sageattn3_blackwell, fullgraph=True)
+        out = compiled(q, k, v, is_causal=causal)
+        want = sageattn3.sageattn3_blackwell(q, k, v, is_causal=causal)
+    assert torch.equal(out, want)
+
+
+def test_compiled_sdpa_path_warns_once_at_compile_time():
+    q, k, v = qkv(1, 2, 1, 16, 16, 64)
+    compiled = torch.compile(sageattn3.sageattn3_blackwell, fullgraph=True)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        compiled(q, k, v)
+        compiled(q, k, v)
+    msgs = [str(x.message) for x in w if "sageattn3" in str(x.message)]
+    assert msgs == ["sageattn3: falling back to torch scaled_dot_product_attention (CPU tensors)"]
+
+
+def test_empty_and_invalid_inputs_under_compile():
+    q, k, v = qkv(1, 2, 2, 0, 5, 64)
+    out = torch.compile(sageattn3.sageattn3_blackwell, fullgraph=True)(q, k, v)
+    assert out.shape == q.shape
+    q, k, v = qkv(1, 3, 2, 8, 8, 64)
+    with pytest.raises(Exception, match="multiple of k/v heads"):
+        torch.compile(sageattn3.sageattn3_blackwell, fullgraph=True)(q, k, v)
+
+
+class RefKernel:
+    """The FP4 path's stand-in on CPU: the reference algorithm."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, q, k, v, is_causal, per_block_mean, sm_scale=None):
+        self.calls += 1
+        return ref.sageattn3(q, k, v, is_causal=is_causal, per_block_mean=per_block_mean).to(q.dtype)
+
+
+def fp4_on_cpu(monkeypatch):
+    """CPU tensors take the FP4 path (as on an sm_120 GPU) with the reference as its kernel."""
+    kern = RefKernel()
+
+    def path(device, head_dim=None):
+        failed = _selfcheck.failure(device)
+        if failed is not None:
+            return f"sdpa: {_selfcheck.fallback_reason(failed)}"
+        return "fp4-sm120"
+
+    monkeypatch.setattr(api, "_attention_path", path)
+    monkeypatch.setattr(api, "_fp4_attention", kern)
+    return kern
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp4_path_compiles_to_one_custom_op(monkeypatch, causal):
+    kern = fp4_on_cpu(monkeypatch)
+    q, k, v = qkv(2, 4, 2, 77, 77, 64)
+    e = explain(sageattn3.sageattn3_blackwell, q, k, v, is_causal=causal)
+    assert e.graph_break_count == 0, e.break_reasons
+    code = e.graphs[0].code
+    assert "sageattn3.attention" in code and "scaled_dot_product_attention" not in code
+    torch._dynamo.reset()
+    _selfcheck.reset()
+    compiled = torch.compile(sageattn3.sageattn3_blackwell, fullgraph=True)
+    out = compiled(q, k, v, is_causal=causal)
+    # the self-check (its 2 calls) and the call itself ran inside the op, at run time
+    assert _selfcheck.run_count == 1 and kern.calls == 3 + 3
+    eager = sageattn3.sageattn3_blackwell(q, k, v, is_causal=causal)
+    assert torch.equal(out, eager)
+    assert torch.equal(out, ref.sageattn3(q, k, v, is_causal=causal).to(q.dtype))
+    assert out.is_contiguous() and out.shape == q.shape and out.dtype == q.dtype
+
+
+def test_unsupported_head_dim_stays_sdpa_under_compile(monkeypatch):
+    kern = fp4_on_cpu(monkeypatch)
+    q, k, v = qkv(1, 2, 2, 20, 20, 96)
+    e = explain(sageattn3.sageattn3_blackwell, q, k, v)
+    assert e.graph_break_count == 0
+    assert "scaled_dot_product_attention" in e.graphs[0].code and "sageattn3.attention" not in e.graphs[0].code
+    assert kern.calls == 0  # neither the kernel nor the self-check ran
+
+
+def test_failed_self_check_falls_back_inside_the_compiled_op(monkeypatch):
+    kern = fp4_on_cpu(monkeypatch)
+    monkeypatch.setattr(api, "_fp4_attention", lambda q, k, v, c, p, s=None: -kern(q, k, v, c, p, s))
+    q, k, v = qkv(1, 2, 1, 40, 40, 128)
+    compiled = torch.compile(sageattn3.sageattn3_blackwell, fullgraph=True)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = compiled(q, k, v, is_causal=True)
+    assert any("FP4 SELF-CHECK FAILED" in str(x.message) for x in w)
+    want = api._sdpa(q, k, v, True)
+    assert torch.equal(out, want)
+
+
+def test_the_constant_marker_is_dynamos():
+    """api marks _compile_path / _kernels_serve the way torch._dynamo.assume_constant_result
+    does, without importing torch._dynamo at import time: the decorator sets only that."""
+
+    def f():
+        return 1
+
+    torch._dynamo.assume_constant_result(f)
+    assert f.__dict__ == {"_dynamo_marked_constant": True}
+    assert api._compile_path._dynamo_marked_constant is True
+    assert api._kernels_serve._dynamo_marked_constant is True
+
+
+# ---------------------------------------------------------------------------------------------
+# Fakes for the C++ ops
+# ---------------------------------------------------------------------------------------------
+
+
+def cpp_op_table() -> dict[str, str]:
+    """name -> schema, from the SAGEATTN3_OPS table both torch-facing units register."""
+    text = OPS_H.read_text()
+    m = re.search(r"#define SAGEATTN3_OPS\(X\)(.*?)\n\s*\n", text, re.S)
+    assert m, f"no SAGEATTN3_OPS table in {OPS_H}"
+    body = m.group(1).replace("\\\n", " ")
+    table = {}
+    for name, literals in re.findall(r"X\(\s*(\w+)\s*,((?:\s*\"[^\"]*\")+)\s*\)", body):
+        table[name] = "".join(re.findall(r"\"([^\"]*)\"", literals))
+    return table
+
+
+def test_every_cpp_op_is_known_and_only_writes_outputs():
+    table = cpp_op_table()
+    assert len(table) >= 5
+    assert set(table) == set(_kernels.OUTPUT_WRITING_OPS), (
+        "the C++ op table and sageattn3._kernels.OUTPUT_WRITING_OPS differ: give a new op its fake there")
+    for name, schema in table.items():
+        assert schema.startswith(f"{name}(") and schema.endswith("-> ()"), schema
+        assert re.search(r"Tensor\(\w!\)", schema), f"{name} writes no output: a trivial fake is wrong for it"
+
+
+def test_fakes_cover_the_op_table_and_run_under_fake_tensors(tmp_path):
+    """In a fresh process: the C++ table's schemas defined as the compiled library does,
+    register_fakes() gives each a fake (an unknown op is reported), and every op runs on fake
+    tensors (what torch.compile traces with)."""
+    script = textwrap.dedent(f"""
+        import re, sys, torch
+        sys.path.insert(0, {str(ROOT / 'sageattn3')!r})
+        schemas = {cpp_op_table()!r}
+        lib = torch.library.Library("sageattn3", "FRAGMENT")
+        for s in schemas.values():
+            lib.define(s)
+        lib.define("brand_new(Tensor x, Tensor(a!) out) -> ()")
+        from sageattn3 import _kernels
+        missing = _kernels.register_fakes()
+        assert missing == ["brand_new"], missing
+        assert _kernels.register_fakes() == ["brand_new"]  # idempotent
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        with FakeTensorMode():
+            for name, s in schemas.items():
+                args = []
+                for typ in re.findall(r"(Tensor(?:\\(\\w!\\))?|bool|int|float) \\w+", s):
+                    args.append(torch.empty(4, 16) if typ.startswith("Tensor") else
+                                {{"bool": False, "int": 1, "float": 1.0}}[typ])
+                assert getattr(torch.ops.sageattn3, name)(*args) is None, name
+        print("ok", len(schemas))
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"ok {len(cpp_op_table())}" in res.stdout
