@@ -15,6 +15,11 @@
    set here for this section): the FP4 MMA is then a software model, so those times say nothing
    about sm_120 speed; they are printed, clearly labelled, to track the rest of the kernel.
    `--attention` runs this section alone.
+4. Host overhead: the CPU time of one call (Python validation + dispatch + the kernel launches,
+   measured from the call to its return with the GPU idle before it, so no launch waits) for
+   sageattn3_blackwell on the FP4 path (batch 1, 24 heads, 4096 tokens, D 128; the MMA-model
+   flavour on an H100) and for preprocess, with the parts of the FP4 call.
+   `--host` runs this section alone.
 Times are medians of CUDA-event-timed runs after warm-up."""
 
 import os
@@ -81,6 +86,8 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}  sageattn3 {sageattn3.__version__}  torch {torch.__version__}")
     if "--attention" in sys.argv[1:]:
         return bench_attention()
+    if "--host" in sys.argv[1:]:
+        return bench_host()
     bw = copy_bandwidth(1 << 30)
     print(f"device copy bandwidth (1 GiB, read+write): {bw / 1e9:.0f} GB/s")
 
@@ -144,7 +151,61 @@ def main() -> int:
     for name, fn in stages.items():
         print(f"    {name:38s} {time_ms(fn, warmup=2, iters=5):7.3f} ms  back-to-back {time_ms_batched(fn):7.3f} ms")
     del q, k, v, k3, q3, kp, ksc, ds, stages
+    bench_host()
     return bench_attention()
+
+
+def host_us(fn, iters=200):
+    """Median CPU time of one call in microseconds, the GPU idle before each (nothing queued, so
+    a launch never waits for room in the queue)."""
+    import time
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def bench_host() -> int:
+    import sageattn3
+    from sageattn3 import _kernels, api
+
+    print("\n4. host overhead per call (CPU time from the call to its return, GPU idle before it)")
+    cc = torch.cuda.get_device_capability()
+    if _kernels.mma_model_build() and cc not in _kernels.FP4_MMA_CCS:
+        os.environ[_kernels.FORCE_FP4_ENV] = "1"
+    b, h, s, d = 1, 24, 4096, 128
+    q, k, v = (torch.randn(b, h, s, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    path = sageattn3.backend()
+    rows = [("preprocess (per_block_mean=True)", lambda: sageattn3.preprocess(q, k, v))]
+    if path.startswith("fp4"):
+        rows.append(("sageattn3_blackwell, FP4 path", lambda: sageattn3.sageattn3_blackwell(q, k, v)))
+        if hasattr(api, "_preprocess_kernels"):
+            pre = api._preprocess_kernels(q, k, v, True, 128)
+            from sageattn3 import _attn
+
+            rows += [
+                ("  validation (_check_qkv)", lambda: api._check_qkv(q, k, v)),
+                ("  preprocessing kernels, launched", lambda: api._preprocess_kernels(q, k, v, True, 128)),
+                ("  attention kernel, launched", lambda: _attn.attention_from_preprocessed(
+                    pre, out_dtype=q.dtype, trusted=True)),
+                ("  one torch.empty (reference)", lambda: torch.empty((b, h, s, d // 2), dtype=torch.uint8,
+                                                                      device="cuda")),
+            ]
+    else:
+        print(f"  (FP4 path not taken here: {path})")
+    rows.append(("torch SDPA (reference)", lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)))
+    for name, fn in rows:
+        print(f"  {name:40s} {host_us(fn):8.1f} us")
+    del q, k, v
+    return 0
 
 
 def bench_attention() -> int:
