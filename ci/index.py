@@ -204,7 +204,7 @@ def _root_page(project: str, pages: list[Page], base_url: str | None) -> str:
             f'data-url="{_esc(url)}" data-links="{_esc(flat)}">'
             f"<td>{_esc(line)}</td><td>{int(cuda.split('.')[0])}.x (wheels compiled with {_esc(cu)})</td>"
             f"<td>{_esc(', '.join(variants))}</td>"
-            f"<td><code>pip install {_esc(name)} --no-deps --index-url <a href=\"{_esc(page.path)}/\">{_esc(url)}</a></code></td>"
+            f"<td><code>pip install --no-deps {_esc(name)} --index-url <a href=\"{_esc(page.path)}/\">{_esc(url)}</a></code></td>"
             f"<td><a href=\"links/{_esc(page.flat_name)}.html\">{_esc(flat)}</a></td></tr>"
         )
     body.append("</table>")
@@ -561,7 +561,7 @@ def pick(rows: list[dict[str, str]], project: str, text: str) -> dict[str, str]:
         return (r["cuda"] == cuda, older, tuple(x if older else -x for x in k))
     best = max(fits, key=rank)
     return {"kind": "ok", "page": best["page"], "url": best["url"], "links": best["links"],
-            "command": f"pip install {project} --no-deps --index-url {best['url']}",
+            "command": f"pip install --no-deps {project} --index-url {best['url']}",
             "reason": f"torch {line} built for CUDA {cuda}: wheels compiled with CUDA {best['cuda']}"}
 
 

@@ -70,7 +70,7 @@
     }
     var best = fits.reduce(function (a, b) { return cmpKey(rank(b), rank(a)) > 0 ? b : a; });
     return {kind: "ok", page: best.page, url: best.url, links: best.links,
-            command: "pip install " + project + " --no-deps --index-url " + best.url,
+            command: "pip install --no-deps " + project + " --index-url " + best.url,
             reason: "torch " + line + " built for CUDA " + cuda + ": wheels compiled with CUDA " + best.cuda};
   }
 
@@ -94,8 +94,8 @@
   function show() {
     var got = pick(data.rows, data.project, input.value);
     answer.textContent = got.kind === "ok"
-      ? got.command + "\n\n(" + got.reason + ")\nor, as a --find-links page:\npip install " + data.project +
-        " --no-deps --no-index --find-links " + got.links
+      ? got.command + "\n\n(" + got.reason + ")\nor, as a --find-links page:\npip install --no-deps " + data.project +
+        " --no-index --find-links " + got.links
       : got.reason;
   }
   input.addEventListener("input", show);

@@ -158,7 +158,7 @@ def test_pick_page(tmp_path, pasted, page):
     if page is None:
         assert got["kind"] != "ok" and got["reason"]
     else:
-        assert got["command"] == f"pip install sageattn3 --no-deps --index-url {page}/"
+        assert got["command"] == f"pip install --no-deps sageattn3 --index-url {page}/"
 
 
 def test_crawler_checks_every_link_over_http(tmp_path):
@@ -243,7 +243,7 @@ def test_pip_refuses_a_mismatched_page_without_touching_torch(tmp_path, served_i
     # and the picker names the right page (served: the absolute URL of it)
     manifest = json.loads(urllib.request.urlopen(url + "index.json", timeout=10).read())
     got = ix.pick(ix.picker_rows(manifest, url), "sageattn3", "2.8.0+cu128")
-    assert got["command"] == f"pip install sageattn3 --no-deps --index-url {url}cu128/torch2.8/"
+    assert got["command"] == f"pip install --no-deps sageattn3 --index-url {url}cu128/torch2.8/"
 
 
 def test_cli_build_check_and_which_points_at_the_user_side_command(tmp_path):

@@ -26,7 +26,7 @@ OTHER_TORCHES = ("2.99.0+cu130", "2.99.0+cpu", "2.99.0", "2.14.1+cpu", "2.13.0+c
 def readme_install_commands() -> list[list[str]]:
     text = (REPO / "README.md").read_text()
     section = text.split("## Installing (users)", 1)[1].split("\n## ", 1)[0]
-    cmds = [shlex.split(ln) for ln in section.splitlines() if ln.startswith("pip install sageattn3")]
+    cmds = [shlex.split(ln) for ln in section.splitlines() if ln.startswith("pip install ") and "sageattn3" in ln]
     assert len(cmds) >= 2, "README's Installing section shows the --index-url and --find-links commands"
     return cmds
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,7 +110,7 @@ def test_answers(index_dirs):
     rows, answers = _python_answers(index_dirs["absolute"])
     got = dict(zip(INPUTS, answers))
     base = "https://octo.github.io/sageattn3/"
-    assert got["2.14.1+cu130"]["command"] == f"pip install sageattn3 --no-deps --index-url {base}cu130/torch2.14/"
+    assert got["2.14.1+cu130"]["command"] == f"pip install --no-deps sageattn3 --index-url {base}cu130/torch2.14/"
     assert got["2.14.1 13.0"]["page"] == got["2.14.1,13.0"]["page"] == "cu130/torch2.14"
     assert got["2.14.1+cu132"]["page"] == "cu132/torch2.14"          # compiled with the same CUDA preferred
     assert got["2.12.0+cu132"]["page"] == "cu132/torch2.12"
@@ -131,3 +132,40 @@ def test_answers(index_dirs):
         assert got[bad]["kind"] == "unparsed", bad
     page = (index_dirs["absolute"] / "index.html").read_text()
     assert 'id="torch-version"' in page and 'id="pick-answer"' in page and "<script src" not in page
+
+
+def _user_side_which():
+    """sageattn3's own `python -m sageattn3 which` logic (standard library only), loaded from
+    the payload's source without importing the package (which needs torch)."""
+    import importlib.util
+
+    from conftest_publish import REPO
+
+    spec = importlib.util.spec_from_file_location("sageattn3_which", REPO / "sageattn3" / "sageattn3" / "_which.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_user_side_command_agrees_with_the_picker(index_dirs):
+    """`python -m sageattn3 which` reads the pages from the installed wheel's build record
+    (extra.index_pages): given this index's pages, it must name the same page and command."""
+    which = _user_side_which()
+    manifest = json.loads((index_dirs["absolute"] / "index.json").read_text())
+    rows = ix.picker_rows(manifest)
+    record = {"index_url": manifest["base_url"], "extra": {"index_pages": [r["page"] for r in rows]}}
+    compared = 0
+    for text in INPUTS:
+        mine = ix.pick(rows, "sageattn3", text)
+        tokens = text.replace(",", " ").split()
+        if mine["kind"] in ("unparsed", "empty", "no-cuda"):
+            continue  # input the command line takes differently (--torch/--cuda options)
+        spec = which.torch_spec(tokens[0], tokens[1] if len(tokens) == 2 and tokens[1] != "None" else None)
+        if len(tokens) == 2 and tokens[1] == "None":
+            continue  # the command line has no "None" CUDA: it asks the running torch
+        theirs = which.answer(spec, record, reinstall=False)
+        assert theirs.page == mine.get("page"), (text, theirs, mine)
+        assert theirs.command == mine.get("command"), (text, theirs, mine)
+        compared += 1
+    assert compared >= 20
