@@ -160,12 +160,23 @@ def build_test_wheel(target: Target, matrix: Matrix, dist: Path, log=print) -> P
     return repaired
 
 
+# Imports the wheel and lists the ops its extension registered with a CUDA kernel (those from
+# C++; the Python-side ones have no CUDA kernel of their own).
 PROOF_PROBE = (
     "import json, torch, sageattn3;"
-    "ops = sorted(n for n in dir(torch.ops.sageattn3) if not n.startswith('_'));"
+    "names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith('sageattn3::'));"
+    "ops = [n.split('::')[1] for n in names if torch._C._dispatch_has_kernel_for_dispatch_key(n, 'CUDA')];"
     "print(json.dumps({'record': sageattn3.build_info(), 'ops': ops,"
     " 'attn_schema': str(torch.ops.sageattn3.blockscaled_fp4_attn.default._schema)}))"
 )
+
+
+def expected_ops() -> list[str]:
+    """The ops every build registers from C++: the names in csrc/torch/ops.h's table."""
+    import re
+
+    text = (buildmod.PAYLOAD / "csrc" / "torch" / "ops.h").read_text()
+    return re.findall(r"^\s*X\((\w+),", text, re.M)
 
 
 @dataclass
@@ -209,6 +220,9 @@ def build_proof_wheel(target: Target, matrix: Matrix, dist: Path, *, foreign: li
         import json
 
         got = json.loads(res.stdout.strip().splitlines()[-1])
+        missing = sorted(set(expected_ops()) - set(got["ops"]))
+        if missing:
+            raise buildmod.BuildError(f"{wheel.name}: ops without a CUDA kernel after import: {missing}")
         if got["record"].get("target") != target.id:
             raise buildmod.BuildError(f"{wheel.name}: imported build record names {got['record'].get('target')}")
         log(f"[proof] {wheel.name}: imports into torch {result.env.torch_version} without a GPU; ops {', '.join(got['ops'])}")

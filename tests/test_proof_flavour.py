@@ -1,0 +1,47 @@
+"""The proof flavour's choices (the build itself runs with
+`nox -s build-wheels -- --proof-flavour --target ...`; its results are in ci/evidence.json)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ci import build as buildmod
+from ci import pipeline
+from ci.targets import Matrix
+
+MATRIX = Matrix.load()
+
+
+def test_proof_profile_is_the_classic_unit_with_static_cudart_and_cuda13_flags():
+    t = MATRIX.target("linux-x86_64-cu128-torch2.8")
+    prof, _ = buildmod.select_flags(t, MATRIX, proof=True)
+    assert prof["torch_unit"] == "csrc/torch/classic.cpp"
+    assert "cudart" not in prof["link_libs"] and "cudart_static" in prof["link_libs"]
+    assert "c10_cuda" in prof["link_libs"]
+    assert prof["archs"] == list(t.archs)
+    release, _ = buildmod.select_flags(t, MATRIX)
+    assert "cudart" in release["link_libs"] and "cudart_static" not in release["link_libs"]
+    assert release["torch_unit"] == prof["torch_unit"]
+
+
+def test_proof_is_refused_for_stable_targets_and_with_the_test_flavour():
+    stable = MATRIX.target("linux-x86_64-cu130-torch2.10-stable")
+    with pytest.raises(buildmod.BuildError, match="per-torch"):
+        buildmod.select_flags(stable, MATRIX, proof=True)
+    with pytest.raises(buildmod.BuildError, match="exclusive"):
+        buildmod.select_flags(MATRIX.target("linux-x86_64-cu128-torch2.8"), MATRIX, proof=True, mma_model=True)
+
+
+def test_cli_refuses_a_target_it_cannot_prove_here():
+    proc = subprocess.run([sys.executable, "-m", "ci", "build-wheels", "--proof-flavour", "--target",
+                           "windows-amd64-cu128-torch2.8"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "proof flavour needs a per-torch" in proc.stderr and "linux-x86_64-cu128-torch2.8" in proc.stderr
+
+
+def test_expected_ops_come_from_the_op_table():
+    ops = pipeline.expected_ops()
+    assert "blockscaled_fp4_attn" in ops and "quant_fp4_rows" in ops and len(ops) == len(set(ops))
