@@ -329,7 +329,7 @@ def _size(path: Path) -> int:
 
 
 def cleanup_after_build(target: Target, *, keep: list[Path] = (), cache: Path | None = None,
-                        stage: Path | None = None, log=print) -> dict[str, int]:
+                        stage: Path | None = None, purge_pip: bool = True, log=print) -> dict[str, int]:
     """Remove what only the build needed, before verify installs its own torch: the factory's
     CUDA toolkits, CUTLASS headers and torch environments (except ``keep``: the build's, when
     verify reuses it), the staging copies, pip's download cache, and in a manylinux container
@@ -357,21 +357,25 @@ def cleanup_after_build(target: Target, *, keep: list[Path] = (), cache: Path | 
         else:
             path.unlink(missing_ok=True)
         freed[str(path)] = size
-    subprocess.run([sys.executable, "-m", "pip", "cache", "purge"], capture_output=True)
+    if purge_pip:
+        subprocess.run([sys.executable, "-m", "pip", "cache", "purge"], capture_output=True)
     total = sum(freed.values())
     log(f"[cleanup] removed {len(freed)} build-only paths, {total / 2**30:.1f} GiB"
         + (f"; kept {', '.join(str(k) for k in keep)}" if keep else ""))
     return freed
 
 
-def free_disk(paths: tuple[str, ...] | None = None, *, log=print) -> int:
+def free_disk(paths: tuple[str, ...] | None = None, *, use_sudo: bool | None = None, log=print) -> int:
     """Remove the runner's preinstalled software that no build uses (``RUNNER_BLOAT`` for this
-    OS); returns the bytes the disk gained. On Linux the paths are root's: ``sudo rm``."""
+    OS); returns the bytes the disk gained. On a Linux runner the paths are root's: ``sudo rm``
+    (``use_sudo``: default when not root and sudo exists)."""
     platform = "windows" if sys.platform == "win32" else "linux"
     paths = RUNNER_BLOAT[platform] if paths is None else paths
     root = Path(os.environ.get("GITHUB_WORKSPACE") or Path.cwd()).anchor or "/"
     before = shutil.disk_usage(root).free
-    sudo = ["sudo", "-n"] if platform == "linux" and os.geteuid() != 0 and shutil.which("sudo") else []
+    if use_sudo is None:
+        use_sudo = platform == "linux" and os.geteuid() != 0 and bool(shutil.which("sudo"))
+    sudo = ["sudo", "-n"] if use_sudo else []
     for p in paths:
         if not os.path.exists(p):
             continue

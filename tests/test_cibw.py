@@ -109,3 +109,213 @@ def test_a_cuda_foreign_directory_must_still_be_refused():
     t = BY_ID["linux-x86_64-cu130-torch2.10-stable"]
     f = foreign_torch_source(t, MATRIX, "3.10", "http://127.0.0.1:1/whl", directory="cu128")
     assert f.index_url == "http://127.0.0.1:1/whl/cu128" and f.cuda == "12.8" and f.version == "2.9.1"
+
+
+# -- what a job exports -----------------------------------------------------------------------
+
+GiB = 2**30
+
+
+def test_parallel_compiles_are_capped_by_memory():
+    from ci.cibw import nvcc_jobs
+
+    assert nvcc_jobs(4, 16 * GiB) == 4  # a hosted runner
+    assert nvcc_jobs(16, 16 * GiB) == 4  # CPUs alone would oversubscribe its memory
+    assert nvcc_jobs(2, 64 * GiB) == 2
+    assert nvcc_jobs(4, 3 * GiB) == 1  # never zero
+    assert nvcc_jobs() >= 1  # this machine's own figures
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.id)
+def test_every_job_exports_pytorchs_index_the_compile_cap_and_cleanup(target):
+    from ci.cibw import identifier, job_env
+
+    env = job_env(target, jobs=3)
+    assert env["SAGEATTN3_PYTORCH_INDEX"] == PYTORCH_INDEX
+    assert env["MAX_JOBS"] == "3" and env["SAGEATTN3_CI_CLEANUP"] == "1"
+    assert env["CIBW_BUILD"] == identifier(target) and env["SAGEATTN3_TARGET"] == target.id
+
+
+# -- every job resolved and checked -------------------------------------------------------
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.id)
+def test_every_job_resolves_without_problems(target):
+    from ci.cibw import check_job, plan_job
+
+    job = plan_job(target, MATRIX)
+    assert check_job(job, MATRIX) == []
+    torch_step = dict(job.steps)["torch"]
+    assert torch_step == ("pip", "install", f"torch=={target.build_torch}", "--index-url",
+                          f"{PYTORCH_INDEX}/{cuda_tag(target.cuda)}")
+    assert dict(job.steps)["guard"][-1] == f"{PYTORCH_INDEX}/cpu"
+    assert job.requires_python == f">={target.python}" and job.verify_python == target.python
+
+
+def test_a_windows_job_installs_cuda_with_nvidias_installer_and_msvc():
+    from ci.cibw import check_job, plan_job
+
+    job = plan_job(BY_ID["windows-amd64-cu130-torch2.10-stable"], MATRIX)
+    assert job.runner == "windows-2022" and job.identifier == "cp310-win_amd64"
+    steps = [name for name, _ in job.steps]
+    assert steps.index("cuda") < steps.index("msvc") < steps.index("build") < steps.index("repair") < steps.index("verify")
+    cuda = dict(job.steps)["cuda"]
+    assert cuda[0] == ("https://developer.download.nvidia.com/compute/cuda/13.0.2/network_installers/"
+                       "cuda_13.0.2_windows_network.exe")
+    assert {"-s", "nvcc_13.0", "crt_13.0", "nvvm_13.0", "cudart_13.0", "visual_studio_integration_13.0"} <= set(cuda)
+    assert "%SAGEATTN3_FACTORY_PYTHON%" in dict(job.steps)["repair"][0]
+    # a plan that took torch from PyPI (its Windows torch is a CPU build) is caught
+    import dataclasses
+
+    bad = dataclasses.replace(job, torch=TorchSource("torch==2.14.1", None, "13.0"))
+    assert any("not PyTorch's cu130 index" in p for p in check_job(bad, MATRIX))
+    broken = dataclasses.replace(job, steps=tuple((n, a[:-2]) if n == "cuda" else (n, a) for n, a in job.steps))
+    assert any("installer components" in p for p in check_job(broken, MATRIX))
+
+
+def test_an_aarch64_job_uses_the_arm_runner_and_sbsa_packages():
+    from ci.cibw import check_job, plan_job
+
+    job = plan_job(BY_ID["linux-aarch64-cu129-torch2.8"], MATRIX)
+    assert job.runner == "ubuntu-24.04-arm" and job.identifier == "cp39-manylinux_aarch64"
+    flat = " ".join(" ".join(a) for n, a in job.steps if n == "cuda")
+    assert "repos/rhel8/sbsa/cuda-rhel8.repo" in flat and "cuda-nvcc-12-9" in flat
+    assert job.torch.index_url == f"{PYTORCH_INDEX}/cu129"
+    assert job.foreign.requirement == "torch==2.7.1" and job.foreign.index_url == f"{PYTORCH_INDEX}/cpu"
+    assert check_job(job, MATRIX) == []
+    arm13 = plan_job(BY_ID["linux-aarch64-cu130-torch2.10-stable"], MATRIX)
+    assert dict(arm13.steps)["cuda"][0] == "(PyPI)"  # 13.x: provisioned from PyPI in before-all
+
+
+def test_the_plan_command_prints_every_job_and_exits_zero():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "ci.cibw", "plan"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count(" on windows-2022 (") == 8 and proc.stdout.count(" on ubuntu-24.04-arm (") == 8
+    assert "PROBLEM" not in proc.stdout
+
+
+# -- the steps' own code --------------------------------------------------------------------
+
+def test_the_shim_builds_with_its_own_python_for_the_factory(tmp_path, monkeypatch):
+    """cibuildwheel's build Python runs the shim; the factory it calls must make the torch
+    environment for that Python (the one verify uses next)."""
+    import importlib.util
+    import json
+    import stat
+    import sys
+
+    from ci import cibw
+
+    fake = tmp_path / "factory"
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        "import json, os, sys, pathlib\n"
+        "out = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
+        "(out / 'env.json').write_text(json.dumps({k: v for k, v in os.environ.items() if k.startswith('SAGEATTN3_')}))\n"
+        "(out / 'sageattn3-0.1.0-cp310-abi3-linux_x86_64.whl').write_bytes(b'')\n"
+        "print(sys.argv[1:])\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("SAGEATTN3_FACTORY_PYTHON", str(fake))
+    spec = importlib.util.spec_from_file_location("factory_backend_t", cibw.PACKAGE_DIR / "factory_backend.py")
+    backend = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(backend)
+    assert backend.build_wheel(str(tmp_path)) == "sageattn3-0.1.0-cp310-abi3-linux_x86_64.whl"
+    env = json.loads((tmp_path / "env.json").read_text())
+    here = "%d.%d" % sys.version_info[:2]
+    assert env["SAGEATTN3_BUILD_PYTHON"] == here
+    assert env["SAGEATTN3_PYTHON_" + here.replace(".", "_")]
+
+
+def test_build_python_follows_the_shim(monkeypatch):
+    import sys
+
+    from ci.build import BuildError, build_python
+
+    t = BY_ID["linux-x86_64-cu130-torch2.10-stable"]  # floor 3.10
+    here = "%d.%d" % sys.version_info[:2]
+    monkeypatch.setenv("SAGEATTN3_BUILD_PYTHON", here)
+    assert build_python(t) == here
+    monkeypatch.setenv("SAGEATTN3_BUILD_PYTHON", "3.9")
+    with pytest.raises(BuildError, match="older than the target's Python 3.10"):
+        build_python(t)
+
+
+def _serve(handler_cls):
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler_cls)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_the_installer_download_retries_and_times_out(tmp_path):
+    import http.server
+    import time
+
+    from ci.cibw import CibwError, download
+
+    payload = b"MZ" + bytes(range(256)) * 64
+    calls = {"n": 0}
+
+    class Flaky(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            calls["n"] += 1
+            if self.path == "/stall":
+                time.sleep(3)  # longer than the client's read timeout
+                return
+            if calls["n"] == 1:
+                self.send_error(503)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+    server = _serve(Flaky)
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        out = download(f"{base}/cuda.exe", tmp_path / "cuda.exe", timeout=2, attempts=3, log=lambda m: None)
+        assert out.read_bytes() == payload and calls["n"] == 2  # one 503, then the file
+        calls["n"] = 10
+        t0 = time.monotonic()
+        with pytest.raises(CibwError, match="after 2 attempts"):
+            download(f"{base}/stall", tmp_path / "stalled.exe", timeout=0.5, attempts=2, log=lambda m: None)
+        assert time.monotonic() - t0 < 15
+        assert not (tmp_path / "stalled.exe").exists() and not (tmp_path / "stalled.exe.part").exists()
+    finally:
+        server.shutdown()
+
+
+def test_cleanup_after_build_keeps_the_compiler_cache_and_the_env_verify_reuses(tmp_path):
+    from ci.cibw import cleanup_after_build
+
+    cache = tmp_path / "cache"
+    for d in ("cuda/13.0/bin", "cutlass/4.2.0.0/include", "envs/py3.10-torch-2.14.1-aaa/lib",
+              "envs/py3.12-torch-2.14.1-bbb/lib", "sccache/x", "stage/abc"):
+        (cache / d).mkdir(parents=True)
+        (cache / d / "f").write_bytes(b"x" * 1000)
+    keep = cache / "envs" / "py3.10-torch-2.14.1-aaa"
+    freed = cleanup_after_build(BY_ID["linux-x86_64-cu130-torch2.10-stable"], keep=[keep], cache=cache,
+                                stage=cache / "stage", purge_pip=False, log=lambda m: None)
+    assert not (cache / "cuda").exists() and not (cache / "cutlass").exists() and not (cache / "stage").exists()
+    assert not (cache / "envs" / "py3.12-torch-2.14.1-bbb").exists()
+    assert keep.exists() and (cache / "sccache" / "x" / "f").exists()
+    assert sum(freed.values()) == 4000
+
+
+def test_free_disk_removes_the_listed_paths_and_reports_the_gain(tmp_path):
+    from ci.cibw import RUNNER_BLOAT, free_disk
+
+    junk = tmp_path / "dotnet"
+    (junk / "sdk").mkdir(parents=True)
+    (junk / "sdk" / "big").write_bytes(b"\0" * (1 << 20))
+    lines = []
+    free_disk((str(junk), str(tmp_path / "absent")), use_sudo=False, log=lines.append)
+    assert not junk.exists() and "GiB free before" in lines[0]
+    assert "/usr/share/dotnet" in RUNNER_BLOAT["linux"] and r"C:\Android" in RUNNER_BLOAT["windows"]

@@ -1,0 +1,136 @@
+"""The release rehearsal's cheap parts (part of `nox -s tests`): every one of the matrix's jobs
+resolved and checked without building, the stand-in for PyTorch's index answering real pip
+over HTTP on 127.0.0.1, and the tag check of the plan job. The full rehearsal, which builds,
+is tests/test_release_dry_run.py."""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from ci.release import (
+    ReleaseError,
+    check_tag,
+    dry_run,
+    package_version,
+    pytorch_index_standin,
+    standin_dir,
+    standin_serves,
+)
+from ci.targets import Matrix
+
+MATRIX = Matrix.load()
+
+
+# -- the tag -----------------------------------------------------------------------------------
+
+def test_the_tag_must_be_v_plus_the_package_version(tmp_path):
+    assert check_tag(f"v{package_version()}") == package_version()
+    f = tmp_path / "_version.py"
+    f.write_text('"""v"""\n__version__ = "1.0.0-rc.1"\n')
+    assert check_tag("v1.0.0rc1", f) == "1.0.0rc1"  # PEP 440 normalised
+    for wrong in ("1.0.0rc1", "v1.0.0-rc.1", "v1.0.0", "v1.0.0rc1.post1"):
+        with pytest.raises(ReleaseError, match="does not match the package version 1.0.0rc1"):
+            check_tag(wrong, f)
+    f.write_text("__version__ = 'banana'\n")
+    with pytest.raises(ReleaseError, match="not a PEP 440 version"):
+        check_tag("vbanana", f)
+
+
+def test_check_tag_cli_fails_with_one_line():
+    ok = subprocess.run([sys.executable, "-m", "ci.release", "check-tag", "--tag", f"v{package_version()}"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "ci.release", "check-tag", "--tag", "v99.0.0"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "tag v" in bad.stderr
+
+
+# -- the stand-in for PyTorch's index ----------------------------------------------------------
+
+def _tiny_torch_wheel(folder: Path, version: str = "9.9.9") -> Path:
+    """A real (tiny) wheel named torch, so pip can resolve and hash-check it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / f"torch-{version}-py3-none-any.whl"
+    info = f"torch-{version}.dist-info"
+    files = {
+        "torch/__init__.py": b"__version__ = '9.9.9'\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n".encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+        z.writestr(f"{info}/RECORD", "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n")
+    return wheel
+
+
+def test_the_standin_serves_torch_under_its_cuda_directory_to_real_pip(tmp_path):
+    wheel = _tiny_torch_wheel(tmp_path / "root" / "cu130")
+    env = {"PATH": "/usr/bin:/bin", "PIP_CONFIG_FILE": "/dev/null", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+           "HOME": str(tmp_path)}
+    with pytorch_index_standin(tmp_path / "root") as url:
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/whl")
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
+                               "torch==9.9.9", "--index-url", f"{url}/cu130", "-d", str(tmp_path / "got")],
+                              capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert (tmp_path / "got" / wheel.name).read_bytes() == wheel.read_bytes()
+        # not under another CUDA's directory
+        miss = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
+                               "torch==9.9.9", "--index-url", f"{url}/cu128", "-d", str(tmp_path / "no")],
+                              capture_output=True, text=True, env=env)
+        assert miss.returncode != 0 and "No matching distribution" in miss.stderr
+        host = url.split("/")[2]
+        page = http.client.HTTPConnection(host)
+        page.request("GET", "/whl/cu130/torch/")
+        body = page.getresponse().read().decode()
+        assert f"#sha256={hashlib.sha256(wheel.read_bytes()).hexdigest()}" in body
+        for path, status, location in (("/whl/cu130/Jinja2/", 302, "https://pypi.org/simple/jinja2/"),
+                                       ("/whl/cu130/nvidia_cublas/", 302, "https://pypi.org/simple/nvidia-cublas/"),
+                                       ("/whl/cu130/torch/..%2F..%2Fsecret", 404, None),
+                                       ("/whl/rocm6.4/torch/", 404, None), ("/simple/torch/", 404, None)):
+            c = http.client.HTTPConnection(host)
+            c.request("GET", path)
+            r = c.getresponse()
+            assert (r.status, r.getheader("Location")) == (status, location), path
+
+
+def test_the_standin_puts_pypis_torch_in_the_directory_of_its_cuda_build():
+    assert standin_dir("2.8.0", MATRIX) == "cu128" and standin_dir("2.10.0", MATRIX) == "cu128"
+    assert standin_dir("2.11.0", MATRIX) == "cu130" and standin_dir("2.14.1", MATRIX) == "cu130"
+    assert standin_dir("2.7.1", MATRIX) == "cu126"
+    served = [t.id for t in MATRIX.targets if not standin_serves(t, MATRIX)]
+    assert served == ["linux-x86_64-cu128-torch2.8", "linux-x86_64-cu128-torch2.9", "linux-x86_64-cu130-torch2.10-stable"]
+    assert "CPU" not in (standin_serves(MATRIX.target("windows-amd64-cu128-torch2.8"), MATRIX) or "")
+
+
+# -- every job planned and checked ----------------------------------------------------------------
+
+def test_the_rehearsal_plans_and_checks_all_24_jobs(tmp_path):
+    dr = dry_run(tmp_path / "dist", plan_only=True, compile_gate=False, log=lambda m: None)
+    assert len(dr.jobs) == len(MATRIX.targets) == 24
+    assert all(not r.problems for r in dr.jobs), [(r.id, r.problems) for r in dr.jobs if r.problems]
+    summary = (tmp_path / "dist" / "summary.md").read_text()
+    for t in MATRIX.targets:
+        assert f"`{t.id}`" in summary
+    by_id = {r.id: r for r in dr.jobs}
+    for r in dr.jobs:
+        if not r.id.startswith("linux-x86_64"):
+            assert not r.runs_here and "release pipeline builds it" in r.why_not
+    # what can run here needs PyPI's torch to be the target's CUDA build and a CUDA 13 toolkit
+    assert {i for i, r in by_id.items() if r.runs_here} <= {"linux-x86_64-cu130-torch2.10-stable"}
+    assert "stand-in index cannot serve its torch" in by_id["linux-x86_64-cu130-torch2.9"].why_not
+    assert not dr.timings and not dr.wheels  # nothing built or published
+
+
+def test_rehearsing_a_target_that_cannot_run_here_says_why(tmp_path):
+    with pytest.raises(ReleaseError, match="windows-amd64-cu130-torch2.10-stable: needs a windows-amd64 machine"):
+        dry_run(tmp_path / "dist", only=["windows-amd64-cu130-torch2.10-stable"], compile_gate=False,
+                log=lambda m: None)
