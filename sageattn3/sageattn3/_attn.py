@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from sageattn3 import _kernels
+
 HEAD_DIMS = (64, 128)
 SEQ_PAD = 128  # the kernel's tile along both sequences
 
@@ -134,7 +136,7 @@ def _launch(q, q_sf, k, k_sf, v, v_sf, mean_q, seq_q: int, seq_k: int, sm_scale:
     """The kernel call itself, on operands in the kernel's layout (the op checks them again)."""
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(2 * q.shape[3])
     out = torch.empty((q.shape[0], q.shape[1], seq_q, 2 * q.shape[3]), dtype=out_dtype, device=q.device)
-    _ops().blockscaled_fp4_attn(q, q_sf, k, k_sf, v, v_sf, mean_q, out, seq_q, seq_k, scale, is_causal)
+    _kernels.op("blockscaled_fp4_attn")(q, q_sf, k, k_sf, v, v_sf, mean_q, out, seq_q, seq_k, scale, is_causal)
     return out
 
 

@@ -100,25 +100,34 @@ def has_attention_kernel() -> bool:
     return loaded() and hasattr(torch.ops.sageattn3, "blockscaled_fp4_attn")
 
 
-def _ops():
-    return torch.ops.sageattn3
+_op_cache: dict = {}
+
+
+def op(name: str):
+    """``torch.ops.sageattn3.<name>.default``, looked up once: calling the overload directly
+    skips the per-call overload resolution of the packet."""
+    o = _op_cache.get(name)
+    if o is None:
+        o = _op_cache[name] = getattr(torch.ops.sageattn3, name).default
+    return o
 
 
 def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d = x.shape[-1]
     packed = torch.empty((*x.shape[:-1], d // 2), dtype=torch.uint8, device=x.device)
     scales = torch.empty((*x.shape[:-1], d // 16), dtype=torch.float8_e4m3fn, device=x.device)
-    _ops().quant_fp4_rows(x, packed, scales)
+    op("quant_fp4_rows")(x, packed, scales)
     return packed, scales
 
 
 def quant_cols(x: torch.Tensor, seq_pad: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., S, D) contiguous -> (..., D, Sp/2), (..., D, Sp/16), Sp = S up to seq_pad."""
-    s, d = x.shape[-2], x.shape[-1]
+    *lead, s, d = x.shape
     sp = -(-s // seq_pad) * seq_pad
-    packed = torch.empty((*x.shape[:-2], d, sp // 2), dtype=torch.uint8, device=x.device)
-    scales = torch.empty((*x.shape[:-2], d, sp // 16), dtype=torch.float8_e4m3fn, device=x.device)
-    _ops().quant_fp4_cols(x, packed, scales)
+    dev = x.device
+    packed = torch.empty((*lead, d, sp // 2), dtype=torch.uint8, device=dev)
+    scales = torch.empty((*lead, d, sp // 16), dtype=torch.float8_e4m3fn, device=dev)
+    op("quant_fp4_cols")(x, packed, scales)
     return packed, scales
 
 
@@ -129,7 +138,7 @@ def smooth_quant_rows(x: torch.Tensor, mean: torch.Tensor, compute_mean: bool, m
     computes the 128-row means itself and writes them into ``mean``."""
     g, s, d = x.shape
     packed, scales = _codes(x, g, s, d, seq_pad)
-    _ops().smooth_quant_rows(x, mean, compute_mean, mean_block, packed, scales)
+    op("smooth_quant_rows")(x, mean, compute_mean, mean_block, packed, scales)
     return packed, scales
 
 
@@ -143,7 +152,7 @@ def smooth_quant_seq(x: torch.Tensor, seq_pad: int, two_pass: bool = False
     packed, scales = _codes(x, g, s, d, seq_pad)
     mean = torch.empty((g, 1, d), dtype=torch.float32, device=x.device)
     partial, sync = _seq_workspace(x, g, s, d)
-    _ops().smooth_quant_seq(x, mean, partial, sync, packed, scales, two_pass)
+    op("smooth_quant_seq")(x, mean, partial, sync, packed, scales, two_pass)
     return packed, scales, mean
 
 
@@ -162,7 +171,7 @@ def smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, seq_pad: int, lag: int = 0
     mean_q = torch.empty((gq, -(-sq // 128), d), dtype=torch.float32, device=q.device)
     mean_k = torch.empty((gk, 1, d), dtype=torch.float32, device=q.device)
     partial, sync = _seq_workspace(q, gk, sk, d)
-    _ops().smooth_quant_qk(q, k, mean_q, q_packed, q_scales, mean_k, k_packed, k_scales, partial, sync, lag)
+    op("smooth_quant_qk")(q, k, mean_q, q_packed, q_scales, mean_k, k_packed, k_scales, partial, sync, lag)
     return q_packed, q_scales, mean_q, k_packed, k_scales, mean_k
 
 
@@ -184,7 +193,7 @@ def delta_s(k: torch.Tensor, mean_k: torch.Tensor, mean_q: torch.Tensor, seq_pad
     sk = k.shape[2]
     sp = -(-sk // seq_pad) * seq_pad
     out = torch.empty((b, hq, nblk, sp), dtype=torch.float32, device=k.device)
-    _ops().delta_s(k, mean_k, mean_q, out)
+    op("delta_s")(k, mean_k, mean_q, out)
     return out
 
 
@@ -236,4 +245,5 @@ def register_fakes() -> list[str]:
             continue
         torch.library.register_fake(f"sageattn3::{name}", _writes_outputs_only)
         _faked.add(name)
+        op(name)  # filled now: the wrappers only read the cache (also while dynamo traces them)
     return missing

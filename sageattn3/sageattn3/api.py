@@ -410,12 +410,13 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128) -> Preproce
 
 
 def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int) -> Preprocessed:
-    """``preprocess`` on the kernels, for checked inputs (the FP4 path calls it directly)."""
-    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    """``preprocess`` on the kernels, for checked inputs (the FP4 path calls it directly). V's
+    launch comes first, before any other Python: the host work for Q and K then overlaps it."""
+    vp, vsc = _kernels.quant_cols(_aligned(v), pad)
+    q, k = _aligned(q), _aligned(k)
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     k3, q3 = k.view(b * hk, sk, d), q.view(b * hq, sq, d)
-    vp, vsc = _kernels.quant_cols(v, pad)
     if per_block_mean:
         qp, qsc, mean_q, kp, ksc, mean_k = _kernels.smooth_quant_qk(q3, k3, pad)
     else:

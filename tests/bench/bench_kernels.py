@@ -19,7 +19,7 @@
    measured from the call to its return with the GPU idle before it, so no launch waits) for
    sageattn3_blackwell on the FP4 path (batch 1, 24 heads, 4096 tokens, D 128; the MMA-model
    flavour on an H100) and for preprocess, with the parts of the FP4 call.
-   `--host` runs this section alone.
+   `--host` runs this section alone, `--preprocess` sections 2 and 4.
 Times are medians of CUDA-event-timed runs after warm-up."""
 
 import os
@@ -88,6 +88,9 @@ def main() -> int:
         return bench_attention()
     if "--host" in sys.argv[1:]:
         return bench_host()
+    if "--preprocess" in sys.argv[1:]:  # section 2 (needs the copy bandwidth) and 4
+        bench_preprocess(copy_bandwidth(1 << 30))
+        return bench_host()
     bw = copy_bandwidth(1 << 30)
     print(f"device copy bandwidth (1 GiB, read+write): {bw / 1e9:.0f} GB/s")
 
@@ -105,6 +108,15 @@ def main() -> int:
                       f"{rate / 1e9:6.0f} GB/s  {100 * rate / bw:5.1f}% of copy | back-to-back {msb:7.3f} ms "
                       f"{100 * rateb / bw:5.1f}%")
             del x
+
+    bench_preprocess(bw)
+    bench_host()
+    return bench_attention()
+
+
+def bench_preprocess(bw: float) -> None:
+    from sageattn3 import _kernels
+    import sageattn3
 
     print("\n2. preprocessing of Q, K, V: batch 1, 24 heads, 32768 tokens, D 128, bf16")
     shape = (1, 24, 32768, 128)
@@ -151,8 +163,6 @@ def main() -> int:
     for name, fn in stages.items():
         print(f"    {name:38s} {time_ms(fn, warmup=2, iters=5):7.3f} ms  back-to-back {time_ms_batched(fn):7.3f} ms")
     del q, k, v, k3, q3, kp, ksc, ds, stages
-    bench_host()
-    return bench_attention()
 
 
 def host_us(fn, iters=200):
