@@ -7,6 +7,7 @@ full release (~1,000 assets) to the fake GitHub server. Plain script:
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -18,8 +19,9 @@ sys.path[:0] = [str(HERE.parent), str(HERE.parents[1])]
 
 from ci import index as ix  # noqa: E402
 from ci.publish import RetryPolicy, ReleaseOptions, publish_release  # noqa: E402
-from ci.record import BuildRecord, load_records  # noqa: E402
-from conftest_publish import build_wheel, sage_wheel  # noqa: E402
+from ci.record import RECORD_IN_WHEEL, BuildRecord, record_path  # noqa: E402
+from ci.variant import Variant  # noqa: E402
+from conftest_publish import build_wheel, os_key_of  # noqa: E402
 from fake_github import FakeGitHub  # noqa: E402
 
 LINES = ("2.10", "2.11", "2.12", "2.13", "2.14")
@@ -37,14 +39,15 @@ def synthetic(d: Path, n: int) -> list[BuildRecord]:
                 if len(recs) >= n:
                     break
                 version = f"1.{i // 100}.{i % 100}"
-                w = build_wheel(d, "sageattn3", f"{version}+{v}", f"cp310-abi3-{p}", requires=("torch>=2.10",),
-                                requires_python=">=3.10")
-                from ci.variant import Variant
                 var = Variant.parse(v)
-                rec = BuildRecord(target=f"t{i}", variant=v, version=f"{version}+{v}", requires_torch=var.requires_torch,
-                                  requires_python=">=3.10", torch_build="", cuda=var.cuda, archs=("sm_120a",), os=p,
-                                  toolchain={}, flags={}, patches=(), source_commit="0" * 40,
-                                  extra={"torch_lines": list(LINES) if var.stable else [var.torch]}).with_wheel(w)
+                inner = BuildRecord(target=f"t{i}", variant=v, version=f"{version}+{v}", requires_torch=var.requires_torch,
+                                    requires_python=">=3.10", torch_build="", cuda=var.cuda, archs=("sm_120a",),
+                                    os=os_key_of(p), toolchain={}, flags={}, patches=(), source_commit="0" * 40,
+                                    extra={"torch_lines": list(LINES) if var.stable else [var.torch]})
+                inside = {k: x for k, x in json.loads(inner.to_json()).items() if k not in ("wheel", "sha256", "size")}
+                w = build_wheel(d, "sageattn3", f"{version}+{v}", f"cp310-abi3-{p}", requires=(var.requires_torch,),
+                                requires_python=">=3.10", files={RECORD_IN_WHEEL: json.dumps(inside).encode()})
+                rec = inner.with_wheel(w)
                 recs.append(rec)
         i += 1
     return recs
@@ -78,9 +81,19 @@ def bench_publish(n_wheels: int) -> None:
     with tempfile.TemporaryDirectory() as t, FakeGitHub(token) as gh:
         t = Path(t)
         gh.add_repo("o/r")
-        variants = ["cu130.torch2.10.stable", "cu128.torch2.8"]
+        # One release holds one version: distinct names from python tags (cp310, cp311, ...).
         for i in range(n_wheels):
-            sage_wheel(t / "w", variants[i % 2], f"1.0.{i // 2}")
+            v = "cu130.torch2.10.stable"
+            var = Variant.parse(v)
+            inner = BuildRecord(target=f"t{i}", variant=v, version=f"1.0.0+{v}", requires_torch=var.requires_torch,
+                                requires_python=">=3.10", torch_build="", cuda=var.cuda, archs=("sm_120a",),
+                                os="linux-x86_64", toolchain={}, flags={}, patches=(), source_commit="0" * 40,
+                                extra={"torch_lines": list(LINES)})
+            inside = {k: x for k, x in json.loads(inner.to_json()).items() if k not in ("wheel", "sha256", "size")}
+            w = build_wheel(t / "w", "sageattn3", f"1.0.0+{v}", f"cp3{10 + i}-abi3-linux_x86_64",
+                            requires=(var.requires_torch,), requires_python=">=3.10",
+                            files={RECORD_IN_WHEEL: json.dumps(inside).encode()})
+            record_path(w).write_text(inner.with_wheel(w).to_json())
         opts = ReleaseOptions(repo="o/r", tag="v1.0.0", wheels=t / "w", api_url=gh.api_url, write_interval=0,
                               retry=RetryPolicy(backoff=0.01), concurrency=4)
         t0 = time.perf_counter()
