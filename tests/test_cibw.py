@@ -213,11 +213,15 @@ def test_the_shim_builds_with_its_own_python_for_the_factory(tmp_path, monkeypat
         f"#!{sys.executable}\n"
         "import json, os, sys, pathlib\n"
         "out = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
-        "(out / 'env.json').write_text(json.dumps({k: v for k, v in os.environ.items() if k.startswith('SAGEATTN3_')}))\n"
+        "(out / 'env.json').write_text(json.dumps({k: v for k, v in os.environ.items()\n"
+        "                                          if k.startswith(('SAGEATTN3_', 'PEP517_', '_PYPROJECT_HOOKS_'))}))\n"
         "(out / 'sageattn3-0.1.0-cp310-abi3-linux_x86_64.whl').write_bytes(b'')\n"
         "print(sys.argv[1:])\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("SAGEATTN3_FACTORY_PYTHON", str(fake))
+    # what pip's hook runner sets for the shim's own backend (old and new names)
+    monkeypatch.setenv("PEP517_BACKEND_PATH", str(cibw.PACKAGE_DIR))
+    monkeypatch.setenv("_PYPROJECT_HOOKS_BACKEND_PATH", str(cibw.PACKAGE_DIR))
     spec = importlib.util.spec_from_file_location("factory_backend_t", cibw.PACKAGE_DIR / "factory_backend.py")
     backend = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(backend)
@@ -226,6 +230,8 @@ def test_the_shim_builds_with_its_own_python_for_the_factory(tmp_path, monkeypat
     here = "%d.%d" % sys.version_info[:2]
     assert env["SAGEATTN3_BUILD_PYTHON"] == here
     assert env["SAGEATTN3_PYTHON_" + here.replace(".", "_")]
+    # the payload's own build must not inherit the shim's backend-path
+    assert not [k for k in env if k.startswith(("PEP517_", "_PYPROJECT_HOOKS_"))]
 
 
 def test_build_python_follows_the_shim(monkeypatch):

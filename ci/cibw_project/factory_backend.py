@@ -23,7 +23,11 @@ def get_requires_for_build_wheel(config_settings=None):
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     python = os.environ.get("SAGEATTN3_FACTORY_PYTHON") or sys.executable
     here = "%d.%d" % sys.version_info[:2]
-    env = dict(os.environ, SAGEATTN3_BUILD_PYTHON=here)
+    # The frontend's hook variables (backend name and backend-path) must not reach the pip that
+    # builds the payload inside the factory: its own hook runner would take them for its own
+    # and refuse the payload's backend ("Backend was not loaded from backend-path").
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("_PYPROJECT_HOOKS_", "PEP517_"))}
+    env["SAGEATTN3_BUILD_PYTHON"] = here
     # cibuildwheel builds in a venv; the factory makes its own venvs from the base interpreter.
     env.setdefault("SAGEATTN3_PYTHON_" + here.replace(".", "_"), getattr(sys, "_base_executable", sys.executable))
     before = set(os.listdir(wheel_directory))
