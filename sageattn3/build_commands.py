@@ -151,6 +151,15 @@ def link_libraries(profile: dict) -> list[str]:
     return libs
 
 
+def reproducible_nvcc_flags(source: str) -> list[str]:
+    """nvcc names the kernels and device functions of anonymous namespaces (and other internal
+    linkage) after a hash of the source's absolute path, which cudafe++ computes once and cicc
+    reuses: two checkouts at different paths would give different symbol names, in the host
+    code and in every cubin. Naming the source by its payload-relative path instead makes the
+    names, and the binary, the same wherever it is built (the path is only hashed)."""
+    return ["-Xcudafe", f"--orig_src_path_name={PurePosixPath(source).as_posix()}"]
+
+
 def compile_command(t: Tools, profile: dict, source: str, obj: str | PurePath,
                     includes: Sequence[str | PurePath], *, host_flags: Sequence[str] = ()) -> list[str]:
     """The argv that compiles one source into ``obj``. ``.cu`` goes to nvcc (host flags as
@@ -160,6 +169,8 @@ def compile_command(t: Tools, profile: dict, source: str, obj: str | PurePath,
     defines, incs = profile["defines"], [str(i) for i in includes]
     if source.endswith(CUDA_SOURCE):
         extra = [f"-Xcompiler={f}" for f in host_flags]
+        if t.style == "gcc":
+            extra += reproducible_nvcc_flags(source)
         return [*t.launcher, t.nvcc, "-c", src, "-o", str(obj), *profile["nvcc_flags"], *extra,
                 *(f"-D{d}" for d in defines), *(f"-I{i}" for i in incs)]
     if t.style == "msvc":

@@ -92,7 +92,10 @@ def profile(
     if stable_abi_floor:
         defines.append(f"TORCH_TARGET_VERSION={torch_target_version(stable_abi_floor)}")
     # No --use_fast_math: the quantizer must be bit-exact with the reference (IEEE division).
-    nvcc = ["-O3", f"-std={std}", "-lineinfo", "--expt-relaxed-constexpr"]
+    # -lineinfo only in the test flavour (profiling on the H100): its file table holds absolute
+    # source paths (cicc joins its cwd to every file, relative -I or not), which would put
+    # build-machine paths into shipped cubins and make wheels differ by checkout path.
+    nvcc = ["-O3", f"-std={std}", *(["-lineinfo"] if mma_model else []), "--expt-relaxed-constexpr"]
     if _mm(cuda) >= (12, 8):
         nvcc.append("--compress-mode=size")
     nvcc += [gencode(a) for a in archs]
@@ -108,7 +111,7 @@ def profile(
         host = ["-O3", "-fPIC", "-fvisibility=hidden"]
         cxx = [*host, f"-std={std}"]
         nvcc += ["-Xcompiler=" + ",".join(host)]
-        ldflags = ["-shared", "-Wl,--as-needed", "-Wl,-O1"]
+        ldflags = ["-shared", "-Wl,--as-needed", "-Wl,-O1", "-s"]  # -s: shipped stripped
     return {
         "platform": platform,
         "compiler": compiler,

@@ -90,6 +90,26 @@ def load_config() -> dict:
     return _standalone_config()
 
 
+ROOTS = Path("build") / "roots"
+# Wheel file times when the caller gives none (bdist_wheel reads it): 1980-01-01, the zip
+# format's earliest, so two builds of the same sources give the same bytes.
+DEFAULT_SOURCE_DATE_EPOCH = "315532800"
+
+
+def _relative_roots(name: str, path: Path) -> Path:
+    """``path`` as the compilers see it, relative to HERE: itself when it lies inside HERE,
+    else through the symlink ``build/roots/<name>`` (made here, replaced on every build)."""
+    path = Path(path).resolve()
+    if path.is_relative_to(HERE):
+        return path.relative_to(HERE)
+    link = HERE / ROOTS / name
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(path, target_is_directory=True)
+    return ROOTS / name
+
+
 class CudaBuildExt(build_ext):
     """Compiles each translation unit in its own process (parallel), then links once, with the
     commands ``build_commands`` makes for the profile's compiler: GCC-style on Linux, MSVC
@@ -103,12 +123,19 @@ class CudaBuildExt(build_ext):
         cuda_home = Path(cfg["cuda_home"])
         torch_dir = Path(torch.__file__).parent
         machine = platform.machine().lower()
+        # Linux: every include root by a path relative to this directory (the compilers' cwd), so
+        # no build-machine path reaches the binary (__FILE__ in headers) and the compile
+        # commands are the same wherever the payload is staged.
+        root = _relative_roots if style == "gcc" else (lambda name, path: path)
+        overlay = cfg.get("include_overlay")
         includes = bc.include_dirs(
-            style, csrc=HERE / "csrc", torch_dir=torch_dir, torch_subdirs=prof.get("torch_include_subdirs"),
-            cuda_home=cuda_home, python_include=sysconfig.get_paths()["include"],
-            cutlass=cfg.get("cutlass_include"), overlay=cfg.get("include_overlay"), machine=machine,
+            style, csrc=root("csrc", HERE / "csrc"), torch_dir=root("torch", torch_dir),
+            torch_subdirs=prof.get("torch_include_subdirs"), cuda_home=root("cuda", cuda_home),
+            python_include=root("python", Path(sysconfig.get_paths()["include"])),
+            cutlass=cfg.get("cutlass_include") and root("cutlass", Path(cfg["cutlass_include"])),
+            overlay=overlay and root("overlay", Path(overlay)), machine=machine,
         )
-        includes = [d for d in includes if Path(d).is_dir()]  # e.g. targets/<arch>-linux: NVIDIA's layout only
+        includes = [d for d in includes if (HERE / d).is_dir()]  # e.g. targets/<arch>-linux: NVIDIA's layout only
         tools = bc.tools(style, cuda_home, cxx=os.environ.get("CXX") if style == "gcc" else None,
                          launcher=cfg.get("launcher") or ())
         env = {**os.environ, **bc.build_environment(prof, cuda_home)}
@@ -157,6 +184,7 @@ def python_requires(cfg: dict) -> str:
 
 
 cfg = load_config()
+os.environ.setdefault("SOURCE_DATE_EPOCH", str(cfg.get("source_date_epoch") or DEFAULT_SOURCE_DATE_EPOCH))
 # Every kernel (.cu, torch-free) plus the one torch-facing unit the profile chose.
 sources = bc.translation_units(cfg["profile"], (p.relative_to(HERE).as_posix() for p in (HERE / "csrc").rglob("*")))
 version = BASE_VERSION + (f"+{cfg['local_label']}" if cfg.get("local_label") else "")

@@ -14,7 +14,8 @@ def m():
 def test_linux_stable_profile(m):
     p = profile_for(m.target("linux-x86_64-cu130-torch2.10-stable"), m.stable_abi_floor)
     nv = p["nvcc_flags"]
-    assert "-O3" in nv and "-lineinfo" in nv and "--compress-mode=size" in nv and "-std=c++20" in nv
+    assert "-O3" in nv and "--compress-mode=size" in nv and "-std=c++20" in nv
+    assert "-lineinfo" not in nv and "-s" in p["ldflags"]  # reproducible, path-free, stripped
     assert "-gencode=arch=compute_120a,code=sm_120a" in nv and "-gencode=arch=compute_121a,code=sm_121a" in nv
     assert "--use_fast_math" not in " ".join(nv)  # the quantizer is bit-exact
     assert "NDEBUG" in p["defines"] and "TORCH_TARGET_VERSION=0x020A000000000000" in p["defines"]
@@ -58,4 +59,5 @@ def test_test_flavour_adds_hopper_and_the_mma_model_define(m):
     p = profile_for(t, m.stable_abi_floor, mma_model=True)
     assert p["archs"] == ["sm_120a", "sm_121a", "sm_90a"]
     assert "-gencode=arch=compute_90a,code=sm_90a" in p["nvcc_flags"] and "SAGEATTN3_MMA_MODEL=1" in p["defines"]
+    assert "-lineinfo" in p["nvcc_flags"]  # profiling the test flavour maps SASS to source lines
     assert "SAGEATTN3_MMA_MODEL=1" not in profile_for(t, m.stable_abi_floor)["defines"]

@@ -163,7 +163,10 @@ def test_linux_commands_are_gcc_style(matrix):
     obj = bc.object_path("gcc", "build/temp/obj", "csrc/quant/quant_rows.cu")
     assert bc.compile_command(tools, profile, "csrc/quant/quant_rows.cu", obj, includes) == [
         "/v/bin/sccache", "/usr/local/cuda-13.0/bin/nvcc", "-c", "csrc/quant/quant_rows.cu",
-        "-o", "build/temp/obj/csrc/quant/quant_rows.cu.o", *profile["nvcc_flags"], *defs, *incs]
+        "-o", "build/temp/obj/csrc/quant/quant_rows.cu.o", *profile["nvcc_flags"],
+        # kernels in anonymous namespaces are named after a hash of this path: relative, so the
+        # same wherever the payload is staged
+        "-Xcudafe", "--orig_src_path_name=csrc/quant/quant_rows.cu", *defs, *incs]
     assert "-Xcompiler=-O3,-fPIC,-fvisibility=hidden" in profile["nvcc_flags"]
     unit = "csrc/torch/stable.cpp"
     assert bc.compile_command(tools, profile, unit, bc.object_path("gcc", "o", unit), includes) == [
