@@ -144,7 +144,7 @@ def install_hint(dist: Path, runs: list[TargetRun]) -> list[str]:
         rec = BuildRecord.load(record_path(r.wheel))
         line = r.target.torch_lines[-1]
         page = (dist / "index").resolve() / indexmod.index_url("", rec.cuda, line).lstrip("/")
-        lines.append(f"pip install sageattn3 --index-url {page.as_uri()}/")
+        lines.append(f"pip install --no-deps sageattn3 --index-url {page.as_uri()}/")
     return lines
 
 

@@ -733,7 +733,7 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
               *[f"- {ln}" for ln in dr.publish_log], "", "### Install", ""]
     for w in dr.wheels:
         rec = BuildRecord.load(record_path(w))
-        parts.append(f"- `{rec.target}`: `pip install sageattn3 --index-url "
+        parts.append(f"- `{rec.target}`: `pip install --no-deps sageattn3 --index-url "
                      f"{(dist / 'index').resolve().as_uri()}/{_variant_page(rec)}`")
     dr.summary = "\n".join(parts) + "\n"
     (dist / "summary.md").write_text(dr.summary)
