@@ -419,3 +419,16 @@ def test_pages_cli_dry_run(gh, tmp_path):
                        env={**os.environ, "GH_TOKEN": TOKEN})
     assert p.returncode == 0, p.stderr
     assert re.search(r"would write \d+ files", p.stdout) and writes(gh) == 0
+
+
+def test_prune_on_a_published_release_needs_the_second_flag_too(gh, wheels):
+    publish_release(opts(gh, wheels), TOKEN, log=lambda m: None)
+    gone = next(wheels.glob("*cu128.torch2.8*.whl"))
+    for p in (gone, gone.with_name(gone.name + ".json")):
+        p.unlink()
+    before = gh.uploads(), writes(gh)
+    with pytest.raises(InputError, match=r"v1\.0\.0 is published: --prune would delete 2 asset.*Nothing was changed"):
+        publish_release(opts(gh, wheels, prune=True), TOKEN, log=lambda m: None)
+    assert (gh.uploads(), writes(gh)) == before
+    s = publish_release(opts(gh, wheels, prune=True, replace_published=True), TOKEN, log=lambda m: None)
+    assert not s.failed and gh.count("DELETE") >= 2

@@ -47,7 +47,7 @@ def _github(argv: list[str], out) -> int:
     ap.add_argument("--target-commitish", default=os.environ.get("GITHUB_SHA") or None)
     _retry_args(ap)
     a = ap.parse_args(argv)
-    if a.replace_published and not a.replace:
+    if a.replace_published and not (a.replace or a.prune):
         raise InputError("--replace-published only widens --replace: pass both to overwrite assets of a published release")
     opts = ReleaseOptions(repo=a.repo, tag=a.tag, wheels=a.wheels, api_url=a.api_url, dry_run=a.dry_run,
                           replace=a.replace, replace_published=a.replace_published, prune=a.prune, concurrency=a.concurrency, name=a.name, notes=a.notes,

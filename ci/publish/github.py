@@ -352,6 +352,12 @@ class ReleasePublisher:
                                      f"local sha256:{la.sha256[:12]})")
         local_names = {la.name for la in local}
         extras = sorted(n for n in assets if n not in local_names and n != SUMS)
+        if self.opts.prune and extras and published and not self.opts.replace_published:
+            raise InputError(
+                f"release {self.opts.tag} is published: --prune would delete {len(extras)} asset(s) users may "
+                f"already have ({', '.join(extras[:5])}{' …' if len(extras) > 5 else ''}). Nothing was changed. "
+                "Add --replace-published to delete them anyway"
+            )
         final = len(local_names | {SUMS} | (set() if self.opts.prune else set(extras)))
         if final > MAX_ASSETS:
             raise PublishError(
