@@ -68,12 +68,17 @@ def cmd_build_wheels(args: argparse.Namespace) -> int:
         def provable(t: Target) -> bool:  # its torch installs here; its CUDA toolkit need not
             return not t.variant.stable and t.os.key == host_os_key() and unreachable_reason(t) is None
 
+        if args.test_flavour:
+            raise MatrixError("--proof-flavour and --test-flavour are exclusive: build one flavour at a time")
         per_torch = [t for t in matrix.targets if provable(t)]
+        # Foreign torches for the guard: every other provable per-torch line, and the stable
+        # target whose torch installs here (a newer line: the per-torch wheel must refuse it too).
+        stable_here = [t for t in matrix.targets if t.variant.stable and not local_blockers(t)][:1]
         for t in targets:
             if not provable(t):
                 raise MatrixError(f"{t.id}: the proof flavour needs a per-torch {host_os_key()} target whose torch "
                                   f"installs here; these are: {', '.join(o.id for o in per_torch)}")
-            others = [o for o in per_torch if o.torch_lines != t.torch_lines][:1]
+            others = [o for o in per_torch if o.torch_lines != t.torch_lines] + stable_here
             rep = build_proof_wheel(t, matrix, Path(args.dist), foreign=others)
             print(f"proof-flavour wheel: {rep.wheel}")
         return 0

@@ -147,7 +147,8 @@ def compile_case(case: GateCase, *, cxx: str | None = None, log=print) -> str | 
     if proc.returncode == 0:
         return None
     lines = (proc.stderr or proc.stdout).splitlines()
-    first = next((ln for ln in lines if "error" in ln), lines[0] if lines else f"{cxx} exited {proc.returncode}")
+    first = next((ln for ln in lines if ": error:" in ln or "fatal error:" in ln),
+                 lines[0] if lines else f"{cxx} exited {proc.returncode}")
     return first.replace(str(include) + "/", "torch/include/").replace(str(PAYLOAD) + "/", "sageattn3/")
 
 

@@ -201,10 +201,13 @@ def build_proof_wheel(target: Target, matrix: Matrix, dist: Path, *, foreign: li
     result = buildmod.build(target, matrix, dist / "raw" / f"{target.id}-proof", proof=True, log=log)
     repaired = repairmod.repair(result.wheel, dist / "repaired" / f"{target.id}-proof", target.os.platform, log=log)
     out = dist / "proof"
-    for old in out.glob(f"sageattn3-*+{target.variant.label}.{buildmod.PROOF_FLAVOUR_LABEL}-*.whl"):
+    for old in out.glob(f"sageattn3-*+{target.variant.label}.{buildmod.PROOF_FLAVOUR_LABEL}-*.whl*"):
         old.unlink()
-    rec = tag(repaired, target, out, flavour=buildmod.PROOF_FLAVOUR_LABEL)
-    wheel = out / rec.wheel
+    # Tagged beside, moved into dist/proof/ (where evidence is read from) only once every check passed.
+    pending = dist / "tagged" / f"{target.id}-proof"
+    shutil.rmtree(pending, ignore_errors=True)
+    rec = tag(repaired, target, pending, flavour=buildmod.PROOF_FLAVOUR_LABEL)
+    wheel = pending / rec.wheel
     import tempfile
 
     env_vars = {**verifymod._isolated_pip_env(), "CUDA_VISIBLE_DEVICES": ""}
@@ -239,7 +242,11 @@ def build_proof_wheel(target: Target, matrix: Matrix, dist: Path, *, foreign: li
                                           f"ABI guard's ImportError:\n{res.stderr[-2000:]}")
             guard[fenv.torch_version] = lines[-1]
             log(f"[proof] torch {fenv.torch_version}: {lines[-1][:240]}")
-    return ProofReport(wheel, result.env.torch_version, got["ops"], guard)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in (wheel, record_path(wheel)):
+        shutil.move(str(f), out / f.name)
+    shutil.rmtree(pending, ignore_errors=True)
+    return ProofReport(out / wheel.name, result.env.torch_version, got["ops"], guard)
 
 
 def build_wheels(targets: list[Target], matrix: Matrix, dist: Path, *, verify_pythons: list[str],

@@ -264,6 +264,9 @@ def load_records(wheels_dir: Path, project: str = "sageattn3") -> list[BuildReco
         if rec.extra.get("mma_model"):
             raise RecordError(f"{wheel.name}: extra.mma_model: a test-flavour wheel (FP4 MMA software model); "
                               "never indexed or published")
+        if rec.extra.get("proof"):
+            raise RecordError(f"{wheel.name}: extra.proof: a proof-flavour wheel (compiled with a stand-in CUDA "
+                              "toolkit); never indexed or published")
         check_wheel(wheel, rec, project)
         out.append(rec)
     return out

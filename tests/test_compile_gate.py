@@ -163,3 +163,20 @@ def test_release_plan_refuses_a_matrix_whose_unit_does_not_compile(tmp_path):
                            "--targets", ""], cwd=PAYLOAD.parent, env=env, capture_output=True, text=True)
     assert proc.returncode != 0
     assert "refusing the matrix: torch 2.8 (stable.cpp" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_kernel_sources_stay_torch_free():
+    """Only csrc/torch/ sees torch (the gate compiles just those units): no kernel source or
+    header includes torch, ATen, c10 or Python, so every torch line compiles the same kernels."""
+    import re
+
+    csrc = PAYLOAD / "csrc"
+    offenders = []
+    for f in sorted(csrc.rglob("*")):
+        if f.suffix not in (".cu", ".cuh", ".h", ".hpp", ".cpp") or (csrc / "torch") in f.parents:
+            continue
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            m = re.match(r"\s*#\s*include\s*[<\"]([^>\"]+)", line)
+            if m and re.match(r"(torch|ATen|c10|caffe2|Python\.h|pybind11)", m.group(1)):
+                offenders.append(f"{f.relative_to(PAYLOAD)}:{n}: {m.group(1)}")
+    assert not offenders, offenders

@@ -65,3 +65,10 @@ def test_record_evidence_and_levels(tmp_path):
     _record(d, "linux-x86_64-cu999-torch9.9", "sageattn3-0.1.0+cu128.torch2.8-cp39-abi3-linux_x86_64.whl", {})
     with pytest.raises(ValueError, match="not in the matrix"):
         coverage.record_evidence([d], MATRIX, ev_file)
+
+
+def test_the_per_torch_lines_have_their_proof_on_record():
+    """The torch 2.8 and 2.9 lines (classic bindings) were proven here with proof-flavour wheels."""
+    ev = coverage.load_evidence()
+    for tid in ("linux-x86_64-cu128-torch2.8", "linux-x86_64-cu128-torch2.9"):
+        assert "proof" in ev.get(tid, {}), f"no proof-flavour evidence for {tid}"

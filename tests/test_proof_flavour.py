@@ -45,3 +45,25 @@ def test_cli_refuses_a_target_it_cannot_prove_here():
 def test_expected_ops_come_from_the_op_table():
     ops = pipeline.expected_ops()
     assert "blockscaled_fp4_attn" in ops and "quant_fp4_rows" in ops and len(ops) == len(set(ops))
+
+
+def test_proof_and_test_flavour_records_are_never_indexed_or_published(tmp_path):
+    """load_records (what index and publish read) refuses a wheel whose record says proof."""
+    import json
+
+    from ci.record import RecordError, load_records
+    from conftest_publish import sage_wheel
+
+    wheel, _ = sage_wheel(tmp_path, "cu128.torch2.8")
+    beside = wheel.with_name(wheel.name + ".json")
+    rec = json.loads(beside.read_text())
+    rec["extra"] = {**rec.get("extra", {}), "proof": "compiled with a stand-in toolkit"}
+    beside.write_text(json.dumps(rec))
+    with pytest.raises(RecordError, match=r"extra\.proof: a proof-flavour wheel.*never indexed or published"):
+        load_records(tmp_path)
+
+
+def test_cli_refuses_both_flavours_at_once():
+    proc = subprocess.run([sys.executable, "-m", "ci", "build-wheels", "--proof-flavour", "--test-flavour",
+                           "--target", "linux-x86_64-cu128-torch2.8"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "exclusive" in proc.stderr
