@@ -113,7 +113,7 @@ def test_summary_names_targets_release_and_install_command(released):
     text = (dr.dist / "summary.md").read_text()
     for tid in LOCAL:
         assert f"`{tid}` | ok" in text
-    assert f"Published {dr.tag}" in text and "pip install sageattn3 --index-url" in text
+    assert f"Published {dr.tag}" in text and "pip install --no-deps sageattn3 --index-url" in text
     assert (dr.dist / "SHA256SUMS").read_text().count("\n") == len(dr.wheels)
     assert token not in text and all(token not in line for line in logs)
 
