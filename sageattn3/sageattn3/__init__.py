@@ -4,7 +4,9 @@ An installed wheel carries ``_build_record.json`` and the compiled extension ``_
 guard checks the torch in this process first, then ``_C`` is loaded and any load error
 propagates. A source tree without the compiled extension (not built, or built into a wheel
 elsewhere) still imports: the reference (``sageattn3.reference``) and the SDPA fallback work,
-and ``backend()`` / ``is_available()`` report that the kernels are not built.
+and ``backend()`` / ``is_available()`` report that the kernels are not built. Under
+``python -m sageattn3`` (the diagnosis) a refusal of the guard or a load error is recorded
+instead of raised, so that the report can say what is wrong and which wheel fits.
 """
 
 from __future__ import annotations

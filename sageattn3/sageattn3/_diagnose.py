@@ -302,11 +302,24 @@ def _time_ms(fn, budget_s: float, first: float | None = None) -> float:
     return statistics.median(times)
 
 
-def speed(device: torch.device, quick: bool, model: bool) -> dict:
+def _speed_row(device: torch.device, b: int, h: int, s: int, d: int, budget: float) -> dict:
     import torch.nn.functional as F
 
     from sageattn3 import _attn, api
 
+    flops = 4 * b * h * s * s * d
+    g = torch.Generator(device=device).manual_seed(7)
+    q, k, v = (torch.randn(b, h, s, d, generator=g, device=device, dtype=torch.bfloat16) for _ in range(3))
+    pre = api.preprocess(q, k, v, pad=_attn.SEQ_PAD)
+    kernel = _time_ms(lambda: _attn.attention_from_preprocessed(pre, out_dtype=q.dtype, trusted=True), budget)
+    call = _time_ms(lambda: api.sageattn3_blackwell(q, k, v), budget)
+    sdpa = _time_ms(lambda: F.scaled_dot_product_attention(q, k, v), budget)
+    return {"kernel_ms": round(kernel, 4), "kernel_tops": round(flops / kernel / 1e9, 1),
+            "call_ms": round(call, 4), "call_tops": round(flops / call / 1e9, 1),
+            "sdpa_ms": round(sdpa, 4), "sdpa_tops": round(flops / sdpa / 1e9, 1)}
+
+
+def speed(device: torch.device, quick: bool, model: bool) -> dict:
     b, h, d = SPEED_BATCH, SPEED_HEADS, SPEED_HEAD_DIM
     budget = 0.2 if quick else 0.6
     rows = []
@@ -320,25 +333,13 @@ def speed(device: torch.device, quick: bool, model: bool) -> dict:
             if kernel_4k is not None:
                 est = kernel_4k * (s / SPEED_SEQS[0]) ** 2 / 1e3
                 if est > MAX_CALL_S:
-                    row["skipped"] = f"one kernel call would take about {est:.0f} s here (MMA model)"
+                    row["skipped"] = f"one kernel call would take about {est:.0f} s here{' (MMA model)' if model else ''}"
                     rows.append(row)
                     continue
-            flops = 4 * b * h * s * s * d
             try:
-                g = torch.Generator(device=device).manual_seed(7)
-                q, k, v = (torch.randn(b, h, s, d, generator=g, device=device, dtype=torch.bfloat16) for _ in range(3))
-                pre = api.preprocess(q, k, v, pad=_attn.SEQ_PAD)
-                kernel = _time_ms(lambda: _attn.attention_from_preprocessed(pre, out_dtype=q.dtype, trusted=True), budget)
+                row.update(_speed_row(device, b, h, s, d, budget))
                 if s == SPEED_SEQS[0]:
-                    kernel_4k = kernel
-                call = _time_ms(lambda: api.sageattn3_blackwell(q, k, v), budget)
-                sdpa = _time_ms(lambda: F.scaled_dot_product_attention(q, k, v), budget)
-                row.update({
-                    "kernel_ms": round(kernel, 4), "kernel_tops": round(flops / kernel / 1e9, 1),
-                    "call_ms": round(call, 4), "call_tops": round(flops / call / 1e9, 1),
-                    "sdpa_ms": round(sdpa, 4), "sdpa_tops": round(flops / sdpa / 1e9, 1),
-                })
-                del q, k, v, pre
+                    kernel_4k = row["kernel_ms"]
             except Exception as e:  # noqa: BLE001
                 row.update(_error(e))
             rows.append(row)

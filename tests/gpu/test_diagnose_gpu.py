@@ -34,7 +34,7 @@ def diagnose(tmp_path, **env):
 
 
 def test_fp4_report(tmp_path):
-    sa = sageattn3_or_skip()
+    sageattn3_or_skip()
     from sageattn3 import _kernels
 
     cc = torch.cuda.get_device_capability()
