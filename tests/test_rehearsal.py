@@ -134,3 +134,21 @@ def test_rehearsing_a_target_that_cannot_run_here_says_why(tmp_path):
     with pytest.raises(ReleaseError, match="windows-amd64-cu130-torch2.10-stable: needs a windows-amd64 machine"):
         dry_run(tmp_path / "dist", only=["windows-amd64-cu130-torch2.10-stable"], compile_gate=False,
                 log=lambda m: None)
+
+
+def test_windows_jobs_get_msvc_commands_from_the_payloads_own_builder(monkeypatch):
+    from ci import flags
+    from ci.release import _windows_commands_problems
+
+    windows = [t for t in MATRIX.targets if t.os.platform == "windows"]
+    assert len(windows) == 8
+    for t in windows:
+        assert _windows_commands_problems(t, MATRIX) == [], t.id
+    real = flags.profile_for
+
+    def gcc_on_windows(target, floor, **kw):  # a profile that would compile Windows GCC-style
+        return {**real(target, floor, **kw), "compiler": "gcc"}
+
+    monkeypatch.setattr(flags, "profile_for", gcc_on_windows)
+    problems = _windows_commands_problems(windows[0], MATRIX)
+    assert any("not MSVC's" in p for p in problems) and any(".pyd" in p for p in problems)
