@@ -498,7 +498,8 @@ def build_target_like_cibuildwheel(target_id: str, dist: Path, artifacts: Path, 
     floor = find_python(target.python)
     logs = work / "logs"
     factory = [sys.executable, str(cibw.REPO / "ci" / "cibw.py")]
-    times = {"build": _run_hook("build", [str(floor), "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
+    # -v: cibuildwheel's build-verbosity 1, so the factory's own lines reach the step's log
+    times = {"build": _run_hook("build", [str(floor), "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps",
                                           "-w", str(work / "built"), str(cibw.PACKAGE_DIR)], env, logs, log)}
     built = sorted((work / "built").glob("*.whl"))
     if len(built) != 1:
