@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from packaging.version import Version
+
 from ci.build import REPO, host_os_key, local_blockers
 from ci.targets import Matrix, MatrixError, Target
 from ci.toolchain import ToolchainError
@@ -30,7 +32,16 @@ def default_target(matrix: Matrix, torch_version: str | None = None) -> Target:
     """This machine's target: the running Python, the torch pip would give it, that torch's
     PyPI CUDA variant."""
     version = torch_version or torch_pip_would_install()
-    line = matrix.line(".".join(version.split("+")[0].split(".")[:2]))
+    wanted = ".".join(version.split("+")[0].split(".")[:2])
+    newest = max(matrix.torch, key=lambda t: Version(t.line))
+    if all(t.line != wanted for t in matrix.torch) and Version(wanted) > Version(newest.line):
+        # A torch newer than the matrix (PyPI moved on): its nearest line's target is the
+        # sensible default (a stable-ABI wheel of it also loads into the newer torch).
+        print(f"note: pip would install torch {version}, newer than the matrix's newest line {newest.line}; "
+              f"building the default target of torch {newest.line} (add the new line to ci/targets.toml)",
+              file=sys.stderr)
+        wanted = newest.line
+    line = matrix.line(wanted)
     py = "%d.%d" % sys.version_info[:2]
     return matrix.target_for_torch(host_os_key(), py, version, line.pypi_default)
 

@@ -55,7 +55,7 @@ def test_default_target_is_built_repaired_tagged_and_recorded(built):
     assert not [n for n in names if "libtorch" in n or "libcudart" in n or n.startswith("sageattn3.libs/")]
     # the summary table and the install command
     assert re.search(rf"{TARGET}\s+sageattn3-.*manylinux_2_34_x86_64\.whl\s+[\d.]+ MB(\s+[\d.]+s){{6}}\s+ok", out)
-    assert "pip install sageattn3 --index-url file://" in out and "/cu130/torch2.14/" in out
+    assert "pip install --no-deps sageattn3 --index-url file://" in out and "/cu130/torch2.14/" in out
 
 
 @needs_nvcc

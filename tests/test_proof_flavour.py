@@ -67,3 +67,17 @@ def test_cli_refuses_both_flavours_at_once():
     proc = subprocess.run([sys.executable, "-m", "ci", "build-wheels", "--proof-flavour", "--test-flavour",
                            "--target", "linux-x86_64-cu128-torch2.8"], capture_output=True, text=True)
     assert proc.returncode == 2 and "exclusive" in proc.stderr
+
+
+def test_default_target_for_a_torch_newer_than_the_matrix():
+    """PyPI moves on (torch 2.15 appeared): the default build takes the newest line's target
+    and says so, instead of failing; an older unknown line is still an error."""
+    from ci.cli import default_target
+    from ci.targets import MatrixError
+
+    newest = max(MATRIX.torch, key=lambda t: tuple(map(int, t.line.split("."))))
+    major, minor = map(int, newest.line.split("."))
+    t = default_target(MATRIX, f"{major}.{minor + 1}.0")
+    assert t == default_target(MATRIX, newest.build_version)
+    with pytest.raises(MatrixError, match="not in the matrix"):
+        default_target(MATRIX, "2.6.0")
