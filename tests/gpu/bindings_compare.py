@@ -19,12 +19,13 @@ import re
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+
+from msvc_patch_build import build_flavours  # noqa: E402  (same pip wheel + --target install)
 
 
 def build_config(src: Path, bindings: str, jobs: int) -> dict:
@@ -61,18 +62,6 @@ def prepare(work: Path, bindings: str, jobs: int, payload: Path) -> Path:
         "build", "*.egg-info", "__pycache__", "*.so", "_build_record.json"))
     (base / "build-config.json").write_text(json.dumps(build_config(base / "src", bindings, jobs), indent=1))
     return base
-
-
-def build(base: Path) -> Path:
-    env = {**os.environ, "SAGEATTN3_BUILD_CONFIG": str(base / "build-config.json"), "SAGEATTN3_MMA_MODEL": "1"}
-    with (base / "build.log").open("w") as fh:
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-v",
-                        str(base / "src"), "-w", str(base / "wheel")], env=env, stdout=fh, stderr=subprocess.STDOUT,
-                       check=True)
-        (whl,) = (base / "wheel").glob("sageattn3-*.whl")
-        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target",
-                        str(base / "site"), str(whl)], stdout=fh, stderr=subprocess.STDOUT, check=True)
-    return base / "site"
 
 
 # -- outputs --------------------------------------------------------------------------------
@@ -161,14 +150,7 @@ def compare(a_path: Path, b_path: Path) -> int:
 def main() -> int:
     cmd = sys.argv[1] if len(sys.argv) > 1 else ""
     if cmd == "build" and len(sys.argv) >= 3:
-        work = Path(sys.argv[2]).resolve()
-        jobs = int(sys.argv[3]) if len(sys.argv) > 3 else max(1, (os.cpu_count() or 2) // 2)
-        work.mkdir(parents=True, exist_ok=True)
-        payload = Path(sys.argv[4]).resolve() if len(sys.argv) > 4 else ROOT / "sageattn3"
-        bases = [prepare(work, b, jobs, payload) for b in ("stable", "classic")]
-        with ThreadPoolExecutor(2) as pool:
-            for site in pool.map(build, bases):
-                print(site)
+        build_flavours(sys.argv[2:], ("stable", "classic"), prepare)
         return 0
     if cmd == "save" and len(sys.argv) == 3:
         save(Path(sys.argv[2]))

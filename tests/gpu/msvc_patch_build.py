@@ -80,16 +80,21 @@ def build(base: Path) -> Path:
     return base / "site"
 
 
-def main() -> None:
-    work = Path(sys.argv[1]).resolve()
-    jobs = int(sys.argv[2]) if len(sys.argv) > 2 else max(1, (os.cpu_count() or 2) // 2)
+def build_flavours(args: list[str], flavours: tuple[str, ...], prepare_one) -> None:
+    """`WORK [JOBS_EACH [PAYLOAD_DIR]]`: prepare each flavour's copy (prepare_one(work, flavour,
+    jobs, payload) -> its base dir) and build them in parallel; prints each --target site."""
+    work = Path(args[0]).resolve()
+    jobs = int(args[1]) if len(args) > 1 else max(1, (os.cpu_count() or 2) // len(flavours))
     work.mkdir(parents=True, exist_ok=True)
-    payload = Path(sys.argv[3]).resolve() if len(sys.argv) > 3 else ROOT / "sageattn3"
-    bases = [prepare(work, f, jobs, payload) for f in ("plain", "patched")]
-    with ThreadPoolExecutor(2) as pool:
-        sites = list(pool.map(build, bases))
-    for s in sites:
-        print(s)
+    payload = Path(args[2]).resolve() if len(args) > 2 else ROOT / "sageattn3"
+    bases = [prepare_one(work, f, jobs, payload) for f in flavours]
+    with ThreadPoolExecutor(len(bases)) as pool:
+        for site in pool.map(build, bases):
+            print(site)
+
+
+def main() -> None:
+    build_flavours(sys.argv[1:], ("plain", "patched"), prepare)
 
 
 if __name__ == "__main__":
