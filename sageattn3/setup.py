@@ -139,12 +139,13 @@ class CudaBuildExt(build_ext):
         tools = bc.tools(style, cuda_home, cxx=os.environ.get("CXX") if style == "gcc" else None,
                          launcher=cfg.get("launcher") or ())
         env = {**os.environ, **bc.build_environment(prof, cuda_home)}
-        objdir = Path(self.build_temp) / "obj"
+        # Objects by paths relative to HERE, where every command runs (setup.py may run elsewhere).
+        objdir = Path(os.path.relpath(Path(self.build_temp).resolve(), HERE)) / "obj"
         jobs = int(cfg.get("jobs") or os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
 
         def compile_one(src: str) -> str:
             obj = bc.object_path(style, objdir, src)
-            Path(obj).parent.mkdir(parents=True, exist_ok=True)
+            (HERE / obj).parent.mkdir(parents=True, exist_ok=True)
             cmd = bc.compile_command(tools, prof, src, obj, includes)
             print(" ".join(cmd), flush=True)
             res = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True)
@@ -160,7 +161,7 @@ class CudaBuildExt(build_ext):
             objects = list(pool.map(compile_one, sources))
 
         # setuptools names the module: _C.abi3.so on Linux, _C.pyd on Windows (abi3 or not).
-        out = Path(self.get_ext_fullpath(ext.name))
+        out = Path(self.get_ext_fullpath(ext.name)).resolve()
         out.parent.mkdir(parents=True, exist_ok=True)
         lib_dirs = bc.library_dirs(style, torch_dir=torch_dir, cuda_home=cuda_home,
                                    python_prefix=sys.base_exec_prefix, machine=machine)
