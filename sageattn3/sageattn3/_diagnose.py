@@ -283,6 +283,16 @@ def accuracy(device: torch.device, quick: bool) -> dict:
             "reference": "sageattn3.reference.sageattn3: the same algorithm and quantization, float32, in PyTorch"}
 
 
+def event_time_ms(fn) -> float:
+    """One call of ``fn`` timed with CUDA events on the current stream (ms)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
 def _time_ms(fn, budget_s: float, first: float | None = None) -> float:
     """Median of CUDA-event-timed calls after one warm-up; as many as fit in ``budget_s``."""
     if first is None:
@@ -291,12 +301,7 @@ def _time_ms(fn, budget_s: float, first: float | None = None) -> float:
     times = []
     deadline = time.perf_counter() + budget_s
     while True:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(event_time_ms(fn))
         if len(times) >= 10 or (len(times) >= 1 and time.perf_counter() > deadline):
             break
     return statistics.median(times)

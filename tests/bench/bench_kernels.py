@@ -30,20 +30,14 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from sageattn3._diagnose import event_time_ms
+
 
 def time_ms(fn, warmup=3, iters=10):
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return statistics.median(event_time_ms(fn) for _ in range(iters))
 
 
 def time_ms_batched(fn, calls=10, warmup=2, iters=5):

@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from attn_common import make_qkv
-from gpu_common import sageattn3_or_skip
+from gpu_common import FP4_CCS, fp4_path_or_skip, sageattn3_or_skip
 
-FP4_CCS = ((12, 0), (12, 1))
 
 
 def _reset():
@@ -31,19 +30,8 @@ def _reset():
 
 @pytest.fixture
 def fp4(monkeypatch):
-    sa = sageattn3_or_skip()
-    from sageattn3 import _attn, _kernels, _selfcheck
-
-    if not _attn.has_kernel():
-        pytest.skip("this wheel has no blockscaled_fp4_attn op")
-    cc = torch.cuda.get_device_capability()
-    if cc not in FP4_CCS and not _kernels.mma_model_build():
-        pytest.skip(f"sm_{cc[0]}{cc[1]} without the MMA-model test flavour: no FP4 path to test")
-    monkeypatch.setenv(_kernels.FORCE_FP4_ENV, "1")
-    monkeypatch.delenv(_selfcheck.SKIP_ENV, raising=False)
+    sa = fp4_path_or_skip(monkeypatch)
     _reset()
-    if not sa.backend().startswith("fp4"):
-        pytest.skip(f"the FP4 path is not taken here: {sa.backend()}")
     yield sa
     _reset()
 

@@ -18,11 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from attn_common import cos_sim, make_qkv, rel_l1
-from gpu_common import sageattn3_or_skip
+from gpu_common import FP4_CCS, fp4_path_or_skip
 from test_attn_fp4 import check_rows, exact_rows, ref_rows
 
 FIGURES: list[str] = []
-FP4_CCS = ((12, 0), (12, 1))
 
 
 def _clean(sa):
@@ -35,19 +34,7 @@ def _clean(sa):
 @pytest.fixture
 def fp4(monkeypatch):
     """sageattn3 with the FP4 path on (forced on sm_90 with the test flavour), fresh state."""
-    sa = sageattn3_or_skip()
-    from sageattn3 import _attn, _kernels, _selfcheck
-
-    if not _attn.has_kernel():
-        pytest.skip("this wheel has no blockscaled_fp4_attn op")
-    cc = torch.cuda.get_device_capability()
-    if cc not in FP4_CCS and not _kernels.mma_model_build():
-        pytest.skip(f"sm_{cc[0]}{cc[1]} without the MMA-model test flavour: no FP4 path to test")
-    monkeypatch.setenv(_kernels.FORCE_FP4_ENV, "1")
-    monkeypatch.delenv(_selfcheck.SKIP_ENV, raising=False)
-    b = sa.backend()
-    if not b.startswith("fp4"):
-        pytest.skip(f"the FP4 path is not taken here: {b}")
+    sa = fp4_path_or_skip(monkeypatch)
     _clean(sa)
     yield sa
     _clean(sa)
