@@ -21,13 +21,19 @@ int quant_fp4_rows(const void* x, DType dtype, int64_t n, int64_t cols, uint8_t*
 int quant_fp4_cols(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, int64_t Sp, uint8_t* packed,
                    uint8_t* scales, cudaStream_t stream);
 
+// Q/K rotation (rotate, D 64 or 128 only): rows are rotated before the mean is subtracted,
+// x -> x S H / 8 (S = diag(+-1) from fixed sign bits, H the Walsh-Hadamard matrix, fp32
+// butterflies in a fixed order: preprocess/rotation.cuh, bit-exact with reference.rotate); means
+// are summed unrotated and then rotated, and `mean` holds the rotated means.
+
 // Smoothing + NVFP4 along D: row r of group g becomes x[g, r] - mean[g, m(r)] (fp32), with
 // m(r) = r / 128 if mean_block == 128, else 0 (mean_block == 0: one mean per group);
 // mean has shape (G, nm, D) fp32. compute_mean (needs mean_block == 128): the kernel computes
 // each 128-row block's mean (over its rows < S) and writes it to `mean` first. Output rows
 // S..Sp-1 (Sp a multiple of 16... any Sp >= S) are zero codes with zero scales.
 int smooth_quant_rows(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, float* mean, bool compute_mean,
-                      int mean_block, int64_t Sp, uint8_t* packed, uint8_t* scales, cudaStream_t stream);
+                      int mean_block, int64_t Sp, uint8_t* packed, uint8_t* scales, bool rotate,
+                      cudaStream_t stream);
 
 // Smoothing with one mean per group over the whole sequence + NVFP4 along D (S >= 1):
 // mean (G, D) = (sum over the 128-row tiles in order of each tile's column sums) / S, then
@@ -35,21 +41,29 @@ int smooth_quant_rows(const void* x, DType dtype, int64_t G, int64_t S, int64_t 
 // sync (2 + 2G) int32 (zeroed here). One launch (each group's tiles are summed, then quantized a
 // few groups later, when most are still in L2: x comes from DRAM about once); force_two_pass:
 // tile sums, means, then the quantization (two reads). Both give the same bits.
+// With qbar (G*rep, D) fp32 (and ds_key (G*rep, Sp) fp32; D/16 must divide 32): the per-key
+// correction of K, ds_key[g*rep + h, r] = sum_d qbar[g*rep + h, d] * (x[g, r] - mean[g])[d] over
+// the smoothed (rotated) fp32 row as quantized (fixed fp32 order: per 16-block fma chains, block
+// sums by xor butterfly), 0 for rows S..Sp-1. Null qbar and ds_key: none.
 int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, float* mean, float* partial,
-                     int* sync, int64_t Sp, uint8_t* packed, uint8_t* scales, bool force_two_pass,
-                     cudaStream_t stream);
+                     int* sync, int64_t Sp, uint8_t* packed, uint8_t* scales, bool force_two_pass, bool rotate,
+                     const float* qbar, int64_t rep, float* ds_key, cudaStream_t stream);
 
 // One launch for Q and K: Q's 128-row block means + smoothing + NVFP4 (as smooth_quant_rows
 // with compute_mean: mean_q (Gq, ceil(Sq/128), D), q_packed (Gq, Sqp, D/2), q_scales
 // (Gq, Sqp, D/16)) and K's whole-sequence smoothing (as smooth_quant_seq, same bits: mean_k
 // (Gk, D), k_packed (Gk, Skp, D/2), k_scales (Gk, Skp, D/16); workspace partial_k
-// (Gk, ceil(Sk/128), D) fp32 and sync (2 + 2Gk) int32). q and k share dtype and D; Sk >= 1;
-// Gq may be 0 (K only). lag: K groups between a group's tile sums and its quantization (0: chosen
-// from the L2 size; any value gives the same bits).
+// (Gk, ceil(Sk/128), D) fp32). q and k share dtype and D; Sk >= 1; Gq a multiple of Gk (rep =
+// Gq / Gk q groups per k group, GQA), 0 for K only. lag: K groups between a group's tile sums and
+// its quantization (0: chosen from the L2 size; any value gives the same bits).
+// With partial_q (Gq, ceil(Sq/128), D), qbar (Gq, D) and ds_key (Gq, Skp) (all or none; Gq > 0;
+// D/16 must divide 32): qbar = each q group's mean over the whole sequence (from its block sums,
+// as smooth_quant_seq's mean, rotated) and ds_key = K's per-key correction from it (as
+// smooth_quant_seq with qbar). sync: 2 + 2Gk int32, + Gq + Gk with qbar (zeroed here).
 int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64_t Sq, int64_t Gk, int64_t Sk,
                     int64_t D, float* mean_q, int64_t Sqp, uint8_t* q_packed, uint8_t* q_scales, float* mean_k,
                     float* partial_k, int* sync, int64_t Skp, uint8_t* k_packed, uint8_t* k_scales, int lag,
-                    cudaStream_t stream);
+                    bool rotate, float* partial_q, float* qbar, float* ds_key, cudaStream_t stream);
 
 // delta_s[b, hq, i, j] = sum_d mean_q[b, hq, i, d] * (k[b, hq / (Hq/Hkv), j, d] - mean_k[b, hkv, d])
 // for j < Sk, 0 for Sk <= j < Sp. k (B, Hkv, Sk, D); mean_k (B, Hkv, D); mean_q (B, Hq, nblk, D);

@@ -10,9 +10,13 @@ produce (all sequence dims padded with zeros to a multiple of 128):
 - v (B, Hkv, D, Sk_p/2) + v_sf (B, Hkv, D, Sk_p/16): V along the sequence
   (``scale_and_quant_fp4_transpose`` layout);
 - mean_q (B, Hq, nblk, D) float32, nblk = Sq_p/128 (per-block Q means) or 1: the Q means
-  removed from q. The kernel adds delta_s = mean_q · Kdᵀ (Kd: the dequantized k) to Q·Kᵀ
-  before the softmax scale, computed per 128-key tile on the fly (query row i uses mean
-  i // 128, or 0); delta_s is never materialised.
+  removed from q; mean_q_global (B, Hq, 1, D) float32: Q's mean over the whole sequence;
+  delta_key (B, Hq, Sk_p) float32: mean_q_global · Kᵀ per key (the unquantized K, from
+  preprocessing). The kernel adds delta_s = delta_key + (mean_q - mean_q_global) · Kdᵀ (Kd: the
+  dequantized k) to Q·Kᵀ before the softmax scale, the second term computed per 128-key tile on
+  the fly (query row i uses mean i // 128, or 0); delta_s is never materialised.
+- With Q/K rotation (``reference.rotate``) the scores are (D/64)·Q·Kᵀ: the softmax scale is
+  divided by that factor (``qk_rotation=True``).
 
 The kernel computes ``sageattn3.reference.sageattn3`` with block_n = 128: online softmax in the
 exp2 domain, P = exp2(t - m_running)·2688 (level 1, folded into the exponent), NVFP4 of P along
@@ -80,25 +84,31 @@ def fp4_attention(
     v_sf: torch.Tensor,
     mean_q: torch.Tensor,
     *,
+    mean_q_global: torch.Tensor,
+    delta_key: torch.Tensor,
     seq_q: int,
     seq_k: int,
     sm_scale: float | None = None,
     is_causal: bool = False,
     out_dtype: torch.dtype = torch.bfloat16,
+    qk_rotation: bool = False,
 ) -> torch.Tensor:
     """Runs the FP4 attention kernel on preprocessed NVFP4 tensors (layouts: module doc) and
     returns (B, Hq, seq_q, D) in ``out_dtype`` (bfloat16 or float16). Sequence dims that are
     not yet multiples of 128 are zero-padded here (a copy); ``seq_q``/``seq_k`` are the real
-    lengths (keys past seq_k are masked, rows past seq_q are not written)."""
+    lengths (keys past seq_k are masked, rows past seq_q are not written). ``qk_rotation``: q and
+    k were rotated (the scale is divided by D/64)."""
     q, q_sf, k, k_sf = _bytes(q, "q"), _bytes(q_sf, "q_sf"), _bytes(k, "k"), _bytes(k_sf, "k_sf")
     v, v_sf = _bytes(v, "v"), _bytes(v_sf, "v_sf")
-    for name, t in (("q", q), ("q_sf", q_sf), ("k", k), ("k_sf", k_sf), ("v", v), ("v_sf", v_sf), ("mean_q", mean_q)):
+    for name, t in (("q", q), ("q_sf", q_sf), ("k", k), ("k_sf", k_sf), ("v", v), ("v_sf", v_sf), ("mean_q", mean_q),
+                    ("mean_q_global", mean_q_global)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
         if t.device != q.device or t.device.type != "cuda":
             raise ValueError(f"{name} must be a CUDA tensor on q's device ({q.device}), got {t.device}")
-    if mean_q.dtype != torch.float32:
-        raise TypeError(f"mean_q must be float32, got {mean_q.dtype}")
+    for name, t in (("mean_q", mean_q), ("mean_q_global", mean_q_global), ("delta_key", delta_key)):
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {t.dtype}")
     if out_dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"out_dtype must be bfloat16 or float16, got {out_dtype}")
     b, hq, _, d2 = q.shape
@@ -127,16 +137,30 @@ def fp4_attention(
             f"mean_q must be (B, Hq, 1 or Sq_p/128, D) = ({b}, {hq}, 1|{q.shape[2] // SEQ_PAD}, {d}), "
             f"got {tuple(mean_q.shape)}"
         )
-    return _launch(q, q_sf, k, k_sf, v.contiguous(), v_sf.contiguous(), mean_q, int(seq_q), int(seq_k), sm_scale,
-                   bool(is_causal), out_dtype)
+    mean_q_global = mean_q_global.contiguous()
+    if mean_q_global.data_ptr() % 16:
+        mean_q_global = mean_q_global.clone()
+    if mean_q_global.shape != (b, hq, 1, d):
+        raise ValueError(f"mean_q_global must be (B, Hq, 1, D) = ({b}, {hq}, 1, {d}), got {tuple(mean_q_global.shape)}")
+    if delta_key.dim() != 3 or delta_key.shape[:2] != (b, hq) or delta_key.device != q.device:
+        raise ValueError(f"delta_key must be (B, Hq, Sk_p) = ({b}, {hq}, ...) on {q.device}, got {tuple(delta_key.shape)}")
+    if delta_key.shape[2] > sk_p:
+        raise ValueError(f"delta_key covers more keys ({delta_key.shape[2]}) than k ({sk_p})")
+    delta_key = _pad_to(delta_key, 2, sk_p).contiguous()
+    return _launch(q, q_sf, k, k_sf, v.contiguous(), v_sf.contiguous(), mean_q, mean_q_global, delta_key, int(seq_q),
+                   int(seq_k), sm_scale, bool(is_causal), out_dtype, bool(qk_rotation))
 
 
-def _launch(q, q_sf, k, k_sf, v, v_sf, mean_q, seq_q: int, seq_k: int, sm_scale: float | None, is_causal: bool,
-            out_dtype: torch.dtype) -> torch.Tensor:
+def _launch(q, q_sf, k, k_sf, v, v_sf, mean_q, mean_q_global, delta_key, seq_q: int, seq_k: int,
+            sm_scale: float | None, is_causal: bool, out_dtype: torch.dtype, qk_rotation: bool) -> torch.Tensor:
     """The kernel call itself, on operands in the kernel's layout (the op checks them again)."""
-    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(2 * q.shape[3])
-    out = torch.empty((q.shape[0], q.shape[1], seq_q, 2 * q.shape[3]), dtype=out_dtype, device=q.device)
-    _kernels.op("blockscaled_fp4_attn")(q, q_sf, k, k_sf, v, v_sf, mean_q, out, seq_q, seq_k, scale, is_causal)
+    d = 2 * q.shape[3]
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
+    if qk_rotation:
+        scale *= 64.0 / d  # rotate(q) . rotate(k) = (D/64) q . k (exact: a power of two)
+    out = torch.empty((q.shape[0], q.shape[1], seq_q, d), dtype=out_dtype, device=q.device)
+    _kernels.op("blockscaled_fp4_attn")(q, q_sf, k, k_sf, v, v_sf, mean_q, mean_q_global, delta_key, out, seq_q, seq_k,
+                                        scale, is_causal)
     return out
 
 
@@ -148,10 +172,12 @@ def attention_from_preprocessed(pre, *, is_causal: bool = False, sm_scale: float
     q's dtype: the Python checks and padding are skipped (the op's own checks remain)."""
     if trusted:
         return _launch(pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
-                       pre.mean_q, pre.seq_q, pre.seq_k, sm_scale, is_causal, out_dtype)
+                       pre.mean_q, pre.mean_q_global, pre.delta_key, pre.seq_q, pre.seq_k, sm_scale, is_causal,
+                       out_dtype, pre.qk_rotation)
     return fp4_attention(pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
-                         pre.mean_q, seq_q=pre.seq_q, seq_k=pre.seq_k, sm_scale=sm_scale, is_causal=is_causal,
-                         out_dtype=out_dtype)
+                         pre.mean_q, mean_q_global=pre.mean_q_global, delta_key=pre.delta_key, seq_q=pre.seq_q,
+                         seq_k=pre.seq_k, sm_scale=sm_scale, is_causal=is_causal, out_dtype=out_dtype,
+                         qk_rotation=pre.qk_rotation)
 
 
 def mma_probe(a: torch.Tensor, b: torch.Tensor, sfa: torch.Tensor, sfb: torch.Tensor, c: torch.Tensor,

@@ -132,47 +132,107 @@ def quant_cols(x: torch.Tensor, seq_pad: int = 16) -> tuple[torch.Tensor, torch.
 
 
 def smooth_quant_rows(x: torch.Tensor, mean: torch.Tensor, compute_mean: bool, mean_block: int,
-                      seq_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      seq_pad: int, rotate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x (G, S, D): rows minus mean[g, r // mean_block] (mean_block 0: one mean), NVFP4 along
     D, rows padded with zero codes to a multiple of ``seq_pad``. compute_mean: the kernel
-    computes the 128-row means itself and writes them into ``mean``."""
+    computes the 128-row means itself and writes them into ``mean``. ``rotate`` (D 64/128): the
+    rows are rotated first (``reference.rotate``) and the means are rotated means."""
     g, s, d = x.shape
     packed, scales = _codes(x, g, s, d, seq_pad)
-    op("smooth_quant_rows")(x, mean, compute_mean, mean_block, packed, scales)
+    op("smooth_quant_rows")(x, mean, compute_mean, mean_block, packed, scales, rotate)
     return packed, scales
 
 
-def smooth_quant_seq(x: torch.Tensor, seq_pad: int, two_pass: bool = False
+def smooth_quant_seq(x: torch.Tensor, seq_pad: int, two_pass: bool = False, rotate: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (G, S, D), S >= 1: rows minus their mean over the whole sequence, NVFP4 along D, rows
     padded with zero codes to a multiple of ``seq_pad``; returns (packed, scales, mean (G, 1, D)).
     One launch, x from DRAM about once (``smooth_quant_qk`` without Q); ``two_pass``: tile sums,
-    means, quantization. The mean (tile sums in a fixed order, / S) has the same bits either way."""
+    means, quantization. The mean (tile sums in a fixed order, / S) has the same bits either way.
+    ``rotate`` (D 64/128): rows rotated first, the mean is the rotated mean."""
+    return _smooth_quant_seq(x, seq_pad, two_pass, rotate, None)[:3]
+
+
+def smooth_quant_seq_key(x: torch.Tensor, seq_pad: int, qbar: torch.Tensor, two_pass: bool = False,
+                         rotate: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``smooth_quant_seq`` of K plus its per-key correction for the q heads of each group:
+    qbar (G*rep, 1, D) fp32 (their rotated Q means over the whole sequence; D 64/128, rep <=
+    ``max_correction_heads``) -> also ds_key (G*rep, Sp) = qbar · rotate(K)ᵀ (0 past S)."""
+    return _smooth_quant_seq(x, seq_pad, two_pass, rotate, qbar)
+
+
+def _smooth_quant_seq(x, seq_pad, two_pass, rotate, qbar):
     g, s, d = x.shape
     packed, scales = _codes(x, g, s, d, seq_pad)
     mean = torch.empty((g, 1, d), dtype=torch.float32, device=x.device)
     partial, sync = _seq_workspace(x, g, s, d)
-    op("smooth_quant_seq")(x, mean, partial, sync, packed, scales, two_pass)
-    return packed, scales, mean
+    if qbar is None:
+        qbar, ds_key = _none(x.device, 0), _none(x.device, 1)
+        out = None
+    else:
+        ds_key = out = torch.empty((qbar.shape[0], packed.shape[1]), dtype=torch.float32, device=x.device)
+    op("smooth_quant_seq")(x, mean, partial, sync, packed, scales, two_pass, rotate, qbar, ds_key)
+    return packed, scales, mean, out
 
 
-def smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, seq_pad: int, lag: int = 0
+_NONE: dict = {}
+
+
+def _none(device: torch.device, i: int) -> torch.Tensor:
+    """An empty float32 tensor ("no such operand" for the ops), distinct per operand slot i."""
+    t = _NONE.get((device, i))
+    if t is None:
+        t = _NONE[(device, i)] = torch.empty(0, device=device)
+    return t
+
+
+def max_correction_heads(d: int) -> int:
+    """q heads per kv head for which the K kernels compute the per-key correction (their Q
+    means sit in shared memory next to K's mean): 31 at D 128, 63 at D 64."""
+    return (4096 - d) // d
+
+
+def smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, seq_pad: int, lag: int = 0, rotate: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (Gq, Sq, D), k (Gk, Sk, D), Sk >= 1, one launch: Q minus its 128-row block means (as
-    ``smooth_quant_rows`` with compute_mean) and K minus its whole-sequence mean (as
-    ``smooth_quant_seq``, same bits), both NVFP4 along D, rows padded to a multiple of
-    ``seq_pad``. Returns (q_packed, q_scales, mean_q (Gq, nblk, D), k_packed, k_scales,
-    mean_k (Gk, 1, D)). ``lag``: K groups between a group's tile sums and its quantization
-    (0: from the L2 size; every value gives the same bits)."""
+    """q (Gq, Sq, D), k (Gk, Sk, D), Sk >= 1, Gq a multiple of Gk (or 0), one launch: Q minus its
+    128-row block means (as ``smooth_quant_rows`` with compute_mean) and K minus its
+    whole-sequence mean (as ``smooth_quant_seq``, same bits), both NVFP4 along D, rows padded to
+    a multiple of ``seq_pad``. Returns (q_packed, q_scales, mean_q (Gq, nblk, D), k_packed,
+    k_scales, mean_k (Gk, 1, D)). ``lag``: K groups between a group's tile sums and its
+    quantization (0: from the L2 size; every value gives the same bits). ``rotate`` (D 64/128):
+    Q and K rotated first, the means are rotated means."""
+    return _smooth_quant_qk(q, k, seq_pad, lag, rotate, False)[:6]
+
+
+def smooth_quant_qk_key(q: torch.Tensor, k: torch.Tensor, seq_pad: int, lag: int = 0, rotate: bool = False
+                        ) -> tuple[torch.Tensor, ...]:
+    """``smooth_quant_qk`` (Gq > 0, D 64/128, Gq/Gk <= ``max_correction_heads``) plus, from the
+    same launch, qbar (Gq, 1, D): each q group's (rotated) mean over the whole sequence, and
+    ds_key (Gq, Skp) = qbar · rotate(K)ᵀ of its kv group (0 past Sk). Returns the 6 tensors of
+    ``smooth_quant_qk`` then qbar and ds_key."""
+    return _smooth_quant_qk(q, k, seq_pad, lag, rotate, True)
+
+
+def _smooth_quant_qk(q, k, seq_pad, lag, rotate, key):
     gq, sq, d = q.shape
     gk, sk, _ = k.shape
+    dev = q.device
     q_packed, q_scales = _codes(q, gq, sq, d, seq_pad)
     k_packed, k_scales = _codes(q, gk, sk, d, seq_pad)
-    mean_q = torch.empty((gq, -(-sq // 128), d), dtype=torch.float32, device=q.device)
-    mean_k = torch.empty((gk, 1, d), dtype=torch.float32, device=q.device)
-    partial, sync = _seq_workspace(q, gk, sk, d)
-    op("smooth_quant_qk")(q, k, mean_q, q_packed, q_scales, mean_k, k_packed, k_scales, partial, sync, lag)
-    return q_packed, q_scales, mean_q, k_packed, k_scales, mean_k
+    nblk = -(-sq // 128)
+    mean_q = torch.empty((gq, nblk, d), dtype=torch.float32, device=dev)
+    mean_k = torch.empty((gk, 1, d), dtype=torch.float32, device=dev)
+    partial = torch.empty((gk, -(-sk // 128), d), dtype=torch.float32, device=dev)
+    sync = torch.empty((2 + 2 * gk + (gq + gk if key else 0),), dtype=torch.int32, device=dev)
+    if key:
+        partial_q = torch.empty((gq, nblk, d), dtype=torch.float32, device=dev)
+        qbar = torch.empty((gq, 1, d), dtype=torch.float32, device=dev)
+        ds_key = torch.empty((gq, k_packed.shape[1]), dtype=torch.float32, device=dev)
+    else:
+        partial_q, qbar, ds_key = _none(dev, 0), _none(dev, 1), _none(dev, 2)
+    op("smooth_quant_qk")(q, k, mean_q, q_packed, q_scales, mean_k, k_packed, k_scales, partial, sync, lag, rotate,
+                          partial_q, qbar, ds_key)
+    return q_packed, q_scales, mean_q, k_packed, k_scales, mean_k, qbar, ds_key
 
 
 def _codes(x: torch.Tensor, g: int, s: int, d: int, seq_pad: int) -> tuple[torch.Tensor, torch.Tensor]:

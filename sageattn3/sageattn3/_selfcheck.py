@@ -14,16 +14,16 @@ Why the thresholds are what they are. The inputs are dyadic (multiples of 1/8, |
 sum of 128 of them, every mean (sum / 128) and every difference x - mean is exact in float32, in
 any summation order. So the kernel's preprocessing and the reference produce bit-identical NVFP4
 codes and scales for Q, K and V: the same quantization on both sides. What remains are float32
-rounding differences: accumulation order in Q·Kᵀ and P·V (~1e-6 relative), the hardware exp2
-(~2 ulp), which can flip a rare P code sitting on an FP4 rounding boundary, and the rounding of
-the output to bf16/fp16 (2^-9 relative, a cos-sim loss of ~1e-6). Expected: 1 - cos-sim of order
-1e-5 or less. A wrong kernel (fragment layout, scale selector, masking, a missed rescale) gives an
-output as far from the reference as a different algorithm: 1 - cos-sim of order 1e-2, larger
-than the FP4 quantization noise itself (1 - cos-sim(reference, exact) ~ 5e-3 to 1e-2 on these
-inputs: a kernel that skipped the quantization would fail too). The bar,
-cos-sim >= 0.999, sits two orders of magnitude above the benign level and below the noise floor.
-cos-sim ignores scale, so the relative L2 error must also stay <= 0.05 (what cos-sim 0.999
-allows for equal norms is 0.045), and everything must be finite.
+rounding differences: accumulation order in Q·Kᵀ, P·V and the correction delta_s (~1e-6
+relative), the hardware exp2 (~2 ulp), which can flip a rare P code sitting on an FP4 rounding
+boundary, and the rounding of the output to bf16/fp16 (2^-9 relative, a cos-sim loss of ~1e-6).
+Expected: 1 - cos-sim of order 1e-5 or less. A wrong kernel (fragment layout, scale selector,
+masking, a missed rescale) gives an output as far from the reference as a different algorithm:
+1 - cos-sim of order 1e-2, larger than the FP4 quantization noise itself (1 - cos-sim(reference,
+exact) ~ 5e-3 to 1e-2 on these inputs: a kernel that skipped the quantization would fail too).
+The bar, cos-sim >= 0.999, sits two orders of magnitude above the benign level and below the
+noise floor. cos-sim ignores scale, so the relative L2 error must also stay <= 0.05 (what cos-sim
+0.999 allows for equal norms is 0.045), and everything must be finite.
 """
 
 from __future__ import annotations

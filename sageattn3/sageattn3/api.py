@@ -185,7 +185,8 @@ def _sdpa(q, k, v, is_causal: bool) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
 
 
-def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_block_mean: bool = True):
+def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_block_mean: bool = True,
+                        qk_rotation: bool = reference.QK_ROTATION_DEFAULT):
     """FP4 attention. q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D), float16 or bfloat16, one
     device; Hq a multiple of Hkv (GQA/MQA); any sequence lengths (Sk >= 1). Returns
     (B, Hq, Sq, D) in q's dtype; the inputs are never modified. ``is_causal``: key j is visible
@@ -198,7 +199,11 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     one loud warning and SDPA on that device from then on. Elsewhere (other GPUs, CPU tensors,
     unsupported head dims, kernel not built): torch SDPA, with one warning per process and
     reason. ``backend()`` says which path a device takes and why; the path of a (device, head
-    dim) is decided on its first call.
+    dim) is decided on its first call. ``qk_rotation=True``: rotate Q and K by a fixed
+    randomized Hadamard transform before quantizing them (``sageattn3.reference.rotate``;
+    attention is unchanged, outlier channels are spread before the 16-channel FP4 blocks form):
+    more accurate with Q/K outlier channels, no gain elsewhere, and it makes the preprocessing
+    slower (about +57% on an H100), so it is off by default.
 
     Under ``torch.compile`` (``fullgraph=True`` works): the path is decided when tracing; the
     FP4 path is the custom op ``torch.ops.sageattn3.attention`` (not differentiable, like the
@@ -209,11 +214,12 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
             "is_causal=True for causal masking or torch.nn.functional.scaled_dot_product_attention"
         )
     if torch.compiler.is_compiling():
-        return _traced(q, k, v, bool(is_causal), bool(per_block_mean))
-    return _eager_call(q, k, v, bool(is_causal), bool(per_block_mean))
+        return _traced(q, k, v, bool(is_causal), bool(per_block_mean), bool(qk_rotation))
+    return _eager_call(q, k, v, bool(is_causal), bool(per_block_mean), bool(qk_rotation))
 
 
-def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool) -> torch.Tensor:
+def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool,
+                qk_rotation: bool = reference.QK_ROTATION_DEFAULT) -> torch.Tensor:
     """What ``sageattn3_blackwell`` does outside torch.compile (the custom op's body)."""
     _check_qkv(q, k, v)
     if q.numel() == 0:
@@ -221,7 +227,7 @@ def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool) -> torch.Tensor:
     key = (q.device, q.shape[3])
     why = _paths[key] if key in _paths else _decide(*key)
     if why is None:
-        return _fp4_attention(q, k, v, is_causal, per_block_mean)
+        return _fp4_attention(q, k, v, is_causal, per_block_mean, qk_rotation=qk_rotation)
     if why not in _warned:
         _warn_once(why, stacklevel=4)
     return _sdpa(q, k, v, is_causal)
@@ -229,14 +235,14 @@ def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool) -> torch.Tensor:
 
 @torch.library.custom_op("sageattn3::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                  per_block_mean: bool) -> torch.Tensor:
+                  per_block_mean: bool, qk_rotation: bool) -> torch.Tensor:
     """``sageattn3_blackwell`` as one op for compiled graphs: the self-check, the fallback and
     the kernels run here, at run time. Contiguous (B, Hq, Sq, D) output, as its fake says."""
-    return _eager_call(q, k, v, is_causal, per_block_mean).contiguous()
+    return _eager_call(q, k, v, is_causal, per_block_mean, qk_rotation).contiguous()
 
 
 @_attention_op.register_fake
-def _attention_op_fake(q, k, v, is_causal, per_block_mean):
+def _attention_op_fake(q, k, v, is_causal, per_block_mean, qk_rotation):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -257,13 +263,13 @@ def _compile_path(device: torch.device) -> bool:
 _compile_path._dynamo_marked_constant = True
 
 
-def _traced(q, k, v, is_causal: bool, per_block_mean: bool) -> torch.Tensor:
+def _traced(q, k, v, is_causal: bool, per_block_mean: bool, qk_rotation: bool) -> torch.Tensor:
     """The compiled form of ``sageattn3_blackwell``: only what dynamo traces without breaks."""
     _check_qkv(q, k, v)
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
         return q.new_empty(q.shape)
     if q.shape[3] in _kernels.ATTN_HEAD_DIMS and _compile_path(q.device):
-        return torch.ops.sageattn3.attention(q, k, v, is_causal, per_block_mean)
+        return torch.ops.sageattn3.attention(q, k, v, is_causal, per_block_mean, qk_rotation)
     return _sdpa(q, k, v, is_causal)
 
 
@@ -277,21 +283,24 @@ def _checked(device: torch.device) -> bool:
     return False
 
 
-def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None = None) -> torch.Tensor:
+def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None = None,
+                   qk_rotation: bool = reference.QK_ROTATION_DEFAULT) -> torch.Tensor:
     """The FP4 path on validated, non-empty q, k, v: preprocess (new tensors; the inputs are
     only read), then the attention kernel; output (B, Hq, Sq, D) in q's dtype. Every
     allocation names q's device and every op sets its device itself: no device switch here."""
-    pre = _preprocess_kernels(q, k, v, per_block_mean, _attn.SEQ_PAD)
+    pre = _preprocess_kernels(q, k, v, per_block_mean, _attn.SEQ_PAD, qk_rotation)
     return _attn.attention_from_preprocessed(pre, is_causal=is_causal, sm_scale=sm_scale, out_dtype=q.dtype,
                                              trusted=True)
 
 
-def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool = True, sm_scale: float | None = None):
+def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool = True, sm_scale: float | None = None,
+                         qk_rotation: bool = reference.QK_ROTATION_DEFAULT):
     """The FP4 block-scaled attention kernel itself, without fallback: q, k, v as for
     ``sageattn3_blackwell`` (float16/bfloat16, D 64 or 128, GQA/MQA, any lengths); ``sm_scale``
-    defaults to 1/sqrt(D). Raises NotImplementedError when this build has no attention kernel,
-    RuntimeError when the kernel cannot run on q's device (the message says why, as
-    ``backend()`` does) or when the device failed the self-check."""
+    defaults to 1/sqrt(D); ``qk_rotation`` as for ``sageattn3_blackwell``. Raises
+    NotImplementedError when this build has no attention kernel, RuntimeError when the kernel
+    cannot run on q's device (the message says why, as ``backend()`` does) or when the device
+    failed the self-check."""
     if not _kernels.has_attention_kernel():
         raise NotImplementedError(
             "sageattn3.blockscaled_fp4_attn: the FP4 attention kernel is not implemented in this build "
@@ -306,7 +315,7 @@ def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool 
         return q.new_empty(q.shape)
     if not _checked(q.device):
         raise RuntimeError(f"sageattn3.blockscaled_fp4_attn: {_selfcheck.fallback_reason(_selfcheck.failure(q.device))}")
-    return _fp4_attention(q, k, v, bool(is_causal), bool(per_block_mean), sm_scale)
+    return _fp4_attention(q, k, v, bool(is_causal), bool(per_block_mean), sm_scale, qk_rotation=bool(qk_rotation))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,7 +391,8 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
-def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128) -> Preprocessed:
+def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
+               qk_rotation: bool = reference.QK_ROTATION_DEFAULT) -> Preprocessed:
     """Smoothing + NVFP4 quantization of Q, K, V for the attention kernel (never modifies the
     inputs). Layouts and the definition of every output: ``sageattn3.reference.Preprocessed``.
 
@@ -393,8 +403,10 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128) -> Preproce
        heads later (mostly still in L2), quantized with the head's mean;
        Q's and K's CTAs are interleaved (K's sums are bound by DRAM, the quantization by
        arithmetic). One mean per head: Q and K each as ``smooth_quant_seq`` (the K part alone).
-    The correction delta_s = mean_q · Kdᵀ is not computed here: the attention kernel computes
-    it per K tile from ``mean_q`` (``Preprocessed.delta_s`` materialises it for tests).
+    ``qk_rotation`` (D 64/128): Q and K rows are rotated in registers before smoothing.
+    K's quantization also writes delta_key = mean_q_global · Kᵀ per key and q head (the
+    unquantized K; mean_q_global from Q's block sums in the same launch); the attention kernel
+    adds the block residuals' part per K tile (``Preprocessed.delta_s`` materialises it all).
     Bytes that must move: Q, K, V read (3 x 2 bytes/element) + FP4 written (3 x 0.5625) + the
     means (tiny); K's second read comes mostly from L2 when a few heads fit in it. Figures:
     tests/bench/bench_kernels.py. Elsewhere: the reference."""
@@ -402,14 +414,14 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128) -> Preproce
     if not isinstance(pad, int) or pad <= 0 or pad % 16:
         raise ValueError(f"pad must be a positive multiple of 16, got {pad!r}")
     if not _use_kernels(q) or q.shape[2] == 0 or q.shape[0] == 0:
-        return reference.preprocess(q, k, v, per_block_mean, pad)
+        return reference.preprocess(q, k, v, per_block_mean, pad, qk_rotation=qk_rotation)
     d = q.shape[3]
     if d % 16 or d > 256:
         raise ValueError(f"head_dim {d} not supported by the preprocessing kernels (multiple of 16, <= 256)")
-    return _preprocess_kernels(q, k, v, per_block_mean, pad)
+    return _preprocess_kernels(q, k, v, per_block_mean, pad, qk_rotation)
 
 
-def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int) -> Preprocessed:
+def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bool) -> Preprocessed:
     """``preprocess`` on the kernels, for checked inputs (the FP4 path calls it directly). V's
     launch comes first, before any other Python: the host work for Q and K then overlaps it."""
     vp, vsc = _kernels.quant_cols(_aligned(v), pad)
@@ -417,15 +429,40 @@ def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int) -> Preprocessed
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     k3, q3 = k.view(b * hk, sk, d), q.view(b * hq, sq, d)
+    rot = bool(qk_rotation) and d in reference.ROTATION_HEAD_DIMS
+    # the per-key correction in the K kernels: D 64/128, up to max_correction_heads q heads per kv head
+    key = d in reference.ROTATION_HEAD_DIMS and hq // hk <= _kernels.max_correction_heads(d)
     if per_block_mean:
-        qp, qsc, mean_q, kp, ksc, mean_k = _kernels.smooth_quant_qk(q3, k3, pad)
+        if key:
+            qp, qsc, mean_q, kp, ksc, mean_k, qbar, ds_key = _kernels.smooth_quant_qk_key(q3, k3, pad, rotate=rot)
+        else:
+            qp, qsc, mean_q, kp, ksc, mean_k = _kernels.smooth_quant_qk(q3, k3, pad, rotate=rot)
     else:
-        kp, ksc, mean_k = _kernels.smooth_quant_seq(k3, pad)
-        qp, qsc, mean_q = _kernels.smooth_quant_seq(q3, pad)
-    mean_q4 = mean_q.view(b, hq, -1, d)
-    mean_k4 = mean_k.view(b, hk, 1, d)
+        qp, qsc, mean_q = _kernels.smooth_quant_seq(q3, pad, rotate=rot)
+        qbar = mean_q
+        if key:
+            kp, ksc, mean_k, ds_key = _kernels.smooth_quant_seq_key(k3, pad, qbar, rotate=rot)
+        else:
+            kp, ksc, mean_k = _kernels.smooth_quant_seq(k3, pad, rotate=rot)
+    if not key:
+        qbar, ds_key = _delta_key_torch(q, k, None if per_block_mean else qbar, rot, kp.shape[1])
     return Preprocessed(
         qp.view(b, hq, -1, d // 2), qsc.view(b, hq, -1, d // 16),
         kp.view(b, hk, -1, d // 2), ksc.view(b, hk, -1, d // 16),
-        vp, vsc, mean_q4, mean_k4, sq, sk,
+        vp, vsc, mean_q.view(b, hq, -1, d), mean_k.view(b, hk, 1, d), sq, sk,
+        qbar.view(b, hq, 1, d), ds_key.view(b, hq, -1), rot,
     )
+
+
+def _delta_key_torch(q, k, qbar, rot: bool, skp: int):
+    """mean_q_global and delta_key with torch ops, where the K kernels do not compute them
+    (head dims other than 64/128; more q heads per kv head than they take): (B*Hq, 1, D) and
+    (B*Hq, Skp) float32, the reference's definition (in float32)."""
+    b, hq, sq, d = q.shape
+    turn = reference.rotate if rot else (lambda x: x.float())
+    if qbar is None:
+        qbar = turn(q.float().mean(dim=2, keepdim=True))
+    qbar = qbar.reshape(b, hq, 1, d)
+    ks = reference.expand_kv(turn(k), hq)
+    ds = reference.pad_dim(torch.matmul(qbar, ks.transpose(-1, -2)).squeeze(-2), -1, skp)
+    return qbar.reshape(b * hq, 1, d), ds.reshape(b * hq, skp)

@@ -33,8 +33,9 @@ Layouts
 
 The quantized attention (``sageattn3``)
 ----------------------------------------
-See ``preprocess`` and ``sageattn3`` below for the exact definition of the smoothing, the
-correction ``delta_s`` and the two-level quantization of P.
+See ``rotate``, ``preprocess`` / ``Preprocessed`` and ``sageattn3`` below for the exact
+definition of the Q/K rotation, the smoothing, the correction ``delta_s`` and the two-level
+quantization of P; ``sageattn3_paper`` is the published algorithm, for comparison.
 """
 
 from __future__ import annotations
@@ -159,6 +160,63 @@ def dequantize_transposed(packed: torch.Tensor, scales: torch.Tensor, seq_len: i
 
 
 # ---------------------------------------------------------------------------------------------
+# Q/K rotation
+# ---------------------------------------------------------------------------------------------
+
+ROTATION_HEAD_DIMS = (64, 128)  # head dims the rotation applies to (the FP4 kernel's)
+# Sign vector of the rotation: bit d set -> channel d is negated (the first D bits for head dim
+# D). Drawn once: random.Random(3).getrandbits(128). csrc/preprocess/rotation.cuh holds the same
+# bits (a CPU test compares them).
+ROTATION_SIGN_BITS = 0x216363698B529B4A97B750923CEB3FFD
+ROTATION_SCALE = 0.125  # 2^-3: exact in float32
+# What sageattn3_blackwell / preprocess do unless told otherwise: off. Measured on an H100 (the
+# MMA-model test flavour, 24 heads x 32k tokens, D 128) the rotation costs +57% of the
+# preprocessing time (3 shuffle stages of 16 values per row block), far over the 5% it could
+# cost to be on by default; it helps only with Q/K outlier channels (rel-L1 -10% there, within
+# noise elsewhere: tests/bench/accuracy.py). qk_rotation=True turns it on.
+QK_ROTATION_DEFAULT = False
+
+
+def rotation_applies(head_dim: int) -> bool:
+    return head_dim in ROTATION_HEAD_DIMS
+
+
+def rotation_signs(head_dim: int, device=None) -> torch.Tensor:
+    """(D,) float32: -ROTATION_SCALE where bit d of ROTATION_SIGN_BITS is set, else +ROTATION_SCALE."""
+    bits = torch.tensor([(ROTATION_SIGN_BITS >> d) & 1 for d in range(head_dim)], dtype=torch.float32, device=device)
+    return ROTATION_SCALE * (1.0 - 2.0 * bits)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """The randomized Hadamard rotation of the last dim (D 64 or 128), float32, bit-exact with
+    the preprocessing kernels: y = x * s (s_d = +-1/8, ``rotation_signs``; exact), then the
+    Walsh-Hadamard butterflies in float32, stages h = 1, 2, 4, ..., D/2 in that order: for each
+    i with (i & h) == 0, (y_i, y_{i+h}) <- (y_i + y_{i+h}, y_i - y_{i+h}).
+
+    As a matrix, x -> x S H / 8 with S = diag(+-1) and H the Sylvester Hadamard matrix
+    (H Hᵀ = D I), so rotate(q) · rotate(k)ᵀ = (D / 64) · q · kᵀ (``rotation_score_factor``):
+    attention is unchanged once the softmax scale is divided by that factor. The rotation spreads
+    an outlier channel over all D channels before the 16-channel NVFP4 blocks are formed."""
+    d = x.shape[-1]
+    if not rotation_applies(d):
+        raise ValueError(f"the rotation is defined for head_dim {'/'.join(map(str, ROTATION_HEAD_DIMS))}, got {d}")
+    shape = x.shape
+    y = x.float() * rotation_signs(d, x.device)
+    h = 1
+    while h < d:
+        y = y.reshape(*shape[:-1], d // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2)
+        h *= 2
+    return y.reshape(shape)
+
+
+def rotation_score_factor(head_dim: int, rotated: bool) -> float:
+    """rotate(q)·rotate(k)ᵀ / (q·kᵀ): D/64 (1 for D 64, 2 for D 128), or 1 without rotation."""
+    return head_dim / 64.0 if rotated else 1.0
+
+
+# ---------------------------------------------------------------------------------------------
 # Smoothing and preprocessing
 # ---------------------------------------------------------------------------------------------
 
@@ -197,16 +255,35 @@ def q_block_index(seq_q: int, n_means: int, device=None) -> torch.Tensor:
 class Preprocessed:
     """What the attention kernel consumes (all sequence dims padded with zeros to ``pad``).
 
+    With ``qk_rotation`` (head dims 64 and 128) Q and K are rotated first (``rotate``) and
+    everything below lives in the rotated space; means are rotated means (the rotation is
+    linear: mean(rotate(x)) = rotate(mean(x))).
+
     - q_packed (B, Hq, Sq_p, D/2) uint8, q_scales (B, Hq, Sq_p, D/16) e4m3: Q - mean_q, rows.
     - k_packed (B, Hkv, Sk_p, D/2), k_scales (B, Hkv, Sk_p, D/16): K - mean_k, rows.
     - v_packed (B, Hkv, D, Sk_p/2), v_scales (B, Hkv, D, Sk_p/16): V along the sequence.
-    - mean_q (B, Hq, nblk, D) float32: the Q means (nblk = ceil(Sq/128) with per_block_mean,
-      else 1; query row i uses mean i // 128, or 0); mean_k (B, Hkv, 1, D) float32.
-    - delta_s (a property, computed on demand: the kernels never materialise it) (B, Hq, nblk,
-      Sk_p) float32: mean_q · Kdᵀ with Kd = dequantize_rows(k_packed, k_scales), the smoothed K
-      exactly as the attention kernel holds it (0 in padded columns). The attention kernel
-      computes it per 128-key tile from mean_q and the tile in shared memory; query row i adds
-      row i // 128 (or 0).
+    - mean_q (B, Hq, nblk, D) float32: the Q means removed from Q (nblk = ceil(Sq/128) with
+      per_block_mean, else 1; query row i uses mean i // 128, or 0); mean_k (B, Hkv, 1, D).
+    - mean_q_global (B, Hq, 1, D) float32: Q's mean over the whole sequence (= mean_q without
+      per_block_mean).
+    - delta_key (B, Hq, Sk_p) float32: mean_q_global · Kᵀ per key with the UNQUANTIZED
+      (rotated) K (float32 values, float64 products; 0 in padded columns).
+    - delta_s (a property; the kernel never materialises it) (B, Hq, nblk, Sk_p): the correction
+      added to Qd·Kdᵀ, delta_s[i, j] = delta_key[j] + r_i · Kd_j with r_i = mean_q[i] -
+      mean_q_global (float32 subtraction) and Kd the dequantized smoothed K. SageAttention2/3
+      add mean_q · K_sᵀ (K_s = K - mean_k, unquantized); this equals delta_key + r_i · K_s up to
+      mean_q_global · mean_k, the same for every key of a query row, which the softmax ignores.
+      So the part of the Q mean shared by all blocks multiplies the unquantized K as in the
+      paper, and only the block residuals r_i (small next to the mean on data whose Q has channel
+      offsets) meet K's quantization error: r_i · (Kd - K_s) is all that differs. Without
+      per_block_mean r = 0: the paper's correction exactly. The attention kernel adds delta_key
+      per key and computes r_i · Kd_j per 128-key tile from the K tile it holds (skipped where
+      r_i is zero). Why this form: materialising mean_q · K_sᵀ costs (B, Hq, Sq/128, Sk) fp32
+      (~800 MB at 24 heads x 32k tokens); delta_key is (B, Hq, Sk) (3 MB there) and costs K's
+      quantization pass one dot product per key and q head; measured (CPU, the cases of
+      tests/bench/accuracy.py) it is within noise of the paper's form everywhere, while
+      mean_q · Kdᵀ (everything through the quantized K) loses up to 1.7x in rel-L1 at x8 Q
+      channel offsets.
     """
 
     q_packed: torch.Tensor
@@ -219,10 +296,20 @@ class Preprocessed:
     mean_k: torch.Tensor
     seq_q: int
     seq_k: int
+    mean_q_global: torch.Tensor
+    delta_key: torch.Tensor
+    qk_rotation: bool
+
+    @property
+    def q_mean_residual(self) -> torch.Tensor:
+        """(B, Hq, nblk, D) float32: mean_q - mean_q_global, what the kernel multiplies with Kd."""
+        return self.mean_q - self.mean_q_global
 
     @property
     def delta_s(self) -> torch.Tensor:
-        return delta_s(self.mean_q, dequantize_rows(self.k_packed, self.k_scales))
+        kd = expand_kv(dequantize_rows(self.k_packed, self.k_scales), self.mean_q.shape[1])
+        part = torch.matmul(self.q_mean_residual.double(), kd.double().transpose(-1, -2))
+        return (self.delta_key.double().unsqueeze(-2) + part).float()
 
 
 def smooth_q(q: torch.Tensor, mean_q: torch.Tensor) -> torch.Tensor:
@@ -233,8 +320,8 @@ def smooth_q(q: torch.Tensor, mean_q: torch.Tensor) -> torch.Tensor:
 
 def delta_s(mean_q: torch.Tensor, k_smoothed: torch.Tensor) -> torch.Tensor:
     """mean_q · K_smoothedᵀ (float64 products, float32 result; GQA: K expanded to the q heads):
-    (B, Hq, nblk, Sk). SageAttention3's correction uses the dequantized smoothed K
-    (``Preprocessed.delta_s``), which is what the attention kernel multiplies with."""
+    (B, Hq, nblk, Sk). With the unquantized smoothed K this is SageAttention2/3's correction;
+    ``Preprocessed.delta_s`` is what the kernel adds."""
     ks = expand_kv(k_smoothed.float(), mean_q.shape[1])
     return torch.matmul(mean_q.double(), ks.double().transpose(-1, -2)).float()
 
@@ -247,19 +334,33 @@ def preprocess(
     pad: int = 128,
     mean_q: torch.Tensor | None = None,
     mean_k: torch.Tensor | None = None,
+    mean_q_global: torch.Tensor | None = None,
+    qk_rotation: bool = QK_ROTATION_DEFAULT,
 ) -> Preprocessed:
-    """The reference of the fused preprocessing kernel. ``mean_q`` / ``mean_k`` let a test feed
-    the means a kernel computed (float32 sums depend on the summation order), so that the
-    quantized tensors can be compared bit for bit."""
-    sq, sk = q.shape[-2], k.shape[-2]
-    mq = q_mean(q, per_block_mean) if mean_q is None else mean_q.float()
-    mk = k_mean(k) if mean_k is None else mean_k.float()
-    qs = smooth_q(q, mq)
-    ks = k.float() - mk
+    """The reference of the preprocessing kernels. ``qk_rotation``: rotate Q and K (head dims 64
+    and 128; other head dims are never rotated). The means are computed on the unrotated inputs
+    and then rotated (as the kernels do). ``mean_q`` / ``mean_k`` / ``mean_q_global`` let a test
+    feed the (rotated) means a kernel computed (float32 sums depend on the summation order), so
+    that the quantized tensors can be compared bit for bit; without per_block_mean,
+    mean_q_global defaults to mean_q."""
+    sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    rot = bool(qk_rotation) and rotation_applies(d)
+    turn = rotate if rot else (lambda x: x.float())
+    mq = turn(q_mean(q, per_block_mean)) if mean_q is None else mean_q.float()
+    mk = turn(k_mean(k)) if mean_k is None else mean_k.float()
+    if mean_q_global is not None:
+        mg = mean_q_global.float()
+    elif not per_block_mean:
+        mg = mq
+    else:
+        mg = turn(q_mean(q, False))
+    qs = smooth_q(turn(q), mq)
+    ks = turn(k) - mk
     qp, qsc = quantize_rows(pad_dim(qs, -2, pad))
     kp, ksc = quantize_rows(pad_dim(ks, -2, pad))
     vp, vsc = quantize_transposed(pad_dim(v.float(), -2, pad))
-    return Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk)
+    dk = pad_dim(delta_s(mg, turn(k)).squeeze(-2), -1, pad)
+    return Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk, mg, dk, rot)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,53 +382,21 @@ def exact_attention(q, k, v, is_causal: bool = False, sm_scale: float | None = N
     return torch.matmul(torch.softmax(s, dim=-1), vd).float()
 
 
-def sageattn3(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    is_causal: bool = False,
-    per_block_mean: bool = True,
-    sm_scale: float | None = None,
-    block_n: int = 128,
-) -> torch.Tensor:
-    """The quantized SageAttention3 algorithm, float32 output (B, Hq, Sq, D).
-
-    With Qd, Kd, Vd the dequantized NVFP4 tensors of ``preprocess`` and c = sm_scale·log2(e):
-
-    - scores, per query row i and key j: t_ij = c · (Qd_i · Kd_j + delta_s[i // 128 or 0, j])
-      with delta_s = mean_q · Kdᵀ (``Preprocessed.delta_s``: the dequantized K, so the
-      correction is exact for what the kernel multiplies) (float32; masked entries, j >= Sk or
-      causal j > i, are -inf).
-    - keys are processed in tiles of ``block_n`` (the kernel's tile, default 128). For tile t,
-      the running row max m_t = max(m_{t-1}, max_{j in t} t_ij), and
-      P_ij = exp2(t_ij - m_t) · 2688   (row max mapped to 448·6: the per-row factor exp2(-m_t)
-      and the constant 2688, both folded into the exponent in the kernel),
-      P̂ = NVFP4(P) along the keys (16-key blocks, the same quantizer as everything else),
-      l_t = l_{t-1} · exp2(m_{t-1} - m_t) + Σ_j P_ij   (row sums of the unquantized P, in the
-      same scaled domain),
-      acc_t = acc_{t-1} · exp2(m_{t-1} - m_t) + P̂ · Vd_t.
-    - O_i = acc / l.
-    """
-    b, hq, sq, d = q.shape
-    sk = k.shape[-2]
-    if block_n % BLOCK:
-        raise ValueError("block_n must be a multiple of 16")
-    pre = preprocess(q, k, v, per_block_mean, pad=block_n)
-    qd = dequantize_rows(pre.q_packed, pre.q_scales)[..., :sq, :]
-    kd = expand_kv(dequantize_rows(pre.k_packed, pre.k_scales), hq)  # (B, Hq, Sk_p, D)
-    vd = expand_kv(dequantize_transposed(pre.v_packed, pre.v_scales, pre.v_packed.shape[-1] * 2), hq)
-    ds_rows = pre.delta_s[..., q_block_index(sq, pre.delta_s.shape[-2], q.device), :]  # (B,Hq,Sq,Sk_p)
-    c = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)) * LOG2E
+def _tiled_attention(qd, kd, vd, delta_rows, seq_k: int, is_causal: bool, c: float, block_n: int) -> torch.Tensor:
+    """The kernel's loop over key tiles (see ``sageattn3``): qd (B, Hq, Sq, D), kd/vd
+    (B, Hq, Sk_p, D), delta_rows (B, Hq, Sq, Sk_p), c = softmax scale · log2(e)."""
+    b, hq, sq, d = qd.shape
     sk_p = kd.shape[-2]
-    rows = torch.arange(sq, device=q.device).unsqueeze(-1)
-    m = torch.full((b, hq, sq, 1), float("-inf"), device=q.device)
-    l = torch.zeros((b, hq, sq, 1), device=q.device)
-    acc = torch.zeros((b, hq, sq, d), device=q.device)
+    dev = qd.device
+    rows = torch.arange(sq, device=dev).unsqueeze(-1)
+    m = torch.full((b, hq, sq, 1), float("-inf"), device=dev)
+    l = torch.zeros((b, hq, sq, 1), device=dev)
+    acc = torch.zeros((b, hq, sq, d), device=dev)
     for j0 in range(0, sk_p, block_n):
-        cols = torch.arange(j0, j0 + block_n, device=q.device).unsqueeze(0)
-        s = torch.matmul(qd, kd[..., j0 : j0 + block_n, :].transpose(-1, -2)) + ds_rows[..., j0 : j0 + block_n]
+        cols = torch.arange(j0, j0 + block_n, device=dev).unsqueeze(0)
+        s = torch.matmul(qd, kd[..., j0 : j0 + block_n, :].transpose(-1, -2)) + delta_rows[..., j0 : j0 + block_n]
         t = s * c
-        mask = cols >= sk
+        mask = cols >= seq_k
         if is_causal:
             mask = mask | (cols > rows)
         t = t.masked_fill(mask, float("-inf"))
@@ -343,6 +412,76 @@ def sageattn3(
         acc = acc * alpha + torch.matmul(ph, vd[..., j0 : j0 + block_n, :])
         m = m_new
     return acc / l
+
+
+def _dequantized(pre: Preprocessed, hq: int):
+    sq = pre.seq_q
+    qd = dequantize_rows(pre.q_packed, pre.q_scales)[..., :sq, :]
+    kd = expand_kv(dequantize_rows(pre.k_packed, pre.k_scales), hq)
+    vd = expand_kv(dequantize_transposed(pre.v_packed, pre.v_scales, pre.v_packed.shape[-1] * 2), hq)
+    return qd, kd, vd
+
+
+def sageattn3(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool = False,
+    per_block_mean: bool = True,
+    sm_scale: float | None = None,
+    block_n: int = 128,
+    qk_rotation: bool = QK_ROTATION_DEFAULT,
+) -> torch.Tensor:
+    """The quantized attention sageattn3 computes, float32 output (B, Hq, Sq, D).
+
+    With Qd, Kd, Vd the dequantized NVFP4 tensors of ``preprocess`` (rotated Q and K with
+    ``qk_rotation`` at head dims 64/128) and c = sm_scale / rotation_score_factor · log2(e):
+
+    - scores, per query row i and key j: t_ij = c · (Qd_i · Kd_j + delta_s[i // 128 or 0, j])
+      with delta_s = ``Preprocessed.delta_s`` (delta_key_j + r_i · Kd_j) (float32; masked
+      entries, j >= Sk or causal j > i, are -inf).
+    - keys are processed in tiles of ``block_n`` (the kernel's tile, default 128). For tile t,
+      the running row max m_t = max(m_{t-1}, max_{j in t} t_ij), and
+      P_ij = exp2(t_ij - m_t) · 2688   (row max mapped to 448·6: the per-row factor exp2(-m_t)
+      and the constant 2688, both folded into the exponent in the kernel),
+      P̂ = NVFP4(P) along the keys (16-key blocks, the same quantizer as everything else),
+      l_t = l_{t-1} · exp2(m_{t-1} - m_t) + Σ_j P_ij   (row sums of the unquantized P, in the
+      same scaled domain),
+      acc_t = acc_{t-1} · exp2(m_{t-1} - m_t) + P̂ · Vd_t.
+    - O_i = acc / l.
+    """
+    b, hq, sq, d = q.shape
+    if block_n % BLOCK:
+        raise ValueError("block_n must be a multiple of 16")
+    pre = preprocess(q, k, v, per_block_mean, pad=block_n, qk_rotation=qk_rotation)
+    qd, kd, vd = _dequantized(pre, hq)
+    delta = pre.delta_s
+    ds_rows = delta[..., q_block_index(sq, delta.shape[-2], q.device), :]  # (B, Hq, Sq, Sk_p)
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    c = scale / rotation_score_factor(d, pre.qk_rotation) * LOG2E
+    return _tiled_attention(qd, kd, vd, ds_rows, k.shape[-2], is_causal, c, block_n)
+
+
+def sageattn3_paper(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool = False,
+    per_block_mean: bool = True,
+    sm_scale: float | None = None,
+    block_n: int = 128,
+) -> torch.Tensor:
+    """SageAttention3 as published, for comparison (the accuracy table): no rotation, and the
+    correction delta_s = mean_q · K_sᵀ with the unquantized smoothed K materialised for every
+    (Q block, key) pair; otherwise the same quantizers and online softmax as ``sageattn3``."""
+    b, hq, sq, d = q.shape
+    pre = preprocess(q, k, v, per_block_mean, pad=block_n, qk_rotation=False)
+    qd, kd, vd = _dequantized(pre, hq)
+    ks = pad_dim(k.float() - pre.mean_k, -2, block_n)
+    delta = delta_s(pre.mean_q, ks)
+    ds_rows = delta[..., q_block_index(sq, delta.shape[-2], q.device), :]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    return _tiled_attention(qd, kd, vd, ds_rows, k.shape[-2], is_causal, scale * LOG2E, block_n)
 
 
 def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,5 +1,6 @@
 """Fused preprocessing on the GPU against the reference (means compared with a tolerance, the
-quantized tensors bit for bit given the kernel's means, delta_s with a tolerance)."""
+quantized tensors bit for bit given the kernel's means, with and without the Q/K rotation;
+mean_q_global and the per-key correction delta_key with a tolerance)."""
 
 import pytest
 import torch
@@ -15,32 +16,43 @@ def qkv(b, hq, hk, sq, sk, d, dtype, seed=0):
     return (t.to(dtype).cuda() for t in (q, k, v))
 
 
+def close_delta_key(got, want):
+    """The kernels' fp32 dot products vs the reference's float64 ones."""
+    scale = want.abs().max().clamp_min(1.0)
+    return got.shape == want.shape and bool((got.cpu() - want).abs().max() <= 2e-5 * scale)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("per_block_mean", [True, False])
+@pytest.mark.parametrize("rotation", [True, False])
 @pytest.mark.parametrize("b,hq,hk,sq,sk,d", [(1, 2, 2, 128, 128, 64), (2, 4, 2, 300, 1000, 128),
-                                             (1, 3, 1, 17, 5, 64), (1, 2, 1, 1, 1, 128), (1, 2, 2, 2000, 700, 48)])
-def test_preprocess_matches_reference(dtype, per_block_mean, b, hq, hk, sq, sk, d):
+                                             (1, 3, 1, 17, 5, 64), (1, 2, 1, 1, 1, 128), (1, 2, 2, 2000, 700, 48),
+                                             (1, 40, 1, 200, 300, 128)])
+def test_preprocess_matches_reference(dtype, per_block_mean, rotation, b, hq, hk, sq, sk, d):
+    """(1, 40, 1, ...): more q heads per kv head than the K kernels take for the correction
+    (delta_key from torch ops); D 48: no rotation, correction from torch ops."""
     sa = kernels_or_skip()
     from sageattn3 import reference as ref
 
     q, k, v = qkv(b, hq, hk, sq, sk, d, dtype, seed=sq + sk)
     copies = [t.clone() for t in (q, k, v)]
-    pre = sa.preprocess(q, k, v, per_block_mean=per_block_mean)
+    pre = sa.preprocess(q, k, v, per_block_mean=per_block_mean, qk_rotation=rotation)
     for t, c in zip((q, k, v), copies):
         assert torch.equal(t, c)
-    want = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), per_block_mean=per_block_mean)
-    assert torch.allclose(pre.mean_q.cpu(), want.mean_q, rtol=1e-5, atol=1e-5)
-    assert torch.allclose(pre.mean_k.cpu(), want.mean_k, rtol=1e-5, atol=1e-5)
+    assert pre.qk_rotation is (rotation and d in (64, 128))
+    want = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), per_block_mean=per_block_mean, qk_rotation=rotation)
+    for name in ("mean_q", "mean_k", "mean_q_global"):
+        assert torch.allclose(getattr(pre, name).cpu(), getattr(want, name), rtol=1e-5, atol=1e-5), name
     # bit-exact quantization given the kernel's own means
-    exact = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), per_block_mean=per_block_mean,
-                           mean_q=pre.mean_q.cpu(), mean_k=pre.mean_k.cpu())
+    exact = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), per_block_mean=per_block_mean, mean_q=pre.mean_q.cpu(),
+                           mean_k=pre.mean_k.cpu(), mean_q_global=pre.mean_q_global.cpu(), qk_rotation=rotation)
     for name in ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales"):
         got, ref_t = getattr(pre, name), getattr(exact, name)
         assert got.shape == ref_t.shape, name
         assert same_bytes(got, ref_t), name
+    assert close_delta_key(pre.delta_key, exact.delta_key)
     assert pre.delta_s.shape == want.delta_s.shape
-    scale = want.delta_s.abs().max().clamp_min(1.0)
-    assert (pre.delta_s.cpu() - exact.delta_s).abs().max() <= 2e-5 * scale
+    assert close_delta_key(pre.delta_s, exact.delta_s)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -55,7 +67,7 @@ def test_fused_k_delta_matches_reference(dtype, b, hq, hk, sq, sk, d):
     from sageattn3 import reference as ref
 
     q, k, v = qkv(b, hq, hk, sq, sk, d, dtype, seed=sq * 7 + sk)
-    pre = sa.preprocess(q, k, v, per_block_mean=True)
+    pre = sa.preprocess(q, k, v, per_block_mean=True, qk_rotation=False)
     skp = -(-sk // 128) * 128
     kp = torch.empty((b, hk, skp, d // 2), dtype=torch.uint8, device=k.device)
     ksc = torch.empty((b, hk, skp, d // 16), dtype=torch.float8_e4m3fn, device=k.device)
@@ -68,12 +80,14 @@ def test_fused_k_delta_matches_reference(dtype, b, hq, hk, sq, sk, d):
     assert torch.all(ds[..., sk:] == 0)
 
 
-def test_single_key_delta_is_exactly_zero():
-    """K == mean_k for one key: mean_q · (K - mean_k) is exactly 0, as in the reference."""
+def test_single_key_residual_is_exactly_zero():
+    """K == mean_k for one key: its smoothed codes are 0, so the block residuals' part r . Kd is
+    exactly 0 and delta_s is delta_key (mean_q_global . K) on every row, as in the reference."""
     sa = kernels_or_skip()
     q, k, v = qkv(1, 2, 2, 300, 1, 128, torch.bfloat16, seed=5)
     pre = sa.preprocess(q, k, v, per_block_mean=True)
-    assert torch.all(pre.delta_s == 0)
+    assert torch.all(pre.k_packed == 0)
+    assert torch.equal(pre.delta_s[..., 0].cpu(), pre.delta_key[..., None, 0].expand(-1, -1, 3).cpu())
 
 
 def test_misaligned_inputs():
@@ -98,36 +112,50 @@ def test_misaligned_inputs():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("g,s,d,pad", [(1, 1, 64, 128), (3, 17, 128, 128), (2, 128, 64, 16), (5, 129, 128, 128),
                                        (2, 1000, 48, 16), (24, 4096, 128, 128), (4, 3000, 256, 128)])
-def test_seq_mean_one_read_equals_two_reads_and_reference(dtype, g, s, d, pad):
+@pytest.mark.parametrize("rotate", [False, True])
+def test_seq_mean_one_read_equals_two_reads_and_reference(dtype, g, s, d, pad, rotate):
     """The one-read whole-sequence smoothing (tile sums, the last of a group reduces the mean,
     the group quantized a few groups later) gives the same bits as the two-read path, and the
-    reference's bits given that mean."""
+    reference's bits given that mean; rotated rows (D 64/128) too, with the per-key correction
+    of 3 q heads per group (the same bits on both paths, the reference's values)."""
+    if rotate and d not in (64, 128):
+        pytest.skip("the rotation is defined for D 64/128")
     kernels_or_skip()
     from sageattn3 import _kernels
     from sageattn3 import reference as ref
 
     gen = torch.Generator().manual_seed(s * 31 + d)
     x = (torch.randn(g, s, d, generator=gen) * 2 + 5 * torch.randn(d, generator=gen)).to(dtype).cuda()
-    one = _kernels.smooth_quant_seq(x, pad)
-    two = _kernels.smooth_quant_seq(x, pad, two_pass=True)
+    one = _kernels.smooth_quant_seq(x, pad, rotate=rotate)
+    two = _kernels.smooth_quant_seq(x, pad, two_pass=True, rotate=rotate)
     for a, b in zip(one, two):
         assert same_bytes(a, b)
     packed, scales, mean = one
-    assert torch.allclose(mean.cpu(), x.cpu().float().mean(dim=1, keepdim=True), rtol=1e-5, atol=1e-5)
+    turn = ref.rotate if rotate else (lambda t: t.float())
+    assert torch.allclose(mean.cpu(), turn(x.cpu().float().mean(dim=1, keepdim=True)), rtol=1e-5, atol=1e-5)
+    if d in (64, 128):
+        qbar = (torch.randn(3 * g, 1, d, generator=gen) + 2).cuda()
+        k1 = _kernels.smooth_quant_seq_key(x, pad, qbar, rotate=rotate)
+        k2 = _kernels.smooth_quant_seq_key(x, pad, qbar, two_pass=True, rotate=rotate)
+        for a, b in zip(k1[:3] + k2[:3], one + one):
+            assert same_bytes(a, b)
+        assert same_bytes(k1[3], k2[3])
+        want = ref.delta_s(qbar.cpu().view(g, 3, 1, d), turn(x.cpu()).unsqueeze(1)).view(3 * g, s)
+        assert close_delta_key(k1[3][:, :s], want) and bool((k1[3][:, s:] == 0).all())
     sp = -(-s // pad) * pad
     smoothed = torch.zeros(g, sp, d)
-    smoothed[:, :s] = x.cpu().float() - mean.cpu()
+    smoothed[:, :s] = turn(x.cpu().float()) - mean.cpu()
     rp, rs = ref.quantize_rows(smoothed)
     assert same_bytes(packed, rp) and same_bytes(scales, rs)
     # repeated launches reuse nothing stale (the sync words are zeroed per launch)
-    again = _kernels.smooth_quant_seq(x, pad)
+    again = _kernels.smooth_quant_seq(x, pad, rotate=rotate)
     for a, b in zip(one, again):
         assert same_bytes(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("gq,sq,gk,sk,d,pad", [(2, 300, 2, 1000, 128, 128), (4, 17, 1, 5000, 64, 16),
-                                               (3, 129, 3, 1, 48, 128), (1, 1, 2, 257, 256, 128),
+                                               (3, 129, 3, 1, 48, 128), (2, 1, 2, 257, 256, 128),
                                                (24, 2048, 24, 2048, 128, 128), (8, 4000, 2, 4000, 64, 128),
                                                (0, 5, 40, 300, 64, 16)])
 @pytest.mark.parametrize("lag", [0, 1, 3, 1000])
@@ -136,23 +164,33 @@ def test_qk_one_launch_equals_separate_ops(dtype, gq, sq, gk, sk, d, pad, lag):
     sums, its mean, its quantization `lag` groups later, merged with Q's blocks): the same bits
     as the separate ops (smooth_quant_rows with compute_mean for Q; the two-read
     smooth_quant_seq for K), for GQA/MQA shapes, different Q/K lengths, no Q at all, and any
-    lag (1: each group's quantization right after its sums, the most waiting)."""
+    lag (1: each group's quantization right after its sums, the most waiting). With the per-key
+    correction (D 64/128, rotated or not): qbar has the bits of Q's own whole-sequence mean and
+    ds_key those of smooth_quant_seq_key given that qbar."""
     kernels_or_skip()
     from sageattn3 import _kernels
 
     gen = torch.Generator().manual_seed(gq * 100 + sk + d)
     q = (torch.randn(gq, sq, d, generator=gen) * 2 + torch.randn(d, generator=gen)).to(dtype).cuda()
     k = (torch.randn(gk, sk, d, generator=gen) + 3 * torch.randn(d, generator=gen)).to(dtype).cuda()
-    qp, qsc, mean_q, kp, ksc, mean_k = _kernels.smooth_quant_qk(q, k, pad, lag=lag)
-    mean_q2 = torch.empty_like(mean_q)
-    qp2, qsc2 = _kernels.smooth_quant_rows(q, mean_q2, True, 128, pad)
-    assert same_bytes(mean_q, mean_q2) and same_bytes(qp, qp2) and same_bytes(qsc, qsc2)
-    kp2, ksc2, mean_k2 = _kernels.smooth_quant_seq(k, pad, two_pass=True)
-    assert same_bytes(mean_k, mean_k2) and same_bytes(kp, kp2) and same_bytes(ksc, ksc2)
-    # again: the tickets and counters are zeroed per launch
-    again = _kernels.smooth_quant_qk(q, k, pad, lag=lag)
-    for a, b in zip(again, (qp, qsc, mean_q, kp, ksc, mean_k)):
-        assert same_bytes(a, b)
+    for rotate in ((False, True) if d in (64, 128) else (False,)):
+        key = gq > 0 and d in (64, 128)
+        run = _kernels.smooth_quant_qk_key if key else _kernels.smooth_quant_qk
+        got = run(q, k, pad, lag=lag, rotate=rotate)
+        qp, qsc, mean_q, kp, ksc, mean_k = got[:6]
+        mean_q2 = torch.empty_like(mean_q)
+        qp2, qsc2 = _kernels.smooth_quant_rows(q, mean_q2, True, 128, pad, rotate=rotate)
+        assert same_bytes(mean_q, mean_q2) and same_bytes(qp, qp2) and same_bytes(qsc, qsc2)
+        kp2, ksc2, mean_k2 = _kernels.smooth_quant_seq(k, pad, two_pass=True, rotate=rotate)
+        assert same_bytes(mean_k, mean_k2) and same_bytes(kp, kp2) and same_bytes(ksc, ksc2)
+        if key:
+            qbar, ds_key = got[6:]
+            assert same_bytes(qbar, _kernels.smooth_quant_seq(q, pad, rotate=rotate)[2])
+            assert same_bytes(ds_key, _kernels.smooth_quant_seq_key(k, pad, qbar, two_pass=True, rotate=rotate)[3])
+        # again: the tickets and counters are zeroed per launch
+        again = run(q, k, pad, lag=lag, rotate=rotate)
+        for a, b in zip(again, got):
+            assert same_bytes(a, b)
 
 
 def test_qk_rejects_mismatched_inputs():
@@ -168,6 +206,10 @@ def test_qk_rejects_mismatched_inputs():
         _kernels.smooth_quant_qk(q, q[:, :0], 128)
     with pytest.raises(RuntimeError, match="lag must be >= 0"):
         _kernels.smooth_quant_qk(q, q, 128, lag=-1)
+    with pytest.raises(RuntimeError, match="multiple of k groups"):
+        _kernels.smooth_quant_qk(q[:1], q, 128)
+    with pytest.raises(RuntimeError, match="rotate needs D 64 or 128"):
+        _kernels.smooth_quant_qk(q[..., :48].contiguous(), q[..., :48].contiguous(), 128, rotate=True)
     torch.cuda.synchronize()
 
 

@@ -82,9 +82,10 @@ class RefKernel:
     def __init__(self):
         self.calls = 0
 
-    def __call__(self, q, k, v, is_causal, per_block_mean, sm_scale=None):
+    def __call__(self, q, k, v, is_causal, per_block_mean, sm_scale=None, qk_rotation=ref.QK_ROTATION_DEFAULT):
         self.calls += 1
-        return ref.sageattn3(q, k, v, is_causal=is_causal, per_block_mean=per_block_mean).to(q.dtype)
+        return ref.sageattn3(q, k, v, is_causal=is_causal, per_block_mean=per_block_mean,
+                             qk_rotation=qk_rotation).to(q.dtype)
 
 
 def fp4_on_cpu(monkeypatch):
@@ -133,7 +134,7 @@ def test_unsupported_head_dim_stays_sdpa_under_compile(monkeypatch):
 
 def test_failed_self_check_falls_back_inside_the_compiled_op(monkeypatch):
     kern = fp4_on_cpu(monkeypatch)
-    monkeypatch.setattr(api, "_fp4_attention", lambda q, k, v, c, p, s=None: -kern(q, k, v, c, p, s))
+    monkeypatch.setattr(api, "_fp4_attention", lambda q, k, v, c, p, s=None, **kw: -kern(q, k, v, c, p, s, **kw))
     q, k, v = qkv(1, 2, 1, 40, 40, 128)
     compiled = torch.compile(sageattn3.sageattn3_blackwell, fullgraph=True)
     with warnings.catch_warnings(record=True) as w:

@@ -51,46 +51,58 @@ def test_exact_attention_matches_sdpa():
         assert torch.allclose(ref.exact_attention(q, k, v, is_causal=causal), want, atol=1e-5)
 
 
-def test_preprocess_layout_and_smoothing():
+@pytest.mark.parametrize("rotation", [False, True])
+def test_preprocess_layout_and_smoothing(rotation):
     q, k, v = qkv(2, 4, 2, 300, 200, 64, seed=9)
-    pre = ref.preprocess(q, k, v, per_block_mean=True, pad=128)
+    pre = ref.preprocess(q, k, v, per_block_mean=True, pad=128, qk_rotation=rotation)
+    assert pre.qk_rotation is rotation
+    turn = ref.rotate if rotation else (lambda x: x.float())
     assert pre.q_packed.shape == (2, 4, 384, 32) and pre.q_scales.shape == (2, 4, 384, 4)
     assert pre.k_packed.shape == (2, 2, 256, 32) and pre.k_scales.shape == (2, 2, 256, 4)
     assert pre.v_packed.shape == (2, 2, 64, 128) and pre.v_scales.shape == (2, 2, 64, 16)
     assert pre.delta_s.shape == (2, 4, 3, 256) and pre.delta_s.dtype == torch.float32
     assert pre.mean_q.shape == (2, 4, 3, 64) and pre.mean_k.shape == (2, 2, 1, 64)
-    # the last Q block averages only its 44 real tokens
-    assert torch.allclose(pre.mean_q[:, :, 2], q[:, :, 256:].float().mean(-2), atol=1e-5)
-    assert torch.allclose(pre.mean_k[:, :, 0], k.float().mean(-2), atol=1e-5)
+    assert pre.mean_q_global.shape == (2, 4, 1, 64) and pre.delta_key.shape == (2, 4, 256)
+    # the means are the (rotated) means; the last Q block averages only its 44 real tokens
+    assert torch.allclose(pre.mean_q[:, :, 2], turn(q[:, :, 256:].float()).mean(-2), atol=1e-5)
+    assert torch.allclose(pre.mean_k[:, :, 0], turn(k.float()).mean(-2), atol=1e-5)
+    assert torch.allclose(pre.mean_q_global[:, :, 0], turn(q.float()).mean(-2), atol=1e-5)
     # padding rows/columns are zero codes and zero scales; delta_s padding is 0
     assert (pre.q_packed[:, :, 300:] == 0).all() and (pre.q_scales.view(torch.uint8)[:, :, 300:] == 0).all()
     assert (pre.k_packed[:, :, 200:] == 0).all()
     assert (ref.unpack_codes(pre.v_packed)[..., 200:] == 0).all()
-    assert (pre.delta_s[..., 200:] == 0).all()
-    # delta_s = mean_q . Kd^T (Kd: the dequantized smoothed K), kv head h // 2 for q head h
+    assert (pre.delta_s[..., 200:] == 0).all() and (pre.delta_key[..., 200:] == 0).all()
+    # delta_s = delta_key + (mean_q - mean_q_global) . Kd^T, kv head h // 2 for q head h, with
+    # delta_key = mean_q_global . K^T of the unquantized (rotated) K
     kdq = ref.dequantize_rows(pre.k_packed, pre.k_scales)[:, :, :200]
-    want = pre.mean_q[:, 3] @ kdq[:, 1].transpose(-1, -2)
+    dkey = pre.mean_q_global[:, 3] @ turn(k.float())[:, 1].transpose(-1, -2)
+    assert torch.allclose(pre.delta_key[:, 3, :200], dkey[:, 0], rtol=1e-5, atol=1e-4)
+    want = dkey + (pre.mean_q[:, 3] - pre.mean_q_global[:, 3]) @ kdq[:, 1].transpose(-1, -2)
     assert torch.allclose(pre.delta_s[:, 3, :, :200], want, rtol=1e-5, atol=1e-4)
-    # ... close to mean_q . (K - mean_k)^T (the unquantized correction)
-    ks = k.float() - pre.mean_k
+    # ... which is mean_q . (K - mean_k)^T (the unquantized correction) up to a constant per row
+    ks = turn(k.float()) - pre.mean_k
     loose = pre.mean_q[:, 3] @ ks[:, 1].transpose(-1, -2)
-    assert ref.cosine_similarity(pre.delta_s[:, 3, :, :200], loose) > 0.99
-    # dequantized smoothed K has ~zero mean; dequantized Q + mean ~ Q
+    assert ref.cosine_similarity(pre.delta_s[:, 3, :, :200] - pre.delta_s[:, 3, :, :200].mean(-1, keepdim=True),
+                                 loose - loose.mean(-1, keepdim=True)) > 0.99
+    # dequantized smoothed K has ~zero mean; dequantized Q + mean ~ Q (rotated)
     kd = ref.dequantize_rows(pre.k_packed, pre.k_scales)[:, :, :200]
     assert kd.mean(-2).abs().max() < 0.2
     qd = ref.dequantize_rows(pre.q_packed, pre.q_scales)[:, :, :300] + pre.mean_q[:, :, ref.q_block_index(300, 3)]
-    assert ref.cosine_similarity(qd, q.float()) > 0.99
+    assert ref.cosine_similarity(qd, turn(q.float())) > 0.99
 
 
-def test_preprocess_with_given_means_is_the_quantizer():
-    q, k, v = qkv(1, 2, 1, 130, 40, 32, seed=10)
-    mq = torch.randn(1, 2, 2, 32)
-    mk = torch.randn(1, 1, 1, 32)
-    pre = ref.preprocess(q, k, v, mean_q=mq, mean_k=mk, pad=16)
-    qs = q.float() - mq[:, :, ref.q_block_index(130, 2)]
+@pytest.mark.parametrize("d", [32, 64])
+def test_preprocess_with_given_means_is_the_quantizer(d):
+    q, k, v = qkv(1, 2, 1, 130, 40, d, seed=10)
+    mq = torch.randn(1, 2, 2, d)
+    mk = torch.randn(1, 1, 1, d)
+    pre = ref.preprocess(q, k, v, mean_q=mq, mean_k=mk, pad=16, qk_rotation=True)
+    assert pre.qk_rotation is (d == 64)  # where it applies
+    turn = ref.rotate if d == 64 else (lambda x: x.float())
+    qs = turn(q) - mq[:, :, ref.q_block_index(130, 2)]
     p, s = ref.quantize_rows(ref.pad_dim(qs, -2, 16))
     assert torch.equal(p, pre.q_packed) and torch.equal(s.view(torch.uint8), pre.q_scales.view(torch.uint8))
-    p, s = ref.quantize_rows(ref.pad_dim(k.float() - mk, -2, 16))
+    p, s = ref.quantize_rows(ref.pad_dim(turn(k) - mk, -2, 16))
     assert torch.equal(p, pre.k_packed)
 
 

@@ -6,11 +6,15 @@
 //   k      uint8 (B, Hkv, Sk_pad, D/2),  k_sf (B, Hkv, Sk_pad, D/16)       (K smoothed: mean removed)
 //   v      uint8 (B, Hkv, D, Sk_pad/2),  v_sf (B, Hkv, D, Sk_pad/16)       (V^T: 16-blocks along keys)
 //   mean_q fp32  (B, Hq, mean_qblocks, D): the Q means removed from q; mean_qblocks is Sq_pad/128
-//          (one per 128-query block, per_block_mean) or 1 (one Q mean). The kernel adds
-//          delta_s = mean_q . K_s^T to Q K^T before scaling, with K_s the dequantized k (codes x
-//          scales, exactly the operand in shared memory), computed per K tile on the CUDA cores.
+//          (one per 128-query block, per_block_mean) or 1 (one Q mean).
+//   qbar   fp32  (B, Hq, 1, D): Q's mean over the whole sequence.
+//   ds_key fp32  (B, Hq, Sk_pad): qbar . K_s^T per key with K_s the UNQUANTIZED smoothed K (from
+//          preprocessing). The kernel adds delta_s[i, j] = ds_key[j] + (mean_q[i] - qbar) . Kd_j
+//          to Q K^T before scaling, Kd the dequantized k (codes x scales, exactly the operand in
+//          shared memory): the residual part is computed per K tile on the CUDA cores, and
+//          skipped for a query tile whose residual mean_q[i] - qbar (fp32) is all zeros.
 //   out    bf16/fp16 (B, Hq, Sq, D)
-// Q/K/V/mean_q must be 16-byte aligned, scales 4-byte aligned.
+// Q/K/V/mean_q/qbar must be 16-byte aligned, ds_key and the scales 4-byte aligned.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime_api.h>
@@ -27,6 +31,8 @@ struct Fp4AttnArgs {
   const void* v;
   const void* v_sf;
   const float* mean_q;
+  const float* qbar;
+  const float* ds_key;
   void* out;
   int batch, heads_q, heads_kv, head_dim;
   int seq_q, seq_k, seq_q_pad, seq_k_pad;

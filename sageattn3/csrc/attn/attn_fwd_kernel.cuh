@@ -6,10 +6,12 @@
 // (batch x q-head x 128-row block) are distributed over a persistent grid sized from the
 // device's SM count; causal tiles are visited longest first.
 //
-// Per 128-key stage, the CTA first computes delta_s[j] = mean_q . K_s[j] for the stage's 128 keys
-// on the CUDA cores (K_s = the dequantized smoothed K in shared memory, mean_q = this tile's Q
-// mean, loaded once per tile; 2 threads per key, a fixed summation order) into a 128-float
-// vector of the stage, then each consumer warp computes
+// Per 128-key stage, the CTA first computes delta_s[j] = ds_key[j] + r . Kd[j] for the stage's 128
+// keys into a 128-float vector of the stage: ds_key (qbar . K_s[j], the unquantized smoothed K,
+// from preprocessing) read per key, and the residual r = mean_q - qbar of this tile's Q mean
+// (loaded once per tile) times Kd (the dequantized smoothed K in shared memory) on the CUDA cores
+// (2 threads per key, a fixed summation order), skipped when the tile's r is all zeros (one Q
+// mean). Then each consumer warp computes
 //   S  = delta_s + Q K^T            (block-scaled FP4 MMA, fp32 accumulate, S keys permuted: key_of)
 //   online softmax in exp2 domain, P2 = exp2(S*scale*log2e - m + log2 2688)   (level 1)
 //   P2 -> NVFP4 in registers (level 2), O = O*alpha + P2 V    (block-scaled FP4 MMA)
@@ -48,8 +50,8 @@ struct SmemLayout {
   static constexpr int kBarriers = kStage0 + kStages * kStageBytes;
   static constexpr int kBarrierBytes = 8 * (2 + 2 * kStages);
   static constexpr int kProducerState = kBarriers + kBarrierBytes;  // thread 0's cursor (see Producer)
-  // This tile's Q mean (fp32), the second half of D 16 bytes further (no bank conflict between
-  // the two threads of a key, see delta_s_part).
+  // This tile's Q mean residual r = mean_q - qbar (fp32), the second half of D 16 bytes further
+  // (no bank conflict between the two threads of a key, see delta_s_part).
   static constexpr int kMeanQ = kProducerState + 64;
   static constexpr int kMeanQBytes = D * 4 + 16;
   static constexpr int kTotal = kMeanQ + kMeanQBytes + 1024;        // + slack to align the base
@@ -164,8 +166,8 @@ __device__ __forceinline__ float2 e2m1x2_scaled(uint32_t x) {
   return __half22float2(v);
 }
 
-// One thread's half of delta_s for key row `key` of a stage's K tile: sum over the elements
-// d = half*D/2 .. half*D/2 + D/2 - 1 of mean_q[d] * K_s[key][d], K_s = E2M1(code) x E4M3 scale.
+// One thread's half of r . Kd for key row `key` of a stage's K tile: sum over the elements
+// d = half*D/2 .. half*D/2 + D/2 - 1 of r[d] * Kd[key][d], Kd = E2M1(code) x E4M3 scale.
 // Order (fixed): per 16-element block, a sequential fp32 fma chain over the block's elements in
 // order (on the values times 2^-14), times (scale x 2^14); block results summed in order.
 template <int D>
@@ -238,7 +240,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   RingPos<kStages> ring;
   uint32_t q_round = 0;
   // delta_s: thread i handles half (i & 1) of the head dim of key row i >> 1 of each stage.
-  const int ds_key = threadIdx.x >> 1, ds_half = threadIdx.x & 1;
+  const int ds_k = threadIdx.x >> 1, ds_half = threadIdx.x & 1;
   static_assert(kThreads == 2 * kBlockN, "two threads per key for delta_s");
   for (int tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x, ++q_round) {
     const TileCoord c = decode_tile(p, tile);
@@ -246,16 +248,21 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
     if (is_producer) prod.run(p, smem, ring.n + kStages);
     __syncwarp();
 
-    // ---- this tile's Q mean into shared memory ----
-    // Safe to overwrite: every thread read the previous tile's mean before the last stage barrier.
+    // ---- this tile's Q mean residual r = mean_q - qbar into shared memory ----
+    // Safe to overwrite: every thread read the previous tile's residual before the last stage barrier.
+    const int bh_q = c.b * p.heads_q + c.hq;
+    int nonzero = 0;
     if (threadIdx.x < D / 4) {
-      const float* mq = p.mean_q + (static_cast<int64_t>(c.b * p.heads_q + c.hq) * p.mean_qblocks +
-                                    (p.mean_qblocks > 1 ? c.mb : 0)) * D;
-      const float4 v = __ldg(reinterpret_cast<const float4*>(mq) + threadIdx.x);
+      const float* mq = p.mean_q + (static_cast<int64_t>(bh_q) * p.mean_qblocks + (p.mean_qblocks > 1 ? c.mb : 0)) * D;
+      const float4 m = __ldg(reinterpret_cast<const float4*>(mq) + threadIdx.x);
+      const float4 g = __ldg(reinterpret_cast<const float4*>(p.qbar + static_cast<int64_t>(bh_q) * D) + threadIdx.x);
+      const float4 v = make_float4(__fsub_rn(m.x, g.x), __fsub_rn(m.y, g.y), __fsub_rn(m.z, g.z), __fsub_rn(m.w, g.w));
+      nonzero = v.x != 0.f || v.y != 0.f || v.z != 0.f || v.w != 0.f;
       const int d = 4 * threadIdx.x;
       *reinterpret_cast<float4*>(smem + L::kMeanQ + 4 * (d + (d >= D / 2 ? 4 : 0))) = v;
     }
-    __syncthreads();
+    const bool has_residual = __syncthreads_or(nonzero) != 0;
+    const float* ds_key_row = p.ds_key + static_cast<int64_t>(bh_q) * p.seq_k_pad;
 
     // ---- Q fragments and scales into registers, then hand the Q buffer back ----
     mbar_wait(q_full, q_round & 1u);
@@ -293,12 +300,16 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       mbar_wait(&full[st], ring.full_parity());
 
       // ---- delta_s of this stage's keys (whole CTA), into the stage's vector ----
+      // delta_s[j] = ds_key[j] + (part_0 + part_1), the two halves of r . Kd[j] (0 without residual).
       // The vector of stage st is rewritten kStages iterations later, after 2 more barriers: by
       // then every warp has read it.
       {
-        const float part = delta_s_part<D>(stage + L::kStageK, stage + L::kStageKSf, s_base + L::kMeanQ, ds_key, ds_half);
-        const float other = __shfl_xor_sync(0xffffffffu, part, 1);
-        if (ds_half == 0) sts_f32(stage + L::kStageDelta + 4 * ds_key, part + other);
+        float res = 0.f;
+        if (has_residual) {
+          const float part = delta_s_part<D>(stage + L::kStageK, stage + L::kStageKSf, s_base + L::kMeanQ, ds_k, ds_half);
+          res = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, 1));
+        }
+        if (ds_half == 0) sts_f32(stage + L::kStageDelta + 4 * ds_k, __fadd_rn(__ldg(ds_key_row + k0 + ds_k), res));
       }
       __syncthreads();
 

@@ -187,7 +187,7 @@ void quant_fp4_cols(T x, T packed, T scales) {
 // smooth_quant_rows(x, mean!, compute_mean, mean_block, packed!, scales!): x (G, S, D);
 // mean (G, nm, D) fp32; packed (G, Sp, D/2); scales (G, Sp, D/16).
 template <class T>
-void smooth_quant_rows(T x, T mean, bool compute_mean, int64_t mean_block, T packed, T scales) {
+void smooth_quant_rows(T x, T mean, bool compute_mean, int64_t mean_block, T packed, T scales, bool rotate) {
   check_input(x);
   check_f32_on(mean, x, "mean");
   check_codes(packed, scales, x);
@@ -200,17 +200,20 @@ void smooth_quant_rows(T x, T mean, bool compute_mean, int64_t mean_block, T pac
   SA3_CHECK(T, mean.numel() == G * nm * D, "sageattn3: mean has the wrong size");
   SA3_CHECK(T, Sp >= S && packed.numel() == G * Sp * D / 2 && scales.numel() == G * Sp * D / 16,
             "sageattn3: output sizes do not match x");
+  SA3_CHECK(T, !rotate || D == 64 || D == 128, "sageattn3: rotate needs D 64 or 128");
   DeviceScope scope(device_of(x));
   check_cuda_kernel<T>(sageattn3::smooth_quant_rows(x.data_ptr(), dtype_of(x, "x"), G, S, D, floats(mean),
                                                     compute_mean, static_cast<int>(mean_block), Sp, bytes(packed),
-                                                    bytes(scales), TensorApi<T>::stream(x)),
+                                                    bytes(scales), rotate, TensorApi<T>::stream(x)),
                        "smooth_quant_rows");
 }
 
-// smooth_quant_seq(x, mean!, partial!, sync!, packed!, scales!, two_pass): x (G, S, D), S >= 1;
-// mean (G, 1, D) fp32; partial (G, ceil(S/128), D) fp32; sync (2 + 2G) int32; packed (G, Sp, D/2).
+// smooth_quant_seq(x, mean!, partial!, sync!, packed!, scales!, two_pass, rotate, qbar, ds_key!): x (G, S, D),
+// S >= 1; mean (G, 1, D) fp32; partial (G, ceil(S/128), D) fp32; sync (2 + 2G) int32; packed (G, Sp, D/2);
+// qbar (G*rep, D) and ds_key (G*rep, Sp) fp32 for the per-key correction, or both empty (none).
 template <class T>
-void smooth_quant_seq(T x, T mean, T partial, T sync, T packed, T scales, bool two_pass) {
+void smooth_quant_seq(T x, T mean, T partial, T sync, T packed, T scales, bool two_pass, bool rotate, T qbar,
+                      T ds_key) {
   check_input(x);
   check_f32_on(mean, x, "mean");
   check_f32_on(partial, x, "partial");
@@ -225,21 +228,35 @@ void smooth_quant_seq(T x, T mean, T partial, T sync, T packed, T scales, bool t
             "sageattn3: mean, partial or sync has the wrong size");
   SA3_CHECK(T, Sp >= S && packed.numel() == G * Sp * D / 2 && scales.numel() == G * Sp * D / 16,
             "sageattn3: output sizes do not match x");
+  SA3_CHECK(T, !rotate || D == 64 || D == 128, "sageattn3: rotate needs D 64 or 128");
+  const bool correction = qbar.numel() > 0 || ds_key.numel() > 0;
+  int64_t rep = 1;
+  if (correction) {
+    check_f32_on(qbar, x, "qbar");
+    check_f32_on(ds_key, x, "ds_key");
+    SA3_CHECK(T, 32 % (D / 16) == 0, "sageattn3: the per-key correction needs D/16 to divide 32");
+    rep = G ? qbar.numel() / (G * D) : 1;
+    SA3_CHECK(T, rep >= 1 && qbar.numel() == G * rep * D && ds_key.numel() == G * rep * Sp,
+              "sageattn3: qbar must be (G*rep, D) and ds_key (G*rep, Sp)");
+  }
   DeviceScope scope(device_of(x));
   check_cuda_kernel<T>(sageattn3::smooth_quant_seq(x.data_ptr(), dtype_of(x, "x"), G, S, D, floats(mean),
                                                    floats(partial), ints(sync), Sp, bytes(packed), bytes(scales),
-                                                   two_pass, TensorApi<T>::stream(x)),
+                                                   two_pass, rotate, correction ? floats(qbar) : nullptr, rep,
+                                                   correction ? floats(ds_key) : nullptr, TensorApi<T>::stream(x)),
                        "smooth_quant_seq");
 }
 
 // smooth_quant_qk(q, k, mean_q!, q_packed!, q_scales!, mean_k!, k_packed!, k_scales!, partial_k!,
-// sync!, lag): q (Gq, Sq, D) and k (Gk, Sk, D), same dtype, Sk >= 1; mean_q (Gq, ceil(Sq/128), D)
-// fp32; q_packed (Gq, Sqp, D/2); q_scales (Gq, Sqp, D/16); mean_k (Gk, 1, D) fp32; k_packed
-// (Gk, Skp, D/2); k_scales (Gk, Skp, D/16); partial_k (Gk, ceil(Sk/128), D) fp32; sync (2 + 2Gk)
-// int32; lag >= 0 (0: automatic).
+// sync!, lag, rotate, partial_q!, qbar!, ds_key!): q (Gq, Sq, D) and k (Gk, Sk, D), same dtype, Sk >= 1,
+// Gq a multiple of Gk (or 0); mean_q (Gq, ceil(Sq/128), D) fp32; q_packed (Gq, Sqp, D/2); q_scales
+// (Gq, Sqp, D/16); mean_k (Gk, 1, D) fp32; k_packed (Gk, Skp, D/2); k_scales (Gk, Skp, D/16);
+// partial_k (Gk, ceil(Sk/128), D) fp32; lag >= 0 (0: automatic); partial_q (Gq, ceil(Sq/128), D),
+// qbar (Gq, D), ds_key (Gq, Skp) fp32, all empty for no per-key correction; sync (2 + 2Gk) int32,
+// + Gq + Gk with the correction.
 template <class T>
 void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_packed, T k_scales, T partial_k,
-                     T sync, int64_t lag) {
+                     T sync, int64_t lag, bool rotate, T partial_q, T qbar, T ds_key) {
   check_cuda(q, q, "q");
   check_aligned(q, "q");
   check_cuda(k, q, "k");
@@ -264,8 +281,20 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
   SA3_CHECK(T, Sk >= 1 && Gk >= 1, "sageattn3: k must not be empty");
   SA3_CHECK(T, lag >= 0 && lag <= 0x7FFFFFFF, "sageattn3: lag must be >= 0 (0: automatic)");
   SA3_CHECK(T, mean_q.numel() == Gq * ((Sq + 127) / 128) * D, "sageattn3: mean_q has the wrong size");
+  SA3_CHECK(T, Gq % Gk == 0 && (Gq == 0 || Sq >= 1), "sageattn3: q groups must be a multiple of k groups, q not empty");
+  SA3_CHECK(T, !rotate || D == 64 || D == 128, "sageattn3: rotate needs D 64 or 128");
+  const bool correction = partial_q.numel() > 0 || qbar.numel() > 0 || ds_key.numel() > 0;
+  if (correction) {
+    check_f32_on(partial_q, q, "partial_q");
+    check_f32_on(qbar, q, "qbar");
+    check_f32_on(ds_key, q, "ds_key");
+    SA3_CHECK(T, Gq > 0 && 32 % (D / 16) == 0, "sageattn3: the per-key correction needs q and D/16 dividing 32");
+    SA3_CHECK(T, partial_q.numel() == Gq * ((Sq + 127) / 128) * D && qbar.numel() == Gq * D &&
+                     ds_key.numel() == Gq * Skp,
+              "sageattn3: partial_q, qbar or ds_key has the wrong size");
+  }
   SA3_CHECK(T, mean_k.numel() == Gk * D && partial_k.numel() == Gk * ((Sk + 127) / 128) * D &&
-                   sync.numel() == 2 + 2 * Gk,
+                   sync.numel() == 2 + 2 * Gk + (correction ? Gq + Gk : 0),
             "sageattn3: mean_k, partial_k or sync has the wrong size");
   SA3_CHECK(T, Sqp >= Sq && q_packed.numel() == Gq * Sqp * D / 2 && q_scales.numel() == Gq * Sqp * D / 16,
             "sageattn3: q_packed/q_scales sizes do not match q");
@@ -275,7 +304,10 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
   check_cuda_kernel<T>(sageattn3::smooth_quant_qk(q.data_ptr(), k.data_ptr(), dt, Gq, Sq, Gk, Sk, D, floats(mean_q),
                                                   Sqp, bytes(q_packed), bytes(q_scales), floats(mean_k),
                                                   floats(partial_k), ints(sync), Skp, bytes(k_packed),
-                                                  bytes(k_scales), static_cast<int>(lag), TensorApi<T>::stream(q)),
+                                                  bytes(k_scales), static_cast<int>(lag), rotate,
+                                                  correction ? floats(partial_q) : nullptr,
+                                                  correction ? floats(qbar) : nullptr,
+                                                  correction ? floats(ds_key) : nullptr, TensorApi<T>::stream(q)),
                        "smooth_quant_qk");
 }
 
@@ -341,12 +373,13 @@ void smooth_quant_k_delta(T k, T mean_k, T mean_q, T packed, T scales, T out) {
 // ---- FP4 attention (csrc/attn; owner: the attention kernel) --------------------------------
 // blockscaled_fp4_attn(q, q_sf, k, k_sf, v, v_sf, mean_q, out!, seq_q, seq_k, sm_scale, causal):
 // layouts in attn/attn_api.h (sequence dims padded to multiples of 128, zeros); mean_q
-// (B, Hq, 1 or Sq_p/128, D) fp32: the kernel adds delta_s = mean_q . dequant(k)^T itself.
+// (B, Hq, 1 or Sq_p/128, D), qbar (B, Hq, 1, D), ds_key (B, Hq, Sk_p) fp32: the kernel adds
+// delta_s = ds_key + (mean_q - qbar) . dequant(k)^T itself.
 template <class T>
-void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T out, int64_t seq_q, int64_t seq_k,
-                          double sm_scale, bool causal) {
+void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qbar, T ds_key, T out, int64_t seq_q,
+                          int64_t seq_k, double sm_scale, bool causal) {
   check_cuda(q, q, "q");
-  for (const T* t : {&q_sf, &k, &k_sf, &v, &v_sf, &mean_q, &out}) check_cuda(*t, q, "an attention operand");
+  for (const T* t : {&q_sf, &k, &k_sf, &v, &v_sf, &mean_q, &qbar, &ds_key, &out}) check_cuda(*t, q, "an attention operand");
   check_bytes(q, "q");
   check_bytes(q_sf, "q_sf");
   check_bytes(k, "k");
@@ -354,6 +387,8 @@ void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T out
   check_bytes(v, "v");
   check_bytes(v_sf, "v_sf");
   check_f32(mean_q, "mean_q");
+  check_f32(qbar, "qbar");
+  check_f32(ds_key, "ds_key");
   SA3_CHECK(T, q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q_sf.dim() == 4 && k_sf.dim() == 4 &&
                    v_sf.dim() == 4 && mean_q.dim() == 4 && out.dim() == 4,
             "sageattn3: blockscaled_fp4_attn takes 4-D tensors");
@@ -371,6 +406,9 @@ void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T out
   SA3_CHECK(T, same(v, B, Hkv, D, Skp / 2) && same(v_sf, B, Hkv, D, Skp / 16), "sageattn3: v/v_sf shape");
   const int64_t nblk = mean_q.size(2);
   SA3_CHECK(T, same(mean_q, B, Hq, nblk, D) && (nblk == 1 || nblk == Sqp / 128), "sageattn3: mean_q shape");
+  SA3_CHECK(T, qbar.dim() == 4 && same(qbar, B, Hq, 1, D), "sageattn3: qbar shape");
+  SA3_CHECK(T, ds_key.dim() == 3 && ds_key.size(0) == B && ds_key.size(1) == Hq && ds_key.size(2) == Skp,
+            "sageattn3: ds_key shape");
   SA3_CHECK(T, same(out, B, Hq, seq_q, D), "sageattn3: out shape");
   DeviceScope scope(device_of(q));
   Fp4AttnArgs a{};
@@ -381,6 +419,8 @@ void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T out
   a.v = v.data_ptr();
   a.v_sf = v_sf.data_ptr();
   a.mean_q = floats(mean_q);
+  a.qbar = floats(qbar);
+  a.ds_key = floats(ds_key);
   a.out = out.data_ptr();
   a.batch = static_cast<int>(B);
   a.heads_q = static_cast<int>(Hq);
@@ -427,17 +467,20 @@ void fp4_mma_probe(T a, T b, T sfa, T sfb, T c, T d, int64_t tid_a, int64_t tid_
   X(quant_fp4_rows, "quant_fp4_rows(Tensor x, Tensor(a!) packed, Tensor(b!) scales) -> ()")                         \
   X(quant_fp4_cols, "quant_fp4_cols(Tensor x, Tensor(a!) packed, Tensor(b!) scales) -> ()")                         \
   X(smooth_quant_rows, "smooth_quant_rows(Tensor x, Tensor(a!) mean, bool compute_mean, int mean_block, "           \
-                       "Tensor(b!) packed, Tensor(c!) scales) -> ()")                                               \
+                       "Tensor(b!) packed, Tensor(c!) scales, bool rotate) -> ()")                                  \
   X(smooth_quant_seq, "smooth_quant_seq(Tensor x, Tensor(a!) mean, Tensor(b!) partial, Tensor(c!) sync, "           \
-                      "Tensor(d!) packed, Tensor(e!) scales, bool two_pass) -> ()")                                 \
+                      "Tensor(d!) packed, Tensor(e!) scales, bool two_pass, bool rotate, Tensor qbar, "             \
+                      "Tensor(f!) ds_key) -> ()")                                                                   \
   X(smooth_quant_qk, "smooth_quant_qk(Tensor q, Tensor k, Tensor(a!) mean_q, Tensor(b!) q_packed, "                 \
                      "Tensor(c!) q_scales, Tensor(d!) mean_k, Tensor(e!) k_packed, Tensor(f!) k_scales, "           \
-                     "Tensor(g!) partial_k, Tensor(h!) sync, int lag) -> ()")                                       \
+                     "Tensor(g!) partial_k, Tensor(h!) sync, int lag, bool rotate, Tensor(i!) partial_q, "          \
+                     "Tensor(j!) qbar, Tensor(k!) ds_key) -> ()")                                                   \
   X(delta_s, "delta_s(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) out) -> ()")                               \
   X(smooth_quant_k_delta, "smooth_quant_k_delta(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) packed, "        \
                           "Tensor(b!) scales, Tensor(c!) delta) -> ()")                                             \
   X(blockscaled_fp4_attn, "blockscaled_fp4_attn(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, "           \
-                          "Tensor v_sf, Tensor mean_q, Tensor(a!) out, int seq_q, int seq_k, float sm_scale, "      \
+                          "Tensor v_sf, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor(a!) out, int seq_q, "     \
+                          "int seq_k, float sm_scale, "                                                             \
                           "bool causal) -> ()")                                                                     \
   X(fp4_mma_probe, "fp4_mma_probe(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, Tensor(a!) d, int tid_a, " \
                    "int tid_b) -> ()")

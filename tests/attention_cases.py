@@ -1,0 +1,63 @@
+"""Hard attention inputs for the accuracy tests and the accuracy table (tests/bench/accuracy.py):
+the distributions real models give FP4 attention trouble with, as seeded generators. Shared by
+the CPU reference tests (tests/payload), the GPU tests (tests/gpu) and the table script.
+
+Every case starts from i.i.d. standard normal Q, K, V and adds one kind of structure:
+
+- ``randn``: nothing (zero-mean Q, K, V: flat softmax, zero-mean output, FP4's worst relative case).
+- ``q_offset_x1`` / ``_x3`` / ``_x8``: Q gets a per-channel offset (the same for every token) of
+  scale 1, 3, 8; K one of scale 3, V one of scale 2 (what smoothing removes; x1 is the data the
+  payload tests have always used).
+- ``q_outliers``: four Q channels scaled by 8, 12, 16 and 20 (varying sign: no offset to remove).
+- ``k_bias``: K gets a per-channel bias of scale 8.
+- ``peaky``: Q scaled by 4: near-one-hot softmax rows.
+- ``zero_mean_v``: Q/K offsets as x3, V left zero-mean.
+
+Shapes (GQA, ragged lengths, causal long rows) are chosen by the caller.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CASES = ("randn", "q_offset_x1", "q_offset_x3", "q_offset_x8", "q_outliers", "k_bias", "peaky", "zero_mean_v")
+OUTLIER_SCALES = (8.0, 12.0, 16.0, 20.0)
+
+
+def make(case: str, b: int, hq: int, hk: int, sq: int, sk: int, d: int, *, seed: int = 0,
+         dtype: torch.dtype = torch.bfloat16, device="cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (b, hq, sq, d), k and v (b, hk, sk, d) of ``case`` in ``dtype`` on ``device`` (generated
+    on the CPU, so a seed gives the same inputs everywhere)."""
+    if case not in CASES:
+        raise ValueError(f"unknown case {case!r}: one of {', '.join(CASES)}")
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, sq, d, generator=g)
+    k = torch.randn(b, hk, sk, d, generator=g)
+    v = torch.randn(b, hk, sk, d, generator=g)
+    offsets = [torch.randn(d, generator=g) for _ in range(3)]
+    if case.startswith("q_offset_x"):
+        q = q + float(case.removeprefix("q_offset_x")) * offsets[0]
+        k = k + 3 * offsets[1]
+        v = v + 2 * offsets[2]
+    elif case == "q_outliers":
+        channels = torch.randperm(d, generator=g)[: len(OUTLIER_SCALES)]
+        q[..., channels] *= torch.tensor(OUTLIER_SCALES)
+    elif case == "k_bias":
+        k = k + 8 * offsets[1]
+    elif case == "peaky":
+        q = 4 * q
+    elif case == "zero_mean_v":
+        q = q + 3 * offsets[0]
+        k = k + 3 * offsets[1]
+    return q.to(dtype).to(device), k.to(dtype).to(device), v.to(dtype).to(device)
+
+
+def rel_l1(a: torch.Tensor, b: torch.Tensor) -> float:
+    """sum |a - b| / sum |b| (float64)."""
+    a, b = a.double(), b.double()
+    return float((a - b).abs().sum() / b.abs().sum().clamp_min(1e-300))
+
+
+def cos_sim(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))

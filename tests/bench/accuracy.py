@@ -1,0 +1,138 @@
+"""The accuracy table of README.md ("Accuracy"): FP4 attention against exact attention on the
+hard inputs of tests/attention_cases.py, the published SageAttention3 algorithm side by side
+with this package's.
+
+    python tests/bench/accuracy.py                  # print the table (CPU, the reference)
+    python tests/bench/accuracy.py --write-readme   # ... and put it into README.md
+    python tests/bench/accuracy.py --gpu            # also the kernels (sm_120/121, or an H100
+                                                    # with the MMA-model test flavour installed)
+
+Columns (cos-sim and relative L1 = sum|out - exact| / sum|exact| against exact attention,
+computed in float64 from the bf16 inputs):
+- "paper": ``sageattn3.reference.sageattn3_paper``, the algorithm as published (no rotation,
+  delta_s = mean_q · K_sᵀ materialised);
+- "ours": ``sageattn3.reference.sageattn3`` with this package's defaults (delta_s = delta_key +
+  r · Kdᵀ, no rotation); "ours + rotation": the same with qk_rotation=True;
+- with --gpu: "kernels": ``sageattn3_blackwell`` (the preprocessing and attention kernels, the
+  defaults) and its cos-sim against "ours" on the same inputs.
+The reference is bit-exact with the kernels' quantization; the FP4 MMA itself was only ever run
+as the H100 software model of the instruction. Shapes: batch 1, 4 q heads over 2 kv heads
+(GQA), SEQ tokens, bf16; every case with a fixed seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import attention_cases as ac  # noqa: E402
+
+SEQ = 1024
+MARK_START, MARK_END = "<!-- accuracy:start -->", "<!-- accuracy:end -->"
+LABELS = {
+    "randn": "zero-mean Q, K, V",
+    "q_offset_x1": "Q channel offsets x1",
+    "q_offset_x3": "Q channel offsets x3",
+    "q_offset_x8": "Q channel offsets x8",
+    "q_outliers": "Q outlier channels x8..x20",
+    "k_bias": "K per-channel bias x8",
+    "peaky": "near-one-hot rows (Q x4)",
+    "zero_mean_v": "zero-mean V (Q/K offsets x3)",
+}
+
+
+def _reference():
+    if "--gpu" not in sys.argv[1:]:
+        sys.path.insert(0, str(ROOT / "sageattn3"))  # the source tree's reference (no build needed)
+    from sageattn3 import reference
+
+    return reference
+
+
+def measure(ref, gpu: bool) -> list[dict]:
+    rows = []
+    for case in ac.CASES:
+        for d in (64, 128):
+            for causal in (False, True):
+                q, k, v = ac.make(case, 1, 4, 2, SEQ, SEQ, d, seed=2025)
+                exact = ref.exact_attention(q, k, v, is_causal=causal)
+                outs = {
+                    "paper": ref.sageattn3_paper(q, k, v, is_causal=causal),
+                    "ours": ref.sageattn3(q, k, v, is_causal=causal),
+                    "rot": ref.sageattn3(q, k, v, is_causal=causal, qk_rotation=True),
+                }
+                row = {"case": case, "d": d, "causal": causal}
+                for name, out in outs.items():
+                    row[name] = (ac.cos_sim(out, exact), ac.rel_l1(out, exact))
+                if gpu:
+                    import sageattn3
+
+                    kern = sageattn3.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal).float().cpu()
+                    row["kernels"] = (ac.cos_sim(kern, exact), ac.rel_l1(kern, exact))
+                    row["kernels_vs_ours"] = ac.cos_sim(kern, outs["ours"])
+                rows.append(row)
+                print(f"  {case:12s} D={d:3d} causal={causal!s:5s} " + "  ".join(
+                    f"{n} {row[n][0]:.4f}/{row[n][1]:.3f}" for n in ("paper", "ours", "rot", "kernels") if n in row),
+                    file=sys.stderr, flush=True)
+    return rows
+
+
+def table(rows: list[dict], gpu: bool) -> str:
+    head = ["inputs", "D", "causal", "paper: cos / rel-L1", "ours: cos / rel-L1", "ours + rotation"]
+    if gpu:
+        head += ["kernels: cos / rel-L1", "kernels vs ours (cos)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        cells = [LABELS[r["case"]], str(r["d"]), "yes" if r["causal"] else "no"]
+        cells += [f"{r[n][0]:.4f} / {r[n][1]:.3f}" for n in ("paper", "ours", "rot")]
+        if gpu:
+            cells += [f"{r['kernels'][0]:.4f} / {r['kernels'][1]:.3f}", f"{r['kernels_vs_ours']:.6f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_readme(text: str) -> None:
+    path = ROOT / "README.md"
+    readme = path.read_text()
+    pattern = re.compile(re.escape(MARK_START) + r".*?" + re.escape(MARK_END), re.S)
+    if not pattern.search(readme):
+        raise SystemExit(f"README.md has no {MARK_START} ... {MARK_END} section to fill")
+    path.write_text(pattern.sub(lambda _: f"{MARK_START}\n{text}\n{MARK_END}", readme))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpu", action="store_true", help="also run the kernels (needs a GPU with the FP4 path)")
+    ap.add_argument("--write-readme", action="store_true", help="replace the table in README.md")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if args.gpu:
+        os.environ.setdefault("SAGEATTN3_FORCE_FP4", "1")  # the MMA-model flavour on an H100
+        import sageattn3
+
+        path = sageattn3.backend()
+        if not path.startswith("fp4"):
+            raise SystemExit(f"--gpu: the FP4 path is not available here ({path})")
+        print(f"kernels: {path}", file=sys.stderr)
+    ref = _reference()
+    t0 = time.perf_counter()
+    rows = measure(ref, args.gpu)
+    text = table(rows, args.gpu)
+    print(text)
+    print(f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    if args.write_readme:
+        write_readme(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

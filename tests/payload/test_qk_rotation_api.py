@@ -1,0 +1,43 @@
+"""The qk_rotation keyword through the public API on CPU: off by default, passed to the FP4 path
+(a stand-in computing the reference), honoured by preprocess."""
+
+import torch
+
+import sageattn3
+from sageattn3 import _selfcheck, api
+from sageattn3 import reference as ref
+
+import attention_cases as ac
+
+
+def test_default_is_off_and_documented():
+    assert ref.QK_ROTATION_DEFAULT is False
+    q, k, v = ac.make("q_outliers", 1, 2, 1, 64, 64, 128, seed=1)
+    assert sageattn3.preprocess(q, k, v).qk_rotation is False
+    pre = sageattn3.preprocess(q, k, v, qk_rotation=True)
+    assert pre.qk_rotation is True
+    want = ref.preprocess(q, k, v, qk_rotation=True)
+    assert torch.equal(pre.q_packed, want.q_packed) and torch.equal(pre.k_packed, want.k_packed)
+
+
+def test_keyword_reaches_the_fp4_path(monkeypatch):
+    seen = []
+
+    def kernel(q, k, v, is_causal, per_block_mean, sm_scale=None, qk_rotation=ref.QK_ROTATION_DEFAULT):
+        seen.append(qk_rotation)
+        return ref.sageattn3(q, k, v, is_causal=is_causal, per_block_mean=per_block_mean, sm_scale=sm_scale,
+                             qk_rotation=qk_rotation).to(q.dtype)
+
+    monkeypatch.setattr(api, "_attention_path", lambda device, head_dim=None: "fp4-sm120")
+    monkeypatch.setattr(api, "_fp4_attention", kernel)
+    monkeypatch.setenv(_selfcheck.SKIP_ENV, "1")
+    _selfcheck.reset()
+    try:
+        q, k, v = ac.make("q_outliers", 1, 2, 1, 100, 100, 128, seed=2)
+        plain = sageattn3.sageattn3_blackwell(q, k, v)
+        rotated = sageattn3.sageattn3_blackwell(q, k, v, qk_rotation=True)
+        assert seen == [False, True]
+        assert torch.equal(rotated, ref.sageattn3(q, k, v, qk_rotation=True).to(q.dtype))
+        assert not torch.equal(plain, rotated)
+    finally:
+        _selfcheck.reset()
