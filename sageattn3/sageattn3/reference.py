@@ -282,7 +282,7 @@ class Preprocessed:
       (~800 MB at 24 heads x 32k tokens); delta_key is (B, Hq, Sk) (3 MB there) and costs K's
       quantization pass one dot product per key and q head; measured (CPU, the cases of
       tests/bench/accuracy.py) it is within noise of the paper's form everywhere, while
-      mean_q · Kdᵀ (everything through the quantized K) loses up to 1.7x in rel-L1 at x8 Q
+      mean_q · Kdᵀ (everything through the quantized K) is 1.7x to 2.2x worse in rel-L1 at x8 Q
       channel offsets.
     """
 
