@@ -48,7 +48,7 @@ from pathlib import Path
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
-from ci.record import BuildRecord, RecordError, check_wheel, load_records, sha256_of, wheel_metadata
+from ci.record import BuildRecord, RecordError, check_wheel, load_records, record_from_dict, sha256_of, wheel_metadata
 from ci.variant import cuda_from_tag, cuda_tag
 
 MANIFEST = "index.json"
@@ -58,6 +58,14 @@ DEFAULT_PROJECT = "sageattn3"
 
 class IndexError_(ValueError):
     """The index cannot be written as asked (the message says what to change)."""
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _short(v: object) -> str:
+    s = json.dumps(v) if v is None or isinstance(v, (bool, int, float, str)) else type(v).__name__
+    return s if len(s) <= 40 else s[:37] + "..."
 
 
 @dataclass(frozen=True)
@@ -81,8 +89,20 @@ class Entry:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Entry":
-        return cls(BuildRecord.from_dict(d), d["metadata_sha256"], d.get("yanked"))
+    def from_dict(cls, d: dict, where: str = MANIFEST) -> "Entry":
+        """An entry of a manifest, every field checked: IndexError_ naming ``where`` (the
+        manifest and the wheel) and the field."""
+        try:
+            rec = record_from_dict(d, where)
+        except RecordError as e:
+            raise IndexError_(str(e)) from None
+        meta = d.get("metadata_sha256")
+        if not isinstance(meta, str) or not _SHA256.fullmatch(meta):
+            raise IndexError_(f"{where}: field metadata_sha256: {_short(meta)}, expected a sha256 (64 hex digits)")
+        yanked = d.get("yanked")
+        if yanked is not None and not isinstance(yanked, str):
+            raise IndexError_(f"{where}: field yanked: {type(yanked).__name__}, expected a reason (str)")
+        return cls(rec, meta, yanked)
 
 
 @dataclass(frozen=True)
@@ -271,13 +291,46 @@ def _write_bytes(path: Path, data: bytes) -> bool:
 
 
 def load_manifest(out: Path) -> dict:
+    """The manifest of the index at ``out`` ({} when there is none), its layout checked (the
+    wheels' entries are checked as they are read: :func:`manifest_entries`)."""
     p = Path(out) / MANIFEST
     if not p.exists():
         return {}
-    d = json.loads(p.read_text(encoding="utf-8"))
+    try:
+        d = json.loads(p.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise IndexError_(f"{p}: not a readable index manifest ({e}); restore it (the published index.json), "
+                          "or write the index into an empty --out") from None
+    return check_manifest(d, str(p))
+
+
+def check_manifest(d: object, where: str) -> dict:
+    """A parsed manifest's layout (format, wheels, pages, base_url), or IndexError_ naming
+    ``where`` and the field."""
+    if not isinstance(d, dict):
+        raise IndexError_(f"{where}: an index manifest is a JSON object, this is {type(d).__name__}")
     if d.get("format") != MANIFEST_FORMAT:
-        raise IndexError_(f"{p}: manifest format {d.get('format')!r}, this factory writes {MANIFEST_FORMAT}")
+        raise IndexError_(f"{where}: manifest format {d.get('format')!r}, this factory writes {MANIFEST_FORMAT}")
+    if not isinstance(d.get("wheels", {}), dict):
+        raise IndexError_(f"{where}: field wheels: {_short(d['wheels'])}, expected an object (wheel name -> record)")
+    pages = d.get("pages", {})
+    if not isinstance(pages, dict) or not all(isinstance(v, list) for v in pages.values()):
+        raise IndexError_(f"{where}: field pages: expected an object (page path -> list of wheel names)")
+    if d.get("base_url") is not None and not isinstance(d["base_url"], str):
+        raise IndexError_(f"{where}: field base_url: {_short(d['base_url'])}, expected a URL (str) or null")
     return d
+
+
+def manifest_entries(manifest: dict, where: str) -> dict[str, Entry]:
+    """The wheels of a (layout-checked) manifest, each entry checked: IndexError_ naming
+    ``where``, the wheel and the field."""
+    out = {}
+    for name, d in manifest.get("wheels", {}).items():
+        e = Entry.from_dict(d, f"{where}: wheels.{name}")
+        if e.wheel != name:
+            raise IndexError_(f"{where}: wheels.{name}: field wheel: {_short(e.wheel)}, expected the entry's name")
+        out[name] = e
+    return out
 
 
 def _metadata_of(fileobj, wheel: str) -> bytes:
@@ -328,7 +381,7 @@ def update_index(records: list[BuildRecord], wheels_dir: Path, out: Path, projec
     old = load_manifest(out)
     if base_url is None:
         base_url = old.get("base_url")
-    entries = {k: Entry.from_dict(v) for k, v in old.get("wheels", {}).items()}
+    entries = manifest_entries(old, str(out / MANIFEST))
     old_pages = set(old.get("pages", {}))
     result = IndexResult(pages=[])
 
@@ -356,7 +409,11 @@ def update_index(records: list[BuildRecord], wheels_dir: Path, out: Path, projec
                 f"replaced in place: bump the version, or remove it from the index first (--remove {rec.wheel})"
             )
         if have is not None and dst.exists():
-            if have.record != rec:
+            if have.record != rec:  # same bytes, another record: it must agree with the file as any new one
+                try:
+                    check_wheel(dst, rec, project)
+                except RecordError as e:
+                    raise IndexError_(str(e)) from None
                 entries[rec.wheel] = Entry(rec, have.metadata_sha256, have.yanked)
             continue  # already indexed (checked then), same bytes: nothing to read
         if dst.exists() and sha256_of(dst) != rec.sha256:
@@ -446,12 +503,11 @@ def site_files(local_dir: Path, remote_manifest: dict | None, project: str = DEF
     local = load_manifest(local_dir)
     if not local:
         raise IndexError_(f"{local_dir}: no {MANIFEST}; build the index first (python -m ci.index --out {local_dir})")
-    remote = remote_manifest or {}
-    entries = {k: Entry.from_dict(v) for k, v in remote.get("wheels", {}).items()}
+    remote = check_manifest(remote_manifest, f"the published {MANIFEST}") if remote_manifest else {}
+    entries = manifest_entries(remote, f"the published {MANIFEST}")
     old_generated = set(render(entries, project, remote.get("base_url"))[1]) if entries else set()
     added = []
-    for name, d in sorted(local.get("wheels", {}).items()):
-        e = Entry.from_dict(d)
+    for name, e in sorted(manifest_entries(local, str(Path(local_dir) / MANIFEST)).items()):
         have = entries.get(name)
         if have is not None and have.record.sha256 != e.record.sha256:
             raise IndexError_(f"{name}: the published index holds a different file under this name "

@@ -111,10 +111,12 @@ def load_record_beside(wheel: Path) -> BuildRecord:
         d = json.loads(rp.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RecordError(f"{rp.name}: not a readable JSON build record ({e})") from None
-    return _record_from(d, rp.name)
+    return record_from_dict(d, rp.name)
 
 
-def _record_from(d: object, what: str) -> BuildRecord:
+def record_from_dict(d: object, what: str) -> BuildRecord:
+    """A build record from parsed JSON, every field checked: RecordError naming ``what`` and
+    the first field that is missing or of the wrong type."""
     if not isinstance(d, dict):
         raise RecordError(f"{what}: a build record is a JSON object, this is {type(d).__name__}")
     missing = [f for f, spec in BuildRecord.__dataclass_fields__.items()
@@ -149,8 +151,15 @@ def _differ(wheel: str, field: str, said: object, found: object, where: str) -> 
 def check_wheel(wheel: Path, rec: BuildRecord, project: str = "sageattn3", sha256: str | None = None) -> None:
     """Do the wheel's file name, its METADATA, its WHEEL tags and the build record inside it
     all agree with ``rec`` (its beside-record)? Raises RecordError naming the file and the
-    first field that differs. The one consistency check publishing and the index share."""
+    first field that differs. The one consistency check publishing and the index share; it also
+    refuses the test and proof flavours, which are never indexed or published."""
     name = wheel.name
+    if rec.extra.get("mma_model"):
+        raise RecordError(f"{name}: extra.mma_model: a test-flavour wheel (FP4 MMA software model); "
+                          "never indexed or published")
+    if rec.extra.get("proof"):
+        raise RecordError(f"{name}: extra.proof: a proof-flavour wheel (compiled with a stand-in CUDA "
+                          "toolkit); never indexed or published")
     try:
         dist, version, _build, tags = parse_wheel_filename(name)
     except (InvalidWheelFilename, InvalidVersion) as e:
@@ -171,15 +180,14 @@ def check_wheel(wheel: Path, rec: BuildRecord, project: str = "sageattn3", sha25
         raise RecordError(f"{name}: version: the beside-record's {rec.version!r} is not a PEP 440 version") from None
     if rec_version != version or str(rec_version) != str(version):
         raise _differ(name, "version", rec.version, str(version), "the file name")
-    if not rec.extra.get("mma_model"):
-        if version.local != rec.variant:
-            raise _differ(name, "variant", rec.variant, version.local, "the version's local label")
-        try:
-            variant = Variant.parse(rec.variant)
-        except ValueError as e:
-            raise RecordError(f"{name}: variant: {e}") from None
-        if variant.cuda != rec.cuda:
-            raise _differ(name, "cuda", rec.cuda, variant.cuda, f"variant {rec.variant}")
+    if version.local != rec.variant:
+        raise _differ(name, "variant", rec.variant, version.local, "the version's local label")
+    try:
+        variant = Variant.parse(rec.variant)
+    except ValueError as e:
+        raise RecordError(f"{name}: variant: {e}") from None
+    if variant.cuda != rec.cuda:
+        raise _differ(name, "cuda", rec.cuda, variant.cuda, f"variant {rec.variant}")
     os_re = _OS_PLATFORM.get(rec.os)
     if os_re is None:
         raise RecordError(f"{name}: os: {rec.os!r} is not one of {', '.join(sorted(_OS_PLATFORM))}")
@@ -229,7 +237,7 @@ def check_wheel(wheel: Path, rec: BuildRecord, project: str = "sageattn3", sha25
             inside = json.loads(z.read(RECORD_IN_WHEEL))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise RecordError(f"{name}: {RECORD_IN_WHEEL}: not valid JSON ({e})") from None
-    inner = _record_from(inside, f"{name}: {RECORD_IN_WHEEL}")
+    inner = record_from_dict(inside, f"{name}: {RECORD_IN_WHEEL}")
     for f in BuildRecord.__dataclass_fields__:
         if f in _WHEEL_FIELDS:
             continue
@@ -261,12 +269,6 @@ def load_records(wheels_dir: Path, project: str = "sageattn3") -> list[BuildReco
     out = []
     for wheel in wheels:
         rec = load_record_beside(wheel)
-        if rec.extra.get("mma_model"):
-            raise RecordError(f"{wheel.name}: extra.mma_model: a test-flavour wheel (FP4 MMA software model); "
-                              "never indexed or published")
-        if rec.extra.get("proof"):
-            raise RecordError(f"{wheel.name}: extra.proof: a proof-flavour wheel (compiled with a stand-in CUDA "
-                              "toolkit); never indexed or published")
-        check_wheel(wheel, rec, project)
+        check_wheel(wheel, rec, project)  # refuses test/proof flavours too
         out.append(rec)
     return out

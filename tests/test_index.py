@@ -259,3 +259,36 @@ def test_cli_build_check_and_which_points_at_the_user_side_command(tmp_path):
     p = run("--wheels", str(tmp_path / "typo"), "--out", str(tmp_path / "idx2"))
     assert p.returncode == 2 and "no such directory" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "idx2").exists()
+
+
+def _drop(field: str):
+    return lambda m: {**m, "wheels": {k: {x: y for x, y in v.items() if x != field} for k, v in m["wheels"].items()}}
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (lambda m: "{damaged", "index.json: not a readable index manifest"),
+    (lambda m: b"\xff\xfe", "index.json: not a readable index manifest"),
+    (lambda m: [m], "index.json: an index manifest is a JSON object, this is list"),
+    (lambda m: {**m, "wheels": []}, "index.json: field wheels: list, expected an object"),
+    (_drop("target"), ".whl: field target: missing from the build record"),
+    (_drop("metadata_sha256"), ".whl: field metadata_sha256: null, expected a sha256"),
+    (lambda m: {**m, "wheels": {k: {**v, "archs": "sm_120a"} for k, v in m["wheels"].items()}}, ": field archs: str, expected list"),
+    (lambda m: {**m, "wheels": {k + "x": v for k, v in m["wheels"].items()}}, ".whlx: field wheel:"),
+    (lambda m: {**m, "wheels": {k: 7 for k in m["wheels"]}}, ".whl: a build record is a JSON object, this is int"),
+], ids=["not-json", "not-utf8", "not-an-object", "wheels-not-an-object", "entry-without-target",
+        "entry-without-metadata-sha256", "entry-archs-not-a-list", "entry-under-another-name", "entry-not-an-object"])
+def test_a_damaged_manifest_is_refused_in_one_line_naming_the_file_and_field(tmp_path, capsys, damage, needle):
+    wd = _wheels(tmp_path / "w", variants=VARIANTS[:1])
+    out = tmp_path / "idx"
+    assert ix.main(["build", "--wheels", str(wd), "--out", str(out)]) == 0
+    capsys.readouterr()
+    manifest = json.loads((out / "index.json").read_text())
+    damaged = damage(manifest)
+    data = damaged if isinstance(damaged, bytes) else (damaged if isinstance(damaged, str) else json.dumps(damaged)).encode()
+    (out / "index.json").write_bytes(data)
+    for args in (["--wheels", str(wd)], ["--remove", "9.9.9"]):  # merging, and removing only
+        rc = ix.main(["build", *args, "--out", str(out)])
+        err = capsys.readouterr().err
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert str(out / "index.json") in err and needle in err, err
+        assert (out / "index.json").read_bytes() == data  # nothing written

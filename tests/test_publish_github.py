@@ -4,7 +4,9 @@ and after a real process kill, faults, limits, dry runs and token secrecy."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import os
 import re
 import secrets
@@ -19,7 +21,8 @@ import pytest
 
 from ci import index as ix
 from ci.publish import PublishError, ReleaseOptions, RetryPolicy, publish_release
-from ci.publish._net import InputError
+from ci.publish.__main__ import main as publish_main
+from ci.publish._net import InputError, retrying
 from ci.publish.github import SUMS, LocalAsset, ReleasePublisher, parse_sums
 from ci.publish.pages import PagesOptions, publish_pages
 from ci.record import load_records
@@ -134,6 +137,25 @@ def test_changed_content_is_refused_and_replace_on_a_published_release_needs_a_s
                          rf"\(\d+ bytes, sha256:[0-9a-f]{{64}} -> \d+ bytes, sha256:{sha}\)$", p.stdout, re.M), p.stdout
     assert "replaced 3" in p.stdout  # the wheel, its record, SHA256SUMS
     assert_complete(gh, wheels)
+
+
+def test_prune_with_replace_published_never_replaces_changed_assets(gh, wheels, tmp_path):
+    """--replace-published widens --prune or --replace; with --prune alone it deletes what
+    this run lacks but replaces nothing: an asset with other content is still refused."""
+    publish_release(opts(gh, wheels), TOKEN, log=lambda m: None)
+    _rebuild_one(wheels, tmp_path)  # other content under a published name
+    gone = next(wheels.glob("*cu128.torch2.10*.whl"))  # and a wheel this run no longer has
+    for p in (gone, gone.with_name(gone.name + ".json")):
+        p.unlink()
+    files = gh.asset_files(FULL, gh.release_by_tag(FULL, "v1.0.0")[0]["id"])
+    before = gh.uploads(), writes(gh)
+    with pytest.raises(InputError, match="different content under 2 name.*Nothing was uploaded"):
+        publish_release(opts(gh, wheels, prune=True, replace_published=True), TOKEN, log=lambda m: None)
+    cmd, env = _cli(gh, wheels, "--prune", "--replace-published")
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "different content" in p.stderr, p.stderr  # bad input, not a server failure
+    assert (gh.uploads(), writes(gh)) == before
+    assert gh.asset_files(FULL, gh.release_by_tag(FULL, "v1.0.0")[0]["id"]) == files
 
 
 def test_replace_on_a_draft_needs_no_second_flag(gh, wheels, tmp_path):
@@ -312,15 +334,32 @@ def test_pagination_and_duplicate_empty_drafts(wheels):
 def test_limits_refused_before_any_upload(gh, wheels):
     pub = ReleasePublisher(opts(gh, wheels), TOKEN, log=lambda m: None)
     big = LocalAsset("sageattn3-1.0.0-cp310-abi3-linux_x86_64.whl", "0" * 64, 2 * 1024**3, "wheel")
-    with pytest.raises(PublishError, match="< 2 GiB"):
+    # input problems (InputError: exit status 2), not server failures
+    with pytest.raises(InputError, match="< 2 GiB"):
         pub.plan([big], None, {})
     many = [LocalAsset(f"w{i}.whl", "0" * 64, 10, "wheel") for i in range(1000)]
-    with pytest.raises(PublishError, match="1001 assets.*1000 per release"):
+    with pytest.raises(InputError, match="1001 assets.*1000 per release"):
         pub.plan(many, None, {})
     assert pub.plan(many[:999], None, {})  # 999 + SHA256SUMS = 1000: allowed
-    with pytest.raises(PublishError, match="rename"):
+    with pytest.raises(InputError, match="rename"):
         pub.plan([LocalAsset("bad name.whl", "0" * 64, 1, "wheel")], None, {})
     assert writes(gh) == 0
+
+
+def test_a_403_that_is_no_rate_limit_is_not_retried_and_says_what_to_check():
+    """A 403 without Retry-After or rate-limit wording (a token without contents: write)
+    answers the same however often it is asked: one attempt, then what to check."""
+    from github import GithubException
+
+    calls = []
+
+    def upload():
+        calls.append(1)
+        raise GithubException(403, {"message": "Resource not accessible by integration"}, {})
+    with pytest.raises(PublishError, match=r"^w\.whl: upload: HTTP 403 \(Resource not accessible by integration\): "
+                                           r"the token may not do this: it needs contents: write"):
+        retrying(upload, "w.whl: upload", FAST, log=lambda m: None, sleep=lambda s: None)
+    assert calls == [1]
 
 
 def test_token_never_leaks(gh, wheels, tmp_path):
@@ -432,3 +471,38 @@ def test_prune_on_a_published_release_needs_the_second_flag_too(gh, wheels):
     assert (gh.uploads(), writes(gh)) == before
     s = publish_release(opts(gh, wheels, prune=True, replace_published=True), TOKEN, log=lambda m: None)
     assert not s.failed and gh.count("DELETE") >= 2
+
+
+def _commit_to_branch(gh, path: str, data: bytes, branch: str = "gh-pages") -> None:
+    """One commit changing one file of the branch, through the REST API (as a person would)."""
+    from github import Auth, Github, InputGitTreeElement
+
+    repo = Github(base_url=gh.api_url, auth=Auth.Token(TOKEN)).get_repo(FULL)
+    ref = repo.get_git_ref(f"heads/{branch}").complete()
+    parent = repo.get_git_commit(ref.object.sha)
+    blob = repo.create_git_blob(base64.b64encode(data).decode(), "base64")
+    tree = repo.create_git_tree([InputGitTreeElement(path, "100644", "blob", sha=blob.sha)],
+                                repo.get_git_tree(parent.tree.sha))
+    ref.edit(repo.create_git_commit(f"edit {path}", tree, [parent]).sha)
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (lambda m: b"{damaged", "octo/sageattn3 gh-pages:index.json: not a readable index manifest"),
+    (lambda m: json.dumps([m]).encode(), "octo/sageattn3 gh-pages:index.json: an index manifest is a JSON object"),
+    (lambda m: json.dumps({**m, "wheels": {k: {x: y for x, y in v.items() if x != "target"}
+                                            for k, v in m["wheels"].items()}}).encode(), ": field target: missing"),
+    (lambda m: json.dumps({**m, "wheels": {k: {**v, "metadata_sha256": None} for k, v in m["wheels"].items()}}).encode(),
+     ": field metadata_sha256: null"),
+], ids=["not-json", "not-an-object", "entry-without-target", "entry-bad-metadata-sha256"])
+def test_pages_over_a_damaged_published_index_names_the_file_and_field(gh, tmp_path, capsys, monkeypatch, damage, needle):
+    v1 = _index(tmp_path, "1.0.0", VARIANTS[:1])
+    publish_pages(_pages(gh, v1), TOKEN, log=lambda m: None)
+    manifest = json.loads(gh.branch_files(FULL, "gh-pages")["index.json"])
+    _commit_to_branch(gh, "index.json", damage(manifest))
+    head, n_writes = gh.repos[FULL].refs["refs/heads/gh-pages"], writes(gh)
+    monkeypatch.setenv("GITHUB_TOKEN", TOKEN)
+    rc = publish_main(["pages", "--repo", FULL, "--index", str(v1), "--api-url", gh.api_url, "--write-interval", "0"])
+    err = capsys.readouterr().err
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err  # the branch's problem: one line, no traceback
+    assert needle in err and "repair or revert that file on the branch" in err and "unexpected" not in err, err
+    assert gh.repos[FULL].refs["refs/heads/gh-pages"] == head and writes(gh) == n_writes

@@ -6,14 +6,17 @@ is one line on stderr naming the file and the field, exit status 2, no request t
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from ci import index as ix
 from ci.publish.__main__ import main as publish_main
-from ci.record import RECORD_IN_WHEEL, BuildRecord, record_path
+from ci.publish._net import Redactor, token_from_env
+from ci.record import RECORD_IN_WHEEL, BuildRecord, RecordError, check_wheel, load_records, record_path
 from conftest_publish import rewrite_wheel, sage_wheel
 from fake_github import FakeGitHub
 
@@ -259,3 +262,90 @@ def test_index_cli_errors_are_one_line_with_their_own_status(wheels, tmp_path, c
     rc = ix.main(["which", "--torch", "2.14.1+cu130"])
     err = capsys.readouterr().err
     assert rc == 2 and "python -m sageattn3 which" in err and "index.html" in err
+
+
+# -- what the server refuses, and options that cannot be right ------------------------------
+
+def assert_failed(rc: int, err: str, *needles: str) -> None:
+    """A failure the input could not show: one line, exit status 1, never "unexpected"."""
+    assert rc == 1, err
+    assert len(err.strip().splitlines()) == 1 and "unexpected" not in err and "Traceback" not in err, err
+    for n in needles:
+        assert n in err, (n, err)
+
+
+def test_a_refused_token_or_a_missing_repository_says_what_to_check(gh, wheels, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("GITHUB_TOKEN", "ghp_" + "x" * 36)  # not the server's token
+    rc, out, err = publish(gh, capsys, "--tag", "v0.1.0", "--repo", FULL, "--wheels", str(wheels))
+    assert_failed(rc, err, "octo/sageattn3: list releases: HTTP 401", "token in GITHUB_TOKEN or GH_TOKEN was refused")
+    n = gh.count()
+    assert n == 1  # asked once: no retry can change a 401
+    monkeypatch.setenv("GITHUB_TOKEN", TOKEN)
+    rc, out, err = publish(gh, capsys, "--tag", "v0.1.0", "--repo", "octo/missing", "--wheels", str(wheels))
+    assert_failed(rc, err, "octo/missing: list releases: HTTP 404", "check that --repo names an existing repository")
+    idx = tmp_path / "idx"
+    ix.write_index(load_records(wheels), wheels, idx)
+    rc = publish_main(["pages", "--repo", "octo/missing", "--index", str(idx), "--api-url", gh.api_url])
+    assert_failed(rc, capsys.readouterr().err, "octo/missing: read the repository: HTTP 404", "--repo")
+    assert sum(gh.count(m) for m in ("POST", "PATCH", "DELETE", "PUT")) == 0
+
+
+@pytest.mark.parametrize("url", ["notaurl", "api.github.com", "ftp://api.github.com", "https://", "file:///tmp/x"])
+def test_an_api_url_that_is_not_http_is_refused(gh, wheels, capsys, tmp_path, url):
+    rc, out, err = publish(gh, capsys, "--tag", "v0.1.0", "--repo", FULL, "--wheels", str(wheels), f"--api-url={url}")
+    assert_refused(rc, err, f"--api-url {url!r}", "https://api.github.com")
+    idx = tmp_path / "idx"
+    ix.write_index(load_records(wheels), wheels, idx)
+    rc = publish_main(["pages", "--repo", FULL, "--index", str(idx), f"--api-url={url}"])
+    assert_refused(rc, capsys.readouterr().err, f"--api-url {url!r}")
+    assert gh.count() == 0
+
+
+def test_the_redactor_strips_the_token_as_the_publisher_does(monkeypatch):
+    """A token pasted with a newline is sent stripped: that stripped value is what must never
+    be printed."""
+    monkeypatch.setenv("GITHUB_TOKEN", f" {TOKEN}\n")
+    monkeypatch.setenv("TWINE_PASSWORD", "pypi-secret-value\n")
+    assert token_from_env() == TOKEN
+    redact = Redactor.from_env()
+    assert redact(f"Authorization: token {TOKEN}; password pypi-secret-value.") == "Authorization: token ***; password ***."
+
+
+# -- flavours that are never shipped, and records that change under an indexed wheel ---------
+
+@pytest.mark.parametrize("flag,value", [("mma_model", True), ("proof", "compiled with CUDA 13.0 instead of 12.8")])
+def test_test_and_proof_flavours_are_refused_by_the_shared_check(wheels, tmp_path, flag, value):
+    """Marked consistently inside and beside (every other field agrees): the check itself
+    refuses them, so the index API (which takes records, not a directory) does too."""
+    import zipfile
+
+    w = next(wheels.glob("*+cu130.*.whl"))
+    with zipfile.ZipFile(w) as z:
+        inner = json.loads(z.read(RECORD_IN_WHEEL))
+    inner["extra"][flag] = value
+    rewrite_wheel(w, {RECORD_IN_WHEEL: json.dumps(inner).encode()})
+    d = json.loads(record_path(w).read_text())
+    _edit_record(w, extra={**d["extra"], flag: value})
+    _resync(w)
+    rec = BuildRecord.load(record_path(w))
+    with pytest.raises(RecordError, match=rf"^{re.escape(w.name)}: extra\.{flag}: .*never indexed or published"):
+        check_wheel(w, rec)
+    out = tmp_path / "idx"
+    with pytest.raises(ix.IndexError_, match=rf"extra\.{flag}"):
+        ix.write_index([rec], wheels, out)
+    assert not out.exists()
+
+
+def test_a_new_record_for_an_indexed_wheel_is_checked_before_it_replaces_the_entry(wheels, tmp_path):
+    out = tmp_path / "idx"
+    recs = load_records(wheels)
+    ix.write_index(recs, wheels, out)
+    before = (out / "index.json").read_bytes()
+    rec = next(r for r in recs if r.variant.startswith("cu130"))
+    lie = dataclasses.replace(rec, archs=("sm_90a",))  # same file, same sha256, a record that lies about it
+    with pytest.raises(ix.IndexError_, match=rf"{re.escape(rec.wheel)}: archs: the beside-record says \["):
+        ix.write_index([lie], wheels, out)
+    assert (out / "index.json").read_bytes() == before
+    honest = dataclasses.replace(rec, index_url="https://mirror.example/sa3/")  # a field only the record has
+    with pytest.raises(ix.IndexError_, match="index_url"):
+        ix.write_index([honest], wheels, out)  # the wheel's own record says otherwise: refused too

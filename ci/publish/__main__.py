@@ -9,7 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from ci.publish._net import InputError, LineLog, PublishError, Redactor, RetryPolicy, check_repo, token_from_env
+from ci.publish._net import (InputError, LineLog, PublishError, Redactor, RetryPolicy, check_api_url, check_repo, refusal,
+                             token_from_env)
 
 
 def _retry_args(ap: argparse.ArgumentParser) -> None:
@@ -47,6 +48,7 @@ def _github(argv: list[str], out) -> int:
     ap.add_argument("--target-commitish", default=os.environ.get("GITHUB_SHA") or None)
     _retry_args(ap)
     a = ap.parse_args(argv)
+    check_api_url(a.api_url)
     if a.replace_published and not (a.replace or a.prune):
         raise InputError("--replace-published only widens --replace: pass both to overwrite assets of a published release")
     opts = ReleaseOptions(repo=a.repo, tag=a.tag, wheels=a.wheels, api_url=a.api_url, dry_run=a.dry_run,
@@ -84,6 +86,7 @@ def _pages(argv: list[str], out) -> int:
     _retry_args(ap)
     a = ap.parse_args(argv)
     check_repo(a.repo)
+    check_api_url(a.api_url)
     if not (a.index / "index.json").is_file():
         raise InputError(f"--index {a.index}: no index.json there; build the index first (nox -s index)")
     token = token_from_env(required=not a.dry_run)
@@ -145,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: re-run the same command to resume", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - never let a traceback carry a secret out unredacted
+        r = refusal(e, cmd) if type(e).__module__.startswith("github") else None
+        if r is not None:  # an HTTP refusal raised outside the retry loop: still say what to check
+            print(redact(f"publish {r}"), file=sys.stderr, flush=True)
+            return 1
         print(redact(f"publish {cmd}: unexpected {type(e).__name__}: {e}"), file=sys.stderr, flush=True)
         if os.environ.get("SAGEATTN3_PUBLISH_TRACEBACK"):
             import traceback

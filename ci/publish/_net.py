@@ -12,6 +12,7 @@ import random
 import re
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
@@ -27,6 +28,15 @@ class PublishError(RuntimeError):
 class InputError(PublishError):
     """What was asked is refused before anything is sent (a bad tag, repository, wheel or
     flag): the command line must change. Exit status 2."""
+
+
+def check_api_url(url: str, option: str = "--api-url") -> str:
+    """An http(s) URL with a host (GitHub's REST root), or InputError."""
+    parts = urllib.parse.urlsplit(url or "")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InputError(f"{option} {url!r}: not an http(s) URL; expected GitHub's REST root, e.g. "
+                         "https://api.github.com (GitHub Enterprise: https://HOST/api/v3)")
+    return url
 
 
 REPO_RE = re.compile(r"^(?P<owner>[A-Za-z0-9](?:[A-Za-z0-9-]{0,38}))/(?P<name>[A-Za-z0-9._-]{1,100})$")
@@ -62,7 +72,9 @@ class Redactor:
     @classmethod
     def from_env(cls) -> "Redactor":
         names = [*TOKEN_VARS, "TWINE_PASSWORD", "TWINE_USERNAME"]
-        return cls([os.environ.get(n, "") for n in names if n != "TWINE_USERNAME" or os.environ.get(n) != "__token__"])
+        # stripped as token_from_env strips them: the value sent (and maybe echoed) is the stripped one
+        return cls([os.environ.get(n, "").strip() for n in names
+                    if n != "TWINE_USERNAME" or os.environ.get(n, "").strip() != "__token__"])
 
     def __call__(self, text: object) -> str:
         s = str(text)
@@ -166,6 +178,30 @@ def classify(exc: BaseException) -> Transient | None:
     return None
 
 
+def refusal(exc: BaseException, what: str) -> PublishError | None:
+    """A PublishError saying what to check, for an answer that no retry can change: 401 (the
+    token), 404 (the repository, or the token cannot see it), a 403 that is not a rate limit
+    (the token's permissions). None for anything else."""
+    from github import GithubException
+
+    if not isinstance(exc, GithubException) or exc.status not in (401, 403, 404):
+        return None
+    data = exc.data if isinstance(exc.data, dict) else {}
+    said = str(data.get("message") or "").strip()
+    said = f" ({said})" if said else ""
+    vars_ = " or ".join(TOKEN_VARS)
+    if exc.status == 401:
+        why = (f"the token in {vars_} was refused: it is wrong, expired or revoked; set a valid token "
+               "(one with contents: write on the repository)")
+    elif exc.status == 403:
+        why = ("the token may not do this: it needs contents: write on the repository (a fine-grained token "
+               "must also include this repository; in a workflow, `permissions: contents: write`)")
+    else:
+        why = ("not found: check that --repo names an existing repository, and that the token can see it "
+               "(GitHub answers 404, not 403, for a private repository the token has no access to)")
+    return PublishError(f"{what}: HTTP {exc.status}{said}: {why}")
+
+
 def retrying(fn: Callable[[], T], what: str, policy: RetryPolicy, *, log: Callable[[str], None] = print,
              before_retry: Callable[[], T | None] | None = None, sleep: Callable[[float], None] = time.sleep) -> T:
     """Call ``fn`` until it succeeds, retrying transient failures with exponential backoff
@@ -177,6 +213,9 @@ def retrying(fn: Callable[[], T], what: str, policy: RetryPolicy, *, log: Callab
         except BaseException as e:  # noqa: BLE001 - classified below
             t = classify(e)
             if t is None:
+                r = refusal(e, what)
+                if r is not None:
+                    raise r from None
                 raise
             if attempt == policy.attempts - 1:
                 raise PublishError(f"{what}: still failing after {policy.attempts} attempts ({t})") from None

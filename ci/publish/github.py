@@ -310,11 +310,10 @@ class ReleasePublisher:
         conflicts = []
         replacing: list[tuple[LocalAsset, str]] = []  # (asset, the remote's sha256 or how it differs)
         for la in local:
-            bad = [] if NAME_OK.match(la.name) else [la.name]
-            if bad:
-                raise PublishError(f"{la.name}: GitHub would rename this asset (only [A-Za-z0-9._+-] are kept); rename it")
+            if not NAME_OK.match(la.name):
+                raise InputError(f"{la.name}: GitHub would rename this asset (only [A-Za-z0-9._+-] are kept); rename it")
             if la.size >= MAX_ASSET_BYTES:
-                raise PublishError(f"{la.name}: {la.size / 2**30:.2f} GiB; GitHub release assets must be < 2 GiB. "
+                raise InputError(f"{la.name}: {la.size / 2**30:.2f} GiB; GitHub release assets must be < 2 GiB. "
                                    "Nothing was uploaded: shrink the wheel (fewer archs, strip debug info)")
             ra = assets.get(la.name)
             if ra is None:
@@ -326,13 +325,13 @@ class ReleasePublisher:
             elif sha == la.sha256:
                 self.summary.skipped.append(la.name)
                 self.summary.plan.append(f"skip     {la.name} (same sha256: {how})")
-            elif self.opts.replace or self.opts.replace_published:
+            elif self.opts.replace:  # --replace-published alone only widens --prune, never replaces
                 uploads.append((la, ra, "replace"))
                 replacing.append((la, sha))
             else:
                 conflicts.append(f"{la.name} ({how})")
         if conflicts:
-            raise PublishError(
+            raise InputError(
                 f"release {self.opts.tag} already holds different content under {len(conflicts)} name(s): "
                 + ", ".join(conflicts[:10]) + (" …" if len(conflicts) > 10 else "")
                 + ". Nothing was uploaded. A published wheel should not change: bump the version; "
@@ -360,7 +359,7 @@ class ReleasePublisher:
             )
         final = len(local_names | {SUMS} | (set() if self.opts.prune else set(extras)))
         if final > MAX_ASSETS:
-            raise PublishError(
+            raise InputError(
                 f"release {self.opts.tag} would hold {final} assets; GitHub allows {MAX_ASSETS} per release. "
                 f"Nothing was uploaded. Publish fewer targets per tag (each wheel costs 2 assets: wheel + record)"
                 + ("" if self.opts.prune or not extras else f", or --prune the {len(extras)} assets not in this run")

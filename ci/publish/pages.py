@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ci.index import IndexError_, site_files
-from ci.publish._net import PublishError, RetryPolicy, Throttle, retrying
+from ci.index import MANIFEST, IndexError_, check_manifest, manifest_entries, site_files
+from ci.publish._net import InputError, PublishError, RetryPolicy, Throttle, retrying
 from ci.publish.github import DEFAULT_API
 
 MAX_BLOB = 100 * 1000 * 1000
@@ -87,9 +87,11 @@ def _publish(opts: PagesOptions, token: str | None, log: Callable[[str], None]) 
 
     gh = Github(base_url=opts.api_url.rstrip("/"), auth=Auth.Token(token) if token else None, timeout=opts.timeout,
                 retry=None, seconds_between_requests=None, seconds_between_writes=None, lazy=True)
-    repo = gh.get_repo(opts.repo)
     throttle = Throttle(opts.write_interval)
     call = lambda fn, what: retrying(fn, what, opts.retry, log=log)  # noqa: E731
+    # Read first: a missing repository (or one the token cannot see) is told apart from a
+    # missing branch, which also answers 404.
+    repo = call(lambda: gh.get_repo(opts.repo).complete(), f"{opts.repo}: read the repository")
     prefix = opts.prefix.strip("/")
     pre = prefix + "/" if prefix else ""
     summary = PagesSummary(opts.branch, dry_run=opts.dry_run)
@@ -111,13 +113,19 @@ def _publish(opts: PagesOptions, token: str | None, log: Callable[[str], None]) 
             raise PublishError(f"{opts.branch}: the tree is too large to read in one request; prune old releases")
         remote = {e.path: e.sha for e in base_tree.tree if e.type == "blob"}
     manifest = None
-    if pre + "index.json" in remote:
-        blob = call(lambda: repo.get_git_blob(remote[pre + "index.json"]), "read the published index.json")
-        manifest = json.loads(base64.b64decode(blob.content))
+    if pre + MANIFEST in remote:
+        where = f"{opts.repo} {opts.branch}:{pre}{MANIFEST}"
+        blob = call(lambda: repo.get_git_blob(remote[pre + MANIFEST]), f"read {where}")
+        try:  # what the branch holds is checked here: a damaged one is the branch's problem, not the input's
+            manifest = check_manifest(json.loads(base64.b64decode(blob.content).decode("utf-8")), where)
+            manifest_entries(manifest, where)
+        except (ValueError, UnicodeDecodeError) as e:  # IndexError_, JSONDecodeError, binascii.Error
+            raise PublishError(f"{e if isinstance(e, IndexError_) else f'{where}: not a readable index manifest ({e})'}; "
+                               "repair or revert that file on the branch, then re-run") from None
     try:
         files, deletions, added = site_files(opts.index, manifest, base_url=opts.base_url, remove=opts.remove)
-    except IndexError_ as e:
-        raise PublishError(str(e)) from None
+    except IndexError_ as e:  # the local index, or what it asks of the published one: change the input
+        raise InputError(str(e)) from None
     summary.added_wheels = added
     files = {pre + k: v for k, v in files.items()}
     if ".nojekyll" not in remote:
@@ -127,7 +135,7 @@ def _publish(opts: PagesOptions, token: str | None, log: Callable[[str], None]) 
     for path, content in sorted(files.items()):
         data = content.read_bytes() if isinstance(content, Path) else content
         if len(data) > MAX_BLOB:
-            raise PublishError(f"{path}: {len(data) / 1e6:.0f} MB; a repository file must be < 100 MB. Nothing was written")
+            raise InputError(f"{path}: {len(data) / 1e6:.0f} MB; a repository file must be < 100 MB. Nothing was written")
         total += len(data)
         if remote.get(path) == git_blob_sha(data):
             summary.unchanged += 1
