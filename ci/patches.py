@@ -13,6 +13,7 @@ clean reverse check, and a pin that does not match stops the build before anythi
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -140,6 +141,18 @@ def state(patch: Path, cwd: Path) -> str:
     return "conflict"
 
 
+def crlf_hint(path: Path, pin: str) -> str | None:
+    """Why a pinned file differs when only its line endings do: the pins are sha256 sums of
+    LF files, and a Windows checkout with ``core.autocrlf`` writes CRLF. None otherwise."""
+    data = path.read_bytes()
+    if b"\r\n" not in data or hashlib.sha256(data.replace(b"\r\n", b"\n")).hexdigest() != pin:
+        return None
+    return ("Nothing was built. The file is the pinned one with CRLF line endings: the checkout converted "
+            "LF to CRLF (git's core.autocrlf, the default on Windows). Check out with LF endings: the "
+            "repository's .gitattributes says `* text=auto eol=lf` (re-clone, or `git add --renormalize .`), "
+            "and `git config --global core.autocrlf false` before cloning.")
+
+
 def apply(patch: Patch, roots: dict[str, Path], overlay: Path) -> None:
     """Apply one patch: check every pin, copy non-src files into the overlay, then apply.
 
@@ -154,10 +167,11 @@ def apply(patch: Patch, roots: dict[str, Path], overlay: Path) -> None:
             )
         found = sha256_of(src)
         if found != f.sha256:
+            crlf = crlf_hint(src, f.sha256)
             raise PatchDrift(
                 f"patch {patch.name}: {f.ref} has changed.\n  expected sha256 {f.sha256}\n  found    sha256 {found}\n"
-                f"Nothing was built. Refresh the patch against the new file (and its pin in "
-                f"patches/manifest.toml), or, after checking it still applies as intended, widen the pin."
+                + (crlf or f"Nothing was built. Refresh the patch against the new file (and its pin in "
+                           f"patches/manifest.toml), or, after checking it still applies as intended, widen the pin.")
             )
     work = base
     if patch.root != "src":
@@ -203,7 +217,9 @@ def check_patch(patch: Patch, roots: dict[str, Path], work: Path) -> list[str]:
             problems.append(f"{patch.name}: {f.ref} missing")
             continue
         if sha256_of(src) != f.sha256:
-            problems.append(f"{patch.name}: {f.ref} drifted (pin {f.sha256[:12]}…, found {sha256_of(src)[:12]}…)")
+            crlf = crlf_hint(src, f.sha256)
+            problems.append(f"{patch.name}: {f.ref} drifted (pin {f.sha256[:12]}…, found {sha256_of(src)[:12]}…)"
+                            + (f": {crlf}" if crlf else ""))
         dst = work / f.path
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, dst)
