@@ -576,16 +576,20 @@ def _windows_commands_problems(target, matrix: Matrix) -> list[str]:
     profile = profile_for(target, matrix.stable_abi_floor)
     home = rf"C:\Program Files\NVIDIA GPU Computing Toolkit\CUDA\v{target.cuda}"
     torch_dir = r"C:\cache\envs\torch\Lib\site-packages\torch"
+    # where vcvars64 of the runner's VS 2022 puts them (setup.py resolves them with find_msvc_tools)
+    msvc = r"C:\Program Files\Microsoft Visual Studio\2022\Enterprise\VC\Tools\MSVC\14.44.35207\bin\Hostx64\x64"
     problems = []
     try:
-        t = bc.tools(bc.style_of(profile), home)
+        style = bc.style_of(profile)
+        t = bc.tools(style, home, cxx=msvc + r"\cl.exe" if style == "msvc" else None,
+                     linker=msvc + r"\link.exe" if style == "msvc" else None)
         cu = bc.compile_command(t, profile, "csrc/attn.cu", r"C:\b\attn.cu.obj", [home + r"\include"])
         libs = bc.library_dirs("msvc", torch_dir=torch_dir, cuda_home=home, python_prefix=r"C:\Python310")
         link = bc.link_command(t, profile, [r"C:\b\attn.cu.obj"], r"C:\b\sageattn3\_C.pyd", libs)
     except Exception as e:  # noqa: BLE001 - reported as the target's problem
         return [f"the MSVC commands cannot be made: {type(e).__name__}: {e}"]
-    if t.style != "msvc" or not t.nvcc.endswith("nvcc.exe") or t.linker != "link":
-        problems.append(f"the Windows toolchain is not MSVC's: {t}")
+    if t.style != "msvc" or not t.nvcc.endswith("nvcc.exe") or link[0] != msvc + r"\link.exe":
+        problems.append(f"the Windows toolchain is not MSVC's (link.exe beside cl.exe, by absolute path): {t}")
     if "-c" not in cu or not any(a.startswith("-Xcompiler") for a in cu):
         problems.append(f"nvcc's host flags do not go through -Xcompiler: {cu}")
     if not any(a.lower() == rf"/libpath:{home}\lib\x64".lower() for a in link):

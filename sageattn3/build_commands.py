@@ -10,16 +10,20 @@ Two styles:
   ``/LIBPATH:`` and ``name.lib``; the module's ``PyInit__C`` is exported by its own
   ``PyMODINIT_FUNC`` (``__declspec(dllexport)`` under MSVC), so no ``/EXPORT`` is needed.
 
-Nothing here touches the file system or asks which OS it runs on: paths are ``PurePosixPath``
-or ``PureWindowsPath`` by style, so a Windows build's commands can be computed, and tested,
-anywhere. Standard library only (it runs before anything is installed).
+Nothing here but ``find_msvc_tools`` touches the file system or asks which OS it runs on: paths
+are ``PurePosixPath`` or ``PureWindowsPath`` by style, so a Windows build's commands can be
+computed, and tested, anywhere. MSVC's ``cl.exe`` and ``link.exe`` are always absolute paths
+(``find_msvc_tools`` resolves them where the build runs): a bare ``link`` would run whichever
+``link`` comes first on PATH, and in a runner's Git Bash that is GNU coreutils' ``link``.
+Standard library only (it runs before anything is installed).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import PurePath, PurePosixPath, PureWindowsPath
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 STYLES = ("gcc", "msvc")
 CUDA_SOURCE = ".cu"
@@ -60,14 +64,62 @@ class Tools:
     launcher: tuple[str, ...] = ()
 
 
-def tools(style: str, cuda_home: str | PurePath, *, cxx: str | None = None,
+def tools(style: str, cuda_home: str | PurePath, *, cxx: str | None = None, linker: str | None = None,
           launcher: Sequence[str] = ()) -> Tools:
-    """nvcc of ``cuda_home``; ``cl``/``link`` for msvc, ``$CXX`` (default ``c++``) for gcc."""
+    """nvcc of ``cuda_home``; for msvc the absolute paths of ``cl.exe`` (``cxx``) and
+    ``link.exe`` (``linker``), from ``find_msvc_tools``; for gcc ``cxx`` (default ``c++``),
+    which also links."""
     p = path_type(style)
     if style == "msvc":
-        return Tools(style, str(p(cuda_home) / "bin" / "nvcc.exe"), cxx or "cl", "link", tuple(launcher))
+        for name, exe, want in (("cxx", cxx, "cl.exe"), ("linker", linker, "link.exe")):
+            absolute = exe and (PureWindowsPath(exe).is_absolute() or os.path.isabs(exe))
+            if not absolute or PureWindowsPath(exe).name.lower() != want:
+                raise BuildCommandError(
+                    f"MSVC builds need the absolute path of {want} as {name} (got {exe!r}): a bare name runs "
+                    f"whatever comes first on PATH; resolve it with find_msvc_tools()")
+        return Tools(style, str(p(cuda_home) / "bin" / "nvcc.exe"), str(cxx), str(linker), tuple(launcher))
     compiler = cxx or "c++"
-    return Tools(style, str(p(cuda_home) / "bin" / "nvcc"), compiler, compiler, tuple(launcher))
+    return Tools(style, str(p(cuda_home) / "bin" / "nvcc"), compiler, linker or compiler, tuple(launcher))
+
+
+# Where a Visual Studio toolset keeps the x64-hosted, x64-targeting compiler and linker, under
+# its VCToolsInstallDir (what vcvars64.bat exports).
+MSVC_HOST_X64 = ("bin", "Hostx64", "x64")
+
+
+def _env_get(env: Mapping[str, str], key: str) -> str | None:
+    """``env[key]``, case-insensitively (Windows variable names are)."""
+    if key in env:
+        return env[key]
+    lower = key.lower()
+    return next((v for k, v in env.items() if k.lower() == lower), None)
+
+
+def find_msvc_tools(env: Mapping[str, str]) -> tuple[str, str]:
+    """The absolute paths of MSVC's ``cl.exe`` and ``link.exe`` in the developer environment
+    ``env``: from ``VCToolsInstallDir\\bin\\Hostx64\\x64`` when vcvars set it, else the first
+    ``cl.exe`` on ``env``'s PATH; ``link.exe`` always from the same directory as ``cl.exe``, never
+    from PATH (Git for Windows puts its ``usr\\bin``, with coreutils' ``link``, ahead of MSVC's).
+    Raises BuildCommandError saying what to set up when there is none."""
+    candidates = []
+    vctools = _env_get(env, "VCToolsInstallDir")
+    if vctools:
+        candidates.append(os.path.join(vctools, *MSVC_HOST_X64))
+    for d in (_env_get(env, "PATH") or "").split(os.pathsep):
+        if d and os.path.isfile(os.path.join(d, "cl.exe")):
+            candidates.append(d)
+            break
+    for d in candidates:
+        cl, link = os.path.join(d, "cl.exe"), os.path.join(d, "link.exe")
+        if os.path.isfile(cl):
+            if not os.path.isfile(link):
+                raise BuildCommandError(f"MSVC's cl.exe is at {cl} but no link.exe beside it: repair the Visual "
+                                        f"Studio C++ x64 toolset")
+            return os.path.abspath(cl), os.path.abspath(link)
+    raise BuildCommandError(
+        "MSVC's cl.exe not found (VCToolsInstallDir"
+        + (f"={vctools}" if vctools else " unset") + ", none on PATH): build from a VS 2022 x64 developer "
+        "environment (vcvars64.bat, or `python -m ci.cibw msvc-env` on a runner)")
 
 
 def translation_units(profile: dict, files: Iterable[str]) -> list[str]:
@@ -202,3 +254,17 @@ def build_environment(profile: dict, cuda_home: str | PurePath) -> dict[str, str
     names torch and NVIDIA's tools read (``CUDA_HOME``, ``CUDA_PATH``), never guessed from PATH."""
     home = str(path_type(style_of(profile))(cuda_home))
     return {**profile.get("env", {}), "CUDA_HOME": home, "CUDA_PATH": home}
+
+
+def python_requires(cfg: dict) -> str:
+    """The wheel's Requires-Python, as setup.py writes it from the build config: the target's
+    Python floor from the build record (the factory writes '>=3.9' for its cp39-abi3 targets),
+    else the floor of the abi3 tag ('>=3.10' standalone). The two must agree: a cp39-abi3 wheel
+    that says '>=3.10' is refused by 3.9 (BuildCommandError)."""
+    tag = cfg.get("limited_api", "cp310")
+    floor = f">={tag[2]}.{tag[3:]}"
+    declared = (cfg.get("record") or {}).get("requires_python") or floor
+    if declared != floor:
+        raise BuildCommandError(f"the build record's requires_python {declared!r} disagrees with the wheel's "
+                                f"{tag}-abi3 tag (expected {floor!r}): fix the build config")
+    return declared

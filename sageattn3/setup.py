@@ -136,9 +136,15 @@ class CudaBuildExt(build_ext):
             overlay=overlay and root("overlay", Path(overlay)), machine=machine,
         )
         includes = [d for d in includes if (HERE / d).is_dir()]  # e.g. targets/<arch>-linux: NVIDIA's layout only
-        tools = bc.tools(style, cuda_home, cxx=os.environ.get("CXX") if style == "gcc" else None,
-                         launcher=cfg.get("launcher") or ())
         env = {**os.environ, **bc.build_environment(prof, cuda_home)}
+        if style == "msvc":  # absolute cl.exe and link.exe of the developer environment
+            try:
+                cxx, linker = bc.find_msvc_tools(env)
+            except bc.BuildCommandError as e:
+                sys.exit(f"sageattn3: {e}")
+        else:
+            cxx, linker = os.environ.get("CXX"), None
+        tools = bc.tools(style, cuda_home, cxx=cxx, linker=linker, launcher=cfg.get("launcher") or ())
         # Objects by paths relative to HERE, where every command runs (setup.py may run elsewhere).
         objdir = Path(os.path.relpath(Path(self.build_temp).resolve(), HERE)) / "obj"
         jobs = int(cfg.get("jobs") or os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
@@ -172,16 +178,12 @@ class CudaBuildExt(build_ext):
 
 
 def python_requires(cfg: dict) -> str:
-    """The wheel's Requires-Python: the target's Python floor from the build record (the factory
-    writes '>=3.9' for its cp39-abi3 targets), else the floor of the abi3 tag ('>=3.10'
-    standalone). The two must agree: a cp39-abi3 wheel that says '>=3.10' is refused by 3.9."""
-    tag = cfg.get("limited_api", "cp310")
-    floor = f">={tag[2]}.{tag[3:]}"
-    declared = (cfg.get("record") or {}).get("requires_python") or floor
-    if declared != floor:
-        sys.exit(f"sageattn3: the build record's requires_python {declared!r} disagrees with the wheel's "
-                 f"{tag}-abi3 tag (expected {floor!r}): fix the build config")
-    return declared
+    """The wheel's Requires-Python (build_commands.python_requires: the build record's floor,
+    which must be the abi3 tag's)."""
+    try:
+        return bc.python_requires(cfg)
+    except bc.BuildCommandError as e:
+        sys.exit(f"sageattn3: {e}")
 
 
 cfg = load_config()

@@ -38,6 +38,8 @@ CUTLASS_WIN = W(r"C:\factory\cutlass\4.2.0.0\cutlass_library\source\include")
 STAGE_WIN = W(r"D:\a\sageattn3\sageattn3\build\stage\0123456789ab")
 OBJ_WIN = W(r"build\temp.win-amd64-cpython-310\Release\obj")
 PYD = W(r"build\lib.win-amd64-cpython-310\sageattn3\_C.pyd")
+MSVC_BIN = W(r"C:\Program Files\Microsoft Visual Studio\2022\Enterprise\VC\Tools\MSVC\14.44.35207\bin\Hostx64\x64")
+CL_WIN, LINK_WIN = MSVC_BIN / "cl.exe", MSVC_BIN / "link.exe"
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,8 @@ def payload_sources() -> list[str]:
 def windows_build(matrix, target_id):
     target = matrix.target(target_id)
     profile, _ = select_flags(target, matrix)
-    tools = bc.tools(bc.style_of(profile), CUDA_WIN, launcher=[r"C:\tools\sccache.exe"])
+    tools = bc.tools(bc.style_of(profile), CUDA_WIN, cxx=str(CL_WIN), linker=str(LINK_WIN),
+                     launcher=[r"C:\tools\sccache.exe"])
     includes = bc.include_dirs("msvc", csrc=STAGE_WIN / "csrc", torch_dir=TORCH_WIN,
                                torch_subdirs=profile["torch_include_subdirs"], cuda_home=CUDA_WIN,
                                python_include=PY_WIN / "Include", cutlass=CUTLASS_WIN)
@@ -100,7 +103,7 @@ def test_windows_commands_are_msvc_style(matrix, target_id, unit, std, defines, 
     src = f"csrc/torch/{unit}.cpp"
     cmd = bc.compile_command(tools, profile, src, bc.object_path("msvc", OBJ_WIN, src), includes)
     assert cmd == [
-        r"C:\tools\sccache.exe", "cl", "/nologo", "/c", rf"csrc\torch\{unit}.cpp",
+        r"C:\tools\sccache.exe", str(CL_WIN), "/nologo", "/c", rf"csrc\torch\{unit}.cpp",
         rf"/Fobuild\temp.win-amd64-cpython-310\Release\obj\csrc\torch\{unit}.cpp.obj",
         "/O2", f"/std:{std}", "/Zc:__cplusplus", "/Zc:preprocessor", "/bigobj", "/permissive-", "/EHsc", "/MD",
         *(f"/D{d}" for d in defines), *WIN_INCLUDES,
@@ -111,7 +114,7 @@ def test_windows_commands_are_msvc_style(matrix, target_id, unit, std, defines, 
     lib_dirs = bc.library_dirs("msvc", torch_dir=TORCH_WIN, cuda_home=CUDA_WIN, python_prefix=PY_WIN)
     link = bc.link_command(tools, profile, objs, PYD, lib_dirs, implib_dir=OBJ_WIN)
     assert link == [
-        "link", "/nologo", "/DLL", "/INCREMENTAL:NO", "/MANIFEST:EMBED,ID=2", "/MANIFESTUAC:NO",
+        str(LINK_WIN), "/nologo", "/DLL", "/INCREMENTAL:NO", "/MANIFEST:EMBED,ID=2", "/MANIFESTUAC:NO",
         r"/OUT:build\lib.win-amd64-cpython-310\sageattn3\_C.pyd",
         r"/IMPLIB:build\temp.win-amd64-cpython-310\Release\obj\_C.lib",
         *(str(o) for o in objs),
@@ -136,6 +139,47 @@ def test_windows_build_environment(matrix):
         "CUDA_HOME": r"C:\Program Files\NVIDIA GPU Computing Toolkit\CUDA\v13.0",
         "CUDA_PATH": r"C:\Program Files\NVIDIA GPU Computing Toolkit\CUDA\v13.0",
     }
+
+
+def _exe(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"MZ")
+    path.chmod(0o755)
+    return path
+
+
+def test_msvc_link_is_the_linker_beside_cl_never_a_link_on_path(tmp_path):
+    """A runner's Git Bash puts Git's usr/bin (GNU coreutils' `link`, also as link.exe) ahead of
+    vcvars' directories on PATH: the build links with the link.exe beside cl.exe, by absolute
+    path, found from VCToolsInstallDir or from cl.exe on PATH (real files here)."""
+    vc = tmp_path / "VS" / "VC" / "Tools" / "MSVC" / "14.44.35207"
+    msvc_bin = vc.joinpath(*bc.MSVC_HOST_X64)
+    cl, link = _exe(msvc_bin / "cl.exe"), _exe(msvc_bin / "link.exe")
+    git_bin = tmp_path / "Git" / "usr" / "bin"
+    _exe(git_bin / "link.exe"), _exe(git_bin / "link")
+    path = os.pathsep.join([str(git_bin), str(tmp_path / "elsewhere"), str(msvc_bin)])
+    for env in ({"PATH": path, "VCToolsInstallDir": str(vc) + os.sep},  # vcvars' variables
+                {"Path": path, "VCTOOLSINSTALLDIR": str(vc)},  # names as Windows spells them
+                {"PATH": path}):  # cl.exe on PATH only
+        assert bc.find_msvc_tools(env) == (str(cl), str(link)), env
+    target, profile, _, _ = windows_build(Matrix.load(), "windows-amd64-cu130-torch2.10-stable")
+    found_cl, found_link = bc.find_msvc_tools({"PATH": path})
+    tools = bc.tools("msvc", CUDA_WIN, cxx=found_cl, linker=found_link)
+    argv = bc.link_command(tools, profile, [OBJ_WIN / "a.obj"], PYD, [])
+    assert Path(argv[0]).is_absolute() and argv[0].endswith("link.exe")
+    assert Path(argv[0]).parent == Path(found_cl).parent and not argv[0].startswith(str(git_bin))
+
+    # bare names (what used to run the first `link` on PATH) are refused
+    for cxx, linker in (("cl", str(LINK_WIN)), (str(CL_WIN), "link"), (str(CL_WIN), None),
+                        (str(CL_WIN), r"C:\Program Files\Git\usr\bin\link")):
+        with pytest.raises(bc.BuildCommandError, match="absolute path of (cl|link).exe"):
+            bc.tools("msvc", CUDA_WIN, cxx=cxx, linker=linker)
+    # no MSVC: a clear refusal; cl.exe without its link.exe: named
+    with pytest.raises(bc.BuildCommandError, match="cl.exe not found .*vcvars64.bat"):
+        bc.find_msvc_tools({"PATH": str(git_bin)})
+    link.unlink()
+    with pytest.raises(bc.BuildCommandError, match="no link.exe beside it"):
+        bc.find_msvc_tools({"PATH": path})
 
 
 def test_windows_toolkit_layout():
