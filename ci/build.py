@@ -206,7 +206,7 @@ def index_pages(matrix: Matrix) -> list[str]:
 def build_config(tc: ResolvedToolchain, matrix: Matrix, overlay: Path, jobs: int | None = None) -> dict:
     target, profile = tc.target, tc.profile
     extra = {"torch_lines": list(target.torch_lines), "mma_model": tc.flavour == TEST_FLAVOUR_LABEL,
-             "index_pages": index_pages(matrix)}
+             "index_pages": index_pages(matrix), "stable_abi_floor": matrix.stable_abi_floor}
     if tc.flavour == PROOF_FLAVOUR_LABEL:
         extra["proof"] = (f"compiled with CUDA {tc.cuda.version} instead of {target.cuda}, CUDA runtime linked "
                           f"statically; proves the per-torch build path; never indexed or published")

@@ -49,7 +49,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
 from ci.record import BuildRecord, RecordError, check_wheel, load_records, record_from_dict, sha256_of, wheel_metadata
-from ci.variant import cuda_from_tag, cuda_tag
+from ci.variant import Variant, cuda_from_tag, cuda_tag
 
 MANIFEST = "index.json"
 MANIFEST_FORMAT = 1
@@ -196,6 +196,16 @@ def _picker_rows(pages: list[Page]) -> list[tuple[str, str, Page]]:
 
 
 PICKER_JS = Path(__file__).with_name("picker.js")
+
+
+def _stable_flag(variants) -> str:
+    """Whether every wheel of a page is a stable-ABI one ("true"/"false", as the page's table
+    says it): such wheels load into every newer torch too, which the picker offers for a torch
+    line newer than the index's."""
+    labels = list(variants)
+    return "true" if labels and all(Variant.parse(v).stable for v in labels) else "false"
+
+
 ASK_TORCH = 'python -c "import torch; print(torch.__version__, torch.version.cuda)"'
 
 
@@ -219,9 +229,10 @@ def _root_page(project: str, pages: list[Page], base_url: str | None) -> str:
         variants = sorted({r.variant for r in page.records})
         url = _url(base_url, f"{page.path}/")
         flat = _url(base_url, f"links/{page.flat_name}.html")
+        stable = _stable_flag(r.variant for r in page.records)
         body.append(
             f'<tr data-line="{_esc(line)}" data-cuda="{_esc(cuda)}" data-page="{_esc(page.path)}" '
-            f'data-url="{_esc(url)}" data-links="{_esc(flat)}">'
+            f'data-url="{_esc(url)}" data-links="{_esc(flat)}" data-stable="{stable}">'
             f"<td>{_esc(line)}</td><td>{int(cuda.split('.')[0])}.x (wheels compiled with {_esc(cu)})</td>"
             f"<td>{_esc(', '.join(variants))}</td>"
             f"<td><code>pip install --no-deps {_esc(name)} --index-url <a href=\"{_esc(page.path)}/\">{_esc(url)}</a></code></td>"
@@ -548,12 +559,14 @@ def index_url(base: str, cuda: str, torch_line: str | None = None) -> str:
 def picker_rows(manifest: dict, base: str | None = None) -> list[dict[str, str]]:
     """The rows of the picker table, from a manifest (what picker.js reads from the page)."""
     base = base if base is not None else manifest.get("base_url")
+    wheels = manifest.get("wheels", {})
     rows = []
-    for path in manifest.get("pages", {}):
+    for path, names in manifest.get("pages", {}).items():
         parts = path.split("/")
         if len(parts) == 2 and parts[1].startswith("torch"):
             rows.append({"line": parts[1].removeprefix("torch"), "cuda": cuda_from_tag(parts[0]), "page": path,
-                         "url": _url(base, f"{path}/"), "links": _url(base, f"links/{Page(path, ()).flat_name}.html")})
+                         "url": _url(base, f"{path}/"), "links": _url(base, f"links/{Page(path, ()).flat_name}.html"),
+                         "stable": _stable_flag(wheels[n]["variant"] for n in names)})
     rows.sort(key=lambda r: (tuple(-x for x in _line_key(r["line"])), r["page"]))
     return rows
 
@@ -600,11 +613,25 @@ def pick(rows: list[dict[str, str]], project: str, text: str) -> dict[str, str]:
     if cuda is None:
         return {"kind": "cpu", "reason": f"torch {version} is a CPU-only build; sageattn3 needs torch built for CUDA: "
                 "install a CUDA build of torch, then pick again"}
+    major = _dotted(cuda)[0]
     same = [r for r in rows if r["line"] == line]
+    newer = ""
+    stable = [r for r in rows if r["stable"] == "true"]
+    if not same and stable and _dotted(line) > max(_dotted(r["line"]) for r in rows):
+        # A torch line newer than every one built here: the stable-ABI wheels load into it (the
+        # import guard lets them), untested; offer the newest such line of torch's CUDA major.
+        majors = [r for r in stable if _dotted(r["cuda"])[0] == major]
+        if not majors:
+            return {"kind": "no-variant", "reason": f"no wheels for torch {line} built for CUDA {cuda}; torch {line} is "
+                    f"newer than every torch line built here, and the stable-ABI wheels that load into it are served "
+                    f"for CUDA {_sorted_unique(r['cuda'] for r in stable)}"}
+        top = max((r["line"] for r in majors), key=_dotted)
+        same = [r for r in majors if r["line"] == top]
+        newer = (f"; torch {line} is newer than every torch line built here: stable-ABI wheels built against "
+                 f"torch {top}, not tested with torch {line}")
     if not same:
         return {"kind": "unknown-line", "reason": f"no wheels for torch {line} on this index; it serves torch "
                 f"{_sorted_unique(r['line'] for r in rows)}"}
-    major = _dotted(cuda)[0]
     fits = [r for r in same if _dotted(r["cuda"])[0] == major]
     if not fits:
         return {"kind": "no-variant", "reason": f"no wheels for torch {line} built for CUDA {cuda}; torch {line} is "
@@ -618,7 +645,7 @@ def pick(rows: list[dict[str, str]], project: str, text: str) -> dict[str, str]:
     best = max(fits, key=rank)
     return {"kind": "ok", "page": best["page"], "url": best["url"], "links": best["links"],
             "command": f"pip install --no-deps {project} --index-url {best['url']}",
-            "reason": f"torch {line} built for CUDA {cuda}: wheels compiled with CUDA {best['cuda']}"}
+            "reason": f"torch {line} built for CUDA {cuda}: wheels compiled with CUDA {best['cuda']}{newer}"}
 
 
 def _fetch(location: str, rel: str) -> bytes:

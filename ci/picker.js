@@ -52,12 +52,29 @@
       return {kind: "cpu", reason: "torch " + version + " is a CPU-only build; sageattn3 needs torch built for CUDA: " +
               "install a CUDA build of torch, then pick again"};
     }
+    var major = key(cuda)[0];
     var same = rows.filter(function (r) { return r.line === line; });
+    var newer = "";
+    var stable = rows.filter(function (r) { return r.stable === "true"; });
+    var newest = rows.reduce(function (a, r) { return a === null || cmpKey(key(r.line), key(a)) > 0 ? r.line : a; }, null);
+    if (same.length === 0 && stable.length > 0 && cmpKey(key(line), key(newest)) > 0) {
+      // A torch line newer than every one built here: the stable-ABI wheels load into it (the
+      // import guard lets them), untested; offer the newest such line of torch's CUDA major.
+      var majors = stable.filter(function (r) { return key(r.cuda)[0] === major; });
+      if (majors.length === 0) {
+        return {kind: "no-variant", reason: "no wheels for torch " + line + " built for CUDA " + cuda + "; torch " + line +
+                " is newer than every torch line built here, and the stable-ABI wheels that load into it are served " +
+                "for CUDA " + sortedUnique(stable.map(function (r) { return r.cuda; })).join(", ")};
+      }
+      var top = majors.reduce(function (a, r) { return a === null || cmpKey(key(r.line), key(a)) > 0 ? r.line : a; }, null);
+      same = majors.filter(function (r) { return r.line === top; });
+      newer = "; torch " + line + " is newer than every torch line built here: stable-ABI wheels built against torch " +
+              top + ", not tested with torch " + line;
+    }
     if (same.length === 0) {
       return {kind: "unknown-line", reason: "no wheels for torch " + line + " on this index; it serves torch " +
               sortedUnique(rows.map(function (r) { return r.line; })).join(", ")};
     }
-    var major = key(cuda)[0];
     var fits = same.filter(function (r) { return key(r.cuda)[0] === major; });
     if (fits.length === 0) {
       return {kind: "no-variant", reason: "no wheels for torch " + line + " built for CUDA " + cuda +
@@ -71,14 +88,15 @@
     var best = fits.reduce(function (a, b) { return cmpKey(rank(b), rank(a)) > 0 ? b : a; });
     return {kind: "ok", page: best.page, url: best.url, links: best.links,
             command: "pip install --no-deps " + project + " --index-url " + best.url,
-            reason: "torch " + line + " built for CUDA " + cuda + ": wheels compiled with CUDA " + best.cuda};
+            reason: "torch " + line + " built for CUDA " + cuda + ": wheels compiled with CUDA " + best.cuda + newer};
   }
 
   function readTable(doc) {
     var table = doc.querySelector("table[data-project]");
     var rows = Array.prototype.map.call(table.querySelectorAll("tr[data-page]"), function (tr) {
       return {line: tr.getAttribute("data-line"), cuda: tr.getAttribute("data-cuda"), page: tr.getAttribute("data-page"),
-              url: tr.getAttribute("data-url"), links: tr.getAttribute("data-links")};
+              url: tr.getAttribute("data-url"), links: tr.getAttribute("data-links"),
+              stable: tr.getAttribute("data-stable")};
     });
     return {project: table.getAttribute("data-project"), rows: rows};
   }

@@ -145,7 +145,8 @@ def test_yank_marks_the_anchor(tmp_path):
     ("2.12.0+cu126", None),                        # CUDA 12 wheels only serve 2.8, 2.10, 2.11
     ("2.14.1+cpu", None),
     ("2.14.1 None", None),
-    ("2.15.0+cu130", None),                        # a torch line the index does not serve (yet)
+    ("2.15.0+cu130", "cu130/torch2.14"),           # newer than every line: the newest stable-ABI page
+    ("2.9.0+cu130", None),                         # a torch line the index does not serve
     ("2.14.1", None),                              # unlabelled without torch.version.cuda: cannot tell
 ])
 def test_pick_page(tmp_path, pasted, page):

@@ -62,6 +62,7 @@ INPUTS = [
     "2.10.0a0+git1234", "2.10.0a0+git1234 12.8", "2.11.0+CU128", "2.15.0+cu130", "3.0.0+cu130", "2.9.0+rocm6.2",
     "", "   ", "abc", "2.14", "2", "v2.14.1", "2.14.1+cu130 13.0 extra", "2.14.1+cu130 thirteen", "2.14.1+cu130 13",
     "2.12.0+cu132", "2.12.0+cu126", "02.014.1+cu130", "2.14.1+cu1300",
+    "2.15.0+cu132", "2.15.0 12.8", "2.15.0+cu126", "2.15.0+cu118", "2.15.0+cpu",
 ]
 
 
@@ -123,9 +124,19 @@ def test_answers(index_dirs):
     assert got["2.13.0+cpu"]["kind"] == got["2.14.1+cu130 None"]["kind"] == "cpu"
     assert "CPU-only build" in got["2.13.0+cpu"]["reason"]
     assert got["2.14.1"]["kind"] == "no-cuda" and "torch.version.cuda" in got["2.14.1"]["reason"]
-    assert got["2.15.0+cu130"]["kind"] == "unknown-line"
-    assert got["2.15.0+cu130"]["reason"].endswith("it serves torch 2.8, 2.10, 2.11, 2.12, 2.13, 2.14")
+    # newer than every line here (PyPI serves torch 2.15): the newest stable-ABI page of its CUDA major
+    assert got["2.15.0+cu130"]["page"] == got["3.0.0+cu130"]["page"] == "cu130/torch2.14"
+    assert got["2.15.0+cu130"]["reason"] == ("torch 2.15 built for CUDA 13.0: wheels compiled with CUDA 13.0; torch 2.15 "
+                                             "is newer than every torch line built here: stable-ABI wheels built against "
+                                             "torch 2.14, not tested with torch 2.15")
+    assert got["2.15.0+cu132"]["page"] == "cu132/torch2.14"
+    assert got["2.15.0 12.8"]["page"] == got["2.15.0+cu126"]["page"] == "cu128/torch2.11"  # 12.x: its newest stable line
+    assert got["2.15.0+cu118"]["kind"] == "no-variant"
+    assert got["2.15.0+cu118"]["reason"].endswith("the stable-ABI wheels that load into it are served for CUDA 12.8, 13.0, 13.2")
+    assert got["2.15.0+cpu"]["kind"] == "cpu"
+    assert [r["stable"] for r in rows if r["line"] == "2.8"] == ["false", "false"]  # per-torch wheels: never offered beyond
     assert got["2.9.0+cu128"]["kind"] == "unknown-line"              # no wheel serves torch 2.9 here
+    assert got["2.9.0+cu128"]["reason"].endswith("it serves torch 2.8, 2.10, 2.11, 2.12, 2.13, 2.14")
     assert got["2.12.0+cu126"]["kind"] == "no-variant" and "served for CUDA 13.0, 13.2" in got["2.12.0+cu126"]["reason"]
     assert got["2.9.0+rocm6.2"]["kind"] == "rocm"
     for bad in ("abc", "2", "v2.14.1", "2.14.1+cu130 13.0 extra", "2.14.1+cu130 thirteen", "2.14.1+cu130 13"):
@@ -154,7 +165,8 @@ def test_the_user_side_command_agrees_with_the_picker(index_dirs):
     which = _user_side_which()
     manifest = json.loads((index_dirs["absolute"] / "index.json").read_text())
     rows = ix.picker_rows(manifest)
-    record = {"index_url": manifest["base_url"], "extra": {"index_pages": [r["page"] for r in rows]}}
+    record = {"index_url": manifest["base_url"],
+              "extra": {"index_pages": [r["page"] for r in rows], "stable_abi_floor": "2.10"}}
     compared = 0
     for text in INPUTS:
         mine = ix.pick(rows, "sageattn3", text)
@@ -169,3 +181,29 @@ def test_the_user_side_command_agrees_with_the_picker(index_dirs):
         assert theirs.command == mine.get("command"), (text, theirs, mine)
         compared += 1
     assert compared >= 20
+
+
+def test_the_pages_the_factory_promises_are_the_pages_the_index_writes(tmp_path):
+    """ci.build.index_pages(matrix) goes into every wheel's build record (what the guard and
+    `python -m sageattn3 which` may name); the index, given one wheel per target of the same
+    matrix, must write exactly those pages, flagged stable-ABI exactly from the floor on."""
+    from ci.build import index_pages
+    from ci.targets import Matrix
+
+    which = _user_side_which()
+    matrix = Matrix.load()
+    wd = tmp_path / "w"
+    platforms = {"linux-x86_64": "manylinux_2_28_x86_64", "linux-aarch64": "manylinux_2_28_aarch64",
+                 "windows-amd64": "win_amd64"}
+    for t in matrix.targets:
+        sage_wheel(wd, t.variant.label, "1.0.0", torch_lines=t.torch_lines, platform=platforms[t.os.key], os_key=t.os.key)
+    out = tmp_path / "idx"
+    ix.write_index(load_records(wd), wd, out)
+    manifest = json.loads((out / "index.json").read_text())
+    rows = ix.picker_rows(manifest)
+    assert sorted(r["page"] for r in rows) == index_pages(matrix)
+    floor = which.stable_floor({"extra": {"stable_abi_floor": matrix.stable_abi_floor}})
+    for r in rows:
+        line = tuple(int(x) for x in r["line"].split("."))
+        assert r["stable"] == ("true" if line >= floor else "false"), r
+    assert (out / r["page"] / "sageattn3" / "index.html").is_file()

@@ -2,10 +2,13 @@
 
 The installed wheel's build record names the index (``index_url``) and, when the factory wrote
 it, every page that index serves (``extra.index_pages``: ``"cu130/torch2.14"`` = wheels that
-load into torch 2.14 built for CUDA 13.x, compiled with CUDA 13.0). ``answer`` picks the page
-for a torch version and CUDA, or, when none exists (a CPU torch, a torch line nothing was built
-for, a CUDA major without wheels, a record without the page list), points to the picker (the
-index root) and says why. The ABI guard (``_guard``) gives the same advice.
+load into torch 2.14 built for CUDA 13.x, compiled with CUDA 13.0) and the stable-ABI floor
+(``extra.stable_abi_floor``: pages of torch lines from it on hold stable-ABI wheels). ``answer``
+picks the page for a torch version and CUDA, or, when none exists (a CPU torch, a torch line
+nothing was built for, a CUDA major without wheels, a record without the page list), points to
+the picker (the index root) and says why. A torch line newer than every line of the index gets
+the newest stable-ABI page of its CUDA major (those wheels load into it, untested), as the
+picker page does. The ABI guard (``_guard``) gives the same advice.
 
 A torch version without a ``+cuXYZ`` label says nothing about its CUDA: PyPI's torch 2.14.1 on
 Linux x86_64 is a CUDA 13.0 build, on Windows a CPU build. Only the torch itself knows
@@ -112,6 +115,20 @@ def index_pages(record: dict | None) -> list[str] | None:
     return sorted(p.strip("/") for p in pages if isinstance(p, str) and _PAGE.match(p.strip("/")))
 
 
+def stable_floor(record: dict | None) -> tuple[int, int] | None:
+    """The oldest torch line served by stable-ABI wheels: the record's ``extra.stable_abi_floor``,
+    else the floor of its own variant when that is a stable one; None when neither says."""
+    extra = (record or {}).get("extra")
+    said = extra.get("stable_abi_floor") if isinstance(extra, dict) else None
+    m = re.fullmatch(r"(\d+)\.(\d+)", said) if isinstance(said, str) else None
+    if m:
+        return int(m.group(1)), int(m.group(2))
+    v = _VARIANT.match((record or {}).get("variant") or "")
+    if v and v.group(5):
+        return int(v.group(3)), int(v.group(4))
+    return None
+
+
 def variant_problems(variant: str, spec: TorchSpec) -> list[str] | None:
     """Why a wheel of ``variant`` (``cu130.torch2.10.stable``) cannot load into that torch
     (empty: it can); None when the label is not one this reads."""
@@ -191,12 +208,26 @@ def answer(spec: TorchSpec, record: dict | None, *, reinstall: bool | None = Non
                else "no build record (a source tree, not an installed wheel)")
         return picker(f"{why}; look up torch {spec.line_str} with CUDA {spec.cuda} in the picker")
     major, minor = _cuda_num(spec.cuda)
-    same_line = []
+    parsed = []  # (torch line, cuda, page)
     for p in pages:
         m = _PAGE.match(p)
-        cu = (int(m.group(1)), int(m.group(2)))
-        if (int(m.group(3)), int(m.group(4))) == spec.line:
-            same_line.append((cu, p))
+        parsed.append(((int(m.group(3)), int(m.group(4))), (int(m.group(1)), int(m.group(2))), p))
+    same_line = [(cu, p) for line, cu, p in parsed if line == spec.line]
+    newer = ""
+    floor = stable_floor(record)
+    stable = [(line, cu, p) for line, cu, p in parsed if floor is not None and line >= floor]
+    if not same_line and stable and spec.line > max(line for line, _, _ in parsed):
+        # A torch line newer than every one built: the stable-ABI wheels load into it (the guard
+        # lets them), untested; the newest such line of torch's CUDA major, as the picker page does.
+        majors = [(line, cu, p) for line, cu, p in stable if cu[0] == major]
+        if not majors:
+            have = ", ".join(f"CUDA {a}.{b}" for a, b in sorted({cu for _, cu, _ in stable}))
+            return picker(f"no wheel for torch {spec.line_str} with CUDA {major}.x: torch {spec.line_str} is newer than "
+                          f"every torch line built, and the stable-ABI wheels that load into it are published for {have}")
+        top = max(line for line, _, _ in majors)
+        same_line = [(cu, p) for line, cu, p in majors if line == top]
+        newer = (f"; torch {spec.line_str} is newer than every torch line built: stable-ABI wheels built against "
+                 f"torch {top[0]}.{top[1]}, not tested with torch {spec.line_str}")
     fits = [(cu, p) for cu, p in same_line if cu[0] == major]
     if not fits:
         if same_line:
@@ -219,6 +250,7 @@ def answer(spec: TorchSpec, record: dict | None, *, reinstall: bool | None = Non
     why = f"torch {spec.line_str} with CUDA {spec.cuda} ({spec.cuda_source})"
     if cu != want:
         why += f"; the wheels on this page were compiled with CUDA {cu[0]}.{cu[1]}"
+    why += newer
     if installed_serves:
         why += f"; the installed wheel ({variant}) already loads into this torch"
     return Answer(spec.version, spec.cuda, page, url, install_command(url, reinstall), why, installed_serves)

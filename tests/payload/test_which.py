@@ -36,6 +36,10 @@ def ans(version, cuda=None, running=None, record=RECORD):
     ("2.14.1", "13.0", None, "cu130/torch2.14"),
     ("2.14.1", None, ("2.14.1", "13.0"), "cu130/torch2.14"),  # PyPI's unlabelled CUDA 13.0 build
     ("2.14.1", None, ("2.13.0+cu132", "13.2"), "cu132/torch2.14"),
+    # newer than every line built: the newest stable-ABI page of torch's CUDA major
+    ("2.15.0+cu130", None, None, "cu130/torch2.14"),
+    ("2.15.0", "13.2", None, "cu132/torch2.14"),
+    ("3.0.0+cu131", None, None, "cu130/torch2.14"),
 ])
 def test_a_page_that_exists(version, cuda, running, page):
     a = ans(version, cuda, running)
@@ -52,7 +56,8 @@ def test_a_page_that_exists(version, cuda, running, page):
     ("2.5.1+rocm6.2", None, None, "ROCm build"),
     ("2.14.1", None, None, "has no +cuXYZ label, so its CUDA is unknown here: pass --cuda"),
     ("2.14.1", None, ("2.13.0+cpu", None), "pass --cuda"),  # another torch's CPU build says nothing
-    ("2.15.0+cu130", None, None, "no wheel was published for torch 2.15 (the index has pages for torch 2.7, 2.8, 2.13, 2.14)"),
+    ("2.15.0+cu128", None, None, "no wheel for torch 2.15 with CUDA 12.x: torch 2.15 is newer than every torch line "
+                                 "built, and the stable-ABI wheels that load into it are published for CUDA 13.0, CUDA 13.2"),
     ("2.9.0+cu130", None, None, "no wheel was published for torch 2.9"),
     ("2.14.1+cu128", None, None, "no wheel for torch 2.14 with CUDA 12.x (torch 2.14 has wheels for CUDA 13.0, CUDA 13.2)"),
 ])
@@ -80,8 +85,8 @@ def test_no_page_list_or_no_record_gives_the_picker():
 
 
 def test_installed_wheel_that_fits_needs_nothing():
-    a = ans("2.15.0+cu130")
-    assert a.installed_serves is True and "nothing needs installing" in a.reason
+    a = ans("2.12.0+cu130")  # no 2.12 page in this record's list, but the installed wheel serves 2.12
+    assert a.page is None and a.installed_serves is True and "nothing needs installing" in a.reason
     a = ans("2.14.1+cu130")
     assert a.installed_serves and "already loads into this torch" in a.reason
     assert "--force-reinstall" not in a.command
@@ -124,6 +129,29 @@ def test_guard_gives_the_exact_page_when_there_is_one():
     with pytest.raises(_guard.TorchMismatchError) as ei:
         _guard.check_torch("2.8.0+cu128", "12.8", RECORD)
     assert f"pip install --force-reinstall --no-deps sageattn3 --index-url {ROOT_URL}cu128/torch2.8/" in str(ei.value)
+
+
+def test_a_torch_line_newer_than_the_index_gets_the_newest_stable_page_and_says_so():
+    """torch 2.15 (PyPI serves it; the matrix ends at 2.14): the guard lets the stable-ABI wheel
+    load, so `which` offers that wheel's newest page instead of "no page", untested."""
+    a = ans("2.15.0+cu130")
+    assert a.page == "cu130/torch2.14" and a.installed_serves is True and "--force-reinstall" not in a.command
+    assert "stable-ABI wheels built against torch 2.14, not tested with torch 2.15" in a.reason
+    assert "already loads into this torch" in a.reason
+    _guard.check_torch("2.15.0+cu130", "13.0", RECORD)  # and the guard agrees: it loads
+    # a per-torch wheel installed: the guard refuses it and names that same page
+    classic = {**RECORD, "variant": "cu128.torch2.8", "version": "0.1.0+cu128.torch2.8", "cuda": "12.8",
+               "requires_torch": "torch>=2.8,<2.9", "extra": {"index_pages": PAGES, "stable_abi_floor": "2.10"}}
+    with pytest.raises(_guard.TorchMismatchError) as ei:
+        _guard.check_torch("2.15.0+cu130", "13.0", classic)
+    assert f"pip install --force-reinstall --no-deps sageattn3 --index-url {ROOT_URL}cu130/torch2.14/" in str(ei.value)
+    # the floor comes from the record (extra.stable_abi_floor), else from a stable variant; without
+    # either, nothing says which pages hold stable-ABI wheels: the picker, with the reason
+    assert _which.stable_floor(classic) == (2, 10) and _which.stable_floor(RECORD) == (2, 10)
+    unknown = {**classic, "extra": {"index_pages": PAGES}}
+    assert _which.stable_floor(unknown) is None
+    assert ans("2.15.0+cu130", record=unknown).page is None
+    assert ans("2.15.0+cu130", record={**classic, "extra": {"index_pages": PAGES, "stable_abi_floor": "2.15"}}).page is None
 
 
 def test_guard_accepts_what_the_wheel_serves():
