@@ -196,12 +196,12 @@ def bench_host() -> int:
     if path.startswith("fp4"):
         rows.append(("sageattn3_blackwell, FP4 path", lambda: sageattn3.sageattn3_blackwell(q, k, v)))
         if hasattr(api, "_preprocess_kernels"):
-            pre = api._preprocess_kernels(q, k, v, True, 128)
+            pre = api._preprocess_kernels(q, k, v, True, 128, False)
             from sageattn3 import _attn
 
             rows += [
                 ("  validation (_check_qkv)", lambda: api._check_qkv(q, k, v)),
-                ("  preprocessing kernels, launched", lambda: api._preprocess_kernels(q, k, v, True, 128)),
+                ("  preprocessing kernels, launched", lambda: api._preprocess_kernels(q, k, v, True, 128, False)),
                 ("  attention kernel, launched", lambda: _attn.attention_from_preprocessed(
                     pre, out_dtype=q.dtype, trusted=True)),
                 ("  one torch.empty (reference)", lambda: torch.empty((b, h, s, d // 2), dtype=torch.uint8,

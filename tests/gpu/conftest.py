@@ -11,6 +11,10 @@ import torch
 
 SRC = (Path(__file__).resolve().parents[2] / "sageattn3").resolve()
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != SRC]
+# Shared test data (tests/attention_cases.py), also when pytest runs from this folder.
+TESTS = Path(__file__).resolve().parents[1]
+if str(TESTS) not in sys.path:
+    sys.path.append(str(TESTS))
 
 
 HERE = Path(__file__).resolve().parent
