@@ -24,9 +24,9 @@ exactly that target's one build.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -34,7 +34,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 if __package__ in (None, ""):  # run as a script ({project}/ci/cibw.py) inside a container
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -86,9 +86,12 @@ INSTALLER_TIMEOUT_S = 40 * 60
 RUNNER_BLOAT = {
     "linux": ("/usr/share/dotnet", "/usr/local/lib/android", "/opt/ghc", "/usr/local/.ghcup",
               "/opt/hostedtoolcache/CodeQL", "/usr/share/swift", "/usr/local/share/powershell"),
-    # Windows deletes slowly; only the two largest that nothing here uses.
+    # Windows deletes file by file, slowly (the Android SDK alone is hundreds of thousands of
+    # files): best effort, within WINDOWS_DISK_BUDGET_S, the biggest first; what is left stays.
     "windows": (r"C:\Android", r"C:\hostedtoolcache\windows\CodeQL"),
 }
+# How long free-disk may delete on Windows (the step's limit is 20 minutes).
+WINDOWS_DISK_BUDGET_S = 8 * 60
 
 
 class CibwError(RuntimeError):
@@ -127,10 +130,11 @@ def machine_memory_bytes() -> int:
 
 def nvcc_jobs(cpus: int | None = None, memory_bytes: int | None = None) -> int:
     """Parallel compiles for this machine: one per CPU, but no more than its memory holds at
-    NVCC_JOB_MEMORY_GB each (a 16 GB hosted runner: 4), at least one."""
+    NVCC_JOB_MEMORY_GB each, at least one. The memory is rounded to whole GiB first: a "16 GB"
+    hosted runner reports about 15.6 GiB (the firmware's and kernel's share), and gets 4."""
     cpus = cpus or os.cpu_count() or 1
-    mem_gb = (memory_bytes if memory_bytes is not None else machine_memory_bytes()) / 2**30
-    return max(1, min(cpus, math.floor(mem_gb / NVCC_JOB_MEMORY_GB)))
+    mem_gb = round((memory_bytes if memory_bytes is not None else machine_memory_bytes()) / 2**30)
+    return max(1, min(cpus, mem_gb // NVCC_JOB_MEMORY_GB))
 
 
 def job_env(target: Target, *, jobs: int | None = None) -> dict[str, str]:
@@ -307,7 +311,11 @@ def build_into(wheel_dir: Path, log=print) -> Path:
     matrix, target = load_target()
     jobs = int(os.environ.get("MAX_JOBS") or nvcc_jobs())
     log(f"[build] {target.id}: {jobs} parallel compiles; torch {torch_source(target).describe()}")
-    result = build(target, matrix, _dist() / "raw" / target.id, jobs=jobs, log=log)
+    started = time.time()
+    try:
+        result = build(target, matrix, _dist() / "raw" / target.id, jobs=jobs, log=log)
+    finally:
+        keep_build_log(target, since=started, log=log)
     wheel_dir.mkdir(parents=True, exist_ok=True)
     out = wheel_dir / result.wheel.name
     shutil.copy2(result.wheel, out)
@@ -316,6 +324,26 @@ def build_into(wheel_dir: Path, log=print) -> Path:
         keep = [result.env.root] if result.env.python_version in verify_pythons else []
         cleanup_after_build(target, keep=keep, log=log)
     return out
+
+
+# Where the build stage leaves a copy of its full log (the job uploads it when a step failed;
+# the error itself shows only the last lines). In a manylinux container it is a host path.
+LOG_DIR_ENV = "SAGEATTN3_LOG_DIR"
+
+
+def keep_build_log(target: Target, *, since: float = 0.0, log_dir: Path | None = None, log=print) -> Path | None:
+    """The build's full log (``dist/raw/<target>.build.log``, written by ci.build) copied into
+    ``$SAGEATTN3_LOG_DIR`` (or ``log_dir``), when this build (modified at or after ``since``)
+    wrote one; returns the copy."""
+    dest_dir = log_dir or (Path(os.environ[LOG_DIR_ENV]) if os.environ.get(LOG_DIR_ENV) else None)
+    src = _dist() / "raw" / f"{target.id}.build.log"
+    if dest_dir is None or not src.is_file() or src.stat().st_mtime < since:
+        return None
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    dest = dest_dir / src.name
+    shutil.copyfile(src, dest)
+    log(f"[build] full log: {dest}")
+    return dest
 
 
 def _verify_pythons(target: Target, pythons: list[str] | None = None) -> list[str]:
@@ -365,27 +393,84 @@ def cleanup_after_build(target: Target, *, keep: list[Path] = (), cache: Path | 
     return freed
 
 
-def free_disk(paths: tuple[str, ...] | None = None, *, use_sudo: bool | None = None, log=print) -> int:
+def _remove_within(path: str, deadline: float) -> bool:
+    """Delete ``path`` file by file until ``deadline`` (time.monotonic()); errors are skipped
+    (read-only files are made writable first). True when it is gone."""
+    def unlink(p: str) -> None:
+        try:
+            os.unlink(p)
+        except PermissionError:
+            try:
+                os.chmod(p, stat.S_IWRITE)
+                os.unlink(p)
+            except OSError:
+                pass
+        except OSError:
+            pass
+
+    if os.path.islink(path) or os.path.isfile(path):
+        unlink(path)
+        return not os.path.lexists(path)
+    for root, dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            if time.monotonic() > deadline:
+                return False
+            unlink(os.path.join(root, name))
+        for name in dirs:
+            d = os.path.join(root, name)
+            try:
+                os.unlink(d) if os.path.islink(d) else os.rmdir(d)
+            except OSError:
+                pass
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+    return not os.path.lexists(path)
+
+
+def _drive(path: str, flavour: type[PurePath] = Path) -> str:
+    """The drive (Windows: ``C:\\``) or root a path is on, as disk_usage takes it."""
+    return flavour(path).anchor or os.sep
+
+
+def free_disk(paths: tuple[str, ...] | None = None, *, platform: str | None = None, use_sudo: bool | None = None,
+              budget_s: float | None = None, log=print) -> int:
     """Remove the runner's preinstalled software that no build uses (``RUNNER_BLOAT`` for this
-    OS); returns the bytes the disk gained. On a Linux runner the paths are root's: ``sudo rm``
-    (``use_sudo``: default when not root and sudo exists)."""
-    platform = "windows" if sys.platform == "win32" else "linux"
+    OS); returns the bytes the disk(s) gained, and reports the free space of each drive it
+    deleted from. Linux: ``sudo rm -rf`` (``use_sudo``: default when not root and sudo exists).
+    Windows: best effort within ``budget_s`` (default WINDOWS_DISK_BUDGET_S), never an error."""
+    platform = platform or ("windows" if sys.platform == "win32" else "linux")
     paths = RUNNER_BLOAT[platform] if paths is None else paths
-    root = Path(os.environ.get("GITHUB_WORKSPACE") or Path.cwd()).anchor or "/"
-    before = shutil.disk_usage(root).free
-    if use_sudo is None:
-        use_sudo = platform == "linux" and os.geteuid() != 0 and bool(shutil.which("sudo"))
-    sudo = ["sudo", "-n"] if use_sudo else []
-    for p in paths:
-        if not os.path.exists(p):
-            continue
-        if sudo:
-            subprocess.run([*sudo, "rm", "-rf", p], check=False)
-        else:
-            shutil.rmtree(p, ignore_errors=True)
-    after = shutil.disk_usage(root).free
-    log(f"[disk] {root}: {before / 2**30:.1f} GiB free before, {after / 2**30:.1f} GiB after")
-    return after - before
+    present = [p for p in paths if os.path.lexists(p)]
+    if not present:
+        log(f"[disk] nothing to remove ({', '.join(paths) or 'no paths'} absent)")
+        return 0
+    drives = sorted({_drive(p) for p in present})
+    before = {d: shutil.disk_usage(d).free for d in drives}
+    if platform == "windows":
+        budget = WINDOWS_DISK_BUDGET_S if budget_s is None else budget_s
+        deadline = time.monotonic() + budget
+        for p in present:
+            if not _remove_within(p, deadline):
+                log(f"[disk] stopped at the {budget:.0f}s budget (best effort): {p} partly removed, "
+                    f"{', '.join(q for q in present[present.index(p) + 1:]) or 'nothing else'} left")
+                break
+    else:
+        if use_sudo is None:
+            use_sudo = os.geteuid() != 0 and bool(shutil.which("sudo"))
+        for p in present:
+            if use_sudo:
+                subprocess.run(["sudo", "-n", "rm", "-rf", p], check=False)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+    gained = 0
+    for d in drives:
+        after = shutil.disk_usage(d).free
+        gained += after - before[d]
+        log(f"[disk] {d}: {before[d] / 2**30:.1f} GiB free before, {after / 2**30:.1f} GiB after "
+            f"(removed from it: {', '.join(p for p in present if _drive(p) == d)})")
+    return gained
 
 
 def repair_into(wheel: Path, dest_dir: Path, log=print) -> Path:
@@ -411,9 +496,34 @@ def verify_sources(target: Target, matrix: Matrix, python: str) -> tuple[TorchSo
             foreign_torch_source(target, matrix, python, directory=os.environ.get(FOREIGN_DIR_ENV) or "cpu"))
 
 
-def verify_wheel(wheel: Path, pythons: list[str] | None = None, log=print):
+def use_python(exe: str) -> tuple[str, str]:
+    """Make ``exe`` (a path, or a name on PATH such as the ``python`` of cibuildwheel's test
+    environment) the factory's interpreter for its version: ``$SAGEATTN3_PYTHON_X_Y`` is set to
+    its base interpreter (what the build shim sets for the build, so verify makes its
+    environments from the same Python). Returns (version, base interpreter)."""
+    from ci.toolchain import _env_var
+
+    path = exe if (os.sep in exe or (os.altsep and os.altsep in exe)) else shutil.which(exe)
+    if not path or not os.path.isfile(path):
+        raise CibwError(f"--python-exe {exe}: no such interpreter (a path, or a name on PATH)")
+    # the base interpreter: _base_executable (Windows venvs), resolved through a POSIX venv's symlink
+    probe = ("import os, sys; b = getattr(sys, '_base_executable', '') or sys.executable\n"
+             "if sys.prefix != sys.base_prefix and os.name != 'nt': b = os.path.realpath(b)\n"
+             "print('%d.%d' % sys.version_info[:2]); print(b)")
+    try:
+        out = subprocess.run([path, "-c", probe], capture_output=True, text=True, check=True, timeout=120).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError) as e:
+        raise CibwError(f"--python-exe {path} did not run: {e}") from e
+    version, base = out[0].strip(), out[1].strip()
+    os.environ[_env_var(version)] = base
+    return version, base
+
+
+def verify_wheel(wheel: Path, pythons: list[str] | None = None, python_exe: str | None = None, log=print):
     """The verify stage on one repaired wheel, against an index of that wheel alone, with the
-    target's own torch (the build's environment when the Python is the build's)."""
+    target's own torch (the build's environment when the Python is the build's). ``python_exe``:
+    the interpreter cibuildwheel tests with (the target's floor Python), passed explicitly so
+    verify never has to find one."""
     from ci import index as indexmod
     from ci.record import BuildRecord, read_record_in_wheel, record_path
     from ci.verify import verify
@@ -421,6 +531,12 @@ def verify_wheel(wheel: Path, pythons: list[str] | None = None, log=print):
     _container_pythons()
     matrix, target = load_target()
     pythons = _verify_pythons(target, pythons)
+    if python_exe:
+        version, base = use_python(python_exe)
+        if version not in pythons:
+            raise CibwError(f"--python-exe {python_exe} is Python {version}, but {target.id} verifies in "
+                            f"{', '.join(pythons)}: cibuildwheel's test Python should be the target's {target.python}")
+        log(f"[verify] Python {version}: {base}")
     source, foreign = verify_sources(target, matrix, pythons[0])
     with tempfile.TemporaryDirectory(prefix="sageattn3-cibw-verify-") as tmp:
         wheels = Path(tmp) / "wheels"
@@ -580,6 +696,8 @@ def main(argv: list[str] | None = None) -> int:
     v = sub.add_parser("verify", help="verify stage (cibuildwheel test-command)")
     v.add_argument("--wheel", type=Path, required=True)
     v.add_argument("--python", action="append", help="verify in this Python (repeatable; default: the target's)")
+    v.add_argument("--python-exe", help="the interpreter of the Python verify runs in (cibuildwheel's test "
+                                        "`python`), instead of finding one")
     k = sub.add_parser("collect", help="cibuildwheel's output dir -> dist/wheels with build records")
     k.add_argument("--wheelhouse", type=Path, required=True)
     k.add_argument("--out", type=Path, default=REPO / "dist" / "wheels")
@@ -616,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
         elif a.cmd == "repair":
             repair_into(a.wheel, a.dest_dir)
         elif a.cmd == "verify":
-            verify_wheel(a.wheel, a.python)
+            verify_wheel(a.wheel, a.python, a.python_exe)
         elif a.cmd == "collect":
             collect(a.wheelhouse, a.out, a.target)
     except Exception as e:  # noqa: BLE001 - one line naming the target, then non-zero

@@ -13,7 +13,9 @@
 
 Partial failure policy: **all or nothing per run.** The publish job needs every build job; a
 failed target leaves the release unpublished and the index untouched, the report names the
-target, and "Re-run failed jobs" (or ``workflow_dispatch`` with ``targets``) rebuilds only it.
+target, and "Re-run failed jobs" rebuilds only it and then publishes (the same run holds every
+other target's artifact). A run of chosen targets (``workflow_dispatch`` with ``targets``)
+builds them and never publishes.
 The Release is uploaded as a draft and published only once complete, and the index is
 updated in one commit after that, so a user never sees a half-updated release or index.
 
@@ -156,8 +158,10 @@ def inspect_artifacts(planned: dict, artifacts: Path) -> list[ArtifactState]:
 
 def rerun_hint(missing: list[str], tag: str | None = None) -> str:
     ref = tag or "<tag>"
-    return ("re-run only these: the run's \"Re-run failed jobs\", or "
-            f"`gh workflow run release.yml --ref {ref} -f targets={','.join(missing)}`")
+    return ("finish the release with the run's \"Re-run failed jobs\" (`gh run rerun RUN_ID --failed`): the same "
+            "run, so every other target's artifact is still there and publish runs once all are built. "
+            f"To check a fix first: `gh workflow run release.yml --ref {ref} -f targets={','.join(missing)}` "
+            "builds only these and publishes nothing")
 
 
 def report(planned: dict, artifacts: Path, tag: str | None = None) -> tuple[str, list[str]]:
@@ -509,7 +513,9 @@ def build_target_like_cibuildwheel(target_id: str, dist: Path, artifacts: Path, 
     repaired = sorted((work / "repaired").glob("*.whl"))
     if len(repaired) != 1:
         raise ReleaseError(f"{target_id}: the repair step left {[w.name for w in repaired]}, expected one wheel")
-    times["verify"] = _run_hook("verify", [*factory, "verify", "--wheel", str(repaired[0])], env, logs, log)
+    # as the test-command: the interpreter of cibuildwheel's test environment (the floor Python)
+    exe = ["--python-exe", str(floor)] if not verify_pythons or target.python in verify_pythons else []
+    times["verify"] = _run_hook("verify", [*factory, "verify", "--wheel", str(repaired[0]), *exe], env, logs, log)
     dest = artifacts / f"{ARTIFACT_PREFIX}{target_id}"
     shutil.rmtree(dest, ignore_errors=True)
     times["collect"] = _run_hook("collect", [sys.executable, "-m", "ci.cibw", "collect", "--wheelhouse",

@@ -4,6 +4,9 @@ and aarch64 as well as Linux x86_64."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from ci.targets import Matrix
@@ -120,6 +123,8 @@ def test_parallel_compiles_are_capped_by_memory():
     from ci.cibw import nvcc_jobs
 
     assert nvcc_jobs(4, 16 * GiB) == 4  # a hosted runner
+    assert nvcc_jobs(4, int(15.6 * GiB)) == 4  # what a "16 GB" hosted runner reports
+    assert nvcc_jobs(4, int(11.6 * GiB)) == 3
     assert nvcc_jobs(16, 16 * GiB) == 4  # CPUs alone would oversubscribe its memory
     assert nvcc_jobs(2, 64 * GiB) == 2
     assert nvcc_jobs(4, 3 * GiB) == 1  # never zero
@@ -325,3 +330,88 @@ def test_free_disk_removes_the_listed_paths_and_reports_the_gain(tmp_path):
     free_disk((str(junk), str(tmp_path / "absent")), use_sudo=False, log=lines.append)
     assert not junk.exists() and "GiB free before" in lines[0]
     assert "/usr/share/dotnet" in RUNNER_BLOAT["linux"] and r"C:\Android" in RUNNER_BLOAT["windows"]
+
+
+def test_free_disk_on_windows_is_best_effort_within_its_budget(tmp_path):
+    """Windows deletes file by file: within the budget, the rest left in place, never an error;
+    real files here, removed the way the Windows job removes them."""
+    from ci.cibw import WINDOWS_DISK_BUDGET_S, free_disk
+
+    big = tmp_path / "Android" / "sdk"
+    for i in range(40):
+        (big / f"d{i % 4}").mkdir(parents=True, exist_ok=True)
+        (big / f"d{i % 4}" / f"f{i}").write_bytes(b"x" * 4096)
+    ro = big / "d0" / "readonly"
+    ro.write_bytes(b"x")
+    ro.chmod(0o444)
+    other = tmp_path / "CodeQL"
+    (other / "x").mkdir(parents=True)
+    lines = []
+    free_disk((str(tmp_path / "Android"), str(other)), platform="windows", budget_s=0, log=lines.append)
+    assert (tmp_path / "Android").exists() and other.exists()  # no time: nothing (or little) removed
+    assert any("best effort" in ln and "partly removed" in ln and str(other) in ln for ln in lines), lines
+    lines.clear()
+    free_disk((str(tmp_path / "Android"), str(other)), platform="windows", log=lines.append)
+    assert not (tmp_path / "Android").exists() and not other.exists()
+    assert not any("best effort" in ln for ln in lines) and 0 < WINDOWS_DISK_BUDGET_S < 20 * 60
+
+
+def test_free_disk_reports_the_drive_it_deletes_from():
+    """The report names the drive of the deleted paths (C: for the preinstalled software),
+    not the workspace's (D: on a Windows runner)."""
+    from pathlib import PurePosixPath, PureWindowsPath
+
+    from ci.cibw import RUNNER_BLOAT, _drive
+
+    assert {_drive(p, PureWindowsPath) for p in RUNNER_BLOAT["windows"]} == {"C:\\"}
+    assert _drive(r"D:\a\sageattn3\sageattn3", PureWindowsPath) == "D:\\"
+    assert {_drive(p, PurePosixPath) for p in RUNNER_BLOAT["linux"]} == {"/"}
+
+
+def test_the_build_stage_keeps_its_full_log_for_the_job_to_upload(tmp_path, monkeypatch):
+    from ci.cibw import LOG_DIR_ENV, keep_build_log
+
+    t = BY_ID["windows-amd64-cu130-torch2.10-stable"]
+    monkeypatch.setenv("SAGEATTN3_DIST", str(tmp_path / "dist"))
+    monkeypatch.setenv(LOG_DIR_ENV, str(tmp_path / "logs"))
+    assert keep_build_log(t, log=lambda m: None) is None  # no build log: nothing
+    log = tmp_path / "dist" / "raw" / f"{t.id}.build.log"
+    log.parent.mkdir(parents=True)
+    text = "".join(f"line {i}\n" for i in range(5000))  # far more than the error's last 40 lines
+    log.write_text(text)
+    kept = keep_build_log(t, log=lambda m: None)
+    assert kept == tmp_path / "logs" / f"{t.id}.build.log" and kept.read_text() == text
+    # a log an earlier build left is not this build's
+    assert keep_build_log(t, since=log.stat().st_mtime + 60, log_dir=tmp_path / "other", log=lambda m: None) is None
+
+
+def test_verify_takes_the_interpreter_cibuildwheel_tests_with(tmp_path, monkeypatch):
+    """The test-command passes its `python` (the target's floor Python): verify makes its
+    environments from that interpreter's base, and refuses one of another Python."""
+    import subprocess
+    import sys
+    import tomllib
+
+    from ci import cibw
+    from ci.toolchain import _env_var
+
+    cfg = tomllib.loads(cibw.CONFIG_FILE.read_text())["tool"]["cibuildwheel"]
+    for plat in ("linux", "windows"):
+        assert cfg[plat]["test-command"].endswith("verify --wheel {wheel} --python-exe python"), plat
+    venv = tmp_path / "venv-test"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    vpy = venv / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
+    here = "%d.%d" % sys.version_info[:2]
+    monkeypatch.delenv(_env_var(here), raising=False)
+    monkeypatch.setenv("PATH", str(vpy.parent), prepend=os.pathsep)
+    version, base = cibw.use_python("python")  # as the test-command names it: from PATH
+    assert version == here and os.environ[_env_var(here)] == base
+    assert Path(base).resolve() == Path(sys._base_executable).resolve() and not Path(base).is_relative_to(venv)
+    with pytest.raises(cibw.CibwError, match="no such interpreter"):
+        cibw.use_python(str(tmp_path / "nope" / "python"))
+    # a cp39 target's verify refuses a test Python that is not 3.9 (before touching the wheel)
+    monkeypatch.setenv("SAGEATTN3_TARGET", "linux-x86_64-cu128-torch2.8")
+    monkeypatch.delenv("SAGEATTN3_VERIFY_PYTHONS", raising=False)
+    if here != "3.9":
+        with pytest.raises(cibw.CibwError, match=f"is Python {here}, but linux-x86_64-cu128-torch2.8 verifies in 3.9"):
+            cibw.verify_wheel(tmp_path / "x.whl", python_exe=str(vpy), log=lambda m: None)

@@ -146,9 +146,12 @@ def test_release_is_tag_triggered_never_cancelled_and_all_or_nothing():
     assert "fail-fast: false" in jobs["build"]
     assert "uses: $/.github/workflows/build-target.yml" in jobs["build"]
     assert "target: ${{ matrix.id }}" in jobs["build"] and "runner: ${{ matrix.runner }}" in jobs["build"]
-    # publish needs every build, only for tags, and has no always(): one failed target publishes nothing
+    # publish needs every build, only for full runs of a tag, and has no always(): one failed
+    # target publishes nothing, and a run of chosen targets (a narrowed plan) never publishes
     assert "needs: [plan, build]" in jobs["publish"] and "always()" not in jobs["publish"]
-    assert "if: github.ref_type == 'tag'" in jobs["publish"]
+    ifs = re.findall(r"^    if: (.+)$", jobs["publish"], flags=re.M)
+    assert ifs == ["github.ref_type == 'tag' && !inputs.targets"], ifs
+    assert re.search(r"^      targets:\n(?:        .+\n)+", text, flags=re.M)  # the input the condition reads
     assert "always()" in jobs["report"]
     pub = jobs["publish"]
     order = [pub.index(s) for s in ("release -- gather", "actions/attest-build-provenance@",
@@ -180,6 +183,62 @@ def test_build_target_runs_cibuildwheel_through_the_factory_with_a_rerunnable_ca
     assert "if: always() && steps.sccache.outcome == 'success'" in steps[save]
     assert "key: ${{ steps.sccache.outputs.cache-primary-key }}" in steps[save]
     assert "name: wheel-${{ inputs.target }}" in steps[upload]
+    # a re-run of a job that failed after uploading replaces its artifact instead of failing
+    uploads = [st for st in steps if "actions/upload-artifact@" in st]
+    assert len(uploads) == 2 and all(re.search(r"^\s+overwrite: true\b", st, flags=re.M) for st in uploads)
+
+
+def test_windows_checkouts_keep_lf_line_endings():
+    text = (REPO / ".github" / "workflows" / "build-target.yml").read_text()
+    steps = _steps(text)
+    checkout = next(i for i, st in enumerate(steps) if "actions/checkout@" in st)
+    before = steps[:checkout]
+    assert any("git config --global core.autocrlf false" in st and "if: runner.os == 'Windows'" in st
+               for st in before), "core.autocrlf must be off before the checkout"
+    assert (REPO / ".gitattributes").read_text().count("* text=auto eol=lf") == 1
+
+
+def test_a_failed_build_uploads_its_full_log():
+    """The factory copies the build's full log into $SAGEATTN3_LOG_DIR (a Linux container
+    reaches the runner's dir through /host); the job uploads that dir when a step failed."""
+    import tomllib
+
+    text = (REPO / ".github" / "workflows" / "build-target.yml").read_text()
+    steps = _steps(text)
+    env_step = next(st for st in steps if "ci.cibw env --target" in st)
+    assert 'echo "SAGEATTN3_LOG_DIR_HOST=${RUNNER_TEMP}/build-logs"' in env_step
+    assert 'echo "SAGEATTN3_LOG_DIR=${RUNNER_TEMP}/build-logs"' in env_step  # Windows: no container
+    log_step = next(st for st in steps if "name: build-log-${{ inputs.target }}" in st)
+    assert "if: failure()" in log_step and "path: ${{ runner.temp }}/build-logs/" in log_step
+    cfg = tomllib.loads(cibw.CONFIG_FILE.read_text())["tool"]["cibuildwheel"]["linux"]
+    assert "SAGEATTN3_LOG_DIR_HOST" in cfg["environment-pass"]
+    assert cfg["environment"][cibw.LOG_DIR_ENV] == "/host$SAGEATTN3_LOG_DIR_HOST"
+    # and the report and publish jobs never take it for a wheel
+    assert "pattern: wheel-*" in (REPO / ".github" / "workflows" / "release.yml").read_text()
+
+
+def test_free_disk_never_stops_a_build():
+    steps = _steps((REPO / ".github" / "workflows" / "build-target.yml").read_text())
+    disk = next(st for st in steps if "ci.cibw free-disk" in st)
+    assert re.search(r"^\s+continue-on-error: true$", disk, flags=re.M)
+
+
+def test_compiler_caches_are_keyed_by_everything_the_compile_reads():
+    """Every sccache key hashes the kernels, the patches and each build script of the payload
+    (the flag profile, the command builder, setup.py), and both platforms cap the cache size."""
+    import tomllib
+
+    scripts = sorted(f"sageattn3/{p.name}" for p in (REPO / "sageattn3").glob("*.py"))
+    assert {"sageattn3/build_commands.py", "sageattn3/build_profile.py", "sageattn3/setup.py"} <= set(scripts)
+    keys = [(wf.name, m.group(1)) for wf in WORKFLOWS
+            for m in re.finditer(r"key: (sccache-.*)$", wf.read_text(), flags=re.M)]
+    assert len(keys) >= 3
+    for name, key in keys:
+        hashed = re.findall(r"'([^']+)'", re.search(r"hashFiles\(([^)]*)\)", key).group(1))
+        missing = {"sageattn3/csrc/**", "patches/**", *scripts} - set(hashed)
+        assert not missing, f"{name}: {key} does not hash {sorted(missing)}"
+    cfg = tomllib.loads(cibw.CONFIG_FILE.read_text())["tool"]["cibuildwheel"]
+    assert cfg["linux"]["environment"]["SCCACHE_CACHE_SIZE"] == cfg["windows"]["environment"]["SCCACHE_CACHE_SIZE"]
 
 
 def test_ci_builds_one_windows_and_one_aarch64_target_through_build_target():
@@ -346,7 +405,8 @@ def test_a_missing_target_is_reported_by_name_and_nothing_is_gathered(tmp_path):
     md, missing = report(planned, tmp_path / "art", "v0.1.0")
     assert missing == [b["id"], c["id"]]
     assert f"`{c['id']}` | FAILED: no artifact" in md and "1/3 targets built" in md
-    assert "gh workflow run release.yml --ref v0.1.0 -f targets=" in md
+    assert "Re-run failed jobs" in md and "gh workflow run release.yml --ref v0.1.0 -f targets=" in md
+    assert "publishes nothing" in md.split("-f targets=")[1]
     with pytest.raises(ReleaseError, match=c["id"]):
         gather(planned, tmp_path / "art", tmp_path / "wheels")
     assert not (tmp_path / "wheels").exists()
