@@ -25,7 +25,13 @@ from packaging.version import Version
 CUTLASS_PIN = "nvidia-cutlass==4.2.0.0"
 # CUDA 13.x toolkits provisioned from PyPI: the packages that make up nvcc + runtime headers.
 CUDA_PYPI_PACKAGES = ("nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-cccl", "nvidia-cuda-runtime")
-BUILD_ENV_PACKAGES = ("setuptools>=70", "wheel", "packaging")
+# What a build environment holds besides torch. setuptools >= 77: the payload's SPDX `license`
+# and `license-files` (its pyproject's build-system.requires says the same).
+BUILD_ENV_PACKAGES = ("setuptools>=77", "wheel", "packaging")
+# The cached torch environments' key names their build packages by the set they were first
+# made with, so raising a floor above does not orphan every multi-GB environment under a new
+# key: torch_env upgrades a cached environment in place (one `pip install`) instead.
+ENV_KEY_BUILD_PACKAGES = ("setuptools>=70", "wheel", "packaging")
 
 
 class ToolchainError(RuntimeError):
@@ -419,7 +425,8 @@ def torch_env(python_version: str, torch_spec: str, extra: tuple[str, ...] = BUI
     # A loopback stand-in index (the release rehearsal) gets a new port each run; what it
     # serves does not change, so the port is not part of the key.
     where = [re.sub(r"^(https?://127\.0\.0\.1):\d+", r"\1", a) for a in index_args]
-    what = [python_version, torch_spec, list(extra)] + ([where] if where else [])
+    key_extra = ENV_KEY_BUILD_PACKAGES if tuple(extra) == BUILD_ENV_PACKAGES else tuple(extra)
+    what = [python_version, torch_spec, list(key_extra)] + ([where] if where else [])
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:10]
     root = cache_root() / "envs" / f"py{python_version}-{torch_spec.replace('==', '-').replace('+', '_')}-{key}"
     marker = root / ".complete"
@@ -442,9 +449,36 @@ def torch_env(python_version: str, torch_spec: str, extra: tuple[str, ...] = BUI
                 f"is that torch published for Python {python_version}?"
             ) from e
         info = _output([str(venv_python(root)), "-c", "import torch, json; print(json.dumps([torch.__version__, torch.version.cuda]))"])
+        (root / EXTRA_MARKER).write_text(json.dumps(list(extra)))
         marker.write_text(info)
+    else:
+        ensure_packages(root, extra)
     version, cuda = json.loads(marker.read_text())
     return TorchEnv(root, python_version, version, cuda)
+
+
+# Beside an environment's .complete: the requirements its build packages were last installed for.
+EXTRA_MARKER = ".extra.json"
+
+
+def ensure_packages(root: Path, extra: tuple[str, ...]) -> None:
+    """A cached environment holds ``extra`` as asked now (e.g. after a floor was raised): when
+    it was last made or checked for other requirements, ``pip install`` them in place (a no-op
+    for those already satisfied) and remember it."""
+    if not extra:
+        return
+    stamp = root / EXTRA_MARKER
+    try:
+        if json.loads(stamp.read_text()) == list(extra):
+            return
+    except (OSError, ValueError):
+        pass
+    try:
+        run([str(venv_python(root)), "-m", "pip", "install", "--quiet", *extra])
+    except subprocess.CalledProcessError as e:
+        raise ToolchainError(f"could not install {' '.join(extra)} into the cached environment {root} "
+                             f"(pip exited {e.returncode}); remove it to start it afresh") from e
+    stamp.write_text(json.dumps(list(extra)))
 
 
 CUOBJDUMP_PIN = "nvidia-cuda-cuobjdump==13.2.86"  # reads cubins of every CUDA 12.8+/13.x build

@@ -133,3 +133,44 @@ def test_windows_host_compiler_is_cl(tmp_path, monkeypatch):
     (tmp_path / "c++").chmod(0o755)
     assert host_compiler_version(windows=True) == "Microsoft (R) C/C++ Optimizing Compiler Version 19.44.35211 for x64"
     assert host_compiler_version(windows=False) == "x86_64-w64-mingw32-g++ (GCC) 13.2.0"
+
+
+# -- the build environment's packages ------------------------------------------------------
+
+def test_build_environments_get_the_setuptools_the_payload_needs():
+    """The torch environments the factory builds in (pip wheel --no-build-isolation) must hold
+    what the payload's build-system.requires asks for: setuptools >= 77 for its SPDX license."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    from ci.flags import PAYLOAD
+    from ci.toolchain import BUILD_ENV_PACKAGES
+
+    wanted = {Requirement(r).name: Requirement(r).specifier
+              for r in tomllib.loads((PAYLOAD / "pyproject.toml").read_text())["build-system"]["requires"]}
+    have = {Requirement(r).name: Requirement(r).specifier for r in BUILD_ENV_PACKAGES}
+    assert have == wanted
+    assert "76.9" not in have["setuptools"] and "77.0.3" in have["setuptools"]
+
+
+def test_a_cached_environment_gets_a_raised_floor_in_place(tmp_path):
+    """A cached environment made for an older set of build packages is brought up to the
+    current one with one pip install (real pip, from PyPI), not re-created; then no more."""
+    import json
+    import sys
+
+    from ci.toolchain import EXTRA_MARKER, ensure_packages, venv_python
+
+    root = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
+    (root / EXTRA_MARKER).write_text(json.dumps(["setuptools>=70"]))
+    py = str(venv_python(root))
+    subprocess.run([py, "-m", "pip", "uninstall", "--quiet", "--yes", "setuptools"], capture_output=True)
+    ensure_packages(root, ("setuptools>=77",))
+    got = subprocess.run([py, "-c", "import setuptools; print(setuptools.__version__)"], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert int(got.split(".")[0]) >= 77 and json.loads((root / EXTRA_MARKER).read_text()) == ["setuptools>=77"]
+    subprocess.run([py, "-m", "pip", "uninstall", "--quiet", "--yes", "setuptools"], check=True, capture_output=True)
+    ensure_packages(root, ("setuptools>=77",))  # recorded: nothing runs
+    assert subprocess.run([py, "-c", "import setuptools"], capture_output=True).returncode != 0

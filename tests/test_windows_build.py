@@ -275,6 +275,13 @@ def test_requires_python_is_the_targets_floor_for_every_target(matrix, tmp_path)
     """For every target: the factory's build record says '>=' + the target's Python (cp39-abi3
     for the torch 2.7/2.8 lines), and setuptools' real metadata build of the payload with that
     config writes exactly that Requires-Python (no torch import, nothing compiled)."""
+    import setuptools
+    from packaging.version import Version
+
+    if Version(setuptools.__version__) < Version("77"):
+        pytest.fail(f"setuptools {setuptools.__version__} runs these tests, but the payload's metadata needs "
+                    f"setuptools >= 77 (its SPDX license and license-files, pyproject build-system.requires): "
+                    f"install the test requirements (ci/requirements-test.txt) or `pip install 'setuptools>=77'`")
     src = tmp_path / "payload"
     shutil.copytree(PAYLOAD, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "*.so",
                                                                 "_build_record.json"))
