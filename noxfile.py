@@ -74,6 +74,21 @@ def index(session: nox.Session) -> None:
     session.run("python", "-m", "ci.index", *session.posargs)
 
 
+@nox.session
+def gather(session: nox.Session) -> None:
+    """The publish job's gate: every planned target's wheel + record into dist/wheels, or nothing
+    (python -m ci.release gather)."""
+    _publish_tools(session)
+    session.run("python", "-m", "ci.release", "gather", *session.posargs)
+
+
+@nox.session
+def pages(session: nox.Session) -> None:
+    """Merge the built index into the GitHub Pages branch, one commit (token from GITHUB_TOKEN/GH_TOKEN)."""
+    _publish_tools(session)
+    session.run("python", "-m", "ci.publish", "pages", *session.posargs)
+
+
 @nox.session(name="upload-index")
 def upload_index(session: nox.Session) -> None:
     """twine upload (skip-existing) to a PyPI-compatible server; credentials from the environment."""
@@ -90,8 +105,9 @@ def patches(session: nox.Session) -> None:
 
 @nox.session
 def release(session: nox.Session) -> None:
-    """Release pipeline steps (`-- plan|report|gather|pages|lint-workflows`); `-- --dry-run` runs
-    the whole pipeline for the targets buildable here, publishing to a local GitHub-REST server."""
+    """Release pipeline steps (`-- plan|report|check-tag|lint-workflows`; the publish job runs the
+    lock-only sessions gather, publish, index and pages instead); `-- --dry-run` runs the whole
+    pipeline for the targets buildable here, publishing to a local GitHub-REST server."""
     _publisher(session)
     session.run("python", "-m", "ci.release", *(session.posargs or ["--help"]))
 

@@ -1,9 +1,13 @@
 """What the privileged sessions run with, and what every wheel carries:
 
-- the publish, index and upload-index sessions install only ci/requirements-publish.txt, with
-  --require-hashes; every line of it is pinned (==) with sha256 hashes, and it covers every
-  third-party module that publishing imports or runs (checked from the sources, and by a real
-  install into a fresh virtual environment that then imports and runs them);
+- the publish, index, upload-index, gather and pages sessions install only
+  ci/requirements-publish.txt, with --require-hashes; every line of it is pinned (==) with
+  sha256 hashes, and it covers every third-party module that publishing imports or runs
+  (checked from the sources, and by a real install into a fresh virtual environment that then
+  imports and runs them, the publish job's gate included);
+- every step of the release workflow's publish job (the one holding the token) runs one of
+  those sessions, and nox itself comes from a hashed lock (ci/requirements-nox.txt) that pins
+  the workflows' nox version;
 - LICENSE (Apache-2.0) in the repository and in the payload, the third-party notices beside
   it, and both in the wheel's metadata (License-File, .dist-info/licenses/), from setuptools'
   own metadata hook on the payload's pyproject.toml and setup.py."""
@@ -27,19 +31,26 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from conftest_publish import REPO, Venv
+from ci.record import record_path
+from conftest_publish import REPO, Venv, sage_wheel
 
 pytestmark = pytest.mark.timeout(300)
 
 LOCK = REPO / "ci" / "requirements-publish.txt"
+NOX_LOCK = REPO / "ci" / "requirements-nox.txt"
+RELEASE_YML = REPO / ".github" / "workflows" / "release.yml"
+LOCK_INSTALL = ("--require-hashes", "--only-binary", ":all:", "-r", "ci/requirements-publish.txt")
+# session -> the module it runs: the sessions that hold (or gate) the release token
+LOCK_ONLY_SESSIONS = {"publish": "ci.publish", "index": "ci.index", "upload-index": "ci.publish",
+                      "gather": "ci.release", "pages": "ci.publish"}
 # The modules those sessions run, and what they import from ci/.
 ENTRY_MODULES = ("ci/publish/__main__.py", "ci/publish/github.py", "ci/publish/pages.py", "ci/publish/pypi.py",
                  "ci/publish/_net.py", "ci/index.py")
 
 
-def locked() -> dict[str, str]:
-    """name -> version of every requirement in the lock, checking its form on the way."""
-    text = LOCK.read_text()
+def locked(lock: Path = LOCK) -> dict[str, str]:
+    """name -> version of every requirement in a lock, checking its form on the way."""
+    text = lock.read_text()
     out: dict[str, str] = {}
     for entry in re.split(r"(?<!\\)\n(?!\s)", text.replace("\\\n", "\\\n")):
         lines = [ln.strip().rstrip("\\").strip() for ln in entry.splitlines()]
@@ -47,7 +58,7 @@ def locked() -> dict[str, str]:
         if not lines:
             continue
         req, hashes = lines[0], lines[1:]
-        assert not req.startswith("-"), f"{LOCK.name}: option {req!r} (only pinned, hashed requirements belong here)"
+        assert not req.startswith("-"), f"{lock.name}: option {req!r} (only pinned, hashed requirements belong here)"
         r = Requirement(req)
         assert r.url is None and not r.marker, req
         (spec,) = r.specifier
@@ -114,42 +125,122 @@ def test_the_lock_is_pinned_with_hashes_and_covers_what_publishing_imports():
                 assert canonicalize_name(req.name) in lock, f"{name} needs {req.name}, not in {LOCK.name}"
 
 
-def test_the_sessions_install_only_the_lock(monkeypatch):
-    """Run the noxfile's session functions against a recording session (nox itself need not be
-    installed): each installs the lock with --require-hashes and nothing else."""
+class Recorder:
+    """A nox session that records what a session function installs and runs."""
+
+    posargs = ["--help"]
+
+    def __init__(self) -> None:
+        self.installs: list[tuple[str, ...]] = []
+        self.runs: list[tuple[str, ...]] = []
+
+    def install(self, *args: str, **kw) -> None:
+        self.installs.append(args)
+
+    def run(self, *args: str, **kw) -> None:
+        self.runs.append(args)
+
+    def log(self, *a) -> None:
+        pass
+
+
+def noxfile_sessions(monkeypatch) -> dict:
+    """The noxfile's session functions by session name (nox itself need not be installed)."""
+    sessions: dict = {}
     fake = types.ModuleType("nox")
     fake.options = types.SimpleNamespace()
     fake.Session = object
 
     def session(*a, **kw):
-        return a[0] if a and callable(a[0]) else (lambda f: f)
+        def register(f):
+            sessions[kw.get("name") or f.__name__] = f
+            return f
+        return register(a[0]) if a and callable(a[0]) else register
     fake.session = session
     monkeypatch.setitem(sys.modules, "nox", fake)
-    code = compile((REPO / "noxfile.py").read_text(), "noxfile.py", "exec")
-    ns: dict = {"__name__": "noxfile_under_test"}
-    exec(code, ns)
+    exec(compile((REPO / "noxfile.py").read_text(), "noxfile.py", "exec"), {"__name__": "noxfile_under_test"})
+    return sessions
 
-    class Recorder:
-        posargs = ["--help"]
 
-        def __init__(self) -> None:
-            self.installs: list[tuple[str, ...]] = []
-            self.runs: list[tuple[str, ...]] = []
-
-        def install(self, *args: str, **kw) -> None:
-            self.installs.append(args)
-
-        def run(self, *args: str, **kw) -> None:
-            self.runs.append(args)
-
-        def log(self, *a) -> None:
-            pass
-
-    for fn, module in (("publish", "ci.publish"), ("index", "ci.index"), ("upload_index", "ci.publish")):
+def test_the_sessions_install_only_the_lock(monkeypatch):
+    """Each session that holds or gates the token installs the lock with --require-hashes and
+    nothing else, then runs its module."""
+    sessions = noxfile_sessions(monkeypatch)
+    for name, module in LOCK_ONLY_SESSIONS.items():
         rec = Recorder()
-        ns[fn](rec)
-        assert rec.installs == [("--require-hashes", "--only-binary", ":all:", "-r", "ci/requirements-publish.txt")], fn
-        assert [r[:3] for r in rec.runs] == [("python", "-m", module)], fn
+        sessions[name](rec)
+        assert rec.installs == [LOCK_INSTALL], name
+        assert [r[:3] for r in rec.runs] == [("python", "-m", module)], name
+
+
+def _publish_job_commands() -> list[str]:
+    """Every shell command line of the release workflow's publish job (run: lines and blocks)."""
+    job = RELEASE_YML.read_text().split("\n  publish:\n", 1)[1]
+    out: list[str] = []
+    block_indent = None
+    for line in job.splitlines():
+        stripped = line.strip()
+        indent = len(line) - len(line.lstrip())
+        if block_indent is not None:
+            if stripped and indent < block_indent:
+                block_indent = None
+            elif stripped:
+                out.append(stripped)
+                continue
+            else:
+                continue
+        m = re.match(r"^(?:-\s+)?run:\s*(.*)$", stripped)
+        if m:
+            if m.group(1) in ("|", ">"):
+                block_indent = indent + 2
+            else:
+                out.append(m.group(1))
+    return out
+
+
+def test_every_step_of_the_publish_job_runs_a_lock_only_session(monkeypatch):
+    """The job that holds the release token installs nox from its hashed lock and then runs
+    nothing but sessions that install only the publish lock (no build or test toolset)."""
+    sessions = noxfile_sessions(monkeypatch)
+    used = []
+    commands = _publish_job_commands()
+    assert commands, "no run: step found in the publish job"
+    for cmd in commands:
+        if cmd.startswith("python -m pip "):
+            assert cmd == "python -m pip install --require-hashes --only-binary :all: -r ci/requirements-nox.txt", cmd
+            continue
+        if re.fullmatch(r'url="\$\{[A-Z_]+:-[^"]*\}"', cmd):  # a shell variable for the next line
+            continue
+        m = re.fullmatch(r"nox -s ([\w-]+) -- .+", cmd)
+        assert m, f"publish job runs {cmd!r}: only `nox -s <lock-only session> -- ...` belongs there"
+        assert m.group(1) in LOCK_ONLY_SESSIONS, f"{m.group(1)} is not a lock-only session"
+        rec = Recorder()
+        sessions[m.group(1)](rec)
+        assert rec.installs == [LOCK_INSTALL], m.group(1)
+        used.append(m.group(1))
+    assert used == ["gather", "publish", "index", "pages"], used
+
+
+def test_nox_for_the_publish_job_is_hashed_and_is_the_workflows_version():
+    lock = locked(NOX_LOCK)
+    version = re.search(r'^  NOX_VERSION: "([^"]+)"$', RELEASE_YML.read_text(), re.M).group(1)
+    assert lock["nox"] == version
+    assert {"virtualenv", "packaging", "argcomplete", "colorlog"} <= set(lock)  # its dependencies, pinned too
+    assert "ci/requirements-nox.txt" in RELEASE_YML.read_text().split("\n  publish:\n", 1)[1]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the nox lock is resolved for the publish job's Python (3.12)")
+def test_the_nox_lock_installs_alone_and_lists_the_sessions(tmp_path):
+    venv = Venv(tmp_path / "venv")
+    venv.pip("install", "--require-hashes", "--only-binary", ":all:", "-r", str(NOX_LOCK))
+    assert {canonicalize_name(k) for k in venv.installed()} == set(locked(NOX_LOCK))
+    nox = str(Path(venv.python).parent / "nox")
+    p = subprocess.run([nox, "--version"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and (p.stdout + p.stderr).strip() == locked(NOX_LOCK)["nox"], p.stderr
+    p = subprocess.run([nox, "--list", "--json", "--sessions", *LOCK_ONLY_SESSIONS], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr  # this nox reads the noxfile and finds every one of them
+    assert {s["session"] for s in json.loads(p.stdout)} == set(LOCK_ONLY_SESSIONS)
 
 
 def test_the_lock_installs_alone_and_runs_publishing(tmp_path):
@@ -158,10 +249,23 @@ def test_the_lock_installs_alone_and_runs_publishing(tmp_path):
     installed = {canonicalize_name(k) for k in venv.installed()}
     assert installed == set(locked()), installed ^ set(locked())
     assert venv.pip("check").returncode == 0
-    code = ("import ci.publish.github, ci.publish.pages, ci.publish.pypi, ci.index, ci.targets;"
+    code = ("import ci.publish.github, ci.publish.pages, ci.publish.pypi, ci.index, ci.targets, ci.release;"
             "ci.targets.Matrix.load(); print('ok')")
     p = subprocess.run([venv.python, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
+    # the publish job's gate, as the gather session runs it: one planned target's artifact
+    target = "linux-x86_64-cu130-torch2.10-stable"
+    art = tmp_path / "artifacts" / f"wheel-{target}"
+    wheel, _ = sage_wheel(art, "cu130.torch2.10.stable", "0.1.0", platform="manylinux_2_28_x86_64")
+    rec = json.loads(record_path(wheel).read_text())
+    rec["target"] = target
+    record_path(wheel).write_text(json.dumps(rec))
+    planned = {"include": [{"id": target, "variant": "cu130.torch2.10.stable"}]}
+    p = subprocess.run([venv.python, "-m", "ci.release", "gather", "--plan", json.dumps(planned), "--artifacts",
+                        str(tmp_path / "artifacts"), "--out", str(tmp_path / "wheels")], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and "gathered 1 wheel(s)" in p.stdout, p.stdout + p.stderr
+    assert (tmp_path / "wheels" / wheel.name).read_bytes() == wheel.read_bytes()
     p = subprocess.run([venv.python, "-m", "twine", "--version"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "twine version" in p.stdout, p.stderr
 

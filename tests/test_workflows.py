@@ -154,8 +154,8 @@ def test_release_is_tag_triggered_never_cancelled_and_all_or_nothing():
     assert re.search(r"^      targets:\n(?:        .+\n)+", text, flags=re.M)  # the input the condition reads
     assert "always()" in jobs["report"]
     pub = jobs["publish"]
-    order = [pub.index(s) for s in ("release -- gather", "actions/attest-build-provenance@",
-                                     "nox -s publish", "nox -s index", "release -- pages")]
+    order = [pub.index(s) for s in ("nox -s gather", "actions/attest-build-provenance@",
+                                     "nox -s publish", "nox -s index", "nox -s pages")]
     assert order == sorted(order), "gather -> attest -> release -> index -> pages"
 
 
