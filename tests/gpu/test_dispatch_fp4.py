@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from attn_common import cos_sim, make_qkv, rel_l1
-from gpu_common import FP4_CCS, fp4_path_or_skip
+from gpu_common import FP4_CCS, fp4_path_or_skip, sageattn3_or_skip
 from test_attn_fp4 import check_rows, exact_rows, ref_rows
 
 FIGURES: list[str] = []
