@@ -599,6 +599,46 @@ def _cibw_config() -> dict:
     return tomllib.loads(CONFIG_FILE.read_text())["tool"]["cibuildwheel"]
 
 
+_BUILD_COMMANDS = None
+
+
+def payload_build_commands():
+    """The payload's own command builder, ``sageattn3/build_commands.py`` (what its setup.py
+    imports), loaded from the file: it is not an installed module."""
+    global _BUILD_COMMANDS
+    if _BUILD_COMMANDS is None:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("sageattn3_build_commands",
+                                                      REPO / "sageattn3" / "build_commands.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules.setdefault(spec.name, mod)
+        spec.loader.exec_module(mod)
+        _BUILD_COMMANDS = mod
+    return _BUILD_COMMANDS
+
+
+def planned_requires_python(target: Target, matrix: Matrix) -> str:
+    """The Requires-Python setup.py writes into the target's wheel: the payload's own rule
+    (``build_commands.python_requires``) applied to the build config the factory writes for the
+    target (``ci.build.build_config``). The toolchain's paths and versions are placeholders here:
+    none of them reaches Requires-Python. Where setup.py would refuse the config, the refusal."""
+    from ci.build import ResolvedToolchain, build_config, select_flags
+    from ci.toolchain import CudaToolkit, TorchEnv
+
+    bc = payload_build_commands()
+    profile, patches = select_flags(target, matrix)
+    tc = ResolvedToolchain(
+        target=target, profile=profile, patches=patches,
+        cuda=CudaToolkit(f"{target.cuda}.0", PurePath("cuda"), "plan", platform=target.os.platform),
+        env=TorchEnv(Path("env"), target.python, target.build_torch, target.cuda),
+        host_compiler="(planned)", launcher=(), cutlass=Path("cutlass"), flavour="release")
+    try:
+        return bc.python_requires(build_config(tc, matrix, Path("(no include overlay)")))
+    except bc.BuildCommandError as e:
+        return f"(setup.py refuses the build config: {e})"
+
+
 def plan_job(target: Target, matrix: Matrix, *, pytorch_index: str = PYTORCH_INDEX, jobs: int = 4) -> JobPlan:
     """The job of ``target`` on its runner (``jobs``: the runner's parallel compile cap, 4 on
     a 16 GB hosted runner): its exported environment, where torch comes from, and the argv
@@ -631,7 +671,7 @@ def plan_job(target: Target, matrix: Matrix, *, pytorch_index: str = PYTORCH_IND
     steps.append(("guard", ("pip", "install", *foreign.pip_args())))
     steps.append(("collect", ("python", "-m", "ci.cibw", "collect", "--wheelhouse", "wheelhouse", "--out", "artifact")))
     return JobPlan(target, GHA_RUNNERS[target.os.key], ident, env, src, foreign, target.python,
-                   f">={target.python}", tuple(steps))
+                   planned_requires_python(target, matrix), tuple(steps))
 
 
 def check_job(job: JobPlan, matrix: Matrix) -> list[str]:
@@ -649,8 +689,10 @@ def check_job(job: JobPlan, matrix: Matrix) -> list[str]:
         problems.append(f"the guard's torch {job.foreign.describe()} would load the wheel")
     if job.verify_python not in matrix.line(".".join(job.foreign.version.split(".")[:2])).python:
         problems.append(f"the guard's torch {job.foreign.version} has no Python {job.verify_python} build")
+    # what setup.py will write (from the build config) against the matrix's Python floor
     if job.requires_python != f">={t.python}":
-        problems.append(f"Requires-Python {job.requires_python} differs from the target's floor {t.python}")
+        problems.append(f"the wheel's Requires-Python would be {job.requires_python}, the target's Python floor "
+                        f"in ci/targets.toml is {t.python}")
     cuda = [argv for name, argv in job.steps if name == "cuda"]
     major, minor = t.cuda.split(".")
     if t.os.platform == "windows":

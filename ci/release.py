@@ -39,6 +39,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -334,9 +335,10 @@ def fetch_torch(version: str, python: str, matrix: Matrix, *, platform: str = "m
 
 
 class _StandInHandler(BaseHTTPRequestHandler):
-    """``/whl/<dir>/torch/``: a PEP 503 page of the wheels in ``<root>/<dir>``; the wheels
-    themselves; ``/whl/<dir>/<other>/``: 302 to PyPI's page (torch's dependencies, which
-    PyTorch's index mirrors from PyPI)."""
+    """``/whl/<dir>/torch/``: a PEP 503 page of the wheels in ``<root>/<dir>``, each with its
+    core metadata (PEP 658/714, so that resolving torch needs no 1 GB download); the wheels
+    and ``<wheel>.metadata`` themselves; ``/whl/<dir>/<other>/``: 302 to PyPI's page (torch's
+    dependencies, which PyTorch's index mirrors from PyPI)."""
 
     root: Path
 
@@ -371,10 +373,17 @@ class _StandInHandler(BaseHTTPRequestHandler):
                 return self._send(302, headers={"Location": f"{PYPI_SIMPLE}/{project}/"})
             return self._send(404)
         if len(parts) == 3:
-            anchors = "".join(
-                f'<a href="{w.name.replace("+", "%2B")}#sha256={_sha256_cached(w)}">{w.name}</a><br>'
-                for w in sorted(folder.glob("torch-*.whl")))
-            return self._send(200, f"<!DOCTYPE html><html><body>{anchors}</body></html>".encode())
+            anchors = []
+            for w in sorted(folder.glob("torch-*.whl")):
+                meta = "sha256=" + hashlib.sha256(_wheel_metadata(w)).hexdigest()
+                anchors.append(f'<a href="{w.name.replace("+", "%2B")}#sha256={_sha256_cached(w)}" '
+                               f'data-dist-info-metadata="{meta}" data-core-metadata="{meta}">{w.name}</a><br>')
+            return self._send(200, f"<!DOCTYPE html><html><body>{''.join(anchors)}</body></html>".encode())
+        if len(parts) == 4 and parts[3].endswith(".whl.metadata"):
+            wheel = folder / parts[3].removesuffix(".metadata")
+            if wheel.is_file() and wheel.parent == folder:
+                return self._send(200, _wheel_metadata(wheel), ctype="application/octet-stream")
+            return self._send(404)
         wheel = folder / parts[3]
         if len(parts) == 4 and wheel.is_file() and wheel.parent == folder:
             self.send_response(200)
@@ -386,6 +395,23 @@ class _StandInHandler(BaseHTTPRequestHandler):
                     shutil.copyfileobj(f, self.wfile, 1 << 20)
             return None
         return self._send(404)
+
+
+def _wheel_metadata(wheel: Path) -> bytes:
+    """A wheel's ``.dist-info/METADATA`` (what PEP 658 serves as ``<wheel>.metadata``), kept
+    beside the wheel once read."""
+    memo = wheel.with_name(wheel.name + ".metadata")
+    if memo.exists() and memo.stat().st_mtime_ns >= wheel.stat().st_mtime_ns:
+        return memo.read_bytes()
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as z:
+        names = [n for n in z.namelist() if re.fullmatch(r"[^/]+\.dist-info/METADATA", n)]
+        if len(names) != 1:
+            raise ReleaseError(f"{wheel.name}: {len(names)} .dist-info/METADATA files")
+        data = z.read(names[0])
+    memo.write_bytes(data)
+    return data
 
 
 def _sha256_cached(path: Path) -> str:
@@ -432,6 +458,169 @@ def standin_serves(target, matrix: Matrix) -> str | None:
     return None
 
 
+# -- the torch specs, resolved by real pip against the stand-in --------------------------------
+
+# The CUDA runtime a torch build depends on (PyPI's builds carry no +cuXYZ label): its pinned
+# nvidia-cuda-runtime-cu12 (12.8.90 -> 12.8), nvidia-cuda-runtime (13.0.96 -> 13.0), or the
+# cuda-toolkit with the cudart extra (13.0.3 -> 13.0).
+CUDA_RUNTIME_DIST = re.compile(r"^nvidia-cuda-runtime(-cu\d+)?$")
+RESOLVE_TIMEOUT_S = 10 * 60
+
+
+@dataclass
+class TorchResolution:
+    """One torch spec of a release job (the build's, or the ABI guard's foreign torch) as pip
+    resolves it in the target's floor Python against the stand-in index."""
+
+    target: str
+    role: str  # "build" | "guard"
+    python: str  # "3.9"
+    interpreter: str
+    source: object  # ci.torch_source.TorchSource: what the job asks for
+    version: str | None = None  # as resolved
+    cuda: str | None = None  # CUDA of the resolved build (None: a CPU build)
+    url: str | None = None  # where pip would download torch from
+    seconds: float = 0.0
+    problem: str | None = None
+
+    def describe(self) -> str:
+        got = (f"torch {self.version} ({'CUDA ' + self.cuda if self.cuda else 'CPU'}) from {self.url}"
+               if self.version else "nothing")
+        return f"{self.role} in Python {self.python}: {self.source.requirement} -> {got}"
+
+
+def _runtime_cuda(name: str, version: str, extras=()) -> str | None:
+    from packaging.version import Version
+
+    if CUDA_RUNTIME_DIST.match(name) or (name == "cuda-toolkit" and "cudart" in extras):
+        v = Version(version)
+        return f"{v.major}.{v.minor}"
+    return None
+
+
+def resolved_torch(report: dict) -> tuple[str, str | None, str]:
+    """(version, CUDA, URL) of torch in a ``pip install --report`` document. The CUDA is the
+    build's local label (``+cu128``, ``+cpu``: PyTorch's index) or, for an unlabelled build
+    (PyPI's), the CUDA runtime it installs or pins for the report's interpreter; None for a CPU
+    build."""
+    from packaging.markers import Marker
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    items = {canonicalize_name(i["metadata"]["name"]): i for i in report.get("install", [])}
+    torch = items.get("torch")
+    if torch is None:
+        raise ReleaseError(f"pip's report installs no torch (it installs {sorted(items) or 'nothing'})")
+    version = Version(torch["metadata"]["version"])
+    label = version.local or ""
+    if re.fullmatch(r"cu\d{3,4}", label):
+        return str(version), f"{int(label[2:-1])}.{label[-1]}", torch["download_info"]["url"]
+    if label == "cpu":
+        return str(version), None, torch["download_info"]["url"]
+    found = [c for n, i in items.items() if (c := _runtime_cuda(n, i["metadata"]["version"]))]
+    if not found:  # resolved without its dependencies: what torch pins for this interpreter
+        env = {**report.get("environment", {}), "extra": ""}
+        for line in torch["metadata"].get("requires_dist", []):
+            req = Requirement(line)
+            pins = [sp.version for sp in req.specifier if sp.operator == "=="]
+            if pins and (req.marker is None or Marker(str(req.marker)).evaluate(env)):
+                cuda = _runtime_cuda(canonicalize_name(req.name), pins[0], req.extras)
+                if cuda:
+                    found.append(cuda)
+    return str(version), (found[0] if found else None), torch["download_info"]["url"]
+
+
+def resolve_torch(python: str | Path, source, *, timeout: float = RESOLVE_TIMEOUT_S) -> tuple[str, str | None, str]:
+    """``pip install --dry-run --report`` of ``source`` (a TorchSource) by ``python``'s own pip,
+    with nothing but the source's index (pip's configuration files off, nothing installed
+    counted): (version, CUDA, URL) of the torch it would install. Without torch's dependencies:
+    the check is which torch build the spec selects (theirs would add gigabytes of downloads,
+    and the environments the jobs make install them anyway)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="sageattn3-resolve-") as tmp:
+        out = Path(tmp) / "report.json"
+        cmd = [str(python), "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "--no-cache-dir",
+               "--quiet", "--report", str(out), *source.pip_args()]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=_isolated_pip_env(), timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise ReleaseError(f"pip did not resolve {source.describe()} within {timeout:.0f}s") from e
+        if proc.returncode != 0 or not out.exists():
+            raise ReleaseError(f"pip could not resolve {source.describe()} (exit {proc.returncode}):\n"
+                               f"{(proc.stdout + proc.stderr)[-2000:]}")
+        return resolved_torch(json.loads(out.read_text()))
+
+
+def check_resolution(r: TorchResolution) -> str | None:
+    """Why the resolved torch is not the one the job asked for (None: it is)."""
+    from packaging.version import Version
+
+    want = r.source
+    if Version(r.version).public != Version(want.version).public:
+        return f"pip resolved torch {r.version}, the job asks for {want.requirement}"
+    if r.cuda != want.cuda:
+        return (f"pip resolved the {'CUDA ' + r.cuda if r.cuda else 'CPU'} build of torch {r.version}, the job needs "
+                f"{'CUDA ' + want.cuda if want.cuda else 'a CPU build'}")
+    if want.index_url and not r.url.startswith(want.index_url.rstrip("/") + "/"):
+        return f"pip would download torch from {r.url}, not from {want.index_url}"
+    return None
+
+
+def standin_resolutions(matrix: Matrix, index_url: str, skip: list[str] = ()) -> list[tuple]:
+    """For every target whose torch the stand-in serves (but ``skip``): (target, role,
+    TorchSource) of its build torch and of its ABI guard's foreign torch (from the stand-in
+    directory PyPI's build of that release belongs in), both in the target's floor Python, as
+    the job asks for them."""
+    from ci.torch_source import foreign_line, foreign_torch_source, torch_source
+
+    out = []
+    for t in matrix.targets:
+        if standin_serves(t, matrix) or t.id in skip:
+            continue
+        foreign_dir = standin_dir(foreign_line(t, matrix, t.python), matrix)
+        out.append((t, "build", torch_source(t, index_url)))
+        out.append((t, "guard", foreign_torch_source(t, matrix, t.python, index_url, directory=foreign_dir)))
+    return out
+
+
+def standin_needs(matrix: Matrix, build: list[str] = ()) -> list[tuple[str, str]]:
+    """The (torch version, Python) wheels the stand-in must hold for a rehearsal that builds
+    the targets ``build`` and resolves every other served target."""
+    from ci.torch_source import foreign_line
+
+    chosen = [t for t in matrix.targets if t.id in build or standin_serves(t, matrix) is None]
+    return sorted({(v, t.python) for t in chosen for v in (t.build_torch, foreign_line(t, matrix, t.python))})
+
+
+def resolve_served_targets(matrix: Matrix, index_url: str, *, skip: list[str] = (), workers: int = 2,
+                           log=print) -> list[TorchResolution]:
+    """Every served target's build and guard torch (but those of ``skip``: the targets the
+    rehearsal builds, whose build and verify install them for real) resolved by real pip
+    (``resolve_torch``) in the target's floor Python (ci.toolchain.find_python) against the
+    stand-in at ``index_url``, two at a time, and checked."""
+    from ci.toolchain import find_python
+
+    todo = []
+    for t, role, source in standin_resolutions(matrix, index_url, skip):
+        todo.append(TorchResolution(t.id, role, t.python, str(find_python(t.python)), source))
+
+    def one(r: TorchResolution) -> TorchResolution:
+        t0 = time.monotonic()
+        try:
+            r.version, r.cuda, r.url = resolve_torch(r.interpreter, r.source)
+            r.problem = check_resolution(r)
+        except ReleaseError as e:
+            r.problem = str(e)
+        r.seconds = time.monotonic() - t0
+        log(f"[resolve] {r.target}: {r.describe()} ({r.seconds:.0f}s)" + (f": PROBLEM {r.problem}" if r.problem else ""))
+        return r
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        return list(pool.map(one, todo))
+
+
 # -- the local dry run ---------------------------------------------------------------------------
 
 @dataclass
@@ -446,6 +635,7 @@ class DryRun:
     publish_log: list[str] = field(default_factory=list)
     summary: str = ""
     jobs: list = field(default_factory=list)  # TargetRehearsal per target
+    resolutions: list = field(default_factory=list)  # TorchResolution per served target and role
 
     @property
     def artifacts(self) -> Path:
@@ -570,14 +760,10 @@ def _windows_commands_problems(target, matrix: Matrix) -> list[str]:
     -Xcompiler, CUDA's lib\\x64, a .pyd). Skipped (no problem) where the payload has no builder."""
     if target.os.platform != "windows":
         return []
-    builder = REPO / "sageattn3" / "build_commands.py"
-    if not builder.exists():
-        return []
-    spec = importlib.util.spec_from_file_location("sageattn3_build_commands", builder)
-    bc = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, bc)
-    spec.loader.exec_module(bc)
+    from ci.cibw import payload_build_commands
     from ci.flags import profile_for
+
+    bc = payload_build_commands()
 
     profile = profile_for(target, matrix.stable_abi_floor)
     home = rf"C:\Program Files\NVIDIA GPU Computing Toolkit\CUDA\v{target.cuda}"
@@ -645,7 +831,9 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
             tag: str | None = None, only: list[str] | None = None, plan_only: bool = False,
             compile_gate: bool = True, log=print) -> DryRun:
     """The release rehearsal. plan -> every target's job resolved and checked (all of them,
-    also those this machine cannot build) -> each target that can run here goes through the
+    also those this machine cannot build) -> for every target whose torch the stand-in serves
+    and that is not built here, its build torch and its guard's torch resolved by real pip in
+    its floor Python against the stand-in, while each target that can run here goes through the
     release job's steps (cibuildwheel's order, one process each) with a local stand-in for
     PyTorch's index serving PyPI's torch wheels under the target's index path -> gather ->
     publish to a local GitHub-REST server -> index + Pages branch -> summary. ``only``: the
@@ -680,30 +868,46 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
             dr.summary = _jobs_table(dr)
             (dist / "summary.md").write_text(dr.summary)
             return dr
+        # every other target whose torch the stand-in serves (those that cannot build here for
+        # want of their CUDA toolkit): its build torch and its guard's torch, resolved by real
+        # pip in its floor Python while the targets below build (which install theirs for real)
+        for version, python in standin_needs(matrix, runnable):
+            fetch_torch(version, python, matrix, log=log)
+        with ThreadPoolExecutor(max_workers=1) as background:
+            resolving = background.submit(resolve_served_targets, matrix, index_url, skip=runnable, log=log)
+            if runnable:
+                dr.planned = plan(matrix.gha_matrix(), only=runnable, matrix=matrix)
+                shutil.rmtree(dr.artifacts, ignore_errors=True)
+            for e in dr.planned.get("include", []):
+                log(f"== {e['id']}")
+                try:
+                    target = matrix.target(e["id"])
+                    job = next(r.job for r in dr.jobs if r.id == e["id"])
+                    # the stand-in's torch: the build's, and the guard's from the directory PyPI's
+                    # build of it belongs in (no CPU builds of x86_64 torch on PyPI)
+                    fetch_torch(target.build_torch, target.python, matrix, log=log)
+                    foreign_dir = standin_dir(job.foreign.version, matrix)
+                    for py in verify_pythons or [target.python]:
+                        fetch_torch(target.build_torch, py, matrix, log=log)
+                    fetch_torch(job.foreign.version, (verify_pythons or [target.python])[0], matrix, log=log)
+                    dr.timings[e["id"]] = build_target_like_cibuildwheel(
+                        e["id"], dist, dr.artifacts, pytorch_index=index_url, foreign_dir=foreign_dir,
+                        verify_pythons=verify_pythons, log=log)
+                except Exception as exc:  # noqa: BLE001 - a failed target is reported by name
+                    dr.errors[e["id"]] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
+                    log(f"!! {e['id']}: {dr.errors[e['id']]}")
+            dr.resolutions = resolving.result()
+        wrong = [r for r in dr.resolutions if r.problem]
+        if wrong:
+            dr.summary = _resolution_table(dr) + "\n\n" + _jobs_table(dr)
+            (dist / "summary.md").write_text(dr.summary)
+            raise ReleaseError("pip does not resolve the torch the jobs ask for: "
+                               + "; ".join(f"{r.target} ({r.role}): {r.problem}" for r in wrong))
         if not runnable:
-            raise ReleaseError("no target of the matrix can run here (each job's reason: `nox -s release -- --dry-run --plan-only`)")
-        dr.planned = plan(matrix.gha_matrix(), only=runnable, matrix=matrix)
-        shutil.rmtree(dr.artifacts, ignore_errors=True)
-        for e in dr.planned["include"]:
-            log(f"== {e['id']}")
-            try:
-                target = matrix.target(e["id"])
-                job = next(r.job for r in dr.jobs if r.id == e["id"])
-                # the stand-in's torch: the build's, and the guard's from the directory PyPI's
-                # build of it belongs in (no CPU builds of x86_64 torch on PyPI)
-                fetch_torch(target.build_torch, target.python, matrix, log=log)
-                foreign_dir = standin_dir(job.foreign.version, matrix)
-                for py in verify_pythons or [target.python]:
-                    fetch_torch(target.build_torch, py, matrix, log=log)
-                fetch_torch(job.foreign.version, (verify_pythons or [target.python])[0], matrix, log=log)
-                dr.timings[e["id"]] = build_target_like_cibuildwheel(
-                    e["id"], dist, dr.artifacts, pytorch_index=index_url, foreign_dir=foreign_dir,
-                    verify_pythons=verify_pythons, log=log)
-            except Exception as exc:  # noqa: BLE001 - a failed target is reported by name
-                dr.errors[e["id"]] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
-                log(f"!! {e['id']}: {dr.errors[e['id']]}")
+            raise ReleaseError("no target of the matrix can run here (each job's reason: `nox -s release -- --dry-run "
+                               "--plan-only`); the torch specs of those the stand-in serves resolved as expected")
     build_md, missing = report(dr.planned, dr.artifacts, tag)
-    parts = [build_md, "", _timing_table(dr), "", _jobs_table(dr)]
+    parts = [build_md, "", _timing_table(dr), "", _resolution_table(dr), "", _jobs_table(dr)]
     if missing:
         dr.summary = "\n".join(parts)
         (dist / "summary.md").write_text(dr.summary)
@@ -769,6 +973,18 @@ def _jobs_table(dr: DryRun) -> str:
             ran = "planned only: " + r.why_not
         rows.append(f"| `{r.id}` | {r.job.torch.requirement} `{src}` | {r.job.foreign.requirement} `cpu` | {cuda} | "
                     f"{'ok' if not r.problems else 'PROBLEMS: ' + '; '.join(r.problems)} | {ran} |")
+    return "\n".join(rows)
+
+
+def _resolution_table(dr: DryRun) -> str:
+    """The torch specs of every target the stand-in serves, as pip resolved them."""
+    rows = ["### torch specs resolved by pip (stand-in index, each target's floor Python)", "",
+            "| target | step | Python | asks for | pip resolves | time | check |", "|---|---|---|---|---|---|---|"]
+    for r in dr.resolutions:
+        got = f"{r.version} ({'CUDA ' + r.cuda if r.cuda else 'CPU'}) `{r.url.split('/whl/', 1)[-1]}`" if r.url else "-"
+        rows.append(f"| `{r.target}` | {r.role} | {r.python} | {r.source.requirement} "
+                    f"({'CUDA ' + r.source.cuda if r.source.cuda else 'CPU'}) | {got} | {r.seconds:.0f}s | "
+                    f"{'ok' if not r.problem else 'PROBLEM: ' + r.problem} |")
     return "\n".join(rows)
 
 

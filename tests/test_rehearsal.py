@@ -152,3 +152,117 @@ def test_windows_jobs_get_msvc_commands_from_the_payloads_own_builder(monkeypatc
     monkeypatch.setattr(flags, "profile_for", gcc_on_windows)
     problems = _windows_commands_problems(windows[0], MATRIX)
     assert any("not MSVC's" in p for p in problems) and any(".pyd" in p for p in problems)
+
+
+# -- torch specs resolved by real pip against the stand-in ----------------------------------------
+
+def _torch_wheel(folder: Path, version: str, requires: list[str] = ()) -> Path:
+    """A real (tiny) torch wheel with the given version and Requires-Dist lines."""
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / f"torch-{version}-py3-none-any.whl"
+    info = f"torch-{version.split('+')[0]}.dist-info"
+    meta = f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n" + "".join(f"Requires-Dist: {r}\n" for r in requires)
+    files = {"torch/__init__.py": b"", f"{info}/METADATA": meta.encode(),
+             f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+        z.writestr(f"{info}/RECORD", "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n")
+    return wheel
+
+
+def test_pip_resolves_each_torch_spec_to_its_build_and_the_check_sees_a_wrong_one(tmp_path):
+    """Real pip (--dry-run --report) against the stand-in: the resolved version, the CUDA of the
+    build (its +cuXYZ/+cpu label, or for PyPI's unlabelled builds the CUDA runtime it pins for
+    this interpreter) and where it comes from; the stand-in serves torch's core metadata."""
+    from ci.release import TorchResolution, check_resolution, resolve_torch
+    from ci.torch_source import TorchSource
+
+    root = tmp_path / "root"
+    _torch_wheel(root / "cu128", "8.8.0+cu128")
+    _torch_wheel(root / "cpu", "8.7.0+cpu")
+    _torch_wheel(root / "cu130", "8.9.0", ['nvidia-cuda-runtime==13.0.96; platform_system == "Linux"',
+                                           'nvidia-cuda-runtime-cu12==12.8.90; platform_system == "Windows"',
+                                           "filelock"])
+    with pytorch_index_standin(root) as url:
+        host = url.split("/")[2]
+        c = http.client.HTTPConnection(host)
+        c.request("GET", "/whl/cu130/torch/")
+        page = c.getresponse().read().decode()
+        c = http.client.HTTPConnection(host)
+        c.request("GET", "/whl/cu130/torch/torch-8.9.0-py3-none-any.whl.metadata")
+        meta = c.getresponse().read()
+        assert f'data-core-metadata="sha256={hashlib.sha256(meta).hexdigest()}"' in page
+        assert meta.startswith(b"Metadata-Version: 2.1\nName: torch\nVersion: 8.9.0\n")
+
+        labelled = TorchSource("torch==8.8.0", f"{url}/cu128", "12.8")
+        version, cuda, where = resolve_torch(sys.executable, labelled)
+        assert (version, cuda) == ("8.8.0+cu128", "12.8") and where.startswith(f"{url}/cu128/torch/")
+        assert resolve_torch(sys.executable, TorchSource("torch==8.7.0", f"{url}/cpu", None))[:2] == ("8.7.0+cpu", None)
+        pypi_style = TorchSource("torch==8.9.0", f"{url}/cu130", "13.0")
+        got = resolve_torch(sys.executable, pypi_style)
+        expected_cuda = "13.0" if sys.platform.startswith("linux") else None
+        assert got[:2] == ("8.9.0", expected_cuda)
+
+        def checked(source, result):
+            return check_resolution(TorchResolution("t", "build", "3.x", sys.executable, source, *result))
+
+        assert checked(labelled, (version, cuda, where)) is None
+        assert "CUDA 12.8 build of torch 8.8.0+cu128, the job needs CUDA 13.0" in checked(
+            TorchSource("torch==8.8.0", f"{url}/cu128", "13.0"), (version, cuda, where))
+        assert "the job asks for torch==8.9.0" in checked(pypi_style, (version, cuda, where))
+        assert "not from" in checked(TorchSource("torch==8.8.0", f"{url}/cu126", "12.8"), (version, cuda, where))
+        with pytest.raises(ReleaseError, match="could not resolve torch==8.8.0"):
+            resolve_torch(sys.executable, TorchSource("torch==8.8.0", f"{url}/cu130", "13.0"))
+
+
+def test_the_rehearsal_resolves_every_served_target_it_does_not_build():
+    """Which specs the rehearsal resolves: each target whose torch the stand-in serves, both its
+    build torch and its guard's, as its job asks for them, in the target's floor Python."""
+    from ci.release import standin_needs, standin_resolutions
+    from ci.torch_source import foreign_line
+
+    url = "http://127.0.0.1:1/whl"
+    got = {(t.id, role): src for t, role, src in standin_resolutions(MATRIX, url)}
+    served = [t for t in MATRIX.targets if not standin_serves(t, MATRIX)]
+    assert {t for t, _ in got} == {t.id for t in served} and len(got) == 2 * len(served)
+    t28 = MATRIX.target("linux-x86_64-cu128-torch2.8")
+    assert t28.python == "3.9"
+    assert got[(t28.id, "build")].pip_args() == ["torch==2.8.0", "--index-url", f"{url}/cu128"]
+    guard = got[(t28.id, "guard")]
+    assert guard.version == foreign_line(t28, MATRIX, "3.9") == "2.7.1"
+    assert guard.index_url == f"{url}/cu126" and guard.cuda == "12.6"  # PyPI's 2.7.1 is the cu126 build
+    assert not any(t.id == t28.id for t, _, _ in standin_resolutions(MATRIX, url, skip=[t28.id]))
+    assert ("2.8.0", "3.9") in standin_needs(MATRIX) and ("2.7.1", "3.9") in standin_needs(MATRIX)
+
+
+def test_a_jobs_requires_python_is_what_setup_py_writes_from_the_build_config(monkeypatch):
+    """check_job compares the target's Python floor (ci/targets.toml) with the Requires-Python
+    the payload's setup.py rule derives from the build config the factory writes, so a config
+    that drifts from the floor is a problem of the plan, not a surprise at verify."""
+    import ci.build
+    from ci import cibw
+
+    t = MATRIX.target("linux-x86_64-cu128-torch2.8")
+    job = cibw.plan_job(t, MATRIX)
+    assert job.requires_python == ">=3.9" and not cibw.check_job(job, MATRIX)
+    real = ci.build.build_config
+
+    def drifted(tc, matrix, overlay, jobs=None):  # a record floor the abi3 tag does not have
+        cfg = real(tc, matrix, overlay, jobs)
+        cfg["record"]["requires_python"] = ">=3.10"
+        return cfg
+
+    monkeypatch.setattr(ci.build, "build_config", drifted)
+    problems = cibw.check_job(cibw.plan_job(t, MATRIX), MATRIX)
+    assert any("setup.py refuses the build config" in p and "target's Python floor in ci/targets.toml is 3.9" in p
+               for p in problems), problems
+
+    def both_drifted(tc, matrix, overlay, jobs=None):  # consistent, but not the target's floor
+        cfg = drifted(tc, matrix, overlay, jobs)
+        cfg["limited_api"] = "cp310"
+        return cfg
+
+    monkeypatch.setattr(ci.build, "build_config", both_drifted)
+    problems = cibw.check_job(cibw.plan_job(t, MATRIX), MATRIX)
+    assert any("Requires-Python would be >=3.10" in p for p in problems), problems

@@ -1,7 +1,9 @@
 """End to end: the release rehearsal (`nox -s release -- --dry-run`) for a target this machine
 can build: plan (all jobs checked) -> the release job's steps as processes, in cibuildwheel's
 order, with the stand-in for PyTorch's index serving the target's torch (build, verify in the
-target's oldest Python, ABI guard) -> artifact -> gather -> publish to a local server speaking
+target's oldest Python, ABI guard), while the other targets whose torch the stand-in serves have
+their build and guard torch resolved by real pip in their floor Python -> artifact -> gather ->
+publish to a local server speaking
 GitHub's REST contract -> index on the Pages branch -> summary. Then a re-run publishes nothing
 new. It builds a real wheel (minutes), so it runs where the stand-in's torch wheels are already
 in the factory cache (after one `nox -s release -- --dry-run`), or with SAGEATTN3_REHEARSAL=1."""
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ci.release import dry_run, publish_steps, rehearse_plan, standin_dir, standin_wheels
+from ci.release import dry_run, publish_steps, rehearse_plan, standin_dir, standin_needs, standin_serves, standin_wheels
 from ci.targets import Matrix
 from fake_github import FakeGitHub
 
@@ -25,11 +27,13 @@ TARGET = RUNNABLE[0] if RUNNABLE else None
 
 
 def _cached() -> bool:
+    """The stand-in holds every torch wheel the rehearsal needs: the local target's build and
+    guard torch, and those of every other target it resolves."""
     if TARGET is None:
         return False
-    need = [(TARGET.job.target.build_torch, TARGET.job.target.python), (TARGET.job.foreign.version, TARGET.job.target.python)]
     tag = lambda py: "cp" + py.replace(".", "")  # noqa: E731
-    return all(list((standin_wheels() / standin_dir(v, MATRIX)).glob(f"torch-{v}-{tag(py)}-*.whl")) for v, py in need)
+    return all(list((standin_wheels() / standin_dir(v, MATRIX)).glob(f"torch-{v}-{tag(py)}-*.whl"))
+               for v, py in standin_needs(MATRIX, [TARGET.id]))
 
 
 pytestmark = [
@@ -65,6 +69,31 @@ def test_every_local_target_went_through_each_stage(released):
         rec = json.loads(Path(str(wheels[0]) + ".json").read_text())
         assert rec["target"] == tid and "manylinux" in wheels[0].name
         assert rec["requires_python"] == f">={TARGET.job.target.python}"
+
+
+def test_every_other_served_target_resolved_its_torch_specs_in_its_floor_python(released):
+    """The targets whose torch the stand-in serves but that cannot build here (their CUDA 12.x
+    toolkit): pip, run by the target's floor Python, resolves the job's build torch and guard
+    torch from the stand-in's directory of the right CUDA."""
+    dr, _, _, logs = released
+    others = [t for t in MATRIX.targets if not standin_serves(t, MATRIX) and t.id not in LOCAL]
+    assert others and {(r.target, r.role) for r in dr.resolutions} == {(t.id, role) for t in others
+                                                                        for role in ("build", "guard")}
+    jobs = {r.id: r.job for r in dr.jobs}
+    for r in dr.resolutions:
+        t = MATRIX.target(r.target)
+        want = jobs[t.id].torch if r.role == "build" else jobs[t.id].foreign
+        assert r.problem is None, r.describe()
+        assert r.python == t.python and r.version.split("+")[0] == want.version
+        assert f"python{t.python}" in Path(r.interpreter).name or r.python in r.interpreter
+        if r.role == "build":
+            assert r.cuda == t.cuda and f"/whl/{t.variant.cuda_tag}/torch/" in r.url and "127.0.0.1" in r.url
+        else:  # a CUDA build of a line outside the wheel's (PyPI has no CPU builds for x86_64)
+            assert r.cuda == f"{int(standin_dir(r.version, MATRIX)[2:-1])}.{standin_dir(r.version, MATRIX)[-1]}"
+            assert not t.variant.serves(r.version, r.cuda)
+    assert any(r.python == "3.9" for r in dr.resolutions)  # the cp39 floor ran
+    summary = (dr.dist / "summary.md").read_text()
+    assert "torch specs resolved by pip" in summary and summary.count("| build | ") == len(others)
 
 
 def test_verify_used_the_targets_torch_from_the_standin_in_its_oldest_python(released):
