@@ -3,9 +3,8 @@ can build: plan (all jobs checked) -> the release job's steps as processes, in c
 order, with the stand-in for PyTorch's index serving the target's torch (build, verify in the
 target's oldest Python, ABI guard), while the other targets whose torch the stand-in serves have
 their build and guard torch resolved by real pip in their floor Python -> artifact -> gather ->
-publish to a local server speaking
-GitHub's REST contract -> index on the Pages branch -> summary. Then a re-run publishes nothing
-new. It builds a real wheel (minutes), so it runs where the stand-in's torch wheels are already
+publish to a local server speaking GitHub's REST contract -> index on the Pages branch ->
+summary. Then a re-run publishes nothing new. It builds a real wheel (minutes), so it runs where the stand-in's torch wheels are already
 in the factory cache (after one `nox -s release -- --dry-run`), or with SAGEATTN3_REHEARSAL=1."""
 
 import hashlib
@@ -93,7 +92,7 @@ def test_every_other_served_target_resolved_its_torch_specs_in_its_floor_python(
             assert not t.variant.serves(r.version, r.cuda)
     assert any(r.python == "3.9" for r in dr.resolutions)  # the cp39 floor ran
     summary = (dr.dist / "summary.md").read_text()
-    assert "torch specs resolved by pip" in summary and summary.count("| build | ") == len(others)
+    assert "torch specs resolved by pip" in summary and summary.count("` | build | ") == len(others)
 
 
 def test_verify_used_the_targets_torch_from_the_standin_in_its_oldest_python(released):
