@@ -37,11 +37,10 @@ import secrets
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 from ci.targets import Matrix
@@ -435,15 +434,11 @@ def _sha256_cached(path: Path) -> str:
 def pytorch_index_standin(root: Path | None = None):
     """A real HTTP server on 127.0.0.1 laid out like PyTorch's index; yields its ``/whl`` URL
     (what ``SAGEATTN3_PYTORCH_INDEX`` points at in the rehearsal)."""
+    from ci.verify import serve_handler
+
     handler = type("StandIn", (_StandInHandler,), {"root": Path(root or standin_wheels())})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/whl"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve_handler(handler) as url:
+        yield f"{url}/whl"
 
 
 def standin_serves(target, matrix: Matrix) -> str | None:

@@ -41,7 +41,14 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 @contextlib.contextmanager
 def serve(directory: Path):
     """A real HTTP server for ``directory`` on 127.0.0.1; yields its base URL."""
-    handler = functools.partial(_QuietHandler, directory=str(directory))
+    with serve_handler(functools.partial(_QuietHandler, directory=str(directory))) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serve_handler(handler):
+    """A real threading HTTP server with ``handler`` on 127.0.0.1 (a free port); yields its base
+    URL and shuts it down afterwards."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
