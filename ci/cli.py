@@ -12,6 +12,7 @@ from packaging.version import Version
 
 from ci.build import REPO, host_os_key, local_blockers
 from ci.targets import Matrix, MatrixError, Target
+from ci.variant import torch_line
 from ci.toolchain import ToolchainError
 
 
@@ -32,7 +33,7 @@ def default_target(matrix: Matrix, torch_version: str | None = None) -> Target:
     """This machine's target: the running Python, the torch pip would give it, that torch's
     PyPI CUDA variant."""
     version = torch_version or torch_pip_would_install()
-    wanted = ".".join(version.split("+")[0].split(".")[:2])
+    wanted = torch_line(version)
     newest = max(matrix.torch, key=lambda t: Version(t.line))
     if all(t.line != wanted for t in matrix.torch) and Version(wanted) > Version(newest.line):
         # A torch newer than the matrix (PyPI moved on): its nearest line's target is the

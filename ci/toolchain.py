@@ -28,10 +28,6 @@ CUDA_PYPI_PACKAGES = ("nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvi
 # What a build environment holds besides torch. setuptools >= 77: the payload's SPDX `license`
 # and `license-files` (its pyproject's build-system.requires says the same).
 BUILD_ENV_PACKAGES = ("setuptools>=77", "wheel", "packaging")
-# The cached torch environments' key names their build packages by the set they were first
-# made with, so raising a floor above does not orphan every multi-GB environment under a new
-# key: torch_env upgrades a cached environment in place (one `pip install`) instead.
-ENV_KEY_BUILD_PACKAGES = ("setuptools>=70", "wheel", "packaging")
 
 
 class ToolchainError(RuntimeError):
@@ -425,8 +421,9 @@ def torch_env(python_version: str, torch_spec: str, extra: tuple[str, ...] = BUI
     # A loopback stand-in index (the release rehearsal) gets a new port each run; what it
     # serves does not change, so the port is not part of the key.
     where = [re.sub(r"^(https?://127\.0\.0\.1):\d+", r"\1", a) for a in index_args]
-    key_extra = ENV_KEY_BUILD_PACKAGES if tuple(extra) == BUILD_ENV_PACKAGES else tuple(extra)
-    what = [python_version, torch_spec, list(key_extra)] + ([where] if where else [])
+    # The key is the torch (Python, requirement, index): the build packages beside it are
+    # brought to ``extra`` in place (ensure_packages), so raising their floor re-creates nothing.
+    what = [python_version, torch_spec] + ([where] if where else [])
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:10]
     root = cache_root() / "envs" / f"py{python_version}-{torch_spec.replace('==', '-').replace('+', '_')}-{key}"
     marker = root / ".complete"
