@@ -217,6 +217,73 @@ def rotation_score_factor(head_dim: int, rotated: bool) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+# Q/K channel balance
+# ---------------------------------------------------------------------------------------------
+
+# A Q channel much larger than the others (an outlier channel) multiplies K's FP4 error in that
+# channel. The balance moves magnitude from such Q channels to the same K channels: per KV head,
+# Q's channel d is multiplied by 2^-e_d and K's by 2^e_d after smoothing, which leaves every
+# score Q·Kᵀ unchanged (powers of two: exact in float32) while K's outlier channel becomes the
+# largest value of its 16-channel block (quantized nearly exactly) and Q's shrinks.
+# e_d from Q's channel RMS (smoothed by 128-token block means) over a sample of Q's blocks:
+# BALANCE_SAMPLE_BLOCKS evenly spaced 128-token blocks of each q head of the KV head's group.
+BALANCE_HEAD_DIMS = (64, 128)
+BALANCE_SAMPLE_BLOCKS = 8
+BALANCE_MAX_EXP = 2  # |e_d| <= 2: channels scaled by 1/4 .. 4
+QK_BALANCE_DEFAULT = True
+
+
+def balance_applies(head_dim: int, rotated: bool) -> bool:
+    """The balance applies at head dims 64/128 without the rotation (which spreads outlier
+    channels over all channels, so there is nothing left to balance)."""
+    return head_dim in BALANCE_HEAD_DIMS and not rotated
+
+
+def balance_sample_blocks(seq_q: int) -> list[int]:
+    """The 128-token Q blocks the balance statistics come from: (i * n) // m for i < m, with
+    n = ceil(seq_q / 128) blocks and m = min(BALANCE_SAMPLE_BLOCKS, n)."""
+    n = -(-seq_q // Q_MEAN_BLOCK)
+    m = min(BALANCE_SAMPLE_BLOCKS, n)
+    return [(i * n) // m for i in range(m)]
+
+
+def balance_exponents(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, Hkv, 1, D) float32 e_d in {-2, ..., 2} (as float), per KV head, from q (B, Hq, Sq, D):
+
+    1. for each sampled block (``balance_sample_blocks``) of each q head of the group, its mean
+       mu over its real rows (float32 sum / count) and ss_d = sum over its rows of (q - mu)²;
+    2. ms_d = (sum of ss_d over the group's sampled blocks) / (their row count), a_d = sqrt(ms_d);
+    3. m = (sum of a_d over d, added as a pairwise tree: d = 2i with 2i + 1 first) / D;
+    4. e_d = [ms_d >= 4 m²] + [ms_d >= 64 m²] - [ms_d < m²/4] - [ms_d < m²/64] (m² = m·m), i.e.
+       round(log2(a_d / m) / 2) clamped to +-2; 0 for every channel when m² is not a positive
+       finite number.
+
+    The kernels compute the same in their own summation order (float32): the exponents agree
+    except where ms_d lies within rounding of a threshold; tests feed the kernels' exponents to
+    ``preprocess`` (``balance=``) to compare the quantized tensors bit for bit."""
+    b, hq, sq, d = q.shape
+    rep = hq // kv_heads
+    blocks = balance_sample_blocks(sq)
+    qf = q.float()
+    ss = torch.zeros(b, hq, d, dtype=torch.float32, device=q.device)
+    count = 0
+    for t in blocks:
+        x = qf[..., t * Q_MEAN_BLOCK : min(sq, (t + 1) * Q_MEAN_BLOCK), :]
+        mu = x.sum(dim=-2, keepdim=True) / float(x.shape[-2])
+        ss = ss + ((x - mu) ** 2).sum(dim=-2)
+        count += x.shape[-2]
+    ms = ss.reshape(b, kv_heads, rep, d).sum(dim=2) / float(count * rep)
+    a = torch.sqrt(ms)
+    while a.shape[-1] > 1:
+        a = a[..., 0::2] + a[..., 1::2]
+    m = a / float(d)
+    m2 = m * m
+    e = ((ms >= 4 * m2).float() + (ms >= 64 * m2).float() - (ms < m2 / 4).float() - (ms < m2 / 64).float())
+    ok = torch.isfinite(m2) & (m2 > 0)
+    return torch.where(ok, e, torch.zeros_like(e)).unsqueeze(-2)
+
+
+# ---------------------------------------------------------------------------------------------
 # Smoothing and preprocessing
 # ---------------------------------------------------------------------------------------------
 
@@ -268,6 +335,11 @@ class Preprocessed:
       per_block_mean).
     - delta_key (B, Hq, Sk_p) float32: mean_q_global · Kᵀ per key with the UNQUANTIZED
       (rotated) K (float32 values, float64 products; 0 in padded columns).
+    - balance (B, Hkv, 1, D) float32 or None: the channel balance exponents e
+      (``balance_exponents``) when the balance applies. Q and K then live in the balanced space:
+      q_packed holds Q·2^-e - mean_q and k_packed K·2^e - mean_k, and mean_q, mean_q_global and
+      mean_k are the means times 2^-e (Q) or 2^e (K), all exact float32 products; scores and
+      delta_key are unchanged by it.
     - delta_s (a property; the kernel never materialises it) (B, Hq, nblk, Sk_p): the correction
       added to Qd·Kdᵀ, delta_s[i, j] = delta_key[j] + r_i · Kd_j with r_i = mean_q[i] -
       mean_q_global (float32 subtraction) and Kd the dequantized smoothed K. SageAttention2/3
@@ -299,6 +371,7 @@ class Preprocessed:
     mean_q_global: torch.Tensor
     delta_key: torch.Tensor
     qk_rotation: bool
+    balance: torch.Tensor | None = None
 
     @property
     def q_mean_residual(self) -> torch.Tensor:
@@ -336,31 +409,42 @@ def preprocess(
     mean_k: torch.Tensor | None = None,
     mean_q_global: torch.Tensor | None = None,
     qk_rotation: bool = QK_ROTATION_DEFAULT,
+    qk_balance: bool = QK_BALANCE_DEFAULT,
+    balance: torch.Tensor | None = None,
 ) -> Preprocessed:
     """The reference of the preprocessing kernels. ``qk_rotation``: rotate Q and K (head dims 64
     and 128; other head dims are never rotated). The means are computed on the unrotated inputs
     and then rotated (as the kernels do). ``mean_q`` / ``mean_k`` / ``mean_q_global`` let a test
     feed the (rotated) means a kernel computed (float32 sums depend on the summation order), so
     that the quantized tensors can be compared bit for bit; without per_block_mean,
-    mean_q_global defaults to mean_q."""
+    mean_q_global defaults to mean_q. Given means are in the balanced space (as the kernels
+    write them). ``qk_balance``: the channel balance where it applies (``balance_applies``),
+    with the exponents ``balance`` (B, Hkv, 1, D) when given (a kernel's), else
+    ``balance_exponents``."""
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     rot = bool(qk_rotation) and rotation_applies(d)
     turn = rotate if rot else (lambda x: x.float())
-    mq = turn(q_mean(q, per_block_mean)) if mean_q is None else mean_q.float()
-    mk = turn(k_mean(k)) if mean_k is None else mean_k.float()
+    bal = None
+    cq = ck = 1.0
+    if qk_balance and balance_applies(d, rot):
+        bal = balance_exponents(q, k.shape[1]) if balance is None else balance.float()
+        ck = torch.exp2(bal)
+        cq = expand_kv(torch.exp2(-bal), q.shape[1])
+    mq = turn(q_mean(q, per_block_mean)) * cq if mean_q is None else mean_q.float()
+    mk = turn(k_mean(k)) * ck if mean_k is None else mean_k.float()
     if mean_q_global is not None:
         mg = mean_q_global.float()
     elif not per_block_mean:
         mg = mq
     else:
-        mg = turn(q_mean(q, False))
-    qs = smooth_q(turn(q), mq)
-    ks = turn(k) - mk
+        mg = turn(q_mean(q, False)) * cq
+    qs = smooth_q(turn(q) * cq, mq)
+    ks = turn(k) * ck - mk
     qp, qsc = quantize_rows(pad_dim(qs, -2, pad))
     kp, ksc = quantize_rows(pad_dim(ks, -2, pad))
     vp, vsc = quantize_transposed(pad_dim(v.float(), -2, pad))
-    dk = pad_dim(delta_s(mg, turn(k)).squeeze(-2), -1, pad)
-    return Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk, mg, dk, rot)
+    dk = pad_dim(delta_s(mg / cq, turn(k)).squeeze(-2), -1, pad)
+    return Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk, mg, dk, rot, bal)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,11 +515,13 @@ def sageattn3(
     sm_scale: float | None = None,
     block_n: int = 128,
     qk_rotation: bool = QK_ROTATION_DEFAULT,
+    qk_balance: bool = QK_BALANCE_DEFAULT,
 ) -> torch.Tensor:
     """The quantized attention sageattn3 computes, float32 output (B, Hq, Sq, D).
 
     With Qd, Kd, Vd the dequantized NVFP4 tensors of ``preprocess`` (rotated Q and K with
-    ``qk_rotation`` at head dims 64/128) and c = sm_scale / rotation_score_factor · log2(e):
+    ``qk_rotation`` at head dims 64/128; Q and K in the balanced space with ``qk_balance``,
+    which leaves every score unchanged but moves FP4 error away from Q's outlier channels) and c = sm_scale / rotation_score_factor · log2(e):
 
     - scores, per query row i and key j: t_ij = c · (Qd_i · Kd_j + delta_s[i // 128 or 0, j])
       with delta_s = ``Preprocessed.delta_s`` (delta_key_j + r_i · Kd_j) (float32; masked
@@ -453,7 +539,7 @@ def sageattn3(
     b, hq, sq, d = q.shape
     if block_n % BLOCK:
         raise ValueError("block_n must be a multiple of 16")
-    pre = preprocess(q, k, v, per_block_mean, pad=block_n, qk_rotation=qk_rotation)
+    pre = preprocess(q, k, v, per_block_mean, pad=block_n, qk_rotation=qk_rotation, qk_balance=qk_balance)
     qd, kd, vd = _dequantized(pre, hq)
     delta = pre.delta_s
     ds_rows = delta[..., q_block_index(sq, delta.shape[-2], q.device), :]  # (B, Hq, Sq, Sk_p)
@@ -471,11 +557,11 @@ def sageattn3_paper(
     sm_scale: float | None = None,
     block_n: int = 128,
 ) -> torch.Tensor:
-    """SageAttention3 as published, for comparison (the accuracy table): no rotation, and the
+    """SageAttention3 as published, for comparison (the accuracy table): no rotation, no balance, and the
     correction delta_s = mean_q · K_sᵀ with the unquantized smoothed K materialised for every
     (Q block, key) pair; otherwise the same quantizers and online softmax as ``sageattn3``."""
     b, hq, sq, d = q.shape
-    pre = preprocess(q, k, v, per_block_mean, pad=block_n, qk_rotation=False)
+    pre = preprocess(q, k, v, per_block_mean, pad=block_n, qk_rotation=False, qk_balance=False)
     qd, kd, vd = _dequantized(pre, hq)
     ks = pad_dim(k.float() - pre.mean_k, -2, block_n)
     delta = delta_s(pre.mean_q, ks)
