@@ -1,7 +1,8 @@
 """The reference's numerics on hard data (tests/attention_cases.py) against exact float64
-attention: the Q/K rotation, delta_s as SageAttention2/3 define it, and how both compare with
-the published algorithm (``reference.sageattn3_paper``)."""
+attention: the Q/K rotation, the Q/K channel balance, delta_s as SageAttention2/3 define it, and
+how they compare with the published algorithm (``reference.sageattn3_paper``)."""
 
+import math
 import random
 import re
 from pathlib import Path
@@ -105,8 +106,10 @@ def test_delta_s_with_block_means_quantizes_only_the_residual():
 @pytest.mark.parametrize("case", ac.CASES)
 def test_hard_cases_against_exact(case):
     """GQA 4:2, 256 tokens, D 128 non-causal / D 64 causal: cos-sim floors, and our algorithm
-    against the published one (no rotation, paper delta_s): by default within noise everywhere;
-    with the Q/K rotation clearly better on Q outlier channels, within noise elsewhere."""
+    against the published one (no rotation, no balance, paper delta_s): by default (the channel
+    balance) and with the Q/K rotation (which turns the balance off) clearly better on Q outlier
+    channels (the balance's margin: test_balance_lifts_q_outlier_channels), within noise
+    elsewhere."""
     for d, causal in ((128, False), (64, True)):
         q, k, v = ac.make(case, 1, 4, 2, 256, 256, d, seed=11)
         exact = ref.exact_attention(q, k, v, is_causal=causal)
@@ -145,3 +148,244 @@ def test_other_head_dims_are_never_rotated():
     pre = ref.preprocess(q, k, v, qk_rotation=True)
     assert pre.qk_rotation is False
     assert ac.cos_sim(ref.sageattn3(q, k, v), ref.exact_attention(q, k, v)) > 0.99
+
+
+# ---------------------------------------------------------------------------------------------
+# Q/K channel balance
+# ---------------------------------------------------------------------------------------------
+
+BALANCE_THRESHOLDS = (1 / 64, 1 / 4, 4.0, 64.0)  # ms_d / m² where e_d changes
+
+
+def balance_ratio_f64(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """ms_d / m² of the documented rule, in float64, gathered differently from the reference:
+    per KV group, all the sampled rows of all its q heads centred by their own block's mean and
+    stacked, then one mean of squares. (B, Hkv, D)."""
+    b, hq, sq, d = q.shape
+    rep = hq // kv_heads
+    n = math.ceil(sq / 128)
+    m = min(8, n)
+    blocks = sorted({i * n // m for i in range(m)})
+    x = q.double()
+    out = torch.empty(b, kv_heads, d, dtype=torch.float64)
+    for g in range(kv_heads):
+        rows = []
+        for h in range(g * rep, (g + 1) * rep):
+            for t in blocks:
+                blk = x[:, h, 128 * t : 128 * (t + 1), :]
+                rows.append(blk - blk.mean(dim=1, keepdim=True))
+        ms = (torch.cat(rows, dim=1) ** 2).mean(dim=1)  # (B, D)
+        mean_rms = ms.sqrt().mean(dim=-1, keepdim=True)
+        out[:, g] = ms / mean_rms**2
+    return out
+
+
+def exponents_f64(ratio: torch.Tensor) -> torch.Tensor:
+    """e = round(log2(a_d / m) / 2) = round(log2(ms / m²) / 4), halves up, clamped to +-2."""
+    return torch.floor(torch.log2(ratio) / 4 + 0.5).clamp(-2, 2)
+
+
+def scaled_channels_q(d: int, sq: int, seed: int) -> torch.Tensor:
+    """Q whose channel RMS spans 2^-5 .. 2^5, most channels near 1 (every exponent from -2 to 2
+    occurs), plus an offset per channel (removed by the block means before the RMS)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = 2.0 ** (torch.linspace(-1.71, 1.71, d) ** 3)[torch.randperm(d, generator=g)]
+    q = torch.randn(1, 4, sq, d, generator=g) * scale + 5 * torch.randn(d, generator=g)
+    return q.to(torch.bfloat16)
+
+
+def outlier_channels(seed: int, hq: int, hk: int, sq: int, sk: int, d: int) -> list[int]:
+    """The channels ``ac.make("q_outliers", ...)`` scales by OUTLIER_SCALES, in that order
+    (replays its generator)."""
+    g = torch.Generator().manual_seed(seed)
+    torch.randn(1, hq, sq, d, generator=g)
+    torch.randn(1, hk, sk, d, generator=g)
+    torch.randn(1, hk, sk, d, generator=g)
+    for _ in range(3):
+        torch.randn(d, generator=g)
+    return torch.randperm(d, generator=g)[: len(ac.OUTLIER_SCALES)].tolist()
+
+
+@pytest.mark.parametrize("sq", [1, 128, 129, 1024, 1025, 32768])
+def test_balance_sample_blocks(sq):
+    n = math.ceil(sq / 128)
+    blocks = ref.balance_sample_blocks(sq)
+    assert blocks == [i * n // min(8, n) for i in range(min(8, n))]
+    assert len(blocks) == min(8, n) and len(set(blocks)) == len(blocks)
+    assert blocks == sorted(blocks) and blocks[0] == 0 and blocks[-1] < n
+    assert ref.balance_sample_blocks(1024) == list(range(8))
+    assert ref.balance_sample_blocks(32768) == list(range(0, 256, 32))
+
+
+@pytest.mark.parametrize(("source", "d", "sq"), [
+    ("scaled", 64, 1000), ("scaled", 128, 2000), ("scaled", 128, 300),
+    ("q_outliers", 64, 1024), ("q_outliers", 128, 777), ("randn", 128, 1024), ("q_offset_x8", 64, 1024),
+])
+def test_balance_exponents_follow_the_documented_rule(source, d, sq):
+    if source == "scaled":
+        q = scaled_channels_q(d, sq, seed=sq)
+    else:
+        q = ac.make(source, 1, 4, 2, sq, 16, d, seed=sq)[0]
+    e = ref.balance_exponents(q, 2)
+    assert e.shape == (1, 2, 1, d) and e.dtype == torch.float32
+    ratio = balance_ratio_f64(q, 2)
+    want = exponents_f64(ratio)
+    near = torch.zeros_like(ratio, dtype=torch.bool)
+    for t in BALANCE_THRESHOLDS:
+        near |= ((ratio - t).abs() <= 1e-5 * t)
+    differ = e.squeeze(-2).double() != want
+    assert not (differ & ~near).any(), (ratio[differ], e.squeeze(-2)[differ], want[differ])
+    if source == "scaled":
+        assert set(e.unique().tolist()) == {-2.0, -1.0, 0.0, 1.0, 2.0}
+    elif source == "q_outliers":
+        chans = outlier_channels(sq, 4, 2, sq, 16, d)
+        for scale, c in zip(ac.OUTLIER_SCALES, chans):
+            if scale == 8.0:
+                assert (e[..., c] == 1).all()
+            elif scale >= 16.0:
+                assert (e[..., c] == 2).all()
+    else:
+        assert (e == 0).all()  # equal channel RMS after the block means: nothing to balance
+
+
+def test_balance_exponents_read_only_the_sampled_blocks():
+    """2048 tokens = 16 blocks, of which 0, 2, ..., 14 are sampled: outlier channels confined to
+    the other blocks are not seen, in the sampled ones they are."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(1, 2, 2048, 64, generator=g)
+    blocks = base.reshape(1, 2, 16, 128, 64)
+    for odd, want in ((1, 0.0), (0, 2.0)):
+        q = blocks.clone()
+        q[:, :, odd::2, :, 3] *= 20
+        e = ref.balance_exponents(q.reshape(1, 2, 2048, 64), 1)
+        assert (e[..., 3] == want).all(), (odd, e[..., 3])
+        assert (e[..., torch.arange(64) != 3] == 0).all()
+
+
+def test_balance_exponents_degenerate_q_gives_zero():
+    # every row the same small integers (exact float32 block means): every channel RMS is 0
+    # after the block mean, so m² = 0
+    q = torch.randint(-8, 9, (1, 1, 1, 64)).float().expand(1, 2, 300, 64).contiguous()
+    assert (ref.balance_exponents(q, 1) == 0).all()
+    q = torch.randn(1, 2, 300, 64)
+    q[0, 1, 5, 7] = float("inf")  # m² = inf or NaN
+    assert (ref.balance_exponents(q, 1) == 0).all()
+
+
+def test_balance_is_per_kv_head_from_all_its_q_heads():
+    """GQA 4 over 2 (q heads 0, 1 read KV head 0; 2, 3 KV head 1): an outlier channel in only
+    the second q head of group 0 still balances that group; group 1 has none and gets 0."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 4, 512, 128, generator=g)
+    q[:, 1, :, 40] *= 16  # ms = (256 + 1) / 2 over the group: 128x the others
+    q[:, 1, :, 90] *= 8  # (64 + 1) / 2: 32x
+    e = ref.balance_exponents(q, 2)
+    assert e.shape == (1, 2, 1, 128)
+    assert e[0, 0, 0, 40] == 2 and e[0, 0, 0, 90] == 1
+    assert (e[0, 1] == 0).all()
+    assert int((e[0, 0] != 0).sum()) == 2
+    # the same outliers in q head 3 move to group 1
+    e3 = ref.balance_exponents(q[:, [2, 3, 0, 1]], 2)
+    assert torch.equal(e3, e.flip(1))
+
+
+def test_balance_leaves_scores_unchanged():
+    q, k, v = ac.make("q_outliers", 1, 2, 1, 256, 256, 128, seed=4)
+    on = ref.preprocess(q, k, v)
+    off = ref.preprocess(q, k, v, qk_balance=False)
+    assert on.balance is not None and (on.balance != 0).any() and off.balance is None
+    cq, ck = torch.exp2(-ref.expand_kv(on.balance, 2)), torch.exp2(on.balance)
+    # means: the unbalanced ones times 2^-e (Q) and 2^e (K), exactly; delta_key unchanged
+    assert torch.equal(on.mean_q, off.mean_q * cq)
+    assert torch.equal(on.mean_q_global, off.mean_q_global * cq)
+    assert torch.equal(on.mean_k, off.mean_k * ck)
+    assert torch.equal(on.delta_key, off.delta_key)
+    # exactly: the smoothed tensors scaled by powers of two give the same float64 scores
+    qs, ks = ref.smooth_q(q, off.mean_q), k.float() - off.mean_k
+    qb, kb = ref.smooth_q(q.float() * cq, on.mean_q), k.float() * ck - on.mean_k
+    assert torch.equal(qb, qs * cq) and torch.equal(kb, ks * ck)
+    kx = ref.expand_kv(ks, 2).double().transpose(-1, -2)
+    assert torch.equal(qb.double() @ ref.expand_kv(kb, 2).double().transpose(-1, -2), qs.double() @ kx)
+
+    # quantized: Qd·Kdᵀ + delta_s matches the exact scores up to a constant per query row, within
+    # FP4 error either way, and with less error balanced (Q's outlier channels no longer
+    # multiply K's FP4 error)
+    def score_error(pre):
+        qd, kd, _ = ref._dequantized(pre, 2)
+        ds = pre.delta_s[..., ref.q_block_index(256, pre.delta_s.shape[-2]), :]
+        got = (qd.double() @ kd.double().transpose(-1, -2) + ds.double())[..., :256]
+        exact = q.double() @ ref.expand_kv(k, 2).double().transpose(-1, -2)
+        diff = got - exact
+        diff = diff - diff.mean(dim=-1, keepdim=True)
+        return float(diff.norm() / (exact - exact.mean(dim=-1, keepdim=True)).norm())
+
+    err_on, err_off = score_error(on), score_error(off)
+    assert err_on < 0.1 and err_off < 0.2, (err_on, err_off)
+    assert err_on < 0.7 * err_off, (err_on, err_off)
+
+
+def test_balance_given_exponents_are_used():
+    """``balance=`` (a kernel's exponents) replaces the computed ones, any values in -2..2."""
+    q, k, v = ac.make("randn", 1, 4, 2, 200, 150, 64, seed=12)
+    e = torch.randint(-2, 3, (1, 2, 1, 64), generator=torch.Generator().manual_seed(1)).float()
+    on = ref.preprocess(q, k, v, balance=e)
+    off = ref.preprocess(q, k, v, qk_balance=False)
+    assert torch.equal(on.balance, e)
+    assert torch.equal(on.mean_k, off.mean_k * torch.exp2(e))
+    assert torch.equal(on.mean_q, off.mean_q * torch.exp2(-ref.expand_kv(e, 4)))
+    assert torch.equal(on.delta_key, off.delta_key)
+    # power-of-two scaling commutes with NVFP4 where no scale saturates: the same codes
+    assert torch.equal(on.k_packed, ref.quantize_rows(ref.pad_dim(k.float() * torch.exp2(e) - on.mean_k, -2, 128))[0])
+
+
+@pytest.mark.parametrize("case", [c for c in ac.CASES if c != "q_outliers"])
+def test_balance_is_a_no_op_without_outlier_channels(case):
+    """e = 0 everywhere on the other hard cases: the same Preprocessed tensors bit for bit and
+    the same attention output as with qk_balance=False."""
+    for d in (64, 128):
+        q, k, v = ac.make(case, 1, 4, 2, 1024, 300, d, seed=21)
+        on = ref.preprocess(q, k, v)
+        off = ref.preprocess(q, k, v, qk_balance=False)
+        assert on.balance is not None and (on.balance == 0).all()
+        for name in ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales",
+                     "mean_q", "mean_k", "mean_q_global", "delta_key"):
+            a, b = getattr(on, name), getattr(off, name)
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), (d, name)
+    q, k, v = ac.make(case, 1, 4, 2, 256, 256, 64, seed=22)
+    assert torch.equal(ref.sageattn3(q, k, v, is_causal=True),
+                       ref.sageattn3(q, k, v, is_causal=True, qk_balance=False))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_balance_lifts_q_outlier_channels(d, causal):
+    """GQA 4 over 2, 1024 tokens: measured over seeds 1, 7, 99, 2025 the balance gains 0.022 to
+    0.042 in cos-sim and cuts rel-L1 to 0.60x..0.78x of the unbalanced reference."""
+    q, k, v = ac.make("q_outliers", 1, 4, 2, 1024, 1024, d, seed=31)
+    exact = ref.exact_attention(q, k, v, is_causal=causal)
+    on = ref.sageattn3(q, k, v, is_causal=causal)
+    off = ref.sageattn3(q, k, v, is_causal=causal, qk_balance=False)
+    c_on, c_off = ac.cos_sim(on, exact), ac.cos_sim(off, exact)
+    l1_on, l1_off = ac.rel_l1(on, exact), ac.rel_l1(off, exact)
+    assert c_on >= c_off + 0.01, (c_on, c_off)
+    assert l1_on < 0.85 * l1_off, (l1_on, l1_off)
+    assert c_on >= 0.96
+
+
+def test_balance_is_off_with_the_rotation_and_at_other_head_dims():
+    q, k, v = ac.make("q_outliers", 1, 2, 1, 200, 200, 128, seed=8)
+    pre = ref.preprocess(q, k, v, qk_rotation=True)
+    assert pre.qk_rotation and pre.balance is None
+    assert not ref.balance_applies(128, True) and ref.balance_applies(128, False)
+    assert torch.equal(ref.sageattn3(q, k, v, qk_rotation=True), ref.sageattn3(q, k, v, qk_rotation=True, qk_balance=False))
+    for d in (32, 96, 256):
+        assert not ref.balance_applies(d, False)
+        q, k, v = ac.make("q_outliers", 1, 2, 1, 200, 150, d, seed=d)
+        on, off = ref.preprocess(q, k, v), ref.preprocess(q, k, v, qk_balance=False)
+        assert on.balance is None
+        assert torch.equal(on.q_packed, off.q_packed) and torch.equal(on.k_packed, off.k_packed)
+        # the quantization still works there: dequantized K close to the smoothed K
+        kd = ref.dequantize_rows(on.k_packed, on.k_scales)[..., :150, :]
+        ks = k.float() - on.mean_k
+        assert ((kd - ks).norm() / ks.norm()) < 0.15
