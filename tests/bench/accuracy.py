@@ -12,7 +12,8 @@ computed in float64 from the bf16 inputs):
 - "paper": ``sageattn3.reference.sageattn3_paper``, the algorithm as published (no rotation,
   delta_s = mean_q · K_sᵀ materialised);
 - "ours": ``sageattn3.reference.sageattn3`` with this package's defaults (delta_s = delta_key +
-  r · Kdᵀ, no rotation); "ours + rotation": the same with qk_rotation=True;
+  r · Kdᵀ, the Q/K channel balance, no rotation); "ours without balance": the same with
+  qk_balance=False; "ours + rotation": qk_rotation=True (which turns the balance off);
 - with --gpu: "kernels": ``sageattn3_blackwell`` (the preprocessing and attention kernels, the
   defaults) and its cos-sim against "ours" on the same inputs.
 The reference is bit-exact with the kernels' quantization; the FP4 MMA itself was only ever run
@@ -68,6 +69,7 @@ def measure(ref, gpu: bool) -> list[dict]:
                 outs = {
                     "paper": ref.sageattn3_paper(q, k, v, is_causal=causal),
                     "ours": ref.sageattn3(q, k, v, is_causal=causal),
+                    "nobal": ref.sageattn3(q, k, v, is_causal=causal, qk_balance=False),
                     "rot": ref.sageattn3(q, k, v, is_causal=causal, qk_rotation=True),
                 }
                 row = {"case": case, "d": d, "causal": causal}
@@ -80,20 +82,21 @@ def measure(ref, gpu: bool) -> list[dict]:
                     row["kernels"] = (ac.cos_sim(kern, exact), ac.rel_l1(kern, exact))
                     row["kernels_vs_ours"] = ac.cos_sim(kern, outs["ours"])
                 rows.append(row)
+                names = [n for n in ("paper", "ours", "nobal", "rot", "kernels") if n in row]
                 print(f"  {case:12s} D={d:3d} causal={causal!s:5s} " + "  ".join(
-                    f"{n} {row[n][0]:.4f}/{row[n][1]:.3f}" for n in ("paper", "ours", "rot", "kernels") if n in row),
-                    file=sys.stderr, flush=True)
+                    f"{n} {row[n][0]:.4f}/{row[n][1]:.3f}" for n in names), file=sys.stderr, flush=True)
     return rows
 
 
 def table(rows: list[dict], gpu: bool) -> str:
-    head = ["inputs", "D", "causal", "paper: cos / rel-L1", "ours: cos / rel-L1", "ours + rotation"]
+    head = ["inputs", "D", "causal", "paper: cos / rel-L1", "ours: cos / rel-L1", "ours without balance",
+            "ours + rotation"]
     if gpu:
         head += ["kernels: cos / rel-L1", "kernels vs ours (cos)"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         cells = [LABELS[r["case"]], str(r["d"]), "yes" if r["causal"] else "no"]
-        cells += [f"{r[n][0]:.4f} / {r[n][1]:.3f}" for n in ("paper", "ours", "rot")]
+        cells += [f"{r[n][0]:.4f} / {r[n][1]:.3f}" for n in ("paper", "ours", "nobal", "rot")]
         if gpu:
             cells += [f"{r['kernels'][0]:.4f} / {r['kernels'][1]:.3f}", f"{r['kernels_vs_ours']:.6f}"]
         lines.append("| " + " | ".join(cells) + " |")

@@ -378,7 +378,8 @@ def test_balance_is_off_with_the_rotation_and_at_other_head_dims():
     pre = ref.preprocess(q, k, v, qk_rotation=True)
     assert pre.qk_rotation and pre.balance is None
     assert not ref.balance_applies(128, True) and ref.balance_applies(128, False)
-    assert torch.equal(ref.sageattn3(q, k, v, qk_rotation=True), ref.sageattn3(q, k, v, qk_rotation=True, qk_balance=False))
+    assert torch.equal(ref.sageattn3(q, k, v, qk_rotation=True),
+                       ref.sageattn3(q, k, v, qk_rotation=True, qk_balance=False))
     for d in (32, 96, 256):
         assert not ref.balance_applies(d, False)
         q, k, v = ac.make("q_outliers", 1, 2, 1, 200, 150, d, seed=d)
