@@ -59,11 +59,24 @@ int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D
 // With partial_q (Gq, ceil(Sq/128), D), qbar (Gq, D) and ds_key (Gq, Skp) (all or none; Gq > 0;
 // D/16 must divide 32): qbar = each q group's mean over the whole sequence (from its block sums,
 // as smooth_quant_seq's mean, rotated) and ds_key = K's per-key correction from it (as
-// smooth_quant_seq with qbar). sync: 2 + 2Gk int32, + Gq + Gk with qbar (zeroed here).
+// smooth_quant_seq with qbar). sync: 2 + 2Gk int32, + Gq + Gk with qbar, + Gk with the balance
+// (zeroed here).
+// With balance (Gk, D) and balance_part (Gq * min(8, ceil(Sq/128)), D) fp32 (both or neither; D 64
+// or 128, no rotation, Gq > 0): the channel balance (reference.balance_exponents / preprocess):
+// its exponents e are computed first (qk_balance) into balance, then Q group g's rows become
+// x * 2^-e[g / rep] - mean_q and K's x * 2^e - mean_k, with mean_q, qbar and mean_k written
+// balanced (times 2^-e or 2^e); ds_key is unchanged by it.
 int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64_t Sq, int64_t Gk, int64_t Sk,
                     int64_t D, float* mean_q, int64_t Sqp, uint8_t* q_packed, uint8_t* q_scales, float* mean_k,
                     float* partial_k, int* sync, int64_t Skp, uint8_t* k_packed, uint8_t* k_scales, int lag,
-                    bool rotate, float* partial_q, float* qbar, float* ds_key, cudaStream_t stream);
+                    bool rotate, float* partial_q, float* qbar, float* ds_key, float* balance, float* balance_part,
+                    cudaStream_t stream);
+
+// The channel balance exponents alone: q (Gq, S, D), D 64 or 128, S >= 1, Gq a multiple of Gk ->
+// exps (Gk, D) fp32 in {-2..2} (reference.balance_exponents). part (Gq * min(8, ceil(S/128)), D)
+// fp32 and arrive (Gk) int32 (zeroed here) are workspace.
+int qk_balance(const void* q, DType dtype, int64_t Gq, int64_t S, int64_t Gk, int64_t D, float* part, int* arrive,
+               float* exps, cudaStream_t stream);
 
 // delta_s[b, hq, i, j] = sum_d mean_q[b, hq, i, d] * (k[b, hq / (Hq/Hkv), j, d] - mean_k[b, hkv, d])
 // for j < Sk, 0 for Sk <= j < Sp. k (B, Hkv, Sk, D); mean_k (B, Hkv, D); mean_q (B, Hq, nblk, D);

@@ -201,19 +201,37 @@ def smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, seq_pad: int, lag: int = 0
     k_scales, mean_k (Gk, 1, D)). ``lag``: K groups between a group's tile sums and its
     quantization (0: from the L2 size; every value gives the same bits). ``rotate`` (D 64/128):
     Q and K rotated first, the means are rotated means."""
-    return _smooth_quant_qk(q, k, seq_pad, lag, rotate, False)[:6]
+    return _smooth_quant_qk(q, k, seq_pad, lag, rotate, False, False)[:6]
 
 
-def smooth_quant_qk_key(q: torch.Tensor, k: torch.Tensor, seq_pad: int, lag: int = 0, rotate: bool = False
-                        ) -> tuple[torch.Tensor, ...]:
+def smooth_quant_qk_key(q: torch.Tensor, k: torch.Tensor, seq_pad: int, lag: int = 0, rotate: bool = False,
+                        balance: bool = False) -> tuple[torch.Tensor, ...]:
     """``smooth_quant_qk`` (Gq > 0, D 64/128, Gq/Gk <= ``max_correction_heads``) plus, from the
     same launch, qbar (Gq, 1, D): each q group's (rotated) mean over the whole sequence, and
-    ds_key (Gq, Skp) = qbar · rotate(K)ᵀ of its kv group (0 past Sk). Returns the 6 tensors of
-    ``smooth_quant_qk`` then qbar and ds_key."""
-    return _smooth_quant_qk(q, k, seq_pad, lag, rotate, True)
+    ds_key (Gq, Skp) = qbar · rotate(K)ᵀ of its kv group (0 past Sk). ``balance`` (no rotation):
+    the channel balance (``reference.balance_exponents``, computed by a small launch first), Q
+    and K and their means in the balanced space. Returns the 6 tensors of ``smooth_quant_qk``,
+    qbar, ds_key, then the balance exponents (Gk, 1, D) or None."""
+    return _smooth_quant_qk(q, k, seq_pad, lag, rotate, True, balance)
 
 
-def _smooth_quant_qk(q, k, seq_pad, lag, rotate, key):
+def balance_samples(s: int) -> int:
+    """Q blocks the balance statistics read per q group: min(8, ceil(S/128))."""
+    return min(8, -(-s // 128))
+
+
+def qk_balance(q: torch.Tensor, kv_groups: int) -> torch.Tensor:
+    """The channel balance exponents of q (Gq, S, D) (D 64/128, S >= 1, Gq a multiple of
+    kv_groups): (kv_groups, 1, D) float32, ``reference.balance_exponents``."""
+    gq, s, d = q.shape
+    exps = torch.empty((kv_groups, d), dtype=torch.float32, device=q.device)
+    part = torch.empty((gq * balance_samples(s), d), dtype=torch.float32, device=q.device)
+    arrive = torch.empty((kv_groups,), dtype=torch.int32, device=q.device)
+    op("qk_balance")(q, part, arrive, exps)
+    return exps.view(kv_groups, 1, d)
+
+
+def _smooth_quant_qk(q, k, seq_pad, lag, rotate, key, balance):
     gq, sq, d = q.shape
     gk, sk, _ = k.shape
     dev = q.device
@@ -223,16 +241,23 @@ def _smooth_quant_qk(q, k, seq_pad, lag, rotate, key):
     mean_q = torch.empty((gq, nblk, d), dtype=torch.float32, device=dev)
     mean_k = torch.empty((gk, 1, d), dtype=torch.float32, device=dev)
     partial = torch.empty((gk, -(-sk // 128), d), dtype=torch.float32, device=dev)
-    sync = torch.empty((2 + 2 * gk + (gq + gk if key else 0),), dtype=torch.int32, device=dev)
+    sync = torch.empty((2 + 2 * gk + (gq + gk if key else 0) + (gk if balance else 0),), dtype=torch.int32,
+                       device=dev)
     if key:
         partial_q = torch.empty((gq, nblk, d), dtype=torch.float32, device=dev)
         qbar = torch.empty((gq, 1, d), dtype=torch.float32, device=dev)
         ds_key = torch.empty((gq, k_packed.shape[1]), dtype=torch.float32, device=dev)
     else:
         partial_q, qbar, ds_key = _none(dev, 0), _none(dev, 1), _none(dev, 2)
+    if balance:
+        exps = torch.empty((gk, d), dtype=torch.float32, device=dev)
+        bal_part = torch.empty((gq * balance_samples(sq), d), dtype=torch.float32, device=dev)
+    else:
+        exps, bal_part = _none(dev, 3), _none(dev, 4)
     op("smooth_quant_qk")(q, k, mean_q, q_packed, q_scales, mean_k, k_packed, k_scales, partial, sync, lag, rotate,
-                          partial_q, qbar, ds_key)
-    return q_packed, q_scales, mean_q, k_packed, k_scales, mean_k, qbar, ds_key
+                          partial_q, qbar, ds_key, exps, bal_part)
+    return (q_packed, q_scales, mean_q, k_packed, k_scales, mean_k, qbar, ds_key,
+            exps.view(gk, 1, d) if balance else None)
 
 
 def _codes(x: torch.Tensor, g: int, s: int, d: int, seq_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,6 +297,7 @@ OUTPUT_WRITING_OPS = (
     "smooth_quant_rows",
     "smooth_quant_seq",
     "smooth_quant_qk",
+    "qk_balance",
     "delta_s",
     "smooth_quant_k_delta",
     "blockscaled_fp4_attn",

@@ -186,7 +186,8 @@ def _sdpa(q, k, v, is_causal: bool) -> torch.Tensor:
 
 
 def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_block_mean: bool = True,
-                        qk_rotation: bool = reference.QK_ROTATION_DEFAULT):
+                        qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
+                        qk_balance: bool = reference.QK_BALANCE_DEFAULT):
     """FP4 attention. q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D), float16 or bfloat16, one
     device; Hq a multiple of Hkv (GQA/MQA); any sequence lengths (Sk >= 1). Returns
     (B, Hq, Sq, D) in q's dtype; the inputs are never modified. ``is_causal``: key j is visible
@@ -203,7 +204,11 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     randomized Hadamard transform before quantizing them (``sageattn3.reference.rotate``;
     attention is unchanged, outlier channels are spread before the 16-channel FP4 blocks form):
     more accurate with Q/K outlier channels, no gain elsewhere, and it makes the preprocessing
-    slower (about +57% on an H100), so it is off by default.
+    slower (about +57% on an H100), so it is off by default. ``qk_balance``: the Q/K channel
+    balance (``sageattn3.reference.balance_exponents``; D 64/128, not with the rotation): Q's
+    large channels are scaled down and K's same channels up by powers of two (attention is
+    unchanged), which moves FP4 error away from Q's outlier channels (README, "Accuracy"); it
+    makes the preprocessing 20-30% slower on an H100, so it is off by default.
 
     Under ``torch.compile`` (``fullgraph=True`` works): the path is decided when tracing; the
     FP4 path is the custom op ``torch.ops.sageattn3.attention`` (not differentiable, like the
@@ -214,12 +219,13 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
             "is_causal=True for causal masking or torch.nn.functional.scaled_dot_product_attention"
         )
     if torch.compiler.is_compiling():
-        return _traced(q, k, v, bool(is_causal), bool(per_block_mean), bool(qk_rotation))
-    return _eager_call(q, k, v, bool(is_causal), bool(per_block_mean), bool(qk_rotation))
+        return _traced(q, k, v, bool(is_causal), bool(per_block_mean), bool(qk_rotation), bool(qk_balance))
+    return _eager_call(q, k, v, bool(is_causal), bool(per_block_mean), bool(qk_rotation), bool(qk_balance))
 
 
 def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool,
-                qk_rotation: bool = reference.QK_ROTATION_DEFAULT) -> torch.Tensor:
+                qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
+                qk_balance: bool = reference.QK_BALANCE_DEFAULT) -> torch.Tensor:
     """What ``sageattn3_blackwell`` does outside torch.compile (the custom op's body)."""
     _check_qkv(q, k, v)
     if q.numel() == 0:
@@ -227,7 +233,7 @@ def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool,
     key = (q.device, q.shape[3])
     why = _paths[key] if key in _paths else _decide(*key)
     if why is None:
-        return _fp4_attention(q, k, v, is_causal, per_block_mean, qk_rotation=qk_rotation)
+        return _fp4_attention(q, k, v, is_causal, per_block_mean, qk_rotation=qk_rotation, qk_balance=qk_balance)
     if why not in _warned:
         _warn_once(why, stacklevel=4)
     return _sdpa(q, k, v, is_causal)
@@ -235,14 +241,14 @@ def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool,
 
 @torch.library.custom_op("sageattn3::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                  per_block_mean: bool, qk_rotation: bool) -> torch.Tensor:
+                  per_block_mean: bool, qk_rotation: bool, qk_balance: bool) -> torch.Tensor:
     """``sageattn3_blackwell`` as one op for compiled graphs: the self-check, the fallback and
     the kernels run here, at run time. Contiguous (B, Hq, Sq, D) output, as its fake says."""
-    return _eager_call(q, k, v, is_causal, per_block_mean, qk_rotation).contiguous()
+    return _eager_call(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance).contiguous()
 
 
 @_attention_op.register_fake
-def _attention_op_fake(q, k, v, is_causal, per_block_mean, qk_rotation):
+def _attention_op_fake(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -263,13 +269,13 @@ def _compile_path(device: torch.device) -> bool:
 _compile_path._dynamo_marked_constant = True
 
 
-def _traced(q, k, v, is_causal: bool, per_block_mean: bool, qk_rotation: bool) -> torch.Tensor:
+def _traced(q, k, v, is_causal: bool, per_block_mean: bool, qk_rotation: bool, qk_balance: bool) -> torch.Tensor:
     """The compiled form of ``sageattn3_blackwell``: only what dynamo traces without breaks."""
     _check_qkv(q, k, v)
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
         return q.new_empty(q.shape)
     if q.shape[3] in _kernels.ATTN_HEAD_DIMS and _compile_path(q.device):
-        return torch.ops.sageattn3.attention(q, k, v, is_causal, per_block_mean, qk_rotation)
+        return torch.ops.sageattn3.attention(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance)
     return _sdpa(q, k, v, is_causal)
 
 
@@ -284,17 +290,19 @@ def _checked(device: torch.device) -> bool:
 
 
 def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None = None,
-                   qk_rotation: bool = reference.QK_ROTATION_DEFAULT) -> torch.Tensor:
+                   qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
+                   qk_balance: bool = reference.QK_BALANCE_DEFAULT) -> torch.Tensor:
     """The FP4 path on validated, non-empty q, k, v: preprocess (new tensors; the inputs are
     only read), then the attention kernel; output (B, Hq, Sq, D) in q's dtype. Every
     allocation names q's device and every op sets its device itself: no device switch here."""
-    pre = _preprocess_kernels(q, k, v, per_block_mean, _attn.SEQ_PAD, qk_rotation)
+    pre = _preprocess_kernels(q, k, v, per_block_mean, _attn.SEQ_PAD, qk_rotation, qk_balance)
     return _attn.attention_from_preprocessed(pre, is_causal=is_causal, sm_scale=sm_scale, out_dtype=q.dtype,
                                              trusted=True)
 
 
 def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool = True, sm_scale: float | None = None,
-                         qk_rotation: bool = reference.QK_ROTATION_DEFAULT):
+                         qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
+                         qk_balance: bool = reference.QK_BALANCE_DEFAULT):
     """The FP4 block-scaled attention kernel itself, without fallback: q, k, v as for
     ``sageattn3_blackwell`` (float16/bfloat16, D 64 or 128, GQA/MQA, any lengths); ``sm_scale``
     defaults to 1/sqrt(D); ``qk_rotation`` as for ``sageattn3_blackwell``. Raises
@@ -315,7 +323,8 @@ def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool 
         return q.new_empty(q.shape)
     if not _checked(q.device):
         raise RuntimeError(f"sageattn3.blockscaled_fp4_attn: {_selfcheck.fallback_reason(_selfcheck.failure(q.device))}")
-    return _fp4_attention(q, k, v, bool(is_causal), bool(per_block_mean), sm_scale, qk_rotation=bool(qk_rotation))
+    return _fp4_attention(q, k, v, bool(is_causal), bool(per_block_mean), sm_scale, qk_rotation=bool(qk_rotation),
+                          qk_balance=bool(qk_balance))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,7 +401,8 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
 
 
 def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
-               qk_rotation: bool = reference.QK_ROTATION_DEFAULT) -> Preprocessed:
+               qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
+               qk_balance: bool = reference.QK_BALANCE_DEFAULT) -> Preprocessed:
     """Smoothing + NVFP4 quantization of Q, K, V for the attention kernel (never modifies the
     inputs). Layouts and the definition of every output: ``sageattn3.reference.Preprocessed``.
 
@@ -404,6 +414,9 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
        Q's and K's CTAs are interleaved (K's sums are bound by DRAM, the quantization by
        arithmetic). One mean per head: Q and K each as ``smooth_quant_seq`` (the K part alone).
     ``qk_rotation`` (D 64/128): Q and K rows are rotated in registers before smoothing.
+    ``qk_balance=True`` (D 64/128 without the rotation, per_block_mean; off by default): the channel balance
+    (``reference.balance_exponents``): a small launch reads up to 8 blocks of each q head for
+    the exponents first; Q and K are scaled by them in registers (``Preprocessed.balance``).
     K's quantization also writes delta_key = mean_q_global · Kᵀ per key and q head (the
     unquantized K; mean_q_global from Q's block sums in the same launch); the attention kernel
     adds the block residuals' part per K tile (``Preprocessed.delta_s`` materialises it all).
@@ -414,14 +427,15 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
     if not isinstance(pad, int) or pad <= 0 or pad % 16:
         raise ValueError(f"pad must be a positive multiple of 16, got {pad!r}")
     if not _use_kernels(q) or q.shape[2] == 0 or q.shape[0] == 0:
-        return reference.preprocess(q, k, v, per_block_mean, pad, qk_rotation=qk_rotation)
+        return reference.preprocess(q, k, v, per_block_mean, pad, qk_rotation=qk_rotation, qk_balance=qk_balance)
     d = q.shape[3]
     if d % 16 or d > 256:
         raise ValueError(f"head_dim {d} not supported by the preprocessing kernels (multiple of 16, <= 256)")
-    return _preprocess_kernels(q, k, v, per_block_mean, pad, qk_rotation)
+    return _preprocess_kernels(q, k, v, per_block_mean, pad, qk_rotation, qk_balance)
 
 
-def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bool) -> Preprocessed:
+def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bool,
+                        qk_balance: bool = reference.QK_BALANCE_DEFAULT) -> Preprocessed:
     """``preprocess`` on the kernels, for checked inputs (the FP4 path calls it directly). V's
     launch comes first, before any other Python: the host work for Q and K then overlaps it."""
     vp, vsc = _kernels.quant_cols(_aligned(v), pad)
@@ -430,11 +444,22 @@ def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bo
     hk, sk = k.shape[1], k.shape[2]
     k3, q3 = k.view(b * hk, sk, d), q.view(b * hq, sq, d)
     rot = bool(qk_rotation) and d in reference.ROTATION_HEAD_DIMS
+    bal = bool(qk_balance) and per_block_mean and reference.balance_applies(d, rot)
     # the per-key correction in the K kernels: D 64/128, up to max_correction_heads q heads per kv head
     key = d in reference.ROTATION_HEAD_DIMS and hq // hk <= _kernels.max_correction_heads(d)
+    exps = None
+    if bal and not key:
+        # the rarer paths balance float32 copies (exact: powers of two), so that every kernel
+        # below works in the balanced space as the fused launch does
+        exps = _kernels.qk_balance(q3, b * hk)
+        ck = torch.exp2(exps)
+        q3 = (q3.view(b * hk, hq // hk, sq, d).float() * (1.0 / ck).unsqueeze(1)).view(b * hq, sq, d)
+        k3 = k3.float() * ck
+        q, k = q3.view(b, hq, sq, d), k3.view(b, hk, sk, d)
     if per_block_mean:
         if key:
-            qp, qsc, mean_q, kp, ksc, mean_k, qbar, ds_key = _kernels.smooth_quant_qk_key(q3, k3, pad, rotate=rot)
+            qp, qsc, mean_q, kp, ksc, mean_k, qbar, ds_key, exps = _kernels.smooth_quant_qk_key(
+                q3, k3, pad, rotate=rot, balance=bal)
         else:
             qp, qsc, mean_q, kp, ksc, mean_k = _kernels.smooth_quant_qk(q3, k3, pad, rotate=rot)
     else:
@@ -450,7 +475,7 @@ def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bo
         qp.view(b, hq, -1, d // 2), qsc.view(b, hq, -1, d // 16),
         kp.view(b, hk, -1, d // 2), ksc.view(b, hk, -1, d // 16),
         vp, vsc, mean_q.view(b, hq, -1, d), mean_k.view(b, hk, 1, d), sq, sk,
-        qbar.view(b, hq, 1, d), ds_key.view(b, hq, -1), rot,
+        qbar.view(b, hq, 1, d), ds_key.view(b, hq, -1), rot, None if exps is None else exps.view(b, hk, 1, d),
     )
 
 

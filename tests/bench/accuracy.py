@@ -12,10 +12,11 @@ computed in float64 from the bf16 inputs):
 - "paper": ``sageattn3.reference.sageattn3_paper``, the algorithm as published (no rotation,
   delta_s = mean_q · K_sᵀ materialised);
 - "ours": ``sageattn3.reference.sageattn3`` with this package's defaults (delta_s = delta_key +
-  r · Kdᵀ, the Q/K channel balance, no rotation); "ours without balance": the same with
-  qk_balance=False; "ours + rotation": qk_rotation=True (which turns the balance off);
+  r · Kdᵀ, no balance, no rotation); "ours + balance": the same with qk_balance=True (the Q/K
+  channel balance); "ours + rotation": qk_rotation=True;
 - with --gpu: "kernels": ``sageattn3_blackwell`` (the preprocessing and attention kernels, the
-  defaults) and its cos-sim against "ours" on the same inputs.
+  defaults) and its cos-sim against "ours" on the same inputs; "kernels + balance": the same
+  with qk_balance=True, against "ours + balance".
 The reference is bit-exact with the kernels' quantization; the FP4 MMA itself was only ever run
 as the H100 software model of the instruction. Shapes: batch 1, 4 q heads over 2 kv heads
 (GQA), SEQ tokens, bf16; every case with a fixed seed.
@@ -69,7 +70,7 @@ def measure(ref, gpu: bool) -> list[dict]:
                 outs = {
                     "paper": ref.sageattn3_paper(q, k, v, is_causal=causal),
                     "ours": ref.sageattn3(q, k, v, is_causal=causal),
-                    "nobal": ref.sageattn3(q, k, v, is_causal=causal, qk_balance=False),
+                    "bal": ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True),
                     "rot": ref.sageattn3(q, k, v, is_causal=causal, qk_rotation=True),
                 }
                 row = {"case": case, "d": d, "causal": causal}
@@ -78,27 +79,32 @@ def measure(ref, gpu: bool) -> list[dict]:
                 if gpu:
                     import sageattn3
 
-                    kern = sageattn3.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal).float().cpu()
+                    qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
+                    kern = sageattn3.sageattn3_blackwell(qc, kc, vc, is_causal=causal, qk_balance=False).float().cpu()
                     row["kernels"] = (ac.cos_sim(kern, exact), ac.rel_l1(kern, exact))
                     row["kernels_vs_ours"] = ac.cos_sim(kern, outs["ours"])
+                    kern = sageattn3.sageattn3_blackwell(qc, kc, vc, is_causal=causal, qk_balance=True).float().cpu()
+                    row["kernels_bal"] = (ac.cos_sim(kern, exact), ac.rel_l1(kern, exact))
+                    row["kernels_bal_vs_bal"] = ac.cos_sim(kern, outs["bal"])
                 rows.append(row)
-                names = [n for n in ("paper", "ours", "nobal", "rot", "kernels") if n in row]
+                names = [n for n in ("paper", "ours", "bal", "rot", "kernels", "kernels_bal") if n in row]
                 print(f"  {case:12s} D={d:3d} causal={causal!s:5s} " + "  ".join(
                     f"{n} {row[n][0]:.4f}/{row[n][1]:.3f}" for n in names), file=sys.stderr, flush=True)
     return rows
 
 
 def table(rows: list[dict], gpu: bool) -> str:
-    head = ["inputs", "D", "causal", "paper: cos / rel-L1", "ours: cos / rel-L1", "ours without balance",
+    head = ["inputs", "D", "causal", "paper: cos / rel-L1", "ours: cos / rel-L1", "ours + balance",
             "ours + rotation"]
     if gpu:
-        head += ["kernels: cos / rel-L1", "kernels vs ours (cos)"]
+        head += ["kernels: cos / rel-L1", "kernels vs ours (cos)", "kernels + balance", "vs ours + balance (cos)"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         cells = [LABELS[r["case"]], str(r["d"]), "yes" if r["causal"] else "no"]
-        cells += [f"{r[n][0]:.4f} / {r[n][1]:.3f}" for n in ("paper", "ours", "nobal", "rot")]
+        cells += [f"{r[n][0]:.4f} / {r[n][1]:.3f}" for n in ("paper", "ours", "bal", "rot")]
         if gpu:
-            cells += [f"{r['kernels'][0]:.4f} / {r['kernels'][1]:.3f}", f"{r['kernels_vs_ours']:.6f}"]
+            cells += [f"{r['kernels'][0]:.4f} / {r['kernels'][1]:.3f}", f"{r['kernels_vs_ours']:.6f}",
+                      f"{r['kernels_bal'][0]:.4f} / {r['kernels_bal'][1]:.3f}", f"{r['kernels_bal_vs_bal']:.6f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

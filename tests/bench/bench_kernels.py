@@ -4,7 +4,8 @@
    >= 256 MB (rows and transposed layouts, bf16 and fp16). Bandwidth counts bytes read + written.
 2. Whole preprocessing of Q, K, V (batch 1, 24 heads, 32k tokens, D 128) against the time one
    bf16 read of Q, K, V plus the FP4 write would take at the measured copy bandwidth; shown
-   with per-block Q means and with one Q mean, for one call and per call over 10 back-to-back
+   with per-block Q means (channel balance on and off, the default) and with one Q mean, for one
+   call and per call over 10 back-to-back
    calls. delta_s is not materialised (the attention kernel computes mean_q . K^T per tile); the
    bytes-moved bound adds K's tile sums and the means (tiny) to the floor, i.e. it assumes K's
    second read comes from L2. Then the stages alone: with per-block means Q and K run in one
@@ -120,13 +121,13 @@ def bench_preprocess(bw: float) -> None:
     floor_bytes = 3 * 2 * n + 3 * (n // 2 + n // 16)  # one bf16 read of Q, K, V + the FP4 write
     floor_ms = floor_bytes / bw * 1e3
     print(f"  floor (one read of Q,K,V + FP4 write at copy bandwidth): {floor_ms:.3f} ms")
-    for pbm in (True, False):
-        ms = time_ms(lambda: sageattn3.preprocess(q, k, v, per_block_mean=pbm), warmup=2, iters=5)
-        msb = time_ms_batched(lambda: sageattn3.preprocess(q, k, v, per_block_mean=pbm))
-        pre = sageattn3.preprocess(q, k, v, per_block_mean=pbm)
+    for pbm, bal in ((True, True), (True, False), (False, True)):
+        ms = time_ms(lambda: sageattn3.preprocess(q, k, v, per_block_mean=pbm, qk_balance=bal), warmup=2, iters=5)
+        msb = time_ms_batched(lambda: sageattn3.preprocess(q, k, v, per_block_mean=pbm, qk_balance=bal))
+        pre = sageattn3.preprocess(q, k, v, per_block_mean=pbm, qk_balance=bal)
         mq_mb = pre.mean_q.numel() * 4 / 1e6
-        print(f"  per_block_mean={pbm!s:5s}: {ms:.3f} ms = {ms / floor_ms:.2f}x the floor (mean_q {mq_mb:.1f} MB, "
-              f"no delta_s); back-to-back {msb:.3f} ms = {msb / floor_ms:.2f}x")
+        print(f"  per_block_mean={pbm!s:5s} qk_balance={bal!s:5s}: {ms:.3f} ms = {ms / floor_ms:.2f}x the floor "
+              f"(mean_q {mq_mb:.1f} MB, no delta_s); back-to-back {msb:.3f} ms = {msb / floor_ms:.2f}x")
         del pre
     # the stages on their own
     b, h, s, d = shape
@@ -141,6 +142,9 @@ def bench_preprocess(bw: float) -> None:
     stages = {
         "Q block means + quant": lambda: _kernels.smooth_quant_rows(q3, mean_q, True, 128, 128),
         "Q and K smoothed + quant, one launch": lambda: _kernels.smooth_quant_qk(q3, k3, 128),
+        "  + delta_key (the default path)": lambda: _kernels.smooth_quant_qk_key(q3, k3, 128),
+        "  + delta_key + channel balance": lambda: _kernels.smooth_quant_qk_key(q3, k3, 128, balance=True),
+        "  channel balance exponents alone": lambda: _kernels.qk_balance(q3, b * h),
         "  the same, lag 1 group": lambda: _kernels.smooth_quant_qk(q3, k3, 128, lag=1),
         "  the same, lag 5 groups": lambda: _kernels.smooth_quant_qk(q3, k3, 128, lag=5),
         "K mean + quant, one read": lambda: _kernels.smooth_quant_seq(k3, 128),

@@ -1,6 +1,8 @@
 """Fused preprocessing on the GPU against the reference (means compared with a tolerance, the
-quantized tensors bit for bit given the kernel's means, with and without the Q/K rotation;
-mean_q_global and the per-key correction delta_key with a tolerance)."""
+quantized tensors bit for bit given the kernel's means and balance exponents, with and without
+the Q/K rotation and the channel balance; mean_q_global and the per-key correction delta_key
+with a tolerance)."""
+
 
 import pytest
 import torch
@@ -8,9 +10,11 @@ import torch
 from gpu_common import kernels_or_skip, same_bytes
 
 
-def qkv(b, hq, hk, sq, sk, d, dtype, seed=0):
+def qkv(b, hq, hk, sq, sk, d, dtype, seed=0, outliers=False):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, hq, sq, d, generator=g) + torch.randn(d, generator=g)
+    if outliers:  # a few large Q channels: the channel balance scales them
+        q[..., torch.randperm(d, generator=g)[:4]] *= torch.tensor([8.0, 12.0, 16.0, 20.0])
     k = torch.randn(b, hk, sk, d, generator=g) + 3 * torch.randn(d, generator=g)
     v = torch.randn(b, hk, sk, d, generator=g) + 2 * torch.randn(d, generator=g)
     return (t.to(dtype).cuda() for t in (q, k, v))
@@ -24,28 +28,39 @@ def close_delta_key(got, want):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("per_block_mean", [True, False])
-@pytest.mark.parametrize("rotation", [True, False])
+@pytest.mark.parametrize("rotation,outliers", [(True, False), (False, False), (False, True)])
 @pytest.mark.parametrize("b,hq,hk,sq,sk,d", [(1, 2, 2, 128, 128, 64), (2, 4, 2, 300, 1000, 128),
                                              (1, 3, 1, 17, 5, 64), (1, 2, 1, 1, 1, 128), (1, 2, 2, 2000, 700, 48),
                                              (1, 40, 1, 200, 300, 128)])
-def test_preprocess_matches_reference(dtype, per_block_mean, rotation, b, hq, hk, sq, sk, d):
+def test_preprocess_matches_reference(dtype, per_block_mean, rotation, outliers, b, hq, hk, sq, sk, d):
     """(1, 40, 1, ...): more q heads per kv head than the K kernels take for the correction
-    (delta_key from torch ops); D 48: no rotation, correction from torch ops."""
+    (delta_key from torch ops; the balance on float32 copies); D 48: no rotation, no balance,
+    correction from torch ops. outliers: the channel balance scales channels (exponents != 0)."""
     sa = kernels_or_skip()
     from sageattn3 import reference as ref
 
-    q, k, v = qkv(b, hq, hk, sq, sk, d, dtype, seed=sq + sk)
+    q, k, v = qkv(b, hq, hk, sq, sk, d, dtype, seed=sq + sk, outliers=outliers)
     copies = [t.clone() for t in (q, k, v)]
-    pre = sa.preprocess(q, k, v, per_block_mean=per_block_mean, qk_rotation=rotation)
+    pre = sa.preprocess(q, k, v, per_block_mean=per_block_mean, qk_rotation=rotation, qk_balance=True)
     for t, c in zip((q, k, v), copies):
         assert torch.equal(t, c)
     assert pre.qk_rotation is (rotation and d in (64, 128))
-    want = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), per_block_mean=per_block_mean, qk_rotation=rotation)
+    assert (pre.balance is not None) is (not rotation and per_block_mean and d in (64, 128))
+    want = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), per_block_mean=per_block_mean, qk_rotation=rotation,
+                          qk_balance=True)
+    bal = None
+    if pre.balance is not None:
+        bal = pre.balance.cpu()
+        assert balance_agrees(bal, want.balance, q.cpu(), hk)
+        if outliers and sq > 1:  # one token: Q minus its mean is 0, nothing to balance
+            assert bool((bal != 0).any())
+        want = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), per_block_mean=per_block_mean, qk_balance=True, balance=bal)
     for name in ("mean_q", "mean_k", "mean_q_global"):
         assert torch.allclose(getattr(pre, name).cpu(), getattr(want, name), rtol=1e-5, atol=1e-5), name
-    # bit-exact quantization given the kernel's own means
+    # bit-exact quantization given the kernel's own means (and balance exponents)
     exact = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), per_block_mean=per_block_mean, mean_q=pre.mean_q.cpu(),
-                           mean_k=pre.mean_k.cpu(), mean_q_global=pre.mean_q_global.cpu(), qk_rotation=rotation)
+                           mean_k=pre.mean_k.cpu(), mean_q_global=pre.mean_q_global.cpu(), qk_rotation=rotation,
+                           qk_balance=True, balance=bal)
     for name in ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales"):
         got, ref_t = getattr(pre, name), getattr(exact, name)
         assert got.shape == ref_t.shape, name
@@ -53,6 +68,88 @@ def test_preprocess_matches_reference(dtype, per_block_mean, rotation, b, hq, hk
     assert close_delta_key(pre.delta_key, exact.delta_key)
     assert pre.delta_s.shape == want.delta_s.shape
     assert close_delta_key(pre.delta_s, exact.delta_s)
+
+
+def balance_agrees(got, want, q, kv_heads):
+    """The kernel's balance exponents equal the reference's, except for a channel whose mean
+    square sits within float32 rounding of a threshold (the two sum in different orders)."""
+    if torch.equal(got, want):
+        return True
+    b, hq, sq, d = q.shape
+    qf = q.double()
+    ss, count = 0, 0
+    for t in ref_mod().balance_sample_blocks(sq):
+        x = qf[..., t * 128:min(sq, (t + 1) * 128), :]
+        ss = ss + ((x - x.mean(dim=-2, keepdim=True)) ** 2).sum(dim=-2)
+        count += x.shape[-2]
+    ms = ss.reshape(b, kv_heads, -1, d).sum(dim=2) / (count * (hq // kv_heads))
+    m2 = ms.sqrt().mean(dim=-1, keepdim=True) ** 2
+    ratio = (ms / m2).unsqueeze(-2)
+    near = torch.zeros_like(ratio, dtype=torch.bool)
+    for t in (4.0, 64.0, 0.25, 1 / 64):
+        near |= (ratio / t - 1).abs() < 1e-4
+    return bool(((got == want) | near).all())
+
+
+def ref_mod():
+    from sageattn3 import reference
+
+    return reference
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("gq,gk,s,d", [(2, 2, 1, 64), (4, 2, 300, 128), (6, 3, 1025, 64), (8, 1, 5000, 128),
+                                       (24, 24, 4096, 128)])
+@pytest.mark.parametrize("outliers", [False, True])
+def test_balance_exponents_match_reference(dtype, gq, gk, s, d, outliers):
+    kernels_or_skip()
+    from sageattn3 import _kernels
+    from sageattn3 import reference as ref
+
+    g = torch.Generator().manual_seed(gq * 1000 + s + d)
+    q = torch.randn(1, gq, s, d, generator=g) * 2 + torch.randn(d, generator=g)
+    if outliers:
+        q[..., torch.randperm(d, generator=g)[:5]] *= torch.tensor([3.0, 8.0, 12.0, 20.0, 0.01])
+    q = q.to(dtype)
+    got = _kernels.qk_balance(q.cuda().view(gq, s, d).contiguous(), gk).cpu().view(1, gk, 1, d)
+    want = ref.balance_exponents(q, gk)
+    assert balance_agrees(got, want, q, gk)
+    if outliers and s > 1:
+        assert bool((got == 2).any()) and bool((got == 0).any())
+    again = _kernels.qk_balance(q.cuda().view(gq, s, d).contiguous(), gk).cpu().view(1, gk, 1, d)
+    assert torch.equal(again, got)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gq,gk,sq,sk,d", [(4, 2, 300, 1000, 128), (3, 1, 17, 5, 64), (24, 24, 2048, 2048, 128),
+                                           (2, 2, 1, 1, 64)])
+def test_balanced_launch_equals_balanced_float32_copies(dtype, gq, gk, sq, sk, d):
+    """The fused launch's balance (factors applied in registers) gives the same bits as the
+    unbalanced kernels run on float32 copies of Q and K scaled by the same powers of two."""
+    kernels_or_skip()
+    from sageattn3 import _kernels
+
+    g = torch.Generator().manual_seed(sq + sk + d)
+    q = torch.randn(gq, sq, d, generator=g) + torch.randn(d, generator=g)
+    q[..., torch.randperm(d, generator=g)[:4]] *= torch.tensor([8.0, 12.0, 16.0, 20.0])
+    k = torch.randn(gk, sk, d, generator=g) + 3 * torch.randn(d, generator=g)
+    q, k = q.to(dtype).cuda(), k.to(dtype).cuda()
+    got = _kernels.smooth_quant_qk_key(q, k, 128, balance=True)
+    exps = got[8]
+    assert torch.equal(exps, _kernels.qk_balance(q, gk))
+    if sq > 1:
+        assert bool((exps != 0).any())
+    c = torch.exp2(exps)
+    q32 = (q.view(gk, gq // gk, sq, d).float() / c.unsqueeze(1)).view(gq, sq, d)
+    k32 = k.float() * c
+    plain = _kernels.smooth_quant_qk_key(q32, k32, 128)
+    for i, name in enumerate(("q_packed", "q_scales", "mean_q", "k_packed", "k_scales", "mean_k", "qbar")):
+        assert same_bytes(got[i], plain[i]), name
+    scale = plain[7].abs().max().clamp_min(1.0)
+    assert (got[7] - plain[7]).abs().max() <= 2e-5 * scale  # ds_key: the same dots, other operands' bits
+    again = _kernels.smooth_quant_qk_key(q, k, 128, balance=True)
+    for a, b in zip(again, got):
+        assert same_bytes(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -184,13 +281,13 @@ def test_qk_one_launch_equals_separate_ops(dtype, gq, sq, gk, sk, d, pad, lag):
         kp2, ksc2, mean_k2 = _kernels.smooth_quant_seq(k, pad, two_pass=True, rotate=rotate)
         assert same_bytes(mean_k, mean_k2) and same_bytes(kp, kp2) and same_bytes(ksc, ksc2)
         if key:
-            qbar, ds_key = got[6:]
+            qbar, ds_key = got[6:8]
             assert same_bytes(qbar, _kernels.smooth_quant_seq(q, pad, rotate=rotate)[2])
             assert same_bytes(ds_key, _kernels.smooth_quant_seq_key(k, pad, qbar, two_pass=True, rotate=rotate)[3])
         # again: the tickets and counters are zeroed per launch
         again = run(q, k, pad, lag=lag, rotate=rotate)
         for a, b in zip(again, got):
-            assert same_bytes(a, b)
+            assert (a is None and b is None) or same_bytes(a, b)
 
 
 def test_qk_rejects_mismatched_inputs():

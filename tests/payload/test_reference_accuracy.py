@@ -291,7 +291,7 @@ def test_balance_is_per_kv_head_from_all_its_q_heads():
 
 def test_balance_leaves_scores_unchanged():
     q, k, v = ac.make("q_outliers", 1, 2, 1, 256, 256, 128, seed=4)
-    on = ref.preprocess(q, k, v)
+    on = ref.preprocess(q, k, v, qk_balance=True)
     off = ref.preprocess(q, k, v, qk_balance=False)
     assert on.balance is not None and (on.balance != 0).any() and off.balance is None
     cq, ck = torch.exp2(-ref.expand_kv(on.balance, 2)), torch.exp2(on.balance)
@@ -328,7 +328,7 @@ def test_balance_given_exponents_are_used():
     """``balance=`` (a kernel's exponents) replaces the computed ones, any values in -2..2."""
     q, k, v = ac.make("randn", 1, 4, 2, 200, 150, 64, seed=12)
     e = torch.randint(-2, 3, (1, 2, 1, 64), generator=torch.Generator().manual_seed(1)).float()
-    on = ref.preprocess(q, k, v, balance=e)
+    on = ref.preprocess(q, k, v, balance=e, qk_balance=True)
     off = ref.preprocess(q, k, v, qk_balance=False)
     assert torch.equal(on.balance, e)
     assert torch.equal(on.mean_k, off.mean_k * torch.exp2(e))
@@ -344,7 +344,7 @@ def test_balance_is_a_no_op_without_outlier_channels(case):
     the same attention output as with qk_balance=False."""
     for d in (64, 128):
         q, k, v = ac.make(case, 1, 4, 2, 1024, 300, d, seed=21)
-        on = ref.preprocess(q, k, v)
+        on = ref.preprocess(q, k, v, qk_balance=True)
         off = ref.preprocess(q, k, v, qk_balance=False)
         assert on.balance is not None and (on.balance == 0).all()
         for name in ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales",
@@ -353,7 +353,7 @@ def test_balance_is_a_no_op_without_outlier_channels(case):
             assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                                b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), (d, name)
     q, k, v = ac.make(case, 1, 4, 2, 256, 256, 64, seed=22)
-    assert torch.equal(ref.sageattn3(q, k, v, is_causal=True),
+    assert torch.equal(ref.sageattn3(q, k, v, is_causal=True, qk_balance=True),
                        ref.sageattn3(q, k, v, is_causal=True, qk_balance=False))
 
 
@@ -364,7 +364,7 @@ def test_balance_lifts_q_outlier_channels(d, causal):
     0.042 in cos-sim and cuts rel-L1 to 0.60x..0.78x of the unbalanced reference."""
     q, k, v = ac.make("q_outliers", 1, 4, 2, 1024, 1024, d, seed=31)
     exact = ref.exact_attention(q, k, v, is_causal=causal)
-    on = ref.sageattn3(q, k, v, is_causal=causal)
+    on = ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True)
     off = ref.sageattn3(q, k, v, is_causal=causal, qk_balance=False)
     c_on, c_off = ac.cos_sim(on, exact), ac.cos_sim(off, exact)
     l1_on, l1_off = ac.rel_l1(on, exact), ac.rel_l1(off, exact)
@@ -375,18 +375,26 @@ def test_balance_lifts_q_outlier_channels(d, causal):
 
 def test_balance_is_off_with_the_rotation_and_at_other_head_dims():
     q, k, v = ac.make("q_outliers", 1, 2, 1, 200, 200, 128, seed=8)
-    pre = ref.preprocess(q, k, v, qk_rotation=True)
+    pre = ref.preprocess(q, k, v, qk_rotation=True, qk_balance=True)
     assert pre.qk_rotation and pre.balance is None
     assert not ref.balance_applies(128, True) and ref.balance_applies(128, False)
-    assert torch.equal(ref.sageattn3(q, k, v, qk_rotation=True),
+    assert torch.equal(ref.sageattn3(q, k, v, qk_rotation=True, qk_balance=True),
                        ref.sageattn3(q, k, v, qk_rotation=True, qk_balance=False))
     for d in (32, 96, 256):
         assert not ref.balance_applies(d, False)
         q, k, v = ac.make("q_outliers", 1, 2, 1, 200, 150, d, seed=d)
-        on, off = ref.preprocess(q, k, v), ref.preprocess(q, k, v, qk_balance=False)
+        on, off = ref.preprocess(q, k, v, qk_balance=True), ref.preprocess(q, k, v, qk_balance=False)
         assert on.balance is None
         assert torch.equal(on.q_packed, off.q_packed) and torch.equal(on.k_packed, off.k_packed)
         # the quantization still works there: dequantized K close to the smoothed K
         kd = ref.dequantize_rows(on.k_packed, on.k_scales)[..., :150, :]
         ks = k.float() - on.mean_k
         assert ((kd - ks).norm() / ks.norm()) < 0.15
+
+
+def test_balance_is_off_by_default_and_without_block_means():
+    q, k, v = ac.make("q_outliers", 1, 2, 1, 256, 256, 64, seed=6)
+    assert ref.QK_BALANCE_DEFAULT is False
+    assert ref.preprocess(q, k, v).balance is None
+    assert ref.preprocess(q, k, v, per_block_mean=False, qk_balance=True).balance is None
+    assert ref.preprocess(q, k, v, qk_balance=True).balance is not None

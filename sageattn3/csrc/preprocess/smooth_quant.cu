@@ -71,10 +71,12 @@ struct Tile {
   // scales), x rotated first when `rotate` (every lane of the warp takes part then: the rows of a
   // warp go through the same steps, the stores are conditional); mu: this thread's 16 means in
   // shared memory, 16-byte aligned (read per row, as four 16-byte loads: fewer registers, more
-  // CTAs per SM).
+  // CTAs per SM). cs (null: none): this thread's 16 channel balance factors in shared memory
+  // (16-byte aligned): the row is multiplied by them (powers of two: exact) before mu (then the
+  // balanced mean) is subtracted.
   __device__ __forceinline__ void quantize(const RowMap& m, const float* mu, int64_t g, int64_t row0, int64_t r1,
                                            int64_t Sp, uint2* __restrict__ packed, uint8_t* __restrict__ scales,
-                                           bool rotate) const {
+                                           bool rotate, const float* cs = nullptr) const {
     const int bpr = m.bpr;
 #pragma unroll
     for (int p = 0; p < P; ++p) {
@@ -92,6 +94,16 @@ struct Tile {
       uint32_t sb = 0;
       uint2 w = make_uint2(0u, 0u);
       if (row < r1) {
+        if (cs != nullptr) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float4 c = reinterpret_cast<const float4*>(cs)[i];
+            v[4 * i] = __fmul_rn(v[4 * i], c.x);
+            v[4 * i + 1] = __fmul_rn(v[4 * i + 1], c.y);
+            v[4 * i + 2] = __fmul_rn(v[4 * i + 2], c.z);
+            v[4 * i + 3] = __fmul_rn(v[4 * i + 3], c.w);
+          }
+        }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const float4 u = reinterpret_cast<const float4*>(mu)[i];
@@ -149,10 +161,13 @@ __device__ __forceinline__ void key_dots(const RowMap& m, const T* x, int D, int
 }
 
 // The mean of a tile from its column sums in red[0..D) (count real rows): left in red[0..D),
-// rotated when asked, and written to mean_out. Every thread calls it; ends with a barrier.
-__device__ __forceinline__ void tile_mean(float* red, int D, int64_t count, bool rotate, float* mean_out) {
+// rotated when asked (or times the balance factors cs[0..D) when given: never both), and written
+// to mean_out. Every thread calls it; ends with a barrier.
+__device__ __forceinline__ void tile_mean(float* red, int D, int64_t count, bool rotate, float* mean_out,
+                                          const float* cs = nullptr) {
   if (static_cast<int>(threadIdx.x) < D) {
-    const float mu = red[threadIdx.x] / static_cast<float>(count);
+    float mu = red[threadIdx.x] / static_cast<float>(count);
+    if (cs != nullptr) mu = __fmul_rn(mu, cs[threadIdx.x]);
     red[threadIdx.x] = mu;
     if (!rotate) mean_out[threadIdx.x] = mu;
   }
@@ -174,12 +189,19 @@ template <typename T, int P>
 __device__ __forceinline__ void quantize_k_tile(const Tile<T, P>& t, const RowMap& m, const T* x, int64_t S, int D,
                                                 float* red, int64_t g, int64_t row0, int64_t Sp,
                                                 uint2* __restrict__ packed, uint8_t* __restrict__ scales, bool rotate,
-                                                const float* qbar, int rep, float* ds_key) {
-  if (m.active) t.quantize(m, red + m.cb * 16, g, row0, std::min<int64_t>(S, row0 + kRows), Sp, packed, scales, rotate);
+                                                const float* qbar, int rep, float* ds_key, const float* cs = nullptr) {
+  if (m.active) {
+    t.quantize(m, red + m.cb * 16, g, row0, std::min<int64_t>(S, row0 + kRows), Sp, packed, scales, rotate,
+               cs ? cs + m.cb * 16 : nullptr);
+  }
   if (qbar == nullptr) return;
   float* u_s = red + D;
   const float* src = qbar + g * rep * D;
-  for (int i = threadIdx.x; i < rep * D; i += kRowThreads) u_s[i] = __ldcg(src + i);
+  // with the balance, qbar is stored balanced (qbar / c); times K's factor c it is qbar again (exact)
+  for (int i = threadIdx.x; i < rep * D; i += kRowThreads) {
+    const float u = __ldcg(src + i);
+    u_s[i] = cs ? __fmul_rn(u, cs[i % D]) : u;
+  }
   __syncthreads();
   if (rotate) {
     for (int h = threadIdx.x / 32; h < rep; h += kRowThreads / 32) rotate_vector(u_s + h * D, D, nullptr, true);
@@ -273,7 +295,7 @@ __device__ __forceinline__ void st_release(int* p, int v) {
 // On return (after a barrier of the caller) red[0..D) holds the mean (red: at least
 // kRowThreads*4 floats), and mean[g*D..] too when `mean` is not null.
 __device__ __forceinline__ void group_mean(const float* partial, int64_t g, int64_t nt, int D, int64_t S,
-                                           float* red, float* mean, bool rotate) {
+                                           float* red, float* mean, bool rotate, const float* cs = nullptr) {
   const int quads = D / 4;
   const int lanes = kRowThreads / quads;
   const int q = threadIdx.x % quads, j = threadIdx.x / quads;
@@ -315,6 +337,7 @@ __device__ __forceinline__ void group_mean(const float* partial, int64_t g, int6
     float s = 0.f;
     for (int l = 0; l < lanes; ++l) s += red[l * D + threadIdx.x];
     mu = s / static_cast<float>(S);
+    if (cs != nullptr) mu = __fmul_rn(mu, cs[threadIdx.x]);  // balanced (never with the rotation)
   }
   __syncthreads();
   if (static_cast<int>(threadIdx.x) < D) {
@@ -330,8 +353,8 @@ __device__ __forceinline__ void group_mean(const float* partial, int64_t g, int6
 // group_mean from the streamed kernel (once per group, by one CTA): out of line, so that its
 // registers do not count against the tile the kernel holds.
 __device__ __noinline__ void group_mean_call(const float* partial, int64_t g, int64_t nt, int D, int64_t S,
-                                             float* red, float* mean, bool rotate) {
-  group_mean(partial, g, nt, D, S, red, mean, rotate);
+                                             float* red, float* mean, bool rotate, const float* cs) {
+  group_mean(partial, g, nt, D, S, red, mean, rotate, cs);
 }
 
 // Two reads, first pass: the column sums of each real tile, partial (G, nt, D).
@@ -390,6 +413,9 @@ struct SeqK {
   float* ds_key;
   uint32_t rep;
   int* q_ready;
+  // (G, D) channel balance exponents (balance_kernel, launched before), or null: Q items use 2^-e
+  // of their K group, K items 2^e
+  const float* bal;
 };
 
 // After colsum left the tile's column sums in red[0..D): store them as this tile's row of the
@@ -406,6 +432,88 @@ __device__ __forceinline__ bool publish_tile_sum(const float* red, float* partia
   }
   __syncthreads();
   return *s_last;
+}
+
+// ---- the channel balance exponents (reference.balance_exponents) ----------------------------
+// One CTA per (q group, sampled block): the block's mean over its real rows, then the sums of
+// squares of its rows minus that mean, published as a row of `part`; the last CTA of a K group
+// sums its rep * ns rows in order, and from ms_d = sum / rows: a_d = sqrt(ms_d), m = (pairwise
+// tree sum of a_d) / D, e_d from ms_d against 4 m^2, 64 m^2, m^2 / 4, m^2 / 64 (0 unless m^2 is a
+// positive finite number). exps (Gk, D) fp32. arrive: Gk counters, zeroed before the launch.
+constexpr uint32_t kBalanceSamples = 8;
+
+__host__ __device__ inline uint32_t balance_samples(uint32_t nt) { return nt < kBalanceSamples ? nt : kBalanceSamples; }
+
+template <typename T, int P>
+__global__ void __launch_bounds__(kRowThreads) balance_kernel(const T* __restrict__ x, int64_t S, int D, uint32_t nt,
+                                                               uint32_t rep, float* __restrict__ part,
+                                                               int* __restrict__ arrive, float* __restrict__ exps) {
+  __shared__ __align__(16) float red[kRowThreads * 16];
+  __shared__ float wsum[4];
+  __shared__ int s_last;
+  const RowMap m(D);
+  const uint32_t ns = balance_samples(nt);
+  const uint32_t gq = blockIdx.x / ns, i = blockIdx.x % ns;
+  const int64_t tile = (static_cast<int64_t>(i) * nt) / ns;
+  const int64_t row0 = tile * kRows, r1 = std::min<int64_t>(S, row0 + kRows);
+  Tile<T, P> t;
+  t.load_tile(m, x, S, D, gq, tile);
+  t.colsum(m, D, red);
+  if (static_cast<int>(threadIdx.x) < D) red[threadIdx.x] = red[threadIdx.x] / static_cast<float>(r1 - row0);
+  __syncthreads();
+  float mu[16], acc[16];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    mu[j] = m.active ? red[m.cb * 16 + j] : 0.f;
+    acc[j] = 0.f;
+  }
+  __syncthreads();  // red is reused by reduce_columns
+#pragma unroll
+  for (int p = 0; p < P; ++p) {
+    const int r = m.rl + p * m.rpp;
+    if (m.active && r < kRows && row0 + r < r1) {
+      float v[16];
+      t.raw[p].to_float(v);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float d = __fsub_rn(v[j], mu[j]);
+        acc[j] = fmaf(d, d, acc[j]);
+      }
+    }
+  }
+  reduce_columns(m, D, acc, red);
+  const uint32_t g = gq / rep;
+  if (!publish_tile_sum(red, part + static_cast<int64_t>(blockIdx.x) * D, D, arrive + g, rep * ns, &s_last)) return;
+  int64_t rows = 0;
+  for (uint32_t j = 0; j < ns; ++j) {
+    const int64_t t0 = (static_cast<int64_t>(j) * nt) / ns * kRows;
+    rows += std::min<int64_t>(S, t0 + kRows) - t0;
+  }
+  float ms = 0.f, a = 0.f;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (static_cast<int>(threadIdx.x) < D) {
+    const float* src = part + static_cast<int64_t>(g) * rep * ns * D + threadIdx.x;
+    float sum = 0.f;
+    for (uint32_t j = 0; j < rep * ns; ++j) sum += __ldcg(src + static_cast<int64_t>(j) * D);
+    ms = sum / static_cast<float>(rows * rep);
+    a = sqrtf(ms);
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) a = __fadd_rn(a, __shfl_xor_sync(0xffffffffu, a, off));
+    if (lane == 0) wsum[warp] = a;
+  }
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < D) {
+    const float total = D == 128 ? __fadd_rn(__fadd_rn(wsum[0], wsum[1]), __fadd_rn(wsum[2], wsum[3]))
+                                 : __fadd_rn(wsum[0], wsum[1]);
+    const float mm = total / static_cast<float>(D);
+    const float m2 = __fmul_rn(mm, mm);
+    float e = 0.f;
+    if (m2 > 0.f && m2 <= 3.4028235e38f) {
+      e = static_cast<float>((ms >= __fmul_rn(4.f, m2)) + (ms >= __fmul_rn(64.f, m2)) - (ms < m2 / 4.f) -
+                             (ms < m2 / 64.f));
+    }
+    exps[static_cast<int64_t>(g) * D + threadIdx.x] = e;
+  }
 }
 
 // The streamed launch's work items, in rounds (lag L in [1, G]; nq_g = Q block items per K
@@ -470,21 +578,36 @@ __device__ __forceinline__ void wait_at_least(const int* flag, int n) {
   while (ld_acquire(flag) < n) __nanosleep(200);
 }
 
-template <typename T, int P>
+// 2^e (Q: 2^-e) for a balance exponent e in {-2..2}, exactly.
+__device__ __forceinline__ float balance_factor(float e, bool is_q) {
+  const int x = static_cast<int>(e);
+  return __int_as_float((127 + (is_q ? -x : x)) << 23);
+}
+
+template <typename T, int P, bool kBalance>
 __device__ __forceinline__ void process_item(const Tile<T, P>& tl, const SeqK& k, const QBlocks& q, const Item& it,
-                                             int D, float* red, int* s_last, bool rotate) {
+                                             int D, float* red, int* s_last, bool rotate, float* cs_s) {
   const RowMap m(D);
   const int64_t g = it.g, row0 = static_cast<int64_t>(it.tile) * kRows;
+  // the balance factors of this item's group into cs_s[0..D) (Q: 2^-e, K: 2^e)
+  const float* cs = nullptr;
+  if constexpr (kBalance) {
+    const bool is_q = it.kind == 0;
+    const int64_t kg = is_q ? g / q.rep : g;
+    if (static_cast<int>(threadIdx.x) < D) cs_s[threadIdx.x] = balance_factor(__ldg(k.bal + kg * D + threadIdx.x), is_q);
+    __syncthreads();
+    cs = cs_s;
+  }
   if (it.kind == 0) {
     const int64_t r1 = std::min<int64_t>(q.S, row0 + kRows);
     const bool has_rows = row0 < q.S;
     tl.colsum(m, D, red);
     bool last = false;
     if (q.partial && has_rows) last = publish_tile_sum(red, q.partial + (g * q.nt + it.tile) * D, D, q.arrive + g, q.nt, s_last);
-    if (has_rows) tile_mean(red, D, r1 - row0, rotate, q.mean + (g * q.nt + it.tile) * D);
-    if (m.active) tl.quantize(m, red + m.cb * 16, g, row0, r1, q.Sp, q.packed, q.scales, rotate);
+    if (has_rows) tile_mean(red, D, r1 - row0, rotate, q.mean + (g * q.nt + it.tile) * D, cs);
+    if (m.active) tl.quantize(m, red + m.cb * 16, g, row0, r1, q.Sp, q.packed, q.scales, rotate, cs ? cs + m.cb * 16 : nullptr);
     if (last) {
-      group_mean_call(q.partial, g, q.nt, D, q.S, red, q.qbar, rotate);
+      group_mean_call(q.partial, g, q.nt, D, q.S, red, q.qbar, rotate, cs);
       __syncthreads();
       if (threadIdx.x == 0) {
         __threadfence();
@@ -497,7 +620,7 @@ __device__ __forceinline__ void process_item(const Tile<T, P>& tl, const SeqK& k
   if (it.kind == 1) {
     tl.colsum(m, D, red);
     if (publish_tile_sum(red, k.partial + (g * k.nt + it.tile) * D, D, k.sync + 2 + g, k.nt, s_last)) {
-      group_mean_call(k.partial, g, k.nt, D, k.S, red, k.mean, rotate);
+      group_mean_call(k.partial, g, k.nt, D, k.S, red, k.mean, rotate, cs);
       __syncthreads();
       if (threadIdx.x == 0) {
         __threadfence();
@@ -516,7 +639,7 @@ __device__ __forceinline__ void process_item(const Tile<T, P>& tl, const SeqK& k
     __syncthreads();
   }
   quantize_k_tile(tl, m, static_cast<const T*>(k.x), k.S, D, red, g, row0, k.Sp, k.packed, k.scales, rotate, k.qbar,
-                  static_cast<int>(k.rep), k.ds_key);
+                  static_cast<int>(k.rep), k.ds_key, cs);
 }
 
 // CTAs per SM the streamed kernel is compiled for with 16-bit inputs and P <= 4 (fp32: 2), the
@@ -534,12 +657,14 @@ constexpr int kStreamCtas16 = 2;
 // waits, but only a later one than the one it waits on: the earliest waiting item depends only
 // on items that run.
 
-template <typename T, int P, bool kRotate>
+// kBalance (never with kRotate): the channel balance (k.bal set).
+template <typename T, int P, bool kRotate, bool kBalance>
 __global__ void __launch_bounds__(kRowThreads, (P > 4 ? 1 : sizeof(T) == 2 ? kStreamCtas16 : 2)) seq_stream_kernel(const SeqK k, const QBlocks q,
                                                                                     uint32_t n, uint32_t nq_g,
                                                                                     int D) {
   constexpr bool rotate = kRotate;
   __shared__ __align__(16) float red[kRowThreads * 16];
+  __shared__ __align__(16) float cs_s[128];  // balance factors (D <= 128 where the balance applies)
   __shared__ uint32_t s_ticket[2];
   __shared__ int s_last;
   unsigned* const tickets = reinterpret_cast<unsigned*>(k.sync);
@@ -553,7 +678,7 @@ __global__ void __launch_bounds__(kRowThreads, (P > 4 ? 1 : sizeof(T) == 2 ? kSt
     const Item it = decode(k, q, nq_g, t);
     Tile<T, P> tl;
     load_item(tl, k, q, it, D);
-    process_item<T, P>(tl, k, q, it, D, red, &s_last, rotate);
+    process_item<T, P, kBalance>(tl, k, q, it, D, red, &s_last, rotate, cs_s);
     if (threadIdx.x == 0) s_ticket[b ^ 1] = next;
     __syncthreads();
   }
@@ -593,20 +718,48 @@ inline size_t sync_words(const SeqK& k, int64_t Gq, bool q_global) {
   return 2 + 2 * static_cast<size_t>(k.G) + (q_global ? static_cast<size_t>(Gq) + k.G : 0);
 }
 
+// The balance exponents of the K groups of q (Gq groups, rep per K group) into exps (Gk, D);
+// part (Gq * balance_samples(nt), D) fp32; arrive (Gk) int32, zeroed by the caller.
+template <typename T, int P>
+int launch_balance_p(const void* q, int64_t Gq, int64_t S, int64_t D, uint32_t rep, float* part, int* arrive,
+                     float* exps, cudaStream_t stream) {
+  const uint32_t nt = static_cast<uint32_t>(ceil_div(S, kRows));
+  const int64_t grid = Gq * balance_samples(nt);
+  if (grid == 0) return cudaSuccess;
+  if (grid > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  balance_kernel<T, P><<<static_cast<unsigned>(grid), kRowThreads, 0, stream>>>(static_cast<const T*>(q), S,
+                                                                                 static_cast<int>(D), nt, rep, part,
+                                                                                 arrive, exps);
+  return cudaGetLastError();
+}
+
 template <typename T, int P, bool kRotate>
-int launch_stream_p(SeqK k, const QBlocks& q, int64_t Gq, int64_t D, int lag, cudaStream_t stream) {
+int launch_stream_p(SeqK k, const QBlocks& q, int64_t Gq, int64_t D, int lag, float* bal_part, cudaStream_t stream) {
   const int64_t nq_g = Gq ? static_cast<int64_t>(q.rep) * q.tiles : 0;
   const int64_t n = static_cast<int64_t>(k.G) * (k.nt + k.tiles + nq_g);
   if (n > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  auto* kernel = seq_stream_kernel<T, P, kRotate>;
+  auto* kernel = seq_stream_kernel<T, P, kRotate, false>;
+  if constexpr (!kRotate && (P == 2 || P == 4)) {
+    if (bal_part != nullptr) kernel = seq_stream_kernel<T, P, false, true>;
+  }
   int per_sm = 0;
   cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kRowThreads, 0);
   if (e != cudaSuccess) return e;
   const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count();
   k.lag = lag > 0 ? std::min<uint32_t>(static_cast<uint32_t>(lag), k.G)
                   : auto_lag(k, D, static_cast<int64_t>(sizeof(T)), resident, nq_g);
-  e = cudaMemsetAsync(k.sync, 0, sizeof(int) * sync_words(k, Gq, q.partial != nullptr), stream);
+  const size_t words = sync_words(k, Gq, q.partial != nullptr);
+  e = cudaMemsetAsync(k.sync, 0, sizeof(int) * (words + (bal_part ? k.G : 0)), stream);
   if (e != cudaSuccess) return e;
+  if (bal_part != nullptr) {  // the exponents first (stream order: complete before the items read them)
+    if constexpr (P == 2 || P == 4) {
+      e = static_cast<cudaError_t>(launch_balance_p<T, P>(q.x, Gq, q.S, D, q.rep, bal_part, k.sync + words,
+                                                          const_cast<float*>(k.bal), stream));
+      if (e != cudaSuccess) return e;
+    } else {
+      return cudaErrorInvalidValue;
+    }
+  }
   kernel<<<static_cast<unsigned>(std::min(n, resident)), kRowThreads, 0, stream>>>(
       k, q, static_cast<uint32_t>(n), static_cast<uint32_t>(nq_g), static_cast<int>(D));
   return cudaGetLastError();
@@ -666,12 +819,13 @@ int launch(const void* x, int64_t G, int64_t S, int64_t D, float* mean, bool com
 
 template <typename T>
 int launch_seq(const SeqK& k, const QBlocks& q, int64_t Gq, int64_t D, int lag, bool two_pass, bool rotate,
-               cudaStream_t stream) {
+               float* bal_part, cudaStream_t stream) {
   return with_passes(D, [&](auto p) {
     constexpr int P = decltype(p)::value;
     return with_rotation<P>(rotate, [&](auto r) {
       constexpr bool R = decltype(r)::value;
-      return two_pass ? launch_two_pass_p<T, P, R>(k, D, stream) : launch_stream_p<T, P, R>(k, q, Gq, D, lag, stream);
+      return two_pass ? launch_two_pass_p<T, P, R>(k, D, stream)
+                      : launch_stream_p<T, P, R>(k, q, Gq, D, lag, bal_part, stream);
     });
   });
 }
@@ -691,7 +845,7 @@ SeqK seq_k(const void* x, int64_t G, int64_t S, int64_t Sp, float* mean, float* 
            uint8_t* scales) {
   return SeqK{x, S, Sp, static_cast<uint32_t>(G), static_cast<uint32_t>(ceil_div(S, kRows)),
               static_cast<uint32_t>(ceil_div(Sp, kRows)), 1, partial, mean, sync,
-              reinterpret_cast<uint2*>(packed), scales, nullptr, nullptr, 1, nullptr};
+              reinterpret_cast<uint2*>(packed), scales, nullptr, nullptr, 1, nullptr, nullptr};
 }
 
 // The rotation and the per-key correction exist for D 64 and 128 (the attention's head dims).
@@ -726,16 +880,20 @@ int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D
   k.ds_key = ds_key;
   k.rep = qbar ? static_cast<uint32_t>(rep) : 1u;
   return with_dtype(dtype, [&](auto t) {
-    return launch_seq<decltype(t)>(k, QBlocks{}, 0, D, 0, force_two_pass, rotate, stream);
+    return launch_seq<decltype(t)>(k, QBlocks{}, 0, D, 0, force_two_pass, rotate, nullptr, stream);
   });
 }
 
 int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64_t Sq, int64_t Gk, int64_t Sk,
                     int64_t D, float* mean_q, int64_t Sqp, uint8_t* q_packed, uint8_t* q_scales, float* mean_k,
                     float* partial_k, int* sync, int64_t Skp, uint8_t* k_packed, uint8_t* k_scales, int lag,
-                    bool rotate, float* partial_q, float* qbar, float* ds_key, cudaStream_t stream) {
+                    bool rotate, float* partial_q, float* qbar, float* ds_key, float* balance, float* balance_part,
+                    cudaStream_t stream) {
   if (D % 16 || D <= 0 || D > kMaxD || Sqp < Sq || Skp < Sk || Sk < 1 || Gk < 1 || Gk > 0x7FFFFFFF || Gq < 0 ||
       lag < 0 || Gq % Gk != 0 || (Gq > 0 && Sq < 1))
+    return cudaErrorInvalidValue;
+  if ((balance != nullptr) != (balance_part != nullptr) ||
+      (balance && (rotate || Gq == 0 || !rotation_applies(static_cast<int>(D)))))
     return cudaErrorInvalidValue;
   const bool global = Gq > 0 && (partial_q || qbar || ds_key);
   if (global && (!partial_q || !qbar || !ds_key)) return cudaErrorInvalidValue;
@@ -756,8 +914,24 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
     ka.rep = rep;
     ka.q_ready = q_sync + Gq;
   }
+  ka.bal = balance;
   return with_dtype(dtype, [&](auto t) {
-    return launch_seq<decltype(t)>(ka, qa, Gq, D, lag, false, rotate, stream);
+    return launch_seq<decltype(t)>(ka, qa, Gq, D, lag, false, rotate, balance_part, stream);
+  });
+}
+
+int qk_balance(const void* q, DType dtype, int64_t Gq, int64_t S, int64_t Gk, int64_t D, float* part, int* arrive,
+               float* exps, cudaStream_t stream) {
+  if (!rotation_applies(static_cast<int>(D)) || S < 1 || Gk < 1 || Gq % Gk != 0 || Gq > 0x7FFFFFFF)
+    return cudaErrorInvalidValue;
+  if (Gq == 0) return cudaSuccess;
+  const cudaError_t e = cudaMemsetAsync(arrive, 0, sizeof(int) * Gk, stream);
+  if (e != cudaSuccess) return e;
+  const uint32_t rep = static_cast<uint32_t>(Gq / Gk);
+  return with_dtype(dtype, [&](auto t) {
+    using T = decltype(t);
+    return D == 64 ? launch_balance_p<T, 2>(q, Gq, S, D, rep, part, arrive, exps, stream)
+                   : launch_balance_p<T, 4>(q, Gq, S, D, rep, part, arrive, exps, stream);
   });
 }
 

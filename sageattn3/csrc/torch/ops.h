@@ -14,6 +14,7 @@
 
 #include <Python.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <sstream>
@@ -252,11 +253,12 @@ void smooth_quant_seq(T x, T mean, T partial, T sync, T packed, T scales, bool t
 // Gq a multiple of Gk (or 0); mean_q (Gq, ceil(Sq/128), D) fp32; q_packed (Gq, Sqp, D/2); q_scales
 // (Gq, Sqp, D/16); mean_k (Gk, 1, D) fp32; k_packed (Gk, Skp, D/2); k_scales (Gk, Skp, D/16);
 // partial_k (Gk, ceil(Sk/128), D) fp32; lag >= 0 (0: automatic); partial_q (Gq, ceil(Sq/128), D),
-// qbar (Gq, D), ds_key (Gq, Skp) fp32, all empty for no per-key correction; sync (2 + 2Gk) int32,
-// + Gq + Gk with the correction.
+// qbar (Gq, D), ds_key (Gq, Skp) fp32, all empty for no per-key correction; balance (Gk, D) and
+// balance_part (Gq * min(8, ceil(Sq/128)), D) fp32, both empty for no channel balance (D 64/128,
+// no rotation); sync (2 + 2Gk) int32, + Gq + Gk with the correction, + Gk with the balance.
 template <class T>
 void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_packed, T k_scales, T partial_k,
-                     T sync, int64_t lag, bool rotate, T partial_q, T qbar, T ds_key) {
+                     T sync, int64_t lag, bool rotate, T partial_q, T qbar, T ds_key, T balance, T balance_part) {
   check_cuda(q, q, "q");
   check_aligned(q, "q");
   check_cuda(k, q, "k");
@@ -293,8 +295,18 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
                      ds_key.numel() == Gq * Skp,
               "sageattn3: partial_q, qbar or ds_key has the wrong size");
   }
+  const bool balanced = balance.numel() > 0 || balance_part.numel() > 0;
+  if (balanced) {
+    check_f32_on(balance, q, "balance");
+    check_f32_on(balance_part, q, "balance_part");
+    SA3_CHECK(T, Gq > 0 && (D == 64 || D == 128) && !rotate,
+              "sageattn3: the channel balance needs q, D 64 or 128 and no rotation");
+    const int64_t ns = std::min<int64_t>(8, (Sq + 127) / 128);
+    SA3_CHECK(T, balance.numel() == Gk * D && balance_part.numel() == Gq * ns * D,
+              "sageattn3: balance or balance_part has the wrong size");
+  }
   SA3_CHECK(T, mean_k.numel() == Gk * D && partial_k.numel() == Gk * ((Sk + 127) / 128) * D &&
-                   sync.numel() == 2 + 2 * Gk + (correction ? Gq + Gk : 0),
+                   sync.numel() == 2 + 2 * Gk + (correction ? Gq + Gk : 0) + (balanced ? Gk : 0),
             "sageattn3: mean_k, partial_k or sync has the wrong size");
   SA3_CHECK(T, Sqp >= Sq && q_packed.numel() == Gq * Sqp * D / 2 && q_scales.numel() == Gq * Sqp * D / 16,
             "sageattn3: q_packed/q_scales sizes do not match q");
@@ -307,8 +319,31 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
                                                   bytes(k_scales), static_cast<int>(lag), rotate,
                                                   correction ? floats(partial_q) : nullptr,
                                                   correction ? floats(qbar) : nullptr,
-                                                  correction ? floats(ds_key) : nullptr, TensorApi<T>::stream(q)),
+                                                  correction ? floats(ds_key) : nullptr,
+                                                  balanced ? floats(balance) : nullptr,
+                                                  balanced ? floats(balance_part) : nullptr, TensorApi<T>::stream(q)),
                        "smooth_quant_qk");
+}
+
+// qk_balance(q, part!, arrive!, exps!): q (Gq, S, D), D 64 or 128, S >= 1; exps (Gk, D) fp32 with Gq a
+// multiple of Gk; part (Gq * min(8, ceil(S/128)), D) fp32; arrive (Gk) int32.
+template <class T>
+void qk_balance(T q, T part, T arrive, T exps) {
+  check_input(q);
+  check_f32_on(part, q, "part");
+  check_f32_on(exps, q, "exps");
+  check_cuda(arrive, q, "arrive");
+  check_i32(arrive, "arrive");
+  SA3_CHECK(T, q.dim() == 3 && exps.dim() == 2, "sageattn3: q must be (G, S, D) and exps (Gk, D)");
+  const int64_t Gq = q.size(0), S = q.size(1), D = q.size(2), Gk = exps.size(0);
+  SA3_CHECK(T, (D == 64 || D == 128) && S >= 1, "sageattn3: the channel balance needs D 64 or 128 and S >= 1");
+  SA3_CHECK(T, Gk >= 1 && Gq % Gk == 0 && exps.size(1) == D && arrive.numel() == Gk,
+            "sageattn3: exps must be (Gk, D) with Gq a multiple of Gk, arrive (Gk)");
+  SA3_CHECK(T, part.numel() == Gq * std::min<int64_t>(8, (S + 127) / 128) * D, "sageattn3: part has the wrong size");
+  DeviceScope scope(device_of(q));
+  check_cuda_kernel<T>(sageattn3::qk_balance(q.data_ptr(), dtype_of(q, "q"), Gq, S, Gk, D, floats(part), ints(arrive),
+                                             floats(exps), TensorApi<T>::stream(q)),
+                       "qk_balance");
 }
 
 // delta_s(k, mean_k, mean_q, out!): k (B, Hkv, Sk, D); mean_k (B, Hkv, 1, D); mean_q (B, Hq, nblk, D);
@@ -474,7 +509,8 @@ void fp4_mma_probe(T a, T b, T sfa, T sfb, T c, T d, int64_t tid_a, int64_t tid_
   X(smooth_quant_qk, "smooth_quant_qk(Tensor q, Tensor k, Tensor(a!) mean_q, Tensor(b!) q_packed, "                 \
                      "Tensor(c!) q_scales, Tensor(d!) mean_k, Tensor(e!) k_packed, Tensor(f!) k_scales, "           \
                      "Tensor(g!) partial_k, Tensor(h!) sync, int lag, bool rotate, Tensor(i!) partial_q, "          \
-                     "Tensor(j!) qbar, Tensor(k!) ds_key) -> ()")                                                   \
+                     "Tensor(j!) qbar, Tensor(k!) ds_key, Tensor(l!) balance, Tensor(m!) balance_part) -> ()")      \
+  X(qk_balance, "qk_balance(Tensor q, Tensor(a!) part, Tensor(b!) arrive, Tensor(c!) exps) -> ()")                  \
   X(delta_s, "delta_s(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) out) -> ()")                               \
   X(smooth_quant_k_delta, "smooth_quant_k_delta(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) packed, "        \
                           "Tensor(b!) scales, Tensor(c!) delta) -> ()")                                             \
