@@ -21,12 +21,14 @@ def test_default_is_off_and_documented():
 
 
 def test_keyword_reaches_the_fp4_path(monkeypatch):
-    seen = []
+    seen, balanced = [], []
 
-    def kernel(q, k, v, is_causal, per_block_mean, sm_scale=None, qk_rotation=ref.QK_ROTATION_DEFAULT):
+    def kernel(q, k, v, is_causal, per_block_mean, sm_scale=None, qk_rotation=ref.QK_ROTATION_DEFAULT,
+               qk_balance=ref.QK_BALANCE_DEFAULT):
         seen.append(qk_rotation)
+        balanced.append(qk_balance)
         return ref.sageattn3(q, k, v, is_causal=is_causal, per_block_mean=per_block_mean, sm_scale=sm_scale,
-                             qk_rotation=qk_rotation).to(q.dtype)
+                             qk_rotation=qk_rotation, qk_balance=qk_balance).to(q.dtype)
 
     monkeypatch.setattr(api, "_attention_path", lambda device, head_dim=None: "fp4-sm120")
     monkeypatch.setattr(api, "_fp4_attention", kernel)
@@ -38,6 +40,10 @@ def test_keyword_reaches_the_fp4_path(monkeypatch):
         rotated = sageattn3.sageattn3_blackwell(q, k, v, qk_rotation=True)
         assert seen == [False, True]
         assert torch.equal(rotated, ref.sageattn3(q, k, v, qk_rotation=True).to(q.dtype))
+        bal = sageattn3.sageattn3_blackwell(q, k, v, qk_balance=True)
+        assert balanced == [False, False, True]
+        assert torch.equal(bal, ref.sageattn3(q, k, v, qk_balance=True).to(q.dtype))
+        assert not torch.equal(bal, plain)
         assert not torch.equal(plain, rotated)
     finally:
         _selfcheck.reset()
