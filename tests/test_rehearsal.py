@@ -54,16 +54,15 @@ def test_check_tag_cli_fails_with_one_line():
 
 # -- the stand-in for PyTorch's index ----------------------------------------------------------
 
-def _tiny_torch_wheel(folder: Path, version: str = "9.9.9") -> Path:
-    """A real (tiny) wheel named torch, so pip can resolve and hash-check it."""
+def _torch_wheel(folder: Path, version: str = "9.9.9", requires: list[str] = ()) -> Path:
+    """A real (tiny) wheel named torch with the given version and Requires-Dist lines, so pip can
+    resolve and hash-check it."""
     folder.mkdir(parents=True, exist_ok=True)
     wheel = folder / f"torch-{version}-py3-none-any.whl"
-    info = f"torch-{version}.dist-info"
-    files = {
-        "torch/__init__.py": b"__version__ = '9.9.9'\n",
-        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n".encode(),
-        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-    }
+    info = f"torch-{version.split('+')[0]}.dist-info"
+    meta = f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n" + "".join(f"Requires-Dist: {r}\n" for r in requires)
+    files = {"torch/__init__.py": b"", f"{info}/METADATA": meta.encode(),
+             f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
     with zipfile.ZipFile(wheel, "w") as z:
         for name, data in files.items():
             z.writestr(name, data)
@@ -72,7 +71,7 @@ def _tiny_torch_wheel(folder: Path, version: str = "9.9.9") -> Path:
 
 
 def test_the_standin_serves_torch_under_its_cuda_directory_to_real_pip(tmp_path):
-    wheel = _tiny_torch_wheel(tmp_path / "root" / "cu130")
+    wheel = _torch_wheel(tmp_path / "root" / "cu130")
     env = {"PATH": "/usr/bin:/bin", "PIP_CONFIG_FILE": "/dev/null", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
            "HOME": str(tmp_path)}
     with pytorch_index_standin(tmp_path / "root") as url:
@@ -155,21 +154,6 @@ def test_windows_jobs_get_msvc_commands_from_the_payloads_own_builder(monkeypatc
 
 
 # -- torch specs resolved by real pip against the stand-in ----------------------------------------
-
-def _torch_wheel(folder: Path, version: str, requires: list[str] = ()) -> Path:
-    """A real (tiny) torch wheel with the given version and Requires-Dist lines."""
-    folder.mkdir(parents=True, exist_ok=True)
-    wheel = folder / f"torch-{version}-py3-none-any.whl"
-    info = f"torch-{version.split('+')[0]}.dist-info"
-    meta = f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n" + "".join(f"Requires-Dist: {r}\n" for r in requires)
-    files = {"torch/__init__.py": b"", f"{info}/METADATA": meta.encode(),
-             f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    with zipfile.ZipFile(wheel, "w") as z:
-        for name, data in files.items():
-            z.writestr(name, data)
-        z.writestr(f"{info}/RECORD", "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n")
-    return wheel
-
 
 def test_pip_resolves_each_torch_spec_to_its_build_and_the_check_sees_a_wrong_one(tmp_path):
     """Real pip (--dry-run --report) against the stand-in: the resolved version, the CUDA of the
