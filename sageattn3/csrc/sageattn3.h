@@ -35,37 +35,36 @@ int smooth_quant_rows(const void* x, DType dtype, int64_t G, int64_t S, int64_t 
                       int mean_block, int64_t Sp, uint8_t* packed, uint8_t* scales, bool rotate,
                       cudaStream_t stream);
 
-// Smoothing with one mean per group over the whole sequence + NVFP4 along D (S >= 1):
-// mean (G, D) = (sum over the 128-row tiles in order of each tile's column sums) / S, then
-// rows as smooth_quant_rows with mean_block 0. Workspace: partial (G, ceil(S/128), D) fp32 and
-// sync (2 + 2G) int32 (zeroed here). One launch (each group's tiles are summed, then quantized a
-// few groups later, when most are still in L2: x comes from DRAM about once); force_two_pass:
-// tile sums, means, then the quantization (two reads). Both give the same bits.
-// With qbar (G*rep, D) fp32 (and ds_key (G*rep, Sp) fp32; D/16 must divide 32): the per-key
-// correction of K, ds_key[g*rep + h, r] = sum_d qbar[g*rep + h, d] * (x[g, r] - mean[g])[d] over
-// the smoothed (rotated) fp32 row as quantized (fixed fp32 order: per 16-block fma chains, block
+// Smoothing with one mean per group + NVFP4 along D (S >= 1): mean (G, D) = the sampled mean
+// (reference.sample_mean: the column sums of min(8, ceil(S/128)) evenly spaced 128-row tiles,
+// added in tile order, / their real rows), then rows as smooth_quant_rows with mean_block 0.
+// Workspace: partial (G, ceil(S/128), D) fp32 (its first min(8, ceil(S/128)) rows per group);
+// sync and force_two_pass are unused (kept for the op's schema). Three launches: the sampled
+// tiles' sums, the means, one read of x to quantize.
+// With qbar (G*rep, D) fp32 (and ds_key (G*rep, Sp) fp32; D 64 or 128): the per-key correction
+// of K, ds_key[g*rep + h, r] = sum_d qbar[g*rep + h, d] * (x[g, r] - mean[g])[d] over the
+// smoothed (rotated) fp32 row as quantized (fixed fp32 order: per 16-block fma chains, block
 // sums by xor butterfly), 0 for rows S..Sp-1. Null qbar and ds_key: none.
 int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, float* mean, float* partial,
                      int* sync, int64_t Sp, uint8_t* packed, uint8_t* scales, bool force_two_pass, bool rotate,
                      const float* qbar, int64_t rep, float* ds_key, cudaStream_t stream);
 
-// One launch for Q and K: Q's 128-row block means + smoothing + NVFP4 (as smooth_quant_rows
-// with compute_mean: mean_q (Gq, ceil(Sq/128), D), q_packed (Gq, Sqp, D/2), q_scales
-// (Gq, Sqp, D/16)) and K's whole-sequence smoothing (as smooth_quant_seq, same bits: mean_k
-// (Gk, D), k_packed (Gk, Skp, D/2), k_scales (Gk, Skp, D/16); workspace partial_k
-// (Gk, ceil(Sk/128), D) fp32). q and k share dtype and D; Sk >= 1; Gq a multiple of Gk (rep =
-// Gq / Gk q groups per k group, GQA), 0 for K only. lag: K groups between a group's tile sums and
-// its quantization (0: chosen from the L2 size; any value gives the same bits).
+// Q and K: Q's 128-row block means + smoothing + NVFP4 (as smooth_quant_rows with compute_mean:
+// mean_q (Gq, ceil(Sq/128), D), q_packed (Gq, Sqp, D/2), q_scales (Gq, Sqp, D/16)) and K's
+// smoothing by its sampled mean (as smooth_quant_seq, same bits: mean_k (Gk, D), k_packed
+// (Gk, Skp, D/2), k_scales (Gk, Skp, D/16); workspace partial_k (Gk, ceil(Sk/128), D) fp32). q and
+// k share dtype and D; Sk >= 1; Gq a multiple of Gk (rep = Gq / Gk q groups per k group, GQA), 0
+// for K only. lag and sync are unused (kept for the op's schema). Launches: the sampled tiles'
+// sums (K's, and Q's with qbar or the balance), the means, then one launch for every tile of Q
+// and K (one read each).
 // With partial_q (Gq, ceil(Sq/128), D), qbar (Gq, D) and ds_key (Gq, Skp) (all or none; Gq > 0;
-// D/16 must divide 32): qbar = each q group's mean over the whole sequence (from its block sums,
-// as smooth_quant_seq's mean, rotated) and ds_key = K's per-key correction from it (as
-// smooth_quant_seq with qbar). sync: 2 + 2Gk int32, + Gq + Gk with qbar, + Gk with the balance
-// (zeroed here).
+// D 64 or 128): qbar = each q group's sampled mean (rotated) and ds_key = K's per-key correction
+// from it (as smooth_quant_seq with qbar).
 // With balance (Gk, D) and balance_part (Gq * min(8, ceil(Sq/128)), D) fp32 (both or neither; D 64
-// or 128, no rotation, Gq > 0): the channel balance (reference.balance_exponents / preprocess):
-// its exponents e are computed first (qk_balance) into balance, then Q group g's rows become
-// x * 2^-e[g / rep] - mean_q and K's x * 2^e - mean_k, with mean_q, qbar and mean_k written
-// balanced (times 2^-e or 2^e); ds_key is unchanged by it.
+// or 128, no rotation, Gq > 0): the channel balance (reference.balance_exponents / preprocess),
+// from Q's sampled tiles, into balance; then Q group g's rows become x * 2^-e[g / rep] - mean_q
+// and K's x * 2^e - mean_k, with mean_q, qbar and mean_k written balanced (times 2^-e or 2^e);
+// ds_key is qbar . the balanced smoothed K row (the same products).
 int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64_t Sq, int64_t Gk, int64_t Sk,
                     int64_t D, float* mean_q, int64_t Sqp, uint8_t* q_packed, uint8_t* q_scales, float* mean_k,
                     float* partial_k, int* sync, int64_t Skp, uint8_t* k_packed, uint8_t* k_scales, int lag,
@@ -74,7 +73,7 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
 
 // The channel balance exponents alone: q (Gq, S, D), D 64 or 128, S >= 1, Gq a multiple of Gk ->
 // exps (Gk, D) fp32 in {-2..2} (reference.balance_exponents). part (Gq * min(8, ceil(S/128)), D)
-// fp32 and arrive (Gk) int32 (zeroed here) are workspace.
+// fp32 is workspace; arrive is unused (kept for the op's schema).
 int qk_balance(const void* q, DType dtype, int64_t Gq, int64_t S, int64_t Gk, int64_t D, float* part, int* arrive,
                float* exps, cudaStream_t stream);
 

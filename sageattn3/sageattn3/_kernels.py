@@ -143,25 +143,26 @@ def smooth_quant_rows(x: torch.Tensor, mean: torch.Tensor, compute_mean: bool, m
     return packed, scales
 
 
-def smooth_quant_seq(x: torch.Tensor, seq_pad: int, two_pass: bool = False, rotate: bool = False
+def smooth_quant_seq(x: torch.Tensor, seq_pad: int, rotate: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (G, S, D), S >= 1: rows minus their mean over the whole sequence, NVFP4 along D, rows
-    padded with zero codes to a multiple of ``seq_pad``; returns (packed, scales, mean (G, 1, D)).
-    One launch, x from DRAM about once (``smooth_quant_qk`` without Q); ``two_pass``: tile sums,
-    means, quantization. The mean (tile sums in a fixed order, / S) has the same bits either way.
+    """x (G, S, D), S >= 1: rows minus their sampled mean (``reference.sample_mean``: up to 8
+    evenly spaced 128-row blocks, the sums in a fixed order), NVFP4 along D, rows padded with
+    zero codes to a multiple of ``seq_pad``; returns (packed, scales, mean (G, 1, D)). Three
+    launches: the sampled blocks' sums, the means, then one read of x to quantize.
     ``rotate`` (D 64/128): rows rotated first, the mean is the rotated mean."""
-    return _smooth_quant_seq(x, seq_pad, two_pass, rotate, None)[:3]
+    return _smooth_quant_seq(x, seq_pad, rotate, None)[:3]
 
 
-def smooth_quant_seq_key(x: torch.Tensor, seq_pad: int, qbar: torch.Tensor, two_pass: bool = False,
-                         rotate: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def smooth_quant_seq_key(x: torch.Tensor, seq_pad: int, qbar: torch.Tensor, rotate: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``smooth_quant_seq`` of K plus its per-key correction for the q heads of each group:
-    qbar (G*rep, 1, D) fp32 (their rotated Q means over the whole sequence; D 64/128, rep <=
-    ``max_correction_heads``) -> also ds_key (G*rep, Sp) = qbar · rotate(K)ᵀ (0 past S)."""
-    return _smooth_quant_seq(x, seq_pad, two_pass, rotate, qbar)
+    qbar (G*rep, 1, D) fp32 (their Q means, rotated with ``rotate``; D 64/128, rep <=
+    ``max_correction_heads``) -> also ds_key (G*rep, Sp) = qbar · (the smoothed row as
+    quantized) (0 past S)."""
+    return _smooth_quant_seq(x, seq_pad, rotate, qbar)
 
 
-def _smooth_quant_seq(x, seq_pad, two_pass, rotate, qbar):
+def _smooth_quant_seq(x, seq_pad, rotate, qbar):
     g, s, d = x.shape
     packed, scales = _codes(x, g, s, d, seq_pad)
     mean = torch.empty((g, 1, d), dtype=torch.float32, device=x.device)
@@ -171,7 +172,7 @@ def _smooth_quant_seq(x, seq_pad, two_pass, rotate, qbar):
         out = None
     else:
         ds_key = out = torch.empty((qbar.shape[0], packed.shape[1]), dtype=torch.float32, device=x.device)
-    op("smooth_quant_seq")(x, mean, partial, sync, packed, scales, two_pass, rotate, qbar, ds_key)
+    op("smooth_quant_seq")(x, mean, partial, sync, packed, scales, False, rotate, qbar, ds_key)
     return packed, scales, mean, out
 
 
@@ -188,35 +189,36 @@ def _none(device: torch.device, i: int) -> torch.Tensor:
 
 def max_correction_heads(d: int) -> int:
     """q heads per kv head for which the K kernels compute the per-key correction (their Q
-    means sit in shared memory next to K's mean): 31 at D 128, 63 at D 64."""
-    return (4096 - d) // d
+    vectors sit in shared memory, 20 floats per 16 channels): 25 at D 128, 51 at D 64."""
+    return 4096 // (d // 16 * 20)
 
 
-def smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, seq_pad: int, lag: int = 0, rotate: bool = False
+def smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, seq_pad: int, rotate: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (Gq, Sq, D), k (Gk, Sk, D), Sk >= 1, Gq a multiple of Gk (or 0), one launch: Q minus its
-    128-row block means (as ``smooth_quant_rows`` with compute_mean) and K minus its
-    whole-sequence mean (as ``smooth_quant_seq``, same bits), both NVFP4 along D, rows padded to
-    a multiple of ``seq_pad``. Returns (q_packed, q_scales, mean_q (Gq, nblk, D), k_packed,
-    k_scales, mean_k (Gk, 1, D)). ``lag``: K groups between a group's tile sums and its
-    quantization (0: from the L2 size; every value gives the same bits). ``rotate`` (D 64/128):
-    Q and K rotated first, the means are rotated means."""
-    return _smooth_quant_qk(q, k, seq_pad, lag, rotate, False, False)[:6]
+    """q (Gq, Sq, D), k (Gk, Sk, D), Sk >= 1, Gq a multiple of Gk (or 0): Q minus its 128-row
+    block means (as ``smooth_quant_rows`` with compute_mean) and K minus its sampled mean (as
+    ``smooth_quant_seq``, same bits), both NVFP4 along D, rows padded to a multiple of
+    ``seq_pad``; K's sampled blocks are summed first (two small launches), then one launch
+    quantizes every tile of Q and K. Returns (q_packed, q_scales, mean_q (Gq, nblk, D),
+    k_packed, k_scales, mean_k (Gk, 1, D)). ``rotate`` (D 64/128): Q and K rotated first, the
+    means are rotated means."""
+    return _smooth_quant_qk(q, k, seq_pad, rotate, False, False)[:6]
 
 
-def smooth_quant_qk_key(q: torch.Tensor, k: torch.Tensor, seq_pad: int, lag: int = 0, rotate: bool = False,
+def smooth_quant_qk_key(q: torch.Tensor, k: torch.Tensor, seq_pad: int, rotate: bool = False,
                         balance: bool = False) -> tuple[torch.Tensor, ...]:
-    """``smooth_quant_qk`` (Gq > 0, D 64/128, Gq/Gk <= ``max_correction_heads``) plus, from the
-    same launch, qbar (Gq, 1, D): each q group's (rotated) mean over the whole sequence, and
-    ds_key (Gq, Skp) = qbar · rotate(K)ᵀ of its kv group (0 past Sk). ``balance`` (no rotation):
-    the channel balance (``reference.balance_exponents``, computed by a small launch first), Q
-    and K and their means in the balanced space. Returns the 6 tensors of ``smooth_quant_qk``,
-    qbar, ds_key, then the balance exponents (Gk, 1, D) or None."""
-    return _smooth_quant_qk(q, k, seq_pad, lag, rotate, True, balance)
+    """``smooth_quant_qk`` (Gq > 0, D 64/128, Gq/Gk <= ``max_correction_heads``) plus qbar
+    (Gq, 1, D): each q group's (rotated) sampled mean, from the same small launches, and ds_key
+    (Gq, Skp) = qbar · (K's smoothed row as quantized) of its kv group (0 past Sk), from K's
+    quantization. ``balance`` (no rotation): the channel balance (``reference.balance_exponents``,
+    from the same sampled blocks), Q and K and their means in the balanced space. Returns the 6
+    tensors of ``smooth_quant_qk``, qbar, ds_key, then the balance exponents (Gk, 1, D) or None."""
+    return _smooth_quant_qk(q, k, seq_pad, rotate, True, balance)
 
 
 def balance_samples(s: int) -> int:
-    """Q blocks the balance statistics read per q group: min(8, ceil(S/128))."""
+    """Q blocks the balance statistics read per q group: min(8, ceil(S/128))
+    (``reference.sample_blocks``)."""
     return min(8, -(-s // 128))
 
 
@@ -231,7 +233,7 @@ def qk_balance(q: torch.Tensor, kv_groups: int) -> torch.Tensor:
     return exps.view(kv_groups, 1, d)
 
 
-def _smooth_quant_qk(q, k, seq_pad, lag, rotate, key, balance):
+def _smooth_quant_qk(q, k, seq_pad, rotate, key, balance):
     gq, sq, d = q.shape
     gk, sk, _ = k.shape
     dev = q.device
@@ -254,7 +256,7 @@ def _smooth_quant_qk(q, k, seq_pad, lag, rotate, key, balance):
         bal_part = torch.empty((gq * balance_samples(sq), d), dtype=torch.float32, device=dev)
     else:
         exps, bal_part = _none(dev, 3), _none(dev, 4)
-    op("smooth_quant_qk")(q, k, mean_q, q_packed, q_scales, mean_k, k_packed, k_scales, partial, sync, lag, rotate,
+    op("smooth_quant_qk")(q, k, mean_q, q_packed, q_scales, mean_k, k_packed, k_scales, partial, sync, 0, rotate,
                           partial_q, qbar, ds_key, exps, bal_part)
     return (q_packed, q_scales, mean_q, k_packed, k_scales, mean_k, qbar, ds_key,
             exps.view(gk, 1, d) if balance else None)

@@ -408,20 +408,20 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
 
     On CUDA with the kernels:
     1. V along the sequence (transposed through shared memory);
-    2. per_block_mean: one launch smooths and quantizes Q and K. Q's CTAs each hold a 128-row
-       block in registers (its mean and codes from one read); K's tiles are summed, then, a few
-       heads later (mostly still in L2), quantized with the head's mean;
-       Q's and K's CTAs are interleaved (K's sums are bound by DRAM, the quantization by
-       arithmetic). One mean per head: Q and K each as ``smooth_quant_seq`` (the K part alone).
+    2. two small launches read up to 8 evenly spaced 128-row blocks of each head of Q and K and
+       make K's mean, each q head's mean_q_global (``reference.sample_mean``) and, with the
+       balance, its exponents from them;
+    3. one launch smooths and quantizes every 128-row tile of Q and K, each from one read into
+       registers: Q's tiles with their block means (per_block_mean) or mean_q_global, K's with
+       K's mean; K's tiles also write delta_key = mean_q_global · K_sᵀ per key and q head (the
+       unquantized smoothed row as quantized, from registers); the attention kernel adds the
+       block residuals' part per K tile (``Preprocessed.delta_s`` materialises it all).
     ``qk_rotation`` (D 64/128): Q and K rows are rotated in registers before smoothing.
-    ``qk_balance=True`` (D 64/128 without the rotation, per_block_mean; off by default): the channel balance
-    (``reference.balance_exponents``): a small launch reads up to 8 blocks of each q head for
-    the exponents first; Q and K are scaled by them in registers (``Preprocessed.balance``).
-    K's quantization also writes delta_key = mean_q_global · Kᵀ per key and q head (the
-    unquantized K; mean_q_global from Q's block sums in the same launch); the attention kernel
-    adds the block residuals' part per K tile (``Preprocessed.delta_s`` materialises it all).
+    ``qk_balance=True`` (D 64/128 without the rotation, per_block_mean; off by default): the
+    channel balance (``reference.balance_exponents``) from the same sampled blocks; Q and K are
+    scaled by it in registers (``Preprocessed.balance``).
     Bytes that must move: Q, K, V read (3 x 2 bytes/element) + FP4 written (3 x 0.5625) + the
-    means (tiny); K's second read comes mostly from L2 when a few heads fit in it. Figures:
+    sampled blocks (up to 8 x 128 rows per head) and the means. Figures:
     tests/bench/bench_kernels.py. Elsewhere: the reference."""
     _check_qkv(q, k, v)
     if not isinstance(pad, int) or pad <= 0 or pad % 16:
@@ -470,7 +470,7 @@ def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bo
         else:
             kp, ksc, mean_k = _kernels.smooth_quant_seq(k3, pad, rotate=rot)
     if not key:
-        qbar, ds_key = _delta_key_torch(q, k, None if per_block_mean else qbar, rot, kp.shape[1])
+        qbar, ds_key = _delta_key_torch(q, k, None if per_block_mean else qbar, mean_k, rot, kp.shape[1])
     return Preprocessed(
         qp.view(b, hq, -1, d // 2), qsc.view(b, hq, -1, d // 16),
         kp.view(b, hk, -1, d // 2), ksc.view(b, hk, -1, d // 16),
@@ -479,15 +479,16 @@ def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bo
     )
 
 
-def _delta_key_torch(q, k, qbar, rot: bool, skp: int):
+def _delta_key_torch(q, k, qbar, mean_k, rot: bool, skp: int):
     """mean_q_global and delta_key with torch ops, where the K kernels do not compute them
     (head dims other than 64/128; more q heads per kv head than they take): (B*Hq, 1, D) and
-    (B*Hq, Skp) float32, the reference's definition (in float32)."""
+    (B*Hq, Skp) float32, the reference's definition (in float32): qbar · (rotated K - mean_k)."""
     b, hq, sq, d = q.shape
+    hk = k.shape[1]
     turn = reference.rotate if rot else (lambda x: x.float())
     if qbar is None:
-        qbar = turn(q.float().mean(dim=2, keepdim=True))
+        qbar = turn(reference.sample_mean(q))
     qbar = qbar.reshape(b, hq, 1, d)
-    ks = reference.expand_kv(turn(k), hq)
+    ks = reference.expand_kv(turn(k) - mean_k.reshape(b, hk, 1, d), hq)
     ds = reference.pad_dim(torch.matmul(qbar, ks.transpose(-1, -2)).squeeze(-2), -1, skp)
     return qbar.reshape(b * hq, 1, d), ds.reshape(b * hq, skp)

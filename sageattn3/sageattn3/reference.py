@@ -50,6 +50,15 @@ FP4_MAX = 6.0
 E4M3_MAX = 448.0
 P_SCALE = E4M3_MAX * FP4_MAX  # 2688: where the row max of P is mapped (two-level quantization)
 Q_MEAN_BLOCK = 128  # tokens per Q mean block (per_block_mean=True)
+# K's mean and Q's mean over the whole sequence (mean_q_global, and Q's only mean without
+# per_block_mean) come from up to this many evenly spaced 128-token blocks (``sample_blocks``).
+# The attention does not depend on them: any vector subtracted from K changes every score of a
+# query row by the same amount (the softmax ignores it), and mean_q_global only splits the
+# correction delta_s (exact for any value). They decide how well a channel bias is removed before
+# the quantization; a sample does that as well as the whole sequence on data whose bias is a
+# property of the channel, and it lets the kernels know the means before they read Q and K, so
+# each is read once.
+MEAN_SAMPLE_BLOCKS = 8
 LOG2E = 1.4426950408889634
 
 # E2M1 code -> value (codes 8..15 are the negatives of 0..7; code 8 is -0.0).
@@ -225,10 +234,9 @@ def rotation_score_factor(head_dim: int, rotated: bool) -> float:
 # Q's channel d is multiplied by 2^-e_d and K's by 2^e_d after smoothing, which leaves every
 # score Q·Kᵀ unchanged (powers of two: exact in float32) while K's outlier channel becomes the
 # largest value of its 16-channel block (quantized nearly exactly) and Q's shrinks.
-# e_d from Q's channel RMS (smoothed by 128-token block means) over a sample of Q's blocks:
-# BALANCE_SAMPLE_BLOCKS evenly spaced 128-token blocks of each q head of the KV head's group.
+# e_d from Q's channel RMS (smoothed by 128-token block means) over Q's sampled blocks
+# (``sample_blocks``) of each q head of the KV head's group.
 BALANCE_HEAD_DIMS = (64, 128)
-BALANCE_SAMPLE_BLOCKS = 8
 BALANCE_MAX_EXP = 2  # |e_d| <= 2: channels scaled by 1/4 .. 4
 # Off unless asked for (qk_balance=True): measured on an H100 (24 heads x 32k tokens, D 128, bf16)
 # it adds 20-30% to the preprocessing time (the exponents' launch, and the factors cost the
@@ -244,18 +252,28 @@ def balance_applies(head_dim: int, rotated: bool) -> bool:
     return head_dim in BALANCE_HEAD_DIMS and not rotated
 
 
-def balance_sample_blocks(seq_q: int) -> list[int]:
-    """The 128-token Q blocks the balance statistics come from: (i * n) // m for i < m, with
-    n = ceil(seq_q / 128) blocks and m = min(BALANCE_SAMPLE_BLOCKS, n)."""
-    n = -(-seq_q // Q_MEAN_BLOCK)
-    m = min(BALANCE_SAMPLE_BLOCKS, n)
+def sample_blocks(seq: int) -> list[int]:
+    """The 128-token blocks the sampled means (``sample_mean``) and the balance statistics come
+    from: (i * n) // m for i < m, with n = ceil(seq / 128) blocks and m = min(MEAN_SAMPLE_BLOCKS,
+    n): every block up to 1024 tokens, then 8 evenly spaced ones."""
+    n = -(-seq // Q_MEAN_BLOCK)
+    m = min(MEAN_SAMPLE_BLOCKS, n)
     return [(i * n) // m for i in range(m)]
+
+
+def sample_mean(x: torch.Tensor) -> torch.Tensor:
+    """(..., 1, D) float32: the mean of x (..., S, D) over the real rows of its sampled blocks
+    (``sample_blocks``): float32 sum / their row count (the kernels sum in their own order)."""
+    s = x.shape[-2]
+    parts = [x[..., t * Q_MEAN_BLOCK : min(s, (t + 1) * Q_MEAN_BLOCK), :].float() for t in sample_blocks(s)]
+    rows = sum(p.shape[-2] for p in parts)
+    return torch.cat(parts, dim=-2).sum(dim=-2, keepdim=True) / float(rows)
 
 
 def balance_exponents(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """(B, Hkv, 1, D) float32 e_d in {-2, ..., 2} (as float), per KV head, from q (B, Hq, Sq, D):
 
-    1. for each sampled block (``balance_sample_blocks``) of each q head of the group, its mean
+    1. for each sampled block (``sample_blocks``) of each q head of the group, its mean
        mu over its real rows (float32 sum / count) and ss_d = sum over its rows of (q - mu)²;
     2. ms_d = (sum of ss_d over the group's sampled blocks) / (their row count), a_d = sqrt(ms_d);
     3. m = (sum of a_d over d, added as a pairwise tree: d = 2i with 2i + 1 first) / D;
@@ -268,7 +286,7 @@ def balance_exponents(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     ``preprocess`` (``balance=``) to compare the quantized tensors bit for bit."""
     b, hq, sq, d = q.shape
     rep = hq // kv_heads
-    blocks = balance_sample_blocks(sq)
+    blocks = sample_blocks(sq)
     qf = q.float()
     ss = torch.zeros(b, hq, d, dtype=torch.float32, device=q.device)
     count = 0
@@ -294,16 +312,16 @@ def balance_exponents(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def k_mean(k: torch.Tensor) -> torch.Tensor:
-    """Mean of K over the sequence, per (batch, head): (B, H, 1, D) float32."""
-    return k.float().mean(dim=-2, keepdim=True)
+    """The mean K is smoothed by, per (batch, head): (B, H, 1, D) float32, ``sample_mean``."""
+    return sample_mean(k)
 
 
 def q_mean(q: torch.Tensor, per_block_mean: bool = True) -> torch.Tensor:
     """Q means, (B, H, nblk, D) float32: per 128-token block (the last block averages only its
-    real tokens), or one mean over the whole sequence (nblk = 1)."""
+    real tokens), or one mean for the whole sequence (nblk = 1, ``sample_mean``)."""
     qf = q.float()
     if not per_block_mean:
-        return qf.mean(dim=-2, keepdim=True)
+        return sample_mean(qf)
     s = q.shape[-2]
     nblk = -(-s // Q_MEAN_BLOCK)
     qp = pad_dim(qf, -2, Q_MEAN_BLOCK).reshape(*q.shape[:-2], nblk, Q_MEAN_BLOCK, q.shape[-1])
@@ -335,11 +353,13 @@ class Preprocessed:
     - k_packed (B, Hkv, Sk_p, D/2), k_scales (B, Hkv, Sk_p, D/16): K - mean_k, rows.
     - v_packed (B, Hkv, D, Sk_p/2), v_scales (B, Hkv, D, Sk_p/16): V along the sequence.
     - mean_q (B, Hq, nblk, D) float32: the Q means removed from Q (nblk = ceil(Sq/128) with
-      per_block_mean, else 1; query row i uses mean i // 128, or 0); mean_k (B, Hkv, 1, D).
-    - mean_q_global (B, Hq, 1, D) float32: Q's mean over the whole sequence (= mean_q without
-      per_block_mean).
-    - delta_key (B, Hq, Sk_p) float32: mean_q_global · Kᵀ per key with the UNQUANTIZED
-      (rotated) K (float32 values, float64 products; 0 in padded columns).
+      per_block_mean, else 1 (``sample_mean``); query row i uses mean i // 128, or 0); mean_k
+      (B, Hkv, 1, D) (``sample_mean``).
+    - mean_q_global (B, Hq, 1, D) float32: Q's mean for the whole sequence, ``sample_mean`` (=
+      mean_q without per_block_mean).
+    - delta_key (B, Hq, Sk_p) float32: mean_q_global · K_sᵀ per key with K_s the UNQUANTIZED
+      smoothed K, exactly the float32 values the quantizer takes (rotated or balanced; float64
+      products; 0 in padded columns).
     - balance (B, Hkv, 1, D) float32 or None: the channel balance exponents e
       (``balance_exponents``) when the balance applies. Q and K then live in the balanced space:
       q_packed holds Q·2^-e - mean_q and k_packed K·2^e - mean_k, and mean_q, mean_q_global and
@@ -348,8 +368,7 @@ class Preprocessed:
     - delta_s (a property; the kernel never materialises it) (B, Hq, nblk, Sk_p): the correction
       added to Qd·Kdᵀ, delta_s[i, j] = delta_key[j] + r_i · Kd_j with r_i = mean_q[i] -
       mean_q_global (float32 subtraction) and Kd the dequantized smoothed K. SageAttention2/3
-      add mean_q · K_sᵀ (K_s = K - mean_k, unquantized); this equals delta_key + r_i · K_s up to
-      mean_q_global · mean_k, the same for every key of a query row, which the softmax ignores.
+      add mean_q · K_sᵀ (K_s = K - mean_k, unquantized); this equals delta_key + r_i · K_s.
       So the part of the Q mean shared by all blocks multiplies the unquantized K as in the
       paper, and only the block residuals r_i (small next to the mean on data whose Q has channel
       offsets) meet K's quantization error: r_i · (Kd - K_s) is all that differs. Without
@@ -357,7 +376,7 @@ class Preprocessed:
       per key and computes r_i · Kd_j per 128-key tile from the K tile it holds (skipped where
       r_i is zero). Why this form: materialising mean_q · K_sᵀ costs (B, Hq, Sq/128, Sk) fp32
       (~800 MB at 24 heads x 32k tokens); delta_key is (B, Hq, Sk) (3 MB there) and costs K's
-      quantization pass one dot product per key and q head; measured (CPU, the cases of
+      quantization one dot product per key and q head over the row it already holds; measured (CPU, the cases of
       tests/bench/accuracy.py) it is within noise of the paper's form everywhere, while
       mean_q · Kdᵀ (everything through the quantized K) is 1.7x to 2.2x worse in rel-L1 at x8 Q
       channel offsets.
@@ -448,7 +467,7 @@ def preprocess(
     qp, qsc = quantize_rows(pad_dim(qs, -2, pad))
     kp, ksc = quantize_rows(pad_dim(ks, -2, pad))
     vp, vsc = quantize_transposed(pad_dim(v.float(), -2, pad))
-    dk = pad_dim(delta_s(mg / cq, turn(k)).squeeze(-2), -1, pad)
+    dk = pad_dim(delta_s(mg, ks).squeeze(-2), -1, pad)
     return Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk, mg, dk, rot, bal)
 
 
@@ -562,11 +581,14 @@ def sageattn3_paper(
     sm_scale: float | None = None,
     block_n: int = 128,
 ) -> torch.Tensor:
-    """SageAttention3 as published, for comparison (the accuracy table): no rotation, no balance, and the
-    correction delta_s = mean_q · K_sᵀ with the unquantized smoothed K materialised for every
-    (Q block, key) pair; otherwise the same quantizers and online softmax as ``sageattn3``."""
+    """SageAttention3 as published, for comparison (the accuracy table): no rotation, no balance,
+    K's mean (and Q's without per_block_mean) over the whole sequence, and the correction
+    delta_s = mean_q · K_sᵀ with the unquantized smoothed K materialised for every (Q block, key)
+    pair; otherwise the same quantizers and online softmax as ``sageattn3``."""
     b, hq, sq, d = q.shape
-    pre = preprocess(q, k, v, per_block_mean, pad=block_n, qk_rotation=False, qk_balance=False)
+    full_q = None if per_block_mean else q.float().mean(dim=-2, keepdim=True)
+    pre = preprocess(q, k, v, per_block_mean, pad=block_n, mean_q=full_q, mean_k=k.float().mean(dim=-2, keepdim=True),
+                     qk_rotation=False, qk_balance=False)
     qd, kd, vd = _dequantized(pre, hq)
     ks = pad_dim(k.float() - pre.mean_k, -2, block_n)
     delta = delta_s(pre.mean_q, ks)

@@ -7,9 +7,10 @@
    with per-block Q means (channel balance on and off, the default) and with one Q mean, for one
    call and per call over 10 back-to-back
    calls. delta_s is not materialised (the attention kernel computes mean_q . K^T per tile); the
-   bytes-moved bound adds K's tile sums and the means (tiny) to the floor, i.e. it assumes K's
-   second read comes from L2. Then the stages alone: with per-block means Q and K run in one
-   launch ("Q and K smoothed + quant, one launch", also at fixed lags).
+   bytes-moved bound adds the sampled blocks (up to 8 x 128 rows per head of Q and K, read a
+   second time) and the means to the floor. Then the stages alone: with per-block means Q and
+   K are quantized in one launch after the two small launches of the sampled means ("Q and K
+   smoothed + quant").
 3. FP4 attention (batch 1, 16 heads, 4096 tokens, D 64/128, bf16, causal and not): the kernel on
    preprocessed inputs, the whole sageattn3_blackwell call (preprocessing included) and torch
    SDPA for comparison. On an H100 this needs the MMA-model test flavour (SAGEATTN3_FORCE_FP4=1 is
@@ -141,24 +142,24 @@ def bench_preprocess(bw: float) -> None:
     mk4, mq4 = mean_k.view(b, h, 1, d), mean_q.view(b, h, -1, d)
     stages = {
         "Q block means + quant": lambda: _kernels.smooth_quant_rows(q3, mean_q, True, 128, 128),
-        "Q and K smoothed + quant, one launch": lambda: _kernels.smooth_quant_qk(q3, k3, 128),
+        "Q and K smoothed + quant": lambda: _kernels.smooth_quant_qk(q3, k3, 128),
         "  + delta_key (the default path)": lambda: _kernels.smooth_quant_qk_key(q3, k3, 128),
         "  + delta_key + channel balance": lambda: _kernels.smooth_quant_qk_key(q3, k3, 128, balance=True),
         "  channel balance exponents alone": lambda: _kernels.qk_balance(q3, b * h),
-        "  the same, lag 1 group": lambda: _kernels.smooth_quant_qk(q3, k3, 128, lag=1),
-        "  the same, lag 5 groups": lambda: _kernels.smooth_quant_qk(q3, k3, 128, lag=5),
-        "K mean + quant, one read": lambda: _kernels.smooth_quant_seq(k3, 128),
-        "K mean + quant, two reads": lambda: _kernels.smooth_quant_seq(k3, 128, two_pass=True),
+        "  + delta_key + rotation": lambda: _kernels.smooth_quant_qk_key(q3, k3, 128, rotate=True),
+        "K sampled mean + quant": lambda: _kernels.smooth_quant_seq(k3, 128),
         "K quant, mean given": lambda: _kernels.smooth_quant_rows(k3, mean_k, False, 0, 128),
         "V transposed quant": lambda: _kernels.quant_cols(v, 128),
         "(unused) K quant+delta_s MMA": lambda: torch.ops.sageattn3.smooth_quant_k_delta(k, mk4, mq4, kp, ksc, ds),
     }
-    # every byte preprocessing moves besides the floor: K's tile sums (written, read) and the means
-    partial_bytes = 2 * b * h * (s // 128) * d * 4
+    # every byte preprocessing moves besides the floor: the sampled blocks of Q and K (read a second
+    # time, bf16), their column sums (written, read) and the means
+    ns = min(8, -(-s // 128))
+    sample_bytes = 2 * b * h * ns * 128 * d * 2 + 2 * 2 * b * h * ns * d * 4
     mean_bytes = mean_q.numel() * 4 + mean_k.numel() * 4
-    bound = (floor_bytes + partial_bytes + mean_bytes) / bw * 1e3
-    print(f"  bytes-moved bound with per-block means (floor + K tile sums and means "
-          f"{(partial_bytes + mean_bytes) / 1e6:.1f} MB): {bound:.3f} ms = {bound / floor_ms:.2f}x the floor")
+    bound = (floor_bytes + sample_bytes + mean_bytes) / bw * 1e3
+    print(f"  bytes-moved bound with per-block means (floor + sampled blocks and means "
+          f"{(sample_bytes + mean_bytes) / 1e6:.1f} MB): {bound:.3f} ms = {bound / floor_ms:.2f}x the floor")
     for name, fn in stages.items():
         print(f"    {name:38s} {time_ms(fn, warmup=2, iters=5):7.3f} ms  back-to-back {time_ms_batched(fn):7.3f} ms")
     del q, k, v, k3, q3, kp, ksc, ds, stages

@@ -78,7 +78,7 @@ def balance_agrees(got, want, q, kv_heads):
     b, hq, sq, d = q.shape
     qf = q.double()
     ss, count = 0, 0
-    for t in ref_mod().balance_sample_blocks(sq):
+    for t in ref_mod().sample_blocks(sq):
         x = qf[..., t * 128:min(sq, (t + 1) * 128), :]
         ss = ss + ((x - x.mean(dim=-2, keepdim=True)) ** 2).sum(dim=-2)
         count += x.shape[-2]
@@ -210,11 +210,11 @@ def test_misaligned_inputs():
 @pytest.mark.parametrize("g,s,d,pad", [(1, 1, 64, 128), (3, 17, 128, 128), (2, 128, 64, 16), (5, 129, 128, 128),
                                        (2, 1000, 48, 16), (24, 4096, 128, 128), (4, 3000, 256, 128)])
 @pytest.mark.parametrize("rotate", [False, True])
-def test_seq_mean_one_read_equals_two_reads_and_reference(dtype, g, s, d, pad, rotate):
-    """The one-read whole-sequence smoothing (tile sums, the last of a group reduces the mean,
-    the group quantized a few groups later) gives the same bits as the two-read path, and the
-    reference's bits given that mean; rotated rows (D 64/128) too, with the per-key correction
-    of 3 q heads per group (the same bits on both paths, the reference's values)."""
+def test_seq_mean_sampled_and_reference(dtype, g, s, d, pad, rotate):
+    """Smoothing by the sampled mean (reference.sample_mean: up to 8 evenly spaced 128-row
+    blocks): the reference's mean, and the reference's bits given the kernel's mean; rotated
+    rows (D 64/128) too, with the per-key correction of 3 q heads per group (the reference's
+    values over the smoothed rows, the same codes as without it)."""
     if rotate and d not in (64, 128):
         pytest.skip("the rotation is defined for D 64/128")
     kernels_or_skip()
@@ -224,27 +224,25 @@ def test_seq_mean_one_read_equals_two_reads_and_reference(dtype, g, s, d, pad, r
     gen = torch.Generator().manual_seed(s * 31 + d)
     x = (torch.randn(g, s, d, generator=gen) * 2 + 5 * torch.randn(d, generator=gen)).to(dtype).cuda()
     one = _kernels.smooth_quant_seq(x, pad, rotate=rotate)
-    two = _kernels.smooth_quant_seq(x, pad, two_pass=True, rotate=rotate)
-    for a, b in zip(one, two):
-        assert same_bytes(a, b)
     packed, scales, mean = one
     turn = ref.rotate if rotate else (lambda t: t.float())
-    assert torch.allclose(mean.cpu(), turn(x.cpu().float().mean(dim=1, keepdim=True)), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(mean.cpu(), turn(ref.sample_mean(x.cpu())), rtol=1e-5, atol=1e-5)
+    if s > 1024:  # not the whole sequence's mean
+        assert not torch.allclose(mean.cpu(), turn(x.cpu().float().mean(dim=1, keepdim=True)), rtol=0, atol=1e-4)
     if d in (64, 128):
         qbar = (torch.randn(3 * g, 1, d, generator=gen) + 2).cuda()
         k1 = _kernels.smooth_quant_seq_key(x, pad, qbar, rotate=rotate)
-        k2 = _kernels.smooth_quant_seq_key(x, pad, qbar, two_pass=True, rotate=rotate)
-        for a, b in zip(k1[:3] + k2[:3], one + one):
+        for a, b in zip(k1[:3], one):
             assert same_bytes(a, b)
-        assert same_bytes(k1[3], k2[3])
-        want = ref.delta_s(qbar.cpu().view(g, 3, 1, d), turn(x.cpu()).unsqueeze(1)).view(3 * g, s)
+        ks = turn(x.cpu()) - mean.cpu()
+        want = ref.delta_s(qbar.cpu().view(g, 3, 1, d), ks.unsqueeze(1)).view(3 * g, s)
         assert close_delta_key(k1[3][:, :s], want) and bool((k1[3][:, s:] == 0).all())
     sp = -(-s // pad) * pad
     smoothed = torch.zeros(g, sp, d)
     smoothed[:, :s] = turn(x.cpu().float()) - mean.cpu()
     rp, rs = ref.quantize_rows(smoothed)
     assert same_bytes(packed, rp) and same_bytes(scales, rs)
-    # repeated launches reuse nothing stale (the sync words are zeroed per launch)
+    # repeated launches give the same bits
     again = _kernels.smooth_quant_seq(x, pad, rotate=rotate)
     for a, b in zip(one, again):
         assert same_bytes(a, b)
@@ -255,15 +253,12 @@ def test_seq_mean_one_read_equals_two_reads_and_reference(dtype, g, s, d, pad, r
                                                (3, 129, 3, 1, 48, 128), (2, 1, 2, 257, 256, 128),
                                                (24, 2048, 24, 2048, 128, 128), (8, 4000, 2, 4000, 64, 128),
                                                (0, 5, 40, 300, 64, 16)])
-@pytest.mark.parametrize("lag", [0, 1, 3, 1000])
-def test_qk_one_launch_equals_separate_ops(dtype, gq, sq, gk, sk, d, pad, lag):
-    """One launch for Q's block means + quantization and K's whole-sequence smoothing (K's tile
-    sums, its mean, its quantization `lag` groups later, merged with Q's blocks): the same bits
-    as the separate ops (smooth_quant_rows with compute_mean for Q; the two-read
-    smooth_quant_seq for K), for GQA/MQA shapes, different Q/K lengths, no Q at all, and any
-    lag (1: each group's quantization right after its sums, the most waiting). With the per-key
-    correction (D 64/128, rotated or not): qbar has the bits of Q's own whole-sequence mean and
-    ds_key those of smooth_quant_seq_key given that qbar."""
+def test_qk_one_launch_equals_separate_ops(dtype, gq, sq, gk, sk, d, pad):
+    """One launch for Q's block means + quantization and K's smoothing by its sampled mean: the
+    same bits as the separate ops (smooth_quant_rows with compute_mean for Q; smooth_quant_seq
+    for K), for GQA/MQA shapes, different Q/K lengths and no Q at all. With the per-key
+    correction (D 64/128, rotated or not): qbar has the bits of Q's own sampled mean
+    (smooth_quant_seq) and ds_key those of smooth_quant_seq_key given that qbar."""
     kernels_or_skip()
     from sageattn3 import _kernels
 
@@ -273,19 +268,18 @@ def test_qk_one_launch_equals_separate_ops(dtype, gq, sq, gk, sk, d, pad, lag):
     for rotate in ((False, True) if d in (64, 128) else (False,)):
         key = gq > 0 and d in (64, 128)
         run = _kernels.smooth_quant_qk_key if key else _kernels.smooth_quant_qk
-        got = run(q, k, pad, lag=lag, rotate=rotate)
+        got = run(q, k, pad, rotate=rotate)
         qp, qsc, mean_q, kp, ksc, mean_k = got[:6]
         mean_q2 = torch.empty_like(mean_q)
         qp2, qsc2 = _kernels.smooth_quant_rows(q, mean_q2, True, 128, pad, rotate=rotate)
         assert same_bytes(mean_q, mean_q2) and same_bytes(qp, qp2) and same_bytes(qsc, qsc2)
-        kp2, ksc2, mean_k2 = _kernels.smooth_quant_seq(k, pad, two_pass=True, rotate=rotate)
+        kp2, ksc2, mean_k2 = _kernels.smooth_quant_seq(k, pad, rotate=rotate)
         assert same_bytes(mean_k, mean_k2) and same_bytes(kp, kp2) and same_bytes(ksc, ksc2)
         if key:
             qbar, ds_key = got[6:8]
             assert same_bytes(qbar, _kernels.smooth_quant_seq(q, pad, rotate=rotate)[2])
-            assert same_bytes(ds_key, _kernels.smooth_quant_seq_key(k, pad, qbar, two_pass=True, rotate=rotate)[3])
-        # again: the tickets and counters are zeroed per launch
-        again = run(q, k, pad, lag=lag, rotate=rotate)
+            assert same_bytes(ds_key, _kernels.smooth_quant_seq_key(k, pad, qbar, rotate=rotate)[3])
+        again = run(q, k, pad, rotate=rotate)
         for a, b in zip(again, got):
             assert (a is None and b is None) or same_bytes(a, b)
 
@@ -301,8 +295,6 @@ def test_qk_rejects_mismatched_inputs():
         _kernels.smooth_quant_qk(q, torch.randn(2, 64, 128, device="cuda", dtype=torch.bfloat16), 128)
     with pytest.raises(RuntimeError, match="k must not be empty"):
         _kernels.smooth_quant_qk(q, q[:, :0], 128)
-    with pytest.raises(RuntimeError, match="lag must be >= 0"):
-        _kernels.smooth_quant_qk(q, q, 128, lag=-1)
     with pytest.raises(RuntimeError, match="multiple of k groups"):
         _kernels.smooth_quant_qk(q[:1], q, 128)
     with pytest.raises(RuntimeError, match="rotate needs D 64 or 128"):
@@ -311,9 +303,8 @@ def test_qk_rejects_mismatched_inputs():
 
 
 def test_seq_mean_large_groups():
-    """Groups with more tiles than the device holds at once and larger than the L2 (the second
-    read misses L2): the same bits as the forced two-read path, the reference mean, and the
-    last group's last rows quantized from that mean."""
+    """Groups with more tiles than the device holds at once and larger than the L2: the
+    reference's sampled mean, and the last group's last rows quantized from that mean."""
     kernels_or_skip()
     from sageattn3 import _kernels
 
@@ -323,12 +314,9 @@ def test_seq_mean_large_groups():
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(3, s, d, generator=gen) + torch.randn(d, generator=gen)).to(torch.bfloat16).cuda()
     one = _kernels.smooth_quant_seq(x, 128)
-    two = _kernels.smooth_quant_seq(x, 128, two_pass=True)
     torch.cuda.synchronize()
-    for a, b in zip(one, two):
-        assert same_bytes(a, b)
-    assert torch.allclose(one[2].cpu(), x.cpu().float().mean(dim=1, keepdim=True), rtol=1e-4, atol=1e-4)
     from sageattn3 import reference as ref
+    assert torch.allclose(one[2].cpu(), ref.sample_mean(x.cpu()), rtol=1e-4, atol=1e-4)
     last = x[2:, -5:].cpu().float() - one[2][2:].cpu()
     rp, rs = ref.quantize_rows(last)
     assert same_bytes(one[0][2:, s - 5:s], rp) and same_bytes(one[1][2:, s - 5:s], rs)
@@ -349,7 +337,7 @@ def test_direct_op_rejects_misaligned_input():
 
 
 def test_seq_mean_under_graph_capture():
-    """Captured into a CUDA graph (the counters' reset is captured with the launch): replays
+    """Captured into a CUDA graph (the sampled sums, the means and the quantization): replays
     give the same bits as an eager call."""
     kernels_or_skip()
     from sageattn3 import _kernels

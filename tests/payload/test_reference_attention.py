@@ -73,9 +73,9 @@ def test_preprocess_layout_and_smoothing(rotation):
     assert (ref.unpack_codes(pre.v_packed)[..., 200:] == 0).all()
     assert (pre.delta_s[..., 200:] == 0).all() and (pre.delta_key[..., 200:] == 0).all()
     # delta_s = delta_key + (mean_q - mean_q_global) . Kd^T, kv head h // 2 for q head h, with
-    # delta_key = mean_q_global . K^T of the unquantized (rotated) K
+    # delta_key = mean_q_global . K_s^T of the unquantized smoothed (rotated) K
     kdq = ref.dequantize_rows(pre.k_packed, pre.k_scales)[:, :, :200]
-    dkey = pre.mean_q_global[:, 3] @ turn(k.float())[:, 1].transpose(-1, -2)
+    dkey = pre.mean_q_global[:, 3] @ (turn(k.float()) - pre.mean_k)[:, 1].transpose(-1, -2)
     assert torch.allclose(pre.delta_key[:, 3, :200], dkey[:, 0], rtol=1e-5, atol=1e-4)
     want = dkey + (pre.mean_q[:, 3] - pre.mean_q_global[:, 3]) @ kdq[:, 1].transpose(-1, -2)
     assert torch.allclose(pre.delta_s[:, 3, :, :200], want, rtol=1e-5, atol=1e-4)
@@ -131,3 +131,24 @@ def test_sm_scale_and_block_n():
     assert ref.cosine_similarity(out, ref.exact_attention(q, k, v, sm_scale=0.05)) >= 0.99
     with pytest.raises(ValueError):
         ref.sageattn3(q, k, v, block_n=40)
+
+
+def test_sampled_means_on_long_sequences():
+    """Past 1024 tokens K's mean and mean_q_global come from 8 evenly spaced 128-token blocks:
+    exactly the mean of those rows, not of the whole sequence."""
+    q, k, v = qkv(1, 2, 1, 2000, 3000, 64, seed=4)
+    assert ref.sample_blocks(3000) == [0, 3, 6, 9, 12, 15, 18, 21] and ref.sample_blocks(2000) == [0, 2, 4, 6, 8, 10, 12, 14]
+    rows = torch.cat([torch.arange(t * 128, min(3000, t * 128 + 128)) for t in ref.sample_blocks(3000)])
+    pre = ref.preprocess(q, k, v, per_block_mean=True)
+    assert torch.allclose(pre.mean_k[:, :, 0], k[:, :, rows].float().mean(-2), atol=1e-6)
+    assert not torch.allclose(pre.mean_k[:, :, 0], k.float().mean(-2), atol=1e-3)
+    qrows = torch.cat([torch.arange(t * 128, t * 128 + 128) for t in ref.sample_blocks(2000)])
+    assert torch.allclose(pre.mean_q_global[:, :, 0], q[:, :, qrows].float().mean(-2), atol=1e-6)
+    one = ref.preprocess(q, k, v, per_block_mean=False)
+    assert torch.equal(one.mean_q, one.mean_q_global) and torch.equal(one.mean_q, pre.mean_q_global)
+    # the attention does not depend on the smoothing vectors: against exact attention the
+    # output is as close as with the whole-sequence means (the paper's)
+    exact = ref.exact_attention(q, k, v)
+    ours = ref.cosine_similarity(ref.sageattn3(q, k, v), exact)
+    paper = ref.cosine_similarity(ref.sageattn3_paper(q, k, v), exact)
+    assert ours > 0.99 and abs(ours - paper) < 2e-3
