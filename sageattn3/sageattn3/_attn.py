@@ -10,9 +10,9 @@ produce (all sequence dims padded with zeros to a multiple of 128):
 - v (B, Hkv, D, Sk_p/2) + v_sf (B, Hkv, D, Sk_p/16): V along the sequence
   (``scale_and_quant_fp4_transpose`` layout);
 - mean_q (B, Hq, nblk, D) float32, nblk = Sq_p/128 (per-block Q means) or 1: the Q means
-  removed from q; mean_q_global (B, Hq, 1, D) float32: Q's mean over the whole sequence;
-  delta_key (B, Hq, Sk_p) float32: mean_q_global · Kᵀ per key (the unquantized K, from
-  preprocessing). The kernel adds delta_s = delta_key + (mean_q - mean_q_global) · Kdᵀ (Kd: the
+  removed from q; mean_q_global (B, Hq, 1, D) float32: Q's mean for the whole sequence
+  (``reference.sample_mean``); delta_key (B, Hq, Sk_p) float32: mean_q_global · K_sᵀ per key
+  (the unquantized smoothed K, from preprocessing). The kernel adds delta_s = delta_key + (mean_q - mean_q_global) · Kdᵀ (Kd: the
   dequantized k) to Q·Kᵀ before the softmax scale, the second term computed per 128-key tile on
   the fly (query row i uses mean i // 128, or 0); delta_s is never materialised.
 - With Q/K rotation (``reference.rotate``) the scores are (D/64)·Q·Kᵀ: the softmax scale is

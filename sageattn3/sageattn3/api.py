@@ -204,11 +204,11 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     randomized Hadamard transform before quantizing them (``sageattn3.reference.rotate``;
     attention is unchanged, outlier channels are spread before the 16-channel FP4 blocks form):
     more accurate with Q/K outlier channels, no gain elsewhere, and it makes the preprocessing
-    slower (about +57% on an H100), so it is off by default. ``qk_balance``: the Q/K channel
+    slower (about +45% on an H100), so it is off by default. ``qk_balance``: the Q/K channel
     balance (``sageattn3.reference.balance_exponents``; D 64/128, not with the rotation): Q's
     large channels are scaled down and K's same channels up by powers of two (attention is
     unchanged), which moves FP4 error away from Q's outlier channels (README, "Accuracy"); it
-    makes the preprocessing 20-30% slower on an H100, so it is off by default.
+    makes the preprocessing about 7% slower on an H100, so it is off by default.
 
     Under ``torch.compile`` (``fullgraph=True`` works): the path is decided when tracing; the
     FP4 path is the custom op ``torch.ops.sageattn3.attention`` (not differentiable, like the

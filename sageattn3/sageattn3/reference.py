@@ -179,9 +179,10 @@ ROTATION_HEAD_DIMS = (64, 128)  # head dims the rotation applies to (the FP4 ker
 ROTATION_SIGN_BITS = 0x216363698B529B4A97B750923CEB3FFD
 ROTATION_SCALE = 0.125  # 2^-3: exact in float32
 # What sageattn3_blackwell / preprocess do unless told otherwise: off. Measured on an H100 (the
-# MMA-model test flavour, 24 heads x 32k tokens, D 128) the rotation costs +57% of the
-# preprocessing time (3 shuffle stages of 16 values per row block), far over the 5% it could
-# cost to be on by default; it helps only with Q/K outlier channels (rel-L1 -10% there, within
+# MMA-model test flavour, 24 heads x 32k tokens, D 128, back to back) the rotation makes Q's and
+# K's launch 0.255 -> 0.409 ms, about +45% of the whole preprocessing (3 shuffle stages of 16
+# values per row block, on top of the software E2M1), far over the 5% it could cost to be on by
+# default; it helps only with Q/K outlier channels (rel-L1 -10% there, within
 # noise elsewhere: tests/bench/accuracy.py). qk_rotation=True turns it on.
 QK_ROTATION_DEFAULT = False
 
@@ -238,9 +239,9 @@ def rotation_score_factor(head_dim: int, rotated: bool) -> float:
 # (``sample_blocks``) of each q head of the KV head's group.
 BALANCE_HEAD_DIMS = (64, 128)
 BALANCE_MAX_EXP = 2  # |e_d| <= 2: channels scaled by 1/4 .. 4
-# Off unless asked for (qk_balance=True): measured on an H100 (24 heads x 32k tokens, D 128, bf16)
-# it adds 20-30% to the preprocessing time (the exponents' launch, and the factors cost the
-# streamed kernel registers at the H100's 64-register budget), over the 5% a default may cost.
+# Off unless asked for (qk_balance=True): measured on an H100 (24 heads x 32k tokens, D 128, bf16,
+# back to back) the whole preprocessing takes 0.377 ms with it against 0.352 ms without (+7%: the
+# sampled blocks' sums of squares and one multiply per element), over the 5% a default may cost.
 QK_BALANCE_DEFAULT = False
 
 
