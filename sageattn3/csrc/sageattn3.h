@@ -38,7 +38,7 @@ int smooth_quant_rows(const void* x, DType dtype, int64_t G, int64_t S, int64_t 
 // Smoothing with one mean per group + NVFP4 along D (S >= 1): mean (G, D) = the sampled mean
 // (reference.sample_mean: the column sums of min(8, ceil(S/128)) evenly spaced 128-row tiles,
 // added in tile order, / their real rows), then rows as smooth_quant_rows with mean_block 0.
-// Workspace: partial (G, ceil(S/128), D) fp32 (its first min(8, ceil(S/128)) rows per group);
+// Workspace: partial (G, ceil(S/128), D) fp32 (its first G * min(8, ceil(S/128)) rows);
 // sync and force_two_pass are unused (kept for the op's schema). Three launches: the sampled
 // tiles' sums, the means, one read of x to quantize.
 // With qbar (G*rep, D) fp32 (and ds_key (G*rep, Sp) fp32; D 64 or 128): the per-key correction

@@ -219,7 +219,9 @@ def smooth_quant_qk_key(q: torch.Tensor, k: torch.Tensor, seq_pad: int, rotate: 
 def balance_samples(s: int) -> int:
     """Q blocks the balance statistics read per q group: min(8, ceil(S/128))
     (``reference.sample_blocks``)."""
-    return min(8, -(-s // 128))
+    from . import reference
+
+    return len(reference.sample_blocks(s))
 
 
 def qk_balance(q: torch.Tensor, kv_groups: int) -> torch.Tensor:
@@ -269,7 +271,8 @@ def _codes(x: torch.Tensor, g: int, s: int, d: int, seq_pad: int) -> tuple[torch
 
 
 def _seq_workspace(x: torch.Tensor, g: int, s: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tile sums (G, ceil(S/128), D) and the ticket/arrival/ready counters (2 + 2G)."""
+    """The sampled tiles' sums (G, ceil(S/128), D; the first G * min(8, ceil(S/128)) rows used) and
+    the op's sync words (2 + 2G; unused, kept in its schema)."""
     return (torch.empty((g, -(-s // 128), d), dtype=torch.float32, device=x.device),
             torch.empty((2 + 2 * g,), dtype=torch.int32, device=x.device))
 

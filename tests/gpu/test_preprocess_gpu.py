@@ -31,7 +31,8 @@ def close_delta_key(got, want):
 @pytest.mark.parametrize("rotation,outliers", [(True, False), (False, False), (False, True)])
 @pytest.mark.parametrize("b,hq,hk,sq,sk,d", [(1, 2, 2, 128, 128, 64), (2, 4, 2, 300, 1000, 128),
                                              (1, 3, 1, 17, 5, 64), (1, 2, 1, 1, 1, 128), (1, 2, 2, 2000, 700, 48),
-                                             (1, 40, 1, 200, 300, 128)])
+                                             (1, 40, 1, 200, 300, 128), (1, 25, 1, 130, 260, 128),
+                                             (1, 26, 1, 130, 260, 128)])
 def test_preprocess_matches_reference(dtype, per_block_mean, rotation, outliers, b, hq, hk, sq, sk, d):
     """(1, 40, 1, ...): more q heads per kv head than the K kernels take for the correction
     (delta_key from torch ops; the balance on float32 copies); D 48: no rotation, no balance,
@@ -178,12 +179,13 @@ def test_fused_k_delta_matches_reference(dtype, b, hq, hk, sq, sk, d):
 
 
 def test_single_key_residual_is_exactly_zero():
-    """K == mean_k for one key: its smoothed codes are 0, so the block residuals' part r . Kd is
-    exactly 0 and delta_s is delta_key (mean_q_global . K) on every row, as in the reference."""
+    """K == mean_k for one key: its smoothed row is 0, so its codes, delta_key (mean_q_global .
+    K_s) and the block residuals' part r . Kd are all exactly 0, as in the reference."""
     sa = kernels_or_skip()
     q, k, v = qkv(1, 2, 2, 300, 1, 128, torch.bfloat16, seed=5)
     pre = sa.preprocess(q, k, v, per_block_mean=True)
     assert torch.all(pre.k_packed == 0)
+    assert torch.all(pre.delta_key[..., 0] == 0)
     assert torch.equal(pre.delta_s[..., 0].cpu(), pre.delta_key[..., None, 0].expand(-1, -1, 3).cpu())
 
 

@@ -71,20 +71,35 @@ def test_rotation_keeps_exact_attention():
 
 
 @pytest.mark.parametrize("rotation", [False, True])
-def test_delta_s_without_block_means_is_the_papers(rotation):
-    """One Q mean: delta_s = mean_q · K_sᵀ (unquantized smoothed K), the paper's correction (up
-    to float32 rounding of the dot products)."""
-    q, k, v = ac.make("q_offset_x8", 1, 4, 2, 200, 300, 64, seed=2)
-    pre = ref.preprocess(q, k, v, per_block_mean=False, qk_rotation=rotation)
+@pytest.mark.parametrize("per_block_mean", [False, True])
+def test_correction_restores_the_scores_for_sampled_means(rotation, per_block_mean):
+    """The smoothing vectors are free: with the unquantized smoothed Q and K, Qs · Ksᵀ + the
+    paper's correction mean_q · Ksᵀ gives every query row the scores Q · Kᵀ shifted by one
+    constant (mean_q · ... of K's mean), so the softmax is Q · Kᵀ's exactly, for the sampled
+    means of a sequence past 1024 tokens as for any others; delta_s is that correction up to
+    r · (Kd - Ks) (0 without block means)."""
+    q, k, v = ac.make("q_offset_x8", 1, 4, 2, 1500, 2500, 64, seed=2)
+    pre = ref.preprocess(q, k, v, per_block_mean=per_block_mean, qk_rotation=rotation)
     turn = ref.rotate if rotation else (lambda x: x.float())
-    paper = ref.delta_s(pre.mean_q, ref.pad_dim(turn(k) - pre.mean_k, -2, 128))[..., :300]
-    assert torch.allclose(pre.delta_s[..., :300], paper, rtol=0, atol=1e-5 * paper.abs().max().item())
-    assert (pre.delta_key[..., 300:] == 0).all()
+    idx = ref.q_block_index(1500, pre.mean_q.shape[-2])
+    qs = (turn(q) - pre.mean_q[..., idx, :]).double()
+    ks = ref.expand_kv(turn(k) - pre.mean_k, 4).double()
+    mq = pre.mean_q.double()[..., idx, :]
+    scores = qs @ ks.transpose(-1, -2) + mq @ ks.transpose(-1, -2)
+    exact = turn(q).double() @ ref.expand_kv(turn(k), 4).double().transpose(-1, -2)
+    want = torch.softmax(exact * 0.1, -1)
+    assert ((torch.softmax(scores * 0.1, -1) - want).abs().max() / want.max()) < 1e-6
+    # (without the correction the rows are far from it: the check can fail)
+    assert ((torch.softmax(qs @ ks.transpose(-1, -2) * 0.1, -1) - want).abs().max() / want.max()) > 0.1
+    if not per_block_mean:
+        paper = ref.delta_s(pre.mean_q, ref.pad_dim(turn(k) - pre.mean_k, -2, 128))[..., :2500]
+        assert torch.allclose(pre.delta_s[..., :2500], paper, rtol=0, atol=1e-5 * paper.abs().max().item())
+        assert (pre.delta_key[..., 2500:] == 0).all()
 
 
 def test_delta_s_with_block_means_quantizes_only_the_residual():
-    """Per-block means: delta_s - (paper's, up to its per-row constant) = r_i · (Kd - K_s), the
-    residual of the block mean against the global mean times K's quantization error."""
+    """Per-block means: delta_s - paper's = r_i · (Kd - K_s), the residual of the block mean
+    against the global mean times K's quantization error."""
     q, k, v = ac.make("q_offset_x8", 1, 2, 1, 384, 256, 128, seed=3)
     pre = ref.preprocess(q, k, v, per_block_mean=True, qk_rotation=True)
     ks = ref.rotate(k) - pre.mean_k
@@ -96,7 +111,7 @@ def test_delta_s_with_block_means_quantizes_only_the_residual():
     # the global part is exact; the block residuals are small next to the mean on such data
     assert r.norm() < 0.2 * pre.mean_q_global.norm() * r.shape[2] ** 0.5
     paper = ref.delta_s(pre.mean_q, ks)
-    err_ours = (pre.delta_s[..., :256].double() - paper.double()).std(dim=-1)  # the per-row constant drops out
+    err_ours = (pre.delta_s[..., :256].double() - paper.double()).std(dim=-1)
     err_dequant = (ref.delta_s(pre.mean_q, kd).double() - paper.double()).std(dim=-1)
     assert (err_ours < 0.3 * err_dequant).all()
 

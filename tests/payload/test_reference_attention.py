@@ -145,7 +145,7 @@ def test_sampled_means_on_long_sequences():
     qrows = torch.cat([torch.arange(t * 128, t * 128 + 128) for t in ref.sample_blocks(2000)])
     assert torch.allclose(pre.mean_q_global[:, :, 0], q[:, :, qrows].float().mean(-2), atol=1e-6)
     one = ref.preprocess(q, k, v, per_block_mean=False)
-    assert torch.equal(one.mean_q, one.mean_q_global) and torch.equal(one.mean_q, pre.mean_q_global)
+    assert torch.equal(one.mean_q, pre.mean_q_global)
     # the attention does not depend on the smoothing vectors: against exact attention the
     # output is as close as with the whole-sequence means (the paper's)
     exact = ref.exact_attention(q, k, v)

@@ -7,7 +7,7 @@
 //   v      uint8 (B, Hkv, D, Sk_pad/2),  v_sf (B, Hkv, D, Sk_pad/16)       (V^T: 16-blocks along keys)
 //   mean_q fp32  (B, Hq, mean_qblocks, D): the Q means removed from q; mean_qblocks is Sq_pad/128
 //          (one per 128-query block, per_block_mean) or 1 (one Q mean).
-//   qbar   fp32  (B, Hq, 1, D): Q's mean over the whole sequence.
+//   qbar   fp32  (B, Hq, 1, D): Q's mean for the whole sequence (sampled: reference.sample_mean).
 //   ds_key fp32  (B, Hq, Sk_pad): qbar . K_s^T per key with K_s the UNQUANTIZED smoothed K (from
 //          preprocessing). The kernel adds delta_s[i, j] = ds_key[j] + (mean_q[i] - qbar) . Kd_j
 //          to Q K^T before scaling, Kd the dequantized k (codes x scales, exactly the operand in

@@ -23,7 +23,7 @@ struct AttnParams {
   CUtensorMap tm_v;      // V^T packed (B*Hkv*D rows, Sk_pad/2 bytes), box 64 x D, swizzled
   const uint8_t* v_sf;   // V scales (B, Hkv, D, Sk_pad/16) bytes
   const float* mean_q;   // Q means fp32 (B*Hq*mean_qblocks rows, D)
-  const float* qbar;     // Q means over the whole sequence fp32 (B*Hq rows, D)
+  const float* qbar;     // Q means for the whole sequence (sampled) fp32 (B*Hq rows, D)
   const float* ds_key;   // per-key correction fp32 (B*Hq rows, seq_k_pad): qbar . K_s^T, unquantized K_s
   void* out;             // (B, Hq, Sq, D), bf16 or fp16
   int batch, heads_q, heads_kv;

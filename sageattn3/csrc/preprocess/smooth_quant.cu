@@ -4,7 +4,7 @@
 // the tile from DRAM.
 //
 // Means over 128-row blocks (Q with per_block_mean) are local to a CTA. K's mean, and Q's mean
-// over the whole sequence (qbar: the shared part of the correction delta_s; Q's only mean
+// for the whole sequence (qbar: the shared part of the correction delta_s; Q's only mean
 // without per_block_mean), are taken over a fixed sample of the sequence (sampled means,
 // below): two small launches compute them from min(8, ceil(S/128)) tiles, then one launch
 // smooths and quantizes every tile of Q and K with no dependency between its CTAs, so Q and K
@@ -34,7 +34,8 @@ template <typename T, int P>
 struct Tile {
   Raw16<T> raw[P];
 
-  // kLastUse: streaming loads (evict first); else normal ones (the tile is read again soon).
+  // kLastUse: streaming loads (evict first); else normal ones (the tile is read again soon: the
+  // sampled tiles, which the smoothing launch reads after the sums).
   template <bool kLastUse = true>
   __device__ __forceinline__ void load(const RowMap& m, const T* xg, int D, int64_t row0, int64_t r1) {
 #pragma unroll
@@ -183,7 +184,7 @@ __device__ __forceinline__ float balance_factor(float e, bool is_q) {
 }
 
 // ---- sampled means --------------------------------------------------------------------------
-// K's mean and qbar (each q group's mean over the whole sequence) are taken over a fixed sample:
+// K's mean and qbar (each q group's mean for the whole sequence) are taken over a fixed sample:
 // ns = min(8, nt) of the nt = ceil(S/128) tiles, tile (i * nt) / ns for i < ns (all of them up
 // to 1024 rows), mean = (sum over the sampled tiles, in order, of their column sums) / (their
 // real rows) in fp32 (reference.sample_mean). The channel balance statistics come from the same
@@ -263,7 +264,7 @@ __global__ void __launch_bounds__(kRowThreads) sample_sums_kernel(const __grid_c
   const int64_t tile = sample_tile(c % s.ns, s.nt, s.ns);
   const RowMap m(D);
   Tile<T, P> t;
-  t.load_tile(m, static_cast<const T*>(s.x), s.S, D, c / s.ns, tile);
+  t.template load_tile<false>(m, static_cast<const T*>(s.x), s.S, D, c / s.ns, tile);
   t.colsum(m, D, red);
   if (s.sums != nullptr && static_cast<int>(threadIdx.x) < D) s.sums[static_cast<int64_t>(c) * D + threadIdx.x] = red[threadIdx.x];
   if (s.ss != nullptr) tile_square_sums(t, m, D, s.S, tile, red, s.ss + static_cast<int64_t>(c) * D);
@@ -523,7 +524,7 @@ int smooth_quant_rows(const void* x, DType dtype, int64_t G, int64_t S, int64_t 
   if (D % 16 || D <= 0 || D > kMaxD || Sp < S || (mean_block != 0 && mean_block != kRows) ||
       (compute_mean && mean_block != kRows) || !options_fit(D, rotate, false) || G > 0x7FFFFFFF)
     return cudaErrorInvalidValue;
-  if (ceil_div(S, kRows) > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  if (ceil_div(Sp, kRows) > 0x7FFFFFFF) return cudaErrorInvalidValue;
   const RowsJob j = rows_job(x, G, S, Sp, mean, compute_mean, mean_block == kRows, packed, scales);
   return with_dtype(dtype, [&](auto t) {
     return launch_all<decltype(t)>(SampleSrc{}, SampleSrc{}, SampleMeans{}, 0, j, RowsJob{}, D, rotate, stream);
@@ -535,7 +536,8 @@ int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D
                      const float* qbar, int64_t rep, float* ds_key, cudaStream_t stream) {
   (void)sync;
   (void)force_two_pass;
-  if (D % 16 || D <= 0 || D > kMaxD || Sp < S || S < 1) return cudaErrorInvalidValue;
+  if (D % 16 || D <= 0 || D > kMaxD || Sp < S || S < 1 || ceil_div(Sp, kRows) > 0x7FFFFFFF)
+    return cudaErrorInvalidValue;
   if ((qbar != nullptr) != (ds_key != nullptr) || (qbar && (rep < 1 || rep > max_correction_heads(static_cast<int>(D)))) ||
       !options_fit(D, rotate, qbar != nullptr))
     return cudaErrorInvalidValue;
@@ -565,7 +567,8 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
                     cudaStream_t stream) {
   (void)sync;
   if (D % 16 || D <= 0 || D > kMaxD || Sqp < Sq || Skp < Sk || Sk < 1 || Gk < 1 || Gk > 0x7FFFFFFF || Gq < 0 ||
-      Gq > 0x7FFFFFFF || lag < 0 || Gq % Gk != 0 || (Gq > 0 && Sq < 1))
+      Gq > 0x7FFFFFFF || lag < 0 || Gq % Gk != 0 || (Gq > 0 && Sq < 1) || ceil_div(Sqp, kRows) > 0x7FFFFFFF ||
+      ceil_div(Skp, kRows) > 0x7FFFFFFF)
     return cudaErrorInvalidValue;
   if ((balance != nullptr) != (balance_part != nullptr) ||
       (balance && (rotate || Gq == 0 || !rotation_applies(static_cast<int>(D)))))

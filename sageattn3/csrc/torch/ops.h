@@ -212,6 +212,7 @@ void smooth_quant_rows(T x, T mean, bool compute_mean, int64_t mean_block, T pac
 // smooth_quant_seq(x, mean!, partial!, sync!, packed!, scales!, two_pass, rotate, qbar, ds_key!): x (G, S, D),
 // S >= 1; mean (G, 1, D) fp32; partial (G, ceil(S/128), D) fp32; sync (2 + 2G) int32; packed (G, Sp, D/2);
 // qbar (G*rep, D) and ds_key (G*rep, Sp) fp32 for the per-key correction, or both empty (none).
+// sync and two_pass are unused (kept in the schema); the mean is the sampled one (sageattn3.h).
 template <class T>
 void smooth_quant_seq(T x, T mean, T partial, T sync, T packed, T scales, bool two_pass, bool rotate, T qbar,
                       T ds_key) {
@@ -235,7 +236,7 @@ void smooth_quant_seq(T x, T mean, T partial, T sync, T packed, T scales, bool t
   if (correction) {
     check_f32_on(qbar, x, "qbar");
     check_f32_on(ds_key, x, "ds_key");
-    SA3_CHECK(T, 32 % (D / 16) == 0, "sageattn3: the per-key correction needs D/16 to divide 32");
+    SA3_CHECK(T, D == 64 || D == 128, "sageattn3: the per-key correction needs D 64 or 128");
     rep = G ? qbar.numel() / (G * D) : 1;
     SA3_CHECK(T, rep >= 1 && qbar.numel() == G * rep * D && ds_key.numel() == G * rep * Sp,
               "sageattn3: qbar must be (G*rep, D) and ds_key (G*rep, Sp)");
@@ -256,6 +257,7 @@ void smooth_quant_seq(T x, T mean, T partial, T sync, T packed, T scales, bool t
 // qbar (Gq, D), ds_key (Gq, Skp) fp32, all empty for no per-key correction; balance (Gk, D) and
 // balance_part (Gq * min(8, ceil(Sq/128)), D) fp32, both empty for no channel balance (D 64/128,
 // no rotation); sync (2 + 2Gk) int32, + Gq + Gk with the correction, + Gk with the balance.
+// sync and lag are unused (kept in the schema, still checked); the means are sampled (sageattn3.h).
 template <class T>
 void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_packed, T k_scales, T partial_k,
                      T sync, int64_t lag, bool rotate, T partial_q, T qbar, T ds_key, T balance, T balance_part) {
@@ -290,7 +292,7 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
     check_f32_on(partial_q, q, "partial_q");
     check_f32_on(qbar, q, "qbar");
     check_f32_on(ds_key, q, "ds_key");
-    SA3_CHECK(T, Gq > 0 && 32 % (D / 16) == 0, "sageattn3: the per-key correction needs q and D/16 dividing 32");
+    SA3_CHECK(T, Gq > 0 && (D == 64 || D == 128), "sageattn3: the per-key correction needs q and D 64 or 128");
     SA3_CHECK(T, partial_q.numel() == Gq * ((Sq + 127) / 128) * D && qbar.numel() == Gq * D &&
                      ds_key.numel() == Gq * Skp,
               "sageattn3: partial_q, qbar or ds_key has the wrong size");
