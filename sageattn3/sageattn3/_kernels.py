@@ -166,13 +166,14 @@ def _smooth_quant_seq(x, seq_pad, rotate, qbar):
     g, s, d = x.shape
     packed, scales = _codes(x, g, s, d, seq_pad)
     mean = torch.empty((g, 1, d), dtype=torch.float32, device=x.device)
-    partial, sync = _seq_workspace(x, g, s, d)
+    # room for the sampled tiles' column sums: the first G * min(8, ceil(S/128)) rows are used
+    partial = torch.empty((g, -(-s // 128), d), dtype=torch.float32, device=x.device)
     if qbar is None:
         qbar, ds_key = _none(x.device, 0), _none(x.device, 1)
         out = None
     else:
         ds_key = out = torch.empty((qbar.shape[0], packed.shape[1]), dtype=torch.float32, device=x.device)
-    op("smooth_quant_seq")(x, mean, partial, sync, packed, scales, False, rotate, qbar, ds_key)
+    op("smooth_quant_seq")(x, mean, partial, _none(x.device, 5), packed, scales, False, rotate, qbar, ds_key)
     return packed, scales, mean, out
 
 
@@ -230,8 +231,7 @@ def qk_balance(q: torch.Tensor, kv_groups: int) -> torch.Tensor:
     gq, s, d = q.shape
     exps = torch.empty((kv_groups, d), dtype=torch.float32, device=q.device)
     part = torch.empty((gq * balance_samples(s), d), dtype=torch.float32, device=q.device)
-    arrive = torch.empty((kv_groups,), dtype=torch.int32, device=q.device)
-    op("qk_balance")(q, part, arrive, exps)
+    op("qk_balance")(q, part, _none(q.device, 6), exps)  # (arrive: unused)
     return exps.view(kv_groups, 1, d)
 
 
@@ -245,8 +245,6 @@ def _smooth_quant_qk(q, k, seq_pad, rotate, key, balance):
     mean_q = torch.empty((gq, nblk, d), dtype=torch.float32, device=dev)
     mean_k = torch.empty((gk, 1, d), dtype=torch.float32, device=dev)
     partial = torch.empty((gk, -(-sk // 128), d), dtype=torch.float32, device=dev)
-    sync = torch.empty((2 + 2 * gk + (gq + gk if key else 0) + (gk if balance else 0),), dtype=torch.int32,
-                       device=dev)
     if key:
         partial_q = torch.empty((gq, nblk, d), dtype=torch.float32, device=dev)
         qbar = torch.empty((gq, 1, d), dtype=torch.float32, device=dev)
@@ -258,7 +256,8 @@ def _smooth_quant_qk(q, k, seq_pad, rotate, key, balance):
         bal_part = torch.empty((gq * balance_samples(sq), d), dtype=torch.float32, device=dev)
     else:
         exps, bal_part = _none(dev, 3), _none(dev, 4)
-    op("smooth_quant_qk")(q, k, mean_q, q_packed, q_scales, mean_k, k_packed, k_scales, partial, sync, 0, rotate,
+    op("smooth_quant_qk")(q, k, mean_q, q_packed, q_scales, mean_k, k_packed, k_scales, partial, _none(dev, 5), 0,
+                          rotate,
                           partial_q, qbar, ds_key, exps, bal_part)
     return (q_packed, q_scales, mean_q, k_packed, k_scales, mean_k, qbar, ds_key,
             exps.view(gk, 1, d) if balance else None)
@@ -268,13 +267,6 @@ def _codes(x: torch.Tensor, g: int, s: int, d: int, seq_pad: int) -> tuple[torch
     sp = -(-s // seq_pad) * seq_pad
     return (torch.empty((g, sp, d // 2), dtype=torch.uint8, device=x.device),
             torch.empty((g, sp, d // 16), dtype=torch.float8_e4m3fn, device=x.device))
-
-
-def _seq_workspace(x: torch.Tensor, g: int, s: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sampled tiles' sums (G, ceil(S/128), D; the first G * min(8, ceil(S/128)) rows used) and
-    the op's sync words (2 + 2G; unused, kept in its schema)."""
-    return (torch.empty((g, -(-s // 128), d), dtype=torch.float32, device=x.device),
-            torch.empty((2 + 2 * g,), dtype=torch.int32, device=x.device))
 
 
 def delta_s(k: torch.Tensor, mean_k: torch.Tensor, mean_q: torch.Tensor, seq_pad: int) -> torch.Tensor:

@@ -29,6 +29,20 @@ namespace {
 
 constexpr int kRows = 128;
 
+// v[i] = f(v[i], s[i]) for i < 16, s: 16 floats in shared memory (16-byte aligned, read as four
+// 16-byte loads).
+template <typename F>
+__device__ __forceinline__ void with16(float (&v)[16], const float* s, F f) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float4 c = reinterpret_cast<const float4*>(s)[i];
+    v[4 * i] = f(v[4 * i], c.x);
+    v[4 * i + 1] = f(v[4 * i + 1], c.y);
+    v[4 * i + 2] = f(v[4 * i + 2], c.z);
+    v[4 * i + 3] = f(v[4 * i + 3], c.w);
+  }
+}
+
 // The rows of one 128-row tile a thread holds: rows rl + p*rpp, p < P.
 template <typename T, int P>
 struct Tile {
@@ -100,24 +114,8 @@ struct Tile {
       }
       const bool real = stored && row < r1;
       if (real) {
-        if (cs != nullptr) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float4 c = reinterpret_cast<const float4*>(cs)[i];
-            v[4 * i] = __fmul_rn(v[4 * i], c.x);
-            v[4 * i + 1] = __fmul_rn(v[4 * i + 1], c.y);
-            v[4 * i + 2] = __fmul_rn(v[4 * i + 2], c.z);
-            v[4 * i + 3] = __fmul_rn(v[4 * i + 3], c.w);
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float4 w4 = reinterpret_cast<const float4*>(mu)[i];
-          v[4 * i] = __fsub_rn(v[4 * i], w4.x);
-          v[4 * i + 1] = __fsub_rn(v[4 * i + 1], w4.y);
-          v[4 * i + 2] = __fsub_rn(v[4 * i + 2], w4.z);
-          v[4 * i + 3] = __fsub_rn(v[4 * i + 3], w4.w);
-        }
+        if (cs != nullptr) with16(v, cs, [](float x, float c) { return __fmul_rn(x, c); });
+        with16(v, mu, [](float x, float m) { return __fsub_rn(x, m); });
       }
       if constexpr (P == 2 || P == 4) {
         if (u != nullptr) {  // every lane: the butterfly shuffles

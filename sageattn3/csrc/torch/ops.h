@@ -210,24 +210,23 @@ void smooth_quant_rows(T x, T mean, bool compute_mean, int64_t mean_block, T pac
 }
 
 // smooth_quant_seq(x, mean!, partial!, sync!, packed!, scales!, two_pass, rotate, qbar, ds_key!): x (G, S, D),
-// S >= 1; mean (G, 1, D) fp32; partial (G, ceil(S/128), D) fp32; sync (2 + 2G) int32; packed (G, Sp, D/2);
+// S >= 1; mean (G, 1, D) fp32; partial (G, ceil(S/128), D) fp32; packed (G, Sp, D/2);
 // qbar (G*rep, D) and ds_key (G*rep, Sp) fp32 for the per-key correction, or both empty (none).
-// sync and two_pass are unused (kept in the schema); the mean is the sampled one (sageattn3.h).
+// sync (any tensor, empty is fine) and two_pass are unused, kept in the schema; the mean is the
+// sampled one (sageattn3.h).
 template <class T>
 void smooth_quant_seq(T x, T mean, T partial, T sync, T packed, T scales, bool two_pass, bool rotate, T qbar,
                       T ds_key) {
   check_input(x);
   check_f32_on(mean, x, "mean");
   check_f32_on(partial, x, "partial");
-  check_cuda(sync, x, "sync");
-  check_i32(sync, "sync");
   check_codes(packed, scales, x);
   SA3_CHECK(T, x.dim() == 3 && packed.dim() == 3, "sageattn3: x and packed must be 3-D (G, S, D)");
   const int64_t G = x.size(0), S = x.size(1), D = x.size(2), Sp = packed.size(1);
   SA3_CHECK(T, S >= 1 && D % 16 == 0 && D > 0 && D <= 256,
             "sageattn3: S must be >= 1 and D a positive multiple of 16, at most 256");
-  SA3_CHECK(T, mean.numel() == G * D && partial.numel() == G * ((S + 127) / 128) * D && sync.numel() == 2 + 2 * G,
-            "sageattn3: mean, partial or sync has the wrong size");
+  SA3_CHECK(T, mean.numel() == G * D && partial.numel() == G * ((S + 127) / 128) * D,
+            "sageattn3: mean or partial has the wrong size");
   SA3_CHECK(T, Sp >= S && packed.numel() == G * Sp * D / 2 && scales.numel() == G * Sp * D / 16,
             "sageattn3: output sizes do not match x");
   SA3_CHECK(T, !rotate || D == 64 || D == 128, "sageattn3: rotate needs D 64 or 128");
@@ -243,7 +242,7 @@ void smooth_quant_seq(T x, T mean, T partial, T sync, T packed, T scales, bool t
   }
   DeviceScope scope(device_of(x));
   check_cuda_kernel<T>(sageattn3::smooth_quant_seq(x.data_ptr(), dtype_of(x, "x"), G, S, D, floats(mean),
-                                                   floats(partial), ints(sync), Sp, bytes(packed), bytes(scales),
+                                                   floats(partial), nullptr, Sp, bytes(packed), bytes(scales),
                                                    two_pass, rotate, correction ? floats(qbar) : nullptr, rep,
                                                    correction ? floats(ds_key) : nullptr, TensorApi<T>::stream(x)),
                        "smooth_quant_seq");
@@ -256,8 +255,8 @@ void smooth_quant_seq(T x, T mean, T partial, T sync, T packed, T scales, bool t
 // partial_k (Gk, ceil(Sk/128), D) fp32; lag >= 0 (0: automatic); partial_q (Gq, ceil(Sq/128), D),
 // qbar (Gq, D), ds_key (Gq, Skp) fp32, all empty for no per-key correction; balance (Gk, D) and
 // balance_part (Gq * min(8, ceil(Sq/128)), D) fp32, both empty for no channel balance (D 64/128,
-// no rotation); sync (2 + 2Gk) int32, + Gq + Gk with the correction, + Gk with the balance.
-// sync and lag are unused (kept in the schema, still checked); the means are sampled (sageattn3.h).
+// no rotation). sync (any tensor, empty is fine) and lag (still checked) are unused, kept in the
+// schema; the means are sampled (sageattn3.h).
 template <class T>
 void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_packed, T k_scales, T partial_k,
                      T sync, int64_t lag, bool rotate, T partial_q, T qbar, T ds_key, T balance, T balance_part) {
@@ -268,8 +267,6 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
   check_f32_on(mean_q, q, "mean_q");
   check_f32_on(mean_k, q, "mean_k");
   check_f32_on(partial_k, q, "partial_k");
-  check_cuda(sync, q, "sync");
-  check_i32(sync, "sync");
   check_code_tensor(q_packed, q, "q_packed");
   check_code_tensor(q_scales, q, "q_scales");
   check_code_tensor(k_packed, q, "k_packed");
@@ -307,9 +304,8 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
     SA3_CHECK(T, balance.numel() == Gk * D && balance_part.numel() == Gq * ns * D,
               "sageattn3: balance or balance_part has the wrong size");
   }
-  SA3_CHECK(T, mean_k.numel() == Gk * D && partial_k.numel() == Gk * ((Sk + 127) / 128) * D &&
-                   sync.numel() == 2 + 2 * Gk + (correction ? Gq + Gk : 0) + (balanced ? Gk : 0),
-            "sageattn3: mean_k, partial_k or sync has the wrong size");
+  SA3_CHECK(T, mean_k.numel() == Gk * D && partial_k.numel() == Gk * ((Sk + 127) / 128) * D,
+            "sageattn3: mean_k or partial_k has the wrong size");
   SA3_CHECK(T, Sqp >= Sq && q_packed.numel() == Gq * Sqp * D / 2 && q_scales.numel() == Gq * Sqp * D / 16,
             "sageattn3: q_packed/q_scales sizes do not match q");
   SA3_CHECK(T, Skp >= Sk && k_packed.numel() == Gk * Skp * D / 2 && k_scales.numel() == Gk * Skp * D / 16,
@@ -317,7 +313,7 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
   DeviceScope scope(device_of(q));
   check_cuda_kernel<T>(sageattn3::smooth_quant_qk(q.data_ptr(), k.data_ptr(), dt, Gq, Sq, Gk, Sk, D, floats(mean_q),
                                                   Sqp, bytes(q_packed), bytes(q_scales), floats(mean_k),
-                                                  floats(partial_k), ints(sync), Skp, bytes(k_packed),
+                                                  floats(partial_k), nullptr, Skp, bytes(k_packed),
                                                   bytes(k_scales), static_cast<int>(lag), rotate,
                                                   correction ? floats(partial_q) : nullptr,
                                                   correction ? floats(qbar) : nullptr,
@@ -328,22 +324,21 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
 }
 
 // qk_balance(q, part!, arrive!, exps!): q (Gq, S, D), D 64 or 128, S >= 1; exps (Gk, D) fp32 with Gq a
-// multiple of Gk; part (Gq * min(8, ceil(S/128)), D) fp32; arrive (Gk) int32.
+// multiple of Gk; part (Gq * min(8, ceil(S/128)), D) fp32; arrive: unused (any tensor, empty is
+// fine), kept in the schema.
 template <class T>
 void qk_balance(T q, T part, T arrive, T exps) {
   check_input(q);
   check_f32_on(part, q, "part");
   check_f32_on(exps, q, "exps");
-  check_cuda(arrive, q, "arrive");
-  check_i32(arrive, "arrive");
   SA3_CHECK(T, q.dim() == 3 && exps.dim() == 2, "sageattn3: q must be (G, S, D) and exps (Gk, D)");
   const int64_t Gq = q.size(0), S = q.size(1), D = q.size(2), Gk = exps.size(0);
   SA3_CHECK(T, (D == 64 || D == 128) && S >= 1, "sageattn3: the channel balance needs D 64 or 128 and S >= 1");
-  SA3_CHECK(T, Gk >= 1 && Gq % Gk == 0 && exps.size(1) == D && arrive.numel() == Gk,
-            "sageattn3: exps must be (Gk, D) with Gq a multiple of Gk, arrive (Gk)");
+  SA3_CHECK(T, Gk >= 1 && Gq % Gk == 0 && exps.size(1) == D,
+            "sageattn3: exps must be (Gk, D) with Gq a multiple of Gk");
   SA3_CHECK(T, part.numel() == Gq * std::min<int64_t>(8, (S + 127) / 128) * D, "sageattn3: part has the wrong size");
   DeviceScope scope(device_of(q));
-  check_cuda_kernel<T>(sageattn3::qk_balance(q.data_ptr(), dtype_of(q, "q"), Gq, S, Gk, D, floats(part), ints(arrive),
+  check_cuda_kernel<T>(sageattn3::qk_balance(q.data_ptr(), dtype_of(q, "q"), Gq, S, Gk, D, floats(part), nullptr,
                                              floats(exps), TensorApi<T>::stream(q)),
                        "qk_balance");
 }
