@@ -154,22 +154,31 @@ constexpr int kPadBlock = 20;
 __host__ __device__ constexpr int padded(int D) { return D / 16 * kPadBlock; }
 __device__ __forceinline__ int padded_index(int c) { return c / 16 * kPadBlock + c % 16; }
 
-// The mean of a tile from its column sums in red[0..D) (count real rows): left in red[0..D),
-// rotated when asked (or times the balance factors cs, padded, when given: never both), and written
-// to mean_out. Every thread calls it; ends with a barrier.
-__device__ __forceinline__ void tile_mean(float* red, int D, int64_t count, bool rotate, float* mean_out,
-                                          const float* cs = nullptr) {
+// vec[d] = mu (the mean of channel d, from thread d < D), written to out[0..D) as is or, when
+// asked, after rotating vec (one warp). Every thread calls it; ends with a barrier.
+__device__ __forceinline__ void store_mean(float* vec, float mu, int D, bool rotate, float* out) {
   if (static_cast<int>(threadIdx.x) < D) {
-    float mu = red[threadIdx.x] / static_cast<float>(count);
-    if (cs != nullptr) mu = __fmul_rn(mu, cs[padded_index(threadIdx.x)]);
-    red[threadIdx.x] = mu;
-    if (!rotate) mean_out[threadIdx.x] = mu;
+    vec[threadIdx.x] = mu;
+    if (!rotate) out[threadIdx.x] = mu;
   }
   __syncthreads();
   if (rotate) {
-    if (threadIdx.x < 32) rotate_vector(red, D, mean_out);
+    if (threadIdx.x < 32) rotate_vector(vec, D, out);
     __syncthreads();
   }
+}
+
+// The mean of a tile from its column sums in red[0..D) (count real rows): left in red[0..D),
+// rotated when asked (or times the balance factors cs, padded, when given: never both), and written
+// to mean_out (store_mean).
+__device__ __forceinline__ void tile_mean(float* red, int D, int64_t count, bool rotate, float* mean_out,
+                                          const float* cs = nullptr) {
+  float mu = 0.f;
+  if (static_cast<int>(threadIdx.x) < D) {
+    mu = red[threadIdx.x] / static_cast<float>(count);
+    if (cs != nullptr) mu = __fmul_rn(mu, cs[padded_index(threadIdx.x)]);
+  }
+  store_mean(red, mu, D, rotate, mean_out);
 }
 
 // q heads per K group whose correction vectors fit in shared memory (red, padded).
@@ -282,22 +291,17 @@ struct SampleMeans {
   float* exps;          // (G, D) balance exponents, or null: no balance
 };
 
-// The mean of n sum rows src[j * D + d] (in order) over `rows` rows, times f, into vec[d], then
-// rotated (one warp) when asked, and written to out[0..D). Every thread calls it.
+// The mean of n sum rows src[j * D + d] (in order) over `rows` rows, times f, into vec[d] and
+// out[0..D) (store_mean).
 __device__ __forceinline__ void mean_of_sums(const float* src, uint32_t n, int64_t rows, float f, int D, bool rotate,
                                              float* vec, float* out) {
+  float mu = 0.f;
   if (static_cast<int>(threadIdx.x) < D) {
     float s = 0.f;
     for (uint32_t j = 0; j < n; ++j) s += src[static_cast<int64_t>(j) * D + threadIdx.x];
-    const float mu = __fmul_rn(s / static_cast<float>(rows), f);
-    vec[threadIdx.x] = mu;
-    if (!rotate) out[threadIdx.x] = mu;
+    mu = __fmul_rn(s / static_cast<float>(rows), f);
   }
-  __syncthreads();
-  if (rotate) {
-    if (threadIdx.x < 32) rotate_vector(vec, D, out);
-    __syncthreads();
-  }
+  store_mean(vec, mu, D, rotate, out);
 }
 
 // Balance exponents (reference.balance_exponents), K mean, qbar of the group's rep q groups;
