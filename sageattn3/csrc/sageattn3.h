@@ -30,44 +30,45 @@ int quant_fp4_cols(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, 
 // m(r) = r / 128 if mean_block == 128, else 0 (mean_block == 0: one mean per group);
 // mean has shape (G, nm, D) fp32. compute_mean (needs mean_block == 128): the kernel computes
 // each 128-row block's mean (over its rows < S) and writes it to `mean` first. Output rows
-// S..Sp-1 (Sp a multiple of 16... any Sp >= S) are zero codes with zero scales.
+// S..Sp-1 (Sp a multiple of 16... any Sp >= S) are zero codes with zero scales. search: NVFP4
+// with the scale search (reference.quantize_rows(..., scale_search=True)), in every smoothing op.
 int smooth_quant_rows(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, float* mean, bool compute_mean,
-                      int mean_block, int64_t Sp, uint8_t* packed, uint8_t* scales, bool rotate,
+                      int mean_block, int64_t Sp, uint8_t* packed, uint8_t* scales, bool rotate, bool search,
                       cudaStream_t stream);
 
 // Smoothing with one mean per group + NVFP4 along D (S >= 1): mean (G, D) = the sampled mean
 // (reference.sample_mean: the column sums of min(8, ceil(S/128)) evenly spaced 128-row tiles,
 // added in tile order, / their real rows), then rows as smooth_quant_rows with mean_block 0.
-// Workspace: partial (G, ceil(S/128), D) fp32 (its first G * min(8, ceil(S/128)) rows);
-// sync and force_two_pass are unused (kept for the op's schema). Three launches: the sampled
-// tiles' sums, the means, one read of x to quantize.
+// Workspace: partial (G, ceil(S/128), D) fp32 (its first G * min(8, ceil(S/128)) rows). Three
+// launches: the sampled tiles' sums, the means, one read of x to quantize.
 // With qbar (G*rep, D) fp32 (and ds_key (G*rep, Sp) fp32; D 64 or 128): the per-key correction
 // of K, ds_key[g*rep + h, r] = sum_d qbar[g*rep + h, d] * (x[g, r] - mean[g])[d] over the
 // smoothed (rotated) fp32 row as quantized (fixed fp32 order: per 16-block fma chains, block
 // sums by xor butterfly), 0 for rows S..Sp-1. Null qbar and ds_key: none.
 int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, float* mean, float* partial,
-                     int* sync, int64_t Sp, uint8_t* packed, uint8_t* scales, bool force_two_pass, bool rotate,
-                     const float* qbar, int64_t rep, float* ds_key, cudaStream_t stream);
+                     int64_t Sp, uint8_t* packed, uint8_t* scales, bool search, bool rotate, const float* qbar,
+                     int64_t rep, float* ds_key, cudaStream_t stream);
 
 // Q and K: Q's 128-row block means + smoothing + NVFP4 (as smooth_quant_rows with compute_mean:
 // mean_q (Gq, ceil(Sq/128), D), q_packed (Gq, Sqp, D/2), q_scales (Gq, Sqp, D/16)) and K's
 // smoothing by its sampled mean (as smooth_quant_seq, same bits: mean_k (Gk, D), k_packed
 // (Gk, Skp, D/2), k_scales (Gk, Skp, D/16); workspace partial_k (Gk, ceil(Sk/128), D) fp32). q and
 // k share dtype and D; Sk >= 1; Gq a multiple of Gk (rep = Gq / Gk q groups per k group, GQA), 0
-// for K only. lag and sync are unused (kept for the op's schema). Launches: the sampled tiles'
+// for K only. Launches: the sampled tiles'
 // sums (K's, and Q's with qbar or the balance), the means, then one launch for every tile of Q
 // and K (one read each).
 // With partial_q (Gq, ceil(Sq/128), D), qbar (Gq, D) and ds_key (Gq, Skp) (all or none; Gq > 0;
 // D 64 or 128): qbar = each q group's sampled mean (rotated) and ds_key = K's per-key correction
 // from it (as smooth_quant_seq with qbar).
 // With balance (Gk, D) and balance_part (Gq * min(8, ceil(Sq/128)), D) fp32 (both or neither; D 64
-// or 128, no rotation, Gq > 0): the channel balance (reference.balance_exponents / preprocess),
-// from Q's sampled tiles, into balance; then Q group g's rows become x * 2^-e[g / rep] - mean_q
-// and K's x * 2^e - mean_k, with mean_q, qbar and mean_k written balanced (times 2^-e or 2^e);
-// ds_key is qbar . the balanced smoothed K row (the same products).
+// or 128, Gq > 0): the channel balance (reference.balance_exponents / preprocess), from Q's
+// sampled tiles, into balance; then Q group g's rows become x * 2^-e[g / rep] - mean_q and K's
+// x * 2^e - mean_k (balanced first, then rotated with rotate), with mean_q, qbar and mean_k
+// written balanced (times 2^-e or 2^e, then rotated); ds_key is qbar . the balanced smoothed K
+// row (the same products). search: as smooth_quant_rows, for Q and K.
 int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64_t Sq, int64_t Gk, int64_t Sk,
                     int64_t D, float* mean_q, int64_t Sqp, uint8_t* q_packed, uint8_t* q_scales, float* mean_k,
-                    float* partial_k, int* sync, int64_t Skp, uint8_t* k_packed, uint8_t* k_scales, int lag,
+                    float* partial_k, int64_t Skp, uint8_t* k_packed, uint8_t* k_scales, bool search,
                     bool rotate, float* partial_q, float* qbar, float* ds_key, float* balance, float* balance_part,
                     cudaStream_t stream);
 

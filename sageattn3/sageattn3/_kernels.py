@@ -132,37 +132,39 @@ def quant_cols(x: torch.Tensor, seq_pad: int = 16) -> tuple[torch.Tensor, torch.
 
 
 def smooth_quant_rows(x: torch.Tensor, mean: torch.Tensor, compute_mean: bool, mean_block: int,
-                      seq_pad: int, rotate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      seq_pad: int, rotate: bool = False, search: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x (G, S, D): rows minus mean[g, r // mean_block] (mean_block 0: one mean), NVFP4 along
     D, rows padded with zero codes to a multiple of ``seq_pad``. compute_mean: the kernel
     computes the 128-row means itself and writes them into ``mean``. ``rotate`` (D 64/128): the
-    rows are rotated first (``reference.rotate``) and the means are rotated means."""
+    rows are rotated first (``reference.rotate``) and the means are rotated means. ``search``:
+    NVFP4 with the scale search (``reference.quantize_rows(..., scale_search=True)``), as every
+    smoothing wrapper here takes it."""
     g, s, d = x.shape
     packed, scales = _codes(x, g, s, d, seq_pad)
-    op("smooth_quant_rows")(x, mean, compute_mean, mean_block, packed, scales, rotate)
+    op("smooth_quant_rows")(x, mean, compute_mean, mean_block, packed, scales, rotate, search)
     return packed, scales
 
 
-def smooth_quant_seq(x: torch.Tensor, seq_pad: int, rotate: bool = False
+def smooth_quant_seq(x: torch.Tensor, seq_pad: int, rotate: bool = False, search: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (G, S, D), S >= 1: rows minus their sampled mean (``reference.sample_mean``: up to 8
     evenly spaced 128-row blocks, the sums in a fixed order), NVFP4 along D, rows padded with
     zero codes to a multiple of ``seq_pad``; returns (packed, scales, mean (G, 1, D)). Three
     launches: the sampled blocks' sums, the means, then one read of x to quantize.
     ``rotate`` (D 64/128): rows rotated first, the mean is the rotated mean."""
-    return _smooth_quant_seq(x, seq_pad, rotate, None)[:3]
+    return _smooth_quant_seq(x, seq_pad, rotate, None, search)[:3]
 
 
-def smooth_quant_seq_key(x: torch.Tensor, seq_pad: int, qbar: torch.Tensor, rotate: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def smooth_quant_seq_key(x: torch.Tensor, seq_pad: int, qbar: torch.Tensor, rotate: bool = False,
+                         search: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``smooth_quant_seq`` of K plus its per-key correction for the q heads of each group:
     qbar (G*rep, 1, D) fp32 (their Q means, rotated with ``rotate``; D 64/128, rep <=
     ``max_correction_heads``) -> also ds_key (G*rep, Sp) = qbar · (the smoothed row as
     quantized) (0 past S)."""
-    return _smooth_quant_seq(x, seq_pad, rotate, qbar)
+    return _smooth_quant_seq(x, seq_pad, rotate, qbar, search)
 
 
-def _smooth_quant_seq(x, seq_pad, rotate, qbar):
+def _smooth_quant_seq(x, seq_pad, rotate, qbar, search):
     g, s, d = x.shape
     packed, scales = _codes(x, g, s, d, seq_pad)
     mean = torch.empty((g, 1, d), dtype=torch.float32, device=x.device)
@@ -173,7 +175,7 @@ def _smooth_quant_seq(x, seq_pad, rotate, qbar):
         out = None
     else:
         ds_key = out = torch.empty((qbar.shape[0], packed.shape[1]), dtype=torch.float32, device=x.device)
-    op("smooth_quant_seq")(x, mean, partial, _none(x.device, 5), packed, scales, False, rotate, qbar, ds_key)
+    op("smooth_quant_seq")(x, mean, partial, packed, scales, search, rotate, qbar, ds_key)
     return packed, scales, mean, out
 
 
@@ -194,7 +196,7 @@ def max_correction_heads(d: int) -> int:
     return 4096 // (d // 16 * 20)
 
 
-def smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, seq_pad: int, rotate: bool = False
+def smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, seq_pad: int, rotate: bool = False, search: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (Gq, Sq, D), k (Gk, Sk, D), Sk >= 1, Gq a multiple of Gk (or 0): Q minus its 128-row
     block means (as ``smooth_quant_rows`` with compute_mean) and K minus its sampled mean (as
@@ -203,18 +205,18 @@ def smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, seq_pad: int, rotate: bool
     quantizes every tile of Q and K. Returns (q_packed, q_scales, mean_q (Gq, nblk, D),
     k_packed, k_scales, mean_k (Gk, 1, D)). ``rotate`` (D 64/128): Q and K rotated first, the
     means are rotated means."""
-    return _smooth_quant_qk(q, k, seq_pad, rotate, False, False)[:6]
+    return _smooth_quant_qk(q, k, seq_pad, rotate, False, False, search)[:6]
 
 
 def smooth_quant_qk_key(q: torch.Tensor, k: torch.Tensor, seq_pad: int, rotate: bool = False,
-                        balance: bool = False) -> tuple[torch.Tensor, ...]:
+                        balance: bool = False, search: bool = False) -> tuple[torch.Tensor, ...]:
     """``smooth_quant_qk`` (Gq > 0, D 64/128, Gq/Gk <= ``max_correction_heads``) plus qbar
     (Gq, 1, D): each q group's (rotated) sampled mean, from the same small launches, and ds_key
     (Gq, Skp) = qbar · (K's smoothed row as quantized) of its kv group (0 past Sk), from K's
-    quantization. ``balance`` (no rotation): the channel balance (``reference.balance_exponents``,
+    quantization. ``balance``: the channel balance (``reference.balance_exponents``,
     from the same sampled blocks), Q and K and their means in the balanced space. Returns the 6
     tensors of ``smooth_quant_qk``, qbar, ds_key, then the balance exponents (Gk, 1, D) or None."""
-    return _smooth_quant_qk(q, k, seq_pad, rotate, True, balance)
+    return _smooth_quant_qk(q, k, seq_pad, rotate, True, balance, search)
 
 
 def balance_samples(s: int) -> int:
@@ -235,7 +237,7 @@ def qk_balance(q: torch.Tensor, kv_groups: int) -> torch.Tensor:
     return exps.view(kv_groups, 1, d)
 
 
-def _smooth_quant_qk(q, k, seq_pad, rotate, key, balance):
+def _smooth_quant_qk(q, k, seq_pad, rotate, key, balance, search):
     gq, sq, d = q.shape
     gk, sk, _ = k.shape
     dev = q.device
@@ -256,8 +258,7 @@ def _smooth_quant_qk(q, k, seq_pad, rotate, key, balance):
         bal_part = torch.empty((gq * balance_samples(sq), d), dtype=torch.float32, device=dev)
     else:
         exps, bal_part = _none(dev, 3), _none(dev, 4)
-    op("smooth_quant_qk")(q, k, mean_q, q_packed, q_scales, mean_k, k_packed, k_scales, partial, _none(dev, 5), 0,
-                          rotate,
+    op("smooth_quant_qk")(q, k, mean_q, q_packed, q_scales, mean_k, k_packed, k_scales, partial, search, rotate,
                           partial_q, qbar, ds_key, exps, bal_part)
     return (q_packed, q_scales, mean_q, k_packed, k_scales, mean_k, qbar, ds_key,
             exps.view(gk, 1, d) if balance else None)

@@ -205,10 +205,12 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     attention is unchanged, outlier channels are spread before the 16-channel FP4 blocks form):
     more accurate with Q/K outlier channels, no gain elsewhere, and it makes the preprocessing
     slower (about +45% on an H100), so it is off by default. ``qk_balance``: the Q/K channel
-    balance (``sageattn3.reference.balance_exponents``; D 64/128, not with the rotation): Q's
-    large channels are scaled down and K's same channels up by powers of two (attention is
-    unchanged), which moves FP4 error away from Q's outlier channels (README, "Accuracy"); it
-    makes the preprocessing about 7% slower on an H100, so it is off by default.
+    balance (``sageattn3.reference.balance_exponents``; D 64/128): Q's large channels are scaled
+    down and K's same channels up by powers of two (attention is unchanged), which moves FP4
+    error away from Q's outlier channels (README, "Accuracy"); it makes the preprocessing about
+    7% slower on an H100, so it is off by default. Both together: balanced first, then rotated
+    (the most accurate on Q outlier channels, more so with ``reference.QK_SCALE_SEARCH = True``,
+    the NVFP4 scale search for Q and K, off by default for its cost: README, "Accuracy").
 
     Under ``torch.compile`` (``fullgraph=True`` works): the path is decided when tracing; the
     FP4 path is the custom op ``torch.ops.sageattn3.attention`` (not differentiable, like the
@@ -417,9 +419,11 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
        unquantized smoothed row as quantized, from registers); the attention kernel adds the
        block residuals' part per K tile (``Preprocessed.delta_s`` materialises it all).
     ``qk_rotation`` (D 64/128): Q and K rows are rotated in registers before smoothing.
-    ``qk_balance=True`` (D 64/128 without the rotation, per_block_mean; off by default): the
-    channel balance (``reference.balance_exponents``) from the same sampled blocks; Q and K are
-    scaled by it in registers (``Preprocessed.balance``).
+    ``qk_balance=True`` (D 64/128, per_block_mean; off by default): the channel balance
+    (``reference.balance_exponents``) from the same sampled blocks; Q and K are scaled by it in
+    registers (``Preprocessed.balance``), before the rotation when both are on.
+    ``reference.QK_SCALE_SEARCH = True`` (D 64/128; off by default): Q and K quantized with the
+    NVFP4 scale search (``reference.quantize_rows``).
     Bytes that must move: Q, K, V read (3 x 2 bytes/element) + FP4 written (3 x 0.5625) + the
     sampled blocks (up to 8 x 128 rows per head) and the means. Figures:
     tests/bench/bench_kernels.py. Elsewhere: the reference."""
@@ -444,7 +448,8 @@ def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bo
     hk, sk = k.shape[1], k.shape[2]
     k3, q3 = k.view(b * hk, sk, d), q.view(b * hq, sq, d)
     rot = bool(qk_rotation) and d in reference.ROTATION_HEAD_DIMS
-    bal = bool(qk_balance) and per_block_mean and reference.balance_applies(d, rot)
+    bal = bool(qk_balance) and per_block_mean and reference.balance_applies(d)
+    search = reference.QK_SCALE_SEARCH and d in reference.ROTATION_HEAD_DIMS
     # the per-key correction in the K kernels: D 64/128, up to max_correction_heads q heads per kv head
     key = d in reference.ROTATION_HEAD_DIMS and hq // hk <= _kernels.max_correction_heads(d)
     exps = None
@@ -459,16 +464,16 @@ def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bo
     if per_block_mean:
         if key:
             qp, qsc, mean_q, kp, ksc, mean_k, qbar, ds_key, exps = _kernels.smooth_quant_qk_key(
-                q3, k3, pad, rotate=rot, balance=bal)
+                q3, k3, pad, rotate=rot, balance=bal, search=search)
         else:
-            qp, qsc, mean_q, kp, ksc, mean_k = _kernels.smooth_quant_qk(q3, k3, pad, rotate=rot)
+            qp, qsc, mean_q, kp, ksc, mean_k = _kernels.smooth_quant_qk(q3, k3, pad, rotate=rot, search=search)
     else:
-        qp, qsc, mean_q = _kernels.smooth_quant_seq(q3, pad, rotate=rot)
+        qp, qsc, mean_q = _kernels.smooth_quant_seq(q3, pad, rotate=rot, search=search)
         qbar = mean_q
         if key:
-            kp, ksc, mean_k, ds_key = _kernels.smooth_quant_seq_key(k3, pad, qbar, rotate=rot)
+            kp, ksc, mean_k, ds_key = _kernels.smooth_quant_seq_key(k3, pad, qbar, rotate=rot, search=search)
         else:
-            kp, ksc, mean_k = _kernels.smooth_quant_seq(k3, pad, rotate=rot)
+            kp, ksc, mean_k = _kernels.smooth_quant_seq(k3, pad, rotate=rot, search=search)
     if not key:
         qbar, ds_key = _delta_key_torch(q, k, None if per_block_mean else qbar, mean_k, rot, kp.shape[1])
     return Preprocessed(

@@ -118,20 +118,54 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).flatten(-2)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_codes(xf: torch.Tensor, sbyte: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes of blocks xf (..., 16) under scale bytes sbyte (..., 1): x * (1/scale) (float32
+    reciprocal, one multiply), all 0 where the scale is 0 or NaN."""
+    s = e4m3_decode(sbyte)
+    ok = s > 0  # False for 0 and NaN
+    inv = torch.where(ok, torch.div(1.0, torch.where(ok, s, torch.ones_like(s))), torch.zeros_like(s))
+    codes = e2m1_encode(xf * inv)
+    return torch.where(ok, codes, torch.zeros_like(codes))
+
+
+def block_sq_error(xf: torch.Tensor, codes: torch.Tensor, sbyte: torch.Tensor) -> torch.Tensor:
+    """(..., 1) float32: sum over i = 0..15, in that order, of (E2M1(code_i) * scale - x_i)²,
+    every operation rounded to float32 (the kernels' order; E2M1 value * scale is exact)."""
+    d = e2m1_decode(codes) * e4m3_decode(sbyte) - xf
+    sq = d * d
+    acc = torch.zeros_like(sq[..., :1])
+    for i in range(BLOCK):
+        acc = acc + sq[..., i : i + 1]
+    return acc
+
+
+def quantize_rows(x: torch.Tensor, scale_search: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 along the last dim (a multiple of 16). Returns (packed uint8 (..., N/2),
-    scales float8_e4m3fn (..., N/16))."""
+    scales float8_e4m3fn (..., N/16)).
+
+    ``scale_search``: each block is also quantized with the scale byte of amax / 4 (clamped to
+    448, saturating E4M3 as above: the block max lands on E2M1's 4 instead of 6), and keeps that
+    one where its squared error (``block_sq_error``) is strictly smaller than the plain scale's.
+    Values between 4/6 and 6/6 of the block max fall between E2M1's two largest magnitudes;
+    mapping the max onto 4 puts them on the finer part of the grid. The preprocessing quantizes
+    Q and K this way when ``QK_SCALE_SEARCH`` is set; measured on the cases of
+    tests/bench/accuracy.py it lowers their quantization error enough to raise the attention's
+    cos-sim by about 0.002 on random data and up to 0.01 where Q has outlier channels."""
     n = x.shape[-1]
     if n % BLOCK:
         raise ValueError(f"the last dim ({n}) must be a multiple of {BLOCK}")
     xf = x.float().reshape(*x.shape[:-1], n // BLOCK, BLOCK)
     amax = xf.abs().amax(dim=-1, keepdim=True)  # propagates NaN
     sbyte = e4m3_scale_byte(amax)
-    s = e4m3_decode(sbyte)
-    ok = s > 0  # False for 0 and NaN
-    inv = torch.where(ok, torch.div(1.0, torch.where(ok, s, torch.ones_like(s))), torch.zeros_like(s))
-    codes = e2m1_encode(xf * inv)
-    codes = torch.where(ok, codes, torch.zeros_like(codes))
+    codes = _block_codes(xf, sbyte)
+    if scale_search:
+        s4 = amax.float() / 4.0
+        s4 = torch.where(torch.isnan(s4), s4, s4.clamp(max=E4M3_MAX))
+        byte4 = s4.to(torch.float8_e4m3fn).view(torch.uint8) & 0x7F
+        codes4 = _block_codes(xf, byte4)
+        four = block_sq_error(xf, codes4, byte4) < block_sq_error(xf, codes, sbyte)
+        sbyte = torch.where(four, byte4, sbyte)
+        codes = torch.where(four, codes4, codes)
     packed = pack_codes(codes.reshape(*x.shape[:-1], n))
     return packed, sbyte.reshape(*x.shape[:-1], n // BLOCK).view(torch.float8_e4m3fn)
 
@@ -238,6 +272,14 @@ def rotation_score_factor(head_dim: int, rotated: bool) -> float:
 # e_d from Q's channel RMS (smoothed by 128-token block means) over Q's sampled blocks
 # (``sample_blocks``) of each q head of the KV head's group.
 BALANCE_HEAD_DIMS = (64, 128)
+# Whether the preprocessing quantizes Q and K (head dims 64/128) with the scale search
+# (``quantize_rows``): read by every ``preprocess`` / ``sageattn3_blackwell`` call, kernels and this
+# reference alike. Off by default: measured on an H100 (the MMA-model test flavour, 24 heads x 32k
+# tokens, D 128, bf16, back to back) it makes the whole preprocessing 0.370 -> 0.602 ms (+63%:
+# every block is converted twice, in software on that GPU) for a cos-sim gain of about 0.002 on
+# random data and 0.01 with Q outlier channels (README, "Accuracy"). Set it to True for the most
+# accurate quantization of Q and K.
+QK_SCALE_SEARCH = False
 BALANCE_MAX_EXP = 2  # |e_d| <= 2: channels scaled by 1/4 .. 4
 # Off unless asked for (qk_balance=True): measured on an H100 (24 heads x 32k tokens, D 128, bf16,
 # back to back) the whole preprocessing takes 0.377 ms with it against 0.352 ms without (+7%: the
@@ -245,12 +287,12 @@ BALANCE_MAX_EXP = 2  # |e_d| <= 2: channels scaled by 1/4 .. 4
 QK_BALANCE_DEFAULT = False
 
 
-def balance_applies(head_dim: int, rotated: bool) -> bool:
-    """The balance applies at head dims 64/128 without the rotation (which spreads outlier
-    channels over all channels, so there is nothing left to balance), and with per-block Q
+def balance_applies(head_dim: int) -> bool:
+    """The balance applies at head dims 64/128, with or without the rotation (balanced first,
+    then rotated: the rotation spreads what is left of an outlier channel), and with per-block Q
     means (``preprocess`` leaves it off with per_block_mean=False, where the kernels would need
     a second pass over Q and K)."""
-    return head_dim in BALANCE_HEAD_DIMS and not rotated
+    return head_dim in BALANCE_HEAD_DIMS
 
 
 def sample_blocks(seq: int) -> list[int]:
@@ -436,6 +478,7 @@ def preprocess(
     qk_rotation: bool = QK_ROTATION_DEFAULT,
     qk_balance: bool = QK_BALANCE_DEFAULT,
     balance: torch.Tensor | None = None,
+    scale_search: bool | None = None,
 ) -> Preprocessed:
     """The reference of the preprocessing kernels. ``qk_rotation``: rotate Q and K (head dims 64
     and 128; other head dims are never rotated). The means are computed on the unrotated inputs
@@ -445,28 +488,32 @@ def preprocess(
     mean_q_global defaults to mean_q. Given means are in the balanced space (as the kernels
     write them). ``qk_balance``: the channel balance where it applies (``balance_applies``),
     with the exponents ``balance`` (B, Hkv, 1, D) when given (a kernel's), else
-    ``balance_exponents``."""
+    ``balance_exponents``; Q and K are balanced first and then rotated when both are asked for.
+    ``scale_search``: Q and K quantized with ``quantize_rows(..., scale_search=True)`` at head
+    dims 64/128 (None: ``QK_SCALE_SEARCH``, what the kernels do)."""
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale_search = (QK_SCALE_SEARCH if scale_search is None else bool(scale_search)) and rotation_applies(d)
     rot = bool(qk_rotation) and rotation_applies(d)
     turn = rotate if rot else (lambda x: x.float())
     bal = None
     cq = ck = 1.0
-    if qk_balance and per_block_mean and balance_applies(d, rot):
+    if qk_balance and per_block_mean and balance_applies(d):
         bal = balance_exponents(q, k.shape[1]) if balance is None else balance.float()
         ck = torch.exp2(bal)
         cq = expand_kv(torch.exp2(-bal), q.shape[1])
-    mq = turn(q_mean(q, per_block_mean)) * cq if mean_q is None else mean_q.float()
-    mk = turn(k_mean(k)) * ck if mean_k is None else mean_k.float()
+    # balanced (exact float32 products) and then rotated
+    mq = turn(q_mean(q, per_block_mean) * cq) if mean_q is None else mean_q.float()
+    mk = turn(k_mean(k) * ck) if mean_k is None else mean_k.float()
     if mean_q_global is not None:
         mg = mean_q_global.float()
     elif not per_block_mean:
         mg = mq
     else:
-        mg = turn(q_mean(q, False)) * cq
-    qs = smooth_q(turn(q) * cq, mq)
-    ks = turn(k) * ck - mk
-    qp, qsc = quantize_rows(pad_dim(qs, -2, pad))
-    kp, ksc = quantize_rows(pad_dim(ks, -2, pad))
+        mg = turn(q_mean(q, False) * cq)
+    qs = smooth_q(turn(q.float() * cq), mq)
+    ks = turn(k.float() * ck) - mk
+    qp, qsc = quantize_rows(pad_dim(qs, -2, pad), scale_search)
+    kp, ksc = quantize_rows(pad_dim(ks, -2, pad), scale_search)
     vp, vsc = quantize_transposed(pad_dim(v.float(), -2, pad))
     dk = pad_dim(delta_s(mg, ks).squeeze(-2), -1, pad)
     return Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk, mg, dk, rot, bal)
@@ -541,12 +588,15 @@ def sageattn3(
     block_n: int = 128,
     qk_rotation: bool = QK_ROTATION_DEFAULT,
     qk_balance: bool = QK_BALANCE_DEFAULT,
+    scale_search: bool | None = None,
 ) -> torch.Tensor:
     """The quantized attention sageattn3 computes, float32 output (B, Hq, Sq, D).
 
     With Qd, Kd, Vd the dequantized NVFP4 tensors of ``preprocess`` (rotated Q and K with
     ``qk_rotation`` at head dims 64/128; Q and K in the balanced space with ``qk_balance``,
-    which leaves every score unchanged but moves FP4 error away from Q's outlier channels) and c = sm_scale / rotation_score_factor · log2(e):
+    which leaves every score unchanged but moves FP4 error away from Q's outlier channels; Q and
+    K quantized with the scale search with ``scale_search`` (None: ``QK_SCALE_SEARCH``)) and
+    c = sm_scale / rotation_score_factor · log2(e):
 
     - scores, per query row i and key j: t_ij = c · (Qd_i · Kd_j + delta_s[i // 128 or 0, j])
       with delta_s = ``Preprocessed.delta_s`` (delta_key_j + r_i · Kd_j) (float32; masked
@@ -564,7 +614,8 @@ def sageattn3(
     b, hq, sq, d = q.shape
     if block_n % BLOCK:
         raise ValueError("block_n must be a multiple of 16")
-    pre = preprocess(q, k, v, per_block_mean, pad=block_n, qk_rotation=qk_rotation, qk_balance=qk_balance)
+    pre = preprocess(q, k, v, per_block_mean, pad=block_n, qk_rotation=qk_rotation, qk_balance=qk_balance,
+                     scale_search=scale_search)
     qd, kd, vd = _dequantized(pre, hq)
     delta = pre.delta_s
     ds_rows = delta[..., q_block_index(sq, delta.shape[-2], q.device), :]  # (B, Hq, Sq, Sk_p)
@@ -589,7 +640,7 @@ def sageattn3_paper(
     b, hq, sq, d = q.shape
     full_q = None if per_block_mean else q.float().mean(dim=-2, keepdim=True)
     pre = preprocess(q, k, v, per_block_mean, pad=block_n, mean_q=full_q, mean_k=k.float().mean(dim=-2, keepdim=True),
-                     qk_rotation=False, qk_balance=False)
+                     qk_rotation=False, qk_balance=False, scale_search=False)
     qd, kd, vd = _dequantized(pre, hq)
     ks = pad_dim(k.float() - pre.mean_k, -2, block_n)
     delta = delta_s(pre.mean_q, ks)

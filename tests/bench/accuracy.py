@@ -10,13 +10,15 @@ with this package's.
 Columns (cos-sim and relative L1 = sum|out - exact| / sum|exact| against exact attention,
 computed in float64 from the bf16 inputs):
 - "paper": ``sageattn3.reference.sageattn3_paper``, the algorithm as published (no rotation,
-  delta_s = mean_q · K_sᵀ materialised);
+  plain NVFP4 scales, delta_s = mean_q · K_sᵀ materialised);
 - "ours": ``sageattn3.reference.sageattn3`` with this package's defaults (delta_s = delta_key +
-  r · Kdᵀ, no balance, no rotation); "ours + balance": the same with qk_balance=True (the Q/K
-  channel balance); "ours + rotation": qk_rotation=True;
+  r · Kdᵀ, no balance, no rotation, plain scales); "ours + balance": the same with
+  qk_balance=True (the Q/K channel balance); "+ balance + rotation": qk_balance=True and
+  qk_rotation=True (balanced, then rotated); "+ scale search": those two and Q and K quantized
+  with the scale search (``reference.QK_SCALE_SEARCH = True``), the most accurate setting;
 - with --gpu: "kernels": ``sageattn3_blackwell`` (the preprocessing and attention kernels, the
-  defaults) and its cos-sim against "ours" on the same inputs; "kernels + balance": the same
-  with qk_balance=True, against "ours + balance".
+  defaults) and its cos-sim against "ours" on the same inputs; "kernels, all three": the same
+  with the balance, the rotation and the scale search, against "+ scale search".
 The reference is bit-exact with the kernels' quantization; the FP4 MMA itself was only ever run
 as the H100 software model of the instruction. Shapes: batch 1, 4 q heads over 2 kv heads
 (GQA), SEQ tokens, bf16; every case with a fixed seed.
@@ -71,7 +73,9 @@ def measure(ref, gpu: bool) -> list[dict]:
                     "paper": ref.sageattn3_paper(q, k, v, is_causal=causal),
                     "ours": ref.sageattn3(q, k, v, is_causal=causal),
                     "bal": ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True),
-                    "rot": ref.sageattn3(q, k, v, is_causal=causal, qk_rotation=True),
+                    "balrot": ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True, qk_rotation=True),
+                    "all": ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True, qk_rotation=True,
+                                         scale_search=True),
                 }
                 row = {"case": case, "d": d, "causal": causal}
                 for name, out in outs.items():
@@ -83,11 +87,16 @@ def measure(ref, gpu: bool) -> list[dict]:
                     kern = sageattn3.sageattn3_blackwell(qc, kc, vc, is_causal=causal, qk_balance=False).float().cpu()
                     row["kernels"] = (ac.cos_sim(kern, exact), ac.rel_l1(kern, exact))
                     row["kernels_vs_ours"] = ac.cos_sim(kern, outs["ours"])
-                    kern = sageattn3.sageattn3_blackwell(qc, kc, vc, is_causal=causal, qk_balance=True).float().cpu()
-                    row["kernels_bal"] = (ac.cos_sim(kern, exact), ac.rel_l1(kern, exact))
-                    row["kernels_bal_vs_bal"] = ac.cos_sim(kern, outs["bal"])
+                    ref.QK_SCALE_SEARCH = True  # read by the kernel path on every call
+                    try:
+                        kern = sageattn3.sageattn3_blackwell(qc, kc, vc, is_causal=causal, qk_balance=True,
+                                                             qk_rotation=True).float().cpu()
+                    finally:
+                        ref.QK_SCALE_SEARCH = False
+                    row["kernels_all"] = (ac.cos_sim(kern, exact), ac.rel_l1(kern, exact))
+                    row["kernels_all_vs_all"] = ac.cos_sim(kern, outs["all"])
                 rows.append(row)
-                names = [n for n in ("paper", "ours", "bal", "rot", "kernels", "kernels_bal") if n in row]
+                names = [n for n in ("paper", "ours", "bal", "balrot", "all", "kernels", "kernels_all") if n in row]
                 print(f"  {case:12s} D={d:3d} causal={causal!s:5s} " + "  ".join(
                     f"{n} {row[n][0]:.4f}/{row[n][1]:.3f}" for n in names), file=sys.stderr, flush=True)
     return rows
@@ -95,16 +104,16 @@ def measure(ref, gpu: bool) -> list[dict]:
 
 def table(rows: list[dict], gpu: bool) -> str:
     head = ["inputs", "D", "causal", "paper: cos / rel-L1", "ours: cos / rel-L1", "ours + balance",
-            "ours + rotation"]
+            "+ balance + rotation", "+ scale search"]
     if gpu:
-        head += ["kernels: cos / rel-L1", "kernels vs ours (cos)", "kernels + balance", "vs ours + balance (cos)"]
+        head += ["kernels: cos / rel-L1", "kernels vs ours (cos)", "kernels, all three", "vs + scale search (cos)"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         cells = [LABELS[r["case"]], str(r["d"]), "yes" if r["causal"] else "no"]
-        cells += [f"{r[n][0]:.4f} / {r[n][1]:.3f}" for n in ("paper", "ours", "bal", "rot")]
+        cells += [f"{r[n][0]:.4f} / {r[n][1]:.3f}" for n in ("paper", "ours", "bal", "balrot", "all")]
         if gpu:
             cells += [f"{r['kernels'][0]:.4f} / {r['kernels'][1]:.3f}", f"{r['kernels_vs_ours']:.6f}",
-                      f"{r['kernels_bal'][0]:.4f} / {r['kernels_bal'][1]:.3f}", f"{r['kernels_bal_vs_bal']:.6f}"]
+                      f"{r['kernels_all'][0]:.4f} / {r['kernels_all'][1]:.3f}", f"{r['kernels_all_vs_all']:.6f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -28,7 +28,7 @@ def close_delta_key(got, want):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("per_block_mean", [True, False])
-@pytest.mark.parametrize("rotation,outliers", [(True, False), (False, False), (False, True)])
+@pytest.mark.parametrize("rotation,outliers", [(True, False), (False, False), (False, True), (True, True)])
 @pytest.mark.parametrize("b,hq,hk,sq,sk,d", [(1, 2, 2, 128, 128, 64), (2, 4, 2, 300, 1000, 128),
                                              (1, 3, 1, 17, 5, 64), (1, 2, 1, 1, 1, 128), (1, 2, 2, 2000, 700, 48),
                                              (1, 40, 1, 200, 300, 128), (1, 25, 1, 130, 260, 128),
@@ -46,7 +46,7 @@ def test_preprocess_matches_reference(dtype, per_block_mean, rotation, outliers,
     for t, c in zip((q, k, v), copies):
         assert torch.equal(t, c)
     assert pre.qk_rotation is (rotation and d in (64, 128))
-    assert (pre.balance is not None) is (not rotation and per_block_mean and d in (64, 128))
+    assert (pre.balance is not None) is (per_block_mean and d in (64, 128))
     want = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), per_block_mean=per_block_mean, qk_rotation=rotation,
                           qk_balance=True)
     bal = None
@@ -55,7 +55,8 @@ def test_preprocess_matches_reference(dtype, per_block_mean, rotation, outliers,
         assert balance_agrees(bal, want.balance, q.cpu(), hk)
         if outliers and sq > 1:  # one token: Q minus its mean is 0, nothing to balance
             assert bool((bal != 0).any())
-        want = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), per_block_mean=per_block_mean, qk_balance=True, balance=bal)
+        want = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), per_block_mean=per_block_mean, qk_rotation=rotation,
+                              qk_balance=True, balance=bal)
     for name in ("mean_q", "mean_k", "mean_q_global"):
         assert torch.allclose(getattr(pre, name).cpu(), getattr(want, name), rtol=1e-5, atol=1e-5), name
     # bit-exact quantization given the kernel's own means (and balance exponents)
@@ -124,9 +125,11 @@ def test_balance_exponents_match_reference(dtype, gq, gk, s, d, outliers):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("gq,gk,sq,sk,d", [(4, 2, 300, 1000, 128), (3, 1, 17, 5, 64), (24, 24, 2048, 2048, 128),
                                            (2, 2, 1, 1, 64)])
-def test_balanced_launch_equals_balanced_float32_copies(dtype, gq, gk, sq, sk, d):
-    """The fused launch's balance (factors applied in registers) gives the same bits as the
-    unbalanced kernels run on float32 copies of Q and K scaled by the same powers of two."""
+@pytest.mark.parametrize("rotate,search", [(False, False), (True, True)])
+def test_balanced_launch_equals_balanced_float32_copies(dtype, gq, gk, sq, sk, d, rotate, search):
+    """The fused launch's balance (factors applied in registers, before the rotation) gives the
+    same bits as the unbalanced kernels run on float32 copies of Q and K scaled by the same
+    powers of two."""
     kernels_or_skip()
     from sageattn3 import _kernels
 
@@ -135,7 +138,7 @@ def test_balanced_launch_equals_balanced_float32_copies(dtype, gq, gk, sq, sk, d
     q[..., torch.randperm(d, generator=g)[:4]] *= torch.tensor([8.0, 12.0, 16.0, 20.0])
     k = torch.randn(gk, sk, d, generator=g) + 3 * torch.randn(d, generator=g)
     q, k = q.to(dtype).cuda(), k.to(dtype).cuda()
-    got = _kernels.smooth_quant_qk_key(q, k, 128, balance=True)
+    got = _kernels.smooth_quant_qk_key(q, k, 128, rotate=rotate, balance=True, search=search)
     exps = got[8]
     assert torch.equal(exps, _kernels.qk_balance(q, gk))
     if sq > 1:
@@ -143,12 +146,12 @@ def test_balanced_launch_equals_balanced_float32_copies(dtype, gq, gk, sq, sk, d
     c = torch.exp2(exps)
     q32 = (q.view(gk, gq // gk, sq, d).float() / c.unsqueeze(1)).view(gq, sq, d)
     k32 = k.float() * c
-    plain = _kernels.smooth_quant_qk_key(q32, k32, 128)
+    plain = _kernels.smooth_quant_qk_key(q32, k32, 128, rotate=rotate, search=search)
     for i, name in enumerate(("q_packed", "q_scales", "mean_q", "k_packed", "k_scales", "mean_k", "qbar")):
         assert same_bytes(got[i], plain[i]), name
     scale = plain[7].abs().max().clamp_min(1.0)
     assert (got[7] - plain[7]).abs().max() <= 2e-5 * scale  # ds_key: the same dots, other operands' bits
-    again = _kernels.smooth_quant_qk_key(q, k, 128, balance=True)
+    again = _kernels.smooth_quant_qk_key(q, k, 128, rotate=rotate, balance=True, search=search)
     for a, b in zip(again, got):
         assert same_bytes(a, b)
 
@@ -211,12 +214,12 @@ def test_misaligned_inputs():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("g,s,d,pad", [(1, 1, 64, 128), (3, 17, 128, 128), (2, 128, 64, 16), (5, 129, 128, 128),
                                        (2, 1000, 48, 16), (24, 4096, 128, 128), (4, 3000, 256, 128)])
-@pytest.mark.parametrize("rotate", [False, True])
-def test_seq_mean_sampled_and_reference(dtype, g, s, d, pad, rotate):
+@pytest.mark.parametrize("rotate,search", [(False, False), (True, False), (False, True), (True, True)])
+def test_seq_mean_sampled_and_reference(dtype, g, s, d, pad, rotate, search):
     """Smoothing by the sampled mean (reference.sample_mean: up to 8 evenly spaced 128-row
     blocks): the reference's mean, and the reference's bits given the kernel's mean; rotated
     rows (D 64/128) too, with the per-key correction of 3 q heads per group (the reference's
-    values over the smoothed rows, the same codes as without it)."""
+    values over the smoothed rows, the same codes as without it); with the scale search too."""
     if rotate and d not in (64, 128):
         pytest.skip("the rotation is defined for D 64/128")
     kernels_or_skip()
@@ -225,7 +228,11 @@ def test_seq_mean_sampled_and_reference(dtype, g, s, d, pad, rotate):
 
     gen = torch.Generator().manual_seed(s * 31 + d)
     x = (torch.randn(g, s, d, generator=gen) * 2 + 5 * torch.randn(d, generator=gen)).to(dtype).cuda()
-    one = _kernels.smooth_quant_seq(x, pad, rotate=rotate)
+    if search and d not in (64, 128):  # the search exists at the attention's head dims only
+        with pytest.raises(RuntimeError, match="the scale search needs D 64 or 128"):
+            _kernels.smooth_quant_seq(x, pad, search=True)
+        return
+    one = _kernels.smooth_quant_seq(x, pad, rotate=rotate, search=search)
     packed, scales, mean = one
     turn = ref.rotate if rotate else (lambda t: t.float())
     assert torch.allclose(mean.cpu(), turn(ref.sample_mean(x.cpu())), rtol=1e-5, atol=1e-5)
@@ -233,7 +240,7 @@ def test_seq_mean_sampled_and_reference(dtype, g, s, d, pad, rotate):
         assert not torch.allclose(mean.cpu(), turn(x.cpu().float().mean(dim=1, keepdim=True)), rtol=0, atol=1e-4)
     if d in (64, 128):
         qbar = (torch.randn(3 * g, 1, d, generator=gen) + 2).cuda()
-        k1 = _kernels.smooth_quant_seq_key(x, pad, qbar, rotate=rotate)
+        k1 = _kernels.smooth_quant_seq_key(x, pad, qbar, rotate=rotate, search=search)
         for a, b in zip(k1[:3], one):
             assert same_bytes(a, b)
         ks = turn(x.cpu()) - mean.cpu()
@@ -242,10 +249,12 @@ def test_seq_mean_sampled_and_reference(dtype, g, s, d, pad, rotate):
     sp = -(-s // pad) * pad
     smoothed = torch.zeros(g, sp, d)
     smoothed[:, :s] = turn(x.cpu().float()) - mean.cpu()
-    rp, rs = ref.quantize_rows(smoothed)
+    rp, rs = ref.quantize_rows(smoothed, scale_search=search)
     assert same_bytes(packed, rp) and same_bytes(scales, rs)
+    if search and s > 1:  # the search moved some blocks onto the amax / 4 scale (one row: all zeros)
+        assert not same_bytes(scales, ref.quantize_rows(smoothed)[1])
     # repeated launches give the same bits
-    again = _kernels.smooth_quant_seq(x, pad, rotate=rotate)
+    again = _kernels.smooth_quant_seq(x, pad, rotate=rotate, search=search)
     for a, b in zip(one, again):
         assert same_bytes(a, b)
 
@@ -384,3 +393,31 @@ def test_smoothing_quant_inf_nan_blocks(dtype):
     smoothed[:, :300] = x.float() - mean
     rp, rs = ref.quantize_rows(smoothed)
     assert same_bytes(p, rp) and same_bytes(s, rs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scale_search_special_blocks(dtype):
+    """The kernels' scale search on blocks made to stress it, bit for bit with the reference: the
+    5/6 pattern the search moves onto amax / 4, ties, zeros, NaN, Inf, huge values (saturated
+    scales), blocks whose amax / 6 underflows E4M3 while amax / 4 does not, and random blocks."""
+    kernels_or_skip()
+    from sageattn3 import _kernels
+    from sageattn3 import reference as ref
+
+    nan, inf = float("nan"), float("inf")
+    rows = [[5.0] * 15 + [6.0], [6.0] + [0.0] * 15, [0.0] * 16, [nan] + [1.0] * 15, [inf] + [1.0] * 15,
+            [-3.0e38] + [2.0] * 15, [0.005] + [0.004] * 15, [0.0022] + [-0.0017] * 15, [1e-30] * 16]
+    g = torch.Generator().manual_seed(9)
+    blocks = torch.tensor(rows, dtype=torch.float32)
+    blocks = torch.cat([blocks, torch.randn(247, 16, generator=g) * torch.exp(3 * torch.randn(247, 1, generator=g))])
+    if dtype != torch.float32:  # values that survive the cast (no NaN/Inf blocks reach 16-bit here)
+        blocks = blocks[torch.isfinite(blocks).all(dim=1) & (blocks.abs() < 1e30).all(dim=1)]
+    blocks = blocks[: blocks.shape[0] // 8 * 8]
+    x = blocks.reshape(-1, 8, 16).reshape(1, -1, 128)  # rows of 8 blocks
+    x = x.to(dtype)
+    mean = torch.zeros(1, 1, 128, device="cuda")
+    packed, scales = _kernels.smooth_quant_rows(x.cuda(), mean, False, 0, 16, search=True)
+    rp, rs = ref.quantize_rows(ref.pad_dim(x.float(), -2, 16), scale_search=True)
+    assert same_bytes(packed, rp) and same_bytes(scales, rs)
+    plain = ref.quantize_rows(ref.pad_dim(x.float(), -2, 16))[1]
+    assert not same_bytes(scales, plain)

@@ -120,7 +120,7 @@ def test_delta_s_with_block_means_quantizes_only_the_residual():
 def test_hard_cases_against_exact(case):
     """GQA 4:2, 256 tokens, D 128 non-causal / D 64 causal: cos-sim floors, and our algorithm
     against the published one (no rotation, no balance, paper delta_s): by default (the channel
-    balance) and with the Q/K rotation (which turns the balance off) clearly better on Q outlier
+    balance) and with the Q/K rotation clearly better on Q outlier
     channels (the balance's margin: test_balance_lifts_q_outlier_channels), within noise
     elsewhere."""
     for d, causal in ((128, False), (64, True)):
@@ -140,9 +140,15 @@ def test_hard_cases_against_exact(case):
 def test_rotation_off_is_the_paper_with_one_q_mean():
     q, k, v = ac.make("q_offset_x3", 1, 2, 2, 200, 200, 128, seed=5)
     for causal in (False, True):
-        ours = ref.sageattn3(q, k, v, is_causal=causal, per_block_mean=False, qk_rotation=False)
+        ours = ref.sageattn3(q, k, v, is_causal=causal, per_block_mean=False, qk_rotation=False, scale_search=False)
         paper = ref.sageattn3_paper(q, k, v, is_causal=causal, per_block_mean=False)
         assert ac.cos_sim(ours, paper) > 0.9999999
+        assert torch.equal(ours, ref.sageattn3(q, k, v, is_causal=causal, per_block_mean=False))  # the default
+        # the scale search changes the result, closer to exact
+        search = ref.sageattn3(q, k, v, is_causal=causal, per_block_mean=False, scale_search=True)
+        exact = ref.exact_attention(q, k, v, is_causal=causal)
+        assert not torch.equal(search, ours)
+        assert ac.rel_l1(search, exact) < ac.rel_l1(ours, exact)
 
 
 def test_causal_long_rows_and_ragged_lengths():
@@ -348,7 +354,8 @@ def test_balance_given_exponents_are_used():
     assert torch.equal(on.mean_q, off.mean_q * torch.exp2(-ref.expand_kv(e, 4)))
     assert torch.equal(on.delta_key, off.delta_key)
     # power-of-two scaling commutes with NVFP4 where no scale saturates: the same codes
-    assert torch.equal(on.k_packed, ref.quantize_rows(ref.pad_dim(k.float() * torch.exp2(e) - on.mean_k, -2, 128))[0])
+    ks = ref.pad_dim(k.float() * torch.exp2(e) - on.mean_k, -2, 128)
+    assert torch.equal(on.k_packed, ref.quantize_rows(ks, scale_search=ref.QK_SCALE_SEARCH)[0])
 
 
 @pytest.mark.parametrize("case", [c for c in ac.CASES if c != "q_outliers"])
@@ -386,15 +393,27 @@ def test_balance_lifts_q_outlier_channels(d, causal):
     assert c_on >= 0.96
 
 
-def test_balance_is_off_with_the_rotation_and_at_other_head_dims():
+def test_balance_then_rotation_and_off_at_other_head_dims():
+    """With both, Q and K are balanced first and then rotated (means too); at other head dims the
+    balance does not apply."""
     q, k, v = ac.make("q_outliers", 1, 2, 1, 200, 200, 128, seed=8)
     pre = ref.preprocess(q, k, v, qk_rotation=True, qk_balance=True)
-    assert pre.qk_rotation and pre.balance is None
-    assert not ref.balance_applies(128, True) and ref.balance_applies(128, False)
-    assert torch.equal(ref.sageattn3(q, k, v, qk_rotation=True, qk_balance=True),
-                       ref.sageattn3(q, k, v, qk_rotation=True, qk_balance=False))
+    e = ref.balance_exponents(q, 1)
+    assert pre.qk_rotation and torch.equal(pre.balance, e) and (e != 0).any()
+    assert ref.balance_applies(128) and ref.balance_applies(64)
+    ck = torch.exp2(e)
+    assert torch.equal(pre.mean_k, ref.rotate(ref.k_mean(k) * ck))
+    ks = ref.rotate(k.float() * ck) - pre.mean_k
+    p, s = ref.quantize_rows(ref.pad_dim(ks, -2, 128), scale_search=ref.QK_SCALE_SEARCH)
+    assert torch.equal(p, pre.k_packed) and torch.equal(s.view(torch.uint8), pre.k_scales.view(torch.uint8))
+    mq = ref.rotate(ref.q_mean(q) * torch.exp2(-e))
+    assert torch.equal(pre.mean_q, mq)
+    # scores unchanged: dequantized Q . K plus the correction is close to the exact scores
+    exact = ref.exact_attention(q, k, v)
+    both = ref.sageattn3(q, k, v, qk_rotation=True, qk_balance=True)
+    assert ac.rel_l1(both, exact) < ac.rel_l1(ref.sageattn3(q, k, v, qk_rotation=True), exact)
     for d in (32, 96, 256):
-        assert not ref.balance_applies(d, False)
+        assert not ref.balance_applies(d)
         q, k, v = ac.make("q_outliers", 1, 2, 1, 200, 150, d, seed=d)
         on, off = ref.preprocess(q, k, v, qk_balance=True), ref.preprocess(q, k, v, qk_balance=False)
         assert on.balance is None
@@ -411,3 +430,22 @@ def test_balance_is_off_by_default_and_without_block_means():
     assert ref.preprocess(q, k, v).balance is None
     assert ref.preprocess(q, k, v, per_block_mean=False, qk_balance=True).balance is None
     assert ref.preprocess(q, k, v, qk_balance=True).balance is not None
+
+
+def test_balance_rotation_and_scale_search_add_up_on_q_outliers():
+    """On Q outlier channels each step lowers the error against exact attention: the balance,
+    then the balance and the rotation together, then with the scale search as well; and the scale
+    search alone helps the zero-mean case too (every block is quantized at least as closely)."""
+    for d, causal in ((64, False), (128, True)):
+        q, k, v = ac.make("q_outliers", 1, 4, 2, 512, 512, d, seed=13)
+        exact = ref.exact_attention(q, k, v, is_causal=causal)
+        err = [ac.rel_l1(ref.sageattn3(q, k, v, is_causal=causal, **kw), exact) for kw in (
+            {}, {"qk_balance": True}, {"qk_balance": True, "qk_rotation": True},
+            {"qk_balance": True, "qk_rotation": True, "scale_search": True})]
+        assert err[0] > err[1] > err[2] > err[3], (d, causal, err)
+        assert err[3] < 0.7 * err[0], (d, causal, err)
+        q, k, v = ac.make("randn", 1, 4, 2, 512, 512, d, seed=13)
+        exact = ref.exact_attention(q, k, v, is_causal=causal)
+        plain = ac.rel_l1(ref.sageattn3(q, k, v, is_causal=causal), exact)
+        search = ac.rel_l1(ref.sageattn3(q, k, v, is_causal=causal, scale_search=True), exact)
+        assert search < 0.98 * plain, (d, causal, plain, search)

@@ -178,3 +178,62 @@ def test_transposed_layout():
 def test_last_dim_must_be_multiple_of_16():
     with pytest.raises(ValueError, match="multiple of 16"):
         ref.quantize_rows(torch.zeros(3, 24))
+
+
+# ---- the scale search (the preprocessing's quantizer for Q and K) ----
+
+
+def _search(values):
+    x = torch.tensor(values, dtype=torch.float32).reshape(1, -1)
+    p, s = ref.quantize_rows(x, scale_search=True)
+    return ref.dequantize_rows(p, s)[0].tolist(), s.view(torch.uint8)[0].tolist()
+
+
+def test_scale_search_maps_the_max_onto_4_where_that_loses_less():
+    # amax 6: the plain scale 1 puts 5 on a tie (-> 4, error 1 each); scale 1.5 puts it on
+    # 3 * 1.5 = 4.5 (error 0.25) and 6 on 4 * 1.5 exactly
+    values, scale = _search([5.0] * 15 + [6.0])
+    assert values == [4.5] * 15 + [6.0]
+    assert scale == [ref.e4m3_scale_byte(torch.tensor(6.0 / 4 * 6)).item()]  # the byte of 1.5
+    plain = ref.dequantize_rows(*ref.quantize_rows(torch.tensor([[5.0] * 15 + [6.0]])))[0].tolist()
+    assert plain == [4.0] * 15 + [6.0]
+
+
+def test_scale_search_keeps_the_plain_scale_on_ties_and_special_blocks():
+    # exact either way (error 0 both): the plain scale stays
+    x = torch.tensor([[6.0] + [0.0] * 15, [0.0] * 16, [NAN] + [1.0] * 15, [INF] + [1.0] * 15,
+                      [-3.0e38] + [2.0] * 15])
+    p0, s0 = ref.quantize_rows(x)
+    p1, s1 = ref.quantize_rows(x, scale_search=True)
+    assert torch.equal(p0, p1) and torch.equal(s0.view(torch.uint8), s1.view(torch.uint8))
+
+
+def test_scale_search_never_loses_and_wins_often():
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.randn(4096, 16, generator=g) * torch.exp(2 * torch.randn(4096, 1, generator=g)),
+                   torch.rand(1024, 16, generator=g), torch.randn(1024, 16, generator=g) ** 3])
+    p0, s0 = ref.quantize_rows(x)
+    p1, s1 = ref.quantize_rows(x, scale_search=True)
+    e0 = ref.block_sq_error(x.reshape(-1, 1, 16), ref.unpack_codes(p0).reshape(-1, 1, 16), s0.view(torch.uint8).reshape(-1, 1, 1))
+    e1 = ref.block_sq_error(x.reshape(-1, 1, 16), ref.unpack_codes(p1).reshape(-1, 1, 16), s1.view(torch.uint8).reshape(-1, 1, 1))
+    changed = (s0.view(torch.uint8) != s1.view(torch.uint8)).reshape(-1)
+    assert (e1 <= e0).all()
+    assert (e1.reshape(-1)[changed] < e0.reshape(-1)[changed]).all()
+    # the other candidate is always the byte of amax / 4
+    amax = x.abs().amax(dim=-1)
+    byte4 = (amax / 4).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(s1.view(torch.uint8).reshape(-1)[changed], byte4[changed])
+    assert 0.2 < changed.float().mean() < 0.8
+    # relative to each block's own error, the search removes a good share of it
+    ratio = (e1 / e0.clamp_min(1e-30)).reshape(-1)[e0.reshape(-1) > 0]
+    assert ratio.mean() < 0.9
+
+
+def test_block_sq_error_sums_in_order_in_float32():
+    # (E2M1(code) * scale - x)² summed left to right in float32: a large term first swallows a
+    # tiny one that a different order would keep
+    x = torch.tensor([[[2.0 ** 12] + [2.0 ** -13] * 15]])
+    codes = torch.zeros(1, 1, 16, dtype=torch.uint8)
+    sbyte = torch.tensor([[[0x38]]], dtype=torch.uint8)  # scale 1.0
+    acc = ref.block_sq_error(x, codes, sbyte)
+    assert acc.item() == 2.0 ** 24

@@ -146,10 +146,9 @@ struct Load8<float> {
 
 // ---- whole 16-blocks per thread (the bandwidth kernels) ----
 
-// 16 values (already smoothed, fp32) of one block whose amax bits are known -> codes of
-// elements 0-7 (x) and 8-15 (y), scale byte in `sbyte`. Same arithmetic as quant8_with_amax.
-__device__ __forceinline__ uint2 quant16_with_amax(const float (&v)[16], uint32_t amax_bits, uint32_t& sbyte) {
-  sbyte = e4m3_scale_byte(__uint_as_float(amax_bits));
+// 16 values (fp32) of one block -> codes of elements 0-7 (x) and 8-15 (y) for the scale byte
+// `sbyte` (codes 0 when the scale is 0 or NaN).
+__device__ __forceinline__ uint2 codes16(const float (&v)[16], uint32_t sbyte) {
   const float s = e4m3_value(sbyte);
   const bool ok = s > 0.f;  // false for 0 and NaN
   const float inv = ok ? __frcp_rn(s) : 0.f;
@@ -174,6 +173,40 @@ __device__ __forceinline__ uint2 quant16_with_amax(const float (&v)[16], uint32_
   return ok ? w : make_uint2(0u, 0u);
 }
 
+// 16 values (already smoothed, fp32) of one block whose amax bits are known -> codes of
+// elements 0-7 (x) and 8-15 (y), scale byte in `sbyte`.
+__device__ __forceinline__ uint2 quant16_with_amax(const float (&v)[16], uint32_t amax_bits, uint32_t& sbyte) {
+  sbyte = e4m3_scale_byte(__uint_as_float(amax_bits));
+  return codes16(v, sbyte);
+}
+
+// The squared error of a block's codes w under scale value s: sum over i = 0..15, in that order,
+// of (E2M1(code_i) * s - v_i)^2, each operation rounded in fp32 (no fused multiply-add). The
+// dequantized value is exact: code c's fp16 bit pattern ((c & 7) << 9) | ((c & 8) << 12) is
+// its E2M1 value times 2^-14 (see kE2M1Prescale), times s * 2^14.
+__device__ __forceinline__ float block_sq_error(const float (&v)[16], uint2 w, float s) {
+  const float s14 = __fmul_rn(s, 0x1p14f);
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t word = i < 4 ? w.x : w.y;
+    const uint32_t b = (word >> (8 * (i % 4))) & 0xFFu;       // elements 2i (low nibble), 2i + 1
+    const uint32_t u = (b & 0xFu) | ((b & 0xF0u) << 12);       // nibbles at bits 0-3 and 16-19
+    const uint32_t h = ((u & 0x00070007u) << 9) | ((u & 0x00080008u) << 12);
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    const float d0 = __fsub_rn(__fmul_rn(f.x, s14), v[2 * i]);
+    const float d1 = __fsub_rn(__fmul_rn(f.y, s14), v[2 * i + 1]);
+    acc = __fadd_rn(acc, __fmul_rn(d0, d0));
+    acc = __fadd_rn(acc, __fmul_rn(d1, d1));
+  }
+  return acc;
+}
+
+// E4M3 byte of amax / 4 (saturating, no sign): the scale that maps the block max onto E2M1's 4.
+__device__ __forceinline__ uint32_t e4m3_scale_byte_4(float amax) {
+  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(amax / 4.0f, __NV_SATFINITE, __NV_E4M3)) & 0x7Fu;
+}
+
 // max(acc, |v|), NaN if either is NaN (max.NaN: one instruction, |v| an operand modifier;
 // fmaxf would drop a NaN).
 __device__ __forceinline__ float abs_max_nan(float acc, float v) {
@@ -187,6 +220,26 @@ __device__ __forceinline__ uint2 quant16(const float (&v)[16], uint32_t& sbyte) 
 #pragma unroll
   for (int i = 0; i < 16; ++i) a = abs_max_nan(a, v[i]);
   return quant16_with_amax(v, __float_as_uint(a), sbyte);
+}
+
+// The scale search (reference.quantize_rows(..., scale_search=True)): the block is quantized
+// with the scale of amax / 6 and with that of amax / 4, and keeps the second only where its
+// squared error (block_sq_error) is strictly smaller. A block whose values sit near 5/6 of its
+// max (between E2M1's 4 and 6) loses less with the max mapped onto 4.
+__device__ __forceinline__ uint2 quant16_search(const float (&v)[16], uint32_t& sbyte) {
+  float a = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) a = abs_max_nan(a, v[i]);
+  const uint32_t b6 = e4m3_scale_byte(a), b4 = e4m3_scale_byte_4(a);
+  const uint2 w6 = codes16(v, b6);
+  if (b4 == b6) {
+    sbyte = b6;
+    return w6;
+  }
+  const uint2 w4 = codes16(v, b4);
+  const bool four = block_sq_error(v, w4, e4m3_value(b4)) < block_sq_error(v, w6, e4m3_value(b6));
+  sbyte = four ? b4 : b6;
+  return four ? w4 : w6;
 }
 
 // Raw storage of 16 consecutive elements (one NVFP4 block): loaded with 16-byte vector loads,

@@ -10,12 +10,13 @@
 // smooths and quantizes every tile of Q and K with no dependency between its CTAs, so Q and K
 // are read from DRAM once.
 //
-// Optionally (D 64/128) the rows are rotated first (rotation.cuh): means are summed on the
-// unrotated rows and then rotated (the rotation is linear), every row is rotated in registers
-// before the mean is subtracted. Or (D 64/128, no rotation) the channel balance multiplies Q's
-// channels by 2^-e and K's by 2^e first. K's quantization can also emit the per-key correction
-// of the attention, ds_key[q head][key] = qbar[q head] . (K[key] - mean_k) in the rotated or
-// balanced space, over the smoothed fp32 row exactly as it is quantized (from registers).
+// Optionally (D 64/128) the channel balance multiplies Q's channels by 2^-e and K's by 2^e
+// first, and/or the rows are rotated (rotation.cuh): means are summed on the raw rows, then
+// balanced and rotated (both are linear), every row is balanced and rotated in registers before
+// the mean is subtracted. K's quantization can also emit the per-key correction of the
+// attention, ds_key[q head][key] = qbar[q head] . (K[key] - mean_k) in the balanced and rotated
+// space, over the smoothed fp32 row exactly as it is quantized (from registers). Q and K may be
+// quantized with the scale search (quant16_search, nvfp4.cuh) instead of the plain quantizer.
 #include <type_traits>
 
 #include "common/launch.cuh"
@@ -88,15 +89,16 @@ struct Tile {
   // warp go through the same steps, the stores are conditional); mu: this thread's 16 means in
   // shared memory, 16-byte aligned (read per row, as four 16-byte loads: fewer registers, more
   // CTAs per SM). cs (null: none): this thread's 16 channel balance factors in shared memory
-  // (16-byte aligned): the row is multiplied by them (powers of two: exact) before mu (then the
-  // balanced mean) is subtracted. u (null: none; D 64/128): this thread's 16 floats of nh vectors
+  // (16-byte aligned): the row is multiplied by them (powers of two: exact) first, before the
+  // rotation, and mu is then the balanced (and rotated) mean. search: NVFP4 with the scale search
+  // (quant16_search) instead of the plain quantizer. u (null: none; D 64/128): this thread's 16 floats of nh vectors
   // in shared memory, ustride floats apart (16-byte aligned): the per-key correction
   // dk[h * Sp + row] = u[h] . (the smoothed
   // fp32 row, as quantized): per thread a 16-term fma chain over its block from 0, then the
   // block sums of the row added by an xor butterfly over its lanes (1, 2, 4); 0 for padding rows.
   __device__ __forceinline__ void quantize(const RowMap& m, const float* mu, int64_t g, int64_t row0, int64_t r1,
                                            int64_t Sp, uint2* __restrict__ packed, uint8_t* __restrict__ scales,
-                                           bool rotate, const float* cs = nullptr, const float* u = nullptr,
+                                           bool rotate, bool search, const float* cs = nullptr, const float* u = nullptr,
                                            int nh = 0, int ustride = 0, float* __restrict__ dk = nullptr) const {
     const int bpr = m.bpr;
 #pragma unroll
@@ -108,13 +110,18 @@ struct Tile {
       if (!rotate && u == nullptr && !stored) continue;
       float v[16];
       raw[p].to_float(v);
-      // D/16 = 2P where the rotation exists (D 64 and 128)
+      const auto balance = [](float x, float c) { return __fmul_rn(x, c); };
+      // D/16 = 2P where the rotation exists (D 64 and 128); balanced first (padding rows are
+      // zeros: the balance and the rotation keep them so)
       if constexpr (P == 2 || P == 4) {
-        if (rotate) rotate_block<2 * P>(v, m.cb);
+        if (rotate) {
+          if (cs != nullptr) with16(v, cs, balance);
+          rotate_block<2 * P>(v, m.cb);
+        }
       }
       const bool real = stored && row < r1;
       if (real) {
-        if (cs != nullptr) with16(v, cs, [](float x, float c) { return __fmul_rn(x, c); });
+        if (!rotate && cs != nullptr) with16(v, cs, balance);
         with16(v, mu, [](float x, float m) { return __fsub_rn(x, m); });
       }
       if constexpr (P == 2 || P == 4) {
@@ -139,7 +146,7 @@ struct Tile {
       if (!stored) continue;
       uint32_t sb = 0;
       uint2 w = make_uint2(0u, 0u);
-      if (real) w = quant16(v, sb);
+      if (real) w = search ? quant16_search(v, sb) : quant16(v, sb);
       const int64_t ob = (g * Sp + row) * bpr + m.cb;  // output block index
       __stcs(packed + ob, w);
       __stcs(reinterpret_cast<char*>(scales + ob), static_cast<char>(sb));
@@ -169,8 +176,8 @@ __device__ __forceinline__ void store_mean(float* vec, float mu, int D, bool rot
 }
 
 // The mean of a tile from its column sums in red[0..D) (count real rows): left in red[0..D),
-// rotated when asked (or times the balance factors cs, padded, when given: never both), and written
-// to mean_out (store_mean).
+// times the balance factors cs (padded) when given, then rotated when asked, and written to
+// mean_out (store_mean).
 __device__ __forceinline__ void tile_mean(float* red, int D, int64_t count, bool rotate, float* mean_out,
                                           const float* cs = nullptr) {
   float mu = 0.f;
@@ -305,7 +312,7 @@ __device__ __forceinline__ void mean_of_sums(const float* src, uint32_t n, int64
 }
 
 // Balance exponents (reference.balance_exponents), K mean, qbar of the group's rep q groups;
-// balanced (times 2^e for K, 2^-e for Q) or rotated (never both).
+// balanced (times 2^e for K, 2^-e for Q), then rotated when asked.
 __global__ void __launch_bounds__(kRowThreads) sample_means_kernel(const SampleMeans f, int D, bool rotate) {
   __shared__ __align__(16) float vec[kMaxD];
   __shared__ float wsum[kRowThreads / 32];
@@ -368,11 +375,12 @@ struct RowsJob {
   const float* u;         // per-key correction vectors (G * rep, D), or null
   uint32_t rep;
   float* ds_key;          // (G * rep, Sp)
+  bool search;            // NVFP4 with the scale search (quant16_search)
 };
 
 // One CTA per tile: those of a, then those of b (G 0: none). Shared vectors padded (padded()):
 // the mean in mu_s, the balance factors in cs_s, the correction vectors in red.
-template <typename T, int P, bool kRotate>
+template <typename T, int P, bool kRotate, bool kSearch>
 __global__ void __launch_bounds__(kRowThreads, (P <= 4 ? 3 : 1)) smooth_quant_kernel(
     const __grid_constant__ RowsJob a, const __grid_constant__ RowsJob b, int D) {
   __shared__ __align__(16) float red[kRowThreads * 16];
@@ -414,7 +422,7 @@ __global__ void __launch_bounds__(kRowThreads, (P <= 4 ? 3 : 1)) smooth_quant_ke
   __syncthreads();
   if (m.active) {
     const int off = m.cb * kPadBlock;
-    t.quantize(m, mu_s + off, g, row0, r1, j.Sp, j.packed, j.scales, kRotate, balanced ? cs_s + off : nullptr,
+    t.quantize(m, mu_s + off, g, row0, r1, j.Sp, j.packed, j.scales, kRotate, kSearch, balanced ? cs_s + off : nullptr,
                j.u ? red + off : nullptr, static_cast<int>(j.rep), padded(D),
                j.u ? j.ds_key + g * j.rep * j.Sp : nullptr);
   }
@@ -456,12 +464,24 @@ int launch_sums_p(const SampleSrc& a, const SampleSrc& b, int64_t D, cudaStream_
   return cudaGetLastError();
 }
 
-template <typename T, int P, bool kRotate>
+// Calls f(std::bool_constant<kSearch>{}); instantiations with the scale search exist for P 2 and 4
+// only (D 64 and 128, the attention's head dims: the launchers refuse it elsewhere).
+template <int P, typename F>
+int with_search(bool search, F&& f) {
+  if constexpr (P == 2 || P == 4) {
+    if (search) return f(std::true_type{});
+  } else {
+    if (search) return cudaErrorInvalidValue;
+  }
+  return f(std::false_type{});
+}
+
+template <typename T, int P, bool kRotate, bool kSearch>
 int launch_rows_p(const RowsJob& a, const RowsJob& b, int64_t D, cudaStream_t stream) {
   const int64_t grid = static_cast<int64_t>(a.G) * a.tiles + static_cast<int64_t>(b.G) * b.tiles;
   if (grid == 0) return cudaSuccess;
   if (grid > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  smooth_quant_kernel<T, P, kRotate><<<static_cast<unsigned>(grid), kRowThreads, 0, stream>>>(a, b,
+  smooth_quant_kernel<T, P, kRotate, kSearch><<<static_cast<unsigned>(grid), kRowThreads, 0, stream>>>(a, b,
                                                                                                static_cast<int>(D));
   return cudaGetLastError();
 }
@@ -493,8 +513,10 @@ int launch_all(const SampleSrc& sa, const SampleSrc& sb, const SampleMeans& f, i
     return with_rotation<P>(rotate, [&](auto r) {
       int e = launch_sums_p<T, P>(sa, sb, D, stream);
       if (e == cudaSuccess && mg > 0) e = launch_means(f, mg, D, rotate, stream);
-      if (e == cudaSuccess) e = launch_rows_p<T, P, decltype(r)::value>(ja, jb, D, stream);
-      return e;
+      if (e != cudaSuccess) return e;
+      return with_search<P>(ja.search || jb.search, [&](auto sr) {
+        return launch_rows_p<T, P, decltype(r)::value, decltype(sr)::value>(ja, jb, D, stream);
+      });
     });
   });
 }
@@ -504,7 +526,7 @@ RowsJob rows_job(const void* x, int64_t G, int64_t S, int64_t Sp, float* mean, b
                  uint8_t* packed, uint8_t* scales) {
   return RowsJob{x, S, Sp, static_cast<uint32_t>(G), static_cast<uint32_t>(ceil_div(Sp, kRows)), mean, compute_mean,
                  block_means ? static_cast<uint32_t>(ceil_div(S, kRows)) : 1u, reinterpret_cast<uint2*>(packed),
-                 scales, nullptr, 1, false, nullptr, 1, nullptr};
+                 scales, nullptr, 1, false, nullptr, 1, nullptr, false};
 }
 
 SampleSrc sample_src(const void* x, int64_t G, int64_t S, float* sums, float* ss) {
@@ -512,36 +534,35 @@ SampleSrc sample_src(const void* x, int64_t G, int64_t S, float* sums, float* ss
   return SampleSrc{x, S, static_cast<uint32_t>(G), nt, mean_samples(nt), sums, ss};
 }
 
-// The rotation, the balance and the per-key correction exist for D 64 and 128 (the attention's
+// The rotation, the balance, the scale search and the per-key correction exist for D 64 and 128 (the attention's
 // head dims).
-bool options_fit(int64_t D, bool rotate, bool correction) {
-  return !(rotate || correction) || rotation_applies(static_cast<int>(D));
+bool options_fit(int64_t D, bool rotate, bool correction, bool search = false) {
+  return !(rotate || correction || search) || rotation_applies(static_cast<int>(D));
 }
 
 }  // namespace
 
 int smooth_quant_rows(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, float* mean, bool compute_mean,
-                      int mean_block, int64_t Sp, uint8_t* packed, uint8_t* scales, bool rotate,
+                      int mean_block, int64_t Sp, uint8_t* packed, uint8_t* scales, bool rotate, bool search,
                       cudaStream_t stream) {
   if (D % 16 || D <= 0 || D > kMaxD || Sp < S || (mean_block != 0 && mean_block != kRows) ||
-      (compute_mean && mean_block != kRows) || !options_fit(D, rotate, false) || G > 0x7FFFFFFF)
+      (compute_mean && mean_block != kRows) || !options_fit(D, rotate, false, search) || G > 0x7FFFFFFF)
     return cudaErrorInvalidValue;
   if (ceil_div(Sp, kRows) > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  const RowsJob j = rows_job(x, G, S, Sp, mean, compute_mean, mean_block == kRows, packed, scales);
+  RowsJob j = rows_job(x, G, S, Sp, mean, compute_mean, mean_block == kRows, packed, scales);
+  j.search = search;
   return with_dtype(dtype, [&](auto t) {
     return launch_all<decltype(t)>(SampleSrc{}, SampleSrc{}, SampleMeans{}, 0, j, RowsJob{}, D, rotate, stream);
   });
 }
 
 int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, float* mean, float* partial,
-                     int* sync, int64_t Sp, uint8_t* packed, uint8_t* scales, bool force_two_pass, bool rotate,
-                     const float* qbar, int64_t rep, float* ds_key, cudaStream_t stream) {
-  (void)sync;
-  (void)force_two_pass;
+                     int64_t Sp, uint8_t* packed, uint8_t* scales, bool search, bool rotate, const float* qbar,
+                     int64_t rep, float* ds_key, cudaStream_t stream) {
   if (D % 16 || D <= 0 || D > kMaxD || Sp < S || S < 1 || ceil_div(Sp, kRows) > 0x7FFFFFFF)
     return cudaErrorInvalidValue;
   if ((qbar != nullptr) != (ds_key != nullptr) || (qbar && (rep < 1 || rep > max_correction_heads(static_cast<int>(D)))) ||
-      !options_fit(D, rotate, qbar != nullptr))
+      !options_fit(D, rotate, qbar != nullptr, search))
     return cudaErrorInvalidValue;
   if (G == 0) return cudaSuccess;
   if (G > 0x7FFFFFFF) return cudaErrorInvalidValue;
@@ -552,6 +573,7 @@ int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D
   f.k_rows = sample_rows(S, s.nt, s.ns);
   f.mean_k = mean;
   RowsJob j = rows_job(x, G, S, Sp, mean, false, false, packed, scales);
+  j.search = search;
   if (qbar != nullptr) {
     j.u = qbar;
     j.rep = static_cast<uint32_t>(rep);
@@ -564,20 +586,19 @@ int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D
 
 int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64_t Sq, int64_t Gk, int64_t Sk,
                     int64_t D, float* mean_q, int64_t Sqp, uint8_t* q_packed, uint8_t* q_scales, float* mean_k,
-                    float* partial_k, int* sync, int64_t Skp, uint8_t* k_packed, uint8_t* k_scales, int lag,
+                    float* partial_k, int64_t Skp, uint8_t* k_packed, uint8_t* k_scales, bool search,
                     bool rotate, float* partial_q, float* qbar, float* ds_key, float* balance, float* balance_part,
                     cudaStream_t stream) {
-  (void)sync;
   if (D % 16 || D <= 0 || D > kMaxD || Sqp < Sq || Skp < Sk || Sk < 1 || Gk < 1 || Gk > 0x7FFFFFFF || Gq < 0 ||
-      Gq > 0x7FFFFFFF || lag < 0 || Gq % Gk != 0 || (Gq > 0 && Sq < 1) || ceil_div(Sqp, kRows) > 0x7FFFFFFF ||
+      Gq > 0x7FFFFFFF || Gq % Gk != 0 || (Gq > 0 && Sq < 1) || ceil_div(Sqp, kRows) > 0x7FFFFFFF ||
       ceil_div(Skp, kRows) > 0x7FFFFFFF)
     return cudaErrorInvalidValue;
   if ((balance != nullptr) != (balance_part != nullptr) ||
-      (balance && (rotate || Gq == 0 || !rotation_applies(static_cast<int>(D)))))
+      (balance && (Gq == 0 || !rotation_applies(static_cast<int>(D)))))
     return cudaErrorInvalidValue;
   const bool global = Gq > 0 && (partial_q || qbar || ds_key);
   if (global && (!partial_q || !qbar || !ds_key)) return cudaErrorInvalidValue;
-  if (!options_fit(D, rotate, global)) return cudaErrorInvalidValue;
+  if (!options_fit(D, rotate, global, search)) return cudaErrorInvalidValue;
   const uint32_t rep = static_cast<uint32_t>(Gq / Gk);
   if (global && rep > static_cast<uint32_t>(max_correction_heads(static_cast<int>(D)))) return cudaErrorInvalidValue;
   const SampleSrc sk = sample_src(k, Gk, Sk, partial_k, nullptr);
@@ -601,6 +622,7 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
   }
   RowsJob jq = rows_job(q, Gq, Sq, Sqp, mean_q, true, true, q_packed, q_scales);
   RowsJob jk = rows_job(k, Gk, Sk, Skp, mean_k, false, false, k_packed, k_scales);
+  jq.search = jk.search = search;
   if (balance != nullptr) {
     jq.bal = jk.bal = balance;
     jq.bal_div = rep;

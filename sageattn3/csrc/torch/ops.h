@@ -185,10 +185,11 @@ void quant_fp4_cols(T x, T packed, T scales) {
                        "quant_fp4_cols");
 }
 
-// smooth_quant_rows(x, mean!, compute_mean, mean_block, packed!, scales!): x (G, S, D);
+// smooth_quant_rows(x, mean!, compute_mean, mean_block, packed!, scales!, rotate, search): x (G, S, D);
 // mean (G, nm, D) fp32; packed (G, Sp, D/2); scales (G, Sp, D/16).
 template <class T>
-void smooth_quant_rows(T x, T mean, bool compute_mean, int64_t mean_block, T packed, T scales, bool rotate) {
+void smooth_quant_rows(T x, T mean, bool compute_mean, int64_t mean_block, T packed, T scales, bool rotate,
+                       bool search) {
   check_input(x);
   check_f32_on(mean, x, "mean");
   check_codes(packed, scales, x);
@@ -202,21 +203,20 @@ void smooth_quant_rows(T x, T mean, bool compute_mean, int64_t mean_block, T pac
   SA3_CHECK(T, Sp >= S && packed.numel() == G * Sp * D / 2 && scales.numel() == G * Sp * D / 16,
             "sageattn3: output sizes do not match x");
   SA3_CHECK(T, !rotate || D == 64 || D == 128, "sageattn3: rotate needs D 64 or 128");
+  SA3_CHECK(T, !search || D == 64 || D == 128, "sageattn3: the scale search needs D 64 or 128");
   DeviceScope scope(device_of(x));
   check_cuda_kernel<T>(sageattn3::smooth_quant_rows(x.data_ptr(), dtype_of(x, "x"), G, S, D, floats(mean),
                                                     compute_mean, static_cast<int>(mean_block), Sp, bytes(packed),
-                                                    bytes(scales), rotate, TensorApi<T>::stream(x)),
+                                                    bytes(scales), rotate, search, TensorApi<T>::stream(x)),
                        "smooth_quant_rows");
 }
 
-// smooth_quant_seq(x, mean!, partial!, sync!, packed!, scales!, two_pass, rotate, qbar, ds_key!): x (G, S, D),
+// smooth_quant_seq(x, mean!, partial!, packed!, scales!, search, rotate, qbar, ds_key!): x (G, S, D),
 // S >= 1; mean (G, 1, D) fp32; partial (G, ceil(S/128), D) fp32; packed (G, Sp, D/2);
-// qbar (G*rep, D) and ds_key (G*rep, Sp) fp32 for the per-key correction, or both empty (none).
-// sync (any tensor, empty is fine) and two_pass are unused, kept in the schema; the mean is the
-// sampled one (sageattn3.h).
+// qbar (G*rep, D) and ds_key (G*rep, Sp) fp32 for the per-key correction, or both empty (none);
+// the mean is the sampled one (sageattn3.h).
 template <class T>
-void smooth_quant_seq(T x, T mean, T partial, T sync, T packed, T scales, bool two_pass, bool rotate, T qbar,
-                      T ds_key) {
+void smooth_quant_seq(T x, T mean, T partial, T packed, T scales, bool search, bool rotate, T qbar, T ds_key) {
   check_input(x);
   check_f32_on(mean, x, "mean");
   check_f32_on(partial, x, "partial");
@@ -230,6 +230,7 @@ void smooth_quant_seq(T x, T mean, T partial, T sync, T packed, T scales, bool t
   SA3_CHECK(T, Sp >= S && packed.numel() == G * Sp * D / 2 && scales.numel() == G * Sp * D / 16,
             "sageattn3: output sizes do not match x");
   SA3_CHECK(T, !rotate || D == 64 || D == 128, "sageattn3: rotate needs D 64 or 128");
+  SA3_CHECK(T, !search || D == 64 || D == 128, "sageattn3: the scale search needs D 64 or 128");
   const bool correction = qbar.numel() > 0 || ds_key.numel() > 0;
   int64_t rep = 1;
   if (correction) {
@@ -242,24 +243,23 @@ void smooth_quant_seq(T x, T mean, T partial, T sync, T packed, T scales, bool t
   }
   DeviceScope scope(device_of(x));
   check_cuda_kernel<T>(sageattn3::smooth_quant_seq(x.data_ptr(), dtype_of(x, "x"), G, S, D, floats(mean),
-                                                   floats(partial), nullptr, Sp, bytes(packed), bytes(scales),
-                                                   two_pass, rotate, correction ? floats(qbar) : nullptr, rep,
+                                                   floats(partial), Sp, bytes(packed), bytes(scales),
+                                                   search, rotate, correction ? floats(qbar) : nullptr, rep,
                                                    correction ? floats(ds_key) : nullptr, TensorApi<T>::stream(x)),
                        "smooth_quant_seq");
 }
 
 // smooth_quant_qk(q, k, mean_q!, q_packed!, q_scales!, mean_k!, k_packed!, k_scales!, partial_k!,
-// sync!, lag, rotate, partial_q!, qbar!, ds_key!): q (Gq, Sq, D) and k (Gk, Sk, D), same dtype, Sk >= 1,
+// search, rotate, partial_q!, qbar!, ds_key!, balance!, balance_part!): q (Gq, Sq, D) and k (Gk, Sk, D), same dtype, Sk >= 1,
 // Gq a multiple of Gk (or 0); mean_q (Gq, ceil(Sq/128), D) fp32; q_packed (Gq, Sqp, D/2); q_scales
 // (Gq, Sqp, D/16); mean_k (Gk, 1, D) fp32; k_packed (Gk, Skp, D/2); k_scales (Gk, Skp, D/16);
-// partial_k (Gk, ceil(Sk/128), D) fp32; lag >= 0 (0: automatic); partial_q (Gq, ceil(Sq/128), D),
+// partial_k (Gk, ceil(Sk/128), D) fp32; partial_q (Gq, ceil(Sq/128), D),
 // qbar (Gq, D), ds_key (Gq, Skp) fp32, all empty for no per-key correction; balance (Gk, D) and
-// balance_part (Gq * min(8, ceil(Sq/128)), D) fp32, both empty for no channel balance (D 64/128,
-// no rotation). sync (any tensor, empty is fine) and lag (still checked) are unused, kept in the
-// schema; the means are sampled (sageattn3.h).
+// balance_part (Gq * min(8, ceil(Sq/128)), D) fp32, both empty for no channel balance (D 64/128);
+// the means are sampled (sageattn3.h).
 template <class T>
 void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_packed, T k_scales, T partial_k,
-                     T sync, int64_t lag, bool rotate, T partial_q, T qbar, T ds_key, T balance, T balance_part) {
+                     bool search, bool rotate, T partial_q, T qbar, T ds_key, T balance, T balance_part) {
   check_cuda(q, q, "q");
   check_aligned(q, "q");
   check_cuda(k, q, "k");
@@ -280,10 +280,10 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
   SA3_CHECK(T, k.size(2) == D, "sageattn3: q and k must have the same head dim");
   SA3_CHECK(T, D % 16 == 0 && D > 0 && D <= 256, "sageattn3: D must be a positive multiple of 16, at most 256");
   SA3_CHECK(T, Sk >= 1 && Gk >= 1, "sageattn3: k must not be empty");
-  SA3_CHECK(T, lag >= 0 && lag <= 0x7FFFFFFF, "sageattn3: lag must be >= 0 (0: automatic)");
   SA3_CHECK(T, mean_q.numel() == Gq * ((Sq + 127) / 128) * D, "sageattn3: mean_q has the wrong size");
   SA3_CHECK(T, Gq % Gk == 0 && (Gq == 0 || Sq >= 1), "sageattn3: q groups must be a multiple of k groups, q not empty");
   SA3_CHECK(T, !rotate || D == 64 || D == 128, "sageattn3: rotate needs D 64 or 128");
+  SA3_CHECK(T, !search || D == 64 || D == 128, "sageattn3: the scale search needs D 64 or 128");
   const bool correction = partial_q.numel() > 0 || qbar.numel() > 0 || ds_key.numel() > 0;
   if (correction) {
     check_f32_on(partial_q, q, "partial_q");
@@ -298,8 +298,7 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
   if (balanced) {
     check_f32_on(balance, q, "balance");
     check_f32_on(balance_part, q, "balance_part");
-    SA3_CHECK(T, Gq > 0 && (D == 64 || D == 128) && !rotate,
-              "sageattn3: the channel balance needs q, D 64 or 128 and no rotation");
+    SA3_CHECK(T, Gq > 0 && (D == 64 || D == 128), "sageattn3: the channel balance needs q and D 64 or 128");
     const int64_t ns = std::min<int64_t>(8, (Sq + 127) / 128);
     SA3_CHECK(T, balance.numel() == Gk * D && balance_part.numel() == Gq * ns * D,
               "sageattn3: balance or balance_part has the wrong size");
@@ -313,8 +312,8 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
   DeviceScope scope(device_of(q));
   check_cuda_kernel<T>(sageattn3::smooth_quant_qk(q.data_ptr(), k.data_ptr(), dt, Gq, Sq, Gk, Sk, D, floats(mean_q),
                                                   Sqp, bytes(q_packed), bytes(q_scales), floats(mean_k),
-                                                  floats(partial_k), nullptr, Skp, bytes(k_packed),
-                                                  bytes(k_scales), static_cast<int>(lag), rotate,
+                                                  floats(partial_k), Skp, bytes(k_packed),
+                                                  bytes(k_scales), search, rotate,
                                                   correction ? floats(partial_q) : nullptr,
                                                   correction ? floats(qbar) : nullptr,
                                                   correction ? floats(ds_key) : nullptr,
@@ -499,14 +498,13 @@ void fp4_mma_probe(T a, T b, T sfa, T sfb, T c, T d, int64_t tid_a, int64_t tid_
   X(quant_fp4_rows, "quant_fp4_rows(Tensor x, Tensor(a!) packed, Tensor(b!) scales) -> ()")                         \
   X(quant_fp4_cols, "quant_fp4_cols(Tensor x, Tensor(a!) packed, Tensor(b!) scales) -> ()")                         \
   X(smooth_quant_rows, "smooth_quant_rows(Tensor x, Tensor(a!) mean, bool compute_mean, int mean_block, "           \
-                       "Tensor(b!) packed, Tensor(c!) scales, bool rotate) -> ()")                                  \
-  X(smooth_quant_seq, "smooth_quant_seq(Tensor x, Tensor(a!) mean, Tensor(b!) partial, Tensor(c!) sync, "           \
-                      "Tensor(d!) packed, Tensor(e!) scales, bool two_pass, bool rotate, Tensor qbar, "             \
-                      "Tensor(f!) ds_key) -> ()")                                                                   \
+                       "Tensor(b!) packed, Tensor(c!) scales, bool rotate, bool search) -> ()")                                  \
+  X(smooth_quant_seq, "smooth_quant_seq(Tensor x, Tensor(a!) mean, Tensor(b!) partial, Tensor(c!) packed, "         \
+                      "Tensor(d!) scales, bool search, bool rotate, Tensor qbar, Tensor(e!) ds_key) -> ()")                                                                   \
   X(smooth_quant_qk, "smooth_quant_qk(Tensor q, Tensor k, Tensor(a!) mean_q, Tensor(b!) q_packed, "                 \
                      "Tensor(c!) q_scales, Tensor(d!) mean_k, Tensor(e!) k_packed, Tensor(f!) k_scales, "           \
-                     "Tensor(g!) partial_k, Tensor(h!) sync, int lag, bool rotate, Tensor(i!) partial_q, "          \
-                     "Tensor(j!) qbar, Tensor(k!) ds_key, Tensor(l!) balance, Tensor(m!) balance_part) -> ()")      \
+                     "Tensor(g!) partial_k, bool search, bool rotate, Tensor(h!) partial_q, Tensor(i!) qbar, "     \
+                     "Tensor(j!) ds_key, Tensor(k!) balance, Tensor(l!) balance_part) -> ()")      \
   X(qk_balance, "qk_balance(Tensor q, Tensor(a!) part, Tensor(b!) arrive, Tensor(c!) exps) -> ()")                  \
   X(delta_s, "delta_s(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) out) -> ()")                               \
   X(smooth_quant_k_delta, "smooth_quant_k_delta(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) packed, "        \
