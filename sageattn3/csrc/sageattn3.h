@@ -46,7 +46,7 @@ int smooth_quant_rows(const void* x, DType dtype, int64_t G, int64_t S, int64_t 
 // smoothed (rotated) fp32 row as quantized (fixed fp32 order: per 16-block fma chains, block
 // sums by xor butterfly), 0 for rows S..Sp-1. Null qbar and ds_key: none.
 int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, float* mean, float* partial,
-                     int64_t Sp, uint8_t* packed, uint8_t* scales, bool search, bool rotate, const float* qbar,
+                     int64_t Sp, uint8_t* packed, uint8_t* scales, bool rotate, bool search, const float* qbar,
                      int64_t rep, float* ds_key, cudaStream_t stream);
 
 // Q and K: Q's 128-row block means + smoothing + NVFP4 (as smooth_quant_rows with compute_mean:
@@ -68,15 +68,15 @@ int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D
 // row (the same products). search: as smooth_quant_rows, for Q and K.
 int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64_t Sq, int64_t Gk, int64_t Sk,
                     int64_t D, float* mean_q, int64_t Sqp, uint8_t* q_packed, uint8_t* q_scales, float* mean_k,
-                    float* partial_k, int64_t Skp, uint8_t* k_packed, uint8_t* k_scales, bool search,
-                    bool rotate, float* partial_q, float* qbar, float* ds_key, float* balance, float* balance_part,
+                    float* partial_k, int64_t Skp, uint8_t* k_packed, uint8_t* k_scales, bool rotate,
+                    bool search, float* partial_q, float* qbar, float* ds_key, float* balance, float* balance_part,
                     cudaStream_t stream);
 
 // The channel balance exponents alone: q (Gq, S, D), D 64 or 128, S >= 1, Gq a multiple of Gk ->
 // exps (Gk, D) fp32 in {-2..2} (reference.balance_exponents). part (Gq * min(8, ceil(S/128)), D)
-// fp32 is workspace; arrive is unused (kept for the op's schema).
-int qk_balance(const void* q, DType dtype, int64_t Gq, int64_t S, int64_t Gk, int64_t D, float* part, int* arrive,
-               float* exps, cudaStream_t stream);
+// fp32 is workspace.
+int qk_balance(const void* q, DType dtype, int64_t Gq, int64_t S, int64_t Gk, int64_t D, float* part, float* exps,
+               cudaStream_t stream);
 
 // delta_s[b, hq, i, j] = sum_d mean_q[b, hq, i, d] * (k[b, hq / (Hq/Hkv), j, d] - mean_k[b, hkv, d])
 // for j < Sk, 0 for Sk <= j < Sp. k (B, Hkv, Sk, D); mean_k (B, Hkv, D); mean_q (B, Hq, nblk, D);

@@ -151,7 +151,8 @@ def smooth_quant_seq(x: torch.Tensor, seq_pad: int, rotate: bool = False, search
     evenly spaced 128-row blocks, the sums in a fixed order), NVFP4 along D, rows padded with
     zero codes to a multiple of ``seq_pad``; returns (packed, scales, mean (G, 1, D)). Three
     launches: the sampled blocks' sums, the means, then one read of x to quantize.
-    ``rotate`` (D 64/128): rows rotated first, the mean is the rotated mean."""
+    ``rotate`` (D 64/128): rows rotated first, the mean is the rotated mean. ``search`` (D
+    64/128): the scale search, as ``smooth_quant_rows``."""
     return _smooth_quant_seq(x, seq_pad, rotate, None, search)[:3]
 
 
@@ -175,7 +176,7 @@ def _smooth_quant_seq(x, seq_pad, rotate, qbar, search):
         out = None
     else:
         ds_key = out = torch.empty((qbar.shape[0], packed.shape[1]), dtype=torch.float32, device=x.device)
-    op("smooth_quant_seq")(x, mean, partial, packed, scales, search, rotate, qbar, ds_key)
+    op("smooth_quant_seq")(x, mean, partial, packed, scales, rotate, search, qbar, ds_key)
     return packed, scales, mean, out
 
 
@@ -204,7 +205,7 @@ def smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, seq_pad: int, rotate: bool
     ``seq_pad``; K's sampled blocks are summed first (two small launches), then one launch
     quantizes every tile of Q and K. Returns (q_packed, q_scales, mean_q (Gq, nblk, D),
     k_packed, k_scales, mean_k (Gk, 1, D)). ``rotate`` (D 64/128): Q and K rotated first, the
-    means are rotated means."""
+    means are rotated means. ``search`` (D 64/128): the scale search, as ``smooth_quant_rows``."""
     return _smooth_quant_qk(q, k, seq_pad, rotate, False, False, search)[:6]
 
 
@@ -233,7 +234,7 @@ def qk_balance(q: torch.Tensor, kv_groups: int) -> torch.Tensor:
     gq, s, d = q.shape
     exps = torch.empty((kv_groups, d), dtype=torch.float32, device=q.device)
     part = torch.empty((gq * balance_samples(s), d), dtype=torch.float32, device=q.device)
-    op("qk_balance")(q, part, _none(q.device, 6), exps)  # (arrive: unused)
+    op("qk_balance")(q, part, exps)
     return exps.view(kv_groups, 1, d)
 
 
@@ -258,7 +259,7 @@ def _smooth_quant_qk(q, k, seq_pad, rotate, key, balance, search):
         bal_part = torch.empty((gq * balance_samples(sq), d), dtype=torch.float32, device=dev)
     else:
         exps, bal_part = _none(dev, 3), _none(dev, 4)
-    op("smooth_quant_qk")(q, k, mean_q, q_packed, q_scales, mean_k, k_packed, k_scales, partial, search, rotate,
+    op("smooth_quant_qk")(q, k, mean_q, q_packed, q_scales, mean_k, k_packed, k_scales, partial, rotate, search,
                           partial_q, qbar, ds_key, exps, bal_part)
     return (q_packed, q_scales, mean_q, k_packed, k_scales, mean_k, qbar, ds_key,
             exps.view(gk, 1, d) if balance else None)

@@ -187,7 +187,7 @@ def _sdpa(q, k, v, is_causal: bool) -> torch.Tensor:
 
 def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_block_mean: bool = True,
                         qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
-                        qk_balance: bool = reference.QK_BALANCE_DEFAULT):
+                        qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool | None = None):
     """FP4 attention. q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D), float16 or bfloat16, one
     device; Hq a multiple of Hkv (GQA/MQA); any sequence lengths (Sk >= 1). Returns
     (B, Hq, Sq, D) in q's dtype; the inputs are never modified. ``is_causal``: key j is visible
@@ -209,8 +209,10 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     down and K's same channels up by powers of two (attention is unchanged), which moves FP4
     error away from Q's outlier channels (README, "Accuracy"); it makes the preprocessing about
     7% slower on an H100, so it is off by default. Both together: balanced first, then rotated
-    (the most accurate on Q outlier channels, more so with ``reference.QK_SCALE_SEARCH = True``,
-    the NVFP4 scale search for Q and K, off by default for its cost: README, "Accuracy").
+    (the most accurate on Q outlier channels). ``qk_scale_search=True``: Q and K quantized with
+    the NVFP4 scale search (``sageattn3.reference.quantize_rows``; D 64/128), more accurate
+    everywhere but the preprocessing is much slower on an H100 (README, "Accuracy"); None (the
+    default) takes ``sageattn3.reference.QK_SCALE_SEARCH`` (False unless set).
 
     Under ``torch.compile`` (``fullgraph=True`` works): the path is decided when tracing; the
     FP4 path is the custom op ``torch.ops.sageattn3.attention`` (not differentiable, like the
@@ -220,14 +222,20 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
             "sageattn3_blackwell does not support attn_mask (it is never silently ignored); use "
             "is_causal=True for causal masking or torch.nn.functional.scaled_dot_product_attention"
         )
+    search = _search(qk_scale_search)
     if torch.compiler.is_compiling():
-        return _traced(q, k, v, bool(is_causal), bool(per_block_mean), bool(qk_rotation), bool(qk_balance))
-    return _eager_call(q, k, v, bool(is_causal), bool(per_block_mean), bool(qk_rotation), bool(qk_balance))
+        return _traced(q, k, v, bool(is_causal), bool(per_block_mean), bool(qk_rotation), bool(qk_balance), search)
+    return _eager_call(q, k, v, bool(is_causal), bool(per_block_mean), bool(qk_rotation), bool(qk_balance), search)
+
+
+def _search(qk_scale_search: bool | None) -> bool:
+    """The scale search a call asked for (None: ``reference.QK_SCALE_SEARCH``), as a bool."""
+    return bool(reference.QK_SCALE_SEARCH if qk_scale_search is None else qk_scale_search)
 
 
 def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool,
                 qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
-                qk_balance: bool = reference.QK_BALANCE_DEFAULT) -> torch.Tensor:
+                qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool = False) -> torch.Tensor:
     """What ``sageattn3_blackwell`` does outside torch.compile (the custom op's body)."""
     _check_qkv(q, k, v)
     if q.numel() == 0:
@@ -235,7 +243,8 @@ def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool,
     key = (q.device, q.shape[3])
     why = _paths[key] if key in _paths else _decide(*key)
     if why is None:
-        return _fp4_attention(q, k, v, is_causal, per_block_mean, qk_rotation=qk_rotation, qk_balance=qk_balance)
+        return _fp4_attention(q, k, v, is_causal, per_block_mean, qk_rotation=qk_rotation, qk_balance=qk_balance,
+                              qk_scale_search=qk_scale_search)
     if why not in _warned:
         _warn_once(why, stacklevel=4)
     return _sdpa(q, k, v, is_causal)
@@ -243,14 +252,14 @@ def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool,
 
 @torch.library.custom_op("sageattn3::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                  per_block_mean: bool, qk_rotation: bool, qk_balance: bool) -> torch.Tensor:
+                  per_block_mean: bool, qk_rotation: bool, qk_balance: bool, qk_scale_search: bool) -> torch.Tensor:
     """``sageattn3_blackwell`` as one op for compiled graphs: the self-check, the fallback and
     the kernels run here, at run time. Contiguous (B, Hq, Sq, D) output, as its fake says."""
-    return _eager_call(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance).contiguous()
+    return _eager_call(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance, qk_scale_search).contiguous()
 
 
 @_attention_op.register_fake
-def _attention_op_fake(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance):
+def _attention_op_fake(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance, qk_scale_search):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -271,13 +280,15 @@ def _compile_path(device: torch.device) -> bool:
 _compile_path._dynamo_marked_constant = True
 
 
-def _traced(q, k, v, is_causal: bool, per_block_mean: bool, qk_rotation: bool, qk_balance: bool) -> torch.Tensor:
+def _traced(q, k, v, is_causal: bool, per_block_mean: bool, qk_rotation: bool, qk_balance: bool,
+            qk_scale_search: bool) -> torch.Tensor:
     """The compiled form of ``sageattn3_blackwell``: only what dynamo traces without breaks."""
     _check_qkv(q, k, v)
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
         return q.new_empty(q.shape)
     if q.shape[3] in _kernels.ATTN_HEAD_DIMS and _compile_path(q.device):
-        return torch.ops.sageattn3.attention(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance)
+        return torch.ops.sageattn3.attention(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance,
+                                             qk_scale_search)
     return _sdpa(q, k, v, is_causal)
 
 
@@ -293,21 +304,22 @@ def _checked(device: torch.device) -> bool:
 
 def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None = None,
                    qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
-                   qk_balance: bool = reference.QK_BALANCE_DEFAULT) -> torch.Tensor:
+                   qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool = False) -> torch.Tensor:
     """The FP4 path on validated, non-empty q, k, v: preprocess (new tensors; the inputs are
     only read), then the attention kernel; output (B, Hq, Sq, D) in q's dtype. Every
     allocation names q's device and every op sets its device itself: no device switch here."""
-    pre = _preprocess_kernels(q, k, v, per_block_mean, _attn.SEQ_PAD, qk_rotation, qk_balance)
+    pre = _preprocess_kernels(q, k, v, per_block_mean, _attn.SEQ_PAD, qk_rotation, qk_balance, qk_scale_search)
     return _attn.attention_from_preprocessed(pre, is_causal=is_causal, sm_scale=sm_scale, out_dtype=q.dtype,
                                              trusted=True)
 
 
 def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool = True, sm_scale: float | None = None,
                          qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
-                         qk_balance: bool = reference.QK_BALANCE_DEFAULT):
+                         qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool | None = None):
     """The FP4 block-scaled attention kernel itself, without fallback: q, k, v as for
     ``sageattn3_blackwell`` (float16/bfloat16, D 64 or 128, GQA/MQA, any lengths); ``sm_scale``
-    defaults to 1/sqrt(D); ``qk_rotation`` as for ``sageattn3_blackwell``. Raises
+    defaults to 1/sqrt(D); ``qk_rotation``, ``qk_balance`` and ``qk_scale_search`` as for
+    ``sageattn3_blackwell``. Raises
     NotImplementedError when this build has no attention kernel, RuntimeError when the kernel
     cannot run on q's device (the message says why, as ``backend()`` does) or when the device
     failed the self-check."""
@@ -326,7 +338,7 @@ def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool 
     if not _checked(q.device):
         raise RuntimeError(f"sageattn3.blockscaled_fp4_attn: {_selfcheck.fallback_reason(_selfcheck.failure(q.device))}")
     return _fp4_attention(q, k, v, bool(is_causal), bool(per_block_mean), sm_scale, qk_rotation=bool(qk_rotation),
-                          qk_balance=bool(qk_balance))
+                          qk_balance=bool(qk_balance), qk_scale_search=_search(qk_scale_search))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,7 +416,7 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
 
 def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
                qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
-               qk_balance: bool = reference.QK_BALANCE_DEFAULT) -> Preprocessed:
+               qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool | None = None) -> Preprocessed:
     """Smoothing + NVFP4 quantization of Q, K, V for the attention kernel (never modifies the
     inputs). Layouts and the definition of every output: ``sageattn3.reference.Preprocessed``.
 
@@ -422,8 +434,8 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
     ``qk_balance=True`` (D 64/128, per_block_mean; off by default): the channel balance
     (``reference.balance_exponents``) from the same sampled blocks; Q and K are scaled by it in
     registers (``Preprocessed.balance``), before the rotation when both are on.
-    ``reference.QK_SCALE_SEARCH = True`` (D 64/128; off by default): Q and K quantized with the
-    NVFP4 scale search (``reference.quantize_rows``).
+    ``qk_scale_search=True`` (D 64/128; None: ``reference.QK_SCALE_SEARCH``, off unless set): Q
+    and K quantized with the NVFP4 scale search (``reference.quantize_rows``).
     Bytes that must move: Q, K, V read (3 x 2 bytes/element) + FP4 written (3 x 0.5625) + the
     sampled blocks (up to 8 x 128 rows per head) and the means. Figures:
     tests/bench/bench_kernels.py. Elsewhere: the reference."""
@@ -431,15 +443,16 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
     if not isinstance(pad, int) or pad <= 0 or pad % 16:
         raise ValueError(f"pad must be a positive multiple of 16, got {pad!r}")
     if not _use_kernels(q) or q.shape[2] == 0 or q.shape[0] == 0:
-        return reference.preprocess(q, k, v, per_block_mean, pad, qk_rotation=qk_rotation, qk_balance=qk_balance)
+        return reference.preprocess(q, k, v, per_block_mean, pad, qk_rotation=qk_rotation, qk_balance=qk_balance,
+                                    qk_scale_search=_search(qk_scale_search))
     d = q.shape[3]
     if d % 16 or d > 256:
         raise ValueError(f"head_dim {d} not supported by the preprocessing kernels (multiple of 16, <= 256)")
-    return _preprocess_kernels(q, k, v, per_block_mean, pad, qk_rotation, qk_balance)
+    return _preprocess_kernels(q, k, v, per_block_mean, pad, qk_rotation, qk_balance, _search(qk_scale_search))
 
 
 def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bool,
-                        qk_balance: bool = reference.QK_BALANCE_DEFAULT) -> Preprocessed:
+                        qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool = False) -> Preprocessed:
     """``preprocess`` on the kernels, for checked inputs (the FP4 path calls it directly). V's
     launch comes first, before any other Python: the host work for Q and K then overlaps it."""
     vp, vsc = _kernels.quant_cols(_aligned(v), pad)
@@ -449,7 +462,7 @@ def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bo
     k3, q3 = k.view(b * hk, sk, d), q.view(b * hq, sq, d)
     rot = bool(qk_rotation) and d in reference.ROTATION_HEAD_DIMS
     bal = bool(qk_balance) and per_block_mean and reference.balance_applies(d)
-    search = reference.QK_SCALE_SEARCH and d in reference.ROTATION_HEAD_DIMS
+    search = reference.scale_search_applies(qk_scale_search, d)
     # the per-key correction in the K kernels: D 64/128, up to max_correction_heads q heads per kv head
     key = d in reference.ROTATION_HEAD_DIMS and hq // hk <= _kernels.max_correction_heads(d)
     exps = None
@@ -481,6 +494,7 @@ def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bo
         kp.view(b, hk, -1, d // 2), ksc.view(b, hk, -1, d // 16),
         vp, vsc, mean_q.view(b, hq, -1, d), mean_k.view(b, hk, 1, d), sq, sk,
         qbar.view(b, hq, 1, d), ds_key.view(b, hq, -1), rot, None if exps is None else exps.view(b, hk, 1, d),
+        search,
     )
 
 

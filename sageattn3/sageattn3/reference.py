@@ -214,7 +214,7 @@ ROTATION_SIGN_BITS = 0x216363698B529B4A97B750923CEB3FFD
 ROTATION_SCALE = 0.125  # 2^-3: exact in float32
 # What sageattn3_blackwell / preprocess do unless told otherwise: off. Measured on an H100 (the
 # MMA-model test flavour, 24 heads x 32k tokens, D 128, back to back) the rotation makes Q's and
-# K's launch 0.255 -> 0.409 ms, about +45% of the whole preprocessing (3 shuffle stages of 16
+# K's launch 0.251 -> 0.403 ms, about +45% of the whole preprocessing (3 shuffle stages of 16
 # values per row block, on top of the software E2M1), far over the 5% it could cost to be on by
 # default; it helps only with Q/K outlier channels (rel-L1 -10% there, within
 # noise elsewhere: tests/bench/accuracy.py). qk_rotation=True turns it on.
@@ -273,18 +273,27 @@ def rotation_score_factor(head_dim: int, rotated: bool) -> float:
 # (``sample_blocks``) of each q head of the KV head's group.
 BALANCE_HEAD_DIMS = (64, 128)
 # Whether the preprocessing quantizes Q and K (head dims 64/128) with the scale search
-# (``quantize_rows``): read by every ``preprocess`` / ``sageattn3_blackwell`` call, kernels and this
-# reference alike. Off by default: measured on an H100 (the MMA-model test flavour, 24 heads x 32k
-# tokens, D 128, bf16, back to back) it makes the whole preprocessing 0.370 -> 0.602 ms (+63%:
-# every block is converted twice, in software on that GPU) for a cos-sim gain of about 0.002 on
-# random data and 0.01 with Q outlier channels (README, "Accuracy"). Set it to True for the most
-# accurate quantization of Q and K.
+# (``quantize_rows``) where a call does not say (``qk_scale_search=None``, the default of
+# ``preprocess`` / ``sageattn3_blackwell`` here and in the package): read on every such call, by
+# the kernels and this reference alike. Off by default: measured on an H100 (the MMA-model test
+# flavour, 24 heads x 32k tokens, D 128, bf16, back to back) it makes the whole preprocessing
+# 0.349 -> 0.612 ms (+75%: every block is converted twice, in software on that GPU) for a
+# cos-sim gain of about 0.002 on random data and 0.005-0.01 with Q outlier channels (README,
+# "Accuracy"). Set it to True (or pass qk_scale_search=True) for the most accurate quantization
+# of Q and K.
 QK_SCALE_SEARCH = False
 BALANCE_MAX_EXP = 2  # |e_d| <= 2: channels scaled by 1/4 .. 4
 # Off unless asked for (qk_balance=True): measured on an H100 (24 heads x 32k tokens, D 128, bf16,
-# back to back) the whole preprocessing takes 0.377 ms with it against 0.352 ms without (+7%: the
+# back to back) the whole preprocessing takes 0.373 ms with it against 0.349 ms without (+7%: the
 # sampled blocks' sums of squares and one multiply per element), over the 5% a default may cost.
 QK_BALANCE_DEFAULT = False
+
+
+def scale_search_applies(qk_scale_search: bool | None, head_dim: int) -> bool:
+    """Whether Q and K are quantized with the scale search: ``qk_scale_search`` (None:
+    ``QK_SCALE_SEARCH``, as a bool) at head dims 64/128, never at others."""
+    on = QK_SCALE_SEARCH if qk_scale_search is None else qk_scale_search
+    return bool(on) and head_dim in BALANCE_HEAD_DIMS
 
 
 def balance_applies(head_dim: int) -> bool:
@@ -401,13 +410,15 @@ class Preprocessed:
     - mean_q_global (B, Hq, 1, D) float32: Q's mean for the whole sequence, ``sample_mean`` (=
       mean_q without per_block_mean).
     - delta_key (B, Hq, Sk_p) float32: mean_q_global · K_sᵀ per key with K_s the UNQUANTIZED
-      smoothed K, exactly the float32 values the quantizer takes (rotated or balanced; float64
-      products; 0 in padded columns).
+      smoothed K, exactly the float32 values the quantizer takes (balanced and/or rotated, in that
+      order; float64 products; 0 in padded columns).
     - balance (B, Hkv, 1, D) float32 or None: the channel balance exponents e
       (``balance_exponents``) when the balance applies. Q and K then live in the balanced space:
       q_packed holds Q·2^-e - mean_q and k_packed K·2^e - mean_k, and mean_q, mean_q_global and
       mean_k are the means times 2^-e (Q) or 2^e (K), all exact float32 products; scores and
-      delta_key are unchanged by it.
+      delta_key are unchanged by it. With the rotation too, Q and K are balanced first and then
+      rotated (the means likewise).
+    - qk_scale_search: whether q_packed/k_packed were quantized with the scale search.
     - delta_s (a property; the kernel never materialises it) (B, Hq, nblk, Sk_p): the correction
       added to Qd·Kdᵀ, delta_s[i, j] = delta_key[j] + r_i · Kd_j with r_i = mean_q[i] -
       mean_q_global (float32 subtraction) and Kd the dequantized smoothed K. SageAttention2/3
@@ -439,6 +450,7 @@ class Preprocessed:
     delta_key: torch.Tensor
     qk_rotation: bool
     balance: torch.Tensor | None = None
+    qk_scale_search: bool = False
 
     @property
     def q_mean_residual(self) -> torch.Tensor:
@@ -478,21 +490,21 @@ def preprocess(
     qk_rotation: bool = QK_ROTATION_DEFAULT,
     qk_balance: bool = QK_BALANCE_DEFAULT,
     balance: torch.Tensor | None = None,
-    scale_search: bool | None = None,
+    qk_scale_search: bool | None = None,
 ) -> Preprocessed:
     """The reference of the preprocessing kernels. ``qk_rotation``: rotate Q and K (head dims 64
-    and 128; other head dims are never rotated). The means are computed on the unrotated inputs
-    and then rotated (as the kernels do). ``mean_q`` / ``mean_k`` / ``mean_q_global`` let a test
-    feed the (rotated) means a kernel computed (float32 sums depend on the summation order), so
-    that the quantized tensors can be compared bit for bit; without per_block_mean,
-    mean_q_global defaults to mean_q. Given means are in the balanced space (as the kernels
-    write them). ``qk_balance``: the channel balance where it applies (``balance_applies``),
+    and 128; other head dims are never rotated). The means are computed on the raw inputs, then
+    balanced and rotated (as the kernels do). ``mean_q`` / ``mean_k`` / ``mean_q_global`` let a
+    test feed the means a kernel computed (float32 sums depend on the summation order), so that
+    the quantized tensors can be compared bit for bit; without per_block_mean, mean_q_global
+    defaults to mean_q. Given means are balanced and rotated already (as the kernels write
+    them). ``qk_balance``: the channel balance where it applies (``balance_applies``),
     with the exponents ``balance`` (B, Hkv, 1, D) when given (a kernel's), else
     ``balance_exponents``; Q and K are balanced first and then rotated when both are asked for.
-    ``scale_search``: Q and K quantized with ``quantize_rows(..., scale_search=True)`` at head
-    dims 64/128 (None: ``QK_SCALE_SEARCH``, what the kernels do)."""
+    ``qk_scale_search``: Q and K quantized with ``quantize_rows(..., scale_search=True)`` at head
+    dims 64/128 (None: ``QK_SCALE_SEARCH``; ``scale_search_applies``)."""
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    scale_search = (QK_SCALE_SEARCH if scale_search is None else bool(scale_search)) and rotation_applies(d)
+    search = scale_search_applies(qk_scale_search, d)
     rot = bool(qk_rotation) and rotation_applies(d)
     turn = rotate if rot else (lambda x: x.float())
     bal = None
@@ -512,11 +524,11 @@ def preprocess(
         mg = turn(q_mean(q, False) * cq)
     qs = smooth_q(turn(q.float() * cq), mq)
     ks = turn(k.float() * ck) - mk
-    qp, qsc = quantize_rows(pad_dim(qs, -2, pad), scale_search)
-    kp, ksc = quantize_rows(pad_dim(ks, -2, pad), scale_search)
+    qp, qsc = quantize_rows(pad_dim(qs, -2, pad), search)
+    kp, ksc = quantize_rows(pad_dim(ks, -2, pad), search)
     vp, vsc = quantize_transposed(pad_dim(v.float(), -2, pad))
     dk = pad_dim(delta_s(mg, ks).squeeze(-2), -1, pad)
-    return Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk, mg, dk, rot, bal)
+    return Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk, mg, dk, rot, bal, search)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -588,14 +600,14 @@ def sageattn3(
     block_n: int = 128,
     qk_rotation: bool = QK_ROTATION_DEFAULT,
     qk_balance: bool = QK_BALANCE_DEFAULT,
-    scale_search: bool | None = None,
+    qk_scale_search: bool | None = None,
 ) -> torch.Tensor:
     """The quantized attention sageattn3 computes, float32 output (B, Hq, Sq, D).
 
     With Qd, Kd, Vd the dequantized NVFP4 tensors of ``preprocess`` (rotated Q and K with
     ``qk_rotation`` at head dims 64/128; Q and K in the balanced space with ``qk_balance``,
     which leaves every score unchanged but moves FP4 error away from Q's outlier channels; Q and
-    K quantized with the scale search with ``scale_search`` (None: ``QK_SCALE_SEARCH``)) and
+    K quantized with the scale search with ``qk_scale_search`` (None: ``QK_SCALE_SEARCH``)) and
     c = sm_scale / rotation_score_factor · log2(e):
 
     - scores, per query row i and key j: t_ij = c · (Qd_i · Kd_j + delta_s[i // 128 or 0, j])
@@ -615,7 +627,7 @@ def sageattn3(
     if block_n % BLOCK:
         raise ValueError("block_n must be a multiple of 16")
     pre = preprocess(q, k, v, per_block_mean, pad=block_n, qk_rotation=qk_rotation, qk_balance=qk_balance,
-                     scale_search=scale_search)
+                     qk_scale_search=qk_scale_search)
     qd, kd, vd = _dequantized(pre, hq)
     delta = pre.delta_s
     ds_rows = delta[..., q_block_index(sq, delta.shape[-2], q.device), :]  # (B, Hq, Sq, Sk_p)
@@ -640,7 +652,7 @@ def sageattn3_paper(
     b, hq, sq, d = q.shape
     full_q = None if per_block_mean else q.float().mean(dim=-2, keepdim=True)
     pre = preprocess(q, k, v, per_block_mean, pad=block_n, mean_q=full_q, mean_k=k.float().mean(dim=-2, keepdim=True),
-                     qk_rotation=False, qk_balance=False, scale_search=False)
+                     qk_rotation=False, qk_balance=False, qk_scale_search=False)
     qd, kd, vd = _dequantized(pre, hq)
     ks = pad_dim(k.float() - pre.mean_k, -2, block_n)
     delta = delta_s(pre.mean_q, ks)

@@ -15,7 +15,7 @@ computed in float64 from the bf16 inputs):
   r · Kdᵀ, no balance, no rotation, plain scales); "ours + balance": the same with
   qk_balance=True (the Q/K channel balance); "+ balance + rotation": qk_balance=True and
   qk_rotation=True (balanced, then rotated); "+ scale search": those two and Q and K quantized
-  with the scale search (``reference.QK_SCALE_SEARCH = True``), the most accurate setting;
+  with the scale search (qk_scale_search=True), the most accurate setting;
 - with --gpu: "kernels": ``sageattn3_blackwell`` (the preprocessing and attention kernels, the
   defaults) and its cos-sim against "ours" on the same inputs; "kernels, all three": the same
   with the balance, the rotation and the scale search, against "+ scale search".
@@ -75,7 +75,7 @@ def measure(ref, gpu: bool) -> list[dict]:
                     "bal": ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True),
                     "balrot": ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True, qk_rotation=True),
                     "all": ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True, qk_rotation=True,
-                                         scale_search=True),
+                                         qk_scale_search=True),
                 }
                 row = {"case": case, "d": d, "causal": causal}
                 for name, out in outs.items():
@@ -87,12 +87,8 @@ def measure(ref, gpu: bool) -> list[dict]:
                     kern = sageattn3.sageattn3_blackwell(qc, kc, vc, is_causal=causal, qk_balance=False).float().cpu()
                     row["kernels"] = (ac.cos_sim(kern, exact), ac.rel_l1(kern, exact))
                     row["kernels_vs_ours"] = ac.cos_sim(kern, outs["ours"])
-                    ref.QK_SCALE_SEARCH = True  # read by the kernel path on every call
-                    try:
-                        kern = sageattn3.sageattn3_blackwell(qc, kc, vc, is_causal=causal, qk_balance=True,
-                                                             qk_rotation=True).float().cpu()
-                    finally:
-                        ref.QK_SCALE_SEARCH = False
+                    kern = sageattn3.sageattn3_blackwell(qc, kc, vc, is_causal=causal, qk_balance=True, qk_rotation=True,
+                                                         qk_scale_search=True).float().cpu()
                     row["kernels_all"] = (ac.cos_sim(kern, exact), ac.rel_l1(kern, exact))
                     row["kernels_all_vs_all"] = ac.cos_sim(kern, outs["all"])
                 rows.append(row)

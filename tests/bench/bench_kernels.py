@@ -4,10 +4,10 @@
    >= 256 MB (rows and transposed layouts, bf16 and fp16). Bandwidth counts bytes read + written.
 2. Whole preprocessing of Q, K, V (batch 1, 24 heads, 32k tokens, D 128) against the time one
    bf16 read of Q, K, V plus the FP4 write would take at the measured copy bandwidth; shown
-   with per-block Q means (the default; without the scale search; with the channel balance;
-   with the balance and the rotation, these two with the scale search) and with one Q mean,
-   for one call and per call over 10 back-to-back calls. delta_s is not materialised (the attention kernel computes mean_q . K^T per tile); the
-   bytes-moved bound adds the sampled blocks (up to 8 x 128 rows per head of Q and K, read a
+   for one call and per call over 10 back-to-back calls, with per-block Q means: the defaults;
+   the scale search alone; the channel balance; the balance and the rotation, without and with
+   the scale search; then with one Q mean. delta_s is not materialised (the attention kernel
+   computes mean_q . K^T per tile); the bytes-moved bound adds the sampled blocks (up to 8 x 128 rows per head of Q and K, read a
    second time) and the means to the floor. Then the stages alone: with per-block means Q and
    K are quantized in one launch after the two small launches of the sampled means ("Q and K
    smoothed + quant").
@@ -122,14 +122,11 @@ def bench_preprocess(bw: float) -> None:
     floor_bytes = 3 * 2 * n + 3 * (n // 2 + n // 16)  # one bf16 read of Q, K, V + the FP4 write
     floor_ms = floor_bytes / bw * 1e3
     print(f"  floor (one read of Q,K,V + FP4 write at copy bandwidth): {floor_ms:.3f} ms")
-    from sageattn3 import reference
-
-    default_search = reference.QK_SCALE_SEARCH
     for pbm, bal, rot, search in ((True, False, False, False), (True, False, False, True), (True, True, False, False),
                                   (True, True, True, False), (True, True, True, True), (False, False, False, False)):
-        reference.QK_SCALE_SEARCH = search  # read by every preprocess call
         def call():
-            return sageattn3.preprocess(q, k, v, per_block_mean=pbm, qk_balance=bal, qk_rotation=rot)
+            return sageattn3.preprocess(q, k, v, per_block_mean=pbm, qk_balance=bal, qk_rotation=rot,
+                                        qk_scale_search=search)
         ms = time_ms(call, warmup=2, iters=5)
         msb = time_ms_batched(call)
         pre = call()
@@ -138,7 +135,6 @@ def bench_preprocess(bw: float) -> None:
               f"{ms:.3f} ms = {ms / floor_ms:.2f}x the floor (mean_q {mq_mb:.1f} MB, no delta_s); "
               f"back-to-back {msb:.3f} ms = {msb / floor_ms:.2f}x")
         del pre
-    reference.QK_SCALE_SEARCH = default_search
     # the stages on their own
     b, h, s, d = shape
     k3, q3 = k.view(b * h, s, d), q.view(b * h, s, d)

@@ -1,7 +1,8 @@
 """sageattn3_blackwell end to end (the preprocessing kernels, their per-key correction, the
 attention kernel) on the hard inputs of tests/attention_cases.py, against the CPU reference on
-the same inputs and against exact attention; with and without the Q/K rotation. On an H100 this
-runs the MMA-model test flavour (SAGEATTN3_FORCE_FP4=1, set by the fixture)."""
+the same inputs and against exact attention; the defaults, the Q/K rotation alone, and the
+channel balance with the rotation and the NVFP4 scale search (the most accurate setting). On an
+H100 this runs the MMA-model test flavour (SAGEATTN3_FORCE_FP4=1, set by the fixture)."""
 
 from __future__ import annotations
 
@@ -17,17 +18,19 @@ FIGURES: list[str] = []
 
 @pytest.mark.parametrize("case", ac.CASES)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("rotation", [False, True])
-def test_end_to_end_hard_cases(fp4, case, causal, rotation):  # noqa: F811
+@pytest.mark.parametrize("mode", ["defaults", "rotation", "balance+rotation+search"])
+def test_end_to_end_hard_cases(fp4, case, causal, mode):  # noqa: F811
     from sageattn3 import reference as ref
 
+    kw = {"defaults": {}, "rotation": {"qk_rotation": True},
+          "balance+rotation+search": {"qk_balance": True, "qk_rotation": True, "qk_scale_search": True}}[mode]
     q, k, v = ac.make(case, 1, 8, 2, 1000, 1000, 128, seed=21)
-    out = fp4.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal, qk_rotation=rotation)
+    out = fp4.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal, **kw)
     got = out.float().cpu()
-    want = ref.sageattn3(q, k, v, is_causal=causal, qk_rotation=rotation)
+    want = ref.sageattn3(q, k, v, is_causal=causal, **kw)
     exact = ref.exact_attention(q, k, v, is_causal=causal)
     c_ref, c_exact, l1 = ac.cos_sim(got, want), ac.cos_sim(got, exact), ac.rel_l1(got, exact)
-    fig = (f"{case} causal={causal} rotation={rotation}: kernels vs reference cos={c_ref:.6f}; "
+    fig = (f"{case} causal={causal} {mode}: kernels vs reference cos={c_ref:.6f}; "
            f"vs exact cos={c_exact:.5f} rel-L1={l1:.4f}")
     FIGURES.append(fig)
     print(fig)

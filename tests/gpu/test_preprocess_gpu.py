@@ -28,23 +28,40 @@ def close_delta_key(got, want):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("per_block_mean", [True, False])
-@pytest.mark.parametrize("rotation,outliers", [(True, False), (False, False), (False, True), (True, True)])
+@pytest.mark.parametrize("rotation,outliers,search", [(True, False, False), (False, False, False), (False, True, False),
+                                                      (True, True, False), (False, False, True), (False, True, True),
+                                                      (True, True, True)])
 @pytest.mark.parametrize("b,hq,hk,sq,sk,d", [(1, 2, 2, 128, 128, 64), (2, 4, 2, 300, 1000, 128),
                                              (1, 3, 1, 17, 5, 64), (1, 2, 1, 1, 1, 128), (1, 2, 2, 2000, 700, 48),
                                              (1, 40, 1, 200, 300, 128), (1, 25, 1, 130, 260, 128),
                                              (1, 26, 1, 130, 260, 128)])
-def test_preprocess_matches_reference(dtype, per_block_mean, rotation, outliers, b, hq, hk, sq, sk, d):
+def test_preprocess_matches_reference(dtype, per_block_mean, rotation, outliers, search, b, hq, hk, sq, sk, d):
     """(1, 40, 1, ...): more q heads per kv head than the K kernels take for the correction
     (delta_key from torch ops; the balance on float32 copies); D 48: no rotation, no balance,
-    correction from torch ops. outliers: the channel balance scales channels (exponents != 0)."""
+    correction from torch ops. outliers: the channel balance scales channels (exponents != 0).
+    search: the scale search (D 64/128), through the keyword for the kernels and the module
+    default for the reference."""
     sa = kernels_or_skip()
     from sageattn3 import reference as ref
 
     q, k, v = qkv(b, hq, hk, sq, sk, d, dtype, seed=sq + sk, outliers=outliers)
     copies = [t.clone() for t in (q, k, v)]
-    pre = sa.preprocess(q, k, v, per_block_mean=per_block_mean, qk_rotation=rotation, qk_balance=True)
+    pre = sa.preprocess(q, k, v, per_block_mean=per_block_mean, qk_rotation=rotation, qk_balance=True,
+                        qk_scale_search=search)
     for t, c in zip((q, k, v), copies):
         assert torch.equal(t, c)
+    assert pre.qk_scale_search is (search and d in (64, 128))
+    ref_default = ref.QK_SCALE_SEARCH
+    ref.QK_SCALE_SEARCH = search  # every reference call below: the same quantizer as the kernels'
+    try:
+        _check_against_reference(pre, q, k, v, per_block_mean, rotation, outliers, hk, sq, d)
+    finally:
+        ref.QK_SCALE_SEARCH = ref_default
+
+
+def _check_against_reference(pre, q, k, v, per_block_mean, rotation, outliers, hk, sq, d):
+    from sageattn3 import reference as ref
+
     assert pre.qk_rotation is (rotation and d in (64, 128))
     assert (pre.balance is not None) is (per_block_mean and d in (64, 128))
     want = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), per_block_mean=per_block_mean, qk_rotation=rotation,

@@ -21,14 +21,16 @@ def test_default_is_off_and_documented():
 
 
 def test_keyword_reaches_the_fp4_path(monkeypatch):
-    seen, balanced = [], []
+    seen, balanced, searched = [], [], []
 
     def kernel(q, k, v, is_causal, per_block_mean, sm_scale=None, qk_rotation=ref.QK_ROTATION_DEFAULT,
-               qk_balance=ref.QK_BALANCE_DEFAULT):
+               qk_balance=ref.QK_BALANCE_DEFAULT, qk_scale_search=False):
         seen.append(qk_rotation)
         balanced.append(qk_balance)
+        searched.append(qk_scale_search)
         return ref.sageattn3(q, k, v, is_causal=is_causal, per_block_mean=per_block_mean, sm_scale=sm_scale,
-                             qk_rotation=qk_rotation, qk_balance=qk_balance).to(q.dtype)
+                             qk_rotation=qk_rotation, qk_balance=qk_balance,
+                             qk_scale_search=qk_scale_search).to(q.dtype)
 
     monkeypatch.setattr(api, "_attention_path", lambda device, head_dim=None: "fp4-sm120")
     monkeypatch.setattr(api, "_fp4_attention", kernel)
@@ -45,5 +47,14 @@ def test_keyword_reaches_the_fp4_path(monkeypatch):
         assert torch.equal(bal, ref.sageattn3(q, k, v, qk_balance=True).to(q.dtype))
         assert not torch.equal(bal, plain)
         assert not torch.equal(plain, rotated)
+        # the scale search: the keyword, else the module default, reaches the FP4 path as a bool
+        both = sageattn3.sageattn3_blackwell(q, k, v, qk_balance=True, qk_rotation=True, qk_scale_search=True)
+        assert torch.equal(both, ref.sageattn3(q, k, v, qk_balance=True, qk_rotation=True,
+                                               qk_scale_search=True).to(q.dtype))
+        monkeypatch.setattr(ref, "QK_SCALE_SEARCH", 1)
+        sageattn3.sageattn3_blackwell(q, k, v)
+        sageattn3.sageattn3_blackwell(q, k, v, qk_scale_search=False)
+        assert searched == [False, False, False, True, True, False]
+        assert all(type(x) is bool for x in searched)
     finally:
         _selfcheck.reset()

@@ -140,12 +140,12 @@ def test_hard_cases_against_exact(case):
 def test_rotation_off_is_the_paper_with_one_q_mean():
     q, k, v = ac.make("q_offset_x3", 1, 2, 2, 200, 200, 128, seed=5)
     for causal in (False, True):
-        ours = ref.sageattn3(q, k, v, is_causal=causal, per_block_mean=False, qk_rotation=False, scale_search=False)
+        ours = ref.sageattn3(q, k, v, is_causal=causal, per_block_mean=False, qk_rotation=False, qk_scale_search=False)
         paper = ref.sageattn3_paper(q, k, v, is_causal=causal, per_block_mean=False)
         assert ac.cos_sim(ours, paper) > 0.9999999
         assert torch.equal(ours, ref.sageattn3(q, k, v, is_causal=causal, per_block_mean=False))  # the default
         # the scale search changes the result, closer to exact
-        search = ref.sageattn3(q, k, v, is_causal=causal, per_block_mean=False, scale_search=True)
+        search = ref.sageattn3(q, k, v, is_causal=causal, per_block_mean=False, qk_scale_search=True)
         exact = ref.exact_attention(q, k, v, is_causal=causal)
         assert not torch.equal(search, ours)
         assert ac.rel_l1(search, exact) < ac.rel_l1(ours, exact)
@@ -441,11 +441,38 @@ def test_balance_rotation_and_scale_search_add_up_on_q_outliers():
         exact = ref.exact_attention(q, k, v, is_causal=causal)
         err = [ac.rel_l1(ref.sageattn3(q, k, v, is_causal=causal, **kw), exact) for kw in (
             {}, {"qk_balance": True}, {"qk_balance": True, "qk_rotation": True},
-            {"qk_balance": True, "qk_rotation": True, "scale_search": True})]
+            {"qk_balance": True, "qk_rotation": True, "qk_scale_search": True})]
         assert err[0] > err[1] > err[2] > err[3], (d, causal, err)
         assert err[3] < 0.7 * err[0], (d, causal, err)
         q, k, v = ac.make("randn", 1, 4, 2, 512, 512, d, seed=13)
         exact = ref.exact_attention(q, k, v, is_causal=causal)
         plain = ac.rel_l1(ref.sageattn3(q, k, v, is_causal=causal), exact)
-        search = ac.rel_l1(ref.sageattn3(q, k, v, is_causal=causal, scale_search=True), exact)
+        search = ac.rel_l1(ref.sageattn3(q, k, v, is_causal=causal, qk_scale_search=True), exact)
         assert search < 0.98 * plain, (d, causal, plain, search)
+
+
+def test_scale_search_switch_and_keyword(monkeypatch):
+    """qk_scale_search=None takes reference.QK_SCALE_SEARCH (off by default), on every call, in
+    the reference and in sageattn3.preprocess (here its CPU path); True/False override it; it
+    changes Q's and K's scales, never V's; it is never applied at head dims other than 64/128."""
+    import sageattn3
+
+    q, k, v = ac.make("randn", 1, 2, 1, 300, 300, 64, seed=3)
+    assert ref.QK_SCALE_SEARCH is False
+    plain = sageattn3.preprocess(q, k, v)
+    assert plain.qk_scale_search is False
+    on = sageattn3.preprocess(q, k, v, qk_scale_search=True)
+    assert on.qk_scale_search is True
+    assert not torch.equal(on.q_scales.view(torch.uint8), plain.q_scales.view(torch.uint8))
+    assert not torch.equal(on.k_scales.view(torch.uint8), plain.k_scales.view(torch.uint8))
+    assert torch.equal(on.v_packed, plain.v_packed) and torch.equal(on.v_scales.view(torch.uint8),
+                                                                     plain.v_scales.view(torch.uint8))
+    monkeypatch.setattr(ref, "QK_SCALE_SEARCH", True)
+    by_default = sageattn3.preprocess(q, k, v)
+    assert by_default.qk_scale_search is True and torch.equal(by_default.q_packed, on.q_packed)
+    assert sageattn3.preprocess(q, k, v, qk_scale_search=False).qk_scale_search is False
+    assert torch.equal(ref.sageattn3(q, k, v), ref.sageattn3(q, k, v, qk_scale_search=True))
+    q, k, v = ac.make("randn", 1, 2, 1, 300, 300, 96, seed=3)
+    pre = ref.preprocess(q, k, v, qk_scale_search=True)
+    assert pre.qk_scale_search is False
+    assert torch.equal(pre.q_scales.view(torch.uint8), ref.preprocess(q, k, v, qk_scale_search=False).q_scales.view(torch.uint8))

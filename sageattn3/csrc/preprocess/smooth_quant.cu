@@ -380,8 +380,11 @@ struct RowsJob {
 
 // One CTA per tile: those of a, then those of b (G 0: none). Shared vectors padded (padded()):
 // the mean in mu_s, the balance factors in cs_s, the correction vectors in red.
+// The scale search converts every block twice: its instantiations get 2 CTAs per SM (128
+// registers) instead of 3 (80), where the 80-register bound spilled (on sm_90a: 24 bytes at
+// D 128, 84 with the rotation).
 template <typename T, int P, bool kRotate, bool kSearch>
-__global__ void __launch_bounds__(kRowThreads, (P <= 4 ? 3 : 1)) smooth_quant_kernel(
+__global__ void __launch_bounds__(kRowThreads, (P <= 4 ? (kSearch ? 2 : 3) : 1)) smooth_quant_kernel(
     const __grid_constant__ RowsJob a, const __grid_constant__ RowsJob b, int D) {
   __shared__ __align__(16) float red[kRowThreads * 16];
   __shared__ __align__(16) float mu_s[padded(kMaxD)];
@@ -557,7 +560,7 @@ int smooth_quant_rows(const void* x, DType dtype, int64_t G, int64_t S, int64_t 
 }
 
 int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, float* mean, float* partial,
-                     int64_t Sp, uint8_t* packed, uint8_t* scales, bool search, bool rotate, const float* qbar,
+                     int64_t Sp, uint8_t* packed, uint8_t* scales, bool rotate, bool search, const float* qbar,
                      int64_t rep, float* ds_key, cudaStream_t stream) {
   if (D % 16 || D <= 0 || D > kMaxD || Sp < S || S < 1 || ceil_div(Sp, kRows) > 0x7FFFFFFF)
     return cudaErrorInvalidValue;
@@ -586,8 +589,8 @@ int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D
 
 int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64_t Sq, int64_t Gk, int64_t Sk,
                     int64_t D, float* mean_q, int64_t Sqp, uint8_t* q_packed, uint8_t* q_scales, float* mean_k,
-                    float* partial_k, int64_t Skp, uint8_t* k_packed, uint8_t* k_scales, bool search,
-                    bool rotate, float* partial_q, float* qbar, float* ds_key, float* balance, float* balance_part,
+                    float* partial_k, int64_t Skp, uint8_t* k_packed, uint8_t* k_scales, bool rotate,
+                    bool search, float* partial_q, float* qbar, float* ds_key, float* balance, float* balance_part,
                     cudaStream_t stream) {
   if (D % 16 || D <= 0 || D > kMaxD || Sqp < Sq || Skp < Sk || Sk < 1 || Gk < 1 || Gk > 0x7FFFFFFF || Gq < 0 ||
       Gq > 0x7FFFFFFF || Gq % Gk != 0 || (Gq > 0 && Sq < 1) || ceil_div(Sqp, kRows) > 0x7FFFFFFF ||
@@ -638,9 +641,8 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
   });
 }
 
-int qk_balance(const void* q, DType dtype, int64_t Gq, int64_t S, int64_t Gk, int64_t D, float* part, int* arrive,
-               float* exps, cudaStream_t stream) {
-  (void)arrive;
+int qk_balance(const void* q, DType dtype, int64_t Gq, int64_t S, int64_t Gk, int64_t D, float* part, float* exps,
+               cudaStream_t stream) {
   if (!rotation_applies(static_cast<int>(D)) || S < 1 || Gk < 1 || Gq % Gk != 0 || Gq > 0x7FFFFFFF)
     return cudaErrorInvalidValue;
   if (Gq == 0) return cudaSuccess;

@@ -211,12 +211,12 @@ void smooth_quant_rows(T x, T mean, bool compute_mean, int64_t mean_block, T pac
                        "smooth_quant_rows");
 }
 
-// smooth_quant_seq(x, mean!, partial!, packed!, scales!, search, rotate, qbar, ds_key!): x (G, S, D),
+// smooth_quant_seq(x, mean!, partial!, packed!, scales!, rotate, search, qbar, ds_key!): x (G, S, D),
 // S >= 1; mean (G, 1, D) fp32; partial (G, ceil(S/128), D) fp32; packed (G, Sp, D/2);
 // qbar (G*rep, D) and ds_key (G*rep, Sp) fp32 for the per-key correction, or both empty (none);
 // the mean is the sampled one (sageattn3.h).
 template <class T>
-void smooth_quant_seq(T x, T mean, T partial, T packed, T scales, bool search, bool rotate, T qbar, T ds_key) {
+void smooth_quant_seq(T x, T mean, T partial, T packed, T scales, bool rotate, bool search, T qbar, T ds_key) {
   check_input(x);
   check_f32_on(mean, x, "mean");
   check_f32_on(partial, x, "partial");
@@ -244,13 +244,13 @@ void smooth_quant_seq(T x, T mean, T partial, T packed, T scales, bool search, b
   DeviceScope scope(device_of(x));
   check_cuda_kernel<T>(sageattn3::smooth_quant_seq(x.data_ptr(), dtype_of(x, "x"), G, S, D, floats(mean),
                                                    floats(partial), Sp, bytes(packed), bytes(scales),
-                                                   search, rotate, correction ? floats(qbar) : nullptr, rep,
+                                                   rotate, search, correction ? floats(qbar) : nullptr, rep,
                                                    correction ? floats(ds_key) : nullptr, TensorApi<T>::stream(x)),
                        "smooth_quant_seq");
 }
 
 // smooth_quant_qk(q, k, mean_q!, q_packed!, q_scales!, mean_k!, k_packed!, k_scales!, partial_k!,
-// search, rotate, partial_q!, qbar!, ds_key!, balance!, balance_part!): q (Gq, Sq, D) and k (Gk, Sk, D), same dtype, Sk >= 1,
+// rotate, search, partial_q!, qbar!, ds_key!, balance!, balance_part!): q (Gq, Sq, D) and k (Gk, Sk, D), same dtype, Sk >= 1,
 // Gq a multiple of Gk (or 0); mean_q (Gq, ceil(Sq/128), D) fp32; q_packed (Gq, Sqp, D/2); q_scales
 // (Gq, Sqp, D/16); mean_k (Gk, 1, D) fp32; k_packed (Gk, Skp, D/2); k_scales (Gk, Skp, D/16);
 // partial_k (Gk, ceil(Sk/128), D) fp32; partial_q (Gq, ceil(Sq/128), D),
@@ -259,7 +259,7 @@ void smooth_quant_seq(T x, T mean, T partial, T packed, T scales, bool search, b
 // the means are sampled (sageattn3.h).
 template <class T>
 void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_packed, T k_scales, T partial_k,
-                     bool search, bool rotate, T partial_q, T qbar, T ds_key, T balance, T balance_part) {
+                     bool rotate, bool search, T partial_q, T qbar, T ds_key, T balance, T balance_part) {
   check_cuda(q, q, "q");
   check_aligned(q, "q");
   check_cuda(k, q, "k");
@@ -313,7 +313,7 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
   check_cuda_kernel<T>(sageattn3::smooth_quant_qk(q.data_ptr(), k.data_ptr(), dt, Gq, Sq, Gk, Sk, D, floats(mean_q),
                                                   Sqp, bytes(q_packed), bytes(q_scales), floats(mean_k),
                                                   floats(partial_k), Skp, bytes(k_packed),
-                                                  bytes(k_scales), search, rotate,
+                                                  bytes(k_scales), rotate, search,
                                                   correction ? floats(partial_q) : nullptr,
                                                   correction ? floats(qbar) : nullptr,
                                                   correction ? floats(ds_key) : nullptr,
@@ -322,11 +322,10 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
                        "smooth_quant_qk");
 }
 
-// qk_balance(q, part!, arrive!, exps!): q (Gq, S, D), D 64 or 128, S >= 1; exps (Gk, D) fp32 with Gq a
-// multiple of Gk; part (Gq * min(8, ceil(S/128)), D) fp32; arrive: unused (any tensor, empty is
-// fine), kept in the schema.
+// qk_balance(q, part!, exps!): q (Gq, S, D), D 64 or 128, S >= 1; exps (Gk, D) fp32 with Gq a
+// multiple of Gk; part (Gq * min(8, ceil(S/128)), D) fp32.
 template <class T>
-void qk_balance(T q, T part, T arrive, T exps) {
+void qk_balance(T q, T part, T exps) {
   check_input(q);
   check_f32_on(part, q, "part");
   check_f32_on(exps, q, "exps");
@@ -337,7 +336,7 @@ void qk_balance(T q, T part, T arrive, T exps) {
             "sageattn3: exps must be (Gk, D) with Gq a multiple of Gk");
   SA3_CHECK(T, part.numel() == Gq * std::min<int64_t>(8, (S + 127) / 128) * D, "sageattn3: part has the wrong size");
   DeviceScope scope(device_of(q));
-  check_cuda_kernel<T>(sageattn3::qk_balance(q.data_ptr(), dtype_of(q, "q"), Gq, S, Gk, D, floats(part), nullptr,
+  check_cuda_kernel<T>(sageattn3::qk_balance(q.data_ptr(), dtype_of(q, "q"), Gq, S, Gk, D, floats(part),
                                              floats(exps), TensorApi<T>::stream(q)),
                        "qk_balance");
 }
@@ -500,12 +499,12 @@ void fp4_mma_probe(T a, T b, T sfa, T sfb, T c, T d, int64_t tid_a, int64_t tid_
   X(smooth_quant_rows, "smooth_quant_rows(Tensor x, Tensor(a!) mean, bool compute_mean, int mean_block, "           \
                        "Tensor(b!) packed, Tensor(c!) scales, bool rotate, bool search) -> ()")                                  \
   X(smooth_quant_seq, "smooth_quant_seq(Tensor x, Tensor(a!) mean, Tensor(b!) partial, Tensor(c!) packed, "         \
-                      "Tensor(d!) scales, bool search, bool rotate, Tensor qbar, Tensor(e!) ds_key) -> ()")                                                                   \
+                      "Tensor(d!) scales, bool rotate, bool search, Tensor qbar, Tensor(e!) ds_key) -> ()")                                                                   \
   X(smooth_quant_qk, "smooth_quant_qk(Tensor q, Tensor k, Tensor(a!) mean_q, Tensor(b!) q_packed, "                 \
                      "Tensor(c!) q_scales, Tensor(d!) mean_k, Tensor(e!) k_packed, Tensor(f!) k_scales, "           \
-                     "Tensor(g!) partial_k, bool search, bool rotate, Tensor(h!) partial_q, Tensor(i!) qbar, "     \
+                     "Tensor(g!) partial_k, bool rotate, bool search, Tensor(h!) partial_q, Tensor(i!) qbar, "     \
                      "Tensor(j!) ds_key, Tensor(k!) balance, Tensor(l!) balance_part) -> ()")      \
-  X(qk_balance, "qk_balance(Tensor q, Tensor(a!) part, Tensor(b!) arrive, Tensor(c!) exps) -> ()")                  \
+  X(qk_balance, "qk_balance(Tensor q, Tensor(a!) part, Tensor(b!) exps) -> ()")                                     \
   X(delta_s, "delta_s(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) out) -> ()")                               \
   X(smooth_quant_k_delta, "smooth_quant_k_delta(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) packed, "        \
                           "Tensor(b!) scales, Tensor(c!) delta) -> ()")                                             \
