@@ -445,14 +445,15 @@ int with_passes(int64_t D, F&& f) {
   }
 }
 
-// Calls f(std::bool_constant<kRotate>{}); rotated instantiations exist for P 2 and 4 only (D 64
-// and 128: the launchers refuse the rotation elsewhere).
+// Calls f(std::bool_constant<on>{}) for an option that exists at D 64 and 128 only (the
+// rotation, the scale search): its instantiations exist for P 2 and 4 only (the launchers refuse
+// the option elsewhere).
 template <int P, typename F>
-int with_rotation(bool rotate, F&& f) {
+int with_option(bool on, F&& f) {
   if constexpr (P == 2 || P == 4) {
-    if (rotate) return f(std::true_type{});
+    if (on) return f(std::true_type{});
   } else {
-    if (rotate) return cudaErrorInvalidValue;
+    if (on) return cudaErrorInvalidValue;
   }
   return f(std::false_type{});
 }
@@ -465,18 +466,6 @@ int launch_sums_p(const SampleSrc& a, const SampleSrc& b, int64_t D, cudaStream_
   if (grid > 0x7FFFFFFF) return cudaErrorInvalidValue;
   sample_sums_kernel<T, P><<<static_cast<unsigned>(grid), kRowThreads, 0, stream>>>(a, b, static_cast<int>(D));
   return cudaGetLastError();
-}
-
-// Calls f(std::bool_constant<kSearch>{}); instantiations with the scale search exist for P 2 and 4
-// only (D 64 and 128, the attention's head dims: the launchers refuse it elsewhere).
-template <int P, typename F>
-int with_search(bool search, F&& f) {
-  if constexpr (P == 2 || P == 4) {
-    if (search) return f(std::true_type{});
-  } else {
-    if (search) return cudaErrorInvalidValue;
-  }
-  return f(std::false_type{});
 }
 
 template <typename T, int P, bool kRotate, bool kSearch>
@@ -513,11 +502,11 @@ int launch_all(const SampleSrc& sa, const SampleSrc& sb, const SampleMeans& f, i
                const RowsJob& jb, int64_t D, bool rotate, cudaStream_t stream) {
   return with_passes(D, [&](auto p) {
     constexpr int P = decltype(p)::value;
-    return with_rotation<P>(rotate, [&](auto r) {
+    return with_option<P>(rotate, [&](auto r) {
       int e = launch_sums_p<T, P>(sa, sb, D, stream);
       if (e == cudaSuccess && mg > 0) e = launch_means(f, mg, D, rotate, stream);
       if (e != cudaSuccess) return e;
-      return with_search<P>(ja.search || jb.search, [&](auto sr) {
+      return with_option<P>(ja.search || jb.search, [&](auto sr) {
         return launch_rows_p<T, P, decltype(r)::value, decltype(sr)::value>(ja, jb, D, stream);
       });
     });
