@@ -9,6 +9,8 @@ Every case starts from i.i.d. standard normal Q, K, V and adds one kind of struc
   scale 1, 3, 8; K one of scale 3, V one of scale 2 (what smoothing removes; x1 is the data the
   payload tests have always used).
 - ``q_outliers``: four Q channels scaled by 8, 12, 16 and 20 (varying sign: no offset to remove).
+- ``k_outliers``: the same for four K channels.
+- ``qk_outliers``: the same four channels scaled in Q and in K (outliers both share).
 - ``k_bias``: K gets a per-channel bias of scale 8.
 - ``peaky``: Q scaled by 4: near-one-hot softmax rows.
 - ``zero_mean_v``: Q/K offsets as x3, V left zero-mean.
@@ -20,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-CASES = ("randn", "q_offset_x1", "q_offset_x3", "q_offset_x8", "q_outliers", "k_bias", "peaky", "zero_mean_v")
+CASES = ("randn", "q_offset_x1", "q_offset_x3", "q_offset_x8", "q_outliers", "k_outliers", "qk_outliers", "k_bias",
+         "peaky", "zero_mean_v")
 OUTLIER_SCALES = (8.0, 12.0, 16.0, 20.0)
 
 
@@ -39,9 +42,12 @@ def make(case: str, b: int, hq: int, hk: int, sq: int, sk: int, d: int, *, seed:
         q = q + float(case.removeprefix("q_offset_x")) * offsets[0]
         k = k + 3 * offsets[1]
         v = v + 2 * offsets[2]
-    elif case == "q_outliers":
+    elif case in ("q_outliers", "k_outliers", "qk_outliers"):
         channels = torch.randperm(d, generator=g)[: len(OUTLIER_SCALES)]
-        q[..., channels] *= torch.tensor(OUTLIER_SCALES)
+        if case != "k_outliers":
+            q[..., channels] *= torch.tensor(OUTLIER_SCALES)
+        if case != "q_outliers":
+            k[..., channels] *= torch.tensor(OUTLIER_SCALES)
     elif case == "k_bias":
         k = k + 8 * offsets[1]
     elif case == "peaky":

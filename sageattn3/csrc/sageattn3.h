@@ -60,9 +60,9 @@ int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D
 // With partial_q (Gq, ceil(Sq/128), D), qbar (Gq, D) and ds_key (Gq, Skp) (all or none; Gq > 0;
 // D 64 or 128): qbar = each q group's sampled mean (rotated) and ds_key = K's per-key correction
 // from it (as smooth_quant_seq with qbar).
-// With balance (Gk, D) and balance_part (Gq * min(8, ceil(Sq/128)), D) fp32 (both or neither; D 64
-// or 128, Gq > 0): the channel balance (reference.balance_exponents / preprocess), from Q's
-// sampled tiles, into balance; then Q group g's rows become x * 2^-e[g / rep] - mean_q and K's
+// With balance (Gk, D) and balance_part (Gq * min(8, ceil(Sq/128)) + Gk * min(8, ceil(Sk/128)), D)
+// fp32 (both or neither; D 64 or 128, Gq > 0): the channel balance (reference.balance_exponents /
+// preprocess), from Q's and K's sampled tiles, into balance; then Q group g's rows become x * 2^-e[g / rep] - mean_q and K's
 // x * 2^e - mean_k (balanced first, then rotated with rotate), with mean_q, qbar and mean_k
 // written balanced (times 2^-e or 2^e, then rotated); ds_key is qbar . the balanced smoothed K
 // row (the same products). search: as smooth_quant_rows, for Q and K.
@@ -72,11 +72,11 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
                     bool search, float* partial_q, float* qbar, float* ds_key, float* balance, float* balance_part,
                     cudaStream_t stream);
 
-// The channel balance exponents alone: q (Gq, S, D), D 64 or 128, S >= 1, Gq a multiple of Gk ->
-// exps (Gk, D) fp32 in {-2..2} (reference.balance_exponents). part (Gq * min(8, ceil(S/128)), D)
-// fp32 is workspace.
-int qk_balance(const void* q, DType dtype, int64_t Gq, int64_t S, int64_t Gk, int64_t D, float* part, float* exps,
-               cudaStream_t stream);
+// The channel balance exponents alone: q (Gq, Sq, D) and k (Gk, Sk, D), same dtype, D 64 or 128,
+// Sq, Sk >= 1, Gq a multiple of Gk -> exps (Gk, D) fp32 in {-2..2} (reference.balance_exponents).
+// part (Gq * min(8, ceil(Sq/128)) + Gk * min(8, ceil(Sk/128)), D) fp32 is workspace.
+int qk_balance(const void* q, const void* k, DType dtype, int64_t Gq, int64_t Sq, int64_t Gk, int64_t Sk, int64_t D,
+               float* part, float* exps, cudaStream_t stream);
 
 // delta_s[b, hq, i, j] = sum_d mean_q[b, hq, i, d] * (k[b, hq / (Hq/Hkv), j, d] - mean_k[b, hkv, d])
 // for j < Sk, 0 for Sk <= j < Sp. k (B, Hkv, Sk, D); mean_k (B, Hkv, D); mean_q (B, Hq, nblk, D);

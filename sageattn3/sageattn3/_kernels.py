@@ -215,27 +215,28 @@ def smooth_quant_qk_key(q: torch.Tensor, k: torch.Tensor, seq_pad: int, rotate: 
     (Gq, 1, D): each q group's (rotated) sampled mean, from the same small launches, and ds_key
     (Gq, Skp) = qbar · (K's smoothed row as quantized) of its kv group (0 past Sk), from K's
     quantization. ``balance``: the channel balance (``reference.balance_exponents``,
-    from the same sampled blocks), Q and K and their means in the balanced space. Returns the 6
+    from the same sampled blocks of Q and K), Q and K and their means in the balanced space. Returns the 6
     tensors of ``smooth_quant_qk``, qbar, ds_key, then the balance exponents (Gk, 1, D) or None."""
     return _smooth_quant_qk(q, k, seq_pad, rotate, True, balance, search)
 
 
 def balance_samples(s: int) -> int:
-    """Q blocks the balance statistics read per q group: min(8, ceil(S/128))
+    """Blocks the balance statistics read per group of Q or K: min(8, ceil(S/128))
     (``reference.sample_blocks``)."""
     from . import reference
 
     return len(reference.sample_blocks(s))
 
 
-def qk_balance(q: torch.Tensor, kv_groups: int) -> torch.Tensor:
-    """The channel balance exponents of q (Gq, S, D) (D 64/128, S >= 1, Gq a multiple of
-    kv_groups): (kv_groups, 1, D) float32, ``reference.balance_exponents``."""
+def qk_balance(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The channel balance exponents of q (Gq, Sq, D) and k (Gk, Sk, D) (D 64/128, Sq, Sk >= 1,
+    Gq a multiple of Gk): (Gk, 1, D) float32, ``reference.balance_exponents``."""
     gq, s, d = q.shape
-    exps = torch.empty((kv_groups, d), dtype=torch.float32, device=q.device)
-    part = torch.empty((gq * balance_samples(s), d), dtype=torch.float32, device=q.device)
-    op("qk_balance")(q, part, exps)
-    return exps.view(kv_groups, 1, d)
+    gk, sk, _ = k.shape
+    exps = torch.empty((gk, d), dtype=torch.float32, device=q.device)
+    part = torch.empty((gq * balance_samples(s) + gk * balance_samples(sk), d), dtype=torch.float32, device=q.device)
+    op("qk_balance")(q, k, part, exps)
+    return exps.view(gk, 1, d)
 
 
 def _smooth_quant_qk(q, k, seq_pad, rotate, key, balance, search):
@@ -256,7 +257,8 @@ def _smooth_quant_qk(q, k, seq_pad, rotate, key, balance, search):
         partial_q, qbar, ds_key = _none(dev, 0), _none(dev, 1), _none(dev, 2)
     if balance:
         exps = torch.empty((gk, d), dtype=torch.float32, device=dev)
-        bal_part = torch.empty((gq * balance_samples(sq), d), dtype=torch.float32, device=dev)
+        bal_part = torch.empty((gq * balance_samples(sq) + gk * balance_samples(sk), d), dtype=torch.float32,
+                               device=dev)
     else:
         exps, bal_part = _none(dev, 3), _none(dev, 4)
     op("smooth_quant_qk")(q, k, mean_q, q_packed, q_scales, mean_k, k_packed, k_scales, partial, rotate, search,

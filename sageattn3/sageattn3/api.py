@@ -205,11 +205,12 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     attention is unchanged, outlier channels are spread before the 16-channel FP4 blocks form):
     more accurate with Q/K outlier channels, no gain elsewhere, and it makes the preprocessing
     slower (about +45% on an H100), so it is off by default. ``qk_balance``: the Q/K channel
-    balance (``sageattn3.reference.balance_exponents``; D 64/128): Q's large channels are scaled
-    down and K's same channels up by powers of two (attention is unchanged), which moves FP4
-    error away from Q's outlier channels (README, "Accuracy"); it makes the preprocessing about
-    7% slower on an H100, so it is off by default. Both together: balanced first, then rotated
-    (the most accurate on Q outlier channels). ``qk_scale_search=True``: Q and K quantized with
+    balance (``sageattn3.reference.balance_exponents``; D 64/128): channels much larger in Q than
+    in K (relative to the other channels) are scaled down in Q and up in K by powers of two, and
+    the other way round (attention is unchanged), which moves FP4 error away from outlier
+    channels (README, "Accuracy"); it makes the preprocessing about 7% slower on an H100, so it
+    is off by default. Both together: balanced first, then rotated (the most accurate with Q or
+    K outlier channels). ``qk_scale_search=True``: Q and K quantized with
     the NVFP4 scale search (``sageattn3.reference.quantize_rows``; D 64/128), more accurate
     everywhere but the preprocessing is much slower on an H100 (README, "Accuracy"); None (the
     default) takes ``sageattn3.reference.QK_SCALE_SEARCH`` (False unless set).
@@ -469,7 +470,7 @@ def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bo
     if bal and not key:
         # the rarer paths balance float32 copies (exact: powers of two), so that every kernel
         # below works in the balanced space as the fused launch does
-        exps = _kernels.qk_balance(q3, b * hk)
+        exps = _kernels.qk_balance(q3, k3)
         ck = torch.exp2(exps)
         q3 = (q3.view(b * hk, hq // hk, sq, d).float() * (1.0 / ck).unsqueeze(1)).view(b * hq, sq, d)
         k3 = k3.float() * ck

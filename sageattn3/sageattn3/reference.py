@@ -214,7 +214,7 @@ ROTATION_SIGN_BITS = 0x216363698B529B4A97B750923CEB3FFD
 ROTATION_SCALE = 0.125  # 2^-3: exact in float32
 # What sageattn3_blackwell / preprocess do unless told otherwise: off. Measured on an H100 (the
 # MMA-model test flavour, 24 heads x 32k tokens, D 128, back to back) the rotation makes Q's and
-# K's launch 0.251 -> 0.403 ms, about +45% of the whole preprocessing (3 shuffle stages of 16
+# K's launch 0.252 -> 0.407 ms, about +45% of the whole preprocessing (3 shuffle stages of 16
 # values per row block, on top of the software E2M1), far over the 5% it could cost to be on by
 # default; it helps only with Q/K outlier channels (rel-L1 -10% there, within
 # noise elsewhere: tests/bench/accuracy.py). qk_rotation=True turns it on.
@@ -265,26 +265,24 @@ def rotation_score_factor(head_dim: int, rotated: bool) -> float:
 # ---------------------------------------------------------------------------------------------
 
 # A Q channel much larger than the others (an outlier channel) multiplies K's FP4 error in that
-# channel. The balance moves magnitude from such Q channels to the same K channels: per KV head,
-# Q's channel d is multiplied by 2^-e_d and K's by 2^e_d after smoothing, which leaves every
-# score Q·Kᵀ unchanged (powers of two: exact in float32) while K's outlier channel becomes the
-# largest value of its 16-channel block (quantized nearly exactly) and Q's shrinks.
-# e_d from Q's channel RMS (smoothed by 128-token block means) over Q's sampled blocks
-# (``sample_blocks``) of each q head of the KV head's group.
+# channel into every score, and a large K channel Q's. The balance evens the ratio of Q's to K's
+# channel RMS out: per KV head, Q's channel d is multiplied by 2^-e_d and K's by 2^e_d after
+# smoothing, which leaves every score Q·Kᵀ unchanged (powers of two: exact in float32).
+# e_d from Q's and K's channel RMS over their sampled blocks (``balance_exponents``).
 BALANCE_HEAD_DIMS = (64, 128)
 # Whether the preprocessing quantizes Q and K (head dims 64/128) with the scale search
 # (``quantize_rows``) where a call does not say (``qk_scale_search=None``, the default of
 # ``preprocess`` / ``sageattn3_blackwell`` here and in the package): read on every such call, by
 # the kernels and this reference alike. Off by default: measured on an H100 (the MMA-model test
 # flavour, 24 heads x 32k tokens, D 128, bf16, back to back) it makes the whole preprocessing
-# 0.349 -> 0.612 ms (+75%: every block is converted twice, in software on that GPU) for a
+# 0.353 -> 0.624 ms (+77%: every block is converted twice, in software on that GPU) for a
 # cos-sim gain of about 0.002 on random data and 0.005-0.01 with Q outlier channels (README,
 # "Accuracy"). Set it to True (or pass qk_scale_search=True) for the most accurate quantization
 # of Q and K.
 QK_SCALE_SEARCH = False
 BALANCE_MAX_EXP = 2  # |e_d| <= 2: channels scaled by 1/4 .. 4
 # Off unless asked for (qk_balance=True): measured on an H100 (24 heads x 32k tokens, D 128, bf16,
-# back to back) the whole preprocessing takes 0.373 ms with it against 0.349 ms without (+7%: the
+# back to back) the whole preprocessing takes 0.379 ms with it against 0.353 ms without (+7%: the
 # sampled blocks' sums of squares and one multiply per element), over the 5% a default may cost.
 QK_BALANCE_DEFAULT = False
 
@@ -322,39 +320,67 @@ def sample_mean(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-2).sum(dim=-2, keepdim=True) / float(rows)
 
 
-def balance_exponents(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """(B, Hkv, 1, D) float32 e_d in {-2, ..., 2} (as float), per KV head, from q (B, Hq, Sq, D):
-
-    1. for each sampled block (``sample_blocks``) of each q head of the group, its mean
-       mu over its real rows (float32 sum / count) and ss_d = sum over its rows of (q - mu)²;
-    2. ms_d = (sum of ss_d over the group's sampled blocks) / (their row count), a_d = sqrt(ms_d);
-    3. m = (sum of a_d over d, added as a pairwise tree: d = 2i with 2i + 1 first) / D;
-    4. e_d = [ms_d >= 4 m²] + [ms_d >= 64 m²] - [ms_d < m²/4] - [ms_d < m²/64] (m² = m·m), i.e.
-       round(log2(a_d / m) / 2) clamped to +-2; 0 for every channel when m² is not a positive
-       finite number.
-
-    The kernels compute the same in their own summation order (float32): the exponents agree
-    except where ms_d lies within rounding of a threshold; tests feed the kernels' exponents to
-    ``preprocess`` (``balance=``) to compare the quantized tensors bit for bit."""
-    b, hq, sq, d = q.shape
-    rep = hq // kv_heads
-    blocks = sample_blocks(sq)
-    qf = q.float()
-    ss = torch.zeros(b, hq, d, dtype=torch.float32, device=q.device)
+def _sampled_square_sums(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(B, H, D) float32: for each head, the sum over its sampled blocks (``sample_blocks``, in
+    order) of each block's sum over its real rows of (x - the block's own mean)² (the block mean
+    as float32 sum / count); and the rows counted."""
+    s = x.shape[-2]
+    xf = x.float()
+    ss = torch.zeros(*x.shape[:-2], x.shape[-1], dtype=torch.float32, device=x.device)
     count = 0
-    for t in blocks:
-        x = qf[..., t * Q_MEAN_BLOCK : min(sq, (t + 1) * Q_MEAN_BLOCK), :]
-        mu = x.sum(dim=-2, keepdim=True) / float(x.shape[-2])
-        ss = ss + ((x - mu) ** 2).sum(dim=-2)
-        count += x.shape[-2]
-    ms = ss.reshape(b, kv_heads, rep, d).sum(dim=2) / float(count * rep)
-    a = torch.sqrt(ms)
-    while a.shape[-1] > 1:
-        a = a[..., 0::2] + a[..., 1::2]
-    m = a / float(d)
-    m2 = m * m
-    e = ((ms >= 4 * m2).float() + (ms >= 64 * m2).float() - (ms < m2 / 4).float() - (ms < m2 / 64).float())
-    ok = torch.isfinite(m2) & (m2 > 0)
+    for t in sample_blocks(s):
+        blk = xf[..., t * Q_MEAN_BLOCK : min(s, (t + 1) * Q_MEAN_BLOCK), :]
+        mu = blk.sum(dim=-2, keepdim=True) / float(blk.shape[-2])
+        ss = ss + ((blk - mu) ** 2).sum(dim=-2)
+        count += blk.shape[-2]
+    return ss, count
+
+
+def _pairwise_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (a power of two) as a pairwise tree: d = 2i with 2i + 1 first."""
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x
+
+
+def balance_exponents(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv, 1, D) float32 e_d in {-2, ..., 2} (as float), per KV head, from q (B, Hq, Sq, D)
+    and k (B, Hkv, Sk, D):
+
+    1. per channel, Q's mean square a_d² over the sampled blocks (``sample_blocks``) of every q
+       head of the group, each block about its own mean (``_sampled_square_sums``: the summed
+       squares / (rows x q heads)), and K's b_d² likewise over K's sampled blocks;
+    2. a_d = sqrt(a_d²), b_d = sqrt(b_d²), r_d = a_d / b_d (float32); a channel is valid when
+       a_d > 0, b_d > 0 and r_d is finite;
+    3. m = (pairwise sum of r_d over the valid channels, 0 elsewhere) / (pairwise sum of the
+       valid flags), the sums as trees (d = 2i with 2i + 1 first);
+    4. e_d = [r_d >= 2m] + [r_d >= 8m] - [r_d < m/2] - [r_d < m/8] on valid channels, i.e.
+       round(log2(r_d / m) / 2) clamped to +-2, and 0 on the others; 0 everywhere when m is not
+       a positive finite number.
+
+    Q's channel d is then scaled by 2^-e_d and K's by 2^e_d: the ratio of Q's to K's channel RMS
+    is pulled towards the typical ratio (the product of the two RMS is unchanged), which is what
+    minimises the FP4 error of Q·Kᵀ for independent errors. A channel large in Q only moves into
+    K, one large in K only moves into Q, and one large in both (where scaling would only move
+    error around) stays. The kernels compute the same in their own summation order (float32):
+    the exponents agree except where r_d lies within rounding of a threshold; tests feed the
+    kernels' exponents to ``preprocess`` (``balance=``) to compare the quantized tensors bit for
+    bit."""
+    b, hq, _, d = q.shape
+    hk = k.shape[1]
+    rep = hq // hk
+    ssq, nq = _sampled_square_sums(q)
+    ssk, nk = _sampled_square_sums(k)
+    msq = ssq.reshape(b, hk, rep, d).sum(dim=2) / float(nq * rep)
+    msk = ssk / float(nk)
+    a, bk = torch.sqrt(msq), torch.sqrt(msk)
+    r = a / bk
+    valid = (a > 0) & (bk > 0) & torch.isfinite(r)
+    rs = _pairwise_sum(torch.where(valid, r, torch.zeros_like(r)))
+    n = _pairwise_sum(valid.float())
+    m = rs / n
+    e = ((r >= 2 * m).float() + (r >= 8 * m).float() - (r < m / 2).float() - (r < m / 8).float())
+    ok = valid & torch.isfinite(m) & (m > 0)
     return torch.where(ok, e, torch.zeros_like(e)).unsqueeze(-2)
 
 
@@ -510,7 +536,7 @@ def preprocess(
     bal = None
     cq = ck = 1.0
     if qk_balance and per_block_mean and balance_applies(d):
-        bal = balance_exponents(q, k.shape[1]) if balance is None else balance.float()
+        bal = balance_exponents(q, k) if balance is None else balance.float()
         ck = torch.exp2(bal)
         cq = expand_kv(torch.exp2(-bal), q.shape[1])
     # balanced (exact float32 products) and then rotated

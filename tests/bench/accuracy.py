@@ -48,6 +48,8 @@ LABELS = {
     "q_offset_x3": "Q channel offsets x3",
     "q_offset_x8": "Q channel offsets x8",
     "q_outliers": "Q outlier channels x8..x20",
+    "k_outliers": "K outlier channels x8..x20",
+    "qk_outliers": "Q and K outliers, same channels",
     "k_bias": "K per-channel bias x8",
     "peaky": "near-one-hot rows (Q x4)",
     "zero_mean_v": "zero-mean V (Q/K offsets x3)",

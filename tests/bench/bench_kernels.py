@@ -151,7 +151,7 @@ def bench_preprocess(bw: float) -> None:
         "  + delta_key (the default path)": lambda: _kernels.smooth_quant_qk_key(q3, k3, 128),
         "  + delta_key + scale search": lambda: _kernels.smooth_quant_qk_key(q3, k3, 128, search=True),
         "  + delta_key + channel balance": lambda: _kernels.smooth_quant_qk_key(q3, k3, 128, balance=True),
-        "  channel balance exponents alone": lambda: _kernels.qk_balance(q3, b * h),
+        "  channel balance exponents alone": lambda: _kernels.qk_balance(q3, k3),
         "  + delta_key + rotation": lambda: _kernels.smooth_quant_qk_key(q3, k3, 128, rotate=True),
         "K sampled mean + quant": lambda: _kernels.smooth_quant_seq(k3, 128),
         "K quant, mean given": lambda: _kernels.smooth_quant_rows(k3, mean_k, False, 0, 128),

@@ -292,6 +292,7 @@ struct SampleMeans {
   float* mean_k;        // (G, D)
   const float* q_sums;  // (G * rep * nsq, D), or null: no qbar
   const float* q_ss;    // (G * rep * nsq, D): with exps
+  const float* k_ss;    // (G * nsk, D): with exps
   uint32_t nsq, rep;
   int64_t q_rows;
   float* qbar;          // (G * rep, D)
@@ -315,34 +316,48 @@ __device__ __forceinline__ void mean_of_sums(const float* src, uint32_t n, int64
 // balanced (times 2^e for K, 2^-e for Q), then rotated when asked.
 __global__ void __launch_bounds__(kRowThreads) sample_means_kernel(const SampleMeans f, int D, bool rotate) {
   __shared__ __align__(16) float vec[kMaxD];
-  __shared__ float wsum[kRowThreads / 32];
+  __shared__ float wsum[2][kRowThreads / 32];
   const int64_t g = blockIdx.x;
   const int d = threadIdx.x;
   float e = 0.f;
   if (f.exps != nullptr) {
-    // ms_d = (sum of the group's sampled tiles' ss_d) / rows, a_d = sqrt(ms_d), m = (pairwise
-    // sum of a_d: lanes by xor butterfly, then warps) / D, e_d from ms_d against 4m², 64m²,
-    // m²/4, m²/64 (0 unless m² is a positive finite number); D 64 or 128
-    float ms = 0.f;
+    // Q's and K's mean squares over the group's sampled tiles (sums of their ss_d, in order, /
+    // rows), a_d and b_d their square roots, r_d = a_d / b_d, valid where a_d > 0, b_d > 0 and
+    // r_d finite; m = (pairwise sum of the valid r_d) / (pairwise count), both as lanes by xor
+    // butterfly, then warps; e_d from r_d against 2m, 8m, m/2, m/8 on valid channels (0
+    // everywhere unless m is a positive finite number); D 64 or 128
+    float r = 0.f;
+    bool valid = false;
     if (d < D) {
       const float* src = f.q_ss + g * f.rep * f.nsq * D + d;
-      float sum = 0.f;
-      for (uint32_t j = 0; j < f.rep * f.nsq; ++j) sum += src[static_cast<int64_t>(j) * D];
-      ms = sum / static_cast<float>(f.q_rows * f.rep);
-      float a = sqrtf(ms);
+      float sq = 0.f, sk = 0.f;
+      for (uint32_t j = 0; j < f.rep * f.nsq; ++j) sq += src[static_cast<int64_t>(j) * D];
+      const float* srk = f.k_ss + g * f.nsk * D + d;
+      for (uint32_t j = 0; j < f.nsk; ++j) sk += srk[static_cast<int64_t>(j) * D];
+      const float a = sqrtf(__fdiv_rn(sq, static_cast<float>(f.q_rows * f.rep)));
+      const float b = sqrtf(__fdiv_rn(sk, static_cast<float>(f.k_rows)));
+      r = __fdiv_rn(a, b);
+      valid = a > 0.f && b > 0.f && fabsf(r) <= 3.4028235e38f;
+      float rs = valid ? r : 0.f, n = valid ? 1.f : 0.f;
 #pragma unroll
-      for (int off = 1; off < 32; off <<= 1) a = __fadd_rn(a, __shfl_xor_sync(0xffffffffu, a, off));
-      if (d % 32 == 0) wsum[d / 32] = a;
+      for (int off = 1; off < 32; off <<= 1) {
+        rs = __fadd_rn(rs, __shfl_xor_sync(0xffffffffu, rs, off));
+        n = __fadd_rn(n, __shfl_xor_sync(0xffffffffu, n, off));
+      }
+      if (d % 32 == 0) {
+        wsum[0][d / 32] = rs;
+        wsum[1][d / 32] = n;
+      }
     }
     __syncthreads();
     if (d < D) {
-      const float total = D == 128 ? __fadd_rn(__fadd_rn(wsum[0], wsum[1]), __fadd_rn(wsum[2], wsum[3]))
-                                   : __fadd_rn(wsum[0], wsum[1]);
-      const float mm = total / static_cast<float>(D);
-      const float m2 = __fmul_rn(mm, mm);
-      if (m2 > 0.f && m2 <= 3.4028235e38f) {
-        e = static_cast<float>((ms >= __fmul_rn(4.f, m2)) + (ms >= __fmul_rn(64.f, m2)) - (ms < m2 / 4.f) -
-                               (ms < m2 / 64.f));
+      const auto total = [&](const float* w) {
+        return D == 128 ? __fadd_rn(__fadd_rn(w[0], w[1]), __fadd_rn(w[2], w[3])) : __fadd_rn(w[0], w[1]);
+      };
+      const float m = __fdiv_rn(total(wsum[0]), total(wsum[1]));
+      if (valid && m > 0.f && m <= 3.4028235e38f) {
+        e = static_cast<float>((r >= __fmul_rn(2.f, m)) + (r >= __fmul_rn(8.f, m)) - (r < __fdiv_rn(m, 2.f)) -
+                               (r < __fdiv_rn(m, 8.f)));
       }
       f.exps[g * D + d] = e;
     }
@@ -593,7 +608,10 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
   if (!options_fit(D, rotate, global, search)) return cudaErrorInvalidValue;
   const uint32_t rep = static_cast<uint32_t>(Gq / Gk);
   if (global && rep > static_cast<uint32_t>(max_correction_heads(static_cast<int>(D)))) return cudaErrorInvalidValue;
-  const SampleSrc sk = sample_src(k, Gk, Sk, partial_k, nullptr);
+  // balance_part: Q's sampled tiles' squares, then K's
+  const uint32_t nsq = mean_samples(static_cast<uint32_t>(ceil_div(Sq, kRows)));
+  float* k_ss = balance ? balance_part + static_cast<int64_t>(Gq) * nsq * D : nullptr;
+  const SampleSrc sk = sample_src(k, Gk, Sk, partial_k, k_ss);
   const SampleSrc sq = Gq > 0 && (global || balance) ? sample_src(q, Gq, Sq, global ? partial_q : nullptr, balance_part)
                                                      : SampleSrc{};
   SampleMeans f{};
@@ -606,6 +624,7 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
     f.nsq = sq.ns;
     f.q_rows = sample_rows(Sq, sq.nt, sq.ns);
     f.q_ss = balance_part;
+    f.k_ss = k_ss;
     f.exps = balance;
     if (global) {
       f.q_sums = partial_q;
@@ -630,21 +649,26 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
   });
 }
 
-int qk_balance(const void* q, DType dtype, int64_t Gq, int64_t S, int64_t Gk, int64_t D, float* part, float* exps,
-               cudaStream_t stream) {
-  if (!rotation_applies(static_cast<int>(D)) || S < 1 || Gk < 1 || Gq % Gk != 0 || Gq > 0x7FFFFFFF)
+int qk_balance(const void* q, const void* k, DType dtype, int64_t Gq, int64_t Sq, int64_t Gk, int64_t Sk, int64_t D,
+               float* part, float* exps, cudaStream_t stream) {
+  if (!rotation_applies(static_cast<int>(D)) || Sq < 1 || Sk < 1 || Gk < 1 || Gq % Gk != 0 || Gq > 0x7FFFFFFF ||
+      Gk > 0x7FFFFFFF)
     return cudaErrorInvalidValue;
   if (Gq == 0) return cudaSuccess;
-  const SampleSrc s = sample_src(q, Gq, S, nullptr, part);
+  const SampleSrc s = sample_src(q, Gq, Sq, nullptr, part);
+  const SampleSrc sk = sample_src(k, Gk, Sk, nullptr, part + static_cast<int64_t>(Gq) * s.ns * D);
   SampleMeans f{};
   f.q_ss = part;
+  f.k_ss = sk.ss;
   f.nsq = s.ns;
+  f.nsk = sk.ns;
+  f.k_rows = sample_rows(Sk, sk.nt, sk.ns);
   f.rep = static_cast<uint32_t>(Gq / Gk);
-  f.q_rows = sample_rows(S, s.nt, s.ns);
+  f.q_rows = sample_rows(Sq, s.nt, s.ns);
   f.exps = exps;
   return with_dtype(dtype, [&](auto t) {
     using T = decltype(t);
-    const int e = D == 64 ? launch_sums_p<T, 2>(s, SampleSrc{}, D, stream) : launch_sums_p<T, 4>(s, SampleSrc{}, D, stream);
+    const int e = D == 64 ? launch_sums_p<T, 2>(s, sk, D, stream) : launch_sums_p<T, 4>(s, sk, D, stream);
     return e == cudaSuccess ? launch_means(f, Gk, D, false, stream) : e;
   });
 }

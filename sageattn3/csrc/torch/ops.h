@@ -255,7 +255,8 @@ void smooth_quant_seq(T x, T mean, T partial, T packed, T scales, bool rotate, b
 // (Gq, Sqp, D/16); mean_k (Gk, 1, D) fp32; k_packed (Gk, Skp, D/2); k_scales (Gk, Skp, D/16);
 // partial_k (Gk, ceil(Sk/128), D) fp32; partial_q (Gq, ceil(Sq/128), D),
 // qbar (Gq, D), ds_key (Gq, Skp) fp32, all empty for no per-key correction; balance (Gk, D) and
-// balance_part (Gq * min(8, ceil(Sq/128)), D) fp32, both empty for no channel balance (D 64/128);
+// balance_part (Gq * min(8, ceil(Sq/128)) + Gk * min(8, ceil(Sk/128)), D) fp32, both empty for no
+// channel balance (D 64/128);
 // the means are sampled (sageattn3.h).
 template <class T>
 void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_packed, T k_scales, T partial_k,
@@ -299,8 +300,8 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
     check_f32_on(balance, q, "balance");
     check_f32_on(balance_part, q, "balance_part");
     SA3_CHECK(T, Gq > 0 && (D == 64 || D == 128), "sageattn3: the channel balance needs q and D 64 or 128");
-    const int64_t ns = std::min<int64_t>(8, (Sq + 127) / 128);
-    SA3_CHECK(T, balance.numel() == Gk * D && balance_part.numel() == Gq * ns * D,
+    const int64_t ns = std::min<int64_t>(8, (Sq + 127) / 128) * Gq + std::min<int64_t>(8, (Sk + 127) / 128) * Gk;
+    SA3_CHECK(T, balance.numel() == Gk * D && balance_part.numel() == ns * D,
               "sageattn3: balance or balance_part has the wrong size");
   }
   SA3_CHECK(T, mean_k.numel() == Gk * D && partial_k.numel() == Gk * ((Sk + 127) / 128) * D,
@@ -322,21 +323,29 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
                        "smooth_quant_qk");
 }
 
-// qk_balance(q, part!, exps!): q (Gq, S, D), D 64 or 128, S >= 1; exps (Gk, D) fp32 with Gq a
-// multiple of Gk; part (Gq * min(8, ceil(S/128)), D) fp32.
+// qk_balance(q, k, part!, exps!): q (Gq, Sq, D) and k (Gk, Sk, D), same dtype, D 64 or 128, Sq, Sk >= 1,
+// Gq a multiple of Gk; exps (Gk, D) fp32; part (Gq * min(8, ceil(Sq/128)) + Gk * min(8, ceil(Sk/128)), D)
+// fp32.
 template <class T>
-void qk_balance(T q, T part, T exps) {
+void qk_balance(T q, T k, T part, T exps) {
   check_input(q);
+  check_cuda(k, q, "k");
+  check_aligned(k, "k");
   check_f32_on(part, q, "part");
   check_f32_on(exps, q, "exps");
-  SA3_CHECK(T, q.dim() == 3 && exps.dim() == 2, "sageattn3: q must be (G, S, D) and exps (Gk, D)");
-  const int64_t Gq = q.size(0), S = q.size(1), D = q.size(2), Gk = exps.size(0);
-  SA3_CHECK(T, (D == 64 || D == 128) && S >= 1, "sageattn3: the channel balance needs D 64 or 128 and S >= 1");
-  SA3_CHECK(T, Gk >= 1 && Gq % Gk == 0 && exps.size(1) == D,
+  SA3_CHECK(T, q.dim() == 3 && k.dim() == 3 && exps.dim() == 2,
+            "sageattn3: q must be (Gq, Sq, D), k (Gk, Sk, D) and exps (Gk, D)");
+  const auto dt = dtype_of(q, "q");
+  SA3_CHECK(T, dtype_of(k, "k") == dt, "sageattn3: q and k must have the same dtype");
+  const int64_t Gq = q.size(0), Sq = q.size(1), D = q.size(2), Gk = k.size(0), Sk = k.size(1);
+  SA3_CHECK(T, (D == 64 || D == 128) && Sq >= 1 && Sk >= 1 && k.size(2) == D,
+            "sageattn3: the channel balance needs D 64 or 128 (the same for q and k) and Sq, Sk >= 1");
+  SA3_CHECK(T, Gk >= 1 && Gq % Gk == 0 && exps.size(0) == Gk && exps.size(1) == D,
             "sageattn3: exps must be (Gk, D) with Gq a multiple of Gk");
-  SA3_CHECK(T, part.numel() == Gq * std::min<int64_t>(8, (S + 127) / 128) * D, "sageattn3: part has the wrong size");
+  SA3_CHECK(T, part.numel() == (Gq * std::min<int64_t>(8, (Sq + 127) / 128) + Gk * std::min<int64_t>(8, (Sk + 127) / 128)) * D,
+            "sageattn3: part has the wrong size");
   DeviceScope scope(device_of(q));
-  check_cuda_kernel<T>(sageattn3::qk_balance(q.data_ptr(), dtype_of(q, "q"), Gq, S, Gk, D, floats(part),
+  check_cuda_kernel<T>(sageattn3::qk_balance(q.data_ptr(), k.data_ptr(), dt, Gq, Sq, Gk, Sk, D, floats(part),
                                              floats(exps), TensorApi<T>::stream(q)),
                        "qk_balance");
 }
@@ -504,7 +513,7 @@ void fp4_mma_probe(T a, T b, T sfa, T sfb, T c, T d, int64_t tid_a, int64_t tid_
                      "Tensor(c!) q_scales, Tensor(d!) mean_k, Tensor(e!) k_packed, Tensor(f!) k_scales, "           \
                      "Tensor(g!) partial_k, bool rotate, bool search, Tensor(h!) partial_q, Tensor(i!) qbar, "     \
                      "Tensor(j!) ds_key, Tensor(k!) balance, Tensor(l!) balance_part) -> ()")      \
-  X(qk_balance, "qk_balance(Tensor q, Tensor(a!) part, Tensor(b!) exps) -> ()")                                     \
+  X(qk_balance, "qk_balance(Tensor q, Tensor k, Tensor(a!) part, Tensor(b!) exps) -> ()")                           \
   X(delta_s, "delta_s(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) out) -> ()")                               \
   X(smooth_quant_k_delta, "smooth_quant_k_delta(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) packed, "        \
                           "Tensor(b!) scales, Tensor(c!) delta) -> ()")                                             \
