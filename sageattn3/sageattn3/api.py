@@ -231,7 +231,8 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
 
 def _search(qk_scale_search: bool | None) -> bool:
     """The scale search a call asked for (None: ``reference.QK_SCALE_SEARCH``), as a bool."""
-    return bool(reference.QK_SCALE_SEARCH if qk_scale_search is None else qk_scale_search)
+    return reference.flag(reference.QK_SCALE_SEARCH if qk_scale_search is None else qk_scale_search,
+                          "qk_scale_search")
 
 
 def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool,

@@ -216,8 +216,9 @@ ROTATION_SCALE = 0.125  # 2^-3: exact in float32
 # MMA-model test flavour, 24 heads x 32k tokens, D 128, back to back) the rotation makes Q's and
 # K's launch 0.252 -> 0.407 ms, about +45% of the whole preprocessing (3 shuffle stages of 16
 # values per row block, on top of the software E2M1), far over the 5% it could cost to be on by
-# default; it helps only with Q/K outlier channels (rel-L1 -10% there, within
-# noise elsewhere: tests/bench/accuracy.py). qk_rotation=True turns it on.
+# default; alone it helps with Q outlier channels at D 128 and with outliers Q and K share, hurts
+# with K outlier channels, and is within noise elsewhere (after the channel balance it helps
+# wherever outliers are: README, "Accuracy"). qk_rotation=True turns it on.
 QK_ROTATION_DEFAULT = False
 
 
@@ -291,7 +292,19 @@ def scale_search_applies(qk_scale_search: bool | None, head_dim: int) -> bool:
     """Whether Q and K are quantized with the scale search: ``qk_scale_search`` (None:
     ``QK_SCALE_SEARCH``, as a bool) at head dims 64/128, never at others."""
     on = QK_SCALE_SEARCH if qk_scale_search is None else qk_scale_search
-    return bool(on) and head_dim in BALANCE_HEAD_DIMS
+    return flag(on, "qk_scale_search") and head_dim in BALANCE_HEAD_DIMS
+
+
+def flag(value, name: str) -> bool:
+    """``value`` as a bool: True, False, or 0/1; anything else (a string, None, a tensor) is a
+    TypeError naming ``name``, so that ``"False"`` never silently means True."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if type(value).__name__ == "bool_":  # numpy.bool_
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def balance_applies(head_dim: int) -> bool:
@@ -366,8 +379,13 @@ def balance_exponents(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     the exponents agree except where r_d lies within rounding of a threshold; tests feed the
     kernels' exponents to ``preprocess`` (``balance=``) to compare the quantized tensors bit for
     bit."""
+    if not isinstance(k, torch.Tensor) or q.dim() != 4 or k.dim() != 4:
+        raise TypeError("balance_exponents(q, k): q (B, Hq, Sq, D) and k (B, Hkv, Sk, D) tensors")
     b, hq, _, d = q.shape
     hk = k.shape[1]
+    if k.shape[0] != b or k.shape[3] != d or hk == 0 or hq % hk:
+        raise ValueError(f"balance_exponents: q {tuple(q.shape)} and k {tuple(k.shape)} need the same batch and "
+                         f"head dim, and Hq a multiple of Hkv")
     rep = hq // hk
     ssq, nq = _sampled_square_sums(q)
     ssk, nk = _sampled_square_sums(k)
@@ -632,7 +650,7 @@ def sageattn3(
 
     With Qd, Kd, Vd the dequantized NVFP4 tensors of ``preprocess`` (rotated Q and K with
     ``qk_rotation`` at head dims 64/128; Q and K in the balanced space with ``qk_balance``,
-    which leaves every score unchanged but moves FP4 error away from Q's outlier channels; Q and
+    which leaves every score unchanged but moves FP4 error away from Q's and K's outlier channels; Q and
     K quantized with the scale search with ``qk_scale_search`` (None: ``QK_SCALE_SEARCH``)) and
     c = sm_scale / rotation_score_factor · log2(e):
 

@@ -148,8 +148,8 @@ def test_fp4_attention_deterministic():
     assert torch.equal(a, b)
 
 
-# cos-sim floors vs exact attention on the hard cases (1000 tokens, GQA 8:2; the CPU reference
-# gives 1 - cos about half of 1 - floor on such data: tests/payload/test_reference_accuracy.py)
+# cos-sim floors vs exact attention on the hard cases (1000 tokens, GQA 8:2), low enough for every
+# mode the tests run (the rotation alone on K outlier channels is the lowest: about 0.89 at D 64)
 EXACT_FLOOR = {"randn": 0.975, "q_offset_x1": 0.998, "q_offset_x3": 0.994, "q_offset_x8": 0.991,
                "q_outliers": 0.93, "k_outliers": 0.87, "qk_outliers": 0.87, "k_bias": 0.975, "peaky": 0.94,
                "zero_mean_v": 0.985}

@@ -13,9 +13,12 @@ from gpu_common import kernels_or_skip, same_bytes
 def qkv(b, hq, hk, sq, sk, d, dtype, seed=0, outliers=False):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, hq, sq, d, generator=g) + torch.randn(d, generator=g)
-    if outliers:  # a few large Q channels: the channel balance scales them
-        q[..., torch.randperm(d, generator=g)[:4]] *= torch.tensor([8.0, 12.0, 16.0, 20.0])
+    big = torch.randperm(d, generator=g)[:4]
+    if outliers is True:  # a few large Q channels: the channel balance scales them (e > 0)
+        q[..., big] *= torch.tensor([8.0, 12.0, 16.0, 20.0])
     k = torch.randn(b, hk, sk, d, generator=g) + 3 * torch.randn(d, generator=g)
+    if outliers == "k":  # a few large K channels (e < 0)
+        k[..., big] *= torch.tensor([8.0, 12.0, 16.0, 20.0])
     v = torch.randn(b, hk, sk, d, generator=g) + 2 * torch.randn(d, generator=g)
     return (t.to(dtype).cuda() for t in (q, k, v))
 
@@ -30,7 +33,7 @@ def close_delta_key(got, want):
 @pytest.mark.parametrize("per_block_mean", [True, False])
 @pytest.mark.parametrize("rotation,outliers,search", [(True, False, False), (False, False, False), (False, True, False),
                                                       (True, True, False), (False, False, True), (False, True, True),
-                                                      (True, True, True)])
+                                                      (True, True, True), (False, "k", False), (True, "k", True)])
 @pytest.mark.parametrize("b,hq,hk,sq,sk,d", [(1, 2, 2, 128, 128, 64), (2, 4, 2, 300, 1000, 128),
                                              (1, 3, 1, 17, 5, 64), (1, 2, 1, 1, 1, 128), (1, 2, 2, 2000, 700, 48),
                                              (1, 40, 1, 200, 300, 128), (1, 25, 1, 130, 260, 128),
@@ -135,7 +138,7 @@ def test_balance_exponents_match_reference(dtype, gq, gk, s, d, outliers):
     from sageattn3 import reference as ref
 
     g = torch.Generator().manual_seed(gq * 1000 + s + d)
-    sk = s + 37
+    sk = 2 * s + 37  # other sampled tile counts than Q's (300 -> 3 and 5)
     q = torch.randn(1, gq, s, d, generator=g) * 2 + torch.randn(d, generator=g)
     k = torch.randn(1, gk, sk, d, generator=g) + 3 * torch.randn(d, generator=g)
     ch = torch.randperm(d, generator=g)[:5]

@@ -202,7 +202,7 @@ __device__ __forceinline__ float balance_factor(float e, bool is_q) {
 // ns = min(8, nt) of the nt = ceil(S/128) tiles, tile (i * nt) / ns for i < ns (all of them up
 // to 1024 rows), mean = (sum over the sampled tiles, in order, of their column sums) / (their
 // real rows) in fp32 (reference.sample_mean). The channel balance statistics come from the same
-// tiles of Q. Any vector subtracted from K leaves the attention unchanged (the softmax ignores
+// tiles of Q and K. Any vector subtracted from K leaves the attention unchanged (the softmax ignores
 // a constant per query row) and qbar only splits the correction delta_s (exact for any qbar):
 // the sample decides how well a channel bias is removed before the quantization, not what is
 // computed, and it makes the means known before the data is read, so the smoothing launch reads

@@ -340,8 +340,8 @@ void qk_balance(T q, T k, T part, T exps) {
   const int64_t Gq = q.size(0), Sq = q.size(1), D = q.size(2), Gk = k.size(0), Sk = k.size(1);
   SA3_CHECK(T, (D == 64 || D == 128) && Sq >= 1 && Sk >= 1 && k.size(2) == D,
             "sageattn3: the channel balance needs D 64 or 128 (the same for q and k) and Sq, Sk >= 1");
-  SA3_CHECK(T, Gk >= 1 && Gq % Gk == 0 && exps.size(0) == Gk && exps.size(1) == D,
-            "sageattn3: exps must be (Gk, D) with Gq a multiple of Gk");
+  SA3_CHECK(T, Gk >= 1 && Gq >= 1 && Gq % Gk == 0 && exps.size(0) == Gk && exps.size(1) == D,
+            "sageattn3: exps must be (Gk, D) with Gq a positive multiple of Gk");
   SA3_CHECK(T, part.numel() == (Gq * std::min<int64_t>(8, (Sq + 127) / 128) + Gk * std::min<int64_t>(8, (Sk + 127) / 128)) * D,
             "sageattn3: part has the wrong size");
   DeviceScope scope(device_of(q));
