@@ -93,9 +93,10 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     return table[codes.long()]
 
 
-def e4m3_scale_byte(amax: torch.Tensor) -> torch.Tensor:
-    """Block amax (float32, >= 0 or NaN) -> unsigned E4M3 scale byte (uint8)."""
-    s = amax.float() / FP4_MAX
+def e4m3_scale_byte(amax: torch.Tensor, top: float = FP4_MAX) -> torch.Tensor:
+    """Block amax (float32, >= 0 or NaN) -> unsigned E4M3 scale byte (uint8) of amax / top (top
+    6, E2M1's largest magnitude; the scale search also tries 4), clamped to 448."""
+    s = amax.float() / top
     s = torch.where(torch.isnan(s), s, s.clamp(max=E4M3_MAX))
     return s.to(torch.float8_e4m3fn).view(torch.uint8) & 0x7F
 
@@ -159,9 +160,7 @@ def quantize_rows(x: torch.Tensor, scale_search: bool = False) -> tuple[torch.Te
     sbyte = e4m3_scale_byte(amax)
     codes = _block_codes(xf, sbyte)
     if scale_search:
-        s4 = amax.float() / 4.0
-        s4 = torch.where(torch.isnan(s4), s4, s4.clamp(max=E4M3_MAX))
-        byte4 = s4.to(torch.float8_e4m3fn).view(torch.uint8) & 0x7F
+        byte4 = e4m3_scale_byte(amax, 4.0)
         codes4 = _block_codes(xf, byte4)
         four = block_sq_error(xf, codes4, byte4) < block_sq_error(xf, codes, sbyte)
         sbyte = torch.where(four, byte4, sbyte)

@@ -90,9 +90,10 @@ __device__ __forceinline__ uint32_t e2m1x8_hw(const float (&y)[8]) {
 }
 #endif
 
-// E4M3 byte of a block amax (>= 0 or NaN): amax/6 in fp32, saturating RN conversion, no sign.
-__device__ __forceinline__ uint32_t e4m3_scale_byte(float amax) {
-  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(amax / 6.0f, __NV_SATFINITE, __NV_E4M3)) & 0x7Fu;
+// E4M3 byte of a block amax (>= 0 or NaN): amax/top in fp32 (top 6, E2M1's largest magnitude;
+// the scale search also tries 4), saturating RN conversion, no sign.
+__device__ __forceinline__ uint32_t e4m3_scale_byte(float amax, float top = 6.0f) {
+  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(amax / top, __NV_SATFINITE, __NV_E4M3)) & 0x7Fu;
 }
 
 __device__ __forceinline__ float e4m3_value(uint32_t b) {
@@ -202,11 +203,6 @@ __device__ __forceinline__ float block_sq_error(const float (&v)[16], uint2 w, f
   return acc;
 }
 
-// E4M3 byte of amax / 4 (saturating, no sign): the scale that maps the block max onto E2M1's 4.
-__device__ __forceinline__ uint32_t e4m3_scale_byte_4(float amax) {
-  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(amax / 4.0f, __NV_SATFINITE, __NV_E4M3)) & 0x7Fu;
-}
-
 // max(acc, |v|), NaN if either is NaN (max.NaN: one instruction, |v| an operand modifier;
 // fmaxf would drop a NaN).
 __device__ __forceinline__ float abs_max_nan(float acc, float v) {
@@ -215,11 +211,16 @@ __device__ __forceinline__ float abs_max_nan(float acc, float v) {
   return r;
 }
 
-__device__ __forceinline__ uint2 quant16(const float (&v)[16], uint32_t& sbyte) {
+// max |v_i| of a block, NaN if any is NaN.
+__device__ __forceinline__ float amax16(const float (&v)[16]) {
   float a = 0.f;
 #pragma unroll
   for (int i = 0; i < 16; ++i) a = abs_max_nan(a, v[i]);
-  return quant16_with_amax(v, __float_as_uint(a), sbyte);
+  return a;
+}
+
+__device__ __forceinline__ uint2 quant16(const float (&v)[16], uint32_t& sbyte) {
+  return quant16_with_amax(v, __float_as_uint(amax16(v)), sbyte);
 }
 
 // The scale search (reference.quantize_rows(..., scale_search=True)): the block is quantized
@@ -227,10 +228,8 @@ __device__ __forceinline__ uint2 quant16(const float (&v)[16], uint32_t& sbyte) 
 // squared error (block_sq_error) is strictly smaller. A block whose values sit near 5/6 of its
 // max (between E2M1's 4 and 6) loses less with the max mapped onto 4.
 __device__ __forceinline__ uint2 quant16_search(const float (&v)[16], uint32_t& sbyte) {
-  float a = 0.f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) a = abs_max_nan(a, v[i]);
-  const uint32_t b6 = e4m3_scale_byte(a), b4 = e4m3_scale_byte_4(a);
+  const float a = amax16(v);
+  const uint32_t b6 = e4m3_scale_byte(a), b4 = e4m3_scale_byte(a, 4.0f);
   const uint2 w6 = codes16(v, b6);
   if (b4 == b6) {
     sbyte = b6;

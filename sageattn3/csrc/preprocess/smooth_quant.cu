@@ -121,6 +121,8 @@ struct Tile {
       }
       const bool real = stored && row < r1;
       if (real) {
+        // without the rotation the balance stays here, on real rows only: one multiply site per
+        // path keeps the default instantiation at 80 registers without spills
         if (!rotate && cs != nullptr) with16(v, cs, balance);
         with16(v, mu, [](float x, float m) { return __fsub_rn(x, m); });
       }
