@@ -164,14 +164,15 @@ def build_test_wheel(target: Target, matrix: Matrix, dist: Path, log=print) -> P
 
 
 # Imports the wheel and reports, for every op its extension must register from C++ (the package's
-# own list, sageattn3._kernels.OUTPUT_WRITING_OPS, which a test ties to csrc/torch/ops.h), whether
-# the dispatcher has a CUDA kernel for it.
+# own lists, sageattn3._kernels.OUTPUT_WRITING_OPS and ALLOCATING_OPS, which a test ties to
+# csrc/torch/ops.h), whether the dispatcher has a CUDA kernel for it.
 PROOF_PROBE = (
     "import json, torch, sageattn3; from sageattn3 import _kernels;"
     "has = lambda n: torch._C._dispatch_has_kernel_for_dispatch_key('sageattn3::' + n, 'CUDA');"
+    "names = [*_kernels.OUTPUT_WRITING_OPS, *_kernels.ALLOCATING_OPS];"
     "print(json.dumps({'record': sageattn3.build_info(),"
-    " 'ops': [n for n in _kernels.OUTPUT_WRITING_OPS if has(n)],"
-    " 'missing': [n for n in _kernels.OUTPUT_WRITING_OPS if not has(n)]}))"
+    " 'ops': [n for n in names if has(n)],"
+    " 'missing': [n for n in names if not has(n)]}))"
 )
 
 

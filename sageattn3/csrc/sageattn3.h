@@ -72,6 +72,10 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
                     bool search, float* partial_q, float* qbar, float* ds_key, float* balance, float* balance_part,
                     cudaStream_t stream);
 
+// The most q groups per k group (rep) for which the K kernels compute the per-key correction
+// (their correction vectors sit in shared memory): 25 at D 128, 51 at D 64.
+int max_correction_heads(int64_t D);
+
 // The channel balance exponents alone: q (Gq, Sq, D) and k (Gk, Sk, D), same dtype, D 64 or 128,
 // Sq, Sk >= 1, Gq a multiple of Gk -> exps (Gk, D) fp32 in {-2..2} (reference.balance_exponents).
 // part (Gq * min(8, ceil(Sq/128)) + Gk * min(8, ceil(Sk/128)), D) fp32 is workspace.

@@ -273,6 +273,34 @@ def _codes(x: torch.Tensor, g: int, s: int, d: int, seq_pad: int) -> tuple[torch
             torch.empty((g, sp, d // 16), dtype=torch.float8_e4m3fn, device=x.device))
 
 
+def preprocess_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: int, per_block_mean: bool, rotate: bool,
+                   balance: bool, search: bool) -> tuple[torch.Tensor, ...]:
+    """Every output of ``sageattn3.preprocess`` from one op, which allocates them and makes all
+    the launches (V first) in C++: q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) contiguous and
+    16-byte aligned, D 64/128, Hq/Hkv <= ``max_correction_heads``. Returns (q_packed, q_scales,
+    k_packed, k_scales, v_packed, v_scales, mean_q, mean_k, qbar, ds_key, balance) in the shapes
+    of ``reference.Preprocessed`` (qbar empty without per_block_mean, balance empty without it)."""
+    return op("preprocess_qkv")(q, k, v, pad, per_block_mean, rotate, balance, search)
+
+
+def _preprocess_qkv_fake(q, k, v, pad, per_block_mean, rotate, balance, search):
+    b, hq, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    sqp, skp = -(-sq // pad) * pad, -(-sk // pad) * pad
+    nm = -(-sq // 128) if per_block_mean else 1
+
+    def new(shape, dtype):
+        return q.new_empty(shape, dtype=dtype)
+
+    u8, e4, f32 = torch.uint8, torch.float8_e4m3fn, torch.float32
+    return (new((b, hq, sqp, d // 2), u8), new((b, hq, sqp, d // 16), e4),
+            new((b, hk, skp, d // 2), u8), new((b, hk, skp, d // 16), e4),
+            new((b, hk, d, skp // 2), u8), new((b, hk, d, skp // 16), e4),
+            new((b, hq, nm, d), f32), new((b, hk, 1, d), f32),
+            new((b if per_block_mean else 0, hq, 1, d), f32), new((b, hq, skp), f32),
+            new((b if balance else 0, hk, 1, d), f32))
+
+
 def delta_s(k: torch.Tensor, mean_k: torch.Tensor, mean_q: torch.Tensor, seq_pad: int) -> torch.Tensor:
     """k (B, Hkv, Sk, D), mean_k (B, Hkv, 1, D), mean_q (B, Hq, nblk, D) -> (B, Hq, nblk, Sk_p)."""
     b, hq, nblk, _ = mean_q.shape
@@ -304,6 +332,9 @@ OUTPUT_WRITING_OPS = (
     "blockscaled_fp4_attn",
     "fp4_mma_probe",
 )
+# Ops of the library that allocate and return their outputs, with the fakes that give those
+# outputs' shapes (kept next to the op's wrapper above).
+ALLOCATING_OPS = {"preprocess_qkv": _preprocess_qkv_fake}
 # Ops defined in Python (sageattn3.api), with their own fakes.
 PYTHON_OPS = ("attention",)
 
@@ -321,16 +352,17 @@ def _writes_outputs_only(*args, **kwargs) -> None:
 
 
 def register_fakes() -> list[str]:
-    """Give every output-writing op of the loaded library its fake (once); returns the ops of
-    the library that have none (an op this module does not know)."""
+    """Give every op of the loaded library its fake (once): nothing for the output-writing ops,
+    the outputs' shapes for ALLOCATING_OPS; returns the ops of the library that have none (an op
+    this module does not know)."""
     missing = []
     for name in library_ops():
         if name in PYTHON_OPS or name in _faked:
             continue
-        if name not in OUTPUT_WRITING_OPS:
+        if name not in OUTPUT_WRITING_OPS and name not in ALLOCATING_OPS:
             missing.append(name)
             continue
-        torch.library.register_fake(f"sageattn3::{name}", _writes_outputs_only)
+        torch.library.register_fake(f"sageattn3::{name}", ALLOCATING_OPS.get(name, _writes_outputs_only))
         _faked.add(name)
         op(name)  # filled now: the wrappers only read the cache (also while dynamo traces them)
     return missing

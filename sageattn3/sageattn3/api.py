@@ -422,7 +422,8 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
     """Smoothing + NVFP4 quantization of Q, K, V for the attention kernel (never modifies the
     inputs). Layouts and the definition of every output: ``sageattn3.reference.Preprocessed``.
 
-    On CUDA with the kernels:
+    On CUDA with the kernels (at head dims 64/128 one op, ``torch.ops.sageattn3.preprocess_qkv``,
+    allocates every output and makes these launches from C++):
     1. V along the sequence (transposed through shared memory);
     2. two small launches read up to 8 evenly spaced 128-row blocks of each head of Q and K and
        make K's mean, each q head's mean_q_global (``reference.sample_mean``) and, with the
@@ -455,12 +456,23 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
 
 def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bool,
                         qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool = False) -> Preprocessed:
-    """``preprocess`` on the kernels, for checked inputs (the FP4 path calls it directly). V's
-    launch comes first, before any other Python: the host work for Q and K then overlaps it."""
-    vp, vsc = _kernels.quant_cols(_aligned(v), pad)
-    q, k = _aligned(q), _aligned(k)
+    """``preprocess`` on the kernels, for checked inputs (the FP4 path calls it directly). At
+    head dims 64/128 with up to ``max_correction_heads`` q heads per kv head (the attention
+    kernel's cases) one op allocates every output and makes every launch in C++, V's first;
+    elsewhere V's launch still comes first, before any other Python: the host work for Q and K
+    then overlaps it."""
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
+    if d in reference.ROTATION_HEAD_DIMS and hq // hk <= _kernels.max_correction_heads(d):
+        bal = bool(qk_balance) and per_block_mean and reference.balance_applies(d)
+        search = reference.scale_search_applies(qk_scale_search, d)
+        rot = bool(qk_rotation)
+        qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps = _kernels.preprocess_qkv(
+            _aligned(q), _aligned(k), _aligned(v), pad, per_block_mean, rot, bal, search)
+        return Preprocessed(qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, sq, sk, qbar if per_block_mean else mean_q,
+                            ds_key, rot, exps if bal else None, search)
+    vp, vsc = _kernels.quant_cols(_aligned(v), pad)
+    q, k = _aligned(q), _aligned(k)
     k3, q3 = k.view(b * hk, sk, d), q.view(b * hq, sq, d)
     rot = bool(qk_rotation) and d in reference.ROTATION_HEAD_DIMS
     bal = bool(qk_balance) and per_block_mean and reference.balance_applies(d)

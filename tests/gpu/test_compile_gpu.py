@@ -50,7 +50,7 @@ def test_every_loaded_op_has_a_fake():
         pytest.skip(f"extension not loaded: {_kernels.NOT_LOADED_REASON}")
     ops = _kernels.library_ops()
     assert _kernels.register_fakes() == [], "ops without a fake"
-    assert set(ops) == set(_kernels.OUTPUT_WRITING_OPS) | set(_kernels.PYTHON_OPS), ops
+    assert set(ops) == set(_kernels.OUTPUT_WRITING_OPS) | set(_kernels.ALLOCATING_OPS) | set(_kernels.PYTHON_OPS), ops
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():

@@ -458,3 +458,98 @@ def test_scale_search_special_blocks(dtype):
     assert same_bytes(packed, rp) and same_bytes(scales, rs)
     plain = ref.quantize_rows(ref.pad_dim(x.float(), -2, 16))[1]
     assert not same_bytes(scales, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("per_block_mean,rotate,balance,search", [(True, False, False, False), (True, True, True, True),
+                                                                  (False, True, False, False), (True, False, True, False),
+                                                                  (False, False, False, True)])
+@pytest.mark.parametrize("b,hq,hk,sq,sk,d,pad", [(1, 4, 2, 300, 1000, 128, 128), (2, 3, 1, 17, 5, 64, 16),
+                                                 (1, 25, 1, 130, 260, 128, 128), (1, 2, 2, 1, 1, 64, 128),
+                                                 (1, 51, 1, 40, 200, 64, 32)])
+def test_one_op_equals_the_stage_ops(dtype, per_block_mean, rotate, balance, search, b, hq, hk, sq, sk, d, pad):
+    """preprocess_qkv (allocations and launches in C++, V first) gives the bits of the stage ops
+    it replaces (quant_cols for V; smooth_quant_qk_key, or smooth_quant_seq for Q and then
+    smooth_quant_seq_key for K), up to the most q heads per kv head the correction takes."""
+    kernels_or_skip()
+    from sageattn3 import _kernels
+
+    q, k, v = qkv(b, hq, hk, sq, sk, d, dtype, seed=hq + sk, outliers=True)
+    got = _kernels.preprocess_qkv(q, k, v, pad, per_block_mean, rotate, balance, search)
+    vp, vsc = _kernels.quant_cols(v, pad)
+    q3, k3 = q.view(b * hq, sq, d), k.view(b * hk, sk, d)
+    if per_block_mean:
+        qp, qsc, mean_q, kp, ksc, mean_k, qbar, ds_key, exps = _kernels.smooth_quant_qk_key(
+            q3, k3, pad, rotate=rotate, balance=balance, search=search)
+    else:
+        qp, qsc, mean_q = _kernels.smooth_quant_seq(q3, pad, rotate=rotate, search=search)
+        kp, ksc, mean_k, ds_key = _kernels.smooth_quant_seq_key(k3, pad, mean_q, rotate=rotate, search=search)
+        qbar, exps = torch.empty(0, device="cuda"), torch.empty(0, device="cuda")
+    if exps is None:
+        exps = torch.empty(0, device="cuda")
+    want = (qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps)
+    sqp, skp = -(-sq // pad) * pad, -(-sk // pad) * pad
+    shapes = [(b, hq, sqp, d // 2), (b, hq, sqp, d // 16), (b, hk, skp, d // 2), (b, hk, skp, d // 16),
+              (b, hk, d, skp // 2), (b, hk, d, skp // 16), (b, hq, -(-sq // 128) if per_block_mean else 1, d),
+              (b, hk, 1, d), (b if per_block_mean else 0, hq, 1, d), (b, hq, skp), (b if balance else 0, hk, 1, d)]
+    assert [tuple(t.shape) for t in got] == shapes
+    for i, (a, w) in enumerate(zip(got, want)):
+        assert a.dtype == w.dtype and a.numel() == w.numel() and same_bytes(a.reshape(-1), w.reshape(-1)), i
+    if balance and sq >= 128 and sk >= 128:
+        assert bool((got[10] != 0).any()), "outlier channels: some exponent is not 0"
+
+
+def test_preprocess_qkv_rejects_bad_input():
+    """A direct call with inputs the op cannot take is an error saying what to change."""
+    kernels_or_skip()
+    from sageattn3 import _kernels
+
+    q = torch.randn(1, 4, 64, 128, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16)
+    run = _kernels.preprocess_qkv
+    with pytest.raises(RuntimeError, match="head dim 64 or 128, got 48"):
+        x = q[..., :48].contiguous()
+        run(x, kv[..., :48].contiguous(), kv[..., :48].contiguous(), 128, True, False, False, False)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        run(q, kv, kv.half(), 128, True, False, False, False)
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        run(q[:, :3].contiguous(), kv, kv, 128, True, False, False, False)
+    with pytest.raises(RuntimeError, match="at most 25 per kv head"):
+        run(q.repeat(1, 13, 1, 1), kv, kv, 128, True, False, False, False)
+    with pytest.raises(RuntimeError, match="pad must be a positive multiple of 16, got 24"):
+        run(q, kv, kv, 24, True, False, False, False)
+    with pytest.raises(RuntimeError, match="balance needs per_block_mean"):
+        run(q, kv, kv, 128, False, False, True, False)
+    with pytest.raises(RuntimeError, match="must not be empty"):
+        run(q[:, :, :0], kv, kv, 128, True, False, False, False)
+    with pytest.raises(RuntimeError, match=r"\(B, Hkv, Sk, D\)"):
+        run(q, kv, kv[:, :, :5].contiguous(), 128, True, False, False, False)
+    base = torch.empty(q.numel() + 8, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="q must be 16-byte aligned"):
+        run(base[1:q.numel() + 1].view(q.shape), kv, kv, 128, True, False, False, False)
+    torch.cuda.synchronize()
+
+
+def test_preprocess_qkv_under_graph_capture():
+    """The one-op preprocessing captured into a CUDA graph (its dependent launches become graph
+    edges): replays give the bits of an eager call."""
+    kernels_or_skip()
+    from sageattn3 import _kernels
+
+    q, k, v = qkv(1, 4, 2, 700, 900, 128, torch.bfloat16, seed=5, outliers=True)
+    eager = _kernels.preprocess_qkv(q, k, v, 128, True, False, True, False)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _kernels.preprocess_qkv(q, k, v, 128, True, False, True, False)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _kernels.preprocess_qkv(q, k, v, 128, True, False, True, False)
+    for _ in range(2):
+        for t in captured:
+            t.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(eager, captured):
+            assert same_bytes(a, b)

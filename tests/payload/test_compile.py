@@ -178,13 +178,20 @@ def cpp_op_table() -> dict[str, str]:
 
 
 def test_every_cpp_op_is_known_and_only_writes_outputs():
+    """Every op of the C++ table is either output-writing (returns nothing: a trivial fake) or
+    allocating (returns only new tensors, mutates nothing: a fake computing their shapes)."""
     table = cpp_op_table()
     assert len(table) >= 5
-    assert set(table) == set(_kernels.OUTPUT_WRITING_OPS), (
-        "the C++ op table and sageattn3._kernels.OUTPUT_WRITING_OPS differ: give a new op its fake there")
+    assert not set(_kernels.OUTPUT_WRITING_OPS) & set(_kernels.ALLOCATING_OPS)
+    assert set(table) == set(_kernels.OUTPUT_WRITING_OPS) | set(_kernels.ALLOCATING_OPS), (
+        "the C++ op table and sageattn3._kernels.OUTPUT_WRITING_OPS/ALLOCATING_OPS differ: give a new op its fake there")
     for name, schema in table.items():
-        assert schema.startswith(f"{name}(") and schema.endswith("-> ()"), schema
-        assert re.search(r"Tensor\(\w!\)", schema), f"{name} writes no output: a trivial fake is wrong for it"
+        assert schema.startswith(f"{name}("), schema
+        if name in _kernels.OUTPUT_WRITING_OPS:
+            assert schema.endswith("-> ()"), schema
+            assert re.search(r"Tensor\(\w!\)", schema), f"{name} writes no output: a trivial fake is wrong for it"
+        else:
+            assert not schema.endswith("-> ()") and "!" not in schema, f"{name} must only return new tensors"
 
 
 def test_fakes_cover_the_op_table_and_run_under_fake_tensors(tmp_path):
@@ -205,7 +212,19 @@ def test_fakes_cover_the_op_table_and_run_under_fake_tensors(tmp_path):
         assert _kernels.register_fakes() == ["brand_new"]  # idempotent
         from torch._subclasses.fake_tensor import FakeTensorMode
         with FakeTensorMode():
+            for pbm, bal in ((True, True), (False, False)):
+                q, kv = torch.empty(2, 6, 300, 64, dtype=torch.bfloat16), torch.empty(2, 3, 129, 64, dtype=torch.bfloat16)
+                out = torch.ops.sageattn3.preprocess_qkv(q, kv, kv, 128, pbm, False, bal, False)
+                got = [(tuple(t.shape), t.dtype) for t in out]
+                u8, e4, f32 = torch.uint8, torch.float8_e4m3fn, torch.float32
+                want = [((2, 6, 384, 32), u8), ((2, 6, 384, 4), e4), ((2, 3, 256, 32), u8), ((2, 3, 256, 4), e4),
+                        ((2, 3, 64, 128), u8), ((2, 3, 64, 16), e4), ((2, 6, 3 if pbm else 1, 64), f32),
+                        ((2, 3, 1, 64), f32), ((2 if pbm else 0, 6, 1, 64), f32), ((2, 6, 256), f32),
+                        ((2 if bal else 0, 3, 1, 64), f32)]
+                assert got == want, got
             for name, s in schemas.items():
+                if name in _kernels.ALLOCATING_OPS:
+                    continue
                 args = []
                 for typ in re.findall(r"(Tensor(?:\\(\\w!\\))?|bool|int|float) \\w+", s):
                     args.append(torch.empty(4, 16) if typ.startswith("Tensor") else

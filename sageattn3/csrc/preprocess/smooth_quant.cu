@@ -651,6 +651,10 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
   });
 }
 
+int max_correction_heads(int64_t D) {
+  return D > 0 && D <= kMaxD && D % 16 == 0 ? max_correction_heads(static_cast<int>(D)) : 0;
+}
+
 int qk_balance(const void* q, const void* k, DType dtype, int64_t Gq, int64_t Sq, int64_t Gk, int64_t Sk, int64_t D,
                float* part, float* exps, cudaStream_t stream) {
   if (!rotation_applies(static_cast<int>(D)) || Sq < 1 || Sk < 1 || Gk < 1 || Gq % Gk != 0 || Gq > 0x7FFFFFFF ||

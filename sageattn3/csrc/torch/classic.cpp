@@ -2,6 +2,7 @@
 // of ops.h through the classic dispatcher API (TORCH_LIBRARY, at::Tensor). Built once per torch
 // line: the binary is tied to that line's C++ ABI, and the import guard refuses other lines.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -26,6 +27,11 @@ struct TensorApi<at::Tensor> {
     return c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
   }
   [[noreturn]] static void fail(const std::string& msg) { TORCH_CHECK(false, msg); }
+  // A new contiguous tensor (kByte, kFloat8e4m3fn or kFloat) on like's CUDA device.
+  static at::Tensor empty(std::initializer_list<int64_t> sizes, Kind k, const at::Tensor& like) {
+    const auto dt = k == Kind::kByte ? at::kByte : k == Kind::kFloat8e4m3fn ? at::kFloat8_e4m3fn : at::kFloat;
+    return at::empty(at::IntArrayRef(sizes.begin(), sizes.size()), like.options().dtype(dt));
+  }
   template <auto F>
   static auto kernel() {
     return F;

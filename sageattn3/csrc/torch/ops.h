@@ -17,8 +17,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
-#include <sstream>
 #include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 
 #include "attn/attn_api.h"
 #include "sageattn3.h"
@@ -36,11 +38,21 @@ enum class Kind { kHalf, kBFloat16, kFloat, kByte, kFloat8e4m3fn, kInt, kOther }
 template <class T>
 struct TensorApi;
 
+// Error messages are built from strings and integers by appending, without iostreams: in the
+// stable-ABI build an integer streamed into a std::ostringstream crashed the process on the
+// H100 host (torch 2.11) instead of reaching the raise.
+inline std::string message_piece(const char* s) { return s; }
+inline std::string message_piece(const std::string& s) { return s; }
+template <class I, std::enable_if_t<std::is_integral_v<I>, int> = 0>
+std::string message_piece(I v) {
+  return std::to_string(v);
+}
+
 template <class... Parts>
 std::string message(const Parts&... parts) {
-  std::ostringstream out;
-  (out << ... << parts);
-  return out.str();
+  std::string out;
+  ((out += message_piece(parts)), ...);
+  return out;
 }
 
 #define SA3_CHECK(T, cond, ...)                                                  \
@@ -152,7 +164,7 @@ float* floats(const T& t) { return static_cast<float*>(t.data_ptr()); }
 template <class T>
 int* ints(const T& t) { return static_cast<int*>(t.data_ptr()); }
 template <class T>
-int device_of(const T& t) { return static_cast<int>(t.get_device()); }
+int device_index(const T& t) { return static_cast<int>(t.get_device()); }
 
 // quant_fp4_rows(x, packed!, scales!): x (..., D) contiguous, D % 16 == 0.
 template <class T>
@@ -163,7 +175,7 @@ void quant_fp4_rows(T x, T packed, T scales) {
   SA3_CHECK(T, x.dim() >= 1 && cols > 0 && cols % 16 == 0, "sageattn3: last dim must be a positive multiple of 16");
   const int64_t n = x.numel();
   SA3_CHECK(T, packed.numel() == n / 2 && scales.numel() == n / 16, "sageattn3: output sizes do not match x");
-  DeviceScope scope(device_of(x));
+  DeviceScope scope(device_index(x));
   check_cuda_kernel<T>(sageattn3::quant_fp4_rows(x.data_ptr(), dtype_of(x, "x"), n, cols, bytes(packed),
                                                  bytes(scales), TensorApi<T>::stream(x)),
                        "quant_fp4_rows");
@@ -182,7 +194,7 @@ void quant_fp4_cols(T x, T packed, T scales) {
   SA3_CHECK(T, Sp % 16 == 0 && Sp >= S, "sageattn3: packed's last dim must be S padded to a multiple of 16, halved");
   SA3_CHECK(T, packed.numel() == G * D * Sp / 2 && scales.numel() == G * D * Sp / 16,
             "sageattn3: output sizes do not match x");
-  DeviceScope scope(device_of(x));
+  DeviceScope scope(device_index(x));
   check_cuda_kernel<T>(sageattn3::quant_fp4_cols(x.data_ptr(), dtype_of(x, "x"), G, S, D, Sp, bytes(packed),
                                                  bytes(scales), TensorApi<T>::stream(x)),
                        "quant_fp4_cols");
@@ -207,7 +219,7 @@ void smooth_quant_rows(T x, T mean, bool compute_mean, int64_t mean_block, T pac
             "sageattn3: output sizes do not match x");
   SA3_CHECK(T, !rotate || D == 64 || D == 128, "sageattn3: rotate needs D 64 or 128");
   SA3_CHECK(T, !search || D == 64 || D == 128, "sageattn3: the scale search needs D 64 or 128");
-  DeviceScope scope(device_of(x));
+  DeviceScope scope(device_index(x));
   check_cuda_kernel<T>(sageattn3::smooth_quant_rows(x.data_ptr(), dtype_of(x, "x"), G, S, D, floats(mean),
                                                     compute_mean, static_cast<int>(mean_block), Sp, bytes(packed),
                                                     bytes(scales), rotate, search, TensorApi<T>::stream(x)),
@@ -244,7 +256,7 @@ void smooth_quant_seq(T x, T mean, T partial, T packed, T scales, bool rotate, b
     SA3_CHECK(T, rep >= 1 && qbar.numel() == G * rep * D && ds_key.numel() == G * rep * Sp,
               "sageattn3: qbar must be (G*rep, D) and ds_key (G*rep, Sp)");
   }
-  DeviceScope scope(device_of(x));
+  DeviceScope scope(device_index(x));
   check_cuda_kernel<T>(sageattn3::smooth_quant_seq(x.data_ptr(), dtype_of(x, "x"), G, S, D, floats(mean),
                                                    floats(partial), Sp, bytes(packed), bytes(scales),
                                                    rotate, search, correction ? floats(qbar) : nullptr, rep,
@@ -313,7 +325,7 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
             "sageattn3: q_packed/q_scales sizes do not match q");
   SA3_CHECK(T, Skp >= Sk && k_packed.numel() == Gk * Skp * D / 2 && k_scales.numel() == Gk * Skp * D / 16,
             "sageattn3: k_packed/k_scales sizes do not match k");
-  DeviceScope scope(device_of(q));
+  DeviceScope scope(device_index(q));
   check_cuda_kernel<T>(sageattn3::smooth_quant_qk(q.data_ptr(), k.data_ptr(), dt, Gq, Sq, Gk, Sk, D, floats(mean_q),
                                                   Sqp, bytes(q_packed), bytes(q_scales), floats(mean_k),
                                                   floats(partial_k), Skp, bytes(k_packed),
@@ -347,10 +359,84 @@ void qk_balance(T q, T k, T part, T exps) {
             "sageattn3: exps must be (Gk, D) with Gq a positive multiple of Gk");
   SA3_CHECK(T, part.numel() == (Gq * sampled_tiles(Sq) + Gk * sampled_tiles(Sk)) * D,
             "sageattn3: part has the wrong size");
-  DeviceScope scope(device_of(q));
+  DeviceScope scope(device_index(q));
   check_cuda_kernel<T>(sageattn3::qk_balance(q.data_ptr(), k.data_ptr(), dt, Gq, Sq, Gk, Sk, D, floats(part),
                                              floats(exps), TensorApi<T>::stream(q)),
                        "qk_balance");
+}
+
+// preprocess_qkv(q, k, v, pad, per_block_mean, rotate, balance, search): everything the attention
+// kernel consumes, allocated here and computed by one call (sageattn3.preprocess on its main
+// path: the Python side only chooses it): q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D), one dtype,
+// contiguous, 16-byte aligned; D 64 or 128; Hq a multiple of Hkv, Hq / Hkv <= max_correction_heads;
+// Sq, Sk >= 1; pad a positive multiple of 16 (sequences padded to Sqp, Skp); balance needs
+// per_block_mean. Returns, with Sqp/Skp the padded lengths and nm = ceil(Sq/128) (per_block_mean)
+// or 1: q_packed (B, Hq, Sqp, D/2), q_scales (B, Hq, Sqp, D/16), k_packed, k_scales (the same over
+// Hkv, Skp), v_packed (B, Hkv, D, Skp/2), v_scales (B, Hkv, D, Skp/16), mean_q (B, Hq, nm, D),
+// mean_k (B, Hkv, 1, D), qbar (B, Hq, 1, D) (empty without per_block_mean: mean_q is Q's one
+// mean then), ds_key (B, Hq, Skp), balance exponents (B, Hkv, 1, D) (empty without balance).
+// Launch order: V first (its allocation and launch come before anything else here, so the rest of
+// the host work overlaps it), then the launches of smooth_quant_qk (or of smooth_quant_seq for Q,
+// then for K with the correction).
+template <class T>
+std::tuple<T, T, T, T, T, T, T, T, T, T, T> preprocess_qkv(T q, T k, T v, int64_t pad, bool per_block_mean,
+                                                           bool rotate, bool balance, bool search) {
+  for (const auto& [t, name] : {std::pair<const T*, const char*>{&q, "q"}, {&k, "k"}, {&v, "v"}}) {
+    check_cuda(*t, q, name);
+    check_aligned(*t, name);
+  }
+  SA3_CHECK(T, q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "sageattn3: q, k and v must be 4-D (B, H, S, D)");
+  const auto dt = dtype_of(q, "q");
+  SA3_CHECK(T, dtype_of(k, "k") == dt && dtype_of(v, "v") == dt, "sageattn3: q, k and v must have the same dtype");
+  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3), Hk = k.size(1), Sk = k.size(2);
+  SA3_CHECK(T, k.size(0) == B && v.size(0) == B && v.size(1) == Hk && v.size(2) == Sk && k.size(3) == D &&
+                   v.size(3) == D,
+            "sageattn3: k and v must be (B, Hkv, Sk, D) with q's B and D");
+  SA3_CHECK(T, D == 64 || D == 128, "sageattn3: preprocess_qkv needs head dim 64 or 128, got ", D);
+  SA3_CHECK(T, B >= 1 && Hk >= 1 && Sq >= 1 && Sk >= 1, "sageattn3: q, k and v must not be empty");
+  SA3_CHECK(T, Hq % Hk == 0 && Hq / Hk >= 1 && Hq / Hk <= sageattn3::max_correction_heads(D),
+            "sageattn3: q heads must be a multiple of kv heads, at most ", sageattn3::max_correction_heads(D),
+            " per kv head at head dim ", D);
+  SA3_CHECK(T, pad > 0 && pad % 16 == 0, "sageattn3: pad must be a positive multiple of 16, got ", pad);
+  SA3_CHECK(T, per_block_mean || !balance, "sageattn3: the channel balance needs per_block_mean");
+  const int64_t Sqp = (Sq + pad - 1) / pad * pad, Skp = (Sk + pad - 1) / pad * pad;
+  const int64_t Gq = B * Hq, Gk = B * Hk, nm = per_block_mean ? (Sq + 127) / 128 : 1;
+  const int64_t nsq = sampled_tiles(Sq), nsk = sampled_tiles(Sk);
+  using A = TensorApi<T>;
+  DeviceScope scope(device_index(q));
+  const cudaStream_t stream = A::stream(q);
+  T vp = A::empty({B, Hk, D, Skp / 2}, Kind::kByte, q), vsc = A::empty({B, Hk, D, Skp / 16}, Kind::kFloat8e4m3fn, q);
+  check_cuda_kernel<T>(sageattn3::quant_fp4_cols(v.data_ptr(), dt, Gk, Sk, D, Skp, bytes(vp), bytes(vsc), stream),
+                       "preprocess_qkv (V)");
+  T qp = A::empty({B, Hq, Sqp, D / 2}, Kind::kByte, q), qsc = A::empty({B, Hq, Sqp, D / 16}, Kind::kFloat8e4m3fn, q);
+  T kp = A::empty({B, Hk, Skp, D / 2}, Kind::kByte, q), ksc = A::empty({B, Hk, Skp, D / 16}, Kind::kFloat8e4m3fn, q);
+  T mean_q = A::empty({B, Hq, nm, D}, Kind::kFloat, q), mean_k = A::empty({B, Hk, 1, D}, Kind::kFloat, q);
+  T qbar = A::empty({per_block_mean ? B : 0, Hq, 1, D}, Kind::kFloat, q);
+  T ds_key = A::empty({B, Hq, Skp}, Kind::kFloat, q);
+  T exps = A::empty({balance ? B : 0, Hk, 1, D}, Kind::kFloat, q);
+  // workspace: the sampled tiles' sums of K, then of Q, then (balance) their squares, Q's then K's
+  const int64_t ws_rows = Gk * nsk + Gq * nsq + (balance ? Gq * nsq + Gk * nsk : 0);
+  T ws = A::empty({ws_rows, D}, Kind::kFloat, q);
+  float* part_k = floats(ws);
+  float* part_q = part_k + Gk * nsk * D;
+  float* bal_part = balance ? part_q + Gq * nsq * D : nullptr;
+  if (per_block_mean) {
+    check_cuda_kernel<T>(sageattn3::smooth_quant_qk(q.data_ptr(), k.data_ptr(), dt, Gq, Sq, Gk, Sk, D, floats(mean_q),
+                                                    Sqp, bytes(qp), bytes(qsc), floats(mean_k), part_k, Skp, bytes(kp),
+                                                    bytes(ksc), rotate, search, part_q, floats(qbar), floats(ds_key),
+                                                    balance ? floats(exps) : nullptr, bal_part, stream),
+                         "preprocess_qkv (Q and K)");
+  } else {
+    check_cuda_kernel<T>(sageattn3::smooth_quant_seq(q.data_ptr(), dt, Gq, Sq, D, floats(mean_q), part_q, Sqp,
+                                                     bytes(qp), bytes(qsc), rotate, search, nullptr, 1, nullptr,
+                                                     stream),
+                         "preprocess_qkv (Q)");
+    check_cuda_kernel<T>(sageattn3::smooth_quant_seq(k.data_ptr(), dt, Gk, Sk, D, floats(mean_k), part_k, Skp,
+                                                     bytes(kp), bytes(ksc), rotate, search, floats(mean_q), Hq / Hk,
+                                                     floats(ds_key), stream),
+                         "preprocess_qkv (K)");
+  }
+  return {qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps};
 }
 
 // delta_s(k, mean_k, mean_q, out!): k (B, Hkv, Sk, D); mean_k (B, Hkv, 1, D); mean_q (B, Hq, nblk, D);
@@ -370,7 +456,7 @@ void delta_s(T k, T mean_k, T mean_q, T out) {
   SA3_CHECK(T, mean_k.numel() == B * Hkv * D, "sageattn3: mean_k does not match k");
   SA3_CHECK(T, out.size(0) == B && out.size(1) == Hq && out.size(2) == nblk && Sp % 16 == 0 && Sp >= Sk,
             "sageattn3: out has the wrong shape");
-  DeviceScope scope(device_of(k));
+  DeviceScope scope(device_index(k));
   check_cuda_kernel<T>(sageattn3::delta_s(k.data_ptr(), dtype_of(k, "k"), B, Hq, Hkv, Sk, D, nblk, floats(mean_k),
                                           floats(mean_q), Sp, floats(out), TensorApi<T>::stream(k)),
                        "delta_s");
@@ -405,7 +491,7 @@ void smooth_quant_k_delta(T k, T mean_k, T mean_q, T packed, T scales, T out) {
   SA3_CHECK(T, packed.numel() == B * Hkv * Skp * D / 2 && scales.numel() == B * Hkv * Skp * D / 16,
             "sageattn3: packed/scales sizes do not match k");
   SA3_CHECK(T, reinterpret_cast<uintptr_t>(k.data_ptr()) % 16 == 0, "sageattn3: k must be 16-byte aligned");
-  DeviceScope scope(device_of(k));
+  DeviceScope scope(device_index(k));
   check_cuda_kernel<T>(sageattn3::smooth_quant_k_delta(k.data_ptr(), dt, B, Hq, Hkv, Sk, D, nblk, floats(mean_k),
                                                        floats(mean_q), Skp, bytes(packed), bytes(scales), floats(out),
                                                        TensorApi<T>::stream(k)),
@@ -452,7 +538,7 @@ void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qba
   SA3_CHECK(T, ds_key.dim() == 3 && ds_key.size(0) == B && ds_key.size(1) == Hq && ds_key.size(2) == Skp,
             "sageattn3: ds_key shape");
   SA3_CHECK(T, same(out, B, Hq, seq_q, D), "sageattn3: out shape");
-  DeviceScope scope(device_of(q));
+  DeviceScope scope(device_index(q));
   Fp4AttnArgs a{};
   a.q = q.data_ptr();
   a.q_sf = q_sf.data_ptr();
@@ -494,7 +580,7 @@ void fp4_mma_probe(T a, T b, T sfa, T sfb, T c, T d, int64_t tid_a, int64_t tid_
                    c.numel() == n * 128 && d.numel() == n * 128,
             "sageattn3: fp4_mma_probe operand sizes");
   SA3_CHECK(T, tid_a >= 0 && tid_a < 2 && tid_b >= 0 && tid_b < 4, "sageattn3: tid_a in [0,2), tid_b in [0,4)");
-  DeviceScope scope(device_of(a));
+  DeviceScope scope(device_index(a));
   check_cuda_kernel<T>(sageattn3::fp4_mma_probe(bytes(a), bytes(b), bytes(sfa), bytes(sfb), floats(c), floats(d),
                                                 static_cast<int>(n), static_cast<int>(tid_a), static_cast<int>(tid_b),
                                                 TensorApi<T>::stream(a)),
@@ -517,6 +603,9 @@ void fp4_mma_probe(T a, T b, T sfa, T sfb, T c, T d, int64_t tid_a, int64_t tid_
                      "Tensor(g!) partial_k, bool rotate, bool search, Tensor(h!) partial_q, Tensor(i!) qbar, "     \
                      "Tensor(j!) ds_key, Tensor(k!) balance, Tensor(l!) balance_part) -> ()")      \
   X(qk_balance, "qk_balance(Tensor q, Tensor k, Tensor(a!) part, Tensor(b!) exps) -> ()")                           \
+  X(preprocess_qkv, "preprocess_qkv(Tensor q, Tensor k, Tensor v, int pad, bool per_block_mean, bool rotate, "      \
+                    "bool balance, bool search) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "      \
+                    "Tensor, Tensor, Tensor, Tensor)")                                                              \
   X(delta_s, "delta_s(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) out) -> ()")                               \
   X(smooth_quant_k_delta, "smooth_quant_k_delta(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) packed, "        \
                           "Tensor(b!) scales, Tensor(c!) delta) -> ()")                                             \

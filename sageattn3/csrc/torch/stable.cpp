@@ -33,6 +33,26 @@ struct TensorApi<StableTensor> {
     return static_cast<cudaStream_t>(s);
   }
   [[noreturn]] static void fail(const std::string& msg) { throw std::runtime_error(msg); }
+  // A new contiguous tensor (kByte, kFloat8e4m3fn or kFloat) on like's CUDA device.
+  static StableTensor empty(std::initializer_list<int64_t> sizes, Kind k, const StableTensor& like) {
+    int64_t sz[8], st[8];
+    const int64_t n = static_cast<int64_t>(sizes.size());
+    int64_t i = 0;
+    for (int64_t s : sizes) sz[i++] = s;
+    int64_t stride = 1;
+    for (i = n - 1; i >= 0; --i) {
+      st[i] = stride;
+      stride *= sz[i] > 1 ? sz[i] : 1;
+    }
+    const int32_t dt = k == Kind::kByte            ? aoti_torch_dtype_uint8()
+                       : k == Kind::kFloat8e4m3fn ? aoti_torch_dtype_float8_e4m3fn()
+                                                  : aoti_torch_dtype_float32();
+    AtenTensorHandle h = nullptr;
+    STD_TORCH_CHECK(aoti_torch_empty_strided(n, sz, st, dt, aoti_torch_device_type_cuda(), like.get_device(), &h) ==
+                        AOTI_TORCH_SUCCESS,
+                    "sageattn3: could not allocate an output tensor");
+    return StableTensor(h);
+  }
   template <auto F>
   static auto kernel() {
     return TORCH_BOX(F);
