@@ -52,7 +52,8 @@ int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D
 // Q and K: Q's 128-row block means + smoothing + NVFP4 (as smooth_quant_rows with compute_mean:
 // mean_q (Gq, ceil(Sq/128), D), q_packed (Gq, Sqp, D/2), q_scales (Gq, Sqp, D/16)) and K's
 // smoothing by its sampled mean (as smooth_quant_seq, same bits: mean_k (Gk, D), k_packed
-// (Gk, Skp, D/2), k_scales (Gk, Skp, D/16); workspace partial_k (Gk, ceil(Sk/128), D) fp32). q and
+// (Gk, Skp, D/2), k_scales (Gk, Skp, D/16); workspace partial_k (Gk, ceil(Sk/128), D) fp32, of
+// which the first Gk * min(8, ceil(Sk/128)) rows are used, as for partial_q). q and
 // k share dtype and D; Sk >= 1; Gq a multiple of Gk (rep = Gq / Gk q groups per k group, GQA), 0
 // for K only. Launches: the sampled tiles'
 // sums (K's, and Q's with qbar or the balance), the means, then one launch for every tile of Q

@@ -2,7 +2,8 @@
 
 The extension ``sageattn3._C`` is loaded by ``sageattn3/__init__.py``; this module only asks
 whether that worked and whether the wheel holds machine code for a given device. The wrappers
-allocate the outputs (the ops write into them) and assume validated, contiguous inputs.
+allocate the outputs (the ops write into them; ``preprocess_qkv`` allocates its own) and assume
+validated, contiguous inputs.
 """
 
 from __future__ import annotations
@@ -279,13 +280,22 @@ def preprocess_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: int, 
     the launches (V first) in C++: q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) contiguous and
     16-byte aligned, D 64/128, Hq/Hkv <= ``max_correction_heads``. Returns (q_packed, q_scales,
     k_packed, k_scales, v_packed, v_scales, mean_q, mean_k, qbar, ds_key, balance) in the shapes
-    of ``reference.Preprocessed`` (qbar empty without per_block_mean, balance empty without it)."""
-    return op("preprocess_qkv")(q, k, v, pad, per_block_mean, rotate, balance, search)
+    of ``reference.Preprocessed`` (qbar empty without per_block_mean, balance empty without it).
+    Outside autograd (as the ops that write into outputs allocated here): an op returning new
+    tensors would give them a grad_fn when an input requires grad."""
+    f = op("preprocess_qkv")
+    if q.requires_grad or k.requires_grad or v.requires_grad:
+        with torch.no_grad():
+            return f(q, k, v, pad, per_block_mean, rotate, balance, search)
+    return f(q, k, v, pad, per_block_mean, rotate, balance, search)
 
 
 def _preprocess_qkv_fake(q, k, v, pad, per_block_mean, rotate, balance, search):
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
+    torch._check(d in (64, 128), lambda: f"sageattn3: preprocess_qkv needs head dim 64 or 128, got {d}")
+    torch._check(per_block_mean or not balance, lambda: "sageattn3: the channel balance needs per_block_mean")
+    torch._check(pad > 0 and pad % 16 == 0, lambda: f"sageattn3: pad must be a positive multiple of 16, got {pad}")
     sqp, skp = -(-sq // pad) * pad, -(-sk // pad) * pad
     nm = -(-sq // 128) if per_block_mean else 1
 

@@ -422,8 +422,9 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
     """Smoothing + NVFP4 quantization of Q, K, V for the attention kernel (never modifies the
     inputs). Layouts and the definition of every output: ``sageattn3.reference.Preprocessed``.
 
-    On CUDA with the kernels (at head dims 64/128 one op, ``torch.ops.sageattn3.preprocess_qkv``,
-    allocates every output and makes these launches from C++):
+    On CUDA with the kernels (at head dims 64/128 with up to ``_kernels.max_correction_heads`` q
+    heads per kv head, one op, ``torch.ops.sageattn3.preprocess_qkv``, allocates every output
+    and makes these launches from C++):
     1. V along the sequence (transposed through shared memory);
     2. two small launches read up to 8 evenly spaced 128-row blocks of each head of Q and K and
        make K's mean, each q head's mean_q_global (``reference.sample_mean``) and, with the
@@ -445,7 +446,7 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
     _check_qkv(q, k, v)
     if not isinstance(pad, int) or pad <= 0 or pad % 16:
         raise ValueError(f"pad must be a positive multiple of 16, got {pad!r}")
-    if not _use_kernels(q) or q.shape[2] == 0 or q.shape[0] == 0:
+    if not _use_kernels(q) or q.shape[2] == 0 or q.shape[0] == 0 or q.shape[1] == 0:
         return reference.preprocess(q, k, v, per_block_mean, pad, qk_rotation=qk_rotation, qk_balance=qk_balance,
                                     qk_scale_search=_search(qk_scale_search))
     d = q.shape[3]
@@ -471,38 +472,31 @@ def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bo
             _aligned(q), _aligned(k), _aligned(v), pad, per_block_mean, rot, bal, search)
         return Preprocessed(qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, sq, sk, qbar if per_block_mean else mean_q,
                             ds_key, rot, exps if bal else None, search)
+    # the rest: head dims other than 64/128, or more q heads per kv head than the K kernels take
+    # for the per-key correction (delta_key from torch ops then)
     vp, vsc = _kernels.quant_cols(_aligned(v), pad)
     q, k = _aligned(q), _aligned(k)
     k3, q3 = k.view(b * hk, sk, d), q.view(b * hq, sq, d)
     rot = bool(qk_rotation) and d in reference.ROTATION_HEAD_DIMS
     bal = bool(qk_balance) and per_block_mean and reference.balance_applies(d)
     search = reference.scale_search_applies(qk_scale_search, d)
-    # the per-key correction in the K kernels: D 64/128, up to max_correction_heads q heads per kv head
-    key = d in reference.ROTATION_HEAD_DIMS and hq // hk <= _kernels.max_correction_heads(d)
     exps = None
-    if bal and not key:
-        # the rarer paths balance float32 copies (exact: powers of two), so that every kernel
-        # below works in the balanced space as the fused launch does
+    if bal:
+        # balanced float32 copies (exact: powers of two), so that every kernel below works in
+        # the balanced space as the one op does
         exps = _kernels.qk_balance(q3, k3)
         ck = torch.exp2(exps)
         q3 = (q3.view(b * hk, hq // hk, sq, d).float() * (1.0 / ck).unsqueeze(1)).view(b * hq, sq, d)
         k3 = k3.float() * ck
         q, k = q3.view(b, hq, sq, d), k3.view(b, hk, sk, d)
     if per_block_mean:
-        if key:
-            qp, qsc, mean_q, kp, ksc, mean_k, qbar, ds_key, exps = _kernels.smooth_quant_qk_key(
-                q3, k3, pad, rotate=rot, balance=bal, search=search)
-        else:
-            qp, qsc, mean_q, kp, ksc, mean_k = _kernels.smooth_quant_qk(q3, k3, pad, rotate=rot, search=search)
+        qp, qsc, mean_q, kp, ksc, mean_k = _kernels.smooth_quant_qk(q3, k3, pad, rotate=rot, search=search)
+        qbar = None
     else:
         qp, qsc, mean_q = _kernels.smooth_quant_seq(q3, pad, rotate=rot, search=search)
+        kp, ksc, mean_k = _kernels.smooth_quant_seq(k3, pad, rotate=rot, search=search)
         qbar = mean_q
-        if key:
-            kp, ksc, mean_k, ds_key = _kernels.smooth_quant_seq_key(k3, pad, qbar, rotate=rot, search=search)
-        else:
-            kp, ksc, mean_k = _kernels.smooth_quant_seq(k3, pad, rotate=rot, search=search)
-    if not key:
-        qbar, ds_key = _delta_key_torch(q, k, None if per_block_mean else qbar, mean_k, rot, kp.shape[1])
+    qbar, ds_key = _delta_key_torch(q, k, qbar, mean_k, rot, kp.shape[1])
     return Preprocessed(
         qp.view(b, hq, -1, d // 2), qsc.view(b, hq, -1, d // 16),
         kp.view(b, hk, -1, d // 2), ksc.view(b, hk, -1, d // 16),

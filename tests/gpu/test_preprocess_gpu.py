@@ -466,7 +466,7 @@ def test_scale_search_special_blocks(dtype):
                                                                   (False, False, False, True)])
 @pytest.mark.parametrize("b,hq,hk,sq,sk,d,pad", [(1, 4, 2, 300, 1000, 128, 128), (2, 3, 1, 17, 5, 64, 16),
                                                  (1, 25, 1, 130, 260, 128, 128), (1, 2, 2, 1, 1, 64, 128),
-                                                 (1, 51, 1, 40, 200, 64, 32)])
+                                                 (1, 51, 1, 40, 200, 64, 32), (1, 4, 2, 1500, 2300, 128, 128)])
 def test_one_op_equals_the_stage_ops(dtype, per_block_mean, rotate, balance, search, b, hq, hk, sq, sk, d, pad):
     """preprocess_qkv (allocations and launches in C++, V first) gives the bits of the stage ops
     it replaces (quant_cols for V; smooth_quant_qk_key, or smooth_quant_seq for Q and then
@@ -516,7 +516,7 @@ def test_preprocess_qkv_rejects_bad_input():
         run(q[:, :3].contiguous(), kv, kv, 128, True, False, False, False)
     with pytest.raises(RuntimeError, match="at most 25 per kv head"):
         run(q.repeat(1, 13, 1, 1), kv, kv, 128, True, False, False, False)
-    with pytest.raises(RuntimeError, match="pad must be a positive multiple of 16, got 24"):
+    with pytest.raises(RuntimeError, match=r"pad must be a positive multiple of 16 \(at most 2\^20\), got 24"):
         run(q, kv, kv, 24, True, False, False, False)
     with pytest.raises(RuntimeError, match="balance needs per_block_mean"):
         run(q, kv, kv, 128, False, False, True, False)
@@ -527,7 +527,53 @@ def test_preprocess_qkv_rejects_bad_input():
     base = torch.empty(q.numel() + 8, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(RuntimeError, match="q must be 16-byte aligned"):
         run(base[1:q.numel() + 1].view(q.shape), kv, kv, 128, True, False, False, False)
+    with pytest.raises(RuntimeError, match="k must be contiguous"):
+        run(q, kv.transpose(2, 3), kv, 128, True, False, False, False)
+    with pytest.raises(RuntimeError, match="v must be a CUDA tensor"):
+        run(q, kv, kv.cpu(), 128, True, False, False, False)
+    with pytest.raises(RuntimeError, match="must be 4-D"):
+        run(q[0], kv[0], kv[0], 128, True, False, False, False)
+    with pytest.raises(RuntimeError, match=r"\(B, Hkv, Sk, D\)"):
+        run(q, kv[..., :64].contiguous(), kv[..., :64].contiguous(), 128, True, False, False, False)
+    with pytest.raises(RuntimeError, match="must be float16, bfloat16 or float32"):
+        run(q.to(torch.float64), kv, kv, 128, True, False, False, False)
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        run(q[:, :0], kv, kv, 128, True, False, False, False)
     torch.cuda.synchronize()
+
+
+def test_preprocess_without_q_heads_and_outside_autograd():
+    """sageattn3.preprocess with no q heads returns empty outputs (the reference); with inputs
+    that require grad its outputs carry no grad_fn (they are data, as before the one op)."""
+    sa = kernels_or_skip()
+    q, k, v = qkv(1, 4, 2, 300, 300, 128, torch.bfloat16)
+    pre = sa.preprocess(q[:, :0], k, v)
+    assert pre.q_packed.shape[1] == 0 and pre.k_packed.shape == (1, 2, 384, 64)
+    qg = q.clone().requires_grad_(True)
+    pre = sa.preprocess(qg, k, v)
+    for f in ("q_packed", "mean_q", "mean_k", "mean_q_global", "delta_key"):
+        t = getattr(pre, f)
+        assert not t.requires_grad and t.grad_fn is None, f
+    want = sa.preprocess(q, k, v)
+    assert same_bytes(pre.delta_key, want.delta_key) and same_bytes(pre.q_packed, want.q_packed)
+
+
+@pytest.mark.parametrize("per_block_mean,balance", [(True, True), (True, False), (False, False)])
+def test_preprocess_qkv_fake_matches_the_op(per_block_mean, balance):
+    """The fake torch.compile traces with gives every output's shape, dtype and strides as the
+    op does."""
+    kernels_or_skip()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from sageattn3 import _kernels
+
+    q, k, v = qkv(2, 6, 3, 300, 129, 64, torch.float16)
+    real = _kernels.preprocess_qkv(q, k, v, 128, per_block_mean, False, balance, False)
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        fake = torch.ops.sageattn3.preprocess_qkv(fq, fk, fv, 128, per_block_mean, False, balance, False)
+    assert len(fake) == len(real) == 11
+    for a, b in zip(fake, real):
+        assert (a.shape, a.dtype, a.stride(), a.device) == (b.shape, b.dtype, b.stride(), b.device)
 
 
 def test_preprocess_qkv_under_graph_capture():

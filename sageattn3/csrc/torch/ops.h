@@ -5,11 +5,12 @@
 //
 // Here: the op table (names and schemas), the input checks with their messages, and the calls
 // into the torch-free launch API (sageattn3.h). Each op is a template over the unit's tensor
-// type T; the unit supplies TensorApi<T> (dtype, current stream, throwing an error).
+// type T; the unit supplies TensorApi<T> (dtype, current stream, throwing an error, allocating).
 //
 // Ops write into outputs the Python side allocated and validated (shapes, dtypes, devices are
-// checked there with messages naming the argument); here we re-check the invariants the
-// kernels rely on, so a direct torch.ops call can never reach a kernel with bad memory.
+// checked there with messages naming the argument), except preprocess_qkv, which allocates
+// and returns its own; here we re-check the invariants the kernels rely on, so a direct
+// torch.ops call can never reach a kernel with bad memory.
 #pragma once
 
 #include <Python.h>
@@ -34,13 +35,15 @@ enum class Kind { kHalf, kBFloat16, kFloat, kByte, kFloat8e4m3fn, kInt, kOther }
 //   static Kind kind(const T&);
 //   static cudaStream_t stream(const T&);           // torch's current stream on t's device
 //   [[noreturn]] static void fail(const std::string&);  // throw torch's error with the message
+//   static T empty({sizes}, Kind, const T& like);  // new contiguous tensor on like's CUDA device
 //   template <auto F> static auto kernel();         // what the unit's m.impl takes for op F
 template <class T>
 struct TensorApi;
 
-// Error messages are built from strings and integers by appending, without iostreams: in the
-// stable-ABI build an integer streamed into a std::ostringstream crashed the process on the
-// H100 host (torch 2.11) instead of reaching the raise.
+// Error messages are built from strings and integers by appending, without iostreams: built
+// with a std::ostringstream, a message holding an integer crashed the process in the stable-ABI
+// build on the H100 host (torch 2.11) instead of raising (strings-only messages raised); with
+// std::to_string the same calls raise. The cause was not pinned down further.
 inline std::string message_piece(const char* s) { return s; }
 inline std::string message_piece(const std::string& s) { return s; }
 template <class I, std::enable_if_t<std::is_integral_v<I>, int> = 0>
@@ -397,7 +400,8 @@ std::tuple<T, T, T, T, T, T, T, T, T, T, T> preprocess_qkv(T q, T k, T v, int64_
   SA3_CHECK(T, Hq % Hk == 0 && Hq / Hk >= 1 && Hq / Hk <= sageattn3::max_correction_heads(D),
             "sageattn3: q heads must be a multiple of kv heads, at most ", sageattn3::max_correction_heads(D),
             " per kv head at head dim ", D);
-  SA3_CHECK(T, pad > 0 && pad % 16 == 0, "sageattn3: pad must be a positive multiple of 16, got ", pad);
+  SA3_CHECK(T, pad > 0 && pad % 16 == 0 && pad <= (int64_t{1} << 20),
+            "sageattn3: pad must be a positive multiple of 16 (at most 2^20), got ", pad);
   SA3_CHECK(T, per_block_mean || !balance, "sageattn3: the channel balance needs per_block_mean");
   const int64_t Sqp = (Sq + pad - 1) / pad * pad, Skp = (Sk + pad - 1) / pad * pad;
   const int64_t Gq = B * Hq, Gk = B * Hk, nm = per_block_mean ? (Sq + 127) / 128 : 1;

@@ -28,8 +28,8 @@ struct TensorApi<StableTensor> {
   }
   static cudaStream_t stream(const StableTensor& t) {
     void* s = nullptr;
-    STD_TORCH_CHECK(aoti_torch_get_current_cuda_stream(t.get_device(), &s) == AOTI_TORCH_SUCCESS,
-                    "sageattn3: could not get the current CUDA stream");
+    if (aoti_torch_get_current_cuda_stream(t.get_device(), &s) != AOTI_TORCH_SUCCESS)
+      fail("sageattn3: could not get the current CUDA stream");
     return static_cast<cudaStream_t>(s);
   }
   [[noreturn]] static void fail(const std::string& msg) { throw std::runtime_error(msg); }
@@ -37,6 +37,7 @@ struct TensorApi<StableTensor> {
   static StableTensor empty(std::initializer_list<int64_t> sizes, Kind k, const StableTensor& like) {
     int64_t sz[8], st[8];
     const int64_t n = static_cast<int64_t>(sizes.size());
+    if (n > 8) fail("sageattn3: at most 8 dims");
     int64_t i = 0;
     for (int64_t s : sizes) sz[i++] = s;
     int64_t stride = 1;
@@ -48,9 +49,9 @@ struct TensorApi<StableTensor> {
                        : k == Kind::kFloat8e4m3fn ? aoti_torch_dtype_float8_e4m3fn()
                                                   : aoti_torch_dtype_float32();
     AtenTensorHandle h = nullptr;
-    STD_TORCH_CHECK(aoti_torch_empty_strided(n, sz, st, dt, aoti_torch_device_type_cuda(), like.get_device(), &h) ==
-                        AOTI_TORCH_SUCCESS,
-                    "sageattn3: could not allocate an output tensor");
+    if (aoti_torch_empty_strided(n, sz, st, dt, aoti_torch_device_type_cuda(), like.get_device(), &h) !=
+        AOTI_TORCH_SUCCESS)
+      fail("sageattn3: could not allocate an output tensor on the GPU (out of memory?)");
     return StableTensor(h);
   }
   template <auto F>
