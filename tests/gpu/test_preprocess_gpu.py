@@ -391,15 +391,21 @@ def test_seq_mean_under_graph_capture():
     from sageattn3 import _kernels
 
     x = (torch.randn(4, 300, 128, device="cuda") + 1).to(torch.bfloat16)
-    eager = _kernels.smooth_quant_seq(x, 128)
+    graph_replays_equal_eager(lambda: _kernels.smooth_quant_seq(x, 128))
+
+
+def graph_replays_equal_eager(call):
+    """call() captured into a CUDA graph (after a warm-up outside it): two replays, each into
+    zeroed outputs, give the bits of an eager call."""
+    eager = call()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        _kernels.smooth_quant_seq(x, 128)  # warm-up outside the graph
+        call()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = _kernels.smooth_quant_seq(x, 128)
+        captured = call()
     for _ in range(2):
         for t in captured:
             t.zero_()
@@ -577,25 +583,10 @@ def test_preprocess_qkv_fake_matches_the_op(per_block_mean, balance):
 
 
 def test_preprocess_qkv_under_graph_capture():
-    """The one-op preprocessing captured into a CUDA graph (its dependent launches become graph
-    edges): replays give the bits of an eager call."""
+    """The one-op preprocessing (allocations and launches in C++) captured into a CUDA graph:
+    replays give the bits of an eager call."""
     kernels_or_skip()
     from sageattn3 import _kernels
 
     q, k, v = qkv(1, 4, 2, 700, 900, 128, torch.bfloat16, seed=5, outliers=True)
-    eager = _kernels.preprocess_qkv(q, k, v, 128, True, False, True, False)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        _kernels.preprocess_qkv(q, k, v, 128, True, False, True, False)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = _kernels.preprocess_qkv(q, k, v, 128, True, False, True, False)
-    for _ in range(2):
-        for t in captured:
-            t.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        for a, b in zip(eager, captured):
-            assert same_bytes(a, b)
+    graph_replays_equal_eager(lambda: _kernels.preprocess_qkv(q, k, v, 128, True, False, True, False))
