@@ -73,6 +73,10 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
                     bool search, float* partial_q, float* qbar, float* ds_key, float* balance, float* balance_part,
                     cudaStream_t stream);
 
+// Sampled 128-row tiles per group of a sequence of S >= 0 rows: min(8, ceil(S/128)) (the rows
+// of the sampled-sums workspaces and balance_part per group).
+int64_t sampled_tiles(int64_t S);
+
 // The most q groups per k group (rep) for which the K kernels compute the per-key correction
 // (their correction vectors sit in shared memory): 25 at D 128, 51 at D 64.
 int max_correction_heads(int64_t D);

@@ -651,6 +651,10 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
   });
 }
 
+int64_t sampled_tiles(int64_t S) {
+  return S <= 0 ? 0 : mean_samples(static_cast<uint32_t>(std::min<int64_t>(ceil_div(S, kRows), kMeanSamples)));
+}
+
 int max_correction_heads(int64_t D) {
   return D > 0 && D <= kMaxD && D % 16 == 0 ? max_correction_heads(static_cast<int>(D)) : 0;
 }

@@ -15,7 +15,6 @@
 
 #include <Python.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -156,9 +155,6 @@ void check_codes(const T& packed, const T& scales, const T& x) {
   check_code_tensor(packed, x, "packed");
   check_code_tensor(scales, x, "scales");
 }
-
-// Sampled 128-row tiles per group of a sequence of S rows (sageattn3.h: min(8, ceil(S/128))).
-inline int64_t sampled_tiles(int64_t S) { return std::min<int64_t>(8, (S + 127) / 128); }
 
 template <class T>
 uint8_t* bytes(const T& t) { return static_cast<uint8_t*>(t.data_ptr()); }
@@ -318,7 +314,7 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
     check_f32_on(balance, q, "balance");
     check_f32_on(balance_part, q, "balance_part");
     SA3_CHECK(T, Gq > 0 && (D == 64 || D == 128), "sageattn3: the channel balance needs q and D 64 or 128");
-    const int64_t ns = sampled_tiles(Sq) * Gq + sampled_tiles(Sk) * Gk;
+    const int64_t ns = sageattn3::sampled_tiles(Sq) * Gq + sageattn3::sampled_tiles(Sk) * Gk;
     SA3_CHECK(T, balance.numel() == Gk * D && balance_part.numel() == ns * D,
               "sageattn3: balance or balance_part has the wrong size");
   }
@@ -360,7 +356,7 @@ void qk_balance(T q, T k, T part, T exps) {
             "sageattn3: the channel balance needs D 64 or 128 (the same for q and k) and Sq, Sk >= 1");
   SA3_CHECK(T, Gk >= 1 && Gq >= 1 && Gq % Gk == 0 && exps.size(0) == Gk && exps.size(1) == D,
             "sageattn3: exps must be (Gk, D) with Gq a positive multiple of Gk");
-  SA3_CHECK(T, part.numel() == (Gq * sampled_tiles(Sq) + Gk * sampled_tiles(Sk)) * D,
+  SA3_CHECK(T, part.numel() == (Gq * sageattn3::sampled_tiles(Sq) + Gk * sageattn3::sampled_tiles(Sk)) * D,
             "sageattn3: part has the wrong size");
   DeviceScope scope(device_index(q));
   check_cuda_kernel<T>(sageattn3::qk_balance(q.data_ptr(), k.data_ptr(), dt, Gq, Sq, Gk, Sk, D, floats(part),
@@ -405,7 +401,7 @@ std::tuple<T, T, T, T, T, T, T, T, T, T, T> preprocess_qkv(T q, T k, T v, int64_
   SA3_CHECK(T, per_block_mean || !balance, "sageattn3: the channel balance needs per_block_mean");
   const int64_t Sqp = (Sq + pad - 1) / pad * pad, Skp = (Sk + pad - 1) / pad * pad;
   const int64_t Gq = B * Hq, Gk = B * Hk, nm = per_block_mean ? (Sq + 127) / 128 : 1;
-  const int64_t nsq = sampled_tiles(Sq), nsk = sampled_tiles(Sk);
+  const int64_t nsq = sageattn3::sampled_tiles(Sq), nsk = sageattn3::sampled_tiles(Sk);
   using A = TensorApi<T>;
   DeviceScope scope(device_index(q));
   const cudaStream_t stream = A::stream(q);
