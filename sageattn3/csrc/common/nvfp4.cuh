@@ -18,6 +18,10 @@
 #define SAGEATTN3_HW_E2M1 0
 #endif
 
+#if defined(SAGEATTN3_TIMING_STANDIN_E2M1) && !defined(SAGEATTN3_MMA_MODEL)
+#error "SAGEATTN3_TIMING_STANDIN_E2M1 gives wrong codes: a timing experiment of the test flavour only"
+#endif
+
 namespace sageattn3 {
 
 // Software E2M1, exact (round to nearest, ties to the even code, saturating at 6), arranged for
@@ -54,6 +58,19 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 // 8 pre-scaled values -> 8 codes in one word, element 0 in the low nibble.
 template <bool kClamp>
 __device__ __forceinline__ uint32_t e2m1x8_sw(const float (&y)[8]) {
+#if defined(SAGEATTN3_TIMING_STANDIN_E2M1)
+  // Timing experiment only (tests/bench/conversion_standin.py; no build defines it): WRONG codes
+  // at the issue cost of a hardware conversion, one instruction per two values (sm_90 has the
+  // E4M3 one), to measure what the software conversion costs the launches on an H100.
+  uint32_t e[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint16_t h;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(y[2 * j + 1]), "f"(y[2 * j]));
+    e[j] = h;
+  }
+  return prmt(e[0] | (e[1] << 16), e[2] | (e[3] << 16), 0x6420);
+#else
   // Elements j and j + 4 share an fp16 pair: codes at bits 9-11 and 25-27, shifted into
   // nibbles j and j + 4. Signs: prmt copies the sign bits of y[j] and y[j + 4] into whole
   // bytes, masked onto bit 3 of those nibbles.
@@ -69,6 +86,7 @@ __device__ __forceinline__ uint32_t e2m1x8_sw(const float (&y)[8]) {
   w |= prmt(__float_as_uint(y[2]), __float_as_uint(y[6]), 0xF0B0) & 0x08000800u;
   w |= prmt(__float_as_uint(y[3]), __float_as_uint(y[7]), 0xF0B0) & 0x80008000u;
   return w;
+#endif
 }
 
 #if SAGEATTN3_HW_E2M1
