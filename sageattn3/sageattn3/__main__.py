@@ -5,9 +5,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from sageattn3 import _diagnose as dg
+
+
+def _json_target_problem(path: str | None) -> str | None:
+    """Why --json PATH cannot be written (checked before the run, which can take a minute)."""
+    if path is None or path == "-":
+        return None
+    if os.path.isdir(path):
+        return f"--json {path}: that is a directory; give a file name, e.g. {os.path.join(path, 'sageattn3-report.json')}"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"--json {path}: the folder {parent} does not exist"
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"--json {path}: not writable here; give a path you can write to"
+    return None
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -40,6 +55,8 @@ def which_main(argv: list[str]) -> int:
     ap.add_argument("--cuda", metavar="X.Y", help="the CUDA of that torch when its version has no +cuXYZ label, e.g. 13.0")
     ap.add_argument("--json", metavar="FILE", help="also write the answer as JSON ('-' for stdout)")
     a = ap.parse_args(argv)
+    if _json_target_problem(a.json):
+        ap.error(_json_target_problem(a.json))
     try:
         spec = _which.torch_spec(a.torch or torch.__version__, a.cuda,
                                  running=(torch.__version__, torch.version.cuda))
@@ -69,11 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-speed", action="store_true", help="skip the speed section")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the accuracy section")
     a = ap.parse_args(argv)
+    if _json_target_problem(a.json):
+        ap.error(_json_target_problem(a.json))
     report = dg.diagnose(quick=a.quick, accuracy=not a.no_accuracy, speed=not a.no_speed)
     if a.json != "-":
         print(dg.format_report(report), flush=True)
     if a.json:
-        _write_json(a.json, report)
+        try:
+            _write_json(a.json, report)
+        except OSError as e:
+            print(f"python -m sageattn3: could not write {a.json}: {e}", file=sys.stderr)
+            return dg.EXIT_USAGE
         if a.json != "-":
             print(f"report written to {a.json}: attach it to your issue")
     return report["status"]["code"]

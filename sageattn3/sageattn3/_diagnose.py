@@ -36,7 +36,8 @@ EXIT_MISMATCH = 4
 EXIT_WRONG = 5
 EXIT_CODES = {
     EXIT_OK: "all as expected: the FP4 path runs on at least one GPU, its self-check and accuracy pass",
-    EXIT_ERROR: "the diagnosis itself failed (a bug: please report it with the traceback)",
+    EXIT_ERROR: "the diagnosis itself failed (a bug: please report it with the --json report, which holds the "
+                "traceback)",
     EXIT_USAGE: "bad command-line arguments",
     EXIT_NO_FP4: "FP4 unavailable here (no CUDA GPU, no GPU with the FP4 MMA, kernels not built): "
                  "sageattn3_blackwell uses torch SDPA; the reason is in the report",
@@ -77,7 +78,9 @@ MAX_CALL_S = 3.0  # a shape whose single kernel call would take longer (the MMA 
 def _error(e: BaseException) -> dict:
     tb = traceback.extract_tb(e.__traceback__)
     where = f"{os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else "?"
-    return {"error": f"{type(e).__name__}: {e}", "where": where}
+    # the frames as file name (no folders: they can name the user's paths), line, function
+    frames = [f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}" for f in tb][-12:]
+    return {"error": f"{type(e).__name__}: {e}", "where": where, "traceback": frames}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,8 +433,8 @@ def status(report: dict) -> dict:
         if acc is not None and not acc.get("ok"):
             bad = [c["case"] for c in acc.get("cases", []) if not c.get("ok")] or [acc.get("error", "?")]
             reasons[EXIT_WRONG].append(f"GPU {d['index']} ({d['name']}): accuracy out of bounds: {', '.join(bad)}")
-    if not fp4_devices:
-        env = report.get("environment") or {}
+    env = report.get("environment") or {}
+    if not fp4_devices and "error" not in env:  # (a failed environment section says nothing of CUDA)
         if not env.get("cuda_available"):
             why = (f"torch {env.get('torch')} is a CPU-only build" if not env.get("torch_cuda")
                    else f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}) sees no CUDA GPU")
@@ -454,7 +457,8 @@ def diagnose(quick: bool = False, accuracy: bool = True, speed: bool = True) -> 
 
     t0 = time.perf_counter()
     report: dict = {"report": "sageattn3 diagnosis", "schema": 1, "sageattn3": sageattn3.__version__,
-                    "quick": quick, "exit_codes": {str(k): v for k, v in EXIT_CODES.items()}}
+                    "quick": quick, "sections": {"accuracy": accuracy, "speed": speed},
+                    "exit_codes": {str(k): v for k, v in EXIT_CODES.items()}}
     for name, fn in (("environment", environment), ("build", build)):
         try:
             report[name] = fn()
@@ -491,7 +495,7 @@ def format_report(r: dict) -> str:
     env = r.get("environment") or {}
     out.append("\nEnvironment")
     if "error" in env:
-        out.append(f"  error: {env['error']}")
+        out.append(f"  error: {env['error']} (at {env.get('where', '?')})")
     else:
         out.append(f"  Python {env['python']} ({env['implementation']}), {env['platform']}")
         out.append(f"  torch {env['torch']}, CUDA {env['torch_cuda'] or 'none (CPU build)'}, "
@@ -530,14 +534,22 @@ def format_report(r: dict) -> str:
         w = f.get("which") or {}
         if not f.get("ok") and w:
             out.append(f"  the wheel for this torch: {w.get('command') or w.get('url')}\n    ({w.get('reason')})")
+    if not r.get("devices") and "error" not in env:
+        out.append("\nFP4 checks: not run (self-check, accuracy, speed): no CUDA GPU visible")
     for d in r.get("devices", []):
         out.append(f"\nGPU {d['index']}: {d.get('name')}")
         if "error" in d:
-            out.append(f"  error: {d['error']}")
+            out.append(f"  error: {d['error']} (at {d.get('where', '?')})")
             continue
         out.append(f"  path: {d['path']}")
         if d.get("flavour"):
             out.append(f"  {d['flavour']}")
+        if not d.get("fp4"):
+            out.append("  FP4 checks: not run (self-check, accuracy, speed): this GPU takes the SDPA path")
+        else:
+            skipped = [n for n in ("accuracy", "speed") if not (r.get("sections") or {}).get(n, True)]
+            if skipped:
+                out.append(f"  skipped on request: {', '.join(skipped)}")
         sc = d.get("selfcheck")
         if sc:
             out.append(f"  self-check: {'passed' if sc['ok'] else 'FAILED'}: {sc.get('summary') or sc.get('error')}")

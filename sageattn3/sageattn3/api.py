@@ -203,7 +203,8 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     dim) is decided on its first call. ``qk_rotation=True``: rotate Q and K by a fixed
     randomized Hadamard transform before quantizing them (``sageattn3.reference.rotate``;
     attention is unchanged, outlier channels are spread before the 16-channel FP4 blocks form):
-    more accurate with Q/K outlier channels, no gain elsewhere, and it makes the preprocessing
+    more accurate with Q outlier channels (at D 128), worse where only K has them or on
+    near-one-hot rows unless the balance is on too (README, "Accuracy"), and it makes the preprocessing
     slower (about +45% on an H100), so it is off by default. ``qk_balance``: the Q/K channel
     balance (``sageattn3.reference.balance_exponents``; D 64/128): channels much larger in Q than
     in K (relative to the other channels) are scaled down in Q and up in K by powers of two, and
@@ -223,10 +224,17 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
             "sageattn3_blackwell does not support attn_mask (it is never silently ignored); use "
             "is_causal=True for causal masking or torch.nn.functional.scaled_dot_product_attention"
         )
+    flags = _flags(is_causal=is_causal, per_block_mean=per_block_mean, qk_rotation=qk_rotation, qk_balance=qk_balance)
     search = _search(qk_scale_search)
     if torch.compiler.is_compiling():
-        return _traced(q, k, v, bool(is_causal), bool(per_block_mean), bool(qk_rotation), bool(qk_balance), search)
-    return _eager_call(q, k, v, bool(is_causal), bool(per_block_mean), bool(qk_rotation), bool(qk_balance), search)
+        return _traced(q, k, v, *flags, search)
+    return _eager_call(q, k, v, *flags, search)
+
+
+def _flags(**named) -> tuple[bool, ...]:
+    """The boolean keywords of a call, each checked (``reference.flag``: a string such as
+    "False" or None is a TypeError, never silently true or false), in the order given."""
+    return tuple(reference.flag(value, name) for name, value in named.items())
 
 
 def _search(qk_scale_search: bool | None) -> bool:
@@ -339,8 +347,10 @@ def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool 
         return q.new_empty(q.shape)
     if not _checked(q.device):
         raise RuntimeError(f"sageattn3.blockscaled_fp4_attn: {_selfcheck.fallback_reason(_selfcheck.failure(q.device))}")
-    return _fp4_attention(q, k, v, bool(is_causal), bool(per_block_mean), sm_scale, qk_rotation=bool(qk_rotation),
-                          qk_balance=bool(qk_balance), qk_scale_search=_search(qk_scale_search))
+    causal, pbm, rot, bal = _flags(is_causal=is_causal, per_block_mean=per_block_mean, qk_rotation=qk_rotation,
+                                   qk_balance=qk_balance)
+    return _fp4_attention(q, k, v, causal, pbm, sm_scale, qk_rotation=rot, qk_balance=bal,
+                          qk_scale_search=_search(qk_scale_search))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,6 +454,8 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
     sampled blocks (up to 8 x 128 rows per head) and the means. Figures:
     tests/bench/bench_kernels.py. Elsewhere: the reference."""
     _check_qkv(q, k, v)
+    per_block_mean, qk_rotation, qk_balance = _flags(per_block_mean=per_block_mean, qk_rotation=qk_rotation,
+                                                     qk_balance=qk_balance)
     if not isinstance(pad, int) or pad <= 0 or pad % 16:
         raise ValueError(f"pad must be a positive multiple of 16, got {pad!r}")
     if not _use_kernels(q) or q.shape[2] == 0 or q.shape[0] == 0 or q.shape[1] == 0:

@@ -149,3 +149,39 @@ def test_compare_figures():
     c = dg.compare(a * 1.1, a)
     assert c["rel_l1"] == pytest.approx(0.1) and c["max_abs"] == pytest.approx(0.3)
     assert dg.compare(torch.tensor([float("nan")]), a[:1])["finite"] is False
+
+
+@pytest.mark.parametrize("where", ["missing", "dir"])
+def test_unwritable_json_path_is_refused_before_the_run(tmp_path, where):
+    target = tmp_path / "no-such-folder" / "r.json" if where == "missing" else tmp_path
+    for args in (["--quick", "--json", str(target)], ["which", "--json", str(target)]):
+        res = run_main(args, SRC, tmp_path)
+        assert res.returncode == dg.EXIT_USAGE, (args, res.stdout[-500:], res.stderr[-1000:])
+        assert "Traceback" not in res.stderr and "--json" in res.stderr
+        assert ("does not exist" if where == "missing" else "is a directory") in res.stderr
+        assert "diagnosis" not in res.stdout  # refused before any report was made
+
+
+def test_failed_environment_section_is_not_read_as_a_cpu_only_torch():
+    r = {"environment": {"error": "ZeroDivisionError: division by zero", "where": "x.py:1"}, "build": {},
+         "fit": {}, "devices": []}
+    st = dg.status(r)
+    assert st["code"] == dg.EXIT_ERROR
+    assert not any("CPU-only" in x or "no CUDA GPU" in x for x in st["reasons"] + st.get("also", [])), st
+
+
+def test_error_sections_carry_the_traceback_frames():
+    try:
+        dg.finite_json(None)
+        1 / 0
+    except ZeroDivisionError as e:
+        err = dg._error(e)
+    assert err["error"].startswith("ZeroDivisionError") and err["traceback"]
+    assert all("/" not in f and "\\" not in f for f in err["traceback"])  # file names only, no folders
+
+
+@pytest.mark.skipif(not CPU_ONLY, reason="the CPU-only report")
+def test_cpu_report_says_the_fp4_checks_did_not_run():
+    r = sageattn3.diagnose(quick=True, speed=False)
+    assert r["sections"] == {"accuracy": True, "speed": False}
+    assert "FP4 checks: not run (self-check, accuracy, speed): no CUDA GPU visible" in dg.format_report(r)
