@@ -11,7 +11,6 @@ floor (one read of Q, K, V and the FP4 write at the measured copy bandwidth). Th
 the conversion's share; what is left is the rest of the kernels. Needs nvcc (CUDA_HOME or PATH)
 and a CUDA GPU of compute capability 9.0."""
 
-import os
 import shutil
 import subprocess
 import sys
@@ -22,15 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "sageattn3" / "csrc"
 sys.path.insert(0, str(ROOT))
 
-from ci.kernel_report import build_flags  # noqa: E402  (the device flags of a real build)
-
-
-def nvcc_path() -> Path | None:
-    home = os.environ.get("CUDA_HOME")
-    if home and (Path(home) / "bin" / "nvcc").exists():
-        return Path(home) / "bin" / "nvcc"
-    found = shutil.which("nvcc")
-    return Path(found) if found else None
+from ci.kernel_report import build_flags, nvcc_path  # noqa: E402  (a real build's device flags; nvcc)
 
 
 def build(nvcc: Path, out: Path, standin: bool) -> Path:
