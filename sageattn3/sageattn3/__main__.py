@@ -55,8 +55,8 @@ def which_main(argv: list[str]) -> int:
     ap.add_argument("--cuda", metavar="X.Y", help="the CUDA of that torch when its version has no +cuXYZ label, e.g. 13.0")
     ap.add_argument("--json", metavar="FILE", help="also write the answer as JSON ('-' for stdout)")
     a = ap.parse_args(argv)
-    if _json_target_problem(a.json):
-        ap.error(_json_target_problem(a.json))
+    if problem := _json_target_problem(a.json):
+        ap.error(problem)
     try:
         spec = _which.torch_spec(a.torch or torch.__version__, a.cuda,
                                  running=(torch.__version__, torch.version.cuda))
@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-speed", action="store_true", help="skip the speed section")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the accuracy section")
     a = ap.parse_args(argv)
-    if _json_target_problem(a.json):
-        ap.error(_json_target_problem(a.json))
+    if problem := _json_target_problem(a.json):
+        ap.error(problem)
     report = dg.diagnose(quick=a.quick, accuracy=not a.no_accuracy, speed=not a.no_speed)
     if a.json != "-":
         print(dg.format_report(report), flush=True)

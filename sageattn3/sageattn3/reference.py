@@ -549,8 +549,10 @@ def preprocess(
     ``qk_scale_search``: Q and K quantized with ``quantize_rows(..., scale_search=True)`` at head
     dims 64/128 (None: ``QK_SCALE_SEARCH``; ``scale_search_applies``)."""
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    per_block_mean, qk_rotation, qk_balance = (flag(per_block_mean, "per_block_mean"), flag(qk_rotation, "qk_rotation"),
+                                               flag(qk_balance, "qk_balance"))
     search = scale_search_applies(qk_scale_search, d)
-    rot = bool(qk_rotation) and rotation_applies(d)
+    rot = qk_rotation and rotation_applies(d)
     turn = rotate if rot else (lambda x: x.float())
     bal = None
     cq = ck = 1.0
@@ -669,6 +671,7 @@ def sageattn3(
     - O_i = acc / l.
     """
     b, hq, sq, d = q.shape
+    is_causal = flag(is_causal, "is_causal")
     if block_n % BLOCK:
         raise ValueError("block_n must be a multiple of 16")
     pre = preprocess(q, k, v, per_block_mean, pad=block_n, qk_rotation=qk_rotation, qk_balance=qk_balance,
@@ -695,6 +698,7 @@ def sageattn3_paper(
     delta_s = mean_q · K_sᵀ with the unquantized smoothed K materialised for every (Q block, key)
     pair; otherwise the same quantizers and online softmax as ``sageattn3``."""
     b, hq, sq, d = q.shape
+    is_causal, per_block_mean = flag(is_causal, "is_causal"), flag(per_block_mean, "per_block_mean")
     full_q = None if per_block_mean else q.float().mean(dim=-2, keepdim=True)
     pre = preprocess(q, k, v, per_block_mean, pad=block_n, mean_q=full_q, mean_k=k.float().mean(dim=-2, keepdim=True),
                      qk_rotation=False, qk_balance=False, qk_scale_search=False)

@@ -538,8 +538,8 @@ def test_switches_take_booleans_only():
 
 @pytest.mark.parametrize("name", ["is_causal", "per_block_mean", "qk_rotation", "qk_balance"])
 def test_public_switches_take_booleans_only(name):
-    """sageattn3_blackwell and sageattn3.preprocess: "False" or None never silently means True
-    or False, eagerly and under torch.compile."""
+    """sageattn3_blackwell, sageattn3.preprocess and the reference's entry points: "False" or None
+    never silently means True or False, eagerly and under torch.compile."""
     q, k, v = ac.make("randn", 1, 2, 1, 64, 64, 64, seed=1)
     compiled = torch.compile(sageattn3.sageattn3_blackwell, fullgraph=True, backend="eager")
     for bad in ("False", None, 2):
@@ -547,9 +547,16 @@ def test_public_switches_take_booleans_only(name):
             sageattn3.sageattn3_blackwell(q, k, v, **{name: bad})
         with pytest.raises(Exception, match=f"{name} must be True or False"):
             compiled(q, k, v, **{name: bad})
+        with pytest.raises(TypeError, match=f"{name} must be True or False"):
+            ref.sageattn3(q, k, v, **{name: bad})
+        if name in ("is_causal", "per_block_mean"):
+            with pytest.raises(TypeError, match=f"{name} must be True or False"):
+                ref.sageattn3_paper(q, k, v, **{name: bad})
         if name != "is_causal":
             with pytest.raises(TypeError, match=f"{name} must be True or False"):
                 sageattn3.preprocess(q, k, v, **{name: bad})
+            with pytest.raises(TypeError, match=f"{name} must be True or False"):
+                ref.preprocess(q, k, v, **{name: bad})
     want = sageattn3.sageattn3_blackwell(q, k, v, **{name: True})
     assert torch.equal(sageattn3.sageattn3_blackwell(q, k, v, **{name: 1}), want)
 
