@@ -12,9 +12,12 @@ produce (all sequence dims padded with zeros to a multiple of 128):
 - mean_q (B, Hq, nblk, D) float32, nblk = Sq_p/128 (per-block Q means) or 1: the Q means
   removed from q; mean_q_global (B, Hq, 1, D) float32: Q's mean for the whole sequence
   (``reference.sample_mean``); delta_key (B, Hq, Sk_p) float32: mean_q_global · K_sᵀ per key
-  (the unquantized smoothed K, from preprocessing). The kernel adds delta_s = delta_key + (mean_q - mean_q_global) · Kdᵀ (Kd: the
-  dequantized k) to Q·Kᵀ before the softmax scale, the second term computed per 128-key tile on
-  the fly (query row i uses mean i // 128, or 0); delta_s is never materialised.
+  (the unquantized smoothed K, from preprocessing); k_residual (B, Hkv, Sk_p, D) float8_e4m3fn:
+  K's quantization residual (``reference.quantize_residual``; needed with per-block Q means). The
+  kernel adds delta_s = delta_key + (mean_q - mean_q_global) · K̂ᵀ (K̂ = ``reference.refined_rows``:
+  the dequantized k plus the residual, or the dequantized k alone without it) to Q·Kᵀ before the
+  softmax scale, the second term computed per 128-key tile on the fly (query row i uses mean
+  i // 128, or 0); delta_s is never materialised.
 - With Q/K rotation (``reference.rotate``) the scores are (D/64)·Q·Kᵀ: the softmax scale is
   divided by that factor (``qk_rotation=True``).
 
@@ -86,6 +89,7 @@ def fp4_attention(
     *,
     mean_q_global: torch.Tensor,
     delta_key: torch.Tensor,
+    k_residual: torch.Tensor | None = None,
     seq_q: int,
     seq_k: int,
     sm_scale: float | None = None,
@@ -97,7 +101,8 @@ def fp4_attention(
     returns (B, Hq, seq_q, D) in ``out_dtype`` (bfloat16 or float16). Sequence dims that are
     not yet multiples of 128 are zero-padded here (a copy); ``seq_q``/``seq_k`` are the real
     lengths (keys past seq_k are masked, rows past seq_q are not written). ``qk_rotation``: q and
-    k were rotated (the scale is divided by D/64)."""
+    k were rotated (the scale is divided by D/64). ``k_residual`` is required with per-block Q
+    means (mean_q with more than one row)."""
     q, q_sf, k, k_sf = _bytes(q, "q"), _bytes(q_sf, "q_sf"), _bytes(k, "k"), _bytes(k_sf, "k_sf")
     v, v_sf = _bytes(v, "v"), _bytes(v_sf, "v_sf")
     for name, t in (("q", q), ("q_sf", q_sf), ("k", k), ("k_sf", k_sf), ("v", v), ("v_sf", v_sf), ("mean_q", mean_q),
@@ -147,20 +152,37 @@ def fp4_attention(
     if delta_key.shape[2] > sk_p:
         raise ValueError(f"delta_key covers more keys ({delta_key.shape[2]}) than k ({sk_p})")
     delta_key = _pad_to(delta_key, 2, sk_p).contiguous()
+    if k_residual is None:
+        if nblk > 1:
+            raise ValueError("k_residual (K's quantization residual, Preprocessed.k_residual) is required with "
+                             "per-block Q means (mean_q with more than one row)")
+    else:
+        k_residual = _bytes(k_residual, "k_residual")
+        if k_residual.dim() != 4 or k_residual.shape[:2] != (b, hk) or k_residual.shape[3] != d \
+                or k_residual.device != q.device:
+            raise ValueError(f"k_residual must be (B, Hkv, Sk_p, D) = ({b}, {hk}, ..., {d}) on {q.device}, "
+                             f"got {tuple(k_residual.shape)}")
+        if k_residual.shape[2] > sk_p:
+            raise ValueError(f"k_residual covers more keys ({k_residual.shape[2]}) than k ({sk_p})")
+        k_residual = _pad_seq(k_residual, 2).contiguous()
+        if k_residual.data_ptr() % 16:
+            k_residual = k_residual.clone()
     return _launch(q, q_sf, k, k_sf, v.contiguous(), v_sf.contiguous(), mean_q, mean_q_global, delta_key, int(seq_q),
-                   int(seq_k), sm_scale, bool(is_causal), out_dtype, bool(qk_rotation))
+                   int(seq_k), sm_scale, bool(is_causal), out_dtype, bool(qk_rotation), k_residual)
 
 
 def _launch(q, q_sf, k, k_sf, v, v_sf, mean_q, mean_q_global, delta_key, seq_q: int, seq_k: int,
-            sm_scale: float | None, is_causal: bool, out_dtype: torch.dtype, qk_rotation: bool) -> torch.Tensor:
+            sm_scale: float | None, is_causal: bool, out_dtype: torch.dtype, qk_rotation: bool,
+            k_residual: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel call itself, on operands in the kernel's layout (the op checks them again)."""
     d = 2 * q.shape[3]
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
     if qk_rotation:
         scale *= 64.0 / d  # rotate(q) . rotate(k) = (D/64) q . k (exact: a power of two)
     out = torch.empty((q.shape[0], q.shape[1], seq_q, d), dtype=out_dtype, device=q.device)
-    _kernels.op("blockscaled_fp4_attn")(q, q_sf, k, k_sf, v, v_sf, mean_q, mean_q_global, delta_key, out, seq_q, seq_k,
-                                        scale, is_causal)
+    k_res = _kernels._none(q.device, 6) if k_residual is None else k_residual
+    _kernels.op("blockscaled_fp4_attn")(q, q_sf, k, k_sf, v, v_sf, mean_q, mean_q_global, delta_key, k_res, out, seq_q,
+                                        seq_k, scale, is_causal)
     return out
 
 
@@ -173,9 +195,10 @@ def attention_from_preprocessed(pre, *, is_causal: bool = False, sm_scale: float
     if trusted:
         return _launch(pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
                        pre.mean_q, pre.mean_q_global, pre.delta_key, pre.seq_q, pre.seq_k, sm_scale, is_causal,
-                       out_dtype, pre.qk_rotation)
+                       out_dtype, pre.qk_rotation, pre.k_residual)
     return fp4_attention(pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
-                         pre.mean_q, mean_q_global=pre.mean_q_global, delta_key=pre.delta_key, seq_q=pre.seq_q,
+                         pre.mean_q, mean_q_global=pre.mean_q_global, delta_key=pre.delta_key,
+                         k_residual=pre.k_residual, seq_q=pre.seq_q,
                          seq_k=pre.seq_k, sm_scale=sm_scale, is_causal=is_causal, out_dtype=out_dtype,
                          qk_rotation=pre.qk_rotation)
 

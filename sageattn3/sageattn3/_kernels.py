@@ -217,7 +217,8 @@ def smooth_quant_qk_key(q: torch.Tensor, k: torch.Tensor, seq_pad: int, rotate: 
     (Gq, Skp) = qbar · (K's smoothed row as quantized) of its kv group (0 past Sk), from K's
     quantization. ``balance``: the channel balance (``reference.balance_exponents``,
     from the same sampled blocks of Q and K), Q and K and their means in the balanced space. Returns the 6
-    tensors of ``smooth_quant_qk``, qbar, ds_key, then the balance exponents (Gk, 1, D) or None."""
+    tensors of ``smooth_quant_qk``, qbar, ds_key, the balance exponents (Gk, 1, D) or None, then K's
+    quantization residual (Gk, Skp, D) float8_e4m3fn (``reference.quantize_residual``)."""
     return _smooth_quant_qk(q, k, seq_pad, rotate, True, balance, search)
 
 
@@ -254,8 +255,9 @@ def _smooth_quant_qk(q, k, seq_pad, rotate, key, balance, search):
         partial_q = torch.empty((gq, nblk, d), dtype=torch.float32, device=dev)
         qbar = torch.empty((gq, 1, d), dtype=torch.float32, device=dev)
         ds_key = torch.empty((gq, k_packed.shape[1]), dtype=torch.float32, device=dev)
+        k_res = torch.empty((gk, k_packed.shape[1], d), dtype=torch.float8_e4m3fn, device=dev)
     else:
-        partial_q, qbar, ds_key = _none(dev, 0), _none(dev, 1), _none(dev, 2)
+        partial_q, qbar, ds_key, k_res = _none(dev, 0), _none(dev, 1), _none(dev, 2), _none(dev, 5)
     if balance:
         exps = torch.empty((gk, d), dtype=torch.float32, device=dev)
         bal_part = torch.empty((gq * balance_samples(sq) + gk * balance_samples(sk), d), dtype=torch.float32,
@@ -263,9 +265,9 @@ def _smooth_quant_qk(q, k, seq_pad, rotate, key, balance, search):
     else:
         exps, bal_part = _none(dev, 3), _none(dev, 4)
     op("smooth_quant_qk")(q, k, mean_q, q_packed, q_scales, mean_k, k_packed, k_scales, partial, rotate, search,
-                          partial_q, qbar, ds_key, exps, bal_part)
+                          partial_q, qbar, ds_key, exps, bal_part, k_res)
     return (q_packed, q_scales, mean_q, k_packed, k_scales, mean_k, qbar, ds_key,
-            exps.view(gk, 1, d) if balance else None)
+            exps.view(gk, 1, d) if balance else None, k_res if key else None)
 
 
 def _codes(x: torch.Tensor, g: int, s: int, d: int, seq_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,8 +281,9 @@ def preprocess_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: int, 
     """Every output of ``sageattn3.preprocess`` from one op, which allocates them and makes all
     the launches (V first) in C++: q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) contiguous and
     16-byte aligned, D 64/128, Hq/Hkv <= ``max_correction_heads``. Returns (q_packed, q_scales,
-    k_packed, k_scales, v_packed, v_scales, mean_q, mean_k, qbar, ds_key, balance) in the shapes
-    of ``reference.Preprocessed`` (qbar empty without per_block_mean, balance empty without it).
+    k_packed, k_scales, v_packed, v_scales, mean_q, mean_k, qbar, ds_key, balance, k_residual) in
+    the shapes of ``reference.Preprocessed`` (qbar and k_residual empty without per_block_mean,
+    balance empty without it).
     Outside autograd (as the ops that write into outputs allocated here): an op returning new
     tensors would give them a grad_fn when an input requires grad."""
     f = op("preprocess_qkv")
@@ -308,7 +311,7 @@ def _preprocess_qkv_fake(q, k, v, pad, per_block_mean, rotate, balance, search):
             new((b, hk, d, skp // 2), u8), new((b, hk, d, skp // 16), e4),
             new((b, hq, nm, d), f32), new((b, hk, 1, d), f32),
             new((b if per_block_mean else 0, hq, 1, d), f32), new((b, hq, skp), f32),
-            new((b if balance else 0, hk, 1, d), f32))
+            new((b if balance else 0, hk, 1, d), f32), new((b if per_block_mean else 0, hk, skp, d), e4))
 
 
 def delta_s(k: torch.Tensor, mean_k: torch.Tensor, mean_q: torch.Tensor, seq_pad: int) -> torch.Tensor:

@@ -442,8 +442,10 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
     3. one launch smooths and quantizes every 128-row tile of Q and K, each from one read into
        registers: Q's tiles with their block means (per_block_mean) or mean_q_global, K's with
        K's mean; K's tiles also write delta_key = mean_q_global · K_sᵀ per key and q head (the
-       unquantized smoothed row as quantized, from registers); the attention kernel adds the
-       block residuals' part per K tile (``Preprocessed.delta_s`` materialises it all).
+       unquantized smoothed row as quantized, from registers) and, with per_block_mean, K's
+       quantization residual (``reference.quantize_residual``, one E4M3 byte per element); the
+       attention kernel adds the block residuals' part per K tile from both
+       (``Preprocessed.delta_s`` materialises it all).
     ``qk_rotation`` (D 64/128): Q and K rows are rotated in registers before smoothing.
     ``qk_balance=True`` (D 64/128, per_block_mean; off by default): the channel balance
     (``reference.balance_exponents``) from the same sampled blocks; Q and K are scaled by it in
@@ -480,10 +482,10 @@ def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bo
         bal = bool(qk_balance) and per_block_mean and reference.balance_applies(d)
         search = reference.scale_search_applies(qk_scale_search, d)
         rot = bool(qk_rotation)
-        qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps = _kernels.preprocess_qkv(
+        qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps, k_res = _kernels.preprocess_qkv(
             _aligned(q), _aligned(k), _aligned(v), pad, per_block_mean, rot, bal, search)
         return Preprocessed(qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, sq, sk, qbar if per_block_mean else mean_q,
-                            ds_key, rot, exps if bal else None, search)
+                            ds_key, rot, exps if bal else None, search, k_res if per_block_mean else None)
     # the rest: head dims other than 64/128, or more q heads per kv head than the K kernels take
     # for the per-key correction (delta_key from torch ops then)
     vp, vsc = _kernels.quant_cols(_aligned(v), pad)
@@ -508,26 +510,30 @@ def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bo
         qp, qsc, mean_q = _kernels.smooth_quant_seq(q3, pad, rotate=rot, search=search)
         kp, ksc, mean_k = _kernels.smooth_quant_seq(k3, pad, rotate=rot, search=search)
         qbar = mean_q
-    qbar, ds_key = _delta_key_torch(q, k, qbar, mean_k, rot, kp.shape[1])
+    qbar, ds_key, ks = _delta_key_torch(q, k, qbar, mean_k, rot, kp.shape[1])
+    # K's quantization residual from the same float32 rows the kernels quantized (bit-exact)
+    k_res = reference.quantize_residual(ks, kp, ksc) if per_block_mean else None
     return Preprocessed(
         qp.view(b, hq, -1, d // 2), qsc.view(b, hq, -1, d // 16),
         kp.view(b, hk, -1, d // 2), ksc.view(b, hk, -1, d // 16),
         vp, vsc, mean_q.view(b, hq, -1, d), mean_k.view(b, hk, 1, d), sq, sk,
         qbar.view(b, hq, 1, d), ds_key.view(b, hq, -1), rot, None if exps is None else exps.view(b, hk, 1, d),
-        search,
+        search, None if k_res is None else k_res.view(b, hk, -1, d),
     )
 
 
 def _delta_key_torch(q, k, qbar, mean_k, rot: bool, skp: int):
     """mean_q_global and delta_key with torch ops, where the K kernels do not compute them
     (head dims other than 64/128; more q heads per kv head than they take): (B*Hq, 1, D) and
-    (B*Hq, Skp) float32, the reference's definition (in float32): qbar · (rotated K - mean_k)."""
+    (B*Hq, Skp) float32, the reference's definition (in float32): qbar · (rotated K - mean_k);
+    and that smoothed K, (B*Hkv, Skp, D) float32 (zero rows past Sk)."""
     b, hq, sq, d = q.shape
     hk = k.shape[1]
     turn = reference.rotate if rot else (lambda x: x.float())
     if qbar is None:
         qbar = turn(reference.sample_mean(q))
     qbar = qbar.reshape(b, hq, 1, d)
-    ks = reference.expand_kv(turn(k) - mean_k.reshape(b, hk, 1, d), hq)
-    ds = reference.pad_dim(torch.matmul(qbar, ks.transpose(-1, -2)).squeeze(-2), -1, skp)
-    return qbar.reshape(b * hq, 1, d), ds.reshape(b * hq, skp)
+    ks = turn(k) - mean_k.reshape(b, hk, 1, d)
+    ds = torch.matmul(qbar, reference.expand_kv(ks, hq).transpose(-1, -2)).squeeze(-2)
+    ds = reference.pad_dim(ds, -1, skp)
+    return qbar.reshape(b * hq, 1, d), ds.reshape(b * hq, skp), reference.pad_dim(ks, -2, skp).reshape(b * hk, skp, d)

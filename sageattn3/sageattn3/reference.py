@@ -178,6 +178,46 @@ def dequantize_rows(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return out.reshape(*vals.shape[:-1], n)
 
 
+# K's quantization residual (``quantize_residual``) is stored as E4M3 in units of the block's
+# scale / RESIDUAL_UNIT: |x / scale - E2M1(code)| <= 1 where the scale is a normal E4M3 number below
+# 448 (half an E2M1 step, or 0.4 past 6), and <= 3 where amax / 6 rounds to the smallest subnormal,
+# so the stored values stay below 192 and their relative precision (2^-4) reaches down to 2^-12 of
+# the scale.
+RESIDUAL_UNIT = 64.0
+
+
+def quantize_residual(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """K's NVFP4 quantization residual, what the FP4 codes miss of the smoothed K that the
+    correction delta_s multiplies: x (..., N) float32 as it was quantized into (packed, scales)
+    (``quantize_rows``) -> float8_e4m3fn (..., N), per element e4m3((y - E2M1(code)) * 64) with
+    y = x * (1/scale) the float32 value the E2M1 conversion rounded (the subtraction is exact: y
+    and its grid value are within a factor of two, or the grid value is 0; times 64 is exact),
+    round to nearest even, saturating at +-448; 0 in blocks whose scale is 0 or NaN.
+    ``refined_rows`` adds it back."""
+    n = x.shape[-1]
+    xf = x.float().reshape(*x.shape[:-1], n // BLOCK, BLOCK)
+    codes = unpack_codes(packed).reshape(xf.shape)
+    s = e4m3_decode(scales).unsqueeze(-1)
+    ok = s > 0  # False for 0 and NaN
+    inv = torch.where(ok, torch.div(1.0, torch.where(ok, s, torch.ones_like(s))), torch.zeros_like(s))
+    r = (xf * inv - e2m1_decode(codes)) * RESIDUAL_UNIT
+    r = torch.where(ok, r.clamp(-E4M3_MAX, E4M3_MAX), torch.zeros_like(r))
+    return r.reshape(x.shape).to(torch.float8_e4m3fn)
+
+
+def refined_rows(packed: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """(..., N) float32: (E2M1(code) + residual / 64) * scale per element (``quantize_residual``):
+    the smoothed K to within E4M3 rounding (2^-4 relative) of its quantization error, and of the
+    rounding of x * (1/scale). E2M1(code) + residual / 64 is exact in float32 (at most 19
+    significant bits), as is its product with the scale."""
+    vals = e2m1_decode(unpack_codes(packed))
+    vals = vals + residual.float() / RESIDUAL_UNIT
+    s = e4m3_decode(scales)
+    n = vals.shape[-1]
+    out = vals.reshape(*vals.shape[:-1], n // BLOCK, BLOCK) * s.unsqueeze(-1)
+    return out.reshape(*vals.shape[:-1], n)
+
+
 def pad_dim(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     """Zero-pad ``dim`` up to a multiple of ``multiple``."""
     size = x.shape[dim]
@@ -496,6 +536,7 @@ class Preprocessed:
     qk_rotation: bool
     balance: torch.Tensor | None = None
     qk_scale_search: bool = False
+    k_residual: torch.Tensor | None = None
 
     @property
     def q_mean_residual(self) -> torch.Tensor:
@@ -504,7 +545,11 @@ class Preprocessed:
 
     @property
     def delta_s(self) -> torch.Tensor:
-        kd = expand_kv(dequantize_rows(self.k_packed, self.k_scales), self.mean_q.shape[1])
+        if self.k_residual is None:
+            kd = dequantize_rows(self.k_packed, self.k_scales)
+        else:
+            kd = refined_rows(self.k_packed, self.k_scales, self.k_residual)
+        kd = expand_kv(kd, self.mean_q.shape[1])
         part = torch.matmul(self.q_mean_residual.double(), kd.double().transpose(-1, -2))
         return (self.delta_key.double().unsqueeze(-2) + part).float()
 
@@ -575,7 +620,8 @@ def preprocess(
     kp, ksc = quantize_rows(pad_dim(ks, -2, pad), search)
     vp, vsc = quantize_transposed(pad_dim(v.float(), -2, pad))
     dk = pad_dim(delta_s(mg, ks).squeeze(-2), -1, pad)
-    return Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk, mg, dk, rot, bal, search)
+    kr = quantize_residual(pad_dim(ks, -2, pad), kp, ksc) if per_block_mean else None
+    return Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk, mg, dk, rot, bal, search, kr)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -62,14 +62,14 @@ int main(int argc, char** argv) {
   const char* tag = argc > 1 ? argv[1] : "";
   const int64_t G = 24, S = 32768, D = 128, n = G * S * D, nm = S / 128, ns = sampled_tiles(S);
   void *q, *k, *v, *src, *dst;
-  uint8_t *qp, *qs, *kp, *ks, *vp, *vs;
+  uint8_t *qp, *qs, *kp, *ks, *vp, *vs, *kr;
   float *mq, *mk, *part_k, *part_q, *qbar, *dk;
   const size_t copy_bytes = size_t{1} << 30;
   if (!ok(cudaMalloc(&q, n * 2), "malloc") || !ok(cudaMalloc(&k, n * 2), "malloc") ||
       !ok(cudaMalloc(&v, n * 2), "malloc") || !ok(cudaMalloc(&qp, n / 2), "malloc") ||
       !ok(cudaMalloc(&qs, n / 16), "malloc") || !ok(cudaMalloc(&kp, n / 2), "malloc") ||
       !ok(cudaMalloc(&ks, n / 16), "malloc") || !ok(cudaMalloc(&vp, n / 2), "malloc") ||
-      !ok(cudaMalloc(&vs, n / 16), "malloc") || !ok(cudaMalloc(&mq, G * nm * D * 4), "malloc") ||
+      !ok(cudaMalloc(&vs, n / 16), "malloc") || !ok(cudaMalloc(&kr, n), "malloc") || !ok(cudaMalloc(&mq, G * nm * D * 4), "malloc") ||
       !ok(cudaMalloc(&mk, G * D * 4), "malloc") || !ok(cudaMalloc(&part_k, G * ns * D * 4), "malloc") ||
       !ok(cudaMalloc(&part_q, G * ns * D * 4), "malloc") || !ok(cudaMalloc(&qbar, G * D * 4), "malloc") ||
       !ok(cudaMalloc(&dk, G * S * 4), "malloc") || !ok(cudaMalloc(&src, copy_bytes), "malloc") ||
@@ -82,7 +82,7 @@ int main(int argc, char** argv) {
   auto vq = [&] { err |= quant_fp4_cols(v, DType::kBFloat16, G, S, D, S, vp, vs, nullptr); };
   auto qk = [&] {
     err |= smooth_quant_qk(q, k, DType::kBFloat16, G, S, G, S, D, mq, S, qp, qs, mk, part_k, S, kp, ks, false, false,
-                           part_q, qbar, dk, nullptr, nullptr, nullptr);
+                           part_q, qbar, dk, nullptr, nullptr, kr, nullptr);
   };
   auto all = [&] { vq(); qk(); };
   all();

@@ -66,7 +66,9 @@ def raw_call(pre, out: torch.Tensor, causal: bool = False) -> None:
     torch.ops.sageattn3.blockscaled_fp4_attn(
         pre.q_packed.view(torch.uint8), pre.q_scales.view(torch.uint8), pre.k_packed.view(torch.uint8),
         pre.k_scales.view(torch.uint8), pre.v_packed.view(torch.uint8), pre.v_scales.view(torch.uint8),
-        pre.mean_q, pre.mean_q_global, pre.delta_key, out, int(pre.seq_q), int(pre.seq_k),
+        pre.mean_q, pre.mean_q_global, pre.delta_key,
+        torch.empty(0, device=out.device) if pre.k_residual is None else pre.k_residual, out, int(pre.seq_q),
+        int(pre.seq_k),
         1.0 / (2 * pre.q_packed.shape[-1]) ** 0.5 * (64.0 / (2 * pre.q_packed.shape[-1]) if pre.qk_rotation else 1.0),
         causal)
 

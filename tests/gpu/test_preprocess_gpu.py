@@ -87,6 +87,11 @@ def _check_against_reference(pre, q, k, v, per_block_mean, rotation, outliers, h
         got, ref_t = getattr(pre, name), getattr(exact, name)
         assert got.shape == ref_t.shape, name
         assert same_bytes(got, ref_t), name
+    # K's quantization residual: with per-block Q means only, bit-exact too
+    assert (pre.k_residual is None) is (not per_block_mean)
+    if per_block_mean:
+        assert pre.k_residual.dtype == torch.float8_e4m3fn and pre.k_residual.shape == exact.k_residual.shape
+        assert same_bytes(pre.k_residual, exact.k_residual), "k_residual"
     assert close_delta_key(pre.delta_key, exact.delta_key)
     assert pre.delta_s.shape == want.delta_s.shape
     assert close_delta_key(pre.delta_s, exact.delta_s)

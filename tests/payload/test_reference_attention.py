@@ -72,9 +72,12 @@ def test_preprocess_layout_and_smoothing(rotation):
     assert (pre.k_packed[:, :, 200:] == 0).all()
     assert (ref.unpack_codes(pre.v_packed)[..., 200:] == 0).all()
     assert (pre.delta_s[..., 200:] == 0).all() and (pre.delta_key[..., 200:] == 0).all()
-    # delta_s = delta_key + (mean_q - mean_q_global) . Kd^T, kv head h // 2 for q head h, with
-    # delta_key = mean_q_global . K_s^T of the unquantized smoothed (rotated) K
-    kdq = ref.dequantize_rows(pre.k_packed, pre.k_scales)[:, :, :200]
+    # delta_s = delta_key + (mean_q - mean_q_global) . K^T, kv head h // 2 for q head h, with
+    # delta_key = mean_q_global . K_s^T of the unquantized smoothed (rotated) K and K^ the dequantized
+    # K plus its quantization residual (E4M3, zero in padding rows)
+    assert pre.k_residual.shape == (2, 2, 256, 64) and pre.k_residual.dtype == torch.float8_e4m3fn
+    assert (pre.k_residual.view(torch.uint8)[:, :, 200:] == 0).all()
+    kdq = ref.refined_rows(pre.k_packed, pre.k_scales, pre.k_residual)[:, :, :200]
     dkey = pre.mean_q_global[:, 3] @ (turn(k.float()) - pre.mean_k)[:, 1].transpose(-1, -2)
     assert torch.allclose(pre.delta_key[:, 3, :200], dkey[:, 0], rtol=1e-5, atol=1e-4)
     want = dkey + (pre.mean_q[:, 3] - pre.mean_q_global[:, 3]) @ kdq[:, 1].transpose(-1, -2)
@@ -146,6 +149,7 @@ def test_sampled_means_on_long_sequences():
     assert torch.allclose(pre.mean_q_global[:, :, 0], q[:, :, qrows].float().mean(-2), atol=1e-6)
     one = ref.preprocess(q, k, v, per_block_mean=False)
     assert torch.equal(one.mean_q, pre.mean_q_global)
+    assert one.k_residual is None  # one Q mean: no block residuals, delta_s = delta_key
     # the attention does not depend on the smoothing vectors: against exact attention the
     # output is as close as with the whole-sequence means (the paper's)
     exact = ref.exact_attention(q, k, v)

@@ -9,12 +9,16 @@
 //          (one per 128-query block, per_block_mean) or 1 (one Q mean).
 //   qbar   fp32  (B, Hq, 1, D): Q's mean for the whole sequence (sampled: reference.sample_mean).
 //   ds_key fp32  (B, Hq, Sk_pad): qbar . K_s^T per key with K_s the UNQUANTIZED smoothed K (from
-//          preprocessing). The kernel adds delta_s[i, j] = ds_key[j] + (mean_q[i] - qbar) . Kd_j
-//          to Q K^T before scaling, Kd the dequantized k (codes x scales, exactly the operand in
-//          shared memory): the residual part is computed per K tile on the CUDA cores, and
-//          skipped for a query tile whose residual mean_q[i] - qbar (fp32) is all zeros.
+//          preprocessing). The kernel adds delta_s[i, j] = ds_key[j] + (mean_q[i] - qbar) . K^_j
+//          to Q K^T before scaling, K^ = (E2M1(code) + k_res / 64) x scale: the dequantized k
+//          (exactly the operand in shared memory) plus K's quantization residual, i.e. the
+//          unquantized smoothed K to within E4M3 rounding of its quantization error
+//          (reference.refined_rows). The residual part is computed per K tile on the CUDA cores,
+//          and skipped for a query tile whose residual mean_q[i] - qbar (fp32) is all zeros.
+//   k_res  E4M3 (B, Hkv, Sk_pad, D): K's quantization residual (reference.quantize_residual),
+//          or null with one Q mean (mean_qblocks 1: the residual r is 0).
 //   out    bf16/fp16 (B, Hq, Sq, D)
-// Q/K/V/mean_q/qbar must be 16-byte aligned, ds_key and the scales 4-byte aligned.
+// Q/K/V/mean_q/qbar/k_res must be 16-byte aligned, ds_key and the scales 4-byte aligned.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime_api.h>
@@ -33,6 +37,7 @@ struct Fp4AttnArgs {
   const float* mean_q;
   const float* qbar;
   const float* ds_key;
+  const void* k_res;
   void* out;
   int batch, heads_q, heads_kv, head_dim;
   int seq_q, seq_k, seq_q_pad, seq_k_pad;

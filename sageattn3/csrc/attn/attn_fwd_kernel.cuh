@@ -6,12 +6,13 @@
 // (batch x q-head x 128-row block) are distributed over a persistent grid sized from the
 // device's SM count; causal tiles are visited longest first.
 //
-// Per 128-key stage, the CTA first computes delta_s[j] = ds_key[j] + r . Kd[j] for the stage's 128
+// Per 128-key stage, the CTA first computes delta_s[j] = ds_key[j] + r . K^[j] for the stage's 128
 // keys into a 128-float vector of the stage: ds_key (qbar . K_s[j], the unquantized smoothed K,
 // from preprocessing) read per key, and the residual r = mean_q - qbar of this tile's Q mean
-// (loaded once per tile) times Kd (the dequantized smoothed K in shared memory) on the CUDA cores
-// (2 threads per key, a fixed summation order), skipped when the tile's r is all zeros (one Q
-// mean). Then each consumer warp computes
+// (loaded once per tile) times K^ = Kd + the quantization residual (the dequantized smoothed K in
+// shared memory plus k_res, read from global memory: the smoothed K to within E4M3 rounding of its
+// quantization error) on the CUDA cores (2 threads per key, a fixed summation order), skipped
+// when the tile's r is all zeros (one Q mean). Then each consumer warp computes
 //   S  = delta_s + Q K^T            (block-scaled FP4 MMA, fp32 accumulate, S keys permuted: key_of)
 //   online softmax in exp2 domain, P2 = exp2(S*scale*log2e - m + log2 2688)   (level 1)
 //   P2 -> NVFP4 in registers (level 2), O = O*alpha + P2 V    (block-scaled FP4 MMA)
@@ -156,22 +157,43 @@ __device__ __forceinline__ void sts_f32(uint32_t saddr, float v) {
   asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(saddr), "f"(v) : "memory");
 }
 
-// Byte x (two E2M1 codes, element 0 in the low nibble) -> the two values times 2^-14, exactly:
-// the code's 3 magnitude bits placed at fp16 bits 9..11 (exponent 0..3, mantissa bit 9) give
-// 2^-14 x E2M1 (normal and subnormal alike), the sign bit at bit 15.
-__device__ __forceinline__ float2 e2m1x2_scaled(uint32_t x) {
-  const uint32_t h = ((x & 0x7u) << 9) | ((x & 0x8u) << 12) | ((x & 0x70u) << 21) | ((x & 0x80u) << 24);
-  __half2 v;
-  *reinterpret_cast<uint32_t*>(&v) = h;
-  return __half22float2(v);
+// Two E4M3 bytes (element 0 in the low byte) -> their values as fp32 (exact).
+__device__ __forceinline__ float2 e4m3x2_value(uint32_t x) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x & 0xFFFFu), __NV_E4M3);
+  return __half22float2(__half2(h));
 }
 
-// One thread's half of r . Kd for key row `key` of a stage's K tile: sum over the elements
-// d = half*D/2 .. half*D/2 + D/2 - 1 of r[d] * Kd[key][d], Kd = E2M1(code) x E4M3 scale.
-// Order (fixed): per 16-element block, a sequential fp32 fma chain over the block's elements in
-// order (on the values times 2^-14), times (scale x 2^14); block results summed in order.
+// This thread's share of K's quantization residual for delta_s_part: the D/2 E4M3 bytes of half
+// `half` of key row `key` (global) of the stage starting at key row k_row0, one 16-byte word
+// per 16-element block; zeros without k_res (r . Kd then). The bytes are prefetched into L1 one
+// stage ahead (prefetch: no registers held across the stage wait).
 template <int D>
-__device__ __forceinline__ float delta_s_part(uint32_t k_tile, uint32_t ksf_tile, uint32_t mean_q, int key, int half) {
+struct ResidualHalf {
+  uint4 w[D / 32];
+  static __device__ __forceinline__ const uint8_t* addr(const uint8_t* k_res, int64_t k_row0, int key, int half) {
+    return k_res + (k_row0 + key) * D + half * (D / 2);
+  }
+  static __device__ __forceinline__ void prefetch(const uint8_t* k_res, int64_t k_row0, int key, int half) {
+    if (k_res != nullptr) asm volatile("prefetch.global.L1 [%0];" ::"l"(addr(k_res, k_row0, key, half)));
+  }
+  __device__ __forceinline__ void load(const uint8_t* k_res, int64_t k_row0, int key, int half) {
+#pragma unroll
+    for (int b = 0; b < D / 32; ++b) w[b] = make_uint4(0u, 0u, 0u, 0u);
+    if (k_res == nullptr) return;
+    const uint4* src = reinterpret_cast<const uint4*>(addr(k_res, k_row0, key, half));
+#pragma unroll
+    for (int b = 0; b < D / 32; ++b) w[b] = __ldg(src + b);
+  }
+};
+
+// One thread's half of r . K^ for key row `key` of a stage's K tile: sum over the elements
+// d = half*D/2 .. half*D/2 + D/2 - 1 of r[d] * K^[key][d], K^ = (E2M1(code) + res / 64) x E4M3
+// scale (res: the residual's E4M3 value). Order (fixed): per 16-element block, a sequential fp32
+// fma chain over the block's elements in order of r[d] times (E2M1(code) + res / 64) x 2^-14 (exact
+// in fp32: at most 19 significant bits), then times (scale x 2^14); block results summed in order.
+template <int D>
+__device__ __forceinline__ float delta_s_part(uint32_t k_tile, uint32_t ksf_tile, uint32_t mean_q, int key, int half,
+                                              const ResidualHalf<D>& res) {
   constexpr int kBlocks = D / 32;  // 16-element blocks per half
   const uint32_t sf_addr = ksf_tile + key * (D / 16) + half * kBlocks;
   uint32_t sf;
@@ -191,17 +213,22 @@ __device__ __forceinline__ float delta_s_part(uint32_t k_tile, uint32_t ksf_tile
 #pragma unroll
     for (int bb = 0; bb < 2; ++bb) {
       const uint32_t m_addr = mean_q + 4 * (half * (D / 2 + 4) + 16 * (b + bb));
+      const uint4 rw = res.w[b + bb];
+      const uint32_t rwords[4] = {rw.x, rw.y, rw.z, rw.w};
       float acc = 0.f;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const float4 m = lds_f4(m_addr + 16 * q);
         const uint32_t word = words[2 * bb + (q >> 1)];
+        // elements 4q .. 4q+3 of the block: codes, then residuals (x 2^-14 / 64 = 2^-20)
         const float2 v0 = e2m1x2_scaled(word >> (16 * (q & 1)));
         const float2 v1 = e2m1x2_scaled(word >> (16 * (q & 1) + 8));
-        acc = fmaf(m.x, v0.x, acc);
-        acc = fmaf(m.y, v0.y, acc);
-        acc = fmaf(m.z, v1.x, acc);
-        acc = fmaf(m.w, v1.y, acc);
+        const float2 e0 = e4m3x2_value(rwords[q]);
+        const float2 e1 = e4m3x2_value(rwords[q] >> 16);
+        acc = fmaf(m.x, fmaf(e0.x, 0x1p-20f, v0.x), acc);
+        acc = fmaf(m.y, fmaf(e0.y, 0x1p-20f, v0.y), acc);
+        acc = fmaf(m.z, fmaf(e1.x, 0x1p-20f, v1.x), acc);
+        acc = fmaf(m.w, fmaf(e1.y, 0x1p-20f, v1.y), acc);
       }
       const float scale = p_scale_value((sf >> (8 * (b + bb))) & 0xffu) * 16384.f;
       total = fmaf(acc, scale, total);
@@ -262,6 +289,8 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       *reinterpret_cast<float4*>(smem + L::kMeanQ + 4 * (d + (d >= D / 2 ? 4 : 0))) = v;
     }
     const bool has_residual = __syncthreads_or(nonzero) != 0;
+    const int64_t kres_row0 = static_cast<int64_t>(c.b * p.heads_kv + c.hk) * p.seq_k_pad;
+    if (has_residual) ResidualHalf<D>::prefetch(p.k_res, kres_row0, ds_k, ds_half);  // the first stage's
     const float* ds_key_row = p.ds_key + static_cast<int64_t>(bh_q) * p.seq_k_pad;
 
     // ---- Q fragments and scales into registers, then hand the Q buffer back ----
@@ -300,13 +329,17 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       mbar_wait(&full[st], ring.full_parity());
 
       // ---- delta_s of this stage's keys (whole CTA), into the stage's vector ----
-      // delta_s[j] = ds_key[j] + (part_0 + part_1), the two halves of r . Kd[j] (0 without residual).
+      // delta_s[j] = ds_key[j] + (part_0 + part_1), the two halves of r . K^[j] (0 without residual).
       // The vector of stage st is rewritten kStages iterations later, after 2 more barriers: by
       // then every warp has read it.
       {
         float res = 0.f;
         if (has_residual) {
-          const float part = delta_s_part<D>(stage + L::kStageK, stage + L::kStageKSf, s_base + L::kMeanQ, ds_k, ds_half);
+          ResidualHalf<D> kres;
+          kres.load(p.k_res, kres_row0 + k0, ds_k, ds_half);
+          if (kb + 1 < c.num_kb) ResidualHalf<D>::prefetch(p.k_res, kres_row0 + k0 + kBlockN, ds_k, ds_half);
+          const float part =
+              delta_s_part<D>(stage + L::kStageK, stage + L::kStageKSf, s_base + L::kMeanQ, ds_k, ds_half, kres);
           res = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, 1));
         }
         if (ds_half == 0) sts_f32(stage + L::kStageDelta + 4 * ds_k, __fadd_rn(__ldg(ds_key_row + k0 + ds_k), res));

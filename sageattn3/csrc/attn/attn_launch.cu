@@ -85,6 +85,7 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
   p.mean_q = a.mean_q;
   p.qbar = a.qbar;
   p.ds_key = a.ds_key;
+  p.k_res = static_cast<const uint8_t*>(a.k_res);
   p.out = a.out;
   p.batch = a.batch;
   p.heads_q = a.heads_q;
@@ -126,9 +127,10 @@ int fp4_attn_fwd(const Fp4AttnArgs& a, cudaStream_t stream) {
       a.seq_k_pad < a.seq_k)
     return cudaErrorInvalidValue;
   if (a.mean_qblocks != 1 && a.mean_qblocks != a.seq_q_pad / kBlockM) return cudaErrorInvalidValue;
+  if (a.mean_qblocks != 1 && a.k_res == nullptr) return cudaErrorInvalidValue;  // block means need K's residual
   if (a.out_dtype != DType::kBFloat16 && a.out_dtype != DType::kFloat16) return cudaErrorInvalidValue;
   if (!attn::aligned(a.q, 16) || !attn::aligned(a.k, 16) || !attn::aligned(a.v, 16) || !attn::aligned(a.mean_q, 16) ||
-      !attn::aligned(a.qbar, 16) || !attn::aligned(a.ds_key, 4) ||
+      !attn::aligned(a.qbar, 16) || !attn::aligned(a.ds_key, 4) || !attn::aligned(a.k_res, 16) ||
       !attn::aligned(a.q_sf, 16) || !attn::aligned(a.k_sf, 16) || !attn::aligned(a.v_sf, 4) || !attn::aligned(a.out, 4))
     return cudaErrorInvalidValue;
   switch (a.head_dim) {

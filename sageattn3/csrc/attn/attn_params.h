@@ -25,6 +25,7 @@ struct AttnParams {
   const float* mean_q;   // Q means fp32 (B*Hq*mean_qblocks rows, D)
   const float* qbar;     // Q means for the whole sequence (sampled) fp32 (B*Hq rows, D)
   const float* ds_key;   // per-key correction fp32 (B*Hq rows, seq_k_pad): qbar . K_s^T, unquantized K_s
+  const uint8_t* k_res;  // K's quantization residual, E4M3 (B*Hkv*seq_k_pad rows, D), or null (one Q mean)
   void* out;             // (B, Hq, Sq, D), bf16 or fp16
   int batch, heads_q, heads_kv;
   int seq_q, seq_k, seq_q_pad, seq_k_pad;

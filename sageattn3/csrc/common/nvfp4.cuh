@@ -165,9 +165,43 @@ struct Load8<float> {
 
 // ---- whole 16-blocks per thread (the bandwidth kernels) ----
 
+// Byte x (two E2M1 codes, element 0 in the low nibble) -> the two values times 2^-14, exactly:
+// the code's 3 magnitude bits placed at fp16 bits 9..11 (exponent 0..3, mantissa bit 9) give
+// 2^-14 x E2M1 (normal and subnormal alike, see kE2M1Prescale), the sign bit at bit 15.
+__device__ __forceinline__ float2 e2m1x2_scaled(uint32_t x) {
+  const uint32_t h = ((x & 0x7u) << 9) | ((x & 0x8u) << 12) | ((x & 0x70u) << 21) | ((x & 0x80u) << 24);
+  return __half22float2(*reinterpret_cast<const __half2*>(&h));
+}
+
+// K's quantization residual (reference.quantize_residual) of 8 values y that E2M1 codes `word`
+// came from (y = x * (1/scale), times 2^-14 where the software conversion takes them pre-scaled):
+// 8 E4M3 bytes, element i in byte i, e4m3_rn_satfinite((y_i - E2M1(code_i)) * 64) (the subtraction
+// is exact: y and its grid value are within a factor of 2, or the value is 0); the attention kernel
+// adds it back to the E2M1 values for its correction delta_s.
+constexpr float kResidualUnit = 64.0f;
+
+__device__ __forceinline__ uint2 residual8(const float (&y)[8], uint32_t word) {
+  // grid values come as E2M1 x 2^-14; y too without the hardware conversion
+  constexpr float kGrid = SAGEATTN3_HW_E2M1 ? 0x1p14f : 1.0f;
+  constexpr float kUnit = SAGEATTN3_HW_E2M1 ? kResidualUnit : kResidualUnit * 0x1p14f;
+  uint32_t out[2];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = e2m1x2_scaled(word >> (8 * i));  // elements 2i (low nibble), 2i + 1
+    const float2 r = make_float2(__fmul_rn(__fsub_rn(y[2 * i], __fmul_rn(f.x, kGrid)), kUnit),
+                                 __fmul_rn(__fsub_rn(y[2 * i + 1], __fmul_rn(f.y, kGrid)), kUnit));
+    const uint32_t pair = __nv_cvt_float2_to_fp8x2(r, __NV_SATFINITE, __NV_E4M3);  // r.x in the low byte
+    out[i / 2] = (i & 1) ? (out[i / 2] | (pair << 16)) : pair;
+  }
+  return make_uint2(out[0], out[1]);
+}
+
+
 // 16 values (fp32) of one block -> codes of elements 0-7 (x) and 8-15 (y) for the scale byte
-// `sbyte` (codes 0 when the scale is 0 or NaN).
-__device__ __forceinline__ uint2 codes16(const float (&v)[16], uint32_t sbyte) {
+// `sbyte` (codes 0 when the scale is 0 or NaN); with want_res, also the block's quantization
+// residual into res (residual8: bytes 0-7 in res.x/y, 8-15 in res.z/w; zeros when the scale is 0
+// or NaN).
+__device__ __forceinline__ uint2 codes16(const float (&v)[16], uint32_t sbyte, uint4& res, bool want_res) {
   const float s = e4m3_value(sbyte);
   const bool ok = s > 0.f;  // false for 0 and NaN
   const float inv = ok ? __frcp_rn(s) : 0.f;
@@ -189,7 +223,16 @@ __device__ __forceinline__ uint2 codes16(const float (&v)[16], uint32_t sbyte) {
     w = make_uint2(e2m1x8_sw<true>(y0), e2m1x8_sw<true>(y1));
   }
 #endif
+  if (want_res) {
+    const uint2 r0 = residual8(y0, w.x), r1 = residual8(y1, w.y);
+    res = ok ? make_uint4(r0.x, r0.y, r1.x, r1.y) : make_uint4(0u, 0u, 0u, 0u);
+  }
   return ok ? w : make_uint2(0u, 0u);
+}
+
+__device__ __forceinline__ uint2 codes16(const float (&v)[16], uint32_t sbyte) {
+  uint4 unused;
+  return codes16(v, sbyte, unused, false);
 }
 
 // 16 values (already smoothed, fp32) of one block whose amax bits are known -> codes of
@@ -209,10 +252,7 @@ __device__ __forceinline__ float block_sq_error(const float (&v)[16], uint2 w, f
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const uint32_t word = i < 4 ? w.x : w.y;
-    const uint32_t b = (word >> (8 * (i % 4))) & 0xFFu;       // elements 2i (low nibble), 2i + 1
-    const uint32_t u = (b & 0xFu) | ((b & 0xF0u) << 12);       // nibbles at bits 0-3 and 16-19
-    const uint32_t h = ((u & 0x00070007u) << 9) | ((u & 0x00080008u) << 12);
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    const float2 f = e2m1x2_scaled(word >> (8 * (i % 4)));      // elements 2i (low nibble), 2i + 1
     const float d0 = __fsub_rn(__fmul_rn(f.x, s14), v[2 * i]);
     const float d1 = __fsub_rn(__fmul_rn(f.y, s14), v[2 * i + 1]);
     acc = __fadd_rn(acc, __fmul_rn(d0, d0));
@@ -241,22 +281,37 @@ __device__ __forceinline__ uint2 quant16(const float (&v)[16], uint32_t& sbyte) 
   return quant16_with_amax(v, __float_as_uint(amax16(v)), sbyte);
 }
 
+// With want_res: the block's quantization residual into res (codes16).
+__device__ __forceinline__ uint2 quant16(const float (&v)[16], uint32_t& sbyte, uint4& res, bool want_res) {
+  sbyte = e4m3_scale_byte(amax16(v));
+  return codes16(v, sbyte, res, want_res);
+}
+
 // The scale search (reference.quantize_rows(..., scale_search=True)): the block is quantized
 // with the scale of amax / 6 and with that of amax / 4, and keeps the second only where its
 // squared error (block_sq_error) is strictly smaller. A block whose values sit near 5/6 of its
 // max (between E2M1's 4 and 6) loses less with the max mapped onto 4.
-__device__ __forceinline__ uint2 quant16_search(const float (&v)[16], uint32_t& sbyte) {
+// With want_res: the kept codes' quantization residual into res (codes16).
+__device__ __forceinline__ uint2 quant16_search(const float (&v)[16], uint32_t& sbyte, uint4& res, bool want_res) {
   const float a = amax16(v);
   const uint32_t b6 = e4m3_scale_byte(a), b4 = e4m3_scale_byte(a, 4.0f);
-  const uint2 w6 = codes16(v, b6);
+  uint4 r6 = make_uint4(0u, 0u, 0u, 0u), r4 = r6;
+  const uint2 w6 = codes16(v, b6, r6, want_res);
   if (b4 == b6) {
     sbyte = b6;
+    res = r6;
     return w6;
   }
-  const uint2 w4 = codes16(v, b4);
+  const uint2 w4 = codes16(v, b4, r4, want_res);
   const bool four = block_sq_error(v, w4, e4m3_value(b4)) < block_sq_error(v, w6, e4m3_value(b6));
   sbyte = four ? b4 : b6;
+  res = four ? r4 : r6;
   return four ? w4 : w6;
+}
+
+__device__ __forceinline__ uint2 quant16_search(const float (&v)[16], uint32_t& sbyte) {
+  uint4 unused;
+  return quant16_search(v, sbyte, unused, false);
 }
 
 // Raw storage of 16 consecutive elements (one NVFP4 block): loaded with 16-byte vector loads,

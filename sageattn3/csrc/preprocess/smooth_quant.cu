@@ -15,7 +15,9 @@
 // balanced and rotated (both are linear), every row is balanced and rotated in registers before
 // the mean is subtracted. K's quantization can also emit the per-key correction of the
 // attention, ds_key[q head][key] = qbar[q head] . (K[key] - mean_k) in the balanced and rotated
-// space, over the smoothed fp32 row exactly as it is quantized (from registers). Q and K may be
+// space, over the smoothed fp32 row exactly as it is quantized (from registers), and K's
+// quantization residual (nvfp4.cuh, residual8) for the block residuals' part of the correction.
+// Q and K may be
 // quantized with the scale search (quant16_search, nvfp4.cuh) instead of the plain quantizer.
 #include <type_traits>
 
@@ -96,10 +98,13 @@ struct Tile {
   // dk[h * Sp + row] = u[h] . (the smoothed
   // fp32 row, as quantized): per thread a 16-term fma chain over its block from 0, then the
   // block sums of the row added by an xor butterfly over its lanes (1, 2, 4); 0 for padding rows.
+  // res (null: none): the quantization residual of every row (codes16), (G, Sp, D) bytes, zeros
+  // for padding rows.
   __device__ __forceinline__ void quantize(const RowMap& m, const float* mu, int64_t g, int64_t row0, int64_t r1,
                                            int64_t Sp, uint2* __restrict__ packed, uint8_t* __restrict__ scales,
                                            bool rotate, bool search, const float* cs = nullptr, const float* u = nullptr,
-                                           int nh = 0, int ustride = 0, float* __restrict__ dk = nullptr) const {
+                                           int nh = 0, int ustride = 0, float* __restrict__ dk = nullptr,
+                                           uint8_t* __restrict__ res = nullptr) const {
     const int bpr = m.bpr;
 #pragma unroll
     for (int p = 0; p < P; ++p) {
@@ -148,10 +153,12 @@ struct Tile {
       if (!stored) continue;
       uint32_t sb = 0;
       uint2 w = make_uint2(0u, 0u);
-      if (real) w = search ? quant16_search(v, sb) : quant16(v, sb);
+      uint4 e = make_uint4(0u, 0u, 0u, 0u);
+      if (real) w = search ? quant16_search(v, sb, e, res != nullptr) : quant16(v, sb, e, res != nullptr);
       const int64_t ob = (g * Sp + row) * bpr + m.cb;  // output block index
       __stcs(packed + ob, w);
       __stcs(reinterpret_cast<char*>(scales + ob), static_cast<char>(sb));
+      if (res != nullptr) __stcs(reinterpret_cast<uint4*>(res) + ob, e);
     }
   }
 };
@@ -393,6 +400,7 @@ struct RowsJob {
   uint32_t rep;
   float* ds_key;          // (G * rep, Sp)
   bool search;            // NVFP4 with the scale search (quant16_search)
+  uint8_t* res;           // the quantization residual (G, Sp, D) (codes16), or null
 };
 
 // One CTA per tile: those of a, then those of b (G 0: none). Shared vectors padded (padded()):
@@ -444,7 +452,7 @@ __global__ void __launch_bounds__(kRowThreads, (P <= 4 ? (kSearch ? 2 : 3) : 1))
     const int off = m.cb * kPadBlock;
     t.quantize(m, mu_s + off, g, row0, r1, j.Sp, j.packed, j.scales, kRotate, kSearch, balanced ? cs_s + off : nullptr,
                j.u ? red + off : nullptr, static_cast<int>(j.rep), padded(D),
-               j.u ? j.ds_key + g * j.rep * j.Sp : nullptr);
+               j.u ? j.ds_key + g * j.rep * j.Sp : nullptr, j.res);
   }
 }
 
@@ -535,7 +543,7 @@ RowsJob rows_job(const void* x, int64_t G, int64_t S, int64_t Sp, float* mean, b
                  uint8_t* packed, uint8_t* scales) {
   return RowsJob{x, S, Sp, static_cast<uint32_t>(G), static_cast<uint32_t>(ceil_div(Sp, kRows)), mean, compute_mean,
                  block_means ? static_cast<uint32_t>(ceil_div(S, kRows)) : 1u, reinterpret_cast<uint2*>(packed),
-                 scales, nullptr, 1, false, nullptr, 1, nullptr, false};
+                 scales, nullptr, 1, false, nullptr, 1, nullptr, false, nullptr};
 }
 
 SampleSrc sample_src(const void* x, int64_t G, int64_t S, float* sums, float* ss) {
@@ -597,7 +605,7 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
                     int64_t D, float* mean_q, int64_t Sqp, uint8_t* q_packed, uint8_t* q_scales, float* mean_k,
                     float* partial_k, int64_t Skp, uint8_t* k_packed, uint8_t* k_scales, bool rotate,
                     bool search, float* partial_q, float* qbar, float* ds_key, float* balance, float* balance_part,
-                    cudaStream_t stream) {
+                    uint8_t* k_res, cudaStream_t stream) {
   if (D % 16 || D <= 0 || D > kMaxD || Sqp < Sq || Skp < Sk || Sk < 1 || Gk < 1 || Gk > 0x7FFFFFFF || Gq < 0 ||
       Gq > 0x7FFFFFFF || Gq % Gk != 0 || (Gq > 0 && Sq < 1) || ceil_div(Sqp, kRows) > 0x7FFFFFFF ||
       ceil_div(Skp, kRows) > 0x7FFFFFFF)
@@ -607,6 +615,7 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
     return cudaErrorInvalidValue;
   const bool global = Gq > 0 && (partial_q || qbar || ds_key);
   if (global && (!partial_q || !qbar || !ds_key)) return cudaErrorInvalidValue;
+  if (k_res != nullptr && !global) return cudaErrorInvalidValue;
   if (!options_fit(D, rotate, global, search)) return cudaErrorInvalidValue;
   const uint32_t rep = static_cast<uint32_t>(Gq / Gk);
   if (global && rep > static_cast<uint32_t>(max_correction_heads(static_cast<int>(D)))) return cudaErrorInvalidValue;
@@ -645,6 +654,7 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
     jk.u = qbar;
     jk.rep = rep;
     jk.ds_key = ds_key;
+    jk.res = k_res;
   }
   return with_dtype(dtype, [&](auto t) {
     return launch_all<decltype(t)>(sq, sk, f, Gk, jq, jk, D, rotate, stream);

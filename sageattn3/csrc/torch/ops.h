@@ -270,11 +270,12 @@ void smooth_quant_seq(T x, T mean, T partial, T packed, T scales, bool rotate, b
 // partial_k (Gk, ceil(Sk/128), D) fp32; partial_q (Gq, ceil(Sq/128), D),
 // qbar (Gq, D), ds_key (Gq, Skp) fp32, all empty for no per-key correction; balance (Gk, D) and
 // balance_part (Gq * min(8, ceil(Sq/128)) + Gk * min(8, ceil(Sk/128)), D) fp32, both empty for no
-// channel balance (D 64/128);
+// channel balance (D 64/128); k_res (Gk, Skp, D) bytes, K's quantization residual (needs the
+// per-key correction), empty for none;
 // the means are sampled (sageattn3.h).
 template <class T>
 void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_packed, T k_scales, T partial_k,
-                     bool rotate, bool search, T partial_q, T qbar, T ds_key, T balance, T balance_part) {
+                     bool rotate, bool search, T partial_q, T qbar, T ds_key, T balance, T balance_part, T k_res) {
   check_cuda(q, q, "q");
   check_aligned(q, "q");
   check_cuda(k, q, "k");
@@ -324,6 +325,12 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
             "sageattn3: q_packed/q_scales sizes do not match q");
   SA3_CHECK(T, Skp >= Sk && k_packed.numel() == Gk * Skp * D / 2 && k_scales.numel() == Gk * Skp * D / 16,
             "sageattn3: k_packed/k_scales sizes do not match k");
+  const bool residual = k_res.numel() > 0;
+  if (residual) {
+    check_code_tensor(k_res, q, "k_res");
+    SA3_CHECK(T, correction && k_res.numel() == Gk * Skp * D,
+              "sageattn3: k_res must be (Gk, Skp, D) bytes, with the per-key correction");
+  }
   DeviceScope scope(device_index(q));
   check_cuda_kernel<T>(sageattn3::smooth_quant_qk(q.data_ptr(), k.data_ptr(), dt, Gq, Sq, Gk, Sk, D, floats(mean_q),
                                                   Sqp, bytes(q_packed), bytes(q_scales), floats(mean_k),
@@ -333,7 +340,8 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
                                                   correction ? floats(qbar) : nullptr,
                                                   correction ? floats(ds_key) : nullptr,
                                                   balanced ? floats(balance) : nullptr,
-                                                  balanced ? floats(balance_part) : nullptr, TensorApi<T>::stream(q)),
+                                                  balanced ? floats(balance_part) : nullptr,
+                                                  residual ? bytes(k_res) : nullptr, TensorApi<T>::stream(q)),
                        "smooth_quant_qk");
 }
 
@@ -373,12 +381,14 @@ void qk_balance(T q, T k, T part, T exps) {
 // or 1: q_packed (B, Hq, Sqp, D/2), q_scales (B, Hq, Sqp, D/16), k_packed, k_scales (the same over
 // Hkv, Skp), v_packed (B, Hkv, D, Skp/2), v_scales (B, Hkv, D, Skp/16), mean_q (B, Hq, nm, D),
 // mean_k (B, Hkv, 1, D), qbar (B, Hq, 1, D) (empty without per_block_mean: mean_q is Q's one
-// mean then), ds_key (B, Hq, Skp), balance exponents (B, Hkv, 1, D) (empty without balance).
+// mean then), ds_key (B, Hq, Skp), balance exponents (B, Hkv, 1, D) (empty without balance), K's
+// quantization residual k_res (B, Hkv, Skp, D) E4M3 (empty without per_block_mean: no block
+// residuals then).
 // Launch order: V first (its allocation and launch come before anything else here, so the rest of
 // the host work overlaps it), then the launches of smooth_quant_qk (or of smooth_quant_seq for Q,
 // then for K with the correction).
 template <class T>
-std::tuple<T, T, T, T, T, T, T, T, T, T, T> preprocess_qkv(T q, T k, T v, int64_t pad, bool per_block_mean,
+std::tuple<T, T, T, T, T, T, T, T, T, T, T, T> preprocess_qkv(T q, T k, T v, int64_t pad, bool per_block_mean,
                                                            bool rotate, bool balance, bool search) {
   for (const auto& [t, name] : {std::pair<const T*, const char*>{&q, "q"}, {&k, "k"}, {&v, "v"}}) {
     check_cuda(*t, q, name);
@@ -414,6 +424,7 @@ std::tuple<T, T, T, T, T, T, T, T, T, T, T> preprocess_qkv(T q, T k, T v, int64_
   T qbar = A::empty({per_block_mean ? B : 0, Hq, 1, D}, Kind::kFloat, q);
   T ds_key = A::empty({B, Hq, Skp}, Kind::kFloat, q);
   T exps = A::empty({balance ? B : 0, Hk, 1, D}, Kind::kFloat, q);
+  T k_res = A::empty({per_block_mean ? B : 0, Hk, Skp, D}, Kind::kFloat8e4m3fn, q);
   // workspace: the sampled tiles' sums of K, then of Q, then (balance) their squares, Q's then K's
   const int64_t ws_rows = Gk * nsk + Gq * nsq + (balance ? Gq * nsq + Gk * nsk : 0);
   T ws = A::empty({ws_rows, D}, Kind::kFloat, q);
@@ -424,7 +435,7 @@ std::tuple<T, T, T, T, T, T, T, T, T, T, T> preprocess_qkv(T q, T k, T v, int64_
     check_cuda_kernel<T>(sageattn3::smooth_quant_qk(q.data_ptr(), k.data_ptr(), dt, Gq, Sq, Gk, Sk, D, floats(mean_q),
                                                     Sqp, bytes(qp), bytes(qsc), floats(mean_k), part_k, Skp, bytes(kp),
                                                     bytes(ksc), rotate, search, part_q, floats(qbar), floats(ds_key),
-                                                    balance ? floats(exps) : nullptr, bal_part, stream),
+                                                    balance ? floats(exps) : nullptr, bal_part, bytes(k_res), stream),
                          "preprocess_qkv (Q and K)");
   } else {
     check_cuda_kernel<T>(sageattn3::smooth_quant_seq(q.data_ptr(), dt, Gq, Sq, D, floats(mean_q), part_q, Sqp,
@@ -436,7 +447,7 @@ std::tuple<T, T, T, T, T, T, T, T, T, T, T> preprocess_qkv(T q, T k, T v, int64_
                                                      floats(ds_key), stream),
                          "preprocess_qkv (K)");
   }
-  return {qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps};
+  return {qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps, k_res};
 }
 
 // delta_s(k, mean_k, mean_q, out!): k (B, Hkv, Sk, D); mean_k (B, Hkv, 1, D); mean_q (B, Hq, nblk, D);
@@ -501,13 +512,15 @@ void smooth_quant_k_delta(T k, T mean_k, T mean_q, T packed, T scales, T out) {
 // ---- FP4 attention (csrc/attn; owner: the attention kernel) --------------------------------
 // blockscaled_fp4_attn(q, q_sf, k, k_sf, v, v_sf, mean_q, out!, seq_q, seq_k, sm_scale, causal):
 // layouts in attn/attn_api.h (sequence dims padded to multiples of 128, zeros); mean_q
-// (B, Hq, 1 or Sq_p/128, D), qbar (B, Hq, 1, D), ds_key (B, Hq, Sk_p) fp32: the kernel adds
-// delta_s = ds_key + (mean_q - qbar) . dequant(k)^T itself.
+// (B, Hq, 1 or Sq_p/128, D), qbar (B, Hq, 1, D), ds_key (B, Hq, Sk_p) fp32, k_res (B, Hkv, Sk_p, D)
+// E4M3 (K's quantization residual; needed with more than one Q mean, else may be empty): the
+// kernel adds delta_s = ds_key + (mean_q - qbar) . (dequant(k) + k_res)^T itself.
 template <class T>
-void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qbar, T ds_key, T out, int64_t seq_q,
-                          int64_t seq_k, double sm_scale, bool causal) {
+void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qbar, T ds_key, T k_res, T out,
+                          int64_t seq_q, int64_t seq_k, double sm_scale, bool causal) {
   check_cuda(q, q, "q");
-  for (const T* t : {&q_sf, &k, &k_sf, &v, &v_sf, &mean_q, &qbar, &ds_key, &out}) check_cuda(*t, q, "an attention operand");
+  for (const T* t : {&q_sf, &k, &k_sf, &v, &v_sf, &mean_q, &qbar, &ds_key, &k_res, &out})
+    check_cuda(*t, q, "an attention operand");
   check_bytes(q, "q");
   check_bytes(q_sf, "q_sf");
   check_bytes(k, "k");
@@ -538,6 +551,13 @@ void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qba
   SA3_CHECK(T, ds_key.dim() == 3 && ds_key.size(0) == B && ds_key.size(1) == Hq && ds_key.size(2) == Skp,
             "sageattn3: ds_key shape");
   SA3_CHECK(T, same(out, B, Hq, seq_q, D), "sageattn3: out shape");
+  const bool residual = k_res.numel() > 0;
+  SA3_CHECK(T, residual || nblk == 1, "sageattn3: k_res (K's quantization residual) is needed with per-block Q means");
+  if (residual) {
+    check_bytes(k_res, "k_res");
+    check_aligned(k_res, "k_res");
+    SA3_CHECK(T, k_res.dim() == 4 && same(k_res, B, Hkv, Skp, D), "sageattn3: k_res shape");
+  }
   DeviceScope scope(device_index(q));
   Fp4AttnArgs a{};
   a.q = q.data_ptr();
@@ -549,6 +569,7 @@ void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qba
   a.mean_q = floats(mean_q);
   a.qbar = floats(qbar);
   a.ds_key = floats(ds_key);
+  a.k_res = residual ? k_res.data_ptr() : nullptr;
   a.out = out.data_ptr();
   a.batch = static_cast<int>(B);
   a.heads_q = static_cast<int>(Hq);
@@ -601,16 +622,17 @@ void fp4_mma_probe(T a, T b, T sfa, T sfb, T c, T d, int64_t tid_a, int64_t tid_
   X(smooth_quant_qk, "smooth_quant_qk(Tensor q, Tensor k, Tensor(a!) mean_q, Tensor(b!) q_packed, "                 \
                      "Tensor(c!) q_scales, Tensor(d!) mean_k, Tensor(e!) k_packed, Tensor(f!) k_scales, "           \
                      "Tensor(g!) partial_k, bool rotate, bool search, Tensor(h!) partial_q, Tensor(i!) qbar, "     \
-                     "Tensor(j!) ds_key, Tensor(k!) balance, Tensor(l!) balance_part) -> ()")      \
+                     "Tensor(j!) ds_key, Tensor(k!) balance, Tensor(l!) balance_part, Tensor(m!) k_res) -> ()")      \
   X(qk_balance, "qk_balance(Tensor q, Tensor k, Tensor(a!) part, Tensor(b!) exps) -> ()")                           \
   X(preprocess_qkv, "preprocess_qkv(Tensor q, Tensor k, Tensor v, int pad, bool per_block_mean, bool rotate, "      \
                     "bool balance, bool search) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "      \
-                    "Tensor, Tensor, Tensor, Tensor)")                                                              \
+                    "Tensor, Tensor, Tensor, Tensor, Tensor)")                                                      \
   X(delta_s, "delta_s(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) out) -> ()")                               \
   X(smooth_quant_k_delta, "smooth_quant_k_delta(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) packed, "        \
                           "Tensor(b!) scales, Tensor(c!) delta) -> ()")                                             \
   X(blockscaled_fp4_attn, "blockscaled_fp4_attn(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, "           \
-                          "Tensor v_sf, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor(a!) out, int seq_q, "     \
+                          "Tensor v_sf, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor k_res, Tensor(a!) out, "  \
+                          "int seq_q, "                                                                             \
                           "int seq_k, float sm_scale, "                                                             \
                           "bool causal) -> ()")                                                                     \
   X(fp4_mma_probe, "fp4_mma_probe(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, Tensor(a!) d, int tid_a, " \
