@@ -14,6 +14,9 @@ Every case starts from i.i.d. standard normal Q, K, V and adds one kind of struc
 - ``k_bias``: K gets a per-channel bias of scale 8.
 - ``peaky``: Q scaled by 4: near-one-hot softmax rows.
 - ``zero_mean_v``: Q/K offsets as x3, V left zero-mean.
+- ``q_drift``: Q's channel offset drifts linearly along the sequence, from -8 to +8 times one
+  random direction (Q's 128-token block means move, as when RoPE follows a channel offset); K
+  and V offsets as x8.
 
 Shapes (GQA, ragged lengths, causal long rows) are chosen by the caller.
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 import torch
 
 CASES = ("randn", "q_offset_x1", "q_offset_x3", "q_offset_x8", "q_outliers", "k_outliers", "qk_outliers", "k_bias",
-         "peaky", "zero_mean_v")
+         "peaky", "zero_mean_v", "q_drift")
 OUTLIER_SCALES = (8.0, 12.0, 16.0, 20.0)
 
 
@@ -55,6 +58,10 @@ def make(case: str, b: int, hq: int, hk: int, sq: int, sk: int, d: int, *, seed:
     elif case == "zero_mean_v":
         q = q + 3 * offsets[0]
         k = k + 3 * offsets[1]
+    elif case == "q_drift":
+        q = q + 8 * torch.linspace(-1.0, 1.0, sq)[:, None] * offsets[0]
+        k = k + 3 * offsets[1]
+        v = v + 2 * offsets[2]
     return q.to(dtype).to(device), k.to(dtype).to(device), v.to(dtype).to(device)
 
 

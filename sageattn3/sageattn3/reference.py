@@ -315,15 +315,16 @@ BALANCE_HEAD_DIMS = (64, 128)
 # ``preprocess`` / ``sageattn3_blackwell`` here and in the package): read on every such call, by
 # the kernels and this reference alike. Off by default: measured on an H100 (the MMA-model test
 # flavour, 24 heads x 32k tokens, D 128, bf16, back to back) it makes the whole preprocessing
-# 0.353 -> 0.624 ms (+77%: every block is converted twice, in software on that GPU) for a
+# 0.394-0.400 -> 0.698-0.699 ms (+75%: every block is converted twice, in software on that GPU) for a
 # cos-sim gain of about 0.002 on random data and 0.005-0.01 with Q outlier channels (README,
 # "Accuracy"). Set it to True (or pass qk_scale_search=True) for the most accurate quantization
 # of Q and K.
 QK_SCALE_SEARCH = False
 BALANCE_MAX_EXP = 2  # |e_d| <= 2: channels scaled by 1/4 .. 4
 # Off unless asked for (qk_balance=True): measured on an H100 (24 heads x 32k tokens, D 128, bf16,
-# back to back) the whole preprocessing takes 0.379 ms with it against 0.353 ms without (+7%: the
-# sampled blocks' sums of squares and one multiply per element), over the 5% a default may cost.
+# back to back) the whole preprocessing takes 0.413 ms with it against 0.394-0.400 ms without (+4-5%: the
+# sampled blocks' sums of squares and one multiply per element; +7% in earlier runs), about the 5%
+# a default may cost.
 QK_BALANCE_DEFAULT = False
 
 
@@ -502,23 +503,25 @@ class Preprocessed:
       delta_key are unchanged by it. With the rotation too, Q and K are balanced first and then
       rotated (the means likewise).
     - qk_scale_search: whether q_packed/k_packed were quantized with the scale search.
+    - k_residual (B, Hkv, Sk_p, D) float8_e4m3fn, with per_block_mean (else None): K's quantization
+      residual (``quantize_residual`` of the smoothed K rows k_packed holds; 0 in padded rows).
     - delta_s (a property; the kernel never materialises it) (B, Hq, nblk, Sk_p): the correction
-      added to Qd·Kdᵀ, delta_s[i, j] = delta_key[j] + r_i · Kd_j with r_i = mean_q[i] -
-      mean_q_global (float32 subtraction) and Kd the dequantized smoothed K. SageAttention2/3
-      add mean_q · K_sᵀ (K_s = K - mean_k, unquantized); this equals delta_key + r_i · K_s.
-      So the part of the Q mean shared by all blocks multiplies the unquantized K as in the
-      paper, and only the block residuals r_i (small next to the mean on data whose Q has channel
-      offsets) meet K's quantization error: r_i · (Kd - K_s) is all that differs. Without
+      added to Qd·Kdᵀ, delta_s[i, j] = delta_key[j] + r_i · K̂_j with r_i = mean_q[i] -
+      mean_q_global (float32 subtraction) and K̂ = ``refined_rows``(k_packed, k_scales,
+      k_residual), the dequantized smoothed K plus its quantization residual (Kd alone where
+      k_residual is None: then r = 0). SageAttention2/3 add mean_q · K_sᵀ (K_s = K - mean_k,
+      unquantized) = delta_key + r_i · K_s: the two differ by r_i · (K̂ - K_s), the E4M3 rounding
+      of K's quantization error (at most 1/16 of it) times the block residual. Without
       per_block_mean r = 0: the paper's correction exactly. The attention kernel adds delta_key
-      per key and computes r_i · Kd_j per 128-key tile from the K tile it holds (skipped where
-      r_i is zero). Why this form: materialising mean_q · K_sᵀ costs (B, Hq, Sq/128, Sk) fp32
-      (~800 MB at 24 heads x 32k tokens); delta_key is (B, Hq, Sk) (3 MB there) and costs K's
-      quantization one dot product per key and q head over the row it already holds; measured (CPU, the cases of
-      tests/bench/accuracy.py) it is within noise of the paper's form on those cases, while
-      mean_q · Kdᵀ (everything through the quantized K) is 1.7x to 2.2x worse in rel-L1 at x8 Q
-      channel offsets. Not everywhere: where Q's block means drift along the sequence the
-      residuals are large and the paper's form is clearly more accurate (README, "Accuracy";
-      the strict-xfail test_defaults_match_the_paper_where_q_block_means_drift).
+      per key and computes r_i · K̂_j per 128-key tile from the K tile it holds and the residual
+      bytes (skipped where r_i is zero). Why this form: materialising mean_q · K_sᵀ costs
+      (B, Hq, Sq/128, Sk) fp32 (~800 MB at 24 heads x 32k tokens); delta_key is (B, Hq, Sk) (3 MB
+      there) and costs K's quantization one dot product per key and q head over the row it
+      already holds, the residual one byte per element of K (100 MB there) written from the same
+      registers. Through Kd alone (no residual) r_i · (Kd - K_s) is the whole of K's quantization
+      error times r_i, which is large where Q's block means drift along the sequence: there it
+      lost up to 0.06 cos-sim against the paper; with the residual the two agree to 0.0001 on
+      every case of tests/bench/accuracy.py (README, "Accuracy").
     """
 
     q_packed: torch.Tensor
@@ -563,7 +566,8 @@ def smooth_q(q: torch.Tensor, mean_q: torch.Tensor) -> torch.Tensor:
 def delta_s(mean_q: torch.Tensor, k_smoothed: torch.Tensor) -> torch.Tensor:
     """mean_q · K_smoothedᵀ (float64 products, float32 result; GQA: K expanded to the q heads):
     (B, Hq, nblk, Sk). With the unquantized smoothed K this is SageAttention2/3's correction;
-    ``Preprocessed.delta_s`` is what the kernel adds."""
+    ``Preprocessed.delta_s`` is what the kernel adds (the same up to E4M3 rounding of K's
+    quantization error)."""
     ks = expand_kv(k_smoothed.float(), mean_q.shape[1])
     return torch.matmul(mean_q.double(), ks.double().transpose(-1, -2)).float()
 
@@ -704,7 +708,7 @@ def sageattn3(
     c = sm_scale / rotation_score_factor · log2(e):
 
     - scores, per query row i and key j: t_ij = c · (Qd_i · Kd_j + delta_s[i // 128 or 0, j])
-      with delta_s = ``Preprocessed.delta_s`` (delta_key_j + r_i · Kd_j) (float32; masked
+      with delta_s = ``Preprocessed.delta_s`` (delta_key_j + r_i · K̂_j) (float32; masked
       entries, j >= Sk or causal j > i, are -inf).
     - keys are processed in tiles of ``block_n`` (the kernel's tile, default 128). For tile t,
       the running row max m_t = max(m_{t-1}, max_{j in t} t_ij), and

@@ -53,6 +53,7 @@ LABELS = {
     "k_bias": "K per-channel bias x8",
     "peaky": "near-one-hot rows (Q x4)",
     "zero_mean_v": "zero-mean V (Q/K offsets x3)",
+    "q_drift": "Q offset drifting -8..+8 along the sequence",
 }
 
 

@@ -148,11 +148,41 @@ def test_fp4_attention_deterministic():
     assert torch.equal(a, b)
 
 
+def test_fp4_attention_needs_k_residual_with_block_means():
+    """With per-block Q means the kernel needs K's quantization residual: refused with a message
+    that names it (Python and the op), and accepted without it for one Q mean. Without the
+    residual (or with zeros) the output differs: the kernel reads it."""
+    attn_or_skip()
+    from sageattn3 import _attn, reference as ref
+
+    q, k, v = attention_cases.make("q_drift", 1, 4, 2, 512, 384, 128, seed=8, device="cuda")
+    pre = ref.preprocess(q, k, v, per_block_mean=True, pad=128)
+    ops = (pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales, pre.mean_q)
+    kw = dict(mean_q_global=pre.mean_q_global, delta_key=pre.delta_key, seq_q=512, seq_k=384)
+    with pytest.raises(ValueError, match="k_residual"):
+        _attn.fp4_attention(*ops, **kw)
+    with pytest.raises(ValueError, match="k_residual must be"):
+        _attn.fp4_attention(*ops, k_residual=pre.k_residual[..., :64], **kw)
+    out = torch.empty(1, 4, 512, 128, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="k_res"):
+        torch.ops.sageattn3.blockscaled_fp4_attn(*(t.view(torch.uint8) if t.dtype != torch.float32 else t for t in ops),
+                                                 pre.mean_q_global, pre.delta_key, torch.empty(0, device="cuda"), out,
+                                                 512, 384, 0.125, False)
+    with_res = _attn.fp4_attention(*ops, k_residual=pre.k_residual, **kw)
+    zeros = _attn.fp4_attention(*ops, k_residual=torch.zeros_like(pre.k_residual), **kw)
+    assert not torch.equal(with_res, zeros)
+    want = ref.sageattn3(q.cpu(), k.cpu(), v.cpu())
+    assert cos_sim(with_res.float().cpu(), want) >= 0.99999
+    one = ref.preprocess(q, k, v, per_block_mean=False, pad=128)
+    assert one.k_residual is None
+    _attn.attention_from_preprocessed(one)  # one Q mean: no residual needed
+
+
 # cos-sim floors vs exact attention on the hard cases (1000 tokens, GQA 8:2), low enough for every
 # mode the tests run (the rotation alone on K outlier channels is the lowest: about 0.89 at D 64)
 EXACT_FLOOR = {"randn": 0.975, "q_offset_x1": 0.998, "q_offset_x3": 0.994, "q_offset_x8": 0.991,
                "q_outliers": 0.93, "k_outliers": 0.87, "qk_outliers": 0.87, "k_bias": 0.975, "peaky": 0.94,
-               "zero_mean_v": 0.985}
+               "zero_mean_v": 0.985, "q_drift": 0.994}
 
 
 @pytest.mark.parametrize("case", attention_cases.CASES)

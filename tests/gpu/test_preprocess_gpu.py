@@ -191,6 +191,7 @@ def test_balanced_launch_equals_balanced_float32_copies(dtype, gq, gk, sq, sk, d
     plain = _kernels.smooth_quant_qk_key(q32, k32, 128, rotate=rotate, search=search)
     for i, name in enumerate(("q_packed", "q_scales", "mean_q", "k_packed", "k_scales", "mean_k", "qbar")):
         assert same_bytes(got[i], plain[i]), name
+    assert same_bytes(got[9], plain[9]), "k_res"  # K's quantization residual, from the same fp32 rows
     scale = plain[7].abs().max().clamp_min(1.0)
     assert (got[7] - plain[7]).abs().max() <= 2e-5 * scale  # ds_key: the same dots, other operands' bits
     again = _kernels.smooth_quant_qk_key(q, k, 128, rotate=rotate, balance=True, search=search)
@@ -490,19 +491,21 @@ def test_one_op_equals_the_stage_ops(dtype, per_block_mean, rotate, balance, sea
     vp, vsc = _kernels.quant_cols(v, pad)
     q3, k3 = q.view(b * hq, sq, d), k.view(b * hk, sk, d)
     if per_block_mean:
-        qp, qsc, mean_q, kp, ksc, mean_k, qbar, ds_key, exps = _kernels.smooth_quant_qk_key(
+        qp, qsc, mean_q, kp, ksc, mean_k, qbar, ds_key, exps, k_res = _kernels.smooth_quant_qk_key(
             q3, k3, pad, rotate=rotate, balance=balance, search=search)
     else:
         qp, qsc, mean_q = _kernels.smooth_quant_seq(q3, pad, rotate=rotate, search=search)
         kp, ksc, mean_k, ds_key = _kernels.smooth_quant_seq_key(k3, pad, mean_q, rotate=rotate, search=search)
         qbar, exps = torch.empty(0, device="cuda"), torch.empty(0, device="cuda")
+        k_res = torch.empty(0, dtype=torch.float8_e4m3fn, device="cuda")
     if exps is None:
         exps = torch.empty(0, device="cuda")
-    want = (qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps)
+    want = (qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps, k_res)
     sqp, skp = -(-sq // pad) * pad, -(-sk // pad) * pad
     shapes = [(b, hq, sqp, d // 2), (b, hq, sqp, d // 16), (b, hk, skp, d // 2), (b, hk, skp, d // 16),
               (b, hk, d, skp // 2), (b, hk, d, skp // 16), (b, hq, -(-sq // 128) if per_block_mean else 1, d),
-              (b, hk, 1, d), (b if per_block_mean else 0, hq, 1, d), (b, hq, skp), (b if balance else 0, hk, 1, d)]
+              (b, hk, 1, d), (b if per_block_mean else 0, hq, 1, d), (b, hq, skp), (b if balance else 0, hk, 1, d),
+              (b if per_block_mean else 0, hk, skp, d)]
     assert [tuple(t.shape) for t in got] == shapes
     for i, (a, w) in enumerate(zip(got, want)):
         assert a.dtype == w.dtype and a.numel() == w.numel() and same_bytes(a.reshape(-1), w.reshape(-1)), i
@@ -582,7 +585,7 @@ def test_preprocess_qkv_fake_matches_the_op(per_block_mean, balance):
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
         fake = torch.ops.sageattn3.preprocess_qkv(fq, fk, fv, 128, per_block_mean, False, balance, False)
-    assert len(fake) == len(real) == 11
+    assert len(fake) == len(real) == 12
     for a, b in zip(fake, real):
         assert (a.shape, a.dtype, a.stride(), a.device) == (b.shape, b.dtype, b.stride(), b.device)
 

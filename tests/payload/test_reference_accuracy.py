@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # cos-sim floors vs exact attention in test_hard_cases_against_exact (measured there: 1 - cos
 # about half of 1 - floor)
 FLOOR = {"randn": 0.975, "q_offset_x1": 0.998, "q_offset_x3": 0.994, "q_offset_x8": 0.991, "q_outliers": 0.93,
-         "k_outliers": 0.92, "qk_outliers": 0.93, "k_bias": 0.975, "peaky": 0.94, "zero_mean_v": 0.988}
+         "k_outliers": 0.92, "qk_outliers": 0.93, "k_bias": 0.975, "peaky": 0.94, "zero_mean_v": 0.988, "q_drift": 0.994}
 
 
 def sylvester(d: int) -> torch.Tensor:
@@ -104,13 +104,7 @@ def test_delta_s_with_block_means_is_the_papers(case):
     (``refined_rows``), i.e. the paper's mean_q · K_sᵀ up to E4M3 rounding of K's quantization
     error: far closer to it than through Kd alone, also where the block residuals r_i are large
     (Q block means drifting along the sequence)."""
-    if case == "q_drift":
-        g = torch.Generator().manual_seed(3)
-        q = torch.randn(1, 2, 768, 128, generator=g) + torch.linspace(-1, 1, 768)[:, None] * 8 * torch.randn(128, generator=g)
-        k = torch.randn(1, 1, 256, 128, generator=g) + 3 * torch.randn(128, generator=g)
-        q, k, v = q.bfloat16(), k.bfloat16(), k.bfloat16()
-    else:
-        q, k, v = ac.make(case, 1, 2, 1, 384, 256, 128, seed=3)
+    q, k, v = ac.make(case, 1, 2, 1, 768, 256, 128, seed=3)
     pre = ref.preprocess(q, k, v, per_block_mean=True, qk_rotation=True)
     ks = ref.rotate(k) - pre.mean_k
     kd = ref.dequantize_rows(pre.k_packed, pre.k_scales)[..., :256, :]
@@ -431,7 +425,9 @@ def test_balance_given_exponents_are_used():
     assert torch.equal(on.k_packed, ref.quantize_rows(ks, scale_search=ref.QK_SCALE_SEARCH)[0])
 
 
-@pytest.mark.parametrize("case", [c for c in ac.CASES if c not in ("q_outliers", "k_outliers")])
+# (q_drift: the drift inside each block adds to Q's variance along the drift direction, which the
+# balance may rightly act on)
+@pytest.mark.parametrize("case", [c for c in ac.CASES if c not in ("q_outliers", "k_outliers", "q_drift")])
 def test_balance_is_a_no_op_without_outlier_channels(case):
     """e = 0 everywhere on the other hard cases (outlier channels shared by Q and K included:
     their RMS ratio is the typical one): the same Preprocessed tensors bit for bit and the same
