@@ -164,7 +164,7 @@ def fp4_attention(
                              f"got {tuple(k_residual.shape)}")
         if k_residual.shape[2] > sk_p:
             raise ValueError(f"k_residual covers more keys ({k_residual.shape[2]}) than k ({sk_p})")
-        k_residual = _pad_seq(k_residual, 2).contiguous()
+        k_residual = _pad_to(k_residual, 2, sk_p).contiguous()
         if k_residual.data_ptr() % 16:
             k_residual = k_residual.clone()
     return _launch(q, q_sf, k, k_sf, v.contiguous(), v_sf.contiguous(), mean_q, mean_q_global, delta_key, int(seq_q),

@@ -12,7 +12,7 @@ computed in float64 from the bf16 inputs):
 - "paper": ``sageattn3.reference.sageattn3_paper``, the algorithm as published (no rotation,
   plain NVFP4 scales, delta_s = mean_q · K_sᵀ materialised);
 - "ours": ``sageattn3.reference.sageattn3`` with this package's defaults (delta_s = delta_key +
-  r · Kdᵀ, no balance, no rotation, plain scales); "ours + balance": the same with
+  r · K̂ᵀ, K̂ the quantized K plus its quantization residual; no balance, no rotation, plain scales); "ours + balance": the same with
   qk_balance=True (the Q/K channel balance); "+ balance + rotation": qk_balance=True and
   qk_rotation=True (balanced, then rotated); "+ scale search": those two and Q and K quantized
   with the scale search (qk_scale_search=True), the most accurate setting;

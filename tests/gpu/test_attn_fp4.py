@@ -30,7 +30,7 @@ def ref_rows(pre, rows: torch.Tensor, is_causal: bool, sm_scale: float) -> torch
     qd = ref.dequantize_rows(pre.q_packed, pre.q_scales)[..., rows, :]
     kd = ref.expand_kv(ref.dequantize_rows(pre.k_packed, pre.k_scales), hq)
     vd = ref.expand_kv(ref.dequantize_transposed(pre.v_packed, pre.v_scales, pre.v_packed.shape[-1] * 2), hq)
-    delta_s = pre.delta_s  # delta_key + r . Kd^T, materialised here only (the kernel: per tile)
+    delta_s = pre.delta_s  # delta_key + r . K^T (K^: Kd + residual), materialised here only (the kernel: per tile)
     nblk = delta_s.shape[-2]
     ds_rows = delta_s[..., (rows // 128) if nblk > 1 else torch.zeros_like(rows), :]
     c = sm_scale / ref.rotation_score_factor(qd.shape[-1], pre.qk_rotation) * ref.LOG2E

@@ -226,7 +226,7 @@ def test_fused_k_delta_matches_reference(dtype, b, hq, hk, sq, sk, d):
 
 def test_single_key_residual_is_exactly_zero():
     """K == mean_k for one key: its smoothed row is 0, so its codes, delta_key (mean_q_global .
-    K_s) and the block residuals' part r . Kd are all exactly 0, as in the reference."""
+    K_s) and the block residuals' part r . K^ are all exactly 0, as in the reference."""
     sa = kernels_or_skip()
     q, k, v = qkv(1, 2, 2, 300, 1, 128, torch.bfloat16, seed=5)
     pre = sa.preprocess(q, k, v, per_block_mean=True)
