@@ -14,8 +14,8 @@ produce (all sequence dims padded with zeros to a multiple of 128):
   (``reference.sample_mean``); delta_key (B, Hq, Sk_p) float32: mean_q_global · K_sᵀ per key
   (the unquantized smoothed K, from preprocessing); k_residual (B, Hkv, Sk_p, D) float8_e4m3fn:
   K's quantization residual (``reference.quantize_residual``; needed with per-block Q means). The
-  kernel adds delta_s = delta_key + (mean_q - mean_q_global) · K̂ᵀ (K̂ = ``reference.refined_rows``:
-  the dequantized k plus the residual, or the dequantized k alone without it) to Q·Kᵀ before the
+  kernel adds delta_s = delta_key + (mean_q - mean_q_global) · K̂ᵀ (K̂ =
+  ``reference.dequantize_rows`` of k with the residual, or of k alone without it) to Q·Kᵀ before the
   softmax scale, the second term computed per 128-key tile on the fly (query row i uses mean
   i // 128, or 0); delta_s is never materialised.
 - With Q/K rotation (``reference.rotate``) the scores are (D/64)·Q·Kᵀ: the softmax scale is
@@ -133,18 +133,14 @@ def fp4_attention(
     if v.shape[3] * 2 > sk_p or v_sf.shape[3] * 16 > sk_p:
         raise ValueError(f"v covers more keys ({v.shape[3] * 2}) than k ({sk_p})")
     v, v_sf = _pad_to(v, 3, sk_p // 2), _pad_to(v_sf, 3, sk_p // 16)
-    mean_q = mean_q.contiguous()
-    if mean_q.data_ptr() % 16:
-        mean_q = mean_q.clone()
+    mean_q = _kernels.aligned(mean_q)
     nblk = mean_q.shape[2]
     if mean_q.shape[:2] != (b, hq) or mean_q.shape[3] != d or nblk not in (1, q.shape[2] // SEQ_PAD):
         raise ValueError(
             f"mean_q must be (B, Hq, 1 or Sq_p/128, D) = ({b}, {hq}, 1|{q.shape[2] // SEQ_PAD}, {d}), "
             f"got {tuple(mean_q.shape)}"
         )
-    mean_q_global = mean_q_global.contiguous()
-    if mean_q_global.data_ptr() % 16:
-        mean_q_global = mean_q_global.clone()
+    mean_q_global = _kernels.aligned(mean_q_global)
     if mean_q_global.shape != (b, hq, 1, d):
         raise ValueError(f"mean_q_global must be (B, Hq, 1, D) = ({b}, {hq}, 1, {d}), got {tuple(mean_q_global.shape)}")
     if delta_key.dim() != 3 or delta_key.shape[:2] != (b, hq) or delta_key.device != q.device:
@@ -164,9 +160,7 @@ def fp4_attention(
                              f"got {tuple(k_residual.shape)}")
         if k_residual.shape[2] > sk_p:
             raise ValueError(f"k_residual covers more keys ({k_residual.shape[2]}) than k ({sk_p})")
-        k_residual = _pad_to(k_residual, 2, sk_p).contiguous()
-        if k_residual.data_ptr() % 16:
-            k_residual = k_residual.clone()
+        k_residual = _kernels.aligned(_pad_to(k_residual, 2, sk_p))
     return _launch(q, q_sf, k, k_sf, v.contiguous(), v_sf.contiguous(), mean_q, mean_q_global, delta_key, int(seq_q),
                    int(seq_k), sm_scale, bool(is_causal), out_dtype, bool(qk_rotation), k_residual)
 

@@ -184,6 +184,16 @@ def _smooth_quant_seq(x, seq_pad, rotate, qbar, search):
 _NONE: dict = {}
 
 
+def aligned(x: torch.Tensor) -> torch.Tensor:
+    """Contiguous and 16-byte aligned (the kernels use 16-byte vector loads). Under
+    torch.compile only contiguous: a traced tensor has no address yet (the ops refuse a
+    misaligned one with a clear error)."""
+    x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return x
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
 def _none(device: torch.device, i: int) -> torch.Tensor:
     """An empty float32 tensor ("no such operand" for the ops), distinct per operand slot i."""
     t = _NONE.get((device, i))

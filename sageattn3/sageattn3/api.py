@@ -416,14 +416,7 @@ def scale_and_quant_fp4_transpose(x):
 
 
 
-def _aligned(x: torch.Tensor) -> torch.Tensor:
-    """Contiguous and 16-byte aligned (the kernels use 16-byte vector loads). Under
-    torch.compile only contiguous: a traced tensor has no address yet (the ops refuse a
-    misaligned one with a clear error)."""
-    x = x.contiguous()
-    if torch.compiler.is_compiling():
-        return x
-    return x if x.data_ptr() % 16 == 0 else x.clone()
+_aligned = _kernels.aligned
 
 
 def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,

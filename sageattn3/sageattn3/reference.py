@@ -119,12 +119,18 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).flatten(-2)
 
 
+def _reciprocal(sbyte: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ok, 1/scale) of scale bytes: ok False where the scale is 0 or NaN (1/scale 0 there), the
+    correctly rounded float32 reciprocal elsewhere."""
+    s = e4m3_decode(sbyte)
+    ok = s > 0  # False for 0 and NaN
+    return ok, torch.where(ok, torch.div(1.0, torch.where(ok, s, torch.ones_like(s))), torch.zeros_like(s))
+
+
 def _block_codes(xf: torch.Tensor, sbyte: torch.Tensor) -> torch.Tensor:
     """E2M1 codes of blocks xf (..., 16) under scale bytes sbyte (..., 1): x * (1/scale) (float32
     reciprocal, one multiply), all 0 where the scale is 0 or NaN."""
-    s = e4m3_decode(sbyte)
-    ok = s > 0  # False for 0 and NaN
-    inv = torch.where(ok, torch.div(1.0, torch.where(ok, s, torch.ones_like(s))), torch.zeros_like(s))
+    ok, inv = _reciprocal(sbyte)
     codes = e2m1_encode(xf * inv)
     return torch.where(ok, codes, torch.zeros_like(codes))
 
@@ -169,21 +175,29 @@ def quantize_rows(x: torch.Tensor, scale_search: bool = False) -> tuple[torch.Te
     return packed, sbyte.reshape(*x.shape[:-1], n // BLOCK).view(torch.float8_e4m3fn)
 
 
-def dequantize_rows(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``quantize_rows`` (float32)."""
-    vals = e2m1_decode(unpack_codes(packed))
-    s = e4m3_decode(scales)
-    n = vals.shape[-1]
-    out = vals.reshape(*vals.shape[:-1], n // BLOCK, BLOCK) * s.unsqueeze(-1)
-    return out.reshape(*vals.shape[:-1], n)
-
-
 # K's quantization residual (``quantize_residual``) is stored as E4M3 in units of the block's
 # scale / RESIDUAL_UNIT: |x / scale - E2M1(code)| <= 1 where the scale is a normal E4M3 number below
 # 448 (half an E2M1 step, or 0.4 past 6), and <= 3 where amax / 6 rounds to the smallest subnormal,
 # so the stored values stay below 192 and their relative precision (2^-4) reaches down to 2^-12 of
 # the scale.
 RESIDUAL_UNIT = 64.0
+
+
+def dequantize_rows(packed: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of ``quantize_rows`` (float32). With ``residual`` (``quantize_residual``), each
+    value is (E2M1(code) + residual / 64) * scale: the quantized x to within E4M3 rounding (2^-4
+    relative) of its quantization error, and of the rounding of x * (1/scale); E2M1(code) +
+    residual / 64 is exact in float32 (at most 19 significant bits), as is its product with the
+    scale."""
+    vals = e2m1_decode(unpack_codes(packed))
+    if residual is not None:
+        vals = vals + residual.float() / RESIDUAL_UNIT
+    s = e4m3_decode(scales)
+    n = vals.shape[-1]
+    out = vals.reshape(*vals.shape[:-1], n // BLOCK, BLOCK) * s.unsqueeze(-1)
+    return out.reshape(*vals.shape[:-1], n)
+
+
 
 
 def quantize_residual(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -193,29 +207,14 @@ def quantize_residual(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     y = x * (1/scale) the float32 value the E2M1 conversion rounded (the subtraction is exact: y
     and its grid value are within a factor of two, or the grid value is 0; times 64 is exact),
     round to nearest even, saturating at +-448; 0 in blocks whose scale is 0 or NaN.
-    ``refined_rows`` adds it back."""
+    ``dequantize_rows(packed, scales, residual)`` adds it back."""
     n = x.shape[-1]
     xf = x.float().reshape(*x.shape[:-1], n // BLOCK, BLOCK)
     codes = unpack_codes(packed).reshape(xf.shape)
-    s = e4m3_decode(scales).unsqueeze(-1)
-    ok = s > 0  # False for 0 and NaN
-    inv = torch.where(ok, torch.div(1.0, torch.where(ok, s, torch.ones_like(s))), torch.zeros_like(s))
+    ok, inv = _reciprocal(scales.unsqueeze(-1))
     r = (xf * inv - e2m1_decode(codes)) * RESIDUAL_UNIT
     r = torch.where(ok, r.clamp(-E4M3_MAX, E4M3_MAX), torch.zeros_like(r))
     return r.reshape(x.shape).to(torch.float8_e4m3fn)
-
-
-def refined_rows(packed: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """(..., N) float32: (E2M1(code) + residual / 64) * scale per element (``quantize_residual``):
-    the smoothed K to within E4M3 rounding (2^-4 relative) of its quantization error, and of the
-    rounding of x * (1/scale). E2M1(code) + residual / 64 is exact in float32 (at most 19
-    significant bits), as is its product with the scale."""
-    vals = e2m1_decode(unpack_codes(packed))
-    vals = vals + residual.float() / RESIDUAL_UNIT
-    s = e4m3_decode(scales)
-    n = vals.shape[-1]
-    out = vals.reshape(*vals.shape[:-1], n // BLOCK, BLOCK) * s.unsqueeze(-1)
-    return out.reshape(*vals.shape[:-1], n)
 
 
 def pad_dim(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
@@ -507,7 +506,7 @@ class Preprocessed:
       residual (``quantize_residual`` of the smoothed K rows k_packed holds; 0 in padded rows).
     - delta_s (a property; the kernel never materialises it) (B, Hq, nblk, Sk_p): the correction
       added to Qd·Kdᵀ, delta_s[i, j] = delta_key[j] + r_i · K̂_j with r_i = mean_q[i] -
-      mean_q_global (float32 subtraction) and K̂ = ``refined_rows``(k_packed, k_scales,
+      mean_q_global (float32 subtraction) and K̂ = ``dequantize_rows``(k_packed, k_scales,
       k_residual), the dequantized smoothed K plus its quantization residual (Kd alone where
       k_residual is None: then r = 0). SageAttention2/3 add mean_q · K_sᵀ (K_s = K - mean_k,
       unquantized) = delta_key + r_i · K_s: the two differ by r_i · (K̂ - K_s), the E4M3 rounding
@@ -548,11 +547,7 @@ class Preprocessed:
 
     @property
     def delta_s(self) -> torch.Tensor:
-        if self.k_residual is None:
-            kd = dequantize_rows(self.k_packed, self.k_scales)
-        else:
-            kd = refined_rows(self.k_packed, self.k_scales, self.k_residual)
-        kd = expand_kv(kd, self.mean_q.shape[1])
+        kd = expand_kv(dequantize_rows(self.k_packed, self.k_scales, self.k_residual), self.mean_q.shape[1])
         part = torch.matmul(self.q_mean_residual.double(), kd.double().transpose(-1, -2))
         return (self.delta_key.double().unsqueeze(-2) + part).float()
 

@@ -101,14 +101,14 @@ def test_correction_restores_the_scores_for_sampled_means(rotation, per_block_me
 @pytest.mark.parametrize("case", ["q_offset_x8", "q_drift"])
 def test_delta_s_with_block_means_is_the_papers(case):
     """Per-block means: delta_s = delta_key + r_i · K̂ with K̂ = Kd + K's quantization residual
-    (``refined_rows``), i.e. the paper's mean_q · K_sᵀ up to E4M3 rounding of K's quantization
+    (``dequantize_rows`` with the residual), i.e. the paper's mean_q · K_sᵀ up to E4M3 rounding of K's quantization
     error: far closer to it than through Kd alone, also where the block residuals r_i are large
     (Q block means drifting along the sequence)."""
     q, k, v = ac.make(case, 1, 2, 1, 768, 256, 128, seed=3)
     pre = ref.preprocess(q, k, v, per_block_mean=True, qk_rotation=True)
     ks = ref.rotate(k) - pre.mean_k
     kd = ref.dequantize_rows(pre.k_packed, pre.k_scales)[..., :256, :]
-    khat = ref.refined_rows(pre.k_packed, pre.k_scales, pre.k_residual)[..., :256, :]
+    khat = ref.dequantize_rows(pre.k_packed, pre.k_scales, pre.k_residual)[..., :256, :]
     r = pre.mean_q - pre.mean_q_global
     want = (pre.mean_q_global.double() @ ks.double().transpose(-1, -2)
             + r.double() @ khat.double().transpose(-1, -2))
@@ -122,7 +122,7 @@ def test_delta_s_with_block_means_is_the_papers(case):
 
 def test_quantize_residual_recovers_the_smoothed_k():
     """K's quantization residual: E4M3 of (x / scale - E2M1(code)) * 64 per element, so
-    refined_rows gives x to within 2^-4 of the quantization error (plus the rounding of
+    dequantize_rows with it gives x to within 2^-4 of the quantization error (plus the rounding of
     x / scale); zeros where the scale is 0; saturates at 448 where the scale itself saturates."""
     g = torch.Generator().manual_seed(11)
     x = torch.randn(64, 128, generator=g) * torch.logspace(-3, 3, 64)[:, None]
@@ -134,7 +134,7 @@ def test_quantize_residual_recovers_the_smoothed_k():
     res = ref.quantize_residual(x, packed, scales)
     assert res.dtype == torch.float8_e4m3fn and res.shape == x.shape
     kd = ref.dequantize_rows(packed, scales)
-    khat = ref.refined_rows(packed, scales, res)
+    khat = ref.dequantize_rows(packed, scales, res)
     s = ref.e4m3_decode(scales).repeat_interleave(16, dim=-1)
     ok = (s > 0) & (x.abs() < 448 * 6)
     err_q, err_r = (x - kd).abs(), (x - khat).abs()

@@ -77,7 +77,7 @@ def test_preprocess_layout_and_smoothing(rotation):
     # K plus its quantization residual (E4M3, zero in padding rows)
     assert pre.k_residual.shape == (2, 2, 256, 64) and pre.k_residual.dtype == torch.float8_e4m3fn
     assert (pre.k_residual.view(torch.uint8)[:, :, 200:] == 0).all()
-    kdq = ref.refined_rows(pre.k_packed, pre.k_scales, pre.k_residual)[:, :, :200]
+    kdq = ref.dequantize_rows(pre.k_packed, pre.k_scales, pre.k_residual)[:, :, :200]
     dkey = pre.mean_q_global[:, 3] @ (turn(k.float()) - pre.mean_k)[:, 1].transpose(-1, -2)
     assert torch.allclose(pre.delta_key[:, 3, :200], dkey[:, 0], rtol=1e-5, atol=1e-4)
     want = dkey + (pre.mean_q[:, 3] - pre.mean_q_global[:, 3]) @ kdq[:, 1].transpose(-1, -2)

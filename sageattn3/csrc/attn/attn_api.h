@@ -13,7 +13,7 @@
 //          to Q K^T before scaling, K^ = (E2M1(code) + k_res / 64) x scale: the dequantized k
 //          (exactly the operand in shared memory) plus K's quantization residual, i.e. the
 //          unquantized smoothed K to within E4M3 rounding of its quantization error
-//          (reference.refined_rows). The residual part is computed per K tile on the CUDA cores,
+//          (reference.dequantize_rows with the residual). The residual part is computed per K tile on the CUDA cores,
 //          and skipped for a query tile whose residual mean_q[i] - qbar (fp32) is all zeros.
 //   k_res  E4M3 (B, Hkv, Sk_pad, D): K's quantization residual (reference.quantize_residual),
 //          or null with one Q mean (mean_qblocks 1: the residual r is 0).

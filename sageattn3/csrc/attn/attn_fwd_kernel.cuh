@@ -230,7 +230,7 @@ __device__ __forceinline__ float delta_s_part(uint32_t k_tile, uint32_t ksf_tile
         acc = fmaf(m.z, fmaf(e1.x, 0x1p-20f, v1.x), acc);
         acc = fmaf(m.w, fmaf(e1.y, 0x1p-20f, v1.y), acc);
       }
-      const float scale = p_scale_value((sf >> (8 * (b + bb))) & 0xffu) * 16384.f;
+      const float scale = e4m3_value((sf >> (8 * (b + bb))) & 0xffu) * 16384.f;
       total = fmaf(acc, scale, total);
     }
   }

@@ -34,15 +34,6 @@ __device__ __forceinline__ uint32_t p_e2m1_code(float x) {
   return ((__float_as_uint(x) >> 31) << 3) | m;
 }
 
-// Block amax (>= 0) -> unsigned E4M3 scale byte: amax/6 in fp32, saturating RN conversion.
-__device__ __forceinline__ uint32_t p_scale_byte(float amax) {
-  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(__fdiv_rn(amax, 6.0f), __NV_SATFINITE, __NV_E4M3)) & 0x7fu;
-}
-
-__device__ __forceinline__ float p_scale_value(uint32_t b) {
-  return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3)));
-}
-
 // Eight non-negative floats (already divided by their block scale) -> eight E2M1 codes, element i
 // in bits [4i, 4i+4).
 __device__ __forceinline__ uint32_t e2m1x8(const float (&v)[8], float inv) {
@@ -75,8 +66,8 @@ __device__ __forceinline__ void quantize_p_chunk(const float (&p)[2][2][8], uint
       for (int i = 0; i < 8; ++i) amax = fmaxf(amax, p[h][r][i]);
       // Lanes t and t^1 share the 16-key block 32h + 16(t>>1).
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-      const uint32_t sb = p_scale_byte(amax);
-      const float s = p_scale_value(sb);
+      const uint32_t sb = e4m3_scale_byte(amax);
+      const float s = e4m3_value(sb);
       const float inv = s > 0.f ? __frcp_rn(s) : 0.f;
       a[2 * h + r] = e2m1x8(p[h][r], inv);
       byte[h][r] = sb;

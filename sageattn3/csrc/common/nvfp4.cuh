@@ -196,7 +196,6 @@ __device__ __forceinline__ uint2 residual8(const float (&y)[8], uint32_t word) {
   return make_uint2(out[0], out[1]);
 }
 
-
 // 16 values (fp32) of one block -> codes of elements 0-7 (x) and 8-15 (y) for the scale byte
 // `sbyte` (codes 0 when the scale is 0 or NaN); with want_res, also the block's quantization
 // residual into res (residual8: bytes 0-7 in res.x/y, 8-15 in res.z/w; zeros when the scale is 0
@@ -277,14 +276,15 @@ __device__ __forceinline__ float amax16(const float (&v)[16]) {
   return a;
 }
 
-__device__ __forceinline__ uint2 quant16(const float (&v)[16], uint32_t& sbyte) {
-  return quant16_with_amax(v, __float_as_uint(amax16(v)), sbyte);
-}
-
 // With want_res: the block's quantization residual into res (codes16).
 __device__ __forceinline__ uint2 quant16(const float (&v)[16], uint32_t& sbyte, uint4& res, bool want_res) {
   sbyte = e4m3_scale_byte(amax16(v));
   return codes16(v, sbyte, res, want_res);
+}
+
+__device__ __forceinline__ uint2 quant16(const float (&v)[16], uint32_t& sbyte) {
+  uint4 unused;
+  return quant16(v, sbyte, unused, false);
 }
 
 // The scale search (reference.quantize_rows(..., scale_search=True)): the block is quantized
