@@ -179,19 +179,29 @@ def quantize_rows(x: torch.Tensor, scale_search: bool = False) -> tuple[torch.Te
 # scale / RESIDUAL_UNIT: |x / scale - E2M1(code)| <= 1 where the scale is a normal E4M3 number below
 # 448 (half an E2M1 step, or 0.4 past 6), and <= 3 where amax / 6 rounds to the smallest subnormal,
 # so the stored values stay below 192 and their relative precision (2^-4) reaches down to 2^-12 of
-# the scale.
+# the scale. A block whose scale byte is 0 (amax / 6 below 2^-10: codes all 0) keeps its values in
+# the residual, in units of E4M3's smallest subnormal 2^-9 / 64 (``residual_scales``): |x| <= 6 *
+# 2^-10 there, so those bytes stay below 192 too.
 RESIDUAL_UNIT = 64.0
+
+
+def residual_scales(scales: torch.Tensor) -> torch.Tensor:
+    """The scale bytes (uint8) K's quantization residual is in units of: each block's own, and
+    byte 1 (2^-9, E4M3's smallest subnormal) where the scale byte is 0."""
+    b = scales if scales.dtype == torch.uint8 else scales.view(torch.uint8)
+    return torch.where(b == 0, torch.ones_like(b), b)
 
 
 def dequantize_rows(packed: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of ``quantize_rows`` (float32). With ``residual`` (``quantize_residual``), each
-    value is (E2M1(code) + residual / 64) * scale: the quantized x to within E4M3 rounding (2^-4
-    relative) of its quantization error, and of the rounding of x * (1/scale); E2M1(code) +
-    residual / 64 is exact in float32 (at most 19 significant bits), as is its product with the
-    scale."""
+    value is (E2M1(code) + residual / 64) * scale (the scale of ``residual_scales``): the quantized
+    x to within E4M3 rounding (2^-4 relative) of its quantization error, and of the rounding of
+    x * (1/scale); E2M1(code) + residual / 64 is exact in float32 (at most 19 significant bits),
+    as is its product with the scale."""
     vals = e2m1_decode(unpack_codes(packed))
     if residual is not None:
         vals = vals + residual.float() / RESIDUAL_UNIT
+        scales = residual_scales(scales)
     s = e4m3_decode(scales)
     n = vals.shape[-1]
     out = vals.reshape(*vals.shape[:-1], n // BLOCK, BLOCK) * s.unsqueeze(-1)
@@ -206,12 +216,13 @@ def quantize_residual(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     (``quantize_rows``) -> float8_e4m3fn (..., N), per element e4m3((y - E2M1(code)) * 64) with
     y = x * (1/scale) the float32 value the E2M1 conversion rounded (the subtraction is exact: y
     and its grid value are within a factor of two, or the grid value is 0; times 64 is exact),
-    round to nearest even, saturating at +-448; 0 in blocks whose scale is 0 or NaN.
+    round to nearest even, saturating at +-448; in a block whose scale byte is 0 (codes 0) the scale
+    is 2^-9 (``residual_scales``), so y = x * 2^9 keeps its values; 0 in blocks whose scale is NaN.
     ``dequantize_rows(packed, scales, residual)`` adds it back."""
     n = x.shape[-1]
     xf = x.float().reshape(*x.shape[:-1], n // BLOCK, BLOCK)
     codes = unpack_codes(packed).reshape(xf.shape)
-    ok, inv = _reciprocal(scales.unsqueeze(-1))
+    ok, inv = _reciprocal(residual_scales(scales).unsqueeze(-1))
     r = (xf * inv - e2m1_decode(codes)) * RESIDUAL_UNIT
     r = torch.where(ok, r.clamp(-E4M3_MAX, E4M3_MAX), torch.zeros_like(r))
     return r.reshape(x.shape).to(torch.float8_e4m3fn)

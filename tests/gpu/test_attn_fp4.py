@@ -178,6 +178,23 @@ def test_fp4_attention_needs_k_residual_with_block_means():
     _attn.attention_from_preprocessed(one)  # one Q mean: no residual needed
 
 
+def test_fp4_attention_with_zero_scale_k_blocks():
+    """Tiny K (x0.003: many blocks with scale byte 0, codes 0) against large drifting Q block
+    means (x300): the kernel reads those blocks' residual in units of 2^-9 as the reference does
+    (cos-sim >= 0.99999), and lands as close to exact attention as the paper's algorithm."""
+    attn_or_skip()
+    from sageattn3 import _attn, reference as ref
+
+    q, k, v = attention_cases.make("q_drift", 1, 4, 2, 1000, 1000, 64, seed=7)
+    q, k = (q.float() * 300).bfloat16(), (k.float() * 0.003).bfloat16()
+    pre = ref.preprocess(q.cuda(), k.cuda(), v.cuda(), pad=128)
+    assert float((pre.k_scales.view(torch.uint8) == 0).float().mean()) > 0.25
+    got = _attn.attention_from_preprocessed(pre).float().cpu()
+    assert cos_sim(got, ref.sageattn3(q, k, v)) >= 0.99999
+    exact = ref.exact_attention(q, k, v)
+    assert rel_l1(got, exact) < 1.05 * rel_l1(ref.sageattn3_paper(q, k, v), exact) + 2e-3
+
+
 # cos-sim floors vs exact attention on the hard cases (1000 tokens, GQA 8:2), low enough for every
 # mode the tests run (the rotation alone on K outlier channels is the lowest: about 0.89 at D 64)
 EXACT_FLOOR = {"randn": 0.975, "q_offset_x1": 0.998, "q_offset_x3": 0.994, "q_offset_x8": 0.991,

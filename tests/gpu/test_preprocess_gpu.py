@@ -7,6 +7,7 @@ with a tolerance)."""
 import pytest
 import torch
 
+import attention_cases
 from gpu_common import kernels_or_skip, same_bytes
 
 
@@ -598,3 +599,25 @@ def test_preprocess_qkv_under_graph_capture():
 
     q, k, v = qkv(1, 4, 2, 700, 900, 128, torch.bfloat16, seed=5, outliers=True)
     graph_replays_equal_eager(lambda: _kernels.preprocess_qkv(q, k, v, 128, True, False, True, False))
+
+
+@pytest.mark.parametrize("search", [False, True])
+def test_residual_of_zero_scale_blocks_matches_reference(search):
+    """Tiny K (x0.003): many of K's blocks get scale byte 0 (codes 0; a quarter without the scale
+    search, about a tenth with it, whose amax / 4 rounds to zero less often); their residual
+    keeps the values in units of 2^-9 (reference.residual_scales), bit-exact with the reference
+    like every other output."""
+    sa = kernels_or_skip()
+    from sageattn3 import reference as ref
+
+    q, k, v = attention_cases.make("q_drift", 1, 4, 2, 700, 600, 128, seed=7, device="cuda")
+    k = (k.float() * 0.003).to(k.dtype)
+    pre = sa.preprocess(q, k, v, qk_balance=True, qk_scale_search=search)
+    assert float((pre.k_scales.view(torch.uint8) == 0).float().mean()) > (0.05 if search else 0.25)
+    assert bool((pre.k_residual.view(torch.uint8) != 0).any())
+    ref_default = ref.QK_SCALE_SEARCH
+    ref.QK_SCALE_SEARCH = search
+    try:
+        _check_against_reference(pre, q, k, v, True, False, False, 2, 700, 128)
+    finally:
+        ref.QK_SCALE_SEARCH = ref_default

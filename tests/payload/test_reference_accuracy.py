@@ -123,27 +123,32 @@ def test_delta_s_with_block_means_is_the_papers(case):
 def test_quantize_residual_recovers_the_smoothed_k():
     """K's quantization residual: E4M3 of (x / scale - E2M1(code)) * 64 per element, so
     dequantize_rows with it gives x to within 2^-4 of the quantization error (plus the rounding of
-    x / scale); zeros where the scale is 0; saturates at 448 where the scale itself saturates."""
+    x / scale), also in blocks whose scale is 0 (the residual's unit is 2^-9 there: their values
+    are kept); zeros where the scale is NaN; saturates at 448 where the scale itself saturates."""
     g = torch.Generator().manual_seed(11)
     x = torch.randn(64, 128, generator=g) * torch.logspace(-3, 3, 64)[:, None]
     x[3] = 0.0
     x[5, :16] = 1e-4  # amax / 6 below E4M3's smallest subnormal: scale 0, codes 0
     x[6, :16] = 3e-3  # a subnormal scale
     x[7, :16] = 1e6  # the scale saturates at 448
+    x[8, 16:32] = float("nan")  # a NaN scale
     packed, scales = ref.quantize_rows(x)
     res = ref.quantize_residual(x, packed, scales)
     assert res.dtype == torch.float8_e4m3fn and res.shape == x.shape
     kd = ref.dequantize_rows(packed, scales)
     khat = ref.dequantize_rows(packed, scales, res)
-    s = ref.e4m3_decode(scales).repeat_interleave(16, dim=-1)
-    ok = (s > 0) & (x.abs() < 448 * 6)
+    s = ref.e4m3_decode(ref.residual_scales(scales)).repeat_interleave(16, dim=-1)
+    ok = (s > 0) & (x.abs() < 448 * 6)  # every block but the NaN one and the saturated one
     err_q, err_r = (x - kd).abs(), (x - khat).abs()
     # E4M3: half an ulp is at most 1/16 of the value, or 2^-10 (/ 64, in scales) below its normal range
     assert bool((err_r[ok] <= err_q[ok] / 16 + 2.0 ** -16 * s[ok] + 1e-6 * x.abs()[ok]).all())
     assert float(err_r[ok].sum()) < 0.05 * float(err_q[ok].sum())
     # |x / scale - E2M1| stays below 3 scales (the smallest subnormal scale), so the bytes never saturate
     assert float(res.float()[ok].abs().max()) <= 192
-    assert bool((res.view(torch.uint8)[5, :16] == 0).all()) and bool((khat[5, :16] == 0).all())
+    # scale byte 0: codes 0, the values kept by the residual alone (1e-4 * 2^15 = 3.28 -> 3.25)
+    assert int(scales.view(torch.uint8)[5, 0]) == 0 and bool((kd[5, :16] == 0).all())
+    assert bool((res.float()[5, :16] == 3.25).all()) and bool(ok[5, :16].all())
+    assert bool((res.view(torch.uint8)[8, 16:32] == 0).all()) and bool(khat[8, 16:32].isnan().all())
     assert bool((res.float()[7, :16].abs() == 448).all())
     # exact float32 sums: E2M1 value + residual / 64 has at most 19 significant bits
     v = ref.e2m1_decode(ref.unpack_codes(packed)) + res.float() / ref.RESIDUAL_UNIT
@@ -618,6 +623,22 @@ def test_defaults_match_the_paper_where_q_block_means_drift(causal):
     v = torch.randn(1, 2, s, d, generator=g)
     q = q + torch.linspace(-1, 1, s)[:, None] * 8 * torch.randn(d, generator=g)
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    exact = ref.exact_attention(q, k, v, is_causal=causal)
+    l1_paper = ac.rel_l1(ref.sageattn3_paper(q, k, v, is_causal=causal), exact)
+    l1_ours = ac.rel_l1(ref.sageattn3(q, k, v, is_causal=causal), exact)
+    assert l1_ours < 1.05 * l1_paper + 2e-3, (l1_ours, l1_paper)
+
+
+@pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
+def test_defaults_match_the_paper_where_k_blocks_quantize_to_zero(d, causal):
+    """Tiny K (x0.003: over a quarter of K's 16-value blocks get scale byte 0, codes 0) against
+    large, drifting Q block means (x300): the block residuals' part of the correction still sees those
+    blocks through K's residual (in units of E4M3's smallest scale there), as the paper's
+    mean_q · K_sᵀ does."""
+    q, k, v = ac.make("q_drift", 1, 4, 2, 1024, 1024, d, seed=7)
+    q, k = (q.float() * 300).bfloat16(), (k.float() * 0.003).bfloat16()
+    pre = ref.preprocess(q, k, v)
+    assert float((pre.k_scales.view(torch.uint8) == 0).float().mean()) > 0.25
     exact = ref.exact_attention(q, k, v, is_causal=causal)
     l1_paper = ac.rel_l1(ref.sageattn3_paper(q, k, v, is_causal=causal), exact)
     l1_ours = ac.rel_l1(ref.sageattn3(q, k, v, is_causal=causal), exact)

@@ -11,10 +11,12 @@
 //   ds_key fp32  (B, Hq, Sk_pad): qbar . K_s^T per key with K_s the UNQUANTIZED smoothed K (from
 //          preprocessing). The kernel adds delta_s[i, j] = ds_key[j] + (mean_q[i] - qbar) . K^_j
 //          to Q K^T before scaling, K^ = (E2M1(code) + k_res / 64) x scale: the dequantized k
-//          (exactly the operand in shared memory) plus K's quantization residual, i.e. the
+//          (exactly the operand in shared memory) plus K's quantization residual (a zero scale
+//          byte counts as 2^-9 there, the residual's unit where the codes are 0), i.e. the
 //          unquantized smoothed K to within E4M3 rounding of its quantization error
-//          (reference.dequantize_rows with the residual). The residual part is computed per K tile on the CUDA cores,
-//          and skipped for a query tile whose residual mean_q[i] - qbar (fp32) is all zeros.
+//          (reference.dequantize_rows with the residual). The residual part is computed per K
+//          tile on the CUDA cores, and skipped for a query tile whose residual mean_q[i] - qbar
+//          (fp32) is all zeros.
 //   k_res  E4M3 (B, Hkv, Sk_pad, D): K's quantization residual (reference.quantize_residual),
 //          or null with one Q mean (mean_qblocks 1: the residual r is 0).
 //   out    bf16/fp16 (B, Hq, Sq, D)

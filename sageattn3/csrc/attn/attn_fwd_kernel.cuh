@@ -188,9 +188,10 @@ struct ResidualHalf {
 
 // One thread's half of r . K^ for key row `key` of a stage's K tile: sum over the elements
 // d = half*D/2 .. half*D/2 + D/2 - 1 of r[d] * K^[key][d], K^ = (E2M1(code) + res / 64) x E4M3
-// scale (res: the residual's E4M3 value). Order (fixed): per 16-element block, a sequential fp32
-// fma chain over the block's elements in order of r[d] times (E2M1(code) + res / 64) x 2^-14 (exact
-// in fp32: at most 19 significant bits), then times (scale x 2^14); block results summed in order.
+// scale (res: the residual's E4M3 value; scale byte 0 counts as 1). Order (fixed): per 16-element
+// block, a sequential fp32 fma chain over the block's elements in order of r[d] times
+// (E2M1(code) + res / 64) x 2^-14 (exact in fp32: at most 19 significant bits), then times
+// (scale x 2^14); block results summed in order.
 template <int D>
 __device__ __forceinline__ float delta_s_part(uint32_t k_tile, uint32_t ksf_tile, uint32_t mean_q, int key, int half,
                                               const ResidualHalf<D>& res) {
@@ -230,7 +231,8 @@ __device__ __forceinline__ float delta_s_part(uint32_t k_tile, uint32_t ksf_tile
         acc = fmaf(m.z, fmaf(e1.x, 0x1p-20f, v1.x), acc);
         acc = fmaf(m.w, fmaf(e1.y, 0x1p-20f, v1.y), acc);
       }
-      const float scale = e4m3_value((sf >> (8 * (b + bb))) & 0xffu) * 16384.f;
+      // a zero scale byte is 2^-9 here (the residual's unit; the codes are 0): reference.residual_scales
+      const float scale = e4m3_value(max((sf >> (8 * (b + bb))) & 0xffu, 1u)) * 16384.f;
       total = fmaf(acc, scale, total);
     }
   }

@@ -198,12 +198,14 @@ __device__ __forceinline__ uint2 residual8(const float (&y)[8], uint32_t word) {
 
 // 16 values (fp32) of one block -> codes of elements 0-7 (x) and 8-15 (y) for the scale byte
 // `sbyte` (codes 0 when the scale is 0 or NaN); with want_res, also the block's quantization
-// residual into res (residual8: bytes 0-7 in res.x/y, 8-15 in res.z/w; zeros when the scale is 0
-// or NaN).
+// residual into res (residual8: bytes 0-7 in res.x/y, 8-15 in res.z/w; zeros when the scale is
+// NaN). A zero scale byte stands for 2^-9 (E4M3's smallest subnormal) in the residual
+// (reference.residual_scales): its values are kept there, against codes 0.
 __device__ __forceinline__ uint2 codes16(const float (&v)[16], uint32_t sbyte, uint4& res, bool want_res) {
   const float s = e4m3_value(sbyte);
   const bool ok = s > 0.f;  // false for 0 and NaN
-  const float inv = ok ? __frcp_rn(s) : 0.f;
+  const bool zero = sbyte == 0u;
+  const float inv = ok ? __frcp_rn(s) : (zero ? 512.f : 0.f);  // 1 / 2^-9 for the residual alone
   // the software conversion takes its values pre-scaled (exact: a power-of-two scaling)
   const float mul = SAGEATTN3_HW_E2M1 ? inv : inv * kE2M1Prescale;
   float y0[8], y1[8];
@@ -223,8 +225,8 @@ __device__ __forceinline__ uint2 codes16(const float (&v)[16], uint32_t sbyte, u
   }
 #endif
   if (want_res) {
-    const uint2 r0 = residual8(y0, w.x), r1 = residual8(y1, w.y);
-    res = ok ? make_uint4(r0.x, r0.y, r1.x, r1.y) : make_uint4(0u, 0u, 0u, 0u);
+    const uint2 r0 = residual8(y0, ok ? w.x : 0u), r1 = residual8(y1, ok ? w.y : 0u);
+    res = ok || zero ? make_uint4(r0.x, r0.y, r1.x, r1.y) : make_uint4(0u, 0u, 0u, 0u);
   }
   return ok ? w : make_uint2(0u, 0u);
 }
