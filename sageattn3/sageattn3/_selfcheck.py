@@ -2,7 +2,7 @@
 
 Nobody who wrote the sm_120 kernel could run it on real Blackwell hardware (it was verified on
 an H100 through a software model of the FP4 MMA). So before ``sageattn3_blackwell`` trusts the
-kernel on a device, it runs two tiny attentions (one 128 x 128 tile each: D 128 bf16 GQA 2:1
+kernel on a device, it runs two small attentions (256 x 256 each: D 128 bf16 GQA 2:1
 non-causal, D 64 fp16 causal; a handful of small kernel launches, microseconds of GPU time) and
 compares them with ``sageattn3.reference.sageattn3`` computed on the CPU. On a mismatch: ONE
 loud ``RuntimeWarning`` with the figures, and ``sageattn3_blackwell`` uses torch SDPA on that
@@ -10,9 +10,16 @@ device for the rest of the process. ``SAGEATTN3_SKIP_SELFCHECK=1`` skips the che
 small kernel launches on the GPU plus ~40 ms of CPU for the reference (measured on an H100 host);
 with the MMA-model test flavour the software MMA makes the two tiles take ~3 ms of GPU time.
 
-Why the thresholds are what they are. The inputs are dyadic (multiples of 1/8, |x| <= 4): every
-sum of 128 of them, every mean (sum / 128) and every difference x - mean is exact in float32, in
-any summation order. So the kernel's preprocessing and the reference produce bit-identical NVFP4
+Why 256 tokens: Q's offset differs between its two 128-token blocks (-4 and +4 times a
+per-channel offset), so the block residuals r = mean_q - mean_q_global are large and the kernel's
+whole correction runs (r · K̂ from K's codes and quantization residual, per key tile), not only
+delta_key. On these inputs an attention that dropped K's residual from the correction would be
+off by a relative L2 error of 0.13-0.14, one that ignored r by 0.7, one that took the other
+block's r by 1.0 (reference variants, measured on the CPU): all fail the bars below.
+
+Why the thresholds are what they are. The inputs are dyadic (multiples of 1/8, |x| <= 8): every
+sum of 256 of them, every mean (sum / 128 or / 256) and every difference x - mean is exact in
+float32, in any summation order. So the kernel's preprocessing and the reference produce bit-identical NVFP4
 codes and scales for Q, K and V: the same quantization on both sides. What remains are float32
 rounding differences: accumulation order in Q·Kᵀ, P·V and the correction delta_s (~1e-6
 relative), the hardware exp2 (~2 ulp), which can flip a rare P code sitting on an FP4 rounding
@@ -40,11 +47,12 @@ SKIP_ENV = "SAGEATTN3_SKIP_SELFCHECK"
 MIN_COS = 0.999
 MAX_REL_L2 = 0.05
 
-# (batch, q heads, kv heads, seq, head_dim, dtype, causal): one 128 x 128 tile each.
+# (batch, q heads, kv heads, seq, head_dim, dtype, causal): two 128-token Q blocks each.
 CASES = (
-    (1, 2, 1, 128, 128, torch.bfloat16, False),
-    (1, 1, 1, 128, 64, torch.float16, True),
+    (1, 2, 1, 256, 128, torch.bfloat16, False),
+    (1, 1, 1, 256, 64, torch.float16, True),
 )
+Q_DRIFT = 4  # Q's offset per block: -Q_DRIFT, +Q_DRIFT times a per-channel offset of up to 1
 
 
 @dataclass
@@ -141,10 +149,15 @@ def _dyadic(gen: torch.Generator, shape, scale_offset: int) -> torch.Tensor:
 def _inputs(case, seed: int):
     b, hq, hk, s, d, dtype, causal = case
     g = torch.Generator().manual_seed(seed)
-    q = _dyadic(g, (b, hq, s, d), 1).to(dtype)
-    k = _dyadic(g, (b, hk, s, d), 2).to(dtype)
-    v = _dyadic(g, (b, hk, s, d), 1).to(dtype)
-    return q, k, v
+    q = _dyadic(g, (b, hq, s, d), 1)
+    k = _dyadic(g, (b, hk, s, d), 2)
+    v = _dyadic(g, (b, hk, s, d), 1)
+    # Q's block means drift: block 0 gets -Q_DRIFT x the offset, the last block +Q_DRIFT x
+    off = torch.randint(-8, 9, (d,), generator=g).float() / 8
+    blk = torch.arange(s) // 128
+    ramp = 2 * blk.float() / max(1, int(blk[-1])) - 1
+    q = q + Q_DRIFT * ramp[:, None] * off
+    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 def _figures(out: torch.Tensor, ref_out: torch.Tensor, exact: torch.Tensor) -> dict:

@@ -299,10 +299,50 @@ def test_self_check_inputs_are_exact():
     for i, case in enumerate(_selfcheck.CASES):
         for t in _selfcheck._inputs(case, seed=20250 + i):
             x = t.double()
-            assert torch.equal((x * 8).round(), x * 8) and x.abs().max() <= 4
+            assert torch.equal((x * 8).round(), x * 8) and x.abs().max() <= 8
             s32 = t.float().sum(dim=-2)
             s32_rev = t.float().flip(-2).cumsum(dim=-2)[..., -1, :]
             assert torch.equal(s32.double(), x.sum(dim=-2)) and torch.equal(s32, s32_rev)
+
+
+def _variant_attention(variant):
+    """The reference with one part of its correction broken, as a faulty kernel would have it:
+    K's quantization residual dropped, the Q block residuals r ignored, or the other block's r."""
+    import dataclasses
+    import math
+
+    def attention(q, k, v, is_causal, per_block_mean):
+        hq, sq, d = q.shape[1], q.shape[2], q.shape[3]
+        pre = ref.preprocess(q, k, v, per_block_mean, pad=128)
+        if variant == "no_k_residual":
+            pre = dataclasses.replace(pre, k_residual=torch.zeros_like(pre.k_residual))
+        qd, kd, vd = ref._dequantized(pre, hq)
+        delta = pre.delta_s
+        if variant == "no_block_residual":
+            delta = pre.delta_key.unsqueeze(-2).expand_as(delta)
+        rows = ref.q_block_index(sq, delta.shape[-2])
+        if variant == "other_block":
+            rows = rows.flip(0)
+        c = 1 / math.sqrt(d) * ref.LOG2E
+        return ref._tiled_attention(qd, kd, vd, delta[..., rows, :], k.shape[-2], is_causal, c, 128).to(q.dtype)
+
+    return attention
+
+
+def test_self_check_runs_the_whole_correction():
+    """The check's cases have two Q blocks whose means differ, so a kernel that got the block
+    residuals' part of delta_s wrong (r_i · K̂ per key tile) fails it; the reference passes."""
+    for case in _selfcheck.CASES:
+        pre = ref.preprocess(*_selfcheck._inputs(case, seed=1), True, pad=128)
+        assert pre.mean_q.shape[-2] == 2 and pre.q_mean_residual.abs().amax() >= 1.0
+        assert pre.k_residual is not None and pre.k_residual.float().abs().amax() > 0
+    good = _selfcheck.run("cpu", lambda q, k, v, c, pbm: ref.sageattn3(q, k, v, is_causal=c,
+                                                                        per_block_mean=pbm).to(q.dtype))
+    assert good.ok and len(good.figures) == len(_selfcheck.CASES), good.summary()
+    for variant in ("no_k_residual", "no_block_residual", "other_block"):
+        bad = _selfcheck.run("cpu", _variant_attention(variant))
+        assert not bad.ok, (variant, bad.figures)
+        assert all(not _selfcheck._passes(f) for f in bad.figures), (variant, bad.figures)
 
 
 def test_self_check_thresholds():

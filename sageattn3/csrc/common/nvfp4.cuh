@@ -55,9 +55,30 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   return r;
 }
 
-// 8 pre-scaled values -> 8 codes in one word, element 0 in the low nibble.
-template <bool kClamp>
-__device__ __forceinline__ uint32_t e2m1x8_sw(const float (&y)[8]) {
+// K's quantization residual (reference.quantize_residual) of two values y whose signed E2M1 grid
+// values are g (y = x * (1/scale), both times 2^-14 where the software conversion takes them
+// pre-scaled): two E4M3 bytes, a's in the low one, e4m3_rn_satfinite((y - g) * 64) (the
+// subtraction is exact: y and its grid value are within a factor of 2, or the value is 0); the
+// attention kernel adds it back to the E2M1 values for its correction delta_s.
+constexpr float kResidualUnit = 64.0f;
+
+__device__ __forceinline__ uint32_t residual_pair(float ya, float ga, float yb, float gb) {
+  constexpr float kUnit = SAGEATTN3_HW_E2M1 ? kResidualUnit : kResidualUnit * 0x1p14f;
+  const float2 r = make_float2(__fmul_rn(__fsub_rn(ya, ga), kUnit), __fmul_rn(__fsub_rn(yb, gb), kUnit));
+  return __nv_cvt_float2_to_fp8x2(r, __NV_SATFINITE, __NV_E4M3);  // r.x in the low byte
+}
+
+// |g| with y's sign. y - that is +0 where y sits on the grid, as y - E2M1(code) is (the code
+// carries y's sign, zero included).
+__device__ __forceinline__ float with_sign_of(float g, float y) {
+  return __uint_as_float(__float_as_uint(g) | (__float_as_uint(y) & 0x80000000u));
+}
+
+// 8 pre-scaled values -> 8 codes in one word, element 0 in the low nibble. kRes: also their
+// residual (residual_pair) into res, element i in byte i (bytes 0-3 in res.x), from the
+// conversion's own grid values (no decoding of the codes).
+template <bool kClamp, bool kRes = false>
+__device__ __forceinline__ uint32_t e2m1x8_sw(const float (&y)[8], uint2* res = nullptr) {
 #if defined(SAGEATTN3_TIMING_STANDIN_E2M1)
   // Timing experiment only (tests/bench/conversion_standin.py; no build defines it): WRONG codes
   // at the issue cost of a hardware conversion, one instruction per two values (sm_90 has the
@@ -69,16 +90,24 @@ __device__ __forceinline__ uint32_t e2m1x8_sw(const float (&y)[8]) {
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(y[2 * j + 1]), "f"(y[2 * j]));
     e[j] = h;
   }
+  if constexpr (kRes) *res = make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16));
   return prmt(e[0] | (e[1] << 16), e[2] | (e[3] << 16), 0x6420);
 #else
   // Elements j and j + 4 share an fp16 pair: codes at bits 9-11 and 25-27, shifted into
   // nibbles j and j + 4. Signs: prmt copies the sign bits of y[j] and y[j + 4] into whole
   // bytes, masked onto bit 3 of those nibbles.
-  uint32_t r[4];
+  uint32_t r[4], e[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const __half2 p = __floats2half2_rn(e2m1_grid_sw<kClamp>(y[j]), e2m1_grid_sw<kClamp>(y[j + 4]));
+    const float ga = e2m1_grid_sw<kClamp>(y[j]), gb = e2m1_grid_sw<kClamp>(y[j + 4]);
+    const __half2 p = __floats2half2_rn(ga, gb);
     r[j] = *reinterpret_cast<const uint32_t*>(&p);
+    // elements j (low byte) and j + 4
+    if constexpr (kRes) e[j] = residual_pair(y[j], with_sign_of(ga, y[j]), y[j + 4], with_sign_of(gb, y[j + 4]));
+  }
+  if constexpr (kRes) {  // bytes j0 j4 j1 j5 | j2 j6 j3 j7 -> j0 j1 j2 j3 | j4 j5 j6 j7
+    const uint32_t lo = e[0] | (e[1] << 16), hi = e[2] | (e[3] << 16);
+    *res = make_uint2(prmt(lo, hi, 0x6420), prmt(lo, hi, 0x7531));
   }
   uint32_t w = (r[0] >> 9) | (r[1] >> 5) | (r[2] >> 1) | (r[3] << 3);
   w |= prmt(__float_as_uint(y[0]), __float_as_uint(y[4]), 0x0F0B) & 0x00080008u;
@@ -173,24 +202,16 @@ __device__ __forceinline__ float2 e2m1x2_scaled(uint32_t x) {
   return __half22float2(*reinterpret_cast<const __half2*>(&h));
 }
 
-// K's quantization residual (reference.quantize_residual) of 8 values y that E2M1 codes `word`
-// came from (y = x * (1/scale), times 2^-14 where the software conversion takes them pre-scaled):
-// 8 E4M3 bytes, element i in byte i, e4m3_rn_satfinite((y_i - E2M1(code_i)) * 64) (the subtraction
-// is exact: y and its grid value are within a factor of 2, or the value is 0); the attention kernel
-// adds it back to the E2M1 values for its correction delta_s.
-constexpr float kResidualUnit = 64.0f;
-
+// The residual (residual_pair) of 8 values y against the codes `word` (decoded; codes 0 for a
+// zero scale): element i in byte i.
 __device__ __forceinline__ uint2 residual8(const float (&y)[8], uint32_t word) {
   // grid values come as E2M1 x 2^-14; y too without the hardware conversion
   constexpr float kGrid = SAGEATTN3_HW_E2M1 ? 0x1p14f : 1.0f;
-  constexpr float kUnit = SAGEATTN3_HW_E2M1 ? kResidualUnit : kResidualUnit * 0x1p14f;
   uint32_t out[2];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float2 f = e2m1x2_scaled(word >> (8 * i));  // elements 2i (low nibble), 2i + 1
-    const float2 r = make_float2(__fmul_rn(__fsub_rn(y[2 * i], __fmul_rn(f.x, kGrid)), kUnit),
-                                 __fmul_rn(__fsub_rn(y[2 * i + 1], __fmul_rn(f.y, kGrid)), kUnit));
-    const uint32_t pair = __nv_cvt_float2_to_fp8x2(r, __NV_SATFINITE, __NV_E4M3);  // r.x in the low byte
+    const uint32_t pair = residual_pair(y[2 * i], __fmul_rn(f.x, kGrid), y[2 * i + 1], __fmul_rn(f.y, kGrid));
     out[i / 2] = (i & 1) ? (out[i / 2] | (pair << 16)) : pair;
   }
   return make_uint2(out[0], out[1]);
@@ -215,16 +236,24 @@ __device__ __forceinline__ uint2 codes16(const float (&v)[16], uint32_t sbyte, u
     y1[i] = __fmul_rn(v[8 + i], mul);
   }
   uint2 w;
+  bool decoded = true;  // false: the residual came with the codes
 #if SAGEATTN3_HW_E2M1
   w = make_uint2(e2m1x8_hw(y0), e2m1x8_hw(y1));
 #else
   if (sbyte >= 8u && sbyte != 0x7Eu) {  // normal scale below 448: |v * inv| <= 6.4
-    w = make_uint2(e2m1x8_sw<false>(y0), e2m1x8_sw<false>(y1));
+    if (want_res) {
+      uint2 r0, r1;
+      w = make_uint2(e2m1x8_sw<false, true>(y0, &r0), e2m1x8_sw<false, true>(y1, &r1));
+      res = make_uint4(r0.x, r0.y, r1.x, r1.y);
+      decoded = false;
+    } else {
+      w = make_uint2(e2m1x8_sw<false>(y0), e2m1x8_sw<false>(y1));
+    }
   } else {  // subnormal, zero or saturated scale (rare): clamp to 6 first
     w = make_uint2(e2m1x8_sw<true>(y0), e2m1x8_sw<true>(y1));
   }
 #endif
-  if (want_res) {
+  if (want_res && decoded) {  // against the codes kept, unclamped y
     const uint2 r0 = residual8(y0, ok ? w.x : 0u), r1 = residual8(y1, ok ? w.y : 0u);
     res = ok || zero ? make_uint4(r0.x, r0.y, r1.x, r1.y) : make_uint4(0u, 0u, 0u, 0u);
   }
