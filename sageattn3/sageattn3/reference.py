@@ -325,14 +325,14 @@ BALANCE_HEAD_DIMS = (64, 128)
 # ``preprocess`` / ``sageattn3_blackwell`` here and in the package): read on every such call, by
 # the kernels and this reference alike. Off by default: measured on an H100 (the MMA-model test
 # flavour, 24 heads x 32k tokens, D 128, bf16, back to back) it makes the whole preprocessing
-# 0.394-0.400 -> 0.698-0.699 ms (+75%: every block is converted twice, in software on that GPU) for a
+# 0.382-0.383 -> 0.705-0.710 ms (+85%: every block is converted twice, in software on that GPU) for a
 # cos-sim gain of about 0.002 on random data and 0.005-0.01 with Q outlier channels (README,
 # "Accuracy"). Set it to True (or pass qk_scale_search=True) for the most accurate quantization
 # of Q and K.
 QK_SCALE_SEARCH = False
 BALANCE_MAX_EXP = 2  # |e_d| <= 2: channels scaled by 1/4 .. 4
 # Off unless asked for (qk_balance=True): measured on an H100 (24 heads x 32k tokens, D 128, bf16,
-# back to back) the whole preprocessing takes 0.413 ms with it against 0.394-0.400 ms without (+4-5%: the
+# back to back) the whole preprocessing takes 0.400-0.402 ms with it against 0.382-0.383 ms without (+5%: the
 # sampled blocks' sums of squares and one multiply per element; +7% in earlier runs), about the 5%
 # a default may cost.
 QK_BALANCE_DEFAULT = False

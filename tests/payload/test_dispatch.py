@@ -206,7 +206,7 @@ def test_fp4_path_is_wired(monkeypatch, dtype, causal):
         assert torch.equal(t, c)
     # the self-check ran once (its own two calls), then the two user calls
     assert _selfcheck.run_count == 1
-    assert [c[0] for c in kern.calls] == [(1, 2, 128, 128), (1, 1, 128, 64), (2, 4, 77, 64), (2, 4, 77, 64)]
+    assert [c[0] for c in kern.calls] == [(1, 2, 256, 128), (1, 1, 256, 64), (2, 4, 77, 64), (2, 4, 77, 64)]
     r = _selfcheck.result(q.device)
     assert r.ok and len(r.figures) == 2 and all(f["cos"] > 0.99999 for f in r.figures)
 
