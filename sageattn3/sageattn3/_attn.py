@@ -102,7 +102,11 @@ def fp4_attention(
     not yet multiples of 128 are zero-padded here (a copy); ``seq_q``/``seq_k`` are the real
     lengths (keys past seq_k are masked, rows past seq_q are not written). ``qk_rotation``: q and
     k were rotated (the scale is divided by D/64). ``k_residual`` is required with per-block Q
-    means (mean_q with more than one row)."""
+    means (mean_q with more than one row). With one mean_q row it is optional: preprocessing
+    then gives mean_q == mean_q_global and there is nothing for it to correct; a caller whose one
+    mean_q row differs from mean_q_global should pass it, or that difference multiplies the
+    quantized K alone (r · Kdᵀ, as ``reference.Preprocessed.delta_s`` computes without a
+    residual) instead of the paper's r · K_sᵀ."""
     q, q_sf, k, k_sf = _bytes(q, "q"), _bytes(q_sf, "q_sf"), _bytes(k, "k"), _bytes(k_sf, "k_sf")
     v, v_sf = _bytes(v, "v"), _bytes(v_sf, "v_sf")
     for name, t in (("q", q), ("q_sf", q_sf), ("k", k), ("k_sf", k_sf), ("v", v), ("v_sf", v_sf), ("mean_q", mean_q),
