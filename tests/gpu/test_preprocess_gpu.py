@@ -602,6 +602,28 @@ def test_preprocess_qkv_under_graph_capture():
 
 
 @pytest.mark.parametrize("search", [False, True])
+def test_residual_of_nan_and_inf_k_blocks_matches_reference(search):
+    """K holding a NaN and infinities: the NaN reaches its channel's mean, so that channel's block
+    has a NaN scale in every row (codes 0, residual 0), and the infinities saturate their blocks'
+    scales; K's codes, scales and residual bytes stay bit-exact with the reference."""
+    sa = kernels_or_skip()
+    from sageattn3 import reference as ref
+
+    q, k, v = attention_cases.make("q_drift", 1, 4, 2, 300, 300, 128, seed=8)
+    k = k.clone()
+    k[0, 0, 5, 3] = float("nan")
+    k[0, 1, 7, 40] = float("inf")
+    k[0, 1, 9, 90] = float("-inf")
+    pre = sa.preprocess(q.cuda(), k.cuda(), v.cuda(), qk_scale_search=search)
+    exact = ref.preprocess(q, k, v, per_block_mean=True, mean_q=pre.mean_q.cpu(), mean_k=pre.mean_k.cpu(),
+                           mean_q_global=pre.mean_q_global.cpu(), qk_scale_search=search)
+    sbytes = pre.k_scales.view(torch.uint8).cpu()
+    assert int((sbytes == 0x7F).sum()) >= 300 and int((sbytes == 0x7E).sum()) > 0  # NaN and saturated scales
+    for name in ("k_packed", "k_scales", "k_residual"):
+        assert same_bytes(getattr(pre, name), getattr(exact, name)), name
+
+
+@pytest.mark.parametrize("search", [False, True])
 def test_residual_of_zero_scale_blocks_matches_reference(search):
     """Tiny K (x0.003): many of K's blocks get scale byte 0 (codes 0; a quarter without the scale
     search, about a tenth with it, whose amax / 4 rounds to zero less often); their residual

@@ -240,7 +240,7 @@ __device__ __forceinline__ uint2 codes16(const float (&v)[16], uint32_t sbyte, u
 #if SAGEATTN3_HW_E2M1
   w = make_uint2(e2m1x8_hw(y0), e2m1x8_hw(y1));
 #else
-  if (sbyte >= 8u && sbyte != 0x7Eu) {  // normal scale below 448: |v * inv| <= 6.4
+  if (sbyte >= 8u && sbyte < 0x7Eu) {  // normal scale below 448: |v * inv| <= 6.4 (not NaN: 0x7F)
     if (want_res) {
       uint2 r0, r1;
       w = make_uint2(e2m1x8_sw<false, true>(y0, &r0), e2m1x8_sw<false, true>(y1, &r1));
@@ -249,7 +249,7 @@ __device__ __forceinline__ uint2 codes16(const float (&v)[16], uint32_t sbyte, u
     } else {
       w = make_uint2(e2m1x8_sw<false>(y0), e2m1x8_sw<false>(y1));
     }
-  } else {  // subnormal, zero or saturated scale (rare): clamp to 6 first
+  } else {  // subnormal, zero, saturated or NaN scale (rare): clamp to 6 first
     w = make_uint2(e2m1x8_sw<true>(y0), e2m1x8_sw<true>(y1));
   }
 #endif
