@@ -382,7 +382,7 @@ def scale_and_quant_fp4(x):
     if x.shape[-1] % 16:
         raise ValueError(f"x's last dim ({x.shape[-1]}) must be a multiple of 16")
     if _use_kernels(x) and x.numel():
-        return _kernels.quant_rows(_aligned(x))
+        return _kernels.quant_rows(_kernels.aligned(x))
     return reference.quantize_rows(x)
 
 
@@ -406,17 +406,13 @@ def scale_and_quant_fp4_transpose(x):
     if x.shape[-1] % 16:
         raise ValueError(f"x's last dim ({x.shape[-1]}) must be a multiple of 16")
     if _use_kernels(x) and x.numel():
-        return _kernels.quant_cols(_aligned(x))
+        return _kernels.quant_cols(_kernels.aligned(x))
     return reference.quantize_transposed(x)
 
 
 # ---------------------------------------------------------------------------------------------
 # Fused preprocessing
 # ---------------------------------------------------------------------------------------------
-
-
-
-_aligned = _kernels.aligned
 
 
 def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
@@ -476,13 +472,13 @@ def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bo
         search = reference.scale_search_applies(qk_scale_search, d)
         rot = bool(qk_rotation)
         qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps, k_res = _kernels.preprocess_qkv(
-            _aligned(q), _aligned(k), _aligned(v), pad, per_block_mean, rot, bal, search)
+            _kernels.aligned(q), _kernels.aligned(k), _kernels.aligned(v), pad, per_block_mean, rot, bal, search)
         return Preprocessed(qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, sq, sk, qbar if per_block_mean else mean_q,
                             ds_key, rot, exps if bal else None, search, k_res if per_block_mean else None)
     # the rest: head dims other than 64/128, or more q heads per kv head than the K kernels take
     # for the per-key correction (delta_key from torch ops then)
-    vp, vsc = _kernels.quant_cols(_aligned(v), pad)
-    q, k = _aligned(q), _aligned(k)
+    vp, vsc = _kernels.quant_cols(_kernels.aligned(v), pad)
+    q, k = _kernels.aligned(q), _kernels.aligned(k)
     k3, q3 = k.view(b * hk, sk, d), q.view(b * hq, sq, d)
     rot = bool(qk_rotation) and d in reference.ROTATION_HEAD_DIMS
     bal = bool(qk_balance) and per_block_mean and reference.balance_applies(d)

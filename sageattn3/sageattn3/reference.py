@@ -208,8 +208,6 @@ def dequantize_rows(packed: torch.Tensor, scales: torch.Tensor, residual: torch.
     return out.reshape(*vals.shape[:-1], n)
 
 
-
-
 def quantize_residual(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """K's NVFP4 quantization residual, what the FP4 codes miss of the smoothed K that the
     correction delta_s multiplies: x (..., N) float32 as it was quantized into (packed, scales)

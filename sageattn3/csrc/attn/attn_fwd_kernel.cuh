@@ -221,15 +221,15 @@ __device__ __forceinline__ float delta_s_part(uint32_t k_tile, uint32_t ksf_tile
       for (int q = 0; q < 4; ++q) {
         const float4 m = lds_f4(m_addr + 16 * q);
         const uint32_t word = words[2 * bb + (q >> 1)];
-        // elements 4q .. 4q+3 of the block: codes, then residuals (x 2^-14 / 64 = 2^-20)
+        // elements 4q .. 4q+3 of the block: codes, then residuals (x 2^-14 / 64: kResidualStep)
         const float2 v0 = e2m1x2_scaled(word >> (16 * (q & 1)));
         const float2 v1 = e2m1x2_scaled(word >> (16 * (q & 1) + 8));
         const float2 e0 = e4m3x2_value(rwords[q]);
         const float2 e1 = e4m3x2_value(rwords[q] >> 16);
-        acc = fmaf(m.x, fmaf(e0.x, 0x1p-20f, v0.x), acc);
-        acc = fmaf(m.y, fmaf(e0.y, 0x1p-20f, v0.y), acc);
-        acc = fmaf(m.z, fmaf(e1.x, 0x1p-20f, v1.x), acc);
-        acc = fmaf(m.w, fmaf(e1.y, 0x1p-20f, v1.y), acc);
+        acc = fmaf(m.x, fmaf(e0.x, kResidualStep, v0.x), acc);
+        acc = fmaf(m.y, fmaf(e0.y, kResidualStep, v0.y), acc);
+        acc = fmaf(m.z, fmaf(e1.x, kResidualStep, v1.x), acc);
+        acc = fmaf(m.w, fmaf(e1.y, kResidualStep, v1.y), acc);
       }
       // a zero scale byte is 2^-9 here (the residual's unit; the codes are 0): reference.residual_scales
       const float scale = e4m3_value(max((sf >> (8 * (b + bb))) & 0xffu, 1u)) * 16384.f;

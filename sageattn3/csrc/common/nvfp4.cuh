@@ -61,6 +61,8 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 // subtraction is exact: y and its grid value are within a factor of 2, or the value is 0); the
 // attention kernel adds it back to the E2M1 values for its correction delta_s.
 constexpr float kResidualUnit = 64.0f;
+// One residual unit on the grid of the values times 2^-14 (e2m1x2_scaled's): 2^-14 / 64 = 2^-20.
+constexpr float kResidualStep = kE2M1Prescale / kResidualUnit;
 
 __device__ __forceinline__ uint32_t residual_pair(float ya, float ga, float yb, float gb) {
   constexpr float kUnit = SAGEATTN3_HW_E2M1 ? kResidualUnit : kResidualUnit * 0x1p14f;

@@ -16,7 +16,7 @@
 // the mean is subtracted. K's quantization can also emit the per-key correction of the
 // attention, ds_key[q head][key] = qbar[q head] . (K[key] - mean_k) in the balanced and rotated
 // space, over the smoothed fp32 row exactly as it is quantized (from registers), and K's
-// quantization residual (nvfp4.cuh, residual8) for the block residuals' part of the correction.
+// quantization residual (nvfp4.cuh, codes16) for the block residuals' part of the correction.
 // Q and K may be
 // quantized with the scale search (quant16_search, nvfp4.cuh) instead of the plain quantizer.
 #include <type_traits>

@@ -554,8 +554,7 @@ void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qba
   const bool residual = k_res.numel() > 0;
   SA3_CHECK(T, residual || nblk == 1, "sageattn3: k_res (K's quantization residual) is needed with per-block Q means");
   if (residual) {
-    check_bytes(k_res, "k_res");
-    check_aligned(k_res, "k_res");
+    check_code_tensor(k_res, q, "k_res");
     SA3_CHECK(T, k_res.dim() == 4 && same(k_res, B, Hkv, Skp, D), "sageattn3: k_res shape");
   }
   DeviceScope scope(device_index(q));
