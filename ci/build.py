@@ -22,6 +22,7 @@ from packaging.version import Version
 from ci import patches as patchmod
 from ci import torch_source as torch_sources
 from ci.flags import PAYLOAD, compiler_for, profile_for
+from ci.pip_env import pip_environ
 from ci.targets import Matrix, Target
 from ci.toolchain import (
     CudaToolkit,
@@ -279,13 +280,12 @@ def build_resolved(tc: ResolvedToolchain, matrix: Matrix, raw_dir: Path, *, jobs
         shutil.rmtree(raw_dir)
     raw_dir.mkdir(parents=True)
     run_env = {
-        **os.environ,
+        **pip_environ(),
         **profile["env"],
         "SAGEATTN3_BUILD_CONFIG": str(cfg_path),
         "CUDA_HOME": str(cuda.home),
         **sccache_env(),
         "PATH": f"{cuda.home / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
-        "PIP_NO_INPUT": "1",
     }
     cmd = [str(env.python), "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps", "-w", str(raw_dir), str(staging)]
     log(f"[build] {target.id}: {' '.join(cmd)}")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ci.flags import PAYLOAD, profile_for
+from ci.pip_env import pip_environ
 from ci.targets import Matrix, Target
 from ci.toolchain import ToolchainError, cache_root, find_cuda
 
@@ -58,7 +59,7 @@ def torch_headers(version: str, log=print) -> Path:
                "--python-version", WHEEL_PYTHON, "--implementation", "cp", "--platform", WHEEL_PLATFORM,
                "--dest", tmp, f"torch=={version}"]
         log(f"[gate] downloading torch {version}'s headers (its x86_64 wheel from PyPI)")
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=pip_environ())
         wheels = list(Path(tmp).glob("torch-*.whl"))
         if proc.returncode != 0 or len(wheels) != 1:
             raise ToolchainError(

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
+from ci.pip_env import pip_environ
 from ci.targets import Matrix
 
 REPO = Path(__file__).resolve().parent.parent
@@ -226,7 +227,7 @@ def workflow_tools_dir() -> Path:
     if not (dest / ".complete").exists():
         shutil.rmtree(dest, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(dest),
-                        "-r", str(LINT_REQUIREMENTS)], check=True)
+                        "-r", str(LINT_REQUIREMENTS)], check=True, env=pip_environ())
         (dest / ".complete").write_text("ok")
     return dest
 
@@ -293,10 +294,7 @@ PYPI_SIMPLE = "https://pypi.org/simple"
 
 def _isolated_pip_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """pip with no configuration but what we pass (no machine-local find-links or mirrors)."""
-    env = {k: v for k, v in (base or os.environ).items()
-           if not k.startswith("PIP_") or k in ("PIP_CERT", "PIP_DEFAULT_TIMEOUT")}
-    env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
-    return env
+    return pip_environ(base, sources=False)
 
 
 def standin_dir(version: str, matrix: Matrix) -> str:

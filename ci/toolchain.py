@@ -22,6 +22,8 @@ from pathlib import Path, PurePath
 
 from packaging.version import Version
 
+from ci.pip_env import pip_environ
+
 CUTLASS_PIN = "nvidia-cutlass==4.2.0.0"
 # CUDA 13.x toolkits provisioned from PyPI: the packages that make up nvcc + runtime headers.
 CUDA_PYPI_PACKAGES = ("nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-cccl", "nvidia-cuda-runtime")
@@ -54,6 +56,12 @@ def cache_root() -> Path:
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=True, text=True, **kw)
+
+
+def run_pip(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    """A pip or venv command in the factory's own environment (ci.pip_env): no caller setting
+    changes what it installs."""
+    return run(cmd, env=pip_environ(), **kw)
 
 
 def _output(cmd: list[str], **kw) -> str:
@@ -293,7 +301,7 @@ def provision_cuda_from_pypi(major_minor: str) -> CudaToolkit:
     site = dest / "site"
     pins = [f"{p}=={major_minor}.*" for p in CUDA_PYPI_PACKAGES]
     try:
-        run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), *pins])
+        run_pip([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), *pins])
     except subprocess.CalledProcessError as e:
         shutil.rmtree(dest, ignore_errors=True)
         raise ToolchainError(
@@ -341,7 +349,7 @@ def cutlass_include() -> Path:
     if not (dest / ".complete").exists():
         shutil.rmtree(dest, ignore_errors=True)
         try:
-            run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(dest), CUTLASS_PIN])
+            run_pip([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(dest), CUTLASS_PIN])
         except subprocess.CalledProcessError as e:
             raise ToolchainError(f"could not install {CUTLASS_PIN} (CUTLASS/CuTe headers): `pip install {CUTLASS_PIN}`") from e
         (dest / ".complete").write_text(CUTLASS_PIN)
@@ -431,14 +439,14 @@ def torch_env(python_version: str, torch_spec: str, extra: tuple[str, ...] = BUI
         if root.exists():
             shutil.rmtree(root)
         py = find_python(python_version)
-        run([str(py), "-m", "venv", str(root)])
+        run_pip([str(py), "-m", "venv", str(root)])
         try:
             if index_args:
-                run([str(venv_python(root)), "-m", "pip", "install", "--quiet", torch_spec, *index_args])
+                run_pip([str(venv_python(root)), "-m", "pip", "install", "--quiet", torch_spec, *index_args])
                 if extra:
-                    run([str(venv_python(root)), "-m", "pip", "install", "--quiet", *extra])
+                    run_pip([str(venv_python(root)), "-m", "pip", "install", "--quiet", *extra])
             else:
-                run([str(venv_python(root)), "-m", "pip", "install", "--quiet", torch_spec, *extra])
+                run_pip([str(venv_python(root)), "-m", "pip", "install", "--quiet", torch_spec, *extra])
         except subprocess.CalledProcessError as e:
             shutil.rmtree(root, ignore_errors=True)
             raise ToolchainError(
@@ -471,7 +479,7 @@ def ensure_packages(root: Path, extra: tuple[str, ...]) -> None:
     except (OSError, ValueError):
         pass
     try:
-        run([str(venv_python(root)), "-m", "pip", "install", "--quiet", *extra])
+        run_pip([str(venv_python(root)), "-m", "pip", "install", "--quiet", *extra])
     except subprocess.CalledProcessError as e:
         raise ToolchainError(f"could not install {' '.join(extra)} into the cached environment {root} "
                              f"(pip exited {e.returncode}); remove it to start it afresh") from e
@@ -490,7 +498,7 @@ def cuobjdump() -> Path:
     exe = dest / "nvidia" / "cu13" / "bin" / "cuobjdump"
     if not exe.exists():
         try:
-            run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(dest), CUOBJDUMP_PIN])
+            run_pip([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(dest), CUOBJDUMP_PIN])
         except subprocess.CalledProcessError as e:
             raise ToolchainError(f"cuobjdump is missing: `pip install {CUOBJDUMP_PIN}` failed") from e
         exe.chmod(exe.stat().st_mode | 0o111)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ci.record import BuildRecord
+from ci.pip_env import pip_environ
 from ci.toolchain import ToolchainError, TorchEnv, torch_env, venv_python
 from ci.torch_source import TorchSource, torch_env_for
 from ci.variant import cuda_tag, torch_line
@@ -60,9 +61,8 @@ def serve_handler(handler):
 
 
 def _isolated_pip_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
-    return env
+    """pip that resolves only against the index named on its command line."""
+    return pip_environ(sources=False)
 
 
 def make_venv_with(base: TorchEnv, where: Path) -> Path:
@@ -71,7 +71,7 @@ def make_venv_with(base: TorchEnv, where: Path) -> Path:
     # The venv's interpreter must be the same Python as the base env's.
     real = subprocess.run([str(base.python), "-c", "import sys; print(sys._base_executable)"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    subprocess.run([real or str(py), "-m", "venv", str(where)], check=True)
+    subprocess.run([real or str(py), "-m", "venv", str(where)], check=True, env=_isolated_pip_env())
     vpy = venv_python(where)
     site = subprocess.run([str(vpy), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
