@@ -224,7 +224,7 @@ def build_config(tc: ResolvedToolchain, matrix: Matrix, overlay: Path, jobs: int
         "record": {
             "target": target.id,
             "variant": target.variant.label,
-            "requires_python": f">={target.python}",
+            "requires_python": f">={target.floor_python}",
             "torch_build": tc.env.torch_version,
             "cuda": target.cuda,
             "archs": profile["archs"],

@@ -678,8 +678,8 @@ def check_job(job: JobPlan, matrix: Matrix) -> list[str]:
     """What would make this job fail or build the wrong thing (empty: nothing found)."""
     t, problems = job.target, []
     want_plat = "win_amd64" if t.os.platform == "windows" else f"manylinux_{t.os.machine}"
-    if job.identifier != f"{t.python_tag}-{want_plat}":
-        problems.append(f"cibuildwheel builds {job.identifier}, the target is {t.python_tag} on {want_plat}")
+    if job.identifier != f"{t.build_python_tag}-{want_plat}":
+        problems.append(f"cibuildwheel builds {job.identifier}, the target builds with {t.build_python_tag} on {want_plat}")
     tag = t.variant.cuda_tag
     if job.torch.index_url is None or not job.torch.index_url.endswith(f"/{tag}"):
         problems.append(f"torch comes from {job.torch.index_url or 'PyPI'}, not PyTorch's {tag} index")
@@ -690,7 +690,7 @@ def check_job(job: JobPlan, matrix: Matrix) -> list[str]:
     if job.verify_python not in matrix.line(".".join(job.foreign.version.split(".")[:2])).python:
         problems.append(f"the guard's torch {job.foreign.version} has no Python {job.verify_python} build")
     # what setup.py will write (from the build config) against the matrix's Python floor
-    if job.requires_python != f">={t.python}":
+    if job.requires_python != f">={t.floor_python}":
         problems.append(f"the wheel's Requires-Python would be {job.requires_python}, the target's Python floor "
                         f"in ci/targets.toml is {t.python}")
     cuda = [argv for name, argv in job.steps if name == "cuda"]

@@ -34,7 +34,8 @@ from ci.toolchain import ToolchainError, cache_root, find_cuda
 
 # The parts of torch/include the torch-facing units reach (ATen, c10, torch, and what they pull in).
 HEADER_DIRS = ("ATen", "c10", "torch", "caffe2", "fmt")
-# A Python every torch line of the matrix ships a wheel for (the headers do not depend on it).
+# The headers do not depend on the Python: the wheel of the release's oldest Python in the
+# matrix is downloaded (3.10 where the release is not in the matrix).
 WHEEL_PYTHON = "3.10"
 WHEEL_PLATFORM = "manylinux_2_28_x86_64"
 
@@ -47,6 +48,15 @@ def headers_dir(version: str) -> Path:
     return cache_root() / "torch-headers" / version
 
 
+def _wheel_python(version: str) -> str:
+    from ci.variant import torch_line
+
+    for line in Matrix.load().torch:
+        if line.line == torch_line(version):
+            return line.python[0]
+    return WHEEL_PYTHON
+
+
 def torch_headers(version: str, log=print) -> Path:
     """``torch/include`` of torch ``version`` (headers only), downloaded once into the cache."""
     dest = headers_dir(version)
@@ -56,7 +66,7 @@ def torch_headers(version: str, log=print) -> Path:
     shutil.rmtree(dest, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix="sageattn3-torch-wheel-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-               "--python-version", WHEEL_PYTHON, "--implementation", "cp", "--platform", WHEEL_PLATFORM,
+               "--python-version", _wheel_python(version), "--implementation", "cp", "--platform", WHEEL_PLATFORM,
                "--dest", tmp, f"torch=={version}"]
         log(f"[gate] downloading torch {version}'s headers (its x86_64 wheel from PyPI)")
         proc = subprocess.run(cmd, capture_output=True, text=True, env=pip_environ())

@@ -40,7 +40,7 @@ def profile_for(target: Target, stable_abi_floor: str, *, mma_model: bool = Fals
         mma_model=mma_model,
         torch_version=target.build_torch,
         stable_abi_floor=stable_abi_floor if target.variant.stable else None,
-        limited_api_python=target.python,  # the wheel is <python_tag>-abi3
+        limited_api_python=target.floor_python,  # the wheel is <python_tag>-abi3
         compiler=compiler_for(target),
         static_cudart=static_cudart,
     )

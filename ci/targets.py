@@ -63,6 +63,16 @@ class TorchLine:
     cuda: tuple[str, ...]
     python: tuple[str, ...]
     os: tuple[str, ...]
+    # Per-OS exceptions to ``published``: (os key, the CUDA variants PyTorch published there).
+    published_by_os: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def published_on(self, os_key: str) -> tuple[str, ...]:
+        """The CUDA variants PyTorch published for this line on one OS."""
+        return dict(self.published_by_os).get(os_key, self.published)
+
+    def builds(self, cuda: str, os_key: str) -> bool:
+        """Is (this line, ``cuda``, ``os_key``) a combination we build (listed, and published there)?"""
+        return cuda in self.cuda and os_key in self.os and cuda in self.published_on(os_key)
 
 
 @dataclass(frozen=True)
@@ -76,8 +86,12 @@ class Target:
     torch_lines: tuple[str, ...]  # every torch line this wheel serves
     build_torch: str  # exact torch release compiled against
     build_torch_pypi_cuda: str  # CUDA of the wheel PyPI serves for build_torch
-    python: str  # the interpreter that builds it ("3.10" builds the abi3 wheel)
+    python: str  # the interpreter that builds and verifies it (one its build torch exists for)
     abi3: bool
+    # The wheel's limited-API floor: its tag (cp310-abi3) and Requires-Python. The build Python
+    # unless the build torch dropped that Python (torch 2.15 has no 3.10; the stable-ABI wheel
+    # built with it still serves 3.10 with torch 2.10-2.14).
+    limited_api: str = ""
 
     @property
     def id(self) -> str:
@@ -85,7 +99,17 @@ class Target:
         return f"{self.os.key}-{cuda_tag(self.cuda)}-torch{self.variant.torch}{tail}"
 
     @property
+    def floor_python(self) -> str:
+        return self.limited_api or self.python
+
+    @property
     def python_tag(self) -> str:
+        """The wheel's interpreter tag (``cp310`` of ``cp310-abi3``)."""
+        return f"cp{self.floor_python.replace('.', '')}"
+
+    @property
+    def build_python_tag(self) -> str:
+        """The build interpreter's tag (cibuildwheel's identifier)."""
         return f"cp{self.python.replace('.', '')}"
 
     @property
@@ -102,7 +126,8 @@ class Target:
         kind = ("stable ABI" if self.variant.stable else "per-torch") + f", {self.python_tag}-abi3"
         return (
             f"{self.id}: CUDA {self.cuda}, archs {' '.join(self.archs)}, torch {lines} "
-            f"({kind}; built against torch {self.build_torch})"
+            f"({kind}; built against torch {self.build_torch}"
+            + (f" with Python {self.python})" if self.python != self.floor_python else ")")
         )
 
 
@@ -139,10 +164,18 @@ class Matrix:
             missing = {"line", "build_version", "pypi_default", "published", "cuda", "python", "os"} - t.keys()
             if missing:
                 raise MatrixError(f"{where}: missing keys {sorted(missing)}")
+            unknown = t.keys() - {"line", "build_version", "pypi_default", "published", "cuda", "python", "os",
+                                  "published_by_os"}
+            if unknown:
+                raise MatrixError(f"{where}: unknown keys {sorted(unknown)}")
+            by_os = t.get("published_by_os", {})
+            if not isinstance(by_os, dict) or not all(isinstance(v, list) for v in by_os.values()):
+                raise MatrixError(f'{where}: published_by_os must be a table like {{ "linux-aarch64" = ["12.9"] }}')
             lines.append(
                 TorchLine(
                     t["line"], t["build_version"], t["pypi_default"], tuple(t["published"]),
                     tuple(t["cuda"]), tuple(t["python"]), tuple(t["os"]),
+                    tuple((k, tuple(v)) for k, v in sorted(by_os.items())),
                 )
             )
         m = cls(
@@ -215,6 +248,14 @@ class Matrix:
             for o in t.os:
                 if o not in self.oses:
                     raise MatrixError(f"{where}: unknown os {o!r}; known: {', '.join(self.oses)}")
+            for o, variants in t.published_by_os:
+                if o not in t.os:
+                    raise MatrixError(f"{where}: published_by_os names {o!r}, which is not among the line's os "
+                                      f"{list(t.os)}")
+                for c in variants:
+                    if c not in t.published:
+                        raise MatrixError(f"{where} on {o}: CUDA {c} is not among the line's published variants "
+                                          f"{list(t.published)}; add it there too")
             for py in t.python:
                 parts = py.split(".")
                 if len(parts) != 2 or parts[0] != "3" or not parts[1].isdigit():
@@ -227,25 +268,24 @@ class Matrix:
         out: list[Target] = []
         for os_key, os_spec in self.oses.items():
             for cuda in self.cuda_archs:
-                lines = [
-                    t for t in self.torch
-                    if cuda in t.cuda and os_key in t.os and _v(t.line) >= floor
-                ]
+                lines = [t for t in self.torch if t.builds(cuda, os_key) and _v(t.line) >= floor]
                 if lines:
                     newest = max(lines, key=lambda t: _v(t.line))
-                    py = self.limited_api_python
-                    if py not in newest.python:
-                        py = newest.python[0]
+                    # Built (and verified) by the oldest Python the build torch has from the
+                    # limited-API floor on; tagged with the floor either way.
+                    floor_py = self.limited_api_python
+                    newer = [p for p in newest.python if _v(p) >= _v(floor_py)]
+                    py = floor_py if floor_py in newest.python else (newer[0] if newer else newest.python[0])
                     out.append(Target(
                         os=os_spec, cuda=cuda, archs=self.cuda_archs[cuda],
                         variant=Variant(cuda, self.stable_abi_floor, stable=True),
                         torch_lines=tuple(t.line for t in sorted(lines, key=lambda t: _v(t.line))),
                         build_torch=newest.build_version,
                         build_torch_pypi_cuda=newest.pypi_default,
-                        python=py, abi3=True,
+                        python=py, abi3=True, limited_api=floor_py if newer else py,
                     ))
                 for t in self.torch:
-                    if cuda not in t.cuda or os_key not in t.os or _v(t.line) >= floor:
+                    if not t.builds(cuda, os_key) or _v(t.line) >= floor:
                         continue
                     # Below the stable-ABI floor: one wheel per torch line, still one binary
                     # for every Python of the line (limited API of its oldest Python).
@@ -286,8 +326,8 @@ class Matrix:
                 continue
             if not t.variant.serves(torch_version, torch_cuda) or t.cuda != torch_cuda:
                 continue
-            if Version(python) < Version(t.python):
-                reasons.append(f"{t.id}: needs Python >= {t.python}")
+            if Version(python) < Version(t.floor_python):
+                reasons.append(f"{t.id}: needs Python >= {t.floor_python}")
                 continue
             return t
         raise MatrixError(

@@ -64,7 +64,7 @@ def test_without_pytorchs_index_pypi_only_where_it_is_the_same_cuda_build(target
 
 def test_windows_and_aarch64_never_use_pypi(no_index):
     others = [t for t in TARGETS if t.os.key in ("windows-amd64", "linux-aarch64")]
-    assert len(others) == 16
+    assert len(others) == 15  # 16 until torch 2.8 + CUDA 12.8 on aarch64 (never published) left the matrix
     for t in others:
         for root in (None, "http://127.0.0.1:9/whl"):
             assert torch_source(t, root).index_url is not None, t.id
@@ -153,7 +153,7 @@ def test_every_job_resolves_without_problems(target):
     assert torch_step == ("pip", "install", f"torch=={target.build_torch}", "--index-url",
                           f"{PYTORCH_INDEX}/{cuda_tag(target.cuda)}")
     assert dict(job.steps)["guard"][-1] == f"{PYTORCH_INDEX}/cpu"
-    assert job.requires_python == f">={target.python}" and job.verify_python == target.python
+    assert job.requires_python == f">={target.floor_python}" and job.verify_python == target.python
 
 
 def test_a_windows_job_installs_cuda_with_nvidias_installer_and_msvc():
@@ -197,7 +197,7 @@ def test_the_plan_command_prints_every_job_and_exits_zero():
 
     proc = subprocess.run([sys.executable, "-m", "ci.cibw", "plan"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count(" on windows-2022 (") == 8 and proc.stdout.count(" on ubuntu-24.04-arm (") == 8
+    assert proc.stdout.count(" on windows-2022 (") == 8 and proc.stdout.count(" on ubuntu-24.04-arm (") == 7
     assert "PROBLEM" not in proc.stdout
 
 

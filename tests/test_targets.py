@@ -36,7 +36,7 @@ def line(d, name):
 def test_matrix_loads_and_ids_are_unique():
     m = Matrix.load()
     ids = [t.id for t in m.targets]
-    assert len(ids) == len(set(ids)) == 24
+    assert len(ids) == len(set(ids)) == 23
     assert "linux-x86_64-cu130-torch2.10-stable" in ids
     t = m.target("linux-x86_64-cu130-torch2.10-stable")
     assert t.archs == ("sm_120a", "sm_121a")
@@ -110,3 +110,40 @@ def test_target_for_torch_explains_rejections():
         m.target_for_torch("linux-x86_64", "3.9", "2.9.1", "13.0")
     with pytest.raises(MatrixError, match="no target serves torch 2.14.1"):
         m.target_for_torch("linux-x86_64", "3.11", "2.14.1", "12.6")
+
+
+def test_no_job_for_a_torch_pytorch_never_published_on_that_os():
+    """torch 2.8 has no CUDA 12.8 build for Linux aarch64 (only 12.9): no such target, no
+    such job; x86_64 and Windows keep theirs, and 2.8 on arm stays covered by cu129."""
+    m = Matrix.load()
+    ids = {t.id for t in m.targets}
+    jobs = {j["id"] for j in m.gha_matrix()["include"]}
+    assert ids == jobs
+    assert "linux-aarch64-cu128-torch2.8" not in ids and "linux-aarch64-cu129-torch2.8" in ids
+    assert {"linux-x86_64-cu128-torch2.8", "windows-amd64-cu128-torch2.8"} <= ids
+    for t in m.targets:
+        for ln in t.torch_lines:
+            assert t.cuda in m.line(ln).published_on(t.os.key), (t.id, ln)
+
+
+def test_per_os_variants_must_be_published_and_name_a_known_os(data):
+    msg = bad(data, lambda d: line(d, "2.8").update(published_by_os={"linux-aarch64": ["13.0"]}))
+    assert "torch 2.8 on linux-aarch64: CUDA 13.0 is not among the line's published variants" in msg
+    msg = bad(data, lambda d: line(d, "2.8").update(published_by_os={"macos-arm64": ["12.9"]}))
+    assert "published_by_os names 'macos-arm64'" in msg
+    msg = bad(data, lambda d: line(d, "2.8").update(publishd=["12.8"]))
+    assert "unknown keys ['publishd']" in msg
+
+
+def test_the_newest_line_is_served_and_built_by_a_python_its_torch_has():
+    """torch 2.15 has no Python 3.10 wheel: the cu132 stable-ABI wheel is compiled against
+    torch 2.15.0 by Python 3.11, still tagged cp310-abi3 (it serves torch 2.12-2.14 on 3.10)."""
+    m = Matrix.load()
+    t = m.target("linux-x86_64-cu132-torch2.10-stable")
+    assert t.build_torch == "2.15.0" and t.python == "3.11" and t.python_tag == "cp310" and t.floor_python == "3.10"
+    assert t.torch_lines == ("2.12", "2.13", "2.14", "2.15") and t.build_torch_pypi_cuda == "13.2"
+    # a fresh machine's `pip install torch` (2.15.0, PyPI's CUDA 13.2 build) maps to it
+    assert m.target_for_torch("linux-x86_64", "3.11", "2.15.0", "13.2") == t
+    assert m.target_for_torch("linux-x86_64", "3.10", "2.13.0", "13.2") == t
+    assert "python '3.15'" not in str(m.line("2.14").python) and "3.15" not in m.line("2.14").python
+    assert m.line("2.15").python[0] == "3.11"
