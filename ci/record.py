@@ -5,10 +5,14 @@ publishing read these records; they never re-derive facts from file names by han
 
 from __future__ import annotations
 
+import base64
+import csv
 import hashlib
+import io
 import json
 import re
 import zipfile
+import zlib
 from dataclasses import MISSING, asdict, dataclass, field
 from email.parser import BytesHeaderParser
 from pathlib import Path
@@ -231,6 +235,7 @@ def check_wheel(wheel: Path, rec: BuildRecord, project: str = "sageattn3", sha25
         if inside_tags != file_tags:
             raise RecordError(f"{name}: WHEEL Tag: the file name says {', '.join(file_tags)}, "
                               f"WHEEL says {', '.join(inside_tags) or 'none'}")
+        check_wheel_record(z, f"{want_info}/RECORD", name)
         if RECORD_IN_WHEEL not in names:
             raise RecordError(f"{name}: {RECORD_IN_WHEEL}: the wheel carries no build record; rebuild it with nox -s build-wheels")
         try:
@@ -244,6 +249,57 @@ def check_wheel(wheel: Path, rec: BuildRecord, project: str = "sageattn3", sha25
         said, found = getattr(rec, f), getattr(inner, f)
         if said != found:
             raise _differ(name, f, said, found, f"the record inside the wheel ({RECORD_IN_WHEEL})")
+
+
+# Files a wheel's RECORD lists without a hash (PEP 376 / the wheel spec): itself and its signatures.
+_UNHASHED = ("RECORD", "RECORD.jws", "RECORD.p7s")
+
+
+def check_wheel_record(z: zipfile.ZipFile, record_name: str, wheel: str) -> None:
+    """Every member of the wheel is listed in its ``.dist-info/RECORD`` with the sha256 and size
+    of its bytes, and every listed file is there (the hashes pip checks when it installs; a
+    changed byte anywhere in the wheel shows here). Raises RecordError naming the member."""
+    try:
+        text = z.read(record_name).decode("utf-8")
+    except KeyError:
+        raise RecordError(f"{wheel}: RECORD: the wheel has no {record_name}") from None
+    except UnicodeDecodeError:
+        raise RecordError(f"{wheel}: RECORD: {record_name} is not UTF-8") from None
+    listed: dict[str, tuple[str, str]] = {}
+    for row in csv.reader(io.StringIO(text)):
+        if not row:
+            continue
+        if len(row) != 3:
+            raise RecordError(f"{wheel}: RECORD: row {row!r} is not path,hash,size")
+        listed[row[0]] = (row[1], row[2])
+    members = [i for i in z.infolist() if not i.is_dir()]
+    for info in members:
+        path = info.filename
+        unhashed = path.rsplit("/", 1)[-1] in _UNHASHED and path.startswith(record_name.rsplit("/", 1)[0] + "/")
+        if path not in listed:
+            raise RecordError(f"{wheel}: RECORD: {path} is in the wheel but not in its RECORD")
+        digest, size = listed.pop(path)
+        if unhashed:
+            continue
+        algo, _, want = digest.partition("=")
+        if algo != "sha256" or not want:
+            raise RecordError(f"{wheel}: RECORD: {path} has no sha256 hash ({digest!r})")
+        h = hashlib.sha256()
+        try:
+            with z.open(info) as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+        except (zipfile.BadZipFile, zlib.error, OSError, EOFError) as e:
+            raise RecordError(f"{wheel}: RECORD: {path} cannot be read from the archive ({e})") from None
+        got = base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode()
+        if got != want:
+            raise RecordError(f"{wheel}: RECORD: {path}: its bytes hash to sha256={got}, RECORD says sha256={want}")
+        if size and size != str(info.file_size):
+            raise RecordError(f"{wheel}: RECORD: {path}: {info.file_size} bytes, RECORD says {size}")
+    if listed:
+        missing = sorted(listed)
+        raise RecordError(f"{wheel}: RECORD: lists {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+                          + ", not in the wheel")
 
 
 def _requirements(lines: list[str], wheel: str) -> list[Requirement]:

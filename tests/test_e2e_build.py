@@ -154,3 +154,33 @@ def test_python_only_change_recompiles_nothing(built, tmp_path):
     assert after["hits"] > before["hits"]
     (wheel,) = (tmp_path / "dist" / "wheels").glob("*.whl")
     assert "sageattn3/_cache_probe.py" in zipfile.ZipFile(wheel).namelist()
+
+
+VERIFY_UNDER = r"""
+import json, sys
+from pathlib import Path
+from ci.record import BuildRecord
+from ci.verify import verify
+rec = BuildRecord.load(Path(sys.argv[1]))
+report = verify(rec.with_wheel(Path(sys.argv[1][:-5])), Path(sys.argv[2]), ["3.11"])
+print(json.dumps({"pythons": report.pythons, "guard": report.abi_guard}))
+"""
+
+
+@needs_nvcc
+def test_verify_passes_with_pip_settings_that_change_what_gets_installed(built, tmp_path):
+    """cibuildwheel runs the release's test command with the toml's test-environment
+    (PIP_NO_DEPS=1); users have PIP_TARGET, PIP_USER, constraints. None of it reaches verify's
+    own pip and venv calls: the wheel installs from the local index into fresh venvs, the ABI
+    guard fires, and nothing lands in the caller's target or prefix."""
+    from test_pip_env import hostile_pip_settings
+
+    dist, _ = built
+    (wheel,) = (dist / "wheels").glob("*.whl")
+    proc = subprocess.run([sys.executable, "-c", VERIFY_UNDER, str(wheel) + ".json", str(dist / "index")],
+                          cwd=REPO, capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, **hostile_pip_settings(tmp_path), "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["pythons"] == ["3.11"] and got["guard"].endswith("ImportError as expected"), got
+    assert not (tmp_path / "pip-target").exists() and not (tmp_path / "pip-prefix").exists()

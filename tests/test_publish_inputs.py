@@ -208,7 +208,53 @@ def doctor_requires_torch(w: Path) -> Path:
     return w
 
 
+def _repack(w: Path, change) -> None:
+    """The wheel's members rewritten through ``change(name, bytes) -> bytes | None`` (None drops
+    the member), its RECORD left as it was."""
+    import zipfile
+
+    with zipfile.ZipFile(w) as z:
+        content = {n: z.read(n) for n in z.namelist()}
+    tmp = w.with_name(w.name + ".tmp")
+    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
+        for n, b in content.items():
+            b = change(n, b)
+            if b is not None:
+                z.writestr(n, b)
+    tmp.replace(w)
+
+
+def doctor_payload_byte(w: Path) -> Path:
+    """The issue's case: one byte of the payload changed inside the wheel, the beside-record's
+    sha256 and size brought up to date, the wheel's own RECORD not."""
+    def flip(n: str, b: bytes) -> bytes:
+        return bytes([b[0] ^ 1]) + b[1:] if n == "sageattn3/__init__.py" else b
+    _repack(w, flip)
+    _resync(w)
+    return w
+
+
+def doctor_unlisted_member(w: Path) -> Path:
+    """A file slipped into the wheel that its RECORD does not list."""
+    _repack(w, lambda n, b: b)
+    import zipfile
+
+    with zipfile.ZipFile(w, "a") as z:
+        z.writestr("sageattn3/_extra.so", b"\x7fELF")
+    _resync(w)
+    return w
+
+
+def doctor_listed_member_dropped(w: Path) -> Path:
+    _repack(w, lambda n, b: None if n == "sageattn3/__init__.py" else b)
+    _resync(w)
+    return w
+
+
 @pytest.mark.parametrize("doctor,field", [
+    (doctor_payload_byte, "RECORD: sageattn3/__init__.py: its bytes hash to"),
+    (doctor_unlisted_member, "RECORD: sageattn3/_extra.so is in the wheel but not in its RECORD"),
+    (doctor_listed_member_dropped, "RECORD: lists sageattn3/__init__.py"),
     (doctor_renamed_to_windows_cu132, ".dist-info"),
     (doctor_metadata_version, "METADATA Version"),
     (doctor_wheel_tag, "WHEEL Tag"),
