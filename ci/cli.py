@@ -107,6 +107,21 @@ def cmd_build_wheels(args: argparse.Namespace) -> int:
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
+    if args.check_upstream:
+        from ci import upstream
+
+        try:
+            drift = upstream.check_upstream(Matrix.load(), args.index_url, args.pytorch_index,
+                                            log=lambda m: print(m, file=sys.stderr))
+        except upstream.UpstreamError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        source = args.index_url + (f" and {args.pytorch_index}" if args.pytorch_index else "")
+        report = drift.markdown(source)
+        print(report, end="")
+        if args.markdown:
+            Path(args.markdown).write_text(report)
+        return 1 if drift.lines else 0
     print(json.dumps(Matrix.load().gha_matrix(), indent=None if args.compact else 2))
     return 0
 
@@ -147,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(fn=cmd_build_wheels)
     m = sub.add_parser("matrix", help="print the GitHub Actions matrix JSON")
     m.add_argument("--compact", action="store_true")
+    m.add_argument("--check-upstream", action="store_true",
+                   help="compare ci/targets.toml with the torch releases an index serves (exit 1: differences)")
+    m.add_argument("--index-url", default="https://pypi.org/simple", help="simple index to compare with (default: PyPI)")
+    m.add_argument("--pytorch-index", metavar="ROOT",
+                   help="also compare the CUDA variants with PyTorch's index (e.g. https://download.pytorch.org/whl)")
+    m.add_argument("--markdown", metavar="FILE", help="also write the report to FILE (an issue body)")
     m.set_defaults(fn=cmd_matrix)
     c = sub.add_parser("coverage", help="print the coverage table (markdown), proven levels from ci/evidence.json")
     c.add_argument("--record", action="append", metavar="DIR",

@@ -1,0 +1,212 @@
+"""Is ``ci/targets.toml`` still what PyTorch publishes? (``python -m ci matrix --check-upstream``)
+
+Reads torch's file list from a PEP 503/691 simple index (PyPI by default) and, when given,
+from PyTorch's own index (one directory per CUDA variant, ``<root>/cu130/torch/``), and lists
+every difference with the matrix:
+
+- a torch release line newer than the matrix's newest line;
+- a newer patch release of a line than its ``build_version``;
+- Pythons a line lists that its ``build_version`` has no wheel for, and Pythons it has that the
+  line does not list (free-threaded builds aside: the wheels are abi3);
+- an OS of a line with no wheel of its ``build_version``;
+- with PyTorch's index: CUDA variants listed for an OS that the index does not serve there,
+  and variants it serves that the line does not list.
+
+Nothing is changed: the report says what to edit. Exit status 0: in step; 1: differences.
+"""
+
+from __future__ import annotations
+
+import html.parser
+import json
+import re
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+from packaging.version import InvalidVersion, Version
+
+from ci.targets import Matrix, TorchLine
+from ci.variant import cuda_tag
+
+PYPI_SIMPLE = "https://pypi.org/simple"
+# The platform tag of each matrix OS (any manylinux glibc level).
+OS_PLATFORM = {
+    "linux-x86_64": re.compile(r"^(manylinux\w*_x86_64|linux_x86_64)$"),
+    "linux-aarch64": re.compile(r"^(manylinux\w*_aarch64|linux_aarch64)$"),
+    "windows-amd64": re.compile(r"^win_amd64$"),
+}
+# CUDA variants probed on PyTorch's index beyond those the matrix names (cu118 ... cu139).
+PROBED_CUDA = tuple(f"{major}.{minor}" for major in (11, 12, 13) for minor in range(10)
+                    if (major, minor) >= (11, 8))
+
+
+class UpstreamError(RuntimeError):
+    """An index could not be read; the message names the URL."""
+
+
+@dataclass(frozen=True)
+class TorchFile:
+    version: Version
+    python: str  # "3.12"
+    platform: str  # "manylinux_2_28_x86_64"
+
+
+class _Anchors(html.parser.HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+        self._in_a = False
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "a":
+            self._in_a = True
+            href = dict(attrs).get("href") or ""
+            name = href.split("#", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+            if name:
+                self.names.append(urllib.request.unquote(name))
+
+    def handle_endtag(self, tag):
+        self._in_a = False
+
+
+def project_files(index_url: str, project: str = "torch", timeout: float = 60) -> list[str] | None:
+    """The file names a simple index lists for ``project`` (None: the index has no such page).
+    Asks for PEP 691 JSON and reads PEP 503 HTML when that is what comes back."""
+    url = f"{index_url.rstrip('/')}/{project}/"
+    req = urllib.request.Request(url, headers={
+        "Accept": "application/vnd.pypi.simple.v1+json, application/vnd.pypi.simple.v1+html;q=0.2, text/html;q=0.1"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body = resp.read()
+            ctype = resp.headers.get("Content-Type", "")
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise UpstreamError(f"{url}: HTTP {e.code} {e.reason}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise UpstreamError(f"{url}: {getattr(e, 'reason', e)}") from None
+    if "json" in ctype:
+        try:
+            return [f["filename"] for f in json.loads(body)["files"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise UpstreamError(f"{url}: not a PEP 691 project page ({e})") from None
+    parser = _Anchors()
+    parser.feed(body.decode("utf-8", "replace"))
+    return parser.names
+
+
+def torch_wheels(names: list[str]) -> list[TorchFile]:
+    """The CPython torch wheels among ``names`` (free-threaded ``cp313t`` builds left out)."""
+    out = []
+    for name in names:
+        if not name.endswith(".whl"):
+            continue
+        try:
+            _, version, _, tags = parse_wheel_filename(name)
+        except (InvalidWheelFilename, InvalidVersion):
+            continue
+        for tag in tags:
+            m = re.fullmatch(r"cp3(\d+)", tag.interpreter)
+            if m and not tag.abi.endswith("t"):
+                out.append(TorchFile(version, f"3.{m.group(1)}", tag.platform))
+    return out
+
+
+@dataclass
+class Drift:
+    """What differs, one line each, grouped by what to change."""
+
+    lines: list[str] = field(default_factory=list)
+
+    def add(self, text: str) -> None:
+        self.lines.append(text)
+
+    def markdown(self, source: str) -> str:
+        if not self.lines:
+            return f"`ci/targets.toml` matches {source}.\n"
+        items = "\n".join(f"- {ln}" for ln in self.lines)
+        return (f"`ci/targets.toml` differs from {source} ({len(self.lines)} "
+                f"difference{'s' if len(self.lines) != 1 else ''}):\n\n{items}\n")
+
+
+def _line_of(v: Version) -> str:
+    return f"{v.major}.{v.minor}"
+
+
+def check_pypi(matrix: Matrix, files: list[TorchFile], drift: Drift) -> None:
+    releases = sorted({f.version for f in files if not f.version.is_prerelease and not f.version.is_devrelease})
+    by_line: dict[str, list[Version]] = {}
+    for v in releases:
+        by_line.setdefault(_line_of(v), []).append(v)
+    newest_line = max((Version(t.line) for t in matrix.torch), default=Version("0"))
+    for line, versions in sorted(by_line.items(), key=lambda kv: Version(kv[0])):
+        if Version(line) > newest_line:
+            pys = sorted({f.python for f in files if f.version == versions[-1]}, key=Version)
+            drift.add(f"torch {line} is released ({versions[-1]}, Pythons {', '.join(pys)}) and no line of "
+                      f"ci/targets.toml names it: add a [[torch]] entry")
+    for t in matrix.torch:
+        _check_line(t, files, by_line.get(t.line, []), drift)
+
+
+def _check_line(t: TorchLine, files: list[TorchFile], versions: list[Version], drift: Drift) -> None:
+    build = Version(t.build_version)
+    mine = [f for f in files if f.version.public == build.public]
+    if not mine:
+        drift.add(f"torch {t.line}: build_version {t.build_version} has no wheel on the index")
+        return
+    newer = [v for v in versions if v > build]
+    if newer:
+        drift.add(f"torch {t.line}: {newer[-1]} is released; build_version is {t.build_version}")
+    have = {f.python for f in mine}
+    listed = set(t.python)
+    for py in sorted(listed - have, key=Version):
+        drift.add(f"torch {t.line}: python lists {py}, but torch {t.build_version} has no cp{py.replace('.', '')} "
+                  f"wheel: remove it")
+    for py in sorted(have - listed, key=Version):
+        drift.add(f"torch {t.line}: torch {t.build_version} has cp{py.replace('.', '')} wheels, python does not "
+                  f"list {py}")
+    for os_key in t.os:
+        plat = OS_PLATFORM.get(os_key)
+        if plat and not any(plat.match(f.platform) for f in mine):
+            drift.add(f"torch {t.line}: os lists {os_key}, but torch {t.build_version} has no wheel for it")
+
+
+def check_pytorch_index(matrix: Matrix, root: str, drift: Drift, log=print) -> None:
+    """Per line and OS: the CUDA variants PyTorch's index serves ``build_version`` for, against
+    ``published_on(os)``."""
+    probed = sorted(set(PROBED_CUDA) | {c for t in matrix.torch for c in t.published}, key=Version)
+    serves: dict[str, list[TorchFile]] = {}
+    for cuda in probed:
+        names = project_files(f"{root.rstrip('/')}/{cuda_tag(cuda)}")
+        if names:
+            serves[cuda] = torch_wheels(names)
+    log(f"[upstream] {root}: torch under {', '.join(cuda_tag(c) for c in serves) or 'no CUDA directory'}")
+    for t in matrix.torch:
+        build = Version(t.build_version)
+        for os_key in t.os:
+            plat = OS_PLATFORM[os_key]
+            there = {c for c, fs in serves.items()
+                     if any(f.version.public == build.public and plat.match(f.platform) for f in fs)}
+            listed = set(t.published_on(os_key))
+            for c in sorted(listed - there, key=Version):
+                drift.add(f"torch {t.line} on {os_key}: CUDA {c} is listed as published, but {root}/{cuda_tag(c)} "
+                          f"has no torch {t.build_version} wheel for it: drop it for {os_key} (published_by_os)")
+            for c in sorted(there - listed, key=Version):
+                drift.add(f"torch {t.line} on {os_key}: {root}/{cuda_tag(c)} serves torch {t.build_version}, "
+                          f"but CUDA {c} is not listed as published there")
+
+
+def check_upstream(matrix: Matrix, index_url: str = PYPI_SIMPLE, pytorch_index: str | None = None,
+                   log=print) -> Drift:
+    drift = Drift()
+    names = project_files(index_url)
+    if names is None:
+        raise UpstreamError(f"{index_url}: has no torch project page")
+    files = torch_wheels(names)
+    log(f"[upstream] {index_url}: {len(files)} torch wheels")
+    check_pypi(matrix, files, drift)
+    if pytorch_index:
+        check_pytorch_index(matrix, pytorch_index, drift, log=log)
+    return drift
