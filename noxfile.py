@@ -138,3 +138,4 @@ def bench_kernels(session: nox.Session) -> None:
     if wheel:
         session.install("--no-deps", "--force-reinstall", wheel)
     session.run("python", "tests/bench/bench_kernels.py")
+    session.run("python", "tests/bench/attention_standin.py")  # Hopper only: the attention's timing stand-in

@@ -23,8 +23,20 @@
 // gathers the same operands from the same lanes with warp shuffles and computes the same sums in
 // fp32 (products of e2m1 values and the per-chunk sums are exact; the 4 chunk sums are scaled by
 // SF_A*SF_B and added to C in order). All 32 lanes must call it together, as for mma.sync.
+//
+// SAGEATTN3_TIMING_STANDIN_MMA=N (test flavour only, never in a build: tests/bench/attention_standin.py)
+// replaces the model by N fp16 mma.sync m16n8k16 per call on the same registers (A: 4, B: 2,
+// C/D: 4 per lane, the same fragment sizes), so the sm_90 tensor cores do real work of
+// comparable cost: N = 4 is the FP4 MMA's 8192 multiply-adds. (FP8 m16n8k32 would be the
+// closer shape, but sm_90 has no FP8 mma.sync in hardware: ptxas turns it into conversions and
+// HMMA.) The scale operands are inputs of the same asm statement, so everything that computes
+// them stays. The values are WRONG (FP4 codes read as fp16): this is for timing only.
 #pragma once
 #include <cstdint>
+
+#if defined(SAGEATTN3_TIMING_STANDIN_MMA) && !defined(SAGEATTN3_MMA_MODEL)
+#error "SAGEATTN3_TIMING_STANDIN_MMA gives wrong values: a timing experiment of the test flavour only"
+#endif
 
 #if defined(__CUDA_ARCH_FEAT_SM120_ALL) || defined(__CUDA_ARCH_FEAT_SM121_ALL) || \
     (defined(__CUDA_ARCH_SPECIFIC__) && (__CUDA_ARCH_SPECIFIC__ == 1200 || __CUDA_ARCH_SPECIFIC__ == 1210)) || \
@@ -117,7 +129,20 @@ template <int TID_A, int TID_B>
 __device__ __forceinline__ void mma_fp4(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
                                         const float (&c)[4], uint32_t sfa, uint32_t sfb) {
   static_assert(TID_A >= 0 && TID_A < 2 && TID_B >= 0 && TID_B < 4, "scale selectors out of range");
-#if defined(SAGEATTN3_MMA_MODEL)
+#if defined(SAGEATTN3_TIMING_STANDIN_MMA)
+  static_assert(SAGEATTN3_TIMING_STANDIN_MMA >= 1 && SAGEATTN3_TIMING_STANDIN_MMA <= 8, "1 to 8 fp16 MMAs per FP4 MMA");
+  float acc[4] = {c[0], c[1], c[2], c[3]};
+#pragma unroll
+  for (int i = 0; i < SAGEATTN3_TIMING_STANDIN_MMA; ++i) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        "// scale operands (kept live, unused): %10 %11\n"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(sfa), "r"(sfb));
+  }
+  d[0] = acc[0]; d[1] = acc[1]; d[2] = acc[2]; d[3] = acc[3];
+#elif defined(SAGEATTN3_MMA_MODEL)
   const model::Acc r = model::mma(a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3], sfa, sfb, TID_A, TID_B);
   d[0] = r.d0; d[1] = r.d1; d[2] = r.d2; d[3] = r.d3;
 #elif defined(SAGEATTN3_HAS_FP4_MMA)

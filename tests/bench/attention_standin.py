@@ -1,0 +1,162 @@
+"""The FP4 attention kernel timed on an H100 through a timing stand-in:
+python tests/bench/attention_standin.py [--quick] [--json FILE]
+
+The H100 has no block-scaled FP4 MMA; the test flavour runs it as a software model, which makes
+the kernel's time meaningless. This builds tests/bench/attention_standin.cu against the kernel's
+sources for sm_90a with two test-flavour-only defines (an #error anywhere else):
+- SAGEATTN3_TIMING_STANDIN_MMA=N: each FP4 MMA becomes N fp16 mma.sync m16n8k16 on the same
+  registers (N = 4: the same 8192 multiply-adds; N = 2: half, to see how much of the time the
+  MMAs decide);
+- SAGEATTN3_TIMING_STANDIN_E2M1: P's E2M1 conversion at the issue cost of sm_120's instruction.
+Everything else runs as shipped: the TMA ring, delta_s with the block-residual correction, the
+online softmax, P's two-level quantization, the epilogue. The values are wrong by design.
+
+It prints the sm_90 mma.sync rate it measured (the calibration against sm_120's FP4 rate), then
+for D 64/128, causal or not, 4k-32k tokens and GQA: the kernel's time with the defaults (per-block
+Q means) and with one Q mean (no block residuals), next to torch SDPA (bf16; FlashAttention too
+when installed) on the same GPU. TOPS = 4 x heads x S^2 x D (half that when causal) / time.
+Needs nvcc (CUDA_HOME or PATH) and a GPU of compute capability 9.0; torch only for SDPA."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CSRC = ROOT / "sageattn3" / "csrc"
+sys.path.insert(0, str(ROOT))
+
+from ci.kernel_report import build_flags, nvcc_path  # noqa: E402  (a real build's device flags; nvcc)
+
+SEQS = (4096, 8192, 16384, 32768)
+HEADS = 16
+GQA = ((32, 8),)  # (q heads, kv heads)
+MODES = ("defaults", "one-mean")
+
+
+def build(nvcc: Path, out: Path, n_mma: int) -> Path:
+    exe = out / f"standin_mma{n_mma}"
+    cmd = [str(nvcc), "-gencode=arch=compute_90a,code=sm_90a", *build_flags(mma_model=True), f"-I{CSRC}",
+           f"-DSAGEATTN3_TIMING_STANDIN_MMA={n_mma}", "-DSAGEATTN3_TIMING_STANDIN_E2M1",
+           str(ROOT / "tests" / "bench" / "attention_standin.cu"), str(CSRC / "attn" / "attn_launch.cu"), "-o", str(exe)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"attention_standin: build failed:\n{' '.join(cmd)}\n{r.stdout}{r.stderr}")
+    return exe
+
+
+def parse(line: str) -> dict:
+    return {k: (float(v) if k in ("ms", "tflops", "flop_per_clk_sm") else v)
+            for k, v in (kv.split("=", 1) for kv in line.split()[1:])}
+
+
+def run(exe: Path, *args) -> dict:
+    r = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"attention_standin: {exe.name} {' '.join(map(str, args))} failed:\n{r.stdout}{r.stderr}")
+    return parse(r.stdout.strip().splitlines()[-1])
+
+
+def flops(d: int, s: int, hq: int, causal: int) -> float:
+    return 4.0 * hq * s * s * d / (2 if causal else 1)
+
+
+def sdpa_ms(d: int, s: int, hq: int, hkv: int, causal: int) -> dict[str, float]:
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return {}
+    import statistics
+
+    q = torch.randn(1, hq, s, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, hkv, s, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+
+    def t(fn):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        out = []
+        for _ in range(7):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b))
+        return statistics.median(out)
+
+    res = {"sdpa": t(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal), enable_gqa=hq != hkv))}
+    try:
+        from flash_attn import flash_attn_func
+
+        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        res["flash_attn"] = t(lambda: flash_attn_func(qt, kt, vt, causal=bool(causal)))
+    except ImportError:
+        pass
+    return res
+
+
+def main(argv: list[str]) -> int:
+    quick = "--quick" in argv
+    json_out = Path(argv[argv.index("--json") + 1]) if "--json" in argv else None
+    nvcc = nvcc_path()
+    if nvcc is None:
+        print("attention_standin: no nvcc (set CUDA_HOME), skipped")
+        return 0
+    q = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"], capture_output=True,
+                       text=True) if shutil.which("nvidia-smi") else None
+    if q is None or q.returncode or not q.stdout.strip():
+        print("attention_standin: no CUDA GPU, skipped")
+        return 0
+    name, cap = (x.strip() for x in q.stdout.splitlines()[0].rsplit(",", 1))
+    if cap != "9.0":
+        print(f"attention_standin: {name} is compute capability {cap}; the stand-in is built for sm_90a, skipped")
+        return 0
+    print(f"device: {name}; building the stand-in kernel (fp16 mma.sync x4 and x2 per FP4 MMA)")
+    results: dict = {"device": name, "rows": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        with ThreadPoolExecutor(2) as pool:
+            exe4, exe2 = pool.map(lambda n: build(nvcc, Path(tmp), n), (4, 2))
+        rate = run(exe4, "mma")
+        results["mma_rate"] = rate
+        sm120 = 4096.0  # FP4 FLOP/clk/SM of the sm_120 family (docs/performance.md)
+        print(f"sm_90 fp16 mma.sync: {rate['tflops']:.0f} TFLOP/s = {rate['flop_per_clk_sm']:.0f} FLOP/clk/SM at the "
+              f"{rate['clock_mhz']} MHz nominal clock ({rate['sms']} SMs); the sm_120 FP4 MMA: {sm120:.0f} FLOP/clk/SM, "
+              f"so x4 runs the MMAs {sm120 / rate['flop_per_clk_sm']:.2f}x slower per clock than sm_120 would")
+        seqs = (4096, 32768) if quick else SEQS
+        configs = [(d, s, HEADS, HEADS, c) for d in (128, 64) for c in (0, 1) for s in seqs]
+        configs += [(128, s, hq, hkv, c) for hq, hkv in GQA for c in (0, 1) for s in (8192, 32768)]
+        hdr = (f"{'D':>4} {'tokens':>6} {'heads':>6} {'causal':>6} | {'SDPA ms':>8} {'TOPS':>5} | {'defaults ms':>11} "
+               f"{'TOPS':>5} {'/SDPA':>6} | {'one-mean ms':>11} {'TOPS':>5} | {'defaults/one-mean':>17} | {'x2 defaults':>11} {'x2 one-mean':>11}")
+        print(hdr)
+        for d, s, hq, hkv, c in configs:
+            row = {"D": d, "S": s, "hq": hq, "hkv": hkv, "causal": c}
+            for m in MODES:
+                row[m] = run(exe4, d, s, hq, hkv, c, m)["ms"]
+            if s == seqs[-1]:
+                for m in MODES:
+                    row[f"x2 {m}"] = run(exe2, d, s, hq, hkv, c, m)["ms"]
+            row.update(sdpa_ms(d, s, hq, hkv, c))
+            f = flops(d, s, hq, c)
+            tops = lambda ms: f / (ms * 1e-3) / 1e12 if ms else float("nan")  # noqa: E731
+            sd = row.get("sdpa")
+            print(f"{d:>4} {s:>6} {f'{hq}/{hkv}':>6} {c:>6} | {sd or float('nan'):8.3f} {tops(sd):5.0f} | "
+                  f"{row['defaults']:11.3f} {tops(row['defaults']):5.0f} {(row['defaults'] / sd) if sd else float('nan'):6.2f} | "
+                  f"{row['one-mean']:11.3f} {tops(row['one-mean']):5.0f} | {row['defaults'] / row['one-mean']:17.3f} | "
+                  f"{row.get('x2 defaults', float('nan')):11.3f} {row.get('x2 one-mean', float('nan')):11.3f}"
+                  + (f" | flash_attn {row['flash_attn']:.3f} ms" if "flash_attn" in row else ""))
+            results["rows"].append(row)
+    if json_out:
+        json_out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
