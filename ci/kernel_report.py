@@ -2,6 +2,7 @@
 
     python -m ci.kernel_report                  # compile sageattn3/csrc/**/*.cu to cubins (ptxas -v)
     python -m ci.kernel_report --wheel W.whl    # read a built wheel's cubins (cuobjdump -res-usage)
+    python -m ci.kernel_report --upstream CHECKOUT --cutlass INCLUDE   # + upstream's kernel in the budget
 
 Compile mode: each .cu under sageattn3/csrc is compiled to a cubin for sm_120a and sm_121a (the
 shipped archs) and for sm_90a with SAGEATTN3_MMA_MODEL=1 (the test flavour that runs on an
@@ -11,6 +12,10 @@ a tiny host program compiled from the same headers prints ``SmemLayout<D>::kTota
 cuobjdump -res-usage on the wheel's extension (REG, STACK, SHARED, LOCAL per function and arch;
 LOCAL is per-thread local memory, where spills would go). Exit status 1 when an attention kernel
 spills (compile mode) or a compile fails.
+
+Compile mode also prints the per-tile budget of the attention kernel's steady key-tile loop from
+its sm_120a SASS (ci.sass_budget): instructions by pipe, shared-memory and L2 bytes, the bound
+per SM per tile and the TOPS ceiling it implies on an RTX 5090, an RTX PRO 6000 and a GB10.
 """
 
 from __future__ import annotations
@@ -139,8 +144,10 @@ def build_flags(mma_model: bool) -> list[str]:
 def compile_one(nvcc: Path, src: Path, arch: str, defines: tuple[str, ...], out_dir: Path) -> tuple[str, int, str]:
     cubin = out_dir / f"{src.parent.name}_{src.stem}_{arch}.cubin"
     flags = build_flags(mma_model=any(d.startswith("SAGEATTN3_MMA_MODEL") for d in defines))
+    # -lineinfo for the SASS budget (ci.sass_budget reads source lines); the machine code is the same
+    lineinfo = ["-lineinfo"] if "-lineinfo" not in flags else []
     cmd = [str(nvcc), "-cubin", str(src), "-o", str(cubin), f"-gencode=arch=compute_{arch[3:]},code={arch}",
-           *flags, "-Xptxas", "-v", f"-I{CSRC}"]
+           *flags, *lineinfo, "-Xptxas", "-v", f"-I{CSRC}"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     return " ".join(cmd), r.returncode, r.stdout + r.stderr
 
@@ -198,7 +205,26 @@ def print_table(kernels: list[Kernel], dyn: dict[int, int], wheel: bool) -> None
                   f"by shared memory alone {per}")
 
 
-def report_compiled(jobs: int) -> int:
+def print_budget(cubin: Path, upstream: tuple[Path, Path] | None, nvcc: Path, out: Path, jobs: int) -> None:
+    """The per-tile SASS budget of the attention kernel (ci.sass_budget), with upstream's kernel
+    beside it when a checkout of thu-ml/SageAttention and CUTLASS headers are given."""
+    from ci import sass_budget as sb
+
+    budgets = sb.ours_budgets(cubin)
+    if upstream:
+        budgets += sb.upstream_budgets(sb.compile_upstream(nvcc, upstream[0], upstream[1], out))
+    cal = sb.UPSTREAM_CALIBRATION
+    print(f"\n== per-tile budget of the steady key-tile loop, sm_120a SASS (model: docs/performance.md)\n"
+          f"calibration: x{cal.ratio:.3f} = upstream's {cal.measured_tops:.0f} TOPS measured on an {cal.gpu} / "
+          f"the model's ceiling for it ({cal.source})")
+    print(sb.table(budgets, calibration=cal.ratio))
+    for b in budgets:
+        aside = ", ".join(f"{k} {v}" for k, v in sorted(b.set_aside.items()))
+        if aside:
+            print(f"  {b.label}: set aside (not per warp per steady tile): {aside}")
+
+
+def report_compiled(jobs: int, upstream: tuple[Path, Path] | None = None) -> int:
     nvcc = nvcc_path()
     if nvcc is None:
         print("kernel_report: no nvcc (set CUDA_HOME), nothing to report")
@@ -223,7 +249,10 @@ def report_compiled(jobs: int) -> int:
                     continue
                 kernels += parse_ptxas(log, rel)
             dyn = dyn_f.result()
-    print_table(kernels, dyn, wheel=False)
+            print_table(kernels, dyn, wheel=False)
+            attn = out / "attn_attn_launch_sm_120a.cubin"
+            if attn.exists():
+                print_budget(attn, upstream, nvcc, out, jobs)
     bad = [k for k in kernels if _head_dim(k.name) and (k.spill_stores or k.spill_loads)]
     for k in bad:
         print(f"SPILL: {k.name} [{k.arch}] {k.spill_stores} bytes stores, {k.spill_loads} bytes loads")
@@ -257,10 +286,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ci.kernel_report", description=__doc__.split("\n\n")[0])
     ap.add_argument("--wheel", type=Path, action="append", default=[], help="read this wheel's cubins instead")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--upstream", type=Path, metavar="CHECKOUT",
+                    help="a checkout of thu-ml/SageAttention: its sageattention3_blackwell kernel's budget beside ours")
+    ap.add_argument("--cutlass", type=Path, metavar="INCLUDE", help="CUTLASS include dir for --upstream (cute/, cutlass/)")
     args = ap.parse_args(argv)
     if args.wheel:
         return max(report_wheel(w) for w in args.wheel)
-    return report_compiled(args.jobs)
+    if args.upstream and not args.cutlass:
+        ap.error("--upstream needs --cutlass INCLUDE (e.g. nvidia-cutlass's cutlass_library/source/include)")
+    return report_compiled(args.jobs, (args.upstream, args.cutlass) if args.upstream else None)
 
 
 if __name__ == "__main__":

@@ -418,8 +418,11 @@ def _head_dim_of(name: str) -> int | None:
 
 def ours_budgets(cubin: Path) -> list[Budget]:
     funcs = disassemble(cubin)
-    v_sf_line = _line_of(KERNEL, r"const uint32_t v_sf = __ldg\(")
-    shared = lambda ins: any(f.endswith("attn/attn_fwd_kernel.cuh") and n == v_sf_line for f, n in ins.frames)
+    # loads that every warp makes of the same bytes (none today: the V scales are copied once per
+    # CTA into the stage; before that, each warp loaded them from global memory)
+    shared_lines = [i for i, line in enumerate(KERNEL.read_text().splitlines(), 1)
+                    if re.search(r"const uint32_t v_sf = __ldg\(", line)]
+    shared = lambda ins: any(f.endswith("attn/attn_fwd_kernel.cuh") and n in shared_lines for f, n in ins.frames)
     out = []
     for name, instrs in sorted(funcs.items(), key=lambda kv: -(_head_dim_of(kv[0]) or 0)):
         d = _head_dim_of(name)
@@ -480,3 +483,38 @@ def compile_upstream(nvcc: Path, checkout: Path, cutlass_include: Path, out_dir:
 def upstream_tma_bytes(d: int) -> int:
     """K + V codes, their scales, and 128 floats of delta_s per stage."""
     return 128 * d + 2 * 128 * d // 16 + 128 * 4
+
+
+def _upstream_head_dim(name: str) -> int | None:
+    m = re.search(r"Flash_fwd_kernel_traitsILi(\d+)ELi128ELi128E", name)
+    return int(m.group(1)) if m else None
+
+
+def upstream_budgets(cubin: Path) -> list[Budget]:
+    """Upstream's consumer loop: 8 MMA warps (a separate producer warpgroup issues the TMA)."""
+    out = []
+    funcs = disassemble(cubin)
+    for name, instrs in sorted(funcs.items(), key=lambda kv: -(_upstream_head_dim(kv[0]) or 0)):
+        d = _upstream_head_dim(name)
+        if d is None:
+            continue
+        out.append(budget(instrs, label=f"upstream D{d}", head_dim=d, warps=8, tma_bytes=upstream_tma_bytes(d)))
+    return out
+
+
+@dataclass(frozen=True)
+class Calibration:
+    measured_tops: float
+    gpu: str
+    predicted_tops: float
+    source: str
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_tops / self.predicted_tops
+
+
+# Upstream's kernel measured by users at 778 TOPS on an RTX 5090 (32k tokens, D 128, non-causal,
+# thu-ml/SageAttention#342) against this model's ceiling for it (thu-ml/SageAttention d1a57a5
+# built here for sm_120a: `python -m ci.kernel_report --upstream ... --cutlass ...`).
+UPSTREAM_CALIBRATION = Calibration(778.0, "RTX 5090", 0.0, "thu-ml/SageAttention#342; upstream d1a57a5")

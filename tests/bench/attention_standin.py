@@ -1,5 +1,5 @@
 """The FP4 attention kernel timed on an H100 through a timing stand-in:
-python tests/bench/attention_standin.py [--quick] [--json FILE]
+python tests/bench/attention_standin.py [--quick] [--json FILE] [--baseline TREE]
 
 The H100 has no block-scaled FP4 MMA; the test flavour runs it as a software model, which makes
 the kernel's time meaningless. This builds tests/bench/attention_standin.cu against the kernel's
@@ -14,7 +14,9 @@ online softmax, P's two-level quantization, the epilogue. The values are wrong b
 It prints the sm_90 mma.sync rate it measured (the calibration against sm_120's FP4 rate), then
 for D 64/128, causal or not, 4k-32k tokens and GQA: the kernel's time with the defaults (per-block
 Q means) and with one Q mean (no block residuals), next to torch SDPA (bf16; FlashAttention too
-when installed) on the same GPU. TOPS = 4 x heads x S^2 x D (half that when causal) / time.
+when installed) on the same GPU. TOPS = 4 x heads x S^2 x D (half that when causal) / time. --baseline TREE: also the kernel of
+another source tree (its sageattn3/csrc, e.g. `git worktree add` of an earlier commit) in the same
+run, the "before" of a change.
 Needs nvcc (CUDA_HOME or PATH) and a GPU of compute capability 9.0; torch only for SDPA."""
 
 from __future__ import annotations
@@ -39,11 +41,11 @@ GQA = ((32, 8),)  # (q heads, kv heads)
 MODES = ("defaults", "one-mean")
 
 
-def build(nvcc: Path, out: Path, n_mma: int) -> Path:
-    exe = out / f"standin_mma{n_mma}"
-    cmd = [str(nvcc), "-gencode=arch=compute_90a,code=sm_90a", *build_flags(mma_model=True), f"-I{CSRC}",
+def build(nvcc: Path, out: Path, n_mma: int, csrc: Path = CSRC, tag: str = "") -> Path:
+    exe = out / f"standin_mma{n_mma}{tag}"
+    cmd = [str(nvcc), "-gencode=arch=compute_90a,code=sm_90a", *build_flags(mma_model=True), f"-I{csrc}",
            f"-DSAGEATTN3_TIMING_STANDIN_MMA={n_mma}", "-DSAGEATTN3_TIMING_STANDIN_E2M1",
-           str(ROOT / "tests" / "bench" / "attention_standin.cu"), str(CSRC / "attn" / "attn_launch.cu"), "-o", str(exe)]
+           str(ROOT / "tests" / "bench" / "attention_standin.cu"), str(csrc / "attn" / "attn_launch.cu"), "-o", str(exe)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"attention_standin: build failed:\n{' '.join(cmd)}\n{r.stdout}{r.stderr}")
@@ -106,6 +108,9 @@ def sdpa_ms(d: int, s: int, hq: int, hkv: int, causal: int) -> dict[str, float]:
 def main(argv: list[str]) -> int:
     quick = "--quick" in argv
     json_out = Path(argv[argv.index("--json") + 1]) if "--json" in argv else None
+    baseline = Path(argv[argv.index("--baseline") + 1]).resolve() / "sageattn3" / "csrc" if "--baseline" in argv else None
+    if baseline is not None and not (baseline / "attn" / "attn_launch.cu").exists():
+        sys.exit(f"attention_standin: --baseline needs a source tree with sageattn3/csrc/attn/attn_launch.cu ({baseline})")
     nvcc = nvcc_path()
     if nvcc is None:
         print("attention_standin: no nvcc (set CUDA_HOME), skipped")
@@ -122,8 +127,9 @@ def main(argv: list[str]) -> int:
     print(f"device: {name}; building the stand-in kernel (fp16 mma.sync x4 and x2 per FP4 MMA)")
     results: dict = {"device": name, "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
-        with ThreadPoolExecutor(2) as pool:
-            exe4, exe2 = pool.map(lambda n: build(nvcc, Path(tmp), n), (4, 2))
+        jobs = [(4, CSRC, ""), (2, CSRC, "")] + ([(4, baseline, "_baseline")] if baseline else [])
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            exe4, exe2, *base = pool.map(lambda j: build(nvcc, Path(tmp), *j), jobs)
         rate = run(exe4, "mma")
         results["mma_rate"] = rate
         sm120 = 4096.0  # FP4 FLOP/clk/SM of the sm_120 family (docs/performance.md)
@@ -133,13 +139,16 @@ def main(argv: list[str]) -> int:
         seqs = (4096, 32768) if quick else SEQS
         configs = [(d, s, HEADS, HEADS, c) for d in (128, 64) for c in (0, 1) for s in seqs]
         configs += [(128, s, hq, hkv, c) for hq, hkv in GQA for c in (0, 1) for s in (8192, 32768)]
-        hdr = (f"{'D':>4} {'tokens':>6} {'heads':>6} {'causal':>6} | {'SDPA ms':>8} {'TOPS':>5} | {'defaults ms':>11} "
+        hdr = (f"{'D':>4} {'tokens':>6} {'heads':>6} {'causal':>6} | {'SDPA ms':>8} {'TOPS':>5} | "
+               + (f"{'before: defaults ms':>19} {'one-mean ms':>11} | " if base else "") + f"{'defaults ms':>11} "
                f"{'TOPS':>5} {'/SDPA':>6} | {'one-mean ms':>11} {'TOPS':>5} | {'defaults/one-mean':>17} | {'x2 defaults':>11} {'x2 one-mean':>11}")
         print(hdr)
         for d, s, hq, hkv, c in configs:
             row = {"D": d, "S": s, "hq": hq, "hkv": hkv, "causal": c}
             for m in MODES:
                 row[m] = run(exe4, d, s, hq, hkv, c, m)["ms"]
+                if base:
+                    row[f"before {m}"] = run(base[0], d, s, hq, hkv, c, m)["ms"]
             if s == seqs[-1]:
                 for m in MODES:
                     row[f"x2 {m}"] = run(exe2, d, s, hq, hkv, c, m)["ms"]
@@ -148,7 +157,8 @@ def main(argv: list[str]) -> int:
             tops = lambda ms: f / (ms * 1e-3) / 1e12 if ms else float("nan")  # noqa: E731
             sd = row.get("sdpa")
             print(f"{d:>4} {s:>6} {f'{hq}/{hkv}':>6} {c:>6} | {sd or float('nan'):8.3f} {tops(sd):5.0f} | "
-                  f"{row['defaults']:11.3f} {tops(row['defaults']):5.0f} {(row['defaults'] / sd) if sd else float('nan'):6.2f} | "
+                  + (f"{row['before defaults']:19.3f} {row['before one-mean']:11.3f} | " if base else "")
+                  + f"{row['defaults']:11.3f} {tops(row['defaults']):5.0f} {(row['defaults'] / sd) if sd else float('nan'):6.2f} | "
                   f"{row['one-mean']:11.3f} {tops(row['one-mean']):5.0f} | {row['defaults'] / row['one-mean']:17.3f} | "
                   f"{row.get('x2 defaults', float('nan')):11.3f} {row.get('x2 one-mean', float('nan')):11.3f}"
                   + (f" | flash_attn {row['flash_attn']:.3f} ms" if "flash_attn" in row else ""))

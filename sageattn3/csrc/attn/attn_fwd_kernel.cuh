@@ -39,6 +39,7 @@ struct SmemLayout {
   static constexpr int kKSfBytes = kBlockN * D / 16;
   static constexpr int kVBytes = D * kBlockN / 2;
   static constexpr int kDeltaBytes = kBlockN * 4;
+  static constexpr int kVSfBytes = D * kBlockN / 16;  // the stage's V scales, copied by the consumers
   // Offsets from a 1024-aligned base; every swizzled tile starts on a 1024 boundary.
   static constexpr int kQ = 0;
   static constexpr int kQSf = kQ + kQBytes;
@@ -47,7 +48,8 @@ struct SmemLayout {
   static constexpr int kStageV = kKBytes;
   static constexpr int kStageKSf = kStageV + kVBytes;
   static constexpr int kStageDelta = kStageKSf + kKSfBytes;
-  static constexpr int kStageBytes = ((kStageDelta + kDeltaBytes + 1023) / 1024) * 1024;
+  static constexpr int kStageVSf = kStageDelta + kDeltaBytes;
+  static constexpr int kStageBytes = ((kStageVSf + kVSfBytes + 1023) / 1024) * 1024;
   static constexpr int kBarriers = kStage0 + kStages * kStageBytes;
   static constexpr int kBarrierBytes = 8 * (2 + 2 * kStages);
   static constexpr int kProducerState = kBarriers + kBarrierBytes;  // thread 0's cursor (see Producer)
@@ -56,7 +58,9 @@ struct SmemLayout {
   static constexpr int kMeanQ = kProducerState + 64;
   static constexpr int kMeanQBytes = D * 4 + 16;
   static constexpr int kTotal = kMeanQ + kMeanQBytes + 1024;        // + slack to align the base
-  // The stage's delta_s vector (kStageDelta) is written by the consumers, not by TMA.
+  // The stage's delta_s vector (kStageDelta) and V scales (kStageVSf) are written by the
+  // consumers, not by TMA (V's scale rows are Sk_pad/16 bytes apart: not the multiple of 16 a
+  // tensor map's stride must be when Sk_pad/128 is odd).
   static constexpr uint32_t kStageTx = kKBytes + kVBytes + kKSfBytes;
   static constexpr uint32_t kQTx = kQBytes + kQSfBytes;
 };
@@ -271,6 +275,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   // delta_s: thread i handles half (i & 1) of the head dim of key row i >> 1 of each stage.
   const int ds_k = threadIdx.x >> 1, ds_half = threadIdx.x & 1;
   static_assert(kThreads == 2 * kBlockN, "two threads per key for delta_s");
+  static_assert(2 * D <= kThreads, "one 4-byte word of V scales per thread and stage");
   for (int tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x, ++q_round) {
     const TileCoord c = decode_tile(p, tile);
     const int m0 = c.mb * kBlockM;
@@ -320,7 +325,10 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
     const int kv_bh = c.b * p.heads_kv + c.hk;
     const uint8_t* v_sf_head = p.v_sf + static_cast<int64_t>(kv_bh) * D * (p.seq_k_pad / 16);
     const int row_g = m0 + row_in_tile + g;  // this lane's rows: row_g, row_g + 8
-    const uint8_t* v_sf_lane = v_sf_head + static_cast<int64_t>(g) * (p.seq_k_pad / 16) + 4 * (t & 1);
+    // V scales of a stage: thread i < 2D copies row d = i / 2, bytes 4(i & 1) .. +3 of the stage's 8
+    // into the stage (d x 8 bytes); lane 4g + t reads d = 8n + g, bytes 4(t & 1) (key chunk t & 1).
+    const uint8_t* v_sf_copy = v_sf_head + static_cast<int64_t>(threadIdx.x >> 1) * (p.seq_k_pad / 16) + 4 * (threadIdx.x & 1);
+    const uint32_t v_sf_lane = g * 8 + 4 * (t & 1);
 
     for (int kb = 0; kb < c.num_kb; ++kb, ring.advance()) {
       const int k0 = kb * kBlockN;
@@ -345,6 +353,10 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
           res = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, 1));
         }
         if (ds_half == 0) sts_f32(stage + L::kStageDelta + 4 * ds_k, __fadd_rn(__ldg(ds_key_row + k0 + ds_k), res));
+        if (threadIdx.x < 2 * D) {
+          const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(v_sf_copy + k0 / 16));
+          asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage + L::kStageVSf + 4 * threadIdx.x), "r"(w) : "memory");
+        }
       }
       __syncthreads();
 
@@ -442,8 +454,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
 #pragma unroll
       for (int n = 0; n < kDT; ++n) {
         // V^T rows d = 8n .. 8n+7; matrices = key bytes [0,16) [16,32) [32,48) [48,64)
-        // V scales straight from global (L1/L2): lane 4g+t holds d = 8n+g, key chunk t&1.
-        const uint32_t v_sf = __ldg(reinterpret_cast<const uint32_t*>(v_sf_lane + static_cast<int64_t>(8 * n) * (p.seq_k_pad / 16) + k0 / 16));
+        const uint32_t v_sf = lds_u32(stage + L::kStageVSf + v_sf_lane + 64 * n);
         uint32_t vf[4];
         ldmatrix_x4(vf, stage + L::kStageV + v_lane + 8 * n * (kBlockN / 2));
         const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};

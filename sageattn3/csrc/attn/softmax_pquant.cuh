@@ -25,6 +25,18 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// 1 / s for a block scale s of P (an E4M3 value in [2^-9, 448]), bit-identical to __frcp_rn(s):
+// __frcp_rn compiles to a fast path (the hardware approximation and one fma refinement) guarded by
+// an exponent test that branches to an out-of-line slow path for operands where that path could
+// round wrongly (denormals, huge values, Inf, NaN). Every E4M3 value is inside the fast path's
+// range, so this takes it always, with the compiler's own sequence: 8 branches per tile, their
+// reconvergence and the slow-path calls leave the loop (docs/performance.md: ideas tried).
+__device__ __forceinline__ float rcp_scale(float s) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(s));
+  return fmaf(r, fmaf(-s, r, 1.f), r);
+}
+
 // NVFP4 numerics of P, the same rules as sageattn3.reference.quantize_rows (the hardware
 // conversion is common/nvfp4.cuh's; the software one below is this kernel's own):
 // |x| -> E2M1 code, round to nearest, ties to the even code, saturating at 6.
@@ -72,7 +84,7 @@ __device__ __forceinline__ void quantize_p_chunk(const float (&p)[2][2][8], uint
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
       const uint32_t sb = e4m3_scale_byte(amax);
       const float s = e4m3_value(sb);
-      const float inv = s > 0.f ? __frcp_rn(s) : 0.f;
+      const float inv = s > 0.f ? rcp_scale(s) : 0.f;
       a[2 * h + r] = e2m1x8(p[h][r], inv);
       byte[h][r] = sb;
     }

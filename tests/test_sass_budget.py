@@ -1,0 +1,126 @@
+"""The per-tile SASS budget (ci.sass_budget) and the attention's timing stand-in guards.
+
+- The parser and the loop finder on a disassembly listing written out here (no tools needed).
+- The budget of the real attention kernel compiled for sm_120a (nvcc >= 12.9; nvdisasm from
+  PyPI into the factory cache when not on PATH): 64/32 OMMAs per warp per tile at D 128/64, the
+  producer and the mask set aside, the block-residual correction only on the default path.
+- The timing stand-ins are never in a shipped build: nvcc refuses them without the MMA model,
+  and no build configuration of the factory or the payload defines them."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ci import sass_budget as sb
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "sageattn3" / "csrc"
+STANDINS = ("SAGEATTN3_TIMING_STANDIN_MMA=4", "SAGEATTN3_TIMING_STANDIN_E2M1")
+
+LISTING = """\
+.text._Z6kernelv:
+        /*0000*/                   S2R R0, SR_TID.X ;
+.L_x_0:
+	//## File "/src/k.cuh", line 10 inlined at "/src/k.cu", line 3
+	//## File "/src/k.cu", line 3
+        /*0010*/                   LDSM.16.M88.4 R4, [R0] ;
+        /*0020*/                   OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X R8, R4, R6, R8, R1, R2, URZ ;
+	//## File "/src/k.cuh", line 20 inlined at "/src/k.cu", line 3
+        /*0030*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R3 ;
+        /*0040*/               @!P0 BRA `(.L_x_2) ;
+.L_x_1:
+        /*0050*/                   MUFU.EX2 R9, R9 ;
+        /*0060*/                   LDS.128 R12, [R0+0x10] ;
+        /*0070*/                   LDG.E.64.CONSTANT R14, desc[UR6][R2.64] ;
+        /*0080*/               @P1 BRA `(.L_x_0) ;
+        /*0090*/                   EXIT ;
+.L_x_2:
+        /*00a0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R3 ;
+        /*00b0*/                   BRA `(.L_x_1) ;
+"""
+
+
+def test_parse_and_key_loop_on_a_listing():
+    funcs = sb.parse_disassembly(LISTING)
+    ins = funcs["_Z6kernelv"]
+    assert [i.opcode.split(".")[0] for i in ins][:4] == ["S2R", "LDSM", "OMMA", "SYNCS"]
+    assert ins[1].frames == (("/src/k.cuh", 10), ("/src/k.cu", 3))
+    assert ins[3].frames == (("/src/k.cuh", 20), ("/src/k.cu", 3))
+    # the branch back from the retry stub after EXIT (0x00b0 -> 0x0050) is no loop; 0x0080 -> 0x0010 is
+    lo, hi = sb.key_loop(ins)
+    assert (ins[lo].addr, ins[hi].addr) == (0x10, 0x80)
+    b = sb.budget(ins, label="t", head_dim=128, warps=8, tma_bytes=1000,
+                  classify=lambda i: "wait" if i.opcode.startswith("SYNCS") else None)
+    assert b.counts["omma"] == 1 and b.counts["mufu"] == 1 and b.set_aside == {"wait": 1}
+    assert b.instructions == 7  # LDSM OMMA BRA MUFU LDS LDG BRA
+    assert b.smem_bytes == 512 + 512  # ldmatrix x4, 16 bytes x 32 lanes
+    assert b.l2_bytes == 1000 + 8 * 32 * 8
+    gpu = sb.GPUS[0]
+    kind, clk = b.bound(gpu)
+    assert kind == "l2" and clk == pytest.approx((1000 + 2048) / gpu.l2_bytes_per_clk_sm)
+    assert b.ceiling_tops(gpu) == pytest.approx(4 * 128 * 128 * 128 * gpu.sms * gpu.clock_ghz * 1e9 / clk / 1e12)
+
+
+def test_published_rates_give_4096_fp4_flop_per_clock_per_sm():
+    for g in sb.GPUS:
+        assert g.fp4_flop_per_clk_sm == pytest.approx(4096, rel=0.01), g.name
+
+
+def _nvcc() -> Path:
+    home = os.environ.get("CUDA_HOME")
+    nvcc = Path(home) / "bin" / "nvcc" if home else (Path(shutil.which("nvcc")) if shutil.which("nvcc") else None)
+    if nvcc is None or not nvcc.exists():
+        pytest.skip("no nvcc (set CUDA_HOME to a CUDA >= 12.9 toolkit)")
+    m = re.search(r"release (\d+)\.(\d+)", subprocess.run([str(nvcc), "--version"], capture_output=True, text=True).stdout)
+    if not m or (int(m.group(1)), int(m.group(2))) < (12, 9):
+        pytest.skip("nvcc cannot compile sm_120a here (needs >= 12.9)")
+    return nvcc
+
+
+def test_budget_of_the_attention_kernel(tmp_path):
+    budgets = {b.label: b for b in sb.ours_budgets(sb.compile_ours(_nvcc(), tmp_path))}
+    for d, ommas in ((128, 64), (64, 32)):
+        full, lean = budgets[f"ours D{d}, defaults"], budgets[f"ours D{d}, one Q mean"]
+        for b in (full, lean):
+            assert b.counts["omma"] == ommas  # 16x8x64 MMAs per warp per 128-key tile: S and P.V
+            assert b.counts["tma"] == 0 and b.set_aside["producer (thread 0)"] > 0
+            assert b.set_aside["mask (tail / causal diagonal)"] > 0
+            kind, clk = b.bound(sb.GPUS[0])
+            assert clk >= b.bounds(sb.GPUS[0])["tensor"] == pytest.approx(ommas * 8 * 4)
+        assert "residual" not in full.set_aside and lean.set_aside["residual"] > 100
+        assert lean.instructions + lean.set_aside["residual"] == full.instructions
+        assert full.l2_bytes - lean.l2_bytes >= 128 * d  # K's residual, a byte per element
+
+
+@pytest.mark.parametrize("define", STANDINS)
+def test_standins_are_refused_outside_the_test_flavour(define):
+    nvcc = _nvcc()
+    src = CSRC / "attn" / "attn_launch.cu"
+    base = [str(nvcc), "-E", "-x", "cu", str(src), "-o", os.devnull, f"-I{CSRC}", f"-D{define}", "-std=c++17"]
+    r = subprocess.run(base, capture_output=True, text=True)
+    assert r.returncode != 0 and "a timing experiment of the test flavour only" in r.stderr
+    r = subprocess.run([*base, "-DSAGEATTN3_MMA_MODEL=1"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_no_build_defines_a_standin():
+    from ci.flags import profile_for
+    from ci.targets import Matrix
+
+    matrix = Matrix.load()
+    for target in matrix.targets:
+        for mma_model in (False, True):
+            prof = profile_for(target, matrix.stable_abi_floor, mma_model=mma_model)
+            flags = " ".join([*prof["defines"], *prof["nvcc_flags"]])
+            assert "STANDIN" not in flags, (target.id, mma_model)
+    # Only the timing scripts under tests/bench pass the defines; no build code names them.
+    for path in [*ROOT.glob("ci/**/*"), *ROOT.glob("sageattn3/*.py"), *ROOT.glob("sageattn3/sageattn3/**/*"),
+                 ROOT / "noxfile.py", *ROOT.glob(".github/**/*")]:
+        if path.is_file() and path.suffix in (".py", ".toml", ".yml", ".yaml", ".cfg", ".json", ".txt"):
+            assert "TIMING_STANDIN" not in path.read_text(errors="replace"), path
