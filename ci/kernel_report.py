@@ -213,10 +213,13 @@ def print_budget(cubin: Path, upstream: tuple[Path, Path] | None, nvcc: Path, ou
     budgets = sb.ours_budgets(cubin)
     if upstream:
         budgets += sb.upstream_budgets(sb.compile_upstream(nvcc, upstream[0], upstream[1], out))
+    else:
+        budgets += sb.stored_upstream_budgets()
     cal = sb.UPSTREAM_CALIBRATION
     print(f"\n== per-tile budget of the steady key-tile loop, sm_120a SASS (model: docs/performance.md)\n"
-          f"calibration: x{cal.ratio:.3f} = upstream's {cal.measured_tops:.0f} TOPS measured on an {cal.gpu} / "
-          f"the model's ceiling for it ({cal.source})")
+          f"calibration: x{cal.ratio:.3f} = upstream's {cal.measured_tops:.0f} TOPS measured on an {cal.gpu.name} / "
+          f"the model's ceiling for it, {cal.predicted_tops:.0f} TOPS ({cal.source})"
+          + ("" if upstream else f"; upstream's counts as stored from {sb.UPSTREAM_COMMIT[:7]} (--upstream recounts)"))
     print(sb.table(budgets, calibration=cal.ratio))
     for b in budgets:
         aside = ", ".join(f"{k} {v}" for k, v in sorted(b.set_aside.items()))
