@@ -92,7 +92,7 @@ def test_budget_of_the_attention_kernel(tmp_path):
             assert b.counts["tma"] == 0 and b.set_aside["producer (thread 0)"] > 0
             assert b.set_aside["mask (tail / causal diagonal)"] > 0
             kind, clk = b.bound(sb.GPUS[0])
-            assert clk >= b.bounds(sb.GPUS[0])["tensor"] == pytest.approx(ommas * 8 * 4)
+            assert clk >= b.bounds(sb.GPUS[0])["tensor"] == pytest.approx(ommas * 8 * 4, rel=1e-3)
         assert "residual" not in full.set_aside and lean.set_aside["residual"] > 100
         assert lean.instructions + lean.set_aside["residual"] == full.instructions
         assert full.l2_bytes - lean.l2_bytes >= 128 * d  # K's residual, a byte per element
