@@ -19,6 +19,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
+from ci import cross as crossmod
 from ci import patches as patchmod
 from ci import torch_source as torch_sources
 from ci.flags import PAYLOAD, compiler_for, profile_for
@@ -67,6 +68,8 @@ def source_commit() -> str:
 def local_blockers(target: Target) -> list[str]:
     """Why this target cannot be built on this machine (empty: it can)."""
     reasons = []
+    if crossmod.is_cross(target.os):
+        return crossmod.cross_blockers(target)
     if target.os.key != host_os_key():
         reasons.append(f"needs a {target.os.key} machine (this is {host_os_key()}); the release pipeline builds it")
     unreachable = torch_sources.unreachable_reason(target)
@@ -140,6 +143,13 @@ class ResolvedToolchain:
     launcher: tuple[str, ...]
     cutlass: Path
     flavour: str  # "release" | TEST_FLAVOUR_LABEL | PROOF_FLAVOUR_LABEL
+    cross: crossmod.CrossToolchain | None = None  # a Linux target of another machine (ci.cross)
+
+    @property
+    def torch_include(self) -> Path:
+        """The torch headers compiled against (patches apply to copies of these)."""
+        root = self.cross.torch.torch_dir if self.cross else self.env.site_packages / "torch"
+        return root / "include"
 
     @property
     def local_label(self) -> str:
@@ -168,6 +178,14 @@ def resolve_toolchain(target: Target, matrix: Matrix, *, force_patches: tuple[st
     compiler and the compiler cache for ``target``, and choose its flags and patches."""
     profile, chosen = select_flags(target, matrix, force_patches=force_patches, mma_model=mma_model, proof=proof)
     cuda = find_cuda(PROOF_CUDA if proof else target.cuda)
+    if crossmod.is_cross(target.os):
+        if proof:
+            raise BuildError(f"{target.id}: the proof flavour is for this machine's own targets")
+        cross = crossmod.resolve_cross(target.os.machine, target.cuda, target.build_torch)
+        env = crossmod.build_env(build_python(target), cross)
+        flavour = TEST_FLAVOUR_LABEL if mma_model else "release"
+        return ResolvedToolchain(target, profile, chosen, cuda, env, cross.compiler.banner,
+                                 tuple(compiler_launcher()), cutlass_include(), flavour, cross)
     env = torch_sources.torch_env_for(build_python(target), torch_spec(target))
     if env.torch_cuda != target.cuda:
         raise ToolchainError(
@@ -208,11 +226,14 @@ def build_config(tc: ResolvedToolchain, matrix: Matrix, overlay: Path, jobs: int
     target, profile = tc.target, tc.profile
     extra = {"torch_lines": list(target.torch_lines), "mma_model": tc.flavour == TEST_FLAVOUR_LABEL,
              "index_pages": index_pages(matrix), "stable_abi_floor": matrix.stable_abi_floor}
+    if tc.cross:
+        extra["cross"] = tc.cross.record()
     if tc.flavour == PROOF_FLAVOUR_LABEL:
         extra["proof"] = (f"compiled with CUDA {tc.cuda.version} instead of {target.cuda}, CUDA runtime linked "
                           f"statically; proves the per-torch build path; never indexed or published")
     return {
         "profile": profile,
+        **({"cross": tc.cross.config()} if tc.cross else {}),
         "cuda_home": str(tc.cuda.home),
         "cutlass_include": str(tc.cutlass),
         "include_overlay": str(overlay) if overlay.exists() else None,
@@ -262,7 +283,7 @@ def build_resolved(tc: ResolvedToolchain, matrix: Matrix, raw_dir: Path, *, jobs
     target, profile, cuda, env = tc.target, tc.profile, tc.cuda, tc.env
     staging = _copy_payload(target, profile, tc.patches, None)
     overlay = staging / "build" / "include-overlay"
-    roots = {"src": staging, "torch": env.site_packages / "torch" / "include", "cutlass": tc.cutlass}
+    roots = {"src": staging, "torch": tc.torch_include, "cutlass": tc.cutlass}
     for p in tc.patches:
         patchmod.apply(p, roots, overlay)
     config = build_config(tc, matrix, overlay, jobs)

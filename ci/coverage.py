@@ -9,12 +9,21 @@ Three levels, strongest first:
 - **proof wheel here**: the per-torch target was built in the proof flavour (the local CUDA 13
   toolkit standing in for 12.x), repaired, tagged, imported with its own torch and refused by
   another (``ci.pipeline.build_proof_wheel``); recorded the same way;
+- **cross-built + verified under qemu here** (linux-aarch64): a release-flavour wheel of the target
+  was cross-compiled on x86_64 (``ci.cross``), repaired with auditwheel's aarch64 policy, tagged,
+  and verified with the target machine's CPython under qemu-user (``ci.emulate``): real pip from
+  the local index, import with the target's torch, every op registered, the cubins of every arch,
+  the ABI guard; its build record and the emulated verify's report are kept in the evidence;
+- **classic unit cross-linked here** (linux-aarch64, per-torch lines): the classic unit was
+  cross-compiled against the line's headers and linked against the line's aarch64 torch
+  libraries from PyPI, which are a CPU build: what that build lacks is recorded
+  (``python -m ci.cross link-classic``);
 - **compiled vs real headers**: the torch-facing unit the row's wheels use compiles against the
   row's torch headers: the compile gate (``ci.compile_gate``), run by every ``nox -s tests`` and
   by the release plan, so every row of a passing test suite has it;
 
-and everything else about a row (CUDA 12.x toolkits, Windows, aarch64) is proven only by the
-release pipeline itself.
+and everything else about a row (CUDA 12.x toolkits, Windows, aarch64 hardware) is proven only by
+the release pipeline itself.
 
 ``python -m ci coverage --record DIR...`` adds the build records found in DIRs (``dist/wheels``,
 ``dist/proof``) to the evidence; ``python -m ci coverage`` prints the table the README holds.
@@ -29,7 +38,8 @@ from ci.targets import Matrix, _v
 from ci.variant import Variant
 
 EVIDENCE_FILE = Path(__file__).with_name("evidence.json")
-LEVELS = {"release": "built + verified here", "proof": "proof wheel built + imported here"}
+LEVELS = {"release": "built + verified here", "proof": "proof wheel built + imported here",
+          "classic_link": "classic unit cross-compiled + linked here"}
 
 
 def load_evidence(path: Path = EVIDENCE_FILE) -> dict:
@@ -50,6 +60,11 @@ def record_evidence(dirs: list[Path], matrix: Matrix, path: Path = EVIDENCE_FILE
     ev = load_evidence(path)
     ids = {t.id for t in matrix.targets}
     added = []
+    verified = {}  # wheel -> the emulated verify's report (dist/verify/<target>.verify.json)
+    for d in dirs:
+        for rep_path in sorted(Path(d).glob("*.verify.json")):
+            rep = json.loads(rep_path.read_text())
+            verified[rep["wheel"]] = rep
     for d in dirs:
         for rec_path in sorted(Path(d).glob("*.whl.json")):
             rec = json.loads(rec_path.read_text())
@@ -62,20 +77,51 @@ def record_evidence(dirs: list[Path], matrix: Matrix, path: Path = EVIDENCE_FILE
                 "wheel": rec["wheel"], "sha256": rec["sha256"], "torch_build": rec["torch_build"],
                 "nvcc": rec.get("toolchain", {}).get("nvcc"), "source_commit": rec.get("source_commit"),
             }
+            cross = (rec.get("extra") or {}).get("cross")
+            if cross:
+                if rec["wheel"] not in verified:
+                    raise ValueError(f"{rec_path.name}: a cross-built wheel without its emulated verify report "
+                                     f"(<target>.verify.json): add the folder it is in (dist/verify)")
+                v = verified[rec["wheel"]]
+                entry["cross"] = cross
+                entry["emulated_verify"] = {k: v[k] for k in ("machine", "python", "torch", "ops", "cubins", "abi_guard",
+                                                              "timings")}
             ev.setdefault(rec["target"], {})[kind] = entry
             added.append(f"{rec['target']}: {LEVELS[kind]} ({rec['wheel']})")
     path.write_text(json.dumps(ev, indent=2, sort_keys=True) + "\n")
     return added
 
 
+def record_classic_link(link: dict, matrix: Matrix, path: Path = EVIDENCE_FILE) -> str:
+    """Add one ``ci.cross.ClassicLink`` (as a dict) to the evidence; returns what was added."""
+    if link["target"] not in {t.id for t in matrix.targets}:
+        raise ValueError(f"classic link of {link['target']!r}, which is not in the matrix")
+    ev = load_evidence(path)
+    ev.setdefault(link["target"], {})["classic_link"] = link
+    path.write_text(json.dumps(ev, indent=2, sort_keys=True) + "\n")
+    return f"{link['target']}: {LEVELS['classic_link']} ({link['torch_libraries']})"
+
+
+def _describe(kind: str, e: dict) -> str:
+    if kind == "classic_link":
+        absent = ", ".join(e["absent_libraries"]) or "nothing"
+        return (f"{LEVELS[kind]} vs torch {e['torch_libraries']}; absent there: {absent} "
+                f"({sum(len(v) for k, v in e['unresolved'].items() if not k.startswith('the Python'))} symbols left)")
+    if "cross" in e:
+        v, c = e["emulated_verify"], e["cross"]
+        return (f"cross-built on {c['built_on']} ({c['compiler'].split(' (')[0]} {c['compiler'].rsplit(' ', 1)[-1]}, "
+                f"nvcc {e['nvcc']}) + verified under qemu-{v['machine']} (Python {v['python']}, torch {v['torch']}, "
+                f"{len(v['ops'])} ops, cubins {'+'.join(v['cubins'])}, ABI guard)")
+    return f"{LEVELS[kind]} (torch {e['torch_build']}, nvcc {e['nvcc']})"
+
+
 def _row_proof(matrix: Matrix, evidence: dict, line: str, cuda: str, gate_version: str) -> str:
     parts = []
     for t in matrix.targets:
         if line in t.torch_lines and t.cuda == cuda and t.id in evidence:
-            for kind in ("release", "proof"):
+            for kind in ("release", "proof", "classic_link"):
                 if kind in evidence[t.id]:
-                    e = evidence[t.id][kind]
-                    parts.append(f"{t.os.key}: {LEVELS[kind]} (torch {e['torch_build']}, nvcc {e['nvcc']})")
+                    parts.append(f"{t.os.key}: {_describe(kind, evidence[t.id][kind])}")
                     break
     parts.append(f"unit compiled vs torch {gate_version} headers")
     return "; ".join(parts) + "; the rest: release pipeline only"

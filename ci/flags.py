@@ -32,7 +32,12 @@ MMA_MODEL_ARCH = "sm_90a"
 
 def profile_for(target: Target, stable_abi_floor: str, *, mma_model: bool = False, cuda: str | None = None,
                 static_cudart: bool = False) -> dict:
-    """``cuda``: the toolkit that compiles, when it is not the target's (the proof flavour)."""
+    """``cuda``: the toolkit that compiles, when it is not the target's (the proof flavour).
+    A Linux target of another machine than this one is cross-compiled (``ci.cross``): its
+    profile names the cross g++ as host compiler."""
+    from ci import cross
+
+    spec = cross.spec_for(target.os.machine) if cross.is_cross(target.os) else None
     return _build_profile().profile(
         platform=target.os.platform,
         cuda=cuda or target.cuda,
@@ -43,4 +48,6 @@ def profile_for(target: Target, stable_abi_floor: str, *, mma_model: bool = Fals
         limited_api_python=target.floor_python,  # the wheel is <python_tag>-abi3
         compiler=compiler_for(target),
         static_cudart=static_cudart,
+        cross_compiler=spec.cxx_name if spec else None,
+        machine=spec.machine if spec else None,
     )

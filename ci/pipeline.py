@@ -22,6 +22,7 @@ from packaging.requirements import Requirement
 from packaging.utils import parse_wheel_filename
 
 from ci import build as buildmod
+from ci import cross as crossmod
 from ci import index as indexmod
 from ci import repair as repairmod
 from ci import verify as verifymod
@@ -87,7 +88,8 @@ def run_target(target: Target, matrix: Matrix, dist: Path, *, verify_pythons: li
         with run.stage("build"):
             result = buildmod.build(target, matrix, dist / "raw" / target.id, force_patches=force_patches, log=log)
         with run.stage("repair"):
-            repaired = repairmod.repair(result.wheel, dist / "repaired" / target.id, target.os.platform, log=log)
+            repaired = repairmod.repair(result.wheel, dist / "repaired" / target.id, target.os.platform,
+                                        machine=target.os.machine if target.os.platform == "linux" else None, log=log)
         with run.stage("tag"):
             if tagged_dir.exists():
                 shutil.rmtree(tagged_dir)
@@ -98,7 +100,11 @@ def run_target(target: Target, matrix: Matrix, dist: Path, *, verify_pythons: li
                 vindex = dist / "tagged" / f"{target.id}.index"
                 shutil.rmtree(vindex, ignore_errors=True)
                 indexmod.write_index([rec], tagged_dir, vindex)
-                run.verify = verifymod.verify(rec, vindex, verify_pythons, torch_spec=buildmod.torch_spec(target), log=log)
+                if crossmod.is_cross(target.os):  # another machine's wheel: its Python under qemu-user
+                    run.verify = verify_emulated(rec, target, matrix, tagged_dir / rec.wheel, vindex, dist, log=log)
+                else:
+                    run.verify = verifymod.verify(rec, vindex, verify_pythons, torch_spec=buildmod.torch_spec(target),
+                                                  log=log)
                 shutil.rmtree(vindex, ignore_errors=True)
         with run.stage("index"):
             wheels = dist / "wheels"
@@ -117,6 +123,27 @@ def run_target(target: Target, matrix: Matrix, dist: Path, *, verify_pythons: li
     finally:
         shutil.rmtree(tagged_dir, ignore_errors=True)
     return run
+
+
+def verify_emulated(rec: BuildRecord, target: Target, matrix: Matrix, wheel: Path, index_dir: Path, dist: Path,
+                    log=print) -> verifymod.VerifyReport:
+    """The verify stage of a cross-built wheel (``ci.emulate``): its report is kept as
+    ``dist/verify/<target>.verify.json`` for the evidence (``python -m ci coverage --record``)."""
+    from ci import emulate
+    from ci.torch_source import foreign_line
+
+    foreign = foreign_line(target, matrix, crossmod.TARGET_PYTHON)
+    rep = emulate.verify(rec, wheel, index_dir, target.os.machine, torch_requirement=f"torch=={target.build_torch}",
+                         foreign_requirement=f"torch=={foreign}", log=log)
+    missing = sorted(set(rec.archs) - set(rep.cubins))
+    if missing:
+        raise emulate.EmulationError(f"{rec.wheel}: no cubin for {missing} in its extension (found {rep.cubins})")
+    out = dist / "verify"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{target.id}.verify.json").write_text(json.dumps({"target": target.id, **rep.to_dict()}, indent=2) + "\n")
+    where = f"{rep.python} (linux-{rep.machine} under qemu-user)"
+    return verifymod.VerifyReport(rec.wheel, [where], rep.abi_guard,
+                                  [f"{len(rep.ops)} ops registered; cubins {' '.join(rep.cubins)}; torch {rep.torch}"])
 
 
 def _rebuild_index(dist: Path) -> None:

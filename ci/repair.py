@@ -40,8 +40,9 @@ def delvewheel_command(raw: Path, out_dir: Path, add_paths: list[Path]) -> list[
     return [*cmd, str(raw)]
 
 
-def check_repaired(wheel: Path, platform: str) -> None:
-    """Fail loudly if the repaired wheel vendors torch/CUDA or has a non-portable tag."""
+def check_repaired(wheel: Path, platform: str, machine: str | None = None) -> None:
+    """Fail loudly if the repaired wheel vendors torch/CUDA, has a non-portable tag, or (with
+    ``machine``) a tag of another machine (a cross build repaired with the host's policy)."""
     with zipfile.ZipFile(wheel) as z:
         bad = [n for n in z.namelist() if any(fnmatch.fnmatch(n.lower(), p) for p in FORBIDDEN_IN_WHEEL)]
     if bad:
@@ -55,9 +56,15 @@ def check_repaired(wheel: Path, platform: str) -> None:
         raise RepairError(f"{wheel.name}: platform tags {sorted(plats)} are not manylinux")
     if platform == "windows" and not all(p.startswith("win") for p in plats):
         raise RepairError(f"{wheel.name}: platform tags {sorted(plats)} are not Windows ones")
+    if machine and platform == "linux" and not all(p.endswith(f"_{machine}") for p in plats):
+        raise RepairError(f"{wheel.name}: platform tags {sorted(plats)} are not {machine} ones")
 
 
-def repair(raw: Path, out_dir: Path, platform: str, *, add_paths: list[Path] | None = None, log=print) -> Path:
+def repair(raw: Path, out_dir: Path, platform: str, *, add_paths: list[Path] | None = None, machine: str | None = None,
+           log=print) -> Path:
+    """``machine``: the target's; a Linux wheel of another machine than this one (a cross build) is
+    repaired with auditwheel's policies of its own machine, which it reads from the wheel's ELF
+    files (``--plat`` is not needed), and its tags are checked to be that machine's."""
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
@@ -80,5 +87,5 @@ def repair(raw: Path, out_dir: Path, platform: str, *, add_paths: list[Path] | N
     wheels = list(out_dir.glob("*.whl"))
     if len(wheels) != 1:
         raise RepairError(f"{raw.name}: repair produced {[w.name for w in wheels]}")
-    check_repaired(wheels[0], platform)
+    check_repaired(wheels[0], platform, machine)
     return wheels[0]

@@ -74,12 +74,18 @@ def profile(
     compiler: str | None = None,
     mma_model: bool = False,
     static_cudart: bool = False,
+    cross_compiler: str | None = None,
+    machine: str | None = None,
 ) -> dict:
     """The full flag profile for one build. ``platform`` is 'linux' or 'windows'.
 
     ``mma_model``: the test-only flavour in which the block-scaled FP4 MMA instruction is
     replaced by its software model (``SAGEATTN3_MMA_MODEL``), so the rest of the sm_120
-    kernel runs on sm_90a. Never shipped: the factory refuses to publish such wheels."""
+    kernel runs on sm_90a. Never shipped: the factory refuses to publish such wheels.
+
+    ``cross_compiler`` (with ``machine``): a cross build, e.g. ``aarch64-linux-gnu-g++`` for
+    ``aarch64`` on an x86_64 machine: it compiles the torch-facing unit, links, and is nvcc's
+    host compiler (``-ccbin``); the device code is the same as a native build's."""
     if platform not in ("linux", "windows"):
         raise ValueError(f"unknown platform {platform!r}: expected 'linux' or 'windows'")
     compiler = compiler or ("msvc" if platform == "windows" else "gcc")
@@ -100,6 +106,10 @@ def profile(
         nvcc.append("--compress-mode=size")
     nvcc += [gencode(a) for a in archs]
     env: dict[str, str] = {}
+    if cross_compiler:
+        if compiler != "gcc" or not machine:
+            raise ValueError(f"a cross compiler ({cross_compiler}) needs the gcc style and a target machine")
+        nvcc.append(f"-ccbin={cross_compiler}")
     if compiler == "msvc":
         defines += ["NOMINMAX", "WIN32_LEAN_AND_MEAN"]
         host = ["/O2", f"/std:{std}", *MSVC_HOST_FLAGS]
@@ -112,9 +122,11 @@ def profile(
         cxx = [*host, f"-std={std}"]
         nvcc += ["-Xcompiler=" + ",".join(host)]
         ldflags = ["-shared", "-Wl,--as-needed", "-Wl,-O1", "-s"]  # -s: shipped stripped
+    cross = {"machine": machine, "host_compiler": cross_compiler} if cross_compiler else {}
     return {
         "platform": platform,
         "compiler": compiler,
+        **cross,
         "cxx_std": std,
         "archs": list(archs),
         "defines": defines,

@@ -116,13 +116,21 @@ class CudaBuildExt(build_ext):
     (cl, link, CUDA's lib\\x64, a .pyd) on Windows."""
 
     def build_extension(self, ext: Extension) -> None:
-        import torch
-
         prof = cfg["profile"]
         style = bc.style_of(prof)
         cuda_home = Path(cfg["cuda_home"])
-        torch_dir = Path(torch.__file__).parent
-        machine = platform.machine().lower()
+        # A cross build (the config's "cross" block) reads the target machine's torch, CUDA runtime
+        # and Python headers from its sysroot; nvcc stays this machine's, the host compiler is the
+        # profile's cross g++. Everything else is the native path.
+        cross = cfg.get("cross")
+        if cross:
+            torch_dir, machine = Path(cross["torch_dir"]), cross["machine"]
+            cuda_root, python_include = Path(cross["cuda_root"]), Path(cross["python_include"])
+        else:
+            import torch
+
+            torch_dir, machine = Path(torch.__file__).parent, platform.machine().lower()
+            cuda_root, python_include = cuda_home, Path(sysconfig.get_paths()["include"])
         # Linux: every include root by a path relative to this directory (the compilers' cwd), so
         # no build-machine path reaches the binary (__FILE__ in headers) and the compile
         # commands are the same wherever the payload is staged.
@@ -130,11 +138,13 @@ class CudaBuildExt(build_ext):
         overlay = cfg.get("include_overlay")
         includes = bc.include_dirs(
             style, csrc=root("csrc", HERE / "csrc"), torch_dir=root("torch", torch_dir),
-            torch_subdirs=prof.get("torch_include_subdirs"), cuda_home=root("cuda", cuda_home),
-            python_include=root("python", Path(sysconfig.get_paths()["include"])),
+            torch_subdirs=prof.get("torch_include_subdirs"), cuda_home=root("cuda", cuda_root),
+            python_include=root("python", python_include),
             cutlass=cfg.get("cutlass_include") and root("cutlass", Path(cfg["cutlass_include"])),
             overlay=overlay and root("overlay", Path(overlay)), machine=machine,
         )
+        if cross:  # what nvcc adds by itself natively: CCCL, then nvcc's own (fatbinary) headers
+            includes += [root("cuda", cuda_root) / "include" / "cccl", root("nvcc", cuda_home) / "include"]
         includes = [d for d in includes if (HERE / d).is_dir()]  # e.g. targets/<arch>-linux: NVIDIA's layout only
         env = {**os.environ, **bc.build_environment(prof, cuda_home)}
         if style == "msvc":  # absolute cl.exe and link.exe of the developer environment
@@ -143,7 +153,7 @@ class CudaBuildExt(build_ext):
             except bc.BuildCommandError as e:
                 sys.exit(f"sageattn3: {e}")
         else:
-            cxx, linker = os.environ.get("CXX"), None
+            cxx, linker = prof.get("host_compiler") or os.environ.get("CXX"), None
         tools = bc.tools(style, cuda_home, cxx=cxx, linker=linker, launcher=cfg.get("launcher") or ())
         # Objects by paths relative to HERE, where every command runs (setup.py may run elsewhere).
         objdir = Path(os.path.relpath(Path(self.build_temp).resolve(), HERE)) / "obj"
@@ -169,7 +179,7 @@ class CudaBuildExt(build_ext):
         # setuptools names the module: _C.abi3.so on Linux, _C.pyd on Windows (abi3 or not).
         out = Path(self.get_ext_fullpath(ext.name)).resolve()
         out.parent.mkdir(parents=True, exist_ok=True)
-        lib_dirs = bc.library_dirs(style, torch_dir=torch_dir, cuda_home=cuda_home,
+        lib_dirs = bc.library_dirs(style, torch_dir=torch_dir, cuda_home=cuda_root,
                                    python_prefix=sys.base_exec_prefix, machine=machine)
         link = bc.link_command(tools, prof, objects, out, [d for d in lib_dirs if Path(d).is_dir()],
                                implib_dir=objdir)
@@ -203,6 +213,7 @@ setup(
     python_requires=record["requires_python"],
     ext_modules=[Extension("sageattn3._C", sources=sources, py_limited_api=True)],
     cmdclass={"build_ext": CudaBuildExt},
-    options={"bdist_wheel": {"py_limited_api": cfg.get("limited_api", "cp310")}},
+    options={"bdist_wheel": {"py_limited_api": cfg.get("limited_api", "cp310"),
+                             **({"plat_name": cfg["cross"]["plat_name"]} if cfg.get("cross") else {})}},
     package_data={"sageattn3": ["_build_record.json"]},
 )

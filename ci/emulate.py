@@ -1,0 +1,265 @@
+"""The verify stage of a cross-built wheel: the target machine's CPython (``ci.cross.python_root``)
+run by qemu-user, with real pip, in fresh virtual environments.
+
+1. A cached environment of the target machine holding the target's torch, installed by the
+   emulated pip from the package index pip is configured with here (PyPI), dependencies and all.
+2. A fresh venv that sees that torch through a ``.pth`` file (as ``ci.verify`` does natively);
+   ``pip install sageattn3==<version>`` from the generated index served over HTTP on 127.0.0.1,
+   pip's own configuration disabled so nothing else can answer.
+3. ``import sageattn3`` with no GPU: the build record is this wheel's, every op of the op table
+   has a CUDA kernel registered (the dynamic loader resolved every symbol of ``_C`` against the
+   target machine's torch and CUDA runtime).
+4. The ABI guard: the wheel in an environment of a torch line it does not serve must fail to
+   import with its TorchMismatchError.
+
+The cubins of every arch of the record are read from the wheel's extension on the host
+(cuobjdump reads any ELF); they do not depend on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ci import cross as crossmod
+from ci.record import BuildRecord
+from ci.toolchain import ToolchainError, cache_root
+
+# The op probe: the package's own op lists (a test ties them to csrc/torch/ops.h).
+OPS_PROBE = (
+    "import json, torch, sageattn3; from sageattn3 import _kernels;"
+    "has = lambda n: torch._C._dispatch_has_kernel_for_dispatch_key('sageattn3::' + n, 'CUDA');"
+    "names = [*_kernels.OUTPUT_WRITING_OPS, *_kernels.ALLOCATING_OPS];"
+    "import importlib.metadata as md, platform;"
+    "print(json.dumps({'record': sageattn3.build_info(), 'dist': md.version('sageattn3'),"
+    " 'machine': platform.machine(), 'torch': torch.__version__, 'torch_cuda': torch.version.cuda,"
+    " 'ops': [n for n in names if has(n)], 'missing': [n for n in names if not has(n)]}))"
+)
+
+
+class EmulationError(RuntimeError):
+    pass
+
+
+def _quiet_pip_env() -> dict[str, str]:
+    """pip of the local index only: no configuration file, no PIP_* of this shell."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
+    return env
+
+
+@dataclass(frozen=True)
+class Emulator:
+    """qemu-user running the target machine's CPython unpacked in ``python.root``."""
+
+    qemu: Path
+    python: crossmod.PythonRoot
+
+    @classmethod
+    def for_machine(cls, machine: str) -> "Emulator":
+        return cls(crossmod.find_emulator(machine), crossmod.python_root(machine))
+
+    def argv(self, interpreter: Path, *args: str) -> list[str]:
+        return [str(self.qemu), "-L", str(self.python.root), str(interpreter), *args]
+
+    def run(self, interpreter: Path, *args: str, env: dict | None = None, check: bool = False,
+            timeout: float | None = None) -> subprocess.CompletedProcess:
+        proc = subprocess.run(self.argv(interpreter, *args), capture_output=True, text=True,
+                              env=env or os.environ.copy(), timeout=timeout)
+        if check and proc.returncode != 0:
+            raise EmulationError(f"{' '.join(args[:4])} under {self.qemu.name} exited {proc.returncode}:\n"
+                                 f"{(proc.stdout + proc.stderr)[-3000:]}")
+        return proc
+
+    def venv(self, where: Path) -> Path:
+        """A fresh venv of the emulated Python, without pip (ensurepip would start a second
+        emulated process by its path, which the host cannot execute); returns its python."""
+        self.run(self.python.python, "-m", "venv", "--without-pip", str(where), check=True)
+        return where / "bin" / "python"
+
+    def site_packages(self, interpreter: Path) -> str:
+        out = self.run(interpreter, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", check=True)
+        return out.stdout.strip()
+
+
+def pip_wheel() -> Path:
+    """A pip wheel to bootstrap environments with (pip runs from its own wheel file)."""
+    dest = cache_root() / "cross" / "pip"
+    found = sorted(dest.glob("pip-*.whl"))
+    if found:
+        return found[-1]
+    dest.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                           "--dest", str(dest), "pip"], capture_output=True, text=True)
+    found = sorted(dest.glob("pip-*.whl"))
+    if proc.returncode != 0 or not found:
+        raise ToolchainError(f"could not download a pip wheel from PyPI: {proc.stderr.strip()[-500:]}")
+    return found[-1]
+
+
+@dataclass(frozen=True)
+class EmulatedTorchEnv:
+    root: Path
+    torch_version: str
+    torch_cuda: str | None
+
+    @property
+    def python(self) -> Path:
+        return self.root / "bin" / "python"
+
+
+def torch_env(emu: Emulator, requirement: str, log=print) -> EmulatedTorchEnv:
+    """A cached environment of the emulated Python with ``requirement`` (``torch==2.14.1``)
+    installed by the emulated pip with its dependencies, from the index pip is configured with."""
+    root = cache_root() / "cross" / emu.python.machine / "envs" / requirement.replace("==", "-")
+    marker = root / ".complete"
+    if marker.exists():
+        version, cuda = json.loads(marker.read_text())
+        return EmulatedTorchEnv(root, version, cuda)
+    shutil.rmtree(root, ignore_errors=True)
+    py = emu.venv(root)
+    wheel = pip_wheel()
+    t0 = time.monotonic()
+    emu.run(py, str(wheel / "pip"), "install", "--quiet", "--no-index", str(wheel), check=True)
+    log(f"[emulate] installing {requirement} for linux-{emu.python.machine} with the emulated pip "
+        f"(Python {emu.python.version} under {emu.qemu.name})")
+    proc = emu.run(py, "-m", "pip", "install", "--quiet", "--only-binary=:all:", requirement)
+    if proc.returncode != 0:
+        shutil.rmtree(root, ignore_errors=True)
+        raise ToolchainError(f"the emulated pip could not install {requirement} for linux-{emu.python.machine}:\n"
+                             f"{(proc.stdout + proc.stderr)[-2000:]}")
+    out = emu.run(py, "-c", "import json, torch; print(json.dumps([torch.__version__, torch.version.cuda]))",
+                  env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, check=True)
+    version, cuda = json.loads(out.stdout.strip().splitlines()[-1])
+    marker.write_text(json.dumps([version, cuda]))
+    log(f"[emulate] torch {version} installed in {time.monotonic() - t0:.0f}s")
+    return EmulatedTorchEnv(root, version, cuda)
+
+
+def fresh_venv_with(emu: Emulator, base: EmulatedTorchEnv, where: Path) -> Path:
+    """A fresh venv that sees ``base``'s torch (and its pip) as installed, through a .pth file."""
+    py = emu.venv(where)
+    Path(emu.site_packages(py), "_base_torch.pth").write_text(emu.site_packages(base.python) + "\n")
+    return py
+
+
+def cubin_archs(wheel: Path) -> list[str]:
+    """The sm_* of every cubin in the wheel's extension module (cuobjdump -lelf, on the host)."""
+    from ci.toolchain import cuobjdump
+
+    with tempfile.TemporaryDirectory(prefix="sageattn3-cubins-") as tmp, zipfile.ZipFile(wheel) as z:
+        libs = [n for n in z.namelist() if n.startswith("sageattn3/_C") and n.endswith(".so")]
+        if len(libs) != 1:
+            raise EmulationError(f"{wheel.name}: expected one sageattn3/_C*.so, found {libs}")
+        so = Path(z.extract(libs[0], tmp))
+        proc = subprocess.run([str(cuobjdump()), "-lelf", str(so)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise EmulationError(f"cuobjdump -lelf {libs[0]} failed: {proc.stderr[-1000:]}")
+    import re
+
+    return sorted(set(re.findall(r"\.(sm_\d+[af]?)\.cubin", proc.stdout)))
+
+
+@dataclass
+class EmulatedVerifyReport:
+    wheel: str
+    machine: str
+    python: str
+    torch: str
+    ops: list[str] = field(default_factory=list)
+    cubins: list[str] = field(default_factory=list)
+    abi_guard: str = "not run"
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def check_import(emu: Emulator, vpy: Path, rec: BuildRecord) -> dict:
+    proc = emu.run(vpy, "-c", OPS_PROBE, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    if proc.returncode != 0:
+        raise EmulationError(f"{rec.wheel}: `import sageattn3` failed under {emu.qemu.name}:\n{proc.stderr[-3000:]}")
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    if got["machine"] != emu.python.machine:
+        raise EmulationError(f"{rec.wheel}: the emulated Python reports machine {got['machine']}")
+    if got["dist"] != rec.version or got["record"].get("target") != rec.target:
+        raise EmulationError(f"{rec.wheel}: pip installed {got['dist']} whose record names {got['record'].get('target')}")
+    if got["missing"] or not got["ops"]:
+        raise EmulationError(f"{rec.wheel}: ops without a CUDA kernel after import: {got['missing']}")
+    return got
+
+
+def check_guard(emu: Emulator, foreign: EmulatedTorchEnv, vpy: Path, rec: BuildRecord) -> str:
+    proc = emu.run(vpy, "-c", "import sageattn3", env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    msg = proc.stderr
+    want = [rec.variant, foreign.torch_version, "pip install", "TorchMismatchError"]
+    missing = [w for w in want if w not in msg]
+    if proc.returncode == 0 or missing or "undefined symbol" in msg:
+        raise EmulationError(f"{rec.wheel}: imported into torch {foreign.torch_version} without the ABI guard's "
+                             f"message (lacks {missing}):\n{msg[-2000:]}")
+    return next(ln for ln in reversed(msg.splitlines()) if "TorchMismatchError" in ln)
+
+
+def verify(rec: BuildRecord, wheel: Path, index_dir: Path, machine: str, *, torch_requirement: str,
+           foreign_requirement: str | None, log=print) -> EmulatedVerifyReport:
+    """Steps 1-4 of the module docstring for ``wheel`` (of ``rec``) served from ``index_dir``."""
+    from ci.verify import serve
+    from ci.variant import cuda_tag, torch_line
+
+    timings: dict[str, float] = {}
+
+    def timed(name: str, t0: float) -> None:
+        timings[name] = round(time.monotonic() - t0, 1)
+
+    emu = Emulator.for_machine(machine)
+    t0 = time.monotonic()
+    base = torch_env(emu, torch_requirement, log=log)
+    timed("torch env", t0)
+    if base.torch_cuda != rec.cuda:
+        raise EmulationError(f"the emulated verify torch is {base.torch_version} (CUDA {base.torch_cuda}), not a "
+                             f"CUDA {rec.cuda} build")
+    report = EmulatedVerifyReport(rec.wheel, machine, emu.python.version, base.torch_version)
+    with serve(index_dir) as url, tempfile.TemporaryDirectory(prefix="sageattn3-emulated-") as tmp:
+        t0 = time.monotonic()
+        vpy = fresh_venv_with(emu, base, Path(tmp) / "own")
+        page = f"{url}/{cuda_tag(rec.cuda)}/torch{torch_line(base.torch_version)}/"
+        proc = emu.run(vpy, "-m", "pip", "install", "--no-cache-dir", f"sageattn3=={rec.version}",
+                       "--index-url", page, env=_quiet_pip_env())
+        if proc.returncode != 0:
+            raise EmulationError(f"{rec.wheel}: the emulated pip could not install it from {page}:\n"
+                                 f"{(proc.stdout + proc.stderr)[-3000:]}")
+        installed = " ".join(ln for ln in proc.stdout.splitlines() if ln.startswith("Successfully installed"))
+        if "torch-" in installed or rec.version not in installed:
+            raise EmulationError(f"{rec.wheel}: the emulated pip installed {installed!r}")
+        timed("install", t0)
+        log(f"[emulate] pip (linux-{machine}, Python {emu.python.version}): {installed}")
+        t0 = time.monotonic()
+        got = check_import(emu, vpy, rec)
+        timed("import", t0)
+        report.ops = got["ops"]
+        log(f"[emulate] import sageattn3 into torch {got['torch']} on {got['machine']}: {len(got['ops'])} ops registered")
+        if foreign_requirement:
+            t0 = time.monotonic()
+            foreign = torch_env(emu, foreign_requirement, log=log)
+            if rec.variant_value.serves(foreign.torch_version, foreign.torch_cuda):
+                raise EmulationError(f"{foreign_requirement} is served by {rec.variant}: choose a foreign torch line")
+            fpy = fresh_venv_with(emu, foreign, Path(tmp) / "foreign")
+            proc = emu.run(fpy, "-m", "pip", "install", "--no-cache-dir", "--no-deps", f"sageattn3=={rec.version}",
+                           "--index-url", f"{url}/{cuda_tag(rec.cuda)}/", env=_quiet_pip_env())
+            if proc.returncode != 0:
+                raise EmulationError(f"{rec.wheel}: could not install into the foreign-torch venv:\n{proc.stderr[-2000:]}")
+            line = check_guard(emu, foreign, fpy, rec)
+            timed("abi guard", t0)
+            report.abi_guard = f"torch {foreign.torch_version}: {line}"
+            log(f"[emulate] ABI guard with torch {foreign.torch_version}: {line[:200]}")
+    report.cubins = cubin_archs(wheel)
+    report.timings = timings
+    return report
