@@ -65,11 +65,16 @@ def source_commit() -> str:
         return "unknown"
 
 
-def local_blockers(target: Target) -> list[str]:
-    """Why this target cannot be built on this machine (empty: it can)."""
+def local_blockers(target: Target, *, cross: bool = False) -> list[str]:
+    """Why this target cannot be built on this machine (empty: it can). ``cross``: a Linux target
+    of another machine counts as buildable when it can be cross-compiled here (``ci.cross``);
+    asked for by name (``--target``), never picked up by ``--all-local`` or the release rehearsal."""
     reasons = []
     if crossmod.is_cross(target.os):
-        return crossmod.cross_blockers(target)
+        if cross:
+            return crossmod.cross_blockers(target)
+        how = "" if crossmod.cross_blockers(target) else f"; or cross-build it here with --target {target.id}"
+        return [f"needs a {target.os.key} machine (this is {host_os_key()}); the release pipeline builds it{how}"]
     if target.os.key != host_os_key():
         reasons.append(f"needs a {target.os.key} machine (this is {host_os_key()}); the release pipeline builds it")
     unreachable = torch_sources.unreachable_reason(target)

@@ -418,9 +418,12 @@ def elf_machine(path: Path) -> str:
 
 
 def _dynamic_symbols(nm: str, lib: Path, undefined: bool) -> set[str]:
+    """Dynamic symbols of ``lib``: its undefined strong ones (weak ones may stay unresolved), or
+    those it defines."""
     flag = "--undefined-only" if undefined else "--defined-only"
     out = _run([nm, "-D", flag, "--format=posix", str(lib)], check=True).stdout
-    return {ln.split()[0].split("@")[0] for ln in out.splitlines() if ln.strip()}
+    rows = [ln.split() for ln in out.splitlines() if ln.strip()]
+    return {r[0].split("@")[0] for r in rows if not (undefined and len(r) > 1 and r[1] in "wv")}
 
 
 def _provider(symbol: str, demangled: str) -> str:
@@ -430,6 +433,8 @@ def _provider(symbol: str, demangled: str) -> str:
         return "libc10_cuda.so"
     if "at::cuda::" in demangled or "torch::cuda::" in demangled:
         return "libtorch_cuda.so"
+    if demangled.startswith("sageattn3::"):
+        return "the kernel units (csrc/**/*.cu; not linked here)"
     return "other"
 
 
@@ -527,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
                                              "target-machine torch on PyPI is a CPU build")
     lc.add_argument("--target", action="append", metavar="ID", help="default: every such target of the matrix")
     lc.add_argument("--work", default="build/cross-classic", help="where objects and modules go")
+    lc.add_argument("--kernel-objects", metavar="DIR",
+                    help="link the kernel units' aarch64 objects found under DIR (**/*.cu.o), e.g. the staging "
+                         "dir of the stable wheel's cross build (the kernel units include no torch header)")
     lc.add_argument("--record", action="store_true", help="add the results to ci/evidence.json")
     a = ap.parse_args(argv)
     try:
@@ -540,7 +548,10 @@ def main(argv: list[str] | None = None) -> int:
         from ci import coverage
 
         for t in _classic_targets(matrix, a.target):
-            link = link_classic(t, matrix, Path(a.work) / t.id)
+            kernels = sorted(Path(a.kernel_objects).rglob("*.cu.o")) if a.kernel_objects else []
+            if a.kernel_objects and not kernels:
+                raise ToolchainError(f"no *.cu.o under {a.kernel_objects}")
+            link = link_classic(t, matrix, Path(a.work) / t.id, kernel_objects=kernels)
             print(json.dumps(link.to_dict(), indent=2))
             if a.record:
                 print(f"evidence: {coverage.record_classic_link(link.to_dict(), matrix)}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -151,21 +152,24 @@ def fresh_venv_with(emu: Emulator, base: EmulatedTorchEnv, where: Path) -> Path:
     return py
 
 
-def cubin_archs(wheel: Path) -> list[str]:
-    """The sm_* of every cubin in the wheel's extension module (cuobjdump -lelf, on the host)."""
+def cubin_archs_of(module: Path) -> list[str]:
+    """The sm_* of every cubin in an extension module (cuobjdump -lelf, on the host: it reads
+    the ELF of any machine)."""
     from ci.toolchain import cuobjdump
 
+    proc = subprocess.run([str(cuobjdump()), "-lelf", str(module)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise EmulationError(f"cuobjdump -lelf {module.name} failed: {proc.stderr[-1000:]}")
+    return sorted(set(re.findall(r"\.(sm_\d+[af]?)\.cubin", proc.stdout)))
+
+
+def cubin_archs(wheel: Path) -> list[str]:
+    """:func:`cubin_archs_of` the wheel's ``sageattn3/_C*.so``."""
     with tempfile.TemporaryDirectory(prefix="sageattn3-cubins-") as tmp, zipfile.ZipFile(wheel) as z:
         libs = [n for n in z.namelist() if n.startswith("sageattn3/_C") and n.endswith(".so")]
         if len(libs) != 1:
             raise EmulationError(f"{wheel.name}: expected one sageattn3/_C*.so, found {libs}")
-        so = Path(z.extract(libs[0], tmp))
-        proc = subprocess.run([str(cuobjdump()), "-lelf", str(so)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise EmulationError(f"cuobjdump -lelf {libs[0]} failed: {proc.stderr[-1000:]}")
-    import re
-
-    return sorted(set(re.findall(r"\.(sm_\d+[af]?)\.cubin", proc.stdout)))
+        return cubin_archs_of(Path(z.extract(libs[0], tmp)))
 
 
 @dataclass

@@ -82,7 +82,7 @@ def run_target(target: Target, matrix: Matrix, dist: Path, *, verify_pythons: li
     tagged_dir = dist / "tagged" / target.id
     try:
         with run.stage("plan"):
-            blockers = buildmod.local_blockers(target)
+            blockers = buildmod.local_blockers(target, cross=True)
             if blockers:
                 raise buildmod.BuildError(f"{target.id} cannot be built here: " + "; ".join(blockers))
         with run.stage("build"):

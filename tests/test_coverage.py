@@ -31,6 +31,10 @@ def test_every_evidence_entry_is_a_real_target_and_wheel():
         t = targets[tid]
         for kind, e in kinds.items():
             assert kind in coverage.LEVELS
+            if kind == "classic_link":  # no wheel: a module linked against a CPU build's libraries
+                assert e["elf_machine"] == t.os.machine and e["torch_libraries"].startswith(t.build_torch)
+                assert e["objects"] and e["needed"]
+                continue
             _, version, _, tags = parse_wheel_filename(e["wheel"])
             want = t.variant.label + (".proof" if kind == "proof" else "")
             assert version.local == want, (tid, e["wheel"])
@@ -72,3 +76,44 @@ def test_the_per_torch_lines_have_their_proof_on_record():
     ev = coverage.load_evidence()
     for tid in ("linux-x86_64-cu128-torch2.8", "linux-x86_64-cu128-torch2.9"):
         assert "proof" in ev.get(tid, {}), f"no proof-flavour evidence for {tid}"
+
+
+AARCH64 = "linux-aarch64-cu130-torch2.10-stable"
+AARCH64_WHEEL = "sageattn3-0.1.0+cu130.torch2.10.stable-cp310-abi3-manylinux_2_34_aarch64.whl"
+CROSS = {"machine": "aarch64", "compiler": "aarch64-linux-gnu-g++ (Debian 12.2.0-14) 12.2.0", "built_on": "linux-x86_64",
+         "torch": "2.14.1+cu130", "cuda_runtime": "13.0.96", "python_headers": "Debian python3.11 3.11.2"}
+
+
+def test_a_cross_built_wheel_needs_its_emulated_verify(tmp_path):
+    wheels, verify = tmp_path / "wheels", tmp_path / "verify"
+    wheels.mkdir()
+    verify.mkdir()
+    _record(wheels, AARCH64, AARCH64_WHEEL, {"cross": CROSS})
+    ev_file = tmp_path / "evidence.json"
+    with pytest.raises(ValueError, match="without its emulated verify report"):
+        coverage.record_evidence([wheels], MATRIX, ev_file)
+    report = {"target": AARCH64, "wheel": AARCH64_WHEEL, "machine": "aarch64", "python": "3.11.2",
+              "torch": "2.14.1+cu130", "ops": ["a", "b"], "cubins": ["sm_120a", "sm_121a"],
+              "abi_guard": "torch 2.9.1: TorchMismatchError", "timings": {"import": 1.0}}
+    (verify / f"{AARCH64}.verify.json").write_text(json.dumps(report))
+    coverage.record_evidence([wheels, verify], MATRIX, ev_file)
+    table = coverage.coverage_table(MATRIX, coverage.load_evidence(ev_file))
+    row = next(r for r in table.splitlines() if r.startswith("| 2.14 | 13.0 |"))
+    assert ("linux-aarch64: cross-built on linux-x86_64 (aarch64-linux-gnu-g++ 12.2.0, nvcc 13.0.88) + verified "
+            "under qemu-aarch64 (Python 3.11.2, torch 2.14.1+cu130, 2 ops, cubins sm_120a+sm_121a, ABI guard)") in row
+
+
+def test_classic_links_are_recorded_with_what_was_absent(tmp_path):
+    ev_file = tmp_path / "evidence.json"
+    link = {"target": "linux-aarch64-cu130-torch2.9", "torch_libraries": "2.9.1+cpu (PyPI, linux-aarch64, CPU build)",
+            "torch_headers": "2.9.1", "objects": ["classic.o"], "needed": ["libc10.so"],
+            "absent_libraries": ["libc10_cuda.so", "libtorch_cuda.so"], "elf_machine": "aarch64", "seconds": 1.0,
+            "unresolved": {"libc10_cuda.so": ["c10::cuda::getCurrentCUDAStream(signed char)"],
+                           "the Python interpreter (resolved when it imports the module)": ["PyModule_Create2"]}}
+    assert coverage.record_classic_link(link, MATRIX, ev_file).startswith("linux-aarch64-cu130-torch2.9: ")
+    row = next(r for r in coverage.coverage_table(MATRIX, coverage.load_evidence(ev_file)).splitlines()
+               if r.startswith("| 2.9 | 13.0 |"))
+    assert ("linux-aarch64: classic unit cross-compiled + linked here vs torch 2.9.1+cpu (PyPI, linux-aarch64, CPU "
+            "build); absent there: libc10_cuda.so, libtorch_cuda.so (1 symbols left)") in row
+    with pytest.raises(ValueError, match="not in the matrix"):
+        coverage.record_classic_link({**link, "target": "linux-aarch64-cu999-torch9.9"}, MATRIX, ev_file)

@@ -1,0 +1,163 @@
+"""linux-aarch64 from this x86_64 machine (ci.cross): the profile of an aarch64 target names the
+cross g++, and the torch-facing unit and a kernel unit cross-compile and link for aarch64 against
+the target machine's real torch 2.14.1 and CUDA 13.0 runtime (PyPI's aarch64 wheels), with the
+payload's own command builder; the linked module carries the cubins of both archs. Then Debian's
+arm64 CPython, run by qemu-user, loads that module: the dynamic loader of the target machine
+resolves it against the aarch64 torch and CUDA runtime.
+
+Needs Debian's g++-aarch64-linux-gnu and qemu-user and the arm64 package lists (.ci/run installs
+them); the sysroot is provisioned into the factory cache on first use (~0.5 GB download)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from ci import cross
+from ci.flags import PAYLOAD, profile_for
+from ci.targets import Matrix
+from ci.toolchain import ToolchainError, cutlass_include, find_cuda
+
+MATRIX = Matrix.load()
+STABLE = MATRIX.target("linux-aarch64-cu130-torch2.10-stable")
+KERNEL_UNIT = "csrc/quant/quant_rows.cu"  # the smallest kernel unit
+
+pytestmark = pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and cross.host_machine() == "x86_64"),
+    reason="cross-compiling linux-aarch64 is checked from linux x86_64 machines")
+
+
+def _bc():
+    from ci.cibw import payload_build_commands
+
+    return payload_build_commands()
+
+
+def test_the_profile_chooses_the_cross_compiler():
+    prof = profile_for(STABLE, MATRIX.stable_abi_floor)
+    assert prof["host_compiler"] == "aarch64-linux-gnu-g++" and prof["machine"] == "aarch64"
+    assert "-ccbin=aarch64-linux-gnu-g++" in prof["nvcc_flags"]
+    native = profile_for(MATRIX.target("linux-x86_64-cu130-torch2.10-stable"), MATRIX.stable_abi_floor)
+    assert "host_compiler" not in native and not any(f.startswith("-ccbin") for f in native["nvcc_flags"])
+    # Everything else is the native profile: same device code, flags and libraries.
+    same = {k: v for k, v in prof.items() if k not in ("host_compiler", "machine", "nvcc_flags")}
+    assert same == {k: v for k, v in native.items() if k != "nvcc_flags"}
+    assert [f for f in prof["nvcc_flags"] if not f.startswith("-ccbin")] == native["nvcc_flags"]
+
+
+def test_what_cannot_be_cross_built_here_says_why():
+    assert cross.cross_blockers(STABLE) == []
+    [cu132] = cross.cross_blockers(MATRIX.target("linux-aarch64-cu132-torch2.10-stable"))
+    assert "is the CUDA 13.0 build, not 13.2" in cu132
+    assert any("not on PyPI" in r for r in cross.cross_blockers(MATRIX.target("linux-aarch64-cu128-torch2.10-stable")))
+    [cpu] = cross.cross_blockers(MATRIX.target("linux-aarch64-cu130-torch2.9"))
+    assert "is a CPU build" in cpu and "link-classic" in cpu
+
+
+def test_a_missing_cross_compiler_names_the_package(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ToolchainError, match=r"apt-get install -y g\+\+-aarch64-linux-gnu"):
+        cross.find_cross_compiler("aarch64")
+    assert any("g++-aarch64-linux-gnu" in r for r in cross.cross_blockers(STABLE))
+
+
+@pytest.fixture(scope="module")
+def sysroot():
+    return cross.resolve_cross("aarch64", "13.0", "2.14.1")
+
+
+def test_the_sysroot_is_the_target_machines(sysroot):
+    assert sysroot.compiler.version.split(".")[0] >= "11"
+    assert (sysroot.torch.version, sysroot.torch.cuda) == ("2.14.1+cu130", "13.0")
+    for lib in (sysroot.torch.torch_dir / "lib" / "libtorch_cpu.so", sysroot.cuda_root / "lib" / "libcudart.so"):
+        assert cross.elf_machine(lib.resolve()) == "aarch64", lib
+    assert cross.elf_machine(sysroot.python.python) == "aarch64"
+    # The headers' pyconfig.h is the aarch64 one (Debian's generic one only dispatches per triple).
+    own = sysroot.python.root / "usr" / "include" / "aarch64-linux-gnu" / "python3.11" / "pyconfig.h"
+    assert (sysroot.python.include / "pyconfig.h").read_bytes() == own.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def linked(sysroot, tmp_path_factory):
+    """The torch-facing unit and one kernel unit, compiled with the payload's command builder
+    and the aarch64 target's profile, linked into one module for aarch64."""
+    bc = _bc()
+    prof = profile_for(STABLE, MATRIX.stable_abi_floor)
+    nvcc_home = find_cuda("13.0").home
+    tools = bc.tools("gcc", nvcc_home, cxx=prof["host_compiler"])
+    includes = bc.include_dirs("gcc", csrc=PAYLOAD / "csrc", torch_dir=sysroot.torch.torch_dir,
+                               torch_subdirs=prof["torch_include_subdirs"], cuda_home=sysroot.cuda_root,
+                               python_include=sysroot.python.include, cutlass=cutlass_include(), machine="aarch64")
+    includes = [d for d in includes if Path(d).is_dir()] + [sysroot.cuda_root / "include" / "cccl",
+                                                           Path(nvcc_home) / "include"]
+    out = tmp_path_factory.mktemp("aarch64")
+    units = [prof["torch_unit"], KERNEL_UNIT]
+    env = {**os.environ, **bc.build_environment(prof, nvcc_home)}
+
+    def compile_one(unit: str) -> Path:
+        obj = out / (Path(unit).name + ".o")
+        proc = subprocess.run(bc.compile_command(tools, prof, unit, obj, includes), cwd=PAYLOAD, env=env,
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, f"{unit}:\n{proc.stderr[-3000:]}"
+        return obj
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        objects = list(pool.map(compile_one, units))
+    module = out / "_C.abi3.so"
+    link = bc.link_command(tools, prof, objects, module, [sysroot.torch.torch_dir / "lib", sysroot.cuda_root / "lib"])
+    proc = subprocess.run(link, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return objects, module
+
+
+def test_torch_unit_and_a_kernel_unit_cross_compile_and_link(linked):
+    objects, module = linked
+    assert [cross.elf_machine(o) for o in objects] == ["aarch64", "aarch64"]
+    assert cross.elf_machine(module) == "aarch64"
+    needed = subprocess.run(["aarch64-linux-gnu-readelf", "-d", str(module)], capture_output=True, text=True,
+                            check=True).stdout
+    for lib in ("libtorch_cpu.so", "libcudart.so.13", "libstdc++.so.6"):
+        assert f"[{lib}]" in needed, needed
+
+
+def test_the_module_holds_both_archs_cubins(linked):
+    from ci.emulate import cubin_archs_of
+
+    assert cubin_archs_of(linked[1]) == ["sm_120a", "sm_121a"]
+
+
+def test_the_emulated_python_loads_the_module_against_the_aarch64_libraries(linked, sysroot):
+    """qemu-user runs Debian's arm64 CPython; its dynamic loader maps the module with the aarch64
+    libtorch, c10 and libcudart (and what they need). The kernel launchers of the units not
+    linked here stay unresolved until called (lazy binding), so they are named, not loaded."""
+    emu = __import__("ci.emulate", fromlist=["Emulator"]).Emulator.for_machine("aarch64")
+    libs = f"{sysroot.torch.torch_dir / 'lib'}:{sysroot.cuda_root / 'lib'}"
+    probe = ("import ctypes, os, sys; lib = ctypes.CDLL(sys.argv[1], os.RTLD_LAZY | os.RTLD_GLOBAL);"
+             "print('loaded', hasattr(lib, 'PyInit__C'))")
+    proc = emu.run(emu.python.python, "-c", probe, str(linked[1]), env={**os.environ, "LD_LIBRARY_PATH": libs},
+                   timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "loaded True"
+    # The same load without the aarch64 torch on the path fails, naming the library.
+    proc = emu.run(emu.python.python, "-c", probe, str(linked[1]), timeout=600)
+    assert proc.returncode != 0 and "libc10.so" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_cross_build_config_reads_the_sysroot(sysroot):
+    from ci.build import build_config, resolve_toolchain
+
+    tc = resolve_toolchain(STABLE, MATRIX)
+    assert tc.cross is not None and tc.torch_include == sysroot.torch.torch_dir / "include"
+    cfg = build_config(tc, MATRIX, Path("no-overlay"))
+    assert cfg["cross"]["plat_name"] == "linux_aarch64"
+    assert cfg["cross"]["torch_dir"] == str(sysroot.torch.torch_dir)
+    assert cfg["record"]["os"] == "linux-aarch64"
+    assert cfg["record"]["extra"]["cross"]["built_on"] == "linux-x86_64"
+    assert cfg["record"]["toolchain"]["host_compiler"].startswith("aarch64-linux-gnu-g++")
+    assert shutil.which("aarch64-linux-gnu-g++")
