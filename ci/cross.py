@@ -21,6 +21,7 @@ torch version and CUDA), and every failure says what to install.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import re
@@ -469,12 +470,16 @@ def link_classic(target, matrix, work: Path, *, kernel_objects: list[Path] = (),
     includes = [PAYLOAD / "csrc", headers, headers / "torch" / "csrc" / "api" / "include", cuda_root / "include",
                 pyroot.include]
     work.mkdir(parents=True, exist_ok=True)
-    obj = work / f"classic-{target.build_torch}.o"
+    # Targets of one torch release share the object when their commands are the same.
+    key = hashlib.sha256(json.dumps(bc.compile_command(tools, prof, prof["torch_unit"], "o", includes),
+                                    default=str).encode() + (PAYLOAD / prof["torch_unit"]).read_bytes()).hexdigest()[:12]
+    obj = work.parent / f"classic-{target.build_torch}-{key}.o"
     cmd = bc.compile_command(tools, prof, prof["torch_unit"], obj, includes)
-    log(f"[cross] {target.id}: compiling {prof['torch_unit']} for {spec.machine} against torch {target.build_torch} headers")
-    proc = _run(cmd, cwd=PAYLOAD)
-    if proc.returncode != 0:
-        raise ToolchainError(f"{target.id}: {prof['torch_unit']} does not cross-compile:\n{proc.stderr[-3000:]}")
+    if not obj.exists():
+        log(f"[cross] {target.id}: compiling {prof['torch_unit']} for {spec.machine} against torch {target.build_torch} headers")
+        proc = _run(cmd, cwd=PAYLOAD)
+        if proc.returncode != 0:
+            raise ToolchainError(f"{target.id}: {prof['torch_unit']} does not cross-compile:\n{proc.stderr[-3000:]}")
     lib_dirs = [torch.torch_dir / "lib", cuda_root / "lib"]
     libs = list(bc.link_libraries(prof))
     present = [lib for lib in libs if any((d / f"lib{lib}.so").exists() for d in lib_dirs)]

@@ -1,8 +1,10 @@
 """The verify stage of a cross-built wheel: the target machine's CPython (``ci.cross.python_root``)
 run by qemu-user, with real pip, in fresh virtual environments.
 
-1. A cached environment of the target machine holding the target's torch, installed by the
-   emulated pip from the package index pip is configured with here (PyPI), dependencies and all.
+1. A cached environment of the target machine holding the target's torch, dependencies and all,
+   installed by the emulated pip, which resolves them for the target machine itself, from a
+   wheelhouse of that machine's wheels that this machine's pip downloaded from PyPI first
+   (emulated TLS downloads ran at ~1.5 MB/s here; the CUDA 13 torch's dependencies are ~3 GB).
 2. A fresh venv that sees that torch through a ``.pth`` file (as ``ci.verify`` does natively);
    ``pip install sageattn3==<version>`` from the generated index served over HTTP on 127.0.0.1,
    pip's own configuration disabled so nothing else can answer.
@@ -117,22 +119,52 @@ class EmulatedTorchEnv:
         return self.root / "bin" / "python"
 
 
+# pip matches each --platform exactly: every manylinux tag a glibc 2.36 aarch64 machine accepts.
+def _download_platforms(machine: str) -> list[str]:
+    return [f"manylinux_2_{n}_{machine}" for n in range(36, 16, -1)] + [f"manylinux2014_{machine}", f"linux_{machine}"]
+
+
+def wheelhouse(machine: str, requirement: str, log=print) -> Path:
+    """``requirement`` and its dependencies as wheels for linux-``machine`` and CPython
+    ``TARGET_PYTHON``, downloaded from the configured index (PyPI) by this machine's pip into the
+    cache."""
+    dest = cache_root() / "cross" / machine / "wheelhouse" / requirement.replace("==", "-")
+    if (dest / ".complete").exists():
+        return dest
+    shutil.rmtree(dest, ignore_errors=True)
+    py = crossmod.TARGET_PYTHON.replace(".", "")
+    plats = [a for p in _download_platforms(machine) for a in ("--platform", p)]
+    log(f"[emulate] downloading {requirement} and its dependencies for linux-{machine} (cp{py})")
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", *plats,
+                           "--python-version", crossmod.TARGET_PYTHON, "--implementation", "cp",
+                           "--abi", f"cp{py}", "--abi", "abi3", "--abi", "none", "--dest", str(dest), requirement],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise ToolchainError(f"could not download {requirement} for linux-{machine} from PyPI:\n{proc.stderr[-2000:]}")
+    (dest / ".complete").write_text(requirement)
+    return dest
+
+
 def torch_env(emu: Emulator, requirement: str, log=print) -> EmulatedTorchEnv:
-    """A cached environment of the emulated Python with ``requirement`` (``torch==2.14.1``)
-    installed by the emulated pip with its dependencies, from the index pip is configured with."""
+    """A cached environment of the emulated Python with ``requirement`` (``torch==2.14.1``) and
+    its dependencies, installed by the emulated pip from :func:`wheelhouse` (``--no-index``: the
+    emulated pip resolves the dependencies for the target machine, from those wheels only)."""
     root = cache_root() / "cross" / emu.python.machine / "envs" / requirement.replace("==", "-")
     marker = root / ".complete"
     if marker.exists():
         version, cuda = json.loads(marker.read_text())
         return EmulatedTorchEnv(root, version, cuda)
     shutil.rmtree(root, ignore_errors=True)
+    house = wheelhouse(emu.python.machine, requirement, log=log)
     py = emu.venv(root)
     wheel = pip_wheel()
     t0 = time.monotonic()
     emu.run(py, str(wheel / "pip"), "install", "--quiet", "--no-index", str(wheel), check=True)
     log(f"[emulate] installing {requirement} for linux-{emu.python.machine} with the emulated pip "
         f"(Python {emu.python.version} under {emu.qemu.name})")
-    proc = emu.run(py, "-m", "pip", "install", "--quiet", "--only-binary=:all:", requirement)
+    proc = emu.run(py, "-m", "pip", "install", "--quiet", "--only-binary=:all:", "--no-index", "--find-links",
+                   str(house), requirement, env=_quiet_pip_env())
     if proc.returncode != 0:
         shutil.rmtree(root, ignore_errors=True)
         raise ToolchainError(f"the emulated pip could not install {requirement} for linux-{emu.python.machine}:\n"
