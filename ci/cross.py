@@ -469,6 +469,7 @@ def link_classic(target, matrix, work: Path, *, kernel_objects: list[Path] = (),
     tools = bc.tools("gcc", "/nonexistent-nvcc", cxx=str(compiler.cxx))
     includes = [PAYLOAD / "csrc", headers, headers / "torch" / "csrc" / "api" / "include", cuda_root / "include",
                 pyroot.include]
+    work = work.resolve()  # the compiler runs in the payload
     work.mkdir(parents=True, exist_ok=True)
     # Targets of one torch release share the object when their commands are the same.
     key = hashlib.sha256(json.dumps(bc.compile_command(tools, prof, prof["torch_unit"], "o", includes),
