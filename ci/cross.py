@@ -356,7 +356,8 @@ def cross_blockers(target) -> list[str]:
     torch = Version(target.build_torch)
     if Version(f"{torch.major}.{torch.minor}") < PYPI_CUDA_TORCH_FROM.get(machine, Version("999")):
         reasons.append(f"PyPI's torch {target.build_torch} for {target.os.key} is a CPU build (its CUDA build comes "
-                       f"only from PyTorch's index); `python -m ci.cross link-classic` links the classic unit instead")
+                       f"only from PyTorch's index)" + ("" if target.variant.stable else
+                                                        "; `python -m ci.cross link-classic` links the classic unit instead"))
     elif target.cuda != target.build_torch_pypi_cuda:
         reasons.append(f"PyPI's torch {target.build_torch} for {target.os.key} is the CUDA "
                        f"{target.build_torch_pypi_cuda} build, not {target.cuda} (PyTorch's index has that one)")

@@ -52,9 +52,9 @@ def test_the_profile_chooses_the_cross_compiler():
 
 def test_what_cannot_be_cross_built_here_says_why():
     assert cross.cross_blockers(STABLE) == []
-    [cu132] = cross.cross_blockers(MATRIX.target("linux-aarch64-cu132-torch2.10-stable"))
-    assert "is the CUDA 13.0 build, not 13.2" in cu132
-    assert any("not on PyPI" in r for r in cross.cross_blockers(MATRIX.target("linux-aarch64-cu128-torch2.10-stable")))
+    cu128 = cross.cross_blockers(MATRIX.target("linux-aarch64-cu128-torch2.10-stable"))
+    assert "CUDA 12.8 for linux-aarch64 is not on PyPI" in cu128[0]
+    assert "PyPI's torch 2.11.0 for linux-aarch64 is a CPU build" in cu128[1] and "link-classic" not in cu128[1]
     [cpu] = cross.cross_blockers(MATRIX.target("linux-aarch64-cu130-torch2.9"))
     assert "is a CPU build" in cpu and "link-classic" in cpu
 
