@@ -105,8 +105,9 @@ def record_classic_link(link: dict, matrix: Matrix, path: Path = EVIDENCE_FILE) 
 def _describe(kind: str, e: dict) -> str:
     if kind == "classic_link":
         absent = ", ".join(e["absent_libraries"]) or "nothing"
-        return (f"{LEVELS[kind]} vs torch {e['torch_libraries']}; absent there: {absent} "
-                f"({sum(len(v) for k, v in e['unresolved'].items() if not k.startswith('the Python'))} symbols left)")
+        left = sum(len(v) for k, v in e["unresolved"].items() if not k.startswith("the Python"))
+        return (f"{LEVELS[kind]} vs torch {e['torch_libraries']}; absent there: {absent}, whose {left} symbols "
+                f"the unit uses stay unresolved")
     if "cross" in e:
         v, c = e["emulated_verify"], e["cross"]
         return (f"cross-built on {c['built_on']} ({c['compiler'].split(' (')[0]} {c['compiler'].rsplit(' ', 1)[-1]}, "

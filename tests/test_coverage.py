@@ -114,6 +114,6 @@ def test_classic_links_are_recorded_with_what_was_absent(tmp_path):
     row = next(r for r in coverage.coverage_table(MATRIX, coverage.load_evidence(ev_file)).splitlines()
                if r.startswith("| 2.9 | 13.0 |"))
     assert ("linux-aarch64: classic unit cross-compiled + linked here vs torch 2.9.1+cpu (PyPI, linux-aarch64, CPU "
-            "build); absent there: libc10_cuda.so, libtorch_cuda.so (1 symbols left)") in row
+            "build); absent there: libc10_cuda.so, libtorch_cuda.so, whose 1 symbols the unit uses stay unresolved") in row
     with pytest.raises(ValueError, match="not in the matrix"):
         coverage.record_classic_link({**link, "target": "linux-aarch64-cu999-torch9.9"}, MATRIX, ev_file)
