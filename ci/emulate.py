@@ -163,8 +163,10 @@ def torch_env(emu: Emulator, requirement: str, log=print) -> EmulatedTorchEnv:
     emu.run(py, str(wheel / "pip"), "install", "--quiet", "--no-index", str(wheel), check=True)
     log(f"[emulate] installing {requirement} for linux-{emu.python.machine} with the emulated pip "
         f"(Python {emu.python.version} under {emu.qemu.name})")
-    proc = emu.run(py, "-m", "pip", "install", "--quiet", "--only-binary=:all:", "--no-index", "--find-links",
-                   str(house), requirement, env=_quiet_pip_env())
+    # --no-compile: byte-compiling torch's ~10,000 modules under emulation would take longer than
+    # the install; imports write the bytecode of what they load.
+    proc = emu.run(py, "-m", "pip", "install", "--quiet", "--no-compile", "--only-binary=:all:", "--no-index",
+                   "--find-links", str(house), requirement, env=_quiet_pip_env())
     if proc.returncode != 0:
         shutil.rmtree(root, ignore_errors=True)
         raise ToolchainError(f"the emulated pip could not install {requirement} for linux-{emu.python.machine}:\n"
