@@ -59,6 +59,30 @@ def _quiet_pip_env() -> dict[str, str]:
     return env
 
 
+# The CPU qemu emulates, and what the guest reads about it. qemu-user passes the host's
+# /proc/cpuinfo (x86's) and has no MIDR_EL1 sysfs entry; torch 2.14's CPU-feature detection
+# (cpuinfo, oneDNN's xbyak_aarch64) crashes the import on those. Under ``-L root`` a path that
+# exists in the root is the guest's, so the root gets an aarch64 description of that CPU.
+EMULATED_CPU = {"aarch64": ("neoverse-n1", "0x41", "0x3", "0xd0c", "0x1",
+                            "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc "
+                            "dcpop asimddp")}
+
+
+def describe_cpu(root: Path, machine: str, cpus: int = 64) -> None:
+    """``root/proc/cpuinfo`` and ``root/sys/.../midr_el1`` for the emulated CPU (idempotent)."""
+    _, implementer, variant, part, revision, features = EMULATED_CPU[machine]
+    blocks = [f"processor\t: {i}\nBogoMIPS\t: 50.00\nFeatures\t: {features}\nCPU implementer\t: {implementer}\n"
+              f"CPU architecture: 8\nCPU variant\t: {variant}\nCPU part\t: {part}\nCPU revision\t: {int(revision, 16)}\n"
+              for i in range(cpus)]
+    (root / "proc").mkdir(exist_ok=True)
+    (root / "proc" / "cpuinfo").write_text("\n".join(blocks))
+    midr = (int(implementer, 16) << 24) | (int(variant, 16) << 20) | (0xF << 16) | (int(part, 16) << 4) | int(revision, 16)
+    for i in range(cpus):
+        d = root / "sys" / "devices" / "system" / "cpu" / f"cpu{i}" / "regs" / "identification"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "midr_el1").write_text(f"0x{midr:016x}\n")
+
+
 @dataclass(frozen=True)
 class Emulator:
     """qemu-user running the target machine's CPython unpacked in ``python.root``."""
@@ -68,10 +92,13 @@ class Emulator:
 
     @classmethod
     def for_machine(cls, machine: str) -> "Emulator":
-        return cls(crossmod.find_emulator(machine), crossmod.python_root(machine))
+        root = crossmod.python_root(machine)
+        describe_cpu(root.root, machine, max(64, os.cpu_count() or 1))
+        return cls(crossmod.find_emulator(machine), root)
 
     def argv(self, interpreter: Path, *args: str) -> list[str]:
-        return [str(self.qemu), "-L", str(self.python.root), str(interpreter), *args]
+        cpu = EMULATED_CPU[self.python.machine][0]
+        return [str(self.qemu), "-cpu", cpu, "-L", str(self.python.root), str(interpreter), *args]
 
     def run(self, interpreter: Path, *args: str, env: dict | None = None, check: bool = False,
             timeout: float | None = None) -> subprocess.CompletedProcess:
