@@ -72,7 +72,7 @@ def sysroot():
 
 
 def test_the_sysroot_is_the_target_machines(sysroot):
-    assert sysroot.compiler.version.split(".")[0] >= "11"
+    assert int(sysroot.compiler.version.split(".")[0]) >= 11
     assert (sysroot.torch.version, sysroot.torch.cuda) == ("2.14.1+cu130", "13.0")
     for lib in (sysroot.torch.torch_dir / "lib" / "libtorch_cpu.so", sysroot.cuda_root / "lib" / "libcudart.so"):
         assert cross.elf_machine(lib.resolve()) == "aarch64", lib
