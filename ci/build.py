@@ -204,7 +204,27 @@ def index_pages(matrix: Matrix) -> list[str]:
     return sorted({f"{t.variant.cuda_tag}/torch{line}" for t in matrix.targets for line in t.torch_lines})
 
 
-def build_config(tc: ResolvedToolchain, matrix: Matrix, overlay: Path, jobs: int | None = None) -> dict:
+INDEX_URL_ENV = "SAGEATTN3_INDEX_URL"
+
+
+def record_index_url(dist: Path) -> str:
+    """The index a wheel's build record names (``python -m sageattn3 which`` and the ABI
+    guard's ImportError send users there): ``$SAGEATTN3_INDEX_URL`` when set; in the release
+    pipeline (``$GITHUB_REPOSITORY`` = OWNER/NAME) the GitHub Pages site of that repository,
+    where the publish job puts the index; otherwise, a local build, the index it writes,
+    ``dist/index/``."""
+    given = os.environ.get(INDEX_URL_ENV, "").strip()
+    if given:
+        return given.rstrip("/") + "/"
+    repo = os.environ.get("GITHUB_REPOSITORY", "").strip()
+    if repo.count("/") == 1 and all(repo.split("/")):
+        owner, name = repo.split("/")
+        return f"https://{owner.lower()}.github.io/{name}/"
+    return (dist / "index").resolve().as_uri() + "/"
+
+
+def build_config(tc: ResolvedToolchain, matrix: Matrix, overlay: Path, jobs: int | None = None,
+                 index_url: str | None = None) -> dict:
     target, profile = tc.target, tc.profile
     extra = {"torch_lines": list(target.torch_lines), "mma_model": tc.flavour == TEST_FLAVOUR_LABEL,
              "index_pages": index_pages(matrix), "stable_abi_floor": matrix.stable_abi_floor}
@@ -241,7 +261,7 @@ def build_config(tc: ResolvedToolchain, matrix: Matrix, overlay: Path, jobs: int
             "flags": profile,
             "patches": [p.name for p in tc.patches],
             "source_commit": source_commit(),
-            "index_url": os.environ.get("SAGEATTN3_INDEX_URL") or matrix.index_url,
+            "index_url": index_url or record_index_url(REPO / "dist"),
             "extra": extra,
         },
     }
@@ -265,7 +285,7 @@ def build_resolved(tc: ResolvedToolchain, matrix: Matrix, raw_dir: Path, *, jobs
     roots = {"src": staging, "torch": env.site_packages / "torch" / "include", "cutlass": tc.cutlass}
     for p in tc.patches:
         patchmod.apply(p, roots, overlay)
-    config = build_config(tc, matrix, overlay, jobs)
+    config = build_config(tc, matrix, overlay, jobs, index_url=record_index_url(raw_dir.parent.parent))
     cfg_path = staging / "build" / "sageattn3-build-config.json"
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
     cfg_path.write_text(json.dumps(config, indent=2, sort_keys=True))
