@@ -53,7 +53,7 @@ def check_verify_pythons(targets: list[Target], matrix: Matrix, pythons: list[st
     X.Y, older than the wheel's Requires-Python, or one its verify torch has no build for. Each
     Python left is found or provisioned now (the one-line ToolchainError names the fix)."""
     for py in pythons:
-        if not re.fullmatch(r"3\.\d+", py):
+        if not re.fullmatch(r"\d+\.\d+", py):
             raise MatrixError(f"--verify-python {py!r}: expected a CPython version X.Y, e.g. 3.12")
         for t in targets:
             if Version(py) < Version(t.python):
