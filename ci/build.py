@@ -309,17 +309,49 @@ def build_resolved(tc: ResolvedToolchain, matrix: Matrix, raw_dir: Path, *, jobs
     }
     cmd = [str(env.python), "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps", "-w", str(raw_dir), str(staging)]
     log(f"[build] {target.id}: {' '.join(cmd)}")
-    proc = subprocess.run(cmd, env=run_env, capture_output=True, text=True)
-    (raw_dir.parent / f"{target.id}.build.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
+    log_path = build_log_path(raw_dir)
+    log(f"[build] {target.id}: full log in {log_path}")
+    returncode, output = run_logged(cmd, run_env, log_path, log)
+    if returncode != 0:
         shutil.rmtree(raw_dir, ignore_errors=True)
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-        raise BuildError(f"{target.id}: compiling failed (pip wheel exited {proc.returncode}); last lines:\n{tail}")
+        tail = "\n".join(output[-40:])
+        raise BuildError(f"{target.id}: compiling failed (pip wheel exited {returncode}; full log: {log_path}); "
+                         f"last lines:\n{tail}")
     wheels = list(raw_dir.glob("*.whl"))
     if len(wheels) != 1:
         raise BuildError(f"{target.id}: expected one wheel in {raw_dir}, found {[w.name for w in wheels]}")
     stamp.write_text(digest)
     return BuildResult(target, wheels[0], config, cuda, env)
+
+
+def build_log_path(raw_dir: Path) -> Path:
+    """Where the build stage writes the compile's full output: ``dist/raw/<target>.build.log``."""
+    return raw_dir.parent / f"{raw_dir.name}.build.log"
+
+
+# Lines of the compile worth showing as it goes (the payload's setup.py prints them).
+PROGRESS_PREFIX = "sageattn3: compil"
+
+
+def run_logged(cmd: list[str], env: dict, log_path: Path, log=print) -> tuple[int, list[str]]:
+    """Run ``cmd`` with its output (stdout and stderr) written to ``log_path`` as it comes, the
+    payload's progress lines (compile units n/m, elapsed) passed to ``log``; returns the exit
+    status and the output's lines."""
+    lines: list[str] = []
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w", encoding="utf-8", errors="replace") as f, \
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             errors="replace") as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            f.write(line)
+            f.flush()
+            line = line.rstrip("\n")
+            lines.append(line)
+            if line.lstrip().startswith(PROGRESS_PREFIX):
+                log(f"[build] {line.strip()[len('sageattn3: '):]}")
+        returncode = proc.wait()
+    return returncode, lines
 
 
 def inputs_digest(staging: Path, config: dict) -> str:
