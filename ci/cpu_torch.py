@@ -12,6 +12,7 @@ is not a CPU build, with the reason).
 from __future__ import annotations
 
 import importlib.metadata as md
+import re
 import sys
 from pathlib import Path
 
@@ -29,7 +30,8 @@ def cpu_build_problem(dist: md.Distribution | None = None) -> str | None:
     """Why the installed torch is not a CPU build (None: it is): a requirement on an nvidia-*
     package, or more bytes on disk than a CPU build has."""
     dist = dist or md.distribution("torch")
-    nvidia = sorted({r.split(";")[0].split()[0] for r in dist.requires or [] if r.lower().startswith("nvidia-")})
+    names = {m.group(0) for m in (re.match(r"[A-Za-z0-9._-]+", r.strip()) for r in dist.requires or []) if m}
+    nvidia = sorted(n for n in names if n.lower().startswith("nvidia-"))
     if nvidia:
         return f"torch {dist.version} requires {', '.join(nvidia[:3])}{' ...' if len(nvidia) > 3 else ''}: a CUDA build"
     size = sum(f.size or 0 for f in dist.files or [])
