@@ -50,6 +50,7 @@ def in_nox_output(proc: subprocess.CompletedProcess, line: str) -> None:
     out = proc.stdout + proc.stderr
     assert line in out and "Traceback" not in out, out
     assert "Session" in out and "failed" in out, out
+    assert "uv binary not found" not in out  # nox's look for uv, which the venv backend never uses
 
 
 def test_verify_python_older_than_the_wheels_requires_python_is_refused_before_building(tmp_path):

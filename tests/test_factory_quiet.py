@@ -123,3 +123,21 @@ def test_the_run_ends_with_skips_counted_by_reason(tmp_path):
     assert proc.returncode == 0, proc.stdout
     tail = proc.stdout.split("4 skipped, by reason", 1)[1]
     assert tail.splitlines()[1:3] == ["    3  no CUDA device", "    1  run the dry run first"], proc.stdout
+
+
+def test_nox_sessions_do_not_say_uv_binary_not_found(tmp_path):
+    """nox looks for uv on every session that makes an environment and logs when it finds none
+    (UV names a uv that is not there: a machine without uv); the venv backend never uses it."""
+    if run("-c", "import nox").returncode != 0:
+        pytest.skip("needs nox in the test environment (nox -s tests installs it)")
+    env = {"UV": str(tmp_path / "no-uv-here")}
+    args = ("-m", "nox", "--envdir", str(tmp_path / "envs"), "-s", "matrix")
+    proc = run(*args, "-f", str(REPO / "noxfile.py"), "--", "--compact", env=env)
+    assert proc.returncode == 0 and '"include"' in proc.stdout, proc.stdout + proc.stderr
+    assert "uv binary not found" not in proc.stdout + proc.stderr
+    # the control: the same session without the filter says it
+    unfiltered = tmp_path / "noxfile.py"
+    unfiltered.write_text("\n".join(ln for ln in (REPO / "noxfile.py").read_text().splitlines() if "addFilter" not in ln))
+    shutil.copytree(REPO / "ci", tmp_path / "ci", ignore=shutil.ignore_patterns("__pycache__"))
+    proc = run(*args, "-f", str(unfiltered), "--", "--compact", env=env)
+    assert proc.returncode == 0 and "uv binary not found" in proc.stderr, proc.stderr
