@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from ci.targets import Matrix
+from ci.variant import torch_line
+
 REPO = Path(__file__).resolve().parent.parent
 TARGET = "linux-x86_64-cu130-torch2.10-stable"
 TOKENLESS = {k: v for k, v in os.environ.items() if k not in ("GITHUB_TOKEN", "GH_TOKEN")}
@@ -83,18 +86,22 @@ def test_a_verify_python_that_cannot_be_had_names_it_and_the_fix(tmp_path):
     (bare / "python").chmod(0o755)
     # uv, where this environment has it (ci/requirements-test.txt), offers no download: an empty list
     (tmp_path / "downloads.json").write_text("{}")
+    # the newest Python the target's verify torch is published for, other than this one: with
+    # this PATH and no pyenv, nothing finds it
+    matrix = Matrix.load()
+    target = matrix.target(TARGET)
+    v = [p for p in matrix.line(torch_line(target.build_torch)).python if p != "%d.%d" % sys.version_info[:2]][-1]
+    var = f"SAGEATTN3_PYTHON_{v.replace('.', '_')}"
     env = {**os.environ, "PATH": str(bare), "PYENV_ROOT": str(bare), "SAGEATTN3_CACHE": str(tmp_path / "cache"),
            "UV_PYTHON_DOWNLOADS_JSON_URL": (tmp_path / "downloads.json").as_uri()}
-    env.pop("SAGEATTN3_PYTHON_3_15", None)
-    proc = command("-m", "ci", "build-wheels", "--target", TARGET, "--verify-python", "3.15",
-                   "--dist", str(tmp_path / "dist"), env=env)
+    env.pop(var, None)
+    args = ("build-wheels", "--target", TARGET, "--verify-python", v, "--dist", str(tmp_path / "dist"))
+    proc = command("-m", "ci", *args, env=env)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    line = one_line_error(proc, "Python 3.15 not found", "Provisioning failed: ", "uv python install 3.15",
-                          "SAGEATTN3_PYTHON_3_15")
-    assert "neither uv nor pyenv is installed" in line or "`uv python install 3.15`: " in line, line
+    line = one_line_error(proc, f"Python {v} not found", "Provisioning failed: ", f"uv python install {v}", var)
+    assert "neither uv nor pyenv is installed" in line or f"`uv python install {v}`: " in line, line
     assert not (tmp_path / "dist").exists()
-    in_nox_output(nox("build-wheels", "--target", TARGET, "--verify-python", "3.15", "--dist", str(tmp_path / "dist"),
-                      env=env), line)
+    in_nox_output(nox(*args, env=env), line)
 
 
 def test_a_missing_token_is_bad_input(tmp_path):
