@@ -141,3 +141,17 @@ def test_nox_sessions_do_not_say_uv_binary_not_found(tmp_path):
     shutil.copytree(REPO / "ci", tmp_path / "ci", ignore=shutil.ignore_patterns("__pycache__"))
     proc = run(*args, "-f", str(unfiltered), "--", "--compact", env=env)
     assert proc.returncode == 0 and "uv binary not found" in proc.stderr, proc.stderr
+
+
+def test_the_index_a_record_names(tmp_path, monkeypatch):
+    """Local builds point at the index they wrote; the release pipeline's at the Pages site of
+    its repository; SAGEATTN3_INDEX_URL overrides both."""
+    from ci.build import record_index_url
+
+    monkeypatch.delenv("SAGEATTN3_INDEX_URL", raising=False)
+    monkeypatch.delenv("GITHUB_REPOSITORY", raising=False)
+    assert record_index_url(tmp_path / "dist") == (tmp_path / "dist" / "index").as_uri() + "/"
+    monkeypatch.setenv("GITHUB_REPOSITORY", "SomeOrg/sageattn3-wheels")
+    assert record_index_url(tmp_path / "dist") == "https://someorg.github.io/sageattn3-wheels/"
+    monkeypatch.setenv("SAGEATTN3_INDEX_URL", "https://wheels.example.org/sa3")
+    assert record_index_url(tmp_path / "dist") == "https://wheels.example.org/sa3/"
