@@ -171,6 +171,10 @@ def cmd_coverage(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Progress reaches a CI log (a pipe) as it happens, not in blocks when a buffer fills.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
     p = argparse.ArgumentParser(prog="python -m ci", description="sageattn3 wheel factory")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build-wheels", help="build, repair, tag, verify and index wheels")
