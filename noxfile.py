@@ -62,7 +62,15 @@ def _install_cpu_torch(session: nox.Session) -> None:
         session.install(CPU_TORCH)
     except CommandFailed:
         session.log(f"{CPU_TORCH} is not on pip's index: asking PyTorch's CPU index ({PYTORCH_CPU_INDEX})")
-        session.install(CPU_TORCH, "--extra-index-url", PYTORCH_CPU_INDEX)
+        try:
+            session.install(CPU_TORCH, "--extra-index-url", PYTORCH_CPU_INDEX)
+        except CommandFailed:
+            # Neither has it (PyTorch's index unreachable): the reference tests run with any torch.
+            session.warn(f"{CPU_TORCH} is not reachable: installing {CPU_TORCH.split('+')[0]} from pip's index, "
+                         f"which on Linux x86_64 is a CUDA build of several GB")
+            session.install(CPU_TORCH.split("+")[0])
+            session.run("python", "-m", "ci.cpu_torch", "check", success_codes=[0, 1])
+            return
     session.run("python", "-m", "ci.cpu_torch", "check")
 
 

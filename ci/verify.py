@@ -185,8 +185,14 @@ def local_foreign_env(python: str, log=print) -> TorchEnv:
         if check.returncode != 0:
             raise VerifyError(f"the foreign torch in {env.root}: {check.stderr.strip()}")
         return env
-    raise VerifyError(f"no {cpu_torch.CPU_TORCH} for Python {python} (the ABI guard's foreign torch): "
-                      + "; ".join(problems))
+    raise NoCpuTorch(f"no {cpu_torch.CPU_TORCH} for Python {python} could be installed ("
+                     + "; ".join(problems) + f"): make {cpu_torch.PYTORCH_CPU_INDEX} reachable, or put that "
+                     f"wheel where pip finds it (PIP_FIND_LINKS)")
+
+
+class NoCpuTorch(VerifyError):
+    """No CPU build of torch is reachable here (PyTorch's CPU index unreachable, pip's index
+    without one): the ABI-guard check cannot run, and the verify report says so."""
 
 
 def verify(rec: BuildRecord, index_dir: Path, pythons: list[str], *, torch_spec: TorchSource | None = None,
@@ -214,7 +220,13 @@ def verify(rec: BuildRecord, index_dir: Path, pythons: list[str], *, torch_spec:
             if isinstance(foreign_torch, TorchSource):
                 foreign = torch_env_for(py, foreign_torch, extra=())
             elif foreign_torch == LOCAL_FOREIGN_TORCH:
-                foreign = local_foreign_env(py, log=log)
+                try:
+                    foreign = local_foreign_env(py, log=log)
+                except NoCpuTorch as e:
+                    # The wheel is verified; what could not be checked is said in the summary line.
+                    report.abi_guard = f"NOT CHECKED: {e}"
+                    log(f"[verify] ABI guard NOT CHECKED: {e}")
+                    return report
             else:
                 foreign = torch_env(py, foreign_torch)
             if rec.variant_value.serves(foreign.torch_version, foreign.torch_cuda):
