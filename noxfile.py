@@ -1,12 +1,26 @@
-"""nox sessions of the sageattn3 wheel factory: each a few lines that call into ci/."""
+"""nox sessions of the sageattn3 wheel factory: each a few lines that call into ci/.
 
+Exit status: nox reports any failure of a session as 1. The ``python -m ci ...`` commands the
+sessions run keep their own codes (2: bad input, 1: a stage failed); the README lists them.
+"""
+
+import logging
+import sys
 from pathlib import Path
 
 import nox
+from nox.command import CommandFailed
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["build-wheels"]
+
+# nox says on every session that it looked for uv; the venv backend never uses it.
+logging.getLogger("nox").addFilter(lambda record: record.getMessage() != "uv binary not found.")
+
+# The CPU torch of the payload's reference tests (ci/cpu_torch.py says why +cpu, and checks it).
+CPU_TORCH = "torch==2.13.0+cpu"
+PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
 def _factory(session: nox.Session) -> None:
@@ -31,11 +45,40 @@ def matrix(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """The test suite (CPU; GPU tests skip without a GPU)."""
     _factory(session)
-    # torch 2.13.0 (CPU build) for the payload's reference tests; builds use their own envs.
-    session.install("pytest", "numpy", "torch==2.13.0")
+    # A CPU torch for the payload's reference tests; builds use their own envs.
+    session.install("pytest", "numpy")
+    _install_cpu_torch(session)
     if Path("ci/requirements-test.txt").exists():
         session.install("-r", "ci/requirements-test.txt")
-    session.run("python", "-m", "pytest", *(session.posargs or ["tests", "-q", "-rs"]))
+    # nox itself (the release's hashed pin): the tests run sessions of this file (--no-venv).
+    session.install("-r", "ci/requirements-nox.txt")
+    session.run("python", "-m", "pytest", *(session.posargs or ["tests", "-q"]))
+
+
+def _install_cpu_torch(session: nox.Session) -> None:
+    """CPU_TORCH from pip's configured index, else from PyTorch's CPU index; then checked to be
+    a CPU build (a plain torch==X from PyPI is a CUDA build of several GB)."""
+    try:
+        session.install(CPU_TORCH)
+    except CommandFailed:
+        session.log(f"{CPU_TORCH} is not on pip's index: asking PyTorch's CPU index ({PYTORCH_CPU_INDEX})")
+        try:
+            session.install(CPU_TORCH, "--extra-index-url", PYTORCH_CPU_INDEX)
+        except CommandFailed:
+            # Neither has it (PyTorch's index unreachable): the reference tests run with any torch.
+            session.warn(f"{CPU_TORCH} is not reachable: installing {CPU_TORCH.split('+')[0]} from pip's index, "
+                         f"which on Linux x86_64 is a CUDA build of several GB")
+            session.install(CPU_TORCH.split("+")[0])
+            session.run("python", "-m", "ci.cpu_torch", "check", success_codes=[0, 1])
+            return
+    session.run("python", "-m", "ci.cpu_torch", "check")
+
+
+@nox.session(venv_backend="none")
+def clean(session: nox.Session) -> None:
+    """Remove what the factory keeps between runs: its cache (torch environments, CUDA toolkits,
+    compiler cache), build/ and .nox/; `-- --dist` also dist/. Prints what each held."""
+    session.run(sys.executable, "-m", "ci.clean", *session.posargs, external=True)
 
 
 @nox.session(name="bench-build")

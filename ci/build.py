@@ -227,7 +227,27 @@ def index_pages(matrix: Matrix) -> list[str]:
     return sorted({f"{t.variant.cuda_tag}/torch{line}" for t in matrix.targets for line in t.torch_lines})
 
 
-def build_config(tc: ResolvedToolchain, matrix: Matrix, overlay: Path, jobs: int | None = None) -> dict:
+INDEX_URL_ENV = "SAGEATTN3_INDEX_URL"
+
+
+def record_index_url(dist: Path) -> str:
+    """The index a wheel's build record names (``python -m sageattn3 which`` and the ABI
+    guard's ImportError send users there): ``$SAGEATTN3_INDEX_URL`` when set; in the release
+    pipeline (``$GITHUB_REPOSITORY`` = OWNER/NAME) the GitHub Pages site of that repository,
+    where the publish job puts the index; otherwise, a local build, the index it writes,
+    ``dist/index/``."""
+    given = os.environ.get(INDEX_URL_ENV, "").strip()
+    if given:
+        return given.rstrip("/") + "/"
+    repo = os.environ.get("GITHUB_REPOSITORY", "").strip()
+    if repo.count("/") == 1 and all(repo.split("/")):
+        owner, name = repo.split("/")
+        return f"https://{owner.lower()}.github.io/{name}/"
+    return (dist / "index").resolve().as_uri() + "/"
+
+
+def build_config(tc: ResolvedToolchain, matrix: Matrix, overlay: Path, jobs: int | None = None,
+                 index_url: str | None = None) -> dict:
     target, profile = tc.target, tc.profile
     extra = {"torch_lines": list(target.torch_lines), "mma_model": tc.flavour == TEST_FLAVOUR_LABEL,
              "index_pages": index_pages(matrix), "stable_abi_floor": matrix.stable_abi_floor}
@@ -267,7 +287,7 @@ def build_config(tc: ResolvedToolchain, matrix: Matrix, overlay: Path, jobs: int
             "flags": profile,
             "patches": [p.name for p in tc.patches],
             "source_commit": source_commit(),
-            "index_url": os.environ.get("SAGEATTN3_INDEX_URL") or matrix.index_url,
+            "index_url": index_url or record_index_url(REPO / "dist"),
             "extra": extra,
         },
     }
@@ -291,7 +311,7 @@ def build_resolved(tc: ResolvedToolchain, matrix: Matrix, raw_dir: Path, *, jobs
     roots = {"src": staging, "torch": tc.torch_include, "cutlass": tc.cutlass}
     for p in tc.patches:
         patchmod.apply(p, roots, overlay)
-    config = build_config(tc, matrix, overlay, jobs)
+    config = build_config(tc, matrix, overlay, jobs, index_url=record_index_url(raw_dir.parent.parent))
     cfg_path = staging / "build" / "sageattn3-build-config.json"
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
     cfg_path.write_text(json.dumps(config, indent=2, sort_keys=True))
@@ -315,17 +335,49 @@ def build_resolved(tc: ResolvedToolchain, matrix: Matrix, raw_dir: Path, *, jobs
     }
     cmd = [str(env.python), "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps", "-w", str(raw_dir), str(staging)]
     log(f"[build] {target.id}: {' '.join(cmd)}")
-    proc = subprocess.run(cmd, env=run_env, capture_output=True, text=True)
-    (raw_dir.parent / f"{target.id}.build.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
+    log_path = build_log_path(raw_dir)
+    log(f"[build] {target.id}: full log in {log_path}")
+    returncode, output = run_logged(cmd, run_env, log_path, log)
+    if returncode != 0:
         shutil.rmtree(raw_dir, ignore_errors=True)
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-        raise BuildError(f"{target.id}: compiling failed (pip wheel exited {proc.returncode}); last lines:\n{tail}")
+        tail = "\n".join(output[-40:])
+        raise BuildError(f"{target.id}: compiling failed (pip wheel exited {returncode}; full log: {log_path}); "
+                         f"last lines:\n{tail}")
     wheels = list(raw_dir.glob("*.whl"))
     if len(wheels) != 1:
         raise BuildError(f"{target.id}: expected one wheel in {raw_dir}, found {[w.name for w in wheels]}")
     stamp.write_text(digest)
     return BuildResult(target, wheels[0], config, cuda, env)
+
+
+def build_log_path(raw_dir: Path) -> Path:
+    """Where the build stage writes the compile's full output: ``dist/raw/<target>.build.log``."""
+    return raw_dir.parent / f"{raw_dir.name}.build.log"
+
+
+# Lines of the compile worth showing as it goes (the payload's setup.py prints them).
+PROGRESS_PREFIX = "sageattn3: compil"
+
+
+def run_logged(cmd: list[str], env: dict, log_path: Path, log=print) -> tuple[int, list[str]]:
+    """Run ``cmd`` with its output (stdout and stderr) written to ``log_path`` as it comes, the
+    payload's progress lines (compile units n/m, elapsed) passed to ``log``; returns the exit
+    status and the output's lines."""
+    lines: list[str] = []
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w", encoding="utf-8", errors="replace") as f, \
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             errors="replace") as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            f.write(line)
+            f.flush()
+            line = line.rstrip("\n")
+            lines.append(line)
+            if line.lstrip().startswith(PROGRESS_PREFIX):
+                log(f"[build] {line.strip()[len('sageattn3: '):]}")
+        returncode = proc.wait()
+    return returncode, lines
 
 
 def inputs_digest(staging: Path, config: dict) -> str:

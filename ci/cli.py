@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from packaging.version import Version
 from ci.build import REPO, host_os_key, local_blockers
 from ci.targets import Matrix, MatrixError, Target
 from ci.variant import torch_line
-from ci.toolchain import ToolchainError
+from ci.toolchain import ToolchainError, find_python
 
 
 def torch_pip_would_install(python: str = sys.executable) -> str:
@@ -47,7 +48,33 @@ def default_target(matrix: Matrix, torch_version: str | None = None) -> Target:
     return matrix.target_for_torch(host_os_key(), py, version, line.pypi_default)
 
 
+def check_verify_pythons(targets: list[Target], matrix: Matrix, pythons: list[str]) -> None:
+    """Refuse, before anything is built, a ``--verify-python`` that cannot verify a target: not
+    X.Y, older than the wheel's Requires-Python, or one its verify torch has no build for. Each
+    Python left is found or provisioned now (the one-line ToolchainError names the fix)."""
+    for py in pythons:
+        if not re.fullmatch(r"\d+\.\d+", py):
+            raise MatrixError(f"--verify-python {py!r}: expected a CPython version X.Y, e.g. 3.12")
+        for t in targets:
+            if Version(py) < Version(t.python):
+                raise MatrixError(f"--verify-python {py}: {t.id}'s wheel requires Python >={t.python} "
+                                  f"(its Requires-Python); pass {t.python} or newer")
+            line = matrix.line(torch_line(t.build_torch))
+            if py not in line.python:
+                raise MatrixError(f"--verify-python {py}: torch {t.build_torch}, which {t.id} is verified with, "
+                                  f"is published for Python {', '.join(line.python)} only; pass one of those")
+    for py in dict.fromkeys(pythons):
+        find_python(py)
+
+
 def cmd_build_wheels(args: argparse.Namespace) -> int:
+    from ci.toolchain import sccache_server_scope
+
+    with sccache_server_scope():
+        return _build_wheels(args)
+
+
+def _build_wheels(args: argparse.Namespace) -> int:
     from ci.pipeline import build_wheels
 
     matrix = Matrix.load()
@@ -101,6 +128,7 @@ def cmd_build_wheels(args: argparse.Namespace) -> int:
             build_test_wheel(t, matrix, Path(args.dist))
         return 0
     pythons = args.verify_python or ["%d.%d" % sys.version_info[:2]]
+    check_verify_pythons(targets, matrix, pythons)
     runs = build_wheels(targets, matrix, Path(args.dist), verify_pythons=pythons, skip_verify=args.no_verify,
                         force_patches=tuple(args.force_patch or ()))
     return 1 if any(r.error for r in runs) else 0
@@ -143,6 +171,10 @@ def cmd_coverage(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Progress reaches a CI log (a pipe) as it happens, not in blocks when a buffer fills.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
     p = argparse.ArgumentParser(prog="python -m ci", description="sageattn3 wheel factory")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build-wheels", help="build, repair, tag, verify and index wheels")

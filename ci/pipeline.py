@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,10 +29,46 @@ from ci import repair as repairmod
 from ci import verify as verifymod
 from ci.record import BuildRecord, load_records, read_record_in_wheel, record_path, wheel_metadata
 from ci.targets import Matrix, Target
+from ci.toolchain import cache_root
 
 
 class TagError(RuntimeError):
     pass
+
+
+# A stage that has said nothing for this long says that it is still at work (and for how long).
+HEARTBEAT_S = 30.0
+
+
+class _Heartbeat:
+    """Wraps a log function: while a stage runs, a quiet spell of HEARTBEAT_S gets a line
+    "[stage] still working (N s)", so a long torch install or toolchain download never looks
+    like a hang, in a terminal or a CI log alike."""
+
+    def __init__(self, log, stage: str, every: float = HEARTBEAT_S) -> None:
+        self._log, self.stage, self.every = log, stage, every
+        self._last = self._t0 = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+
+    def __call__(self, msg: str) -> None:
+        self._last = time.monotonic()
+        self._log(msg)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(min(self.every, 5.0)):
+            now = time.monotonic()
+            if now - self._last >= self.every:
+                self._last = now
+                self._log(f"[{self.stage}] still working ({now - self._t0:.0f} s)")
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 @dataclass
@@ -41,12 +78,19 @@ class TargetRun:
     wheel: Path | None = None
     error: str | None = None
     verify: verifymod.VerifyReport | None = None
+    log_path: Path | None = None
+    failed_stage: str | None = None
 
     @contextmanager
-    def stage(self, name: str):
+    def stage(self, name: str, log=print):
+        """Time a stage; yields the log function to use inside it (with the heartbeat)."""
         t0 = time.monotonic()
         try:
-            yield
+            with _Heartbeat(log, name) as beat:
+                yield beat
+        except BaseException:
+            self.failed_stage = name
+            raise
         finally:
             self.timings[name] = time.monotonic() - t0
 
@@ -80,33 +124,37 @@ def run_target(target: Target, matrix: Matrix, dist: Path, *, verify_pythons: li
                force_patches: tuple[str, ...] = (), log=print) -> TargetRun:
     run = TargetRun(target)
     tagged_dir = dist / "tagged" / target.id
+    raw_dir = dist / "raw" / target.id
     try:
-        with run.stage("plan"):
+        with run.stage("plan", log):
             blockers = buildmod.local_blockers(target, cross=True)
             if blockers:
                 raise buildmod.BuildError(f"{target.id} cannot be built here: " + "; ".join(blockers))
-        with run.stage("build"):
-            result = buildmod.build(target, matrix, dist / "raw" / target.id, force_patches=force_patches, log=log)
-        with run.stage("repair"):
+        with run.stage("build", log) as slog:
+            run.log_path = buildmod.build_log_path(raw_dir)
+            slog(f"[build] {target.id}: toolchain (CUDA {target.cuda}, torch {target.build_torch}: the first run "
+                 f"installs them into {cache_root()}, minutes), then compile")
+            result = buildmod.build(target, matrix, raw_dir, force_patches=force_patches, log=slog)
+        with run.stage("repair", log) as slog:
             repaired = repairmod.repair(result.wheel, dist / "repaired" / target.id, target.os.platform,
-                                        machine=target.os.machine if target.os.platform == "linux" else None, log=log)
-        with run.stage("tag"):
+                                        machine=target.os.machine if target.os.platform == "linux" else None, log=slog)
+        with run.stage("tag", log):
             if tagged_dir.exists():
                 shutil.rmtree(tagged_dir)
             rec = tag(repaired, target, tagged_dir)
-        with run.stage("verify"):
+        with run.stage("verify", log) as slog:
             if not skip_verify:
                 # Verify against an index of this wheel alone, before it joins dist/.
                 vindex = dist / "tagged" / f"{target.id}.index"
                 shutil.rmtree(vindex, ignore_errors=True)
                 indexmod.write_index([rec], tagged_dir, vindex)
                 if crossmod.is_cross(target.os):  # another machine's wheel: its Python under qemu-user
-                    run.verify = verify_emulated(rec, target, matrix, tagged_dir / rec.wheel, vindex, dist, log=log)
+                    run.verify = verify_emulated(rec, target, matrix, tagged_dir / rec.wheel, vindex, dist, log=slog)
                 else:
                     run.verify = verifymod.verify(rec, vindex, verify_pythons, torch_spec=buildmod.torch_spec(target),
-                                                  log=log)
+                                                  log=slog)
                 shutil.rmtree(vindex, ignore_errors=True)
-        with run.stage("index"):
+        with run.stage("index", log):
             wheels = dist / "wheels"
             wheels.mkdir(parents=True, exist_ok=True)
             final = wheels / rec.wheel
@@ -274,9 +322,14 @@ def build_wheels(targets: list[Target], matrix: Matrix, dist: Path, *, verify_py
         run = run_target(t, matrix, dist, verify_pythons=verify_pythons, skip_verify=skip_verify,
                          force_patches=force_patches, log=log)
         if run.error:
-            log(f"!! {t.id}: {run.error}")
+            where = run.log_path if run.log_path and run.log_path.exists() and run.failed_stage == "build" else None
+            log(f"!! {t.id}: {run.failed_stage or 'a'} stage failed: {run.error}"
+                + (f"\n!! {t.id}: full build log: {where}" if where else ""))
         runs.append(run)
     log("\n" + summary_table(runs))
+    for r in runs:
+        if r.log_path and r.log_path.exists():
+            log(f"full build log of {r.target.id}: {r.log_path}")
     for r in runs:
         if r.verify:
             log(f"verified {r.verify.wheel} on Python {', '.join(r.verify.pythons)}; ABI guard: {r.verify.abi_guard}")

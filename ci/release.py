@@ -1009,6 +1009,9 @@ def _read_json_arg(value: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ci.targets import MatrixError
+    from ci.toolchain import ToolchainError
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--dry-run":  # `nox -s release -- --dry-run`
         argv[0] = "dry-run"
@@ -1085,6 +1088,9 @@ def main(argv: list[str] | None = None) -> int:
     except ReleaseError as e:
         print(f"release: {e}", file=sys.stderr)
         return 1
+    except (ToolchainError, MatrixError) as e:  # a Python, toolkit or matrix entry this machine lacks: what to do
+        print(f"release: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -8,6 +8,7 @@ install or set.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -128,18 +129,11 @@ def _pyenv_pythons(version: str) -> list[str]:
                          lambda p: Path(p).parent.parent.name.split("-")[0])
 
 
-def find_python(version: str, *, windows: bool = WINDOWS) -> Path:
-    """An interpreter for ``version`` ("3.12"), found explicitly and checked by asking it its
-    version: the running one, ``$SAGEATTN3_PYTHON_3_X``, then where the OS keeps one (Windows:
-    the ``py`` launcher, python.org's install dirs, the runners' hosted tool cache; elsewhere
-    pyenv's installs, whose shims fail unless enabled), then ``python3.X``/``python3``/``python``
-    on PATH."""
-    if "%d.%d" % sys.version_info[:2] == version:
-        return Path(sys.executable)
+def _search_python(version: str, windows: bool) -> Path | None:
     candidates: list[str] = []
     if os.environ.get(_env_var(version)):
         candidates.append(os.environ[_env_var(version)])
-    candidates += _windows_pythons(version) if windows else _pyenv_pythons(version)
+    candidates += _windows_pythons(version) if windows else _pyenv_pythons(version) + _uv_pythons(version)
     for name in (f"python{version}", "python3", "python"):
         on_path = shutil.which(name)
         if on_path:
@@ -151,20 +145,108 @@ def find_python(version: str, *, windows: bool = WINDOWS) -> Path:
         seen.add(c)
         if _python_version(c) == version:
             return Path(c)
+    return None
+
+
+def find_python(version: str, *, windows: bool = WINDOWS, provision: bool = True, log=print) -> Path:
+    """An interpreter for ``version`` ("3.12"), found explicitly and checked by asking it its
+    version: the running one, ``$SAGEATTN3_PYTHON_3_X``, then where the OS keeps one (Windows:
+    the ``py`` launcher, python.org's install dirs, the runners' hosted tool cache; elsewhere
+    pyenv's installs, whose shims fail unless enabled, and those this factory provisioned), then
+    ``python3.X``/``python3``/``python`` on PATH. Not found: provisioned (:func:`provision_python`)
+    unless ``provision`` is off or ``$SAGEATTN3_NO_PROVISION_PYTHON`` is set."""
+    if "%d.%d" % sys.version_info[:2] == version:
+        return Path(sys.executable)
+    found = _search_python(version, windows)
+    if found:
+        return found
     override = os.environ.get(_env_var(version))
     if override:
         raise ToolchainError(f"{_env_var(version)}={override} is not a Python {version} interpreter: point it at "
                              f"the python executable of a Python {version} install")
+    tried = []
+    if provision and not windows and not os.environ.get("SAGEATTN3_NO_PROVISION_PYTHON"):
+        got, tried = provision_python(version, log=log)
+        if got:
+            return got
     where = ("the py launcher (py -{v}), %LOCALAPPDATA%\\Programs\\Python\\Python{t}, "
              "%ProgramFiles%\\Python{t}, C:\\Python{t}, the hosted tool cache ($RUNNER_TOOL_CACHE)"
-             if windows else "pyenv's versions/").format(v=version, t=version.replace(".", ""))
+             if windows else "pyenv's versions/, the factory's uv Pythons").format(v=version, t=version.replace(".", ""))
     install = (f"install Python {version} (python.org, or actions/setup-python on a runner)" if windows
-               else f"install it (e.g. `pyenv install {version}`)")
+               else f"install it (e.g. `uv python install {version}` or `pyenv install {version}`)")
+    could_not = f" Provisioning failed: {'; '.join(tried)}." if tried else ""
     raise ToolchainError(
         f"Python {version} not found (looked at the running interpreter, ${_env_var(version)}, {where} and "
-        f"python{version}/python3/python on PATH). {install[0].upper() + install[1:]} or set {_env_var(version)} "
-        f"to its python executable."
+        f"python{version}/python3/python on PATH).{could_not} {install[0].upper() + install[1:]} or set "
+        f"{_env_var(version)} to its python executable."
     )
+
+
+def _uv_dir() -> Path:
+    return cache_root() / "pythons"
+
+
+def _uv_pythons(version: str) -> list[str]:
+    """Interpreters ``uv python install`` put into the factory's cache (newest patch first)."""
+    return _newest_first(glob.glob(str(_uv_dir() / f"cpython-{version}.*" / "bin" / "python3")),
+                         lambda p: Path(p).parent.parent.name.split("-")[1])
+
+
+def _uv() -> str | None:
+    """uv on PATH, or the one in the running environment (``pip install uv``)."""
+    found = shutil.which("uv")
+    if found:
+        return found
+    try:
+        from uv import find_uv_bin  # type: ignore
+
+        return find_uv_bin()
+    except (ImportError, FileNotFoundError):
+        return None
+
+
+def _one_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[0][:200] if lines else "no output"
+
+
+def provision_python(version: str, log=print) -> tuple[Path | None, list[str]]:
+    """Install CPython ``version``: with uv (python-build-standalone, into the factory's cache,
+    nothing put on PATH) when uv is there, else with pyenv when it is installed (builds from
+    source). Returns the interpreter, or None and what each way said."""
+    tried: list[str] = []
+    uv = _uv()
+    if uv:
+        log(f"[python] Python {version} not found: `uv python install {version}` into {_uv_dir()} ...")
+        env = {**os.environ, "UV_PYTHON_INSTALL_DIR": str(_uv_dir()), "UV_PYTHON_INSTALL_BIN": "0"}
+        try:
+            proc = subprocess.run([uv, "python", "install", version], capture_output=True, text=True, env=env,
+                                  timeout=1800)
+            if proc.returncode == 0:
+                found = _search_python(version, WINDOWS)
+                if found:
+                    log(f"[python] Python {version}: {found}")
+                    return found, tried
+            tried.append(f"`uv python install {version}`: {_one_line(proc.stderr + proc.stdout)}")
+        except (OSError, subprocess.SubprocessError) as e:
+            tried.append(f"`uv python install {version}`: {e}")
+    pyenv = shutil.which("pyenv")
+    if pyenv:
+        log(f"[python] Python {version} not found: `pyenv install {version}` (builds CPython from source, minutes) ...")
+        try:
+            proc = subprocess.run([pyenv, "install", "--skip-existing", version], capture_output=True, text=True,
+                                  timeout=3600)
+            if proc.returncode == 0:
+                found = _search_python(version, WINDOWS)
+                if found:
+                    log(f"[python] Python {version}: {found}")
+                    return found, tried
+            tried.append(f"`pyenv install {version}`: {_one_line(proc.stderr + proc.stdout)}")
+        except (OSError, subprocess.SubprocessError) as e:
+            tried.append(f"`pyenv install {version}`: {e}")
+    if not tried:
+        tried.append("neither uv nor pyenv is installed (`pip install uv` lets the factory provision Pythons)")
+    return None, tried
 
 
 # -- CUDA -----------------------------------------------------------------------------
@@ -373,6 +455,39 @@ def sccache_env(cache_dir: str | None = None) -> dict[str, str]:
     d = cache_dir or os.environ.get("SCCACHE_DIR") or str(cache_root() / "sccache")
     port = 20000 + int(hashlib.sha256(d.encode()).hexdigest(), 16) % 20000
     return {"SCCACHE_DIR": d, "SCCACHE_SERVER_PORT": str(port)}
+
+
+def sccache_server_running(env: dict[str, str] | None = None) -> bool:
+    """Does something listen on our sccache server's port (on loopback)?"""
+    import socket
+
+    port = int((env or sccache_env())["SCCACHE_SERVER_PORT"])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def stop_sccache_server(env: dict[str, str] | None = None) -> bool:
+    """Stop our sccache server if one runs (True: one was stopped)."""
+    launcher = compiler_launcher()
+    env = env or sccache_env()
+    if not launcher or not sccache_server_running(env):
+        return False
+    subprocess.run([launcher[0], "--stop-server"], capture_output=True, env={**os.environ, **env}, timeout=60)
+    return True
+
+
+@contextlib.contextmanager
+def sccache_server_scope(log=print):
+    """Builds inside this block may start our sccache server; if none ran before it, the one
+    they started is stopped afterwards (a server someone else started is left alone)."""
+    env = sccache_env()
+    before = bool(compiler_launcher()) and sccache_server_running(env)
+    try:
+        yield
+    finally:
+        if not before and stop_sccache_server(env):
+            log("[build] stopped the sccache server this build started (its cache stays on disk)")
 
 
 def host_compiler_version(*, windows: bool = WINDOWS) -> str:

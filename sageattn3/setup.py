@@ -24,6 +24,8 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -173,8 +175,18 @@ class CudaBuildExt(build_ext):
 
         # Longest first: the .cu files with the most templates dominate the wall time.
         sources = sorted(ext.sources, key=lambda s: (HERE / s).stat().st_size, reverse=True)
+        t0, done, lock = time.monotonic(), [], threading.Lock()
+
+        def compile_counted(src: str) -> str:
+            obj = compile_one(src)
+            with lock:  # one line per finished unit: the factory shows these as progress
+                done.append(src)
+                print(f"sageattn3: compiled {len(done)}/{len(sources)} {src} ({time.monotonic() - t0:.0f} s)", flush=True)
+            return obj
+
+        print(f"sageattn3: compiling {len(sources)} units, {max(1, jobs)} at a time", flush=True)
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            objects = list(pool.map(compile_one, sources))
+            objects = list(pool.map(compile_counted, sources))
 
         # setuptools names the module: _C.abi3.so on Linux, _C.pyd on Windows (abi3 or not).
         out = Path(self.get_ext_fullpath(ext.name)).resolve()

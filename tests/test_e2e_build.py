@@ -2,6 +2,7 @@
 auditwheel), verifies it with real pip from the index over HTTP in two Pythons, checks the
 ABI guard, and fails cleanly on bad input without writing to dist/wheels."""
 
+import functools
 import json
 import os
 import re
@@ -26,10 +27,34 @@ def factory(*args, env=None, timeout=3600):
                           env={**os.environ, **(env or {})}, timeout=timeout)
 
 
+HERE_PY = "%d.%d" % sys.version_info[:2]
+
+
+@functools.cache
+def second_python() -> tuple[str | None, str]:
+    """Another Python the wheel's verify torch (2.14.1) has builds for, found or provisioned the
+    way the factory does it (ci.toolchain.find_python); None and why when none can be had."""
+    from ci.toolchain import ToolchainError, find_python
+
+    problems = []
+    for v in ("3.12", "3.13", "3.10", "3.11"):
+        if v == HERE_PY:
+            continue
+        try:
+            find_python(v, log=lambda m: None)
+            return v, ""
+        except ToolchainError as e:
+            problems.append(str(e))
+    return None, problems[0] if problems else "no other version to try"
+
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     dist = tmp_path_factory.mktemp("e2e") / "dist"
-    proc = factory("build-wheels", "--verify-python", "3.11", "--verify-python", "3.12", "--dist", str(dist))
+    second, _ = second_python()
+    pythons = [HERE_PY] + ([second] if second else [])
+    proc = factory("build-wheels", *[a for py in pythons for a in ("--verify-python", py)], "--dist", str(dist))
     print(proc.stdout[-6000:], proc.stderr[-3000:])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return dist, proc.stdout
@@ -56,6 +81,13 @@ def test_default_target_is_built_repaired_tagged_and_recorded(built):
     # the summary table and the install command
     assert re.search(rf"{TARGET}\s+sageattn3-.*manylinux_2_34_x86_64\.whl\s+[\d.]+ MB(\s+[\d.]+s){{6}}\s+ok", out)
     assert "pip install --no-deps sageattn3 --index-url file://" in out and "/cu130/torch2.14/" in out
+    # a local build points users at the index it wrote (which, the ImportError), not a site
+    assert rec.index_url == (dist / "index").resolve().as_uri() + "/" and inside["index_url"] == rec.index_url
+    # progress while compiling (units n/m, elapsed), and where the full log is
+    units = re.findall(r"^\[build\] compiled (\d+)/(\d+) \S+ \(\d+ s\)$", out, re.M)
+    assert units and units[-1][0] == units[-1][1] and len(units) == int(units[-1][1]), out[-3000:]
+    log_path = dist / "raw" / f"{TARGET}.build.log"
+    assert f"full build log of {TARGET}: {log_path}" in out and "compiled 1/" in log_path.read_text()
 
 
 @needs_nvcc
@@ -77,8 +109,11 @@ def test_wheel_carries_real_kernels_for_both_archs(built, tmp_path):
 
 @needs_nvcc
 def test_verified_in_two_pythons_with_the_abi_guard(built):
+    second, why_not = second_python()
+    if not second:
+        pytest.skip(f"needs a second Python beside {HERE_PY} for the multi-Python verify: {why_not}")
     _, out = built
-    assert "on Python 3.11, 3.12; ABI guard: torch 2.13.0+cpu: ImportError as expected" in out
+    assert f"on Python {HERE_PY}, {second}; ABI guard: torch 2.13.0+cpu: ImportError as expected" in out
     assert "ABI guard with torch 2.13.0+cpu: sageattn3._guard.TorchMismatchError: sageattn3 0.1.0+cu130.torch2.10.stable" in out
 
 

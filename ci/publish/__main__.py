@@ -122,6 +122,16 @@ def _pypi(argv: list[str], out) -> int:
     return upload_index(opts, log=out)
 
 
+def _is_missing_token(e: PublishError) -> bool:
+    """Is ``e`` token_from_env's refusal (no token in the environment)? That is the caller's
+    to fix, like any bad input: exit status 2."""
+    try:
+        token_from_env(required=True)
+    except PublishError as missing:
+        return str(missing) == str(e)
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = argv.pop(0) if argv and argv[0] in ("github", "pages", "pypi") else "github"
@@ -143,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except PublishError as e:
         print(redact(f"publish {cmd}: {e}"), file=sys.stderr, flush=True)
-        return 1
+        return 2 if _is_missing_token(e) else 1
     except KeyboardInterrupt:
         print("interrupted: re-run the same command to resume", file=sys.stderr)
         return 130

@@ -417,9 +417,18 @@ def status(report: dict) -> dict:
             reasons[EXIT_ERROR].append(f"{name}: {sec['error']}")
     fit_ = report.get("fit") or {}
     build_ = report.get("build") or {}
+    env = report.get("environment") or {}
+    cpu_torch = "error" not in env and env.get("torch") and not env.get("torch_cuda")
     if fit_.get("torch_problems"):
-        reasons[EXIT_MISMATCH].extend(fit_["torch_problems"])
-    if build_.get("installed_wheel") and not build_.get("extension_loaded"):
+        if cpu_torch:  # one line says it all: no wheel of this project loads into a CPU-only torch
+            reasons[EXIT_MISMATCH].append(
+                f"torch {env.get('torch')} is a CPU-only build: sageattn3's kernels need a CUDA build of torch "
+                f"(this wheel: CUDA {((build_.get('record') or {}).get('cuda')) or '?'}); install one, then "
+                f"`python -m sageattn3 which`")
+        else:
+            reasons[EXIT_MISMATCH].extend(fit_["torch_problems"])
+    elif build_.get("installed_wheel") and not build_.get("extension_loaded"):
+        # (when the wheel does not fit, the refusal restates the problems above)
         reasons[EXIT_MISMATCH].append(f"the compiled extension did not load: {build_.get('extension_problem')}")
     fp4_devices = [d for d in report.get("devices", []) if d.get("fp4")]
     for d in report.get("devices", []):
@@ -433,8 +442,9 @@ def status(report: dict) -> dict:
         if acc is not None and not acc.get("ok"):
             bad = [c["case"] for c in acc.get("cases", []) if not c.get("ok")] or [acc.get("error", "?")]
             reasons[EXIT_WRONG].append(f"GPU {d['index']} ({d['name']}): accuracy out of bounds: {', '.join(bad)}")
-    env = report.get("environment") or {}
-    if not fp4_devices and "error" not in env:  # (a failed environment section says nothing of CUDA)
+    if not fp4_devices and "error" not in env and not reasons[EXIT_MISMATCH]:
+        # (a failed environment section says nothing of CUDA; a wheel that does not fit says why
+        # nothing runs, and `import sageattn3` refuses it: no SDPA path to speak of)
         if not env.get("cuda_available"):
             why = (f"torch {env.get('torch')} is a CPU-only build" if not env.get("torch_cuda")
                    else f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}) sees no CUDA GPU")
@@ -521,19 +531,28 @@ def format_report(r: dict) -> str:
         out.append(f"  patches: {', '.join(rec.get('patches') or []) or 'none'}")
         if b.get("mma_model") or extra.get("mma_model"):
             out.append("  MMA-model TEST FLAVOUR (the FP4 MMA is a software model)")
-    if b.get("installed_wheel") or "extension_problem" in b:
-        out.append(f"  compiled extension: {'loaded' if b.get('extension_loaded') else b.get('extension_problem')}")
     f = r.get("fit") or {}
+    if b.get("installed_wheel") or "extension_problem" in b:
+        not_fit = b.get("installed_wheel") and f.get("torch_problems")
+        out.append("  compiled extension: " + ("loaded" if b.get("extension_loaded") else
+                                               "not loaded: the wheel does not fit this torch (below)" if not_fit
+                                               else str(b.get("extension_problem"))))
     if "error" in f:
         out.append(f"  fit check error: {f['error']}")
     elif b.get("installed_wheel"):
         if f.get("ok"):
             out.append("  fits this torch and these GPUs")
-        for p in f.get("torch_problems", []):
-            out.append(f"  DOES NOT FIT: {p}")
         w = f.get("which") or {}
-        if not f.get("ok") and w:
+        if f.get("torch_problems") and "error" not in env and not env.get("torch_cuda") and w.get("reason"):
+            # a CPU-only torch: one line (what `which` says: no wheel serves it, install a CUDA torch)
+            out.append(f"  DOES NOT FIT: {w['reason']} ({w.get('url')})")
+        elif not f.get("ok") and w:
+            for p in f.get("torch_problems", []):
+                out.append(f"  DOES NOT FIT: {p}")
             out.append(f"  the wheel for this torch: {w.get('command') or w.get('url')}\n    ({w.get('reason')})")
+        else:
+            for p in f.get("torch_problems", []):
+                out.append(f"  DOES NOT FIT: {p}")
     if not r.get("devices") and "error" not in env:
         out.append("\nFP4 checks: not run (self-check, accuracy, speed): no CUDA GPU visible")
     for d in r.get("devices", []):

@@ -86,7 +86,13 @@ def test_refused_torch_still_gets_a_report(tmp_path):
     assert "must not be reached" not in res.stdout + res.stderr
     assert any("CPU-only build" in p for p in r["fit"]["torch_problems"])
     assert r["fit"]["which"]["url"] == "https://owner.github.io/sa3/" and r["fit"]["which"]["page"] is None
-    assert r["status"]["code"] == 4 and r["status"]["also"]  # FP4 unavailable too
+    # one line for it, in the result and in the report: no "uses torch SDPA" (the import refuses)
+    (reason,) = r["status"]["reasons"]
+    assert r["status"]["code"] == 4 and not r["status"]["also"], r["status"]
+    assert reason.startswith("torch ") and "is a CPU-only build" in reason and "python -m sageattn3 which" in reason
+    text = run_main(["--quick"], site, tmp_path).stdout
+    assert text.count("CPU-only build") == 2 and "SDPA" not in text and "TorchMismatchError" not in text, text
+    assert "compiled extension: not loaded: the wheel does not fit this torch (below)" in text
     # a plain import still raises: only the diagnosis tolerates the refusal
     imp = subprocess.run([sys.executable, "-c", "import sageattn3"], cwd=tmp_path, capture_output=True, text=True,
                          env={"PYTHONPATH": str(site), "PATH": ""})
