@@ -31,11 +31,17 @@ def _toml_copy(tmp_path: Path, edit) -> Path:
     return path
 
 
-def _rehearsal(tmp_path: Path, config: Path | None) -> JobRehearsal:
+@pytest.fixture(scope="module")
+def pythons(tmp_path_factory) -> Path:
+    """Where the venvs standing in for the image's /opt/python/* live (made once per module)."""
+    return tmp_path_factory.mktemp("pythons")
+
+
+def _rehearsal(tmp_path: Path, config: Path | None, pythons: Path) -> JobRehearsal:
     env = job_environ(TARGET, pytorch_index="http://127.0.0.1:9/whl", cache=tmp_path / "cache",
                       log_dir=tmp_path / "logs")
     job = resolve(TARGET, env, config_file=config)
-    return JobRehearsal(job, HostLayout(venv_root=tmp_path / "pythons"), tmp_path / "work",
+    return JobRehearsal(job, HostLayout(venv_root=pythons), tmp_path / "work",
                         overlay={"SAGEATTN3_DIST": str(tmp_path / "dist")})
 
 
@@ -52,8 +58,8 @@ def _tiny_wheel(folder: Path) -> Path:
     return wheel
 
 
-def test_the_real_toml_resolves_to_its_hooks_with_container_paths_made_local(tmp_path):
-    r = _rehearsal(tmp_path, None)
+def test_the_real_toml_resolves_to_its_hooks_with_container_paths_made_local(tmp_path, pythons):
+    r = _rehearsal(tmp_path, None, pythons)
     assert r.job.identifier == cibw.identifier(TARGET) == "cp310-manylinux_x86_64"
     before = r.job.command("before_all", project="/P", package="/P/ci/cibw_project")
     assert before == ("$SAGEATTN3_FACTORY_PYTHON -m pip install -r /P/ci/requirements.txt && "
@@ -64,8 +70,8 @@ def test_the_real_toml_resolves_to_its_hooks_with_container_paths_made_local(tmp
     build = r._env(r._python_bin())
     # the toml's environment, its /host and /opt/python paths made this machine's
     assert build["SAGEATTN3_CACHE"] == str(tmp_path / "cache") and build["SAGEATTN3_LOG_DIR"] == str(tmp_path / "logs")
-    assert build["SAGEATTN3_FACTORY_PYTHON"] == str(tmp_path / "pythons" / "cp312-cp312" / "bin" / "python")
-    assert build["PATH"].startswith(str(tmp_path / "pythons" / "cp310-cp310" / "bin") + ":")
+    assert build["SAGEATTN3_FACTORY_PYTHON"] == str(pythons / "cp312-cp312" / "bin" / "python")
+    assert build["PATH"].startswith(str(pythons / "cp310-cp310" / "bin") + ":")
     assert build["SCCACHE_CACHE_SIZE"] == "2G" and build["SAGEATTN3_TARGET"] == TARGET.id
     # environment-pass carries only what it names: the job's SAGEATTN3_CUDA and CIBW_BUILD stay outside
     assert "SAGEATTN3_CUDA" not in build and "CIBW_BUILD" not in build
@@ -74,7 +80,7 @@ def test_the_real_toml_resolves_to_its_hooks_with_container_paths_made_local(tmp
     assert test["PIP_NO_DEPS"] == "1" and test["VIRTUAL_ENV"] == str(tmp_path / "venv")
 
 
-def test_a_test_environment_variable_added_to_a_copy_of_the_toml_reaches_the_test_hook(tmp_path):
+def test_a_test_environment_variable_added_to_a_copy_of_the_toml_reaches_the_test_hook(tmp_path, pythons):
     out = tmp_path / "test-hook.json"
 
     def edit(text: str) -> str:
@@ -84,7 +90,7 @@ def test_a_test_environment_variable_added_to_a_copy_of_the_toml_reaches_the_tes
                       lambda m: m.group(1) + f"\ntest-command = {json.dumps(f'python -c {json.dumps(DUMP)} {out}')}",
                       text, count=1)
 
-    r = _rehearsal(tmp_path, _toml_copy(tmp_path, edit))
+    r = _rehearsal(tmp_path, _toml_copy(tmp_path, edit), pythons)
     run = r.test(_tiny_wheel(tmp_path / "wheels"))
     assert run is not None and run.name == "test"
     got = json.loads(out.read_text())
@@ -98,7 +104,7 @@ def test_a_test_environment_variable_added_to_a_copy_of_the_toml_reaches_the_tes
     assert (site[0] / "packaging").is_dir()  # the toml's test-requires
 
 
-def test_before_all_and_environment_pass_follow_the_toml_copy(tmp_path):
+def test_before_all_and_environment_pass_follow_the_toml_copy(tmp_path, pythons):
     out = tmp_path / "before-all.json"
 
     def edit(text: str) -> str:
@@ -108,20 +114,20 @@ def test_before_all_and_environment_pass_follow_the_toml_copy(tmp_path):
                       lambda m: f"\nbefore-all = {json.dumps(f'$SAGEATTN3_FACTORY_PYTHON -c {json.dumps(DUMP)} {out}')}",
                       text, count=1)
 
-    r = _rehearsal(tmp_path, _toml_copy(tmp_path, edit))
+    r = _rehearsal(tmp_path, _toml_copy(tmp_path, edit), pythons)
     r.before_all(log=lambda m: None)
     got = json.loads(out.read_text())
     assert "SAGEATTN3_PYTORCH_INDEX" not in got  # no longer passed into the "container"
     assert got["SAGEATTN3_TARGET"] == TARGET.id and got["SAGEATTN3_CACHE"] == str(tmp_path / "cache")
-    assert got["PYTHON"] == str(tmp_path / "pythons" / "cp312-cp312" / "bin" / "python")
+    assert got["PYTHON"] == str(pythons / "cp312-cp312" / "bin" / "python")
     assert got["PIP_DISABLE_PIP_VERSION_CHECK"] == "1" and got["CIBUILDWHEEL"] == "1"
     assert r.timings()["before-all"] > 0
 
 
-def test_a_toml_that_selects_another_build_is_refused_by_name(tmp_path):
+def test_a_toml_that_selects_another_build_is_refused_by_name(tmp_path, pythons):
     config = _toml_copy(tmp_path, lambda t: t.replace('skip = ["*t-*"', 'skip = ["cp310-*", "*t-*"'))
     with pytest.raises(RehearsalError, match=r"cibuildwheel selects \[\] with cibuildwheel.toml.*cp310-manylinux_x86_64"):
-        _rehearsal(tmp_path, config)
+        _rehearsal(tmp_path, config, pythons)
 
 
 def test_the_release_module_holds_no_second_copy_of_cibuildwheel():
