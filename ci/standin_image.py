@@ -47,6 +47,9 @@ HOST_PACKAGES = {"podman": "podman", "runc": "runc", "debootstrap": "debootstrap
 PYTHONS = ("3.9", "3.10", "3.12")
 FALLBACK_MIRROR = "http://deb.debian.org/debian"
 EXTRA_CA_DIR = Path("/usr/local/share/ca-certificates")
+# Bump when build_image's steps change: the image's tag is a hash of this, the suite, the
+# packages and the Pythons, so a cached image is reused only while it is what would be built.
+RECIPE = "1"
 
 
 class StandinImageError(RuntimeError):
@@ -110,9 +113,9 @@ def host_pythons(versions: tuple[str, ...] = PYTHONS) -> dict[str, Path]:
 
 
 def image_name(pythons: dict[str, Path] | None = None) -> str:
-    """The image's name: the repository plus a hash of this recipe and of the Pythons it copies."""
+    """The image's name: the repository plus a hash of the recipe and of the Pythons it copies."""
     pythons = pythons if pythons is not None else host_pythons()
-    h = hashlib.sha256(Path(__file__).read_bytes())
+    h = hashlib.sha256(f"{RECIPE}\n{SUITE}\n{' '.join(DEBIAN_PACKAGES)}\n".encode())
     for v, prefix in sorted(pythons.items()):
         h.update(f"{v}={prefix}\n".encode())
     return f"{IMAGE_REPO}:{h.hexdigest()[:12]}"
