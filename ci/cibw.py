@@ -633,7 +633,7 @@ def verify_probe(wheel: Path, target: Target, pythons: list[str], python_exe: st
         if proc.returncode != 0:
             raise CibwError(f"pip could not install {wheel.name}:\n{proc.stdout[-1500:]}{proc.stderr[-1500:]}")
         check = ("import sageattn3_cibw_probe as p, packaging, importlib.metadata as md; "
-                 "assert p.add(2, 3) == 5 and p.has_env("PATH"); print(md.version('packaging'))")
+                 "assert p.add(2, 3) == 5 and p.has_env('PATH'); print(md.version('packaging'))")
         res = subprocess.run([vpy, "-c", check], capture_output=True, text=True)
         if res.returncode != 0:
             raise CibwError(f"{wheel.name} did not work in Python {version}:\n{res.stderr[-1500:]}")
