@@ -11,7 +11,8 @@ from Debian's packages and this machine's own Pythons, and imports it into podma
        ``/opt/python/cpXY-cpXY`` (cibuildwheel runs ``/opt/python/<id>/bin/python`` and checks
        that ``which python``/``which pip`` resolve there); ``/opt/python/cp39-cp39`` is also
        cibuildwheel's helper interpreter for before-all;
-    4. ``/etc/pip.conf`` pointing pip at the system CA bundle;
+    4. ``/etc/pip.conf`` and the image's REQUESTS_CA_BUNDLE / SSL_CERT_FILE pointing pip and
+       Python's ssl at the system CA bundle (the factory's own pip calls skip pip.conf);
     5. ``tar | podman import`` as ``localhost/sageattn3-manylinux-standin:<recipe hash>``; the
        tag changes whenever the recipe (this file) or the Pythons change, so a cached image is
        reused only while it is what this file would build.
@@ -47,9 +48,13 @@ HOST_PACKAGES = {"podman": "podman", "runc": "runc", "debootstrap": "debootstrap
 PYTHONS = ("3.9", "3.10", "3.12")
 FALLBACK_MIRROR = "http://deb.debian.org/debian"
 EXTRA_CA_DIR = Path("/usr/local/share/ca-certificates")
+# The image's environment: pip (and Python's ssl) trust the system bundle, which holds this
+# machine's extra CAs; the factory's own pip calls ignore pip's configuration files.
+CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+IMAGE_ENV = {"REQUESTS_CA_BUNDLE": CA_BUNDLE, "SSL_CERT_FILE": CA_BUNDLE}
 # Bump when build_image's steps change: the image's tag is a hash of this, the suite, the
 # packages and the Pythons, so a cached image is reused only while it is what would be built.
-RECIPE = "1"
+RECIPE = "2"
 
 
 class StandinImageError(RuntimeError):
@@ -172,7 +177,9 @@ def build_image(log=print, *, workdir: Path | None = None) -> str:
                 (bindir / "pip").symlink_to(f"pip{v}")
         log(f"[image] podman import {name}")
         tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
-        imp = subprocess.run(["podman", "import", "-", name], stdin=tar.stdout, capture_output=True, text=True)
+        changes = [a for k, v in IMAGE_ENV.items() for a in ("--change", f"ENV {k}={v}")]
+        imp = subprocess.run(["podman", "import", *changes, "-", name], stdin=tar.stdout, capture_output=True,
+                             text=True)
         tar.stdout.close()
         if tar.wait() != 0 or imp.returncode != 0:
             raise StandinImageError(f"podman import {name} failed: {imp.stderr.strip()[-2000:]}")
