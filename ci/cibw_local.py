@@ -161,9 +161,12 @@ def job_environment(target_id: str, *, image: str, pytorch_index: str, cache_hos
 
 
 def run_cibuildwheel(target_id: str, output_dir: Path, *, payload_dir: Path | None = None,
-                     pytorch_index: str | None = None, jobs: int | None = None, log=print) -> LocalRun:
+                     pytorch_index: str | None = None, jobs: int | None = None, cache: Path | None = None,
+                     log=print) -> LocalRun:
     """Real cibuildwheel for ``target_id`` in the stand-in image; its output into
-    ``output_dir/cibuildwheel.log``. Raises when it fails (with the log's last lines)."""
+    ``output_dir/cibuildwheel.log``. ``cache``: the runner's cache folder the container reaches
+    through /host (SAGEATTN3_CACHE_HOST; default the factory's cache). Raises when it fails
+    (with the log's last lines)."""
     from ci.release import pytorch_index_standin
     from ci.standin_image import build_image
     from ci.toolchain import cache_root
@@ -175,8 +178,8 @@ def run_cibuildwheel(target_id: str, output_dir: Path, *, payload_dir: Path | No
     shutil.rmtree(wheelhouse, ignore_errors=True)
     logs = output_dir / "build-logs"
     logs.mkdir(exist_ok=True)
-    cache = cache_root()
-    (cache / "sccache").mkdir(exist_ok=True)
+    cache = Path(cache).resolve() if cache else cache_root()
+    (cache / "sccache").mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "cibuildwheel", "--config-file", "ci/cibuildwheel.toml", "--output-dir",
            str(wheelhouse), "ci/cibw_project"]
     foreign_dir = stock_standin(target_id, log=log) if payload_dir is None else "cpu"
@@ -216,10 +219,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="sageattn3/ (default) or the small probe extension (tests/cibw_probe)")
     ap.add_argument("--output-dir", type=Path, default=REPO / "dist" / "cibuildwheel")
     ap.add_argument("--jobs", type=int, help="MAX_JOBS, the parallel compiles (default: what memory holds)")
+    ap.add_argument("--cache", type=Path, help="the runner's cache folder (default: the factory's cache; a "
+                                                "private one keeps other builds on this machine out of the way)")
     a = ap.parse_args(argv)
     payload = REPO / "tests" / "cibw_probe" if a.payload == "probe" else None
     try:
-        run = run_cibuildwheel(a.target, a.output_dir / a.target, payload_dir=payload, jobs=a.jobs)
+        run = run_cibuildwheel(a.target, a.output_dir / a.target, payload_dir=payload, jobs=a.jobs, cache=a.cache)
     except Exception as e:  # noqa: BLE001 - one line, then non-zero
         print(f"cibuildwheel ({a.target}): {type(e).__name__}: {e}", file=sys.stderr)
         return 1
