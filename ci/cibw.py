@@ -669,12 +669,6 @@ class JobPlan:
         return "\n".join(lines)
 
 
-def _cibw_config() -> dict:
-    import tomllib
-
-    return tomllib.loads(CONFIG_FILE.read_text())["tool"]["cibuildwheel"]
-
-
 _BUILD_COMMANDS = None
 
 
@@ -721,11 +715,12 @@ def plan_job(target: Target, matrix: Matrix, *, pytorch_index: str = PYTORCH_IND
     of each step, with cibuildwheel's placeholders filled in as it fills them."""
     from ci.targets import GHA_RUNNERS
 
-    cfg = _cibw_config()
-    plat = cfg.get(target.os.platform, {})
+    from ci.cibw_rehearsal import resolve
+
     ident = identifier(target)
     env = job_env(target, jobs=jobs)
     env["SAGEATTN3_PYTORCH_INDEX"] = pytorch_index
+    resolved = resolve(target, env)  # the pinned cibuildwheel's reading of ci/cibuildwheel.toml
     src = torch_source(target, pytorch_index)
     foreign = foreign_torch_source(target, matrix, target.python, pytorch_index)
     wheel = f"{{wheelhouse}}/{matrix.name}-<version>+{target.variant.label}-{target.python_tag}-abi3-<platform>.whl"
@@ -741,9 +736,9 @@ def plan_job(target: Target, matrix: Matrix, *, pytorch_index: str = PYTORCH_IND
         steps.append(("msvc", ("python", "-m", "ci.cibw", "msvc-env")))
     steps.append(("torch", ("pip", "install", *src.pip_args())))
     steps.append(("build", ("pip", "wheel", "--no-build-isolation", "ci/cibw_project", "->", "ci/cibw.py", "build")))
-    for key, name in (("repair-wheel-command", "repair"), ("test-command", "verify")):
-        cmd = plat.get(key) or cfg.get(key)
-        steps.append((name, tuple(cmd.replace("{wheel}", wheel).replace("{dest_dir}", "{dest_dir}").split())))
+    for key, name in (("repair_command", "repair"), ("test_command", "verify")):
+        cmd = resolved.command(key, project="{project}", package="{package}", wheel=wheel, dest_dir="{dest_dir}")
+        steps.append((name, tuple((cmd or "").split())))
     steps.append(("guard", ("pip", "install", *foreign.pip_args())))
     steps.append(("collect", ("python", "-m", "ci.cibw", "collect", "--wheelhouse", "wheelhouse", "--out", "artifact")))
     return JobPlan(target, GHA_RUNNERS[target.os.key], ident, env, src, foreign, target.python,
