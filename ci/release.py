@@ -21,7 +21,8 @@ updated in one commit after that, so a user never sees a half-updated release or
 
 ``python -m ci.release dry-run`` (``nox -s release -- --dry-run``) runs the same steps for the
 targets this machine can build, each job's cibuildwheel hooks as the pinned cibuildwheel
-resolves them from ci/cibuildwheel.toml (ci/cibw_rehearsal.py), and publishes to a local server speaking GitHub's REST contract (tests/fake_github.py).
+resolves them from ci/cibuildwheel.toml (ci/cibw_rehearsal.py), and publishes to a local
+server speaking GitHub's REST contract (tests/fake_github.py).
 """
 
 from __future__ import annotations
@@ -796,8 +797,8 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
     also those this machine cannot build) -> for every target whose torch the stand-in serves
     and that is not built here, its build torch and its guard's torch resolved by real pip in
     its floor Python against the stand-in, while each target that can run here goes through the
-    release job's cibuildwheel hooks, as the pinned cibuildwheel resolves them, with a local stand-in for
-    PyTorch's index serving PyPI's torch wheels under the target's index path -> gather ->
+    release job's cibuildwheel hooks, as the pinned cibuildwheel resolves them, with a local
+    stand-in for PyTorch's index serving PyPI's torch wheels under the target's index path -> gather ->
     publish to a local GitHub-REST server -> index + Pages branch -> summary. ``only``: the
     target ids to run (default: every one that can run here); ``plan_only``: stop after the
     checks; ``compile_gate=False`` skips compiling each torch line's unit against its torch
