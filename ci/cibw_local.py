@@ -28,6 +28,7 @@ one-file C extension, so the same hooks run in minutes, without CUDA or torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
@@ -183,7 +184,7 @@ def run_cibuildwheel(target_id: str, output_dir: Path, *, payload_dir: Path | No
     cmd = [sys.executable, "-m", "cibuildwheel", "--config-file", "ci/cibuildwheel.toml", "--output-dir",
            str(wheelhouse), "ci/cibw_project"]
     foreign_dir = stock_standin(target_id, log=log) if payload_dir is None else "cpu"
-    with pytorch_index_standin() if pytorch_index is None else _given(pytorch_index) as index:
+    with pytorch_index_standin() if pytorch_index is None else contextlib.nullcontext(pytorch_index) as index:
         env = job_environment(target_id, image=image, pytorch_index=index, cache_host=cache, log_dir=logs,
                               foreign_dir=foreign_dir, payload_dir=payload_dir, jobs=jobs)
         run = LocalRun(target_id, cmd, env, output_dir, output_dir / "cibuildwheel.log")
@@ -199,17 +200,6 @@ def run_cibuildwheel(target_id: str, output_dir: Path, *, payload_dir: Path | No
         raise LocalCibwError(f"cibuildwheel exited {proc.returncode} after {run.seconds:.0f}s ({run.log}):\n{tail}")
     log(f"[cibuildwheel] {target_id}: {', '.join(w.name for w in run.wheels)} in {run.seconds:.0f}s")
     return run
-
-
-class _given:
-    def __init__(self, url: str):
-        self.url = url
-
-    def __enter__(self) -> str:
-        return self.url
-
-    def __exit__(self, *exc) -> None:
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:
