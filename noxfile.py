@@ -155,6 +155,16 @@ def release(session: nox.Session) -> None:
     session.run("python", "-m", "ci.release", *(session.posargs or ["--help"]))
 
 
+@nox.session
+def cibuildwheel(session: nox.Session) -> None:
+    """The pinned cibuildwheel, for real, with ci/cibuildwheel.toml on a Linux target: podman
+    (Debian's; installed when missing, as root) and a manylinux stand-in image built here
+    (ci/standin_image.py). `-- --target ID` (default: the host's stable-ABI target),
+    `-- --payload probe` (a one-file extension through the same hooks, in minutes)."""
+    _factory(session)
+    session.run("python", "-m", "ci.cibw_local", *session.posargs)
+
+
 def _has_gpu() -> bool:
     import shutil
     import subprocess

@@ -225,6 +225,9 @@ def install_cuda(target: Target, github_env: Path | None = None, log=print) -> N
     from ci.toolchain import find_cuda
 
     cmds = cuda_commands(target)
+    if probe_dir() is not None:
+        log(f"[cuda] probe payload: no toolkit installed (the payload's job runs {cmds or 'the PyPI provisioning'})")
+        return
     if target.os.platform == "windows" and cmds:
         full = WINDOWS_CUDA_RELEASES[target.cuda]
         with tempfile.TemporaryDirectory() as tmp:
@@ -309,6 +312,8 @@ def build_into(wheel_dir: Path, log=print) -> Path:
 
     _container_pythons()
     matrix, target = load_target()
+    if probe_dir() is not None:
+        return build_probe(target, wheel_dir, log=log)
     jobs = int(os.environ.get("MAX_JOBS") or nvcc_jobs())
     log(f"[build] {target.id}: {jobs} parallel compiles; torch {torch_source(target).describe()}")
     started = time.time()
@@ -480,6 +485,11 @@ def repair_into(wheel: Path, dest_dir: Path, log=print) -> Path:
 
     _, target = load_target()
     repaired = repair(wheel, _dist() / "repaired" / target.id, target.os.platform, log=log)
+    if probe_dir() is not None:  # no build record to tag by
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(repaired, dest_dir / repaired.name)
+        log(f"[repair] probe payload: {repaired.name}")
+        return dest_dir / repaired.name
     rec = tag(repaired, target, dest_dir)
     log(f"[repair] {rec.wheel} sha256 {rec.sha256}")
     return dest_dir / rec.wheel
@@ -531,6 +541,8 @@ def verify_wheel(wheel: Path, pythons: list[str] | None = None, python_exe: str 
     _container_pythons()
     matrix, target = load_target()
     pythons = _verify_pythons(target, pythons)
+    if probe_dir() is not None:
+        return verify_probe(wheel, target, pythons, python_exe, log=log)
     if python_exe:
         version, base = use_python(python_exe)
         if version not in pythons:
@@ -567,6 +579,70 @@ def collect(wheelhouse: Path, out: Path, target_id: str | None = None, log=print
     return [out / rec.wheel]
 
 
+# -- the probe payload -----------------------------------------------------------------------
+# `nox -s cibuildwheel -- --payload probe` (and tests/test_cibw_local.py) run real cibuildwheel
+# with ci/cibuildwheel.toml's hooks on a one-file C extension instead of sageattn3/: the same
+# hook commands, container, environment and stages, in minutes. $SAGEATTN3_CIBW_PROBE names the
+# probe project, relative to the project root; cibuildwheel passes it into its container.
+PROBE_ENV = "SAGEATTN3_CIBW_PROBE"
+
+
+def probe_dir() -> Path | None:
+    rel = os.environ.get(PROBE_ENV)
+    if not rel:
+        return None
+    path = (REPO / rel).resolve()
+    if not (path / "pyproject.toml").is_file():
+        raise CibwError(f"${PROBE_ENV}={rel}: no pyproject.toml at {path}")
+    return path
+
+
+def build_probe(target: Target, wheel_dir: Path, log=print) -> Path:
+    """The build stage on the probe: ``pip wheel`` with the Python cibuildwheel builds with
+    (the shim's), abi3 for the target's floor."""
+    from ci.toolchain import find_python
+
+    here = os.environ.get("SAGEATTN3_BUILD_PYTHON") or target.python
+    python = find_python(here)
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    before = set(wheel_dir.glob("*.whl"))
+    cmd = [str(python), "-m", "pip", "wheel", "--no-deps", "-w", str(wheel_dir), str(probe_dir())]
+    log(f"[build] probe payload, Python {here}: {' '.join(cmd)}")
+    subprocess.run(cmd, check=True, env={**os.environ, "SAGEATTN3_PROBE_LIMITED_API": target.python_tag})
+    new = sorted(set(wheel_dir.glob("*.whl")) - before)
+    if len(new) != 1 or f"-{target.python_tag}-abi3-" not in new[0].name:
+        raise CibwError(f"the probe's build left {[w.name for w in new]}, expected one {target.python_tag}-abi3 wheel")
+    return new[0]
+
+
+def verify_probe(wheel: Path, target: Target, pythons: list[str], python_exe: str | None, log=print) -> str:
+    """The verify stage on the probe: the test Python must be the target's floor, as for the
+    payload; a fresh venv of it gets the wheel with its dependency, and the extension runs."""
+    from ci.verify import _isolated_pip_env
+
+    if not python_exe:
+        raise CibwError("the probe's verify needs --python-exe (cibuildwheel's test Python)")
+    version, base = use_python(python_exe)
+    if version not in pythons:
+        raise CibwError(f"--python-exe {python_exe} is Python {version}, {target.id} verifies in {', '.join(pythons)}")
+    with tempfile.TemporaryDirectory(prefix="sageattn3-probe-verify-") as tmp:
+        subprocess.run([base, "-m", "venv", f"{tmp}/venv"], check=True)
+        vpy = f"{tmp}/venv/bin/python"
+        proc = subprocess.run([vpy, "-m", "pip", "install", "--no-cache-dir", str(wheel)], capture_output=True,
+                              text=True, env=_isolated_pip_env())
+        if proc.returncode != 0:
+            raise CibwError(f"pip could not install {wheel.name}:\n{proc.stdout[-1500:]}{proc.stderr[-1500:]}")
+        check = ("import sageattn3_cibw_probe as p, packaging, importlib.metadata as md; "
+                 "assert p.add(2, 3) == 5 and p.has_env('PATH'); print(md.version('packaging'))")
+        res = subprocess.run([vpy, "-c", check], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise CibwError(f"{wheel.name} did not work in Python {version}:\n{res.stderr[-1500:]}")
+    log(f"[verify] probe payload {wheel.name}: Python {version} ({base}); add(2, 3) == 5; "
+        f"its dependency packaging {res.stdout.strip()} installed; the hook's pip variables: "
+        + " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("PIP_")))
+    return wheel.name
+
+
 # -- a job, resolved without running it ------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -591,12 +667,6 @@ class JobPlan:
                  f"  python  build + verify {self.verify_python}; Requires-Python {self.requires_python}"]
         lines += [f"  {name:<8}{' '.join(argv)}" for name, argv in self.steps]
         return "\n".join(lines)
-
-
-def _cibw_config() -> dict:
-    import tomllib
-
-    return tomllib.loads(CONFIG_FILE.read_text())["tool"]["cibuildwheel"]
 
 
 _BUILD_COMMANDS = None
@@ -645,11 +715,12 @@ def plan_job(target: Target, matrix: Matrix, *, pytorch_index: str = PYTORCH_IND
     of each step, with cibuildwheel's placeholders filled in as it fills them."""
     from ci.targets import GHA_RUNNERS
 
-    cfg = _cibw_config()
-    plat = cfg.get(target.os.platform, {})
+    from ci.cibw_rehearsal import resolve
+
     ident = identifier(target)
     env = job_env(target, jobs=jobs)
     env["SAGEATTN3_PYTORCH_INDEX"] = pytorch_index
+    resolved = resolve(target, env)  # the pinned cibuildwheel's reading of ci/cibuildwheel.toml
     src = torch_source(target, pytorch_index)
     foreign = foreign_torch_source(target, matrix, target.python, pytorch_index)
     wheel = f"{{wheelhouse}}/{matrix.name}-<version>+{target.variant.label}-{target.python_tag}-abi3-<platform>.whl"
@@ -665,9 +736,9 @@ def plan_job(target: Target, matrix: Matrix, *, pytorch_index: str = PYTORCH_IND
         steps.append(("msvc", ("python", "-m", "ci.cibw", "msvc-env")))
     steps.append(("torch", ("pip", "install", *src.pip_args())))
     steps.append(("build", ("pip", "wheel", "--no-build-isolation", "ci/cibw_project", "->", "ci/cibw.py", "build")))
-    for key, name in (("repair-wheel-command", "repair"), ("test-command", "verify")):
-        cmd = plat.get(key) or cfg.get(key)
-        steps.append((name, tuple(cmd.replace("{wheel}", wheel).replace("{dest_dir}", "{dest_dir}").split())))
+    for key, name in (("repair_command", "repair"), ("test_command", "verify")):
+        cmd = resolved.command(key, project="{project}", package="{package}", wheel=wheel, dest_dir="{dest_dir}")
+        steps.append((name, tuple((cmd or "").split())))
     steps.append(("guard", ("pip", "install", *foreign.pip_args())))
     steps.append(("collect", ("python", "-m", "ci.cibw", "collect", "--wheelhouse", "wheelhouse", "--out", "artifact")))
     return JobPlan(target, GHA_RUNNERS[target.os.key], ident, env, src, foreign, target.python,

@@ -20,8 +20,9 @@ The Release is uploaded as a draft and published only once complete, and the ind
 updated in one commit after that, so a user never sees a half-updated release or index.
 
 ``python -m ci.release dry-run`` (``nox -s release -- --dry-run``) runs the same steps for the
-targets this machine can build, with the cibuildwheel hooks called in cibuildwheel's order,
-and publishes to a local server speaking GitHub's REST contract (tests/fake_github.py).
+targets this machine can build, each job's cibuildwheel hooks as the pinned cibuildwheel
+resolves them from ci/cibuildwheel.toml (ci/cibw_rehearsal.py), and publishes to a local
+server speaking GitHub's REST contract (tests/fake_github.py).
 """
 
 from __future__ import annotations
@@ -643,68 +644,37 @@ def _load_fake_github():
     return mod.FakeGitHub
 
 
-def _run_hook(name: str, cmd: list[str], env: dict[str, str], logs: Path, log=print) -> float:
-    """One cibuildwheel step as a process of its own (as cibuildwheel runs it); its output goes
-    to ``logs/<name>.log``; a failure raises with the last lines."""
-    logs.mkdir(parents=True, exist_ok=True)
-    log(f"[{name}] {' '.join(cmd)}")
-    t0 = time.monotonic()
-    with open(logs / f"{name}.log", "w", encoding="utf-8") as out:
-        proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
-    took = time.monotonic() - t0
-    if proc.returncode != 0:
-        tail = "\n".join((logs / f"{name}.log").read_text(errors="replace").splitlines()[-30:])
-        raise ReleaseError(f"{name} exited {proc.returncode} after {took:.0f}s ({logs / (name + '.log')}):\n{tail}")
-    return took
+def rehearse_target(target_id: str, dist: Path, artifacts: Path, *, pytorch_index: str,
+                    foreign_dir: str = "cpu", verify_pythons: list[str] | None = None,
+                    config_file: Path | None = None, log=print) -> dict[str, float]:
+    """One release build job here: its cibuildwheel hooks as the pinned cibuildwheel resolves
+    them from ``config_file`` (default ci/cibuildwheel.toml) and the job's environment, with
+    ``pytorch_index`` in place of PyTorch's (ci.cibw_rehearsal says what differs from the job),
+    then build-target.yml's collect step into the artifact directory ``wheel-<id>``. No
+    container: the Linux wheel gets this machine's glibc tag. Returns each step's seconds."""
+    from ci.cibw_rehearsal import RehearsalError, rehearse_job
 
-
-def build_target_like_cibuildwheel(target_id: str, dist: Path, artifacts: Path, *, pytorch_index: str,
-                                   foreign_dir: str = "cpu", verify_pythons: list[str] | None = None,
-                                   log=print) -> dict[str, float]:
-    """What one release build job runs, step by step, in cibuildwheel's order and each as its own
-    process with the job's environment (``python -m ci.cibw env``) and ``pytorch_index`` in
-    place of PyTorch's: the target's oldest Python runs ``pip wheel`` on the shim project
-    (-> ``ci/cibw.py build``), then ``ci/cibw.py repair``, ``ci/cibw.py verify``, and
-    ``python -m ci.cibw collect`` into the artifact directory ``wheel-<id>``. No container: the
-    Linux wheel gets this machine's glibc tag."""
-    from ci import cibw
-    from ci.toolchain import find_python
-
-    matrix = Matrix.load()
-    target = matrix.target(target_id)
-    work = dist / "cibw" / target_id
-    shutil.rmtree(work, ignore_errors=True)
-    env = _isolated_pip_env()
-    env.update(cibw.job_env(target))
-    env.update(SAGEATTN3_PYTORCH_INDEX=pytorch_index, SAGEATTN3_FOREIGN_TORCH_DIR=foreign_dir,
-               SAGEATTN3_DIST=str(dist), SAGEATTN3_FACTORY_PYTHON=sys.executable,
-               # a developer machine keeps its caches: no cleanup between the steps
-               SAGEATTN3_CI_CLEANUP="0")
-    if verify_pythons:
-        env["SAGEATTN3_VERIFY_PYTHONS"] = " ".join(verify_pythons)
-    floor = find_python(target.python)
-    logs = work / "logs"
-    factory = [sys.executable, str(cibw.REPO / "ci" / "cibw.py")]
-    # -v: cibuildwheel's build-verbosity 1, so the factory's own lines reach the step's log
-    times = {"build": _run_hook("build", [str(floor), "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps",
-                                          "-w", str(work / "built"), str(cibw.PACKAGE_DIR)], env, logs, log)}
-    built = sorted((work / "built").glob("*.whl"))
-    if len(built) != 1:
-        raise ReleaseError(f"{target_id}: the build step left {[w.name for w in built]}, expected one wheel")
-    times["repair+tag"] = _run_hook("repair", [*factory, "repair", "--wheel", str(built[0]), "--dest-dir",
-                                               str(work / "repaired")], env, logs, log)
-    repaired = sorted((work / "repaired").glob("*.whl"))
-    if len(repaired) != 1:
-        raise ReleaseError(f"{target_id}: the repair step left {[w.name for w in repaired]}, expected one wheel")
-    # as the test-command: the interpreter of cibuildwheel's test environment (the floor Python)
-    exe = ["--python-exe", str(floor)] if not verify_pythons or target.python in verify_pythons else []
-    times["verify"] = _run_hook("verify", [*factory, "verify", "--wheel", str(repaired[0]), *exe], env, logs, log)
+    floor = Matrix.load().target(target_id).python
+    if verify_pythons and floor not in verify_pythons:
+        raise ReleaseError(f"{target_id}: --verify-python {' '.join(verify_pythons)} leaves out {floor}, the Python "
+                           f"cibuildwheel tests the wheel with (the target's floor): add --verify-python {floor}")
+    try:
+        job = rehearse_job(target_id, dist, pytorch_index=pytorch_index, foreign_dir=foreign_dir,
+                           verify_pythons=verify_pythons, config_file=config_file, log=log)
+    except RehearsalError as e:
+        raise ReleaseError(f"{target_id}: {e}") from e
+    times = job.timings()
     dest = artifacts / f"{ARTIFACT_PREFIX}{target_id}"
     shutil.rmtree(dest, ignore_errors=True)
-    times["collect"] = _run_hook("collect", [sys.executable, "-m", "ci.cibw", "collect", "--wheelhouse",
-                                             str(work / "repaired"), "--out", str(dest), "--target", target_id],
-                                 env, logs, log)
-    for line in (logs / "verify.log").read_text(errors="replace").splitlines():
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "ci.cibw", "collect", "--wheelhouse", str(job.work / "repaired_wheel"),
+                           "--out", str(dest), "--target", target_id], cwd=REPO, capture_output=True, text=True,
+                          env=_isolated_pip_env())
+    if proc.returncode != 0:
+        raise ReleaseError(f"{target_id}: collect exited {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}")
+    times["collect"] = time.monotonic() - t0
+    test_log = job.logs / "test.log"
+    for line in (test_log.read_text(errors="replace").splitlines() if test_log.exists() else []):
         if line.startswith("[verify]"):
             log(line)
     return times
@@ -827,8 +797,8 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
     also those this machine cannot build) -> for every target whose torch the stand-in serves
     and that is not built here, its build torch and its guard's torch resolved by real pip in
     its floor Python against the stand-in, while each target that can run here goes through the
-    release job's steps (cibuildwheel's order, one process each) with a local stand-in for
-    PyTorch's index serving PyPI's torch wheels under the target's index path -> gather ->
+    release job's cibuildwheel hooks, as the pinned cibuildwheel resolves them, with a local
+    stand-in for PyTorch's index serving PyPI's torch wheels under the target's index path -> gather ->
     publish to a local GitHub-REST server -> index + Pages branch -> summary. ``only``: the
     target ids to run (default: every one that can run here); ``plan_only``: stop after the
     checks; ``compile_gate=False`` skips compiling each torch line's unit against its torch
@@ -883,7 +853,7 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
                     for py in verify_pythons or [target.python]:
                         fetch_torch(target.build_torch, py, matrix, log=log)
                     fetch_torch(job.foreign.version, (verify_pythons or [target.python])[0], matrix, log=log)
-                    dr.timings[e["id"]] = build_target_like_cibuildwheel(
+                    dr.timings[e["id"]] = rehearse_target(
                         e["id"], dist, dr.artifacts, pytorch_index=index_url, foreign_dir=foreign_dir,
                         verify_pythons=verify_pythons, log=log)
                 except Exception as exc:  # noqa: BLE001 - a failed target is reported by name
@@ -990,7 +960,7 @@ def _variant_page(rec) -> str:
 
 
 def _timing_table(dr: DryRun) -> str:
-    stages = ["build", "repair+tag", "verify", "collect"]
+    stages = ["before-all", "build", "repair", "test", "collect"]
     rows = ["| target | " + " | ".join(stages) + " |", "|---" * (len(stages) + 1) + "|"]
     for tid, t in dr.timings.items():
         rows.append(f"| `{tid}` | " + " | ".join(f"{t[s]:.1f}s" if s in t else "-" for s in stages) + " |")
