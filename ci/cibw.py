@@ -608,7 +608,9 @@ def build_probe(target: Target, wheel_dir: Path, log=print) -> Path:
     before = set(wheel_dir.glob("*.whl"))
     cmd = [str(python), "-m", "pip", "wheel", "--no-deps", "-w", str(wheel_dir), str(probe_dir())]
     log(f"[build] probe payload, Python {here}: {' '.join(cmd)}")
-    subprocess.run(cmd, check=True, env={**os.environ, "SAGEATTN3_PROBE_LIMITED_API": target.python_tag})
+    from ci.pip_env import pip_environ
+
+    subprocess.run(cmd, check=True, env=pip_environ(extra={"SAGEATTN3_PROBE_LIMITED_API": target.python_tag}))
     new = sorted(set(wheel_dir.glob("*.whl")) - before)
     if len(new) != 1 or f"-{target.python_tag}-abi3-" not in new[0].name:
         raise CibwError(f"the probe's build left {[w.name for w in new]}, expected one {target.python_tag}-abi3 wheel")

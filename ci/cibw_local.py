@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -88,8 +89,10 @@ def seed_virtualenv_pyz(log=print) -> Path:
     stage = cache / f"virtualenv-{version}.stage"
     shutil.rmtree(stage, ignore_errors=True)
     log(f"[cibuildwheel] virtualenv {version} from PyPI -> {pyz}")
+    from ci.pip_env import pip_environ
+
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(stage),
-                    f"virtualenv=={version}"], check=True)
+                    f"virtualenv=={version}"], check=True, env=pip_environ())
     part = pyz.with_suffix(".part")
     subprocess.run([sys.executable, "-m", "zipapp", str(stage), "-m", "virtualenv.__main__:run_with_catch",
                     "-o", str(part)], check=True)
@@ -213,6 +216,17 @@ def main(argv: list[str] | None = None) -> int:
                                                 "private one keeps other builds on this machine out of the way)")
     a = ap.parse_args(argv)
     payload = REPO / "tests" / "cibw_probe" if a.payload == "probe" else None
+    from ci.targets import Matrix, MatrixError
+
+    try:
+        target = Matrix.load().target(a.target)
+    except MatrixError as e:
+        print(f"cibuildwheel: {e}", file=sys.stderr)
+        return 2
+    if target.os.platform != "linux" or target.os.machine != platform.machine():
+        print(f"cibuildwheel: {a.target} is a {target.os.key} target; this runs Linux containers of this machine's "
+              f"arch ({platform.machine()}): pass a linux-{platform.machine()} target", file=sys.stderr)
+        return 2
     try:
         run = run_cibuildwheel(a.target, a.output_dir / a.target, payload_dir=payload, jobs=a.jobs, cache=a.cache)
     except Exception as e:  # noqa: BLE001 - one line, then non-zero

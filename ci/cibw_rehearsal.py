@@ -152,7 +152,9 @@ class HostLayout:
             version = f"{tag[2]}.{tag.split('-')[0][3:]}"
             venv = self.venv_root / tag
             if not (venv / "bin" / "python").exists():
-                subprocess.run([str(find_python(version)), "-m", "venv", str(venv)], check=True)
+                from ci.pip_env import pip_environ
+
+                subprocess.run([str(find_python(version)), "-m", "venv", str(venv)], check=True, env=pip_environ())
             self.pythons[tag] = venv
         return self.pythons[tag]
 

@@ -56,9 +56,9 @@ def check_verify_pythons(targets: list[Target], matrix: Matrix, pythons: list[st
         if not re.fullmatch(r"\d+\.\d+", py):
             raise MatrixError(f"--verify-python {py!r}: expected a CPython version X.Y, e.g. 3.12")
         for t in targets:
-            if Version(py) < Version(t.python):
-                raise MatrixError(f"--verify-python {py}: {t.id}'s wheel requires Python >={t.python} "
-                                  f"(its Requires-Python); pass {t.python} or newer")
+            if Version(py) < Version(t.floor_python):
+                raise MatrixError(f"--verify-python {py}: {t.id}'s wheel requires Python >={t.floor_python} "
+                                  f"(its Requires-Python); pass {t.floor_python} or newer")
             line = matrix.line(torch_line(t.build_torch))
             if py not in line.python:
                 raise MatrixError(f"--verify-python {py}: torch {t.build_torch}, which {t.id} is verified with, "
@@ -143,7 +143,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
                                             log=lambda m: print(m, file=sys.stderr))
         except upstream.UpstreamError as e:
             print(f"error: {e}", file=sys.stderr)
-            return 1
+            return 2
         source = args.index_url + (f" and {args.pytorch_index}" if args.pytorch_index else "")
         report = drift.markdown(source)
         print(report, end="")
@@ -159,7 +159,12 @@ def cmd_coverage(args: argparse.Namespace) -> int:
 
     matrix = Matrix.load()
     if args.record:
-        for line in coverage.record_evidence([Path(d) for d in args.record], matrix):
+        try:
+            added = coverage.record_evidence([Path(d) for d in args.record], matrix)
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for line in added:
             print(f"evidence: {line}")
     table = coverage.coverage_table(matrix)
     if args.write_readme:

@@ -106,8 +106,10 @@ def _describe(kind: str, e: dict) -> str:
     if kind == "classic_link":
         absent = ", ".join(e["absent_libraries"]) or "nothing"
         left = sum(len(v) for k, v in e["unresolved"].items() if not k.startswith("the Python"))
+        runtime = next((n for n in e.get("needed", []) if n.startswith("libcudart")), "no CUDA runtime")
         return (f"{LEVELS[kind]} vs torch {e['torch_libraries']}; absent there: {absent}, whose {left} symbols "
-                f"the unit uses stay unresolved")
+                f"the unit uses stay unresolved; stand-ins: {runtime} and the kernel objects of the CUDA 13 "
+                f"cross build; not imported (no CUDA build of this torch for aarch64 is reachable here)")
     if "cross" in e:
         v, c = e["emulated_verify"], e["cross"]
         return (f"cross-built on {c['built_on']} ({c['compiler'].split(' (')[0]} {c['compiler'].rsplit(' ', 1)[-1]}, "
@@ -140,7 +142,8 @@ def coverage_table(matrix: Matrix, evidence: dict | None = None) -> str:
             py = f"{matrix.limited_api_python}+" if stable else f"{t.python[0]}–{t.python[-1]}"
             rows.append(
                 f"| {t.line} | {c} | {' '.join(matrix.cuda_archs[c])} | `{variant.label}` | {py} | "
-                f"{', '.join(t.os)} | {_row_proof(matrix, evidence, t.line, c, t.build_version)} |"
+                f"{', '.join(o for o in t.os if t.builds(c, o))} | "
+                f"{_row_proof(matrix, evidence, t.line, c, t.build_version)} |"
             )
     return "\n".join(rows)
 

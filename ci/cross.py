@@ -35,6 +35,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
+from ci.pip_env import pip_environ
 from ci.toolchain import ToolchainError, cache_root
 
 # The oldest cross g++ accepted: C++20 for torch >= 2.13's headers (Debian 12 ships 12.2).
@@ -149,7 +150,7 @@ def _pip_download(spec: CrossSpec, requirements: list[str], dest: Path, what: st
     plats = [a for p in spec.wheel_platforms for a in ("--platform", p)]
     cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", *plats,
            "--python-version", TARGET_PYTHON, "--implementation", "cp", "--dest", str(dest), *requirements]
-    proc = _run(cmd)
+    proc = _run(cmd, env=pip_environ())
     if proc.returncode != 0:
         last = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
         raise ToolchainError(f"could not download {what} for linux-{spec.machine} from PyPI "
@@ -368,14 +369,14 @@ def build_env(python_version: str, cross: CrossToolchain):
     """The environment that runs the cross build's setup.py: this machine's Python with the build
     packages and no torch (the target machine's torch is read from its sysroot, never imported).
     Returned as a ``TorchEnv`` naming the sysroot's torch, which is what the build compiles against."""
-    from ci.toolchain import BUILD_ENV_PACKAGES, TorchEnv, ensure_packages, find_python, run, venv_python
+    from ci.toolchain import BUILD_ENV_PACKAGES, TorchEnv, ensure_packages, find_python, run_pip, venv_python
 
     root = cache_root() / "envs" / f"py{python_version}-cross-build"
     if not (root / ".complete").exists():
         shutil.rmtree(root, ignore_errors=True)
-        run([str(find_python(python_version)), "-m", "venv", str(root)])
+        run_pip([str(find_python(python_version)), "-m", "venv", str(root)])
         try:
-            run([str(venv_python(root)), "-m", "pip", "install", "--quiet", *BUILD_ENV_PACKAGES])
+            run_pip([str(venv_python(root)), "-m", "pip", "install", "--quiet", *BUILD_ENV_PACKAGES])
         except subprocess.CalledProcessError as e:
             shutil.rmtree(root, ignore_errors=True)
             raise ToolchainError(f"could not install {' '.join(BUILD_ENV_PACKAGES)} for the cross build "

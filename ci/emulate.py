@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ci import cross as crossmod
+from ci.pip_env import pip_environ
 from ci.record import BuildRecord
 from ci.toolchain import ToolchainError, cache_root
 
@@ -53,10 +54,8 @@ class EmulationError(RuntimeError):
 
 
 def _quiet_pip_env() -> dict[str, str]:
-    """pip of the local index only: no configuration file, no PIP_* of this shell."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
-    return env
+    """pip of the local index only: no configuration file, no PIP_* of this shell (ci.pip_env)."""
+    return pip_environ(sources=False)
 
 
 # The CPU qemu emulates, and what the guest reads about it. qemu-user passes the host's
@@ -128,7 +127,7 @@ def pip_wheel() -> Path:
         return found[-1]
     dest.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                           "--dest", str(dest), "pip"], capture_output=True, text=True)
+                           "--dest", str(dest), "pip"], capture_output=True, text=True, env=pip_environ())
     found = sorted(dest.glob("pip-*.whl"))
     if proc.returncode != 0 or not found:
         raise ToolchainError(f"could not download a pip wheel from PyPI: {proc.stderr.strip()[-500:]}")
@@ -165,7 +164,7 @@ def wheelhouse(machine: str, requirement: str, log=print) -> Path:
     proc = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", *plats,
                            "--python-version", crossmod.TARGET_PYTHON, "--implementation", "cp",
                            "--abi", f"cp{py}", "--abi", "abi3", "--abi", "none", "--dest", str(dest), requirement],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=pip_environ())
     if proc.returncode != 0:
         shutil.rmtree(dest, ignore_errors=True)
         raise ToolchainError(f"could not download {requirement} for linux-{machine} from PyPI:\n{proc.stderr[-2000:]}")

@@ -151,8 +151,10 @@ def nvdisasm() -> Path:
     dest = cache_root() / "tools" / NVDISASM_PIN.replace("==", "-")
     exe = dest / "nvidia" / "cu13" / "bin" / "nvdisasm"
     if not exe.exists():
+        from ci.pip_env import pip_environ
+
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(dest),
-                        NVDISASM_PIN], check=True)
+                        NVDISASM_PIN], check=True, env=pip_environ())
         exe.chmod(exe.stat().st_mode | 0o111)
     return exe
 

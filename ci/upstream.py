@@ -12,7 +12,8 @@ every difference with the matrix:
 - with PyTorch's index: CUDA variants listed for an OS that the index does not serve there,
   and variants it serves that the line does not list.
 
-Nothing is changed: the report says what to edit. Exit status 0: in step; 1: differences.
+Nothing is changed: the report says what to edit. Exit status 0: in step; 1: differences;
+2: an index could not be read.
 """
 
 from __future__ import annotations

@@ -83,3 +83,42 @@ def test_a_torch_environment_made_under_hostile_pip_settings_imports_torch(tmp_p
                            capture_output=True, text=True, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert not (tmp_path / "pip-target").exists() and not (tmp_path / "pip-prefix").exists()
+
+
+# Functions that run pip on purpose with the caller's settings: what `pip install torch` gives
+# this user (the default target), and emptying the caller's own pip cache.
+CALLER_PIP = {("cli.py", "torch_pip_would_install"), ("cibw.py", "cleanup_after_build"),
+              # cibuildwheel's own test venv, with the toml's test-environment on purpose
+              ("cibw_rehearsal.py", "test"),
+              # reads the configuration files themselves
+              ("pip_env.py", "configured_settings")}
+FACTORY_ENV = ("pip_environ", "_isolated_pip_env", "_quiet_pip_env", "run_pip")
+
+
+def test_every_pip_and_venv_call_of_the_factory_builds_its_environment():
+    """A function of ci/ that spells out a pip or venv command (``-m pip`` / ``-m venv``) runs
+    it with ci.pip_env's environment (or through toolchain.run_pip)."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "ci"
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            runs_pip = False
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.List, ast.Tuple)):
+                    vals = [e.value for e in node.elts if isinstance(e, ast.Constant)]
+                    if any(a == "-m" and b in ("pip", "venv") for a, b in zip(vals, vals[1:])):
+                        runs_pip = True
+            if not runs_pip or (path.name, fn.name) in CALLER_PIP:
+                continue
+            source = ast.get_source_segment(path.read_text(), fn) or ""
+            # a plan that only describes commands (tuples of strings) runs nothing
+            if "subprocess" not in source and "run(" not in source:
+                continue
+            if not any(name in source for name in FACTORY_ENV):
+                offenders.append(f"{path.relative_to(root.parent)}:{fn.lineno} {fn.name}")
+    assert not offenders, "pip/venv run without ci.pip_env's environment: " + ", ".join(offenders)

@@ -137,9 +137,9 @@ def test_a_json_index_is_read_too(matrix):
     assert drift.lines == ["torch 2.15: 2.15.1 is released; build_version is 2.15.0"]
 
 
-def test_an_unreachable_index_is_one_line_and_exit_1(tmp_path):
+def test_an_unreachable_index_is_one_line_and_exit_2(tmp_path):
     with serve(tmp_path) as url:
         pass  # closed again: nothing listens there now
     proc = run_check("--index-url", f"{url}/simple")
-    assert proc.returncode == 1 and proc.stderr.strip().startswith("error: ") and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("error: ") and "Traceback" not in proc.stderr
     assert f"{url}/simple/torch/" in proc.stderr
