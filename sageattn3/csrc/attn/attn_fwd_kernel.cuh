@@ -71,8 +71,8 @@ struct TileCoord {
 
 __device__ __forceinline__ TileCoord decode_tile(const AttnParams& p, int tile) {
   TileCoord c;
-  const int bh_count = p.batch * p.heads_q;
-  const int bh = tile % bh_count, step = tile / bh_count;
+  const int bh_count = p.bh_count;
+  const int bh = p.bh0 + tile % bh_count, step = tile / bh_count;
   c.b = bh / p.heads_q;
   c.hq = bh % p.heads_q;
   c.hk = c.hq / (p.heads_q / p.heads_kv);
@@ -243,7 +243,7 @@ __device__ __forceinline__ float delta_s_part(uint32_t k_tile, uint32_t ksf_tile
   return total;
 }
 
-template <int D>
+template <int D, bool kInLoopResidual>
 __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int warp) {
   using L = SmemLayout<D>;
   constexpr int kChunks = D / 64;       // k64 chunks of the head dim
@@ -282,23 +282,26 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
     if (is_producer) prod.run(p, smem, ring.n + kStages);
     __syncwarp();
 
-    // ---- this tile's Q mean residual r = mean_q - qbar into shared memory ----
-    // Safe to overwrite: every thread read the previous tile's residual before the last stage barrier.
     const int bh_q = c.b * p.heads_q + c.hq;
-    int nonzero = 0;
-    if (threadIdx.x < D / 4) {
-      const float* mq = p.mean_q + (static_cast<int64_t>(bh_q) * p.mean_qblocks + (p.mean_qblocks > 1 ? c.mb : 0)) * D;
-      const float4 m = __ldg(reinterpret_cast<const float4*>(mq) + threadIdx.x);
-      const float4 g = __ldg(reinterpret_cast<const float4*>(p.qbar + static_cast<int64_t>(bh_q) * D) + threadIdx.x);
-      const float4 v = make_float4(__fsub_rn(m.x, g.x), __fsub_rn(m.y, g.y), __fsub_rn(m.z, g.z), __fsub_rn(m.w, g.w));
-      nonzero = v.x != 0.f || v.y != 0.f || v.z != 0.f || v.w != 0.f;
-      const int d = 4 * threadIdx.x;
-      *reinterpret_cast<float4*>(smem + L::kMeanQ + 4 * (d + (d >= D / 2 ? 4 : 0))) = v;
-    }
-    const bool has_residual = __syncthreads_or(nonzero) != 0;
+    bool has_residual = false;
     const int64_t kres_row0 = static_cast<int64_t>(c.b * p.heads_kv + c.hk) * p.seq_k_pad;
-    if (has_residual) ResidualHalf<D>::prefetch(p.k_res, kres_row0, ds_k, ds_half);  // the first stage's
-    const float* ds_key_row = p.ds_key + static_cast<int64_t>(bh_q) * p.seq_k_pad;
+    if constexpr (kInLoopResidual) {
+      // ---- this tile's Q mean residual r = mean_q - qbar into shared memory ----
+      // Safe to overwrite: every thread read the previous tile's residual before the last stage barrier.
+      int nonzero = 0;
+      if (threadIdx.x < D / 4) {
+        const float* mq = p.mean_q + (static_cast<int64_t>(bh_q) * p.mean_qblocks + (p.mean_qblocks > 1 ? c.mb : 0)) * D;
+        const float4 m = __ldg(reinterpret_cast<const float4*>(mq) + threadIdx.x);
+        const float4 g = __ldg(reinterpret_cast<const float4*>(p.qbar + static_cast<int64_t>(bh_q) * D) + threadIdx.x);
+        const float4 v = make_float4(__fsub_rn(m.x, g.x), __fsub_rn(m.y, g.y), __fsub_rn(m.z, g.z), __fsub_rn(m.w, g.w));
+        nonzero = v.x != 0.f || v.y != 0.f || v.z != 0.f || v.w != 0.f;
+        const int d = 4 * threadIdx.x;
+        *reinterpret_cast<float4*>(smem + L::kMeanQ + 4 * (d + (d >= D / 2 ? 4 : 0))) = v;
+      }
+      has_residual = __syncthreads_or(nonzero) != 0;
+      if (has_residual) ResidualHalf<D>::prefetch(p.k_res, kres_row0, ds_k, ds_half);  // the first stage's
+    }
+    const float* ds_key_row = p.ds_key + static_cast<int64_t>(bh_q - p.bh0) * p.ds_bh_stride + c.mb * p.ds_m_stride;
 
     // ---- Q fragments and scales into registers, then hand the Q buffer back ----
     mbar_wait(q_full, q_round & 1u);
@@ -344,7 +347,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       // then every warp has read it.
       {
         float res = 0.f;
-        if (has_residual) {
+        if (kInLoopResidual && has_residual) {
           ResidualHalf<D> kres;
           kres.load(p.k_res, kres_row0 + k0, ds_k, ds_half);
           if (kb + 1 < c.num_kb) ResidualHalf<D>::prefetch(p.k_res, kres_row0 + k0 + kBlockN, ds_k, ds_half);
@@ -476,7 +479,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   }
 }
 
-template <int D>
+template <int D, bool kInLoopResidual>
 __device__ __forceinline__ void attn_fwd_body(const AttnParams& p) {
   using L = SmemLayout<D>;
   extern __shared__ uint8_t smem_raw[];
@@ -493,7 +496,7 @@ __device__ __forceinline__ void attn_fwd_body(const AttnParams& p) {
     mbar_init_fence();
   }
   __syncthreads();
-  consumer<D>(p, smem, warp);
+  consumer<D, kInLoopResidual>(p, smem, warp);
 }
 
 }  // namespace sageattn3::attn
