@@ -38,7 +38,9 @@ struct SmemLayout {
   static constexpr int kKBytes = kBlockN * D / 2;
   static constexpr int kKSfBytes = kBlockN * D / 16;
   static constexpr int kVBytes = D * kBlockN / 2;
-  static constexpr int kDeltaBytes = kBlockN * 4;
+  // delta_s of keys 2i, 2i+1, twice: 16 bytes per pair, 16 bytes of padding after every 8 pairs
+  // (delta_pair_offset)
+  static constexpr int kDeltaBytes = kBlockN * 8 + kBlockN;
   static constexpr int kVSfBytes = D * kBlockN / 16;  // the stage's V scales, copied by the consumers
   // Offsets from a 1024-aligned base; every swizzled tile starts on a 1024 boundary.
   static constexpr int kQ = 0;
@@ -64,6 +66,10 @@ struct SmemLayout {
   static constexpr uint32_t kStageTx = kKBytes + kVBytes + kKSfBytes;
   static constexpr uint32_t kQTx = kQBytes + kQSfBytes;
 };
+
+// Byte offset of key pair i (keys 2i, 2i+1) in a stage's delta_s vector: the four pairs a quarter
+// warp loads at once (i, i + 4, i + 8, i + 12) land in distinct banks.
+__host__ __device__ __forceinline__ constexpr uint32_t delta_pair_offset(uint32_t i) { return 16 * i + 16 * (i >> 3); }
 
 struct TileCoord {
   int b, hq, hk, mb, num_kb;
@@ -269,6 +275,8 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   const uint32_t k_lane_col = kChunks == 2 ? 16 * (lane >> 3) : 16 * ((lane >> 3) & 1);
   const uint32_t ksf_lane = key_of(0, g) * (D / 16) + (kChunks == 2 ? 4 * (t & 1) : 0);
   const uint32_t v_lane = swizzled<kBlockN / 2>((lane & 7) * (kBlockN / 2) + 16 * (lane >> 3));
+  // delta_pair_offset(key_of(j, 0) / 2 + 4t) = delta_pair_offset(key_of(j, 0) / 2) + this
+  const uint32_t delta_lane = 16 * (4 * t) + 16 * (t >> 1);
 
   RingPos<kStages> ring;
   uint32_t q_round = 0;
@@ -355,7 +363,9 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
               delta_s_part<D>(stage + L::kStageK, stage + L::kStageKSf, s_base + L::kMeanQ, ds_k, ds_half, kres);
           res = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, 1));
         }
-        if (ds_half == 0) sts_f32(stage + L::kStageDelta + 4 * ds_k, __fadd_rn(__ldg(ds_key_row + k0 + ds_k), res));
+        // pair layout {d[2i], d[2i+1], d[2i], d[2i+1]}: the two threads of key ds_k write a copy each
+        sts_f32(stage + L::kStageDelta + delta_pair_offset(ds_k >> 1) + 8 * ds_half + 4 * (ds_k & 1),
+                __fadd_rn(__ldg(ds_key_row + k0 + ds_k), res));
         if (threadIdx.x < 2 * D) {
           const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(v_sf_copy + k0 / 16));
           asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage + L::kStageVSf + 4 * threadIdx.x), "r"(w) : "memory");
@@ -367,8 +377,12 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       float s[kNT][4];
 #pragma unroll
       for (int j = 0; j < kNT; ++j) {
-        const float2 dl = lds_f2(stage + L::kStageDelta + 4 * (key_of(j, 0) + key_of(0, 2 * t)));
-        s[j][0] = dl.x; s[j][1] = dl.y; s[j][2] = dl.x; s[j][3] = dl.y;
+        // rows g and g + 8 of keys 2i, 2i+1 in one load straight into the accumulator's registers
+        // (a pair loaded once took four register moves: docs/performance.md, section 3)
+        // pair key_of(j, 0) / 2 + 4t: the carry into bit 3 of the pair index comes from t alone
+        static_assert(key_of(0, 2) == 8 && (key_of(3, 0) & 15) == 6, "pair index split");
+        const float4 dl = lds_f4(stage + L::kStageDelta + delta_lane + delta_pair_offset(key_of(j, 0) / 2));
+        s[j][0] = dl.x; s[j][1] = dl.y; s[j][2] = dl.z; s[j][3] = dl.w;
       }
       // Key rows of n-tile j: key_of(j, x) = key_of(j, 0) + key_of(0, x), and the swizzle XOR of
       // such a row depends on j only (see key_swizzle), so each address is a per-lane base plus
@@ -408,13 +422,31 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       }
 
       // ---- online softmax (exp2 domain), level-1 scaling folded into the exponent ----
+      // Maxima of S per 16-key block of P (bm[q][h][r]: row g + 8r, keys 64q + 32h + 16(t>>1) ..
+      // +15, this lane's 8 and its partner t^1's), then the row maxima from them. P's block amax
+      // is exp2 of the block's largest exponent (P rises with S: scale_log2 >= 0), computed once
+      // per block instead of a maximum over its 8 values of P.
+      float bm[kBlockN / 64][2][2];
+#pragma unroll
+      for (int q = 0; q < kBlockN / 64; ++q)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float m = fmaxf(s[8 * q + 4 * h][2 * r], s[8 * q + 4 * h][2 * r + 1]);
+#pragma unroll
+            for (int jj = 1; jj < 4; ++jj) m = fmaxf(m, fmaxf(s[8 * q + 4 * h + jj][2 * r], s[8 * q + 4 * h + jj][2 * r + 1]));
+            bm[q][h][r] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+          }
       float bias[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float mx = -INFINITY;
+        float mx = bm[0][0][r];
 #pragma unroll
-        for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        for (int q = 0; q < kBlockN / 64; ++q)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            if (q + h > 0) mx = fmaxf(mx, bm[q][h][r]);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(row_max[r], mx * p.scale_log2);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: P = 0
@@ -452,7 +484,12 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
               pv[h][r][2 * jj] = s[8 * q + 4 * h + jj][2 * r];
               pv[h][r][2 * jj + 1] = s[8 * q + 4 * h + jj][2 * r + 1];
             }
-        quantize_p_chunk(pv, pa[q], p_sf[q]);
+        float amax[2][2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) amax[h][r] = fast_exp2(fmaf(bm[q][h][r], p.scale_log2, bias[r]));
+        quantize_p_chunk(pv, amax, pa[q], p_sf[q]);
       }
 #pragma unroll
       for (int n = 0; n < kDT; ++n) {
