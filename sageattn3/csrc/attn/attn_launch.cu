@@ -1,9 +1,9 @@
-// Host side of the FP4 attention: argument checks, TMA descriptors, grid size, the one launch.
+// Host side of the FP4 attention: argument checks, TMA descriptors, grid size, delta_s's precompute
+// and the one launch site of the attention kernel.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <mutex>
 
 #include "attn/attn_api.h"
@@ -16,7 +16,7 @@ namespace attn {
 // The single kernel entry point, two instantiations per head dim: kInLoopResidual false reads
 // delta_s rows (one Q mean: ds_key; per-block Q means: delta_s precomputed per query block and
 // key by delta_s_blocks_kernel), true corrects ds_key by r . K^ per key tile in its loop (per-block
-// Q means above the workspace limit: the bounded-memory mode).
+// Q means without a workspace for delta_s: the bounded-memory mode).
 template <int D, bool kInLoopResidual>
 __global__ void __launch_bounds__(kThreads, 1) fp4_attn_fwd_kernel(const __grid_constant__ AttnParams p) {
   attn_fwd_body<D, kInLoopResidual>(p);
@@ -85,24 +85,6 @@ int launch_attn(AttnParams& p, int sms, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-}  // namespace
-
-// The workspace limit of the precomputed delta_s (bytes; SAGEATTN3_DELTA_S_WORKSPACE_MIB, default
-// kDeltaSWorkspaceDefaultMiB). The (batch, q head) rows are processed in chunks whose delta_s fits
-// it; when one row alone does not fit, the kernel corrects in its loop instead (no workspace).
-// Chosen from the shapes alone: no host synchronisation. -1 for a value that is not a
-// non-negative integer (the Python side names the variable in its error first).
-int64_t delta_s_workspace_limit() {
-  const char* env = std::getenv("SAGEATTN3_DELTA_S_WORKSPACE_MIB");
-  if (env == nullptr || *env == '\0') return int64_t{kDeltaSWorkspaceDefaultMiB} << 20;
-  char* end = nullptr;
-  const long long mib = std::strtoll(env, &end, 10);
-  if (*end != '\0' || mib < 0 || mib > (int64_t{1} << 40)) return -1;
-  return int64_t{mib} << 20;
-}
-
-namespace {
-
 template <int D>
 int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
   using L = SmemLayout<D>;
@@ -148,19 +130,14 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
   const DeviceInfo info = device_info(dev);
   if (a.mean_qblocks == 1) return launch_attn<D, false>(p, info.sms, stream);
 
-  // Per-block Q means: delta_s per query block and key, precomputed in chunks of (batch, q head)
-  // rows that fit the workspace limit, else corrected in the loop.
-  const int64_t row_bytes = static_cast<int64_t>(p.num_m_blocks) * a.seq_k_pad * 4;
-  const int64_t limit = delta_s_workspace_limit();
-  if (limit < 0) return cudaErrorInvalidValue;
-  if (row_bytes > limit) return launch_attn<D, true>(p, info.sms, stream);
-  const int chunk = static_cast<int>(std::min<int64_t>(static_cast<int64_t>(bq), limit / row_bytes));
-  float* ws = nullptr;
-  cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&ws), chunk * row_bytes, stream);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return launch_attn<D, true>(p, info.sms, stream);  // no memory for it: the bounded mode
-  }
+  // Per-block Q means: delta_s per query block and key, precomputed into the caller's workspace
+  // in chunks of (batch, q head) rows that fit it; without one (or too small for one row), the
+  // kernel corrects ds_key in its loop (the bounded-memory mode). Both give the same delta_s.
+  const int64_t row_floats = static_cast<int64_t>(p.num_m_blocks) * a.seq_k_pad;
+  const int64_t rows = a.ds_work == nullptr ? 0 : std::min<int64_t>(static_cast<int64_t>(bq), a.ds_work_floats / row_floats);
+  if (rows < 1) return launch_attn<D, true>(p, info.sms, stream);
+  const int chunk = static_cast<int>(rows);
+  float* ws = a.ds_work;
   DeltaSBlocksParams dp{};
   dp.k = static_cast<const uint8_t*>(a.k);
   dp.k_sf = static_cast<const uint8_t*>(a.k_sf);
@@ -171,7 +148,7 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
   dp.out = ws;
   dp.heads_q = a.heads_q;
   dp.heads_kv = a.heads_kv;
-  dp.seq_q_pad = a.seq_q_pad;
+  dp.mean_qblocks = a.mean_qblocks;
   dp.seq_k = a.seq_k;
   dp.seq_k_pad = a.seq_k_pad;
   dp.num_m_blocks = p.num_m_blocks;
@@ -191,8 +168,7 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
     p.ds_m_stride = a.seq_k_pad;
     rc = launch_attn<D, false>(p, info.sms, stream);
   }
-  const cudaError_t ferr = cudaFreeAsync(ws, stream);
-  return rc != cudaSuccess ? rc : ferr;
+  return rc;
 }
 
 }  // namespace
@@ -209,7 +185,7 @@ int fp4_attn_fwd(const Fp4AttnArgs& a, cudaStream_t stream) {
   if (a.mean_qblocks != 1 && a.k_res == nullptr) return cudaErrorInvalidValue;  // block means need K's residual
   if (a.out_dtype != DType::kBFloat16 && a.out_dtype != DType::kFloat16) return cudaErrorInvalidValue;
   if (!attn::aligned(a.q, 16) || !attn::aligned(a.k, 16) || !attn::aligned(a.v, 16) || !attn::aligned(a.mean_q, 16) ||
-      !attn::aligned(a.qbar, 16) || !attn::aligned(a.ds_key, 4) || !attn::aligned(a.k_res, 16) ||
+      !attn::aligned(a.qbar, 16) || !attn::aligned(a.ds_key, 4) || !attn::aligned(a.ds_work, 4) || !attn::aligned(a.k_res, 16) ||
       !attn::aligned(a.q_sf, 16) || !attn::aligned(a.k_sf, 16) || !attn::aligned(a.v_sf, 4) || !attn::aligned(a.out, 4))
     return cudaErrorInvalidValue;
   switch (a.head_dim) {

@@ -23,21 +23,17 @@
 namespace sageattn3::attn {
 
 constexpr int kDeltaMGroup = 16;  // query blocks per CTA of delta_s_blocks_kernel
-// Default workspace limit of the precomputed delta_s, MiB (SAGEATTN3_DELTA_S_WORKSPACE_MIB): its
-// size is B x Hq x ceil(Sq/128) x Sk_pad x 4 bytes, 32 MiB per (batch, head) at 32k tokens and
-// 512 MiB at 128k.
-constexpr int kDeltaSWorkspaceDefaultMiB = 512;
 
 struct DeltaSBlocksParams {
   const uint8_t* k;       // K codes (B*Hkv*seq_k_pad rows, D/2 bytes)
   const uint8_t* k_sf;    // K scales (rows, D/16 bytes)
   const uint8_t* k_res;   // K's residual, E4M3 (rows, D bytes)
-  const float* mean_q;    // (B*Hq, num_m_blocks, D)
+  const float* mean_q;    // (B*Hq, mean_qblocks, D)
   const float* qbar;      // (B*Hq, D)
   const float* ds_key;    // (B*Hq, seq_k_pad)
   float* out;             // (bh_count, num_m_blocks, seq_k_pad): rows of (q heads bh0 .. bh0 + bh_count - 1)
   int bh0, heads_q, heads_kv;
-  int seq_q_pad, seq_k, seq_k_pad, num_m_blocks, causal;
+  int mean_qblocks, seq_k, seq_k_pad, num_m_blocks, causal;
 };
 
 template <int D>
@@ -62,7 +58,7 @@ __global__ void __launch_bounds__(2 * kBlockN) delta_s_blocks_kernel(const Delta
   // r of the group: thread i < (mb_end - mb_begin) * D/4 writes 4 floats
   for (int i = threadIdx.x; i < (mb_end - mb_begin) * (D / 4); i += blockDim.x) {
     const int m = i / (D / 4), d = 4 * (i % (D / 4));
-    const float4 mq = __ldg(reinterpret_cast<const float4*>(p.mean_q + (static_cast<int64_t>(bh_q) * p.num_m_blocks + mb_begin + m) * D + d));
+    const float4 mq = __ldg(reinterpret_cast<const float4*>(p.mean_q + (static_cast<int64_t>(bh_q) * p.mean_qblocks + mb_begin + m) * D + d));
     const float4 g = __ldg(reinterpret_cast<const float4*>(p.qbar + static_cast<int64_t>(bh_q) * D + d));
     *reinterpret_cast<float4*>(&r_smem[m][d + (d >= D / 2 ? 4 : 0)]) =
         make_float4(__fsub_rn(mq.x, g.x), __fsub_rn(mq.y, g.y), __fsub_rn(mq.z, g.z), __fsub_rn(mq.w, g.w));
