@@ -9,7 +9,7 @@
 // in its loop, and reference.py describes both.
 //
 // One CTA = 128 keys x 2 halves (thread i: key i >> 1, half i & 1) of one (batch, q head) for
-// kMGroup query blocks: K^ of its half-row is decoded once into registers and reused for every
+// kDeltaMGroup query blocks: K^ of its half-row is decoded once into registers and reused for every
 // query block of the group (the in-kernel correction decodes it again for every query tile).
 // r of the group's query blocks sits in shared memory, each LDS.128 broadcast to the warp.
 // Query blocks that never see the CTA's key block (causal) are skipped.
@@ -22,7 +22,7 @@
 
 namespace sageattn3::attn {
 
-constexpr int kDeltaMGroup = 16;  // query blocks per CTA of delta_s_blocks_kernel
+constexpr int kDeltaMGroup = 32;  // query blocks per CTA of delta_s_blocks_kernel
 
 struct DeltaSBlocksParams {
   const uint8_t* k;       // K codes (B*Hkv*seq_k_pad rows, D/2 bytes)
@@ -102,24 +102,38 @@ __global__ void __launch_bounds__(2 * kBlockN) delta_s_blocks_kernel(const Delta
 
   const float dk = __ldg(p.ds_key + static_cast<int64_t>(bh_q) * p.seq_k_pad + k0 + key);
   float* out = p.out + (static_cast<int64_t>(bh_local) * p.num_m_blocks) * p.seq_k_pad + k0 + key;
-  for (int mb = mb_begin; mb < mb_end; ++mb) {
-    const float* r = &r_smem[mb - mb_begin][half * (D / 2 + 4)];
-    float total = 0.f;
+  // kMUnroll query blocks at a time: independent fma chains (each in its own fixed order), so the
+  // chains' latency overlaps. Blocks past mb_end compute on r of another block and are not stored.
+  constexpr int kMUnroll = 4;
+  for (int mb = mb_begin; mb < mb_end; mb += kMUnroll) {
+    float total[kMUnroll];
+#pragma unroll
+    for (int u = 0; u < kMUnroll; ++u) total[u] = 0.f;
 #pragma unroll
     for (int blk = 0; blk < kBlocks; ++blk) {
-      float acc = 0.f;
+      float acc[kMUnroll];
+#pragma unroll
+      for (int u = 0; u < kMUnroll; ++u) acc[u] = 0.f;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const float4 m = *reinterpret_cast<const float4*>(r + 16 * blk + 4 * q);
-        acc = fmaf(m.x, kh[blk][4 * q + 0], acc);
-        acc = fmaf(m.y, kh[blk][4 * q + 1], acc);
-        acc = fmaf(m.z, kh[blk][4 * q + 2], acc);
-        acc = fmaf(m.w, kh[blk][4 * q + 3], acc);
+#pragma unroll
+        for (int u = 0; u < kMUnroll; ++u) {
+          const int m_row = min(mb + u, mb_end - 1) - mb_begin;
+          const float4 m = *reinterpret_cast<const float4*>(&r_smem[m_row][half * (D / 2 + 4) + 16 * blk + 4 * q]);
+          acc[u] = fmaf(m.x, kh[blk][4 * q + 0], acc[u]);
+          acc[u] = fmaf(m.y, kh[blk][4 * q + 1], acc[u]);
+          acc[u] = fmaf(m.z, kh[blk][4 * q + 2], acc[u]);
+          acc[u] = fmaf(m.w, kh[blk][4 * q + 3], acc[u]);
+        }
       }
-      total = fmaf(acc, scale[blk], total);
+#pragma unroll
+      for (int u = 0; u < kMUnroll; ++u) total[u] = fmaf(acc[u], scale[blk], total[u]);
     }
-    const float res = __fadd_rn(total, __shfl_xor_sync(0xffffffffu, total, 1));
-    if (half == 0) out[static_cast<int64_t>(mb) * p.seq_k_pad] = __fadd_rn(dk, res);
+#pragma unroll
+    for (int u = 0; u < kMUnroll; ++u) {
+      const float res = __fadd_rn(total[u], __shfl_xor_sync(0xffffffffu, total[u], 1));
+      if (half == 0 && mb + u < mb_end) out[static_cast<int64_t>(mb + u) * p.seq_k_pad] = __fadd_rn(dk, res);
+    }
   }
 }
 
