@@ -6,13 +6,15 @@
 // (batch x q-head x 128-row block) are distributed over a persistent grid sized from the
 // device's SM count; causal tiles are visited longest first.
 //
-// Per 128-key stage, the CTA first computes delta_s[j] = ds_key[j] + r . K^[j] for the stage's 128
-// keys into a 128-float vector of the stage: ds_key (qbar . K_s[j], the unquantized smoothed K,
-// from preprocessing) read per key, and the residual r = mean_q - qbar of this tile's Q mean
-// (loaded once per tile) times K^ = Kd + the quantization residual (the dequantized smoothed K in
-// shared memory plus k_res, read from global memory: the smoothed K to within E4M3 rounding of its
-// quantization error) on the CUDA cores (2 threads per key, a fixed summation order), skipped
-// when the tile's r is all zeros (one Q mean). Then each consumer warp computes
+// Per 128-key stage, the CTA first writes the stage's delta_s vector (128 floats, each key pair
+// twice: delta_pair_offset), read from a row of p.ds_key: with one Q mean preprocessing's ds_key
+// (qbar . K_s[j], the unquantized smoothed K); with per-block Q means the row of this query block
+// in the workspace that delta_s_blocks_kernel filled before (delta_s_blocks.cuh: ds_key[j] +
+// r . K^[j], r = mean_q - qbar). The kInLoopResidual instantiation (the bounded-memory mode, no
+// workspace) computes that r . K^[j] here instead, in the same arithmetic: r of this tile (loaded
+// once per tile) times K^ = Kd + the quantization residual (the dequantized smoothed K in shared
+// memory plus k_res, read from global memory) on the CUDA cores (2 threads per key, a fixed
+// summation order), skipped when the tile's r is all zeros. Then each consumer warp computes
 //   S  = delta_s + Q K^T            (block-scaled FP4 MMA, fp32 accumulate, S keys permuted: key_of)
 //   online softmax in exp2 domain, P2 = exp2(S*scale*log2e - m + log2 2688)   (level 1)
 //   P2 -> NVFP4 in registers (level 2), O = O*alpha + P2 V    (block-scaled FP4 MMA)
