@@ -134,7 +134,9 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
   // in chunks of (batch, q head) rows that fit it; without one (or too small for one row), the
   // kernel corrects ds_key in its loop (the bounded-memory mode). Both give the same delta_s.
   const int64_t row_floats = static_cast<int64_t>(p.num_m_blocks) * a.seq_k_pad;
-  const int64_t rows = a.ds_work == nullptr ? 0 : std::min<int64_t>(static_cast<int64_t>(bq), a.ds_work_floats / row_floats);
+  // at most 65535 rows per chunk: the precompute's grid.y
+  const int64_t rows = a.ds_work == nullptr ? 0
+      : std::min<int64_t>(std::min<int64_t>(static_cast<int64_t>(bq), a.ds_work_floats / row_floats), 65535);
   if (rows < 1) return launch_attn<D, true>(p, info.sms, stream);
   const int chunk = static_cast<int>(rows);
   float* ws = a.ds_work;
