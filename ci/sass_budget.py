@@ -383,7 +383,7 @@ def ours_regions(kernel: Path = KERNEL) -> dict[str, list[tuple[int, int]]]:
         "producer (thread 0)": [block_lines(kernel, r"^struct Producer")],
         "mask (tail / causal diagonal)": [block_lines(kernel, r"if \(tail \|\| diag\) \{")],
         "residual": [block_lines(kernel, r"^struct ResidualHalf"), block_lines(kernel, r"float delta_s_part\("),
-                     block_lines(kernel, r"if \(has_residual\) \{"), block_lines(kernel, r"float2 e4m3x2_value\(")],
+                     block_lines(kernel, r"if \(kInLoopResidual && has_residual\) \{"), block_lines(kernel, r"float2 e4m3x2_value\(")],
     }
 
 
@@ -421,7 +421,15 @@ def _head_dim_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def ours_budgets(cubin: Path) -> list[Budget]:
+def _in_loop_residual(name: str) -> bool:
+    """The instantiation that corrects delta_s in its loop (kInLoopResidual, the bounded-memory mode)."""
+    return re.search(r"fp4_attn_fwd_kernelILi\d+ELb1E", name) is not None
+
+
+def ours_budgets(cubin: Path, bounded: bool = True) -> list[Budget]:
+    """Per head dim: the defaults (delta_s precomputed per query block and key, read per tile),
+    one Q mean (the same loop), and with ``bounded`` the in-loop correction of the bounded-memory
+    mode."""
     funcs = disassemble(cubin)
     # loads that every warp makes of the same bytes (none today: the V scales are copied once per
     # CTA into the stage; before that, each warp loaded them from global memory)
@@ -429,11 +437,14 @@ def ours_budgets(cubin: Path) -> list[Budget]:
                     if re.search(r"const uint32_t v_sf = __ldg\(", line)]
     shared = lambda ins: any(f.endswith("attn/attn_fwd_kernel.cuh") and n in shared_lines for f, n in ins.frames)
     out = []
-    for name, instrs in sorted(funcs.items(), key=lambda kv: -(_head_dim_of(kv[0]) or 0)):
+    kernels = [(name, instrs) for name, instrs in funcs.items() if _head_dim_of(name) is not None]
+    for name, instrs in sorted(kernels, key=lambda kv: (-_head_dim_of(kv[0]), _in_loop_residual(kv[0]))):
         d = _head_dim_of(name)
-        if d is None:
-            continue
-        for res, label in ((True, f"ours D{d}, defaults"), (False, f"ours D{d}, one Q mean")):
+        if _in_loop_residual(name):
+            runs = ((True, f"ours D{d}, bounded mode (in-loop correction)"),) if bounded else ()
+        else:
+            runs = ((False, f"ours D{d}, defaults (delta_s precomputed)"), (False, f"ours D{d}, one Q mean"))
+        for res, label in runs:
             out.append(budget(instrs, label=label, head_dim=d, warps=8, tma_bytes=ours_tma_bytes(d),
                               classify=ours_classifier(res), cta_shared=shared))
     return out

@@ -1,5 +1,5 @@
 """CPU-side checks of the FP4 attention kernel: it compiles for sm_120a and sm_121a with 0 bytes
-of spill, and the sm_120a machine code holds the block-scaled FP4 MMA
+of spill (a few outside the key loop in the bounded-memory instantiations), and the sm_120a machine code holds the block-scaled FP4 MMA
 (OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X). Skips without nvcc >= 12.9. cuobjdump/nvdisasm come from
 PyPI (nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm 13.x) into a cache dir when not on PATH."""
 
@@ -66,16 +66,33 @@ def _kernel_reports(log: str) -> dict[str, str]:
     return reports
 
 
+# The bounded-memory instantiations (kInLoopResidual, mangled ...ELb1E) may spill this many
+# bytes: at D 128 ptxas keeps per-lane shared-memory offsets on the stack (12 bytes as shipped,
+# 24 with the MSVC pointer-params patch), stored once per CTA and loaded once per query tile,
+# outside the key-tile loop (tests/test_sass_budget.py: no spill reload in the loop). The default
+# ones may not spill at all.
+BOUNDED_SPILL_BYTES = 32
+
+
+def check_spills(log: str, what: str) -> dict[str, str]:
+    """ptxas -v's reports of the four attention kernels (D 64/128 x delta_s precomputed or
+    corrected in the loop), none spilling beyond the allowance above."""
+    reports = _kernel_reports(log)
+    assert len(reports) == 4, f"{what}: expected 4 attention kernels (D 64/128 x 2), got {list(reports)}\n{log}"
+    for name, rep in reports.items():
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
+        assert m, f"{what} {name}: no spill report\n{rep}"
+        allowed = BOUNDED_SPILL_BYTES if "ELb1E" in name else 0
+        assert int(m.group(1)) <= allowed and int(m.group(2)) <= allowed, f"{what} {name} spills:\n{rep}"
+        regs = re.search(r"Used (\d+) registers", rep)
+        print(f"{what} {name}: {regs.group(1) if regs else '?'} registers, spill {m.group(1)}/{m.group(2)} B")
+    return reports
+
+
 @pytest.mark.parametrize("arch", ["120a", "121a"])
 def test_attention_kernels_do_not_spill(cubins, arch):
     _, log = cubins[arch]
-    reports = _kernel_reports(log)
-    assert len(reports) == 2, f"expected the D=64 and D=128 kernels, got {list(reports)}\n{log}"
-    for name, rep in reports.items():
-        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
-        assert m and m.group(1) == "0" and m.group(2) == "0", f"sm_{arch} {name} spills:\n{rep}"
-        regs = re.search(r"Used (\d+) registers", rep)
-        print(f"sm_{arch} {name}: {regs.group(1) if regs else '?'} registers")
+    check_spills(log, f"sm_{arch}")
 
 
 def _tool(name: str, package: str) -> Path | None:

@@ -16,8 +16,11 @@ produce (all sequence dims padded with zeros to a multiple of 128):
   K's quantization residual (``reference.quantize_residual``; needed with per-block Q means). The
   kernel adds delta_s = delta_key + (mean_q - mean_q_global) · K̂ᵀ (K̂ =
   ``reference.dequantize_rows`` of k with the residual, or of k alone without it) to Q·Kᵀ before the
-  softmax scale, the second term computed per 128-key tile on the fly (query row i uses mean
-  i // 128, or 0); delta_s is never materialised.
+  softmax scale (query row i uses mean i // 128, or 0). With per-block Q means the second term is
+  precomputed per query block and key into a workspace (``delta_s_workspace``: ceil(Sq/128) x
+  Sk_p floats per (batch, q head), in chunks of heads that fit ``SAGEATTN3_DELTA_S_WORKSPACE_MIB``,
+  default 512); where one head alone does not fit, the kernel computes it per 128-key tile in its
+  loop instead (slower, no workspace). Both give the same delta_s bit for bit.
 - With Q/K rotation (``reference.rotate``) the scores are (D/64)·Q·Kᵀ: the softmax scale is
   divided by that factor (``qk_rotation=True``).
 
@@ -30,6 +33,7 @@ query i iff j <= i). D = 64 or 128; GQA/MQA (Hq a multiple of Hkv).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -39,8 +43,42 @@ HEAD_DIMS = (64, 128)
 SEQ_PAD = 128  # the kernel's tile along both sequences
 
 
+WORKSPACE_ENV = "SAGEATTN3_DELTA_S_WORKSPACE_MIB"
+WORKSPACE_DEFAULT_MIB = 512
+
+
 def _ops():
     return torch.ops.sageattn3
+
+
+def delta_s_workspace_limit() -> int:
+    """The most bytes the precomputed delta_s may take (``SAGEATTN3_DELTA_S_WORKSPACE_MIB``, MiB;
+    default 512; 0 keeps the kernel's in-loop correction always)."""
+    raw = os.environ.get(WORKSPACE_ENV, "").strip()
+    if not raw:
+        return WORKSPACE_DEFAULT_MIB << 20
+    try:
+        mib = int(raw)
+    except ValueError:
+        mib = -1
+    if mib < 0:
+        raise ValueError(f"{WORKSPACE_ENV}={raw!r}: expected a whole number of MiB >= 0 (the most memory the "
+                         f"precomputed delta_s may take; 0: none, the kernel corrects in its loop), e.g. "
+                         f"{WORKSPACE_ENV}={WORKSPACE_DEFAULT_MIB}")
+    return mib << 20
+
+
+def delta_s_workspace(batch: int, heads_q: int, nblk: int, seq_q: int, seq_k_pad: int,
+                      device: torch.device) -> torch.Tensor:
+    """The workspace of delta_s per query block and key: whole (batch, q head) rows of
+    ceil(seq_q/128) x seq_k_pad floats, as many as ``delta_s_workspace_limit`` allows (all of
+    them at most); empty with one Q mean or when not even one row fits (the kernel then corrects
+    in its loop). Shapes only: no synchronisation."""
+    row = -(-seq_q // SEQ_PAD) * seq_k_pad
+    rows = 0 if nblk == 1 else min(batch * heads_q, delta_s_workspace_limit() // (4 * row))
+    if rows < 1:
+        return _kernels._none(device, 7)
+    return torch.empty(rows * row, dtype=torch.float32, device=device)
 
 
 def has_kernel() -> bool:
@@ -179,8 +217,9 @@ def _launch(q, q_sf, k, k_sf, v, v_sf, mean_q, mean_q_global, delta_key, seq_q: 
         scale *= 64.0 / d  # rotate(q) . rotate(k) = (D/64) q . k (exact: a power of two)
     out = torch.empty((q.shape[0], q.shape[1], seq_q, d), dtype=out_dtype, device=q.device)
     k_res = _kernels._none(q.device, 6) if k_residual is None else k_residual
-    _kernels.op("blockscaled_fp4_attn")(q, q_sf, k, k_sf, v, v_sf, mean_q, mean_q_global, delta_key, k_res, out, seq_q,
-                                        seq_k, scale, is_causal)
+    work = delta_s_workspace(q.shape[0], q.shape[1], mean_q.shape[2], seq_q, k.shape[2], q.device)
+    _kernels.op("blockscaled_fp4_attn")(q, q_sf, k, k_sf, v, v_sf, mean_q, mean_q_global, delta_key, k_res, work, out,
+                                        seq_q, seq_k, scale, is_causal)
     return out
 
 

@@ -433,8 +433,9 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
        K's mean; K's tiles also write delta_key = mean_q_global · K_sᵀ per key and q head (the
        unquantized smoothed row as quantized, from registers) and, with per_block_mean, K's
        quantization residual (``reference.quantize_residual``, one E4M3 byte per element); the
-       attention kernel adds the block residuals' part per K tile from both
-       (``Preprocessed.delta_s`` materialises it all).
+       attention launch adds the block residuals' part from both: precomputed per query block
+       and key into a bounded workspace before the attention kernel, or per K tile in it
+       (``Preprocessed.delta_s`` materialises it all; ``_attn.delta_s_workspace``).
     ``qk_rotation`` (D 64/128): Q and K rows are rotated in registers before smoothing.
     ``qk_balance=True`` (D 64/128, per_block_mean; off by default): the channel balance
     (``reference.balance_exponents``) from the same sampled blocks; Q and K are scaled by it in

@@ -6,8 +6,11 @@
 //   attention_standin mma                      -> the sm_90 fp16 mma.sync rate (FLOP/clk/SM)
 //   attention_standin D S HQ HKV CAUSAL MODE   -> one line: median ms of the launch
 //
-// MODE: "defaults" (per-block Q means: the block-residual correction runs) or "one-mean" (one Q
-// mean, no K residual). The values are wrong by design; the inputs are chosen so that every
+// MODE: "defaults" (per-block Q means: delta_s per query block and key precomputed into a
+// workspace for all heads, then the attention), "bounded" (per-block Q means without the
+// workspace: the kernel corrects delta_s in its loop) or "one-mean" (one Q mean, no K residual).
+// Built against a source tree whose Fp4AttnArgs has no ds_work (a --baseline from before it),
+// "defaults" and "bounded" both run that tree's per-block path. The values are wrong by design; the inputs are chosen so that every
 // value stays finite (codes read as fp16 stay below 2, residual bytes are small), so no slow
 // path of the reciprocal or of NaN handling runs that the real kernel would not run.
 #include <algorithm>
@@ -108,17 +111,27 @@ int run_mma_rate() {
 
 }  // namespace
 
+// Fp4AttnArgs::ds_work where the tree has it (SFINAE: a baseline tree may not).
+template <class A>
+auto set_ds_work(A& a, float* w, int64_t n, int) -> decltype(a.ds_work = w, void()) {
+  a.ds_work = w;
+  a.ds_work_floats = n;
+}
+template <class A>
+void set_ds_work(A&, float*, int64_t, long) {}
+
 int main(int argc, char** argv) {
   if (argc == 2 && std::strcmp(argv[1], "mma") == 0) return run_mma_rate();
   if (argc != 7) {
-    std::fprintf(stderr, "usage: attention_standin mma | D S HQ HKV CAUSAL defaults|one-mean\n");
+    std::fprintf(stderr, "usage: attention_standin mma | D S HQ HKV CAUSAL defaults|bounded|one-mean\n");
     return 2;
   }
   const int D = std::atoi(argv[1]), S = std::atoi(argv[2]), hq = std::atoi(argv[3]), hkv = std::atoi(argv[4]);
   const int causal = std::atoi(argv[5]);
-  const bool blocks = std::strcmp(argv[6], "defaults") == 0;
+  const bool work = std::strcmp(argv[6], "defaults") == 0;
+  const bool blocks = work || std::strcmp(argv[6], "bounded") == 0;
   if (!blocks && std::strcmp(argv[6], "one-mean") != 0) {
-    std::fprintf(stderr, "attention_standin: mode must be defaults or one-mean, got %s\n", argv[6]);
+    std::fprintf(stderr, "attention_standin: mode must be defaults, bounded or one-mean, got %s\n", argv[6]);
     return 2;
   }
   const int pad = (S + 127) / 128 * 128, mblocks = blocks ? pad / 128 : 1;
@@ -155,6 +168,12 @@ int main(int argc, char** argv) {
   a.seq_q = S; a.seq_k = S; a.seq_q_pad = pad; a.seq_k_pad = pad;
   a.mean_qblocks = mblocks; a.sm_scale = 1.f / std::sqrt(static_cast<float>(D)); a.causal = causal;
   a.out_dtype = DType::kBFloat16;
+  if (work) {  // delta_s of every (head, query block, key): hq x pad/128 x pad floats
+    float* ws = nullptr;
+    const int64_t n = int64_t{hq} * mblocks * pad;
+    if (!ok(cudaMalloc(&ws, n * 4), "malloc")) return 1;
+    set_ds_work(a, ws, n, 0);
+  }
   if (!ok(static_cast<cudaError_t>(fp4_attn_fwd(a, nullptr)), "fp4_attn_fwd") || !ok(cudaDeviceSynchronize(), "run"))
     return 1;
   const float ms = median_ms([&] { fp4_attn_fwd(a, nullptr); }, S >= 16384 ? 7 : 15);

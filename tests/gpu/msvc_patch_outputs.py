@@ -62,12 +62,17 @@ def run(c: dict, pre=None) -> torch.Tensor:
 
 
 def raw_call(pre, out: torch.Tensor, causal: bool = False) -> None:
-    """The op itself on padded inputs and a preallocated output (no allocation per call)."""
+    """The op itself on padded inputs and a preallocated output (no allocation per call but
+    delta_s's workspace, from torch's allocator)."""
+    from sageattn3 import _attn
+
     torch.ops.sageattn3.blockscaled_fp4_attn(
         pre.q_packed.view(torch.uint8), pre.q_scales.view(torch.uint8), pre.k_packed.view(torch.uint8),
         pre.k_scales.view(torch.uint8), pre.v_packed.view(torch.uint8), pre.v_scales.view(torch.uint8),
         pre.mean_q, pre.mean_q_global, pre.delta_key,
-        torch.empty(0, device=out.device) if pre.k_residual is None else pre.k_residual, out, int(pre.seq_q),
+        torch.empty(0, device=out.device) if pre.k_residual is None else pre.k_residual,
+        _attn.delta_s_workspace(out.shape[0], out.shape[1], pre.mean_q.shape[2], int(pre.seq_q),
+                                pre.k_packed.shape[2], out.device), out, int(pre.seq_q),
         int(pre.seq_k),
         1.0 / (2 * pre.q_packed.shape[-1]) ** 0.5 * (64.0 / (2 * pre.q_packed.shape[-1]) if pre.qk_rotation else 1.0),
         causal)

@@ -30,7 +30,7 @@ def ref_rows(pre, rows: torch.Tensor, is_causal: bool, sm_scale: float) -> torch
     qd = ref.dequantize_rows(pre.q_packed, pre.q_scales)[..., rows, :]
     kd = ref.expand_kv(ref.dequantize_rows(pre.k_packed, pre.k_scales), hq)
     vd = ref.expand_kv(ref.dequantize_transposed(pre.v_packed, pre.v_scales, pre.v_packed.shape[-1] * 2), hq)
-    delta_s = pre.delta_s  # delta_key + r . K^T (K^: Kd + residual), materialised here only (the kernel: per tile)
+    delta_s = pre.delta_s  # delta_key + r . K^T (K^: Kd + residual); the kernel: precomputed, or per tile (bounded mode)
     nblk = delta_s.shape[-2]
     ds_rows = delta_s[..., (rows // 128) if nblk > 1 else torch.zeros_like(rows), :]
     c = sm_scale / ref.rotation_score_factor(qd.shape[-1], pre.qk_rotation) * ref.LOG2E
@@ -148,6 +148,34 @@ def test_fp4_attention_deterministic():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp4_attention_delta_s_modes_agree_bit_for_bit(monkeypatch, d, causal):
+    """delta_s per query block and key precomputed for every head at once, in chunks of two heads
+    (SAGEATTN3_DELTA_S_WORKSPACE_MIB=1: 512 KiB rows), and corrected in the kernel's loop without
+    a workspace (=0, the bounded-memory mode): the same output bit for bit, at the reference."""
+    attn_or_skip()
+    from sageattn3 import _attn, reference as ref
+
+    q, k, v = attention_cases.make("q_drift", 2, 6, 2, 4000, 4096, d, seed=11 + d, device="cuda")
+    pre = ref.preprocess(q, k, v, per_block_mean=True, pad=128)
+    outs = {}
+    for mib, rows in ((None, 12), ("1", 2), ("0", 0)):
+        if mib is None:
+            monkeypatch.delenv(_attn.WORKSPACE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(_attn.WORKSPACE_ENV, mib)
+        work = _attn.delta_s_workspace(2, 6, pre.mean_q.shape[2], 4000, pre.k_packed.shape[2], q.device)
+        assert work.numel() == rows * 32 * 4096, (mib, work.numel())
+        outs[mib] = _attn.attention_from_preprocessed(pre, is_causal=causal, out_dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    assert torch.equal(outs[None], outs["1"]) and torch.equal(outs[None], outs["0"])
+    rows = check_rows(4000).to(q.device)
+    want = ref_rows(pre, rows, causal, 1.0 / math.sqrt(d))
+    got = outs[None][..., rows, :].float()
+    assert cos_sim(got, want) >= 0.99999
+
+
 def test_fp4_attention_needs_k_residual_with_block_means():
     """With per-block Q means the kernel needs K's quantization residual: refused with a message
     that names it (Python and the op), and accepted without it for one Q mean. Without the
@@ -166,7 +194,8 @@ def test_fp4_attention_needs_k_residual_with_block_means():
     out = torch.empty(1, 4, 512, 128, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(RuntimeError, match="k_res"):
         torch.ops.sageattn3.blockscaled_fp4_attn(*(t.view(torch.uint8) if t.dtype != torch.float32 else t for t in ops),
-                                                 pre.mean_q_global, pre.delta_key, torch.empty(0, device="cuda"), out,
+                                                 pre.mean_q_global, pre.delta_key, torch.empty(0, device="cuda"),
+                                                 torch.empty(0, device="cuda"), out,
                                                  512, 384, 0.125, False)
     with_res = _attn.fp4_attention(*ops, k_residual=pre.k_residual, **kw)
     zeros = _attn.fp4_attention(*ops, k_residual=torch.zeros_like(pre.k_residual), **kw)

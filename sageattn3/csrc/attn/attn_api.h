@@ -14,13 +14,20 @@
 //          (exactly the operand in shared memory) plus K's quantization residual (a zero scale
 //          byte counts as 2^-9 there, the residual's unit where the codes are 0), i.e. the
 //          unquantized smoothed K to within E4M3 rounding of its quantization error
-//          (reference.dequantize_rows with the residual). The residual part is computed per K
-//          tile on the CUDA cores, and skipped for a query tile whose residual mean_q[i] - qbar
-//          (fp32) is all zeros.
+//          (reference.dequantize_rows with the residual). With per-block Q means, delta_s is
+//          precomputed per query block and key into ds_work (a kernel before the attention's, K^
+//          decoded once per 32 query blocks), in chunks of (batch, q head) rows that fit it;
+//          without ds_work (or too small for one row: ceil(Sq/128) x Sk_pad floats) the attention
+//          kernel computes the residual part per K tile on the CUDA cores instead (the
+//          bounded-memory mode, slower), skipped for a query tile whose residual
+//          mean_q[i] - qbar (fp32) is all zeros. Both give the same delta_s bit for bit.
 //   k_res  E4M3 (B, Hkv, Sk_pad, D): K's quantization residual (reference.quantize_residual),
 //          or null with one Q mean (mean_qblocks 1: the residual r is 0).
+//   ds_work fp32 workspace of ds_work_floats floats, or null (see ds_key). Its size for all rows
+//          at once: B x Hq x ceil(Sq/128) x Sk_pad x 4 bytes (32 MiB per (batch, head) at 32k
+//          tokens, 512 MiB at 128k).
 //   out    bf16/fp16 (B, Hq, Sq, D)
-// Q/K/V/mean_q/qbar/k_res must be 16-byte aligned, ds_key and the scales 4-byte aligned.
+// Q/K/V/mean_q/qbar/k_res must be 16-byte aligned, ds_key, ds_work and the scales 4-byte aligned.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime_api.h>
@@ -40,6 +47,8 @@ struct Fp4AttnArgs {
   const float* qbar;
   const float* ds_key;
   const void* k_res;
+  float* ds_work;
+  int64_t ds_work_floats;
   void* out;
   int batch, heads_q, heads_kv, head_dim;
   int seq_q, seq_k, seq_q_pad, seq_k_pad;

@@ -6,13 +6,15 @@
 // (batch x q-head x 128-row block) are distributed over a persistent grid sized from the
 // device's SM count; causal tiles are visited longest first.
 //
-// Per 128-key stage, the CTA first computes delta_s[j] = ds_key[j] + r . K^[j] for the stage's 128
-// keys into a 128-float vector of the stage: ds_key (qbar . K_s[j], the unquantized smoothed K,
-// from preprocessing) read per key, and the residual r = mean_q - qbar of this tile's Q mean
-// (loaded once per tile) times K^ = Kd + the quantization residual (the dequantized smoothed K in
-// shared memory plus k_res, read from global memory: the smoothed K to within E4M3 rounding of its
-// quantization error) on the CUDA cores (2 threads per key, a fixed summation order), skipped
-// when the tile's r is all zeros (one Q mean). Then each consumer warp computes
+// Per 128-key stage, the CTA first writes the stage's delta_s vector (128 floats, each key pair
+// twice: delta_pair_offset), read from a row of p.ds_key: with one Q mean preprocessing's ds_key
+// (qbar . K_s[j], the unquantized smoothed K); with per-block Q means the row of this query block
+// in the workspace that delta_s_blocks_kernel filled before (delta_s_blocks.cuh: ds_key[j] +
+// r . K^[j], r = mean_q - qbar). The kInLoopResidual instantiation (the bounded-memory mode, no
+// workspace) computes that r . K^[j] here instead, in the same arithmetic: r of this tile (loaded
+// once per tile) times K^ = Kd + the quantization residual (the dequantized smoothed K in shared
+// memory plus k_res, read from global memory) on the CUDA cores (2 threads per key, a fixed
+// summation order), skipped when the tile's r is all zeros. Then each consumer warp computes
 //   S  = delta_s + Q K^T            (block-scaled FP4 MMA, fp32 accumulate, S keys permuted: key_of)
 //   online softmax in exp2 domain, P2 = exp2(S*scale*log2e - m + log2 2688)   (level 1)
 //   P2 -> NVFP4 in registers (level 2), O = O*alpha + P2 V    (block-scaled FP4 MMA)
@@ -38,7 +40,9 @@ struct SmemLayout {
   static constexpr int kKBytes = kBlockN * D / 2;
   static constexpr int kKSfBytes = kBlockN * D / 16;
   static constexpr int kVBytes = D * kBlockN / 2;
-  static constexpr int kDeltaBytes = kBlockN * 4;
+  // delta_s of keys 2i, 2i+1, twice: 16 bytes per pair, 16 bytes of padding after every 8 pairs
+  // (delta_pair_offset)
+  static constexpr int kDeltaBytes = kBlockN * 8 + kBlockN;
   static constexpr int kVSfBytes = D * kBlockN / 16;  // the stage's V scales, copied by the consumers
   // Offsets from a 1024-aligned base; every swizzled tile starts on a 1024 boundary.
   static constexpr int kQ = 0;
@@ -65,14 +69,18 @@ struct SmemLayout {
   static constexpr uint32_t kQTx = kQBytes + kQSfBytes;
 };
 
+// Byte offset of key pair i (keys 2i, 2i+1) in a stage's delta_s vector: the four pairs a quarter
+// warp loads at once (i, i + 4, i + 8, i + 12) land in distinct banks.
+__host__ __device__ __forceinline__ constexpr uint32_t delta_pair_offset(uint32_t i) { return 16 * i + 16 * (i >> 3); }
+
 struct TileCoord {
   int b, hq, hk, mb, num_kb;
 };
 
 __device__ __forceinline__ TileCoord decode_tile(const AttnParams& p, int tile) {
   TileCoord c;
-  const int bh_count = p.batch * p.heads_q;
-  const int bh = tile % bh_count, step = tile / bh_count;
+  const int bh_count = p.bh_count;
+  const int bh = p.bh0 + tile % bh_count, step = tile / bh_count;
   c.b = bh / p.heads_q;
   c.hq = bh % p.heads_q;
   c.hk = c.hq / (p.heads_q / p.heads_kv);
@@ -243,7 +251,7 @@ __device__ __forceinline__ float delta_s_part(uint32_t k_tile, uint32_t ksf_tile
   return total;
 }
 
-template <int D>
+template <int D, bool kInLoopResidual>
 __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int warp) {
   using L = SmemLayout<D>;
   constexpr int kChunks = D / 64;       // k64 chunks of the head dim
@@ -269,6 +277,8 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   const uint32_t k_lane_col = kChunks == 2 ? 16 * (lane >> 3) : 16 * ((lane >> 3) & 1);
   const uint32_t ksf_lane = key_of(0, g) * (D / 16) + (kChunks == 2 ? 4 * (t & 1) : 0);
   const uint32_t v_lane = swizzled<kBlockN / 2>((lane & 7) * (kBlockN / 2) + 16 * (lane >> 3));
+  // delta_pair_offset(key_of(j, 0) / 2 + 4t) = delta_pair_offset(key_of(j, 0) / 2) + this
+  const uint32_t delta_lane = 16 * (4 * t) + 16 * (t >> 1);
 
   RingPos<kStages> ring;
   uint32_t q_round = 0;
@@ -282,23 +292,26 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
     if (is_producer) prod.run(p, smem, ring.n + kStages);
     __syncwarp();
 
-    // ---- this tile's Q mean residual r = mean_q - qbar into shared memory ----
-    // Safe to overwrite: every thread read the previous tile's residual before the last stage barrier.
     const int bh_q = c.b * p.heads_q + c.hq;
-    int nonzero = 0;
-    if (threadIdx.x < D / 4) {
-      const float* mq = p.mean_q + (static_cast<int64_t>(bh_q) * p.mean_qblocks + (p.mean_qblocks > 1 ? c.mb : 0)) * D;
-      const float4 m = __ldg(reinterpret_cast<const float4*>(mq) + threadIdx.x);
-      const float4 g = __ldg(reinterpret_cast<const float4*>(p.qbar + static_cast<int64_t>(bh_q) * D) + threadIdx.x);
-      const float4 v = make_float4(__fsub_rn(m.x, g.x), __fsub_rn(m.y, g.y), __fsub_rn(m.z, g.z), __fsub_rn(m.w, g.w));
-      nonzero = v.x != 0.f || v.y != 0.f || v.z != 0.f || v.w != 0.f;
-      const int d = 4 * threadIdx.x;
-      *reinterpret_cast<float4*>(smem + L::kMeanQ + 4 * (d + (d >= D / 2 ? 4 : 0))) = v;
-    }
-    const bool has_residual = __syncthreads_or(nonzero) != 0;
+    bool has_residual = false;
     const int64_t kres_row0 = static_cast<int64_t>(c.b * p.heads_kv + c.hk) * p.seq_k_pad;
-    if (has_residual) ResidualHalf<D>::prefetch(p.k_res, kres_row0, ds_k, ds_half);  // the first stage's
-    const float* ds_key_row = p.ds_key + static_cast<int64_t>(bh_q) * p.seq_k_pad;
+    if constexpr (kInLoopResidual) {
+      // ---- this tile's Q mean residual r = mean_q - qbar into shared memory ----
+      // Safe to overwrite: every thread read the previous tile's residual before the last stage barrier.
+      int nonzero = 0;
+      if (threadIdx.x < D / 4) {
+        const float* mq = p.mean_q + (static_cast<int64_t>(bh_q) * p.mean_qblocks + (p.mean_qblocks > 1 ? c.mb : 0)) * D;
+        const float4 m = __ldg(reinterpret_cast<const float4*>(mq) + threadIdx.x);
+        const float4 g = __ldg(reinterpret_cast<const float4*>(p.qbar + static_cast<int64_t>(bh_q) * D) + threadIdx.x);
+        const float4 v = make_float4(__fsub_rn(m.x, g.x), __fsub_rn(m.y, g.y), __fsub_rn(m.z, g.z), __fsub_rn(m.w, g.w));
+        nonzero = v.x != 0.f || v.y != 0.f || v.z != 0.f || v.w != 0.f;
+        const int d = 4 * threadIdx.x;
+        *reinterpret_cast<float4*>(smem + L::kMeanQ + 4 * (d + (d >= D / 2 ? 4 : 0))) = v;
+      }
+      has_residual = __syncthreads_or(nonzero) != 0;
+      if (has_residual) ResidualHalf<D>::prefetch(p.k_res, kres_row0, ds_k, ds_half);  // the first stage's
+    }
+    const float* ds_key_row = p.ds_key + static_cast<int64_t>(bh_q - p.bh0) * p.ds_bh_stride + c.mb * p.ds_m_stride;
 
     // ---- Q fragments and scales into registers, then hand the Q buffer back ----
     mbar_wait(q_full, q_round & 1u);
@@ -344,7 +357,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       // then every warp has read it.
       {
         float res = 0.f;
-        if (has_residual) {
+        if (kInLoopResidual && has_residual) {
           ResidualHalf<D> kres;
           kres.load(p.k_res, kres_row0 + k0, ds_k, ds_half);
           if (kb + 1 < c.num_kb) ResidualHalf<D>::prefetch(p.k_res, kres_row0 + k0 + kBlockN, ds_k, ds_half);
@@ -352,7 +365,9 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
               delta_s_part<D>(stage + L::kStageK, stage + L::kStageKSf, s_base + L::kMeanQ, ds_k, ds_half, kres);
           res = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, 1));
         }
-        if (ds_half == 0) sts_f32(stage + L::kStageDelta + 4 * ds_k, __fadd_rn(__ldg(ds_key_row + k0 + ds_k), res));
+        // pair layout {d[2i], d[2i+1], d[2i], d[2i+1]}: the two threads of key ds_k write a copy each
+        sts_f32(stage + L::kStageDelta + delta_pair_offset(ds_k >> 1) + 8 * ds_half + 4 * (ds_k & 1),
+                __fadd_rn(__ldg(ds_key_row + k0 + ds_k), res));
         if (threadIdx.x < 2 * D) {
           const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(v_sf_copy + k0 / 16));
           asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage + L::kStageVSf + 4 * threadIdx.x), "r"(w) : "memory");
@@ -364,8 +379,12 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       float s[kNT][4];
 #pragma unroll
       for (int j = 0; j < kNT; ++j) {
-        const float2 dl = lds_f2(stage + L::kStageDelta + 4 * (key_of(j, 0) + key_of(0, 2 * t)));
-        s[j][0] = dl.x; s[j][1] = dl.y; s[j][2] = dl.x; s[j][3] = dl.y;
+        // rows g and g + 8 of keys 2i, 2i+1 in one load straight into the accumulator's registers
+        // (a pair loaded once took four register moves: docs/performance.md, section 3)
+        // pair key_of(j, 0) / 2 + 4t: the carry into bit 3 of the pair index comes from t alone
+        static_assert(key_of(0, 2) == 8 && (key_of(3, 0) & 15) == 6, "pair index split");
+        const float4 dl = lds_f4(stage + L::kStageDelta + delta_lane + delta_pair_offset(key_of(j, 0) / 2));
+        s[j][0] = dl.x; s[j][1] = dl.y; s[j][2] = dl.z; s[j][3] = dl.w;
       }
       // Key rows of n-tile j: key_of(j, x) = key_of(j, 0) + key_of(0, x), and the swizzle XOR of
       // such a row depends on j only (see key_swizzle), so each address is a per-lane base plus
@@ -405,13 +424,31 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       }
 
       // ---- online softmax (exp2 domain), level-1 scaling folded into the exponent ----
+      // Maxima of S per 16-key block of P (bm[q][h][r]: row g + 8r, keys 64q + 32h + 16(t>>1) ..
+      // +15, this lane's 8 and its partner t^1's), then the row maxima from them. P's block amax
+      // is exp2 of the block's largest exponent (P rises with S: scale_log2 >= 0), computed once
+      // per block instead of a maximum over its 8 values of P.
+      float bm[kBlockN / 64][2][2];
+#pragma unroll
+      for (int q = 0; q < kBlockN / 64; ++q)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float m = fmaxf(s[8 * q + 4 * h][2 * r], s[8 * q + 4 * h][2 * r + 1]);
+#pragma unroll
+            for (int jj = 1; jj < 4; ++jj) m = fmaxf(m, fmaxf(s[8 * q + 4 * h + jj][2 * r], s[8 * q + 4 * h + jj][2 * r + 1]));
+            bm[q][h][r] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+          }
       float bias[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float mx = -INFINITY;
+        float mx = bm[0][0][r];
 #pragma unroll
-        for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        for (int q = 0; q < kBlockN / 64; ++q)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            if (q + h > 0) mx = fmaxf(mx, bm[q][h][r]);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(row_max[r], mx * p.scale_log2);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: P = 0
@@ -449,7 +486,12 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
               pv[h][r][2 * jj] = s[8 * q + 4 * h + jj][2 * r];
               pv[h][r][2 * jj + 1] = s[8 * q + 4 * h + jj][2 * r + 1];
             }
-        quantize_p_chunk(pv, pa[q], p_sf[q]);
+        float amax[2][2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) amax[h][r] = fast_exp2(fmaf(bm[q][h][r], p.scale_log2, bias[r]));
+        quantize_p_chunk(pv, amax, pa[q], p_sf[q]);
       }
 #pragma unroll
       for (int n = 0; n < kDT; ++n) {
@@ -476,7 +518,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   }
 }
 
-template <int D>
+template <int D, bool kInLoopResidual>
 __device__ __forceinline__ void attn_fwd_body(const AttnParams& p) {
   using L = SmemLayout<D>;
   extern __shared__ uint8_t smem_raw[];
@@ -493,7 +535,7 @@ __device__ __forceinline__ void attn_fwd_body(const AttnParams& p) {
     mbar_init_fence();
   }
   __syncthreads();
-  consumer<D>(p, smem, warp);
+  consumer<D, kInLoopResidual>(p, smem, warp);
 }
 
 }  // namespace sageattn3::attn

@@ -1,4 +1,5 @@
-// Host side of the FP4 attention: argument checks, TMA descriptors, grid size, the one launch.
+// Host side of the FP4 attention: argument checks, TMA descriptors, grid size, delta_s's precompute
+// and the one launch site of the attention kernel.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -7,14 +8,18 @@
 
 #include "attn/attn_api.h"
 #include "attn/attn_fwd_kernel.cuh"
+#include "attn/delta_s_blocks.cuh"
 
 namespace sageattn3 {
 namespace attn {
 
-// The single kernel entry point (one instantiation per head dim).
-template <int D>
+// The single kernel entry point, two instantiations per head dim: kInLoopResidual false reads
+// delta_s rows (one Q mean: ds_key; per-block Q means: delta_s precomputed per query block and
+// key by delta_s_blocks_kernel), true corrects ds_key by r . K^ per key tile in its loop (per-block
+// Q means without a workspace for delta_s: the bounded-memory mode).
+template <int D, bool kInLoopResidual>
 __global__ void __launch_bounds__(kThreads, 1) fp4_attn_fwd_kernel(const __grid_constant__ AttnParams p) {
-  attn_fwd_body<D>(p);
+  attn_fwd_body<D, kInLoopResidual>(p);
 }
 
 namespace {
@@ -64,6 +69,22 @@ DeviceInfo device_info(int dev) {
 
 bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
 
+template <int D, bool kInLoopResidual>
+int launch_attn(AttnParams& p, int sms, cudaStream_t stream) {
+  using L = SmemLayout<D>;
+  auto kernel = fp4_attn_fwd_kernel<D, kInLoopResidual>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kTotal);
+  if (err != cudaSuccess) return err;
+  int per_sm = 0;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, L::kTotal);
+  if (err != cudaSuccess) return err;
+  p.num_tiles = p.bh_count * p.num_m_blocks;
+  const int grid = std::max(1, std::min(p.num_tiles, sms * std::max(per_sm, 1)));
+  // The launch site of the attention kernel (see attn_params.h for why it matters).
+  kernel<<<grid, kThreads, L::kTotal, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <int D>
 int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
   using L = SmemLayout<D>;
@@ -96,24 +117,60 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
   p.seq_k_pad = a.seq_k_pad;
   p.mean_qblocks = a.mean_qblocks;
   p.num_m_blocks = (a.seq_q + kBlockM - 1) / kBlockM;
-  p.num_tiles = static_cast<int>(bq * p.num_m_blocks);
   p.scale_log2 = a.sm_scale * 1.4426950408889634f;
   p.causal = a.causal ? 1 : 0;
   p.out_bf16 = a.out_dtype == DType::kBFloat16 ? 1 : 0;
+  p.bh0 = 0;
+  p.bh_count = static_cast<int>(bq);
+  p.ds_bh_stride = a.seq_k_pad;
+  p.ds_m_stride = 0;
 
   int dev = 0;
   cudaGetDevice(&dev);
   const DeviceInfo info = device_info(dev);
-  auto kernel = fp4_attn_fwd_kernel<D>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kTotal);
-  if (err != cudaSuccess) return err;
-  int per_sm = 0;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, L::kTotal);
-  if (err != cudaSuccess) return err;
-  const int grid = std::max(1, std::min(p.num_tiles, info.sms * std::max(per_sm, 1)));
-  // The one launch site (see attn_params.h for why it matters).
-  kernel<<<grid, kThreads, L::kTotal, stream>>>(p);
-  return cudaGetLastError();
+  if (a.mean_qblocks == 1) return launch_attn<D, false>(p, info.sms, stream);
+
+  // Per-block Q means: delta_s per query block and key, precomputed into the caller's workspace
+  // in chunks of (batch, q head) rows that fit it; without one (or too small for one row), the
+  // kernel corrects ds_key in its loop (the bounded-memory mode). Both give the same delta_s.
+  const int64_t row_floats = static_cast<int64_t>(p.num_m_blocks) * a.seq_k_pad;
+  // at most 65535 rows per chunk: the precompute's grid.y
+  const int64_t rows = a.ds_work == nullptr ? 0
+      : std::min<int64_t>(std::min<int64_t>(static_cast<int64_t>(bq), a.ds_work_floats / row_floats), 65535);
+  if (rows < 1) return launch_attn<D, true>(p, info.sms, stream);
+  const int chunk = static_cast<int>(rows);
+  float* ws = a.ds_work;
+  DeltaSBlocksParams dp{};
+  dp.k = static_cast<const uint8_t*>(a.k);
+  dp.k_sf = static_cast<const uint8_t*>(a.k_sf);
+  dp.k_res = static_cast<const uint8_t*>(a.k_res);
+  dp.mean_q = a.mean_q;
+  dp.qbar = a.qbar;
+  dp.ds_key = a.ds_key;
+  dp.out = ws;
+  dp.heads_q = a.heads_q;
+  dp.heads_kv = a.heads_kv;
+  dp.mean_qblocks = a.mean_qblocks;
+  dp.seq_k = a.seq_k;
+  dp.seq_k_pad = a.seq_k_pad;
+  dp.num_m_blocks = p.num_m_blocks;
+  dp.causal = p.causal;
+  int rc = cudaSuccess;
+  for (int bh0 = 0; bh0 < static_cast<int>(bq) && rc == cudaSuccess; bh0 += chunk) {
+    const int n = std::min(chunk, static_cast<int>(bq) - bh0);
+    dp.bh0 = bh0;
+    const dim3 grid((a.seq_k + kBlockN - 1) / kBlockN, n, (p.num_m_blocks + kDeltaMGroup - 1) / kDeltaMGroup);
+    delta_s_blocks_kernel<D><<<grid, 2 * kBlockN, 0, stream>>>(dp);
+    rc = cudaGetLastError();
+    if (rc != cudaSuccess) break;
+    p.bh0 = bh0;
+    p.bh_count = n;
+    p.ds_key = ws;
+    p.ds_bh_stride = static_cast<int64_t>(p.num_m_blocks) * a.seq_k_pad;
+    p.ds_m_stride = a.seq_k_pad;
+    rc = launch_attn<D, false>(p, info.sms, stream);
+  }
+  return rc;
 }
 
 }  // namespace
@@ -130,7 +187,7 @@ int fp4_attn_fwd(const Fp4AttnArgs& a, cudaStream_t stream) {
   if (a.mean_qblocks != 1 && a.k_res == nullptr) return cudaErrorInvalidValue;  // block means need K's residual
   if (a.out_dtype != DType::kBFloat16 && a.out_dtype != DType::kFloat16) return cudaErrorInvalidValue;
   if (!attn::aligned(a.q, 16) || !attn::aligned(a.k, 16) || !attn::aligned(a.v, 16) || !attn::aligned(a.mean_q, 16) ||
-      !attn::aligned(a.qbar, 16) || !attn::aligned(a.ds_key, 4) || !attn::aligned(a.k_res, 16) ||
+      !attn::aligned(a.qbar, 16) || !attn::aligned(a.ds_key, 4) || !attn::aligned(a.ds_work, 4) || !attn::aligned(a.k_res, 16) ||
       !attn::aligned(a.q_sf, 16) || !attn::aligned(a.k_sf, 16) || !attn::aligned(a.v_sf, 4) || !attn::aligned(a.out, 4))
     return cudaErrorInvalidValue;
   switch (a.head_dim) {
@@ -146,7 +203,7 @@ int fp4_attn_supported(int device) {
   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
   cudaFuncAttributes attr;
   // A kernel image for this device exists iff the attributes can be read.
-  if (cudaFuncGetAttributes(&attr, attn::fp4_attn_fwd_kernel<128>) != cudaSuccess) {
+  if (cudaFuncGetAttributes(&attr, attn::fp4_attn_fwd_kernel<128, false>) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }

@@ -24,13 +24,18 @@ struct AttnParams {
   const uint8_t* v_sf;   // V scales (B, Hkv, D, Sk_pad/16) bytes
   const float* mean_q;   // Q means fp32 (B*Hq*mean_qblocks rows, D)
   const float* qbar;     // Q means for the whole sequence (sampled) fp32 (B*Hq rows, D)
-  const float* ds_key;   // per-key correction fp32 (B*Hq rows, seq_k_pad): qbar . K_s^T, unquantized K_s
+  // delta_s row of tile (bh, mb): ds_key + (bh - bh0) * ds_bh_stride + mb * ds_m_stride. Either
+  // preprocessing's ds_key (B*Hq rows, seq_k_pad: qbar . K_s^T, unquantized K_s; stride 0 per mb),
+  // or the precomputed delta_s per query block and key (delta_s_blocks.cuh).
+  const float* ds_key;
+  int64_t ds_bh_stride, ds_m_stride;
   const uint8_t* k_res;  // K's quantization residual, E4M3 (B*Hkv*seq_k_pad rows, D), or null (one Q mean)
   void* out;             // (B, Hq, Sq, D), bf16 or fp16
   int batch, heads_q, heads_kv;
   int seq_q, seq_k, seq_q_pad, seq_k_pad;
   int mean_qblocks;      // 1 (one Q mean) or seq_q_pad / 128 (one per 128-row block)
   int num_m_blocks, num_tiles;
+  int bh0, bh_count;     // the (batch, q head) rows this launch covers: bh0 .. bh0 + bh_count - 1
   float scale_log2;      // softmax scale * log2(e)
   int causal;            // top-left aligned (key j visible to query i iff j <= i), like SDPA
   int out_bf16;          // 1: bf16 output, 0: fp16

@@ -37,6 +37,19 @@ __device__ __forceinline__ float rcp_scale(float s) {
   return fmaf(r, fmaf(-s, r, 1.f), r);
 }
 
+// e4m3_scale_byte(amax) for P's block amax (>= 0, at most 2688, no denormal after
+// ex2.approx.ftz), bit-identical: amax / 6 through the compiler's own fast path of the IEEE
+// division (the reciprocal of 6 refined once, the quotient and one correction step), without
+// the FCHK range test whose slow path (a call, its branches and reconvergence, 8 per tile) only
+// operands outside that range take.
+__device__ __forceinline__ uint32_t p_scale_byte(float amax) {
+  const float y0 = 0x1.555556p-3f;  // RN(1/6), the compiler's starting reciprocal
+  const float y = __fmaf_rn(__fmaf_rn(y0, -6.f, 1.f), y0, y0);
+  const float q0 = __fmaf_rn(amax, y, 0.f);
+  const float q = __fmaf_rn(y, __fmaf_rn(q0, -6.f, amax), q0);
+  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3)) & 0x7Fu;
+}
+
 // NVFP4 numerics of P, the same rules as sageattn3.reference.quantize_rows (the hardware
 // conversion is common/nvfp4.cuh's; the software one below is this kernel's own):
 // |x| -> E2M1 code, round to nearest, ties to the even code, saturating at 6.
@@ -70,19 +83,17 @@ __device__ __forceinline__ uint32_t e2m1x8(const float (&v)[8], float inv) {
 // p[h][r][i]: row g + 8r, keys 32h + 8t + i of the chunk (lane = 4g + t).
 // The scale register of lane 4g + t holds the 4 block scales of row g + 8(t&1), so it serves as
 // SF_A with thread-id-a 0 (and 1).
-__device__ __forceinline__ void quantize_p_chunk(const float (&p)[2][2][8], uint32_t (&a)[4], uint32_t& sf) {
+// amax[h][r]: the largest value of the 16-key block 32h + 16(t>>1) of row g + 8r (lanes t and t^1
+// share it), computed by the caller.
+__device__ __forceinline__ void quantize_p_chunk(const float (&p)[2][2][8], const float (&amax)[2][2], uint32_t (&a)[4],
+                                                 uint32_t& sf) {
   const int t = threadIdx.x & 3;
   uint32_t byte[2][2];  // [h][r]
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float amax = 0.f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, p[h][r][i]);
-      // Lanes t and t^1 share the 16-key block 32h + 16(t>>1).
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-      const uint32_t sb = e4m3_scale_byte(amax);
+      const uint32_t sb = p_scale_byte(amax[h][r]);
       const float s = e4m3_value(sb);
       const float inv = s > 0.f ? rcp_scale(s) : 0.f;
       a[2 * h + r] = e2m1x8(p[h][r], inv);

@@ -514,12 +514,14 @@ void smooth_quant_k_delta(T k, T mean_k, T mean_q, T packed, T scales, T out) {
 // layouts in attn/attn_api.h (sequence dims padded to multiples of 128, zeros); mean_q
 // (B, Hq, 1 or Sq_p/128, D), qbar (B, Hq, 1, D), ds_key (B, Hq, Sk_p) fp32, k_res (B, Hkv, Sk_p, D)
 // E4M3 (K's quantization residual; needed with more than one Q mean, else may be empty): the
-// kernel adds delta_s = ds_key + (mean_q - qbar) . (dequant(k) + k_res)^T itself.
+// kernel adds delta_s = ds_key + (mean_q - qbar) . (dequant(k) + k_res)^T itself; ds_work fp32
+// (any shape, contiguous): the workspace that delta_s per query block and key is precomputed
+// into (attn/attn_api.h), or empty (the bounded-memory mode).
 template <class T>
-void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qbar, T ds_key, T k_res, T out,
-                          int64_t seq_q, int64_t seq_k, double sm_scale, bool causal) {
+void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
+                          T out, int64_t seq_q, int64_t seq_k, double sm_scale, bool causal) {
   check_cuda(q, q, "q");
-  for (const T* t : {&q_sf, &k, &k_sf, &v, &v_sf, &mean_q, &qbar, &ds_key, &k_res, &out})
+  for (const T* t : {&q_sf, &k, &k_sf, &v, &v_sf, &mean_q, &qbar, &ds_key, &k_res, &ds_work, &out})
     check_cuda(*t, q, "an attention operand");
   check_bytes(q, "q");
   check_bytes(q_sf, "q_sf");
@@ -530,6 +532,7 @@ void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qba
   check_f32(mean_q, "mean_q");
   check_f32(qbar, "qbar");
   check_f32(ds_key, "ds_key");
+  check_f32(ds_work, "ds_work");
   SA3_CHECK(T, q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q_sf.dim() == 4 && k_sf.dim() == 4 &&
                    v_sf.dim() == 4 && mean_q.dim() == 4 && out.dim() == 4,
             "sageattn3: blockscaled_fp4_attn takes 4-D tensors");
@@ -569,6 +572,8 @@ void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qba
   a.qbar = floats(qbar);
   a.ds_key = floats(ds_key);
   a.k_res = residual ? k_res.data_ptr() : nullptr;
+  a.ds_work = ds_work.numel() > 0 ? floats(ds_work) : nullptr;
+  a.ds_work_floats = ds_work.numel();
   a.out = out.data_ptr();
   a.batch = static_cast<int>(B);
   a.heads_q = static_cast<int>(Hq);
@@ -630,7 +635,8 @@ void fp4_mma_probe(T a, T b, T sfa, T sfb, T c, T d, int64_t tid_a, int64_t tid_
   X(smooth_quant_k_delta, "smooth_quant_k_delta(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) packed, "        \
                           "Tensor(b!) scales, Tensor(c!) delta) -> ()")                                             \
   X(blockscaled_fp4_attn, "blockscaled_fp4_attn(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, "           \
-                          "Tensor v_sf, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor k_res, Tensor(a!) out, "  \
+                          "Tensor v_sf, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor k_res, Tensor(b!) ds_work, " \
+                          "Tensor(a!) out, "                                                                        \
                           "int seq_q, "                                                                             \
                           "int seq_k, float sm_scale, "                                                             \
                           "bool causal) -> ()")                                                                     \
