@@ -14,7 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ci.toolchain import cache_root, stop_sccache_server
+from ci.toolchain import CACHE_MARKER, cache_path, stop_sccache_server
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -50,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dist", action="store_true", help="also remove dist/ (built wheels and the local index)")
     ap.add_argument("--dry-run", action="store_true", help="say what would go and how large it is; remove nothing")
     a = ap.parse_args(argv)
-    cache = cache_root()
+    cache = cache_path()
+    if cache.exists() and not (cache / CACHE_MARKER).exists():
+        print(f"clean: not removing {cache}: it holds no {CACHE_MARKER} (SAGEATTN3_CACHE names a folder the "
+              f"factory did not make); point SAGEATTN3_CACHE at the factory's cache", file=sys.stderr)
+        return 2
     if not a.dry_run:
         stop_sccache_server()  # its cache directory is about to go
     clean([cache, REPO / "build", REPO / ".nox"] + ([REPO / "dist"] if a.dist else []), dry_run=a.dry_run)

@@ -46,12 +46,24 @@ def venv_python(root: Path) -> Path:
     return root / ("Scripts" if WINDOWS else "bin") / f"python{EXE}"
 
 
-def cache_root() -> Path:
+# Written into the cache folder by the factory: `nox -s clean` removes only a folder that holds it.
+CACHE_MARKER = ".sageattn3-factory-cache"
+
+
+def cache_path() -> Path:
+    """Where the factory's cache is (``$SAGEATTN3_CACHE``, else the XDG cache folder), unmade."""
     root = os.environ.get("SAGEATTN3_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sageattn3-factory"
     )
-    p = Path(root)
+    return Path(root)
+
+
+def cache_root() -> Path:
+    p = cache_path()
     p.mkdir(parents=True, exist_ok=True)
+    marker = p / CACHE_MARKER
+    if not marker.exists():
+        marker.write_text("sageattn3 wheel factory cache: `nox -s clean` may remove this folder\n")
     return p
 
 

@@ -75,12 +75,35 @@ def test_clean_removes_the_caches_and_says_how_much(tmp_path):
 def test_clean_dry_run_through_nox_names_the_factory_cache(tmp_path):
     if run("-c", "import nox").returncode != 0:
         pytest.skip("needs nox in the test environment (nox -s tests installs it)")
+    from ci.toolchain import CACHE_MARKER
+
     (tmp_path / "cache" / "x").mkdir(parents=True)
+    (tmp_path / "cache" / CACHE_MARKER).write_text("")
     proc = run("-m", "nox", "--no-venv", "-f", str(REPO / "noxfile.py"), "-s", "clean", "--", "--dry-run",
                env={"SAGEATTN3_CACHE": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"would remove {tmp_path / 'cache'} (0.00 GB)" in proc.stdout + proc.stderr
     assert (tmp_path / "cache" / "x").exists() and (REPO / "noxfile.py").exists()
+
+
+def test_clean_refuses_a_cache_folder_the_factory_did_not_make(tmp_path):
+    """SAGEATTN3_CACHE=~/.cache by mistake must not wipe the user's other caches."""
+    from ci.clean import main as clean_main
+
+    mine = tmp_path / "not-the-factory"
+    (mine / "other-tool").mkdir(parents=True)
+    import os
+
+    old = os.environ.get("SAGEATTN3_CACHE")
+    os.environ["SAGEATTN3_CACHE"] = str(mine)
+    try:
+        assert clean_main(["--dry-run"]) == 2
+    finally:
+        if old is None:
+            del os.environ["SAGEATTN3_CACHE"]
+        else:
+            os.environ["SAGEATTN3_CACHE"] = old
+    assert (mine / "other-tool").exists()
 
 
 def _dist(tmp_path: Path, requires: list[str], size: int) -> md.Distribution:
