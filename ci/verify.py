@@ -129,7 +129,9 @@ def install_and_check(rec: BuildRecord, base: TorchEnv, index_url: str, work: Pa
         "print(json.dumps({'dist': md.version('sageattn3'), 'record': sageattn3.build_info(),"
         " 'file': md.distribution('sageattn3').read_text('RECORD') is not None}))"
     )
-    res = subprocess.run([str(vpy), "-c", probe], capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    # the caller's PYTHONPATH would let another sageattn3 or torch answer the import
+    res = subprocess.run([str(vpy), "-c", probe], capture_output=True, text=True,
+                         env=pip_environ(extra={"CUDA_VISIBLE_DEVICES": ""}))
     if res.returncode != 0:
         raise VerifyError(f"{rec.wheel}: `import sageattn3` failed in Python {base.python_version} without a GPU:\n{res.stderr}")
     got = json.loads(res.stdout.strip().splitlines()[-1])
@@ -148,7 +150,7 @@ def check_abi_guard(rec: BuildRecord, foreign: TorchEnv, index_url: str, work: P
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_isolated_pip_env())
     if proc.returncode != 0:
         raise VerifyError(f"{rec.wheel}: could not install into the foreign-torch venv:\n{proc.stderr}")
-    res = subprocess.run([str(vpy), "-c", "import sageattn3"], capture_output=True, text=True)
+    res = subprocess.run([str(vpy), "-c", "import sageattn3"], capture_output=True, text=True, env=pip_environ())
     msg = res.stderr
     if res.returncode == 0:
         raise VerifyError(f"{rec.wheel}: imported into torch {foreign.torch_version} without the ABI guard firing")
