@@ -588,6 +588,26 @@ def standin_needs(matrix: Matrix, build: list[str] = ()) -> list[tuple[str, str]
     return sorted({(v, t.python) for t in chosen for v in (t.build_torch, foreign_line(t, matrix, t.python))})
 
 
+def _pythons_first(matrix: Matrix, index_url: str, runnable: list[str]) -> None:
+    """Every Python the rehearsal will use, found (or provisioned) before anything is built: a
+    missing one is one error naming the targets that need it, not a failure tens of minutes in."""
+    from ci.toolchain import ToolchainError, find_python
+
+    need: dict[str, list[str]] = {}
+    for t in matrix.targets:
+        if t.id in runnable:
+            need.setdefault(t.python, []).append(t.id)
+    for t, _role, _source in standin_resolutions(matrix, index_url, runnable):
+        if t.id not in need.get(t.python, []):
+            need.setdefault(t.python, []).append(t.id)
+    for python, ids in sorted(need.items()):
+        try:
+            find_python(python)
+        except ToolchainError as e:
+            shown = ", ".join(ids[:3]) + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
+            raise ToolchainError(f"the dry run needs Python {python} (for {shown}): {e}") from None
+
+
 def resolve_served_targets(matrix: Matrix, index_url: str, *, skip: list[str] = (), workers: int = 2,
                            log=print) -> list[TorchResolution]:
     """Every served target's build and guard torch (but those of ``skip``: the targets the
@@ -834,6 +854,7 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
         # every other target whose torch the stand-in serves (those that cannot build here for
         # want of their CUDA toolkit): its build torch and its guard's torch, resolved by real
         # pip in its floor Python while the targets below build (which install theirs for real)
+        _pythons_first(matrix, index_url, runnable)
         for version, python in standin_needs(matrix, runnable):
             fetch_torch(version, python, matrix, log=log)
         with ThreadPoolExecutor(max_workers=1) as background:

@@ -113,3 +113,21 @@ def test_a_missing_token_is_bad_input(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     line = one_line_error(proc, "no GitHub token", "GITHUB_TOKEN or GH_TOKEN")
     in_nox_output(nox("pages", *args[1:], env=TOKENLESS), line)
+
+
+def test_a_python_the_dry_run_cannot_get_is_one_line_before_any_build(tmp_path):
+    """The release dry run finds every Python it needs before it builds anything: with none but
+    this interpreter reachable (and provisioning off), one line naming the Python and the targets
+    that need it, exit 2, and nothing built."""
+    here = "%d.%d" % sys.version_info[:2]
+    missing = next(t.python for t in Matrix.load().targets if t.python != here)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAGEATTN3_PYTHON_")}
+    env.update(SAGEATTN3_NO_PROVISION_PYTHON="1", PYENV_ROOT=str(tmp_path / "no-pyenv"),
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"]))
+    env.pop("UV_PYTHON_INSTALL_DIR", None)
+    proc = command("-m", "ci.release", "--dry-run", "--dist", str(tmp_path / "dist"), env=env)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("release: the dry run needs Python ") and "(for linux-" in line and "Traceback" not in proc.stderr
+    assert "[build]" not in proc.stdout and not list((tmp_path / "dist").glob("**/*.whl"))
+    assert missing in proc.stderr
