@@ -140,23 +140,9 @@ def _width(op: str) -> int:
 
 
 def nvdisasm() -> Path:
-    """nvdisasm (not in the system toolkit here): from PATH, else PyPI into the factory cache."""
-    import shutil
+    from ci.toolchain import cuda_tool
 
-    found = shutil.which("nvdisasm")
-    if found:
-        return Path(found)
-    from ci.toolchain import cache_root
-
-    dest = cache_root() / "tools" / NVDISASM_PIN.replace("==", "-")
-    exe = dest / "nvidia" / "cu13" / "bin" / "nvdisasm"
-    if not exe.exists():
-        from ci.pip_env import pip_environ
-
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(dest),
-                        NVDISASM_PIN], check=True, env=pip_environ())
-        exe.chmod(exe.stat().st_mode | 0o111)
-    return exe
+    return cuda_tool("nvdisasm", NVDISASM_PIN)
 
 
 _LINE = re.compile(r'//## File "([^"]+)", line (\d+)(.*)')

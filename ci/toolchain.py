@@ -616,17 +616,22 @@ def ensure_packages(root: Path, extra: tuple[str, ...]) -> None:
 CUOBJDUMP_PIN = "nvidia-cuda-cuobjdump==13.2.86"  # reads cubins of every CUDA 12.8+/13.x build
 
 
-def cuobjdump() -> Path:
-    """cuobjdump (not in the system toolkit here): from PATH, else PyPI into the cache."""
-    found = shutil.which("cuobjdump")
+def cuda_tool(name: str, pin: str) -> Path:
+    """A CUDA binary tool the system toolkit here lacks (cuobjdump, nvdisasm): from PATH, else
+    its PyPI wheel (``pin``) installed once into the cache."""
+    found = shutil.which(name)
     if found:
         return Path(found)
-    dest = cache_root() / "tools" / CUOBJDUMP_PIN.replace("==", "-")
-    exe = dest / "nvidia" / "cu13" / "bin" / "cuobjdump"
+    dest = cache_root() / "tools" / pin.replace("==", "-")
+    exe = dest / "nvidia" / "cu13" / "bin" / name
     if not exe.exists():
         try:
-            run_pip([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(dest), CUOBJDUMP_PIN])
+            run_pip([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(dest), pin])
         except subprocess.CalledProcessError as e:
-            raise ToolchainError(f"cuobjdump is missing: `pip install {CUOBJDUMP_PIN}` failed") from e
+            raise ToolchainError(f"{name} is missing: `pip install {pin}` failed") from e
         exe.chmod(exe.stat().st_mode | 0o111)
     return exe
+
+
+def cuobjdump() -> Path:
+    return cuda_tool("cuobjdump", CUOBJDUMP_PIN)
