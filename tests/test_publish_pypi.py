@@ -24,7 +24,7 @@ pytest.importorskip("pypiserver")
 passlib_apache = pytest.importorskip("passlib.apache")
 
 USER, PASSWORD = "uploader", "pw-" + os.urandom(12).hex()
-VARIANTS = ("cu130.torch2.10.stable", "cu128.torch2.8")
+VARIANTS = ("cu132.torch2.10.stable", "cu128.torch2.8")
 
 
 def _free_port() -> int:
@@ -109,10 +109,10 @@ def test_all_variants_upload_skip_existing_and_pip_install(pypiserver, wheels, t
     assert p.returncode == 0 and "uploaded 0, skipped 2" in p.stdout, p.stdout + p.stderr
     # pip from the server, torch preinstalled and left alone
     venv = Venv(tmp_path / "venv")
-    venv.pip("install", "--no-index", str(torch_standin(tmp_path / "t", "2.14.1+cu130")))
-    venv.pip("install", "sageattn3==1.0.0+cu130.torch2.10.stable", "--index-url", url + "simple/")
+    venv.pip("install", "--no-index", str(torch_standin(tmp_path / "t", "2.15.0+cu132")))
+    venv.pip("install", "sageattn3==1.0.0+cu132.torch2.10.stable", "--index-url", url + "simple/")
     got = venv.installed()
-    assert got["sageattn3"] == "1.0.0+cu130.torch2.10.stable" and got["torch"] == "2.14.1+cu130"
+    assert got["sageattn3"] == "1.0.0+cu132.torch2.10.stable" and got["torch"] == "2.15.0+cu132"
 
 
 def test_bad_credentials_fail_without_echoing_them(pypiserver, wheels):
@@ -131,18 +131,18 @@ def test_pypi_mode_uploads_only_the_unlabelled_default(pypiserver, wheels, tmp_p
     names = sorted(x.name for x in pkgs.iterdir())
     assert len(names) == 1 and names[0].startswith("sageattn3-1.0.0-cp310-abi3-")
     venv = Venv(tmp_path / "venv")
-    venv.pip("install", "--no-index", str(torch_standin(tmp_path / "t", "2.14.1+cu130")))
+    venv.pip("install", "--no-index", str(torch_standin(tmp_path / "t", "2.15.0+cu132")))
     venv.pip("install", "sageattn3", "--index-url", url + "simple/")
     assert venv.installed()["sageattn3"] == "1.0.0"
-    assert venv.run("import sageattn3; print(sageattn3.VARIANT)") == "cu130.torch2.10.stable"
-    assert venv.installed()["torch"] == "2.14.1+cu130"
+    assert venv.run("import sageattn3; print(sageattn3.VARIANT)") == "cu132.torch2.10.stable"
+    assert venv.installed()["torch"] == "2.15.0+cu132"
 
 
 def test_default_variant_and_derived_wheel_are_valid(wheels, tmp_path):
-    assert default_variant_from_matrix() == "cu130.torch2.10.stable"
-    src = next(wheels.glob("*cu130*.whl"))
+    assert default_variant_from_matrix() == "cu132.torch2.10.stable"
+    src = next(wheels.glob("*cu132*.whl"))
     out = derive_unlabelled(src, tmp_path / "o")
-    assert out.name == src.name.replace("+cu130.torch2.10.stable", "")
+    assert out.name == src.name.replace("+cu132.torch2.10.stable", "")
     again = derive_unlabelled(src, tmp_path / "o2")
     assert out.read_bytes() == again.read_bytes()  # deterministic
     with zipfile.ZipFile(out) as z:

@@ -157,7 +157,11 @@ def noxfile_sessions(monkeypatch) -> dict:
             return f
         return register(a[0]) if a and callable(a[0]) else register
     fake.session = session
+    command = types.ModuleType("nox.command")
+    command.CommandFailed = type("CommandFailed", (Exception,), {})
+    fake.command = command
     monkeypatch.setitem(sys.modules, "nox", fake)
+    monkeypatch.setitem(sys.modules, "nox.command", command)
     exec(compile((REPO / "noxfile.py").read_text(), "noxfile.py", "exec"), {"__name__": "noxfile_under_test"})
     return sessions
 
