@@ -178,6 +178,13 @@ def test_python_only_change_recompiles_nothing(built, tmp_path):
     """The compiler cache is keyed by what is compiled: adding a Python file to the payload
     changes the wheel but every C++/CUDA translation unit comes from the cache."""
     probe = REPO / "sageattn3" / "sageattn3" / "_cache_probe.py"
+    from ci.toolchain import compiler_launcher, sccache_env
+
+    (exe,) = compiler_launcher()
+    env = {**os.environ, **sccache_env()}
+    # a server running before the build: the build leaves it up (it stops only one it started),
+    # so its statistics span the build
+    subprocess.run([exe, "--start-server"], env=env, capture_output=True)
     probe.write_text("# a Python-only change\n")
     try:
         before = _sccache_stats()
@@ -185,6 +192,7 @@ def test_python_only_change_recompiles_nothing(built, tmp_path):
         after = _sccache_stats()
     finally:
         probe.unlink()
+        subprocess.run([exe, "--stop-server"], env=env, capture_output=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert after["requests"] > before["requests"]
     assert after["misses"] == before["misses"], (before, after)

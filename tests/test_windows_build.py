@@ -288,8 +288,8 @@ def test_requires_python_is_the_targets_floor_for_every_target(matrix, tmp_path)
     configs = {}
     for t in matrix.targets:
         cfg = factory_config(t, matrix)
-        assert cfg["record"]["requires_python"] == f">={t.python}", t.id
-        assert cfg["limited_api"] == "cp" + t.python.replace(".", ""), t.id
+        assert cfg["record"]["requires_python"] == f">={t.floor_python}", t.id
+        assert cfg["limited_api"] == "cp" + t.floor_python.replace(".", ""), t.id
         path = tmp_path / f"{t.id}.json"
         path.write_text(json.dumps(cfg))
         configs[t.id] = str(path)
@@ -300,7 +300,7 @@ def test_requires_python_is_the_targets_floor_for_every_target(matrix, tmp_path)
     metadata = json.loads(proc.stdout.strip().splitlines()[-1])
     for t in matrix.targets:
         lines = metadata[t.id].splitlines()
-        assert f"Requires-Python: >={t.python}" in lines, (t.id, [ln for ln in lines if "Python" in ln])
+        assert f"Requires-Python: >={t.floor_python}" in lines, (t.id, [ln for ln in lines if "Python" in ln])
         assert f"Version: 0.1.0+{t.variant.label}" in lines, (t.id, lines)
         deps = [Requirement(ln.split(": ", 1)[1]) for ln in lines if ln.startswith("Requires-Dist: ")]
         assert deps == [Requirement(t.requires_torch)], t.id
