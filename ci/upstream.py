@@ -18,16 +18,17 @@ Nothing is changed: the report says what to edit. Exit status 0: in step; 1: dif
 
 from __future__ import annotations
 
-import html.parser
 import json
 import re
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
 from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
+from ci.index import parse_anchors
 from ci.targets import Matrix, TorchLine
 from ci.variant import cuda_tag
 
@@ -54,24 +55,6 @@ class TorchFile:
     platform: str  # "manylinux_2_28_x86_64"
 
 
-class _Anchors(html.parser.HTMLParser):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-        self._in_a = False
-
-    def handle_starttag(self, tag, attrs):
-        if tag == "a":
-            self._in_a = True
-            href = dict(attrs).get("href") or ""
-            name = href.split("#", 1)[0].rstrip("/").rsplit("/", 1)[-1]
-            if name:
-                self.names.append(urllib.request.unquote(name))
-
-    def handle_endtag(self, tag):
-        self._in_a = False
-
-
 def project_files(index_url: str, project: str = "torch", timeout: float = 60) -> list[str] | None:
     """The file names a simple index lists for ``project`` (None: the index has no such page).
     Asks for PEP 691 JSON and reads PEP 503 HTML when that is what comes back."""
@@ -93,9 +76,9 @@ def project_files(index_url: str, project: str = "torch", timeout: float = 60) -
             return [f["filename"] for f in json.loads(body)["files"]]
         except (ValueError, KeyError, TypeError) as e:
             raise UpstreamError(f"{url}: not a PEP 691 project page ({e})") from None
-    parser = _Anchors()
-    parser.feed(body.decode("utf-8", "replace"))
-    return parser.names
+    names = [urllib.parse.unquote(urllib.parse.urlsplit(a.get("href") or "").path.rstrip("/").rsplit("/", 1)[-1])
+             for a in parse_anchors(body)]
+    return [n for n in names if n]
 
 
 def torch_wheels(names: list[str]) -> list[TorchFile]:
@@ -123,6 +106,14 @@ class Drift:
 
     def add(self, text: str) -> None:
         self.lines.append(text)
+
+    def compare(self, listed: set[str], found: set[str], missing, unlisted) -> None:
+        """One line per version listed but not found (``missing(v)``) and found but not listed
+        (``unlisted(v)``), in version order."""
+        for v in sorted(listed - found, key=Version):
+            self.add(missing(v))
+        for v in sorted(found - listed, key=Version):
+            self.add(unlisted(v))
 
     def markdown(self, source: str) -> str:
         if not self.lines:
@@ -160,14 +151,11 @@ def _check_line(t: TorchLine, files: list[TorchFile], versions: list[Version], d
     newer = [v for v in versions if v > build]
     if newer:
         drift.add(f"torch {t.line}: {newer[-1]} is released; build_version is {t.build_version}")
-    have = {f.python for f in mine}
-    listed = set(t.python)
-    for py in sorted(listed - have, key=Version):
-        drift.add(f"torch {t.line}: python lists {py}, but torch {t.build_version} has no cp{py.replace('.', '')} "
-                  f"wheel: remove it")
-    for py in sorted(have - listed, key=Version):
-        drift.add(f"torch {t.line}: torch {t.build_version} has cp{py.replace('.', '')} wheels, python does not "
-                  f"list {py}")
+    drift.compare(set(t.python), {f.python for f in mine},
+                  lambda py: f"torch {t.line}: python lists {py}, but torch {t.build_version} has no "
+                             f"cp{py.replace('.', '')} wheel: remove it",
+                  lambda py: f"torch {t.line}: torch {t.build_version} has cp{py.replace('.', '')} wheels, python "
+                             f"does not list {py}")
     for os_key in t.os:
         plat = OS_PLATFORM.get(os_key)
         if plat and not any(plat.match(f.platform) for f in mine):
@@ -190,13 +178,12 @@ def check_pytorch_index(matrix: Matrix, root: str, drift: Drift, log=print) -> N
             plat = OS_PLATFORM[os_key]
             there = {c for c, fs in serves.items()
                      if any(f.version.public == build.public and plat.match(f.platform) for f in fs)}
-            listed = set(t.published_on(os_key))
-            for c in sorted(listed - there, key=Version):
-                drift.add(f"torch {t.line} on {os_key}: CUDA {c} is listed as published, but {root}/{cuda_tag(c)} "
-                          f"has no torch {t.build_version} wheel for it: drop it for {os_key} (published_by_os)")
-            for c in sorted(there - listed, key=Version):
-                drift.add(f"torch {t.line} on {os_key}: {root}/{cuda_tag(c)} serves torch {t.build_version}, "
-                          f"but CUDA {c} is not listed as published there")
+            drift.compare(set(t.published_on(os_key)), there,
+                          lambda c: f"torch {t.line} on {os_key}: CUDA {c} is listed as published, but "
+                                    f"{root}/{cuda_tag(c)} has no torch {t.build_version} wheel for it: drop it "
+                                    f"for {os_key} (published_by_os)",
+                          lambda c: f"torch {t.line} on {os_key}: {root}/{cuda_tag(c)} serves torch "
+                                    f"{t.build_version}, but CUDA {c} is not listed as published there")
 
 
 def check_upstream(matrix: Matrix, index_url: str = PYPI_SIMPLE, pytorch_index: str | None = None,
