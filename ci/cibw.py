@@ -620,7 +620,7 @@ def build_probe(target: Target, wheel_dir: Path, log=print) -> Path:
 def verify_probe(wheel: Path, target: Target, pythons: list[str], python_exe: str | None, log=print) -> str:
     """The verify stage on the probe: the test Python must be the target's floor, as for the
     payload; a fresh venv of it gets the wheel with its dependency, and the extension runs."""
-    from ci.verify import _isolated_pip_env
+    from ci.pip_env import pip_environ
 
     if not python_exe:
         raise CibwError("the probe's verify needs --python-exe (cibuildwheel's test Python)")
@@ -631,7 +631,7 @@ def verify_probe(wheel: Path, target: Target, pythons: list[str], python_exe: st
         subprocess.run([base, "-m", "venv", f"{tmp}/venv"], check=True)
         vpy = f"{tmp}/venv/bin/python"
         proc = subprocess.run([vpy, "-m", "pip", "install", "--no-cache-dir", str(wheel)], capture_output=True,
-                              text=True, env=_isolated_pip_env())
+                              text=True, env=pip_environ(sources=False))
         if proc.returncode != 0:
             raise CibwError(f"pip could not install {wheel.name}:\n{proc.stdout[-1500:]}{proc.stderr[-1500:]}")
         check = ("import sageattn3_cibw_probe as p, packaging, importlib.metadata as md; "

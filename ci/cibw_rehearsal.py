@@ -175,10 +175,10 @@ class HostLayout:
 
 def container_base() -> dict[str, str]:
     """The variables a hook starts from here (point 2): HOST_BASE, pip configured by nothing
-    but what is passed (ci.release._isolated_pip_env), and cibuildwheel's CIBUILDWHEEL=1."""
-    from ci.release import _isolated_pip_env
+    but what is passed (ci.pip_env, no package sources), and cibuildwheel's CIBUILDWHEEL=1."""
+    from ci.pip_env import pip_environ
 
-    env = _isolated_pip_env({k: os.environ[k] for k in HOST_BASE if k in os.environ})
+    env = pip_environ({k: os.environ[k] for k in HOST_BASE if k in os.environ}, sources=False)
     env["CIBUILDWHEEL"] = "1"
     return env
 
@@ -322,9 +322,9 @@ def job_environ(target: Target, *, pytorch_index: str, cache: Path, log_dir: Pat
     as PyTorch's index, and build-target.yml's cache and log folders; a developer machine keeps
     its caches (no cleanup between the steps)."""
     from ci import cibw
-    from ci.release import _isolated_pip_env
+    from ci.pip_env import pip_environ
 
-    env = _isolated_pip_env()
+    env = pip_environ(sources=False)
     env = {k: v for k, v in env.items() if not k.startswith("CIBW_")}
     env.update(cibw.job_env(target))
     env.update(SAGEATTN3_PYTORCH_INDEX=pytorch_index, SAGEATTN3_CACHE_HOST=str(cache),

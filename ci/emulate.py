@@ -53,11 +53,6 @@ class EmulationError(RuntimeError):
     pass
 
 
-def _quiet_pip_env() -> dict[str, str]:
-    """pip of the local index only: no configuration file, no PIP_* of this shell (ci.pip_env)."""
-    return pip_environ(sources=False)
-
-
 # The CPU qemu emulates, and what the guest reads about it. qemu-user passes the host's
 # /proc/cpuinfo (x86's) and has no MIDR_EL1 sysfs entry; torch 2.14's CPU-feature detection
 # (cpuinfo, oneDNN's xbyak_aarch64) crashes the import on those. Under ``-L root`` a path that
@@ -192,7 +187,7 @@ def torch_env(emu: Emulator, requirement: str, log=print) -> EmulatedTorchEnv:
     # --no-compile: byte-compiling torch's ~10,000 modules under emulation would take longer than
     # the install; imports write the bytecode of what they load.
     proc = emu.run(py, "-m", "pip", "install", "--quiet", "--no-compile", "--only-binary=:all:", "--no-index",
-                   "--find-links", str(house), requirement, env=_quiet_pip_env())
+                   "--find-links", str(house), requirement, env=pip_environ(sources=False))
     if proc.returncode != 0:
         shutil.rmtree(root, ignore_errors=True)
         raise ToolchainError(f"the emulated pip could not install {requirement} for linux-{emu.python.machine}:\n"
@@ -296,7 +291,7 @@ def verify(rec: BuildRecord, wheel: Path, index_dir: Path, machine: str, *, torc
         vpy = fresh_venv_with(emu, base, Path(tmp) / "own")
         page = f"{url}/{cuda_tag(rec.cuda)}/torch{torch_line(base.torch_version)}/"
         proc = emu.run(vpy, "-m", "pip", "install", "--no-cache-dir", f"sageattn3=={rec.version}",
-                       "--index-url", page, env=_quiet_pip_env())
+                       "--index-url", page, env=pip_environ(sources=False))
         if proc.returncode != 0:
             raise EmulationError(f"{rec.wheel}: the emulated pip could not install it from {page}:\n"
                                  f"{(proc.stdout + proc.stderr)[-3000:]}")
@@ -317,7 +312,7 @@ def verify(rec: BuildRecord, wheel: Path, index_dir: Path, machine: str, *, torc
                 raise EmulationError(f"{foreign_requirement} is served by {rec.variant}: choose a foreign torch line")
             fpy = fresh_venv_with(emu, foreign, Path(tmp) / "foreign")
             proc = emu.run(fpy, "-m", "pip", "install", "--no-cache-dir", "--no-deps", f"sageattn3=={rec.version}",
-                           "--index-url", f"{url}/{cuda_tag(rec.cuda)}/", env=_quiet_pip_env())
+                           "--index-url", f"{url}/{cuda_tag(rec.cuda)}/", env=pip_environ(sources=False))
             if proc.returncode != 0:
                 raise EmulationError(f"{rec.wheel}: could not install into the foreign-torch venv:\n{proc.stderr[-2000:]}")
             line = check_guard(emu, foreign, fpy, rec)

@@ -27,6 +27,7 @@ from ci import cross as crossmod
 from ci import index as indexmod
 from ci import repair as repairmod
 from ci import verify as verifymod
+from ci.pip_env import pip_environ
 from ci.record import BuildRecord, load_records, read_record_in_wheel, record_path, wheel_metadata
 from ci.targets import Matrix, Target
 from ci.toolchain import cache_root
@@ -280,7 +281,7 @@ def build_proof_wheel(target: Target, matrix: Matrix, dist: Path, *, foreign: li
     shutil.rmtree(pending, ignore_errors=True)
     rec = tag(repaired, target, pending, flavour=buildmod.PROOF_FLAVOUR_LABEL)
     wheel = pending / rec.wheel
-    env_vars = {**verifymod._isolated_pip_env(), "CUDA_VISIBLE_DEVICES": ""}
+    env_vars = pip_environ(sources=False, extra={"CUDA_VISIBLE_DEVICES": ""})
     with tempfile.TemporaryDirectory(prefix="sageattn3-proof-") as tmp:
         vpy = verifymod.make_venv_with(result.env, Path(tmp) / "own")
         pip = [str(vpy), "-m", "pip", "install", "--no-deps", "--no-index", "--quiet", str(wheel)]

@@ -293,11 +293,6 @@ def lint_workflows(workflows: Path = WORKFLOWS) -> list[tuple[str, int, str]]:
 PYPI_SIMPLE = "https://pypi.org/simple"
 
 
-def _isolated_pip_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """pip with no configuration but what we pass (no machine-local find-links or mirrors)."""
-    return pip_environ(base, sources=False)
-
-
 def standin_dir(version: str, matrix: Matrix) -> str:
     """The PyTorch index directory PyPI's x86_64 ``torch==version`` belongs in: PyPI ships one
     CUDA variant per release (the line's ``pypi_default``: cu128 for 2.8-2.10, cu130 from 2.11)."""
@@ -325,7 +320,7 @@ def fetch_torch(version: str, python: str, matrix: Matrix, *, platform: str = "m
     log(f"[stand-in] downloading torch {version} ({tag}, {platform}) from PyPI into {dest}")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", f"torch=={version}",
            "--python-version", python, "--platform", platform, "--index-url", PYPI_SIMPLE, "-d", str(dest)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_isolated_pip_env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=pip_environ(sources=False))
     got = sorted(dest.glob(f"torch-{version}-{tag}-*.whl"))
     if proc.returncode != 0 or not got:
         raise ReleaseError(f"could not download torch {version} for Python {python} from PyPI:\n{proc.stderr[-2000:]}")
@@ -538,7 +533,7 @@ def resolve_torch(python: str | Path, source, *, timeout: float = RESOLVE_TIMEOU
         cmd = [str(python), "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "--no-cache-dir",
                "--quiet", "--report", str(out), *source.pip_args()]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=_isolated_pip_env(), timeout=timeout)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=pip_environ(sources=False), timeout=timeout)
         except subprocess.TimeoutExpired as e:
             raise ReleaseError(f"pip did not resolve {source.describe()} within {timeout:.0f}s") from e
         if proc.returncode != 0 or not out.exists():
@@ -689,7 +684,7 @@ def rehearse_target(target_id: str, dist: Path, artifacts: Path, *, pytorch_inde
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "ci.cibw", "collect", "--wheelhouse", str(job.work / "repaired_wheel"),
                            "--out", str(dest), "--target", target_id], cwd=REPO, capture_output=True, text=True,
-                          env=_isolated_pip_env())
+                          env=pip_environ(sources=False))
     if proc.returncode != 0:
         raise ReleaseError(f"{target_id}: collect exited {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}")
     times["collect"] = time.monotonic() - t0

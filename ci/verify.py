@@ -16,7 +16,6 @@ import contextlib
 import functools
 import http.server
 import json
-import os
 import subprocess
 import tempfile
 import threading
@@ -60,25 +59,20 @@ def serve_handler(handler):
         server.server_close()
 
 
-def _isolated_pip_env() -> dict:
-    """pip that resolves only against the index named on its command line."""
-    return pip_environ(sources=False)
-
-
 def make_venv_with(base: TorchEnv, where: Path) -> Path:
     """A fresh venv that sees ``base``'s torch as installed; returns its python."""
     py = base.python.resolve()
     # The venv's interpreter must be the same Python as the base env's.
     real = subprocess.run([str(base.python), "-c", "import sys; print(sys._base_executable)"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    subprocess.run([real or str(py), "-m", "venv", str(where)], check=True, env=_isolated_pip_env())
+    subprocess.run([real or str(py), "-m", "venv", str(where)], check=True, env=pip_environ(sources=False))
     vpy = venv_python(where)
     site = subprocess.run([str(vpy), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     Path(site, "_base_torch.pth").write_text(str(base.site_packages) + "\n")
     # ensurepip's old setuptools would shadow the one torch requires from the base env.
     subprocess.run([str(vpy), "-m", "pip", "uninstall", "--quiet", "--yes", "setuptools"],
-                   capture_output=True, env=_isolated_pip_env())
+                   capture_output=True, env=pip_environ(sources=False))
     return vpy
 
 
@@ -115,7 +109,7 @@ def install_and_check(rec: BuildRecord, base: TorchEnv, index_url: str, work: Pa
     cmd = [str(vpy), "-m", "pip", "install", "--no-cache-dir", f"sageattn3=={rec.version}",
            "--index-url", f"{index_url}/{page}"]
     log(f"[verify] py{base.python_version}: {' '.join(cmd[1:])}")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_isolated_pip_env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=pip_environ(sources=False))
     if proc.returncode != 0:
         raise VerifyError(f"{rec.wheel}: pip could not install it from {index_url}/{page}:\n{proc.stdout}{proc.stderr}")
     installed = [ln for ln in proc.stdout.splitlines() if ln.startswith("Successfully installed")]
@@ -147,7 +141,7 @@ def check_abi_guard(rec: BuildRecord, foreign: TorchEnv, index_url: str, work: P
     page = f"{cuda_tag(rec.cuda)}/"
     cmd = [str(vpy), "-m", "pip", "install", "--no-cache-dir", "--no-deps", f"sageattn3=={rec.version}",
            "--index-url", f"{index_url}/{page}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_isolated_pip_env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=pip_environ(sources=False))
     if proc.returncode != 0:
         raise VerifyError(f"{rec.wheel}: could not install into the foreign-torch venv:\n{proc.stderr}")
     res = subprocess.run([str(vpy), "-c", "import sageattn3"], capture_output=True, text=True, env=pip_environ())

@@ -92,7 +92,7 @@ CALLER_PIP = {("cli.py", "torch_pip_would_install"), ("cibw.py", "cleanup_after_
               ("cibw_rehearsal.py", "test"),
               # reads the configuration files themselves
               ("pip_env.py", "configured_settings")}
-FACTORY_ENV = ("pip_environ", "_isolated_pip_env", "_quiet_pip_env", "run_pip")
+FACTORY_ENV = ("pip_environ", "run_pip")
 
 
 def test_every_pip_and_venv_call_of_the_factory_builds_its_environment():
