@@ -91,16 +91,12 @@ class Target:
     # The wheel's limited-API floor: its tag (cp310-abi3) and Requires-Python. The build Python
     # unless the build torch dropped that Python (torch 2.15 has no 3.10; the stable-ABI wheel
     # built with it still serves 3.10 with torch 2.10-2.14).
-    limited_api: str = ""
+    floor_python: str
 
     @property
     def id(self) -> str:
         tail = "-stable" if self.variant.stable else ""
         return f"{self.os.key}-{cuda_tag(self.cuda)}-torch{self.variant.torch}{tail}"
-
-    @property
-    def floor_python(self) -> str:
-        return self.limited_api or self.python
 
     @property
     def python_tag(self) -> str:
@@ -282,7 +278,7 @@ class Matrix:
                         torch_lines=tuple(t.line for t in sorted(lines, key=lambda t: _v(t.line))),
                         build_torch=newest.build_version,
                         build_torch_pypi_cuda=newest.pypi_default,
-                        python=py, abi3=True, limited_api=floor_py if newer else py,
+                        python=py, abi3=True, floor_python=floor_py if newer else py,
                     ))
                 for t in self.torch:
                     if not t.builds(cuda, os_key) or _v(t.line) >= floor:
@@ -294,7 +290,7 @@ class Matrix:
                         variant=Variant(cuda, t.line, stable=False),
                         torch_lines=(t.line,), build_torch=t.build_version,
                         build_torch_pypi_cuda=t.pypi_default,
-                        python=t.python[0], abi3=True,
+                        python=t.python[0], abi3=True, floor_python=t.python[0],
                     ))
         ids = [t.id for t in out]
         dupes = {i for i in ids if ids.count(i) > 1}
