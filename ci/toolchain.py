@@ -227,35 +227,28 @@ def provision_python(version: str, log=print) -> tuple[Path | None, list[str]]:
     nothing put on PATH) when uv is there, else with pyenv when it is installed (builds from
     source). Returns the interpreter, or None and what each way said."""
     tried: list[str] = []
+    ways = []  # (the command, as shown, its environment, its time limit, what the log adds)
     uv = _uv()
     if uv:
-        log(f"[python] Python {version} not found: `uv python install {version}` into {_uv_dir()} ...")
-        env = {**os.environ, "UV_PYTHON_INSTALL_DIR": str(_uv_dir()), "UV_PYTHON_INSTALL_BIN": "0"}
-        try:
-            proc = subprocess.run([uv, "python", "install", version], capture_output=True, text=True, env=env,
-                                  timeout=1800)
-            if proc.returncode == 0:
-                found = _search_python(version, WINDOWS)
-                if found:
-                    log(f"[python] Python {version}: {found}")
-                    return found, tried
-            tried.append(f"`uv python install {version}`: {_one_line(proc.stderr + proc.stdout)}")
-        except (OSError, subprocess.SubprocessError) as e:
-            tried.append(f"`uv python install {version}`: {e}")
+        ways.append(([uv, "python", "install", version], f"`uv python install {version}`",
+                     {**os.environ, "UV_PYTHON_INSTALL_DIR": str(_uv_dir()), "UV_PYTHON_INSTALL_BIN": "0"},
+                     1800, f"into {_uv_dir()}"))
     pyenv = shutil.which("pyenv")
     if pyenv:
-        log(f"[python] Python {version} not found: `pyenv install {version}` (builds CPython from source, minutes) ...")
+        ways.append(([pyenv, "install", "--skip-existing", version], f"`pyenv install {version}`", None, 3600,
+                     "(builds CPython from source, minutes)"))
+    for cmd, shown, env, timeout, what in ways:
+        log(f"[python] Python {version} not found: {shown} {what} ...")
         try:
-            proc = subprocess.run([pyenv, "install", "--skip-existing", version], capture_output=True, text=True,
-                                  timeout=3600)
-            if proc.returncode == 0:
-                found = _search_python(version, WINDOWS)
-                if found:
-                    log(f"[python] Python {version}: {found}")
-                    return found, tried
-            tried.append(f"`pyenv install {version}`: {_one_line(proc.stderr + proc.stdout)}")
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
         except (OSError, subprocess.SubprocessError) as e:
-            tried.append(f"`pyenv install {version}`: {e}")
+            tried.append(f"{shown}: {e}")
+            continue
+        found = _search_python(version, WINDOWS) if proc.returncode == 0 else None
+        if found:
+            log(f"[python] Python {version}: {found}")
+            return found, tried
+        tried.append(f"{shown}: {_one_line(proc.stderr + proc.stdout)}")
     if not tried:
         tried.append("neither uv nor pyenv is installed (`pip install uv` lets the factory provision Pythons)")
     return None, tried
