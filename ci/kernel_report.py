@@ -65,6 +65,21 @@ def nvcc_path() -> Path | None:
     return Path(found) if found else None
 
 
+def hopper_gpu(prog: str) -> str | None:
+    """The name of this machine's first GPU when it is a Hopper (sm_90) one, which the sm_90a
+    stand-in benchmarks run on; else None, after saying why the benchmark is skipped."""
+    q = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"], capture_output=True,
+                       text=True) if shutil.which("nvidia-smi") else None
+    if q is None or q.returncode or not q.stdout.strip():
+        print(f"{prog}: no CUDA GPU, skipped")
+        return None
+    name, cap = (x.strip() for x in q.stdout.splitlines()[0].rsplit(",", 1))
+    if cap != "9.0":
+        print(f"{prog}: {name} is compute capability {cap}; this is built for sm_90a (H100/H200), skipped")
+        return None
+    return name
+
+
 def demangle(names: list[str]) -> dict[str, str]:
     """Mangled -> readable (c++filt when present, else the names as they are), shortened."""
     out = {n: n for n in names}

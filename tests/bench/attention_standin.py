@@ -24,7 +24,6 @@ Needs nvcc (CUDA_HOME or PATH) and a GPU of compute capability 9.0; torch only f
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "sageattn3" / "csrc"
 sys.path.insert(0, str(ROOT))
 
-from ci.kernel_report import build_flags, nvcc_path  # noqa: E402  (a real build's device flags; nvcc)
+from ci.kernel_report import build_flags, hopper_gpu, nvcc_path  # noqa: E402  (a real build's device flags; nvcc)
 
 SEQS = (4096, 8192, 16384, 32768)
 HEADS = 16
@@ -118,14 +117,8 @@ def main(argv: list[str]) -> int:
     if nvcc is None:
         print("attention_standin: no nvcc (set CUDA_HOME), skipped")
         return 0
-    q = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"], capture_output=True,
-                       text=True) if shutil.which("nvidia-smi") else None
-    if q is None or q.returncode or not q.stdout.strip():
-        print("attention_standin: no CUDA GPU, skipped")
-        return 0
-    name, cap = (x.strip() for x in q.stdout.splitlines()[0].rsplit(",", 1))
-    if cap != "9.0":
-        print(f"attention_standin: {name} is compute capability {cap}; the stand-in is built for sm_90a, skipped")
+    name = hopper_gpu("attention_standin")
+    if name is None:
         return 0
     print(f"device: {name}; building the stand-in kernel (fp16 mma.sync x4 and x2 per FP4 MMA)")
     results: dict = {"device": name, "rows": []}

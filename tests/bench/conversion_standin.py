@@ -11,7 +11,6 @@ floor (one read of Q, K, V and the FP4 write at the measured copy bandwidth). Th
 the conversion's share; what is left is the rest of the kernels. Needs nvcc (CUDA_HOME or PATH)
 and a CUDA GPU of compute capability 9.0."""
 
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "sageattn3" / "csrc"
 sys.path.insert(0, str(ROOT))
 
-from ci.kernel_report import build_flags, nvcc_path  # noqa: E402  (a real build's device flags; nvcc)
+from ci.kernel_report import build_flags, hopper_gpu, nvcc_path  # noqa: E402  (a real build's device flags; nvcc)
 
 
 def build(nvcc: Path, out: Path, standin: bool) -> Path:
@@ -42,14 +41,8 @@ def main() -> int:
     if nvcc is None:
         print("conversion_standin: no nvcc (set CUDA_HOME), skipped")
         return 0
-    q = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"], capture_output=True,
-                       text=True) if shutil.which("nvidia-smi") else None
-    if q is None or q.returncode or not q.stdout.strip():
-        print("conversion_standin: no CUDA GPU, skipped")
-        return 0
-    name, cap = (s.strip() for s in q.stdout.splitlines()[0].rsplit(",", 1))
-    if cap != "9.0":
-        print(f"conversion_standin: {name} is compute capability {cap}; this measures sm_90 (H100/H200), skipped")
+    name = hopper_gpu("conversion_standin")
+    if name is None:
         return 0
     print(f"device: {name}; building both variants (about a minute)")
     with tempfile.TemporaryDirectory() as tmp:
