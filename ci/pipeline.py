@@ -12,8 +12,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,46 +30,12 @@ from ci import verify as verifymod
 from ci.pip_env import pip_environ
 from ci.record import BuildRecord, load_records, read_record_in_wheel, record_path, wheel_metadata
 from ci.targets import Matrix, Target
+from ci.progress import StageProgress, TeeLog
 from ci.toolchain import cache_root
 
 
 class TagError(RuntimeError):
     pass
-
-
-# A stage that has said nothing for this long says that it is still at work (and for how long).
-HEARTBEAT_S = 30.0
-
-
-class _Heartbeat:
-    """Wraps a log function: while a stage runs, a quiet spell of HEARTBEAT_S gets a line
-    "[stage] still working (N s)", so a long torch install or toolchain download never looks
-    like a hang, in a terminal or a CI log alike."""
-
-    def __init__(self, log, stage: str, every: float = HEARTBEAT_S) -> None:
-        self._log, self.stage, self.every = log, stage, every
-        self._last = self._t0 = time.monotonic()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, daemon=True)
-
-    def __call__(self, msg: str) -> None:
-        self._last = time.monotonic()
-        self._log(msg)
-
-    def _beat(self) -> None:
-        while not self._stop.wait(min(self.every, 5.0)):
-            now = time.monotonic()
-            if now - self._last >= self.every:
-                self._last = now
-                self._log(f"[{self.stage}] still working ({now - self._t0:.0f} s)")
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 @dataclass
@@ -79,15 +45,16 @@ class TargetRun:
     wheel: Path | None = None
     error: str | None = None
     verify: verifymod.VerifyReport | None = None
-    log_path: Path | None = None
+    log_path: Path | None = None  # the compiler's output (dist/raw/<target>.build.log)
+    full_log: Path | None = None  # every line the factory said about this target (dist/logs/<target>.log)
     failed_stage: str | None = None
 
     @contextmanager
     def stage(self, name: str, log=print):
-        """Time a stage; yields the log function to use inside it (with the heartbeat)."""
+        """Time a stage; yields the log function to use inside it (with its progress line)."""
         t0 = time.monotonic()
         try:
-            with _Heartbeat(log, name) as beat:
+            with StageProgress(log, name) as beat:
                 yield beat
         except BaseException:
             self.failed_stage = name
@@ -123,7 +90,8 @@ def tag(repaired: Path, target: Target, out_dir: Path, *, flavour: str | None = 
 
 def run_target(target: Target, matrix: Matrix, dist: Path, *, verify_pythons: list[str], skip_verify: bool = False,
                force_patches: tuple[str, ...] = (), log=print) -> TargetRun:
-    run = TargetRun(target)
+    run = TargetRun(target, full_log=dist / "logs" / f"{target.id}.log")
+    log = TeeLog(log, run.full_log)
     tagged_dir = dist / "tagged" / target.id
     raw_dir = dist / "raw" / target.id
     try:
@@ -169,6 +137,8 @@ def run_target(target: Target, matrix: Matrix, dist: Path, *, verify_pythons: li
         run.wheel = final
     except Exception as e:  # reported per target; nothing of it reached dist/wheels
         run.error = f"{type(e).__name__}: {e}"
+        with run.full_log.open("a", encoding="utf-8") as f:
+            f.write(f"{run.failed_stage or 'a'} stage failed:\n" + "".join(traceback.format_exc()))
     finally:
         shutil.rmtree(tagged_dir, ignore_errors=True)
     return run
@@ -325,12 +295,15 @@ def build_wheels(targets: list[Target], matrix: Matrix, dist: Path, *, verify_py
         if run.error:
             where = run.log_path if run.log_path and run.log_path.exists() and run.failed_stage == "build" else None
             log(f"!! {t.id}: {run.failed_stage or 'a'} stage failed: {run.error}"
-                + (f"\n!! {t.id}: full build log: {where}" if where else ""))
+                + (f"\n!! {t.id}: full build log: {where}" if where else "")
+                + f"\n!! {t.id}: the factory's log of this target (every stage, the traceback): {run.full_log}")
         runs.append(run)
     log("\n" + summary_table(runs))
     for r in runs:
         if r.log_path and r.log_path.exists():
             log(f"full build log of {r.target.id}: {r.log_path}")
+        if r.full_log and r.full_log.exists():
+            log(f"factory log of {r.target.id} (every stage): {r.full_log}")
     for r in runs:
         if r.verify:
             log(f"verified {r.verify.wheel} on Python {', '.join(r.verify.pythons)}; ABI guard: {r.verify.abi_guard}")
