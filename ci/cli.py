@@ -167,9 +167,11 @@ def cmd_coverage(args: argparse.Namespace) -> int:
         for line in added:
             print(f"evidence: {line}")
     table = coverage.coverage_table(matrix)
-    if args.write_readme:
-        changed = coverage.update_readme(REPO / "README.md", table)
-        print("README.md coverage table " + ("updated" if changed else "already current"))
+    if args.write_docs:
+        for path, name, text in ((coverage.COVERAGE_DOC, "coverage", table),
+                                 (coverage.README, "matrix", coverage.matrix_brief(matrix))):
+            changed = coverage.write_block(path, name, text)
+            print(f"{path.relative_to(REPO)} {name} table " + ("updated" if changed else "already current"))
         return 0
     print(table)
     return 0
@@ -209,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("coverage", help="print the coverage table (markdown), proven levels from ci/evidence.json")
     c.add_argument("--record", action="append", metavar="DIR",
                    help="add the build records in DIR (dist/wheels, dist/proof) to ci/evidence.json")
-    c.add_argument("--write-readme", action="store_true", help="write the table into README.md")
+    c.add_argument("--write-docs", action="store_true",
+                   help="write the table into docs/coverage.md and the brief matrix into README.md")
     c.set_defaults(fn=cmd_coverage)
     args = p.parse_args(argv)
     try:

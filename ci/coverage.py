@@ -1,4 +1,4 @@
-"""The README's coverage table, from evidence: per row (torch line x CUDA variant), how far each
+"""The coverage table of docs/coverage.md, from evidence: per row (torch line x CUDA variant), how far each
 wheel was proven and how.
 
 Three levels, strongest first:
@@ -26,12 +26,15 @@ and everything else about a row (CUDA 12.x toolkits, Windows, aarch64 hardware) 
 the release pipeline itself.
 
 ``python -m ci coverage --record DIR...`` adds the build records found in DIRs (``dist/wheels``,
-``dist/proof``) to the evidence; ``python -m ci coverage`` prints the table the README holds.
+``dist/proof``) to the evidence; ``python -m ci coverage`` prints the table docs/coverage.md
+holds, and ``--write-docs`` writes it there and the brief matrix (:func:`matrix_brief`, one row
+per wheel) into the README.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from ci.targets import Matrix, _v
@@ -148,12 +151,50 @@ def coverage_table(matrix: Matrix, evidence: dict | None = None) -> str:
     return "\n".join(rows)
 
 
-def update_readme(readme: Path, table: str) -> bool:
-    """Replace the README's generated block with ``table``; True if it changed."""
-    text = readme.read_text()
-    start, end = "<!-- coverage:start -->\n", "\n<!-- coverage:end -->"
-    i, j = text.index(start) + len(start), text.index(end)
-    if text[i:j] == table:
+def matrix_brief(matrix: Matrix) -> str:
+    """Markdown for the README: one row per wheel variant, with the torch lines it serves."""
+    rows: dict[str, dict] = {}
+    for t in sorted(matrix.torch, key=lambda t: _v(t.line)):
+        for c in t.cuda:
+            stable = _v(t.line) >= _v(matrix.stable_abi_floor)
+            variant = Variant(c, matrix.stable_abi_floor if stable else t.line, stable)
+            row = rows.setdefault(variant.label, {
+                "lines": [], "cuda": c, "archs": " ".join(matrix.cuda_archs[c]), "os": [],
+                "python": f"{matrix.limited_api_python}+" if stable else f"{t.python[0]}–{t.python[-1]}"})
+            row["lines"].append(t.line)
+            row["os"] += [o for o in t.os if t.builds(c, o) and o not in row["os"]]
+    out = ["| wheel variant | torch | CUDA | archs | Python | OS |", "| --- | --- | --- | --- | --- | --- |"]
+    for label, r in sorted(rows.items(), key=lambda kv: (_v(kv[1]["lines"][0]), _v(kv[1]["cuda"]))):
+        lines = r["lines"][0] if len(r["lines"]) == 1 else f"{r['lines'][0]}–{r['lines'][-1]}"
+        out.append(f"| `{label}` | {lines} | {r['cuda']} | {r['archs']} | {r['python']} | {', '.join(r['os'])} |")
+    return "\n".join(out)
+
+
+COVERAGE_DOC = Path(__file__).resolve().parent.parent / "docs" / "coverage.md"
+README = COVERAGE_DOC.parent.parent / "README.md"
+
+
+def _block(name: str) -> re.Pattern:
+    return re.compile(rf"(<!-- {name}:start -->\n)(.*?)\n?(<!-- {name}:end -->)", re.S)
+
+
+def generated_block(text: str, name: str) -> str:
+    """The lines between the ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` lines."""
+    m = _block(name).search(text)
+    if m is None:
+        raise ValueError(f"no <!-- {name}:start --> ... <!-- {name}:end --> block to fill "
+                         "(each marker on a line of its own)")
+    return m.group(2)
+
+
+def write_block(path: Path, name: str, table: str) -> bool:
+    """Replace the generated block ``name`` of ``path`` with ``table``; True if it changed."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        old = generated_block(text, name)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    if old == table:
         return False
-    readme.write_text(text[:i] + table + text[j:])
+    path.write_text(_block(name).sub(lambda m: f"{m.group(1)}{table}\n{m.group(3)}", text, count=1), encoding="utf-8")
     return True

@@ -1,5 +1,6 @@
-"""The README's coverage table comes from the matrix and from evidence (ci/evidence.json: build
-records of wheels built here), never from claims written by hand."""
+"""The coverage table (docs/coverage.md) and the README's brief matrix come from the matrix and
+from evidence (ci/evidence.json: build records of wheels built here), never from claims written
+by hand."""
 
 from __future__ import annotations
 
@@ -11,16 +12,42 @@ import pytest
 from packaging.utils import parse_wheel_filename
 
 from ci import coverage
-from ci.targets import Matrix
+from ci.targets import Matrix, _v
 
 REPO = Path(__file__).resolve().parent.parent
 MATRIX = Matrix.load()
 
 
-def test_readme_table_is_the_generated_one():
+def test_docs_table_is_the_generated_one():
+    doc = (REPO / "docs" / "coverage.md").read_text()
+    table = re.search(r"<!-- coverage:start -->\n(.*?)\n<!-- coverage:end -->", doc, re.S).group(1)
+    assert table == coverage.coverage_table(MATRIX, coverage.load_evidence()), \
+        "docs/coverage.md is stale: run python -m ci coverage --write-docs"
+
+
+def test_readme_matrix_is_the_generated_one():
     readme = (REPO / "README.md").read_text()
-    table = re.search(r"<!-- coverage:start -->\n(.*?)\n<!-- coverage:end -->", readme, re.S).group(1)
-    assert table == coverage.coverage_table(MATRIX, coverage.load_evidence())
+    table = re.search(r"<!-- matrix:start -->\n(.*?)\n<!-- matrix:end -->", readme, re.S).group(1)
+    assert table == coverage.matrix_brief(MATRIX), "README's matrix is stale: run python -m ci coverage --write-docs"
+    rows = table.splitlines()[2:]
+    # every wheel variant of the matrix once, and every torch line x CUDA of the matrix in some row
+    assert sorted(r.split("`")[1] for r in rows) == sorted({t.variant.label for t in MATRIX.targets})
+    served = set()
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        lo, _, hi = cells[1].partition("–")
+        served |= {(t.line, cells[2]) for t in MATRIX.torch if _v(lo) <= _v(t.line) <= _v(hi or lo)}
+    assert served == {(t.line, c) for t in MATRIX.torch for c in t.cuda}
+
+
+def test_write_block_replaces_only_its_block_and_names_a_missing_one(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("intro\n<!-- matrix:start -->\nold\n<!-- matrix:end -->\noutro\n")
+    assert coverage.write_block(page, "matrix", "| new |") is True
+    assert page.read_text() == "intro\n<!-- matrix:start -->\n| new |\n<!-- matrix:end -->\noutro\n"
+    assert coverage.write_block(page, "matrix", "| new |") is False
+    with pytest.raises(ValueError, match=r"page.md: no <!-- coverage:start --> \.\.\. <!-- coverage:end --> block"):
+        coverage.write_block(page, "coverage", "x")
 
 
 def test_every_evidence_entry_is_a_real_target_and_wheel():
