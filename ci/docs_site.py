@@ -166,6 +166,14 @@ def _page(title: str, body: str, nav: list[tuple[str, str]], this: str) -> str:
             f'<nav><a href="../">the index (pick your wheel)</a> {links}</nav>\n{body}</body>\n</html>\n')
 
 
+def for_branch(published: set[str], prefix: str = "", repo: str | None = None) -> tuple[dict[str, bytes], set[str]]:
+    """The pages for a Pages branch whose index lies under ``prefix``: the files to put, and the
+    published pages under its ``docs/`` that are no longer produced (to delete)."""
+    files = {prefix + rel: data for rel, data in render_site(REPO, repo).items()}
+    stale = {p for p in published if p.startswith(f"{prefix}{SITE_DIR}/") and p.endswith(".html") and p not in files}
+    return files, stale
+
+
 def write_site(out: Path, repo: str | None = None, root: Path = REPO) -> list[str]:
     """Write the pages under ``out`` (an index root); returns the paths written or rewritten."""
     written = []

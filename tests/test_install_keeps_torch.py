@@ -1,5 +1,5 @@
 """Installing never changes the user's torch. The README's install commands (taken from its
-"Installing (users)" section, pointed at the generated index served on 127.0.0.1) are run
+"Installing" section, pointed at the generated index served on 127.0.0.1) are run
 with real pip configured the way users' pips often are: an extra index (pip.conf, or
 PIP_EXTRA_INDEX_URL) that serves other torch builds, newer and CPU-only. The same commands
 without --no-deps show that this extra index would otherwise replace torch."""
@@ -25,7 +25,7 @@ OTHER_TORCHES = ("2.99.0+cu130", "2.99.0+cpu", "2.99.0", "2.14.1+cpu", "2.13.0+c
 
 def readme_install_commands() -> list[list[str]]:
     text = (REPO / "README.md").read_text()
-    section = text.split("## Installing (users)", 1)[1].split("\n## ", 1)[0]
+    section = text.split("\n## Installing\n", 1)[1].split("\n## ", 1)[0]
     cmds = [shlex.split(ln) for ln in section.splitlines() if ln.startswith("pip install ") and "sageattn3" in ln]
     assert len(cmds) >= 2, "README's Installing section shows the --index-url and --find-links commands"
     return cmds

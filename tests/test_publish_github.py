@@ -15,6 +15,7 @@ import string
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -439,6 +440,15 @@ def test_pages_one_commit_per_release_merging_earlier_ones(gh, tmp_path):
         (site / rel).write_bytes(data)
     with serve_dir(site) as url:
         assert ix.check_index(url, log=lambda *a: None) == 4
+        # the docs beside the index, as HTML; links to repository files point at the repository
+        page = urllib.request.urlopen(f"{url}docs/publishing.html", timeout=30).read().decode()
+        assert "<h1" in page and "https://github.com/octo/sageattn3/blob/HEAD/ci/requirements-publish.txt" in page
+        assert 'href="../"' in page and 'href="coverage.html"' in page
+    # a page no longer in docs/ goes on the next publish; the index's pages stay
+    _commit_to_branch(gh, "docs/renamed-away.html", b"<p>old</p>")
+    s = publish_pages(_pages(gh, v2), TOKEN, log=lambda m: None)
+    assert s.deleted == ["docs/renamed-away.html"] and not s.written
+    assert "docs/renamed-away.html" not in gh.branch_files(FULL, "gh-pages")
     # removal through the branch
     s = publish_pages(_pages(gh, v2, remove=("1.0.0",)), TOKEN, log=lambda m: None)
     files = gh.branch_files(FULL, "gh-pages")

@@ -5,7 +5,8 @@ The published index is merged, never overwritten: the branch's ``index.json`` is
 locally built index (``python -m ci.index``) is merged into it (earlier wheels kept, a changed
 sha256 under a published name refused, ``remove`` drops named wheels), and only files whose
 git blob id differs are sent. A ``.nojekyll`` file at the branch root keeps Pages from
-running Jekyll over the tree. Nothing changed -> no commit. A run killed before the ref
+running Jekyll over the tree. The documentation goes beside the index as HTML, under ``docs/``
+(``ci.docs_site``); a page no longer produced there is deleted. Nothing changed -> no commit. A run killed before the ref
 update leaves the branch untouched (blobs and trees are unreferenced); the next run redoes
 it. A ref that moved meanwhile (not a fast-forward) makes the run start over once.
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import ci.docs_site as docs_site
 from ci.index import MANIFEST, IndexError_, check_manifest, manifest_entries, site_files
 from ci.publish._net import InputError, PublishError, RetryPolicy, Throttle, retrying
 from ci.publish.github import DEFAULT_API
@@ -124,10 +126,11 @@ def _publish(opts: PagesOptions, token: str | None, log: Callable[[str], None]) 
                                "repair or revert that file on the branch, then re-run") from None
     try:
         files, deletions, added = site_files(opts.index, manifest, base_url=opts.base_url, remove=opts.remove)
-    except IndexError_ as e:  # the local index, or what it asks of the published one: change the input
+        docs, stale_docs = docs_site.for_branch(set(remote), pre, opts.repo)  # these pages, beside the index
+    except (IndexError_, docs_site.DocsError) as e:  # the local index, or what it asks of the published one
         raise InputError(str(e)) from None
     summary.added_wheels = added
-    files = {pre + k: v for k, v in files.items()}
+    files = {pre + k: v for k, v in files.items()} | docs
     if ".nojekyll" not in remote:
         files[".nojekyll"] = b""
     total = 0
@@ -141,7 +144,7 @@ def _publish(opts: PagesOptions, token: str | None, log: Callable[[str], None]) 
             summary.unchanged += 1
         else:
             changes.append((path, data))
-    removals = sorted(pre + d for d in deletions if pre + d in remote)
+    removals = sorted({pre + d for d in deletions if pre + d in remote} | stale_docs)
     if total > SITE_WARN:
         log(f"  warning: the index is {total / 1e9:.2f} GB; GitHub Pages sites should stay under 1 GB "
             "(remove old versions with --remove)")

@@ -1,9 +1,9 @@
-"""The accuracy table of README.md ("Accuracy"): FP4 attention against exact attention on the
+"""The accuracy table of docs/accuracy.md, and the README's summary of it: FP4 attention against exact attention on the
 hard inputs of tests/attention_cases.py, the published SageAttention3 algorithm side by side
 with this package's.
 
     python tests/bench/accuracy.py                  # print the table (CPU, the reference)
-    python tests/bench/accuracy.py --write-readme   # ... and put it into README.md
+    python tests/bench/accuracy.py --write-docs     # ... into docs/accuracy.md, its summary into README.md
     python tests/bench/accuracy.py --gpu            # also the kernels (sm_120/121, or an H100
                                                     # with the MMA-model test flavour installed)
 
@@ -42,6 +42,11 @@ import attention_cases as ac  # noqa: E402
 
 SEQ = 1024
 MARK_START, MARK_END = "<!-- accuracy:start -->", "<!-- accuracy:end -->"
+SUMMARY_START, SUMMARY_END = "<!-- accuracy-summary:start -->", "<!-- accuracy-summary:end -->"
+# The README's few rows (case, D, causal) and columns (by header) of the full table.
+SUMMARY_ROWS = [("randn", 128, False), ("q_outliers", 128, False), ("k_outliers", 128, False),
+                ("qk_outliers", 128, False), ("peaky", 128, False)]
+SUMMARY_COLUMNS = ["inputs", "ours: cos / rel-L1", "+ balance + rotation", "+ scale search"]
 LABELS = {
     "randn": "zero-mean Q, K, V",
     "q_offset_x1": "Q channel offsets x1",
@@ -117,19 +122,43 @@ def table(rows: list[dict], gpu: bool) -> str:
     return "\n".join(lines)
 
 
-def write_readme(text: str) -> None:
-    path = ROOT / "README.md"
-    readme = path.read_text()
-    pattern = re.compile(re.escape(MARK_START) + r".*?" + re.escape(MARK_END), re.S)
-    if not pattern.search(readme):
-        raise SystemExit(f"README.md has no {MARK_START} ... {MARK_END} section to fill")
-    path.write_text(pattern.sub(lambda _: f"{MARK_START}\n{text}\n{MARK_END}", readme))
+def summary(text: str) -> str:
+    """The README's rows of the full table ``text`` (SUMMARY_ROWS, D 128, SUMMARY_COLUMNS)."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.strip().splitlines()]
+    head = rows[0]
+    missing = [c for c in SUMMARY_COLUMNS if c not in head]
+    if missing:
+        raise SystemExit(f"the table has no column {missing[0]!r} (SUMMARY_COLUMNS); its columns: {head}")
+    cols = [head.index(c) for c in SUMMARY_COLUMNS]
+    by_key = {(r[0], r[1], r[2]): r for r in rows[2:]}
+    out = ["| " + " | ".join(SUMMARY_COLUMNS) + " |", "|" + " --- |" * len(cols)]
+    for case, d, causal in SUMMARY_ROWS:
+        key = (LABELS[case], str(d), "yes" if causal else "no")
+        if key not in by_key:
+            raise SystemExit(f"the table has no row {key} (SUMMARY_ROWS)")
+        out.append("| " + " | ".join(by_key[key][i] for i in cols) + " |")
+    return "\n".join(out)
+
+
+def _fill(path: Path, start: str, end: str, text: str) -> None:
+    page = path.read_text()
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    if not pattern.search(page):
+        raise SystemExit(f"{path.relative_to(ROOT)} has no {start} ... {end} section to fill")
+    path.write_text(pattern.sub(lambda _: f"{start}\n{text}\n{end}", page))
+
+
+def write_docs(text: str) -> None:
+    """The full table into docs/accuracy.md, its summary into README.md."""
+    _fill(ROOT / "docs" / "accuracy.md", MARK_START, MARK_END, text)
+    _fill(ROOT / "README.md", SUMMARY_START, SUMMARY_END, summary(text))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", action="store_true", help="also run the kernels (needs a GPU with the FP4 path)")
-    ap.add_argument("--write-readme", action="store_true", help="replace the table in README.md")
+    ap.add_argument("--write-docs", action="store_true",
+                    help="replace the table in docs/accuracy.md and its summary in README.md")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     if args.gpu:
@@ -146,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows, args.gpu)
     print(text)
     print(f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-    if args.write_readme:
-        write_readme(text)
+    if args.write_docs:
+        write_docs(text)
     return 0
 
 
