@@ -1,7 +1,7 @@
 """nox sessions of the sageattn3 wheel factory: each a few lines that call into ci/.
 
 Exit status: nox reports any failure of a session as 1. The ``python -m ci ...`` commands the
-sessions run keep their own codes (2: bad input, 1: a stage failed); the README lists them.
+sessions run keep their own codes (2: bad input, 1: a stage failed); docs/factory.md lists them.
 """
 
 import logging

@@ -1,5 +1,5 @@
-"""Bad input gets a one-line error before any work, at the command line (the README's exit
-codes: 2 for bad input) and through the nox session that runs it (nox reports any failure as 1,
+"""Bad input gets a one-line error before any work, at the command line (the exit codes of
+docs/factory.md: 2 for bad input) and through the nox session that runs it (nox reports any failure as 1,
 and its output carries the same message).
 
 The nox runs use this file's noxfile with ``--no-venv --no-install``: the session's own code and

@@ -136,7 +136,7 @@ def test_the_emulated_python_loads_the_kernel_unit_with_the_aarch64_cuda_runtime
     against the aarch64 libcudart, whose fat-binary registration runs at load) and the runtime
     answers. The torch-facing module itself needs the aarch64 libtorch_cuda and its CUDA libraries
     (cuBLAS, cuDNN, NCCL: ~2.5 GB), so its emulated import is the documented session's
-    (README, "Linux aarch64 from an x86_64 machine"), not every test run's."""
+    (docs/factory.md, "Linux aarch64 from an x86_64 machine"), not every test run's."""
     from ci.emulate import Emulator
 
     bc = _bc()
