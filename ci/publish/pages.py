@@ -6,9 +6,10 @@ locally built index (``python -m ci.index``) is merged into it (earlier wheels k
 sha256 under a published name refused, ``remove`` drops named wheels), and only files whose
 git blob id differs are sent. A ``.nojekyll`` file at the branch root keeps Pages from
 running Jekyll over the tree. The documentation goes beside the index as HTML, under ``docs/``
-(``ci.docs_site``); a page no longer produced there is deleted. Nothing changed -> no commit. A run killed before the ref
-update leaves the branch untouched (blobs and trees are unreferenced); the next run redoes
-it. A ref that moved meanwhile (not a fast-forward) makes the run start over once.
+(``ci.docs_site``); a page no longer produced there is deleted. Nothing changed -> no commit.
+A run killed before the ref update leaves the branch untouched (blobs and trees are
+unreferenced); the next run redoes it. A ref that moved meanwhile (not a fast-forward) makes
+the run start over once.
 
 Limits (checked before any write): a file over 100 MB cannot go into a repository through
 the API; a Pages site should stay under 1 GB (warned).
