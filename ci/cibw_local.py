@@ -12,7 +12,7 @@ Only what this machine lacks is replaced, through cibuildwheel's own variables:
                              ulimits (root here cannot raise rlimits), and host networking (the
                              stand-in for PyTorch's index listens on the host's 127.0.0.1)
     CIBW_DEPENDENCY_VERSIONS latest (the bundled pins name pip/certifi releases the mirror lacks)
-    SAGEATTN3_PYTORCH_INDEX  the stand-in for PyTorch's index (ci.release.pytorch_index_standin),
+    SAGEATTN3_PYTORCH_INDEX  the stand-in for PyTorch's index (ci.release.standin.pytorch_index_standin),
                              holding PyPI's wheels of the target's build torch and guard torch
     CIBW_ENVIRONMENT_PASS_LINUX  the toml's list (as cibuildwheel reads it) plus
                              SAGEATTN3_FOREIGN_TORCH_DIR: the stand-in has no CPU builds, so the
@@ -118,7 +118,7 @@ def stock_standin(target_id: str, log=print) -> str:
     """PyPI's torch wheels the job installs, into the stand-in for PyTorch's index: the build
     torch for the target's floor Python, and the ABI guard's; returns the guard's directory."""
     from ci import cibw
-    from ci.release import fetch_torch, standin_dir
+    from ci.release.standin import fetch_torch, standin_dir
     from ci.targets import Matrix
 
     matrix = Matrix.load()
@@ -135,7 +135,7 @@ def job_environment(target_id: str, *, image: str, pytorch_index: str, cache_hos
     """The environment cibuildwheel runs with: this machine's, the job's exports (``python -m
     ci.cibw env``) as build-target.yml writes them, and the replacements in the module's doc."""
     from ci import cibw
-    from ci.release import workflow_tools_dir
+    from ci.release.workflow_lint import workflow_tools_dir
     from ci.targets import Matrix
 
     target = Matrix.load().target(target_id)
@@ -171,7 +171,7 @@ def run_cibuildwheel(target_id: str, output_dir: Path, *, payload_dir: Path | No
     ``output_dir/cibuildwheel.log``. ``cache``: the runner's cache folder the container reaches
     through /host (SAGEATTN3_CACHE_HOST; default the factory's cache). Raises when it fails
     (with the log's last lines)."""
-    from ci.release import pytorch_index_standin
+    from ci.release.standin import pytorch_index_standin
     from ci.standin_image import build_image
     from ci.toolchain import cache_root
 

@@ -59,7 +59,7 @@ class RehearsalError(RuntimeError):
 def cibuildwheel_modules():
     """The pinned cibuildwheel (ci/requirements-workflows.txt, installed into the factory
     cache once), importable: returns its ``options``, ``util.helpers`` and ``frontend``."""
-    from ci.release import LINT_REQUIREMENTS, workflow_tools_dir
+    from ci.release.workflow_lint import LINT_REQUIREMENTS, workflow_tools_dir
 
     pin = next(line.split("==", 1)[1].strip() for line in LINT_REQUIREMENTS.read_text().splitlines()
                if line.startswith("cibuildwheel=="))

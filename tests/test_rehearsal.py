@@ -14,15 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from ci.release import (
-    ReleaseError,
-    check_tag,
-    dry_run,
-    package_version,
-    pytorch_index_standin,
-    standin_dir,
-    standin_serves,
-)
+from ci.release import ReleaseError
+from ci.release.rehearsal import dry_run
+from ci.release.standin import pytorch_index_standin, standin_dir, standin_serves
+from ci.release.steps import check_tag, package_version
 from ci.targets import Matrix
 
 MATRIX = Matrix.load()
@@ -141,7 +136,7 @@ def test_rehearsing_a_target_that_cannot_run_here_says_why(tmp_path):
 
 def test_windows_jobs_get_msvc_commands_from_the_payloads_own_builder(monkeypatch):
     from ci import flags
-    from ci.release import _windows_commands_problems
+    from ci.release.rehearsal import _windows_commands_problems
 
     windows = [t for t in MATRIX.targets if t.os.platform == "windows"]
     assert len(windows) == 8
@@ -163,7 +158,7 @@ def test_pip_resolves_each_torch_spec_to_its_build_and_the_check_sees_a_wrong_on
     """Real pip (--dry-run --report) against the stand-in: the resolved version, the CUDA of the
     build (its +cuXYZ/+cpu label, or for PyPI's unlabelled builds the CUDA runtime it pins for
     this interpreter) and where it comes from; the stand-in serves torch's core metadata."""
-    from ci.release import TorchResolution, check_resolution, resolve_torch
+    from ci.release.torch_resolution import TorchResolution, check_resolution, resolve_torch
     from ci.torch_source import TorchSource
 
     root = tmp_path / "root"
@@ -207,7 +202,8 @@ def test_pip_resolves_each_torch_spec_to_its_build_and_the_check_sees_a_wrong_on
 def test_the_rehearsal_resolves_every_served_target_it_does_not_build():
     """Which specs the rehearsal resolves: each target whose torch the stand-in serves, both its
     build torch and its guard's, as its job asks for them, in the target's floor Python."""
-    from ci.release import standin_needs, standin_resolutions
+    from ci.release.standin import standin_needs
+    from ci.release.torch_resolution import standin_resolutions
     from ci.torch_source import foreign_line
 
     url = "http://127.0.0.1:1/whl"

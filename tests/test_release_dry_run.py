@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from ci.release import dry_run, publish_steps, rehearse_plan, standin_dir, standin_needs, standin_serves, standin_wheels
+from ci.release.rehearsal import dry_run, rehearse_plan
+from ci.release.standin import standin_dir, standin_needs, standin_serves, standin_wheels
+from ci.release.steps import publish_steps
 from ci.targets import Matrix
 from fake_github import FakeGitHub
 

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from ci import cibw
-from ci.release import ReleaseError, cibuildwheel_command, gather, lint_workflows, plan, report
+from ci.release import ReleaseError
+from ci.release.steps import gather, plan, report
+from ci.release.workflow_lint import cibuildwheel_command, lint_workflows
 from ci.targets import Matrix
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,0 +1,45 @@
+"""The release pipeline's own steps (``.github/workflows/release.yml``) and its local dry run.
+
+    plan     the matrix JSON of ``nox -s matrix`` checked against ci/targets.toml (every target,
+             nothing else), optionally narrowed to chosen target ids, as the build jobs' matrix
+    (build)  one job per target: cibuildwheel -> the factory's build/repair/tag/verify (ci/cibw.py),
+             uploading the wheel + its build record as the artifact ``wheel-<target id>``
+    report   which planned targets produced their artifact and which did not (by name, with
+             the command that re-runs them); the run's summary page
+    gather   the publish job's gate: every planned target's artifact present and consistent
+             (one wheel, its record naming the target, sha256 matching) -> dist/wheels; any
+             missing -> nothing is published
+    (publish) attestations, ``nox -s publish`` (GitHub Release), ``nox -s index`` + ``pages``
+
+Partial failure policy: **all or nothing per run.** The publish job needs every build job; a
+failed target leaves the release unpublished and the index untouched, the report names the
+target, and "Re-run failed jobs" rebuilds only it and then publishes (the same run holds every
+other target's artifact). A run of chosen targets (``workflow_dispatch`` with ``targets``)
+builds them and never publishes.
+The Release is uploaded as a draft and published only once complete, and the index is
+updated in one commit after that, so a user never sees a half-updated release or index.
+
+``python -m ci.release dry-run`` (``nox -s release -- --dry-run``) runs the same steps for the
+targets this machine can build, each job's cibuildwheel hooks as the pinned cibuildwheel
+resolves them from ci/cibuildwheel.toml (ci/cibw_rehearsal.py), and publishes to a local
+server speaking GitHub's REST contract (tests/fake_github.py).
+
+One module per concern:
+
+    ci.release.steps             plan, check-tag, report, gather, and the publish job's steps
+    ci.release.workflow_lint     the workflows' pinned tools (cibuildwheel, actionlint, zizmor) and the lint
+    ci.release.standin           a stand-in for PyTorch's index (HTTP on 127.0.0.1) serving PyPI's torch wheels
+    ci.release.torch_resolution  the jobs' torch specs resolved by real pip against the stand-in
+    ci.release.rehearsal         the dry run: every job planned and checked, those buildable here run
+    ci.release.__main__          the command line (``python -m ci.release``)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent.parent
+
+
+class ReleaseError(RuntimeError):
+    pass

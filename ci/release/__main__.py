@@ -1,0 +1,118 @@
+"""``python -m ci.release``: the release pipeline's steps and its dry run (see ci.release).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import ci.release
+from ci.release import REPO, ReleaseError
+from ci.release.rehearsal import dry_run
+from ci.release.steps import check_tag, compile_gate_problem, gather, plan, report
+from ci.release.workflow_lint import lint_workflows
+from ci.targets import Matrix
+
+
+# -- CLI --------------------------------------------------------------------------------------
+
+def _read_json_arg(value: str) -> dict:
+    """A JSON document given inline, as @file, or '-' (stdin)."""
+    if value == "-":
+        return json.load(sys.stdin)
+    if value.startswith("@"):
+        return json.loads(Path(value[1:]).read_text())
+    return json.loads(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ci.targets import MatrixError
+    from ci.toolchain import ToolchainError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--dry-run":  # `nox -s release -- --dry-run`
+        argv[0] = "dry-run"
+    ap = argparse.ArgumentParser(prog="python -m ci.release", description=ci.release.__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("plan", help="check the matrix JSON (nox -s matrix) and print the build jobs' matrix")
+    p.add_argument("--matrix", default="-", help="JSON, @file or - (stdin; default)")
+    p.add_argument("--targets", default="", help="comma-separated target ids to build (default: all)")
+    p.add_argument("--github-output", type=Path, default=os.environ.get("GITHUB_OUTPUT"))
+    p.add_argument("--no-compile-gate", action="store_true",
+                   help="skip compiling each torch line's unit against its torch headers (ci.compile_gate)")
+    r = sub.add_parser("report", help="which planned targets built (markdown; exit 1 when any failed)")
+    r.add_argument("--plan", required=True, help="the plan JSON, @file or -")
+    r.add_argument("--artifacts", type=Path, required=True)
+    r.add_argument("--tag", default=os.environ.get("GITHUB_REF_NAME"))
+    r.add_argument("--summary", type=Path, default=os.environ.get("GITHUB_STEP_SUMMARY"))
+    g = sub.add_parser("gather", help="every planned target's artifact into dist/wheels, or nothing")
+    g.add_argument("--plan", required=True)
+    g.add_argument("--artifacts", type=Path, required=True)
+    g.add_argument("--out", type=Path, default=REPO / "dist" / "wheels")
+    pg = sub.add_parser("pages", help="publish the built index to the Pages branch (python -m ci.publish pages)")
+    pg.add_argument("args", nargs=argparse.REMAINDER)
+    sub.add_parser("lint-workflows", help="actionlint + zizmor on .github/workflows")
+    ct = sub.add_parser("check-tag", help="the tag must be v + the package version")
+    ct.add_argument("--tag", required=True)
+    d = sub.add_parser("dry-run", help="the whole pipeline for the targets buildable here, publishing locally")
+    d.add_argument("--dist", type=Path, default=REPO / "dist" / "dry-run")
+    d.add_argument("--verify-python", action="append", metavar="X.Y")
+    d.add_argument("--repo", default="sageattn3/sageattn3")
+    d.add_argument("--tag", default=None)
+    d.add_argument("--only", action="append", metavar="TARGET", help="rehearse only this target (repeatable)")
+    d.add_argument("--plan-only", action="store_true", help="resolve and check every job, build nothing")
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "plan":
+            out = plan(_read_json_arg(a.matrix), only=[t for t in a.targets.split(",") if t.strip()])
+            gate_problem = None if a.no_compile_gate else compile_gate_problem(Matrix.load(), log=lambda m: print(m, file=sys.stderr))
+            if gate_problem:
+                raise ReleaseError(f"refusing the matrix: {gate_problem}")
+            text = json.dumps(out, separators=(",", ":"))
+            if a.github_output:
+                with open(a.github_output, "a", encoding="utf-8") as f:
+                    f.write(f"matrix={text}\n")
+            print(text)
+            print(f"plan: {len(out['include'])} build job(s)", file=sys.stderr)
+        elif a.cmd == "report":
+            md, missing = report(_read_json_arg(a.plan), a.artifacts, a.tag)
+            print(md)
+            if a.summary:
+                with open(a.summary, "a", encoding="utf-8") as f:
+                    f.write(md + "\n")
+            return 1 if missing else 0
+        elif a.cmd == "gather":
+            copied = gather(_read_json_arg(a.plan), a.artifacts, a.out)
+            print(f"gathered {len(copied)} wheel(s) into {a.out}")
+        elif a.cmd == "pages":
+            from ci.publish.__main__ import main as publish_main
+
+            return publish_main(["pages", *a.args])
+        elif a.cmd == "lint-workflows":
+            problems = lint_workflows()
+            for name, rc, out in problems:
+                print(f"--- {name} (exit {rc})\n{out}")
+            print("workflows: " + ("actionlint and zizmor found nothing" if not problems else
+                                   f"{len(problems)} tool(s) complained"))
+            return 1 if problems else 0
+        elif a.cmd == "check-tag":
+            print(f"tag {a.tag} matches sageattn3 {check_tag(a.tag)}")
+        elif a.cmd == "dry-run":
+            dr = dry_run(a.dist, verify_pythons=a.verify_python, repo=a.repo, tag=a.tag, only=a.only,
+                         plan_only=a.plan_only)
+            print("\n" + dr.summary)
+            print(f"dry run complete: artifacts in {a.dist}")
+    except ReleaseError as e:
+        print(f"release: {e}", file=sys.stderr)
+        return 1
+    except (ToolchainError, MatrixError) as e:  # a Python, toolkit or matrix entry this machine lacks: what to do
+        print(f"release: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
