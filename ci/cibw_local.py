@@ -62,7 +62,7 @@ class LocalRun:
 
 def cibuildwheel_cache() -> Path:
     """cibuildwheel's cache folder ($CIBW_CACHE_PATH, else its platformdirs default)."""
-    from ci.cibw_rehearsal import cibuildwheel_modules
+    from ci.cibw_job import cibuildwheel_modules
 
     cibuildwheel_modules()
     from cibuildwheel.util.file import CIBW_CACHE_PATH
@@ -74,7 +74,7 @@ def seed_virtualenv_pyz(log=print) -> Path:
     """The ``virtualenv-<version>.pyz`` cibuildwheel's audit step runs, made here from PyPI's
     virtualenv wheel of the version cibuildwheel names (its resources/virtualenv.toml), as a
     zipapp, into cibuildwheel's cache (where it looks before downloading)."""
-    from ci.cibw_rehearsal import cibuildwheel_modules
+    from ci.cibw_job import cibuildwheel_modules
 
     cibuildwheel_modules()
     from cibuildwheel.util import resources
@@ -103,27 +103,27 @@ def seed_virtualenv_pyz(log=print) -> Path:
 
 def environment_pass(target, environ: dict[str, str]) -> list[str]:
     """The toml's environment-pass for the target's build, as cibuildwheel's reader gives it."""
-    from ci import cibw
-    from ci.cibw_rehearsal import cibuildwheel_modules
+    from ci import cibw_job
+    from ci.cibw_job import cibuildwheel_modules
 
     options, _, _ = cibuildwheel_modules()
     args = options.CommandLineArguments.defaults()
-    args.platform, args.config_file, args.package_dir = "linux", str(cibw.CONFIG_FILE), cibw.PACKAGE_DIR
+    args.platform, args.config_file, args.package_dir = "linux", str(cibw_job.CONFIG_FILE), cibw_job.PACKAGE_DIR
     opts = options.Options("linux", args, env={k: v for k, v in environ.items() if k != "CIBW_ENVIRONMENT_PASS_LINUX"})
-    with opts.reader.identifier(cibw.identifier(target)):
+    with opts.reader.identifier(cibw_job.identifier(target)):
         return opts.reader.get("environment-pass", option_format=options.ListFormat(sep=" ")).split()
 
 
 def stock_standin(target_id: str, log=print) -> str:
     """PyPI's torch wheels the job installs, into the stand-in for PyTorch's index: the build
     torch for the target's floor Python, and the ABI guard's; returns the guard's directory."""
-    from ci import cibw
+    from ci import cibw_job
     from ci.release.standin import fetch_torch, standin_dir
     from ci.targets import Matrix
 
     matrix = Matrix.load()
     target = matrix.target(target_id)
-    job = cibw.plan_job(target, matrix)
+    job = cibw_job.plan_job(target, matrix)
     fetch_torch(target.build_torch, target.python, matrix, log=log)
     fetch_torch(job.foreign.version, target.python, matrix, log=log)
     return standin_dir(job.foreign.version, matrix)
@@ -134,7 +134,7 @@ def job_environment(target_id: str, *, image: str, pytorch_index: str, cache_hos
                     jobs: int | None = None) -> dict[str, str]:
     """The environment cibuildwheel runs with: this machine's, the job's exports (``python -m
     ci.cibw env``) as build-target.yml writes them, and the replacements in the module's doc."""
-    from ci import cibw
+    from ci import cibw, cibw_job
     from ci.release.workflow_lint import workflow_tools_dir
     from ci.targets import Matrix
 
@@ -145,7 +145,7 @@ def job_environment(target_id: str, *, image: str, pytorch_index: str, cache_hos
     if target.os.machine != os.uname().machine:
         raise LocalCibwError(f"{target_id} is {target.os.machine}, this machine is {os.uname().machine}")
     env = {k: v for k, v in os.environ.items() if not k.startswith("CIBW_")}
-    env.update(cibw.job_env(target, jobs=jobs))
+    env.update(cibw_job.job_env(target, jobs=jobs))
     passed = environment_pass(target, env)
     env.update({
         "SAGEATTN3_PYTORCH_INDEX": pytorch_index,

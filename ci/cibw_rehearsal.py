@@ -34,12 +34,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from ci.cibw_job import RehearsalError, ResolvedJob, job_env, resolve
 from ci.targets import Matrix, Target
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,91 +47,6 @@ HOST_BASE = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SSL_CERT_FILE", "SSL_C
 # cibuildwheel's mount of the runner's root inside its container (oci_container: --volume=/:/host)
 HOST_MOUNT = "/host"
 CONTAINER_PYTHONS = "/opt/python"
-
-
-class RehearsalError(RuntimeError):
-    pass
-
-
-# -- cibuildwheel's own option resolution ----------------------------------------------------
-
-def cibuildwheel_modules():
-    """The pinned cibuildwheel (ci/requirements-workflows.txt, installed into the factory
-    cache once), importable: returns its ``options``, ``util.helpers`` and ``frontend``."""
-    from ci.release.workflow_lint import LINT_REQUIREMENTS, workflow_tools_dir
-
-    pin = next(line.split("==", 1)[1].strip() for line in LINT_REQUIREMENTS.read_text().splitlines()
-               if line.startswith("cibuildwheel=="))
-    dest = str(workflow_tools_dir())
-    if dest not in sys.path:
-        sys.path.append(dest)  # after the factory's own packages: its packaging etc. stay
-    import cibuildwheel
-    from cibuildwheel import frontend, options
-    from cibuildwheel.util import helpers
-
-    if cibuildwheel.__version__ != pin:
-        raise RehearsalError(f"cibuildwheel {cibuildwheel.__version__} was imported "
-                             f"({cibuildwheel.__file__}), the release pins {pin}")
-    return options, helpers, frontend
-
-
-@dataclass(frozen=True)
-class ResolvedJob:
-    """One target's build as cibuildwheel resolved it: its identifier and ``BuildOptions``."""
-
-    target: Target
-    identifier: str
-    options: Any  # cibuildwheel.options.BuildOptions
-    config_file: Path
-
-    def command(self, key: str, **placeholders: str) -> str | None:
-        """before_all / repair_command / test_command with cibuildwheel's placeholders filled
-        by its own ``prepare_command``; None when the option is empty."""
-        _, helpers, _ = cibuildwheel_modules()
-        value = getattr(self.options, key)
-        return helpers.prepare_command(value, **placeholders) if value else None
-
-    def build_flags(self) -> list[str]:
-        """The frontend's extra flags (build-frontend args, config-settings, build-verbosity)."""
-        _, helpers, frontend = cibuildwheel_modules()
-        o = self.options
-        if o.build_frontend.name != "pip":
-            raise RehearsalError(f"the rehearsal runs pip's build (`pip wheel`); {self.config_file} asks for "
-                                 f"build-frontend {o.build_frontend.name!r}")
-        settings = helpers.prepare_command(o.config_settings, project=str(REPO), package=str(o.package_dir))
-        return frontend.get_build_frontend_extra_flags(o.build_frontend, o.build_verbosity, settings)
-
-
-def resolve(target: Target, job_environ: dict[str, str], *, config_file: Path | None = None,
-            package_dir: Path | None = None) -> ResolvedJob:
-    """cibuildwheel's options for ``target``'s job: ``--config-file config_file`` (default
-    ci/cibuildwheel.toml) and ``job_environ`` as the environment cibuildwheel reads (its
-    ``CIBW_*`` selection and the variables environment-pass takes). The selection must be
-    exactly the target's one identifier."""
-    from ci import cibw
-
-    options, _, _ = cibuildwheel_modules()
-    config_file = Path(config_file or cibw.CONFIG_FILE)
-    package_dir = Path(package_dir or cibw.PACKAGE_DIR)
-    platform = job_environ.get("CIBW_PLATFORM")
-    if platform != cibw.CIBW_PLATFORM[target.os.platform]:
-        raise RehearsalError(f"{target.id}: the job's CIBW_PLATFORM is {platform!r}, not "
-                             f"{cibw.CIBW_PLATFORM[target.os.platform]!r} (python -m ci.cibw env --target {target.id})")
-    args = options.CommandLineArguments.defaults()
-    args.platform = platform
-    args.config_file = str(config_file)
-    args.package_dir = package_dir
-    opts = options.Options(platform, args, env=job_environ)
-    from cibuildwheel.platforms import ALL_PLATFORM_MODULES
-
-    g = opts.globals
-    ids = [c.identifier for c in ALL_PLATFORM_MODULES[platform].get_python_configurations(g.build_selector,
-                                                                                         g.architectures)]
-    want = cibw.identifier(target)
-    if ids != [want]:
-        raise RehearsalError(f"{target.id}: cibuildwheel selects {ids} with {config_file.name} and the job's "
-                             f"environment, the target is the one build {want}")
-    return ResolvedJob(target, want, opts.build_options(want), config_file)
 
 
 # -- this machine in place of the container --------------------------------------------------
@@ -321,12 +235,11 @@ def job_environ(target: Target, *, pytorch_index: str, cache: Path, log_dir: Pat
     nothing but what is passed), the job's exports (``python -m ci.cibw env``) with the stand-in
     as PyTorch's index, and build-target.yml's cache and log folders; a developer machine keeps
     its caches (no cleanup between the steps)."""
-    from ci import cibw
     from ci.pip_env import pip_environ
 
     env = pip_environ(sources=False)
     env = {k: v for k, v in env.items() if not k.startswith("CIBW_")}
-    env.update(cibw.job_env(target))
+    env.update(job_env(target))
     env.update(SAGEATTN3_PYTORCH_INDEX=pytorch_index, SAGEATTN3_CACHE_HOST=str(cache),
                SAGEATTN3_LOG_DIR_HOST=str(log_dir), SAGEATTN3_CI_CLEANUP="0")
     if verify_pythons:

@@ -120,7 +120,7 @@ GiB = 2**30
 
 
 def test_parallel_compiles_are_capped_by_memory():
-    from ci.cibw import nvcc_jobs
+    from ci.cibw_job import nvcc_jobs
 
     assert nvcc_jobs(4, 16 * GiB) == 4  # a hosted runner
     assert nvcc_jobs(4, int(15.6 * GiB)) == 4  # what a "16 GB" hosted runner reports
@@ -133,7 +133,7 @@ def test_parallel_compiles_are_capped_by_memory():
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.id)
 def test_every_job_exports_pytorchs_index_the_compile_cap_and_cleanup(target):
-    from ci.cibw import identifier, job_env
+    from ci.cibw_job import identifier, job_env
 
     env = job_env(target, jobs=3)
     assert env["SAGEATTN3_PYTORCH_INDEX"] == PYTORCH_INDEX
@@ -145,7 +145,7 @@ def test_every_job_exports_pytorchs_index_the_compile_cap_and_cleanup(target):
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.id)
 def test_every_job_resolves_without_problems(target):
-    from ci.cibw import check_job, plan_job
+    from ci.cibw_job import check_job, plan_job
 
     job = plan_job(target, MATRIX)
     assert check_job(job, MATRIX) == []
@@ -157,7 +157,7 @@ def test_every_job_resolves_without_problems(target):
 
 
 def test_a_windows_job_installs_cuda_with_nvidias_installer_and_msvc():
-    from ci.cibw import check_job, plan_job
+    from ci.cibw_job import check_job, plan_job
 
     job = plan_job(BY_ID["windows-amd64-cu130-torch2.10-stable"], MATRIX)
     assert job.runner == "windows-2022" and job.identifier == "cp310-win_amd64"
@@ -178,7 +178,7 @@ def test_a_windows_job_installs_cuda_with_nvidias_installer_and_msvc():
 
 
 def test_an_aarch64_job_uses_the_arm_runner_and_sbsa_packages():
-    from ci.cibw import check_job, plan_job
+    from ci.cibw_job import check_job, plan_job
 
     job = plan_job(BY_ID["linux-aarch64-cu129-torch2.8"], MATRIX)
     assert job.runner == "ubuntu-24.04-arm" and job.identifier == "cp39-manylinux_aarch64"
@@ -211,7 +211,7 @@ def test_the_shim_builds_with_its_own_python_for_the_factory(tmp_path, monkeypat
     import stat
     import sys
 
-    from ci import cibw
+    from ci import cibw_job
 
     fake = tmp_path / "factory"
     fake.write_text(
@@ -225,9 +225,9 @@ def test_the_shim_builds_with_its_own_python_for_the_factory(tmp_path, monkeypat
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("SAGEATTN3_FACTORY_PYTHON", str(fake))
     # what pip's hook runner sets for the shim's own backend (old and new names)
-    monkeypatch.setenv("PEP517_BACKEND_PATH", str(cibw.PACKAGE_DIR))
-    monkeypatch.setenv("_PYPROJECT_HOOKS_BACKEND_PATH", str(cibw.PACKAGE_DIR))
-    spec = importlib.util.spec_from_file_location("factory_backend_t", cibw.PACKAGE_DIR / "factory_backend.py")
+    monkeypatch.setenv("PEP517_BACKEND_PATH", str(cibw_job.PACKAGE_DIR))
+    monkeypatch.setenv("_PYPROJECT_HOOKS_BACKEND_PATH", str(cibw_job.PACKAGE_DIR))
+    spec = importlib.util.spec_from_file_location("factory_backend_t", cibw_job.PACKAGE_DIR / "factory_backend.py")
     backend = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(backend)
     assert backend.build_wheel(str(tmp_path)) == "sageattn3-0.1.0-cp310-abi3-linux_x86_64.whl"
@@ -266,7 +266,7 @@ def test_the_installer_download_retries_and_times_out(tmp_path):
     import http.server
     import time
 
-    from ci.cibw import CibwError, download
+    from ci.runner_setup import CibwError, download
 
     payload = b"MZ" + bytes(range(256)) * 64
     calls = {"n": 0}
@@ -304,7 +304,7 @@ def test_the_installer_download_retries_and_times_out(tmp_path):
 
 
 def test_cleanup_after_build_keeps_the_compiler_cache_and_the_env_verify_reuses(tmp_path):
-    from ci.cibw import cleanup_after_build
+    from ci.runner_setup import cleanup_after_build
 
     cache = tmp_path / "cache"
     for d in ("cuda/13.0/bin", "cutlass/4.2.0.0/include", "envs/py3.10-torch-2.14.1-aaa/lib",
@@ -321,7 +321,7 @@ def test_cleanup_after_build_keeps_the_compiler_cache_and_the_env_verify_reuses(
 
 
 def test_free_disk_removes_the_listed_paths_and_reports_the_gain(tmp_path):
-    from ci.cibw import RUNNER_BLOAT, free_disk
+    from ci.runner_setup import RUNNER_BLOAT, free_disk
 
     junk = tmp_path / "dotnet"
     (junk / "sdk").mkdir(parents=True)
@@ -335,7 +335,7 @@ def test_free_disk_removes_the_listed_paths_and_reports_the_gain(tmp_path):
 def test_free_disk_on_windows_is_best_effort_within_its_budget(tmp_path):
     """Windows deletes file by file: within the budget, the rest left in place, never an error;
     real files here, removed the way the Windows job removes them."""
-    from ci.cibw import WINDOWS_DISK_BUDGET_S, free_disk
+    from ci.runner_setup import WINDOWS_DISK_BUDGET_S, free_disk
 
     big = tmp_path / "Android" / "sdk"
     for i in range(40):
@@ -361,7 +361,7 @@ def test_free_disk_reports_the_drive_it_deletes_from():
     not the workspace's (D: on a Windows runner)."""
     from pathlib import PurePosixPath, PureWindowsPath
 
-    from ci.cibw import RUNNER_BLOAT, _drive
+    from ci.runner_setup import RUNNER_BLOAT, _drive
 
     assert {_drive(p, PureWindowsPath) for p in RUNNER_BLOAT["windows"]} == {"C:\\"}
     assert _drive(r"D:\a\sageattn3\sageattn3", PureWindowsPath) == "D:\\"
@@ -392,10 +392,10 @@ def test_verify_takes_the_interpreter_cibuildwheel_tests_with(tmp_path, monkeypa
     import sys
     import tomllib
 
-    from ci import cibw
+    from ci import cibw, cibw_job, runner_setup
     from ci.toolchain import _env_var
 
-    cfg = tomllib.loads(cibw.CONFIG_FILE.read_text())["tool"]["cibuildwheel"]
+    cfg = tomllib.loads(cibw_job.CONFIG_FILE.read_text())["tool"]["cibuildwheel"]
     for plat in ("linux", "windows"):
         assert cfg[plat]["test-command"].endswith("verify --wheel {wheel} --python-exe python"), plat
     venv = tmp_path / "venv-test"
@@ -407,11 +407,11 @@ def test_verify_takes_the_interpreter_cibuildwheel_tests_with(tmp_path, monkeypa
     version, base = cibw.use_python("python")  # as the test-command names it: from PATH
     assert version == here and os.environ[_env_var(here)] == base
     assert Path(base).resolve() == Path(sys._base_executable).resolve() and not Path(base).is_relative_to(venv)
-    with pytest.raises(cibw.CibwError, match="no such interpreter"):
+    with pytest.raises(runner_setup.CibwError, match="no such interpreter"):
         cibw.use_python(str(tmp_path / "nope" / "python"))
     # a cp39 target's verify refuses a test Python that is not 3.9 (before touching the wheel)
     monkeypatch.setenv("SAGEATTN3_TARGET", "linux-x86_64-cu128-torch2.8")
     monkeypatch.delenv("SAGEATTN3_VERIFY_PYTHONS", raising=False)
     if here != "3.9":
-        with pytest.raises(cibw.CibwError, match=f"is Python {here}, but linux-x86_64-cu128-torch2.8 verifies in 3.9"):
+        with pytest.raises(runner_setup.CibwError, match=f"is Python {here}, but linux-x86_64-cu128-torch2.8 verifies in 3.9"):
             cibw.verify_wheel(tmp_path / "x.whl", python_exe=str(vpy), log=lambda m: None)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ci import cibw
+from ci import cibw, cibw_job
 from ci.targets import Matrix
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,7 +71,7 @@ def test_cibuildwheel_builds_repairs_audits_and_tests_the_probe_through_the_toml
 def test_the_job_environment_is_the_release_jobs_plus_only_the_stand_ins(probe_run):
     run, _ = probe_run
     env = run.env
-    for key, value in cibw.job_env(TARGET, jobs=2).items():
+    for key, value in cibw_job.job_env(TARGET, jobs=2).items():
         if key != "SAGEATTN3_PYTORCH_INDEX":
             assert env[key] == value, key
     assert env["SAGEATTN3_PYTORCH_INDEX"].startswith("http://127.0.0.1:")

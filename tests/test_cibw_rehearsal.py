@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ci import cibw
+from ci import cibw_job
 from ci.cibw_rehearsal import HostLayout, JobRehearsal, RehearsalError, job_environ, resolve
 from ci.targets import Matrix
 
@@ -23,7 +23,7 @@ DUMP = "import json, os, sys; json.dump(dict(os.environ, PYTHON=sys.executable),
 
 
 def _toml_copy(tmp_path: Path, edit) -> Path:
-    text = cibw.CONFIG_FILE.read_text()
+    text = cibw_job.CONFIG_FILE.read_text()
     new = edit(text)
     assert new != text, "the edit changed nothing"
     path = tmp_path / "cibuildwheel.toml"
@@ -60,7 +60,7 @@ def _tiny_wheel(folder: Path) -> Path:
 
 def test_the_real_toml_resolves_to_its_hooks_with_container_paths_made_local(tmp_path, pythons):
     r = _rehearsal(tmp_path, None, pythons)
-    assert r.job.identifier == cibw.identifier(TARGET) == "cp310-manylinux_x86_64"
+    assert r.job.identifier == cibw_job.identifier(TARGET) == "cp310-manylinux_x86_64"
     before = r.job.command("before_all", project="/P", package="/P/ci/cibw_project")
     assert before == ("$SAGEATTN3_FACTORY_PYTHON -m pip install -r /P/ci/requirements.txt && "
                       "$SAGEATTN3_FACTORY_PYTHON /P/ci/cibw.py install-cuda")
@@ -141,4 +141,4 @@ def test_the_release_module_holds_no_second_copy_of_cibuildwheel():
     for f in package.parent.rglob("*.py"):
         src = f.read_text()
         assert '["tool"]["cibuildwheel"]' not in src and "CONFIG_FILE.read" not in src, f.name
-    assert sys.modules["ci.cibw_rehearsal"].cibuildwheel_modules()[0].__name__ == "cibuildwheel.options"
+    assert sys.modules["ci.cibw_job"].cibuildwheel_modules()[0].__name__ == "cibuildwheel.options"

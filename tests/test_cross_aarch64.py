@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _bc():
-    from ci.cibw import payload_build_commands
+    from ci.cibw_job import payload_build_commands
 
     return payload_build_commands()
 

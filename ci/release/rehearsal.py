@@ -97,7 +97,7 @@ class TargetRehearsal:
     """One target in the rehearsal: its job resolved and checked, and whether it ran here."""
 
     id: str
-    job: object  # ci.cibw.JobPlan
+    job: object  # ci.cibw_job.JobPlan
     problems: list[str]
     runs_here: bool
     why_not: str = ""
@@ -107,13 +107,13 @@ def rehearse_plan(matrix: Matrix, pytorch_index: str | None = None, log=print) -
     """Every target's release job resolved (environment, torch and guard sources, CUDA install,
     cibuildwheel selection, each step's command) and checked; which of them can run here
     with the stand-in index (the rest are only planned, with the reason)."""
-    from ci import cibw
+    from ci import cibw_job
     from ci.build import local_blockers
 
     out = []
     for t in matrix.targets:
-        job = cibw.plan_job(t, matrix)
-        problems = cibw.check_job(job, matrix) + _windows_commands_problems(t, matrix)
+        job = cibw_job.plan_job(t, matrix)
+        problems = cibw_job.check_job(job, matrix) + _windows_commands_problems(t, matrix)
         old = os.environ.get("SAGEATTN3_PYTORCH_INDEX")
         os.environ["SAGEATTN3_PYTORCH_INDEX"] = pytorch_index or "http://127.0.0.1/whl"
         try:
@@ -135,7 +135,7 @@ def _windows_commands_problems(target, matrix: Matrix) -> list[str]:
     -Xcompiler, CUDA's lib\\x64, a .pyd). Skipped (no problem) where the payload has no builder."""
     if target.os.platform != "windows":
         return []
-    from ci.cibw import payload_build_commands
+    from ci.cibw_job import payload_build_commands
     from ci.flags import profile_for
 
     bc = payload_build_commands()
