@@ -45,7 +45,7 @@ LOCK_ONLY_SESSIONS = {"publish": "ci.publish", "index": "ci.index", "upload-inde
                       "gather": "ci.release", "pages": "ci.publish"}
 # The modules those sessions run, and what they import from ci/.
 ENTRY_MODULES = ("ci/publish/__main__.py", "ci/publish/github.py", "ci/publish/pages.py", "ci/publish/pypi.py",
-                 "ci/publish/_net.py", "ci/index.py")
+                 "ci/publish/_net.py", "ci/index/__init__.py", "ci/index/__main__.py")
 
 
 def locked(lock: Path = LOCK) -> dict[str, str]:
