@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 
 from ci import build as buildmod
+from ci.resolve import resolve_toolchain
 from ci.cli import default_target
 from ci.targets import Matrix
 from ci.toolchain import compiler_launcher, sccache_env
@@ -59,7 +60,7 @@ def _use_compiler_cache(cache_dir: Path | None) -> None:
 def timed_build(target, matrix, out: Path) -> tuple[float, int, Path]:
     t0 = time.monotonic()
     with PeakRSS() as mem:
-        result = buildmod.build(target, matrix, out, log=lambda *_: None)
+        result = buildmod.build(resolve_toolchain(target, matrix), matrix, out, log=lambda *_: None)
     return time.monotonic() - t0, mem.peak, result.wheel
 
 
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             _use_compiler_cache(Path(tmp) / "sccache-prime")
             # Warm the torch/CUDA/CUTLASS provisioning first so only compiling is measured.
-            buildmod.build(target, matrix, Path(tmp) / "prime", log=lambda *_: None)
+            buildmod.build(resolve_toolchain(target, matrix), matrix, Path(tmp) / "prime", log=lambda *_: None)
             _use_compiler_cache(Path(tmp) / "sccache-cold")  # cold: an empty compiler cache
             cold, cold_mem, wheel = timed_build(target, matrix, Path(tmp) / "cold")
             # no change: the build stage sees the same inputs and does nothing new

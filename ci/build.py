@@ -13,46 +13,21 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from packaging.version import Version
 
-from ci import cross as crossmod
 from ci import patches as patchmod
-from ci import torch_source as torch_sources
-from ci.flags import PAYLOAD, compiler_for, profile_for
+from ci.flags import PAYLOAD
 from ci.pip_env import pip_environ
+from ci.resolved import PROOF_FLAVOUR_LABEL, TEST_FLAVOUR_LABEL, CudaToolkit, ResolvedToolchain, TorchEnv
 from ci.targets import Matrix, Target
-from ci.toolchain import (
-    CudaToolkit,
-    ToolchainError,
-    TorchEnv,
-    compiler_launcher,
-    cutlass_include,
-    find_cuda,
-    find_python,
-    host_compiler_version,
-    sccache_env,
-)
 
 REPO = PAYLOAD.parent
 
 
 class BuildError(RuntimeError):
     pass
-
-
-def host_os_key() -> str:
-    import platform
-
-    machine = platform.machine().lower()
-    if sys.platform.startswith("linux"):
-        return f"linux-{'aarch64' if machine in ('aarch64', 'arm64') else machine}"
-    if sys.platform == "win32":
-        return "windows-amd64"
-    return f"{sys.platform}-{machine}"
 
 
 def source_commit() -> str:
@@ -63,52 +38,6 @@ def source_commit() -> str:
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-
-
-def local_blockers(target: Target, *, cross: bool = False) -> list[str]:
-    """Why this target cannot be built on this machine (empty: it can). ``cross``: a Linux target
-    of another machine counts as buildable when it can be cross-compiled here (``ci.cross``);
-    asked for by name (``--target``), never picked up by ``--all-local`` or the release rehearsal."""
-    reasons = []
-    if crossmod.is_cross(target.os):
-        if cross:
-            return crossmod.cross_blockers(target)
-        how = "" if crossmod.cross_blockers(target) else f"; or cross-build it here with --target {target.id}"
-        return [f"needs a {target.os.key} machine (this is {host_os_key()}); the release pipeline builds it{how}"]
-    if target.os.key != host_os_key():
-        reasons.append(f"needs a {target.os.key} machine (this is {host_os_key()}); the release pipeline builds it")
-    unreachable = torch_sources.unreachable_reason(target)
-    if unreachable:
-        reasons.append(unreachable)
-    if Version(target.cuda).major < 13:
-        try:
-            find_cuda(target.cuda, provision=False)
-        except ToolchainError:
-            reasons.append(f"needs a CUDA {target.cuda} toolkit (NVIDIA's installer; not on PyPI): set CUDA_HOME")
-    return reasons
-
-
-def build_python(target: Target) -> str:
-    """The interpreter that compiles: the running one when it qualifies (abi3 wheels are
-    the same for every Python from target.python on), else the target's own.
-    ``$SAGEATTN3_BUILD_PYTHON`` (X.Y) chooses it: the release's cibuildwheel shim sets its own,
-    the target's oldest, so that verify reuses the build's torch environment."""
-    chosen = os.environ.get("SAGEATTN3_BUILD_PYTHON")
-    if chosen:
-        if Version(chosen) < Version(target.python):
-            raise BuildError(f"{target.id}: SAGEATTN3_BUILD_PYTHON={chosen} is older than the target's Python {target.python}")
-        find_python(chosen)
-        return chosen
-    here = "%d.%d" % sys.version_info[:2]
-    if Version(here) >= Version(target.python):
-        return here
-    find_python(target.python)
-    return target.python
-
-
-def torch_spec(target: Target) -> torch_sources.TorchSource:
-    """Where the build torch comes from (the same source verify and the release use)."""
-    return torch_sources.torch_source(target)
 
 
 @dataclass(frozen=True)
@@ -125,84 +54,9 @@ def compile_key(target: Target, profile: dict, patch_names: list[str]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-TEST_FLAVOUR_LABEL = "mmamodel"
-PROOF_FLAVOUR_LABEL = "proof"
-# The proof flavour compiles a per-torch target with the CUDA 13 toolkit available here (its own
-# 12.x comes only from NVIDIA's installer) and links the CUDA runtime statically, so the module
-# loads next to that torch's CUDA 12 runtime. It proves the per-torch path (classic unit, that
-# torch's headers and libraries, repair, tag, import, ABI guard); it is never indexed or published.
-PROOF_CUDA = "13.0"
-
-
-@dataclass(frozen=True)
-class ResolvedToolchain:
-    """Everything a target's build uses, resolved once before anything compiles (the build
-    stage and the build record read only this)."""
-
-    target: Target
-    profile: dict
-    patches: tuple[patchmod.Patch, ...]
-    cuda: CudaToolkit
-    env: TorchEnv
-    host_compiler: str
-    launcher: tuple[str, ...]
-    cutlass: Path
-    flavour: str  # "release" | TEST_FLAVOUR_LABEL | PROOF_FLAVOUR_LABEL
-    cross: crossmod.CrossToolchain | None = None  # a Linux target of another machine (ci.cross)
-
-    @property
-    def torch_include(self) -> Path:
-        """The torch headers compiled against (patches apply to copies of these)."""
-        root = self.cross.torch.torch_dir if self.cross else self.env.site_packages / "torch"
-        return root / "include"
-
-    @property
-    def local_label(self) -> str:
-        return self.target.variant.label + ("" if self.flavour == "release" else f".{self.flavour}")
-
-
-def select_flags(target: Target, matrix: Matrix, *, force_patches: tuple[str, ...] = (), mma_model: bool = False,
-                 proof: bool = False) -> tuple[dict, tuple[patchmod.Patch, ...]]:
-    """The flag profile and the patches of a build (pure: nothing is installed)."""
-    if mma_model and proof:
-        raise BuildError("the test flavour and the proof flavour are exclusive")
-    if proof and target.variant.stable:
-        raise BuildError(f"{target.id}: the proof flavour is for per-torch targets (below the stable-ABI floor)")
-    profile = profile_for(target, matrix.stable_abi_floor, mma_model=mma_model,
-                          cuda=PROOF_CUDA if proof else None, static_cudart=proof)
-    chosen = patchmod.select(
-        patchmod.load_manifest(), os_key=target.os.key, compiler=compiler_for(target),
-        cuda=target.cuda, torch_version=target.build_torch, force=force_patches,
-    )
-    return profile, tuple(chosen)
-
-
-def resolve_toolchain(target: Target, matrix: Matrix, *, force_patches: tuple[str, ...] = (),
-                      mma_model: bool = False, proof: bool = False) -> ResolvedToolchain:
-    """Find or provision the CUDA toolkit, the torch build environment, CUTLASS, the host
-    compiler and the compiler cache for ``target``, and choose its flags and patches."""
-    profile, chosen = select_flags(target, matrix, force_patches=force_patches, mma_model=mma_model, proof=proof)
-    cuda = find_cuda(PROOF_CUDA if proof else target.cuda)
-    if crossmod.is_cross(target.os):
-        if proof:
-            raise BuildError(f"{target.id}: the proof flavour is for this machine's own targets")
-        cross = crossmod.resolve_cross(target.os.machine, target.cuda, target.build_torch)
-        env = crossmod.build_env(build_python(target), cross)
-        flavour = TEST_FLAVOUR_LABEL if mma_model else "release"
-        return ResolvedToolchain(target, profile, chosen, cuda, env, cross.compiler.banner,
-                                 tuple(compiler_launcher()), cutlass_include(), flavour, cross)
-    env = torch_sources.torch_env_for(build_python(target), torch_spec(target))
-    if env.torch_cuda != target.cuda:
-        raise ToolchainError(
-            f"{target.id}: the build torch is {env.torch_version} (CUDA {env.torch_cuda}); the target "
-            f"needs torch {target.build_torch} built for CUDA {target.cuda}"
-        )
-    flavour = TEST_FLAVOUR_LABEL if mma_model else PROOF_FLAVOUR_LABEL if proof else "release"
-    return ResolvedToolchain(target, profile, chosen, cuda, env, host_compiler_version(),
-                             tuple(compiler_launcher()), cutlass_include(), flavour)
-
-
-def _copy_payload(target: Target, profile: dict, patches, build_root: Path | None) -> Path:
+def stage(target: Target, profile: dict, patches, build_root: Path | None = None) -> Path:
+    """Copy the payload into its staging dir (the path depends only on what is compiled:
+    ``build/stage/<compile key>/``)."""
     root = (build_root or REPO / "build") / "stage" / compile_key(target, profile, [p.name for p in patches])
     if root.exists():
         shutil.rmtree(root)
@@ -211,14 +65,6 @@ def _copy_payload(target: Target, profile: dict, patches, build_root: Path | Non
         ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "*.so", "_build_record.json"),
     )
     return root
-
-
-def stage(target: Target, matrix: Matrix, *, force_patches: tuple[str, ...] = (), build_root: Path | None = None,
-          mma_model: bool = False, proof: bool = False) -> tuple[Path, dict, list[patchmod.Patch]]:
-    """Copy the payload into its staging dir (the path depends only on what is compiled).
-    Returns the staging dir, the flag profile and the patches to apply."""
-    profile, chosen = select_flags(target, matrix, force_patches=force_patches, mma_model=mma_model, proof=proof)
-    return _copy_payload(target, profile, chosen, build_root), profile, list(chosen)
 
 
 def index_pages(matrix: Matrix) -> list[str]:
@@ -293,20 +139,12 @@ def build_config(tc: ResolvedToolchain, matrix: Matrix, overlay: Path, jobs: int
     }
 
 
-def build(target: Target, matrix: Matrix, raw_dir: Path, *, force_patches: tuple[str, ...] = (),
-          jobs: int | None = None, mma_model: bool = False, proof: bool = False, log=print) -> BuildResult:
-    """Build one target's wheel into ``raw_dir`` (emptied first). ``mma_model``: the test
-    flavour (adds sm_90a, FP4 MMA replaced by its software model); ``proof``: the proof flavour
-    (see PROOF_CUDA); neither is ever published."""
-    tc = resolve_toolchain(target, matrix, force_patches=force_patches, mma_model=mma_model, proof=proof)
-    return build_resolved(tc, matrix, raw_dir, jobs=jobs, log=log)
-
-
-def build_resolved(tc: ResolvedToolchain, matrix: Matrix, raw_dir: Path, *, jobs: int | None = None,
-                   log=print) -> BuildResult:
-    """The build stage proper: stage, patch, write the config, compile (or skip when unchanged)."""
+def build(tc: ResolvedToolchain, matrix: Matrix, raw_dir: Path, *, jobs: int | None = None, log=print) -> BuildResult:
+    """Build one target's wheel into ``raw_dir`` (emptied first) with its resolved toolchain
+    (ci.resolve.resolve_toolchain): stage, patch, write the config, compile (or skip when
+    unchanged)."""
     target, profile, cuda, env = tc.target, tc.profile, tc.cuda, tc.env
-    staging = _copy_payload(target, profile, tc.patches, None)
+    staging = stage(target, profile, tc.patches)
     overlay = staging / "build" / "include-overlay"
     roots = {"src": staging, "torch": tc.torch_include, "cutlass": tc.cutlass}
     for p in tc.patches:
@@ -330,7 +168,7 @@ def build_resolved(tc: ResolvedToolchain, matrix: Matrix, raw_dir: Path, *, jobs
         **profile["env"],
         "SAGEATTN3_BUILD_CONFIG": str(cfg_path),
         "CUDA_HOME": str(cuda.home),
-        **sccache_env(),
+        **dict(tc.compiler_env),
         "PATH": f"{cuda.home / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
     }
     cmd = [str(env.python), "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps", "-w", str(raw_dir), str(staging)]

@@ -7,7 +7,7 @@ of cibuildwheel's steps calls one factory stage, so the build is never reimpleme
     build           build          ci.build.build (staging copy, patches, flag profile, compile),
                                    reached through the PEP 517 shim in ci/cibw_project/
     repair-command  repair         ci.repair.repair (auditwheel / delvewheel with the torch and
-                                   CUDA excludes) then ci.pipeline.tag (label, abi3, torch range)
+                                   CUDA excludes) then ci.tag.tag (label, abi3, torch range)
     test-command    verify         ci.verify.verify (fresh venvs, real pip over HTTP, ABI guard)
     (after)         collect        the tagged wheel + its build record into dist/wheels
 
@@ -87,6 +87,7 @@ def build_into(wheel_dir: Path, log=print) -> Path:
     ``$MAX_JOBS`` caps the parallel compiles (default: what this machine's memory holds);
     with ``$SAGEATTN3_CI_CLEANUP=1`` what only the build needed is removed afterwards."""
     from ci.build import build
+    from ci.resolve import resolve_toolchain
 
     _container_pythons()
     matrix, target = load_target()
@@ -96,7 +97,7 @@ def build_into(wheel_dir: Path, log=print) -> Path:
     log(f"[build] {target.id}: {jobs} parallel compiles; torch {torch_source(target).describe()}")
     started = time.time()
     try:
-        result = build(target, matrix, _dist() / "raw" / target.id, jobs=jobs, log=log)
+        result = build(resolve_toolchain(target, matrix), matrix, _dist() / "raw" / target.id, jobs=jobs, log=log)
     finally:
         keep_build_log(target, since=started, log=log)
     wheel_dir.mkdir(parents=True, exist_ok=True)
@@ -135,7 +136,7 @@ def _verify_pythons(target: Target, pythons: list[str] | None = None) -> list[st
 
 def repair_into(wheel: Path, dest_dir: Path, log=print) -> Path:
     """repair (auditwheel/delvewheel, excludes) then tag (checks + record beside) into dest_dir."""
-    from ci.pipeline import tag
+    from ci.tag import tag
     from ci.repair import repair
 
     _, target = load_target()
@@ -191,6 +192,7 @@ def verify_wheel(wheel: Path, pythons: list[str] | None = None, python_exe: str 
     verify never has to find one."""
     from ci import index as indexmod
     from ci.record import BuildRecord, read_record_in_wheel, record_path
+    from ci.resolve import verify_envs
     from ci.verify import verify
 
     _container_pythons()
@@ -215,7 +217,8 @@ def verify_wheel(wheel: Path, pythons: list[str] | None = None, python_exe: str 
             raise CibwError(f"{wheel.name} was built for {rec.target}, not {target.id}")
         record_path(copy).write_text(rec.to_json())
         indexmod.write_index([rec], wheels, Path(tmp) / "index")
-        report = verify(rec, Path(tmp) / "index", pythons, torch_spec=source, foreign_torch=foreign, log=log)
+        envs = verify_envs(rec, pythons, torch_spec=source, foreign_torch=foreign, log=log)
+        report = verify(rec, Path(tmp) / "index", envs, log=log)
     log(f"[verify] {report.wheel}: Python {', '.join(report.pythons)}; ABI guard: {report.abi_guard}")
     return report
 
@@ -223,7 +226,7 @@ def verify_wheel(wheel: Path, pythons: list[str] | None = None, python_exe: str 
 def collect(wheelhouse: Path, out: Path, target_id: str | None = None, log=print) -> list[Path]:
     """cibuildwheel's output (wheels only) -> ``out`` with each wheel's build record beside it
     (the tag stage again: idempotent, and it re-checks what cibuildwheel moved)."""
-    from ci.pipeline import tag
+    from ci.tag import tag
 
     _, target = load_target(target_id)
     wheels = sorted(wheelhouse.glob("*.whl"))

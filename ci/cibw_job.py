@@ -253,8 +253,9 @@ def planned_requires_python(target: Target, matrix: Matrix) -> str:
     (``build_commands.python_requires``) applied to the build config the factory writes for the
     target (``ci.build.build_config``). The toolchain's paths and versions are placeholders here:
     none of them reaches Requires-Python. Where setup.py would refuse the config, the refusal."""
-    from ci.build import ResolvedToolchain, build_config, select_flags
-    from ci.toolchain import CudaToolkit, TorchEnv
+    from ci.build import build_config
+    from ci.resolve import select_flags
+    from ci.resolved import CudaToolkit, ResolvedToolchain, TorchEnv
 
     bc = payload_build_commands()
     profile, patches = select_flags(target, matrix)

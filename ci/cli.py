@@ -11,7 +11,8 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from ci.build import REPO, host_os_key, local_blockers
+from ci.build import REPO
+from ci.resolve import host_os_key, local_blockers
 from ci.targets import Matrix, MatrixError, Target
 from ci.variant import torch_line
 from ci.toolchain import ToolchainError, find_python

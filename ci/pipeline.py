@@ -18,24 +18,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from packaging.metadata import Metadata
-from packaging.requirements import Requirement
-from packaging.utils import parse_wheel_filename
-
 from ci import build as buildmod
 from ci import cross as crossmod
 from ci import index as indexmod
 from ci import repair as repairmod
+from ci import resolve
 from ci import verify as verifymod
 from ci.pip_env import pip_environ
-from ci.record import BuildRecord, load_records, read_record_in_wheel, record_path, wheel_metadata
-from ci.targets import Matrix, Target
 from ci.progress import StageProgress, TeeLog
+from ci.record import BuildRecord, load_records, read_record_in_wheel, record_path
+from ci.resolved import PROOF_FLAVOUR_LABEL
+from ci.tag import tag
+from ci.targets import Matrix, Target
 from ci.toolchain import cache_root
-
-
-class TagError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -63,31 +58,6 @@ class TargetRun:
             self.timings[name] = time.monotonic() - t0
 
 
-def tag(repaired: Path, target: Target, out_dir: Path, *, flavour: str | None = None) -> BuildRecord:
-    """Check the wheel says what the target says (variant label, torch requirement, abi3),
-    then write the beside-record with the final name and sha256. ``flavour``: a non-release
-    flavour's label suffix (``proof``), expected after the variant label."""
-    name, version, _, tags = parse_wheel_filename(repaired.name)
-    label = target.variant.label + (f".{flavour}" if flavour else "")
-    if version.local != label:
-        raise TagError(f"{repaired.name}: local label {version.local!r}, expected {label!r}")
-    if not all(t.abi == "abi3" and t.interpreter == target.python_tag for t in tags):
-        raise TagError(f"{repaired.name}: tags {sorted(map(str, tags))}, expected {target.python_tag}-abi3")
-    meta = Metadata.from_email(wheel_metadata(repaired), validate=False)
-    torch_reqs = [r for r in (meta.requires_dist or []) if r.name == "torch"]
-    if [str(r.specifier) for r in torch_reqs] != [str(Requirement(target.requires_torch).specifier)]:
-        raise TagError(f"{repaired.name}: Requires-Dist torch {torch_reqs}, expected {target.requires_torch}")
-    inside = read_record_in_wheel(repaired)
-    if inside.get("target") != target.id:
-        raise TagError(f"{repaired.name}: its build record names {inside.get('target')!r}, not {target.id}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    final = out_dir / repaired.name
-    shutil.copy2(repaired, final)
-    rec = BuildRecord.from_dict(inside).with_wheel(final)
-    record_path(final).write_text(rec.to_json())
-    return rec
-
-
 def run_target(target: Target, matrix: Matrix, dist: Path, *, verify_pythons: list[str], skip_verify: bool = False,
                force_patches: tuple[str, ...] = (), log=print) -> TargetRun:
     run = TargetRun(target, full_log=dist / "logs" / f"{target.id}.log")
@@ -96,14 +66,15 @@ def run_target(target: Target, matrix: Matrix, dist: Path, *, verify_pythons: li
     raw_dir = dist / "raw" / target.id
     try:
         with run.stage("plan", log):
-            blockers = buildmod.local_blockers(target, cross=True)
+            blockers = resolve.local_blockers(target, cross=True)
             if blockers:
                 raise buildmod.BuildError(f"{target.id} cannot be built here: " + "; ".join(blockers))
         with run.stage("build", log) as slog:
             run.log_path = buildmod.build_log_path(raw_dir)
             slog(f"[build] {target.id}: toolchain (CUDA {target.cuda}, torch {target.build_torch}: the first run "
                  f"installs them into {cache_root()}, minutes), then compile")
-            result = buildmod.build(target, matrix, raw_dir, force_patches=force_patches, log=slog)
+            tc = resolve.resolve_toolchain(target, matrix, force_patches=force_patches)
+            result = buildmod.build(tc, matrix, raw_dir, log=slog)
         with run.stage("repair", log) as slog:
             repaired = repairmod.repair(result.wheel, dist / "repaired" / target.id, target.os.platform,
                                         machine=target.os.machine if target.os.platform == "linux" else None, log=slog)
@@ -120,8 +91,8 @@ def run_target(target: Target, matrix: Matrix, dist: Path, *, verify_pythons: li
                 if crossmod.is_cross(target.os):  # another machine's wheel: its Python under qemu-user
                     run.verify = verify_emulated(rec, target, matrix, tagged_dir / rec.wheel, vindex, dist, log=slog)
                 else:
-                    run.verify = verifymod.verify(rec, vindex, verify_pythons, torch_spec=buildmod.torch_spec(target),
-                                                  log=slog)
+                    envs = resolve.verify_envs(rec, verify_pythons, torch_spec=resolve.torch_spec(target), log=slog)
+                    run.verify = verifymod.verify(rec, vindex, envs, log=slog)
                 shutil.rmtree(vindex, ignore_errors=True)
         with run.stage("index", log):
             wheels = dist / "wheels"
@@ -200,7 +171,8 @@ def install_hint(dist: Path, runs: list[TargetRun]) -> list[str]:
 def build_test_wheel(target: Target, matrix: Matrix, dist: Path, log=print) -> Path:
     """The test flavour of a target (sm_90a added, FP4 MMA modelled) into dist/test/, repaired
     and recorded, outside dist/wheels and the index: for running GPU tests on Hopper."""
-    result = buildmod.build(target, matrix, dist / "raw" / f"{target.id}-test", mma_model=True, log=log)
+    tc = resolve.resolve_toolchain(target, matrix, mma_model=True)
+    result = buildmod.build(tc, matrix, dist / "raw" / f"{target.id}-test", log=log)
     out = dist / "test"
     repaired = repairmod.repair(result.wheel, out, target.os.platform, log=log)
     rec = BuildRecord.from_dict(read_record_in_wheel(repaired)).with_wheel(repaired)
@@ -241,15 +213,16 @@ def build_proof_wheel(target: Target, matrix: Matrix, dist: Path, *, foreign: li
 
     if target.variant.stable:
         raise buildmod.BuildError(f"{target.id}: the proof flavour is for per-torch targets")
-    result = buildmod.build(target, matrix, dist / "raw" / f"{target.id}-proof", proof=True, log=log)
+    tc = resolve.resolve_toolchain(target, matrix, proof=True)
+    result = buildmod.build(tc, matrix, dist / "raw" / f"{target.id}-proof", log=log)
     repaired = repairmod.repair(result.wheel, dist / "repaired" / f"{target.id}-proof", target.os.platform, log=log)
     out = dist / "proof"
-    for old in out.glob(f"sageattn3-*+{target.variant.label}.{buildmod.PROOF_FLAVOUR_LABEL}-*.whl*"):
+    for old in out.glob(f"sageattn3-*+{target.variant.label}.{PROOF_FLAVOUR_LABEL}-*.whl*"):
         old.unlink()
     # Tagged beside, moved into dist/proof/ (where evidence is read from) only once every check passed.
     pending = dist / "tagged" / f"{target.id}-proof"
     shutil.rmtree(pending, ignore_errors=True)
-    rec = tag(repaired, target, pending, flavour=buildmod.PROOF_FLAVOUR_LABEL)
+    rec = tag(repaired, target, pending, flavour=PROOF_FLAVOUR_LABEL)
     wheel = pending / rec.wheel
     env_vars = pip_environ(sources=False, extra={"CUDA_VISIBLE_DEVICES": ""})
     with tempfile.TemporaryDirectory(prefix="sageattn3-proof-") as tmp:
@@ -267,7 +240,7 @@ def build_proof_wheel(target: Target, matrix: Matrix, dist: Path, *, foreign: li
         log(f"[proof] {wheel.name}: imports into torch {result.env.torch_version} without a GPU; ops {', '.join(got['ops'])}")
         guard = {}
         for other in foreign or []:
-            fenv = torch_sources.torch_env_for(buildmod.build_python(other), torch_sources.torch_source(other))
+            fenv = torch_sources.torch_env_for(resolve.build_python(other), torch_sources.torch_source(other))
             fpy = verifymod.make_venv_with(fenv, Path(tmp) / f"foreign-{other.id}")
             subprocess.run([str(fpy), "-m", "pip", "install", "--no-deps", "--no-index", "--quiet", str(wheel)],
                            check=True, env=env_vars)

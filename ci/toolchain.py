@@ -13,17 +13,16 @@ import glob
 import hashlib
 import json
 import os
-import platform
 import re
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
-from pathlib import Path, PurePath
+from pathlib import Path
 
 from packaging.version import Version
 
 from ci.pip_env import pip_environ
+from ci.resolved import EXE, WINDOWS, CudaToolkit, TorchEnv, venv_python
 
 CUTLASS_PIN = "nvidia-cutlass==4.2.0.0"
 # CUDA 13.x toolkits provisioned from PyPI: the packages that make up nvcc + runtime headers.
@@ -35,15 +34,6 @@ BUILD_ENV_PACKAGES = ("setuptools>=77", "wheel", "packaging")
 
 class ToolchainError(RuntimeError):
     """A build tool is missing or wrong; the message says what to install or set."""
-
-
-WINDOWS = os.name == "nt"
-EXE = ".exe" if WINDOWS else ""
-
-
-def venv_python(root: Path) -> Path:
-    """The interpreter of a virtual environment, on either OS."""
-    return root / ("Scripts" if WINDOWS else "bin") / f"python{EXE}"
 
 
 # Written into the cache folder by the factory: `nox -s clean` removes only a folder that holds it.
@@ -255,52 +245,6 @@ def provision_python(version: str, log=print) -> tuple[Path | None, list[str]]:
 
 
 # -- CUDA -----------------------------------------------------------------------------
-
-# Where NVIDIA's Linux layout keeps per-target headers and libraries, by machine.
-LINUX_CUDA_TARGET_DIR = {"x86_64": "x86_64-linux", "aarch64": "sbsa-linux", "arm64": "sbsa-linux"}
-
-
-def _linux_target_dir() -> str:
-    machine = platform.machine().lower()
-    return LINUX_CUDA_TARGET_DIR.get(machine, f"{machine}-linux")
-
-
-@dataclass(frozen=True)
-class CudaToolkit:
-    version: str  # full, "13.0.88"
-    home: PurePath
-    source: str  # "system" | "pypi" | "env"
-    platform: str = "windows" if WINDOWS else "linux"
-
-    @property
-    def major_minor(self) -> str:
-        v = Version(self.version)
-        return f"{v.major}.{v.minor}"
-
-    @property
-    def nvcc(self) -> PurePath:
-        return self.home / "bin" / ("nvcc.exe" if self.platform == "windows" else "nvcc")
-
-    @property
-    def include_dirs(self) -> list[PurePath]:
-        dirs = [self.home / "include"]
-        if self.platform != "windows":
-            tgt = Path(self.home) / "targets" / _linux_target_dir() / "include"
-            if tgt.is_dir():
-                dirs.append(tgt)
-        return dirs
-
-    @property
-    def lib_dir(self) -> PurePath:
-        """Where the CUDA runtime's link library is: ``lib\\x64`` (cudart.lib) on Windows; on
-        Linux the first of lib64, lib, targets/<arch>-linux/lib holding libcudart.so."""
-        if self.platform == "windows":
-            return self.home / "lib" / "x64"
-        for cand in (self.home / "lib64", self.home / "lib", self.home / "targets" / _linux_target_dir() / "lib"):
-            cand = Path(cand)
-            if (cand / "libcudart.so").exists() or list(cand.glob("libcudart.so.*")):
-                return cand
-        return self.home / "lib64"
 
 
 def nvcc_version(nvcc: Path) -> str:
@@ -522,23 +466,6 @@ def host_compiler_version(*, windows: bool = WINDOWS) -> str:
 
 
 # -- build environment ----------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TorchEnv:
-    """A virtual environment holding one torch release, cached and reused."""
-
-    root: Path
-    python_version: str
-    torch_version: str  # as installed, "2.14.1+cu130"
-    torch_cuda: str | None
-
-    @property
-    def python(self) -> Path:
-        return venv_python(self.root)
-
-    @property
-    def site_packages(self) -> Path:
-        return Path(_output([str(self.python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip())
 
 
 def torch_env(python_version: str, torch_spec: str, extra: tuple[str, ...] = BUILD_ENV_PACKAGES,

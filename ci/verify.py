@@ -24,8 +24,7 @@ from pathlib import Path
 
 from ci.record import BuildRecord
 from ci.pip_env import pip_environ
-from ci.toolchain import ToolchainError, TorchEnv, torch_env, venv_python
-from ci.torch_source import TorchSource, torch_env_for
+from ci.resolved import TorchEnv, VerifyEnvs, venv_python
 from ci.variant import cuda_tag, torch_line
 
 
@@ -157,74 +156,28 @@ def check_abi_guard(rec: BuildRecord, foreign: TorchEnv, index_url: str, work: P
     return f"torch {foreign.torch_version}: ImportError as expected"
 
 
-# The local default foreign torch (``nox -s build-wheels``): the CPU build of ci.cpu_torch, from
-# pip's configured index, else PyTorch's CPU index. The release jobs pass
-# ci.torch_source.foreign_torch_source instead: a CPU build from PyTorch's CPU index.
-LOCAL_FOREIGN_TORCH = "cpu"
-
-
-def local_foreign_env(python: str, log=print) -> TorchEnv:
-    """The environment with ci.cpu_torch's CPU build for ``python``, from the first index that
-    has it, checked to be a CPU build (no nvidia-* requirements, a CPU build's size)."""
-    from ci import cpu_torch
-
-    problems = []
-    for index in cpu_torch.CPU_TORCH_INDEXES:
-        source = TorchSource(cpu_torch.CPU_TORCH, index, None, why="the ABI guard's foreign torch")
-        try:
-            env = torch_env_for(python, source, extra=())
-        except ToolchainError as e:
-            problems.append(f"{index or 'the configured index'}: {str(e).splitlines()[0]}")
-            continue
-        check = subprocess.run([str(env.python), "-m", "ci.cpu_torch", "check"], capture_output=True, text=True,
-                               cwd=Path(__file__).resolve().parent.parent)
-        if check.returncode != 0:
-            raise VerifyError(f"the foreign torch in {env.root}: {check.stderr.strip()}")
-        return env
-    raise NoCpuTorch(f"no {cpu_torch.CPU_TORCH} for Python {python} could be installed ("
-                     + "; ".join(problems) + f"): make {cpu_torch.PYTORCH_CPU_INDEX} reachable, or put that "
-                     f"wheel where pip finds it (PIP_FIND_LINKS)")
-
-
 class NoCpuTorch(VerifyError):
     """No CPU build of torch is reachable here (PyTorch's CPU index unreachable, pip's index
     without one): the ABI-guard check cannot run, and the verify report says so."""
 
 
-def verify(rec: BuildRecord, index_dir: Path, pythons: list[str], *, torch_spec: TorchSource | None = None,
-           foreign_torch: TorchSource | str | None = LOCAL_FOREIGN_TORCH, log=print) -> VerifyReport:
-    """``torch_spec``: where the torch to verify against comes from (the build's: the same
-    source and Python give the build's cached environment back, no second install); default
-    ``torch==<the record's torch>`` from pip's default index. ``foreign_torch``: the torch the
-    ABI guard must refuse (a TorchSource; LOCAL_FOREIGN_TORCH, the CPU build of ci.cpu_torch; or a
-    plain requirement from pip's default index)."""
+def verify(rec: BuildRecord, index_dir: Path, envs: VerifyEnvs, log=print) -> VerifyReport:
+    """Install ``rec``'s wheel from ``index_dir`` (served over HTTP) into a fresh venv over each
+    of ``envs.bases`` and check it; then the ABI guard in ``envs.foreign`` (the environments
+    resolved beforehand: ci.resolve.verify_envs)."""
     report = VerifyReport(rec.wheel)
-    source = torch_spec or TorchSource(f"torch=={rec.torch_build.split('+')[0]}", None, rec.cuda)
     with serve(index_dir) as url, tempfile.TemporaryDirectory(prefix="sageattn3-verify-") as tmp:
-        for py in pythons:
-            try:
-                base = torch_env_for(py, source)
-            except ToolchainError as e:
-                raise VerifyError(f"the verify torch for Python {py}: {e}") from e
-            if base.torch_cuda != rec.cuda:
-                raise VerifyError(f"the verify torch for Python {py} is {base.torch_version}, not a CUDA {rec.cuda} build")
-            log(f"[verify] py{py}: torch {base.torch_version} ({source.describe()})")
+        for py, base in envs.bases:
+            log(f"[verify] py{py}: torch {base.torch_version} ({envs.source})")
             install_and_check(rec, base, url, Path(tmp) / f"venv-{py}", log=log)
             report.pythons.append(py)
-        if foreign_torch:
-            py = pythons[0]
-            if isinstance(foreign_torch, TorchSource):
-                foreign = torch_env_for(py, foreign_torch, extra=())
-            elif foreign_torch == LOCAL_FOREIGN_TORCH:
-                try:
-                    foreign = local_foreign_env(py, log=log)
-                except NoCpuTorch as e:
-                    # The wheel is verified; what could not be checked is said in the summary line.
-                    report.abi_guard = f"NOT CHECKED: {e}"
-                    log(f"[verify] ABI guard NOT CHECKED: {e}")
-                    return report
-            else:
-                foreign = torch_env(py, foreign_torch)
+        if envs.foreign_unchecked:
+            # The wheel is verified; what could not be checked is said in the summary line.
+            report.abi_guard = f"NOT CHECKED: {envs.foreign_unchecked}"
+            log(f"[verify] ABI guard NOT CHECKED: {envs.foreign_unchecked}")
+            return report
+        if envs.foreign is not None:
+            foreign = envs.foreign
             if rec.variant_value.serves(foreign.torch_version, foreign.torch_cuda):
                 report.abi_guard = f"skipped: {foreign.torch_version} is served by {rec.variant}"
                 return report

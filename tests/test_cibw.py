@@ -242,7 +242,8 @@ def test_the_shim_builds_with_its_own_python_for_the_factory(tmp_path, monkeypat
 def test_build_python_follows_the_shim(monkeypatch):
     import sys
 
-    from ci.build import BuildError, build_python
+    from ci.build import BuildError
+    from ci.resolve import build_python
 
     t = BY_ID["linux-x86_64-cu130-torch2.10-stable"]  # floor 3.10
     here = "%d.%d" % sys.version_info[:2]

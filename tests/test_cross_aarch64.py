@@ -159,7 +159,8 @@ def test_the_emulated_python_loads_the_kernel_unit_with_the_aarch64_cuda_runtime
 
 
 def test_a_cross_build_config_reads_the_sysroot(sysroot):
-    from ci.build import build_config, resolve_toolchain
+    from ci.build import build_config
+    from ci.resolve import resolve_toolchain
 
     tc = resolve_toolchain(STABLE, MATRIX)
     assert tc.cross is not None and tc.torch_include == sysroot.torch.torch_dir / "include"

@@ -205,9 +205,10 @@ VERIFY_UNDER = r"""
 import json, sys
 from pathlib import Path
 from ci.record import BuildRecord
+from ci.resolve import verify_envs
 from ci.verify import verify
-rec = BuildRecord.load(Path(sys.argv[1]))
-report = verify(rec.with_wheel(Path(sys.argv[1][:-5])), Path(sys.argv[2]), ["3.11"])
+rec = BuildRecord.load(Path(sys.argv[1])).with_wheel(Path(sys.argv[1][:-5]))
+report = verify(rec, Path(sys.argv[2]), verify_envs(rec, ["3.11"]))
 print(json.dumps({"pythons": report.pythons, "guard": report.abi_guard}))
 """
 

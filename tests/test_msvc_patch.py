@@ -128,11 +128,12 @@ def _nvcc() -> Path:
 def staged(tmp_path_factory):
     """The factory's staging copy for a Linux target with --force-patch msvc-pointer-params."""
     from ci.build import stage
+    from ci.resolve import select_flags
 
     matrix = Matrix.load()
     target = matrix.target(LINUX_TARGET)
-    root, _, chosen = stage(target, matrix, force_patches=(NAME,), build_root=tmp_path_factory.mktemp("b"),
-                            mma_model=False)
+    profile, chosen = select_flags(target, matrix, force_patches=(NAME,), mma_model=False)
+    root = stage(target, profile, chosen, build_root=tmp_path_factory.mktemp("b"))
     assert [p.name for p in chosen] == [NAME]
     for p in chosen:
         patchmod.apply(p, {"src": root}, root / "build" / "include-overlay")

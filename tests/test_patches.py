@@ -9,6 +9,7 @@ import pytest
 
 from ci import patches as P
 from ci.build import stage
+from ci.resolve import select_flags
 from ci.record import sha256_of
 from ci.targets import Matrix
 
@@ -72,7 +73,8 @@ def test_staging_gets_the_patch_and_the_checkout_does_not(tmp_path, monkeypatch)
     monkeypatch.setenv("SAGEATTN3_PATCH_MANIFEST", str(m))
     matrix = Matrix.load()
     t = matrix.target("linux-x86_64-cu130-torch2.10-stable")
-    staging, profile, chosen = stage(t, matrix, force_patches=("test-comment",), build_root=tmp_path / "b")
+    profile, chosen = select_flags(t, matrix, force_patches=("test-comment",))
+    staging = stage(t, profile, chosen, build_root=tmp_path / "b")
     assert [p.name for p in chosen] == ["test-comment"]
     (patch,) = chosen
     P.apply(patch, {"src": staging}, staging / "build" / "include-overlay")

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from ci import build as buildmod
+from ci import resolve
 from ci.targets import Matrix
 
 MATRIX = Matrix.load()
@@ -16,12 +17,12 @@ MATRIX = Matrix.load()
 
 def test_proof_profile_is_the_classic_unit_with_static_cudart_and_cuda13_flags():
     t = MATRIX.target("linux-x86_64-cu128-torch2.8")
-    prof, _ = buildmod.select_flags(t, MATRIX, proof=True)
+    prof, _ = resolve.select_flags(t, MATRIX, proof=True)
     assert prof["torch_unit"] == "csrc/torch/classic.cpp"
     assert "cudart" not in prof["link_libs"] and "cudart_static" in prof["link_libs"]
     assert "c10_cuda" in prof["link_libs"]
     assert prof["archs"] == list(t.archs)
-    release, _ = buildmod.select_flags(t, MATRIX)
+    release, _ = resolve.select_flags(t, MATRIX)
     assert "cudart" in release["link_libs"] and "cudart_static" not in release["link_libs"]
     assert release["torch_unit"] == prof["torch_unit"]
 
@@ -29,9 +30,9 @@ def test_proof_profile_is_the_classic_unit_with_static_cudart_and_cuda13_flags()
 def test_proof_is_refused_for_stable_targets_and_with_the_test_flavour():
     stable = MATRIX.target("linux-x86_64-cu130-torch2.10-stable")
     with pytest.raises(buildmod.BuildError, match="per-torch"):
-        buildmod.select_flags(stable, MATRIX, proof=True)
+        resolve.select_flags(stable, MATRIX, proof=True)
     with pytest.raises(buildmod.BuildError, match="exclusive"):
-        buildmod.select_flags(MATRIX.target("linux-x86_64-cu128-torch2.8"), MATRIX, proof=True, mma_model=True)
+        resolve.select_flags(MATRIX.target("linux-x86_64-cu128-torch2.8"), MATRIX, proof=True, mma_model=True)
 
 
 def test_cli_refuses_a_target_it_cannot_prove_here():

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from ci.build import REPO, build_config, resolve_toolchain
+from ci.build import REPO, build_config
+from ci.resolve import resolve_toolchain
 from ci.flags import PAYLOAD
 from ci.repair import repair
 from ci.targets import Matrix

@@ -15,10 +15,12 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import pytest
 from packaging.requirements import Requirement
 
-from ci.build import ResolvedToolchain, build_config, select_flags
+from ci.build import build_config
 from ci.flags import PAYLOAD
+from ci.resolve import select_flags
+from ci.resolved import ResolvedToolchain
+from ci.resolved import CudaToolkit, TorchEnv
 from ci.targets import Matrix
-from ci.toolchain import CudaToolkit, TorchEnv
 
 
 def _load_build_commands():

@@ -61,7 +61,7 @@ def _picker_rows(pages: list[Page]) -> list[tuple[str, str, Page]]:
     return rows
 
 
-PICKER_JS = Path(__file__).with_name("picker.js")
+PICKER_JS = Path(__file__).resolve().parent.parent / "picker.js"
 
 
 def _stable_flag(variants) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import secrets
 import shutil
 import subprocess
@@ -108,21 +107,13 @@ def rehearse_plan(matrix: Matrix, pytorch_index: str | None = None, log=print) -
     cibuildwheel selection, each step's command) and checked; which of them can run here
     with the stand-in index (the rest are only planned, with the reason)."""
     from ci import cibw_job
-    from ci.build import local_blockers
+    from ci.resolve import local_blockers
 
     out = []
     for t in matrix.targets:
         job = cibw_job.plan_job(t, matrix)
         problems = cibw_job.check_job(job, matrix) + _windows_commands_problems(t, matrix)
-        old = os.environ.get("SAGEATTN3_PYTORCH_INDEX")
-        os.environ["SAGEATTN3_PYTORCH_INDEX"] = pytorch_index or "http://127.0.0.1/whl"
-        try:
-            blockers = local_blockers(t)  # with the stand-in as PyTorch's index
-        finally:
-            if old is None:
-                os.environ.pop("SAGEATTN3_PYTORCH_INDEX", None)
-            else:
-                os.environ["SAGEATTN3_PYTORCH_INDEX"] = old
+        blockers = local_blockers(t, pytorch_index=pytorch_index or "http://127.0.0.1/whl")  # the stand-in's
         served = standin_serves(t, matrix)
         why = "; ".join(blockers + ([f"the stand-in index cannot serve its torch: {served}"] if served else []))
         out.append(TargetRehearsal(t.id, job, problems, not why, why))
