@@ -17,8 +17,8 @@ from packaging.version import Version
 from ci.targets import Target
 
 if TYPE_CHECKING:
-    from ci.cross import CrossToolchain
-    from ci.patches import Patch
+    from ci import cross as crossmod
+    from ci import patches as patchmod
 
 WINDOWS = os.name == "nt"
 
@@ -119,14 +119,14 @@ class ResolvedToolchain:
 
     target: Target
     profile: dict
-    patches: tuple[Patch, ...]
+    patches: tuple[patchmod.Patch, ...]
     cuda: CudaToolkit
     env: TorchEnv
     host_compiler: str
     launcher: tuple[str, ...]
     cutlass: Path
     flavour: str  # "release" | TEST_FLAVOUR_LABEL | PROOF_FLAVOUR_LABEL
-    cross: CrossToolchain | None = None  # a Linux target of another machine (ci.cross)
+    cross: crossmod.CrossToolchain | None = None  # a Linux target of another machine (ci.cross)
     compiler_env: tuple[tuple[str, str], ...] = ()  # the compiler cache's variables (sccache), for the compile
 
     @property
