@@ -212,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("coverage", help="print the coverage table (markdown), proven levels from ci/evidence.json")
     c.add_argument("--record", action="append", metavar="DIR",
                    help="add the build records in DIR (dist/wheels, dist/proof) to ci/evidence.json")
-    c.add_argument("--write-docs", action="store_true",
-                   help="write the table into docs/coverage.md and the brief matrix into README.md")
+    c.add_argument("--write-docs", "--write-readme", dest="write_docs", action="store_true",
+                   help="write the table into docs/coverage.md and the brief matrix into README.md "
+                        "(--write-readme: its name from when the table was in the README)")
     c.set_defaults(fn=cmd_coverage)
     args = p.parse_args(argv)
     try:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import re
 import shutil
 import subprocess
@@ -35,6 +34,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
+from ci.cross_spec import CROSS_SPECS, CrossSpec, host_machine, is_cross, spec_for
 from ci.pip_env import pip_environ
 from ci.toolchain import ToolchainError, cache_root
 
@@ -56,49 +56,6 @@ DEBIAN_PYTHON_PACKAGES = (
 # No ca-certificates: under ``qemu -L root`` a path missing from the root is the host's, so the
 # host's certificate bundle (with any TLS proxy's certificates) is what pip sees.
 DEBIAN_ARCH_INDEPENDENT = ("media-types",)
-
-
-@dataclass(frozen=True)
-class CrossSpec:
-    """What cross-building for one machine takes: its GNU triple, the Debian package of its
-    cross g++, its Debian architecture, its qemu-user emulator and the pip platform tags of its
-    wheels (newest first; pip matches each ``--platform`` exactly)."""
-
-    machine: str
-    triple: str
-    compiler_package: str
-    debian_arch: str
-    emulator: str
-    wheel_platforms: tuple[str, ...]
-
-    @property
-    def cxx_name(self) -> str:
-        return f"{self.triple}-g++"
-
-
-CROSS_SPECS = {
-    "aarch64": CrossSpec("aarch64", "aarch64-linux-gnu", "g++-aarch64-linux-gnu", "arm64", "qemu-aarch64",
-                         ("manylinux_2_28_aarch64", "manylinux_2_27_aarch64", "manylinux_2_17_aarch64",
-                          "manylinux2014_aarch64")),
-}
-
-
-def host_machine() -> str:
-    m = platform.machine().lower()
-    return "aarch64" if m == "arm64" else m
-
-
-def is_cross(target_os) -> bool:
-    """Is ``target_os`` (a ``ci.targets.OsSpec``) Linux on another machine than this Linux one?"""
-    return (sys.platform.startswith("linux") and target_os.platform == "linux"
-            and target_os.machine != host_machine())
-
-
-def spec_for(machine: str) -> CrossSpec:
-    try:
-        return CROSS_SPECS[machine]
-    except KeyError:
-        raise ToolchainError(f"no cross toolchain is known for {machine!r} (known: {', '.join(CROSS_SPECS)})") from None
 
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -369,7 +326,8 @@ def build_env(python_version: str, cross: CrossToolchain):
     """The environment that runs the cross build's setup.py: this machine's Python with the build
     packages and no torch (the target machine's torch is read from its sysroot, never imported).
     Returned as a ``TorchEnv`` naming the sysroot's torch, which is what the build compiles against."""
-    from ci.toolchain import BUILD_ENV_PACKAGES, TorchEnv, ensure_packages, find_python, run_pip, venv_python
+    from ci.resolved import TorchEnv, venv_python
+    from ci.toolchain import BUILD_ENV_PACKAGES, ensure_packages, find_python, run_pip
 
     root = cache_root() / "envs" / f"py{python_version}-cross-build"
     if not (root / ".complete").exists():

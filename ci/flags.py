@@ -35,9 +35,9 @@ def profile_for(target: Target, stable_abi_floor: str, *, mma_model: bool = Fals
     """``cuda``: the toolkit that compiles, when it is not the target's (the proof flavour).
     A Linux target of another machine than this one is cross-compiled (``ci.cross``): its
     profile names the cross g++ as host compiler."""
-    from ci import cross
+    from ci.cross_spec import is_cross, spec_for
 
-    spec = cross.spec_for(target.os.machine) if cross.is_cross(target.os) else None
+    spec = spec_for(target.os.machine) if is_cross(target.os) else None
     return _build_profile().profile(
         platform=target.os.platform,
         cuda=cuda or target.cuda,

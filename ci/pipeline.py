@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ci import build as buildmod
 from ci import cross as crossmod
+from ci.cross_spec import is_cross
 from ci import index as indexmod
 from ci import repair as repairmod
 from ci import resolve
@@ -88,7 +89,7 @@ def run_target(target: Target, matrix: Matrix, dist: Path, *, verify_pythons: li
                 vindex = dist / "tagged" / f"{target.id}.index"
                 shutil.rmtree(vindex, ignore_errors=True)
                 indexmod.write_index([rec], tagged_dir, vindex)
-                if crossmod.is_cross(target.os):  # another machine's wheel: its Python under qemu-user
+                if is_cross(target.os):  # another machine's wheel: its Python under qemu-user
                     run.verify = verify_emulated(rec, target, matrix, tagged_dir / rec.wheel, vindex, dist, log=slog)
                 else:
                     envs = resolve.verify_envs(rec, verify_pythons, torch_spec=resolve.torch_spec(target), log=slog)

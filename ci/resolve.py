@@ -15,6 +15,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from ci import cross as crossmod
+from ci.cross_spec import is_cross
 from ci import patches as patchmod
 from ci import torch_source as torch_sources
 from ci.build import BuildError
@@ -54,7 +55,7 @@ def local_blockers(target: Target, *, cross: bool = False, pytorch_index: str | 
     ``pytorch_index``: the PyTorch index torch would come from (default: ``$SAGEATTN3_PYTORCH_INDEX``,
     else PyTorch's own)."""
     reasons = []
-    if crossmod.is_cross(target.os):
+    if is_cross(target.os):
         if cross:
             return crossmod.cross_blockers(target)
         how = "" if crossmod.cross_blockers(target) else f"; or cross-build it here with --target {target.id}"
@@ -117,7 +118,7 @@ def resolve_toolchain(target: Target, matrix: Matrix, *, force_patches: tuple[st
     compiler and the compiler cache for ``target``, and choose its flags and patches."""
     profile, chosen = select_flags(target, matrix, force_patches=force_patches, mma_model=mma_model, proof=proof)
     cuda = find_cuda(PROOF_CUDA if proof else target.cuda)
-    if crossmod.is_cross(target.os):
+    if is_cross(target.os):
         if proof:
             raise BuildError(f"{target.id}: the proof flavour is for this machine's own targets")
         cross = crossmod.resolve_cross(target.os.machine, target.cuda, target.build_torch)

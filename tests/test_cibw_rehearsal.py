@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from ci import cibw_job
-from ci.cibw_rehearsal import HostLayout, JobRehearsal, RehearsalError, job_environ, resolve
+from ci.cibw_job import RehearsalError, resolve
+from ci.cibw_rehearsal import HostLayout, JobRehearsal, job_environ
 from ci.targets import Matrix
 
 MATRIX = Matrix.load()

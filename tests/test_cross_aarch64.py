@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ci import cross
+from ci import cross, cross_spec
 from ci.flags import PAYLOAD, profile_for
 from ci.targets import Matrix
 from ci.toolchain import ToolchainError, cutlass_include, find_cuda
@@ -28,7 +28,7 @@ STABLE = MATRIX.target("linux-aarch64-cu130-torch2.10-stable")
 KERNEL_UNIT = "csrc/quant/quant_rows.cu"  # the smallest kernel unit
 
 pytestmark = pytest.mark.skipif(
-    not (sys.platform.startswith("linux") and cross.host_machine() == "x86_64"),
+    not (sys.platform.startswith("linux") and cross_spec.host_machine() == "x86_64"),
     reason="cross-compiling linux-aarch64 is checked from linux x86_64 machines")
 
 

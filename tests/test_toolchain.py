@@ -160,7 +160,8 @@ def test_a_cached_environment_gets_a_raised_floor_in_place(tmp_path):
     import json
     import sys
 
-    from ci.toolchain import EXTRA_MARKER, ensure_packages, venv_python
+    from ci.resolved import venv_python
+    from ci.toolchain import EXTRA_MARKER, ensure_packages
 
     root = tmp_path / "env"
     subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)

@@ -28,6 +28,9 @@ in place.
 One module per concern: ci.index.layout (the entries, pages and URLs), ci.index.html (the pages
 rendered), ci.index.write (the manifest merged and the tree written), ci.index.picker (which
 page serves a torch), ci.index.check (the crawler), ci.index.__main__ (``python -m ci.index``).
+The names below are the index's interface to the rest of the factory (publishing, the release,
+the upstream check, the tests): they use ``ci.index`` as one thing and need not know which room
+holds what; the rooms import each other directly, never through this file.
 """
 
 from ci.index.check import check_index, parse_anchors

@@ -108,8 +108,10 @@ def _root_page(project: str, pages: list[Page], base_url: str | None) -> str:
     body.append(
         f"<p>Every variant on one page (browsing; pip cannot tell CUDA builds apart there): "
         f"<a href=\"simple/\">simple/</a>, <a href=\"links/all.html\">links/all.html</a>. "
-        f"Machine-readable: <a href=\"{MANIFEST}\">{MANIFEST}</a>. "
-        f"Documentation: <a href=\"docs/\">docs/</a> (installing, checking the install, accuracy).</p>"
+        f"Machine-readable: <a href=\"{MANIFEST}\">{MANIFEST}</a>."
+        # The published site has the docs beside the index (ci.docs_site); a local one does not.
+        + (f" Documentation: <a href=\"docs/\">{_esc(_url(base_url, 'docs/'))}</a> (installing, checking the "
+           "install, accuracy)." if base_url else "") + "</p>"
     )
     body.append("<script>\n" + PICKER_JS.read_text(encoding="utf-8").strip() + "\n</script>")
     return _html(f"{project} wheels", body)

@@ -63,7 +63,8 @@ def rehearse_target(target_id: str, dist: Path, artifacts: Path, *, pytorch_inde
     ``pytorch_index`` in place of PyTorch's (ci.cibw_rehearsal says what differs from the job),
     then build-target.yml's collect step into the artifact directory ``wheel-<id>``. No
     container: the Linux wheel gets this machine's glibc tag. Returns each step's seconds."""
-    from ci.cibw_rehearsal import RehearsalError, rehearse_job
+    from ci.cibw_job import RehearsalError
+    from ci.cibw_rehearsal import rehearse_job
 
     floor = Matrix.load().target(target_id).python
     if verify_pythons and floor not in verify_pythons:
