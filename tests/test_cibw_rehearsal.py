@@ -17,6 +17,7 @@ from ci import cibw_job
 from ci.cibw_job import RehearsalError, resolve
 from ci.cibw_rehearsal import HostLayout, JobRehearsal, job_environ
 from ci.targets import Matrix
+from other_pythons import skip_without_python
 
 MATRIX = Matrix.load()
 TARGET = MATRIX.target("linux-x86_64-cu130-torch2.10-stable")
@@ -60,69 +61,72 @@ def _tiny_wheel(folder: Path) -> Path:
 
 
 def test_the_real_toml_resolves_to_its_hooks_with_container_paths_made_local(tmp_path, pythons):
-    r = _rehearsal(tmp_path, None, pythons)
-    assert r.job.identifier == cibw_job.identifier(TARGET) == "cp310-manylinux_x86_64"
-    before = r.job.command("before_all", project="/P", package="/P/ci/cibw_project")
-    assert before == ("$SAGEATTN3_FACTORY_PYTHON -m pip install -r /P/ci/requirements.txt && "
-                      "$SAGEATTN3_FACTORY_PYTHON /P/ci/cibw.py install-cuda")
-    assert r.job.command("test_command", project="/P", wheel="/w/x.whl") == (
-        "$SAGEATTN3_FACTORY_PYTHON /P/ci/cibw.py verify --wheel /w/x.whl --python-exe python")
-    assert r.job.build_flags() == ["--no-build-isolation", "-v"]
-    build = r._env(r._python_bin())
-    # the toml's environment, its /host and /opt/python paths made this machine's
-    assert build["SAGEATTN3_CACHE"] == str(tmp_path / "cache") and build["SAGEATTN3_LOG_DIR"] == str(tmp_path / "logs")
-    assert build["SAGEATTN3_FACTORY_PYTHON"] == str(pythons / "cp312-cp312" / "bin" / "python")
-    assert build["PATH"].startswith(str(pythons / "cp310-cp310" / "bin") + ":")
-    assert build["SCCACHE_CACHE_SIZE"] == "2G" and build["SAGEATTN3_TARGET"] == TARGET.id
-    # environment-pass carries only what it names: the job's SAGEATTN3_CUDA and CIBW_BUILD stay outside
-    assert "SAGEATTN3_CUDA" not in build and "CIBW_BUILD" not in build
-    assert "PIP_NO_DEPS" not in build
-    test = r._env(r._python_bin(), test_venv=tmp_path / "venv")
-    assert test["PIP_NO_DEPS"] == "1" and test["VIRTUAL_ENV"] == str(tmp_path / "venv")
+    with skip_without_python("the venvs standing in for the image's /opt/python/*"):
+        r = _rehearsal(tmp_path, None, pythons)
+        assert r.job.identifier == cibw_job.identifier(TARGET) == "cp310-manylinux_x86_64"
+        before = r.job.command("before_all", project="/P", package="/P/ci/cibw_project")
+        assert before == ("$SAGEATTN3_FACTORY_PYTHON -m pip install -r /P/ci/requirements.txt && "
+                          "$SAGEATTN3_FACTORY_PYTHON /P/ci/cibw.py install-cuda")
+        assert r.job.command("test_command", project="/P", wheel="/w/x.whl") == (
+            "$SAGEATTN3_FACTORY_PYTHON /P/ci/cibw.py verify --wheel /w/x.whl --python-exe python")
+        assert r.job.build_flags() == ["--no-build-isolation", "-v"]
+        build = r._env(r._python_bin())
+        # the toml's environment, its /host and /opt/python paths made this machine's
+        assert build["SAGEATTN3_CACHE"] == str(tmp_path / "cache") and build["SAGEATTN3_LOG_DIR"] == str(tmp_path / "logs")
+        assert build["SAGEATTN3_FACTORY_PYTHON"] == str(pythons / "cp312-cp312" / "bin" / "python")
+        assert build["PATH"].startswith(str(pythons / "cp310-cp310" / "bin") + ":")
+        assert build["SCCACHE_CACHE_SIZE"] == "2G" and build["SAGEATTN3_TARGET"] == TARGET.id
+        # environment-pass carries only what it names: the job's SAGEATTN3_CUDA and CIBW_BUILD stay outside
+        assert "SAGEATTN3_CUDA" not in build and "CIBW_BUILD" not in build
+        assert "PIP_NO_DEPS" not in build
+        test = r._env(r._python_bin(), test_venv=tmp_path / "venv")
+        assert test["PIP_NO_DEPS"] == "1" and test["VIRTUAL_ENV"] == str(tmp_path / "venv")
 
 
 def test_a_test_environment_variable_added_to_a_copy_of_the_toml_reaches_the_test_hook(tmp_path, pythons):
-    out = tmp_path / "test-hook.json"
+    with skip_without_python("the venvs standing in for the image's /opt/python/*"):
+        out = tmp_path / "test-hook.json"
 
-    def edit(text: str) -> str:
-        text = text.replace('test-environment = { PIP_NO_DEPS = "1" }',
-                            'test-environment = { PIP_NO_DEPS = "1", SAGEATTN3_PROBE = "from the toml copy" }')
-        return re.sub(r'(\[tool\.cibuildwheel\.linux\][\s\S]*?)\ntest-command = "[^\n]*"',
-                      lambda m: m.group(1) + f"\ntest-command = {json.dumps(f'python -c {json.dumps(DUMP)} {out}')}",
-                      text, count=1)
+        def edit(text: str) -> str:
+            text = text.replace('test-environment = { PIP_NO_DEPS = "1" }',
+                                'test-environment = { PIP_NO_DEPS = "1", SAGEATTN3_PROBE = "from the toml copy" }')
+            return re.sub(r'(\[tool\.cibuildwheel\.linux\][\s\S]*?)\ntest-command = "[^\n]*"',
+                          lambda m: m.group(1) + f"\ntest-command = {json.dumps(f'python -c {json.dumps(DUMP)} {out}')}",
+                          text, count=1)
 
-    r = _rehearsal(tmp_path, _toml_copy(tmp_path, edit), pythons)
-    run = r.test(_tiny_wheel(tmp_path / "wheels"))
-    assert run is not None and run.name == "test"
-    got = json.loads(out.read_text())
-    assert got["SAGEATTN3_PROBE"] == "from the toml copy"
-    # and the rest as cibuildwheel applies it: the toml's environment, then test-environment,
-    # in a fresh venv of the target's floor Python that holds the wheel without its torch
-    assert got["PIP_NO_DEPS"] == "1" and got["SAGEATTN3_FACTORY_PYTHON"].endswith("cp312-cp312/bin/python")
-    assert got["PYTHON"] == str(tmp_path / "work" / "test" / "venv" / "bin" / "python")
-    site = list((tmp_path / "work" / "test" / "venv").glob("lib/python3.10/site-packages"))
-    assert site and (site[0] / "probe").is_dir() and not list(site[0].glob("torch*"))
-    assert (site[0] / "packaging").is_dir()  # the toml's test-requires
+        r = _rehearsal(tmp_path, _toml_copy(tmp_path, edit), pythons)
+        run = r.test(_tiny_wheel(tmp_path / "wheels"))
+        assert run is not None and run.name == "test"
+        got = json.loads(out.read_text())
+        assert got["SAGEATTN3_PROBE"] == "from the toml copy"
+        # and the rest as cibuildwheel applies it: the toml's environment, then test-environment,
+        # in a fresh venv of the target's floor Python that holds the wheel without its torch
+        assert got["PIP_NO_DEPS"] == "1" and got["SAGEATTN3_FACTORY_PYTHON"].endswith("cp312-cp312/bin/python")
+        assert got["PYTHON"] == str(tmp_path / "work" / "test" / "venv" / "bin" / "python")
+        site = list((tmp_path / "work" / "test" / "venv").glob("lib/python3.10/site-packages"))
+        assert site and (site[0] / "probe").is_dir() and not list(site[0].glob("torch*"))
+        assert (site[0] / "packaging").is_dir()  # the toml's test-requires
 
 
 def test_before_all_and_environment_pass_follow_the_toml_copy(tmp_path, pythons):
-    out = tmp_path / "before-all.json"
+    with skip_without_python("the venvs standing in for the image's /opt/python/*"):
+        out = tmp_path / "before-all.json"
 
-    def edit(text: str) -> str:
-        text = text.replace('environment-pass = ["SAGEATTN3_TARGET", "SAGEATTN3_PYTORCH_INDEX", ',
-                            'environment-pass = ["SAGEATTN3_TARGET", ')
-        return re.sub(r'\nbefore-all = "[^\n]*"',
-                      lambda m: f"\nbefore-all = {json.dumps(f'$SAGEATTN3_FACTORY_PYTHON -c {json.dumps(DUMP)} {out}')}",
-                      text, count=1)
+        def edit(text: str) -> str:
+            text = text.replace('environment-pass = ["SAGEATTN3_TARGET", "SAGEATTN3_PYTORCH_INDEX", ',
+                                'environment-pass = ["SAGEATTN3_TARGET", ')
+            return re.sub(r'\nbefore-all = "[^\n]*"',
+                          lambda m: f"\nbefore-all = {json.dumps(f'$SAGEATTN3_FACTORY_PYTHON -c {json.dumps(DUMP)} {out}')}",
+                          text, count=1)
 
-    r = _rehearsal(tmp_path, _toml_copy(tmp_path, edit), pythons)
-    r.before_all(log=lambda m: None)
-    got = json.loads(out.read_text())
-    assert "SAGEATTN3_PYTORCH_INDEX" not in got  # no longer passed into the "container"
-    assert got["SAGEATTN3_TARGET"] == TARGET.id and got["SAGEATTN3_CACHE"] == str(tmp_path / "cache")
-    assert got["PYTHON"] == str(pythons / "cp312-cp312" / "bin" / "python")
-    assert got["PIP_DISABLE_PIP_VERSION_CHECK"] == "1" and got["CIBUILDWHEEL"] == "1"
-    assert r.timings()["before-all"] > 0
+        r = _rehearsal(tmp_path, _toml_copy(tmp_path, edit), pythons)
+        r.before_all(log=lambda m: None)
+        got = json.loads(out.read_text())
+        assert "SAGEATTN3_PYTORCH_INDEX" not in got  # no longer passed into the "container"
+        assert got["SAGEATTN3_TARGET"] == TARGET.id and got["SAGEATTN3_CACHE"] == str(tmp_path / "cache")
+        assert got["PYTHON"] == str(pythons / "cp312-cp312" / "bin" / "python")
+        assert got["PIP_DISABLE_PIP_VERSION_CHECK"] == "1" and got["CIBUILDWHEEL"] == "1"
+        assert r.timings()["before-all"] > 0
 
 
 def test_a_toml_that_selects_another_build_is_refused_by_name(tmp_path, pythons):
