@@ -22,6 +22,8 @@ HEARTBEAT_S = 30.0
 
 def live_terminal(log) -> bool:
     """Whether ``log`` writes to an interactive terminal that a live line may redraw."""
+    while isinstance(log, TeeLog):  # a tee writes a file beside what it wraps
+        log = log.wraps
     if log is not print or os.environ.get("CI") or os.environ.get("TERM") == "dumb":
         return False
     return importlib.util.find_spec("rich") is not None and sys.stdout.isatty()
@@ -86,7 +88,8 @@ class TeeLog:
     the factory's own full record of one target (``dist/logs/<target>.log``)."""
 
     def __init__(self, log, path: Path) -> None:
-        self._log, self.path = log, path
+        self._log = self.wraps = log
+        self.path = path
         self._t0 = time.monotonic()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("")

@@ -175,6 +175,7 @@ def find_python(version: str, *, windows: bool = WINDOWS, provision: bool = True
              "%ProgramFiles%\\Python{t}, C:\\Python{t}, the hosted tool cache ($RUNNER_TOOL_CACHE)"
              if windows else "pyenv's versions/, the factory's uv Pythons").format(v=version, t=version.replace(".", ""))
     install = (f"install Python {version} (python.org, or actions/setup-python on a runner)" if windows
+               else f"install Python {version} another way (your OS's packages, python.org's installer)" if tried
                else f"install it (e.g. `uv python install {version}` or `pyenv install {version}`)")
     could_not = f" Provisioning failed: {'; '.join(tried)}." if tried else ""
     raise ToolchainError(
@@ -208,8 +209,13 @@ def _uv() -> str | None:
 
 
 def _one_line(text: str) -> str:
+    """A tool's failure in one line: its first line and, where it gives one, its last cause
+    (uv: "Caused by: ... dns error ...")."""
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    return lines[0][:200] if lines else "no output"
+    if not lines:
+        return "no output"
+    causes = [ln for ln in lines[1:] if re.match(r"(caused by|cause)\b", ln, re.I)]
+    return lines[0][:200] + (f" ({causes[-1][:200]})" if causes else "")
 
 
 def provision_python(version: str, log=print) -> tuple[Path | None, list[str]]:

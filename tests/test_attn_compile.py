@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from ci.toolchain import cache_root
+
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "sageattn3" / "csrc"
 ATTN_CU = CSRC / "attn" / "attn_launch.cu"
@@ -99,7 +101,8 @@ def _tool(name: str, package: str) -> Path | None:
     found = shutil.which(name)
     if found:
         return Path(found)
-    cache = Path(os.environ.get("SAGEATTN3_TOOL_CACHE", Path.home() / ".cache" / "sageattn3-tools")) / package
+    # in the factory's cache, so `nox -s clean` clears it with the rest
+    cache = Path(os.environ.get("SAGEATTN3_TOOL_CACHE", cache_root() / "test-tools")) / package
     exe = next(iter(cache.glob(f"**/bin/{name}")), None) if cache.exists() else None
     if exe is None:
         r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(cache), f"{package}==13.*"],

@@ -131,3 +131,20 @@ def test_a_python_the_dry_run_cannot_get_is_one_line_before_any_build(tmp_path):
     assert line.startswith("release: the dry run needs Python ") and "(for linux-" in line and "Traceback" not in proc.stderr
     assert "[build]" not in proc.stdout and not list((tmp_path / "dist").glob("**/*.whl"))
     assert missing in proc.stderr
+
+
+def test_an_older_python_running_the_factory_is_told_which_it_needs():
+    """The factory needs Python 3.11+ (tomllib): an older one gets one line and exit 2, not an
+    ImportError traceback from whichever module imports tomllib first."""
+    from ci.toolchain import ToolchainError, find_python
+
+    try:
+        old = find_python("3.10", provision=False)
+    except ToolchainError as e:
+        pytest.skip(f"needs a Python 3.10 to run the factory with: {str(e)[:200]}")
+    for args in (["-m", "ci", "build-wheels", "--list-targets"], ["-m", "ci.clean", "--dry-run"]):
+        proc = subprocess.run([str(old), *args], cwd=REPO, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith("error: the sageattn3 factory needs Python 3.11 or newer") and \
+            "Traceback" not in proc.stderr and "uvx --python 3.11 nox" in proc.stderr

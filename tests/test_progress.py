@@ -35,10 +35,12 @@ def test_no_live_line_in_ci_logs(monkeypatch):
     assert not live_terminal(print)
 
 
-def test_live_line_on_a_terminal():
+def test_live_line_on_a_terminal(tmp_path):
     pytest.importorskip("rich")
-    code = ("import time; from ci.progress import StageProgress\n"
-            "with StageProgress(print, 'verify', every=0.5) as s:\n"
+    # print wrapped in the per-target file log, as ci.pipeline.run_target hands it to each stage
+    code = ("import sys, time; from pathlib import Path; from ci.progress import StageProgress, TeeLog\n"
+            "log = TeeLog(print, Path(sys.argv[1]))\n"
+            "with StageProgress(log, 'verify', every=0.5) as s:\n"
             "    assert s.live\n"
             "    s('[verify] py3.11: torch 2.13.0')\n"
             "    time.sleep(2.6)\n"
@@ -46,7 +48,7 @@ def test_live_line_on_a_terminal():
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "GITHUB_ACTIONS")}
     env.update(TERM="xterm", PYTHONPATH=str(REPO), COLUMNS="120")
     leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=follower, stdout=follower, stderr=follower,
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "t.log")], stdin=follower, stdout=follower, stderr=follower,
                             cwd=REPO, env=env, close_fds=True)
     os.close(follower)
     out = b""
@@ -72,6 +74,7 @@ def test_live_line_on_a_terminal():
     seconds = {int(m) for m in re.findall(r"\[verify\] (\d+) s  \[verify\] py3\.11", text)}
     assert len(seconds) >= 2 and max(seconds) >= 2, text
     assert "still working" not in text
+    assert (tmp_path / "t.log").read_text().rstrip().endswith("[verify] py3.11: torch 2.13.0")
 
 
 def test_tee_log_keeps_every_line(tmp_path):

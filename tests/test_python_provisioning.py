@@ -134,3 +134,25 @@ def test_a_download_that_does_not_check_out_is_one_line_naming_the_fix(bare, ser
     assert "\n" not in msg and f"Provisioning failed: `uv python install {version}`:" in msg, msg
     assert f"SAGEATTN3_PYTHON_{version.replace('.', '_')}" in msg 
     assert not list((bare / "cache" / "pythons").glob("cpython-*"))
+
+
+def test_a_failed_provisioning_keeps_uvs_cause_and_does_not_offer_it_again(monkeypatch, tmp_path):
+    """What uv prints when python-build-standalone is unreachable: the error line and its last
+    cause reach the message; the fix offered is another way than the one that failed."""
+    from ci import toolchain
+
+    uv_said = ("error: Failed to install cpython-3.9.25-linux-x86_64-gnu\n"
+               "  Caused by: Failed to download https://github.com/astral-sh/python-build-standalone/...\n"
+               "  Caused by: Request failed after 3 retries\n"
+               "  Caused by: dns error: failed to lookup address information: Name or service not known\n")
+    assert toolchain._one_line(uv_said) == ("error: Failed to install cpython-3.9.25-linux-x86_64-gnu (Caused by: dns "
+                                           "error: failed to lookup address information: Name or service not known)")
+    monkeypatch.setattr(toolchain, "_search_python", lambda version, windows: None)
+    monkeypatch.setattr(toolchain, "provision_python", lambda version, log=print: (None, [
+        f"`uv python install {version}`: {toolchain._one_line(uv_said)}"]))
+    monkeypatch.delenv("SAGEATTN3_NO_PROVISION_PYTHON", raising=False)
+    with pytest.raises(ToolchainError) as e:
+        find_python("3.1", windows=False)
+    msg = str(e.value)
+    assert "dns error" in msg and "Install Python 3.1 another way" in msg
+    assert msg.count("uv python install 3.1") == 1  # named as what failed, not offered as the fix
