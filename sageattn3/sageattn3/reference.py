@@ -250,6 +250,56 @@ def dequantize_transposed(packed: torch.Tensor, scales: torch.Tensor, seq_len: i
 
 
 # ---------------------------------------------------------------------------------------------
+# MXFP8 (the operands of the FP8 Q·Kᵀ path)
+# ---------------------------------------------------------------------------------------------
+
+MX_BLOCK = 32  # values per UE8M0 scale (what the block-scaled FP8 MMA takes: scale_vec::1X)
+UE8M0_BIAS = 127
+UE8M0_MIN_BYTE, UE8M0_MAX_BYTE = 1, 253  # 2^-126 .. 2^126: both the scale and 1/scale are normal
+
+
+def ue8m0_scale_byte(amax: torch.Tensor) -> torch.Tensor:
+    """Block amax (float32, >= 0) -> UE8M0 byte b (uint8): the smallest power of two 2^(b - 127)
+    with amax <= 448 · 2^(b - 127), so the block's largest value lands in E4M3's top binade without
+    saturating; at least 1. Exact, from amax's bits: with amax = 1.f · 2^(E - 127) (biased
+    exponent E, fraction f), b = E - 8, plus 1 where 1.f > 1.75 (448 = 1.75 · 2^8). amax 0 (and
+    subnormal amax) gives 1; finite amax at most 247; a NaN or infinite amax 247 or 248 (values
+    then NaN / +-448)."""
+    bits = amax.float().contiguous().view(torch.int32)
+    e = (bits >> 23) & 0xFF
+    frac = bits & 0x7FFFFF
+    b = e - 8 + (frac > 0x600000).to(torch.int32)
+    return b.clamp(UE8M0_MIN_BYTE, UE8M0_MAX_BYTE).to(torch.uint8)
+
+
+def ue8m0_value(b: torch.Tensor) -> torch.Tensor:
+    """UE8M0 bytes -> float32 2^(b - 127) (exact for the bytes ``ue8m0_scale_byte`` gives)."""
+    return torch.exp2(b.to(torch.float32) - UE8M0_BIAS)
+
+
+def quantize_mxfp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 along the last dim (a multiple of 32): x (..., N) -> (codes float8_e4m3fn (..., N),
+    scales uint8 (..., N/32) UE8M0). Per block of 32 consecutive values: amax = max |x| (float32),
+    b = ``ue8m0_scale_byte``(amax), each value times 2^(127 - b) (exact: a power of two), clamped to
+    +-448 (only Inf reaches it) and converted to E4M3 with round-to-nearest-even (NaN stays NaN).
+    The FP8 quantization kernel computes exactly this (bit for bit)."""
+    n = x.shape[-1]
+    if n % MX_BLOCK:
+        raise ValueError(f"the last dim ({n}) must be a multiple of {MX_BLOCK}")
+    xf = x.float().reshape(*x.shape[:-1], n // MX_BLOCK, MX_BLOCK)
+    sbyte = ue8m0_scale_byte(xf.abs().amax(dim=-1, keepdim=True))
+    y = (xf * torch.exp2(UE8M0_BIAS - sbyte.to(torch.float32))).clamp(-E4M3_MAX, E4M3_MAX)
+    return y.to(torch.float8_e4m3fn).reshape(x.shape), sbyte.reshape(*x.shape[:-1], n // MX_BLOCK)
+
+
+def dequantize_mxfp8_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``quantize_mxfp8_rows`` (float32, exact)."""
+    n = codes.shape[-1]
+    vals = e4m3_decode(codes).reshape(*codes.shape[:-1], n // MX_BLOCK, MX_BLOCK)
+    return (vals * ue8m0_value(scales).unsqueeze(-1)).reshape(codes.shape)
+
+
+# ---------------------------------------------------------------------------------------------
 # Q/K rotation
 # ---------------------------------------------------------------------------------------------
 
@@ -530,6 +580,16 @@ class Preprocessed:
       error times r_i, which is large where Q's block means drift along the sequence: there it
       lost up to 0.06 cos-sim against the paper; with the residual the two agree to 0.0001 on
       every case of tests/bench/accuracy.py (README, "Accuracy").
+    - qk_fp8 (B, Hq) bool or None: the q heads whose Q·Kᵀ runs in FP8 (``qk_precision``; None:
+      every head in FP4, today's path). q8/q8_scales (B, Hq, Sq_p, D) float8_e4m3fn + (B, Hq, Sq_p,
+      D/32) uint8 and k8/k8_scales (B, Hkv, Sk_p, D) + (B, Hkv, Sk_p, D/32): the same smoothed Q and
+      K rows as q_packed/k_packed in MXFP8 (``quantize_mxfp8_rows``); the reference fills every
+      head, the kernels only the heads that use them (a kv head when any of its q heads does).
+    - qk_error (B, Hq) float32 or None: the rule's estimate of the relative output error FP4
+      Q·Kᵀ causes (``qk_fp4_error``; with qk_precision "auto").
+    - k_block_corr (B, Hq, Sq, Sk_p/128) float32 or None (``k_block_mean``, reference only): K is
+      smoothed by its mean per 128-key block mu_b instead of one mean, and the scores of key block
+      b get Q_i · (mu_b - mean_k) back (float64 products from the unquantized, balanced Q).
     """
 
     q_packed: torch.Tensor
@@ -548,6 +608,13 @@ class Preprocessed:
     balance: torch.Tensor | None = None
     qk_scale_search: bool = False
     k_residual: torch.Tensor | None = None
+    qk_fp8: torch.Tensor | None = None
+    q8: torch.Tensor | None = None
+    q8_scales: torch.Tensor | None = None
+    k8: torch.Tensor | None = None
+    k8_scales: torch.Tensor | None = None
+    qk_error: torch.Tensor | None = None
+    k_block_corr: torch.Tensor | None = None
 
     @property
     def q_mean_residual(self) -> torch.Tensor:
@@ -589,6 +656,9 @@ def preprocess(
     qk_balance: bool = QK_BALANCE_DEFAULT,
     balance: torch.Tensor | None = None,
     qk_scale_search: bool | None = None,
+    qk_precision: str = "fp4",
+    sm_scale: float | None = None,
+    k_block_mean: bool = False,
 ) -> Preprocessed:
     """The reference of the preprocessing kernels. ``qk_rotation``: rotate Q and K (head dims 64
     and 128; other head dims are never rotated). The means are computed on the raw inputs, then
@@ -600,8 +670,15 @@ def preprocess(
     with the exponents ``balance`` (B, Hkv, 1, D) when given (a kernel's), else
     ``balance_exponents``; Q and K are balanced first and then rotated when both are asked for.
     ``qk_scale_search``: Q and K quantized with ``quantize_rows(..., scale_search=True)`` at head
-    dims 64/128 (None: ``QK_SCALE_SEARCH``; ``scale_search_applies``)."""
+    dims 64/128 (None: ``QK_SCALE_SEARCH``; ``scale_search_applies``). ``qk_precision``
+    ("fp4", "fp8", "auto"; ``choose_qk_precision``) and ``sm_scale`` (the rule's softmax scale,
+    default 1/sqrt(D)) fill qk_fp8, q8, k8 and qk_error; ``k_block_mean`` (reference only, no
+    rotation) smooths K per 128-key block (``Preprocessed.k_block_corr``)."""
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    precision = qk_precision_arg(qk_precision)
+    k_block_mean = flag(k_block_mean, "k_block_mean")
+    if k_block_mean and precision != "fp4":
+        raise ValueError("k_block_mean is measured with FP4 Q·Kᵀ only: pass qk_precision='fp4' with it")
     per_block_mean, qk_rotation, qk_balance = (flag(per_block_mean, "per_block_mean"), flag(qk_rotation, "qk_rotation"),
                                                flag(qk_balance, "qk_balance"))
     search = scale_search_applies(qk_scale_search, d)
@@ -623,13 +700,156 @@ def preprocess(
     else:
         mg = turn(q_mean(q, False) * cq)
     qs = smooth_q(turn(q.float() * cq), mq)
-    ks = turn(k.float() * ck) - mk
+    corr = None
+    if k_block_mean:
+        if rot:
+            raise ValueError("k_block_mean does not combine with qk_rotation")
+        mkb = k_block_means(k.float() * ck)
+        ks = k.float() * ck - mkb[..., torch.arange(sk, device=k.device) // Q_MEAN_BLOCK, :]
+        corr = k_block_correction(q.float() * cq, mkb - mk, pad)
+    else:
+        ks = turn(k.float() * ck) - mk
     qp, qsc = quantize_rows(pad_dim(qs, -2, pad), search)
     kp, ksc = quantize_rows(pad_dim(ks, -2, pad), search)
     vp, vsc = quantize_transposed(pad_dim(v.float(), -2, pad))
     dk = pad_dim(delta_s(mg, ks).squeeze(-2), -1, pad)
     kr = quantize_residual(pad_dim(ks, -2, pad), kp, ksc) if per_block_mean else None
-    return Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk, mg, dk, rot, bal, search, kr)
+    pre = Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk, mg, dk, rot, bal, search, kr, k_block_corr=corr)
+    if precision != "fp4":
+        if not fp8_applies(rot, d):
+            if precision == "fp8":
+                raise ValueError(fp8_unavailable(rot, d))
+            return pre
+        pre.qk_error = qk_fp4_error(q, k, v, pre, sm_scale)
+        pre.qk_fp8 = choose_qk_precision(precision, pre.qk_error)
+        pre.q8, pre.q8_scales = quantize_mxfp8_rows(pad_dim(qs, -2, pad))
+        pre.k8, pre.k8_scales = quantize_mxfp8_rows(pad_dim(ks, -2, pad))
+    return pre
+
+
+# ---------------------------------------------------------------------------------------------
+# The Q·Kᵀ precision per head ("auto": the rule) and K's per-block means
+# ---------------------------------------------------------------------------------------------
+
+QK_PRECISIONS = ("fp4", "fp8", "auto")
+QK_PRECISION_DEFAULT = "auto"
+FP8_HEAD_DIMS = (64, 128)
+# The rule reads every AUTO_QUERY_STRIDE-th query row of Q's sampled blocks (``sample_blocks``:
+# up to 8 x 16 rows) against every key of K's sampled blocks (up to 1024 keys).
+AUTO_QUERY_STRIDE = 8
+# A head takes FP8 Q·Kᵀ when the rule's estimate of the relative output error FP4 Q·Kᵀ causes
+# (``qk_fp4_error``) exceeds this. Calibrated on tests/attention_cases.py (docs/accuracy-auto.md;
+# 4 heads, 512 tokens, D 128 and 64, seed 2025): the heads of zero-mean data, channel offsets, K
+# biases and drifting offsets estimate 0.005-0.16 (FP4 Q·Kᵀ costs them little: the FP4 error of P
+# and V dominates there), those of outlier channels, near-one-hot rows, RoPE'd biased keys and a
+# huge K channel 0.25-0.71.
+AUTO_ERROR_LIMIT = 0.2
+
+
+def qk_precision_arg(value) -> str:
+    """Checks a ``qk_precision`` argument: one of "fp4", "fp8", "auto"."""
+    if not isinstance(value, str) or value not in QK_PRECISIONS:
+        raise ValueError(f"qk_precision must be one of {', '.join(map(repr, QK_PRECISIONS))}, got {value!r}")
+    return value
+
+
+def fp8_applies(rotated: bool, head_dim: int) -> bool:
+    """The FP8 Q·Kᵀ path exists at head dims 64/128 without the Q/K rotation."""
+    return head_dim in FP8_HEAD_DIMS and not rotated
+
+
+def fp8_unavailable(rotated: bool, head_dim: int) -> str:
+    if head_dim not in FP8_HEAD_DIMS:
+        return f"qk_precision='fp8' needs head_dim 64 or 128, got {head_dim}; use qk_precision='fp4' or 'auto'"
+    return "qk_precision='fp8' does not combine with qk_rotation=True; drop one of them (or use qk_precision='auto')"
+
+
+def _sampled_rows(x: torch.Tensor, seq: int, stride: int) -> list[torch.Tensor]:
+    """Every ``stride``-th real row of each sampled 128-row block of x (..., S_or_padded, D), as
+    views, block by block (no host data reaches the device: slicing only)."""
+    return [x[..., t * Q_MEAN_BLOCK : min(seq, (t + 1) * Q_MEAN_BLOCK) : stride, :] for t in sample_blocks(seq)]
+
+
+def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes -> float32 by arithmetic (no table: nothing copied from the host)."""
+    m = (codes & 7).to(torch.float32)
+    big = torch.exp2(torch.floor(m * 0.5) - 1.0) * (1.0 + 0.5 * (codes & 1).to(torch.float32))
+    mag = torch.where(m < 4, m * 0.5, big)
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
+def _dequantize_fp4_rows(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    vals = _e2m1_values(unpack_codes(packed))
+    n = vals.shape[-1]
+    s = e4m3_decode(scales)
+    return (vals.reshape(*vals.shape[:-1], n // BLOCK, BLOCK) * s.unsqueeze(-1)).reshape(vals.shape)
+
+
+def qk_fp4_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre: "Preprocessed",
+                 sm_scale: float | None = None) -> torch.Tensor:
+    """The rule's estimate, per q head, of the relative output error FP4 Q·Kᵀ causes: (B, Hq)
+    float32, computed with torch ops on q's device (no host synchronisation, no host data).
+
+    1. Query rows: every ``AUTO_QUERY_STRIDE``-th row of Q's sampled 128-row blocks
+       (``sample_blocks``), smoothed as the preprocessing smoothed them (balanced, minus their
+       block's mean: Q_s), and the same rows of the FP4 Q the kernel reads (Qd, dequantized).
+    2. Keys: every row of K's sampled blocks, K_s (balanced, minus mean_k) and Kd likewise; V's
+       same rows.
+    3. L = c · Q_s K_sᵀ and L4 = c · Qd Kdᵀ with c the softmax scale (default 1/sqrt(D)); O =
+       softmax(L) V and O4 = softmax(L4) V (no mask: a statistic of the head).
+    4. error = ||O4 - O|| / ||O|| over the head's sampled rows (Frobenius norms).
+
+    Only Q·Kᵀ's FP4 error enters (the correction delta_s is the same in both and cancels); the
+    error of P·V, which FP8 Q·Kᵀ would not change, does not. Heads whose scores span a wide
+    range (near-one-hot rows), whose keys keep a large component after smoothing (biases that
+    rotary embeddings turn with the position) or whose channels have outliers come out large."""
+    b, hq, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    cq = 1.0 if pre.balance is None else expand_kv(torch.exp2(-pre.balance), hq)
+    ck = 1.0 if pre.balance is None else torch.exp2(pre.balance)
+    if pre.k_block_corr is not None:
+        raise ValueError("qk_fp4_error: K's per-block means (k_block_mean) are not part of the rule")
+    cat = lambda views: torch.cat(views, dim=-2)  # noqa: E731  (one gather per operand)
+    nm = pre.mean_q.shape[-2]
+    q_rows = _sampled_rows(q, sq, AUTO_QUERY_STRIDE)
+    means = cat([pre.mean_q[..., (t if nm > 1 else 0):(t if nm > 1 else 0) + 1, :].expand(b, hq, blk.shape[-2], d)
+                 for t, blk in zip(sample_blocks(sq), q_rows)])
+    qs = cat(q_rows).float() * cq - means
+    qd = _dequantize_fp4_rows(cat(_sampled_rows(pre.q_packed, sq, AUTO_QUERY_STRIDE)),
+                              cat(_sampled_rows(pre.q_scales, sq, AUTO_QUERY_STRIDE)))
+    ks = cat(_sampled_rows(k, sk, 1)).float() * ck - pre.mean_k
+    kd = _dequantize_fp4_rows(cat(_sampled_rows(pre.k_packed, sk, 1)), cat(_sampled_rows(pre.k_scales, sk, 1)))
+    vs = cat(_sampled_rows(v, sk, 1)).float()
+    ks, kd, vs = expand_kv(ks, hq), expand_kv(kd, hq), expand_kv(vs, hq)
+    o = torch.matmul(torch.softmax(torch.matmul(qs, ks.transpose(-1, -2)) * scale, dim=-1), vs)
+    o4 = torch.matmul(torch.softmax(torch.matmul(qd, kd.transpose(-1, -2)) * scale, dim=-1), vs)
+    num = (o4 - o).square().sum(dim=(-1, -2))
+    den = o.square().sum(dim=(-1, -2)).clamp_min(1e-30)
+    return torch.sqrt(num / den)
+
+
+def choose_qk_precision(precision: str, error: torch.Tensor) -> torch.Tensor:
+    """(B, Hq) bool, True where a q head's Q·Kᵀ runs in FP8: "fp8" every head, "fp4" none,
+    "auto" the heads whose ``qk_fp4_error`` exceeds ``AUTO_ERROR_LIMIT`` (a NaN estimate, from
+    NaN inputs, keeps FP4)."""
+    precision = qk_precision_arg(precision)
+    if precision == "auto":
+        return error > AUTO_ERROR_LIMIT
+    return torch.full_like(error, precision == "fp8", dtype=torch.bool)
+
+
+def k_block_means(k: torch.Tensor) -> torch.Tensor:
+    """(B, H, ceil(Sk/128), D) float32: K's mean per 128-key block (the last over its real keys)."""
+    return q_mean(k, True)
+
+
+def k_block_correction(qb: torch.Tensor, dmu: torch.Tensor, pad: int) -> torch.Tensor:
+    """Q_i · (mu_b - mean_k) for every query row and key block: (B, Hq, Sq, Sk_p/128) float32
+    (float64 products), 0 for padded key blocks. qb: the balanced (unrotated) Q; dmu (B, Hkv,
+    nkb, D)."""
+    corr = torch.matmul(qb.double(), expand_kv(dmu, qb.shape[1]).double().transpose(-1, -2)).float()
+    return pad_dim(corr, -1, pad // Q_MEAN_BLOCK) if pad >= Q_MEAN_BLOCK else corr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -684,11 +904,27 @@ def _tiled_attention(qd, kd, vd, delta_rows, seq_k: int, is_causal: bool, c: flo
 
 
 def _dequantized(pre: Preprocessed, hq: int):
+    """Qd, Kd, Vd as the kernel multiplies them: per q head, Q and K in FP4, or in MXFP8 where
+    pre.qk_fp8 says so."""
     sq = pre.seq_q
     qd = dequantize_rows(pre.q_packed, pre.q_scales)[..., :sq, :]
     kd = expand_kv(dequantize_rows(pre.k_packed, pre.k_scales), hq)
+    if pre.qk_fp8 is not None:
+        sel = pre.qk_fp8[:, :, None, None]
+        qd = torch.where(sel, dequantize_mxfp8_rows(pre.q8, pre.q8_scales)[..., :sq, :], qd)
+        kd = torch.where(sel, expand_kv(dequantize_mxfp8_rows(pre.k8, pre.k8_scales), hq), kd)
     vd = expand_kv(dequantize_transposed(pre.v_packed, pre.v_scales, pre.v_packed.shape[-1] * 2), hq)
     return qd, kd, vd
+
+
+def _delta_rows(pre: Preprocessed, sq: int) -> torch.Tensor:
+    """delta_s per query row and key (B, Hq, Sq, Sk_p), with K's block correction when present."""
+    delta = pre.delta_s
+    rows = delta[..., q_block_index(sq, delta.shape[-2], delta.device), :]
+    if pre.k_block_corr is not None:
+        keys = torch.arange(rows.shape[-1], device=rows.device) // Q_MEAN_BLOCK
+        rows = rows + pre.k_block_corr[..., keys.clamp(max=pre.k_block_corr.shape[-1] - 1)]
+    return rows
 
 
 def sageattn3(
@@ -702,8 +938,17 @@ def sageattn3(
     qk_rotation: bool = QK_ROTATION_DEFAULT,
     qk_balance: bool = QK_BALANCE_DEFAULT,
     qk_scale_search: bool | None = None,
+    qk_precision: str = QK_PRECISION_DEFAULT,
+    k_block_mean: bool = False,
 ) -> torch.Tensor:
     """The quantized attention sageattn3 computes, float32 output (B, Hq, Sq, D).
+
+    ``qk_precision``: "auto" (the default) multiplies Q·Kᵀ of the heads the rule picks
+    (``choose_qk_precision``, ``qk_fp4_error``) with MXFP8 operands (``quantize_mxfp8_rows`` of the
+    same smoothed rows), the others in FP4; "fp4" every head in FP4 (the rule never runs), "fp8"
+    every head in MXFP8. P·V stays NVFP4. FP8 needs head dim 64/128 without ``qk_rotation`` ("auto"
+    keeps FP4 elsewhere). ``k_block_mean`` (reference only): K smoothed per 128-key block with the
+    exact correction (``Preprocessed.k_block_corr``).
 
     With Qd, Kd, Vd the dequantized NVFP4 tensors of ``preprocess`` (rotated Q and K with
     ``qk_rotation`` at head dims 64/128; Q and K in the balanced space with ``qk_balance``,
@@ -729,10 +974,10 @@ def sageattn3(
     if block_n % BLOCK:
         raise ValueError("block_n must be a multiple of 16")
     pre = preprocess(q, k, v, per_block_mean, pad=block_n, qk_rotation=qk_rotation, qk_balance=qk_balance,
-                     qk_scale_search=qk_scale_search)
+                     qk_scale_search=qk_scale_search, qk_precision=qk_precision, sm_scale=sm_scale,
+                     k_block_mean=k_block_mean)
     qd, kd, vd = _dequantized(pre, hq)
-    delta = pre.delta_s
-    ds_rows = delta[..., q_block_index(sq, delta.shape[-2], q.device), :]  # (B, Hq, Sq, Sk_p)
+    ds_rows = _delta_rows(pre, sq)  # (B, Hq, Sq, Sk_p)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     c = scale / rotation_score_factor(d, pre.qk_rotation) * LOG2E
     return _tiled_attention(qd, kd, vd, ds_rows, k.shape[-2], is_causal, c, block_n)

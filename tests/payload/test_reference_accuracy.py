@@ -155,7 +155,7 @@ def test_quantize_residual_recovers_the_smoothed_k():
     assert torch.equal(v.double(), ref.e2m1_decode(ref.unpack_codes(packed)).double() + res.double() / 64)
 
 
-@pytest.mark.parametrize("case", ac.CASES)
+@pytest.mark.parametrize("case", [c for c in ac.CASES if c in FLOOR])
 def test_hard_cases_against_exact(case):
     """GQA 4:2, 256 tokens, D 128 non-causal / D 64 causal: cos-sim floors, and our algorithm
     against the published one (no rotation, no balance, paper delta_s): the defaults within
@@ -432,7 +432,7 @@ def test_balance_given_exponents_are_used():
 
 # (q_drift: the drift inside each block adds to Q's variance along the drift direction, which the
 # balance may rightly act on)
-@pytest.mark.parametrize("case", [c for c in ac.CASES if c not in ("q_outliers", "k_outliers", "q_drift")])
+@pytest.mark.parametrize("case", [c for c in ac.CASES if c in FLOOR and c not in ("q_outliers", "k_outliers", "q_drift")])
 def test_balance_is_a_no_op_without_outlier_channels(case):
     """e = 0 everywhere on the other hard cases (outlier channels shared by Q and K included:
     their RMS ratio is the typical one): the same Preprocessed tensors bit for bit and the same
@@ -455,12 +455,12 @@ def test_balance_is_a_no_op_without_outlier_channels(case):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_balance_lifts_q_outlier_channels(d, causal):
-    """GQA 4 over 2, 1024 tokens: measured over seeds 1, 7, 99, 2025 the balance gains 0.022 to
+    """FP4 Q·Kᵀ (the balance is an FP4 treatment). GQA 4 over 2, 1024 tokens: measured over seeds 1, 7, 99, 2025 the balance gains 0.022 to
     0.042 in cos-sim and cuts rel-L1 to 0.60x..0.78x of the unbalanced reference."""
     q, k, v = ac.make("q_outliers", 1, 4, 2, 1024, 1024, d, seed=31)
     exact = ref.exact_attention(q, k, v, is_causal=causal)
-    on = ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True)
-    off = ref.sageattn3(q, k, v, is_causal=causal, qk_balance=False)
+    on = ref.sageattn3(q, k, v, qk_precision="fp4", is_causal=causal, qk_balance=True)
+    off = ref.sageattn3(q, k, v, qk_precision="fp4", is_causal=causal, qk_balance=False)
     c_on, c_off = ac.cos_sim(on, exact), ac.cos_sim(off, exact)
     l1_on, l1_off = ac.rel_l1(on, exact), ac.rel_l1(off, exact)
     assert c_on >= c_off + 0.01, (c_on, c_off)
@@ -514,15 +514,15 @@ def test_balance_rotation_and_scale_search_add_up_on_q_outliers():
     for d, causal in ((64, False), (128, True)):
         q, k, v = ac.make("q_outliers", 1, 4, 2, 512, 512, d, seed=13)
         exact = ref.exact_attention(q, k, v, is_causal=causal)
-        err = [ac.rel_l1(ref.sageattn3(q, k, v, is_causal=causal, **kw), exact) for kw in (
+        err = [ac.rel_l1(ref.sageattn3(q, k, v, qk_precision="fp4", is_causal=causal, **kw), exact) for kw in (
             {}, {"qk_balance": True}, {"qk_balance": True, "qk_rotation": True},
             {"qk_balance": True, "qk_rotation": True, "qk_scale_search": True})]
         assert err[0] > err[1] > err[2] > err[3], (d, causal, err)
         assert err[3] < 0.7 * err[0], (d, causal, err)
         q, k, v = ac.make("randn", 1, 4, 2, 512, 512, d, seed=13)
         exact = ref.exact_attention(q, k, v, is_causal=causal)
-        plain = ac.rel_l1(ref.sageattn3(q, k, v, is_causal=causal), exact)
-        search = ac.rel_l1(ref.sageattn3(q, k, v, is_causal=causal, qk_scale_search=True), exact)
+        plain = ac.rel_l1(ref.sageattn3(q, k, v, qk_precision="fp4", is_causal=causal), exact)
+        search = ac.rel_l1(ref.sageattn3(q, k, v, qk_precision="fp4", is_causal=causal, qk_scale_search=True), exact)
         assert search < 0.98 * plain, (d, causal, plain, search)
 
 
@@ -561,9 +561,9 @@ def test_balance_lifts_k_outlier_channels():
         exact = ref.exact_attention(q, k, v, is_causal=causal)
         e = ref.balance_exponents(q, k)
         assert (e == -2).any() and not (e > 0).any()
-        base = ac.rel_l1(ref.sageattn3(q, k, v, is_causal=causal), exact)
-        bal = ac.rel_l1(ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True), exact)
-        both = ac.rel_l1(ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True, qk_rotation=True), exact)
+        base = ac.rel_l1(ref.sageattn3(q, k, v, qk_precision="fp4", is_causal=causal), exact)
+        bal = ac.rel_l1(ref.sageattn3(q, k, v, qk_precision="fp4", is_causal=causal, qk_balance=True), exact)
+        both = ac.rel_l1(ref.sageattn3(q, k, v, qk_precision="fp4", is_causal=causal, qk_balance=True, qk_rotation=True), exact)
         assert bal < 0.8 * base and both < bal, (d, causal, base, bal, both)
 
 
