@@ -406,6 +406,16 @@ def _head_dim_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _qk8(name: str) -> bool:
+    """The FP8 Q·Kᵀ instantiation (kQK8: MXFP8 Q and K, the heads qk_precision picks)."""
+    return re.search(r"fp4_attn_fwd_kernelILi\d+ELb0ELb1E", name) is not None
+
+
+def ours_tma_bytes_qk8(d: int) -> int:
+    """K codes (one byte per element) + V codes + K's UE8M0 scales (one per 32) per stage."""
+    return 128 * d + 128 * d // 2 + 128 * d // 32
+
+
 def _in_loop_residual(name: str) -> bool:
     """The instantiation that corrects delta_s in its loop (kInLoopResidual, the bounded-memory mode)."""
     return re.search(r"fp4_attn_fwd_kernelILi\d+ELb1E", name) is not None
@@ -423,8 +433,12 @@ def ours_budgets(cubin: Path, bounded: bool = True) -> list[Budget]:
     shared = lambda ins: any(f.endswith("attn/attn_fwd_kernel.cuh") and n in shared_lines for f, n in ins.frames)
     out = []
     kernels = [(name, instrs) for name, instrs in funcs.items() if _head_dim_of(name) is not None]
-    for name, instrs in sorted(kernels, key=lambda kv: (-_head_dim_of(kv[0]), _in_loop_residual(kv[0]))):
+    for name, instrs in sorted(kernels, key=lambda kv: (-_head_dim_of(kv[0]), _in_loop_residual(kv[0]), _qk8(kv[0]))):
         d = _head_dim_of(name)
+        if _qk8(name):
+            out.append(budget(instrs, label=f"ours D{d}, FP8 Q·Kᵀ (heads qk_precision picks)", head_dim=d, warps=8,
+                              tma_bytes=ours_tma_bytes_qk8(d), classify=ours_classifier(False), cta_shared=shared))
+            continue
         if _in_loop_residual(name):
             runs = ((True, f"ours D{d}, bounded mode (in-loop correction)"),) if bounded else ()
         else:

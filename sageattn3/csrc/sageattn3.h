@@ -104,4 +104,24 @@ int smooth_quant_k_delta(const void* k, DType dtype, int64_t B, int64_t Hq, int6
                          int64_t nblk, const float* mean_k, const float* mean_q, int64_t Skp, uint8_t* packed,
                          uint8_t* scales, float* delta, cudaStream_t stream);
 
+// Smoothing + MXFP8 along D for the FP8 Q.K^T path (quant/quant_mxfp8.cu; reference
+// quantize_mxfp8_rows): x (H, S, D) bf16/fp16/fp32 -> codes (H, Sp, D) E4M3 bytes and scales
+// (H, Sp, D/32) UE8M0 bytes of x * 2^(balance_sign * balance[h / rep]) - mean[h, r / 128 or 0];
+// mean (H, mean_rows, D) fp32; balance (H / rep, D) fp32 exponents or null; sel (H) bytes or null:
+// heads whose sel byte is 0 are skipped (outputs untouched). D a multiple of 32.
+struct Mxfp8Args {
+  const void* x;
+  DType dtype;
+  int64_t H, S, Sp, D;
+  const float* mean;
+  int64_t mean_rows;
+  const float* balance;
+  int balance_sign;
+  int64_t rep;
+  const uint8_t* sel;
+  uint8_t* codes;
+  uint8_t* scales;
+};
+int smooth_quant_mxfp8(const Mxfp8Args& args, cudaStream_t stream);
+
 }  // namespace sageattn3

@@ -58,9 +58,11 @@ else:
 from sageattn3.api import (  # noqa: E402
     Preprocessed,
     backend,
+    QkChoice,
     blockscaled_fp4_attn,
     is_available,
     preprocess,
+    qk_choice,
     sageattn3_blackwell,
     scale_and_quant_fp4,
     scale_and_quant_fp4_permute,
@@ -79,6 +81,7 @@ def build_info() -> dict:
 
 __all__ = [
     "Preprocessed",
+    "QkChoice",
     "__version__",
     "backend",
     "blockscaled_fp4_attn",
@@ -86,6 +89,7 @@ __all__ = [
     "diagnose",
     "is_available",
     "preprocess",
+    "qk_choice",
     "sageattn3_blackwell",
     "scale_and_quant_fp4",
     "scale_and_quant_fp4_permute",

@@ -37,7 +37,7 @@ import os
 
 import torch
 
-from sageattn3 import _kernels
+from sageattn3 import _kernels, reference
 
 HEAD_DIMS = (64, 128)
 SEQ_PAD = 128  # the kernel's tile along both sequences
@@ -220,6 +220,39 @@ def _launch(q, q_sf, k, k_sf, v, v_sf, mean_q, mean_q_global, delta_key, seq_q: 
     work = delta_s_workspace(q.shape[0], q.shape[1], mean_q.shape[2], seq_q, k.shape[2], q.device)
     _kernels.op("blockscaled_fp4_attn")(q, q_sf, k, k_sf, v, v_sf, mean_q, mean_q_global, delta_key, k_res, work, out,
                                         seq_q, seq_k, scale, is_causal)
+    return out
+
+
+def fp8_workspace_fits(batch: int, heads_q: int, nblk: int, seq_q: int, seq_k_pad: int) -> bool:
+    """Whether the FP8 Q·Kᵀ kernel can run: it reads delta_s rows, so with per-block Q means the
+    workspace must hold at least one (batch, q head) row (the bounded-memory mode is FP4 only)."""
+    if nblk == 1:
+        return True
+    return delta_s_workspace_limit() // (4 * -(-seq_q // SEQ_PAD) * seq_k_pad) >= 1
+
+
+def attention_qk8(pre, head_sel: torch.Tensor, q8: torch.Tensor, q8_scales: torch.Tensor, k8: torch.Tensor,
+                  k8_scales: torch.Tensor, *, is_causal: bool = False, sm_scale: float | None = None,
+                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The attention with the per-head Q·Kᵀ precision, on a ``reference.Preprocessed`` straight from
+    the preprocessing kernels (pad=128, no rotation): head_sel (B, Hq) bool/uint8, 1 where the
+    head's Q·Kᵀ runs in FP8 from q8/k8 (MXFP8 of the same smoothed rows, ``_kernels.mxfp8_smooth_quant``;
+    only the selected heads' rows, and the kv heads any selected q head reads, need be filled).
+    Two launches, each skipping the other's heads on the device; one where head_sel is all
+    zeros is FP4's output bit for bit."""
+    if pre.qk_rotation:
+        raise ValueError(reference.fp8_unavailable(True, 2 * pre.q_packed.shape[3]))
+    q = pre.q_packed
+    d = 2 * q.shape[3]
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
+    out = torch.empty((q.shape[0], q.shape[1], pre.seq_q, d), dtype=out_dtype, device=q.device)
+    k_res = _kernels._none(q.device, 6) if pre.k_residual is None else pre.k_residual
+    work = delta_s_workspace(q.shape[0], q.shape[1], pre.mean_q.shape[2], pre.seq_q, pre.k_packed.shape[2], q.device)
+    sel = head_sel.to(torch.uint8).contiguous()
+    _kernels.op("blockscaled_attn_qk8")(q, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
+                                        pre.mean_q, pre.mean_q_global, pre.delta_key, k_res, work, out, sel,
+                                        _bytes(q8, "q8"), q8_scales, _bytes(k8, "k8"), k8_scales, pre.seq_q,
+                                        pre.seq_k, scale, is_causal)
     return out
 
 

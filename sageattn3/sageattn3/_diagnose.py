@@ -265,7 +265,9 @@ def accuracy(device: torch.device, quick: bool) -> dict:
                                         "head_dim": d, "causal": causal, "dtype": "bfloat16"}}
         try:
             q, k, v = _inputs(case, 1000 + i, device)
-            out = api._fp4_attention(q, k, v, causal, True)
+            choice: list = []
+            out = api._fp4_attention(q, k, v, causal, True, qk_precision=reference.QK_PRECISION_DEFAULT, choice=choice)
+            row["qk_choice"] = choice[0].describe() if choice else None
             ref = reference.sageattn3(q, k, v, is_causal=causal)
             exact = reference.exact_attention(q, k, v, is_causal=causal)
             row["vs_reference"] = compare(out, ref)
@@ -279,11 +281,27 @@ def accuracy(device: torch.device, quick: bool) -> dict:
             row.update(_error(e), ok=False)
         ok = ok and row["ok"]
         cases.append(row)
-    return {"ok": ok, "cases": cases,
+    return {"ok": ok, "cases": cases, "qk_demo": qk_demo(device),
             "thresholds": {"vs_reference": f"cos >= {MIN_COS_REFERENCE}, rel_l1 <= {MAX_REL_L1_REFERENCE}",
                            "vs_exact": f"cos >= {MIN_COS_EXACT}"},
             "exact": "softmax attention in float64 (float32 result)",
             "reference": "sageattn3.reference.sageattn3: the same algorithm and quantization, float32, in PyTorch"}
+
+
+def qk_demo(device: torch.device) -> dict:
+    """The per-head Q·Kᵀ precision rule on one input whose heads differ: the accuracy inputs with
+    V made zero-mean and Q's heads 2 and 3 scaled by 4 (near-one-hot rows, whose FP4 score error
+    then shows in the output: the rule should pick FP8 for those two only)."""
+    from sageattn3 import api
+
+    try:
+        q, k, v = _inputs(("demo", 1, 4, 2, 512, 512, 128, False), 999, device)
+        q = torch.cat((q[:, :2], 4 * q[:, 2:]), dim=1)
+        v = v - v.float().mean(dim=-2, keepdim=True).to(v.dtype)
+        return {"input": "4 heads, 512 tokens, D 128, zero-mean V; heads 2 and 3 near-one-hot (Q x4)",
+                "choice": api.qk_choice(q, k, v).describe()}
+    except Exception as e:  # noqa: BLE001  (reported, not raised)
+        return _error(e)
 
 
 def event_time_ms(fn) -> float:
@@ -581,6 +599,12 @@ def format_report(r: dict) -> str:
                     continue
                 out.append(f"    {c['case']:40s} vs exact: {_fmt_cmp(c['vs_exact'])}")
                 out.append(f"    {'':40s} vs reference: {_fmt_cmp(c['vs_reference'])}{'' if c['ok'] else '  <-- FAIL'}")
+                if c.get("qk_choice"):
+                    out.append(f"    {'':40s} {c['qk_choice']}")
+            demo = acc.get("qk_demo")
+            if demo:
+                out.append(f"  Q·Kᵀ precision rule on {demo.get('input', 'a demo input')}: "
+                           f"{demo.get('choice') or demo.get('error')}")
         sp = d.get("speed")
         if sp:
             out.append(f"  speed ({sp.get('label', '')}): batch {SPEED_BATCH}, {SPEED_HEADS} heads, D {SPEED_HEAD_DIM}, bf16")

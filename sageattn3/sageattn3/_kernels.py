@@ -303,6 +303,22 @@ def preprocess_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: int, 
     return f(q, k, v, pad, per_block_mean, rotate, balance, search)
 
 
+def mxfp8_smooth_quant(x: torch.Tensor, mean: torch.Tensor, balance: torch.Tensor | None, balance_sign: int,
+                       sel: torch.Tensor | None, seq_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 of x's smoothed rows for the FP8 Q·Kᵀ path (``reference.quantize_mxfp8_rows`` of x ·
+    2^(balance_sign · balance) - mean, bit for bit): x (B, H, S, D) contiguous and aligned, mean
+    (B, H, 1 or ceil(S/128), D) fp32, balance (B, Hkv, 1, D) exponents or None, sel (B, H) uint8
+    or None (heads whose byte is 0 are skipped: their rows stay uninitialised). Returns codes
+    (B, H, Sp, D) float8_e4m3fn and scales (B, H, Sp, D/32) uint8, Sp = S rounded up to seq_pad."""
+    b, h, s, d = x.shape
+    sp = -(-s // seq_pad) * seq_pad
+    codes = torch.empty((b, h, sp, d), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((b, h, sp, d // 32), dtype=torch.uint8, device=x.device)
+    op("mxfp8_smooth_quant")(x, aligned(mean), _none(x.device, 8) if balance is None else aligned(balance),
+                              int(balance_sign), _none(x.device, 9) if sel is None else sel.contiguous(), codes, scales)
+    return codes.view(torch.float8_e4m3fn), scales
+
+
 def _preprocess_qkv_fake(q, k, v, pad, per_block_mean, rotate, balance, search):
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
@@ -353,6 +369,8 @@ OUTPUT_WRITING_OPS = (
     "delta_s",
     "smooth_quant_k_delta",
     "blockscaled_fp4_attn",
+    "blockscaled_attn_qk8",
+    "mxfp8_smooth_quant",
     "fp4_mma_probe",
 )
 # Ops of the library that allocate and return their outputs, with the fakes that give those

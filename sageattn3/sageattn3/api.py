@@ -10,6 +10,7 @@ it, at run time), so ``sageattn3_blackwell`` compiles with ``fullgraph=True`` wi
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -187,7 +188,8 @@ def _sdpa(q, k, v, is_causal: bool) -> torch.Tensor:
 
 def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_block_mean: bool = True,
                         qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
-                        qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool | None = None):
+                        qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool | None = None,
+                        qk_precision: str = reference.QK_PRECISION_DEFAULT, return_qk_choice: bool = False):
     """FP4 attention. q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D), float16 or bfloat16, one
     device; Hq a multiple of Hkv (GQA/MQA); any sequence lengths (Sk >= 1). Returns
     (B, Hq, Sq, D) in q's dtype; the inputs are never modified. ``is_causal``: key j is visible
@@ -215,6 +217,13 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     the NVFP4 scale search (``sageattn3.reference.quantize_rows``; D 64/128), more accurate
     everywhere but the preprocessing is much slower on an H100 (README, "Accuracy"); None (the
     default) takes ``sageattn3.reference.QK_SCALE_SEARCH`` (False unless set).
+    ``qk_precision``: "auto" (the default) decides per head, on the device, whether Q·Kᵀ runs
+    with FP4 or MXFP8 operands (``sageattn3.reference.qk_fp4_error`` and ``AUTO_ERROR_LIMIT``: heads
+    whose estimated output error from FP4 Q·Kᵀ is large, e.g. RoPE'd biased keys, near-one-hot rows,
+    outlier channels; docs/accuracy-auto.md); where no head needs it the output is FP4's bit for
+    bit. "fp4": every head FP4 (the rule does not run); "fp8": every head FP8 (D 64/128, not with
+    ``qk_rotation``). P·V stays NVFP4. ``return_qk_choice=True`` (outside torch.compile) returns
+    ``(out, QkChoice)``: which heads ran FP8 and the rule's estimates (``qk_choice``).
 
     Under ``torch.compile`` (``fullgraph=True`` works): the path is decided when tracing; the
     FP4 path is the custom op ``torch.ops.sageattn3.attention`` (not differentiable, like the
@@ -226,9 +235,43 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
         )
     flags = _flags(is_causal=is_causal, per_block_mean=per_block_mean, qk_rotation=qk_rotation, qk_balance=qk_balance)
     search = _search(qk_scale_search)
+    precision = reference.qk_precision_arg(qk_precision)
+    if reference.flag(return_qk_choice, "return_qk_choice"):
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("return_qk_choice=True is a debugging aid of eager calls; under torch.compile "
+                                      "call sageattn3.qk_choice(q, k, v) outside the compiled region")
+        choice: list[QkChoice] = []
+        out = _eager_call(q, k, v, *flags, search, precision, choice)
+        return out, (choice[0] if choice else QkChoice.fp4_path(q, precision, "the FP4 kernel did not run (SDPA)"))
     if torch.compiler.is_compiling():
-        return _traced(q, k, v, *flags, search)
-    return _eager_call(q, k, v, *flags, search)
+        return _traced(q, k, v, *flags, search, precision)
+    return _eager_call(q, k, v, *flags, search, precision)
+
+
+@dataclass(frozen=True)
+class QkChoice:
+    """Which heads of a call ran Q·Kᵀ in FP8, and why (``qk_precision``): ``fp8`` (B, Hq) bool and
+    ``error`` (B, Hq) float32 (the rule's estimate of the relative output error FP4 Q·Kᵀ causes,
+    ``reference.qk_fp4_error``; None where the rule did not run), both on the inputs' device;
+    ``precision`` the argument; ``note`` why the rule did not run, if it did not."""
+
+    precision: str
+    fp8: torch.Tensor
+    error: torch.Tensor | None
+    note: str = ""
+
+    @staticmethod
+    def fp4_path(q: torch.Tensor, precision: str, note: str) -> "QkChoice":
+        return QkChoice(precision, torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device), None, note)
+
+    def describe(self) -> str:
+        """One line per call: the rule, the limit and each head's estimate and choice."""
+        if self.error is None:
+            return f"qk_precision={self.precision!r}: every head FP4 ({self.note or 'the rule did not run'})"
+        err, sel = self.error.float().cpu(), self.fp8.cpu()
+        heads = ", ".join(f"{'fp8' if bool(f) else 'fp4'} ({float(e):.3f})" for f, e in zip(sel.flatten(), err.flatten()))
+        return (f"qk_precision={self.precision!r}, limit {reference.AUTO_ERROR_LIMIT}: "
+                f"{int(sel.sum())} of {sel.numel()} heads FP8; per head: {heads}")
 
 
 def _flags(**named) -> tuple[bool, ...]:
@@ -245,7 +288,8 @@ def _search(qk_scale_search: bool | None) -> bool:
 
 def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool,
                 qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
-                qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool = False) -> torch.Tensor:
+                qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool = False,
+                qk_precision: str = reference.QK_PRECISION_DEFAULT, choice: list | None = None) -> torch.Tensor:
     """What ``sageattn3_blackwell`` does outside torch.compile (the custom op's body)."""
     _check_qkv(q, k, v)
     if q.numel() == 0:
@@ -254,7 +298,7 @@ def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool,
     why = _paths[key] if key in _paths else _decide(*key)
     if why is None:
         return _fp4_attention(q, k, v, is_causal, per_block_mean, qk_rotation=qk_rotation, qk_balance=qk_balance,
-                              qk_scale_search=qk_scale_search)
+                              qk_scale_search=qk_scale_search, qk_precision=qk_precision, choice=choice)
     if why not in _warned:
         _warn_once(why, stacklevel=4)
     return _sdpa(q, k, v, is_causal)
@@ -262,14 +306,16 @@ def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool,
 
 @torch.library.custom_op("sageattn3::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                  per_block_mean: bool, qk_rotation: bool, qk_balance: bool, qk_scale_search: bool) -> torch.Tensor:
+                  per_block_mean: bool, qk_rotation: bool, qk_balance: bool, qk_scale_search: bool,
+                  qk_precision: str) -> torch.Tensor:
     """``sageattn3_blackwell`` as one op for compiled graphs: the self-check, the fallback and
     the kernels run here, at run time. Contiguous (B, Hq, Sq, D) output, as its fake says."""
-    return _eager_call(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance, qk_scale_search).contiguous()
+    return _eager_call(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance, qk_scale_search,
+                       qk_precision).contiguous()
 
 
 @_attention_op.register_fake
-def _attention_op_fake(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance, qk_scale_search):
+def _attention_op_fake(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance, qk_scale_search, qk_precision):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -291,14 +337,14 @@ _compile_path._dynamo_marked_constant = True
 
 
 def _traced(q, k, v, is_causal: bool, per_block_mean: bool, qk_rotation: bool, qk_balance: bool,
-            qk_scale_search: bool) -> torch.Tensor:
+            qk_scale_search: bool, qk_precision: str = reference.QK_PRECISION_DEFAULT) -> torch.Tensor:
     """The compiled form of ``sageattn3_blackwell``: only what dynamo traces without breaks."""
     _check_qkv(q, k, v)
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
         return q.new_empty(q.shape)
     if q.shape[3] in _kernels.ATTN_HEAD_DIMS and _compile_path(q.device):
         return torch.ops.sageattn3.attention(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance,
-                                             qk_scale_search)
+                                             qk_scale_search, qk_precision)
     return _sdpa(q, k, v, is_causal)
 
 
@@ -314,18 +360,73 @@ def _checked(device: torch.device) -> bool:
 
 def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None = None,
                    qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
-                   qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool = False) -> torch.Tensor:
+                   qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool = False,
+                   qk_precision: str = "fp4", choice: list | None = None) -> torch.Tensor:
     """The FP4 path on validated, non-empty q, k, v: preprocess (new tensors; the inputs are
     only read), then the attention kernel; output (B, Hq, Sq, D) in q's dtype. Every
-    allocation names q's device and every op sets its device itself: no device switch here."""
+    allocation names q's device and every op sets its device itself: no device switch here.
+    ``qk_precision`` "auto"/"fp8": the rule (torch ops on the device, no synchronisation), the
+    MXFP8 operands of the chosen heads and the attention with the per-head precision; "fp4" (and
+    where FP8 cannot run, with "auto"): exactly the FP4 path. ``choice``: a list the QkChoice is
+    appended to (the debug return)."""
     pre = _preprocess_kernels(q, k, v, per_block_mean, _attn.SEQ_PAD, qk_rotation, qk_balance, qk_scale_search)
-    return _attn.attention_from_preprocessed(pre, is_causal=is_causal, sm_scale=sm_scale, out_dtype=q.dtype,
-                                             trusted=True)
+    picked = _qk_selection(q, k, v, pre, qk_precision, sm_scale)
+    if isinstance(picked, str):
+        if choice is not None:
+            choice.append(QkChoice.fp4_path(q, qk_precision, picked))
+        return _attn.attention_from_preprocessed(pre, is_causal=is_causal, sm_scale=sm_scale, out_dtype=q.dtype,
+                                                 trusted=True)
+    fp8, err = picked
+    if choice is not None:
+        choice.append(QkChoice(qk_precision, fp8, err))
+    b, hq, hk = q.shape[0], q.shape[1], k.shape[1]
+    sel_q = fp8.to(torch.uint8)
+    sel_k = fp8.view(b, hk, hq // hk).any(dim=-1).to(torch.uint8)
+    q8, q8s = _kernels.mxfp8_smooth_quant(_kernels.aligned(q), pre.mean_q, pre.balance, -1, sel_q, _attn.SEQ_PAD)
+    k8, k8s = _kernels.mxfp8_smooth_quant(_kernels.aligned(k), pre.mean_k, pre.balance, 1, sel_k, _attn.SEQ_PAD)
+    return _attn.attention_qk8(pre, sel_q, q8, q8s, k8, k8s, is_causal=is_causal, sm_scale=sm_scale, out_dtype=q.dtype)
+
+
+def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float | None):
+    """(fp8 (B, Hq) bool, error (B, Hq)) where the per-head precision applies, else the reason
+    (str) every head stays FP4: "fp4" asked, or FP8 unavailable with "auto" ("fp8" raises then)."""
+    precision = reference.qk_precision_arg(qk_precision)
+    if precision == "fp4":
+        return "qk_precision='fp4'"
+    b, hq, sq, d = q.shape
+    why = None
+    if not reference.fp8_applies(pre.qk_rotation, d):
+        why = reference.fp8_unavailable(pre.qk_rotation, d)
+    elif not _attn.fp8_workspace_fits(b, hq, pre.mean_q.shape[2], sq, pre.k_packed.shape[2]):
+        why = (f"the FP8 Q·Kᵀ kernel needs the delta_s workspace to hold one (batch, head) row "
+               f"({_attn.WORKSPACE_ENV} is too small for these sequence lengths)")
+    if why is not None:
+        if precision == "fp8":
+            raise ValueError(why)
+        return why
+    err = reference.qk_fp4_error(q, k, v, pre, sm_scale)
+    return reference.choose_qk_precision(precision, err), err
+
+
+def qk_choice(q, k, v, is_causal: bool = False, per_block_mean: bool = True,
+              qk_rotation: bool = reference.QK_ROTATION_DEFAULT, qk_balance: bool = reference.QK_BALANCE_DEFAULT,
+              qk_scale_search: bool | None = None, qk_precision: str = reference.QK_PRECISION_DEFAULT) -> QkChoice:
+    """The per-head Q·Kᵀ precision ``sageattn3_blackwell`` picks for these inputs (the rule alone:
+    preprocessing and the estimate, no attention), on any device (the reference on the CPU)."""
+    _check_qkv(q, k, v)
+    precision = reference.qk_precision_arg(qk_precision)
+    rot, bal = _flags(qk_rotation=qk_rotation, qk_balance=qk_balance)
+    pre = preprocess(q, k, v, per_block_mean, _attn.SEQ_PAD, rot, bal, qk_scale_search)
+    picked = _qk_selection(q, k, v, pre, precision, None)
+    if isinstance(picked, str):
+        return QkChoice.fp4_path(q, precision, picked)
+    return QkChoice(precision, *picked)
 
 
 def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool = True, sm_scale: float | None = None,
                          qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
-                         qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool | None = None):
+                         qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool | None = None,
+                         qk_precision: str = reference.QK_PRECISION_DEFAULT):
     """The FP4 block-scaled attention kernel itself, without fallback: q, k, v as for
     ``sageattn3_blackwell`` (float16/bfloat16, D 64 or 128, GQA/MQA, any lengths); ``sm_scale``
     defaults to 1/sqrt(D); ``qk_rotation``, ``qk_balance`` and ``qk_scale_search`` as for
@@ -350,7 +451,8 @@ def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool 
     causal, pbm, rot, bal = _flags(is_causal=is_causal, per_block_mean=per_block_mean, qk_rotation=qk_rotation,
                                    qk_balance=qk_balance)
     return _fp4_attention(q, k, v, causal, pbm, sm_scale, qk_rotation=rot, qk_balance=bal,
-                          qk_scale_search=_search(qk_scale_search))
+                          qk_scale_search=_search(qk_scale_search),
+                          qk_precision=reference.qk_precision_arg(qk_precision))
 
 
 # ---------------------------------------------------------------------------------------------

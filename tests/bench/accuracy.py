@@ -11,14 +11,18 @@ Columns (cos-sim and relative L1 = sum|out - exact| / sum|exact| against exact a
 computed in float64 from the bf16 inputs):
 - "paper": ``sageattn3.reference.sageattn3_paper``, the algorithm as published (no rotation,
   plain NVFP4 scales, delta_s = mean_q · K_sᵀ materialised);
-- "ours": ``sageattn3.reference.sageattn3`` with this package's defaults (delta_s = delta_key +
-  r · K̂ᵀ, K̂ the quantized K plus its quantization residual; no balance, no rotation, plain scales); "ours + balance": the same with
-  qk_balance=True (the Q/K channel balance); "+ balance + rotation": qk_balance=True and
-  qk_rotation=True (balanced, then rotated); "+ scale search": those two and Q and K quantized
-  with the scale search (qk_scale_search=True), the most accurate setting;
+- "auto (default)": ``sageattn3.reference.sageattn3`` with this package's defaults: the per-head
+  Q·Kᵀ precision (qk_precision="auto": FP8 Q·Kᵀ for the heads the rule picks, FP4 elsewhere;
+  docs/accuracy-auto.md), delta_s = delta_key + r · K̂ᵀ (K̂ the quantized K plus its quantization
+  residual), no balance, no rotation, plain scales;
+- "FP4 Q·Kᵀ": the same with qk_precision="fp4" (every head FP4: the defaults before "auto");
+  "+ balance": that with qk_balance=True (the Q/K channel balance); "+ balance + rotation":
+  qk_balance=True and qk_rotation=True (balanced, then rotated); "+ scale search": those two and
+  Q and K quantized with the scale search (qk_scale_search=True); "FP8 Q·Kᵀ": qk_precision="fp8"
+  (every head FP8);
 - with --gpu: "kernels": ``sageattn3_blackwell`` (the preprocessing and attention kernels, the
-  defaults) and its cos-sim against "ours" on the same inputs; "kernels, all three": the same
-  with the balance, the rotation and the scale search, against "+ scale search".
+  defaults) and its cos-sim against "auto (default)" on the same inputs; "kernels, all three": the
+  same with the balance, the rotation and the scale search, against "+ scale search".
 The reference is bit-exact with the kernels' quantization; the FP4 MMA itself was only ever run
 as the H100 software model of the instruction. Shapes: batch 1, 4 q heads over 2 kv heads
 (GQA), SEQ tokens, bf16; every case with a fixed seed.
@@ -59,6 +63,9 @@ LABELS = {
     "peaky": "near-one-hot rows (Q x4)",
     "zero_mean_v": "zero-mean V (Q/K offsets x3)",
     "q_drift": "Q offset drifting -8..+8 along the sequence",
+    "rope_bias": "RoPE'd Q/K with channel offsets (x3 / x5)",
+    "k_sink": "one huge constant K channel + 4 sink keys",
+    "mixed_heads": "mixed heads: zero-mean, near-one-hot, 2 x RoPE'd",
 }
 
 
@@ -80,12 +87,15 @@ def measure(ref, gpu: bool) -> list[dict]:
                 outs = {
                     "paper": ref.sageattn3_paper(q, k, v, is_causal=causal),
                     "ours": ref.sageattn3(q, k, v, is_causal=causal),
-                    "bal": ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True),
+                    "fp4": ref.sageattn3(q, k, v, is_causal=causal, qk_precision="fp4"),
+                    "bal": ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True, qk_precision="fp4"),
                     "balrot": ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True, qk_rotation=True),
                     "all": ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True, qk_rotation=True,
                                          qk_scale_search=True),
+                    "fp8": ref.sageattn3(q, k, v, is_causal=causal, qk_precision="fp8"),
                 }
-                row = {"case": case, "d": d, "causal": causal}
+                heads = ref.preprocess(q, k, v, qk_precision="auto").qk_fp8
+                row = {"case": case, "d": d, "causal": causal, "fp8_heads": int(heads.sum()), "heads": heads.numel()}
                 for name, out in outs.items():
                     row[name] = (ac.cos_sim(out, exact), ac.rel_l1(out, exact))
                 if gpu:
@@ -100,21 +110,23 @@ def measure(ref, gpu: bool) -> list[dict]:
                     row["kernels_all"] = (ac.cos_sim(kern, exact), ac.rel_l1(kern, exact))
                     row["kernels_all_vs_all"] = ac.cos_sim(kern, outs["all"])
                 rows.append(row)
-                names = [n for n in ("paper", "ours", "bal", "balrot", "all", "kernels", "kernels_all") if n in row]
+                names = [n for n in ("paper", "ours", "fp4", "bal", "balrot", "all", "fp8", "kernels", "kernels_all")
+                         if n in row]
                 print(f"  {case:12s} D={d:3d} causal={causal!s:5s} " + "  ".join(
                     f"{n} {row[n][0]:.4f}/{row[n][1]:.3f}" for n in names), file=sys.stderr, flush=True)
     return rows
 
 
 def table(rows: list[dict], gpu: bool) -> str:
-    head = ["inputs", "D", "causal", "paper: cos / rel-L1", "ours: cos / rel-L1", "ours + balance",
-            "+ balance + rotation", "+ scale search"]
+    head = ["inputs", "D", "causal", "paper: cos / rel-L1", "auto (default): cos / rel-L1", "FP8 heads",
+            "FP4 Q·Kᵀ", "+ balance", "+ balance + rotation", "+ scale search", "FP8 Q·Kᵀ"]
     if gpu:
         head += ["kernels: cos / rel-L1", "kernels vs ours (cos)", "kernels, all three", "vs + scale search (cos)"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         cells = [LABELS[r["case"]], str(r["d"]), "yes" if r["causal"] else "no"]
-        cells += [f"{r[n][0]:.4f} / {r[n][1]:.3f}" for n in ("paper", "ours", "bal", "balrot", "all")]
+        cells += [f"{r[n][0]:.4f} / {r[n][1]:.3f}" for n in ("paper", "ours")] + [f"{r['fp8_heads']}/{r['heads']}"]
+        cells += [f"{r[n][0]:.4f} / {r[n][1]:.3f}" for n in ("fp4", "bal", "balrot", "all", "fp8")]
         if gpu:
             cells += [f"{r['kernels'][0]:.4f} / {r['kernels'][1]:.3f}", f"{r['kernels_vs_ours']:.6f}",
                       f"{r['kernels_all'][0]:.4f} / {r['kernels_all'][1]:.3f}", f"{r['kernels_all_vs_all']:.6f}"]

@@ -120,18 +120,44 @@ auto set_ds_work(A& a, float* w, int64_t n, int) -> decltype(a.ds_work = w, void
 template <class A>
 void set_ds_work(A&, float*, int64_t, long) {}
 
+// Fp4AttnArgs::head_sel (the per-head Q.K^T precision) where the tree has it: every head's byte
+// `sel` (0: the FP4 kernel runs every tile and the FP8 one skips them all; 1: the other way round).
+template <class A>
+auto set_head_sel(A& a, int hq, int hkv, int pad, int D, uint8_t sel, int) -> decltype(a.head_sel = nullptr, true) {
+  uint8_t *hs, *q8, *q8s, *k8, *k8s;
+  const int64_t nq = int64_t{hq} * pad * D, nk = int64_t{hkv} * pad * D;
+  if (!ok(cudaMalloc(&hs, hq), "malloc") || !ok(cudaMalloc(&q8, nq), "malloc") || !ok(cudaMalloc(&k8, nk), "malloc") ||
+      !ok(cudaMalloc(&q8s, nq / 32), "malloc") || !ok(cudaMalloc(&k8s, nk / 32), "malloc"))
+    return false;
+  cudaMemset(hs, sel, hq);
+  fill_bytes<<<1024, 256>>>(q8, nq, 6, 0xBB, 0);
+  fill_bytes<<<1024, 256>>>(k8, nk, 7, 0xBB, 0);
+  cudaMemset(q8s, 127, nq / 32);
+  cudaMemset(k8s, 127, nk / 32);
+  a.head_sel = hs; a.q8 = q8; a.q8_sf = q8s; a.k8 = k8; a.k8_sf = k8s;
+  return true;
+}
+template <class A>
+bool set_head_sel(A&, int, int, int, int, uint8_t, long) {
+  std::fprintf(stderr, "attention_standin: this tree has no per-head Q.K^T precision\n");
+  return false;
+}
+
 int main(int argc, char** argv) {
   if (argc == 2 && std::strcmp(argv[1], "mma") == 0) return run_mma_rate();
   if (argc != 7) {
-    std::fprintf(stderr, "usage: attention_standin mma | D S HQ HKV CAUSAL defaults|bounded|one-mean\n");
+    std::fprintf(stderr, "usage: attention_standin mma | D S HQ HKV CAUSAL defaults|bounded|one-mean|auto-fp4|fp8\n");
     return 2;
   }
   const int D = std::atoi(argv[1]), S = std::atoi(argv[2]), hq = std::atoi(argv[3]), hkv = std::atoi(argv[4]);
   const int causal = std::atoi(argv[5]);
-  const bool work = std::strcmp(argv[6], "defaults") == 0;
+  // auto-fp4: the "auto" path where the rule picked no head (both kernels launched, FP8 skips all);
+  // fp8: every head's Q.K^T in FP8. Both with the defaults' workspace.
+  const bool auto_fp4 = std::strcmp(argv[6], "auto-fp4") == 0, all_fp8 = std::strcmp(argv[6], "fp8") == 0;
+  const bool work = std::strcmp(argv[6], "defaults") == 0 || auto_fp4 || all_fp8;
   const bool blocks = work || std::strcmp(argv[6], "bounded") == 0;
   if (!blocks && std::strcmp(argv[6], "one-mean") != 0) {
-    std::fprintf(stderr, "attention_standin: mode must be defaults, bounded or one-mean, got %s\n", argv[6]);
+    std::fprintf(stderr, "attention_standin: mode must be defaults, bounded, one-mean, auto-fp4 or fp8, got %s\n", argv[6]);
     return 2;
   }
   const int pad = (S + 127) / 128 * 128, mblocks = blocks ? pad / 128 : 1;
@@ -174,6 +200,7 @@ int main(int argc, char** argv) {
     if (!ok(cudaMalloc(&ws, n * 4), "malloc")) return 1;
     set_ds_work(a, ws, n, 0);
   }
+  if ((auto_fp4 || all_fp8) && !set_head_sel(a, hq, hkv, pad, D, all_fp8 ? 1 : 0, 0)) return 1;
   if (!ok(static_cast<cudaError_t>(fp4_attn_fwd(a, nullptr)), "fp4_attn_fwd") || !ok(cudaDeviceSynchronize(), "run"))
     return 1;
   const float ms = median_ms([&] { fp4_attn_fwd(a, nullptr); }, S >= 16384 ? 7 : 15);

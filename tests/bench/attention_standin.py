@@ -40,7 +40,8 @@ SEQS = (4096, 8192, 16384, 32768)
 HEADS = 16
 GQA = ((32, 8),)  # (q heads, kv heads)
 MODES = ("defaults", "bounded", "one-mean")
-BASE_MODES = ("defaults", "one-mean")  # a baseline tree from before the workspace: no bounded mode
+BASE_MODES = ("defaults", "one-mean")
+QK_MODES = ("defaults", "auto-fp4", "fp8")  # a baseline tree from before the workspace: no bounded mode
 
 
 def build(nvcc: Path, out: Path, n_mma: int, csrc: Path = CSRC, tag: str = "") -> Path:
@@ -159,6 +160,18 @@ def main(argv: list[str]) -> int:
                   f"{row['bounded']:10.3f} | {row['one-mean']:11.3f} {tops(row['one-mean']):5.0f} | {row['defaults'] / row['one-mean']:17.3f} | "
                   f"{row.get('x2 defaults', float('nan')):11.3f} {row.get('x2 one-mean', float('nan')):11.3f}"
                   + (f" | flash_attn {row['flash_attn']:.3f} ms" if "flash_attn" in row else ""))
+            results["rows"].append(row)
+        # the per-head Q·Kᵀ precision: today's FP4 path, "auto" where no head needs help (the FP8
+        # kernel launched and skipping every tile), every head in FP8
+        print(f"\nper-head Q·Kᵀ precision (x4 stand-in; FP8 MMAs issued as FP4's: half the work at half the rate)")
+        print(f"{'D':>4} {'tokens':>6} {'heads':>6} {'causal':>6} | {'fp4 ms':>8} {'auto, no FP8 head ms':>20} "
+              f"{'all FP8 ms':>10} | {'auto/fp4':>8} {'fp8/fp4':>7}")
+        for d, s in [(d, s) for d in (128, 64) for s in ((8192, 32768) if not quick else (32768,))]:
+            row = {"D": d, "S": s, "hq": HEADS, "hkv": HEADS, "causal": 0, "qk": True}
+            for m in QK_MODES:
+                row[m] = run(exe4, d, s, HEADS, HEADS, 0, m)["ms"]
+            print(f"{d:>4} {s:>6} {f'{HEADS}/{HEADS}':>6} {0:>6} | {row['defaults']:8.3f} {row['auto-fp4']:20.3f} "
+                  f"{row['fp8']:10.3f} | {row['auto-fp4'] / row['defaults']:8.3f} {row['fp8'] / row['defaults']:7.3f}")
             results["rows"].append(row)
     if json_out:
         json_out.write_text(json.dumps(results, indent=1))

@@ -83,11 +83,11 @@ class RefKernel:
         self.calls = 0
 
     def __call__(self, q, k, v, is_causal, per_block_mean, sm_scale=None, qk_rotation=ref.QK_ROTATION_DEFAULT,
-                 qk_balance=ref.QK_BALANCE_DEFAULT, qk_scale_search=False):
+                 qk_balance=ref.QK_BALANCE_DEFAULT, qk_scale_search=False, qk_precision="fp4", choice=None):
         self.calls += 1
         return ref.sageattn3(q, k, v, is_causal=is_causal, per_block_mean=per_block_mean,
                              qk_rotation=qk_rotation, qk_balance=qk_balance,
-                             qk_scale_search=qk_scale_search).to(q.dtype)
+                             qk_scale_search=qk_scale_search, qk_precision=qk_precision).to(q.dtype)
 
 
 def fp4_on_cpu(monkeypatch):

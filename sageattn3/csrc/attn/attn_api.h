@@ -56,6 +56,16 @@ struct Fp4AttnArgs {
   float sm_scale;
   int causal;
   DType out_dtype;  // kBFloat16 or kFloat16
+  // The per-head Q.K^T precision (null head_sel: every head FP4, as before): head_sel (B*Hq) bytes,
+  // 1 where the head's Q.K^T runs in FP8 from q8 (B, Hq, Sq_pad, D) E4M3 bytes + q8_sf (B, Hq,
+  // Sq_pad, D/32) UE8M0 and k8 (B, Hkv, Sk_pad, D) + k8_sf (B, Hkv, Sk_pad, D/32) (MXFP8 of the same
+  // smoothed rows; reference.quantize_mxfp8_rows). Needs delta_s rows (one Q mean, or a workspace
+  // that holds at least one (batch, q head) row): the bounded-memory mode has no FP8 kernel.
+  const uint8_t* head_sel;
+  const void* q8;
+  const void* q8_sf;
+  const void* k8;
+  const void* k8_sf;
 };
 
 // Launches the attention forward on `stream` (device = current device). Returns a cudaError_t;

@@ -33,12 +33,18 @@
 
 namespace sageattn3::attn {
 
-template <int D>
+// kQK8: the FP8 Q.K^T instantiation (MXFP8 Q and K: one E4M3 byte per element, one UE8M0 scale
+// per 32; attn/fp4_mma.cuh, mma_fp8). Its Q and K tiles are twice the FP4 ones, so at D 128 it runs
+// two stages instead of three to stay within sm_120's 99 KiB of shared memory per CTA.
+template <int D, bool kQK8 = false>
 struct SmemLayout {
-  static constexpr int kQBytes = kBlockM * D / 2;
-  static constexpr int kQSfBytes = kBlockM * D / 16;
-  static constexpr int kKBytes = kBlockN * D / 2;
-  static constexpr int kKSfBytes = kBlockN * D / 16;
+  static constexpr int kStages = (kQK8 && D == 128) ? 2 : ::sageattn3::attn::kStages;
+  static constexpr int kRowBytes = kQK8 ? D : D / 2;     // bytes per row of Q / K
+  static constexpr int kSfRowBytes = kQK8 ? D / 32 : D / 16;  // scale bytes per row of Q / K
+  static constexpr int kQBytes = kBlockM * kRowBytes;
+  static constexpr int kQSfBytes = kBlockM * kSfRowBytes;
+  static constexpr int kKBytes = kBlockN * kRowBytes;
+  static constexpr int kKSfBytes = kBlockN * kSfRowBytes;
   static constexpr int kVBytes = D * kBlockN / 2;
   // delta_s of keys 2i, 2i+1, twice: 16 bytes per pair, 16 bytes of padding after every 8 pairs
   // (delta_pair_offset)
@@ -77,6 +83,15 @@ struct TileCoord {
   int b, hq, hk, mb, num_kb;
 };
 
+// The first tile at or after `tile` (stepping by the grid) that this launch computes: all of them,
+// or, where p.head_sel is set (the per-head Q.K^T precision), those whose (batch, q head) byte
+// equals p.head_sel_want. Producer and consumers walk the same sequence.
+__device__ __forceinline__ int next_tile(const AttnParams& p, int tile) {
+  if (p.head_sel != nullptr)
+    while (tile < p.num_tiles && p.head_sel[p.bh0 + tile % p.bh_count] != p.head_sel_want) tile += gridDim.x;
+  return tile;
+}
+
 __device__ __forceinline__ TileCoord decode_tile(const AttnParams& p, int tile) {
   TileCoord c;
   const int bh_count = p.bh_count;
@@ -96,9 +111,10 @@ __device__ __forceinline__ TileCoord decode_tile(const AttnParams& p, int tile) 
 // tile's Q when it enters the tile. Thread 0 is also a consumer, so it never waits for a stage that
 // its own warp has not released: stage n + kStages - 1 is issued at the start of iteration n,
 // after every warp (its own included) released stage n - 1.
-template <int D>
+template <int D, bool kQK8 = false>
 struct Producer {
-  using L = SmemLayout<D>;
+  using L = SmemLayout<D, kQK8>;
+  static constexpr int kStages = L::kStages;
   // Lives in shared memory: only thread 0 touches it, and keeping it out of registers leaves the
   // register budget (identical for all threads) to the MMA accumulators.
   int tile = 0, kb = 0;
@@ -108,7 +124,7 @@ struct Producer {
   __device__ __forceinline__ void start(const AttnParams& p) {
     n = 0;
     q_round = 0;
-    tile = blockIdx.x;
+    tile = next_tile(p, blockIdx.x);
     kb = 0;
     if (tile < p.num_tiles) c = decode_tile(p, tile);
     tma_prefetch_desc(&p.tm_q);
@@ -131,7 +147,7 @@ struct Producer {
         mbar_wait(q_empty, (q_round & 1u) ^ 1u);
         mbar_arrive_expect_tx(q_full, L::kQTx);
         tma_load_2d(smem + L::kQ, &p.tm_q, q_full, 0, q_row0);
-        tma_load_2d(smem + L::kQSf, &p.tm_q_sf, q_full, 0, q_row0 / kBlockM * (D / 16));
+        tma_load_2d(smem + L::kQSf, &p.tm_q_sf, q_full, 0, q_row0 / kBlockM * L::kSfRowBytes);
         ++q_round;
       }
       const uint32_t st = n % kStages;
@@ -141,12 +157,12 @@ struct Producer {
       const int kv_bh = c.b * p.heads_kv + c.hk;
       const int k_row0 = kv_bh * p.seq_k_pad + kb * kBlockN;
       tma_load_2d(stage + L::kStageK, &p.tm_k, &full[st], 0, k_row0);
-      tma_load_2d(stage + L::kStageKSf, &p.tm_k_sf, &full[st], 0, k_row0 / kBlockN * (D / 16));
+      tma_load_2d(stage + L::kStageKSf, &p.tm_k_sf, &full[st], 0, k_row0 / kBlockN * L::kSfRowBytes);
       tma_load_2d(stage + L::kStageV, &p.tm_v, &full[st], kb * (kBlockN / 2), kv_bh * D);
       ++n;
       if (++kb == c.num_kb) {
         kb = 0;
-        tile += gridDim.x;
+        tile = next_tile(p, tile + gridDim.x);
         if (tile < p.num_tiles) c = decode_tile(p, tile);
       }
     }
@@ -251,10 +267,38 @@ __device__ __forceinline__ float delta_s_part(uint32_t k_tile, uint32_t ksf_tile
   return total;
 }
 
-template <int D, bool kInLoopResidual>
+// One row's MXFP8 scale bytes (2 at D 64, 4 at D 128) as a 32-bit word, byte c = k-chunk c.
+template <int kBytes>
+__device__ __forceinline__ uint32_t lds_sf_row(uint32_t saddr) {
+  static_assert(kBytes == 2 || kBytes == 4, "MXFP8 scale bytes per row");
+  if constexpr (kBytes == 4) {
+    return lds_u32(saddr);
+  } else {
+    uint16_t v;
+    asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(saddr));
+    return v;
+  }
+}
+
+// S += Q K^T over bytes [64H, 64H + 64) of the FP8 rows (k-chunks 2H and 2H+1, 32 E4M3 values each,
+// with scale bytes 2H and 2H+1 of q_sf / k_sf). Lane L reads key row `row` (= key_of(j, L & 7)),
+// bytes 64H + 16(L >> 3): matrices 0/1 are chunk 2H's b0/b1, matrices 2/3 chunk 2H+1's.
+template <int H, int kRow>
+__device__ __forceinline__ void qk8_half(float (&s)[4], const uint32_t (&a0)[4], const uint32_t (&a1)[4],
+                                         uint32_t k_tile, int row, int lane, uint32_t q_sf, uint32_t k_sf) {
+  uint32_t kf[4];
+  ldmatrix_x4(kf, k_tile + swizzled<kRow>(row * kRow + 64 * H + 16 * (lane >> 3)));
+  const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+  mma_fp8<2 * H, 2 * H>(s, a0, b0, s, q_sf, k_sf);
+  mma_fp8<2 * H + 1, 2 * H + 1>(s, a1, b1, s, q_sf, k_sf);
+}
+
+template <int D, bool kInLoopResidual, bool kQK8 = false>
 __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int warp) {
-  using L = SmemLayout<D>;
-  constexpr int kChunks = D / 64;       // k64 chunks of the head dim
+  using L = SmemLayout<D, kQK8>;
+  constexpr int kStages = L::kStages;
+  constexpr int kRow = L::kRowBytes;
+  constexpr int kChunks = kRow / 32;    // MMA k-chunks of the head dim (32 bytes each: k64 FP4, k32 FP8)
   constexpr int kNT = kBlockN / 8;      // n-tiles of S
   constexpr int kDT = D / 8;            // n-tiles of O
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
@@ -267,7 +311,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   const int row_in_tile = warp * 16;
 
   const bool is_producer = threadIdx.x == 0;
-  Producer<D>& prod = *reinterpret_cast<Producer<D>*>(smem + L::kProducerState);
+  Producer<D, kQK8>& prod = *reinterpret_cast<Producer<D, kQK8>*>(smem + L::kProducerState);
   if (is_producer) prod.start(p);
 
   // Per-lane parts of the shared-memory addresses (see the loops below).
@@ -286,7 +330,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   const int ds_k = threadIdx.x >> 1, ds_half = threadIdx.x & 1;
   static_assert(kThreads == 2 * kBlockN, "two threads per key for delta_s");
   static_assert(2 * D <= kThreads, "one 4-byte word of V scales per thread and stage");
-  for (int tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x, ++q_round) {
+  for (int tile = next_tile(p, blockIdx.x); tile < p.num_tiles; tile = next_tile(p, tile + gridDim.x), ++q_round) {
     const TileCoord c = decode_tile(p, tile);
     const int m0 = c.mb * kBlockM;
     if (is_producer) prod.run(p, smem, ring.n + kStages);
@@ -321,11 +365,16 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       // matrices: rows 0-7 / 8-15 of the warp's 16, bytes [32ch, +16) then [32ch+16, +16)
       const int r = row_in_tile + (lane & 7) + 8 * ((lane >> 3) & 1);
       const int byte = 32 * ch + 16 * (lane >> 4);
-      ldmatrix_x4(qa[ch], s_base + L::kQ + swizzled<D / 2>(r * (D / 2) + byte));
+      ldmatrix_x4(qa[ch], s_base + L::kQ + swizzled<kRow>(r * kRow + byte));
     }
-    // lane 4g+t: row g + 8(t&1), k-chunk t>>1 (SF_A with thread-id-a = chunk)
-    const uint32_t q_sf = lds_u32(s_base + L::kQSf + (row_in_tile + g + 8 * (t & 1)) * (D / 16) +
-                                  4 * (kChunks == 2 ? (t >> 1) : 0));
+    // FP4: lane 4g+t: row g + 8(t&1), k-chunk t>>1 (SF_A with thread-id-a = chunk). FP8: lane 4g+t:
+    // all of row g + 8(t&1)'s scale bytes (SF_A with thread-id-a 0, byte-id = chunk).
+    uint32_t q_sf;
+    if constexpr (kQK8) {
+      q_sf = lds_sf_row<L::kSfRowBytes>(s_base + L::kQSf + (row_in_tile + g + 8 * (t & 1)) * L::kSfRowBytes);
+    } else {
+      q_sf = lds_u32(s_base + L::kQSf + (row_in_tile + g + 8 * (t & 1)) * (D / 16) + 4 * (kChunks == 2 ? (t >> 1) : 0));
+    }
     __syncwarp();
     if (lane == 0) mbar_arrive(q_empty);
 
@@ -386,6 +435,18 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
         const float4 dl = lds_f4(stage + L::kStageDelta + delta_lane + delta_pair_offset(key_of(j, 0) / 2));
         s[j][0] = dl.x; s[j][1] = dl.y; s[j][2] = dl.z; s[j][3] = dl.w;
       }
+      if constexpr (kQK8) {
+        // FP8: per n-tile j, one ldmatrix.x4 per 64 bytes of the key rows (lane L: row key_of(j, L&7),
+        // bytes 64h + 16(L>>3)): chunk 2h in kf[0..1], chunk 2h+1 in kf[2..3]; the K scale word of
+        // key column g (all its chunks) in every lane of quad g.
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) {
+          const int row = key_of(j, 0) + key_of(0, lane & 7);
+          const uint32_t k_sf = lds_sf_row<L::kSfRowBytes>(stage + L::kStageKSf + (key_of(j, 0) + key_of(0, g)) * L::kSfRowBytes);
+          qk8_half<0, kRow>(s[j], qa[0], qa[1], stage + L::kStageK, row, lane, q_sf, k_sf);
+          if constexpr (kRow == 128) qk8_half<1, kRow>(s[j], qa[2], qa[3], stage + L::kStageK, row, lane, q_sf, k_sf);
+        }
+      } else {
       // Key rows of n-tile j: key_of(j, x) = key_of(j, 0) + key_of(0, x), and the swizzle XOR of
       // such a row depends on j only (see key_swizzle), so each address is a per-lane base plus
       // compile-time terms.
@@ -406,6 +467,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
           mma_fp4<0, 0>(s[j], qa[0], b0, s[j], q_sf, k_sf0);
           mma_fp4<0, 0>(s[j + 1], qa[0], b1, s[j + 1], q_sf, k_sf1);
         }
+      }
       }
 
       // ---- masks: keys past seq_k, and the causal diagonal ----
@@ -518,9 +580,10 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   }
 }
 
-template <int D, bool kInLoopResidual>
+template <int D, bool kInLoopResidual, bool kQK8 = false>
 __device__ __forceinline__ void attn_fwd_body(const AttnParams& p) {
-  using L = SmemLayout<D>;
+  using L = SmemLayout<D, kQK8>;
+  constexpr int kStages = L::kStages;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int warp = threadIdx.x >> 5;
@@ -535,7 +598,7 @@ __device__ __forceinline__ void attn_fwd_body(const AttnParams& p) {
     mbar_init_fence();
   }
   __syncthreads();
-  consumer<D, kInLoopResidual>(p, smem, warp);
+  consumer<D, kInLoopResidual, kQK8>(p, smem, warp);
 }
 
 }  // namespace sageattn3::attn

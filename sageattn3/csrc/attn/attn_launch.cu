@@ -13,13 +13,14 @@
 namespace sageattn3 {
 namespace attn {
 
-// The single kernel entry point, two instantiations per head dim: kInLoopResidual false reads
+// The single kernel entry point, three instantiations per head dim: kInLoopResidual false reads
 // delta_s rows (one Q mean: ds_key; per-block Q means: delta_s precomputed per query block and
 // key by delta_s_blocks_kernel), true corrects ds_key by r . K^ per key tile in its loop (per-block
-// Q means without a workspace for delta_s: the bounded-memory mode).
-template <int D, bool kInLoopResidual>
+// Q means without a workspace for delta_s: the bounded-memory mode); kQK8 computes Q.K^T from the
+// MXFP8 operands (the heads the per-head precision picked; delta_s read as without kInLoopResidual).
+template <int D, bool kInLoopResidual, bool kQK8 = false>
 __global__ void __launch_bounds__(kThreads, 1) fp4_attn_fwd_kernel(const __grid_constant__ AttnParams p) {
-  attn_fwd_body<D, kInLoopResidual>(p);
+  attn_fwd_body<D, kInLoopResidual, kQK8>(p);
 }
 
 namespace {
@@ -69,10 +70,10 @@ DeviceInfo device_info(int dev) {
 
 bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
 
-template <int D, bool kInLoopResidual>
+template <int D, bool kInLoopResidual, bool kQK8 = false>
 int launch_attn(AttnParams& p, int sms, cudaStream_t stream) {
-  using L = SmemLayout<D>;
-  auto kernel = fp4_attn_fwd_kernel<D, kInLoopResidual>;
+  using L = SmemLayout<D, kQK8>;
+  auto kernel = fp4_attn_fwd_kernel<D, kInLoopResidual, kQK8>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kTotal);
   if (err != cudaSuccess) return err;
   int per_sm = 0;
@@ -83,6 +84,25 @@ int launch_attn(AttnParams& p, int sms, cudaStream_t stream) {
   // The launch site of the attention kernel (see attn_params.h for why it matters).
   kernel<<<grid, kThreads, L::kTotal, stream>>>(p);
   return cudaGetLastError();
+}
+
+// One attention launch over p's (batch, q head) rows: the FP4 kernel for every tile, or, with the
+// per-head precision (p8: p with the MXFP8 Q/K maps), the FP4 kernel for the tiles whose head_sel
+// byte is 0 and the FP8 one for those whose byte is 1 (each skips the other's tiles on the device).
+template <int D, bool kInLoopResidual>
+int launch_both(AttnParams& p, AttnParams* p8, int sms, cudaStream_t stream) {
+  if (p8 == nullptr) return launch_attn<D, kInLoopResidual>(p, sms, stream);
+  if (kInLoopResidual) return cudaErrorInvalidValue;  // the FP8 kernel reads precomputed delta_s rows only
+  p.head_sel_want = 0;
+  int rc = launch_attn<D, kInLoopResidual>(p, sms, stream);
+  if (rc != cudaSuccess) return rc;
+  p8->bh0 = p.bh0;
+  p8->bh_count = p.bh_count;
+  p8->ds_key = p.ds_key;
+  p8->ds_bh_stride = p.ds_bh_stride;
+  p8->ds_m_stride = p.ds_m_stride;
+  p8->head_sel_want = 1;
+  return launch_attn<D, false, true>(*p8, sms, stream);
 }
 
 template <int D>
@@ -124,11 +144,26 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
   p.bh_count = static_cast<int>(bq);
   p.ds_bh_stride = a.seq_k_pad;
   p.ds_m_stride = 0;
+  p.head_sel = a.head_sel;
+  p.head_sel_want = 0;
+  AttnParams p8_store = p;
+  AttnParams* p8 = nullptr;
+  if (a.head_sel != nullptr) {
+    // the MXFP8 Q and K (D bytes per row, one UE8M0 byte per 32 values)
+    ok &= make_map(&p8_store.tm_q, a.q8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, D, bq * a.seq_q_pad, D, kBlockM, swizzle_for(D));
+    ok &= make_map(&p8_store.tm_q_sf, a.q8_sf, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 128, bq * a.seq_q_pad * (D / 32) / 128,
+                   128, kBlockM * (D / 32) / 128, CU_TENSOR_MAP_SWIZZLE_NONE);
+    ok &= make_map(&p8_store.tm_k, a.k8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, D, bk * a.seq_k_pad, D, kBlockN, swizzle_for(D));
+    ok &= make_map(&p8_store.tm_k_sf, a.k8_sf, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 128, bk * a.seq_k_pad * (D / 32) / 128,
+                   128, kBlockN * (D / 32) / 128, CU_TENSOR_MAP_SWIZZLE_NONE);
+    if (!ok) return cudaErrorInvalidValue;
+    p8 = &p8_store;
+  }
 
   int dev = 0;
   cudaGetDevice(&dev);
   const DeviceInfo info = device_info(dev);
-  if (a.mean_qblocks == 1) return launch_attn<D, false>(p, info.sms, stream);
+  if (a.mean_qblocks == 1) return launch_both<D, false>(p, p8, info.sms, stream);
 
   // Per-block Q means: delta_s per query block and key, precomputed into the caller's workspace
   // in chunks of (batch, q head) rows that fit it; without one (or too small for one row), the
@@ -137,7 +172,7 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
   // at most 65535 rows per chunk: the precompute's grid.y
   const int64_t rows = a.ds_work == nullptr ? 0
       : std::min<int64_t>(std::min<int64_t>(static_cast<int64_t>(bq), a.ds_work_floats / row_floats), 65535);
-  if (rows < 1) return launch_attn<D, true>(p, info.sms, stream);
+  if (rows < 1) return launch_both<D, true>(p, p8, info.sms, stream);
   const int chunk = static_cast<int>(rows);
   float* ws = a.ds_work;
   DeltaSBlocksParams dp{};
@@ -168,7 +203,7 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
     p.ds_key = ws;
     p.ds_bh_stride = static_cast<int64_t>(p.num_m_blocks) * a.seq_k_pad;
     p.ds_m_stride = a.seq_k_pad;
-    rc = launch_attn<D, false>(p, info.sms, stream);
+    rc = launch_both<D, false>(p, p8, info.sms, stream);
   }
   return rc;
 }
@@ -190,6 +225,10 @@ int fp4_attn_fwd(const Fp4AttnArgs& a, cudaStream_t stream) {
       !attn::aligned(a.qbar, 16) || !attn::aligned(a.ds_key, 4) || !attn::aligned(a.ds_work, 4) || !attn::aligned(a.k_res, 16) ||
       !attn::aligned(a.q_sf, 16) || !attn::aligned(a.k_sf, 16) || !attn::aligned(a.v_sf, 4) || !attn::aligned(a.out, 4))
     return cudaErrorInvalidValue;
+  if (a.head_sel != nullptr && (a.q8 == nullptr || a.k8 == nullptr || a.q8_sf == nullptr || a.k8_sf == nullptr ||
+                                !attn::aligned(a.q8, 16) || !attn::aligned(a.k8, 16) || !attn::aligned(a.q8_sf, 16) ||
+                                !attn::aligned(a.k8_sf, 16)))
+    return cudaErrorInvalidValue;
   switch (a.head_dim) {
     case 64: return attn::launch<64>(a, stream);
     case 128: return attn::launch<128>(a, stream);
@@ -203,7 +242,7 @@ int fp4_attn_supported(int device) {
   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
   cudaFuncAttributes attr;
   // A kernel image for this device exists iff the attributes can be read.
-  if (cudaFuncGetAttributes(&attr, attn::fp4_attn_fwd_kernel<128, false>) != cudaSuccess) {
+  if (cudaFuncGetAttributes(&attr, attn::fp4_attn_fwd_kernel<128, false, false>) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }

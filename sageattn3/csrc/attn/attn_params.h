@@ -39,6 +39,10 @@ struct AttnParams {
   float scale_log2;      // softmax scale * log2(e)
   int causal;            // top-left aligned (key j visible to query i iff j <= i), like SDPA
   int out_bf16;          // 1: bf16 output, 0: fp16
+  // Per-head Q.K^T precision: null (every tile), or one byte per (batch, q head); this launch
+  // computes the tiles whose byte equals head_sel_want (0: the FP4 kernel, 1: the FP8 one).
+  const uint8_t* head_sel;
+  int head_sel_want;
 };
 
 }  // namespace sageattn3::attn

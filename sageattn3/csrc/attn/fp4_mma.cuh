@@ -162,4 +162,115 @@ __device__ __forceinline__ void mma_fp4(float (&d)[4], const uint32_t (&a)[4], c
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// The FP8 Q.K^T instruction (the "fp8" / "auto" qk_precision), and its software model.
+//
+//   mma.sync.aligned.kind::mxf8f6f4.block_scale.scale_vec::1X.m16n8k32.row.col.f32.e4m3.e4m3.f32.ue8m0
+//
+// D(16x8, f32) = (A(16x32, e4m3) * SF_A) x (B(32x8, e4m3) * SF_B) + C, one UE8M0 scale (2^(b-127))
+// per row of A and per column of B. Fragments (PTX ISA, m16n8k32 with 8-bit elements; byte i of a
+// register is element i): A a0: row g, k 4t..4t+3; a1: row g+8, k 4t..; a2: row g, k 16+4t..;
+// a3: row g+8, k 16+4t..; B b0: col g, k 4t..4t+3; b1: col g, k 16+4t... In bytes this is the FP4
+// instruction's layout, so the same ldmatrix loads feed it (32 bytes = one k-chunk of either).
+// Scale factors (scale_vec::1X: byte-id picks one byte of the 32-bit operand): SF_A of row g from
+// lane 4g + 2*thread-id-a, of row g+8 from lane 4g + 2*thread-id-a + 1; SF_B of col n from lane
+// 4n + thread-id-b; the kernel passes thread-id 0 and byte-id = the k-chunk, so one 32-bit word per
+// row holds all its chunks' scales. (This selector reading follows the 4X layout above; the model
+// implements it and has not been checked against sm_120 hardware.)
+//
+// The model: each product of two E4M3 values is an exact multiple of 2^-18 below 2^36 of it, so
+// the 32 products are summed exactly in 64-bit integers, converted to fp32 once, scaled by
+// SF_A * SF_B (a power of two) and added to C. The timing stand-in issues the same number of fp16
+// MMAs as for the FP4 instruction: the FP8 one does half the multiply-adds at half the rate.
+#if defined(SAGEATTN3_MMA_MODEL)
+namespace model {
+
+// E4M3 byte -> value * 2^9, an exact integer (|.| <= 448 * 512); NaN bytes (0x7f/0xff) give 0.
+__device__ __forceinline__ int e4m3_x512(uint32_t byte) {
+  const uint32_t e = (byte >> 3) & 15u, m = byte & 7u;
+  if ((byte & 0x7fu) == 0x7fu) return 0;
+  const int mag = e == 0 ? static_cast<int>(m) : static_cast<int>((8u + m) << (e - 1));
+  return (byte & 0x80u) ? -mag : mag;
+}
+
+__device__ __forceinline__ long long dot4_x2e18(uint32_t x, uint32_t y) {
+  long long s = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) s += static_cast<long long>(e4m3_x512((x >> (8 * i)) & 255u)) * e4m3_x512((y >> (8 * i)) & 255u);
+  return s;
+}
+
+__device__ __forceinline__ float ue8m0_value(uint32_t byte) {
+  byte &= 0xffu;
+  if (byte == 0xffu) return __int_as_float(0x7fffffff);
+  if (byte == 0u) return 0x1p-127f;
+  return __uint_as_float(byte << 23);
+}
+
+static __device__ __noinline__ Acc mma8(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1,
+                                        float c0, float c1, float c2, float c3, uint32_t sfa, uint32_t sfb,
+                                        int byte_a, int byte_b) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const uint32_t a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};
+  const uint32_t sa_lo = __shfl_sync(0xffffffffu, sfa, 4 * g), sa_hi = __shfl_sync(0xffffffffu, sfa, 4 * g + 1);
+  const uint32_t sb_0 = __shfl_sync(0xffffffffu, sfb, 4 * (2 * t)), sb_1 = __shfl_sync(0xffffffffu, sfb, 4 * (2 * t + 1));
+  long long sum[4] = {0, 0, 0, 0};
+#pragma unroll 1
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll 1
+    for (int src_t = 0; src_t < 4; ++src_t) {
+      const uint32_t x_lo = __shfl_sync(0xffffffffu, a[2 * h], 4 * g + src_t);
+      const uint32_t x_hi = __shfl_sync(0xffffffffu, a[2 * h + 1], 4 * g + src_t);
+      const uint32_t y_0 = __shfl_sync(0xffffffffu, b[h], 4 * (2 * t) + src_t);
+      const uint32_t y_1 = __shfl_sync(0xffffffffu, b[h], 4 * (2 * t + 1) + src_t);
+      sum[0] += dot4_x2e18(x_lo, y_0);
+      sum[1] += dot4_x2e18(x_lo, y_1);
+      sum[2] += dot4_x2e18(x_hi, y_0);
+      sum[3] += dot4_x2e18(x_hi, y_1);
+    }
+  }
+  const float fa_lo = ue8m0_value(sa_lo >> (8 * byte_a)), fa_hi = ue8m0_value(sa_hi >> (8 * byte_a));
+  const float fb_0 = ue8m0_value(sb_0 >> (8 * byte_b)), fb_1 = ue8m0_value(sb_1 >> (8 * byte_b));
+  const float k = 0x1p-18f;
+  return Acc{c0 + (static_cast<float>(sum[0]) * k) * (fa_lo * fb_0), c1 + (static_cast<float>(sum[1]) * k) * (fa_lo * fb_1),
+             c2 + (static_cast<float>(sum[2]) * k) * (fa_hi * fb_0), c3 + (static_cast<float>(sum[3]) * k) * (fa_hi * fb_1)};
+}
+
+}  // namespace model
+#endif
+
+template <int BYTE_A, int BYTE_B>
+__device__ __forceinline__ void mma_fp8(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                        const float (&c)[4], uint32_t sfa, uint32_t sfb) {
+  static_assert(BYTE_A >= 0 && BYTE_A < 4 && BYTE_B >= 0 && BYTE_B < 4, "scale byte selectors out of range");
+#if defined(SAGEATTN3_TIMING_STANDIN_MMA)
+  float acc[4] = {c[0], c[1], c[2], c[3]};
+#pragma unroll
+  for (int i = 0; i < SAGEATTN3_TIMING_STANDIN_MMA; ++i) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        "// scale operands (kept live, unused): %10 %11\n"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(sfa), "r"(sfb));
+  }
+  d[0] = acc[0]; d[1] = acc[1]; d[2] = acc[2]; d[3] = acc[3];
+#elif defined(SAGEATTN3_MMA_MODEL)
+  const model::Acc r = model::mma8(a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3], sfa, sfb, BYTE_A, BYTE_B);
+  d[0] = r.d0; d[1] = r.d1; d[2] = r.d2; d[3] = r.d3;
+#elif defined(SAGEATTN3_HAS_FP4_MMA)
+  asm volatile(
+      "mma.sync.aligned.kind::mxf8f6f4.block_scale.scale_vec::1X.m16n8k32.row.col.f32.e4m3.e4m3.f32.ue8m0 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13}, "
+      "{%14}, {%16, 0}, {%15}, {%17, 0};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+        "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]), "r"(sfa), "r"(sfb), "n"(BYTE_A), "n"(BYTE_B));
+#else
+  (void)a; (void)b; (void)sfa; (void)sfb;
+  d[0] = c[0]; d[1] = c[1]; d[2] = c[2]; d[3] = c[3];
+  __trap();
+#endif
+}
+
 }  // namespace sageattn3::attn

@@ -518,8 +518,9 @@ void smooth_quant_k_delta(T k, T mean_k, T mean_q, T packed, T scales, T out) {
 // (any shape, contiguous): the workspace that delta_s per query block and key is precomputed
 // into (attn/attn_api.h), or empty (the bounded-memory mode).
 template <class T>
-void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
-                          T out, int64_t seq_q, int64_t seq_k, double sm_scale, bool causal) {
+Fp4AttnArgs attn_args(const T& q, const T& q_sf, const T& k, const T& k_sf, const T& v, const T& v_sf, const T& mean_q,
+                      const T& qbar, const T& ds_key, const T& k_res, const T& ds_work, const T& out, int64_t seq_q,
+                      int64_t seq_k, double sm_scale, bool causal) {
   check_cuda(q, q, "q");
   for (const T* t : {&q_sf, &k, &k_sf, &v, &v_sf, &mean_q, &qbar, &ds_key, &k_res, &ds_work, &out})
     check_cuda(*t, q, "an attention operand");
@@ -560,7 +561,6 @@ void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qba
     check_code_tensor(k_res, q, "k_res");
     SA3_CHECK(T, k_res.dim() == 4 && same(k_res, B, Hkv, Skp, D), "sageattn3: k_res shape");
   }
-  DeviceScope scope(device_index(q));
   Fp4AttnArgs a{};
   a.q = q.data_ptr();
   a.q_sf = q_sf.data_ptr();
@@ -588,7 +588,97 @@ void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qba
   a.causal = causal ? 1 : 0;
   a.out_dtype = dtype_of(out, "out");
   SA3_CHECK(T, a.out_dtype != DType::kFloat32, "sageattn3: out must be float16 or bfloat16");
+  return a;
+}
+
+template <class T>
+void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
+                          T out, int64_t seq_q, int64_t seq_k, double sm_scale, bool causal) {
+  DeviceScope scope(device_index(q));
+  const Fp4AttnArgs a =
+      attn_args(q, q_sf, k, k_sf, v, v_sf, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale, causal);
   check_cuda_kernel<T>(fp4_attn_fwd(a, TensorApi<T>::stream(q)), "blockscaled_fp4_attn");
+}
+
+// blockscaled_attn_qk8(<blockscaled_fp4_attn's operands>, head_sel, q8, q8_sf, k8, k8_sf, ...): the
+// per-head Q.K^T precision (attn/attn_api.h): head_sel (B, Hq) uint8 (1: FP8 Q.K^T), q8 (B, Hq,
+// Sq_p, D) / k8 (B, Hkv, Sk_p, D) E4M3, q8_sf / k8_sf (..., D/32) UE8M0 bytes. ds_work must hold
+// at least one (batch, q head) row with per-block Q means (no bounded-memory mode here).
+template <class T>
+void blockscaled_attn_qk8(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
+                          T out, T head_sel, T q8, T q8_sf, T k8, T k8_sf, int64_t seq_q, int64_t seq_k,
+                          double sm_scale, bool causal) {
+  DeviceScope scope(device_index(q));
+  Fp4AttnArgs a =
+      attn_args(q, q_sf, k, k_sf, v, v_sf, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale, causal);
+  const int64_t B = q.size(0), Hq = q.size(1), Sqp = q.size(2), D = q.size(3) * 2, Hkv = k.size(1), Skp = k.size(2);
+  for (const T* t : {&head_sel, &q8, &q8_sf, &k8, &k8_sf}) {
+    check_code_tensor(*t, q, "an FP8 Q.K^T operand");
+    SA3_CHECK(T, t->dim() >= 2, "sageattn3: the FP8 Q.K^T operands are (B, H, ...) tensors");
+  }
+  SA3_CHECK(T, head_sel.numel() == B * Hq, "sageattn3: head_sel must be (B, Hq) = (", B, ", ", Hq, ") bytes");
+  SA3_CHECK(T, q8.numel() == B * Hq * Sqp * D && q8_sf.numel() == B * Hq * Sqp * (D / 32),
+            "sageattn3: q8 must be (B, Hq, Sq_p, D) = (", B, ", ", Hq, ", ", Sqp, ", ", D, "), q8_sf (..., D/32)");
+  SA3_CHECK(T, k8.numel() == B * Hkv * Skp * D && k8_sf.numel() == B * Hkv * Skp * (D / 32),
+            "sageattn3: k8 must be (B, Hkv, Sk_p, D) = (", B, ", ", Hkv, ", ", Skp, ", ", D, "), k8_sf (..., D/32)");
+  SA3_CHECK(T, a.mean_qblocks == 1 || a.ds_work != nullptr,
+            "sageattn3: the FP8 Q.K^T path needs the delta_s workspace with per-block Q means");
+  a.head_sel = bytes(head_sel);
+  a.q8 = q8.data_ptr();
+  a.q8_sf = q8_sf.data_ptr();
+  a.k8 = k8.data_ptr();
+  a.k8_sf = k8_sf.data_ptr();
+  check_cuda_kernel<T>(fp4_attn_fwd(a, TensorApi<T>::stream(q)), "blockscaled_attn_qk8");
+}
+
+// mxfp8_smooth_quant(x, mean, balance, balance_sign, sel, codes!, scales!): x (B, H, S, D),
+// mean (B, H, 1 or ceil(S/128), D) fp32, balance (B, Hb, 1, D) fp32 exponents or empty (H a
+// multiple of Hb), sel (B, H) bytes or empty; codes (B, H, Sp, D), scales (B, H, Sp, D/32) bytes
+// (sageattn3.h, smooth_quant_mxfp8).
+template <class T>
+void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T codes, T scales) {
+  check_input(x);
+  check_f32_on(mean, x, "mean");
+  check_code_tensor(codes, x, "codes");
+  check_code_tensor(scales, x, "scales");
+  SA3_CHECK(T, x.dim() == 4 && codes.dim() == 4 && mean.dim() == 4, "sageattn3: x, mean and codes must be 4-D");
+  const int64_t B = x.size(0), H = x.size(1), S = x.size(2), D = x.size(3), Sp = codes.size(2);
+  SA3_CHECK(T, D % 32 == 0 && S >= 1, "sageattn3: mxfp8_smooth_quant needs D a multiple of 32 and S >= 1, got D ", D);
+  SA3_CHECK(T, codes.size(0) == B && codes.size(1) == H && codes.size(3) == D && Sp >= S &&
+                   scales.numel() == B * H * Sp * (D / 32),
+            "sageattn3: codes must be (B, H, Sp >= S, D) and scales (B, H, Sp, D/32) for x (", B, ", ", H, ", ", S, ", ", D, ")");
+  const int64_t mr = mean.size(2);
+  SA3_CHECK(T, mean.size(0) == B && mean.size(1) == H && mean.size(3) == D && (mr == 1 || mr * 128 >= S),
+            "sageattn3: mean must be (B, H, 1 or ceil(S/128), D)");
+  int64_t rep = 1;
+  if (balance.numel() > 0) {
+    check_f32_on(balance, x, "balance");
+    const int64_t hb = balance.numel() / (B * D);
+    SA3_CHECK(T, hb >= 1 && balance.numel() == B * hb * D && H % hb == 0, "sageattn3: balance must be (B, Hb, 1, D)");
+    rep = H / hb;
+  }
+  if (sel.numel() > 0) {
+    check_cuda(sel, x, "sel");
+    check_bytes(sel, "sel");
+    SA3_CHECK(T, sel.numel() == B * H, "sageattn3: sel must be (B, H) bytes");
+  }
+  DeviceScope scope(device_index(x));
+  Mxfp8Args a{};
+  a.x = x.data_ptr();
+  a.dtype = dtype_of(x, "x");
+  a.H = B * H;
+  a.S = S;
+  a.Sp = Sp;
+  a.D = D;
+  a.mean = floats(mean);
+  a.mean_rows = mr;
+  a.balance = balance.numel() > 0 ? floats(balance) : nullptr;
+  a.balance_sign = balance_sign < 0 ? -1 : 1;
+  a.rep = rep;
+  a.sel = sel.numel() > 0 ? bytes(sel) : nullptr;
+  a.codes = bytes(codes);
+  a.scales = bytes(scales);
+  check_cuda_kernel<T>(smooth_quant_mxfp8(a, TensorApi<T>::stream(x)), "mxfp8_smooth_quant");
 }
 
 // fp4_mma_probe(a, b, sfa, sfb, c, d!, tid_a, tid_b): one block-scaled FP4 MMA per problem
@@ -640,6 +730,12 @@ void fp4_mma_probe(T a, T b, T sfa, T sfb, T c, T d, int64_t tid_a, int64_t tid_
                           "int seq_q, "                                                                             \
                           "int seq_k, float sm_scale, "                                                             \
                           "bool causal) -> ()")                                                                     \
+  X(blockscaled_attn_qk8, "blockscaled_attn_qk8(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, "           \
+                          "Tensor v_sf, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor k_res, Tensor(b!) ds_work, " \
+                          "Tensor(a!) out, Tensor head_sel, Tensor q8, Tensor q8_sf, Tensor k8, Tensor k8_sf, "     \
+                          "int seq_q, int seq_k, float sm_scale, bool causal) -> ()")                               \
+  X(mxfp8_smooth_quant, "mxfp8_smooth_quant(Tensor x, Tensor mean, Tensor balance, int balance_sign, Tensor sel, "  \
+                        "Tensor(a!) codes, Tensor(b!) scales) -> ()")                                               \
   X(fp4_mma_probe, "fp4_mma_probe(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, Tensor(a!) d, int tid_a, " \
                    "int tid_b) -> ()")
 

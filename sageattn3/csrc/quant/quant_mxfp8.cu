@@ -1,0 +1,124 @@
+// Smoothing + MXFP8 along D for the FP8 Q.K^T path (reference.quantize_mxfp8_rows of the same
+// smoothed rows the NVFP4 quantizer takes), only for the heads that use it.
+//
+// Row r of head h (x (H, S, D), heads flattened over the batch) becomes
+//   y = x[h, r] * 2^(sign * e[h / rep]) - mean[h, m(r)]      (fp32, the balance optional)
+// with m(r) = r / 128 when mean has more than one row per head, else 0; then, per 32 values:
+// amax, the UE8M0 byte b = E(amax) - 8 + (frac(amax) > 0.75) clamped to >= 1 (the smallest 2^(b-127)
+// with amax <= 448 * 2^(b-127)), and each value times 2^(127-b) (exact), clamped to +-448 and
+// converted to E4M3 (round to nearest even). Rows S..Sp-1 get zero codes and scale byte 1, as the
+// reference gives zero rows. A head whose sel byte is 0 is skipped entirely (its outputs are left
+// as they are): the launch is made for every call of the "auto" path, and costs next to nothing
+// where the rule chose FP4 everywhere. One thread per 32-value block.
+#include <cuda_fp8.h>
+
+#include "common/launch.cuh"
+#include "common/nvfp4.cuh"
+#include "sageattn3.h"
+
+namespace sageattn3 {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T>
+__device__ __forceinline__ float load_value(const T* p, int i);
+template <>
+__device__ __forceinline__ float load_value<bf16_t>(const bf16_t* p, int i) {
+  return __uint_as_float(static_cast<uint32_t>(p[i].bits) << 16);
+}
+template <>
+__device__ __forceinline__ float load_value<f16_t>(const f16_t* p, int i) {
+  return __half2float(__ushort_as_half(p[i].bits));
+}
+template <>
+__device__ __forceinline__ float load_value<float>(const float* p, int i) {
+  return p[i];
+}
+
+__device__ __forceinline__ uint32_t ue8m0_byte(float amax) {
+  const uint32_t bits = __float_as_uint(amax);
+  const int e = static_cast<int>((bits >> 23) & 0xFFu);
+  const int b = e - 8 + ((bits & 0x7FFFFFu) > 0x600000u ? 1 : 0);
+  return static_cast<uint32_t>(min(max(b, 1), 253));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) mxfp8_kernel(Mxfp8Args a) {
+  const int64_t blocks_per_row = a.D / 32;
+  const int64_t n = static_cast<int64_t>(a.H) * a.Sp * blocks_per_row;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t blk = i % blocks_per_row;
+    const int64_t row = (i / blocks_per_row) % a.Sp;
+    const int64_t h = i / (blocks_per_row * a.Sp);
+    if (a.sel != nullptr && a.sel[h] == 0) continue;
+    uint8_t* out = a.codes + (h * a.Sp + row) * a.D + blk * 32;
+    uint8_t* sf = a.scales + (h * a.Sp + row) * blocks_per_row + blk;
+    if (row >= a.S) {
+      const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+      reinterpret_cast<uint4*>(out)[0] = z;
+      reinterpret_cast<uint4*>(out)[1] = z;
+      *sf = 1;
+      continue;
+    }
+    const T* x = static_cast<const T*>(a.x) + (h * a.S + row) * a.D + blk * 32;
+    const int64_t m = a.mean_rows > 1 ? row / 128 : 0;
+    const float* mean = a.mean + (h * a.mean_rows + m) * a.D + blk * 32;
+    const float* bal = a.balance == nullptr ? nullptr : a.balance + (h / a.rep) * a.D + blk * 32;
+    float v[32];
+    float amax = 0.f;
+    bool nan = false;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      float x0 = load_value<T>(x, j);
+      if (bal != nullptr) x0 = __fmul_rn(x0, ldexpf(1.f, a.balance_sign * static_cast<int>(bal[j])));
+      v[j] = __fsub_rn(x0, mean[j]);
+      amax = fmaxf(amax, fabsf(v[j]));
+      nan |= v[j] != v[j];
+    }
+    // the reference's amax propagates NaN (the canonical quiet NaN: byte 247)
+    const uint32_t b = ue8m0_byte(nan ? __uint_as_float(0x7FC00000u) : amax);
+    const float inv = __uint_as_float((254u - b) << 23);  // 2^(127 - b), normal for b in [1, 253]
+    uint32_t w[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float y = __fmul_rn(v[4 * j + e], inv);
+        const uint32_t c = __nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);
+        word |= (c & 0xFFu) << (8 * e);
+      }
+      w[j] = word;
+    }
+    reinterpret_cast<uint4*>(out)[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    reinterpret_cast<uint4*>(out)[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    *sf = static_cast<uint8_t>(b);
+  }
+}
+
+template <typename T>
+int launch(const Mxfp8Args& a, cudaStream_t stream) {
+  const int64_t n = static_cast<int64_t>(a.H) * a.Sp * (a.D / 32);
+  if (n == 0) return cudaSuccess;
+  const int64_t grid = std::min<int64_t>(ceil_div(n, static_cast<int64_t>(kThreads)), static_cast<int64_t>(sm_count()) * 8);
+  mxfp8_kernel<T><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int smooth_quant_mxfp8(const Mxfp8Args& a, cudaStream_t stream) {
+  if (a.D <= 0 || a.D % 32 || a.S < 1 || a.Sp < a.S || a.H < 1 || a.mean_rows < 1 || a.rep < 1 ||
+      (a.mean_rows > 1 && a.mean_rows * 128 < a.S))
+    return cudaErrorInvalidValue;
+  switch (a.dtype) {
+    case DType::kFloat16: return launch<f16_t>(a, stream);
+    case DType::kBFloat16: return launch<bf16_t>(a, stream);
+    case DType::kFloat32: return launch<float>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace sageattn3
