@@ -111,6 +111,12 @@ def test_budget_of_the_attention_kernel(tmp_path):
         if d == 128:
             assert default.instructions <= 900
             assert default.bound(sb.GPUS[0])[0] == "tensor"
+        # the FP8 Q·Kᵀ instantiation (the heads qk_precision picks): twice the S MMAs (16x8x32 block-scaled
+        # FP8, issued at the FP4 MMA's cost), the same softmax and P·V; the FP4 loop above is untouched
+        fp8 = budgets[f"ours D{d}, FP8 Q·Kᵀ (heads qk_precision picks)"]
+        assert fp8.counts["omma"] == ommas + ommas // 2
+        assert lean.instructions < fp8.instructions < lean.instructions + 150
+        assert fp8.l2_bytes > lean.l2_bytes  # K in one byte per element
 
 
 @pytest.mark.parametrize("define", STANDINS)

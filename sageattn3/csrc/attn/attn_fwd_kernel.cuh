@@ -85,9 +85,11 @@ struct TileCoord {
 
 // The first tile at or after `tile` (stepping by the grid) that this launch computes: all of them,
 // or, where p.head_sel is set (the per-head Q.K^T precision), those whose (batch, q head) byte
-// equals p.head_sel_want. Producer and consumers walk the same sequence.
+// equals p.head_sel_want. Producer and consumers walk the same sequence. kSelect false (the
+// bounded-memory instantiation, never launched with head_sel) compiles the check out.
+template <bool kSelect>
 __device__ __forceinline__ int next_tile(const AttnParams& p, int tile) {
-  if (p.head_sel != nullptr)
+  if (kSelect && p.head_sel != nullptr)
     while (tile < p.num_tiles && p.head_sel[p.bh0 + tile % p.bh_count] != p.head_sel_want) tile += gridDim.x;
   return tile;
 }
@@ -111,7 +113,7 @@ __device__ __forceinline__ TileCoord decode_tile(const AttnParams& p, int tile) 
 // tile's Q when it enters the tile. Thread 0 is also a consumer, so it never waits for a stage that
 // its own warp has not released: stage n + kStages - 1 is issued at the start of iteration n,
 // after every warp (its own included) released stage n - 1.
-template <int D, bool kQK8 = false>
+template <int D, bool kQK8 = false, bool kSelect = true>
 struct Producer {
   using L = SmemLayout<D, kQK8>;
   static constexpr int kStages = L::kStages;
@@ -124,7 +126,7 @@ struct Producer {
   __device__ __forceinline__ void start(const AttnParams& p) {
     n = 0;
     q_round = 0;
-    tile = next_tile(p, blockIdx.x);
+    tile = next_tile<kSelect>(p, blockIdx.x);
     kb = 0;
     if (tile < p.num_tiles) c = decode_tile(p, tile);
     tma_prefetch_desc(&p.tm_q);
@@ -162,7 +164,7 @@ struct Producer {
       ++n;
       if (++kb == c.num_kb) {
         kb = 0;
-        tile = next_tile(p, tile + gridDim.x);
+        tile = next_tile<kSelect>(p, tile + gridDim.x);
         if (tile < p.num_tiles) c = decode_tile(p, tile);
       }
     }
@@ -311,7 +313,8 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   const int row_in_tile = warp * 16;
 
   const bool is_producer = threadIdx.x == 0;
-  Producer<D, kQK8>& prod = *reinterpret_cast<Producer<D, kQK8>*>(smem + L::kProducerState);
+  using Prod = Producer<D, kQK8, !kInLoopResidual>;
+  Prod& prod = *reinterpret_cast<Prod*>(smem + L::kProducerState);
   if (is_producer) prod.start(p);
 
   // Per-lane parts of the shared-memory addresses (see the loops below).
@@ -330,7 +333,8 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   const int ds_k = threadIdx.x >> 1, ds_half = threadIdx.x & 1;
   static_assert(kThreads == 2 * kBlockN, "two threads per key for delta_s");
   static_assert(2 * D <= kThreads, "one 4-byte word of V scales per thread and stage");
-  for (int tile = next_tile(p, blockIdx.x); tile < p.num_tiles; tile = next_tile(p, tile + gridDim.x), ++q_round) {
+  for (int tile = next_tile<!kInLoopResidual>(p, blockIdx.x); tile < p.num_tiles;
+       tile = next_tile<!kInLoopResidual>(p, tile + gridDim.x), ++q_round) {
     const TileCoord c = decode_tile(p, tile);
     const int m0 = c.mb * kBlockM;
     if (is_producer) prod.run(p, smem, ring.n + kStages);
