@@ -245,7 +245,12 @@ def test_docs_accuracy_table_is_current(monkeypatch):
     import accuracy
     import attention_cases as ac
 
-    full = _block((REPO / "docs" / "accuracy.md").read_text(), "accuracy").splitlines()
+    page = (REPO / "docs" / "accuracy.md").read_text()
+    stamp = accuracy.DIGEST.search(page)
+    assert stamp and stamp.group(1) == accuracy.digest(_block(page, "accuracy")), \
+        ("docs/accuracy.md's table was edited by hand, or the reference, the cases or the generator changed "
+         "since it was computed: python tests/bench/accuracy.py --write-docs")
+    full = _block(page, "accuracy").splitlines()
     keys = [tuple(c.strip() for c in r.strip("|").split("|")[:3]) for r in full[2:]]
     assert keys == [(accuracy.LABELS[c], str(d), k) for c in ac.CASES for d in (64, 128) for k in ("no", "yes")]
     monkeypatch.setattr(ac, "CASES", [ac.CASES[0]])

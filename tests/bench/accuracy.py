@@ -31,6 +31,8 @@ as the H100 software model of the instruction. Shapes: batch 1, 4 q heads over 2
 from __future__ import annotations
 
 import argparse
+import ast
+import hashlib
 import os
 import re
 import sys
@@ -160,9 +162,28 @@ def _fill(path: Path, start: str, end: str, text: str) -> None:
     path.write_text(pattern.sub(lambda _: f"{start}\n{text}\n{end}", page))
 
 
+# What the table was computed from: the reference, the cases and this generator (their syntax
+# trees: comments do not count), with the table itself. Stored beside the table; a test
+# recomputes it, so a table edited by hand, or left behind by a change of what computes it, fails.
+DIGEST_SOURCES = (ROOT / "sageattn3" / "sageattn3" / "reference.py", ROOT / "tests" / "attention_cases.py",
+                  Path(__file__).resolve())
+DIGEST = re.compile(r"<!-- accuracy-digest: ([0-9a-f]{64}) -->\n?")
+
+
+def digest(text: str) -> str:
+    h = hashlib.sha256()
+    for src in DIGEST_SOURCES:
+        h.update(ast.dump(ast.parse(src.read_text(encoding="utf-8"))).encode() + b"\0")
+    h.update(text.strip().encode())
+    return h.hexdigest()
+
+
 def write_docs(text: str) -> None:
-    """The full table into docs/accuracy.md, its summary into README.md."""
-    _fill(ROOT / "docs" / "accuracy.md", MARK_START, MARK_END, text)
+    """The full table into docs/accuracy.md (with its digest after it), its summary into README.md."""
+    page = ROOT / "docs" / "accuracy.md"
+    _fill(page, MARK_START, MARK_END, text)
+    body = DIGEST.sub("", page.read_text())
+    page.write_text(body.replace(MARK_END, f"{MARK_END}\n<!-- accuracy-digest: {digest(text)} -->", 1))
     _fill(ROOT / "README.md", SUMMARY_START, SUMMARY_END, summary(text))
 
 
