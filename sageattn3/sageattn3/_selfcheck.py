@@ -2,9 +2,11 @@
 
 Nobody who wrote the sm_120 kernel could run it on real Blackwell hardware (it was verified on
 an H100 through a software model of the FP4 MMA). So before ``sageattn3_blackwell`` trusts the
-kernel on a device, it runs two small attentions (256 x 256 each: D 128 bf16 GQA 2:1
-non-causal, D 64 fp16 causal; a handful of small kernel launches, microseconds of GPU time) and
-compares them with ``sageattn3.reference.sageattn3`` computed on the CPU. On a mismatch: ONE
+kernel on a device, it runs three small attentions (256 x 256 each: D 128 bf16 GQA 2:1
+non-causal, D 64 fp16 causal, both with FP4 Q·Kᵀ; and D 128 bf16 GQA 2:1 with MXFP8 Q·Kᵀ on
+every head, the path "auto" takes for the heads that need it, whose block-scaled FP8 MMA was
+likewise only run through a software model; a handful of small kernel launches, microseconds
+of GPU time) and compares them with ``sageattn3.reference.sageattn3`` computed on the CPU. On a mismatch: ONE
 loud ``RuntimeWarning`` with the figures, and ``sageattn3_blackwell`` uses torch SDPA on that
 device for the rest of the process. ``SAGEATTN3_SKIP_SELFCHECK=1`` skips the check. Cost: a few
 small kernel launches on the GPU plus the reference on the CPU: the whole check took 31 ms on an
@@ -50,10 +52,12 @@ SKIP_ENV = "SAGEATTN3_SKIP_SELFCHECK"
 MIN_COS = 0.999
 MAX_REL_L2 = 0.05
 
-# (batch, q heads, kv heads, seq, head_dim, dtype, causal): two 128-token Q blocks each.
+# (batch, q heads, kv heads, seq, head_dim, dtype, causal, Q·Kᵀ precision): two 128-token Q
+# blocks each.
 CASES = (
-    (1, 2, 1, 256, 128, torch.bfloat16, False),
-    (1, 1, 1, 256, 64, torch.float16, True),
+    (1, 2, 1, 256, 128, torch.bfloat16, False, "fp4"),
+    (1, 1, 1, 256, 64, torch.float16, True, "fp4"),
+    (1, 2, 1, 256, 128, torch.bfloat16, False, "fp8"),
 )
 Q_DRIFT = 4  # Q's offset per block: -Q_DRIFT, +Q_DRIFT times a per-channel offset of up to 1
 
@@ -73,7 +77,7 @@ class Result:
         parts = []
         for f in self.figures:
             parts.append(
-                f"D={f['head_dim']} {f['dtype']}{' causal' if f['causal'] else ''}: cos-sim {f['cos']:.6f} "
+                f"D={f['head_dim']} {f['dtype']}{' causal' if f['causal'] else ''} {f['qk']} Q·Kᵀ: cos-sim {f['cos']:.6f} "
                 f"(need >= {MIN_COS}), rel L2 {f['rel_l2']:.2e} (need <= {MAX_REL_L2}), max abs error "
                 f"{f['max_err']:.3e} (output max {f['ref_max']:.3f}; reference vs exact cos-sim {f['ref_exact_cos']:.5f})"
             )
@@ -150,7 +154,7 @@ def _dyadic(gen: torch.Generator, shape, scale_offset: int) -> torch.Tensor:
 
 
 def _inputs(case, seed: int):
-    b, hq, hk, s, d, dtype, causal = case
+    b, hq, hk, s, d, dtype, causal, _ = case
     g = torch.Generator().manual_seed(seed)
     q = _dyadic(g, (b, hq, s, d), 1)
     k = _dyadic(g, (b, hk, s, d), 2)
@@ -184,8 +188,8 @@ def _passes(f: dict) -> bool:
 
 
 def run(device, attention) -> Result:
-    """Run the check on ``device`` with ``attention(q, k, v, is_causal, per_block_mean)`` (the
-    FP4 path) and return the result (not cached)."""
+    """Run the check on ``device`` with ``attention(q, k, v, is_causal, per_block_mean,
+    qk_precision=...)`` (the FP4 path) and return the result (not cached)."""
     from sageattn3 import reference
 
     global run_count
@@ -204,7 +208,7 @@ def run(device, attention) -> Result:
                 ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 ev[0].record()
             for (c, _), (q, k, v) in zip(cases, dev_in):
-                outs.append(attention(q, k, v, c[6], True))
+                outs.append(attention(q, k, v, c[6], True, qk_precision=c[7]))
             if ev is not None:
                 ev[1].record()
                 ev[1].synchronize()
@@ -215,14 +219,14 @@ def run(device, attention) -> Result:
         res.wall_ms = (time.perf_counter() - t0) * 1e3
         return res
     for (c, (q, k, v)), out in zip(cases, outs):
-        b, hq, hk, s, d, dtype, causal = c
-        ref_out = reference.sageattn3(q, k, v, is_causal=causal, per_block_mean=True)
+        b, hq, hk, s, d, dtype, causal, precision = c
+        ref_out = reference.sageattn3(q, k, v, is_causal=causal, per_block_mean=True, qk_precision=precision)
         exact = reference.exact_attention(q, k, v, is_causal=causal)
         if tuple(out.shape) != tuple(ref_out.shape):
             res.ok, res.error = False, f"output shape {tuple(out.shape)} != {tuple(ref_out.shape)}"
             break
         f = _figures(out, ref_out, exact)
-        f.update(head_dim=d, dtype=str(dtype).replace("torch.", ""), causal=causal)
+        f.update(head_dim=d, dtype=str(dtype).replace("torch.", ""), causal=causal, qk=precision)
         res.figures.append(f)
         res.ok = res.ok and _passes(f)
     res.wall_ms = (time.perf_counter() - t0) * 1e3

@@ -761,7 +761,8 @@ def fp8_applies(rotated: bool, head_dim: int) -> bool:
 def fp8_unavailable(rotated: bool, head_dim: int) -> str:
     if head_dim not in FP8_HEAD_DIMS:
         return f"qk_precision='fp8' needs head_dim 64 or 128, got {head_dim}; use qk_precision='fp4' or 'auto'"
-    return "qk_precision='fp8' does not combine with qk_rotation=True; drop one of them (or use qk_precision='auto')"
+    return ("qk_precision='fp8' does not combine with qk_rotation=True; drop one of them (with the rotation, "
+            "qk_precision='auto' keeps FP4 on every head)")
 
 
 def _sampled_rows(x: torch.Tensor, seq: int, stride: int) -> list[torch.Tensor]:

@@ -205,11 +205,12 @@ def test_fp4_path_is_wired(monkeypatch, dtype, causal):
     assert torch.equal(out, want) and torch.equal(out2, want)
     for t, c in zip((q, k, v), copies):
         assert torch.equal(t, c)
-    # the self-check ran once (its own two calls), then the two user calls
+    # the self-check ran once (its own calls: FP4 at D 128 and 64, FP8 Q·Kᵀ at D 128), then the two user calls
     assert _selfcheck.run_count == 1
-    assert [c[0] for c in kern.calls] == [(1, 2, 256, 128), (1, 1, 256, 64), (2, 4, 77, 64), (2, 4, 77, 64)]
+    assert [c[0] for c in kern.calls] == [(1, 2, 256, 128), (1, 1, 256, 64), (1, 2, 256, 128), (2, 4, 77, 64),
+                                          (2, 4, 77, 64)]
     r = _selfcheck.result(q.device)
-    assert r.ok and len(r.figures) == 2 and all(f["cos"] > 0.99999 for f in r.figures)
+    assert r.ok and [f["qk"] for f in r.figures] == ["fp4", "fp4", "fp8"] and all(f["cos"] > 0.99999 for f in r.figures)
 
 
 def test_blockscaled_fp4_attn_is_the_fp4_path(monkeypatch):
@@ -273,7 +274,7 @@ def test_mismatch_warns_once_and_falls_back(monkeypatch, corrupt):
     want = sdpa(q, k, v, True)
     for out in outs:
         assert torch.equal(out, want)
-    assert len(kern.calls) == 2  # only the self-check's own calls
+    assert len(kern.calls) == len(_selfcheck.CASES)  # only the self-check's own calls
     assert _selfcheck.run_count == 1
     for t, c in zip((q, k, v), copies):
         assert torch.equal(t, c)
@@ -312,9 +313,9 @@ def _variant_attention(variant):
     import dataclasses
     import math
 
-    def attention(q, k, v, is_causal, per_block_mean):
+    def attention(q, k, v, is_causal, per_block_mean, qk_precision="fp4"):
         hq, sq, d = q.shape[1], q.shape[2], q.shape[3]
-        pre = ref.preprocess(q, k, v, per_block_mean, pad=128)
+        pre = ref.preprocess(q, k, v, per_block_mean, pad=128)  # FP4 Q·Kᵀ whatever was asked: wrong for fp8 too
         if variant == "no_k_residual":
             pre = dataclasses.replace(pre, k_residual=torch.zeros_like(pre.k_residual))
         qd, kd, vd = ref._dequantized(pre, hq)
@@ -337,8 +338,8 @@ def test_self_check_runs_the_whole_correction():
         pre = ref.preprocess(*_selfcheck._inputs(case, seed=20250 + i), True, pad=128)
         assert pre.mean_q.shape[-2] == 2 and pre.q_mean_residual.abs().amax() >= 1.0
         assert pre.k_residual is not None and pre.k_residual.float().abs().amax() > 0
-    good = _selfcheck.run("cpu", lambda q, k, v, c, pbm: ref.sageattn3(q, k, v, is_causal=c,
-                                                                        per_block_mean=pbm).to(q.dtype))
+    good = _selfcheck.run("cpu", lambda q, k, v, c, pbm, qk_precision: ref.sageattn3(
+        q, k, v, is_causal=c, per_block_mean=pbm, qk_precision=qk_precision).to(q.dtype))
     assert good.ok and len(good.figures) == len(_selfcheck.CASES), good.summary()
     for variant in ("no_k_residual", "no_block_residual", "other_block"):
         bad = _selfcheck.run("cpu", _variant_attention(variant))

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <mutex>
+#include <numeric>
 
 #include "attn/attn_api.h"
 #include "attn/attn_fwd_kernel.cuh"
@@ -70,8 +71,19 @@ DeviceInfo device_info(int dev) {
 
 bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
 
+// A CTA walks the tiles i, i + grid, ... and a tile's head is tile % bh_count, so where grid and
+// bh_count share a factor f a head's tiles reach only grid / f of the CTAs (one head of 24 on 132
+// CTAs: 11 CTAs, 24 of its 256 tiles each at 32k tokens). A launch that computes only some heads
+// (the FP8 one of the per-head precision) takes the largest grid coprime with bh_count instead:
+// every head's tiles then spread over all of its CTAs, for a few idle ones at most.
+int coprime_grid(int grid, int bh_count) {
+  for (int g = grid; g > 1; --g)
+    if (std::gcd(g, bh_count) == 1) return g;
+  return 1;
+}
+
 template <int D, bool kInLoopResidual, bool kQK8 = false>
-int launch_attn(AttnParams& p, int sms, cudaStream_t stream) {
+int launch_attn(AttnParams& p, int sms, cudaStream_t stream, bool spread_heads = false) {
   using L = SmemLayout<D, kQK8>;
   auto kernel = fp4_attn_fwd_kernel<D, kInLoopResidual, kQK8>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kTotal);
@@ -80,7 +92,8 @@ int launch_attn(AttnParams& p, int sms, cudaStream_t stream) {
   err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, L::kTotal);
   if (err != cudaSuccess) return err;
   p.num_tiles = p.bh_count * p.num_m_blocks;
-  const int grid = std::max(1, std::min(p.num_tiles, sms * std::max(per_sm, 1)));
+  int grid = std::max(1, std::min(p.num_tiles, sms * std::max(per_sm, 1)));
+  if (spread_heads && grid < p.num_tiles) grid = coprime_grid(grid, p.bh_count);
   // The launch site of the attention kernel (see attn_params.h for why it matters).
   kernel<<<grid, kThreads, L::kTotal, stream>>>(p);
   return cudaGetLastError();
@@ -102,7 +115,9 @@ int launch_both(AttnParams& p, AttnParams* p8, int sms, cudaStream_t stream) {
   p8->ds_bh_stride = p.ds_bh_stride;
   p8->ds_m_stride = p.ds_m_stride;
   p8->head_sel_want = 1;
-  return launch_attn<D, false, true>(*p8, sms, stream);
+  // The FP4 launch keeps its grid (where no head takes FP8 its work is exactly the FP4 path's);
+  // the FP8 one, usually a few heads, spreads them.
+  return launch_attn<D, false, true>(*p8, sms, stream, /*spread_heads=*/true);
 }
 
 template <int D>
