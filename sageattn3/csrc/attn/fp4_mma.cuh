@@ -125,12 +125,12 @@ static __device__ __noinline__ Acc mma(uint32_t a0, uint32_t a1, uint32_t a2, ui
 }  // namespace model
 #endif
 
-template <int TID_A, int TID_B>
-__device__ __forceinline__ void mma_fp4(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
-                                        const float (&c)[4], uint32_t sfa, uint32_t sfb) {
-  static_assert(TID_A >= 0 && TID_A < 2 && TID_B >= 0 && TID_B < 4, "scale selectors out of range");
 #if defined(SAGEATTN3_TIMING_STANDIN_MMA)
-  static_assert(SAGEATTN3_TIMING_STANDIN_MMA >= 1 && SAGEATTN3_TIMING_STANDIN_MMA <= 8, "1 to 8 fp16 MMAs per FP4 MMA");
+static_assert(SAGEATTN3_TIMING_STANDIN_MMA >= 1 && SAGEATTN3_TIMING_STANDIN_MMA <= 8, "1 to 8 fp16 MMAs per FP4/FP8 MMA");
+// The timing stand-in of a block-scaled MMA: N fp16 mma.sync m16n8k16 on the same registers,
+// the scale operands kept live, so the kernel around it keeps its shape on Hopper.
+__device__ __forceinline__ void standin_mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                            const float (&c)[4], uint32_t sfa, uint32_t sfb) {
   float acc[4] = {c[0], c[1], c[2], c[3]};
 #pragma unroll
   for (int i = 0; i < SAGEATTN3_TIMING_STANDIN_MMA; ++i) {
@@ -142,6 +142,15 @@ __device__ __forceinline__ void mma_fp4(float (&d)[4], const uint32_t (&a)[4], c
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(sfa), "r"(sfb));
   }
   d[0] = acc[0]; d[1] = acc[1]; d[2] = acc[2]; d[3] = acc[3];
+}
+#endif
+
+template <int TID_A, int TID_B>
+__device__ __forceinline__ void mma_fp4(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                        const float (&c)[4], uint32_t sfa, uint32_t sfb) {
+  static_assert(TID_A >= 0 && TID_A < 2 && TID_B >= 0 && TID_B < 4, "scale selectors out of range");
+#if defined(SAGEATTN3_TIMING_STANDIN_MMA)
+  standin_mma(d, a, b, c, sfa, sfb);
 #elif defined(SAGEATTN3_MMA_MODEL)
   const model::Acc r = model::mma(a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3], sfa, sfb, TID_A, TID_B);
   d[0] = r.d0; d[1] = r.d1; d[2] = r.d2; d[3] = r.d3;
@@ -244,17 +253,7 @@ __device__ __forceinline__ void mma_fp8(float (&d)[4], const uint32_t (&a)[4], c
                                         const float (&c)[4], uint32_t sfa, uint32_t sfb) {
   static_assert(BYTE_A >= 0 && BYTE_A < 4 && BYTE_B >= 0 && BYTE_B < 4, "scale byte selectors out of range");
 #if defined(SAGEATTN3_TIMING_STANDIN_MMA)
-  float acc[4] = {c[0], c[1], c[2], c[3]};
-#pragma unroll
-  for (int i = 0; i < SAGEATTN3_TIMING_STANDIN_MMA; ++i) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        "// scale operands (kept live, unused): %10 %11\n"
-        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(sfa), "r"(sfb));
-  }
-  d[0] = acc[0]; d[1] = acc[1]; d[2] = acc[2]; d[3] = acc[3];
+  standin_mma(d, a, b, c, sfa, sfb);
 #elif defined(SAGEATTN3_MMA_MODEL)
   const model::Acc r = model::mma8(a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3], sfa, sfb, BYTE_A, BYTE_B);
   d[0] = r.d0; d[1] = r.d1; d[2] = r.d2; d[3] = r.d3;
