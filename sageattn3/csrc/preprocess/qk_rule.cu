@@ -20,6 +20,8 @@
 // the same on every run.
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 #include "common/launch.cuh"
 #include "common/nvfp4.cuh"
 #include "sageattn3.h"
@@ -80,6 +82,23 @@ __device__ __forceinline__ void fp4x8(uint32_t word, uint32_t sbyte, float (&out
     const float2 f = e2m1x2_scaled((word >> (8 * i)) & 0xFFu);
     out[2 * i] = __fmul_rn(f.x, s);
     out[2 * i + 1] = __fmul_rn(f.y, s);
+  }
+}
+
+// 8 fp16/bf16 values held in a uint4 -> float
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& r, float (&v)[8]) {
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same_v<T, bf16_t>) {
+      v[2 * i] = bf16_lo(w[i]);
+      v[2 * i + 1] = bf16_hi(w[i]);
+    } else {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      v[2 * i] = f.x;
+      v[2 * i + 1] = f.y;
+    }
   }
 }
 
@@ -164,28 +183,56 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(QkRuleArgs a) {
 #pragma unroll
   for (int i = 0; i < kNt; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
+  // the chunks: every sampled key block's 32-key chunks that hold a real key (only the last
+  // sampled block can be partial, so they are the first `nchunks`)
   const int kblocks = sampled_count(a.Sk);
-  for (int kb = 0; kb < kblocks; ++kb) {
-    const int64_t tk = sampled_block(a.Sk, kb);
+  const int last = static_cast<int>(min(static_cast<int64_t>(kBlock), a.Sk - sampled_block(a.Sk, kblocks - 1) * kBlock));
+  const int nchunks = (kblocks - 1) * (kBlock / kChunk) + (last + kChunk - 1) / kChunk;
+  const float* mean_k = a.mean_k + bk * D;
+  // the next chunk's raw bytes, loaded while the current one is computed
+  constexpr int kUnits = kChunk * D / 8 / kThreads;
+  uint4 rk[kUnits], rv[kUnits];
+  uint32_t rp[kUnits], rs[kUnits];
+  bool rlive[kUnits];
+  const auto fetch = [&](int c) {
+    const int64_t tk = sampled_block(a.Sk, c / (kBlock / kChunk));
+    const int off = (c % (kBlock / kChunk)) * kChunk;
     const int count = static_cast<int>(min(static_cast<int64_t>(kBlock), a.Sk - tk * kBlock));
-    for (int off = 0; off < count; off += kChunk) {
+#pragma unroll
+    for (int i = 0; i < kUnits; ++i) {
+      const int u = tid + i * kThreads, r = u / (D / 8), d0 = (u % (D / 8)) * 8;
+      rlive[i] = off + r < count;
+      if (rlive[i]) {
+        const int64_t row = tk * kBlock + off + r;
+        rk[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.k) + (bk * a.Sk + row) * D + d0));
+        rv[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.v) + (bk * a.Sk + row) * D + d0));
+        const int64_t e = (bk * a.Skp + row) * D + d0;
+        rp[i] = __ldg(reinterpret_cast<const uint32_t*>(a.k_packed + e / 2));
+        rs[i] = a.k_scales[e / 16];
+      }
+    }
+  };
+  fetch(0);
+  for (int c = 0; c < nchunks; ++c) {
+    const int off = (c % (kBlock / kChunk)) * kChunk;
+    const int count = static_cast<int>(
+        min(static_cast<int64_t>(kBlock), a.Sk - sampled_block(a.Sk, c / (kBlock / kChunk)) * kBlock));
+    {
       __syncthreads();  // the previous chunk's reads are done
-      for (int u = tid; u < kChunk * D / 8; u += kThreads) {
-        const int r = u / (D / 8), d0 = (u % (D / 8)) * 8;
+#pragma unroll
+      for (int i = 0; i < kUnits; ++i) {
+        const int u = tid + i * kThreads, r = u / (D / 8), d0 = (u % (D / 8)) * 8;
         float ks[8], kd[8], vv[8];
-        if (off + r < count) {
-          const int64_t row = tk * kBlock + off + r;
+        if (rlive[i]) {
           float x[8];
-          Load8<T>::run(static_cast<const T*>(a.k) + (bk * a.Sk + row) * D + d0, x);
-          Load8<T>::run(static_cast<const T*>(a.v) + (bk * a.Sk + row) * D + d0, vv);
-          const float* mean = a.mean_k + bk * D + d0;
+          unpack8<T>(rk[i], x);
+          unpack8<T>(rv[i], vv);
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
-            const float c = bal == nullptr ? 1.0f : ldexpf(1.0f, static_cast<int>(bal[d0 + j]));
-            ks[j] = __fsub_rn(__fmul_rn(x[j], c), mean[j]);
+            const float cf = bal == nullptr ? 1.0f : ldexpf(1.0f, static_cast<int>(bal[d0 + j]));
+            ks[j] = __fsub_rn(__fmul_rn(x[j], cf), mean_k[d0 + j]);
           }
-          const int64_t e = (bk * a.Skp + row) * D + d0;
-          fp4x8(*reinterpret_cast<const uint32_t*>(a.k_packed + e / 2), a.k_scales[e / 16], kd);
+          fp4x8(rp[i], rs[i], kd);
         } else {
 #pragma unroll
           for (int j = 0; j < 8; ++j) ks[j] = kd[j] = vv[j] = 0.0f;
@@ -197,11 +244,14 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(QkRuleArgs a) {
           sm[L::kV + r * L::kVLd + d0 + j] = vv[j];
         }
       }
+      if (c + 1 < nchunks) fetch(c + 1);
       __syncthreads();
 
       {  // scores: warp -> keys (warp % 4) * 8.., half of D (warp / 4); both kinds
         const int n0 = (warp & 3) * 8, half = warp >> 2;
-        float s[4] = {0.f, 0.f, 0.f, 0.f}, s4[4] = {0.f, 0.f, 0.f, 0.f};
+        // four independent accumulation chains: hi*hi, hi*lo, lo*hi, the FP4 products
+        float s[4] = {0.f, 0.f, 0.f, 0.f}, sx[4] = {0.f, 0.f, 0.f, 0.f}, sy[4] = {0.f, 0.f, 0.f, 0.f},
+              s4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int k0 = half * (D / 2); k0 < (half + 1) * (D / 2); k0 += 8) {
           const float* qh = sm + L::kQHi;
@@ -219,11 +269,13 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(QkRuleArgs a) {
           split_tf32(sm[L::kKs + j0], bhi[0], blo[0]);
           split_tf32(sm[L::kKs + j0 + 4], bhi[1], blo[1]);
           const uint32_t bd[2] = {__float_as_uint(sm[L::kKd + j0]), __float_as_uint(sm[L::kKd + j0 + 4])};
-          mma_tf32(s, alo, bhi);
-          mma_tf32(s, ahi, blo);
+          mma_tf32(sx, alo, bhi);
+          mma_tf32(sy, ahi, blo);
           mma_tf32(s, ahi, bhi);
           mma_tf32(s4, ad, bd);
         }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) s[j] = __fadd_rn(s[j], __fadd_rn(sx[j], sy[j]));
         float* s0 = sm + L::kS + (0 * 2 + half) * kRows * kSLd;
         float* s1 = sm + L::kS + (1 * 2 + half) * kRows * kSLd;
         const int c = n0 + 2 * t;
