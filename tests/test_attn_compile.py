@@ -131,3 +131,32 @@ def test_sm120a_sass_has_block_scaled_fp4_mma(cubins):
     # D=128: 2 (QK^T) x 16 n-tiles + 2 (PV) x 16; D=64: 16 + 2 x 8, unless the compiler rolls loops.
     assert count >= 2, f"{OMMA} not found in the sm_120a SASS ({count} hits)"
     print(f"{count} x {OMMA} in sm_120a SASS")
+
+
+RULE_CU = CSRC / "preprocess" / "qk_rule.cu"
+
+
+@pytest.mark.parametrize("arch", ["120a", "121a"])
+def test_rule_kernel_compiles_without_spill(arch, tmp_path):
+    """The fused "auto" rule kernel (preprocess/qk_rule.cu): its four instantiations (fp16/bf16 x
+    D 64/128) compile for the Blackwell consumer archs without spilling, and use tf32 MMAs."""
+    nvcc, _ = _nvcc()
+    obj = tmp_path / f"rule_{arch}.o"
+    cmd = [str(nvcc), "-c", str(RULE_CU), "-o", str(obj), f"-gencode=arch=compute_{arch},code=sm_{arch}", "-O3",
+           "-std=c++20", "-Xptxas", "-v", f"-I{CSRC}"]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, f"sm_{arch} compile failed:\n{log}"
+    entries = re.findall(r"Compiling entry function '(\S*qk_rule_kernel\S*)'", log)
+    assert len(entries) == 4, f"expected 4 rule kernels (fp16/bf16 x D 64/128), got {entries}\n{log}"
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert spills and all(s == ("0", "0") for s in spills), log
+    cuobjdump = _tool("cuobjdump", "nvidia-cuda-cuobjdump")
+    nvdisasm = _tool("nvdisasm", "nvidia-cuda-nvdisasm")
+    if cuobjdump is None or nvdisasm is None:
+        pytest.skip("cuobjdump/nvdisasm not available for the SASS check (the compile and spill checks passed)")
+    env = dict(os.environ, PATH=f"{nvdisasm.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    sass = subprocess.run([str(cuobjdump), "-sass", str(obj)], capture_output=True, text=True, env=env)
+    assert sass.returncode == 0, sass.stderr
+    # mma.m16n8k8 tf32 is HMMA.1688.F32.TF32 in sm_120a SASS (192: 48 per instantiation)
+    assert re.search(r"HMMA\.\d+\.F32\.TF32", sass.stdout), "no tf32 MMA in the rule kernel's SASS"

@@ -124,4 +124,31 @@ struct Mxfp8Args {
 };
 int smooth_quant_mxfp8(const Mxfp8Args& args, cudaStream_t stream);
 
+// The "auto" Q.K^T precision rule's estimate per (batch, q head) (preprocess/qk_rule.cu;
+// reference.qk_fp4_error) in one launch: q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) fp16/bf16,
+// D 64 or 128; q_packed (B, Hq, Sqp, D/2) / q_scales (.., D/16) and k_packed (B, Hkv, Skp, D/2) /
+// k_scales as the preprocessing wrote them; mean_q (B, Hq, mean_rows, D), mean_k (B, Hkv, D),
+// balance (B, Hkv, D) exponents or null; scale the softmax scale. partial (B * Hq, 8, 2) fp32
+// workspace; counter (B * Hq) int32, zero on entry and left zero; error (B * Hq) fp32 out.
+struct QkRuleArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  DType dtype;
+  int64_t B, Hq, Hkv, Sq, Sk, D, Sqp, Skp;
+  const uint8_t* q_packed;
+  const uint8_t* q_scales;
+  const uint8_t* k_packed;
+  const uint8_t* k_scales;
+  const float* mean_q;
+  int64_t mean_rows;
+  const float* mean_k;
+  const float* balance;
+  float scale;
+  float* partial;
+  int32_t* counter;
+  float* error;
+};
+int qk_rule_error(const QkRuleArgs& args, cudaStream_t stream);
+
 }  // namespace sageattn3

@@ -101,6 +101,11 @@ def has_attention_kernel() -> bool:
     return loaded() and hasattr(torch.ops.sageattn3, "blockscaled_fp4_attn")
 
 
+def has_rule_kernel() -> bool:
+    """Whether the fused "auto" rule kernel (``qk_rule_error``) is built."""
+    return loaded() and hasattr(torch.ops.sageattn3, "qk_rule_error")
+
+
 _op_cache: dict = {}
 
 
@@ -319,6 +324,22 @@ def mxfp8_smooth_quant(x: torch.Tensor, mean: torch.Tensor, balance: torch.Tenso
     return codes.view(torch.float8_e4m3fn), scales
 
 
+def qk_rule_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale: float) -> torch.Tensor:
+    """The "auto" rule's estimate (``reference.qk_fp4_error``) in one launch: q (B, Hq, Sq, D), k
+    and v (B, Hkv, Sk, D) float16/bfloat16, D 64/128, and their ``Preprocessed`` (without K's
+    per-block means). Returns (B, Hq) float32 on q's device (no host synchronisation)."""
+    b, hq = q.shape[:2]
+    partial = torch.empty((b, hq, 8, 2), dtype=torch.float32, device=q.device)
+    counter = torch.zeros((b, hq), dtype=torch.int32, device=q.device)
+    error = torch.empty((b, hq), dtype=torch.float32, device=q.device)
+    op("qk_rule_error")(aligned(q), aligned(k), aligned(v), aligned(pre.q_packed), aligned(pre.q_scales),
+                        aligned(pre.k_packed), aligned(pre.k_scales),
+                        aligned(pre.mean_q), aligned(pre.mean_k),
+                        _none(q.device, 10) if pre.balance is None else aligned(pre.balance), float(scale),
+                        partial, counter, error)
+    return error
+
+
 def _preprocess_qkv_fake(q, k, v, pad, per_block_mean, rotate, balance, search):
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
@@ -371,6 +392,7 @@ OUTPUT_WRITING_OPS = (
     "blockscaled_fp4_attn",
     "blockscaled_attn_qk8",
     "mxfp8_smooth_quant",
+    "qk_rule_error",
     "fp4_mma_probe",
 )
 # Ops of the library that allocate and return their outputs, with the fakes that give those

@@ -9,6 +9,7 @@ it, at run time), so ``sageattn3_blackwell`` compiles with ``fullgraph=True`` wi
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -404,8 +405,18 @@ def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float
         if precision == "fp8":
             raise ValueError(why)
         return why
-    err = reference.qk_fp4_error(q, k, v, pre, sm_scale)
+    err = _qk_error(q, k, v, pre, sm_scale)
     return reference.choose_qk_precision(precision, err), err
+
+
+def _qk_error(q, k, v, pre: Preprocessed, sm_scale: float | None) -> torch.Tensor:
+    """The rule's estimate (B, Hq): the fused kernel on CUDA where it is built (one launch),
+    else ``reference.qk_fp4_error`` (torch ops; the CPU path, and the kernel's oracle)."""
+    if (_use_kernels(q) and q.dtype in (torch.float16, torch.bfloat16) and pre.k_block_corr is None
+            and _kernels.has_rule_kernel()):
+        scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[3])
+        return _kernels.qk_rule_error(q, k, v, pre, scale)
+    return reference.qk_fp4_error(q, k, v, pre, sm_scale)
 
 
 def qk_choice(q, k, v, is_causal: bool = False, per_block_mean: bool = True,

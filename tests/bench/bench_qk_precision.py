@@ -4,11 +4,12 @@ events (median of 15 after warm-up):
     python tests/bench/bench_qk_precision.py [--seq S] [--heads H]
 
 - preprocessing alone (``sageattn3.preprocess``: the FP4 path's first step);
-- the rule (``reference.qk_fp4_error`` on the preprocessed tensors: torch ops on the device);
+- the rule: the fused kernel the API uses on CUDA (``_kernels.qk_rule_error``, one launch) and its
+  torch-op oracle (``reference.qk_fp4_error`` on the same preprocessed tensors, on the device);
 - the MXFP8 quantization of Q and K for every head, and with no head selected (the launch the
   "auto" path makes when the rule picks none);
 - with --call (needs the attention kernel): the whole call with qk_precision "fp4", "auto" on
-  zero-mean data (no head picked) and "fp8". On an H100 the attention kernel is the MMA-model test
+  zero-mean data (no head picked) and "fp8" at each --call-seq (fp8 only at the first). On an H100 the attention kernel is the MMA-model test
   flavour (SAGEATTN3_FORCE_FP4=1): its own time is meaningless there; the differences between the
   three calls are the precision's overheads (rule, quantization, the second kernel launch) plus,
   for "fp8", the model's FP8 MMAs.
@@ -43,7 +44,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=24)
     ap.add_argument("--call", action="store_true", help="also time whole calls (slow with the MMA model)")
-    ap.add_argument("--call-seq", type=int, default=4096)
+    ap.add_argument("--call-seq", type=int, nargs="+", default=[4096])
     args = ap.parse_args()
     os.environ.setdefault("SAGEATTN3_FORCE_FP4", "1")
     import sageattn3
@@ -57,22 +58,25 @@ def main() -> int:
     print(f"shape: batch 1, {args.heads} heads, {args.seq} tokens, D 128, bf16, zero-mean")
     pre = sageattn3.preprocess(q, k, v)
     t_pre = time_ms(lambda: sageattn3.preprocess(q, k, v))
-    t_rule = time_ms(lambda: reference.qk_fp4_error(q, k, v, pre))
+    t_rule = time_ms(lambda: _kernels.qk_rule_error(q, k, v, pre, 128 ** -0.5))
+    t_rule_ops = time_ms(lambda: reference.qk_fp4_error(q, k, v, pre))
     ones = torch.ones(shape[:2], dtype=torch.uint8, device=dev)
     zeros = torch.zeros_like(ones)
     t_q8 = time_ms(lambda: (_kernels.mxfp8_smooth_quant(q, pre.mean_q, None, -1, ones, 128),
                             _kernels.mxfp8_smooth_quant(k, pre.mean_k, None, 1, ones, 128)))
     t_q8_none = time_ms(lambda: (_kernels.mxfp8_smooth_quant(q, pre.mean_q, None, -1, zeros, 128),
                                  _kernels.mxfp8_smooth_quant(k, pre.mean_k, None, 1, zeros, 128)))
-    err = reference.qk_fp4_error(q, k, v, pre)
-    print(f"preprocess {t_pre:.3f} ms | rule {t_rule:.3f} ms ({t_rule / t_pre:.2f}x preprocess; picks "
-          f"{int((err > reference.AUTO_ERROR_LIMIT).sum())} of {err.numel()} heads) | MXFP8 Q+K all heads "
+    err = _kernels.qk_rule_error(q, k, v, pre, 128 ** -0.5)
+    err_ops = reference.qk_fp4_error(q, k, v, pre)
+    print(f"rule kernel vs torch ops: max rel diff {((err - err_ops).abs() / err_ops.abs()).max().item():.2e}")
+    print(f"preprocess {t_pre:.3f} ms | rule kernel {t_rule:.3f} ms ({t_rule / t_pre:.3f}x preprocess; picks "
+          f"{int((err > reference.AUTO_ERROR_LIMIT).sum())} of {err.numel()} heads) | rule as torch ops "
+          f"{t_rule_ops:.3f} ms | MXFP8 Q+K all heads "
           f"{t_q8:.3f} ms ({t_q8 / t_pre:.2f}x) | MXFP8 launches, no head picked {t_q8_none:.3f} ms")
-    if args.call:
-        s = args.call_seq
+    for n, s in enumerate(args.call_seq if args.call else []):
         qc, kc, vc = q[:, :, :s].contiguous(), k[:, :, :s].contiguous(), v[:, :, :s].contiguous()
         res = {p: time_ms(lambda p=p: sageattn3.sageattn3_blackwell(qc, kc, vc, qk_precision=p), n=5)
-               for p in ("fp4", "auto", "fp8")}
+               for p in (("fp4", "auto", "fp8") if n == 0 else ("fp4", "auto"))}
         print(f"whole call, {s} tokens: " + ", ".join(f"{p} {ms:.3f} ms" for p, ms in res.items())
               + f" (auto - fp4 = {res['auto'] - res['fp4']:.3f} ms)")
     return 0

@@ -9,7 +9,8 @@
 // converted to E4M3 (round to nearest even). Rows S..Sp-1 get zero codes and scale byte 1, as the
 // reference gives zero rows. A head whose sel byte is 0 is skipped entirely (its outputs are left
 // as they are): the launch is made for every call of the "auto" path, and costs next to nothing
-// where the rule chose FP4 everywhere. One thread per 32-value block.
+// where the rule chose FP4 everywhere (each block reads its head's byte first). One thread per
+// 32-value block; grid (head, blocks over the head's rows).
 #include <cuda_fp8.h>
 
 #include "common/launch.cuh"
@@ -46,13 +47,13 @@ __device__ __forceinline__ uint32_t ue8m0_byte(float amax) {
 template <typename T>
 __global__ void __launch_bounds__(kThreads) mxfp8_kernel(Mxfp8Args a) {
   const int64_t blocks_per_row = a.D / 32;
-  const int64_t n = static_cast<int64_t>(a.H) * a.Sp * blocks_per_row;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+  const int64_t h = blockIdx.x;  // one head per grid column: a skipped head costs its blocks one byte read
+  if (a.sel != nullptr && a.sel[h] == 0) return;
+  const int64_t n = a.Sp * blocks_per_row;
+  for (int64_t i = static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.y) * kThreads) {
     const int64_t blk = i % blocks_per_row;
-    const int64_t row = (i / blocks_per_row) % a.Sp;
-    const int64_t h = i / (blocks_per_row * a.Sp);
-    if (a.sel != nullptr && a.sel[h] == 0) continue;
+    const int64_t row = i / blocks_per_row;
     uint8_t* out = a.codes + (h * a.Sp + row) * a.D + blk * 32;
     uint8_t* sf = a.scales + (h * a.Sp + row) * blocks_per_row + blk;
     if (row >= a.S) {
@@ -100,10 +101,11 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(Mxfp8Args a) {
 
 template <typename T>
 int launch(const Mxfp8Args& a, cudaStream_t stream) {
-  const int64_t n = static_cast<int64_t>(a.H) * a.Sp * (a.D / 32);
-  if (n == 0) return cudaSuccess;
-  const int64_t grid = std::min<int64_t>(ceil_div(n, static_cast<int64_t>(kThreads)), static_cast<int64_t>(sm_count()) * 8);
-  mxfp8_kernel<T><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(a);
+  const int64_t n = a.Sp * (a.D / 32);  // per head
+  if (n == 0 || a.H == 0) return cudaSuccess;
+  const int64_t per_head = std::max<int64_t>(1, static_cast<int64_t>(sm_count()) * 8 / a.H);
+  const int64_t gy = std::min<int64_t>({ceil_div(n, static_cast<int64_t>(kThreads)), per_head, 65535});
+  mxfp8_kernel<T><<<dim3(static_cast<unsigned>(a.H), static_cast<unsigned>(gy)), kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

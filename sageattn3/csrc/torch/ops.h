@@ -681,6 +681,83 @@ void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T c
   check_cuda_kernel<T>(smooth_quant_mxfp8(a, TensorApi<T>::stream(x)), "mxfp8_smooth_quant");
 }
 
+// qk_rule_error(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale,
+// partial!, counter!, error!): the "auto" rule's estimate per (batch, q head) (sageattn3.h,
+// qk_rule_error): q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) fp16/bf16, D 64/128; the preprocessing's
+// q_packed (B, Hq, Sqp, D/2), q_scales (.., D/16), k_packed (B, Hkv, Skp, D/2), k_scales, mean_q
+// (B, Hq, 1 or ceil(Sq/128), D), mean_k (B, Hkv, 1, D), balance (B, Hkv, 1, D) or empty;
+// partial (B, Hq, 8, 2) fp32, counter (B, Hq) int32 zeros, error (B, Hq) fp32.
+template <class T>
+void qk_rule_error(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales, T mean_q, T mean_k, T balance,
+                   double sm_scale, T partial, T counter, T error) {
+  check_cuda(q, q, "q");
+  check_aligned(q, "q");
+  for (const T* t : {&k, &v}) {
+    check_cuda(*t, q, "k/v");
+    check_aligned(*t, "k/v");
+  }
+  SA3_CHECK(T, q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "sageattn3: qk_rule_error needs 4-D q, k, v");
+  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3), Hkv = k.size(1), Sk = k.size(2);
+  const DType dt = dtype_of(q, "q");
+  SA3_CHECK(T, dt != DType::kFloat32 && TensorApi<T>::kind(k) == TensorApi<T>::kind(q) &&
+                   TensorApi<T>::kind(v) == TensorApi<T>::kind(q),
+            "sageattn3: qk_rule_error needs q, k and v all float16 or all bfloat16");
+  SA3_CHECK(T, (D == 64 || D == 128) && Sq >= 1 && Sk >= 1 && Hkv >= 1 && Hq % Hkv == 0 && k.size(0) == B &&
+                   k.size(3) == D && v.size(0) == B && v.size(1) == Hkv && v.size(2) == Sk &&
+                   v.size(3) == D,
+            "sageattn3: qk_rule_error needs q (B, Hq, Sq >= 1, D 64/128) and k, v (B, Hkv, Sk >= 1, D), Hq a "
+            "multiple of Hkv");
+  for (const T* t : {&q_packed, &q_scales, &k_packed, &k_scales}) check_code_tensor(*t, q, "an FP4 operand");
+  const int64_t Sqp = q_packed.numel() / (B * Hq * (D / 2)), Skp = k_packed.numel() / (B * Hkv * (D / 2));
+  SA3_CHECK(T, Sqp >= Sq && q_packed.numel() == B * Hq * Sqp * (D / 2) && q_scales.numel() == B * Hq * Sqp * (D / 16),
+            "sageattn3: q_packed must be (B, Hq, Sqp >= Sq, D/2) and q_scales (B, Hq, Sqp, D/16)");
+  SA3_CHECK(T, Skp >= Sk && k_packed.numel() == B * Hkv * Skp * (D / 2) && k_scales.numel() == B * Hkv * Skp * (D / 16),
+            "sageattn3: k_packed must be (B, Hkv, Skp >= Sk, D/2) and k_scales (B, Hkv, Skp, D/16)");
+  check_f32_on(mean_q, q, "mean_q");
+  check_f32_on(mean_k, q, "mean_k");
+  const int64_t mr = mean_q.numel() / (B * Hq * D);
+  SA3_CHECK(T, mr >= 1 && mean_q.numel() == B * Hq * mr * D && (mr == 1 || mr * 128 >= Sq),
+            "sageattn3: mean_q must be (B, Hq, 1 or ceil(Sq/128), D)");
+  SA3_CHECK(T, mean_k.numel() == B * Hkv * D, "sageattn3: mean_k must be (B, Hkv, 1, D)");
+  if (balance.numel() > 0) {
+    check_f32_on(balance, q, "balance");
+    SA3_CHECK(T, balance.numel() == B * Hkv * D, "sageattn3: balance must be (B, Hkv, 1, D) or empty");
+  }
+  check_f32_on(partial, q, "partial");
+  check_f32_on(error, q, "error");
+  check_cuda(counter, q, "counter");
+  check_i32(counter, "counter");
+  SA3_CHECK(T, partial.numel() == B * Hq * 16 && counter.numel() == B * Hq && error.numel() == B * Hq,
+            "sageattn3: partial must be (B, Hq, 8, 2), counter and error (B, Hq)");
+  DeviceScope scope(device_index(q));
+  QkRuleArgs a{};
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.dtype = dt;
+  a.B = B;
+  a.Hq = Hq;
+  a.Hkv = Hkv;
+  a.Sq = Sq;
+  a.Sk = Sk;
+  a.D = D;
+  a.Sqp = Sqp;
+  a.Skp = Skp;
+  a.q_packed = bytes(q_packed);
+  a.q_scales = bytes(q_scales);
+  a.k_packed = bytes(k_packed);
+  a.k_scales = bytes(k_scales);
+  a.mean_q = floats(mean_q);
+  a.mean_rows = mr;
+  a.mean_k = floats(mean_k);
+  a.balance = balance.numel() > 0 ? floats(balance) : nullptr;
+  a.scale = static_cast<float>(sm_scale);
+  a.partial = floats(partial);
+  a.counter = ints(counter);
+  a.error = floats(error);
+  check_cuda_kernel<T>(sageattn3::qk_rule_error(a, TensorApi<T>::stream(q)), "qk_rule_error");
+}
+
 // fp4_mma_probe(a, b, sfa, sfb, c, d!, tid_a, tid_b): one block-scaled FP4 MMA per problem
 // (a (n,16,32), b (n,8,32), sfa (n,16,4), sfb (n,8,4) bytes; c, d (n,16,8) fp32).
 template <class T>
@@ -736,6 +813,9 @@ void fp4_mma_probe(T a, T b, T sfa, T sfb, T c, T d, int64_t tid_a, int64_t tid_
                           "int seq_q, int seq_k, float sm_scale, bool causal) -> ()")                               \
   X(mxfp8_smooth_quant, "mxfp8_smooth_quant(Tensor x, Tensor mean, Tensor balance, int balance_sign, Tensor sel, "  \
                         "Tensor(a!) codes, Tensor(b!) scales) -> ()")                                               \
+  X(qk_rule_error, "qk_rule_error(Tensor q, Tensor k, Tensor v, Tensor q_packed, Tensor q_scales, "              \
+                   "Tensor k_packed, Tensor k_scales, Tensor mean_q, Tensor mean_k, Tensor balance, "            \
+                   "float sm_scale, Tensor(a!) partial, Tensor(b!) counter, Tensor(c!) error) -> ()")            \
   X(fp4_mma_probe, "fp4_mma_probe(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, Tensor(a!) d, int tid_a, " \
                    "int tid_b) -> ()")
 

@@ -1,0 +1,448 @@
+// The "auto" Q.K^T precision rule's estimate (reference.qk_fp4_error) in one launch.
+//
+// One block per (sampled 128-row block of Q, batch * q head). Its query rows are every 8th row
+// of that block (at most 16, one m16 tile): Q_s = q * 2^-e - mean_q (e the balance, mean_q the
+// block's or the one mean) and Qd, the dequantized FP4 rows of q_packed. The keys are every row
+// of K's sampled blocks (at most 1024): K_s = k * 2^e - mean_k, Kd likewise, and V's rows.
+// Keys go through in chunks of 32 (staged in shared memory), with an online softmax per row for
+// both score sets, L = c * Q_s K_s^T and L4 = c * Qd Kd^T, and the two outputs O = softmax(L) V,
+// O4 = softmax(L4) V accumulated in registers.
+//
+// Products on tensor cores (mma.m16n8k8 tf32, fp32 accumulation) at float32-level accuracy:
+// - Qd Kd^T: the FP4 values (E2M1 x E4M3, at most 6 significant bits) are exact in tf32.
+// - Q_s K_s^T: each operand split into a tf32 high part and a tf32 low part of the rest,
+//   hi*hi + hi*lo + lo*hi (about 21 bits of each operand).
+// - P V: V (fp16/bf16) is exact in tf32; P split as above, P_hi V + P_lo V.
+//
+// Each block writes its rows' sum of (O4 - O)^2 and of O^2 to `partial`; the last block of a
+// head to finish (an integer counter per head, reset by that block) adds the head's partials in
+// block order and writes sqrt(num / max(den, 1e-30)). No floating-point atomics: the result is
+// the same on every run.
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+#include "common/launch.cuh"
+#include "common/nvfp4.cuh"
+#include "sageattn3.h"
+
+namespace sageattn3 {
+namespace {
+
+constexpr int kThreads = 256;  // 8 warps
+constexpr int kRows = 16;      // query rows per block (128 / AUTO_QUERY_STRIDE)
+constexpr int kStride = 8;     // reference.AUTO_QUERY_STRIDE
+constexpr int kChunk = 32;     // keys per staged chunk
+constexpr int kBlock = 128;    // the sampled blocks' rows
+constexpr int kSampled = 8;    // reference.MEAN_SAMPLE_BLOCKS
+constexpr int kSLd = kChunk + 4;
+
+template <int D>
+struct Smem {
+  static constexpr int kLd = D + 4;  // Q/K rows: fragment loads hit 32 distinct banks
+  static constexpr int kVLd = D + 8;  // V rows, read down the key dim
+  static constexpr int kQHi = 0;
+  static constexpr int kQLo = kQHi + kRows * kLd;
+  static constexpr int kQd = kQLo + kRows * kLd;
+  static constexpr int kKs = kQd + kRows * kLd;
+  static constexpr int kKd = kKs + kChunk * kLd;
+  static constexpr int kV = kKd + kChunk * kLd;
+  static constexpr int kS = kV + kChunk * kVLd;            // [kind][half][row][kSLd]
+  static constexpr int kAlpha = kS + 2 * 2 * kRows * kSLd;  // [kind][row]
+  static constexpr int kL = kAlpha + 2 * kRows;             // [kind][row]
+  static constexpr int kFloats = kL + 2 * kRows;
+  static constexpr size_t kBytes = static_cast<size_t>(kFloats) * sizeof(float);
+};
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// x = hi + lo (both tf32 bit patterns)
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = to_tf32(x);
+  lo = to_tf32(__fsub_rn(x, __uint_as_float(hi)));
+}
+
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// 8 FP4 values (codes in `word`, element i in nibble i) times the E4M3 scale byte, exactly.
+__device__ __forceinline__ void fp4x8(uint32_t word, uint32_t sbyte, float (&out)[8]) {
+  const float s = __fmul_rn(e4m3_value(sbyte), 16384.0f);  // e2m1x2_scaled gives values * 2^-14
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = e2m1x2_scaled((word >> (8 * i)) & 0xFFu);
+    out[2 * i] = __fmul_rn(f.x, s);
+    out[2 * i + 1] = __fmul_rn(f.y, s);
+  }
+}
+
+// 8 fp16/bf16 values held in a uint4 -> float
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& r, float (&v)[8]) {
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same_v<T, bf16_t>) {
+      v[2 * i] = bf16_lo(w[i]);
+      v[2 * i + 1] = bf16_hi(w[i]);
+    } else {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      v[2 * i] = f.x;
+      v[2 * i + 1] = f.y;
+    }
+  }
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, o));
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xFFFFFFFFu, x, o);
+  return x;
+}
+
+__host__ __device__ __forceinline__ int sampled_count(int64_t seq) {
+  const int64_t n = ceil_div(seq, kBlock);
+  return static_cast<int>(n < kSampled ? n : kSampled);
+}
+
+__device__ __forceinline__ int64_t sampled_block(int64_t seq, int i) {
+  const int64_t n = ceil_div(seq, kBlock);
+  return (static_cast<int64_t>(i) * n) / sampled_count(seq);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) qk_rule_kernel(QkRuleArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  using L = Smem<D>;
+  extern __shared__ float sm[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int64_t bh = blockIdx.x;  // batch * Hq + q head
+  const int qi = blockIdx.y;       // which sampled block of Q
+  const int64_t b = bh / a.Hq, h = bh % a.Hq;
+  const int64_t bk = b * a.Hkv + h / (a.Hq / a.Hkv);  // its kv head, flattened
+  const int64_t tq = sampled_block(a.Sq, qi);
+  const int rows = static_cast<int>(ceil_div(min(static_cast<int64_t>(kBlock), a.Sq - tq * kBlock), kStride));
+  const float* bal = a.balance == nullptr ? nullptr : a.balance + bk * D;
+
+  // Q's rows: Q_s split into tf32 parts, Qd (rows beyond `rows` zero)
+  for (int u = tid; u < kRows * D / 8; u += kThreads) {
+    const int r = u / (D / 8), d0 = (u % (D / 8)) * 8;
+    float hi[8], lo[8], qd[8];
+    if (r < rows) {
+      const int64_t row = tq * kBlock + static_cast<int64_t>(r) * kStride;
+      float x[8];
+      Load8<T>::run(static_cast<const T*>(a.q) + (bh * a.Sq + row) * D + d0, x);
+      const float* mean = a.mean_q + (bh * a.mean_rows + (a.mean_rows > 1 ? tq : 0)) * D + d0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float c = bal == nullptr ? 1.0f : ldexpf(1.0f, -static_cast<int>(bal[d0 + j]));
+        const float y = __fsub_rn(__fmul_rn(x[j], c), mean[j]);
+        uint32_t h2, l2;
+        split_tf32(y, h2, l2);
+        hi[j] = __uint_as_float(h2);
+        lo[j] = __uint_as_float(l2);
+      }
+      const int64_t e = (bh * a.Sqp + row) * D + d0;
+      fp4x8(*reinterpret_cast<const uint32_t*>(a.q_packed + e / 2), a.q_scales[e / 16], qd);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) hi[j] = lo[j] = qd[j] = 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      sm[L::kQHi + r * L::kLd + d0 + j] = hi[j];
+      sm[L::kQLo + r * L::kLd + d0 + j] = lo[j];
+      sm[L::kQd + r * L::kLd + d0 + j] = qd[j];
+    }
+  }
+
+  // softmax state of the 4 (kind, row) pairs this warp owns: pair p = warp * 4 + i, kind p / 16
+  float m_run[4], l_run[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    m_run[i] = -INFINITY;
+    l_run[i] = 0.0f;
+  }
+  // P.V accumulators: kind warp / 4, n-tiles (warp % 4) + 4 i
+  constexpr int kNt = D / 32;
+  float acc[kNt][4];
+#pragma unroll
+  for (int i = 0; i < kNt; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+  // the chunks: every sampled key block's 32-key chunks that hold a real key (only the last
+  // sampled block can be partial, so they are the first `nchunks`)
+  const int kblocks = sampled_count(a.Sk);
+  const int last = static_cast<int>(min(static_cast<int64_t>(kBlock), a.Sk - sampled_block(a.Sk, kblocks - 1) * kBlock));
+  const int nchunks = (kblocks - 1) * (kBlock / kChunk) + (last + kChunk - 1) / kChunk;
+  const float* mean_k = a.mean_k + bk * D;
+  // the next chunk's raw bytes, loaded while the current one is computed
+  constexpr int kUnits = kChunk * D / 8 / kThreads;
+  uint4 rk[kUnits], rv[kUnits];
+  uint32_t rp[kUnits], rs[kUnits];
+  bool rlive[kUnits];
+  const auto fetch = [&](int c) {
+    const int64_t tk = sampled_block(a.Sk, c / (kBlock / kChunk));
+    const int off = (c % (kBlock / kChunk)) * kChunk;
+    const int count = static_cast<int>(min(static_cast<int64_t>(kBlock), a.Sk - tk * kBlock));
+#pragma unroll
+    for (int i = 0; i < kUnits; ++i) {
+      const int u = tid + i * kThreads, r = u / (D / 8), d0 = (u % (D / 8)) * 8;
+      rlive[i] = off + r < count;
+      if (rlive[i]) {
+        const int64_t row = tk * kBlock + off + r;
+        rk[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.k) + (bk * a.Sk + row) * D + d0));
+        rv[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.v) + (bk * a.Sk + row) * D + d0));
+        const int64_t e = (bk * a.Skp + row) * D + d0;
+        rp[i] = __ldg(reinterpret_cast<const uint32_t*>(a.k_packed + e / 2));
+        rs[i] = a.k_scales[e / 16];
+      }
+    }
+  };
+  fetch(0);
+  for (int c = 0; c < nchunks; ++c) {
+    const int off = (c % (kBlock / kChunk)) * kChunk;
+    const int count = static_cast<int>(
+        min(static_cast<int64_t>(kBlock), a.Sk - sampled_block(a.Sk, c / (kBlock / kChunk)) * kBlock));
+    {
+      __syncthreads();  // the previous chunk's reads are done
+#pragma unroll
+      for (int i = 0; i < kUnits; ++i) {
+        const int u = tid + i * kThreads, r = u / (D / 8), d0 = (u % (D / 8)) * 8;
+        float ks[8], kd[8], vv[8];
+        if (rlive[i]) {
+          float x[8];
+          unpack8<T>(rk[i], x);
+          unpack8<T>(rv[i], vv);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float cf = bal == nullptr ? 1.0f : ldexpf(1.0f, static_cast<int>(bal[d0 + j]));
+            ks[j] = __fsub_rn(__fmul_rn(x[j], cf), mean_k[d0 + j]);
+          }
+          fp4x8(rp[i], rs[i], kd);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) ks[j] = kd[j] = vv[j] = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          sm[L::kKs + r * L::kLd + d0 + j] = ks[j];
+          sm[L::kKd + r * L::kLd + d0 + j] = kd[j];
+          sm[L::kV + r * L::kVLd + d0 + j] = vv[j];
+        }
+      }
+      if (c + 1 < nchunks) fetch(c + 1);
+      __syncthreads();
+
+      {  // scores: warp -> keys (warp % 4) * 8.., half of D (warp / 4); both kinds
+        const int n0 = (warp & 3) * 8, half = warp >> 2;
+        // four independent accumulation chains: hi*hi, hi*lo, lo*hi, the FP4 products
+        float s[4] = {0.f, 0.f, 0.f, 0.f}, sx[4] = {0.f, 0.f, 0.f, 0.f}, sy[4] = {0.f, 0.f, 0.f, 0.f},
+              s4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int k0 = half * (D / 2); k0 < (half + 1) * (D / 2); k0 += 8) {
+          const float* qh = sm + L::kQHi;
+          const float* ql = sm + L::kQLo;
+          const float* qd = sm + L::kQd;
+          const int i0 = g * L::kLd + k0 + t, i1 = (g + 8) * L::kLd + k0 + t;
+          const uint32_t ahi[4] = {__float_as_uint(qh[i0]), __float_as_uint(qh[i1]), __float_as_uint(qh[i0 + 4]),
+                                   __float_as_uint(qh[i1 + 4])};
+          const uint32_t alo[4] = {__float_as_uint(ql[i0]), __float_as_uint(ql[i1]), __float_as_uint(ql[i0 + 4]),
+                                   __float_as_uint(ql[i1 + 4])};
+          const uint32_t ad[4] = {__float_as_uint(qd[i0]), __float_as_uint(qd[i1]), __float_as_uint(qd[i0 + 4]),
+                                  __float_as_uint(qd[i1 + 4])};
+          const int j0 = (n0 + g) * L::kLd + k0 + t;
+          uint32_t bhi[2], blo[2];
+          split_tf32(sm[L::kKs + j0], bhi[0], blo[0]);
+          split_tf32(sm[L::kKs + j0 + 4], bhi[1], blo[1]);
+          const uint32_t bd[2] = {__float_as_uint(sm[L::kKd + j0]), __float_as_uint(sm[L::kKd + j0 + 4])};
+          mma_tf32(sx, alo, bhi);
+          mma_tf32(sy, ahi, blo);
+          mma_tf32(s, ahi, bhi);
+          mma_tf32(s4, ad, bd);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) s[j] = __fadd_rn(s[j], __fadd_rn(sx[j], sy[j]));
+        float* s0 = sm + L::kS + (0 * 2 + half) * kRows * kSLd;
+        float* s1 = sm + L::kS + (1 * 2 + half) * kRows * kSLd;
+        const int c = n0 + 2 * t;
+        s0[g * kSLd + c] = s[0];
+        s0[g * kSLd + c + 1] = s[1];
+        s0[(g + 8) * kSLd + c] = s[2];
+        s0[(g + 8) * kSLd + c + 1] = s[3];
+        s1[g * kSLd + c] = s4[0];
+        s1[g * kSLd + c + 1] = s4[1];
+        s1[(g + 8) * kSLd + c] = s4[2];
+        s1[(g + 8) * kSLd + c + 1] = s4[3];
+      }
+      __syncthreads();
+
+      // online softmax: lane = key; P's tf32 parts go where the two halves' sums were
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int p = warp * 4 + i, kind = p / kRows, r = p % kRows;
+        float* h0 = sm + L::kS + (kind * 2 + 0) * kRows * kSLd + r * kSLd;
+        float* h1 = sm + L::kS + (kind * 2 + 1) * kRows * kSLd + r * kSLd;
+        const bool live = off + lane < count;
+        const float x = __fmul_rn(__fadd_rn(h0[lane], h1[lane]), a.scale);
+        const float m_new = fmaxf(m_run[i], warp_max(live ? x : -INFINITY));
+        const float alpha = expf(m_run[i] - m_new);
+        const float e = live ? expf(x - m_new) : 0.0f;
+        l_run[i] = l_run[i] * alpha + warp_sum(e);
+        m_run[i] = m_new;
+        uint32_t ph, pl;
+        split_tf32(e, ph, pl);
+        h0[lane] = __uint_as_float(ph);
+        h1[lane] = __uint_as_float(pl);
+        if (lane == 0) sm[L::kAlpha + p] = alpha;
+      }
+      __syncthreads();
+
+      {  // O (kind warp / 4) = O * alpha + P V
+        const int kind = warp >> 2;
+        const float al0 = sm[L::kAlpha + kind * kRows + g], al1 = sm[L::kAlpha + kind * kRows + g + 8];
+#pragma unroll
+        for (int i = 0; i < kNt; ++i) {
+          acc[i][0] *= al0;
+          acc[i][1] *= al0;
+          acc[i][2] *= al1;
+          acc[i][3] *= al1;
+        }
+        const float* ph = sm + L::kS + (kind * 2 + 0) * kRows * kSLd;
+        const float* pl = sm + L::kS + (kind * 2 + 1) * kRows * kSLd;
+#pragma unroll
+        for (int k0 = 0; k0 < kChunk; k0 += 8) {
+          const int i0 = g * kSLd + k0 + t, i1 = (g + 8) * kSLd + k0 + t;
+          const uint32_t ahi[4] = {__float_as_uint(ph[i0]), __float_as_uint(ph[i1]), __float_as_uint(ph[i0 + 4]),
+                                   __float_as_uint(ph[i1 + 4])};
+          const uint32_t alo[4] = {__float_as_uint(pl[i0]), __float_as_uint(pl[i1]), __float_as_uint(pl[i0 + 4]),
+                                   __float_as_uint(pl[i1 + 4])};
+#pragma unroll
+          for (int i = 0; i < kNt; ++i) {
+            const int n0 = ((warp & 3) + 4 * i) * 8;
+            const uint32_t bv[2] = {__float_as_uint(sm[L::kV + (k0 + t) * L::kVLd + n0 + g]),
+                                    __float_as_uint(sm[L::kV + (k0 + t + 4) * L::kVLd + n0 + g])};
+            mma_tf32(acc[i], alo, bv);
+            mma_tf32(acc[i], ahi, bv);
+          }
+        }
+      }
+    }
+  }
+
+  // row sums, then O4 to shared memory (over K's staging area) for the exact-kind warps
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    if (lane == 0) sm[L::kL + warp * 4 + i] = l_run[i];
+  __syncthreads();
+  const int kind = warp >> 2;
+  const float inv0 = 1.0f / sm[L::kL + kind * kRows + g], inv1 = 1.0f / sm[L::kL + kind * kRows + g + 8];
+  float* o4 = sm + L::kKs;  // [kRows][kLd]
+  if (kind == 1) {
+#pragma unroll
+    for (int i = 0; i < kNt; ++i) {
+      const int c = ((warp & 3) + 4 * i) * 8 + 2 * t;
+      o4[g * L::kLd + c] = acc[i][0] * inv0;
+      o4[g * L::kLd + c + 1] = acc[i][1] * inv0;
+      o4[(g + 8) * L::kLd + c] = acc[i][2] * inv1;
+      o4[(g + 8) * L::kLd + c + 1] = acc[i][3] * inv1;
+    }
+  }
+  __syncthreads();
+  float num = 0.0f, den = 0.0f;
+  if (kind == 0) {
+#pragma unroll
+    for (int i = 0; i < kNt; ++i) {
+      const int c = ((warp & 3) + 4 * i) * 8 + 2 * t;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int r = g + (j >> 1) * 8, cc = c + (j & 1);
+        if (r < rows) {
+          const float o = acc[i][j] * (j < 2 ? inv0 : inv1);
+          const float dlt = o4[r * L::kLd + cc] - o;
+          num += dlt * dlt;
+          den += o * o;
+        }
+      }
+    }
+  }
+  num = warp_sum(num);
+  den = warp_sum(den);
+  __syncthreads();  // o4 reads done before the area is reused
+  float* red = sm + L::kAlpha;  // 2 x 8 floats
+  if (lane == 0) {
+    red[warp] = num;
+    red[8 + warp] = den;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    float n = 0.0f, d = 0.0f;
+    for (int w = 0; w < 4; ++w) {
+      n += red[w];
+      d += red[8 + w];
+    }
+    a.partial[(bh * kSampled + qi) * 2] = n;
+    a.partial[(bh * kSampled + qi) * 2 + 1] = d;
+    __threadfence();
+    const int nq = sampled_count(a.Sq);
+    if (atomicAdd(a.counter + bh, 1) == nq - 1) {
+      __threadfence();
+      float sn = 0.0f, sd = 0.0f;
+      for (int i = 0; i < nq; ++i) {
+        sn += __ldcg(a.partial + (bh * kSampled + i) * 2);
+        sd += __ldcg(a.partial + (bh * kSampled + i) * 2 + 1);
+      }
+      a.error[bh] = sqrtf(sn / fmaxf(sd, 1e-30f));
+      a.counter[bh] = 0;  // ready for the next launch
+    }
+  }
+#else
+  __trap();  // mma.sync tf32 needs sm_80 or newer (the builds target sm_90 and sm_120 families)
+#endif
+}
+
+template <typename T, int D>
+int launch(const QkRuleArgs& a, cudaStream_t stream) {
+  using L = Smem<D>;
+  const auto kernel = qk_rule_kernel<T, D>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(L::kBytes));
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(a.B * a.Hq), static_cast<unsigned>(sampled_count(a.Sq)));
+  kernel<<<grid, kThreads, L::kBytes, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T>
+int launch_d(const QkRuleArgs& a, cudaStream_t stream) {
+  return a.D == 64 ? launch<T, 64>(a, stream) : launch<T, 128>(a, stream);
+}
+
+}  // namespace
+
+int qk_rule_error(const QkRuleArgs& a, cudaStream_t stream) {
+  if ((a.D != 64 && a.D != 128) || a.B < 1 || a.Hq < 1 || a.Hkv < 1 || a.Hq % a.Hkv || a.Sq < 1 || a.Sk < 1 ||
+      a.Sqp < a.Sq || a.Skp < a.Sk || a.mean_rows < 1 || (a.mean_rows > 1 && a.mean_rows * kBlock < a.Sq) ||
+      a.B * a.Hq > 0x7FFFFFFF)
+    return cudaErrorInvalidValue;
+  switch (a.dtype) {
+    case DType::kFloat16: return launch_d<f16_t>(a, stream);
+    case DType::kBFloat16: return launch_d<bf16_t>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace sageattn3

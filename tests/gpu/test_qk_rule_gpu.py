@@ -1,0 +1,84 @@
+"""The fused "auto" rule kernel (``_kernels.qk_rule_error``, one launch) against its oracle,
+``reference.qk_fp4_error`` run on the CPU on the same preprocessed tensors: the estimate per head
+to a relative 1e-3 and the same FP8/FP4 decision on every case of tests/attention_cases.py
+(hard and easy), at D 64 and 128, bf16 and fp16, with and without the channel balance and
+per-block Q means, GQA, ragged lengths and sequences long enough that 8 blocks are sampled. Also:
+the same bits on a second launch (no floating-point atomics), and the API's choice comes from
+the kernel on CUDA."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import attention_cases as ac
+from test_dispatch_fp4 import fp4  # noqa: F401  (the fixture)
+
+FIGURES: list[str] = []
+
+
+def _cpu(pre):
+    return dataclasses.replace(pre, **{f.name: getattr(pre, f.name).cpu() for f in dataclasses.fields(pre)
+                                       if isinstance(getattr(pre, f.name), torch.Tensor)})
+
+
+def _compare(sa, case, b, hq, hk, sq, sk, d, *, dtype=torch.bfloat16, seed=2025, balance=None, pbm=True,
+             sm_scale=None):
+    from sageattn3 import _kernels, reference as ref
+
+    q, k, v = ac.make(case, b, hq, hk, sq, sk, d, seed=seed, dtype=dtype)
+    qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
+    kw = {} if balance is None else {"qk_balance": balance}
+    pre = sa.preprocess(qc, kc, vc, per_block_mean=pbm, **kw)
+    scale = sm_scale if sm_scale is not None else d ** -0.5
+    got = _kernels.qk_rule_error(qc, kc, vc, pre, scale)
+    again = _kernels.qk_rule_error(qc, kc, vc, pre, scale)
+    want = ref.qk_fp4_error(q, k, v, _cpu(pre), sm_scale)
+    got = got.cpu()
+    assert torch.equal(got, again.cpu()), f"{case}: two launches differ"
+    rel = ((got - want).abs() / want.abs().clamp_min(1e-12)).max().item()
+    fig = (f"{case} b={b} hq={hq} hk={hk} sq={sq} sk={sk} D={d} {str(dtype)[6:]} balance={pre.balance is not None} "
+           f"pbm={pbm}: est {want.min():.4f}-{want.max():.4f}, max rel diff {rel:.2e}, "
+           f"fp8 heads {int((want > ref.AUTO_ERROR_LIMIT).sum())}/{want.numel()}")
+    FIGURES.append(fig)
+    assert rel < 1e-3, fig
+    assert torch.equal(got > ref.AUTO_ERROR_LIMIT, want > ref.AUTO_ERROR_LIMIT), fig
+    return got, want
+
+
+@pytest.mark.parametrize("case", ac.CASES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_rule_kernel_matches_reference_on_every_case(fp4, case, d):  # noqa: F811
+    """The calibration shape (4 heads, 512 tokens, seed 2025) and a GQA, ragged, long one."""
+    _compare(fp4, case, 1, 4, 4, 512, 512, d)
+    _compare(fp4, case, 2, 4, 2, 1500, 2333, d, seed=7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("balance", [False, True])
+def test_rule_kernel_options(fp4, dtype, balance):  # noqa: F811
+    """fp16 and bf16, the balance on and off, one Q mean (per_block_mean=False), an sm_scale."""
+    _compare(fp4, "mixed_heads", 1, 8, 2, 1000, 1000, 128, dtype=dtype, balance=balance)
+    _compare(fp4, "q_outliers", 1, 4, 1, 129, 77, 64, dtype=dtype, balance=balance, sm_scale=0.05)
+    _compare(fp4, "rope_bias", 1, 4, 2, 9000, 300, 128, dtype=dtype, pbm=False, balance=False)
+
+
+def test_short_sequences(fp4):  # noqa: F811
+    for sq, sk in ((1, 1), (7, 5), (8, 9), (127, 128), (128, 129)):
+        _compare(fp4, "randn", 1, 2, 1, sq, sk, 128)
+
+
+def test_api_choice_comes_from_the_kernel(fp4):  # noqa: F811
+    from sageattn3 import _kernels
+
+    q, k, v = (t.cuda() for t in ac.make("mixed_heads", 1, 8, 2, 1000, 1000, 128, seed=21))
+    choice = fp4.qk_choice(q, k, v)
+    pre = fp4.preprocess(q, k, v)
+    assert torch.equal(choice.error, _kernels.qk_rule_error(q, k, v, pre, 128 ** -0.5))
+    assert choice.fp8.any() and not choice.fp8.all()
+
+
+def test_zz_report_figures():
+    print("\n".join(FIGURES))
