@@ -163,18 +163,24 @@ def test_self_check_can_be_skipped(fp4, monkeypatch):
 
 
 def test_forced_mismatch_warns_once_then_sdpa(fp4, monkeypatch):
-    """A corrupted kernel (its output's channels reversed, as a wrong fragment layout would do):
-    the self-check catches it, warns once with the figures, and SDPA answers from then on."""
+    """A corrupted kernel (its output's channels reversed, as a wrong fragment layout would do),
+    with FP4 and with FP8 Q·Kᵀ: the self-check catches it, warns once with the figures, and SDPA
+    answers from then on."""
     from sageattn3 import _attn, _selfcheck
 
-    real = _attn.attention_from_preprocessed
+    real, real8 = _attn.attention_from_preprocessed, _attn.attention_qk8
     calls = []
 
     def corrupted(pre, **kw):
         calls.append(pre.seq_q)
         return real(pre, **kw).flip(-1)
 
+    def corrupted8(pre, *args, **kw):
+        calls.append(pre.seq_q)
+        return real8(pre, *args, **kw).flip(-1)
+
     monkeypatch.setattr(_attn, "attention_from_preprocessed", corrupted)
+    monkeypatch.setattr(_attn, "attention_qk8", corrupted8)
     q, k, v = make_qkv(2, 4, 2, 333, 333, 128, torch.float16)
     copies = [t.clone() for t in (q, k, v)]
     outs, msgs = sa_warnings(lambda: fp4.sageattn3_blackwell(q, k, v, is_causal=True), 3)
