@@ -163,7 +163,7 @@ def main(argv: list[str]) -> int:
             results["rows"].append(row)
         # the per-head Q·Kᵀ precision: today's FP4 path, "auto" where no head needs help (the FP8
         # kernel launched and skipping every tile), every head in FP8
-        print(f"\nper-head Q·Kᵀ precision (x4 stand-in; FP8 MMAs issued as FP4's: half the work at half the rate)")
+        print("\nper-head Q·Kᵀ precision (x4 stand-in; FP8 MMAs issued as FP4's: half the work at half the rate)")
         print(f"{'D':>4} {'tokens':>6} {'heads':>6} {'causal':>6} | {'fp4 ms':>8} {'auto, no FP8 head ms':>20} "
               f"{'all FP8 ms':>10} | {'auto/fp4':>8} {'fp8/fp4':>7}")
         for d, s in [(d, s) for d in (128, 64) for s in ((8192, 32768) if not quick else (32768,))]:

@@ -19,24 +19,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 
 import torch
-
-
-def time_ms(fn, n: int = 15) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
 
 
 def main() -> int:
@@ -48,6 +32,7 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("SAGEATTN3_FORCE_FP4", "1")
     import sageattn3
+    from bench_kernels import time_ms  # this folder's (imports sageattn3: after the setting above)
     from sageattn3 import _kernels, reference
 
     dev = torch.device("cuda")
@@ -75,7 +60,7 @@ def main() -> int:
           f"{t_q8:.3f} ms ({t_q8 / t_pre:.2f}x) | MXFP8 launches, no head picked {t_q8_none:.3f} ms")
     for n, s in enumerate(args.call_seq if args.call else []):
         qc, kc, vc = q[:, :, :s].contiguous(), k[:, :, :s].contiguous(), v[:, :, :s].contiguous()
-        res = {p: time_ms(lambda p=p: sageattn3.sageattn3_blackwell(qc, kc, vc, qk_precision=p), n=5)
+        res = {p: time_ms(lambda p=p: sageattn3.sageattn3_blackwell(qc, kc, vc, qk_precision=p), iters=5)
                for p in (("fp4", "auto", "fp8") if n == 0 else ("fp4", "auto"))}
         print(f"whole call, {s} tokens: " + ", ".join(f"{p} {ms:.3f} ms" for p, ms in res.items())
               + f" (auto - fp4 = {res['auto'] - res['fp4']:.3f} ms)")
