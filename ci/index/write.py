@@ -116,6 +116,20 @@ def _matches_removal(wheel: str, spec: str) -> bool:
     return version == want
 
 
+def _remove(entries: dict, remove, where: str) -> list[str]:
+    """Drop the entries each ``--remove`` spec names (a wheel name or a version); a spec that
+    names none is an error. Returns the removed wheel names."""
+    removed = []
+    for spec in remove:
+        hits = [w for w in entries if _matches_removal(w, spec)]
+        if not hits:
+            raise IndexError_(f"--remove {spec!r}: no {where} wheel has that name or version")
+        for w in hits:
+            del entries[w]
+            removed.append(w)
+    return removed
+
+
 def write_index(records: list[BuildRecord], wheels_dir: Path, out: Path, project: str = DEFAULT_PROJECT,
                 *, base_url: str | None = None, remove: tuple[str, ...] | list[str] = (),
                 yank: dict[str, str] | None = None) -> list[Page]:
@@ -140,13 +154,7 @@ def update_index(records: list[BuildRecord], wheels_dir: Path, out: Path, projec
     old_pages = set(old.get("pages", {}))
     result = IndexResult(pages=[])
 
-    for spec in remove:
-        hits = [w for w in entries if _matches_removal(w, spec)]
-        if not hits:
-            raise IndexError_(f"--remove {spec!r}: no indexed wheel has that name or version")
-        for w in hits:
-            del entries[w]
-            result.removed.append(w)
+    result.removed += _remove(entries, remove, "indexed")
 
     # Every record is checked before anything is written: a refusal leaves the index as it was.
     to_add: list[BuildRecord] = []
@@ -271,14 +279,7 @@ def site_files(local_dir: Path, remote_manifest: dict | None, project: str = DEF
         if have is None:
             added.append(name)
         entries[name] = e if have is None or have.yanked == e.yanked or e.yanked is not None else have
-    removed = []
-    for spec in remove:
-        hits = [w for w in entries if _matches_removal(w, spec)]
-        if not hits:
-            raise IndexError_(f"--remove {spec!r}: no published wheel has that name or version")
-        for w in hits:
-            del entries[w]
-            removed.append(w)
+    removed = _remove(entries, remove, "published")
     base = base_url or local.get("base_url") or remote.get("base_url")
     _, generated = render(entries, project, base)
     files: dict[str, bytes | Path] = dict(generated)
