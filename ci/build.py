@@ -149,6 +149,8 @@ def build(tc: ResolvedToolchain, matrix: Matrix, raw_dir: Path, *, jobs: int | N
     roots = {"src": staging, "torch": tc.torch_include, "cutlass": tc.cutlass}
     for p in tc.patches:
         patchmod.apply(p, roots, overlay)
+    if hasattr(tc.cross, "prepare"):  # a Windows build on Linux: its stand-in import libraries
+        tc.cross.prepare(staging, profile, overlay, tc.cutlass, log=log)
     config = build_config(tc, matrix, overlay, jobs, index_url=record_index_url(raw_dir.parent.parent))
     cfg_path = staging / "build" / "sageattn3-build-config.json"
     cfg_path.parent.mkdir(parents=True, exist_ok=True)

@@ -68,6 +68,18 @@ def check_verify_pythons(targets: list[Target], matrix: Matrix, pythons: list[st
         find_python(py)
 
 
+def _refuse_windows_here(targets: list[Target]) -> None:
+    """A Windows target asked of this Linux machine is built under wine: refuse it before
+    anything runs (exit 2) when that cannot work here, saying what to install."""
+    from ci.resolve import is_windows_on_linux
+    from ci.windows_build import windows_blockers
+
+    for t in targets:
+        reasons = windows_blockers(t) if is_windows_on_linux(t.os) else []
+        if reasons:
+            raise ToolchainError(f"{t.id} cannot be built on this machine: {'; '.join(reasons)}")
+
+
 def cmd_build_wheels(args: argparse.Namespace) -> int:
     from ci.toolchain import sccache_server_scope
 
@@ -87,6 +99,7 @@ def _build_wheels(args: argparse.Namespace) -> int:
         return 0
     if args.target:
         targets = [matrix.target(i) for i in args.target]
+        _refuse_windows_here(targets)
     elif args.all_local:
         targets = []
         for t in matrix.targets:
@@ -129,7 +142,9 @@ def _build_wheels(args: argparse.Namespace) -> int:
             build_test_wheel(t, matrix, Path(args.dist))
         return 0
     pythons = args.verify_python or ["%d.%d" % sys.version_info[:2]]
-    check_verify_pythons(targets, matrix, pythons)
+    from ci.resolve import is_windows_on_linux
+
+    check_verify_pythons([t for t in targets if not is_windows_on_linux(t.os)], matrix, pythons)
     runs = build_wheels(targets, matrix, Path(args.dist), verify_pythons=pythons, skip_verify=args.no_verify,
                         force_patches=tuple(args.force_patch or ()))
     return 1 if any(r.error for r in runs) else 0

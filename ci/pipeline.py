@@ -91,6 +91,10 @@ def run_target(target: Target, matrix: Matrix, dist: Path, *, verify_pythons: li
                 indexmod.write_index([rec], tagged_dir, vindex)
                 if is_cross(target.os):  # another machine's wheel: its Python under qemu-user
                     run.verify = verify_emulated(rec, target, matrix, tagged_dir / rec.wheel, vindex, dist, log=slog)
+                elif resolve.is_windows_on_linux(target.os):  # a Windows wheel: inspected, loaded under wine
+                    from ci.windows_build import verify_windows
+
+                    run.verify = verify_windows(rec, target, tagged_dir / rec.wheel, dist, log=slog)
                 else:
                     envs = resolve.verify_envs(rec, verify_pythons, torch_spec=resolve.torch_spec(target), log=slog)
                     run.verify = verifymod.verify(rec, vindex, envs, log=slog)

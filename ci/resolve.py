@@ -21,7 +21,7 @@ from ci import torch_source as torch_sources
 from ci.build import BuildError
 from ci.flags import compiler_for, profile_for
 from ci.record import BuildRecord
-from ci.resolved import PROOF_CUDA, PROOF_FLAVOUR_LABEL, TEST_FLAVOUR_LABEL, ResolvedToolchain, TorchEnv, VerifyEnvs
+from ci.resolved import CudaToolkit, PROOF_CUDA, PROOF_FLAVOUR_LABEL, TEST_FLAVOUR_LABEL, ResolvedToolchain, TorchEnv, VerifyEnvs
 from ci.targets import Matrix, Target
 from ci.torch_source import TorchSource
 from ci.toolchain import (
@@ -60,6 +60,13 @@ def local_blockers(target: Target, *, cross: bool = False, pytorch_index: str | 
             return crossmod.cross_blockers(target)
         how = "" if crossmod.cross_blockers(target) else f"; or cross-build it here with --target {target.id}"
         return [f"needs a {target.os.key} machine (this is {host_os_key()}); the release pipeline builds it{how}"]
+    if is_windows_on_linux(target.os):
+        from ci.windows_build import windows_blockers
+
+        if cross:
+            return windows_blockers(target)
+        how = "" if windows_blockers(target) else f"; or build it here under wine with --target {target.id}"
+        return [f"needs a {target.os.key} machine (this is {host_os_key()}); the release pipeline builds it{how}"]
     if target.os.key != host_os_key():
         reasons.append(f"needs a {target.os.key} machine (this is {host_os_key()}); the release pipeline builds it")
     unreachable = torch_sources.unreachable_reason(target, pytorch_index)
@@ -71,6 +78,11 @@ def local_blockers(target: Target, *, cross: bool = False, pytorch_index: str | 
         except ToolchainError:
             reasons.append(f"needs a CUDA {target.cuda} toolkit (NVIDIA's installer; not on PyPI): set CUDA_HOME")
     return reasons
+
+
+def is_windows_on_linux(target_os) -> bool:
+    """A Windows target asked of this Linux machine: built here under wine (``ci.windows_build``)."""
+    return target_os.platform == "windows" and sys.platform.startswith("linux")
 
 
 def build_python(target: Target) -> str:
@@ -127,6 +139,17 @@ def resolve_toolchain(target: Target, matrix: Matrix, *, force_patches: tuple[st
         return ResolvedToolchain(target, profile, chosen, cuda, env, cross.compiler.banner,
                                  tuple(compiler_launcher()), cutlass_include(), flavour, cross,
                                  tuple(sccache_env().items()))
+    if is_windows_on_linux(target.os):
+        from ci.windows_build import resolve_windows_cross
+
+        if proof:
+            raise BuildError(f"{target.id}: the proof flavour is for this machine's own targets")
+        win = resolve_windows_cross(target, profile)
+        cuda = CudaToolkit(win.tc.cuda.version, win.tc.cuda.home, "pypi (win_amd64 wheels)", platform="windows")
+        env = crossmod.build_env(build_python(target), win)
+        flavour = TEST_FLAVOUR_LABEL if mma_model else "release"
+        return ResolvedToolchain(target, profile, chosen, cuda, env, win.tc.msvc.banner, (), cutlass_include(),
+                                 flavour, win)
     env = torch_sources.torch_env_for(build_python(target), torch_spec(target))
     if env.torch_cuda != target.cuda:
         raise ToolchainError(

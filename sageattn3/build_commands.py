@@ -122,6 +122,24 @@ def find_msvc_tools(env: Mapping[str, str]) -> tuple[str, str]:
         "environment (vcvars64.bat, or `python -m ci.cibw msvc-env` on a runner)")
 
 
+def wine_path(path: str | PurePath) -> PureWindowsPath:
+    """An absolute path of a Linux machine as programs under wine see it (wine maps ``Z:`` to
+    ``/``): how a Windows build run on Linux names its files to cl.exe, nvcc.exe and link.exe."""
+    posix = PurePosixPath(path)
+    if not posix.is_absolute():
+        raise BuildCommandError(f"wine_path needs an absolute path, got {str(path)!r}")
+    return PureWindowsPath("Z:\\", *posix.parts[1:])
+
+
+def host_path(path: str | PurePath) -> PurePosixPath:
+    """The inverse of :func:`wine_path` (a ``Z:`` path back to the Linux one); any other path is
+    taken as relative to the build's working directory."""
+    win = PureWindowsPath(path)
+    if win.drive.upper() == "Z:":
+        return PurePosixPath("/", *win.parts[1:])
+    return PurePosixPath(*win.parts)
+
+
 def translation_units(profile: dict, files: Iterable[str]) -> list[str]:
     """What a build compiles, from the payload's ``csrc`` files (posix paths relative to the
     payload): every ``.cu`` (torch-free kernels) plus exactly the one torch-facing unit the

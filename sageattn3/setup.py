@@ -125,6 +125,9 @@ class CudaBuildExt(build_ext):
         # and Python headers from its sysroot; nvcc stays this machine's, the host compiler is the
         # profile's cross g++. Everything else is the native path.
         cross = cfg.get("cross")
+        # A Windows build on Linux (the cross block's "wine"): the same MSVC commands, run by the
+        # wine loader, with every absolute path as wine names it (Z:\...).
+        wine = (cross or {}).get("wine")
         if cross:
             torch_dir, machine = Path(cross["torch_dir"]), cross["machine"]
             cuda_root, python_include = Path(cross["cuda_root"]), Path(cross["python_include"])
@@ -136,7 +139,8 @@ class CudaBuildExt(build_ext):
         # Linux: every include root by a path relative to this directory (the compilers' cwd), so
         # no build-machine path reaches the binary (__FILE__ in headers) and the compile
         # commands are the same wherever the payload is staged.
-        root = _relative_roots if style == "gcc" else (lambda name, path: path)
+        # A Windows build on Linux (wine) too: cl.exe and nvcc.exe then name no path of this machine.
+        root = _relative_roots if style == "gcc" or wine else (lambda name, path: path)  # noqa: E731
         overlay = cfg.get("include_overlay")
         includes = bc.include_dirs(
             style, csrc=root("csrc", HERE / "csrc"), torch_dir=root("torch", torch_dir),
@@ -147,26 +151,35 @@ class CudaBuildExt(build_ext):
         )
         if cross:  # what nvcc adds by itself natively: CCCL, then nvcc's own (fatbinary) headers
             includes += [root("cuda", cuda_root) / "include" / "cccl", root("nvcc", cuda_home) / "include"]
-        includes = [d for d in includes if (HERE / d).is_dir()]  # e.g. targets/<arch>-linux: NVIDIA's layout only
+        here = (lambda d: HERE / bc.host_path(d)) if wine else (lambda d: HERE / d)
+        includes = [d for d in includes if here(d).is_dir()]  # e.g. targets/<arch>-linux: NVIDIA's layout only
+        if wine:  # the toolkit as the Windows programs name it (the factory's drive mapping)
+            cuda_home = bc.PureWindowsPath(wine["cuda_home"])
         env = {**os.environ, **bc.build_environment(prof, cuda_home)}
-        if style == "msvc":  # absolute cl.exe and link.exe of the developer environment
+        run_prefix: list[str] = []
+        if wine:
+            env.update(wine["env"])
+            run_prefix = [wine["loader"]]
+            cxx, linker = wine["cl"], wine["link"]
+        elif style == "msvc":  # absolute cl.exe and link.exe of the developer environment
             try:
                 cxx, linker = bc.find_msvc_tools(env)
             except bc.BuildCommandError as e:
                 sys.exit(f"sageattn3: {e}")
         else:
             cxx, linker = prof.get("host_compiler") or os.environ.get("CXX"), None
-        tools = bc.tools(style, cuda_home, cxx=cxx, linker=linker, launcher=cfg.get("launcher") or ())
+        tools = bc.tools(style, cuda_home, cxx=cxx, linker=linker, launcher=() if wine else cfg.get("launcher") or ())
         # Objects by paths relative to HERE, where every command runs (setup.py may run elsewhere).
         objdir = Path(os.path.relpath(Path(self.build_temp).resolve(), HERE)) / "obj"
         jobs = int(cfg.get("jobs") or os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
 
         def compile_one(src: str) -> str:
             obj = bc.object_path(style, objdir, src)
-            (HERE / obj).parent.mkdir(parents=True, exist_ok=True)
+            here(obj).parent.mkdir(parents=True, exist_ok=True)
             cmd = bc.compile_command(tools, prof, src, obj, includes)
             print(" ".join(cmd), flush=True)
-            res = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True)
+            res = subprocess.run([*run_prefix, *cmd], cwd=HERE, env=env, capture_output=True, text=True,
+                                 errors="replace")
             if res.returncode != 0:
                 raise RuntimeError(f"compiling {src} failed ({res.returncode}):\n{res.stdout}{res.stderr}")
             if res.stderr.strip():
@@ -191,12 +204,26 @@ class CudaBuildExt(build_ext):
         # setuptools names the module: _C.abi3.so on Linux, _C.pyd on Windows (abi3 or not).
         out = Path(self.get_ext_fullpath(ext.name)).resolve()
         out.parent.mkdir(parents=True, exist_ok=True)
-        lib_dirs = bc.library_dirs(style, torch_dir=torch_dir, cuda_home=cuda_root,
-                                   python_prefix=sys.base_exec_prefix, machine=machine)
-        link = bc.link_command(tools, prof, objects, out, [d for d in lib_dirs if Path(d).is_dir()],
+        python_prefix = Path(cross["python_prefix"]) if cross and cross.get("python_prefix") else sys.base_exec_prefix
+        lroot = (lambda name, path: bc.wine_path(path)) if wine else (lambda name, path: path)  # noqa: E731
+        lib_dirs = bc.library_dirs(style, torch_dir=lroot("torch", torch_dir), cuda_home=lroot("cuda", cuda_root),
+                                   python_prefix=lroot("python", python_prefix), machine=machine)
+        # Import libraries made for DLLs the build machine lacks (a Windows build on Linux: the
+        # CUDA-side torch DLLs and python3.dll; the build record names each), searched last.
+        lib_dirs += [lroot("standins", Path(d)) for d in (cross or {}).get("standin_lib_dirs", [])]
+        link = bc.link_command(tools, prof, objects, lroot("out", out), [d for d in lib_dirs if here(d).is_dir()],
                                implib_dir=objdir)
         print(" ".join(link), flush=True)
-        subprocess.run(link, cwd=HERE, env=env, check=True)
+        res = subprocess.run([*run_prefix, *link], cwd=HERE, env=env, capture_output=True, text=True, errors="replace")
+        print(res.stdout + res.stderr, flush=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"linking {out.name} failed ({res.returncode})")
+
+    def get_ext_filename(self, ext_name: str) -> str:
+        # A Windows build on Linux: setuptools would name the module after this Python (.so).
+        if (cfg.get("cross") or {}).get("wine"):
+            return os.path.join(*ext_name.split(".")) + ".pyd"
+        return super().get_ext_filename(ext_name)
 
 
 def python_requires(cfg: dict) -> str:

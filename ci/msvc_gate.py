@@ -1,0 +1,282 @@
+"""The Windows compile gate, with the real compilers: MSVC 14.44's ``cl.exe`` and CUDA's
+``nvcc.exe`` under wine (``ci.wine``), against each Windows torch line's own headers (PyPI's
+``win_amd64`` torch wheel of the line's build version).
+
+Three checks, each a real compile whose output decides:
+
+- **units** (every Windows torch line): the torch-facing unit the line's Windows wheels use
+  (classic for 2.7-2.9, stable from the floor) compiled by ``cl.exe`` with the Windows target's
+  flag profile. The classic unit needs ``c10/cuda/impl/cuda_cmake_macros.h``, which only CUDA
+  builds of torch generate and PyPI's Windows torch is a CPU build: that one header is taken
+  from the same release's Linux CUDA wheel (a ``#define`` or two, no platform content).
+- **C2719** (the MSVC pointer-param patch): ``csrc/attn/attn_launch.cu`` through ``nvcc.exe``
+  with ``cl.exe`` as host compiler and the Windows profile; unpatched it must fail with
+  ``error C2719`` (the 128-aligned TMA descriptor passed by value), patched it must compile.
+- **C2872** (the torch header problem reported from ``compiled_autograd.h``): a ``.cu`` that
+  includes that header, through ``nvcc.exe``, per line, with the profile's flags and without
+  ``USE_CUDA``/``/Zc:preprocessor``: whether ``error C2872`` occurs, from the compiler's output.
+
+``--ptx-only`` compiles device code to PTX only (no ptxas): the host side, where C2719 lives,
+is compiled in full; the suite uses it to stay within CI's time. ``--record`` writes the results
+into ``ci/evidence.json`` (``windows_gate``), naming the commit they were made from.
+
+    python -m ci.msvc_gate [--line 2.9 ...] [--c2719] [--c2872] [--ptx-only] [--record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ci import patches as patchmod
+from ci import wine as winemod
+from ci.flags import PAYLOAD, profile_for
+from ci.targets import Matrix, MatrixError, Target
+from ci.toolchain import ToolchainError, cutlass_include
+
+ATTN_UNIT = "csrc/attn/attn_launch.cu"
+PATCH = "msvc-pointer-params"
+CUDA = "13.0"  # the CUDA of the Windows toolkit on PyPI that compiles the gate (12.x has no nvcc.exe there)
+CMAKE_MACROS = "c10/cuda/impl/cuda_cmake_macros.h"
+C2872_PROBE = "#include <torch/csrc/dynamo/compiled_autograd.h>\n__global__ void sageattn3_probe() {}\n"
+
+
+class MsvcGateError(RuntimeError):
+    pass
+
+
+@dataclass
+class CompileResult:
+    what: str
+    ok: bool
+    seconds: float
+    errors: list[str]  # the compiler's error lines (codes and messages), at most 10
+    notes: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _bc():
+    from ci.cibw_job import payload_build_commands
+
+    return payload_build_commands()
+
+
+def _errors(text: str) -> list[str]:
+    return [ln.strip() for ln in text.splitlines() if re.search(r"\berror\b", ln)][:10]
+
+
+def _ws(p) -> str:
+    return str(winemod.z_path(p))
+
+
+def windows_targets(matrix: Matrix, line: str) -> list[Target]:
+    return [t for t in matrix.targets if t.os.key == "windows-amd64" and line in t.torch_lines]
+
+
+def _line_python(matrix: Matrix, line: str) -> str:
+    return matrix.line(line).python[0]
+
+
+def cmake_macros_overlay(version: str, log=print) -> Path:
+    """A folder holding only ``c10/cuda/impl/cuda_cmake_macros.h`` of torch ``version``, taken
+    from its Linux x86_64 CUDA wheel on PyPI (what the classic unit needs that a CPU build lacks)."""
+    from ci.compile_gate import torch_headers
+
+    dest = winemod.windows_root() / "overlays" / f"torch-{version}"
+    header = dest / CMAKE_MACROS
+    if not header.exists():
+        src = torch_headers(version, log=log) / CMAKE_MACROS
+        if not src.exists():
+            raise MsvcGateError(f"torch {version}'s Linux CUDA wheel has no {CMAKE_MACROS}")
+        header.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, header)
+    return dest
+
+
+def _tools(tc: winemod.WindowsToolchain, bc):
+    return bc.tools("msvc", _ws(tc.cuda.home), cxx=_ws(tc.msvc.tool("cl.exe")), linker=_ws(tc.msvc.tool("link.exe")))
+
+
+def _includes(tc: winemod.WindowsToolchain, bc, csrc: Path, torch_dir: Path, overlay: Path | None) -> list:
+    return bc.include_dirs("msvc", csrc=_ws(csrc), torch_dir=_ws(torch_dir), torch_subdirs=["include"],
+                           cuda_home=_ws(tc.cuda.home), python_include=_ws(tc.python.include),
+                           cutlass=_ws(cutlass_include()), overlay=_ws(overlay) if overlay else None)
+
+
+def _run_compile(tc: winemod.WindowsToolchain, bc, profile: dict, root: Path, unit: str, includes: list,
+                 what: str) -> CompileResult:
+    with tempfile.TemporaryDirectory(prefix="sageattn3-msvc-gate-") as tmp:
+        cmd = bc.compile_command(_tools(tc, bc), profile, unit, _ws(Path(tmp) / "unit.obj"), includes)
+        env = {**tc.msvc.environ(), **bc.build_environment(profile, _ws(tc.cuda.home))}
+        t0 = time.monotonic()
+        proc = tc.wine.run(cmd[0], cmd[1:], env=env, cwd=root)
+        out = proc.stdout + proc.stderr
+    return CompileResult(what, proc.returncode == 0, round(time.monotonic() - t0, 1), _errors(out))
+
+
+# -- the torch-facing units ---------------------------------------------------------------
+
+def unit_case(matrix: Matrix, line: str) -> tuple[Target, dict, str]:
+    """The Windows target standing for ``line``, its profile, and the torch it is checked against
+    (the line's build version)."""
+    targets = windows_targets(matrix, line)
+    if not targets:
+        raise MsvcGateError(f"torch {line}: no Windows target of the matrix serves it")
+    target = targets[0]
+    return target, profile_for(target, matrix.stable_abi_floor), matrix.line(line).build_version
+
+
+def compile_torch_unit(matrix: Matrix, line: str, tc: winemod.WindowsToolchain, log=print) -> CompileResult:
+    target, profile, version = unit_case(matrix, line)
+    torch = winemod.windows_torch(version, _line_python(matrix, line))
+    overlay = cmake_macros_overlay(version, log=log) if profile["torch_unit"].endswith("classic.cpp") else None
+    bc = _bc()
+    res = _run_compile(tc, bc, profile, PAYLOAD, profile["torch_unit"],
+                       _includes(tc, bc, PAYLOAD / "csrc", torch.torch_dir, overlay),
+                       f"torch {line}: {profile['torch_unit']} by cl.exe against torch {torch.version} (win_amd64) headers")
+    if overlay:
+        res.notes = f"{CMAKE_MACROS} from torch {version}'s Linux x86_64 CUDA wheel (PyPI); the rest from its win_amd64 wheel"
+    log(f"[msvc-gate] {'ok    ' if res.ok else 'FAILED'} {res.what} ({res.seconds} s)"
+        + "".join(f"\n             {e}" for e in res.errors[:3]))
+    return res
+
+
+# -- C2719: the attention unit with and without the patch -----------------------------------
+
+def _stage_attn(dest: Path, patched: bool) -> None:
+    shutil.copytree(PAYLOAD / "csrc", dest / "csrc")
+    if patched:
+        (p,) = [p for p in patchmod.load_manifest() if p.name == PATCH]
+        overlay = dest / "overlay"
+        patchmod.apply(p, {"src": dest}, overlay)  # checks the pinned hash first: drift stops here
+
+
+def c2719(matrix: Matrix, tc: winemod.WindowsToolchain, *, ptx_only: bool, log=print) -> dict[str, CompileResult]:
+    """The attention unit through nvcc.exe + cl.exe with the Windows stable target's profile,
+    unpatched and patched."""
+    target = next(t for t in matrix.targets if t.os.key == "windows-amd64" and t.variant.stable and t.cuda == CUDA)
+    profile = profile_for(target, matrix.stable_abi_floor)
+    if ptx_only:
+        profile = {**profile, "nvcc_flags": [f for f in profile["nvcc_flags"] if not f.startswith("-gencode=")]
+                   + ["-gencode=arch=compute_120a,code=compute_120a"]}
+    torch = winemod.windows_torch(target.build_torch)
+    bc = _bc()
+    out = {}
+    for patched in (False, True):
+        with tempfile.TemporaryDirectory(prefix="sageattn3-c2719-") as tmp:
+            root = Path(tmp)
+            _stage_attn(root, patched)
+            res = _run_compile(tc, bc, profile, root, ATTN_UNIT,
+                               _includes(tc, bc, root / "csrc", torch.torch_dir, None),
+                               f"{ATTN_UNIT} {'with' if patched else 'without'} {PATCH} (nvcc.exe {tc.cuda.version}, "
+                               f"{'PTX only' if ptx_only else ', '.join(profile['archs'])})")
+        log(f"[msvc-gate] {'compiles' if res.ok else 'fails   '} {res.what} ({res.seconds} s)"
+            + "".join(f"\n             {e}" for e in res.errors[:2]))
+        out["patched" if patched else "unpatched"] = res
+    return out
+
+
+# -- C2872: torch's compiled_autograd.h under nvcc.exe ------------------------------------
+
+def c2872(matrix: Matrix, line: str, tc: winemod.WindowsToolchain, log=print) -> dict[str, CompileResult]:
+    """Whether ``error C2872`` occurs when nvcc.exe compiles a .cu including
+    ``compiled_autograd.h`` of ``line``'s Windows torch: with the profile's flags (USE_CUDA,
+    /Zc:preprocessor), and without both."""
+    target, profile, version = unit_case(matrix, line)
+    torch = winemod.windows_torch(version, _line_python(matrix, line))
+    overlay = cmake_macros_overlay(version, log=log)
+    bc = _bc()
+    base = {**profile, "nvcc_flags": [f for f in profile["nvcc_flags"] if not f.startswith("-gencode=")]
+            + ["-gencode=arch=compute_120a,code=compute_120a"]}
+    plain = {**base, "defines": [d for d in base["defines"] if d != "USE_CUDA" and not d.startswith("TORCH_TARGET")],
+             "nvcc_flags": [f for f in base["nvcc_flags"] if f != "-Xcompiler=/Zc:preprocessor"]}
+    base = {**base, "defines": [d for d in base["defines"] if not d.startswith("TORCH_TARGET")]}
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="sageattn3-c2872-") as tmp:
+        root = Path(tmp)
+        (root / "csrc").mkdir()
+        (root / "probe.cu").write_text(C2872_PROBE)
+        for name, prof in (("factory flags", base), ("without USE_CUDA and /Zc:preprocessor", plain)):
+            res = _run_compile(tc, bc, prof, root, "probe.cu", _includes(tc, bc, root / "csrc", torch.torch_dir, overlay),
+                               f"torch {line}: compiled_autograd.h in a .cu by nvcc.exe, {name}")
+            res.notes = "C2872 occurs" if any("C2872" in e for e in res.errors) else "no C2872"
+            log(f"[msvc-gate] {res.notes:13s} {res.what} ({res.seconds} s)")
+            out[name] = res
+    return out
+
+
+# -- the CLI ---------------------------------------------------------------------------
+
+def windows_lines(matrix: Matrix) -> list[str]:
+    return [tl.line for tl in matrix.torch if windows_targets(matrix, tl.line)]
+
+
+def record(results: dict, path: Path | None = None) -> Path:
+    from ci import coverage
+    from ci.build import source_commit
+
+    path = path or coverage.EVIDENCE_FILE
+    data = coverage.load_evidence(path)
+    gate = data.setdefault("windows_gate", {})
+    commit = source_commit()
+    for key, value in results.items():
+        gate[key] = {**value, "source_commit": commit, "built_on": "linux-x86_64 under wine"}
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ci.msvc_gate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--line", action="append", help="only this Windows torch line (repeatable; default: all)")
+    ap.add_argument("--c2719", action="store_true", help="also compile the attention unit unpatched and patched")
+    ap.add_argument("--c2872", action="store_true", help="also probe compiled_autograd.h under nvcc.exe per line")
+    ap.add_argument("--no-units", action="store_true", help="skip the torch-facing units")
+    ap.add_argument("--ptx-only", action="store_true", help="C2719: device code to PTX only (the host side in full)")
+    ap.add_argument("--record", action="store_true", help="write the results into ci/evidence.json")
+    a = ap.parse_args(argv)
+    try:
+        matrix = Matrix.load()
+        lines = a.line or windows_lines(matrix)
+        unknown = sorted(set(lines) - set(windows_lines(matrix)))
+        if unknown:
+            raise MsvcGateError(f"torch line(s) {unknown}: no Windows target of the matrix serves them "
+                                f"(Windows lines: {', '.join(windows_lines(matrix))})")
+        tc = winemod.resolve_windows(CUDA, matrix.line(lines[-1]).build_version)
+        results: dict[str, dict] = {}
+        failed = []
+        if not a.no_units:
+            for line in lines:
+                res = compile_torch_unit(matrix, line, tc)
+                results[f"unit torch{line}"] = res.to_dict()
+                failed += [] if res.ok else [res.what]
+        if a.c2719:
+            both = c2719(matrix, tc, ptx_only=a.ptx_only)
+            results["c2719"] = {k: v.to_dict() for k, v in both.items()}
+            if both["unpatched"].ok or not any("C2719" in e for e in both["unpatched"].errors):
+                failed.append(f"{ATTN_UNIT} without the patch did not fail with C2719")
+            if not both["patched"].ok:
+                failed.append(f"{ATTN_UNIT} with the patch does not compile")
+        if a.c2872:
+            for line in lines:
+                results[f"c2872 torch{line}"] = {k: v.to_dict() for k, v in c2872(matrix, line, tc).items()}
+        if a.record:
+            print(f"evidence: {record(results)}")
+    except (MsvcGateError, ToolchainError, MatrixError, patchmod.PatchError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for f in failed:
+        print(f"FAILED: {f}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
