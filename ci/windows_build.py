@@ -314,6 +314,7 @@ class LoadReport:
     output: str
     real_dlls: list[str]
     standin_dlls: list[str]
+    unresolved: list[str] = field(default_factory=list)  # "dll!name" the DLL beside it does not export
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -328,17 +329,40 @@ def load_module(tc: winemod.WindowsToolchain, module: Path, standin_symbols: dic
         work = Path(tmp)
         shutil.copy2(module, work / module.name)
         real = []
-        for d in (tc.torch.torch_dir / "lib", tc.cuda.runtime_dll_dir):
+        for d in (tc.torch.torch_dir / "lib", tc.cuda.runtime_dll_dir, winemod.vc_runtime()):
             for dll in d.glob("*.dll"):
-                (work / dll.name).symlink_to(dll)
-                real.append(dll.name)
+                if not (work / dll.name).exists():  # torch's own copy of a runtime DLL comes first
+                    (work / dll.name).symlink_to(dll)
+                    real.append(dll.name)
         standins = []
         for lib, names in standin_symbols.items():
             _standin_dll(tc, lib, names, {n for n in names if exports.get(n)}, work)
             standins.append(f"{lib}.dll")
-        proc = tc.wine.run(loader, [module.name, "PyInit__C"], cwd=work, timeout=900)
-    out = (proc.stdout + proc.stderr).strip()
-    return LoadReport(proc.returncode == 0 and "found" in proc.stdout, out, sorted(real), standins)
+        # Windows refuses a module whose import a DLL does not export; wine binds a stub instead
+        # and says so on its module channel ("No implementation for DLL.name"): both count.
+        proc = tc.wine.run(loader, [module.name, "PyInit__C"], cwd=work, timeout=900,
+                           env={"WINEDLLOVERRIDES": f"{winemod.WINE_ENV['WINEDLLOVERRIDES']};{winemod.VC_RUNTIME_OVERRIDES}",
+                                "WINEDEBUG": "-all,warn+module"})
+        unresolved = unresolved_imports(work / module.name, work)
+    stubbed = re.findall(r"No implementation for (\S+?) imported from", proc.stderr)
+    unresolved = sorted(set(unresolved) | {s.replace(".", "!", 1) for s in stubbed})
+    out = proc.stdout.strip() + (f"; unresolved imports: {', '.join(unresolved)}" if unresolved else "")
+    return LoadReport(proc.returncode == 0 and "found" in proc.stdout and not unresolved, out, sorted(real), standins,
+                      unresolved)
+
+
+def unresolved_imports(module: Path, dll_dir: Path) -> list[str]:
+    """``dll!name`` for every name ``module`` imports from a DLL in ``dll_dir`` that the DLL
+    does not export (read from both PE files); DLLs not in ``dll_dir`` (the OS's) are not judged."""
+    have = {p.name.lower(): p for p in dll_dir.iterdir() if p.suffix.lower() == ".dll"}
+    missing = []
+    for dll, names in pemod.read_pe(module).imports.items():
+        path = have.get(dll.lower())
+        if path is None:
+            continue
+        exports = set(pemod.read_pe(path.resolve()).exports)
+        missing += [f"{dll}!{n}" for n in names if not n.startswith("#") and n not in exports]
+    return missing
 
 
 # -- one Windows build on Linux, resolved -------------------------------------------------

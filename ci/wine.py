@@ -446,6 +446,32 @@ def windows_python() -> WindowsPython:
     return WindowsPython(root, info["version"])
 
 
+# -- Microsoft's C++ runtime DLLs (for the load check) --------------------------------------
+
+VC_RUNTIME = "msvc-runtime==14.44.35112"  # PyPI: the VC++ 2015-2022 redistributable's DLLs
+# Load them, not wine's own builtin versions, where a module asks for them.
+VC_RUNTIME_OVERRIDES = "vcruntime140,vcruntime140_1,vcruntime140_threads,msvcp140,msvcp140_1,msvcp140_2=n,b"
+
+
+def vc_runtime() -> Path:
+    """The VC++ redistributable's DLLs (vcruntime140*.dll, msvcp140*.dll), from PyPI's
+    msvc-runtime wheel, unpacked once: torch's DLLs import vcruntime140_threads.dll, which wine
+    does not provide, and the load check should resolve against Microsoft's runtime anyway."""
+    root = windows_root() / f"vcredist-{VC_RUNTIME.split('==')[1]}"
+
+    def fill(tmp: Path) -> dict:
+        with tempfile.TemporaryDirectory(prefix="sageattn3-vcredist-") as dl:
+            (wheel,) = pip_download([VC_RUNTIME], Path(dl), "the VC++ runtime DLLs (msvc-runtime)", platform="win_amd64")
+            n = _unzip(wheel, tmp, f"msvc_runtime-{VC_RUNTIME.split('==')[1]}.data/data/Scripts/",
+                       lambda rel: rel.lower().endswith(".dll") and "/" not in rel)
+        if not (tmp / "vcruntime140_threads.dll").exists():
+            raise ToolchainError(f"PyPI's {VC_RUNTIME} holds no vcruntime140_threads.dll ({n} DLLs)")
+        return {"package": VC_RUNTIME, "dlls": n}
+
+    _provision(root, fill)
+    return root
+
+
 # -- the whole Windows toolchain ---------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -528,14 +528,15 @@ int with_dtype(DType dtype, F&& f) {
 template <typename T>
 int launch_all(const SampleSrc& sa, const SampleSrc& sb, const SampleMeans& f, int64_t mg, const RowsJob& ja,
                const RowsJob& jb, int64_t D, bool rotate, cudaStream_t stream) {
+  // decltype(p)::value at each use, not a constexpr local: MSVC 14.44 does not see such a local
+  // inside the nested lambdas (error C3861).
   return with_passes(D, [&](auto p) {
-    constexpr int P = decltype(p)::value;
-    return with_option<P>(rotate, [&](auto r) {
-      int e = launch_sums_p<T, P>(sa, sb, D, stream);
+    return with_option<decltype(p)::value>(rotate, [&](auto r) {
+      int e = launch_sums_p<T, decltype(p)::value>(sa, sb, D, stream);
       if (e == cudaSuccess && mg > 0) e = launch_means(f, mg, D, rotate, stream);
       if (e != cudaSuccess) return e;
-      return with_option<P>(ja.search || jb.search, [&](auto sr) {
-        return launch_rows_p<T, P, decltype(r)::value, decltype(sr)::value>(ja, jb, D, stream);
+      return with_option<decltype(p)::value>(ja.search || jb.search, [&](auto sr) {
+        return launch_rows_p<T, decltype(p)::value, decltype(r)::value, decltype(sr)::value>(ja, jb, D, stream);
       });
     });
   });
