@@ -115,6 +115,10 @@ def test_without_a_token_the_input_is_still_checked_first(gh, wheels, capsys, mo
     assert_refused(rc, err, "--tag 'v9.9.9'")
     rc, out, err = publish(gh, capsys, "--tag", "v0.1.0", "--repo", FULL, "--wheels", str(wheels))
     assert rc == 2 and "GITHUB_TOKEN" in err and gh.count() == 0  # bad input: the environment must change
+    # a dry run too: a usage error, before any (unauthenticated) request
+    rc, out, err = publish(gh, capsys, "--tag", "v0.1.0", "--repo", FULL, "--wheels", str(wheels), "--dry-run")
+    assert_refused(rc, err, "no GitHub token", "GITHUB_TOKEN or GH_TOKEN")
+    assert gh.count() == 0 and "plan for release" not in out
 
 
 # -- wheels that disagree with their beside-records -----------------------------------------

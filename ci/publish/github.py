@@ -47,8 +47,8 @@ from typing import Callable
 
 from packaging.version import InvalidVersion, Version
 
-from ci.publish._net import (InputError, LineLog, PublishError, RetryPolicy, Throttle, check_repo, classify, retrying,
-                             token_from_env)
+from ci.publish._net import (TOKEN_VARS, InputError, LineLog, PublishError, RetryPolicy, Throttle, check_repo, classify,
+                             retrying)
 from ci.record import BuildRecord, RecordError, load_records, record_path, sha256_of
 
 SUMS = "SHA256SUMS"
@@ -503,8 +503,9 @@ class ReleasePublisher:
     def run(self) -> Summary:
         o = self.opts
         local = self.validate()
-        if not o.dry_run and not self.client.has_token:
-            token_from_env(required=True)  # raises: says which variables to set
+        if not self.client.has_token:  # a dry run too: unauthenticated, it would not see drafts
+            raise InputError(f"no GitHub token: set {' or '.join(TOKEN_VARS)} in the environment (a token with "
+                             "contents: write on the repository; --dry-run reads the release with it, drafts included)")
         if o.dry_run:
             release = self.find_release()
             assets = self.list_assets(release) if release else {}
