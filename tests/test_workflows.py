@@ -387,18 +387,13 @@ def test_msvc_env_diff_keeps_only_what_vcvars_changed():
 # -- report and gather (the publish job's gate) --------------------------------------------
 
 def _fake_artifact(artifacts: Path, entry: dict, *, target: str | None = None) -> Path:
-    from ci.record import BuildRecord, record_path
+    from conftest_publish import sage_wheel
 
     d = artifacts / f"wheel-{entry['id']}"
-    d.mkdir(parents=True)
-    wheel = d / f"sageattn3-0.1.0+{entry['variant']}-cp310-abi3-manylinux_2_28_x86_64.whl"
-    with zipfile.ZipFile(wheel, "w") as z:
-        z.writestr("sageattn3/__init__.py", entry["id"])
-    rec = BuildRecord(target=target or entry["id"], variant=entry["variant"], version=f"0.1.0+{entry['variant']}",
-                      requires_torch="torch>=2.10", requires_python=">=3.10", torch_build=entry["torch"],
-                      cuda=entry["cuda"], archs=tuple(entry["archs"].split()), os=entry["os"], toolchain={},
-                      flags={}, patches=(), source_commit="0" * 40).with_wheel(wheel)
-    record_path(wheel).write_text(rec.to_json())
+    platform = {"linux-x86_64": "manylinux_2_28_x86_64", "linux-aarch64": "manylinux_2_28_aarch64",
+                "windows-amd64": "win_amd64"}[entry["os"]]
+    wheel, _ = sage_wheel(d, entry["variant"], "0.1.0", platform=platform, os_key=entry["os"],
+                          target=target or entry["id"], payload=entry["id"].encode())
     return wheel
 
 

@@ -48,6 +48,7 @@ from packaging.version import Version
 from ci.publish._net import InputError, PublishError, Redactor
 from ci.record import BuildRecord, RecordError, load_records
 from ci.variant import Variant
+from ci.wheel_hygiene import UnsafeWheel, check_distinct
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,10 @@ def upload_index(opts: UploadOptions, log: Callable[[str], None] = print) -> int
 
     have = existing_files(opts.simple_url or simple_url_for(opts.repository_url), "sageattn3",
                           send_auth=not is_pypi(opts.repository_url))
+    try:  # a file the server has under another name with the same version and tag: pip takes either
+        check_distinct([*have, *(f.name for f in files)], "(on the server)")
+    except UnsafeWheel as e:
+        raise InputError(f"{e}; remove it from the server first") from None
     todo, skipped = [], 0
     for f in files:
         if f.name in have:

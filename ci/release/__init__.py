@@ -42,4 +42,9 @@ REPO = Path(__file__).resolve().parent.parent.parent
 
 
 class ReleaseError(RuntimeError):
-    pass
+    """A step of the release cannot go on (exit status 1)."""
+
+
+class ReleaseInputError(ReleaseError):
+    """The step's input is refused before anything is copied or sent: an artifact whose wheel
+    is unsafe, inconsistent, or not the one its build job verified (exit status 2)."""
