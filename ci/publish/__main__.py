@@ -14,15 +14,23 @@ from ci.publish._net import (InputError, LineLog, PublishError, Redactor, RetryP
 
 
 def _retry_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--retries", type=int, default=6, help="attempts per request (default 6)")
+    ap.add_argument("--retry-budget", type=float, default=900.0, metavar="SECONDS",
+                    help="wall-clock time one request may spend waiting out rate limits (Retry-After, "
+                         "X-RateLimit-Reset) and failures before the publish stops (default 900 s; a re-run resumes)")
+    ap.add_argument("--retries", type=int, default=None,
+                    help="also stop a request after this many attempts (default: no count, only --retry-budget)")
     ap.add_argument("--backoff", type=float, default=1.0, help="first backoff in seconds, doubling (default 1)")
-    ap.add_argument("--max-wait", type=float, default=600.0, help="longest Retry-After to sleep (default 600 s)")
+    ap.add_argument("--max-wait", type=float, default=600.0,
+                    help="longest single wait the server may ask for (default 600 s)")
     ap.add_argument("--write-interval", type=float, default=float(os.environ.get("SAGEATTN3_WRITE_INTERVAL", "1.0")),
                     help="seconds between mutating requests (GitHub asks for >= 1)")
 
 
 def _policy(a) -> RetryPolicy:
-    return RetryPolicy(attempts=max(1, a.retries), backoff=a.backoff, max_wait=a.max_wait)
+    if a.retry_budget <= 0:
+        raise InputError(f"--retry-budget {a.retry_budget:g}: must be more than 0 seconds")
+    return RetryPolicy(attempts=None if a.retries is None else max(1, a.retries), backoff=a.backoff,
+                       max_wait=a.max_wait, budget=a.retry_budget)
 
 
 def _github(argv: list[str], out) -> int:
