@@ -151,17 +151,44 @@ def test_release_is_tag_triggered_never_cancelled_and_all_or_nothing():
     assert "fail-fast: false" in jobs["build"]
     assert "uses: $/.github/workflows/build-target.yml" in jobs["build"]
     assert "target: ${{ matrix.id }}" in jobs["build"] and "runner: ${{ matrix.runner }}" in jobs["build"]
-    # publish needs every build, only for full runs of a tag, and has no always(): one failed
-    # target publishes nothing, and a run of chosen targets (a narrowed plan) never publishes
+    # publish runs after every build, for full runs of a tag only (a run of chosen targets, a
+    # narrowed plan, never publishes), also when some builds failed (a partial release: gather
+    # takes the targets whose build job verified its wheel), never for a cancelled run
     assert "needs: [plan, build]" in jobs["publish"] and "always()" not in jobs["publish"]
     ifs = re.findall(r"^    if: (.+)$", jobs["publish"], flags=re.M)
-    assert ifs == ["github.ref_type == 'tag' && !inputs.targets"], ifs
+    assert ifs == ["${{ !cancelled() && needs.plan.result == 'success' && github.ref_type == 'tag' && !inputs.targets }}"], ifs
     assert re.search(r"^      targets:\n(?:        .+\n)+", text, flags=re.M)  # the input the condition reads
     assert "always()" in jobs["report"]
     pub = jobs["publish"]
     order = [pub.index(s) for s in ("nox -s gather", "actions/attest-build-provenance@",
                                      "nox -s publish", "nox -s index", "nox -s pages")]
     assert order == sorted(order), "gather -> attest -> release -> index -> pages"
+
+
+def test_each_build_job_reports_its_verified_sha256_as_a_job_output_the_publish_job_checks():
+    """Provenance (ci/release/provenance.py): build-target.yml declares one output per target
+    (exactly the generated lines), set by an always() step after collect and before the upload;
+    the publish job hands every job's outputs to gather and publish, which refuse any wheel
+    that is not the one its build job verified."""
+    from ci.release.provenance import workflow_outputs
+
+    text = (REPO / ".github" / "workflows" / "build-target.yml").read_text()
+    call, job = workflow_outputs([t.id for t in Matrix.load().targets])
+    assert "\n    outputs:\n" + "\n".join(call) + "\n\n" in text
+    assert "\n    outputs:\n" + "\n".join(job) + "\n" in _jobs(text)["build"]
+    steps = _steps(text)
+    at = {k: next(i for i, st in enumerate(steps) if f"id: {k}\n" in st) for k in ("cibuildwheel", "collect", "outcome")}
+    upload = next(i for i, st in enumerate(steps) if "name: wheel-${{ inputs.target }}" in st)
+    assert at["cibuildwheel"] < at["collect"] < at["outcome"] < upload
+    outcome = steps[at["outcome"]]
+    assert "if: always()" in outcome and "STEPS: ${{ toJSON(steps) }}" in outcome
+    assert 'python -m ci.release outcome --target "${TARGET_ID}" --steps "${STEPS}" --artifact artifact' in outcome
+    pub = _jobs((REPO / ".github" / "workflows" / "release.yml").read_text())["publish"]
+    assert pub.count("BUILD_OUTPUTS: ${{ toJSON(needs.build.outputs) }}") == 2
+    gather_cmd = next(ln for ln in pub.splitlines() if "nox -s gather" in ln)
+    publish_cmd = next(ln for ln in pub.splitlines() if "nox -s publish" in ln)
+    assert '--build-outputs "${BUILD_OUTPUTS}"' in gather_cmd and '--build-outputs "${BUILD_OUTPUTS}"' in publish_cmd
+    assert '--plan "${PLAN}"' in publish_cmd and "--allow-local-build" not in pub
 
 
 def test_build_target_runs_cibuildwheel_through_the_factory_with_a_rerunnable_cache():

@@ -33,6 +33,19 @@ def _policy(a) -> RetryPolicy:
                        max_wait=a.max_wait, budget=a.retry_budget)
 
 
+def _json_arg(value: str | None, option: str):
+    """A JSON document given inline or as @file (None stays None)."""
+    import json
+
+    if value is None:
+        return None
+    try:
+        text = Path(value[1:]).read_text(encoding="utf-8") if value.startswith("@") else value
+        return json.loads(text or "{}")
+    except (OSError, json.JSONDecodeError) as e:
+        raise InputError(f"{option}: not a JSON document or @file ({e})") from None
+
+
 def _github(argv: list[str], out) -> int:
     from ci.publish.github import DEFAULT_API, ReleaseOptions, publish_release
 
@@ -54,6 +67,13 @@ def _github(argv: list[str], out) -> int:
     ap.add_argument("--notes", default="", help="release body, for a release this run creates")
     ap.add_argument("--prerelease", action="store_true")
     ap.add_argument("--target-commitish", default=os.environ.get("GITHUB_SHA") or None)
+    ap.add_argument("--build-outputs", default=None, metavar="JSON",
+                    help="the build jobs' outputs (toJSON(needs.build.outputs), or @file): every wheel must be the one "
+                         "its build job verified (ci/release/provenance.py)")
+    ap.add_argument("--plan", default=None, metavar="JSON",
+                    help="the planned targets (or @file): those without a wheel are named in the release notes")
+    ap.add_argument("--allow-local-build", action="store_true",
+                    help="publish wheels whose build record names a local index (built outside the release pipeline)")
     _retry_args(ap)
     a = ap.parse_args(argv)
     check_api_url(a.api_url)
@@ -62,7 +82,8 @@ def _github(argv: list[str], out) -> int:
     opts = ReleaseOptions(repo=a.repo, tag=a.tag, wheels=a.wheels, api_url=a.api_url, dry_run=a.dry_run,
                           replace=a.replace, replace_published=a.replace_published, prune=a.prune, concurrency=a.concurrency, name=a.name, notes=a.notes,
                           prerelease=a.prerelease, target_commitish=a.target_commitish, retry=_policy(a),
-                          write_interval=a.write_interval)
+                          write_interval=a.write_interval, build_outputs=_json_arg(a.build_outputs, "--build-outputs"),
+                          plan=_json_arg(a.plan, "--plan"), allow_local_build=a.allow_local_build)
     # The token is required only once the input has been checked (publish_release does both).
     s = publish_release(opts, token_from_env(required=False), log=out)
     if a.dry_run:

@@ -49,6 +49,7 @@ from typing import Callable
 from ci.publish._net import (TOKEN_VARS, InputError, LineLog, PublishError, RetryPolicy, Throttle, check_repo, classify,
                              retrying)
 from ci.publish import replace as swap
+from ci.publish.notes import with_missing
 from ci.publish.release_api import SUMS, LocalAsset, _Client, _raw, assets_of, check_tag, parse_sums, sums_text
 from ci.record import RecordError, load_records
 
@@ -76,6 +77,9 @@ class ReleaseOptions:
     retry: RetryPolicy = RetryPolicy()
     write_interval: float = 1.0
     timeout: int = 60
+    build_outputs: str | dict | None = None  # the build jobs' outputs: every wheel must be one they verified
+    plan: dict | None = None  # the planned targets: those without a wheel are named in the notes
+    allow_local_build: bool = False  # publish wheels whose record names a local index
 
 
 @dataclass
@@ -110,6 +114,7 @@ class ReleasePublisher:
         self.summary = Summary(opts.tag)
         self._sums_cache: dict[str, str] | None = None
         self._sums_bytes: bytes | None = None
+        self.missing: dict[str, str] = {}  # planned targets without a wheel: id -> why
 
     # -- reading ---------------------------------------------------------------------------
     def _call(self, fn, what: str, before_retry=None):
@@ -267,7 +272,7 @@ class ReleasePublisher:
             kw = {}
             if self.opts.target_commitish:
                 kw["target_commitish"] = self.opts.target_commitish
-            r = repo.create_git_release(self.opts.tag, self.opts.name or self.opts.tag, self.opts.notes,
+            r = repo.create_git_release(self.opts.tag, self.opts.name or self.opts.tag, self.notes(self.opts.notes),
                                         draft=True, prerelease=self.opts.prerelease, **kw)
             return _raw(r)
         rel = self._call(create, f"release {self.opts.tag}: create draft", before_retry=self.find_release)
@@ -386,6 +391,12 @@ class ReleasePublisher:
         except RecordError as e:
             raise InputError(str(e)) from None
         check_tag(o.tag, records)
+        from ci.release.provenance import ProvenanceError, check_for_release
+
+        try:
+            self.missing = check_for_release(records, o.build_outputs, o.plan, o.allow_local_build)
+        except ProvenanceError as e:
+            raise InputError(str(e)) from None
         if o.concurrency < 1:
             raise InputError(f"--concurrency {o.concurrency}: must be at least 1")
         return assets_of(Path(o.wheels), records)
@@ -442,8 +453,8 @@ class ReleasePublisher:
 
         wrote = self.summary.uploaded or self.summary.replaced or self.summary.deleted
         self.verify(release, local + [sums], None if wrote else assets)
-        if release["draft"]:
-            self.publish(release)
+        if release["draft"] or self.notes(release.get("body") or "") != (release.get("body") or ""):
+            self.publish(release)  # a published release only gets its notes brought up to date
         return self.summary
 
     def verify(self, release: dict, expected: list[LocalAsset], assets: dict[str, dict] | None = None) -> None:
@@ -461,11 +472,15 @@ class ReleasePublisher:
             raise PublishError(f"release {self.opts.tag}: after uploading, {len(bad)} asset(s) are missing or differ: "
                                f"{', '.join(bad[:10])}; the release stays a draft; re-run to finish")
 
+    def notes(self, body: str) -> str:
+        """The release notes with the section naming missing targets (given a plan)."""
+        return body if self.opts.plan is None else with_missing(body, self.missing)
+
     def publish(self, release: dict) -> None:
         def go() -> dict:
             self.throttle()
             rel = self.client.release(release)
-            return _raw(rel.update_release(rel.name or self.opts.tag, rel.body or "", draft=False,
+            return _raw(rel.update_release(rel.name or self.opts.tag, self.notes(rel.body or ""), draft=False,
                                            prerelease=bool(rel.prerelease)))
 
         def landed() -> dict | None:

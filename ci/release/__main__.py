@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--build-outputs", default=None, metavar="JSON",
                    help="the build jobs' outputs (toJSON(needs.build.outputs)): every wheel must be the one its job "
                         "verified; targets whose job failed are left out and named (a partial release)")
+    sub.add_parser("workflow-outputs", help="the per-target output lines of build-target.yml (ci.release.provenance)")
     oc = sub.add_parser("outcome", help="a build job's output for the publish job: its verified wheel's sha256, "
                                         "or the step that failed (ci.release.provenance)")
     oc.add_argument("--target", required=True)
@@ -118,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  not published: {target}: {why}")
         elif a.cmd == "outcome":
             return _outcome(a)
+        elif a.cmd == "workflow-outputs":
+            from ci.release.provenance import workflow_outputs
+
+            call, job = workflow_outputs([t.id for t in Matrix.load().targets])
+            print("# on.workflow_call.outputs:\n" + "\n".join(call) + "\n# jobs.build.outputs:\n" + "\n".join(job))
         elif a.cmd == "pages":
             from ci.publish.__main__ import main as publish_main
 

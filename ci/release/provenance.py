@@ -133,3 +133,31 @@ def workflow_outputs(target_ids: list[str]) -> tuple[list[str], list[str]]:
         call += [f"      {key}:", f"        value: ${{{{ jobs.build.outputs.{key} }}}}"]
         job.append(f"      {key}: ${{{{ steps.outcome.outputs.{key} }}}}")
     return call, job
+
+
+def built_outside_pipeline(index_url: str) -> bool:
+    """Does a build record's ``index_url`` say the wheel was built outside the release
+    pipeline? A pipeline build names the published index (http(s)); a local build names the
+    index it writes on disk (``file:///…/dist/index/``)."""
+    from urllib.parse import urlsplit
+
+    return urlsplit(index_url or "").scheme not in ("http", "https")
+
+
+def check_for_release(records, build_outputs: str | dict | None, plan: dict | None,
+                      allow_local_build: bool) -> dict[str, str]:
+    """What ``publish github`` refuses before any request, beyond the wheels' own checks: a
+    wheel built outside the release pipeline (unless ``allow_local_build``), and, given the
+    build jobs' outputs, a wheel that is not the one its job verified. Returns the planned
+    targets without a wheel here: target id -> why (for the release notes)."""
+    for rec in records:
+        if built_outside_pipeline(rec.index_url) and not allow_local_build:
+            raise ProvenanceError(f"{rec.wheel}: index_url {rec.index_url!r}: its build record says it was built "
+                                  "outside the release pipeline (a local index); a GitHub Release takes the release "
+                                  "pipeline's wheels: publish those, or pass --allow-local-build to publish this one")
+    ids = [e["id"] for e in (plan or {}).get("include", [])] or sorted({r.target for r in records})
+    outcomes = parse_outputs(build_outputs, ids) if build_outputs is not None else {}
+    if build_outputs is not None:
+        check_verified({r.wheel: (r.target, r.sha256) for r in records}, outcomes)
+    have = {r.target for r in records}
+    return {t: (outcomes[t].reason if t in outcomes else "no wheel of it was gathered") for t in ids if t not in have}

@@ -240,15 +240,16 @@ def sha256sums(wheels: list[Path]) -> str:
 
 
 def publish_steps(wheels: Path, index_dir: Path, api_url: str, repo: str, tag: str, token: str,
-                  log=print) -> list[str]:
+                  log=print, *, allow_local_build: bool = False) -> list[str]:
     """The publish job's steps after gather, as the workflow runs them (nox -s publish / index /
-    release -- pages run these same commands)."""
+    release -- pages run these same commands). ``allow_local_build``: the wheels were built
+    here (their records name a local index), which a GitHub Release refuses unless told."""
     env = {**os.environ, "GITHUB_TOKEN": token, "SAGEATTN3_WRITE_INTERVAL": "0"}
     owner, name = repo.split("/")
     base_url = f"https://{owner}.github.io/{name}/"
     cmds = [
         [sys.executable, "-m", "ci.publish", "github", "--tag", tag, "--repo", repo, "--api-url", api_url,
-         "--wheels", str(wheels)],
+         "--wheels", str(wheels), *(["--allow-local-build"] if allow_local_build else [])],
         [sys.executable, "-m", "ci.index", "build", "--wheels", str(wheels), "--out", str(index_dir),
          "--base-url", base_url],
         [sys.executable, "-m", "ci.publish", "pages", "--repo", repo, "--index", str(index_dir), "--tag", tag,
