@@ -452,3 +452,10 @@ def test_gather_copies_every_planned_wheel_with_its_record(tmp_path):
         z.writestr("extra", "x")
     with pytest.raises(ReleaseError, match="sha256"):
         gather(planned, tmp_path / "art", tmp_path / "wheels2")
+
+
+def test_releasing_states_the_real_number_of_release_jobs():
+    text = (REPO / "RELEASING.md").read_text()
+    n = len(Matrix.load().targets)
+    assert f"resolves every target's release job (all {n}," in text
+    assert len(Matrix.load().gha_matrix()["include"]) == n

@@ -7,8 +7,9 @@ Two modes:
 - **PyPI mode** (automatic for ``*.pypi.org`` URLs, or ``--pypi``): PyPI refuses local
   version labels, so only one variant goes there, as a plain version. The default variant
   is the one that serves what ``pip install torch`` gives from PyPI: the newest torch line of
-  ``ci/targets.toml`` with its ``pypi_default`` CUDA (today ``cu130.torch2.10.stable``), or
-  ``--default-variant``. Each of its wheels (one per OS/arch) is **derived** by rewriting
+  ``ci/targets.toml`` with its ``pypi_default`` CUDA (with this commit's matrix
+  ``cu132.torch2.10.stable``; a test checks this line against ``default_variant_from_matrix``),
+  or ``--default-variant``. Each of its wheels (one per OS/arch) is **derived** by rewriting
   only the version: ``sageattn3-1.0.0+cu130.torch2.10.stable-<tags>.whl`` becomes
   ``sageattn3-1.0.0-<tags>.whl`` (``.dist-info`` directory, ``METADATA`` ``Version:`` and
   ``RECORD`` hashes rewritten; every other byte identical, so the build record inside still

@@ -132,8 +132,8 @@ def inspect_artifacts(planned: dict, artifacts: Path) -> list[ArtifactState]:
 
 def rerun_hint(missing: list[str], tag: str | None = None) -> str:
     ref = tag or "<tag>"
-    return ("finish the release with the run's \"Re-run failed jobs\" (`gh run rerun RUN_ID --failed`): the same "
-            "run, so every other target's artifact is still there and publish runs once all are built. "
+    return ("complete the release with the run's \"Re-run failed jobs\" (`gh run rerun RUN_ID --failed`): the same "
+            "run, so every other target's artifact and build outcome are still there, and publish adds these. "
             f"To check a fix first: `gh workflow run release.yml --ref {ref} -f targets={','.join(missing)}` "
             "builds only these and publishes nothing")
 
@@ -149,8 +149,9 @@ def report(planned: dict, artifacts: Path, tag: str | None = None) -> tuple[str,
     head = f"### sageattn3 {tag + ' ' if tag else ''}build: {len(states) - len(missing)}/{len(states)} targets built\n\n"
     tail = ""
     if missing:
-        tail = (f"\n\n**Not published** (all-or-nothing): {len(missing)} target(s) failed: "
-                f"{', '.join(f'`{m}`' for m in missing)}.\n\n{rerun_hint(missing, tag)}\n")
+        tail = (f"\n\n**Not in this release yet**: {len(missing)} target(s) failed: "
+                f"{', '.join(f'`{m}`' for m in missing)}; the publish job publishes the others (when their build "
+                f"jobs verified them) and names these.\n\n{rerun_hint(missing, tag)}\n")
     return head + "\n".join(rows) + tail, missing
 
 
