@@ -48,7 +48,7 @@ from typing import Callable
 
 from ci.publish._net import (TOKEN_VARS, InputError, LineLog, PublishError, RetryPolicy, Throttle, check_repo, classify,
                              retrying)
-from ci.publish import replace as swap
+import ci.publish.replace as swap
 from ci.publish.notes import with_missing
 from ci.publish.release_api import SUMS, LocalAsset, _Client, _raw, assets_of, check_tag, parse_sums, sums_text
 from ci.record import RecordError, load_records
