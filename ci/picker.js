@@ -101,15 +101,42 @@
     return {project: table.getAttribute("data-project"), rows: rows};
   }
 
-  if (typeof module !== "undefined" && module.exports) module.exports = {pick: pick, readTable: readTable};
+  // What the address's #fragment asks (#2.14.1+cu130%2013.0); a malformed one gets a message
+  // instead of the browser's "URI malformed".
+  function fragmentText(hash) {
+    if (!hash || hash.length < 2) return {text: ""};
+    try {
+      return {text: decodeURIComponent(hash.slice(1))};
+    } catch (e) {
+      return {text: "", error: "the address's #fragment " + JSON.stringify(hash.slice(0, 60)) + " is not valid " +
+              "percent-encoding (e.g. #2.14.1%2Bcu130%2013.0); paste what " + ASK + " prints into the box instead"};
+    }
+  }
+
+  function absolute(url, base) { try { return new URL(url, base).href; } catch (e) { return url; } }
+
+  // The table's commands as absolute URLs (the page may be served under any base): each link
+  // of a row shows the address it points to, so a copied command works anywhere.
+  function absolutize(anchors, base) {
+    Array.prototype.forEach.call(anchors, function (a) { a.textContent = absolute(a.getAttribute("href"), base); });
+  }
+
+  if (typeof module !== "undefined" && module.exports) {
+    module.exports = {pick: pick, readTable: readTable, fragmentText: fragmentText, absolutize: absolutize};
+  }
   if (typeof document === "undefined") return;
 
-  function absolute(url) { try { return new URL(url, document.baseURI).href; } catch (e) { return url; } }
   var data = readTable(document);
-  data.rows.forEach(function (r) { r.url = absolute(r.url); r.links = absolute(r.links); });
+  data.rows.forEach(function (r) { r.url = absolute(r.url, document.baseURI); r.links = absolute(r.links, document.baseURI); });
+  absolutize(document.querySelectorAll("table[data-project] tr[data-page] a"), document.baseURI);
   var input = document.getElementById("torch-version");
   var answer = document.getElementById("pick-answer");
+  var fragment = fragmentText(location.hash);
   function show() {
+    if (fragment.error && input.value === "") {
+      answer.textContent = fragment.error;
+      return;
+    }
     var got = pick(data.rows, data.project, input.value);
     answer.textContent = got.kind === "ok"
       ? got.command + "\n\n(" + got.reason + ")\nor, as a --find-links page:\npip install --no-deps " + data.project +
@@ -117,6 +144,6 @@
       : got.reason;
   }
   input.addEventListener("input", show);
-  if (location.hash.length > 1) input.value = decodeURIComponent(location.hash.slice(1));
+  input.value = fragment.text;
   show();
 })();

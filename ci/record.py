@@ -22,6 +22,7 @@ from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel
 from packaging.version import InvalidVersion, Version
 
 from ci.variant import Variant
+from ci.wheel_hygiene import UnsafeWheel, check_distinct, check_wheel_file
 
 RECORD_IN_WHEEL = "sageattn3/_build_record.json"
 
@@ -156,8 +157,14 @@ def check_wheel(wheel: Path, rec: BuildRecord, project: str = "sageattn3", sha25
     """Do the wheel's file name, its METADATA, its WHEEL tags and the build record inside it
     all agree with ``rec`` (its beside-record)? Raises RecordError naming the file and the
     first field that differs. The one consistency check publishing and the index share; it also
-    refuses the test and proof flavours, which are never indexed or published."""
+    refuses the test and proof flavours, which are never indexed or published, and, first,
+    anything ``ci.wheel_hygiene`` refuses (a file name the factory does not write, a member
+    that is unsafe or outside the project's folders)."""
     name = wheel.name
+    try:
+        check_wheel_file(wheel, project)
+    except UnsafeWheel as e:
+        raise RecordError(str(e)) from None
     if rec.extra.get("mma_model"):
         raise RecordError(f"{name}: extra.mma_model: a test-flavour wheel (FP4 MMA software model); "
                           "never indexed or published")
@@ -325,6 +332,10 @@ def load_records(wheels_dir: Path, project: str = "sageattn3") -> list[BuildReco
     out = []
     for wheel in wheels:
         rec = load_record_beside(wheel)
-        check_wheel(wheel, rec, project)  # refuses test/proof flavours too
+        check_wheel(wheel, rec, project)  # refuses test/proof flavours and unsafe wheels too
         out.append(rec)
+    try:
+        check_distinct([w.name for w in wheels], f"in {wheels_dir}")
+    except UnsafeWheel as e:
+        raise RecordError(str(e)) from None
     return out

@@ -67,8 +67,22 @@ def run_pip(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return run(cmd, env=pip_environ(), **kw)
 
 
+class CommandFailed(subprocess.CalledProcessError):
+    """A child command that failed, its message ending with the last lines of its stderr (a
+    broken torch environment says why, not only which command)."""
+
+    TAIL_LINES = 20
+
+    def __str__(self) -> str:
+        tail = [ln for ln in (self.stderr or "").strip().splitlines() if ln.strip()][-self.TAIL_LINES:]
+        return super().__str__() + (":\n  " + "\n  ".join(tail) if tail else " (nothing on stderr)")
+
+
 def _output(cmd: list[str], **kw) -> str:
-    return subprocess.run(cmd, check=True, text=True, capture_output=True, **kw).stdout
+    p = subprocess.run(cmd, text=True, capture_output=True, **kw)
+    if p.returncode != 0:
+        raise CommandFailed(p.returncode, cmd, p.stdout, p.stderr)
+    return p.stdout
 
 
 # -- Python ---------------------------------------------------------------------------

@@ -14,6 +14,10 @@ every difference with the matrix:
 
 Nothing is changed: the report says what to edit. Exit status 0: in step; 1: differences;
 2: an index could not be read.
+
+A missing page is "absent" whether the index answers 404 (PyPI, pip's own stand-ins) or 403
+(PyTorch's index, served from a bucket that refuses paths it does not hold); any other answer
+is an error naming the URL.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ OS_PLATFORM = {
     "linux-aarch64": re.compile(r"^(manylinux\w*_aarch64|linux_aarch64)$"),
     "windows-amd64": re.compile(r"^win_amd64$"),
 }
+# What an index answers for a page it does not hold: 404, or 403 from a storage bucket
+# (download.pytorch.org answers 403 for every missing path).
+ABSENT_STATUSES = (403, 404)
 # CUDA variants probed on PyTorch's index beyond those the matrix names (cu118 ... cu139).
 PROBED_CUDA = tuple(f"{major}.{minor}" for major in (11, 12, 13) for minor in range(10)
                     if (major, minor) >= (11, 8))
@@ -56,8 +63,9 @@ class TorchFile:
 
 
 def project_files(index_url: str, project: str = "torch", timeout: float = 60) -> list[str] | None:
-    """The file names a simple index lists for ``project`` (None: the index has no such page).
-    Asks for PEP 691 JSON and reads PEP 503 HTML when that is what comes back."""
+    """The file names a simple index lists for ``project`` (None: the index has no such page,
+    answered 404 or 403). Asks for PEP 691 JSON and reads PEP 503 HTML when that is what comes
+    back."""
     url = f"{index_url.rstrip('/')}/{project}/"
     req = urllib.request.Request(url, headers={
         "Accept": "application/vnd.pypi.simple.v1+json, application/vnd.pypi.simple.v1+html;q=0.2, text/html;q=0.1"})
@@ -66,9 +74,9 @@ def project_files(index_url: str, project: str = "torch", timeout: float = 60) -
             body = resp.read()
             ctype = resp.headers.get("Content-Type", "")
     except urllib.error.HTTPError as e:
-        if e.code == 404:
+        if e.code in ABSENT_STATUSES:
             return None
-        raise UpstreamError(f"{url}: HTTP {e.code} {e.reason}") from None
+        raise UpstreamError(f"{url}: HTTP {e.code} {e.reason} (only 403 and 404 mean the page is absent)") from None
     except (urllib.error.URLError, OSError) as e:
         raise UpstreamError(f"{url}: {getattr(e, 'reason', e)}") from None
     if "json" in ctype:

@@ -60,18 +60,20 @@ def build_wheel(out: Path, name: str, version: str, tag: str = "py3-none-any", *
 
 def sage_wheel(out: Path, variant: str, version: str = "1.0.0", *, torch_lines: tuple[str, ...] | None = None,
                platform: str = PLATFORM, payload: bytes = b"", requires_python: str = ">=3.10",
-               os_key: str | None = None) -> tuple[Path, BuildRecord]:
+               os_key: str | None = None, target: str | None = None,
+               index_url: str = "https://octo.github.io/sageattn3/") -> tuple[Path, BuildRecord]:
     """A synthetic sageattn3 wheel for a variant, carrying its build record inside (as the
-    factory's wheels do) and with the beside-record next to it. Its module says which variant
+    factory's wheels do) and with the beside-record next to it; its record names the index a
+    release-pipeline build names (``index_url``) unless told otherwise. Its module says which variant
     it is (tests import it to see what pip picked)."""
     v = Variant.parse(variant)
     lines = torch_lines or (tuple(f"2.{m}" for m in range(int(v.torch.split('.')[1]), 15)) if v.stable else (v.torch,))
     full = f"{version}+{variant}"
     inner = BuildRecord(
-        target=f"test-{v.cuda_tag}-torch{v.torch}", variant=variant, version=full, requires_torch=v.requires_torch,
+        target=target or f"test-{v.cuda_tag}-torch{v.torch}", variant=variant, version=full, requires_torch=v.requires_torch,
         requires_python=requires_python, torch_build="", cuda=v.cuda, archs=("sm_120a",),
         os=os_key or os_key_of(platform), toolchain={}, flags={}, patches=(), source_commit="0" * 40,
-        extra={"torch_lines": list(lines)},
+        index_url=index_url, extra={"torch_lines": list(lines)},
     )
     inside = {k: val for k, val in json.loads(inner.to_json()).items() if k not in ("wheel", "sha256", "size")}
     files = {"sageattn3/__init__.py": f"VARIANT = {variant!r}\nVERSION = {full!r}\n".encode(),

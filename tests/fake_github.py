@@ -9,7 +9,8 @@ database, pagination):
   documented), update (``draft: false`` publishes and creates the tag), delete;
 - assets: list (paginated), upload (``POST {upload_url}?name=&label=``; 201; 422
   ``already_exists`` on a duplicate name), get (JSON, or ``Accept: application/octet-stream``
-  -> 302 to the download), delete (204); assets carry ``digest: "sha256:..."`` unless the
+  -> 302 to the download), update (``PATCH``: ``name``, ``label``; 422 ``already_exists`` when
+  another asset of the release has the name), delete (204); assets carry ``digest: "sha256:..."`` unless the
   server is started with ``digests=False`` (older API versions / GHES);
 - git database: blobs, trees (with ``base_tree``, nested paths, deletion by ``sha: null``,
   ``recursive``), commits, refs (get, create, update with fast-forward check), with real git
@@ -19,8 +20,11 @@ database, pagination):
 Faults are injected per request (``inject``): ``500``/``502``/``503``, ``403`` and ``429``
 with ``Retry-After``, ``drop`` (close without answering, nothing applied), ``drop_after``
 (apply, then close without answering: the client cannot know it worked), ``partial`` (an
-upload that leaves a ``starter`` asset behind, then drops), ``slow`` (answer late). Every
-request is counted (``requests``)."""
+upload that leaves a ``starter`` asset behind, then drops), ``slow`` (answer late), ``ratelimit`` (the primary limit spent: 403 with ``X-RateLimit-Remaining: 0``
+and ``X-RateLimit-Reset`` ``retry_after`` seconds ahead, no ``Retry-After``). Every request is
+counted (``requests``). ``halt_after(n)`` stops the server as a crash would, once ``n`` more
+mutating requests have been applied: every later request is dropped unanswered until
+``resume()``."""
 
 from __future__ import annotations
 
@@ -86,6 +90,7 @@ class FakeGitHub:
         self.requests: list[Logged] = []
         self.lock = threading.RLock()
         self._ids = iter(range(1000, 10**9))
+        self.writes_left: int | None = None  # halt_after: mutating requests still applied
         handler = type("Handler", (_Handler,), {"gh": self})
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.httpd.daemon_threads = True
@@ -114,6 +119,19 @@ class FakeGitHub:
         with self.lock:
             self.faults.append(f)
         return f
+
+    def halt_after(self, n: int) -> None:
+        with self.lock:
+            self.writes_left = n
+
+    def resume(self) -> None:
+        with self.lock:
+            self.writes_left = None
+
+    @property
+    def halted(self) -> bool:
+        with self.lock:
+            return self.writes_left is not None and self.writes_left <= 0
 
     def count(self, method: str | None = None, path_re: str | None = None) -> int:
         with self.lock:
@@ -267,6 +285,12 @@ class _Handler(BaseHTTPRequestHandler):
                     fault = f
                     break
         body = self._body()
+        with gh.lock:
+            halted = gh.writes_left is not None and gh.writes_left <= 0
+            if not halted and gh.writes_left is not None and self.command in ("POST", "PATCH", "DELETE", "PUT"):
+                gh.writes_left -= 1
+        if halted:
+            return self._drop()
         try:
             if fault and fault.kind == "slow":
                 time.sleep(fault.delay)
@@ -275,6 +299,10 @@ class _Handler(BaseHTTPRequestHandler):
             if fault and fault.kind == "403":
                 return self._send(403, {"message": "You have exceeded a secondary rate limit. Please wait a few minutes before you try again."},
                                   {"Retry-After": str(fault.retry_after)})
+            if fault and fault.kind == "ratelimit":
+                return self._send(403, {"message": "API rate limit exceeded for installation."},
+                                  {"X-RateLimit-Limit": "1000", "X-RateLimit-Remaining": "0",
+                                   "X-RateLimit-Reset": str(int(time.time()) + fault.retry_after)})
             if fault and fault.kind == "429":
                 return self._send(429, {"message": "Too Many Requests"}, {"Retry-After": str(fault.retry_after)})
             if fault and fault.kind == "drop":
@@ -373,6 +401,18 @@ class _Handler(BaseHTTPRequestHandler):
                 if v == "DELETE":
                     del repo.assets[a["id"]]
                     return self._after(fault, 204)
+                if v == "PATCH":
+                    d = json.loads(body or b"{}")
+                    name = d.get("name", a["name"])
+                    if any(o["name"] == name and o["_release"] == a["_release"] and o["id"] != a["id"]
+                           for o in repo.assets.values()):
+                        return self._error(422, "Validation Failed",
+                                           errors=[{"resource": "ReleaseAsset", "code": "already_exists", "field": "name"}])
+                    a["name"] = name
+                    if "label" in d:
+                        a["label"] = d["label"] or None
+                    a["updated_at"] = _now()
+                    return self._after(fault, 200, gh._asset_json(repo, a))
                 return self._error(404, "Not Found")
             mm = re.match(r"^/releases/(\d+)(/assets)?$", rest)
             if mm:

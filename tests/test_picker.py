@@ -207,3 +207,49 @@ def test_the_pages_the_factory_promises_are_the_pages_the_index_writes(tmp_path)
         line = tuple(int(x) for x in r["line"].split("."))
         assert r["stable"] == ("true" if line >= floor else "false"), r
     assert (out / r["page"] / "sageattn3" / "index.html").is_file()
+
+
+BROWSER_HARNESS = r"""
+const fs = require("fs");
+const html = fs.readFileSync(process.argv[2], "utf8");
+const base = process.argv[3];
+const scripts = [...html.matchAll(/<script>([\s\S]*?)<\/script>/g)].map(m => m[1]);
+const mod = {exports: {}};
+new Function("module", "document", scripts[0])(mod, undefined);
+const table = html.match(/<table\b[^>]*data-project[^>]*>([\s\S]*?)<\/table>/)[1];
+const rows = [...table.matchAll(/<tr\b[^>]*data-page[^>]*>([\s\S]*?)<\/tr>/g)].map(m => m[1]);
+const anchors = rows.flatMap(r => [...r.matchAll(/<a href="([^"]*)">([^<]*)<\/a>/g)])
+  .map(m => ({href: m[1], textContent: m[2], getAttribute(n) { return n === "href" ? this.href : null; }}));
+mod.exports.absolutize(anchors, base);
+const hashes = ["", "#", "#2.14.1%2Bcu130%2013.0", "#2.14.1+cu130", "#%E0%A4%A", "#100%", "#%"];
+console.log(JSON.stringify({texts: anchors.map(a => a.textContent),
+                            fragments: hashes.map(h => mod.exports.fragmentText(h))}));
+"""
+
+
+@pytest.mark.skipif(NODE is None, reason="node is not installed")
+def test_the_table_commands_are_absolute_and_a_malformed_fragment_gets_a_message(index_dirs, tmp_path):
+    """A page written without a base URL (a local index, or one served under another address)
+    shows, in the browser, the same absolute commands as one written with it; the URL fragment
+    that pre-fills the box is decoded, and a malformed one gets a message, not an exception."""
+    import html as htmllib
+    import re
+
+    base = "https://octo.github.io/sageattn3/"
+    harness = tmp_path / "browser.cjs"
+    harness.write_text(BROWSER_HARNESS)
+    p = subprocess.run([NODE, str(harness), str(index_dirs["relative"] / "index.html"), base], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout)
+    absolute_page = (index_dirs["absolute"] / "index.html").read_text()
+    table = re.search(r"<table\b[^>]*data-project[^>]*>(.*?)</table>", absolute_page, re.S).group(1)
+    want = [htmllib.unescape(t) for t in re.findall(r'<a href="[^"]*">([^<]*)</a>', table)]
+    assert got["texts"] == want and all(t.startswith(base) for t in want)
+    relative_texts = re.findall(r'<a href="[^"]*">([^<]*)</a>', (index_dirs["relative"] / "index.html").read_text())
+    assert not relative_texts[0].startswith("http")  # what the page says before its script runs
+    frags = got["fragments"]
+    assert [f["text"] for f in frags[:4]] == ["", "", "2.14.1+cu130 13.0", "2.14.1+cu130"]
+    assert all("error" not in f for f in frags[:4])
+    for f in frags[4:]:
+        assert f["text"] == "" and "is not valid percent-encoding" in f["error"] and "paste what" in f["error"]

@@ -186,3 +186,9 @@ def test_bad_input_is_refused_with_exit_2(wheels, args, needle):
     p = subprocess.run([sys.executable, "-m", "ci.publish", "pypi", *args], cwd=REPO, capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_the_module_docstring_names_the_default_variant_the_code_picks():
+    import ci.publish.pypi as pypi
+
+    assert f"with this commit's matrix\n  ``{default_variant_from_matrix()}``" in pypi.__doc__

@@ -31,7 +31,6 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from ci.record import record_path
 from conftest_publish import REPO, Venv, sage_wheel
 
 pytestmark = pytest.mark.timeout(300)
@@ -260,10 +259,7 @@ def test_the_lock_installs_alone_and_runs_publishing(tmp_path):
     # the publish job's gate, as the gather session runs it: one planned target's artifact
     target = "linux-x86_64-cu130-torch2.10-stable"
     art = tmp_path / "artifacts" / f"wheel-{target}"
-    wheel, _ = sage_wheel(art, "cu130.torch2.10.stable", "0.1.0", platform="manylinux_2_28_x86_64")
-    rec = json.loads(record_path(wheel).read_text())
-    rec["target"] = target
-    record_path(wheel).write_text(json.dumps(rec))
+    wheel, _ = sage_wheel(art, "cu130.torch2.10.stable", "0.1.0", platform="manylinux_2_28_x86_64", target=target)
     planned = {"include": [{"id": target, "variant": "cu130.torch2.10.stable"}]}
     p = subprocess.run([venv.python, "-m", "ci.release", "gather", "--plan", json.dumps(planned), "--artifacts",
                         str(tmp_path / "artifacts"), "--out", str(tmp_path / "wheels")], cwd=REPO, capture_output=True,

@@ -177,3 +177,24 @@ def test_a_cached_environment_gets_a_raised_floor_in_place(tmp_path):
     subprocess.run([py, "-m", "pip", "uninstall", "--quiet", "--yes", "setuptools"], check=True, capture_output=True)
     ensure_packages(root, ("setuptools>=77",))  # recorded: nothing runs
     assert subprocess.run([py, "-c", "import setuptools"], capture_output=True).returncode != 0
+
+
+def test_a_failing_child_command_shows_the_tail_of_its_stderr(tmp_path):
+    """What verify prints for a broken torch environment: the child's own error, not only
+    `CalledProcessError ... import torch` (ci.toolchain._output)."""
+    import subprocess
+    import sys
+
+    from ci import toolchain
+
+    broken = tmp_path / "torch"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("from torch._C import *  # the extension is missing\n")
+    code = "import torch, json; print(json.dumps([torch.__version__, torch.version.cuda]))"
+    with pytest.raises(subprocess.CalledProcessError) as ei:  # still what callers catch
+        toolchain._output([sys.executable, "-c", code], cwd=tmp_path)
+    text = str(ei.value)
+    assert "returned non-zero exit status 1" in text and "import torch" in text
+    assert "ModuleNotFoundError: No module named 'torch._C'" in text, text
+    assert text.count("\n") <= toolchain.CommandFailed.TAIL_LINES + 1
+    assert toolchain._output([sys.executable, "-c", "print('ok')"]) == "ok\n"

@@ -5,8 +5,10 @@ what to edit (exit 1)."""
 
 from __future__ import annotations
 
+import functools
 import http.server
 import json
+import re
 import subprocess
 import sys
 import urllib.parse
@@ -57,6 +59,24 @@ def write_simple(root: Path, project_files: set[str]) -> None:
     (page / "index.html").write_text(f"<!DOCTYPE html><html><body>\n{anchors}\n</body></html>\n")
 
 
+class _Bucket(http.server.SimpleHTTPRequestHandler):
+    """A static index that answers a missing path as download.pytorch.org does: 403 (its files
+    live in a storage bucket that refuses keys it does not hold), never 404. ``status`` other
+    than 403 stands in for an index that fails."""
+
+    status = 403
+
+    def send_error(self, code, message=None, explain=None):
+        super().send_error(self.status if code == 404 else code, message, explain)
+
+    def log_message(self, *args):
+        pass
+
+
+def serve_bucket(root: Path, status: int = 403):
+    return serve_handler(functools.partial(type("B", (_Bucket,), {"status": status}), directory=str(root)))
+
+
 def run_check(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ci", "matrix", "--check-upstream", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
@@ -71,7 +91,7 @@ def test_an_index_that_matches_the_matrix_is_in_step(tmp_path, matrix):
     write_simple(tmp_path / "pypi", pypi_files(matrix))
     for tag, names in pytorch_files(matrix).items():
         write_simple(tmp_path / "whl" / tag, names)
-    with serve(tmp_path) as url:
+    with serve_bucket(tmp_path) as url:  # the CUDA directories the matrix does not name: 403
         proc = run_check("--index-url", f"{url}/pypi", "--pytorch-index", f"{url}/whl",
                          "--markdown", str(tmp_path / "drift.md"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -92,7 +112,7 @@ def test_each_upstream_change_is_reported_with_what_to_edit(tmp_path, matrix):
     standin["cu130"] = {f for f in standin["cu130"] if not f.startswith("torch-2.11.0+")}  # withdrawn
     for tag, names in standin.items():
         write_simple(tmp_path / "whl" / tag, names)
-    with serve(tmp_path) as url:
+    with serve_bucket(tmp_path) as url:
         proc = run_check("--index-url", f"{url}/pypi", "--pytorch-index", f"{url}/whl")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     out = proc.stdout
@@ -143,3 +163,28 @@ def test_an_unreachable_index_is_one_line_and_exit_2(tmp_path):
     proc = run_check("--index-url", f"{url}/simple")
     assert proc.returncode == 2 and proc.stderr.strip().startswith("error: ") and "Traceback" not in proc.stderr
     assert f"{url}/simple/torch/" in proc.stderr
+
+
+def test_the_pytorch_stand_in_answers_missing_pages_with_403_as_the_real_index_does(tmp_path):
+    """The premise of the tests above: a probed CUDA directory that is absent answers 403."""
+    import urllib.error
+    import urllib.request
+
+    write_simple(tmp_path / "whl" / "cu130", {"torch-2.14.1+cu130-cp310-cp310-manylinux_2_28_x86_64.whl"})
+    with serve_bucket(tmp_path) as url:
+        urllib.request.urlopen(f"{url}/whl/cu130/torch/", timeout=30).read()
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            urllib.request.urlopen(f"{url}/whl/cu117/torch/", timeout=30)
+    assert ei.value.code == 403
+
+
+@pytest.mark.parametrize("status", [401, 500, 503])
+def test_an_index_that_answers_other_errors_is_exit_2_naming_the_url(tmp_path, matrix, status):
+    write_simple(tmp_path / "pypi", pypi_files(matrix))
+    for tag, names in pytorch_files(matrix).items():
+        write_simple(tmp_path / "whl" / tag, names)
+    with serve_bucket(tmp_path, status=status) as url:  # a missing CUDA directory answers `status`
+        proc = run_check("--index-url", f"{url}/pypi", "--pytorch-index", f"{url}/whl")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert re.search(rf"^error: {re.escape(url)}/whl/cu\d+/torch/: HTTP {status} ", proc.stderr, re.M), proc.stderr
+    assert "Traceback" not in proc.stderr

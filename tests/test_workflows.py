@@ -151,17 +151,44 @@ def test_release_is_tag_triggered_never_cancelled_and_all_or_nothing():
     assert "fail-fast: false" in jobs["build"]
     assert "uses: $/.github/workflows/build-target.yml" in jobs["build"]
     assert "target: ${{ matrix.id }}" in jobs["build"] and "runner: ${{ matrix.runner }}" in jobs["build"]
-    # publish needs every build, only for full runs of a tag, and has no always(): one failed
-    # target publishes nothing, and a run of chosen targets (a narrowed plan) never publishes
+    # publish runs after every build, for full runs of a tag only (a run of chosen targets, a
+    # narrowed plan, never publishes), also when some builds failed (a partial release: gather
+    # takes the targets whose build job verified its wheel), never for a cancelled run
     assert "needs: [plan, build]" in jobs["publish"] and "always()" not in jobs["publish"]
     ifs = re.findall(r"^    if: (.+)$", jobs["publish"], flags=re.M)
-    assert ifs == ["github.ref_type == 'tag' && !inputs.targets"], ifs
+    assert ifs == ["${{ !cancelled() && needs.plan.result == 'success' && github.ref_type == 'tag' && !inputs.targets }}"], ifs
     assert re.search(r"^      targets:\n(?:        .+\n)+", text, flags=re.M)  # the input the condition reads
     assert "always()" in jobs["report"]
     pub = jobs["publish"]
     order = [pub.index(s) for s in ("nox -s gather", "actions/attest-build-provenance@",
                                      "nox -s publish", "nox -s index", "nox -s pages")]
     assert order == sorted(order), "gather -> attest -> release -> index -> pages"
+
+
+def test_each_build_job_reports_its_verified_sha256_as_a_job_output_the_publish_job_checks():
+    """Provenance (ci/release/provenance.py): build-target.yml declares one output per target
+    (exactly the generated lines), set by an always() step after collect and before the upload;
+    the publish job hands every job's outputs to gather and publish, which refuse any wheel
+    that is not the one its build job verified."""
+    from ci.release.provenance import workflow_outputs
+
+    text = (REPO / ".github" / "workflows" / "build-target.yml").read_text()
+    call, job = workflow_outputs([t.id for t in Matrix.load().targets])
+    assert "\n    outputs:\n" + "\n".join(call) + "\n\n" in text
+    assert "\n    outputs:\n" + "\n".join(job) + "\n" in _jobs(text)["build"]
+    steps = _steps(text)
+    at = {k: next(i for i, st in enumerate(steps) if f"id: {k}\n" in st) for k in ("cibuildwheel", "collect", "outcome")}
+    upload = next(i for i, st in enumerate(steps) if "name: wheel-${{ inputs.target }}" in st)
+    assert at["cibuildwheel"] < at["collect"] < at["outcome"] < upload
+    outcome = steps[at["outcome"]]
+    assert "if: always()" in outcome and "STEPS: ${{ toJSON(steps) }}" in outcome
+    assert 'python -m ci.release outcome --target "${TARGET_ID}" --steps "${STEPS}" --artifact artifact' in outcome
+    pub = _jobs((REPO / ".github" / "workflows" / "release.yml").read_text())["publish"]
+    assert pub.count("BUILD_OUTPUTS: ${{ toJSON(needs.build.outputs) }}") == 2
+    gather_cmd = next(ln for ln in pub.splitlines() if "nox -s gather" in ln)
+    publish_cmd = next(ln for ln in pub.splitlines() if "nox -s publish" in ln)
+    assert '--build-outputs "${BUILD_OUTPUTS}"' in gather_cmd and '--build-outputs "${BUILD_OUTPUTS}"' in publish_cmd
+    assert '--plan "${PLAN}"' in publish_cmd and "--allow-local-build" not in pub
 
 
 def test_build_target_runs_cibuildwheel_through_the_factory_with_a_rerunnable_cache():
@@ -387,18 +414,13 @@ def test_msvc_env_diff_keeps_only_what_vcvars_changed():
 # -- report and gather (the publish job's gate) --------------------------------------------
 
 def _fake_artifact(artifacts: Path, entry: dict, *, target: str | None = None) -> Path:
-    from ci.record import BuildRecord, record_path
+    from conftest_publish import sage_wheel
 
     d = artifacts / f"wheel-{entry['id']}"
-    d.mkdir(parents=True)
-    wheel = d / f"sageattn3-0.1.0+{entry['variant']}-cp310-abi3-manylinux_2_28_x86_64.whl"
-    with zipfile.ZipFile(wheel, "w") as z:
-        z.writestr("sageattn3/__init__.py", entry["id"])
-    rec = BuildRecord(target=target or entry["id"], variant=entry["variant"], version=f"0.1.0+{entry['variant']}",
-                      requires_torch="torch>=2.10", requires_python=">=3.10", torch_build=entry["torch"],
-                      cuda=entry["cuda"], archs=tuple(entry["archs"].split()), os=entry["os"], toolchain={},
-                      flags={}, patches=(), source_commit="0" * 40).with_wheel(wheel)
-    record_path(wheel).write_text(rec.to_json())
+    platform = {"linux-x86_64": "manylinux_2_28_x86_64", "linux-aarch64": "manylinux_2_28_aarch64",
+                "windows-amd64": "win_amd64"}[entry["os"]]
+    wheel, _ = sage_wheel(d, entry["variant"], "0.1.0", platform=platform, os_key=entry["os"],
+                          target=target or entry["id"], payload=entry["id"].encode())
     return wheel
 
 
@@ -430,3 +452,10 @@ def test_gather_copies_every_planned_wheel_with_its_record(tmp_path):
         z.writestr("extra", "x")
     with pytest.raises(ReleaseError, match="sha256"):
         gather(planned, tmp_path / "art", tmp_path / "wheels2")
+
+
+def test_releasing_states_the_real_number_of_release_jobs():
+    text = (REPO / "RELEASING.md").read_text()
+    n = len(Matrix.load().targets)
+    assert f"resolves every target's release job (all {n}," in text
+    assert len(Matrix.load().gha_matrix()["include"]) == n

@@ -19,6 +19,7 @@ from packaging.version import Version
 from ci.index.html import render
 from ci.index.layout import DEFAULT_PROJECT, MANIFEST, MANIFEST_FORMAT, Entry, IndexError_, Page, _short
 from ci.record import BuildRecord, RecordError, check_wheel, sha256_of, wheel_metadata
+from ci.wheel_hygiene import UnsafeWheel, check_distinct
 
 
 @dataclass
@@ -192,6 +193,10 @@ def update_index(records: list[BuildRecord], wheels_dir: Path, out: Path, projec
         except RecordError as e:
             raise IndexError_(str(e)) from None
         to_add.append(rec)
+    try:  # a new wheel may not shadow an indexed one under another name (same version and tag)
+        check_distinct([*entries, *(r.wheel for r in to_add)], f"(already in {out / MANIFEST})")
+    except UnsafeWheel as e:
+        raise IndexError_(str(e)) from None
     for w in yank or {}:
         if w not in entries and w not in {r.wheel for r in to_add}:
             raise IndexError_(f"--yank {w!r}: not an indexed wheel")
@@ -279,6 +284,10 @@ def site_files(local_dir: Path, remote_manifest: dict | None, project: str = DEF
         if have is None:
             added.append(name)
         entries[name] = e if have is None or have.yanked == e.yanked or e.yanked is not None else have
+    try:
+        check_distinct(entries, f"(in the published {MANIFEST} or {Path(local_dir) / MANIFEST})")
+    except UnsafeWheel as e:
+        raise IndexError_(str(e)) from None
     removed = _remove(entries, remove, "published")
     base = base_url or local.get("base_url") or remote.get("base_url")
     _, generated = render(entries, project, base)

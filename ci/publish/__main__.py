@@ -14,15 +14,36 @@ from ci.publish._net import (InputError, LineLog, PublishError, Redactor, RetryP
 
 
 def _retry_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--retries", type=int, default=6, help="attempts per request (default 6)")
+    ap.add_argument("--retry-budget", type=float, default=900.0, metavar="SECONDS",
+                    help="wall-clock time one request may spend waiting out rate limits (Retry-After, "
+                         "X-RateLimit-Reset) and failures before the publish stops (default 900 s; a re-run resumes)")
+    ap.add_argument("--retries", type=int, default=None,
+                    help="also stop a request after this many attempts (default: no count, only --retry-budget)")
     ap.add_argument("--backoff", type=float, default=1.0, help="first backoff in seconds, doubling (default 1)")
-    ap.add_argument("--max-wait", type=float, default=600.0, help="longest Retry-After to sleep (default 600 s)")
+    ap.add_argument("--max-wait", type=float, default=600.0,
+                    help="longest single wait the server may ask for (default 600 s)")
     ap.add_argument("--write-interval", type=float, default=float(os.environ.get("SAGEATTN3_WRITE_INTERVAL", "1.0")),
                     help="seconds between mutating requests (GitHub asks for >= 1)")
 
 
 def _policy(a) -> RetryPolicy:
-    return RetryPolicy(attempts=max(1, a.retries), backoff=a.backoff, max_wait=a.max_wait)
+    if a.retry_budget <= 0:
+        raise InputError(f"--retry-budget {a.retry_budget:g}: must be more than 0 seconds")
+    return RetryPolicy(attempts=None if a.retries is None else max(1, a.retries), backoff=a.backoff,
+                       max_wait=a.max_wait, budget=a.retry_budget)
+
+
+def _json_arg(value: str | None, option: str):
+    """A JSON document given inline or as @file (None stays None)."""
+    import json
+
+    if value is None:
+        return None
+    try:
+        text = Path(value[1:]).read_text(encoding="utf-8") if value.startswith("@") else value
+        return json.loads(text or "{}")
+    except (OSError, json.JSONDecodeError) as e:
+        raise InputError(f"{option}: not a JSON document or @file ({e})") from None
 
 
 def _github(argv: list[str], out) -> int:
@@ -46,6 +67,13 @@ def _github(argv: list[str], out) -> int:
     ap.add_argument("--notes", default="", help="release body, for a release this run creates")
     ap.add_argument("--prerelease", action="store_true")
     ap.add_argument("--target-commitish", default=os.environ.get("GITHUB_SHA") or None)
+    ap.add_argument("--build-outputs", default=None, metavar="JSON",
+                    help="the build jobs' outputs (toJSON(needs.build.outputs), or @file): every wheel must be the one "
+                         "its build job verified (ci/release/provenance.py)")
+    ap.add_argument("--plan", default=None, metavar="JSON",
+                    help="the planned targets (or @file): those without a wheel are named in the release notes")
+    ap.add_argument("--allow-local-build", action="store_true",
+                    help="publish wheels whose build record names a local index (built outside the release pipeline)")
     _retry_args(ap)
     a = ap.parse_args(argv)
     check_api_url(a.api_url)
@@ -54,7 +82,8 @@ def _github(argv: list[str], out) -> int:
     opts = ReleaseOptions(repo=a.repo, tag=a.tag, wheels=a.wheels, api_url=a.api_url, dry_run=a.dry_run,
                           replace=a.replace, replace_published=a.replace_published, prune=a.prune, concurrency=a.concurrency, name=a.name, notes=a.notes,
                           prerelease=a.prerelease, target_commitish=a.target_commitish, retry=_policy(a),
-                          write_interval=a.write_interval)
+                          write_interval=a.write_interval, build_outputs=_json_arg(a.build_outputs, "--build-outputs"),
+                          plan=_json_arg(a.plan, "--plan"), allow_local_build=a.allow_local_build)
     # The token is required only once the input has been checked (publish_release does both).
     s = publish_release(opts, token_from_env(required=False), log=out)
     if a.dry_run:

@@ -1,6 +1,7 @@
 """What every publisher shares: the token from the environment, redaction of secrets from
-everything printed or raised, retries with backoff that honour ``Retry-After``, and a write
-throttle (GitHub asks for at least a second between mutating requests)."""
+everything printed or raised, retries that wait out rate limits (``Retry-After``,
+``X-RateLimit-Reset``) and back off on failures within a wall-clock budget per request, and a
+write throttle (GitHub asks for at least a second between mutating requests)."""
 
 from __future__ import annotations
 
@@ -108,10 +109,21 @@ def token_from_env(required: bool = True) -> str | None:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    attempts: int = 6
+    """How long one request keeps trying. Rate limits are waited out as the server asks
+    (``Retry-After``; ``X-RateLimit-Reset`` when the primary limit is spent), other transient
+    failures (5xx, dropped connections) back off exponentially; either way a request gives up
+    once waiting again would take it past ``budget`` seconds of wall-clock time since its
+    first attempt, or when one wait asked for exceeds ``max_wait``. ``attempts`` (None: no
+    count) is an extra cap. ``clock``/``sleep``/``now`` are injectable for tests."""
+
+    attempts: int | None = None
     backoff: float = 1.0  # first wait; doubles each attempt, with jitter
     max_backoff: float = 60.0
     max_wait: float = 600.0  # the longest Retry-After / rate-limit reset we accept to sleep
+    budget: float = 900.0  # wall-clock seconds one request may spend, waits included
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
+    now: Callable[[], float] = time.time  # epoch seconds, what X-RateLimit-Reset is measured in
 
     def delay(self, attempt: int) -> float:
         d = min(self.backoff * (2 ** attempt), self.max_backoff)
@@ -133,18 +145,21 @@ def _header(headers: dict | None, name: str) -> str | None:
     return None
 
 
-def retry_after_seconds(headers: dict | None) -> float | None:
+def retry_after_seconds(headers: dict | None, now: Callable[[], float] = time.time) -> float | None:
     v = _header(headers, "Retry-After")
     if v is None:
         return None
     try:
         return max(float(v), 0.0)
     except ValueError:
-        when = email.utils.parsedate_to_datetime(v)
-        return max(when.timestamp() - time.time(), 0.0)
+        try:
+            when = email.utils.parsedate_to_datetime(v)
+        except (TypeError, ValueError):
+            return None
+        return max(when.timestamp() - now(), 0.0)
 
 
-def classify(exc: BaseException) -> Transient | None:
+def classify(exc: BaseException, now: Callable[[], float] = time.time) -> Transient | None:
     """A Transient for errors worth retrying (5xx, 403/429 rate limits, dropped or timed-out
     connections), None for the rest."""
     from github import GithubException
@@ -153,13 +168,16 @@ def classify(exc: BaseException) -> Transient | None:
         return exc
     if isinstance(exc, GithubException):
         status, headers = exc.status, exc.headers or {}
-        wait = retry_after_seconds(headers)
+        wait = retry_after_seconds(headers, now)
         if status in (403, 429):
             remaining = _header(headers, "X-RateLimit-Remaining")
             message = str(getattr(exc, "data", "") or "").lower()
             if wait is None and remaining == "0":
                 reset = _header(headers, "X-RateLimit-Reset")
-                wait = max(float(reset) - time.time(), 0.0) + 1 if reset else None
+                try:
+                    wait = max(float(reset) - now(), 0.0) + 1 if reset else None
+                except ValueError:
+                    wait = None
             if wait is not None or "rate limit" in message or status == 429:
                 return Transient(f"HTTP {status} rate limited", wait)
             return None
@@ -203,33 +221,43 @@ def refusal(exc: BaseException, what: str) -> PublishError | None:
 
 
 def retrying(fn: Callable[[], T], what: str, policy: RetryPolicy, *, log: Callable[[str], None] = print,
-             before_retry: Callable[[], T | None] | None = None, sleep: Callable[[float], None] = time.sleep) -> T:
-    """Call ``fn`` until it succeeds, retrying transient failures with exponential backoff
-    (or the server's ``Retry-After``). ``before_retry`` runs before each retry and may return a
-    result that ends the loop (the write landed although its answer was lost)."""
-    for attempt in range(policy.attempts):
+             before_retry: Callable[[], T | None] | None = None, sleep: Callable[[float], None] | None = None) -> T:
+    """Call ``fn`` until it succeeds, waiting out rate limits and backing off on transient
+    failures within ``policy.budget`` seconds (see RetryPolicy). ``before_retry`` runs before
+    each retry and may return a result that ends the loop (the write landed although its answer
+    was lost)."""
+    sleep = sleep or policy.sleep
+    start = policy.clock()
+    attempt = 0
+    while True:
         try:
             return fn()
         except BaseException as e:  # noqa: BLE001 - classified below
-            t = classify(e)
+            t = classify(e, policy.now)
             if t is None:
                 r = refusal(e, what)
                 if r is not None:
                     raise r from None
                 raise
-            if attempt == policy.attempts - 1:
-                raise PublishError(f"{what}: still failing after {policy.attempts} attempts ({t})") from None
-            wait = t.wait if t.wait is not None else policy.delay(attempt)
+            attempt += 1
+            if policy.attempts is not None and attempt >= policy.attempts:
+                raise PublishError(f"{what}: still failing after {attempt} attempts ({t})") from None
+            wait = t.wait if t.wait is not None else policy.delay(attempt - 1)
             if wait > policy.max_wait:
-                raise PublishError(f"{what}: the server asks to wait {wait:.0f}s (more than {policy.max_wait:.0f}s); "
-                                   "re-run later: the publish resumes where it stopped") from None
-            log(f"  {what}: retry {attempt + 1}/{policy.attempts - 1} in {wait:.1f}s ({t})")
+                raise PublishError(f"{what}: the server asks to wait {wait:.0f}s (more than {policy.max_wait:.0f}s, "
+                                   "--max-wait); re-run later: the publish resumes where it stopped") from None
+            spent = policy.clock() - start
+            if spent + wait > policy.budget:
+                raise PublishError(f"{what}: still failing after {attempt} attempts in {spent:.0f}s ({t}); waiting "
+                                   f"{wait:.0f}s more would pass the retry budget of {policy.budget:.0f}s "
+                                   "(--retry-budget): re-run later, the publish resumes where it stopped") from None
+            count = f"{attempt}/{policy.attempts - 1}" if policy.attempts is not None else f"{attempt}"
+            log(f"  {what}: retry {count} in {wait:.1f}s ({t}; {policy.budget - spent:.0f}s of the retry budget left)")
             sleep(wait)
             if before_retry is not None:
                 done = before_retry()
                 if done is not None:
                     return done
-    raise AssertionError("unreachable")
 
 
 class Throttle:

@@ -15,7 +15,10 @@ The rules:
   the wheel). Anything else is an ``InputError`` and nothing is sent.
 - An asset present with the right sha256 is skipped; present with other content is an error
   (nothing is uploaded) unless ``replace``; on a release already published, ``replace`` is
-  refused too unless ``replace_published`` says so, and each replaced asset is logged. An upload
+  refused too unless ``replace_published`` says so, and each replaced asset is logged. A
+  replacement goes up under a temporary name before the old asset is retired and it is renamed
+  into place (``ci.publish.replace``: a run stopped at any step loses no bytes, the next run
+  finishes it). An upload
   left half-done (``state != uploaded``) is deleted and redone. Names are unique on a release (GitHub answers 422), so there are never
   duplicates; an upload whose answer was lost is reconciled by looking, not by re-sending.
 - **How an asset's sha256 is known** (the skip/verify rule): the asset's ``digest``
@@ -23,7 +26,7 @@ The rules:
   file and a line for it in the release's ``SHA256SUMS`` with the local sha256 (that file is
   written only after every upload was checked); otherwise the asset is downloaded and hashed.
   A size that differs is a difference without downloading anything.
-- ``SHA256SUMS`` is derived, not a build output: it is rewritten (delete + upload) when the
+- ``SHA256SUMS`` is derived, not a build output: it is rewritten (replaced as above) when the
   asset set changes, after every other asset is in place.
 - Limits, checked before any upload: every asset < 2 GiB; at most 1000 assets on the release
   after this run (policy: refuse with a message, never split a release across tags; 1000
@@ -37,44 +40,23 @@ The rules:
 
 from __future__ import annotations
 
-import io
 import re
-import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from packaging.version import InvalidVersion, Version
+from ci.publish._net import (TOKEN_VARS, InputError, LineLog, PublishError, RetryPolicy, Throttle, check_repo, classify,
+                             retrying)
+import ci.publish.replace as swap
+from ci.publish.notes import with_missing
+from ci.publish.release_api import SUMS, LocalAsset, _Client, _raw, assets_of, check_tag, parse_sums, sums_text
+from ci.record import RecordError, load_records
 
-from ci.publish._net import (InputError, LineLog, PublishError, RetryPolicy, Throttle, check_repo, classify, retrying,
-                             token_from_env)
-from ci.record import BuildRecord, RecordError, load_records, record_path, sha256_of
-
-SUMS = "SHA256SUMS"
 MAX_ASSET_BYTES = 2 * 1024**3  # GitHub: each asset < 2 GiB
 MAX_ASSETS = 1000  # GitHub: at most 1000 assets per release
 NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 DEFAULT_API = "https://api.github.com"
-
-
-@dataclass(frozen=True)
-class LocalAsset:
-    name: str
-    sha256: str
-    size: int
-    kind: str  # "wheel", "record" or "sums"
-    path: Path | None = None
-    data: bytes | None = None
-
-    def open(self):
-        return open(self.path, "rb") if self.path is not None else io.BytesIO(self.data or b"")
-
-    @classmethod
-    def from_bytes(cls, name: str, data: bytes, kind: str) -> "LocalAsset":
-        import hashlib
-
-        return cls(name, hashlib.sha256(data).hexdigest(), len(data), kind, data=data)
 
 
 @dataclass(frozen=True)
@@ -95,6 +77,9 @@ class ReleaseOptions:
     retry: RetryPolicy = RetryPolicy()
     write_interval: float = 1.0
     timeout: int = 60
+    build_outputs: str | dict | None = None  # the build jobs' outputs: every wheel must be one they verified
+    plan: dict | None = None  # the planned targets: those without a wheel are named in the notes
+    allow_local_build: bool = False  # publish wheels whose record names a local index
 
 
 @dataclass
@@ -120,109 +105,6 @@ class Summary:
                 + f"; {state}" + (f": {self.release_url}" if self.release_url else ""))
 
 
-def check_tag(tag: str, records: list[BuildRecord]) -> None:
-    """The release tag must be ``v`` + the (public, PEP 440 normalised) version that every
-    wheel carries: ``v0.1.0`` for ``0.1.0+cu130.torch2.10.stable``."""
-    versions: dict[str, str] = {}  # public version -> one wheel that has it
-    for rec in records:
-        versions.setdefault(Version(rec.version).public, rec.wheel)
-    if len(versions) > 1:
-        (a, wa), (b, wb) = sorted(versions.items())[:2]
-        raise InputError(f"{wb}: version: {b}, but {wa} is {a}; one release holds one version: "
-                         "publish each version from its own wheels directory")
-    (version, wheel), = versions.items()
-    want = f"v{version}"
-    if tag == want:
-        return
-    try:
-        said = Version(tag[1:]) if tag.startswith("v") else None
-    except InvalidVersion:
-        said = None
-    why = ("is empty" if not tag else "is not v + a version" if said is None else
-           f"is not the wheels' version {version}")
-    raise InputError(f"--tag {tag!r} {why} ({wheel}: version {version}); use --tag {want}")
-
-
-def assets_of(wheels_dir: Path, records: list[BuildRecord]) -> list[LocalAsset]:
-    out: list[LocalAsset] = []
-    for rec in records:
-        w = wheels_dir / rec.wheel
-        out.append(LocalAsset(rec.wheel, rec.sha256, w.stat().st_size, "wheel", path=w))
-        rp = record_path(w)
-        out.append(LocalAsset(rp.name, sha256_of(rp), rp.stat().st_size, "record", path=rp))
-    return out
-
-
-def sums_text(shas: dict[str, str]) -> bytes:
-    return "".join(f"{shas[n]}  {n}\n" for n in sorted(shas)).encode()
-
-
-def parse_sums(data: bytes) -> dict[str, str]:
-    out = {}
-    for line in data.decode("utf-8", "replace").splitlines():
-        parts = line.strip().split(None, 1)
-        if len(parts) == 2 and len(parts[0]) == 64:
-            out[parts[1].lstrip("*")] = parts[0].lower()
-    return out
-
-
-def _raw(obj) -> dict:
-    """The JSON an object was built from, without PyGithub completing it (which would cost
-    one GET per asset whose JSON lacks an attribute, e.g. ``digest`` on older servers)."""
-    from github.GithubObject import GithubObject
-
-    return GithubObject.raw_data.fget(obj)  # type: ignore[attr-defined]
-
-
-class _Client:
-    """PyGithub objects per thread: PyGithub's connection object is not thread-safe."""
-
-    def __init__(self, opts: ReleaseOptions, token: str | None) -> None:
-        self.opts = opts
-        self._token = token
-        self._tls = threading.local()
-
-    @property
-    def has_token(self) -> bool:
-        return bool(self._token)
-
-    def gh(self):
-        g = getattr(self._tls, "gh", None)
-        if g is None:
-            from github import Auth, Github
-
-            g = Github(base_url=self.opts.api_url.rstrip("/"), auth=Auth.Token(self._token) if self._token else None,
-                       timeout=self.opts.timeout, per_page=100, retry=None, pool_size=2, lazy=True,
-                       seconds_between_requests=None, seconds_between_writes=None)
-            self._tls.gh = g
-        return g
-
-    def repo(self):
-        return self.gh().get_repo(self.opts.repo)  # lazy client: no request
-
-    def release(self, raw: dict):
-        from github.GitRelease import GitRelease
-
-        return self.gh().create_from_raw_data(GitRelease, raw)
-
-    def download(self, asset_raw: dict) -> bytes:
-        """An asset's bytes: the API URL with Accept: octet-stream redirects to storage,
-        which gets no Authorization header (signed URL)."""
-        import requests
-
-        headers = {"Accept": "application/octet-stream"}
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
-        r = requests.get(asset_raw["url"], headers=headers, allow_redirects=False, timeout=self.opts.timeout)
-        if r.status_code in (301, 302, 303, 307, 308):
-            r = requests.get(r.headers["Location"], timeout=self.opts.timeout)
-        if r.status_code != 200:
-            from github import GithubException
-
-            raise GithubException(r.status_code, {"message": f"download of {asset_raw.get('name')}"}, dict(r.headers))
-        return r.content
-
-
 class ReleasePublisher:
     def __init__(self, opts: ReleaseOptions, token: str | None, log: Callable[[str], None] = print) -> None:
         self.opts = opts
@@ -232,6 +114,7 @@ class ReleasePublisher:
         self.summary = Summary(opts.tag)
         self._sums_cache: dict[str, str] | None = None
         self._sums_bytes: bytes | None = None
+        self.missing: dict[str, str] = {}  # planned targets without a wheel: id -> why
 
     # -- reading ---------------------------------------------------------------------------
     def _call(self, fn, what: str, before_retry=None):
@@ -316,6 +199,10 @@ class ReleasePublisher:
                 raise InputError(f"{la.name}: {la.size / 2**30:.2f} GiB; GitHub release assets must be < 2 GiB. "
                                    "Nothing was uploaded: shrink the wheel (fewer archs, strip debug info)")
             ra = assets.get(la.name)
+            temp = assets.get(la.name + swap.TEMP)
+            if ra is None and temp is not None and self.remote_sha256(temp, la, assets)[0] == la.sha256:
+                uploads.append((la, temp, "finish"))  # an interrupted replacement: put it in place
+                continue
             if ra is None:
                 uploads.append((la, None, "upload"))
                 continue
@@ -350,7 +237,7 @@ class ReleasePublisher:
                                      f"(remote {old if old.startswith('size:') else 'sha256:' + old[:12]}, "
                                      f"local sha256:{la.sha256[:12]})")
         local_names = {la.name for la in local}
-        extras = sorted(n for n in assets if n not in local_names and n != SUMS)
+        extras = sorted(n for n in assets if n not in local_names and n != SUMS and not swap.is_transient(n))
         if self.opts.prune and extras and published and not self.opts.replace_published:
             raise InputError(
                 f"release {self.opts.tag} is published: --prune would delete {len(extras)} asset(s) users may "
@@ -365,7 +252,9 @@ class ReleasePublisher:
                 + ("" if self.opts.prune or not extras else f", or --prune the {len(extras)} assets not in this run")
             )
         for la, _, action in uploads:
-            if action != "replace":
+            if action == "finish":
+                self.summary.plan.append(f"finish   {la.name} (rename the replacement an interrupted run uploaded)")
+            elif action != "replace":
                 self.summary.plan.append(f"{action:<8} {la.name} ({la.size} bytes)")
         for n in extras:
             self.summary.plan.append(f"{'delete' if self.opts.prune else 'keep'}     {n} (on the release, not in {self.opts.wheels})")
@@ -383,7 +272,7 @@ class ReleasePublisher:
             kw = {}
             if self.opts.target_commitish:
                 kw["target_commitish"] = self.opts.target_commitish
-            r = repo.create_git_release(self.opts.tag, self.opts.name or self.opts.tag, self.opts.notes,
+            r = repo.create_git_release(self.opts.tag, self.opts.name or self.opts.tag, self.notes(self.opts.notes),
                                         draft=True, prerelease=self.opts.prerelease, **kw)
             return _raw(r)
         rel = self._call(create, f"release {self.opts.tag}: create draft", before_retry=self.find_release)
@@ -411,12 +300,7 @@ class ReleasePublisher:
     def upload(self, release: dict, la: LocalAsset, old: dict | None) -> dict:
         from github import GithubException
 
-        if old is not None:
-            if old.get("state") == "uploaded" and la.kind != "sums":
-                state = "draft" if release.get("draft") else "PUBLISHED"
-                self.log(f"  {la.name}: replacing the asset of the {state} release {self.opts.tag} "
-                         f"({old.get('size')} bytes{', ' + old['digest'] if old.get('digest') else ''} -> "
-                         f"{la.size} bytes, sha256:{la.sha256})")
+        if old is not None:  # a half-done upload (never a complete asset: see ci.publish.replace)
             self._delete_asset(old)
 
         def attempt() -> dict:
@@ -452,11 +336,21 @@ class ReleasePublisher:
                                f"expected {la.size} / sha256:{la.sha256}; deleted it, re-run to retry")
         return got
 
-    def _upload_all(self, release: dict, uploads: list[tuple[LocalAsset, dict | None, str]]) -> None:
+    def put(self, release: dict, la: LocalAsset, old: dict | None, action: str, assets: dict[str, dict]) -> dict:
+        """One asset onto the release: uploaded, put in place, or replaced (ci.publish.replace)."""
+        if action == "replace":
+            return swap.replace(self, release, la, old, assets)
+        if action == "finish":
+            return swap.finish(self, release, la, old)
+        return self.upload(release, la, old)
+
+    def _upload_all(self, release: dict, uploads: list[tuple[LocalAsset, dict | None, str]],
+                    assets: dict[str, dict]) -> None:
         if not uploads:
             return
         with ThreadPoolExecutor(max_workers=max(1, self.opts.concurrency)) as pool:
-            futures = {pool.submit(self.upload, release, la, old): (la, action) for la, old, action in uploads}
+            futures = {pool.submit(self.put, release, la, old, action, assets): (la, action)
+                       for la, old, action in uploads}
             try:
                 self._collect(futures)
             except BaseException:  # interrupted: start nothing new; a re-run resumes
@@ -475,8 +369,9 @@ class ReleasePublisher:
                 self.summary.failed.append((la.name, reason))
                 self.log(f"  {la.name}: FAILED: {reason}")
                 continue
-            (self.summary.replaced if action == "replace" else self.summary.uploaded).append(la.name)
-            self.log(f"  {la.name}: {'replaced' if action == 'replace' else 'uploaded'}")
+            replaced = action in ("replace", "finish")
+            (self.summary.replaced if replaced else self.summary.uploaded).append(la.name)
+            self.log(f"  {la.name}: {'replaced' if replaced else 'uploaded'}")
 
     def _sums_asset(self, local: list[LocalAsset], assets: dict[str, dict], extras: list[str]) -> LocalAsset:
         shas = {la.name: la.sha256 for la in local}
@@ -496,6 +391,12 @@ class ReleasePublisher:
         except RecordError as e:
             raise InputError(str(e)) from None
         check_tag(o.tag, records)
+        from ci.release.provenance import ProvenanceError, check_for_release
+
+        try:
+            self.missing = check_for_release(records, o.build_outputs, o.plan, o.allow_local_build)
+        except ProvenanceError as e:
+            raise InputError(str(e)) from None
         if o.concurrency < 1:
             raise InputError(f"--concurrency {o.concurrency}: must be at least 1")
         return assets_of(Path(o.wheels), records)
@@ -503,8 +404,9 @@ class ReleasePublisher:
     def run(self) -> Summary:
         o = self.opts
         local = self.validate()
-        if not o.dry_run and not self.client.has_token:
-            token_from_env(required=True)  # raises: says which variables to set
+        if not self.client.has_token:  # a dry run too: unauthenticated, it would not see drafts
+            raise InputError(f"no GitHub token: set {' or '.join(TOKEN_VARS)} in the environment (a token with "
+                             "contents: write on the repository; --dry-run reads the release with it, drafts included)")
         if o.dry_run:
             release = self.find_release()
             assets = self.list_assets(release) if release else {}
@@ -528,25 +430,31 @@ class ReleasePublisher:
                 self.summary.deleted.append(n)
         else:
             self.summary.kept = list(extras)
-        self._upload_all(release, uploads)
+        self._upload_all(release, uploads, assets)
         if self.summary.failed:
             raise PublishError(self.summary.line() + ". The release stays a draft" * (not self.summary.already_published)
                                + "; re-run the same command to finish (uploaded assets are kept)")
 
         # SHA256SUMS last: it vouches for assets that are all in place now.
         sums = self._sums_asset(local, assets, extras)
-        cur = assets.get(SUMS)
-        if not self.sums_current(sums, assets):
-            self.upload(release, sums, cur)
+        cur, temp = assets.get(SUMS), assets.get(SUMS + swap.TEMP)
+        if self.sums_current(sums, assets):
+            self.summary.skipped.append(SUMS)
+        elif cur is None and temp is not None and self.remote_sha256(temp, sums, assets)[0] == sums.sha256:
+            swap.finish(self, release, sums, temp)
+            self.summary.replaced.append(SUMS)
+        else:
+            live = cur is not None and cur.get("state") == "uploaded"
+            self.put(release, sums, cur, "replace" if live else "upload", assets)
             (self.summary.replaced if cur is not None else self.summary.uploaded).append(SUMS)
             self.log(f"  {SUMS}: {'rewritten' if cur is not None else 'uploaded'}")
-        else:
-            self.summary.skipped.append(SUMS)
+        if self.summary.replaced or any(swap.is_transient(n) for n in assets):
+            self.summary.deleted += swap.clean_up(self, release)  # the retired assets, leftovers
 
         wrote = self.summary.uploaded or self.summary.replaced or self.summary.deleted
         self.verify(release, local + [sums], None if wrote else assets)
-        if release["draft"]:
-            self.publish(release)
+        if release["draft"] or self.notes(release.get("body") or "") != (release.get("body") or ""):
+            self.publish(release)  # a published release only gets its notes brought up to date
         return self.summary
 
     def verify(self, release: dict, expected: list[LocalAsset], assets: dict[str, dict] | None = None) -> None:
@@ -564,11 +472,15 @@ class ReleasePublisher:
             raise PublishError(f"release {self.opts.tag}: after uploading, {len(bad)} asset(s) are missing or differ: "
                                f"{', '.join(bad[:10])}; the release stays a draft; re-run to finish")
 
+    def notes(self, body: str) -> str:
+        """The release notes with the section naming missing targets (given a plan)."""
+        return body if self.opts.plan is None else with_missing(body, self.missing)
+
     def publish(self, release: dict) -> None:
         def go() -> dict:
             self.throttle()
             rel = self.client.release(release)
-            return _raw(rel.update_release(rel.name or self.opts.tag, rel.body or "", draft=False,
+            return _raw(rel.update_release(rel.name or self.opts.tag, self.notes(rel.body or ""), draft=False,
                                            prerelease=bool(rel.prerelease)))
 
         def landed() -> dict | None:

@@ -7,8 +7,9 @@ Two modes:
 - **PyPI mode** (automatic for ``*.pypi.org`` URLs, or ``--pypi``): PyPI refuses local
   version labels, so only one variant goes there, as a plain version. The default variant
   is the one that serves what ``pip install torch`` gives from PyPI: the newest torch line of
-  ``ci/targets.toml`` with its ``pypi_default`` CUDA (today ``cu130.torch2.10.stable``), or
-  ``--default-variant``. Each of its wheels (one per OS/arch) is **derived** by rewriting
+  ``ci/targets.toml`` with its ``pypi_default`` CUDA (with this commit's matrix
+  ``cu132.torch2.10.stable``; a test checks this line against ``default_variant_from_matrix``),
+  or ``--default-variant``. Each of its wheels (one per OS/arch) is **derived** by rewriting
   only the version: ``sageattn3-1.0.0+cu130.torch2.10.stable-<tags>.whl`` becomes
   ``sageattn3-1.0.0-<tags>.whl`` (``.dist-info`` directory, ``METADATA`` ``Version:`` and
   ``RECORD`` hashes rewritten; every other byte identical, so the build record inside still
@@ -48,6 +49,7 @@ from packaging.version import Version
 from ci.publish._net import InputError, PublishError, Redactor
 from ci.record import BuildRecord, RecordError, load_records
 from ci.variant import Variant
+from ci.wheel_hygiene import UnsafeWheel, check_distinct
 
 
 @dataclass(frozen=True)
@@ -235,6 +237,10 @@ def upload_index(opts: UploadOptions, log: Callable[[str], None] = print) -> int
 
     have = existing_files(opts.simple_url or simple_url_for(opts.repository_url), "sageattn3",
                           send_auth=not is_pypi(opts.repository_url))
+    try:  # a file the server has under another name with the same version and tag: pip takes either
+        check_distinct([*have, *(f.name for f in files)], "(on the server)")
+    except UnsafeWheel as e:
+        raise InputError(f"{e}; remove it from the server first") from None
     todo, skipped = [], 0
     for f in files:
         if f.name in have:

@@ -6,16 +6,17 @@
              uploading the wheel + its build record as the artifact ``wheel-<target id>``
     report   which planned targets produced their artifact and which did not (by name, with
              the command that re-runs them); the run's summary page
-    gather   the publish job's gate: every planned target's artifact present and consistent
-             (one wheel, its record naming the target, sha256 matching) -> dist/wheels; any
-             missing -> nothing is published
+    gather   the publish job's gate: each planned target whose build job verified its wheel (the
+             job output ``target_<id>``, ci.release.provenance), its artifact holding exactly that
+             wheel -> dist/wheels; the others named with their failing step
     (publish) attestations, ``nox -s publish`` (GitHub Release), ``nox -s index`` + ``pages``
 
-Partial failure policy: **all or nothing per run.** The publish job needs every build job; a
-failed target leaves the release unpublished and the index untouched, the report names the
-target, and "Re-run failed jobs" rebuilds only it and then publishes (the same run holds every
-other target's artifact). A run of chosen targets (``workflow_dispatch`` with ``targets``)
-builds them and never publishes.
+Partial failure policy: **a partial release, stated.** The publish job runs once the build jobs
+have finished and publishes every target whose job verified its wheel; the release notes name
+the missing ones with their failing step, the report names them too, and "Re-run failed jobs"
+rebuilds only them, after which publish adds their wheels without touching the rest. An artifact
+that is not the wheel its job verified stops the publish (exit 2). A run of chosen targets
+(``workflow_dispatch`` with ``targets``) builds them and never publishes.
 The Release is uploaded as a draft and published only once complete, and the index is
 updated in one commit after that, so a user never sees a half-updated release or index.
 
@@ -42,4 +43,9 @@ REPO = Path(__file__).resolve().parent.parent.parent
 
 
 class ReleaseError(RuntimeError):
-    pass
+    """A step of the release cannot go on (exit status 1)."""
+
+
+class ReleaseInputError(ReleaseError):
+    """The step's input is refused before anything is copied or sent: an artifact whose wheel
+    is unsafe, inconsistent, or not the one its build job verified (exit status 2)."""

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import ci.release
-from ci.release import REPO, ReleaseError
+from ci.release import REPO, ReleaseError, ReleaseInputError
 from ci.release.rehearsal import dry_run
-from ci.release.steps import check_tag, compile_gate_problem, gather, plan, report
+from ci.release.steps import check_tag, compile_gate_problem, gather_release, plan, report
 from ci.release.workflow_lint import lint_workflows
 from ci.targets import Matrix
 
@@ -26,6 +26,24 @@ def _read_json_arg(value: str) -> dict:
     if value.startswith("@"):
         return json.loads(Path(value[1:]).read_text())
     return json.loads(value)
+
+
+def _outcome(a) -> int:
+    """``target_<id>=sha256:<hex>`` or ``=failed:<step>`` to $GITHUB_OUTPUT (and stdout)."""
+    from ci.release.provenance import ProvenanceError, output_key, outcome_value
+
+    status = 0
+    try:
+        value = outcome_value(a.target, a.steps, a.artifact)
+    except ProvenanceError as e:
+        print(f"release outcome: {e}", file=sys.stderr)
+        value, status = "failed:outcome", 2
+    line = f"{output_key(a.target)}={value}"
+    print(line)
+    if a.github_output:
+        with open(a.github_output, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--plan", required=True)
     g.add_argument("--artifacts", type=Path, required=True)
     g.add_argument("--out", type=Path, default=REPO / "dist" / "wheels")
+    g.add_argument("--build-outputs", default=None, metavar="JSON",
+                   help="the build jobs' outputs (toJSON(needs.build.outputs)): every wheel must be the one its job "
+                        "verified; targets whose job failed are left out and named (a partial release)")
+    sub.add_parser("workflow-outputs", help="the per-target output lines of build-target.yml (ci.release.provenance)")
+    oc = sub.add_parser("outcome", help="a build job's output for the publish job: its verified wheel's sha256, "
+                                        "or the step that failed (ci.release.provenance)")
+    oc.add_argument("--target", required=True)
+    oc.add_argument("--steps", required=True, help="toJSON(steps) of the job")
+    oc.add_argument("--artifact", type=Path, required=True, help="the directory the job uploads as its artifact")
+    oc.add_argument("--github-output", type=Path, default=os.environ.get("GITHUB_OUTPUT"))
     pg = sub.add_parser("pages", help="publish the built index to the Pages branch (python -m ci.publish pages)")
     pg.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("lint-workflows", help="actionlint + zizmor on .github/workflows")
@@ -85,8 +113,17 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(md + "\n")
             return 1 if missing else 0
         elif a.cmd == "gather":
-            copied = gather(_read_json_arg(a.plan), a.artifacts, a.out)
-            print(f"gathered {len(copied)} wheel(s) into {a.out}")
+            got = gather_release(_read_json_arg(a.plan), a.artifacts, a.out, a.build_outputs)
+            print(f"gathered {len(got.wheels)} wheel(s) into {a.out}")
+            for target, why in got.missing.items():
+                print(f"  not published: {target}: {why}")
+        elif a.cmd == "outcome":
+            return _outcome(a)
+        elif a.cmd == "workflow-outputs":
+            from ci.release.provenance import workflow_outputs
+
+            call, job = workflow_outputs([t.id for t in Matrix.load().targets])
+            print("# on.workflow_call.outputs:\n" + "\n".join(call) + "\n# jobs.build.outputs:\n" + "\n".join(job))
         elif a.cmd == "pages":
             from ci.publish.__main__ import main as publish_main
 
@@ -105,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                          plan_only=a.plan_only)
             print("\n" + dr.summary)
             print(f"dry run complete: artifacts in {a.dist}")
+    except ReleaseInputError as e:
+        print(f"release: {e}", file=sys.stderr)
+        return 2
     except ReleaseError as e:
         print(f"release: {e}", file=sys.stderr)
         return 1

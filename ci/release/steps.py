@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ci.release import REPO, ReleaseError
+from ci.release import REPO, ReleaseError, ReleaseInputError
 from ci.targets import Matrix
 
 ARTIFACT_PREFIX = "wheel-"
@@ -88,12 +88,14 @@ class ArtifactState:
     wheel: str | None = None
     sha256: str | None = None
     problem: str | None = None
+    refused: bool = False  # an artifact is there but may not be published (not merely missing)
 
 
 def inspect_artifacts(planned: dict, artifacts: Path) -> list[ArtifactState]:
     """One state per planned target: its artifact dir ``wheel-<id>`` with exactly one wheel and
-    a build record that names the target and the wheel's sha256."""
-    from ci.record import BuildRecord, record_path, sha256_of
+    a build record that names the target and the wheel's sha256, the wheel passing the shared
+    check (``ci.record.check_wheel``: hygiene, file name, METADATA, RECORD, the inner record)."""
+    from ci.record import RecordError, check_wheel, load_record_beside, record_path, sha256_of
 
     out = []
     for e in planned["include"]:
@@ -102,29 +104,36 @@ def inspect_artifacts(planned: dict, artifacts: Path) -> list[ArtifactState]:
         wheels = sorted(d.glob("*.whl")) if d.is_dir() else []
         if not wheels:
             st.problem = "no artifact (its build job failed or did not run)"
-        elif len(wheels) > 1:
+            out.append(st)
+            continue
+        st.refused = True
+        if len(wheels) > 1:
             st.problem = f"{len(wheels)} wheels in its artifact: {[w.name for w in wheels]}"
         elif not record_path(wheels[0]).exists():
             st.problem = f"{wheels[0].name} has no build record beside it"
         else:
-            rec = BuildRecord.load(record_path(wheels[0]))
-            sha = sha256_of(wheels[0])
-            if rec.target != e["id"]:
-                st.problem = f"{wheels[0].name}: its record names target {rec.target}"
-            elif rec.wheel != wheels[0].name or rec.sha256 != sha:
-                st.problem = f"{wheels[0].name}: its record says {rec.wheel} sha256 {rec.sha256}, the file has {sha}"
-            elif rec.variant != e["variant"]:
-                st.problem = f"{wheels[0].name}: variant {rec.variant}, the plan says {e['variant']}"
-            else:
-                st.wheel, st.sha256 = wheels[0].name, sha
+            try:
+                rec = load_record_beside(wheels[0])
+                sha = sha256_of(wheels[0])
+                if rec.target != e["id"]:
+                    st.problem = f"{wheels[0].name}: its record names target {rec.target}"
+                elif rec.wheel != wheels[0].name or rec.sha256 != sha:
+                    st.problem = f"{wheels[0].name}: its record says {rec.wheel} sha256 {rec.sha256}, the file has {sha}"
+                elif rec.variant != e["variant"]:
+                    st.problem = f"{wheels[0].name}: variant {rec.variant}, the plan says {e['variant']}"
+                else:
+                    check_wheel(wheels[0], rec, sha256=sha)
+                    st.wheel, st.sha256, st.refused = wheels[0].name, sha, False
+            except RecordError as err:
+                st.problem = str(err)
         out.append(st)
     return out
 
 
 def rerun_hint(missing: list[str], tag: str | None = None) -> str:
     ref = tag or "<tag>"
-    return ("finish the release with the run's \"Re-run failed jobs\" (`gh run rerun RUN_ID --failed`): the same "
-            "run, so every other target's artifact is still there and publish runs once all are built. "
+    return ("complete the release with the run's \"Re-run failed jobs\" (`gh run rerun RUN_ID --failed`): the same "
+            "run, so every other target's artifact and build outcome are still there, and publish adds these. "
             f"To check a fix first: `gh workflow run release.yml --ref {ref} -f targets={','.join(missing)}` "
             "builds only these and publishes nothing")
 
@@ -140,33 +149,87 @@ def report(planned: dict, artifacts: Path, tag: str | None = None) -> tuple[str,
     head = f"### sageattn3 {tag + ' ' if tag else ''}build: {len(states) - len(missing)}/{len(states)} targets built\n\n"
     tail = ""
     if missing:
-        tail = (f"\n\n**Not published** (all-or-nothing): {len(missing)} target(s) failed: "
-                f"{', '.join(f'`{m}`' for m in missing)}.\n\n{rerun_hint(missing, tag)}\n")
+        tail = (f"\n\n**Not in this release yet**: {len(missing)} target(s) failed: "
+                f"{', '.join(f'`{m}`' for m in missing)}; the publish job publishes the others (when their build "
+                f"jobs verified them) and names these.\n\n{rerun_hint(missing, tag)}\n")
     return head + "\n".join(rows) + tail, missing
 
 
-def gather(planned: dict, artifacts: Path, out: Path) -> list[Path]:
-    """Every planned target's wheel + record into ``out``; refuses (copying nothing) when any
-    target is missing or inconsistent, or when ``out`` holds a wheel of no planned target."""
-    from ci.record import record_path
+@dataclass
+class Gathered:
+    wheels: list[Path]
+    missing: dict[str, str]  # target id -> why it is not published (its failing step)
 
+
+def gather(planned: dict, artifacts: Path, out: Path, build_outputs: str | dict | None = None) -> list[Path]:
+    """Every planned target's wheel + record into ``out``; see :func:`gather_release`. Returns
+    the wheels copied."""
+    return gather_release(planned, artifacts, out, build_outputs).wheels
+
+
+def gather_release(planned: dict, artifacts: Path, out: Path, build_outputs: str | dict | None = None) -> Gathered:
+    """The publish job's gate: the planned targets' wheels + records into ``out``.
+
+    Refused with ReleaseInputError (nothing copied): an artifact that is unsafe or
+    inconsistent, and, given ``build_outputs`` (the build jobs' outputs, ci.release.provenance),
+    a wheel whose sha256 is not the one its build job verified, or two wheels that shadow each
+    other. Without ``build_outputs``, all or nothing: any missing target stops it. With them, a
+    partial release: the targets whose build job verified their wheel are gathered, the others
+    are returned by name with the step that failed (at least one must be there)."""
+    from ci.record import record_path
+    from ci.release.provenance import ProvenanceError, check_verified, parse_outputs
+    from ci.wheel_hygiene import UnsafeWheel, check_distinct
+
+    ids = [e["id"] for e in planned["include"]]
+    try:
+        outcomes = parse_outputs(build_outputs, ids) if build_outputs is not None else None
+    except ProvenanceError as e:
+        raise ReleaseInputError(str(e)) from None
     states = inspect_artifacts(planned, artifacts)
-    bad = [s for s in states if s.problem]
-    if bad:
-        raise ReleaseError("not publishing: " + "; ".join(f"{s.target}: {s.problem}" for s in bad)
-                           + ". " + rerun_hint([s.target for s in bad]))
+    refused = [s for s in states if s.refused and (outcomes is None or outcomes[s.target].sha256)]
+    if refused:
+        raise ReleaseInputError("not publishing: " + "; ".join(f"{s.target}: {s.problem}" for s in refused)
+                                + ". Nothing was copied: re-run these targets' build jobs")
+    missing: dict[str, str] = {}
+    if outcomes is None:
+        bad = [s for s in states if s.problem]
+        if bad:
+            raise ReleaseError("not publishing: " + "; ".join(f"{s.target}: {s.problem}" for s in bad)
+                               + ". " + rerun_hint([s.target for s in bad]))
+        good = states
+    else:
+        good = []
+        for s in states:
+            o = outcomes[s.target]
+            if o.sha256 is None:
+                missing[s.target] = o.reason + (" (its artifact is ignored: nothing vouches for it)" if s.wheel else "")
+            elif s.wheel is None:
+                missing[s.target] = "its build job verified a wheel, but its artifact is missing (expired or deleted)"
+            else:
+                good.append(s)
+        try:
+            check_verified({s.wheel: (s.target, s.sha256) for s in good}, outcomes)
+        except ProvenanceError as e:
+            raise ReleaseInputError(f"not publishing: {e}. Nothing was copied") from None
+        if not good:
+            raise ReleaseError("not publishing: no build job verified its wheel: "
+                               + "; ".join(f"{t}: {why}" for t, why in missing.items()))
+    try:
+        check_distinct([s.wheel for s in good], "(another planned target)")
+    except UnsafeWheel as e:
+        raise ReleaseInputError(f"not publishing: {e}") from None
     out.mkdir(parents=True, exist_ok=True)
-    keep = {s.wheel for s in states}
+    keep = {s.wheel for s in good}
     stray = [p.name for p in out.glob("*.whl") if p.name not in keep]
     if stray:
         raise ReleaseError(f"{out} holds wheels of no planned target: {stray}")
     copied = []
-    for s in states:
+    for s in good:
         src = artifacts / f"{ARTIFACT_PREFIX}{s.target}" / s.wheel
         shutil.copy2(src, out / s.wheel)
         shutil.copy2(record_path(src), record_path(out / s.wheel))
         copied.append(out / s.wheel)
-    return copied
+    return Gathered(copied, missing)
 
 
 def sha256sums(wheels: list[Path]) -> str:
@@ -178,15 +241,16 @@ def sha256sums(wheels: list[Path]) -> str:
 
 
 def publish_steps(wheels: Path, index_dir: Path, api_url: str, repo: str, tag: str, token: str,
-                  log=print) -> list[str]:
+                  log=print, *, allow_local_build: bool = False) -> list[str]:
     """The publish job's steps after gather, as the workflow runs them (nox -s publish / index /
-    release -- pages run these same commands)."""
+    release -- pages run these same commands). ``allow_local_build``: the wheels were built
+    here (their records name a local index), which a GitHub Release refuses unless told."""
     env = {**os.environ, "GITHUB_TOKEN": token, "SAGEATTN3_WRITE_INTERVAL": "0"}
     owner, name = repo.split("/")
     base_url = f"https://{owner}.github.io/{name}/"
     cmds = [
         [sys.executable, "-m", "ci.publish", "github", "--tag", tag, "--repo", repo, "--api-url", api_url,
-         "--wheels", str(wheels)],
+         "--wheels", str(wheels), *(["--allow-local-build"] if allow_local_build else [])],
         [sys.executable, "-m", "ci.index", "build", "--wheels", str(wheels), "--out", str(index_dir),
          "--base-url", base_url],
         [sys.executable, "-m", "ci.publish", "pages", "--repo", repo, "--index", str(index_dir), "--tag", tag,
