@@ -109,7 +109,7 @@ def factory_requirements(platform: str) -> list[str]:
         if platform == "windows" and name in WINDOWS_SKIP:
             continue
         lines.append(req)
-    if platform == "windows":
+    if platform == "windows" and DELVEWHEEL not in lines:
         lines.append(DELVEWHEEL)
     return lines
 

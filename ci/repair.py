@@ -16,7 +16,10 @@ from packaging.utils import parse_wheel_filename
 
 # Shared objects torch (or the driver) provides; never bundled into our wheel.
 LINUX_EXCLUDES = ("libtorch*.so*", "libc10*.so*", "libcudart.so*", "libcuda.so*", "libshm.so*")
-WINDOWS_EXCLUDES = ("torch*.dll", "c10*.dll", "cudart64_*.dll", "nvcuda.dll", "shm.dll")
+# The VC++ runtime too: torch's own DLLs import msvcp140.dll and vcruntime140*.dll, so wherever torch
+# loads they are installed; a second, name-mangled copy in our wheel would only add size and skew.
+WINDOWS_EXCLUDES = ("torch*.dll", "c10*.dll", "cudart64_*.dll", "nvcuda.dll", "shm.dll", "msvcp140*.dll",
+                    "vcruntime140*.dll")
 FORBIDDEN_IN_WHEEL = ("*libtorch*", "*libc10*", "*libcudart*", "*libcuda.so*", "*torch_*.dll", "*c10*.dll", "*cudart64*", "*nvcuda*")
 
 
@@ -33,10 +36,15 @@ def auditwheel_command(raw: Path, out_dir: Path) -> list[str]:
 
 
 def delvewheel_command(raw: Path, out_dir: Path, add_paths: list[Path]) -> list[str]:
-    """delvewheel's repair (Windows): excludes are one ';'-separated list."""
-    cmd = ["delvewheel", "repair", "--wheel-dir", str(out_dir), "--exclude", ";".join(WINDOWS_EXCLUDES)]
-    if add_paths:
-        cmd += ["--add-path", ";".join(str(p) for p in add_paths)]
+    """delvewheel's repair of a Windows wheel (on Windows, or on Linux for a wheel built there
+    under wine). One ``--exclude`` per pattern: delvewheel splits a single value at the running
+    machine's path separator (';' on Windows, ':' on Linux), so a ';'-joined list would be one
+    pattern on Linux and exclude nothing."""
+    cmd = ["delvewheel", "repair", "--wheel-dir", str(out_dir)]
+    for pat in WINDOWS_EXCLUDES:
+        cmd += ["--exclude", pat]
+    for p in add_paths:
+        cmd += ["--add-path", str(p)]
     return [*cmd, str(raw)]
 
 

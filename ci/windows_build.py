@@ -217,15 +217,34 @@ def expected_dlls(link_libs: list[str], cuda_major: int) -> set[str]:
     return {f"cudart64_{cuda_major}.dll" if lib == "cudart" else f"{lib}.dll" for lib in link_libs}
 
 
+FATBIN_MAGIC = b"\x50\xed\x55\xba"  # 0xBA55ED50, little-endian: a fatbinary's header
+
+
+def fatbinaries(data: bytes) -> list[bytes]:
+    """The fatbinaries laid end to end in ``data`` (one per CUDA unit; padding between them),
+    each cut by its header's size fields (magic, version, header size, body size)."""
+    out, at = [], data.find(FATBIN_MAGIC)
+    while at >= 0 and at + 16 <= len(data):
+        header, body = int.from_bytes(data[at + 6:at + 8], "little"), int.from_bytes(data[at + 8:at + 16], "little")
+        out.append(data[at:at + header + body])
+        at = data.find(FATBIN_MAGIC, at + max(header + body, 4))
+    return out
+
+
 def cubin_archs_of_pe(module: Path) -> list[str]:
-    """The sm_* of every cubin in the module's ``.nv_fatbin`` section (CUDA's cuobjdump on the
-    section's bytes, which are a fatbinary)."""
+    """The sm_* of every cubin in the module's fatbinary section (PE keeps 8 characters of its
+    name: ``.nv_fatb``), each fatbinary read by CUDA's cuobjdump."""
     from ci.emulate import cubin_archs_of
 
+    pe = pemod.read_pe(module)
+    name = next((s.name for s in pe.sections if s.name.startswith(".nv_fatb")), ".nv_fatbin")
+    archs: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="sageattn3-fatbin-") as tmp:
-        fat = Path(tmp) / "module.fatbin"
-        fat.write_bytes(pemod.read_pe(module).section_bytes(".nv_fatbin"))
-        return cubin_archs_of(fat)
+        for i, fat in enumerate(fatbinaries(pe.section_bytes(name))):
+            path = Path(tmp) / f"unit{i}.fatbin"
+            path.write_bytes(fat)
+            archs |= set(cubin_archs_of(path))
+    return sorted(archs)
 
 
 # Path fragments of this machine that must not reach a shipped module.
@@ -239,7 +258,9 @@ def inspect_module(module: Path, link_libs: list[str], cuda_major: int, markers:
     want = {d.lower() for d in expected_dlls(link_libs, cuda_major)}
     got = [d for d in pe.imported_dlls]
     unexpected = [d for d in got if d.lower() not in want and not MSVC_RUNTIME.match(d)]
-    missing = sorted(want - {d.lower() for d in got})
+    # link.exe drops a library nothing refers to (c10.dll for the stable unit); these it must use.
+    required = {"python3.dll", f"cudart64_{cuda_major}.dll", "torch_cpu.dll"} & want
+    missing = sorted(required - {d.lower() for d in got})
     text = pemod.strings(module.read_bytes())
     found = sorted({s for s in text for m in _build_path_markers(list(markers)) if m in s})
     return ModuleInspection(module.name, pe.machine, got, unexpected, missing, "PyInit__C" in pe.exports,

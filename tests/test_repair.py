@@ -22,12 +22,15 @@ def test_auditwheel_excludes_every_torch_and_cuda_library(tmp_path):
     assert {"libtorch*.so*", "libc10*.so*", "libcudart.so*", "libcuda.so*"} <= set(excludes)
 
 
-def test_delvewheel_command_joins_excludes_and_paths():
+def test_delvewheel_command_repeats_excludes_and_paths():
+    """One option per pattern and path: delvewheel splits a value at the running machine's path
+    separator (':' on Linux), so a ';'-joined list excluded nothing on Linux."""
     cmd = delvewheel_command(Path("w.whl"), Path("out"), [Path("C:/cuda/bin"), Path("C:/x")])
-    i = cmd.index("--exclude")
     assert cmd[:2] == ["delvewheel", "repair"]
-    assert cmd[i + 1].split(";") == ["torch*.dll", "c10*.dll", "cudart64_*.dll", "nvcuda.dll", "shm.dll"]
-    assert cmd[cmd.index("--add-path") + 1] == "C:/cuda/bin;C:/x"
+    excludes = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--exclude"]
+    assert excludes == ["torch*.dll", "c10*.dll", "cudart64_*.dll", "nvcuda.dll", "shm.dll", "msvcp140*.dll",
+                        "vcruntime140*.dll"]
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--add-path"] == [str(Path("C:/cuda/bin")), str(Path("C:/x"))]
 
 
 def test_check_refuses_vendored_torch_or_cuda(tmp_path):
