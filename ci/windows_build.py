@@ -190,7 +190,7 @@ class ModuleInspection:
     pyinit: bool
     cubins: list[str]
     build_paths: list[str]
-    standin_symbols: dict[str, int] = field(default_factory=dict)
+    cuda_runtime: str = ""
 
     @property
     def problems(self) -> list[str]:
@@ -212,8 +212,10 @@ class ModuleInspection:
 
 
 def expected_dlls(link_libs: list[str], cuda_major: int) -> set[str]:
-    """The DLLs a module linked with ``link_libs`` imports besides the MSVC runtime: one per
-    library (``cudart`` is ``cudart64_<major>.dll``)."""
+    """The DLLs a module linked with ``link_libs`` may import besides the MSVC runtime: one per
+    library (``cudart`` is ``cudart64_<major>.dll``). CUDA 13's Windows ``cudart.lib`` holds the
+    runtime itself (the module then loads ``nvcuda.dll``, the driver, at run time), so with it
+    no CUDA runtime DLL is imported; torch's own extension builder links the same library."""
     return {f"cudart64_{cuda_major}.dll" if lib == "cudart" else f"{lib}.dll" for lib in link_libs}
 
 
@@ -259,12 +261,16 @@ def inspect_module(module: Path, link_libs: list[str], cuda_major: int, markers:
     got = [d for d in pe.imported_dlls]
     unexpected = [d for d in got if d.lower() not in want and not MSVC_RUNTIME.match(d)]
     # link.exe drops a library nothing refers to (c10.dll for the stable unit); these it must use.
-    required = {"python3.dll", f"cudart64_{cuda_major}.dll", "torch_cpu.dll"} & want
+    required = {"python3.dll", "torch_cpu.dll"} & want
     missing = sorted(required - {d.lower() for d in got})
-    text = pemod.strings(module.read_bytes())
+    data = module.read_bytes()
+    text = pemod.strings(data)
     found = sorted({s for s in text for m in _build_path_markers(list(markers)) if m in s})
+    runtime = next((d for d in got if d.lower().startswith("cudart64_")), None) or (
+        "linked in (CUDA's cudart.lib); the driver, nvcuda.dll, is loaded at run time" if b"nvcuda.dll" in data
+        else "none found")
     return ModuleInspection(module.name, pe.machine, got, unexpected, missing, "PyInit__C" in pe.exports,
-                            cubin_archs_of_pe(module), found)
+                            cubin_archs_of_pe(module), found, runtime)
 
 
 def module_in_wheel(wheel: Path, dest: Path) -> Path:
@@ -402,6 +408,7 @@ class WindowsCross:
     tc: winemod.WindowsToolchain
     link_libs: list[str]
     standins: Standins | None = None
+    borrowed: dict[str, str] = field(default_factory=dict)  # header -> where it came from
 
     @property
     def torch(self) -> winemod.WindowsTorch:
@@ -422,6 +429,13 @@ class WindowsCross:
         sys.modules[spec.name] = bc
         spec.loader.exec_module(bc)
         unit = profile["torch_unit"]
+        if unit.endswith("classic.cpp"):  # the one header only CUDA builds of torch generate
+            from ci.msvc_gate import CMAKE_MACROS, cmake_macros_overlay
+
+            header = overlay / CMAKE_MACROS
+            header.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(cmake_macros_overlay(self.tc.torch.version.split("+")[0], log=log) / CMAKE_MACROS, header)
+            self.borrowed = {CMAKE_MACROS: f"torch {self.tc.torch.version.split('+')[0]}'s Linux x86_64 CUDA wheel (PyPI)"}
         includes = bc.include_dirs("msvc", csrc=_ws(staging / "csrc"), torch_dir=_ws(self.tc.torch.torch_dir),
                                    torch_subdirs=profile.get("torch_include_subdirs"), cuda_home=_ws(self.tc.cuda.home),
                                    python_include=_ws(self.tc.python.include), cutlass=_ws(cutlass),
@@ -445,6 +459,8 @@ class WindowsCross:
         rec = self.tc.record()
         if self.standins:
             rec["standin_import_libraries"] = self.standins.record()
+        if self.borrowed:
+            rec["headers_from_elsewhere"] = dict(self.borrowed)
         return rec
 
 
@@ -473,6 +489,13 @@ def resolve_windows_cross(target, profile: dict) -> WindowsCross:
     return WindowsCross(tc, list(profile["link_libs"]))
 
 
+def _link_libraries(profile: dict) -> list[str]:
+    """What the build linked: the payload's own rule (the profile's libraries, plus python3)."""
+    from ci.cibw_job import payload_build_commands
+
+    return list(payload_build_commands().link_libraries(profile))
+
+
 def verify_windows(rec, target, wheel: Path, dist: Path, log=print):
     """The verify stage of a Windows wheel built here: the PE inspection of its module and its load
     under wine (see the module's docstring), kept as ``dist/verify/<target>.verify.json``. The
@@ -487,7 +510,7 @@ def verify_windows(rec, target, wheel: Path, dist: Path, log=print):
         module = module_in_wheel(wheel, Path(tmp))
         from packaging.version import Version
 
-        report = inspect_module(module, list(rec.flags["link_libs"]), Version(target.cuda).major)
+        report = inspect_module(module, _link_libraries(rec.flags), Version(target.cuda).major)
         log(f"[verify] {module.name}: machine {report.machine}; imports {', '.join(report.imports)}; "
             f"PyInit__C {'exported' if report.pyinit else 'MISSING'}; cubins {' '.join(report.cubins) or 'none'}")
         missing = sorted(set(rec.archs) - set(report.cubins))

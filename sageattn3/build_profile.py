@@ -115,10 +115,6 @@ def profile(
         host = ["/O2", f"/std:{std}", *MSVC_HOST_FLAGS]
         cxx = list(host)
         nvcc += [f"-Xcompiler={f}" for f in host]
-        # nvcc.exe's objects otherwise ask the linker for cudart_static.lib, which then wins over
-        # the cudart.lib named at link time: the module would carry its own CUDA runtime instead of
-        # using cudart64_<major>.dll, as torch does.
-        nvcc.append("--cudart=shared")
         ldflags: list[str] = []
         env["DISTUTILS_USE_SDK"] = "1"
     else:
