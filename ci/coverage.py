@@ -92,7 +92,8 @@ KINDS = {
     "classic_link": Kind("classic unit cross-compiled + linked here",
                          "cross-compile of the classic unit, link against PyPI's aarch64 CPU torch",
                          PAYLOAD_INPUTS + ("ci/targets.toml", "ci/targets.py", "ci/flags.py", "ci/toolchain.py",
-                                           "ci/compile_gate.py", "ci/cibw_job.py") + CROSS_INPUTS[:2]),
+                                           "ci/compile_gate.py", "ci/cibw_job.py", "ci/cross.py",
+                                           "ci/cross_spec.py")),
 }
 
 
@@ -135,10 +136,6 @@ class Freshness:
     dirty: str | None  # uncommitted changes it was made with, as its record says
     known: bool  # the commit is in this repository's history (HEAD or an ancestor)
     changed_by: str | None  # the first later commit that changed what it was made from
-
-    @property
-    def stale(self) -> bool:
-        return self.changed_by is not None or not self.known
 
     def note(self) -> str:
         short = self.commit[:7]
