@@ -197,6 +197,11 @@ def add_evidence(target_id: str, kind: str, entry: dict, matrix: Matrix, path: P
         raise EvidenceError(f"evidence of kind {kind!r}: the kinds are {', '.join(KINDS)} (ci/coverage.py KINDS)")
     if target_id not in {t.id for t in matrix.targets}:
         raise EvidenceError(f"evidence for {target_id!r}, which is not in the matrix")
+    local = re.search(r"file://[^\s\"',)]*", json.dumps(entry))
+    if local:
+        raise EvidenceError(f"evidence for {target_id} names {local.group(0)}, a place on the machine that made it "
+                            f"(a local build's record names its own dist/index as the wheel's index): build with "
+                            f"SAGEATTN3_INDEX_URL set to the published index, as the release does, and record that")
     stored = {**entry, **source_of(entry.get("source_commit"), inputs_of(kind, entry), repo)}
     stored.setdefault("ran_here", KINDS[kind].ran_here)
     ev = load_evidence(path)

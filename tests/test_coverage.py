@@ -210,6 +210,10 @@ def test_a_record_names_a_commit_of_the_history_and_says_when_it_was_dirty(tmp_p
     coverage.record_classic_link({**LINK, "source_commit": head}, MATRIX, ev_file, history)
     stored = coverage.load_evidence(ev_file)["linux-aarch64-cu130-torch2.9"]["classic_link"]
     assert stored["dirty"] == "uncommitted changes to ci/cross.py"
+    # A local build's wheel names its own dist/index: evidence holds no place of the machine that made it.
+    guard = {**LINK, "source_commit": head, "needed": ["see file:///home/someone/dist/index/ for the index"]}
+    with pytest.raises(coverage.EvidenceError, match=r"names file:///home/someone/dist/index/, .*SAGEATTN3_INDEX_URL"):
+        coverage.record_classic_link(guard, MATRIX, ev_file, history)
     for bad, why in (("unknown", "is not a commit"), ("0123456789" * 4, "is not in this checkout's history"),
                      (None, "is not a commit")):
         with pytest.raises(coverage.EvidenceError, match=why):
