@@ -182,7 +182,11 @@ def cmd_coverage(args: argparse.Namespace) -> int:
             return 2
         for line in added:
             print(f"evidence: {line}")
-    table = coverage.coverage_table(matrix)
+    try:
+        table = coverage.coverage_table(matrix)
+    except coverage.EvidenceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.write_docs:
         for path, name, text in ((coverage.COVERAGE_DOC, "coverage", table),
                                  (coverage.README, "matrix", coverage.matrix_brief(matrix))):

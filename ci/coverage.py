@@ -29,20 +29,185 @@ the release pipeline itself.
 ``dist/proof``) to the evidence; ``python -m ci coverage`` prints the table docs/coverage.md
 holds, and ``--write-docs`` writes it there and the brief matrix (:func:`matrix_brief`, one row
 per wheel) into the README.
+
+Evidence cannot go stale unseen: every record names the commit it was made from
+(``source_commit``; ``dirty`` says what was uncommitted), and :data:`KINDS` names, per kind of
+evidence, the paths it was made from (the payload, the patches, the factory code that builds and
+checks it). A row whose evidence was made before a commit that changed any of them is marked
+*stale* in the table (:func:`freshness`); a record whose commit is not in the repository's
+history fails the tests (tests/test_coverage.py). Records are added by :func:`add_evidence`,
+whatever made them.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from ci.targets import Matrix, _v
 from ci.variant import Variant
 
+REPO = Path(__file__).resolve().parent.parent
 EVIDENCE_FILE = Path(__file__).with_name("evidence.json")
-LEVELS = {"release": "built + verified here", "proof": "proof wheel built + imported here",
-          "classic_link": "classic unit cross-compiled + linked here"}
+
+# -- what each kind of evidence was made from -------------------------------------------------
+# Paths (relative to the repository root, folders included whole) whose content decides a wheel:
+# the payload (sources, build_profile.py, build_commands.py, setup.py), the patches, and the
+# factory code that resolves the toolchain and flags, stages, patches, compiles, repairs, tags and
+# records it, with the matrix it reads the target from.
+PAYLOAD_INPUTS = ("sageattn3", "patches")
+WHEEL_BUILD_INPUTS = (
+    "ci/targets.toml", "ci/targets.py", "ci/variant.py", "ci/flags.py", "ci/patches.py", "ci/resolve.py",
+    "ci/resolved.py", "ci/toolchain.py", "ci/torch_source.py", "ci/build.py", "ci/repair.py", "ci/tag.py",
+    "ci/record.py",
+)
+# What checks a built wheel here (the verify stage and the pipeline that runs the stages).
+VERIFY_INPUTS = ("ci/verify.py", "ci/pipeline.py")
+# A cross-built wheel (a release record with ``cross``): the cross toolchain and the emulated verify.
+CROSS_INPUTS = ("ci/cross.py", "ci/cross_spec.py", "ci/emulate.py")
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of evidence: how far it proves a row (the table's words), what ran on the machine
+    that made it (a record may say it more precisely: ``ran_here``), and the paths a later change
+    of which makes it stale."""
+
+    label: str
+    ran_here: str
+    inputs: tuple[str, ...]
+
+
+# The one list of evidence kinds. A new kind (a Windows build under wine, a compile-only check)
+# is a new entry here, its records added with :func:`add_evidence`.
+KINDS = {
+    "release": Kind("built + verified here", "build, repair, tag, verify (fresh venv, real pip, import, ABI guard)",
+                    PAYLOAD_INPUTS + WHEEL_BUILD_INPUTS + VERIFY_INPUTS),
+    "proof": Kind("proof wheel built + imported here",
+                  "proof-flavour build, repair, tag, import with its torch, refusal by another torch",
+                  PAYLOAD_INPUTS + WHEEL_BUILD_INPUTS + VERIFY_INPUTS),
+    "classic_link": Kind("classic unit cross-compiled + linked here",
+                         "cross-compile of the classic unit, link against PyPI's aarch64 CPU torch",
+                         PAYLOAD_INPUTS + ("ci/targets.toml", "ci/targets.py", "ci/flags.py", "ci/toolchain.py",
+                                           "ci/compile_gate.py", "ci/cibw_job.py", "ci/cross.py",
+                                           "ci/cross_spec.py")),
+}
+
+
+def inputs_of(kind: str, entry: dict) -> tuple[str, ...]:
+    """The paths ``entry`` (evidence of ``kind``) was made from."""
+    return KINDS[kind].inputs + (CROSS_INPUTS if kind == "release" and "cross" in entry else ())
+
+
+class EvidenceError(ValueError):
+    pass
+
+
+def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True)
+    except OSError as e:
+        raise EvidenceError(f"evidence is checked against the repository's history with git, which did not run: {e}")
+
+
+def check_history(repo: Path = REPO) -> None:
+    """The repository's full history is here (evidence names commits of it)."""
+    proc = _git(repo, "rev-parse", "--is-shallow-repository")
+    if proc.returncode != 0:
+        raise EvidenceError(f"{repo} is not a git checkout ({proc.stderr.strip()}): evidence names commits, and "
+                            f"whether it is current is read from the history; use a clone")
+    if proc.stdout.strip() == "true":
+        raise EvidenceError(f"{repo} is a shallow clone: whether evidence is current needs the full history "
+                            f"(git fetch --unshallow, or clone without --depth)")
+
+
+def in_history(commit: str, repo: Path = REPO) -> bool:
+    """``commit`` is HEAD or one of its ancestors."""
+    return (_git(repo, "cat-file", "-e", f"{commit}^{{commit}}").returncode == 0
+            and _git(repo, "merge-base", "--is-ancestor", commit, "HEAD").returncode == 0)
+
+
+@dataclass(frozen=True)
+class Freshness:
+    commit: str  # what the evidence was made from
+    dirty: str | None  # uncommitted changes it was made with, as its record says
+    known: bool  # the commit is in this repository's history (HEAD or an ancestor)
+    changed_by: str | None  # the first later commit that changed what it was made from
+
+    def note(self) -> str:
+        short = self.commit[:7]
+        if not re.fullmatch(r"[0-9a-f]{40}", self.commit):
+            return "**names no commit it was made from**"
+        if not self.known:
+            return f"**commit {short} is not in this repository's history**"
+        made = f"from {short}" + (" + uncommitted changes" if self.dirty else "")
+        if self.changed_by:
+            return f"**stale**: {made}, what it was made from changed in {self.changed_by[:7]}"
+        return made
+
+
+def freshness(entry: dict, inputs: tuple[str, ...], repo: Path = REPO) -> Freshness:
+    """Is ``entry`` (an evidence record) current: was none of ``inputs`` changed by a commit of
+    HEAD's history that is not in its commit's history? (``git rev-list COMMIT..HEAD -- inputs``:
+    a change merged in from another branch counts, wherever it sits by date.)"""
+    commit = entry.get("source_commit") or ""
+    check_history(repo)
+    if not re.fullmatch(r"[0-9a-f]{40}", commit) or not in_history(commit, repo):
+        return Freshness(commit, entry.get("dirty"), False, None)
+    proc = _git(repo, "rev-list", "--reverse", f"{commit}..HEAD", "--", *inputs)
+    if proc.returncode != 0:
+        raise EvidenceError(f"git rev-list {commit[:7]}..HEAD failed: {proc.stderr.strip()}")
+    changes = proc.stdout.split()
+    return Freshness(commit, entry.get("dirty"), True, changes[0] if changes else None)
+
+
+def source_of(raw: str | None, inputs: tuple[str, ...], repo: Path = REPO) -> dict:
+    """The ``source_commit`` (and ``dirty``) fields of a new record from the commit its maker
+    reported (``<sha>``, or ``<sha>-dirty`` from ``ci.build.source_commit``: uncommitted changes
+    to sageattn3/ or patches/ when it was built). Uncommitted changes to ``inputs`` in the checkout
+    now, when it is at that commit, are named too: the record cannot say it was made without them."""
+    raw = raw or ""
+    sha, dirty = (raw[: -len("-dirty")], "uncommitted changes to sageattn3/ or patches/ when built") \
+        if raw.endswith("-dirty") else (raw, None)
+    if not re.fullmatch(r"[0-9a-f]{40}", sha):
+        raise EvidenceError(f"source commit {raw!r} is not a commit: evidence is made from a git checkout, "
+                            f"and names the commit it was made from")
+    check_history(repo)
+    if not in_history(sha, repo):
+        raise EvidenceError(f"source commit {sha[:7]} is not in this checkout's history: record evidence in the "
+                            f"checkout (and branch) it was made from")
+    if _git(repo, "rev-parse", "HEAD").stdout.strip() == sha:
+        changed = _git(repo, "status", "--porcelain", "--", *inputs).stdout.splitlines()
+        if changed:
+            paths = ", ".join(sorted(ln[3:] for ln in changed))
+            dirty = f"uncommitted changes to {paths}" + (f"; {dirty}" if dirty else "")
+    return {"source_commit": sha, **({"dirty": dirty} if dirty else {})}
+
+
+def add_evidence(target_id: str, kind: str, entry: dict, matrix: Matrix, path: Path = EVIDENCE_FILE,
+                 repo: Path = REPO) -> dict:
+    """Put ``entry`` (evidence of ``kind`` for the target ``target_id``) into the evidence file,
+    replacing the target's earlier one of that kind; returns what was stored. ``entry`` names the
+    commit it was made from (``source_commit``, see :func:`source_of`); ``ran_here`` says what
+    ran (default: the kind's)."""
+    if kind not in KINDS:
+        raise EvidenceError(f"evidence of kind {kind!r}: the kinds are {', '.join(KINDS)} (ci/coverage.py KINDS)")
+    if target_id not in {t.id for t in matrix.targets}:
+        raise EvidenceError(f"evidence for {target_id!r}, which is not in the matrix")
+    local = re.search(r"file://[^\s\"',)]*", json.dumps(entry))
+    if local:
+        raise EvidenceError(f"evidence for {target_id} names {local.group(0)}, a place on the machine that made it "
+                            f"(a local build's record names its own dist/index as the wheel's index): build with "
+                            f"SAGEATTN3_INDEX_URL set to the published index, as the release does, and record that")
+    stored = {**entry, **source_of(entry.get("source_commit"), inputs_of(kind, entry), repo)}
+    stored.setdefault("ran_here", KINDS[kind].ran_here)
+    ev = load_evidence(path)
+    ev.setdefault(target_id, {})[kind] = stored
+    path.write_text(json.dumps(ev, indent=2, sort_keys=True) + "\n")
+    return stored
 
 
 def load_evidence(path: Path = EVIDENCE_FILE) -> dict:
@@ -57,17 +222,17 @@ def flavour_of(record: dict) -> str | None:
     return "proof" if extra.get("proof") else "release"
 
 
-def record_evidence(dirs: list[Path], matrix: Matrix, path: Path = EVIDENCE_FILE) -> list[str]:
+def record_evidence(dirs: list[Path], matrix: Matrix, path: Path = EVIDENCE_FILE, repo: Path = REPO) -> list[str]:
     """Add every build record (``<wheel>.json``) found in ``dirs`` to the evidence file; returns
-    what was added. A record naming no target of the matrix is refused."""
-    ev = load_evidence(path)
+    what was added. A record naming no target of the matrix, or no commit of this history, is
+    refused (and nothing is added)."""
     ids = {t.id for t in matrix.targets}
-    added = []
     verified = {}  # wheel -> the emulated verify's report (dist/verify/<target>.verify.json)
     for d in dirs:
         for rep_path in sorted(Path(d).glob("*.verify.json")):
             rep = json.loads(rep_path.read_text())
             verified[rep["wheel"]] = rep
+    found = []
     for d in dirs:
         for rec_path in sorted(Path(d).glob("*.whl.json")):
             rec = json.loads(rec_path.read_text())
@@ -79,6 +244,7 @@ def record_evidence(dirs: list[Path], matrix: Matrix, path: Path = EVIDENCE_FILE
             entry = {
                 "wheel": rec["wheel"], "sha256": rec["sha256"], "torch_build": rec["torch_build"],
                 "nvcc": rec.get("toolchain", {}).get("nvcc"), "source_commit": rec.get("source_commit"),
+                **({"size": rec["size"]} if rec.get("size") else {}),
             }
             cross = (rec.get("extra") or {}).get("cross")
             if cross:
@@ -89,20 +255,27 @@ def record_evidence(dirs: list[Path], matrix: Matrix, path: Path = EVIDENCE_FILE
                 entry["cross"] = cross
                 entry["emulated_verify"] = {k: v[k] for k in ("machine", "python", "torch", "ops", "cubins", "abi_guard",
                                                               "timings")}
-            ev.setdefault(rec["target"], {})[kind] = entry
-            added.append(f"{rec['target']}: {LEVELS[kind]} ({rec['wheel']})")
-    path.write_text(json.dumps(ev, indent=2, sort_keys=True) + "\n")
+                entry["ran_here"] = (f"cross-build on {cross['built_on']}, repair, tag, verify under "
+                                     f"qemu-{v['machine']} (real pip, import, ops, cubins, ABI guard)")
+            try:
+                source_of(entry["source_commit"], inputs_of(kind, entry), repo)
+            except EvidenceError as e:
+                raise EvidenceError(f"{rec_path.name}: {e}") from None
+            found.append((rec["target"], kind, entry))
+    added = []
+    for target_id, kind, entry in found:
+        stored = add_evidence(target_id, kind, entry, matrix, path, repo)
+        note = f", {stored['dirty']}" if stored.get("dirty") else ""
+        added.append(f"{target_id}: {KINDS[kind].label} ({entry['wheel']}; from {stored['source_commit'][:7]}{note})")
     return added
 
 
-def record_classic_link(link: dict, matrix: Matrix, path: Path = EVIDENCE_FILE) -> str:
+def record_classic_link(link: dict, matrix: Matrix, path: Path = EVIDENCE_FILE, repo: Path = REPO) -> str:
     """Add one ``ci.cross.ClassicLink`` (as a dict) to the evidence; returns what was added."""
     if link["target"] not in {t.id for t in matrix.targets}:
         raise ValueError(f"classic link of {link['target']!r}, which is not in the matrix")
-    ev = load_evidence(path)
-    ev.setdefault(link["target"], {})["classic_link"] = link
-    path.write_text(json.dumps(ev, indent=2, sort_keys=True) + "\n")
-    return f"{link['target']}: {LEVELS['classic_link']} ({link['torch_libraries']})"
+    stored = add_evidence(link["target"], "classic_link", link, matrix, path, repo)
+    return f"{link['target']}: {KINDS['classic_link'].label} ({link['torch_libraries']}; from {stored['source_commit'][:7]})"
 
 
 def _describe(kind: str, e: dict) -> str:
@@ -110,31 +283,38 @@ def _describe(kind: str, e: dict) -> str:
         absent = ", ".join(e["absent_libraries"]) or "nothing"
         left = sum(len(v) for k, v in e["unresolved"].items() if not k.startswith("the Python"))
         runtime = next((n for n in e.get("needed", []) if n.startswith("libcudart")), "no CUDA runtime")
-        return (f"{LEVELS[kind]} vs torch {e['torch_libraries']}; absent there: {absent}, whose {left} symbols "
+        return (f"{KINDS[kind].label} vs torch {e['torch_libraries']}; absent there: {absent}, whose {left} symbols "
                 f"the unit uses stay unresolved; stand-ins: {runtime} and the kernel objects of the CUDA 13 "
                 f"cross build; not imported (no CUDA build of this torch for aarch64 is reachable here)")
+    size = f", {e['size']:,} bytes" if e.get("size") else ""
     if "cross" in e:
         v, c = e["emulated_verify"], e["cross"]
         return (f"cross-built on {c['built_on']} ({c['compiler'].split(' (')[0]} {c['compiler'].rsplit(' ', 1)[-1]}, "
-                f"nvcc {e['nvcc']}) + verified under qemu-{v['machine']} (Python {v['python']}, torch {v['torch']}, "
+                f"nvcc {e['nvcc']}{size}) + verified under qemu-{v['machine']} (Python {v['python']}, torch {v['torch']}, "
                 f"{len(v['ops'])} ops, cubins {'+'.join(v['cubins'])}, ABI guard)")
-    return f"{LEVELS[kind]} (torch {e['torch_build']}, nvcc {e['nvcc']})"
+    if kind in ("release", "proof"):
+        return f"{KINDS[kind].label} (torch {e['torch_build']}, nvcc {e['nvcc']}{size})"
+    return f"{KINDS[kind].label}: {e['ran_here']}"
 
 
-def _row_proof(matrix: Matrix, evidence: dict, line: str, cuda: str, gate_version: str) -> str:
+def _row_proof(matrix: Matrix, evidence: dict, line: str, cuda: str, gate_version: str, repo: Path) -> str:
     parts = []
     for t in matrix.targets:
         if line in t.torch_lines and t.cuda == cuda and t.id in evidence:
-            for kind in ("release", "proof", "classic_link"):
+            for kind in KINDS:
                 if kind in evidence[t.id]:
-                    parts.append(f"{t.os.key}: {_describe(kind, evidence[t.id][kind])}")
+                    e = evidence[t.id][kind]
+                    fresh = freshness(e, inputs_of(kind, e), repo)
+                    parts.append(f"{t.os.key} ({fresh.note()}): {_describe(kind, e)}")
                     break
     parts.append(f"unit compiled vs torch {gate_version} headers")
     return "; ".join(parts) + "; the rest: release pipeline only"
 
 
-def coverage_table(matrix: Matrix, evidence: dict | None = None) -> str:
-    """Markdown: torch line x CUDA variant -> which wheel serves it, per OS, and how far proven."""
+def coverage_table(matrix: Matrix, evidence: dict | None = None, repo: Path = REPO) -> str:
+    """Markdown: torch line x CUDA variant -> which wheel serves it, per OS, and how far proven
+    (each piece of evidence with the commit it was made from, marked stale when what it was made
+    from changed since: :func:`freshness` against ``repo``'s history)."""
     evidence = load_evidence() if evidence is None else evidence
     rows = ["| torch | CUDA | archs | wheel variant | Python | OS | proven |",
             "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -146,7 +326,7 @@ def coverage_table(matrix: Matrix, evidence: dict | None = None) -> str:
             rows.append(
                 f"| {t.line} | {c} | {' '.join(matrix.cuda_archs[c])} | `{variant.label}` | {py} | "
                 f"{', '.join(o for o in t.os if t.builds(c, o))} | "
-                f"{_row_proof(matrix, evidence, t.line, c, t.build_version)} |"
+                f"{_row_proof(matrix, evidence, t.line, c, t.build_version, repo)} |"
             )
     return "\n".join(rows)
 

@@ -361,6 +361,7 @@ class ClassicLink:
     unresolved: dict[str, list[str]]  # who would provide them -> demangled symbols
     elf_machine: str
     seconds: float = 0.0
+    source_commit: str = ""  # the checkout's commit (``ci.build.source_commit``): the evidence names it
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -408,6 +409,7 @@ def link_classic(target, matrix, work: Path, *, kernel_objects: list[Path] = (),
     profile's libraries that torch lacks and which symbols are left for whom."""
     import time
 
+    from ci.build import source_commit
     from ci.compile_gate import torch_headers
     from ci.flags import profile_for
     from ci.cibw_job import payload_build_commands
@@ -472,7 +474,8 @@ def link_classic(target, matrix, work: Path, *, kernel_objects: list[Path] = (),
         torch_libraries=f"{torch.version} (PyPI, linux-{spec.machine}, {'CUDA ' + torch.cuda if torch.cuda else 'CPU build'})",
         torch_headers=f"{target.build_torch} (PyPI's linux-x86_64 CUDA wheel)",
         objects=[o.name for o in [obj, *kernel_objects]], needed=needed, absent_libraries=absent,
-        unresolved=unresolved, elf_machine=elf_machine(out), seconds=round(time.monotonic() - t0, 1))
+        unresolved=unresolved, elf_machine=elf_machine(out), seconds=round(time.monotonic() - t0, 1),
+        source_commit=source_commit())
 
 
 def _classic_targets(matrix, ids: list[str] | None) -> list:
@@ -522,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
             if a.record:
                 print(f"evidence: {coverage.record_classic_link(link.to_dict(), matrix)}")
         return 0
-    except (ToolchainError, MatrixError) as e:
+    except (ToolchainError, MatrixError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -5,6 +5,8 @@ run by qemu-user, with real pip, in fresh virtual environments.
    installed by the emulated pip, which resolves them for the target machine itself, from a
    wheelhouse of that machine's wheels that this machine's pip downloaded from PyPI first
    (emulated TLS downloads ran at ~1.5 MB/s here; the CUDA 13 torch's dependencies are ~3 GB).
+   The host's pip resolves with the target's wheel tags, but evaluates markers for the host:
+   only what the target's markers select is downloaded (:func:`download_plan`).
 2. A fresh venv that sees that torch through a ``.pth`` file (as ``ci.verify`` does natively);
    ``pip install sageattn3==<version>`` from the generated index served over HTTP on 127.0.0.1,
    pip's own configuration disabled so nothing else can answer.
@@ -145,25 +147,113 @@ def _download_platforms(machine: str) -> list[str]:
     return [f"manylinux_2_{n}_{machine}" for n in range(36, 16, -1)] + [f"manylinux2014_{machine}", f"linux_{machine}"]
 
 
-def wheelhouse(machine: str, requirement: str, log=print) -> Path:
-    """``requirement`` and its dependencies as wheels for linux-``machine`` and CPython
-    ``TARGET_PYTHON``, downloaded from the configured index (PyPI) by this machine's pip into the
-    cache."""
-    dest = cache_root() / "cross" / machine / "wheelhouse" / requirement.replace("==", "-")
-    if (dest / ".complete").exists():
-        return dest
-    shutil.rmtree(dest, ignore_errors=True)
+def target_markers(machine: str, python_full: str) -> dict[str, str]:
+    """The PEP 508 environment markers of CPython ``python_full`` on linux-``machine``: what the
+    emulated pip evaluates requirements' markers against."""
+    return {"os_name": "posix", "sys_platform": "linux", "platform_system": "Linux", "platform_machine": machine,
+            "platform_release": "", "platform_version": "", "platform_python_implementation": "CPython",
+            "implementation_name": "cpython", "implementation_version": python_full,
+            "python_version": ".".join(python_full.split(".")[:2]), "python_full_version": python_full}
+
+
+def needed_on_target(report: dict, requirements: list[str], markers: dict[str, str]) -> tuple[list[str], list[str]]:
+    """What ``requirements`` need on the target machine, from the host pip's resolution ``report``
+    (``pip install --dry-run --report``): the ``name==version`` pins of the packages reachable
+    through requirements whose markers hold for ``markers`` (extras followed), and the
+    requirements the target needs that the report lacks (markers that hold only on the target).
+
+    The host's pip evaluates markers for the machine it runs on, whatever ``--platform`` says:
+    for an aarch64 torch < 2.14 (torch 2.9.1, the ABI guard's foreign line), its
+    ``nvidia-*-cu12==...; platform_machine == "x86_64"`` requirements hold on the host, and pip
+    fetched their aarch64 wheels (~3 GB) that the emulated pip never installs."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    found = {canonicalize_name(i["metadata"]["name"]): i["metadata"] for i in report.get("install", [])}
+    extras: dict[str, set[str]] = {}
+    missing: list[str] = []
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        if name in extras and set(req.extras) <= extras[name]:
+            continue
+        if name not in found:
+            missing.append(str(Requirement(f"{req.name}{'[' + ','.join(sorted(req.extras)) + ']' if req.extras else ''}"
+                                           f"{req.specifier}")))
+            extras[name] = set(req.extras)
+            continue
+        extras[name] = extras.get(name, set()) | set(req.extras)
+        for spec in found[name].get("requires_dist") or []:
+            dep = Requirement(spec)
+            if dep.marker is None or any(dep.marker.evaluate({**markers, "extra": e}) for e in ("", *extras[name])):
+                todo.append(dep)
+    pins = sorted(f"{found[n]['name']}=={found[n]['version']}" for n in extras if n in found)
+    return pins, sorted(missing)
+
+
+def _pip_target_args(machine: str) -> list[str]:
     py = crossmod.TARGET_PYTHON.replace(".", "")
     plats = [a for p in _download_platforms(machine) for a in ("--platform", p)]
-    log(f"[emulate] downloading {requirement} and its dependencies for linux-{machine} (cp{py})")
-    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", *plats,
-                           "--python-version", crossmod.TARGET_PYTHON, "--implementation", "cp",
-                           "--abi", f"cp{py}", "--abi", "abi3", "--abi", "none", "--dest", str(dest), requirement],
-                          capture_output=True, text=True, env=pip_environ())
+    return ["--only-binary=:all:", *plats, "--python-version", crossmod.TARGET_PYTHON, "--implementation", "cp",
+            "--abi", f"cp{py}", "--abi", "abi3", "--abi", "none"]
+
+
+def download_plan(machine: str, requirement: str, python_full: str, *, index_args: tuple[str, ...] = ()) -> list[str]:
+    """The ``name==version`` pins :func:`wheelhouse` downloads for ``requirement`` on
+    linux-``machine``: the host pip resolves (``--dry-run --report``: metadata only) for the
+    target's wheel tags, and :func:`needed_on_target` keeps what the target's markers select. A
+    requirement only the target's markers select joins the next resolution (at most 3)."""
+    markers = target_markers(machine, python_full)
+    asked = [requirement]
+    for _ in range(3):
+        with tempfile.TemporaryDirectory(prefix="sageattn3-resolve-") as tmp:
+            cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--dry-run", "--ignore-installed",
+                   "--target", str(Path(tmp) / "unused"), "--report", str(Path(tmp) / "report.json"),
+                   *_pip_target_args(machine), *index_args, *asked]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=pip_environ())
+            if proc.returncode != 0:
+                raise ToolchainError(f"pip could not resolve {' '.join(asked)} for linux-{machine} "
+                                     f"(cp{crossmod.TARGET_PYTHON.replace('.', '')}):\n{proc.stderr[-2000:]}")
+            report = json.loads((Path(tmp) / "report.json").read_text())
+        pins, missing = needed_on_target(report, [requirement], markers)
+        if not missing:
+            return pins
+        asked = [requirement, *missing]
+    raise ToolchainError(f"the resolution of {requirement} for linux-{machine} still lacks {missing}, which its "
+                         f"markers select on linux-{machine}")
+
+
+# What a wheelhouse's ``.complete`` marker says about how it was filled; a wheelhouse filled
+# otherwise (before the target's markers were applied: ~3 GB of unused wheels) is made again.
+WHEELHOUSE_FORMAT = "pins resolved with the target machine's markers"
+
+
+def wheelhouse(machine: str, requirement: str, python_full: str, log=print, *,
+               index_args: tuple[str, ...] = ()) -> Path:
+    """``requirement`` and what it needs on linux-``machine`` (CPython ``python_full``), as wheels
+    downloaded from the configured index (PyPI) by this machine's pip into the cache: exactly
+    :func:`download_plan`'s pins, ``--no-deps``. ``index_args``: pip options naming another
+    package source (the tests' local one)."""
+    dest = cache_root() / "cross" / machine / "wheelhouse" / requirement.replace("==", "-")
+    marker = dest / ".complete"
+    if marker.exists():
+        try:
+            if json.loads(marker.read_text()).get("format") == WHEELHOUSE_FORMAT:
+                return dest
+        except ValueError:
+            pass
+        log(f"[emulate] {dest} was filled by the host's markers: downloading it again")
+    shutil.rmtree(dest, ignore_errors=True)
+    log(f"[emulate] resolving {requirement} for linux-{machine} (cp{crossmod.TARGET_PYTHON.replace('.', '')})")
+    pins = download_plan(machine, requirement, python_full, index_args=index_args)
+    log(f"[emulate] downloading {len(pins)} wheels for linux-{machine}")
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", *_pip_target_args(machine),
+                           *index_args, "--dest", str(dest), *pins], capture_output=True, text=True, env=pip_environ())
     if proc.returncode != 0:
         shutil.rmtree(dest, ignore_errors=True)
         raise ToolchainError(f"could not download {requirement} for linux-{machine} from PyPI:\n{proc.stderr[-2000:]}")
-    (dest / ".complete").write_text(requirement)
+    marker.write_text(json.dumps({"requirement": requirement, "format": WHEELHOUSE_FORMAT, "pins": pins}, indent=1))
     return dest
 
 
@@ -177,7 +267,7 @@ def torch_env(emu: Emulator, requirement: str, log=print) -> EmulatedTorchEnv:
         version, cuda = json.loads(marker.read_text())
         return EmulatedTorchEnv(root, version, cuda)
     shutil.rmtree(root, ignore_errors=True)
-    house = wheelhouse(emu.python.machine, requirement, log=log)
+    house = wheelhouse(emu.python.machine, requirement, emu.python.version, log=log)
     py = emu.venv(root)
     wheel = pip_wheel()
     t0 = time.monotonic()
