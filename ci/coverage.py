@@ -68,6 +68,10 @@ WHEEL_BUILD_INPUTS = (
 VERIFY_INPUTS = ("ci/verify.py", "ci/pipeline.py")
 # A cross-built wheel (a release record with ``cross``): the cross toolchain and the emulated verify.
 CROSS_INPUTS = ("ci/cross.py", "ci/cross_spec.py", "ci/emulate.py")
+# A Windows wheel built on Linux: the wine toolchain, the stand-ins and inspection, the PE reader.
+WINDOWS_INPUTS = ("ci/wine.py", "ci/windows_build.py", "ci/pe.py")
+# Kinds that check one part of a row besides how far its wheel was built (shown beside that).
+CHECK_KINDS = ("msvc_unit",)
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,14 @@ KINDS = {
     "proof": Kind("proof wheel built + imported here",
                   "proof-flavour build, repair, tag, import with its torch, refusal by another torch",
                   PAYLOAD_INPUTS + WHEEL_BUILD_INPUTS + VERIFY_INPUTS),
+    "windows_wine": Kind("built under wine here",
+                         "build with MSVC 14.44 and nvcc.exe under wine, delvewheel repair, tag, PE inspection, "
+                         "LoadLibrary under wine against PyPI's torch DLLs",
+                         PAYLOAD_INPUTS + WHEEL_BUILD_INPUTS + VERIFY_INPUTS + WINDOWS_INPUTS),
+    "msvc_unit": Kind("unit compiled by cl.exe here",
+                      "the torch-facing unit compiled by MSVC 14.44's cl.exe under wine against the line's "
+                      "win_amd64 torch headers (python -m ci.msvc_gate)",
+                      PAYLOAD_INPUTS + ("ci/targets.toml", "ci/targets.py", "ci/flags.py", "ci/msvc_gate.py", "ci/wine.py")),
     "classic_link": Kind("classic unit cross-compiled + linked here",
                          "cross-compile of the classic unit, link against PyPI's aarch64 CPU torch",
                          PAYLOAD_INPUTS + ("ci/targets.toml", "ci/targets.py", "ci/flags.py", "ci/toolchain.py",
@@ -247,7 +259,20 @@ def record_evidence(dirs: list[Path], matrix: Matrix, path: Path = EVIDENCE_FILE
                 **({"size": rec["size"]} if rec.get("size") else {}),
             }
             cross = (rec.get("extra") or {}).get("cross")
-            if cross:
+            if cross and "wine" in cross.get("built_on", ""):  # a Windows wheel built here under wine
+                if rec["wheel"] not in verified:
+                    raise ValueError(f"{rec_path.name}: a Windows wheel without its inspection report "
+                                     f"(<target>.verify.json): add the folder it is in (dist/verify)")
+                v = verified[rec["wheel"]]
+                kind = "windows_wine"
+                entry["windows"] = {k: cross[k] for k in ("msvc", "nvcc", "wine", "torch", "standin_import_libraries",
+                                                          "headers_from_elsewhere") if k in cross}
+                entry["inspection"] = {k: v["inspection"][k] for k in ("machine", "imports", "cubins", "cuda_runtime",
+                                                                       "pyinit", "build_paths")}
+                entry["load"] = {"ok": v["load"]["ok"], "output": v["load"]["output"],
+                                 "standin_dlls": v["load"]["standin_dlls"]}
+                entry["abi_guard"] = v["abi_guard"]
+            elif cross:
                 if rec["wheel"] not in verified:
                     raise ValueError(f"{rec_path.name}: a cross-built wheel without its emulated verify report "
                                      f"(<target>.verify.json): add the folder it is in (dist/verify)")
@@ -294,19 +319,43 @@ def _describe(kind: str, e: dict) -> str:
                 f"{len(v['ops'])} ops, cubins {'+'.join(v['cubins'])}, ABI guard)")
     if kind in ("release", "proof"):
         return f"{KINDS[kind].label} (torch {e['torch_build']}, nvcc {e['nvcc']}{size})"
+    if kind == "windows_wine":
+        w, i = e["windows"], e["inspection"]
+        standins = ", ".join(sorted(w.get("standin_import_libraries", {}))) or "none"
+        return (f"{KINDS[kind].label} (MSVC {w['msvc'].split('Version ')[-1].split(' ')[0]}, nvcc.exe {e['nvcc']}{size}; "
+                f"stand-in import libraries: {standins}), delvewheel-repaired, PE inspected (x64, PyInit__C, cubins "
+                f"{'+'.join(i['cubins'])}), loaded under wine against PyPI's torch {e['torch_build']} DLLs; not imported "
+                f"(no Windows CPython on these registries)")
+    if kind == "msvc_unit":
+        unit = e.get("unit") or {}
+        text = (f"{KINDS[kind].label} vs torch {e['torch']} (win_amd64) headers"
+                + ("" if unit.get("ok", True) else " FAILED"))
+        if "c2872" in e:
+            found = sorted({r["notes"] for r in e["c2872"].values()})
+            text += f"; compiled_autograd.h under nvcc.exe: {' / '.join(found)}"
+        if "c2719" in e:
+            c = e["c2719"]
+            text += ("; attention unit: C2719 without the MSVC patch, compiles with it"
+                     if not c["unpatched"]["ok"] and c["patched"]["ok"] else "; attention unit: C2719 check FAILED")
+        return text
     return f"{KINDS[kind].label}: {e['ran_here']}"
 
 
 def _row_proof(matrix: Matrix, evidence: dict, line: str, cuda: str, gate_version: str, repo: Path) -> str:
     parts = []
     for t in matrix.targets:
-        if line in t.torch_lines and t.cuda == cuda and t.id in evidence:
-            for kind in KINDS:
-                if kind in evidence[t.id]:
-                    e = evidence[t.id][kind]
-                    fresh = freshness(e, inputs_of(kind, e), repo)
-                    parts.append(f"{t.os.key} ({fresh.note()}): {_describe(kind, e)}")
-                    break
+        if not (line in t.torch_lines and t.cuda == cuda):
+            continue
+        if t.os.key == "windows-amd64" and _v(cuda) < _v("13.0"):
+            parts.append(f"{t.os.key}: release pipeline only (CUDA {cuda} for Windows is not on PyPI in full: no nvcc.exe)")
+            continue
+        if t.id not in evidence:
+            continue
+        built = [k for k in KINDS if k not in CHECK_KINDS and k in evidence[t.id]][:1]
+        for kind in built + [k for k in CHECK_KINDS if k in evidence[t.id]]:
+            e = evidence[t.id][kind]
+            fresh = freshness(e, inputs_of(kind, e), repo)
+            parts.append(f"{t.os.key} ({fresh.note()}): {_describe(kind, e)}")
     parts.append(f"unit compiled vs torch {gate_version} headers")
     return "; ".join(parts) + "; the rest: release pipeline only"
 

@@ -26,7 +26,6 @@ into ``ci/evidence.json`` (``windows_gate``), naming the commit they were made f
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shutil
 import sys
@@ -220,18 +219,20 @@ def windows_lines(matrix: Matrix) -> list[str]:
     return [tl.line for tl in matrix.torch if windows_targets(matrix, tl.line)]
 
 
-def record(results: dict, path: Path | None = None) -> Path:
+def record(matrix: Matrix, entries: dict[str, dict]) -> list[str]:
+    """Each line's results (``entries``: line -> what ran) into ``ci/evidence.json`` as
+    ``msvc_unit`` evidence of the Windows targets serving the line, naming the commit."""
     from ci import coverage
     from ci.build import source_commit
 
-    path = path or coverage.EVIDENCE_FILE
-    data = coverage.load_evidence(path)
-    gate = data.setdefault("windows_gate", {})
-    commit = source_commit()
-    for key, value in results.items():
-        gate[key] = {**value, "source_commit": commit, "built_on": "linux-x86_64 under wine"}
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    return path
+    added = []
+    for line, entry in entries.items():
+        for t in windows_targets(matrix, line):
+            if t.cuda.startswith("12."):
+                continue  # built by the release pipeline only; the unit is the same, the row says so
+            stored = coverage.add_evidence(t.id, "msvc_unit", {**entry, "source_commit": source_commit()}, matrix)
+            added.append(f"{t.id}: msvc_unit (from {stored['source_commit'][:7]})")
+    return added
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,25 +252,30 @@ def main(argv: list[str] | None = None) -> int:
             raise MsvcGateError(f"torch line(s) {unknown}: no Windows target of the matrix serves them "
                                 f"(Windows lines: {', '.join(windows_lines(matrix))})")
         tc = winemod.resolve_windows(CUDA, matrix.line(lines[-1]).build_version)
-        results: dict[str, dict] = {}
+        entries: dict[str, dict] = {}
         failed = []
-        if not a.no_units:
-            for line in lines:
+        for line in lines:
+            entry = entries.setdefault(line, {"torch": matrix.line(line).build_version, "msvc": tc.msvc.banner,
+                                              "built_on": "linux-x86_64 under wine"})
+            if not a.no_units:
                 res = compile_torch_unit(matrix, line, tc)
-                results[f"unit torch{line}"] = res.to_dict()
+                entry["unit"] = res.to_dict()
                 failed += [] if res.ok else [res.what]
+            if a.c2872:
+                entry["c2872"] = {k: v.to_dict() for k, v in c2872(matrix, line, tc).items()}
         if a.c2719:
             both = c2719(matrix, tc, ptx_only=a.ptx_only)
-            results["c2719"] = {k: v.to_dict() for k, v in both.items()}
+            stable = next(t for t in matrix.targets if t.os.key == "windows-amd64" and t.variant.stable and t.cuda == CUDA)
+            for line in stable.torch_lines:
+                if line in entries:
+                    entries[line]["c2719"] = {k: v.to_dict() for k, v in both.items()}
             if both["unpatched"].ok or not any("C2719" in e for e in both["unpatched"].errors):
                 failed.append(f"{ATTN_UNIT} without the patch did not fail with C2719")
             if not both["patched"].ok:
                 failed.append(f"{ATTN_UNIT} with the patch does not compile")
-        if a.c2872:
-            for line in lines:
-                results[f"c2872 torch{line}"] = {k: v.to_dict() for k, v in c2872(matrix, line, tc).items()}
         if a.record:
-            print(f"evidence: {record(results)}")
+            for line in record(matrix, entries):
+                print(f"evidence: {line}")
     except (MsvcGateError, ToolchainError, MatrixError, patchmod.PatchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -528,7 +528,7 @@ def verify_windows(rec, target, wheel: Path, dist: Path, log=print):
     guard = ("not checked: no Windows CPython on these package registries (the wheel's Python code and its guard "
              "are the same as on Linux, where they are checked)")
     (out / f"{target.id}.verify.json").write_text(json.dumps(
-        {"target": target.id, "inspection": report.to_dict(), "load": load.to_dict(), "abi_guard": guard,
+        {"target": target.id, "wheel": rec.wheel, "inspection": report.to_dict(), "load": load.to_dict(), "abi_guard": guard,
          "wine": tc.wine.version}, indent=2) + "\n")
     return VerifyReport(rec.wheel, [f"wine {tc.wine.version} (LoadLibrary of the module; no Windows CPython here)"],
                         guard, [f"imports {', '.join(report.imports)}; cubins {' '.join(report.cubins)}"])
