@@ -332,7 +332,7 @@ def _describe(kind: str, e: dict) -> str:
                 + ("" if unit.get("ok", True) else " FAILED"))
         if "c2872" in e:
             found = sorted({r["notes"] for r in e["c2872"].values()})
-            text += f"; compiled_autograd.h under nvcc.exe: {' / '.join(found)}"
+            text += f"; torch/extension.h + compiled_autograd.h under nvcc.exe: {' / '.join(found)}"
         if "c2719" in e:
             c = e["c2719"]
             text += ("; attention unit: C2719 without the MSVC patch, compiles with it"

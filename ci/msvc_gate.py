@@ -44,7 +44,10 @@ ATTN_UNIT = "csrc/attn/attn_launch.cu"
 PATCH = "msvc-pointer-params"
 CUDA = "13.0"  # the CUDA of the Windows toolkit on PyPI that compiles the gate (12.x has no nvcc.exe there)
 CMAKE_MACROS = "c10/cuda/impl/cuda_cmake_macros.h"
-C2872_PROBE = "#include <torch/csrc/dynamo/compiled_autograd.h>\n__global__ void sageattn3_probe() {}\n"
+# What the C2872 reports compile: torch's whole C++ API (torch/extension.h) in a .cu, and the
+# header named in them.
+C2872_PROBE = ("#include <torch/extension.h>\n#include <torch/csrc/dynamo/compiled_autograd.h>\n"
+               "__global__ void sageattn3_probe() {}\n")
 
 
 class MsvcGateError(RuntimeError):
@@ -105,8 +108,9 @@ def _tools(tc: winemod.WindowsToolchain, bc):
     return bc.tools("msvc", _ws(tc.cuda.home), cxx=_ws(tc.msvc.tool("cl.exe")), linker=_ws(tc.msvc.tool("link.exe")))
 
 
-def _includes(tc: winemod.WindowsToolchain, bc, csrc: Path, torch_dir: Path, overlay: Path | None) -> list:
-    return bc.include_dirs("msvc", csrc=_ws(csrc), torch_dir=_ws(torch_dir), torch_subdirs=["include"],
+def _includes(tc: winemod.WindowsToolchain, bc, csrc: Path, torch_dir: Path, overlay: Path | None,
+              torch_subdirs: tuple[str, ...] = ("include",)) -> list:
+    return bc.include_dirs("msvc", csrc=_ws(csrc), torch_dir=_ws(torch_dir), torch_subdirs=list(torch_subdirs),
                            cuda_home=_ws(tc.cuda.home), python_include=_ws(tc.python.include),
                            cutlass=_ws(cutlass_include()), overlay=_ws(overlay) if overlay else None)
 
@@ -187,8 +191,8 @@ def c2719(matrix: Matrix, tc: winemod.WindowsToolchain, *, ptx_only: bool, log=p
 # -- C2872: torch's compiled_autograd.h under nvcc.exe ------------------------------------
 
 def c2872(matrix: Matrix, line: str, tc: winemod.WindowsToolchain, log=print) -> dict[str, CompileResult]:
-    """Whether ``error C2872`` occurs when nvcc.exe compiles a .cu including
-    ``compiled_autograd.h`` of ``line``'s Windows torch: with the profile's flags (USE_CUDA,
+    """Whether ``error C2872`` occurs when nvcc.exe compiles a .cu including ``torch/extension.h``
+    and ``compiled_autograd.h`` of ``line``'s Windows torch: with the profile's flags (USE_CUDA,
     /Zc:preprocessor), and without both."""
     target, profile, version = unit_case(matrix, line)
     torch = winemod.windows_torch(version, _line_python(matrix, line))
@@ -196,18 +200,24 @@ def c2872(matrix: Matrix, line: str, tc: winemod.WindowsToolchain, log=print) ->
     bc = _bc()
     base = {**profile, "nvcc_flags": [f for f in profile["nvcc_flags"] if not f.startswith("-gencode=")]
             + ["-gencode=arch=compute_120a,code=compute_120a"]}
-    plain = {**base, "defines": [d for d in base["defines"] if d != "USE_CUDA" and not d.startswith("TORCH_TARGET")],
+    # As a torch extension that includes torch/extension.h is built: pybind11 needs the full C API
+    # (no Py_LIMITED_API), and no stable-ABI target version.
+    keep = [d for d in base["defines"] if not d.startswith(("TORCH_TARGET", "Py_LIMITED_API"))]
+    plain = {**base, "defines": [d for d in keep if d != "USE_CUDA"],
              "nvcc_flags": [f for f in base["nvcc_flags"] if f != "-Xcompiler=/Zc:preprocessor"]}
-    base = {**base, "defines": [d for d in base["defines"] if not d.startswith("TORCH_TARGET")]}
+    base = {**base, "defines": keep}
     out = {}
     with tempfile.TemporaryDirectory(prefix="sageattn3-c2872-") as tmp:
         root = Path(tmp)
         (root / "csrc").mkdir()
         (root / "probe.cu").write_text(C2872_PROBE)
         for name, prof in (("factory flags", base), ("without USE_CUDA and /Zc:preprocessor", plain)):
-            res = _run_compile(tc, bc, prof, root, "probe.cu", _includes(tc, bc, root / "csrc", torch.torch_dir, overlay),
-                               f"torch {line}: compiled_autograd.h in a .cu by nvcc.exe, {name}")
-            res.notes = "C2872 occurs" if any("C2872" in e for e in res.errors) else "no C2872"
+            incs = _includes(tc, bc, root / "csrc", torch.torch_dir, overlay,
+                             ("include", "include/torch/csrc/api/include"))  # where torch/all.h is
+            res = _run_compile(tc, bc, prof, root, "probe.cu", incs,
+                               f"torch {line}: torch/extension.h + compiled_autograd.h in a .cu by nvcc.exe, {name}")
+            res.notes = ("C2872 occurs" if any("C2872" in e for e in res.errors) else
+                         "compiles, no C2872" if res.ok else "fails without C2872")
             log(f"[msvc-gate] {res.notes:13s} {res.what} ({res.seconds} s)")
             out[name] = res
     return out
