@@ -321,10 +321,10 @@ def _describe(kind: str, e: dict) -> str:
         return f"{KINDS[kind].label} (torch {e['torch_build']}, nvcc {e['nvcc']}{size})"
     if kind == "windows_wine":
         w, i = e["windows"], e["inspection"]
-        standins = ", ".join(sorted(w.get("standin_import_libraries", {}))) or "none"
-        return (f"{KINDS[kind].label} (MSVC {w['msvc'].split('Version ')[-1].split(' ')[0]}, nvcc.exe {e['nvcc']}{size}; "
-                f"stand-in import libraries: {standins}), delvewheel-repaired, PE inspected (x64, PyInit__C, cubins "
-                f"{'+'.join(i['cubins'])}), loaded under wine against PyPI's torch {e['torch_build']} DLLs; not imported "
+        standins = "+".join(sorted(w.get("standin_import_libraries", {}))) or "none"
+        return (f"{KINDS[kind].label} (MSVC {w['msvc'].split('Version ')[-1].split(' ')[0]}, nvcc.exe {e['nvcc']}{size}, "
+                f"stand-in import libraries {standins}), delvewheel-repaired, PE inspected (x64, PyInit__C, cubins "
+                f"{'+'.join(i['cubins'])}), loaded under wine against PyPI's torch {e['torch_build']} DLLs, not imported "
                 f"(no Windows CPython on these registries)")
     if kind == "msvc_unit":
         unit = e.get("unit") or {}

@@ -322,5 +322,43 @@ def test_a_new_kind_of_evidence_is_added_by_the_same_function(tmp_path, history,
     part = _row(coverage.coverage_table(MATRIX, coverage.load_evidence(ev_file), history), "| 2.10 | 13.0 |",
                 "windows-amd64")
     assert part.startswith(f"windows-amd64 (**stale**: from {head[:7]}, what it was made from changed in {change[:7]})")
-    with pytest.raises(coverage.EvidenceError, match="the kinds are release, proof, classic_link, wine_build"):
+    with pytest.raises(coverage.EvidenceError, match=r"the kinds are release, proof, .*, wine_build"):
         coverage.add_evidence(tid, "compiled", {"source_commit": head}, MATRIX, ev_file, history)
+
+
+WINDOWS = "windows-amd64-cu130-torch2.10-stable"
+WINDOWS_WHEEL = "sageattn3-0.1.0+cu130.torch2.10.stable-cp310-abi3-win_amd64.whl"
+WINE_CROSS = {"built_on": "linux-x86_64 under wine", "wine": "wine-8.0 (Debian 8.0~repack-4)",
+              "msvc": "Microsoft (R) C/C++ Optimizing Compiler Version 19.44.35229 for x64",
+              "nvcc": "13.0.88 (PyPI win_amd64 wheels)", "torch": "2.14.1+cpu (PyPI win_amd64)",
+              "standin_import_libraries": {"python3.lib": {"symbols": ["PyModule_Create2"]},
+                                           "torch_cuda.lib": {"symbols": ["aoti_torch_get_current_cuda_stream"]}}}
+WINE_REPORT = {"target": WINDOWS, "wheel": WINDOWS_WHEEL, "abi_guard": "not checked: no Windows CPython",
+               "inspection": {"machine": "x64", "imports": ["python3.dll", "torch_cpu.dll"], "pyinit": True,
+                              "cubins": ["sm_120a", "sm_121a"], "build_paths": [], "cuda_runtime": "linked in"},
+               "load": {"ok": True, "output": "loaded; PyInit__C found", "standin_dlls": ["python3.dll"]}}
+
+
+def test_a_windows_wheel_built_under_wine_needs_its_inspection_and_goes_stale_with_the_wine_code(tmp_path, history):
+    head = _git(history, "rev-parse", "HEAD")
+    wheels, verify = tmp_path / "wheels", tmp_path / "verify"
+    wheels.mkdir()
+    verify.mkdir()
+    _record(wheels, WINDOWS, WINDOWS_WHEEL, {"cross": WINE_CROSS}, head)
+    ev_file = tmp_path / "evidence.json"
+    with pytest.raises(ValueError, match="without its inspection report"):
+        coverage.record_evidence([wheels], MATRIX, ev_file, history)
+    (verify / f"{WINDOWS}.verify.json").write_text(json.dumps(WINE_REPORT))
+    added = coverage.record_evidence([wheels, verify], MATRIX, ev_file, history)
+    assert added == [f"{WINDOWS}: built under wine here ({WINDOWS_WHEEL}; from {head[:7]})"]
+    table = coverage.coverage_table(MATRIX, coverage.load_evidence(ev_file), history)
+    part = _row(table, "| 2.10 | 13.0 |", "windows-amd64")
+    assert part.startswith(f"windows-amd64 (from {head[:7]}): built under wine here (MSVC 19.44.35229, nvcc.exe 13.0.88")
+    assert "stand-in import libraries python3.lib+torch_cuda.lib" in part and "cubins sm_120a+sm_121a" in part
+    assert "not imported (no Windows CPython" in part
+    cu128 = next(r for r in table.splitlines() if r.startswith("| 2.10 | 12.8 |"))
+    assert "windows-amd64: release pipeline only (CUDA 12.8 for Windows is not on PyPI in full" in cu128
+    change = _commit(history, "ci/wine.py", "2\n")
+    part = _row(coverage.coverage_table(MATRIX, coverage.load_evidence(ev_file), history), "| 2.10 | 13.0 |",
+                "windows-amd64")
+    assert part.startswith(f"windows-amd64 (**stale**: from {head[:7]}, what it was made from changed in {change[:7]})")
