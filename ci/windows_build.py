@@ -371,8 +371,8 @@ def load_module(tc: winemod.WindowsToolchain, module: Path, standin_symbols: dic
                            env={"WINEDLLOVERRIDES": f"{winemod.WINE_ENV['WINEDLLOVERRIDES']};{winemod.VC_RUNTIME_OVERRIDES}",
                                 "WINEDEBUG": "-all,warn+module"})
         unresolved = unresolved_imports(work / module.name, work)
-    stubbed = re.findall(r"No implementation for (\S+?) imported from", proc.stderr)
-    unresolved = sorted(set(unresolved) | {s.replace(".", "!", 1) for s in stubbed})
+    stubbed = re.findall(r"No implementation for (\S+?\.dll)\.(\S+) imported from", proc.stderr, re.I)
+    unresolved = sorted(set(unresolved) | {f"{dll}!{name}" for dll, name in stubbed})
     out = proc.stdout.strip() + (f"; unresolved imports: {', '.join(unresolved)}" if unresolved else "")
     return LoadReport(proc.returncode == 0 and "found" in proc.stdout and not unresolved, out, sorted(real), standins,
                       unresolved)

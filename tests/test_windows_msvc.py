@@ -146,12 +146,16 @@ def test_nvcc_exe_compiles_a_kernel_unit_to_sm_120a_and_sm_121a(matrix, toolchai
                               cwd=PAYLOAD)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = obj.read_bytes()
-    assert data[:2] == b"\x64\x86", "an x64 COFF object"
-    start = data.find(b"\x50\xed\x55\xba")  # a fatbinary's magic
-    assert start > 0, "no embedded fatbinary"
-    fat = tmp_path / "unit.fatbin"
-    fat.write_bytes(data[start:])
-    assert set(cubin_archs_of(fat)) >= {"sm_120a", "sm_121a"}
+    # /bigobj objects start with the big-object header (0x0000, 0xFFFF, version), machine at 6.
+    machine = data[6:8] if data[:4] == b"\x00\x00\xff\xff" else data[:2]
+    assert machine == b"\x64\x86", "an x64 COFF object"
+    fats = wb.fatbinaries(data)
+    assert fats, "no embedded fatbinary"
+    archs = set()
+    for i, fat in enumerate(fats):
+        (tmp_path / f"unit{i}.fatbin").write_bytes(fat)
+        archs |= set(cubin_archs_of(tmp_path / f"unit{i}.fatbin"))
+    assert archs >= {"sm_120a", "sm_121a"}
 
 
 @need_wine
