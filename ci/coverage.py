@@ -69,7 +69,7 @@ VERIFY_INPUTS = ("ci/verify.py", "ci/pipeline.py")
 # A cross-built wheel (a release record with ``cross``): the cross toolchain and the emulated verify.
 CROSS_INPUTS = ("ci/cross.py", "ci/cross_spec.py", "ci/emulate.py")
 # A Windows wheel built on Linux: the wine toolchain, the stand-ins and inspection, the PE reader.
-WINDOWS_INPUTS = ("ci/wine.py", "ci/windows_build.py", "ci/pe.py")
+WINDOWS_INPUTS = ("ci/wine.py", "ci/windows_build.py", "ci/windows_load.py", "ci/pe.py")
 # Kinds that check one part of a row besides how far its wheel was built (shown beside that).
 CHECK_KINDS = ("msvc_unit",)
 

@@ -28,7 +28,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import pytest
 
 from ci import msvc_gate, patches as patchmod, pe as pemod, wine as winemod
-from ci import windows_build as wb
+from ci import windows_build as wb, windows_load
 from ci.flags import PAYLOAD
 from ci.targets import Matrix
 from ci.toolchain import ToolchainError
@@ -228,7 +228,7 @@ def test_the_load_check_resolves_against_the_real_torch_dlls(toolchain, tmp_path
     assert p.returncode == 0, p.stdout
     module = tmp_path / "_C.pyd"
     assert set(d.lower() for d in pemod.read_pe(module).imported_dlls) >= {"torch_cpu.dll", "python3.dll"}
-    report = wb.load_module(toolchain, module, {"python3": ["PyModule_Create2"]})
+    report = windows_load.load_module(toolchain, module, {"python3": ["PyModule_Create2"]})
     assert report.ok is loads, report.output
     if not loads:
         assert report.unresolved == [f"torch_cpu.dll!{torch_symbol}"], report.unresolved
