@@ -69,7 +69,8 @@ VERIFY_INPUTS = ("ci/verify.py", "ci/pipeline.py")
 # A cross-built wheel (a release record with ``cross``): the cross toolchain and the emulated verify.
 CROSS_INPUTS = ("ci/cross.py", "ci/cross_spec.py", "ci/emulate.py")
 # A Windows wheel built on Linux: the wine toolchain, the stand-ins and inspection, the PE reader.
-WINDOWS_INPUTS = ("ci/wine.py", "ci/windows_build.py", "ci/windows_load.py", "ci/pe.py")
+WINDOWS_INPUTS = ("ci/wine.py", "ci/windows_build.py", "ci/windows_load.py", "ci/pe.py", "ci/msvc_gate.py",
+                  "ci/emulate.py", "ci/cibw_job.py")
 # Kinds that check one part of a row besides how far its wheel was built (shown beside that).
 CHECK_KINDS = ("msvc_unit",)
 
@@ -100,7 +101,8 @@ KINDS = {
     "msvc_unit": Kind("unit compiled by cl.exe here",
                       "the torch-facing unit compiled by MSVC 14.44's cl.exe under wine against the line's "
                       "win_amd64 torch headers (python -m ci.msvc_gate)",
-                      PAYLOAD_INPUTS + ("ci/targets.toml", "ci/targets.py", "ci/flags.py", "ci/msvc_gate.py", "ci/wine.py")),
+                      PAYLOAD_INPUTS + ("ci/targets.toml", "ci/targets.py", "ci/flags.py", "ci/msvc_gate.py", "ci/wine.py",
+                                        "ci/patches.py", "ci/compile_gate.py", "ci/toolchain.py", "ci/cibw_job.py")),
     "classic_link": Kind("classic unit cross-compiled + linked here",
                          "cross-compile of the classic unit, link against PyPI's aarch64 CPU torch",
                          PAYLOAD_INPUTS + ("ci/targets.toml", "ci/targets.py", "ci/flags.py", "ci/toolchain.py",
@@ -328,15 +330,16 @@ def _describe(kind: str, e: dict) -> str:
                 f"(no Windows CPython on these registries)")
     if kind == "msvc_unit":
         unit = e.get("unit") or {}
-        text = (f"{KINDS[kind].label} vs torch {e['torch']} (win_amd64) headers"
-                + ("" if unit.get("ok", True) else " FAILED"))
+        text = (f"{KINDS[kind].label} vs torch {e['torch']} (win_amd64) headers, with CUDA {e.get('cuda', '13.0')}'s"
+                + (" FAILED" if not unit.get("ok", True) else ""))
         if "c2872" in e:
             found = sorted({r["notes"] for r in e["c2872"].values()})
-            text += f"; torch/extension.h + compiled_autograd.h under nvcc.exe: {' / '.join(found)}"
+            text += (f", and torch/extension.h + compiled_autograd.h under nvcc.exe {e.get('cuda', '13.0')} with and "
+                     f"without USE_CUDA and /Zc:preprocessor: {' / '.join(found)}")
         if "c2719" in e:
             c = e["c2719"]
-            text += ("; attention unit: C2719 without the MSVC patch, compiles with it"
-                     if not c["unpatched"]["ok"] and c["patched"]["ok"] else "; attention unit: C2719 check FAILED")
+            text += (", and the attention unit: C2719 without the MSVC patch, compiles with it"
+                     if not c["unpatched"]["ok"] and c["patched"]["ok"] else ", and the attention unit's C2719 check FAILED")
         return text
     return f"{KINDS[kind].label}: {e['ran_here']}"
 
@@ -347,7 +350,11 @@ def _row_proof(matrix: Matrix, evidence: dict, line: str, cuda: str, gate_versio
         if not (line in t.torch_lines and t.cuda == cuda):
             continue
         if t.os.key == "windows-amd64" and _v(cuda) < _v("13.0"):
-            parts.append(f"{t.os.key}: release pipeline only (CUDA {cuda} for Windows is not on PyPI in full: no nvcc.exe)")
+            for kind in [k for k in CHECK_KINDS if k in evidence.get(t.id, {})]:
+                e = evidence[t.id][kind]
+                parts.append(f"{t.os.key} ({freshness(e, inputs_of(kind, e), repo).note()}): {_describe(kind, e)}")
+            parts.append(f"{t.os.key}: its build release pipeline only (CUDA {cuda} for Windows is not on PyPI in "
+                         f"full: no nvcc.exe)")
             continue
         if t.id not in evidence:
             continue

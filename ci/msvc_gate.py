@@ -155,12 +155,27 @@ def compile_torch_unit(matrix: Matrix, line: str, tc: winemod.WindowsToolchain, 
 
 # -- C2719: the attention unit with and without the patch -----------------------------------
 
-def _stage_attn(dest: Path, patched: bool) -> None:
-    shutil.copytree(PAYLOAD / "csrc", dest / "csrc")
+def msvc_patch() -> patchmod.Patch:
+    found = [p for p in patchmod.load_manifest() if p.name == PATCH]
+    if len(found) != 1:
+        raise MsvcGateError(f"patches/manifest.toml has {len(found)} patches named {PATCH!r} (expected one): the C2719 "
+                            f"check proves that patch")
+    return found[0]
+
+
+def check_pins(payload: Path | None = None) -> patchmod.Patch:
+    """The patch's pinned sources checked against ``payload`` before anything compiles: a drifted
+    attention unit stops here (PatchDrift), not after a compile."""
+    patch = msvc_patch()
+    with tempfile.TemporaryDirectory(prefix="sageattn3-pins-") as tmp:
+        _stage_attn(Path(tmp), True, payload or PAYLOAD, patch)
+    return patch
+
+
+def _stage_attn(dest: Path, patched: bool, payload: Path = PAYLOAD, patch: patchmod.Patch | None = None) -> None:
+    shutil.copytree(payload / "csrc", dest / "csrc")
     if patched:
-        (p,) = [p for p in patchmod.load_manifest() if p.name == PATCH]
-        overlay = dest / "overlay"
-        patchmod.apply(p, {"src": dest}, overlay)  # checks the pinned hash first: drift stops here
+        patchmod.apply(patch or msvc_patch(), {"src": dest}, dest / "overlay")  # checks the pinned hash first
 
 
 def c2719(matrix: Matrix, tc: winemod.WindowsToolchain, *, ptx_only: bool, log=print) -> dict[str, CompileResult]:
@@ -171,13 +186,14 @@ def c2719(matrix: Matrix, tc: winemod.WindowsToolchain, *, ptx_only: bool, log=p
     if ptx_only:
         profile = {**profile, "nvcc_flags": [f for f in profile["nvcc_flags"] if not f.startswith("-gencode=")]
                    + ["-gencode=arch=compute_120a,code=compute_120a"]}
+    patch = check_pins(PAYLOAD)  # drift stops before the first compile
     torch = winemod.windows_torch(target.build_torch)
     bc = _bc()
     out = {}
     for patched in (False, True):
         with tempfile.TemporaryDirectory(prefix="sageattn3-c2719-") as tmp:
             root = Path(tmp)
-            _stage_attn(root, patched)
+            _stage_attn(root, patched, PAYLOAD, patch)
             res = _run_compile(tc, bc, profile, root, ATTN_UNIT,
                                _includes(tc, bc, root / "csrc", torch.torch_dir, None),
                                f"{ATTN_UNIT} {'with' if patched else 'without'} {PATCH} (nvcc.exe {tc.cuda.version}, "
@@ -237,9 +253,7 @@ def record(matrix: Matrix, entries: dict[str, dict]) -> list[str]:
 
     added = []
     for line, entry in entries.items():
-        for t in windows_targets(matrix, line):
-            if t.cuda.startswith("12."):
-                continue  # built by the release pipeline only; the unit is the same, the row says so
+        for t in windows_targets(matrix, line):  # CUDA 12.x targets too: the same unit, CUDA 13.0's headers
             stored = coverage.add_evidence(t.id, "msvc_unit", {**entry, "source_commit": source_commit()}, matrix)
             added.append(f"{t.id}: msvc_unit (from {stored['source_commit'][:7]})")
     return added
@@ -266,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         failed = []
         for line in lines:
             entry = entries.setdefault(line, {"torch": matrix.line(line).build_version, "msvc": tc.msvc.banner,
+                                              "cuda": CUDA, "nvcc": tc.cuda.version,
                                               "built_on": "linux-x86_64 under wine"})
             if not a.no_units:
                 res = compile_torch_unit(matrix, line, tc)

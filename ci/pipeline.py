@@ -77,8 +77,12 @@ def run_target(target: Target, matrix: Matrix, dist: Path, *, verify_pythons: li
             tc = resolve.resolve_toolchain(target, matrix, force_patches=force_patches)
             result = buildmod.build(tc, matrix, raw_dir, log=slog)
         with run.stage("repair", log) as slog:
+            # A Windows wheel repaired here: delvewheel finds the VC++ runtime it vendors in PyPI's
+            # msvc-runtime DLLs (a runner finds them in its System32).
+            extra = {"add_paths": [_vc_runtime()]} if resolve.is_windows_on_linux(target.os) else {}
             repaired = repairmod.repair(result.wheel, dist / "repaired" / target.id, target.os.platform,
-                                        machine=target.os.machine if target.os.platform == "linux" else None, log=slog)
+                                        machine=target.os.machine if target.os.platform == "linux" else None, log=slog,
+                                        **extra)
         with run.stage("tag", log):
             if tagged_dir.exists():
                 shutil.rmtree(tagged_dir)
@@ -118,6 +122,12 @@ def run_target(target: Target, matrix: Matrix, dist: Path, *, verify_pythons: li
     finally:
         shutil.rmtree(tagged_dir, ignore_errors=True)
     return run
+
+
+def _vc_runtime() -> Path:
+    from ci.wine import vc_runtime
+
+    return vc_runtime()
 
 
 def verify_emulated(rec: BuildRecord, target: Target, matrix: Matrix, wheel: Path, index_dir: Path, dist: Path,

@@ -16,10 +16,9 @@ from packaging.utils import parse_wheel_filename
 
 # Shared objects torch (or the driver) provides; never bundled into our wheel.
 LINUX_EXCLUDES = ("libtorch*.so*", "libc10*.so*", "libcudart.so*", "libcuda.so*", "libshm.so*")
-# The VC++ runtime too: torch's own DLLs import msvcp140.dll and vcruntime140*.dll, so wherever torch
-# loads they are installed; a second, name-mangled copy in our wheel would only add size and skew.
-WINDOWS_EXCLUDES = ("torch*.dll", "c10*.dll", "cudart64_*.dll", "nvcuda.dll", "shm.dll", "msvcp140*.dll",
-                    "vcruntime140*.dll")
+# (The VC++ C++ runtime, msvcp140.dll, is vendored, name-mangled, as delvewheel does by default: the
+# user's installed runtime may be older than the toolset that compiled the module.)
+WINDOWS_EXCLUDES = ("torch*.dll", "c10*.dll", "cudart64_*.dll", "nvcuda.dll", "shm.dll")
 FORBIDDEN_IN_WHEEL = ("*libtorch*", "*libc10*", "*libcudart*", "*libcuda.so*", "*torch_*.dll", "*c10*.dll", "*cudart64*", "*nvcuda*")
 
 

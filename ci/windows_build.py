@@ -37,7 +37,9 @@ from ci.toolchain import ToolchainError
 
 # DLLs the module may import besides torch's, CUDA's and Python's: the MSVC runtime (/MD) and
 # the OS.
-MSVC_RUNTIME = re.compile(r"^(vcruntime140(_1)?|msvcp140(_\d+)?|api-ms-win-crt-[a-z]+-l1-1-0|kernel32)\.dll$", re.I)
+# msvcp140 also as delvewheel's vendored, name-mangled copy (msvcp140-<hash>.dll, in sageattn3.libs).
+MSVC_RUNTIME = re.compile(r"^(vcruntime140(_1)?|msvcp140(_\d+)?(-[0-9a-f]+)?|api-ms-win-crt-[a-z]+-l1-1-0|kernel32)\.dll$",
+                          re.I)
 STANDIN_NOTE = "stand-in (made here from the symbols the unit imports; a Windows runner links the real one)"
 
 
@@ -250,7 +252,11 @@ def cubin_archs_of_pe(module: Path) -> list[str]:
 
 # Path fragments of this machine that must not reach a shipped module.
 def _build_path_markers(extra: list[str]) -> list[str]:
-    markers = [str(Path.home()), "Z:\\", "z:\\", "/tmp/", *extra]
+    """This machine's home, wine's view of it (Z:), the temporary folder, and each toolchain folder
+    as wine's programs name it (T:\\msvc-..., T:\\cuda-...)."""
+    root = winemod.windows_root()
+    tools = [str(winemod.z_path(d)) for d in root.iterdir() if d.is_dir()] if root.is_dir() else []
+    markers = [str(Path.home()), "Z:\\", "z:\\", "/tmp/", *tools, *(t.lower() for t in tools), *extra]
     return [m for m in markers if m and m != "/"]
 
 
@@ -273,11 +279,22 @@ def inspect_module(module: Path, link_libs: list[str], cuda_major: int, markers:
 
 
 def module_in_wheel(wheel: Path, dest: Path) -> Path:
+    """The wheel's ``sageattn3/_C.pyd``, extracted with the DLLs delvewheel vendored beside it
+    (``sageattn3.libs/``: a Windows install puts that folder on the DLL search path)."""
     with zipfile.ZipFile(wheel) as z:
         names = [n for n in z.namelist() if n.startswith("sageattn3/") and n.endswith(".pyd")]
         if len(names) != 1:
             raise WindowsBuildError(f"{wheel.name} holds {names or 'no'} sageattn3/*.pyd (expected one)")
+        for n in z.namelist():
+            if n.startswith("sageattn3.libs/") and n.lower().endswith(".dll"):
+                z.extract(n, dest)
         return Path(z.extract(names[0], dest))
+
+
+def vendored_dlls(module: Path) -> list[Path]:
+    """The DLLs delvewheel vendored for ``module`` (extracted by :func:`module_in_wheel`)."""
+    libs = module.parent.parent / "sageattn3.libs"
+    return sorted(libs.glob("*.dll")) if libs.is_dir() else []
 
 
 # -- one Windows build on Linux, resolved -------------------------------------------------
@@ -408,7 +425,7 @@ def verify_windows(rec, target, wheel: Path, dist: Path, log=print):
             raise WindowsBuildError(f"{wheel.name}: {'; '.join(problems)}")
         log(f"[verify] loading {module.name} under wine (LoadLibrary + GetProcAddress(PyInit__C)) with PyPI's "
             f"torch {tc.torch.version} DLLs")
-        load = load_module(tc, module, symbols)
+        load = load_module(tc, module, symbols, vendored=vendored_dlls(module))
     log(f"[verify] {load.output}")
     if not load.ok:
         raise WindowsBuildError(f"{wheel.name}: its module does not load under wine: {load.output}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import re
 import shutil
+import subprocess
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -83,7 +84,8 @@ class LoadReport:
         return asdict(self)
 
 
-def load_module(tc: winemod.WindowsToolchain, module: Path, standin_symbols: dict[str, list[str]]) -> LoadReport:
+def load_module(tc: winemod.WindowsToolchain, module: Path, standin_symbols: dict[str, list[str]],
+                vendored: list[Path] = ()) -> LoadReport:
     """LoadLibrary of ``module`` under wine with the real torch DLLs (PyPI's Windows torch) and
     CUDA runtime DLL beside it, and stand-in DLLs for the ones this machine lacks."""
     exports = python3_exports(tc.python.stable_abi_exports)
@@ -91,6 +93,8 @@ def load_module(tc: winemod.WindowsToolchain, module: Path, standin_symbols: dic
     with tempfile.TemporaryDirectory(prefix="sageattn3-load-", dir=winemod.windows_root()) as tmp:
         work = Path(tmp)
         shutil.copy2(module, work / module.name)
+        for dll in vendored:  # what delvewheel put into the wheel for it (sageattn3.libs)
+            shutil.copy2(dll, work / dll.name)
         real = []
         for d in (tc.torch.torch_dir / "lib", tc.cuda.runtime_dll_dir, winemod.vc_runtime()):
             for dll in d.glob("*.dll"):
@@ -103,9 +107,14 @@ def load_module(tc: winemod.WindowsToolchain, module: Path, standin_symbols: dic
             standins.append(f"{lib}.dll")
         # Windows refuses a module whose import a DLL does not export; wine binds a stub instead
         # and says so on its module channel ("No implementation for DLL.name"): both count.
-        proc = tc.wine.run(loader, [module.name, "PyInit__C"], cwd=work, timeout=900,
-                           env={"WINEDLLOVERRIDES": f"{winemod.WINE_ENV['WINEDLLOVERRIDES']};{winemod.VC_RUNTIME_OVERRIDES}",
-                                "WINEDEBUG": "-all,warn+module"})
+        try:
+            proc = tc.wine.run(loader, [module.name, "PyInit__C"], cwd=work, timeout=900,
+                               env={"WINEDLLOVERRIDES": f"{winemod.WINE_ENV['WINEDLLOVERRIDES']};"
+                                                        f"{winemod.VC_RUNTIME_OVERRIDES}",
+                                    "WINEDEBUG": "-all,warn+module"})
+        except subprocess.TimeoutExpired:
+            raise WindowsBuildError(f"loading {module.name} under wine did not finish in 900 s (wine hung): "
+                                    f"run `wineserver -k` with WINEPREFIX={tc.wine.prefix} and try again") from None
         unresolved = unresolved_imports(work / module.name, work)
     stubbed = re.findall(r"No implementation for (\S+?\.dll)\.(\S+) imported from", proc.stderr, re.I)
     unresolved = sorted(set(unresolved) | {f"{dll}!{name}" for dll, name in stubbed})

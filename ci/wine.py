@@ -12,7 +12,7 @@ What each piece is, where it comes from, and where it is kept (``<cache>/windows
    headers, laid out as a toolkit (``bin/nvcc.exe``, ``include``, ``lib/x64/cudart.lib``).
 4. **torch for Windows**: PyPI's ``win_amd64`` torch wheel, a CPU build: all headers,
    ``torch_cpu.lib``, ``c10.lib`` and the DLLs; the CUDA-side libraries it lacks get stand-in
-   import libraries (``ci.pe_standins``).
+   import libraries (``ci.windows_build``).
 5. **Windows CPython headers**: Debian's *source* package of ``python3.11`` (``Include/``,
    ``PC/pyconfig.h``, ``PC/python3dll.c``), fetched with ``apt-get source --download-only``
    through a private sources list that adds ``deb-src`` for the mirror apt already uses.
@@ -104,10 +104,12 @@ def find_wine_loader() -> str:
     ``SAGEATTN3_WINE`` names another."""
     given = os.environ.get("SAGEATTN3_WINE")
     loader = given or shutil.which("wine64") or next((p for p in WINE_LOADER_PLACES if os.path.exists(p)), None)
+    if given and not os.access(given, os.X_OK):
+        raise ToolchainError(f"SAGEATTN3_WINE={given} is not an executable wine64 loader: fix it or unset it (then "
+                             f"Debian's {WINE_PACKAGE} is used: apt-get update && apt-get install -y {WINE_PACKAGE})")
     if not loader or not os.access(loader, os.X_OK):
-        raise ToolchainError(f"Windows targets are built here under wine, and there is no wine64"
-                             f"{f' at SAGEATTN3_WINE={given}' if given else ''}: install Debian's {WINE_PACKAGE} "
-                             f"package (apt-get update && apt-get install -y {WINE_PACKAGE})")
+        raise ToolchainError(f"Windows targets are built here under wine, and there is no wine64: install Debian's "
+                             f"{WINE_PACKAGE} package (apt-get update && apt-get install -y {WINE_PACKAGE})")
     return loader
 
 
@@ -346,6 +348,8 @@ def windows_torch(version: str, python: str = PYTHON_VERSION) -> WindowsTorch:
         cuda = re.search(r"^cuda: Optional\[str\] = (?:'([^']+)'|None)", text, re.M)
         if not got or not cuda:
             raise ToolchainError(f"torch {version} for Windows: its version.py says neither __version__ nor cuda")
+        if got.group(1).split("+")[0] != version:
+            raise ToolchainError(f"PyPI gave torch {got.group(1)} for Windows when torch=={version} was asked for")
         return {"version": got.group(1), "cuda": cuda.group(1)}
 
     info = _provision(root, fill)
@@ -387,29 +391,33 @@ def _apt_mirror() -> str:
                          "python3.11 source package")
 
 
-def _debian_suite() -> str:
-    text = Path("/etc/os-release").read_text() if Path("/etc/os-release").exists() else ""
-    m = re.search(r"^VERSION_CODENAME=(\S+)", text, re.M)
-    return m.group(1) if m else "bookworm"
+# The Debian release whose python3.11 source package holds the headers (Debian 12; later releases
+# carry other Pythons), asked for from whichever Debian mirror apt uses, whatever release runs here.
+PYTHON_SOURCE_SUITE = "bookworm"
+DEBIAN_KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
 
 
 def windows_python() -> WindowsPython:
     """Windows CPython's headers from Debian's python3.11 source package: ``Include/`` with
     ``PC/pyconfig.h`` (the Windows configuration) beside, and ``PC/python3dll.c`` (the stable
-    ABI's export list, from which ``ci.pe_standins`` writes python3.lib's .def)."""
+    ABI's export list, from which ``ci.windows_build`` writes python3.lib's .def)."""
     root = windows_root() / f"cpython-{PYTHON_VERSION}-headers"
 
     def fill(tmp: Path) -> dict:
         if not shutil.which("apt-get"):
             raise ToolchainError("the Windows CPython headers come from Debian's python3.11 source package: this "
                                  "needs apt-get (a Debian machine)")
+        if not DEBIAN_KEYRING.exists():
+            raise ToolchainError(f"the Windows CPython headers come from Debian's python3.11 source package, checked "
+                                 f"with {DEBIAN_KEYRING}: install debian-archive-keyring (apt-get install -y "
+                                 f"debian-archive-keyring)")
         with tempfile.TemporaryDirectory(prefix="sageattn3-debsrc-") as work:
             w = Path(work)
             (w / "parts").mkdir()
             (w / "lists" / "partial").mkdir(parents=True)
             (w / "parts" / "src.sources").write_text(
-                f"Types: deb-src\nURIs: {_apt_mirror()}\nSuites: {_debian_suite()}\nComponents: main\n"
-                f"Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n")
+                f"Types: deb-src\nURIs: {_apt_mirror()}\nSuites: {PYTHON_SOURCE_SUITE}\nComponents: main\n"
+                f"Signed-By: {DEBIAN_KEYRING}\n")
             opts = ["-o", "Dir::Etc::SourceList=/dev/null", "-o", f"Dir::Etc::SourceParts={w / 'parts'}",
                     "-o", f"Dir::State::Lists={w / 'lists'}", "-o", "APT::Sandbox::User=root", "-qq"]
             upd = _run(["apt-get", *opts, "update"])

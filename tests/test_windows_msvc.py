@@ -3,7 +3,8 @@ link.exe and lib.exe and CUDA's nvcc.exe under wine (ci.wine), every part from t
 registries. What runs here on every `nox -s tests`:
 
 - the torch-facing unit of a Windows target compiled by cl.exe against its torch line's real
-  win_amd64 headers, and a kernel unit through nvcc.exe (real SASS for sm_120a and sm_121a);
+  win_amd64 headers, a kernel unit through nvcc.exe (real SASS for sm_120a and sm_121a), and
+  every kernel unit's host side by cl.exe (device code to PTX);
 - the MSVC pointer-param patch proven by the compiler: the attention unit without it fails with
   C2719, with it compiles; a drifted source stops before any compile;
 - the stand-in import libraries: exactly the symbols the unit imports that PyPI's CPU torch and
@@ -158,6 +159,28 @@ def test_nvcc_exe_compiles_a_kernel_unit_to_sm_120a_and_sm_121a(matrix, toolchai
     assert archs >= {"sm_120a", "sm_121a"}
 
 
+# Every kernel unit but the attention one (the C2719 test compiles that, patched and not).
+KERNEL_UNITS = sorted(p.relative_to(PAYLOAD).as_posix() for p in (PAYLOAD / "csrc").rglob("*.cu")
+                      if p.relative_to(PAYLOAD).as_posix() != msvc_gate.ATTN_UNIT)
+
+
+@need_wine
+@pytest.mark.parametrize("unit", KERNEL_UNITS)
+def test_every_kernel_unit_compiles_under_msvc(matrix, toolchain, unit):
+    """Device code to PTX only (ptxas is the same on every host); the host side in full, by cl.exe:
+    where MSVC differs (a constexpr local in nested lambdas was one, C3861), this fails."""
+    from ci.cibw_job import payload_build_commands
+    from ci.flags import profile_for
+
+    bc = payload_build_commands()
+    profile = profile_for(matrix.target(TARGET), matrix.stable_abi_floor)
+    profile = {**profile, "nvcc_flags": [f for f in profile["nvcc_flags"] if not f.startswith("-gencode=")]
+               + ["-gencode=arch=compute_120a,code=compute_120a"]}
+    res = msvc_gate._run_compile(toolchain, bc, profile, PAYLOAD, unit,
+                                 msvc_gate._includes(toolchain, bc, PAYLOAD / "csrc", toolchain.torch.torch_dir, None), unit)
+    assert res.ok, res.errors
+
+
 @need_wine
 def test_c2719_without_the_patch_and_a_compile_with_it(matrix, toolchain):
     both = msvc_gate.c2719(matrix, toolchain, ptx_only=True)
@@ -166,17 +189,20 @@ def test_c2719_without_the_patch_and_a_compile_with_it(matrix, toolchain):
     assert both["patched"].ok, both["patched"].errors
 
 
-def test_a_drifted_attention_unit_stops_before_any_compile(tmp_path, monkeypatch):
-    """The patch's pinned hash is checked first: a changed source never reaches the compiler."""
-    dest = tmp_path / "stage"
-    shutil.copytree(PAYLOAD / "csrc", dest / "csrc")
-    unit = dest / msvc_gate.ATTN_UNIT
+def test_a_drifted_attention_unit_stops_before_any_compile(tmp_path, monkeypatch, matrix):
+    """The patch's pinned hash is checked before the first compile of the C2719 check: a changed
+    attention unit never reaches the compiler (and the untouched one passes the same check)."""
+    msvc_gate.check_pins()
+    payload = tmp_path / "payload"
+    shutil.copytree(PAYLOAD / "csrc", payload / "csrc")
+    unit = payload / msvc_gate.ATTN_UNIT
     unit.write_text(unit.read_text() + "\n// drift\n")
-    (p,) = [p for p in patchmod.load_manifest() if p.name == msvc_gate.PATCH]
     ran = []
+    monkeypatch.setattr(msvc_gate, "PAYLOAD", payload)
     monkeypatch.setattr(msvc_gate, "_run_compile", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr(winemod, "windows_torch", lambda *a, **k: ran.append("torch download"))
     with pytest.raises(patchmod.PatchDrift, match="has changed"):
-        patchmod.apply(p, {"src": dest}, dest / "overlay")
+        msvc_gate.c2719(matrix, None, ptx_only=True)
     assert not ran
 
 
