@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
 
+from ci.flags import payload_build_commands  # noqa: F401  (ci.cibw_job.payload_build_commands, as before)
 from ci.runner_setup import (
     RHEL8_REPO_ARCH,
     WINDOWS_COMPONENTS,
@@ -227,25 +228,6 @@ class JobPlan:
                  f"  python  build + verify {self.verify_python}; Requires-Python {self.requires_python}"]
         lines += [f"  {name:<8}{' '.join(argv)}" for name, argv in self.steps]
         return "\n".join(lines)
-
-
-_BUILD_COMMANDS = None
-
-
-def payload_build_commands():
-    """The payload's own command builder, ``sageattn3/build_commands.py`` (what its setup.py
-    imports), loaded from the file: it is not an installed module."""
-    global _BUILD_COMMANDS
-    if _BUILD_COMMANDS is None:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("sageattn3_build_commands",
-                                                      REPO / "sageattn3" / "build_commands.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules.setdefault(spec.name, mod)
-        spec.loader.exec_module(mod)
-        _BUILD_COMMANDS = mod
-    return _BUILD_COMMANDS
 
 
 def planned_requires_python(target: Target, matrix: Matrix) -> str:

@@ -67,7 +67,7 @@ class CompileResult:
 
 
 def _bc():
-    from ci.cibw_job import payload_build_commands
+    from ci.flags import payload_build_commands
 
     return payload_build_commands()
 

@@ -491,7 +491,7 @@ def resolve_windows_cross(target, profile: dict) -> WindowsCross:
 
 def _link_libraries(profile: dict) -> list[str]:
     """What the build linked: the payload's own rule (the profile's libraries, plus python3)."""
-    from ci.cibw_job import payload_build_commands
+    from ci.flags import payload_build_commands
 
     return list(payload_build_commands().link_libraries(profile))
 
