@@ -23,7 +23,7 @@ updated in one commit after that, so a user never sees a half-updated release or
 ``python -m ci.release dry-run`` (``nox -s release -- --dry-run``) runs the same steps for the
 targets this machine can build, each job's cibuildwheel hooks as the pinned cibuildwheel
 resolves them from ci/cibuildwheel.toml (ci/cibw_rehearsal.py), and publishes to a local
-server speaking GitHub's REST contract (tests/fake_github.py).
+server speaking GitHub's REST contract (ci/release/github_standin.py).
 
 One module per concern:
 
