@@ -22,6 +22,7 @@ from ci.runner_setup import (
 )
 from ci.targets import Matrix, Target
 from ci.torch_source import PYTORCH_INDEX, TorchSource, foreign_torch_source, torch_source
+from ci.errors import FactoryError
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_FILE = REPO / "ci" / "cibuildwheel.toml"
@@ -123,7 +124,7 @@ DELVEWHEEL = "delvewheel==1.13.2"
 
 # -- cibuildwheel's own option resolution ----------------------------------------------------
 
-class RehearsalError(RuntimeError):
+class RehearsalError(FactoryError, RuntimeError):
     pass
 
 

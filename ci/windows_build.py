@@ -35,6 +35,7 @@ from pathlib import Path
 from ci import pe as pemod
 from ci import wine as winemod
 from ci.toolchain import ToolchainError
+from ci.errors import FactoryError
 
 # DLLs the module may import besides torch's, CUDA's and Python's: the MSVC runtime (/MD) and
 # the OS.
@@ -42,7 +43,7 @@ MSVC_RUNTIME = re.compile(r"^(vcruntime140(_1)?|msvcp140(_\d+)?|api-ms-win-crt-[
 STANDIN_NOTE = "stand-in (made here from the symbols the unit imports; a Windows runner links the real one)"
 
 
-class WindowsBuildError(RuntimeError):
+class WindowsBuildError(FactoryError, RuntimeError):
     pass
 
 

@@ -38,14 +38,15 @@ One module per concern:
 from __future__ import annotations
 
 from pathlib import Path
+from ci.errors import FactoryError, InputError
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
 
-class ReleaseError(RuntimeError):
+class ReleaseError(FactoryError, RuntimeError):
     """A step of the release cannot go on (exit status 1)."""
 
 
-class ReleaseInputError(ReleaseError):
+class ReleaseInputError(ReleaseError, InputError):
     """The step's input is refused before anything is copied or sent: an artifact whose wheel
     is unsafe, inconsistent, or not the one its build job verified (exit status 2)."""
