@@ -22,11 +22,12 @@ from ci.flags import PAYLOAD
 from ci.pip_env import pip_environ
 from ci.resolved import PROOF_FLAVOUR_LABEL, TEST_FLAVOUR_LABEL, CudaToolkit, ResolvedToolchain, TorchEnv
 from ci.targets import Matrix, Target
+from ci.errors import FactoryError
 
 REPO = PAYLOAD.parent
 
 
-class BuildError(RuntimeError):
+class BuildError(FactoryError, RuntimeError):
     pass
 
 

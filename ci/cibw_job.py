@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
 
+from ci.flags import payload_build_commands  # noqa: F401  (ci.cibw_job.payload_build_commands, as before)
 from ci.runner_setup import (
     RHEL8_REPO_ARCH,
     WINDOWS_COMPONENTS,
@@ -21,6 +22,7 @@ from ci.runner_setup import (
 )
 from ci.targets import Matrix, Target
 from ci.torch_source import PYTORCH_INDEX, TorchSource, foreign_torch_source, torch_source
+from ci.errors import FactoryError
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_FILE = REPO / "ci" / "cibuildwheel.toml"
@@ -122,7 +124,7 @@ DELVEWHEEL = "delvewheel==1.13.2"
 
 # -- cibuildwheel's own option resolution ----------------------------------------------------
 
-class RehearsalError(RuntimeError):
+class RehearsalError(FactoryError, RuntimeError):
     pass
 
 
@@ -227,25 +229,6 @@ class JobPlan:
                  f"  python  build + verify {self.verify_python}; Requires-Python {self.requires_python}"]
         lines += [f"  {name:<8}{' '.join(argv)}" for name, argv in self.steps]
         return "\n".join(lines)
-
-
-_BUILD_COMMANDS = None
-
-
-def payload_build_commands():
-    """The payload's own command builder, ``sageattn3/build_commands.py`` (what its setup.py
-    imports), loaded from the file: it is not an installed module."""
-    global _BUILD_COMMANDS
-    if _BUILD_COMMANDS is None:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("sageattn3_build_commands",
-                                                      REPO / "sageattn3" / "build_commands.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules.setdefault(spec.name, mod)
-        spec.loader.exec_module(mod)
-        _BUILD_COMMANDS = mod
-    return _BUILD_COMMANDS
 
 
 def planned_requires_python(target: Target, matrix: Matrix) -> str:

@@ -38,13 +38,14 @@ import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from ci.errors import FactoryError
 
 REPO = Path(__file__).resolve().parent.parent
 CONTAINER_ENGINE = ("podman; create_args: --runtime=runc --ulimit=nofile=20000:20000 "
                     "--ulimit=nproc=32768:32768 --network=host")
 
 
-class LocalCibwError(RuntimeError):
+class LocalCibwError(FactoryError, RuntimeError):
     pass
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from ci.build import REPO
+from ci.errors import run_main
 from ci.resolve import host_os_key, local_blockers
 from ci.targets import Matrix, MatrixError, Target
 from ci.variant import torch_line
@@ -236,11 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(--write-readme: its name from when the table was in the README)")
     c.set_defaults(fn=cmd_coverage)
     args = p.parse_args(argv)
-    try:
-        return args.fn(args)
-    except (MatrixError, ToolchainError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_main(lambda: args.fn(args))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from ci.flags import PAYLOAD, profile_for
 from ci.pip_env import pip_environ
 from ci.targets import Matrix, Target
 from ci.toolchain import ToolchainError, cache_root, find_cuda
+from ci.errors import InputError, run_main
 
 # The parts of torch/include the torch-facing units reach (ATen, c10, torch, and what they pull in).
 HEADER_DIRS = ("ATen", "c10", "torch", "caffe2", "fmt")
@@ -40,7 +41,7 @@ WHEEL_PYTHON = "3.10"
 WHEEL_PLATFORM = "manylinux_2_28_x86_64"
 
 
-class GateError(RuntimeError):
+class GateError(InputError, RuntimeError):
     pass
 
 
@@ -193,12 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--line", action="append", help="only this torch line (repeatable)")
     ap.add_argument("--jobs", type=int)
     a = ap.parse_args(argv)
-    try:
-        matrix = Matrix.load()
-        results = run_gate(matrix, a.line, a.jobs)
-    except (GateError, ToolchainError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_main(lambda: _cli(a))
+
+
+def _cli(a) -> int:
+    matrix = Matrix.load()
+    results = run_gate(matrix, a.line, a.jobs)
     msg = failures_message(matrix, results)
     if msg:
         print(f"error: {msg}", file=sys.stderr)

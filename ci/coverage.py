@@ -49,6 +49,7 @@ from pathlib import Path
 
 from ci.targets import Matrix, _v
 from ci.variant import Variant
+from ci.errors import InputError
 
 REPO = Path(__file__).resolve().parent.parent
 EVIDENCE_FILE = Path(__file__).with_name("evidence.json")
@@ -116,7 +117,7 @@ def inputs_of(kind: str, entry: dict) -> tuple[str, ...]:
     return KINDS[kind].inputs + (CROSS_INPUTS if kind == "release" and "cross" in entry else ())
 
 
-class EvidenceError(ValueError):
+class EvidenceError(InputError, ValueError):
     pass
 
 

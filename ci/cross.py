@@ -412,7 +412,7 @@ def link_classic(target, matrix, work: Path, *, kernel_objects: list[Path] = (),
     from ci.build import source_commit
     from ci.compile_gate import torch_headers
     from ci.flags import profile_for
-    from ci.cibw_job import payload_build_commands
+    from ci.flags import payload_build_commands
 
     t0 = time.monotonic()
     spec = spec_for(target.os.machine)

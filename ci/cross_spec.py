@@ -8,9 +8,10 @@ from __future__ import annotations
 import platform
 import sys
 from dataclasses import dataclass
+from ci.errors import InputError
 
 
-class CrossSpecError(ValueError):
+class CrossSpecError(InputError, ValueError):
     pass
 
 

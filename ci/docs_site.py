@@ -28,13 +28,14 @@ import sys
 import unicodedata
 import urllib.parse
 from pathlib import Path
+from ci.errors import InputError, run_main
 
 REPO = Path(__file__).resolve().parent.parent
 SITE_DIR = "docs"  # where the pages go, under the index root
 SPECIAL = {"README.md": "index.html", "RELEASING.md": "releasing.html"}
 
 
-class DocsError(ValueError):
+class DocsError(InputError, ValueError):
     pass
 
 
@@ -194,11 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repo", metavar="OWNER/NAME",
                     help="link repository files to this GitHub repository (default: plain text)")
     a = ap.parse_args(argv)
-    try:
-        written = write_site(a.out, a.repo)
-    except DocsError as e:
-        print(f"docs: {e}", file=sys.stderr)
-        return 2
+    return run_main(lambda: _cli(a), prefix="docs")
+
+
+def _cli(a) -> int:
+    written = write_site(a.out, a.repo)
     print(f"docs: {len(written)} pages written under {a.out / SITE_DIR}")
     return 0
 

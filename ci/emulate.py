@@ -38,6 +38,7 @@ from ci import cross as crossmod
 from ci.pip_env import pip_environ
 from ci.record import BuildRecord
 from ci.toolchain import ToolchainError, cache_root
+from ci.errors import FactoryError
 
 # The op probe: the package's own op lists (a test ties them to csrc/torch/ops.h).
 OPS_PROBE = (
@@ -51,7 +52,7 @@ OPS_PROBE = (
 )
 
 
-class EmulationError(RuntimeError):
+class EmulationError(FactoryError, RuntimeError):
     pass
 
 

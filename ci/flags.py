@@ -22,6 +22,27 @@ def _build_profile():
     return mod
 
 
+@cache
+def payload_build_commands():
+    """The payload's own command builder, ``sageattn3/build_commands.py`` (what its setup.py
+    imports), loaded from the file: it is not an installed module."""
+    spec = importlib.util.spec_from_file_location("sageattn3_build_commands", PAYLOAD / "build_commands.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def device_flags(mma_model: bool) -> list[str]:
+    """The device-side flags of a real build (sageattn3/build_profile.py): optimisation, C++
+    standard, --expt-relaxed-constexpr, the defines that matter to device code."""
+    prof = _build_profile().profile(platform="linux", cuda="13.0", archs=[], torch_version="2.14.1",
+                                    stable_abi_floor=None, mma_model=mma_model)
+    flags = [f for f in prof["nvcc_flags"] if not f.startswith(("-Xcompiler", "-gencode", "--compress-mode"))]
+    defines = [d for d in prof["defines"] if not d.startswith(("Py_LIMITED_API", "TORCH_TARGET_VERSION"))]
+    return [*flags, *(f"-D{d}" for d in defines)]
+
+
 def compiler_for(target: Target) -> str:
     return "msvc" if target.os.platform == "windows" else "gcc"
 

@@ -32,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ci.flags import device_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "sageattn3" / "csrc"
 # (arch, extra defines, label)
@@ -141,24 +143,9 @@ def parse_res_usage(text: str) -> list[Kernel]:
     return kernels
 
 
-def build_flags(mma_model: bool) -> list[str]:
-    """The device-side flags of a real build (sageattn3/build_profile.py): optimisation, C++
-    standard, --expt-relaxed-constexpr, the defines that matter to device code."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_sa3_build_profile", ROOT / "sageattn3" / "build_profile.py")
-    bp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bp)
-    prof = bp.profile(platform="linux", cuda="13.0", archs=[], torch_version="2.14.1", stable_abi_floor=None,
-                      mma_model=mma_model)
-    flags = [f for f in prof["nvcc_flags"] if not f.startswith(("-Xcompiler", "-gencode", "--compress-mode"))]
-    defines = [d for d in prof["defines"] if not d.startswith(("Py_LIMITED_API", "TORCH_TARGET_VERSION"))]
-    return [*flags, *(f"-D{d}" for d in defines)]
-
-
 def compile_one(nvcc: Path, src: Path, arch: str, defines: tuple[str, ...], out_dir: Path) -> tuple[str, int, str]:
     cubin = out_dir / f"{src.parent.name}_{src.stem}_{arch}.cubin"
-    flags = build_flags(mma_model=any(d.startswith("SAGEATTN3_MMA_MODEL") for d in defines))
+    flags = device_flags(mma_model=any(d.startswith("SAGEATTN3_MMA_MODEL") for d in defines))
     # -lineinfo for the SASS budget (ci.sass_budget reads source lines); the machine code is the same
     lineinfo = ["-lineinfo"] if "-lineinfo" not in flags else []
     cmd = [str(nvcc), "-cubin", str(src), "-o", str(cubin), f"-gencode=arch=compute_{arch[3:]},code={arch}",
@@ -178,7 +165,7 @@ def attention_smem(nvcc: Path, out_dir: Path) -> dict[int, int]:
         "              (int)sageattn3::attn::SmemLayout<128>::kTotal);\n  return 0;\n}\n"
     )
     exe = out_dir / "smem_probe"
-    r = subprocess.run([str(nvcc), str(src), "-o", str(exe), *build_flags(False), f"-I{CSRC}",
+    r = subprocess.run([str(nvcc), str(src), "-o", str(exe), *device_flags(False), f"-I{CSRC}",
                         "-gencode=arch=compute_120a,code=sm_120a"], capture_output=True, text=True)
     if r.returncode != 0:
         return {}

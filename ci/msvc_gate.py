@@ -39,6 +39,7 @@ from ci import wine as winemod
 from ci.flags import PAYLOAD, profile_for
 from ci.targets import Matrix, MatrixError, Target
 from ci.toolchain import ToolchainError, cutlass_include
+from ci.errors import InputError
 
 ATTN_UNIT = "csrc/attn/attn_launch.cu"
 PATCH = "msvc-pointer-params"
@@ -50,7 +51,7 @@ C2872_PROBE = ("#include <torch/extension.h>\n#include <torch/csrc/dynamo/compil
                "__global__ void sageattn3_probe() {}\n")
 
 
-class MsvcGateError(RuntimeError):
+class MsvcGateError(InputError, RuntimeError):
     pass
 
 
@@ -67,7 +68,7 @@ class CompileResult:
 
 
 def _bc():
-    from ci.cibw_job import payload_build_commands
+    from ci.flags import payload_build_commands
 
     return payload_build_commands()
 

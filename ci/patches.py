@@ -25,13 +25,14 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from ci.record import sha256_of
+from ci.errors import InputError, run_main
 
 PATCHES_DIR = Path(__file__).resolve().parent.parent / "patches"
 MANIFEST = PATCHES_DIR / "manifest.toml"
 ROOTS = ("src", "torch", "cutlass")
 
 
-class PatchError(RuntimeError):
+class PatchError(InputError, RuntimeError):
     pass
 
 
@@ -241,11 +242,6 @@ def check_patch(patch: Patch, roots: dict[str, Path], work: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import sys
-    import tempfile
-
-    from ci.flags import compiler_for
-    from ci.targets import Matrix
 
     ap = argparse.ArgumentParser(prog="python -m ci.patches")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -253,27 +249,36 @@ def main(argv: list[str] | None = None) -> int:
     ls = sub.add_parser("list", help="what a target gets")
     ls.add_argument("--target", required=True)
     args = ap.parse_args(argv)
-    patches = load_manifest()
-    if args.cmd == "list":
-        t = Matrix.load().target(args.target)
-        chosen = select(patches, os_key=t.os.key, compiler=compiler_for(t), cuda=t.cuda, torch_version=t.build_torch)
-        print(f"{t.id}: {len(chosen)} patch(es)")
-        for p in chosen:
-            print(f"  {p.describe()}")
-        return 0
-    from ci.toolchain import cutlass_include
 
-    roots = pristine_roots(cutlass_include=cutlass_include())
-    failed = 0
-    for p in patches:
-        with tempfile.TemporaryDirectory() as tmp:
-            problems = check_patch(p, roots, Path(tmp))
-        print(("FAIL " if problems else "ok   ") + p.describe())
-        for msg in problems:
-            print(f"     {msg}")
-        failed += bool(problems)
-    print(f"{len(patches) - failed} passed, {failed} failed")
-    return 1 if failed else 0
+    def command() -> int:  # inside main: what only the command line runs
+        import tempfile
+
+        from ci.flags import compiler_for
+        from ci.targets import Matrix
+
+        patches = load_manifest()
+        if args.cmd == "list":
+            t = Matrix.load().target(args.target)
+            chosen = select(patches, os_key=t.os.key, compiler=compiler_for(t), cuda=t.cuda, torch_version=t.build_torch)
+            print(f"{t.id}: {len(chosen)} patch(es)")
+            for p in chosen:
+                print(f"  {p.describe()}")
+            return 0
+        from ci.toolchain import cutlass_include
+
+        roots = pristine_roots(cutlass_include=cutlass_include())
+        failed = 0
+        for p in patches:
+            with tempfile.TemporaryDirectory() as tmp:
+                problems = check_patch(p, roots, Path(tmp))
+            print(("FAIL " if problems else "ok   ") + p.describe())
+            for msg in problems:
+                print(f"     {msg}")
+            failed += bool(problems)
+        print(f"{len(patches) - failed} passed, {failed} failed")
+        return 1 if failed else 0
+
+    return run_main(command)
 
 
 if __name__ == "__main__":

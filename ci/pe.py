@@ -11,12 +11,13 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from ci.errors import FactoryError
 
 MACHINES = {0x8664: "x64", 0x14C: "x86", 0xAA64: "arm64"}
 PE32_PLUS = 0x20B
 
 
-class PeError(ValueError):
+class PeError(FactoryError, ValueError):
     pass
 
 

@@ -23,6 +23,7 @@ from packaging.version import InvalidVersion, Version
 
 from ci.variant import Variant
 from ci.wheel_hygiene import UnsafeWheel, check_distinct, check_wheel_file
+from ci.errors import InputError
 
 RECORD_IN_WHEEL = "sageattn3/_build_record.json"
 
@@ -88,7 +89,7 @@ def record_path(wheel: Path) -> Path:
     return wheel.with_name(wheel.name + ".json")
 
 
-class RecordError(ValueError):
+class RecordError(InputError, ValueError):
     """A wheel and what is said about it disagree, or a record cannot be read. The message is
     one line naming the file and the field."""
 

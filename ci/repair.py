@@ -13,6 +13,7 @@ import zipfile
 from pathlib import Path
 
 from packaging.utils import parse_wheel_filename
+from ci.errors import FactoryError
 
 # Shared objects torch (or the driver) provides; never bundled into our wheel.
 LINUX_EXCLUDES = ("libtorch*.so*", "libc10*.so*", "libcudart.so*", "libcuda.so*", "libshm.so*")
@@ -22,7 +23,7 @@ WINDOWS_EXCLUDES = ("torch*.dll", "c10*.dll", "cudart64_*.dll", "nvcuda.dll", "s
 FORBIDDEN_IN_WHEEL = ("*libtorch*", "*libc10*", "*libcudart*", "*libcuda.so*", "*torch_*.dll", "*c10*.dll", "*cudart64*", "*nvcuda*")
 
 
-class RepairError(RuntimeError):
+class RepairError(FactoryError, RuntimeError):
     pass
 
 

@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path, PurePath
 
 from ci.targets import Target
+from ci.errors import FactoryError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -83,7 +84,7 @@ RUNNER_BLOAT = {
 WINDOWS_DISK_BUDGET_S = 8 * 60
 
 
-class CibwError(RuntimeError):
+class CibwError(FactoryError, RuntimeError):
     pass
 
 

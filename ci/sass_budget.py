@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ci.flags import device_flags
+
 NVDISASM_PIN = "nvidia-cuda-nvdisasm==13.2.86"
 
 # Published per-SM rates (sources in docs/performance.md, "The SASS budget"). FP4 dense tensor
@@ -392,11 +394,9 @@ def ours_tma_bytes(d: int) -> int:
 
 
 def compile_ours(nvcc: Path, out_dir: Path) -> Path:
-    from ci.kernel_report import build_flags
-
     cubin = out_dir / "attn_sm_120a.cubin"
     subprocess.run([str(nvcc), "-cubin", str(CSRC / "attn" / "attn_launch.cu"), "-o", str(cubin),
-                    "-gencode=arch=compute_120a,code=sm_120a", *build_flags(False), "-lineinfo", f"-I{CSRC}"],
+                    "-gencode=arch=compute_120a,code=sm_120a", *device_flags(False), "-lineinfo", f"-I{CSRC}"],
                    check=True, capture_output=True, text=True)
     return cubin
 

@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from ci.errors import FactoryError, run_main
 
 IMAGE_REPO = "localhost/sageattn3-manylinux-standin"
 SUITE = "bookworm"
@@ -57,7 +58,7 @@ IMAGE_ENV = {"REQUESTS_CA_BUNDLE": CA_BUNDLE, "SSL_CERT_FILE": CA_BUNDLE}
 RECIPE = "2"
 
 
-class StandinImageError(RuntimeError):
+class StandinImageError(FactoryError, RuntimeError):
     pass
 
 
@@ -191,14 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ci.standin_image", description=__doc__.split("\n\n")[0])
     ap.add_argument("--print-name", action="store_true", help="print the name the image has or would have; build nothing")
     a = ap.parse_args(argv)
-    try:
-        if a.print_name:
-            print(image_name())
-        else:
-            print(build_image(log=lambda m: print(m, file=sys.stderr)))
-    except StandinImageError as e:
-        print(f"standin-image: {e}", file=sys.stderr)
-        return 1
+    return run_main(lambda: _cli(a), prefix="standin-image")
+
+
+def _cli(a) -> int:
+    if a.print_name:
+        print(image_name())
+    else:
+        print(build_image(log=lambda m: print(m, file=sys.stderr)))
     return 0
 
 

@@ -13,9 +13,10 @@ from packaging.utils import parse_wheel_filename
 
 from ci.record import BuildRecord, read_record_in_wheel, record_path, wheel_metadata
 from ci.targets import Target
+from ci.errors import FactoryError
 
 
-class TagError(RuntimeError):
+class TagError(FactoryError, RuntimeError):
     pass
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from ci.variant import Variant, cuda_tag
+from ci.errors import InputError
 
 TARGETS_FILE = Path(__file__).with_name("targets.toml")
 
@@ -39,7 +40,7 @@ GHA_RUNNERS = {
 }
 
 
-class MatrixError(ValueError):
+class MatrixError(InputError, ValueError):
     """A targets-file entry that cannot be right; the message names it."""
 
 

@@ -23,6 +23,7 @@ from packaging.version import Version
 
 from ci.pip_env import pip_environ
 from ci.resolved import EXE, WINDOWS, CudaToolkit, TorchEnv, venv_python
+from ci.errors import InputError
 
 CUTLASS_PIN = "nvidia-cutlass==4.2.0.0"
 # CUDA 13.x toolkits provisioned from PyPI: the packages that make up nvcc + runtime headers.
@@ -32,7 +33,7 @@ CUDA_PYPI_PACKAGES = ("nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvi
 BUILD_ENV_PACKAGES = ("setuptools>=77", "wheel", "packaging")
 
 
-class ToolchainError(RuntimeError):
+class ToolchainError(InputError, RuntimeError):
     """A build tool is missing or wrong; the message says what to install or set."""
 
 

@@ -35,6 +35,7 @@ from packaging.version import InvalidVersion, Version
 from ci.index import parse_anchors
 from ci.targets import Matrix, TorchLine
 from ci.variant import cuda_tag
+from ci.errors import FactoryError
 
 PYPI_SIMPLE = "https://pypi.org/simple"
 # The platform tag of each matrix OS (any manylinux glibc level).
@@ -51,7 +52,7 @@ PROBED_CUDA = tuple(f"{major}.{minor}" for major in (11, 12, 13) for minor in ra
                     if (major, minor) >= (11, 8))
 
 
-class UpstreamError(RuntimeError):
+class UpstreamError(FactoryError, RuntimeError):
     """An index could not be read; the message names the URL."""
 
 

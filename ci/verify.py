@@ -26,9 +26,10 @@ from ci.record import BuildRecord
 from ci.pip_env import pip_environ
 from ci.resolved import TorchEnv, VerifyEnvs, venv_python
 from ci.variant import cuda_tag, torch_line
+from ci.errors import FactoryError
 
 
-class VerifyError(RuntimeError):
+class VerifyError(FactoryError, RuntimeError):
     pass
 
 

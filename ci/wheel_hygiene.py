@@ -33,9 +33,10 @@ from pathlib import Path
 from packaging.tags import Tag
 from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
+from ci.errors import InputError
 
 
-class UnsafeWheel(ValueError):
+class UnsafeWheel(InputError, ValueError):
     """A wheel that no door lets through; the message names the wheel and what to change."""
 
 

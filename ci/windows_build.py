@@ -34,6 +34,7 @@ from pathlib import Path
 from ci import pe as pemod
 from ci import wine as winemod
 from ci.toolchain import ToolchainError
+from ci.errors import FactoryError
 
 # DLLs the module may import besides torch's, CUDA's and Python's: the MSVC runtime (/MD) and
 # the OS.
@@ -43,7 +44,7 @@ MSVC_RUNTIME = re.compile(r"^(vcruntime140(_1)?|msvcp140(_\d+)?(-[0-9a-f]+)?|api
 STANDIN_NOTE = "stand-in (made here from the symbols the unit imports; a Windows runner links the real one)"
 
 
-class WindowsBuildError(RuntimeError):
+class WindowsBuildError(FactoryError, RuntimeError):
     pass
 
 
@@ -396,7 +397,7 @@ def resolve_windows_cross(target, profile: dict) -> WindowsCross:
 
 def _link_libraries(profile: dict) -> list[str]:
     """What the build linked: the payload's own rule (the profile's libraries, plus python3)."""
-    from ci.cibw_job import payload_build_commands
+    from ci.flags import payload_build_commands
 
     return list(payload_build_commands().link_libraries(profile))
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 import re
 import shlex
+import subprocess
 import sys
 import urllib.request
 from pathlib import Path
@@ -35,6 +37,34 @@ def test_readme_is_a_front_page_in_the_issue_order():
     assert "Not yet run on Blackwell hardware" in text.split("\n## ", 1)[0]
     for page in sorted((REPO / "docs").glob("*.md")):  # every page is reachable from the README
         assert f"](docs/{page.name})" in text, f"the README's links do not name docs/{page.name}"
+
+
+def _fences(text: str, lang: str) -> list[str]:
+    return [t.content for t in docs_site._markdown().parse(text) if t.type == "fence" and t.info.strip() == lang]
+
+
+def test_the_first_screen_shows_the_install_and_the_call_that_replaces_sdpa():
+    """Before the first section: the Installing section's --index-url command, then four lines
+    where sageattn3_blackwell takes SDPA's place with SDPA's arguments; run here on the CPU (where
+    the call is torch's SDPA), the example gives SDPA's output."""
+    text = README.read_text()
+    first = text.split("\n## ", 1)[0]
+    installing = text.split("\n## Installing\n", 1)[1].split("\n## ", 1)[0]
+    (install,) = _fences(first, "bash")
+    assert install.strip() in [ln for ln in installing.splitlines() if "--index-url" in ln]
+    (example,) = _fences(first, "python")
+    assert len(example.splitlines()) == 4
+    sdpa = re.search(r"^# out = torch\.nn\.functional\.scaled_dot_product_attention\((.+)\)$", example, re.M)
+    ours = re.search(r"^out = sageattn3\.sageattn3_blackwell\((.+)\)$", example, re.M)
+    assert sdpa and ours and sdpa[1] == ours[1], example
+    assert 'device="cuda"' in example
+    script = example.replace('device="cuda"', 'device="cpu"') + (
+        "ref = torch.nn.functional.scaled_dot_product_attention(" + sdpa[1] + ")\n"
+        "assert out.shape == q.shape and out.dtype == q.dtype and torch.equal(out, ref)\nprint('same as SDPA')\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "sageattn3")}
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "same as SDPA", run.stderr[-2000:]
 
 
 # -- commands ------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from ci.publish.notes import BEGIN
 from ci.record import BuildRecord, record_path
 from ci.release.provenance import output_key
 from conftest_publish import REPO, rewrite_wheel, sage_wheel
-from fake_github import FakeGitHub
+from ci.release.github_standin import GitHubStandin
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -104,7 +104,7 @@ def test_a_re_signed_wheel_is_refused_by_gather_and_publish_before_any_request(t
     shutil.copy2(victim, wheels / victim.name)
     shutil.copy2(record_path(victim), record_path(wheels / victim.name))
     monkeypatch.setenv("GITHUB_TOKEN", TOKEN)
-    with FakeGitHub(TOKEN) as gh:
+    with GitHubStandin(TOKEN) as gh:
         gh.add_repo(FULL)
         for extra in ([], ["--dry-run"]):
             rc = publish_main(["github", "--tag", "v0.1.0", "--repo", FULL, "--wheels", str(wheels), "--api-url",
@@ -119,7 +119,7 @@ def test_a_wheel_built_outside_the_release_pipeline_needs_an_explicit_flag(tmp_p
     wheels = tmp_path / "wheels"
     sage_wheel(wheels, "cu130.torch2.10.stable", "0.1.0", index_url=(tmp_path / "dist" / "index").as_uri() + "/")
     monkeypatch.setenv("GITHUB_TOKEN", TOKEN)
-    with FakeGitHub(TOKEN) as gh:
+    with GitHubStandin(TOKEN) as gh:
         gh.add_repo(FULL)
         args = ["github", "--tag", "v0.1.0", "--repo", FULL, "--wheels", str(wheels), "--api-url", gh.api_url,
                 "--write-interval", "0"]
@@ -143,7 +143,7 @@ def test_one_failed_target_publishes_the_others_and_the_notes_name_it_until_it_i
     monkeypatch.setenv("GITHUB_TOKEN", TOKEN)
     args = ["github", "--tag", "v0.1.0", "--repo", FULL, "--wheels", str(tmp_path / "wheels"), "--write-interval", "0",
             "--plan", json.dumps(PLAN), "--build-outputs", outputs]
-    with FakeGitHub(TOKEN) as gh:
+    with GitHubStandin(TOKEN) as gh:
         gh.add_repo(FULL)
         assert publish_main([*args, "--api-url", gh.api_url, "--notes", "sageattn3 0.1.0"]) == 0
         (rel,) = gh.release_by_tag(FULL, "v0.1.0")

@@ -1,5 +1,5 @@
 """GitHub Releases and the Pages branch, through PyGithub, against the loopback fake of
-GitHub's REST contract (tests/fake_github.py): idempotency, resumption after an exception
+GitHub's REST contract (ci/release/github_standin.py): idempotency, resumption after an exception
 and after a real process kill, faults, limits, dry runs and token secrecy."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ci.publish.github import SUMS, LocalAsset, ReleasePublisher, parse_sums
 from ci.publish.pages import PagesOptions, publish_pages
 from ci.record import load_records
 from conftest_publish import REPO, sage_wheel, serve_dir
-from fake_github import FakeGitHub
+from ci.release.github_standin import GitHubStandin
 
 pytestmark = pytest.mark.timeout(180)  # pytest-timeout (ci/requirements-test.txt)
 
@@ -40,7 +40,7 @@ FAST = RetryPolicy(attempts=5, backoff=0.01, max_backoff=0.05, max_wait=5)
 
 @pytest.fixture
 def gh():
-    with FakeGitHub(TOKEN) as server:
+    with GitHubStandin(TOKEN) as server:
         server.add_repo(FULL)
         yield server
 
@@ -53,7 +53,7 @@ def wheels(tmp_path) -> Path:
     return d
 
 
-def opts(gh: FakeGitHub, wheels: Path, **kw) -> ReleaseOptions:
+def opts(gh: GitHubStandin, wheels: Path, **kw) -> ReleaseOptions:
     base = dict(repo=FULL, tag="v1.0.0", wheels=wheels, api_url=gh.api_url, retry=FAST, write_interval=0, concurrency=3)
     base.update(kw)
     return ReleaseOptions(**base)
@@ -64,7 +64,7 @@ def expected_assets(wheels: Path) -> dict[str, str]:
     return out
 
 
-def assert_complete(gh: FakeGitHub, wheels: Path, tag: str = "v1.0.0") -> None:
+def assert_complete(gh: GitHubStandin, wheels: Path, tag: str = "v1.0.0") -> None:
     rels = gh.release_by_tag(FULL, tag)
     assert len(rels) == 1, "exactly one release for the tag"
     rel = rels[0]
@@ -79,7 +79,7 @@ def assert_complete(gh: FakeGitHub, wheels: Path, tag: str = "v1.0.0") -> None:
         assert all(a["state"] == "uploaded" for a in gh.repos[FULL].assets.values())
 
 
-def writes(gh: FakeGitHub) -> int:
+def writes(gh: GitHubStandin) -> int:
     return sum(gh.count(m) for m in ("POST", "PATCH", "DELETE", "PUT"))
 
 
@@ -290,7 +290,7 @@ def test_process_killed_midway_then_resume(gh, wheels):
 
 
 def test_without_digests_verification_uses_sizes_and_sha256sums(wheels, tmp_path):
-    with FakeGitHub(TOKEN, digests=False) as gh:
+    with GitHubStandin(TOKEN, digests=False) as gh:
         gh.add_repo(FULL)
         publish_release(opts(gh, wheels), TOKEN, log=lambda m: None)
         assert_complete(gh, wheels)
@@ -317,7 +317,7 @@ def test_without_digests_verification_uses_sizes_and_sha256sums(wheels, tmp_path
 
 
 def test_pagination_and_duplicate_empty_drafts(wheels):
-    with FakeGitHub(TOKEN, per_page_max=2) as gh:
+    with GitHubStandin(TOKEN, per_page_max=2) as gh:
         repo = gh.add_repo(FULL)
         for i in range(5):
             repo.releases[gh.next_id()] = {"id": None, "tag_name": f"v0.{i}", "target_commitish": "main", "name": "",

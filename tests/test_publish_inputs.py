@@ -18,7 +18,7 @@ from ci.publish.__main__ import main as publish_main
 from ci.publish._net import Redactor, token_from_env
 from ci.record import RECORD_IN_WHEEL, BuildRecord, RecordError, check_wheel, load_records, record_path
 from conftest_publish import rewrite_wheel, sage_wheel
-from fake_github import FakeGitHub
+from ci.release.github_standin import GitHubStandin
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,7 +29,7 @@ FULL = "octo/sageattn3"
 @pytest.fixture
 def gh(monkeypatch):
     monkeypatch.setenv("GITHUB_TOKEN", TOKEN)
-    with FakeGitHub(TOKEN) as server:
+    with GitHubStandin(TOKEN) as server:
         server.add_repo(FULL)
         yield server
 
@@ -42,7 +42,7 @@ def wheels(tmp_path) -> Path:
     return d
 
 
-def publish(gh: FakeGitHub, capsys, *args: str) -> tuple[int, str, str]:
+def publish(gh: GitHubStandin, capsys, *args: str) -> tuple[int, str, str]:
     rc = publish_main(["github", "--api-url", gh.api_url, "--write-interval", "0", "--backoff", "0.01", *args])
     out, err = capsys.readouterr()
     return rc, out, err

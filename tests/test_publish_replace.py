@@ -15,7 +15,7 @@ from ci.publish import RetryPolicy, publish_release
 from ci.publish.github import SUMS, parse_sums
 from ci.publish.replace import RETIRED, TEMP
 from conftest_publish import sage_wheel
-from fake_github import FakeGitHub
+from ci.release.github_standin import GitHubStandin
 from test_publish_github import FULL, TOKEN, VARIANTS, assert_complete, opts
 
 pytestmark = pytest.mark.timeout(180)
@@ -26,7 +26,7 @@ QUICK = RetryPolicy(attempts=2, backoff=0.01, max_backoff=0.02, max_wait=1)
 WRITES = 3 * 3 + 3
 
 
-def _files(gh: FakeGitHub) -> dict[str, bytes]:
+def _files(gh: GitHubStandin) -> dict[str, bytes]:
     (rel,) = gh.release_by_tag(FULL, "v1.0.0")
     return gh.asset_files(FULL, rel["id"])
 
@@ -69,7 +69,7 @@ def test_a_replacement_stopped_after_any_write_leaves_no_hole_and_a_rerun_finish
     wheels = tmp_path / "wheels"
     for v in VARIANTS:
         sage_wheel(wheels, v, payload=os.urandom(2048))
-    with FakeGitHub(TOKEN) as gh:
+    with GitHubStandin(TOKEN) as gh:
         gh.add_repo(FULL)
         publish_release(opts(gh, wheels), TOKEN, log=lambda m: None)
         old = _files(gh)
@@ -100,7 +100,7 @@ def test_the_old_order_would_leave_a_hole(tmp_path):
     wheels = tmp_path / "wheels"
     for v in VARIANTS:
         sage_wheel(wheels, v, payload=os.urandom(2048))
-    with FakeGitHub(TOKEN) as gh:
+    with GitHubStandin(TOKEN) as gh:
         gh.add_repo(FULL)
         publish_release(opts(gh, wheels), TOKEN, log=lambda m: None)
         old = _files(gh)

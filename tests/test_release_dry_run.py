@@ -21,7 +21,7 @@ from ci.release.rehearsal import dry_run, rehearse_plan
 from ci.release.standin import standin_dir, standin_needs, standin_serves, standin_wheels
 from ci.release.steps import publish_steps
 from ci.targets import Matrix
-from fake_github import FakeGitHub
+from ci.release.github_standin import GitHubStandin
 
 MATRIX = Matrix.load()
 RUNNABLE = [r for r in rehearse_plan(MATRIX) if r.runs_here]
@@ -54,7 +54,7 @@ def released(tmp_path_factory):
     token = "ghs_" + secrets.token_hex(18)
     dist = tmp_path_factory.mktemp("release") / "dist"
     logs: list[str] = []
-    with FakeGitHub(token) as fake:
+    with GitHubStandin(token) as fake:
         dr = dry_run(dist, fake=fake, repo=REPO_NAME, only=LOCAL, compile_gate=False, log=lambda m: logs.append(str(m)))
         yield dr, fake, token, logs
 

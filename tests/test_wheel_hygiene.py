@@ -22,7 +22,7 @@ from ci.publish.__main__ import main as publish_main
 from ci.record import RECORD_IN_WHEEL, BuildRecord, load_records, record_path
 from ci.wheel_hygiene import check_distinct, check_name
 from conftest_publish import REPO, Venv, rewrite_wheel, sage_wheel, serve_dir
-from fake_github import FakeGitHub
+from ci.release.github_standin import GitHubStandin
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -151,7 +151,7 @@ def test_publish_index_and_upload_index_refuse_it_before_any_request(wheels, tmp
                                                                      doctor, needle):
     doctor(next(wheels.glob(f"*+{VARIANT}-*.whl")))
     monkeypatch.setenv("GITHUB_TOKEN", TOKEN)
-    with FakeGitHub(TOKEN) as gh:
+    with GitHubStandin(TOKEN) as gh:
         gh.add_repo(FULL)
         for extra in ([], ["--dry-run"]):
             rc = publish_main(["github", "--tag", "v0.1.0", "--repo", FULL, "--wheels", str(wheels), "--api-url",

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ci.record import BuildRecord, RecordError, record_from_dict
 from ci.variant import cuda_tag
+from ci.errors import InputError
 
 
 MANIFEST = "index.json"
@@ -24,7 +25,7 @@ MANIFEST_FORMAT = 1
 DEFAULT_PROJECT = "sageattn3"
 
 
-class IndexError_(ValueError):
+class IndexError_(InputError, ValueError):
     """The index cannot be written as asked (the message says what to change)."""
 
 

@@ -16,17 +16,19 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 from typing import Callable, TypeVar
+from ci import errors
+from ci.errors import FactoryError
 
 T = TypeVar("T")
 
 TOKEN_VARS = ("GITHUB_TOKEN", "GH_TOKEN")
 
 
-class PublishError(RuntimeError):
+class PublishError(FactoryError, RuntimeError):
     """Publishing cannot go on; the message says why and what to do (never a secret)."""
 
 
-class InputError(PublishError):
+class InputError(PublishError, errors.InputError):
     """What was asked is refused before anything is sent (a bad tag, repository, wheel or
     flag): the command line must change. Exit status 2."""
 

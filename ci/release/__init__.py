@@ -23,7 +23,7 @@ updated in one commit after that, so a user never sees a half-updated release or
 ``python -m ci.release dry-run`` (``nox -s release -- --dry-run``) runs the same steps for the
 targets this machine can build, each job's cibuildwheel hooks as the pinned cibuildwheel
 resolves them from ci/cibuildwheel.toml (ci/cibw_rehearsal.py), and publishes to a local
-server speaking GitHub's REST contract (tests/fake_github.py).
+server speaking GitHub's REST contract (ci/release/github_standin.py).
 
 One module per concern:
 
@@ -38,14 +38,15 @@ One module per concern:
 from __future__ import annotations
 
 from pathlib import Path
+from ci.errors import FactoryError, InputError
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
 
-class ReleaseError(RuntimeError):
+class ReleaseError(FactoryError, RuntimeError):
     """A step of the release cannot go on (exit status 1)."""
 
 
-class ReleaseInputError(ReleaseError):
+class ReleaseInputError(ReleaseError, InputError):
     """The step's input is refused before anything is copied or sent: an artifact whose wheel
     is unsafe, inconsistent, or not the one its build job verified (exit status 2)."""

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import ci.release
-from ci.release import REPO, ReleaseError, ReleaseInputError
+from ci.errors import run_main
+from ci.release import REPO, ReleaseError
 from ci.release.rehearsal import dry_run
 from ci.release.steps import check_tag, compile_gate_problem, gather_release, plan, report
 from ci.release.workflow_lint import lint_workflows
@@ -47,9 +48,6 @@ def _outcome(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ci.targets import MatrixError
-    from ci.toolchain import ToolchainError
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--dry-run":  # `nox -s release -- --dry-run`
         argv[0] = "dry-run"
@@ -93,64 +91,58 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--only", action="append", metavar="TARGET", help="rehearse only this target (repeatable)")
     d.add_argument("--plan-only", action="store_true", help="resolve and check every job, build nothing")
     a = ap.parse_args(argv)
-    try:
-        if a.cmd == "plan":
-            out = plan(_read_json_arg(a.matrix), only=[t for t in a.targets.split(",") if t.strip()])
-            gate_problem = None if a.no_compile_gate else compile_gate_problem(Matrix.load(), log=lambda m: print(m, file=sys.stderr))
-            if gate_problem:
-                raise ReleaseError(f"refusing the matrix: {gate_problem}")
-            text = json.dumps(out, separators=(",", ":"))
-            if a.github_output:
-                with open(a.github_output, "a", encoding="utf-8") as f:
-                    f.write(f"matrix={text}\n")
-            print(text)
-            print(f"plan: {len(out['include'])} build job(s)", file=sys.stderr)
-        elif a.cmd == "report":
-            md, missing = report(_read_json_arg(a.plan), a.artifacts, a.tag)
-            print(md)
-            if a.summary:
-                with open(a.summary, "a", encoding="utf-8") as f:
-                    f.write(md + "\n")
-            return 1 if missing else 0
-        elif a.cmd == "gather":
-            got = gather_release(_read_json_arg(a.plan), a.artifacts, a.out, a.build_outputs)
-            print(f"gathered {len(got.wheels)} wheel(s) into {a.out}")
-            for target, why in got.missing.items():
-                print(f"  not published: {target}: {why}")
-        elif a.cmd == "outcome":
-            return _outcome(a)
-        elif a.cmd == "workflow-outputs":
-            from ci.release.provenance import workflow_outputs
+    return run_main(lambda: _cli(a), prefix="release")
 
-            call, job = workflow_outputs([t.id for t in Matrix.load().targets])
-            print("# on.workflow_call.outputs:\n" + "\n".join(call) + "\n# jobs.build.outputs:\n" + "\n".join(job))
-        elif a.cmd == "pages":
-            from ci.publish.__main__ import main as publish_main
 
-            return publish_main(["pages", *a.args])
-        elif a.cmd == "lint-workflows":
-            problems = lint_workflows()
-            for name, rc, out in problems:
-                print(f"--- {name} (exit {rc})\n{out}")
-            print("workflows: " + ("actionlint and zizmor found nothing" if not problems else
-                                   f"{len(problems)} tool(s) complained"))
-            return 1 if problems else 0
-        elif a.cmd == "check-tag":
-            print(f"tag {a.tag} matches sageattn3 {check_tag(a.tag)}")
-        elif a.cmd == "dry-run":
-            dr = dry_run(a.dist, verify_pythons=a.verify_python, repo=a.repo, tag=a.tag, only=a.only,
-                         plan_only=a.plan_only)
-            print("\n" + dr.summary)
-            print(f"dry run complete: artifacts in {a.dist}")
-    except ReleaseInputError as e:
-        print(f"release: {e}", file=sys.stderr)
-        return 2
-    except ReleaseError as e:
-        print(f"release: {e}", file=sys.stderr)
-        return 1
-    except (ToolchainError, MatrixError) as e:  # a Python, toolkit or matrix entry this machine lacks: what to do
-        print(f"release: {e}", file=sys.stderr)
-        return 2
+def _cli(a) -> int:
+    if a.cmd == "plan":
+        out = plan(_read_json_arg(a.matrix), only=[t for t in a.targets.split(",") if t.strip()])
+        gate_problem = None if a.no_compile_gate else compile_gate_problem(Matrix.load(), log=lambda m: print(m, file=sys.stderr))
+        if gate_problem:
+            raise ReleaseError(f"refusing the matrix: {gate_problem}")
+        text = json.dumps(out, separators=(",", ":"))
+        if a.github_output:
+            with open(a.github_output, "a", encoding="utf-8") as f:
+                f.write(f"matrix={text}\n")
+        print(text)
+        print(f"plan: {len(out['include'])} build job(s)", file=sys.stderr)
+    elif a.cmd == "report":
+        md, missing = report(_read_json_arg(a.plan), a.artifacts, a.tag)
+        print(md)
+        if a.summary:
+            with open(a.summary, "a", encoding="utf-8") as f:
+                f.write(md + "\n")
+        return 1 if missing else 0
+    elif a.cmd == "gather":
+        got = gather_release(_read_json_arg(a.plan), a.artifacts, a.out, a.build_outputs)
+        print(f"gathered {len(got.wheels)} wheel(s) into {a.out}")
+        for target, why in got.missing.items():
+            print(f"  not published: {target}: {why}")
+    elif a.cmd == "outcome":
+        return _outcome(a)
+    elif a.cmd == "workflow-outputs":
+        from ci.release.provenance import workflow_outputs
+
+        call, job = workflow_outputs([t.id for t in Matrix.load().targets])
+        print("# on.workflow_call.outputs:\n" + "\n".join(call) + "\n# jobs.build.outputs:\n" + "\n".join(job))
+    elif a.cmd == "pages":
+        from ci.publish.__main__ import main as publish_main
+
+        return publish_main(["pages", *a.args])
+    elif a.cmd == "lint-workflows":
+        problems = lint_workflows()
+        for name, rc, out in problems:
+            print(f"--- {name} (exit {rc})\n{out}")
+        print("workflows: " + ("actionlint and zizmor found nothing" if not problems else
+                               f"{len(problems)} tool(s) complained"))
+        return 1 if problems else 0
+    elif a.cmd == "check-tag":
+        print(f"tag {a.tag} matches sageattn3 {check_tag(a.tag)}")
+    elif a.cmd == "dry-run":
+        dr = dry_run(a.dist, verify_pythons=a.verify_python, repo=a.repo, tag=a.tag, only=a.only,
+                     plan_only=a.plan_only)
+        print("\n" + dr.summary)
+        print(f"dry run complete: artifacts in {a.dist}")
     return 0
 
 

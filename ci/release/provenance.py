@@ -24,12 +24,13 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from ci.errors import InputError
 
 OUTPUT_PREFIX = "target_"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
-class ProvenanceError(ValueError):
+class ProvenanceError(InputError, ValueError):
     """A wheel or a build outcome that cannot be vouched for; the message names the target."""
 
 

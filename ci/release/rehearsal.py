@@ -7,7 +7,6 @@ GitHub-REST server, index and Pages, and a summary.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import secrets
 import shutil
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from ci.pip_env import pip_environ
 from ci.release import REPO, ReleaseError
+from ci.release.github_standin import GitHubStandin
 from ci.release.standin import fetch_torch, pytorch_index_standin, standin_dir, standin_needs, standin_serves
 from ci.release.steps import ARTIFACT_PREFIX, check_tag, compile_gate_problem, gather, plan, publish_steps, report, sha256sums
 from ci.release.torch_resolution import resolve_served_targets, standin_resolutions
@@ -45,14 +45,6 @@ class DryRun:
     @property
     def artifacts(self) -> Path:
         return self.dist / "artifacts"
-
-
-def _load_fake_github():
-    spec = importlib.util.spec_from_file_location("fake_github", REPO / "tests" / "fake_github.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("fake_github", mod)
-    spec.loader.exec_module(mod)
-    return mod.FakeGitHub
 
 
 def rehearse_target(target_id: str, dist: Path, artifacts: Path, *, pytorch_index: str,
@@ -127,7 +119,7 @@ def _windows_commands_problems(target, matrix: Matrix) -> list[str]:
     -Xcompiler, CUDA's lib\\x64, a .pyd). Skipped (no problem) where the payload has no builder."""
     if target.os.platform != "windows":
         return []
-    from ci.cibw_job import payload_build_commands
+    from ci.flags import payload_build_commands
     from ci.flags import profile_for
 
     bc = payload_build_commands()
@@ -281,7 +273,7 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
     token = "ghs_" + secrets.token_hex(18)
     own = fake is None
     if own:
-        fake = _load_fake_github()(token).__enter__()
+        fake = GitHubStandin(token).__enter__()
     else:
         token = fake.token
     try:

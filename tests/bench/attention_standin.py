@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "sageattn3" / "csrc"
 sys.path.insert(0, str(ROOT))
 
-from ci.kernel_report import build_flags, hopper_gpu, nvcc_path  # noqa: E402  (a real build's device flags; nvcc)
+from ci.flags import device_flags  # noqa: E402  (a real build's device flags)
+from ci.kernel_report import hopper_gpu, nvcc_path  # noqa: E402
 
 SEQS = (4096, 8192, 16384, 32768)
 HEADS = 16
@@ -46,7 +47,7 @@ QK_MODES = ("defaults", "auto-fp4", "fp8")  # a baseline tree from before the wo
 
 def build(nvcc: Path, out: Path, n_mma: int, csrc: Path = CSRC, tag: str = "") -> Path:
     exe = out / f"standin_mma{n_mma}{tag}"
-    cmd = [str(nvcc), "-gencode=arch=compute_90a,code=sm_90a", *build_flags(mma_model=True), f"-I{csrc}",
+    cmd = [str(nvcc), "-gencode=arch=compute_90a,code=sm_90a", *device_flags(mma_model=True), f"-I{csrc}",
            f"-DSAGEATTN3_TIMING_STANDIN_MMA={n_mma}", "-DSAGEATTN3_TIMING_STANDIN_E2M1",
            str(ROOT / "tests" / "bench" / "attention_standin.cu"), str(csrc / "attn" / "attn_launch.cu"), "-o", str(exe)]
     r = subprocess.run(cmd, capture_output=True, text=True)

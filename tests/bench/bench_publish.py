@@ -22,7 +22,7 @@ from ci.publish import RetryPolicy, ReleaseOptions, publish_release  # noqa: E40
 from ci.record import RECORD_IN_WHEEL, BuildRecord, record_path  # noqa: E402
 from ci.variant import Variant  # noqa: E402
 from conftest_publish import build_wheel, os_key_of  # noqa: E402
-from fake_github import FakeGitHub  # noqa: E402
+from ci.release.github_standin import GitHubStandin  # noqa: E402
 
 LINES = ("2.10", "2.11", "2.12", "2.13", "2.14")
 
@@ -78,7 +78,7 @@ def bench_index(n: int) -> None:
 
 def bench_publish(n_wheels: int) -> None:
     token = "ghp_" + "b" * 36
-    with tempfile.TemporaryDirectory() as t, FakeGitHub(token) as gh:
+    with tempfile.TemporaryDirectory() as t, GitHubStandin(token) as gh:
         t = Path(t)
         gh.add_repo("o/r")
         # One release holds one version: distinct names from python tags (cp310, cp311, ...).

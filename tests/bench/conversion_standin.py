@@ -20,12 +20,13 @@ ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "sageattn3" / "csrc"
 sys.path.insert(0, str(ROOT))
 
-from ci.kernel_report import build_flags, hopper_gpu, nvcc_path  # noqa: E402  (a real build's device flags; nvcc)
+from ci.flags import device_flags  # noqa: E402  (a real build's device flags)
+from ci.kernel_report import hopper_gpu, nvcc_path  # noqa: E402
 
 
 def build(nvcc: Path, out: Path, standin: bool) -> Path:
     exe = out / ("standin" if standin else "shipped")
-    cmd = [str(nvcc), "-gencode=arch=compute_90a,code=sm_90a", *build_flags(mma_model=True), f"-I{CSRC}",
+    cmd = [str(nvcc), "-gencode=arch=compute_90a,code=sm_90a", *device_flags(mma_model=True), f"-I{CSRC}",
            *(["-DSAGEATTN3_TIMING_STANDIN_E2M1"] if standin else []),
            str(ROOT / "tests" / "bench" / "conversion_standin.cu"), str(CSRC / "quant" / "quant_cols.cu"),
            str(CSRC / "preprocess" / "smooth_quant.cu"), "-o", str(exe)]

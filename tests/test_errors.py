@@ -1,0 +1,85 @@
+"""One error base with exit codes (ci.errors): failures exit 1, bad input exits 2, and the
+command lines end through one runner that prints the message on one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from ci import errors
+
+
+def test_the_runner_maps_the_error_to_its_exit_code_and_one_line(capsys):
+    def fail(exc):
+        def fn():
+            raise exc
+        return fn
+
+    assert errors.run_main(lambda: 0) == 0 and errors.run_main(lambda: 3) == 3
+    assert errors.run_main(fail(errors.FactoryError("it broke"))) == 1
+    assert capsys.readouterr().err == "error: it broke\n"
+    assert errors.run_main(fail(errors.InputError("no such target")), prefix="release") == 2
+    assert capsys.readouterr().err == "release: no such target\n"
+    with pytest.raises(KeyError):  # not the factory's: a bug keeps its traceback
+        errors.run_main(fail(KeyError("x")))
+
+
+def test_each_error_class_is_an_input_error_or_a_failure_and_keeps_its_old_base():
+    from ci.build import BuildError
+    from ci.compile_gate import GateError
+    from ci.docs_site import DocsError
+    from ci.patches import PatchDrift, PatchError
+    from ci.publish._net import InputError as PublishInputError
+    from ci.publish._net import PublishError
+    from ci.record import RecordError
+    from ci.release import ReleaseError, ReleaseInputError
+    from ci.repair import RepairError
+    from ci.targets import MatrixError
+    from ci.toolchain import ToolchainError
+    from ci.verify import NoCpuTorch, VerifyError
+
+    for cls in (MatrixError, ToolchainError, GateError, DocsError, RecordError, PatchError, PatchDrift,
+                ReleaseInputError, PublishInputError):
+        assert issubclass(cls, errors.InputError) and cls.exit_code == 2, cls.__name__
+    for cls in (BuildError, RepairError, VerifyError, NoCpuTorch, ReleaseError, PublishError):
+        assert issubclass(cls, errors.FactoryError) and not issubclass(cls, errors.InputError), cls.__name__
+        assert cls.exit_code == 1, cls.__name__
+    assert issubclass(MatrixError, ValueError) and issubclass(BuildError, RuntimeError)
+    assert issubclass(ReleaseInputError, ReleaseError) and issubclass(PublishInputError, PublishError)
+
+
+# -- each command line's bad input, through the shared runner (nothing is built or fetched) ----------
+
+BAD_INPUT = [
+    ("ci.cli", ["build-wheels", "--target", "nope"], "error: unknown target 'nope'"),
+    ("ci.patches", ["list", "--target", "nope"], "error: unknown target 'nope'"),
+    ("ci.compile_gate", ["--line", "9.99"], "error: torch line(s) ['9.99'] are not in the matrix"),
+    ("ci.docs_site", ["--repo", "bad"], "docs: repository 'bad': expected OWNER/NAME"),
+    ("ci.release.__main__", ["gather", "--plan", '{"include": [{"id": "x"}]}', "--artifacts", "ART",
+                             "--out", "OUT", "--build-outputs", "not json"], "release: --build-outputs: not JSON"),
+]
+
+
+@pytest.mark.parametrize("module, argv, message", BAD_INPUT, ids=[b[0] for b in BAD_INPUT])
+def test_bad_input_exits_2_through_the_runner(module, argv, message, capsys, monkeypatch, tmp_path):
+    import importlib
+
+    mod = importlib.import_module(module)
+    seen = []
+    monkeypatch.setattr(mod, "run_main", lambda fn, **kw: seen.append(kw) or errors.run_main(fn, **kw))
+    argv = [str(tmp_path / a) if a in ("ART", "OUT") else a for a in argv]
+    (tmp_path / "ART").mkdir()
+    assert mod.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+    assert seen, f"{module}.main does not end through ci.errors.run_main"
+
+
+def test_the_standin_image_failure_exits_1_through_the_runner(capsys, monkeypatch):
+    from ci import standin_image
+
+    def broken():
+        raise standin_image.StandinImageError("podman is not installed")
+
+    monkeypatch.setattr(standin_image, "image_name", broken)
+    assert standin_image.main(["--print-name"]) == 1
+    assert capsys.readouterr().err == "standin-image: podman is not installed\n"
