@@ -184,11 +184,13 @@ def test_each_build_job_reports_its_verified_sha256_as_a_job_output_the_publish_
     assert "if: always()" in outcome and "STEPS: ${{ toJSON(steps) }}" in outcome
     assert 'python -m ci.release outcome --target "${TARGET_ID}" --steps "${STEPS}" --artifact artifact' in outcome
     pub = _jobs((REPO / ".github" / "workflows" / "release.yml").read_text())["publish"]
-    assert pub.count("BUILD_OUTPUTS: ${{ toJSON(needs.build.outputs) }}") == 2
+    assert pub.count("BUILD_OUTPUTS: ${{ toJSON(needs.build.outputs) }}") == 3
     gather_cmd = next(ln for ln in pub.splitlines() if "nox -s gather" in ln)
     publish_cmd = next(ln for ln in pub.splitlines() if "nox -s publish" in ln)
-    assert '--build-outputs "${BUILD_OUTPUTS}"' in gather_cmd and '--build-outputs "${BUILD_OUTPUTS}"' in publish_cmd
-    assert '--plan "${PLAN}"' in publish_cmd and "--allow-local-build" not in pub
+    index_cmd = next(ln for ln in pub.splitlines() if "nox -s index" in ln)  # the index page names the missing
+    for cmd in (gather_cmd, publish_cmd, index_cmd):
+        assert '--build-outputs "${BUILD_OUTPUTS}"' in cmd, cmd
+    assert '--plan "${PLAN}"' in publish_cmd and '--plan "${PLAN}"' in index_cmd and "--allow-local-build" not in pub
 
 
 def test_build_target_runs_cibuildwheel_through_the_factory_with_a_rerunnable_cache():
