@@ -366,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--out", type=Path, default=REPO / "dist" / "wheels")
     k.add_argument("--target")
     a = ap.parse_args(argv)
+    # cibuildwheel's hooks run with stdout on a pipe: one line at a time, not one burst at the end
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
     try:
         if a.cmd == "env":
             _, t = load_target(a.target)
