@@ -200,15 +200,27 @@ def build_log_path(raw_dir: Path) -> Path:
 PROGRESS_PREFIX = "sageattn3: compil"
 
 
+def _flush_stdout() -> None:
+    """Our own stdout passed on now: inside cibuildwheel it is a pipe (pip's hook runner), and a
+    progress line that waits in Python's buffer arrives with the rest at the end."""
+    import sys
+
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+
+
 def run_logged(cmd: list[str], env: dict, log_path: Path, log=print) -> tuple[int, list[str]]:
     """Run ``cmd`` with its output (stdout and stderr) written to ``log_path`` as it comes, the
     payload's progress lines (compile units n/m, elapsed) passed to ``log``; returns the exit
     status and the output's lines."""
     lines: list[str] = []
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**env, "PYTHONUNBUFFERED": "1"}  # a Python child on a pipe would hold its lines back until it exits
     with open(log_path, "w", encoding="utf-8", errors="replace") as f, \
             subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             errors="replace") as proc:
+                             errors="replace", bufsize=1) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
             f.write(line)
@@ -217,6 +229,7 @@ def run_logged(cmd: list[str], env: dict, log_path: Path, log=print) -> tuple[in
             lines.append(line)
             if line.lstrip().startswith(PROGRESS_PREFIX):
                 log(f"[build] {line.strip()[len('sageattn3: '):]}")
+                _flush_stdout()
         returncode = proc.wait()
     return returncode, lines
 

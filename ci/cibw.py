@@ -3,7 +3,9 @@ cibuildwheel (manylinux_2_28 containers on Linux, the windows-2022 runner on Win
 of cibuildwheel's steps calls one factory stage, so the build is never reimplemented in YAML:
 
     before-all      install-cuda   CUDA 13.x from PyPI (the factory's provisioning); 12.x from
-                                   NVIDIA's package repository (Linux) or installer (Windows)
+                                   NVIDIA's package repository at pinned versions, with the
+                                   gcc-toolset nvcc compiles host code with (Linux), or NVIDIA's
+                                   installer, checked against its pinned sha256 (Windows)
     build           build          ci.build.build (staging copy, patches, flag profile, compile),
                                    reached through the PEP 517 shim in ci/cibw_project/
     repair-command  repair         ci.repair.repair (auditwheel / delvewheel with the torch and
@@ -78,6 +80,33 @@ def install_cuda(target: Target, github_env: Path | None = None, log=print) -> N
         log(f"[cuda] probe payload: no toolkit installed (the payload's job runs {cmds or 'the PyPI provisioning'})")
         return
     _install_cuda(target, github_env, log=log)
+
+
+def install_cuda_plan(target: Target) -> str:
+    """What ``install-cuda`` runs for ``target``, as a bash script (Linux: the dnf commands, then
+    the checks of what they installed; Windows: the pinned download and check, then the installer)."""
+    from ci.runner_setup import (CUDA12_GCC_TOOLSET, RPM_PACKAGES, WINDOWS_CUDA_RELEASES, WINDOWS_INSTALLER,
+                                 WINDOWS_INSTALLER_SHA256, cuda_host_compiler, shell_script)
+
+    cmds = cuda_commands(target)
+    if target.os.platform == "windows":
+        full = WINDOWS_CUDA_RELEASES[target.cuda]
+        exe = f"cuda_{full}_windows_network.exe"
+        pin = WINDOWS_INSTALLER_SHA256.get(full)
+        if not pin:  # the job stops before downloading (ci.runner_setup.pinned_installer_sha256)
+            return shell_script([["echo", f"no sha256 pinned for {exe} (WINDOWS_INSTALLER_SHA256): nothing is run"],
+                                 ["exit", "1"]])
+        return (shell_script([["curl", "-fL", "-o", exe, WINDOWS_INSTALLER.format(full=full)]])
+                + f"echo '{pin}  {exe}' | sha256sum --check --strict -\n"
+                + shell_script([[f"./{exe}", *cmds[0][1:]]]).split("\n", 1)[1])
+    if not cmds:
+        return f"# CUDA {target.cuda}: provisioned from PyPI by the build (ci.toolchain), nothing installed here\n"
+    major, minor = target.cuda.split(".")
+    cxx = cuda_host_compiler(target)
+    checks = [["rpm", "-q", "--qf", "%{NAME} %{VERSION}-%{RELEASE}\\n", *[f"{p}-{major}-{minor}" for p in RPM_PACKAGES]],
+              [cxx, "-dumpfullversion", "-dumpversion"]]
+    return shell_script(cmds) + f"# then: the installed versions are the pins, and {cxx} is GCC {CUDA12_GCC_TOOLSET}\n" + \
+        shell_script(checks).split("\n", 1)[1]
 
 
 # -- the stages cibuildwheel calls ----------------------------------------------------------
@@ -316,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("install-cuda", help="install the target's CUDA toolkit (before-all / a Windows step)")
     c.add_argument("--target")
     c.add_argument("--github-env", type=Path, default=os.environ.get("GITHUB_ENV"))
+    c.add_argument("--dry-run", action="store_true", help="print what it would run (as a bash script), run nothing")
     m = sub.add_parser("msvc-env", help="export VS 2022 x64 developer variables to $GITHUB_ENV")
     m.add_argument("--github-env", type=Path, default=os.environ.get("GITHUB_ENV"))
     q = sub.add_parser("requirements", help="the factory's requirements for this (or another) platform")
@@ -336,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--out", type=Path, default=REPO / "dist" / "wheels")
     k.add_argument("--target")
     a = ap.parse_args(argv)
+    # cibuildwheel's hooks run with stdout on a pipe: one line at a time, not one burst at the end
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
     try:
         if a.cmd == "env":
             _, t = load_target(a.target)
@@ -352,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
                 bad += bool(problems)
                 print(job.describe() + "".join(f"\n  PROBLEM {p}" for p in problems))
             return 1 if bad else 0
+        elif a.cmd == "install-cuda" and a.dry_run:
+            t = load_target(a.target)[1]
+            print(install_cuda_plan(t), end="")
         elif a.cmd == "install-cuda":
             install_cuda(load_target(a.target)[1], a.github_env)
         elif a.cmd == "msvc-env":

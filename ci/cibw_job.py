@@ -6,6 +6,7 @@ job will run (``JobPlan``), checked against the target."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePath
@@ -13,12 +14,16 @@ from typing import Any
 
 from ci.flags import payload_build_commands  # noqa: F401  (ci.cibw_job.payload_build_commands, as before)
 from ci.runner_setup import (
+    CUDA12_GCC_TOOLSET,
     RHEL8_REPO_ARCH,
     WINDOWS_COMPONENTS,
     WINDOWS_COMPONENTS_13,
     WINDOWS_CUDA_RELEASES,
     WINDOWS_INSTALLER,
+    WINDOWS_INSTALLER_SHA256,
     cuda_commands,
+    cuda_host_compiler,
+    rpm_specs,
 )
 from ci.targets import Matrix, Target
 from ci.torch_source import PYTORCH_INDEX, TorchSource, foreign_torch_source, torch_source
@@ -274,6 +279,9 @@ def plan_job(target: Target, matrix: Matrix, *, pytorch_index: str = PYTORCH_IND
     else:
         steps.append(("disk", ("python", "-m", "ci.cibw", "free-disk")))
         full = WINDOWS_CUDA_RELEASES[target.cuda]
+        # the download is checked against its pinned sha256 before it runs (none pinned: the job stops)
+        steps.append(("sha256", (WINDOWS_INSTALLER_SHA256.get(full) or "NOT-PINNED(the job stops here)",
+                                 f"cuda_{full}_windows_network.exe")))
         steps.append(("cuda", (WINDOWS_INSTALLER.format(full=full), *cuda_commands(target)[0][1:])))
         steps.append(("msvc", ("python", "-m", "ci.cibw", "msvc-env")))
     steps.append(("torch", ("pip", "install", *src.pip_args())))
@@ -315,10 +323,27 @@ def check_job(job: JobPlan, matrix: Matrix) -> list[str]:
             problems.append(f"Windows CUDA installer components {sorted(comps)} are not {sorted(need)}")
         if not cuda or WINDOWS_CUDA_RELEASES.get(t.cuda, "?") not in cuda[0][0]:
             problems.append(f"no Windows CUDA {t.cuda} installer")
+        # an unpinned installer is no plan problem (the job stops before running it), a wrong pin is
+        want = WINDOWS_INSTALLER_SHA256.get(WINDOWS_CUDA_RELEASES.get(t.cuda, "?"))
+        pin = dict(job.steps).get("sha256", ("",))[0]
+        if want is not None and (pin != want or not re.fullmatch(r"[0-9a-f]{64}", want)):
+            problems.append(f"the Windows CUDA installer's sha256 check {pin!r} is not a pinned sha256 ({want!r})")
     elif int(major) < 13:
         flat = " ".join(" ".join(c) for c in cuda)
         if f"cuda-nvcc-{major}-{minor}" not in flat or f"rhel8/{RHEL8_REPO_ARCH[t.os.machine]}/" not in flat:
             problems.append(f"the CUDA {t.cuda} packages for {t.os.machine} are not NVIDIA's RHEL 8 ones: {flat}")
+        installs = [c for c in cuda if c[:3] == ("dnf", "install", "-y") and any(a.startswith("cuda-nvcc-") for a in c)]
+        if not installs or [a for a in installs[0] if not a.startswith("-")][2:] != rpm_specs(t.cuda):
+            problems.append(f"the CUDA {t.cuda} packages are not the pinned versions {rpm_specs(t.cuda)}: {flat}")
+        if f"gcc-toolset-{CUDA12_GCC_TOOLSET}-gcc-c++" not in flat:
+            problems.append(f"before-all does not install gcc-toolset-{CUDA12_GCC_TOOLSET}, nvcc's host compiler for CUDA {t.cuda}")
+    # nvcc's host compiler: the installed gcc-toolset's, by path, exactly where before-all installs it
+    from ci.flags import profile_for
+
+    cxx = cuda_host_compiler(t)
+    ccbin = [f for f in profile_for(t, matrix.stable_abi_floor, cross=False)["nvcc_flags"] if f.startswith("-ccbin")]
+    if ccbin != ([f"-ccbin={cxx}"] if cxx else []):
+        problems.append(f"nvcc's host compiler flags are {ccbin}, expected {[f'-ccbin={cxx}'] if cxx else 'none'}")
     env = job.env
     if env["CIBW_BUILD"] != job.identifier or env["SAGEATTN3_TARGET"] != t.id or int(env["MAX_JOBS"]) < 1:
         problems.append(f"the job environment does not select the target: {env}")

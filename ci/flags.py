@@ -52,13 +52,17 @@ MMA_MODEL_ARCH = "sm_90a"
 
 
 def profile_for(target: Target, stable_abi_floor: str, *, mma_model: bool = False, cuda: str | None = None,
-                static_cudart: bool = False) -> dict:
+                static_cudart: bool = False, cross: bool | None = None) -> dict:
     """``cuda``: the toolkit that compiles, when it is not the target's (the proof flavour).
     A Linux target of another machine than this one is cross-compiled (``ci.cross``): its
-    profile names the cross g++ as host compiler."""
+    profile names the cross g++ as host compiler (``cross``: True/False instead of asking this
+    machine, e.g. False for the profile on the target's own release runner). With CUDA 12.x on
+    Linux, nvcc's host compiler is the gcc-toolset the release installs
+    (ci.runner_setup.cuda_host_compiler), by path."""
     from ci.cross_spec import is_cross, spec_for
+    from ci.runner_setup import cuda_host_compiler
 
-    spec = spec_for(target.os.machine) if is_cross(target.os) else None
+    spec = spec_for(target.os.machine) if (is_cross(target.os) if cross is None else cross) else None
     return _build_profile().profile(
         platform=target.os.platform,
         cuda=cuda or target.cuda,
@@ -71,4 +75,5 @@ def profile_for(target: Target, stable_abi_floor: str, *, mma_model: bool = Fals
         static_cudart=static_cudart,
         cross_compiler=spec.cxx_name if spec else None,
         machine=spec.machine if spec else None,
+        host_compiler=None if spec else cuda_host_compiler(target, cuda),
     )

@@ -77,6 +77,12 @@ def local_blockers(target: Target, *, cross: bool = False, pytorch_index: str | 
             find_cuda(target.cuda, provision=False)
         except ToolchainError:
             reasons.append(f"needs a CUDA {target.cuda} toolkit (NVIDIA's installer; not on PyPI): set CUDA_HOME")
+    from ci.runner_setup import CUDA12_GCC_TOOLSET, cuda_host_compiler
+
+    cxx = cuda_host_compiler(target)
+    if cxx and not os.path.exists(cxx):
+        reasons.append(f"needs {cxx}, nvcc's host compiler for CUDA {target.cuda} (gcc-toolset-{CUDA12_GCC_TOOLSET}; "
+                       f"RHEL 8 likes: dnf install gcc-toolset-{CUDA12_GCC_TOOLSET}-gcc-c++)")
     return reasons
 
 
@@ -157,7 +163,7 @@ def resolve_toolchain(target: Target, matrix: Matrix, *, force_patches: tuple[st
             f"needs torch {target.build_torch} built for CUDA {target.cuda}"
         )
     flavour = TEST_FLAVOUR_LABEL if mma_model else PROOF_FLAVOUR_LABEL if proof else "release"
-    return ResolvedToolchain(target, profile, chosen, cuda, env, host_compiler_version(),
+    return ResolvedToolchain(target, profile, chosen, cuda, env, host_compiler_version(cxx=profile.get("host_compiler")),
                              tuple(compiler_launcher()), cutlass_include(), flavour,
                              compiler_env=tuple(sccache_env().items()))
 

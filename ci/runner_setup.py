@@ -1,6 +1,7 @@
 """A release runner made ready for the build, and tidied after it: the target's CUDA toolkit
 installed (13.x from PyPI through the factory's provisioning, 12.x from NVIDIA's RHEL 8
-repository on Linux, NVIDIA's network installer on Windows), MSVC's x64 environment exported,
+repository on Linux at pinned versions with the gcc-toolset nvcc uses as host compiler,
+NVIDIA's network installer on Windows, checked against its pinned sha256 before it runs), MSVC's x64 environment exported,
 the runner's preinstalled software removed to free disk, and what only the build needed removed
 before verify."""
 
@@ -35,12 +36,63 @@ RPM_PACKAGES = ("cuda-nvcc", "cuda-cudart-devel", "cuda-cccl", "cuda-nvrtc-devel
                 "libcusparse-devel", "libcusolver-devel", "libcurand-devel")
 
 
+# The exact version of each of RPM_PACKAGES per CUDA major.minor: the components of the full
+# release WINDOWS_CUDA_RELEASES names for it (the same release on both OSes), as NVIDIA numbers
+# them in the release's redistributables (the same numbers as PyPI's nvidia-*-cu12 wheels of that
+# release). dnf installs `<package>-<major>-<minor>-<version>-<RPM_RELEASE>`; a version the
+# repository lacks fails the job at once ("No match for argument"), and after the install
+# `rpm -q` must report exactly these (installed_rpm_problems). What they pull in (cuda-crt,
+# cuda-nvvm, cuda-cudart, ...) follows from NVIDIA's dependencies of these packages.
+RPM_VERSIONS = {
+    "12.8": {"cuda-nvcc": "12.8.93", "cuda-cudart-devel": "12.8.90", "cuda-cccl": "12.8.90",
+             "cuda-nvrtc-devel": "12.8.93", "libcublas-devel": "12.8.4.1", "libcusparse-devel": "12.5.8.93",
+             "libcusolver-devel": "11.7.3.90", "libcurand-devel": "10.3.9.90"},
+    "12.9": {"cuda-nvcc": "12.9.86", "cuda-cudart-devel": "12.9.79", "cuda-cccl": "12.9.27",
+             "cuda-nvrtc-devel": "12.9.86", "libcublas-devel": "12.9.1.4", "libcusparse-devel": "12.5.10.65",
+             "libcusolver-devel": "11.7.5.82", "libcurand-devel": "10.3.10.19"},
+}
+
+
+RPM_RELEASE = "1"
+
+
+# nvcc's host compiler for CUDA 12.x on Linux, installed by before-all and named with -ccbin
+# (ci.flags), so the image's default g++ never is: manylinux_2_28's default gcc-toolset moves
+# (14 today, 15 planned) and CUDA 12.8/12.9 refuse GCC newer than 14 (crt/host_config.h:
+# `#if __GNUC__ > 14 #error`). gcc-toolset-13: supported by every CUDA from 12.4 on, so inside
+# both releases' range with a major to spare, and below the GCC 14 + CUDA 12.8 pair that torch's
+# cpp_extension refused for a while (pytorch/pytorch#173366). AlmaLinux 8's AppStream ships it.
+# Only the toolset's major is pinned: AppStream keeps only its newest build of gcc-toolset-13, so
+# an exact version would vanish from the mirrors; the major is checked after the install.
+CUDA12_GCC_TOOLSET = 13
+
+
+GCC_TOOLSET_CXX = "/opt/rh/gcc-toolset-{n}/root/usr/bin/g++"
+
+
+# The newest GCC major each CUDA 12.x accepts (its crt/host_config.h).
+CUDA_MAX_GCC = {"12.8": 14, "12.9": 14}
+
+
 # Windows: NVIDIA's network installer, silent, only the components named here. The full
 # release each major.minor resolves to (update with the matrix; `check` RELEASING.md).
 WINDOWS_CUDA_RELEASES = {"12.8": "12.8.1", "12.9": "12.9.1", "13.0": "13.0.2", "13.2": "13.2.0"}
 
 
 WINDOWS_INSTALLER = "https://developer.download.nvidia.com/compute/cuda/{full}/network_installers/cuda_{full}_windows_network.exe"
+
+
+# The sha256 of each release's WINDOWS_INSTALLER file, checked before it runs (check_sha256):
+# a different file stops the job. Values as published by people who downloaded the installer
+# from NVIDIA and checked its Authenticode signature (NVIDIA Corporation); 12.8.1 and 12.9.1 were
+# each reported by two unrelated projects. None: not pinned yet, and the job refuses to run the
+# installer (see RELEASING.md, "Pin a Windows CUDA installer").
+WINDOWS_INSTALLER_SHA256: dict[str, str | None] = {
+    "12.8.1": "779bee8ff557255c1cf5f36e0230f081675b9bb41e44be38839920cd5209bdeb",
+    "12.9.1": "de45c336ab4e9825018b546357dc9de5ded9f89c4f5200ef52b8eeac3b1b4072",
+    "13.0.2": "00c03dcc82007bc1c323c50d64bc2c25bdcffb1846a187889a3b86f6a3050841",
+    "13.2.0": None,
+}
 
 
 # Component names as the installer's silent mode takes them (`-s nvcc_12.8 ...`), from NVIDIA's
@@ -90,24 +142,119 @@ class CibwError(FactoryError, RuntimeError):
 
 # -- before-all: the CUDA toolkit --------------------------------------------------------
 
+def cuda_host_compiler(target: Target, cuda: str | None = None) -> str | None:
+    """The g++ nvcc must use for ``target`` compiled with CUDA ``cuda`` (default: the target's)
+    (``-ccbin``): gcc-toolset-CUDA12_GCC_TOOLSET's with CUDA 12.x on Linux, None elsewhere (13.x
+    accepts the image's default GCC; Windows: cl)."""
+    if target.os.platform == "linux" and int((cuda or target.cuda).split(".")[0]) < 13:
+        return GCC_TOOLSET_CXX.format(n=CUDA12_GCC_TOOLSET)
+    return None
+
+
+def rpm_specs(cuda: str) -> list[str]:
+    """The exact packages dnf installs for CUDA ``cuda`` (12.x): name-version-release."""
+    versions = RPM_VERSIONS.get(cuda)
+    major, minor = cuda.split(".")
+    if not versions or set(versions) != set(RPM_PACKAGES):
+        raise CibwError(f"no pinned RPM versions of {', '.join(RPM_PACKAGES)} for CUDA {cuda}: add them to "
+                        f"RPM_VERSIONS in ci/runner_setup.py (the components of CUDA {WINDOWS_CUDA_RELEASES.get(cuda, cuda + '.x')})")
+    return [f"{p}-{major}-{minor}-{versions[p]}-{RPM_RELEASE}" for p in RPM_PACKAGES]
+
+
 def cuda_commands(target: Target) -> list[list[str]]:
     """The commands that install the target's CUDA toolkit where the factory finds it
-    (13.x: none here; the build provisions it from PyPI into its cache)."""
+    (13.x: none here; the build provisions it from PyPI into its cache); on a CUDA 12.x Linux
+    target also the gcc-toolset nvcc compiles host code with (cuda_host_compiler)."""
     major, minor = target.cuda.split(".")
     if int(major) >= 13 and target.os.platform == "linux":
         return []
     if target.os.platform == "linux":
         repo = NVIDIA_RHEL8_REPO.format(arch=RHEL8_REPO_ARCH[target.os.machine])
-        pkgs = [f"{p}-{major}-{minor}" for p in RPM_PACKAGES]
         return [["dnf", "install", "-y", "dnf-plugins-core"],
+                ["dnf", "install", "-y", "--setopt=install_weak_deps=False", f"gcc-toolset-{CUDA12_GCC_TOOLSET}-gcc-c++"],
                 ["dnf", "config-manager", "--add-repo", repo],
-                ["dnf", "install", "-y", "--setopt=install_weak_deps=False", *pkgs]]
+                ["dnf", "install", "-y", "--setopt=install_weak_deps=False", *rpm_specs(target.cuda)]]
     full = WINDOWS_CUDA_RELEASES.get(target.cuda)
     if not full:
         raise CibwError(f"no Windows CUDA installer release known for CUDA {target.cuda}: add it to "
                         f"WINDOWS_CUDA_RELEASES in ci/runner_setup.py")
     comps = WINDOWS_COMPONENTS + (WINDOWS_COMPONENTS_13 if int(major) >= 13 else ())
     return [["<installer>", "-s", *[f"{c}_{target.cuda}" for c in comps]]]
+
+
+def shell_script(cmds: list[list[str]]) -> str:
+    """``cmds`` as the bash script they amount to (``install-cuda --dry-run`` prints it)."""
+    import shlex
+
+    return "set -euo pipefail\n" + "".join(shlex.join(c) + "\n" for c in cmds)
+
+
+# -- checks of what was downloaded or installed ----------------------------------------------
+
+def sha256_of(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def pinned_installer_sha256(full: str) -> str:
+    """The pinned sha256 of CUDA ``full``'s Windows installer; CibwError when there is none."""
+    want = WINDOWS_INSTALLER_SHA256.get(full)
+    if not want:
+        raise CibwError(
+            f"no sha256 pinned for the CUDA {full} Windows installer ({WINDOWS_INSTALLER.format(full=full)}): "
+            f"the job runs no unchecked installer. On a machine with access, download it, check that its "
+            f"Authenticode signer is NVIDIA Corporation and its md5 is the one in NVIDIA's "
+            f"https://developer.download.nvidia.com/compute/cuda/{full}/docs/sidebar/md5sum.txt, and add its "
+            f"sha256 to WINDOWS_INSTALLER_SHA256 in ci/runner_setup.py")
+    return want
+
+
+def check_sha256(path: Path, want: str, what: str) -> str:
+    """``path``'s sha256 must be ``want`` (CibwError naming both otherwise); returns it."""
+    got = sha256_of(path)
+    if got != want.lower():
+        raise CibwError(f"{what}: sha256 {got}, but ci/runner_setup.py pins {want}: this is not the file that was "
+                        f"pinned, and it was not run. If NVIDIA re-issued it, check the new file's signature and md5 "
+                        f"(NVIDIA's md5sum.txt of the release) before pinning its sha256 in WINDOWS_INSTALLER_SHA256")
+    return got
+
+
+def installed_rpm_problems(rpm_query: str, cuda: str) -> list[str]:
+    """Compare ``rpm -q --qf '%{NAME} %{VERSION}-%{RELEASE}\\n' <names>``'s output with the pins of
+    CUDA ``cuda``; empty: every pinned package is installed at exactly its version."""
+    major, minor = cuda.split(".")
+    want = {f"{p}-{major}-{minor}": f"{v}-{RPM_RELEASE}" for p, v in RPM_VERSIONS[cuda].items()}
+    got: dict[str, str] = {}
+    for line in rpm_query.splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            got[parts[0]] = parts[1]
+    return [f"{name}: {'not installed' if name not in got else 'installed ' + got[name]}, pinned {ver}"
+            for name, ver in sorted(want.items()) if got.get(name) != ver]
+
+
+def check_host_compiler(cxx: str, cuda: str, *, toolset: int = CUDA12_GCC_TOOLSET) -> str:
+    """``cxx`` (the gcc-toolset's g++) must run and be GCC ``toolset``, which CUDA ``cuda``
+    accepts (CUDA_MAX_GCC); returns its version."""
+    try:
+        version = subprocess.run([cxx, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True,
+                                 check=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        raise CibwError(f"nvcc's host compiler {cxx} did not run ({e}): before-all installs it "
+                        f"(dnf install gcc-toolset-{toolset}-gcc-c++)") from e
+    major = int(version.split(".")[0]) if version.split(".")[0].isdigit() else -1
+    limit = CUDA_MAX_GCC.get(cuda)
+    if major != toolset:
+        raise CibwError(f"{cxx} is GCC {version or '?'}, expected gcc-toolset-{toolset} (CUDA12_GCC_TOOLSET in "
+                        f"ci/runner_setup.py)")
+    if limit is None or major > limit:
+        raise CibwError(f"{cxx} is GCC {version}; CUDA {cuda} accepts GCC up to {limit or '? (add it to CUDA_MAX_GCC)'}")
+    return version
 
 
 def download(url: str, dest: Path, *, timeout: float = DOWNLOAD_TIMEOUT_S, attempts: int = DOWNLOAD_ATTEMPTS,
@@ -139,10 +286,14 @@ def install_cuda(target: Target, github_env: Path | None = None, log=print) -> N
     cmds = cuda_commands(target)
     if target.os.platform == "windows" and cmds:
         full = WINDOWS_CUDA_RELEASES[target.cuda]
+        want = pinned_installer_sha256(full)  # before any download: no pin, no installer
         with tempfile.TemporaryDirectory() as tmp:
             exe = Path(tmp) / f"cuda_{full}_windows_network.exe"
+            url = WINDOWS_INSTALLER.format(full=full)
             log(f"[cuda] downloading NVIDIA's CUDA {full} network installer")
-            download(WINDOWS_INSTALLER.format(full=full), exe, log=log)
+            download(url, exe, log=log)
+            check_sha256(exe, want, f"the CUDA {full} installer from {url}")
+            log(f"[cuda] {exe.name}: sha256 {want} (pinned)")
             try:
                 subprocess.run([str(exe), *cmds[0][1:]], check=True, timeout=INSTALLER_TIMEOUT_S)
             except subprocess.TimeoutExpired as e:
@@ -162,6 +313,17 @@ def install_cuda(target: Target, github_env: Path | None = None, log=print) -> N
     for cmd in cmds:
         log(f"[cuda] {' '.join(cmd)}")
         subprocess.run(cmd, check=True)
+    if cmds:  # NVIDIA's packages: exactly the pinned versions, and nvcc's host compiler
+        major, minor = target.cuda.split(".")
+        names = [f"{p}-{major}-{minor}" for p in RPM_PACKAGES]
+        query = subprocess.run(["rpm", "-q", "--qf", "%{NAME} %{VERSION}-%{RELEASE}\\n", *names],
+                               capture_output=True, text=True).stdout
+        problems = installed_rpm_problems(query, target.cuda)
+        if problems:
+            raise CibwError(f"CUDA {target.cuda}'s packages are not the pinned ones (RPM_VERSIONS in "
+                            f"ci/runner_setup.py): {'; '.join(problems)}")
+        cxx = cuda_host_compiler(target)
+        log(f"[cuda] nvcc's host compiler: {cxx}, GCC {check_host_compiler(cxx, target.cuda)}")
     tk = find_cuda(target.cuda)  # 13.x: provisions from PyPI into the factory's cache now
     log(f"[cuda] CUDA {tk.version} ({tk.source}) at {tk.home}")
 

@@ -460,10 +460,10 @@ def sccache_server_scope(log=print):
             log("[build] stopped the sccache server this build started (its cache stays on disk)")
 
 
-def host_compiler_version(*, windows: bool = WINDOWS) -> str:
+def host_compiler_version(*, windows: bool = WINDOWS, cxx: str | None = None) -> str:
     """The host compiler's first banner line, for the build record: ``cl``'s on Windows (it
     prints its banner on stderr when run without arguments; nvcc uses the cl on PATH), else
-    ``$CXX --version`` (default ``c++``)."""
+    ``cxx --version`` (the profile's host compiler; default ``$CXX``, else ``c++``)."""
     if windows:
         cl = shutil.which("cl")
         if not cl:
@@ -479,7 +479,7 @@ def host_compiler_version(*, windows: bool = WINDOWS) -> str:
         if not banner:
             raise ToolchainError(f"{cl} printed no 'Compiler Version' banner: is it MSVC's cl.exe?")
         return banner
-    cxx = os.environ.get("CXX", "c++")
+    cxx = cxx or os.environ.get("CXX", "c++")
     try:
         return _output([cxx, "--version"]).splitlines()[0]
     except (OSError, subprocess.SubprocessError) as e:

@@ -76,6 +76,7 @@ def profile(
     static_cudart: bool = False,
     cross_compiler: str | None = None,
     machine: str | None = None,
+    host_compiler: str | None = None,
 ) -> dict:
     """The full flag profile for one build. ``platform`` is 'linux' or 'windows'.
 
@@ -85,7 +86,11 @@ def profile(
 
     ``cross_compiler`` (with ``machine``): a cross build, e.g. ``aarch64-linux-gnu-g++`` for
     ``aarch64`` on an x86_64 machine: it compiles the torch-facing unit, links, and is nvcc's
-    host compiler (``-ccbin``); the device code is the same as a native build's."""
+    host compiler (``-ccbin``); the device code is the same as a native build's.
+
+    ``host_compiler``: a native build's g++ by path, e.g. a gcc-toolset's that the CUDA release
+    supports: nvcc's host compiler (``-ccbin``), and what compiles the torch-facing unit and links,
+    instead of whatever g++ comes first on PATH."""
     if platform not in ("linux", "windows"):
         raise ValueError(f"unknown platform {platform!r}: expected 'linux' or 'windows'")
     compiler = compiler or ("msvc" if platform == "windows" else "gcc")
@@ -109,7 +114,10 @@ def profile(
     if cross_compiler:
         if compiler != "gcc" or not machine:
             raise ValueError(f"a cross compiler ({cross_compiler}) needs the gcc style and a target machine")
-        nvcc.append(f"-ccbin={cross_compiler}")
+    if host_compiler and (cross_compiler or compiler != "gcc"):
+        raise ValueError(f"a host compiler ({host_compiler}) is for native gcc-style builds only")
+    if cross_compiler or host_compiler:
+        nvcc.append(f"-ccbin={cross_compiler or host_compiler}")
     if compiler == "msvc":
         defines += ["NOMINMAX", "WIN32_LEAN_AND_MEAN"]
         host = ["/O2", f"/std:{std}", *MSVC_HOST_FLAGS]
@@ -122,7 +130,8 @@ def profile(
         cxx = [*host, f"-std={std}"]
         nvcc += ["-Xcompiler=" + ",".join(host)]
         ldflags = ["-shared", "-Wl,--as-needed", "-Wl,-O1", "-s"]  # -s: shipped stripped
-    cross = {"machine": machine, "host_compiler": cross_compiler} if cross_compiler else {}
+    cross = ({"machine": machine, "host_compiler": cross_compiler} if cross_compiler
+             else {"host_compiler": host_compiler} if host_compiler else {})
     return {
         "platform": platform,
         "compiler": compiler,

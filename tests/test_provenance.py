@@ -169,3 +169,91 @@ def test_no_verified_build_publishes_nothing(tmp_path):
     p = _gather(arts, tmp_path / "wheels", _outputs(lines))
     assert p.returncode == 1 and "no build job verified its wheel" in p.stderr
     assert not (tmp_path / "wheels").exists()
+
+
+def _index_build(wheels: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ci.index", "build", "--wheels", str(wheels), "--out", str(out), *extra],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def _published_site(gh: FakeGitHub, site: Path) -> Path:
+    for rel, data in gh.branch_files(FULL, "gh-pages").items():
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_bytes(data)
+    return site
+
+
+def test_the_index_page_names_a_missing_target_with_its_step_until_a_re_run_publishes_it(tmp_path, capsys, monkeypatch):
+    """The release's index (python -m ci.index build with the plan and the jobs' outputs, then
+    publish pages) names the target whose build failed, with the step, from the same outcomes
+    as the release notes; after the re-run, a fresh runner's index drops it."""
+    import urllib.request
+
+    from ci.release.provenance import missing_targets
+    from ci.record import load_records
+    from conftest_publish import serve_dir
+
+    arts = tmp_path / "artifacts"
+    lines = [_build_job(arts, "t-cu130")[1], _build_job(arts, "t-cu128")[1],
+             _build_job(arts, "t-cu128-28", fail_at="cibuildwheel")[1]]
+    outputs = _outputs(lines)
+    assert _gather(arts, tmp_path / "wheels", outputs).returncode == 0
+    release = ["--plan", json.dumps(PLAN), "--build-outputs", outputs]
+    p = _index_build(tmp_path / "wheels", tmp_path / "index", *release)
+    assert p.returncode == 0, p.stderr
+    why = "its build job failed at step `cibuildwheel`"
+    assert f"not in this release yet (named on the index page): t-cu128-28: {why}" in p.stdout
+    # one source of truth: what the notes name (check_for_release -> missing_targets) is what the index holds
+    notes_missing = missing_targets(load_records(tmp_path / "wheels"), outputs, PLAN)
+    assert notes_missing == {"t-cu128-28": why}
+    assert json.loads((tmp_path / "index" / "index.json").read_text())["missing"] == {"0.1.0": notes_missing}
+    monkeypatch.setenv("GITHUB_TOKEN", TOKEN)
+    with FakeGitHub(TOKEN) as gh:
+        gh.add_repo(FULL)
+        pages = ["pages", "--repo", FULL, "--api-url", gh.api_url, "--write-interval", "0"]
+        assert publish_main([*pages, "--index", str(tmp_path / "index")]) == 0
+        with serve_dir(_published_site(gh, tmp_path / "site1")) as url:
+            root = urllib.request.urlopen(url, timeout=30).read().decode()
+            assert "Not in release 0.1.0 yet (1 target)" in root
+            assert ('<li data-target="t-cu128-28"><code>t-cu128-28</code>: its build job failed at step '
+                    "<code>cibuildwheel</code></li>") in root
+            assert "t-cu130</code>:" not in root and "t-cu128</code>:" not in root  # the published ones are not named
+        # the failed job re-run; the publish job of that attempt builds its index on a fresh runner
+        shutil.rmtree(arts / "wheel-t-cu128-28")
+        lines[2] = _build_job(arts, "t-cu128-28")[1]
+        outputs = _outputs(lines)
+        assert _gather(arts, tmp_path / "wheels2", outputs).returncode == 0
+        p = _index_build(tmp_path / "wheels2", tmp_path / "index2", "--plan", json.dumps(PLAN), "--build-outputs", outputs)
+        assert p.returncode == 0 and "not in this release yet" not in p.stdout, p.stdout + p.stderr
+        assert publish_main([*pages, "--index", str(tmp_path / "index2")]) == 0
+        with serve_dir(_published_site(gh, tmp_path / "site2")) as url:
+            root = urllib.request.urlopen(url, timeout=30).read().decode()
+            published = json.loads(urllib.request.urlopen(f"{url}index.json", timeout=30).read())
+        assert "Not in release" not in root and "t-cu128-28" not in root and "missing" not in published
+        assert sum(1 for w in published["wheels"].values() if w["target"] == "t-cu128-28") == 1
+
+
+def test_a_later_release_keeps_an_earlier_partial_release_named_and_a_published_wheel_drops_it(tmp_path):
+    from ci import index as ix
+    from ci.record import load_records
+
+    w1, w2 = tmp_path / "w1", tmp_path / "w2"
+    sage_wheel(w1, TARGETS["t-cu130"], "0.1.0", target="t-cu130")
+    ix.write_index(load_records(w1), w1, tmp_path / "index", missing={"t-cu128": "its build job failed at step `collect`"})
+    sage_wheel(w2, TARGETS["t-cu130"], "0.2.0", target="t-cu130")
+    ix.write_index(load_records(w2), w2, tmp_path / "index", missing={})  # 0.2.0 is complete
+    root = (tmp_path / "index" / "index.html").read_text()
+    assert "Not in release 0.1.0 yet (1 target)" in root and "Not in release 0.2.0" not in root
+    assert "<code>t-cu128</code>: its build job failed at step <code>collect</code>" in root
+    # the 0.1.0 wheel of t-cu128 indexed later (without a plan): the mention goes
+    sage_wheel(w1, TARGETS["t-cu128"], "0.1.0", target="t-cu128")
+    ix.write_index(load_records(w1), w1, tmp_path / "index")
+    assert "Not in release" not in (tmp_path / "index" / "index.html").read_text()
+    # a plan needs the wheels of one release, and says so
+    both = tmp_path / "both"
+    for d in (w1, w2):
+        for f in d.iterdir():
+            both.mkdir(exist_ok=True)
+            shutil.copy2(f, both / f.name)
+    p = _index_build(both, tmp_path / "index3", "--plan", json.dumps(PLAN))
+    assert p.returncode == 2 and "need the wheels of exactly one release, these are of 0.1.0, 0.2.0" in p.stderr

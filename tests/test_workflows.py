@@ -184,11 +184,13 @@ def test_each_build_job_reports_its_verified_sha256_as_a_job_output_the_publish_
     assert "if: always()" in outcome and "STEPS: ${{ toJSON(steps) }}" in outcome
     assert 'python -m ci.release outcome --target "${TARGET_ID}" --steps "${STEPS}" --artifact artifact' in outcome
     pub = _jobs((REPO / ".github" / "workflows" / "release.yml").read_text())["publish"]
-    assert pub.count("BUILD_OUTPUTS: ${{ toJSON(needs.build.outputs) }}") == 2
+    assert pub.count("BUILD_OUTPUTS: ${{ toJSON(needs.build.outputs) }}") == 3
     gather_cmd = next(ln for ln in pub.splitlines() if "nox -s gather" in ln)
     publish_cmd = next(ln for ln in pub.splitlines() if "nox -s publish" in ln)
-    assert '--build-outputs "${BUILD_OUTPUTS}"' in gather_cmd and '--build-outputs "${BUILD_OUTPUTS}"' in publish_cmd
-    assert '--plan "${PLAN}"' in publish_cmd and "--allow-local-build" not in pub
+    index_cmd = next(ln for ln in pub.splitlines() if "nox -s index" in ln)  # the index page names the missing
+    for cmd in (gather_cmd, publish_cmd, index_cmd):
+        assert '--build-outputs "${BUILD_OUTPUTS}"' in cmd, cmd
+    assert '--plan "${PLAN}"' in publish_cmd and '--plan "${PLAN}"' in index_cmd and "--allow-local-build" not in pub
 
 
 def test_build_target_runs_cibuildwheel_through_the_factory_with_a_rerunnable_cache():
@@ -387,8 +389,9 @@ def test_cuda_comes_from_pypi_for_13_and_from_nvidia_for_12():
     assert runner_setup.cuda_commands(by_id["linux-x86_64-cu130-torch2.10-stable"]) == []
     x86 = runner_setup.cuda_commands(by_id["linux-x86_64-cu128-torch2.10-stable"])
     arm = runner_setup.cuda_commands(by_id["linux-aarch64-cu129-torch2.8"])
-    assert "rhel8/x86_64/cuda-rhel8.repo" in " ".join(x86[1]) and "cuda-nvcc-12-8" in x86[2]
-    assert "rhel8/sbsa/cuda-rhel8.repo" in " ".join(arm[1]) and "cuda-nvcc-12-9" in arm[2]
+    assert "rhel8/x86_64/cuda-rhel8.repo" in " ".join(x86[2]) and "cuda-nvcc-12-8-12.8.93-1" in x86[3]
+    assert "rhel8/sbsa/cuda-rhel8.repo" in " ".join(arm[2]) and "cuda-nvcc-12-9-12.9.86-1" in arm[3]
+    assert x86[1][-1] == arm[1][-1] == f"gcc-toolset-{runner_setup.CUDA12_GCC_TOOLSET}-gcc-c++"
     win = runner_setup.cuda_commands(by_id["windows-amd64-cu130-torch2.10-stable"])[0]
     assert {"nvcc_13.0", "crt_13.0", "nvvm_13.0", "cudart_13.0"} <= set(win)
     win12 = runner_setup.cuda_commands(by_id["windows-amd64-cu128-torch2.7"])[0]

@@ -30,8 +30,12 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     env["SAGEATTN3_BUILD_PYTHON"] = here
     # cibuildwheel builds in a venv; the factory makes its own venvs from the base interpreter.
     env.setdefault("SAGEATTN3_PYTHON_" + here.replace(".", "_"), getattr(sys, "_base_executable", sys.executable))
+    # pip runs this hook with its stdout on a pipe, which a Python child block-buffers: the build's
+    # progress lines would reach cibuildwheel's log in one burst at the end. Unbuffered (-u, and
+    # PYTHONUNBUFFERED for the factory's own children), each line goes through as it is printed.
+    env["PYTHONUNBUFFERED"] = "1"
     before = set(os.listdir(wheel_directory))
-    subprocess.run([python, str(CIBW), "build", "--out", str(wheel_directory)], check=True, env=env)
+    subprocess.run([python, "-u", str(CIBW), "build", "--out", str(wheel_directory)], check=True, env=env)
     new = sorted(n for n in os.listdir(wheel_directory) if n.endswith(".whl") and n not in before)
     if len(new) != 1:
         raise RuntimeError(f"the factory's build stage left {new} in {wheel_directory}, expected one wheel")

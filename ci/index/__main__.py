@@ -26,10 +26,33 @@ def _build(a) -> int:
         if not w.endswith(".whl"):
             raise IndexError_(f"--yank {y!r}: expected WHEEL=REASON with the wheel's file name (…whl=why)")
         yank[w] = reason
-    r = update_index(records, wheels, a.out, a.project, base_url=a.base_url, remove=a.remove, yank=yank)
+    missing = None
+    if a.plan is not None:  # a release's index: the planned targets without a wheel are named on it
+        from ci.release.provenance import missing_targets
+
+        missing = missing_targets(records, _json_arg(a.build_outputs, "--build-outputs"), _json_arg(a.plan, "--plan"))
+    elif a.build_outputs is not None:
+        raise IndexError_("--build-outputs needs --plan (the targets of the release)")
+    r = update_index(records, wheels, a.out, a.project, base_url=a.base_url, remove=a.remove, yank=yank,
+                     missing=missing)
     print(f"index {a.out}: {len(r.pages)} pages, +{len(r.added)} wheels, -{len(r.removed)} wheels, "
           f"{len(r.written)} files written, {len(r.deleted)} deleted")
+    for target, why in sorted((missing or {}).items()):
+        print(f"  not in this release yet (named on the index page): {target}: {why}")
     return 0
+
+
+def _json_arg(value: str | None, option: str):
+    """A JSON document given inline or as @file (None stays None)."""
+    import json
+
+    if value is None:
+        return None
+    try:
+        text = Path(value[1:]).read_text(encoding="utf-8") if value.startswith("@") else value
+        return json.loads(text or "{}")
+    except (OSError, json.JSONDecodeError) as e:
+        raise IndexError_(f"{option}: not a JSON document or @file ({e})") from None
 
 
 def _check(a) -> int:
@@ -64,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--remove", action="append", default=[], metavar="WHEEL_OR_VERSION",
                         help="drop a wheel (file name) or a version (1.0.0 = every variant of it); repeatable")
         ap.add_argument("--yank", action="append", default=[], metavar="WHEEL=REASON", help="mark a wheel yanked (PEP 592)")
+        ap.add_argument("--plan", default=None, metavar="JSON",
+                        help="the release's planned targets (or @file): those without a wheel are named on the index "
+                             "page until a wheel of each is indexed")
+        ap.add_argument("--build-outputs", default=None, metavar="JSON",
+                        help="the build jobs' outputs (toJSON(needs.build.outputs), or @file): why each is missing")
         run = _build
     else:
         ap.description = "Crawl an index (URL or directory): every link, sha256 and .metadata."
@@ -72,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         return run(a)
-    except (IndexError_, RecordError) as e:  # bad input: nothing was written
+    except (IndexError_, RecordError, ValueError) as e:  # bad input (also a malformed --build-outputs): nothing written
         print(f"index: {e}", file=sys.stderr)
         return 2
     except OSError as e:

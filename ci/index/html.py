@@ -5,11 +5,13 @@ rendered from the manifest alone (byte-identical for the same inputs).
 from __future__ import annotations
 
 import html
+import re
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
 from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
 
 from ci.index.layout import DEFAULT_PROJECT, MANIFEST, MANIFEST_FORMAT, Entry, Page, _line_key, _manifest_json, pages_for
 from ci.variant import Variant, cuda_from_tag
@@ -75,7 +77,34 @@ def _stable_flag(variants) -> str:
 ASK_TORCH = 'python -c "import torch; print(torch.__version__, torch.version.cuda)"'
 
 
-def _root_page(project: str, pages: list[Page], base_url: str | None) -> str:
+def _missing_section(missing: dict[str, dict[str, str]] | None) -> list[str]:
+    """Per release whose build jobs did not all verify a wheel: each missing target and why (the
+    release notes' list, from the same build outcomes: ci.release.provenance.missing_targets)."""
+    body = []
+    for version, targets in sorted((missing or {}).items(), key=lambda kv: _version_key(kv[0]), reverse=True):
+        n = len(targets)
+        body.append(f'<div class="missing" data-release="{_esc(version)}">')
+        body.append(f"<h2>Not in release {_esc(version)} yet ({n} target{'s' * (n != 1)})</h2>")
+        body.append("<ul>")
+        for target, why in sorted(targets.items()):
+            why_html = re.sub(r"`([^`]*)`", r"<code>\1</code>", _esc(why))
+            body.append(f'<li data-target="{_esc(target)}"><code>{_esc(target)}</code>: {why_html}</li>')
+        body.append("</ul>")
+        body.append("<p>Their wheels are added when the failed build jobs are re-run and the release is published "
+                    "again; every other wheel of the release is here.</p>")
+        body.append("</div>")
+    return body
+
+
+def _version_key(v: str):
+    try:
+        return (0, Version(v))
+    except InvalidVersion:
+        return (-1, v)
+
+
+def _root_page(project: str, pages: list[Page], base_url: str | None,
+               missing: dict[str, dict[str, str]] | None = None) -> str:
     """The picker: a table of every torch line x CUDA page, and a box where a user pastes
     their torch version to get the pip command (``picker.js``, plain JS reading the table;
     :func:`pick` is its Python twin)."""
@@ -87,6 +116,7 @@ def _root_page(project: str, pages: list[Page], base_url: str | None) -> str:
         "<p><code>--no-deps</code> keeps pip away from your torch: it installs this package alone, whatever "
         "other indexes your pip configuration adds. A wheel that does not fit your torch refuses to import "
         "and names the page to use.</p>",
+        *_missing_section(missing),
         f'<table data-project="{_esc(name)}">',
         "<tr><th>torch</th><th>torch built for CUDA</th><th>wheel variants</th><th>install</th><th>--find-links page</th></tr>",
     ]
@@ -117,10 +147,11 @@ def _root_page(project: str, pages: list[Page], base_url: str | None) -> str:
     return _html(f"{project} wheels", body)
 
 
-def render(entries: dict[str, Entry], project: str = DEFAULT_PROJECT,
-           base_url: str | None = None) -> tuple[list[Page], dict[str, bytes]]:
+def render(entries: dict[str, Entry], project: str = DEFAULT_PROJECT, base_url: str | None = None,
+           missing: dict[str, dict[str, str]] | None = None) -> tuple[list[Page], dict[str, bytes]]:
     """Every generated file of the index (path relative to the root -> bytes), wheels and
-    .metadata files excluded. Pure: depends only on its arguments."""
+    .metadata files excluded. ``missing``: release version -> {target id -> why}, named on the
+    root page and kept in the manifest. Pure: depends only on its arguments."""
     name = canonicalize_name(project)
     records = [entries[k].record for k in sorted(entries)]
     pages = pages_for(records)
@@ -134,13 +165,14 @@ def render(entries: dict[str, Entry], project: str = DEFAULT_PROJECT,
         out[f"{page.path}/{name}/index.html"] = _html(f"Links for {name}", anchors)
         flat = [f'<a href="../files/{tails[r.wheel]}' for r in page.records]
         out[f"links/{page.flat_name}.html"] = _html(f"{name} wheels ({page.flat_name})", flat)
-    out["index.html"] = _root_page(project, pages, base_url)
+    out["index.html"] = _root_page(project, pages, base_url, missing)
     manifest = {
         "format": MANIFEST_FORMAT,
         "project": name,
         "base_url": base_url.rstrip("/") + "/" if base_url else None,
         "pages": {p.path: [r.wheel for r in p.records] for p in pages},
         "wheels": {k: entries[k].to_dict() for k in sorted(entries)},
+        **({"missing": missing} if missing else {}),
     }
     out[MANIFEST] = _manifest_json(manifest)
     return pages, {k: v.encode("utf-8") for k, v in sorted(out.items())}

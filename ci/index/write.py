@@ -74,7 +74,39 @@ def check_manifest(d: object, where: str) -> dict:
         raise IndexError_(f"{where}: field pages: expected an object (page path -> list of wheel names)")
     if d.get("base_url") is not None and not isinstance(d["base_url"], str):
         raise IndexError_(f"{where}: field base_url: {_short(d['base_url'])}, expected a URL (str) or null")
+    missing = d.get("missing", {})
+    if not isinstance(missing, dict) or not all(
+            isinstance(v, dict) and all(isinstance(t, str) and isinstance(w, str) for t, w in v.items())
+            for v in missing.values()):
+        raise IndexError_(f"{where}: field missing: {_short(missing)}, expected an object "
+                          "(release version -> {target id -> why})")
     return d
+
+
+def release_version(records: list[BuildRecord]) -> str:
+    """The one release (public version) ``records`` belong to; IndexError_ when they are of none
+    or of several (a partial release's missing targets are stated per release)."""
+    versions = {parse_wheel_filename(r.wheel)[1].public for r in records}
+    if len(versions) != 1:
+        raise IndexError_(f"the missing targets of a release need the wheels of exactly one release, these are of "
+                          f"{', '.join(sorted(versions)) or 'none'}: pass one release's wheels (--wheels)")
+    return versions.pop()
+
+
+def merge_missing(old: dict, new: dict[str, dict[str, str]], entries: dict) -> dict[str, dict[str, str]]:
+    """The index's missing targets per release: ``old`` (the manifest's) with each release of
+    ``new`` replaced, then every target that has a wheel of that release in ``entries`` dropped
+    (a re-run published it), and releases with nothing missing dropped."""
+    if not old and not new:
+        return {}
+    merged = {v: dict(t) for v, t in {**old, **new}.items()}
+    have = {(parse_wheel_filename(w)[1].public, e.record.target) for w, e in entries.items()}
+    out = {}
+    for version, targets in sorted(merged.items()):
+        left = {t: why for t, why in sorted(targets.items()) if (version, t) not in have}
+        if left:
+            out[version] = left
+    return out
 
 
 def manifest_entries(manifest: dict, where: str) -> dict[str, Entry]:
@@ -133,19 +165,22 @@ def _remove(entries: dict, remove, where: str) -> list[str]:
 
 def write_index(records: list[BuildRecord], wheels_dir: Path, out: Path, project: str = DEFAULT_PROJECT,
                 *, base_url: str | None = None, remove: tuple[str, ...] | list[str] = (),
-                yank: dict[str, str] | None = None) -> list[Page]:
+                yank: dict[str, str] | None = None, missing: dict[str, str] | None = None) -> list[Page]:
     """Merge ``records`` (wheels in ``wheels_dir``) into the index at ``out`` and bring every
     page up to date. Returns the pages. See :func:`update_index` for the details."""
-    return update_index(records, wheels_dir, out, project, base_url=base_url, remove=remove, yank=yank).pages
+    return update_index(records, wheels_dir, out, project, base_url=base_url, remove=remove, yank=yank,
+                        missing=missing).pages
 
 
 def update_index(records: list[BuildRecord], wheels_dir: Path, out: Path, project: str = DEFAULT_PROJECT,
                  *, base_url: str | None = None, remove: tuple[str, ...] | list[str] = (),
-                 yank: dict[str, str] | None = None) -> IndexResult:
+                 yank: dict[str, str] | None = None, missing: dict[str, str] | None = None) -> IndexResult:
     """Merge and write. Earlier wheels stay unless a ``remove`` spec names them (file name or
     version); ``yank`` maps a wheel name to a reason (PEP 592). A wheel name already indexed
     with another sha256 is refused. Idempotent: unchanged inputs rewrite nothing. When
-    ``base_url`` is None the one remembered in the manifest is kept."""
+    ``base_url`` is None the one remembered in the manifest is kept. ``missing``: the targets
+    the release of ``records`` lacks (target id -> why: ci.release.provenance.missing_targets),
+    named on the root page until a wheel of each is indexed."""
     wheels_dir, out = Path(wheels_dir), Path(out)
     files = out / "files"
     old = load_manifest(out)
@@ -156,6 +191,7 @@ def update_index(records: list[BuildRecord], wheels_dir: Path, out: Path, projec
     result = IndexResult(pages=[])
 
     result.removed += _remove(entries, remove, "indexed")
+    new_missing = {release_version(records): dict(missing)} if missing is not None else {}
 
     # Every record is checked before anything is written: a refusal leaves the index as it was.
     to_add: list[BuildRecord] = []
@@ -234,7 +270,7 @@ def update_index(records: list[BuildRecord], wheels_dir: Path, out: Path, projec
             f"{' …' if len(missing) > 5 else ''}; restore them or --remove them"
         )
 
-    pages, generated = render(entries, project, base_url)
+    pages, generated = render(entries, project, base_url, merge_missing(old.get("missing", {}), new_missing, entries))
     for rel, data in generated.items():
         if _write_bytes(out / rel, data):
             result.written.append(rel)
@@ -273,7 +309,7 @@ def site_files(local_dir: Path, remote_manifest: dict | None, project: str = DEF
         raise IndexError_(f"{local_dir}: no {MANIFEST}; build the index first (python -m ci.index --out {local_dir})")
     remote = check_manifest(remote_manifest, f"the published {MANIFEST}") if remote_manifest else {}
     entries = manifest_entries(remote, f"the published {MANIFEST}")
-    old_generated = set(render(entries, project, remote.get("base_url"))[1]) if entries else set()
+    old_generated = set(render(entries, project, remote.get("base_url"), remote.get("missing"))[1]) if entries else set()
     added = []
     for name, e in sorted(manifest_entries(local, str(Path(local_dir) / MANIFEST)).items()):
         have = entries.get(name)
@@ -290,7 +326,10 @@ def site_files(local_dir: Path, remote_manifest: dict | None, project: str = DEF
         raise IndexError_(str(e)) from None
     removed = _remove(entries, remove, "published")
     base = base_url or local.get("base_url") or remote.get("base_url")
-    _, generated = render(entries, project, base)
+    # the local index states the missing targets of the release it was built for: those replace
+    # the published statement of that release; a target published since is no longer named
+    missing = merge_missing(remote.get("missing", {}), local.get("missing", {}), entries)
+    _, generated = render(entries, project, base, missing)
     files: dict[str, bytes | Path] = dict(generated)
     for name in local.get("wheels", {}):
         if name in entries:

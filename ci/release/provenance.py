@@ -156,9 +156,17 @@ def check_for_release(records, build_outputs: str | dict | None, plan: dict | No
             raise ProvenanceError(f"{rec.wheel}: index_url {rec.index_url!r}: its build record says it was built "
                                   "outside the release pipeline (a local index); a GitHub Release takes the release "
                                   "pipeline's wheels: publish those, or pass --allow-local-build to publish this one")
+    if build_outputs is not None:
+        ids = [e["id"] for e in (plan or {}).get("include", [])] or sorted({r.target for r in records})
+        check_verified({r.wheel: (r.target, r.sha256) for r in records}, parse_outputs(build_outputs, ids))
+    return missing_targets(records, build_outputs, plan)
+
+
+def missing_targets(records, build_outputs: str | dict | None, plan: dict | None) -> dict[str, str]:
+    """The planned targets without a wheel among ``records``: target id -> why (its build job's
+    failing step, from the jobs' outputs). The one source of what a partial release lacks: the
+    release notes (ci.publish.notes) and the index page (ci.index) both name these."""
     ids = [e["id"] for e in (plan or {}).get("include", [])] or sorted({r.target for r in records})
     outcomes = parse_outputs(build_outputs, ids) if build_outputs is not None else {}
-    if build_outputs is not None:
-        check_verified({r.wheel: (r.target, r.sha256) for r in records}, outcomes)
     have = {r.target for r in records}
     return {t: (outcomes[t].reason if t in outcomes else "no wheel of it was gathered") for t in ids if t not in have}
