@@ -58,9 +58,8 @@ def profile_for(target: Target, stable_abi_floor: str, *, mma_model: bool = Fals
     profile names the cross g++ as host compiler (``cross``: True/False instead of asking this
     machine, e.g. False for the profile on the target's own release runner). With CUDA 12.x on
     Linux, nvcc's host compiler is the gcc-toolset the release installs
-    (ci.runner_setup.cuda_host_compiler), by path."""
+    (cuda_host_compiler), by path."""
     from ci.cross_spec import is_cross, spec_for
-    from ci.runner_setup import cuda_host_compiler
 
     spec = spec_for(target.os.machine) if (is_cross(target.os) if cross is None else cross) else None
     return _build_profile().profile(
@@ -77,3 +76,25 @@ def profile_for(target: Target, stable_abi_floor: str, *, mma_model: bool = Fals
         machine=spec.machine if spec else None,
         host_compiler=None if spec else cuda_host_compiler(target, cuda),
     )
+
+# nvcc's host compiler for CUDA 12.x on Linux, installed by before-all and named with -ccbin
+# (ci.flags), so the image's default g++ never is: manylinux_2_28's default gcc-toolset moves
+# (14 today, 15 planned) and CUDA 12.8/12.9 refuse GCC newer than 14 (crt/host_config.h:
+# `#if __GNUC__ > 14 #error`). gcc-toolset-13: supported by every CUDA from 12.4 on, so inside
+# both releases' range with a major to spare, and below the GCC 14 + CUDA 12.8 pair that torch's
+# cpp_extension refused for a while (pytorch/pytorch#173366). AlmaLinux 8's AppStream ships it.
+# Only the toolset's major is pinned: AppStream keeps only its newest build of gcc-toolset-13, so
+# an exact version would vanish from the mirrors; the major is checked after the install.
+CUDA12_GCC_TOOLSET = 13
+
+
+GCC_TOOLSET_CXX = "/opt/rh/gcc-toolset-{n}/root/usr/bin/g++"
+
+
+def cuda_host_compiler(target: Target, cuda: str | None = None) -> str | None:
+    """The g++ nvcc must use for ``target`` compiled with CUDA ``cuda`` (default: the target's)
+    (``-ccbin``): gcc-toolset-CUDA12_GCC_TOOLSET's with CUDA 12.x on Linux, None elsewhere (13.x
+    accepts the image's default GCC; Windows: cl)."""
+    if target.os.platform == "linux" and int((cuda or target.cuda).split(".")[0]) < 13:
+        return GCC_TOOLSET_CXX.format(n=CUDA12_GCC_TOOLSET)
+    return None

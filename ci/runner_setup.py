@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path, PurePath
 
+from ci.flags import CUDA12_GCC_TOOLSET, GCC_TOOLSET_CXX, cuda_host_compiler  # noqa: F401 (re-exported)
 from ci.targets import Target
 from ci.errors import FactoryError
 
@@ -56,18 +57,6 @@ RPM_VERSIONS = {
 RPM_RELEASE = "1"
 
 
-# nvcc's host compiler for CUDA 12.x on Linux, installed by before-all and named with -ccbin
-# (ci.flags), so the image's default g++ never is: manylinux_2_28's default gcc-toolset moves
-# (14 today, 15 planned) and CUDA 12.8/12.9 refuse GCC newer than 14 (crt/host_config.h:
-# `#if __GNUC__ > 14 #error`). gcc-toolset-13: supported by every CUDA from 12.4 on, so inside
-# both releases' range with a major to spare, and below the GCC 14 + CUDA 12.8 pair that torch's
-# cpp_extension refused for a while (pytorch/pytorch#173366). AlmaLinux 8's AppStream ships it.
-# Only the toolset's major is pinned: AppStream keeps only its newest build of gcc-toolset-13, so
-# an exact version would vanish from the mirrors; the major is checked after the install.
-CUDA12_GCC_TOOLSET = 13
-
-
-GCC_TOOLSET_CXX = "/opt/rh/gcc-toolset-{n}/root/usr/bin/g++"
 
 
 # The newest GCC major each CUDA 12.x accepts (its crt/host_config.h).
@@ -141,15 +130,6 @@ class CibwError(FactoryError, RuntimeError):
 
 
 # -- before-all: the CUDA toolkit --------------------------------------------------------
-
-def cuda_host_compiler(target: Target, cuda: str | None = None) -> str | None:
-    """The g++ nvcc must use for ``target`` compiled with CUDA ``cuda`` (default: the target's)
-    (``-ccbin``): gcc-toolset-CUDA12_GCC_TOOLSET's with CUDA 12.x on Linux, None elsewhere (13.x
-    accepts the image's default GCC; Windows: cl)."""
-    if target.os.platform == "linux" and int((cuda or target.cuda).split(".")[0]) < 13:
-        return GCC_TOOLSET_CXX.format(n=CUDA12_GCC_TOOLSET)
-    return None
-
 
 def rpm_specs(cuda: str) -> list[str]:
     """The exact packages dnf installs for CUDA ``cuda`` (12.x): name-version-release."""

@@ -34,7 +34,7 @@ from pathlib import Path
 from ci import pe as pemod
 from ci import wine as winemod
 from ci.toolchain import ToolchainError
-from ci.errors import FactoryError
+from ci.windows_load import WindowsBuildError, load_module, python3_exports
 
 # DLLs the module may import besides torch's, CUDA's and Python's: the MSVC runtime (/MD) and
 # the OS.
@@ -44,24 +44,11 @@ MSVC_RUNTIME = re.compile(r"^(vcruntime140(_1)?|msvcp140(_\d+)?(-[0-9a-f]+)?|api
 STANDIN_NOTE = "stand-in (made here from the symbols the unit imports; a Windows runner links the real one)"
 
 
-class WindowsBuildError(FactoryError, RuntimeError):
-    pass
-
-
 def _ws(p) -> str:
     return str(winemod.z_path(p))
 
 
 # -- Python's stable ABI exports ----------------------------------------------------------
-
-def python3_exports(python3dll_c: Path) -> dict[str, bool]:
-    """name -> is data, from CPython's ``PC/python3dll.c`` (``EXPORT_FUNC(x)``/``EXPORT_DATA(x)``)."""
-    text = python3dll_c.read_text(errors="replace")
-    out = {m.group(2): m.group(1) == "DATA" for m in re.finditer(r"EXPORT_(FUNC|DATA)\((\w+)\)", text)}
-    if not out:
-        raise WindowsBuildError(f"{python3dll_c} lists no EXPORT_FUNC/EXPORT_DATA: not CPython's PC/python3dll.c")
-    return out
-
 
 def owner_of(symbol: str, python_exports: dict[str, bool], missing_libs: list[str]) -> str | None:
     """Which missing DLL exports ``symbol`` (an MSVC-decorated or C name): python3 for the stable
@@ -408,7 +395,6 @@ def verify_windows(rec, target, wheel: Path, dist: Path, log=print):
     ABI guard needs a Windows CPython, which the registries here do not have: reported as not
     checked, with why."""
     from ci.verify import VerifyReport
-    from ci.windows_load import load_module
 
     tc = winemod.resolve_windows(target.cuda, target.build_torch)
     made = (rec.extra.get("cross") or {}).get("standin_import_libraries") or {}

@@ -17,7 +17,20 @@ from pathlib import Path
 
 from ci import pe as pemod
 from ci import wine as winemod
-from ci.windows_build import WindowsBuildError, python3_exports
+from ci.errors import FactoryError
+
+
+class WindowsBuildError(FactoryError, RuntimeError):
+    pass
+
+
+def python3_exports(python3dll_c: Path) -> dict[str, bool]:
+    """name -> is data, from CPython's ``PC/python3dll.c`` (``EXPORT_FUNC(x)``/``EXPORT_DATA(x)``)."""
+    text = python3dll_c.read_text(errors="replace")
+    out = {m.group(2): m.group(1) == "DATA" for m in re.finditer(r"EXPORT_(FUNC|DATA)\((\w+)\)", text)}
+    if not out:
+        raise WindowsBuildError(f"{python3dll_c} lists no EXPORT_FUNC/EXPORT_DATA: not CPython's PC/python3dll.c")
+    return out
 
 
 LOADER_SOURCE = r"""
