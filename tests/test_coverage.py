@@ -360,7 +360,7 @@ def test_a_windows_wheel_built_under_wine_needs_its_inspection_and_goes_stale_wi
     assert "stand-in import libraries python3.lib+torch_cuda.lib" in part and "cubins sm_120a+sm_121a" in part
     assert "not imported (no Windows CPython" in part
     cu128 = next(r for r in table.splitlines() if r.startswith("| 2.10 | 12.8 |"))
-    assert "windows-amd64: release pipeline only (CUDA 12.8 for Windows is not on PyPI in full" in cu128
+    assert "windows-amd64: its build release pipeline only (CUDA 12.8 for Windows is not on PyPI in full" in cu128
     change = _commit(history, "ci/wine.py", "2\n")
     part = _row(coverage.coverage_table(MATRIX, coverage.load_evidence(ev_file), history), "| 2.10 | 13.0 |",
                 "windows-amd64")
