@@ -100,7 +100,6 @@ def _build_wheels(args: argparse.Namespace) -> int:
         return 0
     if args.target:
         targets = [matrix.target(i) for i in args.target]
-        _refuse_windows_here(targets)
     elif args.all_local:
         targets = []
         for t in matrix.targets:
@@ -142,6 +141,7 @@ def _build_wheels(args: argparse.Namespace) -> int:
         for t in targets:
             build_test_wheel(t, matrix, Path(args.dist))
         return 0
+    _refuse_windows_here(targets)
     pythons = args.verify_python or ["%d.%d" % sys.version_info[:2]]
     from ci.resolve import is_windows_on_linux
 
