@@ -107,10 +107,9 @@ def run_target(target: Target, matrix: Matrix, dist: Path, *, verify_pythons: li
             wheels = dist / "wheels"
             wheels.mkdir(parents=True, exist_ok=True)
             final = wheels / rec.wheel
-            for old in wheels.glob(f"sageattn3-*+{target.variant.label}-*.whl"):
-                if old.name != rec.wheel:
-                    old.unlink()
-                    record_path(old).unlink(missing_ok=True)
+            for old in replaced_wheels(wheels, target, rec.wheel):
+                old.unlink()
+                record_path(old).unlink(missing_ok=True)
             shutil.copy2(tagged_dir / rec.wheel, final)
             shutil.copy2(record_path(tagged_dir / rec.wheel), record_path(final))
             _rebuild_index(dist)
@@ -122,6 +121,20 @@ def run_target(target: Target, matrix: Matrix, dist: Path, *, verify_pythons: li
     finally:
         shutil.rmtree(tagged_dir, ignore_errors=True)
     return run
+
+
+def replaced_wheels(wheels: Path, target: Target, new: str) -> list[Path]:
+    """The earlier wheels of ``target`` in ``wheels`` that ``new`` replaces: its variant on its own
+    OS and machine (the x86_64, aarch64 and Windows wheels of one variant live side by side)."""
+    out = []
+    for wheel in sorted(wheels.glob("sageattn3-*.whl")):
+        beside = record_path(wheel)
+        named = json.loads(beside.read_text()).get("target") if beside.exists() else None
+        # A wheel without its record is of an older factory: replaced when its variant and tags match.
+        same = named == target.id if named else wheel.name.split("-", 2)[-1] == new.split("-", 2)[-1]
+        if same and wheel.name != new:
+            out.append(wheel)
+    return out
 
 
 def _vc_runtime() -> Path:

@@ -230,3 +230,22 @@ def test_verify_passes_with_pip_settings_that_change_what_gets_installed(built, 
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["pythons"] == ["3.11"] and got["guard"].endswith("ImportError as expected"), got
     assert not (tmp_path / "pip-target").exists() and not (tmp_path / "pip-prefix").exists()
+
+
+def test_a_target_replaces_only_its_own_earlier_wheel(tmp_path):
+    """The x86_64, aarch64 and Windows wheels of one variant live side by side in dist/wheels: a
+    new build of one target replaces that target's earlier wheel, never another OS's."""
+    from ci.pipeline import replaced_wheels
+    from ci.targets import Matrix
+
+    m = Matrix.load()
+    names = {"linux-x86_64-cu130-torch2.10-stable": "sageattn3-0.1.0+cu130.torch2.10.stable-cp310-abi3-manylinux_2_34_x86_64.whl",
+             "linux-aarch64-cu130-torch2.10-stable": "sageattn3-0.1.0+cu130.torch2.10.stable-cp310-abi3-manylinux_2_34_aarch64.whl",
+             "windows-amd64-cu130-torch2.10-stable": "sageattn3-0.1.0+cu130.torch2.10.stable-cp310-abi3-win_amd64.whl"}
+    for tid, name in names.items():
+        (tmp_path / name).write_bytes(b"w")
+        (tmp_path / f"{name}.json").write_text(json.dumps({"target": tid, "wheel": name}))
+    x86 = m.target("linux-x86_64-cu130-torch2.10-stable")
+    assert replaced_wheels(tmp_path, x86, names[x86.id]) == []
+    newer = names[x86.id].replace("0.1.0", "0.1.1")
+    assert replaced_wheels(tmp_path, x86, newer) == [tmp_path / names[x86.id]]
