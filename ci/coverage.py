@@ -306,7 +306,7 @@ def record_classic_link(link: dict, matrix: Matrix, path: Path = EVIDENCE_FILE, 
     return f"{link['target']}: {KINDS['classic_link'].label} ({link['torch_libraries']}; from {stored['source_commit'][:7]})"
 
 
-def _describe(kind: str, e: dict) -> str:
+def _describe(kind: str, e: dict, line: str = "") -> str:
     if kind == "classic_link":
         absent = ", ".join(e["absent_libraries"]) or "nothing"
         left = sum(len(v) for k, v in e["unresolved"].items() if not k.startswith("the Python"))
@@ -330,16 +330,19 @@ def _describe(kind: str, e: dict) -> str:
                 f"{'+'.join(i['cubins'])}), loaded under wine against PyPI's torch {e['torch_build']} DLLs, not imported "
                 f"(no Windows CPython on these registries)")
     if kind == "msvc_unit":
+        e = (e.get("lines") or {}).get(line) or {}
+        if not e:
+            return f"{KINDS[kind].label}: not for torch {line}"
         unit = e.get("unit") or {}
         text = (f"{KINDS[kind].label} vs torch {e['torch']} (win_amd64) headers, with CUDA {e.get('cuda', '13.0')}'s"
                 + (" FAILED" if not unit.get("ok", True) else ""))
         if "c2872" in e:
-            found = sorted({r["notes"] for r in e["c2872"].values()})
+            found = sorted({r["notes"] for k, r in e["c2872"].items() if k != "from"})
             text += (f", and torch/extension.h + compiled_autograd.h under nvcc.exe {e.get('cuda', '13.0')} with and "
-                     f"without USE_CUDA and /Zc:preprocessor: {' / '.join(found)}")
+                     f"without USE_CUDA and /Zc:preprocessor (from {e['c2872'].get('from', '?')}): {' / '.join(found)}")
         if "c2719" in e:
             c = e["c2719"]
-            text += (", and the attention unit: C2719 without the MSVC patch, compiles with it"
+            text += (f", and the attention unit (from {c.get('from', '?')}): C2719 without the MSVC patch, compiles with it"
                      if not c["unpatched"]["ok"] and c["patched"]["ok"] else ", and the attention unit's C2719 check FAILED")
         return text
     return f"{KINDS[kind].label}: {e['ran_here']}"
@@ -353,7 +356,9 @@ def _row_proof(matrix: Matrix, evidence: dict, line: str, cuda: str, gate_versio
         if t.os.key == "windows-amd64" and _v(cuda) < _v("13.0"):
             for kind in [k for k in CHECK_KINDS if k in evidence.get(t.id, {})]:
                 e = evidence[t.id][kind]
-                parts.append(f"{t.os.key} ({freshness(e, inputs_of(kind, e), repo).note()}): {_describe(kind, e)}")
+                if line in (e.get("lines") or {}):
+                    parts.append(f"{t.os.key} ({freshness(e, inputs_of(kind, e), repo).note()}): "
+                                 f"{_describe(kind, e, line)}")
             parts.append(f"{t.os.key}: its build release pipeline only (CUDA {cuda} for Windows is not on PyPI in "
                          f"full: no nvcc.exe)")
             continue
@@ -362,8 +367,10 @@ def _row_proof(matrix: Matrix, evidence: dict, line: str, cuda: str, gate_versio
         built = [k for k in KINDS if k not in CHECK_KINDS and k in evidence[t.id]][:1]
         for kind in built + [k for k in CHECK_KINDS if k in evidence[t.id]]:
             e = evidence[t.id][kind]
+            if kind in CHECK_KINDS and line not in (e.get("lines") or {}):
+                continue
             fresh = freshness(e, inputs_of(kind, e), repo)
-            parts.append(f"{t.os.key} ({fresh.note()}): {_describe(kind, e)}")
+            parts.append(f"{t.os.key} ({fresh.note()}): {_describe(kind, e, line)}")
     parts.append(f"unit compiled vs torch {gate_version} headers")
     return "; ".join(parts) + "; the rest: release pipeline only"
 

@@ -242,21 +242,39 @@ def c2872(matrix: Matrix, line: str, tc: winemod.WindowsToolchain, log=print) ->
 
 # -- the CLI ---------------------------------------------------------------------------
 
+def _commit() -> str:
+    from ci.build import source_commit
+
+    return source_commit()[:7]
+
+
 def windows_lines(matrix: Matrix) -> list[str]:
     return [tl.line for tl in matrix.torch if windows_targets(matrix, tl.line)]
 
 
 def record(matrix: Matrix, entries: dict[str, dict]) -> list[str]:
-    """Each line's results (``entries``: line -> what ran) into ``ci/evidence.json`` as
-    ``msvc_unit`` evidence of the Windows targets serving the line, naming the commit."""
+    """Each line's results (``entries``: line -> what ran) into ``ci/evidence.json`` as ``msvc_unit``
+    evidence of the Windows targets serving the line (CUDA 12.x targets too: the same unit, with
+    CUDA 13.0's headers), one entry per line under ``lines``; lines checked before and not now
+    are kept (each names the commit it was made from)."""
     from ci import coverage
     from ci.build import source_commit
 
-    added = []
+    commit = source_commit()
+    by_target: dict[str, dict] = {}
     for line, entry in entries.items():
-        for t in windows_targets(matrix, line):  # CUDA 12.x targets too: the same unit, CUDA 13.0's headers
-            stored = coverage.add_evidence(t.id, "msvc_unit", {**entry, "source_commit": source_commit()}, matrix)
-            added.append(f"{t.id}: msvc_unit (from {stored['source_commit'][:7]})")
+        for t in windows_targets(matrix, line):
+            by_target.setdefault(t.id, {})[line] = {**entry, "source_commit": commit}
+    evidence = coverage.load_evidence()
+    added = []
+    for tid, lines in by_target.items():
+        old = (evidence.get(tid) or {}).get("msvc_unit") or {}
+        kept = dict(old.get("lines") or {})
+        for line, entry in lines.items():
+            kept[line] = {**kept.get(line, {}), **entry}
+        stored = coverage.add_evidence(tid, "msvc_unit", {"lines": kept, "source_commit": commit}, matrix)
+        added.append(f"{tid}: msvc_unit, torch {', '.join(sorted(lines, key=lambda v: tuple(map(int, v.split('.')))))} "
+                     f"(from {stored['source_commit'][:7]})")
     return added
 
 
@@ -288,13 +306,13 @@ def main(argv: list[str] | None = None) -> int:
                 entry["unit"] = res.to_dict()
                 failed += [] if res.ok else [res.what]
             if a.c2872:
-                entry["c2872"] = {k: v.to_dict() for k, v in c2872(matrix, line, tc).items()}
+                entry["c2872"] = {**{k: v.to_dict() for k, v in c2872(matrix, line, tc).items()}, "from": _commit()}
         if a.c2719:
             both = c2719(matrix, tc, ptx_only=a.ptx_only)
             stable = next(t for t in matrix.targets if t.os.key == "windows-amd64" and t.variant.stable and t.cuda == CUDA)
             for line in stable.torch_lines:
                 if line in entries:
-                    entries[line]["c2719"] = {k: v.to_dict() for k, v in both.items()}
+                    entries[line]["c2719"] = {**{k: v.to_dict() for k, v in both.items()}, "from": _commit()}
             if both["unpatched"].ok or not any("C2719" in e for e in both["unpatched"].errors):
                 failed.append(f"{ATTN_UNIT} without the patch did not fail with C2719")
             if not both["patched"].ok:

@@ -176,7 +176,7 @@ def _index_build(wheels: Path, out: Path, *extra: str) -> subprocess.CompletedPr
                           cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
-def _published_site(gh: FakeGitHub, site: Path) -> Path:
+def _published_site(gh: GitHubStandin, site: Path) -> Path:
     for rel, data in gh.branch_files(FULL, "gh-pages").items():
         (site / rel).parent.mkdir(parents=True, exist_ok=True)
         (site / rel).write_bytes(data)
@@ -208,7 +208,7 @@ def test_the_index_page_names_a_missing_target_with_its_step_until_a_re_run_publ
     assert notes_missing == {"t-cu128-28": why}
     assert json.loads((tmp_path / "index" / "index.json").read_text())["missing"] == {"0.1.0": notes_missing}
     monkeypatch.setenv("GITHUB_TOKEN", TOKEN)
-    with FakeGitHub(TOKEN) as gh:
+    with GitHubStandin(TOKEN) as gh:
         gh.add_repo(FULL)
         pages = ["pages", "--repo", FULL, "--api-url", gh.api_url, "--write-interval", "0"]
         assert publish_main([*pages, "--index", str(tmp_path / "index")]) == 0
