@@ -172,13 +172,9 @@ def shell_script(cmds: list[list[str]]) -> str:
 # -- checks of what was downloaded or installed ----------------------------------------------
 
 def sha256_of(path: Path) -> str:
-    import hashlib
+    from ci.record import sha256_of as file_sha256
 
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return file_sha256(path)
 
 
 def pinned_installer_sha256(full: str) -> str:

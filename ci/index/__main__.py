@@ -43,16 +43,9 @@ def _build(a) -> int:
 
 
 def _json_arg(value: str | None, option: str):
-    """A JSON document given inline or as @file (None stays None)."""
-    import json
+    from ci.release.provenance import json_argument
 
-    if value is None:
-        return None
-    try:
-        text = Path(value[1:]).read_text(encoding="utf-8") if value.startswith("@") else value
-        return json.loads(text or "{}")
-    except (OSError, json.JSONDecodeError) as e:
-        raise IndexError_(f"{option}: not a JSON document or @file ({e})") from None
+    return json_argument(value, option, IndexError_)
 
 
 def _check(a) -> int:

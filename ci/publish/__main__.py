@@ -34,16 +34,9 @@ def _policy(a) -> RetryPolicy:
 
 
 def _json_arg(value: str | None, option: str):
-    """A JSON document given inline or as @file (None stays None)."""
-    import json
+    from ci.release.provenance import json_argument
 
-    if value is None:
-        return None
-    try:
-        text = Path(value[1:]).read_text(encoding="utf-8") if value.startswith("@") else value
-        return json.loads(text or "{}")
-    except (OSError, json.JSONDecodeError) as e:
-        raise InputError(f"{option}: not a JSON document or @file ({e})") from None
+    return json_argument(value, option, InputError)
 
 
 def _github(argv: list[str], out) -> int:

@@ -170,3 +170,17 @@ def missing_targets(records, build_outputs: str | dict | None, plan: dict | None
     outcomes = parse_outputs(build_outputs, ids) if build_outputs is not None else {}
     have = {r.target for r in records}
     return {t: (outcomes[t].reason if t in outcomes else "no wheel of it was gathered") for t in ids if t not in have}
+
+
+def json_argument(value: str | None, option: str, error: type[Exception]):
+    """A command-line JSON document given inline or as @file (None stays None); ``error`` (the
+    command's input error) names the option when it is neither."""
+    from pathlib import Path
+
+    if value is None:
+        return None
+    try:
+        text = Path(value[1:]).read_text(encoding="utf-8") if value.startswith("@") else value
+        return json.loads(text or "{}")
+    except (OSError, json.JSONDecodeError) as e:
+        raise error(f"{option}: not a JSON document or @file ({e})") from None
