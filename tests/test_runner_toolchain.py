@@ -26,7 +26,7 @@ MATRIX = Matrix.load()
 TARGETS = MATRIX.targets
 BY_ID = {t.id: t for t in TARGETS}
 REPO = Path(__file__).resolve().parent.parent
-TOOLSET_CXX = f"/opt/rh/gcc-toolset-{runner_setup.CUDA12_GCC_TOOLSET}/root/usr/bin/g++"
+TOOLSET_CXX = runner_setup.GCC_TOOLSET_CXX.format(n=runner_setup.CUDA12_GCC_TOOLSET)
 
 
 def _cuda12_linux(t) -> bool:
