@@ -128,6 +128,15 @@ def test_the_rehearsal_plans_and_checks_all_23_jobs(tmp_path):
     assert not dr.timings and not dr.wheels  # nothing built or published
 
 
+def test_an_unknown_failing_target_is_a_usage_error_before_anything_runs(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ci.release", "--dry-run", "--dist", str(tmp_path / "dist"),
+                           "--plan-only", "--fail-target", "linux-x86_64-cu999-torch9.9"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--fail-target linux-x86_64-cu999-torch9.9: not a target of ci/targets.toml" in proc.stderr
+    assert not (tmp_path / "dist").exists()
+
+
 def test_rehearsing_a_target_that_cannot_run_here_says_why(tmp_path):
     with pytest.raises(ReleaseError, match="windows-amd64-cu130-torch2.10-stable: needs a windows-amd64 machine"):
         dry_run(tmp_path / "dist", only=["windows-amd64-cu130-torch2.10-stable"], compile_gate=False,

@@ -4,7 +4,8 @@ order, with the stand-in for PyTorch's index serving the target's torch (build, 
 target's oldest Python, ABI guard), while the other targets whose torch the stand-in serves have
 their build and guard torch resolved by real pip in their floor Python -> artifact -> gather ->
 publish to a local server speaking GitHub's REST contract -> index on the Pages branch ->
-summary. Then a re-run publishes nothing new. It builds a real wheel (minutes), so it runs where the stand-in's torch wheels are already
+summary. One more target of the matrix is made to fail at its cibuildwheel step: the release is
+published without it and names it (summary, notes, index page). Then a re-run publishes nothing new. It builds a real wheel (minutes), so it runs where the stand-in's torch wheels are already
 in the factory cache (after one `nox -s release -- --dry-run`), or with SAGEATTN3_REHEARSAL=1."""
 
 import hashlib
@@ -22,6 +23,7 @@ from ci.release.standin import standin_dir, standin_needs, standin_serves, stand
 from ci.release.steps import publish_steps
 from ci.targets import Matrix
 from ci.release.github_standin import GitHubStandin
+from ci.release.provenance import output_key
 
 MATRIX = Matrix.load()
 RUNNABLE = [r for r in rehearse_plan(MATRIX) if r.runs_here]
@@ -47,6 +49,8 @@ pytestmark = [
 ]
 REPO_NAME = "octo/sageattn3"
 LOCAL = [TARGET.id] if TARGET else []
+# the job the trace ranks likeliest to fail: a Windows one (never built on a real runner)
+FAILING = next(t.id for t in MATRIX.targets if t.os.platform == "windows")
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +59,15 @@ def released(tmp_path_factory):
     dist = tmp_path_factory.mktemp("release") / "dist"
     logs: list[str] = []
     with GitHubStandin(token) as fake:
-        dr = dry_run(dist, fake=fake, repo=REPO_NAME, only=LOCAL, compile_gate=False, log=lambda m: logs.append(str(m)))
+        dr = dry_run(dist, fake=fake, repo=REPO_NAME, only=LOCAL, compile_gate=False, fail_targets=[FAILING],
+                     log=lambda m: logs.append(str(m)))
         yield dr, fake, token, logs
 
 
 def test_every_local_target_went_through_each_stage(released):
     dr, _, _, _ = released
-    assert [e["id"] for e in dr.planned["include"]] == LOCAL
-    assert not dr.errors
+    assert sorted(e["id"] for e in dr.planned["include"]) == sorted(LOCAL + [FAILING])
+    assert set(dr.errors) == {FAILING}
     for tid in LOCAL:
         assert set(dr.timings[tid]) == {"before-all", "build", "repair", "test", "collect"}
         art = dr.artifacts / f"wheel-{tid}"
@@ -161,3 +166,27 @@ def test_a_rerun_of_the_publish_steps_uploads_nothing(released):
     assert fake.uploads() == uploads
     assert "uploaded 0" in lines[0]
     assert fake.branch_files(REPO_NAME, "gh-pages") == site
+
+
+def test_the_failing_target_is_left_out_and_named_everywhere(released):
+    """A partial release: the verified targets published, the failed one named with its step
+    in the summary, the release notes and the index page; its job's output says where it failed."""
+    dr, fake, _, logs = released
+    why = "its build job failed at step `cibuildwheel`"
+    assert dr.missing == {FAILING: why}
+    outputs = json.loads((dr.dist / "build-outputs.json").read_text())
+    assert outputs[output_key(FAILING)] == "failed:cibuildwheel"
+    for tid in LOCAL:
+        rec = json.loads(next((dr.artifacts / f"wheel-{tid}").glob("*.whl.json")).read_text())
+        assert outputs[output_key(tid)] == f"sha256:{rec['sha256']}"
+    assert {json.loads(Path(str(w) + ".json").read_text())["target"] for w in dr.wheels} == set(LOCAL)
+    assert f"[outcome] {output_key(FAILING)}=failed:cibuildwheel" in logs
+    summary = (dr.dist / "summary.md").read_text()
+    assert f"### Missing from {dr.tag}" in summary and f"- `{FAILING}`: {why}" in summary
+    assert f"`{FAILING}` | FAILED" in summary and "gh run rerun" in summary
+    body = fake.release_by_tag(REPO_NAME, dr.tag)[0]["body"]
+    assert f"`{FAILING}`: {why}" in body
+    root = fake.branch_files(REPO_NAME, "gh-pages")["index.html"].decode()
+    assert FAILING in root and "cibuildwheel" in root
+    assert json.loads((dr.dist / "release.json").read_text())["missing"] == {FAILING: why}
+

@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--tag", default=None)
     d.add_argument("--only", action="append", metavar="TARGET", help="rehearse only this target (repeatable)")
     d.add_argument("--plan-only", action="store_true", help="resolve and check every job, build nothing")
+    d.add_argument("--fail-target", action="append", metavar="TARGET",
+                   help="make this target's build job fail at its cibuildwheel step (any target of the matrix; "
+                        "repeatable): rehearses a partial release, the others published and this one named")
     a = ap.parse_args(argv)
     return run_main(lambda: _cli(a), prefix="release")
 
@@ -140,8 +143,12 @@ def _cli(a) -> int:
         print(f"tag {a.tag} matches sageattn3 {check_tag(a.tag)}")
     elif a.cmd == "dry-run":
         dr = dry_run(a.dist, verify_pythons=a.verify_python, repo=a.repo, tag=a.tag, only=a.only,
-                     plan_only=a.plan_only)
+                     plan_only=a.plan_only, fail_targets=a.fail_target)
         print("\n" + dr.summary)
+        if dr.missing:
+            print(f"dry run: a partial release: {len(dr.wheels)} target(s) published, {len(dr.missing)} missing "
+                  f"({', '.join(dr.missing)}); artifacts in {a.dist}", file=sys.stderr)
+            return 1
         print(f"dry run complete: artifacts in {a.dist}")
     return 0
 

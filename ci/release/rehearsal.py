@@ -12,16 +12,18 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ci.pip_env import pip_environ
-from ci.release import REPO, ReleaseError
+from ci.release import REPO, ReleaseError, ReleaseInputError
 from ci.release.github_standin import GitHubStandin
 from ci.release.standin import fetch_torch, pytorch_index_standin, standin_dir, standin_needs, standin_serves
-from ci.release.steps import ARTIFACT_PREFIX, check_tag, compile_gate_problem, gather, plan, publish_steps, report, sha256sums
+from ci.release.steps import (ARTIFACT_PREFIX, check_tag, compile_gate_problem, gather_release, plan, publish_steps,
+                              report, rerun_hint, sha256sums)
 from ci.release.torch_resolution import resolve_served_targets, standin_resolutions
 from ci.targets import Matrix
 
@@ -41,6 +43,8 @@ class DryRun:
     summary: str = ""
     jobs: list = field(default_factory=list)  # TargetRehearsal per target
     resolutions: list = field(default_factory=list)  # TorchResolution per served target and role
+    failed_steps: dict[str, str] = field(default_factory=dict)  # target -> the build job's step that failed
+    missing: dict[str, str] = field(default_factory=dict)  # target -> why the release lacks it (as the notes say)
 
     @property
     def artifacts(self) -> Path:
@@ -173,7 +177,7 @@ def _pythons_first(matrix: Matrix, index_url: str, runnable: list[str]) -> None:
 
 def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, repo: str = "sageattn3/sageattn3",
             tag: str | None = None, only: list[str] | None = None, plan_only: bool = False,
-            compile_gate: bool = True, log=print) -> DryRun:
+            compile_gate: bool = True, fail_targets: list[str] | None = None, log=print) -> DryRun:
     """The release rehearsal. plan -> every target's job resolved and checked (all of them,
     also those this machine cannot build) -> for every target whose torch the stand-in serves
     and that is not built here, its build torch and its guard's torch resolved by real pip in
@@ -183,11 +187,23 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
     publish to a local GitHub-REST server -> index + Pages branch -> summary. ``only``: the
     target ids to run (default: every one that can run here); ``plan_only``: stop after the
     checks; ``compile_gate=False`` skips compiling each torch line's unit against its torch
-    headers (ci.compile_gate, tested on its own). Raises ReleaseError when a job's plan has a
-    problem or a target fails (after writing the summary that names it): nothing is published
-    then."""
+    headers (ci.compile_gate, tested on its own); ``fail_targets``: target ids (any of the
+    matrix) whose build job is made to fail at its cibuildwheel step without building, to
+    rehearse a partial release.
+
+    Each build job's outcome goes through ``python -m ci.release outcome`` as in the workflow,
+    and the publish steps get the plan and those outcomes: when some targets fail and at least
+    one verified its wheel, the others are published and the missing ones named (summary,
+    release notes, index page; ``DryRun.missing``). Raises ReleaseError when a job's plan has a
+    problem or no target verified its wheel (after writing the summary that names them):
+    nothing is published then."""
     matrix = Matrix.load()
     dr = DryRun(dist=dist, repo=repo)
+    fail_targets = list(dict.fromkeys(fail_targets or []))
+    unknown_fail = [t for t in fail_targets if t not in {x.id for x in matrix.targets}]
+    if unknown_fail:
+        raise ReleaseInputError(f"--fail-target {' '.join(unknown_fail)}: not a target of ci/targets.toml; list them with "
+                           "`nox -s build-wheels -- --list-targets`")
     dist.mkdir(parents=True, exist_ok=True)
     with pytorch_index_standin() as index_url:
         dr.jobs = rehearse_plan(matrix, index_url, log=log)
@@ -221,10 +237,15 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
         with ThreadPoolExecutor(max_workers=1) as background:
             resolving = background.submit(resolve_served_targets, matrix, index_url, skip=runnable, log=log)
             if runnable:
-                dr.planned = plan(matrix.gha_matrix(), only=runnable, matrix=matrix)
+                dr.planned = plan(matrix.gha_matrix(), only=runnable + fail_targets, matrix=matrix)
                 shutil.rmtree(dr.artifacts, ignore_errors=True)
             for e in dr.planned.get("include", []):
                 log(f"== {e['id']}")
+                if e["id"] in fail_targets:
+                    dr.errors[e["id"]] = "made to fail (--fail-target): its cibuildwheel step exited 1"
+                    dr.failed_steps[e["id"]] = "cibuildwheel"
+                    log(f"!! {e['id']}: {dr.errors[e['id']]}")
+                    continue
                 try:
                     target = matrix.target(e["id"])
                     job = next(r.job for r in dr.jobs if r.id == e["id"])
@@ -240,6 +261,7 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
                         verify_pythons=verify_pythons, log=log)
                 except Exception as exc:  # noqa: BLE001 - a failed target is reported by name
                     dr.errors[e["id"]] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
+                    dr.failed_steps[e["id"]] = "collect" if str(exc).startswith(f"{e['id']}: collect ") else "cibuildwheel"
                     log(f"!! {e['id']}: {dr.errors[e['id']]}")
             dr.resolutions = resolving.result()
         wrong = [r for r in dr.resolutions if r.problem]
@@ -251,17 +273,24 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
         if not runnable:
             raise ReleaseError("no target of the matrix can run here (each job's reason: `nox -s release -- --dry-run "
                                "--plan-only`); the torch specs of those the stand-in serves resolved as expected")
-    build_md, missing = report(dr.planned, dr.artifacts, tag)
+    build_md, failed = report(dr.planned, dr.artifacts, tag)
     parts = [build_md, "", _timing_table(dr), "", _resolution_table(dr), "", _jobs_table(dr)]
-    if missing:
+    outputs = _build_outputs(dr, log=log)
+    if len(failed) == len(dr.planned["include"]):
         dr.summary = "\n".join(parts)
         (dist / "summary.md").write_text(dr.summary)
-        raise ReleaseError(f"dry run: {len(missing)} target(s) failed, nothing published: "
-                           + "; ".join(f"{m}: {dr.errors.get(m, 'no artifact')}" for m in missing))
+        raise ReleaseError(f"dry run: every target failed, nothing published: "
+                           + "; ".join(f"{m}: {dr.errors.get(m, 'no artifact')}" for m in failed))
 
     wheels_dir = dist / "wheels"
     shutil.rmtree(wheels_dir, ignore_errors=True)
-    dr.wheels = gather(dr.planned, dr.artifacts, wheels_dir)
+    plan_file, outputs_file = dist / "plan.json", dist / "build-outputs.json"
+    plan_file.write_text(json.dumps(dr.planned))
+    outputs_file.write_text(json.dumps(outputs, indent=1, sort_keys=True))
+    gathered = gather_release(dr.planned, dr.artifacts, wheels_dir, outputs)
+    dr.wheels, dr.missing = gathered.wheels, gathered.missing
+    for target, why in dr.missing.items():
+        log(f"[gather] not published: {target}: {why}")
     from ci.record import BuildRecord, record_path
 
     version = BuildRecord.load(record_path(dr.wheels[0])).version.split("+")[0]
@@ -282,9 +311,9 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
         shutil.rmtree(index_dir, ignore_errors=True)
         # built here, not by the release's runners: their records name this machine's index
         dr.publish_log = publish_steps(wheels_dir, index_dir, fake.api_url, repo, dr.tag, token, log=log,
-                                       allow_local_build=True)
+                                       allow_local_build=True, plan=plan_file, build_outputs=outputs_file)
         rel = fake.release_by_tag(repo, dr.tag)
-        state = {"tag": dr.tag, "draft": [r["draft"] for r in rel],
+        state = {"tag": dr.tag, "draft": [r["draft"] for r in rel], "missing": dr.missing,
                  "assets": {n: hashlib.sha256(b).hexdigest() for r in rel
                             for n, b in sorted(fake.asset_files(repo, r["id"]).items())}}
         (dist / "release.json").write_text(json.dumps(state, indent=2, sort_keys=True))
@@ -292,7 +321,13 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
         if own:
             fake.__exit__(None, None, None)
     parts += ["", f"### Published {dr.tag} (local GitHub-REST server)", "",
-              *[f"- {ln}" for ln in dr.publish_log], "", "### Install", ""]
+              *[f"- {ln}" for ln in dr.publish_log]]
+    if dr.missing:
+        parts += ["", f"### Missing from {dr.tag} ({len(dr.missing)} of {len(dr.planned['include'])} targets; "
+                      "named in the release notes and on the index page)", "",
+                  *[f"- `{t}`: {why}" for t, why in dr.missing.items()], "",
+                  rerun_hint(list(dr.missing), dr.tag)]
+    parts += ["", "### Install", ""]
     for w in dr.wheels:
         rec = BuildRecord.load(record_path(w))
         parts.append(f"- `{rec.target}`: `pip install --no-deps sageattn3 --index-url "
@@ -300,6 +335,34 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
     dr.summary = "\n".join(parts) + "\n"
     (dist / "summary.md").write_text(dr.summary)
     return dr
+
+
+def _build_outputs(dr: DryRun, log=print) -> dict[str, str]:
+    """Every planned build job's output, made as build-target.yml makes it: ``python -m
+    ci.release outcome`` with the job's steps (cibuildwheel, collect) and its artifact folder."""
+    outputs: dict[str, str] = {}
+    for e in dr.planned.get("include", []):
+        tid = e["id"]
+        failed = dr.failed_steps.get(tid)
+        outcome = {"cibuildwheel": "success", "collect": "success"}
+        if failed == "cibuildwheel":
+            outcome = {"cibuildwheel": "failure", "collect": "skipped"}
+        elif failed:
+            outcome[failed] = "failure"
+        steps = {sid: {"outcome": o, "conclusion": o, "outputs": {}} for sid, o in outcome.items()}
+        art = dr.artifacts / f"{ARTIFACT_PREFIX}{tid}"
+        art.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("r", suffix=".out") as gh_out:
+            proc = subprocess.run([sys.executable, "-m", "ci.release", "outcome", "--target", tid,
+                                   "--steps", json.dumps(steps), "--artifact", str(art), "--github-output", gh_out.name],
+                                  cwd=REPO, capture_output=True, text=True, env=pip_environ(sources=False))
+            line = Path(gh_out.name).read_text().strip()
+        key, _, value = line.partition("=")
+        if proc.returncode != 0:
+            log(f"!! {tid}: outcome: {proc.stderr.strip()[-500:]}")
+        log(f"[outcome] {line}")
+        outputs[key] = value
+    return outputs
 
 
 def _jobs_table(dr: DryRun) -> str:
