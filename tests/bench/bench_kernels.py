@@ -22,6 +22,10 @@
    sageattn3_blackwell on the FP4 path (batch 1, 24 heads, 1024 tokens, D 128; the MMA-model
    flavour on an H100) and for preprocess, with the parts of the FP4 call (the returned tensors
    are freed after the clock stops).
+   Then, per Q·Kᵀ precision ("fp4", "auto", "fp8") and sequence length (128 to 16384 tokens;
+   batch 1, 8 heads, D 128, bf16), the host time of one call made with an empty GPU queue
+   (synchronised before each call) beside torch SDPA's: the target is SDPA + 50 us at every
+   length, flat in the length (a call that waited for the GPU would grow with it).
    `--host` runs this section alone, `--preprocess` sections 2 and 4.
 Times are medians of CUDA-event-timed runs after warm-up."""
 
@@ -227,7 +231,54 @@ def bench_host() -> int:
     for name, fn in rows:
         print(f"  {name:40s} {host_us(fn):8.1f} us")
     del q, k, v
+    if path.startswith("fp4"):
+        bench_host_empty_queue()
     return 0
+
+
+def host_us_empty_queue(fn, calls=100):
+    """Median CPU time of one call in microseconds, the GPU idle when each call starts. The wait
+    for the previous call's work spins on the host (``Stream.query``) rather than blocking in
+    ``torch.cuda.synchronize``: a CPU that slept through a long GPU wait runs the next call on a
+    lower clock, and its host time then grows with the last call's GPU time (seen on the H200
+    host: 121, 440 and 624 us for the same FP4 call at 128, 1024 and 8192 tokens)."""
+    import time
+
+    for _ in range(3):
+        fn()
+    stream = torch.cuda.current_stream()
+    times = []
+    for _ in range(calls):
+        while not stream.query():
+            pass
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+        del out
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def bench_host_empty_queue() -> None:
+    import sageattn3
+
+    precisions = ("fp4", "auto", "fp8")
+    print("\n   host time of one call, empty GPU queue (batch 1, 8 heads, D 128, bf16; median of 100), "
+          "and its excess over SDPA (target <= 50 us)")
+    print(f"   {'tokens':>7s} {'SDPA':>8s} " + " ".join(f"{p:>8s} {'excess':>7s}" for p in precisions))
+    worst = {}
+    for s in (128, 1024, 4096, 16384):
+        q, k, v = (torch.randn(1, 8, s, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        base = host_us_empty_queue(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+        cells = []
+        for p in precisions:
+            t = host_us_empty_queue(lambda p=p: sageattn3.sageattn3_blackwell(q, k, v, qk_precision=p))
+            worst[p] = max(worst.get(p, 0.0), t - base)
+            cells.append(f"{t:8.1f} {t - base:+7.1f}")
+        print(f"   {s:7d} {base:8.1f} " + " ".join(cells))
+        del q, k, v
+    print("   worst excess over SDPA: " + ", ".join(f"{p} {w:+.1f} us" for p, w in worst.items())
+          + ("  (within SDPA + 50 us)" if max(worst.values()) <= 50 else "  (ABOVE SDPA + 50 us)"))
 
 
 def bench_attention() -> int:
