@@ -114,8 +114,10 @@ def test_verify_used_the_targets_torch_from_the_standin_in_its_oldest_python(rel
     assert guard and TARGET.job.foreign.version in guard[0] and "TorchMismatchError" in guard[0]
     summary = (dr.dist / "summary.md").read_text()
     assert f"| `{t.id}` |" in summary and "built + verified" in summary
-    # every job but those this machine can run (the rehearsed one, and any other that could)
-    assert summary.count("planned only: ") == sum(1 for r in dr.jobs if not r.runs_here)
+    # every job but those this machine can run (the rehearsed one, and any other that could) and
+    # the one made to fail
+    assert summary.count("planned only: ") == sum(1 for r in dr.jobs if not r.runs_here and r.id != FAILING)
+    assert f"| `{FAILING}` |" in summary and summary.count("| FAILED |") == 1
 
 
 def test_the_release_is_published_complete_with_checksums(released):
