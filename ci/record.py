@@ -206,6 +206,11 @@ def check_wheel(wheel: Path, rec: BuildRecord, project: str = "sageattn3", sha25
     platforms = sorted({t.platform for t in tags})
     if not all(os_re.match(p) for p in platforms):
         raise _differ(name, "os", rec.os, ".".join(platforms), "the file name's platform tag")
+    floor = re.search(r"(?:^|,)\s*>=\s*(\d+)\.(\d+)\s*(?:,|$)", rec.requires_python)
+    pythons = sorted({t.interpreter for t in tags})
+    if floor is None or pythons != [f"cp{floor.group(1)}{floor.group(2)}"]:
+        raise _differ(name, "requires_python", rec.requires_python, ".".join(pythons),
+                      "the file name's Python tag (the factory tags a wheel cpXY for its floor >=X.Y)")
 
     try:
         z = zipfile.ZipFile(wheel)

@@ -11,14 +11,18 @@ What it refuses, naming the wheel and the member or the name:
    with the higher build tag, so a stray ``-1-`` wins over the real one).
 2. A member whose path could land outside the install directory, or that installers read
    differently: absolute (``/x``), a drive letter (``C:x``), a backslash, a ``..`` or ``.``
-   segment or an empty one (``a//b``), a control character; and two members of the same name
-   (also when they differ only in case: one file on Windows and macOS).
+   segment or an empty one (``a//b``), a control character; a name Windows reads as another
+   (a ``:``, which names an alternate data stream; a segment ending in ``.`` or a space, which
+   Windows drops; a reserved device name such as ``CON`` or ``NUL.txt``); and two members of the
+   same name (also when they differ only in case: one file on Windows and macOS).
 3. A member outside the project's own folders: its package (``sageattn3/``), the libraries
    auditwheel and delvewheel graft beside it (``sageattn3.libs/``) and its own
    ``<name>-<version>.dist-info/``. Nothing else: no ``.pth`` beside site-packages, no
    ``.data/scripts``.
-4. Two wheels of one set whose (project, version) agree and whose tags overlap: pip would take
-   either for that tag (:func:`check_distinct`).
+4. Two wheels of one set whose (project, version) agree and that are for the same operating
+   system and machine (``manylinux_2_28_x86_64`` and ``manylinux_2_17_x86_64``, or ``cp310-abi3``
+   and ``cp311-abi3`` of one platform): the factory makes one wheel per target, and pip would
+   take either where both install (:func:`check_distinct`).
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ def check_name(name: str, project: str) -> WheelName:
 
 _DRIVE = re.compile(r"^[A-Za-z]:")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# names Windows opens as devices, whatever the extension (CON, con.txt, COM1.py)
+_DEVICE = re.compile(r"^(con|prn|aux|nul|com[0-9¹²³]|lpt[0-9¹²³])(\..*)?$", re.IGNORECASE)
 
 
 def member_problem(member: str, allowed_tops: tuple[str, ...]) -> str | None:
@@ -102,6 +108,12 @@ def member_problem(member: str, allowed_tops: tuple[str, ...]) -> str | None:
         return "a '..' segment (it would be written outside the install directory)"
     if "." in segments or "" in segments:
         return "an empty or '.' segment (not a normalised path)"
+    if ":" in member:
+        return "a ':' in its path (on Windows an alternate data stream of another file)"
+    if any(seg.endswith((".", " ")) for seg in segments):
+        return "a path segment ending in '.' or a space (Windows drops it: the name of another file)"
+    if any(_DEVICE.match(seg) for seg in segments):
+        return "a reserved Windows device name (CON, PRN, AUX, NUL, COM1-9, LPT1-9) in its path"
     if segments[0] not in allowed_tops and segments[0].endswith(".dist-info"):
         return (f"a .dist-info folder other than the one its file name needs ({allowed_tops[-1]}/): "
                 "another project's or version's metadata")
@@ -144,19 +156,26 @@ def check_wheel_file(path: Path, project: str) -> WheelName:
     return name
 
 
+def platform_family(tag: Tag) -> str:
+    """The operating system and machine a platform tag is for: ``linux_x86_64`` for every
+    manylinux/musllinux/linux tag of x86_64, the tag itself elsewhere (``win_amd64``)."""
+    m = re.match(r"^(?:many|musl)?linux(?:_\d+_\d+|1|2010|2014)?_(.+)$", tag.platform)
+    return f"linux_{m.group(1)}" if m else tag.platform
+
+
 def check_distinct(names: Iterable[str], where: str = "") -> None:
-    """No two wheels of the same project and version whose tags overlap (file names that are
-    not wheels are skipped: :func:`check_name` refuses them where they matter)."""
-    seen: dict[tuple[str, Version], list[tuple[str, frozenset[Tag]]]] = {}
+    """No two wheels of the same project and version for the same operating system and
+    machine, whatever their Python, ABI or glibc tags (file names that are not wheels are
+    skipped: :func:`check_name` refuses them where they matter)."""
+    seen: dict[tuple[str, Version, str], str] = {}
     for n in sorted(set(names)):
         try:
             dist, version, _build, tags = parse_wheel_filename(n)
         except (InvalidWheelFilename, InvalidVersion):
             continue
-        key = (str(dist), version)
-        for other, other_tags in seen.get(key, []):
-            shared = sorted(str(t) for t in tags & other_tags)
-            if shared:
-                raise UnsafeWheel(f"{n}: the same project, version ({version}) and tag ({shared[0]}) as {other}"
-                                  f"{' ' + where if where else ''}: pip would pick either; keep one of them")
-        seen.setdefault(key, []).append((n, frozenset(tags)))
+        for family in sorted({platform_family(t) for t in tags}):
+            other = seen.setdefault((str(dist), version, family), n)
+            if other != n:
+                raise UnsafeWheel(f"{n}: the same project and version ({version}) for the same platform ({family}) "
+                                  f"as {other}{' ' + where if where else ''}: the factory makes one wheel per target, "
+                                  "and pip would pick either where both install; keep the one its build made")

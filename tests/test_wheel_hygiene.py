@@ -113,6 +113,37 @@ def doctor_duplicate_tags(w: Path) -> list[Path]:
     return [w, Path(new)]
 
 
+def _retagged(python: str | None = None, platform: str | None = None):
+    """The real wheel and a consistent copy under other tags of the same platform (another
+    Python tag, or an older manylinux): pip on a machine both fit picks one of them."""
+    def doctor(w: Path) -> list[Path]:
+        parts = w.name[:-4].split("-")
+        py, plat = python or parts[2], platform or parts[4]
+        name = "-".join(parts[:2] + [py, parts[3], plat]) + ".whl"
+        info = f"{parts[0]}-{parts[1]}.dist-info"
+        work = w.parent / "tmp"
+        work.mkdir()
+        shutil.copy2(w, work / w.name)
+        new = rewrite_wheel(work / w.name, {f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: x\nRoot-Is-Purelib: "
+                                            f"false\nTag: {py}-{parts[3]}-{plat}\n".encode()}, new_name=name)
+        dest = Path(shutil.move(str(new), str(w.parent / name)))
+        shutil.copy2(record_path(w), record_path(dest))
+        shutil.rmtree(work)
+        _resync(dest)
+        return [w, dest]
+    doctor.__name__ = f"shadow {python or platform}"
+    return doctor
+
+
+def doctor_lone_python_tag(w: Path) -> list[Path]:
+    """Only the cp311 copy, the real wheel gone: a consistent wheel with a Python tag the
+    factory never gives a floor of 3.10."""
+    _, dest = _retagged(python="cp311")(w)
+    w.unlink()
+    record_path(w).unlink()
+    return [dest]
+
+
 DOCTORS = [
     (_member("../evil.pth"), "'../evil.pth': a '..' segment"),
     (_member("/tmp/evil.pth"), "'/tmp/evil.pth': an absolute path"),
@@ -126,7 +157,13 @@ DOCTORS = [
     (doctor_case_duplicate, "'sageattn3/__INIT__.py': the same name as 'sageattn3/__init__.py' but for case"),
     (doctor_case_variant_project, "file name: project 'SageAttn3', the factory writes 'sageattn3'"),
     (doctor_build_tag, "file name: build tag '1'"),
-    (doctor_duplicate_tags, "the same project, version (0.1.0+cu130.torch2.10.stable) and tag"),
+    (doctor_duplicate_tags, "the same project and version (0.1.0+cu130.torch2.10.stable) for the same platform"),
+    (_retagged(python="cp311"), "the file name's Python tag (the factory tags a wheel cpXY for its floor"),
+    (_retagged(platform="manylinux_2_17_x86_64"), "for the same platform (linux_x86_64)"),
+    (doctor_lone_python_tag, "requires_python: the beside-record says '>=3.10', the file name's Python tag"),
+    (_member("sageattn3/__init__.py:evil"), "'sageattn3/__init__.py:evil': a ':' in its path"),
+    (_member("sageattn3/__init__.py."), "'sageattn3/__init__.py.': a path segment ending in '.'"),
+    (_member("sageattn3/CON.py"), "'sageattn3/CON.py': a reserved Windows device name"),
 ]
 IDS = [d.__name__ for d, _ in DOCTORS]
 
@@ -242,7 +279,7 @@ def test_the_index_refuses_a_wheel_that_shadows_one_it_already_serves(wheels, tm
     _, shadow = doctor_duplicate_tags(later / real.name)
     (later / real.name).unlink()
     record_path(later / real.name).unlink()
-    with pytest.raises(ix.IndexError_, match=r"the same project, version .* and tag .* as .*already in"):
+    with pytest.raises(ix.IndexError_, match=r"the same project and version .* for the same platform .* as .*already in"):
         ix.write_index(load_records(later), later, out)
     assert (out / "index.json").read_bytes() == before
 
