@@ -23,7 +23,7 @@ import pytest
 
 from ci.publish.__main__ import main as publish_main
 from ci.publish.notes import BEGIN
-from ci.record import BuildRecord, record_path
+from ci.record import BuildRecord, load_records, record_path
 from ci.release.provenance import output_key
 from conftest_publish import REPO, rewrite_wheel, sage_wheel
 from ci.release.github_standin import GitHubStandin
@@ -123,11 +123,19 @@ def test_a_wheel_built_outside_the_release_pipeline_needs_an_explicit_flag(tmp_p
         gh.add_repo(FULL)
         args = ["github", "--tag", "v0.1.0", "--repo", FULL, "--wheels", str(wheels), "--api-url", gh.api_url,
                 "--write-interval", "0"]
+        # without the build jobs' outputs nothing vouches for any wheel (an index URL is just text)
         rc = publish_main(args)
+        err = capsys.readouterr().err
+        assert rc == 2 and "no --build-outputs" in err and "--allow-local-build" in err, err
+        # vouched for by a build job's hash, but its record names a local index
+        (rec,) = load_records(wheels)
+        vouched = ["--plan", json.dumps({"include": [{"id": rec.target, "variant": rec.variant}]}),
+                   "--build-outputs", json.dumps({output_key(rec.target): f"sha256:{rec.sha256}"})]
+        rc = publish_main([*args, *vouched])
         err = capsys.readouterr().err
         assert rc == 2 and "built outside the release pipeline" in err and "--allow-local-build" in err, err
         assert gh.count() == 0
-        assert publish_main([*args, "--allow-local-build"]) == 0
+        assert publish_main([*args, *vouched, "--allow-local-build"]) == 0
         assert gh.release_by_tag(FULL, "v0.1.0")[0]["draft"] is False
 
 

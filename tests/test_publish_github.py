@@ -54,7 +54,9 @@ def wheels(tmp_path) -> Path:
 
 
 def opts(gh: GitHubStandin, wheels: Path, **kw) -> ReleaseOptions:
-    base = dict(repo=FULL, tag="v1.0.0", wheels=wheels, api_url=gh.api_url, retry=FAST, write_interval=0, concurrency=3)
+    # these tests publish the stand-in's own wheels: no build job's outputs vouch for them
+    base = dict(repo=FULL, tag="v1.0.0", wheels=wheels, api_url=gh.api_url, retry=FAST, write_interval=0, concurrency=3,
+                allow_local_build=True)
     base.update(kw)
     return ReleaseOptions(**base)
 
@@ -97,7 +99,7 @@ def test_publish_then_rerun_makes_zero_uploads(gh, wheels):
 
 def test_dry_run_prints_the_plan_and_writes_nothing(gh, wheels, capsys):
     p = subprocess.run([sys.executable, "-m", "ci.publish", "--tag", "v1.0.0", "--repo", FULL, "--api-url", gh.api_url,
-                        "--wheels", str(wheels), "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                        "--wheels", str(wheels), "--dry-run", "--allow-local-build"], cwd=REPO, capture_output=True, text=True, timeout=60,
                        env={**os.environ, "GITHUB_TOKEN": TOKEN})
     assert p.returncode == 0, p.stderr
     assert "create   release v1.0.0" in p.stdout and p.stdout.count("upload   ") == 6 and "write    SHA256SUMS" in p.stdout
@@ -262,7 +264,7 @@ def test_abort_by_exception_midway_then_resume(gh, wheels, monkeypatch):
 def _cli(gh, wheels, *extra, env=None):
     e = {**os.environ, "GITHUB_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1", **(env or {})}
     return [sys.executable, "-m", "ci.publish", "github", "--tag", "v1.0.0", "--repo", FULL, "--api-url", gh.api_url,
-            "--wheels", str(wheels), "--write-interval", "0", "--backoff", "0.01", *extra], e
+            "--wheels", str(wheels), "--write-interval", "0", "--backoff", "0.01", "--allow-local-build", *extra], e
 
 
 def test_process_killed_midway_then_resume(gh, wheels):

@@ -115,7 +115,7 @@ def test_the_cli_waits_out_a_primary_rate_limit_reset(tmp_path):
         gh.add_repo(FULL)
         env = {**os.environ, "GITHUB_TOKEN": TOKEN}
         cmd = [sys.executable, "-m", "ci.publish", "github", "--tag", "v1.0.0", "--repo", FULL, "--api-url", gh.api_url,
-               "--wheels", str(wheels), "--write-interval", "0"]
+               "--wheels", str(wheels), "--write-interval", "0", "--allow-local-build"]
         gh.inject("ratelimit", "POST", r"^/api/uploads/", times=1, retry_after=1)
         gh.inject("ratelimit", "GET", r"/releases", times=1, retry_after=60)
         p = subprocess.run([*cmd, "--retry-budget", "30"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

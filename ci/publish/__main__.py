@@ -66,7 +66,8 @@ def _github(argv: list[str], out) -> int:
     ap.add_argument("--plan", default=None, metavar="JSON",
                     help="the planned targets (or @file): those without a wheel are named in the release notes")
     ap.add_argument("--allow-local-build", action="store_true",
-                    help="publish wheels whose build record names a local index (built outside the release pipeline)")
+                    help="publish wheels that no build job vouches for: without --build-outputs, or whose build record "
+                         "names a local index (built outside the release pipeline)")
     _retry_args(ap)
     a = ap.parse_args(argv)
     check_api_url(a.api_url)

@@ -147,10 +147,16 @@ def built_outside_pipeline(index_url: str) -> bool:
 
 def check_for_release(records, build_outputs: str | dict | None, plan: dict | None,
                       allow_local_build: bool) -> dict[str, str]:
-    """What ``publish github`` refuses before any request, beyond the wheels' own checks: a
-    wheel built outside the release pipeline (unless ``allow_local_build``), and, given the
-    build jobs' outputs, a wheel that is not the one its job verified. Returns the planned
+    """What ``publish github`` refuses before any request, beyond the wheels' own checks: wheels
+    that no build job's outputs vouch for (no ``build_outputs``) and a wheel built outside the
+    release pipeline, both unless ``allow_local_build``, and, given the build jobs' outputs, a
+    wheel that is not the one its job verified. Returns the planned
     targets without a wheel here: target id -> why (for the release notes)."""
+    if build_outputs is None and not allow_local_build:
+        raise ProvenanceError("no --build-outputs: nothing ties these wheels to the build jobs that verified them "
+                              "(a record's index URL can be written anywhere); pass the release run's build outputs "
+                              "with --plan and --build-outputs (release.yml does), or --allow-local-build to publish "
+                              "wheels that no build job vouches for")
     for rec in records:
         if built_outside_pipeline(rec.index_url) and not allow_local_build:
             raise ProvenanceError(f"{rec.wheel}: index_url {rec.index_url!r}: its build record says it was built "
