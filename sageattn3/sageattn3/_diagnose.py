@@ -388,14 +388,14 @@ def device_report(index: int, quick: bool, run_accuracy: bool, run_speed: bool) 
     rep["path"] = api.backend(dev, 128)
     rep["path_d64"] = api.backend(dev, 64)
     failed = _selfcheck.failure(dev)
-    fp4 = not raw.startswith("sdpa") or failed is not None
+    fp4 = raw.is_fp4 or failed is not None
     rep["fp4"] = fp4
-    model = raw.startswith("fp4-model") or (fp4 and _kernels.mma_model_build())
+    model = (raw.is_fp4 and raw.model) or (fp4 and _kernels.mma_model_build())
     if model:
         rep["flavour"] = (f"MMA-model test flavour: the FP4 MMA runs as a software model on this GPU "
                           f"({_kernels.FORCE_FP4_ENV}=1); accuracy is meaningful, speed is not ({MODEL_LABEL})")
     if not fp4:
-        rep["why_not_fp4"] = raw.removeprefix("sdpa: ")
+        rep["why_not_fp4"] = raw.reason
         return rep
     try:
         r = _selfcheck.ensure(dev, api._fp4_attention)
