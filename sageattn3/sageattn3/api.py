@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -77,41 +78,72 @@ def _check_qkv(q, k, v) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _attention_path(device: torch.device, head_dim: int | None = None) -> str:
-    """"fp4-sm120" / "fp4-sm121" (the FP4 kernel), "fp4-model-sm90" (the MMA-model test flavour,
-    forced with SAGEATTN3_FORCE_FP4=1), or "sdpa: <why>"."""
+@dataclass(frozen=True)
+class AttentionPath:
+    """The path a (device, head dim) takes: the FP4 kernel, or torch SDPA and why.
+
+    ``str()`` is what ``backend()`` reports: "fp4-sm120" / "fp4-sm121" (the FP4 kernel),
+    "fp4-model-sm90" (the MMA-model test flavour, forced with SAGEATTN3_FORCE_FP4=1), or
+    "sdpa: <reason>"."""
+
+    kind: Literal["fp4", "sdpa"]
+    reason: str = ""  # sdpa: why not the FP4 kernel
+    arch: str = ""  # fp4: the GPU's "sm120", "sm121" (or "sm90" with the MMA model)
+    model: bool = False  # fp4: the MMA-model test flavour runs the FP4 MMA as a software model
+
+    @classmethod
+    def fp4(cls, cc: tuple[int, int], model: bool = False) -> AttentionPath:
+        return cls("fp4", arch=f"sm{cc[0]}{cc[1]}", model=model)
+
+    @classmethod
+    def sdpa(cls, reason: str) -> AttentionPath:
+        return cls("sdpa", reason=reason)
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.kind == "fp4"
+
+    def __str__(self) -> str:
+        if self.kind == "sdpa":
+            return f"sdpa: {self.reason}"
+        return f"fp4-model-{self.arch}" if self.model else f"fp4-{self.arch}"
+
+
+def _attention_path(device: torch.device, head_dim: int | None = None) -> AttentionPath:
+    """The path ``sageattn3_blackwell`` takes for ``device`` and ``head_dim`` (None: any
+    supported head dim)."""
     if device.type != "cuda":
-        return "sdpa: CPU tensors" if device.type == "cpu" else f"sdpa: {device.type} tensors"
+        return AttentionPath.sdpa("CPU tensors" if device.type == "cpu" else f"{device.type} tensors")
     cc = _kernels.device_cc(device)
     arch = f"sm_{cc[0]}{cc[1]}"
     forced = False
     if cc not in _kernels.FP4_MMA_CCS:
         why = f"{arch} has no FP4 MMA (the FP4 path needs sm_120/sm_121)"
         if not _kernels.force_fp4_requested():
-            return f"sdpa: {why}"
+            return AttentionPath.sdpa(why)
         if not _kernels.mma_model_build():
-            return (f"sdpa: {why}; {_kernels.FORCE_FP4_ENV}=1 is ignored: it only applies to the MMA-model "
-                    "test flavour, and this wheel is a normal build")
+            return AttentionPath.sdpa(f"{why}; {_kernels.FORCE_FP4_ENV}=1 is ignored: it only applies to the "
+                                      "MMA-model test flavour, and this wheel is a normal build")
         forced = True
     why = _kernels.kernels_run_on(device)
     if why is not None:
-        return f"sdpa: {why}"
+        return AttentionPath.sdpa(why)
     if not _kernels.has_attention_kernel():
-        return f"sdpa: the FP4 attention kernel is not in this build yet ({arch} quantization kernels available)"
+        return AttentionPath.sdpa(f"the FP4 attention kernel is not in this build yet ({arch} quantization kernels "
+                                  "available)")
     if head_dim is not None and head_dim not in _kernels.ATTN_HEAD_DIMS:
-        return f"sdpa: head_dim {head_dim} is not supported by the FP4 kernel ({'/'.join(map(str, _kernels.ATTN_HEAD_DIMS))})"
+        return AttentionPath.sdpa(f"head_dim {head_dim} is not supported by the FP4 kernel "
+                                  f"({'/'.join(map(str, _kernels.ATTN_HEAD_DIMS))})")
     failed = _selfcheck.failure(device)
     if failed is not None:
-        return f"sdpa: {_selfcheck.fallback_reason(failed)}"
-    if forced:
-        return f"fp4-model-sm{cc[0]}{cc[1]}"
-    return f"fp4-sm{cc[0]}{cc[1]}"
+        return AttentionPath.sdpa(_selfcheck.fallback_reason(failed))
+    return AttentionPath.fp4(cc, model=forced)
 
 
-def _explain(path: str, device: torch.device) -> str:
+def _explain(path: AttentionPath, device: torch.device) -> str:
     """What backend() adds to an FP4 path: which flavour runs, and the self-check's state."""
     notes = []
-    if path.startswith("fp4-model"):
+    if path.model:
         notes.append(f"{_kernels.FORCE_FP4_ENV}=1 with the MMA-model test flavour: the FP4 MMA runs as a software "
                      "model (for testing the wiring; not fast, not for production)")
     elif _kernels.mma_model_build():
@@ -120,23 +152,30 @@ def _explain(path: str, device: torch.device) -> str:
     return f"{path} ({'; '.join(notes)})"
 
 
-def backend(device=None, head_dim: int | None = None) -> str:
-    """Which path ``sageattn3_blackwell`` takes on ``device`` (default: the current CUDA
-    device, or CPU without CUDA) and why: "fp4-sm120 (self-check ...)", or "sdpa: <reason>".
-    The MMA-model test flavour with SAGEATTN3_FORCE_FP4=1 on a GPU without FP4 MMA (an H100):
-    "fp4-model-sm90 (...)"."""
+def _device(device) -> torch.device:
+    """``device`` as a torch.device with its index (default: the current CUDA device, or CPU
+    without CUDA)."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def backend(device=None, head_dim: int | None = None) -> str:
+    """Which path ``sageattn3_blackwell`` takes on ``device`` (default: the current CUDA
+    device, or CPU without CUDA) and why: "fp4-sm120 (self-check ...)", or "sdpa: <reason>".
+    The MMA-model test flavour with SAGEATTN3_FORCE_FP4=1 on a GPU without FP4 MMA (an H100):
+    "fp4-model-sm90 (...)"."""
+    device = _device(device)
     path = _attention_path(device, head_dim)
-    return path if path.startswith("sdpa") else _explain(path, device)
+    return _explain(path, device) if path.is_fp4 else str(path)
 
 
 def is_available(device=None) -> bool:
     """True when ``sageattn3_blackwell`` runs the FP4 kernel on ``device``."""
-    return not backend(device).startswith("sdpa")
+    return _attention_path(_device(device), None).is_fp4
 
 
 def _warn_once(reason: str, stacklevel: int = 3) -> None:
@@ -159,10 +198,9 @@ def _decide(device: torch.device, head_dim: int) -> str | None:
     self-check. Remembered unless it could not be final (the self-check postponed because the
     stream is being captured into a CUDA graph)."""
     path = _attention_path(device, head_dim)
-    if path.startswith("sdpa"):
-        reason = path.removeprefix("sdpa: ")
-        _paths[(device, head_dim)] = reason
-        return reason
+    if not path.is_fp4:
+        _paths[(device, head_dim)] = path.reason
+        return path.reason
     res = _selfcheck.ensure(device, _fp4_attention)
     if res is not None and not res.ok:
         reason = _selfcheck.fallback_reason(res)
@@ -326,8 +364,8 @@ def _compile_path(device: torch.device) -> bool:
     the device queries never enter the graph; the one warning for the SDPA fallback is given
     here, at compile time. A failed self-check still falls back, inside the op."""
     path = _attention_path(device, None)
-    if path.startswith("sdpa"):
-        _warn_once(path.removeprefix("sdpa: "), stacklevel=2)
+    if not path.is_fp4:
+        _warn_once(path.reason, stacklevel=2)
         return False
     return True
 
@@ -453,8 +491,8 @@ def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool 
         )
     _check_qkv(q, k, v)
     path = _attention_path(q.device, q.shape[3])
-    if path.startswith("sdpa"):
-        raise RuntimeError(f"sageattn3.blockscaled_fp4_attn cannot run here: {path.removeprefix('sdpa: ')}")
+    if not path.is_fp4:
+        raise RuntimeError(f"sageattn3.blockscaled_fp4_attn cannot run here: {path.reason}")
     if q.shape[2] == 0 or q.shape[0] == 0 or q.shape[1] == 0:
         return q.new_empty(q.shape)
     if not _checked(q.device):

@@ -165,8 +165,8 @@ def _fill(path: Path, start: str, end: str, text: str) -> None:
 # What the table was computed from: the reference, the cases and this generator (their syntax
 # trees: comments do not count), with the table itself. Stored beside the table; a test
 # recomputes it, so a table edited by hand, or left behind by a change of what computes it, fails.
-DIGEST_SOURCES = (ROOT / "sageattn3" / "sageattn3" / "reference.py", ROOT / "tests" / "attention_cases.py",
-                  Path(__file__).resolve())
+DIGEST_SOURCES = (*sorted((ROOT / "sageattn3" / "sageattn3" / "reference").glob("*.py")),
+                  ROOT / "tests" / "attention_cases.py", Path(__file__).resolve())
 DIGEST = re.compile(r"<!-- accuracy-digest: ([0-9a-f]{64}) -->\n?")
 
 

@@ -97,8 +97,8 @@ def fp4_on_cpu(monkeypatch):
     def path(device, head_dim=None):
         failed = _selfcheck.failure(device)
         if failed is not None:
-            return f"sdpa: {_selfcheck.fallback_reason(failed)}"
-        return "fp4-sm120"
+            return api.AttentionPath.sdpa(_selfcheck.fallback_reason(failed))
+        return api.AttentionPath.fp4((12, 0))
 
     monkeypatch.setattr(api, "_attention_path", path)
     monkeypatch.setattr(api, "_fp4_attention", kern)

@@ -46,7 +46,7 @@ def gpu(monkeypatch, cc, *, model=False, runs=None, attn=True):
 @pytest.mark.parametrize("d", [64, 128, None])
 def test_sm120_family_takes_fp4(monkeypatch, cc, want, d):
     gpu(monkeypatch, cc)
-    assert api._attention_path(CUDA0, d) == want
+    assert str(api._attention_path(CUDA0, d)) == want
     assert sageattn3.backend(CUDA0, d) == f"{want} (self-check runs on the first call)"
     assert sageattn3.is_available(CUDA0)
 
@@ -54,14 +54,14 @@ def test_sm120_family_takes_fp4(monkeypatch, cc, want, d):
 @pytest.mark.parametrize("d", [32, 80, 96, 256])
 def test_unsupported_head_dim_falls_back(monkeypatch, d):
     gpu(monkeypatch, (12, 0))
-    assert api._attention_path(CUDA0, d) == f"sdpa: head_dim {d} is not supported by the FP4 kernel (64/128)"
+    assert str(api._attention_path(CUDA0, d)) == f"sdpa: head_dim {d} is not supported by the FP4 kernel (64/128)"
 
 
 @pytest.mark.parametrize("cc", [(9, 0), (10, 0), (10, 3), (8, 9), (11, 0)])
 def test_other_gpus_fall_back(monkeypatch, cc):
     gpu(monkeypatch, cc)
     want = f"sdpa: sm_{cc[0]}{cc[1]} has no FP4 MMA (the FP4 path needs sm_120/sm_121)"
-    assert api._attention_path(CUDA0, 128) == want
+    assert str(api._attention_path(CUDA0, 128)) == want
     assert sageattn3.backend(CUDA0) == want
     assert not sageattn3.is_available(CUDA0)
 
@@ -69,7 +69,7 @@ def test_other_gpus_fall_back(monkeypatch, cc):
 def test_force_needs_the_model_flavour(monkeypatch):
     gpu(monkeypatch, (9, 0), model=False)
     monkeypatch.setenv(_kernels.FORCE_FP4_ENV, "1")
-    path = api._attention_path(CUDA0, 128)
+    path = str(api._attention_path(CUDA0, 128))
     assert path.startswith("sdpa: sm_90 has no FP4 MMA") and "SAGEATTN3_FORCE_FP4=1 is ignored" in path
     assert "normal build" in path
 
@@ -78,19 +78,32 @@ def test_force_needs_the_model_flavour(monkeypatch):
 def test_force_routes_sm90_through_the_model(monkeypatch, value, forced):
     gpu(monkeypatch, (9, 0), model=True)
     monkeypatch.setenv(_kernels.FORCE_FP4_ENV, value)
-    path = api._attention_path(CUDA0, 64)
+    path = str(api._attention_path(CUDA0, 64))
     assert (path == "fp4-model-sm90") is forced
     if forced:
         b = sageattn3.backend(CUDA0)
         assert b.startswith("fp4-model-sm90 (") and "software model" in b and "self-check" in b
-        assert api._attention_path(CUDA0, 96).startswith("sdpa: head_dim 96")
+        assert str(api._attention_path(CUDA0, 96)).startswith("sdpa: head_dim 96")
     else:
         assert path == "sdpa: sm_90 has no FP4 MMA (the FP4 path needs sm_120/sm_121)"
 
 
+def test_the_path_is_a_value(monkeypatch):
+    """The path's fields say what its string says; nothing parses the string."""
+    gpu(monkeypatch, (12, 1))
+    assert api._attention_path(CUDA0, 128) == api.AttentionPath("fp4", arch="sm121")
+    gpu(monkeypatch, (9, 0), model=True)
+    monkeypatch.setenv(_kernels.FORCE_FP4_ENV, "1")
+    forced = api._attention_path(CUDA0, 128)
+    assert forced.is_fp4 and forced.model and forced.arch == "sm90" and forced.reason == ""
+    cpu = api._attention_path(torch.device("cpu"), 128)
+    assert (cpu.kind, cpu.reason, cpu.is_fp4) == ("sdpa", "CPU tensors", False)
+    assert str(api.AttentionPath.sdpa("why")) == "sdpa: why"
+
+
 def test_model_flavour_without_force_keeps_sdpa(monkeypatch):
     gpu(monkeypatch, (9, 0), model=True)
-    assert api._attention_path(CUDA0, 128) == "sdpa: sm_90 has no FP4 MMA (the FP4 path needs sm_120/sm_121)"
+    assert str(api._attention_path(CUDA0, 128)) == "sdpa: sm_90 has no FP4 MMA (the FP4 path needs sm_120/sm_121)"
 
 
 def test_model_flavour_on_sm120_says_so(monkeypatch):
@@ -101,29 +114,29 @@ def test_model_flavour_on_sm120_says_so(monkeypatch):
 
 def test_kernels_that_cannot_run(monkeypatch):
     gpu(monkeypatch, (12, 0), runs="this build has no code for sm_120 (built for sm_90a)")
-    assert api._attention_path(CUDA0, 128) == "sdpa: this build has no code for sm_120 (built for sm_90a)"
+    assert str(api._attention_path(CUDA0, 128)) == "sdpa: this build has no code for sm_120 (built for sm_90a)"
     gpu(monkeypatch, (9, 0), model=True, runs="this build has no code for sm_90 (built for sm_120a)")
     monkeypatch.setenv(_kernels.FORCE_FP4_ENV, "1")
-    assert api._attention_path(CUDA0, 128) == "sdpa: this build has no code for sm_90 (built for sm_120a)"
+    assert str(api._attention_path(CUDA0, 128)) == "sdpa: this build has no code for sm_90 (built for sm_120a)"
 
 
 def test_no_attention_kernel(monkeypatch):
     gpu(monkeypatch, (12, 0), attn=False)
-    assert api._attention_path(CUDA0, 128).startswith("sdpa: the FP4 attention kernel is not in this build")
+    assert str(api._attention_path(CUDA0, 128)).startswith("sdpa: the FP4 attention kernel is not in this build")
 
 
 def test_cpu_and_other_devices():
-    assert api._attention_path(torch.device("cpu"), 128) == "sdpa: CPU tensors"
-    assert api._attention_path(torch.device("meta"), 128) == "sdpa: meta tensors"
+    assert str(api._attention_path(torch.device("cpu"), 128)) == "sdpa: CPU tensors"
+    assert str(api._attention_path(torch.device("meta"), 128)) == "sdpa: meta tensors"
 
 
 def test_failed_self_check_is_remembered_per_device(monkeypatch):
     gpu(monkeypatch, (12, 0))
     bad = _selfcheck.Result(ok=False, device="cuda:0", error="RuntimeError: boom")
     _selfcheck._results["cuda:0"] = bad
-    path = api._attention_path(CUDA0, 128)
+    path = str(api._attention_path(CUDA0, 128))
     assert path == "sdpa: the FP4 self-check failed on cuda:0: the kernel raised RuntimeError: boom"
-    assert api._attention_path(torch.device("cuda", 1), 128) == "fp4-sm120"
+    assert str(api._attention_path(torch.device("cuda", 1), 128)) == "fp4-sm120"
     _selfcheck._results["cuda:1"] = _selfcheck.Result(ok=True, device="cuda:1", figures=[{"cos": 0.99999}], gpu_ms=0.05)
     assert sageattn3.backend(torch.device("cuda", 1)) == "fp4-sm120 (self-check passed: worst cos-sim 0.999990, GPU span 50 us)"
     monkeypatch.setenv(_selfcheck.SKIP_ENV, "1")
@@ -150,10 +163,10 @@ def fake_path(device, head_dim=None):
     """The FP4 path for CPU tensors (as on sm_120), unless the self-check failed there."""
     failed = _selfcheck.failure(device)
     if failed is not None:
-        return f"sdpa: {_selfcheck.fallback_reason(failed)}"
+        return api.AttentionPath.sdpa(_selfcheck.fallback_reason(failed))
     if head_dim is not None and head_dim not in (64, 128):
-        return f"sdpa: head_dim {head_dim} is not supported by the FP4 kernel (64/128)"
-    return "fp4-sm120"
+        return api.AttentionPath.sdpa(f"head_dim {head_dim} is not supported by the FP4 kernel (64/128)")
+    return api.AttentionPath.fp4((12, 0))
 
 
 class Kernel:
@@ -278,7 +291,7 @@ def test_mismatch_warns_once_and_falls_back(monkeypatch, corrupt):
     assert _selfcheck.run_count == 1
     for t, c in zip((q, k, v), copies):
         assert torch.equal(t, c)
-    assert fake_path(q.device).startswith("sdpa: the FP4 self-check failed on cpu")
+    assert str(fake_path(q.device)).startswith("sdpa: the FP4 self-check failed on cpu")
     monkeypatch.setattr(_kernels, "has_attention_kernel", lambda: True)
     with pytest.raises(RuntimeError, match="self-check failed"):
         sageattn3.blockscaled_fp4_attn(q, k, v)

@@ -32,7 +32,7 @@ def test_keyword_reaches_the_fp4_path(monkeypatch):
                              qk_rotation=qk_rotation, qk_balance=qk_balance,
                              qk_scale_search=qk_scale_search).to(q.dtype)
 
-    monkeypatch.setattr(api, "_attention_path", lambda device, head_dim=None: "fp4-sm120")
+    monkeypatch.setattr(api, "_attention_path", lambda device, head_dim=None: api.AttentionPath.fp4((12, 0)))
     monkeypatch.setattr(api, "_fp4_attention", kernel)
     monkeypatch.setenv(_selfcheck.SKIP_ENV, "1")
     _selfcheck.reset()

@@ -1,0 +1,220 @@
+"""Pure-PyTorch reference of everything sageattn3 computes: the oracle of the kernel tests.
+
+Runs on any device (CPU included); everything is computed in float32.
+
+The modules, each importing only those before it:
+
+- ``formats``: NVFP4 (rows and transposed; the bit-exact definition is there), K's E4M3
+  quantization residual, MXFP8.
+- ``transforms``: the Q/K rotation, the channel balance, the sampled blocks of the means.
+- ``precision``: the Q·Kᵀ precision per head (the "auto" rule).
+- ``preprocessing``: the means, the smoothing, ``Preprocessed`` / ``preprocess``, ``delta_s``.
+- ``attention``: ``exact_attention``, ``sageattn3``, ``sageattn3_paper``.
+
+Every name is used from here: ``sageattn3.reference.quantize_rows``.
+
+The quantized attention (``sageattn3``)
+----------------------------------------
+See ``rotate``, ``preprocess`` / ``Preprocessed`` and ``sageattn3`` for the exact definition of
+the Q/K rotation, the smoothing, the correction ``delta_s`` and the two-level quantization of P;
+``sageattn3_paper`` is the published algorithm, for comparison.
+
+Knobs
+-----
+The four settings below are read on every call, from this package, by the modules that use
+them: ``sageattn3.reference.QK_SCALE_SEARCH = True`` changes every later call that does not say.
+"""
+
+from __future__ import annotations
+
+from .formats import (
+    BLOCK,
+    E2M1_VALUES,
+    E4M3_MAX,
+    FP4_MAX,
+    MX_BLOCK,
+    RESIDUAL_UNIT,
+    UE8M0_BIAS,
+    UE8M0_MAX_BYTE,
+    UE8M0_MIN_BYTE,
+    block_sq_error,
+    dequantize_mxfp8_rows,
+    dequantize_rows,
+    dequantize_transposed,
+    e2m1_decode,
+    e2m1_encode,
+    e4m3_decode,
+    e4m3_scale_byte,
+    pack_codes,
+    pad_dim,
+    quantize_mxfp8_rows,
+    quantize_residual,
+    quantize_rows,
+    quantize_transposed,
+    residual_scales,
+    ue8m0_scale_byte,
+    ue8m0_value,
+    unpack_codes,
+)
+from .transforms import (
+    BALANCE_HEAD_DIMS,
+    BALANCE_MAX_EXP,
+    Q_MEAN_BLOCK,
+    QK_BALANCE_DEFAULT,
+    QK_ROTATION_DEFAULT,
+    ROTATION_HEAD_DIMS,
+    ROTATION_SCALE,
+    ROTATION_SIGN_BITS,
+    balance_applies,
+    balance_exponents,
+    expand_kv,
+    flag,
+    rotate,
+    rotation_applies,
+    rotation_score_factor,
+    rotation_signs,
+    sample_blocks,
+    sample_mean,
+    scale_search_applies,
+)
+from .precision import (
+    FP8_HEAD_DIMS,
+    QK_PRECISION_DEFAULT,
+    QK_PRECISIONS,
+    choose_qk_precision,
+    fp8_applies,
+    fp8_unavailable,
+    qk_fp4_error,
+    qk_precision_arg,
+)
+from .preprocessing import (
+    Preprocessed,
+    delta_s,
+    k_block_correction,
+    k_block_means,
+    k_mean,
+    preprocess,
+    q_block_index,
+    q_mean,
+    smooth_q,
+)
+from .attention import (
+    LOG2E,
+    P_SCALE,
+    _dequantized as _dequantized,  # the tests emulate the kernel from these two
+    _tiled_attention as _tiled_attention,
+    cosine_similarity,
+    exact_attention,
+    sageattn3,
+    sageattn3_paper,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Knobs (read per call by transforms and precision: set them here)
+# ---------------------------------------------------------------------------------------------
+
+# Whether the preprocessing quantizes Q and K (head dims 64/128) with the scale search
+# (``quantize_rows``) where a call does not say (``qk_scale_search=None``, the default of
+# ``preprocess`` / ``sageattn3_blackwell`` here and in the package): read on every such call, by
+# the kernels and this reference alike. Off by default: measured on an H100 (the MMA-model test
+# flavour, 24 heads x 32k tokens, D 128, bf16, back to back) it makes the whole preprocessing
+# 0.382-0.383 -> 0.705-0.710 ms (+85%: every block is converted twice, in software on that GPU) for a
+# cos-sim gain of about 0.002 on random data and 0.005-0.01 with Q outlier channels (README,
+# "Accuracy"). Set it to True (or pass qk_scale_search=True) for the most accurate quantization
+# of Q and K.
+QK_SCALE_SEARCH = False
+# K's mean and Q's mean over the whole sequence (mean_q_global, and Q's only mean without
+# per_block_mean) come from up to this many evenly spaced 128-token blocks (``sample_blocks``).
+# The attention does not depend on them: any vector subtracted from K changes every score of a
+# query row by the same amount (the softmax ignores it), and mean_q_global only splits the
+# correction delta_s (exact for any value). They decide how well a channel bias is removed before
+# the quantization; a sample does that as well as the whole sequence on data whose bias is a
+# property of the channel, and it lets the kernels know the means before they read Q and K, so
+# each is read once.
+MEAN_SAMPLE_BLOCKS = 8
+# The rule reads every AUTO_QUERY_STRIDE-th query row of Q's sampled blocks (``sample_blocks``:
+# up to 8 x 16 rows) against every key of K's sampled blocks (up to 1024 keys).
+AUTO_QUERY_STRIDE = 8
+# A head takes FP8 Q·Kᵀ when the rule's estimate of the relative output error FP4 Q·Kᵀ causes
+# (``qk_fp4_error``) exceeds this. Calibrated on tests/attention_cases.py (docs/accuracy-auto.md;
+# 4 heads, 512 tokens, D 128 and 64, seed 2025): the heads of zero-mean data, channel offsets, K
+# biases and drifting offsets estimate 0.005-0.16 (FP4 Q·Kᵀ costs them little: the FP4 error of P
+# and V dominates there), those of outlier channels, near-one-hot rows, RoPE'd biased keys and a
+# huge K channel 0.25-0.71.
+AUTO_ERROR_LIMIT = 0.2
+
+__all__ = [
+    "AUTO_ERROR_LIMIT",
+    "AUTO_QUERY_STRIDE",
+    "BALANCE_HEAD_DIMS",
+    "BALANCE_MAX_EXP",
+    "BLOCK",
+    "E2M1_VALUES",
+    "E4M3_MAX",
+    "FP4_MAX",
+    "FP8_HEAD_DIMS",
+    "LOG2E",
+    "MEAN_SAMPLE_BLOCKS",
+    "MX_BLOCK",
+    "P_SCALE",
+    "Preprocessed",
+    "QK_BALANCE_DEFAULT",
+    "QK_PRECISIONS",
+    "QK_PRECISION_DEFAULT",
+    "QK_ROTATION_DEFAULT",
+    "QK_SCALE_SEARCH",
+    "Q_MEAN_BLOCK",
+    "RESIDUAL_UNIT",
+    "ROTATION_HEAD_DIMS",
+    "ROTATION_SCALE",
+    "ROTATION_SIGN_BITS",
+    "UE8M0_BIAS",
+    "UE8M0_MAX_BYTE",
+    "UE8M0_MIN_BYTE",
+    "balance_applies",
+    "balance_exponents",
+    "block_sq_error",
+    "choose_qk_precision",
+    "cosine_similarity",
+    "delta_s",
+    "dequantize_mxfp8_rows",
+    "dequantize_rows",
+    "dequantize_transposed",
+    "e2m1_decode",
+    "e2m1_encode",
+    "e4m3_decode",
+    "e4m3_scale_byte",
+    "exact_attention",
+    "expand_kv",
+    "flag",
+    "fp8_applies",
+    "fp8_unavailable",
+    "k_block_correction",
+    "k_block_means",
+    "k_mean",
+    "pack_codes",
+    "pad_dim",
+    "preprocess",
+    "q_block_index",
+    "q_mean",
+    "qk_fp4_error",
+    "qk_precision_arg",
+    "quantize_mxfp8_rows",
+    "quantize_residual",
+    "quantize_rows",
+    "quantize_transposed",
+    "residual_scales",
+    "rotate",
+    "rotation_applies",
+    "rotation_score_factor",
+    "rotation_signs",
+    "sageattn3",
+    "sageattn3_paper",
+    "sample_blocks",
+    "sample_mean",
+    "scale_search_applies",
+    "smooth_q",
+    "ue8m0_scale_byte",
+    "ue8m0_value",
+    "unpack_codes",
+]

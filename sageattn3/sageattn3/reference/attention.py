@@ -1,0 +1,182 @@
+"""The attention: exact (float64) attention, the quantized attention sageattn3 computes
+(``sageattn3``, the kernel's definition) and SageAttention3 as published (``sageattn3_paper``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .formats import (
+    BLOCK,
+    E4M3_MAX,
+    FP4_MAX,
+    dequantize_mxfp8_rows,
+    dequantize_rows,
+    dequantize_transposed,
+    pad_dim,
+    quantize_rows,
+)
+from .precision import QK_PRECISION_DEFAULT
+from .preprocessing import Preprocessed, delta_s, preprocess, q_block_index
+from .transforms import QK_BALANCE_DEFAULT, QK_ROTATION_DEFAULT, Q_MEAN_BLOCK, expand_kv, flag, rotation_score_factor
+
+P_SCALE = E4M3_MAX * FP4_MAX  # 2688: where the row max of P is mapped (two-level quantization)
+LOG2E = 1.4426950408889634
+
+
+def exact_attention(q, k, v, is_causal: bool = False, sm_scale: float | None = None) -> torch.Tensor:
+    """Plain float64 softmax attention, float32 result; GQA by expanding kv heads; causal =
+    top-left aligned (key j visible to query i iff j <= i), like torch SDPA's ``is_causal``."""
+    hq = q.shape[1]
+    qd, kd, vd = q.double(), expand_kv(k.double(), hq), expand_kv(v.double(), hq)
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = torch.matmul(qd, kd.transpose(-1, -2)) * scale
+    if is_causal:
+        sq, sk = s.shape[-2:]
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), vd).float()
+
+
+def _tiled_attention(qd, kd, vd, delta_rows, seq_k: int, is_causal: bool, c: float, block_n: int) -> torch.Tensor:
+    """The kernel's loop over key tiles (see ``sageattn3``): qd (B, Hq, Sq, D), kd/vd
+    (B, Hq, Sk_p, D), delta_rows (B, Hq, Sq, Sk_p), c = softmax scale · log2(e)."""
+    b, hq, sq, d = qd.shape
+    sk_p = kd.shape[-2]
+    dev = qd.device
+    rows = torch.arange(sq, device=dev).unsqueeze(-1)
+    m = torch.full((b, hq, sq, 1), float("-inf"), device=dev)
+    l = torch.zeros((b, hq, sq, 1), device=dev)
+    acc = torch.zeros((b, hq, sq, d), device=dev)
+    for j0 in range(0, sk_p, block_n):
+        cols = torch.arange(j0, j0 + block_n, device=dev).unsqueeze(0)
+        s = torch.matmul(qd, kd[..., j0 : j0 + block_n, :].transpose(-1, -2)) + delta_rows[..., j0 : j0 + block_n]
+        t = s * c
+        mask = cols >= seq_k
+        if is_causal:
+            mask = mask | (cols > rows)
+        t = t.masked_fill(mask, float("-inf"))
+        m_new = torch.maximum(m, t.amax(dim=-1, keepdim=True))
+        live = torch.isfinite(m_new)  # rows with no visible key so far contribute nothing
+        m_safe = torch.where(live, m_new, torch.zeros_like(m_new))
+        alpha = torch.where(live, torch.exp2(m - m_safe), torch.zeros_like(m))
+        p = torch.exp2(t - m_safe) * P_SCALE
+        p = torch.where(live, p, torch.zeros_like(p))
+        pp, psc = quantize_rows(p)
+        ph = dequantize_rows(pp, psc)
+        l = l * alpha + p.sum(dim=-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(ph, vd[..., j0 : j0 + block_n, :])
+        m = m_new
+    return acc / l
+
+
+def _dequantized(pre: Preprocessed, hq: int):
+    """Qd, Kd, Vd as the kernel multiplies them: per q head, Q and K in FP4, or in MXFP8 where
+    pre.qk_fp8 says so."""
+    sq = pre.seq_q
+    qd = dequantize_rows(pre.q_packed, pre.q_scales)[..., :sq, :]
+    kd = expand_kv(dequantize_rows(pre.k_packed, pre.k_scales), hq)
+    if pre.qk_fp8 is not None:
+        sel = pre.qk_fp8[:, :, None, None]
+        qd = torch.where(sel, dequantize_mxfp8_rows(pre.q8, pre.q8_scales)[..., :sq, :], qd)
+        kd = torch.where(sel, expand_kv(dequantize_mxfp8_rows(pre.k8, pre.k8_scales), hq), kd)
+    vd = expand_kv(dequantize_transposed(pre.v_packed, pre.v_scales, pre.v_packed.shape[-1] * 2), hq)
+    return qd, kd, vd
+
+
+def _delta_rows(pre: Preprocessed, sq: int) -> torch.Tensor:
+    """delta_s per query row and key (B, Hq, Sq, Sk_p), with K's block correction when present."""
+    delta = pre.delta_s
+    rows = delta[..., q_block_index(sq, delta.shape[-2], delta.device), :]
+    if pre.k_block_corr is not None:
+        keys = torch.arange(rows.shape[-1], device=rows.device) // Q_MEAN_BLOCK
+        rows = rows + pre.k_block_corr[..., keys.clamp(max=pre.k_block_corr.shape[-1] - 1)]
+    return rows
+
+
+def sageattn3(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool = False,
+    per_block_mean: bool = True,
+    sm_scale: float | None = None,
+    block_n: int = 128,
+    qk_rotation: bool = QK_ROTATION_DEFAULT,
+    qk_balance: bool = QK_BALANCE_DEFAULT,
+    qk_scale_search: bool | None = None,
+    qk_precision: str = QK_PRECISION_DEFAULT,
+    k_block_mean: bool = False,
+) -> torch.Tensor:
+    """The quantized attention sageattn3 computes, float32 output (B, Hq, Sq, D).
+
+    ``qk_precision``: "auto" (the default) multiplies Q·Kᵀ of the heads the rule picks
+    (``choose_qk_precision``, ``qk_fp4_error``) with MXFP8 operands (``quantize_mxfp8_rows`` of the
+    same smoothed rows), the others in FP4; "fp4" every head in FP4 (the rule never runs), "fp8"
+    every head in MXFP8. P·V stays NVFP4. FP8 needs head dim 64/128 without ``qk_rotation`` ("auto"
+    keeps FP4 elsewhere). ``k_block_mean`` (reference only): K smoothed per 128-key block with the
+    exact correction (``Preprocessed.k_block_corr``).
+
+    With Qd, Kd, Vd the dequantized NVFP4 tensors of ``preprocess`` (rotated Q and K with
+    ``qk_rotation`` at head dims 64/128; Q and K in the balanced space with ``qk_balance``,
+    which leaves every score unchanged but moves FP4 error away from Q's and K's outlier channels; Q and
+    K quantized with the scale search with ``qk_scale_search`` (None: ``QK_SCALE_SEARCH``)) and
+    c = sm_scale / rotation_score_factor · log2(e):
+
+    - scores, per query row i and key j: t_ij = c · (Qd_i · Kd_j + delta_s[i // 128 or 0, j])
+      with delta_s = ``Preprocessed.delta_s`` (delta_key_j + r_i · K̂_j) (float32; masked
+      entries, j >= Sk or causal j > i, are -inf).
+    - keys are processed in tiles of ``block_n`` (the kernel's tile, default 128). For tile t,
+      the running row max m_t = max(m_{t-1}, max_{j in t} t_ij), and
+      P_ij = exp2(t_ij - m_t) · 2688   (row max mapped to 448·6: the per-row factor exp2(-m_t)
+      and the constant 2688, both folded into the exponent in the kernel),
+      P̂ = NVFP4(P) along the keys (16-key blocks, the same quantizer as everything else),
+      l_t = l_{t-1} · exp2(m_{t-1} - m_t) + Σ_j P_ij   (row sums of the unquantized P, in the
+      same scaled domain),
+      acc_t = acc_{t-1} · exp2(m_{t-1} - m_t) + P̂ · Vd_t.
+    - O_i = acc / l.
+    """
+    b, hq, sq, d = q.shape
+    is_causal = flag(is_causal, "is_causal")
+    if block_n % BLOCK:
+        raise ValueError("block_n must be a multiple of 16")
+    pre = preprocess(q, k, v, per_block_mean, pad=block_n, qk_rotation=qk_rotation, qk_balance=qk_balance,
+                     qk_scale_search=qk_scale_search, qk_precision=qk_precision, sm_scale=sm_scale,
+                     k_block_mean=k_block_mean)
+    qd, kd, vd = _dequantized(pre, hq)
+    ds_rows = _delta_rows(pre, sq)  # (B, Hq, Sq, Sk_p)
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    c = scale / rotation_score_factor(d, pre.qk_rotation) * LOG2E
+    return _tiled_attention(qd, kd, vd, ds_rows, k.shape[-2], is_causal, c, block_n)
+
+
+def sageattn3_paper(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool = False,
+    per_block_mean: bool = True,
+    sm_scale: float | None = None,
+    block_n: int = 128,
+) -> torch.Tensor:
+    """SageAttention3 as published, for comparison (the accuracy table): no rotation, no balance,
+    K's mean (and Q's without per_block_mean) over the whole sequence, and the correction
+    delta_s = mean_q · K_sᵀ with the unquantized smoothed K materialised for every (Q block, key)
+    pair; otherwise the same quantizers and online softmax as ``sageattn3``."""
+    b, hq, sq, d = q.shape
+    is_causal, per_block_mean = flag(is_causal, "is_causal"), flag(per_block_mean, "per_block_mean")
+    full_q = None if per_block_mean else q.float().mean(dim=-2, keepdim=True)
+    pre = preprocess(q, k, v, per_block_mean, pad=block_n, mean_q=full_q, mean_k=k.float().mean(dim=-2, keepdim=True),
+                     qk_rotation=False, qk_balance=False, qk_scale_search=False)
+    qd, kd, vd = _dequantized(pre, hq)
+    ks = pad_dim(k.float() - pre.mean_k, -2, block_n)
+    delta = delta_s(pre.mean_q, ks)
+    ds_rows = delta[..., q_block_index(sq, delta.shape[-2], q.device), :]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    return _tiled_attention(qd, kd, vd, ds_rows, k.shape[-2], is_causal, scale * LOG2E, block_n)
+
+
+def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))

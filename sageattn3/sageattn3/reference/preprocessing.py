@@ -1,0 +1,259 @@
+"""The preprocessing: Q's and K's means, the smoothing, the NVFP4 (and MXFP8) operands the
+attention kernel consumes (``Preprocessed``, ``preprocess``) and the correction delta_s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .formats import dequantize_rows, pad_dim, quantize_mxfp8_rows, quantize_residual, quantize_rows, quantize_transposed
+from .precision import choose_qk_precision, fp8_applies, fp8_unavailable, qk_fp4_error, qk_precision_arg
+from .transforms import (
+    QK_BALANCE_DEFAULT,
+    QK_ROTATION_DEFAULT,
+    Q_MEAN_BLOCK,
+    balance_applies,
+    balance_exponents,
+    expand_kv,
+    flag,
+    rotate,
+    rotation_applies,
+    sample_mean,
+    scale_search_applies,
+)
+
+
+def k_mean(k: torch.Tensor) -> torch.Tensor:
+    """The mean K is smoothed by, per (batch, head): (B, H, 1, D) float32, ``sample_mean``."""
+    return sample_mean(k)
+
+
+def q_mean(q: torch.Tensor, per_block_mean: bool = True) -> torch.Tensor:
+    """Q means, (B, H, nblk, D) float32: per 128-token block (the last block averages only its
+    real tokens), or one mean for the whole sequence (nblk = 1, ``sample_mean``)."""
+    qf = q.float()
+    if not per_block_mean:
+        return sample_mean(qf)
+    s = q.shape[-2]
+    nblk = -(-s // Q_MEAN_BLOCK)
+    qp = pad_dim(qf, -2, Q_MEAN_BLOCK).reshape(*q.shape[:-2], nblk, Q_MEAN_BLOCK, q.shape[-1])
+    counts = torch.clamp(s - torch.arange(nblk, device=q.device) * Q_MEAN_BLOCK, max=Q_MEAN_BLOCK)
+    return qp.sum(dim=-2) / counts.to(torch.float32).unsqueeze(-1)
+
+
+
+def q_block_index(seq_q: int, n_means: int, device=None) -> torch.Tensor:
+    """For each query row, which Q mean (and delta_s row) it uses."""
+    idx = torch.arange(seq_q, device=device) // Q_MEAN_BLOCK
+    return idx if n_means > 1 else torch.zeros_like(idx)
+
+
+
+@dataclass
+class Preprocessed:
+    """What the attention kernel consumes (all sequence dims padded with zeros to ``pad``).
+
+    With ``qk_rotation`` (head dims 64 and 128) Q and K are rotated first (``rotate``) and
+    everything below lives in the rotated space; means are rotated means (the rotation is
+    linear: mean(rotate(x)) = rotate(mean(x))).
+
+    - q_packed (B, Hq, Sq_p, D/2) uint8, q_scales (B, Hq, Sq_p, D/16) e4m3: Q - mean_q, rows.
+    - k_packed (B, Hkv, Sk_p, D/2), k_scales (B, Hkv, Sk_p, D/16): K - mean_k, rows.
+    - v_packed (B, Hkv, D, Sk_p/2), v_scales (B, Hkv, D, Sk_p/16): V along the sequence.
+    - mean_q (B, Hq, nblk, D) float32: the Q means removed from Q (nblk = ceil(Sq/128) with
+      per_block_mean, else 1 (``sample_mean``); query row i uses mean i // 128, or 0); mean_k
+      (B, Hkv, 1, D) (``sample_mean``).
+    - mean_q_global (B, Hq, 1, D) float32: Q's mean for the whole sequence, ``sample_mean`` (=
+      mean_q without per_block_mean).
+    - delta_key (B, Hq, Sk_p) float32: mean_q_global · K_sᵀ per key with K_s the UNQUANTIZED
+      smoothed K, exactly the float32 values the quantizer takes (balanced and/or rotated, in that
+      order; float64 products; 0 in padded columns).
+    - balance (B, Hkv, 1, D) float32 or None: the channel balance exponents e
+      (``balance_exponents``) when the balance applies. Q and K then live in the balanced space:
+      q_packed holds Q·2^-e - mean_q and k_packed K·2^e - mean_k, and mean_q, mean_q_global and
+      mean_k are the means times 2^-e (Q) or 2^e (K), all exact float32 products; scores and
+      delta_key are unchanged by it. With the rotation too, Q and K are balanced first and then
+      rotated (the means likewise).
+    - qk_scale_search: whether q_packed/k_packed were quantized with the scale search.
+    - k_residual (B, Hkv, Sk_p, D) float8_e4m3fn, with per_block_mean (else None): K's quantization
+      residual (``quantize_residual`` of the smoothed K rows k_packed holds; 0 in padded rows).
+    - delta_s (a property; the kernel never materialises it) (B, Hq, nblk, Sk_p): the correction
+      added to Qd·Kdᵀ, delta_s[i, j] = delta_key[j] + r_i · K̂_j with r_i = mean_q[i] -
+      mean_q_global (float32 subtraction) and K̂ = ``dequantize_rows``(k_packed, k_scales,
+      k_residual), the dequantized smoothed K plus its quantization residual (Kd alone where
+      k_residual is None: then r = 0). SageAttention2/3 add mean_q · K_sᵀ (K_s = K - mean_k,
+      unquantized) = delta_key + r_i · K_s: the two differ by r_i · (K̂ - K_s), the E4M3 rounding
+      of K's quantization error (at most 1/16 of it) times the block residual. Without
+      per_block_mean r = 0: the paper's correction exactly. The attention kernel adds delta_key
+      per key and computes r_i · K̂_j per 128-key tile from the K tile it holds and the residual
+      bytes (skipped where r_i is zero). Why this form: materialising mean_q · K_sᵀ costs
+      (B, Hq, Sq/128, Sk) fp32 (~800 MB at 24 heads x 32k tokens); delta_key is (B, Hq, Sk) (3 MB
+      there) and costs K's quantization one dot product per key and q head over the row it
+      already holds, the residual one byte per element of K (100 MB there) written from the same
+      registers. Through Kd alone (no residual) r_i · (Kd - K_s) is the whole of K's quantization
+      error times r_i, which is large where Q's block means drift along the sequence: there it
+      lost up to 0.06 cos-sim against the paper; with the residual the two agree to 0.0001 on
+      every case of tests/bench/accuracy.py (README, "Accuracy").
+    - qk_fp8 (B, Hq) bool or None: the q heads whose Q·Kᵀ runs in FP8 (``qk_precision``; None:
+      every head in FP4, today's path). q8/q8_scales (B, Hq, Sq_p, D) float8_e4m3fn + (B, Hq, Sq_p,
+      D/32) uint8 and k8/k8_scales (B, Hkv, Sk_p, D) + (B, Hkv, Sk_p, D/32): the same smoothed Q and
+      K rows as q_packed/k_packed in MXFP8 (``quantize_mxfp8_rows``); the reference fills every
+      head, the kernels only the heads that use them (a kv head when any of its q heads does).
+    - qk_error (B, Hq) float32 or None: the rule's estimate of the relative output error FP4
+      Q·Kᵀ causes (``qk_fp4_error``; with qk_precision "auto").
+    - k_block_corr (B, Hq, Sq, Sk_p/128) float32 or None (``k_block_mean``, reference only): K is
+      smoothed by its mean per 128-key block mu_b instead of one mean, and the scores of key block
+      b get Q_i · (mu_b - mean_k) back (float64 products from the unquantized, balanced Q).
+    """
+
+    q_packed: torch.Tensor
+    q_scales: torch.Tensor
+    k_packed: torch.Tensor
+    k_scales: torch.Tensor
+    v_packed: torch.Tensor
+    v_scales: torch.Tensor
+    mean_q: torch.Tensor
+    mean_k: torch.Tensor
+    seq_q: int
+    seq_k: int
+    mean_q_global: torch.Tensor
+    delta_key: torch.Tensor
+    qk_rotation: bool
+    balance: torch.Tensor | None = None
+    qk_scale_search: bool = False
+    k_residual: torch.Tensor | None = None
+    qk_fp8: torch.Tensor | None = None
+    q8: torch.Tensor | None = None
+    q8_scales: torch.Tensor | None = None
+    k8: torch.Tensor | None = None
+    k8_scales: torch.Tensor | None = None
+    qk_error: torch.Tensor | None = None
+    k_block_corr: torch.Tensor | None = None
+
+    @property
+    def q_mean_residual(self) -> torch.Tensor:
+        """(B, Hq, nblk, D) float32: mean_q - mean_q_global, what the kernel multiplies with Kd."""
+        return self.mean_q - self.mean_q_global
+
+    @property
+    def delta_s(self) -> torch.Tensor:
+        kd = expand_kv(dequantize_rows(self.k_packed, self.k_scales, self.k_residual), self.mean_q.shape[1])
+        part = torch.matmul(self.q_mean_residual.double(), kd.double().transpose(-1, -2))
+        return (self.delta_key.double().unsqueeze(-2) + part).float()
+
+
+def smooth_q(q: torch.Tensor, mean_q: torch.Tensor) -> torch.Tensor:
+    """Q - its mean(s), float32 (one float32 subtraction per element)."""
+    idx = q_block_index(q.shape[-2], mean_q.shape[-2], q.device)
+    return q.float() - mean_q[..., idx, :]
+
+
+def delta_s(mean_q: torch.Tensor, k_smoothed: torch.Tensor) -> torch.Tensor:
+    """mean_q · K_smoothedᵀ (float64 products, float32 result; GQA: K expanded to the q heads):
+    (B, Hq, nblk, Sk). With the unquantized smoothed K this is SageAttention2/3's correction;
+    ``Preprocessed.delta_s`` is what the kernel adds (the same up to E4M3 rounding of K's
+    quantization error)."""
+    ks = expand_kv(k_smoothed.float(), mean_q.shape[1])
+    return torch.matmul(mean_q.double(), ks.double().transpose(-1, -2)).float()
+
+
+# K smoothed per 128-key block (``k_block_mean``, reference only): each block's own mean, and the
+# scores of the block get Q_i · (mu_b - mean_k) back.
+
+
+def k_block_means(k: torch.Tensor) -> torch.Tensor:
+    """(B, H, ceil(Sk/128), D) float32: K's mean per 128-key block (the last over its real keys)."""
+    return q_mean(k, True)
+
+
+def k_block_correction(qb: torch.Tensor, dmu: torch.Tensor, pad: int) -> torch.Tensor:
+    """Q_i · (mu_b - mean_k) for every query row and key block: (B, Hq, Sq, Sk_p/128) float32
+    (float64 products), 0 for padded key blocks. qb: the balanced (unrotated) Q; dmu (B, Hkv,
+    nkb, D)."""
+    corr = torch.matmul(qb.double(), expand_kv(dmu, qb.shape[1]).double().transpose(-1, -2)).float()
+    return pad_dim(corr, -1, pad // Q_MEAN_BLOCK) if pad >= Q_MEAN_BLOCK else corr
+
+
+def preprocess(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    per_block_mean: bool = True,
+    pad: int = 128,
+    mean_q: torch.Tensor | None = None,
+    mean_k: torch.Tensor | None = None,
+    mean_q_global: torch.Tensor | None = None,
+    qk_rotation: bool = QK_ROTATION_DEFAULT,
+    qk_balance: bool = QK_BALANCE_DEFAULT,
+    balance: torch.Tensor | None = None,
+    qk_scale_search: bool | None = None,
+    qk_precision: str = "fp4",
+    sm_scale: float | None = None,
+    k_block_mean: bool = False,
+) -> Preprocessed:
+    """The reference of the preprocessing kernels. ``qk_rotation``: rotate Q and K (head dims 64
+    and 128; other head dims are never rotated). The means are computed on the raw inputs, then
+    balanced and rotated (as the kernels do). ``mean_q`` / ``mean_k`` / ``mean_q_global`` let a
+    test feed the means a kernel computed (float32 sums depend on the summation order), so that
+    the quantized tensors can be compared bit for bit; without per_block_mean, mean_q_global
+    defaults to mean_q. Given means are balanced and rotated already (as the kernels write
+    them). ``qk_balance``: the channel balance where it applies (``balance_applies``),
+    with the exponents ``balance`` (B, Hkv, 1, D) when given (a kernel's), else
+    ``balance_exponents``; Q and K are balanced first and then rotated when both are asked for.
+    ``qk_scale_search``: Q and K quantized with ``quantize_rows(..., scale_search=True)`` at head
+    dims 64/128 (None: ``QK_SCALE_SEARCH``; ``scale_search_applies``). ``qk_precision``
+    ("fp4", "fp8", "auto"; ``choose_qk_precision``) and ``sm_scale`` (the rule's softmax scale,
+    default 1/sqrt(D)) fill qk_fp8, q8, k8 and qk_error; ``k_block_mean`` (reference only, no
+    rotation) smooths K per 128-key block (``Preprocessed.k_block_corr``)."""
+    sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    precision = qk_precision_arg(qk_precision)
+    k_block_mean = flag(k_block_mean, "k_block_mean")
+    if k_block_mean and precision != "fp4":
+        raise ValueError("k_block_mean is measured with FP4 Q·Kᵀ only: pass qk_precision='fp4' with it")
+    per_block_mean, qk_rotation, qk_balance = (flag(per_block_mean, "per_block_mean"), flag(qk_rotation, "qk_rotation"),
+                                               flag(qk_balance, "qk_balance"))
+    search = scale_search_applies(qk_scale_search, d)
+    rot = qk_rotation and rotation_applies(d)
+    turn = rotate if rot else (lambda x: x.float())
+    bal = None
+    cq = ck = 1.0
+    if qk_balance and per_block_mean and balance_applies(d):
+        bal = balance_exponents(q, k) if balance is None else balance.float()
+        ck = torch.exp2(bal)
+        cq = expand_kv(torch.exp2(-bal), q.shape[1])
+    # balanced (exact float32 products) and then rotated
+    mq = turn(q_mean(q, per_block_mean) * cq) if mean_q is None else mean_q.float()
+    mk = turn(k_mean(k) * ck) if mean_k is None else mean_k.float()
+    if mean_q_global is not None:
+        mg = mean_q_global.float()
+    elif not per_block_mean:
+        mg = mq
+    else:
+        mg = turn(q_mean(q, False) * cq)
+    qs = smooth_q(turn(q.float() * cq), mq)
+    corr = None
+    if k_block_mean:
+        if rot:
+            raise ValueError("k_block_mean does not combine with qk_rotation")
+        mkb = k_block_means(k.float() * ck)
+        ks = k.float() * ck - mkb[..., torch.arange(sk, device=k.device) // Q_MEAN_BLOCK, :]
+        corr = k_block_correction(q.float() * cq, mkb - mk, pad)
+    else:
+        ks = turn(k.float() * ck) - mk
+    qp, qsc = quantize_rows(pad_dim(qs, -2, pad), search)
+    kp, ksc = quantize_rows(pad_dim(ks, -2, pad), search)
+    vp, vsc = quantize_transposed(pad_dim(v.float(), -2, pad))
+    dk = pad_dim(delta_s(mg, ks).squeeze(-2), -1, pad)
+    kr = quantize_residual(pad_dim(ks, -2, pad), kp, ksc) if per_block_mean else None
+    pre = Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk, mg, dk, rot, bal, search, kr, k_block_corr=corr)
+    if precision != "fp4":
+        if not fp8_applies(rot, d):
+            if precision == "fp8":
+                raise ValueError(fp8_unavailable(rot, d))
+            return pre
+        pre.qk_error = qk_fp4_error(q, k, v, pre, sm_scale)
+        pre.qk_fp8 = choose_qk_precision(precision, pre.qk_error)
+        pre.q8, pre.q8_scales = quantize_mxfp8_rows(pad_dim(qs, -2, pad))
+        pre.k8, pre.k8_scales = quantize_mxfp8_rows(pad_dim(ks, -2, pad))
+    return pre
