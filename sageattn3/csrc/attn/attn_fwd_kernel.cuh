@@ -364,11 +364,13 @@ __device__ __forceinline__ void tile_q_fragments(uint64_t* q_full, uint64_t* q_e
 // ---- delta_s of this stage's keys (whole CTA), into the stage's vector ----
 // delta_s[j] = ds_key[j] + (part_0 + part_1), the two halves of r . K^[j] (0 without residual).
 // The vector of stage st is rewritten kStages iterations later, after 2 more barriers: by
-// then every warp has read it. The stage's V scales are copied beside it.
+// then every warp has read it. The stage's V scales are copied beside it. ds_key_lane: the tile's
+// ds_key row (or workspace row) at this thread's key ds_k of the first stage (the caller adds ds_k:
+// added here, to k0, the sum stays in the key loop).
 template <int D, bool kInLoopResidual, bool kQK8>
 __device__ __forceinline__ void stage_delta_s(const AttnParams& p, uint32_t stage, bool has_residual,
                                               int64_t kres_row0, int k0, int kb, int num_kb,
-                                              const float* ds_key_row, const uint8_t* v_sf_copy,
+                                              const float* ds_key_lane, const uint8_t* v_sf_copy,
                                               const ConsumerLane<D, kQK8>& ln) {
   using L = SmemLayout<D, kQK8>;
   const int ds_k = ln.ds_k, ds_half = ln.ds_half;
@@ -383,7 +385,7 @@ __device__ __forceinline__ void stage_delta_s(const AttnParams& p, uint32_t stag
   }
   // pair layout {d[2i], d[2i+1], d[2i], d[2i+1]}: the two threads of key ds_k write a copy each
   sts_f32(stage + L::kStageDelta + delta_pair_offset(ds_k >> 1) + 8 * ds_half + 4 * (ds_k & 1),
-          __fadd_rn(__ldg(ds_key_row + k0 + ds_k), res));
+          __fadd_rn(__ldg(ds_key_lane + k0), res));
   if (threadIdx.x < 2 * D) {
     const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(v_sf_copy + k0 / 16));
     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage + L::kStageVSf + 4 * threadIdx.x), "r"(w) : "memory");
@@ -652,8 +654,8 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       const uint32_t stage = s_base + L::kStage0 + st * L::kStageBytes;
       mbar_wait(&full[st], ring.full_parity());
 
-      stage_delta_s<D, kInLoopResidual, kQK8>(p, stage, has_residual, kres_row0, k0, kb, c.num_kb, ds_key_row,
-                                              v_sf_copy, ln);
+      stage_delta_s<D, kInLoopResidual, kQK8>(p, stage, has_residual, kres_row0, k0, kb, c.num_kb,
+                                              ds_key_row + ds_k, v_sf_copy, ln);
       __syncthreads();
 
       float s[kNT][4];
