@@ -297,6 +297,23 @@ std::tuple<T, T, T, T, T, T, T, T, T, T, T, T> preprocess_qkv(T q, T k, T v, int
   return {qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps, k_res};
 }
 
+// The operands delta_s and smooth_quant_k_delta share, against k (B, Hkv, Sk, D): mean_q (B, Hq, nblk, D)
+// with Hq a multiple of Hkv, mean_k (B, Hkv, 1, D), and their fp32 output `out_name` (B, Hq, nblk, Sp)
+// with Sp a multiple of 16, at least Sk.
+template <class T>
+void check_delta_shapes(const T& k, const T& mean_k, const T& mean_q, const T& out, const char* out_name) {
+  const int64_t B = k.size(0), Hkv = k.size(1), Sk = k.size(2), D = k.size(3);
+  const int64_t Hq = mean_q.size(1), nblk = mean_q.size(2), Sp = out.size(3);
+  SA3_CHECK(T, Hkv > 0 && Hq % Hkv == 0 && mean_q.size(0) == B && mean_q.size(3) == D,
+            "sageattn3: mean_q does not match k: expected (B, Hq, nblk, D) with Hq a multiple of Hkv = ", Hkv,
+            ", B ", B, ", D ", D, ", got ", shape(mean_q));
+  SA3_CHECK(T, mean_k.numel() == B * Hkv * D, "sageattn3: mean_k does not match k: expected ", dims(B, Hkv, 1, D),
+            ", got ", shape(mean_k));
+  SA3_CHECK(T, out.size(0) == B && out.size(1) == Hq && out.size(2) == nblk && Sp % 16 == 0 && Sp >= Sk,
+            "sageattn3: ", out_name, " has the wrong shape: expected (B, Hq, nblk, Sp) = (", B, ", ", Hq, ", ", nblk,
+            ", Sp) with Sp a multiple of 16 >= ", Sk, ", got ", shape(out));
+}
+
 // delta_s(k, mean_k, mean_q, out!): k (B, Hkv, Sk, D); mean_k (B, Hkv, 1, D); mean_q (B, Hq, nblk, D);
 // out (B, Hq, nblk, Sp) fp32.
 template <class T>
@@ -311,14 +328,7 @@ void delta_s(T k, T mean_k, T mean_q, T out) {
   const int64_t B = k.size(0), Hkv = k.size(1), Sk = k.size(2), D = k.size(3);
   const int64_t Hq = mean_q.size(1), nblk = mean_q.size(2), Sp = out.size(3);
   SA3_CHECK(T, D % 16 == 0, "sageattn3: D must be a multiple of 16, got ", D);
-  SA3_CHECK(T, Hkv > 0 && Hq % Hkv == 0 && mean_q.size(0) == B && mean_q.size(3) == D,
-            "sageattn3: mean_q does not match k: expected (B, Hq, nblk, D) with Hq a multiple of Hkv = ", Hkv,
-            ", B ", B, ", D ", D, ", got ", shape(mean_q));
-  SA3_CHECK(T, mean_k.numel() == B * Hkv * D, "sageattn3: mean_k does not match k: expected ", dims(B, Hkv, 1, D),
-            ", got ", shape(mean_k));
-  SA3_CHECK(T, out.size(0) == B && out.size(1) == Hq && out.size(2) == nblk && Sp % 16 == 0 && Sp >= Sk,
-            "sageattn3: out has the wrong shape: expected (B, Hq, nblk, Sp) = (", B, ", ", Hq, ", ", nblk,
-            ", Sp) with Sp a multiple of 16 >= ", Sk, ", got ", shape(out));
+  check_delta_shapes(k, mean_k, mean_q, out, "out");
   DeviceScope scope(device_index(k));
   check_cuda_kernel<T>(sageattn3::delta_s(k.data_ptr(), dtype_of(k, "k"), B, Hq, Hkv, Sk, D, nblk, floats(mean_k),
                                           floats(mean_q), Sp, floats(out), TensorApi<T>::stream(k)),
@@ -349,14 +359,7 @@ void smooth_quant_k_delta(T k, T mean_k, T mean_q, T packed, T scales, T out) {
             D);
   SA3_CHECK(T, Sk >= 1 && nblk >= 1, "sageattn3: empty k or mean_q: expected Sk, nblk >= 1, got k ",
             shape(k), " and mean_q ", shape(mean_q));
-  SA3_CHECK(T, Hkv > 0 && Hq % Hkv == 0 && mean_q.size(0) == B && mean_q.size(3) == D,
-            "sageattn3: mean_q does not match k: expected (B, Hq, nblk, D) with Hq a multiple of Hkv = ", Hkv,
-            ", B ", B, ", D ", D, ", got ", shape(mean_q));
-  SA3_CHECK(T, mean_k.numel() == B * Hkv * D, "sageattn3: mean_k does not match k: expected ", dims(B, Hkv, 1, D),
-            ", got ", shape(mean_k));
-  SA3_CHECK(T, out.size(0) == B && out.size(1) == Hq && out.size(2) == nblk && Skp % 16 == 0 && Skp >= Sk,
-            "sageattn3: delta has the wrong shape: expected (B, Hq, nblk, Skp) = (", B, ", ", Hq, ", ", nblk,
-            ", Skp) with Skp a multiple of 16 >= ", Sk, ", got ", shape(out));
+  check_delta_shapes(k, mean_k, mean_q, out, "delta");
   SA3_CHECK(T, packed.numel() == B * Hkv * Skp * D / 2 && scales.numel() == B * Hkv * Skp * D / 16,
             "sageattn3: packed/scales sizes do not match k: expected ", dims(B, Hkv, Skp, D / 2), " and ",
             dims(B, Hkv, Skp, D / 16), ", got ", shape(packed), " and ", shape(scales));
