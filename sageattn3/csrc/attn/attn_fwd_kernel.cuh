@@ -295,293 +295,12 @@ __device__ __forceinline__ void qk8_half(float (&s)[4], const uint32_t (&a0)[4],
   mma_fp8<2 * H + 1, 2 * H + 1>(s, a1, b1, s, q_sf, k_sf);
 }
 
-/* ---------- consumer(): its phases, in the order a tile runs them ---------- */
-
-// A consumer thread's fixed quantities, computed once by consumer() and handed to its phases:
-// lane coordinates and the per-lane parts of the shared-memory addresses (see consumer()).
-template <int D, bool kQK8>
-struct ConsumerLane {
-  static constexpr int kChunks = SmemLayout<D, kQK8>::kRowBytes / 32;  // MMA k-chunks of the head dim
-  int lane, g, t;
-  uint32_t s_base;
-  int row_in_tile;  // the warp's first row of the tile (16 rows per warp)
-  uint32_t k_lane_row, k_lane_col, ksf_lane, v_lane, delta_lane;
-  int ds_k, ds_half;  // delta_s: this thread's key row of a stage and half of the head dim
-};
-
-// ---- this tile's Q mean residual r = mean_q - qbar into shared memory ----
-// Returns whether r has a nonzero element anywhere in the tile (then the first stage's k_res
-// bytes are prefetched).
-template <int D, bool kQK8>
-__device__ __forceinline__ bool tile_mean_residual(const AttnParams& p, uint8_t* smem, const TileCoord& c, int bh_q,
-                                                   int64_t kres_row0, const ConsumerLane<D, kQK8>& ln) {
-  using L = SmemLayout<D, kQK8>;
-  // Safe to overwrite: every thread read the previous tile's residual before the last stage barrier.
-  int nonzero = 0;
-  if (threadIdx.x < D / 4) {
-    const float* mq = p.mean_q + (static_cast<int64_t>(bh_q) * p.mean_qblocks + (p.mean_qblocks > 1 ? c.mb : 0)) * D;
-    const float4 m = __ldg(reinterpret_cast<const float4*>(mq) + threadIdx.x);
-    const float4 g = __ldg(reinterpret_cast<const float4*>(p.qbar + static_cast<int64_t>(bh_q) * D) + threadIdx.x);
-    const float4 v = make_float4(__fsub_rn(m.x, g.x), __fsub_rn(m.y, g.y), __fsub_rn(m.z, g.z), __fsub_rn(m.w, g.w));
-    nonzero = v.x != 0.f || v.y != 0.f || v.z != 0.f || v.w != 0.f;
-    const int d = 4 * threadIdx.x;
-    *reinterpret_cast<float4*>(smem + L::kMeanQ + 4 * (d + (d >= D / 2 ? 4 : 0))) = v;
-  }
-  const bool has_residual = __syncthreads_or(nonzero) != 0;
-  if (has_residual) ResidualHalf<D>::prefetch(p.k_res, kres_row0, ln.ds_k, ln.ds_half);  // the first stage's
-  return has_residual;
-}
-
-// ---- Q fragments and scales into registers, then hand the Q buffer back ----
-template <int D, bool kQK8>
-__device__ __forceinline__ void tile_q_fragments(uint64_t* q_full, uint64_t* q_empty, uint32_t q_round,
-                                                 const ConsumerLane<D, kQK8>& ln,
-                                                 uint32_t (&qa)[ConsumerLane<D, kQK8>::kChunks][4], uint32_t& q_sf) {
-  using L = SmemLayout<D, kQK8>;
-  constexpr int kRow = L::kRowBytes;
-  constexpr int kChunks = ConsumerLane<D, kQK8>::kChunks;
-  const int lane = ln.lane, g = ln.g, t = ln.t;
-  mbar_wait(q_full, q_round & 1u);
-#pragma unroll
-  for (int ch = 0; ch < kChunks; ++ch) {
-    // matrices: rows 0-7 / 8-15 of the warp's 16, bytes [32ch, +16) then [32ch+16, +16)
-    const int r = ln.row_in_tile + (lane & 7) + 8 * ((lane >> 3) & 1);
-    const int byte = 32 * ch + 16 * (lane >> 4);
-    ldmatrix_x4(qa[ch], ln.s_base + L::kQ + swizzled<kRow>(r * kRow + byte));
-  }
-  // FP4: lane 4g+t: row g + 8(t&1), k-chunk t>>1 (SF_A with thread-id-a = chunk). FP8: lane 4g+t:
-  // all of row g + 8(t&1)'s scale bytes (SF_A with thread-id-a 0, byte-id = chunk).
-  if constexpr (kQK8) {
-    q_sf = lds_sf_row<L::kSfRowBytes>(ln.s_base + L::kQSf + (ln.row_in_tile + g + 8 * (t & 1)) * L::kSfRowBytes);
-  } else {
-    q_sf = lds_u32(ln.s_base + L::kQSf + (ln.row_in_tile + g + 8 * (t & 1)) * (D / 16) +
-                   4 * (kChunks == 2 ? (t >> 1) : 0));
-  }
-  __syncwarp();
-  if (lane == 0) mbar_arrive(q_empty);
-}
-
-// ---- delta_s of this stage's keys (whole CTA), into the stage's vector ----
-// delta_s[j] = ds_key[j] + (part_0 + part_1), the two halves of r . K^[j] (0 without residual).
-// The vector of stage st is rewritten kStages iterations later, after 2 more barriers: by
-// then every warp has read it. The stage's V scales are copied beside it. ds_key_lane: the tile's
-// ds_key row (or workspace row) at this thread's key ds_k of the first stage (the caller adds ds_k:
-// added here, to k0, the sum stays in the key loop).
-template <int D, bool kInLoopResidual, bool kQK8>
-__device__ __forceinline__ void stage_delta_s(const AttnParams& p, uint32_t stage, bool has_residual,
-                                              int64_t kres_row0, int k0, int kb, int num_kb,
-                                              const float* ds_key_lane, const uint8_t* v_sf_copy,
-                                              const ConsumerLane<D, kQK8>& ln) {
-  using L = SmemLayout<D, kQK8>;
-  const int ds_k = ln.ds_k, ds_half = ln.ds_half;
-  float res = 0.f;
-  if (kInLoopResidual && has_residual) {
-    ResidualHalf<D> kres;
-    kres.load(p.k_res, kres_row0 + k0, ds_k, ds_half);
-    if (kb + 1 < num_kb) ResidualHalf<D>::prefetch(p.k_res, kres_row0 + k0 + kBlockN, ds_k, ds_half);
-    const float part =
-        delta_s_part<D>(stage + L::kStageK, stage + L::kStageKSf, ln.s_base + L::kMeanQ, ds_k, ds_half, kres);
-    res = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, 1));
-  }
-  // pair layout {d[2i], d[2i+1], d[2i], d[2i+1]}: the two threads of key ds_k write a copy each
-  sts_f32(stage + L::kStageDelta + delta_pair_offset(ds_k >> 1) + 8 * ds_half + 4 * (ds_k & 1),
-          __fadd_rn(__ldg(ds_key_lane + k0), res));
-  if (threadIdx.x < 2 * D) {
-    const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(v_sf_copy + k0 / 16));
-    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage + L::kStageVSf + 4 * threadIdx.x), "r"(w) : "memory");
-  }
-}
-
-// ---- S = delta_s + Q K^T ----
-template <int D, bool kQK8>
-__device__ __forceinline__ void stage_scores(float (&s)[kBlockN / 8][4], uint32_t stage,
-                                             const uint32_t (&qa)[ConsumerLane<D, kQK8>::kChunks][4], uint32_t q_sf,
-                                             const ConsumerLane<D, kQK8>& ln) {
-  using L = SmemLayout<D, kQK8>;
-  constexpr int kRow = L::kRowBytes;
-  constexpr int kChunks = ConsumerLane<D, kQK8>::kChunks;
-  constexpr int kNT = kBlockN / 8;  // n-tiles of S
-  const int lane = ln.lane, g = ln.g;
-#pragma unroll
-  for (int j = 0; j < kNT; ++j) {
-    // rows g and g + 8 of keys 2i, 2i+1 in one load straight into the accumulator's registers
-    // (a pair loaded once took four register moves: docs/performance.md, section 3)
-    // pair key_of(j, 0) / 2 + 4t: the carry into bit 3 of the pair index comes from t alone
-    static_assert(key_of(0, 2) == 8 && (key_of(3, 0) & 15) == 6, "pair index split");
-    const float4 dl = lds_f4(stage + L::kStageDelta + ln.delta_lane + delta_pair_offset(key_of(j, 0) / 2));
-    s[j][0] = dl.x; s[j][1] = dl.y; s[j][2] = dl.z; s[j][3] = dl.w;
-  }
-  if constexpr (kQK8) {
-    // FP8: per n-tile j, one ldmatrix.x4 per 64 bytes of the key rows (lane L: row key_of(j, L&7),
-    // bytes 64h + 16(L>>3)): chunk 2h in kf[0..1], chunk 2h+1 in kf[2..3]; the K scale word of
-    // key column g (all its chunks) in every lane of quad g.
-#pragma unroll
-    for (int j = 0; j < kNT; ++j) {
-      const int row = key_of(j, 0) + key_of(0, lane & 7);
-      const uint32_t k_sf = lds_sf_row<L::kSfRowBytes>(stage + L::kStageKSf + (key_of(j, 0) + key_of(0, g)) * L::kSfRowBytes);
-      qk8_half<0, kRow>(s[j], qa[0], qa[1], stage + L::kStageK, row, lane, q_sf, k_sf);
-      if constexpr (kRow == 128) qk8_half<1, kRow>(s[j], qa[2], qa[3], stage + L::kStageK, row, lane, q_sf, k_sf);
-    }
-  } else {
-    // Key rows of n-tile j: key_of(j, x) = key_of(j, 0) + key_of(0, x), and the swizzle XOR of
-    // such a row depends on j only (see key_swizzle), so each address is a per-lane base plus
-    // compile-time terms.
-#pragma unroll
-    for (int j = 0; j < kNT; j += (kChunks == 2 ? 1 : 2)) {
-      uint32_t kf[4];
-      const uint32_t k_addr = stage + L::kStageK + ln.k_lane_row + key_of(j, 0) * (D / 2) + (ln.k_lane_col ^ key_swizzle<D / 2>(j));
-      ldmatrix_x4(kf, k_addr);
-      const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
-      if constexpr (kChunks == 2) {
-        // lane 4g+t: key column g of n-tile j, chunk t (SF_B with thread-id-b = chunk)
-        const uint32_t k_sf = lds_u32(stage + L::kStageKSf + ln.ksf_lane + key_of(j, 0) * (D / 16));
-        mma_fp4<0, 0>(s[j], qa[0], b0, s[j], q_sf, k_sf);
-        mma_fp4<1, 1>(s[j], qa[kChunks - 1], b1, s[j], q_sf, k_sf);
-      } else {
-        const uint32_t k_sf0 = lds_u32(stage + L::kStageKSf + ln.ksf_lane + key_of(j, 0) * (D / 16));
-        const uint32_t k_sf1 = lds_u32(stage + L::kStageKSf + ln.ksf_lane + key_of(j + 1, 0) * (D / 16));
-        mma_fp4<0, 0>(s[j], qa[0], b0, s[j], q_sf, k_sf0);
-        mma_fp4<0, 0>(s[j + 1], qa[0], b1, s[j + 1], q_sf, k_sf1);
-      }
-    }
-  }
-}
-
-// ---- masks: keys past seq_k, and the causal diagonal ----
-// row_g: this lane's rows (row_g, row_g + 8) of the tile's query rows starting at m0.
-__device__ __forceinline__ void stage_masks(float (&s)[kBlockN / 8][4], const AttnParams& p, int k0, int m0,
-                                            int row_in_tile, int row_g, int t) {
-  constexpr int kNT = kBlockN / 8;
-  const bool tail = k0 + kBlockN > p.seq_k;
-  const bool diag = p.causal && (k0 + kBlockN - 1 > m0 + row_in_tile);
-  if (tail || diag) {
-#pragma unroll
-    for (int j = 0; j < kNT; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = k0 + key_of(j, 0) + key_of(0, 2 * t + (e & 1));
-        const int row = row_g + 8 * (e >> 1);
-        if (key >= p.seq_k || (p.causal && key > row)) s[j][e] = -INFINITY;
-      }
-    }
-  }
-}
-
-// ---- online softmax (exp2 domain), level-1 scaling folded into the exponent ----
-// Maxima of S per 16-key block of P (bm[q][h][r]: row g + 8r, keys 64q + 32h + 16(t>>1) ..
-// +15, this lane's 8 and its partner t^1's), then the row maxima from them. P's block amax
-// is exp2 of the block's largest exponent (P rises with S: scale_log2 >= 0), computed once
-// per block instead of a maximum over its 8 values of P. S becomes P2 in place; O and the row
-// sums are rescaled; bias[r] is the exponent's offset of row g + 8r.
-template <int D>
-__device__ __forceinline__ void stage_softmax(float (&s)[kBlockN / 8][4], const AttnParams& p, float (&row_max)[2],
-                                              float (&row_sum)[2], float (&o)[D / 8][4],
-                                              float (&bm)[kBlockN / 64][2][2], float (&bias)[2]) {
-  constexpr int kNT = kBlockN / 8;  // n-tiles of S
-  constexpr int kDT = D / 8;        // n-tiles of O
-#pragma unroll
-  for (int q = 0; q < kBlockN / 64; ++q)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float m = fmaxf(s[8 * q + 4 * h][2 * r], s[8 * q + 4 * h][2 * r + 1]);
-#pragma unroll
-        for (int jj = 1; jj < 4; ++jj) m = fmaxf(m, fmaxf(s[8 * q + 4 * h + jj][2 * r], s[8 * q + 4 * h + jj][2 * r + 1]));
-        bm[q][h][r] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float mx = bm[0][0][r];
-#pragma unroll
-    for (int q = 0; q < kBlockN / 64; ++q)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        if (q + h > 0) mx = fmaxf(mx, bm[q][h][r]);
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(row_max[r], mx * p.scale_log2);
-    const float m_use = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: P = 0
-    const float alpha = fast_exp2(row_max[r] - m_use);      // exp2(-inf) = 0 on the first block
-    row_max[r] = m_new;
-    row_sum[r] *= alpha;
-#pragma unroll
-    for (int n = 0; n < kDT; ++n) {
-      o[n][2 * r] *= alpha;
-      o[n][2 * r + 1] *= alpha;
-    }
-    bias[r] = kLog2P2Max - m_use;
-  }
-#pragma unroll
-  for (int j = 0; j < kNT; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float v = fast_exp2(fmaf(s[j][e], p.scale_log2, bias[e >> 1]));
-      s[j][e] = v;
-      row_sum[e >> 1] += v;
-    }
-  }
-}
-
-// ---- P2 -> NVFP4 (level 2) and O += P V ----
-template <int D, bool kQK8>
-__device__ __forceinline__ void stage_pv(float (&o)[D / 8][4], const float (&s)[kBlockN / 8][4],
-                                         const float (&bm)[kBlockN / 64][2][2], const float (&bias)[2],
-                                         const AttnParams& p, uint32_t stage, uint32_t v_sf_lane, uint32_t v_lane) {
-  using L = SmemLayout<D, kQK8>;
-  constexpr int kDT = D / 8;  // n-tiles of O
-  uint32_t pa[kBlockN / 64][4], p_sf[kBlockN / 64];
-#pragma unroll
-  for (int q = 0; q < kBlockN / 64; ++q) {
-    float pv[2][2][8];  // [h][r][i]: row g+8r, keys 64q + 32h + 8t + i
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int jj = 0; jj < 4; ++jj)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          pv[h][r][2 * jj] = s[8 * q + 4 * h + jj][2 * r];
-          pv[h][r][2 * jj + 1] = s[8 * q + 4 * h + jj][2 * r + 1];
-        }
-    float amax[2][2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) amax[h][r] = fast_exp2(fmaf(bm[q][h][r], p.scale_log2, bias[r]));
-    quantize_p_chunk(pv, amax, pa[q], p_sf[q]);
-  }
-#pragma unroll
-  for (int n = 0; n < kDT; ++n) {
-    // V^T rows d = 8n .. 8n+7; matrices = key bytes [0,16) [16,32) [32,48) [48,64)
-    const uint32_t v_sf = lds_u32(stage + L::kStageVSf + v_sf_lane + 64 * n);
-    uint32_t vf[4];
-    ldmatrix_x4(vf, stage + L::kStageV + v_lane + 8 * n * (kBlockN / 2));
-    const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
-    // SF_B of column d = 8n+g for key chunk q sits in lane 4g + q: thread-id-b = q
-    mma_fp4<0, 0>(o[n], pa[0], b0, o[n], p_sf[0], v_sf);
-    mma_fp4<0, 1>(o[n], pa[1], b1, o[n], p_sf[1], v_sf);
-  }
-}
-
-// ---- epilogue ----
-template <int D>
-__device__ __forceinline__ void tile_epilogue(const AttnParams& p, const TileCoord& c, int row_g, const float (&o)[D / 8][4],
-                                              float (&row_sum)[2]) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
-  }
-  store_output<D>(p, c.b * p.heads_q + c.hq, row_g, o, row_sum);
-}
-
-/* ---------- consumer(): one CTA's tiles, phase by phase ---------- */
-
 template <int D, bool kInLoopResidual, bool kQK8 = false>
 __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int warp) {
   using L = SmemLayout<D, kQK8>;
-  using Lane = ConsumerLane<D, kQK8>;
   constexpr int kStages = L::kStages;
-  constexpr int kChunks = Lane::kChunks;
+  constexpr int kRow = L::kRowBytes;
+  constexpr int kChunks = kRow / 32;    // MMA k-chunks of the head dim (32 bytes each: k64 FP4, k32 FP8)
   constexpr int kNT = kBlockN / 8;      // n-tiles of S
   constexpr int kDT = D / 8;            // n-tiles of O
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
@@ -598,7 +317,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   Prod& prod = *reinterpret_cast<Prod*>(smem + L::kProducerState);
   if (is_producer) prod.start(p);
 
-  // Per-lane parts of the shared-memory addresses (see stage_scores and stage_pv).
+  // Per-lane parts of the shared-memory addresses (see the loops below).
   // D=128: lane L reads row key_of(j, L&7), bytes 16(L>>3) (one n-tile, both chunks);
   // D=64:  lane L reads row key_of(j + (L>>4), L&7) = key_of(j, L&7) + 2(L>>4), bytes 16((L>>3)&1).
   const uint32_t k_lane_row = (kChunks == 2 ? key_of(0, lane & 7) : key_of(0, lane & 7) + 2 * (lane >> 4)) * (D / 2);
@@ -612,7 +331,6 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   uint32_t q_round = 0;
   // delta_s: thread i handles half (i & 1) of the head dim of key row i >> 1 of each stage.
   const int ds_k = threadIdx.x >> 1, ds_half = threadIdx.x & 1;
-  const Lane ln{lane, g, t, s_base, row_in_tile, k_lane_row, k_lane_col, ksf_lane, v_lane, delta_lane, ds_k, ds_half};
   static_assert(kThreads == 2 * kBlockN, "two threads per key for delta_s");
   static_assert(2 * D <= kThreads, "one 4-byte word of V scales per thread and stage");
   for (int tile = next_tile<!kInLoopResidual>(p, blockIdx.x); tile < p.num_tiles;
@@ -625,12 +343,44 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
     const int bh_q = c.b * p.heads_q + c.hq;
     bool has_residual = false;
     const int64_t kres_row0 = static_cast<int64_t>(c.b * p.heads_kv + c.hk) * p.seq_k_pad;
-    if constexpr (kInLoopResidual) has_residual = tile_mean_residual<D, kQK8>(p, smem, c, bh_q, kres_row0, ln);
+    if constexpr (kInLoopResidual) {
+      // ---- this tile's Q mean residual r = mean_q - qbar into shared memory ----
+      // Safe to overwrite: every thread read the previous tile's residual before the last stage barrier.
+      int nonzero = 0;
+      if (threadIdx.x < D / 4) {
+        const float* mq = p.mean_q + (static_cast<int64_t>(bh_q) * p.mean_qblocks + (p.mean_qblocks > 1 ? c.mb : 0)) * D;
+        const float4 m = __ldg(reinterpret_cast<const float4*>(mq) + threadIdx.x);
+        const float4 g = __ldg(reinterpret_cast<const float4*>(p.qbar + static_cast<int64_t>(bh_q) * D) + threadIdx.x);
+        const float4 v = make_float4(__fsub_rn(m.x, g.x), __fsub_rn(m.y, g.y), __fsub_rn(m.z, g.z), __fsub_rn(m.w, g.w));
+        nonzero = v.x != 0.f || v.y != 0.f || v.z != 0.f || v.w != 0.f;
+        const int d = 4 * threadIdx.x;
+        *reinterpret_cast<float4*>(smem + L::kMeanQ + 4 * (d + (d >= D / 2 ? 4 : 0))) = v;
+      }
+      has_residual = __syncthreads_or(nonzero) != 0;
+      if (has_residual) ResidualHalf<D>::prefetch(p.k_res, kres_row0, ds_k, ds_half);  // the first stage's
+    }
     const float* ds_key_row = p.ds_key + static_cast<int64_t>(bh_q - p.bh0) * p.ds_bh_stride + c.mb * p.ds_m_stride;
 
+    // ---- Q fragments and scales into registers, then hand the Q buffer back ----
+    mbar_wait(q_full, q_round & 1u);
     uint32_t qa[kChunks][4];
+#pragma unroll
+    for (int ch = 0; ch < kChunks; ++ch) {
+      // matrices: rows 0-7 / 8-15 of the warp's 16, bytes [32ch, +16) then [32ch+16, +16)
+      const int r = row_in_tile + (lane & 7) + 8 * ((lane >> 3) & 1);
+      const int byte = 32 * ch + 16 * (lane >> 4);
+      ldmatrix_x4(qa[ch], s_base + L::kQ + swizzled<kRow>(r * kRow + byte));
+    }
+    // FP4: lane 4g+t: row g + 8(t&1), k-chunk t>>1 (SF_A with thread-id-a = chunk). FP8: lane 4g+t:
+    // all of row g + 8(t&1)'s scale bytes (SF_A with thread-id-a 0, byte-id = chunk).
     uint32_t q_sf;
-    tile_q_fragments<D, kQK8>(q_full, q_empty, q_round, ln, qa, q_sf);
+    if constexpr (kQK8) {
+      q_sf = lds_sf_row<L::kSfRowBytes>(s_base + L::kQSf + (row_in_tile + g + 8 * (t & 1)) * L::kSfRowBytes);
+    } else {
+      q_sf = lds_u32(s_base + L::kQSf + (row_in_tile + g + 8 * (t & 1)) * (D / 16) + 4 * (kChunks == 2 ? (t >> 1) : 0));
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(q_empty);
 
     float o[kDT][4];
 #pragma unroll
@@ -654,21 +404,183 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       const uint32_t stage = s_base + L::kStage0 + st * L::kStageBytes;
       mbar_wait(&full[st], ring.full_parity());
 
-      stage_delta_s<D, kInLoopResidual, kQK8>(p, stage, has_residual, kres_row0, k0, kb, c.num_kb,
-                                              ds_key_row + ds_k, v_sf_copy, ln);
+      // ---- delta_s of this stage's keys (whole CTA), into the stage's vector ----
+      // delta_s[j] = ds_key[j] + (part_0 + part_1), the two halves of r . K^[j] (0 without residual).
+      // The vector of stage st is rewritten kStages iterations later, after 2 more barriers: by
+      // then every warp has read it.
+      {
+        float res = 0.f;
+        if (kInLoopResidual && has_residual) {
+          ResidualHalf<D> kres;
+          kres.load(p.k_res, kres_row0 + k0, ds_k, ds_half);
+          if (kb + 1 < c.num_kb) ResidualHalf<D>::prefetch(p.k_res, kres_row0 + k0 + kBlockN, ds_k, ds_half);
+          const float part =
+              delta_s_part<D>(stage + L::kStageK, stage + L::kStageKSf, s_base + L::kMeanQ, ds_k, ds_half, kres);
+          res = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, 1));
+        }
+        // pair layout {d[2i], d[2i+1], d[2i], d[2i+1]}: the two threads of key ds_k write a copy each
+        sts_f32(stage + L::kStageDelta + delta_pair_offset(ds_k >> 1) + 8 * ds_half + 4 * (ds_k & 1),
+                __fadd_rn(__ldg(ds_key_row + k0 + ds_k), res));
+        if (threadIdx.x < 2 * D) {
+          const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(v_sf_copy + k0 / 16));
+          asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage + L::kStageVSf + 4 * threadIdx.x), "r"(w) : "memory");
+        }
+      }
       __syncthreads();
 
+      // ---- S = delta_s + Q K^T ----
       float s[kNT][4];
-      stage_scores<D, kQK8>(s, stage, qa, q_sf, ln);
-      stage_masks(s, p, k0, m0, row_in_tile, row_g, t);
-      float bm[kBlockN / 64][2][2], bias[2];
-      stage_softmax<D>(s, p, row_max, row_sum, o, bm, bias);
-      stage_pv<D, kQK8>(o, s, bm, bias, p, stage, v_sf_lane, v_lane);
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+        // rows g and g + 8 of keys 2i, 2i+1 in one load straight into the accumulator's registers
+        // (a pair loaded once took four register moves: docs/performance.md, section 3)
+        // pair key_of(j, 0) / 2 + 4t: the carry into bit 3 of the pair index comes from t alone
+        static_assert(key_of(0, 2) == 8 && (key_of(3, 0) & 15) == 6, "pair index split");
+        const float4 dl = lds_f4(stage + L::kStageDelta + delta_lane + delta_pair_offset(key_of(j, 0) / 2));
+        s[j][0] = dl.x; s[j][1] = dl.y; s[j][2] = dl.z; s[j][3] = dl.w;
+      }
+      if constexpr (kQK8) {
+        // FP8: per n-tile j, one ldmatrix.x4 per 64 bytes of the key rows (lane L: row key_of(j, L&7),
+        // bytes 64h + 16(L>>3)): chunk 2h in kf[0..1], chunk 2h+1 in kf[2..3]; the K scale word of
+        // key column g (all its chunks) in every lane of quad g.
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) {
+          const int row = key_of(j, 0) + key_of(0, lane & 7);
+          const uint32_t k_sf = lds_sf_row<L::kSfRowBytes>(stage + L::kStageKSf + (key_of(j, 0) + key_of(0, g)) * L::kSfRowBytes);
+          qk8_half<0, kRow>(s[j], qa[0], qa[1], stage + L::kStageK, row, lane, q_sf, k_sf);
+          if constexpr (kRow == 128) qk8_half<1, kRow>(s[j], qa[2], qa[3], stage + L::kStageK, row, lane, q_sf, k_sf);
+        }
+      } else {
+      // Key rows of n-tile j: key_of(j, x) = key_of(j, 0) + key_of(0, x), and the swizzle XOR of
+      // such a row depends on j only (see key_swizzle), so each address is a per-lane base plus
+      // compile-time terms.
+#pragma unroll
+      for (int j = 0; j < kNT; j += (kChunks == 2 ? 1 : 2)) {
+        uint32_t kf[4];
+        const uint32_t k_addr = stage + L::kStageK + k_lane_row + key_of(j, 0) * (D / 2) + (k_lane_col ^ key_swizzle<D / 2>(j));
+        ldmatrix_x4(kf, k_addr);
+        const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+        if constexpr (kChunks == 2) {
+          // lane 4g+t: key column g of n-tile j, chunk t (SF_B with thread-id-b = chunk)
+          const uint32_t k_sf = lds_u32(stage + L::kStageKSf + ksf_lane + key_of(j, 0) * (D / 16));
+          mma_fp4<0, 0>(s[j], qa[0], b0, s[j], q_sf, k_sf);
+          mma_fp4<1, 1>(s[j], qa[kChunks - 1], b1, s[j], q_sf, k_sf);
+        } else {
+          const uint32_t k_sf0 = lds_u32(stage + L::kStageKSf + ksf_lane + key_of(j, 0) * (D / 16));
+          const uint32_t k_sf1 = lds_u32(stage + L::kStageKSf + ksf_lane + key_of(j + 1, 0) * (D / 16));
+          mma_fp4<0, 0>(s[j], qa[0], b0, s[j], q_sf, k_sf0);
+          mma_fp4<0, 0>(s[j + 1], qa[0], b1, s[j + 1], q_sf, k_sf1);
+        }
+      }
+      }
+
+      // ---- masks: keys past seq_k, and the causal diagonal ----
+      const bool tail = k0 + kBlockN > p.seq_k;
+      const bool diag = p.causal && (k0 + kBlockN - 1 > m0 + row_in_tile);
+      if (tail || diag) {
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = k0 + key_of(j, 0) + key_of(0, 2 * t + (e & 1));
+            const int row = row_g + 8 * (e >> 1);
+            if (key >= p.seq_k || (p.causal && key > row)) s[j][e] = -INFINITY;
+          }
+        }
+      }
+
+      // ---- online softmax (exp2 domain), level-1 scaling folded into the exponent ----
+      // Maxima of S per 16-key block of P (bm[q][h][r]: row g + 8r, keys 64q + 32h + 16(t>>1) ..
+      // +15, this lane's 8 and its partner t^1's), then the row maxima from them. P's block amax
+      // is exp2 of the block's largest exponent (P rises with S: scale_log2 >= 0), computed once
+      // per block instead of a maximum over its 8 values of P.
+      float bm[kBlockN / 64][2][2];
+#pragma unroll
+      for (int q = 0; q < kBlockN / 64; ++q)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float m = fmaxf(s[8 * q + 4 * h][2 * r], s[8 * q + 4 * h][2 * r + 1]);
+#pragma unroll
+            for (int jj = 1; jj < 4; ++jj) m = fmaxf(m, fmaxf(s[8 * q + 4 * h + jj][2 * r], s[8 * q + 4 * h + jj][2 * r + 1]));
+            bm[q][h][r] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+          }
+      float bias[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = bm[0][0][r];
+#pragma unroll
+        for (int q = 0; q < kBlockN / 64; ++q)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            if (q + h > 0) mx = fmaxf(mx, bm[q][h][r]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(row_max[r], mx * p.scale_log2);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: P = 0
+        const float alpha = fast_exp2(row_max[r] - m_use);      // exp2(-inf) = 0 on the first block
+        row_max[r] = m_new;
+        row_sum[r] *= alpha;
+#pragma unroll
+        for (int n = 0; n < kDT; ++n) {
+          o[n][2 * r] *= alpha;
+          o[n][2 * r + 1] *= alpha;
+        }
+        bias[r] = kLog2P2Max - m_use;
+      }
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float v = fast_exp2(fmaf(s[j][e], p.scale_log2, bias[e >> 1]));
+          s[j][e] = v;
+          row_sum[e >> 1] += v;
+        }
+      }
+
+      // ---- P2 -> NVFP4 (level 2) and O += P V ----
+      uint32_t pa[kBlockN / 64][4], p_sf[kBlockN / 64];
+#pragma unroll
+      for (int q = 0; q < kBlockN / 64; ++q) {
+        float pv[2][2][8];  // [h][r][i]: row g+8r, keys 64q + 32h + 8t + i
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              pv[h][r][2 * jj] = s[8 * q + 4 * h + jj][2 * r];
+              pv[h][r][2 * jj + 1] = s[8 * q + 4 * h + jj][2 * r + 1];
+            }
+        float amax[2][2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) amax[h][r] = fast_exp2(fmaf(bm[q][h][r], p.scale_log2, bias[r]));
+        quantize_p_chunk(pv, amax, pa[q], p_sf[q]);
+      }
+#pragma unroll
+      for (int n = 0; n < kDT; ++n) {
+        // V^T rows d = 8n .. 8n+7; matrices = key bytes [0,16) [16,32) [32,48) [48,64)
+        const uint32_t v_sf = lds_u32(stage + L::kStageVSf + v_sf_lane + 64 * n);
+        uint32_t vf[4];
+        ldmatrix_x4(vf, stage + L::kStageV + v_lane + 8 * n * (kBlockN / 2));
+        const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
+        // SF_B of column d = 8n+g for key chunk q sits in lane 4g + q: thread-id-b = q
+        mma_fp4<0, 0>(o[n], pa[0], b0, o[n], p_sf[0], v_sf);
+        mma_fp4<0, 1>(o[n], pa[1], b1, o[n], p_sf[1], v_sf);
+      }
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[st]);
     }
 
-    tile_epilogue<D>(p, c, row_g, o, row_sum);
+    // ---- epilogue ----
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+      row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+    }
+    store_output<D>(p, c.b * p.heads_q + c.hq, row_g, o, row_sum);
   }
 }
 
