@@ -10,18 +10,45 @@ import torch
 
 from gpu_common import kernels_or_skip
 
+# Each message names what the op expected and what it got.
+OUTS = "torch.empty(4, 32, dtype=torch.uint8, device='cuda'), torch.empty(4, 4, dtype=torch.uint8, device='cuda')"
 CASES = {
     "wrong output size": (
         "x = torch.randn(4, 64, device='cuda', dtype=torch.bfloat16)\n"
         "torch.ops.sageattn3.quant_fp4_rows(x, torch.empty(4, 31, dtype=torch.uint8, device='cuda'),"
         " torch.empty(4, 4, dtype=torch.uint8, device='cuda'))",
-        "output sizes do not match",
+        "output sizes do not match x: expected packed of 128 and scales of 16 elements, got 124 and 16",
     ),
     "cpu input": (
         "x = torch.randn(4, 64, dtype=torch.bfloat16)\n"
+        f"torch.ops.sageattn3.quant_fp4_rows(x, {OUTS})",
+        "x must be a CUDA tensor, got a tensor on cpu",
+    ),
+    "wrong dtype": (
+        "x = torch.randn(4, 64, device='cuda', dtype=torch.float64)\n"
+        f"torch.ops.sageattn3.quant_fp4_rows(x, {OUTS})",
+        "x must be float16, bfloat16 or float32, got float64",
+    ),
+    "not contiguous": (
+        "x = torch.randn(64, 4, device='cuda', dtype=torch.bfloat16).t()\n"
+        f"torch.ops.sageattn3.quant_fp4_rows(x, {OUTS})",
+        "x must be contiguous, got strides (1, 4) for shape (4, 64)",
+    ),
+    "misaligned": (
+        "x = torch.randn(4 * 64 + 1, device='cuda', dtype=torch.bfloat16)[1:].view(4, 64)\n"
+        f"torch.ops.sageattn3.quant_fp4_rows(x, {OUTS})",
+        "x must be 16-byte aligned (pass a fresh tensor or .clone()), got an address 2 bytes past a 16-byte boundary",
+    ),
+    "last dim": (
+        "x = torch.randn(4, 40, device='cuda', dtype=torch.bfloat16)\n"
+        f"torch.ops.sageattn3.quant_fp4_rows(x, {OUTS})",
+        "last dim must be a positive multiple of 16, got x of shape (4, 40)",
+    ),
+    "scales dtype": (
+        "x = torch.randn(4, 64, device='cuda', dtype=torch.bfloat16)\n"
         "torch.ops.sageattn3.quant_fp4_rows(x, torch.empty(4, 32, dtype=torch.uint8, device='cuda'),"
-        " torch.empty(4, 4, dtype=torch.uint8, device='cuda'))",
-        "",
+        " torch.empty(4, 4, dtype=torch.int32, device='cuda'))",
+        "scales must be uint8 or float8_e4m3fn, got int32",
     ),
 }
 

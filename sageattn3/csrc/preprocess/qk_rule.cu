@@ -124,21 +124,13 @@ __device__ __forceinline__ int64_t sampled_block(int64_t seq, int i) {
   return (static_cast<int64_t>(i) * n) / sampled_count(seq);
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) qk_rule_kernel(QkRuleArgs a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  using L = Smem<D>;
-  extern __shared__ float sm[];
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int64_t bh = blockIdx.x;  // batch * Hq + q head
-  const int qi = blockIdx.y;       // which sampled block of Q
-  const int64_t b = bh / a.Hq, h = bh % a.Hq;
-  const int64_t bk = b * a.Hkv + h / (a.Hq / a.Hkv);  // its kv head, flattened
-  const int64_t tq = sampled_block(a.Sq, qi);
-  const int rows = static_cast<int>(ceil_div(min(static_cast<int64_t>(kBlock), a.Sq - tq * kBlock), kStride));
-  const float* bal = a.balance == nullptr ? nullptr : a.balance + bk * D;
+/* ---------- qk_rule_kernel's phases, in the order a block runs them ---------- */
 
-  // Q's rows: Q_s split into tf32 parts, Qd (rows beyond `rows` zero)
+// Q's rows: Q_s split into tf32 parts, Qd (rows beyond `rows` zero), into shared memory.
+template <typename T, int D>
+__device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, float* sm, int tid, int64_t bh, int64_t tq, int rows,
+                                             const float* bal) {
+  using L = Smem<D>;
   for (int u = tid; u < kRows * D / 8; u += kThreads) {
     const int r = u / (D / 8), d0 = (u % (D / 8)) * 8;
     float hi[8], lo[8], qd[8];
@@ -169,32 +161,19 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(QkRuleArgs a) {
       sm[L::kQd + r * L::kLd + d0 + j] = qd[j];
     }
   }
+}
 
-  // softmax state of the 4 (kind, row) pairs this warp owns: pair p = warp * 4 + i, kind p / 16
-  float m_run[4], l_run[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    m_run[i] = -INFINITY;
-    l_run[i] = 0.0f;
-  }
-  // P.V accumulators: kind warp / 4, n-tiles (warp % 4) + 4 i
-  constexpr int kNt = D / 32;
-  float acc[kNt][4];
-#pragma unroll
-  for (int i = 0; i < kNt; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-
-  // the chunks: every sampled key block's 32-key chunks that hold a real key (only the last
-  // sampled block can be partial, so they are the first `nchunks`)
-  const int kblocks = sampled_count(a.Sk);
-  const int last = static_cast<int>(min(static_cast<int64_t>(kBlock), a.Sk - sampled_block(a.Sk, kblocks - 1) * kBlock));
-  const int nchunks = (kblocks - 1) * (kBlock / kChunk) + (last + kChunk - 1) / kChunk;
-  const float* mean_k = a.mean_k + bk * D;
-  // the next chunk's raw bytes, loaded while the current one is computed
-  constexpr int kUnits = kChunk * D / 8 / kThreads;
+// The next key chunk's raw bytes (K, V, K's FP4 codes and scale), loaded into registers while the
+// current one is computed. The chunks: every sampled key block's 32-key chunks that hold a real
+// key (only the last sampled block can be partial, so they are the first `nchunks`).
+template <typename T, int D>
+struct KeyChunk {
+  static constexpr int kUnits = kChunk * D / 8 / kThreads;
   uint4 rk[kUnits], rv[kUnits];
   uint32_t rp[kUnits], rs[kUnits];
   bool rlive[kUnits];
-  const auto fetch = [&](int c) {
+
+  __device__ __forceinline__ void fetch(const QkRuleArgs& a, int64_t bk, int tid, int c) {
     const int64_t tk = sampled_block(a.Sk, c / (kBlock / kChunk));
     const int off = (c % (kBlock / kChunk)) * kChunk;
     const int count = static_cast<int>(min(static_cast<int64_t>(kBlock), a.Sk - tk * kBlock));
@@ -211,139 +190,152 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(QkRuleArgs a) {
         rs[i] = a.k_scales[e / 16];
       }
     }
-  };
-  fetch(0);
-  for (int c = 0; c < nchunks; ++c) {
-    const int off = (c % (kBlock / kChunk)) * kChunk;
-    const int count = static_cast<int>(
-        min(static_cast<int64_t>(kBlock), a.Sk - sampled_block(a.Sk, c / (kBlock / kChunk)) * kBlock));
-    {
-      __syncthreads();  // the previous chunk's reads are done
+  }
+
+  // K_s = k * 2^e - mean_k, Kd and V of the fetched chunk into shared memory (dead keys zero).
+  __device__ __forceinline__ void stage(float* sm, int tid, const float* bal, const float* mean_k) const {
+    using L = Smem<D>;
 #pragma unroll
-      for (int i = 0; i < kUnits; ++i) {
-        const int u = tid + i * kThreads, r = u / (D / 8), d0 = (u % (D / 8)) * 8;
-        float ks[8], kd[8], vv[8];
-        if (rlive[i]) {
-          float x[8];
-          unpack8<T>(rk[i], x);
-          unpack8<T>(rv[i], vv);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const float cf = bal == nullptr ? 1.0f : ldexpf(1.0f, static_cast<int>(bal[d0 + j]));
-            ks[j] = __fsub_rn(__fmul_rn(x[j], cf), mean_k[d0 + j]);
-          }
-          fp4x8(rp[i], rs[i], kd);
-        } else {
-#pragma unroll
-          for (int j = 0; j < 8; ++j) ks[j] = kd[j] = vv[j] = 0.0f;
-        }
+    for (int i = 0; i < kUnits; ++i) {
+      const int u = tid + i * kThreads, r = u / (D / 8), d0 = (u % (D / 8)) * 8;
+      float ks[8], kd[8], vv[8];
+      if (rlive[i]) {
+        float x[8];
+        unpack8<T>(rk[i], x);
+        unpack8<T>(rv[i], vv);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          sm[L::kKs + r * L::kLd + d0 + j] = ks[j];
-          sm[L::kKd + r * L::kLd + d0 + j] = kd[j];
-          sm[L::kV + r * L::kVLd + d0 + j] = vv[j];
+          const float cf = bal == nullptr ? 1.0f : ldexpf(1.0f, static_cast<int>(bal[d0 + j]));
+          ks[j] = __fsub_rn(__fmul_rn(x[j], cf), mean_k[d0 + j]);
         }
+        fp4x8(rp[i], rs[i], kd);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) ks[j] = kd[j] = vv[j] = 0.0f;
       }
-      if (c + 1 < nchunks) fetch(c + 1);
-      __syncthreads();
-
-      {  // scores: warp -> keys (warp % 4) * 8.., half of D (warp / 4); both kinds
-        const int n0 = (warp & 3) * 8, half = warp >> 2;
-        // four independent accumulation chains: hi*hi, hi*lo, lo*hi, the FP4 products
-        float s[4] = {0.f, 0.f, 0.f, 0.f}, sx[4] = {0.f, 0.f, 0.f, 0.f}, sy[4] = {0.f, 0.f, 0.f, 0.f},
-              s4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int k0 = half * (D / 2); k0 < (half + 1) * (D / 2); k0 += 8) {
-          const float* qh = sm + L::kQHi;
-          const float* ql = sm + L::kQLo;
-          const float* qd = sm + L::kQd;
-          const int i0 = g * L::kLd + k0 + t, i1 = (g + 8) * L::kLd + k0 + t;
-          const uint32_t ahi[4] = {__float_as_uint(qh[i0]), __float_as_uint(qh[i1]), __float_as_uint(qh[i0 + 4]),
-                                   __float_as_uint(qh[i1 + 4])};
-          const uint32_t alo[4] = {__float_as_uint(ql[i0]), __float_as_uint(ql[i1]), __float_as_uint(ql[i0 + 4]),
-                                   __float_as_uint(ql[i1 + 4])};
-          const uint32_t ad[4] = {__float_as_uint(qd[i0]), __float_as_uint(qd[i1]), __float_as_uint(qd[i0 + 4]),
-                                  __float_as_uint(qd[i1 + 4])};
-          const int j0 = (n0 + g) * L::kLd + k0 + t;
-          uint32_t bhi[2], blo[2];
-          split_tf32(sm[L::kKs + j0], bhi[0], blo[0]);
-          split_tf32(sm[L::kKs + j0 + 4], bhi[1], blo[1]);
-          const uint32_t bd[2] = {__float_as_uint(sm[L::kKd + j0]), __float_as_uint(sm[L::kKd + j0 + 4])};
-          mma_tf32(sx, alo, bhi);
-          mma_tf32(sy, ahi, blo);
-          mma_tf32(s, ahi, bhi);
-          mma_tf32(s4, ad, bd);
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) s[j] = __fadd_rn(s[j], __fadd_rn(sx[j], sy[j]));
-        float* s0 = sm + L::kS + (0 * 2 + half) * kRows * kSLd;
-        float* s1 = sm + L::kS + (1 * 2 + half) * kRows * kSLd;
-        const int c = n0 + 2 * t;
-        s0[g * kSLd + c] = s[0];
-        s0[g * kSLd + c + 1] = s[1];
-        s0[(g + 8) * kSLd + c] = s[2];
-        s0[(g + 8) * kSLd + c + 1] = s[3];
-        s1[g * kSLd + c] = s4[0];
-        s1[g * kSLd + c + 1] = s4[1];
-        s1[(g + 8) * kSLd + c] = s4[2];
-        s1[(g + 8) * kSLd + c + 1] = s4[3];
-      }
-      __syncthreads();
-
-      // online softmax: lane = key; P's tf32 parts go where the two halves' sums were
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int p = warp * 4 + i, kind = p / kRows, r = p % kRows;
-        float* h0 = sm + L::kS + (kind * 2 + 0) * kRows * kSLd + r * kSLd;
-        float* h1 = sm + L::kS + (kind * 2 + 1) * kRows * kSLd + r * kSLd;
-        const bool live = off + lane < count;
-        const float x = __fmul_rn(__fadd_rn(h0[lane], h1[lane]), a.scale);
-        const float m_new = fmaxf(m_run[i], warp_max(live ? x : -INFINITY));
-        const float alpha = expf(m_run[i] - m_new);
-        const float e = live ? expf(x - m_new) : 0.0f;
-        l_run[i] = l_run[i] * alpha + warp_sum(e);
-        m_run[i] = m_new;
-        uint32_t ph, pl;
-        split_tf32(e, ph, pl);
-        h0[lane] = __uint_as_float(ph);
-        h1[lane] = __uint_as_float(pl);
-        if (lane == 0) sm[L::kAlpha + p] = alpha;
-      }
-      __syncthreads();
-
-      {  // O (kind warp / 4) = O * alpha + P V
-        const int kind = warp >> 2;
-        const float al0 = sm[L::kAlpha + kind * kRows + g], al1 = sm[L::kAlpha + kind * kRows + g + 8];
-#pragma unroll
-        for (int i = 0; i < kNt; ++i) {
-          acc[i][0] *= al0;
-          acc[i][1] *= al0;
-          acc[i][2] *= al1;
-          acc[i][3] *= al1;
-        }
-        const float* ph = sm + L::kS + (kind * 2 + 0) * kRows * kSLd;
-        const float* pl = sm + L::kS + (kind * 2 + 1) * kRows * kSLd;
-#pragma unroll
-        for (int k0 = 0; k0 < kChunk; k0 += 8) {
-          const int i0 = g * kSLd + k0 + t, i1 = (g + 8) * kSLd + k0 + t;
-          const uint32_t ahi[4] = {__float_as_uint(ph[i0]), __float_as_uint(ph[i1]), __float_as_uint(ph[i0 + 4]),
-                                   __float_as_uint(ph[i1 + 4])};
-          const uint32_t alo[4] = {__float_as_uint(pl[i0]), __float_as_uint(pl[i1]), __float_as_uint(pl[i0 + 4]),
-                                   __float_as_uint(pl[i1 + 4])};
-#pragma unroll
-          for (int i = 0; i < kNt; ++i) {
-            const int n0 = ((warp & 3) + 4 * i) * 8;
-            const uint32_t bv[2] = {__float_as_uint(sm[L::kV + (k0 + t) * L::kVLd + n0 + g]),
-                                    __float_as_uint(sm[L::kV + (k0 + t + 4) * L::kVLd + n0 + g])};
-            mma_tf32(acc[i], alo, bv);
-            mma_tf32(acc[i], ahi, bv);
-          }
-        }
+      for (int j = 0; j < 8; ++j) {
+        sm[L::kKs + r * L::kLd + d0 + j] = ks[j];
+        sm[L::kKd + r * L::kLd + d0 + j] = kd[j];
+        sm[L::kV + r * L::kVLd + d0 + j] = vv[j];
       }
     }
   }
+};
 
-  // row sums, then O4 to shared memory (over K's staging area) for the exact-kind warps
+// scores: warp -> keys (warp % 4) * 8.., half of D (warp / 4); both kinds, into the S area.
+template <int D>
+__device__ __forceinline__ void chunk_scores(float* sm, int warp, int g, int t) {
+  using L = Smem<D>;
+  const int n0 = (warp & 3) * 8, half = warp >> 2;
+  // four independent accumulation chains: hi*hi, hi*lo, lo*hi, the FP4 products
+  float s[4] = {0.f, 0.f, 0.f, 0.f}, sx[4] = {0.f, 0.f, 0.f, 0.f}, sy[4] = {0.f, 0.f, 0.f, 0.f},
+        s4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int k0 = half * (D / 2); k0 < (half + 1) * (D / 2); k0 += 8) {
+    const float* qh = sm + L::kQHi;
+    const float* ql = sm + L::kQLo;
+    const float* qd = sm + L::kQd;
+    const int i0 = g * L::kLd + k0 + t, i1 = (g + 8) * L::kLd + k0 + t;
+    const uint32_t ahi[4] = {__float_as_uint(qh[i0]), __float_as_uint(qh[i1]), __float_as_uint(qh[i0 + 4]),
+                             __float_as_uint(qh[i1 + 4])};
+    const uint32_t alo[4] = {__float_as_uint(ql[i0]), __float_as_uint(ql[i1]), __float_as_uint(ql[i0 + 4]),
+                             __float_as_uint(ql[i1 + 4])};
+    const uint32_t ad[4] = {__float_as_uint(qd[i0]), __float_as_uint(qd[i1]), __float_as_uint(qd[i0 + 4]),
+                            __float_as_uint(qd[i1 + 4])};
+    const int j0 = (n0 + g) * L::kLd + k0 + t;
+    uint32_t bhi[2], blo[2];
+    split_tf32(sm[L::kKs + j0], bhi[0], blo[0]);
+    split_tf32(sm[L::kKs + j0 + 4], bhi[1], blo[1]);
+    const uint32_t bd[2] = {__float_as_uint(sm[L::kKd + j0]), __float_as_uint(sm[L::kKd + j0 + 4])};
+    mma_tf32(sx, alo, bhi);
+    mma_tf32(sy, ahi, blo);
+    mma_tf32(s, ahi, bhi);
+    mma_tf32(s4, ad, bd);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) s[j] = __fadd_rn(s[j], __fadd_rn(sx[j], sy[j]));
+  float* s0 = sm + L::kS + (0 * 2 + half) * kRows * kSLd;
+  float* s1 = sm + L::kS + (1 * 2 + half) * kRows * kSLd;
+  const int c = n0 + 2 * t;
+  s0[g * kSLd + c] = s[0];
+  s0[g * kSLd + c + 1] = s[1];
+  s0[(g + 8) * kSLd + c] = s[2];
+  s0[(g + 8) * kSLd + c + 1] = s[3];
+  s1[g * kSLd + c] = s4[0];
+  s1[g * kSLd + c + 1] = s4[1];
+  s1[(g + 8) * kSLd + c] = s4[2];
+  s1[(g + 8) * kSLd + c + 1] = s4[3];
+}
+
+// online softmax: lane = key (keys off + lane < count are real); P's tf32 parts go where the two
+// halves' sums were, each row's alpha to the alpha area.
+template <int D>
+__device__ __forceinline__ void chunk_softmax(float* sm, float scale, int off, int count, int warp, int lane,
+                                              float (&m_run)[4], float (&l_run)[4]) {
+  using L = Smem<D>;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int p = warp * 4 + i, kind = p / kRows, r = p % kRows;
+    float* h0 = sm + L::kS + (kind * 2 + 0) * kRows * kSLd + r * kSLd;
+    float* h1 = sm + L::kS + (kind * 2 + 1) * kRows * kSLd + r * kSLd;
+    const bool live = off + lane < count;
+    const float x = __fmul_rn(__fadd_rn(h0[lane], h1[lane]), scale);
+    const float m_new = fmaxf(m_run[i], warp_max(live ? x : -INFINITY));
+    const float alpha = expf(m_run[i] - m_new);
+    const float e = live ? expf(x - m_new) : 0.0f;
+    l_run[i] = l_run[i] * alpha + warp_sum(e);
+    m_run[i] = m_new;
+    uint32_t ph, pl;
+    split_tf32(e, ph, pl);
+    h0[lane] = __uint_as_float(ph);
+    h1[lane] = __uint_as_float(pl);
+    if (lane == 0) sm[L::kAlpha + p] = alpha;
+  }
+}
+
+// O (kind warp / 4) = O * alpha + P V
+template <int D>
+__device__ __forceinline__ void chunk_pv(const float* sm, int warp, int g, int t, float (&acc)[D / 32][4]) {
+  using L = Smem<D>;
+  constexpr int kNt = D / 32;
+  const int kind = warp >> 2;
+  const float al0 = sm[L::kAlpha + kind * kRows + g], al1 = sm[L::kAlpha + kind * kRows + g + 8];
+#pragma unroll
+  for (int i = 0; i < kNt; ++i) {
+    acc[i][0] *= al0;
+    acc[i][1] *= al0;
+    acc[i][2] *= al1;
+    acc[i][3] *= al1;
+  }
+  const float* ph = sm + L::kS + (kind * 2 + 0) * kRows * kSLd;
+  const float* pl = sm + L::kS + (kind * 2 + 1) * kRows * kSLd;
+#pragma unroll
+  for (int k0 = 0; k0 < kChunk; k0 += 8) {
+    const int i0 = g * kSLd + k0 + t, i1 = (g + 8) * kSLd + k0 + t;
+    const uint32_t ahi[4] = {__float_as_uint(ph[i0]), __float_as_uint(ph[i1]), __float_as_uint(ph[i0 + 4]),
+                             __float_as_uint(ph[i1 + 4])};
+    const uint32_t alo[4] = {__float_as_uint(pl[i0]), __float_as_uint(pl[i1]), __float_as_uint(pl[i0 + 4]),
+                             __float_as_uint(pl[i1 + 4])};
+#pragma unroll
+    for (int i = 0; i < kNt; ++i) {
+      const int n0 = ((warp & 3) + 4 * i) * 8;
+      const uint32_t bv[2] = {__float_as_uint(sm[L::kV + (k0 + t) * L::kVLd + n0 + g]),
+                              __float_as_uint(sm[L::kV + (k0 + t + 4) * L::kVLd + n0 + g])};
+      mma_tf32(acc[i], alo, bv);
+      mma_tf32(acc[i], ahi, bv);
+    }
+  }
+}
+
+// row sums, then O4 to shared memory (over K's staging area) for the exact-kind warps; the
+// exact-kind warps' sums of (O4 - O)^2 and O^2 over their rows < `rows`, per warp, into `red`
+// (2 x 8 floats over the alpha area).
+template <int D>
+__device__ __forceinline__ void block_error(float* sm, int warp, int lane, int g, int t, int rows,
+                                            const float (&l_run)[4], const float (&acc)[D / 32][4]) {
+  using L = Smem<D>;
+  constexpr int kNt = D / 32;
 #pragma unroll
   for (int i = 0; i < 4; ++i)
     if (lane == 0) sm[L::kL + warp * 4 + i] = l_run[i];
@@ -387,28 +379,87 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(QkRuleArgs a) {
     red[warp] = num;
     red[8 + warp] = den;
   }
-  __syncthreads();
-  if (tid == 0) {
-    float n = 0.0f, d = 0.0f;
-    for (int w = 0; w < 4; ++w) {
-      n += red[w];
-      d += red[8 + w];
-    }
-    a.partial[(bh * kSampled + qi) * 2] = n;
-    a.partial[(bh * kSampled + qi) * 2 + 1] = d;
-    __threadfence();
-    const int nq = sampled_count(a.Sq);
-    if (atomicAdd(a.counter + bh, 1) == nq - 1) {
-      __threadfence();
-      float sn = 0.0f, sd = 0.0f;
-      for (int i = 0; i < nq; ++i) {
-        sn += __ldcg(a.partial + (bh * kSampled + i) * 2);
-        sd += __ldcg(a.partial + (bh * kSampled + i) * 2 + 1);
-      }
-      a.error[bh] = sqrtf(sn / fmaxf(sd, 1e-30f));
-      a.counter[bh] = 0;  // ready for the next launch
-    }
+}
+
+// Thread 0: the block's partial sums (from `red`) to `partial`; the last block of the head to
+// finish adds the head's partials in block order and writes its error.
+__device__ __forceinline__ void head_error(const QkRuleArgs& a, int64_t bh, int qi, const float* red) {
+  float n = 0.0f, d = 0.0f;
+  for (int w = 0; w < 4; ++w) {
+    n += red[w];
+    d += red[8 + w];
   }
+  a.partial[(bh * kSampled + qi) * 2] = n;
+  a.partial[(bh * kSampled + qi) * 2 + 1] = d;
+  __threadfence();
+  const int nq = sampled_count(a.Sq);
+  if (atomicAdd(a.counter + bh, 1) == nq - 1) {
+    __threadfence();
+    float sn = 0.0f, sd = 0.0f;
+    for (int i = 0; i < nq; ++i) {
+      sn += __ldcg(a.partial + (bh * kSampled + i) * 2);
+      sd += __ldcg(a.partial + (bh * kSampled + i) * 2 + 1);
+    }
+    a.error[bh] = sqrtf(sn / fmaxf(sd, 1e-30f));
+    a.counter[bh] = 0;  // ready for the next launch
+  }
+}
+
+/* ---------- the kernel: one block's rows and keys, phase by phase ---------- */
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) qk_rule_kernel(QkRuleArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  using L = Smem<D>;
+  extern __shared__ float sm[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int64_t bh = blockIdx.x;  // batch * Hq + q head
+  const int qi = blockIdx.y;       // which sampled block of Q
+  const int64_t b = bh / a.Hq, h = bh % a.Hq;
+  const int64_t bk = b * a.Hkv + h / (a.Hq / a.Hkv);  // its kv head, flattened
+  const int64_t tq = sampled_block(a.Sq, qi);
+  const int rows = static_cast<int>(ceil_div(min(static_cast<int64_t>(kBlock), a.Sq - tq * kBlock), kStride));
+  const float* bal = a.balance == nullptr ? nullptr : a.balance + bk * D;
+
+  stage_q_rows<T, D>(a, sm, tid, bh, tq, rows, bal);
+
+  // softmax state of the 4 (kind, row) pairs this warp owns: pair p = warp * 4 + i, kind p / 16
+  float m_run[4], l_run[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    m_run[i] = -INFINITY;
+    l_run[i] = 0.0f;
+  }
+  // P.V accumulators: kind warp / 4, n-tiles (warp % 4) + 4 i
+  constexpr int kNt = D / 32;
+  float acc[kNt][4];
+#pragma unroll
+  for (int i = 0; i < kNt; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+  const int kblocks = sampled_count(a.Sk);
+  const int last = static_cast<int>(min(static_cast<int64_t>(kBlock), a.Sk - sampled_block(a.Sk, kblocks - 1) * kBlock));
+  const int nchunks = (kblocks - 1) * (kBlock / kChunk) + (last + kChunk - 1) / kChunk;
+  const float* mean_k = a.mean_k + bk * D;
+  KeyChunk<T, D> next;
+  next.fetch(a, bk, tid, 0);
+  for (int c = 0; c < nchunks; ++c) {
+    const int off = (c % (kBlock / kChunk)) * kChunk;
+    const int count = static_cast<int>(
+        min(static_cast<int64_t>(kBlock), a.Sk - sampled_block(a.Sk, c / (kBlock / kChunk)) * kBlock));
+    __syncthreads();  // the previous chunk's reads are done
+    next.stage(sm, tid, bal, mean_k);
+    if (c + 1 < nchunks) next.fetch(a, bk, tid, c + 1);
+    __syncthreads();
+    chunk_scores<D>(sm, warp, g, t);
+    __syncthreads();
+    chunk_softmax<D>(sm, a.scale, off, count, warp, lane, m_run, l_run);
+    __syncthreads();
+    chunk_pv<D>(sm, warp, g, t, acc);
+  }
+
+  block_error<D>(sm, warp, lane, g, t, rows, l_run, acc);
+  __syncthreads();
+  if (tid == 0) head_error(a, bh, qi, sm + L::kAlpha);
 #else
   __trap();  // mma.sync tf32 needs sm_80 or newer (the builds target sm_90 and sm_120 families)
 #endif

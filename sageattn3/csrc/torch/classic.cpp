@@ -1,11 +1,12 @@
 // The torch-facing unit for torch lines below the stable-ABI floor (2.7-2.9): registers the ops
-// of ops.h through the classic dispatcher API (TORCH_LIBRARY, at::Tensor). Built once per torch
+// of torch/ops.h through the classic dispatcher API (TORCH_LIBRARY, at::Tensor). Built once per torch
 // line: the binary is tied to that line's C++ ABI, and the import guard refuses other lines.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "torch/checks.h"
 #include "torch/ops.h"
 
 namespace sageattn3::torch_ops {
@@ -20,9 +21,17 @@ struct TensorApi<at::Tensor> {
       case at::ScalarType::Byte: return Kind::kByte;
       case at::ScalarType::Float8_e4m3fn: return Kind::kFloat8e4m3fn;
       case at::ScalarType::Int: return Kind::kInt;
+      case at::ScalarType::Double: return Kind::kDouble;
+      case at::ScalarType::Long: return Kind::kLong;
+      case at::ScalarType::Short: return Kind::kShort;
+      case at::ScalarType::Char: return Kind::kChar;
+      case at::ScalarType::Bool: return Kind::kBool;
+      case at::ScalarType::Float8_e5m2: return Kind::kFloat8e5m2;
       default: return Kind::kOther;
     }
   }
+  // "cuda:0", "cpu", ... as torch prints the device.
+  static std::string device(const at::Tensor& t) { return t.device().str(); }
   static cudaStream_t stream(const at::Tensor& t) {
     return c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
   }

@@ -1,4 +1,4 @@
-// The torch-facing unit for torch >= the stable-ABI floor: registers the ops of ops.h through
+// The torch-facing unit for torch >= the stable-ABI floor: registers the ops of torch/ops.h through
 // the LibTorch stable ABI (TORCH_TARGET_VERSION pins the oldest torch the binary must load
 // into), so one wheel serves every later torch of its CUDA major.
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
@@ -6,6 +6,7 @@
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/util/Exception.h>
 
+#include "torch/checks.h"
 #include "torch/ops.h"
 
 namespace sageattn3::torch_ops {
@@ -23,8 +24,19 @@ struct TensorApi<StableTensor> {
       case ScalarType::Byte: return Kind::kByte;
       case ScalarType::Float8_e4m3fn: return Kind::kFloat8e4m3fn;
       case ScalarType::Int: return Kind::kInt;
+      case ScalarType::Double: return Kind::kDouble;
+      case ScalarType::Long: return Kind::kLong;
+      case ScalarType::Short: return Kind::kShort;
+      case ScalarType::Char: return Kind::kChar;
+      case ScalarType::Bool: return Kind::kBool;
+      case ScalarType::Float8_e5m2: return Kind::kFloat8e5m2;
       default: return Kind::kOther;
     }
+  }
+  // "cuda:0", "cpu", or (another device type) "a non-CUDA device".
+  static std::string device(const StableTensor& t) {
+    if (t.is_cuda()) return "cuda:" + std::to_string(t.get_device());
+    return t.is_cpu() ? "cpu" : "a non-CUDA device";
   }
   static cudaStream_t stream(const StableTensor& t) {
     void* s = nullptr;
@@ -40,7 +52,7 @@ struct TensorApi<StableTensor> {
   static StableTensor empty(std::initializer_list<int64_t> sizes, Kind k, const StableTensor& like) {
     int64_t sz[8], st[8];
     const int64_t n = static_cast<int64_t>(sizes.size());
-    if (n > 8) fail("sageattn3: at most 8 dims");
+    if (n > 8) fail(message("sageattn3: at most 8 dims, got ", n));
     int64_t i = 0;
     for (int64_t s : sizes) sz[i++] = s;
     int64_t stride = 1;

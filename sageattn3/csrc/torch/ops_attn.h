@@ -1,0 +1,153 @@
+// The FP4 attention ops (csrc/attn; the kernel's launch API is attn/attn_api.h): the checks of
+// its operands, blockscaled_fp4_attn and the per-head FP8 Q.K^T variant blockscaled_attn_qk8.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+
+#include "attn/attn_api.h"
+#include "torch/checks.h"
+
+namespace sageattn3::torch_ops {
+
+// blockscaled_fp4_attn(q, q_sf, k, k_sf, v, v_sf, mean_q, out!, seq_q, seq_k, sm_scale, causal):
+// layouts in attn/attn_api.h (sequence dims padded to multiples of 128, zeros); mean_q
+// (B, Hq, 1 or Sq_p/128, D), qbar (B, Hq, 1, D), ds_key (B, Hq, Sk_p) fp32, k_res (B, Hkv, Sk_p, D)
+// E4M3 (K's quantization residual; needed with more than one Q mean, else may be empty): the
+// kernel adds delta_s = ds_key + (mean_q - qbar) . (dequant(k) + k_res)^T itself; ds_work fp32
+// (any shape, contiguous): the workspace that delta_s per query block and key is precomputed
+// into (attn/attn_api.h), or empty (the bounded-memory mode).
+template <class T>
+Fp4AttnArgs attn_args(const T& q, const T& q_sf, const T& k, const T& k_sf, const T& v, const T& v_sf, const T& mean_q,
+                      const T& qbar, const T& ds_key, const T& k_res, const T& ds_work, const T& out, int64_t seq_q,
+                      int64_t seq_k, double sm_scale, bool causal) {
+  check_cuda(q, q, "q");
+  for (const T* t : {&q_sf, &k, &k_sf, &v, &v_sf, &mean_q, &qbar, &ds_key, &k_res, &ds_work, &out})
+    check_cuda(*t, q, "an attention operand");
+  check_bytes(q, "q");
+  check_bytes(q_sf, "q_sf");
+  check_bytes(k, "k");
+  check_bytes(k_sf, "k_sf");
+  check_bytes(v, "v");
+  check_bytes(v_sf, "v_sf");
+  check_f32(mean_q, "mean_q");
+  check_f32(qbar, "qbar");
+  check_f32(ds_key, "ds_key");
+  check_f32(ds_work, "ds_work");
+  SA3_CHECK(T, q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q_sf.dim() == 4 && k_sf.dim() == 4 &&
+                   v_sf.dim() == 4 && mean_q.dim() == 4 && out.dim() == 4,
+            "sageattn3: blockscaled_fp4_attn takes 4-D tensors, got q, k, v, q_sf, k_sf, v_sf, mean_q and out with ",
+            dims(q.dim(), k.dim(), v.dim(), q_sf.dim(), k_sf.dim(), v_sf.dim(), mean_q.dim(), out.dim()), " dims");
+  const int64_t B = q.size(0), Hq = q.size(1), Sqp = q.size(2), D = q.size(3) * 2;
+  const int64_t Hkv = k.size(1), Skp = k.size(2);
+  SA3_CHECK(T, D == 64 || D == 128, "sageattn3: head_dim must be 64 or 128, got ", D);
+  SA3_CHECK(T, Hkv > 0 && Hq % Hkv == 0, "sageattn3: q heads must be a multiple of kv heads, got ", Hq, " and ", Hkv);
+  SA3_CHECK(T, Sqp % 128 == 0 && Skp % 128 == 0, "sageattn3: padded sequence lengths must be multiples of 128, got ",
+            Sqp, " and ", Skp);
+  SA3_CHECK(T, seq_q >= 1 && seq_q <= Sqp && seq_k >= 1 && seq_k <= Skp,
+            "sageattn3: seq_q/seq_k out of range: expected 1..", Sqp, " and 1..", Skp, ", got ", seq_q, " and ", seq_k);
+  auto same = [](const T& t, int64_t a, int64_t b, int64_t c, int64_t d) {
+    return t.size(0) == a && t.size(1) == b && t.size(2) == c && t.size(3) == d;
+  };
+  SA3_CHECK(T, same(q_sf, B, Hq, Sqp, D / 16), "sageattn3: q_sf shape must be (B, Hq, Sq_p, D/16) = ",
+            dims(B, Hq, Sqp, D / 16), ", got ", shape(q_sf));
+  SA3_CHECK(T, same(k, B, Hkv, Skp, D / 2) && same(k_sf, B, Hkv, Skp, D / 16),
+            "sageattn3: k/k_sf shape must be (B, Hkv, Sk_p, D/2) / (.., D/16) = ", dims(B, Hkv, Skp, D / 2), " / ",
+            dims(B, Hkv, Skp, D / 16), ", got ", shape(k), " / ", shape(k_sf));
+  SA3_CHECK(T, same(v, B, Hkv, D, Skp / 2) && same(v_sf, B, Hkv, D, Skp / 16),
+            "sageattn3: v/v_sf shape must be (B, Hkv, D, Sk_p/2) / (.., Sk_p/16) = ", dims(B, Hkv, D, Skp / 2), " / ",
+            dims(B, Hkv, D, Skp / 16), ", got ", shape(v), " / ", shape(v_sf));
+  const int64_t nblk = mean_q.size(2);
+  SA3_CHECK(T, same(mean_q, B, Hq, nblk, D) && (nblk == 1 || nblk == Sqp / 128),
+            "sageattn3: mean_q shape must be (B, Hq, 1 or Sq_p/128, D) = (", B, ", ", Hq, ", 1 or ", Sqp / 128, ", ", D,
+            "), got ", shape(mean_q));
+  SA3_CHECK(T, qbar.dim() == 4 && same(qbar, B, Hq, 1, D), "sageattn3: qbar shape must be (B, Hq, 1, D) = ",
+            dims(B, Hq, 1, D), ", got ", shape(qbar));
+  SA3_CHECK(T, ds_key.dim() == 3 && ds_key.size(0) == B && ds_key.size(1) == Hq && ds_key.size(2) == Skp,
+            "sageattn3: ds_key shape must be (B, Hq, Sk_p) = ", dims(B, Hq, Skp), ", got ", shape(ds_key));
+  SA3_CHECK(T, same(out, B, Hq, seq_q, D), "sageattn3: out shape must be (B, Hq, seq_q, D) = ", dims(B, Hq, seq_q, D),
+            ", got ", shape(out));
+  const bool residual = k_res.numel() > 0;
+  SA3_CHECK(T, residual || nblk == 1, "sageattn3: k_res (K's quantization residual) is needed with per-block Q means, ",
+            "got an empty k_res with ", nblk, " Q means per head");
+  if (residual) {
+    check_code_tensor(k_res, q, "k_res");
+    SA3_CHECK(T, k_res.dim() == 4 && same(k_res, B, Hkv, Skp, D), "sageattn3: k_res shape must be (B, Hkv, Sk_p, D) = ",
+              dims(B, Hkv, Skp, D), ", got ", shape(k_res));
+  }
+  Fp4AttnArgs a{};
+  a.q = q.data_ptr();
+  a.q_sf = q_sf.data_ptr();
+  a.k = k.data_ptr();
+  a.k_sf = k_sf.data_ptr();
+  a.v = v.data_ptr();
+  a.v_sf = v_sf.data_ptr();
+  a.mean_q = floats(mean_q);
+  a.qbar = floats(qbar);
+  a.ds_key = floats(ds_key);
+  a.k_res = residual ? k_res.data_ptr() : nullptr;
+  a.ds_work = ds_work.numel() > 0 ? floats(ds_work) : nullptr;
+  a.ds_work_floats = ds_work.numel();
+  a.out = out.data_ptr();
+  a.batch = static_cast<int>(B);
+  a.heads_q = static_cast<int>(Hq);
+  a.heads_kv = static_cast<int>(Hkv);
+  a.head_dim = static_cast<int>(D);
+  a.seq_q = static_cast<int>(seq_q);
+  a.seq_k = static_cast<int>(seq_k);
+  a.seq_q_pad = static_cast<int>(Sqp);
+  a.seq_k_pad = static_cast<int>(Skp);
+  a.mean_qblocks = static_cast<int>(nblk);
+  a.sm_scale = static_cast<float>(sm_scale);
+  a.causal = causal ? 1 : 0;
+  a.out_dtype = dtype_of(out, "out");
+  SA3_CHECK(T, a.out_dtype != DType::kFloat32, "sageattn3: out must be float16 or bfloat16, got ", dtype_name(out));
+  return a;
+}
+
+template <class T>
+void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
+                          T out, int64_t seq_q, int64_t seq_k, double sm_scale, bool causal) {
+  DeviceScope scope(device_index(q));
+  const Fp4AttnArgs a =
+      attn_args(q, q_sf, k, k_sf, v, v_sf, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale, causal);
+  check_cuda_kernel<T>(fp4_attn_fwd(a, TensorApi<T>::stream(q)), "blockscaled_fp4_attn");
+}
+
+// blockscaled_attn_qk8(<blockscaled_fp4_attn's operands>, head_sel, q8, q8_sf, k8, k8_sf, ...): the
+// per-head Q.K^T precision (attn/attn_api.h): head_sel (B, Hq) uint8 (1: FP8 Q.K^T), q8 (B, Hq,
+// Sq_p, D) / k8 (B, Hkv, Sk_p, D) E4M3, q8_sf / k8_sf (..., D/32) UE8M0 bytes. ds_work must hold
+// at least one (batch, q head) row with per-block Q means (no bounded-memory mode here).
+template <class T>
+void blockscaled_attn_qk8(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
+                          T out, T head_sel, T q8, T q8_sf, T k8, T k8_sf, int64_t seq_q, int64_t seq_k,
+                          double sm_scale, bool causal) {
+  DeviceScope scope(device_index(q));
+  Fp4AttnArgs a =
+      attn_args(q, q_sf, k, k_sf, v, v_sf, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale, causal);
+  const int64_t B = q.size(0), Hq = q.size(1), Sqp = q.size(2), D = q.size(3) * 2, Hkv = k.size(1), Skp = k.size(2);
+  for (const T* t : {&head_sel, &q8, &q8_sf, &k8, &k8_sf}) {
+    check_code_tensor(*t, q, "an FP8 Q.K^T operand");
+    SA3_CHECK(T, t->dim() >= 2, "sageattn3: the FP8 Q.K^T operands are (B, H, ...) tensors, got one of shape ",
+              shape(*t));
+  }
+  SA3_CHECK(T, head_sel.numel() == B * Hq, "sageattn3: head_sel must be (B, Hq) = (", B, ", ", Hq, ") bytes, got ",
+            shape(head_sel));
+  SA3_CHECK(T, q8.numel() == B * Hq * Sqp * D && q8_sf.numel() == B * Hq * Sqp * (D / 32),
+            "sageattn3: q8 must be (B, Hq, Sq_p, D) = (", B, ", ", Hq, ", ", Sqp, ", ", D, "), q8_sf (..., D/32), got ",
+            shape(q8), " and ", shape(q8_sf));
+  SA3_CHECK(T, k8.numel() == B * Hkv * Skp * D && k8_sf.numel() == B * Hkv * Skp * (D / 32),
+            "sageattn3: k8 must be (B, Hkv, Sk_p, D) = (", B, ", ", Hkv, ", ", Skp, ", ", D,
+            "), k8_sf (..., D/32), got ", shape(k8), " and ", shape(k8_sf));
+  SA3_CHECK(T, a.mean_qblocks == 1 || a.ds_work != nullptr,
+            "sageattn3: the FP8 Q.K^T path needs the delta_s workspace with per-block Q means, got an empty ds_work "
+            "with ", a.mean_qblocks, " Q means per head");
+  a.head_sel = bytes(head_sel);
+  a.q8 = q8.data_ptr();
+  a.q8_sf = q8_sf.data_ptr();
+  a.k8 = k8.data_ptr();
+  a.k8_sf = k8_sf.data_ptr();
+  check_cuda_kernel<T>(fp4_attn_fwd(a, TensorApi<T>::stream(q)), "blockscaled_attn_qk8");
+}
+
+}  // namespace sageattn3::torch_ops

@@ -1,0 +1,110 @@
+// The quantization ops: NVFP4 along rows or along the sequence (csrc/quant/quant_rows.cu,
+// quant_cols.cu) and the smoothed MXFP8 operands of the FP8 Q.K^T path (csrc/quant/quant_mxfp8.cu).
+#pragma once
+
+#include <cstdint>
+
+#include "sageattn3.h"
+#include "torch/checks.h"
+
+namespace sageattn3::torch_ops {
+
+// quant_fp4_rows(x, packed!, scales!): x (..., D) contiguous, D % 16 == 0.
+template <class T>
+void quant_fp4_rows(T x, T packed, T scales) {
+  check_input(x);
+  check_codes(packed, scales, x);
+  const int64_t cols = x.dim() ? x.size(x.dim() - 1) : 0;
+  SA3_CHECK(T, x.dim() >= 1 && cols > 0 && cols % 16 == 0,
+            "sageattn3: last dim must be a positive multiple of 16, got x of shape ", shape(x));
+  const int64_t n = x.numel();
+  SA3_CHECK(T, packed.numel() == n / 2 && scales.numel() == n / 16,
+            "sageattn3: output sizes do not match x: expected packed of ", n / 2, " and scales of ", n / 16,
+            " elements, got ", packed.numel(), " and ", scales.numel());
+  DeviceScope scope(device_index(x));
+  check_cuda_kernel<T>(sageattn3::quant_fp4_rows(x.data_ptr(), dtype_of(x, "x"), n, cols, bytes(packed),
+                                                 bytes(scales), TensorApi<T>::stream(x)),
+                       "quant_fp4_rows");
+}
+
+
+// quant_fp4_cols(x, packed!, scales!): x (..., S, D) -> packed (..., D, Sp/2), scales (..., D, Sp/16).
+template <class T>
+void quant_fp4_cols(T x, T packed, T scales) {
+  check_input(x);
+  check_codes(packed, scales, x);
+  SA3_CHECK(T, x.dim() >= 2 && packed.dim() >= 2,
+            "sageattn3: x must have at least 2 dims, as must packed, got x of shape ", shape(x),
+            " and packed of shape ", shape(packed));
+  const int64_t S = x.size(x.dim() - 2), D = x.size(x.dim() - 1);
+  SA3_CHECK(T, D > 0 && D % 16 == 0, "sageattn3: last dim must be a positive multiple of 16, got ", D);
+  const int64_t G = S * D ? x.numel() / (S * D) : 0;
+  const int64_t Sp = packed.size(packed.dim() - 1) * 2;
+  SA3_CHECK(T, Sp % 16 == 0 && Sp >= S,
+            "sageattn3: packed's last dim must be S padded to a multiple of 16, halved, got ", Sp / 2, " for S = ", S);
+  SA3_CHECK(T, packed.numel() == G * D * Sp / 2 && scales.numel() == G * D * Sp / 16,
+            "sageattn3: output sizes do not match x: expected packed ", dims(G, D, Sp / 2), " and scales ",
+            dims(G, D, Sp / 16), " (flattened), got ", shape(packed), " and ", shape(scales));
+  DeviceScope scope(device_index(x));
+  check_cuda_kernel<T>(sageattn3::quant_fp4_cols(x.data_ptr(), dtype_of(x, "x"), G, S, D, Sp, bytes(packed),
+                                                 bytes(scales), TensorApi<T>::stream(x)),
+                       "quant_fp4_cols");
+}
+
+// mxfp8_smooth_quant(x, mean, balance, balance_sign, sel, codes!, scales!): x (B, H, S, D),
+// mean (B, H, 1 or ceil(S/128), D) fp32, balance (B, Hb, 1, D) fp32 exponents or empty (H a
+// multiple of Hb), sel (B, H) bytes or empty; codes (B, H, Sp, D), scales (B, H, Sp, D/32) bytes
+// (sageattn3.h, smooth_quant_mxfp8).
+template <class T>
+void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T codes, T scales) {
+  check_input(x);
+  check_f32_on(mean, x, "mean");
+  check_code_tensor(codes, x, "codes");
+  check_code_tensor(scales, x, "scales");
+  SA3_CHECK(T, x.dim() == 4 && codes.dim() == 4 && mean.dim() == 4, "sageattn3: x, mean and codes must be 4-D, got ",
+            x.dim(), ", ", mean.dim(), " and ", codes.dim(), " dims");
+  const int64_t B = x.size(0), H = x.size(1), S = x.size(2), D = x.size(3), Sp = codes.size(2);
+  SA3_CHECK(T, D % 32 == 0 && S >= 1, "sageattn3: mxfp8_smooth_quant needs D a multiple of 32 and S >= 1, got D ", D,
+            " and S ", S);
+  SA3_CHECK(T, codes.size(0) == B && codes.size(1) == H && codes.size(3) == D && Sp >= S &&
+                   scales.numel() == B * H * Sp * (D / 32),
+            "sageattn3: codes must be (B, H, Sp >= S, D) and scales (B, H, Sp, D/32) for x (", B, ", ", H, ", ", S,
+            ", ", D, "), got codes ", shape(codes), " and scales ", shape(scales));
+  const int64_t mr = mean.size(2);
+  SA3_CHECK(T, mean.size(0) == B && mean.size(1) == H && mean.size(3) == D && (mr == 1 || mr * 128 >= S),
+            "sageattn3: mean must be (B, H, 1 or ceil(S/128), D) = (", B, ", ", H, ", 1 or ", (S + 127) / 128, ", ",
+            D, "), got ", shape(mean));
+  int64_t rep = 1;
+  if (balance.numel() > 0) {
+    check_f32_on(balance, x, "balance");
+    const int64_t hb = balance.numel() / (B * D);
+    SA3_CHECK(T, hb >= 1 && balance.numel() == B * hb * D && H % hb == 0,
+              "sageattn3: balance must be (B, Hb, 1, D) with H a multiple of Hb, got ", shape(balance), " for B ", B,
+              ", H ", H, ", D ", D);
+    rep = H / hb;
+  }
+  if (sel.numel() > 0) {
+    check_cuda(sel, x, "sel");
+    check_bytes(sel, "sel");
+    SA3_CHECK(T, sel.numel() == B * H, "sageattn3: sel must be (B, H) bytes = ", dims(B, H), ", got ", shape(sel));
+  }
+  DeviceScope scope(device_index(x));
+  Mxfp8Args a{};
+  a.x = x.data_ptr();
+  a.dtype = dtype_of(x, "x");
+  a.H = B * H;
+  a.S = S;
+  a.Sp = Sp;
+  a.D = D;
+  a.mean = floats(mean);
+  a.mean_rows = mr;
+  a.balance = balance.numel() > 0 ? floats(balance) : nullptr;
+  a.balance_sign = balance_sign < 0 ? -1 : 1;
+  a.rep = rep;
+  a.sel = sel.numel() > 0 ? bytes(sel) : nullptr;
+  a.codes = bytes(codes);
+  a.scales = bytes(scales);
+  check_cuda_kernel<T>(smooth_quant_mxfp8(a, TensorApi<T>::stream(x)), "mxfp8_smooth_quant");
+}
+
+}  // namespace sageattn3::torch_ops
