@@ -2,7 +2,7 @@
 // the .cu translation units compile without parsing torch and the bindings stay thin.
 // Every function returns a cudaError_t (as int). All tensors are contiguous; "G" is a flattened
 // group of (batch, head); S a sequence length; D a head dim (a multiple of 16).
-// NVFP4 numerics: common/nvfp4.cuh (bit-exact with sageattn3/reference.py).
+// NVFP4 numerics: common/nvfp4.cuh (bit-exact with sageattn3/reference/formats.py).
 #pragma once
 #include <cstdint>
 #include <cuda_runtime_api.h>

@@ -6,7 +6,7 @@
 // fp32 fma chain of r[d] times (E2M1(code) + res / 64) x 2^-14, then times (scale x 2^14); block
 // results summed in order per half of the head dim, the two halves added, then ds_key added. So
 // the attention kernel that reads it computes the same S bit for bit as the one that corrects
-// in its loop, and reference.py describes both.
+// in its loop, and sageattn3/reference/preprocessing.py describes both.
 //
 // One CTA = 128 keys x 2 halves (thread i: key i >> 1, half i & 1) of one (batch, q head) for
 // kDeltaMGroup query blocks: K^ of its half-row is decoded once into registers and reused for every

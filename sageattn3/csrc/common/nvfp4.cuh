@@ -1,4 +1,4 @@
-// NVFP4 numerics on the device, bit-exact with sageattn3/reference.py:
+// NVFP4 numerics on the device, bit-exact with sageattn3/reference/formats.py:
 //   amax over 16 values (NaN propagates) -> scale byte = e4m3_satfinite(amax / 6) & 0x7F
 //   scale 0 or NaN -> all 16 codes 0; else code = e2m1_rn_satfinite(x * rcp_rn(scale)).
 // The hardware conversion (cvt.rn.satfinite.e2m1x2.f32) is used on targets that have it; the

@@ -1,5 +1,5 @@
 // The Q/K rotation of the smoothing kernels: a randomized Walsh-Hadamard transform of the head
-// dim (D 64 or 128), bit-exact with sageattn3/reference.py (rotate):
+// dim (D 64 or 128), bit-exact with sageattn3/reference/transforms.py (rotate):
 //   y_d = x_d * s_d, s_d = -1/8 where bit d of kSignBits is set, else +1/8 (exact), then the
 //   butterflies in fp32, stages h = 1, 2, ..., D/2 in that order: for each i with (i & h) == 0,
 //   (y_i, y_{i+h}) <- (y_i + y_{i+h}, y_i - y_{i+h}).
