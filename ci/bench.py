@@ -16,7 +16,7 @@ import psutil
 
 from ci import build as buildmod
 from ci.resolve import resolve_toolchain
-from ci.cli import default_target
+from ci.resolve import default_target
 from ci.targets import Matrix
 from ci.toolchain import compiler_launcher, sccache_env
 

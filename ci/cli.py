@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,41 +12,10 @@ from packaging.version import Version
 
 from ci.build import REPO
 from ci.errors import run_main
-from ci.resolve import host_os_key, local_blockers
+from ci.resolve import default_target, host_os_key, local_blockers
 from ci.targets import Matrix, MatrixError, Target
 from ci.variant import torch_line
 from ci.toolchain import ToolchainError, find_python
-
-
-def torch_pip_would_install(python: str = sys.executable) -> str:
-    """The torch release `pip install torch` resolves to here (honours pip's config/caps)."""
-    proc = subprocess.run(
-        [python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "--quiet",
-         "--report", "-", "torch"],
-        capture_output=True, text=True,
-    )
-    if proc.returncode != 0:
-        raise ToolchainError(f"could not ask pip which torch it would install:\n{proc.stderr[-2000:]}")
-    report = json.loads(proc.stdout)
-    return report["install"][0]["metadata"]["version"]
-
-
-def default_target(matrix: Matrix, torch_version: str | None = None) -> Target:
-    """This machine's target: the running Python, the torch pip would give it, that torch's
-    PyPI CUDA variant."""
-    version = torch_version or torch_pip_would_install()
-    wanted = torch_line(version)
-    newest = max(matrix.torch, key=lambda t: Version(t.line))
-    if all(t.line != wanted for t in matrix.torch) and Version(wanted) > Version(newest.line):
-        # A torch newer than the matrix (PyPI moved on): its nearest line's target is the
-        # sensible default (a stable-ABI wheel of it also loads into the newer torch).
-        print(f"note: pip would install torch {version}, newer than the matrix's newest line {newest.line}; "
-              f"building the default target of torch {newest.line} (add the new line to ci/targets.toml)",
-              file=sys.stderr)
-        wanted = newest.line
-    line = matrix.line(wanted)
-    py = "%d.%d" % sys.version_info[:2]
-    return matrix.target_for_torch(host_os_key(), py, version, line.pypi_default)
 
 
 def check_verify_pythons(targets: list[Target], matrix: Matrix, pythons: list[str]) -> None:

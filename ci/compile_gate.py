@@ -39,6 +39,8 @@ HEADER_DIRS = ("ATen", "c10", "torch", "caffe2", "fmt")
 # matrix is downloaded (3.10 where the release is not in the matrix).
 WHEEL_PYTHON = "3.10"
 WHEEL_PLATFORM = "manylinux_2_28_x86_64"
+# What a Windows (CPU) torch wheel lacks that the classic unit includes.
+CMAKE_MACROS = "c10/cuda/impl/cuda_cmake_macros.h"
 
 
 class GateError(InputError, RuntimeError):
@@ -86,6 +88,23 @@ def torch_headers(version: str, log=print) -> Path:
                 out.write_bytes(z.read(name))
     (dest / ".complete").write_text(version)
     return include
+
+
+def cmake_macros_overlay(version: str, log=print) -> Path:
+    """A folder holding only ``c10/cuda/impl/cuda_cmake_macros.h`` of torch ``version``, taken
+    from its Linux x86_64 CUDA wheel on PyPI (what the classic unit needs that a CPU build lacks: the
+    Windows build and ``ci.msvc_gate`` overlay it on the win_amd64 wheel's headers)."""
+    from ci import wine as winemod
+
+    dest = winemod.windows_root() / "overlays" / f"torch-{version}"
+    header = dest / CMAKE_MACROS
+    if not header.exists():
+        src = torch_headers(version, log=log) / CMAKE_MACROS
+        if not src.exists():
+            raise GateError(f"torch {version}'s Linux CUDA wheel has no {CMAKE_MACROS}")
+        header.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, header)
+    return dest
 
 
 @dataclass(frozen=True)

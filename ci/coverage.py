@@ -17,7 +17,7 @@ Three levels, strongest first:
 - **classic unit cross-linked here** (linux-aarch64, per-torch lines): the classic unit was
   cross-compiled against the line's headers and linked against the line's aarch64 torch
   libraries from PyPI, which are a CPU build: what that build lacks is recorded
-  (``python -m ci.cross link-classic``);
+  (``python -m ci.classic_link link-classic``);
 - **compiled vs real headers**: the torch-facing unit the row's wheels use compiles against the
   row's torch headers: the compile gate (``ci.compile_gate``), run by every ``nox -s tests`` and
   by the release plan, so every row of a passing test suite has it;
@@ -299,7 +299,7 @@ def record_evidence(dirs: list[Path], matrix: Matrix, path: Path = EVIDENCE_FILE
 
 
 def record_classic_link(link: dict, matrix: Matrix, path: Path = EVIDENCE_FILE, repo: Path = REPO) -> str:
-    """Add one ``ci.cross.ClassicLink`` (as a dict) to the evidence; returns what was added."""
+    """Add one ``ci.classic_link.ClassicLink`` (as a dict) to the evidence; returns what was added."""
     if link["target"] not in {t.id for t in matrix.targets}:
         raise ValueError(f"classic link of {link['target']!r}, which is not in the matrix")
     stored = add_evidence(link["target"], "classic_link", link, matrix, path, repo)

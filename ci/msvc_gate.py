@@ -36,6 +36,7 @@ from pathlib import Path
 
 from ci import patches as patchmod
 from ci import wine as winemod
+from ci.compile_gate import CMAKE_MACROS, cmake_macros_overlay
 from ci.flags import PAYLOAD, profile_for
 from ci.targets import Matrix, MatrixError, Target
 from ci.toolchain import ToolchainError, cutlass_include
@@ -44,7 +45,6 @@ from ci.errors import InputError
 ATTN_UNIT = "csrc/attn/attn_launch.cu"
 PATCH = "msvc-pointer-params"
 CUDA = "13.0"  # the CUDA of the Windows toolkit on PyPI that compiles the gate (12.x has no nvcc.exe there)
-CMAKE_MACROS = "c10/cuda/impl/cuda_cmake_macros.h"
 # What the C2872 reports compile: torch's whole C++ API (torch/extension.h) in a .cu, and the
 # header named in them.
 C2872_PROBE = ("#include <torch/extension.h>\n#include <torch/csrc/dynamo/compiled_autograd.h>\n"
@@ -87,22 +87,6 @@ def windows_targets(matrix: Matrix, line: str) -> list[Target]:
 
 def _line_python(matrix: Matrix, line: str) -> str:
     return matrix.line(line).python[0]
-
-
-def cmake_macros_overlay(version: str, log=print) -> Path:
-    """A folder holding only ``c10/cuda/impl/cuda_cmake_macros.h`` of torch ``version``, taken
-    from its Linux x86_64 CUDA wheel on PyPI (what the classic unit needs that a CPU build lacks)."""
-    from ci.compile_gate import torch_headers
-
-    dest = winemod.windows_root() / "overlays" / f"torch-{version}"
-    header = dest / CMAKE_MACROS
-    if not header.exists():
-        src = torch_headers(version, log=log) / CMAKE_MACROS
-        if not src.exists():
-            raise MsvcGateError(f"torch {version}'s Linux CUDA wheel has no {CMAKE_MACROS}")
-        header.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, header)
-    return dest
 
 
 def _tools(tc: winemod.WindowsToolchain, bc):

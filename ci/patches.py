@@ -24,7 +24,7 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from ci.record import sha256_of
+from ci.files import sha256_of
 from ci.errors import InputError, run_main
 
 PATCHES_DIR = Path(__file__).resolve().parent.parent / "patches"

@@ -21,19 +21,12 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
+from ci.files import sha256_of
 from ci.variant import Variant
 from ci.wheel_hygiene import UnsafeWheel, check_distinct, check_wheel_file
 from ci.errors import InputError
 
 RECORD_IN_WHEEL = "sageattn3/_build_record.json"
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass(frozen=True)

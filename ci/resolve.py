@@ -7,6 +7,7 @@ before it builds. Also what decides whether a target can be built here at all.""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from ci.toolchain import (
     sccache_env,
     torch_env,
 )
+from ci.variant import torch_line
 from ci.verify import NoCpuTorch, VerifyError
 
 
@@ -46,6 +48,37 @@ def host_os_key() -> str:
     if sys.platform == "win32":
         return "windows-amd64"
     return f"{sys.platform}-{machine}"
+
+
+def torch_pip_would_install(python: str = sys.executable) -> str:
+    """The torch release `pip install torch` resolves to here (honours pip's config/caps)."""
+    proc = subprocess.run(
+        [python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "--quiet",
+         "--report", "-", "torch"],
+        capture_output=True, text=True,
+    )
+    if proc.returncode != 0:
+        raise ToolchainError(f"could not ask pip which torch it would install:\n{proc.stderr[-2000:]}")
+    report = json.loads(proc.stdout)
+    return report["install"][0]["metadata"]["version"]
+
+
+def default_target(matrix: Matrix, torch_version: str | None = None) -> Target:
+    """This machine's target: the running Python, the torch pip would give it, that torch's
+    PyPI CUDA variant."""
+    version = torch_version or torch_pip_would_install()
+    wanted = torch_line(version)
+    newest = max(matrix.torch, key=lambda t: Version(t.line))
+    if all(t.line != wanted for t in matrix.torch) and Version(wanted) > Version(newest.line):
+        # A torch newer than the matrix (PyPI moved on): its nearest line's target is the
+        # sensible default (a stable-ABI wheel of it also loads into the newer torch).
+        print(f"note: pip would install torch {version}, newer than the matrix's newest line {newest.line}; "
+              f"building the default target of torch {newest.line} (add the new line to ci/targets.toml)",
+              file=sys.stderr)
+        wanted = newest.line
+    line = matrix.line(wanted)
+    py = "%d.%d" % sys.version_info[:2]
+    return matrix.target_for_torch(host_os_key(), py, version, line.pypi_default)
 
 
 def local_blockers(target: Target, *, cross: bool = False, pytorch_index: str | None = None) -> list[str]:
@@ -77,7 +110,7 @@ def local_blockers(target: Target, *, cross: bool = False, pytorch_index: str | 
             find_cuda(target.cuda, provision=False)
         except ToolchainError:
             reasons.append(f"needs a CUDA {target.cuda} toolkit (NVIDIA's installer; not on PyPI): set CUDA_HOME")
-    from ci.runner_setup import CUDA12_GCC_TOOLSET, cuda_host_compiler
+    from ci.flags import CUDA12_GCC_TOOLSET, cuda_host_compiler
 
     cxx = cuda_host_compiler(target)
     if cxx and not os.path.exists(cxx):

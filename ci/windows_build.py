@@ -323,7 +323,7 @@ class WindowsCross:
         spec.loader.exec_module(bc)
         unit = profile["torch_unit"]
         if unit.endswith("classic.cpp"):  # the one header only CUDA builds of torch generate
-            from ci.msvc_gate import CMAKE_MACROS, cmake_macros_overlay
+            from ci.compile_gate import CMAKE_MACROS, cmake_macros_overlay
 
             header = overlay / CMAKE_MACROS
             header.parent.mkdir(parents=True, exist_ok=True)

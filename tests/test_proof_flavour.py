@@ -67,7 +67,7 @@ def test_cli_refuses_both_flavours_at_once():
 def test_default_target_for_a_torch_newer_than_the_matrix():
     """PyPI moves on (torch 2.15 appeared): the default build takes the newest line's target
     and says so, instead of failing; an older unknown line is still an error."""
-    from ci.cli import default_target
+    from ci.resolve import default_target
     from ci.targets import MatrixError
 
     newest = max(MATRIX.torch, key=lambda t: tuple(map(int, t.line.split("."))))
