@@ -69,7 +69,7 @@ def test_the_cibuildwheel_hook_streams_the_factorys_output_as_it_comes(tmp_path)
     go, done, out = tmp_path / "go", tmp_path / "done", tmp_path / "wheelhouse"
     out.mkdir()
     hook = ("import importlib.util, pathlib, sys\n"
-            f"spec = importlib.util.spec_from_file_location('fb', {str(REPO / 'ci' / 'cibw_project' / 'factory_backend.py')!r})\n"
+            f"spec = importlib.util.spec_from_file_location('fb', {str(REPO / 'ci' / 'release' / 'cibw_project' / 'factory_backend.py')!r})\n"
             "fb = importlib.util.module_from_spec(spec); spec.loader.exec_module(fb)\n"
             f"fb.CIBW = pathlib.Path({str(fake_cibw)!r})\n"
             f"print('built', fb.build_wheel({str(out)!r}))\n")

@@ -211,7 +211,7 @@ def test_a_record_names_a_commit_of_the_history_and_says_when_it_was_dirty(tmp_p
                if r.startswith("| 2.9 | 13.0 |"))
     assert f"linux-aarch64 (from {head[:7]} + uncommitted changes): classic unit" in row
     # An input changed in the checkout at that commit: named, though the maker did not say so.
-    (history / "ci" / "cross.py").write_text("uncommitted\n")
+    (history / "ci" / "toolchain" / "cross.py").write_text("uncommitted\n")
     coverage.record_classic_link({**LINK, "source_commit": head}, MATRIX, ev_file, history)
     stored = coverage.load_evidence(ev_file)["linux-aarch64-cu130-torch2.9"]["classic_link"]
     assert stored["dirty"] == "uncommitted changes to ci/toolchain/cross.py"

@@ -373,12 +373,12 @@ def test_cibuildwheel_lists_exactly_the_builds_the_matrix_expects(platform):
 
 def test_cibuildwheel_config_calls_the_factory_stages():
     text = cibw_job.CONFIG_FILE.read_text()
-    for stage in ("cibw.py install-cuda", "cibw.py repair", "cibw.py verify"):
+    for stage in ("cibw/__main__.py install-cuda", "cibw/__main__.py repair", "cibw/__main__.py verify"):
         assert stage in text
     assert 'manylinux-x86_64-image = "manylinux_2_28"' in text
     assert 'manylinux-aarch64-image = "manylinux_2_28"' in text
     backend = (cibw_job.PACKAGE_DIR / "factory_backend.py").read_text()
-    assert "cibw.py" in backend and '"build"' in backend
+    assert '"cibw" / "__main__.py"' in backend and '"build"' in backend
 
 
 # -- toolchain commands per target ---------------------------------------------------------

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG_FILE = REPO / "ci" / "cibuildwheel.toml"
 
 
-PACKAGE_DIR = REPO / "ci" / "cibw_project"
+PACKAGE_DIR = REPO / "ci" / "release" / "cibw_project"
 
 
 # Memory one nvcc of the payload may take at its peak (CuTe-heavy translation units); the
