@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 import sys
 import tempfile
+from pathlib import Path
 
 from ci.checks.bench import _use_compiler_cache, timed_build
 from ci.stages import build as buildmod

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import sys
+from pathlib import Path
 
 from ci.checks.classic_link import _classic_targets, link_classic
 from ci.toolchain.cross import resolve_cross

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 import sys
+from pathlib import Path
 
 from ci.checks.kernel_report import __doc__ as DOC, report_compiled, report_wheel
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 import sys
+from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script ({project}/ci/release/cibw/__main__.py) inside a container
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 import platform
 import sys
+from pathlib import Path
 
 from ci.release.cibw_local import __doc__ as DOC, REPO, run_cibuildwheel
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 import sys
+from pathlib import Path
 
 from ci.release.docs_site import __doc__ as DOC, SITE_DIR, write_site
 from ci.runtime.errors import run_main

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import importlib.metadata as md
-from pathlib import Path
 import sys
+from pathlib import Path
 
 from ci.toolchain.cpu_torch import CPU_TORCH, PYTORCH_CPU_INDEX, cpu_build_problem, describe, install
 
