@@ -52,7 +52,7 @@ def test_a_mirror_from_a_config_file_is_carried_over_but_not_its_constraint(tmp_
     conf = tmp_path / "pip.conf"
     conf.write_text("[global]\nindex-url = https://mirror.example/simple\nno-deps = true\n"
                     f"constraint = {tmp_path / 'c.txt'}\n[install]\ntrusted-host = mirror.example\n")
-    code = ("import json, os; from ci import pip_env; e = pip_env.pip_environ();"
+    code = ("import json, os; from ci.runtime import pip_env; e = pip_env.pip_environ();"
             "print(json.dumps({k: v for k, v in e.items() if k.startswith('PIP_')}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parent.parent,
