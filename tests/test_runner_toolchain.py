@@ -120,7 +120,7 @@ def test_before_all_and_the_install_script_are_valid_bash():
         t = BY_ID[tid]
         # cibuildwheel's own reading of ci/cibuildwheel.toml: what the container runs first
         before = resolve(t, job_env(t, jobs=2)).command("before_all", project="/project", package="/project/ci/release/cibw_project")
-        assert "cibw.py install-cuda" in before
+        assert "cibw/__main__.py install-cuda" in before
         subprocess.run([bash, "-n", "-c", before], check=True)
         script = install_cuda_plan(t)
         subprocess.run([bash, "-n", "-c", script], check=True)
