@@ -52,23 +52,23 @@ def tests(session: nox.Session) -> None:
 
 
 def _install_cpu_torch(session: nox.Session) -> None:
-    """The CPU torch (ci/cpu_torch.py: the +cpu build from pip's index, else PyTorch's CPU
+    """The CPU torch (ci/toolchain/cpu_torch/: the +cpu build from pip's index, else PyTorch's CPU
     index, else the plain release with a warning), checked to be a CPU build."""
-    session.run("python", "-m", "ci.cpu_torch", "install")
+    session.run("python", "-m", "ci.toolchain.cpu_torch", "install")
 
 
 @nox.session(venv_backend="none")
 def clean(session: nox.Session) -> None:
     """Remove what the factory keeps between runs: its cache (torch environments, CUDA toolkits,
     compiler cache), build/ and .nox/; `-- --dist` also dist/. Prints what each held."""
-    session.run(sys.executable, "-m", "ci.clean", *session.posargs, external=True)
+    session.run(sys.executable, "-m", "ci.checks.clean", *session.posargs, external=True)
 
 
 @nox.session(name="bench-build")
 def bench_build(session: nox.Session) -> None:
     """Cold/warm build time, peak memory and wheel size of the host target (prints figures)."""
     _factory(session)
-    session.run("python", "-m", "ci.bench", *session.posargs)
+    session.run("python", "-m", "ci.checks.bench", *session.posargs)
 
 
 def _publisher(session: nox.Session) -> None:
@@ -90,7 +90,7 @@ def _publish_tools(session: nox.Session) -> None:
 def publish(session: nox.Session) -> None:
     """Publish dist/wheels to a GitHub Release (token from GITHUB_TOKEN/GH_TOKEN)."""
     _publish_tools(session)
-    session.run("python", "-m", "ci.publish", "github", *session.posargs)
+    session.run("python", "-m", "ci.release.publish", "github", *session.posargs)
 
 
 @nox.session
@@ -112,21 +112,21 @@ def gather(session: nox.Session) -> None:
 def pages(session: nox.Session) -> None:
     """Merge the built index into the GitHub Pages branch, one commit (token from GITHUB_TOKEN/GH_TOKEN)."""
     _publish_tools(session)
-    session.run("python", "-m", "ci.publish", "pages", *session.posargs)
+    session.run("python", "-m", "ci.release.publish", "pages", *session.posargs)
 
 
 @nox.session(name="upload-index")
 def upload_index(session: nox.Session) -> None:
     """twine upload (skip-existing) to a PyPI-compatible server; credentials from the environment."""
     _publish_tools(session)
-    session.run("python", "-m", "ci.publish", "pypi", *session.posargs)
+    session.run("python", "-m", "ci.release.publish", "pypi", *session.posargs)
 
 
 @nox.session
 def patches(session: nox.Session) -> None:
     """`-- check`: every patch applies/reverses cleanly against its pins; `-- list --target ID`."""
     _factory(session)
-    session.run("python", "-m", "ci.patches", *(session.posargs or ["check"]))
+    session.run("python", "-m", "ci.toolchain.patches", *(session.posargs or ["check"]))
 
 
 @nox.session
@@ -142,10 +142,10 @@ def release(session: nox.Session) -> None:
 def cibuildwheel(session: nox.Session) -> None:
     """The pinned cibuildwheel, for real, with ci/cibuildwheel.toml on a Linux target: podman
     (Debian's; installed when missing, as root) and a manylinux stand-in image built here
-    (ci/standin_image.py). `-- --target ID` (default: the host's stable-ABI target),
+    (ci/release/standin_image/). `-- --target ID` (default: the host's stable-ABI target),
     `-- --payload probe` (a one-file extension through the same hooks, in minutes)."""
     _factory(session)
-    session.run("python", "-m", "ci.cibw_local", *session.posargs)
+    session.run("python", "-m", "ci.release.cibw_local", *session.posargs)
 
 
 def _has_gpu() -> bool:
@@ -163,7 +163,7 @@ def bench_kernels(session: nox.Session) -> None:
     tests/bench/bench_kernels.py against the wheel named by SAGEATTN3_BENCH_WHEEL (installed
     here with torch), or whatever sageattn3 this session already has."""
     _factory(session)
-    session.run("python", "-m", "ci.kernel_report", *session.posargs)
+    session.run("python", "-m", "ci.checks.kernel_report", *session.posargs)
     if not _has_gpu():
         session.log("no GPU: kernel benchmark skipped")
         return

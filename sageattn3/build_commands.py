@@ -119,7 +119,7 @@ def find_msvc_tools(env: Mapping[str, str]) -> tuple[str, str]:
     raise BuildCommandError(
         "MSVC's cl.exe not found (VCToolsInstallDir"
         + (f"={vctools}" if vctools else " unset") + ", none on PATH): build from a VS 2022 x64 developer "
-        "environment (vcvars64.bat, or `python -m ci.cibw msvc-env` on a runner)")
+        "environment (vcvars64.bat, or `python -m ci.release.cibw msvc-env` on a runner)")
 
 
 def wine_path(path: str | PurePath) -> PureWindowsPath:

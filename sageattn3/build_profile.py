@@ -1,5 +1,5 @@
 """Compiler and linker flags for sageattn3, as data: one function per concern, the same code
-for every OS. Used by ``setup.py`` (standalone builds) and by the factory (``ci.flags``),
+for every OS. Used by ``setup.py`` (standalone builds) and by the factory (``ci.toolchain.flags``),
 which records the effective profile in each wheel's build record.
 
 Standard library only: it runs before anything is installed.

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from packaging.tags import sys_tags
 
-from ci.record import RECORD_IN_WHEEL, BuildRecord, record_path
-from ci.variant import Variant
+from ci.stages.record import RECORD_IN_WHEEL, BuildRecord, record_path
+from ci.toolchain.variant import Variant
 
 REPO = Path(__file__).resolve().parents[1]
 # The platform tag of this interpreter, so pip here accepts the synthetic wheels.

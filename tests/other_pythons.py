@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from ci.toolchain import ToolchainError
+from ci.toolchain.tools import ToolchainError
 
 
 @contextmanager

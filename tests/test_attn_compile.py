@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ci.toolchain import cache_root
+from ci.toolchain.tools import cache_root
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "sageattn3" / "csrc"

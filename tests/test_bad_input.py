@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ci.targets import Matrix
-from ci.variant import torch_line
+from ci.toolchain.targets import Matrix
+from ci.toolchain.variant import torch_line
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET = "linux-x86_64-cu130-torch2.10-stable"
@@ -109,7 +109,7 @@ def test_a_missing_token_is_bad_input(tmp_path):
     index.mkdir()
     (index / "index.json").write_text(json.dumps({"wheels": []}))
     args = ("pages", "--repo", "owner/name", "--index", str(index), "--api-url", "http://127.0.0.1:9/")
-    proc = command("-m", "ci.publish", *args, env=TOKENLESS)
+    proc = command("-m", "ci.release.publish", *args, env=TOKENLESS)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     line = one_line_error(proc, "no GitHub token", "GITHUB_TOKEN or GH_TOKEN")
     in_nox_output(nox("pages", *args[1:], env=TOKENLESS), line)
@@ -136,13 +136,13 @@ def test_a_python_the_dry_run_cannot_get_is_one_line_before_any_build(tmp_path):
 def test_an_older_python_running_the_factory_is_told_which_it_needs():
     """The factory needs Python 3.11+ (tomllib): an older one gets one line and exit 2, not an
     ImportError traceback from whichever module imports tomllib first."""
-    from ci.toolchain import ToolchainError, find_python
+    from ci.toolchain.tools import ToolchainError, find_python
 
     try:
         old = find_python("3.10", provision=False)
     except ToolchainError as e:
         pytest.skip(f"needs a Python 3.10 to run the factory with: {str(e)[:200]}")
-    for args in (["-m", "ci", "build-wheels", "--list-targets"], ["-m", "ci.clean", "--dry-run"]):
+    for args in (["-m", "ci", "build-wheels", "--list-targets"], ["-m", "ci.checks.clean", "--dry-run"]):
         proc = subprocess.run([str(old), *args], cwd=REPO, capture_output=True, text=True, timeout=120,
                               env={**os.environ, "PYTHONPATH": str(REPO)})
         assert proc.returncode == 2, proc.stderr

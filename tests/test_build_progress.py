@@ -1,7 +1,7 @@
 """The build's progress lines arrive as they happen inside cibuildwheel (issue 38, item 8).
 
 There the build runs three processes deep, each writing to a pipe: pip's PEP 517 hook runner ->
-ci/cibw_project/factory_backend.py -> ``ci/cibw.py build`` -> ``ci.build.run_logged`` -> pip wheel
+ci/release/cibw_project/factory_backend.py -> ``ci/release/cibw/__main__.py build`` -> ``ci.stages.build.run_logged`` -> pip wheel
 of the payload. A Python child whose stdout is a pipe block-buffers it, so every line arrived in
 one burst when the child exited. Each test here runs a child that prints a progress line with a
 plain ``print`` (no flush), then waits for the parent to have seen it: with buffering, the
@@ -36,7 +36,7 @@ SLOW_CHILD = textwrap.dedent("""
 
 
 def test_run_logged_passes_each_progress_line_on_while_the_child_runs(tmp_path):
-    from ci.build import run_logged
+    from ci.stages.build import run_logged
 
     child = tmp_path / "child.py"
     child.write_text(SLOW_CHILD.format(first="sageattn3: compiled 1/2 a.cu (3 s)",
@@ -58,7 +58,7 @@ def test_run_logged_passes_each_progress_line_on_while_the_child_runs(tmp_path):
 
 def test_the_cibuildwheel_hook_streams_the_factorys_output_as_it_comes(tmp_path):
     """The hook's own hop: pip runs build_wheel with stdout on a pipe, and the backend runs the
-    factory's build (here a stand-in for ci/cibw.py that prints like it) under
+    factory's build (here a stand-in for ci/release/cibw/__main__.py that prints like it) under
     $SAGEATTN3_FACTORY_PYTHON; the first line must reach pip before the build ends."""
     fake_cibw = tmp_path / "cibw.py"
     make_wheel = "open(os.path.join(sys.argv[sys.argv.index('--out') + 1], 'x-1.0-py3-none-any.whl'), 'w').close()"
@@ -69,7 +69,7 @@ def test_the_cibuildwheel_hook_streams_the_factorys_output_as_it_comes(tmp_path)
     go, done, out = tmp_path / "go", tmp_path / "done", tmp_path / "wheelhouse"
     out.mkdir()
     hook = ("import importlib.util, pathlib, sys\n"
-            f"spec = importlib.util.spec_from_file_location('fb', {str(REPO / 'ci' / 'cibw_project' / 'factory_backend.py')!r})\n"
+            f"spec = importlib.util.spec_from_file_location('fb', {str(REPO / 'ci' / 'release' / 'cibw_project' / 'factory_backend.py')!r})\n"
             "fb = importlib.util.module_from_spec(spec); spec.loader.exec_module(fb)\n"
             f"fb.CIBW = pathlib.Path({str(fake_cibw)!r})\n"
             f"print('built', fb.build_wheel({str(out)!r}))\n")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ci.targets import Matrix
-from ci.torch_source import (
+from ci.toolchain.targets import Matrix
+from ci.toolchain.torch_source import (
     INDEX_ENV,
     PYTORCH_INDEX,
     TorchSource,
@@ -18,7 +18,7 @@ from ci.torch_source import (
     torch_source,
     unreachable_reason,
 )
-from ci.variant import cuda_tag
+from ci.toolchain.variant import cuda_tag
 
 MATRIX = Matrix.load()
 TARGETS = MATRIX.targets
@@ -120,7 +120,7 @@ GiB = 2**30
 
 
 def test_parallel_compiles_are_capped_by_memory():
-    from ci.cibw_job import nvcc_jobs
+    from ci.release.cibw_job import nvcc_jobs
 
     assert nvcc_jobs(4, 16 * GiB) == 4  # a hosted runner
     assert nvcc_jobs(4, int(15.6 * GiB)) == 4  # what a "16 GB" hosted runner reports
@@ -133,7 +133,7 @@ def test_parallel_compiles_are_capped_by_memory():
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.id)
 def test_every_job_exports_pytorchs_index_the_compile_cap_and_cleanup(target):
-    from ci.cibw_job import identifier, job_env
+    from ci.release.cibw_job import identifier, job_env
 
     env = job_env(target, jobs=3)
     assert env["SAGEATTN3_PYTORCH_INDEX"] == PYTORCH_INDEX
@@ -145,7 +145,7 @@ def test_every_job_exports_pytorchs_index_the_compile_cap_and_cleanup(target):
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.id)
 def test_every_job_resolves_without_problems(target):
-    from ci.cibw_job import check_job, plan_job
+    from ci.release.cibw_job import check_job, plan_job
 
     job = plan_job(target, MATRIX)
     assert check_job(job, MATRIX) == []
@@ -157,7 +157,7 @@ def test_every_job_resolves_without_problems(target):
 
 
 def test_a_windows_job_installs_cuda_with_nvidias_installer_and_msvc():
-    from ci.cibw_job import check_job, plan_job
+    from ci.release.cibw_job import check_job, plan_job
 
     job = plan_job(BY_ID["windows-amd64-cu130-torch2.10-stable"], MATRIX)
     assert job.runner == "windows-2022" and job.identifier == "cp310-win_amd64"
@@ -178,7 +178,7 @@ def test_a_windows_job_installs_cuda_with_nvidias_installer_and_msvc():
 
 
 def test_an_aarch64_job_uses_the_arm_runner_and_sbsa_packages():
-    from ci.cibw_job import check_job, plan_job
+    from ci.release.cibw_job import check_job, plan_job
 
     job = plan_job(BY_ID["linux-aarch64-cu129-torch2.8"], MATRIX)
     assert job.runner == "ubuntu-24.04-arm" and job.identifier == "cp39-manylinux_aarch64"
@@ -195,7 +195,7 @@ def test_the_plan_command_prints_every_job_and_exits_zero():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "ci.cibw", "plan"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "ci.release.cibw", "plan"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count(" on windows-2022 (") == 8 and proc.stdout.count(" on ubuntu-24.04-arm (") == 7
     assert "PROBLEM" not in proc.stdout
@@ -211,7 +211,7 @@ def test_the_shim_builds_with_its_own_python_for_the_factory(tmp_path, monkeypat
     import stat
     import sys
 
-    from ci import cibw_job
+    from ci.release import cibw_job
 
     fake = tmp_path / "factory"
     fake.write_text(
@@ -242,8 +242,8 @@ def test_the_shim_builds_with_its_own_python_for_the_factory(tmp_path, monkeypat
 def test_build_python_follows_the_shim(monkeypatch):
     import sys
 
-    from ci.build import BuildError
-    from ci.resolve import build_python
+    from ci.stages.build import BuildError
+    from ci.stages.resolve import build_python
 
     t = BY_ID["linux-x86_64-cu130-torch2.10-stable"]  # floor 3.10
     here = "%d.%d" % sys.version_info[:2]
@@ -267,7 +267,7 @@ def test_the_installer_download_retries_and_times_out(tmp_path):
     import http.server
     import time
 
-    from ci.runner_setup import CibwError, download
+    from ci.release.runner_setup import CibwError, download
 
     payload = b"MZ" + bytes(range(256)) * 64
     calls = {"n": 0}
@@ -305,7 +305,7 @@ def test_the_installer_download_retries_and_times_out(tmp_path):
 
 
 def test_cleanup_after_build_keeps_the_compiler_cache_and_the_env_verify_reuses(tmp_path):
-    from ci.runner_setup import cleanup_after_build
+    from ci.release.runner_setup import cleanup_after_build
 
     cache = tmp_path / "cache"
     for d in ("cuda/13.0/bin", "cutlass/4.2.0.0/include", "envs/py3.10-torch-2.14.1-aaa/lib",
@@ -322,7 +322,7 @@ def test_cleanup_after_build_keeps_the_compiler_cache_and_the_env_verify_reuses(
 
 
 def test_free_disk_removes_the_listed_paths_and_reports_the_gain(tmp_path):
-    from ci.runner_setup import RUNNER_BLOAT, free_disk
+    from ci.release.runner_setup import RUNNER_BLOAT, free_disk
 
     junk = tmp_path / "dotnet"
     (junk / "sdk").mkdir(parents=True)
@@ -336,7 +336,7 @@ def test_free_disk_removes_the_listed_paths_and_reports_the_gain(tmp_path):
 def test_free_disk_on_windows_is_best_effort_within_its_budget(tmp_path):
     """Windows deletes file by file: within the budget, the rest left in place, never an error;
     real files here, removed the way the Windows job removes them."""
-    from ci.runner_setup import WINDOWS_DISK_BUDGET_S, free_disk
+    from ci.release.runner_setup import WINDOWS_DISK_BUDGET_S, free_disk
 
     big = tmp_path / "Android" / "sdk"
     for i in range(40):
@@ -362,7 +362,7 @@ def test_free_disk_reports_the_drive_it_deletes_from():
     not the workspace's (D: on a Windows runner)."""
     from pathlib import PurePosixPath, PureWindowsPath
 
-    from ci.runner_setup import RUNNER_BLOAT, _drive
+    from ci.release.runner_setup import RUNNER_BLOAT, _drive
 
     assert {_drive(p, PureWindowsPath) for p in RUNNER_BLOAT["windows"]} == {"C:\\"}
     assert _drive(r"D:\a\sageattn3\sageattn3", PureWindowsPath) == "D:\\"
@@ -370,7 +370,7 @@ def test_free_disk_reports_the_drive_it_deletes_from():
 
 
 def test_the_build_stage_keeps_its_full_log_for_the_job_to_upload(tmp_path, monkeypatch):
-    from ci.cibw import LOG_DIR_ENV, keep_build_log
+    from ci.release.cibw import LOG_DIR_ENV, keep_build_log
 
     t = BY_ID["windows-amd64-cu130-torch2.10-stable"]
     monkeypatch.setenv("SAGEATTN3_DIST", str(tmp_path / "dist"))
@@ -393,8 +393,8 @@ def test_verify_takes_the_interpreter_cibuildwheel_tests_with(tmp_path, monkeypa
     import sys
     import tomllib
 
-    from ci import cibw, cibw_job, runner_setup
-    from ci.toolchain import _env_var
+    from ci.release import cibw, cibw_job, runner_setup
+    from ci.toolchain.tools import _env_var
 
     cfg = tomllib.loads(cibw_job.CONFIG_FILE.read_text())["tool"]["cibuildwheel"]
     for plat in ("linux", "windows"):

@@ -1,7 +1,7 @@
 """Real cibuildwheel (the release's pin) with the real ci/cibuildwheel.toml, in podman, on the
 probe payload (tests/cibw_probe): before-all, the build through the shim, the
 repair-wheel-command, cibuildwheel's abi3 audit and the test-command with the toml's
-test-environment all run in the container, each calling ci/cibw.py as a release job does.
+test-environment all run in the container, each calling ci/release/cibw/__main__.py as a release job does.
 Part of `nox -s tests`: the first run installs podman, runc and debootstrap (Debian, as root)
 and builds the stand-in image (minutes; podman keeps it); later runs take about a minute."""
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ci import cibw, cibw_job
-from ci.targets import Matrix
+from ci.release import cibw, cibw_job
+from ci.toolchain.targets import Matrix
 from other_pythons import skip_without_python
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,7 +36,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def probe_run(tmp_path_factory):
-    from ci.cibw_local import run_cibuildwheel
+    from ci.release.cibw_local import run_cibuildwheel
 
     out = tmp_path_factory.mktemp("cibuildwheel")
     with skip_without_python("the stand-in image's /opt/python/* (copied from this machine's Pythons)"):
@@ -55,15 +55,15 @@ def test_cibuildwheel_builds_repairs_audits_and_tests_the_probe_through_the_toml
     assert "localhost/sageattn3-manylinux-standin" in log and "cp310-manylinux_x86_64" in log
     # before-all: the toml's command, under the image's CPython 3.12 (SAGEATTN3_FACTORY_PYTHON)
     assert "$SAGEATTN3_FACTORY_PYTHON -m pip install -r /project/ci/requirements.txt && " \
-           "$SAGEATTN3_FACTORY_PYTHON /project/ci/cibw.py install-cuda" in log
+           "$SAGEATTN3_FACTORY_PYTHON /project/ci/release/cibw/__main__.py install-cuda" in log
     assert "[cuda] probe payload: no toolkit installed" in log
-    # build: cibuildwheel's pip wheel of the shim, which ran ci/cibw.py build in Python 3.10
+    # build: cibuildwheel's pip wheel of the shim, which ran ci/release/cibw/__main__.py build in Python 3.10
     assert "[build] probe payload, Python 3.10" in log
-    # repair-wheel-command: ci/cibw.py repair (auditwheel with the factory's excludes)
-    assert "/project/ci/cibw.py repair --wheel /tmp/cibuildwheel/built_wheel/" in log
+    # repair-wheel-command: ci/release/cibw/__main__.py repair (auditwheel with the factory's excludes)
+    assert "/project/ci/release/cibw/__main__.py repair --wheel /tmp/cibuildwheel/built_wheel/" in log
     assert "bin/auditwheel repair" in log and "[repair] probe payload:" in log
     assert "Auditing wheel" in log and "abi3audit" in log
-    # test-command: ci/cibw.py verify in cibuildwheel's test venv (Python 3.10) with the toml's
+    # test-command: ci/release/cibw/__main__.py verify in cibuildwheel's test venv (Python 3.10) with the toml's
     # test-environment (PIP_NO_DEPS=1 reached the hook)
     verify = [ln for ln in log.splitlines() if ln.startswith("[verify] probe payload")]
     assert verify and "Python 3.10" in verify[0] and "add(2, 3) == 5" in verify[0]
@@ -83,4 +83,4 @@ def test_the_job_environment_is_the_release_jobs_plus_only_the_stand_ins(probe_r
     assert passed[:3] == ["SAGEATTN3_TARGET", "SAGEATTN3_PYTORCH_INDEX", "SAGEATTN3_CACHE_HOST"]
     assert passed[-2:] == ["SAGEATTN3_FOREIGN_TORCH_DIR", cibw.PROBE_ENV] and env[cibw.PROBE_ENV] == "tests/cibw_probe"
     assert run.command[1:] == ["-m", "cibuildwheel", "--config-file", "ci/cibuildwheel.toml", "--output-dir",
-                               str(run.output_dir / "wheelhouse"), "ci/cibw_project"]
+                               str(run.output_dir / "wheelhouse"), "ci/release/cibw_project"]

@@ -1,5 +1,5 @@
 """The rehearsal's hooks get their commands and environments from the pinned cibuildwheel
-(ci/cibw_rehearsal.py): a setting changed in a copy of ci/cibuildwheel.toml reaches the hook
+(ci/release/cibw_rehearsal.py): a setting changed in a copy of ci/cibuildwheel.toml reaches the hook
 that runs, with nothing in ci/ reading the file. Real cibuildwheel option resolution, real
 hooks run as `sh -c`, a real venv and pip installing a real (tiny) wheel."""
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from ci import cibw_job
-from ci.cibw_job import RehearsalError, resolve
-from ci.cibw_rehearsal import HostLayout, JobRehearsal, job_environ
-from ci.targets import Matrix
+from ci.release import cibw_job
+from ci.release.cibw_job import RehearsalError, resolve
+from ci.release.cibw_rehearsal import HostLayout, JobRehearsal, job_environ
+from ci.toolchain.targets import Matrix
 from other_pythons import skip_without_python
 
 MATRIX = Matrix.load()
@@ -64,11 +64,11 @@ def test_the_real_toml_resolves_to_its_hooks_with_container_paths_made_local(tmp
     with skip_without_python("the venvs standing in for the image's /opt/python/*"):
         r = _rehearsal(tmp_path, None, pythons)
         assert r.job.identifier == cibw_job.identifier(TARGET) == "cp310-manylinux_x86_64"
-        before = r.job.command("before_all", project="/P", package="/P/ci/cibw_project")
+        before = r.job.command("before_all", project="/P", package="/P/ci/release/cibw_project")
         assert before == ("$SAGEATTN3_FACTORY_PYTHON -m pip install -r /P/ci/requirements.txt && "
-                          "$SAGEATTN3_FACTORY_PYTHON /P/ci/cibw.py install-cuda")
+                          "$SAGEATTN3_FACTORY_PYTHON /P/ci/release/cibw/__main__.py install-cuda")
         assert r.job.command("test_command", project="/P", wheel="/w/x.whl") == (
-            "$SAGEATTN3_FACTORY_PYTHON /P/ci/cibw.py verify --wheel /w/x.whl --python-exe python")
+            "$SAGEATTN3_FACTORY_PYTHON /P/ci/release/cibw/__main__.py verify --wheel /w/x.whl --python-exe python")
         assert r.job.build_flags() == ["--no-build-isolation", "-v"]
         build = r._env(r._python_bin())
         # the toml's environment, its /host and /opt/python paths made this machine's
@@ -146,4 +146,4 @@ def test_the_release_module_holds_no_second_copy_of_cibuildwheel():
     for f in package.parent.rglob("*.py"):
         src = f.read_text()
         assert '["tool"]["cibuildwheel"]' not in src and "CONFIG_FILE.read" not in src, f.name
-    assert sys.modules["ci.cibw_job"].cibuildwheel_modules()[0].__name__ == "cibuildwheel.options"
+    assert sys.modules["ci.release.cibw_job"].cibuildwheel_modules()[0].__name__ == "cibuildwheel.options"

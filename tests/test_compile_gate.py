@@ -1,7 +1,7 @@
 """The compile gate: each torch line of ci/targets.toml, with the torch-facing unit its wheels use,
 compiles against that torch's real headers (its PyPI x86_64 wheel's, cached headers-only), with the
 target's defines and language standard; a line whose unit does not compile fails with the line and
-the first compiler error. Also the Windows side of the classic unit: what ci.torch_msvc decides for
+the first compiler error. Also the Windows side of the classic unit: what ci.toolchain.torch_msvc decides for
 the real headers of torch 2.7.1, 2.8.0 and 2.9.1, and that the Windows flag profile never reaches
 the C2872 code path."""
 
@@ -14,10 +14,11 @@ import sysconfig
 
 import pytest
 
-from ci import compile_gate as gate
-from ci import torch_msvc
-from ci.flags import PAYLOAD, profile_for
-from ci.targets import Matrix
+from ci.toolchain import compile_gate as gate
+from ci.toolchain import torch_msvc
+from ci.payload.interface import PAYLOAD
+from ci.toolchain.flags import profile_for
+from ci.toolchain.targets import Matrix
 
 MATRIX = Matrix.load()
 CASES = {c.line: c for c in gate.cases(MATRIX)}
@@ -72,11 +73,11 @@ def test_cli_exit_status_and_message(tmp_path, monkeypatch):
     assert bad != toml
     f = tmp_path / "targets.toml"
     f.write_text(bad)
-    proc = subprocess.run([sys.executable, "-m", "ci.compile_gate", "--line", "2.8"], cwd=PAYLOAD.parent,
+    proc = subprocess.run([sys.executable, "-m", "ci.toolchain.compile_gate", "--line", "2.8"], cwd=PAYLOAD.parent,
                           capture_output=True, text=True, env={**__import__("os").environ, "SAGEATTN3_TARGETS_FILE": str(f)})
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stderr.startswith("error: torch 2.8 (stable.cpp"), proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "ci.compile_gate", "--line", "9.9"], cwd=PAYLOAD.parent,
+    proc = subprocess.run([sys.executable, "-m", "ci.toolchain.compile_gate", "--line", "9.9"], cwd=PAYLOAD.parent,
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "9.9" in proc.stderr
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from packaging.utils import parse_wheel_filename
 
-from ci import coverage
-from ci.targets import Matrix, _v
+from ci.checks import coverage
+from ci.toolchain.targets import Matrix, _v
 
 REPO = Path(__file__).resolve().parent.parent
 MATRIX = Matrix.load()
@@ -98,7 +98,7 @@ def history(tmp_path) -> Path:
     repo = tmp_path / "repo"
     repo.mkdir()
     _git(repo, "init", "-q", "-b", "main")
-    for path in ("sageattn3/csrc/k.cu", "patches/manifest.toml", "ci/cross.py", "ci/build.py"):
+    for path in ("sageattn3/csrc/k.cu", "patches/manifest.toml", "ci/toolchain/cross.py", "ci/stages/build.py"):
         _commit(repo, path, "1\n")
     return repo
 
@@ -167,7 +167,7 @@ def test_evidence_made_before_a_change_to_what_it_was_made_from_is_stale(tmp_pat
     assert cross.startswith(f"linux-aarch64 (from {made[:7]}): cross-built on linux-x86_64")
     _commit(history, "docs/factory.md", "words\n")  # changes nothing a wheel is made from
     assert rows() == (native, cross)
-    cross_change = _commit(history, "ci/cross.py", "2\n")  # only the cross build's
+    cross_change = _commit(history, "ci/toolchain/cross.py", "2\n")  # only the cross build's
     native2, cross2 = rows()
     assert native2 == native
     assert cross2.startswith(f"linux-aarch64 (**stale**: from {made[:7]}, what it was made from changed in "
@@ -211,10 +211,10 @@ def test_a_record_names_a_commit_of_the_history_and_says_when_it_was_dirty(tmp_p
                if r.startswith("| 2.9 | 13.0 |"))
     assert f"linux-aarch64 (from {head[:7]} + uncommitted changes): classic unit" in row
     # An input changed in the checkout at that commit: named, though the maker did not say so.
-    (history / "ci" / "cross.py").write_text("uncommitted\n")
+    (history / "ci" / "toolchain" / "cross.py").write_text("uncommitted\n")
     coverage.record_classic_link({**LINK, "source_commit": head}, MATRIX, ev_file, history)
     stored = coverage.load_evidence(ev_file)["linux-aarch64-cu130-torch2.9"]["classic_link"]
-    assert stored["dirty"] == "uncommitted changes to ci/cross.py"
+    assert stored["dirty"] == "uncommitted changes to ci/toolchain/cross.py"
     # A local build's wheel names its own dist/index: evidence holds no place of the machine that made it.
     guard = {**LINK, "source_commit": head, "needed": ["see file:///home/someone/dist/index/ for the index"]}
     with pytest.raises(coverage.EvidenceError, match=r"names file:///home/someone/dist/index/, .*SAGEATTN3_INDEX_URL"):
@@ -230,7 +230,7 @@ def test_a_commit_outside_the_history_is_shown_and_a_shallow_clone_is_refused(tm
     ev_file = _record_both(tmp_path, history, made)
     # History rewritten (a rebase, a squash-merge): the commit is no longer HEAD's ancestor.
     _git(history, "reset", "-q", "--hard", "HEAD~1")
-    _commit(history, "ci/build.py", "rewritten\n")
+    _commit(history, "ci/stages/build.py", "rewritten\n")
     table = coverage.coverage_table(MATRIX, coverage.load_evidence(ev_file), history)
     assert _row(table, "| 2.14 | 13.0 |", "linux-x86_64").startswith(
         f"linux-x86_64 (**commit {made[:7]} is not in this repository's history**)")
@@ -314,7 +314,7 @@ def test_a_new_kind_of_evidence_is_added_by_the_same_function(tmp_path, history,
     """A kind with its own inputs (a Windows build under wine, say) is an entry of KINDS; its
     records say what ran here, and go stale when its own inputs change."""
     monkeypatch.setitem(coverage.KINDS, "wine_build", coverage.Kind(
-        "built here under wine", "compile only", coverage.PAYLOAD_INPUTS + ("ci/wine.py",)))
+        "built here under wine", "compile only", coverage.PAYLOAD_INPUTS + ("ci/toolchain/wine.py",)))
     head = _git(history, "rev-parse", "HEAD")
     ev_file = tmp_path / "evidence.json"
     tid = "windows-amd64-cu130-torch2.10-stable"
@@ -323,7 +323,7 @@ def test_a_new_kind_of_evidence_is_added_by_the_same_function(tmp_path, history,
     part = _row(coverage.coverage_table(MATRIX, coverage.load_evidence(ev_file), history), "| 2.10 | 13.0 |",
                 "windows-amd64")
     assert part == f"windows-amd64 (from {head[:7]}): built here under wine: build + PE inspection + load under wine"
-    change = _commit(history, "ci/wine.py", "1\n")
+    change = _commit(history, "ci/toolchain/wine.py", "1\n")
     part = _row(coverage.coverage_table(MATRIX, coverage.load_evidence(ev_file), history), "| 2.10 | 13.0 |",
                 "windows-amd64")
     assert part.startswith(f"windows-amd64 (**stale**: from {head[:7]}, what it was made from changed in {change[:7]})")
@@ -363,7 +363,7 @@ def test_a_windows_wheel_built_under_wine_needs_its_inspection_and_goes_stale_wi
     assert "not imported (no Windows CPython" in part
     cu128 = next(r for r in table.splitlines() if r.startswith("| 2.10 | 12.8 |"))
     assert "windows-amd64: its build release pipeline only (CUDA 12.8 for Windows is not on PyPI in full" in cu128
-    change = _commit(history, "ci/wine.py", "2\n")
+    change = _commit(history, "ci/toolchain/wine.py", "2\n")
     part = _row(coverage.coverage_table(MATRIX, coverage.load_evidence(ev_file), history), "| 2.10 | 13.0 |",
                 "windows-amd64")
     assert part.startswith(f"windows-amd64 (**stale**: from {head[:7]}, what it was made from changed in {change[:7]})")

@@ -1,4 +1,4 @@
-"""``python -m ci.cpu_torch install`` (what ``nox -s tests`` runs for its torch), with real pip
+"""``python -m ci.toolchain.cpu_torch install`` (what ``nox -s tests`` runs for its torch), with real pip
 in a fresh venv against local indexes over HTTP: the +cpu build from pip's index, else from
 PyTorch's CPU index, else the plain release with a warning that it is a CUDA build; nothing at
 all is exit 2 with what to change."""
@@ -68,7 +68,7 @@ def install(python: Path, index: str, cpu_index: str) -> subprocess.CompletedPro
     subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torch"], capture_output=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     env.update(PYTHONPATH=str(REPO), PIP_INDEX_URL=index, PIP_RETRIES="0", PIP_TIMEOUT="5")
-    return subprocess.run([str(python), "-m", "ci.cpu_torch", "install", "--spec", f"torch=={VERSION}+cpu",
+    return subprocess.run([str(python), "-m", "ci.toolchain.cpu_torch", "install", "--spec", f"torch=={VERSION}+cpu",
                            "--cpu-index", cpu_index], cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
 
 

@@ -1,4 +1,4 @@
-"""linux-aarch64 from this x86_64 machine (ci.cross): the profile of an aarch64 target names the
+"""linux-aarch64 from this x86_64 machine (ci.toolchain.cross): the profile of an aarch64 target names the
 cross g++, and the torch-facing unit and a kernel unit cross-compile and link for aarch64 against
 the target machine's real torch 2.14.1 and CUDA 13.0 runtime (PyPI's aarch64 wheels), with the
 payload's own command builder; the linked module carries the cubins of both archs. Then Debian's
@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from ci import cross, cross_spec
-from ci.flags import PAYLOAD, profile_for
-from ci.targets import Matrix
-from ci.toolchain import ToolchainError, cutlass_include, find_cuda
+from ci.toolchain import cross, cross_spec
+from ci.payload.interface import PAYLOAD
+from ci.toolchain.flags import profile_for
+from ci.toolchain.targets import Matrix
+from ci.toolchain.tools import ToolchainError, cutlass_include, find_cuda
 
 MATRIX = Matrix.load()
 STABLE = MATRIX.target("linux-aarch64-cu130-torch2.10-stable")
@@ -33,9 +34,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def _bc():
-    from ci.cibw_job import payload_build_commands
+    from ci.payload.interface import build_commands
 
-    return payload_build_commands()
+    return build_commands()
 
 
 def test_the_profile_chooses_the_cross_compiler():
@@ -126,7 +127,7 @@ def test_torch_unit_and_a_kernel_unit_cross_compile_and_link(linked):
 
 
 def test_the_module_holds_both_archs_cubins(linked):
-    from ci.emulate import cubin_archs_of
+    from ci.stages.emulate import cubin_archs_of
 
     assert cubin_archs_of(linked[1]) == ["sm_120a", "sm_121a"]
 
@@ -137,7 +138,7 @@ def test_the_emulated_python_loads_the_kernel_unit_with_the_aarch64_cuda_runtime
     answers. The torch-facing module itself needs the aarch64 libtorch_cuda and its CUDA libraries
     (cuBLAS, cuDNN, NCCL: ~2.5 GB), so its emulated import is the documented session's
     (docs/factory.md, "Linux aarch64 from an x86_64 machine"), not every test run's."""
-    from ci.emulate import Emulator
+    from ci.stages.emulate import Emulator
 
     bc = _bc()
     prof = profile_for(STABLE, MATRIX.stable_abi_floor)
@@ -159,8 +160,8 @@ def test_the_emulated_python_loads_the_kernel_unit_with_the_aarch64_cuda_runtime
 
 
 def test_a_cross_build_config_reads_the_sysroot(sysroot):
-    from ci.build import build_config
-    from ci.resolve import resolve_toolchain
+    from ci.stages.build import build_config
+    from ci.stages.resolve import resolve_toolchain
 
     tc = resolve_toolchain(STABLE, MATRIX)
     assert tc.cross is not None and tc.torch_include == sysroot.torch.torch_dir / "include"

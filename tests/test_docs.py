@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from ci import docs_site
+from ci.release import docs_site
+from ci.release.docs_site import __main__ as docs_cli
 from ci import index as ix
-from ci.record import load_records
+from ci.stages.record import load_records
 from conftest_publish import sage_wheel, serve_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -245,7 +246,7 @@ def test_the_site_serves_the_docs_beside_the_index(tmp_path):
     sage_wheel(wd, "cu130.torch2.10.stable", "1.0.0")
     out = tmp_path / "site"
     ix.write_index(load_records(wd), wd, out)
-    assert docs_site.main(["--out", str(out), "--repo", "octo/sageattn3"]) == 0
+    assert docs_cli.main(["--out", str(out), "--repo", "octo/sageattn3"]) == 0
     with serve_dir(out) as url:
         page = urllib.request.urlopen(f"{url}docs/accuracy.html", timeout=30).read().decode()
         assert "<table>" in page and "zero-mean Q, K, V" in page and 'href="../"' in page

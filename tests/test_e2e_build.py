@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ci.record import BuildRecord, sha256_of
-from ci.toolchain import cuobjdump
+from ci.stages.record import BuildRecord, sha256_of
+from ci.toolchain.tools import cuobjdump
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET = "linux-x86_64-cu130-torch2.10-stable"
@@ -33,8 +33,8 @@ HERE_PY = "%d.%d" % sys.version_info[:2]
 @functools.cache
 def second_python() -> tuple[str | None, str]:
     """Another Python the wheel's verify torch (2.14.1) has builds for, found or provisioned the
-    way the factory does it (ci.toolchain.find_python); None and why when none can be had."""
-    from ci.toolchain import ToolchainError, find_python
+    way the factory does it (ci.toolchain.tools.find_python); None and why when none can be had."""
+    from ci.toolchain.tools import ToolchainError, find_python
 
     problems = []
     for v in ("3.12", "3.13", "3.10", "3.11"):
@@ -163,7 +163,7 @@ def test_drifted_patch_stops_before_compiling(tmp_path):
 
 
 def _sccache_stats() -> dict:
-    from ci.toolchain import compiler_launcher, sccache_env
+    from ci.toolchain.tools import compiler_launcher, sccache_env
 
     (exe,) = compiler_launcher()
     out = subprocess.run([exe, "--show-stats", "--stats-format", "json"], capture_output=True, text=True, check=True,
@@ -178,7 +178,7 @@ def test_python_only_change_recompiles_nothing(built, tmp_path):
     """The compiler cache is keyed by what is compiled: adding a Python file to the payload
     changes the wheel but every C++/CUDA translation unit comes from the cache."""
     probe = REPO / "sageattn3" / "sageattn3" / "_cache_probe.py"
-    from ci.toolchain import compiler_launcher, sccache_env
+    from ci.toolchain.tools import compiler_launcher, sccache_env
 
     (exe,) = compiler_launcher()
     env = {**os.environ, **sccache_env()}
@@ -204,9 +204,9 @@ def test_python_only_change_recompiles_nothing(built, tmp_path):
 VERIFY_UNDER = r"""
 import json, sys
 from pathlib import Path
-from ci.record import BuildRecord
-from ci.resolve import verify_envs
-from ci.verify import verify
+from ci.stages.record import BuildRecord
+from ci.stages.resolve import verify_envs
+from ci.stages.verify import verify
 rec = BuildRecord.load(Path(sys.argv[1])).with_wheel(Path(sys.argv[1][:-5]))
 report = verify(rec, Path(sys.argv[2]), verify_envs(rec, ["3.11"]))
 print(json.dumps({"pythons": report.pythons, "guard": report.abi_guard}))
@@ -235,8 +235,8 @@ def test_verify_passes_with_pip_settings_that_change_what_gets_installed(built, 
 def test_a_target_replaces_only_its_own_earlier_wheel(tmp_path):
     """The x86_64, aarch64 and Windows wheels of one variant live side by side in dist/wheels: a
     new build of one target replaces that target's earlier wheel, never another OS's."""
-    from ci.pipeline import replaced_wheels
-    from ci.targets import Matrix
+    from ci.stages.pipeline import replaced_wheels
+    from ci.toolchain.targets import Matrix
 
     m = Matrix.load()
     names = {"linux-x86_64-cu130-torch2.10-stable": "sageattn3-0.1.0+cu130.torch2.10.stable-cp310-abi3-manylinux_2_34_x86_64.whl",

@@ -1,4 +1,4 @@
-"""The emulated verify's wheelhouse (ci.emulate.wheelhouse): the host's pip resolves for the
+"""The emulated verify's wheelhouse (ci.stages.emulate.wheelhouse): the host's pip resolves for the
 target machine's wheel tags but evaluates markers for the host, so an aarch64 torch < 2.14 pulled
 in its ``nvidia-*-cu12; platform_machine == "x86_64"`` wheels (~3 GB) that the emulated pip never
 installs. Only what the target's markers select may be downloaded.
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from ci import emulate
-from ci.pip_env import pip_environ
+from ci.stages import emulate
+from ci.runtime.pip_env import pip_environ
 
 X86_ONLY = 'platform_system == "Linux" and platform_machine == "x86_64"'
 ARM_ONLY = 'platform_machine == "aarch64"'

@@ -1,11 +1,11 @@
-"""One error base with exit codes (ci.errors): failures exit 1, bad input exits 2, and the
+"""One error base with exit codes (ci.runtime.errors): failures exit 1, bad input exits 2, and the
 command lines end through one runner that prints the message on one line."""
 
 from __future__ import annotations
 
 import pytest
 
-from ci import errors
+from ci.runtime import errors
 
 
 def test_the_runner_maps_the_error_to_its_exit_code_and_one_line(capsys):
@@ -24,18 +24,18 @@ def test_the_runner_maps_the_error_to_its_exit_code_and_one_line(capsys):
 
 
 def test_each_error_class_is_an_input_error_or_a_failure_and_keeps_its_old_base():
-    from ci.build import BuildError
-    from ci.compile_gate import GateError
-    from ci.docs_site import DocsError
-    from ci.patches import PatchDrift, PatchError
-    from ci.publish._net import InputError as PublishInputError
-    from ci.publish._net import PublishError
-    from ci.record import RecordError
+    from ci.stages.build import BuildError
+    from ci.toolchain.compile_gate import GateError
+    from ci.release.docs_site import DocsError
+    from ci.toolchain.patches import PatchDrift, PatchError
+    from ci.release.publish._net import InputError as PublishInputError
+    from ci.release.publish._net import PublishError
+    from ci.stages.record import RecordError
     from ci.release import ReleaseError, ReleaseInputError
-    from ci.repair import RepairError
-    from ci.targets import MatrixError
-    from ci.toolchain import ToolchainError
-    from ci.verify import NoCpuTorch, VerifyError
+    from ci.stages.repair import RepairError
+    from ci.toolchain.targets import MatrixError
+    from ci.toolchain.tools import ToolchainError
+    from ci.stages.verify import NoCpuTorch, VerifyError
 
     for cls in (MatrixError, ToolchainError, GateError, DocsError, RecordError, PatchError, PatchDrift,
                 ReleaseInputError, PublishInputError):
@@ -50,10 +50,10 @@ def test_each_error_class_is_an_input_error_or_a_failure_and_keeps_its_old_base(
 # -- each command line's bad input, through the shared runner (nothing is built or fetched) ----------
 
 BAD_INPUT = [
-    ("ci.cli", ["build-wheels", "--target", "nope"], "error: unknown target 'nope'"),
-    ("ci.patches", ["list", "--target", "nope"], "error: unknown target 'nope'"),
-    ("ci.compile_gate", ["--line", "9.99"], "error: torch line(s) ['9.99'] are not in the matrix"),
-    ("ci.docs_site", ["--repo", "bad"], "docs: repository 'bad': expected OWNER/NAME"),
+    ("ci.__main__", ["build-wheels", "--target", "nope"], "error: unknown target 'nope'"),
+    ("ci.toolchain.patches.__main__", ["list", "--target", "nope"], "error: unknown target 'nope'"),
+    ("ci.toolchain.compile_gate.__main__", ["--line", "9.99"], "error: torch line(s) ['9.99'] are not in the matrix"),
+    ("ci.release.docs_site.__main__", ["--repo", "bad"], "docs: repository 'bad': expected OWNER/NAME"),
     ("ci.release.__main__", ["gather", "--plan", '{"include": [{"id": "x"}]}', "--artifacts", "ART",
                              "--out", "OUT", "--build-outputs", "not json"], "release: --build-outputs: not JSON"),
 ]
@@ -71,15 +71,16 @@ def test_bad_input_exits_2_through_the_runner(module, argv, message, capsys, mon
     assert mod.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
-    assert seen, f"{module}.main does not end through ci.errors.run_main"
+    assert seen, f"{module}.main does not end through ci.runtime.errors.run_main"
 
 
 def test_the_standin_image_failure_exits_1_through_the_runner(capsys, monkeypatch):
-    from ci import standin_image
+    from ci.release import standin_image
+    from ci.release.standin_image import __main__ as standin_cli
 
     def broken():
         raise standin_image.StandinImageError("podman is not installed")
 
-    monkeypatch.setattr(standin_image, "image_name", broken)
-    assert standin_image.main(["--print-name"]) == 1
+    monkeypatch.setattr(standin_cli, "image_name", broken)
+    assert standin_cli.main(["--print-name"]) == 1
     assert capsys.readouterr().err == "standin-image: podman is not installed\n"

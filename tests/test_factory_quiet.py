@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ci.clean import clean
-from ci.cpu_torch import cpu_build_problem
-from ci.toolchain import compiler_launcher, sccache_env, sccache_server_running, sccache_server_scope
+from ci.checks.clean import clean
+from ci.toolchain.cpu_torch import cpu_build_problem
+from ci.toolchain.tools import compiler_launcher, sccache_env, sccache_server_running, sccache_server_scope
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -75,7 +75,7 @@ def test_clean_removes_the_caches_and_says_how_much(tmp_path):
 def test_clean_dry_run_through_nox_names_the_factory_cache(tmp_path):
     if run("-c", "import nox").returncode != 0:
         pytest.skip("needs nox in the test environment (nox -s tests installs it)")
-    from ci.toolchain import CACHE_MARKER
+    from ci.toolchain.tools import CACHE_MARKER
 
     (tmp_path / "cache" / "x").mkdir(parents=True)
     (tmp_path / "cache" / CACHE_MARKER).write_text("")
@@ -88,7 +88,7 @@ def test_clean_dry_run_through_nox_names_the_factory_cache(tmp_path):
 
 def test_clean_refuses_a_cache_folder_the_factory_did_not_make(tmp_path):
     """SAGEATTN3_CACHE=~/.cache by mistake must not wipe the user's other caches."""
-    from ci.clean import main as clean_main
+    from ci.checks.clean.__main__ import main as clean_main
 
     mine = tmp_path / "not-the-factory"
     (mine / "other-tool").mkdir(parents=True)
@@ -129,7 +129,7 @@ def test_the_tests_torch_is_a_cpu_build():
         md.distribution("torch")
     except md.PackageNotFoundError:
         pytest.skip("no torch in this environment (nox -s tests installs the CPU build)")
-    proc = run("-m", "ci.cpu_torch", "check")
+    proc = run("-m", "ci.toolchain.cpu_torch", "check")
     assert proc.returncode == 0 and proc.stdout.startswith("CPU build: torch 2.13.0+cpu"), proc.stdout + proc.stderr
 
 
@@ -169,7 +169,7 @@ def test_nox_sessions_do_not_say_uv_binary_not_found(tmp_path):
 def test_the_index_a_record_names(tmp_path, monkeypatch):
     """Local builds point at the index they wrote; the release pipeline's at the Pages site of
     its repository; SAGEATTN3_INDEX_URL overrides both."""
-    from ci.build import record_index_url
+    from ci.stages.build import record_index_url
 
     monkeypatch.delenv("SAGEATTN3_INDEX_URL", raising=False)
     monkeypatch.delenv("GITHUB_REPOSITORY", raising=False)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from ci.flags import profile_for
-from ci.targets import Matrix
+from ci.toolchain.flags import profile_for
+from ci.toolchain.targets import Matrix
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +43,9 @@ def test_windows_profile_from_the_same_code(m):
 
 
 def test_bad_arch_and_platform_are_refused():
-    from ci.flags import _build_profile
+    from ci.payload.interface import build_profile
 
-    bp = _build_profile()
+    bp = build_profile()
     with pytest.raises(ValueError, match="not a GPU arch"):
         bp.gencode("ampere")
     with pytest.raises(ValueError, match="unknown platform"):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ci import index as ix
-from ci.record import load_records
+from ci.stages.record import load_records
 from conftest_publish import REPO, Venv, sage_wheel, serve_dir, torch_standin
 
 pytestmark = pytest.mark.timeout(300)

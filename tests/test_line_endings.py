@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ci import patches as patchmod
+from ci.toolchain import patches as patchmod
 
 REPO = Path(__file__).resolve().parent.parent
 

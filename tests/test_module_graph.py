@@ -1,8 +1,9 @@
-"""The import graph of ci/: the arrows run one way, and the stages receive resolved values.
+"""The import graph of ci/: the arrows run one way, down the layers of ci.checks.layers, and the
+stages receive resolved values.
 
-A target's toolchain is resolved once (ci.resolve -> the frozen values of ci.resolved); the
+A target's toolchain is resolved once (ci.stages.resolve -> the frozen values of ci.toolchain.resolved); the
 build, repair, tag and verify stages take those values and never reach back into the modules
-that find or install things (ci.toolchain, ci.torch_source) or into the resolver itself.
+that find or install things (ci.toolchain.tools, ci.toolchain.torch_source) or into the resolver itself.
 """
 
 from __future__ import annotations
@@ -12,21 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from ci.checks.coverage import generated_block
+from ci.checks.layers import DOC, LAYERS, ROOT, layer_of, layer_table, module_names, upward_arrows
+
 CI = Path(__file__).resolve().parent.parent / "ci"
-STAGES = ("ci.build", "ci.repair", "ci.tag", "ci.verify")
-LOOKUPS = {"ci.toolchain", "ci.torch_source", "ci.resolve"}
+STAGES = ("ci.stages.build", "ci.stages.repair", "ci.stages.tag", "ci.stages.verify")
+LOOKUPS = {"ci.toolchain.tools", "ci.toolchain.torch_source", "ci.stages.resolve"}
 MAX_LINES = 600
 
 
-def _modules() -> dict[str, Path]:
-    out = {}
-    for f in sorted(CI.rglob("*.py")):
-        parts = f.relative_to(CI.parent).with_suffix("").parts
-        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
-    return out
-
-
-MODULES = _modules()
+MODULES = module_names(CI)
 
 
 def _type_checking(node: ast.If) -> bool:
@@ -116,32 +112,68 @@ def test_the_cycle_check_finds_an_injected_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     # one arrow back up the real graph: the lowest module importing the highest one
-    injected = {**GRAPH, "ci.targets": GRAPH["ci.targets"] | {"ci.pipeline"}}
+    injected = {**GRAPH, "ci.toolchain.targets": GRAPH["ci.toolchain.targets"] | {"ci.stages.pipeline"}}
     cycle = find_cycle(injected)
-    assert cycle and "ci.targets" in cycle and "ci.pipeline" in cycle, cycle
+    assert cycle and "ci.toolchain.targets" in cycle and "ci.stages.pipeline" in cycle, cycle
 
 
 def test_the_import_reader_sees_imports_inside_functions_and_main():
     source = (
         "from __future__ import annotations\n"
         "import typing\n"
-        "from ci import targets\n"
+        "from ci.toolchain import targets\n"
         "if typing.TYPE_CHECKING:\n"
-        "    from ci.pipeline import TargetRun\n"
+        "    from ci.stages.pipeline import TargetRun\n"
         "def helper():\n"
-        "    from ci.build import build_wheel\n"
+        "    from ci.stages.build import build_wheel\n"
         "class K:\n"
         "    def m(self):\n"
-        "        import ci.repair\n"
+        "        import ci.stages.repair\n"
         "def main():\n"
-        "    from .tag import retag\n"
-        "    from . import verify\n"
+        "    from .stages.tag import retag\n"
+        "    from .stages import verify\n"
     )
-    names = imported_names(source, "ci.cli")
-    assert {"ci.targets", "ci.build", "ci.repair", "ci.tag", "ci.verify"} <= names
-    assert "ci.pipeline" not in names and "ci.pipeline.TargetRun" not in names
-    without_cli = imported_names(source, "ci.cli", cli=False)
-    assert "ci.build" in without_cli and not {"ci.tag", "ci.verify"} & without_cli
+    names = imported_names(source, "ci.__main__")
+    assert {"ci.toolchain.targets", "ci.stages.build", "ci.stages.repair", "ci.stages.tag", "ci.stages.verify"} <= names
+    assert "ci.stages.pipeline" not in names and "ci.stages.pipeline.TargetRun" not in names
+    without_cli = imported_names(source, "ci.__main__", cli=False)
+    assert "ci.stages.build" in without_cli and not {"ci.stages.tag", "ci.stages.verify"} & without_cli
+
+
+def test_every_module_of_ci_is_in_one_layer():
+    for m in MODULES:
+        layer_of(m)  # raises, naming the module, when no layer declares it
+    assert not GRAPH[ROOT], f"the package root imports {sorted(GRAPH[ROOT])}: it sits below every layer"
+
+
+def test_each_layer_is_a_folder_named_after_it():
+    for layer in LAYERS:
+        assert layer.packages[0] == f"ci.{layer.name}" and (CI / layer.name / "__init__.py").is_file(), layer.name
+
+
+def test_no_import_goes_from_a_lower_layer_to_a_higher_one():
+    """Counting every import (module level, functions, ``main``), as the cycle check does."""
+    names = [layer.name for layer in LAYERS]
+    up = [f"{m} ({names[layer_of(m)]}) -> {d} ({names[layer_of(d)]})" for m, d in upward_arrows(GRAPH)]
+    assert not up, "imports up the layers of ci/checks/layers.py:\n" + "\n".join(up)
+
+
+def test_the_layer_check_finds_an_injected_upward_arrow():
+    # one arrow up the real graph: an error class importing the pipeline; one within a layer is fine
+    injected = {**GRAPH, "ci.runtime.errors": GRAPH["ci.runtime.errors"] | {"ci.stages.pipeline"}}
+    assert upward_arrows(injected) == [("ci.runtime.errors", "ci.stages.pipeline")]
+    sideways = {**GRAPH, "ci.stages.tag": GRAPH["ci.stages.tag"] | {"ci.stages.verify", "ci.index.layout"}}
+    assert upward_arrows(sideways) == []
+    assert upward_arrows({"ci.toolchain.targets": {"ci.release.publish.github"}}) == [
+        ("ci.toolchain.targets", "ci.release.publish.github")]
+    with pytest.raises(ValueError, match="ci.elsewhere"):
+        layer_of("ci.elsewhere")
+
+
+def test_the_architecture_doc_holds_the_generated_layer_table():
+    table = generated_block(DOC.read_text(), "layers")
+    assert table == layer_table(), "docs/architecture.md's layer table is not the generated one: " \
+                                   "python -m ci architecture --write-docs"
 
 
 def _loads_from_tests(source: str) -> list[str]:
@@ -165,16 +197,16 @@ def test_the_tests_check_catches_an_import_and_a_load_by_path():
         "conftest_publish", "conftest_publish.sage_wheel"]
     assert _loads_from_tests("import importlib.util\nspec = importlib.util.spec_from_file_location("
                              "'x', REPO / 'tests' / 'x.py')\n")
-    assert not _loads_from_tests("from ci.targets import Matrix\nspec_from_file_location('x', PAYLOAD / 'b.py')\n")
+    assert not _loads_from_tests("from ci.toolchain.targets import Matrix\nspec_from_file_location('x', PAYLOAD / 'b.py')\n")
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_stage_never_imports_what_finds_or_installs_tools(stage):
     direct = imports(stage) & LOOKUPS
-    assert not direct, f"{stage} imports {sorted(direct)}: it should receive resolved values (ci.resolved)"
+    assert not direct, f"{stage} imports {sorted(direct)}: it should receive resolved values (ci.toolchain.resolved)"
     # nor through what it imports, at module level or inside a function (a call made at run time);
     # the modules it reaches are followed but for their command lines, which a stage never runs
-    # (ci.patches' `check` command finds CUTLASS through ci.toolchain; its own __main__ ends that)
+    # (ci.toolchain.patches' `check` command finds CUTLASS through ci.toolchain.tools; its own __main__ ends that)
     seen, todo = set(), [stage]
     while todo:
         m = todo.pop()
@@ -187,18 +219,18 @@ def test_a_stage_never_imports_what_finds_or_installs_tools(stage):
 def test_the_resolved_values_are_frozen_and_lookup_free():
     import dataclasses
 
-    from ci import resolved
+    from ci.toolchain import resolved
 
-    assert not imports("ci.resolved") & LOOKUPS
+    assert not imports("ci.toolchain.resolved") & LOOKUPS
     for cls in (resolved.CudaToolkit, resolved.TorchEnv, resolved.ResolvedToolchain, resolved.VerifyEnvs):
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls.__name__
 
 
 def test_the_resolver_is_what_the_orchestrators_call():
     """pipeline and the cibuildwheel hooks resolve the toolchain and hand it to the build."""
-    for entry in ("ci.pipeline", "ci.cibw"):
-        assert "ci.resolve" in imports(entry), entry
-    assert "ci.build" not in imports("ci.resolved")
+    for entry in ("ci.stages.pipeline", "ci.release.cibw"):
+        assert "ci.stages.resolve" in imports(entry), entry
+    assert "ci.stages.build" not in imports("ci.toolchain.resolved")
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

@@ -1,5 +1,5 @@
 """The MSVC pointer-param patch (patches/msvc-pointer-params.patch), proven on Linux since MSVC
-does not run here: its manifest entry and pin, `python -m ci.patches check`, apply/idempotence/
+does not run here: its manifest entry and pin, `python -m ci.toolchain.patches check`, apply/idempotence/
 reverse on a copy, what it changes (and what it leaves alone), who gets it (`list --target`,
 the whole matrix), and the force-patched staging copy's attention translation unit compiling
 for sm_120a and sm_121a with nvcc (0 spills, pointer-taking entries, the tensormap fence in the
@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from ci import patches as patchmod
-from ci.flags import PAYLOAD, compiler_for
-from ci.record import sha256_of
-from ci.targets import Matrix
+from ci.toolchain import patches as patchmod
+from ci.payload.interface import PAYLOAD
+from ci.toolchain.flags import compiler_for
+from ci.stages.record import sha256_of
+from ci.toolchain.targets import Matrix
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "msvc-pointer-params"
@@ -34,7 +35,7 @@ def patch() -> patchmod.Patch:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ci.patches", *args], cwd=ROOT, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "ci.toolchain.patches", *args], cwd=ROOT, capture_output=True, text=True)
 
 
 def test_manifest_entry(patch):
@@ -127,8 +128,8 @@ def _nvcc() -> Path:
 @pytest.fixture(scope="module")
 def staged(tmp_path_factory):
     """The factory's staging copy for a Linux target with --force-patch msvc-pointer-params."""
-    from ci.build import stage
-    from ci.resolve import select_flags
+    from ci.stages.build import stage
+    from ci.stages.resolve import select_flags
 
     matrix = Matrix.load()
     target = matrix.target(LINUX_TARGET)

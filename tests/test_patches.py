@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from ci import patches as P
-from ci.build import stage
-from ci.resolve import select_flags
-from ci.record import sha256_of
-from ci.targets import Matrix
+from ci.toolchain import patches as P
+from ci.stages.build import stage
+from ci.stages.resolve import select_flags
+from ci.stages.record import sha256_of
+from ci.toolchain.targets import Matrix
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET_FILE = "csrc/sageattn3.h"
@@ -111,11 +111,11 @@ def test_shipped_manifest_loads():
 def test_patches_check_command_on_a_real_patch(tmp_path):
     m = make_test_patch(tmp_path / "p")
     env = {**__import__("os").environ, "SAGEATTN3_PATCH_MANIFEST": str(m)}
-    out = subprocess.run([sys.executable, "-m", "ci.patches", "check"], cwd=REPO, capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, "-m", "ci.toolchain.patches", "check"], cwd=REPO, capture_output=True, text=True, env=env)
     assert out.returncode == 0 and "1 passed, 0 failed" in out.stdout, out.stdout + out.stderr
     drifted = make_test_patch(tmp_path / "q", sha="e" * 64)
     env["SAGEATTN3_PATCH_MANIFEST"] = str(drifted)
-    out = subprocess.run([sys.executable, "-m", "ci.patches", "check"], cwd=REPO, capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, "-m", "ci.toolchain.patches", "check"], cwd=REPO, capture_output=True, text=True, env=env)
     assert out.returncode == 1 and "drifted" in out.stdout and "0 passed, 1 failed" in out.stdout
 
 
@@ -124,9 +124,9 @@ def test_torch_msvc_header_fix_against_real_torch_headers():
     patch because the profile defines USE_CUDA (and stable builds cannot include it)."""
     import glob
 
-    from ci.flags import profile_for
-    from ci.toolchain import cache_root
-    from ci.torch_msvc import status
+    from ci.toolchain.flags import profile_for
+    from ci.toolchain.tools import cache_root
+    from ci.toolchain.torch_msvc import status
 
     includes = sorted(glob.glob(str(cache_root() / "envs" / "*" / "lib" / "python3.*" / "site-packages" / "torch" / "include")))
     if not includes:
@@ -140,7 +140,7 @@ def test_torch_msvc_header_fix_against_real_torch_headers():
 
 
 def test_torch_msvc_status_detects_an_unguarded_header(tmp_path):
-    from ci.torch_msvc import HEADER, status
+    from ci.toolchain.torch_msvc import HEADER, status
 
     h = tmp_path / HEADER
     h.parent.mkdir(parents=True)

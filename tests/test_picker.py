@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ci import index as ix
-from ci.record import load_records
+from ci.stages.record import load_records
 from conftest_publish import sage_wheel
 
 NODE = shutil.which("node")
@@ -184,11 +184,11 @@ def test_the_user_side_command_agrees_with_the_picker(index_dirs):
 
 
 def test_the_pages_the_factory_promises_are_the_pages_the_index_writes(tmp_path):
-    """ci.build.index_pages(matrix) goes into every wheel's build record (what the guard and
+    """ci.stages.build.index_pages(matrix) goes into every wheel's build record (what the guard and
     `python -m sageattn3 which` may name); the index, given one wheel per target of the same
     matrix, must write exactly those pages, flagged stable-ABI exactly from the floor on."""
-    from ci.build import index_pages
-    from ci.targets import Matrix
+    from ci.stages.build import index_pages
+    from ci.toolchain.targets import Matrix
 
     which = _user_side_which()
     matrix = Matrix.load()

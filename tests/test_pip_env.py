@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ci import pip_env
+from ci.runtime import pip_env
 
 # What a caller (cibuildwheel's test-environment, a user's shell) may have set that changes
 # what pip installs or where it puts it.
@@ -52,7 +52,7 @@ def test_a_mirror_from_a_config_file_is_carried_over_but_not_its_constraint(tmp_
     conf = tmp_path / "pip.conf"
     conf.write_text("[global]\nindex-url = https://mirror.example/simple\nno-deps = true\n"
                     f"constraint = {tmp_path / 'c.txt'}\n[install]\ntrusted-host = mirror.example\n")
-    code = ("import json, os; from ci import pip_env; e = pip_env.pip_environ();"
+    code = ("import json, os; from ci.runtime import pip_env; e = pip_env.pip_environ();"
             "print(json.dumps({k: v for k, v in e.items() if k.startswith('PIP_')}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parent.parent,
@@ -68,7 +68,7 @@ def test_a_mirror_from_a_config_file_is_carried_over_but_not_its_constraint(tmp_
 def test_a_torch_environment_made_under_hostile_pip_settings_imports_torch(tmp_path, monkeypatch):
     """What broke every release job: torch installed with PIP_NO_DEPS=1 lacks typing_extensions
     and the rest, so `import torch` fails. A fresh cache makes the environment anew here."""
-    from ci.toolchain import ToolchainError, find_python, torch_env
+    from ci.toolchain.tools import ToolchainError, find_python, torch_env
 
     try:
         find_python("3.11")
@@ -87,7 +87,7 @@ def test_a_torch_environment_made_under_hostile_pip_settings_imports_torch(tmp_p
 
 # Functions that run pip on purpose with the caller's settings: what `pip install torch` gives
 # this user (the default target), and emptying the caller's own pip cache.
-CALLER_PIP = {("cli.py", "torch_pip_would_install"), ("runner_setup.py", "cleanup_after_build"),
+CALLER_PIP = {("resolve.py", "torch_pip_would_install"), ("runner_setup.py", "cleanup_after_build"),
               # cibuildwheel's own test venv, with the toml's test-environment on purpose
               ("cibw_rehearsal.py", "test"),
               # reads the configuration files themselves
@@ -97,7 +97,7 @@ FACTORY_ENV = ("pip_environ", "run_pip")
 
 def test_every_pip_and_venv_call_of_the_factory_builds_its_environment():
     """A function of ci/ that spells out a pip or venv command (``-m pip`` / ``-m venv``) runs
-    it with ci.pip_env's environment (or through toolchain.run_pip)."""
+    it with ci.runtime.pip_env's environment (or through toolchain.run_pip)."""
     import ast
 
     root = Path(__file__).resolve().parent.parent / "ci"
@@ -121,4 +121,4 @@ def test_every_pip_and_venv_call_of_the_factory_builds_its_environment():
                 continue
             if not any(name in source for name in FACTORY_ENV):
                 offenders.append(f"{path.relative_to(root.parent)}:{fn.lineno} {fn.name}")
-    assert not offenders, "pip/venv run without ci.pip_env's environment: " + ", ".join(offenders)
+    assert not offenders, "pip/venv run without ci.runtime.pip_env's environment: " + ", ".join(offenders)

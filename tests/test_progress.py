@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ci import pipeline
-from ci.progress import StageProgress, TeeLog, live_terminal
-from ci.targets import Matrix
+from ci.stages import pipeline
+from ci.runtime.progress import StageProgress, TeeLog, live_terminal
+from ci.toolchain.targets import Matrix
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,8 +37,8 @@ def test_no_live_line_in_ci_logs(monkeypatch):
 
 def test_live_line_on_a_terminal(tmp_path):
     pytest.importorskip("rich")
-    # print wrapped in the per-target file log, as ci.pipeline.run_target hands it to each stage
-    code = ("import sys, time; from pathlib import Path; from ci.progress import StageProgress, TeeLog\n"
+    # print wrapped in the per-target file log, as ci.stages.pipeline.run_target hands it to each stage
+    code = ("import sys, time; from pathlib import Path; from ci.runtime.progress import StageProgress, TeeLog\n"
             "log = TeeLog(print, Path(sys.argv[1]))\n"
             "with StageProgress(log, 'verify', every=0.5) as s:\n"
             "    assert s.live\n"

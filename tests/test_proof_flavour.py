@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from ci import build as buildmod
-from ci import resolve
-from ci.targets import Matrix
+from ci.stages import build as buildmod
+from ci.stages import resolve
+from ci.toolchain.targets import Matrix
 
 MATRIX = Matrix.load()
 
@@ -46,7 +46,7 @@ def test_proof_and_test_flavour_records_are_never_indexed_or_published(tmp_path)
     """load_records (what index and publish read) refuses a wheel whose record says proof."""
     import json
 
-    from ci.record import RecordError, load_records
+    from ci.stages.record import RecordError, load_records
     from conftest_publish import sage_wheel
 
     wheel, _ = sage_wheel(tmp_path, "cu128.torch2.8")
@@ -67,8 +67,8 @@ def test_cli_refuses_both_flavours_at_once():
 def test_default_target_for_a_torch_newer_than_the_matrix():
     """PyPI moves on (torch 2.15 appeared): the default build takes the newest line's target
     and says so, instead of failing; an older unknown line is still an error."""
-    from ci.cli import default_target
-    from ci.targets import MatrixError
+    from ci.stages.resolve import default_target
+    from ci.toolchain.targets import MatrixError
 
     newest = max(MATRIX.torch, key=lambda t: tuple(map(int, t.line.split("."))))
     major, minor = map(int, newest.line.split("."))

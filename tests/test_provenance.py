@@ -1,4 +1,4 @@
-"""Provenance from the build job to the upload (ci/release/provenance.py), and partial releases:
+"""Provenance from the build job to the upload (ci/stages/provenance.py), and partial releases:
 
 - a build job's outcome step (``python -m ci.release outcome``, run for real) reports the
   verified wheel's sha256 or the step that failed, as the job output the publish job reads;
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from ci.publish.__main__ import main as publish_main
-from ci.publish.notes import BEGIN
-from ci.record import BuildRecord, load_records, record_path
-from ci.release.provenance import output_key
+from ci.release.publish.__main__ import main as publish_main
+from ci.release.publish.notes import BEGIN
+from ci.stages.record import BuildRecord, load_records, record_path
+from ci.stages.provenance import output_key
 from conftest_publish import REPO, rewrite_wheel, sage_wheel
 from ci.release.github_standin import GitHubStandin
 
@@ -197,8 +197,8 @@ def test_the_index_page_names_a_missing_target_with_its_step_until_a_re_run_publ
     as the release notes; after the re-run, a fresh runner's index drops it."""
     import urllib.request
 
-    from ci.release.provenance import missing_targets
-    from ci.record import load_records
+    from ci.stages.provenance import missing_targets
+    from ci.stages.record import load_records
     from conftest_publish import serve_dir
 
     arts = tmp_path / "artifacts"
@@ -243,7 +243,7 @@ def test_the_index_page_names_a_missing_target_with_its_step_until_a_re_run_publ
 
 def test_a_later_release_keeps_an_earlier_partial_release_named_and_a_published_wheel_drops_it(tmp_path):
     from ci import index as ix
-    from ci.record import load_records
+    from ci.stages.record import load_records
 
     w1, w2 = tmp_path / "w1", tmp_path / "w2"
     sage_wheel(w1, TARGETS["t-cu130"], "0.1.0", target="t-cu130")

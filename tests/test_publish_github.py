@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 
 from ci import index as ix
-from ci.publish import PublishError, ReleaseOptions, RetryPolicy, publish_release
-from ci.publish.__main__ import main as publish_main
-from ci.publish._net import InputError, retrying
-from ci.publish.github import SUMS, LocalAsset, ReleasePublisher, parse_sums
-from ci.publish.pages import PagesOptions, publish_pages
-from ci.record import load_records
+from ci.release.publish import PublishError, ReleaseOptions, RetryPolicy, publish_release
+from ci.release.publish.__main__ import main as publish_main
+from ci.release.publish._net import InputError, retrying
+from ci.release.publish.github import SUMS, LocalAsset, ReleasePublisher, parse_sums
+from ci.release.publish.pages import PagesOptions, publish_pages
+from ci.stages.record import load_records
 from conftest_publish import REPO, sage_wheel, serve_dir
 from ci.release.github_standin import GitHubStandin
 
@@ -98,7 +98,7 @@ def test_publish_then_rerun_makes_zero_uploads(gh, wheels):
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(gh, wheels, capsys):
-    p = subprocess.run([sys.executable, "-m", "ci.publish", "--tag", "v1.0.0", "--repo", FULL, "--api-url", gh.api_url,
+    p = subprocess.run([sys.executable, "-m", "ci.release.publish", "--tag", "v1.0.0", "--repo", FULL, "--api-url", gh.api_url,
                         "--wheels", str(wheels), "--dry-run", "--allow-local-build"], cwd=REPO, capture_output=True, text=True, timeout=60,
                        env={**os.environ, "GITHUB_TOKEN": TOKEN})
     assert p.returncode == 0, p.stderr
@@ -263,7 +263,7 @@ def test_abort_by_exception_midway_then_resume(gh, wheels, monkeypatch):
 
 def _cli(gh, wheels, *extra, env=None):
     e = {**os.environ, "GITHUB_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return [sys.executable, "-m", "ci.publish", "github", "--tag", "v1.0.0", "--repo", FULL, "--api-url", gh.api_url,
+    return [sys.executable, "-m", "ci.release.publish", "github", "--tag", "v1.0.0", "--repo", FULL, "--api-url", gh.api_url,
             "--wheels", str(wheels), "--write-interval", "0", "--backoff", "0.01", "--allow-local-build", *extra], e
 
 
@@ -305,7 +305,7 @@ def test_without_digests_verification_uses_sizes_and_sha256sums(wheels, tmp_path
         rebuilt = tmp_path / "x"
         rebuilt.mkdir()
         # rewrite the record beside it to keep the local pair consistent
-        from ci.record import BuildRecord, record_path
+        from ci.stages.record import BuildRecord, record_path
         rec = BuildRecord.load(record_path(victim))
         # the first member's modification time in its local header: other bytes, same size,
         # every member and RECORD hash still right (a byte of content would be refused
@@ -469,7 +469,7 @@ def test_pages_refuses_a_changed_wheel(gh, tmp_path):
 
 def test_pages_cli_dry_run(gh, tmp_path):
     v1 = _index(tmp_path, "1.0.0", VARIANTS[:1])
-    p = subprocess.run([sys.executable, "-m", "ci.publish", "pages", "--repo", FULL, "--index", str(v1), "--api-url",
+    p = subprocess.run([sys.executable, "-m", "ci.release.publish", "pages", "--repo", FULL, "--index", str(v1), "--api-url",
                         gh.api_url, "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=60,
                        env={**os.environ, "GH_TOKEN": TOKEN})
     assert p.returncode == 0, p.stderr

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from ci import index as ix
-from ci.publish.__main__ import main as publish_main
-from ci.publish._net import Redactor, token_from_env
-from ci.record import RECORD_IN_WHEEL, BuildRecord, RecordError, check_wheel, load_records, record_path
+from ci.release.publish.__main__ import main as publish_main
+from ci.release.publish._net import Redactor, token_from_env
+from ci.stages.record import RECORD_IN_WHEEL, BuildRecord, RecordError, check_wheel, load_records, record_path
 from conftest_publish import rewrite_wheel, sage_wheel
 from ci.release.github_standin import GitHubStandin
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ci.publish.pypi import default_variant_from_matrix, derive_unlabelled
+from ci.release.publish.pypi import default_variant_from_matrix, derive_unlabelled
 from conftest_publish import REPO, Venv, sage_wheel, torch_standin
 
 pytestmark = pytest.mark.timeout(240)
@@ -94,7 +94,7 @@ def upload(url: str, wheels: Path, *extra: str, password: str | None = PASSWORD,
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("TWINE_")}, **(env or {})}
     if password is not None:
         env.update(TWINE_USERNAME=USER, TWINE_PASSWORD=password)
-    cmd = [sys.executable, "-m", "ci.publish", "pypi", "--repository-url", url, "--wheels", str(wheels), *extra]
+    cmd = [sys.executable, "-m", "ci.release.publish", "pypi", "--repository-url", url, "--wheels", str(wheels), *extra]
     if tmp is not None:
         cmd += ["--out", str(tmp / "pypi")]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
@@ -183,12 +183,12 @@ def test_bad_input_is_refused_with_exit_2(wheels, args, needle):
     args = list(args)
     if "--wheels" not in args:
         args += ["--wheels", str(wheels)]
-    p = subprocess.run([sys.executable, "-m", "ci.publish", "pypi", *args], cwd=REPO, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "ci.release.publish", "pypi", *args], cwd=REPO, capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
 def test_the_module_docstring_names_the_default_variant_the_code_picks():
-    import ci.publish.pypi as pypi
+    import ci.release.publish.pypi as pypi
 
     assert f"with this commit's matrix\n  ``{default_variant_from_matrix()}``" in pypi.__doc__

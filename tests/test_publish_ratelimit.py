@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from ci.publish import PublishError, RetryPolicy, publish_release
-from ci.publish._net import retrying
+from ci.release.publish import PublishError, RetryPolicy, publish_release
+from ci.release.publish._net import retrying
 from conftest_publish import sage_wheel
 from ci.release.github_standin import GitHubStandin
 from test_publish_github import FULL, TOKEN, assert_complete, opts
@@ -114,7 +114,7 @@ def test_the_cli_waits_out_a_primary_rate_limit_reset(tmp_path):
     with GitHubStandin(TOKEN) as gh:
         gh.add_repo(FULL)
         env = {**os.environ, "GITHUB_TOKEN": TOKEN}
-        cmd = [sys.executable, "-m", "ci.publish", "github", "--tag", "v1.0.0", "--repo", FULL, "--api-url", gh.api_url,
+        cmd = [sys.executable, "-m", "ci.release.publish", "github", "--tag", "v1.0.0", "--repo", FULL, "--api-url", gh.api_url,
                "--wheels", str(wheels), "--write-interval", "0", "--allow-local-build"]
         gh.inject("ratelimit", "POST", r"^/api/uploads/", times=1, retry_after=1)
         gh.inject("ratelimit", "GET", r"/releases", times=1, retry_after=60)

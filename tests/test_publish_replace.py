@@ -1,7 +1,7 @@
 """``publish github --replace --replace-published`` stopped at every step (the loopback GitHub
 stand-in halts as a crashed server would after the n-th mutating request): the release never
 loses a target's bytes nor holds two wheels of one target, and the next run finishes the
-replacement (ci.publish.replace).
+replacement (ci.release.publish.replace).
 
 What this does not promise, because GitHub has no atomic swap of two assets (names are unique
 and a rename is one request): between the rename that retires the old asset and the rename
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from ci.publish import RetryPolicy, publish_release
-from ci.publish.github import SUMS, parse_sums
-from ci.publish.replace import RETIRED, TEMP
+from ci.release.publish import RetryPolicy, publish_release
+from ci.release.publish.github import SUMS, parse_sums
+from ci.release.publish.replace import RETIRED, TEMP
 from conftest_publish import sage_wheel
 from ci.release.github_standin import GitHubStandin
 from test_publish_github import FULL, TOKEN, VARIANTS, assert_complete, opts

@@ -40,11 +40,11 @@ NOX_LOCK = REPO / "ci" / "requirements-nox.txt"
 RELEASE_YML = REPO / ".github" / "workflows" / "release.yml"
 LOCK_INSTALL = ("--require-hashes", "--only-binary", ":all:", "-r", "ci/requirements-publish.txt")
 # session -> the module it runs: the sessions that hold (or gate) the release token
-LOCK_ONLY_SESSIONS = {"publish": "ci.publish", "index": "ci.index", "upload-index": "ci.publish",
-                      "gather": "ci.release", "pages": "ci.publish"}
+LOCK_ONLY_SESSIONS = {"publish": "ci.release.publish", "index": "ci.index", "upload-index": "ci.release.publish",
+                      "gather": "ci.release", "pages": "ci.release.publish"}
 # The modules those sessions run, and what they import from ci/.
-ENTRY_MODULES = ("ci/publish/__main__.py", "ci/publish/github.py", "ci/publish/pages.py", "ci/publish/pypi.py",
-                 "ci/publish/_net.py", "ci/index/__init__.py", "ci/index/__main__.py")
+ENTRY_MODULES = ("ci/release/publish/__main__.py", "ci/release/publish/github.py", "ci/release/publish/pages.py", "ci/release/publish/pypi.py",
+                 "ci/release/publish/_net.py", "ci/index/__init__.py", "ci/index/__main__.py")
 
 
 def locked(lock: Path = LOCK) -> dict[str, str]:
@@ -252,8 +252,8 @@ def test_the_lock_installs_alone_and_runs_publishing(tmp_path):
     installed = {canonicalize_name(k) for k in venv.installed()}
     assert installed == set(locked()), installed ^ set(locked())
     assert venv.pip("check").returncode == 0
-    code = ("import ci.publish.github, ci.publish.pages, ci.publish.pypi, ci.index, ci.targets, ci.release;"
-            "ci.targets.Matrix.load(); print('ok')")
+    code = ("import ci.release.publish.github, ci.release.publish.pages, ci.release.publish.pypi, ci.index, ci.toolchain.targets, ci.release;"
+            "ci.toolchain.targets.Matrix.load(); print('ok')")
     p = subprocess.run([venv.python, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
     # the publish job's gate, as the gather session runs it: one planned target's artifact

@@ -18,7 +18,7 @@ from ci.release import ReleaseError
 from ci.release.rehearsal import dry_run
 from ci.release.standin import pytorch_index_standin, standin_dir, standin_serves
 from ci.release.steps import check_tag, package_version
-from ci.targets import Matrix
+from ci.toolchain.targets import Matrix
 
 MATRIX = Matrix.load()
 
@@ -144,7 +144,7 @@ def test_rehearsing_a_target_that_cannot_run_here_says_why(tmp_path):
 
 
 def test_windows_jobs_get_msvc_commands_from_the_payloads_own_builder(monkeypatch):
-    from ci import flags
+    from ci.toolchain import flags
     from ci.release.rehearsal import _windows_commands_problems
 
     windows = [t for t in MATRIX.targets if t.os.platform == "windows"]
@@ -168,7 +168,7 @@ def test_pip_resolves_each_torch_spec_to_its_build_and_the_check_sees_a_wrong_on
     build (its +cuXYZ/+cpu label, or for PyPI's unlabelled builds the CUDA runtime it pins for
     this interpreter) and where it comes from; the stand-in serves torch's core metadata."""
     from ci.release.torch_resolution import TorchResolution, check_resolution, resolve_torch
-    from ci.torch_source import TorchSource
+    from ci.toolchain.torch_source import TorchSource
 
     root = tmp_path / "root"
     _torch_wheel(root / "cu128", "8.8.0+cu128")
@@ -213,7 +213,7 @@ def test_the_rehearsal_resolves_every_served_target_it_does_not_build():
     build torch and its guard's, as its job asks for them, in the target's floor Python."""
     from ci.release.standin import standin_needs
     from ci.release.torch_resolution import standin_resolutions
-    from ci.torch_source import foreign_line
+    from ci.toolchain.torch_source import foreign_line
 
     url = "http://127.0.0.1:1/whl"
     got = {(t.id, role): src for t, role, src in standin_resolutions(MATRIX, url)}
@@ -233,20 +233,20 @@ def test_a_jobs_requires_python_is_what_setup_py_writes_from_the_build_config(mo
     """check_job compares the target's Python floor (ci/targets.toml) with the Requires-Python
     the payload's setup.py rule derives from the build config the factory writes, so a config
     that drifts from the floor is a problem of the plan, not a surprise at verify."""
-    import ci.build
-    from ci import cibw_job
+    import ci.stages.build
+    from ci.release import cibw_job
 
     t = MATRIX.target("linux-x86_64-cu128-torch2.8")
     job = cibw_job.plan_job(t, MATRIX)
     assert job.requires_python == ">=3.9" and not cibw_job.check_job(job, MATRIX)
-    real = ci.build.build_config
+    real = ci.stages.build.build_config
 
     def drifted(tc, matrix, overlay, jobs=None):  # a record floor the abi3 tag does not have
         cfg = real(tc, matrix, overlay, jobs)
         cfg["record"]["requires_python"] = ">=3.10"
         return cfg
 
-    monkeypatch.setattr(ci.build, "build_config", drifted)
+    monkeypatch.setattr(ci.stages.build, "build_config", drifted)
     problems = cibw_job.check_job(cibw_job.plan_job(t, MATRIX), MATRIX)
     assert any("setup.py refuses the build config" in p and "target's Python floor in ci/targets.toml is 3.9" in p
                for p in problems), problems
@@ -256,6 +256,6 @@ def test_a_jobs_requires_python_is_what_setup_py_writes_from_the_build_config(mo
         cfg["limited_api"] = "cp310"
         return cfg
 
-    monkeypatch.setattr(ci.build, "build_config", both_drifted)
+    monkeypatch.setattr(ci.stages.build, "build_config", both_drifted)
     problems = cibw_job.check_job(cibw_job.plan_job(t, MATRIX), MATRIX)
     assert any("Requires-Python would be >=3.10" in p for p in problems), problems

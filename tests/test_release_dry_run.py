@@ -21,9 +21,9 @@ import pytest
 from ci.release.rehearsal import dry_run, rehearse_plan
 from ci.release.standin import standin_dir, standin_needs, standin_serves, standin_wheels
 from ci.release.steps import publish_steps
-from ci.targets import Matrix
+from ci.toolchain.targets import Matrix
 from ci.release.github_standin import GitHubStandin
-from ci.release.provenance import output_key
+from ci.stages.provenance import output_key
 
 MATRIX = Matrix.load()
 RUNNABLE = [r for r in rehearse_plan(MATRIX) if r.runs_here]

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ci.repair import LINUX_EXCLUDES, RepairError, auditwheel_command, check_repaired, delvewheel_command
+from ci.stages.repair import LINUX_EXCLUDES, RepairError, auditwheel_command, check_repaired, delvewheel_command
 
 
 def fake_wheel(path: Path, members: list[str]) -> Path:

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from ci.build import REPO, build_config
-from ci.resolve import resolve_toolchain
-from ci.flags import PAYLOAD
-from ci.repair import repair
-from ci.targets import Matrix
-from ci.toolchain import cache_root, cuobjdump
+from ci.stages.build import REPO, build_config
+from ci.stages.resolve import resolve_toolchain
+from ci.payload.interface import PAYLOAD
+from ci.stages.repair import repair
+from ci.toolchain.targets import Matrix
+from ci.toolchain.tools import cache_root, cuobjdump
 from conftest_publish import build_wheel
 
 TARGET = "linux-x86_64-cu130-torch2.10-stable"

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from ci import runner_setup
-from ci.runner_setup import CibwError
-from ci.targets import Matrix
+from ci.release import runner_setup
+from ci.release.runner_setup import CibwError
+from ci.toolchain.targets import Matrix
 
 MATRIX = Matrix.load()
 TARGETS = MATRIX.targets
@@ -63,15 +63,15 @@ def test_an_unpinned_cuda_release_is_refused_with_what_to_add(monkeypatch):
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.id)
 def test_nvcc_gets_the_toolset_by_ccbin_only_for_cuda12_on_linux(target):
-    from ci.cibw_job import payload_build_commands
-    from ci.flags import profile_for
+    from ci.payload.interface import build_commands
+    from ci.toolchain.flags import profile_for
 
     prof = profile_for(target, MATRIX.stable_abi_floor, cross=False)  # as on the target's own runner
     ccbin = [f for f in prof["nvcc_flags"] if f.startswith("-ccbin")]
     if _cuda12_linux(target):
         assert ccbin == [f"-ccbin={TOOLSET_CXX}"] and prof["host_compiler"] == TOOLSET_CXX
         # the payload's command builder: nvcc gets it, and the same g++ compiles the torch unit and links
-        bc = payload_build_commands()
+        bc = build_commands()
         tools = bc.tools("gcc", "/usr/local/cuda-12.8", cxx=prof["host_compiler"])
         cu = bc.compile_command(tools, prof, "csrc/attn/attn_launch.cu", "o.o", [])
         cpp = bc.compile_command(tools, prof, prof["torch_unit"], "t.o", [])
@@ -86,9 +86,9 @@ def test_nvcc_gets_the_toolset_by_ccbin_only_for_cuda12_on_linux(target):
 
 
 def test_the_profile_refuses_a_host_compiler_it_cannot_hand_to_nvcc():
-    from ci.flags import _build_profile
+    from ci.payload.interface import build_profile
 
-    bp = _build_profile()
+    bp = build_profile()
     kw = dict(cuda="12.8", archs=["sm_120a"], torch_version="2.7.1", stable_abi_floor=None)
     with pytest.raises(ValueError, match="native gcc-style builds only"):
         bp.profile(platform="windows", host_compiler=TOOLSET_CXX, **kw)
@@ -100,7 +100,7 @@ def test_the_profile_refuses_a_host_compiler_it_cannot_hand_to_nvcc():
 def test_a_cuda12_job_plan_without_the_toolset_or_the_pins_is_a_problem():
     import dataclasses
 
-    from ci.cibw_job import check_job, plan_job
+    from ci.release.cibw_job import check_job, plan_job
 
     job = plan_job(BY_ID["linux-x86_64-cu128-torch2.8"], MATRIX)
     assert check_job(job, MATRIX) == []
@@ -112,22 +112,22 @@ def test_a_cuda12_job_plan_without_the_toolset_or_the_pins_is_a_problem():
 
 
 def test_before_all_and_the_install_script_are_valid_bash():
-    from ci.cibw import install_cuda_plan
-    from ci.cibw_job import job_env, resolve
+    from ci.release.cibw import install_cuda_plan
+    from ci.release.cibw_job import job_env, resolve
 
     bash = shutil.which("bash")
     for tid in ("linux-x86_64-cu128-torch2.7", "linux-aarch64-cu129-torch2.8", "linux-x86_64-cu130-torch2.9"):
         t = BY_ID[tid]
         # cibuildwheel's own reading of ci/cibuildwheel.toml: what the container runs first
-        before = resolve(t, job_env(t, jobs=2)).command("before_all", project="/project", package="/project/ci/cibw_project")
-        assert "cibw.py install-cuda" in before
+        before = resolve(t, job_env(t, jobs=2)).command("before_all", project="/project", package="/project/ci/release/cibw_project")
+        assert "cibw/__main__.py install-cuda" in before
         subprocess.run([bash, "-n", "-c", before], check=True)
         script = install_cuda_plan(t)
         subprocess.run([bash, "-n", "-c", script], check=True)
         if _cuda12_linux(t):
             assert "gcc-toolset-13-gcc-c++" in script and f"{TOOLSET_CXX} -dumpfullversion" in script
             assert f"cuda-nvcc-{t.cuda.replace('.', '-')}-{runner_setup.RPM_VERSIONS[t.cuda]['cuda-nvcc']}-1" in script
-    out = subprocess.run([sys.executable, "-m", "ci.cibw", "install-cuda", "--dry-run", "--target",
+    out = subprocess.run([sys.executable, "-m", "ci.release.cibw", "install-cuda", "--dry-run", "--target",
                           "linux-x86_64-cu128-torch2.7"], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0 and out.stdout == install_cuda_plan(BY_ID["linux-x86_64-cu128-torch2.7"])
 
@@ -183,7 +183,7 @@ def test_the_sha256_check_passes_the_pinned_file_and_stops_another(tmp_path):
     assert runner_setup.check_sha256(exe, right, "the installer") == right
     assert runner_setup.check_sha256(exe, right.upper(), "the installer") == right  # as Get-FileHash prints it
     wrong = "0" * 64
-    with pytest.raises(CibwError, match=rf"the installer: sha256 {right}, but ci/runner_setup.py pins {wrong}: "
+    with pytest.raises(CibwError, match=rf"the installer: sha256 {right}, but ci/release/runner_setup.py pins {wrong}: "
                                         r"this is not the file that was pinned, and it was not run"):
         runner_setup.check_sha256(exe, wrong, "the installer")
     with pytest.raises(CibwError, match=r"no sha256 pinned for the CUDA 9\.9\.9 Windows installer .*"
@@ -249,7 +249,7 @@ def test_an_unpinned_installer_is_neither_downloaded_nor_run(monkeypatch, tmp_pa
     monkeypatch.setattr(runner_setup, "download", no_download)
     with pytest.raises(CibwError, match=r"no sha256 pinned for the CUDA 12\.8\.1 Windows installer"):
         _windows_install(monkeypatch, tmp_path, "http://127.0.0.1:9", None)
-    from ci.cibw import install_cuda_plan
+    from ci.release.cibw import install_cuda_plan
 
     script = install_cuda_plan(BY_ID["windows-amd64-cu128-torch2.7"])
     assert "exit 1" in script and "curl" not in script

@@ -1,4 +1,4 @@
-"""The per-tile SASS budget (ci.sass_budget) and the attention's timing stand-in guards.
+"""The per-tile SASS budget (ci.checks.sass_budget) and the attention's timing stand-in guards.
 
 - The parser and the loop finder on a disassembly listing written out here (no tools needed).
 - The budget of the real attention kernel compiled for sm_120a (nvcc >= 12.9; nvdisasm from
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ci import sass_budget as sb
+from ci.checks import sass_budget as sb
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "sageattn3" / "csrc"
@@ -131,8 +131,8 @@ def test_standins_are_refused_outside_the_test_flavour(define):
 
 
 def test_no_build_defines_a_standin():
-    from ci.flags import profile_for
-    from ci.targets import Matrix
+    from ci.toolchain.flags import profile_for
+    from ci.toolchain.targets import Matrix
 
     matrix = Matrix.load()
     for target in matrix.targets:

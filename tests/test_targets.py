@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ci.targets import TARGETS_FILE, Matrix, MatrixError
-from ci.variant import Variant
+from ci.toolchain.targets import TARGETS_FILE, Matrix, MatrixError
+from ci.toolchain.variant import Variant
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ci.toolchain import ToolchainError, find_cuda, find_python, host_compiler_version, nvcc_version
+from ci.toolchain.tools import ToolchainError, find_cuda, find_python, host_compiler_version, nvcc_version
 
 PYENV = Path(os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))) / "versions"
 INSTALLED = sorted({Path(p).name.rsplit(".", 1)[0] for p in glob.glob(str(PYENV / "3.*"))})
@@ -146,8 +146,8 @@ def test_build_environments_get_the_setuptools_the_payload_needs():
 
     from packaging.requirements import Requirement
 
-    from ci.flags import PAYLOAD
-    from ci.toolchain import BUILD_ENV_PACKAGES
+    from ci.payload.interface import PAYLOAD
+    from ci.toolchain.tools import BUILD_ENV_PACKAGES
 
     wanted = {Requirement(r).name: Requirement(r).specifier
               for r in tomllib.loads((PAYLOAD / "pyproject.toml").read_text())["build-system"]["requires"]}
@@ -162,8 +162,8 @@ def test_a_cached_environment_gets_a_raised_floor_in_place(tmp_path):
     import json
     import sys
 
-    from ci.resolved import venv_python
-    from ci.toolchain import EXTRA_MARKER, ensure_packages
+    from ci.toolchain.resolved import venv_python
+    from ci.toolchain.tools import EXTRA_MARKER, ensure_packages
 
     root = tmp_path / "env"
     subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
@@ -181,11 +181,11 @@ def test_a_cached_environment_gets_a_raised_floor_in_place(tmp_path):
 
 def test_a_failing_child_command_shows_the_tail_of_its_stderr(tmp_path):
     """What verify prints for a broken torch environment: the child's own error, not only
-    `CalledProcessError ... import torch` (ci.toolchain._output)."""
+    `CalledProcessError ... import torch` (ci.toolchain.tools._output)."""
     import subprocess
     import sys
 
-    from ci import toolchain
+    from ci.toolchain import tools as toolchain
 
     broken = tmp_path / "torch"
     broken.mkdir()

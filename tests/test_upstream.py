@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from ci.targets import Matrix
-from ci.upstream import check_upstream
-from ci.variant import cuda_tag
-from ci.verify import serve, serve_handler
+from ci.toolchain.targets import Matrix
+from ci.release.upstream import check_upstream
+from ci.toolchain.variant import cuda_tag
+from ci.stages.verify import serve, serve_handler
 
 REPO = Path(__file__).resolve().parent.parent
 PLATFORMS = {"linux-x86_64": "manylinux_2_28_x86_64", "linux-aarch64": "manylinux_2_28_aarch64",

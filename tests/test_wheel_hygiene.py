@@ -1,4 +1,4 @@
-"""Wheel hygiene at every door (ci.wheel_hygiene, through ci.record.check_wheel): each doctored
+"""Wheel hygiene at every door (ci.stages.wheel_hygiene, through ci.stages.record.check_wheel): each doctored
 wheel — an unsafe member, a member outside the project's folders, a duplicate member, a file
 name the factory does not write, a second wheel shadowing the real one — is refused by gather,
 ``publish github``, the index and ``publish pypi`` (upload-index) with exit status 2 and one
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from ci import index as ix
-from ci.publish.__main__ import main as publish_main
-from ci.record import RECORD_IN_WHEEL, BuildRecord, load_records, record_path
-from ci.wheel_hygiene import check_distinct, check_name
+from ci.release.publish.__main__ import main as publish_main
+from ci.stages.record import RECORD_IN_WHEEL, BuildRecord, load_records, record_path
+from ci.stages.wheel_hygiene import check_distinct, check_name
 from conftest_publish import REPO, Venv, rewrite_wheel, sage_wheel, serve_dir
 from ci.release.github_standin import GitHubStandin
 

@@ -4,7 +4,6 @@ command lines and environment of Windows targets (paths as PureWindowsPath), the
 of a Linux target, and the wheel's Requires-Python for every target of the matrix, read from
 metadata that setuptools really builds from the factory's build config."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -15,23 +14,15 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import pytest
 from packaging.requirements import Requirement
 
-from ci.build import build_config
-from ci.flags import PAYLOAD
-from ci.resolve import select_flags
-from ci.resolved import ResolvedToolchain
-from ci.resolved import CudaToolkit, TorchEnv
-from ci.targets import Matrix
+from ci.stages.build import build_config
+from ci.payload.interface import PAYLOAD, build_commands
+from ci.stages.resolve import select_flags
+from ci.toolchain.resolved import ResolvedToolchain
+from ci.toolchain.resolved import CudaToolkit, TorchEnv
+from ci.toolchain.targets import Matrix
 
 
-def _load_build_commands():
-    spec = importlib.util.spec_from_file_location("sageattn3_build_commands", PAYLOAD / "build_commands.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bc = _load_build_commands()
+bc = build_commands()
 W = PureWindowsPath
 CUDA_WIN = W(r"C:\Program Files\NVIDIA GPU Computing Toolkit\CUDA\v13.0")
 TORCH_WIN = W(r"C:\factory\envs\py3.10\Lib\site-packages\torch")
@@ -247,7 +238,7 @@ def test_torch_unit_comes_from_the_profile():
 # -- Requires-Python --------------------------------------------------------------------
 
 def factory_config(target, matrix) -> dict:
-    """The build config the factory writes for ``target`` (ci.build.build_config), with the
+    """The build config the factory writes for ``target`` (ci.stages.build.build_config), with the
     toolchain's machine-dependent parts filled in by hand: nothing is installed."""
     profile, patches = select_flags(target, matrix)
     tc = ResolvedToolchain(

@@ -1,5 +1,5 @@
 """Windows builds proven by the real compilers on this Linux machine: MSVC 14.44's cl.exe,
-link.exe and lib.exe and CUDA's nvcc.exe under wine (ci.wine), every part from the package
+link.exe and lib.exe and CUDA's nvcc.exe under wine (ci.toolchain.wine), every part from the package
 registries. What runs here on every `nox -s tests`:
 
 - the torch-facing unit of a Windows target compiled by cl.exe against its torch line's real
@@ -28,11 +28,13 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import pytest
 
-from ci import msvc_gate, patches as patchmod, pe as pemod, wine as winemod
-from ci import windows_build as wb, windows_load
-from ci.flags import PAYLOAD
-from ci.targets import Matrix
-from ci.toolchain import ToolchainError
+from ci.checks import msvc_gate
+
+from ci.toolchain import patches as patchmod, pe as pemod, wine as winemod
+from ci.stages import windows_build as wb, windows_load
+from ci.payload.interface import PAYLOAD
+from ci.toolchain.targets import Matrix
+from ci.toolchain.tools import ToolchainError
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = "windows-amd64-cu130-torch2.10-stable"
@@ -84,9 +86,9 @@ def test_windows_cuda12_targets_are_release_pipeline_only(matrix, tmp_path):
 
 
 def test_wine_paths():
-    from ci.cibw_job import payload_build_commands
+    from ci.payload.interface import build_commands
 
-    bc = payload_build_commands()
+    bc = build_commands()
     assert bc.wine_path("/a b/.cache/x.obj") == PureWindowsPath(r"Z:\a b\.cache\x.obj")
     assert bc.host_path(r"Z:\a b\.cache\x.obj") == PurePosixPath("/a b/.cache/x.obj")
     assert bc.host_path(r"build\roots\torch") == PurePosixPath("build/roots/torch")
@@ -132,11 +134,11 @@ def test_cl_compiles_the_torch_unit_against_the_lines_windows_headers(matrix, to
 
 @need_wine
 def test_nvcc_exe_compiles_a_kernel_unit_to_sm_120a_and_sm_121a(matrix, toolchain, tmp_path):
-    from ci.cibw_job import payload_build_commands
-    from ci.emulate import cubin_archs_of
-    from ci.flags import profile_for
+    from ci.payload.interface import build_commands
+    from ci.stages.emulate import cubin_archs_of
+    from ci.toolchain.flags import profile_for
 
-    bc = payload_build_commands()
+    bc = build_commands()
     profile = profile_for(matrix.target(TARGET), matrix.stable_abi_floor)
     torch = winemod.windows_torch(matrix.target(TARGET).build_torch)
     obj = tmp_path / "quant_rows.obj"
@@ -169,10 +171,10 @@ KERNEL_UNITS = sorted(p.relative_to(PAYLOAD).as_posix() for p in (PAYLOAD / "csr
 def test_every_kernel_unit_compiles_under_msvc(matrix, toolchain, unit):
     """Device code to PTX only (ptxas is the same on every host); the host side in full, by cl.exe:
     where MSVC differs (a constexpr local in nested lambdas was one, C3861), this fails."""
-    from ci.cibw_job import payload_build_commands
-    from ci.flags import profile_for
+    from ci.payload.interface import build_commands
+    from ci.toolchain.flags import profile_for
 
-    bc = payload_build_commands()
+    bc = build_commands()
     profile = profile_for(matrix.target(TARGET), matrix.stable_abi_floor)
     profile = {**profile, "nvcc_flags": [f for f in profile["nvcc_flags"] if not f.startswith("-gencode=")]
                + ["-gencode=arch=compute_120a,code=compute_120a"]}
@@ -208,10 +210,10 @@ def test_a_drifted_attention_unit_stops_before_any_compile(tmp_path, monkeypatch
 
 @need_wine
 def test_standins_are_exactly_what_the_unit_imports_and_lacks(matrix, toolchain, tmp_path):
-    from ci.cibw_job import payload_build_commands
-    from ci.flags import profile_for
+    from ci.payload.interface import build_commands
+    from ci.toolchain.flags import profile_for
 
-    bc = payload_build_commands()
+    bc = build_commands()
     profile = profile_for(matrix.target(TARGET), matrix.stable_abi_floor)
     obj = tmp_path / "unit.obj"
     proc = wb.compile_unit(toolchain, profile, PAYLOAD, profile["torch_unit"], obj,

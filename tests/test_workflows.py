@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from ci import cibw, cibw_job, runner_setup
+from ci.release import cibw, cibw_job, runner_setup
 from ci.release import ReleaseError
 from ci.release.steps import gather, plan, report
 from ci.release.workflow_lint import cibuildwheel_command, lint_workflows
-from ci.targets import Matrix
+from ci.toolchain.targets import Matrix
 
 REPO = Path(__file__).resolve().parent.parent
 WORKFLOWS = sorted((REPO / ".github" / "workflows").glob("*.yml"))
@@ -166,11 +166,11 @@ def test_release_is_tag_triggered_never_cancelled_and_publishes_what_verified():
 
 
 def test_each_build_job_reports_its_verified_sha256_as_a_job_output_the_publish_job_checks():
-    """Provenance (ci/release/provenance.py): build-target.yml declares one output per target
+    """Provenance (ci/stages/provenance.py): build-target.yml declares one output per target
     (exactly the generated lines), set by an always() step after collect and before the upload;
     the publish job hands every job's outputs to gather and publish, which refuse any wheel
     that is not the one its build job verified."""
-    from ci.release.provenance import workflow_outputs
+    from ci.stages.provenance import workflow_outputs
 
     text = (REPO / ".github" / "workflows" / "build-target.yml").read_text()
     call, job = workflow_outputs([t.id for t in Matrix.load().targets])
@@ -202,8 +202,8 @@ def test_build_target_runs_cibuildwheel_through_the_factory_with_a_rerunnable_ca
     def at(fragment: str) -> int:
         return next(i for i, st in enumerate(steps) if fragment in st)
 
-    env, disk, restore = at("ci.cibw env --target"), at("ci.cibw free-disk"), at("actions/cache/restore@")
-    toolchain, cibw, upload, save = (at("ci.cibw install-cuda"), at("--config-file ci/cibuildwheel.toml"),
+    env, disk, restore = at("ci.release.cibw env --target"), at("ci.release.cibw free-disk"), at("actions/cache/restore@")
+    toolchain, cibw, upload, save = (at("ci.release.cibw install-cuda"), at("--config-file ci/cibuildwheel.toml"),
                                      at("actions/upload-artifact@"), at("actions/cache/save@"))
     assert env < disk < cibw and restore < cibw and toolchain < cibw < upload < save, names
     assert steps[disk].count("df -h") == 2
@@ -239,7 +239,7 @@ def test_a_failed_build_uploads_its_full_log():
 
     text = (REPO / ".github" / "workflows" / "build-target.yml").read_text()
     steps = _steps(text)
-    env_step = next(st for st in steps if "ci.cibw env --target" in st)
+    env_step = next(st for st in steps if "ci.release.cibw env --target" in st)
     assert 'echo "SAGEATTN3_LOG_DIR_HOST=${RUNNER_TEMP}/build-logs"' in env_step
     assert 'echo "SAGEATTN3_LOG_DIR=${RUNNER_TEMP}/build-logs"' in env_step  # Windows: no container
     log_step = next(st for st in steps if "name: build-log-${{ inputs.target }}" in st)
@@ -253,7 +253,7 @@ def test_a_failed_build_uploads_its_full_log():
 
 def test_free_disk_never_stops_a_build():
     steps = _steps((REPO / ".github" / "workflows" / "build-target.yml").read_text())
-    disk = next(st for st in steps if "ci.cibw free-disk" in st)
+    disk = next(st for st in steps if "ci.release.cibw free-disk" in st)
     assert re.search(r"^\s+continue-on-error: true$", disk, flags=re.M)
 
 
@@ -373,12 +373,12 @@ def test_cibuildwheel_lists_exactly_the_builds_the_matrix_expects(platform):
 
 def test_cibuildwheel_config_calls_the_factory_stages():
     text = cibw_job.CONFIG_FILE.read_text()
-    for stage in ("cibw.py install-cuda", "cibw.py repair", "cibw.py verify"):
+    for stage in ("cibw/__main__.py install-cuda", "cibw/__main__.py repair", "cibw/__main__.py verify"):
         assert stage in text
     assert 'manylinux-x86_64-image = "manylinux_2_28"' in text
     assert 'manylinux-aarch64-image = "manylinux_2_28"' in text
     backend = (cibw_job.PACKAGE_DIR / "factory_backend.py").read_text()
-    assert "cibw.py" in backend and '"build"' in backend
+    assert '"cibw" / "__main__.py"' in backend and '"build"' in backend
 
 
 # -- toolchain commands per target ---------------------------------------------------------

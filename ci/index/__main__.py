@@ -11,7 +11,7 @@ from pathlib import Path
 from ci.index.check import check_index
 from ci.index.layout import DEFAULT_PROJECT, IndexError_
 from ci.index.write import update_index
-from ci.record import RecordError, load_records
+from ci.stages.record import RecordError, load_records
 
 
 def _build(a) -> int:
@@ -28,7 +28,7 @@ def _build(a) -> int:
         yank[w] = reason
     missing = None
     if a.plan is not None:  # a release's index: the planned targets without a wheel are named on it
-        from ci.release.provenance import missing_targets
+        from ci.stages.provenance import missing_targets
 
         missing = missing_targets(records, _json_arg(a.build_outputs, "--build-outputs"), _json_arg(a.plan, "--plan"))
     elif a.build_outputs is not None:
@@ -43,7 +43,7 @@ def _build(a) -> int:
 
 
 def _json_arg(value: str | None, option: str):
-    from ci.release.provenance import json_argument
+    from ci.stages.provenance import json_argument
 
     return json_argument(value, option, IndexError_)
 

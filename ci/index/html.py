@@ -14,7 +14,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from ci.index.layout import DEFAULT_PROJECT, MANIFEST, MANIFEST_FORMAT, Entry, Page, _line_key, _manifest_json, pages_for
-from ci.variant import Variant, cuda_from_tag
+from ci.toolchain.variant import Variant, cuda_from_tag
 
 
 def _esc(s: str) -> str:
@@ -79,7 +79,7 @@ ASK_TORCH = 'python -c "import torch; print(torch.__version__, torch.version.cud
 
 def _missing_section(missing: dict[str, dict[str, str]] | None) -> list[str]:
     """Per release whose build jobs did not all verify a wheel: each missing target and why (the
-    release notes' list, from the same build outcomes: ci.release.provenance.missing_targets)."""
+    release notes' list, from the same build outcomes: ci.stages.provenance.missing_targets)."""
     body = []
     for version, targets in sorted((missing or {}).items(), key=lambda kv: _version_key(kv[0]), reverse=True):
         n = len(targets)
@@ -139,7 +139,7 @@ def _root_page(project: str, pages: list[Page], base_url: str | None,
         f"<p>Every variant on one page (browsing; pip cannot tell CUDA builds apart there): "
         f"<a href=\"simple/\">simple/</a>, <a href=\"links/all.html\">links/all.html</a>. "
         f"Machine-readable: <a href=\"{MANIFEST}\">{MANIFEST}</a>."
-        # The published site has the docs beside the index (ci.docs_site); a local one does not.
+        # The published site has the docs beside the index (ci.release.docs_site); a local one does not.
         + (f" Documentation: <a href=\"docs/\">{_esc(_url(base_url, 'docs/'))}</a> (installing, checking the "
            "install, accuracy)." if base_url else "") + "</p>"
     )

@@ -11,9 +11,9 @@ import re
 from dataclasses import dataclass
 
 
-from ci.record import BuildRecord, RecordError, record_from_dict
-from ci.variant import cuda_tag
-from ci.errors import InputError
+from ci.stages.record import BuildRecord, RecordError, record_from_dict
+from ci.toolchain.variant import cuda_tag
+from ci.runtime.errors import InputError
 
 
 MANIFEST = "index.json"

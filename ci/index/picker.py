@@ -12,7 +12,7 @@ import re
 
 from ci.index.html import ASK_TORCH, _stable_flag, _url
 from ci.index.layout import Page, _line_key
-from ci.variant import cuda_from_tag
+from ci.toolchain.variant import cuda_from_tag
 
 
 def picker_rows(manifest: dict, base: str | None = None) -> list[dict[str, str]]:

@@ -18,8 +18,8 @@ from packaging.version import Version
 
 from ci.index.html import render
 from ci.index.layout import DEFAULT_PROJECT, MANIFEST, MANIFEST_FORMAT, Entry, IndexError_, Page, _short
-from ci.record import BuildRecord, RecordError, check_wheel, sha256_of, wheel_metadata
-from ci.wheel_hygiene import UnsafeWheel, check_distinct
+from ci.stages.record import BuildRecord, RecordError, check_wheel, sha256_of, wheel_metadata
+from ci.stages.wheel_hygiene import UnsafeWheel, check_distinct
 
 
 @dataclass
@@ -179,7 +179,7 @@ def update_index(records: list[BuildRecord], wheels_dir: Path, out: Path, projec
     version); ``yank`` maps a wheel name to a reason (PEP 592). A wheel name already indexed
     with another sha256 is refused. Idempotent: unchanged inputs rewrite nothing. When
     ``base_url`` is None the one remembered in the manifest is kept. ``missing``: the targets
-    the release of ``records`` lacks (target id -> why: ci.release.provenance.missing_targets),
+    the release of ``records`` lacks (target id -> why: ci.stages.provenance.missing_targets),
     named on the root page until a wheel of each is indexed."""
     wheels_dir, out = Path(wheels_dir), Path(out)
     files = out / "files"

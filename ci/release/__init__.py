@@ -2,12 +2,12 @@
 
     plan     the matrix JSON of ``nox -s matrix`` checked against ci/targets.toml (every target,
              nothing else), optionally narrowed to chosen target ids, as the build jobs' matrix
-    (build)  one job per target: cibuildwheel -> the factory's build/repair/tag/verify (ci/cibw.py),
+    (build)  one job per target: cibuildwheel -> the factory's build/repair/tag/verify (ci/release/cibw/__main__.py),
              uploading the wheel + its build record as the artifact ``wheel-<target id>``
     report   which planned targets produced their artifact and which did not (by name, with
              the command that re-runs them); the run's summary page
     gather   the publish job's gate: each planned target whose build job verified its wheel (the
-             job output ``target_<id>``, ci.release.provenance), its artifact holding exactly that
+             job output ``target_<id>``, ci.stages.provenance), its artifact holding exactly that
              wheel -> dist/wheels; the others named with their failing step
     (publish) attestations, ``nox -s publish`` (GitHub Release), ``nox -s index`` + ``pages``
 
@@ -22,7 +22,7 @@ updated in one commit after that, so a user never sees a half-updated release or
 
 ``python -m ci.release dry-run`` (``nox -s release -- --dry-run``) runs the same steps for the
 targets this machine can build, each job's cibuildwheel hooks as the pinned cibuildwheel
-resolves them from ci/cibuildwheel.toml (ci/cibw_rehearsal.py), and publishes to a local
+resolves them from ci/cibuildwheel.toml (ci/release/cibw_rehearsal.py), and publishes to a local
 server speaking GitHub's REST contract (ci/release/github_standin.py).
 
 One module per concern:
@@ -38,7 +38,7 @@ One module per concern:
 from __future__ import annotations
 
 from pathlib import Path
-from ci.errors import FactoryError, InputError
+from ci.runtime.errors import FactoryError, InputError
 
 REPO = Path(__file__).resolve().parent.parent.parent
 

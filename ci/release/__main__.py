@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 
 import ci.release
-from ci.errors import run_main
+from ci.runtime.errors import run_main
 from ci.release import REPO, ReleaseError
 from ci.release.rehearsal import dry_run
 from ci.release.steps import check_tag, compile_gate_problem, gather_release, plan, report
 from ci.release.workflow_lint import lint_workflows
-from ci.targets import Matrix
+from ci.toolchain.targets import Matrix
 
 
 # -- CLI --------------------------------------------------------------------------------------
@@ -31,7 +31,7 @@ def _read_json_arg(value: str) -> dict:
 
 def _outcome(a) -> int:
     """``target_<id>=sha256:<hex>`` or ``=failed:<step>`` to $GITHUB_OUTPUT (and stdout)."""
-    from ci.release.provenance import ProvenanceError, output_key, outcome_value
+    from ci.stages.provenance import ProvenanceError, output_key, outcome_value
 
     status = 0
     try:
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets", default="", help="comma-separated target ids to build (default: all)")
     p.add_argument("--github-output", type=Path, default=os.environ.get("GITHUB_OUTPUT"))
     p.add_argument("--no-compile-gate", action="store_true",
-                   help="skip compiling each torch line's unit against its torch headers (ci.compile_gate)")
+                   help="skip compiling each torch line's unit against its torch headers (ci.toolchain.compile_gate)")
     r = sub.add_parser("report", help="which planned targets built (markdown; exit 1 when any failed)")
     r.add_argument("--plan", required=True, help="the plan JSON, @file or -")
     r.add_argument("--artifacts", type=Path, required=True)
@@ -71,14 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--build-outputs", default=None, metavar="JSON",
                    help="the build jobs' outputs (toJSON(needs.build.outputs)): every wheel must be the one its job "
                         "verified; targets whose job failed are left out and named (a partial release)")
-    sub.add_parser("workflow-outputs", help="the per-target output lines of build-target.yml (ci.release.provenance)")
+    sub.add_parser("workflow-outputs", help="the per-target output lines of build-target.yml (ci.stages.provenance)")
     oc = sub.add_parser("outcome", help="a build job's output for the publish job: its verified wheel's sha256, "
-                                        "or the step that failed (ci.release.provenance)")
+                                        "or the step that failed (ci.stages.provenance)")
     oc.add_argument("--target", required=True)
     oc.add_argument("--steps", required=True, help="toJSON(steps) of the job")
     oc.add_argument("--artifact", type=Path, required=True, help="the directory the job uploads as its artifact")
     oc.add_argument("--github-output", type=Path, default=os.environ.get("GITHUB_OUTPUT"))
-    pg = sub.add_parser("pages", help="publish the built index to the Pages branch (python -m ci.publish pages)")
+    pg = sub.add_parser("pages", help="publish the built index to the Pages branch (python -m ci.release.publish pages)")
     pg.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("lint-workflows", help="actionlint + zizmor on .github/workflows")
     ct = sub.add_parser("check-tag", help="the tag must be v + the package version")
@@ -124,12 +124,12 @@ def _cli(a) -> int:
     elif a.cmd == "outcome":
         return _outcome(a)
     elif a.cmd == "workflow-outputs":
-        from ci.release.provenance import workflow_outputs
+        from ci.stages.provenance import workflow_outputs
 
         call, job = workflow_outputs([t.id for t in Matrix.load().targets])
         print("# on.workflow_call.outputs:\n" + "\n".join(call) + "\n# jobs.build.outputs:\n" + "\n".join(job))
     elif a.cmd == "pages":
-        from ci.publish.__main__ import main as publish_main
+        from ci.release.publish.__main__ import main as publish_main
 
         return publish_main(["pages", *a.args])
     elif a.cmd == "lint-workflows":

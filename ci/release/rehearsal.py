@@ -18,14 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ci.pip_env import pip_environ
+from ci.runtime.pip_env import pip_environ
 from ci.release import REPO, ReleaseError, ReleaseInputError
 from ci.release.github_standin import GitHubStandin
 from ci.release.standin import fetch_torch, pytorch_index_standin, standin_dir, standin_needs, standin_serves
 from ci.release.steps import (ARTIFACT_PREFIX, check_tag, compile_gate_problem, gather_release, plan, publish_steps,
                               report, rerun_hint, sha256sums)
 from ci.release.torch_resolution import resolve_served_targets, standin_resolutions
-from ci.targets import Matrix
+from ci.toolchain.targets import Matrix
 
 
 # -- the local dry run ---------------------------------------------------------------------------
@@ -56,11 +56,11 @@ def rehearse_target(target_id: str, dist: Path, artifacts: Path, *, pytorch_inde
                     config_file: Path | None = None, log=print) -> dict[str, float]:
     """One release build job here: its cibuildwheel hooks as the pinned cibuildwheel resolves
     them from ``config_file`` (default ci/cibuildwheel.toml) and the job's environment, with
-    ``pytorch_index`` in place of PyTorch's (ci.cibw_rehearsal says what differs from the job),
+    ``pytorch_index`` in place of PyTorch's (ci.release.cibw_rehearsal says what differs from the job),
     then build-target.yml's collect step into the artifact directory ``wheel-<id>``. No
     container: the Linux wheel gets this machine's glibc tag. Returns each step's seconds."""
-    from ci.cibw_job import RehearsalError
-    from ci.cibw_rehearsal import rehearse_job
+    from ci.release.cibw_job import RehearsalError
+    from ci.release.cibw_rehearsal import rehearse_job
 
     floor = Matrix.load().target(target_id).python
     if verify_pythons and floor not in verify_pythons:
@@ -75,7 +75,7 @@ def rehearse_target(target_id: str, dist: Path, artifacts: Path, *, pytorch_inde
     dest = artifacts / f"{ARTIFACT_PREFIX}{target_id}"
     shutil.rmtree(dest, ignore_errors=True)
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "ci.cibw", "collect", "--wheelhouse", str(job.work / "repaired_wheel"),
+    proc = subprocess.run([sys.executable, "-m", "ci.release.cibw", "collect", "--wheelhouse", str(job.work / "repaired_wheel"),
                            "--out", str(dest), "--target", target_id], cwd=REPO, capture_output=True, text=True,
                           env=pip_environ(sources=False))
     if proc.returncode != 0:
@@ -93,7 +93,7 @@ class TargetRehearsal:
     """One target in the rehearsal: its job resolved and checked, and whether it ran here."""
 
     id: str
-    job: object  # ci.cibw_job.JobPlan
+    job: object  # ci.release.cibw_job.JobPlan
     problems: list[str]
     runs_here: bool
     why_not: str = ""
@@ -103,8 +103,8 @@ def rehearse_plan(matrix: Matrix, pytorch_index: str | None = None, log=print) -
     """Every target's release job resolved (environment, torch and guard sources, CUDA install,
     cibuildwheel selection, each step's command) and checked; which of them can run here
     with the stand-in index (the rest are only planned, with the reason)."""
-    from ci import cibw_job
-    from ci.resolve import local_blockers
+    from ci.release import cibw_job
+    from ci.stages.resolve import local_blockers
 
     out = []
     for t in matrix.targets:
@@ -123,10 +123,10 @@ def _windows_commands_problems(target, matrix: Matrix) -> list[str]:
     -Xcompiler, CUDA's lib\\x64, a .pyd). Skipped (no problem) where the payload has no builder."""
     if target.os.platform != "windows":
         return []
-    from ci.flags import payload_build_commands
-    from ci.flags import profile_for
+    from ci.payload.interface import build_commands
+    from ci.toolchain.flags import profile_for
 
-    bc = payload_build_commands()
+    bc = build_commands()
 
     profile = profile_for(target, matrix.stable_abi_floor)
     home = rf"C:\Program Files\NVIDIA GPU Computing Toolkit\CUDA\v{target.cuda}"
@@ -157,7 +157,7 @@ def _windows_commands_problems(target, matrix: Matrix) -> list[str]:
 def _pythons_first(matrix: Matrix, index_url: str, runnable: list[str]) -> None:
     """Every Python the rehearsal will use, found (or provisioned) before anything is built: a
     missing one is one error naming the targets that need it, not a failure tens of minutes in."""
-    from ci.toolchain import ToolchainError, find_python
+    from ci.toolchain.tools import ToolchainError, find_python
 
     need: dict[str, list[str]] = {}
     for t in matrix.targets:
@@ -187,7 +187,7 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
     publish to a local GitHub-REST server -> index + Pages branch -> summary. ``only``: the
     target ids to run (default: every one that can run here); ``plan_only``: stop after the
     checks; ``compile_gate=False`` skips compiling each torch line's unit against its torch
-    headers (ci.compile_gate, tested on its own); ``fail_targets``: target ids (any of the
+    headers (ci.toolchain.compile_gate, tested on its own); ``fail_targets``: target ids (any of the
     matrix) whose build job is made to fail at its cibuildwheel step without building, to
     rehearse a partial release.
 
@@ -291,7 +291,7 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
     dr.wheels, dr.missing = gathered.wheels, gathered.missing
     for target, why in dr.missing.items():
         log(f"[gather] not published: {target}: {why}")
-    from ci.record import BuildRecord, record_path
+    from ci.stages.record import BuildRecord, record_path
 
     version = BuildRecord.load(record_path(dr.wheels[0])).version.split("+")[0]
     dr.tag = tag or f"v{version}"

@@ -14,9 +14,9 @@ import sys
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
-from ci.pip_env import pip_environ
+from ci.runtime.pip_env import pip_environ
 from ci.release import ReleaseError
-from ci.targets import Matrix
+from ci.toolchain.targets import Matrix
 
 
 PYPI_SIMPLE = "https://pypi.org/simple"
@@ -25,13 +25,13 @@ PYPI_SIMPLE = "https://pypi.org/simple"
 def standin_dir(version: str, matrix: Matrix) -> str:
     """The PyTorch index directory PyPI's x86_64 ``torch==version`` belongs in: PyPI ships one
     CUDA variant per release (the line's ``pypi_default``: cu128 for 2.8-2.10, cu130 from 2.11)."""
-    from ci.variant import cuda_tag, torch_line
+    from ci.toolchain.variant import cuda_tag, torch_line
 
     return cuda_tag(matrix.line(torch_line(version)).pypi_default)
 
 
 def standin_wheels() -> Path:
-    from ci.toolchain import cache_root
+    from ci.toolchain.tools import cache_root
 
     return cache_root() / "torch-index"
 
@@ -157,7 +157,7 @@ def _sha256_cached(path: Path) -> str:
 def pytorch_index_standin(root: Path | None = None):
     """A real HTTP server on 127.0.0.1 laid out like PyTorch's index; yields its ``/whl`` URL
     (what ``SAGEATTN3_PYTORCH_INDEX`` points at in the rehearsal)."""
-    from ci.verify import serve_handler
+    from ci.stages.verify import serve_handler
 
     handler = type("StandIn", (_StandInHandler,), {"root": Path(root or standin_wheels())})
     with serve_handler(handler) as url:
@@ -180,7 +180,7 @@ def standin_serves(target, matrix: Matrix) -> str | None:
 def standin_needs(matrix: Matrix, build: list[str] = ()) -> list[tuple[str, str]]:
     """The (torch version, Python) wheels the stand-in must hold for a rehearsal that builds
     the targets ``build`` and resolves every other served target."""
-    from ci.torch_source import foreign_line
+    from ci.toolchain.torch_source import foreign_line
 
     chosen = [t for t in matrix.targets if t.id in build or standin_serves(t, matrix) is None]
     return sorted({(v, t.python) for t in chosen for v in (t.build_torch, foreign_line(t, matrix, t.python))})

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ci.release import REPO, ReleaseError, ReleaseInputError
-from ci.targets import Matrix
+from ci.toolchain.targets import Matrix
 
 ARTIFACT_PREFIX = "wheel-"
 
@@ -94,8 +94,8 @@ class ArtifactState:
 def inspect_artifacts(planned: dict, artifacts: Path) -> list[ArtifactState]:
     """One state per planned target: its artifact dir ``wheel-<id>`` with exactly one wheel and
     a build record that names the target and the wheel's sha256, the wheel passing the shared
-    check (``ci.record.check_wheel``: hygiene, file name, METADATA, RECORD, the inner record)."""
-    from ci.record import RecordError, check_wheel, load_record_beside, record_path, sha256_of
+    check (``ci.stages.record.check_wheel``: hygiene, file name, METADATA, RECORD, the inner record)."""
+    from ci.stages.record import RecordError, check_wheel, load_record_beside, record_path, sha256_of
 
     out = []
     for e in planned["include"]:
@@ -171,14 +171,14 @@ def gather_release(planned: dict, artifacts: Path, out: Path, build_outputs: str
     """The publish job's gate: the planned targets' wheels + records into ``out``.
 
     Refused with ReleaseInputError (nothing copied): an artifact that is unsafe or
-    inconsistent, and, given ``build_outputs`` (the build jobs' outputs, ci.release.provenance),
+    inconsistent, and, given ``build_outputs`` (the build jobs' outputs, ci.stages.provenance),
     a wheel whose sha256 is not the one its build job verified, or two wheels that shadow each
     other. Without ``build_outputs``, all or nothing: any missing target stops it. With them, a
     partial release: the targets whose build job verified their wheel are gathered, the others
     are returned by name with the step that failed (at least one must be there)."""
-    from ci.record import record_path
-    from ci.release.provenance import ProvenanceError, check_verified, parse_outputs
-    from ci.wheel_hygiene import UnsafeWheel, check_distinct
+    from ci.stages.record import record_path
+    from ci.stages.provenance import ProvenanceError, check_verified, parse_outputs
+    from ci.stages.wheel_hygiene import UnsafeWheel, check_distinct
 
     ids = [e["id"] for e in planned["include"]]
     try:
@@ -254,11 +254,11 @@ def publish_steps(wheels: Path, index_dir: Path, api_url: str, repo: str, tag: s
     base_url = f"https://{owner}.github.io/{name}/"
     outcomes = ["--plan", f"@{plan}", "--build-outputs", f"@{build_outputs}"] if plan and build_outputs else []
     cmds = [
-        [sys.executable, "-m", "ci.publish", "github", "--tag", tag, "--repo", repo, "--api-url", api_url,
+        [sys.executable, "-m", "ci.release.publish", "github", "--tag", tag, "--repo", repo, "--api-url", api_url,
          "--wheels", str(wheels), *outcomes, *(["--allow-local-build"] if allow_local_build else [])],
         [sys.executable, "-m", "ci.index", "build", "--wheels", str(wheels), "--out", str(index_dir),
          "--base-url", base_url, *outcomes],
-        [sys.executable, "-m", "ci.publish", "pages", "--repo", repo, "--index", str(index_dir), "--tag", tag,
+        [sys.executable, "-m", "ci.release.publish", "pages", "--repo", repo, "--index", str(index_dir), "--tag", tag,
          "--base-url", base_url, "--api-url", api_url],
     ]
     lines = []
@@ -276,8 +276,8 @@ def publish_steps(wheels: Path, index_dir: Path, api_url: str, repo: str, tag: s
 
 def compile_gate_problem(matrix: Matrix, log=print) -> str | None:
     """Why the matrix cannot be released: a torch line whose torch-facing unit does not compile
-    against that torch's real headers (ci.compile_gate); None when every line compiles."""
-    from ci import compile_gate
+    against that torch's real headers (ci.toolchain.compile_gate); None when every line compiles."""
+    from ci.toolchain import compile_gate
 
     return compile_gate.failures_message(matrix, compile_gate.run_gate(matrix, log=log))
 

@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ci.pip_env import pip_environ
+from ci.runtime.pip_env import pip_environ
 from ci.release import ReleaseError
 from ci.release.standin import standin_dir, standin_serves
-from ci.targets import Matrix
+from ci.toolchain.targets import Matrix
 
 
 
@@ -36,7 +36,7 @@ class TorchResolution:
     role: str  # "build" | "guard"
     python: str  # "3.9"
     interpreter: str
-    source: object  # ci.torch_source.TorchSource: what the job asks for
+    source: object  # ci.toolchain.torch_source.TorchSource: what the job asks for
     version: str | None = None  # as resolved
     cuda: str | None = None  # CUDA of the resolved build (None: a CPU build)
     url: str | None = None  # where pip would download torch from
@@ -133,7 +133,7 @@ def standin_resolutions(matrix: Matrix, index_url: str, skip: list[str] = ()) ->
     TorchSource) of its build torch and of its ABI guard's foreign torch (from the stand-in
     directory PyPI's build of that release belongs in), both in the target's floor Python, as
     the job asks for them."""
-    from ci.torch_source import foreign_line, foreign_torch_source, torch_source
+    from ci.toolchain.torch_source import foreign_line, foreign_torch_source, torch_source
 
     out = []
     for t in matrix.targets:
@@ -149,9 +149,9 @@ def resolve_served_targets(matrix: Matrix, index_url: str, *, skip: list[str] = 
                            log=print) -> list[TorchResolution]:
     """Every served target's build and guard torch (but those of ``skip``: the targets the
     rehearsal builds, whose build and verify install them for real) resolved by real pip
-    (``resolve_torch``) in the target's floor Python (ci.toolchain.find_python) against the
+    (``resolve_torch``) in the target's floor Python (ci.toolchain.tools.find_python) against the
     stand-in at ``index_url``, two at a time, and checked."""
-    from ci.toolchain import find_python
+    from ci.toolchain.tools import find_python
 
     todo = []
     for t, role, source in standin_resolutions(matrix, index_url, skip):

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ci.pip_env import pip_environ
+from ci.runtime.pip_env import pip_environ
 from ci.release import REPO, ReleaseError
 
 WORKFLOWS = REPO / ".github" / "workflows"
@@ -20,7 +20,7 @@ LINT_REQUIREMENTS = REPO / "ci" / "requirements-workflows.txt"
 
 
 def _tools_dir() -> Path:
-    from ci.toolchain import cache_root
+    from ci.toolchain.tools import cache_root
 
     return cache_root() / "tools" / ("workflow-lint-" + hashlib.sha256(LINT_REQUIREMENTS.read_bytes()).hexdigest()[:10])
 

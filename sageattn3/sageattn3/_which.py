@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 PROJECT = "sageattn3"
 # Where the wheels are published when a record does not say (the factory writes the real root
-# into the build record: ci.build.record_index_url, from SAGEATTN3_INDEX_URL, the repository, or dist/index).
+# into the build record: ci.stages.build.record_index_url, from SAGEATTN3_INDEX_URL, the repository, or dist/index).
 DEFAULT_INDEX_URL = "https://sageattn3.github.io/sageattn3/"
 
 _VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.\d+)*(?:(?:a|b|rc|\.dev|\.post)\d*)*(?:\+([A-Za-z0-9.]+))?\s*$")

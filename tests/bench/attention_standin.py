@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "sageattn3" / "csrc"
 sys.path.insert(0, str(ROOT))
 
-from ci.flags import device_flags  # noqa: E402  (a real build's device flags)
-from ci.kernel_report import hopper_gpu, nvcc_path  # noqa: E402
+from ci.toolchain.flags import device_flags  # noqa: E402  (a real build's device flags)
+from ci.checks.kernel_report import hopper_gpu, nvcc_path  # noqa: E402
 
 SEQS = (4096, 8192, 16384, 32768)
 HEADS = 16

@@ -18,9 +18,9 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parents[1])]
 
 from ci import index as ix  # noqa: E402
-from ci.publish import RetryPolicy, ReleaseOptions, publish_release  # noqa: E402
-from ci.record import RECORD_IN_WHEEL, BuildRecord, record_path  # noqa: E402
-from ci.variant import Variant  # noqa: E402
+from ci.release.publish import RetryPolicy, ReleaseOptions, publish_release  # noqa: E402
+from ci.stages.record import RECORD_IN_WHEEL, BuildRecord, record_path  # noqa: E402
+from ci.toolchain.variant import Variant  # noqa: E402
 from conftest_publish import build_wheel, os_key_of  # noqa: E402
 from ci.release.github_standin import GitHubStandin  # noqa: E402
 

@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "sageattn3" / "csrc"
 sys.path.insert(0, str(ROOT))
 
-from ci.flags import device_flags  # noqa: E402  (a real build's device flags)
-from ci.kernel_report import hopper_gpu, nvcc_path  # noqa: E402
+from ci.toolchain.flags import device_flags  # noqa: E402  (a real build's device flags)
+from ci.checks.kernel_report import hopper_gpu, nvcc_path  # noqa: E402
 
 
 def build(nvcc: Path, out: Path, standin: bool) -> Path:

@@ -5,7 +5,7 @@ factory) on a machine with nvcc and torch, in parallel, and installs each into i
     -> WORKDIR/plain/site, WORKDIR/patched/site (+ wheels and build logs)
 
 Both come from copies of ./sageattn3 (or PAYLOAD_DIR, a snapshot of it); the patched copy gets patches/msvc-pointer-params.patch
-through ci.patches.apply (pin check, then `git apply`). Each build gets a build config equal to
+through ci.toolchain.patches.apply (pin check, then `git apply`). Each build gets a build config equal to
 setup.py's standalone test-flavour defaults (sm_90a, SAGEATTN3_MMA_MODEL) plus the record's
 `patches` list, so sageattn3.build_info() says which wheel is which."""
 
@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from ci import patches as patchmod  # noqa: E402
+from ci.toolchain import patches as patchmod  # noqa: E402
 
 PATCH = "msvc-pointer-params"
 

@@ -1,0 +1,1 @@
+"""The payload's interface: its build profile, its command builder and where it lies, loaded once."""

@@ -1,0 +1,204 @@
+"""The pinned cibuildwheel, for real, on a Linux target here (``nox -s cibuildwheel``).
+
+What build-target.yml's cibuildwheel step runs, on this machine: ``python -m cibuildwheel
+--config-file ci/cibuildwheel.toml --output-dir OUT ci/release/cibw_project`` with the job's environment
+(``python -m ci.release.cibw env --target ID``), so cibuildwheel itself creates the container, copies
+the project in, and runs before-all, the build (the shim -> ``ci/release/cibw/__main__.py build``), the
+repair-wheel-command, its abi3 audit, and the test-command with the toml's test-environment.
+Only what this machine lacks is replaced, through cibuildwheel's own variables:
+
+    CIBW_MANYLINUX_*_IMAGE   the stand-in image (ci/release/standin_image/; no registry is reachable)
+    CIBW_CONTAINER_ENGINE    podman with runc (crun refuses this host's cgroups), explicit
+                             ulimits (root here cannot raise rlimits), and host networking (the
+                             stand-in for PyTorch's index listens on the host's 127.0.0.1)
+    CIBW_DEPENDENCY_VERSIONS latest (the bundled pins name pip/certifi releases the mirror lacks)
+    SAGEATTN3_PYTORCH_INDEX  the stand-in for PyTorch's index (ci.release.standin.pytorch_index_standin),
+                             holding PyPI's wheels of the target's build torch and guard torch
+    CIBW_ENVIRONMENT_PASS_LINUX  the toml's list (as cibuildwheel reads it) plus
+                             SAGEATTN3_FOREIGN_TORCH_DIR: the stand-in has no CPU builds, so the
+                             ABI guard's torch comes from the directory it does serve
+    cibuildwheel's cache     virtualenv-<version>.pyz pre-seeded (its audit step would download
+                             it from GitHub), made from PyPI's virtualenv wheel of that version
+
+``--payload probe`` builds tests/cibw_probe/ instead of sageattn3/ (``SAGEATTN3_CIBW_PROBE``,
+passed into the container like SAGEATTN3_FOREIGN_TORCH_DIR; see ci.release.cibw's probe section): a
+one-file C extension, so the same hooks run in minutes, without CUDA or torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from ci.runtime.errors import FactoryError
+
+REPO = Path(__file__).resolve().parents[3]
+CONTAINER_ENGINE = ("podman; create_args: --runtime=runc --ulimit=nofile=20000:20000 "
+                    "--ulimit=nproc=32768:32768 --network=host")
+
+
+class LocalCibwError(FactoryError, RuntimeError):
+    pass
+
+
+@dataclass
+class LocalRun:
+    target: str
+    command: list[str]
+    env: dict[str, str]
+    output_dir: Path
+    log: Path
+    seconds: float = 0.0
+    wheels: tuple[Path, ...] = ()
+    returncode: int | None = None
+
+
+def cibuildwheel_cache() -> Path:
+    """cibuildwheel's cache folder ($CIBW_CACHE_PATH, else its platformdirs default)."""
+    from ci.release.cibw_job import cibuildwheel_modules
+
+    cibuildwheel_modules()
+    from cibuildwheel.util.file import CIBW_CACHE_PATH
+
+    return Path(CIBW_CACHE_PATH)
+
+
+def seed_virtualenv_pyz(log=print) -> Path:
+    """The ``virtualenv-<version>.pyz`` cibuildwheel's audit step runs, made here from PyPI's
+    virtualenv wheel of the version cibuildwheel names (its resources/virtualenv.toml), as a
+    zipapp, into cibuildwheel's cache (where it looks before downloading)."""
+    from ci.release.cibw_job import cibuildwheel_modules
+
+    cibuildwheel_modules()
+    from cibuildwheel.util import resources
+
+    with resources.VIRTUALENV.open("rb") as f:
+        version = str(tomllib.load(f)["default"]["version"])
+    cache = cibuildwheel_cache()
+    pyz = cache / f"virtualenv-{version}.pyz"
+    if pyz.exists():
+        return pyz
+    cache.mkdir(parents=True, exist_ok=True)
+    stage = cache / f"virtualenv-{version}.stage"
+    shutil.rmtree(stage, ignore_errors=True)
+    log(f"[cibuildwheel] virtualenv {version} from PyPI -> {pyz}")
+    from ci.runtime.pip_env import pip_environ
+
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(stage),
+                    f"virtualenv=={version}"], check=True, env=pip_environ())
+    part = pyz.with_suffix(".part")
+    subprocess.run([sys.executable, "-m", "zipapp", str(stage), "-m", "virtualenv.__main__:run_with_catch",
+                    "-o", str(part)], check=True)
+    part.replace(pyz)
+    shutil.rmtree(stage, ignore_errors=True)
+    return pyz
+
+
+def environment_pass(target, environ: dict[str, str]) -> list[str]:
+    """The toml's environment-pass for the target's build, as cibuildwheel's reader gives it."""
+    from ci.release import cibw_job
+    from ci.release.cibw_job import cibuildwheel_modules
+
+    options, _, _ = cibuildwheel_modules()
+    args = options.CommandLineArguments.defaults()
+    args.platform, args.config_file, args.package_dir = "linux", str(cibw_job.CONFIG_FILE), cibw_job.PACKAGE_DIR
+    opts = options.Options("linux", args, env={k: v for k, v in environ.items() if k != "CIBW_ENVIRONMENT_PASS_LINUX"})
+    with opts.reader.identifier(cibw_job.identifier(target)):
+        return opts.reader.get("environment-pass", option_format=options.ListFormat(sep=" ")).split()
+
+
+def stock_standin(target_id: str, log=print) -> str:
+    """PyPI's torch wheels the job installs, into the stand-in for PyTorch's index: the build
+    torch for the target's floor Python, and the ABI guard's; returns the guard's directory."""
+    from ci.release import cibw_job
+    from ci.release.standin import fetch_torch, standin_dir
+    from ci.toolchain.targets import Matrix
+
+    matrix = Matrix.load()
+    target = matrix.target(target_id)
+    job = cibw_job.plan_job(target, matrix)
+    fetch_torch(target.build_torch, target.python, matrix, log=log)
+    fetch_torch(job.foreign.version, target.python, matrix, log=log)
+    return standin_dir(job.foreign.version, matrix)
+
+
+def job_environment(target_id: str, *, image: str, pytorch_index: str, cache_host: Path, log_dir: Path,
+                    foreign_dir: str = "cpu", payload_dir: Path | None = None,
+                    jobs: int | None = None) -> dict[str, str]:
+    """The environment cibuildwheel runs with: this machine's, the job's exports (``python -m
+    ci.release.cibw env``) as build-target.yml writes them, and the replacements in the module's doc."""
+    from ci.release import cibw, cibw_job
+    from ci.release.workflow_lint import workflow_tools_dir
+    from ci.toolchain.targets import Matrix
+
+    target = Matrix.load().target(target_id)
+    if target.os.platform != "linux":
+        raise LocalCibwError(f"{target_id} is a {target.os.platform} target: only Linux targets run here "
+                             "(cibuildwheel's Linux containers)")
+    if target.os.machine != os.uname().machine:
+        raise LocalCibwError(f"{target_id} is {target.os.machine}, this machine is {os.uname().machine}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CIBW_")}
+    env.update(cibw_job.job_env(target, jobs=jobs))
+    passed = environment_pass(target, env)
+    env.update({
+        "SAGEATTN3_PYTORCH_INDEX": pytorch_index,
+        "SAGEATTN3_CACHE_HOST": str(cache_host),
+        "SAGEATTN3_LOG_DIR_HOST": str(log_dir),
+        f"CIBW_MANYLINUX_{target.os.machine.upper()}_IMAGE": image,
+        "CIBW_CONTAINER_ENGINE": CONTAINER_ENGINE,
+        "CIBW_DEPENDENCY_VERSIONS": "latest",
+        "PYTHONPATH": str(workflow_tools_dir()),
+        "CIBW_ENVIRONMENT_PASS_LINUX": " ".join([*passed, "SAGEATTN3_FOREIGN_TORCH_DIR", cibw.PROBE_ENV]),
+        "SAGEATTN3_FOREIGN_TORCH_DIR": foreign_dir,
+    })
+    env.pop(cibw.PROBE_ENV, None)
+    if payload_dir is not None:
+        env[cibw.PROBE_ENV] = payload_dir.resolve().relative_to(REPO).as_posix()
+    return env
+
+
+def run_cibuildwheel(target_id: str, output_dir: Path, *, payload_dir: Path | None = None,
+                     pytorch_index: str | None = None, jobs: int | None = None, cache: Path | None = None,
+                     log=print) -> LocalRun:
+    """Real cibuildwheel for ``target_id`` in the stand-in image; its output into
+    ``output_dir/cibuildwheel.log``. ``cache``: the runner's cache folder the container reaches
+    through /host (SAGEATTN3_CACHE_HOST; default the factory's cache). Raises when it fails
+    (with the log's last lines)."""
+    from ci.release.standin import pytorch_index_standin
+    from ci.release.standin_image import build_image
+    from ci.toolchain.tools import cache_root
+
+    image = build_image(log=log)
+    seed_virtualenv_pyz(log=log)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    wheelhouse = output_dir / "wheelhouse"
+    shutil.rmtree(wheelhouse, ignore_errors=True)
+    logs = output_dir / "build-logs"
+    logs.mkdir(exist_ok=True)
+    cache = Path(cache).resolve() if cache else cache_root()
+    (cache / "sccache").mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "cibuildwheel", "--config-file", "ci/cibuildwheel.toml", "--output-dir",
+           str(wheelhouse), "ci/release/cibw_project"]
+    foreign_dir = stock_standin(target_id, log=log) if payload_dir is None else "cpu"
+    with pytorch_index_standin() if pytorch_index is None else contextlib.nullcontext(pytorch_index) as index:
+        env = job_environment(target_id, image=image, pytorch_index=index, cache_host=cache, log_dir=logs,
+                              foreign_dir=foreign_dir, payload_dir=payload_dir, jobs=jobs)
+        run = LocalRun(target_id, cmd, env, output_dir, output_dir / "cibuildwheel.log")
+        log(f"[cibuildwheel] {target_id}: {' '.join(cmd[1:])} (image {image}; log {run.log})")
+        t0 = time.monotonic()
+        with open(run.log, "w", encoding="utf-8") as out:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        run.seconds = time.monotonic() - t0
+        run.returncode = proc.returncode
+    run.wheels = tuple(sorted(wheelhouse.glob("*.whl")))
+    if proc.returncode != 0:
+        tail = "\n".join(run.log.read_text(errors="replace").splitlines()[-40:])
+        raise LocalCibwError(f"cibuildwheel exited {proc.returncode} after {run.seconds:.0f}s ({run.log}):\n{tail}")
+    log(f"[cibuildwheel] {target_id}: {', '.join(w.name for w in run.wheels)} in {run.seconds:.0f}s")
+    return run

@@ -1,0 +1,46 @@
+"""``python -m ci.release.cibw_local``: the command line of :mod:`ci.release.cibw_local`."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from pathlib import Path
+
+from ci.release.cibw_local import __doc__ as DOC, REPO, run_cibuildwheel
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ci.release.cibw_local", description=DOC.split("\n\n")[0])
+    ap.add_argument("--target", default="linux-x86_64-cu130-torch2.10-stable", help="a Linux target of this machine's arch")
+    ap.add_argument("--payload", choices=["real", "probe"], default="real",
+                    help="sageattn3/ (default) or the small probe extension (tests/cibw_probe)")
+    ap.add_argument("--output-dir", type=Path, default=REPO / "dist" / "cibuildwheel")
+    ap.add_argument("--jobs", type=int, help="MAX_JOBS, the parallel compiles (default: what memory holds)")
+    ap.add_argument("--cache", type=Path, help="the runner's cache folder (default: the factory's cache; a "
+                                                "private one keeps other builds on this machine out of the way)")
+    a = ap.parse_args(argv)
+    payload = REPO / "tests" / "cibw_probe" if a.payload == "probe" else None
+    from ci.toolchain.targets import Matrix, MatrixError
+
+    try:
+        target = Matrix.load().target(a.target)
+    except MatrixError as e:
+        print(f"cibuildwheel: {e}", file=sys.stderr)
+        return 2
+    if target.os.platform != "linux" or target.os.machine != platform.machine():
+        print(f"cibuildwheel: {a.target} is a {target.os.key} target; this runs Linux containers of this machine's "
+              f"arch ({platform.machine()}): pass a linux-{platform.machine()} target", file=sys.stderr)
+        return 2
+    try:
+        run = run_cibuildwheel(a.target, a.output_dir / a.target, payload_dir=payload, jobs=a.jobs, cache=a.cache)
+    except Exception as e:  # noqa: BLE001 - one line, then non-zero
+        print(f"cibuildwheel ({a.target}): {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    for w in run.wheels:
+        print(w)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

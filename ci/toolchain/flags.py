@@ -1,0 +1,77 @@
+"""Flag profiles per target: the payload's ``build_profile`` (one code path for Linux and
+Windows, shared with standalone builds) applied to a :class:`~ci.toolchain.targets.Target`."""
+
+from __future__ import annotations
+
+from ci.payload.interface import build_profile
+from ci.toolchain.targets import Target
+
+
+def device_flags(mma_model: bool) -> list[str]:
+    """The device-side flags of a real build (sageattn3/build_profile.py): optimisation, C++
+    standard, --expt-relaxed-constexpr, the defines that matter to device code."""
+    # CUDA 13.0 and torch 2.14.1 are written here, not taken from the matrix: its newest line
+    # (torch 2.15, CUDA 13.2 only) is not what the kernel report's local toolkit compiles, and no
+    # pin names "the torch whose C++ standard the kernels are measured with" yet.
+    prof = build_profile().profile(platform="linux", cuda="13.0", archs=[], torch_version="2.14.1",
+                                    stable_abi_floor=None, mma_model=mma_model)
+    flags = [f for f in prof["nvcc_flags"] if not f.startswith(("-Xcompiler", "-gencode", "--compress-mode"))]
+    defines = [d for d in prof["defines"] if not d.startswith(("Py_LIMITED_API", "TORCH_TARGET_VERSION"))]
+    return [*flags, *(f"-D{d}" for d in defines)]
+
+
+def compiler_for(target: Target) -> str:
+    return "msvc" if target.os.platform == "windows" else "gcc"
+
+
+# The test flavour adds Hopper machine code so an H100 can run everything but the FP4 MMA.
+MMA_MODEL_ARCH = "sm_90a"
+
+
+def profile_for(target: Target, stable_abi_floor: str, *, mma_model: bool = False, cuda: str | None = None,
+                static_cudart: bool = False, cross: bool | None = None) -> dict:
+    """``cuda``: the toolkit that compiles, when it is not the target's (the proof flavour).
+    A Linux target of another machine than this one is cross-compiled (``ci.toolchain.cross``): its
+    profile names the cross g++ as host compiler (``cross``: True/False instead of asking this
+    machine, e.g. False for the profile on the target's own release runner). With CUDA 12.x on
+    Linux, nvcc's host compiler is the gcc-toolset the release installs
+    (cuda_host_compiler), by path."""
+    from ci.toolchain.cross_spec import is_cross, spec_for
+
+    spec = spec_for(target.os.machine) if (is_cross(target.os) if cross is None else cross) else None
+    return build_profile().profile(
+        platform=target.os.platform,
+        cuda=cuda or target.cuda,
+        archs=[*target.archs, *([MMA_MODEL_ARCH] if mma_model else [])],
+        mma_model=mma_model,
+        torch_version=target.build_torch,
+        stable_abi_floor=stable_abi_floor if target.variant.stable else None,
+        limited_api_python=target.floor_python,  # the wheel is <python_tag>-abi3
+        compiler=compiler_for(target),
+        static_cudart=static_cudart,
+        cross_compiler=spec.cxx_name if spec else None,
+        machine=spec.machine if spec else None,
+        host_compiler=None if spec else cuda_host_compiler(target, cuda),
+    )
+
+# nvcc's host compiler for CUDA 12.x on Linux, installed by before-all and named with -ccbin
+# (ci.toolchain.flags), so the image's default g++ never is: manylinux_2_28's default gcc-toolset moves
+# (14 today, 15 planned) and CUDA 12.8/12.9 refuse GCC newer than 14 (crt/host_config.h:
+# `#if __GNUC__ > 14 #error`). gcc-toolset-13: supported by every CUDA from 12.4 on, so inside
+# both releases' range with a major to spare, and below the GCC 14 + CUDA 12.8 pair that torch's
+# cpp_extension refused for a while (pytorch/pytorch#173366). AlmaLinux 8's AppStream ships it.
+# Only the toolset's major is pinned: AppStream keeps only its newest build of gcc-toolset-13, so
+# an exact version would vanish from the mirrors; the major is checked after the install.
+CUDA12_GCC_TOOLSET = 13
+
+
+GCC_TOOLSET_CXX = "/opt/rh/gcc-toolset-{n}/root/usr/bin/g++"
+
+
+def cuda_host_compiler(target: Target, cuda: str | None = None) -> str | None:
+    """The g++ nvcc must use for ``target`` compiled with CUDA ``cuda`` (default: the target's)
+    (``-ccbin``): gcc-toolset-CUDA12_GCC_TOOLSET's with CUDA 12.x on Linux, None elsewhere (13.x
+    accepts the image's default GCC; Windows: cl)."""
+    if target.os.platform == "linux" and int((cuda or target.cuda).split(".")[0]) < 13:
+        return GCC_TOOLSET_CXX.format(n=CUDA12_GCC_TOOLSET)
+    return None
