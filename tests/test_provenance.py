@@ -265,3 +265,39 @@ def test_a_later_release_keeps_an_earlier_partial_release_named_and_a_published_
             shutil.copy2(f, both / f.name)
     p = _index_build(both, tmp_path / "index3", "--plan", json.dumps(PLAN))
     assert p.returncode == 2 and "need the wheels of exactly one release, these are of 0.1.0, 0.2.0" in p.stderr
+
+
+def test_a_failed_legs_step_arrives_through_its_outcome_file_and_a_file_never_vouches(tmp_path):
+    """GitHub passes a matrix leg's job outputs on only when the leg succeeded: the failed job's
+    ``failed:<step>`` reaches the publish job as its outcome-<id> file (``outcome --outcome-dir``),
+    read only as the reason a target is missing; a hash in such a file vouches for nothing."""
+    arts, outcomes = tmp_path / "artifacts", tmp_path / "outcomes"
+    ok = _build_job(arts, "t-cu130")[1]
+    _build_job(arts, "t-cu128")
+    steps = json.loads(OK_STEPS) | {"cibuildwheel": {"outcome": "failure"}}
+    shutil.rmtree(arts / "wheel-t-cu128-28", ignore_errors=True)
+    (arts / "wheel-t-cu128-28").mkdir()
+    p = subprocess.run([sys.executable, "-m", "ci.release", "outcome", "--target", "t-cu128-28", "--steps",
+                        json.dumps(steps), "--artifact", str(arts / "wheel-t-cu128-28"), "--outcome-dir", str(outcomes)],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and (outcomes / output_key("t-cu128-28")).read_text().strip() == "failed:cibuildwheel"
+    # t-cu128 succeeded but its artifact's hash is only in a file: not vouched for, so not published
+    sha = BuildRecord.load(record_path(next((arts / "wheel-t-cu128").glob("*.whl")))).sha256
+    (outcomes / output_key("t-cu128")).write_text(f"sha256:{sha}\n")
+    outputs = _outputs([ok])  # what GitHub passes on: the succeeded legs whose output it kept
+    without = _gather(arts, tmp_path / "w1", outputs)
+    assert without.returncode == 0, without.stderr
+    assert "t-cu128-28: its build job reported no outcome" in without.stdout
+    with_files = subprocess.run([sys.executable, "-m", "ci.release", "gather", "--plan", json.dumps(PLAN), "--artifacts",
+                                 str(arts), "--out", str(tmp_path / "w2"), "--build-outputs", outputs,
+                                 "--failed-steps", str(outcomes)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert with_files.returncode == 0, with_files.stderr
+    assert "gathered 1 wheel(s)" in with_files.stdout
+    assert "not published: t-cu128-28: its build job failed at step `cibuildwheel`" in with_files.stdout
+    assert "not published: t-cu128: its build job reported no outcome" in with_files.stdout
+    # a file never overrides what the job outputs say
+    (outcomes / output_key("t-cu130")).write_text("failed:cibuildwheel\n")
+    again = subprocess.run([sys.executable, "-m", "ci.release", "gather", "--plan", json.dumps(PLAN), "--artifacts",
+                            str(arts), "--out", str(tmp_path / "w3"), "--build-outputs", outputs,
+                            "--failed-steps", str(outcomes)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "gathered 1 wheel(s)" in again.stdout, again.stderr

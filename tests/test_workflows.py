@@ -191,6 +191,16 @@ def test_each_build_job_reports_its_verified_sha256_as_a_job_output_the_publish_
     for cmd in (gather_cmd, publish_cmd, index_cmd):
         assert '--build-outputs "${BUILD_OUTPUTS}"' in cmd, cmd
     assert '--plan "${PLAN}"' in publish_cmd and '--plan "${PLAN}"' in index_cmd and "--allow-local-build" not in pub
+    # a failed leg's outputs do not reach needs.build.outputs (GitHub keeps a matrix of workflow
+    # calls' outputs from the legs that succeeded): its step travels as the outcome-<id> file,
+    # uploaded also when a step failed, downloaded by the publish job for all three commands
+    assert "--outcome-dir outcome" in outcome
+    out_upload = next(st for st in steps if "name: outcome-${{ inputs.target }}" in st)
+    assert "if: always()" in out_upload and "path: outcome/" in out_upload
+    assert steps.index(out_upload) > at["outcome"]
+    assert "pattern: outcome-*" in pub and "path: outcomes" in pub and "merge-multiple: true" in pub
+    for cmd in (gather_cmd, publish_cmd, index_cmd):
+        assert cmd.rstrip().endswith("--failed-steps outcomes"), cmd
 
 
 def test_build_target_runs_cibuildwheel_through_the_factory_with_a_rerunnable_cache():
@@ -204,7 +214,7 @@ def test_build_target_runs_cibuildwheel_through_the_factory_with_a_rerunnable_ca
 
     env, disk, restore = at("ci.release.cibw env --target"), at("ci.release.cibw free-disk"), at("actions/cache/restore@")
     toolchain, cibw, upload, save = (at("ci.release.cibw install-cuda"), at("--config-file ci/cibuildwheel.toml"),
-                                     at("actions/upload-artifact@"), at("actions/cache/save@"))
+                                     at("name: wheel-${{ inputs.target }}"), at("actions/cache/save@"))
     assert env < disk < cibw and restore < cibw and toolchain < cibw < upload < save, names
     assert steps[disk].count("df -h") == 2
     key = re.search(r"key: (.+)", steps[restore]).group(1)
@@ -219,7 +229,7 @@ def test_build_target_runs_cibuildwheel_through_the_factory_with_a_rerunnable_ca
     assert "name: wheel-${{ inputs.target }}" in steps[upload]
     # a re-run of a job that failed after uploading replaces its artifact instead of failing
     uploads = [st for st in steps if "actions/upload-artifact@" in st]
-    assert len(uploads) == 2 and all(re.search(r"^\s+overwrite: true\b", st, flags=re.M) for st in uploads)
+    assert len(uploads) == 3 and all(re.search(r"^\s+overwrite: true\b", st, flags=re.M) for st in uploads)
 
 
 def test_windows_checkouts_keep_lf_line_endings():

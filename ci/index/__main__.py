@@ -30,7 +30,10 @@ def _build(a) -> int:
     if a.plan is not None:  # a release's index: the planned targets without a wheel are named on it
         from ci.stages.provenance import missing_targets
 
-        missing = missing_targets(records, _json_arg(a.build_outputs, "--build-outputs"), _json_arg(a.plan, "--plan"))
+        from ci.stages.provenance import with_failed_steps
+
+        outputs = with_failed_steps(_json_arg(a.build_outputs, "--build-outputs"), a.failed_steps)
+        missing = missing_targets(records, outputs, _json_arg(a.plan, "--plan"))
     elif a.build_outputs is not None:
         raise IndexError_("--build-outputs needs --plan (the targets of the release)")
     r = update_index(records, wheels, a.out, a.project, base_url=a.base_url, remove=a.remove, yank=yank,
@@ -85,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                              "page until a wheel of each is indexed")
         ap.add_argument("--build-outputs", default=None, metavar="JSON",
                         help="the build jobs' outputs (toJSON(needs.build.outputs), or @file): why each is missing")
+        ap.add_argument("--failed-steps", default=None, metavar="DIR",
+                        help="the folder of the build jobs' outcome files (the outcome-* artifacts): a failed job's step, which GitHub does not pass on in the job outputs of a failed matrix leg; never a hash")
         run = _build
     else:
         ap.description = "Crawl an index (URL or directory): every link, sha256 and .metadata."

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import ci.release
 from ci.runtime.errors import run_main
-from ci.release import REPO, ReleaseError
+from ci.release import REPO, ReleaseError, ReleaseInputError
 from ci.release.rehearsal import dry_run
 from ci.release.steps import check_tag, compile_gate_problem, gather_release, plan, report
 from ci.release.workflow_lint import lint_workflows
@@ -41,6 +41,9 @@ def _outcome(a) -> int:
         value, status = "failed:outcome", 2
     line = f"{output_key(a.target)}={value}"
     print(line)
+    if a.outcome_dir:  # the outcome-<id> artifact: how a failed leg's step reaches the publish job
+        a.outcome_dir.mkdir(parents=True, exist_ok=True)
+        (a.outcome_dir / output_key(a.target)).write_text(value + "\n", encoding="utf-8")
     if a.github_output:
         with open(a.github_output, "a", encoding="utf-8") as f:
             f.write(line + "\n")
@@ -71,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--build-outputs", default=None, metavar="JSON",
                    help="the build jobs' outputs (toJSON(needs.build.outputs)): every wheel must be the one its job "
                         "verified; targets whose job failed are left out and named (a partial release)")
+    g.add_argument("--failed-steps", type=Path, default=None, metavar="DIR",
+                   help="the folder of the build jobs' outcome files (the outcome-* artifacts): a failed job's step, which GitHub does not pass on in the job outputs of a failed matrix leg; never a hash")
     sub.add_parser("workflow-outputs", help="the per-target output lines of build-target.yml (ci.stages.provenance)")
     oc = sub.add_parser("outcome", help="a build job's output for the publish job: its verified wheel's sha256, "
                                         "or the step that failed (ci.stages.provenance)")
@@ -78,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     oc.add_argument("--steps", required=True, help="toJSON(steps) of the job")
     oc.add_argument("--artifact", type=Path, required=True, help="the directory the job uploads as its artifact")
     oc.add_argument("--github-output", type=Path, default=os.environ.get("GITHUB_OUTPUT"))
+    oc.add_argument("--outcome-dir", type=Path, default=None,
+                    help="also write the value to DIR/<output key> (uploaded as the outcome-<id> artifact)")
     pg = sub.add_parser("pages", help="publish the built index to the Pages branch (python -m ci.release.publish pages)")
     pg.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("lint-workflows", help="actionlint + zizmor on .github/workflows")
@@ -117,7 +124,10 @@ def _cli(a) -> int:
                 f.write(md + "\n")
         return 1 if missing else 0
     elif a.cmd == "gather":
-        got = gather_release(_read_json_arg(a.plan), a.artifacts, a.out, a.build_outputs)
+        from ci.stages.provenance import json_argument, with_failed_steps
+
+        outputs = with_failed_steps(json_argument(a.build_outputs, "--build-outputs", ReleaseInputError), a.failed_steps)
+        got = gather_release(_read_json_arg(a.plan), a.artifacts, a.out, outputs)
         print(f"gathered {len(got.wheels)} wheel(s) into {a.out}")
         for target, why in got.missing.items():
             print(f"  not published: {target}: {why}")

@@ -24,6 +24,7 @@ from ci.release.github_standin import GitHubStandin
 from ci.release.standin import fetch_torch, pytorch_index_standin, standin_dir, standin_needs, standin_serves
 from ci.release.steps import (ARTIFACT_PREFIX, check_tag, compile_gate_problem, gather_release, plan, publish_steps,
                               report, rerun_hint, sha256sums)
+from ci.stages.provenance import with_failed_steps
 from ci.release.torch_resolution import resolve_served_targets, standin_resolutions
 from ci.toolchain.targets import Matrix
 
@@ -275,7 +276,8 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
                                "--plan-only`); the torch specs of those the stand-in serves resolved as expected")
     build_md, failed = report(dr.planned, dr.artifacts, tag)
     parts = [build_md, "", _timing_table(dr), "", _resolution_table(dr), "", _jobs_table(dr)]
-    outputs = _build_outputs(dr, log=log)
+    outcomes = dist / "outcomes"
+    outputs = _build_outputs(dr, outcomes, log=log)
     if len(failed) == len(dr.planned["include"]):
         dr.summary = "\n".join(parts)
         (dist / "summary.md").write_text(dr.summary)
@@ -287,7 +289,7 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
     plan_file, outputs_file = dist / "plan.json", dist / "build-outputs.json"
     plan_file.write_text(json.dumps(dr.planned))
     outputs_file.write_text(json.dumps(outputs, indent=1, sort_keys=True))
-    gathered = gather_release(dr.planned, dr.artifacts, wheels_dir, outputs)
+    gathered = gather_release(dr.planned, dr.artifacts, wheels_dir, with_failed_steps(outputs, outcomes))
     dr.wheels, dr.missing = gathered.wheels, gathered.missing
     for target, why in dr.missing.items():
         log(f"[gather] not published: {target}: {why}")
@@ -311,7 +313,8 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
         shutil.rmtree(index_dir, ignore_errors=True)
         # built here, not by the release's runners: their records name this machine's index
         dr.publish_log = publish_steps(wheels_dir, index_dir, fake.api_url, repo, dr.tag, token, log=log,
-                                       allow_local_build=True, plan=plan_file, build_outputs=outputs_file)
+                                       allow_local_build=True, plan=plan_file, build_outputs=outputs_file,
+                                       failed_steps=outcomes)
         rel = fake.release_by_tag(repo, dr.tag)
         state = {"tag": dr.tag, "draft": [r["draft"] for r in rel], "missing": dr.missing,
                  "assets": {n: hashlib.sha256(b).hexdigest() for r in rel
@@ -337,10 +340,14 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
     return dr
 
 
-def _build_outputs(dr: DryRun, log=print) -> dict[str, str]:
-    """Every planned build job's output, made as build-target.yml makes it: ``python -m
-    ci.release outcome`` with the job's steps (cibuildwheel, collect) and its artifact folder."""
+def _build_outputs(dr: DryRun, outcomes: Path, log=print) -> dict[str, str]:
+    """Every planned build job's outcome, made as build-target.yml makes it (``python -m
+    ci.release outcome`` with the job's steps and its artifact folder, also writing the
+    outcome-<id> file into ``outcomes``), and passed on as GitHub passes a matrix of
+    reusable-workflow calls' outputs: only the legs that succeeded reach
+    ``needs.build.outputs`` (a failed job's step arrives through its outcome file)."""
     outputs: dict[str, str] = {}
+    shutil.rmtree(outcomes, ignore_errors=True)
     for e in dr.planned.get("include", []):
         tid = e["id"]
         failed = dr.failed_steps.get(tid)
@@ -354,14 +361,16 @@ def _build_outputs(dr: DryRun, log=print) -> dict[str, str]:
         art.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("r", suffix=".out") as gh_out:
             proc = subprocess.run([sys.executable, "-m", "ci.release", "outcome", "--target", tid,
-                                   "--steps", json.dumps(steps), "--artifact", str(art), "--github-output", gh_out.name],
+                                   "--steps", json.dumps(steps), "--artifact", str(art), "--github-output", gh_out.name,
+                                   "--outcome-dir", str(outcomes)],
                                   cwd=REPO, capture_output=True, text=True, env=pip_environ(sources=False))
             line = Path(gh_out.name).read_text().strip()
         key, _, value = line.partition("=")
         if proc.returncode != 0:
             log(f"!! {tid}: outcome: {proc.stderr.strip()[-500:]}")
         log(f"[outcome] {line}")
-        outputs[key] = value
+        if not failed and proc.returncode == 0:  # the leg succeeded: GitHub passes its outputs on
+            outputs[key] = value
     return outputs
 
 

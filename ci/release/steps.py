@@ -242,17 +242,19 @@ def sha256sums(wheels: list[Path]) -> str:
 
 def publish_steps(wheels: Path, index_dir: Path, api_url: str, repo: str, tag: str, token: str,
                   log=print, *, allow_local_build: bool = False, plan: Path | None = None,
-                  build_outputs: Path | None = None) -> list[str]:
+                  build_outputs: Path | None = None, failed_steps: Path | None = None) -> list[str]:
     """The publish job's steps after gather, as the workflow runs them (nox -s publish / index /
     release -- pages run these same commands). ``allow_local_build``: the wheels were built
     here (their records name a local index), which a GitHub Release refuses unless told.
     ``plan`` and ``build_outputs``: JSON files of the build jobs' matrix and outputs, passed
     as the workflow passes them (every wheel checked against its job's hash; the missing
-    targets named in the notes and on the index page)."""
+    targets named in the notes and on the index page); ``failed_steps``: the folder of the jobs'
+    outcome files (the failed jobs' steps)."""
     env = {**os.environ, "GITHUB_TOKEN": token, "SAGEATTN3_WRITE_INTERVAL": "0"}
     owner, name = repo.split("/")
     base_url = f"https://{owner}.github.io/{name}/"
     outcomes = ["--plan", f"@{plan}", "--build-outputs", f"@{build_outputs}"] if plan and build_outputs else []
+    outcomes += ["--failed-steps", str(failed_steps)] if outcomes and failed_steps else []
     cmds = [
         [sys.executable, "-m", "ci.release.publish", "github", "--tag", tag, "--repo", repo, "--api-url", api_url,
          "--wheels", str(wheels), *outcomes, *(["--allow-local-build"] if allow_local_build else [])],

@@ -178,6 +178,26 @@ def missing_targets(records, build_outputs: str | dict | None, plan: dict | None
     return {t: (outcomes[t].reason if t in outcomes else "no wheel of it was gathered") for t in ids if t not in have}
 
 
+def with_failed_steps(outputs: dict | None, folder: str | Path | None) -> dict | None:
+    """The build jobs' outputs with each failed job's step added from its outcome file.
+
+    GitHub passes a matrix of reusable-workflow calls' outputs on from the legs that succeeded
+    only, so a failed leg's ``failed:<step>`` never reaches ``needs.build.outputs``. Each leg
+    therefore also uploads its outcome as a file (``outcome-<id>``: ``<output key>`` holding
+    the value; build-target.yml, ``python -m ci.release outcome --outcome-dir``). Those files
+    come from artifacts, which a later job can replace, so only ``failed:<step>`` is read from
+    them, for targets the job outputs say nothing about: a hash in a file never vouches for a
+    wheel. ``folder`` None or absent: ``outputs`` unchanged."""
+    if outputs is None or folder is None or not Path(folder).is_dir():
+        return outputs
+    merged = dict(outputs)
+    for f in sorted(Path(folder).rglob(f"{OUTPUT_PREFIX}*")):
+        value = f.read_text(encoding="utf-8", errors="replace").strip()
+        if f.is_file() and not str(merged.get(f.name) or "").strip() and re.fullmatch(r"failed:[A-Za-z0-9_-]+", value):
+            merged[f.name] = value
+    return merged
+
+
 def json_argument(value: str | None, option: str, error: type[Exception]):
     """A command-line JSON document given inline or as @file (None stays None); ``error`` (the
     command's input error) names the option when it is neither."""

@@ -33,6 +33,12 @@ def _policy(a) -> RetryPolicy:
                        max_wait=a.max_wait, budget=a.retry_budget)
 
 
+def with_failed_steps(outputs, folder):
+    from ci.stages.provenance import with_failed_steps as fold
+
+    return fold(outputs, folder)
+
+
 def _json_arg(value: str | None, option: str):
     from ci.stages.provenance import json_argument
 
@@ -65,6 +71,8 @@ def _github(argv: list[str], out) -> int:
                          "its build job verified (ci/stages/provenance.py)")
     ap.add_argument("--plan", default=None, metavar="JSON",
                     help="the planned targets (or @file): those without a wheel are named in the release notes")
+    ap.add_argument("--failed-steps", default=None, metavar="DIR",
+                    help="the folder of the build jobs' outcome files (the outcome-* artifacts): a failed job's step, which GitHub does not pass on in the job outputs of a failed matrix leg; never a hash")
     ap.add_argument("--allow-local-build", action="store_true",
                     help="publish wheels that no build job vouches for: without --build-outputs, or whose build record "
                          "names a local index (built outside the release pipeline)")
@@ -76,7 +84,7 @@ def _github(argv: list[str], out) -> int:
     opts = ReleaseOptions(repo=a.repo, tag=a.tag, wheels=a.wheels, api_url=a.api_url, dry_run=a.dry_run,
                           replace=a.replace, replace_published=a.replace_published, prune=a.prune, concurrency=a.concurrency, name=a.name, notes=a.notes,
                           prerelease=a.prerelease, target_commitish=a.target_commitish, retry=_policy(a),
-                          write_interval=a.write_interval, build_outputs=_json_arg(a.build_outputs, "--build-outputs"),
+                          write_interval=a.write_interval, build_outputs=with_failed_steps(_json_arg(a.build_outputs, "--build-outputs"), a.failed_steps),
                           plan=_json_arg(a.plan, "--plan"), allow_local_build=a.allow_local_build)
     # The token is required only once the input has been checked (publish_release does both).
     s = publish_release(opts, token_from_env(required=False), log=out)
