@@ -11,7 +11,8 @@ per kernel. The attention kernel's dynamic shared memory (its TMA ring) is not v
 a tiny host program compiled from the same headers prints ``SmemLayout<D>::kTotal``. Wheel mode:
 cuobjdump -res-usage on the wheel's extension (REG, STACK, SHARED, LOCAL per function and arch;
 LOCAL is per-thread local memory, where spills would go). Exit status 1 when an attention kernel
-spills (compile mode) or a compile fails.
+spills more than its allowance (``spill_allowance``, shared with the compile test) or a compile
+fails.
 
 Compile mode also prints the per-tile budget of the attention kernel's steady key-tile loop from
 its sm_120a SASS (ci.checks.sass_budget): instructions by pipe, shared-memory and L2 bytes, the bound
@@ -96,6 +97,27 @@ def demangle(names: list[str]) -> dict[str, str]:
         v = re.sub(r"\b(unsigned|signed) ", "", v).replace("::", ":").replace(", ", ",")
         short[k] = v
     return short
+
+
+# What an attention instantiation may spill (bytes of stores and of loads each), the one allowance
+# this report and tests/test_attn_compile.py share. The bounded-memory instantiations
+# (kInLoopResidual, mangled ...ILi<D>ELb1E): at D 128 ptxas keeps per-lane shared-memory offsets
+# on the stack (12 bytes as shipped, 24 with the MSVC pointer-params patch), stored once per CTA
+# and loaded once per query tile, outside the key-tile loop. The FP8 Q·Kᵀ instantiations (kQK8,
+# ...ILi<D>ELb0ELb1E) hold twice the Q fragments (16 registers at D 128): at 255 registers ptxas
+# spills 20 bytes as shipped (56/64 with the MSVC patch), again outside the key-tile loop
+# (tests/test_sass_budget.py checks that the loop reloads nothing). The default ones: none.
+BOUNDED_SPILL_BYTES = 32
+QK8_SPILL_BYTES = 64
+
+
+def spill_allowance(kernel: str) -> int:
+    """The bytes an attention kernel (by its mangled name) may spill: see above."""
+    if re.search(r"ILi\d+ELb1E", kernel):
+        return BOUNDED_SPILL_BYTES
+    if re.search(r"ILi\d+ELb0ELb1E", kernel):
+        return QK8_SPILL_BYTES
+    return 0
 
 
 def parse_ptxas(log: str, source: str) -> list[Kernel]:
@@ -256,9 +278,10 @@ def report_compiled(jobs: int, upstream: tuple[Path, Path] | None = None) -> int
             attn = out / "attn_attn_launch_sm_120a.cubin"
             if attn.exists():
                 print_budget(attn, upstream, nvcc, out, jobs)
-    bad = [k for k in kernels if _head_dim(k.name) and (k.spill_stores or k.spill_loads)]
+    bad = [k for k in kernels if _head_dim(k.name) and max(k.spill_stores or 0, k.spill_loads or 0) > spill_allowance(k.name)]
     for k in bad:
-        print(f"SPILL: {k.name} [{k.arch}] {k.spill_stores} bytes stores, {k.spill_loads} bytes loads")
+        print(f"SPILL: {k.name} [{k.arch}] {k.spill_stores} bytes stores, {k.spill_loads} bytes loads "
+              f"(allowed: {spill_allowance(k.name)})")
     for f in failed:
         print(f"COMPILE FAILED: {f}")
     return 1 if bad or failed else 0
