@@ -240,30 +240,7 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
             if runnable:
                 dr.planned = plan(matrix.gha_matrix(), only=runnable + fail_targets, matrix=matrix)
                 shutil.rmtree(dr.artifacts, ignore_errors=True)
-            for e in dr.planned.get("include", []):
-                log(f"== {e['id']}")
-                if e["id"] in fail_targets:
-                    dr.errors[e["id"]] = "made to fail (--fail-target): its cibuildwheel step exited 1"
-                    dr.failed_steps[e["id"]] = "cibuildwheel"
-                    log(f"!! {e['id']}: {dr.errors[e['id']]}")
-                    continue
-                try:
-                    target = matrix.target(e["id"])
-                    job = next(r.job for r in dr.jobs if r.id == e["id"])
-                    # the stand-in's torch: the build's, and the guard's from the directory PyPI's
-                    # build of it belongs in (no CPU builds of x86_64 torch on PyPI)
-                    fetch_torch(target.build_torch, target.python, matrix, log=log)
-                    foreign_dir = standin_dir(job.foreign.version, matrix)
-                    for py in verify_pythons or [target.python]:
-                        fetch_torch(target.build_torch, py, matrix, log=log)
-                    fetch_torch(job.foreign.version, (verify_pythons or [target.python])[0], matrix, log=log)
-                    dr.timings[e["id"]] = rehearse_target(
-                        e["id"], dist, dr.artifacts, pytorch_index=index_url, foreign_dir=foreign_dir,
-                        verify_pythons=verify_pythons, log=log)
-                except Exception as exc:  # noqa: BLE001 - a failed target is reported by name
-                    dr.errors[e["id"]] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
-                    dr.failed_steps[e["id"]] = "collect" if str(exc).startswith(f"{e['id']}: collect ") else "cibuildwheel"
-                    log(f"!! {e['id']}: {dr.errors[e['id']]}")
+            _run_build_jobs(dr, matrix, index_url, fail_targets, verify_pythons, log)
             dr.resolutions = resolving.result()
         wrong = [r for r in dr.resolutions if r.problem]
         if wrong:
@@ -281,9 +258,47 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
     if len(failed) == len(dr.planned["include"]):
         dr.summary = "\n".join(parts)
         (dist / "summary.md").write_text(dr.summary)
-        raise ReleaseError(f"dry run: every target failed, nothing published: "
+        raise ReleaseError("dry run: every target failed, nothing published: "
                            + "; ".join(f"{m}: {dr.errors.get(m, 'no artifact')}" for m in failed))
+    return _publish_locally(dr, parts, outputs, outcomes, fake=fake, repo=repo, tag=tag, log=log)
 
+
+def _run_build_jobs(dr: DryRun, matrix: Matrix, index_url: str, fail_targets: list[str],
+                    verify_pythons: list[str] | None, log=print) -> None:
+    """Each planned target's release job here (``rehearse_target``), its timings or its error and
+    failing step into ``dr``; a target in ``fail_targets`` fails at its cibuildwheel step unbuilt."""
+    for e in dr.planned.get("include", []):
+        log(f"== {e['id']}")
+        if e["id"] in fail_targets:
+            dr.errors[e["id"]] = "made to fail (--fail-target): its cibuildwheel step exited 1"
+            dr.failed_steps[e["id"]] = "cibuildwheel"
+            log(f"!! {e['id']}: {dr.errors[e['id']]}")
+            continue
+        try:
+            target = matrix.target(e["id"])
+            job = next(r.job for r in dr.jobs if r.id == e["id"])
+            # the stand-in's torch: the build's, and the guard's from the directory PyPI's
+            # build of it belongs in (no CPU builds of x86_64 torch on PyPI)
+            fetch_torch(target.build_torch, target.python, matrix, log=log)
+            foreign_dir = standin_dir(job.foreign.version, matrix)
+            for py in verify_pythons or [target.python]:
+                fetch_torch(target.build_torch, py, matrix, log=log)
+            fetch_torch(job.foreign.version, (verify_pythons or [target.python])[0], matrix, log=log)
+            dr.timings[e["id"]] = rehearse_target(
+                e["id"], dr.dist, dr.artifacts, pytorch_index=index_url, foreign_dir=foreign_dir,
+                verify_pythons=verify_pythons, log=log)
+        except Exception as exc:  # noqa: BLE001 - a failed target is reported by name
+            dr.errors[e["id"]] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
+            dr.failed_steps[e["id"]] = "collect" if str(exc).startswith(f"{e['id']}: collect ") else "cibuildwheel"
+            log(f"!! {e['id']}: {dr.errors[e['id']]}")
+
+
+def _publish_locally(dr: DryRun, parts: list[str], outputs: dict[str, str], outcomes: Path, *, fake, repo: str,
+                     tag: str | None, log=print) -> DryRun:
+    """The publish job's steps on the verified targets' wheels: gather with the jobs' outputs and
+    outcome files, SHA256SUMS, the GitHub Release on a local GitHub-REST server (``fake``, or one
+    of its own), the index and the Pages branch; the summary with what is missing."""
+    dist = dr.dist
     wheels_dir = dist / "wheels"
     shutil.rmtree(wheels_dir, ignore_errors=True)
     plan_file, outputs_file = dist / "plan.json", dist / "build-outputs.json"
