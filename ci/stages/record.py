@@ -205,6 +205,15 @@ def check_wheel(wheel: Path, rec: BuildRecord, project: str = "sageattn3", sha25
         raise _differ(name, "requires_python", rec.requires_python, ".".join(pythons),
                       "the file name's Python tag (the factory tags a wheel cpXY for its floor >=X.Y)")
 
+    _check_archive(wheel, rec, project, dist, rec_version, tags)
+
+
+
+def _check_archive(wheel: Path, rec: BuildRecord, project: str, dist: str, rec_version: Version, tags) -> None:
+    """The inside of a wheel against its beside-record: one ``.dist-info`` of the file name's
+    project and version, METADATA (name, version, Requires-Python, the torch requirement),
+    WHEEL's tags, RECORD's hashes and the build record the wheel carries."""
+    name = wheel.name
     try:
         z = zipfile.ZipFile(wheel)
     except (zipfile.BadZipFile, OSError) as e:
