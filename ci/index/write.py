@@ -237,6 +237,31 @@ def update_index(records: list[BuildRecord], wheels_dir: Path, out: Path, projec
         if w not in entries and w not in {r.wheel for r in to_add}:
             raise IndexError_(f"--yank {w!r}: not an indexed wheel")
 
+    _add_files(to_add, entries, files, wheels_dir, result)
+
+    for w, reason in (yank or {}).items():
+        entries[w] = Entry(entries[w].record, entries[w].metadata_sha256, reason or "")
+
+    present = set(os.listdir(files)) if files.is_dir() else set()
+    missing = [w for w in entries if w not in present or w + ".metadata" not in present]
+    if missing:
+        raise IndexError_(
+            f"{out}: the manifest lists wheels whose files are gone: {', '.join(sorted(missing)[:5])}"
+            f"{' …' if len(missing) > 5 else ''}; restore them or --remove them"
+        )
+
+    pages, generated = render(entries, project, base_url, merge_missing(old.get("missing", {}), new_missing, entries))
+    for rel, data in generated.items():
+        if _write_bytes(out / rel, data):
+            result.written.append(rel)
+    _delete_stale(out, old_pages, pages, project, result)
+    result.pages = pages
+    return result
+
+
+def _add_files(to_add: list, entries: dict, files: Path, wheels_dir: Path, result) -> None:
+    """Each checked new wheel into ``files/`` (read once: hashed, copied, its METADATA taken)
+    with its ``.metadata`` file, and into ``entries``; what was written or added into ``result``."""
     for rec in to_add:
         dst = files / rec.wheel
         have = entries.get(rec.wheel)
@@ -259,22 +284,9 @@ def update_index(records: list[BuildRecord], wheels_dir: Path, out: Path, projec
         if have is None:
             result.added.append(rec.wheel)
 
-    for w, reason in (yank or {}).items():
-        entries[w] = Entry(entries[w].record, entries[w].metadata_sha256, reason or "")
 
-    present = set(os.listdir(files)) if files.is_dir() else set()
-    missing = [w for w in entries if w not in present or w + ".metadata" not in present]
-    if missing:
-        raise IndexError_(
-            f"{out}: the manifest lists wheels whose files are gone: {', '.join(sorted(missing)[:5])}"
-            f"{' …' if len(missing) > 5 else ''}; restore them or --remove them"
-        )
-
-    pages, generated = render(entries, project, base_url, merge_missing(old.get("missing", {}), new_missing, entries))
-    for rel, data in generated.items():
-        if _write_bytes(out / rel, data):
-            result.written.append(rel)
-    # Pages no longer produced (after a removal) and the files of removed wheels go.
+def _delete_stale(out: Path, old_pages: set, pages: list, project: str, result) -> None:
+    """The pages no longer produced (after a removal) and the files of removed wheels, deleted."""
     name = canonicalize_name(project)
     new_paths = {p.path for p in pages}
     for path in sorted(old_pages - new_paths, reverse=True):  # deepest first, so dirs empty
@@ -292,8 +304,6 @@ def update_index(records: list[BuildRecord], wheels_dir: Path, out: Path, projec
             if (out / rel).exists():
                 (out / rel).unlink()
                 result.deleted.append(rel)
-    result.pages = pages
-    return result
 
 
 def site_files(local_dir: Path, remote_manifest: dict | None, project: str = DEFAULT_PROJECT,
