@@ -86,7 +86,7 @@ class _Moved(Exception):
 
 
 def _publish(opts: PagesOptions, token: str | None, log: Callable[[str], None]) -> PagesSummary:
-    from github import Auth, Github, GithubException, InputGitTreeElement
+    from github import Auth, Github, GithubException
 
     gh = Github(base_url=opts.api_url.rstrip("/"), auth=Auth.Token(token) if token else None, timeout=opts.timeout,
                 retry=None, seconds_between_requests=None, seconds_between_writes=None, lazy=True)
@@ -154,6 +154,17 @@ def _publish(opts: PagesOptions, token: str | None, log: Callable[[str], None]) 
     if opts.dry_run or (not changes and not removals):
         return summary
 
+    summary.commit = _commit_changes(repo, opts, changes, removals, base_tree, parent_sha, head, call, throttle)
+    return summary
+
+
+def _commit_changes(repo, opts: PagesOptions, changes: list[tuple[str, bytes]], removals: list[str], base_tree,
+                    parent_sha: str | None, head: Callable[[], str | None], call, throttle) -> str:
+    """One commit on the branch: a blob per changed file, a tree on the branch's, the commit,
+    then the branch moved to it without force (created when it did not exist); a move that
+    landed but whose answer was lost is recognised by reading the branch. Returns its sha."""
+    from github import GithubException, InputGitTreeElement
+
     elements = []
     for path, data in changes:
         def make_blob(data=data):
@@ -197,5 +208,4 @@ def _publish(opts: PagesOptions, token: str | None, log: Callable[[str], None]) 
                 raise _Moved() from None
             raise
     call(move_ref, f"update {opts.branch}")
-    summary.commit = new.sha
-    return summary
+    return new.sha
