@@ -228,21 +228,7 @@ class _Handler(BaseHTTPRequestHandler):
                 rels = sorted(repo.releases.values(), key=lambda r: r["id"], reverse=True)
                 return self._paginate([gh._release_json(repo, r) for r in rels], query, base + "/releases")
             if rest == "/releases" and v == "POST":
-                d = json.loads(body or b"{}")
-                tag = d.get("tag_name")
-                if not tag:
-                    return self._error(422, "Validation Failed", errors=[{"resource": "Release", "code": "missing_field", "field": "tag_name"}])
-                if any(r["tag_name"] == tag and not r["draft"] for r in repo.releases.values()):
-                    return self._error(422, "Validation Failed", errors=[{"resource": "Release", "code": "already_exists", "field": "tag_name"}])
-                rid = gh.next_id()
-                rel = {"id": rid, "tag_name": tag, "target_commitish": d.get("target_commitish") or "main",
-                       "name": d.get("name") or tag, "body": d.get("body") or "", "draft": bool(d.get("draft")),
-                       "prerelease": bool(d.get("prerelease")), "created_at": _now(), "published_at": None}
-                if not rel["draft"]:
-                    rel["published_at"] = _now()
-                    repo.tags.add(tag)
-                repo.releases[rid] = rel
-                return self._after(fault, 201, gh._release_json(repo, rel))
+                return self._create_release(repo, body, fault)
             mm = re.match(r"^/releases/tags/(.+)$", rest)
             if mm and v == "GET":
                 tag = urllib.parse.unquote(mm[1])
@@ -250,62 +236,93 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(200, gh._release_json(repo, rel)) if rel else self._error(404, "Not Found")
             mm = re.match(r"^/releases/assets/(\d+)$", rest)
             if mm:
-                a = repo.assets.get(int(mm[1]))
-                if a is None:
-                    return self._error(404, "Not Found")
-                if v == "GET":
-                    if "application/octet-stream" in (self.headers.get("Accept") or ""):
-                        return self._send(302, None, {"Location": gh._asset_json(repo, a)["browser_download_url"]})
-                    return self._send(200, gh._asset_json(repo, a))
-                if v == "DELETE":
-                    del repo.assets[a["id"]]
-                    return self._after(fault, 204)
-                if v == "PATCH":
-                    d = json.loads(body or b"{}")
-                    name = d.get("name", a["name"])
-                    if any(o["name"] == name and o["_release"] == a["_release"] and o["id"] != a["id"]
-                           for o in repo.assets.values()):
-                        return self._error(422, "Validation Failed",
-                                           errors=[{"resource": "ReleaseAsset", "code": "already_exists", "field": "name"}])
-                    a["name"] = name
-                    if "label" in d:
-                        a["label"] = d["label"] or None
-                    a["updated_at"] = _now()
-                    return self._after(fault, 200, gh._asset_json(repo, a))
-                return self._error(404, "Not Found")
+                return self._asset(repo, int(mm[1]), body, fault)
             mm = re.match(r"^/releases/(\d+)(/assets)?$", rest)
             if mm:
-                rel = repo.releases.get(int(mm[1]))
-                if rel is None:
-                    return self._error(404, "Not Found")
-                if mm[2] and v == "GET":
-                    assets = [gh._asset_json(repo, a) for a in sorted(repo.assets.values(), key=lambda a: a["id"])
-                              if a["_release"] == rel["id"]]
-                    return self._paginate(assets, query, f"{base}/releases/{rel['id']}/assets")
-                if mm[2]:
-                    return self._error(404, "Not Found")
-                if v == "GET":
-                    return self._send(200, gh._release_json(repo, rel))
-                if v == "PATCH":
-                    d = json.loads(body or b"{}")
-                    for k in ("tag_name", "name", "body", "prerelease", "target_commitish"):
-                        if k in d:
-                            rel[k] = d[k]
-                    if "draft" in d and rel["draft"] and not d["draft"]:
-                        if any(r["tag_name"] == rel["tag_name"] and not r["draft"] and r["id"] != rel["id"]
-                               for r in repo.releases.values()):
-                            return self._error(422, "Validation Failed", errors=[{"resource": "Release", "code": "already_exists", "field": "tag_name"}])
-                        rel["draft"] = False
-                        rel["published_at"] = _now()
-                        repo.tags.add(rel["tag_name"])
-                    return self._after(fault, 200, gh._release_json(repo, rel))
-                if v == "DELETE":
-                    del repo.releases[rel["id"]]
-                    for aid in [i for i, a in repo.assets.items() if a["_release"] == rel["id"]]:
-                        del repo.assets[aid]
-                    return self._after(fault, 204)
+                return self._release(repo, int(mm[1]), bool(mm[2]), query, body, base, fault)
             if rest.startswith("/git/"):
                 return self._git(repo, rest[len("/git"):], query, body, fault)
+        return self._error(404, "Not Found")
+
+    def _create_release(self, repo: Repo, body: bytes, fault: Fault | None) -> None:
+        """POST /releases: a draft or published release; 422 for a missing or published tag."""
+        gh = self.gh
+        d = json.loads(body or b"{}")
+        tag = d.get("tag_name")
+        if not tag:
+            return self._error(422, "Validation Failed", errors=[{"resource": "Release", "code": "missing_field", "field": "tag_name"}])
+        if any(r["tag_name"] == tag and not r["draft"] for r in repo.releases.values()):
+            return self._error(422, "Validation Failed", errors=[{"resource": "Release", "code": "already_exists", "field": "tag_name"}])
+        rid = gh.next_id()
+        rel = {"id": rid, "tag_name": tag, "target_commitish": d.get("target_commitish") or "main",
+               "name": d.get("name") or tag, "body": d.get("body") or "", "draft": bool(d.get("draft")),
+               "prerelease": bool(d.get("prerelease")), "created_at": _now(), "published_at": None}
+        if not rel["draft"]:
+            rel["published_at"] = _now()
+            repo.tags.add(tag)
+        repo.releases[rid] = rel
+        return self._after(fault, 201, gh._release_json(repo, rel))
+
+    def _asset(self, repo: Repo, aid: int, body: bytes, fault: Fault | None) -> None:
+        """GET (JSON, or the download's redirect), DELETE and PATCH (rename, label) of one asset."""
+        gh, v = self.gh, self.command
+        a = repo.assets.get(aid)
+        if a is None:
+            return self._error(404, "Not Found")
+        if v == "GET":
+            if "application/octet-stream" in (self.headers.get("Accept") or ""):
+                return self._send(302, None, {"Location": gh._asset_json(repo, a)["browser_download_url"]})
+            return self._send(200, gh._asset_json(repo, a))
+        if v == "DELETE":
+            del repo.assets[a["id"]]
+            return self._after(fault, 204)
+        if v == "PATCH":
+            d = json.loads(body or b"{}")
+            name = d.get("name", a["name"])
+            if any(o["name"] == name and o["_release"] == a["_release"] and o["id"] != a["id"]
+                   for o in repo.assets.values()):
+                return self._error(422, "Validation Failed",
+                                   errors=[{"resource": "ReleaseAsset", "code": "already_exists", "field": "name"}])
+            a["name"] = name
+            if "label" in d:
+                a["label"] = d["label"] or None
+            a["updated_at"] = _now()
+            return self._after(fault, 200, gh._asset_json(repo, a))
+        return self._error(404, "Not Found")
+
+    def _release(self, repo: Repo, rid: int, assets: bool, query: dict, body: bytes, base: str,
+                 fault: Fault | None) -> None:
+        """GET, PATCH (publishing a draft) and DELETE of one release; GET of its assets, paginated."""
+        gh, v = self.gh, self.command
+        rel = repo.releases.get(rid)
+        if rel is None:
+            return self._error(404, "Not Found")
+        if assets and v == "GET":
+            listed = [gh._asset_json(repo, a) for a in sorted(repo.assets.values(), key=lambda a: a["id"])
+                      if a["_release"] == rel["id"]]
+            return self._paginate(listed, query, f"{base}/releases/{rel['id']}/assets")
+        if assets:
+            return self._error(404, "Not Found")
+        if v == "GET":
+            return self._send(200, gh._release_json(repo, rel))
+        if v == "PATCH":
+            d = json.loads(body or b"{}")
+            for k in ("tag_name", "name", "body", "prerelease", "target_commitish"):
+                if k in d:
+                    rel[k] = d[k]
+            if "draft" in d and rel["draft"] and not d["draft"]:
+                if any(r["tag_name"] == rel["tag_name"] and not r["draft"] and r["id"] != rel["id"]
+                       for r in repo.releases.values()):
+                    return self._error(422, "Validation Failed", errors=[{"resource": "Release", "code": "already_exists", "field": "tag_name"}])
+                rel["draft"] = False
+                rel["published_at"] = _now()
+                repo.tags.add(rel["tag_name"])
+            return self._after(fault, 200, gh._release_json(repo, rel))
+        if v == "DELETE":
+            del repo.releases[rel["id"]]
+            for aid in [i for i, a in repo.assets.items() if a["_release"] == rel["id"]]:
+                del repo.assets[aid]
+            return self._after(fault, 204)
         return self._error(404, "Not Found")
 
     def _upload(self, repo: Repo, rid: int, query: dict, body: bytes, fault: Fault | None) -> None:
