@@ -12,6 +12,7 @@ from ci.index.check import check_index
 from ci.index.layout import DEFAULT_PROJECT, IndexError_
 from ci.index.write import update_index
 from ci.stages.record import RecordError, load_records
+from ci.stages.provenance import FAILED_STEPS_HELP
 
 
 def _build(a) -> int:
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--build-outputs", default=None, metavar="JSON",
                         help="the build jobs' outputs (toJSON(needs.build.outputs), or @file): why each is missing")
         ap.add_argument("--failed-steps", default=None, metavar="DIR",
-                        help="the folder of the build jobs' outcome files (the outcome-* artifacts): a failed job's step, which GitHub does not pass on in the job outputs of a failed matrix leg; never a hash")
+                        help=FAILED_STEPS_HELP)
         run = _build
     else:
         ap.description = "Crawl an index (URL or directory): every link, sha256 and .metadata."

@@ -16,6 +16,7 @@ from ci.release.rehearsal import dry_run
 from ci.release.steps import check_tag, compile_gate_problem, gather_release, plan, report
 from ci.release.workflow_lint import lint_workflows
 from ci.toolchain.targets import Matrix
+from ci.stages.provenance import FAILED_STEPS_HELP
 
 
 # -- CLI --------------------------------------------------------------------------------------
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the build jobs' outputs (toJSON(needs.build.outputs)): every wheel must be the one its job "
                         "verified; targets whose job failed are left out and named (a partial release)")
     g.add_argument("--failed-steps", type=Path, default=None, metavar="DIR",
-                   help="the folder of the build jobs' outcome files (the outcome-* artifacts): a failed job's step, which GitHub does not pass on in the job outputs of a failed matrix leg; never a hash")
+                   help=FAILED_STEPS_HELP)
     sub.add_parser("workflow-outputs", help="the per-target output lines of build-target.yml (ci.stages.provenance)")
     oc = sub.add_parser("outcome", help="a build job's output for the publish job: its verified wheel's sha256, "
                                         "or the step that failed (ci.stages.provenance)")

@@ -178,6 +178,11 @@ def missing_targets(records, build_outputs: str | dict | None, plan: dict | None
     return {t: (outcomes[t].reason if t in outcomes else "no wheel of it was gathered") for t in ids if t not in have}
 
 
+# The --failed-steps option of gather, publish and index (the three read the same folder).
+FAILED_STEPS_HELP = ("the folder of the build jobs' outcome files (the outcome-* artifacts): a failed job's step, "
+                     "which GitHub does not pass on in the job outputs of a failed matrix leg; never a hash")
+
+
 def with_failed_steps(outputs: dict | None, folder: str | Path | None) -> dict | None:
     """The build jobs' outputs with each failed job's step added from its outcome file.
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ci.release.publish._net import (InputError, LineLog, PublishError, Redactor, RetryPolicy, check_api_url, check_repo, refusal,
                              token_from_env)
+from ci.stages.provenance import FAILED_STEPS_HELP
 
 
 def _retry_args(ap: argparse.ArgumentParser) -> None:
@@ -72,7 +73,7 @@ def _github(argv: list[str], out) -> int:
     ap.add_argument("--plan", default=None, metavar="JSON",
                     help="the planned targets (or @file): those without a wheel are named in the release notes")
     ap.add_argument("--failed-steps", default=None, metavar="DIR",
-                    help="the folder of the build jobs' outcome files (the outcome-* artifacts): a failed job's step, which GitHub does not pass on in the job outputs of a failed matrix leg; never a hash")
+                    help=FAILED_STEPS_HELP)
     ap.add_argument("--allow-local-build", action="store_true",
                     help="publish wheels that no build job vouches for: without --build-outputs, or whose build record "
                          "names a local index (built outside the release pipeline)")
