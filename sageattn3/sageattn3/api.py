@@ -1,5 +1,7 @@
-"""The public API: validation (here, in Python, with messages naming the argument), dispatch
-between the CUDA kernels, the exact reference and torch SDPA.
+"""The public API: dispatch between the CUDA kernels, the exact reference and torch SDPA.
+The validation (in Python, with messages naming the argument) is in ``_validate``, the
+quantization and preprocessing entry points in ``_preprocess_api`` and the per-head Q·Kᵀ
+precision in ``_qk_choice``; their public names are re-exported here.
 
 Per call, the eager path does little Python: one pass of checks, one dict lookup for the path
 a (device, head dim) takes (decided, warned about and self-checked on the first call), then the
@@ -9,7 +11,6 @@ it, at run time), so ``sageattn3_blackwell`` compiles with ``fullgraph=True`` wi
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Literal
@@ -18,59 +19,21 @@ import torch
 import torch.nn.functional as F
 
 from sageattn3 import _attn, _kernels, _selfcheck, reference
-from sageattn3.reference import Preprocessed
+from sageattn3._preprocess_api import (  # noqa: F401  (public names re-exported here)
+    _delta_key_torch,
+    _kernels_serve,
+    _preprocess_kernels,
+    _use_kernels,
+    preprocess,
+    scale_and_quant_fp4,
+    scale_and_quant_fp4_permute,
+    scale_and_quant_fp4_transpose,
+)
+from sageattn3._qk_choice import QkChoice, _qk_error, _qk_selection, qk_choice  # noqa: F401
+from sageattn3._validate import _ATTN_DTYPES, _QUANT_DTYPES, _check_qkv, _check_tensor, _flags, _search  # noqa: F401
+from sageattn3.reference import Preprocessed  # noqa: F401
 
-_QUANT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_ATTN_DTYPES = (torch.float16, torch.bfloat16)
 _warned: set[str] = set()
-
-
-# ---------------------------------------------------------------------------------------------
-# Validation
-# ---------------------------------------------------------------------------------------------
-
-
-def _check_tensor(x, name: str, dtypes, min_dim: int = 1) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} must be one of {names}, got {str(x.dtype).replace('torch.', '')}")
-    if x.dim() < min_dim:
-        raise ValueError(f"{name} must have at least {min_dim} dims, got shape {tuple(x.shape)}")
-
-
-def _check_qkv(q, k, v) -> None:
-    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
-        qs, ks = q.shape, k.shape
-        if (q.dtype in _ATTN_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and len(qs) == 4
-                and len(ks) == 4 and v.shape == ks and ks[0] == qs[0] and ks[3] == qs[3] and qs[3] != 0
-                and ks[1] != 0 and ks[2] != 0 and qs[1] % ks[1] == 0 and k.device == q.device
-                and v.device == q.device):
-            return  # the common case in one expression; anything else gets its message below
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(t, name, _ATTN_DTYPES)
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}: all must match")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}: all must be on one device")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"k has batch {k.shape[0]} but q has batch {q.shape[0]}")
-    if k.shape[3] != q.shape[3]:
-        raise ValueError(f"k has head_dim {k.shape[3]} but q has head_dim {q.shape[3]}")
-    if q.shape[3] == 0:
-        raise ValueError("q has head_dim 0")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(
-            f"q heads ({q.shape[1]}) must be a positive multiple of k/v heads ({k.shape[1]}) (GQA/MQA)"
-        )
-    if k.shape[2] == 0:
-        raise ValueError("k and v have sequence length 0: attention needs at least one key")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,45 +249,6 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
         return _traced(q, k, v, *flags, search, precision)
     return _eager_call(q, k, v, *flags, search, precision)
 
-
-@dataclass(frozen=True)
-class QkChoice:
-    """Which heads of a call ran Q·Kᵀ in FP8, and why (``qk_precision``): ``fp8`` (B, Hq) bool and
-    ``error`` (B, Hq) float32 (the rule's estimate of the relative output error FP4 Q·Kᵀ causes,
-    ``reference.qk_fp4_error``; None where the rule did not run), both on the inputs' device;
-    ``precision`` the argument; ``note`` why the rule did not run, if it did not."""
-
-    precision: str
-    fp8: torch.Tensor
-    error: torch.Tensor | None
-    note: str = ""
-
-    @staticmethod
-    def fp4_path(q: torch.Tensor, precision: str, note: str) -> "QkChoice":
-        return QkChoice(precision, torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device), None, note)
-
-    def describe(self) -> str:
-        """One line per call: the rule, the limit and each head's estimate and choice."""
-        if self.error is None:
-            return f"qk_precision={self.precision!r}: every head FP4 ({self.note or 'the rule did not run'})"
-        err, sel = self.error.float().cpu(), self.fp8.cpu()
-        heads = ", ".join(f"{'fp8' if bool(f) else 'fp4'} ({float(e):.3f})" for f, e in zip(sel.flatten(), err.flatten()))
-        return (f"qk_precision={self.precision!r}, limit {reference.AUTO_ERROR_LIMIT}: "
-                f"{int(sel.sum())} of {sel.numel()} heads FP8; per head: {heads}")
-
-
-def _flags(**named) -> tuple[bool, ...]:
-    """The boolean keywords of a call, each checked (``reference.flag``: a string such as
-    "False" or None is a TypeError, never silently true or false), in the order given."""
-    return tuple(reference.flag(value, name) for name, value in named.items())
-
-
-def _search(qk_scale_search: bool | None) -> bool:
-    """The scale search a call asked for (None: ``reference.QK_SCALE_SEARCH``), as a bool."""
-    return reference.flag(reference.QK_SCALE_SEARCH if qk_scale_search is None else qk_scale_search,
-                          "qk_scale_search")
-
-
 def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool,
                 qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
                 qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool = False,
@@ -426,52 +350,6 @@ def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: flo
     return _attn.attention_qk8(pre, sel_q, q8, q8s, k8, k8s, is_causal=is_causal, sm_scale=sm_scale, out_dtype=q.dtype)
 
 
-def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float | None):
-    """(fp8 (B, Hq) bool, error (B, Hq)) where the per-head precision applies, else the reason
-    (str) every head stays FP4: "fp4" asked, or FP8 unavailable with "auto" ("fp8" raises then)."""
-    precision = reference.qk_precision_arg(qk_precision)
-    if precision == "fp4":
-        return "qk_precision='fp4'"
-    b, hq, sq, d = q.shape
-    why = None
-    if not reference.fp8_applies(pre.qk_rotation, d):
-        why = reference.fp8_unavailable(pre.qk_rotation, d)
-    elif not _attn.fp8_workspace_fits(b, hq, pre.mean_q.shape[2], sq, pre.k_packed.shape[2]):
-        why = (f"the FP8 Q·Kᵀ kernel needs the delta_s workspace to hold one (batch, head) row "
-               f"({_attn.WORKSPACE_ENV} is too small for these sequence lengths)")
-    if why is not None:
-        if precision == "fp8":
-            raise ValueError(why)
-        return why
-    err = _qk_error(q, k, v, pre, sm_scale)
-    return reference.choose_qk_precision(precision, err), err
-
-
-def _qk_error(q, k, v, pre: Preprocessed, sm_scale: float | None) -> torch.Tensor:
-    """The rule's estimate (B, Hq): the fused kernel on CUDA where it is built (one launch),
-    else ``reference.qk_fp4_error`` (torch ops; the CPU path, and the kernel's oracle)."""
-    if (_use_kernels(q) and q.dtype in (torch.float16, torch.bfloat16) and pre.k_block_corr is None
-            and _kernels.has_rule_kernel()):
-        scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[3])
-        return _kernels.qk_rule_error(q, k, v, pre, scale)
-    return reference.qk_fp4_error(q, k, v, pre, sm_scale)
-
-
-def qk_choice(q, k, v, is_causal: bool = False, per_block_mean: bool = True,
-              qk_rotation: bool = reference.QK_ROTATION_DEFAULT, qk_balance: bool = reference.QK_BALANCE_DEFAULT,
-              qk_scale_search: bool | None = None, qk_precision: str = reference.QK_PRECISION_DEFAULT) -> QkChoice:
-    """The per-head Q·Kᵀ precision ``sageattn3_blackwell`` picks for these inputs (the rule alone:
-    preprocessing and the estimate, no attention), on any device (the reference on the CPU)."""
-    _check_qkv(q, k, v)
-    precision = reference.qk_precision_arg(qk_precision)
-    rot, bal = _flags(qk_rotation=qk_rotation, qk_balance=qk_balance)
-    pre = preprocess(q, k, v, per_block_mean, _attn.SEQ_PAD, rot, bal, qk_scale_search)
-    picked = _qk_selection(q, k, v, pre, precision, None)
-    if isinstance(picked, str):
-        return QkChoice.fp4_path(q, precision, picked)
-    return QkChoice(precision, *picked)
-
-
 def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool = True, sm_scale: float | None = None,
                          qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
                          qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool | None = None,
@@ -503,178 +381,3 @@ def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool 
                           qk_scale_search=_search(qk_scale_search),
                           qk_precision=reference.qk_precision_arg(qk_precision))
 
-
-# ---------------------------------------------------------------------------------------------
-# Quantization
-# ---------------------------------------------------------------------------------------------
-
-
-def _kernels_serve(device: torch.device) -> bool:
-    return _kernels.kernels_run_on(device) is None
-
-
-_kernels_serve._dynamo_marked_constant = True  # decided while tracing (see _compile_path)
-
-
-def _use_kernels(x: torch.Tensor) -> bool:
-    return x.device.type == "cuda" and _kernels_serve(x.device)
-
-
-def scale_and_quant_fp4(x):
-    """NVFP4 quantization along the last dim of x (..., D), D a multiple of 16; float16,
-    bfloat16 or float32; any device (CUDA kernels where built, else the exact reference).
-
-    Returns ``(packed, scales)``:
-    - packed: uint8 (..., D/2), row-major; byte i of a row holds elements 2i (low nibble) and
-      2i+1 (high nibble) as E2M1 codes (bit 3 = sign, magnitudes 0,0.5,1,1.5,2,3,4,6).
-    - scales: float8_e4m3fn (..., D/16), row-major; scale j covers elements 16j..16j+15.
-    Value = E2M1(code) * scale. Rounding, saturation and NaN/Inf: ``sageattn3.reference``."""
-    _check_tensor(x, "x", _QUANT_DTYPES)
-    if x.shape[-1] % 16:
-        raise ValueError(f"x's last dim ({x.shape[-1]}) must be a multiple of 16")
-    if _use_kernels(x) and x.numel():
-        return _kernels.quant_rows(_kernels.aligned(x))
-    return reference.quantize_rows(x)
-
-
-def scale_and_quant_fp4_permute(x):
-    """The layout the FP4 attention kernel consumes for Q and K. At present it is exactly the
-    row-major layout of ``scale_and_quant_fp4``: x (..., S, D) -> packed uint8 (..., S, D/2)
-    (byte i of row s: elements 2i low nibble, 2i+1 high nibble) and scales float8_e4m3fn
-    (..., S, D/16) (scale j of row s covers elements 16j..16j+15). Consume it through this
-    function, not by assumption: the kernel may adopt a permuted layout later."""
-    _check_tensor(x, "x", _QUANT_DTYPES, min_dim=2)
-    return scale_and_quant_fp4(x)
-
-
-def scale_and_quant_fp4_transpose(x):
-    """NVFP4 quantization along the sequence (the layout of V): x (..., S, D) with D a
-    multiple of 16 -> packed uint8 (..., D, S16/2) and scales float8_e4m3fn (..., D, S16/16),
-    where S16 is S rounded up to a multiple of 16 and the padding tokens are zeros (codes 0 and
-    scale 0 when a whole 16-block is padding). Row d of packed holds tokens 2i (low nibble)
-    and 2i+1 (high nibble) of channel d; scale j of row d covers tokens 16j..16j+15."""
-    _check_tensor(x, "x", _QUANT_DTYPES, min_dim=2)
-    if x.shape[-1] % 16:
-        raise ValueError(f"x's last dim ({x.shape[-1]}) must be a multiple of 16")
-    if _use_kernels(x) and x.numel():
-        return _kernels.quant_cols(_kernels.aligned(x))
-    return reference.quantize_transposed(x)
-
-
-# ---------------------------------------------------------------------------------------------
-# Fused preprocessing
-# ---------------------------------------------------------------------------------------------
-
-
-def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
-               qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
-               qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool | None = None) -> Preprocessed:
-    """Smoothing + NVFP4 quantization of Q, K, V for the attention kernel (never modifies the
-    inputs). Layouts and the definition of every output: ``sageattn3.reference.Preprocessed``.
-
-    On CUDA with the kernels (at head dims 64/128 with up to ``_kernels.max_correction_heads`` q
-    heads per kv head, one op, ``torch.ops.sageattn3.preprocess_qkv``, allocates every output
-    and makes these launches from C++):
-    1. V along the sequence (transposed through shared memory);
-    2. two small launches read up to 8 evenly spaced 128-row blocks of each head of Q and K and
-       make K's mean, each q head's mean_q_global (``reference.sample_mean``) and, with the
-       balance, its exponents from them;
-    3. one launch smooths and quantizes every 128-row tile of Q and K, each from one read into
-       registers: Q's tiles with their block means (per_block_mean) or mean_q_global, K's with
-       K's mean; K's tiles also write delta_key = mean_q_global · K_sᵀ per key and q head (the
-       unquantized smoothed row as quantized, from registers) and, with per_block_mean, K's
-       quantization residual (``reference.quantize_residual``, one E4M3 byte per element); the
-       attention launch adds the block residuals' part from both: precomputed per query block
-       and key into a bounded workspace before the attention kernel, or per K tile in it
-       (``Preprocessed.delta_s`` materialises it all; ``_attn.delta_s_workspace``).
-    ``qk_rotation`` (D 64/128): Q and K rows are rotated in registers before smoothing.
-    ``qk_balance=True`` (D 64/128, per_block_mean; off by default): the channel balance
-    (``reference.balance_exponents``) from the same sampled blocks; Q and K are scaled by it in
-    registers (``Preprocessed.balance``), before the rotation when both are on.
-    ``qk_scale_search=True`` (D 64/128; None: ``reference.QK_SCALE_SEARCH``, off unless set): Q
-    and K quantized with the NVFP4 scale search (``reference.quantize_rows``).
-    Bytes that must move: Q, K, V read (3 x 2 bytes/element) + FP4 written (3 x 0.5625) + the
-    sampled blocks (up to 8 x 128 rows per head) and the means. Figures:
-    tests/bench/bench_kernels.py. Elsewhere: the reference."""
-    _check_qkv(q, k, v)
-    per_block_mean, qk_rotation, qk_balance = _flags(per_block_mean=per_block_mean, qk_rotation=qk_rotation,
-                                                     qk_balance=qk_balance)
-    if not isinstance(pad, int) or pad <= 0 or pad % 16:
-        raise ValueError(f"pad must be a positive multiple of 16, got {pad!r}")
-    if not _use_kernels(q) or q.shape[2] == 0 or q.shape[0] == 0 or q.shape[1] == 0:
-        return reference.preprocess(q, k, v, per_block_mean, pad, qk_rotation=qk_rotation, qk_balance=qk_balance,
-                                    qk_scale_search=_search(qk_scale_search))
-    d = q.shape[3]
-    if d % 16 or d > 256:
-        raise ValueError(f"head_dim {d} not supported by the preprocessing kernels (multiple of 16, <= 256)")
-    return _preprocess_kernels(q, k, v, per_block_mean, pad, qk_rotation, qk_balance, _search(qk_scale_search))
-
-
-def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bool,
-                        qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool = False) -> Preprocessed:
-    """``preprocess`` on the kernels, for checked inputs (the FP4 path calls it directly). At
-    head dims 64/128 with up to ``max_correction_heads`` q heads per kv head (the attention
-    kernel's cases) one op allocates every output and makes every launch in C++, V's first;
-    elsewhere V's launch still comes first, before any other Python: the host work for Q and K
-    then overlaps it."""
-    b, hq, sq, d = q.shape
-    hk, sk = k.shape[1], k.shape[2]
-    if d in reference.ROTATION_HEAD_DIMS and hq // hk <= _kernels.max_correction_heads(d):
-        bal = bool(qk_balance) and per_block_mean and reference.balance_applies(d)
-        search = reference.scale_search_applies(qk_scale_search, d)
-        rot = bool(qk_rotation)
-        qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps, k_res = _kernels.preprocess_qkv(
-            _kernels.aligned(q), _kernels.aligned(k), _kernels.aligned(v), pad, per_block_mean, rot, bal, search)
-        return Preprocessed(qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, sq, sk, qbar if per_block_mean else mean_q,
-                            ds_key, rot, exps if bal else None, search, k_res if per_block_mean else None)
-    # the rest: head dims other than 64/128, or more q heads per kv head than the K kernels take
-    # for the per-key correction (delta_key from torch ops then)
-    vp, vsc = _kernels.quant_cols(_kernels.aligned(v), pad)
-    q, k = _kernels.aligned(q), _kernels.aligned(k)
-    k3, q3 = k.view(b * hk, sk, d), q.view(b * hq, sq, d)
-    rot = bool(qk_rotation) and d in reference.ROTATION_HEAD_DIMS
-    bal = bool(qk_balance) and per_block_mean and reference.balance_applies(d)
-    search = reference.scale_search_applies(qk_scale_search, d)
-    exps = None
-    if bal:
-        # balanced float32 copies (exact: powers of two), so that every kernel below works in
-        # the balanced space as the one op does
-        exps = _kernels.qk_balance(q3, k3)
-        ck = torch.exp2(exps)
-        q3 = (q3.view(b * hk, hq // hk, sq, d).float() * (1.0 / ck).unsqueeze(1)).view(b * hq, sq, d)
-        k3 = k3.float() * ck
-        q, k = q3.view(b, hq, sq, d), k3.view(b, hk, sk, d)
-    if per_block_mean:
-        qp, qsc, mean_q, kp, ksc, mean_k = _kernels.smooth_quant_qk(q3, k3, pad, rotate=rot, search=search)
-        qbar = None
-    else:
-        qp, qsc, mean_q = _kernels.smooth_quant_seq(q3, pad, rotate=rot, search=search)
-        kp, ksc, mean_k = _kernels.smooth_quant_seq(k3, pad, rotate=rot, search=search)
-        qbar = mean_q
-    qbar, ds_key, ks = _delta_key_torch(q, k, qbar, mean_k, rot, kp.shape[1])
-    # K's quantization residual from the same float32 rows the kernels quantized (bit-exact)
-    k_res = reference.quantize_residual(ks, kp, ksc) if per_block_mean else None
-    return Preprocessed(
-        qp.view(b, hq, -1, d // 2), qsc.view(b, hq, -1, d // 16),
-        kp.view(b, hk, -1, d // 2), ksc.view(b, hk, -1, d // 16),
-        vp, vsc, mean_q.view(b, hq, -1, d), mean_k.view(b, hk, 1, d), sq, sk,
-        qbar.view(b, hq, 1, d), ds_key.view(b, hq, -1), rot, None if exps is None else exps.view(b, hk, 1, d),
-        search, None if k_res is None else k_res.view(b, hk, -1, d),
-    )
-
-
-def _delta_key_torch(q, k, qbar, mean_k, rot: bool, skp: int):
-    """mean_q_global and delta_key with torch ops, where the K kernels do not compute them
-    (head dims other than 64/128; more q heads per kv head than they take): (B*Hq, 1, D) and
-    (B*Hq, Skp) float32, the reference's definition (in float32): qbar · (rotated K - mean_k);
-    and that smoothed K, (B*Hkv, Skp, D) float32 (zero rows past Sk)."""
-    b, hq, sq, d = q.shape
-    hk = k.shape[1]
-    turn = reference.rotate if rot else (lambda x: x.float())
-    if qbar is None:
-        qbar = turn(reference.sample_mean(q))
-    qbar = qbar.reshape(b, hq, 1, d)
-    ks = turn(k) - mean_k.reshape(b, hk, 1, d)
-    ds = torch.matmul(qbar, reference.expand_kv(ks, hq).transpose(-1, -2)).squeeze(-2)
-    ds = reference.pad_dim(ds, -1, skp)
-    return qbar.reshape(b * hq, 1, d), ds.reshape(b * hq, skp), reference.pad_dim(ks, -2, skp).reshape(b * hk, skp, d)

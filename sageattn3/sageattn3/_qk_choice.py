@@ -1,0 +1,86 @@
+"""The per-head Q·Kᵀ precision (``qk_precision``): the rule's selection, its estimate and the
+public ``QkChoice`` / ``qk_choice`` (re-exported by ``sageattn3.api``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from sageattn3 import _attn, _kernels, reference
+from sageattn3._preprocess_api import _use_kernels, preprocess
+from sageattn3._validate import _check_qkv, _flags
+from sageattn3.reference import Preprocessed
+
+
+@dataclass(frozen=True)
+class QkChoice:
+    """Which heads of a call ran Q·Kᵀ in FP8, and why (``qk_precision``): ``fp8`` (B, Hq) bool and
+    ``error`` (B, Hq) float32 (the rule's estimate of the relative output error FP4 Q·Kᵀ causes,
+    ``reference.qk_fp4_error``; None where the rule did not run), both on the inputs' device;
+    ``precision`` the argument; ``note`` why the rule did not run, if it did not."""
+
+    precision: str
+    fp8: torch.Tensor
+    error: torch.Tensor | None
+    note: str = ""
+
+    @staticmethod
+    def fp4_path(q: torch.Tensor, precision: str, note: str) -> "QkChoice":
+        return QkChoice(precision, torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device), None, note)
+
+    def describe(self) -> str:
+        """One line per call: the rule, the limit and each head's estimate and choice."""
+        if self.error is None:
+            return f"qk_precision={self.precision!r}: every head FP4 ({self.note or 'the rule did not run'})"
+        err, sel = self.error.float().cpu(), self.fp8.cpu()
+        heads = ", ".join(f"{'fp8' if bool(f) else 'fp4'} ({float(e):.3f})" for f, e in zip(sel.flatten(), err.flatten()))
+        return (f"qk_precision={self.precision!r}, limit {reference.AUTO_ERROR_LIMIT}: "
+                f"{int(sel.sum())} of {sel.numel()} heads FP8; per head: {heads}")
+
+def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float | None):
+    """(fp8 (B, Hq) bool, error (B, Hq)) where the per-head precision applies, else the reason
+    (str) every head stays FP4: "fp4" asked, or FP8 unavailable with "auto" ("fp8" raises then)."""
+    precision = reference.qk_precision_arg(qk_precision)
+    if precision == "fp4":
+        return "qk_precision='fp4'"
+    b, hq, sq, d = q.shape
+    why = None
+    if not reference.fp8_applies(pre.qk_rotation, d):
+        why = reference.fp8_unavailable(pre.qk_rotation, d)
+    elif not _attn.fp8_workspace_fits(b, hq, pre.mean_q.shape[2], sq, pre.k_packed.shape[2]):
+        why = (f"the FP8 Q·Kᵀ kernel needs the delta_s workspace to hold one (batch, head) row "
+               f"({_attn.WORKSPACE_ENV} is too small for these sequence lengths)")
+    if why is not None:
+        if precision == "fp8":
+            raise ValueError(why)
+        return why
+    err = _qk_error(q, k, v, pre, sm_scale)
+    return reference.choose_qk_precision(precision, err), err
+
+
+def _qk_error(q, k, v, pre: Preprocessed, sm_scale: float | None) -> torch.Tensor:
+    """The rule's estimate (B, Hq): the fused kernel on CUDA where it is built (one launch),
+    else ``reference.qk_fp4_error`` (torch ops; the CPU path, and the kernel's oracle)."""
+    if (_use_kernels(q) and q.dtype in (torch.float16, torch.bfloat16) and pre.k_block_corr is None
+            and _kernels.has_rule_kernel()):
+        scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[3])
+        return _kernels.qk_rule_error(q, k, v, pre, scale)
+    return reference.qk_fp4_error(q, k, v, pre, sm_scale)
+
+
+def qk_choice(q, k, v, is_causal: bool = False, per_block_mean: bool = True,
+              qk_rotation: bool = reference.QK_ROTATION_DEFAULT, qk_balance: bool = reference.QK_BALANCE_DEFAULT,
+              qk_scale_search: bool | None = None, qk_precision: str = reference.QK_PRECISION_DEFAULT) -> QkChoice:
+    """The per-head Q·Kᵀ precision ``sageattn3_blackwell`` picks for these inputs (the rule alone:
+    preprocessing and the estimate, no attention), on any device (the reference on the CPU)."""
+    _check_qkv(q, k, v)
+    precision = reference.qk_precision_arg(qk_precision)
+    rot, bal = _flags(qk_rotation=qk_rotation, qk_balance=qk_balance)
+    pre = preprocess(q, k, v, per_block_mean, _attn.SEQ_PAD, rot, bal, qk_scale_search)
+    picked = _qk_selection(q, k, v, pre, precision, None)
+    if isinstance(picked, str):
+        return QkChoice.fp4_path(q, precision, picked)
+    return QkChoice(precision, *picked)
+
