@@ -55,7 +55,7 @@ BAD_INPUT = [
     ("ci.toolchain.compile_gate.__main__", ["--line", "9.99"], "error: torch line(s) ['9.99'] are not in the matrix"),
     ("ci.release.docs_site.__main__", ["--repo", "bad"], "docs: repository 'bad': expected OWNER/NAME"),
     ("ci.release.__main__", ["gather", "--plan", '{"include": [{"id": "x"}]}', "--artifacts", "ART",
-                             "--out", "OUT", "--build-outputs", "not json"], "release: --build-outputs: not JSON"),
+                             "--out", "OUT", "--build-outputs", "not json"], "release: --build-outputs: not a JSON document or @file"),
 ]
 
 
