@@ -31,7 +31,6 @@ Real cibuildwheel in a container is ``nox -s cibuildwheel`` (ci/release/cibw_loc
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 
 from ci.release.cibw_job import RehearsalError, ResolvedJob, job_env, resolve
 from ci.toolchain.targets import Matrix, Target
+from ci.runtime.env import child_environ
 
 REPO = Path(__file__).resolve().parents[2]
 HOST_BASE = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SSL_CERT_FILE", "SSL_CERT_DIR", "PIP_CERT",
@@ -92,7 +92,8 @@ def container_base() -> dict[str, str]:
     but what is passed (ci.runtime.pip_env, no package sources), and cibuildwheel's CIBUILDWHEEL=1."""
     from ci.runtime.pip_env import pip_environ
 
-    env = pip_environ({k: os.environ[k] for k in HOST_BASE if k in os.environ}, sources=False)
+    host = child_environ()
+    env = pip_environ({k: host[k] for k in HOST_BASE if k in host}, sources=False)
     env["CIBUILDWHEEL"] = "1"
     return env
 
