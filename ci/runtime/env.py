@@ -65,8 +65,9 @@ class FactoryEnv:
                                     "ci.stages.resolve, ci.release.cibw",
                                     "the Python cibuildwheel builds with (set by the backend shim)", _nonempty)
     factory_python: str | None = _var("SAGEATTN3_FACTORY_PYTHON", "str (path)", "the running interpreter",
-                                      "ci/release/cibw_project/factory_backend.py (reads it itself)",
-                                      "the interpreter the backend shim runs the factory with", _nonempty)
+                                      "ci.release.cibw_project.factory_backend",
+                                      "the interpreter the backend shim runs the factory with (the shim reads it "
+                                      "itself: it runs where ci cannot be imported)", _nonempty)
     dist: Path | None = _var("SAGEATTN3_DIST", "Path", "dist/", "ci.release.cibw",
                              "the output root of the cibuildwheel hooks", _path)
     ci_cleanup: bool = _var("SAGEATTN3_CI_CLEANUP", "flag (=1)", "off", "ci.release.cibw",
