@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ci.release.cibw_job import RehearsalError, ResolvedJob, job_env, resolve
+from ci.release.cibw_job import RehearsalError, ResolvedJob, job_process_environ, resolve
 from ci.toolchain.targets import Matrix, Target
 from ci.runtime.env import child_environ
 
@@ -238,9 +238,7 @@ def job_environ(target: Target, *, pytorch_index: str, cache: Path, log_dir: Pat
     its caches (no cleanup between the steps)."""
     from ci.runtime.pip_env import pip_environ
 
-    env = pip_environ(sources=False)
-    env = {k: v for k, v in env.items() if not k.startswith("CIBW_")}
-    env.update(job_env(target))
+    env = job_process_environ(target, pip_environ(sources=False))
     env.update(SAGEATTN3_PYTORCH_INDEX=pytorch_index, SAGEATTN3_CACHE_HOST=str(cache),
                SAGEATTN3_LOG_DIR_HOST=str(log_dir), SAGEATTN3_CI_CLEANUP="0")
     if verify_pythons:

@@ -204,6 +204,11 @@ class FactoryEnv:
                                              if k.upper().startswith("CUDA_PATH_V"))
         return cls(**values)
 
+    @classmethod
+    def variable(cls, field_name: str) -> str:
+        """The variable the field ``field_name`` reads (``variable("max_jobs")`` -> ``MAX_JOBS``)."""
+        return next(f.metadata["name"] for f in fields(cls) if f.name == field_name)
+
     def python_override(self, version: str) -> str | None:
         """``$SAGEATTN3_PYTHON_3_X`` for ``version`` ("3.X"), None when unset or empty."""
         return dict(self.python_overrides).get(python_override_var(version)) or None

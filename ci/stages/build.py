@@ -75,7 +75,7 @@ def index_pages(matrix: Matrix) -> list[str]:
     return sorted({f"{t.variant.cuda_tag}/torch{line}" for t in matrix.targets for line in t.torch_lines})
 
 
-INDEX_URL_ENV = "SAGEATTN3_INDEX_URL"
+INDEX_URL_ENV = FactoryEnv.variable("index_url")
 
 
 def record_index_url(dist: Path) -> str:

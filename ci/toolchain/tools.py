@@ -24,7 +24,7 @@ from packaging.version import Version
 from ci.runtime.pip_env import pip_environ
 from ci.toolchain.resolved import EXE, WINDOWS, CudaToolkit, TorchEnv, venv_python
 from ci.runtime.errors import InputError
-from ci.runtime.env import FactoryEnv, child_environ
+from ci.runtime.env import FactoryEnv, child_environ, python_override_var
 
 CUTLASS_PIN = "nvidia-cutlass==4.2.0.0"
 # CUDA 13.x toolkits provisioned from PyPI: the packages that make up nvcc + runtime headers.
@@ -99,7 +99,7 @@ def _python_version(exe: str | Path) -> str | None:
 
 
 def _env_var(version: str) -> str:
-    return f"SAGEATTN3_PYTHON_{version.replace('.', '_')}"
+    return python_override_var(version)
 
 
 def _newest_first(paths: list[str], version_of) -> list[str]:

@@ -28,7 +28,7 @@ from ci.toolchain.variant import cuda_tag, torch_line
 from ci.runtime.env import FactoryEnv
 
 PYTORCH_INDEX = "https://download.pytorch.org/whl"
-INDEX_ENV = "SAGEATTN3_PYTORCH_INDEX"
+INDEX_ENV = FactoryEnv.variable("pytorch_index")
 # The OS where PyPI's default torch is a CUDA build (elsewhere it is a CPU build).
 PYPI_CUDA_OS = "linux-x86_64"
 

@@ -138,7 +138,7 @@ def build_into(wheel_dir: Path, log=print) -> Path:
 
 # Where the build stage leaves a copy of its full log (the job uploads it when a step failed;
 # the error itself shows only the last lines). In a manylinux container it is a host path.
-LOG_DIR_ENV = "SAGEATTN3_LOG_DIR"
+LOG_DIR_ENV = FactoryEnv.variable("log_dir")
 
 
 def keep_build_log(target: Target, *, since: float = 0.0, log_dir: Path | None = None, log=print) -> Path | None:
@@ -178,7 +178,7 @@ def repair_into(wheel: Path, dest_dir: Path, log=print) -> Path:
     return dest_dir / rec.wheel
 
 
-FOREIGN_DIR_ENV = "SAGEATTN3_FOREIGN_TORCH_DIR"
+FOREIGN_DIR_ENV = FactoryEnv.variable("foreign_torch_dir")
 
 
 def verify_sources(target: Target, matrix: Matrix, python: str) -> tuple[TorchSource, TorchSource]:
@@ -269,7 +269,7 @@ def collect(wheelhouse: Path, out: Path, target_id: str | None = None, log=print
 # with ci/cibuildwheel.toml's hooks on a one-file C extension instead of sageattn3/: the same
 # hook commands, container, environment and stages, in minutes. $SAGEATTN3_CIBW_PROBE names the
 # probe project, relative to the project root; cibuildwheel passes it into its container.
-PROBE_ENV = "SAGEATTN3_CIBW_PROBE"
+PROBE_ENV = FactoryEnv.variable("cibw_probe")
 
 
 def probe_dir() -> Path | None:

@@ -144,8 +144,7 @@ def job_environment(target_id: str, *, image: str, pytorch_index: str, cache_hos
                              "(cibuildwheel's Linux containers)")
     if target.os.machine != os.uname().machine:
         raise LocalCibwError(f"{target_id} is {target.os.machine}, this machine is {os.uname().machine}")
-    env = child_environ(drop_prefixes=("CIBW_",))
-    env.update(cibw_job.job_env(target, jobs=jobs))
+    env = cibw_job.job_process_environ(target, child_environ(), jobs=jobs)
     passed = environment_pass(target, env)
     env.update({
         "SAGEATTN3_PYTORCH_INDEX": pytorch_index,
