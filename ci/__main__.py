@@ -177,6 +177,19 @@ def cmd_architecture(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_environment(args: argparse.Namespace) -> int:
+    from ci.checks.coverage import write_block
+    from ci.runtime.env import DOC_BLOCK, environment_table
+
+    if args.write_docs:
+        doc = REPO / "docs" / "factory.md"
+        changed = write_block(doc, DOC_BLOCK, environment_table())
+        print(f"{doc.relative_to(REPO)} {DOC_BLOCK} table " + ("updated" if changed else "already current"))
+        return 0
+    print(environment_table())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     # Progress reaches a CI log (a pipe) as it happens, not in blocks when a buffer fills.
     for stream in (sys.stdout, sys.stderr):
@@ -218,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("architecture", help="print the layers of ci/ (markdown), from ci/checks/layers.py")
     a.add_argument("--write-docs", action="store_true", help="write the table into docs/architecture.md")
     a.set_defaults(fn=cmd_architecture)
+    e = sub.add_parser("environment", help="print the variables the factory reads (markdown), from ci/runtime/env.py")
+    e.add_argument("--write-docs", action="store_true", help="write the table into docs/factory.md")
+    e.set_defaults(fn=cmd_environment)
     args = p.parse_args(argv)
     return run_main(lambda: args.fn(args))
 

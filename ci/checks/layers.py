@@ -25,7 +25,8 @@ LAYERS = (
           "the payload's interface: `sageattn3/build_profile.py`, `build_commands.py` and where the payload lies, "
           "loaded once"),
     Layer("runtime", ("ci.runtime",),
-          "what every module runs inside: errors and exit codes, progress lines, pip's environment, file helpers"),
+          "what every module runs inside: the process environment (read only here), errors and exit codes, progress lines, "
+          "pip's environment, file helpers"),
     Layer("toolchain", ("ci.toolchain",),
           "the matrix and what a target needs: targets and variants, Python/CUDA/CUTLASS found or provisioned, "
           "torch sources, flags, patches, cross and Windows toolchains, the compile gate on every torch line"),

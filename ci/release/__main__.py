@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from ci.release.rehearsal import dry_run
 from ci.release.steps import check_tag, compile_gate_problem, gather_release, plan, report
 from ci.release.workflow_lint import lint_workflows
 from ci.toolchain.targets import Matrix
+from ci.runtime.env import FactoryEnv
 from ci.stages.provenance import FAILED_STEPS_HELP
 
 
@@ -52,6 +52,7 @@ def _outcome(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    env = FactoryEnv.from_environ()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--dry-run":  # `nox -s release -- --dry-run`
         argv[0] = "dry-run"
@@ -60,14 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plan", help="check the matrix JSON (nox -s matrix) and print the build jobs' matrix")
     p.add_argument("--matrix", default="-", help="JSON, @file or - (stdin; default)")
     p.add_argument("--targets", default="", help="comma-separated target ids to build (default: all)")
-    p.add_argument("--github-output", type=Path, default=os.environ.get("GITHUB_OUTPUT"))
+    p.add_argument("--github-output", type=Path, default=env.github_output)
     p.add_argument("--no-compile-gate", action="store_true",
                    help="skip compiling each torch line's unit against its torch headers (ci.toolchain.compile_gate)")
     r = sub.add_parser("report", help="which planned targets built (markdown; exit 1 when any failed)")
     r.add_argument("--plan", required=True, help="the plan JSON, @file or -")
     r.add_argument("--artifacts", type=Path, required=True)
-    r.add_argument("--tag", default=os.environ.get("GITHUB_REF_NAME"))
-    r.add_argument("--summary", type=Path, default=os.environ.get("GITHUB_STEP_SUMMARY"))
+    r.add_argument("--tag", default=env.github_ref_name)
+    r.add_argument("--summary", type=Path, default=env.github_step_summary)
     g = sub.add_parser("gather", help="every planned target's artifact into dist/wheels, or nothing")
     g.add_argument("--plan", required=True)
     g.add_argument("--artifacts", type=Path, required=True)
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     oc.add_argument("--target", required=True)
     oc.add_argument("--steps", required=True, help="toJSON(steps) of the job")
     oc.add_argument("--artifact", type=Path, required=True, help="the directory the job uploads as its artifact")
-    oc.add_argument("--github-output", type=Path, default=os.environ.get("GITHUB_OUTPUT"))
+    oc.add_argument("--github-output", type=Path, default=env.github_output)
     oc.add_argument("--outcome-dir", type=Path, default=None,
                     help="also write the value to DIR/<output key> (uploaded as the outcome-<id> artifact)")
     pg = sub.add_parser("pages", help="publish the built index to the Pages branch (python -m ci.release.publish pages)")

@@ -10,6 +10,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePath
+from collections.abc import Mapping
 from typing import Any
 
 from ci.payload.interface import build_commands
@@ -102,6 +103,15 @@ def job_env(target: Target, *, jobs: int | None = None) -> dict[str, str]:
         "MAX_JOBS": str(jobs or nvcc_jobs()),
         "SAGEATTN3_CI_CLEANUP": "1",
     }
+
+
+def job_process_environ(target: Target, base: Mapping[str, str], *, jobs: int | None = None) -> dict[str, str]:
+    """The environment cibuildwheel runs ``target``'s job with: ``base`` (the runner's) less
+    cibuildwheel's own ``CIBW_*`` settings, then the job's exports (:func:`job_env`) over it. The
+    local run and the rehearsal each lay their replacements over this."""
+    env = {k: v for k, v in base.items() if not k.startswith("CIBW_")}
+    env.update(job_env(target, jobs=jobs))
+    return env
 
 
 def factory_requirements(platform: str) -> list[str]:

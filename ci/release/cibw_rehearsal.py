@@ -31,15 +31,15 @@ Real cibuildwheel in a container is ``nox -s cibuildwheel`` (ci/release/cibw_loc
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ci.release.cibw_job import RehearsalError, ResolvedJob, job_env, resolve
+from ci.release.cibw_job import RehearsalError, ResolvedJob, job_process_environ, resolve
 from ci.toolchain.targets import Matrix, Target
+from ci.runtime.env import child_environ
 
 REPO = Path(__file__).resolve().parents[2]
 HOST_BASE = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SSL_CERT_FILE", "SSL_CERT_DIR", "PIP_CERT",
@@ -92,7 +92,8 @@ def container_base() -> dict[str, str]:
     but what is passed (ci.runtime.pip_env, no package sources), and cibuildwheel's CIBUILDWHEEL=1."""
     from ci.runtime.pip_env import pip_environ
 
-    env = pip_environ({k: os.environ[k] for k in HOST_BASE if k in os.environ}, sources=False)
+    host = child_environ()
+    env = pip_environ({k: host[k] for k in HOST_BASE if k in host}, sources=False)
     env["CIBUILDWHEEL"] = "1"
     return env
 
@@ -237,9 +238,7 @@ def job_environ(target: Target, *, pytorch_index: str, cache: Path, log_dir: Pat
     its caches (no cleanup between the steps)."""
     from ci.runtime.pip_env import pip_environ
 
-    env = pip_environ(sources=False)
-    env = {k: v for k, v in env.items() if not k.startswith("CIBW_")}
-    env.update(job_env(target))
+    env = job_process_environ(target, pip_environ(sources=False))
     env.update(SAGEATTN3_PYTORCH_INDEX=pytorch_index, SAGEATTN3_CACHE_HOST=str(cache),
                SAGEATTN3_LOG_DIR_HOST=str(log_dir), SAGEATTN3_CI_CLEANUP="0")
     if verify_pythons:

@@ -21,6 +21,7 @@ from pathlib import Path, PurePath
 from ci.toolchain.flags import CUDA12_GCC_TOOLSET, GCC_TOOLSET_CXX, cuda_host_compiler  # noqa: F401 (re-exported)
 from ci.toolchain.targets import Target
 from ci.runtime.errors import FactoryError
+from ci.runtime.env import FactoryEnv, child_environ
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -274,13 +275,13 @@ def install_cuda(target: Target, github_env: Path | None = None, log=print) -> N
                 subprocess.run([str(exe), *cmds[0][1:]], check=True, timeout=INSTALLER_TIMEOUT_S)
             except subprocess.TimeoutExpired as e:
                 raise CibwError(f"the CUDA {full} installer ran over {INSTALLER_TIMEOUT_S // 60} minutes") from e
-        home = Path(os.environ.get("ProgramFiles", r"C:\Program Files")) / "NVIDIA GPU Computing Toolkit" / "CUDA" / f"v{target.cuda}"
+        home = Path(FactoryEnv.from_environ().program_files) / "NVIDIA GPU Computing Toolkit" / "CUDA" / f"v{target.cuda}"
         if not (home / "bin" / "nvcc.exe").exists():
             raise CibwError(f"CUDA {target.cuda} installer finished but {home}\\bin\\nvcc.exe is missing")
         if github_env:
             with open(github_env, "a", encoding="utf-8") as f:
                 f.write(f"CUDA_HOME={home}\nCUDA_PATH={home}\n")
-            gh_path = os.environ.get("GITHUB_PATH")
+            gh_path = FactoryEnv.from_environ().github_path
             if gh_path:
                 with open(gh_path, "a", encoding="utf-8") as f:
                     f.write(f"{home / 'bin'}\n")
@@ -306,7 +307,7 @@ def install_cuda(target: Target, github_env: Path | None = None, log=print) -> N
 
 def msvc_env(vswhere: Path | None = None) -> dict[str, str]:
     """The variables vcvars64 sets for the VS 2022 x64 toolset (nvcc needs cl.exe on PATH)."""
-    vswhere = vswhere or Path(os.environ.get("ProgramFiles(x86)", r"C:\Program Files (x86)")) / "Microsoft Visual Studio" / "Installer" / "vswhere.exe"
+    vswhere = vswhere or Path(FactoryEnv.from_environ().program_files_x86) / "Microsoft Visual Studio" / "Installer" / "vswhere.exe"
     root = subprocess.run([str(vswhere), "-latest", "-products", "*", "-version", "[17.0,18.0)", "-requires",
                            "Microsoft.VisualStudio.Component.VC.Tools.x86.x64", "-property", "installationPath"],
                           capture_output=True, text=True, check=True).stdout.strip()
@@ -314,7 +315,7 @@ def msvc_env(vswhere: Path | None = None) -> dict[str, str]:
         raise CibwError("Visual Studio 2022 with the C++ x64 toolset not found (vswhere); the release uses windows-2022")
     bat = Path(root) / "VC" / "Auxiliary" / "Build" / "vcvars64.bat"
     out = subprocess.run(f'cmd /s /c ""{bat}" >nul && set"', capture_output=True, text=True, shell=True, check=True).stdout
-    return env_diff(dict(os.environ), out)
+    return env_diff(child_environ(), out)
 
 
 def env_diff(before: dict[str, str], set_output: str) -> dict[str, str]:

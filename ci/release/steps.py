@@ -5,7 +5,6 @@ gather of the build jobs' artifacts, and the publish job's steps after gather.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shutil
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 
 from ci.release import REPO, ReleaseError, ReleaseInputError
 from ci.toolchain.targets import Matrix
+from ci.runtime.env import child_environ
 
 ARTIFACT_PREFIX = "wheel-"
 
@@ -250,7 +250,7 @@ def publish_steps(wheels: Path, index_dir: Path, api_url: str, repo: str, tag: s
     as the workflow passes them (every wheel checked against its job's hash; the missing
     targets named in the notes and on the index page); ``failed_steps``: the folder of the jobs'
     outcome files (the failed jobs' steps)."""
-    env = {**os.environ, "GITHUB_TOKEN": token, "SAGEATTN3_WRITE_INTERVAL": "0"}
+    env = child_environ(GITHUB_TOKEN=token, SAGEATTN3_WRITE_INTERVAL="0")
     owner, name = repo.split("/")
     base_url = f"https://{owner}.github.io/{name}/"
     outcomes = ["--plan", f"@{plan}", "--build-outputs", f"@{build_outputs}"] if plan and build_outputs else []

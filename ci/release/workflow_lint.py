@@ -5,7 +5,6 @@ zizmor), installed once into the factory's cache, and the lint of .github/workfl
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 
 from ci.runtime.pip_env import pip_environ
 from ci.release import REPO, ReleaseError
+from ci.runtime.env import FactoryEnv
 
 WORKFLOWS = REPO / ".github" / "workflows"
 LINT_REQUIREMENTS = REPO / "ci" / "requirements-workflows.txt"
@@ -47,7 +47,7 @@ def lint_tools() -> dict[str, Path]:
     (ci/requirements-workflows.txt) into the factory's cache."""
     found: dict[str, Path] = {}
     for name in ("actionlint", "zizmor"):
-        exe = os.environ.get(name.upper()) or shutil.which(name)
+        exe = getattr(FactoryEnv.from_environ(), name) or shutil.which(name)
         if exe:
             found[name] = Path(exe)
     if len(found) == 2:

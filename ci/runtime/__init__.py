@@ -1,1 +1,1 @@
-"""What every part of the factory runs inside: errors and exit codes, progress lines, pip's environment, file helpers."""
+"""What every part of the factory runs inside: the process environment, errors and exit codes, progress lines, pip's environment, file helpers."""

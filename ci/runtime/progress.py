@@ -10,10 +10,10 @@ looks like a hang in a log either.
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import threading
 import time
+from ci.runtime.env import FactoryEnv
 from pathlib import Path
 
 # A stage that has said nothing for this long says that it is still at work (and for how long).
@@ -24,7 +24,7 @@ def live_terminal(log) -> bool:
     """Whether ``log`` writes to an interactive terminal that a live line may redraw."""
     while isinstance(log, TeeLog):  # a tee writes a file beside what it wraps
         log = log.wraps
-    if log is not print or os.environ.get("CI") or os.environ.get("TERM") == "dumb":
+    if log is not print or (env := FactoryEnv.from_environ()).ci or env.term == "dumb":
         return False
     return importlib.util.find_spec("rich") is not None and sys.stdout.isatty()
 

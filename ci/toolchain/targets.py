@@ -7,7 +7,6 @@ entry and saying what to change.
 
 from __future__ import annotations
 
-import os
 import tomllib
 from dataclasses import dataclass
 from functools import cached_property
@@ -17,6 +16,7 @@ from packaging.version import InvalidVersion, Version
 
 from ci.toolchain.variant import Variant, cuda_tag
 from ci.runtime.errors import InputError
+from ci.runtime.env import FactoryEnv
 
 TARGETS_FILE = Path(__file__).resolve().parents[1] / "targets.toml"
 
@@ -140,7 +140,7 @@ class Matrix:
 
     @classmethod
     def load(cls, path: Path | None = None) -> "Matrix":
-        path = Path(path or os.environ.get("SAGEATTN3_TARGETS_FILE") or TARGETS_FILE)
+        path = Path(path or FactoryEnv.from_environ().targets_file or TARGETS_FILE)
         try:
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:

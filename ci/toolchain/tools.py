@@ -24,6 +24,7 @@ from packaging.version import Version
 from ci.runtime.pip_env import pip_environ
 from ci.toolchain.resolved import EXE, WINDOWS, CudaToolkit, TorchEnv, venv_python
 from ci.runtime.errors import InputError
+from ci.runtime.env import FactoryEnv, child_environ, python_override_var
 
 CUTLASS_PIN = "nvidia-cutlass==4.2.0.0"
 # CUDA 13.x toolkits provisioned from PyPI: the packages that make up nvcc + runtime headers.
@@ -43,8 +44,9 @@ CACHE_MARKER = ".sageattn3-factory-cache"
 
 def cache_path() -> Path:
     """Where the factory's cache is (``$SAGEATTN3_CACHE``, else the XDG cache folder), unmade."""
-    root = os.environ.get("SAGEATTN3_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sageattn3-factory"
+    env = FactoryEnv.from_environ()
+    root = env.cache or os.path.join(
+        env.xdg_cache_home or os.path.expanduser("~/.cache"), "sageattn3-factory"
     )
     return Path(root)
 
@@ -97,7 +99,7 @@ def _python_version(exe: str | Path) -> str | None:
 
 
 def _env_var(version: str) -> str:
-    return f"SAGEATTN3_PYTHON_{version.replace('.', '_')}"
+    return python_override_var(version)
 
 
 def _newest_first(paths: list[str], version_of) -> list[str]:
@@ -130,26 +132,28 @@ def _windows_pythons(version: str) -> list[str]:
     of GitHub runners (``$RUNNER_TOOL_CACHE\\Python\\3.X.Y\\x64``, newest patch first)."""
     tag = version.replace(".", "")
     found = [p for p in [_py_launcher(version)] if p]
-    for base in (os.path.join(os.environ.get("LOCALAPPDATA", ""), "Programs", "Python"),
-                 os.environ.get("ProgramFiles", "C:\\Program Files"), "C:\\"):
+    env = FactoryEnv.from_environ()
+    for base in (os.path.join(env.localappdata, "Programs", "Python"),
+                 env.program_files, "C:\\"):
         if base and os.path.isdir(base):
             found.append(os.path.join(base, f"Python{tag}", "python.exe"))
-    cache = os.environ.get("RUNNER_TOOL_CACHE") or os.environ.get("AGENT_TOOLSDIRECTORY") or "C:\\hostedtoolcache\\windows"
+    cache = env.runner_tool_cache or env.agent_toolsdirectory or "C:\\hostedtoolcache\\windows"
     found += _newest_first(glob.glob(os.path.join(cache, "Python", f"{version}.*", "x64", "python.exe")),
                            lambda p: Path(p).parent.parent.name)
     return found
 
 
 def _pyenv_pythons(version: str) -> list[str]:
-    pyenv_root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
+    pyenv_root = FactoryEnv.from_environ().pyenv_root or os.path.expanduser("~/.pyenv")
     return _newest_first(glob.glob(os.path.join(pyenv_root, "versions", f"{version}.*", "bin", "python3")),
                          lambda p: Path(p).parent.parent.name.split("-")[0])
 
 
 def _search_python(version: str, windows: bool) -> Path | None:
     candidates: list[str] = []
-    if os.environ.get(_env_var(version)):
-        candidates.append(os.environ[_env_var(version)])
+    override = FactoryEnv.from_environ().python_override(version)
+    if override:
+        candidates.append(override)
     candidates += _windows_pythons(version) if windows else _pyenv_pythons(version) + _uv_pythons(version)
     for name in (f"python{version}", "python3", "python"):
         on_path = shutil.which(name)
@@ -177,12 +181,13 @@ def find_python(version: str, *, windows: bool = WINDOWS, provision: bool = True
     found = _search_python(version, windows)
     if found:
         return found
-    override = os.environ.get(_env_var(version))
+    env = FactoryEnv.from_environ()
+    override = env.python_override(version)
     if override:
         raise ToolchainError(f"{_env_var(version)}={override} is not a Python {version} interpreter: point it at "
                              f"the python executable of a Python {version} install")
     tried = []
-    if provision and not windows and not os.environ.get("SAGEATTN3_NO_PROVISION_PYTHON"):
+    if provision and not windows and not env.no_provision_python:
         got, tried = provision_python(version, log=log)
         if got:
             return got
@@ -242,7 +247,7 @@ def provision_python(version: str, log=print) -> tuple[Path | None, list[str]]:
     uv = _uv()
     if uv:
         ways.append(([uv, "python", "install", version], f"`uv python install {version}`",
-                     {**os.environ, "UV_PYTHON_INSTALL_DIR": str(_uv_dir()), "UV_PYTHON_INSTALL_BIN": "0"},
+                     child_environ(UV_PYTHON_INSTALL_DIR=str(_uv_dir()), UV_PYTHON_INSTALL_BIN="0"),
                      1800, f"into {_uv_dir()}"))
     pyenv = shutil.which("pyenv")
     if pyenv:
@@ -290,12 +295,13 @@ def _nvcc_home(nvcc: str) -> Path:
 
 def _candidate_homes() -> list[tuple[Path, str]]:
     homes: list[tuple[Path, str]] = []
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            homes.append((Path(os.environ[var]), "env"))
+    env = FactoryEnv.from_environ()
+    for value in (env.cuda_home, env.cuda_path):
+        if value:
+            homes.append((Path(value), "env"))
     if WINDOWS:  # NVIDIA's installer sets CUDA_PATH_V13_0 etc. and installs under Program Files
-        homes += [(Path(v), "env") for k, v in sorted(os.environ.items(), reverse=True) if k.upper().startswith("CUDA_PATH_V")]
-        toolkits = os.path.join(os.environ.get("ProgramFiles", "C:\\Program Files"), "NVIDIA GPU Computing Toolkit", "CUDA")
+        homes += [(Path(v), "env") for v in env.cuda_path_versions]
+        toolkits = os.path.join(env.program_files, "NVIDIA GPU Computing Toolkit", "CUDA")
         homes += [(Path(p), "system") for p in sorted(glob.glob(os.path.join(toolkits, "v*")), reverse=True)]
     else:
         homes += [(Path(p), "system") for p in sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]
@@ -413,7 +419,7 @@ def cutlass_include() -> Path:
 def compiler_launcher() -> list[str]:
     """sccache, when present (installed with the factory's requirements); keyed by content,
     so a Python-only change recompiles nothing. SAGEATTN3_NO_CCACHE=1 turns it off."""
-    if os.environ.get("SAGEATTN3_NO_CCACHE"):
+    if FactoryEnv.from_environ().no_ccache:
         return []
     exe = shutil.which("sccache") or shutil.which("sccache", path=str(Path(sys.executable).parent))
     return [exe] if exe else []
@@ -422,7 +428,7 @@ def compiler_launcher() -> list[str]:
 def sccache_env(cache_dir: str | None = None) -> dict[str, str]:
     """The environment of our sccache server: its cache dir, and a port derived from that
     dir, so a server another process started with another cache is never reused."""
-    d = cache_dir or os.environ.get("SCCACHE_DIR") or str(cache_root() / "sccache")
+    d = cache_dir or FactoryEnv.from_environ().sccache_dir or str(cache_root() / "sccache")
     port = 20000 + int(hashlib.sha256(d.encode()).hexdigest(), 16) % 20000
     return {"SCCACHE_DIR": d, "SCCACHE_SERVER_PORT": str(port)}
 
@@ -443,7 +449,7 @@ def stop_sccache_server(env: dict[str, str] | None = None) -> bool:
     env = env or sccache_env()
     if not launcher or not sccache_server_running(env):
         return False
-    subprocess.run([launcher[0], "--stop-server"], capture_output=True, env={**os.environ, **env}, timeout=60)
+    subprocess.run([launcher[0], "--stop-server"], capture_output=True, env=child_environ(env), timeout=60)
     return True
 
 
@@ -479,7 +485,8 @@ def host_compiler_version(*, windows: bool = WINDOWS, cxx: str | None = None) ->
         if not banner:
             raise ToolchainError(f"{cl} printed no 'Compiler Version' banner: is it MSVC's cl.exe?")
         return banner
-    cxx = cxx or os.environ.get("CXX", "c++")
+    given = FactoryEnv.from_environ().cxx
+    cxx = cxx or (given if given is not None else "c++")
     try:
         return _output([cxx, "--version"]).splitlines()[0]
     except (OSError, subprocess.SubprocessError) as e:

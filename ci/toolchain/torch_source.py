@@ -19,16 +19,16 @@ torch line the wheel does not serve.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from packaging.version import Version
 
 from ci.toolchain.targets import Matrix, Target
 from ci.toolchain.variant import cuda_tag, torch_line
+from ci.runtime.env import FactoryEnv
 
 PYTORCH_INDEX = "https://download.pytorch.org/whl"
-INDEX_ENV = "SAGEATTN3_PYTORCH_INDEX"
+INDEX_ENV = FactoryEnv.variable("pytorch_index")
 # The OS where PyPI's default torch is a CUDA build (elsewhere it is a CPU build).
 PYPI_CUDA_OS = "linux-x86_64"
 
@@ -67,7 +67,7 @@ class TorchSource:
 
 def index_root(pytorch_index: str | None = None) -> tuple[str, bool]:
     """The PyTorch index root and whether it was configured (argument or environment)."""
-    root = pytorch_index or os.environ.get(INDEX_ENV)
+    root = pytorch_index or FactoryEnv.from_environ().pytorch_index
     return (root or PYTORCH_INDEX).rstrip("/"), bool(root)
 
 

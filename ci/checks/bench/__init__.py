@@ -4,7 +4,6 @@ Figures are printed, not asserted: run it on the machine you care about."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import threading
 import time
@@ -15,6 +14,7 @@ import psutil
 from ci.stages import build as buildmod
 from ci.stages.resolve import resolve_toolchain
 from ci.toolchain.tools import compiler_launcher, sccache_env
+from ci.runtime.env import FactoryEnv, child_environ, set_environ
 
 
 class PeakRSS:
@@ -45,12 +45,9 @@ def _use_compiler_cache(cache_dir: Path | None) -> None:
     """Point builds at ``cache_dir`` (a server of its own: see sccache_env), stopping the
     server of the previous one."""
     launcher = compiler_launcher()
-    if launcher and os.environ.get("SCCACHE_DIR"):
-        subprocess.run([*launcher, "--stop-server"], capture_output=True, env={**os.environ, **sccache_env()})
-    if cache_dir is None:
-        os.environ.pop("SCCACHE_DIR", None)
-    else:
-        os.environ["SCCACHE_DIR"] = str(cache_dir)
+    if launcher and FactoryEnv.from_environ().sccache_dir:
+        subprocess.run([*launcher, "--stop-server"], capture_output=True, env=child_environ(sccache_env()))
+    set_environ("SCCACHE_DIR", None if cache_dir is None else str(cache_dir))
 
 
 def timed_build(target, matrix, out: Path) -> tuple[float, int, Path]:

@@ -21,7 +21,6 @@ per SM per tile and the TOPS ceiling it implies on an RTX 5090, an RTX PRO 6000 
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ci.toolchain.flags import device_flags
+from ci.runtime.env import FactoryEnv
 
 ROOT = Path(__file__).resolve().parents[3]
 CSRC = ROOT / "sageattn3" / "csrc"
@@ -59,7 +59,7 @@ class Kernel:
 
 
 def nvcc_path() -> Path | None:
-    home = os.environ.get("CUDA_HOME")
+    home = FactoryEnv.from_environ().cuda_home
     if home and (Path(home) / "bin" / "nvcc").exists():
         return Path(home) / "bin" / "nvcc"
     found = shutil.which("nvcc")

@@ -38,12 +38,13 @@ from ci.release.runner_setup import cuda_commands
 from ci.release.runner_setup import install_cuda as _install_cuda
 from ci.toolchain.targets import Matrix, Target
 from ci.toolchain.torch_source import TorchSource, foreign_torch_source, torch_source
+from ci.runtime.env import FactoryEnv, child_environ, set_environ, setdefault_environ
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def load_target(target_id: str | None = None) -> tuple[Matrix, Target]:
-    tid = target_id or os.environ.get("SAGEATTN3_TARGET")
+    tid = target_id or FactoryEnv.from_environ().target
     if not tid:
         raise CibwError("no target: pass --target ID or set SAGEATTN3_TARGET")
     matrix = Matrix.load()
@@ -59,11 +60,11 @@ def _container_pythons() -> None:
         if d.name.endswith("t"):  # free-threaded builds are not abi3
             continue
         minor = d.name.split("-")[0][3:]
-        os.environ.setdefault(f"SAGEATTN3_PYTHON_3_{minor}", str(d / "bin" / "python"))
+        setdefault_environ(f"SAGEATTN3_PYTHON_3_{minor}", str(d / "bin" / "python"))
 
 
 def _dist() -> Path:
-    return Path(os.environ.get("SAGEATTN3_DIST") or REPO / "dist")
+    return Path(FactoryEnv.from_environ().dist or REPO / "dist")
 
 
 # -- before-all ------------------------------------------------------------------------------
@@ -117,7 +118,8 @@ def build_into(wheel_dir: Path, log=print) -> Path:
     matrix, target = load_target()
     if probe_dir() is not None:
         return build_probe(target, wheel_dir, log=log)
-    jobs = int(os.environ.get("MAX_JOBS") or nvcc_jobs())
+    given = FactoryEnv.from_environ().max_jobs
+    jobs = given if given is not None else int(nvcc_jobs())
     log(f"[build] {target.id}: {jobs} parallel compiles; torch {torch_source(target).describe()}")
     started = time.time()
     try:
@@ -127,7 +129,7 @@ def build_into(wheel_dir: Path, log=print) -> Path:
     wheel_dir.mkdir(parents=True, exist_ok=True)
     out = wheel_dir / result.wheel.name
     shutil.copy2(result.wheel, out)
-    if os.environ.get("SAGEATTN3_CI_CLEANUP") == "1":
+    if FactoryEnv.from_environ().ci_cleanup:
         verify_pythons = _verify_pythons(target)
         keep = [result.env.root] if result.env.python_version in verify_pythons else []
         cleanup_after_build(target, keep=keep, log=log)
@@ -136,14 +138,14 @@ def build_into(wheel_dir: Path, log=print) -> Path:
 
 # Where the build stage leaves a copy of its full log (the job uploads it when a step failed;
 # the error itself shows only the last lines). In a manylinux container it is a host path.
-LOG_DIR_ENV = "SAGEATTN3_LOG_DIR"
+LOG_DIR_ENV = FactoryEnv.variable("log_dir")
 
 
 def keep_build_log(target: Target, *, since: float = 0.0, log_dir: Path | None = None, log=print) -> Path | None:
     """The build's full log (``dist/raw/<target>.build.log``, written by ci.stages.build) copied into
     ``$SAGEATTN3_LOG_DIR`` (or ``log_dir``), when this build (modified at or after ``since``)
     wrote one; returns the copy."""
-    dest_dir = log_dir or (Path(os.environ[LOG_DIR_ENV]) if os.environ.get(LOG_DIR_ENV) else None)
+    dest_dir = log_dir or FactoryEnv.from_environ().log_dir
     src = _dist() / "raw" / f"{target.id}.build.log"
     if dest_dir is None or not src.is_file() or src.stat().st_mtime < since:
         return None
@@ -155,7 +157,8 @@ def keep_build_log(target: Target, *, since: float = 0.0, log_dir: Path | None =
 
 
 def _verify_pythons(target: Target, pythons: list[str] | None = None) -> list[str]:
-    return pythons or os.environ.get("SAGEATTN3_VERIFY_PYTHONS", target.python).split()
+    given = FactoryEnv.from_environ().verify_pythons
+    return pythons or (list(given) if given is not None else target.python.split())
 
 
 def repair_into(wheel: Path, dest_dir: Path, log=print) -> Path:
@@ -175,7 +178,7 @@ def repair_into(wheel: Path, dest_dir: Path, log=print) -> Path:
     return dest_dir / rec.wheel
 
 
-FOREIGN_DIR_ENV = "SAGEATTN3_FOREIGN_TORCH_DIR"
+FOREIGN_DIR_ENV = FactoryEnv.variable("foreign_torch_dir")
 
 
 def verify_sources(target: Target, matrix: Matrix, python: str) -> tuple[TorchSource, TorchSource]:
@@ -183,7 +186,7 @@ def verify_sources(target: Target, matrix: Matrix, python: str) -> tuple[TorchSo
     guard check: a CPU build from PyTorch's ``cpu`` directory, or ``$SAGEATTN3_FOREIGN_TORCH_DIR``
     where an index has no CPU builds (the local rehearsal's stand-in)."""
     return (torch_source(target),
-            foreign_torch_source(target, matrix, python, directory=os.environ.get(FOREIGN_DIR_ENV) or "cpu"))
+            foreign_torch_source(target, matrix, python, directory=FactoryEnv.from_environ().foreign_torch_dir or "cpu"))
 
 
 def use_python(exe: str) -> tuple[str, str]:
@@ -205,7 +208,7 @@ def use_python(exe: str) -> tuple[str, str]:
     except (OSError, subprocess.SubprocessError) as e:
         raise CibwError(f"--python-exe {path} did not run: {e}") from e
     version, base = out[0].strip(), out[1].strip()
-    os.environ[_env_var(version)] = base
+    set_environ(_env_var(version), base)
     return version, base
 
 
@@ -266,11 +269,11 @@ def collect(wheelhouse: Path, out: Path, target_id: str | None = None, log=print
 # with ci/cibuildwheel.toml's hooks on a one-file C extension instead of sageattn3/: the same
 # hook commands, container, environment and stages, in minutes. $SAGEATTN3_CIBW_PROBE names the
 # probe project, relative to the project root; cibuildwheel passes it into its container.
-PROBE_ENV = "SAGEATTN3_CIBW_PROBE"
+PROBE_ENV = FactoryEnv.variable("cibw_probe")
 
 
 def probe_dir() -> Path | None:
-    rel = os.environ.get(PROBE_ENV)
+    rel = FactoryEnv.from_environ().cibw_probe
     if not rel:
         return None
     path = (REPO / rel).resolve()
@@ -284,7 +287,7 @@ def build_probe(target: Target, wheel_dir: Path, log=print) -> Path:
     (the shim's), abi3 for the target's floor."""
     from ci.toolchain.tools import find_python
 
-    here = os.environ.get("SAGEATTN3_BUILD_PYTHON") or target.python
+    here = FactoryEnv.from_environ().build_python or target.python
     python = find_python(here)
     wheel_dir.mkdir(parents=True, exist_ok=True)
     before = set(wheel_dir.glob("*.whl"))
@@ -323,7 +326,7 @@ def verify_probe(wheel: Path, target: Target, pythons: list[str], python_exe: st
             raise CibwError(f"{wheel.name} did not work in Python {version}:\n{res.stderr[-1500:]}")
     log(f"[verify] probe payload {wheel.name}: Python {version} ({base}); add(2, 3) == 5; "
         f"its dependency packaging {res.stdout.strip()} installed; the hook's pip variables: "
-        + " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("PIP_")))
+        + " ".join(f"{k}={v}" for k, v in sorted(child_environ().items()) if k.startswith("PIP_")))
     return wheel.name
 
 

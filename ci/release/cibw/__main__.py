@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from ci.release.cibw import REPO, build_into, collect, install_cuda, install_cud
 from ci.release.cibw_job import check_job, factory_requirements, job_env, plan_job  # noqa: E402
 from ci.release.runner_setup import free_disk, msvc_env  # noqa: E402
 from ci.toolchain.targets import Matrix  # noqa: E402
+from ci.runtime.env import FactoryEnv
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,10 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     pj.add_argument("--target", action="append", help="target id (repeatable; default: all)")
     c = sub.add_parser("install-cuda", help="install the target's CUDA toolkit (before-all / a Windows step)")
     c.add_argument("--target")
-    c.add_argument("--github-env", type=Path, default=os.environ.get("GITHUB_ENV"))
+    c.add_argument("--github-env", type=Path, default=FactoryEnv.from_environ().github_env)
     c.add_argument("--dry-run", action="store_true", help="print what it would run (as a bash script), run nothing")
     m = sub.add_parser("msvc-env", help="export VS 2022 x64 developer variables to $GITHUB_ENV")
-    m.add_argument("--github-env", type=Path, default=os.environ.get("GITHUB_ENV"))
+    m.add_argument("--github-env", type=Path, default=FactoryEnv.from_environ().github_env)
     q = sub.add_parser("requirements", help="the factory's requirements for this (or another) platform")
     q.add_argument("--platform", choices=["linux", "windows"],
                    default="windows" if sys.platform == "win32" else "linux")
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         elif a.cmd == "collect":
             collect(a.wheelhouse, a.out, a.target)
     except Exception as e:  # noqa: BLE001 - one line naming the target, then non-zero
-        print(f"error ({os.environ.get('SAGEATTN3_TARGET') or getattr(a, 'target', None) or '?'}): "
+        print(f"error ({FactoryEnv.from_environ().target or getattr(a, 'target', None) or '?'}): "
               f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 0

@@ -37,6 +37,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from ci.runtime.errors import FactoryError
+from ci.runtime.env import child_environ
 
 REPO = Path(__file__).resolve().parents[3]
 CONTAINER_ENGINE = ("podman; create_args: --runtime=runc --ulimit=nofile=20000:20000 "
@@ -143,8 +144,7 @@ def job_environment(target_id: str, *, image: str, pytorch_index: str, cache_hos
                              "(cibuildwheel's Linux containers)")
     if target.os.machine != os.uname().machine:
         raise LocalCibwError(f"{target_id} is {target.os.machine}, this machine is {os.uname().machine}")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CIBW_")}
-    env.update(cibw_job.job_env(target, jobs=jobs))
+    env = cibw_job.job_process_environ(target, child_environ(), jobs=jobs)
     passed = environment_pass(target, env)
     env.update({
         "SAGEATTN3_PYTORCH_INDEX": pytorch_index,

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
 from ci.release.publish._net import (InputError, LineLog, PublishError, Redactor, RetryPolicy, check_api_url, check_repo, refusal,
                              token_from_env)
+from ci.runtime.env import FactoryEnv
 from ci.stages.provenance import FAILED_STEPS_HELP
 
 
@@ -23,7 +23,7 @@ def _retry_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--backoff", type=float, default=1.0, help="first backoff in seconds, doubling (default 1)")
     ap.add_argument("--max-wait", type=float, default=600.0,
                     help="longest single wait the server may ask for (default 600 s)")
-    ap.add_argument("--write-interval", type=float, default=float(os.environ.get("SAGEATTN3_WRITE_INTERVAL", "1.0")),
+    ap.add_argument("--write-interval", type=float, default=FactoryEnv.from_environ().write_interval,
                     help="seconds between mutating requests (GitHub asks for >= 1)")
 
 
@@ -46,15 +46,23 @@ def _json_arg(value: str | None, option: str):
     return json_argument(value, option, InputError)
 
 
+def _api_url() -> str:
+    """``--api-url``'s default: ``$GITHUB_API_URL``, else GitHub's."""
+    from ci.release.publish.github import DEFAULT_API
+
+    given = FactoryEnv.from_environ().github_api_url
+    return DEFAULT_API if given is None else given
+
+
 def _github(argv: list[str], out) -> int:
-    from ci.release.publish.github import DEFAULT_API, ReleaseOptions, publish_release
+    from ci.release.publish.github import ReleaseOptions, publish_release
 
     ap = argparse.ArgumentParser(prog="python -m ci.release.publish github",
                                  description="Upload wheels, build records and SHA256SUMS to a GitHub Release; "
                                              "publish it once complete. Token: $GITHUB_TOKEN or $GH_TOKEN.")
     ap.add_argument("--tag", required=True, help="vX.Y.Z")
     ap.add_argument("--repo", required=True, help="OWNER/NAME")
-    ap.add_argument("--api-url", default=os.environ.get("GITHUB_API_URL", DEFAULT_API))
+    ap.add_argument("--api-url", default=_api_url())
     ap.add_argument("--wheels", type=Path, default=Path("dist/wheels"))
     ap.add_argument("--dry-run", action="store_true", help="print the plan; write nothing")
     ap.add_argument("--replace", action="store_true",
@@ -66,7 +74,7 @@ def _github(argv: list[str], out) -> int:
     ap.add_argument("--name", default=None, help="release title (default: the tag)")
     ap.add_argument("--notes", default="", help="release body, for a release this run creates")
     ap.add_argument("--prerelease", action="store_true")
-    ap.add_argument("--target-commitish", default=os.environ.get("GITHUB_SHA") or None)
+    ap.add_argument("--target-commitish", default=FactoryEnv.from_environ().github_sha)
     ap.add_argument("--build-outputs", default=None, metavar="JSON",
                     help="the build jobs' outputs (toJSON(needs.build.outputs), or @file): every wheel must be the one "
                          "its build job verified (ci/stages/provenance.py)")
@@ -99,7 +107,6 @@ def _github(argv: list[str], out) -> int:
 
 
 def _pages(argv: list[str], out) -> int:
-    from ci.release.publish.github import DEFAULT_API
     from ci.release.publish.pages import PagesOptions, publish_pages
 
     ap = argparse.ArgumentParser(prog="python -m ci.release.publish pages",
@@ -113,7 +120,7 @@ def _pages(argv: list[str], out) -> int:
     ap.add_argument("--message", default=None, help="commit message (default: 'index: <tag>')")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--remove", action="append", default=[], metavar="WHEEL_OR_VERSION")
-    ap.add_argument("--api-url", default=os.environ.get("GITHUB_API_URL", DEFAULT_API))
+    ap.add_argument("--api-url", default=_api_url())
     ap.add_argument("--dry-run", action="store_true")
     _retry_args(ap)
     a = ap.parse_args(argv)
@@ -169,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = argv.pop(0) if argv and argv[0] in ("github", "pages", "pypi") else "github"
     redact = Redactor.from_env()
     redact.install()
-    logging.basicConfig(level=os.environ.get("SAGEATTN3_PUBLISH_LOG", "WARNING"))
+    logging.basicConfig(level=FactoryEnv.from_environ().publish_log)
     for h in logging.getLogger().handlers:
         h.addFilter(redact)
 
@@ -195,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             print(redact(f"publish {r}"), file=sys.stderr, flush=True)
             return 1
         print(redact(f"publish {cmd}: unexpected {type(e).__name__}: {e}"), file=sys.stderr, flush=True)
-        if os.environ.get("SAGEATTN3_PUBLISH_TRACEBACK"):
+        if FactoryEnv.from_environ().publish_traceback:
             import traceback
 
             print(redact(traceback.format_exc()), file=sys.stderr)

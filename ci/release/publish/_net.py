@@ -8,7 +8,6 @@ from __future__ import annotations
 import email.utils
 import http.client
 import logging
-import os
 import random
 import re
 import threading
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 from ci.runtime import errors
 from ci.runtime.errors import FactoryError
+from ci.runtime.env import FactoryEnv
 
 T = TypeVar("T")
 
@@ -76,8 +76,8 @@ class Redactor:
     def from_env(cls) -> "Redactor":
         names = [*TOKEN_VARS, "TWINE_PASSWORD", "TWINE_USERNAME"]
         # stripped as token_from_env strips them: the value sent (and maybe echoed) is the stripped one
-        return cls([os.environ.get(n, "").strip() for n in names
-                    if n != "TWINE_USERNAME" or os.environ.get(n, "").strip() != "__token__"])
+        values = _secrets()
+        return cls([values[n] for n in names if n != "TWINE_USERNAME" or values[n] != "__token__"])
 
     def __call__(self, text: object) -> str:
         s = str(text)
@@ -98,9 +98,16 @@ class Redactor:
             h.addFilter(self)
 
 
+def _secrets() -> dict[str, str]:
+    """The secrets publishing may send, by variable, stripped (empty: unset)."""
+    env = FactoryEnv.from_environ()
+    return {"GITHUB_TOKEN": env.github_token, "GH_TOKEN": env.gh_token,
+            "TWINE_PASSWORD": (env.twine_password or "").strip(), "TWINE_USERNAME": (env.twine_username or "").strip()}
+
+
 def token_from_env(required: bool = True) -> str | None:
     for name in TOKEN_VARS:
-        value = os.environ.get(name, "").strip()
+        value = _secrets()[name]
         if value:
             return value
     if required:

@@ -50,6 +50,7 @@ from ci.release.publish._net import InputError, PublishError, Redactor
 from ci.stages.record import BuildRecord, RecordError, load_records
 from ci.toolchain.variant import Variant
 from ci.stages.wheel_hygiene import UnsafeWheel, check_distinct
+from ci.runtime.env import FactoryEnv, child_environ
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,8 @@ def existing_files(simple_url: str, project: str, send_auth: bool) -> dict[str, 
 
     url = urllib.parse.urljoin(simple_url.rstrip("/") + "/", canonicalize_name(project) + "/")
     req = urllib.request.Request(url, headers={"Accept": "text/html"})
-    user, pw = os.environ.get("TWINE_USERNAME"), os.environ.get("TWINE_PASSWORD")
+    env = FactoryEnv.from_environ()
+    user, pw = env.twine_username, env.twine_password
     if send_auth and user and pw:
         req.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{pw}".encode()).decode())
     try:
@@ -189,7 +191,7 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 def twine_env(repository_url: str, log: Callable[[str], None]) -> dict[str, str]:
     """twine's environment: no colours, never a prompt, and placeholder credentials for a
     server without authentication when none are set (twine refuses to run without)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "CLICOLOR_FORCE", "PY_COLORS")}
+    env = child_environ(drop=("FORCE_COLOR", "CLICOLOR_FORCE", "PY_COLORS"))
     env.update(NO_COLOR="1", TERM="dumb", TWINE_NON_INTERACTIVE="1")
     if not is_pypi(repository_url) and not env.get("TWINE_USERNAME") and not env.get("TWINE_PASSWORD"):
         log("  no TWINE_USERNAME/TWINE_PASSWORD set: uploading without credentials (servers that need them refuse)")

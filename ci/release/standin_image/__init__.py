@@ -36,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 from ci.runtime.errors import FactoryError
+from ci.runtime.env import child_environ
 
 IMAGE_REPO = "localhost/sageattn3-manylinux-standin"
 SUITE = "bookworm"
@@ -77,7 +78,7 @@ def ensure_host_tools(log=print) -> None:
         raise StandinImageError(f"{', '.join(missing)} missing: install them (Debian: apt-get install -y "
                                 f"{' '.join(missing)}), or run as root on Debian so this installs them")
     log(f"[image] apt-get install {' '.join(missing)}")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    env = child_environ(DEBIAN_FRONTEND="noninteractive")
     _run(["apt-get", "update", "-qq"], env=env)
     _run(["apt-get", "install", "-y", "-qq", *missing], env=env)
 

@@ -33,6 +33,7 @@ from ci.runtime.pip_env import pip_environ
 from ci.toolchain.targets import Matrix, Target
 from ci.toolchain.tools import ToolchainError, cache_root, find_cuda
 from ci.runtime.errors import InputError
+from ci.runtime.env import FactoryEnv
 
 # The parts of torch/include the torch-facing units reach (ATen, c10, torch, and what they pull in).
 HEADER_DIRS = ("ATen", "c10", "torch", "caffe2", "fmt")
@@ -171,7 +172,7 @@ def _cuda_include() -> Path:
 def compile_case(case: GateCase, *, cxx: str | None = None, log=print) -> str | None:
     """None when the unit compiles; else the first compiler error (with the line naming it)."""
     include = torch_headers(case.torch_version, log=log)
-    cxx = cxx or os.environ.get("CXX") or "g++"
+    cxx = cxx or FactoryEnv.from_environ().cxx or "g++"
     cmd = [cxx, "-fsyntax-only", f"-std={case.std}", *[f"-D{d}" for d in case.defines],
            f"-I{PAYLOAD / 'csrc'}", f"-I{include}", f"-I{_cuda_include()}",
            f"-I{sysconfig.get_paths()['include']}", str(PAYLOAD / case.unit)]

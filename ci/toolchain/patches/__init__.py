@@ -26,6 +26,7 @@ from packaging.version import Version
 
 from ci.runtime.files import sha256_of
 from ci.runtime.errors import InputError
+from ci.runtime.env import FactoryEnv, child_environ
 
 PATCHES_DIR = Path(__file__).resolve().parents[3] / "patches"
 MANIFEST = PATCHES_DIR / "manifest.toml"
@@ -85,7 +86,7 @@ class Patch:
 
 
 def load_manifest(path: Path | None = None) -> list[Patch]:
-    path = Path(path or os.environ.get("SAGEATTN3_PATCH_MANIFEST") or MANIFEST)
+    path = Path(path or FactoryEnv.from_environ().patch_manifest or MANIFEST)
     if not path.exists():
         return []
     data = tomllib.loads(path.read_text())
@@ -129,7 +130,7 @@ def _git_apply(patch: Path, cwd: Path, *extra: str) -> subprocess.CompletedProce
     return subprocess.run(
         ["git", "apply", "--unsafe-paths", "-p1", *extra, str(patch)],
         cwd=cwd, capture_output=True, text=True,
-        env={**os.environ, "GIT_DIR": os.devnull},
+        env=child_environ(GIT_DIR=os.devnull),
     )
 
 
