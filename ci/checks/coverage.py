@@ -61,7 +61,7 @@ EVIDENCE_FILE = REPO / "ci" / "evidence.json"
 # records it, with the matrix it reads the target from.
 PAYLOAD_INPUTS = ("sageattn3", "patches")
 WHEEL_BUILD_INPUTS = (
-    "ci/targets.toml", "ci/payload", "ci/toolchain/targets.py", "ci/toolchain/variant.py", "ci/toolchain/flags.py",
+    "ci/targets.toml", "ci/payload", "ci/runtime", "ci/toolchain/targets.py", "ci/toolchain/variant.py", "ci/toolchain/flags.py",
     "ci/toolchain/patches", "ci/stages/resolve.py", "ci/toolchain/resolved.py", "ci/toolchain/tools.py",
     "ci/toolchain/torch_source.py", "ci/stages/build.py", "ci/stages/repair.py", "ci/stages/tag.py", "ci/stages/record.py",
 )
