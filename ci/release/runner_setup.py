@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path, PurePath
 
-from ci.toolchain.flags import CUDA12_GCC_TOOLSET, GCC_TOOLSET_CXX, cuda_host_compiler  # noqa: F401 (re-exported)
+from ci.toolchain.flags import CUDA12_GCC_TOOLSET, cuda_host_compiler, toolset_cxx  # noqa: F401 (re-exported)
 from ci.toolchain.targets import Target
 from ci.runtime.errors import FactoryError
 from ci.runtime.env import FactoryEnv, child_environ

@@ -65,7 +65,21 @@ def profile_for(target: Target, stable_abi_floor: str, *, mma_model: bool = Fals
 CUDA12_GCC_TOOLSET = 13
 
 
-GCC_TOOLSET_CXX = "/opt/rh/gcc-toolset-{n}/root/usr/bin/g++"
+def toolset_cxx(n: int) -> str:
+    """The g++ of gcc-toolset-``n``, found at run time in the installed package's file list
+    (``rpm -ql gcc-toolset-<n>-gcc-c++``: the image decides where the toolset lives). Where the
+    package is not installed (before before-all, or on a machine without rpm) the name
+    ``gcc-toolset-<n>-g++``, which no machine has: the checks that run it then say to install it."""
+    import shutil
+    import subprocess
+
+    rpm = shutil.which("rpm")
+    if rpm:
+        proc = subprocess.run([rpm, "-ql", f"gcc-toolset-{n}-gcc-c++"], capture_output=True, text=True)
+        found = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip().endswith("/bin/g++")]
+        if proc.returncode == 0 and found:
+            return found[0]
+    return f"gcc-toolset-{n}-g++"
 
 
 def cuda_host_compiler(target: Target, cuda: str | None = None) -> str | None:
@@ -73,5 +87,5 @@ def cuda_host_compiler(target: Target, cuda: str | None = None) -> str | None:
     (``-ccbin``): gcc-toolset-CUDA12_GCC_TOOLSET's with CUDA 12.x on Linux, None elsewhere (13.x
     accepts the image's default GCC; Windows: cl)."""
     if target.os.platform == "linux" and int((cuda or target.cuda).split(".")[0]) < 13:
-        return GCC_TOOLSET_CXX.format(n=CUDA12_GCC_TOOLSET)
+        return toolset_cxx(CUDA12_GCC_TOOLSET)
     return None

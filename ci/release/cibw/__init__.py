@@ -82,7 +82,7 @@ def install_cuda_plan(target: Target) -> str:
     """What ``install-cuda`` runs for ``target``, as a bash script (Linux: the dnf commands, then
     the checks of what they installed; Windows: the pinned download and check, then the installer)."""
     from ci.release.runner_setup import (CUDA12_GCC_TOOLSET, RPM_PACKAGES, WINDOWS_CUDA_RELEASES, WINDOWS_INSTALLER,
-                                 WINDOWS_INSTALLER_SHA256, cuda_host_compiler, shell_script)
+                                 WINDOWS_INSTALLER_SHA256, shell_script)
 
     cmds = cuda_commands(target)
     if target.os.platform == "windows":
@@ -98,11 +98,11 @@ def install_cuda_plan(target: Target) -> str:
     if not cmds:
         return f"# CUDA {target.cuda}: provisioned from PyPI by the build (ci.toolchain.tools), nothing installed here\n"
     major, minor = target.cuda.split(".")
-    cxx = cuda_host_compiler(target)
-    checks = [["rpm", "-q", "--qf", "%{NAME} %{VERSION}-%{RELEASE}\\n", *[f"{p}-{major}-{minor}" for p in RPM_PACKAGES]],
-              [cxx, "-dumpfullversion", "-dumpversion"]]
-    return shell_script(cmds) + f"# then: the installed versions are the pins, and {cxx} is GCC {CUDA12_GCC_TOOLSET}\n" + \
-        shell_script(checks).split("\n", 1)[1]
+    checks = [["rpm", "-q", "--qf", "%{NAME} %{VERSION}-%{RELEASE}\\n", *[f"{p}-{major}-{minor}" for p in RPM_PACKAGES]]]
+    # the toolset's g++ where the image installed it (ci.toolchain.flags.toolset_cxx, run time)
+    cxx = f"$(rpm -ql gcc-toolset-{CUDA12_GCC_TOOLSET}-gcc-c++ | grep '/bin/g++$')"
+    return shell_script(cmds) + f"# then: the installed versions are the pins, and the toolset's g++ is GCC {CUDA12_GCC_TOOLSET}\n" + \
+        shell_script(checks).split("\n", 1)[1] + f'"{cxx}" -dumpfullversion -dumpversion\n'
 
 
 # -- the stages cibuildwheel calls ----------------------------------------------------------
