@@ -5,10 +5,8 @@ then every page and file written (only what changed), and the files a site updat
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
-import zipfile
 from dataclasses import dataclass, field
 from email.parser import BytesHeaderParser
 from pathlib import Path
@@ -119,15 +117,6 @@ def manifest_entries(manifest: dict, where: str) -> dict[str, Entry]:
             raise IndexError_(f"{where}: wheels.{name}: field wheel: {_short(e.wheel)}, expected the entry's name")
         out[name] = e
     return out
-
-
-def _metadata_of(fileobj, wheel: str) -> bytes:
-    """The wheel's ``<name>-<version>.dist-info/METADATA`` (what PEP 658 serves)."""
-    with zipfile.ZipFile(fileobj) as z:
-        for n in z.namelist():
-            if n.endswith(".dist-info/METADATA") and n.count("/") == 1:
-                return z.read(n)
-    raise IndexError_(f"{wheel}: no .dist-info/METADATA")
 
 
 def _metadata_requires_python(meta: bytes) -> str:
@@ -260,14 +249,15 @@ def update_index(records: list[BuildRecord], wheels_dir: Path, out: Path, projec
 
 
 def _add_files(to_add: list, entries: dict, files: Path, wheels_dir: Path, result) -> None:
-    """Each checked new wheel into ``files/`` (read once: hashed, copied, its METADATA taken)
+    """Each checked new wheel into ``files/`` (hashed and copied from one read; its METADATA
+    taken from the copy)
     with its ``.metadata`` file, and into ``entries``; what was written or added into ``result``."""
     for rec in to_add:
         dst = files / rec.wheel
         have = entries.get(rec.wheel)
         if not dst.exists():
             src = wheels_dir / rec.wheel
-            data = src.read_bytes()  # read once: hashed, copied and searched for METADATA
+            data = src.read_bytes()  # read once: hashed and copied
             if hashlib.sha256(data).hexdigest() != rec.sha256:  # changed since it was checked
                 raise IndexError_(f"{rec.wheel}: its record's sha256 does not match {src}; rebuild it")
             dst.parent.mkdir(parents=True, exist_ok=True)
@@ -275,7 +265,10 @@ def _add_files(to_add: list, entries: dict, files: Path, wheels_dir: Path, resul
             tmp.write_bytes(data)
             os.replace(tmp, dst)
             result.written.append(f"files/{rec.wheel}")
-            meta = _metadata_of(io.BytesIO(data), rec.wheel)
+            try:  # from the copy just written (the same bytes, hashed above)
+                meta = wheel_metadata(dst)
+            except RecordError as e:
+                raise IndexError_(str(e)) from None
         else:
             meta = wheel_metadata(dst)
         if _write_bytes(files / (rec.wheel + ".metadata"), meta):
