@@ -254,3 +254,16 @@ def test_an_unpinned_installer_is_neither_downloaded_nor_run(monkeypatch, tmp_pa
 
     script = install_cuda_plan(BY_ID["windows-amd64-cu128-torch2.7"])
     assert "exit 1" in script and "curl" not in script
+
+
+def test_the_toolset_gxx_is_found_in_the_packages_file_list(tmp_path, monkeypatch):
+    """toolset_cxx asks rpm where the installed gcc-toolset put its g++ (a stand-in rpm on PATH
+    answers as `rpm -ql` does); without the package it names the toolset, which nothing runs."""
+    rpm = tmp_path / "rpm"
+    rpm.write_text("#!/bin/sh\n[ \"$1\" = -ql ] && [ \"$2\" = gcc-toolset-13-gcc-c++ ] || exit 1\n"
+                   "printf '%s\\n' /x/gcc-toolset-13/root/usr/bin/c++ /x/gcc-toolset-13/root/usr/bin/g++ "
+                   "/x/gcc-toolset-13/root/usr/share/man/man1/g++.1.gz\n")
+    rpm.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert runner_setup.toolset_cxx(13) == "/x/gcc-toolset-13/root/usr/bin/g++"
+    assert runner_setup.toolset_cxx(15) == "gcc-toolset-15-g++"
