@@ -419,7 +419,23 @@ OUTPUT_WRITING_OPS = (
 )
 # Ops of the library that allocate and return their outputs, with the fakes that give those
 # outputs' shapes (kept next to the op's wrapper above).
-ALLOCATING_OPS = {"preprocess_qkv": _preprocess_qkv_fake}
+def _qk_rule_select_fake(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, limit,
+                         select_all):
+    b, hq, hk = q.shape[0], q.shape[1], k.shape[1]
+    return (q.new_empty((b, hq), dtype=torch.float32), q.new_empty((b, hq), dtype=torch.uint8),
+            q.new_empty((b, hk), dtype=torch.uint8))
+
+
+def _mxfp8_smooth_quant_qk_fake(q, k, mean_q, mean_k, balance, sel_q, sel_k, seq_pad):
+    (b, hq, sq, d), hk, sk = q.shape, k.shape[1], k.shape[2]
+    sqp, skp = -(-sq // seq_pad) * seq_pad, -(-sk // seq_pad) * seq_pad
+    u8 = torch.uint8
+    return (q.new_empty((b, hq, sqp, d), dtype=u8), q.new_empty((b, hq, sqp, d // 32), dtype=u8),
+            q.new_empty((b, hk, skp, d), dtype=u8), q.new_empty((b, hk, skp, d // 32), dtype=u8))
+
+
+ALLOCATING_OPS = {"preprocess_qkv": _preprocess_qkv_fake, "qk_rule_select": _qk_rule_select_fake,
+                  "mxfp8_smooth_quant_qk": _mxfp8_smooth_quant_qk_fake}
 # Ops defined in Python (sageattn3.api), with their own fakes.
 PYTHON_OPS = ("attention",)
 

@@ -62,6 +62,8 @@ def test_paired_mxfp8_op_matches_two_single_ops(fp4, balance, d):  # noqa: F811
     sel_q = torch.tensor([[1, 0, 0, 0], [0, 1, 1, 0]], dtype=torch.uint8, device="cuda")
     sel_k = torch.tensor([[1, 0], [1, 1]], dtype=torch.uint8, device="cuda")
     q8, q8s, k8, k8s = _kernels.mxfp8_smooth_quant_qk(q, k, pre, sel_q, sel_k, 128)
+    fake = _kernels._mxfp8_smooth_quant_qk_fake(q, k, None, None, None, None, None, 128)
+    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in (q8, q8s, k8, k8s)]
     wq, wqs = _kernels.mxfp8_smooth_quant(q, pre.mean_q, pre.balance, -1, sel_q, 128)
     wk, wks = _kernels.mxfp8_smooth_quant(k, pre.mean_k, pre.balance, 1, sel_k, 128)
     assert q8.shape == (2, 4, 384, d) and k8.shape == (2, 2, 256, d) and q8s.shape == (2, 4, 384, d // 32)
