@@ -148,6 +148,13 @@ struct QkRuleArgs {
   float* partial;
   int32_t* counter;
   float* error;
+  // The selection (qk_rule_select), or null (qk_rule_error): the launch zeroes counter and sel_k
+  // first; the block that writes a head's error sets sel_q[head] = select_all || error > limit
+  // (a NaN estimate keeps FP4) and, where set, sel_k of its kv head to 1.
+  uint8_t* sel_q;
+  uint8_t* sel_k;
+  float limit;
+  int select_all;
 };
 int qk_rule_error(const QkRuleArgs& args, cudaStream_t stream);
 

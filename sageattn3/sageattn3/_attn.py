@@ -248,7 +248,7 @@ def attention_qk8(pre, head_sel: torch.Tensor, q8: torch.Tensor, q8_scales: torc
     out = torch.empty((q.shape[0], q.shape[1], pre.seq_q, d), dtype=out_dtype, device=q.device)
     k_res = _kernels._none(q.device, 6) if pre.k_residual is None else pre.k_residual
     work = delta_s_workspace(q.shape[0], q.shape[1], pre.mean_q.shape[2], pre.seq_q, pre.k_packed.shape[2], q.device)
-    sel = head_sel.to(torch.uint8).contiguous()
+    sel = head_sel if head_sel.dtype == torch.uint8 and head_sel.is_contiguous() else head_sel.to(torch.uint8).contiguous()
     _kernels.op("blockscaled_attn_qk8")(q, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
                                         pre.mean_q, pre.mean_q_global, pre.delta_key, k_res, work, out, sel,
                                         _bytes(q8, "q8"), q8_scales, _bytes(k8, "k8"), k8_scales, pre.seq_q,

@@ -340,6 +340,28 @@ def qk_rule_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale:
     return error
 
 
+def qk_rule_select(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale: float, limit: float,
+                   select_all: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``qk_rule_error`` and the selection from it in one op (one launch, no synchronisation): returns
+    error (B, Hq) float32, sel_q (B, Hq) uint8 (1: the head's Q·Kᵀ in FP8; every head with
+    ``select_all``, else error > limit, a NaN estimate keeping FP4) and sel_k (B, Hkv) uint8 (1 where
+    any of its q heads is 1), as ``reference.choose_qk_precision`` decides."""
+    return op("qk_rule_select")(aligned(q), aligned(k), aligned(v), aligned(pre.q_packed), aligned(pre.q_scales),
+                                aligned(pre.k_packed), aligned(pre.k_scales), aligned(pre.mean_q),
+                                aligned(pre.mean_k), _none(q.device, 10) if pre.balance is None else aligned(pre.balance),
+                                float(scale), float(limit), bool(select_all))
+
+
+def mxfp8_smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, pre, sel_q: torch.Tensor, sel_k: torch.Tensor,
+                          seq_pad: int) -> tuple[torch.Tensor, ...]:
+    """Both MXFP8 operands of the per-head FP8 Q·Kᵀ (``mxfp8_smooth_quant`` of Q with sel_q and of K
+    with sel_k, balance signs -1 and +1) from one op that allocates them: (q8, q8_scales, k8,
+    k8_scales), codes uint8 (B, H, Sp, D), scales uint8 (B, H, Sp, D/32)."""
+    bal = _none(q.device, 8) if pre.balance is None else aligned(pre.balance)
+    return op("mxfp8_smooth_quant_qk")(aligned(q), aligned(k), aligned(pre.mean_q), aligned(pre.mean_k), bal,
+                                       sel_q, sel_k, int(seq_pad))
+
+
 def _preprocess_qkv_fake(q, k, v, pad, per_block_mean, rotate, balance, search):
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
@@ -397,7 +419,23 @@ OUTPUT_WRITING_OPS = (
 )
 # Ops of the library that allocate and return their outputs, with the fakes that give those
 # outputs' shapes (kept next to the op's wrapper above).
-ALLOCATING_OPS = {"preprocess_qkv": _preprocess_qkv_fake}
+def _qk_rule_select_fake(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, limit,
+                         select_all):
+    b, hq, hk = q.shape[0], q.shape[1], k.shape[1]
+    return (q.new_empty((b, hq), dtype=torch.float32), q.new_empty((b, hq), dtype=torch.uint8),
+            q.new_empty((b, hk), dtype=torch.uint8))
+
+
+def _mxfp8_smooth_quant_qk_fake(q, k, mean_q, mean_k, balance, sel_q, sel_k, seq_pad):
+    (b, hq, sq, d), hk, sk = q.shape, k.shape[1], k.shape[2]
+    sqp, skp = -(-sq // seq_pad) * seq_pad, -(-sk // seq_pad) * seq_pad
+    u8 = torch.uint8
+    return (q.new_empty((b, hq, sqp, d), dtype=u8), q.new_empty((b, hq, sqp, d // 32), dtype=u8),
+            q.new_empty((b, hk, skp, d), dtype=u8), q.new_empty((b, hk, skp, d // 32), dtype=u8))
+
+
+ALLOCATING_OPS = {"preprocess_qkv": _preprocess_qkv_fake, "qk_rule_select": _qk_rule_select_fake,
+                  "mxfp8_smooth_quant_qk": _mxfp8_smooth_quant_qk_fake}
 # Ops defined in Python (sageattn3.api), with their own fakes.
 PYTHON_OPS = ("attention",)
 

@@ -40,8 +40,10 @@ class QkChoice:
                 f"{int(sel.sum())} of {sel.numel()} heads FP8; per head: {heads}")
 
 def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float | None):
-    """(fp8 (B, Hq) bool, error (B, Hq)) where the per-head precision applies, else the reason
-    (str) every head stays FP4: "fp4" asked, or FP8 unavailable with "auto" ("fp8" raises then)."""
+    """(sel_q (B, Hq) uint8, sel_k (B, Hkv) uint8, error (B, Hq)) where the per-head precision
+    applies: sel_q 1 where a q head's Q·Kᵀ runs in FP8, sel_k 1 where any q head of a kv head does;
+    else the reason (str) every head stays FP4: "fp4" asked, or FP8 unavailable with "auto"
+    ("fp8" raises then). On the kernels, one op computes all three (no synchronisation)."""
     precision = reference.qk_precision_arg(qk_precision)
     if precision == "fp4":
         return "qk_precision='fp4'"
@@ -56,17 +58,31 @@ def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float
         if precision == "fp8":
             raise ValueError(why)
         return why
+    if _rule_kernel_serves(q, pre):
+        err, sel_q, sel_k = _kernels.qk_rule_select(q, k, v, pre, _scale(q, sm_scale), reference.AUTO_ERROR_LIMIT,
+                                                    precision == "fp8")
+        return sel_q, sel_k, err
     err = _qk_error(q, k, v, pre, sm_scale)
-    return reference.choose_qk_precision(precision, err), err
+    fp8 = reference.choose_qk_precision(precision, err)
+    hk = k.shape[1]
+    return fp8.to(torch.uint8), fp8.view(b, hk, hq // hk).any(dim=-1).to(torch.uint8), err
+
+
+def _scale(q, sm_scale: float | None) -> float:
+    return sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[3])
+
+
+def _rule_kernel_serves(q, pre: Preprocessed) -> bool:
+    """Whether the fused rule kernel computes the estimate for these inputs (else the reference)."""
+    return (_use_kernels(q) and q.dtype in (torch.float16, torch.bfloat16) and pre.k_block_corr is None
+            and _kernels.has_rule_kernel())
 
 
 def _qk_error(q, k, v, pre: Preprocessed, sm_scale: float | None) -> torch.Tensor:
     """The rule's estimate (B, Hq): the fused kernel on CUDA where it is built (one launch),
     else ``reference.qk_fp4_error`` (torch ops; the CPU path, and the kernel's oracle)."""
-    if (_use_kernels(q) and q.dtype in (torch.float16, torch.bfloat16) and pre.k_block_corr is None
-            and _kernels.has_rule_kernel()):
-        scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[3])
-        return _kernels.qk_rule_error(q, k, v, pre, scale)
+    if _rule_kernel_serves(q, pre):
+        return _kernels.qk_rule_error(q, k, v, pre, _scale(q, sm_scale))
     return reference.qk_fp4_error(q, k, v, pre, sm_scale)
 
 
@@ -82,5 +98,6 @@ def qk_choice(q, k, v, is_causal: bool = False, per_block_mean: bool = True,
     picked = _qk_selection(q, k, v, pre, precision, None)
     if isinstance(picked, str):
         return QkChoice.fp4_path(q, precision, picked)
-    return QkChoice(precision, *picked)
+    sel_q, _, err = picked
+    return QkChoice(precision, sel_q.view(torch.bool), err)
 

@@ -339,14 +339,10 @@ def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: flo
             choice.append(QkChoice.fp4_path(q, qk_precision, picked))
         return _attn.attention_from_preprocessed(pre, is_causal=is_causal, sm_scale=sm_scale, out_dtype=q.dtype,
                                                  trusted=True)
-    fp8, err = picked
+    sel_q, sel_k, err = picked
     if choice is not None:
-        choice.append(QkChoice(qk_precision, fp8, err))
-    b, hq, hk = q.shape[0], q.shape[1], k.shape[1]
-    sel_q = fp8.to(torch.uint8)
-    sel_k = fp8.view(b, hk, hq // hk).any(dim=-1).to(torch.uint8)
-    q8, q8s = _kernels.mxfp8_smooth_quant(_kernels.aligned(q), pre.mean_q, pre.balance, -1, sel_q, _attn.SEQ_PAD)
-    k8, k8s = _kernels.mxfp8_smooth_quant(_kernels.aligned(k), pre.mean_k, pre.balance, 1, sel_k, _attn.SEQ_PAD)
+        choice.append(QkChoice(qk_precision, sel_q.view(torch.bool), err))
+    q8, q8s, k8, k8s = _kernels.mxfp8_smooth_quant_qk(q, k, pre, sel_q, sel_k, _attn.SEQ_PAD)
     return _attn.attention_qk8(pre, sel_q, q8, q8s, k8, k8s, is_causal=is_causal, sm_scale=sm_scale, out_dtype=q.dtype)
 
 

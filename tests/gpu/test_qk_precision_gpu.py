@@ -50,6 +50,28 @@ def test_mxfp8_quantization_is_bit_exact(fp4, dtype, balance, d):  # noqa: F811
     assert torch.equal(k8.view(torch.uint8).cpu(), wk.view(torch.uint8)) and torch.equal(k8s.cpu(), wks)
 
 
+@pytest.mark.parametrize("balance", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_paired_mxfp8_op_matches_two_single_ops(fp4, balance, d):  # noqa: F811
+    """mxfp8_smooth_quant_qk (Q and K in one op that allocates them) gives the selected heads' rows
+    of the two single-operand ops bit for bit, ragged lengths and GQA."""
+    from sageattn3 import _kernels
+
+    q, k, v = (t.cuda() for t in ac.make("q_outliers", 2, 4, 2, 300, 200, d, seed=6))
+    pre = fp4.preprocess(q, k, v, qk_balance=balance)
+    sel_q = torch.tensor([[1, 0, 0, 0], [0, 1, 1, 0]], dtype=torch.uint8, device="cuda")
+    sel_k = torch.tensor([[1, 0], [1, 1]], dtype=torch.uint8, device="cuda")
+    q8, q8s, k8, k8s = _kernels.mxfp8_smooth_quant_qk(q, k, pre, sel_q, sel_k, 128)
+    fake = _kernels._mxfp8_smooth_quant_qk_fake(q, k, None, None, None, None, None, 128)
+    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in (q8, q8s, k8, k8s)]
+    wq, wqs = _kernels.mxfp8_smooth_quant(q, pre.mean_q, pre.balance, -1, sel_q, 128)
+    wk, wks = _kernels.mxfp8_smooth_quant(k, pre.mean_k, pre.balance, 1, sel_k, 128)
+    assert q8.shape == (2, 4, 384, d) and k8.shape == (2, 2, 256, d) and q8s.shape == (2, 4, 384, d // 32)
+    sq, sk = sel_q.bool(), sel_k.bool()
+    assert torch.equal(q8[sq], wq.view(torch.uint8)[sq]) and torch.equal(q8s[sq], wqs[sq])
+    assert torch.equal(k8[sk], wk.view(torch.uint8)[sk]) and torch.equal(k8s[sk], wks[sk])
+
+
 @pytest.mark.parametrize("case", ["mixed_heads", "rope_bias", "peaky", "randn"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])

@@ -36,6 +36,7 @@ def _compare(sa, case, b, hq, hk, sq, sk, d, *, dtype=torch.bfloat16, seed=2025,
     got = _kernels.qk_rule_error(qc, kc, vc, pre, scale)
     again = _kernels.qk_rule_error(qc, kc, vc, pre, scale)
     want = ref.qk_fp4_error(q, k, v, _cpu(pre), sm_scale)
+    _check_select(qc, kc, vc, pre, scale, got)
     got = got.cpu()
     assert torch.equal(got, again.cpu()), f"{case}: two launches differ"
     rel = ((got - want).abs() / want.abs().clamp_min(1e-12)).max().item()
@@ -46,6 +47,28 @@ def _compare(sa, case, b, hq, hk, sq, sk, d, *, dtype=torch.bfloat16, seed=2025,
     assert rel < 1e-3, fig
     assert torch.equal(got > ref.AUTO_ERROR_LIMIT, want > ref.AUTO_ERROR_LIMIT), fig
     return got, want
+
+
+def _check_select(q, k, v, pre, scale, error):
+    """qk_rule_select (the estimate and the selection in one op): the same estimate bit for bit as
+    qk_rule_error, sel_q = error > limit (or every head with select_all), sel_k = any over each kv
+    head's q heads; at the default limit and at limits that split the heads, twice each (the
+    counters and sel_k are zeroed by every launch)."""
+    from sageattn3 import _kernels, reference as ref
+
+    b, hq, hk = q.shape[0], q.shape[1], k.shape[1]
+    limits = [ref.AUTO_ERROR_LIMIT, float(error.median()), float(error.min()) - 1.0, float(error.max())]
+    for limit in limits:
+        for select_all in (False, True):
+            for _ in range(2):
+                err, sel_q, sel_k = _kernels.qk_rule_select(q, k, v, pre, scale, limit, select_all)
+                fake = _kernels._qk_rule_select_fake(q, k, v, *[None] * 9, select_all)
+                assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in (err, sel_q, sel_k)]
+                assert sel_q.dtype == torch.uint8 and sel_k.dtype == torch.uint8
+                assert torch.equal(err, error), "qk_rule_select's estimate differs from qk_rule_error's"
+                want = torch.ones_like(error, dtype=torch.bool) if select_all else error > limit
+                assert torch.equal(sel_q, want.to(torch.uint8)), (limit, select_all, sel_q, error)
+                assert torch.equal(sel_k, want.view(b, hk, hq // hk).any(-1).to(torch.uint8)), (limit, sel_k)
 
 
 @pytest.mark.parametrize("case", ac.CASES)

@@ -400,8 +400,14 @@ __device__ __forceinline__ void head_error(const QkRuleArgs& a, int64_t bh, int 
       sn += __ldcg(a.partial + (bh * kSampled + i) * 2);
       sd += __ldcg(a.partial + (bh * kSampled + i) * 2 + 1);
     }
-    a.error[bh] = sqrtf(sn / fmaxf(sd, 1e-30f));
+    const float e = sqrtf(sn / fmaxf(sd, 1e-30f));
+    a.error[bh] = e;
     a.counter[bh] = 0;  // ready for the next launch
+    if (a.sel_q != nullptr) {
+      const bool fp8 = a.select_all != 0 || e > a.limit;
+      a.sel_q[bh] = fp8 ? 1 : 0;
+      if (fp8) a.sel_k[(bh / a.Hq) * a.Hkv + (bh % a.Hq) / (a.Hq / a.Hkv)] = 1;
+    }
   }
 }
 
@@ -472,6 +478,11 @@ int launch(const QkRuleArgs& a, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(L::kBytes));
   if (err != cudaSuccess) return err;
+  if (a.sel_q != nullptr) {  // the selection's zeros, stream-ordered before the blocks that count and set them
+    err = cudaMemsetAsync(a.counter, 0, sizeof(int32_t) * static_cast<size_t>(a.B * a.Hq), stream);
+    if (err == cudaSuccess) err = cudaMemsetAsync(a.sel_k, 0, static_cast<size_t>(a.B * a.Hkv), stream);
+    if (err != cudaSuccess) return err;
+  }
   const dim3 grid(static_cast<unsigned>(a.B * a.Hq), static_cast<unsigned>(sampled_count(a.Sq)));
   kernel<<<grid, kThreads, L::kBytes, stream>>>(a);
   return cudaGetLastError();
@@ -487,7 +498,7 @@ int launch_d(const QkRuleArgs& a, cudaStream_t stream) {
 int qk_rule_error(const QkRuleArgs& a, cudaStream_t stream) {
   if ((a.D != 64 && a.D != 128) || a.B < 1 || a.Hq < 1 || a.Hkv < 1 || a.Hq % a.Hkv || a.Sq < 1 || a.Sk < 1 ||
       a.Sqp < a.Sq || a.Skp < a.Sk || a.mean_rows < 1 || (a.mean_rows > 1 && a.mean_rows * kBlock < a.Sq) ||
-      a.B * a.Hq > 0x7FFFFFFF)
+      a.B * a.Hq > 0x7FFFFFFF || ((a.sel_q == nullptr) != (a.sel_k == nullptr)))
     return cudaErrorInvalidValue;
   switch (a.dtype) {
     case DType::kFloat16: return launch_d<f16_t>(a, stream);

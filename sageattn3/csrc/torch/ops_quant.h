@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <tuple>
 
 #include "sageattn3.h"
 #include "torch/checks.h"
@@ -105,6 +106,34 @@ void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T c
   a.codes = bytes(codes);
   a.scales = bytes(scales);
   check_cuda_kernel<T>(smooth_quant_mxfp8(a, TensorApi<T>::stream(x)), "mxfp8_smooth_quant");
+}
+
+// mxfp8_smooth_quant_qk(q, k, mean_q, mean_k, balance, sel_q, sel_k, seq_pad) -> (q8, q8_sf, k8,
+// k8_sf): both MXFP8 operands of the per-head FP8 Q.K^T in one op, which allocates them: Q's
+// rows scaled by 2^-balance, K's by 2^+balance (mxfp8_smooth_quant each; the heads whose sel
+// byte is 0 are skipped, their rows stay uninitialised); codes (B, H, Sp, D) and scales
+// (B, H, Sp, D/32) bytes, Sp = S rounded up to seq_pad.
+template <class T>
+std::tuple<T, T, T, T> mxfp8_smooth_quant_qk(T q, T k, T mean_q, T mean_k, T balance, T sel_q, T sel_k,
+                                            int64_t seq_pad) {
+  using A = TensorApi<T>;
+  check_input(q);
+  check_input(k);
+  SA3_CHECK(T, q.dim() == 4 && k.dim() == 4, "sageattn3: mxfp8_smooth_quant_qk needs 4-D q and k, got ", shape(q),
+            " and ", shape(k));
+  SA3_CHECK(T, seq_pad > 0 && seq_pad % 16 == 0 && seq_pad <= (int64_t{1} << 20),
+            "sageattn3: seq_pad must be a positive multiple of 16 (at most 2^20), got ", seq_pad);
+  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3), Hk = k.size(1), Sk = k.size(2);
+  SA3_CHECK(T, D % 32 == 0 && k.size(0) == B && k.size(3) == D,
+            "sageattn3: q and k must be (B, H, S, D) with the same B and D, a multiple of 32, got ", shape(q), " and ",
+            shape(k));
+  const int64_t Sqp = (Sq + seq_pad - 1) / seq_pad * seq_pad, Skp = (Sk + seq_pad - 1) / seq_pad * seq_pad;
+  DeviceScope scope(device_index(q));
+  T q8 = A::empty({B, Hq, Sqp, D}, Kind::kByte, q), q8_sf = A::empty({B, Hq, Sqp, D / 32}, Kind::kByte, q);
+  T k8 = A::empty({B, Hk, Skp, D}, Kind::kByte, q), k8_sf = A::empty({B, Hk, Skp, D / 32}, Kind::kByte, q);
+  mxfp8_smooth_quant<T>(q, mean_q, balance, -1, sel_q, q8, q8_sf);
+  mxfp8_smooth_quant<T>(k, mean_k, balance, 1, sel_k, k8, k8_sf);
+  return {q8, q8_sf, k8, k8_sf};
 }
 
 }  // namespace sageattn3::torch_ops
