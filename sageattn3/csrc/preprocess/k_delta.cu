@@ -101,26 +101,12 @@ __host__ __device__ constexpr int64_t smem_bytes(int D, int parts) {
   return (k_tile > a_chunk ? k_tile : a_chunk) + kMCh * 4;
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads, 2)
-    k_delta_kernel(const T* __restrict__ k, int64_t Hq, int64_t Hkv, int64_t Sk, int D, int64_t nblk,
-                   const float* __restrict__ mean_k, const float* __restrict__ mean_q, int64_t Skp, int64_t j_tiles,
-                   uint2* __restrict__ packed, uint8_t* __restrict__ scales, float* __restrict__ delta) {
-  using M = Mma<T>;
-  constexpr int NP = M::kParts;
-  extern __shared__ __align__(16) uint8_t smem[];
-  const int ld = row_stride(D);
-  uint16_t* tile = reinterpret_cast<uint16_t*>(smem);  // K: [kKeys][ld]; later A: [NP][kMCh][ld]
-  float* cs = reinterpret_cast<float*>(smem + (smem_bytes(D, NP) - kMCh * 4));
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  const int64_t jt = blockIdx.x % j_tiles, bh = blockIdx.x / j_tiles;
-  const int64_t b = bh / Hkv, hkv = bh % Hkv;
-  const int64_t j0 = jt * kKeys;
-  const T* kg = k + bh * Sk * D;
-  const float* mk = mean_k + bh * D;
-  const int kt_n = D / 16;
+/* ---------- the kernel's phases (force-inlined: one kernel, named steps) ---------- */
 
-  // 1. K tile -> shared memory
+// 1. The CTA's K tile (kKeys rows; rows past Sk repeat the last one) -> shared memory.
+template <typename T>
+__device__ __forceinline__ void stage_k_tile(uint16_t* tile, int ld, const T* kg, int64_t j0, int64_t Sk, int D,
+                                             int t) {
   const int cpr = D / 8;
   for (int c = t; c < kKeys * cpr; c += kThreads) {
     const int r = c / cpr, cc = c % cpr;
@@ -129,38 +115,42 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   asm volatile("cp.async.wait_all;\n" ::);
   __syncthreads();
+}
 
-  // 2. K - mean_k -> NVFP4 (rows j < Sk; zero rows up to Skp)
-  {
-    const RowMap m(D);
-    if (m.active) {
-      float mu[16];
+// 2. K - mean_k -> NVFP4 for the tile's rows j < Sk; zero rows up to Skp.
+template <typename T>
+__device__ __forceinline__ void quantize_k_tile(const uint16_t* tile, int ld, const float* mk, int64_t bh, int64_t j0,
+                                                int64_t Sk, int64_t Skp, int D, uint2* __restrict__ packed,
+                                                uint8_t* __restrict__ scales) {
+  const RowMap m(D);
+  if (!m.active) return;
+  float mu[16];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) mu[i] = mk[m.cb * 16 + i];
-      for (int r = m.rl; r < kKeys; r += m.rpp) {
-        const int64_t j = j0 + r;
-        if (j >= Skp) break;
-        Raw16<T> raw;
-        const uint4* src = reinterpret_cast<const uint4*>(tile + r * ld + m.cb * 16);
-        const uint4 x0 = src[0], x1 = src[1];
-        raw.w[0] = x0.x; raw.w[1] = x0.y; raw.w[2] = x0.z; raw.w[3] = x0.w;
-        raw.w[4] = x1.x; raw.w[5] = x1.y; raw.w[6] = x1.z; raw.w[7] = x1.w;
-        float v[16];
-        raw.to_float(v);
-        const bool real = j < Sk;
+  for (int i = 0; i < 16; ++i) mu[i] = mk[m.cb * 16 + i];
+  for (int r = m.rl; r < kKeys; r += m.rpp) {
+    const int64_t j = j0 + r;
+    if (j >= Skp) break;
+    Raw16<T> raw;
+    const uint4* src = reinterpret_cast<const uint4*>(tile + r * ld + m.cb * 16);
+    const uint4 x0 = src[0], x1 = src[1];
+    raw.w[0] = x0.x; raw.w[1] = x0.y; raw.w[2] = x0.z; raw.w[3] = x0.w;
+    raw.w[4] = x1.x; raw.w[5] = x1.y; raw.w[6] = x1.z; raw.w[7] = x1.w;
+    float v[16];
+    raw.to_float(v);
+    const bool real = j < Sk;
 #pragma unroll
-        for (int i = 0; i < 16; ++i) v[i] = real ? __fsub_rn(v[i], mu[i]) : 0.f;
-        uint32_t sb;
-        const uint2 w = quant16(v, sb);
-        const int64_t ob = (bh * Skp + j) * m.bpr + m.cb;
-        __stcs(packed + ob, w);
-        __stcs(reinterpret_cast<char*>(scales + ob), static_cast<char>(sb));
-      }
-    }
+    for (int i = 0; i < 16; ++i) v[i] = real ? __fsub_rn(v[i], mu[i]) : 0.f;
+    uint32_t sb;
+    const uint2 w = quant16(v, sb);
+    const int64_t ob = (bh * Skp + j) * m.bpr + m.cb;
+    __stcs(packed + ob, w);
+    __stcs(reinterpret_cast<char*>(scales + ob), static_cast<char>(sb));
   }
+}
 
-  // 3. B fragments of this warp's 32 keys (4 n-tiles of 8) for every 16-channel k-step
-  uint32_t bf[kMaxKT][4][2];
+// 3. The B fragments of this warp's 32 keys (4 n-tiles of 8) for every 16-channel k-step.
+__device__ __forceinline__ void load_b_fragments(uint32_t (&bf)[kMaxKT][4][2], uint16_t* tile, int ld, int kt_n,
+                                                 int warp, int lane) {
 #pragma unroll
   for (int kt = 0; kt < kMaxKT; ++kt) {
 #pragma unroll
@@ -177,94 +167,143 @@ __global__ void __launch_bounds__(kThreads, 2)
       bf[kt][2 * np + 1][1] = r[3];
     }
   }
+}
+
+// 4a. A chunk of Q-mean rows (rows past `rows` zero) -> its NP parts in shared memory.
+template <typename T>
+__device__ __forceinline__ void stage_mean_parts(uint16_t* tile, int ld, const float* mq, int64_t i0, int rows, int D,
+                                                 int t) {
+  using M = Mma<T>;
+  constexpr int NP = M::kParts;
+  for (int e = t; e < kMCh * D / 2; e += kThreads) {
+    const int r = e / (D / 2), c2 = e % (D / 2);
+    float2 v = make_float2(0.f, 0.f);
+    if (r < rows) v = *reinterpret_cast<const float2*>(mq + (i0 + r) * D + c2 * 2);
+    uint16_t p0[NP], p1[NP];
+    M::split(v.x, p0);
+    M::split(v.y, p1);
+#pragma unroll
+    for (int p = 0; p < NP; ++p)
+      *reinterpret_cast<uint32_t*>(tile + (p * kMCh + r) * ld + c2 * 2) =
+          static_cast<uint32_t>(p0[p]) | (static_cast<uint32_t>(p1[p]) << 16);
+  }
+}
+
+// 4b. c = mean_q . mean_k per row of the chunk (one warp per 16-row tile), in the MMA order of 4c.
+template <typename T>
+__device__ __forceinline__ void mean_dot_mean(float* cs, uint16_t* tile, int ld, const float* mk, int kt_n, int warp,
+                                              int lane, int arow, int acol) {
+  using M = Mma<T>;
+  constexpr int NP = M::kParts;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int kt = 0; kt < kt_n; ++kt) {
+    const int d = kt * 16 + 2 * (lane & 3);
+    uint16_t q0[NP], q1[NP], q8[NP], q9[NP];
+    M::split(mk[d], q0);
+    M::split(mk[d + 1], q1);
+    M::split(mk[d + 8], q8);
+    M::split(mk[d + 9], q9);
+#pragma unroll
+    for (int p = 0; p < NP; ++p) {
+      uint32_t a[4];
+      ldmatrix_x4(a, tile + (p * kMCh + warp * 16 + arow) * ld + kt * 16 + acol);
+#pragma unroll
+      for (int q = 0; q < NP; ++q)
+        M::mma(acc, a, static_cast<uint32_t>(q0[q]) | (static_cast<uint32_t>(q1[q]) << 16),
+               static_cast<uint32_t>(q8[q]) | (static_cast<uint32_t>(q9[q]) << 16));
+    }
+  }
+  if ((lane & 3) == 0) {
+    cs[warp * 16 + lane / 4] = acc[0];
+    cs[warp * 16 + lane / 4 + 8] = acc[2];
+  }
+}
+
+// 4c. mean_q . K^T - c for the chunk's rows and this warp's 32 keys, to the output rows.
+template <typename T>
+__device__ __forceinline__ void delta_rows(float* __restrict__ out, uint16_t* tile, int ld, const float* cs,
+                                           const uint32_t (&bf)[kMaxKT][4][2], int kt_n, int mtiles, int rows,
+                                           int64_t i0, int64_t j0, int64_t Sk, int64_t Skp, int warp, int lane,
+                                           int arow, int acol) {
+  using M = Mma<T>;
+  constexpr int NP = M::kParts;
+  for (int mt = 0; mt < mtiles; ++mt) {
+    float acc[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+#pragma unroll
+    for (int kt = 0; kt < kMaxKT; ++kt) {
+      if (kt < kt_n) {
+#pragma unroll
+        for (int p = 0; p < NP; ++p) {
+          uint32_t a[4];
+          ldmatrix_x4(a, tile + (p * kMCh + mt * 16 + arow) * ld + kt * 16 + acol);
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) M::mma(acc[nt], a, bf[kt][nt][0], bf[kt][nt][1]);
+        }
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int ri = mt * 16 + lane / 4 + half * 8;
+      if (ri >= rows) continue;
+      const float c = cs[ri];
+      float* orow = out + (i0 + ri) * Skp;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int64_t j = j0 + warp * 32 + nt * 8 + 2 * (lane & 3);
+        if (j >= Skp) continue;
+        float2 val;
+        val.x = j < Sk ? __fsub_rn(acc[nt][2 * half], c) : 0.f;
+        val.y = j + 1 < Sk ? __fsub_rn(acc[nt][2 * half + 1], c) : 0.f;
+        __stcs(reinterpret_cast<float2*>(orow + j), val);
+      }
+    }
+  }
+}
+
+/* ---------- the kernel: one CTA's kKeys keys of one kv head, phase by phase ---------- */
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2)
+    k_delta_kernel(const T* __restrict__ k, int64_t Hq, int64_t Hkv, int64_t Sk, int D, int64_t nblk,
+                   const float* __restrict__ mean_k, const float* __restrict__ mean_q, int64_t Skp, int64_t j_tiles,
+                   uint2* __restrict__ packed, uint8_t* __restrict__ scales, float* __restrict__ delta) {
+  constexpr int NP = Mma<T>::kParts;
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int ld = row_stride(D);
+  uint16_t* tile = reinterpret_cast<uint16_t*>(smem);  // K: [kKeys][ld]; later A: [NP][kMCh][ld]
+  float* cs = reinterpret_cast<float*>(smem + (smem_bytes(D, NP) - kMCh * 4));
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int64_t jt = blockIdx.x % j_tiles, bh = blockIdx.x / j_tiles;
+  const int64_t b = bh / Hkv, hkv = bh % Hkv;
+  const int64_t j0 = jt * kKeys;
+  const float* mk = mean_k + bh * D;
+  const int kt_n = D / 16;
+
+  stage_k_tile<T>(tile, ld, k + bh * Sk * D, j0, Sk, D, t);
+  quantize_k_tile<T>(tile, ld, mk, bh, j0, Sk, Skp, D, packed, scales);
+  uint32_t bf[kMaxKT][4][2];
+  load_b_fragments(bf, tile, ld, kt_n, warp, lane);
   __syncthreads();  // the tile's memory now holds the A chunks
 
-  // 4. delta_s for every q head of the group
+  // 4. delta_s for every q head of the group, kMCh Q-mean rows at a time
   const int64_t rep = Hq / Hkv;
+  const int arow = (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;
   for (int64_t h = 0; h < rep; ++h) {
     const int64_t gq = b * Hq + hkv * rep + h;
     const float* mq = mean_q + gq * nblk * D;
     float* out = delta + gq * nblk * Skp;
     for (int64_t i0 = 0; i0 < nblk; i0 += kMCh) {
       const int rows = static_cast<int>(std::min<int64_t>(kMCh, nblk - i0));
-      // a. mean rows -> NP parts
-      for (int e = t; e < kMCh * D / 2; e += kThreads) {
-        const int r = e / (D / 2), c2 = e % (D / 2);
-        float2 v = make_float2(0.f, 0.f);
-        if (r < rows) v = *reinterpret_cast<const float2*>(mq + (i0 + r) * D + c2 * 2);
-        uint16_t p0[NP], p1[NP];
-        M::split(v.x, p0);
-        M::split(v.y, p1);
-#pragma unroll
-        for (int p = 0; p < NP; ++p)
-          *reinterpret_cast<uint32_t*>(tile + (p * kMCh + r) * ld + c2 * 2) =
-              static_cast<uint32_t>(p0[p]) | (static_cast<uint32_t>(p1[p]) << 16);
-      }
+      stage_mean_parts<T>(tile, ld, mq, i0, rows, D, t);
       __syncthreads();
       const int mtiles = (rows + 15) / 16;
-      const int arow = (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;
-      // b. c = mean_q · mean_k per row (one warp per 16-row tile), same MMA order as below
-      if (warp < mtiles) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int kt = 0; kt < kt_n; ++kt) {
-          const int d = kt * 16 + 2 * (lane & 3);
-          uint16_t q0[NP], q1[NP], q8[NP], q9[NP];
-          M::split(mk[d], q0);
-          M::split(mk[d + 1], q1);
-          M::split(mk[d + 8], q8);
-          M::split(mk[d + 9], q9);
-#pragma unroll
-          for (int p = 0; p < NP; ++p) {
-            uint32_t a[4];
-            ldmatrix_x4(a, tile + (p * kMCh + warp * 16 + arow) * ld + kt * 16 + acol);
-#pragma unroll
-            for (int q = 0; q < NP; ++q)
-              M::mma(acc, a, static_cast<uint32_t>(q0[q]) | (static_cast<uint32_t>(q1[q]) << 16),
-                     static_cast<uint32_t>(q8[q]) | (static_cast<uint32_t>(q9[q]) << 16));
-          }
-        }
-        if ((lane & 3) == 0) {
-          cs[warp * 16 + lane / 4] = acc[0];
-          cs[warp * 16 + lane / 4 + 8] = acc[2];
-        }
-      }
+      if (warp < mtiles) mean_dot_mean<T>(cs, tile, ld, mk, kt_n, warp, lane, arow, acol);
       __syncthreads();
-      // c. mean_q · Kᵀ - c for this warp's 32 keys
-      for (int mt = 0; mt < mtiles; ++mt) {
-        float acc[4][4];
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-#pragma unroll
-        for (int kt = 0; kt < kMaxKT; ++kt) {
-          if (kt < kt_n) {
-#pragma unroll
-            for (int p = 0; p < NP; ++p) {
-              uint32_t a[4];
-              ldmatrix_x4(a, tile + (p * kMCh + mt * 16 + arow) * ld + kt * 16 + acol);
-#pragma unroll
-              for (int nt = 0; nt < 4; ++nt) M::mma(acc[nt], a, bf[kt][nt][0], bf[kt][nt][1]);
-            }
-          }
-        }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int ri = mt * 16 + lane / 4 + half * 8;
-          if (ri >= rows) continue;
-          const float c = cs[ri];
-          float* orow = out + (i0 + ri) * Skp;
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt) {
-            const int64_t j = j0 + warp * 32 + nt * 8 + 2 * (lane & 3);
-            if (j >= Skp) continue;
-            float2 val;
-            val.x = j < Sk ? __fsub_rn(acc[nt][2 * half], c) : 0.f;
-            val.y = j + 1 < Sk ? __fsub_rn(acc[nt][2 * half + 1], c) : 0.f;
-            __stcs(reinterpret_cast<float2*>(orow + j), val);
-          }
-        }
-      }
+      delta_rows<T>(out, tile, ld, cs, bf, kt_n, mtiles, rows, i0, j0, Sk, Skp, warp, lane, arow, acol);
       __syncthreads();  // before the next chunk overwrites A and cs
     }
   }
