@@ -62,7 +62,7 @@ EVIDENCE_FILE = REPO / "ci" / "evidence.json"
 PAYLOAD_INPUTS = ("sageattn3", "patches")
 WHEEL_BUILD_INPUTS = (
     "ci/targets.toml", "ci/payload", "ci/runtime", "ci/toolchain/targets.py", "ci/toolchain/variant.py", "ci/toolchain/flags.py",
-    "ci/toolchain/patches", "ci/stages/resolve.py", "ci/toolchain/resolved.py", "ci/toolchain/tools.py",
+    "ci/toolchain/patches", "ci/stages/resolve.py", "ci/toolchain/resolved.py", "ci/toolchain/tools",
     "ci/toolchain/torch_source.py", "ci/stages/build.py", "ci/stages/repair.py", "ci/stages/tag.py", "ci/stages/record.py",
 )
 # What checks a built wheel here (the verify stage and the pipeline that runs the stages).
@@ -104,11 +104,11 @@ KINDS = {
                       "win_amd64 torch headers (python -m ci.checks.msvc_gate)",
                       PAYLOAD_INPUTS + ("ci/targets.toml", "ci/payload", "ci/toolchain/targets.py", "ci/toolchain/flags.py",
                                         "ci/checks/msvc_gate", "ci/toolchain/wine.py", "ci/toolchain/patches",
-                                        "ci/toolchain/compile_gate", "ci/toolchain/tools.py", "ci/release/cibw_job.py")),
+                                        "ci/toolchain/compile_gate", "ci/toolchain/tools", "ci/release/cibw_job.py")),
     "classic_link": Kind("classic unit cross-compiled + linked here",
                          "cross-compile of the classic unit, link against PyPI's aarch64 CPU torch",
                          PAYLOAD_INPUTS + ("ci/targets.toml", "ci/payload", "ci/toolchain/targets.py", "ci/toolchain/flags.py",
-                                           "ci/toolchain/tools.py", "ci/toolchain/compile_gate", "ci/release/cibw_job.py",
+                                           "ci/toolchain/tools", "ci/toolchain/compile_gate", "ci/release/cibw_job.py",
                                            "ci/toolchain/cross.py", "ci/toolchain/cross_spec.py", "ci/checks/classic_link")),
 }
 

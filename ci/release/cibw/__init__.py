@@ -38,7 +38,7 @@ from ci.release.runner_setup import cuda_commands
 from ci.release.runner_setup import install_cuda as _install_cuda
 from ci.toolchain.targets import Matrix, Target
 from ci.toolchain.torch_source import TorchSource, foreign_torch_source, torch_source
-from ci.runtime.env import FactoryEnv, child_environ, set_environ, setdefault_environ
+from ci.runtime.env import FactoryEnv, child_environ, python_override_var, set_environ, setdefault_environ
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -194,8 +194,6 @@ def use_python(exe: str) -> tuple[str, str]:
     environment) the factory's interpreter for its version: ``$SAGEATTN3_PYTHON_X_Y`` is set to
     its base interpreter (what the build shim sets for the build, so verify makes its
     environments from the same Python). Returns (version, base interpreter)."""
-    from ci.toolchain.tools import _env_var
-
     path = exe if (os.sep in exe or (os.altsep and os.altsep in exe)) else shutil.which(exe)
     if not path or not os.path.isfile(path):
         raise CibwError(f"--python-exe {exe}: no such interpreter (a path, or a name on PATH)")
@@ -208,7 +206,7 @@ def use_python(exe: str) -> tuple[str, str]:
     except (OSError, subprocess.SubprocessError) as e:
         raise CibwError(f"--python-exe {path} did not run: {e}") from e
     version, base = out[0].strip(), out[1].strip()
-    set_environ(_env_var(version), base)
+    set_environ(python_override_var(version), base)
     return version, base
 
 
