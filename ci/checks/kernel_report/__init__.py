@@ -228,20 +228,21 @@ def print_table(kernels: list[Kernel], dyn: dict[int, int], wheel: bool) -> None
 
 
 def print_budget(cubin: Path, upstream: tuple[Path, Path] | None, nvcc: Path, out: Path, jobs: int) -> None:
-    """The per-tile SASS budget of the attention kernel (ci.checks.sass_budget), with upstream's kernel
-    beside it when a checkout of thu-ml/SageAttention and CUTLASS headers are given."""
+    """The per-tile SASS budget of the attention kernel (ci.checks.sass_budget, ci.checks.sass_kernels), with
+    upstream's kernel beside it when a checkout of thu-ml/SageAttention and CUTLASS headers are given."""
     from ci.checks import sass_budget as sb
+    from ci.checks import sass_kernels as sk
 
-    budgets = sb.ours_budgets(cubin)
+    budgets = sk.ours_budgets(cubin)
     if upstream:
-        budgets += sb.upstream_budgets(sb.compile_upstream(nvcc, upstream[0], upstream[1], out))
+        budgets += sk.upstream_budgets(sk.compile_upstream(nvcc, upstream[0], upstream[1], out))
     else:
-        budgets += sb.stored_upstream_budgets()
-    cal = sb.UPSTREAM_CALIBRATION
+        budgets += sk.stored_upstream_budgets()
+    cal = sk.UPSTREAM_CALIBRATION
     print(f"\n== per-tile budget of the steady key-tile loop, sm_120a SASS (model: docs/performance.md)\n"
           f"calibration: x{cal.ratio:.3f} = upstream's {cal.measured_tops:.0f} TOPS measured on an {cal.gpu.name} / "
           f"the model's ceiling for it, {cal.predicted_tops:.0f} TOPS ({cal.source})"
-          + ("" if upstream else f"; upstream's counts as stored from {sb.UPSTREAM_COMMIT[:7]} (--upstream recounts)"))
+          + ("" if upstream else f"; upstream's counts as stored from {sk.UPSTREAM_COMMIT[:7]} (--upstream recounts)"))
     print(sb.table(budgets, calibration=cal.ratio))
     for b in budgets:
         aside = ", ".join(f"{k} {v}" for k, v in sorted(b.set_aside.items()))
