@@ -138,7 +138,7 @@ def replaced_wheels(wheels: Path, target: Target, new: str) -> list[Path]:
 
 
 def _vc_runtime() -> Path:
-    from ci.toolchain.wine import vc_runtime
+    from ci.toolchain.windows_toolchain import vc_runtime
 
     return vc_runtime()
 

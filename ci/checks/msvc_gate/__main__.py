@@ -7,7 +7,7 @@ import sys
 
 from ci.checks.msvc_gate import __doc__ as DOC, ATTN_UNIT, CUDA, MsvcGateError, _commit, c2719, c2872, compile_torch_unit, record, windows_lines
 from ci.toolchain import patches as patchmod
-from ci.toolchain import wine as winemod
+from ci.toolchain import windows_toolchain as wintc
 from ci.toolchain.targets import Matrix, MatrixError
 from ci.toolchain.tools import ToolchainError
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise MsvcGateError(f"torch line(s) {unknown}: no Windows target of the matrix serves them "
                                 f"(Windows lines: {', '.join(windows_lines(matrix))})")
-        tc = winemod.resolve_windows(CUDA, matrix.line(lines[-1]).build_version)
+        tc = wintc.resolve_windows(CUDA, matrix.line(lines[-1]).build_version)
         entries: dict[str, dict] = {}
         failed = []
         for line in lines:
