@@ -85,7 +85,10 @@ def _nvcc() -> Path:
 
 
 def test_budget_of_the_attention_kernel(tmp_path):
-    cubin = sk.compile_ours(_nvcc(), tmp_path)
+    from ci.checks.kernel_report import toolkit_cuda
+
+    nvcc = _nvcc()
+    cubin = sk.compile_ours(nvcc, tmp_path, toolkit_cuda(nvcc))
     budgets = {b.label: b for b in sk.ours_budgets(cubin)}
     # no spill reloads inside the key-tile loop of any instantiation (tests/test_attn_compile.py)
     for name, instrs in sb.disassemble(cubin).items():

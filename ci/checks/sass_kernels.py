@@ -58,10 +58,11 @@ def ours_tma_bytes(d: int) -> int:
     return 128 * d // 2 * 2 + 128 * d // 16
 
 
-def compile_ours(nvcc: Path, out_dir: Path) -> Path:
+def compile_ours(nvcc: Path, out_dir: Path, cuda: str | None = None) -> Path:
+    """The attention kernel for sm_120a with line info; ``cuda``: the release of ``nvcc``."""
     cubin = out_dir / "attn_sm_120a.cubin"
     subprocess.run([str(nvcc), "-cubin", str(CSRC / "attn" / "attn_launch.cu"), "-o", str(cubin),
-                    "-gencode=arch=compute_120a,code=sm_120a", *device_flags(False), "-lineinfo", f"-I{CSRC}"],
+                    "-gencode=arch=compute_120a,code=sm_120a", *device_flags(False, cuda), "-lineinfo", f"-I{CSRC}"],
                    check=True, capture_output=True, text=True)
     return cubin
 
