@@ -32,6 +32,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ci.runtime.log import default_log
 from ci.toolchain import pe as pemod
 from ci.toolchain import wine as winemod
 from ci.toolchain import windows_toolchain as wintc
@@ -313,7 +314,7 @@ class WindowsCross:
     def compiler(self) -> _Banner:
         return _Banner(self.tc.msvc.banner)
 
-    def prepare(self, staging: Path, profile: dict, overlay: Path, cutlass: Path, log=print) -> None:
+    def prepare(self, staging: Path, profile: dict, overlay: Path, cutlass: Path, log=default_log) -> None:
         """Compile the torch-facing unit with the build's command, and make the stand-in import
         libraries for the DLLs its imports need and this machine lacks."""
         from ci.payload.interface import load
@@ -387,7 +388,7 @@ def _link_libraries(profile: dict) -> list[str]:
     return list(build_commands().link_libraries(profile))
 
 
-def verify_windows(rec, target, wheel: Path, dist: Path, log=print):
+def verify_windows(rec, target, wheel: Path, dist: Path, log=default_log):
     """The verify stage of a Windows wheel built here: the PE inspection of its module and its load
     under wine (see the module's docstring), kept as ``dist/verify/<target>.verify.json``. The
     ABI guard needs a Windows CPython, which the registries here do not have: reported as not

@@ -32,6 +32,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ci.runtime.log import default_log
 from ci.toolchain import patches as patchmod
 from ci.toolchain import wine as winemod
 from ci.toolchain import windows_toolchain as wintc
@@ -123,7 +124,7 @@ def unit_case(matrix: Matrix, line: str) -> tuple[Target, dict, str]:
     return target, profile_for(target, matrix.stable_abi_floor), matrix.line(line).build_version
 
 
-def compile_torch_unit(matrix: Matrix, line: str, tc: wintc.WindowsToolchain, log=print) -> CompileResult:
+def compile_torch_unit(matrix: Matrix, line: str, tc: wintc.WindowsToolchain, log=default_log) -> CompileResult:
     target, profile, version = unit_case(matrix, line)
     torch = wintc.windows_torch(version, _line_python(matrix, line))
     overlay = cmake_macros_overlay(version, log=log) if profile["torch_unit"].endswith("classic.cpp") else None
@@ -163,7 +164,7 @@ def _stage_attn(dest: Path, patched: bool, payload: Path = PAYLOAD, patch: patch
         patchmod.apply(patch or msvc_patch(), {"src": dest}, dest / "overlay")  # checks the pinned hash first
 
 
-def c2719(matrix: Matrix, tc: wintc.WindowsToolchain, *, ptx_only: bool, log=print) -> dict[str, CompileResult]:
+def c2719(matrix: Matrix, tc: wintc.WindowsToolchain, *, ptx_only: bool, log=default_log) -> dict[str, CompileResult]:
     """The attention unit through nvcc.exe + cl.exe with the Windows stable target's profile,
     unpatched and patched."""
     target = next(t for t in matrix.targets if t.os.key == "windows-amd64" and t.variant.stable and t.cuda == CUDA)
@@ -191,7 +192,7 @@ def c2719(matrix: Matrix, tc: wintc.WindowsToolchain, *, ptx_only: bool, log=pri
 
 # -- C2872: torch's compiled_autograd.h under nvcc.exe ------------------------------------
 
-def c2872(matrix: Matrix, line: str, tc: wintc.WindowsToolchain, log=print) -> dict[str, CompileResult]:
+def c2872(matrix: Matrix, line: str, tc: wintc.WindowsToolchain, log=default_log) -> dict[str, CompileResult]:
     """Whether ``error C2872`` occurs when nvcc.exe compiles a .cu including ``torch/extension.h``
     and ``compiled_autograd.h`` of ``line``'s Windows torch: with the profile's flags (USE_CUDA,
     /Zc:preprocessor), and without both."""

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from ci.runtime.env import FactoryEnv, child_environ
+from ci.runtime.log import default_log
 from ci.toolchain.resolved import WINDOWS
 from ci.toolchain.tools.base import ToolchainError, _output, cache_root
 
@@ -53,7 +54,7 @@ def stop_sccache_server(env: dict[str, str] | None = None) -> bool:
 
 
 @contextlib.contextmanager
-def sccache_server_scope(log=print):
+def sccache_server_scope(log=default_log):
     """Builds inside this block may start our sccache server; if none ran before it, the one
     they started is stopped afterwards (a server someone else started is left alone)."""
     env = sccache_env()

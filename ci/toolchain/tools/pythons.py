@@ -14,6 +14,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from ci.runtime.env import FactoryEnv, child_environ, python_override_var
+from ci.runtime.log import default_log
 from ci.toolchain.resolved import WINDOWS
 from ci.toolchain.tools.base import ToolchainError, _output, cache_root
 
@@ -97,7 +98,7 @@ def _search_python(version: str, windows: bool) -> Path | None:
     return None
 
 
-def find_python(version: str, *, windows: bool = WINDOWS, provision: bool = True, log=print) -> Path:
+def find_python(version: str, *, windows: bool = WINDOWS, provision: bool = True, log=default_log) -> Path:
     """An interpreter for ``version`` ("3.12"), found explicitly and checked by asking it its
     version: the running one, ``$SAGEATTN3_PYTHON_3_X``, then where the OS keeps one (Windows:
     the ``py`` launcher, python.org's install dirs, the runners' hosted tool cache; elsewhere
@@ -166,7 +167,7 @@ def _one_line(text: str) -> str:
     return lines[0][:200] + (f" ({causes[-1][:200]})" if causes else "")
 
 
-def provision_python(version: str, log=print) -> tuple[Path | None, list[str]]:
+def provision_python(version: str, log=default_log) -> tuple[Path | None, list[str]]:
     """Install CPython ``version``: with uv (python-build-standalone, into the factory's cache,
     nothing put on PATH) when uv is there, else with pyenv when it is installed (builds from
     source). Returns the interpreter, or None and what each way said."""
