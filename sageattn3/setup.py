@@ -112,6 +112,38 @@ def _relative_roots(name: str, path: Path) -> Path:
     return ROOTS / name
 
 
+def compile_units(units: list[str], command, run_prefix: list[str], env: dict[str, str], jobs: int) -> list[str]:
+    """Compile each unit in its own process, ``jobs`` at a time, the longest first (the .cu files
+    with the most templates dominate the wall time); ``command(unit)`` gives its object and its
+    compile command. One line per finished unit, which the factory shows as progress. Returns
+    the objects, longest unit first."""
+
+    def compile_one(src: str) -> str:
+        obj, cmd = command(src)
+        print(" ".join(cmd), flush=True)
+        res = subprocess.run([*run_prefix, *cmd], cwd=HERE, env=env, capture_output=True, text=True,
+                             errors="replace")
+        if res.returncode != 0:
+            raise RuntimeError(f"compiling {src} failed ({res.returncode}):\n{res.stdout}{res.stderr}")
+        if res.stderr.strip():
+            print(res.stderr, file=sys.stderr, flush=True)
+        return obj
+
+    sources = sorted(units, key=lambda s: (HERE / s).stat().st_size, reverse=True)
+    t0, done, lock = time.monotonic(), [], threading.Lock()
+
+    def compile_counted(src: str) -> str:
+        obj = compile_one(src)
+        with lock:  # one line per finished unit: the factory shows these as progress
+            done.append(src)
+            print(f"sageattn3: compiled {len(done)}/{len(sources)} {src} ({time.monotonic() - t0:.0f} s)", flush=True)
+        return obj
+
+    print(f"sageattn3: compiling {len(sources)} units, {max(1, jobs)} at a time", flush=True)
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(compile_counted, sources))
+
+
 class CudaBuildExt(build_ext):
     """Compiles each translation unit in its own process (parallel), then links once, with the
     commands ``build_commands`` makes for the profile's compiler: GCC-style on Linux, MSVC
@@ -173,33 +205,12 @@ class CudaBuildExt(build_ext):
         objdir = Path(os.path.relpath(Path(self.build_temp).resolve(), HERE)) / "obj"
         jobs = int(cfg.get("jobs") or os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
 
-        def compile_one(src: str) -> str:
+        def command(src: str) -> tuple[str, list[str]]:
             obj = bc.object_path(style, objdir, src)
             here(obj).parent.mkdir(parents=True, exist_ok=True)
-            cmd = bc.compile_command(tools, prof, src, obj, includes)
-            print(" ".join(cmd), flush=True)
-            res = subprocess.run([*run_prefix, *cmd], cwd=HERE, env=env, capture_output=True, text=True,
-                                 errors="replace")
-            if res.returncode != 0:
-                raise RuntimeError(f"compiling {src} failed ({res.returncode}):\n{res.stdout}{res.stderr}")
-            if res.stderr.strip():
-                print(res.stderr, file=sys.stderr, flush=True)
-            return str(obj)
+            return str(obj), bc.compile_command(tools, prof, src, obj, includes)
 
-        # Longest first: the .cu files with the most templates dominate the wall time.
-        sources = sorted(ext.sources, key=lambda s: (HERE / s).stat().st_size, reverse=True)
-        t0, done, lock = time.monotonic(), [], threading.Lock()
-
-        def compile_counted(src: str) -> str:
-            obj = compile_one(src)
-            with lock:  # one line per finished unit: the factory shows these as progress
-                done.append(src)
-                print(f"sageattn3: compiled {len(done)}/{len(sources)} {src} ({time.monotonic() - t0:.0f} s)", flush=True)
-            return obj
-
-        print(f"sageattn3: compiling {len(sources)} units, {max(1, jobs)} at a time", flush=True)
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            objects = list(pool.map(compile_counted, sources))
+        objects = compile_units(ext.sources, command, run_prefix, env, jobs)
 
         # setuptools names the module: _C.abi3.so on Linux, _C.pyd on Windows (abi3 or not).
         out = Path(self.get_ext_fullpath(ext.name)).resolve()

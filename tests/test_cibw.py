@@ -394,7 +394,7 @@ def test_verify_takes_the_interpreter_cibuildwheel_tests_with(tmp_path, monkeypa
     import tomllib
 
     from ci.release import cibw, cibw_job, runner_setup
-    from ci.toolchain.tools import _env_var
+    from ci.runtime.env import python_override_var as _env_var
 
     cfg = tomllib.loads(cibw_job.CONFIG_FILE.read_text())["tool"]["cibuildwheel"]
     for plat in ("linux", "windows"):

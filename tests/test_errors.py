@@ -21,6 +21,9 @@ def test_the_runner_maps_the_error_to_its_exit_code_and_one_line(capsys):
     assert capsys.readouterr().err == "release: no such target\n"
     with pytest.raises(KeyError):  # not the factory's: a bug keeps its traceback
         errors.run_main(fail(KeyError("x")))
+    # a command whose messages each name themselves: the message alone
+    assert errors.run_main(fail(errors.InputError("usage: python -m x check")), prefix=None) == 2
+    assert capsys.readouterr().err == "usage: python -m x check\n"
 
 
 def test_each_error_class_is_an_input_error_or_a_failure_and_keeps_its_old_base():

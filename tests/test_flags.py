@@ -61,3 +61,27 @@ def test_test_flavour_adds_hopper_and_the_mma_model_define(m):
     assert "-gencode=arch=compute_90a,code=sm_90a" in p["nvcc_flags"] and "SAGEATTN3_MMA_MODEL=1" in p["defines"]
     assert "-lineinfo" in p["nvcc_flags"]  # profiling the test flavour maps SASS to source lines
     assert "SAGEATTN3_MMA_MODEL=1" not in profile_for(t, m.stable_abi_floor)["defines"]
+
+
+def test_device_flags_are_those_of_the_newest_line_the_toolkit_builds(m):
+    """The kernel report's flags: the build of the newest torch line a toolkit of that CUDA
+    compiles (a variant of it or older), taken from the matrix, not written down."""
+    from packaging.version import Version
+
+    from ci.payload.interface import build_profile
+    from ci.toolchain.flags import device_flags, measured_line
+
+    for cuda in sorted({c for t in m.torch for c in t.cuda}, key=Version):
+        line, got = measured_line(m, cuda)
+        assert got == cuda and any(Version(c) <= Version(cuda) for c in line.cuda)
+        newer = [t for t in m.torch if Version(t.build_version) > Version(line.build_version)]
+        assert all(min(map(Version, t.cuda)) > Version(cuda) for t in newer), (cuda, line.line)
+        flags = device_flags(False, cuda)
+        assert f"-std={build_profile().cxx_standard(line.build_version)}" in flags and "-DNDEBUG" in flags
+        assert not [f for f in flags if f.startswith(("-gencode", "--compress-mode", "-Xcompiler", "-DPy_LIMITED"))]
+        assert "-lineinfo" in device_flags(True, cuda) and "-DSAGEATTN3_MMA_MODEL=1" in device_flags(True, cuda)
+    line, cuda = measured_line(m)
+    assert line.build_version == max((t.build_version for t in m.torch), key=Version)
+    assert cuda == max(line.cuda, key=Version)
+    with pytest.raises(ValueError, match="CUDA 11.8 builds no torch line of the matrix"):
+        measured_line(m, "11.8")

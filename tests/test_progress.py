@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_plain_heartbeat_where_no_terminal_and_every_line_passes_through(tmp_path):
     lines: list[str] = []
     with StageProgress(lines.append, "build", every=0.3) as slog:
-        assert not slog.live  # a log function that is not print: never a live line
+        assert not slog.live  # a logger that does not write to this process's stdout: never a live line
         slog("[build] compiled 1/3 (2 s)")
         time.sleep(1.2)
     assert lines[0] == "[build] compiled 1/3 (2 s)"
@@ -37,9 +37,10 @@ def test_no_live_line_in_ci_logs(monkeypatch):
 
 def test_live_line_on_a_terminal(tmp_path):
     pytest.importorskip("rich")
-    # print wrapped in the per-target file log, as ci.stages.pipeline.run_target hands it to each stage
+    # the default logger wrapped in the per-target file log, as ci.stages.pipeline.run_target hands it to each stage
     code = ("import sys, time; from pathlib import Path; from ci.runtime.progress import StageProgress, TeeLog\n"
-            "log = TeeLog(print, Path(sys.argv[1]))\n"
+            "from ci.runtime.log import default_log\n"
+            "log = TeeLog(default_log, Path(sys.argv[1]))\n"
             "with StageProgress(log, 'verify', every=0.5) as s:\n"
             "    assert s.live\n"
             "    s('[verify] py3.11: torch 2.13.0')\n"

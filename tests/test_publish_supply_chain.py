@@ -67,22 +67,42 @@ def locked(lock: Path = LOCK) -> dict[str, str]:
     return out
 
 
-def _imports(path: Path) -> tuple[set[str], set[str]]:
-    """(top-level third-party-or-stdlib modules, ci modules) that a file imports."""
+# Third-party modules the ci modules publishing pulls in may import only inside a function, only
+# where they are installed, and never on publishing's path: not in the lock, and the install test
+# below runs publishing without them. rich: the live progress line of ci.runtime.progress (which
+# the factory's logger, ci.runtime.log, hands out as its step), drawn on a terminal only, after
+# live_terminal has found rich installed.
+OPTIONAL = {"rich"}
+
+
+def _imports(path: Path) -> tuple[set[str], set[str], set[str]]:
+    """(top-level third-party-or-stdlib modules, ci modules, the former imported at module level)
+    that a file imports, inside functions too."""
     tree = ast.parse(path.read_text())
     mods: set[str] = set()
-    for node in ast.walk(tree):
+    eager: set[str] = set()
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        names = []
         if isinstance(node, ast.Import):
-            mods |= {a.name for a in node.names}
+            names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            mods.add(node.module)
+            names = [node.module]
+        mods.update(names)
+        if not in_function:
+            eager.update(names)
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(tree, False)
     ci = {m for m in mods if m == "ci" or m.startswith("ci.")}
-    return {m.split(".")[0] for m in mods - ci}, ci
+    return {m.split(".")[0] for m in mods - ci}, ci, {m.split(".")[0] for m in eager - ci}
 
 
 def publishing_imports() -> tuple[set[str], set[str]]:
     """Every top-level module imported by the publishing modules and the ci modules they pull
-    in, and the modules they run with ``python -m``."""
+    in (but the OPTIONAL ones, which none imports at module level), and the modules they run
+    with ``python -m``."""
     todo = [REPO / p for p in ENTRY_MODULES]
     seen: set[Path] = set()
     top: set[str] = set()
@@ -92,8 +112,9 @@ def publishing_imports() -> tuple[set[str], set[str]]:
         if path in seen:
             continue
         seen.add(path)
-        t, ci = _imports(path)
-        top |= t
+        t, ci, eager = _imports(path)
+        assert not eager & OPTIONAL, f"{path.relative_to(REPO)} imports {sorted(eager & OPTIONAL)} at module level"
+        top |= t - OPTIONAL
         run |= set(re.findall(r'"-m",\s*"([A-Za-z_][\w.]*)"', path.read_text()))
         for m in ci:
             base = REPO / Path(*m.split("."))

@@ -139,7 +139,7 @@ def test_a_download_that_does_not_check_out_is_one_line_naming_the_fix(bare, ser
 def test_a_failed_provisioning_keeps_uvs_cause_and_does_not_offer_it_again(monkeypatch, tmp_path):
     """What uv prints when python-build-standalone is unreachable: the error line and its last
     cause reach the message; the fix offered is another way than the one that failed."""
-    from ci.toolchain import tools as toolchain
+    from ci.toolchain.tools import pythons as toolchain
 
     uv_said = ("error: Failed to install cpython-3.9.25-linux-x86_64-gnu\n"
                "  Caused by: Failed to download https://github.com/astral-sh/python-build-standalone/...\n"

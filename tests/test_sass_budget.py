@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from ci.checks import sass_budget as sb
+from ci.checks import sass_kernels as sk
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "sageattn3" / "csrc"
@@ -84,8 +85,11 @@ def _nvcc() -> Path:
 
 
 def test_budget_of_the_attention_kernel(tmp_path):
-    cubin = sb.compile_ours(_nvcc(), tmp_path)
-    budgets = {b.label: b for b in sb.ours_budgets(cubin)}
+    from ci.checks.kernel_report import toolkit_cuda
+
+    nvcc = _nvcc()
+    cubin = sk.compile_ours(nvcc, tmp_path, toolkit_cuda(nvcc))
+    budgets = {b.label: b for b in sk.ours_budgets(cubin)}
     # no spill reloads inside the key-tile loop of any instantiation (tests/test_attn_compile.py)
     for name, instrs in sb.disassemble(cubin).items():
         if "fp4_attn_fwd_kernel" in name:

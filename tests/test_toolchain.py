@@ -181,11 +181,11 @@ def test_a_cached_environment_gets_a_raised_floor_in_place(tmp_path):
 
 def test_a_failing_child_command_shows_the_tail_of_its_stderr(tmp_path):
     """What verify prints for a broken torch environment: the child's own error, not only
-    `CalledProcessError ... import torch` (ci.toolchain.tools._output)."""
+    `CalledProcessError ... import torch` (ci.toolchain.tools.base._output)."""
     import subprocess
     import sys
 
-    from ci.toolchain import tools as toolchain
+    from ci.toolchain.tools import base as toolchain
 
     broken = tmp_path / "torch"
     broken.mkdir()

@@ -1,5 +1,5 @@
 """Windows builds proven by the real compilers on this Linux machine: MSVC 14.44's cl.exe,
-link.exe and lib.exe and CUDA's nvcc.exe under wine (ci.toolchain.wine), every part from the package
+link.exe and lib.exe and CUDA's nvcc.exe under wine (ci.toolchain.wine, ci.toolchain.windows_toolchain), every part from the package
 registries. What runs here on every `nox -s tests`:
 
 - the torch-facing unit of a Windows target compiled by cl.exe against its torch line's real
@@ -31,6 +31,7 @@ import pytest
 from ci.checks import msvc_gate
 
 from ci.toolchain import patches as patchmod, pe as pemod, wine as winemod
+from ci.toolchain import windows_toolchain as wintc
 from ci.stages import windows_build as wb, windows_load
 from ci.payload.interface import PAYLOAD
 from ci.toolchain.targets import Matrix
@@ -60,7 +61,7 @@ def matrix() -> Matrix:
 @pytest.fixture(scope="module")
 def toolchain(matrix):
     """The Windows toolchain, provisioned into the factory's cache (first time: about 2 minutes)."""
-    return winemod.resolve_windows(msvc_gate.CUDA, matrix.target(TARGET).build_torch)
+    return wintc.resolve_windows(msvc_gate.CUDA, matrix.target(TARGET).build_torch)
 
 
 # -- without wine, and the pure parts ------------------------------------------------------
@@ -140,7 +141,7 @@ def test_nvcc_exe_compiles_a_kernel_unit_to_sm_120a_and_sm_121a(matrix, toolchai
 
     bc = build_commands()
     profile = profile_for(matrix.target(TARGET), matrix.stable_abi_floor)
-    torch = winemod.windows_torch(matrix.target(TARGET).build_torch)
+    torch = wintc.windows_torch(matrix.target(TARGET).build_torch)
     obj = tmp_path / "quant_rows.obj"
     cmd = bc.compile_command(msvc_gate._tools(toolchain, bc), profile, "csrc/quant/quant_rows.cu", str(winemod.z_path(obj)),
                              msvc_gate._includes(toolchain, bc, PAYLOAD / "csrc", torch.torch_dir, None))
@@ -202,7 +203,7 @@ def test_a_drifted_attention_unit_stops_before_any_compile(tmp_path, monkeypatch
     ran = []
     monkeypatch.setattr(msvc_gate, "PAYLOAD", payload)
     monkeypatch.setattr(msvc_gate, "_run_compile", lambda *a, **k: ran.append(a))
-    monkeypatch.setattr(winemod, "windows_torch", lambda *a, **k: ran.append("torch download"))
+    monkeypatch.setattr(wintc, "windows_torch", lambda *a, **k: ran.append("torch download"))
     with pytest.raises(patchmod.PatchDrift, match="has changed"):
         msvc_gate.c2719(matrix, None, ptx_only=True)
     assert not ran

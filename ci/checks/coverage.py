@@ -62,7 +62,7 @@ EVIDENCE_FILE = REPO / "ci" / "evidence.json"
 PAYLOAD_INPUTS = ("sageattn3", "patches")
 WHEEL_BUILD_INPUTS = (
     "ci/targets.toml", "ci/payload", "ci/runtime", "ci/toolchain/targets.py", "ci/toolchain/variant.py", "ci/toolchain/flags.py",
-    "ci/toolchain/patches", "ci/stages/resolve.py", "ci/toolchain/resolved.py", "ci/toolchain/tools.py",
+    "ci/toolchain/patches", "ci/stages/resolve.py", "ci/toolchain/resolved.py", "ci/toolchain/tools",
     "ci/toolchain/torch_source.py", "ci/stages/build.py", "ci/stages/repair.py", "ci/stages/tag.py", "ci/stages/record.py",
 )
 # What checks a built wheel here (the verify stage and the pipeline that runs the stages).
@@ -70,8 +70,9 @@ VERIFY_INPUTS = ("ci/stages/verify.py", "ci/stages/pipeline.py")
 # A cross-built wheel (a release record with ``cross``): the cross toolchain and the emulated verify.
 CROSS_INPUTS = ("ci/toolchain/cross.py", "ci/toolchain/cross_spec.py", "ci/stages/emulate.py")
 # A Windows wheel built on Linux: the wine toolchain, the stand-ins and inspection, the PE reader.
-WINDOWS_INPUTS = ("ci/toolchain/wine.py", "ci/stages/windows_build.py", "ci/stages/windows_load.py", "ci/toolchain/pe.py",
-                  "ci/checks/msvc_gate", "ci/stages/emulate.py", "ci/release/cibw_job.py")
+WINDOWS_INPUTS = ("ci/toolchain/wine.py", "ci/toolchain/windows_toolchain.py", "ci/stages/windows_build.py",
+                  "ci/stages/windows_load.py", "ci/toolchain/pe.py", "ci/checks/msvc_gate", "ci/stages/emulate.py",
+                  "ci/release/cibw_job.py")
 # Kinds that check one part of a row besides how far its wheel was built (shown beside that).
 CHECK_KINDS = ("msvc_unit",)
 
@@ -103,12 +104,13 @@ KINDS = {
                       "the torch-facing unit compiled by MSVC 14.44's cl.exe under wine against the line's "
                       "win_amd64 torch headers (python -m ci.checks.msvc_gate)",
                       PAYLOAD_INPUTS + ("ci/targets.toml", "ci/payload", "ci/toolchain/targets.py", "ci/toolchain/flags.py",
-                                        "ci/checks/msvc_gate", "ci/toolchain/wine.py", "ci/toolchain/patches",
-                                        "ci/toolchain/compile_gate", "ci/toolchain/tools.py", "ci/release/cibw_job.py")),
+                                        "ci/checks/msvc_gate", "ci/toolchain/wine.py", "ci/toolchain/windows_toolchain.py",
+                                        "ci/toolchain/patches", "ci/toolchain/compile_gate", "ci/toolchain/tools",
+                                        "ci/release/cibw_job.py")),
     "classic_link": Kind("classic unit cross-compiled + linked here",
                          "cross-compile of the classic unit, link against PyPI's aarch64 CPU torch",
                          PAYLOAD_INPUTS + ("ci/targets.toml", "ci/payload", "ci/toolchain/targets.py", "ci/toolchain/flags.py",
-                                           "ci/toolchain/tools.py", "ci/toolchain/compile_gate", "ci/release/cibw_job.py",
+                                           "ci/toolchain/tools", "ci/toolchain/compile_gate", "ci/release/cibw_job.py",
                                            "ci/toolchain/cross.py", "ci/toolchain/cross_spec.py", "ci/checks/classic_link")),
 }
 

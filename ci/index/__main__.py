@@ -11,6 +11,7 @@ from pathlib import Path
 from ci.index.check import check_index
 from ci.index.layout import DEFAULT_PROJECT, IndexError_
 from ci.index.write import update_index
+from ci.runtime.errors import FactoryError, InputError, run_main
 from ci.stages.record import RecordError, load_records
 from ci.stages.provenance import FAILED_STEPS_HELP
 
@@ -55,25 +56,27 @@ def _json_arg(value: str | None, option: str):
 def _check(a) -> int:
     try:
         check_index(a.location)
-    except IndexError_ as e:
-        print(f"index check: {e}", file=sys.stderr)
-        return 1
+    except IndexError_ as e:  # an index that is there and wrong: the crawl failed (exit status 1)
+        raise FactoryError(f"index check: {e}") from e
     except (OSError, ValueError, KeyError) as e:  # unreachable, missing, not an index
         why = getattr(e, "reason", None) or e
-        print(f"index check: cannot read an index at {a.location} ({type(e).__name__}: {why}); "
-              "pass the index root (the directory or URL holding index.json)", file=sys.stderr)
-        return 2
+        raise InputError(f"index check: cannot read an index at {a.location} ({type(e).__name__}: {why}); "
+                         "pass the index root (the directory or URL holding index.json)") from e
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = argv.pop(0) if argv and argv[0] in ("build", "which", "check") else "build"
+    # each message names itself ("index: ...", "index check: ...")
+    return run_main(lambda: _cli(cmd, argv), prefix=None)
+
+
+def _cli(cmd: str, argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog=f"python -m ci.index {cmd}")
     if cmd == "which":
-        print("python -m ci.index which is gone: where torch is installed, run `python -m sageattn3 which`, "
-              "or paste your torch version into the index's picker page (index.html)", file=sys.stderr)
-        return 2
+        raise InputError("python -m ci.index which is gone: where torch is installed, run `python -m sageattn3 which`, "
+                         "or paste your torch version into the index's picker page (index.html)")
     if cmd == "build":
         ap.description = "Merge the wheels of a directory into a PEP 503/658 index (see ci/index/__init__.py for the layout)."
         ap.add_argument("--wheels", type=Path, default=None,
@@ -100,12 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(a)
     except (IndexError_, RecordError, ValueError) as e:  # bad input (also a malformed --build-outputs): nothing written
-        print(f"index: {e}", file=sys.stderr)
-        return 2
+        raise InputError(f"index: {e}") from e
     except OSError as e:
-        print(f"index: {e.strerror or e}: {e.filename or ''} (nothing half-written is left: files are replaced whole)",
-              file=sys.stderr)
-        return 1
+        raise FactoryError(f"index: {e.strerror or e}: {e.filename or ''} (nothing half-written is left: files are "
+                           f"replaced whole)") from e
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 from packaging.utils import canonicalize_name
 
 from ci.index.layout import DEFAULT_PROJECT, MANIFEST, IndexError_, Page
+from ci.runtime.log import default_log
 
 
 def _fetch(location: str, rel: str) -> bytes:
@@ -41,7 +42,7 @@ def parse_anchors(page: bytes) -> list[dict[str, str | None]]:
     return p.anchors
 
 
-def check_index(location: str, project: str = DEFAULT_PROJECT, log=print) -> int:
+def check_index(location: str, project: str = DEFAULT_PROJECT, log=default_log) -> int:
     """Crawl every page the manifest names (over HTTP or on disk), fetch every linked file
     and its .metadata, and check the sha256s and that each page lists exactly the manifest's
     wheels. Returns the number of files checked; raises IndexError_ on the first mismatch."""

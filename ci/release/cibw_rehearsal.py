@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ci.release.cibw_job import RehearsalError, ResolvedJob, job_process_environ, resolve
+from ci.runtime.log import default_log
 from ci.toolchain.targets import Matrix, Target
 from ci.runtime.env import child_environ
 
@@ -108,7 +109,7 @@ class HookRun:
     seconds: float = 0.0
 
 
-def _sh(run: HookRun, logs: Path, cwd: Path, log=print) -> HookRun:
+def _sh(run: HookRun, logs: Path, cwd: Path, log=default_log) -> HookRun:
     """One hook as ``sh -c`` (as cibuildwheel runs it); output into ``logs/<name>.log``; a
     failure raises with the last lines."""
     logs.mkdir(parents=True, exist_ok=True)
@@ -161,7 +162,7 @@ class JobRehearsal:
     def _placeholders(self, **extra: str) -> dict[str, str]:
         return {"project": str(REPO), "package": str(self.job.options.package_dir), **extra}
 
-    def before_all(self, log=print) -> HookRun | None:
+    def before_all(self, log=default_log) -> HookRun | None:
         cmd = self.job.command("before_all", **self._placeholders())
         if not cmd:
             return None
@@ -169,7 +170,7 @@ class JobRehearsal:
         self.runs.append(_sh(run, self.logs, REPO, log))
         return run
 
-    def build(self, log=print) -> Path:
+    def build(self, log=default_log) -> Path:
         out = self.work / "built_wheel"
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
@@ -182,7 +183,7 @@ class JobRehearsal:
         self.runs.append(_sh(HookRun("build", cmd, env), self.logs, REPO, log))
         return _one_wheel(out, "the build")
 
-    def repair(self, wheel: Path, log=print) -> Path:
+    def repair(self, wheel: Path, log=default_log) -> Path:
         out = self.work / "repaired_wheel"
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
@@ -195,7 +196,7 @@ class JobRehearsal:
             self.runs.append(_sh(HookRun("repair", cmd, env), self.logs, REPO, log))
         return _one_wheel(out, "the repair-wheel-command")
 
-    def test(self, wheel: Path, log=print) -> HookRun | None:
+    def test(self, wheel: Path, log=default_log) -> HookRun | None:
         """The test hook: a fresh venv of the build Python, the wheel (+ test-requires)
         installed in it with the test environment, then the test-command from a scratch cwd."""
         cmd = self.job.command("test_command", **self._placeholders(wheel=str(wheel)))
@@ -250,7 +251,7 @@ def job_environ(target: Target, *, pytorch_index: str, cache: Path, log_dir: Pat
 
 def rehearse_job(target_id: str, dist: Path, *, pytorch_index: str, foreign_dir: str = "cpu",
                  verify_pythons: list[str] | None = None, config_file: Path | None = None,
-                 log=print) -> JobRehearsal:
+                 log=default_log) -> JobRehearsal:
     """One release build job's hooks, as cibuildwheel resolves them, run here: before-all,
     build, repair-wheel-command, test-command. Returns the rehearsal (its repaired wheel in
     ``work/repaired_wheel``, each hook's time in ``timings()``)."""

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ci.runtime.log import default_log
 from ci.runtime.pip_env import pip_environ
 from ci.release import REPO, ReleaseError, ReleaseInputError
 from ci.release.github_standin import GitHubStandin
@@ -54,7 +55,7 @@ class DryRun:
 
 def rehearse_target(target_id: str, dist: Path, artifacts: Path, *, pytorch_index: str,
                     foreign_dir: str = "cpu", verify_pythons: list[str] | None = None,
-                    config_file: Path | None = None, log=print) -> dict[str, float]:
+                    config_file: Path | None = None, log=default_log) -> dict[str, float]:
     """One release build job here: its cibuildwheel hooks as the pinned cibuildwheel resolves
     them from ``config_file`` (default ci/cibuildwheel.toml) and the job's environment, with
     ``pytorch_index`` in place of PyTorch's (ci.release.cibw_rehearsal says what differs from the job),
@@ -100,7 +101,7 @@ class TargetRehearsal:
     why_not: str = ""
 
 
-def rehearse_plan(matrix: Matrix, pytorch_index: str | None = None, log=print) -> list[TargetRehearsal]:
+def rehearse_plan(matrix: Matrix, pytorch_index: str | None = None, log=default_log) -> list[TargetRehearsal]:
     """Every target's release job resolved (environment, torch and guard sources, CUDA install,
     cibuildwheel selection, each step's command) and checked; which of them can run here
     with the stand-in index (the rest are only planned, with the reason)."""
@@ -178,7 +179,7 @@ def _pythons_first(matrix: Matrix, index_url: str, runnable: list[str]) -> None:
 
 def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, repo: str = "sageattn3/sageattn3",
             tag: str | None = None, only: list[str] | None = None, plan_only: bool = False,
-            compile_gate: bool = True, fail_targets: list[str] | None = None, log=print) -> DryRun:
+            compile_gate: bool = True, fail_targets: list[str] | None = None, log=default_log) -> DryRun:
     """The release rehearsal. plan -> every target's job resolved and checked (all of them,
     also those this machine cannot build) -> for every target whose torch the stand-in serves
     and that is not built here, its build torch and its guard's torch resolved by real pip in
@@ -264,7 +265,7 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
 
 
 def _run_build_jobs(dr: DryRun, matrix: Matrix, index_url: str, fail_targets: list[str],
-                    verify_pythons: list[str] | None, log=print) -> None:
+                    verify_pythons: list[str] | None, log=default_log) -> None:
     """Each planned target's release job here (``rehearse_target``), its timings or its error and
     failing step into ``dr``; a target in ``fail_targets`` fails at its cibuildwheel step unbuilt."""
     for e in dr.planned.get("include", []):
@@ -294,7 +295,7 @@ def _run_build_jobs(dr: DryRun, matrix: Matrix, index_url: str, fail_targets: li
 
 
 def _publish_locally(dr: DryRun, parts: list[str], outputs: dict[str, str], outcomes: Path, *, fake, repo: str,
-                     tag: str | None, log=print) -> DryRun:
+                     tag: str | None, log=default_log) -> DryRun:
     """The publish job's steps on the verified targets' wheels: gather with the jobs' outputs and
     outcome files, SHA256SUMS, the GitHub Release on a local GitHub-REST server (``fake``, or one
     of its own), the index and the Pages branch; the summary with what is missing."""
@@ -355,7 +356,7 @@ def _publish_locally(dr: DryRun, parts: list[str], outputs: dict[str, str], outc
     return dr
 
 
-def _build_outputs(dr: DryRun, outcomes: Path, log=print) -> dict[str, str]:
+def _build_outputs(dr: DryRun, outcomes: Path, log=default_log) -> dict[str, str]:
     """Every planned build job's outcome, made as build-target.yml makes it (``python -m
     ci.release outcome`` with the job's steps and its artifact folder, also writing the
     outcome-<id> file into ``outcomes``), and passed on as GitHub passes a matrix of

@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path, PurePath
 
+from ci.runtime.log import default_log
 from ci.toolchain.flags import CUDA12_GCC_TOOLSET, cuda_host_compiler, toolset_cxx  # noqa: F401 (re-exported)
 from ci.toolchain.targets import Target
 from ci.runtime.errors import FactoryError
@@ -235,7 +236,7 @@ def check_host_compiler(cxx: str, cuda: str, *, toolset: int = CUDA12_GCC_TOOLSE
 
 
 def download(url: str, dest: Path, *, timeout: float = DOWNLOAD_TIMEOUT_S, attempts: int = DOWNLOAD_ATTEMPTS,
-             log=print) -> Path:
+             log=default_log) -> Path:
     """``url`` into ``dest``: each read times out after ``timeout`` s (a stalled connection fails
     instead of hanging the job), retried with backoff; a partial file never remains."""
     for attempt in range(1, attempts + 1):
@@ -255,7 +256,7 @@ def download(url: str, dest: Path, *, timeout: float = DOWNLOAD_TIMEOUT_S, attem
     raise AssertionError("unreachable")
 
 
-def install_cuda(target: Target, github_env: Path | None = None, log=print) -> None:
+def install_cuda(target: Target, github_env: Path | None = None, log=default_log) -> None:
     """The commands of ``cuda_commands`` run (Windows: the installer downloaded first), then the
     toolkit found where the factory looks for it (13.x: provisioned from PyPI)."""
     from ci.toolchain.tools import find_cuda
@@ -338,7 +339,7 @@ def _size(path: Path) -> int:
 
 
 def cleanup_after_build(target: Target, *, keep: list[Path] = (), cache: Path | None = None,
-                        stage: Path | None = None, purge_pip: bool = True, log=print) -> dict[str, int]:
+                        stage: Path | None = None, purge_pip: bool = True, log=default_log) -> dict[str, int]:
     """Remove what only the build needed, before verify installs its own torch: the factory's
     CUDA toolkits, CUTLASS headers and torch environments (except ``keep``: the build's, when
     verify reuses it), the staging copies, pip's download cache, and in a manylinux container
@@ -416,7 +417,7 @@ def _drive(path: str, flavour: type[PurePath] = Path) -> str:
 
 
 def free_disk(paths: tuple[str, ...] | None = None, *, platform: str | None = None, use_sudo: bool | None = None,
-              budget_s: float | None = None, log=print) -> int:
+              budget_s: float | None = None, log=default_log) -> int:
     """Remove the runner's preinstalled software that no build uses (``RUNNER_BLOAT`` for this
     OS); returns the bytes the disk(s) gained, and reports the free space of each drive it
     deleted from. Linux: ``sudo rm -rf`` (``use_sudo``: default when not root and sudo exists).

@@ -14,6 +14,7 @@ import sys
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
+from ci.runtime.log import default_log
 from ci.runtime.pip_env import pip_environ
 from ci.release import ReleaseError
 from ci.toolchain.targets import Matrix
@@ -37,7 +38,7 @@ def standin_wheels() -> Path:
 
 
 def fetch_torch(version: str, python: str, matrix: Matrix, *, platform: str = "manylinux_2_28_x86_64",
-                log=print) -> Path:
+                log=default_log) -> Path:
     """PyPI's x86_64 wheel of ``torch==version`` for ``python`` into the factory cache, under
     the PyTorch index directory it is a build of (``torch-index/cu128/...``)."""
     dest = standin_wheels() / standin_dir(version, matrix)

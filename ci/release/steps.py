@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ci.release import REPO, ReleaseError, ReleaseInputError
+from ci.runtime.log import default_log
 from ci.toolchain.targets import Matrix
 from ci.runtime.env import child_environ
 
@@ -241,7 +242,7 @@ def sha256sums(wheels: list[Path]) -> str:
 
 
 def publish_steps(wheels: Path, index_dir: Path, api_url: str, repo: str, tag: str, token: str,
-                  log=print, *, allow_local_build: bool = False, plan: Path | None = None,
+                  log=default_log, *, allow_local_build: bool = False, plan: Path | None = None,
                   build_outputs: Path | None = None, failed_steps: Path | None = None) -> list[str]:
     """The publish job's steps after gather, as the workflow runs them (nox -s publish / index /
     release -- pages run these same commands). ``allow_local_build``: the wheels were built
@@ -276,7 +277,7 @@ def publish_steps(wheels: Path, index_dir: Path, api_url: str, repo: str, tag: s
     return lines
 
 
-def compile_gate_problem(matrix: Matrix, log=print) -> str | None:
+def compile_gate_problem(matrix: Matrix, log=default_log) -> str | None:
     """Why the matrix cannot be released: a torch line whose torch-facing unit does not compile
     against that torch's real headers (ci.toolchain.compile_gate); None when every line compiles."""
     from ci.toolchain import compile_gate

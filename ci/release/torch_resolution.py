@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from ci.runtime.log import default_log
 from ci.runtime.pip_env import pip_environ
 from ci.release import ReleaseError
 from ci.release.standin import standin_dir, standin_serves
@@ -146,7 +147,7 @@ def standin_resolutions(matrix: Matrix, index_url: str, skip: list[str] = ()) ->
 
 
 def resolve_served_targets(matrix: Matrix, index_url: str, *, skip: list[str] = (), workers: int = 2,
-                           log=print) -> list[TorchResolution]:
+                           log=default_log) -> list[TorchResolution]:
     """Every served target's build and guard torch (but those of ``skip``: the targets the
     rehearsal builds, whose build and verify install them for real) resolved by real pip
     (``resolve_torch``) in the target's floor Python (ci.toolchain.tools.find_python) against the

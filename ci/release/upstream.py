@@ -33,6 +33,7 @@ from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
 from ci.index import parse_anchors
+from ci.runtime.log import default_log
 from ci.toolchain.targets import Matrix, TorchLine
 from ci.toolchain.variant import cuda_tag
 from ci.runtime.errors import FactoryError
@@ -171,7 +172,7 @@ def _check_line(t: TorchLine, files: list[TorchFile], versions: list[Version], d
             drift.add(f"torch {t.line}: os lists {os_key}, but torch {t.build_version} has no wheel for it")
 
 
-def check_pytorch_index(matrix: Matrix, root: str, drift: Drift, log=print) -> None:
+def check_pytorch_index(matrix: Matrix, root: str, drift: Drift, log=default_log) -> None:
     """Per line and OS: the CUDA variants PyTorch's index serves ``build_version`` for, against
     ``published_on(os)``."""
     probed = sorted(set(PROBED_CUDA) | {c for t in matrix.torch for c in t.published}, key=Version)
@@ -196,7 +197,7 @@ def check_pytorch_index(matrix: Matrix, root: str, drift: Drift, log=print) -> N
 
 
 def check_upstream(matrix: Matrix, index_url: str = PYPI_SIMPLE, pytorch_index: str | None = None,
-                   log=print) -> Drift:
+                   log=default_log) -> Drift:
     drift = Drift()
     names = project_files(index_url)
     if names is None:

@@ -93,11 +93,11 @@ class FactoryEnv:
                                      "the target matrix", _path)
     patch_manifest: Path | None = _var("SAGEATTN3_PATCH_MANIFEST", "Path", "the patches' manifest",
                                        "ci.toolchain.patches", "the patch manifest", _path)
-    cache: Path | None = _var("SAGEATTN3_CACHE", "Path", "$XDG_CACHE_HOME/sageattn3-factory", "ci.toolchain.tools",
+    cache: Path | None = _var("SAGEATTN3_CACHE", "Path", "$XDG_CACHE_HOME/sageattn3-factory", "ci.toolchain.tools.base",
                               "the factory's cache", _path)
-    no_provision_python: bool = _var("SAGEATTN3_NO_PROVISION_PYTHON", "flag", "off", "ci.toolchain.tools",
+    no_provision_python: bool = _var("SAGEATTN3_NO_PROVISION_PYTHON", "flag", "off", "ci.toolchain.tools.pythons",
                                      "never install a missing Python", _flag, value=False)
-    no_ccache: bool = _var("SAGEATTN3_NO_CCACHE", "flag", "off", "ci.toolchain.tools",
+    no_ccache: bool = _var("SAGEATTN3_NO_CCACHE", "flag", "off", "ci.toolchain.tools.compilers",
                            "compile without sccache", _flag, value=False)
     wine: str | None = _var("SAGEATTN3_WINE", "str (path)", "wine64 on PATH", "ci.toolchain.wine",
                             "the wine64 loader", _nonempty)
@@ -110,7 +110,7 @@ class FactoryEnv:
     publish_traceback: bool = _var("SAGEATTN3_PUBLISH_TRACEBACK", "flag", "off", "ci.release.publish.__main__",
                                    "show a publishing error's traceback", _flag, value=False)
     python_overrides: tuple[tuple[str, str], ...] = _var(
-        "SAGEATTN3_PYTHON_3_<minor>", "str (path)", "searched", "ci.toolchain.tools",
+        "SAGEATTN3_PYTHON_3_<minor>", "str (path)", "searched", "ci.toolchain.tools.pythons",
         "the interpreter for Python 3.<minor>",
         lambda raw: (), value=())
     # -- CI runners ------------------------------------------------------------------------
@@ -140,8 +140,8 @@ class FactoryEnv:
                                       "ci.release.publish.pypi, ci.release.publish._net",
                                       "the PyPI-compatible server's password")
     runner_tool_cache: str | None = _var("RUNNER_TOOL_CACHE", "str (path)", "C:\\hostedtoolcache\\windows",
-                                         "ci.toolchain.tools", "the runners' hosted tool cache (Windows)", _nonempty)
-    agent_toolsdirectory: str | None = _var("AGENT_TOOLSDIRECTORY", "str (path)", "unset", "ci.toolchain.tools",
+                                         "ci.toolchain.tools.pythons", "the runners' hosted tool cache (Windows)", _nonempty)
+    agent_toolsdirectory: str | None = _var("AGENT_TOOLSDIRECTORY", "str (path)", "unset", "ci.toolchain.tools.pythons",
                                             "the hosted tool cache, other runners", _nonempty)
     # -- toolchains and the OS ------------------------------------------------------------
     term: str | None = _var("TERM", "str", "unset", "ci.runtime.progress", "dumb: no live progress line")
@@ -152,26 +152,27 @@ class FactoryEnv:
                                   lambda raw: "315532800" if raw is None else raw, value="315532800")
     max_jobs: int | None = _var("MAX_JOBS", "int", "from the machine's cores and memory", "ci.release.cibw",
                                 "parallel compile jobs", lambda raw: int(raw) if raw else None)
-    cuda_home: str | None = _var("CUDA_HOME", "str (path)", "searched", "ci.toolchain.tools, ci.checks.kernel_report",
+    cuda_home: str | None = _var("CUDA_HOME", "str (path)", "searched", "ci.toolchain.tools.cuda, ci.checks.kernel_report",
                                  "the CUDA toolkit", _nonempty)
-    cuda_path: str | None = _var("CUDA_PATH", "str (path)", "searched", "ci.toolchain.tools",
+    cuda_path: str | None = _var("CUDA_PATH", "str (path)", "searched", "ci.toolchain.tools.cuda",
                                  "the CUDA toolkit (Windows)", _nonempty)
     cuda_path_versions: tuple[str, ...] = _var(
-        "CUDA_PATH_V<major>_<minor>", "str (path)", "unset", "ci.toolchain.tools",
+        "CUDA_PATH_V<major>_<minor>", "str (path)", "unset", "ci.toolchain.tools.cuda",
         "CUDA toolkits NVIDIA's Windows installer registered, newest name first", lambda raw: (), value=())
-    cxx: str | None = _var("CXX", "str", "g++ (compile gate), c++", "ci.toolchain.compile_gate, ci.toolchain.tools",
+    cxx: str | None = _var("CXX", "str", "g++ (compile gate), c++", "ci.toolchain.compile_gate, ci.toolchain.tools.compilers",
                            "the host C++ compiler")
     sccache_dir: str | None = _var("SCCACHE_DIR", "str (path)", "<cache>/sccache",
-                                   "ci.toolchain.tools, ci.checks.bench", "sccache's cache", _nonempty)
-    xdg_cache_home: str | None = _var("XDG_CACHE_HOME", "str (path)", "~/.cache", "ci.toolchain.tools",
+                                   "ci.toolchain.tools.compilers, ci.checks.bench", "sccache's cache", _nonempty)
+    xdg_cache_home: str | None = _var("XDG_CACHE_HOME", "str (path)", "~/.cache", "ci.toolchain.tools.base",
                                       "where the cache goes", _nonempty)
-    pyenv_root: str | None = _var("PYENV_ROOT", "str (path)", "~/.pyenv", "ci.toolchain.tools",
+    pyenv_root: str | None = _var("PYENV_ROOT", "str (path)", "~/.pyenv", "ci.toolchain.tools.pythons",
                                   "pyenv's installs", _nonempty)
-    localappdata: str = _var("LOCALAPPDATA", "str (path)", "empty", "ci.toolchain.tools",
+    localappdata: str = _var("LOCALAPPDATA", "str (path)", "empty", "ci.toolchain.tools.pythons",
                              "per-user python.org installs (Windows)", lambda raw: raw or "",
                              value="")
     program_files: str = _var("ProgramFiles", "str (path)", "C:\\Program Files",
-                              "ci.toolchain.tools, ci.release.runner_setup", "Windows' program folder",
+                              "ci.toolchain.tools.pythons, ci.toolchain.tools.cuda, ci.release.runner_setup",
+                              "Windows' program folder",
                               lambda raw: "C:\\Program Files" if raw is None else raw, value="C:\\Program Files")
     program_files_x86: str = _var("ProgramFiles(x86)", "str (path)", "C:\\Program Files (x86)",
                                   "ci.release.runner_setup", "where vswhere is",

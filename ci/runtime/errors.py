@@ -26,11 +26,13 @@ class InputError(FactoryError):
     exit_code = 2
 
 
-def run_main(fn: Callable[[], int], *, prefix: str = "error") -> int:
+def run_main(fn: Callable[[], int], *, prefix: str | None = "error") -> int:
     """``fn()``'s exit status; a :class:`FactoryError` it raises becomes ``PREFIX: message`` on
-    stderr and the error's exit status. Other exceptions propagate (a bug shows its traceback)."""
+    stderr (``prefix`` None: the message alone, for a command whose messages each name
+    themselves) and the error's exit status. Other exceptions propagate (a bug shows its
+    traceback)."""
     try:
         return fn()
     except FactoryError as e:
-        print(f"{prefix}: {e}", file=sys.stderr)
+        print(e if prefix is None else f"{prefix}: {e}", file=sys.stderr)
         return e.exit_code

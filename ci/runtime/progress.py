@@ -1,10 +1,11 @@
 """How a long stage shows that it is at work, and where its lines are kept.
 
 On a terminal, a live status line drawn by ``rich`` (spinner, stage, elapsed seconds, the
-stage's latest line) sits under the lines the stage prints. Elsewhere (CI logs, pipes, a log
-function that is not ``print``, or ``rich`` missing) a quiet spell of ``every`` seconds gets a
-plain line "[stage] still working (N s)", so a long torch install or toolchain download never
-looks like a hang in a log either.
+stage's latest line) sits under the lines the stage prints. Elsewhere (CI logs, pipes, a logger
+that does not write to this process's stdout, or ``rich`` missing) a quiet spell of ``every``
+seconds gets a plain line "[stage] still working (N s)", so a long torch install or toolchain
+download never looks like a hang in a log either. The factory's logger
+(:class:`ci.runtime.log.Log`) hands out both wrappers: ``log.step(name)`` and ``log.tee(path)``.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ HEARTBEAT_S = 30.0
 
 
 def live_terminal(log) -> bool:
-    """Whether ``log`` writes to an interactive terminal that a live line may redraw."""
-    while isinstance(log, TeeLog):  # a tee writes a file beside what it wraps
-        log = log.wraps
-    if log is not print or (env := FactoryEnv.from_environ()).ci or env.term == "dumb":
+    """Whether ``log`` writes to an interactive terminal that a live line may redraw: a logger
+    that says it writes to this process's stdout (``log.terminal``; a tee says what it wraps
+    does), that stdout a terminal, outside CI."""
+    if getattr(log, "terminal", False) is not True or (env := FactoryEnv.from_environ()).ci or env.term == "dumb":
         return False
     return importlib.util.find_spec("rich") is not None and sys.stdout.isatty()
 
@@ -93,6 +94,11 @@ class TeeLog:
         self._t0 = time.monotonic()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("")
+
+    @property
+    def terminal(self) -> bool:
+        """A tee writes a file beside what it wraps: it reaches the terminal when that does."""
+        return getattr(self.wraps, "terminal", False) is True
 
     def __call__(self, msg: str) -> None:
         with self.path.open("a", encoding="utf-8", errors="replace") as f:

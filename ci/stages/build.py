@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+from ci.runtime.log import default_log
 from ci.toolchain import patches as patchmod
 from ci.payload.interface import PAYLOAD
 from ci.runtime.pip_env import pip_environ
@@ -142,7 +143,7 @@ def build_config(tc: ResolvedToolchain, matrix: Matrix, overlay: Path, jobs: int
     }
 
 
-def build(tc: ResolvedToolchain, matrix: Matrix, raw_dir: Path, *, jobs: int | None = None, log=print) -> BuildResult:
+def build(tc: ResolvedToolchain, matrix: Matrix, raw_dir: Path, *, jobs: int | None = None, log=default_log) -> BuildResult:
     """Build one target's wheel into ``raw_dir`` (emptied first) with its resolved toolchain
     (ci.stages.resolve.resolve_toolchain): stage, patch, write the config, compile (or skip when
     unchanged)."""
@@ -213,7 +214,7 @@ def _flush_stdout() -> None:
         pass
 
 
-def run_logged(cmd: list[str], env: dict, log_path: Path, log=print) -> tuple[int, list[str]]:
+def run_logged(cmd: list[str], env: dict, log_path: Path, log=default_log) -> tuple[int, list[str]]:
     """Run ``cmd`` with its output (stdout and stderr) written to ``log_path`` as it comes, the
     payload's progress lines (compile units n/m, elapsed) passed to ``log``; returns the exit
     status and the output's lines."""

@@ -34,6 +34,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ci.runtime.log import default_log
 from ci.toolchain import cross as crossmod
 from ci.runtime.pip_env import pip_environ
 from ci.stages.record import BuildRecord
@@ -231,7 +232,7 @@ def download_plan(machine: str, requirement: str, python_full: str, *, index_arg
 WHEELHOUSE_FORMAT = "pins resolved with the target machine's markers"
 
 
-def wheelhouse(machine: str, requirement: str, python_full: str, log=print, *,
+def wheelhouse(machine: str, requirement: str, python_full: str, log=default_log, *,
                index_args: tuple[str, ...] = ()) -> Path:
     """``requirement`` and what it needs on linux-``machine`` (CPython ``python_full``), as wheels
     downloaded from the configured index (PyPI) by this machine's pip into the cache: exactly
@@ -259,7 +260,7 @@ def wheelhouse(machine: str, requirement: str, python_full: str, log=print, *,
     return dest
 
 
-def torch_env(emu: Emulator, requirement: str, log=print) -> EmulatedTorchEnv:
+def torch_env(emu: Emulator, requirement: str, log=default_log) -> EmulatedTorchEnv:
     """A cached environment of the emulated Python with ``requirement`` (``torch==2.14.1``) and
     its dependencies, installed by the emulated pip from :func:`wheelhouse` (``--no-index``: the
     emulated pip resolves the dependencies for the target machine, from those wheels only)."""
@@ -360,7 +361,7 @@ def check_guard(emu: Emulator, foreign: EmulatedTorchEnv, vpy: Path, rec: BuildR
 
 
 def verify(rec: BuildRecord, wheel: Path, index_dir: Path, machine: str, *, torch_requirement: str,
-           foreign_requirement: str | None, log=print) -> EmulatedVerifyReport:
+           foreign_requirement: str | None, log=default_log) -> EmulatedVerifyReport:
     """Steps 1-4 of the module docstring for ``wheel`` (of ``rec``) served from ``index_dir``."""
     from ci.stages.verify import serve
     from ci.toolchain.variant import cuda_tag, torch_line

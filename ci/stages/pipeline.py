@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ci.runtime.log import Log, default_log
 from ci.stages import build as buildmod
 from ci.toolchain import cross as crossmod
 from ci.toolchain.cross_spec import is_cross
@@ -26,7 +27,6 @@ from ci.stages import repair as repairmod
 from ci.stages import resolve
 from ci.stages import verify as verifymod
 from ci.runtime.pip_env import pip_environ
-from ci.runtime.progress import StageProgress, TeeLog
 from ci.stages.record import BuildRecord, load_records, read_record_in_wheel, record_path
 from ci.toolchain.resolved import PROOF_FLAVOUR_LABEL
 from ci.stages.tag import tag
@@ -46,11 +46,11 @@ class TargetRun:
     failed_stage: str | None = None
 
     @contextmanager
-    def stage(self, name: str, log=print):
+    def stage(self, name: str, log=default_log):
         """Time a stage; yields the log function to use inside it (with its progress line)."""
         t0 = time.monotonic()
         try:
-            with StageProgress(log, name) as beat:
+            with Log.of(log).step(name) as beat:
                 yield beat
         except BaseException:
             self.failed_stage = name
@@ -60,9 +60,9 @@ class TargetRun:
 
 
 def run_target(target: Target, matrix: Matrix, dist: Path, *, verify_pythons: list[str], skip_verify: bool = False,
-               force_patches: tuple[str, ...] = (), log=print) -> TargetRun:
+               force_patches: tuple[str, ...] = (), log=default_log) -> TargetRun:
     run = TargetRun(target, full_log=dist / "logs" / f"{target.id}.log")
-    log = TeeLog(log, run.full_log)
+    log = Log.of(log).tee(run.full_log)
     tagged_dir = dist / "tagged" / target.id
     raw_dir = dist / "raw" / target.id
     try:
@@ -138,13 +138,13 @@ def replaced_wheels(wheels: Path, target: Target, new: str) -> list[Path]:
 
 
 def _vc_runtime() -> Path:
-    from ci.toolchain.wine import vc_runtime
+    from ci.toolchain.windows_toolchain import vc_runtime
 
     return vc_runtime()
 
 
 def verify_emulated(rec: BuildRecord, target: Target, matrix: Matrix, wheel: Path, index_dir: Path, dist: Path,
-                    log=print) -> verifymod.VerifyReport:
+                    log=default_log) -> verifymod.VerifyReport:
     """The verify stage of a cross-built wheel (``ci.stages.emulate``): its report is kept as
     ``dist/verify/<target>.verify.json`` for the evidence (``python -m ci coverage --record``)."""
     from ci.stages import emulate
@@ -196,7 +196,7 @@ def install_hint(dist: Path, runs: list[TargetRun]) -> list[str]:
     return lines
 
 
-def build_test_wheel(target: Target, matrix: Matrix, dist: Path, log=print) -> Path:
+def build_test_wheel(target: Target, matrix: Matrix, dist: Path, log=default_log) -> Path:
     """The test flavour of a target (sm_90a added, FP4 MMA modelled) into dist/test/, repaired
     and recorded, outside dist/wheels and the index: for running GPU tests on Hopper."""
     tc = resolve.resolve_toolchain(target, matrix, mma_model=True)
@@ -231,7 +231,7 @@ class ProofReport:
 
 
 def build_proof_wheel(target: Target, matrix: Matrix, dist: Path, *, foreign: list[Target] | None = None,
-                      log=print) -> ProofReport:
+                      log=default_log) -> ProofReport:
     """The proof flavour of a per-torch target (see ci.stages.build.PROOF_CUDA): build, repair, tag into
     dist/proof/ (never indexed or published), then install it with real pip into a fresh venv
     holding the target's own torch and import it there with no GPU (the dynamic loader resolves
@@ -287,7 +287,7 @@ def build_proof_wheel(target: Target, matrix: Matrix, dist: Path, *, foreign: li
 
 
 def build_wheels(targets: list[Target], matrix: Matrix, dist: Path, *, verify_pythons: list[str],
-                 skip_verify: bool = False, force_patches: tuple[str, ...] = (), log=print) -> list[TargetRun]:
+                 skip_verify: bool = False, force_patches: tuple[str, ...] = (), log=default_log) -> list[TargetRun]:
     runs = []
     for t in targets:
         log(f"== {t.describe()}")

@@ -15,6 +15,7 @@ from pathlib import Path
 from packaging.utils import parse_wheel_filename
 from ci.runtime.errors import FactoryError
 from ci.runtime.env import FactoryEnv, child_environ
+from ci.runtime.log import default_log
 
 # Shared objects torch (or the driver) provides; never bundled into our wheel.
 LINUX_EXCLUDES = ("libtorch*.so*", "libc10*.so*", "libcudart.so*", "libcuda.so*", "libshm.so*")
@@ -70,7 +71,7 @@ def check_repaired(wheel: Path, platform: str, machine: str | None = None) -> No
 
 
 def repair(raw: Path, out_dir: Path, platform: str, *, add_paths: list[Path] | None = None, machine: str | None = None,
-           log=print) -> Path:
+           log=default_log) -> Path:
     """``machine``: the target's; a Linux wheel of another machine than this one (a cross build) is
     repaired with auditwheel's policies of its own machine, which it reads from the wheel's ELF
     files (``--plat`` is not needed), and its tags are checked to be that machine's."""

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
+from ci.runtime.log import default_log
 from ci.toolchain import cross as crossmod
 from ci.toolchain.cross_spec import is_cross
 from ci.toolchain import patches as patchmod
@@ -210,7 +211,7 @@ def resolve_toolchain(target: Target, matrix: Matrix, *, force_patches: tuple[st
 LOCAL_FOREIGN_TORCH = "cpu"
 
 
-def local_foreign_env(python: str, log=print) -> TorchEnv:
+def local_foreign_env(python: str, log=default_log) -> TorchEnv:
     """The environment with ci.toolchain.cpu_torch's CPU build for ``python``, from the first index that
     has it, checked to be a CPU build (no nvidia-* requirements, a CPU build's size)."""
     from ci.toolchain import cpu_torch
@@ -234,7 +235,7 @@ def local_foreign_env(python: str, log=print) -> TorchEnv:
 
 
 def verify_envs(rec: BuildRecord, pythons: list[str], *, torch_spec: TorchSource | None = None,
-                foreign_torch: TorchSource | str | None = LOCAL_FOREIGN_TORCH, log=print) -> VerifyEnvs:
+                foreign_torch: TorchSource | str | None = LOCAL_FOREIGN_TORCH, log=default_log) -> VerifyEnvs:
     """The torch environments the verify stage installs ``rec``'s wheel into, resolved (found,
     or made and cached) before it runs. ``torch_spec``: where the torch to verify against comes
     from (the build's: the same source and Python give the build's cached environment back, no

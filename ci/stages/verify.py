@@ -22,6 +22,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ci.runtime.log import default_log
 from ci.stages.record import BuildRecord
 from ci.runtime.pip_env import pip_environ
 from ci.toolchain.resolved import TorchEnv, VerifyEnvs, venv_python
@@ -102,7 +103,7 @@ def _variant_page(rec: BuildRecord, torch_version: str) -> str:
     return f"{cuda_tag(rec.cuda)}/torch{torch_line(torch_version)}/"
 
 
-def install_and_check(rec: BuildRecord, base: TorchEnv, index_url: str, work: Path, log=print) -> None:
+def install_and_check(rec: BuildRecord, base: TorchEnv, index_url: str, work: Path, log=default_log) -> None:
     vpy = make_venv_with(base, work)
     before = torch_snapshot(vpy)
     page = _variant_page(rec, base.torch_version)
@@ -135,7 +136,7 @@ def install_and_check(rec: BuildRecord, base: TorchEnv, index_url: str, work: Pa
         raise VerifyError(f"{rec.wheel}: the installed build record says {got['record']}, expected {rec.target}")
 
 
-def check_abi_guard(rec: BuildRecord, foreign: TorchEnv, index_url: str, work: Path, log=print) -> str:
+def check_abi_guard(rec: BuildRecord, foreign: TorchEnv, index_url: str, work: Path, log=default_log) -> str:
     """Import into a torch the wheel was not built for: must be a clear ImportError."""
     vpy = make_venv_with(foreign, work)
     page = f"{cuda_tag(rec.cuda)}/"
@@ -162,7 +163,7 @@ class NoCpuTorch(VerifyError):
     without one): the ABI-guard check cannot run, and the verify report says so."""
 
 
-def verify(rec: BuildRecord, index_dir: Path, envs: VerifyEnvs, log=print) -> VerifyReport:
+def verify(rec: BuildRecord, index_dir: Path, envs: VerifyEnvs, log=default_log) -> VerifyReport:
     """Install ``rec``'s wheel from ``index_dir`` (served over HTTP) into a fresh venv over each
     of ``envs.bases`` and check it; then the ABI guard in ``envs.foreign`` (the environments
     resolved beforehand: ci.stages.resolve.verify_envs)."""

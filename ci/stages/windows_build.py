@@ -1,5 +1,6 @@
-"""Windows targets built on this Linux machine (``ci.toolchain.wine`` provides the compilers): the stand-in
-import libraries, the build config's ``cross`` block, and the inspection of what was built.
+"""Windows targets built on this Linux machine (``ci.toolchain.windows_toolchain`` provides the compilers,
+run under ``ci.toolchain.wine``): the stand-in import libraries, the build config's ``cross`` block,
+and the inspection of what was built.
 
 1. **Stand-in import libraries.** PyPI's Windows torch is a CPU build: it has ``torch_cpu.lib``
    and ``c10.lib`` but no ``torch_cuda.lib``/``c10_cuda.lib``, and no Windows CPython here has a
@@ -31,8 +32,10 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ci.runtime.log import default_log
 from ci.toolchain import pe as pemod
 from ci.toolchain import wine as winemod
+from ci.toolchain import windows_toolchain as wintc
 from ci.toolchain.tools import ToolchainError
 from ci.stages.windows_load import WindowsBuildError, load_module, python3_exports
 
@@ -85,7 +88,7 @@ class Standins:
         return {f"{lib}.lib": {"symbols": names, "what": STANDIN_NOTE} for lib, names in sorted(self.symbols.items())}
 
 
-def _lib_from_def(tc: winemod.WindowsToolchain, lib: str, names: list[str], data: set[str], out_dir: Path) -> None:
+def _lib_from_def(tc: wintc.WindowsToolchain, lib: str, names: list[str], data: set[str], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     definition = out_dir / f"{lib}.def"
     definition.write_text(f"LIBRARY {lib}.dll\nEXPORTS\n" + "".join(
@@ -96,7 +99,7 @@ def _lib_from_def(tc: winemod.WindowsToolchain, lib: str, names: list[str], data
         raise WindowsBuildError(f"lib.exe /def:{definition.name} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
 
 
-def make_standins(tc: winemod.WindowsToolchain, unit_obj: Path, link_libs: list[str], root: Path) -> Standins:
+def make_standins(tc: wintc.WindowsToolchain, unit_obj: Path, link_libs: list[str], root: Path) -> Standins:
     """Link ``unit_obj`` (the torch-facing unit, compiled) alone against the real libraries of
     ``link_libs`` that exist; write a ``.def`` and an import library for every library that does
     not exist, exporting exactly the unresolved ``__imp_`` symbols that are its."""
@@ -142,7 +145,7 @@ def make_standins(tc: winemod.WindowsToolchain, unit_obj: Path, link_libs: list[
     return standins
 
 
-def compile_unit(tc: winemod.WindowsToolchain, profile: dict, staging: Path, unit: str, obj: Path,
+def compile_unit(tc: wintc.WindowsToolchain, profile: dict, staging: Path, unit: str, obj: Path,
                  includes: list, bc) -> subprocess.CompletedProcess:
     """``unit`` (relative to ``staging``) through the build's own compile command, under wine."""
     tools = bc.tools("msvc", _ws(tc.cuda.home), cxx=_ws(tc.msvc.tool("cl.exe")), linker=_ws(tc.msvc.tool("link.exe")))
@@ -153,7 +156,7 @@ def compile_unit(tc: winemod.WindowsToolchain, profile: dict, staging: Path, uni
 
 # -- the build config ---------------------------------------------------------------------
 
-def cross_config(tc: winemod.WindowsToolchain, standins: Standins | None) -> dict:
+def cross_config(tc: wintc.WindowsToolchain, standins: Standins | None) -> dict:
     """The build config's ``cross`` block of a Windows build on Linux (what setup.py reads)."""
     return {
         "machine": "amd64", "plat_name": "win_amd64",
@@ -298,20 +301,20 @@ class WindowsCross:
     (after :meth:`prepare`, which the build stage calls once the payload is staged and patched)
     the stand-in import libraries."""
 
-    tc: winemod.WindowsToolchain
+    tc: wintc.WindowsToolchain
     link_libs: list[str]
     standins: Standins | None = None
     borrowed: dict[str, str] = field(default_factory=dict)  # header -> where it came from
 
     @property
-    def torch(self) -> winemod.WindowsTorch:
+    def torch(self) -> wintc.WindowsTorch:
         return self.tc.torch
 
     @property
     def compiler(self) -> _Banner:
         return _Banner(self.tc.msvc.banner)
 
-    def prepare(self, staging: Path, profile: dict, overlay: Path, cutlass: Path, log=print) -> None:
+    def prepare(self, staging: Path, profile: dict, overlay: Path, cutlass: Path, log=default_log) -> None:
         """Compile the torch-facing unit with the build's command, and make the stand-in import
         libraries for the DLLs its imports need and this machine lacks."""
         from ci.payload.interface import load
@@ -374,7 +377,7 @@ def windows_blockers(target) -> list[str]:
 
 
 def resolve_windows_cross(target, profile: dict) -> WindowsCross:
-    tc = winemod.resolve_windows(target.cuda, target.build_torch)
+    tc = wintc.resolve_windows(target.cuda, target.build_torch)
     return WindowsCross(tc, list(profile["link_libs"]))
 
 
@@ -385,14 +388,14 @@ def _link_libraries(profile: dict) -> list[str]:
     return list(build_commands().link_libraries(profile))
 
 
-def verify_windows(rec, target, wheel: Path, dist: Path, log=print):
+def verify_windows(rec, target, wheel: Path, dist: Path, log=default_log):
     """The verify stage of a Windows wheel built here: the PE inspection of its module and its load
     under wine (see the module's docstring), kept as ``dist/verify/<target>.verify.json``. The
     ABI guard needs a Windows CPython, which the registries here do not have: reported as not
     checked, with why."""
     from ci.stages.verify import VerifyReport
 
-    tc = winemod.resolve_windows(target.cuda, target.build_torch)
+    tc = wintc.resolve_windows(target.cuda, target.build_torch)
     made = (rec.extra.get("cross") or {}).get("standin_import_libraries") or {}
     symbols = {lib.removesuffix(".lib"): entry["symbols"] for lib, entry in made.items()}
     with tempfile.TemporaryDirectory(prefix="sageattn3-winverify-") as tmp:

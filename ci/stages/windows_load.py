@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ci.toolchain import pe as pemod
 from ci.toolchain import wine as winemod
+from ci.toolchain import windows_toolchain as wintc
 from ci.runtime.errors import FactoryError
 
 
@@ -51,7 +52,7 @@ int main(int argc, char **argv) {
 """
 
 
-def _loader_exe(tc: winemod.WindowsToolchain) -> Path:
+def _loader_exe(tc: wintc.WindowsToolchain) -> Path:
     root = winemod.windows_root() / "loadcheck"
     exe = root / "loadcheck.exe"
     digest = hashlib.sha256(LOADER_SOURCE.encode()).hexdigest()[:12]
@@ -68,7 +69,7 @@ def _loader_exe(tc: winemod.WindowsToolchain) -> Path:
     return exe
 
 
-def _standin_dll(tc: winemod.WindowsToolchain, lib: str, names: list[str], data: set[str], out_dir: Path) -> Path:
+def _standin_dll(tc: wintc.WindowsToolchain, lib: str, names: list[str], data: set[str], out_dir: Path) -> Path:
     """A DLL named ``lib``.dll exporting exactly ``names`` (each bound to one stub), for the load
     check: it stands in for a DLL this machine does not have."""
     src = out_dir / f"{lib}_standin.c"
@@ -97,7 +98,7 @@ class LoadReport:
         return asdict(self)
 
 
-def load_module(tc: winemod.WindowsToolchain, module: Path, standin_symbols: dict[str, list[str]],
+def load_module(tc: wintc.WindowsToolchain, module: Path, standin_symbols: dict[str, list[str]],
                 vendored: list[Path] = ()) -> LoadReport:
     """LoadLibrary of ``module`` under wine with the real torch DLLs (PyPI's Windows torch) and
     CUDA runtime DLL beside it, and stand-in DLLs for the ones this machine lacks."""
@@ -109,7 +110,7 @@ def load_module(tc: winemod.WindowsToolchain, module: Path, standin_symbols: dic
         for dll in vendored:  # what delvewheel put into the wheel for it (sageattn3.libs)
             shutil.copy2(dll, work / dll.name)
         real = []
-        for d in (tc.torch.torch_dir / "lib", tc.cuda.runtime_dll_dir, winemod.vc_runtime()):
+        for d in (tc.torch.torch_dir / "lib", tc.cuda.runtime_dll_dir, wintc.vc_runtime()):
             for dll in d.glob("*.dll"):
                 if not (work / dll.name).exists():  # torch's own copy of a runtime DLL comes first
                     (work / dll.name).symlink_to(dll)
@@ -123,7 +124,7 @@ def load_module(tc: winemod.WindowsToolchain, module: Path, standin_symbols: dic
         try:
             proc = tc.wine.run(loader, [module.name, "PyInit__C"], cwd=work, timeout=900,
                                env={"WINEDLLOVERRIDES": f"{winemod.WINE_ENV['WINEDLLOVERRIDES']};"
-                                                        f"{winemod.VC_RUNTIME_OVERRIDES}",
+                                                        f"{wintc.VC_RUNTIME_OVERRIDES}",
                                     "WINEDEBUG": "-all,warn+module"})
         except subprocess.TimeoutExpired:
             raise WindowsBuildError(f"loading {module.name} under wine did not finish in 900 s (wine hung): "

@@ -3,17 +3,33 @@ Windows, shared with standalone builds) applied to a :class:`~ci.toolchain.targe
 
 from __future__ import annotations
 
+from packaging.version import Version
+
 from ci.payload.interface import build_profile
-from ci.toolchain.targets import Target
+from ci.toolchain.targets import Matrix, Target, TorchLine
 
 
-def device_flags(mma_model: bool) -> list[str]:
+def measured_line(matrix: Matrix, cuda: str | None = None) -> tuple[TorchLine, str]:
+    """The torch line whose build the kernels are measured as, and the CUDA of that build: the
+    newest line of ``matrix`` with a variant that a ``cuda`` toolkit compiles (one of that CUDA or
+    older), built with ``cuda``; without ``cuda``, the newest line with its newest variant."""
+    if cuda is None:
+        line = max(matrix.torch, key=lambda t: Version(t.build_version))
+        return line, max(line.cuda, key=Version)
+    lines = [t for t in matrix.torch if any(Version(c) <= Version(cuda) for c in t.cuda)]
+    if not lines:
+        raise ValueError(f"CUDA {cuda} builds no torch line of the matrix (the oldest variant it lists is "
+                         f"{min((c for t in matrix.torch for c in t.cuda), key=Version)}): use a newer toolkit")
+    return max(lines, key=lambda t: Version(t.build_version)), cuda
+
+
+def device_flags(mma_model: bool, cuda: str | None = None) -> list[str]:
     """The device-side flags of a real build (sageattn3/build_profile.py): optimisation, C++
-    standard, --expt-relaxed-constexpr, the defines that matter to device code."""
-    # CUDA 13.0 and torch 2.14.1 are written here, not taken from the matrix: its newest line
-    # (torch 2.15, CUDA 13.2 only) is not what the kernel report's local toolkit compiles, and no
-    # pin names "the torch whose C++ standard the kernels are measured with" yet.
-    prof = build_profile().profile(platform="linux", cuda="13.0", archs=[], torch_version="2.14.1",
+    standard, --expt-relaxed-constexpr, the defines that matter to device code. ``cuda``: the
+    major.minor of the toolkit that compiles; the build is that of the newest torch line it
+    compiles (:func:`measured_line`), whose torch decides the C++ standard."""
+    line, cuda = measured_line(Matrix.load(), cuda)
+    prof = build_profile().profile(platform="linux", cuda=cuda, archs=[], torch_version=line.build_version,
                                     stable_abi_floor=None, mma_model=mma_model)
     flags = [f for f in prof["nvcc_flags"] if not f.startswith(("-Xcompiler", "-gencode", "--compress-mode"))]
     defines = [d for d in prof["defines"] if not d.startswith(("Py_LIMITED_API", "TORCH_TARGET_VERSION"))]

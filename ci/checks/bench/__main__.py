@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-from ci.checks.bench import _use_compiler_cache, timed_build
+from ci.checks.bench import __doc__ as DOC, _use_compiler_cache, timed_build
+from ci.runtime.errors import run_main
 from ci.stages import build as buildmod
 from ci.stages.resolve import default_target
 from ci.stages.resolve import resolve_toolchain
@@ -15,8 +17,15 @@ from ci.toolchain.targets import Matrix
 
 
 def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ci.checks.bench", description=DOC.split("\n\n")[0])
+    ap.add_argument("target", nargs="?", metavar="ID", help="the target to build (default: the host's default target)")
+    a = ap.parse_args(argv)
+    return run_main(lambda: _cli(a.target))  # an unknown target: "error: ...", exit status 2
+
+
+def _cli(target_id: str | None) -> int:
     matrix = Matrix.load()
-    target = matrix.target(argv[0]) if argv else default_target(matrix)
+    target = matrix.target(target_id) if target_id else default_target(matrix)
     with tempfile.TemporaryDirectory(prefix="sageattn3-bench-") as tmp:
         try:
             _use_compiler_cache(Path(tmp) / "sccache-prime")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
+from ci.runtime.log import default_log
 from ci.toolchain.cross import _run, cuda_sysroot, elf_machine, find_cross_compiler, python_root, torch_sysroot
 from ci.toolchain.cross_spec import CROSS_SPECS, is_cross, spec_for
 from ci.toolchain.tools import ToolchainError
@@ -59,7 +60,7 @@ def _provider(symbol: str, demangled: str) -> str:
     return "other"
 
 
-def link_classic(target, matrix, work: Path, *, kernel_objects: list[Path] = (), log=print) -> ClassicLink:
+def link_classic(target, matrix, work: Path, *, kernel_objects: list[Path] = (), log=default_log) -> ClassicLink:
     """Cross-compile the classic unit of ``target`` (a per-torch Linux target of another machine)
     with its flag profile, against its torch's headers (PyPI's x86_64 CUDA wheel of the same
     release: the headers are the same on every machine, and the target machine's CPU wheel lacks

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ci.checks.classic_link import _classic_targets, link_classic
+from ci.runtime.errors import InputError, run_main
 from ci.toolchain.cross import resolve_cross
 from ci.toolchain.cross_spec import is_cross
 from ci.toolchain.tools import ToolchainError
@@ -14,8 +15,6 @@ from ci.toolchain.tools import ToolchainError
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-
-    from ci.toolchain.targets import Matrix, MatrixError
 
     ap = argparse.ArgumentParser(prog="python -m ci.checks.classic_link", description="cross-compiling Linux targets of another machine")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -30,28 +29,39 @@ def main(argv: list[str] | None = None) -> int:
                          "dir of the stable wheel's cross build (the kernel units include no torch header)")
     lc.add_argument("--record", action="store_true", help="add the results to ci/evidence.json")
     a = ap.parse_args(argv)
-    try:
-        matrix = Matrix.load()
-        if a.cmd == "toolchain":
-            t = matrix.target(a.target)
-            if not is_cross(t.os):
-                raise ToolchainError(f"{t.id} is this machine's own target: no cross toolchain needed")
-            print(json.dumps(resolve_cross(t.os.machine, t.cuda, t.build_torch).record(), indent=2))
-            return 0
-        from ci.checks import coverage
+    return run_main(lambda: _cli(a))
 
-        for t in _classic_targets(matrix, a.target):
-            kernels = sorted(Path(a.kernel_objects).rglob("*.cu.o")) if a.kernel_objects else []
-            if a.kernel_objects and not kernels:
-                raise ToolchainError(f"no *.cu.o under {a.kernel_objects}")
-            link = link_classic(t, matrix, Path(a.work) / t.id, kernel_objects=kernels)
-            print(json.dumps(link.to_dict(), indent=2))
-            if a.record:
-                print(f"evidence: {coverage.record_classic_link(link.to_dict(), matrix)}")
+
+def _cli(a) -> int:
+    try:
+        return _run(a)
+    except InputError:  # a target, the matrix, a missing tool: exit status 2
+        raise
+    except ValueError as e:  # any other bad value on the way is bad input too
+        raise InputError(str(e)) from e
+
+
+def _run(a) -> int:
+    from ci.toolchain.targets import Matrix
+
+    matrix = Matrix.load()
+    if a.cmd == "toolchain":
+        t = matrix.target(a.target)
+        if not is_cross(t.os):
+            raise ToolchainError(f"{t.id} is this machine's own target: no cross toolchain needed")
+        print(json.dumps(resolve_cross(t.os.machine, t.cuda, t.build_torch).record(), indent=2))
         return 0
-    except (ToolchainError, MatrixError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    from ci.checks import coverage
+
+    for t in _classic_targets(matrix, a.target):
+        kernels = sorted(Path(a.kernel_objects).rglob("*.cu.o")) if a.kernel_objects else []
+        if a.kernel_objects and not kernels:
+            raise ToolchainError(f"no *.cu.o under {a.kernel_objects}")
+        link = link_classic(t, matrix, Path(a.work) / t.id, kernel_objects=kernels)
+        print(json.dumps(link.to_dict(), indent=2))
+        if a.record:
+            print(f"evidence: {coverage.record_classic_link(link.to_dict(), matrix)}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from ci.runtime.log import default_log
+
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -28,7 +30,7 @@ def du(path: Path) -> int:
     return total
 
 
-def clean(places: list[Path], *, dry_run: bool = False, log=print) -> int:
+def clean(places: list[Path], *, dry_run: bool = False, log=default_log) -> int:
     freed = 0
     for place in places:
         if not place.exists():

@@ -163,9 +163,18 @@ def parse_res_usage(text: str) -> list[Kernel]:
     return kernels
 
 
-def compile_one(nvcc: Path, src: Path, arch: str, defines: tuple[str, ...], out_dir: Path) -> tuple[str, int, str]:
+def toolkit_cuda(nvcc: Path) -> str | None:
+    """The CUDA release (major.minor) ``nvcc --version`` names, None when it names none."""
+    ver = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release (\d+\.\d+)", ver)
+    return m.group(1) if m else None
+
+
+def compile_one(nvcc: Path, src: Path, arch: str, defines: tuple[str, ...], out_dir: Path,
+                cuda: str | None = None) -> tuple[str, int, str]:
+    """``cuda``: the release of ``nvcc`` (its device flags are those of the build it makes)."""
     cubin = out_dir / f"{src.parent.name}_{src.stem}_{arch}.cubin"
-    flags = device_flags(mma_model=any(d.startswith("SAGEATTN3_MMA_MODEL") for d in defines))
+    flags = device_flags(mma_model=any(d.startswith("SAGEATTN3_MMA_MODEL") for d in defines), cuda=cuda)
     # -lineinfo for the SASS budget (ci.checks.sass_budget reads source lines); the machine code is the same
     lineinfo = ["-lineinfo"] if "-lineinfo" not in flags else []
     cmd = [str(nvcc), "-cubin", str(src), "-o", str(cubin), f"-gencode=arch=compute_{arch[3:]},code={arch}",
@@ -174,7 +183,7 @@ def compile_one(nvcc: Path, src: Path, arch: str, defines: tuple[str, ...], out_
     return " ".join(cmd), r.returncode, r.stdout + r.stderr
 
 
-def attention_smem(nvcc: Path, out_dir: Path) -> dict[int, int]:
+def attention_smem(nvcc: Path, out_dir: Path, cuda: str | None = None) -> dict[int, int]:
     """Dynamic shared memory of the attention kernel per head dim, from the kernel's own
     SmemLayout (a host program; it touches no GPU)."""
     src = out_dir / "smem_probe.cu"
@@ -185,7 +194,7 @@ def attention_smem(nvcc: Path, out_dir: Path) -> dict[int, int]:
         "              (int)sageattn3::attn::SmemLayout<128>::kTotal);\n  return 0;\n}\n"
     )
     exe = out_dir / "smem_probe"
-    r = subprocess.run([str(nvcc), str(src), "-o", str(exe), *device_flags(False), f"-I{CSRC}",
+    r = subprocess.run([str(nvcc), str(src), "-o", str(exe), *device_flags(False, cuda), f"-I{CSRC}",
                         "-gencode=arch=compute_120a,code=sm_120a"], capture_output=True, text=True)
     if r.returncode != 0:
         return {}
@@ -228,20 +237,21 @@ def print_table(kernels: list[Kernel], dyn: dict[int, int], wheel: bool) -> None
 
 
 def print_budget(cubin: Path, upstream: tuple[Path, Path] | None, nvcc: Path, out: Path, jobs: int) -> None:
-    """The per-tile SASS budget of the attention kernel (ci.checks.sass_budget), with upstream's kernel
-    beside it when a checkout of thu-ml/SageAttention and CUTLASS headers are given."""
+    """The per-tile SASS budget of the attention kernel (ci.checks.sass_budget, ci.checks.sass_kernels), with
+    upstream's kernel beside it when a checkout of thu-ml/SageAttention and CUTLASS headers are given."""
     from ci.checks import sass_budget as sb
+    from ci.checks import sass_kernels as sk
 
-    budgets = sb.ours_budgets(cubin)
+    budgets = sk.ours_budgets(cubin)
     if upstream:
-        budgets += sb.upstream_budgets(sb.compile_upstream(nvcc, upstream[0], upstream[1], out))
+        budgets += sk.upstream_budgets(sk.compile_upstream(nvcc, upstream[0], upstream[1], out))
     else:
-        budgets += sb.stored_upstream_budgets()
-    cal = sb.UPSTREAM_CALIBRATION
+        budgets += sk.stored_upstream_budgets()
+    cal = sk.UPSTREAM_CALIBRATION
     print(f"\n== per-tile budget of the steady key-tile loop, sm_120a SASS (model: docs/performance.md)\n"
           f"calibration: x{cal.ratio:.3f} = upstream's {cal.measured_tops:.0f} TOPS measured on an {cal.gpu.name} / "
           f"the model's ceiling for it, {cal.predicted_tops:.0f} TOPS ({cal.source})"
-          + ("" if upstream else f"; upstream's counts as stored from {sb.UPSTREAM_COMMIT[:7]} (--upstream recounts)"))
+          + ("" if upstream else f"; upstream's counts as stored from {sk.UPSTREAM_COMMIT[:7]} (--upstream recounts)"))
     print(sb.table(budgets, calibration=cal.ratio))
     for b in budgets:
         aside = ", ".join(f"{k} {v}" for k, v in sorted(b.set_aside.items()))
@@ -255,16 +265,15 @@ def report_compiled(jobs: int, upstream: tuple[Path, Path] | None = None) -> int
         print("kernel_report: no nvcc (set CUDA_HOME), nothing to report")
         return 0
     sources = sorted(CSRC.glob("*/*.cu"))
-    ver = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True).stdout
-    m = re.search(r"release (\d+\.\d+)", ver)
-    print(f"kernel_report: nvcc {m.group(1) if m else '?'}, {len(sources)} sources x {len(ARCHS)} archs, "
+    cuda = toolkit_cuda(nvcc)
+    print(f"kernel_report: nvcc {cuda or '?'}, {len(sources)} sources x {len(ARCHS)} archs, "
           f"ptxas -v (compile mode)")
     with tempfile.TemporaryDirectory(prefix="sa3-kr-") as tmp:
         out = Path(tmp)
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            futs = {(src, arch): pool.submit(compile_one, nvcc, src, arch, defs, out)
+            futs = {(src, arch): pool.submit(compile_one, nvcc, src, arch, defs, out, cuda)
                     for arch, defs, _ in ARCHS for src in sources}
-            dyn_f = pool.submit(attention_smem, nvcc, out)
+            dyn_f = pool.submit(attention_smem, nvcc, out, cuda)
             kernels, failed = [], []
             for (src, arch), f in futs.items():
                 cmd, rc, log = f.result()
@@ -302,7 +311,7 @@ def report_wheel(wheel: Path) -> int:
             return 1
         kernels = parse_res_usage(r.stdout)
         nvcc = nvcc_path()
-        dyn = attention_smem(nvcc, Path(tmp)) if nvcc else {}
+        dyn = attention_smem(nvcc, Path(tmp), toolkit_cuda(nvcc)) if nvcc else {}
     print(f"kernel_report: {wheel.name} ({libs[0]}), cuobjdump -res-usage")
     print_table(kernels, dyn, wheel=True)
     return 0

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ci.checks.kernel_report import __doc__ as DOC, report_compiled, report_wheel
+from ci.runtime.errors import InputError, run_main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,10 +19,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="a checkout of thu-ml/SageAttention: its sageattention3_blackwell kernel's budget beside ours")
     ap.add_argument("--cutlass", type=Path, metavar="INCLUDE", help="CUTLASS include dir for --upstream (cute/, cutlass/)")
     args = ap.parse_args(argv)
-    if args.wheel:
-        return max(report_wheel(w) for w in args.wheel)
-    if args.upstream and not args.cutlass:
+    if args.upstream and not args.cutlass and not args.wheel:
         ap.error("--upstream needs --cutlass INCLUDE (e.g. nvidia-cutlass's cutlass_library/source/include)")
+    return run_main(lambda: _cli(args))
+
+
+def _cli(args) -> int:
+    if args.wheel:
+        for w in args.wheel:
+            if not w.is_file():
+                raise InputError(f"--wheel {w}: no such file; pass a built wheel (e.g. dist/wheels/*.whl)")
+        return max(report_wheel(w) for w in args.wheel)
     return report_compiled(args.jobs, (args.upstream, args.cutlass) if args.upstream else None)
 
 

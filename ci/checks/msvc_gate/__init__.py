@@ -1,5 +1,5 @@
 """The Windows compile gate, with the real compilers: MSVC 14.44's ``cl.exe`` and CUDA's
-``nvcc.exe`` under wine (``ci.toolchain.wine``), against each Windows torch line's own headers (PyPI's
+``nvcc.exe`` under wine (``ci.toolchain.windows_toolchain``), against each Windows torch line's own headers (PyPI's
 ``win_amd64`` torch wheel of the line's build version).
 
 Three checks, each a real compile whose output decides:
@@ -32,8 +32,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ci.runtime.log import default_log
 from ci.toolchain import patches as patchmod
 from ci.toolchain import wine as winemod
+from ci.toolchain import windows_toolchain as wintc
 from ci.toolchain.compile_gate import CMAKE_MACROS, cmake_macros_overlay
 from ci.payload.interface import PAYLOAD
 from ci.toolchain.flags import profile_for
@@ -88,18 +90,18 @@ def _line_python(matrix: Matrix, line: str) -> str:
     return matrix.line(line).python[0]
 
 
-def _tools(tc: winemod.WindowsToolchain, bc):
+def _tools(tc: wintc.WindowsToolchain, bc):
     return bc.tools("msvc", _ws(tc.cuda.home), cxx=_ws(tc.msvc.tool("cl.exe")), linker=_ws(tc.msvc.tool("link.exe")))
 
 
-def _includes(tc: winemod.WindowsToolchain, bc, csrc: Path, torch_dir: Path, overlay: Path | None,
+def _includes(tc: wintc.WindowsToolchain, bc, csrc: Path, torch_dir: Path, overlay: Path | None,
               torch_subdirs: tuple[str, ...] = ("include",)) -> list:
     return bc.include_dirs("msvc", csrc=_ws(csrc), torch_dir=_ws(torch_dir), torch_subdirs=list(torch_subdirs),
                            cuda_home=_ws(tc.cuda.home), python_include=_ws(tc.python.include),
                            cutlass=_ws(cutlass_include()), overlay=_ws(overlay) if overlay else None)
 
 
-def _run_compile(tc: winemod.WindowsToolchain, bc, profile: dict, root: Path, unit: str, includes: list,
+def _run_compile(tc: wintc.WindowsToolchain, bc, profile: dict, root: Path, unit: str, includes: list,
                  what: str) -> CompileResult:
     with tempfile.TemporaryDirectory(prefix="sageattn3-msvc-gate-") as tmp:
         cmd = bc.compile_command(_tools(tc, bc), profile, unit, _ws(Path(tmp) / "unit.obj"), includes)
@@ -122,9 +124,9 @@ def unit_case(matrix: Matrix, line: str) -> tuple[Target, dict, str]:
     return target, profile_for(target, matrix.stable_abi_floor), matrix.line(line).build_version
 
 
-def compile_torch_unit(matrix: Matrix, line: str, tc: winemod.WindowsToolchain, log=print) -> CompileResult:
+def compile_torch_unit(matrix: Matrix, line: str, tc: wintc.WindowsToolchain, log=default_log) -> CompileResult:
     target, profile, version = unit_case(matrix, line)
-    torch = winemod.windows_torch(version, _line_python(matrix, line))
+    torch = wintc.windows_torch(version, _line_python(matrix, line))
     overlay = cmake_macros_overlay(version, log=log) if profile["torch_unit"].endswith("classic.cpp") else None
     bc = _bc()
     res = _run_compile(tc, bc, profile, PAYLOAD, profile["torch_unit"],
@@ -162,7 +164,7 @@ def _stage_attn(dest: Path, patched: bool, payload: Path = PAYLOAD, patch: patch
         patchmod.apply(patch or msvc_patch(), {"src": dest}, dest / "overlay")  # checks the pinned hash first
 
 
-def c2719(matrix: Matrix, tc: winemod.WindowsToolchain, *, ptx_only: bool, log=print) -> dict[str, CompileResult]:
+def c2719(matrix: Matrix, tc: wintc.WindowsToolchain, *, ptx_only: bool, log=default_log) -> dict[str, CompileResult]:
     """The attention unit through nvcc.exe + cl.exe with the Windows stable target's profile,
     unpatched and patched."""
     target = next(t for t in matrix.targets if t.os.key == "windows-amd64" and t.variant.stable and t.cuda == CUDA)
@@ -171,7 +173,7 @@ def c2719(matrix: Matrix, tc: winemod.WindowsToolchain, *, ptx_only: bool, log=p
         profile = {**profile, "nvcc_flags": [f for f in profile["nvcc_flags"] if not f.startswith("-gencode=")]
                    + ["-gencode=arch=compute_120a,code=compute_120a"]}
     patch = check_pins(PAYLOAD)  # drift stops before the first compile
-    torch = winemod.windows_torch(target.build_torch)
+    torch = wintc.windows_torch(target.build_torch)
     bc = _bc()
     out = {}
     for patched in (False, True):
@@ -190,12 +192,12 @@ def c2719(matrix: Matrix, tc: winemod.WindowsToolchain, *, ptx_only: bool, log=p
 
 # -- C2872: torch's compiled_autograd.h under nvcc.exe ------------------------------------
 
-def c2872(matrix: Matrix, line: str, tc: winemod.WindowsToolchain, log=print) -> dict[str, CompileResult]:
+def c2872(matrix: Matrix, line: str, tc: wintc.WindowsToolchain, log=default_log) -> dict[str, CompileResult]:
     """Whether ``error C2872`` occurs when nvcc.exe compiles a .cu including ``torch/extension.h``
     and ``compiled_autograd.h`` of ``line``'s Windows torch: with the profile's flags (USE_CUDA,
     /Zc:preprocessor), and without both."""
     target, profile, version = unit_case(matrix, line)
-    torch = winemod.windows_torch(version, _line_python(matrix, line))
+    torch = wintc.windows_torch(version, _line_python(matrix, line))
     overlay = cmake_macros_overlay(version, log=log)
     bc = _bc()
     base = {**profile, "nvcc_flags": [f for f in profile["nvcc_flags"] if not f.startswith("-gencode=")]

@@ -36,9 +36,10 @@ from ci.release.cibw_job import nvcc_jobs
 from ci.release.runner_setup import CibwError, cleanup_after_build
 from ci.release.runner_setup import cuda_commands
 from ci.release.runner_setup import install_cuda as _install_cuda
+from ci.runtime.log import default_log
 from ci.toolchain.targets import Matrix, Target
 from ci.toolchain.torch_source import TorchSource, foreign_torch_source, torch_source
-from ci.runtime.env import FactoryEnv, child_environ, set_environ, setdefault_environ
+from ci.runtime.env import FactoryEnv, child_environ, python_override_var, set_environ, setdefault_environ
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -69,7 +70,7 @@ def _dist() -> Path:
 
 # -- before-all ------------------------------------------------------------------------------
 
-def install_cuda(target: Target, github_env: Path | None = None, log=print) -> None:
+def install_cuda(target: Target, github_env: Path | None = None, log=default_log) -> None:
     """before-all: the target's CUDA toolkit (ci.release.runner_setup.install_cuda); none for the probe."""
     if probe_dir() is not None:
         cmds = cuda_commands(target)
@@ -107,7 +108,7 @@ def install_cuda_plan(target: Target) -> str:
 
 # -- the stages cibuildwheel calls ----------------------------------------------------------
 
-def build_into(wheel_dir: Path, log=print) -> Path:
+def build_into(wheel_dir: Path, log=default_log) -> Path:
     """The build stage for $SAGEATTN3_TARGET; the raw wheel is copied into ``wheel_dir``.
     ``$MAX_JOBS`` caps the parallel compiles (default: what this machine's memory holds);
     with ``$SAGEATTN3_CI_CLEANUP=1`` what only the build needed is removed afterwards."""
@@ -141,7 +142,7 @@ def build_into(wheel_dir: Path, log=print) -> Path:
 LOG_DIR_ENV = FactoryEnv.variable("log_dir")
 
 
-def keep_build_log(target: Target, *, since: float = 0.0, log_dir: Path | None = None, log=print) -> Path | None:
+def keep_build_log(target: Target, *, since: float = 0.0, log_dir: Path | None = None, log=default_log) -> Path | None:
     """The build's full log (``dist/raw/<target>.build.log``, written by ci.stages.build) copied into
     ``$SAGEATTN3_LOG_DIR`` (or ``log_dir``), when this build (modified at or after ``since``)
     wrote one; returns the copy."""
@@ -161,7 +162,7 @@ def _verify_pythons(target: Target, pythons: list[str] | None = None) -> list[st
     return pythons or (list(given) if given is not None else target.python.split())
 
 
-def repair_into(wheel: Path, dest_dir: Path, log=print) -> Path:
+def repair_into(wheel: Path, dest_dir: Path, log=default_log) -> Path:
     """repair (auditwheel/delvewheel, excludes) then tag (checks + record beside) into dest_dir."""
     from ci.stages.tag import tag
     from ci.stages.repair import repair
@@ -194,8 +195,6 @@ def use_python(exe: str) -> tuple[str, str]:
     environment) the factory's interpreter for its version: ``$SAGEATTN3_PYTHON_X_Y`` is set to
     its base interpreter (what the build shim sets for the build, so verify makes its
     environments from the same Python). Returns (version, base interpreter)."""
-    from ci.toolchain.tools import _env_var
-
     path = exe if (os.sep in exe or (os.altsep and os.altsep in exe)) else shutil.which(exe)
     if not path or not os.path.isfile(path):
         raise CibwError(f"--python-exe {exe}: no such interpreter (a path, or a name on PATH)")
@@ -208,11 +207,11 @@ def use_python(exe: str) -> tuple[str, str]:
     except (OSError, subprocess.SubprocessError) as e:
         raise CibwError(f"--python-exe {path} did not run: {e}") from e
     version, base = out[0].strip(), out[1].strip()
-    set_environ(_env_var(version), base)
+    set_environ(python_override_var(version), base)
     return version, base
 
 
-def verify_wheel(wheel: Path, pythons: list[str] | None = None, python_exe: str | None = None, log=print):
+def verify_wheel(wheel: Path, pythons: list[str] | None = None, python_exe: str | None = None, log=default_log):
     """The verify stage on one repaired wheel, against an index of that wheel alone, with the
     target's own torch (the build's environment when the Python is the build's). ``python_exe``:
     the interpreter cibuildwheel tests with (the target's floor Python), passed explicitly so
@@ -250,7 +249,7 @@ def verify_wheel(wheel: Path, pythons: list[str] | None = None, python_exe: str 
     return report
 
 
-def collect(wheelhouse: Path, out: Path, target_id: str | None = None, log=print) -> list[Path]:
+def collect(wheelhouse: Path, out: Path, target_id: str | None = None, log=default_log) -> list[Path]:
     """cibuildwheel's output (wheels only) -> ``out`` with each wheel's build record beside it
     (the tag stage again: idempotent, and it re-checks what cibuildwheel moved)."""
     from ci.stages.tag import tag
@@ -282,7 +281,7 @@ def probe_dir() -> Path | None:
     return path
 
 
-def build_probe(target: Target, wheel_dir: Path, log=print) -> Path:
+def build_probe(target: Target, wheel_dir: Path, log=default_log) -> Path:
     """The build stage on the probe: ``pip wheel`` with the Python cibuildwheel builds with
     (the shim's), abi3 for the target's floor."""
     from ci.toolchain.tools import find_python
@@ -302,7 +301,7 @@ def build_probe(target: Target, wheel_dir: Path, log=print) -> Path:
     return new[0]
 
 
-def verify_probe(wheel: Path, target: Target, pythons: list[str], python_exe: str | None, log=print) -> str:
+def verify_probe(wheel: Path, target: Target, pythons: list[str], python_exe: str | None, log=default_log) -> str:
     """The verify stage on the probe: the test Python must be the target's floor, as for the
     payload; a fresh venv of it gets the wheel with its dependency, and the extension runs."""
     from ci.runtime.pip_env import pip_environ

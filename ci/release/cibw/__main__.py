@@ -13,7 +13,8 @@ from ci.release.cibw import REPO, build_into, collect, install_cuda, install_cud
 from ci.release.cibw_job import check_job, factory_requirements, job_env, plan_job  # noqa: E402
 from ci.release.runner_setup import free_disk, msvc_env  # noqa: E402
 from ci.toolchain.targets import Matrix  # noqa: E402
-from ci.runtime.env import FactoryEnv
+from ci.runtime.env import FactoryEnv  # noqa: E402
+from ci.runtime.errors import FactoryError, InputError, run_main  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,47 +52,56 @@ def main(argv: list[str] | None = None) -> int:
     # cibuildwheel's hooks run with stdout on a pipe: one line at a time, not one burst at the end
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)
+    target = FactoryEnv.from_environ().target or getattr(a, "target", None) or "?"
+    return run_main(lambda: _cli(a), prefix=f"error ({target})")
+
+
+def _cli(a) -> int:
+    """One hook; whatever it raises becomes one line naming the target and the error's class, then
+    exit status 2 for bad input (an InputError: a target, a matrix entry, a missing tool), else 1."""
     try:
-        if a.cmd == "env":
-            _, t = load_target(a.target)
-            for key, val in job_env(t).items():
-                print(f"{key}={val}")
-        elif a.cmd == "free-disk":
-            free_disk()
-        elif a.cmd == "plan":
-            matrix = Matrix.load()
-            bad = 0
-            for t in [matrix.target(i) for i in a.target] if a.target else matrix.targets:
-                job = plan_job(t, matrix)
-                problems = check_job(job, matrix)
-                bad += bool(problems)
-                print(job.describe() + "".join(f"\n  PROBLEM {p}" for p in problems))
-            return 1 if bad else 0
-        elif a.cmd == "install-cuda" and a.dry_run:
-            t = load_target(a.target)[1]
-            print(install_cuda_plan(t), end="")
-        elif a.cmd == "install-cuda":
-            install_cuda(load_target(a.target)[1], a.github_env)
-        elif a.cmd == "msvc-env":
-            changed = msvc_env()
-            if a.github_env:
-                with open(a.github_env, "a", encoding="utf-8") as f:
-                    f.writelines(f"{k}={v}\n" for k, v in changed.items())
-            print(f"exported {len(changed)} variables of the VS 2022 x64 toolset")
-        elif a.cmd == "requirements":
-            print("\n".join(factory_requirements(a.platform)))
-        elif a.cmd == "build":
-            print(build_into(a.out))
-        elif a.cmd == "repair":
-            repair_into(a.wheel, a.dest_dir)
-        elif a.cmd == "verify":
-            verify_wheel(a.wheel, a.python, a.python_exe)
-        elif a.cmd == "collect":
-            collect(a.wheelhouse, a.out, a.target)
-    except Exception as e:  # noqa: BLE001 - one line naming the target, then non-zero
-        print(f"error ({FactoryEnv.from_environ().target or getattr(a, 'target', None) or '?'}): "
-              f"{type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        return _run(a)
+    except Exception as e:  # noqa: BLE001 - never a traceback from a hook: one line, then non-zero
+        raise (InputError if isinstance(e, InputError) else FactoryError)(f"{type(e).__name__}: {e}") from e
+
+
+def _run(a) -> int:
+    if a.cmd == "env":
+        _, t = load_target(a.target)
+        for key, val in job_env(t).items():
+            print(f"{key}={val}")
+    elif a.cmd == "free-disk":
+        free_disk()
+    elif a.cmd == "plan":
+        matrix = Matrix.load()
+        bad = 0
+        for t in [matrix.target(i) for i in a.target] if a.target else matrix.targets:
+            job = plan_job(t, matrix)
+            problems = check_job(job, matrix)
+            bad += bool(problems)
+            print(job.describe() + "".join(f"\n  PROBLEM {p}" for p in problems))
+        return 1 if bad else 0
+    elif a.cmd == "install-cuda" and a.dry_run:
+        t = load_target(a.target)[1]
+        print(install_cuda_plan(t), end="")
+    elif a.cmd == "install-cuda":
+        install_cuda(load_target(a.target)[1], a.github_env)
+    elif a.cmd == "msvc-env":
+        changed = msvc_env()
+        if a.github_env:
+            with open(a.github_env, "a", encoding="utf-8") as f:
+                f.writelines(f"{k}={v}\n" for k, v in changed.items())
+        print(f"exported {len(changed)} variables of the VS 2022 x64 toolset")
+    elif a.cmd == "requirements":
+        print("\n".join(factory_requirements(a.platform)))
+    elif a.cmd == "build":
+        print(build_into(a.out))
+    elif a.cmd == "repair":
+        repair_into(a.wheel, a.dest_dir)
+    elif a.cmd == "verify":
+        verify_wheel(a.wheel, a.python, a.python_exe)
+    elif a.cmd == "collect":
+        collect(a.wheelhouse, a.out, a.target)
     return 0
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from ci.runtime.errors import FactoryError
 from ci.runtime.env import child_environ
+from ci.runtime.log import default_log
 
 REPO = Path(__file__).resolve().parents[3]
 CONTAINER_ENGINE = ("podman; create_args: --runtime=runc --ulimit=nofile=20000:20000 "
@@ -70,7 +71,7 @@ def cibuildwheel_cache() -> Path:
     return Path(CIBW_CACHE_PATH)
 
 
-def seed_virtualenv_pyz(log=print) -> Path:
+def seed_virtualenv_pyz(log=default_log) -> Path:
     """The ``virtualenv-<version>.pyz`` cibuildwheel's audit step runs, made here from PyPI's
     virtualenv wheel of the version cibuildwheel names (its resources/virtualenv.toml), as a
     zipapp, into cibuildwheel's cache (where it looks before downloading)."""
@@ -114,7 +115,7 @@ def environment_pass(target, environ: dict[str, str]) -> list[str]:
         return opts.reader.get("environment-pass", option_format=options.ListFormat(sep=" ")).split()
 
 
-def stock_standin(target_id: str, log=print) -> str:
+def stock_standin(target_id: str, log=default_log) -> str:
     """PyPI's torch wheels the job installs, into the stand-in for PyTorch's index: the build
     torch for the target's floor Python, and the ABI guard's; returns the guard's directory."""
     from ci.release import cibw_job
@@ -165,7 +166,7 @@ def job_environment(target_id: str, *, image: str, pytorch_index: str, cache_hos
 
 def run_cibuildwheel(target_id: str, output_dir: Path, *, payload_dir: Path | None = None,
                      pytorch_index: str | None = None, jobs: int | None = None, cache: Path | None = None,
-                     log=print) -> LocalRun:
+                     log=default_log) -> LocalRun:
     """Real cibuildwheel for ``target_id`` in the stand-in image; its output into
     ``output_dir/cibuildwheel.log``. ``cache``: the runner's cache folder the container reaches
     through /host (SAGEATTN3_CACHE_HOST; default the factory's cache). Raises when it fails

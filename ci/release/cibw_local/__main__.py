@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ci.release.cibw_local import __doc__ as DOC, REPO, run_cibuildwheel
+from ci.runtime.errors import FactoryError, InputError, run_main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,23 +21,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", type=Path, help="the runner's cache folder (default: the factory's cache; a "
                                                 "private one keeps other builds on this machine out of the way)")
     a = ap.parse_args(argv)
+    return run_main(lambda: _cli(a), prefix=None)  # each message names itself: "cibuildwheel ..."
+
+
+def _cli(a) -> int:
     payload = REPO / "tests" / "cibw_probe" if a.payload == "probe" else None
     from ci.toolchain.targets import Matrix, MatrixError
 
     try:
         target = Matrix.load().target(a.target)
     except MatrixError as e:
-        print(f"cibuildwheel: {e}", file=sys.stderr)
-        return 2
+        raise InputError(f"cibuildwheel: {e}") from e
     if target.os.platform != "linux" or target.os.machine != platform.machine():
-        print(f"cibuildwheel: {a.target} is a {target.os.key} target; this runs Linux containers of this machine's "
-              f"arch ({platform.machine()}): pass a linux-{platform.machine()} target", file=sys.stderr)
-        return 2
+        raise InputError(f"cibuildwheel: {a.target} is a {target.os.key} target; this runs Linux containers of this "
+                         f"machine's arch ({platform.machine()}): pass a linux-{platform.machine()} target")
     try:
         run = run_cibuildwheel(a.target, a.output_dir / a.target, payload_dir=payload, jobs=a.jobs, cache=a.cache)
-    except Exception as e:  # noqa: BLE001 - one line, then non-zero
-        print(f"cibuildwheel ({a.target}): {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+    except Exception as e:  # noqa: BLE001 - one line, then exit status 1, whatever failed in the run
+        raise FactoryError(f"cibuildwheel ({a.target}): {type(e).__name__}: {e}") from e
     for w in run.wheels:
         print(w)
     return 0

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ci.release.publish._net import (InputError, LineLog, PublishError, Redactor, RetryPolicy, check_api_url, check_repo, refusal,
                              token_from_env)
+from ci.runtime import errors
 from ci.runtime.env import FactoryEnv
 from ci.stages.provenance import FAILED_STEPS_HELP
 
@@ -185,28 +186,38 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
 
     out = LineLog(write)
+    # every message is redacted and names itself ("publish github: ...", "interrupted: ...")
+    return errors.run_main(lambda: _cli(cmd, argv, out, redact), prefix=None)
+
+
+class Interrupted(errors.FactoryError):
+    """Ctrl-C: a re-run resumes (exit status 130, as a shell reports SIGINT)."""
+
+    exit_code = 130
+
+
+def _cli(cmd: str, argv: list[str], out: LineLog, redact: Redactor) -> int:
+    """The subcommand ``cmd``; what it raises becomes one redacted line and an exit status: 2 for
+    bad input (a token missing from the environment included), 1 for a failure, 130 for Ctrl-C."""
     try:
         return {"github": _github, "pages": _pages, "pypi": _pypi}[cmd](argv, out)
     except InputError as e:
-        print(redact(f"publish {cmd}: {e}"), file=sys.stderr, flush=True)
-        return 2
+        raise errors.InputError(redact(f"publish {cmd}: {e}")) from e
     except PublishError as e:
-        print(redact(f"publish {cmd}: {e}"), file=sys.stderr, flush=True)
-        return 2 if _is_missing_token(e) else 1
-    except KeyboardInterrupt:
-        print("interrupted: re-run the same command to resume", file=sys.stderr)
-        return 130
+        bad_input = _is_missing_token(e)
+        raise (errors.InputError if bad_input else errors.FactoryError)(redact(f"publish {cmd}: {e}")) from e
+    except KeyboardInterrupt as e:
+        raise Interrupted("interrupted: re-run the same command to resume") from e
     except Exception as e:  # noqa: BLE001 - never let a traceback carry a secret out unredacted
         r = refusal(e, cmd) if type(e).__module__.startswith("github") else None
         if r is not None:  # an HTTP refusal raised outside the retry loop: still say what to check
-            print(redact(f"publish {r}"), file=sys.stderr, flush=True)
-            return 1
-        print(redact(f"publish {cmd}: unexpected {type(e).__name__}: {e}"), file=sys.stderr, flush=True)
+            raise errors.FactoryError(redact(f"publish {r}")) from e
+        message = redact(f"publish {cmd}: unexpected {type(e).__name__}: {e}")
         if FactoryEnv.from_environ().publish_traceback:
             import traceback
 
-            print(redact(traceback.format_exc()), file=sys.stderr)
-        return 1
+            message += "\n" + redact(traceback.format_exc())
+        raise errors.FactoryError(message) from e
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import Callable, TypeVar
 from ci.runtime import errors
 from ci.runtime.errors import FactoryError
 from ci.runtime.env import FactoryEnv
+from ci.runtime.log import default_log
 
 T = TypeVar("T")
 
@@ -229,7 +230,7 @@ def refusal(exc: BaseException, what: str) -> PublishError | None:
     return PublishError(f"{what}: HTTP {exc.status}{said}: {why}")
 
 
-def retrying(fn: Callable[[], T], what: str, policy: RetryPolicy, *, log: Callable[[str], None] = print,
+def retrying(fn: Callable[[], T], what: str, policy: RetryPolicy, *, log: Callable[[str], None] = default_log,
              before_retry: Callable[[], T | None] | None = None, sleep: Callable[[float], None] | None = None) -> T:
     """Call ``fn`` until it succeeds, waiting out rate limits and backing off on transient
     failures within ``policy.budget`` seconds (see RetryPolicy). ``before_retry`` runs before

@@ -51,6 +51,7 @@ from ci.release.publish._net import (TOKEN_VARS, InputError, LineLog, PublishErr
 import ci.release.publish.replace as swap
 from ci.release.publish.notes import with_missing
 from ci.release.publish.release_api import SUMS, LocalAsset, _Client, _raw, assets_of, check_tag, parse_sums, sums_text
+from ci.runtime.log import default_log
 from ci.stages.record import RecordError, load_records
 
 MAX_ASSET_BYTES = 2 * 1024**3  # GitHub: each asset < 2 GiB
@@ -106,7 +107,7 @@ class Summary:
 
 
 class ReleasePublisher:
-    def __init__(self, opts: ReleaseOptions, token: str | None, log: Callable[[str], None] = print) -> None:
+    def __init__(self, opts: ReleaseOptions, token: str | None, log: Callable[[str], None] = default_log) -> None:
         self.opts = opts
         self.log = LineLog(log)  # upload threads log too: one whole line per event
         self.client = _Client(opts, token)
@@ -491,7 +492,7 @@ class ReleasePublisher:
         self.summary.release_url = rel.get("html_url", self.summary.release_url)
 
 
-def publish_release(opts: ReleaseOptions, token: str | None, log: Callable[[str], None] = print) -> Summary:
+def publish_release(opts: ReleaseOptions, token: str | None, log: Callable[[str], None] = default_log) -> Summary:
     """Create or reuse the release for ``opts.tag``, upload what is missing, publish. Raises
     PublishError (with the summary line) when something is left to do; re-running the same
     call finishes the job."""

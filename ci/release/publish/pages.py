@@ -28,6 +28,7 @@ import ci.release.docs_site as docs_site
 from ci.index import MANIFEST, IndexError_, check_manifest, manifest_entries, site_files
 from ci.release.publish._net import InputError, PublishError, RetryPolicy, Throttle, retrying
 from ci.release.publish.github import DEFAULT_API
+from ci.runtime.log import default_log
 
 MAX_BLOB = 100 * 1000 * 1000
 SITE_WARN = 1000 * 1000 * 1000
@@ -73,7 +74,7 @@ class PagesSummary:
                 f"{len(self.deleted)} deleted, {len(self.added_wheels)} wheels added, {self.unchanged} unchanged")
 
 
-def publish_pages(opts: PagesOptions, token: str | None, log: Callable[[str], None] = print) -> PagesSummary:
+def publish_pages(opts: PagesOptions, token: str | None, log: Callable[[str], None] = default_log) -> PagesSummary:
     try:
         return _publish(opts, token, log)
     except _Moved:

@@ -47,6 +47,7 @@ from packaging.utils import parse_wheel_filename
 from packaging.version import Version
 
 from ci.release.publish._net import InputError, PublishError, Redactor
+from ci.runtime.log import default_log
 from ci.stages.record import BuildRecord, RecordError, load_records
 from ci.toolchain.variant import Variant
 from ci.stages.wheel_hygiene import UnsafeWheel, check_distinct
@@ -210,7 +211,7 @@ def _twine(files: list[Path], url: str, timeout: int, env: dict[str, str]) -> su
                            "on the server are skipped)") from None
 
 
-def upload_index(opts: UploadOptions, log: Callable[[str], None] = print) -> int:
+def upload_index(opts: UploadOptions, log: Callable[[str], None] = default_log) -> int:
     redact = Redactor.from_env()
     parts = urllib.parse.urlsplit(opts.repository_url)
     if parts.scheme not in ("http", "https") or not parts.hostname:

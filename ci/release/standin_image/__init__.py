@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from ci.runtime.errors import FactoryError
 from ci.runtime.env import child_environ
+from ci.runtime.log import default_log
 
 IMAGE_REPO = "localhost/sageattn3-manylinux-standin"
 SUITE = "bookworm"
@@ -61,7 +62,7 @@ class StandinImageError(FactoryError, RuntimeError):
     pass
 
 
-def _run(cmd: list[str], log=print, **kw) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], log=default_log, **kw) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
     if proc.returncode != 0:
         raise StandinImageError(f"{' '.join(cmd[:6])} ... exited {proc.returncode}:\n"
@@ -69,7 +70,7 @@ def _run(cmd: list[str], log=print, **kw) -> subprocess.CompletedProcess:
     return proc
 
 
-def ensure_host_tools(log=print) -> None:
+def ensure_host_tools(log=default_log) -> None:
     """podman, runc and debootstrap from Debian's packages (apt-get, as root) when missing."""
     missing = [pkg for exe, pkg in HOST_PACKAGES.items() if not shutil.which(exe)]
     if not missing:
@@ -136,7 +137,7 @@ def _chroot(root: Path, script: str) -> None:
     _run(["chroot", str(root), "/bin/sh", "-euc", script], env=env)
 
 
-def build_image(log=print, *, workdir: Path | None = None) -> str:
+def build_image(log=default_log, *, workdir: Path | None = None) -> str:
     """The stand-in image (built once per recipe; later calls find it): returns its name."""
     ensure_host_tools(log=log)
     pythons = host_pythons()

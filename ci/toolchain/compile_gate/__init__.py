@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ci.payload.interface import PAYLOAD
 
+from ci.runtime.log import default_log
 from ci.toolchain.flags import profile_for
 from ci.runtime.pip_env import pip_environ
 from ci.toolchain.targets import Matrix, Target
@@ -62,7 +63,7 @@ def _wheel_python(version: str) -> str:
     return WHEEL_PYTHON
 
 
-def torch_headers(version: str, log=print) -> Path:
+def torch_headers(version: str, log=default_log) -> Path:
     """``torch/include`` of torch ``version`` (headers only), downloaded once into the cache."""
     dest = headers_dir(version)
     include = dest / "include"
@@ -92,7 +93,7 @@ def torch_headers(version: str, log=print) -> Path:
     return include
 
 
-def cmake_macros_overlay(version: str, log=print) -> Path:
+def cmake_macros_overlay(version: str, log=default_log) -> Path:
     """A folder holding only ``c10/cuda/impl/cuda_cmake_macros.h`` of torch ``version``, taken
     from its Linux x86_64 CUDA wheel on PyPI (what the classic unit needs that a CPU build lacks: the
     Windows build and ``ci.checks.msvc_gate`` overlay it on the win_amd64 wheel's headers)."""
@@ -169,7 +170,7 @@ def _cuda_include() -> Path:
         return Path(nvcc).resolve().parent.parent / "include"
 
 
-def compile_case(case: GateCase, *, cxx: str | None = None, log=print) -> str | None:
+def compile_case(case: GateCase, *, cxx: str | None = None, log=default_log) -> str | None:
     """None when the unit compiles; else the first compiler error (with the line naming it)."""
     include = torch_headers(case.torch_version, log=log)
     cxx = cxx or FactoryEnv.from_environ().cxx or "g++"
@@ -185,7 +186,7 @@ def compile_case(case: GateCase, *, cxx: str | None = None, log=print) -> str | 
     return first.replace(str(include) + "/", "torch/include/").replace(str(PAYLOAD) + "/", "sageattn3/")
 
 
-def run_gate(matrix: Matrix, lines: list[str] | None = None, jobs: int | None = None, log=print) -> dict[str, str | None]:
+def run_gate(matrix: Matrix, lines: list[str] | None = None, jobs: int | None = None, log=default_log) -> dict[str, str | None]:
     """Compile every case; returns {line: None | first error}. Headers are fetched first, one at
     a time (network), then the compiles run in parallel."""
     todo = cases(matrix, lines)

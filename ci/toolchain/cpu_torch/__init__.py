@@ -19,6 +19,8 @@ import re
 import subprocess
 import sys
 
+from ci.runtime.log import default_log
+
 CPU_TORCH_VERSION = "2.13.0"
 CPU_TORCH = f"torch=={CPU_TORCH_VERSION}+cpu"
 PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -50,7 +52,7 @@ def describe(dist: md.Distribution | None = None) -> str:
     return f"torch {dist.version}, {size / 1e6:.0f} MB, no nvidia-* requirements"
 
 
-def install(spec: str = CPU_TORCH, indexes: tuple[str | None, ...] = CPU_TORCH_INDEXES, log=print) -> int:
+def install(spec: str = CPU_TORCH, indexes: tuple[str | None, ...] = CPU_TORCH_INDEXES, log=default_log) -> int:
     """Install ``spec`` into the running interpreter from each of ``indexes`` in turn (None: pip's
     configured index alone; a URL: added as an extra index), then, where none has it, the plain
     release (``torch==X``) from pip's index. 0: installed (a warning where it is not a CPU build),

@@ -6,11 +6,18 @@ import importlib.metadata as md
 import sys
 from pathlib import Path
 
+from ci.runtime.errors import FactoryError, InputError, run_main
 from ci.toolchain.cpu_torch import CPU_TORCH, PYTORCH_CPU_INDEX, cpu_build_problem, describe, install
+
+USAGE = "usage: python -m ci.toolchain.cpu_torch check|install [--spec S] [--cpu-index URL]"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    return run_main(lambda: _cli(argv), prefix=None)  # each message names itself (a usage line, what to install)
+
+
+def _cli(argv: list[str]) -> int:
     if argv[:1] == ["install"]:
         import argparse
 
@@ -20,18 +27,15 @@ def main(argv: list[str] | None = None) -> int:
         a = p.parse_args(argv[1:])
         return install(a.spec, (None, a.cpu_index))
     if argv != ["check"]:
-        print("usage: python -m ci.toolchain.cpu_torch check|install [--spec S] [--cpu-index URL]", file=sys.stderr)
-        return 2
+        raise InputError(USAGE)
     try:
         dist = md.distribution("torch")
     except md.PackageNotFoundError:
-        print(f"no torch installed in {sys.prefix}: install {CPU_TORCH}", file=sys.stderr)
-        return 1
+        raise FactoryError(f"no torch installed in {sys.prefix}: install {CPU_TORCH}") from None
     problem = cpu_build_problem(dist)
     if problem:
-        print(f"not a CPU build of torch ({Path(str(dist.locate_file(''))).resolve()}): {problem}; "
-              f"install {CPU_TORCH} (--extra-index-url {PYTORCH_CPU_INDEX})", file=sys.stderr)
-        return 1
+        raise FactoryError(f"not a CPU build of torch ({Path(str(dist.locate_file(''))).resolve()}): {problem}; "
+                           f"install {CPU_TORCH} (--extra-index-url {PYTORCH_CPU_INDEX})")
     print(f"CPU build: {describe(dist)}")
     return 0
 
