@@ -147,3 +147,12 @@ def test_the_main_check_finds_a_return_around_run_main():
     delegating = "def main(argv=None):\n    from ci.index.__main__ import main as cli\n    return cli(argv)\n"
     assert main_problems("ci.x", delegating) == []
 
+
+
+@pytest.mark.parametrize("matrix, says", [("not json", "not JSON (the argument)"),
+                                          ("@no-such-file.json", "cannot read the JSON file no-such-file.json")])
+def test_release_json_arguments_are_input_errors(matrix, says, tmp_path):
+    """A JSON argument that does not parse or a file that is not there: exit 2, one line."""
+    r = subprocess.run([sys.executable, "-m", "ci.release", "plan", "--matrix", matrix], capture_output=True,
+                       text=True, cwd=REPO)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -44,7 +44,7 @@ def test_check_tag_cli_fails_with_one_line():
     assert ok.returncode == 0, ok.stderr
     bad = subprocess.run([sys.executable, "-m", "ci.release", "check-tag", "--tag", "v99.0.0"],
                          capture_output=True, text=True)
-    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "tag v" in bad.stderr
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "tag v" in bad.stderr  # bad input
 
 
 # -- the stand-in for PyTorch's index ----------------------------------------------------------

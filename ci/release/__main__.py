@@ -22,12 +22,20 @@ from ci.stages.provenance import FAILED_STEPS_HELP
 # -- CLI --------------------------------------------------------------------------------------
 
 def _read_json_arg(value: str) -> dict:
-    """A JSON document given inline, as @file, or '-' (stdin)."""
-    if value == "-":
-        return json.load(sys.stdin)
-    if value.startswith("@"):
-        return json.loads(Path(value[1:]).read_text())
-    return json.loads(value)
+    """A JSON document given inline, as @file, or '-' (stdin); bad JSON or a missing file is an
+    input error naming the argument."""
+    where = "stdin" if value == "-" else value[1:] if value.startswith("@") else "the argument"
+    try:
+        if value == "-":
+            return json.load(sys.stdin)
+        if value.startswith("@"):
+            return json.loads(Path(value[1:]).read_text())
+        return json.loads(value)
+    except OSError as e:
+        raise ReleaseInputError(f"cannot read the JSON file {where}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ReleaseInputError(f"not JSON ({where}): {e.msg} at line {e.lineno} column {e.colno}; give a JSON "
+                                "document inline, as @FILE, or - for stdin") from None
 
 
 def _outcome(a) -> int:

@@ -76,7 +76,7 @@ def check_tag(tag: str, path: Path = VERSION_FILE) -> str:
     ``0.2.0``; ``v1.0.0rc1`` for ``1.0.0-rc.1``); returns the version."""
     version = package_version(path)
     if tag != f"v{version}":
-        raise ReleaseError(f"tag {tag!r} does not match the package version {version} "
+        raise ReleaseInputError(f"tag {tag!r} does not match the package version {version} "
                            f"(sageattn3/sageattn3/_version.py): tag v{version}, or change __version__")
     return version
 
