@@ -3,7 +3,9 @@
 - The parser and the loop finder on a disassembly listing written out here (no tools needed).
 - The budget of the real attention kernel compiled for sm_120a (nvcc >= 12.9; nvdisasm from
   PyPI into the factory cache when not on PATH): 64/32 OMMAs per warp per tile at D 128/64, the
-  producer and the mask set aside, the block-residual correction only on the default path.
+  producer and the mask set aside from the consumer's count (the producer counted as warp 0's
+  own), the block-residual correction only on the default path, the pre-passes each instantiation
+  takes (tests/test_sass_budget_whole.py checks their arithmetic on listings written out).
 - The timing stand-ins are never in a shipped build: nvcc refuses them without the MMA model,
   and no build configuration of the factory or the payload defines them."""
 
@@ -87,9 +89,11 @@ def _nvcc() -> Path:
 def test_budget_of_the_attention_kernel(tmp_path):
     from ci.checks.kernel_report import toolkit_cuda
 
+    from ci.checks.sass_prepass import compile_prepasses
+
     nvcc = _nvcc()
     cubin = sk.compile_ours(nvcc, tmp_path, toolkit_cuda(nvcc))
-    budgets = {b.label: b for b in sk.ours_budgets(cubin)}
+    budgets = {b.label: b for b in sk.ours_budgets(cubin, compile_prepasses(nvcc, tmp_path, toolkit_cuda(nvcc)))}
     # no spill reloads inside the key-tile loop of any instantiation (tests/test_attn_compile.py)
     for name, instrs in sb.disassemble(cubin).items():
         if "fp4_attn_fwd_kernel" in name:
@@ -103,22 +107,36 @@ def test_budget_of_the_attention_kernel(tmp_path):
         assert "residual" not in default.set_aside
         for b in (full, lean):
             assert b.counts["omma"] == ommas  # 16x8x64 MMAs per warp per 128-key tile: S and P.V
-            assert b.counts["tma"] == 0 and b.set_aside["producer (thread 0)"] > 0
+            assert b.counts["tma"] == 0 and b.set_aside[sk.PRODUCER_STAGE] > 0 and b.set_aside[sk.PRODUCER_TILE] > 0
+            # warp 0's producer: its per-stage work (wait, expect_tx, three TMA loads) and its share of
+            # the per-query-tile work; counted on warp 0 and in the SM's issue
+            assert 100 < b.producer < 300 and b.busiest_warp == b.instructions + b.producer
+            assert b.bounds(sb.GPUS[0])["issue"] == pytest.approx((8 * b.instructions + b.producer) / 4)
             assert b.set_aside["mask (tail / causal diagonal)"] > 0
             kind, clk = b.bound(sb.GPUS[0])
             assert clk >= b.bounds(sb.GPUS[0])["tensor"] == pytest.approx(ommas * 8 * 4, rel=1e-3)
+        # the pre-passes each takes: delta_s and the rule (qk_precision 'auto'); the FP8 heads MXFP8 too;
+        # one Q mean only the rule; the bounded mode none. Their time adds to the attention kernel's.
+        assert list(default.prepasses) == ["delta_s", "rule"] and list(lean.prepasses) == ["rule"]
+        assert not full.prepasses
+        assert default.prepasses["delta_s"].instructions > 200 * d / 64
+        assert default.bound(sb.GPUS[0])[1] > default.bound_parts(sb.GPUS[0])[0][1]
+        # the compulsory DRAM bytes: delta_s rows per query block and key read every tile by the defaults
+        assert default.dram_bytes - lean.dram_bytes == pytest.approx(512 * (1 - 1 / sb.REF.blocks))
         # the bounded mode's loop holds the in-loop correction (counted), the others none of it
         assert "residual" not in full.set_aside and not lean.set_aside["residual"]
         assert full.instructions - lean.instructions > 200
         assert full.l2_bytes - lean.l2_bytes >= 128 * d  # K's residual, a byte per element
-        # issue 29's target: the D 128 defaults at most 900 warp-instructions per tile, at the tensor bound
+        # issue 29's target: the D 128 defaults at most 900 warp-instructions per tile, the attention
+        # kernel at the tensor bound (with its producer)
         if d == 128:
             assert default.instructions <= 900
-            assert default.bound(sb.GPUS[0])[0] == "tensor"
+            assert default.bound_parts(sb.GPUS[0])[0][0] == "tensor"
         # the FP8 Q·Kᵀ instantiation (the heads qk_precision picks): twice the S MMAs (16x8x32 block-scaled
         # FP8, issued at the FP4 MMA's cost), the same softmax and P·V; the FP4 loop above is untouched
         fp8 = budgets[f"ours D{d}, FP8 Q·Kᵀ (heads qk_precision picks)"]
         assert fp8.counts["omma"] == ommas + ommas // 2
+        assert list(fp8.prepasses) == ["delta_s", "rule", "MXFP8"] and fp8.prepasses["MXFP8"].instructions > 0
         assert lean.instructions < fp8.instructions < lean.instructions + 150
         assert fp8.l2_bytes > lean.l2_bytes  # K in one byte per element
 

@@ -16,13 +16,24 @@ the kernels it is counted for, this project's and upstream's, are in :mod:`ci.ch
 3. Bytes: shared memory read and written per warp from the SASS widths (LDS/STS/LDSM x 32
    lanes); L2 bytes per CTA = the tile's TMA bytes (from the kernel's layout) + global loads
    x warps (loads that every warp makes of the same bytes count once).
-4. A bound per SM per tile, in clocks, is the largest of: issue (warp-instructions x warps / 4
-   schedulers), tensor (OMMAs x warps x 4 clk: 16384 FLOP at 4096 FLOP/clk/SM), MUFU and
-   conversions (16 lanes/clk/SM), shuffles (32 lanes/clk/SM), shared memory (128 B/clk/SM) and
-   L2 (bytes / the L2 bandwidth per SM). The ceiling in TOPS is the tile's nominal attention
-   FLOPs (4 x 128 x 128 x D) x SMs x clock / bound: one CTA per SM, every pipe overlapped
-   perfectly, no latency, no tail effects. It is an upper bound; calibrate it with a measured
-   kernel (`calibrate`).
+4. The producer: thread 0 of warp 0 issues the TMA loads inline (its source lines, set aside
+   from the consumer's count, are counted as warp 0's extra work per key tile; the work it does
+   once per query tile is amortized over the key tiles of the reference shape, `REF`). Warp 0 is
+   the busiest warp; the SM issues 8 consumer warps + the producer per tile.
+5. Pre-passes (:mod:`ci.checks.sass_prepass`): kernels that run before the attention kernel on
+   the same stream (delta_s per query block and key, the Q·Kᵀ precision rule, MXFP8), counted
+   from their SASS per unit of their work and converted to warp-instructions and DRAM bytes per
+   attention tile at `REF`.
+6. A bound per SM per tile, in clocks: for the attention kernel the largest of issue (all its
+   warp-instructions / 4 schedulers), tensor (OMMAs x warps x 4 clk: 16384 FLOP at 4096
+   FLOP/clk/SM), MUFU and conversions (16 lanes/clk/SM), shuffles (32 lanes/clk/SM), shared memory
+   (128 B/clk/SM), L2 (bytes / the L2 bandwidth per SM) and memory (the compulsory DRAM bytes per
+   tile at `REF` / the DRAM bandwidth per SM); plus, for the pre-passes, the larger of their issue
+   and memory time (separate kernels, stream-ordered before the attention kernel: their time adds,
+   it does not hide under the attention kernel's tensor work). The ceiling in TOPS is the tile's
+   nominal attention FLOPs (4 x 128 x 128 x D) x SMs x clock / bound: one CTA per SM, every pipe
+   overlapped perfectly, no latency, no tail effects. It is an upper bound; calibrate it with a
+   measured kernel (`calibrate`).
 """
 
 from __future__ import annotations
@@ -45,22 +56,45 @@ class Gpu:
     clock_ghz: float          # boost clock
     fp4_dense_tflops: float   # published, dense (half the sparse figure)
     l2_bytes_per_clk_sm: float
+    dram_gb_s: float          # published memory bandwidth
 
     @property
     def fp4_flop_per_clk_sm(self) -> float:
         return self.fp4_dense_tflops * 1e12 / (self.sms * self.clock_ghz * 1e9)
 
+    @property
+    def dram_bytes_per_clk_sm(self) -> float:
+        return self.dram_gb_s * 1e9 / (self.sms * self.clock_ghz * 1e9)
+
 
 # L2: 8.7 TB/s measured on an RTX PRO 6000 Blackwell (188 SMs, 2.617 GHz) = 17.7 B/clk/SM; the
-# same per-SM figure is assumed for the other two (no published L2 bandwidth).
+# same per-SM figure is assumed for the other two (no published L2 bandwidth). Memory bandwidth as
+# published: RTX 5090 1,792 GB/s (GDDR7, NVIDIA's product page and RTX Blackwell whitepaper); RTX
+# PRO 6000 Blackwell 1,792 GB/s (GDDR7 ECC, NVIDIA's product page); GB10 273 GB/s (LPDDR5x shared
+# with the CPU, NVIDIA's DGX Spark page).
 L2_B_PER_CLK_SM = 8.7e12 / (188 * 2.617e9)
 GPUS = (
-    Gpu("RTX 5090", 170, 2.407, 1676.0, L2_B_PER_CLK_SM),
-    Gpu("RTX PRO 6000", 188, 2.617, 2000.0, L2_B_PER_CLK_SM),
+    Gpu("RTX 5090", 170, 2.407, 1676.0, L2_B_PER_CLK_SM, 1792.0),
+    Gpu("RTX PRO 6000", 188, 2.617, 2000.0, L2_B_PER_CLK_SM, 1792.0),
     # GB10: no published GPU clock; the one at which 48 SMs give the published 500 dense FP4 TFLOPS
     # at 4096 FLOP/clk/SM
-    Gpu("GB10 (DGX Spark)", 48, 2.543, 500.0, L2_B_PER_CLK_SM),
+    Gpu("GB10 (DGX Spark)", 48, 2.543, 500.0, L2_B_PER_CLK_SM, 273.0),
 )
+
+
+@dataclass(frozen=True)
+class Ref:
+    """The reference shape of the amortized figures (the producer's once-per-query-tile work, the
+    pre-passes, the compulsory DRAM bytes): ``tokens`` queries and keys, non-causal, one query
+    head per kv head, batch 1: ``blocks`` query blocks and as many 128-key tiles per head."""
+    tokens: int = 32768
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.tokens // 128)
+
+
+REF = Ref()
 ISSUE_PER_CLK_SM = 4        # one warp-instruction per clock per scheduler, 4 schedulers
 MUFU_LANES_PER_CLK = 16
 CVT_LANES_PER_CLK = 16
@@ -199,35 +233,62 @@ def _branch_target(ins: Instr) -> str | None:
     return m.group(1) if m else None
 
 
-def key_loop(instrs: list[Instr]) -> tuple[int, int]:
-    """Index range [lo, hi] of the steady key-tile loop (see the module docstring, step 1)."""
+def loops(instrs: list[Instr]) -> list[tuple[int, int]]:
+    """Every loop of a function as an index range [lo, hi], in the order of their backward
+    branches. A branch back from an out-of-line stub (a wait's retry, a divergent path) placed
+    after the kernel's EXIT is no loop of the source: ranges that hold an EXIT or RET are left out."""
     index = {label: i for i, ins in enumerate(instrs) for label in ins.labels}
-    omma = [i for i, ins in enumerate(instrs) if ins.pipe == "omma"]
-    best = None
+    out = []
     for i, ins in enumerate(instrs):
         t = _branch_target(ins)
         if t is None or t not in index or index[t] >= i:
             continue
         lo = index[t]
-        # a branch back from an out-of-line stub (a wait's retry, a divergent path) placed after
-        # the kernel's EXIT is no loop of the source
         if any(x.opcode in ("EXIT", "RET") or x.opcode.startswith(("EXIT.", "RET.")) for x in instrs[lo:i]):
             continue
-        n = sum(lo <= j <= i for j in omma)
-        if n and (best is None or i - lo < best[2] - best[1]):
-            best = (n, lo, i)
+        out.append((lo, i))
+    return out
+
+
+def innermost_loop(instrs: list[Instr], holds: Callable[[list[Instr]], bool], what: str) -> tuple[int, int]:
+    """The shortest loop whose instructions satisfy ``holds`` (the first of equal length)."""
+    best = None
+    for lo, hi in loops(instrs):
+        if holds(instrs[lo:hi + 1]) and (best is None or hi - lo < best[1] - best[0]):
+            best = (lo, hi)
     if best is None:
-        raise ValueError("no loop with a block-scaled MMA in this function")
-    return best[1], best[2]
+        raise ValueError(f"no loop {what} in this function")
+    return best
+
+
+def key_loop(instrs: list[Instr]) -> tuple[int, int]:
+    """Index range [lo, hi] of the steady key-tile loop (see the module docstring, step 1)."""
+    return innermost_loop(instrs, lambda body: any(x.pipe == "omma" for x in body), "with a block-scaled MMA")
+
+
+def end_of_body(instrs: list[Instr]) -> int:
+    """Index of a function's last EXIT: what follows it is out-of-line code (retry stubs,
+    divergent-path fallbacks, slow subroutines) that a steady run does not reach."""
+    exits = [i for i, ins in enumerate(instrs) if ins.opcode == "EXIT" or ins.opcode.startswith("EXIT.")]
+    return exits[-1] if exits else len(instrs) - 1
 
 
 # A classifier names the region an instruction belongs to (None: the steady path of every warp).
 Classifier = Callable[[Instr], "str | None"]
 
 
+@dataclass(frozen=True)
+class PerTile:
+    """A pre-pass's cost per attention tile (one 128-key tile of one query block and head) at
+    `REF`: warp-instructions (None: not counted, e.g. a library kernel) and compulsory DRAM bytes."""
+    instructions: float | None
+    dram_bytes: float
+    note: str = ""
+
+
 @dataclass
 class Budget:
-    """Per warp per key tile, and per SM per tile (one CTA of `warps` warps per SM)."""
+    """Per warp per key tile, and per SM per tile (one CTA of `warps` consumer warps per SM)."""
     label: str
     head_dim: int
     warps: int
@@ -237,10 +298,32 @@ class Budget:
     global_bytes_warp: int = 0     # per warp, loads distinct per warp
     global_bytes_cta: int = 0      # per CTA, loads every warp makes of the same bytes
     tma_bytes: int = 0             # per CTA
+    producer: float | None = 0.0   # the producer's warp-instructions per key tile (None: not counted)
+    dram_bytes: float = 0.0        # the attention kernel's compulsory DRAM bytes per tile at REF
+    prepasses: dict = field(default_factory=dict)          # name -> PerTile
 
     @property
     def instructions(self) -> int:
         return sum(self.counts.values())
+
+    @property
+    def busiest_warp(self) -> float:
+        """Warp 0: a consumer warp plus the producer (where the producer is a warp of its own,
+        the busiest of that and a consumer)."""
+        return self.instructions + (self.producer or 0.0)
+
+    @property
+    def sm_instructions(self) -> float:
+        """The attention kernel's warp-instructions per SM per tile: every consumer warp and the producer."""
+        return self.instructions * self.warps + (self.producer or 0.0)
+
+    @property
+    def pre_instructions(self) -> float:
+        return sum(p.instructions or 0.0 for p in self.prepasses.values())
+
+    @property
+    def pre_dram_bytes(self) -> float:
+        return sum(p.dram_bytes for p in self.prepasses.values())
 
     @property
     def l2_bytes(self) -> int:
@@ -250,22 +333,47 @@ class Budget:
     def tile_flop(self) -> int:
         return 4 * 128 * 128 * self.head_dim
 
+    def issue_all(self) -> float:
+        """Issue time per SM per tile of everything counted: all warps of the attention kernel and
+        the pre-passes' warp-instructions, / 4 schedulers."""
+        return (self.sm_instructions + self.pre_instructions) / ISSUE_PER_CLK_SM
+
     def bounds(self, gpu: Gpu) -> dict[str, float]:
+        """The attention kernel's terms, clocks per SM per tile."""
         w, c = self.warps, self.counts
         return {
-            "issue": self.instructions * w / ISSUE_PER_CLK_SM,
+            "issue": self.sm_instructions / ISSUE_PER_CLK_SM,
             "tensor": c["omma"] * w * OMMA_FLOP / gpu.fp4_flop_per_clk_sm,
             "mufu": c["mufu"] * w * 32 / MUFU_LANES_PER_CLK,
             "cvt": c["cvt"] * w * 32 / CVT_LANES_PER_CLK,
             "shfl": c["shfl"] * w * 32 / SHFL_LANES_PER_CLK,
             "smem": self.smem_bytes * w / SMEM_B_PER_CLK,
             "l2": self.l2_bytes / gpu.l2_bytes_per_clk_sm,
+            "memory": self.dram_bytes / gpu.dram_bytes_per_clk_sm,
         }
 
-    def bound(self, gpu: Gpu) -> tuple[str, float]:
+    def prepass_bounds(self, gpu: Gpu) -> dict[str, float]:
+        """The pre-passes' terms (separate kernels before the attention kernel), clocks per SM per tile."""
+        return {"issue": self.pre_instructions / ISSUE_PER_CLK_SM,
+                "memory": self.pre_dram_bytes / gpu.dram_bytes_per_clk_sm}
+
+    def bound_parts(self, gpu: Gpu) -> tuple[tuple[str, float], tuple[str, float] | None]:
+        """(the attention kernel's binding term, clocks), (the pre-passes' binding term, clocks) or None."""
         b = self.bounds(gpu)
         k = max(b, key=b.get)
-        return k, b[k]
+        if not self.prepasses:
+            return (k, b[k]), None
+        pb = self.prepass_bounds(gpu)
+        pk = max(pb, key=pb.get)
+        return (k, b[k]), (pk, pb[pk])
+
+    def bound(self, gpu: Gpu) -> tuple[str, float]:
+        """(what binds, clocks per SM per tile): the attention kernel's largest term plus the
+        pre-passes' largest (their kernels run before it, stream-ordered: the times add)."""
+        (k, clk), pre = self.bound_parts(gpu)
+        if pre is None or pre[1] == 0:
+            return k, clk
+        return f"{k} + pre-passes' {pre[0]}", clk + pre[1]
 
     def ceiling_tops(self, gpu: Gpu) -> float:
         return self.tile_flop * gpu.sms * gpu.clock_ghz * 1e9 / self.bound(gpu)[1] / 1e12
@@ -315,33 +423,3 @@ def block_lines(path: Path, start: str) -> tuple[int, int]:
 
 def in_ranges(ins: Instr, file_suffix: str, ranges: list[tuple[int, int]]) -> bool:
     return any(f.endswith(file_suffix) and any(a <= n <= b for a, b in ranges) for f, n in ins.frames)
-
-
-# ---------------------------------------------------------------------------------------------
-# Printing
-
-def table(budgets: list[Budget], gpus=GPUS, calibration: float | None = None) -> str:
-    rows = [("per warp per key tile", *(b.label for b in budgets))]
-    rows.append(("warp-instructions", *(f"{b.instructions:,}" for b in budgets)))
-    for p in PIPES:
-        if any(b.counts[p] for b in budgets):
-            rows.append((f"  {p}", *(f"{b.counts[p]:,}" for b in budgets)))
-    rows.append(("shared memory bytes / warp", *(f"{b.smem_bytes:,}" for b in budgets)))
-    rows.append(("L2 bytes / CTA (TMA + loads)", *(f"{b.l2_bytes:,}" for b in budgets)))
-    for g in gpus:
-        rows.append((f"bound per SM per tile, {g.name}",
-                     *(f"{b.bound(g)[1]:,.0f} clk ({b.bound(g)[0]})" for b in budgets)))
-    for g in gpus:
-        rows.append((f"ceiling, {g.name} ({g.sms} SMs, {g.clock_ghz} GHz)",
-                     *(f"{b.ceiling_tops(g):,.0f} TOPS" for b in budgets)))
-    if calibration is not None:
-        for g in gpus:
-            rows.append((f"x {calibration:.3f} (calibrated), {g.name}",
-                         *(f"{b.ceiling_tops(g) * calibration:,.0f} TOPS" for b in budgets)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = []
-    for k, r in enumerate(rows):
-        out.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
-        if k == 0:
-            out.append("| " + " | ".join("-" * w for w in widths) + " |")
-    return "\n".join(out)

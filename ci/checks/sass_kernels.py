@@ -1,7 +1,8 @@
 """The kernels the SASS budget (:mod:`ci.checks.sass_budget`) is counted for: this project's
 attention kernel (``sageattn3/csrc/attn``: compiled here, its steady-state regions read from the
-source) and upstream's (thu-ml/SageAttention: compiled from a checkout, or its counts stored
-below), and the calibration of the model by upstream's measured speed."""
+source; its pre-passes from :mod:`ci.checks.sass_prepass`) and upstream's (thu-ml/SageAttention:
+compiled from a checkout, or its counts stored below), and the calibration of the model by
+upstream's measured speed."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from ci.checks.sass_budget import GPUS, Budget, Classifier, Gpu, Instr, block_lines, budget, disassemble, in_ranges
+from ci.checks.sass_budget import (GPUS, REF, Budget, Classifier, Gpu, Instr, PerTile, Ref, block_lines, budget,
+                                   disassemble, in_ranges, innermost_loop, loops)
 from ci.toolchain.flags import device_flags
 
 # -- this project's kernel (sageattn3/csrc/attn) ------------------------------------------------
@@ -19,6 +21,10 @@ from ci.toolchain.flags import device_flags
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "sageattn3" / "csrc"
 KERNEL = CSRC / "attn" / "attn_fwd_kernel.cuh"
+PRODUCER_STAGE, PRODUCER_TILE = "producer, per stage", "producer, per query tile"
+# The pre-passes each instantiation takes with the default arguments (qk_precision 'auto': the rule
+# runs wherever the FP8 path can, FP4 heads included; the bounded mode cannot take FP8, so no rule)
+TAKES = {"defaults": ("delta_s", "rule"), "one Q mean": ("rule",), "FP8": ("delta_s", "rule", "MXFP8"), "bounded": ()}
 
 
 def _line_of(path: Path, pattern: str) -> int:
@@ -29,14 +35,41 @@ def _line_of(path: Path, pattern: str) -> int:
 
 
 def ours_regions(kernel: Path = KERNEL) -> dict[str, list[tuple[int, int]]]:
-    """Line ranges of attn_fwd_kernel.cuh that the steady state of a warp does not run, or
-    runs only on the default path (per-block Q means)."""
+    """Line ranges of attn_fwd_kernel.cuh that the steady state of a consumer warp does not run,
+    or runs only on the default path (per-block Q means). The producer's (thread 0's, in warp 0)
+    are counted as its own: what it does per stage, and what it does once per query tile (issue
+    Q; step to the next tile), the bodies of those two blocks of Producer::run. Earlier entries
+    win: the per-query-tile blocks lie inside Producer."""
+    q_issue, advance = block_lines(kernel, r"if \(kb == 0\) \{"), block_lines(kernel, r"if \(\+\+kb == c\.num_kb\) \{")
     return {
-        "producer (thread 0)": [block_lines(kernel, r"^struct Producer")],
+        PRODUCER_TILE: [(q_issue[0] + 1, q_issue[1]), (advance[0] + 1, advance[1])],
+        PRODUCER_STAGE: [block_lines(kernel, r"^struct Producer")],
         "mask (tail / causal diagonal)": [block_lines(kernel, r"if \(tail \|\| diag\) \{")],
         "residual": [block_lines(kernel, r"^struct ResidualHalf"), block_lines(kernel, r"float delta_s_part\("),
                      block_lines(kernel, r"if \(kInLoopResidual && has_residual\) \{"), block_lines(kernel, r"float2 e4m3x2_value\(")],
     }
+
+
+def producer_share(b: Budget, ref: Ref = REF) -> float:
+    """The producer's warp-instructions per key tile: its per-stage work, and its per-query-tile
+    work amortized over the key tiles of a query tile at the reference shape."""
+    return b.set_aside[PRODUCER_STAGE] + b.set_aside[PRODUCER_TILE] / ref.blocks
+
+
+def ours_dram_bytes(d: int, kind: str, ref: Ref = REF) -> float:
+    """The attention kernel's compulsory DRAM bytes per tile at ``ref``: K and V of a key tile
+    (codes and scales; K's residual in the bounded mode) once per head, so over the query blocks;
+    Q of a query block and its output (bf16) over the key tiles; delta_s rows per query block and
+    key (the defaults and the FP8 heads: read for every tile) or ds_key per key (one Q mean, the
+    bounded mode: once per head). ``kind``: defaults, one Q mean, FP8, bounded."""
+    fp8 = kind == "FP8"
+    kv = 128 * (d if fp8 else d // 2) + 128 * d // 2 + 128 * (d // 32 if fp8 else d // 16) + 128 * d // 16
+    q = 128 * (d if fp8 else d // 2) + 128 * (d // 32 if fp8 else d // 16)
+    if kind == "bounded":
+        kv += 128 * d
+        q += 2 * d * 4  # mean_q and qbar rows
+    ds = 128 * 4 if kind in ("defaults", "FP8") else 128 * 4 / ref.blocks
+    return kv / ref.blocks + (q + 128 * d * 2) / ref.blocks + ds
 
 
 def ours_classifier(with_residual: bool, kernel: Path = KERNEL) -> Classifier:
@@ -87,31 +120,39 @@ def _in_loop_residual(name: str) -> bool:
     return re.search(r"fp4_attn_fwd_kernelILi\d+ELb1E", name) is not None
 
 
-def ours_budgets(cubin: Path, bounded: bool = True) -> list[Budget]:
+def ours_budgets(cubin: Path, prepass_cubins: dict[str, Path], bounded: bool = True, ref: Ref = REF) -> list[Budget]:
     """Per head dim: the defaults (delta_s precomputed per query block and key, read per tile),
-    one Q mean (the same loop), and with ``bounded`` the in-loop correction of the bounded-memory
-    mode."""
+    one Q mean (the same loop), the FP8 Q·Kᵀ heads, and with ``bounded`` the in-loop correction of
+    the bounded-memory mode; each with its producer share, compulsory DRAM bytes and the
+    pre-passes it takes (``TAKES``; ``prepass_cubins``: ci.checks.sass_prepass.compile_prepasses)."""
+    from ci.checks.sass_prepass import prepass_costs
+
     funcs = disassemble(cubin)
     # loads that every warp makes of the same bytes (none today: the V scales are copied once per
     # CTA into the stage; before that, each warp loaded them from global memory)
     shared_lines = [i for i, line in enumerate(KERNEL.read_text().splitlines(), 1)
                     if re.search(r"const uint32_t v_sf = __ldg\(", line)]
     shared = lambda ins: any(f.endswith("attn/attn_fwd_kernel.cuh") and n in shared_lines for f, n in ins.frames)
+    cubins = {**prepass_cubins, "attn/attn_launch.cu": cubin}
+    pre = {d: prepass_costs(cubins, d, ref) for d in {_head_dim_of(n) for n in funcs} - {None}}
     out = []
     kernels = [(name, instrs) for name, instrs in funcs.items() if _head_dim_of(name) is not None]
     for name, instrs in sorted(kernels, key=lambda kv: (-_head_dim_of(kv[0]), _in_loop_residual(kv[0]), _qk8(kv[0]))):
         d = _head_dim_of(name)
         if _qk8(name):
-            out.append(budget(instrs, label=f"ours D{d}, FP8 Q·Kᵀ (heads qk_precision picks)", head_dim=d, warps=8,
-                              tma_bytes=ours_tma_bytes_qk8(d), classify=ours_classifier(False), cta_shared=shared))
-            continue
-        if _in_loop_residual(name):
-            runs = ((True, f"ours D{d}, bounded mode (in-loop correction)"),) if bounded else ()
+            runs = (("FP8", False, f"ours D{d}, FP8 Q·Kᵀ (heads qk_precision picks)", ours_tma_bytes_qk8(d)),)
+        elif _in_loop_residual(name):
+            runs = (("bounded", True, f"ours D{d}, bounded mode (in-loop correction)", ours_tma_bytes(d)),) if bounded else ()
         else:
-            runs = ((False, f"ours D{d}, defaults (delta_s precomputed)"), (False, f"ours D{d}, one Q mean"))
-        for res, label in runs:
-            out.append(budget(instrs, label=label, head_dim=d, warps=8, tma_bytes=ours_tma_bytes(d),
-                              classify=ours_classifier(res), cta_shared=shared))
+            runs = (("defaults", False, f"ours D{d}, defaults (delta_s precomputed)", ours_tma_bytes(d)),
+                    ("one Q mean", False, f"ours D{d}, one Q mean", ours_tma_bytes(d)))
+        for kind, res, label, tma in runs:
+            b = budget(instrs, label=label, head_dim=d, warps=8, tma_bytes=tma, classify=ours_classifier(res),
+                       cta_shared=shared)
+            b.producer = producer_share(b, ref)
+            b.dram_bytes = ours_dram_bytes(d, kind, ref)
+            b.prepasses = {n: pre[d][n] for n in TAKES[kind]}
+            out.append(b)
     return out
 
 
@@ -173,33 +214,71 @@ def _upstream_head_dim(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def upstream_budgets(cubin: Path) -> list[Budget]:
-    """Upstream's consumer loop: 8 MMA warps (a separate producer warpgroup issues the TMA)."""
+def upstream_producer(instrs: list[Instr]) -> tuple[int, int]:
+    """Upstream's producer warp (its mainloop producer, one elected thread issuing the TMA loads):
+    (the warp-instructions of its key loop, the shortest loop issuing two TMA loads or more: one per
+    key tile; the rest of the tile loop around it: once per query tile, the first key tile's loads
+    included)."""
+    lo, hi = innermost_loop(instrs, lambda body: sum(x.opcode.startswith("UTMALDG") for x in body) >= 2,
+                            "issuing two TMA loads")
+    around = [(a, b) for a, b in loops(instrs) if a <= lo and b >= hi and (a, b) != (lo, hi)]
+    a, b = min(around, key=lambda r: r[1] - r[0])
+    return hi - lo + 1, (b - a + 1) - (hi - lo + 1)
+
+
+def upstream_dram_bytes(d: int, ref: Ref = REF) -> float:
+    """Compulsory DRAM bytes per tile of upstream's kernel at ``ref``, as ``ours_dram_bytes``: K and V
+    (codes and scales) over the query blocks, Q and the output over the key tiles, delta_s (fp32 per
+    query block and key) every tile."""
+    return 128 * d * 9 / 8 / ref.blocks + (128 * d * 9 // 16 + 128 * d * 2) / ref.blocks + 128 * 4
+
+
+def upstream_prepass(d: int, ref: Ref = REF) -> dict[str, PerTile]:
+    """Upstream's delta_s pre-pass (its api.py: torch.matmul(qm, kᵀ) in bf16, then .to(float32)):
+    cuBLAS's and torch's kernels, whose instructions are not counted here; their compulsory DRAM
+    bytes per tile: the bf16 product written and read back, the fp32 copy written, K (bf16) read
+    once per head."""
+    return {"delta_s": PerTile(None, 128 * (2 + 2 + 4) + 128 * d * 2 / ref.blocks,
+                               "delta_s (upstream: torch.matmul + .to(float32)): instructions not counted "
+                               "(cuBLAS and torch kernels), DRAM bytes only")}
+
+
+def upstream_budgets(cubin: Path, ref: Ref = REF) -> list[Budget]:
+    """Upstream's consumer loop: 8 MMA warps; its producer warp (a separate warpgroup) per key tile."""
     out = []
     funcs = disassemble(cubin)
     for name, instrs in sorted(funcs.items(), key=lambda kv: -(_upstream_head_dim(kv[0]) or 0)):
         d = _upstream_head_dim(name)
         if d is None:
             continue
-        out.append(budget(instrs, label=f"upstream D{d}", head_dim=d, warps=8, tma_bytes=upstream_tma_bytes(d)))
+        b = budget(instrs, label=f"upstream D{d}", head_dim=d, warps=8, tma_bytes=upstream_tma_bytes(d))
+        per_stage, per_tile = upstream_producer(instrs)
+        b.producer = per_stage + per_tile / ref.blocks
+        b.dram_bytes = upstream_dram_bytes(d, ref)
+        b.prepasses = upstream_prepass(d, ref)
+        out.append(b)
     return out
 
 
 # Upstream's budget as counted from thu-ml/SageAttention d1a57a5 built here for sm_120a (flags of
 # its setup.py, CUTLASS 4.2.0 headers): `python -m ci.checks.kernel_report --upstream CHECKOUT --cutlass
 # INCLUDE` counts it again. Kept as data so that the report and the calibration need no checkout.
+# "producer": upstream_producer's (per key tile, per query tile).
 UPSTREAM_COMMIT = "d1a57a546c3d395b1ffcbeecc66d81db76f3b4b5"
 UPSTREAM_STORED = {
     128: {"counts": {"omma": 64, "fp32": 360, "mufu": 82, "cvt": 36, "int": 181, "uniform": 48, "smem": 56,
-                     "barrier": 6, "shfl": 12, "control": 5}, "smem_bytes": 22528},
+                     "barrier": 6, "shfl": 12, "control": 5}, "smem_bytes": 22528, "producer": (102, 146)},
     64: {"counts": {"omma": 32, "fp32": 328, "mufu": 82, "cvt": 36, "int": 130, "uniform": 39, "smem": 32,
-                    "barrier": 6, "shfl": 12, "control": 5}, "smem_bytes": 13312},
+                    "barrier": 6, "shfl": 12, "control": 5}, "smem_bytes": 13312, "producer": (97, 137)},
 }
 
 
-def stored_upstream_budgets() -> list[Budget]:
+def stored_upstream_budgets(ref: Ref = REF) -> list[Budget]:
     return [Budget(f"upstream D{d} ({UPSTREAM_COMMIT[:7]})", d, 8, counts=Counter(v["counts"]),
-                   smem_bytes=v["smem_bytes"], tma_bytes=upstream_tma_bytes(d)) for d, v in UPSTREAM_STORED.items()]
+                   smem_bytes=v["smem_bytes"], tma_bytes=upstream_tma_bytes(d),
+                   producer=v["producer"][0] + v["producer"][1] / ref.blocks, dram_bytes=upstream_dram_bytes(d, ref),
+                   prepasses=upstream_prepass(d, ref))
+            for d, v in UPSTREAM_STORED.items()]
 
 
 @dataclass(frozen=True)

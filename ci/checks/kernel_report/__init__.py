@@ -14,9 +14,11 @@ LOCAL is per-thread local memory, where spills would go). Exit status 1 when an 
 spills more than its allowance (``spill_allowance``, shared with the compile test) or a compile
 fails.
 
-Compile mode also prints the per-tile budget of the attention kernel's steady key-tile loop from
-its sm_120a SASS (ci.checks.sass_budget): instructions by pipe, shared-memory and L2 bytes, the bound
-per SM per tile and the TOPS ceiling it implies on an RTX 5090, an RTX PRO 6000 and a GB10.
+Compile mode also prints the per-tile budget of the attention kernel from its sm_120a SASS
+(ci.checks.sass_budget): a consumer warp's steady key-tile loop by pipe, the producer's share per key
+tile, the busiest warp, the pre-passes (delta_s, the Q·Kᵀ precision rule, MXFP8: ci.checks.sass_prepass)
+per attention tile, shared-memory, L2 and DRAM bytes, the bound per SM per tile (issue, tensor, memory
+...; which binds) and the TOPS ceiling it implies on an RTX 5090, an RTX PRO 6000 and a GB10.
 """
 
 from __future__ import annotations
@@ -118,6 +120,13 @@ def spill_allowance(kernel: str) -> int:
     if re.search(r"ILi\d+ELb0ELb1E", kernel):
         return QK8_SPILL_BYTES
     return 0
+
+
+def spill_failures(kernels: list[Kernel]) -> list[Kernel]:
+    """The attention kernels that spill more than ``spill_allowance`` (stores or loads): exactly
+    those tests/test_attn_compile.py fails on; the report's exit status is 1 when there is one."""
+    return [k for k in kernels
+            if _head_dim(k.name) and max(k.spill_stores or 0, k.spill_loads or 0) > spill_allowance(k.name)]
 
 
 def parse_ptxas(log: str, source: str) -> list[Kernel]:
@@ -236,27 +245,26 @@ def print_table(kernels: list[Kernel], dyn: dict[int, int], wheel: bool) -> None
                   f"by shared memory alone {per}")
 
 
-def print_budget(cubin: Path, upstream: tuple[Path, Path] | None, nvcc: Path, out: Path, jobs: int) -> None:
-    """The per-tile SASS budget of the attention kernel (ci.checks.sass_budget, ci.checks.sass_kernels), with
-    upstream's kernel beside it when a checkout of thu-ml/SageAttention and CUTLASS headers are given."""
-    from ci.checks import sass_budget as sb
+def print_budget(out: Path, upstream: tuple[Path, Path] | None, nvcc: Path) -> None:
+    """The per-tile SASS budget of the attention kernel and its pre-passes (ci.checks.sass_budget,
+    ci.checks.sass_kernels, ci.checks.sass_prepass) from the sm_120a cubins compiled into ``out``,
+    with upstream's kernel beside it (compiled when a checkout of thu-ml/SageAttention and CUTLASS
+    headers are given, else as stored)."""
     from ci.checks import sass_kernels as sk
+    from ci.checks.kernel_report.budget_table import print_budget as print_table_
+    from ci.checks.sass_prepass import PREPASSES
 
-    budgets = sk.ours_budgets(cubin)
+    cubin = lambda src: out / f"{Path(src).parent.name}_{Path(src).stem}_sm_120a.cubin"
+    missing = [src for src in ("attn/attn_launch.cu", *(p.source for p in PREPASSES.values())) if not cubin(src).exists()]
+    if missing:
+        print(f"\n== no per-tile budget: {', '.join(sorted(set(missing)))} did not compile for sm_120a")
+        return
+    budgets = sk.ours_budgets(cubin("attn/attn_launch.cu"), {p.source: cubin(p.source) for p in PREPASSES.values()})
     if upstream:
         budgets += sk.upstream_budgets(sk.compile_upstream(nvcc, upstream[0], upstream[1], out))
     else:
         budgets += sk.stored_upstream_budgets()
-    cal = sk.UPSTREAM_CALIBRATION
-    print(f"\n== per-tile budget of the steady key-tile loop, sm_120a SASS (model: docs/performance.md)\n"
-          f"calibration: x{cal.ratio:.3f} = upstream's {cal.measured_tops:.0f} TOPS measured on an {cal.gpu.name} / "
-          f"the model's ceiling for it, {cal.predicted_tops:.0f} TOPS ({cal.source})"
-          + ("" if upstream else f"; upstream's counts as stored from {sk.UPSTREAM_COMMIT[:7]} (--upstream recounts)"))
-    print(sb.table(budgets, calibration=cal.ratio))
-    for b in budgets:
-        aside = ", ".join(f"{k} {v}" for k, v in sorted(b.set_aside.items()))
-        if aside:
-            print(f"  {b.label}: set aside (not per warp per steady tile): {aside}")
+    print_table_(budgets, sk.UPSTREAM_CALIBRATION, None if upstream else sk.UPSTREAM_COMMIT[:7])
 
 
 def report_compiled(jobs: int, upstream: tuple[Path, Path] | None = None) -> int:
@@ -284,10 +292,8 @@ def report_compiled(jobs: int, upstream: tuple[Path, Path] | None = None) -> int
                 kernels += parse_ptxas(log, rel)
             dyn = dyn_f.result()
             print_table(kernels, dyn, wheel=False)
-            attn = out / "attn_attn_launch_sm_120a.cubin"
-            if attn.exists():
-                print_budget(attn, upstream, nvcc, out, jobs)
-    bad = [k for k in kernels if _head_dim(k.name) and max(k.spill_stores or 0, k.spill_loads or 0) > spill_allowance(k.name)]
+            print_budget(out, upstream, nvcc)
+    bad = spill_failures(kernels)
     for k in bad:
         print(f"SPILL: {k.name} [{k.arch}] {k.spill_stores} bytes stores, {k.spill_loads} bytes loads "
               f"(allowed: {spill_allowance(k.name)})")

@@ -1,0 +1,191 @@
+"""The attention's pre-passes in the per-tile budget (:mod:`ci.checks.sass_budget`): kernels that
+run before the attention kernel on the same stream, counted from their sm_120a SASS per unit of
+their work and converted to warp-instructions and compulsory DRAM bytes per attention tile (one
+128-key tile of one query block and head) at the reference shape (``REF``: 32k tokens, non-causal,
+one query head per kv head).
+
+- delta_s (``delta_s_blocks_kernel<D>``, ``attn/delta_s_blocks.cuh``, built in
+  ``attn/attn_launch.cu``): per-block Q means with a workspace (the defaults; the FP8 heads too).
+  A CTA of 8 warps owns 128 keys of one head for ``kDeltaMGroup`` query blocks; each iteration of
+  its loop over them does ``kMUnroll`` query blocks; a loop before it stages r of the group.
+- rule (``qk_rule_kernel<bf16, D>``, ``preprocess/qk_rule.cu``): with qk_precision 'auto' (the
+  default) or 'fp8', wherever the FP8 path can run (no Q/K rotation, D 64/128, the delta_s
+  workspace holds a row). One CTA of 8 warps per sampled 128-row Q block (``kSampled`` per head at
+  most) and head; its loop goes over the sampled keys ``kChunk`` at a time.
+- MXFP8 (``mxfp8_kernel<bf16>``, ``quant/quant_mxfp8.cu``): the FP8 heads' Q and K rows, a thread
+  per 32 values; one iteration of its grid-stride loop (8 warps) quantizes 256 x 32 / D rows. The
+  loop without the balance exponents is counted (qk_balance is off by default).
+
+Counting: the main loop's instructions per iteration and any other named loop's, each times its
+trip count, plus the rest of the function up to its last EXIT once per CTA (loops in that rest
+once); out-of-line code after the last EXIT (retry stubs, slow 64-bit divisions) is not counted.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ci.checks.sass_budget import REF, Instr, PerTile, Ref, disassemble, end_of_body, innermost_loop
+from ci.toolchain.flags import device_flags
+
+CSRC = Path(__file__).resolve().parents[2] / "sageattn3" / "csrc"
+WARPS = 8  # 256 threads per CTA, all three kernels
+
+
+def constant(path: Path, name: str) -> int:
+    """The value of ``constexpr int name = N;`` in ``path``."""
+    m = re.search(rf"constexpr int {name} = (\d+);", path.read_text())
+    if not m:
+        raise ValueError(f"{path.name}: no constexpr int {name}")
+    return int(m.group(1))
+
+
+def _line(path: Path, pattern: str) -> int:
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if re.search(pattern, line):
+            return i
+    raise ValueError(f"{path.name}: no line matching {pattern!r}")
+
+
+@dataclass(frozen=True)
+class Loop:
+    marker: str               # regex of a source line the loop holds
+    without: str | None = None  # regex of a line it must not hold (another copy of the same loop)
+
+
+@dataclass(frozen=True)
+class PrePass:
+    name: str
+    source: str               # the .cu under csrc whose cubin holds the kernel
+    lines: str                # the file under csrc the loop markers are lines of
+    kernel: str               # regex of the mangled name; {d}: the head dim
+    loops: tuple[Loop, ...]   # the counted loops, the main one first
+    unit: str                 # what one iteration of the main loop does
+    # per attention tile at a shape: (CTAs, i.e. runs of the code outside the loops), then each
+    # loop's iterations (of all 8 warps); and the compulsory DRAM bytes
+    per_tile: Callable[[int, Ref], tuple[float, ...]]
+    dram: Callable[[int, Ref], float]
+    rest_note: str = ""
+
+
+def _delta_s_per_tile(d: int, ref: Ref) -> tuple[float, ...]:
+    path = CSRC / "attn" / "delta_s_blocks.cuh"
+    group = min(constant(path, "kDeltaMGroup"), ref.blocks)
+    unroll = constant(path, "kMUnroll")
+    r_trips = -(-group * (d // 4) // (WARPS * 32))
+    return 1 / group, -(-group // unroll) / group, r_trips / group
+
+
+def _delta_s_dram(d: int, ref: Ref) -> float:
+    # delta_s written (fp32 per query block and key); K's codes, scales and residual, ds_key of
+    # the key tile and mean_q of the query block read once per head
+    return 128 * 4 + (128 * (d // 2 + d // 16 + d) + 128 * 4) / ref.blocks + d * 4 / ref.blocks
+
+
+def _rule_shape(ref: Ref) -> tuple[int, int, int]:
+    path = CSRC / "preprocess" / "qk_rule.cu"
+    sampled = min(constant(path, "kSampled"), ref.blocks)
+    return sampled, constant(path, "kRows"), constant(path, "kChunk")
+
+
+def _rule_per_tile(d: int, ref: Ref) -> tuple[float, ...]:
+    sampled, _, chunk = _rule_shape(ref)
+    tiles = ref.blocks * ref.blocks  # per head
+    return sampled / tiles, sampled * sampled * 128 / chunk / tiles
+
+
+def _rule_dram(d: int, ref: Ref) -> float:
+    # the sampled rows read once: Q (bf16, packed FP4 + scales) and K, V (bf16) + K packed
+    sampled, rows, _ = _rule_shape(ref)
+    fp4_row = d // 2 + d // 16
+    return (sampled * rows * (2 * d + fp4_row) + sampled * 128 * (4 * d + fp4_row)) / (ref.blocks * ref.blocks)
+
+
+def _mxfp8_rows(ref: Ref) -> float:
+    """Rows quantized per attention tile: the query block's 128 Q rows over its key tiles, the key
+    tile's 128 K rows over the query blocks."""
+    return 128 / ref.blocks + 128 / ref.blocks
+
+
+def _mxfp8_per_tile(d: int, ref: Ref) -> tuple[float, ...]:
+    return 0.0, _mxfp8_rows(ref) * (d // 32) / (WARPS * 32)
+
+
+def _mxfp8_dram(d: int, ref: Ref) -> float:
+    # a row read (bf16) and written (E4M3 + one scale per 32); the mean row per 128 rows
+    return _mxfp8_rows(ref) * (2 * d + d + d // 32 + d * 4 / 128)
+
+
+PREPASSES = {
+    "delta_s": PrePass(
+        "delta_s", "attn/attn_launch.cu", "attn/delta_s_blocks.cuh", r"delta_s_blocks_kernelILi{d}E",
+        (Loop(r"if \(half == 0 && mb \+ u < mb_end\) out\["), Loop(r"reinterpret_cast<float4\*>\(&r_smem\[m\]")),
+        "loop over query blocks (kMUnroll query blocks x 128 keys)", _delta_s_per_tile, _delta_s_dram),
+    "rule": PrePass(
+        "rule", "preprocess/qk_rule.cu", "preprocess/qk_rule.cu", r"qk_rule_kernelINS_6bf16_tELi{d}E",
+        (Loop(r"chunk_scores<D>\(sm, warp, g, t\);"),),
+        "key loop (kChunk sampled keys x 16 sampled query rows)", _rule_per_tile, _rule_dram),
+    "MXFP8": PrePass(
+        "MXFP8", "quant/quant_mxfp8.cu", "quant/quant_mxfp8.cu", r"mxfp8_kernelINS_6bf16_tEE",
+        (Loop(r"\*sf = static_cast<uint8_t>\(b\);", without=r"ldexpf\(1\.f, a\.balance_sign"),),
+        "grid-stride loop (256 blocks of 32 values)", _mxfp8_per_tile, _mxfp8_dram,
+        rest_note="the code outside its loop, once per CTA, not counted (its CTAs per head follow the SM "
+                  "count and the number of heads: about 1 warp-instruction per tile)"),
+}
+
+
+def _holds(path_suffix: str, line: int) -> Callable[[list[Instr]], bool]:
+    return lambda body: any(f.endswith(path_suffix) and n == line for ins in body for f, n in ins.frames)
+
+
+def count(pre: PrePass, instrs: list[Instr], d: int, ref: Ref = REF, root: Path = CSRC) -> PerTile:
+    """The pre-pass ``pre`` of head dim ``d`` from its function's instructions, per attention tile:
+    8 warps x (the rest x CTAs per tile + each loop's body x its iterations per tile). ``root``:
+    where ``pre.lines`` lies (csrc)."""
+    path = root / pre.lines
+    ranges = []
+    for loop in pre.loops:
+        has = _holds(pre.lines, _line(path, loop.marker))
+        hasnt = _holds(pre.lines, _line(path, loop.without)) if loop.without else (lambda body: False)
+        ranges.append(innermost_loop(instrs, lambda body: has(body) and not hasnt(body), f"holding {loop.marker!r}"))
+    end = end_of_body(instrs)
+    rest = sum(1 for i in range(end + 1) if not any(lo <= i <= hi for lo, hi in ranges))
+    bodies = [hi - lo + 1 for lo, hi in ranges]
+    ctas, *iters = pre.per_tile(d, ref)
+    total = WARPS * (rest * ctas + sum(b * n for b, n in zip(bodies, iters)))
+    parts = [f"{bodies[0]:,} warp-instructions per warp per iteration of its {pre.unit}, "
+             f"x {iters[0] * WARPS:.4g} warp-iterations per tile"]
+    parts += [f"another loop's {b:,} x {n * WARPS:.4g}" for b, n in zip(bodies[1:], iters[1:])]
+    parts.append(pre.rest_note or f"the rest of the kernel, {rest:,} per warp once per CTA, x {ctas * WARPS:.4g}")
+    note = f"{pre.name} ({pre.source}): " + "; ".join(parts) + f" = {total:,.0f} per tile"
+    return PerTile(total, pre.dram(d, ref), note)
+
+
+def kernel_of(funcs: dict[str, list[Instr]], pre: PrePass, d: int) -> list[Instr]:
+    pattern = pre.kernel.format(d=d)
+    found = [instrs for name, instrs in funcs.items() if re.search(pattern, name)]
+    if len(found) != 1:
+        raise ValueError(f"{len(found)} functions match {pattern!r}, not one")
+    return found[0]
+
+
+def prepass_costs(cubins: dict[str, Path], d: int, ref: Ref = REF) -> dict[str, PerTile]:
+    """Every pre-pass of head dim ``d`` from ``cubins`` (source under csrc -> its sm_120a cubin)."""
+    funcs = {src: disassemble(path) for src, path in cubins.items()}
+    return {name: count(pre, kernel_of(funcs[pre.source], pre, d), d, ref) for name, pre in PREPASSES.items()}
+
+
+def compile_prepasses(nvcc: Path, out_dir: Path, cuda: str | None = None) -> dict[str, Path]:
+    """The pre-passes' sources (but attn_launch.cu, which ci.checks.sass_kernels.compile_ours builds)
+    for sm_120a with line info: source under csrc -> cubin."""
+    out = {}
+    for src in sorted({p.source for p in PREPASSES.values()} - {"attn/attn_launch.cu"}):
+        cubin = out_dir / (src.replace("/", "_").removesuffix(".cu") + "_sm_120a.cubin")
+        subprocess.run([str(nvcc), "-cubin", str(CSRC / src), "-o", str(cubin), "-gencode=arch=compute_120a,code=sm_120a",
+                        *device_flags(False, cuda), "-lineinfo", f"-I{CSRC}"], check=True, capture_output=True, text=True)
+        out[src] = cubin
+    return out
