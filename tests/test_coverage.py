@@ -193,9 +193,19 @@ def test_a_change_merged_from_another_branch_makes_evidence_stale(tmp_path, hist
     assert _git(history, "merge-base", "HEAD", "side") == base
     ev_file = _record_both(tmp_path, history, made)
     _git(history, "merge", "-q", "--no-edit", "side")
+    merge = _git(history, "rev-parse", "HEAD")
+    assert merge != side
     table = coverage.coverage_table(MATRIX, coverage.load_evidence(ev_file), history)
+    # named as the merge that brought it onto the first-parent line
     assert _row(table, "| 2.14 | 13.0 |", "linux-x86_64").startswith(
-        f"linux-x86_64 (**stale**: from {made[:7]}, what it was made from changed in {side[:7]})")
+        f"linux-x86_64 (**stale**: from {made[:7]}, what it was made from changed in {merge[:7]})")
+    # a later merge of another old branch that changes inputs too does not move "changed in"
+    _git(history, "checkout", "-q", "-b", "old", base)
+    _commit(history, "patches/manifest.toml", "3\n")
+    _git(history, "checkout", "-q", "main")
+    _git(history, "merge", "-q", "--no-edit", "-X", "theirs", "old")
+    table = coverage.coverage_table(MATRIX, coverage.load_evidence(ev_file), history)
+    assert f"what it was made from changed in {merge[:7]})" in _row(table, "| 2.14 | 13.0 |", "linux-x86_64")
 
 
 def test_a_record_names_a_commit_of_the_history_and_says_when_it_was_dirty(tmp_path, history):

@@ -169,13 +169,15 @@ class Freshness:
 
 def freshness(entry: dict, inputs: tuple[str, ...], repo: Path = REPO) -> Freshness:
     """Is ``entry`` (an evidence record) current: was none of ``inputs`` changed by a commit of
-    HEAD's history that is not in its commit's history? (``git rev-list COMMIT..HEAD -- inputs``:
-    a change merged in from another branch counts, wherever it sits by date.)"""
+    HEAD's history that is not in its commit's history? (``git rev-list --first-parent
+    COMMIT..HEAD -- inputs``: a change merged in from another branch counts, as the merge commit
+    that brought it. Along the first parents the first such commit stays the same as HEAD moves
+    on, so the table's "changed in" does not shift when a later merge brings older commits.)"""
     commit = entry.get("source_commit") or ""
     check_history(repo)
     if not re.fullmatch(r"[0-9a-f]{40}", commit) or not in_history(commit, repo):
         return Freshness(commit, entry.get("dirty"), False, None)
-    proc = _git(repo, "rev-list", "--reverse", f"{commit}..HEAD", "--", *inputs)
+    proc = _git(repo, "rev-list", "--reverse", "--first-parent", f"{commit}..HEAD", "--", *inputs)
     if proc.returncode != 0:
         raise EvidenceError(f"git rev-list {commit[:7]}..HEAD failed: {proc.stderr.strip()}")
     changes = proc.stdout.split()
