@@ -156,3 +156,19 @@ def test_release_json_arguments_are_input_errors(matrix, says, tmp_path):
     r = subprocess.run([sys.executable, "-m", "ci.release", "plan", "--matrix", matrix], capture_output=True,
                        text=True, cwd=REPO)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["ci.checks.kernel_report", "--wheel", "README.md"], "not a wheel"),
+    (["ci.checks.kernel_report", "--upstream", "no-such-dir", "--cutlass", "no-such-dir"], "no such directory"),
+    (["ci.release", "plan", "--matrix", "[1, 2]"], "no 'include' list"),
+    (["ci.release", "plan", "--matrix", "{}"], "no 'include' list"),
+    (["ci.release", "gather", "--plan", "{}", "--artifacts", "no-such-dir", "--out", "TMP"], "no 'include' list"),
+    (["ci.release.cibw", "collect", "--wheelhouse", "TMP", "--out", "TMP/out"], "no target"),
+])
+def test_more_bad_input_is_exit_2_and_one_line(args, says, tmp_path):
+    """Bad input found by a cold review: each exits 2 with one line that says what to pass."""
+    env = {k: v for k, v in os.environ.items() if k != "SAGEATTN3_TARGET"}
+    r = subprocess.run([sys.executable, "-m", *(a.replace("TMP", str(tmp_path)) for a in args)], capture_output=True,
+                       text=True, cwd=REPO, env=env, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -29,9 +29,10 @@ def plan(matrix_json: dict, only: list[str] | None = None, matrix: Matrix | None
     narrows it to chosen ids (re-running some targets)."""
     matrix = matrix or Matrix.load()
     expected = {e["id"]: e for e in matrix.gha_matrix()["include"]}
-    entries = matrix_json.get("include")
-    if not isinstance(entries, list) or not entries:
-        raise ReleaseError("the matrix JSON has no 'include' list of build units")
+    entries = matrix_json.get("include") if isinstance(matrix_json, dict) else None
+    if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
+        raise ReleaseInputError("the matrix JSON has no 'include' list of build units (an object "
+                                "{\"include\": [{\"id\": ...}, ...]}, as `nox -s matrix` prints)")
     ids = [e.get("id") for e in entries]
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     unknown = sorted(set(ids) - set(expected))
@@ -181,7 +182,11 @@ def gather_release(planned: dict, artifacts: Path, out: Path, build_outputs: str
     from ci.stages.provenance import ProvenanceError, check_verified, parse_outputs
     from ci.stages.wheel_hygiene import UnsafeWheel, check_distinct
 
-    ids = [e["id"] for e in planned["include"]]
+    units = planned.get("include") if isinstance(planned, dict) else None
+    if not isinstance(units, list) or not all(isinstance(e, dict) and isinstance(e.get("id"), str) for e in units):
+        raise ReleaseInputError("the plan has no 'include' list of build units with an 'id' each (pass the "
+                                "plan step's output, {\"include\": [{\"id\": ...}, ...]})")
+    ids = [e["id"] for e in units]
     try:
         outcomes = parse_outputs(build_outputs, ids) if build_outputs is not None else None
     except ProvenanceError as e:

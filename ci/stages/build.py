@@ -21,7 +21,7 @@ from ci.runtime.log import default_log
 from ci.toolchain import patches as patchmod
 from ci.payload.interface import PAYLOAD
 from ci.runtime.pip_env import pip_environ
-from ci.toolchain.resolved import PROOF_FLAVOUR_LABEL, TEST_FLAVOUR_LABEL, CudaToolkit, ResolvedToolchain, TorchEnv
+from ci.toolchain.resolved import CUTLASS_VERSION, PROOF_FLAVOUR_LABEL, TEST_FLAVOUR_LABEL, CudaToolkit, ResolvedToolchain, TorchEnv
 from ci.toolchain.targets import Matrix, Target
 from ci.runtime.errors import FactoryError
 from ci.runtime.env import FactoryEnv
@@ -131,7 +131,7 @@ def build_config(tc: ResolvedToolchain, matrix: Matrix, overlay: Path, jobs: int
                 "host_compiler": tc.host_compiler,
                 "python": tc.env.python_version,
                 "torch": tc.env.torch_version,
-                "cutlass": "4.2.0.0",
+                "cutlass": CUTLASS_VERSION,
                 "compiler_cache": "sccache" if tc.launcher else "none",
             },
             "flags": profile,

@@ -16,6 +16,9 @@ from packaging.version import Version
 
 from ci.toolchain.targets import Target
 
+# The CUTLASS/CuTe headers every build compiles against (nvidia-cutlass from PyPI, pinned).
+CUTLASS_VERSION = "4.2.0.0"
+
 if TYPE_CHECKING:
     from ci.toolchain import cross as crossmod
     from ci.toolchain import patches as patchmod

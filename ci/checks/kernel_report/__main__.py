@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import zipfile
 from pathlib import Path
 
 from ci.checks.kernel_report import __doc__ as DOC, report_compiled, report_wheel
@@ -29,7 +30,14 @@ def _cli(args) -> int:
         for w in args.wheel:
             if not w.is_file():
                 raise InputError(f"--wheel {w}: no such file; pass a built wheel (e.g. dist/wheels/*.whl)")
+            if not zipfile.is_zipfile(w):
+                raise InputError(f"--wheel {w}: not a wheel (not a zip archive); pass a built wheel (e.g. dist/wheels/*.whl)")
         return max(report_wheel(w) for w in args.wheel)
+    if args.upstream:
+        if not args.upstream.is_dir():
+            raise InputError(f"--upstream {args.upstream}: no such directory; pass a checkout of thu-ml/SageAttention")
+        if not args.cutlass.is_dir():
+            raise InputError(f"--cutlass {args.cutlass}: no such directory; pass CUTLASS's include dir (cute/, cutlass/)")
     return report_compiled(args.jobs, (args.upstream, args.cutlass) if args.upstream else None)
 
 

@@ -40,6 +40,7 @@ from ci.runtime.log import default_log
 from ci.toolchain.targets import Matrix, Target
 from ci.toolchain.torch_source import TorchSource, foreign_torch_source, torch_source
 from ci.runtime.env import FactoryEnv, child_environ, python_override_var, set_environ, setdefault_environ
+from ci.runtime.errors import InputError
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -47,7 +48,7 @@ REPO = Path(__file__).resolve().parents[3]
 def load_target(target_id: str | None = None) -> tuple[Matrix, Target]:
     tid = target_id or FactoryEnv.from_environ().target
     if not tid:
-        raise CibwError("no target: pass --target ID or set SAGEATTN3_TARGET")
+        raise InputError("no target: pass --target ID or set SAGEATTN3_TARGET")
     matrix = Matrix.load()
     return matrix, matrix.target(tid)
 

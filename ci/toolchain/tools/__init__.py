@@ -16,12 +16,12 @@ from ci.toolchain.tools.base import (CACHE_MARKER, CommandFailed, ToolchainError
 from ci.toolchain.tools.build_env import BUILD_ENV_PACKAGES, EXTRA_MARKER, ensure_packages, torch_env
 from ci.toolchain.tools.compilers import (compiler_launcher, host_compiler_version, sccache_env,
                                           sccache_server_running, sccache_server_scope, stop_sccache_server)
-from ci.toolchain.tools.cuda import (CUDA_PYPI_PACKAGES, CUOBJDUMP_PIN, CUTLASS_PIN, cuda_tool, cuobjdump,
+from ci.toolchain.tools.cuda import (CUDA_PYPI_PACKAGES, CUOBJDUMP_PIN, CUTLASS_PIN, CUTLASS_VERSION, cuda_tool, cuobjdump,
                                      cutlass_include, find_cuda, nvcc_version, provision_cuda_from_pypi)
 from ci.toolchain.tools.pythons import find_python, provision_python
 
 __all__ = [
-    "BUILD_ENV_PACKAGES", "CACHE_MARKER", "CUDA_PYPI_PACKAGES", "CUOBJDUMP_PIN", "CUTLASS_PIN", "EXTRA_MARKER",
+    "BUILD_ENV_PACKAGES", "CACHE_MARKER", "CUDA_PYPI_PACKAGES", "CUOBJDUMP_PIN", "CUTLASS_PIN", "CUTLASS_VERSION", "EXTRA_MARKER",
     "CommandFailed", "ToolchainError", "cache_path", "cache_root", "compiler_launcher", "cuda_tool", "cuobjdump",
     "cutlass_include", "ensure_packages", "find_cuda", "find_python", "host_compiler_version", "nvcc_version",
     "provision_cuda_from_pypi", "provision_python", "run", "run_pip", "sccache_env", "sccache_server_running",

@@ -14,10 +14,11 @@ from pathlib import Path
 from packaging.version import Version
 
 from ci.runtime.env import FactoryEnv
+from ci.toolchain.resolved import CUTLASS_VERSION
 from ci.toolchain.resolved import EXE, WINDOWS, CudaToolkit
 from ci.toolchain.tools.base import ToolchainError, _output, cache_root, run_pip
 
-CUTLASS_PIN = "nvidia-cutlass==4.2.0.0"
+CUTLASS_PIN = f"nvidia-cutlass=={CUTLASS_VERSION}"
 # CUDA 13.x toolkits provisioned from PyPI: the packages that make up nvcc + runtime headers.
 CUDA_PYPI_PACKAGES = ("nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-cccl", "nvidia-cuda-runtime")
 
@@ -151,7 +152,7 @@ def cutlass_include() -> Path:
             return inc
     except ImportError:
         pass
-    dest = cache_root() / "cutlass" / CUTLASS_PIN.split("==")[1]
+    dest = cache_root() / "cutlass" / CUTLASS_VERSION
     inc = dest / "cutlass_library" / "source" / "include"
     if not (dest / ".complete").exists():
         shutil.rmtree(dest, ignore_errors=True)
