@@ -259,11 +259,11 @@ def test_an_unpinned_installer_is_neither_downloaded_nor_run(monkeypatch, tmp_pa
 def test_the_toolset_gxx_is_found_in_the_packages_file_list(tmp_path, monkeypatch):
     """toolset_cxx asks rpm where the installed gcc-toolset put its g++ (a stand-in rpm on PATH
     answers as `rpm -ql` does); without the package it names the toolset, which nothing runs."""
+    root = tmp_path / "gcc-toolset-13" / "root" / "usr"  # where the stand-in says the package lies
     rpm = tmp_path / "rpm"
     rpm.write_text("#!/bin/sh\n[ \"$1\" = -ql ] && [ \"$2\" = gcc-toolset-13-gcc-c++ ] || exit 1\n"
-                   "printf '%s\\n' /x/gcc-toolset-13/root/usr/bin/c++ /x/gcc-toolset-13/root/usr/bin/g++ "
-                   "/x/gcc-toolset-13/root/usr/share/man/man1/g++.1.gz\n")
+                   f"printf '%s\\n' {root}/bin/c++ {root}/bin/g++ {root}/share/man/man1/g++.1.gz\n")
     rpm.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    assert runner_setup.toolset_cxx(13) == "/x/gcc-toolset-13/root/usr/bin/g++"
+    assert runner_setup.toolset_cxx(13) == f"{root}/bin/g++"
     assert runner_setup.toolset_cxx(15) == "gcc-toolset-15-g++"
