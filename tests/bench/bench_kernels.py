@@ -253,28 +253,13 @@ def host_us_empty_queue(fn, calls=30):
     no step that waits; the call's host time then grew with the length of the previous call's
     GPU work (100, 206, 509 us at 128, 1024, 4096 tokens), which SDPA's short kernels never
     show. The second spin gives every contender the same start."""
-    for _ in range(3):
-        fn()
-    stream = torch.cuda.current_stream()
-    times = []
-    for _ in range(calls):
-        while not stream.query():
-            pass
-        _hot_cpu()
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-        del out
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
+    return _host_us_after_idle(fn, calls, queued_cycles=0)
 
 
 def host_us_behind_work(fn, calls=30):
     """Median CPU time of one call in microseconds with the GPU still busy (calls back to back
     behind 20 ms of queued work): what the host spends per call when it runs ahead of the GPU,
     as in a model's forward pass."""
-    for _ in range(3):
-        fn()
     torch.cuda.synchronize()
     probe = 20_000_000
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -282,13 +267,22 @@ def host_us_behind_work(fn, calls=30):
     torch.cuda._sleep(probe)
     b.record()
     b.synchronize()
-    cycles = int(probe * 20.0 / max(a.elapsed_time(b), 1e-3))  # about 20 ms
+    return _host_us_after_idle(fn, calls, queued_cycles=int(probe * 20.0 / max(a.elapsed_time(b), 1e-3)))
+
+
+def _host_us_after_idle(fn, calls: int, queued_cycles: int) -> float:
+    """The median host time of ``fn`` over ``calls`` calls, each made once the GPU finished the
+    previous one (spinning on ``Stream.query``), after ``queued_cycles`` of ``torch.cuda._sleep``
+    (0: none) and 2 ms of busy CPU."""
+    for _ in range(3):
+        fn()
+    stream = torch.cuda.current_stream()
     times = []
     for _ in range(calls):
-        stream = torch.cuda.current_stream()
         while not stream.query():
             pass
-        torch.cuda._sleep(cycles)
+        if queued_cycles:
+            torch.cuda._sleep(queued_cycles)
         _hot_cpu()
         t0 = time.perf_counter()
         out = fn()
