@@ -19,12 +19,23 @@ from .transforms import Q_MEAN_BLOCK, expand_kv, sample_blocks
 QK_PRECISIONS = ("fp4", "fp8", "auto")
 QK_PRECISION_DEFAULT = "auto"
 FP8_HEAD_DIMS = (64, 128)
+# P·V: "fp4" (the default: P two-level NVFP4, V NVFP4 along the sequence) or "fp8" (P and V in
+# MXFP8: ``reference.sageattn3``'s docstring). Reference only so far: opt-in.
+PV_PRECISIONS = ("fp4", "fp8")
+PV_PRECISION_DEFAULT = "fp4"
 
 
 def qk_precision_arg(value) -> str:
     """Checks a ``qk_precision`` argument: one of "fp4", "fp8", "auto"."""
     if not isinstance(value, str) or value not in QK_PRECISIONS:
         raise ValueError(f"qk_precision must be one of {', '.join(map(repr, QK_PRECISIONS))}, got {value!r}")
+    return value
+
+
+def pv_precision_arg(value) -> str:
+    """Checks a ``pv_precision`` argument: one of "fp4", "fp8"."""
+    if not isinstance(value, str) or value not in PV_PRECISIONS:
+        raise ValueError(f"pv_precision must be one of {', '.join(map(repr, PV_PRECISIONS))}, got {value!r}")
     return value
 
 
@@ -114,4 +125,3 @@ def choose_qk_precision(precision: str, error: torch.Tensor) -> torch.Tensor:
     if precision == "auto":
         return error > _package.AUTO_ERROR_LIMIT
     return torch.full_like(error, precision == "fp8", dtype=torch.bool)
-
