@@ -123,6 +123,7 @@ def sageattn3(
     qk_precision: str = QK_PRECISION_DEFAULT,
     k_block_mean: bool = False,
     pv_precision: str = PV_PRECISION_DEFAULT,
+    qk_fp8_rotated: bool = False,
 ) -> torch.Tensor:
     """The quantized attention sageattn3 computes, float32 output (B, Hq, Sq, D).
 
@@ -169,6 +170,10 @@ def sageattn3(
       acc_t = acc_{t-1} · exp2(m_{t-1} - m_t) + P̂ · Vd8_t; O_i = acc / l.
 
     Q·Kᵀ, the scores and the running max are exactly as with "fp4" (any ``qk_precision``).
+
+    ``qk_fp8_rotated`` (reference only, opt-in; no kernel has it yet): lets qk_precision "fp8"
+    combine with ``qk_rotation`` (which otherwise raises, as the kernels do): Q·Kᵀ then runs on
+    the MXFP8 of the rotated (and balanced) smoothed rows (``preprocess``).
     """
     b, hq, sq, d = q.shape
     is_causal = flag(is_causal, "is_causal")
@@ -179,7 +184,7 @@ def sageattn3(
         raise ValueError(f"pv_precision='fp8' needs block_n to be a multiple of {MX_BLOCK}")
     pre = preprocess(q, k, v, per_block_mean, pad=block_n, qk_rotation=qk_rotation, qk_balance=qk_balance,
                      qk_scale_search=qk_scale_search, qk_precision=qk_precision, sm_scale=sm_scale,
-                     k_block_mean=k_block_mean, pv_precision=pv_precision)
+                     k_block_mean=k_block_mean, pv_precision=pv_precision, qk_fp8_rotated=qk_fp8_rotated)
     qd, kd, vd = _dequantized(pre, hq, pv_fp8)
     ds_rows = _delta_rows(pre, sq)  # (B, Hq, Sq, Sk_p)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)

@@ -18,6 +18,7 @@ from .formats import (
     quantize_transposed,
 )
 from .precision import (
+    FP8_HEAD_DIMS,
     PV_PRECISION_DEFAULT,
     choose_qk_precision,
     fp8_applies,
@@ -214,6 +215,7 @@ def preprocess(
     sm_scale: float | None = None,
     k_block_mean: bool = False,
     pv_precision: str = PV_PRECISION_DEFAULT,
+    qk_fp8_rotated: bool = False,
 ) -> Preprocessed:
     """The reference of the preprocessing kernels. ``qk_rotation``: rotate Q and K (head dims 64
     and 128; other head dims are never rotated). The means are computed on the raw inputs, then
@@ -229,10 +231,14 @@ def preprocess(
     ("fp4", "fp8", "auto"; ``choose_qk_precision``) and ``sm_scale`` (the rule's softmax scale,
     default 1/sqrt(D)) fill qk_fp8, q8, k8 and qk_error; ``k_block_mean`` (reference only, no
     rotation) smooths K per 128-key block (``Preprocessed.k_block_corr``). ``pv_precision``
-    "fp8" (reference only) also fills v8/v8_scales (``pad`` must then be a multiple of 32)."""
+    "fp8" (reference only) also fills v8/v8_scales (``pad`` must then be a multiple of 32).
+    ``qk_fp8_rotated`` (reference only; no kernel has it yet) lets qk_precision "fp8" combine
+    with the rotation: q8/k8 are then the MXFP8 of the rotated (and balanced) smoothed rows, every
+    head, the rule not run; without it that combination raises, as the kernels' does."""
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     precision = qk_precision_arg(qk_precision)
     pv_fp8 = pv_precision_arg(pv_precision) == "fp8"
+    qk_fp8_rotated = flag(qk_fp8_rotated, "qk_fp8_rotated")
     if pv_fp8 and pad % MX_BLOCK:
         raise ValueError(f"pv_precision='fp8' needs the key padding (block_n) to be a multiple of {MX_BLOCK}, got {pad}")
     k_block_mean = flag(k_block_mean, "k_block_mean")
@@ -276,6 +282,12 @@ def preprocess(
     pre = Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk, mg, dk, rot, bal, search, kr, k_block_corr=corr)
     if pv_fp8:
         pre.v8, pre.v8_scales = quantize_mxfp8_transposed(pad_dim(v.float(), -2, pad))
+    if precision == "fp8" and rot and qk_fp8_rotated and d in FP8_HEAD_DIMS:
+        # reference only: MXFP8 of the rotated rows, every head (the rule does not run)
+        pre.qk_fp8 = torch.ones(q.shape[:2], dtype=torch.bool, device=q.device)
+        pre.q8, pre.q8_scales = quantize_mxfp8_rows(pad_dim(qs, -2, pad))
+        pre.k8, pre.k8_scales = quantize_mxfp8_rows(pad_dim(ks, -2, pad))
+        return pre
     if precision != "fp4":
         if not fp8_applies(rot, d):
             if precision == "fp8":
