@@ -17,7 +17,11 @@ passing them gets them):
 - "FP8 Q·Kᵀ + balance": qk_precision="fp8" with qk_balance;
 - "FP8 P·V": pv_precision="fp8" with FP4 Q·Kᵀ; "FP8 Q·Kᵀ + P·V": both in FP8;
 - "rot + FP8 Q·Kᵀ (+ P·V)": the rotation with FP8 Q·Kᵀ (``qk_fp8_rotated``, reference only: no
-  kernel has it yet), and with FP8 P·V too.
+  kernel has it yet), and with FP8 P·V too;
+- "chooser": the per-head rule (``reference.treatment_errors`` with the call's causality, then
+  ``choose_treatments``; opt-in, not a default), its cos-sim and each head's set (B balance,
+  R rotation, S scale search, Q FP8 Q·Kᵀ, P FP8 P·V; "-" plain FP4); "chooser, all three forced":
+  the same with balance, rotation and scale search as floors.
 Shapes: batch 1, 4 q heads over 2 kv heads, SEQ tokens, each case's own dtype, seed 2025 (the
 accuracy table's).
 """
@@ -59,6 +63,19 @@ COLUMNS = (
 )
 
 
+LETTERS = "BRSQP"  # reference.TREATMENTS, in order
+FLOORS_ALL_THREE = ref.BALANCE | ref.ROTATION | ref.SCALE_SEARCH
+
+
+def set_label(s: int) -> str:
+    return "".join(c for i, c in enumerate(LETTERS) if (s >> i) & 1) or "-"
+
+
+def chosen_output(q, k, v, causal: bool, errors: torch.Tensor, floors: int):
+    sets = ref.choose_treatments(errors, floors=floors)
+    return ref.sageattn3_treated(q, k, v, sets, is_causal=causal), sets
+
+
 def measure(cases, seq: int) -> list[dict]:
     rows = []
     for case in cases:
@@ -70,18 +87,27 @@ def measure(cases, seq: int) -> list[dict]:
                        "fp8_heads": int(ref.preprocess(q, k, v, qk_precision="auto").qk_fp8.sum())}
                 for name, kw in COLUMNS:
                     row[name] = ac.cos_sim(ref.sageattn3(q, k, v, is_causal=causal, **kw), exact)
+                errors = ref.treatment_errors(q, k, v, ref.preprocess(q, k, v, qk_precision="fp4"), is_causal=causal)
+                out, sets = chosen_output(q, k, v, causal, errors, 0)
+                row["chooser"], row["sets"] = ac.cos_sim(out, exact), " ".join(map(set_label, sets.flatten().tolist()))
+                out, sets = chosen_output(q, k, v, causal, errors, FLOORS_ALL_THREE)
+                row["forced"], row["forced_sets"] = ac.cos_sim(out, exact), " ".join(
+                    map(set_label, sets.flatten().tolist()))
                 rows.append(row)
                 print(f"  {case:12s} D={d:3d} causal={causal!s:5s} " + " ".join(
-                    f"{row[n]:.4f}" for n, _ in COLUMNS), file=sys.stderr, flush=True)
+                    f"{row[n]:.4f}" for n, _ in COLUMNS) + f" chooser {row['chooser']:.4f} ({row['sets']}) forced "
+                    f"{row['forced']:.4f} ({row['forced_sets']})", file=sys.stderr, flush=True)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    head = ["case", "dtype", "D", "causal", "FP8 heads (default)"] + [n for n, _ in COLUMNS]
+    head = ["case", "dtype", "D", "causal", "FP8 heads (default)"] + [n for n, _ in COLUMNS] + [
+        "chooser", "sets per head", "chooser, all three forced", "sets per head (forced)"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         cells = [r["case"], r["dtype"], str(r["d"]), "yes" if r["causal"] else "no", f"{r['fp8_heads']}/4"]
         cells += [f"{r[n]:.4f}" for n, _ in COLUMNS]
+        cells += [f"{r['chooser']:.4f}", r["sets"], f"{r['forced']:.4f}", r["forced_sets"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -20,7 +20,14 @@ from .formats import (
     quantize_mxfp8_rows,
     quantize_rows,
 )
-from .precision import PV_PRECISION_DEFAULT, QK_PRECISION_DEFAULT, pv_precision_arg
+from .precision import (
+    PV_PRECISION_DEFAULT,
+    QK_PRECISION_DEFAULT,
+    pv_precision_arg,
+    treatment_applies,
+    treatment_kwargs,
+    treatment_names,
+)
 from .preprocessing import Preprocessed, delta_s, preprocess, q_block_index
 from .transforms import QK_BALANCE_DEFAULT, QK_ROTATION_DEFAULT, Q_MEAN_BLOCK, expand_kv, flag, rotation_score_factor
 
@@ -221,3 +228,33 @@ def sageattn3_paper(
 def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double().flatten(), b.double().flatten()
     return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
+
+
+def sageattn3_treated(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    treatments,
+    is_causal: bool = False,
+    per_block_mean: bool = True,
+    sm_scale: float | None = None,
+    block_n: int = 128,
+) -> torch.Tensor:
+    """The quantized attention with a treatment set per q head (reference only, opt-in):
+    ``treatments`` an int (every head) or a (B, Hq) integer tensor of sets
+    (``precision.TREATMENTS`` bits: balance, rotation, scale search, FP8 Q·Kᵀ, FP8 P·V), e.g.
+    from ``choose_treatments``. Head h's output is ``sageattn3``'s with set h's keywords
+    (``treatment_kwargs``) on every head: heads are independent, and a kv head whose q heads
+    differ is quantized once per set (what kernels would do per set of heads). Sets that do not
+    apply (``treatment_applies``) raise."""
+    b, hq, d = q.shape[0], q.shape[1], q.shape[-1]
+    sel = torch.as_tensor(treatments, device=q.device).to(torch.int64).expand(b, hq)
+    out = None
+    for s in sorted(set(sel.flatten().tolist())):
+        if not treatment_applies(s, d, per_block_mean):
+            raise ValueError(f"treatment set {s} ({', '.join(treatment_names(s))}) does not apply at head_dim {d}"
+                             f"{'' if per_block_mean else ' without per_block_mean'}")
+        o = sageattn3(q, k, v, is_causal=is_causal, per_block_mean=per_block_mean, sm_scale=sm_scale,
+                      block_n=block_n, **treatment_kwargs(s))
+        out = o if out is None else torch.where((sel == s)[:, :, None, None], o, out)
+    return out
