@@ -23,6 +23,15 @@ Every case starts from i.i.d. standard normal Q, K, V and adds one kind of struc
   it.
 - ``k_sink``: one huge constant K channel (value 40 on every key, and Q's same channel x6), and
   the first four keys (attention sinks) aligned with Q's offset direction (x6), Q offset x1.
+- ``qk_massive``: massive activations shared by Q and K: three channels scaled by 20, 40 and 60
+  in both (varying sign, as ``qk_outliers`` but 2.5-3x larger): every row is near one-hot and
+  its argmax hangs on the outlier channels' products.
+- ``large_logits`` (fp16 unless a dtype is given): Q = 0.5 x noise + a channel offset mu (x1),
+  and four sink keys at the start, K += 11 / sqrt(D) x mu, whose scores before the softmax scale
+  are ~11 sqrt(D) (about 90-125) against the others' tens; V of large magnitude (x30), the
+  sinks' V zero (sinks carry no value). Each row's max is a sink, and the output comes from the
+  other keys, whose P is ~e^-11 of the row max: P's quantization error dominates (the scores
+  are mostly the exact correction mean_q · K).
 - ``mixed_heads``: heads of different kinds in one call (4 q heads over 2 kv heads expected):
   kv head 0 zero-mean, its q heads zero-mean and near-one-hot (x4); kv head 1 and its q heads
   from ``rope_bias``. Other head counts: q head h takes the kind of h % 4.
@@ -35,21 +44,32 @@ from __future__ import annotations
 import torch
 
 CASES = ("randn", "q_offset_x1", "q_offset_x3", "q_offset_x8", "q_outliers", "k_outliers", "qk_outliers", "k_bias",
-         "peaky", "zero_mean_v", "q_drift", "rope_bias", "k_sink", "mixed_heads")
+         "peaky", "zero_mean_v", "q_drift", "rope_bias", "k_sink", "mixed_heads", "qk_massive", "large_logits")
 # The cases FP4 Q·Kᵀ alone fails on (issue targets: RoPE'd >= 0.98, outliers >= 0.98, near-one-hot
 # >= 0.97 with the defaults) and those where no head needs help.
 HARD_CASES = ("q_outliers", "k_outliers", "qk_outliers", "peaky", "rope_bias", "k_sink", "mixed_heads")
 EASY_CASES = ("randn", "q_offset_x1", "q_offset_x3", "q_offset_x8", "k_bias", "zero_mean_v", "q_drift")
+# Hard cases the defaults leave below 0.98 whatever the Q·Kᵀ precision (the per-head treatments,
+# tests/bench/treatments.py): massive outliers Q and K share, and large logits whose P's FP4
+# error dominates.
+TREATMENT_CASES = ("qk_massive", "large_logits")
 ROPE_BASE = 10000.0
 OUTLIER_SCALES = (8.0, 12.0, 16.0, 20.0)
+MASSIVE_SCALES = (20.0, 40.0, 60.0)
+SINK_SCORE = 11.0  # large_logits: the sinks' extra score after the softmax scale (in e-folds)
+# The dtype a case is made in where the caller gives none.
+CASE_DTYPE = {"large_logits": torch.float16}
 
 
 def make(case: str, b: int, hq: int, hk: int, sq: int, sk: int, d: int, *, seed: int = 0,
-         dtype: torch.dtype = torch.bfloat16, device="cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (b, hq, sq, d), k and v (b, hk, sk, d) of ``case`` in ``dtype`` on ``device`` (generated
-    on the CPU, so a seed gives the same inputs everywhere)."""
+         dtype: torch.dtype | None = None, device="cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (b, hq, sq, d), k and v (b, hk, sk, d) of ``case`` in ``dtype`` (None: the case's own,
+    ``CASE_DTYPE``, else bf16) on ``device`` (generated on the CPU, so a seed gives the same inputs
+    everywhere)."""
     if case not in CASES:
         raise ValueError(f"unknown case {case!r}: one of {', '.join(CASES)}")
+    if dtype is None:
+        dtype = CASE_DTYPE.get(case, torch.bfloat16)
     if case == "mixed_heads":
         return _mixed_heads(b, hq, hk, sq, sk, d, seed=seed, dtype=dtype, device=device)
     g = torch.Generator().manual_seed(seed)
@@ -87,6 +107,15 @@ def make(case: str, b: int, hq: int, hk: int, sq: int, sk: int, d: int, *, seed:
         q[..., c] *= 6.0
         k[..., c] = 40.0
         k[..., :4, :] += 6.0 * offsets[0]
+    elif case == "qk_massive":
+        channels = torch.randperm(d, generator=g)[: len(MASSIVE_SCALES)]
+        q[..., channels] *= torch.tensor(MASSIVE_SCALES)
+        k[..., channels] *= torch.tensor(MASSIVE_SCALES)
+    elif case == "large_logits":
+        q = 0.5 * q + offsets[0]
+        k[..., :4, :] += SINK_SCORE / d**0.5 * offsets[0]
+        v = 30.0 * v
+        v[..., :4, :] = 0.0
     return q.to(dtype).to(device), k.to(dtype).to(device), v.to(dtype).to(device)
 
 

@@ -25,7 +25,8 @@ computed in float64 from the bf16 inputs):
   same with the balance, the rotation and the scale search, against "+ scale search".
 The reference is bit-exact with the kernels' quantization; the FP4 MMA itself was only ever run
 as the H100 software model of the instruction. Shapes: batch 1, 4 q heads over 2 kv heads
-(GQA), SEQ tokens, bf16; every case with a fixed seed.
+(GQA), SEQ tokens, each case's own dtype (bf16; fp16 for large_logits); every case with a fixed
+seed.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ LABELS = {
     "rope_bias": "RoPE'd Q/K with channel offsets (x3 / x5)",
     "k_sink": "one huge constant K channel + 4 sink keys",
     "mixed_heads": "mixed heads: zero-mean, near-one-hot, 2 x RoPE'd",
+    "qk_massive": "Q and K massive outliers x20..x60, same channels",
+    "large_logits": "large logits: 4 sink keys, V x30 (fp16)",
 }
 
 

@@ -39,6 +39,7 @@ from .formats import (
     UE8M0_MIN_BYTE,
     block_sq_error,
     dequantize_mxfp8_rows,
+    dequantize_mxfp8_transposed,
     dequantize_rows,
     dequantize_transposed,
     e2m1_decode,
@@ -48,6 +49,7 @@ from .formats import (
     pack_codes,
     pad_dim,
     quantize_mxfp8_rows,
+    quantize_mxfp8_transposed,
     quantize_residual,
     quantize_rows,
     quantize_transposed,
@@ -78,14 +80,30 @@ from .transforms import (
     scale_search_applies,
 )
 from .precision import (
+    BALANCE,
     FP8_HEAD_DIMS,
+    PV_FP8,
+    PV_PRECISION_DEFAULT,
+    PV_PRECISIONS,
+    QK_FP8,
     QK_PRECISION_DEFAULT,
     QK_PRECISIONS,
+    ROTATION,
+    SCALE_SEARCH,
+    TREATMENT_SETS,
+    TREATMENTS,
     choose_qk_precision,
+    choose_treatments,
     fp8_applies,
     fp8_unavailable,
+    pv_precision_arg,
     qk_fp4_error,
     qk_precision_arg,
+    treatment_applies,
+    treatment_errors,
+    treatment_kwargs,
+    treatment_names,
+    treatment_set,
 )
 from .preprocessing import (
     Preprocessed,
@@ -107,6 +125,7 @@ from .attention import (
     exact_attention,
     sageattn3,
     sageattn3_paper,
+    sageattn3_treated,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -142,10 +161,19 @@ AUTO_QUERY_STRIDE = 8
 # and V dominates there), those of outlier channels, near-one-hot rows, RoPE'd biased keys and a
 # huge K channel 0.25-0.71.
 AUTO_ERROR_LIMIT = 0.2
+# The per-head treatments (opt-in, reference only, not wired into any default): a head keeps the
+# treatments it is given (its floors: none without options) where ``treatment_errors`` estimates
+# the relative output error of plain FP4 and of its floors at most TREATMENT_KEEP_LIMIT (zero-mean
+# heads: 0.18-0.21); otherwise ``choose_treatments`` adds the cheapest treatments whose estimate
+# is at most TREATMENT_ERROR_LIMIT (0.18: cos-sim 0.98 with the estimate's ~10% noise).
+# Calibration: docs/accuracy-auto.md, "Treatments per head".
+TREATMENT_ERROR_LIMIT = 0.18
+TREATMENT_KEEP_LIMIT = 0.23
 
 __all__ = [
     "AUTO_ERROR_LIMIT",
     "AUTO_QUERY_STRIDE",
+    "BALANCE",
     "BALANCE_HEAD_DIMS",
     "BALANCE_MAX_EXP",
     "BLOCK",
@@ -156,18 +184,28 @@ __all__ = [
     "LOG2E",
     "MEAN_SAMPLE_BLOCKS",
     "MX_BLOCK",
+    "PV_FP8",
+    "PV_PRECISIONS",
+    "PV_PRECISION_DEFAULT",
     "P_SCALE",
     "Preprocessed",
     "QK_BALANCE_DEFAULT",
+    "QK_FP8",
     "QK_PRECISIONS",
     "QK_PRECISION_DEFAULT",
     "QK_ROTATION_DEFAULT",
     "QK_SCALE_SEARCH",
     "Q_MEAN_BLOCK",
     "RESIDUAL_UNIT",
+    "ROTATION",
     "ROTATION_HEAD_DIMS",
     "ROTATION_SCALE",
     "ROTATION_SIGN_BITS",
+    "SCALE_SEARCH",
+    "TREATMENTS",
+    "TREATMENT_ERROR_LIMIT",
+    "TREATMENT_KEEP_LIMIT",
+    "TREATMENT_SETS",
     "UE8M0_BIAS",
     "UE8M0_MAX_BYTE",
     "UE8M0_MIN_BYTE",
@@ -175,9 +213,11 @@ __all__ = [
     "balance_exponents",
     "block_sq_error",
     "choose_qk_precision",
+    "choose_treatments",
     "cosine_similarity",
     "delta_s",
     "dequantize_mxfp8_rows",
+    "dequantize_mxfp8_transposed",
     "dequantize_rows",
     "dequantize_transposed",
     "e2m1_decode",
@@ -195,11 +235,13 @@ __all__ = [
     "pack_codes",
     "pad_dim",
     "preprocess",
+    "pv_precision_arg",
     "q_block_index",
     "q_mean",
     "qk_fp4_error",
     "qk_precision_arg",
     "quantize_mxfp8_rows",
+    "quantize_mxfp8_transposed",
     "quantize_residual",
     "quantize_rows",
     "quantize_transposed",
@@ -210,10 +252,16 @@ __all__ = [
     "rotation_signs",
     "sageattn3",
     "sageattn3_paper",
+    "sageattn3_treated",
     "sample_blocks",
     "sample_mean",
     "scale_search_applies",
     "smooth_q",
+    "treatment_applies",
+    "treatment_errors",
+    "treatment_kwargs",
+    "treatment_names",
+    "treatment_set",
     "ue8m0_scale_byte",
     "ue8m0_value",
     "unpack_codes",

@@ -11,13 +11,23 @@ from .formats import (
     BLOCK,
     E4M3_MAX,
     FP4_MAX,
+    MX_BLOCK,
     dequantize_mxfp8_rows,
+    dequantize_mxfp8_transposed,
     dequantize_rows,
     dequantize_transposed,
     pad_dim,
+    quantize_mxfp8_rows,
     quantize_rows,
 )
-from .precision import QK_PRECISION_DEFAULT
+from .precision import (
+    PV_PRECISION_DEFAULT,
+    QK_PRECISION_DEFAULT,
+    pv_precision_arg,
+    treatment_applies,
+    treatment_kwargs,
+    treatment_names,
+)
 from .preprocessing import Preprocessed, delta_s, preprocess, q_block_index
 from .transforms import QK_BALANCE_DEFAULT, QK_ROTATION_DEFAULT, Q_MEAN_BLOCK, expand_kv, flag, rotation_score_factor
 
@@ -39,9 +49,12 @@ def exact_attention(q, k, v, is_causal: bool = False, sm_scale: float | None = N
     return torch.matmul(torch.softmax(s, dim=-1), vd).float()
 
 
-def _tiled_attention(qd, kd, vd, delta_rows, seq_k: int, is_causal: bool, c: float, block_n: int) -> torch.Tensor:
+def _tiled_attention(qd, kd, vd, delta_rows, seq_k: int, is_causal: bool, c: float, block_n: int,
+                     pv_fp8: bool = False) -> torch.Tensor:
     """The kernel's loop over key tiles (see ``sageattn3``): qd (B, Hq, Sq, D), kd/vd
-    (B, Hq, Sk_p, D), delta_rows (B, Hq, Sq, Sk_p), c = softmax scale · log2(e)."""
+    (B, Hq, Sk_p, D), delta_rows (B, Hq, Sq, Sk_p), c = softmax scale · log2(e). ``pv_fp8``: P
+    and V in MXFP8 (vd then the dequantized MXFP8 V; block_n a multiple of 32): P = exp2(t - m)
+    without the 2688 factor, ``quantize_mxfp8_rows`` along the keys (32-key blocks of the tile)."""
     b, hq, sq, d = qd.shape
     sk_p = kd.shape[-2]
     dev = qd.device
@@ -61,19 +74,24 @@ def _tiled_attention(qd, kd, vd, delta_rows, seq_k: int, is_causal: bool, c: flo
         live = torch.isfinite(m_new)  # rows with no visible key so far contribute nothing
         m_safe = torch.where(live, m_new, torch.zeros_like(m_new))
         alpha = torch.where(live, torch.exp2(m - m_safe), torch.zeros_like(m))
-        p = torch.exp2(t - m_safe) * P_SCALE
-        p = torch.where(live, p, torch.zeros_like(p))
-        pp, psc = quantize_rows(p)
-        ph = dequantize_rows(pp, psc)
+        if pv_fp8:
+            p = torch.exp2(t - m_safe)
+            p = torch.where(live, p, torch.zeros_like(p))
+            ph = dequantize_mxfp8_rows(*quantize_mxfp8_rows(p))
+        else:
+            p = torch.exp2(t - m_safe) * P_SCALE
+            p = torch.where(live, p, torch.zeros_like(p))
+            pp, psc = quantize_rows(p)
+            ph = dequantize_rows(pp, psc)
         l = l * alpha + p.sum(dim=-1, keepdim=True)
         acc = acc * alpha + torch.matmul(ph, vd[..., j0 : j0 + block_n, :])
         m = m_new
     return acc / l
 
 
-def _dequantized(pre: Preprocessed, hq: int):
+def _dequantized(pre: Preprocessed, hq: int, pv_fp8: bool = False):
     """Qd, Kd, Vd as the kernel multiplies them: per q head, Q and K in FP4, or in MXFP8 where
-    pre.qk_fp8 says so."""
+    pre.qk_fp8 says so; V in NVFP4, or in MXFP8 (pre.v8) with ``pv_fp8``."""
     sq = pre.seq_q
     qd = dequantize_rows(pre.q_packed, pre.q_scales)[..., :sq, :]
     kd = expand_kv(dequantize_rows(pre.k_packed, pre.k_scales), hq)
@@ -81,7 +99,10 @@ def _dequantized(pre: Preprocessed, hq: int):
         sel = pre.qk_fp8[:, :, None, None]
         qd = torch.where(sel, dequantize_mxfp8_rows(pre.q8, pre.q8_scales)[..., :sq, :], qd)
         kd = torch.where(sel, expand_kv(dequantize_mxfp8_rows(pre.k8, pre.k8_scales), hq), kd)
-    vd = expand_kv(dequantize_transposed(pre.v_packed, pre.v_scales, pre.v_packed.shape[-1] * 2), hq)
+    if pv_fp8:
+        vd = expand_kv(dequantize_mxfp8_transposed(pre.v8, pre.v8_scales, pre.v8.shape[-1]), hq)
+    else:
+        vd = expand_kv(dequantize_transposed(pre.v_packed, pre.v_scales, pre.v_packed.shape[-1] * 2), hq)
     return qd, kd, vd
 
 
@@ -108,6 +129,8 @@ def sageattn3(
     qk_scale_search: bool | None = None,
     qk_precision: str = QK_PRECISION_DEFAULT,
     k_block_mean: bool = False,
+    pv_precision: str = PV_PRECISION_DEFAULT,
+    qk_fp8_rotated: bool = False,
 ) -> torch.Tensor:
     """The quantized attention sageattn3 computes, float32 output (B, Hq, Sq, D).
 
@@ -136,19 +159,44 @@ def sageattn3(
       same scaled domain),
       acc_t = acc_{t-1} · exp2(m_{t-1} - m_t) + P̂ · Vd_t.
     - O_i = acc / l.
+
+    ``pv_precision="fp8"`` (reference only, opt-in; the default "fp4" is the above): P·V with
+    MXFP8 operands, for the MMA ``kind::mxf8f6f4.block_scale.scale_vec::1X`` (E4M3 x E4M3, UE8M0
+    scales, float32 accumulation), every head (any head dim; block_n a multiple of 32):
+
+    - V̂ = ``quantize_mxfp8_transposed``(V) (``Preprocessed.v8``): E4M3 with one UE8M0 scale per
+      channel and 32 consecutive keys (blocks aligned to key 0), dequantized Vd8.
+    - in each tile, P_ij = exp2(t_ij - m_t), 0 where masked: the row max maps to 1, no 2688
+      factor (P's per-block scales below are powers of two fitted to each block, so a constant
+      factor would buy no range or precision; 2688, not a power of two, would only add a rounding);
+      P̂ = ``quantize_mxfp8_rows``(P) along the keys: per row and 32-key block of the tile, the
+      UE8M0 byte of the block's amax (``ue8m0_scale_byte``: the smallest power of two putting the
+      amax at or below 448), P · 2^(127 - b) rounded to E4M3 (nearest even; nothing saturates:
+      P <= 1); a block whose keys are all masked gets byte 1 and codes 0.
+    - l_t = l_{t-1} · exp2(m_{t-1} - m_t) + Σ_j P_ij (unquantized P, this domain),
+      acc_t = acc_{t-1} · exp2(m_{t-1} - m_t) + P̂ · Vd8_t; O_i = acc / l.
+
+    Q·Kᵀ, the scores and the running max are exactly as with "fp4" (any ``qk_precision``).
+
+    ``qk_fp8_rotated`` (reference only, opt-in; no kernel has it yet): lets qk_precision "fp8"
+    combine with ``qk_rotation`` (which otherwise raises, as the kernels do): Q·Kᵀ then runs on
+    the MXFP8 of the rotated (and balanced) smoothed rows (``preprocess``).
     """
     b, hq, sq, d = q.shape
     is_causal = flag(is_causal, "is_causal")
+    pv_fp8 = pv_precision_arg(pv_precision) == "fp8"
     if block_n % BLOCK:
         raise ValueError("block_n must be a multiple of 16")
+    if pv_fp8 and block_n % MX_BLOCK:
+        raise ValueError(f"pv_precision='fp8' needs block_n to be a multiple of {MX_BLOCK}")
     pre = preprocess(q, k, v, per_block_mean, pad=block_n, qk_rotation=qk_rotation, qk_balance=qk_balance,
                      qk_scale_search=qk_scale_search, qk_precision=qk_precision, sm_scale=sm_scale,
-                     k_block_mean=k_block_mean)
-    qd, kd, vd = _dequantized(pre, hq)
+                     k_block_mean=k_block_mean, pv_precision=pv_precision, qk_fp8_rotated=qk_fp8_rotated)
+    qd, kd, vd = _dequantized(pre, hq, pv_fp8)
     ds_rows = _delta_rows(pre, sq)  # (B, Hq, Sq, Sk_p)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     c = scale / rotation_score_factor(d, pre.qk_rotation) * LOG2E
-    return _tiled_attention(qd, kd, vd, ds_rows, k.shape[-2], is_causal, c, block_n)
+    return _tiled_attention(qd, kd, vd, ds_rows, k.shape[-2], is_causal, c, block_n, pv_fp8)
 
 
 def sageattn3_paper(
@@ -180,3 +228,33 @@ def sageattn3_paper(
 def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double().flatten(), b.double().flatten()
     return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
+
+
+def sageattn3_treated(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    treatments,
+    is_causal: bool = False,
+    per_block_mean: bool = True,
+    sm_scale: float | None = None,
+    block_n: int = 128,
+) -> torch.Tensor:
+    """The quantized attention with a treatment set per q head (reference only, opt-in):
+    ``treatments`` an int (every head) or a (B, Hq) integer tensor of sets
+    (``precision.TREATMENTS`` bits: balance, rotation, scale search, FP8 Q·Kᵀ, FP8 P·V), e.g.
+    from ``choose_treatments``. Head h's output is ``sageattn3``'s with set h's keywords
+    (``treatment_kwargs``) on every head: heads are independent, and a kv head whose q heads
+    differ is quantized once per set (what kernels would do per set of heads). Sets that do not
+    apply (``treatment_applies``) raise."""
+    b, hq, d = q.shape[0], q.shape[1], q.shape[-1]
+    sel = torch.as_tensor(treatments, device=q.device).to(torch.int64).expand(b, hq)
+    out = None
+    for s in sorted(set(sel.flatten().tolist())):
+        if not treatment_applies(s, d, per_block_mean):
+            raise ValueError(f"treatment set {s} ({', '.join(treatment_names(s))}) does not apply at head_dim {d}"
+                             f"{'' if per_block_mean else ' without per_block_mean'}")
+        o = sageattn3(q, k, v, is_causal=is_causal, per_block_mean=per_block_mean, sm_scale=sm_scale,
+                      block_n=block_n, **treatment_kwargs(s))
+        out = o if out is None else torch.where((sel == s)[:, :, None, None], o, out)
+    return out

@@ -28,6 +28,10 @@ Layouts
 - transposed (``quantize_transposed``): x (..., S, D) -> packed (..., D, S16/2), scales
   (..., D, S16/16), where S16 is S rounded up to a multiple of 16 (zero padding): the blocks
   run along the sequence.
+- MXFP8 rows (``quantize_mxfp8_rows``): x (..., N), N % 32 == 0 -> codes float8_e4m3fn (..., N),
+  UE8M0 scale bytes uint8 (..., N/32); MXFP8 transposed (``quantize_mxfp8_transposed``, V for
+  the FP8 P·V path): x (..., S, D) -> codes (..., D, S32), scales (..., D, S32/32), S32 = S
+  rounded up to a multiple of 32 (zero padding).
 """
 
 from __future__ import annotations
@@ -274,3 +278,19 @@ def dequantize_mxfp8_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Te
     n = codes.shape[-1]
     vals = e4m3_decode(codes).reshape(*codes.shape[:-1], n // MX_BLOCK, MX_BLOCK)
     return (vals * ue8m0_value(scales).unsqueeze(-1)).reshape(codes.shape)
+
+
+def quantize_mxfp8_transposed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 along the sequence (V of the FP8 P·V path): x (..., S, D) -> (codes float8_e4m3fn
+    (..., D, S32), scales uint8 (..., D, S32/32) UE8M0), S32 = S rounded up to a multiple of 32
+    (zero padded): ``quantize_mxfp8_rows`` of xᵀ, so each channel's 32 consecutive tokens share
+    one scale. This is the K-major B operand of the block-scaled FP8 MMA
+    (``kind::mxf8f6f4 ... scale_vec::1X``): for P·V the contraction runs over the keys, and every
+    column of V (a channel) needs its keys contiguous with one scale per 32 of them."""
+    xt = pad_dim(x.float().transpose(-1, -2), -1, MX_BLOCK)
+    return quantize_mxfp8_rows(xt)
+
+
+def dequantize_mxfp8_transposed(codes: torch.Tensor, scales: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Inverse of ``quantize_mxfp8_transposed``: back to (..., S, D) float32 (exact)."""
+    return dequantize_mxfp8_rows(codes, scales)[..., :seq_len].transpose(-1, -2)

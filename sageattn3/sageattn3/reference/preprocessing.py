@@ -7,8 +7,26 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import dequantize_rows, pad_dim, quantize_mxfp8_rows, quantize_residual, quantize_rows, quantize_transposed
-from .precision import choose_qk_precision, fp8_applies, fp8_unavailable, qk_fp4_error, qk_precision_arg
+from .formats import (
+    MX_BLOCK,
+    dequantize_rows,
+    pad_dim,
+    quantize_mxfp8_rows,
+    quantize_mxfp8_transposed,
+    quantize_residual,
+    quantize_rows,
+    quantize_transposed,
+)
+from .precision import (
+    FP8_HEAD_DIMS,
+    PV_PRECISION_DEFAULT,
+    choose_qk_precision,
+    fp8_applies,
+    fp8_unavailable,
+    pv_precision_arg,
+    qk_fp4_error,
+    qk_precision_arg,
+)
 from .transforms import (
     QK_BALANCE_DEFAULT,
     QK_ROTATION_DEFAULT,
@@ -105,6 +123,9 @@ class Preprocessed:
     - k_block_corr (B, Hq, Sq, Sk_p/128) float32 or None (``k_block_mean``, reference only): K is
       smoothed by its mean per 128-key block mu_b instead of one mean, and the scores of key block
       b get Q_i · (mu_b - mean_k) back (float64 products from the unquantized, balanced Q).
+    - v8 (B, Hkv, D, Sk_p) float8_e4m3fn and v8_scales (B, Hkv, D, Sk_p/32) uint8, or None: V in
+      MXFP8 along the sequence (``quantize_mxfp8_transposed``), with pv_precision "fp8" (the FP8
+      P·V path, reference only); Sk_p is then a multiple of 32.
     """
 
     q_packed: torch.Tensor
@@ -130,6 +151,8 @@ class Preprocessed:
     k8_scales: torch.Tensor | None = None
     qk_error: torch.Tensor | None = None
     k_block_corr: torch.Tensor | None = None
+    v8: torch.Tensor | None = None
+    v8_scales: torch.Tensor | None = None
 
     @property
     def q_mean_residual(self) -> torch.Tensor:
@@ -191,6 +214,8 @@ def preprocess(
     qk_precision: str = "fp4",
     sm_scale: float | None = None,
     k_block_mean: bool = False,
+    pv_precision: str = PV_PRECISION_DEFAULT,
+    qk_fp8_rotated: bool = False,
 ) -> Preprocessed:
     """The reference of the preprocessing kernels. ``qk_rotation``: rotate Q and K (head dims 64
     and 128; other head dims are never rotated). The means are computed on the raw inputs, then
@@ -205,9 +230,17 @@ def preprocess(
     dims 64/128 (None: ``QK_SCALE_SEARCH``; ``scale_search_applies``). ``qk_precision``
     ("fp4", "fp8", "auto"; ``choose_qk_precision``) and ``sm_scale`` (the rule's softmax scale,
     default 1/sqrt(D)) fill qk_fp8, q8, k8 and qk_error; ``k_block_mean`` (reference only, no
-    rotation) smooths K per 128-key block (``Preprocessed.k_block_corr``)."""
+    rotation) smooths K per 128-key block (``Preprocessed.k_block_corr``). ``pv_precision``
+    "fp8" (reference only) also fills v8/v8_scales (``pad`` must then be a multiple of 32).
+    ``qk_fp8_rotated`` (reference only; no kernel has it yet) lets qk_precision "fp8" combine
+    with the rotation: q8/k8 are then the MXFP8 of the rotated (and balanced) smoothed rows, every
+    head, the rule not run; without it that combination raises, as the kernels' does."""
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     precision = qk_precision_arg(qk_precision)
+    pv_fp8 = pv_precision_arg(pv_precision) == "fp8"
+    qk_fp8_rotated = flag(qk_fp8_rotated, "qk_fp8_rotated")
+    if pv_fp8 and pad % MX_BLOCK:
+        raise ValueError(f"pv_precision='fp8' needs the key padding (block_n) to be a multiple of {MX_BLOCK}, got {pad}")
     k_block_mean = flag(k_block_mean, "k_block_mean")
     if k_block_mean and precision != "fp4":
         raise ValueError("k_block_mean is measured with FP4 Q·Kᵀ only: pass qk_precision='fp4' with it")
@@ -247,6 +280,14 @@ def preprocess(
     dk = pad_dim(delta_s(mg, ks).squeeze(-2), -1, pad)
     kr = quantize_residual(pad_dim(ks, -2, pad), kp, ksc) if per_block_mean else None
     pre = Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk, mg, dk, rot, bal, search, kr, k_block_corr=corr)
+    if pv_fp8:
+        pre.v8, pre.v8_scales = quantize_mxfp8_transposed(pad_dim(v.float(), -2, pad))
+    if precision == "fp8" and rot and qk_fp8_rotated and d in FP8_HEAD_DIMS:
+        # reference only: MXFP8 of the rotated rows, every head (the rule does not run)
+        pre.qk_fp8 = torch.ones(q.shape[:2], dtype=torch.bool, device=q.device)
+        pre.q8, pre.q8_scales = quantize_mxfp8_rows(pad_dim(qs, -2, pad))
+        pre.k8, pre.k8_scales = quantize_mxfp8_rows(pad_dim(ks, -2, pad))
+        return pre
     if precision != "fp4":
         if not fp8_applies(rot, d):
             if precision == "fp8":
