@@ -243,15 +243,16 @@ def test_build_python_follows_the_shim(monkeypatch):
     import sys
 
     from ci.stages.build import BuildError
+    from ci.runtime.env import FactoryEnv
     from ci.stages.resolve import build_python
 
     t = BY_ID["linux-x86_64-cu130-torch2.10-stable"]  # floor 3.10
     here = "%d.%d" % sys.version_info[:2]
     monkeypatch.setenv("SAGEATTN3_BUILD_PYTHON", here)
-    assert build_python(t) == here
+    assert build_python(t, FactoryEnv.from_environ()) == here
     monkeypatch.setenv("SAGEATTN3_BUILD_PYTHON", "3.9")
     with pytest.raises(BuildError, match="older than the target's Python 3.10"):
-        build_python(t)
+        build_python(t, FactoryEnv.from_environ())
 
 
 def _serve(handler_cls):

@@ -4,7 +4,9 @@
 those a CI runner, a toolchain or the OS sets), each parsed once into a typed field whose
 metadata names the variable, its default and the modules that read it. The modules of ``ci/``
 call :meth:`FactoryEnv.from_environ` where they need a value (no caching: tests change the
-environment between calls); a child process's environment comes from :func:`child_environ`,
+environment between calls), except the build stages: a target's settings are read once, when its
+toolchain is resolved, and travel frozen in ``ResolvedToolchain.settings`` (ci/toolchain/resolved.py)
+to the build, repair and record; a child process's environment comes from :func:`child_environ`,
 and the few changes the factory makes to its own environment go through :func:`set_environ`
 and :func:`setdefault_environ`.
 

@@ -169,7 +169,8 @@ def repair_into(wheel: Path, dest_dir: Path, log=default_log) -> Path:
     from ci.stages.repair import repair
 
     _, target = load_target()
-    repaired = repair(wheel, _dist() / "repaired" / target.id, target.os.platform, log=log)
+    repaired = repair(wheel, _dist() / "repaired" / target.id, target.os.platform, settings=FactoryEnv.from_environ(),
+                      log=log)
     if probe_dir() is not None:  # no build record to tag by
         dest_dir.mkdir(parents=True, exist_ok=True)
         shutil.copy2(repaired, dest_dir / repaired.name)
