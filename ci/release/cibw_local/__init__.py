@@ -20,9 +20,12 @@ Only what this machine lacks is replaced, through cibuildwheel's own variables:
     cibuildwheel's cache     virtualenv-<version>.pyz pre-seeded (its audit step would download
                              it from GitHub), made from PyPI's virtualenv wheel of that version
 
-``--payload probe`` builds tests/cibw_probe/ instead of sageattn3/ (``SAGEATTN3_CIBW_PROBE``,
-passed into the container like SAGEATTN3_FOREIGN_TORCH_DIR; see ci.release.cibw's probe section): a
-one-file C extension, so the same hooks run in minutes, without CUDA or torch.
+``--payload-dir DIR`` runs another payload project's stages instead of the factory's on
+sageattn3/: DIR, inside the repository (cibuildwheel copies the repository into its container),
+holds a ``cibw_stages.py`` (``SAGEATTN3_CIBW_PAYLOAD``, passed into the container like
+SAGEATTN3_FOREIGN_TORCH_DIR; see ci.release.cibw's Stages). tests/cibw_probe/ is one: a one-file
+C extension, so the same hooks run in minutes, without CUDA or torch (and no stand-in torch is
+stocked for it).
 """
 
 from __future__ import annotations
@@ -134,7 +137,9 @@ def job_environment(target_id: str, *, image: str, pytorch_index: str, cache_hos
                     foreign_dir: str = "cpu", payload_dir: Path | None = None,
                     jobs: int | None = None) -> dict[str, str]:
     """The environment cibuildwheel runs with: this machine's, the job's exports (``python -m
-    ci.release.cibw env``) as build-target.yml writes them, and the replacements in the module's doc."""
+    ci.release.cibw env``) as build-target.yml writes them, and the replacements in the module's doc.
+    ``payload_dir``: a payload project inside the repository whose ``cibw_stages.py`` the hooks
+    run instead of the factory's stages (``$SAGEATTN3_CIBW_PAYLOAD``, relative to the repository)."""
     from ci.release import cibw, cibw_job
     from ci.release.workflow_lint import workflow_tools_dir
     from ci.toolchain.targets import Matrix
@@ -155,26 +160,42 @@ def job_environment(target_id: str, *, image: str, pytorch_index: str, cache_hos
         "CIBW_CONTAINER_ENGINE": CONTAINER_ENGINE,
         "CIBW_DEPENDENCY_VERSIONS": "latest",
         "PYTHONPATH": str(workflow_tools_dir()),
-        "CIBW_ENVIRONMENT_PASS_LINUX": " ".join([*passed, "SAGEATTN3_FOREIGN_TORCH_DIR", cibw.PROBE_ENV]),
+        "CIBW_ENVIRONMENT_PASS_LINUX": " ".join([*passed, "SAGEATTN3_FOREIGN_TORCH_DIR", cibw.PAYLOAD_ENV]),
         "SAGEATTN3_FOREIGN_TORCH_DIR": foreign_dir,
     })
-    env.pop(cibw.PROBE_ENV, None)
+    env.pop(cibw.PAYLOAD_ENV, None)
     if payload_dir is not None:
-        env[cibw.PROBE_ENV] = payload_dir.resolve().relative_to(REPO).as_posix()
+        env[cibw.PAYLOAD_ENV] = payload_relative(payload_dir)
     return env
+
+
+def payload_relative(payload_dir: Path) -> str:
+    """``payload_dir`` as ``$SAGEATTN3_CIBW_PAYLOAD`` names it: relative to the repository, which
+    cibuildwheel copies into its container; it must hold a ``cibw_stages.py``."""
+    from ci.release import cibw
+
+    path = Path(payload_dir).resolve()
+    if not path.is_relative_to(REPO):
+        raise LocalCibwError(f"{payload_dir}: a payload project must lie inside the repository ({REPO}), "
+                             "the folder cibuildwheel copies into its container")
+    if not (path / cibw.STAGES_FILE).is_file():
+        raise LocalCibwError(f"{payload_dir}: no {cibw.STAGES_FILE} (the stages the hooks run for it)")
+    return path.relative_to(REPO).as_posix()
 
 
 def run_cibuildwheel(target_id: str, output_dir: Path, *, payload_dir: Path | None = None,
                      pytorch_index: str | None = None, jobs: int | None = None, cache: Path | None = None,
                      log=default_log) -> LocalRun:
-    """Real cibuildwheel for ``target_id`` in the stand-in image; its output into
-    ``output_dir/cibuildwheel.log``. ``cache``: the runner's cache folder the container reaches
-    through /host (SAGEATTN3_CACHE_HOST; default the factory's cache). Raises when it fails
-    (with the log's last lines)."""
+    """Real cibuildwheel for ``target_id`` in the stand-in image (with ``payload_dir``'s stages when
+    given: :func:`job_environment`); its output into ``output_dir/cibuildwheel.log``. ``cache``: the
+    runner's cache folder the container reaches through /host (SAGEATTN3_CACHE_HOST; default the
+    factory's cache). Raises when it fails (with the log's last lines)."""
     from ci.release.standin import pytorch_index_standin
     from ci.release.standin_image import build_image
     from ci.toolchain.tools import cache_root
 
+    if payload_dir is not None:
+        payload_relative(payload_dir)  # before minutes of image and stand-in work
     image = build_image(log=log)
     seed_virtualenv_pyz(log=log)
     output_dir.mkdir(parents=True, exist_ok=True)
