@@ -143,7 +143,8 @@ def cibuildwheel(session: nox.Session) -> None:
     """The pinned cibuildwheel, for real, with ci/cibuildwheel.toml on a Linux target: podman
     (Debian's; installed when missing, as root) and a manylinux stand-in image built here
     (ci/release/standin_image/). `-- --target ID` (default: the host's stable-ABI target),
-    `-- --payload probe` (a one-file extension through the same hooks, in minutes)."""
+    `-- --payload-dir tests/cibw_probe` (a one-file extension through the same hooks, with its
+    own stages from tests/cibw_probe/cibw_stages.py, in minutes)."""
     _factory(session)
     session.run("python", "-m", "ci.release.cibw_local", *session.posargs)
 

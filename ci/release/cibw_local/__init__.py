@@ -25,9 +25,12 @@ Only what this machine lacks is replaced, through cibuildwheel's own variables:
     SAGEATTN3_VERIFY_PYTHONS the Pythons verify installs the wheel into, when asked for more than
                              the target's floor (the dry run's ``--verify-python``)
 
-``--payload probe`` builds tests/cibw_probe/ instead of sageattn3/ (``SAGEATTN3_CIBW_PROBE``,
-passed into the container like SAGEATTN3_FOREIGN_TORCH_DIR; see ci.release.cibw's probe section): a
-one-file C extension, so the same hooks run in minutes, without CUDA or torch.
+``--payload-dir DIR`` runs another payload project's stages instead of the factory's on
+sageattn3/: DIR, inside the repository (cibuildwheel copies the repository into its container),
+holds a ``cibw_stages.py`` (``SAGEATTN3_CIBW_PAYLOAD``, passed into the container like
+SAGEATTN3_FOREIGN_TORCH_DIR; see ci.release.cibw's Stages). tests/cibw_probe/ is one: a one-file
+C extension, so the same hooks run in minutes, without CUDA or torch (and no stand-in torch is
+stocked for it).
 """
 
 from __future__ import annotations
@@ -172,7 +175,9 @@ def job_environment(target_id: str, *, image: str, pytorch_index: str, cache_hos
                     foreign_dir: str = "cpu", payload_dir: Path | None = None,
                     jobs: int | None = None, verify_pythons: list[str] | None = None) -> dict[str, str]:
     """The environment cibuildwheel runs with: this machine's, the job's exports (``python -m
-    ci.release.cibw env``) as build-target.yml writes them, and the replacements in the module's doc."""
+    ci.release.cibw env``) as build-target.yml writes them, and the replacements in the module's doc.
+    ``payload_dir``: a payload project inside the repository whose ``cibw_stages.py`` the hooks
+    run instead of the factory's stages (``$SAGEATTN3_CIBW_PAYLOAD``, relative to the repository)."""
     from ci.release import cibw, cibw_job
     from ci.release.workflow_lint import workflow_tools_dir
     from ci.toolchain.targets import Matrix
@@ -193,7 +198,7 @@ def job_environment(target_id: str, *, image: str, pytorch_index: str, cache_hos
         "CIBW_CONTAINER_ENGINE": CONTAINER_ENGINE,
         "CIBW_DEPENDENCY_VERSIONS": "latest",
         "PYTHONPATH": str(workflow_tools_dir()),
-        "CIBW_ENVIRONMENT_PASS_LINUX": " ".join([*passed, "SAGEATTN3_FOREIGN_TORCH_DIR", cibw.PROBE_ENV]),
+        "CIBW_ENVIRONMENT_PASS_LINUX": " ".join([*passed, "SAGEATTN3_FOREIGN_TORCH_DIR", cibw.PAYLOAD_ENV]),
         "SAGEATTN3_FOREIGN_TORCH_DIR": foreign_dir,
         "SAGEATTN3_CI_CLEANUP": "0",
     })
@@ -201,10 +206,24 @@ def job_environment(target_id: str, *, image: str, pytorch_index: str, cache_hos
         env["SAGEATTN3_VERIFY_PYTHONS"] = " ".join(verify_pythons)
     else:
         env.pop("SAGEATTN3_VERIFY_PYTHONS", None)
-    env.pop(cibw.PROBE_ENV, None)
+    env.pop(cibw.PAYLOAD_ENV, None)
     if payload_dir is not None:
-        env[cibw.PROBE_ENV] = payload_dir.resolve().relative_to(REPO).as_posix()
+        env[cibw.PAYLOAD_ENV] = payload_relative(payload_dir)
     return env
+
+
+def payload_relative(payload_dir: Path) -> str:
+    """``payload_dir`` as ``$SAGEATTN3_CIBW_PAYLOAD`` names it: relative to the repository, which
+    cibuildwheel copies into its container; it must hold a ``cibw_stages.py``."""
+    from ci.release import cibw
+
+    path = Path(payload_dir).resolve()
+    if not path.is_relative_to(REPO):
+        raise LocalCibwError(f"{payload_dir}: a payload project must lie inside the repository ({REPO}), "
+                             "the folder cibuildwheel copies into its container")
+    if not (path / cibw.STAGES_FILE).is_file():
+        raise LocalCibwError(f"{payload_dir}: no {cibw.STAGES_FILE} (the stages the hooks run for it)")
+    return path.relative_to(REPO).as_posix()
 
 
 def run_cibuildwheel(target_id: str, output_dir: Path, *, payload_dir: Path | None = None,
@@ -220,6 +239,8 @@ def run_cibuildwheel(target_id: str, output_dir: Path, *, payload_dir: Path | No
     from ci.release.standin_image import build_image
     from ci.toolchain.tools import cache_root
 
+    if payload_dir is not None:
+        payload_relative(payload_dir)  # before minutes of image and stand-in work
     image = build_image(log=log)
     seed_virtualenv_pyz(log=log)
     output_dir.mkdir(parents=True, exist_ok=True)
