@@ -143,7 +143,8 @@ def cibuildwheel(session: nox.Session) -> None:
     """The pinned cibuildwheel, for real, with ci/cibuildwheel.toml on a Linux target: podman
     (Debian's; installed when missing, as root) and a manylinux stand-in image built here
     (ci/release/standin_image/). `-- --target ID` (default: the host's stable-ABI target),
-    `-- --payload probe` (a one-file extension through the same hooks, in minutes)."""
+    `-- --payload-dir tests/cibw_probe` (a one-file extension through the same hooks, with its
+    own stages from tests/cibw_probe/cibw_stages.py, in minutes)."""
     _factory(session)
     session.run("python", "-m", "ci.release.cibw_local", *session.posargs)
 
@@ -156,21 +157,30 @@ def _has_gpu() -> bool:
     return bool(smi) and subprocess.run([smi, "-L"], capture_output=True).returncode == 0
 
 
+def _option(args: list[str], name: str) -> str | None:
+    """The value of ``name VALUE`` or ``name=VALUE`` among a session's arguments (the last one)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
 @nox.session(name="bench-kernels")
 def bench_kernels(session: nox.Session) -> None:
     """Registers, shared memory and spills per kernel for sm_120a/sm_121a/sm_90a-model (CPU:
     compiles the sources; `-- --wheel W.whl` reads a wheel's cubins instead); with a GPU, also
-    tests/bench/bench_kernels.py against the wheel named by SAGEATTN3_BENCH_WHEEL (installed
-    here with torch), or whatever sageattn3 this session already has."""
+    tests/bench/bench_kernels.py against that wheel (installed here with torch), or whatever
+    sageattn3 this session already has."""
     _factory(session)
     session.run("python", "-m", "ci.checks.kernel_report", *session.posargs)
     if not _has_gpu():
         session.log("no GPU: kernel benchmark skipped")
         return
     session.install("torch", "numpy")
-    import os
-
-    wheel = os.environ.get("SAGEATTN3_BENCH_WHEEL")
+    wheel = _option(session.posargs, "--wheel")
     if wheel:
         session.install("--no-deps", "--force-reinstall", wheel)
     session.run("python", "tests/bench/bench_kernels.py")

@@ -5,6 +5,7 @@ and aarch64 as well as Linux x86_64."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -243,15 +244,16 @@ def test_build_python_follows_the_shim(monkeypatch):
     import sys
 
     from ci.stages.build import BuildError
+    from ci.runtime.env import FactoryEnv
     from ci.stages.resolve import build_python
 
     t = BY_ID["linux-x86_64-cu130-torch2.10-stable"]  # floor 3.10
     here = "%d.%d" % sys.version_info[:2]
     monkeypatch.setenv("SAGEATTN3_BUILD_PYTHON", here)
-    assert build_python(t) == here
+    assert build_python(t, FactoryEnv.from_environ()) == here
     monkeypatch.setenv("SAGEATTN3_BUILD_PYTHON", "3.9")
     with pytest.raises(BuildError, match="older than the target's Python 3.10"):
-        build_python(t)
+        build_python(t, FactoryEnv.from_environ())
 
 
 def _serve(handler_cls):
@@ -416,3 +418,49 @@ def test_verify_takes_the_interpreter_cibuildwheel_tests_with(tmp_path, monkeypa
     if here != "3.9":
         with pytest.raises(runner_setup.CibwError, match=f"is Python {here}, but linux-x86_64-cu128-torch2.8 verifies in 3.9"):
             cibw.verify_wheel(tmp_path / "x.whl", python_exe=str(vpy), log=lambda m: None)
+
+
+# -- the stages the hooks run -------------------------------------------------------------
+
+def test_the_hooks_run_the_stages_a_payload_projects_cibw_stages_py_defines(tmp_path, monkeypatch):
+    """$SAGEATTN3_CIBW_PAYLOAD names a project whose cibw_stages.py (loaded by its path) replaces
+    the factory's stages; each hook finds the target and hands its arguments over."""
+    from ci.release import cibw
+
+    monkeypatch.delenv(cibw.PAYLOAD_ENV, raising=False)
+    assert cibw.stages() is cibw.FACTORY_STAGES
+    assert cibw.FACTORY_STAGES.build is cibw.build_sageattn3 and cibw.FACTORY_STAGES.verify is cibw.verify_sageattn3
+    (tmp_path / cibw.STAGES_FILE).write_text(
+        "import dataclasses\nfrom ci.release.cibw import FACTORY_STAGES\nCALLS = []\n"
+        "def build(matrix, target, wheel_dir, log):\n    CALLS.append(('build', target.id, wheel_dir)); return wheel_dir / 'w.whl'\n"
+        "def repair(target, wheel, dest_dir, log):\n    CALLS.append(('repair', wheel.name)); return dest_dir / wheel.name\n"
+        "def verify(matrix, target, wheel, pythons, python_exe, log):\n    CALLS.append(('verify', pythons, python_exe))\n"
+        "STAGES = dataclasses.replace(FACTORY_STAGES, build=build, repair=repair, verify=verify)\n")
+    monkeypatch.setenv(cibw.PAYLOAD_ENV, str(tmp_path))
+    monkeypatch.setenv("SAGEATTN3_TARGET", "linux-x86_64-cu128-torch2.8")
+    monkeypatch.delenv("SAGEATTN3_VERIFY_PYTHONS", raising=False)
+    got = cibw.stages()
+    assert got is not cibw.FACTORY_STAGES and got.install_cuda is cibw.FACTORY_STAGES.install_cuda
+    assert cibw.build_into(tmp_path / "out") == tmp_path / "out" / "w.whl"
+    assert cibw.repair_into(tmp_path / "x.whl", tmp_path / "dest") == tmp_path / "dest" / "x.whl"
+    cibw.verify_wheel(tmp_path / "x.whl", python_exe="python3.9")
+    calls = sys.modules[got.build.__module__].CALLS
+    assert calls == [("build", "linux-x86_64-cu128-torch2.8", tmp_path / "out"), ("repair", "x.whl"),
+                     ("verify", ["3.9"], "python3.9")]
+
+
+def test_a_payload_project_without_its_stages_is_an_error(tmp_path, monkeypatch):
+    from ci.release import cibw, cibw_local
+    from ci.release.runner_setup import CibwError
+
+    monkeypatch.setenv(cibw.PAYLOAD_ENV, str(tmp_path))
+    with pytest.raises(CibwError, match=f"no {cibw.STAGES_FILE} at"):
+        cibw.stages()
+    (tmp_path / cibw.STAGES_FILE).write_text("STAGES = 'the factory'\n")
+    with pytest.raises(CibwError, match="STAGES is str, not a ci.release.cibw.Stages"):
+        cibw.stages()
+    with pytest.raises(cibw_local.LocalCibwError, match="must lie inside the repository"):
+        cibw_local.payload_relative(tmp_path)
+    assert cibw_local.payload_relative(Path(__file__).parent / "cibw_probe") == "tests/cibw_probe"
+    monkeypatch.setenv(cibw.PAYLOAD_ENV, "tests/cibw_probe")  # the probe's, as tests/test_cibw_local.py runs them
+    assert isinstance(probe := cibw.stages(), cibw.Stages) and probe.build.__module__ == "sageattn3_cibw_stages"

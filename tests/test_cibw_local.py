@@ -1,7 +1,8 @@
 """Real cibuildwheel (the release's pin) with the real ci/cibuildwheel.toml, in podman, on the
-probe payload (tests/cibw_probe): before-all, the build through the shim, the
-repair-wheel-command, cibuildwheel's abi3 audit and the test-command with the toml's
-test-environment all run in the container, each calling ci/release/cibw/__main__.py as a release job does.
+probe payload (tests/cibw_probe, with its own stages from tests/cibw_probe/cibw_stages.py, named
+by $SAGEATTN3_CIBW_PAYLOAD): before-all, the build through the shim, the repair-wheel-command,
+cibuildwheel's abi3 audit and the test-command with the toml's test-environment all run in the
+container, each calling ci/release/cibw/__main__.py as a release job does.
 Part of `nox -s tests`: the first run installs podman, runc and debootstrap (Debian, as root)
 and builds the stand-in image (minutes; podman keeps it); later runs take about a minute."""
 
@@ -81,6 +82,6 @@ def test_the_job_environment_is_the_release_jobs_plus_only_the_stand_ins(probe_r
     assert "--runtime=runc" in env["CIBW_CONTAINER_ENGINE"] and "--network=host" in env["CIBW_CONTAINER_ENGINE"]
     passed = env["CIBW_ENVIRONMENT_PASS_LINUX"].split()
     assert passed[:3] == ["SAGEATTN3_TARGET", "SAGEATTN3_PYTORCH_INDEX", "SAGEATTN3_CACHE_HOST"]
-    assert passed[-2:] == ["SAGEATTN3_FOREIGN_TORCH_DIR", cibw.PROBE_ENV] and env[cibw.PROBE_ENV] == "tests/cibw_probe"
+    assert passed[-2:] == ["SAGEATTN3_FOREIGN_TORCH_DIR", cibw.PAYLOAD_ENV] and env[cibw.PAYLOAD_ENV] == "tests/cibw_probe"
     assert run.command[1:] == ["-m", "cibuildwheel", "--config-file", "ci/cibuildwheel.toml", "--output-dir",
                                str(run.output_dir / "wheelhouse"), "ci/release/cibw_project"]

@@ -63,6 +63,17 @@ def test_the_checker_leaves_other_code_alone():
                             "y = FactoryEnv.from_environ().ci\nenviron = {}\n") == []
 
 
+def test_the_stages_read_the_settings_frozen_with_the_toolchain():
+    """The build, repair, tag and verify stages get the settings the toolchain was resolved with
+    (ResolvedToolchain.settings): in ci/stages/ only the resolver reads the environment."""
+    readers = {}
+    for path in sorted((CI / "stages").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr == "from_environ":
+                readers.setdefault(path.name, []).append(node.lineno)
+    assert set(readers) == {"resolve.py"} and len(readers["resolve.py"]) == 1, readers
+
+
 def test_the_docs_table_is_the_generated_one():
     text = (REPO / "docs" / "factory.md").read_text(encoding="utf-8")
     assert generated_block(text, DOC_BLOCK) == environment_table(), \

@@ -50,6 +50,25 @@ def test_each_error_class_is_an_input_error_or_a_failure_and_keeps_its_old_base(
     assert issubclass(ReleaseInputError, ReleaseError) and issubclass(PublishInputError, PublishError)
 
 
+def test_a_failed_child_command_is_a_factory_failure_with_its_stderr(capsys):
+    """A child command whose output the toolchain reads (ci.toolchain.tools.base._output) that fails ends a command line with exit status 1
+    and its stderr's last lines, not a traceback; code catching CalledProcessError still does."""
+    import subprocess
+    import sys
+
+    from ci.toolchain.tools import CommandFailed
+    from ci.toolchain.tools.base import _output
+
+    def fn():
+        _output([sys.executable, "-c", "import sys; sys.stderr.write('torch is broken here\\n'); sys.exit(3)"])
+        return 0
+
+    assert errors.run_main(fn) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: Command ") and "returned non-zero exit status 3" in err and "torch is broken here" in err
+    assert issubclass(CommandFailed, subprocess.CalledProcessError) and not issubclass(CommandFailed, errors.InputError)
+
+
 # -- each command line's bad input, through the shared runner (nothing is built or fetched) ----------
 
 BAD_INPUT = [

@@ -168,13 +168,18 @@ def test_nox_sessions_do_not_say_uv_binary_not_found(tmp_path):
 
 def test_the_index_a_record_names(tmp_path, monkeypatch):
     """Local builds point at the index they wrote; the release pipeline's at the Pages site of
-    its repository; SAGEATTN3_INDEX_URL overrides both."""
+    its repository; SAGEATTN3_INDEX_URL overrides both. The settings are the toolchain's,
+    frozen when it was resolved: a change to the environment afterwards reaches no build."""
+    from ci.runtime.env import FactoryEnv
     from ci.stages.build import record_index_url
 
-    monkeypatch.delenv("SAGEATTN3_INDEX_URL", raising=False)
-    monkeypatch.delenv("GITHUB_REPOSITORY", raising=False)
-    assert record_index_url(tmp_path / "dist") == (tmp_path / "dist" / "index").as_uri() + "/"
-    monkeypatch.setenv("GITHUB_REPOSITORY", "SomeOrg/sageattn3-wheels")
-    assert record_index_url(tmp_path / "dist") == "https://someorg.github.io/sageattn3-wheels/"
-    monkeypatch.setenv("SAGEATTN3_INDEX_URL", "https://wheels.example.org/sa3")
-    assert record_index_url(tmp_path / "dist") == "https://wheels.example.org/sa3/"
+    def url(**environ):
+        return record_index_url(tmp_path / "dist", FactoryEnv.from_environ(environ))
+
+    assert url() == (tmp_path / "dist" / "index").as_uri() + "/"
+    assert url(GITHUB_REPOSITORY="SomeOrg/sageattn3-wheels") == "https://someorg.github.io/sageattn3-wheels/"
+    assert url(GITHUB_REPOSITORY="SomeOrg/sageattn3-wheels",
+               SAGEATTN3_INDEX_URL="https://wheels.example.org/sa3") == "https://wheels.example.org/sa3/"
+    frozen = FactoryEnv.from_environ({"SAGEATTN3_INDEX_URL": "https://wheels.example.org/sa3"})
+    monkeypatch.setenv("SAGEATTN3_INDEX_URL", "https://elsewhere.example.org/")
+    assert record_index_url(tmp_path / "dist", frozen) == "https://wheels.example.org/sa3/"

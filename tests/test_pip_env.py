@@ -88,8 +88,6 @@ def test_a_torch_environment_made_under_hostile_pip_settings_imports_torch(tmp_p
 # Functions that run pip on purpose with the caller's settings: what `pip install torch` gives
 # this user (the default target), and emptying the caller's own pip cache.
 CALLER_PIP = {("resolve.py", "torch_pip_would_install"), ("runner_setup.py", "cleanup_after_build"),
-              # cibuildwheel's own test venv, with the toml's test-environment on purpose
-              ("cibw_rehearsal.py", "test"),
               # reads the configuration files themselves
               ("pip_env.py", "configured_settings")}
 FACTORY_ENV = ("pip_environ", "run_pip")

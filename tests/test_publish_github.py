@@ -29,6 +29,7 @@ from ci.release.publish.pages import PagesOptions, publish_pages
 from ci.stages.record import load_records
 from conftest_publish import REPO, sage_wheel, serve_dir
 from ci.release.github_standin import GitHubStandin
+from github_faults import FaultyGitHub
 
 pytestmark = pytest.mark.timeout(180)  # pytest-timeout (ci/requirements-test.txt)
 
@@ -40,7 +41,7 @@ FAST = RetryPolicy(attempts=5, backoff=0.01, max_backoff=0.05, max_wait=5)
 
 @pytest.fixture
 def gh():
-    with GitHubStandin(TOKEN) as server:
+    with FaultyGitHub(TOKEN) as server:
         server.add_repo(FULL)
         yield server
 

@@ -18,7 +18,7 @@ import pytest
 from ci.release.publish import PublishError, RetryPolicy, publish_release
 from ci.release.publish._net import retrying
 from conftest_publish import sage_wheel
-from ci.release.github_standin import GitHubStandin
+from github_faults import FaultyGitHub
 from test_publish_github import FULL, TOKEN, assert_complete, opts
 
 pytestmark = pytest.mark.timeout(180)
@@ -60,7 +60,7 @@ def test_the_eight_wheel_harsh_fault_publish_converges_with_the_defaults(tmp_pat
     wheels = _eight_wheels(tmp_path)
     clock = VirtualClock()
     uploads = r"^/api/uploads/"
-    with GitHubStandin(TOKEN) as gh:
+    with FaultyGitHub(TOKEN) as gh:
         gh.add_repo(FULL)
         gh.inject("403", "POST", uploads, times=12, retry_after=60)          # secondary limits
         gh.inject("ratelimit", None, None, times=8, retry_after=240)         # primary limit spent
@@ -111,7 +111,7 @@ def test_the_cli_waits_out_a_primary_rate_limit_reset(tmp_path):
 
     wheels = tmp_path / "wheels"
     sage_wheel(wheels, "cu130.torch2.10.stable")
-    with GitHubStandin(TOKEN) as gh:
+    with FaultyGitHub(TOKEN) as gh:
         gh.add_repo(FULL)
         env = {**os.environ, "GITHUB_TOKEN": TOKEN}
         cmd = [sys.executable, "-m", "ci.release.publish", "github", "--tag", "v1.0.0", "--repo", FULL, "--api-url", gh.api_url,

@@ -23,6 +23,7 @@ from ci.release.publish.github import SUMS, parse_sums
 from ci.release.publish.replace import RETIRED, TEMP
 from conftest_publish import sage_wheel
 from ci.release.github_standin import GitHubStandin
+from github_faults import FaultyGitHub
 from test_publish_github import FULL, TOKEN, VARIANTS, assert_complete, opts
 
 pytestmark = pytest.mark.timeout(180)
@@ -78,7 +79,7 @@ def test_a_replacement_stopped_after_any_write_keeps_old_or_new_bytes_and_a_reru
     wheels = tmp_path / "wheels"
     for v in VARIANTS:
         sage_wheel(wheels, v, payload=os.urandom(2048))
-    with GitHubStandin(TOKEN) as gh:
+    with FaultyGitHub(TOKEN) as gh:
         gh.add_repo(FULL)
         publish_release(opts(gh, wheels), TOKEN, log=lambda m: None)
         old = _files(gh)

@@ -26,6 +26,7 @@ import pytest
 from ci.stages.build import REPO, build_config
 from ci.stages.resolve import resolve_toolchain
 from ci.payload.interface import PAYLOAD
+from ci.runtime.env import FactoryEnv
 from ci.stages.repair import repair
 from ci.toolchain.targets import Matrix
 from ci.toolchain.tools import cache_root, cuobjdump
@@ -66,7 +67,8 @@ def two_builds(tmp_path_factory):
     # and what ships: each repaired by auditwheel (which re-zips it), a moment apart
     repaired = []
     for wheel in wheels:
-        repaired.append(repair(wheel, wheel.parent.parent / "repaired", "linux", log=lambda *_: None))
+        repaired.append(repair(wheel, wheel.parent.parent / "repaired", "linux", settings=FactoryEnv.from_environ(),
+                               log=lambda *_: None))
         time.sleep(2)
     return tmp, tc, checkouts, wheels, repaired, text
 
@@ -150,9 +152,9 @@ def test_repairing_the_same_raw_wheel_twice_gives_the_same_bytes(tmp_path, monke
     one setup.py uses) the zip times are fixed, so what ships is as reproducible as the build."""
     monkeypatch.delenv("SOURCE_DATE_EPOCH", raising=False)  # the factory's own default, as in a release
     raw = _tiny_raw_wheel(tmp_path)
-    first = repair(raw, tmp_path / "r1", "linux", log=lambda *_: None)
+    first = repair(raw, tmp_path / "r1", "linux", settings=FactoryEnv.from_environ(), log=lambda *_: None)
     time.sleep(2.5)  # zip times have 2-second steps: a re-zip that reads the clock would differ
-    second = repair(raw, tmp_path / "r2", "linux", log=lambda *_: None)
+    second = repair(raw, tmp_path / "r2", "linux", settings=FactoryEnv.from_environ(), log=lambda *_: None)
     assert first.name == second.name and "manylinux" in first.name
     assert hashlib.sha256(first.read_bytes()).digest() == hashlib.sha256(second.read_bytes()).digest(), \
         differences(first, second)

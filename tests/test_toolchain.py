@@ -179,6 +179,26 @@ def test_a_cached_environment_gets_a_raised_floor_in_place(tmp_path):
     assert subprocess.run([py, "-c", "import setuptools"], capture_output=True).returncode != 0
 
 
+def test_a_cached_environment_whose_interpreter_is_gone_is_made_again(tmp_path):
+    """An environment made elsewhere (in cibuildwheel's container, whose /opt/python this machine
+    lacks, or by a Python since removed) links to a missing interpreter: not usable, so the
+    cache makes it again instead of failing on it."""
+    import sys
+
+    from ci.toolchain.resolved import venv_python
+    from ci.toolchain.tools.build_env import is_complete
+
+    root = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    assert not is_complete(root)  # not filled to the end
+    (root / ".complete").write_text('["2.14.1+cu130", "13.0"]')
+    assert is_complete(root)
+    python = venv_python(root)
+    python.unlink()
+    python.symlink_to(tmp_path / "gone" / "python3.10")
+    assert not is_complete(root)
+
+
 def test_a_failing_child_command_shows_the_tail_of_its_stderr(tmp_path):
     """What verify prints for a broken torch environment: the child's own error, not only
     `CalledProcessError ... import torch` (ci.toolchain.tools.base._output)."""

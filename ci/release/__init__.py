@@ -21,8 +21,8 @@ The Release is uploaded as a draft and published only once complete, and the ind
 updated in one commit after that, so a user never sees a half-updated release or index.
 
 ``python -m ci.release dry-run`` (``nox -s release -- --dry-run``) runs the same steps for the
-targets this machine can build, each job's cibuildwheel hooks as the pinned cibuildwheel
-resolves them from ci/cibuildwheel.toml (ci/release/cibw_rehearsal.py), and publishes to a local
+targets this machine can build, each job run by the pinned cibuildwheel itself in a stand-in
+manylinux container (ci/release/cibw_local), and publishes to a local
 server speaking GitHub's REST contract (ci/release/github_standin.py).
 
 One module per concern:

@@ -139,7 +139,7 @@ DELVEWHEEL = "delvewheel==1.13.2"
 
 # -- cibuildwheel's own option resolution ----------------------------------------------------
 
-class RehearsalError(FactoryError, RuntimeError):
+class CibwOptionsError(FactoryError, RuntimeError):
     pass
 
 
@@ -158,7 +158,7 @@ def cibuildwheel_modules():
     from cibuildwheel.util import helpers
 
     if cibuildwheel.__version__ != pin:
-        raise RehearsalError(f"cibuildwheel {cibuildwheel.__version__} was imported "
+        raise CibwOptionsError(f"cibuildwheel {cibuildwheel.__version__} was imported "
                              f"({cibuildwheel.__file__}), the release pins {pin}")
     return options, helpers, frontend
 
@@ -179,16 +179,6 @@ class ResolvedJob:
         value = getattr(self.options, key)
         return helpers.prepare_command(value, **placeholders) if value else None
 
-    def build_flags(self) -> list[str]:
-        """The frontend's extra flags (build-frontend args, config-settings, build-verbosity)."""
-        _, helpers, frontend = cibuildwheel_modules()
-        o = self.options
-        if o.build_frontend.name != "pip":
-            raise RehearsalError(f"the rehearsal runs pip's build (`pip wheel`); {self.config_file} asks for "
-                                 f"build-frontend {o.build_frontend.name!r}")
-        settings = helpers.prepare_command(o.config_settings, project=str(REPO), package=str(o.package_dir))
-        return frontend.get_build_frontend_extra_flags(o.build_frontend, o.build_verbosity, settings)
-
 
 def resolve(target: Target, job_environ: dict[str, str], *, config_file: Path | None = None,
             package_dir: Path | None = None) -> ResolvedJob:
@@ -201,7 +191,7 @@ def resolve(target: Target, job_environ: dict[str, str], *, config_file: Path | 
     package_dir = Path(package_dir or PACKAGE_DIR)
     platform = job_environ.get("CIBW_PLATFORM")
     if platform != CIBW_PLATFORM[target.os.platform]:
-        raise RehearsalError(f"{target.id}: the job's CIBW_PLATFORM is {platform!r}, not "
+        raise CibwOptionsError(f"{target.id}: the job's CIBW_PLATFORM is {platform!r}, not "
                              f"{CIBW_PLATFORM[target.os.platform]!r} (python -m ci.release.cibw env --target {target.id})")
     args = options.CommandLineArguments.defaults()
     args.platform = platform
@@ -215,7 +205,7 @@ def resolve(target: Target, job_environ: dict[str, str], *, config_file: Path | 
                                                                                          g.architectures)]
     want = identifier(target)
     if ids != [want]:
-        raise RehearsalError(f"{target.id}: cibuildwheel selects {ids} with {config_file.name} and the job's "
+        raise CibwOptionsError(f"{target.id}: cibuildwheel selects {ids} with {config_file.name} and the job's "
                              f"environment, the target is the one build {want}")
     return ResolvedJob(target, want, opts.build_options(want), config_file)
 

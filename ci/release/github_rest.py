@@ -17,14 +17,11 @@ database, pagination):
   object ids for blobs;
 - authentication: ``Authorization: token|Bearer <token>`` must match, else 401.
 
-Faults are injected per request (``inject``): ``500``/``502``/``503``, ``403`` and ``429``
-with ``Retry-After``, ``drop`` (close without answering, nothing applied), ``drop_after``
-(apply, then close without answering: the client cannot know it worked), ``partial`` (an
-upload that leaves a ``starter`` asset behind, then drops), ``slow`` (answer late), ``ratelimit`` (the primary limit spent: 403 with ``X-RateLimit-Remaining: 0``
-and ``X-RateLimit-Reset`` ``retry_after`` seconds ahead, no ``Retry-After``). Every request is
-counted (``requests``). ``halt_after(n)`` stops the server as a crash would, once ``n`` more
-mutating requests have been applied: every later request is dropped unanswered until
-``resume()``."""
+Every request is counted (``requests``). A subclass of the server changes what it does through
+three hooks (ci.release.github_standin): ``before_request`` (every request, before
+authentication and routing), ``after_write`` (a request that changed the state, before its
+answer) and ``upload_asset`` (what an upload stores). A hook answers through the handler:
+``send``, ``error``, or ``record`` for a request it leaves unanswered."""
 
 from __future__ import annotations
 
@@ -47,21 +44,6 @@ def _now() -> str:
 
 def git_blob_sha(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-@dataclass
-class Fault:
-    kind: str
-    method: str | None = None
-    path_re: str | None = None
-    times: int = 1
-    retry_after: int = 1
-    delay: float = 0.0
-    hits: int = 0
-
-    def matches(self, method: str, path: str) -> bool:
-        return (self.times > 0 and (self.method is None or self.method == method)
-                and (self.path_re is None or re.search(self.path_re, path) is not None))
 
 
 @dataclass
@@ -90,14 +72,15 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *a) -> None:
         pass
 
-    # -- plumbing ------------------------------------------------------------------------
+    # -- plumbing (send, error, record: what the server's hooks answer with) -------------
     def _body(self) -> bytes:
         n = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(n) if n else b""
 
-    def _send(self, status: int, payload=None, headers: dict[str, str] | None = None, raw: bytes | None = None) -> None:
+    def send(self, status: int, payload=None, headers: dict[str, str] | None = None, raw: bytes | None = None) -> None:
+        """Answer: ``payload`` as JSON (or ``raw`` bytes), with ``headers``; the request recorded first."""
         data = raw if raw is not None else (b"" if payload is None else json.dumps(payload).encode())
-        self._log(status)  # before answering: a client that got its answer finds it counted
+        self.record(status)  # before answering: a client that got its answer finds it counted
         self.send_response(status)
         if raw is None and payload is not None:
             self.send_header("Content-Type", "application/json; charset=utf-8")
@@ -109,24 +92,17 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
         self._status = status
 
-    def _error(self, status: int, message: str, **extra) -> None:
-        self._send(status, {"message": message, "documentation_url": "https://docs.github.com/rest", **extra})
+    def error(self, status: int, message: str, **extra) -> None:
+        """Answer with GitHub's error body."""
+        self.send(status, {"message": message, "documentation_url": "https://docs.github.com/rest", **extra})
 
-    def _log(self, status: int) -> None:
+    def record(self, status: int) -> None:
+        """Count the request in ``requests`` with ``status`` (0: left unanswered), once."""
         if not self._logged:
             self._logged = True
             with self.gh.lock:
                 self.gh.requests.append(Logged(self.command, urllib.parse.urlsplit(self.path).path, status,
                                                self.headers.get("Authorization")))
-
-    def _drop(self) -> None:
-        self._log(0)
-        self.close_connection = True
-        self._status = 0
-        try:
-            self.connection.shutdown(2)
-        except OSError:
-            pass
 
     def _handle(self) -> None:
         gh = self.gh
@@ -135,51 +111,24 @@ class _Handler(BaseHTTPRequestHandler):
         parsed = urllib.parse.urlsplit(self.path)
         path, query = parsed.path, urllib.parse.parse_qs(parsed.query)
         auth = self.headers.get("Authorization")
-        fault = None
-        with gh.lock:
-            for f in gh.faults:
-                if f.matches(self.command, self.path):  # path and query
-                    f.times -= 1
-                    f.hits += 1
-                    fault = f
-                    break
         body = self._body()
-        with gh.lock:
-            halted = gh.writes_left is not None and gh.writes_left <= 0
-            if not halted and gh.writes_left is not None and self.command in ("POST", "PATCH", "DELETE", "PUT"):
-                gh.writes_left -= 1
-        if halted:
-            return self._drop()
         try:
-            if fault and fault.kind == "slow":
-                time.sleep(fault.delay)
-            if fault and fault.kind in ("500", "502", "503"):
-                return self._error(int(fault.kind), "Server Error")
-            if fault and fault.kind == "403":
-                return self._send(403, {"message": "You have exceeded a secondary rate limit. Please wait a few minutes before you try again."},
-                                  {"Retry-After": str(fault.retry_after)})
-            if fault and fault.kind == "ratelimit":
-                return self._send(403, {"message": "API rate limit exceeded for installation."},
-                                  {"X-RateLimit-Limit": "1000", "X-RateLimit-Remaining": "0",
-                                   "X-RateLimit-Reset": str(int(time.time()) + fault.retry_after)})
-            if fault and fault.kind == "429":
-                return self._send(429, {"message": "Too Many Requests"}, {"Retry-After": str(fault.retry_after)})
-            if fault and fault.kind == "drop":
-                return self._drop()
+            if gh.before_request(self, self.command, self.path):  # path and query
+                return
             if not path.startswith("/download/"):
                 token = (auth or "").split(" ", 1)[-1]
                 if not auth or token != gh.token:
-                    return self._error(401, "Bad credentials")
-            self._route(path, query, body, fault)
+                    return self.error(401, "Bad credentials")
+            self._route(path, query, body)
         finally:
-            self._log(self._status)
+            self.record(self._status)
 
     do_GET = do_POST = do_PATCH = do_DELETE = do_PUT = do_HEAD = _handle
 
-    def _after(self, fault: Fault | None, status: int, payload=None, headers=None) -> None:
-        if fault and fault.kind == "drop_after":
-            return self._drop()
-        self._send(status, payload, headers)
+    def _applied(self, status: int, payload=None, headers=None) -> None:
+        """The answer to a request that changed the state, unless ``after_write`` gave it."""
+        if not self.gh.after_write(self, status, payload, headers):
+            self.send(status, payload, headers)
 
     def _paginate(self, items: list, query: dict, base: str) -> None:
         per_page = min(int(query.get("per_page", ["30"])[0]), self.gh.per_page_max)
@@ -192,26 +141,26 @@ class _Handler(BaseHTTPRequestHandler):
             links += [f'{url(page + 1)}; rel="next"', f'{url(last)}; rel="last"']
         if page > 1:
             links += [f'{url(1)}; rel="first"', f'{url(page - 1)}; rel="prev"']
-        self._send(200, chunk, {"Link": ", ".join(links)} if links else None)
+        self.send(200, chunk, {"Link": ", ".join(links)} if links else None)
 
     # -- routes --------------------------------------------------------------------------
-    def _route(self, path: str, query: dict, body: bytes, fault: Fault | None) -> None:
+    def _route(self, path: str, query: dict, body: bytes) -> None:
         gh = self.gh
         m = re.match(r"^/download/(\d+)/", path)
         if m:
             with gh.lock:
                 a = next((a for r in gh.repos.values() for a in r.assets.values() if a["id"] == int(m[1])), None)
             if not a:
-                return self._error(404, "Not Found")
-            return self._send(200, raw=a["_data"], headers={"Content-Type": "application/octet-stream"})
+                return self.error(404, "Not Found")
+            return self.send(200, raw=a["_data"], headers={"Content-Type": "application/octet-stream"})
         m = re.match(r"^/api/(v3|uploads)/repos/([^/]+)/([^/]+)(/.*)?$", path)
         if not m:
-            return self._error(404, "Not Found")
+            return self.error(404, "Not Found")
         full = f"{m[2]}/{m[3]}"
         with gh.lock:
             repo = gh.repos.get(full)
         if repo is None:
-            return self._error(404, "Not Found")
+            return self.error(404, "Not Found")
         rest = m[4] or ""
         base = f"/api/v3/repos/{full}"
         v = self.command
@@ -219,40 +168,40 @@ class _Handler(BaseHTTPRequestHandler):
             if m[1] == "uploads":
                 mm = re.match(r"^/releases/(\d+)/assets$", rest)
                 if v != "POST" or not mm:
-                    return self._error(404, "Not Found")
-                return self._upload(repo, int(mm[1]), query, body, fault)
+                    return self.error(404, "Not Found")
+                return self._upload(repo, int(mm[1]), query, body)
             if rest == "" and v == "GET":
-                return self._send(200, {"id": 1, "name": repo.name, "full_name": full, "owner": {"login": repo.owner},
-                                        "url": f"{gh.api_url}/repos/{full}", "default_branch": "main", "private": False})
+                return self.send(200, {"id": 1, "name": repo.name, "full_name": full, "owner": {"login": repo.owner},
+                                       "url": f"{gh.api_url}/repos/{full}", "default_branch": "main", "private": False})
             if rest == "/releases" and v == "GET":
                 rels = sorted(repo.releases.values(), key=lambda r: r["id"], reverse=True)
                 return self._paginate([gh._release_json(repo, r) for r in rels], query, base + "/releases")
             if rest == "/releases" and v == "POST":
-                return self._create_release(repo, body, fault)
+                return self._create_release(repo, body)
             mm = re.match(r"^/releases/tags/(.+)$", rest)
             if mm and v == "GET":
                 tag = urllib.parse.unquote(mm[1])
                 rel = next((r for r in repo.releases.values() if r["tag_name"] == tag and not r["draft"]), None)
-                return self._send(200, gh._release_json(repo, rel)) if rel else self._error(404, "Not Found")
+                return self.send(200, gh._release_json(repo, rel)) if rel else self.error(404, "Not Found")
             mm = re.match(r"^/releases/assets/(\d+)$", rest)
             if mm:
-                return self._asset(repo, int(mm[1]), body, fault)
+                return self._asset(repo, int(mm[1]), body)
             mm = re.match(r"^/releases/(\d+)(/assets)?$", rest)
             if mm:
-                return self._release(repo, int(mm[1]), bool(mm[2]), query, body, base, fault)
+                return self._release(repo, int(mm[1]), bool(mm[2]), query, body, base)
             if rest.startswith("/git/"):
-                return self._git(repo, rest[len("/git"):], query, body, fault)
-        return self._error(404, "Not Found")
+                return self._git(repo, rest[len("/git"):], query, body)
+        return self.error(404, "Not Found")
 
-    def _create_release(self, repo: Repo, body: bytes, fault: Fault | None) -> None:
+    def _create_release(self, repo: Repo, body: bytes) -> None:
         """POST /releases: a draft or published release; 422 for a missing or published tag."""
         gh = self.gh
         d = json.loads(body or b"{}")
         tag = d.get("tag_name")
         if not tag:
-            return self._error(422, "Validation Failed", errors=[{"resource": "Release", "code": "missing_field", "field": "tag_name"}])
+            return self.error(422, "Validation Failed", errors=[{"resource": "Release", "code": "missing_field", "field": "tag_name"}])
         if any(r["tag_name"] == tag and not r["draft"] for r in repo.releases.values()):
-            return self._error(422, "Validation Failed", errors=[{"resource": "Release", "code": "already_exists", "field": "tag_name"}])
+            return self.error(422, "Validation Failed", errors=[{"resource": "Release", "code": "already_exists", "field": "tag_name"}])
         rid = gh.next_id()
         rel = {"id": rid, "tag_name": tag, "target_commitish": d.get("target_commitish") or "main",
                "name": d.get("name") or tag, "body": d.get("body") or "", "draft": bool(d.get("draft")),
@@ -261,50 +210,49 @@ class _Handler(BaseHTTPRequestHandler):
             rel["published_at"] = _now()
             repo.tags.add(tag)
         repo.releases[rid] = rel
-        return self._after(fault, 201, gh._release_json(repo, rel))
+        return self._applied(201, gh._release_json(repo, rel))
 
-    def _asset(self, repo: Repo, aid: int, body: bytes, fault: Fault | None) -> None:
+    def _asset(self, repo: Repo, aid: int, body: bytes) -> None:
         """GET (JSON, or the download's redirect), DELETE and PATCH (rename, label) of one asset."""
         gh, v = self.gh, self.command
         a = repo.assets.get(aid)
         if a is None:
-            return self._error(404, "Not Found")
+            return self.error(404, "Not Found")
         if v == "GET":
             if "application/octet-stream" in (self.headers.get("Accept") or ""):
-                return self._send(302, None, {"Location": gh._asset_json(repo, a)["browser_download_url"]})
-            return self._send(200, gh._asset_json(repo, a))
+                return self.send(302, None, {"Location": gh._asset_json(repo, a)["browser_download_url"]})
+            return self.send(200, gh._asset_json(repo, a))
         if v == "DELETE":
             del repo.assets[a["id"]]
-            return self._after(fault, 204)
+            return self._applied(204)
         if v == "PATCH":
             d = json.loads(body or b"{}")
             name = d.get("name", a["name"])
             if any(o["name"] == name and o["_release"] == a["_release"] and o["id"] != a["id"]
                    for o in repo.assets.values()):
-                return self._error(422, "Validation Failed",
-                                   errors=[{"resource": "ReleaseAsset", "code": "already_exists", "field": "name"}])
+                return self.error(422, "Validation Failed",
+                                  errors=[{"resource": "ReleaseAsset", "code": "already_exists", "field": "name"}])
             a["name"] = name
             if "label" in d:
                 a["label"] = d["label"] or None
             a["updated_at"] = _now()
-            return self._after(fault, 200, gh._asset_json(repo, a))
-        return self._error(404, "Not Found")
+            return self._applied(200, gh._asset_json(repo, a))
+        return self.error(404, "Not Found")
 
-    def _release(self, repo: Repo, rid: int, assets: bool, query: dict, body: bytes, base: str,
-                 fault: Fault | None) -> None:
+    def _release(self, repo: Repo, rid: int, assets: bool, query: dict, body: bytes, base: str) -> None:
         """GET, PATCH (publishing a draft) and DELETE of one release; GET of its assets, paginated."""
         gh, v = self.gh, self.command
         rel = repo.releases.get(rid)
         if rel is None:
-            return self._error(404, "Not Found")
+            return self.error(404, "Not Found")
         if assets and v == "GET":
             listed = [gh._asset_json(repo, a) for a in sorted(repo.assets.values(), key=lambda a: a["id"])
                       if a["_release"] == rel["id"]]
             return self._paginate(listed, query, f"{base}/releases/{rel['id']}/assets")
         if assets:
-            return self._error(404, "Not Found")
+            return self.error(404, "Not Found")
         if v == "GET":
-            return self._send(200, gh._release_json(repo, rel))
+            return self.send(200, gh._release_json(repo, rel))
         if v == "PATCH":
             d = json.loads(body or b"{}")
             for k in ("tag_name", "name", "body", "prerelease", "target_commitish"):
@@ -313,42 +261,39 @@ class _Handler(BaseHTTPRequestHandler):
             if "draft" in d and rel["draft"] and not d["draft"]:
                 if any(r["tag_name"] == rel["tag_name"] and not r["draft"] and r["id"] != rel["id"]
                        for r in repo.releases.values()):
-                    return self._error(422, "Validation Failed", errors=[{"resource": "Release", "code": "already_exists", "field": "tag_name"}])
+                    return self.error(422, "Validation Failed", errors=[{"resource": "Release", "code": "already_exists", "field": "tag_name"}])
                 rel["draft"] = False
                 rel["published_at"] = _now()
                 repo.tags.add(rel["tag_name"])
-            return self._after(fault, 200, gh._release_json(repo, rel))
+            return self._applied(200, gh._release_json(repo, rel))
         if v == "DELETE":
             del repo.releases[rel["id"]]
             for aid in [i for i, a in repo.assets.items() if a["_release"] == rel["id"]]:
                 del repo.assets[aid]
-            return self._after(fault, 204)
-        return self._error(404, "Not Found")
+            return self._applied(204)
+        return self.error(404, "Not Found")
 
-    def _upload(self, repo: Repo, rid: int, query: dict, body: bytes, fault: Fault | None) -> None:
+    def _upload(self, repo: Repo, rid: int, query: dict, body: bytes) -> None:
         gh = self.gh
         if rid not in repo.releases:
-            return self._error(404, "Not Found")
+            return self.error(404, "Not Found")
         name = (query.get("name") or [""])[0]
         if not name:
-            return self._error(422, "Validation Failed", errors=[{"resource": "ReleaseAsset", "code": "missing_field", "field": "name"}])
+            return self.error(422, "Validation Failed", errors=[{"resource": "ReleaseAsset", "code": "missing_field", "field": "name"}])
         if any(a["name"] == name and a["_release"] == rid for a in repo.assets.values()):
-            return self._error(422, "Validation Failed", errors=[{"resource": "ReleaseAsset", "code": "already_exists", "field": "name"}])
+            return self.error(422, "Validation Failed", errors=[{"resource": "ReleaseAsset", "code": "already_exists", "field": "name"}])
         if len(body) != int(self.headers.get("Content-Length") or 0):
-            return self._error(400, "Bad Content-Length")
+            return self.error(400, "Bad Content-Length")
         aid = gh.next_id()
-        partial = fault is not None and fault.kind == "partial"
         a = {"id": aid, "node_id": f"RA_{aid}", "name": name, "label": (query.get("label") or [""])[0] or None,
              "content_type": self.headers.get("Content-Type") or "application/octet-stream",
-             "state": "starter" if partial else "uploaded", "size": len(body) // 2 if partial else len(body),
-             "download_count": 0, "created_at": _now(), "updated_at": _now(), "uploader": {"login": "bot", "id": 1},
-             "_release": rid, "_data": body[: len(body) // 2] if partial else body}
+             "state": "uploaded", "size": len(body), "download_count": 0, "created_at": _now(), "updated_at": _now(),
+             "uploader": {"login": "bot", "id": 1}, "_release": rid, "_data": body}
+        a = gh.upload_asset(self, a)
         repo.assets[aid] = a
-        if partial:
-            return self._drop()
-        return self._after(fault, 201, gh._asset_json(repo, a))
+        return self._applied(201, gh._asset_json(repo, a))
 
-    def _git(self, repo: Repo, rest: str, query: dict, body: bytes, fault: Fault | None) -> None:
+    def _git(self, repo: Repo, rest: str, query: dict, body: bytes) -> None:
         gh = self.gh
         v = self.command
         d = json.loads(body or b"{}") if v in ("POST", "PATCH") else {}
@@ -357,20 +302,20 @@ class _Handler(BaseHTTPRequestHandler):
             import base64
             data = base64.b64decode(d["content"]) if d.get("encoding") == "base64" else d["content"].encode()
             sha = gh._store(repo, "blob", data, data)
-            return self._after(fault, 201, {"sha": sha, "url": f"{url}/blobs/{sha}"})
+            return self._applied(201, {"sha": sha, "url": f"{url}/blobs/{sha}"})
         mm = re.match(r"^/blobs/([0-9a-f]{40})$", rest)
         if mm and v == "GET":
             import base64
             o = repo.objects.get(mm[1])
             if not o or o[0] != "blob":
-                return self._error(404, "Not Found")
-            return self._send(200, {"sha": mm[1], "size": len(o[1]), "encoding": "base64", "url": f"{url}/blobs/{mm[1]}",
-                                    "content": base64.b64encode(o[1]).decode()})
+                return self.error(404, "Not Found")
+            return self.send(200, {"sha": mm[1], "size": len(o[1]), "encoding": "base64", "url": f"{url}/blobs/{mm[1]}",
+                                   "content": base64.b64encode(o[1]).decode()})
         if rest == "/trees" and v == "POST":
             files: dict[str, tuple[str, str]] = {}
             if d.get("base_tree"):
                 if d["base_tree"] not in repo.objects:
-                    return self._error(422, "Invalid tree info")
+                    return self.error(422, "Invalid tree info")
                 files = gh._flatten(repo, d["base_tree"])
             for e in d.get("tree", []):
                 p = e["path"]
@@ -383,52 +328,52 @@ class _Handler(BaseHTTPRequestHandler):
                 else:
                     sha = e["sha"]
                     if sha not in repo.objects:
-                        return self._error(422, "Invalid tree info", errors=[f"{p}: object {sha} not found"])
+                        return self.error(422, "Invalid tree info", errors=[f"{p}: object {sha} not found"])
                 files[p] = (e.get("mode", "100644"), sha)
             sha = gh._build_tree(repo, files)
-            return self._after(fault, 201, self._tree_json(repo, sha, recursive=False))
+            return self._applied(201, self._tree_json(repo, sha, recursive=False))
         mm = re.match(r"^/trees/([0-9a-f]{40})$", rest)
         if mm and v == "GET":
             if mm[1] not in repo.objects:
-                return self._error(404, "Not Found")
-            return self._send(200, self._tree_json(repo, mm[1], recursive=query.get("recursive", ["0"])[0] not in ("0", "false")))
+                return self.error(404, "Not Found")
+            return self.send(200, self._tree_json(repo, mm[1], recursive=query.get("recursive", ["0"])[0] not in ("0", "false")))
         if rest == "/commits" and v == "POST":
             if d["tree"] not in repo.objects:
-                return self._error(422, "Tree SHA does not exist")
+                return self.error(422, "Tree SHA does not exist")
             c = {"tree": d["tree"], "parents": list(d.get("parents", [])), "message": d["message"]}
             raw = json.dumps(c, sort_keys=True).encode() + _now().encode()
             sha = gh._store(repo, "commit", c, raw)
-            return self._after(fault, 201, self._commit_json(repo, sha))
+            return self._applied(201, self._commit_json(repo, sha))
         mm = re.match(r"^/commits/([0-9a-f]{40})$", rest)
         if mm and v == "GET":
             if mm[1] not in repo.objects:
-                return self._error(404, "Not Found")
-            return self._send(200, self._commit_json(repo, mm[1]))
+                return self.error(404, "Not Found")
+            return self.send(200, self._commit_json(repo, mm[1]))
         mm = re.match(r"^/ref/(.+)$", rest)
         if mm and v == "GET":
             ref = "refs/" + urllib.parse.unquote(mm[1])
             if ref not in repo.refs:
-                return self._error(404, "Not Found")
-            return self._send(200, self._ref_json(repo, ref))
+                return self.error(404, "Not Found")
+            return self.send(200, self._ref_json(repo, ref))
         if rest == "/refs" and v == "POST":
             ref = d["ref"]
             if ref in repo.refs:
-                return self._error(422, "Reference already exists")
+                return self.error(422, "Reference already exists")
             if d["sha"] not in repo.objects:
-                return self._error(422, "Object does not exist")
+                return self.error(422, "Object does not exist")
             repo.refs[ref] = d["sha"]
-            return self._after(fault, 201, self._ref_json(repo, ref))
+            return self._applied(201, self._ref_json(repo, ref))
         mm = re.match(r"^/refs/(.+)$", rest)
         if mm and v == "PATCH":
             ref = "refs/" + urllib.parse.unquote(mm[1])
             if ref not in repo.refs:
-                return self._error(422, "Reference does not exist")
+                return self.error(422, "Reference does not exist")
             new = d["sha"]
             if not d.get("force") and not self._descends(repo, new, repo.refs[ref]):
-                return self._error(422, "Update is not a fast forward")
+                return self.error(422, "Update is not a fast forward")
             repo.refs[ref] = new
-            return self._after(fault, 200, self._ref_json(repo, ref))
-        return self._error(404, "Not Found")
+            return self._applied(200, self._ref_json(repo, ref))
+        return self.error(404, "Not Found")
 
     def _descends(self, repo: Repo, sha: str, ancestor: str) -> bool:
         todo = [sha]

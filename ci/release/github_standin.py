@@ -1,9 +1,12 @@
 """A loopback HTTP server that speaks the part of GitHub's documented REST contract that the
-publisher uses (the contract and the faults it can inject: ci.release.github_rest). The release
-dry run (``python -m ci.release dry-run``) publishes to it, as it resolves torch against the
-stand-in for PyTorch's index (ci.release.standin): GitHub itself is not reachable from where the
-rehearsal runs. The dry run injects no fault; the publisher's tests do (``inject``,
-``halt_after``)."""
+publisher uses (the contract: ci.release.github_rest). The release dry run (``python -m
+ci.release dry-run``) publishes to it, as it resolves torch against the stand-in for PyTorch's
+index (ci.release.standin): GitHub itself is not reachable from where the rehearsal runs.
+
+It answers every request as GitHub would. A subclass changes that through three hooks, which do
+nothing here: ``before_request`` (every request), ``after_write`` (a request that changed the
+state, before its answer) and ``upload_asset`` (what an upload stores); the publisher's tests
+make it fail on purpose that way (tests/)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import threading
 import urllib.parse
 from http.server import ThreadingHTTPServer
 
-from ci.release.github_rest import Fault, Logged, Repo, _Handler
+from ci.release.github_rest import Logged, Repo, _Handler
 
 
 class GitHubStandin:
@@ -22,11 +25,9 @@ class GitHubStandin:
         self.digests = digests
         self.per_page_max = per_page_max
         self.repos: dict[str, Repo] = {}
-        self.faults: list[Fault] = []
         self.requests: list[Logged] = []
         self.lock = threading.RLock()
         self._ids = iter(range(1000, 10**9))
-        self.writes_left: int | None = None  # halt_after: mutating requests still applied
         handler = type("Handler", (_Handler,), {"gh": self})
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.httpd.daemon_threads = True
@@ -48,26 +49,6 @@ class GitHubStandin:
         owner, name = full.split("/")
         with self.lock:
             return self.repos.setdefault(full, Repo(owner, name))
-
-    def inject(self, kind: str, method: str | None = None, path_re: str | None = None, *, times: int = 1,
-               retry_after: int = 1, delay: float = 0.0) -> Fault:
-        f = Fault(kind, method, path_re, times, retry_after, delay)
-        with self.lock:
-            self.faults.append(f)
-        return f
-
-    def halt_after(self, n: int) -> None:
-        with self.lock:
-            self.writes_left = n
-
-    def resume(self) -> None:
-        with self.lock:
-            self.writes_left = None
-
-    @property
-    def halted(self) -> bool:
-        with self.lock:
-            return self.writes_left is not None and self.writes_left <= 0
 
     def count(self, method: str | None = None, path_re: str | None = None) -> int:
         with self.lock:
@@ -97,6 +78,25 @@ class GitHubStandin:
 
     def next_id(self) -> int:
         return next(self._ids)
+
+    # -- hooks: what a subclass overrides (request thread; the last two under lock) ------
+    def before_request(self, handler: _Handler, method: str, target: str) -> bool:
+        """Every request, once its body is read, before authentication and routing (``target``:
+        the path and query as sent). True when the hook answered the request itself
+        (``handler.send``, ``handler.error``) or left it unanswered (``handler.record(0)``, the
+        connection closed): nothing more is done with it. Here: False."""
+        return False
+
+    def after_write(self, handler: _Handler, status: int, payload=None, headers: dict[str, str] | None = None) -> bool:
+        """A request that changed the state (created, updated, deleted, uploaded), before its
+        answer (``status``, ``payload``, ``headers``) is sent. True when the hook answered it
+        itself or left it unanswered. Here: False."""
+        return False
+
+    def upload_asset(self, handler: _Handler, asset: dict) -> dict:
+        """What an upload stores: the asset's JSON fields and ``_data`` (the bytes received).
+        Here: ``asset`` as it is."""
+        return asset
 
     # -- json shapes ---------------------------------------------------------------------
     def _release_json(self, repo: Repo, rel: dict) -> dict:

@@ -1,7 +1,24 @@
 """The release rehearsal (``python -m ci.release dry-run``): every target's job planned and
-checked, the torch specs of the served targets resolved, the targets buildable here run
-through their cibuildwheel hooks with the stand-in index, then gather, publish to a local
-GitHub-REST server, index and Pages, and a summary.
+checked, the torch specs of the served targets resolved, the targets buildable here built by
+the pinned cibuildwheel for real, then gather, publish to a local GitHub-REST server, index and
+Pages, and a summary.
+
+Each build job runs as the release runs it: ``ci.release.cibw_local`` calls the pinned
+cibuildwheel with ci/cibuildwheel.toml and the job's environment, in a container of the stand-in
+manylinux image, so before-all, the build through the shim, the repair-wheel-command, the abi3
+audit and the test-command are cibuildwheel's own (that module's docstring lists the few
+replacements this machine needs). The rehearsal itself keeps only what a cibuildwheel run does not
+cover, and says so:
+
+    plan           every target's job resolved and checked, also those this machine cannot
+                   build (CUDA 12.x, Windows, aarch64), and each Windows job's MSVC commands
+    torch specs    for every other target the stand-in serves, its build and guard torch
+                   resolved by real pip in its floor Python
+    collect        build-target.yml's step after cibuildwheel (``python -m ci.release.cibw collect``)
+    outcomes       each job's outcome as build-target.yml makes it, a failed job included
+                   (``--fail-target``), passed on as GitHub passes a matrix's outputs
+    publish        gather, SHA256SUMS, the GitHub Release on a local GitHub-REST server, the
+                   index and the Pages branch, as the publish job runs them
 """
 
 from __future__ import annotations
@@ -18,11 +35,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ci.runtime.errors import FactoryError
 from ci.runtime.log import default_log
 from ci.runtime.pip_env import pip_environ
 from ci.release import REPO, ReleaseError, ReleaseInputError
 from ci.release.github_standin import GitHubStandin
-from ci.release.standin import fetch_torch, pytorch_index_standin, standin_dir, standin_needs, standin_serves
+from ci.release.standin import fetch_torch, pytorch_index_standin, standin_needs, standin_serves
 from ci.release.steps import (ARTIFACT_PREFIX, check_tag, compile_gate_problem, gather_release, plan, publish_steps,
                               report, rerun_hint, sha256sums)
 from ci.stages.provenance import with_failed_steps
@@ -54,39 +72,35 @@ class DryRun:
 
 
 def rehearse_target(target_id: str, dist: Path, artifacts: Path, *, pytorch_index: str,
-                    foreign_dir: str = "cpu", verify_pythons: list[str] | None = None,
-                    config_file: Path | None = None, log=default_log) -> dict[str, float]:
-    """One release build job here: its cibuildwheel hooks as the pinned cibuildwheel resolves
-    them from ``config_file`` (default ci/cibuildwheel.toml) and the job's environment, with
-    ``pytorch_index`` in place of PyTorch's (ci.release.cibw_rehearsal says what differs from the job),
-    then build-target.yml's collect step into the artifact directory ``wheel-<id>``. No
-    container: the Linux wheel gets this machine's glibc tag. Returns each step's seconds."""
-    from ci.release.cibw_job import RehearsalError
-    from ci.release.cibw_rehearsal import rehearse_job
+                    verify_pythons: list[str] | None = None, log=default_log) -> dict[str, float]:
+    """One release build job here: the pinned cibuildwheel with ci/cibuildwheel.toml and the
+    job's environment (``ci.release.cibw_local``, in the stand-in manylinux image), with
+    ``pytorch_index`` in place of PyTorch's, then build-target.yml's collect step into the
+    artifact directory ``wheel-<id>``. Returns each step's seconds (cibuildwheel's, as its log
+    gives them, and collect)."""
+    from ci.release.cibw_local import run_cibuildwheel
 
     floor = Matrix.load().target(target_id).python
     if verify_pythons and floor not in verify_pythons:
         raise ReleaseError(f"{target_id}: --verify-python {' '.join(verify_pythons)} leaves out {floor}, the Python "
                            f"cibuildwheel tests the wheel with (the target's floor): add --verify-python {floor}")
     try:
-        job = rehearse_job(target_id, dist, pytorch_index=pytorch_index, foreign_dir=foreign_dir,
-                           verify_pythons=verify_pythons, config_file=config_file, log=log)
-    except RehearsalError as e:
+        run = run_cibuildwheel(target_id, dist / "cibw" / target_id, pytorch_index=pytorch_index,
+                               verify_pythons=verify_pythons, log=log)
+    except FactoryError as e:
         raise ReleaseError(f"{target_id}: {e}") from e
-    times = job.timings()
+    times = run.step_seconds()
     dest = artifacts / f"{ARTIFACT_PREFIX}{target_id}"
     shutil.rmtree(dest, ignore_errors=True)
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "ci.release.cibw", "collect", "--wheelhouse", str(job.work / "repaired_wheel"),
-                           "--out", str(dest), "--target", target_id], cwd=REPO, capture_output=True, text=True,
-                          env=pip_environ(sources=False))
+    proc = subprocess.run([sys.executable, "-m", "ci.release.cibw", "collect", "--wheelhouse",
+                           str(run.output_dir / "wheelhouse"), "--out", str(dest), "--target", target_id],
+                          cwd=REPO, capture_output=True, text=True, env=pip_environ(sources=False))
     if proc.returncode != 0:
         raise ReleaseError(f"{target_id}: collect exited {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}")
     times["collect"] = time.monotonic() - t0
-    test_log = job.logs / "test.log"
-    for line in (test_log.read_text(errors="replace").splitlines() if test_log.exists() else []):
-        if line.startswith("[verify]"):
-            log(line)
+    for line in run.lines("[verify]"):
+        log(line)
     return times
 
 
@@ -104,15 +118,25 @@ class TargetRehearsal:
 def rehearse_plan(matrix: Matrix, pytorch_index: str | None = None, log=default_log) -> list[TargetRehearsal]:
     """Every target's release job resolved (environment, torch and guard sources, CUDA install,
     cibuildwheel selection, each step's command) and checked; which of them can run here
-    with the stand-in index (the rest are only planned, with the reason)."""
+    with the stand-in index and the pinned cibuildwheel in the stand-in manylinux image (a
+    Linux target of this machine's arch whose CUDA comes from PyPI; the rest are only planned,
+    with the reason)."""
+    import platform
+
     from ci.release import cibw_job
+    from ci.release.standin_image import cannot_run_here
     from ci.stages.resolve import local_blockers
 
+    containers = cannot_run_here()
     out = []
     for t in matrix.targets:
         job = cibw_job.plan_job(t, matrix)
         problems = cibw_job.check_job(job, matrix) + _windows_commands_problems(t, matrix)
         blockers = local_blockers(t, pytorch_index=pytorch_index or "http://127.0.0.1/whl")  # the stand-in's
+        if not blockers and (t.os.platform != "linux" or t.os.machine != platform.machine()):
+            blockers.append(f"cibuildwheel runs Linux containers of this machine's arch ({platform.machine()}) here")
+        if not blockers and containers:
+            blockers.append(containers)
         served = standin_serves(t, matrix)
         why = "; ".join(blockers + ([f"the stand-in index cannot serve its torch: {served}"] if served else []))
         out.append(TargetRehearsal(t.id, job, problems, not why, why))
@@ -276,18 +300,10 @@ def _run_build_jobs(dr: DryRun, matrix: Matrix, index_url: str, fail_targets: li
             log(f"!! {e['id']}: {dr.errors[e['id']]}")
             continue
         try:
-            target = matrix.target(e["id"])
-            job = next(r.job for r in dr.jobs if r.id == e["id"])
-            # the stand-in's torch: the build's, and the guard's from the directory PyPI's
-            # build of it belongs in (no CPU builds of x86_64 torch on PyPI)
-            fetch_torch(target.build_torch, target.python, matrix, log=log)
-            foreign_dir = standin_dir(job.foreign.version, matrix)
-            for py in verify_pythons or [target.python]:
-                fetch_torch(target.build_torch, py, matrix, log=log)
-            fetch_torch(job.foreign.version, (verify_pythons or [target.python])[0], matrix, log=log)
-            dr.timings[e["id"]] = rehearse_target(
-                e["id"], dr.dist, dr.artifacts, pytorch_index=index_url, foreign_dir=foreign_dir,
-                verify_pythons=verify_pythons, log=log)
+            # the stand-in's torch (the build's, the guard's from the directory PyPI's build of it
+            # belongs in: no CPU builds of x86_64 torch on PyPI) is stocked by ci.release.cibw_local
+            dr.timings[e["id"]] = rehearse_target(e["id"], dr.dist, dr.artifacts, pytorch_index=index_url,
+                                                  verify_pythons=verify_pythons, log=log)
         except Exception as exc:  # noqa: BLE001 - a failed target is reported by name
             dr.errors[e["id"]] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
             dr.failed_steps[e["id"]] = "collect" if str(exc).startswith(f"{e['id']}: collect ") else "cibuildwheel"
@@ -432,7 +448,7 @@ def _variant_page(rec) -> str:
 
 
 def _timing_table(dr: DryRun) -> str:
-    stages = ["before-all", "build", "repair", "test", "collect"]
+    stages = ["before-all", "build", "repair", "audit", "test", "collect"]
     rows = ["| target | " + " | ".join(stages) + " |", "|---" * (len(stages) + 1) + "|"]
     for tid, t in dr.timings.items():
         rows.append(f"| `{tid}` | " + " | ".join(f"{t[s]:.1f}s" if s in t else "-" for s in stages) + " |")

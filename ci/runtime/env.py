@@ -4,7 +4,9 @@
 those a CI runner, a toolchain or the OS sets), each parsed once into a typed field whose
 metadata names the variable, its default and the modules that read it. The modules of ``ci/``
 call :meth:`FactoryEnv.from_environ` where they need a value (no caching: tests change the
-environment between calls); a child process's environment comes from :func:`child_environ`,
+environment between calls), except the build stages: a target's settings are read once, when its
+toolchain is resolved, and travel frozen in ``ResolvedToolchain.settings`` (ci/toolchain/resolved.py)
+to the build, repair and record; a child process's environment comes from :func:`child_environ`,
 and the few changes the factory makes to its own environment go through :func:`set_environ`
 and :func:`setdefault_environ`.
 
@@ -62,7 +64,7 @@ class FactoryEnv:
     target: str | None = _var("SAGEATTN3_TARGET", "str", "unset", "ci.release.cibw, ci.release.cibw.__main__",
                               "the target a cibuildwheel hook works on", _nonempty)
     build_python: str | None = _var("SAGEATTN3_BUILD_PYTHON", "str (X.Y)", "the target's Python",
-                                    "ci.stages.resolve, ci.release.cibw",
+                                    "ci.stages.resolve",
                                     "the Python cibuildwheel builds with (set by the backend shim)", _nonempty)
     factory_python: str | None = _var("SAGEATTN3_FACTORY_PYTHON", "str (path)", "the running interpreter",
                                       "ci.release.cibw_project.factory_backend",
@@ -81,9 +83,11 @@ class FactoryEnv:
     foreign_torch_dir: str | None = _var("SAGEATTN3_FOREIGN_TORCH_DIR", "str", "cpu", "ci.release.cibw",
                                          "the index directory of the foreign torch the ABI guard is checked with",
                                          _nonempty)
-    cibw_probe: str | None = _var("SAGEATTN3_CIBW_PROBE", "str (path)", "unset", "ci.release.cibw",
-                                  "a probe project (relative to the repository) built instead of the payload",
-                                  _nonempty)
+    cibw_payload: str | None = _var("SAGEATTN3_CIBW_PAYLOAD", "str (path)", "unset (the factory's stages)",
+                                    "ci.release.cibw",
+                                    "a project directory, relative to the project root, holding a `cibw_stages.py` "
+                                    "that defines the stages the cibuildwheel hooks run instead of the factory's",
+                                    _nonempty)
     index_url: str = _var("SAGEATTN3_INDEX_URL", "str (URL)", "the Pages site, else dist/index/", "ci.stages.build",
                           "the index a wheel's build record names", _stripped, value="")
     pytorch_index: str | None = _var("SAGEATTN3_PYTORCH_INDEX", "str (URL)", "PyTorch's index",

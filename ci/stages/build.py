@@ -79,17 +79,16 @@ def index_pages(matrix: Matrix) -> list[str]:
 INDEX_URL_ENV = FactoryEnv.variable("index_url")
 
 
-def record_index_url(dist: Path) -> str:
+def record_index_url(dist: Path, settings: FactoryEnv) -> str:
     """The index a wheel's build record names (``python -m sageattn3 which`` and the ABI
     guard's ImportError send users there): ``$SAGEATTN3_INDEX_URL`` when set; in the release
     pipeline (``$GITHUB_REPOSITORY`` = OWNER/NAME) the GitHub Pages site of that repository,
     where the publish job puts the index; otherwise, a local build, the index it writes,
-    ``dist/index/``."""
-    env = FactoryEnv.from_environ()
-    given = env.index_url
+    ``dist/index/``. ``settings``: the toolchain's (``ResolvedToolchain.settings``)."""
+    given = settings.index_url
     if given:
         return given.rstrip("/") + "/"
-    repo = env.github_repository
+    repo = settings.github_repository
     if repo.count("/") == 1 and all(repo.split("/")):
         owner, name = repo.split("/")
         return f"https://{owner.lower()}.github.io/{name}/"
@@ -137,7 +136,7 @@ def build_config(tc: ResolvedToolchain, matrix: Matrix, overlay: Path, jobs: int
             "flags": profile,
             "patches": [p.name for p in tc.patches],
             "source_commit": source_commit(),
-            "index_url": index_url or record_index_url(REPO / "dist"),
+            "index_url": index_url or record_index_url(REPO / "dist", tc.settings),
             "extra": extra,
         },
     }
@@ -155,7 +154,7 @@ def build(tc: ResolvedToolchain, matrix: Matrix, raw_dir: Path, *, jobs: int | N
         patchmod.apply(p, roots, overlay)
     if hasattr(tc.cross, "prepare"):  # a Windows build on Linux: its stand-in import libraries
         tc.cross.prepare(staging, profile, overlay, tc.cutlass, log=log)
-    config = build_config(tc, matrix, overlay, jobs, index_url=record_index_url(raw_dir.parent.parent))
+    config = build_config(tc, matrix, overlay, jobs, index_url=record_index_url(raw_dir.parent.parent, tc.settings))
     cfg_path = staging / "build" / "sageattn3-build-config.json"
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
     cfg_path.write_text(json.dumps(config, indent=2, sort_keys=True))
@@ -175,7 +174,7 @@ def build(tc: ResolvedToolchain, matrix: Matrix, raw_dir: Path, *, jobs: int | N
         "SAGEATTN3_BUILD_CONFIG": str(cfg_path),
         "CUDA_HOME": str(cuda.home),
         **dict(tc.compiler_env),
-        "PATH": f"{cuda.home / 'bin'}{os.pathsep}{FactoryEnv.from_environ().path or ''}",
+        "PATH": f"{cuda.home / 'bin'}{os.pathsep}{tc.settings.path or ''}",
     }
     cmd = [str(env.python), "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps", "-w", str(raw_dir), str(staging)]
     log(f"[build] {target.id}: {' '.join(cmd)}")

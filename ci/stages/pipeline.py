@@ -80,7 +80,7 @@ def run_target(target: Target, matrix: Matrix, dist: Path, *, verify_pythons: li
             # A Windows wheel repaired here: delvewheel finds the VC++ runtime it vendors in PyPI's
             # msvc-runtime DLLs (a runner finds them in its System32).
             extra = {"add_paths": [_vc_runtime()]} if resolve.is_windows_on_linux(target.os) else {}
-            repaired = repairmod.repair(result.wheel, dist / "repaired" / target.id, target.os.platform,
+            repaired = repairmod.repair(result.wheel, dist / "repaired" / target.id, target.os.platform, settings=tc.settings,
                                         machine=target.os.machine if target.os.platform == "linux" else None, log=slog,
                                         **extra)
         with run.stage("tag", log):
@@ -202,7 +202,7 @@ def build_test_wheel(target: Target, matrix: Matrix, dist: Path, log=default_log
     tc = resolve.resolve_toolchain(target, matrix, mma_model=True)
     result = buildmod.build(tc, matrix, dist / "raw" / f"{target.id}-test", log=log)
     out = dist / "test"
-    repaired = repairmod.repair(result.wheel, out, target.os.platform, log=log)
+    repaired = repairmod.repair(result.wheel, out, target.os.platform, settings=tc.settings, log=log)
     rec = BuildRecord.from_dict(read_record_in_wheel(repaired)).with_wheel(repaired)
     record_path(repaired).write_text(rec.to_json())
     log(f"test-flavour wheel: {repaired}")
@@ -243,7 +243,8 @@ def build_proof_wheel(target: Target, matrix: Matrix, dist: Path, *, foreign: li
         raise buildmod.BuildError(f"{target.id}: the proof flavour is for per-torch targets")
     tc = resolve.resolve_toolchain(target, matrix, proof=True)
     result = buildmod.build(tc, matrix, dist / "raw" / f"{target.id}-proof", log=log)
-    repaired = repairmod.repair(result.wheel, dist / "repaired" / f"{target.id}-proof", target.os.platform, log=log)
+    repaired = repairmod.repair(result.wheel, dist / "repaired" / f"{target.id}-proof", target.os.platform,
+                                settings=tc.settings, log=log)
     out = dist / "proof"
     for old in out.glob(f"sageattn3-*+{target.variant.label}.{PROOF_FLAVOUR_LABEL}-*.whl*"):
         old.unlink()
@@ -268,7 +269,7 @@ def build_proof_wheel(target: Target, matrix: Matrix, dist: Path, *, foreign: li
         log(f"[proof] {wheel.name}: imports into torch {result.env.torch_version} without a GPU; ops {', '.join(got['ops'])}")
         guard = {}
         for other in foreign or []:
-            fenv = torch_sources.torch_env_for(resolve.build_python(other), torch_sources.torch_source(other))
+            fenv = torch_sources.torch_env_for(resolve.build_python(other, tc.settings), torch_sources.torch_source(other))
             fpy = verifymod.make_venv_with(fenv, Path(tmp) / f"foreign-{other.id}")
             subprocess.run([str(fpy), "-m", "pip", "install", "--no-deps", "--no-index", "--quiet", str(wheel)],
                            check=True, env=env_vars)

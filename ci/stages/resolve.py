@@ -126,12 +126,12 @@ def is_windows_on_linux(target_os) -> bool:
     return target_os.platform == "windows" and sys.platform.startswith("linux")
 
 
-def build_python(target: Target) -> str:
+def build_python(target: Target, settings: FactoryEnv) -> str:
     """The interpreter that compiles: the running one when it qualifies (abi3 wheels are
     the same for every Python from target.python on), else the target's own.
     ``$SAGEATTN3_BUILD_PYTHON`` (X.Y) chooses it: the release's cibuildwheel shim sets its own,
     the target's oldest, so that verify reuses the build's torch environment."""
-    chosen = FactoryEnv.from_environ().build_python
+    chosen = settings.build_python
     if chosen:
         if Version(chosen) < Version(target.python):
             raise BuildError(f"{target.id}: SAGEATTN3_BUILD_PYTHON={chosen} is older than the target's Python {target.python}")
@@ -166,20 +166,24 @@ def select_flags(target: Target, matrix: Matrix, *, force_patches: tuple[str, ..
 
 
 def resolve_toolchain(target: Target, matrix: Matrix, *, force_patches: tuple[str, ...] = (),
-                      mma_model: bool = False, proof: bool = False) -> ResolvedToolchain:
+                      mma_model: bool = False, proof: bool = False,
+                      settings: FactoryEnv | None = None) -> ResolvedToolchain:
     """Find or provision the CUDA toolkit, the torch build environment, CUTLASS, the host
-    compiler and the compiler cache for ``target``, and choose its flags and patches."""
+    compiler and the compiler cache for ``target``, and choose its flags and patches.
+    ``settings``: the environment's settings (default: read now, once); the result carries them,
+    so the stages after this never read the process environment."""
+    settings = settings if settings is not None else FactoryEnv.from_environ()
     profile, chosen = select_flags(target, matrix, force_patches=force_patches, mma_model=mma_model, proof=proof)
     cuda = find_cuda(PROOF_CUDA if proof else target.cuda)
     if is_cross(target.os):
         if proof:
             raise BuildError(f"{target.id}: the proof flavour is for this machine's own targets")
         cross = crossmod.resolve_cross(target.os.machine, target.cuda, target.build_torch)
-        env = crossmod.build_env(build_python(target), cross)
+        env = crossmod.build_env(build_python(target, settings), cross)
         flavour = TEST_FLAVOUR_LABEL if mma_model else "release"
         return ResolvedToolchain(target, profile, chosen, cuda, env, cross.compiler.banner,
                                  tuple(compiler_launcher()), cutlass_include(), flavour, cross,
-                                 tuple(sccache_env().items()))
+                                 tuple(sccache_env().items()), settings)
     if is_windows_on_linux(target.os):
         from ci.stages.windows_build import resolve_windows_cross
 
@@ -187,11 +191,11 @@ def resolve_toolchain(target: Target, matrix: Matrix, *, force_patches: tuple[st
             raise BuildError(f"{target.id}: the proof flavour is for this machine's own targets")
         win = resolve_windows_cross(target, profile)
         cuda = CudaToolkit(win.tc.cuda.version, win.tc.cuda.home, "pypi (win_amd64 wheels)", platform="windows")
-        env = crossmod.build_env(build_python(target), win)
+        env = crossmod.build_env(build_python(target, settings), win)
         flavour = TEST_FLAVOUR_LABEL if mma_model else "release"
         return ResolvedToolchain(target, profile, chosen, cuda, env, win.tc.msvc.banner, (), cutlass_include(),
-                                 flavour, win)
-    env = torch_sources.torch_env_for(build_python(target), torch_spec(target))
+                                 flavour, win, settings=settings)
+    env = torch_sources.torch_env_for(build_python(target, settings), torch_spec(target))
     if env.torch_cuda != target.cuda:
         raise ToolchainError(
             f"{target.id}: the build torch is {env.torch_version} (CUDA {env.torch_cuda}); the target "
@@ -200,7 +204,7 @@ def resolve_toolchain(target: Target, matrix: Matrix, *, force_patches: tuple[st
     flavour = TEST_FLAVOUR_LABEL if mma_model else PROOF_FLAVOUR_LABEL if proof else "release"
     return ResolvedToolchain(target, profile, chosen, cuda, env, host_compiler_version(cxx=profile.get("host_compiler")),
                              tuple(compiler_launcher()), cutlass_include(), flavour,
-                             compiler_env=tuple(sccache_env().items()))
+                             compiler_env=tuple(sccache_env().items()), settings=settings)
 
 
 # -- the verify stage's environments ---------------------------------------------------

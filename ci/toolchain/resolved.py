@@ -8,12 +8,13 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING
 
 from packaging.version import Version
 
+from ci.runtime.env import FactoryEnv
 from ci.toolchain.targets import Target
 
 # The CUTLASS/CuTe headers every build compiles against (nvidia-cutlass from PyPI, pinned).
@@ -118,7 +119,9 @@ PROOF_CUDA = "13.0"
 @dataclass(frozen=True)
 class ResolvedToolchain:
     """Everything a target's build uses, resolved once before anything compiles (the build
-    stage and the build record read only this)."""
+    stage and the build record read only this, never the process environment: the settings
+    it reads, such as the index its record names and the PATH it compiles with, are frozen
+    here in ``settings`` when the toolchain is resolved)."""
 
     target: Target
     profile: dict
@@ -131,6 +134,7 @@ class ResolvedToolchain:
     flavour: str  # "release" | TEST_FLAVOUR_LABEL | PROOF_FLAVOUR_LABEL
     cross: crossmod.CrossToolchain | None = None  # a Linux target of another machine (ci.toolchain.cross)
     compiler_env: tuple[tuple[str, str], ...] = ()  # the compiler cache's variables (sccache), for the compile
+    settings: FactoryEnv = field(default_factory=FactoryEnv)  # the environment's settings, read at resolve time
 
     @property
     def torch_include(self) -> Path:

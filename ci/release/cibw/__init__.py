@@ -18,6 +18,11 @@ The factory itself needs Python >= 3.11, while cibuildwheel's build Python is th
 the runner's setup-python on Windows), the same way a local ``nox -s build-wheels`` runs the
 factory on one Python and compiles with another. The target is ``$SAGEATTN3_TARGET``.
 
+Each hook finds its target, then runs its stage from one :class:`Stages` value: the factory's
+(:data:`FACTORY_STAGES`, the stages above) unless ``$SAGEATTN3_CIBW_PAYLOAD`` names another
+payload project, a directory relative to the project root holding a ``cibw_stages.py`` whose
+``STAGES`` the hooks run instead (loaded from its file: see :func:`stages`).
+
 ``python -m ci.release.cibw env --target ID`` prints the environment a release job exports for a target
 (the cibuildwheel build selector among it); tests check that cibuildwheel, given it, selects
 exactly that target's one build.
@@ -30,16 +35,20 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from ci.release.cibw_job import nvcc_jobs
 from ci.release.runner_setup import CibwError, cleanup_after_build
 from ci.release.runner_setup import cuda_commands
 from ci.release.runner_setup import install_cuda as _install_cuda
+from ci.payload.interface import load
 from ci.runtime.log import default_log
 from ci.toolchain.targets import Matrix, Target
 from ci.toolchain.torch_source import TorchSource, foreign_torch_source, torch_source
-from ci.runtime.env import FactoryEnv, child_environ, python_override_var, set_environ, setdefault_environ
+from ci.runtime.env import FactoryEnv, python_override_var, set_environ, setdefault_environ
 from ci.runtime.errors import InputError
 
 REPO = Path(__file__).resolve().parents[3]
@@ -65,19 +74,16 @@ def _container_pythons() -> None:
         setdefault_environ(f"SAGEATTN3_PYTHON_3_{minor}", str(d / "bin" / "python"))
 
 
-def _dist() -> Path:
+def dist_dir() -> Path:
+    """The output root of the hooks: ``$SAGEATTN3_DIST``, else ``dist/``."""
     return Path(FactoryEnv.from_environ().dist or REPO / "dist")
 
 
 # -- before-all ------------------------------------------------------------------------------
 
 def install_cuda(target: Target, github_env: Path | None = None, log=default_log) -> None:
-    """before-all: the target's CUDA toolkit (ci.release.runner_setup.install_cuda); none for the probe."""
-    if probe_dir() is not None:
-        cmds = cuda_commands(target)
-        log(f"[cuda] probe payload: no toolkit installed (the payload's job runs {cmds or 'the PyPI provisioning'})")
-        return
-    _install_cuda(target, github_env, log=log)
+    """before-all: the stages' toolkit (the factory's: ci.release.runner_setup.install_cuda)."""
+    stages().install_cuda(target, github_env, log=log)
 
 
 def install_cuda_plan(target: Target) -> str:
@@ -110,22 +116,25 @@ def install_cuda_plan(target: Target) -> str:
 # -- the stages cibuildwheel calls ----------------------------------------------------------
 
 def build_into(wheel_dir: Path, log=default_log) -> Path:
-    """The build stage for $SAGEATTN3_TARGET; the raw wheel is copied into ``wheel_dir``.
+    """The build stage for $SAGEATTN3_TARGET; the raw wheel is left in ``wheel_dir``."""
+    _container_pythons()
+    matrix, target = load_target()
+    return stages().build(matrix, target, wheel_dir, log=log)
+
+
+def build_sageattn3(matrix: Matrix, target: Target, wheel_dir: Path, log=default_log) -> Path:
+    """The factory's build stage (ci.stages.build.build); the raw wheel is copied into ``wheel_dir``.
     ``$MAX_JOBS`` caps the parallel compiles (default: what this machine's memory holds);
     with ``$SAGEATTN3_CI_CLEANUP=1`` what only the build needed is removed afterwards."""
     from ci.stages.build import build
     from ci.stages.resolve import resolve_toolchain
 
-    _container_pythons()
-    matrix, target = load_target()
-    if probe_dir() is not None:
-        return build_probe(target, wheel_dir, log=log)
     given = FactoryEnv.from_environ().max_jobs
     jobs = given if given is not None else int(nvcc_jobs())
     log(f"[build] {target.id}: {jobs} parallel compiles; torch {torch_source(target).describe()}")
     started = time.time()
     try:
-        result = build(resolve_toolchain(target, matrix), matrix, _dist() / "raw" / target.id, jobs=jobs, log=log)
+        result = build(resolve_toolchain(target, matrix), matrix, dist_dir() / "raw" / target.id, jobs=jobs, log=log)
     finally:
         keep_build_log(target, since=started, log=log)
     wheel_dir.mkdir(parents=True, exist_ok=True)
@@ -148,7 +157,7 @@ def keep_build_log(target: Target, *, since: float = 0.0, log_dir: Path | None =
     ``$SAGEATTN3_LOG_DIR`` (or ``log_dir``), when this build (modified at or after ``since``)
     wrote one; returns the copy."""
     dest_dir = log_dir or FactoryEnv.from_environ().log_dir
-    src = _dist() / "raw" / f"{target.id}.build.log"
+    src = dist_dir() / "raw" / f"{target.id}.build.log"
     if dest_dir is None or not src.is_file() or src.stat().st_mtime < since:
         return None
     dest_dir.mkdir(parents=True, exist_ok=True)
@@ -164,17 +173,19 @@ def _verify_pythons(target: Target, pythons: list[str] | None = None) -> list[st
 
 
 def repair_into(wheel: Path, dest_dir: Path, log=default_log) -> Path:
-    """repair (auditwheel/delvewheel, excludes) then tag (checks + record beside) into dest_dir."""
+    """The repair stage for $SAGEATTN3_TARGET: the repaired wheel into ``dest_dir``."""
+    _, target = load_target()
+    return stages().repair(target, wheel, dest_dir, log=log)
+
+
+def repair_and_tag(target: Target, wheel: Path, dest_dir: Path, log=default_log) -> Path:
+    """The factory's repair stage: repair (auditwheel/delvewheel, excludes) then tag (checks +
+    record beside) into dest_dir."""
     from ci.stages.tag import tag
     from ci.stages.repair import repair
 
-    _, target = load_target()
-    repaired = repair(wheel, _dist() / "repaired" / target.id, target.os.platform, log=log)
-    if probe_dir() is not None:  # no build record to tag by
-        dest_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(repaired, dest_dir / repaired.name)
-        log(f"[repair] probe payload: {repaired.name}")
-        return dest_dir / repaired.name
+    repaired = repair(wheel, dist_dir() / "repaired" / target.id, target.os.platform,
+                      settings=FactoryEnv.from_environ(), log=log)
     rec = tag(repaired, target, dest_dir)
     log(f"[repair] {rec.wheel} sha256 {rec.sha256}")
     return dest_dir / rec.wheel
@@ -200,11 +211,11 @@ def use_python(exe: str) -> tuple[str, str]:
     if not path or not os.path.isfile(path):
         raise CibwError(f"--python-exe {exe}: no such interpreter (a path, or a name on PATH)")
     # the base interpreter: _base_executable (Windows venvs), resolved through a POSIX venv's symlink
-    probe = ("import os, sys; b = getattr(sys, '_base_executable', '') or sys.executable\n"
+    query = ("import os, sys; b = getattr(sys, '_base_executable', '') or sys.executable\n"
              "if sys.prefix != sys.base_prefix and os.name != 'nt': b = os.path.realpath(b)\n"
              "print('%d.%d' % sys.version_info[:2]); print(b)")
     try:
-        out = subprocess.run([path, "-c", probe], capture_output=True, text=True, check=True, timeout=120).stdout.split("\n")
+        out = subprocess.run([path, "-c", query], capture_output=True, text=True, check=True, timeout=120).stdout.split("\n")
     except (OSError, subprocess.SubprocessError) as e:
         raise CibwError(f"--python-exe {path} did not run: {e}") from e
     version, base = out[0].strip(), out[1].strip()
@@ -213,20 +224,23 @@ def use_python(exe: str) -> tuple[str, str]:
 
 
 def verify_wheel(wheel: Path, pythons: list[str] | None = None, python_exe: str | None = None, log=default_log):
-    """The verify stage on one repaired wheel, against an index of that wheel alone, with the
-    target's own torch (the build's environment when the Python is the build's). ``python_exe``:
-    the interpreter cibuildwheel tests with (the target's floor Python), passed explicitly so
-    verify never has to find one."""
+    """The verify stage on one repaired wheel for $SAGEATTN3_TARGET, in ``pythons`` (default:
+    ``$SAGEATTN3_VERIFY_PYTHONS``, else the target's). ``python_exe``: the interpreter cibuildwheel
+    tests with (the target's floor Python), passed explicitly so verify never has to find one."""
+    _container_pythons()
+    matrix, target = load_target()
+    return stages().verify(matrix, target, wheel, _verify_pythons(target, pythons), python_exe, log=log)
+
+
+def verify_sageattn3(matrix: Matrix, target: Target, wheel: Path, pythons: list[str], python_exe: str | None,
+                     log=default_log):
+    """The factory's verify stage: against an index of the wheel alone, with the target's own
+    torch (the build's environment when the Python is the build's)."""
     from ci import index as indexmod
     from ci.stages.record import BuildRecord, read_record_in_wheel, record_path
     from ci.stages.resolve import verify_envs
     from ci.stages.verify import verify
 
-    _container_pythons()
-    matrix, target = load_target()
-    pythons = _verify_pythons(target, pythons)
-    if probe_dir() is not None:
-        return verify_probe(wheel, target, pythons, python_exe, log=log)
     if python_exe:
         version, base = use_python(python_exe)
         if version not in pythons:
@@ -264,70 +278,52 @@ def collect(wheelhouse: Path, out: Path, target_id: str | None = None, log=defau
     return [out / rec.wheel]
 
 
-# -- the probe payload -----------------------------------------------------------------------
-# `nox -s cibuildwheel -- --payload probe` (and tests/test_cibw_local.py) run real cibuildwheel
-# with ci/cibuildwheel.toml's hooks on a one-file C extension instead of sageattn3/: the same
-# hook commands, container, environment and stages, in minutes. $SAGEATTN3_CIBW_PROBE names the
-# probe project, relative to the project root; cibuildwheel passes it into its container.
-PROBE_ENV = FactoryEnv.variable("cibw_probe")
+# -- the stages a payload runs ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Stages:
+    """The stage each hook runs once it has found its target (``log`` by keyword):
+
+        install_cuda(target, github_env, log=)                        before-all
+        build(matrix, target, wheel_dir, log=) -> Path                build: one raw wheel in wheel_dir
+        repair(target, wheel, dest_dir, log=) -> Path                 repair-wheel-command: the wheel in dest_dir
+        verify(matrix, target, wheel, pythons, python_exe, log=)      test-command (pythons: those to verify in)
+
+    A payload project's ``cibw_stages.py`` defines ``STAGES``, e.g. ``dataclasses.replace(
+    FACTORY_STAGES, build=...)`` to replace only some."""
+
+    install_cuda: Callable[..., None]
+    build: Callable[..., Path]
+    repair: Callable[..., Path]
+    verify: Callable[..., object]
 
 
-def probe_dir() -> Path | None:
-    rel = FactoryEnv.from_environ().cibw_probe
+FACTORY_STAGES = Stages(install_cuda=_install_cuda, build=build_sageattn3, repair=repair_and_tag,
+                        verify=verify_sageattn3)
+
+# $SAGEATTN3_CIBW_PAYLOAD: another payload project, relative to the project root (cibuildwheel
+# passes it into its container; ci.release.cibw_local sets it), holding a STAGES_FILE.
+PAYLOAD_ENV = FactoryEnv.variable("cibw_payload")
+STAGES_FILE = "cibw_stages.py"
+
+
+def stages() -> Stages:
+    """The stages the hooks run: $SAGEATTN3_CIBW_PAYLOAD's ``cibw_stages.py``'s ``STAGES``, else the
+    factory's. The file is loaded by its path, never imported as a package of this project."""
+    rel = FactoryEnv.from_environ().cibw_payload
     if not rel:
-        return None
-    path = (REPO / rel).resolve()
-    if not (path / "pyproject.toml").is_file():
-        raise CibwError(f"${PROBE_ENV}={rel}: no pyproject.toml at {path}")
-    return path
+        return FACTORY_STAGES
+    return _stages_in((REPO / rel / STAGES_FILE).resolve(), rel)
 
 
-def build_probe(target: Target, wheel_dir: Path, log=default_log) -> Path:
-    """The build stage on the probe: ``pip wheel`` with the Python cibuildwheel builds with
-    (the shim's), abi3 for the target's floor."""
-    from ci.toolchain.tools import find_python
-
-    here = FactoryEnv.from_environ().build_python or target.python
-    python = find_python(here)
-    wheel_dir.mkdir(parents=True, exist_ok=True)
-    before = set(wheel_dir.glob("*.whl"))
-    cmd = [str(python), "-m", "pip", "wheel", "--no-deps", "-w", str(wheel_dir), str(probe_dir())]
-    log(f"[build] probe payload, Python {here}: {' '.join(cmd)}")
-    from ci.runtime.pip_env import pip_environ
-
-    subprocess.run(cmd, check=True, env=pip_environ(extra={"SAGEATTN3_PROBE_LIMITED_API": target.python_tag}))
-    new = sorted(set(wheel_dir.glob("*.whl")) - before)
-    if len(new) != 1 or f"-{target.python_tag}-abi3-" not in new[0].name:
-        raise CibwError(f"the probe's build left {[w.name for w in new]}, expected one {target.python_tag}-abi3 wheel")
-    return new[0]
-
-
-def verify_probe(wheel: Path, target: Target, pythons: list[str], python_exe: str | None, log=default_log) -> str:
-    """The verify stage on the probe: the test Python must be the target's floor, as for the
-    payload; a fresh venv of it gets the wheel with its dependency, and the extension runs."""
-    from ci.runtime.pip_env import pip_environ
-
-    if not python_exe:
-        raise CibwError("the probe's verify needs --python-exe (cibuildwheel's test Python)")
-    version, base = use_python(python_exe)
-    if version not in pythons:
-        raise CibwError(f"--python-exe {python_exe} is Python {version}, {target.id} verifies in {', '.join(pythons)}")
-    with tempfile.TemporaryDirectory(prefix="sageattn3-probe-verify-") as tmp:
-        subprocess.run([base, "-m", "venv", f"{tmp}/venv"], check=True)
-        vpy = f"{tmp}/venv/bin/python"
-        proc = subprocess.run([vpy, "-m", "pip", "install", "--no-cache-dir", str(wheel)], capture_output=True,
-                              text=True, env=pip_environ(sources=False))
-        if proc.returncode != 0:
-            raise CibwError(f"pip could not install {wheel.name}:\n{proc.stdout[-1500:]}{proc.stderr[-1500:]}")
-        check = ("import sageattn3_cibw_probe as p, packaging, importlib.metadata as md; "
-                 "assert p.add(2, 3) == 5 and p.has_env('PATH'); print(md.version('packaging'))")
-        res = subprocess.run([vpy, "-c", check], capture_output=True, text=True)
-        if res.returncode != 0:
-            raise CibwError(f"{wheel.name} did not work in Python {version}:\n{res.stderr[-1500:]}")
-    log(f"[verify] probe payload {wheel.name}: Python {version} ({base}); add(2, 3) == 5; "
-        f"its dependency packaging {res.stdout.strip()} installed; the hook's pip variables: "
-        + " ".join(f"{k}={v}" for k, v in sorted(child_environ().items()) if k.startswith("PIP_")))
-    return wheel.name
+@cache
+def _stages_in(path: Path, rel: str) -> Stages:
+    if not path.is_file():
+        raise CibwError(f"${PAYLOAD_ENV}={rel}: no {STAGES_FILE} at {path}")
+    got = getattr(load(path, "sageattn3_cibw_stages"), "STAGES", None)
+    if not isinstance(got, Stages):
+        raise CibwError(f"{path}: STAGES is {type(got).__name__}, not a ci.release.cibw.Stages")
+    return got
 
 
 # -- CLI ------------------------------------------------------------------------------------

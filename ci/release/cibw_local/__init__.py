@@ -19,10 +19,18 @@ Only what this machine lacks is replaced, through cibuildwheel's own variables:
                              ABI guard's torch comes from the directory it does serve
     cibuildwheel's cache     virtualenv-<version>.pyz pre-seeded (its audit step would download
                              it from GitHub), made from PyPI's virtualenv wheel of that version
+    SAGEATTN3_CI_CLEANUP     0: the container reaches this machine's cache through /host, and a
+                             developer machine keeps its toolkits and torch environments (a
+                             runner's job removes them before verify, to free its disk)
+    SAGEATTN3_VERIFY_PYTHONS the Pythons verify installs the wheel into, when asked for more than
+                             the target's floor (the dry run's ``--verify-python``)
 
-``--payload probe`` builds tests/cibw_probe/ instead of sageattn3/ (``SAGEATTN3_CIBW_PROBE``,
-passed into the container like SAGEATTN3_FOREIGN_TORCH_DIR; see ci.release.cibw's probe section): a
-one-file C extension, so the same hooks run in minutes, without CUDA or torch.
+``--payload-dir DIR`` runs another payload project's stages instead of the factory's on
+sageattn3/: DIR, inside the repository (cibuildwheel copies the repository into its container),
+holds a ``cibw_stages.py`` (``SAGEATTN3_CIBW_PAYLOAD``, passed into the container like
+SAGEATTN3_FOREIGN_TORCH_DIR; see ci.release.cibw's Stages). tests/cibw_probe/ is one: a one-file
+C extension, so the same hooks run in minutes, without CUDA or torch (and no stand-in torch is
+stocked for it).
 """
 
 from __future__ import annotations
@@ -59,6 +67,36 @@ class LocalRun:
     seconds: float = 0.0
     wheels: tuple[Path, ...] = ()
     returncode: int | None = None
+
+    def step_seconds(self) -> dict[str, float]:
+        """How long each of cibuildwheel's steps took, as its log says (``✓ 12.34s`` under the
+        step's title): before-all, build, repair, audit, test."""
+        return step_seconds(self.log.read_text(encoding="utf-8", errors="replace") if self.log.exists() else "")
+
+    def lines(self, prefix: str) -> list[str]:
+        """The lines of cibuildwheel's log a factory stage wrote with ``prefix`` (``[verify]``)."""
+        text = self.log.read_text(encoding="utf-8", errors="replace") if self.log.exists() else ""
+        return [ln.strip() for ln in text.splitlines() if ln.strip().startswith(prefix)]
+
+
+# cibuildwheel's step titles (its log), and the hook each one runs
+STEP_TITLES = {"Running before_all...": "before-all", "Building wheel...": "build", "Repairing wheel...": "repair",
+               "Auditing wheel...": "audit", "Testing wheel...": "test"}
+
+
+def step_seconds(log_text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    step = None
+    for line in log_text.splitlines():
+        if line in STEP_TITLES:
+            step = STEP_TITLES[line]
+        elif step and line.strip().startswith("✓ ") and line.strip().endswith("s"):
+            try:
+                out[step] = float(line.strip()[2:-1])
+            except ValueError:
+                pass
+            step = None
+    return out
 
 
 def cibuildwheel_cache() -> Path:
@@ -115,9 +153,10 @@ def environment_pass(target, environ: dict[str, str]) -> list[str]:
         return opts.reader.get("environment-pass", option_format=options.ListFormat(sep=" ")).split()
 
 
-def stock_standin(target_id: str, log=default_log) -> str:
+def stock_standin(target_id: str, verify_pythons: list[str] | None = None, log=default_log) -> str:
     """PyPI's torch wheels the job installs, into the stand-in for PyTorch's index: the build
-    torch for the target's floor Python, and the ABI guard's; returns the guard's directory."""
+    torch for the target's floor Python (and each other Python verify runs in), and the ABI
+    guard's for the first of them; returns the guard's directory."""
     from ci.release import cibw_job
     from ci.release.standin import fetch_torch, standin_dir
     from ci.toolchain.targets import Matrix
@@ -125,16 +164,20 @@ def stock_standin(target_id: str, log=default_log) -> str:
     matrix = Matrix.load()
     target = matrix.target(target_id)
     job = cibw_job.plan_job(target, matrix)
-    fetch_torch(target.build_torch, target.python, matrix, log=log)
-    fetch_torch(job.foreign.version, target.python, matrix, log=log)
+    pythons = verify_pythons or [target.python]
+    for python in dict.fromkeys([target.python, *pythons]):
+        fetch_torch(target.build_torch, python, matrix, log=log)
+    fetch_torch(job.foreign.version, pythons[0], matrix, log=log)
     return standin_dir(job.foreign.version, matrix)
 
 
 def job_environment(target_id: str, *, image: str, pytorch_index: str, cache_host: Path, log_dir: Path,
                     foreign_dir: str = "cpu", payload_dir: Path | None = None,
-                    jobs: int | None = None) -> dict[str, str]:
+                    jobs: int | None = None, verify_pythons: list[str] | None = None) -> dict[str, str]:
     """The environment cibuildwheel runs with: this machine's, the job's exports (``python -m
-    ci.release.cibw env``) as build-target.yml writes them, and the replacements in the module's doc."""
+    ci.release.cibw env``) as build-target.yml writes them, and the replacements in the module's doc.
+    ``payload_dir``: a payload project inside the repository whose ``cibw_stages.py`` the hooks
+    run instead of the factory's stages (``$SAGEATTN3_CIBW_PAYLOAD``, relative to the repository)."""
     from ci.release import cibw, cibw_job
     from ci.release.workflow_lint import workflow_tools_dir
     from ci.toolchain.targets import Matrix
@@ -155,26 +198,49 @@ def job_environment(target_id: str, *, image: str, pytorch_index: str, cache_hos
         "CIBW_CONTAINER_ENGINE": CONTAINER_ENGINE,
         "CIBW_DEPENDENCY_VERSIONS": "latest",
         "PYTHONPATH": str(workflow_tools_dir()),
-        "CIBW_ENVIRONMENT_PASS_LINUX": " ".join([*passed, "SAGEATTN3_FOREIGN_TORCH_DIR", cibw.PROBE_ENV]),
+        "CIBW_ENVIRONMENT_PASS_LINUX": " ".join([*passed, "SAGEATTN3_FOREIGN_TORCH_DIR", cibw.PAYLOAD_ENV]),
         "SAGEATTN3_FOREIGN_TORCH_DIR": foreign_dir,
+        "SAGEATTN3_CI_CLEANUP": "0",
     })
-    env.pop(cibw.PROBE_ENV, None)
+    if verify_pythons:
+        env["SAGEATTN3_VERIFY_PYTHONS"] = " ".join(verify_pythons)
+    else:
+        env.pop("SAGEATTN3_VERIFY_PYTHONS", None)
+    env.pop(cibw.PAYLOAD_ENV, None)
     if payload_dir is not None:
-        env[cibw.PROBE_ENV] = payload_dir.resolve().relative_to(REPO).as_posix()
+        env[cibw.PAYLOAD_ENV] = payload_relative(payload_dir)
     return env
+
+
+def payload_relative(payload_dir: Path) -> str:
+    """``payload_dir`` as ``$SAGEATTN3_CIBW_PAYLOAD`` names it: relative to the repository, which
+    cibuildwheel copies into its container; it must hold a ``cibw_stages.py``."""
+    from ci.release import cibw
+
+    path = Path(payload_dir).resolve()
+    if not path.is_relative_to(REPO):
+        raise LocalCibwError(f"{payload_dir}: a payload project must lie inside the repository ({REPO}), "
+                             "the folder cibuildwheel copies into its container")
+    if not (path / cibw.STAGES_FILE).is_file():
+        raise LocalCibwError(f"{payload_dir}: no {cibw.STAGES_FILE} (the stages the hooks run for it)")
+    return path.relative_to(REPO).as_posix()
 
 
 def run_cibuildwheel(target_id: str, output_dir: Path, *, payload_dir: Path | None = None,
                      pytorch_index: str | None = None, jobs: int | None = None, cache: Path | None = None,
-                     log=default_log) -> LocalRun:
+                     verify_pythons: list[str] | None = None, log=default_log) -> LocalRun:
     """Real cibuildwheel for ``target_id`` in the stand-in image; its output into
-    ``output_dir/cibuildwheel.log``. ``cache``: the runner's cache folder the container reaches
-    through /host (SAGEATTN3_CACHE_HOST; default the factory's cache). Raises when it fails
-    (with the log's last lines)."""
+    ``output_dir/cibuildwheel.log``, its wheel into ``output_dir/wheelhouse``. ``cache``: the
+    runner's cache folder the container reaches through /host (SAGEATTN3_CACHE_HOST; default the
+    factory's cache); ``pytorch_index``: a running stand-in for PyTorch's index (default: one
+    of its own); ``verify_pythons``: verify in these Pythons (default: the target's floor).
+    Raises when it fails (with the log's last lines)."""
     from ci.release.standin import pytorch_index_standin
     from ci.release.standin_image import build_image
     from ci.toolchain.tools import cache_root
 
+    if payload_dir is not None:
+        payload_relative(payload_dir)  # before minutes of image and stand-in work
     image = build_image(log=log)
     seed_virtualenv_pyz(log=log)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -186,10 +252,11 @@ def run_cibuildwheel(target_id: str, output_dir: Path, *, payload_dir: Path | No
     (cache / "sccache").mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "cibuildwheel", "--config-file", "ci/cibuildwheel.toml", "--output-dir",
            str(wheelhouse), "ci/release/cibw_project"]
-    foreign_dir = stock_standin(target_id, log=log) if payload_dir is None else "cpu"
+    foreign_dir = stock_standin(target_id, verify_pythons, log=log) if payload_dir is None else "cpu"
     with pytorch_index_standin() if pytorch_index is None else contextlib.nullcontext(pytorch_index) as index:
         env = job_environment(target_id, image=image, pytorch_index=index, cache_host=cache, log_dir=logs,
-                              foreign_dir=foreign_dir, payload_dir=payload_dir, jobs=jobs)
+                              foreign_dir=foreign_dir, payload_dir=payload_dir, jobs=jobs,
+                              verify_pythons=verify_pythons)
         run = LocalRun(target_id, cmd, env, output_dir, output_dir / "cibuildwheel.log")
         log(f"[cibuildwheel] {target_id}: {' '.join(cmd[1:])} (image {image}; log {run.log})")
         t0 = time.monotonic()

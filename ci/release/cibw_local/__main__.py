@@ -14,8 +14,9 @@ from ci.runtime.errors import FactoryError, InputError, run_main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ci.release.cibw_local", description=DOC.split("\n\n")[0])
     ap.add_argument("--target", default="linux-x86_64-cu130-torch2.10-stable", help="a Linux target of this machine's arch")
-    ap.add_argument("--payload", choices=["real", "probe"], default="real",
-                    help="sageattn3/ (default) or the small probe extension (tests/cibw_probe)")
+    ap.add_argument("--payload-dir", type=Path, metavar="DIR",
+                    help="a payload project inside the repository whose cibw_stages.py the hooks run instead of "
+                         "the factory's stages on sageattn3/ (default), e.g. tests/cibw_probe (a one-file extension)")
     ap.add_argument("--output-dir", type=Path, default=REPO / "dist" / "cibuildwheel")
     ap.add_argument("--jobs", type=int, help="MAX_JOBS, the parallel compiles (default: what memory holds)")
     ap.add_argument("--cache", type=Path, help="the runner's cache folder (default: the factory's cache; a "
@@ -25,8 +26,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cli(a) -> int:
-    payload = REPO / "tests" / "cibw_probe" if a.payload == "probe" else None
+    from ci.release.cibw_local import LocalCibwError, payload_relative
     from ci.toolchain.targets import Matrix, MatrixError
+
+    if a.payload_dir is not None:
+        try:
+            payload_relative(a.payload_dir)
+        except LocalCibwError as e:
+            raise InputError(f"cibuildwheel: --payload-dir {e}") from e
 
     try:
         target = Matrix.load().target(a.target)
@@ -36,7 +43,7 @@ def _cli(a) -> int:
         raise InputError(f"cibuildwheel: {a.target} is a {target.os.key} target; this runs Linux containers of this "
                          f"machine's arch ({platform.machine()}): pass a linux-{platform.machine()} target")
     try:
-        run = run_cibuildwheel(a.target, a.output_dir / a.target, payload_dir=payload, jobs=a.jobs, cache=a.cache)
+        run = run_cibuildwheel(a.target, a.output_dir / a.target, payload_dir=a.payload_dir, jobs=a.jobs, cache=a.cache)
     except Exception as e:  # noqa: BLE001 - one line, then exit status 1, whatever failed in the run
         raise FactoryError(f"cibuildwheel ({a.target}): {type(e).__name__}: {e}") from e
     for w in run.wheels:

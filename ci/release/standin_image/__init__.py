@@ -32,6 +32,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -68,6 +69,20 @@ def _run(cmd: list[str], log=default_log, **kw) -> subprocess.CompletedProcess:
         raise StandinImageError(f"{' '.join(cmd[:6])} ... exited {proc.returncode}:\n"
                                 + "\n".join((proc.stdout + proc.stderr).splitlines()[-25:]))
     return proc
+
+
+def cannot_run_here() -> str:
+    """Why the pinned cibuildwheel cannot run a Linux job on this machine ("" when it can): the
+    image is built with debootstrap as root, and podman, runc and debootstrap come from Debian's
+    packages when missing."""
+    if not sys.platform.startswith("linux"):
+        return "cibuildwheel's Linux containers need a Linux machine"
+    if os.geteuid() != 0:
+        return "building the stand-in manylinux image (debootstrap) needs root"
+    missing = [exe for exe in HOST_PACKAGES if not shutil.which(exe)]
+    if missing and not shutil.which("apt-get"):
+        return f"{', '.join(missing)} missing and no apt-get to install them (Debian/Ubuntu)"
+    return ""
 
 
 def ensure_host_tools(log=default_log) -> None:

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 from ci.runtime.env import FactoryEnv
-from ci.runtime.errors import InputError
+from ci.runtime.errors import FactoryError, InputError
 from ci.runtime.pip_env import pip_environ
 
 
@@ -48,9 +48,10 @@ def run_pip(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return run(cmd, env=pip_environ(), **kw)
 
 
-class CommandFailed(subprocess.CalledProcessError):
+class CommandFailed(subprocess.CalledProcessError, FactoryError):
     """A child command that failed, its message ending with the last lines of its stderr (a
-    broken torch environment says why, not only which command)."""
+    broken torch environment says why, not only which command). A failure of the factory
+    (exit status 1 through ``run_main``) that code catching ``CalledProcessError`` still catches."""
 
     TAIL_LINES = 20
 

@@ -33,7 +33,7 @@ def torch_env(python_version: str, torch_spec: str, extra: tuple[str, ...] = BUI
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:10]
     root = cache_root() / "envs" / f"py{python_version}-{torch_spec.replace('==', '-').replace('+', '_')}-{key}"
     marker = root / ".complete"
-    if not marker.exists():
+    if not is_complete(root):
         if root.exists():
             shutil.rmtree(root)
         py = find_python(python_version)
@@ -58,6 +58,13 @@ def torch_env(python_version: str, torch_spec: str, extra: tuple[str, ...] = BUI
         ensure_packages(root, extra)
     version, cuda = json.loads(marker.read_text())
     return TorchEnv(root, python_version, version, cuda)
+
+
+def is_complete(root: Path) -> bool:
+    """A cached environment is usable: it was filled to the end (``.complete``) and its
+    interpreter is still there (an environment made in a container, or by a Python since moved,
+    links to an interpreter this machine lacks: it is made again)."""
+    return (root / ".complete").exists() and venv_python(root).exists()
 
 
 # Beside an environment's .complete: the requirements its build packages were last installed for.
