@@ -436,7 +436,8 @@ def test_the_hooks_run_the_stages_a_payload_projects_cibw_stages_py_defines(tmp_
         "def repair(target, wheel, dest_dir, log):\n    CALLS.append(('repair', wheel.name)); return dest_dir / wheel.name\n"
         "def verify(matrix, target, wheel, pythons, python_exe, log):\n    CALLS.append(('verify', pythons, python_exe))\n"
         "STAGES = dataclasses.replace(FACTORY_STAGES, build=build, repair=repair, verify=verify)\n")
-    monkeypatch.setenv(cibw.PAYLOAD_ENV, str(tmp_path))
+    monkeypatch.setattr(cibw, "REPO", tmp_path.parent)  # the payload project inside the project
+    monkeypatch.setenv(cibw.PAYLOAD_ENV, tmp_path.name)
     monkeypatch.setenv("SAGEATTN3_TARGET", "linux-x86_64-cu128-torch2.8")
     monkeypatch.delenv("SAGEATTN3_VERIFY_PYTHONS", raising=False)
     got = cibw.stages()
@@ -453,12 +454,22 @@ def test_a_payload_project_without_its_stages_is_an_error(tmp_path, monkeypatch)
     from ci.release import cibw, cibw_local
     from ci.release.runner_setup import CibwError
 
-    monkeypatch.setenv(cibw.PAYLOAD_ENV, str(tmp_path))
+    project = tmp_path / "project"
+    (project / "payload").mkdir(parents=True)
+    monkeypatch.setattr(cibw, "REPO", project)  # a project of its own, with a payload folder in it
+    monkeypatch.setenv(cibw.PAYLOAD_ENV, "payload")
     with pytest.raises(CibwError, match=f"no {cibw.STAGES_FILE} at"):
         cibw.stages()
-    (tmp_path / cibw.STAGES_FILE).write_text("STAGES = 'the factory'\n")
+    (project / "payload" / cibw.STAGES_FILE).write_text("STAGES = 'the factory'\n")
     with pytest.raises(CibwError, match="STAGES is str, not a ci.release.cibw.Stages"):
         cibw.stages()
+    # a file outside the project is never loaded, whatever it holds
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / cibw.STAGES_FILE).write_text("raise SystemExit('loaded')\n")
+    monkeypatch.setenv(cibw.PAYLOAD_ENV, "../elsewhere")
+    with pytest.raises(CibwError, match="a payload project lies inside the project"):
+        cibw.stages()
+    monkeypatch.undo()
     with pytest.raises(cibw_local.LocalCibwError, match="must lie inside the repository"):
         cibw_local.payload_relative(tmp_path)
     assert cibw_local.payload_relative(Path(__file__).parent / "cibw_probe") == "tests/cibw_probe"

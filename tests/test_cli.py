@@ -165,6 +165,11 @@ def test_release_json_arguments_are_input_errors(matrix, says, tmp_path):
     (["ci.release", "plan", "--matrix", "{}"], "no 'include' list"),
     (["ci.release", "gather", "--plan", "{}", "--artifacts", "no-such-dir", "--out", "TMP"], "no 'include' list"),
     (["ci.release.cibw", "collect", "--wheelhouse", "TMP", "--out", "TMP/out"], "no target"),
+    (["ci.release", "dry-run", "--only", "nope", "--dist", "TMP/d"], "--only nope: not a target of ci/targets.toml"),
+    # jobs the stand-in container cannot run: refused before any image is built (no CUDA 12.x
+    # toolkit here; a build Python the image lacks)
+    (["ci.release.cibw_local", "--target", "linux-x86_64-cu128-torch2.8"], "cannot run here"),
+    (["ci.release.cibw_local", "--target", "linux-x86_64-cu132-torch2.10-stable"], "cannot run here"),
 ])
 def test_more_bad_input_is_exit_2_and_one_line(args, says, tmp_path):
     """Bad input found by a cold review: each exits 2 with one line that says what to pass."""

@@ -121,22 +121,17 @@ def rehearse_plan(matrix: Matrix, pytorch_index: str | None = None, log=default_
     with the stand-in index and the pinned cibuildwheel in the stand-in manylinux image (a
     Linux target of this machine's arch whose CUDA comes from PyPI; the rest are only planned,
     with the reason)."""
-    import platform
-
     from ci.release import cibw_job
-    from ci.release.standin_image import cannot_run_here
+    from ci.release.cibw_local import cannot_run
     from ci.stages.resolve import local_blockers
 
-    containers = cannot_run_here()
     out = []
     for t in matrix.targets:
         job = cibw_job.plan_job(t, matrix)
         problems = cibw_job.check_job(job, matrix) + _windows_commands_problems(t, matrix)
         blockers = local_blockers(t, pytorch_index=pytorch_index or "http://127.0.0.1/whl")  # the stand-in's
-        if not blockers and (t.os.platform != "linux" or t.os.machine != platform.machine()):
-            blockers.append(f"cibuildwheel runs Linux containers of this machine's arch ({platform.machine()}) here")
-        if not blockers and containers:
-            blockers.append(containers)
+        if not blockers and cannot_run(t):
+            blockers.append(cannot_run(t))
         served = standin_serves(t, matrix)
         why = "; ".join(blockers + ([f"the stand-in index cannot serve its torch: {served}"] if served else []))
         out.append(TargetRehearsal(t.id, job, problems, not why, why))
@@ -230,9 +225,17 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
     if unknown_fail:
         raise ReleaseInputError(f"--fail-target {' '.join(unknown_fail)}: not a target of ci/targets.toml; list them with "
                            "`nox -s build-wheels -- --list-targets`")
+    unknown_only = [t for t in only or [] if t not in {x.id for x in matrix.targets}]
+    if unknown_only:
+        raise ReleaseInputError(f"--only {' '.join(unknown_only)}: not a target of ci/targets.toml; list them with "
+                                "`nox -s build-wheels -- --list-targets`")
     dist.mkdir(parents=True, exist_ok=True)
     with pytorch_index_standin() as index_url:
         dr.jobs = rehearse_plan(matrix, index_url, log=log)
+        cannot = [r for r in dr.jobs if r.id in (only or []) and not r.runs_here]
+        if cannot:  # before the compile gate's minute: the ids asked for cannot run here
+            raise ReleaseInputError(f"cannot rehearse {[r.id for r in cannot]} here: "
+                                    + "; ".join(f"{r.id}: {r.why_not}" for r in cannot))
         gate_problem = compile_gate_problem(matrix, log=log) if compile_gate else None
         if gate_problem:
             raise ReleaseError(f"the plan has problems: {gate_problem}")
@@ -244,11 +247,6 @@ def dry_run(dist: Path, *, verify_pythons: list[str] | None = None, fake=None, r
             (dist / "summary.md").write_text(dr.summary)
             raise ReleaseError("the plan has problems: " + "; ".join(f"{r.id}: {', '.join(r.problems)}" for r in bad))
         if only:
-            unknown = sorted(set(only) - {r.id for r in dr.jobs})
-            cannot = [r for r in dr.jobs if r.id in only and not r.runs_here]
-            if unknown or cannot:
-                raise ReleaseError(f"cannot rehearse {unknown + [r.id for r in cannot]} here: "
-                                   + "; ".join(f"{r.id}: {r.why_not}" for r in cannot))
             runnable = [i for i in runnable if i in only]
         if plan_only:
             dr.summary = _jobs_table(dr)

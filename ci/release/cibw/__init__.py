@@ -313,7 +313,11 @@ def stages() -> Stages:
     rel = FactoryEnv.from_environ().cibw_payload
     if not rel:
         return FACTORY_STAGES
-    return _stages_in((REPO / rel / STAGES_FILE).resolve(), rel)
+    path = (REPO / rel / STAGES_FILE).resolve()
+    if not path.is_relative_to(REPO.resolve()):
+        raise CibwError(f"${PAYLOAD_ENV}={rel}: a payload project lies inside the project ({REPO}), "
+                        "the folder cibuildwheel copies into its container")
+    return _stages_in(path, rel)
 
 
 @cache

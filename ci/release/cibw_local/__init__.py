@@ -153,6 +153,25 @@ def environment_pass(target, environ: dict[str, str]) -> list[str]:
         return opts.reader.get("environment-pass", option_format=options.ListFormat(sep=" ")).split()
 
 
+def cannot_run(target) -> str:
+    """Why the pinned cibuildwheel cannot run ``target``'s job here ("" when it can): a Linux job of
+    this machine's arch, buildable here (ci.stages.resolve.local_blockers: its CUDA from PyPI, its
+    torch), whose build Python the stand-in image holds, on a machine that can run the image."""
+    from ci.release.standin_image import PYTHONS, cannot_run_here
+    from ci.stages.resolve import local_blockers
+
+    if target.os.platform != "linux" or target.os.machine != os.uname().machine:
+        return (f"{target.id} is a {target.os.key} job: cibuildwheel runs Linux containers of this machine's arch "
+                f"(linux-{os.uname().machine}) here")
+    blockers = local_blockers(target, pytorch_index="http://127.0.0.1/whl")  # the stand-in's
+    if blockers:
+        return "; ".join(blockers)
+    if target.python not in PYTHONS:
+        return (f"the stand-in manylinux image holds Pythons {', '.join(PYTHONS)} (ci.release.standin_image.PYTHONS); "
+                f"this job builds with {target.python}")
+    return cannot_run_here()
+
+
 def stock_standin(target_id: str, verify_pythons: list[str] | None = None, log=default_log) -> str:
     """PyPI's torch wheels the job installs, into the stand-in for PyTorch's index: the build
     torch for the target's floor Python (and each other Python verify runs in), and the ABI

@@ -42,6 +42,15 @@ def _cli(a) -> int:
     if target.os.platform != "linux" or target.os.machine != platform.machine():
         raise InputError(f"cibuildwheel: {a.target} is a {target.os.key} target; this runs Linux containers of this "
                          f"machine's arch ({platform.machine()}): pass a linux-{platform.machine()} target")
+    from ci.release.cibw_local import cannot_run
+    from ci.release.standin_image import PYTHONS
+
+    # another payload brings its own build (no CUDA, no torch): only the image's Pythons matter then
+    why = cannot_run(target) if a.payload_dir is None else (
+        "" if target.python in PYTHONS else f"the stand-in manylinux image holds Pythons {', '.join(PYTHONS)}; "
+                                            f"this job builds with {target.python}")
+    if why:
+        raise InputError(f"cibuildwheel: {a.target} cannot run here: {why}")
     try:
         run = run_cibuildwheel(a.target, a.output_dir / a.target, payload_dir=a.payload_dir, jobs=a.jobs, cache=a.cache)
     except Exception as e:  # noqa: BLE001 - one line, then exit status 1, whatever failed in the run
