@@ -160,6 +160,11 @@ __global__ void __launch_bounds__(kThreads) mxfp8_rotated_kernel(Mxfp8Args a) {
         amax = fmaxf(amax, fabsf(v[j]));
         nan |= v[j] != v[j];
       }
+    } else {
+      // padding rows are +0 (the reference pads the smoothed rows with zeros); the rotation's
+      // signs would have made some of them -0, which E4M3 keeps (0x80)
+#pragma unroll
+      for (int j = 0; j < 16; ++j) v[j] = 0.f;
     }
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the other half of the 32-value block
     nan = __shfl_xor_sync(0xffffffffu, static_cast<int>(nan), 1) != 0 || nan;
