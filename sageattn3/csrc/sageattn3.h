@@ -121,6 +121,7 @@ struct Mxfp8Args {
   const uint8_t* sel;
   uint8_t* codes;
   uint8_t* scales;
+  bool rotate;  // the rows rotated (D 64/128) after the balance, before the (rotated) mean
 };
 int smooth_quant_mxfp8(const Mxfp8Args& args, cudaStream_t stream);
 

@@ -235,16 +235,18 @@ def attention_qk8(pre, head_sel: torch.Tensor, q8: torch.Tensor, q8_scales: torc
                   k8_scales: torch.Tensor, *, is_causal: bool = False, sm_scale: float | None = None,
                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The attention with the per-head Q·Kᵀ precision, on a ``reference.Preprocessed`` straight from
-    the preprocessing kernels (pad=128, no rotation): head_sel (B, Hq) bool/uint8, 1 where the
+    the preprocessing kernels (pad=128): head_sel (B, Hq) bool/uint8, 1 where the
     head's Q·Kᵀ runs in FP8 from q8/k8 (MXFP8 of the same smoothed rows, ``_kernels.mxfp8_smooth_quant``;
     only the selected heads' rows, and the kv heads any selected q head reads, need be filled).
     Two launches, each skipping the other's heads on the device; one where head_sel is all
-    zeros is FP4's output bit for bit."""
-    if pre.qk_rotation:
-        raise ValueError(reference.fp8_unavailable(True, 2 * pre.q_packed.shape[3]))
+    zeros is FP4's output bit for bit. With the rotation (``pre.qk_rotation``), q8/k8 are MXFP8 of
+    the rotated rows (``mxfp8_smooth_quant(..., rotate=True)``) and the softmax scale is divided
+    by D/64, as for FP4."""
     q = pre.q_packed
     d = 2 * q.shape[3]
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
+    if pre.qk_rotation:
+        scale *= 64.0 / d  # rotate(q) . rotate(k) = (D/64) q . k (exact: a power of two)
     out = torch.empty((q.shape[0], q.shape[1], pre.seq_q, d), dtype=out_dtype, device=q.device)
     k_res = _kernels._none(q.device, 6) if pre.k_residual is None else pre.k_residual
     work = delta_s_workspace(q.shape[0], q.shape[1], pre.mean_q.shape[2], pre.seq_q, pre.k_packed.shape[2], q.device)

@@ -309,18 +309,22 @@ def preprocess_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: int, 
 
 
 def mxfp8_smooth_quant(x: torch.Tensor, mean: torch.Tensor, balance: torch.Tensor | None, balance_sign: int,
-                       sel: torch.Tensor | None, seq_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+                       sel: torch.Tensor | None, seq_pad: int, rotate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 of x's smoothed rows for the FP8 Q·Kᵀ path (``reference.quantize_mxfp8_rows`` of x ·
     2^(balance_sign · balance) - mean, bit for bit): x (B, H, S, D) contiguous and aligned, mean
     (B, H, 1 or ceil(S/128), D) fp32, balance (B, Hkv, 1, D) exponents or None, sel (B, H) uint8
-    or None (heads whose byte is 0 are skipped: their rows stay uninitialised). Returns codes
-    (B, H, Sp, D) float8_e4m3fn and scales (B, H, Sp, D/32) uint8, Sp = S rounded up to seq_pad."""
+    or None (heads whose byte is 0 are skipped: their rows stay uninitialised); ``rotate`` (D 64/128):
+    the balanced rows rotated before the mean (rotated already) is subtracted, as
+    ``reference.preprocess(..., qk_rotation=True, qk_precision="fp8", qk_fp8_rotated=True)`` makes
+    them. Returns codes (B, H, Sp, D) float8_e4m3fn and scales (B, H, Sp, D/32) uint8, Sp = S
+    rounded up to seq_pad."""
     b, h, s, d = x.shape
     sp = -(-s // seq_pad) * seq_pad
     codes = torch.empty((b, h, sp, d), dtype=torch.uint8, device=x.device)
     scales = torch.empty((b, h, sp, d // 32), dtype=torch.uint8, device=x.device)
     op("mxfp8_smooth_quant")(x, aligned(mean), _none(x.device, 8) if balance is None else aligned(balance),
-                              int(balance_sign), _none(x.device, 9) if sel is None else sel.contiguous(), codes, scales)
+                              int(balance_sign), _none(x.device, 9) if sel is None else sel.contiguous(), codes, scales,
+                              bool(rotate))
     return codes.view(torch.float8_e4m3fn), scales
 
 
@@ -356,10 +360,10 @@ def mxfp8_smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, pre, sel_q: torch.Te
                           seq_pad: int) -> tuple[torch.Tensor, ...]:
     """Both MXFP8 operands of the per-head FP8 Q·Kᵀ (``mxfp8_smooth_quant`` of Q with sel_q and of K
     with sel_k, balance signs -1 and +1) from one op that allocates them: (q8, q8_scales, k8,
-    k8_scales), codes uint8 (B, H, Sp, D), scales uint8 (B, H, Sp, D/32)."""
+    k8_scales), codes uint8 (B, H, Sp, D), scales uint8 (B, H, Sp, D/32); rotated where ``pre`` is."""
     bal = _none(q.device, 8) if pre.balance is None else aligned(pre.balance)
     return op("mxfp8_smooth_quant_qk")(aligned(q), aligned(k), aligned(pre.mean_q), aligned(pre.mean_k), bal,
-                                       sel_q, sel_k, int(seq_pad))
+                                       sel_q, sel_k, int(seq_pad), bool(pre.qk_rotation))
 
 
 def _preprocess_qkv_fake(q, k, v, pad, per_block_mean, rotate, balance, search):
@@ -426,7 +430,7 @@ def _qk_rule_select_fake(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q
             q.new_empty((b, hk), dtype=torch.uint8))
 
 
-def _mxfp8_smooth_quant_qk_fake(q, k, mean_q, mean_k, balance, sel_q, sel_k, seq_pad):
+def _mxfp8_smooth_quant_qk_fake(q, k, mean_q, mean_k, balance, sel_q, sel_k, seq_pad, rotate):
     (b, hq, sq, d), hk, sk = q.shape, k.shape[1], k.shape[2]
     sqp, skp = -(-sq // seq_pad) * seq_pad, -(-sk // seq_pad) * seq_pad
     u8 = torch.uint8

@@ -50,6 +50,73 @@ def test_mxfp8_quantization_is_bit_exact(fp4, dtype, balance, d):  # noqa: F811
     assert torch.equal(k8.view(torch.uint8).cpu(), wk.view(torch.uint8)) and torch.equal(k8s.cpu(), wks)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("balance", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_rotated_mxfp8_quantization_is_bit_exact(fp4, dtype, balance, d):  # noqa: F811
+    """With the rotation: the balanced rows rotated, then the (rotated) mean subtracted, then
+    MXFP8, bit for bit against the reference on the kernels' own means (ragged lengths, GQA,
+    three mean rows of Q; padding rows zero codes and scale byte 1); the paired op the same."""
+    from sageattn3 import _kernels, reference as ref
+
+    q, k, v = ac.make("qk_massive", 2, 4, 2, 300, 200, d, seed=7, dtype=dtype)
+    qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
+    pre = fp4.preprocess(qc, kc, vc, qk_rotation=True, qk_balance=balance)
+    assert pre.qk_rotation and (pre.balance is not None) == balance
+    sel_q = torch.tensor([[1, 1, 0, 1], [1, 0, 1, 1]], dtype=torch.uint8, device="cuda")
+    q8, q8s = _kernels.mxfp8_smooth_quant(qc, pre.mean_q, pre.balance, -1, sel_q, 128, rotate=True)
+    k8, k8s = _kernels.mxfp8_smooth_quant(kc, pre.mean_k, pre.balance, 1, None, 128, rotate=True)
+    bal = None if pre.balance is None else pre.balance.cpu()
+    cq = 1.0 if bal is None else ref.expand_kv(torch.exp2(-bal), 4)
+    ck = 1.0 if bal is None else torch.exp2(bal)
+    qs = ref.smooth_q(ref.rotate(q.float() * cq), pre.mean_q.cpu())
+    ks = ref.rotate(k.float() * ck) - pre.mean_k.cpu()
+    wq, wqs = ref.quantize_mxfp8_rows(ref.pad_dim(qs, -2, 128))
+    wk, wks = ref.quantize_mxfp8_rows(ref.pad_dim(ks, -2, 128))
+    sel = sel_q.bool().cpu()
+    assert torch.equal(q8.view(torch.uint8).cpu()[sel], wq.view(torch.uint8)[sel])
+    assert torch.equal(q8s.cpu()[sel], wqs[sel])
+    assert torch.equal(k8.view(torch.uint8).cpu(), wk.view(torch.uint8)) and torch.equal(k8s.cpu(), wks)
+    assert int(k8s[:, :, 200:].min()) == int(k8s[:, :, 200:].max()) == 1  # padding rows
+    ones_q, ones_k = torch.ones_like(sel_q), torch.ones((2, 2), dtype=torch.uint8, device="cuda")
+    pq, pqs, pk, pks = _kernels.mxfp8_smooth_quant_qk(qc, kc, pre, ones_q, ones_k, 128)  # rotated, as pre is
+    assert torch.equal(pq.cpu(), wq.view(torch.uint8)) and torch.equal(pk.cpu(), wk.view(torch.uint8))
+    assert torch.equal(pqs.cpu(), wqs) and torch.equal(pks.cpu(), wks)
+    with pytest.raises(RuntimeError, match="rotates rows of head dim 64 or 128"):
+        x = torch.zeros(1, 1, 64, 96, dtype=dtype, device="cuda")
+        _kernels.mxfp8_smooth_quant(x, torch.zeros(1, 1, 1, 96, device="cuda"), None, 1, None, 128, rotate=True)
+
+
+@pytest.mark.parametrize("case", ["qk_massive", "rope_bias", "randn"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp8_with_the_rotation_matches_the_reference(fp4, case, causal, d):  # noqa: F811
+    """qk_precision="fp8" with qk_rotation: every head's Q·Kᵀ in FP8 on the rotated rows. The
+    attention kernel on the reference's own preprocessing (>= 0.99999), and the whole call end to
+    end against the reference (>= 0.9999: the means are summed in another order) and exact
+    attention."""
+    from sageattn3 import _attn, reference as ref
+
+    q, k, v = ac.make(case, 1, 4, 2, 700, 700, d, seed=9)
+    pre = ref.preprocess(q, k, v, qk_precision="fp8", qk_rotation=True, qk_balance=True)
+    want = ref.sageattn3(q, k, v, is_causal=causal, qk_precision="fp8", qk_rotation=True, qk_balance=True)
+    g = _pre_to(pre, "cuda")
+    got = _attn.attention_qk8(g, g.qk_fp8, g.q8, g.q8_scales, g.k8, g.k8_scales, is_causal=causal).float().cpu()
+    c = ac.cos_sim(got, want)
+    out, choice = fp4.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal, qk_precision="fp8",
+                                          qk_rotation=True, qk_balance=True, return_qk_choice=True)
+    assert bool(choice.fp8.all()), choice.describe()
+    c_end = ac.cos_sim(out.float().cpu(), want)
+    exact = ref.exact_attention(q, k, v, is_causal=causal)
+    c_exact = ac.cos_sim(out.float().cpu(), exact)
+    c_rot = ac.cos_sim(fp4.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal, qk_rotation=True,
+                                               qk_balance=True).float().cpu(), exact)
+    fig = (f"{case} D={d} causal={causal} fp8+rotation+balance: kernel vs reference cos={c:.7f}, whole call "
+           f"{c_end:.6f}; vs exact {c_exact:.4f} (rotation+balance, FP4: {c_rot:.4f})")
+    FIGURES.append(fig)
+    assert c >= 0.99999 and c_end >= 0.9999, fig
+
+
 @pytest.mark.parametrize("balance", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
 def test_paired_mxfp8_op_matches_two_single_ops(fp4, balance, d):  # noqa: F811
@@ -62,7 +129,7 @@ def test_paired_mxfp8_op_matches_two_single_ops(fp4, balance, d):  # noqa: F811
     sel_q = torch.tensor([[1, 0, 0, 0], [0, 1, 1, 0]], dtype=torch.uint8, device="cuda")
     sel_k = torch.tensor([[1, 0], [1, 1]], dtype=torch.uint8, device="cuda")
     q8, q8s, k8, k8s = _kernels.mxfp8_smooth_quant_qk(q, k, pre, sel_q, sel_k, 128)
-    fake = _kernels._mxfp8_smooth_quant_qk_fake(q, k, None, None, None, None, None, 128)
+    fake = _kernels._mxfp8_smooth_quant_qk_fake(q, k, None, None, None, None, None, 128, False)
     assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in (q8, q8s, k8, k8s)]
     wq, wqs = _kernels.mxfp8_smooth_quant(q, pre.mean_q, pre.balance, -1, sel_q, 128)
     wk, wks = _kernels.mxfp8_smooth_quant(k, pre.mean_k, pre.balance, 1, sel_k, 128)
@@ -158,9 +225,8 @@ def test_choice_and_errors(fp4):  # noqa: F811
     choice = fp4.qk_choice(q, k, v)
     assert choice.fp8.flatten().tolist() == [False, True, True, True], choice.describe()
     assert "fp8" in choice.describe() and choice.error.device.type == "cuda"
-    assert fp4.qk_choice(q, k, v, qk_rotation=True).error is None  # no FP8 path with the rotation
-    with pytest.raises(ValueError, match="qk_rotation"):
-        fp4.sageattn3_blackwell(q, k, v, qk_precision="fp8", qk_rotation=True)
+    auto_rot = fp4.qk_choice(q, k, v, qk_rotation=True)
+    assert auto_rot.error is None and "keeps FP4" in auto_rot.describe()  # the rule: not on rotated rows
     with pytest.raises(ValueError, match="qk_precision must be one of"):
         fp4.sageattn3_blackwell(q, k, v, qk_precision="int8")
 

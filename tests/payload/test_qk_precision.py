@@ -125,8 +125,9 @@ def test_fp8_everywhere_and_arguments():
     assert ref.preprocess(q, k, v).qk_fp8 is None  # preprocess alone: FP4 unless asked
     with pytest.raises(ValueError, match="qk_precision must be one of"):
         ref.sageattn3(q, k, v, qk_precision="FP8")
-    with pytest.raises(ValueError, match="qk_rotation"):
-        ref.sageattn3(q, k, v, qk_precision="fp8", qk_rotation=True)
+    # "fp8" with the rotation: FP8 on the rotated rows (what qk_fp8_rotated asked for before)
+    assert torch.equal(ref.sageattn3(q, k, v, qk_precision="fp8", qk_rotation=True),
+                       ref.sageattn3(q, k, v, qk_precision="fp8", qk_rotation=True, qk_fp8_rotated=True))
     # auto with the rotation keeps FP4 (no FP8 path there): the rule does not run
     assert ref.preprocess(q, k, v, qk_precision="auto", qk_rotation=True).qk_fp8 is None
     q80, k80, v80 = ac.make("randn", 1, 1, 1, 64, 64, 80, seed=3)

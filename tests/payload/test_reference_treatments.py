@@ -62,9 +62,7 @@ def test_massive_shared_outliers_need_the_rotation_with_fp8_qk(d):
 
 def test_qk_fp8_rotated_quantizes_the_rotated_rows():
     q, k, v = ac.make("qk_outliers", 1, 4, 2, 300, 300, 128, seed=3)
-    with pytest.raises(ValueError, match="qk_rotation"):
-        ref.preprocess(q, k, v, qk_rotation=True, qk_precision="fp8")
-    pre = ref.preprocess(q, k, v, qk_rotation=True, qk_balance=True, qk_precision="fp8", qk_fp8_rotated=True)
+    pre = ref.preprocess(q, k, v, qk_rotation=True, qk_balance=True, qk_precision="fp8")
     assert pre.qk_rotation and pre.qk_fp8.all() and pre.qk_error is None
     plain = ref.preprocess(q, k, v, qk_rotation=True, qk_balance=True)
     for name in ("q_packed", "k_packed", "mean_q", "mean_k", "delta_key"):

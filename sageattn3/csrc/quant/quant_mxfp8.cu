@@ -11,10 +11,18 @@
 // as they are): the launch is made for every call of the "auto" path, and costs next to nothing
 // where the rule chose FP4 everywhere (each block reads its head's byte first). One thread per
 // 32-value block; grid (head, blocks over the head's rows).
+//
+// With the rotation (rotate, D 64/128; reference.preprocess with qk_fp8_rotated): the row is
+// balanced, then rotated (preprocess/rotation.cuh, as the NVFP4 smoothing rotates it), then the
+// mean (balanced and rotated already, as the preprocessing wrote it) is subtracted on real rows;
+// padding rows stay zeros. A row's D/16 16-value blocks sit in consecutive lanes (the rotation's
+// layout), a warp takes 32 / (D/16) rows at a time, and the two lanes of a 32-value block share
+// its amax (and whether it holds a NaN) through one shuffle.
 #include <cuda_fp8.h>
 
 #include "common/launch.cuh"
 #include "common/nvfp4.cuh"
+#include "preprocess/rotation.cuh"
 #include "sageattn3.h"
 
 namespace sageattn3 {
@@ -99,11 +107,88 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(Mxfp8Args a) {
   }
 }
 
+// 16 values to E4M3 codes times 2^(127 - b) (exact), four to a word.
+__device__ __forceinline__ uint4 e4m3_codes16(const float (&v)[16], float inv) {
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t c = __nv_cvt_float_to_fp8(__fmul_rn(v[4 * j + e], inv), __NV_SATFINITE, __NV_E4M3);
+      word |= (c & 0xFFu) << (8 * e);
+    }
+    w[j] = word;
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+template <typename T, int kBpr>
+__global__ void __launch_bounds__(kThreads) mxfp8_rotated_kernel(Mxfp8Args a) {
+  constexpr int kD = 16 * kBpr, kRows = 32 / kBpr, kWarps = kThreads / 32;
+  const int64_t h = blockIdx.x;
+  if (a.sel != nullptr && a.sel[h] == 0) return;
+  const int lane = threadIdx.x & 31, cb = lane % kBpr;
+  const int64_t groups = ceil_div(a.Sp, kRows);
+  // warp-uniform bounds: every lane of a warp takes part in the rotation's shuffles
+  for (int64_t gi = static_cast<int64_t>(blockIdx.y) * kWarps + (threadIdx.x >> 5); gi < groups;
+       gi += static_cast<int64_t>(gridDim.y) * kWarps) {
+    const int64_t row = gi * kRows + lane / kBpr;
+    const bool real = row < a.S;
+    float v[16];
+    if (real) {
+      const T* x = static_cast<const T*>(a.x) + (h * a.S + row) * kD + cb * 16;
+      const float* bal = a.balance == nullptr ? nullptr : a.balance + (h / a.rep) * kD + cb * 16;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float x0 = load_value<T>(x, j);
+        v[j] = bal == nullptr ? x0 : __fmul_rn(x0, ldexpf(1.f, a.balance_sign * static_cast<int>(bal[j])));
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) v[j] = 0.f;
+    }
+    rotate_block<kBpr>(v, cb);
+    float amax = 0.f;
+    bool nan = false;
+    if (real) {
+      const int64_t m = a.mean_rows > 1 ? row / 128 : 0;
+      const float* mean = a.mean + (h * a.mean_rows + m) * kD + cb * 16;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        v[j] = __fsub_rn(v[j], mean[j]);
+        amax = fmaxf(amax, fabsf(v[j]));
+        nan |= v[j] != v[j];
+      }
+    } else {
+      // padding rows are +0 (the reference pads the smoothed rows with zeros); the rotation's
+      // signs would have made some of them -0, which E4M3 keeps (0x80)
+#pragma unroll
+      for (int j = 0; j < 16; ++j) v[j] = 0.f;
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the other half of the 32-value block
+    nan = __shfl_xor_sync(0xffffffffu, static_cast<int>(nan), 1) != 0 || nan;
+    if (row >= a.Sp) continue;
+    const uint32_t b = ue8m0_byte(nan ? __uint_as_float(0x7FC00000u) : amax);
+    const float inv = __uint_as_float((254u - b) << 23);
+    reinterpret_cast<uint4*>(a.codes + (h * a.Sp + row) * kD)[cb] = e4m3_codes16(v, inv);
+    if ((cb & 1) == 0) a.scales[(h * a.Sp + row) * (kD / 32) + cb / 2] = static_cast<uint8_t>(b);
+  }
+}
+
 template <typename T>
 int launch(const Mxfp8Args& a, cudaStream_t stream) {
   const int64_t n = a.Sp * (a.D / 32);  // per head
   if (n == 0 || a.H == 0) return cudaSuccess;
   const int64_t per_head = std::max<int64_t>(1, static_cast<int64_t>(sm_count()) * 8 / a.H);
+  if (a.rotate) {
+    const int rows = a.D == 64 ? 8 : 4;  // per warp
+    const int64_t gy = std::min<int64_t>({ceil_div(ceil_div(a.Sp, rows), kThreads / 32), per_head, 65535});
+    const dim3 grid(static_cast<unsigned>(a.H), static_cast<unsigned>(gy));
+    if (a.D == 64) mxfp8_rotated_kernel<T, 4><<<grid, kThreads, 0, stream>>>(a);
+    else mxfp8_rotated_kernel<T, 8><<<grid, kThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+  }
   const int64_t gy = std::min<int64_t>({ceil_div(n, static_cast<int64_t>(kThreads)), per_head, 65535});
   mxfp8_kernel<T><<<dim3(static_cast<unsigned>(a.H), static_cast<unsigned>(gy)), kThreads, 0, stream>>>(a);
   return cudaGetLastError();
@@ -113,7 +198,7 @@ int launch(const Mxfp8Args& a, cudaStream_t stream) {
 
 int smooth_quant_mxfp8(const Mxfp8Args& a, cudaStream_t stream) {
   if (a.D <= 0 || a.D % 32 || a.S < 1 || a.Sp < a.S || a.H < 1 || a.mean_rows < 1 || a.rep < 1 ||
-      (a.mean_rows > 1 && a.mean_rows * 128 < a.S))
+      (a.mean_rows > 1 && a.mean_rows * 128 < a.S) || (a.rotate && !rotation_applies(static_cast<int>(a.D))))
     return cudaErrorInvalidValue;
   switch (a.dtype) {
     case DType::kFloat16: return launch<f16_t>(a, stream);

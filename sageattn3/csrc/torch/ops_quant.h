@@ -52,12 +52,12 @@ void quant_fp4_cols(T x, T packed, T scales) {
                        "quant_fp4_cols");
 }
 
-// mxfp8_smooth_quant(x, mean, balance, balance_sign, sel, codes!, scales!): x (B, H, S, D),
+// mxfp8_smooth_quant(x, mean, balance, balance_sign, sel, codes!, scales!, rotate): x (B, H, S, D),
 // mean (B, H, 1 or ceil(S/128), D) fp32, balance (B, Hb, 1, D) fp32 exponents or empty (H a
-// multiple of Hb), sel (B, H) bytes or empty; codes (B, H, Sp, D), scales (B, H, Sp, D/32) bytes
-// (sageattn3.h, smooth_quant_mxfp8).
+// multiple of Hb), sel (B, H) bytes or empty; codes (B, H, Sp, D), scales (B, H, Sp, D/32) bytes;
+// rotate: the rows rotated before the mean, D 64/128 (sageattn3.h, smooth_quant_mxfp8).
 template <class T>
-void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T codes, T scales) {
+void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T codes, T scales, bool rotate) {
   check_input(x);
   check_f32_on(mean, x, "mean");
   check_code_tensor(codes, x, "codes");
@@ -67,6 +67,8 @@ void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T c
   const int64_t B = x.size(0), H = x.size(1), S = x.size(2), D = x.size(3), Sp = codes.size(2);
   SA3_CHECK(T, D % 32 == 0 && S >= 1, "sageattn3: mxfp8_smooth_quant needs D a multiple of 32 and S >= 1, got D ", D,
             " and S ", S);
+  SA3_CHECK(T, !rotate || D == 64 || D == 128, "sageattn3: mxfp8_smooth_quant rotates rows of head dim 64 or 128, got ",
+            D);
   SA3_CHECK(T, codes.size(0) == B && codes.size(1) == H && codes.size(3) == D && Sp >= S &&
                    scales.numel() == B * H * Sp * (D / 32),
             "sageattn3: codes must be (B, H, Sp >= S, D) and scales (B, H, Sp, D/32) for x (", B, ", ", H, ", ", S,
@@ -105,17 +107,18 @@ void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T c
   a.sel = sel.numel() > 0 ? bytes(sel) : nullptr;
   a.codes = bytes(codes);
   a.scales = bytes(scales);
+  a.rotate = rotate;
   check_cuda_kernel<T>(smooth_quant_mxfp8(a, TensorApi<T>::stream(x)), "mxfp8_smooth_quant");
 }
 
-// mxfp8_smooth_quant_qk(q, k, mean_q, mean_k, balance, sel_q, sel_k, seq_pad) -> (q8, q8_sf, k8,
-// k8_sf): both MXFP8 operands of the per-head FP8 Q.K^T in one op, which allocates them: Q's
-// rows scaled by 2^-balance, K's by 2^+balance (mxfp8_smooth_quant each; the heads whose sel
-// byte is 0 are skipped, their rows stay uninitialised); codes (B, H, Sp, D) and scales
-// (B, H, Sp, D/32) bytes, Sp = S rounded up to seq_pad.
+// mxfp8_smooth_quant_qk(q, k, mean_q, mean_k, balance, sel_q, sel_k, seq_pad, rotate) -> (q8, q8_sf,
+// k8, k8_sf): both MXFP8 operands of the per-head FP8 Q.K^T in one op, which allocates them: Q's
+// rows scaled by 2^-balance, K's by 2^+balance, rotated with `rotate` (mxfp8_smooth_quant each;
+// the heads whose sel byte is 0 are skipped, their rows stay uninitialised); codes (B, H, Sp, D)
+// and scales (B, H, Sp, D/32) bytes, Sp = S rounded up to seq_pad.
 template <class T>
 std::tuple<T, T, T, T> mxfp8_smooth_quant_qk(T q, T k, T mean_q, T mean_k, T balance, T sel_q, T sel_k,
-                                            int64_t seq_pad) {
+                                            int64_t seq_pad, bool rotate) {
   using A = TensorApi<T>;
   check_input(q);
   check_input(k);
@@ -131,8 +134,8 @@ std::tuple<T, T, T, T> mxfp8_smooth_quant_qk(T q, T k, T mean_q, T mean_k, T bal
   DeviceScope scope(device_index(q));
   T q8 = A::empty({B, Hq, Sqp, D}, Kind::kByte, q), q8_sf = A::empty({B, Hq, Sqp, D / 32}, Kind::kByte, q);
   T k8 = A::empty({B, Hk, Skp, D}, Kind::kByte, q), k8_sf = A::empty({B, Hk, Skp, D / 32}, Kind::kByte, q);
-  mxfp8_smooth_quant<T>(q, mean_q, balance, -1, sel_q, q8, q8_sf);
-  mxfp8_smooth_quant<T>(k, mean_k, balance, 1, sel_k, k8, k8_sf);
+  mxfp8_smooth_quant<T>(q, mean_q, balance, -1, sel_q, q8, q8_sf, rotate);
+  mxfp8_smooth_quant<T>(k, mean_k, balance, 1, sel_k, k8, k8_sf, rotate);
   return {q8, q8_sf, k8, k8_sf};
 }
 

@@ -178,9 +178,9 @@ def sageattn3(
 
     Q·Kᵀ, the scores and the running max are exactly as with "fp4" (any ``qk_precision``).
 
-    ``qk_fp8_rotated`` (reference only, opt-in; no kernel has it yet): lets qk_precision "fp8"
-    combine with ``qk_rotation`` (which otherwise raises, as the kernels do): Q·Kᵀ then runs on
-    the MXFP8 of the rotated (and balanced) smoothed rows (``preprocess``).
+    qk_precision "fp8" with ``qk_rotation``: Q·Kᵀ runs on the MXFP8 of the rotated (and balanced)
+    smoothed rows (``preprocess``), as the kernels run it; ``qk_fp8_rotated`` asked for that before
+    it was the default and changes nothing now.
     """
     b, hq, sq, d = q.shape
     is_causal = flag(is_causal, "is_causal")

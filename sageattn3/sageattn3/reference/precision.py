@@ -59,15 +59,16 @@ def pv_precision_arg(value) -> str:
 
 
 def fp8_applies(rotated: bool, head_dim: int) -> bool:
-    """The FP8 Q·Kᵀ path exists at head dims 64/128 without the Q/K rotation."""
+    """The per-head rule ("auto") can pick FP8 Q·Kᵀ: head dims 64/128 without the Q/K rotation
+    (with the rotation only "fp8" itself runs FP8, on every head)."""
     return head_dim in FP8_HEAD_DIMS and not rotated
 
 
 def fp8_unavailable(rotated: bool, head_dim: int) -> str:
     if head_dim not in FP8_HEAD_DIMS:
         return f"qk_precision='fp8' needs head_dim 64 or 128, got {head_dim}; use qk_precision='fp4' or 'auto'"
-    return ("qk_precision='fp8' does not combine with qk_rotation=True; drop one of them (with the rotation, "
-            "qk_precision='auto' keeps FP4 on every head)")
+    return ("with qk_rotation=True, qk_precision='auto' keeps FP4 on every head (the rule is not defined on "
+            "rotated rows); qk_precision='fp8' runs every head's Q·Kᵀ in FP8 on the rotated rows")
 
 
 def _sampled_rows(x: torch.Tensor, seq: int, stride: int) -> list[torch.Tensor]:

@@ -232,9 +232,11 @@ def preprocess(
     default 1/sqrt(D)) fill qk_fp8, q8, k8 and qk_error; ``k_block_mean`` (reference only, no
     rotation) smooths K per 128-key block (``Preprocessed.k_block_corr``). ``pv_precision``
     "fp8" (reference only) also fills v8/v8_scales (``pad`` must then be a multiple of 32).
-    ``qk_fp8_rotated`` (reference only; no kernel has it yet) lets qk_precision "fp8" combine
-    with the rotation: q8/k8 are then the MXFP8 of the rotated (and balanced) smoothed rows, every
-    head, the rule not run; without it that combination raises, as the kernels' does."""
+    qk_precision "fp8" with the rotation: q8/k8 are the MXFP8 of the rotated (and balanced)
+    smoothed rows, every head, the rule not run (as the kernels make them:
+    ``_kernels.mxfp8_smooth_quant(..., rotate=True)``); "auto" with the rotation keeps FP4 (the
+    rule is not defined on rotated rows). ``qk_fp8_rotated`` asked for that combination before it
+    was the default; it changes nothing now."""
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     precision = qk_precision_arg(qk_precision)
     pv_fp8 = pv_precision_arg(pv_precision) == "fp8"
@@ -282,8 +284,8 @@ def preprocess(
     pre = Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk, mg, dk, rot, bal, search, kr, k_block_corr=corr)
     if pv_fp8:
         pre.v8, pre.v8_scales = quantize_mxfp8_transposed(pad_dim(v.float(), -2, pad))
-    if precision == "fp8" and rot and qk_fp8_rotated and d in FP8_HEAD_DIMS:
-        # reference only: MXFP8 of the rotated rows, every head (the rule does not run)
+    if precision == "fp8" and rot and d in FP8_HEAD_DIMS:
+        # MXFP8 of the rotated rows, every head (the rule does not run)
         pre.qk_fp8 = torch.ones(q.shape[:2], dtype=torch.bool, device=q.device)
         pre.q8, pre.q8_scales = quantize_mxfp8_rows(pad_dim(qs, -2, pad))
         pre.k8, pre.k8_scales = quantize_mxfp8_rows(pad_dim(ks, -2, pad))
