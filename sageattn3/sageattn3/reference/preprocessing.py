@@ -232,11 +232,8 @@ def preprocess(
     default 1/sqrt(D)) fill qk_fp8, q8, k8 and qk_error; ``k_block_mean`` (reference only, no
     rotation) smooths K per 128-key block (``Preprocessed.k_block_corr``). ``pv_precision``
     "fp8" (reference only) also fills v8/v8_scales (``pad`` must then be a multiple of 32).
-    qk_precision "fp8" with the rotation: q8/k8 are the MXFP8 of the rotated (and balanced)
-    smoothed rows, every head, the rule not run (as the kernels make them:
-    ``_kernels.mxfp8_smooth_quant(..., rotate=True)``); "auto" with the rotation keeps FP4 (the
-    rule is not defined on rotated rows). ``qk_fp8_rotated`` asked for that combination before it
-    was the default; it changes nothing now."""
+    "fp8" with the rotation: q8/k8 are the MXFP8 of the rotated smoothed rows, every head, as the
+    kernels make them; "auto" with it keeps FP4. ``qk_fp8_rotated``: no effect (now the default)."""
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     precision = qk_precision_arg(qk_precision)
     pv_fp8 = pv_precision_arg(pv_precision) == "fp8"
