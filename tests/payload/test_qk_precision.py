@@ -9,29 +9,10 @@ import torch
 from sageattn3 import reference as ref
 
 import attention_cases as ac
+from e4m3_oracle import e4m3_grid as _e4m3_grid
+from e4m3_oracle import nearest_e4m3 as _nearest_e4m3
 
 SEQ = 256
-
-
-def _e4m3_grid() -> tuple[torch.Tensor, torch.Tensor]:
-    """Every finite E4M3 value (float64) and its code, from the bytes (no conversion involved)."""
-    codes = torch.arange(256, dtype=torch.int64)
-    sign = torch.where(codes >= 128, -1.0, 1.0).double()
-    e = (codes >> 3) & 15
-    m = (codes & 7).double()
-    mag = torch.where(e == 0, m * 2.0 ** -9, (1 + m / 8) * torch.exp2((e - 7).double()))
-    finite = (codes & 0x7F) != 0x7F
-    return (sign * mag)[finite], codes[finite]
-
-
-def _nearest_e4m3(y: torch.Tensor) -> torch.Tensor:
-    """Round to the nearest E4M3 value, ties to the even code (float64 oracle)."""
-    grid, codes = _e4m3_grid()
-    dist = (y.double().reshape(-1, 1) - grid.reshape(1, -1)).abs()
-    best = dist.min(dim=1, keepdim=True).values
-    tie_pen = (codes.reshape(1, -1) & 1).double() * 1e-300  # among equal distances, the even code
-    cand = torch.where(dist == best, tie_pen, torch.full_like(dist, 1.0))
-    return grid[cand.argmin(dim=1)].reshape(y.shape)
 
 
 def test_ue8m0_scale_is_the_smallest_power_of_two_that_fits():

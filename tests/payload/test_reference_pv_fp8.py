@@ -10,26 +10,8 @@ import torch
 from sageattn3 import reference as ref
 
 import attention_cases as ac
-
-
-def _e4m3_grid() -> tuple[torch.Tensor, torch.Tensor]:
-    """Every finite E4M3 value (float64) and its code, decoded from the bytes by hand."""
-    codes = torch.arange(256, dtype=torch.int64)
-    sign = torch.where(codes >= 128, -1.0, 1.0).double()
-    e = (codes >> 3) & 15
-    m = (codes & 7).double()
-    mag = torch.where(e == 0, m * 2.0 ** -9, (1 + m / 8) * torch.exp2((e - 7).double()))
-    finite = (codes & 0x7F) != 0x7F
-    return (sign * mag)[finite], codes[finite]
-
-
-def _nearest_e4m3(y: torch.Tensor) -> torch.Tensor:
-    """Round float64 y to the nearest E4M3 value, ties to the even code (no float8 conversion)."""
-    grid, codes = _e4m3_grid()
-    dist = (y.double().reshape(-1, 1) - grid.reshape(1, -1)).abs()
-    best = dist.min(dim=1, keepdim=True).values
-    cand = torch.where(dist == best, (codes.reshape(1, -1) & 1).double(), torch.full_like(dist, 2.0))
-    return grid[cand.argmin(dim=1)].reshape(y.shape)
+from e4m3_oracle import e4m3_grid as _e4m3_grid
+from e4m3_oracle import nearest_e4m3 as _nearest_e4m3
 
 
 def _mx_oracle(x: torch.Tensor) -> torch.Tensor:
