@@ -130,8 +130,9 @@ def rehearse_plan(matrix: Matrix, pytorch_index: str | None = None, log=default_
         job = cibw_job.plan_job(t, matrix)
         problems = cibw_job.check_job(job, matrix) + _windows_commands_problems(t, matrix)
         blockers = local_blockers(t, pytorch_index=pytorch_index or "http://127.0.0.1/whl")  # the stand-in's
-        if not blockers and cannot_run(t):
-            blockers.append(cannot_run(t))
+        why_not_here = "" if blockers else cannot_run(t)  # the container's own limits (image, podman)
+        if why_not_here:
+            blockers.append(why_not_here)
         served = standin_serves(t, matrix)
         why = "; ".join(blockers + ([f"the stand-in index cannot serve its torch: {served}"] if served else []))
         out.append(TargetRehearsal(t.id, job, problems, not why, why))
