@@ -145,6 +145,9 @@ struct QkRuleArgs {
   int64_t mean_rows;
   const float* mean_k;
   const float* balance;
+  // Q and K rotated (D 64/128) before their means, which are then rotated means, are subtracted
+  // (the preprocessing's qk_rotation); the caller divides `scale` by D/64.
+  bool rotate;
   float scale;
   float* partial;
   int32_t* counter;

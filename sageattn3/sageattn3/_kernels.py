@@ -331,7 +331,8 @@ def mxfp8_smooth_quant(x: torch.Tensor, mean: torch.Tensor, balance: torch.Tenso
 def qk_rule_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale: float) -> torch.Tensor:
     """The "auto" rule's estimate (``reference.qk_fp4_error``) in one launch: q (B, Hq, Sq, D), k
     and v (B, Hkv, Sk, D) float16/bfloat16, D 64/128, and their ``Preprocessed`` (without K's
-    per-block means). Returns (B, Hq) float32 on q's device (no host synchronisation)."""
+    per-block means; rotated or not), ``scale`` the softmax scale of the unrotated scores. Returns
+    (B, Hq) float32 on q's device (no host synchronisation)."""
     b, hq = q.shape[:2]
     partial = torch.empty((b, hq, 8, 2), dtype=torch.float32, device=q.device)
     counter = torch.zeros((b, hq), dtype=torch.int32, device=q.device)
@@ -339,8 +340,8 @@ def qk_rule_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale:
     op("qk_rule_error")(aligned(q), aligned(k), aligned(v), aligned(pre.q_packed), aligned(pre.q_scales),
                         aligned(pre.k_packed), aligned(pre.k_scales),
                         aligned(pre.mean_q), aligned(pre.mean_k),
-                        _none(q.device, 10) if pre.balance is None else aligned(pre.balance), float(scale),
-                        partial, counter, error)
+                        _none(q.device, 10) if pre.balance is None else aligned(pre.balance),
+                        *_rule_scale(pre, q.shape[3], scale), partial, counter, error)
     return error
 
 
@@ -353,7 +354,14 @@ def qk_rule_select(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale
     return op("qk_rule_select")(aligned(q), aligned(k), aligned(v), aligned(pre.q_packed), aligned(pre.q_scales),
                                 aligned(pre.k_packed), aligned(pre.k_scales), aligned(pre.mean_q),
                                 aligned(pre.mean_k), _none(q.device, 10) if pre.balance is None else aligned(pre.balance),
-                                float(scale), float(limit), bool(select_all))
+                                *_rule_scale(pre, q.shape[3], scale), float(limit), bool(select_all))
+
+
+def _rule_scale(pre, d: int, scale: float) -> tuple[float, bool]:
+    """The rule ops' (sm_scale, rotate): on rotated rows the scores are (D/64)·Q·Kᵀ, so the scale
+    the op applies is divided by that (``reference.rotation_score_factor``)."""
+    rot = bool(pre.qk_rotation)
+    return float(scale) / (d / 64.0 if rot else 1.0), rot
 
 
 def mxfp8_smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, pre, sel_q: torch.Tensor, sel_k: torch.Tensor,
@@ -423,8 +431,8 @@ OUTPUT_WRITING_OPS = (
 )
 # Ops of the library that allocate and return their outputs, with the fakes that give those
 # outputs' shapes (kept next to the op's wrapper above).
-def _qk_rule_select_fake(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, limit,
-                         select_all):
+def _qk_rule_select_fake(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, rotate,
+                         limit, select_all):
     b, hq, hk = q.shape[0], q.shape[1], k.shape[1]
     return (q.new_empty((b, hq), dtype=torch.float32), q.new_empty((b, hq), dtype=torch.uint8),
             q.new_empty((b, hk), dtype=torch.uint8))

@@ -49,10 +49,8 @@ def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float
         return "qk_precision='fp4'"
     b, hq, sq, d = q.shape
     why = None
-    # "fp8" with the rotation: every head FP8 on the rotated rows (the reference's qk_fp8_rotated);
-    # the rule is not defined on rotated rows, so "auto" with the rotation keeps FP4
-    rotated_fp8 = precision == "fp8" and pre.qk_rotation and d in reference.FP8_HEAD_DIMS
-    if not rotated_fp8 and not reference.fp8_applies(pre.qk_rotation, d):
+    # with the rotation the rule estimates on the rotated rows, and FP8 runs on them
+    if not reference.fp8_applies(pre.qk_rotation, d):
         why = reference.fp8_unavailable(pre.qk_rotation, d)
     elif not _attn.fp8_workspace_fits(b, hq, pre.mean_q.shape[2], sq, pre.k_packed.shape[2]):
         why = (f"the FP8 Q·Kᵀ kernel needs the delta_s workspace to hold one (batch, head) row "
@@ -61,10 +59,6 @@ def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float
         if precision == "fp8":
             raise ValueError(why)
         return why
-    if rotated_fp8:
-        hk = k.shape[1]
-        ones = torch.ones((b, hq), dtype=torch.uint8, device=q.device)
-        return ones, ones.new_ones((b, hk)), torch.full((b, hq), float("nan"), device=q.device)
     if _rule_kernel_serves(q, pre):
         err, sel_q, sel_k = _kernels.qk_rule_select(q, k, v, pre, _scale(q, sm_scale), reference.AUTO_ERROR_LIMIT,
                                                     precision == "fp8")

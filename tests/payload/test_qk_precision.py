@@ -109,8 +109,8 @@ def test_fp8_everywhere_and_arguments():
     # "fp8" with the rotation: FP8 on the rotated rows (what qk_fp8_rotated asked for before)
     assert torch.equal(ref.sageattn3(q, k, v, qk_precision="fp8", qk_rotation=True),
                        ref.sageattn3(q, k, v, qk_precision="fp8", qk_rotation=True, qk_fp8_rotated=True))
-    # auto with the rotation keeps FP4 (no FP8 path there): the rule does not run
-    assert ref.preprocess(q, k, v, qk_precision="auto", qk_rotation=True).qk_fp8 is None
+    # auto with the rotation: the rule runs on the rotated rows (test_auto_on_rotated_rows)
+    assert ref.preprocess(q, k, v, qk_precision="auto", qk_rotation=True).qk_error is not None
     q80, k80, v80 = ac.make("randn", 1, 1, 1, 64, 64, 80, seed=3)
     with pytest.raises(ValueError, match="head_dim 64 or 128"):
         ref.sageattn3(q80, k80, v80, qk_precision="fp8")
@@ -160,3 +160,31 @@ def test_k_block_means_restore_the_scores():
     assert kbm > 0.88
     with pytest.raises(ValueError, match="qk_precision='fp4'"):
         ref.sageattn3(q, k, v, k_block_mean=True)
+
+
+def test_auto_on_rotated_rows():
+    """qk_rotation=True with "auto": the rule estimates on the rotated rows (the scale divided by
+    D/64) and its FP8 heads multiply the MXFP8 of those rows. The estimate is the FP4 error of the
+    rotated rows' codes: it equals the unrotated rule's on a preprocessing whose codes are those
+    same rows turned back, and RoPE'd heads, which the rotation does not help, still take FP8."""
+    q, k, v = ac.make("rope_bias", 1, 4, 2, 384, 384, 128, seed=5)
+    pre = ref.preprocess(q, k, v, qk_rotation=True, qk_precision="auto")
+    assert pre.qk_rotation and pre.qk_error is not None and pre.qk_error.shape == (1, 4)
+    assert torch.equal(pre.qk_fp8, pre.qk_error > ref.AUTO_ERROR_LIMIT) and pre.qk_fp8.all(), pre.qk_error
+    ks = ref.rotate(k.float()) - pre.mean_k
+    c, s = ref.quantize_mxfp8_rows(ref.pad_dim(ks, -2, 128))
+    assert torch.equal(c.view(torch.uint8), pre.k8.view(torch.uint8)) and torch.equal(s, pre.k8_scales)
+    # the scale: rotate(q)·rotate(k) = 2 q·k at D 128; an estimate made with the rotated rows but
+    # the unrotated scale would see twice the logits, and a larger error
+    doubled = ref.qk_fp4_error(q, k, v, pre, 2 * 128 ** -0.5)
+    assert torch.equal(ref.qk_fp4_error(q, k, v, pre, 128 ** -0.5), pre.qk_error)
+    assert bool((doubled > pre.qk_error).all()), (doubled, pre.qk_error)
+    # zero-mean data keeps FP4 with the rotation, as without it
+    q0, k0, v0 = ac.make("randn", 1, 4, 2, 384, 384, 128, seed=5)
+    easy = ref.preprocess(q0, k0, v0, qk_rotation=True, qk_precision="auto")
+    assert not easy.qk_fp8.any(), easy.qk_error
+    # every accuracy option on: no longer below the defaults on the heads FP8 serves
+    exact = ref.exact_attention(q, k, v)
+    dflt = ac.cos_sim(ref.sageattn3(q, k, v), exact)
+    every = ac.cos_sim(ref.sageattn3(q, k, v, qk_rotation=True, qk_balance=True, qk_scale_search=True), exact)
+    assert every >= 0.98 and every >= dflt - 0.002, (every, dflt)

@@ -8,6 +8,10 @@
 // both score sets, L = c * Q_s K_s^T and L4 = c * Qd Kd^T, and the two outputs O = softmax(L) V,
 // O4 = softmax(L4) V accumulated in registers.
 //
+// With the rotation (a.rotate) Q_s and K_s are the rotated balanced rows minus the rotated means:
+// the rows are staged balanced, rotated in shared memory (rotation.cuh, one warp per row), then
+// their means subtracted; Qd and Kd are the rotated FP4 codes as they are.
+//
 // Products on tensor cores (mma.m16n8k8 tf32, fp32 accumulation) at float32-level accuracy:
 // - Qd Kd^T: the FP4 values (E2M1 x E4M3, at most 6 significant bits) are exact in tf32.
 // - Q_s K_s^T: each operand split into a tf32 high part and a tf32 low part of the rest,
@@ -24,6 +28,7 @@
 
 #include "common/launch.cuh"
 #include "common/nvfp4.cuh"
+#include "preprocess/rotation.cuh"
 #include "sageattn3.h"
 
 namespace sageattn3 {
@@ -142,10 +147,10 @@ __device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, float* sm, int
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const float c = bal == nullptr ? 1.0f : ldexpf(1.0f, -static_cast<int>(bal[d0 + j]));
-        const float y = __fsub_rn(__fmul_rn(x[j], c), mean[j]);
+        const float y = a.rotate ? __fmul_rn(x[j], c) : __fsub_rn(__fmul_rn(x[j], c), mean[j]);
         uint32_t h2, l2;
         split_tf32(y, h2, l2);
-        hi[j] = __uint_as_float(h2);
+        hi[j] = a.rotate ? y : __uint_as_float(h2);  // rotated rows: split after the rotation
         lo[j] = __uint_as_float(l2);
       }
       const int64_t e = (bh * a.Sqp + row) * D + d0;
@@ -161,6 +166,47 @@ __device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, float* sm, int
       sm[L::kQd + r * L::kLd + d0 + j] = qd[j];
     }
   }
+}
+
+// Rotates rows [0, nrows) of the fp32 matrix at `rows` (row stride ld) in place, one warp per
+// row (rotation.cuh); every warp of the block calls it, between two __syncthreads.
+template <int D>
+__device__ __forceinline__ void rotate_rows(float* rows, int ld, int nrows, int warp) {
+  for (int r = warp; r < nrows; r += kThreads / 32) rotate_vector(rows + r * ld, D, nullptr);
+}
+
+// With the rotation: Q's staged balanced rows rotated, then minus their (rotated) mean and split
+// into tf32 parts, as stage_q_rows does without it. Called by the whole block after stage_q_rows.
+template <int D>
+__device__ __forceinline__ void rotate_q_rows(const QkRuleArgs& a, float* sm, int tid, int warp, int64_t bh,
+                                              int64_t tq, int rows) {
+  using L = Smem<D>;
+  __syncthreads();
+  rotate_rows<D>(sm + L::kQHi, L::kLd, rows, warp);
+  __syncthreads();
+  const float* mean = a.mean_q + (bh * a.mean_rows + (a.mean_rows > 1 ? tq : 0)) * D;
+  for (int u = tid; u < rows * D; u += kThreads) {
+    const int r = u / D, d = u % D;
+    uint32_t h2, l2;
+    split_tf32(__fsub_rn(sm[L::kQHi + r * L::kLd + d], mean[d]), h2, l2);
+    sm[L::kQHi + r * L::kLd + d] = __uint_as_float(h2);
+    sm[L::kQLo + r * L::kLd + d] = __uint_as_float(l2);
+  }
+}
+
+// With the rotation: the staged chunk's balanced K rows (the first `live` of them real) rotated,
+// then minus K's (rotated) mean; dead rows stay zero. Called by the whole block after
+// KeyChunk::stage and a __syncthreads; ends with one.
+template <int D>
+__device__ __forceinline__ void rotate_k_rows(float* sm, int tid, int warp, int live, const float* mean_k) {
+  using L = Smem<D>;
+  rotate_rows<D>(sm + L::kKs, L::kLd, live, warp);
+  __syncthreads();
+  for (int u = tid; u < live * D; u += kThreads) {
+    const int r = u / D, d = u % D;
+    sm[L::kKs + r * L::kLd + d] = __fsub_rn(sm[L::kKs + r * L::kLd + d], mean_k[d]);
+  }
+  __syncthreads();
 }
 
 // The next key chunk's raw bytes (K, V, K's FP4 codes and scale), loaded into registers while the
@@ -192,8 +238,10 @@ struct KeyChunk {
     }
   }
 
-  // K_s = k * 2^e - mean_k, Kd and V of the fetched chunk into shared memory (dead keys zero).
-  __device__ __forceinline__ void stage(float* sm, int tid, const float* bal, const float* mean_k) const {
+  // K_s = k * 2^e - mean_k, Kd and V of the fetched chunk into shared memory (dead keys zero);
+  // `rotate`: k * 2^e alone (rotate_k_rows rotates it and subtracts the mean).
+  __device__ __forceinline__ void stage(float* sm, int tid, const float* bal, const float* mean_k,
+                                        bool rotate) const {
     using L = Smem<D>;
 #pragma unroll
     for (int i = 0; i < kUnits; ++i) {
@@ -206,7 +254,7 @@ struct KeyChunk {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const float cf = bal == nullptr ? 1.0f : ldexpf(1.0f, static_cast<int>(bal[d0 + j]));
-          ks[j] = __fsub_rn(__fmul_rn(x[j], cf), mean_k[d0 + j]);
+          ks[j] = rotate ? __fmul_rn(x[j], cf) : __fsub_rn(__fmul_rn(x[j], cf), mean_k[d0 + j]);
         }
         fp4x8(rp[i], rs[i], kd);
       } else {
@@ -428,6 +476,7 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(QkRuleArgs a) {
   const float* bal = a.balance == nullptr ? nullptr : a.balance + bk * D;
 
   stage_q_rows<T, D>(a, sm, tid, bh, tq, rows, bal);
+  if (a.rotate) rotate_q_rows<D>(a, sm, tid, warp, bh, tq, rows);
 
   // softmax state of the 4 (kind, row) pairs this warp owns: pair p = warp * 4 + i, kind p / 16
   float m_run[4], l_run[4];
@@ -453,9 +502,10 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(QkRuleArgs a) {
     const int count = static_cast<int>(
         min(static_cast<int64_t>(kBlock), a.Sk - sampled_block(a.Sk, c / (kBlock / kChunk)) * kBlock));
     __syncthreads();  // the previous chunk's reads are done
-    next.stage(sm, tid, bal, mean_k);
+    next.stage(sm, tid, bal, mean_k, a.rotate);
     if (c + 1 < nchunks) next.fetch(a, bk, tid, c + 1);
     __syncthreads();
+    if (a.rotate) rotate_k_rows<D>(sm, tid, warp, min(kChunk, count - off), mean_k);
     chunk_scores<D>(sm, warp, g, t);
     __syncthreads();
     chunk_softmax<D>(sm, a.scale, off, count, warp, lane, m_run, l_run);

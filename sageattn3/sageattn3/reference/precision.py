@@ -59,16 +59,16 @@ def pv_precision_arg(value) -> str:
 
 
 def fp8_applies(rotated: bool, head_dim: int) -> bool:
-    """The per-head rule ("auto") can pick FP8 Q·Kᵀ: head dims 64/128 without the Q/K rotation
-    (with the rotation only "fp8" itself runs FP8, on every head)."""
-    return head_dim in FP8_HEAD_DIMS and not rotated
+    """FP8 Q·Kᵀ ("fp8", or picked per head by "auto") exists at head dims 64/128, with or without
+    the Q/K rotation (with it, on the rotated rows, and the rule estimates on those rows too).
+    ``rotated`` is kept for the callers' sake: it no longer changes the answer."""
+    del rotated
+    return head_dim in FP8_HEAD_DIMS
 
 
 def fp8_unavailable(rotated: bool, head_dim: int) -> str:
-    if head_dim not in FP8_HEAD_DIMS:
-        return f"qk_precision='fp8' needs head_dim 64 or 128, got {head_dim}; use qk_precision='fp4' or 'auto'"
-    return ("with qk_rotation=True, qk_precision='auto' keeps FP4 on every head (the rule is not defined on "
-            "rotated rows); qk_precision='fp8' runs every head's Q·Kᵀ in FP8 on the rotated rows")
+    del rotated
+    return f"qk_precision='fp8' needs head_dim 64 or 128, got {head_dim}; use qk_precision='fp4' or 'auto'"
 
 
 def _sampled_rows(x: torch.Tensor, seq: int, stride: int) -> list[torch.Tensor]:
@@ -99,12 +99,14 @@ def qk_fp4_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre,
     ``pre``: the ``Preprocessed`` that ``preprocess`` made of q, k, v.
 
     1. Query rows: every ``AUTO_QUERY_STRIDE``-th row of Q's sampled 128-row blocks
-       (``sample_blocks``), smoothed as the preprocessing smoothed them (balanced, minus their
-       block's mean: Q_s), and the same rows of the FP4 Q the kernel reads (Qd, dequantized).
-    2. Keys: every row of K's sampled blocks, K_s (balanced, minus mean_k) and Kd likewise; V's
-       same rows.
-    3. L = c · Q_s K_sᵀ and L4 = c · Qd Kdᵀ with c the softmax scale (default 1/sqrt(D)); O =
-       softmax(L) V and O4 = softmax(L4) V (no mask: a statistic of the head).
+       (``sample_blocks``), smoothed as the preprocessing smoothed them (balanced, rotated where
+       ``pre.qk_rotation``, minus their block's mean: Q_s), and the same rows of the FP4 Q the
+       kernel reads (Qd, dequantized).
+    2. Keys: every row of K's sampled blocks, K_s (balanced, rotated, minus mean_k) and Kd
+       likewise; V's same rows.
+    3. L = c · Q_s K_sᵀ and L4 = c · Qd Kdᵀ with c the softmax scale (default 1/sqrt(D)), divided
+       by D/64 on rotated rows (``rotation_score_factor``); O = softmax(L) V and O4 = softmax(L4) V
+       (no mask: a statistic of the head).
     4. error = ||O4 - O|| / ||O|| over the head's sampled rows (Frobenius norms).
 
     Only Q·Kᵀ's FP4 error enters (the correction delta_s is the same in both and cancels); the
@@ -113,7 +115,8 @@ def qk_fp4_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre,
     rotary embeddings turn with the position) or whose channels have outliers come out large."""
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)) / rotation_score_factor(d, pre.qk_rotation)
+    turn = rotate if pre.qk_rotation else (lambda x: x)
     cq = 1.0 if pre.balance is None else expand_kv(torch.exp2(-pre.balance), hq)
     ck = 1.0 if pre.balance is None else torch.exp2(pre.balance)
     if pre.k_block_corr is not None:
@@ -123,10 +126,10 @@ def qk_fp4_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre,
     q_rows = _sampled_rows(q, sq, _package.AUTO_QUERY_STRIDE)
     means = cat([pre.mean_q[..., (t if nm > 1 else 0):(t if nm > 1 else 0) + 1, :].expand(b, hq, blk.shape[-2], d)
                  for t, blk in zip(sample_blocks(sq), q_rows)])
-    qs = cat(q_rows).float() * cq - means
+    qs = turn(cat(q_rows).float() * cq) - means
     qd = _dequantize_fp4_rows(cat(_sampled_rows(pre.q_packed, sq, _package.AUTO_QUERY_STRIDE)),
                               cat(_sampled_rows(pre.q_scales, sq, _package.AUTO_QUERY_STRIDE)))
-    ks = cat(_sampled_rows(k, sk, 1)).float() * ck - pre.mean_k
+    ks = turn(cat(_sampled_rows(k, sk, 1)).float() * ck) - pre.mean_k
     kd = _dequantize_fp4_rows(cat(_sampled_rows(pre.k_packed, sk, 1)), cat(_sampled_rows(pre.k_scales, sk, 1)))
     vs = cat(_sampled_rows(v, sk, 1)).float()
     ks, kd, vs = expand_kv(ks, hq), expand_kv(kd, hq), expand_kv(vs, hq)
