@@ -11,6 +11,9 @@
 // With the rotation (a.rotate) Q_s and K_s are the rotated balanced rows minus the rotated means:
 // the rows are staged balanced, rotated in shared memory (rotation.cuh, one warp per row), then
 // their means subtracted; Qd and Kd are the rotated FP4 codes as they are.
+// Options as floors (a.plain_mean_q): a second launch of the same kernel estimates the defaults'
+// rows, raw minus the options-free means, their Qd and Kd quantized here (quant16, plain scales)
+// instead of read; each head keeps the larger estimate (reference.qk_fp4_error, step 5).
 //
 // Products on tensor cores (mma.m16n8k8 tf32, fp32 accumulation) at float32-level accuracy:
 // - Qd Kd^T: the FP4 values (E2M1 x E4M3, at most 6 significant bits) are exact in tf32.
@@ -136,6 +139,7 @@ template <typename T, int D>
 __device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, float* sm, int tid, int64_t bh, int64_t tq, int rows,
                                              const float* bal) {
   using L = Smem<D>;
+  const bool deferred = a.rotate || a.requant;
   for (int u = tid; u < kRows * D / 8; u += kThreads) {
     const int r = u / (D / 8), d0 = (u % (D / 8)) * 8;
     float hi[8], lo[8], qd[8];
@@ -150,11 +154,16 @@ __device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, float* sm, int
         const float y = a.rotate ? __fmul_rn(x[j], c) : __fsub_rn(__fmul_rn(x[j], c), mean[j]);
         uint32_t h2, l2;
         split_tf32(y, h2, l2);
-        hi[j] = a.rotate ? y : __uint_as_float(h2);  // rotated rows: split after the rotation
+        hi[j] = deferred ? y : __uint_as_float(h2);  // finish_q_rows splits it later
         lo[j] = __uint_as_float(l2);
       }
       const int64_t e = (bh * a.Sqp + row) * D + d0;
-      fp4x8(*reinterpret_cast<const uint32_t*>(a.q_packed + e / 2), a.q_scales[e / 16], qd);
+      if (a.requant) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) qd[j] = 0.0f;  // finish_q_rows quantizes the rows
+      } else {
+        fp4x8(*reinterpret_cast<const uint32_t*>(a.q_packed + e / 2), a.q_scales[e / 16], qd);
+      }
     } else {
 #pragma unroll
       for (int j = 0; j < 8; ++j) hi[j] = lo[j] = qd[j] = 0.0f;
@@ -175,36 +184,74 @@ __device__ __forceinline__ void rotate_rows(float* rows, int ld, int nrows, int 
   for (int r = warp; r < nrows; r += kThreads / 32) rotate_vector(rows + r * ld, D, nullptr);
 }
 
-// With the rotation: Q's staged balanced rows rotated, then minus their (rotated) mean and split
-// into tf32 parts, as stage_q_rows does without it. Called by the whole block after stage_q_rows.
-template <int D>
-__device__ __forceinline__ void rotate_q_rows(const QkRuleArgs& a, float* sm, int tid, int warp, int64_t bh,
-                                              int64_t tq, int rows) {
-  using L = Smem<D>;
-  __syncthreads();
-  rotate_rows<D>(sm + L::kQHi, L::kLd, rows, warp);
-  __syncthreads();
-  const float* mean = a.mean_q + (bh * a.mean_rows + (a.mean_rows > 1 ? tq : 0)) * D;
-  for (int u = tid; u < rows * D; u += kThreads) {
-    const int r = u / D, d = u % D;
-    uint32_t h2, l2;
-    split_tf32(__fsub_rn(sm[L::kQHi + r * L::kLd + d], mean[d]), h2, l2);
-    sm[L::kQHi + r * L::kLd + d] = __uint_as_float(h2);
-    sm[L::kQLo + r * L::kLd + d] = __uint_as_float(l2);
+// 16 values of a staged row (fp32, one NVFP4 block) -> their FP4 codes' values (quant16, plain
+// scales, as reference.quantize_rows), into out.
+__device__ __forceinline__ void requantize16(const float* row, float* out) {
+  float v[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = row[i];
+  uint32_t sbyte;
+  const uint2 w = quant16(v, sbyte);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float vals[8];
+    fp4x8(h ? w.y : w.x, sbyte, vals);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[8 * h + i] = vals[i];
   }
 }
 
-// With the rotation: the staged chunk's balanced K rows (the first `live` of them real) rotated,
-// then minus K's (rotated) mean; dead rows stay zero. Called by the whole block after
+// With the rotation or the in-kernel quantization (a.rotate, a.requant): Q's staged rows (y
+// unsplit in the hi area) rotated, minus their (rotated) mean, quantized (requant: Qd), then split
+// into tf32 parts, as stage_q_rows does at once otherwise. Called by the whole block after it.
+template <int D>
+__device__ __forceinline__ void finish_q_rows(const QkRuleArgs& a, float* sm, int tid, int warp, int64_t bh,
+                                              int64_t tq, int rows) {
+  using L = Smem<D>;
+  __syncthreads();
+  if (a.rotate) {
+    rotate_rows<D>(sm + L::kQHi, L::kLd, rows, warp);
+    __syncthreads();
+  }
+  const float* mean = a.mean_q + (bh * a.mean_rows + (a.mean_rows > 1 ? tq : 0)) * D;
+  for (int u = tid; u < rows * D / 16; u += kThreads) {
+    const int r = u / (D / 16), d0 = (u % (D / 16)) * 16;
+    float* y = sm + L::kQHi + r * L::kLd + d0;
+    if (a.rotate) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) y[i] = __fsub_rn(y[i], mean[d0 + i]);
+    }
+    if (a.requant) requantize16(y, sm + L::kQd + r * L::kLd + d0);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      uint32_t h2, l2;
+      split_tf32(y[i], h2, l2);
+      y[i] = __uint_as_float(h2);
+      sm[L::kQLo + r * L::kLd + d0 + i] = __uint_as_float(l2);
+    }
+  }
+}
+
+// With the rotation or the in-kernel quantization: the staged chunk's K rows (the first `live`
+// real; balanced, and minus K's mean unless rotated) rotated, minus K's (rotated) mean, and
+// quantized into Kd (requant); dead rows stay zero. Called by the whole block after
 // KeyChunk::stage and a __syncthreads; ends with one.
 template <int D>
-__device__ __forceinline__ void rotate_k_rows(float* sm, int tid, int warp, int live, const float* mean_k) {
+__device__ __forceinline__ void finish_k_rows(const QkRuleArgs& a, float* sm, int tid, int warp, int live,
+                                              const float* mean_k) {
   using L = Smem<D>;
-  rotate_rows<D>(sm + L::kKs, L::kLd, live, warp);
-  __syncthreads();
-  for (int u = tid; u < live * D; u += kThreads) {
-    const int r = u / D, d = u % D;
-    sm[L::kKs + r * L::kLd + d] = __fsub_rn(sm[L::kKs + r * L::kLd + d], mean_k[d]);
+  if (a.rotate) {
+    rotate_rows<D>(sm + L::kKs, L::kLd, live, warp);
+    __syncthreads();
+  }
+  for (int u = tid; u < live * D / 16; u += kThreads) {
+    const int r = u / (D / 16), d0 = (u % (D / 16)) * 16;
+    float* y = sm + L::kKs + r * L::kLd + d0;
+    if (a.rotate) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) y[i] = __fsub_rn(y[i], mean_k[d0 + i]);
+    }
+    if (a.requant) requantize16(y, sm + L::kKd + r * L::kLd + d0);
   }
   __syncthreads();
 }
@@ -231,17 +278,20 @@ struct KeyChunk {
         const int64_t row = tk * kBlock + off + r;
         rk[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.k) + (bk * a.Sk + row) * D + d0));
         rv[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.v) + (bk * a.Sk + row) * D + d0));
-        const int64_t e = (bk * a.Skp + row) * D + d0;
-        rp[i] = __ldg(reinterpret_cast<const uint32_t*>(a.k_packed + e / 2));
-        rs[i] = a.k_scales[e / 16];
+        if (!a.requant) {
+          const int64_t e = (bk * a.Skp + row) * D + d0;
+          rp[i] = __ldg(reinterpret_cast<const uint32_t*>(a.k_packed + e / 2));
+          rs[i] = a.k_scales[e / 16];
+        }
       }
     }
   }
 
   // K_s = k * 2^e - mean_k, Kd and V of the fetched chunk into shared memory (dead keys zero);
-  // `rotate`: k * 2^e alone (rotate_k_rows rotates it and subtracts the mean).
-  __device__ __forceinline__ void stage(float* sm, int tid, const float* bal, const float* mean_k,
-                                        bool rotate) const {
+  // `rotate`: k * 2^e alone (finish_k_rows rotates it and subtracts the mean); `requant`: Kd
+  // left to finish_k_rows.
+  __device__ __forceinline__ void stage(float* sm, int tid, const float* bal, const float* mean_k, bool rotate,
+                                        bool requant) const {
     using L = Smem<D>;
 #pragma unroll
     for (int i = 0; i < kUnits; ++i) {
@@ -256,7 +306,12 @@ struct KeyChunk {
           const float cf = bal == nullptr ? 1.0f : ldexpf(1.0f, static_cast<int>(bal[d0 + j]));
           ks[j] = rotate ? __fmul_rn(x[j], cf) : __fsub_rn(__fmul_rn(x[j], cf), mean_k[d0 + j]);
         }
-        fp4x8(rp[i], rs[i], kd);
+        if (requant) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) kd[j] = 0.0f;  // finish_k_rows quantizes the rows
+        } else {
+          fp4x8(rp[i], rs[i], kd);
+        }
       } else {
 #pragma unroll
         for (int j = 0; j < 8; ++j) ks[j] = kd[j] = vv[j] = 0.0f;
@@ -448,7 +503,11 @@ __device__ __forceinline__ void head_error(const QkRuleArgs& a, int64_t bh, int 
       sn += __ldcg(a.partial + (bh * kSampled + i) * 2);
       sd += __ldcg(a.partial + (bh * kSampled + i) * 2 + 1);
     }
-    const float e = sqrtf(sn / fmaxf(sd, 1e-30f));
+    float e = sqrtf(sn / fmaxf(sd, 1e-30f));
+    if (a.combine) {  // the larger of this and the first launch's estimate, NaN if either is
+      const float first = a.error[bh];
+      e = (e != e || first != first) ? __int_as_float(0x7fc00000) : fmaxf(e, first);
+    }
     a.error[bh] = e;
     a.counter[bh] = 0;  // ready for the next launch
     if (a.sel_q != nullptr) {
@@ -462,7 +521,9 @@ __device__ __forceinline__ void head_error(const QkRuleArgs& a, int64_t bh, int 
 /* ---------- the kernel: one block's rows and keys, phase by phase ---------- */
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) qk_rule_kernel(QkRuleArgs a) {
+// Two blocks per SM (the most the shared memory allows at D 128, 48 KB at D 64 on sm_120's 100 KB):
+// ptxas then keeps D 64 under 128 registers rather than at 80 with a spill in the key loop.
+__global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(QkRuleArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using L = Smem<D>;
   extern __shared__ float sm[];
@@ -476,7 +537,7 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(QkRuleArgs a) {
   const float* bal = a.balance == nullptr ? nullptr : a.balance + bk * D;
 
   stage_q_rows<T, D>(a, sm, tid, bh, tq, rows, bal);
-  if (a.rotate) rotate_q_rows<D>(a, sm, tid, warp, bh, tq, rows);
+  if (a.rotate || a.requant) finish_q_rows<D>(a, sm, tid, warp, bh, tq, rows);
 
   // softmax state of the 4 (kind, row) pairs this warp owns: pair p = warp * 4 + i, kind p / 16
   float m_run[4], l_run[4];
@@ -502,10 +563,10 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(QkRuleArgs a) {
     const int count = static_cast<int>(
         min(static_cast<int64_t>(kBlock), a.Sk - sampled_block(a.Sk, c / (kBlock / kChunk)) * kBlock));
     __syncthreads();  // the previous chunk's reads are done
-    next.stage(sm, tid, bal, mean_k, a.rotate);
+    next.stage(sm, tid, bal, mean_k, a.rotate, a.requant);
     if (c + 1 < nchunks) next.fetch(a, bk, tid, c + 1);
     __syncthreads();
-    if (a.rotate) rotate_k_rows<D>(sm, tid, warp, min(kChunk, count - off), mean_k);
+    if (a.rotate || a.requant) finish_k_rows<D>(a, sm, tid, warp, min(kChunk, count - off), mean_k);
     chunk_scores<D>(sm, warp, g, t);
     __syncthreads();
     chunk_softmax<D>(sm, a.scale, off, count, warp, lane, m_run, l_run);
@@ -534,7 +595,21 @@ int launch(const QkRuleArgs& a, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
   }
   const dim3 grid(static_cast<unsigned>(a.B * a.Hq), static_cast<unsigned>(sampled_count(a.Sq)));
-  kernel<<<grid, kThreads, L::kBytes, stream>>>(a);
+  QkRuleArgs first = a;
+  first.requant = first.combine = false;
+  kernel<<<grid, kThreads, L::kBytes, stream>>>(first);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || a.plain_mean_q == nullptr) return err;
+  // the defaults' rows (options as floors): the counters are zero again (the first launch's last
+  // block of each head reset them), sel_k keeps the first launch's ones, and every head's error
+  // and sel_q are rewritten from the larger estimate
+  QkRuleArgs plain = a;
+  plain.rotate = false;
+  plain.balance = nullptr;
+  plain.mean_q = a.plain_mean_q;
+  plain.mean_k = a.plain_mean_k;
+  plain.requant = plain.combine = true;
+  kernel<<<grid, kThreads, L::kBytes, stream>>>(plain);
   return cudaGetLastError();
 }
 
@@ -548,7 +623,8 @@ int launch_d(const QkRuleArgs& a, cudaStream_t stream) {
 int qk_rule_error(const QkRuleArgs& a, cudaStream_t stream) {
   if ((a.D != 64 && a.D != 128) || a.B < 1 || a.Hq < 1 || a.Hkv < 1 || a.Hq % a.Hkv || a.Sq < 1 || a.Sk < 1 ||
       a.Sqp < a.Sq || a.Skp < a.Sk || a.mean_rows < 1 || (a.mean_rows > 1 && a.mean_rows * kBlock < a.Sq) ||
-      a.B * a.Hq > 0x7FFFFFFF || ((a.sel_q == nullptr) != (a.sel_k == nullptr)))
+      a.B * a.Hq > 0x7FFFFFFF || ((a.sel_q == nullptr) != (a.sel_k == nullptr)) ||
+      ((a.plain_mean_q == nullptr) != (a.plain_mean_k == nullptr)))
     return cudaErrorInvalidValue;
   switch (a.dtype) {
     case DType::kFloat16: return launch_d<f16_t>(a, stream);
