@@ -178,10 +178,46 @@ __device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, float* sm, int
 }
 
 // Rotates rows [0, nrows) of the fp32 matrix at `rows` (row stride ld) in place, one warp per
-// row (rotation.cuh); every warp of the block calls it, between two __syncthreads.
+// row, every lane on D/32 consecutive values: the signs, then the butterflies of rotation.cuh in
+// the same stage order (h = 1, 2, ..., D/2; within a lane for h < D/32, with lane ^ (h / (D/32))
+// above): each pair's sum and difference are the same fp32 operations, so the bits are those of
+// rotate_vector and of reference.rotate. Every warp of the block calls it, between two
+// __syncthreads.
 template <int D>
 __device__ __forceinline__ void rotate_rows(float* rows, int ld, int nrows, int warp) {
-  for (int r = warp; r < nrows; r += kThreads / 32) rotate_vector(rows + r * ld, D, nullptr);
+  constexpr int kV = D / 32;
+  const int lane = threadIdx.x & 31;
+  for (int r = warp; r < nrows; r += kThreads / 32) {
+    float* row = rows + r * ld + lane * kV;
+    float v[kV];
+#pragma unroll
+    for (int i = 0; i < kV; ++i) {
+      const int e = lane * kV + i;
+      const uint64_t w = e < 64 ? kRotationSignsLo : kRotationSignsHi;
+      v[i] = __fmul_rn(row[i], ((w >> (e & 63)) & 1u) ? -0.125f : 0.125f);
+    }
+#pragma unroll
+    for (int h = 1; h < kV; h <<= 1) {
+#pragma unroll
+      for (int i = 0; i < kV; ++i) {
+        if (i & h) continue;
+        const float a = v[i], b = v[i + h];
+        v[i] = __fadd_rn(a, b);
+        v[i + h] = __fsub_rn(a, b);
+      }
+    }
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1) {
+      const bool upper = (lane & m) != 0;  // this lane holds the y_{i+h} of each pair
+#pragma unroll
+      for (int i = 0; i < kV; ++i) {
+        const float other = __shfl_xor_sync(0xffffffffu, v[i], m);
+        v[i] = upper ? __fsub_rn(other, v[i]) : __fadd_rn(v[i], other);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kV; ++i) row[i] = v[i];
+  }
 }
 
 // 16 values of a staged row (fp32, one NVFP4 block) -> their FP4 codes' values (quant16, plain
@@ -609,6 +645,7 @@ int launch(const QkRuleArgs& a, cudaStream_t stream) {
   plain.mean_q = a.plain_mean_q;
   plain.mean_k = a.plain_mean_k;
   plain.requant = plain.combine = true;
+  if (a.rotate) plain.scale = a.scale * static_cast<float>(D / 64);  // the unrotated scores' scale (exact)
   kernel<<<grid, kThreads, L::kBytes, stream>>>(plain);
   return cudaGetLastError();
 }
