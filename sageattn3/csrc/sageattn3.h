@@ -159,12 +159,12 @@ struct QkRuleArgs {
   uint8_t* sel_k;
   float limit;
   int select_all;
-  // Options as floors (reference.qk_fp4_error, step 5): where not null, Q's and K's means without
-  // the balance and the rotation (reference.options_free_means; mean_q's shape): a second launch
-  // estimates the defaults' rows (raw minus these, quantized in the kernel) and each head's
-  // error becomes the larger of the two (NaN if either is), its selection from that.
-  const float* plain_mean_q;
-  const float* plain_mean_k;
+  // Options as floors (reference.qk_fp4_error, step 5): with `floor` (the preprocessing had the
+  // balance, the rotation or the scale search) a second launch estimates the defaults' rows (raw
+  // minus the means taken back without the balance and the rotation, reference.options_free_means,
+  // quantized in the kernel) and each head's error becomes the larger of the two (NaN if either
+  // is), its selection from that.
+  bool floor;
   // Set by the launcher for that second launch: Qd/Kd quantized in the kernel from Q_s/K_s
   // (quant16, plain scales) instead of read from the codes; the error combined with the first's.
   bool requant;

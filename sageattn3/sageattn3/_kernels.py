@@ -357,20 +357,15 @@ def qk_rule_select(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale
                                 *_rule_scale(pre, q.shape[3], scale), float(limit), bool(select_all))
 
 
-def _rule_scale(pre, d: int, scale: float) -> tuple:
-    """The rule ops' (sm_scale, rotate, plain_mean_q, plain_mean_k): on rotated rows the scores are
-    (D/64)·Q·Kᵀ, so the scale the op applies is divided by that (``reference.rotation_score_factor``);
-    with options (``reference.rule_has_options``) the options-free means, for the op's second
-    launch on the defaults' rows (options as floors; ``reference.qk_fp4_error``), else empty."""
+def _rule_scale(pre, d: int, scale: float) -> tuple[float, bool, bool]:
+    """The rule ops' (sm_scale, rotate, floor): on rotated rows the scores are (D/64)·Q·Kᵀ, so the
+    scale the op applies is divided by that (``reference.rotation_score_factor``); ``floor`` where
+    ``pre`` has an option (``reference.rule_has_options``): the op's second launch estimates the
+    defaults' rows too (options as floors; ``reference.qk_fp4_error``)."""
     from . import reference
 
     rot = bool(pre.qk_rotation)
-    if reference.rule_has_options(pre):
-        mq, mk = reference.options_free_means(pre)
-        plain = (aligned(mq.contiguous()), aligned(mk.contiguous()))
-    else:
-        plain = (_none(pre.mean_q.device, 11), _none(pre.mean_q.device, 12))
-    return (float(scale) / (d / 64.0 if rot else 1.0), rot) + plain
+    return float(scale) / (d / 64.0 if rot else 1.0), rot, reference.rule_has_options(pre)
 
 
 def mxfp8_smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, pre, sel_q: torch.Tensor, sel_k: torch.Tensor,
@@ -441,7 +436,7 @@ OUTPUT_WRITING_OPS = (
 # Ops of the library that allocate and return their outputs, with the fakes that give those
 # outputs' shapes (kept next to the op's wrapper above).
 def _qk_rule_select_fake(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, rotate,
-                         plain_mean_q, plain_mean_k, limit, select_all):
+                         floor, limit, select_all):
     b, hq, hk = q.shape[0], q.shape[1], k.shape[1]
     return (q.new_empty((b, hq), dtype=torch.float32), q.new_empty((b, hq), dtype=torch.uint8),
             q.new_empty((b, hk), dtype=torch.uint8))

@@ -11,9 +11,10 @@
 // With the rotation (a.rotate) Q_s and K_s are the rotated balanced rows minus the rotated means:
 // the rows are staged balanced, rotated in shared memory (rotation.cuh, one warp per row), then
 // their means subtracted; Qd and Kd are the rotated FP4 codes as they are.
-// Options as floors (a.plain_mean_q): a second launch of the same kernel estimates the defaults'
-// rows, raw minus the options-free means, their Qd and Kd quantized here (quant16, plain scales)
-// instead of read; each head keeps the larger estimate (reference.qk_fp4_error, step 5).
+// Options as floors (a.floor): a second launch of the same kernel estimates the defaults' rows,
+// raw minus the options-free means (each block takes its means back through the rotation and the
+// balance), their Qd and Kd quantized here (quant16, plain scales) instead of read; each head
+// keeps the larger estimate (reference.qk_fp4_error, step 5).
 //
 // Products on tensor cores (mma.m16n8k8 tf32, fp32 accumulation) at float32-level accuracy:
 // - Qd Kd^T: the FP4 values (E2M1 x E4M3, at most 6 significant bits) are exact in tf32.
@@ -58,7 +59,8 @@ struct Smem {
   static constexpr int kS = kV + kChunk * kVLd;            // [kind][half][row][kSLd]
   static constexpr int kAlpha = kS + 2 * 2 * kRows * kSLd;  // [kind][row]
   static constexpr int kL = kAlpha + 2 * kRows;             // [kind][row]
-  static constexpr int kFloats = kL + 2 * kRows;
+  static constexpr int kMeans = kL + 2 * kRows;             // the defaults' launch: mean_q row, mean_k
+  static constexpr int kFloats = kMeans + 2 * D;
   static constexpr size_t kBytes = static_cast<size_t>(kFloats) * sizeof(float);
 };
 
@@ -134,12 +136,48 @@ __device__ __forceinline__ int64_t sampled_block(int64_t seq, int i) {
 
 /* ---------- qk_rule_kernel's phases, in the order a block runs them ---------- */
 
+// How a block's Q and K rows are made: the preprocessing's (rotated where a.rotate, balanced by
+// `bal`, minus its means, Qd/Kd its codes) or, in the defaults' launch (a.requant), raw minus the
+// options-free means, Qd/Kd quantized here.
+struct RowPlan {
+  bool rotate;
+  bool requant;
+  const float* mean_q;  // this block's Q mean row (D floats)
+  const float* mean_k;  // its kv head's K mean (D floats)
+  const float* bal;     // the balance exponents of its kv head, or null
+};
+
+template <int D>
+__device__ __forceinline__ void unrotate_row(float* row);
+
+// The defaults' launch: the options' means of this block taken back (reference.options_free_means:
+// unrotate = the butterflies, then each channel times its sign and 64/D (as one factor), then
+// the balance undone: Q's times 2^e, K's times 2^-e) into shared memory. Warps 0 (Q) and 1 (K).
+template <int D>
+__device__ __forceinline__ void options_free_means(const QkRuleArgs& a, float* out_q, float* out_k,
+                                                   const float* mq, const float* mk, const float* bal, int warp) {
+  if (warp > 1) return;
+  const int lane = threadIdx.x & 31;
+  const float* src = warp == 0 ? mq : mk;
+  float* dst = warp == 0 ? out_q : out_k;
+  for (int d = lane; d < D; d += 32) dst[d] = src[d];
+  __syncwarp();
+  if (a.rotate) {
+    unrotate_row<D>(dst);
+  }
+  if (bal != nullptr) {
+    for (int d = lane; d < D; d += 32)
+      dst[d] = __fmul_rn(dst[d], ldexpf(1.0f, warp == 0 ? static_cast<int>(bal[d]) : -static_cast<int>(bal[d])));
+  }
+}
+
 // Q's rows: Q_s split into tf32 parts, Qd (rows beyond `rows` zero), into shared memory.
 template <typename T, int D>
-__device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, float* sm, int tid, int64_t bh, int64_t tq, int rows,
-                                             const float* bal) {
+__device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, const RowPlan& pl, float* sm, int tid, int64_t bh,
+                                             int64_t tq, int rows) {
   using L = Smem<D>;
-  const bool deferred = a.rotate || a.requant;
+  const bool deferred = pl.rotate || pl.requant;
+  const float* bal = pl.bal;
   for (int u = tid; u < kRows * D / 8; u += kThreads) {
     const int r = u / (D / 8), d0 = (u % (D / 8)) * 8;
     float hi[8], lo[8], qd[8];
@@ -147,18 +185,18 @@ __device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, float* sm, int
       const int64_t row = tq * kBlock + static_cast<int64_t>(r) * kStride;
       float x[8];
       Load8<T>::run(static_cast<const T*>(a.q) + (bh * a.Sq + row) * D + d0, x);
-      const float* mean = a.mean_q + (bh * a.mean_rows + (a.mean_rows > 1 ? tq : 0)) * D + d0;
+      const float* mean = pl.mean_q + d0;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const float c = bal == nullptr ? 1.0f : ldexpf(1.0f, -static_cast<int>(bal[d0 + j]));
-        const float y = a.rotate ? __fmul_rn(x[j], c) : __fsub_rn(__fmul_rn(x[j], c), mean[j]);
+        const float y = pl.rotate ? __fmul_rn(x[j], c) : __fsub_rn(__fmul_rn(x[j], c), mean[j]);
         uint32_t h2, l2;
         split_tf32(y, h2, l2);
         hi[j] = deferred ? y : __uint_as_float(h2);  // finish_q_rows splits it later
         lo[j] = __uint_as_float(l2);
       }
       const int64_t e = (bh * a.Sqp + row) * D + d0;
-      if (a.requant) {
+      if (pl.requant) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) qd[j] = 0.0f;  // finish_q_rows quantizes the rows
       } else {
@@ -220,6 +258,45 @@ __device__ __forceinline__ void rotate_rows(float* rows, int ld, int nrows, int 
   }
 }
 
+// reference.unrotate of one D-vector in shared memory, by one warp (the butterflies as in
+// rotate_rows, then each channel times its sign and 64/D).
+template <int D>
+__device__ __forceinline__ void unrotate_row(float* row) {
+  constexpr int kV = D / 32;
+  const int lane = threadIdx.x & 31;
+  float v[kV];
+#pragma unroll
+  for (int i = 0; i < kV; ++i) v[i] = row[lane * kV + i];
+#pragma unroll
+  for (int h = 1; h < kV; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < kV; ++i) {
+      if (i & h) continue;
+      const float x = v[i], y = v[i + h];
+      v[i] = __fadd_rn(x, y);
+      v[i + h] = __fsub_rn(x, y);
+    }
+  }
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    const bool upper = (lane & m) != 0;
+#pragma unroll
+    for (int i = 0; i < kV; ++i) {
+      const float other = __shfl_xor_sync(0xffffffffu, v[i], m);
+      v[i] = upper ? __fsub_rn(other, v[i]) : __fadd_rn(v[i], other);
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < kV; ++i) {
+    const int e = lane * kV + i;
+    const uint64_t w = e < 64 ? kRotationSignsLo : kRotationSignsHi;
+    const float f = __fmul_rn(((w >> (e & 63)) & 1u) ? -0.125f : 0.125f, 64.0f / D);
+    row[e] = __fmul_rn(v[i], f);
+  }
+  __syncwarp();
+}
+
 // 16 values of a staged row (fp32, one NVFP4 block) -> their FP4 codes' values (quant16, plain
 // scales, as reference.quantize_rows), into out.
 __device__ __forceinline__ void requantize16(const float* row, float* out) {
@@ -241,23 +318,22 @@ __device__ __forceinline__ void requantize16(const float* row, float* out) {
 // unsplit in the hi area) rotated, minus their (rotated) mean, quantized (requant: Qd), then split
 // into tf32 parts, as stage_q_rows does at once otherwise. Called by the whole block after it.
 template <int D>
-__device__ __forceinline__ void finish_q_rows(const QkRuleArgs& a, float* sm, int tid, int warp, int64_t bh,
-                                              int64_t tq, int rows) {
+__device__ __forceinline__ void finish_q_rows(const RowPlan& pl, float* sm, int tid, int warp, int rows) {
   using L = Smem<D>;
   __syncthreads();
-  if (a.rotate) {
+  if (pl.rotate) {
     rotate_rows<D>(sm + L::kQHi, L::kLd, rows, warp);
     __syncthreads();
   }
-  const float* mean = a.mean_q + (bh * a.mean_rows + (a.mean_rows > 1 ? tq : 0)) * D;
+  const float* mean = pl.mean_q;
   for (int u = tid; u < rows * D / 16; u += kThreads) {
     const int r = u / (D / 16), d0 = (u % (D / 16)) * 16;
     float* y = sm + L::kQHi + r * L::kLd + d0;
-    if (a.rotate) {
+    if (pl.rotate) {
 #pragma unroll
       for (int i = 0; i < 16; ++i) y[i] = __fsub_rn(y[i], mean[d0 + i]);
     }
-    if (a.requant) requantize16(y, sm + L::kQd + r * L::kLd + d0);
+    if (pl.requant) requantize16(y, sm + L::kQd + r * L::kLd + d0);
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       uint32_t h2, l2;
@@ -273,21 +349,20 @@ __device__ __forceinline__ void finish_q_rows(const QkRuleArgs& a, float* sm, in
 // quantized into Kd (requant); dead rows stay zero. Called by the whole block after
 // KeyChunk::stage and a __syncthreads; ends with one.
 template <int D>
-__device__ __forceinline__ void finish_k_rows(const QkRuleArgs& a, float* sm, int tid, int warp, int live,
-                                              const float* mean_k) {
+__device__ __forceinline__ void finish_k_rows(const RowPlan& pl, float* sm, int tid, int warp, int live) {
   using L = Smem<D>;
-  if (a.rotate) {
+  if (pl.rotate) {
     rotate_rows<D>(sm + L::kKs, L::kLd, live, warp);
     __syncthreads();
   }
   for (int u = tid; u < live * D / 16; u += kThreads) {
     const int r = u / (D / 16), d0 = (u % (D / 16)) * 16;
     float* y = sm + L::kKs + r * L::kLd + d0;
-    if (a.rotate) {
+    if (pl.rotate) {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) y[i] = __fsub_rn(y[i], mean_k[d0 + i]);
+      for (int i = 0; i < 16; ++i) y[i] = __fsub_rn(y[i], pl.mean_k[d0 + i]);
     }
-    if (a.requant) requantize16(y, sm + L::kKd + r * L::kLd + d0);
+    if (pl.requant) requantize16(y, sm + L::kKd + r * L::kLd + d0);
   }
   __syncthreads();
 }
@@ -314,7 +389,7 @@ struct KeyChunk {
         const int64_t row = tk * kBlock + off + r;
         rk[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.k) + (bk * a.Sk + row) * D + d0));
         rv[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.v) + (bk * a.Sk + row) * D + d0));
-        if (!a.requant) {
+        if (!a.requant) {  // the defaults' launch quantizes K itself
           const int64_t e = (bk * a.Skp + row) * D + d0;
           rp[i] = __ldg(reinterpret_cast<const uint32_t*>(a.k_packed + e / 2));
           rs[i] = a.k_scales[e / 16];
@@ -326,9 +401,11 @@ struct KeyChunk {
   // K_s = k * 2^e - mean_k, Kd and V of the fetched chunk into shared memory (dead keys zero);
   // `rotate`: k * 2^e alone (finish_k_rows rotates it and subtracts the mean); `requant`: Kd
   // left to finish_k_rows.
-  __device__ __forceinline__ void stage(float* sm, int tid, const float* bal, const float* mean_k, bool rotate,
-                                        bool requant) const {
+  __device__ __forceinline__ void stage(float* sm, int tid, const RowPlan& pl) const {
     using L = Smem<D>;
+    const float* bal = pl.bal;
+    const float* mean_k = pl.mean_k;
+    const bool rotate = pl.rotate, requant = pl.requant;
 #pragma unroll
     for (int i = 0; i < kUnits; ++i) {
       const int u = tid + i * kThreads, r = u / (D / 8), d0 = (u % (D / 8)) * 8;
@@ -554,6 +631,20 @@ __device__ __forceinline__ void head_error(const QkRuleArgs& a, int64_t bh, int 
   }
 }
 
+// The block's RowPlan: in the defaults' launch (a.requant) the options-free means go to shared
+// memory (whole block: ends with a __syncthreads) and the rows are neither balanced nor rotated.
+template <int D>
+__device__ __forceinline__ RowPlan row_plan(const QkRuleArgs& a, float* sm, int warp, int64_t bh, int64_t bk,
+                                            int64_t tq) {
+  using L = Smem<D>;
+  RowPlan pl{a.rotate, a.requant, a.mean_q + (bh * a.mean_rows + (a.mean_rows > 1 ? tq : 0)) * D, a.mean_k + bk * D,
+             a.balance == nullptr ? nullptr : a.balance + bk * D};
+  if (!a.requant) return pl;
+  options_free_means<D>(a, sm + L::kMeans, sm + L::kMeans + D, pl.mean_q, pl.mean_k, pl.bal, warp);
+  __syncthreads();
+  return RowPlan{false, true, sm + L::kMeans, sm + L::kMeans + D, nullptr};
+}
+
 /* ---------- the kernel: one block's rows and keys, phase by phase ---------- */
 
 template <typename T, int D>
@@ -570,10 +661,10 @@ __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(QkRuleArgs a) {
   const int64_t bk = b * a.Hkv + h / (a.Hq / a.Hkv);  // its kv head, flattened
   const int64_t tq = sampled_block(a.Sq, qi);
   const int rows = static_cast<int>(ceil_div(min(static_cast<int64_t>(kBlock), a.Sq - tq * kBlock), kStride));
-  const float* bal = a.balance == nullptr ? nullptr : a.balance + bk * D;
+  const RowPlan pl = row_plan<D>(a, sm, warp, bh, bk, tq);
 
-  stage_q_rows<T, D>(a, sm, tid, bh, tq, rows, bal);
-  if (a.rotate || a.requant) finish_q_rows<D>(a, sm, tid, warp, bh, tq, rows);
+  stage_q_rows<T, D>(a, pl, sm, tid, bh, tq, rows);
+  if (pl.rotate || pl.requant) finish_q_rows<D>(pl, sm, tid, warp, rows);
 
   // softmax state of the 4 (kind, row) pairs this warp owns: pair p = warp * 4 + i, kind p / 16
   float m_run[4], l_run[4];
@@ -591,7 +682,6 @@ __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(QkRuleArgs a) {
   const int kblocks = sampled_count(a.Sk);
   const int last = static_cast<int>(min(static_cast<int64_t>(kBlock), a.Sk - sampled_block(a.Sk, kblocks - 1) * kBlock));
   const int nchunks = (kblocks - 1) * (kBlock / kChunk) + (last + kChunk - 1) / kChunk;
-  const float* mean_k = a.mean_k + bk * D;
   KeyChunk<T, D> next;
   next.fetch(a, bk, tid, 0);
   for (int c = 0; c < nchunks; ++c) {
@@ -599,10 +689,10 @@ __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(QkRuleArgs a) {
     const int count = static_cast<int>(
         min(static_cast<int64_t>(kBlock), a.Sk - sampled_block(a.Sk, c / (kBlock / kChunk)) * kBlock));
     __syncthreads();  // the previous chunk's reads are done
-    next.stage(sm, tid, bal, mean_k, a.rotate, a.requant);
+    next.stage(sm, tid, pl);
     if (c + 1 < nchunks) next.fetch(a, bk, tid, c + 1);
     __syncthreads();
-    if (a.rotate || a.requant) finish_k_rows<D>(a, sm, tid, warp, min(kChunk, count - off), mean_k);
+    if (pl.rotate || pl.requant) finish_k_rows<D>(pl, sm, tid, warp, min(kChunk, count - off));
     chunk_scores<D>(sm, warp, g, t);
     __syncthreads();
     chunk_softmax<D>(sm, a.scale, off, count, warp, lane, m_run, l_run);
@@ -635,15 +725,11 @@ int launch(const QkRuleArgs& a, cudaStream_t stream) {
   first.requant = first.combine = false;
   kernel<<<grid, kThreads, L::kBytes, stream>>>(first);
   err = cudaGetLastError();
-  if (err != cudaSuccess || a.plain_mean_q == nullptr) return err;
+  if (err != cudaSuccess || !a.floor) return err;
   // the defaults' rows (options as floors): the counters are zero again (the first launch's last
   // block of each head reset them), sel_k keeps the first launch's ones, and every head's error
   // and sel_q are rewritten from the larger estimate
-  QkRuleArgs plain = a;
-  plain.rotate = false;
-  plain.balance = nullptr;
-  plain.mean_q = a.plain_mean_q;
-  plain.mean_k = a.plain_mean_k;
+  QkRuleArgs plain = a;  // keeps rotate and balance: the kernel takes the means back through them
   plain.requant = plain.combine = true;
   if (a.rotate) plain.scale = a.scale * static_cast<float>(D / 64);  // the unrotated scores' scale (exact)
   kernel<<<grid, kThreads, L::kBytes, stream>>>(plain);
@@ -660,8 +746,7 @@ int launch_d(const QkRuleArgs& a, cudaStream_t stream) {
 int qk_rule_error(const QkRuleArgs& a, cudaStream_t stream) {
   if ((a.D != 64 && a.D != 128) || a.B < 1 || a.Hq < 1 || a.Hkv < 1 || a.Hq % a.Hkv || a.Sq < 1 || a.Sk < 1 ||
       a.Sqp < a.Sq || a.Skp < a.Sk || a.mean_rows < 1 || (a.mean_rows > 1 && a.mean_rows * kBlock < a.Sq) ||
-      a.B * a.Hq > 0x7FFFFFFF || ((a.sel_q == nullptr) != (a.sel_k == nullptr)) ||
-      ((a.plain_mean_q == nullptr) != (a.plain_mean_k == nullptr)))
+      a.B * a.Hq > 0x7FFFFFFF || ((a.sel_q == nullptr) != (a.sel_k == nullptr)))
     return cudaErrorInvalidValue;
   switch (a.dtype) {
     case DType::kFloat16: return launch_d<f16_t>(a, stream);

@@ -11,20 +11,20 @@
 namespace sageattn3::torch_ops {
 
 // qk_rule_error(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale,
-// rotate, plain_mean_q, plain_mean_k, partial!, counter!, error!): the "auto" rule's estimate per
+// rotate, floor, partial!, counter!, error!): the "auto" rule's estimate per
 // (batch, q head) (sageattn3.h, qk_rule_error): q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) fp16/bf16,
 // D 64/128; the preprocessing's q_packed (B, Hq, Sqp, D/2), q_scales (.., D/16), k_packed (B, Hkv, Skp, D/2), k_scales, mean_q
 // (B, Hq, 1 or ceil(Sq/128), D), mean_k (B, Hkv, 1, D), balance (B, Hkv, 1, D) or empty;
 // rotate: the preprocessing rotated Q and K (their codes and means are rotated; sm_scale is the
-// one the scores take, already divided by D/64); plain_mean_q/plain_mean_k: empty, or (options as
-// floors) mean_q's and mean_k's shapes fp32, the options-free means (sageattn3.h); partial
+// one the scores take, already divided by D/64); floor: the preprocessing had an option (the
+// balance, the rotation, the scale search): also estimate the defaults' rows (sageattn3.h); partial
 // (B, Hq, 8, 2) fp32, counter (B, Hq) int32 zeros, error (B, Hq) fp32.
 // The operands' checks shared by both rule ops, into the launch's arguments (without the
 // outputs and the workspace).
 template <class T>
 QkRuleArgs rule_args(const T& q, const T& k, const T& v, const T& q_packed, const T& q_scales, const T& k_packed,
                      const T& k_scales, const T& mean_q, const T& mean_k, const T& balance, double sm_scale,
-                     bool rotate, const T& plain_mean_q, const T& plain_mean_k) {
+                     bool rotate, bool floor) {
   check_cuda(q, q, "q");
   check_aligned(q, "q");
   for (const T* t : {&k, &v}) {
@@ -90,26 +90,18 @@ QkRuleArgs rule_args(const T& q, const T& k, const T& v, const T& q_packed, cons
   a.balance = balance.numel() > 0 ? floats(balance) : nullptr;
   a.rotate = rotate;
   a.scale = static_cast<float>(sm_scale);
-  if (plain_mean_q.numel() > 0 || plain_mean_k.numel() > 0) {
-    check_f32_on(plain_mean_q, q, "plain_mean_q");
-    check_f32_on(plain_mean_k, q, "plain_mean_k");
-    SA3_CHECK(T, plain_mean_q.numel() == mean_q.numel() && plain_mean_k.numel() == mean_k.numel(),
-              "sageattn3: plain_mean_q and plain_mean_k must have mean_q's and mean_k's sizes ", shape(mean_q),
-              " and ", shape(mean_k), ", got ", shape(plain_mean_q), " and ", shape(plain_mean_k));
-    a.plain_mean_q = floats(plain_mean_q);
-    a.plain_mean_k = floats(plain_mean_k);
-  }
+  a.floor = floor;
   return a;
 }
 
 // qk_rule_error(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale,
-// rotate, plain_mean_q, plain_mean_k, partial!, counter!, error!): the estimate alone, into outputs
+// rotate, floor, partial!, counter!, error!): the estimate alone, into outputs
 // the caller allocated.
 template <class T>
 void qk_rule_error(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales, T mean_q, T mean_k, T balance,
-                   double sm_scale, bool rotate, T plain_mean_q, T plain_mean_k, T partial, T counter, T error) {
+                   double sm_scale, bool rotate, bool floor, T partial, T counter, T error) {
   QkRuleArgs a = rule_args(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, rotate,
-                           plain_mean_q, plain_mean_k);
+                           floor);
   const int64_t B = a.B, Hq = a.Hq;
   check_f32_on(partial, q, "partial");
   check_f32_on(error, q, "error");
@@ -126,18 +118,18 @@ void qk_rule_error(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales
 }
 
 // qk_rule_select(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale,
-// rotate, plain_mean_q, plain_mean_k, limit, select_all) -> (error, sel_q, sel_k): the estimate and
+// rotate, floor, limit, select_all) -> (error, sel_q, sel_k): the estimate and
 // the selection in one op, which allocates its outputs and its workspace (one host call for the
 // whole rule): error (B, Hq) fp32 as qk_rule_error; sel_q (B, Hq) bytes, 1 where the head's Q.K^T runs in FP8 (every head with
 // select_all, else error > limit; a NaN estimate keeps FP4); sel_k (B, Hkv) bytes, 1 where any
 // of its q heads is 1.
 template <class T>
 std::tuple<T, T, T> qk_rule_select(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales, T mean_q, T mean_k,
-                                   T balance, double sm_scale, bool rotate, T plain_mean_q, T plain_mean_k,
-                                   double limit, bool select_all) {
+                                   T balance, double sm_scale, bool rotate, bool floor, double limit,
+                                   bool select_all) {
   using A = TensorApi<T>;
   QkRuleArgs a = rule_args(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, rotate,
-                           plain_mean_q, plain_mean_k);
+                           floor);
   DeviceScope scope(device_index(q));
   // partial (B * Hq * 16 floats), then the counters (B * Hq int32, zeroed by the launch)
   T work = A::empty({a.B * a.Hq * 17}, Kind::kFloat, q);
