@@ -1,0 +1,97 @@
+"""The host path of one call (docs/performance.md, section 5), on the GPU at hand.
+
+- The launch set-up is made once per device, not per call: after a first call, the ops make no
+  runtime query (``cudaFuncSetAttribute``, the occupancy query, ``cudaDeviceGetAttribute``, ...)
+  per call. Seen through torch's profiler, which records the process's CUDA runtime calls
+  (CUPTI): a query made per call is one whose count grows with the calls profiled. The probe
+  test checks that a query made per call from outside torch is seen so, so that a clean result
+  is not the profiler's blindness.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import Counter
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from gpu_common import kernels_or_skip
+from test_dispatch_fp4 import fp4  # noqa: F401  (the fixture)
+
+# Runtime queries whose answers do not change between calls on one device.
+QUERIES = ("cudaFuncSetAttribute", "cudaOccupancyMaxActiveBlocksPerMultiprocessor", "cudaDeviceGetAttribute",
+           "cudaFuncGetAttributes", "cudaGetDeviceProperties")
+
+
+def _runtime_calls(fn, calls: int) -> Counter:
+    """How often each event name occurs in torch's profile of ``calls`` calls of ``fn``."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return Counter(e.name for e in prof.events())
+
+
+def _per_call_queries(fn) -> tuple[dict[str, int], Counter]:
+    """The runtime queries whose count grows with the number of calls of ``fn`` (profiles of 1 and
+    of 4 calls: what the profiler itself asks once per profile cancels out), and the longer
+    profile's events."""
+    fn()  # the first call on the device: the self-check and the set-up, once
+    one, four = _runtime_calls(fn, 1), _runtime_calls(fn, 4)
+    grown = {n: four[n] - one[n] for n in four if any(q in n for q in QUERIES) and four[n] > one[n]}
+    return grown, four
+
+
+def _assert_no_queries(fn) -> None:
+    grown, names = _per_call_queries(fn)
+    assert any("cudaLaunch" in n for n in names), f"expected the calls' kernel launches in the profile, got {names}"
+    assert grown == {}, f"expected no runtime query per call after the first, got these 3 calls more: {grown}"
+
+
+def _qkv(seq: int, d: int = 128, heads: int = 4):
+    g = torch.Generator(device="cuda").manual_seed(seq)
+    return [torch.randn(1, heads, seq, d, dtype=torch.bfloat16, device="cuda", generator=g) for _ in range(3)]
+
+
+@pytest.mark.parametrize("precision", ["fp4", "auto", "fp8"])
+@pytest.mark.parametrize("per_block_mean", [True, False])
+def test_a_call_makes_no_runtime_query(fp4, precision, per_block_mean):  # noqa: F811
+    """The attention (its shared-memory ceiling, occupancy and SM count), the rule (its shared-memory
+    ceiling) and the preprocessing: set up on the first call only."""
+    q, k, v = _qkv(300)
+    _assert_no_queries(lambda: fp4.sageattn3_blackwell(q, k, v, per_block_mean=per_block_mean, qk_precision=precision))
+
+
+def test_the_other_launchers_make_no_runtime_query():
+    """NVFP4 along rows (its occupancy) and the fused K delta op (its shared-memory ceiling)."""
+    sa = kernels_or_skip()
+    q, k, v = _qkv(300, d=64)
+    _assert_no_queries(lambda: sa.scale_and_quant_fp4(q))
+    pre = sa.preprocess(q, k, v, per_block_mean=True)
+    skp = pre.k_packed.shape[2]
+    kp, ksc = torch.empty_like(pre.k_packed), torch.empty_like(pre.k_scales)
+    ds = torch.empty((1, 4, pre.mean_q.shape[2], skp), dtype=torch.float32, device="cuda")
+    _assert_no_queries(lambda: torch.ops.sageattn3.smooth_quant_k_delta(k, pre.mean_k, pre.mean_q, kp, ksc, ds))
+
+
+def _loaded_cudart() -> ctypes.CDLL:
+    """The CUDA runtime library this process loaded (torch's, which the extension links too)."""
+    with open("/proc/self/maps") as f:
+        paths = sorted({line.split()[-1] for line in f if "libcudart.so" in line})
+    if not paths:
+        pytest.skip("no shared libcudart in this process (a statically linked runtime): nothing to probe")
+    return ctypes.CDLL(paths[0])
+
+
+def test_the_probe_sees_a_runtime_query():
+    """A cudaDeviceGetAttribute per call, made through the runtime library torch loaded, is seen
+    by the check above: it would see a per-call query of the extension."""
+    kernels_or_skip()
+    cudart = _loaded_cudart()
+    n = ctypes.c_int(0)
+    grown, _ = _per_call_queries(lambda: cudart.cudaDeviceGetAttribute(ctypes.byref(n), 16, torch.cuda.current_device()))
+    assert n.value > 0, f"expected the multiprocessor count, got {n.value}"
+    assert grown == {"cudaDeviceGetAttribute": 3}, f"expected 3 more queries in 4 calls than in 1, got {grown}"
