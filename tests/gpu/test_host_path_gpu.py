@@ -6,6 +6,10 @@
   (CUPTI): a query made per call is one whose count grows with the calls profiled. The probe
   test checks that a query made per call from outside torch is seen so, so that a clean result
   is not the profiler's blindness.
+- The ops that allocate their outputs (``preprocess_qkv``, ``qk_rule_select``,
+  ``mxfp8_smooth_quant_qk``) carve them from one allocation: each output has its fake's shape and
+  dtype, is contiguous and 16-byte aligned, no two overlap, and any one of them stays valid (its
+  bytes unchanged) after the others are gone and their memory could be handed out again.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from gpu_common import kernels_or_skip
+from gpu_common import kernels_or_skip, same_bytes
 from test_dispatch_fp4 import fp4  # noqa: F401  (the fixture)
 
 # Runtime queries whose answers do not change between calls on one device.
@@ -95,3 +99,73 @@ def test_the_probe_sees_a_runtime_query():
     grown, _ = _per_call_queries(lambda: cudart.cudaDeviceGetAttribute(ctypes.byref(n), 16, torch.cuda.current_device()))
     assert n.value > 0, f"expected the multiprocessor count, got {n.value}"
     assert grown == {"cudaDeviceGetAttribute": 3}, f"expected 3 more queries in 4 calls than in 1, got {grown}"
+
+
+def _check_outputs(outs, fakes) -> None:
+    """outs: an op's outputs; fakes: its fake's. Shapes, dtypes, contiguity, alignment, no overlap."""
+    assert len(outs) == len(fakes), f"expected {len(fakes)} outputs, got {len(outs)}"
+    for i, (t, f) in enumerate(zip(outs, fakes)):
+        assert (t.shape, t.dtype) == (f.shape, f.dtype), f"output {i}: expected {f.shape} {f.dtype}, got {t.shape} {t.dtype}"
+        assert t.is_contiguous(), f"output {i}: expected contiguous, got strides {t.stride()} for shape {t.shape}"
+        assert t.numel() == 0 or t.data_ptr() % 16 == 0, f"output {i}: expected 16-byte aligned, got {t.data_ptr() % 16} past"
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i) for i, t in enumerate(outs) if t.numel())
+    for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
+        assert end <= start, f"outputs {i} and {j} overlap: {i} ends at {end:#x}, {j} starts at {start:#x}"
+
+
+def _each_survives_alone(make) -> None:
+    """For each output of ``make()``: dropped all the others, then memory of their sizes taken and
+    filled; the survivor's bytes must be what they were."""
+    n = len(make())
+    for keep in range(n):
+        outs = list(make())
+        survivor = outs[keep]
+        want = survivor.clone()
+        sizes = [t.numel() * t.element_size() for t in outs]
+        del outs
+        garbage = [torch.full((max(b, 1),), 0xA5, dtype=torch.uint8, device="cuda") for b in sizes + [sum(sizes)]]
+        torch.cuda.synchronize()
+        assert same_bytes(survivor, want), f"output {keep} changed once the other outputs were freed"
+        del garbage
+
+
+@pytest.mark.parametrize("per_block_mean,balance", [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize("seq,d", [(300, 128), (1000, 64)])
+def test_preprocess_outputs_share_one_allocation_safely(per_block_mean, balance, seq, d):
+    kernels_or_skip()
+    from sageattn3 import _kernels
+
+    q, k, v = _qkv(seq, d)
+
+    def make():
+        return _kernels.preprocess_qkv(q, k, v, 128, per_block_mean, False, balance, False)
+
+    _check_outputs(make(), _kernels._preprocess_qkv_fake(q, k, v, 128, per_block_mean, False, balance, False))
+    _each_survives_alone(make)
+
+
+@pytest.mark.parametrize("balance", [False, True])
+def test_rule_and_mxfp8_outputs_share_one_allocation_safely(balance):
+    sa = kernels_or_skip()
+    from sageattn3 import _kernels
+
+    q, k, v = _qkv(1000)
+    if not _kernels.has_rule_kernel():
+        pytest.skip("this wheel has no qk_rule kernel")
+    pre = sa.preprocess(q, k, v, per_block_mean=True, qk_balance=balance)
+
+    def rule():
+        return _kernels.qk_rule_select(q, k, v, pre, 0.088, 0.1, True)
+
+    sel = rule()
+    bal = _kernels._none(q.device, 8) if pre.balance is None else pre.balance
+    _check_outputs(sel, _kernels._qk_rule_select_fake(q, k, v, pre.q_packed, pre.q_scales, pre.k_packed,
+                                                      pre.k_scales, pre.mean_q, pre.mean_k, bal, 0.088, 0.1, True))
+    _each_survives_alone(rule)
+
+    def mxfp8():
+        return _kernels.mxfp8_smooth_quant_qk(q, k, pre, sel[1], sel[2], 128)
+
+    _check_outputs(mxfp8(), _kernels._mxfp8_smooth_quant_qk_fake(q, k, pre.mean_q, pre.mean_k, bal, sel[1], sel[2],
+                                                                  128, False))
+    _each_survives_alone(mxfp8)
