@@ -10,6 +10,8 @@
   ``mxfp8_smooth_quant_qk``) carve them from one allocation: each output has its fake's shape and
   dtype, is contiguous and 16-byte aligned, no two overlap, and any one of them stays valid (its
   bytes unchanged) after the others are gone and their memory could be handed out again.
+- The Python around the ops makes q, k, v contiguous and aligned once per call (a strided q is
+  copied once, not once per op) and reads ``SAGEATTN3_DELTA_S_WORKSPACE_MIB`` once per call.
 """
 
 from __future__ import annotations
@@ -58,6 +60,28 @@ def _assert_no_queries(fn) -> None:
 def _qkv(seq: int, d: int = 128, heads: int = 4):
     g = torch.Generator(device="cuda").manual_seed(seq)
     return [torch.randn(1, heads, seq, d, dtype=torch.bfloat16, device="cuda", generator=g) for _ in range(3)]
+
+
+@pytest.mark.parametrize("precision", ["fp4", "auto", "fp8"])
+def test_a_strided_q_is_copied_once_and_the_limit_read_once(fp4, precision, monkeypatch):  # noqa: F811
+    from sageattn3 import _attn
+
+    q, k, v = _qkv(1000)  # 8 query blocks: the delta_s workspace is sized from the limit
+    strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # q's values, not contiguous
+    reads = []
+    read = _attn.delta_s_workspace_limit
+    monkeypatch.setattr(_attn, "delta_s_workspace_limit", lambda: reads.append(1) or read())
+
+    def call():
+        return fp4.sageattn3_blackwell(strided, k, v, qk_precision=precision)
+
+    call()  # the first call on the device: the self-check
+    reads.clear()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    copies = [e.name for e in prof.events() if e.name == "aten::copy_"]
+    assert len(copies) == 1, f"expected q copied once (made contiguous), got {len(copies)} copies"
+    assert len(reads) == 1, f"expected the workspace limit read once per call, got {len(reads)} reads"
 
 
 @pytest.mark.parametrize("precision", ["fp4", "auto", "fp8"])
