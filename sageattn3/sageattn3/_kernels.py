@@ -199,6 +199,13 @@ def aligned(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
+def aligned_eager(x: torch.Tensor) -> torch.Tensor:
+    """``aligned`` where torch.compile never traces (the eager FP4 path, also the body of the
+    ``sageattn3::attention`` op at run time): without asking whether it is compiling."""
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
 def _none(device: torch.device, i: int) -> torch.Tensor:
     """An empty float32 tensor ("no such operand" for the ops), distinct per operand slot i."""
     t = _NONE.get((device, i))
@@ -350,10 +357,11 @@ def qk_rule_select(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale
     """``qk_rule_error`` and the selection from it in one op (one launch, no synchronisation): returns
     error (B, Hq) float32, sel_q (B, Hq) uint8 (1: the head's Q·Kᵀ in FP8; every head with
     ``select_all``, else error > limit, a NaN estimate keeping FP4) and sel_k (B, Hkv) uint8 (1 where
-    any of its q heads is 1), as ``reference.choose_qk_precision`` decides."""
-    return op("qk_rule_select")(aligned(q), aligned(k), aligned(v), aligned(pre.q_packed), aligned(pre.q_scales),
-                                aligned(pre.k_packed), aligned(pre.k_scales), aligned(pre.mean_q),
-                                aligned(pre.mean_k), _none(q.device, 10) if pre.balance is None else aligned(pre.balance),
+    any of its q heads is 1), as ``reference.choose_qk_precision`` decides. q, k, v contiguous and
+    16-byte aligned (``aligned``), ``pre`` straight from the preprocessing kernels: passed as they are
+    (the op refuses others, naming them)."""
+    return op("qk_rule_select")(q, k, v, pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.mean_q,
+                                pre.mean_k, _none(q.device, 10) if pre.balance is None else pre.balance,
                                 *_rule_scale(pre, q.shape[3], scale), float(limit), bool(select_all))
 
 
@@ -372,10 +380,12 @@ def mxfp8_smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, pre, sel_q: torch.Te
                           seq_pad: int) -> tuple[torch.Tensor, ...]:
     """Both MXFP8 operands of the per-head FP8 Q·Kᵀ (``mxfp8_smooth_quant`` of Q with sel_q and of K
     with sel_k, balance signs -1 and +1) from one op that allocates them: (q8, q8_scales, k8,
-    k8_scales), codes uint8 (B, H, Sp, D), scales uint8 (B, H, Sp, D/32); rotated where ``pre`` is."""
-    bal = _none(q.device, 8) if pre.balance is None else aligned(pre.balance)
-    return op("mxfp8_smooth_quant_qk")(aligned(q), aligned(k), aligned(pre.mean_q), aligned(pre.mean_k), bal,
-                                       sel_q, sel_k, int(seq_pad), bool(pre.qk_rotation))
+    k8_scales), codes uint8 (B, H, Sp, D), scales uint8 (B, H, Sp, D/32); rotated where ``pre`` is.
+    q and k contiguous and 16-byte aligned, ``pre`` straight from the preprocessing kernels, as
+    ``qk_rule_select`` takes them."""
+    bal = _none(q.device, 8) if pre.balance is None else pre.balance
+    return op("mxfp8_smooth_quant_qk")(q, k, pre.mean_q, pre.mean_k, bal, sel_q, sel_k, int(seq_pad),
+                                       bool(pre.qk_rotation))
 
 
 def _preprocess_qkv_fake(q, k, v, pad, per_block_mean, rotate, balance, search):

@@ -712,8 +712,8 @@ template <typename T, int D>
 int launch(const QkRuleArgs& a, cudaStream_t stream) {
   using L = Smem<D>;
   const auto kernel = qk_rule_kernel<T, D>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(L::kBytes));
+  static KernelSetup setup;  // its shared-memory ceiling, set once per device
+  cudaError_t err = setup.smem(kernel, static_cast<int>(L::kBytes));
   if (err != cudaSuccess) return err;
   if (a.sel_q != nullptr) {  // the selection's zeros, stream-ordered before the blocks that count and set them
     err = cudaMemsetAsync(a.counter, 0, sizeof(int32_t) * static_cast<size_t>(a.B * a.Hq), stream);

@@ -7,6 +7,7 @@
 
 #include "sageattn3.h"
 #include "torch/checks.h"
+#include "torch/outputs.h"
 
 namespace sageattn3::torch_ops {
 
@@ -120,29 +121,30 @@ void qk_rule_error(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales
 // qk_rule_select(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale,
 // rotate, floor, limit, select_all) -> (error, sel_q, sel_k): the estimate and
 // the selection in one op, which allocates its outputs and its workspace (one host call for the
-// whole rule): error (B, Hq) fp32 as qk_rule_error; sel_q (B, Hq) bytes, 1 where the head's Q.K^T runs in FP8 (every head with
-// select_all, else error > limit; a NaN estimate keeps FP4); sel_k (B, Hkv) bytes, 1 where any
-// of its q heads is 1.
+// whole rule): error (B, Hq) fp32 as qk_rule_error; sel_q (B, Hq) bytes, 1 where the head's Q.K^T
+// runs in FP8 (every head with select_all, else error > limit; a NaN estimate keeps FP4); sel_k (B, Hkv) bytes, 1 where any
+// of its q heads is 1. The outputs and the workspace share one allocation (torch/outputs.h).
 template <class T>
 std::tuple<T, T, T> qk_rule_select(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales, T mean_q, T mean_k,
                                    T balance, double sm_scale, bool rotate, bool floor, double limit,
                                    bool select_all) {
-  using A = TensorApi<T>;
   QkRuleArgs a = rule_args(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, rotate,
                            floor);
   DeviceScope scope(device_index(q));
-  // partial (B * Hq * 16 floats), then the counters (B * Hq int32, zeroed by the launch)
-  T work = A::empty({a.B * a.Hq * 17}, Kind::kFloat, q);
-  T error = A::empty({a.B, a.Hq}, Kind::kFloat, q);
-  T sel_q = A::empty({a.B, a.Hq}, Kind::kByte, q), sel_k = A::empty({a.B, a.Hkv}, Kind::kByte, q);
-  a.partial = floats(work);
+  // error, sel_q, sel_k, then the workspace: partial (B * Hq * 16 floats), then the counters (B * Hq
+  // int32, zeroed by the launch); one allocation (torch/outputs.h)
+  const OutputSpec specs[] = {{{a.B, a.Hq}, Kind::kFloat}, {{a.B, a.Hq}, Kind::kByte}, {{a.B, a.Hkv}, Kind::kByte},
+                              {{a.B * a.Hq * 17}, Kind::kFloat}};
+  auto out = allocate_outputs(specs, q);
+  const T &error = out[0], &sel_q = out[1], &sel_k = out[2];
+  a.partial = floats(out[3]);
   a.counter = reinterpret_cast<int32_t*>(a.partial + a.B * a.Hq * 16);
   a.error = floats(error);
   a.sel_q = bytes(sel_q);
   a.sel_k = bytes(sel_k);
   a.limit = static_cast<float>(limit);
   a.select_all = select_all ? 1 : 0;
-  check_cuda_kernel<T>(sageattn3::qk_rule_error(a, A::stream(q)), "qk_rule_select");
+  check_cuda_kernel<T>(sageattn3::qk_rule_error(a, TensorApi<T>::stream(q)), "qk_rule_select");
   return {error, sel_q, sel_k};
 }
 
