@@ -184,7 +184,8 @@ def test_rule_and_mxfp8_outputs_share_one_allocation_safely(balance):
     sel = rule()
     bal = _kernels._none(q.device, 8) if pre.balance is None else pre.balance
     _check_outputs(sel, _kernels._qk_rule_select_fake(q, k, v, pre.q_packed, pre.q_scales, pre.k_packed,
-                                                      pre.k_scales, pre.mean_q, pre.mean_k, bal, 0.088, 0.1, True))
+                                                      pre.k_scales, pre.mean_q, pre.mean_k, bal, 0.088, False, False, 0.1,
+                                                          True))
     _each_survives_alone(rule)
 
     def mxfp8():

@@ -110,7 +110,7 @@ def test_fp8_with_the_rotation_matches_the_reference(fp4, case, causal, d):  # n
     exact = ref.exact_attention(q, k, v, is_causal=causal)
     c_exact = ac.cos_sim(out.float().cpu(), exact)
     c_rot = ac.cos_sim(fp4.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal, qk_rotation=True,
-                                               qk_balance=True).float().cpu(), exact)
+                                               qk_balance=True, qk_precision="fp4").float().cpu(), exact)
     fig = (f"{case} D={d} causal={causal} fp8+rotation+balance: kernel vs reference cos={c:.7f}, whole call "
            f"{c_end:.6f}; vs exact {c_exact:.4f} (rotation+balance, FP4: {c_rot:.4f})")
     FIGURES.append(fig)
