@@ -145,6 +145,9 @@ struct QkRuleArgs {
   int64_t mean_rows;
   const float* mean_k;
   const float* balance;
+  // Q and K rotated (D 64/128) before their means, which are then rotated means, are subtracted
+  // (the preprocessing's qk_rotation); the caller divides `scale` by D/64.
+  bool rotate;
   float scale;
   float* partial;
   int32_t* counter;
@@ -156,6 +159,16 @@ struct QkRuleArgs {
   uint8_t* sel_k;
   float limit;
   int select_all;
+  // Options as floors (reference.qk_fp4_error, step 5): with `floor` (the preprocessing had the
+  // balance, the rotation or the scale search) a second launch estimates the defaults' rows (raw
+  // minus the means taken back without the balance and the rotation, reference.options_free_means,
+  // quantized in the kernel) and each head's error becomes the larger of the two (NaN if either
+  // is), its selection from that.
+  bool floor;
+  // Set by the launcher for that second launch: Qd/Kd quantized in the kernel from Q_s/K_s
+  // (quant16, plain scales) instead of read from the codes; the error combined with the first's.
+  bool requant;
+  bool combine;
 };
 int qk_rule_error(const QkRuleArgs& args, cudaStream_t stream);
 

@@ -69,13 +69,15 @@ def delta_s_workspace_limit() -> int:
 
 
 def delta_s_workspace(batch: int, heads_q: int, nblk: int, seq_q: int, seq_k_pad: int,
-                      device: torch.device) -> torch.Tensor:
+                      device: torch.device, limit: int | None = None) -> torch.Tensor:
     """The workspace of delta_s per query block and key: whole (batch, q head) rows of
-    ceil(seq_q/128) x seq_k_pad floats, as many as ``delta_s_workspace_limit`` allows (all of
-    them at most); empty with one Q mean or when not even one row fits (the kernel then corrects
-    in its loop). Shapes only: no synchronisation."""
+    ceil(seq_q/128) x seq_k_pad floats, as many as ``limit`` bytes hold (default:
+    ``delta_s_workspace_limit()``; all of them at most); empty with one Q mean or when not even
+    one row fits (the kernel then corrects in its loop). Shapes only: no synchronisation."""
     row = -(-seq_q // SEQ_PAD) * seq_k_pad
-    rows = 0 if nblk == 1 else min(batch * heads_q, delta_s_workspace_limit() // (4 * row))
+    if nblk == 1:
+        return _kernels._none(device, 7)
+    rows = min(batch * heads_q, (delta_s_workspace_limit() if limit is None else limit) // (4 * row))
     if rows < 1:
         return _kernels._none(device, 7)
     return torch.empty(rows * row, dtype=torch.float32, device=device)
@@ -209,31 +211,34 @@ def fp4_attention(
 
 def _launch(q, q_sf, k, k_sf, v, v_sf, mean_q, mean_q_global, delta_key, seq_q: int, seq_k: int,
             sm_scale: float | None, is_causal: bool, out_dtype: torch.dtype, qk_rotation: bool,
-            k_residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel call itself, on operands in the kernel's layout (the op checks them again)."""
+            k_residual: torch.Tensor | None = None, workspace_limit: int | None = None) -> torch.Tensor:
+    """The kernel call itself, on operands in the kernel's layout (the op checks them again);
+    ``workspace_limit``: ``delta_s_workspace``'s ``limit``."""
     d = 2 * q.shape[3]
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
     if qk_rotation:
         scale *= 64.0 / d  # rotate(q) . rotate(k) = (D/64) q . k (exact: a power of two)
     out = torch.empty((q.shape[0], q.shape[1], seq_q, d), dtype=out_dtype, device=q.device)
     k_res = _kernels._none(q.device, 6) if k_residual is None else k_residual
-    work = delta_s_workspace(q.shape[0], q.shape[1], mean_q.shape[2], seq_q, k.shape[2], q.device)
+    work = delta_s_workspace(q.shape[0], q.shape[1], mean_q.shape[2], seq_q, k.shape[2], q.device, workspace_limit)
     _kernels.op("blockscaled_fp4_attn")(q, q_sf, k, k_sf, v, v_sf, mean_q, mean_q_global, delta_key, k_res, work, out,
                                         seq_q, seq_k, scale, is_causal)
     return out
 
 
-def fp8_workspace_fits(batch: int, heads_q: int, nblk: int, seq_q: int, seq_k_pad: int) -> bool:
+def fp8_workspace_fits(batch: int, heads_q: int, nblk: int, seq_q: int, seq_k_pad: int,
+                       limit: int | None = None) -> bool:
     """Whether the FP8 Q·Kᵀ kernel can run: it reads delta_s rows, so with per-block Q means the
-    workspace must hold at least one (batch, q head) row (the bounded-memory mode is FP4 only)."""
+    workspace (``limit`` bytes, default ``delta_s_workspace_limit()``) must hold at least one
+    (batch, q head) row (the bounded-memory mode is FP4 only)."""
     if nblk == 1:
         return True
-    return delta_s_workspace_limit() // (4 * -(-seq_q // SEQ_PAD) * seq_k_pad) >= 1
+    return (delta_s_workspace_limit() if limit is None else limit) // (4 * -(-seq_q // SEQ_PAD) * seq_k_pad) >= 1
 
 
 def attention_qk8(pre, head_sel: torch.Tensor, q8: torch.Tensor, q8_scales: torch.Tensor, k8: torch.Tensor,
                   k8_scales: torch.Tensor, *, is_causal: bool = False, sm_scale: float | None = None,
-                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                  out_dtype: torch.dtype = torch.bfloat16, workspace_limit: int | None = None) -> torch.Tensor:
     """The attention with the per-head Q·Kᵀ precision, on a ``reference.Preprocessed`` straight from
     the preprocessing kernels (pad=128): head_sel (B, Hq) bool/uint8, 1 where the
     head's Q·Kᵀ runs in FP8 from q8/k8 (MXFP8 of the same smoothed rows, ``_kernels.mxfp8_smooth_quant``;
@@ -241,7 +246,7 @@ def attention_qk8(pre, head_sel: torch.Tensor, q8: torch.Tensor, q8_scales: torc
     Two launches, each skipping the other's heads on the device; one where head_sel is all
     zeros is FP4's output bit for bit. With the rotation (``pre.qk_rotation``), q8/k8 are MXFP8 of
     the rotated rows (``mxfp8_smooth_quant(..., rotate=True)``) and the softmax scale is divided
-    by D/64, as for FP4."""
+    by D/64, as for FP4. ``workspace_limit``: ``delta_s_workspace``'s ``limit``."""
     q = pre.q_packed
     d = 2 * q.shape[3]
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
@@ -249,7 +254,8 @@ def attention_qk8(pre, head_sel: torch.Tensor, q8: torch.Tensor, q8_scales: torc
         scale *= 64.0 / d  # rotate(q) . rotate(k) = (D/64) q . k (exact: a power of two)
     out = torch.empty((q.shape[0], q.shape[1], pre.seq_q, d), dtype=out_dtype, device=q.device)
     k_res = _kernels._none(q.device, 6) if pre.k_residual is None else pre.k_residual
-    work = delta_s_workspace(q.shape[0], q.shape[1], pre.mean_q.shape[2], pre.seq_q, pre.k_packed.shape[2], q.device)
+    work = delta_s_workspace(q.shape[0], q.shape[1], pre.mean_q.shape[2], pre.seq_q, pre.k_packed.shape[2], q.device,
+                             workspace_limit)
     sel = head_sel if head_sel.dtype == torch.uint8 and head_sel.is_contiguous() else head_sel.to(torch.uint8).contiguous()
     _kernels.op("blockscaled_attn_qk8")(q, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
                                         pre.mean_q, pre.mean_q_global, pre.delta_key, k_res, work, out, sel,
@@ -259,15 +265,17 @@ def attention_qk8(pre, head_sel: torch.Tensor, q8: torch.Tensor, q8_scales: torc
 
 
 def attention_from_preprocessed(pre, *, is_causal: bool = False, sm_scale: float | None = None,
-                                out_dtype: torch.dtype = torch.bfloat16, trusted: bool = False) -> torch.Tensor:
+                                out_dtype: torch.dtype = torch.bfloat16, trusted: bool = False,
+                                workspace_limit: int | None = None) -> torch.Tensor:
     """``fp4_attention`` on a ``sageattn3.reference.Preprocessed`` (as ``api.preprocess``
     returns it, pad=128). ``trusted``: ``pre`` comes straight from the preprocessing kernels
     with pad=128 (contiguous, aligned, padded, uint8/e4m3 codes and scales) and out_dtype is
-    q's dtype: the Python checks and padding are skipped (the op's own checks remain)."""
+    q's dtype: the Python checks and padding are skipped (the op's own checks remain).
+    ``workspace_limit``: ``delta_s_workspace``'s ``limit``."""
     if trusted:
         return _launch(pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
                        pre.mean_q, pre.mean_q_global, pre.delta_key, pre.seq_q, pre.seq_k, sm_scale, is_causal,
-                       out_dtype, pre.qk_rotation, pre.k_residual)
+                       out_dtype, pre.qk_rotation, pre.k_residual, workspace_limit)
     return fp4_attention(pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
                          pre.mean_q, mean_q_global=pre.mean_q_global, delta_key=pre.delta_key,
                          k_residual=pre.k_residual, seq_q=pre.seq_q,

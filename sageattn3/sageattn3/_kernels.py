@@ -199,6 +199,13 @@ def aligned(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
+def aligned_eager(x: torch.Tensor) -> torch.Tensor:
+    """``aligned`` where torch.compile never traces (the eager FP4 path, also the body of the
+    ``sageattn3::attention`` op at run time): without asking whether it is compiling."""
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
 def _none(device: torch.device, i: int) -> torch.Tensor:
     """An empty float32 tensor ("no such operand" for the ops), distinct per operand slot i."""
     t = _NONE.get((device, i))
@@ -331,7 +338,8 @@ def mxfp8_smooth_quant(x: torch.Tensor, mean: torch.Tensor, balance: torch.Tenso
 def qk_rule_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale: float) -> torch.Tensor:
     """The "auto" rule's estimate (``reference.qk_fp4_error``) in one launch: q (B, Hq, Sq, D), k
     and v (B, Hkv, Sk, D) float16/bfloat16, D 64/128, and their ``Preprocessed`` (without K's
-    per-block means). Returns (B, Hq) float32 on q's device (no host synchronisation)."""
+    per-block means; rotated or not), ``scale`` the softmax scale of the unrotated scores. Returns
+    (B, Hq) float32 on q's device (no host synchronisation)."""
     b, hq = q.shape[:2]
     partial = torch.empty((b, hq, 8, 2), dtype=torch.float32, device=q.device)
     counter = torch.zeros((b, hq), dtype=torch.int32, device=q.device)
@@ -339,8 +347,8 @@ def qk_rule_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale:
     op("qk_rule_error")(aligned(q), aligned(k), aligned(v), aligned(pre.q_packed), aligned(pre.q_scales),
                         aligned(pre.k_packed), aligned(pre.k_scales),
                         aligned(pre.mean_q), aligned(pre.mean_k),
-                        _none(q.device, 10) if pre.balance is None else aligned(pre.balance), float(scale),
-                        partial, counter, error)
+                        _none(q.device, 10) if pre.balance is None else aligned(pre.balance),
+                        *_rule_scale(pre, q.shape[3], scale), partial, counter, error)
     return error
 
 
@@ -349,21 +357,35 @@ def qk_rule_select(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale
     """``qk_rule_error`` and the selection from it in one op (one launch, no synchronisation): returns
     error (B, Hq) float32, sel_q (B, Hq) uint8 (1: the head's Q·Kᵀ in FP8; every head with
     ``select_all``, else error > limit, a NaN estimate keeping FP4) and sel_k (B, Hkv) uint8 (1 where
-    any of its q heads is 1), as ``reference.choose_qk_precision`` decides."""
-    return op("qk_rule_select")(aligned(q), aligned(k), aligned(v), aligned(pre.q_packed), aligned(pre.q_scales),
-                                aligned(pre.k_packed), aligned(pre.k_scales), aligned(pre.mean_q),
-                                aligned(pre.mean_k), _none(q.device, 10) if pre.balance is None else aligned(pre.balance),
-                                float(scale), float(limit), bool(select_all))
+    any of its q heads is 1), as ``reference.choose_qk_precision`` decides. q, k, v contiguous and
+    16-byte aligned (``aligned``), ``pre`` straight from the preprocessing kernels: passed as they are
+    (the op refuses others, naming them)."""
+    return op("qk_rule_select")(q, k, v, pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.mean_q,
+                                pre.mean_k, _none(q.device, 10) if pre.balance is None else pre.balance,
+                                *_rule_scale(pre, q.shape[3], scale), float(limit), bool(select_all))
+
+
+def _rule_scale(pre, d: int, scale: float) -> tuple[float, bool, bool]:
+    """The rule ops' (sm_scale, rotate, floor): on rotated rows the scores are (D/64)·Q·Kᵀ, so the
+    scale the op applies is divided by that (``reference.rotation_score_factor``); ``floor`` where
+    ``pre`` has an option (``reference.rule_has_options``): the op's second launch estimates the
+    defaults' rows too (options as floors; ``reference.qk_fp4_error``)."""
+    from . import reference
+
+    rot = bool(pre.qk_rotation)
+    return float(scale) / (d / 64.0 if rot else 1.0), rot, reference.rule_has_options(pre)
 
 
 def mxfp8_smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, pre, sel_q: torch.Tensor, sel_k: torch.Tensor,
                           seq_pad: int) -> tuple[torch.Tensor, ...]:
     """Both MXFP8 operands of the per-head FP8 Q·Kᵀ (``mxfp8_smooth_quant`` of Q with sel_q and of K
     with sel_k, balance signs -1 and +1) from one op that allocates them: (q8, q8_scales, k8,
-    k8_scales), codes uint8 (B, H, Sp, D), scales uint8 (B, H, Sp, D/32); rotated where ``pre`` is."""
-    bal = _none(q.device, 8) if pre.balance is None else aligned(pre.balance)
-    return op("mxfp8_smooth_quant_qk")(aligned(q), aligned(k), aligned(pre.mean_q), aligned(pre.mean_k), bal,
-                                       sel_q, sel_k, int(seq_pad), bool(pre.qk_rotation))
+    k8_scales), codes uint8 (B, H, Sp, D), scales uint8 (B, H, Sp, D/32); rotated where ``pre`` is.
+    q and k contiguous and 16-byte aligned, ``pre`` straight from the preprocessing kernels, as
+    ``qk_rule_select`` takes them."""
+    bal = _none(q.device, 8) if pre.balance is None else pre.balance
+    return op("mxfp8_smooth_quant_qk")(q, k, pre.mean_q, pre.mean_k, bal, sel_q, sel_k, int(seq_pad),
+                                       bool(pre.qk_rotation))
 
 
 def _preprocess_qkv_fake(q, k, v, pad, per_block_mean, rotate, balance, search):
@@ -423,8 +445,8 @@ OUTPUT_WRITING_OPS = (
 )
 # Ops of the library that allocate and return their outputs, with the fakes that give those
 # outputs' shapes (kept next to the op's wrapper above).
-def _qk_rule_select_fake(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, limit,
-                         select_all):
+def _qk_rule_select_fake(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, rotate,
+                         floor, limit, select_all):
     b, hq, hk = q.shape[0], q.shape[1], k.shape[1]
     return (q.new_empty((b, hq), dtype=torch.float32), q.new_empty((b, hq), dtype=torch.uint8),
             q.new_empty((b, hk), dtype=torch.uint8))

@@ -117,20 +117,24 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
 
 
 def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bool,
-                        qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool = False) -> Preprocessed:
+                        qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool = False,
+                        inputs_aligned: bool = False) -> Preprocessed:
     """``preprocess`` on the kernels, for checked inputs (the FP4 path calls it directly). At
     head dims 64/128 with up to ``max_correction_heads`` q heads per kv head (the attention
     kernel's cases) one op allocates every output and makes every launch in C++, V's first;
     elsewhere V's launch still comes first, before any other Python: the host work for Q and K
-    then overlaps it."""
+    then overlaps it. ``inputs_aligned``: q, k, v are contiguous and 16-byte aligned already
+    (``_kernels.aligned``), as the FP4 path passes them."""
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     if d in reference.ROTATION_HEAD_DIMS and hq // hk <= _kernels.max_correction_heads(d):
         bal = bool(qk_balance) and per_block_mean and reference.balance_applies(d)
         search = reference.scale_search_applies(qk_scale_search, d)
         rot = bool(qk_rotation)
+        if not inputs_aligned:
+            q, k, v = _kernels.aligned(q), _kernels.aligned(k), _kernels.aligned(v)
         qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps, k_res = _kernels.preprocess_qkv(
-            _kernels.aligned(q), _kernels.aligned(k), _kernels.aligned(v), pad, per_block_mean, rot, bal, search)
+            q, k, v, pad, per_block_mean, rot, bal, search)
         return Preprocessed(qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, sq, sk, qbar if per_block_mean else mean_q,
                             ds_key, rot, exps if bal else None, search, k_res if per_block_mean else None)
     # the rest: head dims other than 64/128, or more q heads per kv head than the K kernels take

@@ -10,7 +10,7 @@ import torch
 
 from sageattn3 import _attn, _kernels, reference
 from sageattn3._preprocess_api import _use_kernels, preprocess
-from sageattn3._validate import _check_qkv, _flags
+from sageattn3._validate import _ATTN_DTYPES, _check_qkv, _flags
 from sageattn3.reference import Preprocessed
 
 
@@ -39,32 +39,29 @@ class QkChoice:
         return (f"qk_precision={self.precision!r}, limit {reference.AUTO_ERROR_LIMIT}: "
                 f"{int(sel.sum())} of {sel.numel()} heads FP8; per head: {heads}")
 
-def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float | None):
+def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float | None,
+                  workspace_limit: int | None = None):
     """(sel_q (B, Hq) uint8, sel_k (B, Hkv) uint8, error (B, Hq)) where the per-head precision
     applies: sel_q 1 where a q head's Q·Kᵀ runs in FP8, sel_k 1 where any q head of a kv head does;
     else the reason (str) every head stays FP4: "fp4" asked, or FP8 unavailable with "auto"
-    ("fp8" raises then). On the kernels, one op computes all three (no synchronisation)."""
+    ("fp8" raises then). On the kernels, one op computes all three (no synchronisation); q, k, v
+    are then contiguous and 16-byte aligned (``_kernels.aligned``). ``workspace_limit``: the
+    delta_s workspace's bytes (``_attn.fp8_workspace_fits``'s ``limit``)."""
     precision = reference.qk_precision_arg(qk_precision)
     if precision == "fp4":
         return "qk_precision='fp4'"
     b, hq, sq, d = q.shape
     why = None
-    # "fp8" with the rotation: every head FP8 on the rotated rows (the reference's qk_fp8_rotated);
-    # the rule is not defined on rotated rows, so "auto" with the rotation keeps FP4
-    rotated_fp8 = precision == "fp8" and pre.qk_rotation and d in reference.FP8_HEAD_DIMS
-    if not rotated_fp8 and not reference.fp8_applies(pre.qk_rotation, d):
+    # with the rotation the rule estimates on the rotated rows, and FP8 runs on them
+    if not reference.fp8_applies(pre.qk_rotation, d):
         why = reference.fp8_unavailable(pre.qk_rotation, d)
-    elif not _attn.fp8_workspace_fits(b, hq, pre.mean_q.shape[2], sq, pre.k_packed.shape[2]):
+    elif not _attn.fp8_workspace_fits(b, hq, pre.mean_q.shape[2], sq, pre.k_packed.shape[2], workspace_limit):
         why = (f"the FP8 Q·Kᵀ kernel needs the delta_s workspace to hold one (batch, head) row "
                f"({_attn.WORKSPACE_ENV} is too small for these sequence lengths)")
     if why is not None:
         if precision == "fp8":
             raise ValueError(why)
         return why
-    if rotated_fp8:
-        hk = k.shape[1]
-        ones = torch.ones((b, hq), dtype=torch.uint8, device=q.device)
-        return ones, ones.new_ones((b, hk)), torch.full((b, hq), float("nan"), device=q.device)
     if _rule_kernel_serves(q, pre):
         err, sel_q, sel_k = _kernels.qk_rule_select(q, k, v, pre, _scale(q, sm_scale), reference.AUTO_ERROR_LIMIT,
                                                     precision == "fp8")
@@ -81,7 +78,7 @@ def _scale(q, sm_scale: float | None) -> float:
 
 def _rule_kernel_serves(q, pre: Preprocessed) -> bool:
     """Whether the fused rule kernel computes the estimate for these inputs (else the reference)."""
-    return (_use_kernels(q) and q.dtype in (torch.float16, torch.bfloat16) and pre.k_block_corr is None
+    return (_use_kernels(q) and q.dtype in _ATTN_DTYPES and pre.k_block_corr is None
             and _kernels.has_rule_kernel())
 
 
@@ -102,6 +99,8 @@ def qk_choice(q, k, v, is_causal: bool = False, per_block_mean: bool = True,
     precision = reference.qk_precision_arg(qk_precision)
     rot, bal = _flags(qk_rotation=qk_rotation, qk_balance=qk_balance)
     pre = preprocess(q, k, v, per_block_mean, _attn.SEQ_PAD, rot, bal, qk_scale_search)
+    if _use_kernels(q):
+        q, k, v = _kernels.aligned(q), _kernels.aligned(k), _kernels.aligned(v)
     picked = _qk_selection(q, k, v, pre, precision, None)
     if isinstance(picked, str):
         return QkChoice.fp4_path(q, precision, picked)

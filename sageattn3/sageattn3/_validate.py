@@ -56,7 +56,11 @@ def _check_qkv(q, k, v) -> None:
 def _flags(**named) -> tuple[bool, ...]:
     """The boolean keywords of a call, each checked (``reference.flag``: a string such as
     "False" or None is a TypeError, never silently true or false), in the order given."""
-    return tuple(reference.flag(value, name) for name, value in named.items())
+    values = tuple(named.values())
+    for value in values:
+        if type(value) is not bool:
+            return tuple(reference.flag(value, name) for name, value in named.items())
+    return values  # the common case: every one a bool already
 
 
 def _search(qk_scale_search: bool | None) -> bool:

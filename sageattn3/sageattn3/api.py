@@ -154,6 +154,7 @@ def _warn_once(reason: str, stacklevel: int = 3) -> None:
 # _selfcheck.reset() (tests).
 _paths: dict[tuple[torch.device, int], str | None] = {}
 _selfcheck.on_reset(_paths.clear)
+_UNDECIDED = object()  # _paths has no entry for the key yet
 
 
 def _decide(device: torch.device, head_dim: int) -> str | None:
@@ -223,9 +224,9 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     with FP4 or MXFP8 operands (``sageattn3.reference.qk_fp4_error`` and ``AUTO_ERROR_LIMIT``: heads
     whose estimated output error from FP4 Q·Kᵀ is large, e.g. RoPE'd biased keys, near-one-hot rows,
     outlier channels; docs/accuracy-auto.md); where no head needs it the output is FP4's bit for
-    bit. "fp4": every head FP4 (the rule does not run); "fp8": every head FP8 (D 64/128; with
-    ``qk_rotation``, on the rotated rows). With ``qk_rotation``, "auto" keeps every head FP4 (the
-    rule is not defined on rotated rows). P·V stays NVFP4. ``return_qk_choice=True`` (outside torch.compile) returns
+    bit. "fp4": every head FP4 (the rule does not run); "fp8": every head FP8 (D 64/128). With
+    ``qk_rotation`` the rule estimates on the rotated rows and FP8 heads run on them. P·V stays
+    NVFP4. ``return_qk_choice=True`` (outside torch.compile) returns
     ``(out, QkChoice)``: which heads ran FP8 and the rule's estimates (``qk_choice``).
 
     Under ``torch.compile`` (``fullgraph=True`` works): the path is decided when tracing; the
@@ -259,7 +260,9 @@ def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool,
     if q.numel() == 0:
         return q.new_empty(q.shape)
     key = (q.device, q.shape[3])
-    why = _paths[key] if key in _paths else _decide(*key)
+    why = _paths.get(key, _UNDECIDED)
+    if why is _UNDECIDED:
+        why = _decide(*key)
     if why is None:
         return _fp4_attention(q, k, v, is_causal, per_block_mean, qk_rotation=qk_rotation, qk_balance=qk_balance,
                               qk_scale_search=qk_scale_search, qk_precision=qk_precision, choice=choice)
@@ -332,19 +335,24 @@ def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: flo
     ``qk_precision`` "auto"/"fp8": the rule (torch ops on the device, no synchronisation), the
     MXFP8 operands of the chosen heads and the attention with the per-head precision; "fp4" (and
     where FP8 cannot run, with "auto"): exactly the FP4 path. ``choice``: a list the QkChoice is
-    appended to (the debug return)."""
-    pre = _preprocess_kernels(q, k, v, per_block_mean, _attn.SEQ_PAD, qk_rotation, qk_balance, qk_scale_search)
-    picked = _qk_selection(q, k, v, pre, qk_precision, sm_scale)
+    appended to (the debug return). q, k, v are made contiguous and aligned once, here, for every
+    op; the delta_s workspace's limit (``SAGEATTN3_DELTA_S_WORKSPACE_MIB``) is read once."""
+    q, k, v = _kernels.aligned_eager(q), _kernels.aligned_eager(k), _kernels.aligned_eager(v)
+    pre = _preprocess_kernels(q, k, v, per_block_mean, _attn.SEQ_PAD, qk_rotation, qk_balance, qk_scale_search,
+                              inputs_aligned=True)
+    limit = _attn.delta_s_workspace_limit() if pre.mean_q.shape[2] > 1 else 0  # unused with one Q mean
+    picked = _qk_selection(q, k, v, pre, qk_precision, sm_scale, limit)
     if isinstance(picked, str):
         if choice is not None:
             choice.append(QkChoice.fp4_path(q, qk_precision, picked))
         return _attn.attention_from_preprocessed(pre, is_causal=is_causal, sm_scale=sm_scale, out_dtype=q.dtype,
-                                                 trusted=True)
+                                                 trusted=True, workspace_limit=limit)
     sel_q, sel_k, err = picked
     if choice is not None:
         choice.append(QkChoice(qk_precision, sel_q.view(torch.bool), err))
     q8, q8s, k8, k8s = _kernels.mxfp8_smooth_quant_qk(q, k, pre, sel_q, sel_k, _attn.SEQ_PAD)
-    return _attn.attention_qk8(pre, sel_q, q8, q8s, k8, k8s, is_causal=is_causal, sm_scale=sm_scale, out_dtype=q.dtype)
+    return _attn.attention_qk8(pre, sel_q, q8, q8s, k8, k8s, is_causal=is_causal, sm_scale=sm_scale, out_dtype=q.dtype,
+                               workspace_limit=limit)
 
 
 def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool = True, sm_scale: float | None = None,

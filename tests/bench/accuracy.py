@@ -16,13 +16,14 @@ computed in float64 from the bf16 inputs):
   docs/accuracy-auto.md), delta_s = delta_key + r · K̂ᵀ (K̂ the quantized K plus its quantization
   residual), no balance, no rotation, plain scales;
 - "FP4 Q·Kᵀ": the same with qk_precision="fp4" (every head FP4: the defaults before "auto");
-  "+ balance": that with qk_balance=True (the Q/K channel balance); "+ balance + rotation":
-  qk_balance=True and qk_rotation=True (balanced, then rotated); "+ scale search": those two and
-  Q and K quantized with the scale search (qk_scale_search=True); "FP8 Q·Kᵀ": qk_precision="fp8"
+  "FP4 + balance": that with qk_balance=True (the Q/K channel balance); "auto + balance +
+  rotation": the defaults ("auto") with qk_balance=True and qk_rotation=True (balanced, then
+  rotated; the rule runs on those rows, options as floors); "auto + all three": those two and Q
+  and K quantized with the scale search (qk_scale_search=True); "FP8 Q·Kᵀ": qk_precision="fp8"
   (every head FP8);
 - with --gpu: "kernels": ``sageattn3_blackwell`` (the preprocessing and attention kernels, the
   defaults) and its cos-sim against "auto (default)" on the same inputs; "kernels, all three": the
-  same with the balance, the rotation and the scale search, against "+ scale search".
+  same with the balance, the rotation and the scale search, against "auto + all three".
 The reference is bit-exact with the kernels' quantization; the FP4 MMA itself was only ever run
 as the H100 software model of the instruction. Shapes: batch 1, 4 q heads over 2 kv heads
 (GQA), SEQ tokens, each case's own dtype (bf16; fp16 for large_logits); every case with a fixed
@@ -53,7 +54,8 @@ SUMMARY_START, SUMMARY_END = "<!-- accuracy-summary:start -->", "<!-- accuracy-s
 # The README's few rows (case, D, causal) and columns (by header) of the full table.
 SUMMARY_ROWS = [("randn", 128, False), ("q_outliers", 128, False), ("k_outliers", 128, False),
                 ("qk_outliers", 128, False), ("peaky", 128, False), ("rope_bias", 128, False)]
-SUMMARY_COLUMNS = ["inputs", "auto (default): cos / rel-L1", "FP4 Q·Kᵀ", "+ balance + rotation", "+ scale search"]
+SUMMARY_COLUMNS = ["inputs", "auto (default): cos / rel-L1", "FP4 Q·Kᵀ", "auto + balance + rotation",
+                   "auto + all three"]
 LABELS = {
     "randn": "zero-mean Q, K, V",
     "q_offset_x1": "Q channel offsets x1",
@@ -124,9 +126,9 @@ def measure(ref, gpu: bool) -> list[dict]:
 
 def table(rows: list[dict], gpu: bool) -> str:
     head = ["inputs", "D", "causal", "paper: cos / rel-L1", "auto (default): cos / rel-L1", "FP8 heads",
-            "FP4 Q·Kᵀ", "+ balance", "+ balance + rotation", "+ scale search", "FP8 Q·Kᵀ"]
+            "FP4 Q·Kᵀ", "FP4 + balance", "auto + balance + rotation", "auto + all three", "FP8 Q·Kᵀ"]
     if gpu:
-        head += ["kernels: cos / rel-L1", "kernels vs ours (cos)", "kernels, all three", "vs + scale search (cos)"]
+        head += ["kernels: cos / rel-L1", "kernels vs ours (cos)", "kernels, all three", "vs auto + all three (cos)"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         cells = [LABELS[r["case"]], str(r["d"]), "yes" if r["causal"] else "no"]

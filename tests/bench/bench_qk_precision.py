@@ -6,6 +6,8 @@ events (median of 15 after warm-up):
 - preprocessing alone (``sageattn3.preprocess``: the FP4 path's first step);
 - the rule: the fused kernel the API uses on CUDA (``_kernels.qk_rule_error``, one launch) and its
   torch-op oracle (``reference.qk_fp4_error`` on the same preprocessed tensors, on the device);
+  and with the balance and the rotation (the rotated rows, then the defaults' rows: two launches,
+  options as floors);
 - the MXFP8 quantization of Q and K for every head, and with no head selected (the launch the
   "auto" path makes when the rule picks none);
 - with --call (needs the attention kernel): the whole call with qk_precision "fp4", "auto" on
@@ -51,6 +53,8 @@ def main() -> int:
                             _kernels.mxfp8_smooth_quant(k, pre.mean_k, None, 1, ones, 128)))
     t_q8_none = time_ms(lambda: (_kernels.mxfp8_smooth_quant(q, pre.mean_q, None, -1, zeros, 128),
                                  _kernels.mxfp8_smooth_quant(k, pre.mean_k, None, 1, zeros, 128)))
+    pre_opts = sageattn3.preprocess(q, k, v, qk_rotation=True, qk_balance=True)
+    t_rule_opts = time_ms(lambda: _kernels.qk_rule_error(q, k, v, pre_opts, 128 ** -0.5))
     err = _kernels.qk_rule_error(q, k, v, pre, 128 ** -0.5)
     err_ops = reference.qk_fp4_error(q, k, v, pre)
     print(f"rule kernel vs torch ops: max rel diff {((err - err_ops).abs() / err_ops.abs()).max().item():.2e}")
@@ -58,6 +62,8 @@ def main() -> int:
           f"{int((err > reference.AUTO_ERROR_LIMIT).sum())} of {err.numel()} heads) | rule as torch ops "
           f"{t_rule_ops:.3f} ms | MXFP8 Q+K all heads "
           f"{t_q8:.3f} ms ({t_q8 / t_pre:.2f}x) | MXFP8 launches, no head picked {t_q8_none:.3f} ms")
+    print(f"rule with the balance and the rotation (two launches): {t_rule_opts:.3f} ms "
+          f"({t_rule_opts / t_rule:.2f}x the defaults' rule)")
     for n, s in enumerate(args.call_seq if args.call else []):
         qc, kc, vc = q[:, :, :s].contiguous(), k[:, :, :s].contiguous(), v[:, :, :s].contiguous()
         res = {p: time_ms(lambda p=p: sageattn3.sageattn3_blackwell(qc, kc, vc, qk_precision=p), iters=5)

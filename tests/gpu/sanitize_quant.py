@@ -70,9 +70,39 @@ def main() -> int:
             ok = ok and torch.equal(ksc.view(torch.uint8), ksc2.view(torch.uint8))
             bad += not ok
             print(f"smooth_quant_qk {str(dtype):15s} {(gq, sq, gk, sk, d)}: {'ok' if ok else 'MISMATCH'}")
+    bad += _rule_kernel()
     torch.cuda.synchronize()
     print("sanitize_quant:", "all ok" if not bad else f"{bad} mismatches")
     return 1 if bad else 0
+
+
+def _rule_kernel() -> int:
+    """The "auto" rule (qk_rule_select: one launch, two with an option) on ragged shapes, plain,
+    rotated, balanced and with the scale search, against the reference's estimate (rel 1e-3)."""
+    import dataclasses
+
+    import sageattn3
+    from sageattn3 import _kernels
+    from sageattn3 import reference as ref
+
+    bad = 0
+    for dtype in (torch.bfloat16, torch.float16):
+        for (b, hq, hk, sq, sk, d) in [(1, 2, 1, 1, 1, 64), (1, 4, 2, 130, 17, 128), (2, 2, 1, 1100, 300, 64)]:
+            for kw in ({}, {"qk_rotation": True}, {"qk_balance": True, "qk_rotation": True, "qk_scale_search": True}):
+                q = torch.randn(b, hq, sq, d, dtype=dtype, device="cuda") * 3
+                k = torch.randn(b, hk, sk, d, dtype=dtype, device="cuda") + 1
+                v = torch.randn(b, hk, sk, d, dtype=dtype, device="cuda")
+                pre = sageattn3.preprocess(q, k, v, **kw)
+                err, sel_q, sel_k = _kernels.qk_rule_select(q, k, v, pre, d ** -0.5, ref.AUTO_ERROR_LIMIT, False)
+                cpu = dataclasses.replace(pre, **{f.name: getattr(pre, f.name).cpu() for f in dataclasses.fields(pre)
+                                                  if isinstance(getattr(pre, f.name), torch.Tensor)})
+                want = ref.qk_fp4_error(q.cpu(), k.cpu(), v.cpu(), cpu)
+                ok = bool((((err.cpu() - want).abs() / want.abs().clamp_min(1e-12)) < 1e-3).all())
+                ok = ok and torch.equal(sel_q.cpu().bool(), err.cpu() > ref.AUTO_ERROR_LIMIT)
+                bad += not ok
+                print(f"qk_rule_select {str(dtype):15s} {(b, hq, hk, sq, sk, d)} {sorted(kw)}: "
+                      f"{'ok' if ok else 'MISMATCH'}")
+    return bad
 
 
 if __name__ == "__main__":

@@ -110,11 +110,44 @@ def test_fp8_with_the_rotation_matches_the_reference(fp4, case, causal, d):  # n
     exact = ref.exact_attention(q, k, v, is_causal=causal)
     c_exact = ac.cos_sim(out.float().cpu(), exact)
     c_rot = ac.cos_sim(fp4.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal, qk_rotation=True,
-                                               qk_balance=True).float().cpu(), exact)
+                                               qk_balance=True, qk_precision="fp4").float().cpu(), exact)
     fig = (f"{case} D={d} causal={causal} fp8+rotation+balance: kernel vs reference cos={c:.7f}, whole call "
            f"{c_end:.6f}; vs exact {c_exact:.4f} (rotation+balance, FP4: {c_rot:.4f})")
     FIGURES.append(fig)
     assert c >= 0.99999 and c_end >= 0.9999, fig
+
+
+@pytest.mark.parametrize("balance", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_auto_with_the_rotation_matches_the_reference(fp4, balance, causal, d):  # noqa: F811
+    """"auto" with qk_rotation: the rule on the rotated rows picks some heads (mixed_heads: the
+    RoPE'd and near-one-hot ones), which run FP8 on the rotated rows, the others FP4, in one call.
+    The kernel's choice is the reference's; the attention kernel on the reference's preprocessing
+    and selection >= 0.99999; the whole call against the reference >= 0.9999 and against exact
+    attention no worse than "fp4" with the same options."""
+    from sageattn3 import _attn, reference as ref
+
+    q, k, v = ac.make("mixed_heads", 1, 8, 4, 700, 700, d, seed=11)
+    kw = {"qk_rotation": True, "qk_balance": balance}
+    pre = ref.preprocess(q, k, v, qk_precision="auto", **kw)
+    assert pre.qk_fp8.any() and not pre.qk_fp8.all(), pre.qk_error
+    want = ref.sageattn3(q, k, v, is_causal=causal, **kw)
+    g = _pre_to(pre, "cuda")
+    got = _attn.attention_qk8(g, g.qk_fp8, g.q8, g.q8_scales, g.k8, g.k8_scales, is_causal=causal).float().cpu()
+    c = ac.cos_sim(got, want)
+    out, choice = fp4.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal, return_qk_choice=True, **kw)
+    assert torch.equal(choice.fp8.cpu(), pre.qk_fp8), (choice.describe(), pre.qk_error)
+    c_end = ac.cos_sim(out.float().cpu(), want)
+    exact = ref.exact_attention(q, k, v, is_causal=causal)
+    c_exact = ac.cos_sim(out.float().cpu(), exact)
+    c_fp4 = ac.cos_sim(fp4.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal, qk_precision="fp4",
+                                               **kw).float().cpu(), exact)
+    fig = (f"mixed_heads D={d} causal={causal} auto+rotation balance={balance}: fp8 heads "
+           f"{int(pre.qk_fp8.sum())}/8, kernel vs reference cos={c:.7f}, whole call {c_end:.6f}; vs exact "
+           f"{c_exact:.4f} (fp4 with the same options: {c_fp4:.4f})")
+    FIGURES.append(fig)
+    assert c >= 0.99999 and c_end >= 0.9999 and c_exact >= c_fp4, fig
 
 
 @pytest.mark.parametrize("balance", [False, True])
@@ -225,8 +258,11 @@ def test_choice_and_errors(fp4):  # noqa: F811
     choice = fp4.qk_choice(q, k, v)
     assert choice.fp8.flatten().tolist() == [False, True, True, True], choice.describe()
     assert "fp8" in choice.describe() and choice.error.device.type == "cuda"
-    auto_rot = fp4.qk_choice(q, k, v, qk_rotation=True)
-    assert auto_rot.error is None and "keeps FP4" in auto_rot.describe()  # the rule: not on rotated rows
+    auto_rot = fp4.qk_choice(q, k, v, qk_rotation=True)  # the rule on the rotated rows, from the kernel
+    assert auto_rot.error is not None and auto_rot.error.device.type == "cuda", auto_rot.describe()
+    from sageattn3 import reference as ref
+
+    assert torch.equal(auto_rot.fp8, auto_rot.error > ref.AUTO_ERROR_LIMIT)
     with pytest.raises(ValueError, match="qk_precision must be one of"):
         fp4.sageattn3_blackwell(q, k, v, qk_precision="int8")
 

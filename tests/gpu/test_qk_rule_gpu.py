@@ -1,8 +1,9 @@
 """The fused "auto" rule kernel (``_kernels.qk_rule_error``, one launch) against its oracle,
 ``reference.qk_fp4_error`` run on the CPU on the same preprocessed tensors: the estimate per head
 to a relative 1e-3 and the same FP8/FP4 decision on every case of tests/attention_cases.py
-(hard and easy), at D 64 and 128, bf16 and fp16, with and without the channel balance and
-per-block Q means, GQA, ragged lengths and sequences long enough that 8 blocks are sampled. Also:
+(hard and easy), at D 64 and 128, bf16 and fp16, with and without the channel balance, the
+rotation and per-block Q means, GQA, ragged lengths and sequences long enough that 8 blocks are
+sampled. Also:
 the same bits on a second launch (no floating-point atomics), and the API's choice comes from
 the kernel on CUDA."""
 
@@ -25,13 +26,14 @@ def _cpu(pre):
 
 
 def _compare(sa, case, b, hq, hk, sq, sk, d, *, dtype=torch.bfloat16, seed=2025, balance=None, pbm=True,
-             sm_scale=None):
+             sm_scale=None, rotation=False):
     from sageattn3 import _kernels, reference as ref
 
     q, k, v = ac.make(case, b, hq, hk, sq, sk, d, seed=seed, dtype=dtype)
     qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
     kw = {} if balance is None else {"qk_balance": balance}
-    pre = sa.preprocess(qc, kc, vc, per_block_mean=pbm, **kw)
+    pre = sa.preprocess(qc, kc, vc, per_block_mean=pbm, qk_rotation=rotation, **kw)
+    assert pre.qk_rotation == rotation
     scale = sm_scale if sm_scale is not None else d ** -0.5
     got = _kernels.qk_rule_error(qc, kc, vc, pre, scale)
     again = _kernels.qk_rule_error(qc, kc, vc, pre, scale)
@@ -41,7 +43,7 @@ def _compare(sa, case, b, hq, hk, sq, sk, d, *, dtype=torch.bfloat16, seed=2025,
     assert torch.equal(got, again.cpu()), f"{case}: two launches differ"
     rel = ((got - want).abs() / want.abs().clamp_min(1e-12)).max().item()
     fig = (f"{case} b={b} hq={hq} hk={hk} sq={sq} sk={sk} D={d} {str(dtype)[6:]} balance={pre.balance is not None} "
-           f"pbm={pbm}: est {want.min():.4f}-{want.max():.4f}, max rel diff {rel:.2e}, "
+           f"rotation={rotation} pbm={pbm}: est {want.min():.4f}-{want.max():.4f}, max rel diff {rel:.2e}, "
            f"fp8 heads {int((want > ref.AUTO_ERROR_LIMIT).sum())}/{want.numel()}")
     FIGURES.append(fig)
     assert rel < 1e-3, fig
@@ -62,7 +64,7 @@ def _check_select(q, k, v, pre, scale, error):
         for select_all in (False, True):
             for _ in range(2):
                 err, sel_q, sel_k = _kernels.qk_rule_select(q, k, v, pre, scale, limit, select_all)
-                fake = _kernels._qk_rule_select_fake(q, k, v, *[None] * 9, select_all)
+                fake = _kernels._qk_rule_select_fake(q, k, v, *[None] * 11, select_all)
                 assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in (err, sel_q, sel_k)]
                 assert sel_q.dtype == torch.uint8 and sel_k.dtype == torch.uint8
                 assert torch.equal(err, error), "qk_rule_select's estimate differs from qk_rule_error's"
@@ -79,6 +81,15 @@ def test_rule_kernel_matches_reference_on_every_case(fp4, case, d):  # noqa: F81
     _compare(fp4, case, 2, 4, 2, 1500, 2333, d, seed=7)
 
 
+@pytest.mark.parametrize("case", ac.CASES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_rule_kernel_on_rotated_rows(fp4, case, d):  # noqa: F811
+    """qk_rotation=True: the rule on the rotated rows (the scale divided by D/64), alone and with
+    the balance (balanced, then rotated), against the reference on the same tensors."""
+    _compare(fp4, case, 1, 4, 4, 512, 512, d, rotation=True)
+    _compare(fp4, case, 2, 4, 2, 1500, 2333, d, seed=7, rotation=True, balance=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("balance", [False, True])
 def test_rule_kernel_options(fp4, dtype, balance):  # noqa: F811
@@ -86,6 +97,7 @@ def test_rule_kernel_options(fp4, dtype, balance):  # noqa: F811
     _compare(fp4, "mixed_heads", 1, 8, 2, 1000, 1000, 128, dtype=dtype, balance=balance)
     _compare(fp4, "q_outliers", 1, 4, 1, 129, 77, 64, dtype=dtype, balance=balance, sm_scale=0.05)
     _compare(fp4, "rope_bias", 1, 4, 2, 9000, 300, 128, dtype=dtype, pbm=False, balance=False)
+    _compare(fp4, "q_outliers", 1, 4, 1, 129, 77, 64, dtype=dtype, balance=balance, sm_scale=0.05, rotation=True)
 
 
 def test_short_sequences(fp4):  # noqa: F811

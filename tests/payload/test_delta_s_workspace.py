@@ -43,3 +43,15 @@ def test_bad_value_names_the_variable(monkeypatch, bad):
     monkeypatch.setenv(ENV, bad)
     with pytest.raises(ValueError, match=f"{ENV}=.*whole number of MiB >= 0.*{ENV}=512"):
         _attn.delta_s_workspace(1, 1, 2, 256, 256, CPU)
+
+
+def test_a_limit_handed_in_replaces_the_variable(monkeypatch):
+    """The FP4 path reads the variable once per call and hands the limit to the rule and the
+    attention: a limit passed in is what sizes the workspace, whatever the variable says."""
+    monkeypatch.setenv(ENV, "0")
+    assert _attn.delta_s_workspace(2, 24, 256, 32768, 32768, CPU, 100 << 20).numel() * 4 == 3 * (32 << 20)
+    assert _attn.fp8_workspace_fits(1, 1, 256, 32768, 32768, 32 << 20)
+    assert not _attn.fp8_workspace_fits(1, 1, 256, 32768, 32768, (32 << 20) - 1)
+    assert not _attn.fp8_workspace_fits(1, 1, 256, 32768, 32768)  # the variable's 0
+    monkeypatch.setenv(ENV, "lots")  # not read when a limit is handed in
+    assert _attn.delta_s_workspace(1, 1, 2, 256, 256, CPU, 1 << 20).numel() == 2 * 256

@@ -109,8 +109,8 @@ def test_fp8_everywhere_and_arguments():
     # "fp8" with the rotation: FP8 on the rotated rows (what qk_fp8_rotated asked for before)
     assert torch.equal(ref.sageattn3(q, k, v, qk_precision="fp8", qk_rotation=True),
                        ref.sageattn3(q, k, v, qk_precision="fp8", qk_rotation=True, qk_fp8_rotated=True))
-    # auto with the rotation keeps FP4 (no FP8 path there): the rule does not run
-    assert ref.preprocess(q, k, v, qk_precision="auto", qk_rotation=True).qk_fp8 is None
+    # auto with the rotation: the rule runs on the rotated rows (test_auto_on_rotated_rows)
+    assert ref.preprocess(q, k, v, qk_precision="auto", qk_rotation=True).qk_error is not None
     q80, k80, v80 = ac.make("randn", 1, 1, 1, 64, 64, 80, seed=3)
     with pytest.raises(ValueError, match="head_dim 64 or 128"):
         ref.sageattn3(q80, k80, v80, qk_precision="fp8")
@@ -160,3 +160,103 @@ def test_k_block_means_restore_the_scores():
     assert kbm > 0.88
     with pytest.raises(ValueError, match="qk_precision='fp4'"):
         ref.sageattn3(q, k, v, k_block_mean=True)
+
+
+def test_auto_on_rotated_rows():
+    """qk_rotation=True with "auto": the rule estimates on the rotated rows (the scale divided by
+    D/64) and its FP8 heads multiply the MXFP8 of those rows. The estimate is the FP4 error of the
+    rotated rows' codes: it equals the unrotated rule's on a preprocessing whose codes are those
+    same rows turned back, and RoPE'd heads, which the rotation does not help, still take FP8."""
+    q, k, v = ac.make("rope_bias", 1, 4, 2, 384, 384, 128, seed=5)
+    pre = ref.preprocess(q, k, v, qk_rotation=True, qk_precision="auto")
+    assert pre.qk_rotation and pre.qk_error is not None and pre.qk_error.shape == (1, 4)
+    assert torch.equal(pre.qk_fp8, pre.qk_error > ref.AUTO_ERROR_LIMIT) and pre.qk_fp8.all(), pre.qk_error
+    ks = ref.rotate(k.float()) - pre.mean_k
+    c, s = ref.quantize_mxfp8_rows(ref.pad_dim(ks, -2, 128))
+    assert torch.equal(c.view(torch.uint8), pre.k8.view(torch.uint8)) and torch.equal(s, pre.k8_scales)
+    # the scale: rotate(q)·rotate(k) = 2 q·k at D 128; an estimate made with the rotated rows but
+    # the unrotated scale would see twice the logits, and a larger error
+    doubled = ref.qk_fp4_error(q, k, v, pre, 2 * 128 ** -0.5)
+    assert torch.equal(ref.qk_fp4_error(q, k, v, pre, 128 ** -0.5), pre.qk_error)
+    assert bool((doubled > pre.qk_error).all()), (doubled, pre.qk_error)
+    # zero-mean data keeps FP4 with the rotation, as without it
+    q0, k0, v0 = ac.make("randn", 1, 4, 2, 384, 384, 128, seed=5)
+    easy = ref.preprocess(q0, k0, v0, qk_rotation=True, qk_precision="auto")
+    assert not easy.qk_fp8.any(), easy.qk_error
+    # every accuracy option on: no longer below the defaults on the heads FP8 serves
+    exact = ref.exact_attention(q, k, v)
+    dflt = ac.cos_sim(ref.sageattn3(q, k, v), exact)
+    every = ac.cos_sim(ref.sageattn3(q, k, v, qk_rotation=True, qk_balance=True, qk_scale_search=True), exact)
+    assert every >= 0.98 and every >= dflt - 0.002, (every, dflt)
+
+
+def test_unrotate_inverts_the_rotation():
+    x = torch.randn(3, 5, 128, generator=torch.Generator().manual_seed(1)) * 10
+    for d in (64, 128):
+        back = ref.unrotate(ref.rotate(x[..., :d]))
+        assert torch.allclose(back, x[..., :d], rtol=0, atol=1e-5), (back - x[..., :d]).abs().max()
+    with pytest.raises(ValueError, match="head_dim 64/128"):
+        ref.unrotate(x[..., :96])
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_options_are_floors_for_the_rule(d):
+    """With the balance, the rotation or the scale search, the estimate is the larger of the
+    options' and the defaults' (step 5 of qk_fp4_error): the defaults' one is the estimate of a
+    preprocessing without options, up to the means' rounding, and where the options alone would
+    keep FP4 (outliers in Q alone, balanced and rotated), the head keeps the defaults' FP8."""
+    q, k, v = ac.make("q_outliers", 1, 4, 2, 512, 512, d, seed=2025)
+    plain = ref.preprocess(q, k, v, qk_precision="auto")
+    opts = ref.preprocess(q, k, v, qk_precision="auto", qk_rotation=True, qk_balance=True)
+    assert ref.rule_has_options(opts) and not ref.rule_has_options(plain)
+    mq, mk = ref.options_free_means(opts)
+    assert torch.allclose(mq, plain.mean_q, rtol=1e-5, atol=1e-5) and torch.allclose(mk, plain.mean_k, atol=1e-5)
+    from sageattn3.reference import precision
+
+    options_only = precision._fp4_error(q, k, v, opts, None, plain=False)
+    floor = precision._fp4_error(q, k, v, opts, None, plain=True)
+    assert torch.equal(opts.qk_error, torch.maximum(options_only, floor))
+    assert torch.allclose(floor, plain.qk_error, rtol=1e-3), (floor, plain.qk_error)
+    assert bool((options_only <= ref.AUTO_ERROR_LIMIT).any()), options_only  # the options alone would keep FP4
+    assert opts.qk_fp8.all() and plain.qk_fp8.all(), (opts.qk_error, plain.qk_error)
+
+
+OPTION_SETS = ({"qk_balance": True}, {"qk_rotation": True}, {"qk_balance": True, "qk_rotation": True},
+               {"qk_scale_search": True}, {"qk_balance": True, "qk_rotation": True, "qk_scale_search": True})
+# Where an option is still worse than the defaults (measured on the table's inputs): a huge
+# constant K channel (k_sink) with the rotation. Every head is FP8 either way, and the rotation
+# spreads that channel over every 32-channel MXFP8 block: 0.9855 against 0.9915 (D 64). Choosing
+# between rotated and unrotated FP8 per head is the chooser's job (docs/accuracy-auto.md).
+KNOWN_BELOW = {("k_sink", "qk_rotation")}
+
+
+def _below(case: str, kw: dict) -> bool:
+    return any((case, name) in KNOWN_BELOW for name in kw)
+
+
+def _option_cos(case: str, d: int):
+    q, k, v = ac.make(case, 1, 4, 2, 1024, 1024, d, seed=2025)
+    exact = ref.exact_attention(q, k, v)
+    return ac.cos_sim(ref.sageattn3(q, k, v), exact), [(kw, ac.cos_sim(ref.sageattn3(q, k, v, **kw), exact))
+                                                       for kw in OPTION_SETS]
+
+
+@pytest.mark.parametrize("case", ac.HARD_CASES + ac.TREATMENT_CASES)
+def test_no_option_is_worse_than_the_defaults(case):
+    """Every combination of the accuracy options lands at least where the defaults do (within
+    0.001 cos-sim: FP8 heads on rotated rows round differently), D 64 and 128, on the accuracy
+    table's inputs (tests/bench/accuracy.py: 1024 tokens, seed 2025), but KNOWN_BELOW. Not
+    everywhere either: at 512 tokens the rotation leaves large_logits at D 64 0.003 below the
+    defaults (0.774 against 0.777; both FP4 Q·Kᵀ, P·V's error dominates)."""
+    for d in (64, 128):
+        dflt, got = _option_cos(case, d)
+        for kw, cos in got:
+            if not _below(case, kw):
+                assert cos >= dflt - 0.001, (case, d, kw, cos, dflt)
+
+
+@pytest.mark.xfail(strict=True, reason="KNOWN_BELOW: rotated FP8 loses to unrotated FP8 on a huge K channel")
+def test_the_known_gap_is_still_there():
+    """Fails (xfail strict: the suite then flags it) once KNOWN_BELOW no longer holds."""
+    dflt, got = _option_cos("k_sink", 64)
+    assert all(cos >= dflt - 0.001 for kw, cos in got if _below("k_sink", kw)), (dflt, got)

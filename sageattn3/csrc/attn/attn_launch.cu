@@ -10,6 +10,7 @@
 #include "attn/attn_api.h"
 #include "attn/attn_fwd_kernel.cuh"
 #include "attn/delta_s_blocks.cuh"
+#include "common/launch.cuh"
 
 namespace sageattn3 {
 namespace attn {
@@ -57,18 +58,6 @@ bool make_map(CUtensorMap* map, const void* base, CUtensorMapDataType type, int 
             swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-struct DeviceInfo {
-  int sms = 0;
-  int major = 0;
-};
-
-DeviceInfo device_info(int dev) {
-  DeviceInfo info;
-  cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, dev);
-  cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, dev);
-  return info;
-}
-
 bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
 
 // A CTA walks the tiles i, i + grid, ... and a tile's head is tile % bh_count, so where grid and
@@ -86,10 +75,11 @@ template <int D, bool kInLoopResidual, bool kQK8 = false>
 int launch_attn(AttnParams& p, int sms, cudaStream_t stream, bool spread_heads = false) {
   using L = SmemLayout<D, kQK8>;
   auto kernel = fp4_attn_fwd_kernel<D, kInLoopResidual, kQK8>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kTotal);
+  static KernelSetup setup;  // this instantiation's shared-memory ceiling and occupancy, per device
+  cudaError_t err = setup.smem(kernel, L::kTotal);
   if (err != cudaSuccess) return err;
   int per_sm = 0;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, L::kTotal);
+  err = setup.blocks_per_sm(&per_sm, kernel, kThreads, L::kTotal);
   if (err != cudaSuccess) return err;
   p.num_tiles = p.bh_count * p.num_m_blocks;
   int grid = std::max(1, std::min(p.num_tiles, sms * std::max(per_sm, 1)));
@@ -175,10 +165,8 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
     p8 = &p8_store;
   }
 
-  int dev = 0;
-  cudaGetDevice(&dev);
-  const DeviceInfo info = device_info(dev);
-  if (a.mean_qblocks == 1) return launch_both<D, false>(p, p8, info.sms, stream);
+  const int sms = sm_count();
+  if (a.mean_qblocks == 1) return launch_both<D, false>(p, p8, sms, stream);
 
   // Per-block Q means: delta_s per query block and key, precomputed into the caller's workspace
   // in chunks of (batch, q head) rows that fit it; without one (or too small for one row), the
@@ -187,7 +175,7 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
   // at most 65535 rows per chunk: the precompute's grid.y
   const int64_t rows = a.ds_work == nullptr ? 0
       : std::min<int64_t>(std::min<int64_t>(static_cast<int64_t>(bq), a.ds_work_floats / row_floats), 65535);
-  if (rows < 1) return launch_both<D, true>(p, p8, info.sms, stream);
+  if (rows < 1) return launch_both<D, true>(p, p8, sms, stream);
   const int chunk = static_cast<int>(rows);
   float* ws = a.ds_work;
   DeltaSBlocksParams dp{};
@@ -218,7 +206,7 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
     p.ds_key = ws;
     p.ds_bh_stride = static_cast<int64_t>(p.num_m_blocks) * a.seq_k_pad;
     p.ds_m_stride = a.seq_k_pad;
-    rc = launch_both<D, false>(p, p8, info.sms, stream);
+    rc = launch_both<D, false>(p, p8, sms, stream);
   }
   return rc;
 }

@@ -318,9 +318,9 @@ int launch(const void* k, int64_t B, int64_t Hq, int64_t Hkv, int64_t Sk, int64_
   if (grid == 0) return cudaSuccess;
   if (grid > 0x7FFFFFFF) return cudaErrorInvalidValue;
   const int64_t bytes = smem_bytes(static_cast<int>(D), Mma<T>::kParts);
-  // Opt in to more than 48 KB of dynamic shared memory (per device; cheap to repeat).
-  int err = cudaFuncSetAttribute(k_delta_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(bytes));
+  // Opt in to more than 48 KB of dynamic shared memory: once per device, raised to the largest D asked for.
+  static KernelSetup setup;
+  int err = setup.smem(k_delta_kernel<T>, static_cast<int>(bytes));
   if (err != cudaSuccess) return err;
   k_delta_kernel<T><<<static_cast<unsigned>(grid), kThreads, bytes, stream>>>(
       static_cast<const T*>(k), Hq, Hkv, Sk, static_cast<int>(D), nblk, mean_k, mean_q, Skp, j_tiles,

@@ -8,6 +8,14 @@
 // both score sets, L = c * Q_s K_s^T and L4 = c * Qd Kd^T, and the two outputs O = softmax(L) V,
 // O4 = softmax(L4) V accumulated in registers.
 //
+// With the rotation (a.rotate) Q_s and K_s are the rotated balanced rows minus the rotated means:
+// the rows are staged balanced, rotated in shared memory (rotation.cuh, one warp per row), then
+// their means subtracted; Qd and Kd are the rotated FP4 codes as they are.
+// Options as floors (a.floor): a second launch of the same kernel estimates the defaults' rows,
+// raw minus the options-free means (each block takes its means back through the rotation and the
+// balance), their Qd and Kd quantized here (quant16, plain scales) instead of read; each head
+// keeps the larger estimate (reference.qk_fp4_error, step 5).
+//
 // Products on tensor cores (mma.m16n8k8 tf32, fp32 accumulation) at float32-level accuracy:
 // - Qd Kd^T: the FP4 values (E2M1 x E4M3, at most 6 significant bits) are exact in tf32.
 // - Q_s K_s^T: each operand split into a tf32 high part and a tf32 low part of the rest,
@@ -24,6 +32,7 @@
 
 #include "common/launch.cuh"
 #include "common/nvfp4.cuh"
+#include "preprocess/rotation.cuh"
 #include "sageattn3.h"
 
 namespace sageattn3 {
@@ -50,7 +59,8 @@ struct Smem {
   static constexpr int kS = kV + kChunk * kVLd;            // [kind][half][row][kSLd]
   static constexpr int kAlpha = kS + 2 * 2 * kRows * kSLd;  // [kind][row]
   static constexpr int kL = kAlpha + 2 * kRows;             // [kind][row]
-  static constexpr int kFloats = kL + 2 * kRows;
+  static constexpr int kMeans = kL + 2 * kRows;             // the defaults' launch: mean_q row, mean_k
+  static constexpr int kFloats = kMeans + 2 * D;
   static constexpr size_t kBytes = static_cast<size_t>(kFloats) * sizeof(float);
 };
 
@@ -126,11 +136,48 @@ __device__ __forceinline__ int64_t sampled_block(int64_t seq, int i) {
 
 /* ---------- qk_rule_kernel's phases, in the order a block runs them ---------- */
 
+// How a block's Q and K rows are made: the preprocessing's (rotated where a.rotate, balanced by
+// `bal`, minus its means, Qd/Kd its codes) or, in the defaults' launch (a.requant), raw minus the
+// options-free means, Qd/Kd quantized here.
+struct RowPlan {
+  bool rotate;
+  bool requant;
+  const float* mean_q;  // this block's Q mean row (D floats)
+  const float* mean_k;  // its kv head's K mean (D floats)
+  const float* bal;     // the balance exponents of its kv head, or null
+};
+
+template <int D>
+__device__ __forceinline__ void unrotate_row(float* row);
+
+// The defaults' launch: the options' means of this block taken back (reference.options_free_means:
+// unrotate = the butterflies, then each channel times its sign and 64/D (as one factor), then
+// the balance undone: Q's times 2^e, K's times 2^-e) into shared memory. Warps 0 (Q) and 1 (K).
+template <int D>
+__device__ __forceinline__ void options_free_means(const QkRuleArgs& a, float* out_q, float* out_k,
+                                                   const float* mq, const float* mk, const float* bal, int warp) {
+  if (warp > 1) return;
+  const int lane = threadIdx.x & 31;
+  const float* src = warp == 0 ? mq : mk;
+  float* dst = warp == 0 ? out_q : out_k;
+  for (int d = lane; d < D; d += 32) dst[d] = src[d];
+  __syncwarp();
+  if (a.rotate) {
+    unrotate_row<D>(dst);
+  }
+  if (bal != nullptr) {
+    for (int d = lane; d < D; d += 32)
+      dst[d] = __fmul_rn(dst[d], ldexpf(1.0f, warp == 0 ? static_cast<int>(bal[d]) : -static_cast<int>(bal[d])));
+  }
+}
+
 // Q's rows: Q_s split into tf32 parts, Qd (rows beyond `rows` zero), into shared memory.
 template <typename T, int D>
-__device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, float* sm, int tid, int64_t bh, int64_t tq, int rows,
-                                             const float* bal) {
+__device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, const RowPlan& pl, float* sm, int tid, int64_t bh,
+                                             int64_t tq, int rows) {
   using L = Smem<D>;
+  const bool deferred = pl.rotate || pl.requant;
+  const float* bal = pl.bal;
   for (int u = tid; u < kRows * D / 8; u += kThreads) {
     const int r = u / (D / 8), d0 = (u % (D / 8)) * 8;
     float hi[8], lo[8], qd[8];
@@ -138,18 +185,23 @@ __device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, float* sm, int
       const int64_t row = tq * kBlock + static_cast<int64_t>(r) * kStride;
       float x[8];
       Load8<T>::run(static_cast<const T*>(a.q) + (bh * a.Sq + row) * D + d0, x);
-      const float* mean = a.mean_q + (bh * a.mean_rows + (a.mean_rows > 1 ? tq : 0)) * D + d0;
+      const float* mean = pl.mean_q + d0;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const float c = bal == nullptr ? 1.0f : ldexpf(1.0f, -static_cast<int>(bal[d0 + j]));
-        const float y = __fsub_rn(__fmul_rn(x[j], c), mean[j]);
+        const float y = pl.rotate ? __fmul_rn(x[j], c) : __fsub_rn(__fmul_rn(x[j], c), mean[j]);
         uint32_t h2, l2;
         split_tf32(y, h2, l2);
-        hi[j] = __uint_as_float(h2);
+        hi[j] = deferred ? y : __uint_as_float(h2);  // finish_q_rows splits it later
         lo[j] = __uint_as_float(l2);
       }
       const int64_t e = (bh * a.Sqp + row) * D + d0;
-      fp4x8(*reinterpret_cast<const uint32_t*>(a.q_packed + e / 2), a.q_scales[e / 16], qd);
+      if (pl.requant) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) qd[j] = 0.0f;  // finish_q_rows quantizes the rows
+      } else {
+        fp4x8(*reinterpret_cast<const uint32_t*>(a.q_packed + e / 2), a.q_scales[e / 16], qd);
+      }
     } else {
 #pragma unroll
       for (int j = 0; j < 8; ++j) hi[j] = lo[j] = qd[j] = 0.0f;
@@ -161,6 +213,158 @@ __device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, float* sm, int
       sm[L::kQd + r * L::kLd + d0 + j] = qd[j];
     }
   }
+}
+
+// Rotates rows [0, nrows) of the fp32 matrix at `rows` (row stride ld) in place, one warp per
+// row, every lane on D/32 consecutive values: the signs, then the butterflies of rotation.cuh in
+// the same stage order (h = 1, 2, ..., D/2; within a lane for h < D/32, with lane ^ (h / (D/32))
+// above): each pair's sum and difference are the same fp32 operations, so the bits are those of
+// rotate_vector and of reference.rotate. Every warp of the block calls it, between two
+// __syncthreads.
+template <int D>
+__device__ __forceinline__ void rotate_rows(float* rows, int ld, int nrows, int warp) {
+  constexpr int kV = D / 32;
+  const int lane = threadIdx.x & 31;
+  for (int r = warp; r < nrows; r += kThreads / 32) {
+    float* row = rows + r * ld + lane * kV;
+    float v[kV];
+#pragma unroll
+    for (int i = 0; i < kV; ++i) {
+      const int e = lane * kV + i;
+      const uint64_t w = e < 64 ? kRotationSignsLo : kRotationSignsHi;
+      v[i] = __fmul_rn(row[i], ((w >> (e & 63)) & 1u) ? -0.125f : 0.125f);
+    }
+#pragma unroll
+    for (int h = 1; h < kV; h <<= 1) {
+#pragma unroll
+      for (int i = 0; i < kV; ++i) {
+        if (i & h) continue;
+        const float a = v[i], b = v[i + h];
+        v[i] = __fadd_rn(a, b);
+        v[i + h] = __fsub_rn(a, b);
+      }
+    }
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1) {
+      const bool upper = (lane & m) != 0;  // this lane holds the y_{i+h} of each pair
+#pragma unroll
+      for (int i = 0; i < kV; ++i) {
+        const float other = __shfl_xor_sync(0xffffffffu, v[i], m);
+        v[i] = upper ? __fsub_rn(other, v[i]) : __fadd_rn(v[i], other);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kV; ++i) row[i] = v[i];
+  }
+}
+
+// reference.unrotate of one D-vector in shared memory, by one warp (the butterflies as in
+// rotate_rows, then each channel times its sign and 64/D).
+template <int D>
+__device__ __forceinline__ void unrotate_row(float* row) {
+  constexpr int kV = D / 32;
+  const int lane = threadIdx.x & 31;
+  float v[kV];
+#pragma unroll
+  for (int i = 0; i < kV; ++i) v[i] = row[lane * kV + i];
+#pragma unroll
+  for (int h = 1; h < kV; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < kV; ++i) {
+      if (i & h) continue;
+      const float x = v[i], y = v[i + h];
+      v[i] = __fadd_rn(x, y);
+      v[i + h] = __fsub_rn(x, y);
+    }
+  }
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    const bool upper = (lane & m) != 0;
+#pragma unroll
+    for (int i = 0; i < kV; ++i) {
+      const float other = __shfl_xor_sync(0xffffffffu, v[i], m);
+      v[i] = upper ? __fsub_rn(other, v[i]) : __fadd_rn(v[i], other);
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < kV; ++i) {
+    const int e = lane * kV + i;
+    const uint64_t w = e < 64 ? kRotationSignsLo : kRotationSignsHi;
+    const float f = __fmul_rn(((w >> (e & 63)) & 1u) ? -0.125f : 0.125f, 64.0f / D);
+    row[e] = __fmul_rn(v[i], f);
+  }
+  __syncwarp();
+}
+
+// 16 values of a staged row (fp32, one NVFP4 block) -> their FP4 codes' values (quant16, plain
+// scales, as reference.quantize_rows), into out.
+__device__ __forceinline__ void requantize16(const float* row, float* out) {
+  float v[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = row[i];
+  uint32_t sbyte;
+  const uint2 w = quant16(v, sbyte);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float vals[8];
+    fp4x8(h ? w.y : w.x, sbyte, vals);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[8 * h + i] = vals[i];
+  }
+}
+
+// With the rotation or the in-kernel quantization (a.rotate, a.requant): Q's staged rows (y
+// unsplit in the hi area) rotated, minus their (rotated) mean, quantized (requant: Qd), then split
+// into tf32 parts, as stage_q_rows does at once otherwise. Called by the whole block after it.
+template <int D>
+__device__ __forceinline__ void finish_q_rows(const RowPlan& pl, float* sm, int tid, int warp, int rows) {
+  using L = Smem<D>;
+  __syncthreads();
+  if (pl.rotate) {
+    rotate_rows<D>(sm + L::kQHi, L::kLd, rows, warp);
+    __syncthreads();
+  }
+  const float* mean = pl.mean_q;
+  for (int u = tid; u < rows * D / 16; u += kThreads) {
+    const int r = u / (D / 16), d0 = (u % (D / 16)) * 16;
+    float* y = sm + L::kQHi + r * L::kLd + d0;
+    if (pl.rotate) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) y[i] = __fsub_rn(y[i], mean[d0 + i]);
+    }
+    if (pl.requant) requantize16(y, sm + L::kQd + r * L::kLd + d0);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      uint32_t h2, l2;
+      split_tf32(y[i], h2, l2);
+      y[i] = __uint_as_float(h2);
+      sm[L::kQLo + r * L::kLd + d0 + i] = __uint_as_float(l2);
+    }
+  }
+}
+
+// With the rotation or the in-kernel quantization: the staged chunk's K rows (the first `live`
+// real; balanced, and minus K's mean unless rotated) rotated, minus K's (rotated) mean, and
+// quantized into Kd (requant); dead rows stay zero. Called by the whole block after
+// KeyChunk::stage and a __syncthreads; ends with one.
+template <int D>
+__device__ __forceinline__ void finish_k_rows(const RowPlan& pl, float* sm, int tid, int warp, int live) {
+  using L = Smem<D>;
+  if (pl.rotate) {
+    rotate_rows<D>(sm + L::kKs, L::kLd, live, warp);
+    __syncthreads();
+  }
+  for (int u = tid; u < live * D / 16; u += kThreads) {
+    const int r = u / (D / 16), d0 = (u % (D / 16)) * 16;
+    float* y = sm + L::kKs + r * L::kLd + d0;
+    if (pl.rotate) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) y[i] = __fsub_rn(y[i], pl.mean_k[d0 + i]);
+    }
+    if (pl.requant) requantize16(y, sm + L::kKd + r * L::kLd + d0);
+  }
+  __syncthreads();
 }
 
 // The next key chunk's raw bytes (K, V, K's FP4 codes and scale), loaded into registers while the
@@ -185,16 +389,23 @@ struct KeyChunk {
         const int64_t row = tk * kBlock + off + r;
         rk[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.k) + (bk * a.Sk + row) * D + d0));
         rv[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.v) + (bk * a.Sk + row) * D + d0));
-        const int64_t e = (bk * a.Skp + row) * D + d0;
-        rp[i] = __ldg(reinterpret_cast<const uint32_t*>(a.k_packed + e / 2));
-        rs[i] = a.k_scales[e / 16];
+        if (!a.requant) {  // the defaults' launch quantizes K itself
+          const int64_t e = (bk * a.Skp + row) * D + d0;
+          rp[i] = __ldg(reinterpret_cast<const uint32_t*>(a.k_packed + e / 2));
+          rs[i] = a.k_scales[e / 16];
+        }
       }
     }
   }
 
-  // K_s = k * 2^e - mean_k, Kd and V of the fetched chunk into shared memory (dead keys zero).
-  __device__ __forceinline__ void stage(float* sm, int tid, const float* bal, const float* mean_k) const {
+  // K_s = k * 2^e - mean_k, Kd and V of the fetched chunk into shared memory (dead keys zero);
+  // `rotate`: k * 2^e alone (finish_k_rows rotates it and subtracts the mean); `requant`: Kd
+  // left to finish_k_rows.
+  __device__ __forceinline__ void stage(float* sm, int tid, const RowPlan& pl) const {
     using L = Smem<D>;
+    const float* bal = pl.bal;
+    const float* mean_k = pl.mean_k;
+    const bool rotate = pl.rotate, requant = pl.requant;
 #pragma unroll
     for (int i = 0; i < kUnits; ++i) {
       const int u = tid + i * kThreads, r = u / (D / 8), d0 = (u % (D / 8)) * 8;
@@ -206,9 +417,14 @@ struct KeyChunk {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const float cf = bal == nullptr ? 1.0f : ldexpf(1.0f, static_cast<int>(bal[d0 + j]));
-          ks[j] = __fsub_rn(__fmul_rn(x[j], cf), mean_k[d0 + j]);
+          ks[j] = rotate ? __fmul_rn(x[j], cf) : __fsub_rn(__fmul_rn(x[j], cf), mean_k[d0 + j]);
         }
-        fp4x8(rp[i], rs[i], kd);
+        if (requant) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) kd[j] = 0.0f;  // finish_k_rows quantizes the rows
+        } else {
+          fp4x8(rp[i], rs[i], kd);
+        }
       } else {
 #pragma unroll
         for (int j = 0; j < 8; ++j) ks[j] = kd[j] = vv[j] = 0.0f;
@@ -400,7 +616,11 @@ __device__ __forceinline__ void head_error(const QkRuleArgs& a, int64_t bh, int 
       sn += __ldcg(a.partial + (bh * kSampled + i) * 2);
       sd += __ldcg(a.partial + (bh * kSampled + i) * 2 + 1);
     }
-    const float e = sqrtf(sn / fmaxf(sd, 1e-30f));
+    float e = sqrtf(sn / fmaxf(sd, 1e-30f));
+    if (a.combine) {  // the larger of this and the first launch's estimate, NaN if either is
+      const float first = a.error[bh];
+      e = (e != e || first != first) ? __int_as_float(0x7fc00000) : fmaxf(e, first);
+    }
     a.error[bh] = e;
     a.counter[bh] = 0;  // ready for the next launch
     if (a.sel_q != nullptr) {
@@ -411,10 +631,26 @@ __device__ __forceinline__ void head_error(const QkRuleArgs& a, int64_t bh, int 
   }
 }
 
+// The block's RowPlan: in the defaults' launch (a.requant) the options-free means go to shared
+// memory (whole block: ends with a __syncthreads) and the rows are neither balanced nor rotated.
+template <int D>
+__device__ __forceinline__ RowPlan row_plan(const QkRuleArgs& a, float* sm, int warp, int64_t bh, int64_t bk,
+                                            int64_t tq) {
+  using L = Smem<D>;
+  RowPlan pl{a.rotate, a.requant, a.mean_q + (bh * a.mean_rows + (a.mean_rows > 1 ? tq : 0)) * D, a.mean_k + bk * D,
+             a.balance == nullptr ? nullptr : a.balance + bk * D};
+  if (!a.requant) return pl;
+  options_free_means<D>(a, sm + L::kMeans, sm + L::kMeans + D, pl.mean_q, pl.mean_k, pl.bal, warp);
+  __syncthreads();
+  return RowPlan{false, true, sm + L::kMeans, sm + L::kMeans + D, nullptr};
+}
+
 /* ---------- the kernel: one block's rows and keys, phase by phase ---------- */
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) qk_rule_kernel(QkRuleArgs a) {
+// Two blocks per SM (the most the shared memory allows at D 128, 48 KB at D 64 on sm_120's 100 KB):
+// ptxas then keeps D 64 under 128 registers rather than at 80 with a spill in the key loop.
+__global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(QkRuleArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using L = Smem<D>;
   extern __shared__ float sm[];
@@ -425,9 +661,10 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(QkRuleArgs a) {
   const int64_t bk = b * a.Hkv + h / (a.Hq / a.Hkv);  // its kv head, flattened
   const int64_t tq = sampled_block(a.Sq, qi);
   const int rows = static_cast<int>(ceil_div(min(static_cast<int64_t>(kBlock), a.Sq - tq * kBlock), kStride));
-  const float* bal = a.balance == nullptr ? nullptr : a.balance + bk * D;
+  const RowPlan pl = row_plan<D>(a, sm, warp, bh, bk, tq);
 
-  stage_q_rows<T, D>(a, sm, tid, bh, tq, rows, bal);
+  stage_q_rows<T, D>(a, pl, sm, tid, bh, tq, rows);
+  if (pl.rotate || pl.requant) finish_q_rows<D>(pl, sm, tid, warp, rows);
 
   // softmax state of the 4 (kind, row) pairs this warp owns: pair p = warp * 4 + i, kind p / 16
   float m_run[4], l_run[4];
@@ -445,7 +682,6 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(QkRuleArgs a) {
   const int kblocks = sampled_count(a.Sk);
   const int last = static_cast<int>(min(static_cast<int64_t>(kBlock), a.Sk - sampled_block(a.Sk, kblocks - 1) * kBlock));
   const int nchunks = (kblocks - 1) * (kBlock / kChunk) + (last + kChunk - 1) / kChunk;
-  const float* mean_k = a.mean_k + bk * D;
   KeyChunk<T, D> next;
   next.fetch(a, bk, tid, 0);
   for (int c = 0; c < nchunks; ++c) {
@@ -453,9 +689,10 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(QkRuleArgs a) {
     const int count = static_cast<int>(
         min(static_cast<int64_t>(kBlock), a.Sk - sampled_block(a.Sk, c / (kBlock / kChunk)) * kBlock));
     __syncthreads();  // the previous chunk's reads are done
-    next.stage(sm, tid, bal, mean_k);
+    next.stage(sm, tid, pl);
     if (c + 1 < nchunks) next.fetch(a, bk, tid, c + 1);
     __syncthreads();
+    if (pl.rotate || pl.requant) finish_k_rows<D>(pl, sm, tid, warp, min(kChunk, count - off));
     chunk_scores<D>(sm, warp, g, t);
     __syncthreads();
     chunk_softmax<D>(sm, a.scale, off, count, warp, lane, m_run, l_run);
@@ -475,8 +712,8 @@ template <typename T, int D>
 int launch(const QkRuleArgs& a, cudaStream_t stream) {
   using L = Smem<D>;
   const auto kernel = qk_rule_kernel<T, D>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(L::kBytes));
+  static KernelSetup setup;  // its shared-memory ceiling, set once per device
+  cudaError_t err = setup.smem(kernel, static_cast<int>(L::kBytes));
   if (err != cudaSuccess) return err;
   if (a.sel_q != nullptr) {  // the selection's zeros, stream-ordered before the blocks that count and set them
     err = cudaMemsetAsync(a.counter, 0, sizeof(int32_t) * static_cast<size_t>(a.B * a.Hq), stream);
@@ -484,7 +721,18 @@ int launch(const QkRuleArgs& a, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
   }
   const dim3 grid(static_cast<unsigned>(a.B * a.Hq), static_cast<unsigned>(sampled_count(a.Sq)));
-  kernel<<<grid, kThreads, L::kBytes, stream>>>(a);
+  QkRuleArgs first = a;
+  first.requant = first.combine = false;
+  kernel<<<grid, kThreads, L::kBytes, stream>>>(first);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || !a.floor) return err;
+  // the defaults' rows (options as floors): the counters are zero again (the first launch's last
+  // block of each head reset them), sel_k keeps the first launch's ones, and every head's error
+  // and sel_q are rewritten from the larger estimate
+  QkRuleArgs plain = a;  // keeps rotate and balance: the kernel takes the means back through them
+  plain.requant = plain.combine = true;
+  if (a.rotate) plain.scale = a.scale * static_cast<float>(D / 64);  // the unrotated scores' scale (exact)
+  kernel<<<grid, kThreads, L::kBytes, stream>>>(plain);
   return cudaGetLastError();
 }
 

@@ -50,10 +50,9 @@ template <typename T>
 int launch(const void* x, int64_t n, uint8_t* packed, uint8_t* scales, cudaStream_t stream) {
   const int64_t n_blocks = n / 16;
   if (n_blocks == 0) return cudaSuccess;
+  static KernelSetup setup;  // its occupancy, asked once per device
   int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, quant_rows_kernel<T>, kThreads, 0) != cudaSuccess ||
-      per_sm <= 0)
-    per_sm = 4;
+  if (setup.blocks_per_sm(&per_sm, quant_rows_kernel<T>, kThreads, 0) != cudaSuccess || per_sm <= 0) per_sm = 4;
   const int64_t grid = std::min<int64_t>(ceil_div(n_blocks, static_cast<int64_t>(kThreads) * kUnroll),
                                          static_cast<int64_t>(sm_count()) * per_sm);
   quant_rows_kernel<T><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(

@@ -14,7 +14,8 @@
 //
 // Ops write into outputs the Python side allocated and validated (shapes, dtypes, devices are
 // checked there with messages naming the argument), except preprocess_qkv, qk_rule_select and
-// mxfp8_smooth_quant_qk, which allocate and return their own; the ops re-check the invariants the kernels rely on (torch/checks.h), so
+// mxfp8_smooth_quant_qk, which allocate and return their own (each from one allocation,
+// torch/outputs.h); the ops re-check the invariants the kernels rely on (torch/checks.h), so
 // a direct torch.ops call can never reach a kernel with bad memory.
 #pragma once
 
@@ -60,13 +61,15 @@
                         "Tensor(a!) codes, Tensor(b!) scales, bool rotate) -> ()")                               \
   X(qk_rule_error, "qk_rule_error(Tensor q, Tensor k, Tensor v, Tensor q_packed, Tensor q_scales, "              \
                    "Tensor k_packed, Tensor k_scales, Tensor mean_q, Tensor mean_k, Tensor balance, "            \
-                   "float sm_scale, Tensor(a!) partial, Tensor(b!) counter, Tensor(c!) error) -> ()")            \
+                   "float sm_scale, bool rotate, bool floor, Tensor(a!) partial, Tensor(b!) counter, "            \
+                   "Tensor(c!) error) -> ()")                                                                     \
   X(mxfp8_smooth_quant_qk, "mxfp8_smooth_quant_qk(Tensor q, Tensor k, Tensor mean_q, Tensor mean_k, "              \
                            "Tensor balance, Tensor sel_q, Tensor sel_k, int seq_pad, bool rotate) -> (Tensor, "  \
                            "Tensor, Tensor, Tensor)")                                                            \
   X(qk_rule_select, "qk_rule_select(Tensor q, Tensor k, Tensor v, Tensor q_packed, Tensor q_scales, "               \
                     "Tensor k_packed, Tensor k_scales, Tensor mean_q, Tensor mean_k, Tensor balance, "              \
-                    "float sm_scale, float limit, bool select_all) -> (Tensor, Tensor, Tensor)")                    \
+                    "float sm_scale, bool rotate, bool floor, float limit, bool select_all) -> (Tensor, Tensor, "  \
+                    "Tensor)")                                                                                      \
   X(fp4_mma_probe, "fp4_mma_probe(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, Tensor(a!) d, int tid_a, " \
                    "int tid_b) -> ()")
 

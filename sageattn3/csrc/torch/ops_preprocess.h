@@ -10,6 +10,7 @@
 
 #include "sageattn3.h"
 #include "torch/checks.h"
+#include "torch/outputs.h"
 
 namespace sageattn3::torch_ops {
 
@@ -226,9 +227,9 @@ void qk_balance(T q, T k, T part, T exps) {
 // mean then), ds_key (B, Hq, Skp), balance exponents (B, Hkv, 1, D) (empty without balance), K's
 // quantization residual k_res (B, Hkv, Skp, D) E4M3 (empty without per_block_mean: no block
 // residuals then).
-// Launch order: V first (its allocation and launch come before anything else here, so the rest of
-// the host work overlaps it), then the launches of smooth_quant_qk (or of smooth_quant_seq for Q,
-// then for K with the correction).
+// The outputs and the workspace share one allocation (torch/outputs.h). Launch order: V first (the
+// rest of the host work overlaps it), then the launches of smooth_quant_qk (or of smooth_quant_seq
+// for Q, then for K with the correction).
 template <class T>
 std::tuple<T, T, T, T, T, T, T, T, T, T, T, T> preprocess_qkv(T q, T k, T v, int64_t pad, bool per_block_mean,
                                                            bool rotate, bool balance, bool search) {
@@ -259,23 +260,25 @@ std::tuple<T, T, T, T, T, T, T, T, T, T, T, T> preprocess_qkv(T q, T k, T v, int
   const int64_t Sqp = (Sq + pad - 1) / pad * pad, Skp = (Sk + pad - 1) / pad * pad;
   const int64_t Gq = B * Hq, Gk = B * Hk, nm = per_block_mean ? (Sq + 127) / 128 : 1;
   const int64_t nsq = sageattn3::sampled_tiles(Sq), nsk = sageattn3::sampled_tiles(Sk);
-  using A = TensorApi<T>;
   DeviceScope scope(device_index(q));
-  const cudaStream_t stream = A::stream(q);
-  T vp = A::empty({B, Hk, D, Skp / 2}, Kind::kByte, q), vsc = A::empty({B, Hk, D, Skp / 16}, Kind::kFloat8e4m3fn, q);
-  check_cuda_kernel<T>(sageattn3::quant_fp4_cols(v.data_ptr(), dt, Gk, Sk, D, Skp, bytes(vp), bytes(vsc), stream),
-                       "preprocess_qkv (V)");
-  T qp = A::empty({B, Hq, Sqp, D / 2}, Kind::kByte, q), qsc = A::empty({B, Hq, Sqp, D / 16}, Kind::kFloat8e4m3fn, q);
-  T kp = A::empty({B, Hk, Skp, D / 2}, Kind::kByte, q), ksc = A::empty({B, Hk, Skp, D / 16}, Kind::kFloat8e4m3fn, q);
-  T mean_q = A::empty({B, Hq, nm, D}, Kind::kFloat, q), mean_k = A::empty({B, Hk, 1, D}, Kind::kFloat, q);
-  T qbar = A::empty({per_block_mean ? B : 0, Hq, 1, D}, Kind::kFloat, q);
-  T ds_key = A::empty({B, Hq, Skp}, Kind::kFloat, q);
-  T exps = A::empty({balance ? B : 0, Hk, 1, D}, Kind::kFloat, q);
-  T k_res = A::empty({per_block_mean ? B : 0, Hk, Skp, D}, Kind::kFloat8e4m3fn, q);
+  const cudaStream_t stream = TensorApi<T>::stream(q);
+  const int64_t Bm = per_block_mean ? B : 0, Bb = balance ? B : 0;
   // workspace: the sampled tiles' sums of K, then of Q, then (balance) their squares, Q's then K's
   const int64_t ws_rows = Gk * nsk + Gq * nsq + (balance ? Gq * nsq + Gk * nsk : 0);
-  T ws = A::empty({ws_rows, D}, Kind::kFloat, q);
-  float* part_k = floats(ws);
+  // the 12 outputs in the order returned, then the workspace: one allocation (torch/outputs.h)
+  const OutputSpec specs[] = {{{B, Hq, Sqp, D / 2}, Kind::kByte}, {{B, Hq, Sqp, D / 16}, Kind::kFloat8e4m3fn},
+                              {{B, Hk, Skp, D / 2}, Kind::kByte}, {{B, Hk, Skp, D / 16}, Kind::kFloat8e4m3fn},
+                              {{B, Hk, D, Skp / 2}, Kind::kByte}, {{B, Hk, D, Skp / 16}, Kind::kFloat8e4m3fn},
+                              {{B, Hq, nm, D}, Kind::kFloat},     {{B, Hk, 1, D}, Kind::kFloat},
+                              {{Bm, Hq, 1, D}, Kind::kFloat},     {{B, Hq, Skp}, Kind::kFloat},
+                              {{Bb, Hk, 1, D}, Kind::kFloat},     {{Bm, Hk, Skp, D}, Kind::kFloat8e4m3fn},
+                              {{ws_rows, D}, Kind::kFloat}};
+  auto out = allocate_outputs(specs, q);
+  const T &qp = out[0], &qsc = out[1], &kp = out[2], &ksc = out[3], &vp = out[4], &vsc = out[5];
+  const T &mean_q = out[6], &mean_k = out[7], &qbar = out[8], &ds_key = out[9], &exps = out[10], &k_res = out[11];
+  check_cuda_kernel<T>(sageattn3::quant_fp4_cols(v.data_ptr(), dt, Gk, Sk, D, Skp, bytes(vp), bytes(vsc), stream),
+                       "preprocess_qkv (V)");
+  float* part_k = floats(out[12]);
   float* part_q = part_k + Gk * nsk * D;
   float* bal_part = balance ? part_q + Gq * nsq * D : nullptr;
   if (per_block_mean) {

@@ -7,6 +7,7 @@
 
 #include "sageattn3.h"
 #include "torch/checks.h"
+#include "torch/outputs.h"
 
 namespace sageattn3::torch_ops {
 
@@ -115,11 +116,10 @@ void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T c
 // k8, k8_sf): both MXFP8 operands of the per-head FP8 Q.K^T in one op, which allocates them: Q's
 // rows scaled by 2^-balance, K's by 2^+balance, rotated with `rotate` (mxfp8_smooth_quant each;
 // the heads whose sel byte is 0 are skipped, their rows stay uninitialised); codes (B, H, Sp, D)
-// and scales (B, H, Sp, D/32) bytes, Sp = S rounded up to seq_pad.
+// and scales (B, H, Sp, D/32) bytes, Sp = S rounded up to seq_pad; the four share one allocation.
 template <class T>
 std::tuple<T, T, T, T> mxfp8_smooth_quant_qk(T q, T k, T mean_q, T mean_k, T balance, T sel_q, T sel_k,
                                             int64_t seq_pad, bool rotate) {
-  using A = TensorApi<T>;
   check_input(q);
   check_input(k);
   SA3_CHECK(T, q.dim() == 4 && k.dim() == 4, "sageattn3: mxfp8_smooth_quant_qk needs 4-D q and k, got ", shape(q),
@@ -132,11 +132,12 @@ std::tuple<T, T, T, T> mxfp8_smooth_quant_qk(T q, T k, T mean_q, T mean_k, T bal
             shape(k));
   const int64_t Sqp = (Sq + seq_pad - 1) / seq_pad * seq_pad, Skp = (Sk + seq_pad - 1) / seq_pad * seq_pad;
   DeviceScope scope(device_index(q));
-  T q8 = A::empty({B, Hq, Sqp, D}, Kind::kByte, q), q8_sf = A::empty({B, Hq, Sqp, D / 32}, Kind::kByte, q);
-  T k8 = A::empty({B, Hk, Skp, D}, Kind::kByte, q), k8_sf = A::empty({B, Hk, Skp, D / 32}, Kind::kByte, q);
-  mxfp8_smooth_quant<T>(q, mean_q, balance, -1, sel_q, q8, q8_sf, rotate);
-  mxfp8_smooth_quant<T>(k, mean_k, balance, 1, sel_k, k8, k8_sf, rotate);
-  return {q8, q8_sf, k8, k8_sf};
+  const OutputSpec specs[] = {{{B, Hq, Sqp, D}, Kind::kByte}, {{B, Hq, Sqp, D / 32}, Kind::kByte},
+                              {{B, Hk, Skp, D}, Kind::kByte}, {{B, Hk, Skp, D / 32}, Kind::kByte}};
+  auto out = allocate_outputs(specs, q);  // one allocation (torch/outputs.h)
+  mxfp8_smooth_quant<T>(q, mean_q, balance, -1, sel_q, out[0], out[1], rotate);
+  mxfp8_smooth_quant<T>(k, mean_k, balance, 1, sel_k, out[2], out[3], rotate);
+  return {out[0], out[1], out[2], out[3]};
 }
 
 }  // namespace sageattn3::torch_ops

@@ -7,20 +7,25 @@
 
 #include "sageattn3.h"
 #include "torch/checks.h"
+#include "torch/outputs.h"
 
 namespace sageattn3::torch_ops {
 
 // qk_rule_error(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale,
-// partial!, counter!, error!): the "auto" rule's estimate per (batch, q head) (sageattn3.h,
-// qk_rule_error): q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) fp16/bf16, D 64/128; the preprocessing's
-// q_packed (B, Hq, Sqp, D/2), q_scales (.., D/16), k_packed (B, Hkv, Skp, D/2), k_scales, mean_q
+// rotate, floor, partial!, counter!, error!): the "auto" rule's estimate per
+// (batch, q head) (sageattn3.h, qk_rule_error): q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) fp16/bf16,
+// D 64/128; the preprocessing's q_packed (B, Hq, Sqp, D/2), q_scales (.., D/16), k_packed (B, Hkv, Skp, D/2), k_scales, mean_q
 // (B, Hq, 1 or ceil(Sq/128), D), mean_k (B, Hkv, 1, D), balance (B, Hkv, 1, D) or empty;
-// partial (B, Hq, 8, 2) fp32, counter (B, Hq) int32 zeros, error (B, Hq) fp32.
+// rotate: the preprocessing rotated Q and K (their codes and means are rotated; sm_scale is the
+// one the scores take, already divided by D/64); floor: the preprocessing had an option (the
+// balance, the rotation, the scale search): also estimate the defaults' rows (sageattn3.h); partial
+// (B, Hq, 8, 2) fp32, counter (B, Hq) int32 zeros, error (B, Hq) fp32.
 // The operands' checks shared by both rule ops, into the launch's arguments (without the
 // outputs and the workspace).
 template <class T>
 QkRuleArgs rule_args(const T& q, const T& k, const T& v, const T& q_packed, const T& q_scales, const T& k_packed,
-                     const T& k_scales, const T& mean_q, const T& mean_k, const T& balance, double sm_scale) {
+                     const T& k_scales, const T& mean_q, const T& mean_k, const T& balance, double sm_scale,
+                     bool rotate, bool floor) {
   check_cuda(q, q, "q");
   check_aligned(q, "q");
   for (const T* t : {&k, &v}) {
@@ -84,16 +89,20 @@ QkRuleArgs rule_args(const T& q, const T& k, const T& v, const T& q_packed, cons
   a.mean_rows = mr;
   a.mean_k = floats(mean_k);
   a.balance = balance.numel() > 0 ? floats(balance) : nullptr;
+  a.rotate = rotate;
   a.scale = static_cast<float>(sm_scale);
+  a.floor = floor;
   return a;
 }
 
 // qk_rule_error(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale,
-// partial!, counter!, error!): the estimate alone, into outputs the caller allocated.
+// rotate, floor, partial!, counter!, error!): the estimate alone, into outputs
+// the caller allocated.
 template <class T>
 void qk_rule_error(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales, T mean_q, T mean_k, T balance,
-                   double sm_scale, T partial, T counter, T error) {
-  QkRuleArgs a = rule_args(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale);
+                   double sm_scale, bool rotate, bool floor, T partial, T counter, T error) {
+  QkRuleArgs a = rule_args(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, rotate,
+                           floor);
   const int64_t B = a.B, Hq = a.Hq;
   check_f32_on(partial, q, "partial");
   check_f32_on(error, q, "error");
@@ -110,29 +119,32 @@ void qk_rule_error(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales
 }
 
 // qk_rule_select(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale,
-// limit, select_all) -> (error, sel_q, sel_k): the estimate and the selection in one op, which
-// allocates its outputs and its workspace (one host call for the whole rule): error (B, Hq) fp32
-// as qk_rule_error; sel_q (B, Hq) bytes, 1 where the head's Q.K^T runs in FP8 (every head with
-// select_all, else error > limit; a NaN estimate keeps FP4); sel_k (B, Hkv) bytes, 1 where any
-// of its q heads is 1.
+// rotate, floor, limit, select_all) -> (error, sel_q, sel_k): the estimate and
+// the selection in one op, which allocates its outputs and its workspace (one host call for the
+// whole rule): error (B, Hq) fp32 as qk_rule_error; sel_q (B, Hq) bytes, 1 where the head's Q.K^T
+// runs in FP8 (every head with select_all, else error > limit; a NaN estimate keeps FP4); sel_k (B, Hkv) bytes, 1 where any
+// of its q heads is 1. The outputs and the workspace share one allocation (torch/outputs.h).
 template <class T>
 std::tuple<T, T, T> qk_rule_select(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales, T mean_q, T mean_k,
-                                   T balance, double sm_scale, double limit, bool select_all) {
-  using A = TensorApi<T>;
-  QkRuleArgs a = rule_args(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale);
+                                   T balance, double sm_scale, bool rotate, bool floor, double limit,
+                                   bool select_all) {
+  QkRuleArgs a = rule_args(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, rotate,
+                           floor);
   DeviceScope scope(device_index(q));
-  // partial (B * Hq * 16 floats), then the counters (B * Hq int32, zeroed by the launch)
-  T work = A::empty({a.B * a.Hq * 17}, Kind::kFloat, q);
-  T error = A::empty({a.B, a.Hq}, Kind::kFloat, q);
-  T sel_q = A::empty({a.B, a.Hq}, Kind::kByte, q), sel_k = A::empty({a.B, a.Hkv}, Kind::kByte, q);
-  a.partial = floats(work);
+  // error, sel_q, sel_k, then the workspace: partial (B * Hq * 16 floats), then the counters (B * Hq
+  // int32, zeroed by the launch); one allocation (torch/outputs.h)
+  const OutputSpec specs[] = {{{a.B, a.Hq}, Kind::kFloat}, {{a.B, a.Hq}, Kind::kByte}, {{a.B, a.Hkv}, Kind::kByte},
+                              {{a.B * a.Hq * 17}, Kind::kFloat}};
+  auto out = allocate_outputs(specs, q);
+  const T &error = out[0], &sel_q = out[1], &sel_k = out[2];
+  a.partial = floats(out[3]);
   a.counter = reinterpret_cast<int32_t*>(a.partial + a.B * a.Hq * 16);
   a.error = floats(error);
   a.sel_q = bytes(sel_q);
   a.sel_k = bytes(sel_k);
   a.limit = static_cast<float>(limit);
   a.select_all = select_all ? 1 : 0;
-  check_cuda_kernel<T>(sageattn3::qk_rule_error(a, A::stream(q)), "qk_rule_select");
+  check_cuda_kernel<T>(sageattn3::qk_rule_error(a, TensorApi<T>::stream(q)), "qk_rule_select");
   return {error, sel_q, sel_k};
 }
 

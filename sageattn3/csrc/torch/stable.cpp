@@ -47,27 +47,45 @@ struct TensorApi<StableTensor> {
   [[noreturn]] static void fail(const std::string& msg) { throw std::runtime_error(msg); }
   // A new contiguous tensor (kByte, kFloat8e4m3fn or kFloat) on like's CUDA device. Through
   // the shim's aoti_torch_empty_strided (a direct at::empty_strided call) rather than
-  // torch::stable::new_empty, which goes through the boxed dispatcher: preprocess_qkv makes
-  // 12 of these per call, on the host time it exists to cut.
+  // torch::stable::new_empty, which goes through the boxed dispatcher.
   static StableTensor empty(std::initializer_list<int64_t> sizes, Kind k, const StableTensor& like) {
     int64_t sz[8], st[8];
     const int64_t n = static_cast<int64_t>(sizes.size());
     if (n > 8) fail(message("sageattn3: at most 8 dims, got ", n));
     int64_t i = 0;
     for (int64_t s : sizes) sz[i++] = s;
-    int64_t stride = 1;
-    for (i = n - 1; i >= 0; --i) {
-      st[i] = stride;
-      stride *= sz[i] > 1 ? sz[i] : 1;
-    }
-    const int32_t dt = k == Kind::kByte            ? aoti_torch_dtype_uint8()
-                       : k == Kind::kFloat8e4m3fn ? aoti_torch_dtype_float8_e4m3fn()
-                                                  : aoti_torch_dtype_float32();
+    contiguous_strides(sz, n, st);
     AtenTensorHandle h = nullptr;
-    if (aoti_torch_empty_strided(n, sz, st, dt, aoti_torch_device_type_cuda(), like.get_device(), &h) !=
+    if (aoti_torch_empty_strided(n, sz, st, dtype(k), aoti_torch_device_type_cuda(), like.get_device(), &h) !=
         AOTI_TORCH_SUCCESS)
       fail("sageattn3: could not allocate an output tensor on the GPU (out of memory?)");
     return StableTensor(h);
+  }
+  // A contiguous tensor of kind k (as empty's) and shape sizes[0, ndim) over buffer's memory from
+  // offset_bytes on, sharing its storage (torch/outputs.h): buffer is a fresh kByte tensor of
+  // empty's, offset_bytes a multiple of k's size. Through the shim's aoti_torch__alloc_from_pool
+  // (a new TensorImpl over the same storage; no dispatcher call, no allocation on the GPU).
+  static StableTensor view_of(const StableTensor& buffer, int64_t offset_bytes, const int64_t* sizes, int64_t ndim,
+                              Kind k) {
+    int64_t st[8];
+    if (ndim > 8) fail(message("sageattn3: at most 8 dims, got ", ndim));
+    contiguous_strides(sizes, ndim, st);
+    AtenTensorHandle h = nullptr;
+    if (aoti_torch__alloc_from_pool(buffer.get(), offset_bytes, dtype(k), ndim, sizes, st, &h) != AOTI_TORCH_SUCCESS)
+      fail(message("sageattn3: could not make an output view ", offset_bytes, " bytes into its allocation"));
+    return StableTensor(h);
+  }
+  static void contiguous_strides(const int64_t* sizes, int64_t n, int64_t* strides) {
+    int64_t stride = 1;
+    for (int64_t i = n - 1; i >= 0; --i) {
+      strides[i] = stride;
+      stride *= sizes[i] > 1 ? sizes[i] : 1;
+    }
+  }
+  static int32_t dtype(Kind k) {
+    return k == Kind::kByte            ? aoti_torch_dtype_uint8()
+           : k == Kind::kFloat8e4m3fn ? aoti_torch_dtype_float8_e4m3fn()
+                                      : aoti_torch_dtype_float32();
   }
   template <auto F>
   static auto kernel() {

@@ -137,8 +137,8 @@ def sageattn3(
     ``qk_precision``: "auto" (the default) multiplies Q·Kᵀ of the heads the rule picks
     (``choose_qk_precision``, ``qk_fp4_error``) with MXFP8 operands (``quantize_mxfp8_rows`` of the
     same smoothed rows), the others in FP4; "fp4" every head in FP4 (the rule never runs), "fp8"
-    every head in MXFP8. P·V stays NVFP4. FP8 needs head dim 64/128 without ``qk_rotation`` ("auto"
-    keeps FP4 elsewhere). ``k_block_mean`` (reference only): K smoothed per 128-key block with the
+    every head in MXFP8. P·V stays NVFP4. FP8 needs head dim 64/128 ("auto" keeps FP4 elsewhere);
+    with ``qk_rotation`` the rule estimates on, and FP8 multiplies, the rotated rows. ``k_block_mean`` (reference only): K smoothed per 128-key block with the
     exact correction (``Preprocessed.k_block_corr``).
 
     With Qd, Kd, Vd the dequantized NVFP4 tensors of ``preprocess`` (rotated Q and K with
@@ -178,9 +178,9 @@ def sageattn3(
 
     Q·Kᵀ, the scores and the running max are exactly as with "fp4" (any ``qk_precision``).
 
-    qk_precision "fp8" with ``qk_rotation``: Q·Kᵀ runs on the MXFP8 of the rotated (and balanced)
-    smoothed rows (``preprocess``), as the kernels run it; ``qk_fp8_rotated`` asked for that before
-    it was the default and changes nothing now.
+    FP8 Q·Kᵀ with ``qk_rotation`` ("fp8", or the heads "auto" picks): on the MXFP8 of the rotated
+    (and balanced) smoothed rows (``preprocess``), as the kernels run it; ``qk_fp8_rotated`` asked
+    for that before it was the default and changes nothing now.
     """
     b, hq, sq, d = q.shape
     is_causal = flag(is_causal, "is_causal")

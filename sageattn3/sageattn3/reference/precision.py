@@ -33,7 +33,15 @@ from .formats import (
     quantize_transposed,
     unpack_codes,
 )
-from .transforms import Q_MEAN_BLOCK, balance_exponents, expand_kv, rotate, rotation_score_factor, sample_blocks
+from .transforms import (
+    Q_MEAN_BLOCK,
+    balance_exponents,
+    expand_kv,
+    rotate,
+    rotation_score_factor,
+    sample_blocks,
+    unrotate,
+)
 
 QK_PRECISIONS = ("fp4", "fp8", "auto")
 QK_PRECISION_DEFAULT = "auto"
@@ -59,16 +67,16 @@ def pv_precision_arg(value) -> str:
 
 
 def fp8_applies(rotated: bool, head_dim: int) -> bool:
-    """The per-head rule ("auto") can pick FP8 Q·Kᵀ: head dims 64/128 without the Q/K rotation
-    (with the rotation only "fp8" itself runs FP8, on every head)."""
-    return head_dim in FP8_HEAD_DIMS and not rotated
+    """FP8 Q·Kᵀ ("fp8", or picked per head by "auto") exists at head dims 64/128, with or without
+    the Q/K rotation (with it, on the rotated rows, and the rule estimates on those rows too).
+    ``rotated`` is kept for the callers' sake: it no longer changes the answer."""
+    del rotated
+    return head_dim in FP8_HEAD_DIMS
 
 
 def fp8_unavailable(rotated: bool, head_dim: int) -> str:
-    if head_dim not in FP8_HEAD_DIMS:
-        return f"qk_precision='fp8' needs head_dim 64 or 128, got {head_dim}; use qk_precision='fp4' or 'auto'"
-    return ("with qk_rotation=True, qk_precision='auto' keeps FP4 on every head (the rule is not defined on "
-            "rotated rows); qk_precision='fp8' runs every head's Q·Kᵀ in FP8 on the rotated rows")
+    del rotated
+    return f"qk_precision='fp8' needs head_dim 64 or 128, got {head_dim}; use qk_precision='fp4' or 'auto'"
 
 
 def _sampled_rows(x: torch.Tensor, seq: int, stride: int) -> list[torch.Tensor]:
@@ -99,35 +107,77 @@ def qk_fp4_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre,
     ``pre``: the ``Preprocessed`` that ``preprocess`` made of q, k, v.
 
     1. Query rows: every ``AUTO_QUERY_STRIDE``-th row of Q's sampled 128-row blocks
-       (``sample_blocks``), smoothed as the preprocessing smoothed them (balanced, minus their
-       block's mean: Q_s), and the same rows of the FP4 Q the kernel reads (Qd, dequantized).
-    2. Keys: every row of K's sampled blocks, K_s (balanced, minus mean_k) and Kd likewise; V's
-       same rows.
-    3. L = c · Q_s K_sᵀ and L4 = c · Qd Kdᵀ with c the softmax scale (default 1/sqrt(D)); O =
-       softmax(L) V and O4 = softmax(L4) V (no mask: a statistic of the head).
+       (``sample_blocks``), smoothed as the preprocessing smoothed them (balanced, rotated where
+       ``pre.qk_rotation``, minus their block's mean: Q_s), and the same rows of the FP4 Q the
+       kernel reads (Qd, dequantized).
+    2. Keys: every row of K's sampled blocks, K_s (balanced, rotated, minus mean_k) and Kd
+       likewise; V's same rows.
+    3. L = c · Q_s K_sᵀ and L4 = c · Qd Kdᵀ with c the softmax scale (default 1/sqrt(D)), divided
+       by D/64 on rotated rows (``rotation_score_factor``); O = softmax(L) V and O4 = softmax(L4) V
+       (no mask: a statistic of the head).
     4. error = ||O4 - O|| / ||O|| over the head's sampled rows (Frobenius norms).
+    5. Options are floors: where ``pre`` has the balance, the rotation or the scale search
+       (``rule_has_options``), the estimate is the larger (NaN if either is) of step 4's and the
+       same estimate for the defaults' rows: Q and K minus ``options_free_means(pre)``, with their
+       own NVFP4 codes (``quantize_rows``, plain scales). A head the defaults would give FP8 keeps
+       it whatever the options.
 
     Only Q·Kᵀ's FP4 error enters (the correction delta_s is the same in both and cancels); the
     error of P·V, which FP8 Q·Kᵀ would not change, does not. Heads whose scores span a wide
     range (near-one-hot rows), whose keys keep a large component after smoothing (biases that
     rotary embeddings turn with the position) or whose channels have outliers come out large."""
-    b, hq, sq, d = q.shape
-    hk, sk = k.shape[1], k.shape[2]
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
-    cq = 1.0 if pre.balance is None else expand_kv(torch.exp2(-pre.balance), hq)
-    ck = 1.0 if pre.balance is None else torch.exp2(pre.balance)
     if pre.k_block_corr is not None:
         raise ValueError("qk_fp4_error: K's per-block means (k_block_mean) are not part of the rule")
+    err = _fp4_error(q, k, v, pre, sm_scale, plain=False)
+    if rule_has_options(pre):
+        err = torch.maximum(err, _fp4_error(q, k, v, pre, sm_scale, plain=True))
+    return err
+
+
+def rule_has_options(pre) -> bool:
+    """Whether ``pre`` was made with an option that changes Q's and K's FP4 rows (the balance, the
+    rotation, the scale search): the rule then also estimates the defaults' rows."""
+    return bool(pre.qk_rotation) or pre.balance is not None or bool(pre.qk_scale_search)
+
+
+def options_free_means(pre) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean_q, mean_k) of ``pre`` taken back to the space without the balance and the rotation:
+    ``unrotate``, then the balance's powers of two undone (Q's times 2^e, K's times 2^-e). Float32
+    elementwise operations in a fixed order (the kernels' path runs this same function)."""
+    mq, mk = pre.mean_q.float(), pre.mean_k.float()
+    if pre.qk_rotation:
+        mq, mk = unrotate(mq), unrotate(mk)
+    if pre.balance is not None:
+        mq = mq * expand_kv(torch.exp2(pre.balance), mq.shape[1])
+        mk = mk * torch.exp2(-pre.balance)
+    return mq, mk
+
+
+def _fp4_error(q, k, v, pre, sm_scale, plain: bool) -> torch.Tensor:
+    """Steps 1-4 of ``qk_fp4_error`` on the rows ``pre`` quantized (plain=False) or on the
+    defaults' rows quantized here (plain=True)."""
+    b, hq, sq, d = q.shape
+    sk = k.shape[2]
+    rotated = pre.qk_rotation and not plain
+    scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)) / rotation_score_factor(d, rotated)
+    turn = rotate if rotated else (lambda x: x)
+    bal = None if plain else pre.balance
+    cq = 1.0 if bal is None else expand_kv(torch.exp2(-bal), hq)
+    ck = 1.0 if bal is None else torch.exp2(bal)
+    mean_q, mean_k = options_free_means(pre) if plain else (pre.mean_q, pre.mean_k)
     cat = lambda views: torch.cat(views, dim=-2)  # noqa: E731  (one gather per operand)
-    nm = pre.mean_q.shape[-2]
+    nm = mean_q.shape[-2]
     q_rows = _sampled_rows(q, sq, _package.AUTO_QUERY_STRIDE)
-    means = cat([pre.mean_q[..., (t if nm > 1 else 0):(t if nm > 1 else 0) + 1, :].expand(b, hq, blk.shape[-2], d)
+    means = cat([mean_q[..., (t if nm > 1 else 0):(t if nm > 1 else 0) + 1, :].expand(b, hq, blk.shape[-2], d)
                  for t, blk in zip(sample_blocks(sq), q_rows)])
-    qs = cat(q_rows).float() * cq - means
-    qd = _dequantize_fp4_rows(cat(_sampled_rows(pre.q_packed, sq, _package.AUTO_QUERY_STRIDE)),
-                              cat(_sampled_rows(pre.q_scales, sq, _package.AUTO_QUERY_STRIDE)))
-    ks = cat(_sampled_rows(k, sk, 1)).float() * ck - pre.mean_k
-    kd = _dequantize_fp4_rows(cat(_sampled_rows(pre.k_packed, sk, 1)), cat(_sampled_rows(pre.k_scales, sk, 1)))
+    qs = turn(cat(q_rows).float() * cq) - means
+    ks = turn(cat(_sampled_rows(k, sk, 1)).float() * ck) - mean_k
+    if plain:
+        qd, kd = _dequantize_fp4_rows(*quantize_rows(qs)), _dequantize_fp4_rows(*quantize_rows(ks))
+    else:
+        qd = _dequantize_fp4_rows(cat(_sampled_rows(pre.q_packed, sq, _package.AUTO_QUERY_STRIDE)),
+                                  cat(_sampled_rows(pre.q_scales, sq, _package.AUTO_QUERY_STRIDE)))
+        kd = _dequantize_fp4_rows(cat(_sampled_rows(pre.k_packed, sk, 1)), cat(_sampled_rows(pre.k_scales, sk, 1)))
     vs = cat(_sampled_rows(v, sk, 1)).float()
     ks, kd, vs = expand_kv(ks, hq), expand_kv(kd, hq), expand_kv(vs, hq)
     o = torch.matmul(torch.softmax(torch.matmul(qs, ks.transpose(-1, -2)) * scale, dim=-1), vs)

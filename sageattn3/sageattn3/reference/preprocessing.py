@@ -18,7 +18,6 @@ from .formats import (
     quantize_transposed,
 )
 from .precision import (
-    FP8_HEAD_DIMS,
     PV_PRECISION_DEFAULT,
     choose_qk_precision,
     fp8_applies,
@@ -232,8 +231,8 @@ def preprocess(
     default 1/sqrt(D)) fill qk_fp8, q8, k8 and qk_error; ``k_block_mean`` (reference only, no
     rotation) smooths K per 128-key block (``Preprocessed.k_block_corr``). ``pv_precision``
     "fp8" (reference only) also fills v8/v8_scales (``pad`` must then be a multiple of 32).
-    "fp8" with the rotation: q8/k8 are the MXFP8 of the rotated smoothed rows, every head, as the
-    kernels make them; "auto" with it keeps FP4. ``qk_fp8_rotated``: no effect (now the default)."""
+    With the rotation, q8/k8 are the MXFP8 of the rotated smoothed rows (as the kernels make them)
+    and "auto"'s rule estimates on the rotated rows. ``qk_fp8_rotated``: no effect (the default)."""
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     precision = qk_precision_arg(qk_precision)
     pv_fp8 = pv_precision_arg(pv_precision) == "fp8"
@@ -281,12 +280,6 @@ def preprocess(
     pre = Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk, mg, dk, rot, bal, search, kr, k_block_corr=corr)
     if pv_fp8:
         pre.v8, pre.v8_scales = quantize_mxfp8_transposed(pad_dim(v.float(), -2, pad))
-    if precision == "fp8" and rot and d in FP8_HEAD_DIMS:
-        # MXFP8 of the rotated rows, every head (the rule does not run)
-        pre.qk_fp8 = torch.ones(q.shape[:2], dtype=torch.bool, device=q.device)
-        pre.q8, pre.q8_scales = quantize_mxfp8_rows(pad_dim(qs, -2, pad))
-        pre.k8, pre.k8_scales = quantize_mxfp8_rows(pad_dim(ks, -2, pad))
-        return pre
     if precision != "fp4":
         if not fp8_applies(rot, d):
             if precision == "fp8":

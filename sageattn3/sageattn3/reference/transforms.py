@@ -59,8 +59,12 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1]
     if not rotation_applies(d):
         raise ValueError(f"the rotation is defined for head_dim {'/'.join(map(str, ROTATION_HEAD_DIMS))}, got {d}")
-    shape = x.shape
-    y = x.float() * rotation_signs(d, x.device)
+    return _butterflies(x.float() * rotation_signs(d, x.device))
+
+
+def _butterflies(y: torch.Tensor) -> torch.Tensor:
+    """The Walsh-Hadamard butterflies of ``rotate`` on the last dim of float32 y."""
+    shape, d = y.shape, y.shape[-1]
     h = 1
     while h < d:
         y = y.reshape(*shape[:-1], d // (2 * h), 2, h)
@@ -68,6 +72,16 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
         y = torch.stack((a + b, a - b), dim=-2)
         h *= 2
     return y.reshape(shape)
+
+
+def unrotate(y: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``rotate`` up to float32 rounding: the butterflies, then each channel times
+    its sign and 8/D (exact: H H = D I and the signs' 1/8 undone). Elementwise float32 operations
+    only, in a fixed order: the same bits on every device."""
+    d = y.shape[-1]
+    if not rotation_applies(d):
+        raise ValueError(f"the rotation is defined for head_dim {'/'.join(map(str, ROTATION_HEAD_DIMS))}, got {d}")
+    return _butterflies(y.float()) * (rotation_signs(d, y.device) * (64.0 / d))
 
 
 def rotation_score_factor(head_dim: int, rotated: bool) -> float:
