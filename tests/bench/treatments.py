@@ -11,13 +11,13 @@ passing them gets them):
 - "default": ``sageattn3`` as called with no option (qk_precision="auto": FP8 Q·Kᵀ where the
   rule picks it), and its FP8 heads;
 - "FP4": every head FP4 (qk_precision="fp4", today's kernels without "auto");
-- "+ balance", "+ rotation", "+ scale search": the defaults plus that option alone (with the
-  rotation "auto" keeps FP4: no FP8 path there);
+- "+ balance", "+ rotation", "+ scale search": the defaults plus that option alone (the rule
+  runs on the rows the options make, and the defaults' rows are a floor);
 - "all three": balance + rotation + scale search;
 - "FP8 Q·Kᵀ + balance": qk_precision="fp8" with qk_balance;
 - "FP8 P·V": pv_precision="fp8" with FP4 Q·Kᵀ; "FP8 Q·Kᵀ + P·V": both in FP8;
-- "rot + FP8 Q·Kᵀ (+ P·V)": the rotation with FP8 Q·Kᵀ (``qk_fp8_rotated``, reference only: no
-  kernel has it yet), and with FP8 P·V too;
+- "rot + FP8 Q·Kᵀ (+ P·V)": the rotation with FP8 Q·Kᵀ (``qk_fp8_rotated``; the kernels run it
+  too), and with FP8 P·V too (reference only);
 - "chooser": the per-head rule (``reference.treatment_errors`` with the call's causality, then
   ``choose_treatments``; opt-in, not a default), its cos-sim and each head's set (B balance,
   R rotation, S scale search, Q FP8 Q·Kᵀ, P FP8 P·V; "-" plain FP4); "chooser, all three forced":

@@ -7,9 +7,10 @@
   test checks that a query made per call from outside torch is seen so, so that a clean result
   is not the profiler's blindness.
 - The ops that allocate their outputs (``preprocess_qkv``, ``qk_rule_select``,
-  ``mxfp8_smooth_quant_qk``) carve them from one allocation: each output has its fake's shape and
-  dtype, is contiguous and 16-byte aligned, no two overlap, and any one of them stays valid (its
-  bytes unchanged) after the others are gone and their memory could be handed out again.
+  ``mxfp8_smooth_quant_qk``): each output has its fake's shape and dtype, is contiguous and
+  16-byte aligned, has a storage of its own (outputs sharing one break torch's custom-op rule,
+  which torch.compile checks), and stays valid (its bytes unchanged) after the others are gone
+  and their memory could be handed out again.
 - The Python around the ops makes q, k, v contiguous and aligned once per call (a strided q is
   copied once, not once per op) and reads ``SAGEATTN3_DELTA_S_WORKSPACE_MIB`` once per call.
 """
@@ -132,6 +133,9 @@ def _check_outputs(outs, fakes) -> None:
         assert (t.shape, t.dtype) == (f.shape, f.dtype), f"output {i}: expected {f.shape} {f.dtype}, got {t.shape} {t.dtype}"
         assert t.is_contiguous(), f"output {i}: expected contiguous, got strides {t.stride()} for shape {t.shape}"
         assert t.numel() == 0 or t.data_ptr() % 16 == 0, f"output {i}: expected 16-byte aligned, got {t.data_ptr() % 16} past"
+    # no two outputs share a storage: torch's custom-op rule (torch.compile checks it; csrc/torch/outputs.h)
+    storages = [t.untyped_storage().data_ptr() for t in outs if t.numel()]
+    assert len(set(storages)) == len(storages), f"outputs share a storage: {storages}"
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i) for i, t in enumerate(outs) if t.numel())
     for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
         assert end <= start, f"outputs {i} and {j} overlap: {i} ends at {end:#x}, {j} starts at {start:#x}"
@@ -155,7 +159,7 @@ def _each_survives_alone(make) -> None:
 
 @pytest.mark.parametrize("per_block_mean,balance", [(True, False), (True, True), (False, False)])
 @pytest.mark.parametrize("seq,d", [(300, 128), (1000, 64)])
-def test_preprocess_outputs_share_one_allocation_safely(per_block_mean, balance, seq, d):
+def test_preprocess_outputs_are_separate_and_valid_alone(per_block_mean, balance, seq, d):
     kernels_or_skip()
     from sageattn3 import _kernels
 
@@ -169,7 +173,7 @@ def test_preprocess_outputs_share_one_allocation_safely(per_block_mean, balance,
 
 
 @pytest.mark.parametrize("balance", [False, True])
-def test_rule_and_mxfp8_outputs_share_one_allocation_safely(balance):
+def test_rule_and_mxfp8_outputs_are_separate_and_valid_alone(balance):
     sa = kernels_or_skip()
     from sageattn3 import _kernels
 

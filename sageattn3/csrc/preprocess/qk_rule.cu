@@ -648,8 +648,9 @@ __device__ __forceinline__ RowPlan row_plan(const QkRuleArgs& a, float* sm, int 
 /* ---------- the kernel: one block's rows and keys, phase by phase ---------- */
 
 template <typename T, int D>
-// Two blocks per SM (the most the shared memory allows at D 128, 48 KB at D 64 on sm_120's 100 KB):
-// ptxas then keeps D 64 under 128 registers rather than at 80 with a spill in the key loop.
+// At least two blocks per SM in the register budget (the shared memory allows two at D 64 on sm_120's
+// 100 KB, one at D 128): ptxas then keeps D 64 under 128 registers rather than at 80 with a spill
+// in the key loop.
 __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(QkRuleArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using L = Smem<D>;

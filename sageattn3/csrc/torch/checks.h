@@ -56,8 +56,7 @@ inline const char* kind_name(Kind k) {
 //   static cudaStream_t stream(const T&);           // torch's current stream on t's device
 //   [[noreturn]] static void fail(const std::string&);  // throw torch's error with the message
 //   static T empty({sizes}, Kind, const T& like);  // new contiguous tensor on like's CUDA device
-//   static T view_of(const T& buffer, int64_t offset_bytes, const int64_t* sizes, int64_t ndim, Kind);
-//                                                   // a contiguous tensor over buffer's storage (torch/outputs.h)
+//   static T empty_n(const int64_t* sizes, int64_t ndim, Kind, const T& like);  // the same, sizes[0, ndim)
 //   template <auto F> static auto kernel();         // what the unit's m.impl takes for op F
 template <class T>
 struct TensorApi;

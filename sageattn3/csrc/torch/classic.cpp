@@ -40,19 +40,8 @@ struct TensorApi<at::Tensor> {
   static at::Tensor empty(std::initializer_list<int64_t> sizes, Kind k, const at::Tensor& like) {
     return at::empty(at::IntArrayRef(sizes.begin(), sizes.size()), like.options().dtype(scalar_type(k)));
   }
-  // A contiguous tensor of kind k (as empty's) and shape sizes[0, ndim) over buffer's memory from
-  // offset_bytes on, sharing its storage (torch/outputs.h): buffer is a fresh kByte tensor of
-  // empty's, offset_bytes a multiple of k's size. A new TensorImpl over the same storage, as the
-  // stable unit's aoti_torch__alloc_from_pool makes it (no dispatcher call, no allocation on the GPU).
-  static at::Tensor view_of(const at::Tensor& buffer, int64_t offset_bytes, const int64_t* sizes, int64_t ndim,
-                            Kind k) {
-    const at::ScalarType dt = scalar_type(k);
-    at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(buffer.storage()), buffer.key_set(),
-                                                            caffe2::TypeMeta::fromScalarType(dt));
-    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    impl->set_storage_offset((buffer.storage_offset() + offset_bytes) / static_cast<int64_t>(c10::elementSize(dt)));
-    impl->set_sizes_contiguous(at::IntArrayRef(sizes, static_cast<size_t>(ndim)));
-    return t;
+  static at::Tensor empty_n(const int64_t* sizes, int64_t ndim, Kind k, const at::Tensor& like) {
+    return at::empty(at::IntArrayRef(sizes, static_cast<size_t>(ndim)), like.options().dtype(scalar_type(k)));
   }
   static at::ScalarType scalar_type(Kind k) {
     return k == Kind::kByte ? at::kByte : k == Kind::kFloat8e4m3fn ? at::kFloat8_e4m3fn : at::kFloat;

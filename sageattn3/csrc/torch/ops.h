@@ -14,7 +14,7 @@
 //
 // Ops write into outputs the Python side allocated and validated (shapes, dtypes, devices are
 // checked there with messages naming the argument), except preprocess_qkv, qk_rule_select and
-// mxfp8_smooth_quant_qk, which allocate and return their own (each from one allocation,
+// mxfp8_smooth_quant_qk, which allocate and return their own (one allocation per output,
 // torch/outputs.h); the ops re-check the invariants the kernels rely on (torch/checks.h), so
 // a direct torch.ops call can never reach a kernel with bad memory.
 #pragma once

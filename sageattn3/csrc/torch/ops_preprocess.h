@@ -227,7 +227,7 @@ void qk_balance(T q, T k, T part, T exps) {
 // mean then), ds_key (B, Hq, Skp), balance exponents (B, Hkv, 1, D) (empty without balance), K's
 // quantization residual k_res (B, Hkv, Skp, D) E4M3 (empty without per_block_mean: no block
 // residuals then).
-// The outputs and the workspace share one allocation (torch/outputs.h). Launch order: V first (the
+// Each output its own allocation (torch/outputs.h). Launch order: V first (the
 // rest of the host work overlaps it), then the launches of smooth_quant_qk (or of smooth_quant_seq
 // for Q, then for K with the correction).
 template <class T>
@@ -265,7 +265,7 @@ std::tuple<T, T, T, T, T, T, T, T, T, T, T, T> preprocess_qkv(T q, T k, T v, int
   const int64_t Bm = per_block_mean ? B : 0, Bb = balance ? B : 0;
   // workspace: the sampled tiles' sums of K, then of Q, then (balance) their squares, Q's then K's
   const int64_t ws_rows = Gk * nsk + Gq * nsq + (balance ? Gq * nsq + Gk * nsk : 0);
-  // the 12 outputs in the order returned, then the workspace: one allocation (torch/outputs.h)
+  // the 12 outputs in the order returned, then the workspace (torch/outputs.h)
   const OutputSpec specs[] = {{{B, Hq, Sqp, D / 2}, Kind::kByte}, {{B, Hq, Sqp, D / 16}, Kind::kFloat8e4m3fn},
                               {{B, Hk, Skp, D / 2}, Kind::kByte}, {{B, Hk, Skp, D / 16}, Kind::kFloat8e4m3fn},
                               {{B, Hk, D, Skp / 2}, Kind::kByte}, {{B, Hk, D, Skp / 16}, Kind::kFloat8e4m3fn},

@@ -116,7 +116,7 @@ void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T c
 // k8, k8_sf): both MXFP8 operands of the per-head FP8 Q.K^T in one op, which allocates them: Q's
 // rows scaled by 2^-balance, K's by 2^+balance, rotated with `rotate` (mxfp8_smooth_quant each;
 // the heads whose sel byte is 0 are skipped, their rows stay uninitialised); codes (B, H, Sp, D)
-// and scales (B, H, Sp, D/32) bytes, Sp = S rounded up to seq_pad; the four share one allocation.
+// and scales (B, H, Sp, D/32) bytes, Sp = S rounded up to seq_pad; each its own allocation.
 template <class T>
 std::tuple<T, T, T, T> mxfp8_smooth_quant_qk(T q, T k, T mean_q, T mean_k, T balance, T sel_q, T sel_k,
                                             int64_t seq_pad, bool rotate) {
@@ -134,7 +134,7 @@ std::tuple<T, T, T, T> mxfp8_smooth_quant_qk(T q, T k, T mean_q, T mean_k, T bal
   DeviceScope scope(device_index(q));
   const OutputSpec specs[] = {{{B, Hq, Sqp, D}, Kind::kByte}, {{B, Hq, Sqp, D / 32}, Kind::kByte},
                               {{B, Hk, Skp, D}, Kind::kByte}, {{B, Hk, Skp, D / 32}, Kind::kByte}};
-  auto out = allocate_outputs(specs, q);  // one allocation (torch/outputs.h)
+  auto out = allocate_outputs(specs, q);  // torch/outputs.h
   mxfp8_smooth_quant<T>(q, mean_q, balance, -1, sel_q, out[0], out[1], rotate);
   mxfp8_smooth_quant<T>(k, mean_k, balance, 1, sel_k, out[2], out[3], rotate);
   return {out[0], out[1], out[2], out[3]};

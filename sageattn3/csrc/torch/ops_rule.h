@@ -123,7 +123,7 @@ void qk_rule_error(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales
 // the selection in one op, which allocates its outputs and its workspace (one host call for the
 // whole rule): error (B, Hq) fp32 as qk_rule_error; sel_q (B, Hq) bytes, 1 where the head's Q.K^T
 // runs in FP8 (every head with select_all, else error > limit; a NaN estimate keeps FP4); sel_k (B, Hkv) bytes, 1 where any
-// of its q heads is 1. The outputs and the workspace share one allocation (torch/outputs.h).
+// of its q heads is 1. Each output and the workspace its own allocation (torch/outputs.h).
 template <class T>
 std::tuple<T, T, T> qk_rule_select(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales, T mean_q, T mean_k,
                                    T balance, double sm_scale, bool rotate, bool floor, double limit,
@@ -132,7 +132,7 @@ std::tuple<T, T, T> qk_rule_select(T q, T k, T v, T q_packed, T q_scales, T k_pa
                            floor);
   DeviceScope scope(device_index(q));
   // error, sel_q, sel_k, then the workspace: partial (B * Hq * 16 floats), then the counters (B * Hq
-  // int32, zeroed by the launch); one allocation (torch/outputs.h)
+  // int32, zeroed by the launch); torch/outputs.h
   const OutputSpec specs[] = {{{a.B, a.Hq}, Kind::kFloat}, {{a.B, a.Hq}, Kind::kByte}, {{a.B, a.Hkv}, Kind::kByte},
                               {{a.B * a.Hq * 17}, Kind::kFloat}};
   auto out = allocate_outputs(specs, q);

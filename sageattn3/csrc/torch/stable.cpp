@@ -49,30 +49,16 @@ struct TensorApi<StableTensor> {
   // the shim's aoti_torch_empty_strided (a direct at::empty_strided call) rather than
   // torch::stable::new_empty, which goes through the boxed dispatcher.
   static StableTensor empty(std::initializer_list<int64_t> sizes, Kind k, const StableTensor& like) {
-    int64_t sz[8], st[8];
-    const int64_t n = static_cast<int64_t>(sizes.size());
+    return empty_n(sizes.begin(), static_cast<int64_t>(sizes.size()), k, like);
+  }
+  static StableTensor empty_n(const int64_t* sizes, int64_t n, Kind k, const StableTensor& like) {
+    int64_t st[8];
     if (n > 8) fail(message("sageattn3: at most 8 dims, got ", n));
-    int64_t i = 0;
-    for (int64_t s : sizes) sz[i++] = s;
-    contiguous_strides(sz, n, st);
+    contiguous_strides(sizes, n, st);
     AtenTensorHandle h = nullptr;
-    if (aoti_torch_empty_strided(n, sz, st, dtype(k), aoti_torch_device_type_cuda(), like.get_device(), &h) !=
+    if (aoti_torch_empty_strided(n, sizes, st, dtype(k), aoti_torch_device_type_cuda(), like.get_device(), &h) !=
         AOTI_TORCH_SUCCESS)
       fail("sageattn3: could not allocate an output tensor on the GPU (out of memory?)");
-    return StableTensor(h);
-  }
-  // A contiguous tensor of kind k (as empty's) and shape sizes[0, ndim) over buffer's memory from
-  // offset_bytes on, sharing its storage (torch/outputs.h): buffer is a fresh kByte tensor of
-  // empty's, offset_bytes a multiple of k's size. Through the shim's aoti_torch__alloc_from_pool
-  // (a new TensorImpl over the same storage; no dispatcher call, no allocation on the GPU).
-  static StableTensor view_of(const StableTensor& buffer, int64_t offset_bytes, const int64_t* sizes, int64_t ndim,
-                              Kind k) {
-    int64_t st[8];
-    if (ndim > 8) fail(message("sageattn3: at most 8 dims, got ", ndim));
-    contiguous_strides(sizes, ndim, st);
-    AtenTensorHandle h = nullptr;
-    if (aoti_torch__alloc_from_pool(buffer.get(), offset_bytes, dtype(k), ndim, sizes, st, &h) != AOTI_TORCH_SUCCESS)
-      fail(message("sageattn3: could not make an output view ", offset_bytes, " bytes into its allocation"));
     return StableTensor(h);
   }
   static void contiguous_strides(const int64_t* sizes, int64_t n, int64_t* strides) {
