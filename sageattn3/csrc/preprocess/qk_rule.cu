@@ -216,11 +216,8 @@ __device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, const RowPlan&
 }
 
 // Rotates rows [0, nrows) of the fp32 matrix at `rows` (row stride ld) in place, one warp per
-// row, every lane on D/32 consecutive values: the signs, then the butterflies of rotation.cuh in
-// the same stage order (h = 1, 2, ..., D/2; within a lane for h < D/32, with lane ^ (h / (D/32))
-// above): each pair's sum and difference are the same fp32 operations, so the bits are those of
-// rotate_vector and of reference.rotate. Every warp of the block calls it, between two
-// __syncthreads.
+// row on 32 lanes (rotation.cuh: the signs, then hadamard_lanes; the bits of reference.rotate).
+// Every warp of the block calls it, between two __syncthreads.
 template <int D>
 __device__ __forceinline__ void rotate_rows(float* rows, int ld, int nrows, int warp) {
   constexpr int kV = D / 32;
@@ -229,37 +226,15 @@ __device__ __forceinline__ void rotate_rows(float* rows, int ld, int nrows, int 
     float* row = rows + r * ld + lane * kV;
     float v[kV];
 #pragma unroll
-    for (int i = 0; i < kV; ++i) {
-      const int e = lane * kV + i;
-      const uint64_t w = e < 64 ? kRotationSignsLo : kRotationSignsHi;
-      v[i] = __fmul_rn(row[i], ((w >> (e & 63)) & 1u) ? -0.125f : 0.125f);
-    }
-#pragma unroll
-    for (int h = 1; h < kV; h <<= 1) {
-#pragma unroll
-      for (int i = 0; i < kV; ++i) {
-        if (i & h) continue;
-        const float a = v[i], b = v[i + h];
-        v[i] = __fadd_rn(a, b);
-        v[i + h] = __fsub_rn(a, b);
-      }
-    }
-#pragma unroll
-    for (int m = 1; m < 32; m <<= 1) {
-      const bool upper = (lane & m) != 0;  // this lane holds the y_{i+h} of each pair
-#pragma unroll
-      for (int i = 0; i < kV; ++i) {
-        const float other = __shfl_xor_sync(0xffffffffu, v[i], m);
-        v[i] = upper ? __fsub_rn(other, v[i]) : __fadd_rn(v[i], other);
-      }
-    }
+    for (int i = 0; i < kV; ++i) v[i] = __fmul_rn(row[i], rotation_sign(lane * kV + i));
+    hadamard_lanes<D>(v, lane);
 #pragma unroll
     for (int i = 0; i < kV; ++i) row[i] = v[i];
   }
 }
 
-// reference.unrotate of one D-vector in shared memory, by one warp (the butterflies as in
-// rotate_rows, then each channel times its sign and 64/D).
+// reference.unrotate of one D-vector in shared memory, by one warp: hadamard_lanes, then each
+// channel times its sign and 64/D.
 template <int D>
 __device__ __forceinline__ void unrotate_row(float* row) {
   constexpr int kV = D / 32;
@@ -267,33 +242,10 @@ __device__ __forceinline__ void unrotate_row(float* row) {
   float v[kV];
 #pragma unroll
   for (int i = 0; i < kV; ++i) v[i] = row[lane * kV + i];
-#pragma unroll
-  for (int h = 1; h < kV; h <<= 1) {
-#pragma unroll
-    for (int i = 0; i < kV; ++i) {
-      if (i & h) continue;
-      const float x = v[i], y = v[i + h];
-      v[i] = __fadd_rn(x, y);
-      v[i + h] = __fsub_rn(x, y);
-    }
-  }
-#pragma unroll
-  for (int m = 1; m < 32; m <<= 1) {
-    const bool upper = (lane & m) != 0;
-#pragma unroll
-    for (int i = 0; i < kV; ++i) {
-      const float other = __shfl_xor_sync(0xffffffffu, v[i], m);
-      v[i] = upper ? __fsub_rn(other, v[i]) : __fadd_rn(v[i], other);
-    }
-  }
+  hadamard_lanes<D>(v, lane);
   __syncwarp();
 #pragma unroll
-  for (int i = 0; i < kV; ++i) {
-    const int e = lane * kV + i;
-    const uint64_t w = e < 64 ? kRotationSignsLo : kRotationSignsHi;
-    const float f = __fmul_rn(((w >> (e & 63)) & 1u) ? -0.125f : 0.125f, 64.0f / D);
-    row[e] = __fmul_rn(v[i], f);
-  }
+  for (int i = 0; i < kV; ++i) row[lane * kV + i] = __fmul_rn(v[i], __fmul_rn(rotation_sign(lane * kV + i), 64.0f / D));
   __syncwarp();
 }
 

@@ -65,6 +65,42 @@ __device__ __forceinline__ void rotate_block(float (&v)[16], int cb) {
   hadamard_block<kBpr>(v, cb);
 }
 
+/* ---------- The same on 32 lanes: a warp per row, lane l holding channels l*D/32 .. +D/32 ---------- */
+
+// The sign (+-1/8) of channel e.
+__device__ __forceinline__ float rotation_sign(int e) {
+  const uint64_t w = e < 64 ? kRotationSignsLo : kRotationSignsHi;
+  return ((w >> (e & 63)) & 1u) ? -0.125f : 0.125f;
+}
+
+// The butterflies alone on a row whose D values sit D/32 per lane, in hadamard_block's stage
+// order (h = 1, 2, ..., D/2: within the lane for h < D/32, with lane ^ (h / (D/32)) above): each
+// pair's sum and difference are the same fp32 operations, so the bits are those of hadamard_block
+// and reference.rotate. Called by all 32 lanes.
+template <int D>
+__device__ __forceinline__ void hadamard_lanes(float (&v)[D / 32], int lane) {
+  constexpr int kV = D / 32;
+#pragma unroll
+  for (int h = 1; h < kV; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < kV; ++i) {
+      if (i & h) continue;
+      const float a = v[i], b = v[i + h];
+      v[i] = __fadd_rn(a, b);
+      v[i + h] = __fsub_rn(a, b);
+    }
+  }
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    const bool upper = (lane & m) != 0;  // this lane holds the y_{i+h} of each pair
+#pragma unroll
+    for (int i = 0; i < kV; ++i) {
+      const float other = __shfl_xor_sync(0xffffffffu, v[i], m);
+      v[i] = upper ? __fsub_rn(other, v[i]) : __fadd_rn(v[i], other);
+    }
+  }
+}
+
 // Rotates the D-vector vec[0..D) in shared memory in place (D 64 or 128), and writes it to
 // out[0..D) too when out is not null; `transpose`: applies the transposed map instead,
 // x -> x H S / 8 (butterflies first, then the signs), so that transpose(rotate(a)) . b =
