@@ -431,6 +431,7 @@ def delta_s(k: torch.Tensor, mean_k: torch.Tensor, mean_q: torch.Tensor, seq_pad
 OUTPUT_WRITING_OPS = (
     "quant_fp4_rows",
     "quant_fp4_cols",
+    "quant_mxfp8_cols",
     "smooth_quant_rows",
     "smooth_quant_seq",
     "smooth_quant_qk",

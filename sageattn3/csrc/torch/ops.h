@@ -5,7 +5,7 @@
 //
 // Each op is a template over the unit's tensor type T; the unit supplies TensorApi<T> (dtype,
 // device name, current stream, throwing an error, allocating: torch/checks.h). The ops, by family:
-//   torch/ops_quant.h       NVFP4 along rows / along the sequence, the MXFP8 operands
+//   torch/ops_quant.h       NVFP4 along rows / along the sequence, the MXFP8 operands (Q, K; V)
 //   torch/ops_preprocess.h  smoothing + NVFP4 of Q and K, the channel balance, preprocess_qkv, delta_s
 //   torch/ops_attn.h        the FP4 attention (and its per-head FP8 Q.K^T variant)
 //   torch/ops_rule.h        the "auto" Q.K^T precision rule's estimate
@@ -32,6 +32,7 @@
 #define SAGEATTN3_OPS(X)                                                                                            \
   X(quant_fp4_rows, "quant_fp4_rows(Tensor x, Tensor(a!) packed, Tensor(b!) scales) -> ()")                         \
   X(quant_fp4_cols, "quant_fp4_cols(Tensor x, Tensor(a!) packed, Tensor(b!) scales) -> ()")                         \
+  X(quant_mxfp8_cols, "quant_mxfp8_cols(Tensor x, Tensor(a!) codes, Tensor(b!) scales) -> ()")                     \
   X(smooth_quant_rows, "smooth_quant_rows(Tensor x, Tensor(a!) mean, bool compute_mean, int mean_block, "           \
                        "Tensor(b!) packed, Tensor(c!) scales, bool rotate, bool search) -> ()")                                  \
   X(smooth_quant_seq, "smooth_quant_seq(Tensor x, Tensor(a!) mean, Tensor(b!) partial, Tensor(c!) packed, "         \

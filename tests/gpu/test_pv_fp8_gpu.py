@@ -1,0 +1,121 @@
+"""The FP8 P·V path (``pv_precision="fp8"``, opt-in) on the GPU:
+
+- V's MXFP8 quantizer (``quant_mxfp8_cols``) bit for bit against
+  ``reference.quantize_mxfp8_transposed`` of V padded with zero keys (ragged lengths, D 64/128 and
+  other multiples of 16, GQA's Hkv heads, bf16/fp16, zero/tiny/huge/inf/NaN blocks), and its
+  argument checks.
+"""
+
+import pytest
+import torch
+
+from gpu_common import kernels_or_skip, same_bytes
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _quantizer_or_skip():
+    kernels_or_skip()
+    if not hasattr(torch.ops.sageattn3, "quant_mxfp8_cols"):
+        pytest.skip("this wheel has no quant_mxfp8_cols op")
+    from sageattn3 import _pv8
+
+    return _pv8
+
+
+def _special_v(shape, dtype, seed):
+    """Random V over many magnitudes per channel, plus special 32-key blocks along the sequence:
+    zeros, tiny values (subnormal after scaling), the format's largest, +-inf and NaN, and -0."""
+    g = torch.Generator().manual_seed(seed)
+    *lead, s, d = shape
+    big = 60000.0 if dtype == torch.float16 else 3.0e38
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-12, 10, (*lead, 1, d), generator=g).float())
+    if s >= 160 and d >= 8:
+        x[..., 0:32, 0] = 0.0
+        x[..., 32:64, 1] = 1e-7
+        x[..., 64:96, 2] = big
+        x[..., 70, 3] = float("inf")
+        x[..., 100, 4] = float("-inf")
+        x[..., 130, 5] = float("nan")
+        x[..., 140:150, 6] = -0.0
+        x[..., 96:128, 7] = torch.tensor([448.0, 416.0, 464.0, 480.0] * 8)  # ties at the top binade
+    return x.to(dtype)
+
+
+def _check(pv8, v, seq_pad=128):
+    from sageattn3 import reference as ref
+
+    v0 = v.clone()
+    codes, scales = pv8.quant_mxfp8_cols(v, seq_pad)
+    want_c, want_s = ref.quantize_mxfp8_transposed(ref.pad_dim(v.float().cpu(), -2, seq_pad))
+    assert codes.shape == want_c.shape and scales.shape == want_s.shape, (codes.shape, want_c.shape)
+    assert codes.dtype == torch.float8_e4m3fn and scales.dtype == torch.uint8
+    assert same_bytes(scales, want_s), "scale bytes differ"
+    assert same_bytes(codes, want_c), "codes differ"
+    assert same_bytes(v, v0)  # the input is unchanged
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 1, 64), (2, 3, 77, 64), (1, 2, 129, 128), (2, 1, 1000, 128),
+                                   (1, 2, 333, 80), (3, 4, 256, 64), (1, 1, 4097, 128)])
+def test_v_mxfp8_is_bit_exact(dtype, shape):
+    pv8 = _quantizer_or_skip()
+    _check(pv8, _special_v(shape, dtype, seed=sum(shape)).cuda())
+
+
+@pytest.mark.parametrize("seq_pad", [32, 64, 256])
+def test_other_key_paddings(seq_pad):
+    pv8 = _quantizer_or_skip()
+    _check(pv8, _special_v((2, 2, 300, 128), torch.bfloat16, seed=seq_pad).cuda(), seq_pad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_the_reference_preprocessing_with_gqa(dtype):
+    """With GQA (8 q heads, 2 kv heads) the quantizer gives reference.preprocess's v8/v8_scales."""
+    pv8 = _quantizer_or_skip()
+    from sageattn3 import reference as ref
+
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 8, 200, 128, generator=g).to(dtype)
+    k = torch.randn(2, 2, 333, 128, generator=g).to(dtype)
+    v = (torch.randn(2, 2, 333, 128, generator=g) * 4).to(dtype)
+    pre = ref.preprocess(q, k, v, pv_precision="fp8")
+    codes, scales = pv8.quant_mxfp8_cols(v.cuda(), 128)
+    assert same_bytes(codes, pre.v8) and same_bytes(scales, pre.v8_scales)
+
+
+def test_non_contiguous_v_is_quantized_as_its_values():
+    pv8 = _quantizer_or_skip()
+    v = _special_v((2, 300, 3, 64), torch.float16, seed=4).cuda().transpose(1, 2)  # (B, S, H, D) viewed
+    assert not v.is_contiguous()
+    _check(pv8, v)
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (lambda: torch.zeros(1, 1, 64, 64, device="cuda"), TypeError, "float16 or bfloat16"),
+    (lambda: torch.zeros(64, dtype=torch.bfloat16, device="cuda"), ValueError, "at least 2 dims"),
+    (lambda: torch.zeros(1, 1, 64, 40, dtype=torch.bfloat16, device="cuda"), ValueError, "multiple of 16"),
+    (lambda: torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16), ValueError, "CUDA tensor"),
+])
+def test_bad_v_is_refused_with_a_message(bad, exc, match):
+    pv8 = _quantizer_or_skip()
+    with pytest.raises(exc, match=match):
+        pv8.quant_mxfp8_cols(bad(), 128)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pv8.quant_mxfp8_cols(torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16, device="cuda"), 48)
+
+
+def test_the_op_refuses_bad_outputs():
+    """A direct torch.ops call never reaches the kernel with outputs of the wrong size."""
+    _quantizer_or_skip()
+    v = torch.zeros(1, 1, 100, 64, dtype=torch.bfloat16, device="cuda")
+    codes = torch.empty(1, 1, 64, 96, dtype=torch.uint8, device="cuda")  # 96 < S = 100
+    scales = torch.empty(1, 1, 64, 3, dtype=torch.uint8, device="cuda")
+    with pytest.raises(RuntimeError, match="padded to a multiple of 32"):
+        torch.ops.sageattn3.quant_mxfp8_cols(v, codes, scales)
+    codes = torch.empty(1, 1, 64, 128, dtype=torch.uint8, device="cuda")
+    with pytest.raises(RuntimeError, match="output sizes"):
+        torch.ops.sageattn3.quant_mxfp8_cols(v, codes, scales)
+    with pytest.raises(RuntimeError, match="float16 or bfloat16"):
+        torch.ops.sageattn3.quant_mxfp8_cols(v.float(), codes, torch.empty(1, 1, 64, 4, dtype=torch.uint8,
+                                                                           device="cuda"))
