@@ -74,10 +74,10 @@ def _kernel_reports(log: str) -> dict[str, str]:
 
 
 def check_spills(log: str, what: str) -> dict[str, str]:
-    """ptxas -v's reports of the six attention kernels (D 64/128 x delta_s precomputed, corrected
-    in the loop, or FP8 Q·Kᵀ), none spilling beyond the allowance above."""
+    """ptxas -v's reports of the ten attention kernels (D 64/128 x delta_s precomputed, corrected
+    in the loop, FP8 Q·Kᵀ, FP8 P·V, or FP8 Q·Kᵀ and P·V), none spilling beyond the allowance above."""
     reports = _kernel_reports(log)
-    assert len(reports) == 6, f"{what}: expected 6 attention kernels (D 64/128 x 3), got {list(reports)}\n{log}"
+    assert len(reports) == 10, f"{what}: expected 10 attention kernels (D 64/128 x 5), got {list(reports)}\n{log}"
     for name, rep in reports.items():
         m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
         assert m, f"{what} {name}: no spill report\n{rep}"

@@ -440,6 +440,7 @@ OUTPUT_WRITING_OPS = (
     "smooth_quant_k_delta",
     "blockscaled_fp4_attn",
     "blockscaled_attn_qk8",
+    "blockscaled_attn_pv8",
     "mxfp8_smooth_quant",
     "qk_rule_error",
     "fp4_mma_probe",

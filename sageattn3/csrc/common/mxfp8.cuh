@@ -5,7 +5,8 @@
 //   (the smallest 2^(b-127) with amax <= 448 * 2^(b-127));
 //   each value times 2^(127 - b) (exact: a power of two, normal for b in [1, 253]), converted to
 //   E4M3 with round to nearest even, saturating at +-448 (only Inf reaches it; NaN stays NaN).
-// Used by the Q/K MXFP8 quantizer (quant/quant_mxfp8.cu) and V's (quant/quant_mxfp8_cols.cu).
+// Used by the Q/K MXFP8 quantizer (quant/quant_mxfp8.cu), V's (quant/quant_mxfp8_cols.cu) and the
+// attention kernel's FP8 P (attn/attn_fwd_kernel.cuh, kPV8).
 #pragma once
 #include <cstdint>
 #include <cuda_fp8.h>
@@ -39,6 +40,15 @@ __device__ __forceinline__ uint32_t e4m3x4(float v0, float v1, float v2, float v
     word |= (c & 0xFFu) << (8 * e);
   }
   return word;
+}
+
+// e4m3x4 with two values per conversion (cvt.rn.satfinite.e4m3x2.f32): the same bytes.
+__device__ __forceinline__ uint32_t e4m3x4_rn(float v0, float v1, float v2, float v3, float inv) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(v0, inv), __fmul_rn(v1, inv)), __NV_SATFINITE,
+                                               __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(v2, inv), __fmul_rn(v3, inv)), __NV_SATFINITE,
+                                               __NV_E4M3);
+  return (lo & 0xFFFFu) | (hi << 16);
 }
 
 // 16 values to E4M3 codes times `inv`, four to a word.
