@@ -3,13 +3,22 @@
 - V's MXFP8 quantizer (``quant_mxfp8_cols``) bit for bit against
   ``reference.quantize_mxfp8_transposed`` of V padded with zero keys (ragged lengths, D 64/128 and
   other multiples of 16, GQA's Hkv heads, bf16/fp16, zero/tiny/huge/inf/NaN blocks), and its
-  argument checks.
+  argument checks;
+- the attention kernel with P·V in MXFP8 (``blockscaled_attn_pv8``, FP4 or FP8 Q·Kᵀ) on the
+  reference's own preprocessing against ``reference.sageattn3(..., pv_precision="fp8")``
+  (cos-sim >= 0.99999, as tests/gpu/test_qk_precision_gpu.py for FP8 Q·Kᵀ), on the cases of
+  tests/attention_cases.py: causal and not, D 64/128, ragged lengths, GQA; and with V quantized by
+  the kernel instead of the reference (the same bytes: the same output bit for bit).
 """
+
+import dataclasses
 
 import pytest
 import torch
 
+import attention_cases as ac
 from gpu_common import kernels_or_skip, same_bytes
+from test_dispatch_fp4 import fp4  # noqa: F401  (the fixture)
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -119,3 +128,61 @@ def test_the_op_refuses_bad_outputs():
     with pytest.raises(RuntimeError, match="float16 or bfloat16"):
         torch.ops.sageattn3.quant_mxfp8_cols(v.float(), codes, torch.empty(1, 1, 64, 4, dtype=torch.uint8,
                                                                            device="cuda"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention with P·V in MXFP8
+# ---------------------------------------------------------------------------------------------
+
+FIGURES: list[str] = []
+
+
+def _pre_to(pre, device):
+    return dataclasses.replace(pre, **{f.name: getattr(pre, f.name).to(device) for f in dataclasses.fields(pre)
+                                       if isinstance(getattr(pre, f.name), torch.Tensor)})
+
+
+def _pv8_or_skip():
+    if not hasattr(torch.ops.sageattn3, "blockscaled_attn_pv8"):
+        pytest.skip("this wheel has no blockscaled_attn_pv8 op")
+    from sageattn3 import _pv8
+
+    return _pv8
+
+
+@pytest.mark.parametrize("qk", ["fp4", "fp8"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("case, sq, sk", [("randn", 700, 333), ("q_outliers", 129, 1000), ("k_sink", 1000, 1000),
+                                          ("zero_mean_v", 300, 300)])
+def test_kernel_matches_the_reference(fp4, case, sq, sk, d, causal, qk):  # noqa: F811
+    pv8 = _pv8_or_skip()
+    from sageattn3 import reference as ref
+
+    q, k, v = ac.make(case, 2, 4, 2, sq, sk, d, seed=sq + d)  # GQA: 2 q heads per kv head
+    kw = {"pv_precision": "fp8", "qk_precision": qk}
+    pre = ref.preprocess(q, k, v, **kw)
+    want = ref.sageattn3(q, k, v, is_causal=causal, **kw)
+    g = _pre_to(pre, "cuda")
+    sel = {} if qk == "fp4" else {"head_sel": g.qk_fp8, "q8": g.q8, "q8_scales": g.q8_scales, "k8": g.k8,
+                                  "k8_scales": g.k8_scales}
+    got = pv8.attention_pv8(g, g.v8, g.v8_scales, is_causal=causal, **sel)
+    c = ac.cos_sim(got.float().cpu(), want)
+    exact = ref.exact_attention(q, k, v, is_causal=causal)
+    c_exact = ac.cos_sim(got.float().cpu(), exact)
+    c_fp4 = ac.cos_sim(ref.sageattn3(q, k, v, is_causal=causal, qk_precision=qk), exact)
+    fig = (f"{case} Sq={sq} Sk={sk} D={d} causal={causal} qk={qk}: FP8 P·V kernel vs reference cos={c:.7f}; "
+           f"vs exact {c_exact:.5f} (the reference with FP4 P·V: {c_fp4:.5f})")
+    FIGURES.append(fig)
+    assert c >= 0.99999, fig
+    # V quantized by the kernel: the same bytes, the same output
+    codes, scales = pv8.quant_mxfp8_cols(v.cuda(), 128)
+    assert same_bytes(codes, g.v8) and same_bytes(scales, g.v8_scales)
+    again = pv8.attention_pv8(g, codes, scales, is_causal=causal, **sel)
+    assert same_bytes(again, got)
+
+
+def test_figures(capsys):
+    with capsys.disabled():
+        for f in FIGURES:
+            print(f)
