@@ -182,6 +182,38 @@ def test_kernel_matches_the_reference(fp4, case, sq, sk, d, causal, qk):  # noqa
     assert same_bytes(again, got)
 
 
+@pytest.mark.parametrize("qk", ["fp4", "fp8", "auto"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_public_api_takes_pv_precision(fp4, d, causal, qk):  # noqa: F811
+    """sageattn3_blackwell(..., pv_precision="fp8") end to end against the reference (>= 0.9999: the
+    means are summed in another order), with each qk_precision; the default stays FP4 P·V."""
+    _pv8_or_skip()
+    from sageattn3 import reference as ref
+
+    q, k, v = ac.make("mixed_heads", 1, 8, 4, 700, 500, d, seed=3)
+    want = ref.sageattn3(q, k, v, is_causal=causal, qk_precision=qk, pv_precision="fp8")
+    out = fp4.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal, qk_precision=qk,
+                                  pv_precision="fp8")
+    c = ac.cos_sim(out.float().cpu(), want)
+    fp4_out = fp4.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal, qk_precision=qk)
+    FIGURES.append(f"mixed_heads D={d} causal={causal} qk={qk}: sageattn3_blackwell FP8 P·V vs reference "
+                   f"cos={c:.6f}")
+    assert c >= 0.9999 and not torch.equal(out, fp4_out)
+    with pytest.raises(ValueError, match="pv_precision"):
+        fp4.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), pv_precision="bf16")
+
+
+def test_fp8_pv_without_a_workspace_is_refused(fp4, monkeypatch):  # noqa: F811
+    _pv8_or_skip()
+    from sageattn3 import _attn
+
+    monkeypatch.setenv(_attn.WORKSPACE_ENV, "0")  # the bounded-memory mode: no FP8 P·V kernel
+    q = torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="delta_s workspace"):
+        fp4.sageattn3_blackwell(q, q, q, pv_precision="fp8")
+
+
 def test_figures(capsys):
     with capsys.disabled():
         for f in FIGURES:

@@ -177,11 +177,12 @@ class Kernel:
         self.calls = []
 
     def __call__(self, q, k, v, is_causal, per_block_mean, sm_scale=None, qk_rotation=ref.QK_ROTATION_DEFAULT,
-                 qk_balance=ref.QK_BALANCE_DEFAULT, qk_scale_search=False, qk_precision="fp4", choice=None):
+                 qk_balance=ref.QK_BALANCE_DEFAULT, qk_scale_search=False, qk_precision="fp4", choice=None,
+                 pv_precision="fp4"):
         self.calls.append((tuple(q.shape), tuple(k.shape), q.dtype, is_causal, per_block_mean))
         out = ref.sageattn3(q, k, v, is_causal=is_causal, per_block_mean=per_block_mean, sm_scale=sm_scale,
                             qk_rotation=qk_rotation, qk_balance=qk_balance, qk_scale_search=qk_scale_search,
-                            qk_precision=qk_precision)
+                            qk_precision=qk_precision, pv_precision=pv_precision)
         if self.corrupt is not None:
             out = self.corrupt(q, k, v, is_causal, out)
         return out.to(q.dtype)
