@@ -115,6 +115,11 @@ def ours_tma_bytes_qk8(d: int) -> int:
     return 128 * d + 128 * d // 2 + 128 * d // 32
 
 
+def _pv8(name: str) -> bool:
+    """An FP8 P·V instantiation (kPV8, pv_precision "fp8", opt-in): no budget model yet."""
+    return re.search(r"fp4_attn_fwd_kernelILi\d+ELb[01]ELb[01]ELb1E", name) is not None
+
+
 def _in_loop_residual(name: str) -> bool:
     """The instantiation that corrects delta_s in its loop (kInLoopResidual, the bounded-memory mode)."""
     return re.search(r"fp4_attn_fwd_kernelILi\d+ELb1E", name) is not None
@@ -136,7 +141,8 @@ def ours_budgets(cubin: Path, prepass_cubins: dict[str, Path], bounded: bool = T
     cubins = {**prepass_cubins, "attn/attn_launch.cu": cubin}
     pre = {d: prepass_costs(cubins, d, ref) for d in {_head_dim_of(n) for n in funcs} - {None}}
     out = []
-    kernels = [(name, instrs) for name, instrs in funcs.items() if _head_dim_of(name) is not None]
+    # the opt-in FP8 P·V instantiations are left out (their budget is not modelled yet)
+    kernels = [(name, instrs) for name, instrs in funcs.items() if _head_dim_of(name) is not None and not _pv8(name)]
     for name, instrs in sorted(kernels, key=lambda kv: (-_head_dim_of(kv[0]), _in_loop_residual(kv[0]), _qk8(kv[0]))):
         d = _head_dim_of(name)
         if _qk8(name):
