@@ -237,13 +237,16 @@ TARGET = {"rope_bias": 0.98, "q_outliers": 0.98, "k_outliers": 0.98, "k_sink": 0
 
 @pytest.mark.parametrize("case", list(TARGET))
 @pytest.mark.parametrize("causal", [False, True])
-def test_defaults_end_to_end(fp4, case, causal):  # noqa: F811
+@pytest.mark.parametrize("d,dtype", [(128, torch.bfloat16), (64, torch.bfloat16), (64, torch.float16)])
+def test_defaults_end_to_end(fp4, case, causal, d, dtype):  # noqa: F811
     """sageattn3_blackwell with the defaults (auto) on the hard cases: the same choice as the
     reference, its output (cos-sim >= 0.9999: the means are summed in another order), and the
     issue's targets against exact attention; fp4 and fp8 figures beside it."""
     from sageattn3 import reference as ref
 
-    q, k, v = ac.make(case, 1, 8, 2, 1000, 1000, 128, seed=21)
+    if dtype == torch.float16 and case not in ("qk_outliers", "qk_massive", "randn"):
+        pytest.skip("fp16: the shared-outlier cases and zero-mean data")
+    q, k, v = ac.make(case, 1, 8, 2, 1000, 1000, d, seed=21, dtype=dtype)
     qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
     exact = ref.exact_attention(q, k, v, is_causal=causal)
     out, choice = fp4.sageattn3_blackwell(qc, kc, vc, is_causal=causal, return_qk_choice=True)
@@ -254,7 +257,7 @@ def test_defaults_end_to_end(fp4, case, causal):  # noqa: F811
     for p in ("fp4", "fp8"):
         cos[p] = ac.cos_sim(fp4.sageattn3_blackwell(qc, kc, vc, is_causal=causal, qk_precision=p).float().cpu(), exact)
     c_ref = ac.cos_sim(out.float().cpu(), want)
-    fig = (f"{case} D=128 causal={causal}: vs exact fp4 {cos['fp4']:.4f} auto {cos['auto']:.4f} fp8 {cos['fp8']:.4f}; "
+    fig = (f"{case} D={d} {str(dtype)[6:]} causal={causal}: vs exact fp4 {cos['fp4']:.4f} auto {cos['auto']:.4f} fp8 {cos['fp8']:.4f}; "
            f"auto kernels vs reference {c_ref:.6f}; {choice.describe()}")
     FIGURES.append(fig)
     assert c_ref >= 0.9999, fig

@@ -76,9 +76,10 @@ void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T c
   SA3_CHECK(T, !rotate || D == 64 || D == 128, "sageattn3: mxfp8_smooth_quant rotates rows of head dim 64 or 128, got ",
             D);
   int row_exp = 0;
-  SA3_CHECK(T, row_scale > 0 && std::frexp(row_scale, &row_exp) == 0.5 && (row_scale == 1.0 || rotate == 2),
-            "sageattn3: mxfp8_smooth_quant's row_scale must be a power of two, and 1 unless rotate is 2, got ",
-            row_scale);
+  SA3_CHECK(T, row_scale > 0 && std::frexp(row_scale, &row_exp) == 0.5 && row_exp >= -30 && row_exp <= 30 &&
+                   (row_scale == 1.0 || rotate == 2),
+            "sageattn3: mxfp8_smooth_quant's row_scale must be a power of two from 2^-31 to 2^29, and 1 unless "
+            "rotate is 2, got ", row_scale);
   SA3_CHECK(T, codes.size(0) == B && codes.size(1) == H && codes.size(3) == D && Sp >= S &&
                    scales.numel() == B * H * Sp * (D / 32),
             "sageattn3: codes must be (B, H, Sp >= S, D) and scales (B, H, Sp, D/32) for x (", B, ", ", H, ", ", S,
