@@ -224,9 +224,10 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     with FP4 or MXFP8 operands (``sageattn3.reference.qk_fp4_error`` and ``AUTO_ERROR_LIMIT``: heads
     whose estimated output error from FP4 Q·Kᵀ is large, e.g. RoPE'd biased keys, near-one-hot rows,
     outlier channels; docs/accuracy-auto.md); where no head needs it the output is FP4's bit for
-    bit. "fp4": every head FP4 (the rule does not run); "fp8": every head FP8 (D 64/128). With
-    ``qk_rotation`` the rule estimates on the rotated rows and FP8 heads run on them. P·V stays
-    NVFP4. ``return_qk_choice=True`` (outside torch.compile) returns
+    bit. "fp4": every head FP4 (the rule does not run); "fp8": every head FP8 (D 64/128). FP8
+    heads always multiply rotated rows (rotated for them alone where ``qk_rotation`` is off:
+    outliers Q and K share then spread over every block); with ``qk_rotation`` the rule also
+    estimates on the rotated rows. P·V stays NVFP4. ``return_qk_choice=True`` (outside torch.compile) returns
     ``(out, QkChoice)``: which heads ran FP8 and the rule's estimates (``qk_choice``).
 
     Under ``torch.compile`` (``fullgraph=True`` works): the path is decided when tracing; the
