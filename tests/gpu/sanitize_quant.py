@@ -77,11 +77,17 @@ def main() -> int:
     return 1 if bad else 0
 
 
+def _on_cpu(pre):
+    """A copy of a Preprocessed with every tensor on the CPU (the reference's inputs)."""
+    import dataclasses
+
+    return dataclasses.replace(pre, **{f.name: getattr(pre, f.name).cpu() for f in dataclasses.fields(pre)
+                                       if isinstance(getattr(pre, f.name), torch.Tensor)})
+
+
 def _rule_kernel() -> int:
     """The "auto" rule (qk_rule_select: one launch, two with an option) on ragged shapes, plain,
     rotated, balanced and with the scale search, against the reference's estimate (rel 1e-3)."""
-    import dataclasses
-
     import sageattn3
     from sageattn3 import _kernels
     from sageattn3 import reference as ref
@@ -95,8 +101,7 @@ def _rule_kernel() -> int:
                 v = torch.randn(b, hk, sk, d, dtype=dtype, device="cuda")
                 pre = sageattn3.preprocess(q, k, v, **kw)
                 err, sel_q, sel_k = _kernels.qk_rule_select(q, k, v, pre, d ** -0.5, ref.AUTO_ERROR_LIMIT, False)
-                cpu = dataclasses.replace(pre, **{f.name: getattr(pre, f.name).cpu() for f in dataclasses.fields(pre)
-                                                  if isinstance(getattr(pre, f.name), torch.Tensor)})
+                cpu = _on_cpu(pre)
                 want = ref.qk_fp4_error(q.cpu(), k.cpu(), v.cpu(), cpu)
                 ok = bool((((err.cpu() - want).abs() / want.abs().clamp_min(1e-12)) < 1e-3).all())
                 ok = ok and torch.equal(sel_q.cpu().bool(), err.cpu() > ref.AUTO_ERROR_LIMIT)
@@ -110,8 +115,6 @@ def _mxfp8_kernels() -> int:
     """The FP8 Q·Kᵀ operands (mxfp8_smooth_quant_qk: rows rotated as the preprocessing did, or
     rotated there with the means) on ragged shapes, some heads skipped, against the reference's
     q8/k8 on the kernels' means (bit for bit on the selected heads)."""
-    import dataclasses
-
     import sageattn3
     from sageattn3 import _kernels
     from sageattn3 import reference as ref
@@ -127,8 +130,7 @@ def _mxfp8_kernels() -> int:
                 sel_q = (torch.arange(b * hq, device="cuda").view(b, hq) % 2 == 0).to(torch.uint8)
                 sel_k = torch.ones((b, hk), dtype=torch.uint8, device="cuda")
                 q8, q8s, k8, k8s = _kernels.mxfp8_smooth_quant_qk(q, k, pre, sel_q, sel_k, 128)
-                cpu = dataclasses.replace(pre, **{f.name: getattr(pre, f.name).cpu() for f in dataclasses.fields(pre)
-                                                  if isinstance(getattr(pre, f.name), torch.Tensor)})
+                cpu = _on_cpu(pre)
                 want = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), qk_precision="fp8", mean_q=cpu.mean_q,
                                       mean_k=cpu.mean_k, mean_q_global=cpu.mean_q_global, balance=cpu.balance, **kw)
                 sel = sel_q.bool().cpu()

@@ -53,24 +53,33 @@ def test_mxfp8_quantization_is_bit_exact(fp4, dtype, balance, d):  # noqa: F811
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("balance", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_rotated_mxfp8_quantization_is_bit_exact(fp4, dtype, balance, d):  # noqa: F811
-    """With the rotation: the balanced rows rotated, then the (rotated) mean subtracted, then
-    MXFP8, bit for bit against the reference on the kernels' own means (ragged lengths, GQA,
-    three mean rows of Q; padding rows zero codes and scale byte 1); the paired op the same."""
+@pytest.mark.parametrize("pre_rotated", [True, False])
+def test_rotated_mxfp8_quantization_is_bit_exact(fp4, dtype, balance, d, pre_rotated):  # noqa: F811
+    """FP8 Q·Kᵀ's rows, rotated, bit for bit against the reference on the kernels' own means
+    (ragged lengths, GQA, three mean rows of Q; padding rows zero codes and scale byte 1); the
+    paired op the same; bad arguments refused.
+    - pre_rotated (qk_rotation): the balanced rows rotated, then the (rotated) mean subtracted
+      (rotate=1);
+    - not (the defaults): rotate=2 rotates the (unrotated) means in the kernel too, and Q's rows
+      are then times 64/D (``reference.fp8_rows``)."""
     from sageattn3 import _kernels, reference as ref
 
     q, k, v = ac.make("qk_massive", 2, 4, 2, 300, 200, d, seed=7, dtype=dtype)
     qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
-    pre = fp4.preprocess(qc, kc, vc, qk_rotation=True, qk_balance=balance)
-    assert pre.qk_rotation and (pre.balance is not None) == balance
+    pre = fp4.preprocess(qc, kc, vc, qk_rotation=pre_rotated, qk_balance=balance)
+    assert pre.qk_rotation == pre_rotated and (pre.balance is not None) == balance
     sel_q = torch.tensor([[1, 1, 0, 1], [1, 0, 1, 1]], dtype=torch.uint8, device="cuda")
-    q8, q8s = _kernels.mxfp8_smooth_quant(qc, pre.mean_q, pre.balance, -1, sel_q, 128, rotate=True)
-    k8, k8s = _kernels.mxfp8_smooth_quant(kc, pre.mean_k, pre.balance, 1, None, 128, rotate=True)
+    mode = {"rotate": 1} if pre_rotated else {"rotate": 2, "row_scale": 64.0 / d}
+    q8, q8s = _kernels.mxfp8_smooth_quant(qc, pre.mean_q, pre.balance, -1, sel_q, 128, **mode)
+    k8, k8s = _kernels.mxfp8_smooth_quant(kc, pre.mean_k, pre.balance, 1, None, 128, rotate=mode["rotate"])
     bal = None if pre.balance is None else pre.balance.cpu()
     cq = 1.0 if bal is None else ref.expand_kv(torch.exp2(-bal), 4)
     ck = 1.0 if bal is None else torch.exp2(bal)
-    qs = ref.smooth_q(ref.rotate(q.float() * cq), pre.mean_q.cpu())
-    ks = ref.rotate(k.float() * ck) - pre.mean_k.cpu()
+    if pre_rotated:
+        qs = ref.smooth_q(ref.rotate(q.float() * cq), pre.mean_q.cpu())
+        ks = ref.rotate(k.float() * ck) - pre.mean_k.cpu()
+    else:
+        qs, ks = ref.fp8_rows(q.float() * cq, pre.mean_q.cpu(), k.float() * ck, pre.mean_k.cpu())
     wq, wqs = ref.quantize_mxfp8_rows(ref.pad_dim(qs, -2, 128))
     wk, wks = ref.quantize_mxfp8_rows(ref.pad_dim(ks, -2, 128))
     sel = sel_q.bool().cpu()
@@ -79,47 +88,12 @@ def test_rotated_mxfp8_quantization_is_bit_exact(fp4, dtype, balance, d):  # noq
     assert torch.equal(k8.view(torch.uint8).cpu(), wk.view(torch.uint8)) and torch.equal(k8s.cpu(), wks)
     assert int(k8s[:, :, 200:].min()) == int(k8s[:, :, 200:].max()) == 1  # padding rows
     ones_q, ones_k = torch.ones_like(sel_q), torch.ones((2, 2), dtype=torch.uint8, device="cuda")
-    pq, pqs, pk, pks = _kernels.mxfp8_smooth_quant_qk(qc, kc, pre, ones_q, ones_k, 128)  # rotated, as pre is
+    pq, pqs, pk, pks = _kernels.mxfp8_smooth_quant_qk(qc, kc, pre, ones_q, ones_k, 128)  # rotate 1 or 2, as pre is
     assert torch.equal(pq.cpu(), wq.view(torch.uint8)) and torch.equal(pk.cpu(), wk.view(torch.uint8))
     assert torch.equal(pqs.cpu(), wqs) and torch.equal(pks.cpu(), wks)
     with pytest.raises(RuntimeError, match="rotates rows of head dim 64 or 128"):
         x = torch.zeros(1, 1, 64, 96, dtype=dtype, device="cuda")
         _kernels.mxfp8_smooth_quant(x, torch.zeros(1, 1, 1, 96, device="cuda"), None, 1, None, 128, rotate=True)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("balance", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
-def test_fp8_rows_rotated_here_are_bit_exact(fp4, dtype, balance, d):  # noqa: F811
-    """Without the preprocessing's rotation (the defaults), FP8 Q·Kᵀ still multiplies rotated
-    rows: rotate=2 rotates the (unrotated) means in the kernel too, and Q's rows are then times
-    64/D. Bit for bit against ``reference.fp8_rows`` on the kernels' own means (ragged lengths,
-    GQA, three mean rows of Q, padding rows zero codes and byte 1); the paired op the same where
-    ``pre`` is unrotated; bad arguments refused."""
-    from sageattn3 import _kernels, reference as ref
-
-    q, k, v = ac.make("qk_massive", 2, 4, 2, 300, 200, d, seed=7, dtype=dtype)
-    qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
-    pre = fp4.preprocess(qc, kc, vc, qk_balance=balance)
-    assert not pre.qk_rotation and (pre.balance is not None) == balance
-    sel_q = torch.tensor([[1, 1, 0, 1], [1, 0, 1, 1]], dtype=torch.uint8, device="cuda")
-    q8, q8s = _kernels.mxfp8_smooth_quant(qc, pre.mean_q, pre.balance, -1, sel_q, 128, rotate=2, row_scale=64.0 / d)
-    k8, k8s = _kernels.mxfp8_smooth_quant(kc, pre.mean_k, pre.balance, 1, None, 128, rotate=2)
-    bal = None if pre.balance is None else pre.balance.cpu()
-    cq = 1.0 if bal is None else ref.expand_kv(torch.exp2(-bal), 4)
-    ck = 1.0 if bal is None else torch.exp2(bal)
-    qs, ks = ref.fp8_rows(q.float() * cq, pre.mean_q.cpu(), k.float() * ck, pre.mean_k.cpu())
-    wq, wqs = ref.quantize_mxfp8_rows(ref.pad_dim(qs, -2, 128))
-    wk, wks = ref.quantize_mxfp8_rows(ref.pad_dim(ks, -2, 128))
-    sel = sel_q.bool().cpu()
-    assert torch.equal(q8.view(torch.uint8).cpu()[sel], wq.view(torch.uint8)[sel])
-    assert torch.equal(q8s.cpu()[sel], wqs[sel])
-    assert torch.equal(k8.view(torch.uint8).cpu(), wk.view(torch.uint8)) and torch.equal(k8s.cpu(), wks)
-    assert int(k8s[:, :, 200:].min()) == int(k8s[:, :, 200:].max()) == 1  # padding rows
-    ones_q, ones_k = torch.ones_like(sel_q), torch.ones((2, 2), dtype=torch.uint8, device="cuda")
-    pq, pqs, pk, pks = _kernels.mxfp8_smooth_quant_qk(qc, kc, pre, ones_q, ones_k, 128)
-    assert torch.equal(pq.cpu(), wq.view(torch.uint8)) and torch.equal(pk.cpu(), wk.view(torch.uint8))
-    assert torch.equal(pqs.cpu(), wqs) and torch.equal(pks.cpu(), wks)
     for bad, match in (({"rotate": 3}, "rotate must be 0, 1 or 2"), ({"rotate": 2, "row_scale": 0.3}, "power of two"),
                        ({"rotate": 1, "row_scale": 0.5}, "1 unless rotate is 2")):
         with pytest.raises(RuntimeError, match=match):
