@@ -12,9 +12,11 @@ one query head per kv head).
   default) or 'fp8', wherever the FP8 path can run (no Q/K rotation, D 64/128, the delta_s
   workspace holds a row). One CTA of 8 warps per sampled 128-row Q block (``kSampled`` per head at
   most) and head; its loop goes over the sampled keys ``kChunk`` at a time.
-- MXFP8 (``mxfp8_kernel<bf16>``, ``quant/quant_mxfp8.cu``): the FP8 heads' Q and K rows, a thread
-  per 32 values; one iteration of its grid-stride loop (8 warps) quantizes 256 x 32 / D rows. The
-  loop without the balance exponents is counted (qk_balance is off by default).
+- MXFP8 (``mxfp8_rotated_kernel<bf16, D>``, ``quant/quant_mxfp8.cu``): the FP8 heads' Q and K
+  rows, rotated (FP8 Q·Kᵀ always multiplies rotated rows; without qk_rotation the kernel also
+  rotates the means), a lane per 16 values; one iteration of its grid-stride loop (8 warps)
+  quantizes 8 x 512 / D rows. The loop without the balance exponents is counted (qk_balance is
+  off by default).
 
 Counting: the main loop's instructions per iteration and any other named loop's, each times its
 trip count, plus the rest of the function up to its last EXIT once per CTA (loops in that rest
@@ -112,7 +114,7 @@ def _mxfp8_rows(ref: Ref) -> float:
 
 
 def _mxfp8_per_tile(d: int, ref: Ref) -> tuple[float, ...]:
-    return 0.0, _mxfp8_rows(ref) * (d // 32) / (WARPS * 32)
+    return 0.0, _mxfp8_rows(ref) * (d // 16) / (WARPS * 32)
 
 
 def _mxfp8_dram(d: int, ref: Ref) -> float:
@@ -130,9 +132,9 @@ PREPASSES = {
         (Loop(r"chunk_scores<D>\(sm, warp, g, t\);"),),
         "key loop (kChunk sampled keys x 16 sampled query rows)", _rule_per_tile, _rule_dram),
     "MXFP8": PrePass(
-        "MXFP8", "quant/quant_mxfp8.cu", "quant/quant_mxfp8.cu", r"mxfp8_kernelINS_6bf16_tEE",
-        (Loop(r"\*sf = static_cast<uint8_t>\(b\);", without=r"ldexpf\(1\.f, a\.balance_sign"),),
-        "grid-stride loop (256 blocks of 32 values)", _mxfp8_per_tile, _mxfp8_dram,
+        "MXFP8", "quant/quant_mxfp8.cu", "quant/quant_mxfp8.cu", r"mxfp8_rotated_kernelINS_6bf16_tELi{d}E",
+        (Loop(r"e4m3_codes16\(v, inv\);", without=r"ldexpf\(1\.f, a\.balance_sign"),),
+        "grid-stride loop (256 lanes x 16 values)", _mxfp8_per_tile, _mxfp8_dram,
         rest_note="the code outside its loop, once per CTA, not counted (its CTAs per head follow the SM "
                   "count and the number of heads: about 1 warp-instruction per tile)"),
 }

@@ -129,6 +129,10 @@ struct Mxfp8Args {
   uint8_t* codes;
   uint8_t* scales;
   bool rotate;  // the rows rotated (D 64/128) after the balance, before the (rotated) mean
+  // with rotate: the mean rows are unrotated and rotated here, the same butterflies as the rows
+  // (reference.fp8_rows); else they come rotated already
+  bool rotate_mean = false;
+  float row_scale = 1.f;  // a power of two every row is multiplied by after the mean (1: none; rotate_mean only)
 };
 int smooth_quant_mxfp8(const Mxfp8Args& args, cudaStream_t stream);
 

@@ -241,12 +241,14 @@ def attention_qk8(pre, head_sel: torch.Tensor, q8: torch.Tensor, q8_scales: torc
                   out_dtype: torch.dtype = torch.bfloat16, workspace_limit: int | None = None) -> torch.Tensor:
     """The attention with the per-head Q·Kᵀ precision, on a ``reference.Preprocessed`` straight from
     the preprocessing kernels (pad=128): head_sel (B, Hq) bool/uint8, 1 where the
-    head's Q·Kᵀ runs in FP8 from q8/k8 (MXFP8 of the same smoothed rows, ``_kernels.mxfp8_smooth_quant``;
-    only the selected heads' rows, and the kv heads any selected q head reads, need be filled).
-    Two launches, each skipping the other's heads on the device; one where head_sel is all
-    zeros is FP4's output bit for bit. With the rotation (``pre.qk_rotation``), q8/k8 are MXFP8 of
-    the rotated rows (``mxfp8_smooth_quant(..., rotate=True)``) and the softmax scale is divided
-    by D/64, as for FP4. ``workspace_limit``: ``delta_s_workspace``'s ``limit``."""
+    head's Q·Kᵀ runs in FP8 from q8/k8 (MXFP8 of the same smoothed rows, rotated:
+    ``_kernels.mxfp8_smooth_quant_qk``; only the selected heads' rows, and the kv heads any
+    selected q head reads, need be filled). Two launches, each skipping the other's heads on the
+    device; one where head_sel is all zeros is FP4's output bit for bit. With the rotation
+    (``pre.qk_rotation``) q8/k8 are MXFP8 of the rows the preprocessing rotated and the softmax
+    scale is divided by D/64, as for FP4; without it q8 carries the 64/D itself
+    (``reference.fp8_rows``) and the scale is the plain one. ``workspace_limit``:
+    ``delta_s_workspace``'s ``limit``."""
     q = pre.q_packed
     d = 2 * q.shape[3]
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)

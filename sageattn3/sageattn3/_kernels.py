@@ -316,22 +316,24 @@ def preprocess_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: int, 
 
 
 def mxfp8_smooth_quant(x: torch.Tensor, mean: torch.Tensor, balance: torch.Tensor | None, balance_sign: int,
-                       sel: torch.Tensor | None, seq_pad: int, rotate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       sel: torch.Tensor | None, seq_pad: int, rotate: int = 0,
+                       row_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 of x's smoothed rows for the FP8 Q·Kᵀ path (``reference.quantize_mxfp8_rows`` of x ·
     2^(balance_sign · balance) - mean, bit for bit): x (B, H, S, D) contiguous and aligned, mean
     (B, H, 1 or ceil(S/128), D) fp32, balance (B, Hkv, 1, D) exponents or None, sel (B, H) uint8
     or None (heads whose byte is 0 are skipped: their rows stay uninitialised); ``rotate`` (D 64/128):
-    the balanced rows rotated before the mean (rotated already) is subtracted, as
-    ``reference.preprocess(..., qk_rotation=True, qk_precision="fp8", qk_fp8_rotated=True)`` makes
-    them. Returns codes (B, H, Sp, D) float8_e4m3fn and scales (B, H, Sp, D/32) uint8, Sp = S
-    rounded up to seq_pad."""
+    1 (or True): the balanced rows rotated before the mean (rotated already) is subtracted, as
+    ``reference.preprocess(..., qk_rotation=True, qk_precision="fp8")`` makes them; 2: the mean
+    (unrotated) rotated here too, and the rows then times ``row_scale`` (a power of two: 64/D for
+    Q, 1 for K), as ``reference.fp8_rows`` makes them. Returns codes (B, H, Sp, D) float8_e4m3fn
+    and scales (B, H, Sp, D/32) uint8, Sp = S rounded up to seq_pad."""
     b, h, s, d = x.shape
     sp = -(-s // seq_pad) * seq_pad
     codes = torch.empty((b, h, sp, d), dtype=torch.uint8, device=x.device)
     scales = torch.empty((b, h, sp, d // 32), dtype=torch.uint8, device=x.device)
     op("mxfp8_smooth_quant")(x, aligned(mean), _none(x.device, 8) if balance is None else aligned(balance),
                               int(balance_sign), _none(x.device, 9) if sel is None else sel.contiguous(), codes, scales,
-                              bool(rotate))
+                              int(rotate), float(row_scale))
     return codes.view(torch.float8_e4m3fn), scales
 
 
@@ -380,12 +382,14 @@ def mxfp8_smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, pre, sel_q: torch.Te
                           seq_pad: int) -> tuple[torch.Tensor, ...]:
     """Both MXFP8 operands of the per-head FP8 Q·Kᵀ (``mxfp8_smooth_quant`` of Q with sel_q and of K
     with sel_k, balance signs -1 and +1) from one op that allocates them: (q8, q8_scales, k8,
-    k8_scales), codes uint8 (B, H, Sp, D), scales uint8 (B, H, Sp, D/32); rotated where ``pre`` is.
-    q and k contiguous and 16-byte aligned, ``pre`` straight from the preprocessing kernels, as
-    ``qk_rule_select`` takes them."""
+    k8_scales), codes uint8 (B, H, Sp, D), scales uint8 (B, H, Sp, D/32); always of rotated rows:
+    rotated as ``pre`` is, or, where ``pre`` is not, rotated here with Q's rows times 64/D
+    (``reference.fp8_rows``: the scores stay in the unrotated units). q and k contiguous and
+    16-byte aligned, ``pre`` straight from the preprocessing kernels, as ``qk_rule_select`` takes
+    them."""
     bal = _none(q.device, 8) if pre.balance is None else pre.balance
     return op("mxfp8_smooth_quant_qk")(q, k, pre.mean_q, pre.mean_k, bal, sel_q, sel_k, int(seq_pad),
-                                       bool(pre.qk_rotation))
+                                       1 if pre.qk_rotation else 2)
 
 
 def _preprocess_qkv_fake(q, k, v, pad, per_block_mean, rotate, balance, search):

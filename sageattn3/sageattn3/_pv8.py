@@ -69,6 +69,7 @@ def attention_pv8(pre, v8: torch.Tensor, v8_scales: torch.Tensor, *, head_sel: t
     (``_attn.fp8_workspace_fits``)."""
     q = pre.q_packed
     d = 2 * q.shape[3]
+    v8, v8_scales = v8.contiguous(), v8_scales.contiguous()  # the reference's codes are a transposed view
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
     if pre.qk_rotation:
         scale *= 64.0 / d  # rotate(q) . rotate(k) = (D/64) q . k (exact: a power of two)

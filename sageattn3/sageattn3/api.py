@@ -225,8 +225,10 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     with FP4 or MXFP8 operands (``sageattn3.reference.qk_fp4_error`` and ``AUTO_ERROR_LIMIT``: heads
     whose estimated output error from FP4 Q·Kᵀ is large, e.g. RoPE'd biased keys, near-one-hot rows,
     outlier channels; docs/accuracy-auto.md); where no head needs it the output is FP4's bit for
-    bit. "fp4": every head FP4 (the rule does not run); "fp8": every head FP8 (D 64/128). With
-    ``qk_rotation`` the rule estimates on the rotated rows and FP8 heads run on them.
+    bit. "fp4": every head FP4 (the rule does not run); "fp8": every head FP8 (D 64/128). FP8
+    heads always multiply rotated rows (rotated for them alone where ``qk_rotation`` is off:
+    outliers Q and K share then spread over every block); with ``qk_rotation`` the rule also
+    estimates on the rotated rows.
     ``pv_precision``: "fp4" (the default) NVFP4 P·V; "fp8" (opt-in) P and V in MXFP8
     (``sageattn3.reference.sageattn3(..., pv_precision="fp8")``), with FP4 or FP8 Q·Kᵀ per
     ``qk_precision``; it needs the delta_s workspace with per-block Q means (ValueError where

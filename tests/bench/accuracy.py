@@ -14,7 +14,8 @@ computed in float64 from the bf16 inputs):
 - "auto (default)": ``sageattn3.reference.sageattn3`` with this package's defaults: the per-head
   Q·Kᵀ precision (qk_precision="auto": FP8 Q·Kᵀ for the heads the rule picks, FP4 elsewhere;
   docs/accuracy-auto.md), delta_s = delta_key + r · K̂ᵀ (K̂ the quantized K plus its quantization
-  residual), no balance, no rotation, plain scales;
+  residual), no balance, no rotation of the FP4 heads (the FP8 heads multiply rotated rows:
+  ``sageattn3.reference.fp8_rows``), plain scales;
 - "FP4 Q·Kᵀ": the same with qk_precision="fp4" (every head FP4: the defaults before "auto");
   "FP4 + balance": that with qk_balance=True (the Q/K channel balance); "auto + balance +
   rotation": the defaults ("auto") with qk_balance=True and qk_rotation=True (balanced, then

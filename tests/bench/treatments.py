@@ -8,8 +8,9 @@ for, alone and combined:
 
 Columns (every head of a call treated alike; the options on top of the defaults, as a caller
 passing them gets them):
-- "default": ``sageattn3`` as called with no option (qk_precision="auto": FP8 Q·Kᵀ where the
-  rule picks it), and its FP8 heads;
+- "default": ``sageattn3`` as called with no option (qk_precision="auto": FP8 Q·Kᵀ on rotated
+  rows where the rule picks it), and its FP8 heads (FP8 Q·Kᵀ in the columns below is on rotated
+  rows too, unlike the chooser's set Q, which stays unrotated: ``treatment_kwargs``);
 - "FP4": every head FP4 (qk_precision="fp4", today's kernels without "auto");
 - "+ balance", "+ rotation", "+ scale search": the defaults plus that option alone (the rule
   runs on the rows the options make, and the defaults' rows are a floor);

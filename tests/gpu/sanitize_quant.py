@@ -71,16 +71,23 @@ def main() -> int:
             bad += not ok
             print(f"smooth_quant_qk {str(dtype):15s} {(gq, sq, gk, sk, d)}: {'ok' if ok else 'MISMATCH'}")
     bad += _rule_kernel()
+    bad += _mxfp8_kernels()
     torch.cuda.synchronize()
     print("sanitize_quant:", "all ok" if not bad else f"{bad} mismatches")
     return 1 if bad else 0
 
 
+def _on_cpu(pre):
+    """A copy of a Preprocessed with every tensor on the CPU (the reference's inputs)."""
+    import dataclasses
+
+    return dataclasses.replace(pre, **{f.name: getattr(pre, f.name).cpu() for f in dataclasses.fields(pre)
+                                       if isinstance(getattr(pre, f.name), torch.Tensor)})
+
+
 def _rule_kernel() -> int:
     """The "auto" rule (qk_rule_select: one launch, two with an option) on ragged shapes, plain,
     rotated, balanced and with the scale search, against the reference's estimate (rel 1e-3)."""
-    import dataclasses
-
     import sageattn3
     from sageattn3 import _kernels
     from sageattn3 import reference as ref
@@ -94,13 +101,44 @@ def _rule_kernel() -> int:
                 v = torch.randn(b, hk, sk, d, dtype=dtype, device="cuda")
                 pre = sageattn3.preprocess(q, k, v, **kw)
                 err, sel_q, sel_k = _kernels.qk_rule_select(q, k, v, pre, d ** -0.5, ref.AUTO_ERROR_LIMIT, False)
-                cpu = dataclasses.replace(pre, **{f.name: getattr(pre, f.name).cpu() for f in dataclasses.fields(pre)
-                                                  if isinstance(getattr(pre, f.name), torch.Tensor)})
+                cpu = _on_cpu(pre)
                 want = ref.qk_fp4_error(q.cpu(), k.cpu(), v.cpu(), cpu)
                 ok = bool((((err.cpu() - want).abs() / want.abs().clamp_min(1e-12)) < 1e-3).all())
                 ok = ok and torch.equal(sel_q.cpu().bool(), err.cpu() > ref.AUTO_ERROR_LIMIT)
                 bad += not ok
                 print(f"qk_rule_select {str(dtype):15s} {(b, hq, hk, sq, sk, d)} {sorted(kw)}: "
+                      f"{'ok' if ok else 'MISMATCH'}")
+    return bad
+
+
+def _mxfp8_kernels() -> int:
+    """The FP8 Q·Kᵀ operands (mxfp8_smooth_quant_qk: rows rotated as the preprocessing did, or
+    rotated there with the means) on ragged shapes, some heads skipped, against the reference's
+    q8/k8 on the kernels' means (bit for bit on the selected heads)."""
+    import sageattn3
+    from sageattn3 import _kernels
+    from sageattn3 import reference as ref
+
+    bad = 0
+    for dtype in (torch.bfloat16, torch.float16):
+        for (b, hq, hk, sq, sk, d) in [(1, 2, 1, 1, 1, 64), (1, 4, 2, 130, 17, 128), (2, 2, 1, 1100, 300, 64)]:
+            for kw in ({}, {"qk_rotation": True}, {"qk_balance": True}):
+                q = torch.randn(b, hq, sq, d, dtype=dtype, device="cuda") * 3
+                k = torch.randn(b, hk, sk, d, dtype=dtype, device="cuda") + 1
+                v = torch.randn(b, hk, sk, d, dtype=dtype, device="cuda")
+                pre = sageattn3.preprocess(q, k, v, **kw)
+                sel_q = (torch.arange(b * hq, device="cuda").view(b, hq) % 2 == 0).to(torch.uint8)
+                sel_k = torch.ones((b, hk), dtype=torch.uint8, device="cuda")
+                q8, q8s, k8, k8s = _kernels.mxfp8_smooth_quant_qk(q, k, pre, sel_q, sel_k, 128)
+                cpu = _on_cpu(pre)
+                want = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), qk_precision="fp8", mean_q=cpu.mean_q,
+                                      mean_k=cpu.mean_k, mean_q_global=cpu.mean_q_global, balance=cpu.balance, **kw)
+                sel = sel_q.bool().cpu()
+                ok = torch.equal(q8.cpu()[sel], want.q8.view(torch.uint8)[sel]) and torch.equal(q8s.cpu()[sel],
+                                                                                                want.q8_scales[sel])
+                ok = ok and torch.equal(k8.cpu(), want.k8.view(torch.uint8)) and torch.equal(k8s.cpu(), want.k8_scales)
+                bad += not ok
+                print(f"mxfp8_smooth_quant_qk {str(dtype):15s} {(b, hq, hk, sq, sk, d)} {sorted(kw)}: "
                       f"{'ok' if ok else 'MISMATCH'}")
     return bad
 

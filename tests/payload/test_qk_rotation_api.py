@@ -50,7 +50,11 @@ def test_keyword_reaches_the_fp4_path(monkeypatch):
         # same, so bal == plain: the balance shows in FP4 Q·Kᵀ)
         assert not torch.equal(ref.sageattn3(q, k, v, qk_balance=True, qk_precision="fp4"),
                                ref.sageattn3(q, k, v, qk_precision="fp4"))
-        assert not torch.equal(plain, rotated)
+        # (with "auto" every head is FP8 on rotated rows here, with or without qk_rotation: the
+        # keyword shows in `seen`, and in FP4 Q·Kᵀ)
+        assert torch.equal(plain, ref.sageattn3(q, k, v).to(q.dtype))
+        assert not torch.equal(ref.sageattn3(q, k, v, qk_rotation=True, qk_precision="fp4"),
+                               ref.sageattn3(q, k, v, qk_precision="fp4"))
         # the scale search: the keyword, else the module default, reaches the FP4 path as a bool
         both = sageattn3.sageattn3_blackwell(q, k, v, qk_balance=True, qk_rotation=True, qk_scale_search=True)
         assert torch.equal(both, ref.sageattn3(q, k, v, qk_balance=True, qk_rotation=True,

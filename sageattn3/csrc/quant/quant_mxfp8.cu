@@ -15,7 +15,10 @@
 // With the rotation (rotate, D 64/128; reference.preprocess with qk_fp8_rotated): the row is
 // balanced, then rotated (preprocess/rotation.cuh, as the NVFP4 smoothing rotates it), then the
 // mean (balanced and rotated already, as the preprocessing wrote it) is subtracted on real rows;
-// padding rows stay zeros. A row's D/16 16-value blocks sit in consecutive lanes (the rotation's
+// padding rows stay zeros. Without the preprocessing's rotation (rotate_mean;
+// reference.fp8_rows) the mean row is unrotated and rotated here by the same butterflies, and
+// Q's rows are then multiplied by 64/D (row_scale, exact) to keep Q8 . K8^T in the unrotated
+// units. A row's D/16 16-value blocks sit in consecutive lanes (the rotation's
 // layout), a warp takes 32 / (D/16) rows at a time, and the two lanes of a 32-value block share
 // its amax (and whether it holds a NaN) through one shuffle.
 #include <cuda_fp8.h>
@@ -91,9 +94,9 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(Mxfp8Args a) {
   }
 }
 
-template <typename T, int kBpr>
+template <typename T, int kD>
 __global__ void __launch_bounds__(kThreads) mxfp8_rotated_kernel(Mxfp8Args a) {
-  constexpr int kD = 16 * kBpr, kRows = 32 / kBpr, kWarps = kThreads / 32;
+  constexpr int kBpr = kD / 16, kRows = 32 / kBpr, kWarps = kThreads / 32;
   const int64_t h = blockIdx.x;
   if (a.sel != nullptr && a.sel[h] == 0) return;
   const int lane = threadIdx.x & 31, cb = lane % kBpr;
@@ -117,14 +120,23 @@ __global__ void __launch_bounds__(kThreads) mxfp8_rotated_kernel(Mxfp8Args a) {
       for (int j = 0; j < 16; ++j) v[j] = 0.f;
     }
     rotate_block<kBpr>(v, cb);
+    float mean[16];
+    if (real) {
+      const int64_t m = a.mean_rows > 1 ? row / 128 : 0;
+      const float* mp = a.mean + (h * a.mean_rows + m) * kD + cb * 16;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) mean[j] = mp[j];
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) mean[j] = 0.f;
+    }
+    if (a.rotate_mean) rotate_block<kBpr>(mean, cb);  // warp-uniform: every lane shuffles
     float amax = 0.f;
     bool nan = false;
     if (real) {
-      const int64_t m = a.mean_rows > 1 ? row / 128 : 0;
-      const float* mean = a.mean + (h * a.mean_rows + m) * kD + cb * 16;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        v[j] = __fsub_rn(v[j], mean[j]);
+        v[j] = __fmul_rn(__fsub_rn(v[j], mean[j]), a.row_scale);
         amax = fmaxf(amax, fabsf(v[j]));
         nan |= v[j] != v[j];
       }
@@ -153,8 +165,8 @@ int launch(const Mxfp8Args& a, cudaStream_t stream) {
     const int rows = a.D == 64 ? 8 : 4;  // per warp
     const int64_t gy = std::min<int64_t>({ceil_div(ceil_div(a.Sp, rows), kThreads / 32), per_head, 65535});
     const dim3 grid(static_cast<unsigned>(a.H), static_cast<unsigned>(gy));
-    if (a.D == 64) mxfp8_rotated_kernel<T, 4><<<grid, kThreads, 0, stream>>>(a);
-    else mxfp8_rotated_kernel<T, 8><<<grid, kThreads, 0, stream>>>(a);
+    if (a.D == 64) mxfp8_rotated_kernel<T, 64><<<grid, kThreads, 0, stream>>>(a);
+    else mxfp8_rotated_kernel<T, 128><<<grid, kThreads, 0, stream>>>(a);
     return cudaGetLastError();
   }
   const int64_t gy = std::min<int64_t>({ceil_div(n, static_cast<int64_t>(kThreads)), per_head, 65535});
@@ -166,7 +178,8 @@ int launch(const Mxfp8Args& a, cudaStream_t stream) {
 
 int smooth_quant_mxfp8(const Mxfp8Args& a, cudaStream_t stream) {
   if (a.D <= 0 || a.D % 32 || a.S < 1 || a.Sp < a.S || a.H < 1 || a.mean_rows < 1 || a.rep < 1 ||
-      (a.mean_rows > 1 && a.mean_rows * 128 < a.S) || (a.rotate && !rotation_applies(static_cast<int>(a.D))))
+      (a.mean_rows > 1 && a.mean_rows * 128 < a.S) || (a.rotate && !rotation_applies(static_cast<int>(a.D))) ||
+      (!a.rotate && a.rotate_mean) || (a.row_scale != 1.f && !a.rotate_mean) || !(a.row_scale > 0.f))
     return cudaErrorInvalidValue;
   switch (a.dtype) {
     case DType::kFloat16: return launch<f16_t>(a, stream);

@@ -63,13 +63,13 @@
                           "Tensor(a!) out, Tensor head_sel, Tensor q8, Tensor q8_sf, Tensor k8, Tensor k8_sf, "     \
                           "Tensor v8, Tensor v8_sf, int seq_q, int seq_k, float sm_scale, bool causal) -> ()")      \
   X(mxfp8_smooth_quant, "mxfp8_smooth_quant(Tensor x, Tensor mean, Tensor balance, int balance_sign, Tensor sel, "  \
-                        "Tensor(a!) codes, Tensor(b!) scales, bool rotate) -> ()")                               \
+                        "Tensor(a!) codes, Tensor(b!) scales, int rotate, float row_scale) -> ()")               \
   X(qk_rule_error, "qk_rule_error(Tensor q, Tensor k, Tensor v, Tensor q_packed, Tensor q_scales, "              \
                    "Tensor k_packed, Tensor k_scales, Tensor mean_q, Tensor mean_k, Tensor balance, "            \
                    "float sm_scale, bool rotate, bool floor, Tensor(a!) partial, Tensor(b!) counter, "            \
                    "Tensor(c!) error) -> ()")                                                                     \
   X(mxfp8_smooth_quant_qk, "mxfp8_smooth_quant_qk(Tensor q, Tensor k, Tensor mean_q, Tensor mean_k, "              \
-                           "Tensor balance, Tensor sel_q, Tensor sel_k, int seq_pad, bool rotate) -> (Tensor, "  \
+                           "Tensor balance, Tensor sel_q, Tensor sel_k, int seq_pad, int rotate) -> (Tensor, "  \
                            "Tensor, Tensor, Tensor)")                                                            \
   X(qk_rule_select, "qk_rule_select(Tensor q, Tensor k, Tensor v, Tensor q_packed, Tensor q_scales, "               \
                     "Tensor k_packed, Tensor k_scales, Tensor mean_q, Tensor mean_k, Tensor balance, "              \

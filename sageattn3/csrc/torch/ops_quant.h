@@ -3,6 +3,7 @@
 // and V's MXFP8 for the FP8 P.V path (csrc/quant/quant_mxfp8_cols.cu).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <tuple>
 
@@ -86,9 +87,12 @@ void quant_mxfp8_cols(T x, T codes, T scales) {
 // mxfp8_smooth_quant(x, mean, balance, balance_sign, sel, codes!, scales!, rotate): x (B, H, S, D),
 // mean (B, H, 1 or ceil(S/128), D) fp32, balance (B, Hb, 1, D) fp32 exponents or empty (H a
 // multiple of Hb), sel (B, H) bytes or empty; codes (B, H, Sp, D), scales (B, H, Sp, D/32) bytes;
-// rotate: the rows rotated before the mean, D 64/128 (sageattn3.h, smooth_quant_mxfp8).
+// rotate: 0 none; 1 the rows rotated before the mean, which comes rotated; 2 the mean rotated here
+// too (D 64/128 with 1 or 2); row_scale: a power of two the rows are multiplied by after the mean,
+// 1 unless rotate is 2 (sageattn3.h, smooth_quant_mxfp8).
 template <class T>
-void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T codes, T scales, bool rotate) {
+void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T codes, T scales, int64_t rotate,
+                        double row_scale) {
   check_input(x);
   check_f32_on(mean, x, "mean");
   check_code_tensor(codes, x, "codes");
@@ -98,8 +102,14 @@ void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T c
   const int64_t B = x.size(0), H = x.size(1), S = x.size(2), D = x.size(3), Sp = codes.size(2);
   SA3_CHECK(T, D % 32 == 0 && S >= 1, "sageattn3: mxfp8_smooth_quant needs D a multiple of 32 and S >= 1, got D ", D,
             " and S ", S);
+  SA3_CHECK(T, rotate >= 0 && rotate <= 2, "sageattn3: mxfp8_smooth_quant's rotate must be 0, 1 or 2, got ", rotate);
   SA3_CHECK(T, !rotate || D == 64 || D == 128, "sageattn3: mxfp8_smooth_quant rotates rows of head dim 64 or 128, got ",
             D);
+  int row_exp = 0;
+  SA3_CHECK(T, row_scale > 0 && std::frexp(row_scale, &row_exp) == 0.5 && row_exp >= -30 && row_exp <= 30 &&
+                   (row_scale == 1.0 || rotate == 2),
+            "sageattn3: mxfp8_smooth_quant's row_scale must be a power of two from 2^-31 to 2^29, and 1 unless "
+            "rotate is 2, got ", row_scale);
   SA3_CHECK(T, codes.size(0) == B && codes.size(1) == H && codes.size(3) == D && Sp >= S &&
                    scales.numel() == B * H * Sp * (D / 32),
             "sageattn3: codes must be (B, H, Sp >= S, D) and scales (B, H, Sp, D/32) for x (", B, ", ", H, ", ", S,
@@ -138,18 +148,21 @@ void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T c
   a.sel = sel.numel() > 0 ? bytes(sel) : nullptr;
   a.codes = bytes(codes);
   a.scales = bytes(scales);
-  a.rotate = rotate;
+  a.rotate = rotate != 0;
+  a.rotate_mean = rotate == 2;
+  a.row_scale = static_cast<float>(row_scale);
   check_cuda_kernel<T>(smooth_quant_mxfp8(a, TensorApi<T>::stream(x)), "mxfp8_smooth_quant");
 }
 
 // mxfp8_smooth_quant_qk(q, k, mean_q, mean_k, balance, sel_q, sel_k, seq_pad, rotate) -> (q8, q8_sf,
 // k8, k8_sf): both MXFP8 operands of the per-head FP8 Q.K^T in one op, which allocates them: Q's
-// rows scaled by 2^-balance, K's by 2^+balance, rotated with `rotate` (mxfp8_smooth_quant each;
+// rows scaled by 2^-balance, K's by 2^+balance, rotated with `rotate` (0, 1, 2: mxfp8_smooth_quant's;
+// with 2 Q's rows are then multiplied by 64/D: reference.fp8_rows) (mxfp8_smooth_quant each;
 // the heads whose sel byte is 0 are skipped, their rows stay uninitialised); codes (B, H, Sp, D)
 // and scales (B, H, Sp, D/32) bytes, Sp = S rounded up to seq_pad; each its own allocation.
 template <class T>
 std::tuple<T, T, T, T> mxfp8_smooth_quant_qk(T q, T k, T mean_q, T mean_k, T balance, T sel_q, T sel_k,
-                                            int64_t seq_pad, bool rotate) {
+                                            int64_t seq_pad, int64_t rotate) {
   check_input(q);
   check_input(k);
   SA3_CHECK(T, q.dim() == 4 && k.dim() == 4, "sageattn3: mxfp8_smooth_quant_qk needs 4-D q and k, got ", shape(q),
@@ -165,8 +178,8 @@ std::tuple<T, T, T, T> mxfp8_smooth_quant_qk(T q, T k, T mean_q, T mean_k, T bal
   const OutputSpec specs[] = {{{B, Hq, Sqp, D}, Kind::kByte}, {{B, Hq, Sqp, D / 32}, Kind::kByte},
                               {{B, Hk, Skp, D}, Kind::kByte}, {{B, Hk, Skp, D / 32}, Kind::kByte}};
   auto out = allocate_outputs(specs, q);  // torch/outputs.h
-  mxfp8_smooth_quant<T>(q, mean_q, balance, -1, sel_q, out[0], out[1], rotate);
-  mxfp8_smooth_quant<T>(k, mean_k, balance, 1, sel_k, out[2], out[3], rotate);
+  mxfp8_smooth_quant<T>(q, mean_q, balance, -1, sel_q, out[0], out[1], rotate, rotate == 2 ? 64.0 / D : 1.0);
+  mxfp8_smooth_quant<T>(k, mean_k, balance, 1, sel_k, out[2], out[3], rotate, 1.0);
   return {out[0], out[1], out[2], out[3]};
 }
 

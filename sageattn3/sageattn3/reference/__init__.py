@@ -111,6 +111,7 @@ from .precision import (
 from .preprocessing import (
     Preprocessed,
     delta_s,
+    fp8_rows,
     k_block_correction,
     k_block_means,
     k_mean,
@@ -231,6 +232,7 @@ __all__ = [
     "expand_kv",
     "flag",
     "fp8_applies",
+    "fp8_rows",
     "fp8_unavailable",
     "k_block_correction",
     "k_block_means",

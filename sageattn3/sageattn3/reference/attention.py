@@ -130,7 +130,7 @@ def sageattn3(
     qk_precision: str = QK_PRECISION_DEFAULT,
     k_block_mean: bool = False,
     pv_precision: str = PV_PRECISION_DEFAULT,
-    qk_fp8_rotated: bool = False,
+    qk_fp8_rotated: bool = True,
 ) -> torch.Tensor:
     """The quantized attention sageattn3 computes, float32 output (B, Hq, Sq, D).
 
@@ -178,9 +178,14 @@ def sageattn3(
 
     Q·Kᵀ, the scores and the running max are exactly as with "fp4" (any ``qk_precision``).
 
-    FP8 Q·Kᵀ with ``qk_rotation`` ("fp8", or the heads "auto" picks): on the MXFP8 of the rotated
-    (and balanced) smoothed rows (``preprocess``), as the kernels run it; ``qk_fp8_rotated`` asked
-    for that before it was the default and changes nothing now.
+    FP8 Q·Kᵀ ("fp8", or the heads "auto" picks) always multiplies rotated rows (D 64/128): with
+    ``qk_rotation`` the MXFP8 of the rotated (and balanced) smoothed rows (``preprocess``); without
+    it the balanced rows rotated, minus their rotated means, Q's times 64/D (``fp8_rows``), so the
+    FP4 heads, delta_s and the softmax scale stay unrotated. The rotation spreads channels in
+    which Q and K share outliers over every 32-channel block (Q and K outliers in the same
+    channels: cos 0.93-0.95 unrotated, 0.99 rotated; docs/accuracy-auto.md). The kernels run it.
+    ``qk_fp8_rotated=False`` (reference only): FP8 on the unrotated rows where ``qk_rotation`` is
+    off, the path before this one, for comparison.
     """
     b, hq, sq, d = q.shape
     is_causal = flag(is_causal, "is_causal")

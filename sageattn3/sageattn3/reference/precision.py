@@ -232,13 +232,14 @@ def treatment_set(names) -> int:
 
 def treatment_kwargs(s: int) -> dict:
     """The keywords of ``reference.sageattn3`` that give set ``s`` on every head (qk_precision
-    "fp4" or "fp8", never "auto"; qk_fp8_rotated where FP8 Q·Kᵀ meets the rotation)."""
+    "fp4" or "fp8", never "auto"; qk_fp8_rotated with FP8 Q·Kᵀ: True with the rotation, False
+    without it, so that FP8 Q·Kᵀ alone multiplies the unrotated rows the estimate takes)."""
     s = int(s)
     kw = {"qk_balance": bool(s & BALANCE), "qk_rotation": bool(s & ROTATION),
           "qk_scale_search": bool(s & SCALE_SEARCH), "qk_precision": "fp8" if s & QK_FP8 else "fp4",
           "pv_precision": "fp8" if s & PV_FP8 else "fp4"}
-    if s & QK_FP8 and s & ROTATION:
-        kw["qk_fp8_rotated"] = True
+    if s & QK_FP8:
+        kw["qk_fp8_rotated"] = bool(s & ROTATION)
     return kw
 
 

@@ -214,7 +214,7 @@ def preprocess(
     sm_scale: float | None = None,
     k_block_mean: bool = False,
     pv_precision: str = PV_PRECISION_DEFAULT,
-    qk_fp8_rotated: bool = False,
+    qk_fp8_rotated: bool = True,
 ) -> Preprocessed:
     """The reference of the preprocessing kernels. ``qk_rotation``: rotate Q and K (head dims 64
     and 128; other head dims are never rotated). The means are computed on the raw inputs, then
@@ -232,7 +232,9 @@ def preprocess(
     rotation) smooths K per 128-key block (``Preprocessed.k_block_corr``). ``pv_precision``
     "fp8" (reference only) also fills v8/v8_scales (``pad`` must then be a multiple of 32).
     With the rotation, q8/k8 are the MXFP8 of the rotated smoothed rows (as the kernels make them)
-    and "auto"'s rule estimates on the rotated rows. ``qk_fp8_rotated``: no effect (the default)."""
+    and "auto"'s rule estimates on the rotated rows. Without the rotation, q8/k8 are still the
+    MXFP8 of rotated rows (``fp8_rows``) where ``qk_fp8_rotated`` (the default; False: of the
+    unrotated smoothed rows, the earlier path, reference only)."""
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     precision = qk_precision_arg(qk_precision)
     pv_fp8 = pv_precision_arg(pv_precision) == "fp8"
@@ -287,6 +289,20 @@ def preprocess(
             return pre
         pre.qk_error = qk_fp4_error(q, k, v, pre, sm_scale)
         pre.qk_fp8 = choose_qk_precision(precision, pre.qk_error)
+        if qk_fp8_rotated and not rot and rotation_applies(d) and not k_block_mean:
+            qs, ks = fp8_rows(q.float() * cq, mq, k.float() * ck, mk)
         pre.q8, pre.q8_scales = quantize_mxfp8_rows(pad_dim(qs, -2, pad))
         pre.k8, pre.k8_scales = quantize_mxfp8_rows(pad_dim(ks, -2, pad))
     return pre
+
+
+def fp8_rows(qb: torch.Tensor, mean_q: torch.Tensor, kb: torch.Tensor, mean_k: torch.Tensor):
+    """The rows FP8 Q·Kᵀ multiplies when the preprocessing did not rotate (D 64/128): the balanced
+    rows qb, kb rotated (``rotate``), minus their rotated means (``rotate`` of the unrotated
+    ``mean_q`` / ``mean_k``, one row per Q block), float32; Q's then times 64/D (exact: a power of
+    two), so that Q8 · K8ᵀ ≈ Q_s · K_sᵀ in the unrotated units the correction delta_s and the
+    softmax scale keep (``rotation_score_factor``). The rotation spreads channels that Q and K
+    share outliers in over every 32-channel MXFP8 block."""
+    d = qb.shape[-1]
+    qs = smooth_q(rotate(qb), rotate(mean_q)) * (64.0 / d)
+    return qs, rotate(kb) - rotate(mean_k)
