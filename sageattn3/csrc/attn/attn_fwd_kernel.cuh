@@ -320,19 +320,24 @@ __device__ __forceinline__ void qk8_half(float (&s)[4], const uint32_t (&a0)[4],
 // byte C of the stage's scale word of channel d (its 4 chunks).
 
 // P's chunk C to MXFP8: pa (the A fragment) and this lane's row's scale byte (t & 1: row g + 8).
-// bm: the largest S of rows g, g + 8 over this lane's and lane t^1's keys of the chunk.
+// The block amax is the largest P of the row's 32 keys (this lane's 8, then lanes t^1 and t^2):
+// exactly the reference's, and nothing of the softmax's block maxima stays live into P.V.
 template <int C>
-__device__ __forceinline__ void pv8_quantize(const float (&s)[kBlockN / 8][4], const float (&bm)[2], float scale_log2,
-                                             const float (&bias)[2], int t, uint32_t (&pa)[4], uint32_t& p_sf) {
+__device__ __forceinline__ void pv8_quantize(const float (&s)[kBlockN / 8][4], int t, uint32_t (&pa)[4],
+                                             uint32_t& p_sf) {
+  constexpr int j = 4 * C;
   uint32_t b[2];
   float inv[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float m = fmaxf(bm[r], __shfl_xor_sync(0xffffffffu, bm[r], 2));  // with lanes t^2: the chunk's
-    b[r] = ue8m0_byte(fast_exp2(fmaf(m, scale_log2, bias[r])));  // common/mxfp8.cuh: reference.ue8m0_scale_byte
+    float m = fmaxf(s[j][2 * r], s[j][2 * r + 1]);
+#pragma unroll
+    for (int jj = 1; jj < 4; ++jj) m = fmaxf(m, fmaxf(s[j + jj][2 * r], s[j + jj][2 * r + 1]));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    b[r] = ue8m0_byte(m);  // common/mxfp8.cuh: reference.ue8m0_scale_byte
     inv[r] = ue8m0_inverse(b[r]);
   }
-  constexpr int j = 4 * C;
   pa[0] = e4m3x4_rn(s[j][0], s[j][1], s[j + 1][0], s[j + 1][1], inv[0]);
   pa[1] = e4m3x4_rn(s[j][2], s[j][3], s[j + 1][2], s[j + 1][3], inv[1]);
   pa[2] = e4m3x4_rn(s[j + 2][0], s[j + 2][1], s[j + 3][0], s[j + 3][1], inv[0]);
@@ -354,17 +359,15 @@ __device__ __forceinline__ void pv8_mma(float (&o)[4], const uint32_t (&pa)[4], 
 // Chunks C0 .. C0 + G - 1 of P.V (G = 1, 2 or 4): P's chunks to MXFP8, then per 8 channels the
 // chunks' MMAs (the channel's scale word once). bm[q][h][r]: as in consumer (chunk 2q + h).
 template <int C0, int G, int D>
-__device__ __forceinline__ void pv8_pass(float (&o)[D / 8][4], const float (&s)[kBlockN / 8][4],
-                                         const float (&bm)[kBlockN / 64][2][2], float scale_log2,
-                                         const float (&bias)[2], int t, uint32_t v_tile, uint32_t v_lane,
-                                         uint32_t vsf_lane) {
+__device__ __forceinline__ void pv8_pass(float (&o)[D / 8][4], const float (&s)[kBlockN / 8][4], int t,
+                                         uint32_t v_tile, uint32_t v_lane, uint32_t vsf_lane) {
   static_assert(G == 1 || G == 2 || G == 4, "chunks per pass");
   uint32_t pa[G][4], p_sf[G];
-  pv8_quantize<C0>(s, bm[C0 / 2][C0 % 2], scale_log2, bias, t, pa[0], p_sf[0]);
-  if constexpr (G > 1) pv8_quantize<C0 + 1>(s, bm[(C0 + 1) / 2][(C0 + 1) % 2], scale_log2, bias, t, pa[1], p_sf[1]);
+  pv8_quantize<C0>(s, t, pa[0], p_sf[0]);
+  if constexpr (G > 1) pv8_quantize<C0 + 1>(s, t, pa[1], p_sf[1]);
   if constexpr (G > 2) {
-    pv8_quantize<C0 + 2>(s, bm[(C0 + 2) / 2][(C0 + 2) % 2], scale_log2, bias, t, pa[2], p_sf[2]);
-    pv8_quantize<C0 + 3>(s, bm[(C0 + 3) / 2][(C0 + 3) % 2], scale_log2, bias, t, pa[3], p_sf[3]);
+    pv8_quantize<C0 + 2>(s, t, pa[2], p_sf[2]);
+    pv8_quantize<C0 + 3>(s, t, pa[3], p_sf[3]);
   }
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
@@ -631,15 +634,17 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       if constexpr (kPV8) {
         // ---- P -> MXFP8 and O += P V, per 32-key chunk (pv8_quantize, pv8_mma) ----
         static_assert(kBlockN == 128, "four 32-key chunks per stage");
-        // two passes of two chunks: at D 128 the fewest spills (ptxas: 0 with FP4 Q.K^T, less than
-        // one pass of four or four of one with FP8 Q.K^T, whose Q fragments take 16 more registers)
-        constexpr int G = 2;
+        // chunks per pass (P's codes of G chunks live at once): what spills least at sm_120a (ptxas
+        // 13.0): with FP4 Q.K^T two passes of two (none; one of four spills 60/96 bytes at D 128),
+        // with FP8 Q.K^T at D 128 one pass of four (20/20 bytes outside the key loop, as the FP8
+        // Q.K^T kernel alone; two passes of two spill 32/36)
+        constexpr int G = (kQK8 && D == 128) ? 4 : 1;
         const uint32_t v_tile = stage + L::kStageV, vsf_lane = stage + L::kStageVSf + v_sf_lane;
-        pv8_pass<0, G, D>(o, s, bm, p.scale_log2, bias, t, v_tile, v_lane, vsf_lane);
-        if constexpr (G < 4) pv8_pass<G, G, D>(o, s, bm, p.scale_log2, bias, t, v_tile, v_lane, vsf_lane);
+        pv8_pass<0, G, D>(o, s, t, v_tile, v_lane, vsf_lane);
+        if constexpr (G < 4) pv8_pass<G, G, D>(o, s, t, v_tile, v_lane, vsf_lane);
         if constexpr (G == 1) {
-          pv8_pass<2, G, D>(o, s, bm, p.scale_log2, bias, t, v_tile, v_lane, vsf_lane);
-          pv8_pass<3, G, D>(o, s, bm, p.scale_log2, bias, t, v_tile, v_lane, vsf_lane);
+          pv8_pass<2, G, D>(o, s, t, v_tile, v_lane, vsf_lane);
+          pv8_pass<3, G, D>(o, s, t, v_tile, v_lane, vsf_lane);
         }
       } else {
         // ---- P2 -> NVFP4 (level 2) and O += P V ----
