@@ -51,6 +51,15 @@ def _special_v(shape, dtype, seed):
     return x.to(dtype)
 
 
+def _same_codes(a, b):
+    """E4M3 bytes equal, a NaN's sign bit aside: 0x7f and 0xff both decode to NaN, and which one the
+    CPU reference gives depends on the host (the H200 host's torch gave 0xff for a bf16 NaN that
+    the kernel, like this machine's torch, encodes as 0x7f)."""
+    a, b = (x.contiguous().view(torch.uint8).cpu() for x in (a, b))
+    canon = lambda x: torch.where((x & 0x7F) == 0x7F, torch.full_like(x, 0x7F), x)  # noqa: E731
+    return a.shape == b.shape and torch.equal(canon(a), canon(b))
+
+
 def _check(pv8, v, seq_pad=128):
     from sageattn3 import reference as ref
 
@@ -60,7 +69,9 @@ def _check(pv8, v, seq_pad=128):
     assert codes.shape == want_c.shape and scales.shape == want_s.shape, (codes.shape, want_c.shape)
     assert codes.dtype == torch.float8_e4m3fn and scales.dtype == torch.uint8
     assert same_bytes(scales, want_s), "scale bytes differ"
-    assert same_bytes(codes, want_c), "codes differ"
+    assert _same_codes(codes, want_c), "codes differ"
+    nan = torch.isnan(ref.pad_dim(v.float().cpu(), -2, seq_pad)).transpose(-1, -2)
+    assert torch.equal((codes.view(torch.uint8).cpu() & 0x7F) == 0x7F, nan)  # a code is NaN where V is
     assert same_bytes(v, v0)  # the input is unchanged
 
 
