@@ -1,8 +1,8 @@
 """The FP8 P·V path's kernels from Python (opt-in, ``pv_precision="fp8"``): V's MXFP8 quantizer
 (``torch.ops.sageattn3.quant_mxfp8_cols``, csrc/quant/quant_mxfp8_cols.cu) and the attention with
 P·V in MXFP8 (``torch.ops.sageattn3.blockscaled_attn_pv8``, the kPV8 kernels of
-csrc/attn/attn_fwd_kernel.cuh), with FP4 Q·Kᵀ or the per-head FP8 Q·Kᵀ. Not yet reachable from
-the public API (``sageattn3_blackwell`` has no ``pv_precision``).
+csrc/attn/attn_fwd_kernel.cuh), with FP4 Q·Kᵀ or the per-head FP8 Q·Kᵀ: what
+``sageattn3_blackwell(..., pv_precision="fp8")`` runs (opt-in, every head of the call).
 
 V (B, Hkv, Sk, D) becomes ``reference.quantize_mxfp8_transposed`` of V padded with zero keys to
 a multiple of the key padding: codes (B, Hkv, D, Sk_p) E4M3 and scales (B, Hkv, D, Sk_p/32)
