@@ -74,10 +74,10 @@ def _kernel_reports(log: str) -> dict[str, str]:
 
 
 def check_spills(log: str, what: str) -> dict[str, str]:
-    """ptxas -v's reports of the six attention kernels (D 64/128 x delta_s precomputed, corrected
-    in the loop, or FP8 Q·Kᵀ), none spilling beyond the allowance above."""
+    """ptxas -v's reports of the ten attention kernels (D 64/128 x delta_s precomputed, corrected
+    in the loop, FP8 Q·Kᵀ, FP8 P·V, or FP8 Q·Kᵀ and P·V), none spilling beyond the allowance above."""
     reports = _kernel_reports(log)
-    assert len(reports) == 6, f"{what}: expected 6 attention kernels (D 64/128 x 3), got {list(reports)}\n{log}"
+    assert len(reports) == 10, f"{what}: expected 10 attention kernels (D 64/128 x 5), got {list(reports)}\n{log}"
     for name, rep in reports.items():
         m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
         assert m, f"{what} {name}: no spill report\n{rep}"
@@ -161,3 +161,24 @@ def test_the_report_and_this_test_share_one_spill_allowance():
     assert spill_allowance(base.format("Lb0ELb0E")) == 0
     assert spill_allowance(base.format("Lb1ELb0E")) == 32
     assert spill_allowance(base.format("Lb0ELb1E")) == 64
+
+
+MXFP8_COLS_CU = CSRC / "quant" / "quant_mxfp8_cols.cu"
+
+
+@pytest.mark.parametrize("arch", ["120a", "121a", "90a"])
+def test_v_mxfp8_quantizer_compiles_without_spill(arch, tmp_path):
+    """V's MXFP8 quantizer of the FP8 P·V path (quant/quant_mxfp8_cols.cu): its two instantiations
+    (fp16/bf16) compile for the Blackwell consumer archs and the H100's (the test flavour) without
+    spilling."""
+    nvcc, _ = _nvcc()
+    obj = tmp_path / f"mxfp8_cols_{arch}.o"
+    cmd = [str(nvcc), "-c", str(MXFP8_COLS_CU), "-o", str(obj), f"-gencode=arch=compute_{arch},code=sm_{arch}",
+           "-O3", "-std=c++20", "-Xptxas", "-v", f"-I{CSRC}"]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, f"sm_{arch} compile failed:\n{log}"
+    entries = re.findall(r"Compiling entry function '(\S*quant_mxfp8_cols_kernel\S*)'", log)
+    assert len(entries) == 2, f"expected 2 kernels (fp16/bf16), got {entries}\n{log}"
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert len(spills) == 2 and all(s == ("0", "0") for s in spills), log

@@ -79,7 +79,7 @@ def test_patch_is_small_and_leaves_the_kernel_body_alone(patch):
     body = "\n".join(ln[1:] for ln in added)
     # entry: a pointer to the params in global memory, body bound to a reference to *params
     assert re.search(r"fp4_attn_fwd_kernel\(const AttnParams\* __restrict__ \w+\)", body)
-    assert "attn_fwd_body<D, kInLoopResidual, kQK8>(*pp)" in body
+    assert "attn_fwd_body<D, kInLoopResidual, kQK8, kPV8>(*pp)" in body
     assert "__grid_constant__" not in body
     # descriptors read from global memory: acquire fence of the tensormap proxy, 128 bytes each
     assert "fence.proxy.tensormap::generic.acquire.sys [%0], 128;" in body
@@ -163,12 +163,17 @@ def compiled(staged, tmp_path_factory):
     return logs, ptx.read_text()
 
 
+# (kInLoopResidual, kQK8, kPV8) of the attention kernel's instantiations per head dim: delta_s
+# precomputed, corrected in the loop, FP8 Q·Kᵀ, FP8 P·V, FP8 Q·Kᵀ and P·V
+INSTANTIATIONS = ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1))
+
+
 @pytest.mark.parametrize("arch", ["120a", "121a"])
 def test_patched_sources_compile(compiled, arch):
     log = compiled[0][arch]
     entries = re.findall(r"Compiling entry function '(\S*fp4_attn_fwd_kernel\S*)'", log)
-    assert sorted(entries) == sorted(f"_ZN9sageattn34attn19fp4_attn_fwd_kernelILi{d}ELb{b}ELb{f}EEEvPKNS0_10AttnParamsE"
-                                     for d in (64, 128) for b, f in ((0, 0), (1, 0), (0, 1))), entries
+    assert sorted(entries) == sorted(f"_ZN9sageattn34attn19fp4_attn_fwd_kernelILi{d}ELb{b}ELb{f}ELb{v}EEEvPKNS0_10AttnParamsE"
+                                     for d in (64, 128) for b, f, v in INSTANTIATIONS), entries
     assert "Compiling entry function '_ZN9sageattn34attn10put_paramsENS0_10ParamWordsEP5uint4'" in log
     from test_attn_compile import check_spills
 
@@ -178,9 +183,9 @@ def test_patched_sources_compile(compiled, arch):
 def test_patched_ptx_takes_a_pointer_and_fences_the_descriptors(compiled):
     ptx = compiled[1]
     for d in (64, 128):
-        for b, f in ((0, 0), (1, 0), (0, 1)):
-            m = re.search(rf"\.entry _ZN9sageattn34attn19fp4_attn_fwd_kernelILi{d}ELb{b}ELb{f}EEEvPKNS0_10AttnParamsE\(\s*"
+        for b, f, v in INSTANTIATIONS:
+            m = re.search(rf"\.entry _ZN9sageattn34attn19fp4_attn_fwd_kernelILi{d}ELb{b}ELb{f}ELb{v}EEEvPKNS0_10AttnParamsE\(\s*"
                           r"\.param \.u64[^)]*\)", ptx)
-            assert m, f"D={d} ({b}, {f}): entry with one 64-bit pointer param not found"
-    # 5 descriptors x 2 head dims x 3 (delta_s precomputed / corrected in the loop / FP8 Q·Kᵀ)
-    assert len(re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.sys \[%rd\d+\], 128;", ptx)) == 30
+            assert m, f"D={d} ({b}, {f}, {v}): entry with one 64-bit pointer param not found"
+    # 5 descriptors x 2 head dims x 5 instantiations
+    assert len(re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.sys \[%rd\d+\], 128;", ptx)) == 50

@@ -24,7 +24,8 @@ KERNEL = CSRC / "attn" / "attn_fwd_kernel.cuh"
 PRODUCER_STAGE, PRODUCER_TILE = "producer, per stage", "producer, per query tile"
 # The pre-passes each instantiation takes with the default arguments (qk_precision 'auto': the rule
 # runs wherever the FP8 path can, FP4 heads included; the bounded mode cannot take FP8, so no rule)
-TAKES = {"defaults": ("delta_s", "rule"), "one Q mean": ("rule",), "FP8": ("delta_s", "rule", "MXFP8"), "bounded": ()}
+TAKES = {"defaults": ("delta_s", "rule"), "one Q mean": ("rule",), "FP8": ("delta_s", "rule", "MXFP8"), "bounded": (),
+         "FP8 P·V": ("delta_s", "rule", "MXFP8 V"), "FP8 Q·Kᵀ and P·V": ("delta_s", "rule", "MXFP8", "MXFP8 V")}
 
 
 def _line_of(path: Path, pattern: str) -> int:
@@ -61,14 +62,15 @@ def ours_dram_bytes(d: int, kind: str, ref: Ref = REF) -> float:
     (codes and scales; K's residual in the bounded mode) once per head, so over the query blocks;
     Q of a query block and its output (bf16) over the key tiles; delta_s rows per query block and
     key (the defaults and the FP8 heads: read for every tile) or ds_key per key (one Q mean, the
-    bounded mode: once per head). ``kind``: defaults, one Q mean, FP8, bounded."""
-    fp8 = kind == "FP8"
-    kv = 128 * (d if fp8 else d // 2) + 128 * d // 2 + 128 * (d // 32 if fp8 else d // 16) + 128 * d // 16
+    bounded mode: once per head). ``kind``: a key of ``TAKES``."""
+    fp8, pv8 = kind in ("FP8", "FP8 Q·Kᵀ and P·V"), kind.endswith("P·V")
+    kv = 128 * (d if fp8 else d // 2) + 128 * (d if pv8 else d // 2) + 128 * (d // 32 if fp8 else d // 16)
+    kv += 128 * (d // 32 if pv8 else d // 16)
     q = 128 * (d if fp8 else d // 2) + 128 * (d // 32 if fp8 else d // 16)
     if kind == "bounded":
         kv += 128 * d
         q += 2 * d * 4  # mean_q and qbar rows
-    ds = 128 * 4 if kind in ("defaults", "FP8") else 128 * 4 / ref.blocks
+    ds = 128 * 4 if kind not in ("one Q mean", "bounded") else 128 * 4 / ref.blocks
     return kv / ref.blocks + (q + 128 * d * 2) / ref.blocks + ds
 
 
@@ -115,6 +117,17 @@ def ours_tma_bytes_qk8(d: int) -> int:
     return 128 * d + 128 * d // 2 + 128 * d // 32
 
 
+def ours_tma_bytes_pv8(d: int, qk8: bool) -> int:
+    """K codes (FP4 or E4M3) + V's E4M3 codes + K's scales per stage (V's scales are copied by
+    the consumer threads, as in every instantiation)."""
+    return 128 * (d if qk8 else d // 2) + 128 * d + 128 * (d // 32 if qk8 else d // 16)
+
+
+def _pv8(name: str) -> bool:
+    """An FP8 P·V instantiation (kPV8, pv_precision "fp8", opt-in)."""
+    return re.search(r"fp4_attn_fwd_kernelILi\d+ELb[01]ELb[01]ELb1E", name) is not None
+
+
 def _in_loop_residual(name: str) -> bool:
     """The instantiation that corrects delta_s in its loop (kInLoopResidual, the bounded-memory mode)."""
     return re.search(r"fp4_attn_fwd_kernelILi\d+ELb1E", name) is not None
@@ -122,7 +135,8 @@ def _in_loop_residual(name: str) -> bool:
 
 def ours_budgets(cubin: Path, prepass_cubins: dict[str, Path], bounded: bool = True, ref: Ref = REF) -> list[Budget]:
     """Per head dim: the defaults (delta_s precomputed per query block and key, read per tile),
-    one Q mean (the same loop), the FP8 Q·Kᵀ heads, and with ``bounded`` the in-loop correction of
+    one Q mean (the same loop), the FP8 Q·Kᵀ heads, FP8 P·V (opt-in, with FP4 or FP8 Q·Kᵀ), and
+    with ``bounded`` the in-loop correction of
     the bounded-memory mode; each with its producer share, compulsory DRAM bytes and the
     pre-passes it takes (``TAKES``; ``prepass_cubins``: ci.checks.sass_prepass.compile_prepasses)."""
     from ci.checks.sass_prepass import prepass_costs
@@ -137,9 +151,13 @@ def ours_budgets(cubin: Path, prepass_cubins: dict[str, Path], bounded: bool = T
     pre = {d: prepass_costs(cubins, d, ref) for d in {_head_dim_of(n) for n in funcs} - {None}}
     out = []
     kernels = [(name, instrs) for name, instrs in funcs.items() if _head_dim_of(name) is not None]
-    for name, instrs in sorted(kernels, key=lambda kv: (-_head_dim_of(kv[0]), _in_loop_residual(kv[0]), _qk8(kv[0]))):
+    order = lambda kv: (-_head_dim_of(kv[0]), _pv8(kv[0]), _in_loop_residual(kv[0]), _qk8(kv[0]))  # noqa: E731
+    for name, instrs in sorted(kernels, key=order):
         d = _head_dim_of(name)
-        if _qk8(name):
+        if _pv8(name):  # opt-in pv_precision "fp8", FP4 or FP8 Q·Kᵀ
+            kind = "FP8 Q·Kᵀ and P·V" if _qk8(name) else "FP8 P·V"
+            runs = ((kind, False, f"ours D{d}, {kind} (pv_precision fp8)", ours_tma_bytes_pv8(d, _qk8(name))),)
+        elif _qk8(name):
             runs = (("FP8", False, f"ours D{d}, FP8 Q·Kᵀ (heads qk_precision picks)", ours_tma_bytes_qk8(d)),)
         elif _in_loop_residual(name):
             runs = (("bounded", True, f"ours D{d}, bounded mode (in-loop correction)", ours_tma_bytes(d)),) if bounded else ()

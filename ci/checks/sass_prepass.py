@@ -17,6 +17,8 @@ one query head per kv head).
   rotates the means), a lane per 16 values; one iteration of its grid-stride loop (8 warps)
   quantizes 8 x 512 / D rows. The loop without the balance exponents is counted (qk_balance is
   off by default).
+- MXFP8 V (``quant_mxfp8_cols_kernel<bf16>``, ``quant/quant_mxfp8_cols.cu``): with pv_precision
+  'fp8' only, V along the sequence; a CTA per 128 keys x 64 channels, no loop (counted whole).
 
 Counting: the main loop's instructions per iteration and any other named loop's, each times its
 trip count, plus the rest of the function up to its last EXIT once per CTA (loops in that rest
@@ -35,7 +37,7 @@ from ci.checks.sass_budget import REF, Instr, PerTile, Ref, disassemble, end_of_
 from ci.toolchain.flags import device_flags
 
 CSRC = Path(__file__).resolve().parents[2] / "sageattn3" / "csrc"
-WARPS = 8  # 256 threads per CTA, all three kernels
+WARPS = 8  # 256 threads per CTA, every pre-pass kernel
 
 
 def constant(path: Path, name: str) -> int:
@@ -122,6 +124,16 @@ def _mxfp8_dram(d: int, ref: Ref) -> float:
     return _mxfp8_rows(ref) * (2 * d + d + d // 32 + d * 4 / 128)
 
 
+def _v_mxfp8_per_tile(d: int, ref: Ref) -> tuple[float, ...]:
+    # a CTA quantizes 128 keys x 64 channels of V once per head: a key tile over the query blocks
+    return (d / 64 / ref.blocks,)
+
+
+def _v_mxfp8_dram(d: int, ref: Ref) -> float:
+    # the key tile's V read (bf16) and written (E4M3 + one scale per 32 keys) once per head
+    return 128 * (2 * d + d + d / 32) / ref.blocks
+
+
 PREPASSES = {
     "delta_s": PrePass(
         "delta_s", "attn/attn_launch.cu", "attn/delta_s_blocks.cuh", r"delta_s_blocks_kernelILi{d}E",
@@ -137,7 +149,13 @@ PREPASSES = {
         "grid-stride loop (256 lanes x 16 values)", _mxfp8_per_tile, _mxfp8_dram,
         rest_note="the code outside its loop, once per CTA, not counted (its CTAs per head follow the SM "
                   "count and the number of heads: about 1 warp-instruction per tile)"),
+    # FP8 P·V only (pv_precision "fp8"): V along the sequence, bf16 (the fp16 copy is the same code)
+    "MXFP8 V": PrePass(
+        "MXFP8 V", "quant/quant_mxfp8_cols.cu", "quant/quant_mxfp8_cols.cu", r"quant_mxfp8_cols_kernelINS_6bf16_tEEEv",
+        (), "CTA (128 keys x 64 channels, no loop)", _v_mxfp8_per_tile, _v_mxfp8_dram),
 }
+# The pre-passes only the FP8 P·V budgets take (ci.checks.sass_kernels.TAKES)
+PV8_ONLY = ("MXFP8 V",)
 
 
 def _holds(path_suffix: str, line: int) -> Callable[[list[Instr]], bool]:
@@ -160,9 +178,10 @@ def count(pre: PrePass, instrs: list[Instr], d: int, ref: Ref = REF, root: Path 
     ctas, *iters = pre.per_tile(d, ref)
     total = WARPS * (rest * ctas + sum(b * n for b, n in zip(bodies, iters)))
     parts = [f"{bodies[0]:,} warp-instructions per warp per iteration of its {pre.unit}, "
-             f"x {iters[0] * WARPS:.4g} warp-iterations per tile"]
+             f"x {iters[0] * WARPS:.4g} warp-iterations per tile"] if bodies else []
     parts += [f"another loop's {b:,} x {n * WARPS:.4g}" for b, n in zip(bodies[1:], iters[1:])]
-    parts.append(pre.rest_note or f"the rest of the kernel, {rest:,} per warp once per CTA, x {ctas * WARPS:.4g}")
+    what = "the rest of the kernel" if bodies else f"the whole kernel (one {pre.unit})"
+    parts.append(pre.rest_note or f"{what}, {rest:,} per warp once per CTA, x {ctas * WARPS:.4g}")
     note = f"{pre.name} ({pre.source}): " + "; ".join(parts) + f" = {total:,.0f} per tile"
     return PerTile(total, pre.dram(d, ref), note)
 

@@ -21,6 +21,13 @@ int quant_fp4_rows(const void* x, DType dtype, int64_t n, int64_t cols, uint8_t*
 int quant_fp4_cols(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, int64_t Sp, uint8_t* packed,
                    uint8_t* scales, cudaStream_t stream);
 
+// MXFP8 along the sequence (V of the FP8 P.V path; quant/quant_mxfp8_cols.cu, bit-exact with
+// reference.quantize_mxfp8_transposed): x (G, S, D) bf16/fp16, D a multiple of 16 -> codes
+// (G, D, Sp) E4M3 bytes and scales (G, D, Sp/32) UE8M0 bytes, Sp >= S a multiple of 32; tokens
+// S..Sp-1 are zeros. x and codes 16-byte aligned.
+int quant_mxfp8_cols(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, int64_t Sp, uint8_t* codes,
+                     uint8_t* scales, cudaStream_t stream);
+
 // Q/K rotation (rotate, D 64 or 128 only): rows are rotated before the mean is subtracted,
 // x -> x S H / 8 (S = diag(+-1) from fixed sign bits, H the Walsh-Hadamard matrix, fp32
 // butterflies in a fixed order: preprocess/rotation.cuh, bit-exact with reference.rotate); means

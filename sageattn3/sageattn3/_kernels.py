@@ -435,6 +435,7 @@ def delta_s(k: torch.Tensor, mean_k: torch.Tensor, mean_q: torch.Tensor, seq_pad
 OUTPUT_WRITING_OPS = (
     "quant_fp4_rows",
     "quant_fp4_cols",
+    "quant_mxfp8_cols",
     "smooth_quant_rows",
     "smooth_quant_seq",
     "smooth_quant_qk",
@@ -443,6 +444,7 @@ OUTPUT_WRITING_OPS = (
     "smooth_quant_k_delta",
     "blockscaled_fp4_attn",
     "blockscaled_attn_qk8",
+    "blockscaled_attn_pv8",
     "mxfp8_smooth_quant",
     "qk_rule_error",
     "fp4_mma_probe",

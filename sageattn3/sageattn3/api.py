@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from sageattn3 import _attn, _kernels, _selfcheck, reference
+from sageattn3 import _attn, _kernels, _pv8, _selfcheck, reference
 from sageattn3._preprocess_api import (  # noqa: F401  (public names re-exported here)
     _delta_key_torch,
     _kernels_serve,
@@ -192,7 +192,8 @@ def _sdpa(q, k, v, is_causal: bool) -> torch.Tensor:
 def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_block_mean: bool = True,
                         qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
                         qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool | None = None,
-                        qk_precision: str = reference.QK_PRECISION_DEFAULT, return_qk_choice: bool = False):
+                        qk_precision: str = reference.QK_PRECISION_DEFAULT, return_qk_choice: bool = False,
+                        pv_precision: str = reference.PV_PRECISION_DEFAULT):
     """FP4 attention. q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D), float16 or bfloat16, one
     device; Hq a multiple of Hkv (GQA/MQA); any sequence lengths (Sk >= 1). Returns
     (B, Hq, Sq, D) in q's dtype; the inputs are never modified. ``is_causal``: key j is visible
@@ -227,7 +228,11 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     bit. "fp4": every head FP4 (the rule does not run); "fp8": every head FP8 (D 64/128). FP8
     heads always multiply rotated rows (rotated for them alone where ``qk_rotation`` is off:
     outliers Q and K share then spread over every block); with ``qk_rotation`` the rule also
-    estimates on the rotated rows. P·V stays NVFP4. ``return_qk_choice=True`` (outside torch.compile) returns
+    estimates on the rotated rows.
+    ``pv_precision``: "fp4" (the default) NVFP4 P·V; "fp8" (opt-in) P and V in MXFP8
+    (``sageattn3.reference.sageattn3(..., pv_precision="fp8")``), with FP4 or FP8 Q·Kᵀ per
+    ``qk_precision``; it needs the delta_s workspace with per-block Q means (ValueError where
+    ``SAGEATTN3_DELTA_S_WORKSPACE_MIB`` cannot hold one row). ``return_qk_choice=True`` (outside torch.compile) returns
     ``(out, QkChoice)``: which heads ran FP8 and the rule's estimates (``qk_choice``).
 
     Under ``torch.compile`` (``fullgraph=True`` works): the path is decided when tracing; the
@@ -241,21 +246,23 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     flags = _flags(is_causal=is_causal, per_block_mean=per_block_mean, qk_rotation=qk_rotation, qk_balance=qk_balance)
     search = _search(qk_scale_search)
     precision = reference.qk_precision_arg(qk_precision)
+    pv = reference.pv_precision_arg(pv_precision)
     if reference.flag(return_qk_choice, "return_qk_choice"):
         if torch.compiler.is_compiling():
             raise NotImplementedError("return_qk_choice=True is a debugging aid of eager calls; under torch.compile "
                                       "call sageattn3.qk_choice(q, k, v) outside the compiled region")
         choice: list[QkChoice] = []
-        out = _eager_call(q, k, v, *flags, search, precision, choice)
+        out = _eager_call(q, k, v, *flags, search, precision, choice, pv_precision=pv)
         return out, (choice[0] if choice else QkChoice.fp4_path(q, precision, "the FP4 kernel did not run (SDPA)"))
     if torch.compiler.is_compiling():
-        return _traced(q, k, v, *flags, search, precision)
-    return _eager_call(q, k, v, *flags, search, precision)
+        return _traced(q, k, v, *flags, search, precision, pv)
+    return _eager_call(q, k, v, *flags, search, precision, pv_precision=pv)
 
 def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool,
                 qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
                 qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool = False,
-                qk_precision: str = reference.QK_PRECISION_DEFAULT, choice: list | None = None) -> torch.Tensor:
+                qk_precision: str = reference.QK_PRECISION_DEFAULT, choice: list | None = None, *,
+                pv_precision: str = reference.PV_PRECISION_DEFAULT) -> torch.Tensor:
     """What ``sageattn3_blackwell`` does outside torch.compile (the custom op's body)."""
     _check_qkv(q, k, v)
     if q.numel() == 0:
@@ -266,7 +273,8 @@ def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool,
         why = _decide(*key)
     if why is None:
         return _fp4_attention(q, k, v, is_causal, per_block_mean, qk_rotation=qk_rotation, qk_balance=qk_balance,
-                              qk_scale_search=qk_scale_search, qk_precision=qk_precision, choice=choice)
+                              qk_scale_search=qk_scale_search, qk_precision=qk_precision, choice=choice,
+                              pv_precision=pv_precision)
     if why not in _warned:
         _warn_once(why, stacklevel=4)
     return _sdpa(q, k, v, is_causal)
@@ -275,15 +283,16 @@ def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool,
 @torch.library.custom_op("sageattn3::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                   per_block_mean: bool, qk_rotation: bool, qk_balance: bool, qk_scale_search: bool,
-                  qk_precision: str) -> torch.Tensor:
+                  qk_precision: str, pv_precision: str = "fp4") -> torch.Tensor:
     """``sageattn3_blackwell`` as one op for compiled graphs: the self-check, the fallback and
     the kernels run here, at run time. Contiguous (B, Hq, Sq, D) output, as its fake says."""
     return _eager_call(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance, qk_scale_search,
-                       qk_precision).contiguous()
+                       qk_precision, pv_precision=pv_precision).contiguous()
 
 
 @_attention_op.register_fake
-def _attention_op_fake(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance, qk_scale_search, qk_precision):
+def _attention_op_fake(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance, qk_scale_search, qk_precision,
+                       pv_precision="fp4"):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -305,14 +314,15 @@ _compile_path._dynamo_marked_constant = True
 
 
 def _traced(q, k, v, is_causal: bool, per_block_mean: bool, qk_rotation: bool, qk_balance: bool,
-            qk_scale_search: bool, qk_precision: str = reference.QK_PRECISION_DEFAULT) -> torch.Tensor:
+            qk_scale_search: bool, qk_precision: str = reference.QK_PRECISION_DEFAULT,
+            pv_precision: str = reference.PV_PRECISION_DEFAULT) -> torch.Tensor:
     """The compiled form of ``sageattn3_blackwell``: only what dynamo traces without breaks."""
     _check_qkv(q, k, v)
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
         return q.new_empty(q.shape)
     if q.shape[3] in _kernels.ATTN_HEAD_DIMS and _compile_path(q.device):
         return torch.ops.sageattn3.attention(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance,
-                                             qk_scale_search, qk_precision)
+                                             qk_scale_search, qk_precision, pv_precision)
     return _sdpa(q, k, v, is_causal)
 
 
@@ -329,7 +339,8 @@ def _checked(device: torch.device) -> bool:
 def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None = None,
                    qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
                    qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool = False,
-                   qk_precision: str = "fp4", choice: list | None = None) -> torch.Tensor:
+                   qk_precision: str = "fp4", choice: list | None = None,
+                   pv_precision: str = reference.PV_PRECISION_DEFAULT) -> torch.Tensor:
     """The FP4 path on validated, non-empty q, k, v: preprocess (new tensors; the inputs are
     only read), then the attention kernel; output (B, Hq, Sq, D) in q's dtype. Every
     allocation names q's device and every op sets its device itself: no device switch here.
@@ -337,12 +348,15 @@ def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: flo
     MXFP8 operands of the chosen heads and the attention with the per-head precision; "fp4" (and
     where FP8 cannot run, with "auto"): exactly the FP4 path. ``choice``: a list the QkChoice is
     appended to (the debug return). q, k, v are made contiguous and aligned once, here, for every
-    op; the delta_s workspace's limit (``SAGEATTN3_DELTA_S_WORKSPACE_MIB``) is read once."""
+    op; the delta_s workspace's limit (``SAGEATTN3_DELTA_S_WORKSPACE_MIB``) is read once.
+    ``pv_precision`` "fp8": V in MXFP8 (``_pv8.quant_mxfp8_cols``) and the FP8 P·V kernels."""
     q, k, v = _kernels.aligned_eager(q), _kernels.aligned_eager(k), _kernels.aligned_eager(v)
     pre = _preprocess_kernels(q, k, v, per_block_mean, _attn.SEQ_PAD, qk_rotation, qk_balance, qk_scale_search,
                               inputs_aligned=True)
     limit = _attn.delta_s_workspace_limit() if pre.mean_q.shape[2] > 1 else 0  # unused with one Q mean
     picked = _qk_selection(q, k, v, pre, qk_precision, sm_scale, limit)
+    if pv_precision == "fp8":
+        return _pv8_attention(q, k, v, pre, picked, qk_precision, is_causal, sm_scale, limit, choice)
     if isinstance(picked, str):
         if choice is not None:
             choice.append(QkChoice.fp4_path(q, qk_precision, picked))
@@ -356,14 +370,31 @@ def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: flo
                                workspace_limit=limit)
 
 
+def _pv8_attention(q, k, v, pre, picked, qk_precision: str, is_causal: bool, sm_scale, limit: int,
+                   choice: list | None) -> torch.Tensor:
+    """_fp4_attention's FP8 P·V tail: ``picked`` is _qk_selection's answer (a reason: every head FP4)."""
+    v8, v8s = _pv8.quant_mxfp8_cols(v, _attn.SEQ_PAD)
+    kw = {"is_causal": is_causal, "sm_scale": sm_scale, "out_dtype": q.dtype, "workspace_limit": limit}
+    if isinstance(picked, str):
+        if choice is not None:
+            choice.append(QkChoice.fp4_path(q, qk_precision, picked))
+        return _pv8.attention_pv8(pre, v8, v8s, **kw)
+    sel_q, sel_k, err = picked
+    if choice is not None:
+        choice.append(QkChoice(qk_precision, sel_q.view(torch.bool), err))
+    q8, q8s, k8, k8s = _kernels.mxfp8_smooth_quant_qk(q, k, pre, sel_q, sel_k, _attn.SEQ_PAD)
+    return _pv8.attention_pv8(pre, v8, v8s, head_sel=sel_q, q8=q8, q8_scales=q8s, k8=k8, k8_scales=k8s, **kw)
+
+
 def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool = True, sm_scale: float | None = None,
                          qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
                          qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool | None = None,
-                         qk_precision: str = reference.QK_PRECISION_DEFAULT):
+                         qk_precision: str = reference.QK_PRECISION_DEFAULT,
+                         pv_precision: str = reference.PV_PRECISION_DEFAULT):
     """The FP4 block-scaled attention kernel itself, without fallback: q, k, v as for
     ``sageattn3_blackwell`` (float16/bfloat16, D 64 or 128, GQA/MQA, any lengths); ``sm_scale``
-    defaults to 1/sqrt(D); ``qk_rotation``, ``qk_balance`` and ``qk_scale_search`` as for
-    ``sageattn3_blackwell``. Raises
+    defaults to 1/sqrt(D); ``qk_rotation``, ``qk_balance``, ``qk_scale_search``, ``qk_precision``
+    and ``pv_precision`` as for ``sageattn3_blackwell``. Raises
     NotImplementedError when this build has no attention kernel, RuntimeError when the kernel
     cannot run on q's device (the message says why, as ``backend()`` does) or when the device
     failed the self-check."""
@@ -374,6 +405,10 @@ def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool 
             "(falls back to SDPA) or sageattn3.reference.sageattn3"
         )
     _check_qkv(q, k, v)
+    pv = reference.pv_precision_arg(pv_precision)
+    if pv == "fp8" and not hasattr(torch.ops.sageattn3, "blockscaled_attn_pv8"):
+        raise NotImplementedError("sageattn3.blockscaled_fp4_attn: pv_precision='fp8' needs a build with the FP8 P·V "
+                                  "kernel (no blockscaled_attn_pv8 op)")
     path = _attention_path(q.device, q.shape[3])
     if not path.is_fp4:
         raise RuntimeError(f"sageattn3.blockscaled_fp4_attn cannot run here: {path.reason}")
@@ -385,5 +420,5 @@ def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool 
                                    qk_balance=qk_balance)
     return _fp4_attention(q, k, v, causal, pbm, sm_scale, qk_rotation=rot, qk_balance=bal,
                           qk_scale_search=_search(qk_scale_search),
-                          qk_precision=reference.qk_precision_arg(qk_precision))
+                          qk_precision=reference.qk_precision_arg(qk_precision), pv_precision=pv)
 

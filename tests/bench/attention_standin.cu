@@ -143,21 +143,40 @@ bool set_head_sel(A&, int, int, int, int, uint8_t, long) {
   return false;
 }
 
+// Fp4AttnArgs::v8 (P.V in MXFP8) where the tree has it: V's E4M3 codes and UE8M0 scales (1.0).
+template <class A>
+auto set_v8(A& a, int hkv, int pad, int D, int) -> decltype(a.v8 = nullptr, true) {
+  uint8_t *v8, *v8s;
+  const int64_t n = int64_t{hkv} * pad * D;
+  if (!ok(cudaMalloc(&v8, n), "malloc") || !ok(cudaMalloc(&v8s, n / 32), "malloc")) return false;
+  fill_bytes<<<1024, 256>>>(v8, n, 8, 0xBB, 0);
+  cudaMemset(v8s, 127, n / 32);
+  a.v8 = v8; a.v8_sf = v8s;
+  return true;
+}
+template <class A>
+bool set_v8(A&, int, int, int, long) {
+  std::fprintf(stderr, "attention_standin: this tree has no FP8 P.V\n");
+  return false;
+}
+
 int main(int argc, char** argv) {
   if (argc == 2 && std::strcmp(argv[1], "mma") == 0) return run_mma_rate();
   if (argc != 7) {
-    std::fprintf(stderr, "usage: attention_standin mma | D S HQ HKV CAUSAL defaults|bounded|one-mean|auto-fp4|fp8\n");
+    std::fprintf(stderr, "usage: attention_standin mma | D S HQ HKV CAUSAL defaults|bounded|one-mean|auto-fp4|fp8|pv8|qk8-pv8\n");
     return 2;
   }
   const int D = std::atoi(argv[1]), S = std::atoi(argv[2]), hq = std::atoi(argv[3]), hkv = std::atoi(argv[4]);
   const int causal = std::atoi(argv[5]);
   // auto-fp4: the "auto" path where the rule picked no head (both kernels launched, FP8 skips all);
   // fp8: every head's Q.K^T in FP8. Both with the defaults' workspace.
-  const bool auto_fp4 = std::strcmp(argv[6], "auto-fp4") == 0, all_fp8 = std::strcmp(argv[6], "fp8") == 0;
-  const bool work = std::strcmp(argv[6], "defaults") == 0 || auto_fp4 || all_fp8;
+  // pv8: P.V in MXFP8 with FP4 Q.K^T; qk8-pv8: both in FP8 (every head).
+  const bool pv8 = std::strcmp(argv[6], "pv8") == 0, qk8_pv8 = std::strcmp(argv[6], "qk8-pv8") == 0;
+  const bool auto_fp4 = std::strcmp(argv[6], "auto-fp4") == 0, all_fp8 = std::strcmp(argv[6], "fp8") == 0 || qk8_pv8;
+  const bool work = std::strcmp(argv[6], "defaults") == 0 || auto_fp4 || all_fp8 || pv8;
   const bool blocks = work || std::strcmp(argv[6], "bounded") == 0;
   if (!blocks && std::strcmp(argv[6], "one-mean") != 0) {
-    std::fprintf(stderr, "attention_standin: mode must be defaults, bounded, one-mean, auto-fp4 or fp8, got %s\n", argv[6]);
+    std::fprintf(stderr, "attention_standin: mode must be defaults, bounded, one-mean, auto-fp4, fp8, pv8 or qk8-pv8, got %s\n", argv[6]);
     return 2;
   }
   const int pad = (S + 127) / 128 * 128, mblocks = blocks ? pad / 128 : 1;
@@ -201,6 +220,7 @@ int main(int argc, char** argv) {
     set_ds_work(a, ws, n, 0);
   }
   if ((auto_fp4 || all_fp8) && !set_head_sel(a, hq, hkv, pad, D, all_fp8 ? 1 : 0, 0)) return 1;
+  if ((pv8 || qk8_pv8) && !set_v8(a, hkv, pad, D, 0)) return 1;
   if (!ok(static_cast<cudaError_t>(fp4_attn_fwd(a, nullptr)), "fp4_attn_fwd") || !ok(cudaDeviceSynchronize(), "run"))
     return 1;
   const float ms = median_ms([&] { fp4_attn_fwd(a, nullptr); }, S >= 16384 ? 7 : 15);

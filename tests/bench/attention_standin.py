@@ -1,5 +1,5 @@
 """The FP4 attention kernel timed on an H100 through a timing stand-in:
-python tests/bench/attention_standin.py [--quick] [--json FILE] [--baseline TREE]
+python tests/bench/attention_standin.py [--quick] [--precision-only] [--json FILE] [--baseline TREE]
 
 The H100 has no block-scaled FP4 MMA; the test flavour runs it as a software model, which makes
 the kernel's time meaningless. This builds tests/bench/attention_standin.cu against the kernel's
@@ -43,6 +43,7 @@ GQA = ((32, 8),)  # (q heads, kv heads)
 MODES = ("defaults", "bounded", "one-mean")
 BASE_MODES = ("defaults", "one-mean")
 QK_MODES = ("defaults", "auto-fp4", "fp8")  # a baseline tree from before the workspace: no bounded mode
+PV_MODES = ("defaults", "pv8", "fp8", "qk8-pv8")  # FP8 P·V (opt-in) beside FP4 and FP8 Q·Kᵀ
 
 
 def build(nvcc: Path, out: Path, n_mma: int, csrc: Path = CSRC, tag: str = "") -> Path:
@@ -137,6 +138,8 @@ def main(argv: list[str]) -> int:
         seqs = (4096, 32768) if quick else SEQS
         configs = [(d, s, HEADS, HEADS, c) for d in (128, 64) for c in (0, 1) for s in seqs]
         configs += [(128, s, hq, hkv, c) for hq, hkv in GQA for c in (0, 1) for s in (8192, 32768)]
+        if "--precision-only" in argv:  # only the tables of the per-head Q·Kᵀ precision and of FP8 P·V
+            configs = []
         hdr = (f"{'D':>4} {'tokens':>6} {'heads':>6} {'causal':>6} | {'SDPA ms':>8} {'TOPS':>5} | "
                + (f"{'before: defaults ms':>19} {'one-mean ms':>11} | " if base else "") + f"{'defaults ms':>11} "
                f"{'TOPS':>5} {'/SDPA':>6} | {'bounded ms':>10} | {'one-mean ms':>11} {'TOPS':>5} | {'defaults/one-mean':>17} | "
@@ -173,6 +176,18 @@ def main(argv: list[str]) -> int:
                 row[m] = run(exe4, d, s, HEADS, HEADS, 0, m)["ms"]
             print(f"{d:>4} {s:>6} {f'{HEADS}/{HEADS}':>6} {0:>6} | {row['defaults']:8.3f} {row['auto-fp4']:20.3f} "
                   f"{row['fp8']:10.3f} | {row['auto-fp4'] / row['defaults']:8.3f} {row['fp8'] / row['defaults']:7.3f}")
+            results["rows"].append(row)
+        # FP8 P·V (pv_precision="fp8", opt-in): every head, with FP4 or FP8 Q·Kᵀ
+        print("\nFP8 P·V (x4 stand-in; FP8 MMAs issued as FP4's: half the work at half the rate)")
+        print(f"{'D':>4} {'tokens':>6} {'heads':>6} {'causal':>6} | {'fp4 ms':>8} {'pv8 ms':>8} {'qk8 ms':>8} "
+              f"{'qk8+pv8 ms':>10} | {'pv8/fp4':>7} {'qk8+pv8/qk8':>11}")
+        for d, s, c in [(d, s, c) for d in (128, 64) for c in (0, 1) for s in ((8192, 32768) if not quick else (32768,))]:
+            row = {"D": d, "S": s, "hq": HEADS, "hkv": HEADS, "causal": c, "pv": True}
+            for m in PV_MODES:
+                row[m] = run(exe4, d, s, HEADS, HEADS, c, m)["ms"]
+            print(f"{d:>4} {s:>6} {f'{HEADS}/{HEADS}':>6} {c:>6} | {row['defaults']:8.3f} {row['pv8']:8.3f} "
+                  f"{row['fp8']:8.3f} {row['qk8-pv8']:10.3f} | {row['pv8'] / row['defaults']:7.3f} "
+                  f"{row['qk8-pv8'] / row['fp8']:11.3f}")
             results["rows"].append(row)
     if json_out:
         json_out.write_text(json.dumps(results, indent=1))

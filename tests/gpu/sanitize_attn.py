@@ -23,6 +23,19 @@ def main() -> None:
         out = _attn.attention_from_preprocessed(pre, is_causal=causal)
         torch.cuda.synchronize()
         print(d, causal, sq, sk, float(out.float().abs().mean()))
+    # FP8 P·V (pv_precision="fp8"): FP4 Q·Kᵀ, and FP8 Q·Kᵀ on every other head
+    from sageattn3 import _pv8
+
+    for d, causal, sq, sk, hq, hk in ((128, True, 200, 200, 2, 1), (64, False, 130, 300, 2, 2)):
+        q, k, v = make_qkv(1, hq, hk, sq, sk, d, torch.bfloat16)
+        pre = ref.preprocess(q, k, v, pad=128, qk_precision="fp8", pv_precision="fp8")
+        v8, v8s = _pv8.quant_mxfp8_cols(v, 128)
+        out = _pv8.attention_pv8(pre, v8, v8s, is_causal=causal)
+        sel = (torch.arange(hq, device="cuda") % 2 == 0).to(torch.uint8).view(1, hq)
+        out8 = _pv8.attention_pv8(pre, v8, v8s, head_sel=sel, q8=pre.q8, q8_scales=pre.q8_scales, k8=pre.k8,
+                                  k8_scales=pre.k8_scales, is_causal=causal)
+        torch.cuda.synchronize()
+        print("pv8", d, causal, sq, sk, float(out.float().abs().mean()), float(out8.float().abs().mean()))
     a = torch.randint(0, 256, (4, 16, 32), dtype=torch.uint8, device="cuda")
     b = torch.randint(0, 256, (4, 8, 32), dtype=torch.uint8, device="cuda")
     s = torch.full((4, 16, 4), 0x38, dtype=torch.uint8, device="cuda")

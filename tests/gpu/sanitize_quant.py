@@ -72,6 +72,7 @@ def main() -> int:
             print(f"smooth_quant_qk {str(dtype):15s} {(gq, sq, gk, sk, d)}: {'ok' if ok else 'MISMATCH'}")
     bad += _rule_kernel()
     bad += _mxfp8_kernels()
+    bad += _v_mxfp8()
     torch.cuda.synchronize()
     print("sanitize_quant:", "all ok" if not bad else f"{bad} mismatches")
     return 1 if bad else 0
@@ -140,6 +141,24 @@ def _mxfp8_kernels() -> int:
                 bad += not ok
                 print(f"mxfp8_smooth_quant_qk {str(dtype):15s} {(b, hq, hk, sq, sk, d)} {sorted(kw)}: "
                       f"{'ok' if ok else 'MISMATCH'}")
+    return bad
+
+
+def _v_mxfp8() -> int:
+    """V's MXFP8 quantizer of the FP8 P·V path (quant_mxfp8_cols) on ragged shapes and key
+    paddings, against reference.quantize_mxfp8_transposed of V padded with zero keys (bit for bit)."""
+    from sageattn3 import _pv8
+    from sageattn3 import reference as ref
+
+    bad = 0
+    for dtype in (torch.bfloat16, torch.float16):
+        for shape, pad in [((1, 1, 1, 64), 128), ((2, 3, 77, 80), 32), ((1, 2, 300, 128), 128), ((3, 1, 129, 16), 64)]:
+            v = torch.randn(shape, dtype=dtype, device="cuda") * 5
+            codes, scales = _pv8.quant_mxfp8_cols(v, pad)
+            wc, ws = ref.quantize_mxfp8_transposed(ref.pad_dim(v.float().cpu(), -2, pad))
+            ok = torch.equal(codes.view(torch.uint8).cpu(), wc.view(torch.uint8)) and torch.equal(scales.cpu(), ws)
+            bad += not ok
+            print(f"quant_mxfp8_cols {str(dtype):15s} {shape} pad {pad}: {'ok' if ok else 'MISMATCH'}")
     return bad
 
 

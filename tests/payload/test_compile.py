@@ -83,11 +83,12 @@ class RefKernel:
         self.calls = 0
 
     def __call__(self, q, k, v, is_causal, per_block_mean, sm_scale=None, qk_rotation=ref.QK_ROTATION_DEFAULT,
-                 qk_balance=ref.QK_BALANCE_DEFAULT, qk_scale_search=False, qk_precision="fp4", choice=None):
+                 qk_balance=ref.QK_BALANCE_DEFAULT, qk_scale_search=False, qk_precision="fp4", choice=None,
+                 pv_precision="fp4"):
         self.calls += 1
         return ref.sageattn3(q, k, v, is_causal=is_causal, per_block_mean=per_block_mean,
-                             qk_rotation=qk_rotation, qk_balance=qk_balance,
-                             qk_scale_search=qk_scale_search, qk_precision=qk_precision).to(q.dtype)
+                             qk_rotation=qk_rotation, qk_balance=qk_balance, qk_scale_search=qk_scale_search,
+                             qk_precision=qk_precision, pv_precision=pv_precision).to(q.dtype)
 
 
 def fp4_on_cpu(monkeypatch):
@@ -124,6 +125,21 @@ def test_fp4_path_compiles_to_one_custom_op(monkeypatch, causal):
     assert torch.equal(out, eager)
     assert torch.equal(out, ref.sageattn3(q, k, v, is_causal=causal).to(q.dtype))
     assert out.is_contiguous() and out.shape == q.shape and out.dtype == q.dtype
+
+
+def test_pv_precision_reaches_the_kernel_eager_and_compiled(monkeypatch):
+    """pv_precision="fp8" travels to the FP4 path (here the reference: its FP8 P·V output), in eager
+    calls and through the compiled custom op; a bad value is refused before anything runs."""
+    fp4_on_cpu(monkeypatch)
+    q, k, v = qkv(1, 4, 2, 77, 90, 64)
+    want = ref.sageattn3(q, k, v, is_causal=True, pv_precision="fp8").to(q.dtype)
+    assert torch.equal(sageattn3.sageattn3_blackwell(q, k, v, is_causal=True, pv_precision="fp8"), want)
+    torch._dynamo.reset()
+    compiled = torch.compile(sageattn3.sageattn3_blackwell, fullgraph=True)
+    assert torch.equal(compiled(q, k, v, is_causal=True, pv_precision="fp8"), want)
+    assert not torch.equal(want, ref.sageattn3(q, k, v, is_causal=True).to(q.dtype))
+    with pytest.raises(ValueError, match="pv_precision must be one of"):
+        sageattn3.sageattn3_blackwell(q, k, v, pv_precision="fp16")
 
 
 def test_unsupported_head_dim_stays_sdpa_under_compile(monkeypatch):

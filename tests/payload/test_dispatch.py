@@ -177,11 +177,12 @@ class Kernel:
         self.calls = []
 
     def __call__(self, q, k, v, is_causal, per_block_mean, sm_scale=None, qk_rotation=ref.QK_ROTATION_DEFAULT,
-                 qk_balance=ref.QK_BALANCE_DEFAULT, qk_scale_search=False, qk_precision="fp4", choice=None):
+                 qk_balance=ref.QK_BALANCE_DEFAULT, qk_scale_search=False, qk_precision="fp4", choice=None,
+                 pv_precision="fp4"):
         self.calls.append((tuple(q.shape), tuple(k.shape), q.dtype, is_causal, per_block_mean))
         out = ref.sageattn3(q, k, v, is_causal=is_causal, per_block_mean=per_block_mean, sm_scale=sm_scale,
                             qk_rotation=qk_rotation, qk_balance=qk_balance, qk_scale_search=qk_scale_search,
-                            qk_precision=qk_precision)
+                            qk_precision=qk_precision, pv_precision=pv_precision)
         if self.corrupt is not None:
             out = self.corrupt(q, k, v, is_causal, out)
         return out.to(q.dtype)
@@ -358,6 +359,32 @@ def test_self_check_runs_the_whole_correction():
         bad = _selfcheck.run("cpu", _variant_attention(variant))
         assert not bad.ok, (variant, bad.figures)
         assert all(not _selfcheck._passes(f) for f in bad.figures), (variant, bad.figures)
+
+
+def test_self_check_leaves_out_what_the_bounded_mode_never_runs(monkeypatch):
+    """With SAGEATTN3_DELTA_S_WORKSPACE_MIB=0 no call can take FP8 Q·Kᵀ ("auto" stays FP4, "fp8"
+    raises), so the check runs the FP4 cases only, says so, and passes: a user who bounds the
+    memory keeps the FP4 kernel. With the default workspace every case runs."""
+    from sageattn3 import _attn
+
+    calls = []
+
+    def attention(q, k, v, c, pbm, qk_precision):
+        calls.append(qk_precision)
+        if qk_precision == "fp8" and _attn.delta_s_workspace_limit() == 0:
+            raise ValueError("the FP8 Q·Kᵀ kernel needs the delta_s workspace")
+        return ref.sageattn3(q, k, v, is_causal=c, per_block_mean=pbm, qk_precision=qk_precision).to(q.dtype)
+
+    monkeypatch.setenv(_attn.WORKSPACE_ENV, "0")
+    r = _selfcheck.run("cpu", attention)
+    assert r.ok and calls == ["fp4", "fp4"] and len(r.figures) == 2, r.summary()
+    assert len(r.left_out) == 1 and _attn.WORKSPACE_ENV in r.left_out[0] and "fp8" in r.left_out[0]
+    monkeypatch.setenv(_attn.WORKSPACE_ENV, "1")  # 1 MiB holds the check's rows
+    calls.clear()
+    r = _selfcheck.run("cpu", attention)
+    assert r.ok and calls == [c[7] for c in _selfcheck.CASES] and r.left_out == []
+    monkeypatch.setenv(_attn.WORKSPACE_ENV, "lots")  # malformed: the case runs and its call names the variable
+    assert _selfcheck._runnable(_selfcheck.CASES[2], _selfcheck.Result(ok=True, device="cpu"))
 
 
 def test_self_check_thresholds():

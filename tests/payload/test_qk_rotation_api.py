@@ -24,7 +24,8 @@ def test_keyword_reaches_the_fp4_path(monkeypatch):
     seen, balanced, searched = [], [], []
 
     def kernel(q, k, v, is_causal, per_block_mean, sm_scale=None, qk_rotation=ref.QK_ROTATION_DEFAULT,
-               qk_balance=ref.QK_BALANCE_DEFAULT, qk_scale_search=False, qk_precision="fp4", choice=None):
+               qk_balance=ref.QK_BALANCE_DEFAULT, qk_scale_search=False, qk_precision="fp4", choice=None,
+               pv_precision="fp4"):
         seen.append(qk_rotation)
         balanced.append(qk_balance)
         searched.append(qk_scale_search)

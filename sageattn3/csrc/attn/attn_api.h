@@ -66,6 +66,11 @@ struct Fp4AttnArgs {
   const void* q8_sf;
   const void* k8;
   const void* k8_sf;
+  // P.V in MXFP8 (pv_precision "fp8"; null v8: NVFP4 P.V, as before): v8 (B, Hkv, D, Sk_pad) E4M3
+  // bytes and v8_sf (B, Hkv, D, Sk_pad/32) UE8M0 (reference.quantize_mxfp8_transposed of the padded
+  // V; v and v_sf are then unused). Like FP8 Q.K^T, needs delta_s rows (not the bounded-memory mode).
+  const void* v8;
+  const void* v8_sf;
 };
 
 // Launches the attention forward on `stream` (device = current device). Returns a cudaError_t;

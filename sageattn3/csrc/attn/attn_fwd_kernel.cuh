@@ -30,13 +30,16 @@
 #include "attn/fragments.cuh"
 #include "attn/softmax_pquant.cuh"
 #include "attn/tma_pipeline.cuh"
+#include "common/mxfp8.cuh"
 
 namespace sageattn3::attn {
 
 // kQK8: the FP8 Q.K^T instantiation (MXFP8 Q and K: one E4M3 byte per element, one UE8M0 scale
 // per 32; attn/fp4_mma.cuh, mma_fp8). Its Q and K tiles are twice the FP4 ones, so at D 128 it runs
 // two stages instead of three to stay within sm_120's 99 KiB of shared memory per CTA.
-template <int D, bool kQK8 = false>
+// kPV8: the FP8 P.V instantiation (pv_precision "fp8": P and V in MXFP8, V's tile one E4M3 byte per
+// element, D rows of 128 keys, TMA-swizzled by 128 bytes; one UE8M0 scale per channel and 32 keys).
+template <int D, bool kQK8 = false, bool kPV8 = false>
 struct SmemLayout {
   static constexpr int kStages = (kQK8 && D == 128) ? 2 : ::sageattn3::attn::kStages;
   static constexpr int kRowBytes = kQK8 ? D : D / 2;     // bytes per row of Q / K
@@ -45,7 +48,8 @@ struct SmemLayout {
   static constexpr int kQSfBytes = kBlockM * kSfRowBytes;
   static constexpr int kKBytes = kBlockN * kRowBytes;
   static constexpr int kKSfBytes = kBlockN * kSfRowBytes;
-  static constexpr int kVBytes = D * kBlockN / 2;
+  static constexpr int kVRowBytes = kPV8 ? kBlockN : kBlockN / 2;  // bytes per channel row of the V tile
+  static constexpr int kVBytes = D * kVRowBytes;
   // delta_s of keys 2i, 2i+1, twice: 16 bytes per pair, 16 bytes of padding after every 8 pairs
   // (delta_pair_offset)
   static constexpr int kDeltaBytes = kBlockN * 8 + kBlockN;
@@ -113,9 +117,9 @@ __device__ __forceinline__ TileCoord decode_tile(const AttnParams& p, int tile) 
 // tile's Q when it enters the tile. Thread 0 is also a consumer, so it never waits for a stage that
 // its own warp has not released: stage n + kStages - 1 is issued at the start of iteration n,
 // after every warp (its own included) released stage n - 1.
-template <int D, bool kQK8 = false, bool kSelect = true>
+template <int D, bool kQK8 = false, bool kSelect = true, bool kPV8 = false>
 struct Producer {
-  using L = SmemLayout<D, kQK8>;
+  using L = SmemLayout<D, kQK8, kPV8>;
   static constexpr int kStages = L::kStages;
   // Lives in shared memory: only thread 0 touches it, and keeping it out of registers leaves the
   // register budget (identical for all threads) to the MMA accumulators.
@@ -160,7 +164,7 @@ struct Producer {
       const int k_row0 = kv_bh * p.seq_k_pad + kb * kBlockN;
       tma_load_2d(stage + L::kStageK, &p.tm_k, &full[st], 0, k_row0);
       tma_load_2d(stage + L::kStageKSf, &p.tm_k_sf, &full[st], 0, k_row0 / kBlockN * L::kSfRowBytes);
-      tma_load_2d(stage + L::kStageV, &p.tm_v, &full[st], kb * (kBlockN / 2), kv_bh * D);
+      tma_load_2d(stage + L::kStageV, &p.tm_v, &full[st], kb * L::kVRowBytes, kv_bh * D);
       ++n;
       if (++kb == c.num_kb) {
         kb = 0;
@@ -174,6 +178,12 @@ struct Producer {
 __device__ __forceinline__ uint4 lds_u4(uint32_t saddr) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(saddr));
+  return v;
+}
+
+__device__ __forceinline__ uint2 lds_u2(uint32_t saddr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(saddr));
   return v;
 }
 
@@ -295,9 +305,86 @@ __device__ __forceinline__ void qk8_half(float (&s)[4], const uint32_t (&a0)[4],
   mma_fp8<2 * H + 1, 2 * H + 1>(s, a1, b1, s, q_sf, k_sf);
 }
 
-template <int D, bool kInLoopResidual, bool kQK8 = false>
+// P.V in MXFP8 (kPV8), with
+//   mma.sync ... kind::mxf8f6f4.block_scale.scale_vec::1X.m16n8k32 ... e4m3.e4m3.f32.ue8m0 (mma_fp8)
+// per 32-key chunk C of the stage (keys 32C .. 32C+31). S's key order (key_of) already gives lane
+// (g, t) keys 32C + 8t + i, i = 2jj + (e & 1), in accumulator e of n-tile 4C + jj: the 8 keys of
+// the chunk it holds per row. The MMA's k index is a free relabelling of the chunk's keys (A and B
+// only have to agree): k 4t + i is key 8t + i and k 16 + 4t + i is key 8t + 4 + i (i < 4). So P's
+// A fragment is the lane's own values (a0/a1: n-tiles 4C, 4C+1; a2/a3: 4C+2, 4C+3; rows g, g+8)
+// and B (channel d = 8n + g) is 8 consecutive bytes of V's row d at keys 32C + 8t: b0 the low
+// word, b1 the high one (one 8-byte shared load, conflict-free under the 128-byte swizzle: rows
+// 8n .. 8n+7 XOR distinct 16-byte chunks). P's 32-key block is the chunk: one UE8M0 byte per row
+// from the chunk's amax (exp2 of its largest exponent, as the FP4 path's block amax). SF_A of row
+// g comes from lane 4g, of row g + 8 from lane 4g + 1 (byte 0); SF_B of channel d from lane 4g,
+// byte C of the stage's scale word of channel d (its 4 chunks).
+
+// P's chunk C to MXFP8: pa (the A fragment) and this lane's row's scale byte (t & 1: row g + 8).
+// The block amax is the largest P of the row's 32 keys (this lane's 8, then lanes t^1 and t^2):
+// exactly the reference's, and nothing of the softmax's block maxima stays live into P.V.
+template <int C>
+__device__ __forceinline__ void pv8_quantize(const float (&s)[kBlockN / 8][4], int t, uint32_t (&pa)[4],
+                                             uint32_t& p_sf) {
+  constexpr int j = 4 * C;
+  uint32_t b[2];
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float m = fmaxf(s[j][2 * r], s[j][2 * r + 1]);
+#pragma unroll
+    for (int jj = 1; jj < 4; ++jj) m = fmaxf(m, fmaxf(s[j + jj][2 * r], s[j + jj][2 * r + 1]));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    b[r] = ue8m0_byte(m);  // common/mxfp8.cuh: reference.ue8m0_scale_byte
+    inv[r] = ue8m0_inverse(b[r]);
+  }
+  pa[0] = e4m3x4_rn(s[j][0], s[j][1], s[j + 1][0], s[j + 1][1], inv[0]);
+  pa[1] = e4m3x4_rn(s[j][2], s[j][3], s[j + 1][2], s[j + 1][3], inv[1]);
+  pa[2] = e4m3x4_rn(s[j + 2][0], s[j + 2][1], s[j + 3][0], s[j + 3][1], inv[0]);
+  pa[3] = e4m3x4_rn(s[j + 2][2], s[j + 2][3], s[j + 3][2], s[j + 3][3], inv[1]);
+  p_sf = (t & 1) ? b[1] : b[0];
+}
+
+// o += P's chunk C x V's channels 8n .. 8n+7 (v_rows: row 8n of the stage's V tile; v_lane: this
+// lane's row g and swizzled byte 8t; v_sf: channel 8n + g's scale word).
+template <int C>
+__device__ __forceinline__ void pv8_mma(float (&o)[4], const uint32_t (&pa)[4], uint32_t p_sf, uint32_t v_rows,
+                                        uint32_t v_lane, uint32_t v_sf) {
+  // v_lane's swizzled chunk bits (4..6) XOR the chunk term 32C (bits 5, 6): the chunk's bytes
+  const uint2 vf = lds_u2(v_rows + (v_lane ^ (32 * C)));
+  const uint32_t vb[2] = {vf.x, vf.y};
+  mma_fp8<0, C>(o, pa, vb, o, p_sf, v_sf);
+}
+
+// Chunks C0 .. C0 + G - 1 of P.V (G = 1, 2 or 4): P's chunks to MXFP8, then per 8 channels the
+// chunks' MMAs (the channel's scale word once). bm[q][h][r]: as in consumer (chunk 2q + h).
+template <int C0, int G, int D>
+__device__ __forceinline__ void pv8_pass(float (&o)[D / 8][4], const float (&s)[kBlockN / 8][4], int t,
+                                         uint32_t v_tile, uint32_t v_lane, uint32_t vsf_lane) {
+  static_assert(G == 1 || G == 2 || G == 4, "chunks per pass");
+  uint32_t pa[G][4], p_sf[G];
+  pv8_quantize<C0>(s, t, pa[0], p_sf[0]);
+  if constexpr (G > 1) pv8_quantize<C0 + 1>(s, t, pa[1], p_sf[1]);
+  if constexpr (G > 2) {
+    pv8_quantize<C0 + 2>(s, t, pa[2], p_sf[2]);
+    pv8_quantize<C0 + 3>(s, t, pa[3], p_sf[3]);
+  }
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    const uint32_t v_sf = lds_u32(vsf_lane + 32 * n);
+    const uint32_t v_rows = v_tile + n * 8 * kBlockN;
+    pv8_mma<C0>(o[n], pa[0], p_sf[0], v_rows, v_lane, v_sf);
+    if constexpr (G > 1) pv8_mma<C0 + 1>(o[n], pa[1], p_sf[1], v_rows, v_lane, v_sf);
+    if constexpr (G > 2) {
+      pv8_mma<C0 + 2>(o[n], pa[2], p_sf[2], v_rows, v_lane, v_sf);
+      pv8_mma<C0 + 3>(o[n], pa[3], p_sf[3], v_rows, v_lane, v_sf);
+    }
+  }
+}
+
+template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false>
 __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int warp) {
-  using L = SmemLayout<D, kQK8>;
+  using L = SmemLayout<D, kQK8, kPV8>;
   constexpr int kStages = L::kStages;
   constexpr int kRow = L::kRowBytes;
   constexpr int kChunks = kRow / 32;    // MMA k-chunks of the head dim (32 bytes each: k64 FP4, k32 FP8)
@@ -313,7 +400,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   const int row_in_tile = warp * 16;
 
   const bool is_producer = threadIdx.x == 0;
-  using Prod = Producer<D, kQK8, !kInLoopResidual>;
+  using Prod = Producer<D, kQK8, !kInLoopResidual, kPV8>;
   Prod& prod = *reinterpret_cast<Prod*>(smem + L::kProducerState);
   if (is_producer) prod.start(p);
 
@@ -323,7 +410,9 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   const uint32_t k_lane_row = (kChunks == 2 ? key_of(0, lane & 7) : key_of(0, lane & 7) + 2 * (lane >> 4)) * (D / 2);
   const uint32_t k_lane_col = kChunks == 2 ? 16 * (lane >> 3) : 16 * ((lane >> 3) & 1);
   const uint32_t ksf_lane = key_of(0, g) * (D / 16) + (kChunks == 2 ? 4 * (t & 1) : 0);
-  const uint32_t v_lane = swizzled<kBlockN / 2>((lane & 7) * (kBlockN / 2) + 16 * (lane >> 3));
+  // FP4 V: ldmatrix rows; FP8 V (kPV8): row g, bytes 8t of a chunk, under the 128-byte swizzle
+  const uint32_t v_lane = kPV8 ? g * kBlockN + ((8 * t) ^ (g << 4))
+                               : swizzled<kBlockN / 2>((lane & 7) * (kBlockN / 2) + 16 * (lane >> 3));
   // delta_pair_offset(key_of(j, 0) / 2 + 4t) = delta_pair_offset(key_of(j, 0) / 2) + this
   const uint32_t delta_lane = 16 * (4 * t) + 16 * (t >> 1);
 
@@ -393,8 +482,12 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
     const int row_g = m0 + row_in_tile + g;  // this lane's rows: row_g, row_g + 8
     // V scales of a stage: thread i < 2D copies row d = i / 2, bytes 4(i & 1) .. +3 of the stage's 8
     // into the stage (d x 8 bytes); lane 4g + t reads d = 8n + g, bytes 4(t & 1) (key chunk t & 1).
-    const uint8_t* v_sf_copy = v_sf_head + static_cast<int64_t>(threadIdx.x >> 1) * (p.seq_k_pad / 16) + 4 * (threadIdx.x & 1);
-    const uint32_t v_sf_lane = g * 8 + 4 * (t & 1);
+    // kPV8 (v_sf: (B, Hkv, D, Sk_pad/32) UE8M0): thread i < D copies channel i's 4 bytes of the stage
+    // into the stage (D x 4 bytes); lane 4g + t reads channel 8n + g's word (byte = key chunk).
+    const uint8_t* v_sf_copy =
+        kPV8 ? p.v_sf + (static_cast<int64_t>(kv_bh) * D + threadIdx.x) * (p.seq_k_pad / 32)
+             : v_sf_head + static_cast<int64_t>(threadIdx.x >> 1) * (p.seq_k_pad / 16) + 4 * (threadIdx.x & 1);
+    const uint32_t v_sf_lane = kPV8 ? 4 * g : g * 8 + 4 * (t & 1);
 
     for (int kb = 0; kb < c.num_kb; ++kb, ring.advance()) {
       const int k0 = kb * kBlockN;
@@ -421,8 +514,8 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
         // pair layout {d[2i], d[2i+1], d[2i], d[2i+1]}: the two threads of key ds_k write a copy each
         sts_f32(stage + L::kStageDelta + delta_pair_offset(ds_k >> 1) + 8 * ds_half + 4 * (ds_k & 1),
                 __fadd_rn(__ldg(ds_key_row + k0 + ds_k), res));
-        if (threadIdx.x < 2 * D) {
-          const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(v_sf_copy + k0 / 16));
+        if (threadIdx.x < (kPV8 ? D : 2 * D)) {
+          const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(v_sf_copy + k0 / (kPV8 ? 32 : 16)));
           asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage + L::kStageVSf + 4 * threadIdx.x), "r"(w) : "memory");
         }
       }
@@ -526,7 +619,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
           o[n][2 * r] *= alpha;
           o[n][2 * r + 1] *= alpha;
         }
-        bias[r] = kLog2P2Max - m_use;
+        bias[r] = (kPV8 ? 0.f : kLog2P2Max) - m_use;  // FP8 P: P = exp2(t - m), no 2688 factor
       }
 #pragma unroll
       for (int j = 0; j < kNT; ++j) {
@@ -538,37 +631,54 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
         }
       }
 
-      // ---- P2 -> NVFP4 (level 2) and O += P V ----
-      uint32_t pa[kBlockN / 64][4], p_sf[kBlockN / 64];
+      if constexpr (kPV8) {
+        // ---- P -> MXFP8 and O += P V, per 32-key chunk (pv8_quantize, pv8_mma) ----
+        static_assert(kBlockN == 128, "four 32-key chunks per stage");
+        // chunks per pass (P's codes of G chunks live at once): what spills least at sm_120a (ptxas
+        // 13.0): with FP4 Q.K^T two passes of two (none; one of four spills 60/96 bytes at D 128),
+        // with FP8 Q.K^T at D 128 one pass of four (20/20 bytes outside the key loop, as the FP8
+        // Q.K^T kernel alone; two passes of two spill 32/36)
+        constexpr int G = (kQK8 && D == 128) ? 4 : 1;
+        const uint32_t v_tile = stage + L::kStageV, vsf_lane = stage + L::kStageVSf + v_sf_lane;
+        pv8_pass<0, G, D>(o, s, t, v_tile, v_lane, vsf_lane);
+        if constexpr (G < 4) pv8_pass<G, G, D>(o, s, t, v_tile, v_lane, vsf_lane);
+        if constexpr (G == 1) {
+          pv8_pass<2, G, D>(o, s, t, v_tile, v_lane, vsf_lane);
+          pv8_pass<3, G, D>(o, s, t, v_tile, v_lane, vsf_lane);
+        }
+      } else {
+        // ---- P2 -> NVFP4 (level 2) and O += P V ----
+        uint32_t pa[kBlockN / 64][4], p_sf[kBlockN / 64];
 #pragma unroll
-      for (int q = 0; q < kBlockN / 64; ++q) {
-        float pv[2][2][8];  // [h][r][i]: row g+8r, keys 64q + 32h + 8t + i
+        for (int q = 0; q < kBlockN / 64; ++q) {
+          float pv[2][2][8];  // [h][r][i]: row g+8r, keys 64q + 32h + 8t + i
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+          for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int jj = 0; jj < 4; ++jj)
+            for (int jj = 0; jj < 4; ++jj)
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              pv[h][r][2 * jj] = s[8 * q + 4 * h + jj][2 * r];
-              pv[h][r][2 * jj + 1] = s[8 * q + 4 * h + jj][2 * r + 1];
-            }
-        float amax[2][2];
+              for (int r = 0; r < 2; ++r) {
+                pv[h][r][2 * jj] = s[8 * q + 4 * h + jj][2 * r];
+                pv[h][r][2 * jj + 1] = s[8 * q + 4 * h + jj][2 * r + 1];
+              }
+          float amax[2][2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+          for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int r = 0; r < 2; ++r) amax[h][r] = fast_exp2(fmaf(bm[q][h][r], p.scale_log2, bias[r]));
-        quantize_p_chunk(pv, amax, pa[q], p_sf[q]);
-      }
+            for (int r = 0; r < 2; ++r) amax[h][r] = fast_exp2(fmaf(bm[q][h][r], p.scale_log2, bias[r]));
+          quantize_p_chunk(pv, amax, pa[q], p_sf[q]);
+        }
 #pragma unroll
-      for (int n = 0; n < kDT; ++n) {
-        // V^T rows d = 8n .. 8n+7; matrices = key bytes [0,16) [16,32) [32,48) [48,64)
-        const uint32_t v_sf = lds_u32(stage + L::kStageVSf + v_sf_lane + 64 * n);
-        uint32_t vf[4];
-        ldmatrix_x4(vf, stage + L::kStageV + v_lane + 8 * n * (kBlockN / 2));
-        const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
-        // SF_B of column d = 8n+g for key chunk q sits in lane 4g + q: thread-id-b = q
-        mma_fp4<0, 0>(o[n], pa[0], b0, o[n], p_sf[0], v_sf);
-        mma_fp4<0, 1>(o[n], pa[1], b1, o[n], p_sf[1], v_sf);
+        for (int n = 0; n < kDT; ++n) {
+          // V^T rows d = 8n .. 8n+7; matrices = key bytes [0,16) [16,32) [32,48) [48,64)
+          const uint32_t v_sf = lds_u32(stage + L::kStageVSf + v_sf_lane + 64 * n);
+          uint32_t vf[4];
+          ldmatrix_x4(vf, stage + L::kStageV + v_lane + 8 * n * (kBlockN / 2));
+          const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
+          // SF_B of column d = 8n+g for key chunk q sits in lane 4g + q: thread-id-b = q
+          mma_fp4<0, 0>(o[n], pa[0], b0, o[n], p_sf[0], v_sf);
+          mma_fp4<0, 1>(o[n], pa[1], b1, o[n], p_sf[1], v_sf);
+        }
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[st]);
@@ -584,9 +694,9 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   }
 }
 
-template <int D, bool kInLoopResidual, bool kQK8 = false>
+template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false>
 __device__ __forceinline__ void attn_fwd_body(const AttnParams& p) {
-  using L = SmemLayout<D, kQK8>;
+  using L = SmemLayout<D, kQK8, kPV8>;
   constexpr int kStages = L::kStages;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -602,7 +712,7 @@ __device__ __forceinline__ void attn_fwd_body(const AttnParams& p) {
     mbar_init_fence();
   }
   __syncthreads();
-  consumer<D, kInLoopResidual, kQK8>(p, smem, warp);
+  consumer<D, kInLoopResidual, kQK8, kPV8>(p, smem, warp);
 }
 
 }  // namespace sageattn3::attn

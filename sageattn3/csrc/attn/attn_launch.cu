@@ -20,9 +20,10 @@ namespace attn {
 // key by delta_s_blocks_kernel), true corrects ds_key by r . K^ per key tile in its loop (per-block
 // Q means without a workspace for delta_s: the bounded-memory mode); kQK8 computes Q.K^T from the
 // MXFP8 operands (the heads the per-head precision picked; delta_s read as without kInLoopResidual).
-template <int D, bool kInLoopResidual, bool kQK8 = false>
+// kPV8 (pv_precision "fp8", with either Q.K^T; delta_s rows only) computes P.V in MXFP8.
+template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false>
 __global__ void __launch_bounds__(kThreads, 1) fp4_attn_fwd_kernel(const __grid_constant__ AttnParams p) {
-  attn_fwd_body<D, kInLoopResidual, kQK8>(p);
+  attn_fwd_body<D, kInLoopResidual, kQK8, kPV8>(p);
 }
 
 namespace {
@@ -71,10 +72,11 @@ int coprime_grid(int grid, int bh_count) {
   return 1;
 }
 
-template <int D, bool kInLoopResidual, bool kQK8 = false>
+template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false>
 int launch_attn(AttnParams& p, int sms, cudaStream_t stream, bool spread_heads = false) {
-  using L = SmemLayout<D, kQK8>;
-  auto kernel = fp4_attn_fwd_kernel<D, kInLoopResidual, kQK8>;
+  using L = SmemLayout<D, kQK8, kPV8>;
+  static_assert(L::kTotal <= 99 * 1024, "sm_120's shared memory per CTA");
+  auto kernel = fp4_attn_fwd_kernel<D, kInLoopResidual, kQK8, kPV8>;
   static KernelSetup setup;  // this instantiation's shared-memory ceiling and occupancy, per device
   cudaError_t err = setup.smem(kernel, L::kTotal);
   if (err != cudaSuccess) return err;
@@ -92,22 +94,27 @@ int launch_attn(AttnParams& p, int sms, cudaStream_t stream, bool spread_heads =
 // One attention launch over p's (batch, q head) rows: the FP4 kernel for every tile, or, with the
 // per-head precision (p8: p with the MXFP8 Q/K maps), the FP4 kernel for the tiles whose head_sel
 // byte is 0 and the FP8 one for those whose byte is 1 (each skips the other's tiles on the device).
-template <int D, bool kInLoopResidual>
+// kPV8: the FP8 P.V kernels (p's V map and scales are V's MXFP8), which read delta_s rows only.
+template <int D, bool kInLoopResidual, bool kPV8 = false>
 int launch_both(AttnParams& p, AttnParams* p8, int sms, cudaStream_t stream) {
-  if (p8 == nullptr) return launch_attn<D, kInLoopResidual>(p, sms, stream);
-  if (kInLoopResidual) return cudaErrorInvalidValue;  // the FP8 kernel reads precomputed delta_s rows only
-  p.head_sel_want = 0;
-  int rc = launch_attn<D, kInLoopResidual>(p, sms, stream);
-  if (rc != cudaSuccess) return rc;
-  p8->bh0 = p.bh0;
-  p8->bh_count = p.bh_count;
-  p8->ds_key = p.ds_key;
-  p8->ds_bh_stride = p.ds_bh_stride;
-  p8->ds_m_stride = p.ds_m_stride;
-  p8->head_sel_want = 1;
-  // The FP4 launch keeps its grid (where no head takes FP8 its work is exactly the FP4 path's);
-  // the FP8 one, usually a few heads, spreads them.
-  return launch_attn<D, false, true>(*p8, sms, stream, /*spread_heads=*/true);
+  if constexpr (kPV8 && kInLoopResidual) {
+    return cudaErrorInvalidValue;  // no bounded-memory FP8 P.V kernel
+  } else {
+    if (p8 == nullptr) return launch_attn<D, kInLoopResidual, false, kPV8>(p, sms, stream);
+    if (kInLoopResidual) return cudaErrorInvalidValue;  // the FP8 kernel reads precomputed delta_s rows only
+    p.head_sel_want = 0;
+    int rc = launch_attn<D, kInLoopResidual, false, kPV8>(p, sms, stream);
+    if (rc != cudaSuccess) return rc;
+    p8->bh0 = p.bh0;
+    p8->bh_count = p.bh_count;
+    p8->ds_key = p.ds_key;
+    p8->ds_bh_stride = p.ds_bh_stride;
+    p8->ds_m_stride = p.ds_m_stride;
+    p8->head_sel_want = 1;
+    // The FP4 launch keeps its grid (where no head takes FP8 its work is exactly the FP4 path's);
+    // the FP8 one, usually a few heads, spreads them.
+    return launch_attn<D, false, true, kPV8>(*p8, sms, stream, /*spread_heads=*/true);
+  }
 }
 
 template <int D>
@@ -124,10 +131,13 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
                  swizzle_for(D / 2));
   ok &= make_map(&p.tm_k_sf, a.k_sf, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 128, bk * a.seq_k_pad * (D / 16) / 128, 128,
                  kBlockN * (D / 16) / 128, CU_TENSOR_MAP_SWIZZLE_NONE);
-  ok &= make_map(&p.tm_v, a.v, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a.seq_k_pad / 2, bk * D, kBlockN / 2, D,
-                 swizzle_for(kBlockN / 2));
+  const bool pv8 = a.v8 != nullptr;  // V in MXFP8: (B*Hkv*D rows, Sk_pad bytes), box 128 x D
+  ok &= pv8 ? make_map(&p.tm_v, a.v8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a.seq_k_pad, bk * D, kBlockN, D,
+                       swizzle_for(kBlockN))
+            : make_map(&p.tm_v, a.v, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a.seq_k_pad / 2, bk * D, kBlockN / 2, D,
+                       swizzle_for(kBlockN / 2));
   if (!ok) return cudaErrorInvalidValue;
-  p.v_sf = static_cast<const uint8_t*>(a.v_sf);
+  p.v_sf = static_cast<const uint8_t*>(pv8 ? a.v8_sf : a.v_sf);
   p.mean_q = a.mean_q;
   p.qbar = a.qbar;
   p.ds_key = a.ds_key;
@@ -166,7 +176,11 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
   }
 
   const int sms = sm_count();
-  if (a.mean_qblocks == 1) return launch_both<D, false>(p, p8, sms, stream);
+  auto both = [&](bool in_loop) {
+    if (pv8) return in_loop ? cudaErrorInvalidValue : launch_both<D, false, true>(p, p8, sms, stream);
+    return in_loop ? launch_both<D, true>(p, p8, sms, stream) : launch_both<D, false>(p, p8, sms, stream);
+  };
+  if (a.mean_qblocks == 1) return both(false);
 
   // Per-block Q means: delta_s per query block and key, precomputed into the caller's workspace
   // in chunks of (batch, q head) rows that fit it; without one (or too small for one row), the
@@ -175,7 +189,7 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
   // at most 65535 rows per chunk: the precompute's grid.y
   const int64_t rows = a.ds_work == nullptr ? 0
       : std::min<int64_t>(std::min<int64_t>(static_cast<int64_t>(bq), a.ds_work_floats / row_floats), 65535);
-  if (rows < 1) return launch_both<D, true>(p, p8, sms, stream);
+  if (rows < 1) return both(true);
   const int chunk = static_cast<int>(rows);
   float* ws = a.ds_work;
   DeltaSBlocksParams dp{};
@@ -206,7 +220,7 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
     p.ds_key = ws;
     p.ds_bh_stride = static_cast<int64_t>(p.num_m_blocks) * a.seq_k_pad;
     p.ds_m_stride = a.seq_k_pad;
-    rc = launch_both<D, false>(p, p8, sms, stream);
+    rc = both(false);
   }
   return rc;
 }
@@ -231,6 +245,8 @@ int fp4_attn_fwd(const Fp4AttnArgs& a, cudaStream_t stream) {
   if (a.head_sel != nullptr && (a.q8 == nullptr || a.k8 == nullptr || a.q8_sf == nullptr || a.k8_sf == nullptr ||
                                 !attn::aligned(a.q8, 16) || !attn::aligned(a.k8, 16) || !attn::aligned(a.q8_sf, 16) ||
                                 !attn::aligned(a.k8_sf, 16)))
+    return cudaErrorInvalidValue;
+  if (a.v8 != nullptr && (a.v8_sf == nullptr || !attn::aligned(a.v8, 16) || !attn::aligned(a.v8_sf, 4)))
     return cudaErrorInvalidValue;
   switch (a.head_dim) {
     case 64: return attn::launch<64>(a, stream);

@@ -24,6 +24,7 @@
 #include <cuda_fp8.h>
 
 #include "common/launch.cuh"
+#include "common/mxfp8.cuh"
 #include "common/nvfp4.cuh"
 #include "preprocess/rotation.cuh"
 #include "sageattn3.h"
@@ -46,13 +47,6 @@ __device__ __forceinline__ float load_value<f16_t>(const f16_t* p, int i) {
 template <>
 __device__ __forceinline__ float load_value<float>(const float* p, int i) {
   return p[i];
-}
-
-__device__ __forceinline__ uint32_t ue8m0_byte(float amax) {
-  const uint32_t bits = __float_as_uint(amax);
-  const int e = static_cast<int>((bits >> 23) & 0xFFu);
-  const int b = e - 8 + ((bits & 0x7FFFFFu) > 0x600000u ? 1 : 0);
-  return static_cast<uint32_t>(min(max(b, 1), 253));
 }
 
 template <typename T>
@@ -89,41 +83,15 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(Mxfp8Args a) {
       amax = fmaxf(amax, fabsf(v[j]));
       nan |= v[j] != v[j];
     }
-    // the reference's amax propagates NaN (the canonical quiet NaN: byte 247)
-    const uint32_t b = ue8m0_byte(nan ? __uint_as_float(0x7FC00000u) : amax);
-    const float inv = __uint_as_float((254u - b) << 23);  // 2^(127 - b), normal for b in [1, 253]
+    const uint32_t b = ue8m0_byte(amax, nan);  // common/mxfp8.cuh
+    const float inv = ue8m0_inverse(b);
     uint32_t w[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      uint32_t word = 0;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float y = __fmul_rn(v[4 * j + e], inv);
-        const uint32_t c = __nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);
-        word |= (c & 0xFFu) << (8 * e);
-      }
-      w[j] = word;
-    }
+    for (int j = 0; j < 8; ++j) w[j] = e4m3x4(v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3], inv);
     reinterpret_cast<uint4*>(out)[0] = make_uint4(w[0], w[1], w[2], w[3]);
     reinterpret_cast<uint4*>(out)[1] = make_uint4(w[4], w[5], w[6], w[7]);
     *sf = static_cast<uint8_t>(b);
   }
-}
-
-// 16 values to E4M3 codes times 2^(127 - b) (exact), four to a word.
-__device__ __forceinline__ uint4 e4m3_codes16(const float (&v)[16], float inv) {
-  uint32_t w[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    uint32_t word = 0;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const uint32_t c = __nv_cvt_float_to_fp8(__fmul_rn(v[4 * j + e], inv), __NV_SATFINITE, __NV_E4M3);
-      word |= (c & 0xFFu) << (8 * e);
-    }
-    w[j] = word;
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 template <typename T, int kD>
@@ -181,8 +149,8 @@ __global__ void __launch_bounds__(kThreads) mxfp8_rotated_kernel(Mxfp8Args a) {
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the other half of the 32-value block
     nan = __shfl_xor_sync(0xffffffffu, static_cast<int>(nan), 1) != 0 || nan;
     if (row >= a.Sp) continue;
-    const uint32_t b = ue8m0_byte(nan ? __uint_as_float(0x7FC00000u) : amax);
-    const float inv = __uint_as_float((254u - b) << 23);
+    const uint32_t b = ue8m0_byte(amax, nan);
+    const float inv = ue8m0_inverse(b);
     reinterpret_cast<uint4*>(a.codes + (h * a.Sp + row) * kD)[cb] = e4m3_codes16(v, inv);
     if ((cb & 1) == 0) a.scales[(h * a.Sp + row) * (kD / 32) + cb / 2] = static_cast<uint8_t>(b);
   }

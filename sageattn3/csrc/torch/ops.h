@@ -5,9 +5,9 @@
 //
 // Each op is a template over the unit's tensor type T; the unit supplies TensorApi<T> (dtype,
 // device name, current stream, throwing an error, allocating: torch/checks.h). The ops, by family:
-//   torch/ops_quant.h       NVFP4 along rows / along the sequence, the MXFP8 operands
+//   torch/ops_quant.h       NVFP4 along rows / along the sequence, the MXFP8 operands (Q, K; V)
 //   torch/ops_preprocess.h  smoothing + NVFP4 of Q and K, the channel balance, preprocess_qkv, delta_s
-//   torch/ops_attn.h        the FP4 attention (and its per-head FP8 Q.K^T variant)
+//   torch/ops_attn.h        the FP4 attention (its per-head FP8 Q.K^T and its FP8 P.V variants)
 //   torch/ops_rule.h        the "auto" Q.K^T precision rule's estimate
 //   torch/ops_probe.h       one block-scaled FP4 MMA, for checking layouts
 // Here: the op table (names and schemas) that both units register, and the module init.
@@ -32,6 +32,7 @@
 #define SAGEATTN3_OPS(X)                                                                                            \
   X(quant_fp4_rows, "quant_fp4_rows(Tensor x, Tensor(a!) packed, Tensor(b!) scales) -> ()")                         \
   X(quant_fp4_cols, "quant_fp4_cols(Tensor x, Tensor(a!) packed, Tensor(b!) scales) -> ()")                         \
+  X(quant_mxfp8_cols, "quant_mxfp8_cols(Tensor x, Tensor(a!) codes, Tensor(b!) scales) -> ()")                     \
   X(smooth_quant_rows, "smooth_quant_rows(Tensor x, Tensor(a!) mean, bool compute_mean, int mean_block, "           \
                        "Tensor(b!) packed, Tensor(c!) scales, bool rotate, bool search) -> ()")                                  \
   X(smooth_quant_seq, "smooth_quant_seq(Tensor x, Tensor(a!) mean, Tensor(b!) partial, Tensor(c!) packed, "         \
@@ -57,6 +58,10 @@
                           "Tensor v_sf, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor k_res, Tensor(b!) ds_work, " \
                           "Tensor(a!) out, Tensor head_sel, Tensor q8, Tensor q8_sf, Tensor k8, Tensor k8_sf, "     \
                           "int seq_q, int seq_k, float sm_scale, bool causal) -> ()")                               \
+  X(blockscaled_attn_pv8, "blockscaled_attn_pv8(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, "           \
+                          "Tensor v_sf, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor k_res, Tensor(b!) ds_work, " \
+                          "Tensor(a!) out, Tensor head_sel, Tensor q8, Tensor q8_sf, Tensor k8, Tensor k8_sf, "     \
+                          "Tensor v8, Tensor v8_sf, int seq_q, int seq_k, float sm_scale, bool causal) -> ()")      \
   X(mxfp8_smooth_quant, "mxfp8_smooth_quant(Tensor x, Tensor mean, Tensor balance, int balance_sign, Tensor sel, "  \
                         "Tensor(a!) codes, Tensor(b!) scales, int rotate, float row_scale) -> ()")               \
   X(qk_rule_error, "qk_rule_error(Tensor q, Tensor k, Tensor v, Tensor q_packed, Tensor q_scales, "              \

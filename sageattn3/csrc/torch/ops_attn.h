@@ -1,5 +1,6 @@
 // The FP4 attention ops (csrc/attn; the kernel's launch API is attn/attn_api.h): the checks of
-// its operands, blockscaled_fp4_attn and the per-head FP8 Q.K^T variant blockscaled_attn_qk8.
+// its operands, blockscaled_fp4_attn, the per-head FP8 Q.K^T variant blockscaled_attn_qk8 and the
+// FP8 P.V one blockscaled_attn_pv8 (either Q.K^T).
 #pragma once
 
 #include <cstdint>
@@ -114,18 +115,12 @@ void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qba
   check_cuda_kernel<T>(fp4_attn_fwd(a, TensorApi<T>::stream(q)), "blockscaled_fp4_attn");
 }
 
-// blockscaled_attn_qk8(<blockscaled_fp4_attn's operands>, head_sel, q8, q8_sf, k8, k8_sf, ...): the
-// per-head Q.K^T precision (attn/attn_api.h): head_sel (B, Hq) uint8 (1: FP8 Q.K^T), q8 (B, Hq,
-// Sq_p, D) / k8 (B, Hkv, Sk_p, D) E4M3, q8_sf / k8_sf (..., D/32) UE8M0 bytes. ds_work must hold
-// at least one (batch, q head) row with per-block Q means (no bounded-memory mode here).
+// The per-head FP8 Q.K^T operands into a (attn/attn_api.h): head_sel (B, Hq) uint8 (1: FP8 Q.K^T),
+// q8 (B, Hq, Sq_p, D) / k8 (B, Hkv, Sk_p, D) E4M3, q8_sf / k8_sf (..., D/32) UE8M0 bytes.
 template <class T>
-void blockscaled_attn_qk8(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
-                          T out, T head_sel, T q8, T q8_sf, T k8, T k8_sf, int64_t seq_q, int64_t seq_k,
-                          double sm_scale, bool causal) {
-  DeviceScope scope(device_index(q));
-  Fp4AttnArgs a =
-      attn_args(q, q_sf, k, k_sf, v, v_sf, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale, causal);
-  const int64_t B = q.size(0), Hq = q.size(1), Sqp = q.size(2), D = q.size(3) * 2, Hkv = k.size(1), Skp = k.size(2);
+void set_qk8(Fp4AttnArgs& a, const T& q, const T& head_sel, const T& q8, const T& q8_sf, const T& k8,
+             const T& k8_sf) {
+  const int64_t B = a.batch, Hq = a.heads_q, Sqp = a.seq_q_pad, D = a.head_dim, Hkv = a.heads_kv, Skp = a.seq_k_pad;
   for (const T* t : {&head_sel, &q8, &q8_sf, &k8, &k8_sf}) {
     check_code_tensor(*t, q, "an FP8 Q.K^T operand");
     SA3_CHECK(T, t->dim() >= 2, "sageattn3: the FP8 Q.K^T operands are (B, H, ...) tensors, got one of shape ",
@@ -147,7 +142,47 @@ void blockscaled_attn_qk8(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qba
   a.q8_sf = q8_sf.data_ptr();
   a.k8 = k8.data_ptr();
   a.k8_sf = k8_sf.data_ptr();
+}
+
+// blockscaled_attn_qk8(<blockscaled_fp4_attn's operands>, head_sel, q8, q8_sf, k8, k8_sf, ...): the
+// per-head Q.K^T precision (set_qk8). ds_work must hold at least one (batch, q head) row with
+// per-block Q means (no bounded-memory mode here).
+template <class T>
+void blockscaled_attn_qk8(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
+                          T out, T head_sel, T q8, T q8_sf, T k8, T k8_sf, int64_t seq_q, int64_t seq_k,
+                          double sm_scale, bool causal) {
+  DeviceScope scope(device_index(q));
+  Fp4AttnArgs a =
+      attn_args(q, q_sf, k, k_sf, v, v_sf, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale, causal);
+  set_qk8(a, q, head_sel, q8, q8_sf, k8, k8_sf);
   check_cuda_kernel<T>(fp4_attn_fwd(a, TensorApi<T>::stream(q)), "blockscaled_attn_qk8");
+}
+
+// blockscaled_attn_pv8(<blockscaled_attn_qk8's operands>, v8, v8_sf, ...): P.V in MXFP8
+// (pv_precision "fp8"): v8 (B, Hkv, D, Sk_p) E4M3 and v8_sf (B, Hkv, D, Sk_p/32) UE8M0 bytes
+// (quant_mxfp8_cols of V); v and v_sf are checked but unused. An empty head_sel: every head's
+// Q.K^T in FP4 (q8, q8_sf, k8, k8_sf unused, may be empty), else per head as blockscaled_attn_qk8.
+// Like the FP8 Q.K^T path, needs the delta_s workspace with per-block Q means.
+template <class T>
+void blockscaled_attn_pv8(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
+                          T out, T head_sel, T q8, T q8_sf, T k8, T k8_sf, T v8, T v8_sf, int64_t seq_q,
+                          int64_t seq_k, double sm_scale, bool causal) {
+  DeviceScope scope(device_index(q));
+  Fp4AttnArgs a =
+      attn_args(q, q_sf, k, k_sf, v, v_sf, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale, causal);
+  if (head_sel.numel() > 0) set_qk8(a, q, head_sel, q8, q8_sf, k8, k8_sf);
+  check_code_tensor(v8, q, "v8");
+  check_code_tensor(v8_sf, q, "v8_sf");
+  const int64_t BH = static_cast<int64_t>(a.batch) * a.heads_kv, D = a.head_dim, Skp = a.seq_k_pad;
+  SA3_CHECK(T, v8.dim() == 4 && v8.numel() == BH * D * Skp && v8.size(2) == D && v8_sf.numel() == BH * D * (Skp / 32),
+            "sageattn3: v8 must be (B, Hkv, D, Sk_p) = (", a.batch, ", ", a.heads_kv, ", ", D, ", ", Skp,
+            ") and v8_sf (..., Sk_p/32), got ", shape(v8), " and ", shape(v8_sf));
+  SA3_CHECK(T, a.mean_qblocks == 1 || a.ds_work != nullptr,
+            "sageattn3: the FP8 P.V path needs the delta_s workspace with per-block Q means, got an empty ds_work "
+            "with ", a.mean_qblocks, " Q means per head");
+  a.v8 = v8.data_ptr();
+  a.v8_sf = v8_sf.data_ptr();
+  check_cuda_kernel<T>(fp4_attn_fwd(a, TensorApi<T>::stream(q)), "blockscaled_attn_pv8");
 }
 
 }  // namespace sageattn3::torch_ops

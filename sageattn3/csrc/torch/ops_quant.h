@@ -1,5 +1,6 @@
 // The quantization ops: NVFP4 along rows or along the sequence (csrc/quant/quant_rows.cu,
-// quant_cols.cu) and the smoothed MXFP8 operands of the FP8 Q.K^T path (csrc/quant/quant_mxfp8.cu).
+// quant_cols.cu), the smoothed MXFP8 operands of the FP8 Q.K^T path (csrc/quant/quant_mxfp8.cu)
+// and V's MXFP8 for the FP8 P.V path (csrc/quant/quant_mxfp8_cols.cu).
 #pragma once
 
 #include <cmath>
@@ -52,6 +53,35 @@ void quant_fp4_cols(T x, T packed, T scales) {
   check_cuda_kernel<T>(sageattn3::quant_fp4_cols(x.data_ptr(), dtype_of(x, "x"), G, S, D, Sp, bytes(packed),
                                                  bytes(scales), TensorApi<T>::stream(x)),
                        "quant_fp4_cols");
+}
+
+// quant_mxfp8_cols(x, codes!, scales!): V of the FP8 P.V path, x (..., S, D) bf16/fp16 -> codes
+// (..., D, Sp) E4M3 bytes, scales (..., D, Sp/32) UE8M0 bytes, Sp >= S a multiple of 32 (the zero
+// padding keys), each channel's 32 consecutive tokens sharing one scale.
+template <class T>
+void quant_mxfp8_cols(T x, T codes, T scales) {
+  check_input(x);
+  check_code_tensor(codes, x, "codes");
+  check_code_tensor(scales, x, "scales");
+  const Kind k = TensorApi<T>::kind(x);
+  SA3_CHECK(T, k == Kind::kHalf || k == Kind::kBFloat16, "sageattn3: quant_mxfp8_cols needs x float16 or bfloat16, got ",
+            dtype_name(x));
+  SA3_CHECK(T, x.dim() >= 2 && codes.dim() >= 2,
+            "sageattn3: x must have at least 2 dims, as must codes, got x of shape ", shape(x), " and codes of shape ",
+            shape(codes));
+  const int64_t S = x.size(x.dim() - 2), D = x.size(x.dim() - 1);
+  SA3_CHECK(T, D > 0 && D % 16 == 0, "sageattn3: last dim must be a positive multiple of 16, got ", D);
+  const int64_t G = S * D ? x.numel() / (S * D) : 0;
+  const int64_t Sp = codes.size(codes.dim() - 1);
+  SA3_CHECK(T, Sp % 32 == 0 && Sp >= S,
+            "sageattn3: codes' last dim must be S padded to a multiple of 32, got ", Sp, " for S = ", S);
+  SA3_CHECK(T, codes.numel() == G * D * Sp && scales.numel() == G * D * Sp / 32,
+            "sageattn3: output sizes do not match x: expected codes ", dims(G, D, Sp), " and scales ",
+            dims(G, D, Sp / 32), " (flattened), got ", shape(codes), " and ", shape(scales));
+  DeviceScope scope(device_index(x));
+  check_cuda_kernel<T>(sageattn3::quant_mxfp8_cols(x.data_ptr(), dtype_of(x, "x"), G, S, D, Sp, bytes(codes),
+                                                   bytes(scales), TensorApi<T>::stream(x)),
+                       "quant_mxfp8_cols");
 }
 
 // mxfp8_smooth_quant(x, mean, balance, balance_sign, sel, codes!, scales!, rotate): x (B, H, S, D),

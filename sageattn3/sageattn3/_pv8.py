@@ -1,0 +1,92 @@
+"""The FP8 P·V path's kernels from Python (opt-in, ``pv_precision="fp8"``): V's MXFP8 quantizer
+(``torch.ops.sageattn3.quant_mxfp8_cols``, csrc/quant/quant_mxfp8_cols.cu) and the attention with
+P·V in MXFP8 (``torch.ops.sageattn3.blockscaled_attn_pv8``, the kPV8 kernels of
+csrc/attn/attn_fwd_kernel.cuh), with FP4 Q·Kᵀ or the per-head FP8 Q·Kᵀ: what
+``sageattn3_blackwell(..., pv_precision="fp8")`` runs (opt-in, every head of the call).
+
+V (B, Hkv, Sk, D) becomes ``reference.quantize_mxfp8_transposed`` of V padded with zero keys to
+a multiple of the key padding: codes (B, Hkv, D, Sk_p) E4M3 and scales (B, Hkv, D, Sk_p/32)
+UE8M0 bytes, bit for bit (``reference.Preprocessed.v8`` / ``v8_scales``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import math
+
+from sageattn3 import _attn, _kernels
+from sageattn3._kernels import op
+
+MX_BLOCK = 32  # keys per UE8M0 scale (reference.formats.MX_BLOCK)
+_V_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def check_v(v, seq_pad: int) -> None:
+    """The checks of ``quant_mxfp8_cols``'s arguments, with messages naming them."""
+    if not isinstance(v, torch.Tensor):
+        raise TypeError(f"v must be a torch.Tensor, got {type(v).__name__}")
+    if v.dtype not in _V_DTYPES:
+        raise TypeError(f"v must be float16 or bfloat16, got {str(v.dtype).replace('torch.', '')}")
+    if v.dim() < 2:
+        raise ValueError(f"v must have at least 2 dims (..., seq, head_dim), got shape {tuple(v.shape)}")
+    d = v.shape[-1]
+    if d <= 0 or d % 16:
+        raise ValueError(f"v's head dim must be a positive multiple of 16, got {d}")
+    if v.device.type != "cuda":
+        raise ValueError(f"v must be a CUDA tensor, got a tensor on {v.device}")
+    if isinstance(seq_pad, bool) or not isinstance(seq_pad, int) or seq_pad <= 0 or seq_pad % MX_BLOCK:
+        raise ValueError(f"seq_pad must be a positive multiple of {MX_BLOCK}, got {seq_pad!r}")
+
+
+def quant_mxfp8_cols(v: torch.Tensor, seq_pad: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """V (..., S, D) fp16/bf16 on the GPU -> (codes float8_e4m3fn (..., D, Sp), scales uint8
+    (..., D, Sp/32)), Sp = S rounded up to ``seq_pad`` (a multiple of 32; zero keys): MXFP8 along
+    the sequence, ``reference.quantize_mxfp8_transposed(reference.pad_dim(v, -2, seq_pad))`` bit for
+    bit. A non-contiguous or misaligned v is copied first."""
+    check_v(v, seq_pad)
+    if not v.is_contiguous() or v.data_ptr() % 16:
+        v = v.clone(memory_format=torch.contiguous_format)
+    *lead, s, d = v.shape
+    sp = -(-s // seq_pad) * seq_pad
+    codes = torch.empty((*lead, d, sp), dtype=torch.float8_e4m3fn, device=v.device)
+    scales = torch.empty((*lead, d, sp // MX_BLOCK), dtype=torch.uint8, device=v.device)
+    op("quant_mxfp8_cols")(v, codes, scales)
+    return codes, scales
+
+
+def attention_pv8(pre, v8: torch.Tensor, v8_scales: torch.Tensor, *, head_sel: torch.Tensor | None = None,
+                  q8: torch.Tensor | None = None, q8_scales: torch.Tensor | None = None,
+                  k8: torch.Tensor | None = None, k8_scales: torch.Tensor | None = None, is_causal: bool = False,
+                  sm_scale: float | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                  workspace_limit: int | None = None) -> torch.Tensor:
+    """The attention with P·V in MXFP8 (``reference.sageattn3(..., pv_precision="fp8")``) on a
+    ``reference.Preprocessed`` straight from the preprocessing (pad=128): v8 (B, Hkv, D, Sk_p) E4M3
+    and v8_scales (B, Hkv, D, Sk_p/32) UE8M0 (``quant_mxfp8_cols(v, 128)``, or ``pre.v8`` /
+    ``pre.v8_scales`` of the reference). Q·Kᵀ in FP4, or with ``head_sel`` (B, Hq) per head as
+    ``_attn.attention_qk8`` (q8, q8_scales, k8, k8_scales then required). Like FP8 Q·Kᵀ it reads
+    delta_s rows: with per-block Q means the workspace must hold one (batch, q head) row
+    (``_attn.fp8_workspace_fits``)."""
+    q = pre.q_packed
+    d = 2 * q.shape[3]
+    v8, v8_scales = v8.contiguous(), v8_scales.contiguous()  # the reference's codes are a transposed view
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
+    if pre.qk_rotation:
+        scale *= 64.0 / d  # rotate(q) . rotate(k) = (D/64) q . k (exact: a power of two)
+    nblk = pre.mean_q.shape[2]
+    if not _attn.fp8_workspace_fits(q.shape[0], q.shape[1], nblk, pre.seq_q, pre.k_packed.shape[2], workspace_limit):
+        raise ValueError("the FP8 P·V kernel needs the delta_s workspace to hold one (batch, q head) row: raise "
+                         f"{_attn.WORKSPACE_ENV} or pass per_block_mean=False")
+    out = torch.empty((q.shape[0], q.shape[1], pre.seq_q, d), dtype=out_dtype, device=q.device)
+    k_res = _kernels._none(q.device, 6) if pre.k_residual is None else pre.k_residual
+    work = _attn.delta_s_workspace(q.shape[0], q.shape[1], nblk, pre.seq_q, pre.k_packed.shape[2], q.device,
+                                   workspace_limit)
+    none = _kernels._none(q.device, 8)
+    if head_sel is None:
+        sel, q8, q8_scales, k8, k8_scales = none, none, none, none, none
+    else:
+        sel = head_sel.to(torch.uint8).contiguous()
+    op("blockscaled_attn_pv8")(q, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales, pre.mean_q,
+                               pre.mean_q_global, pre.delta_key, k_res, work, out, sel, q8, q8_scales, k8, k8_scales,
+                               v8, v8_scales, pre.seq_q, pre.seq_k, scale, is_causal)
+    return out
