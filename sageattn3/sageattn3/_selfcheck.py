@@ -2,13 +2,16 @@
 
 Nobody who wrote the sm_120 kernel could run it on real Blackwell hardware (it was verified on
 an H100 through a software model of the FP4 MMA). So before ``sageattn3_blackwell`` trusts the
-kernel on a device, it runs three small attentions (256 x 256 each: D 128 bf16 GQA 2:1
-non-causal, D 64 fp16 causal, both with FP4 Q·Kᵀ; and D 128 bf16 GQA 2:1 with MXFP8 Q·Kᵀ on
-every head, the path "auto" takes for the heads that need it, whose block-scaled FP8 MMA was
-likewise only run through a software model; a handful of small kernel launches, microseconds
-of GPU time) and compares them with ``sageattn3.reference.sageattn3`` computed on the CPU. On a mismatch: ONE
-loud ``RuntimeWarning`` with the figures, and ``sageattn3_blackwell`` uses torch SDPA on that
-device for the rest of the process. ``SAGEATTN3_SKIP_SELFCHECK=1`` skips the check. Cost: a few
+kernel on a device, it runs four small attentions (256 x 256 each: D 128 bf16 GQA 2:1
+non-causal, D 64 fp16 causal, both with FP4 Q·Kᵀ; D 128 bf16 GQA 2:1 with MXFP8 Q·Kᵀ on every
+head, the path "auto" takes for the heads that need it, whose block-scaled FP8 MMA was likewise
+only run through a software model; and D 64 bf16 causal with MXFP8 Q·Kᵀ on rows the
+preprocessing rotated, the path "auto" takes with ``qk_rotation``; a handful of small kernel
+launches, microseconds of GPU time) and compares them with ``sageattn3.reference.sageattn3``
+computed on the CPU. On a mismatch: ONE loud ``RuntimeWarning`` with the figures, and
+``sageattn3_blackwell`` uses torch SDPA on that device for the rest of the process. The opt-in
+FP8 P·V kernels (``pv_precision="fp8"``) get their own check (``PV8_CASES``) on the first call
+that asks for them on a device; if it fails, such calls run NVFP4 P·V there (one warning). ``SAGEATTN3_SKIP_SELFCHECK=1`` skips the check. Cost: a few
 small kernel launches on the GPU plus the reference on the CPU: the whole check took 31 ms on an
 H100 host (113 ms as the first kernel calls of a process, which load the kernels), where the
 MMA-model test flavour's software MMA made the two calls take 5.7 ms of GPU time.
@@ -52,13 +55,20 @@ SKIP_ENV = "SAGEATTN3_SKIP_SELFCHECK"
 MIN_COS = 0.999
 MAX_REL_L2 = 0.05
 
-# (batch, q heads, kv heads, seq, head_dim, dtype, causal, Q·Kᵀ precision): two 128-token Q
-# blocks each.
+# (batch, q heads, kv heads, seq, head_dim, dtype, causal, Q·Kᵀ precision, other options of the
+# call): two 128-token Q blocks each.
 CASES = (
-    (1, 2, 1, 256, 128, torch.bfloat16, False, "fp4"),
-    (1, 1, 1, 256, 64, torch.float16, True, "fp4"),
-    (1, 2, 1, 256, 128, torch.bfloat16, False, "fp8"),
+    (1, 2, 1, 256, 128, torch.bfloat16, False, "fp4", {}),
+    (1, 1, 1, 256, 64, torch.float16, True, "fp4", {}),
+    (1, 2, 1, 256, 128, torch.bfloat16, False, "fp8", {}),
+    (1, 2, 1, 256, 64, torch.bfloat16, True, "fp8", {"qk_rotation": True}),
 )
+# The opt-in FP8 P·V kernels (FP4 and FP8 Q·Kᵀ), checked on a device's first call that asks for them.
+PV8_CASES = (
+    (1, 2, 1, 256, 128, torch.bfloat16, False, "fp4", {"pv_precision": "fp8"}),
+    (1, 1, 1, 256, 64, torch.float16, True, "fp8", {"pv_precision": "fp8"}),
+)
+GROUPS = {"default": CASES, "pv8": PV8_CASES}
 Q_DRIFT = 4  # Q's offset per block: -Q_DRIFT, +Q_DRIFT times a per-channel offset of up to 1
 
 
@@ -78,7 +88,8 @@ class Result:
         parts = []
         for f in self.figures:
             parts.append(
-                f"D={f['head_dim']} {f['dtype']}{' causal' if f['causal'] else ''} {f['qk']} Q·Kᵀ: cos-sim {f['cos']:.6f} "
+                f"D={f['head_dim']} {f['dtype']}{' causal' if f['causal'] else ''} {f['qk']} Q·Kᵀ"
+                f"{' (' + f['options'] + ')' if f.get('options') else ''}: cos-sim {f['cos']:.6f} "
                 f"(need >= {MIN_COS}), rel L2 {f['rel_l2']:.2e} (need <= {MAX_REL_L2}), max abs error "
                 f"{f['max_err']:.3e} (output max {f['ref_max']:.3f}; reference vs exact cos-sim {f['ref_exact_cos']:.5f})"
             )
@@ -88,6 +99,11 @@ class Result:
 _results: dict[str, Result] = {}
 _lock = threading.Lock()
 run_count = 0  # how many checks ran in this process (tests)
+
+
+def _group_key(device, group: str) -> str:
+    """The cache key of ``group``'s check on ``device`` (the default group's is the device's)."""
+    return _key(torch.device(device)) + ("" if group == "default" else f" [{group}]")
 
 
 def _key(device: torch.device) -> str:
@@ -104,6 +120,13 @@ def skipped() -> bool:
 def result(device) -> Result | None:
     """The cached result for ``device`` (None: not run yet in this process)."""
     return _results.get(_key(device))
+
+
+def pv8_usable(device, attention) -> bool:
+    """Whether calls asking for FP8 P·V on ``device`` may run it: its check (group "pv8") passed,
+    was skipped, or cannot run yet (CUDA graph capture); run here on the first such call."""
+    r = ensure(device, attention, "pv8")
+    return r is None or r.ok
 
 
 def failure(device) -> Result | None:
@@ -139,7 +162,11 @@ def describe(device) -> str:
     worst = min((f["cos"] for f in r.figures), default=float("nan"))
     gpu = f", GPU span {r.gpu_ms * 1e3:.0f} us" if r.gpu_ms is not None else ""
     out = f"self-check {'passed' if r.ok else 'FAILED'}: worst cos-sim {worst:.6f}{gpu}"
-    return out + "".join(f"; left out: {x}" for x in r.left_out)
+    out += "".join(f"; left out: {x}" for x in r.left_out)
+    pv8 = _results.get(_group_key(device, "pv8"))
+    if pv8 is not None:
+        out += f"; FP8 P·V self-check {'passed' if pv8.ok else 'FAILED (pv_precision=fp8 runs NVFP4 P·V)'}"
+    return out
 
 
 def fallback_reason(r: Result) -> str:
@@ -156,7 +183,7 @@ def _dyadic(gen: torch.Generator, shape, scale_offset: int) -> torch.Tensor:
 
 
 def _inputs(case, seed: int):
-    b, hq, hk, s, d, dtype, causal, _ = case
+    b, hq, hk, s, d, dtype = case[:6]
     g = torch.Generator().manual_seed(seed)
     q = _dyadic(g, (b, hq, s, d), 1)
     k = _dyadic(g, (b, hk, s, d), 2)
@@ -189,9 +216,10 @@ def _passes(f: dict) -> bool:
     return f["finite"] and f["cos"] >= MIN_COS and f["rel_l2"] <= MAX_REL_L2
 
 
-def run(device, attention) -> Result:
-    """Run the check on ``device`` with ``attention(q, k, v, is_causal, per_block_mean,
-    qk_precision=...)`` (the FP4 path) and return the result (not cached)."""
+def run(device, attention, cases=CASES) -> Result:
+    """Run the check's ``cases`` on ``device`` with ``attention(q, k, v, is_causal,
+    per_block_mean, qk_precision=..., **options)`` (the FP4 path) and return the result (not
+    cached)."""
     from sageattn3 import reference
 
     global run_count
@@ -199,7 +227,7 @@ def run(device, attention) -> Result:
     device = torch.device(device)
     t0 = time.perf_counter()
     res = Result(ok=True, device=_key(device))
-    cases = [(c, _inputs(c, seed=20250 + i)) for i, c in enumerate(CASES) if _runnable(c, res)]
+    cases = [(c, _inputs(c, seed=20250 + i)) for i, c in enumerate(cases) if _runnable(c, res)]
     outs = []
     try:
         ctx = torch.cuda.device(device) if device.type == "cuda" else _null()
@@ -210,7 +238,7 @@ def run(device, attention) -> Result:
                 ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 ev[0].record()
             for (c, _), (q, k, v) in zip(cases, dev_in):
-                outs.append(attention(q, k, v, c[6], True, qk_precision=c[7]))
+                outs.append(attention(q, k, v, c[6], True, qk_precision=c[7], **c[8]))
             if ev is not None:
                 ev[1].record()
                 ev[1].synchronize()
@@ -221,14 +249,15 @@ def run(device, attention) -> Result:
         res.wall_ms = (time.perf_counter() - t0) * 1e3
         return res
     for (c, (q, k, v)), out in zip(cases, outs):
-        b, hq, hk, s, d, dtype, causal, precision = c
-        ref_out = reference.sageattn3(q, k, v, is_causal=causal, per_block_mean=True, qk_precision=precision)
+        b, hq, hk, s, d, dtype, causal, precision, opts = c
+        ref_out = reference.sageattn3(q, k, v, is_causal=causal, per_block_mean=True, qk_precision=precision, **opts)
         exact = reference.exact_attention(q, k, v, is_causal=causal)
         if tuple(out.shape) != tuple(ref_out.shape):
             res.ok, res.error = False, f"output shape {tuple(out.shape)} != {tuple(ref_out.shape)}"
             break
         f = _figures(out, ref_out, exact)
-        f.update(head_dim=d, dtype=str(dtype).replace("torch.", ""), causal=causal, qk=precision)
+        f.update(head_dim=d, dtype=str(dtype).replace("torch.", ""), causal=causal, qk=precision,
+                 options=", ".join(f"{k}={v!r}" for k, v in opts.items()))
         res.figures.append(f)
         res.ok = res.ok and _passes(f)
     res.wall_ms = (time.perf_counter() - t0) * 1e3
@@ -242,15 +271,17 @@ def _runnable(case, res: Result) -> bool:
     (noted in ``res.left_out``) instead of failing on a path no call takes."""
     from sageattn3 import _attn
 
-    b, hq, _, s, _, _, _, precision = case
-    if precision == "auto" or precision == "fp4":
+    b, hq, _, s, _, _, _, precision, opts = case
+    pv8 = opts.get("pv_precision") == "fp8"  # FP8 P·V reads delta_s rows too
+    if precision in ("auto", "fp4") and not pv8:
         return True
     try:
         fits = _attn.fp8_workspace_fits(b, hq, -(-s // _attn.SEQ_PAD), s, -(-s // _attn.SEQ_PAD) * _attn.SEQ_PAD)
     except ValueError:
         return True  # a malformed limit: the call itself raises the message that names it
     if not fits:
-        res.left_out.append(f"{precision} Q·Kᵀ (the delta_s workspace, {_attn.WORKSPACE_ENV}, holds no row)")
+        what = f"{precision} Q·Kᵀ" + (" with FP8 P·V" if pv8 else "")
+        res.left_out.append(f"{what} (the delta_s workspace, {_attn.WORKSPACE_ENV}, holds no row)")
     return fits
 
 
@@ -262,11 +293,12 @@ class _null:
         return False
 
 
-def ensure(device, attention) -> Result | None:
-    """The check for ``device``, run once per process (cached): returns the result, or None
-    when skipped (``SAGEATTN3_SKIP_SELFCHECK=1``) or impossible right now (inside CUDA graph
+def ensure(device, attention, group: str = "default") -> Result | None:
+    """The check of ``group`` (``GROUPS``: "default", the paths every call can take; "pv8", the
+    opt-in FP8 P·V kernels) for ``device``, run once per process (cached): returns the result, or
+    None when skipped (``SAGEATTN3_SKIP_SELFCHECK=1``) or impossible right now (inside CUDA graph
     capture; the next call outside capture runs it). On a failure, warns once, loudly."""
-    key = _key(device)
+    key = _group_key(device, group)
     r = _results.get(key)
     if r is not None:
         return r
@@ -278,7 +310,7 @@ def ensure(device, attention) -> Result | None:
         r = _results.get(key)
         if r is not None:
             return r
-        r = run(device, attention)
+        r = run(device, attention, GROUPS[group])
         _results[key] = r
     if not r.ok:
         name = ""
@@ -288,11 +320,14 @@ def ensure(device, attention) -> Result | None:
                 name = f" ({torch.cuda.get_device_name(device)}, sm_{cc[0]}{cc[1]})"
             except Exception:  # noqa: BLE001
                 pass
+        what, then = ("FP4", "sageattn3_blackwell falls back to torch scaled_dot_product_attention")
+        if group == "pv8":
+            what, then = ("FP8 P·V", "sageattn3_blackwell(..., pv_precision='fp8') runs NVFP4 P·V instead")
         warnings.warn(
-            f"sageattn3: FP4 SELF-CHECK FAILED on {key}{name}. The FP4 attention kernel disagrees with "
-            f"sageattn3.reference on a known-answer test: {r.summary()}. sageattn3_blackwell falls back to "
-            f"torch scaled_dot_product_attention on this device for the rest of this process. Please report "
-            f"this with sageattn3.build_info() and your GPU/driver; {SKIP_ENV}=1 skips the check.",
+            f"sageattn3: {what} SELF-CHECK FAILED on {key}{name}. The {what} attention kernel disagrees with "
+            f"sageattn3.reference on a known-answer test: {r.summary()}. {then} on this device for the rest of "
+            f"this process. Please report this with sageattn3.build_info() and your GPU/driver; {SKIP_ENV}=1 "
+            "skips the check.",
             RuntimeWarning,
             stacklevel=4,
         )

@@ -272,6 +272,8 @@ def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool,
     if why is _UNDECIDED:
         why = _decide(*key)
     if why is None:
+        if pv_precision == "fp8" and not _selfcheck.pv8_usable(q.device, _fp4_attention):
+            pv_precision = "fp4"  # its self-check failed on this device (warned once, loudly)
         return _fp4_attention(q, k, v, is_causal, per_block_mean, qk_rotation=qk_rotation, qk_balance=qk_balance,
                               qk_scale_search=qk_scale_search, qk_precision=qk_precision, choice=choice,
                               pv_precision=pv_precision)

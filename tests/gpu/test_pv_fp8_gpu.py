@@ -225,6 +225,17 @@ def test_fp8_pv_without_a_workspace_is_refused(fp4, monkeypatch):  # noqa: F811
         fp4.sageattn3_blackwell(q, q, q, pv_precision="fp8")
 
 
+def test_fp8_pv_self_check_passes_on_this_gpu(fp4):  # noqa: F811
+    """The FP8 P·V self-check's own cases (``_selfcheck.PV8_CASES``, run on a device's first
+    pv_precision="fp8" call) pass on this GPU's kernels."""
+    _pv8_or_skip()
+    from sageattn3 import _selfcheck, api
+
+    r = _selfcheck.run(torch.device("cuda", torch.cuda.current_device()), api._fp4_attention, _selfcheck.PV8_CASES)
+    assert r.ok and len(r.figures) == len(_selfcheck.PV8_CASES) and not r.left_out, r.summary()
+    FIGURES.append(f"FP8 P·V self-check: {r.summary()}")
+
+
 def test_figures(capsys):
     with capsys.disabled():
         for f in FIGURES:

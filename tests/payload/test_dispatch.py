@@ -219,12 +219,61 @@ def test_fp4_path_is_wired(monkeypatch, dtype, causal):
     assert torch.equal(out, want) and torch.equal(out2, want)
     for t, c in zip((q, k, v), copies):
         assert torch.equal(t, c)
-    # the self-check ran once (its own calls: FP4 at D 128 and 64, FP8 Q·Kᵀ at D 128), then the two user calls
+    # the self-check ran once (its own calls: FP4 at D 128 and 64, FP8 Q·Kᵀ at D 128, FP8 Q·Kᵀ on
+    # rotated rows at D 64), then the two user calls
     assert _selfcheck.run_count == 1
-    assert [c[0] for c in kern.calls] == [(1, 2, 256, 128), (1, 1, 256, 64), (1, 2, 256, 128), (2, 4, 77, 64),
-                                          (2, 4, 77, 64)]
+    assert [c[0] for c in kern.calls] == [(1, 2, 256, 128), (1, 1, 256, 64), (1, 2, 256, 128), (1, 2, 256, 64),
+                                          (2, 4, 77, 64), (2, 4, 77, 64)]
     r = _selfcheck.result(q.device)
-    assert r.ok and [f["qk"] for f in r.figures] == ["fp4", "fp4", "fp8"] and all(f["cos"] > 0.99999 for f in r.figures)
+    assert r.ok and [f["qk"] for f in r.figures] == ["fp4", "fp4", "fp8", "fp8"]
+    assert [f["options"] for f in r.figures] == ["", "", "", "qk_rotation=True"]
+    assert all(f["cos"] > 0.99999 for f in r.figures)
+
+
+def test_fp8_pv_has_its_own_check_on_first_use(monkeypatch):
+    """pv_precision="fp8" runs the FP8 P·V check once per device on its first call (the default
+    check never runs those kernels); every case reaches the kernel with the option."""
+    kern = Kernel()
+    wire(monkeypatch, kern)
+    q, k, v = qkv(1, 2, 1, 70, 70, 128)
+    sageattn3.sageattn3_blackwell(q, k, v)
+    assert _selfcheck.run_count == 1 and "FP8 P·V" not in _selfcheck.describe(q.device)
+    seen = []
+    orig = Kernel.__call__
+
+    def spy(self, *a, **kw):
+        seen.append(kw.get("pv_precision", "fp4"))
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(Kernel, "__call__", spy)
+    (out, out2), msgs = calls_with_warnings(lambda: sageattn3.sageattn3_blackwell(q, k, v, pv_precision="fp8"), 2)
+    assert msgs == [] and _selfcheck.run_count == 2
+    assert seen == ["fp8"] * (len(_selfcheck.PV8_CASES) + 2)  # its cases, then the two calls
+    want = ref.sageattn3(q, k, v, pv_precision="fp8").bfloat16()
+    assert torch.equal(out, want) and torch.equal(out2, want)
+    assert "FP8 P·V self-check passed" in _selfcheck.describe(q.device)
+
+
+def test_failed_fp8_pv_check_runs_fp4_pv_with_one_warning(monkeypatch):
+    """An FP8 P·V kernel that fails its check: one loud warning, then pv_precision="fp8" calls on
+    that device run NVFP4 P·V (the default path, whose own check passed), not SDPA."""
+    kern = Kernel(corrupt=lambda q, k, v, c, out: out)
+    wire(monkeypatch, kern)
+    orig = Kernel.__call__
+
+    def broken_pv8(self, q, k, v, *a, pv_precision="fp4", **kw):
+        out = orig(self, q, k, v, *a, pv_precision=pv_precision, **kw)
+        return out.flip(-1) if pv_precision == "fp8" else out
+
+    monkeypatch.setattr(Kernel, "__call__", broken_pv8)
+    q, k, v = qkv(1, 2, 1, 70, 70, 64)
+    outs, msgs = calls_with_warnings(lambda: sageattn3.sageattn3_blackwell(q, k, v, pv_precision="fp8"), 3)
+    assert len(msgs) == 1 and "FP8 P·V SELF-CHECK FAILED on cpu [pv8]" in msgs[0], msgs
+    assert "runs NVFP4 P·V instead" in msgs[0] and "cos-sim" in msgs[0]
+    want = ref.sageattn3(q, k, v).bfloat16()
+    assert all(torch.equal(o, want) for o in outs)
+    assert _selfcheck.failure(q.device) is None  # the default path stays the FP4 kernel
+    assert "FP8 P·V self-check FAILED" in _selfcheck.describe(q.device)
 
 
 def test_blockscaled_fp4_attn_is_the_fp4_path(monkeypatch):
@@ -327,7 +376,7 @@ def _variant_attention(variant):
     import dataclasses
     import math
 
-    def attention(q, k, v, is_causal, per_block_mean, qk_precision="fp4"):
+    def attention(q, k, v, is_causal, per_block_mean, qk_precision="fp4", **options):
         hq, sq, d = q.shape[1], q.shape[2], q.shape[3]
         pre = ref.preprocess(q, k, v, per_block_mean, pad=128)  # FP4 Q·Kᵀ whatever was asked: wrong for fp8 too
         if variant == "no_k_residual":
@@ -352,8 +401,8 @@ def test_self_check_runs_the_whole_correction():
         pre = ref.preprocess(*_selfcheck._inputs(case, seed=20250 + i), True, pad=128)
         assert pre.mean_q.shape[-2] == 2 and pre.q_mean_residual.abs().amax() >= 1.0
         assert pre.k_residual is not None and pre.k_residual.float().abs().amax() > 0
-    good = _selfcheck.run("cpu", lambda q, k, v, c, pbm, qk_precision: ref.sageattn3(
-        q, k, v, is_causal=c, per_block_mean=pbm, qk_precision=qk_precision).to(q.dtype))
+    good = _selfcheck.run("cpu", lambda q, k, v, c, pbm, qk_precision, **o: ref.sageattn3(
+        q, k, v, is_causal=c, per_block_mean=pbm, qk_precision=qk_precision, **o).to(q.dtype))
     assert good.ok and len(good.figures) == len(_selfcheck.CASES), good.summary()
     for variant in ("no_k_residual", "no_block_residual", "other_block"):
         bad = _selfcheck.run("cpu", _variant_attention(variant))
@@ -369,20 +418,24 @@ def test_self_check_leaves_out_what_the_bounded_mode_never_runs(monkeypatch):
 
     calls = []
 
-    def attention(q, k, v, c, pbm, qk_precision):
-        calls.append(qk_precision)
-        if qk_precision == "fp8" and _attn.delta_s_workspace_limit() == 0:
-            raise ValueError("the FP8 Q·Kᵀ kernel needs the delta_s workspace")
-        return ref.sageattn3(q, k, v, is_causal=c, per_block_mean=pbm, qk_precision=qk_precision).to(q.dtype)
+    def attention(q, k, v, c, pbm, qk_precision, **options):
+        calls.append((qk_precision, options.get("pv_precision", "fp4")))
+        if "fp8" in calls[-1] and _attn.delta_s_workspace_limit() == 0:
+            raise ValueError("the FP8 kernels need the delta_s workspace")
+        return ref.sageattn3(q, k, v, is_causal=c, per_block_mean=pbm, qk_precision=qk_precision, **options).to(q.dtype)
 
     monkeypatch.setenv(_attn.WORKSPACE_ENV, "0")
     r = _selfcheck.run("cpu", attention)
-    assert r.ok and calls == ["fp4", "fp4"] and len(r.figures) == 2, r.summary()
-    assert len(r.left_out) == 1 and _attn.WORKSPACE_ENV in r.left_out[0] and "fp8" in r.left_out[0]
+    assert r.ok and calls == [("fp4", "fp4")] * 2 and len(r.figures) == 2, r.summary()
+    assert len(r.left_out) == 2 and all(_attn.WORKSPACE_ENV in x and "fp8" in x for x in r.left_out)
+    calls.clear()
+    r = _selfcheck.run("cpu", attention, _selfcheck.PV8_CASES)  # FP8 P·V reads delta_s rows too
+    assert r.ok and calls == [] and not r.figures and len(r.left_out) == len(_selfcheck.PV8_CASES)
+    assert "with FP8 P·V" in r.left_out[0]
     monkeypatch.setenv(_attn.WORKSPACE_ENV, "1")  # 1 MiB holds the check's rows
     calls.clear()
     r = _selfcheck.run("cpu", attention)
-    assert r.ok and calls == [c[7] for c in _selfcheck.CASES] and r.left_out == []
+    assert r.ok and [c[0] for c in calls] == [c[7] for c in _selfcheck.CASES] and r.left_out == []
     monkeypatch.setenv(_attn.WORKSPACE_ENV, "lots")  # malformed: the case runs and its call names the variable
     assert _selfcheck._runnable(_selfcheck.CASES[2], _selfcheck.Result(ok=True, device="cpu"))
 
