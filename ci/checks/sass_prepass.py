@@ -154,8 +154,6 @@ PREPASSES = {
         "MXFP8 V", "quant/quant_mxfp8_cols.cu", "quant/quant_mxfp8_cols.cu", r"quant_mxfp8_cols_kernelINS_6bf16_tEEEv",
         (), "CTA (128 keys x 64 channels, no loop)", _v_mxfp8_per_tile, _v_mxfp8_dram),
 }
-# The pre-passes only the FP8 P·V budgets take (ci.checks.sass_kernels.TAKES)
-PV8_ONLY = ("MXFP8 V",)
 
 
 def _holds(path_suffix: str, line: int) -> Callable[[list[Instr]], bool]:

@@ -433,21 +433,9 @@ def delta_s(k: torch.Tensor, mean_k: torch.Tensor, mean_q: torch.Tensor, seq_pad
 # checking that it, too, only writes into its outputs (tests compare this tuple with the C++
 # table and with the loaded library).
 OUTPUT_WRITING_OPS = (
-    "quant_fp4_rows",
-    "quant_fp4_cols",
-    "quant_mxfp8_cols",
-    "smooth_quant_rows",
-    "smooth_quant_seq",
-    "smooth_quant_qk",
-    "qk_balance",
-    "delta_s",
-    "smooth_quant_k_delta",
-    "blockscaled_fp4_attn",
-    "blockscaled_attn_qk8",
-    "blockscaled_attn_pv8",
-    "mxfp8_smooth_quant",
-    "qk_rule_error",
-    "fp4_mma_probe",
+    "quant_fp4_rows", "quant_fp4_cols", "quant_mxfp8_cols", "smooth_quant_rows", "smooth_quant_seq",
+    "smooth_quant_qk", "qk_balance", "delta_s", "smooth_quant_k_delta", "blockscaled_fp4_attn",
+    "blockscaled_attn_qk8", "blockscaled_attn_pv8", "mxfp8_smooth_quant", "qk_rule_error", "fp4_mma_probe",
 )
 # Ops of the library that allocate and return their outputs, with the fakes that give those
 # outputs' shapes (kept next to the op's wrapper above).

@@ -6,14 +6,15 @@ csrc/attn/attn_fwd_kernel.cuh), with FP4 Q·Kᵀ or the per-head FP8 Q·Kᵀ: wh
 
 V (B, Hkv, Sk, D) becomes ``reference.quantize_mxfp8_transposed`` of V padded with zero keys to
 a multiple of the key padding: codes (B, Hkv, D, Sk_p) E4M3 and scales (B, Hkv, D, Sk_p/32)
-UE8M0 bytes, bit for bit (``reference.Preprocessed.v8`` / ``v8_scales``).
+UE8M0 bytes, bit for bit (``reference.Preprocessed.v8`` / ``v8_scales``), but for a NaN's sign
+bit (0x7f or 0xff, both NaN: which one the CPU reference gives depends on its host).
 """
 
 from __future__ import annotations
 
-import torch
-
 import math
+
+import torch
 
 from sageattn3 import _attn, _kernels
 from sageattn3._kernels import op

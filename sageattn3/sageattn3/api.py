@@ -229,7 +229,8 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     heads always multiply rotated rows (rotated for them alone where ``qk_rotation`` is off:
     outliers Q and K share then spread over every block); with ``qk_rotation`` the rule also
     estimates on the rotated rows.
-    ``pv_precision``: "fp4" (the default) NVFP4 P·V; "fp8" (opt-in) P and V in MXFP8
+    ``pv_precision``: "fp4" (the default) NVFP4 P·V; "fp8" (opt-in; D 64/128, as every kernel
+    path: other head dims take SDPA) P and V in MXFP8
     (``sageattn3.reference.sageattn3(..., pv_precision="fp8")``), with FP4 or FP8 Q·Kᵀ per
     ``qk_precision``; it needs the delta_s workspace with per-block Q means (ValueError where
     ``SAGEATTN3_DELTA_S_WORKSPACE_MIB`` cannot hold one row). ``return_qk_choice=True`` (outside torch.compile) returns
@@ -399,7 +400,8 @@ def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool 
     and ``pv_precision`` as for ``sageattn3_blackwell``. Raises
     NotImplementedError when this build has no attention kernel, RuntimeError when the kernel
     cannot run on q's device (the message says why, as ``backend()`` does) or when the device
-    failed the self-check."""
+    failed the self-check (that of the FP8 P·V kernels too, with ``pv_precision="fp8"``)."""
+    pv = reference.pv_precision_arg(pv_precision)
     if not _kernels.has_attention_kernel():
         raise NotImplementedError(
             "sageattn3.blockscaled_fp4_attn: the FP4 attention kernel is not implemented in this build "
@@ -407,7 +409,6 @@ def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool 
             "(falls back to SDPA) or sageattn3.reference.sageattn3"
         )
     _check_qkv(q, k, v)
-    pv = reference.pv_precision_arg(pv_precision)
     if pv == "fp8" and not hasattr(torch.ops.sageattn3, "blockscaled_attn_pv8"):
         raise NotImplementedError("sageattn3.blockscaled_fp4_attn: pv_precision='fp8' needs a build with the FP8 P·V "
                                   "kernel (no blockscaled_attn_pv8 op)")
@@ -418,6 +419,9 @@ def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool 
         return q.new_empty(q.shape)
     if not _checked(q.device):
         raise RuntimeError(f"sageattn3.blockscaled_fp4_attn: {_selfcheck.fallback_reason(_selfcheck.failure(q.device))}")
+    if pv == "fp8" and not _selfcheck.pv8_usable(q.device, _fp4_attention):
+        raise RuntimeError("sageattn3.blockscaled_fp4_attn: the FP8 P·V self-check failed on this device: "
+                           f"{_selfcheck.ensure(q.device, _fp4_attention, 'pv8').summary()}; use pv_precision='fp4'")
     causal, pbm, rot, bal = _flags(is_causal=is_causal, per_block_mean=per_block_mean, qk_rotation=qk_rotation,
                                    qk_balance=qk_balance)
     return _fp4_attention(q, k, v, causal, pbm, sm_scale, qk_rotation=rot, qk_balance=bal,

@@ -274,6 +274,12 @@ def test_failed_fp8_pv_check_runs_fp4_pv_with_one_warning(monkeypatch):
     assert all(torch.equal(o, want) for o in outs)
     assert _selfcheck.failure(q.device) is None  # the default path stays the FP4 kernel
     assert "FP8 P·V self-check FAILED" in _selfcheck.describe(q.device)
+    # the kernel itself, without fallback, refuses instead
+    monkeypatch.setattr(_kernels, "has_attention_kernel", lambda: True)
+    monkeypatch.setattr(torch.ops.sageattn3, "blockscaled_attn_pv8", object(), raising=False)
+    with pytest.raises(RuntimeError, match="FP8 P·V self-check failed on this device: D=128.*use pv_precision='fp4'"):
+        sageattn3.blockscaled_fp4_attn(q, k, v, pv_precision="fp8")
+    assert torch.equal(sageattn3.blockscaled_fp4_attn(q, k, v), want)
 
 
 def test_blockscaled_fp4_attn_is_the_fp4_path(monkeypatch):

@@ -634,10 +634,11 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       if constexpr (kPV8) {
         // ---- P -> MXFP8 and O += P V, per 32-key chunk (pv8_quantize, pv8_mma) ----
         static_assert(kBlockN == 128, "four 32-key chunks per stage");
-        // chunks per pass (P's codes of G chunks live at once): what spills least at sm_120a (ptxas
-        // 13.0): with FP4 Q.K^T two passes of two (none; one of four spills 60/96 bytes at D 128),
-        // with FP8 Q.K^T at D 128 one pass of four (20/20 bytes outside the key loop, as the FP8
-        // Q.K^T kernel alone; two passes of two spill 32/36)
+        // chunks per pass (P's codes of G chunks live at once), what spills least at sm_120a (ptxas
+        // 13.0, D 128; D 64 spills none either way): with FP4 Q.K^T four passes of one (none as
+        // shipped, 32/48 bytes with the MSVC patch; two of two: none and 60/88; one of four: 60/96
+        // as shipped); with FP8 Q.K^T one pass of four (20/20 bytes outside the key loop, as the
+        // FP8 Q.K^T kernel alone, 24/28 with the MSVC patch; two of two: 32/36)
         constexpr int G = (kQK8 && D == 128) ? 4 : 1;
         const uint32_t v_tile = stage + L::kStageV, vsf_lane = stage + L::kStageVSf + v_sf_lane;
         pv8_pass<0, G, D>(o, s, t, v_tile, v_lane, vsf_lane);
