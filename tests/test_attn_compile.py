@@ -128,21 +128,28 @@ def test_sm120a_sass_has_block_scaled_fp4_mma(cubins):
 RULE_CU = CSRC / "preprocess" / "qk_rule.cu"
 
 
-@pytest.mark.parametrize("arch", ["120a", "121a"])
-def test_rule_kernel_compiles_without_spill(arch, tmp_path):
-    """The fused "auto" rule kernel (preprocess/qk_rule.cu): its four instantiations (fp16/bf16 x
-    D 64/128) compile for the Blackwell consumer archs without spilling, and use tf32 MMAs."""
+def _compile_unit(src: Path, arch: str, obj: Path, kernel: str, count: int, what: str) -> str:
+    """nvcc -c of one unit for sm_<arch> with ptxas -v: it compiles, holds ``count`` entries named
+    like ``kernel`` and none of them spills. Returns the compile log."""
     nvcc, _ = _nvcc()
-    obj = tmp_path / f"rule_{arch}.o"
-    cmd = [str(nvcc), "-c", str(RULE_CU), "-o", str(obj), f"-gencode=arch=compute_{arch},code=sm_{arch}", "-O3",
+    cmd = [str(nvcc), "-c", str(src), "-o", str(obj), f"-gencode=arch=compute_{arch},code=sm_{arch}", "-O3",
            "-std=c++20", "-Xptxas", "-v", f"-I{CSRC}"]
     p = subprocess.run(cmd, capture_output=True, text=True)
     log = p.stdout + p.stderr
     assert p.returncode == 0, f"sm_{arch} compile failed:\n{log}"
-    entries = re.findall(r"Compiling entry function '(\S*qk_rule_kernel\S*)'", log)
-    assert len(entries) == 4, f"expected 4 rule kernels (fp16/bf16 x D 64/128), got {entries}\n{log}"
+    entries = re.findall(rf"Compiling entry function '(\S*{kernel}\S*)'", log)
+    assert len(entries) == count, f"expected {count} kernels ({what}), got {entries}\n{log}"
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert spills and all(s == ("0", "0") for s in spills), log
+    assert len(spills) == count and all(s == ("0", "0") for s in spills), log
+    return log
+
+
+@pytest.mark.parametrize("arch", ["120a", "121a"])
+def test_rule_kernel_compiles_without_spill(arch, tmp_path):
+    """The fused "auto" rule kernel (preprocess/qk_rule.cu): its four instantiations (fp16/bf16 x
+    D 64/128) compile for the Blackwell consumer archs without spilling, and use tf32 MMAs."""
+    obj = tmp_path / f"rule_{arch}.o"
+    _compile_unit(RULE_CU, arch, obj, "qk_rule_kernel", 4, "fp16/bf16 x D 64/128")
     cuobjdump = _tool("cuobjdump", "nvidia-cuda-cuobjdump")
     nvdisasm = _tool("nvdisasm", "nvidia-cuda-nvdisasm")
     if cuobjdump is None or nvdisasm is None:
@@ -174,14 +181,4 @@ def test_v_mxfp8_quantizer_compiles_without_spill(arch, tmp_path):
     """V's MXFP8 quantizer of the FP8 P·V path (quant/quant_mxfp8_cols.cu): its two instantiations
     (fp16/bf16) compile for the Blackwell consumer archs and the H100's (the test flavour) without
     spilling."""
-    nvcc, _ = _nvcc()
-    obj = tmp_path / f"mxfp8_cols_{arch}.o"
-    cmd = [str(nvcc), "-c", str(MXFP8_COLS_CU), "-o", str(obj), f"-gencode=arch=compute_{arch},code=sm_{arch}",
-           "-O3", "-std=c++20", "-Xptxas", "-v", f"-I{CSRC}"]
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    log = p.stdout + p.stderr
-    assert p.returncode == 0, f"sm_{arch} compile failed:\n{log}"
-    entries = re.findall(r"Compiling entry function '(\S*quant_mxfp8_cols_kernel\S*)'", log)
-    assert len(entries) == 2, f"expected 2 kernels (fp16/bf16), got {entries}\n{log}"
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert len(spills) == 2 and all(s == ("0", "0") for s in spills), log
+    _compile_unit(MXFP8_COLS_CU, arch, tmp_path / f"mxfp8_cols_{arch}.o", "quant_mxfp8_cols_kernel", 2, "fp16/bf16")
