@@ -98,6 +98,8 @@ from .precision import (
     fp8_applies,
     fp8_unavailable,
     pv_precision_arg,
+    pv_p_error,
+    choose_pv_precision,
     options_free_means,
     qk_fp4_error,
     rule_has_options,
@@ -165,6 +167,12 @@ AUTO_QUERY_STRIDE = 8
 # and V dominates there), those of outlier channels, near-one-hot rows, RoPE'd biased keys and a
 # huge K channel 0.25-0.71.
 AUTO_ERROR_LIMIT = 0.2
+# A head's P·V runs in MXFP8 (pv_precision "auto", the default) when the rule's estimate of the
+# relative output error NVFP4 P causes (``pv_p_error``) exceeds this. Calibrated on
+# tests/attention_cases.py (docs/accuracy-auto.md; 4 heads over 2, 1024 tokens, D 64 and 128, seed
+# 0) and randn Q scaled x1-x3: zero-mean heads estimate 0.088-0.095 (the most of any case that
+# needs no FP8 P·V), every other case below 0.06, the large-logit fp16 heads 0.129-0.155.
+PV_ERROR_LIMIT = 0.115
 # The per-head treatments (opt-in, reference only, not wired into any default): a head keeps the
 # treatments it is given (its floors: none without options) where ``treatment_errors`` estimates
 # the relative output error of plain FP4 and of its floors at most TREATMENT_KEEP_LIMIT (zero-mean
@@ -241,6 +249,9 @@ __all__ = [
     "pad_dim",
     "preprocess",
     "pv_precision_arg",
+    "pv_p_error",
+    "choose_pv_precision",
+    "PV_ERROR_LIMIT",
     "q_block_index",
     "q_mean",
     "options_free_means",
