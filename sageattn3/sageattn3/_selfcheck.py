@@ -57,16 +57,21 @@ MAX_REL_L2 = 0.05
 
 # (batch, q heads, kv heads, seq, head_dim, dtype, causal, Q·Kᵀ precision, other options of the
 # call): two 128-token Q blocks each.
+# The FP8 Q·Kᵀ cases pin P·V to NVFP4: the FP8 P·V kernels have their own group.
 CASES = (
     (1, 2, 1, 256, 128, torch.bfloat16, False, "fp4", {}),
     (1, 1, 1, 256, 64, torch.float16, True, "fp4", {}),
-    (1, 2, 1, 256, 128, torch.bfloat16, False, "fp8", {}),
-    (1, 2, 1, 256, 64, torch.bfloat16, True, "fp8", {"qk_rotation": True}),
+    (1, 2, 1, 256, 128, torch.bfloat16, False, "fp8", {"pv_precision": "fp4"}),
+    (1, 2, 1, 256, 64, torch.bfloat16, True, "fp8", {"qk_rotation": True, "pv_precision": "fp4"}),
 )
-# The opt-in FP8 P·V kernels (FP4 and FP8 Q·Kᵀ), checked on a device's first call that asks for them.
+# The FP8 P·V kernels (FP4 and FP8 Q·Kᵀ), checked on a device's first call that may take them
+# (pv_precision "fp8", or "auto" with the rule): every head, and the rule's per-head path
+# (blockscaled_attn_mixed, V's MXFP8 of the chosen kv heads) with a limit of 0, so that every head
+# of the case takes it (these inputs estimate far below the real limit).
 PV8_CASES = (
     (1, 2, 1, 256, 128, torch.bfloat16, False, "fp4", {"pv_precision": "fp8"}),
     (1, 1, 1, 256, 64, torch.float16, True, "fp8", {"pv_precision": "fp8"}),
+    (1, 2, 1, 256, 128, torch.bfloat16, True, "auto", {"pv_precision": "auto", "pv_limit": 0.0}),
 )
 GROUPS = {"default": CASES, "pv8": PV8_CASES}
 Q_DRIFT = 4  # Q's offset per block: -Q_DRIFT, +Q_DRIFT times a per-channel offset of up to 1
@@ -272,7 +277,7 @@ def _runnable(case, res: Result) -> bool:
     from sageattn3 import _attn
 
     b, hq, _, s, _, _, _, precision, opts = case
-    pv8 = opts.get("pv_precision") == "fp8"  # FP8 P·V reads delta_s rows too
+    pv8 = opts.get("pv_precision") in ("fp8", "auto")  # FP8 P·V reads delta_s rows too
     if precision in ("auto", "fp4") and not pv8:
         return True
     try:
