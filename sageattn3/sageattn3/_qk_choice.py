@@ -50,13 +50,14 @@ class QkChoice:
 
 
 class Picked(NamedTuple):
-    """What the rule picked (``_qk_selection``): sel_q (B, Hq) uint8, bit 0 FP8 Q·Kᵀ, bit 1 FP8 P·V;
-    sel_k (B, Hkv) uint8, 1 where a q head has bit 0; error (B, Hq) the Q·Kᵀ estimate; error_pv
-    (B, Hq) P's estimate (NaN where not asked); sel_v (B, Hkv) uint8, 1 where a q head has bit 1."""
+    """What the rule picked (``_qk_selection``; the order of ``qk_rule_select``'s outputs): error
+    (B, Hq) the Q·Kᵀ estimate; sel_q (B, Hq) uint8, bit 0 FP8 Q·Kᵀ, bit 1 FP8 P·V; sel_k (B, Hkv)
+    uint8, 1 where a q head has bit 0; error_pv (B, Hq) P's estimate (NaN where not asked); sel_v
+    (B, Hkv) uint8, 1 where a q head has bit 1."""
 
+    error: torch.Tensor
     sel_q: torch.Tensor
     sel_k: torch.Tensor
-    error: torch.Tensor
     error_pv: torch.Tensor
     sel_v: torch.Tensor
 
@@ -102,7 +103,7 @@ def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float
         err_pv, pv8 = torch.full_like(err, float("nan")), torch.zeros_like(fp8)
     hk = k.shape[1]
     kv = lambda x: x.view(b, hk, hq // hk).any(dim=-1).to(torch.uint8)  # noqa: E731
-    return Picked(fp8.to(torch.uint8) | (pv8.to(torch.uint8) << 1), kv(fp8), err, err_pv, kv(pv8))
+    return Picked(err, fp8.to(torch.uint8) | (pv8.to(torch.uint8) << 1), kv(fp8), err_pv, kv(pv8))
 
 
 def _scale(q, sm_scale: float | None) -> float:

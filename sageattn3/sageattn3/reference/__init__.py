@@ -169,10 +169,12 @@ AUTO_QUERY_STRIDE = 8
 AUTO_ERROR_LIMIT = 0.2
 # A head's P·V runs in MXFP8 (pv_precision "auto", the default) when the rule's estimate of the
 # relative output error NVFP4 P causes (``pv_p_error``) exceeds this. Calibrated on
-# tests/attention_cases.py (docs/accuracy-auto.md; 4 heads over 2, 1024 tokens, D 64 and 128, seed
-# 0) and randn Q scaled x1-x3: zero-mean heads estimate 0.088-0.095 (the most of any case that
-# needs no FP8 P·V), every other case below 0.06, the large-logit fp16 heads 0.129-0.155.
-PV_ERROR_LIMIT = 0.115
+# tests/attention_cases.py (docs/accuracy-auto.md; 4 q heads over 2, D 64 and 128, six seeds):
+# zero-mean heads (randn, k_bias, mixed_heads' first) estimate 0.087-0.101 at 256-4096 tokens, the
+# most of any case that needs no FP8 P·V (every other case stays below 0.07); the large-logit fp16
+# heads 0.093-0.34 at 1024 tokens, and those whose NVFP4 P·V output falls below cos 0.98 against
+# exact attention (causal) 0.110 and up. The margin is thin on both sides (docs/accuracy-auto.md).
+PV_ERROR_LIMIT = 0.105
 # The per-head treatments (opt-in, reference only, not wired into any default): a head keeps the
 # treatments it is given (its floors: none without options) where ``treatment_errors`` estimates
 # the relative output error of plain FP4 and of its floors at most TREATMENT_KEEP_LIMIT (zero-mean
