@@ -226,7 +226,7 @@ def test_fp4_path_is_wired(monkeypatch, dtype, causal):
                                           (2, 4, 77, 64), (2, 4, 77, 64)]
     r = _selfcheck.result(q.device)
     assert r.ok and [f["qk"] for f in r.figures] == ["fp4", "fp4", "fp8", "fp8"]
-    assert [f["options"] for f in r.figures] == ["", "", "", "qk_rotation=True"]
+    assert [f["options"] for f in r.figures] == ["", "", "pv_precision='fp4'", "qk_rotation=True, pv_precision='fp4'"]
     assert all(f["cos"] > 0.99999 for f in r.figures)
 
 
@@ -276,7 +276,8 @@ def test_failed_fp8_pv_check_runs_fp4_pv_with_one_warning(monkeypatch):
     assert "FP8 P·V self-check FAILED" in _selfcheck.describe(q.device)
     # the kernel itself, without fallback, refuses instead
     monkeypatch.setattr(_kernels, "has_attention_kernel", lambda: True)
-    monkeypatch.setattr(torch.ops.sageattn3, "blockscaled_attn_pv8", object(), raising=False)
+    for name in ("blockscaled_attn_pv8", "blockscaled_attn_mixed"):
+        monkeypatch.setattr(torch.ops.sageattn3, name, object(), raising=False)
     with pytest.raises(RuntimeError, match="FP8 P·V self-check failed on this device: D=128.*use pv_precision='fp4'"):
         sageattn3.blockscaled_fp4_attn(q, k, v, pv_precision="fp8")
     assert torch.equal(sageattn3.blockscaled_fp4_attn(q, k, v), want)
