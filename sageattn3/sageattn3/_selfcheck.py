@@ -9,10 +9,11 @@ only run through a software model; and D 64 bf16 causal with MXFP8 Q·Kᵀ on ro
 preprocessing rotated, the path "auto" takes with ``qk_rotation``; a handful of small kernel
 launches, microseconds of GPU time) and compares them with ``sageattn3.reference.sageattn3``
 computed on the CPU. On a mismatch: ONE loud ``RuntimeWarning`` with the figures, and
-``sageattn3_blackwell`` uses torch SDPA on that device for the rest of the process. The opt-in
-FP8 P·V kernels (``pv_precision="fp8"``) get their own check (``PV8_CASES``) on the first call
-that asks for them on a device; if it fails, such calls run NVFP4 P·V there (one warning). ``SAGEATTN3_SKIP_SELFCHECK=1`` skips the check. Cost: a few
-small kernel launches on the GPU plus the reference on the CPU: the whole check took 31 ms on an
+``sageattn3_blackwell`` uses torch SDPA on that device for the rest of the process. The FP8 P·V
+kernels get their own check (``PV8_CASES``: every head, and the rule's per-head path) on a
+device's first call that may take them (``pv_precision="fp8"``, or the default "auto" with the
+rule on); if it fails, such calls run NVFP4 P·V there (one warning).
+``SAGEATTN3_SKIP_SELFCHECK=1`` skips the check. Cost: a few small kernel launches on the GPU plus the reference on the CPU: the whole check took 31 ms on an
 H100 host (113 ms as the first kernel calls of a process, which load the kernels), where the
 MMA-model test flavour's software MMA made the two calls take 5.7 ms of GPU time.
 
@@ -170,7 +171,7 @@ def describe(device) -> str:
     out += "".join(f"; left out: {x}" for x in r.left_out)
     pv8 = _results.get(_group_key(device, "pv8"))
     if pv8 is not None:
-        out += f"; FP8 P·V self-check {'passed' if pv8.ok else 'FAILED (pv_precision=fp8 runs NVFP4 P·V)'}"
+        out += f"; FP8 P·V self-check {'passed' if pv8.ok else 'FAILED (every head runs NVFP4 P·V)'}"
     return out
 
 
@@ -327,7 +328,7 @@ def ensure(device, attention, group: str = "default") -> Result | None:
                 pass
         what, then = ("FP4", "sageattn3_blackwell falls back to torch scaled_dot_product_attention")
         if group == "pv8":
-            what, then = ("FP8 P·V", "sageattn3_blackwell(..., pv_precision='fp8') runs NVFP4 P·V instead")
+            what, then = ("FP8 P·V", "sageattn3_blackwell runs NVFP4 P·V instead (pv_precision 'fp8' and 'auto')")
         warnings.warn(
             f"sageattn3: {what} SELF-CHECK FAILED on {key}{name}. The {what} attention kernel disagrees with "
             f"sageattn3.reference on a known-answer test: {r.summary()}. {then} on this device for the rest of "

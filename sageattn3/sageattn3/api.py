@@ -229,12 +229,16 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     heads always multiply rotated rows (rotated for them alone where ``qk_rotation`` is off:
     outliers Q and K share then spread over every block); with ``qk_rotation`` the rule also
     estimates on the rotated rows.
-    ``pv_precision``: "fp4" (the default) NVFP4 P·V; "fp8" (opt-in; D 64/128, as every kernel
-    path: other head dims take SDPA) P and V in MXFP8
-    (``sageattn3.reference.sageattn3(..., pv_precision="fp8")``), with FP4 or FP8 Q·Kᵀ per
-    ``qk_precision``; it needs the delta_s workspace with per-block Q means (ValueError where
-    ``SAGEATTN3_DELTA_S_WORKSPACE_MIB`` cannot hold one row). ``return_qk_choice=True`` (outside torch.compile) returns
-    ``(out, QkChoice)``: which heads ran FP8 and the rule's estimates (``qk_choice``).
+    ``pv_precision``: "auto" (the default) P and V in MXFP8 for the heads whose P the rule finds too
+    coarse for NVFP4 (``sageattn3.reference.pv_p_error`` above ``PV_ERROR_LIMIT``: peaky rows whose
+    output comes from keys far below the row max, e.g. large logits in fp16), NVFP4 P·V elsewhere;
+    the rule runs with the Q·Kᵀ rule ("auto"/"fp8"; with qk_precision="fp4" every head keeps NVFP4
+    P·V). "fp4": every head NVFP4; "fp8": every head MXFP8 (D 64/128, as every kernel path: other
+    head dims take SDPA; ``sageattn3.reference.sageattn3(..., pv_precision="fp8")``), with FP4 or
+    FP8 Q·Kᵀ per ``qk_precision``; it needs the delta_s workspace with per-block Q means
+    (ValueError where ``SAGEATTN3_DELTA_S_WORKSPACE_MIB`` cannot hold one row; "auto" then keeps
+    NVFP4). ``return_qk_choice=True`` (outside torch.compile) returns ``(out, QkChoice)``: which
+    heads ran FP8 Q·Kᵀ and P·V, and the rule's estimates (``qk_choice``).
 
     Under ``torch.compile`` (``fullgraph=True`` works): the path is decided when tracing; the
     FP4 path is the custom op ``torch.ops.sageattn3.attention`` (not differentiable, like the

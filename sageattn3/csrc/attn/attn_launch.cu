@@ -139,6 +139,17 @@ int launch_both(AttnParams& p, AttnParams* p8, int sms, cudaStream_t stream) {
   }
 }
 
+// pv and p8v (copies of p and of p8) get V's MXFP8 map and scales (v8_by_head); false if the map fails.
+template <int D>
+bool with_v8(const Fp4AttnArgs& a, uint64_t bk, AttnParams& pv, AttnParams& p8v) {
+  if (!make_map(&pv.tm_v, a.v8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a.seq_k_pad, bk * D, kBlockN, D, swizzle_for(kBlockN)))
+    return false;
+  pv.v_sf = static_cast<const uint8_t*>(a.v8_sf);
+  p8v.tm_v = pv.tm_v;
+  p8v.v_sf = pv.v_sf;
+  return true;
+}
+
 template <int D>
 int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
   using L = SmemLayout<D>;
@@ -199,15 +210,7 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
 
   // both precisions per head: the FP8 P.V launches' copies with V's MXFP8 map
   AttnParams pv_store = p, p8v_store = p8_store;
-  if (a.v8_by_head) {
-    if (p8 == nullptr) return cudaErrorInvalidValue;
-    ok &= make_map(&pv_store.tm_v, a.v8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a.seq_k_pad, bk * D, kBlockN, D,
-                   swizzle_for(kBlockN));
-    if (!ok) return cudaErrorInvalidValue;
-    pv_store.v_sf = static_cast<const uint8_t*>(a.v8_sf);
-    p8v_store.tm_v = pv_store.tm_v;
-    p8v_store.v_sf = pv_store.v_sf;
-  }
+  if (a.v8_by_head && (p8 == nullptr || !with_v8<D>(a, bk, pv_store, p8v_store))) return cudaErrorInvalidValue;
 
   const int sms = sm_count();
   auto both = [&](bool in_loop) {

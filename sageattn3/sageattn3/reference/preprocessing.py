@@ -225,22 +225,21 @@ def preprocess(
     pv_limit: float | None = None,
 ) -> Preprocessed:
     """The reference of the preprocessing kernels. ``qk_rotation``: rotate Q and K (head dims 64
-    and 128; other head dims are never rotated). The means are computed on the raw inputs, then
-    balanced and rotated (as the kernels do). ``mean_q`` / ``mean_k`` / ``mean_q_global`` let a
-    test feed the means a kernel computed (float32 sums depend on the summation order), so that
-    the quantized tensors can be compared bit for bit; without per_block_mean, mean_q_global
-    defaults to mean_q. Given means are balanced and rotated already (as the kernels write
-    them). ``qk_balance``: the channel balance where it applies (``balance_applies``),
-    with the exponents ``balance`` (B, Hkv, 1, D) when given (a kernel's), else
-    ``balance_exponents``; Q and K are balanced first and then rotated when both are asked for.
+    and 128 only). The means are computed on the raw inputs, then balanced and rotated (as the
+    kernels do). ``mean_q`` / ``mean_k`` / ``mean_q_global`` let a test feed a kernel's means
+    (float32 sums depend on the order) to compare the quantized tensors bit for bit; without
+    per_block_mean, mean_q_global defaults to mean_q. Given means are balanced and rotated already
+    (as the kernels write them). ``qk_balance``: the channel balance where it applies
+    (``balance_applies``), with the exponents ``balance`` (B, Hkv, 1, D) when given (a kernel's),
+    else ``balance_exponents``; Q and K are balanced first and then rotated when both are asked.
     ``qk_scale_search``: Q and K quantized with ``quantize_rows(..., scale_search=True)`` at head
     dims 64/128 (None: ``QK_SCALE_SEARCH``; ``scale_search_applies``). ``qk_precision``
     ("fp4", "fp8", "auto"; ``choose_qk_precision``) and ``sm_scale`` (the rule's softmax scale,
     default 1/sqrt(D)) fill qk_fp8, q8, k8 and qk_error; ``k_block_mean`` (reference only, no
     rotation) smooths K per 128-key block (``Preprocessed.k_block_corr``). ``pv_precision``
-    "fp8" also fills v8/v8_scales (``pad`` must then be a multiple of 32); "auto" (the default),
-    where the Q·Kᵀ rule runs (qk_precision "auto"/"fp8", head dims 64/128, ``pad`` a multiple of
-    32), fills pv_error and pv_fp8 (``pv_limit``: the limit, None ``PV_ERROR_LIMIT``) and v8.
+    "fp8" also fills v8/v8_scales (``pad`` a multiple of 32); "auto" (the default) where the rule
+    runs (qk_precision "auto"/"fp8", D 64/128, ``pad`` a multiple of 32) fills pv_error, pv_fp8
+    (``pv_limit``, None: ``PV_ERROR_LIMIT``) and v8.
     With the rotation, q8/k8 are the MXFP8 of the rotated smoothed rows (as the kernels make them)
     and "auto"'s rule estimates on the rotated rows. Without the rotation, q8/k8 are still the
     MXFP8 of rotated rows (``fp8_rows``) where ``qk_fp8_rotated`` (the default; False: of the
@@ -248,9 +247,8 @@ def preprocess(
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     precision = qk_precision_arg(qk_precision)
     pv = pv_precision_arg(pv_precision)
-    pv_fp8 = pv == "fp8"
     qk_fp8_rotated = flag(qk_fp8_rotated, "qk_fp8_rotated")
-    if pv_fp8 and pad % MX_BLOCK:
+    if pv == "fp8" and pad % MX_BLOCK:
         raise ValueError(f"pv_precision='fp8' needs the key padding (block_n) to be a multiple of {MX_BLOCK}, got {pad}")
     k_block_mean = flag(k_block_mean, "k_block_mean")
     if k_block_mean and precision != "fp4":
@@ -291,7 +289,7 @@ def preprocess(
     dk = pad_dim(delta_s(mg, ks).squeeze(-2), -1, pad)
     kr = quantize_residual(pad_dim(ks, -2, pad), kp, ksc) if per_block_mean else None
     pre = Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk, mg, dk, rot, bal, search, kr, k_block_corr=corr)
-    if pv_fp8:
+    if pv == "fp8":
         pre.v8, pre.v8_scales = quantize_mxfp8_transposed(pad_dim(v.float(), -2, pad))
     if precision != "fp4":
         if not fp8_applies(rot, d):
@@ -300,15 +298,22 @@ def preprocess(
             return pre
         pre.qk_error = qk_fp4_error(q, k, v, pre, sm_scale)
         pre.qk_fp8 = choose_qk_precision(precision, pre.qk_error)
-        if pv == "auto" and pad % MX_BLOCK == 0:
-            pre.pv_error = pv_p_error(q, k, v, pre, sm_scale)
-            pre.pv_fp8 = choose_pv_precision(pv, pre.pv_error, pv_limit)
-            pre.v8, pre.v8_scales = quantize_mxfp8_transposed(pad_dim(v.float(), -2, pad))
+        _pv_rule(q, k, v, pre, pv, pad, sm_scale, pv_limit)
         if qk_fp8_rotated and not rot and rotation_applies(d) and not k_block_mean:
             qs, ks = fp8_rows(q.float() * cq, mq, k.float() * ck, mk)
         pre.q8, pre.q8_scales = quantize_mxfp8_rows(pad_dim(qs, -2, pad))
         pre.k8, pre.k8_scales = quantize_mxfp8_rows(pad_dim(ks, -2, pad))
     return pre
+
+
+def _pv_rule(q, k, v, pre: Preprocessed, pv: str, pad: int, sm_scale, pv_limit) -> None:
+    """Where the rule runs, with pv_precision "auto" (and ``pad`` a multiple of 32): P's estimate, the
+    heads it gives FP8 P·V, V's MXFP8."""
+    if pv != "auto" or pad % MX_BLOCK:
+        return
+    pre.pv_error = pv_p_error(q, k, v, pre, sm_scale)
+    pre.pv_fp8 = choose_pv_precision("auto", pre.pv_error, pv_limit)
+    pre.v8, pre.v8_scales = quantize_mxfp8_transposed(pad_dim(v.float(), -2, pad))
 
 
 def fp8_rows(qb: torch.Tensor, mean_q: torch.Tensor, kb: torch.Tensor, mean_k: torch.Tensor):
