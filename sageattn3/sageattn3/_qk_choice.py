@@ -138,7 +138,9 @@ def qk_choice(q, k, v, is_causal: bool = False, per_block_mean: bool = True,
     pre = preprocess(q, k, v, per_block_mean, _attn.SEQ_PAD, rot, bal, qk_scale_search)
     if _use_kernels(q):
         q, k, v = _kernels.aligned(q), _kernels.aligned(k), _kernels.aligned(v)
-    pv = pv_precision == "auto"
+    # the P·V rule where the call would run it: the reference, or a build with the FP8 P·V kernels
+    # (the self-check of those kernels is the call's, not part of this)
+    pv = pv_precision == "auto" and (not _use_kernels(q) or hasattr(torch.ops.sageattn3, "blockscaled_attn_mixed"))
     picked = _qk_selection(q, k, v, pre, precision, None, pv_limit=reference.PV_ERROR_LIMIT if pv else -1.0)
     if isinstance(picked, str):
         return QkChoice.fp4_path(q, precision, picked)

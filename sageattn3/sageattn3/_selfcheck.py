@@ -301,7 +301,7 @@ class _null:
 
 def ensure(device, attention, group: str = "default") -> Result | None:
     """The check of ``group`` (``GROUPS``: "default", the paths every call can take; "pv8", the
-    opt-in FP8 P·V kernels) for ``device``, run once per process (cached): returns the result, or
+    FP8 P·V kernels, which the rule or pv_precision="fp8" may take) for ``device``, run once per process (cached): returns the result, or
     None when skipped (``SAGEATTN3_SKIP_SELFCHECK=1``) or impossible right now (inside CUDA graph
     capture; the next call outside capture runs it). On a failure, warns once, loudly."""
     key = _group_key(device, group)

@@ -11,6 +11,8 @@ it, at run time), so ``sageattn3_blackwell`` compiles with ``fullgraph=True`` wi
 
 from __future__ import annotations
 
+import dataclasses
+
 import warnings
 from dataclasses import dataclass
 from typing import Literal
@@ -291,7 +293,7 @@ def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool,
 @torch.library.custom_op("sageattn3::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                   per_block_mean: bool, qk_rotation: bool, qk_balance: bool, qk_scale_search: bool,
-                  qk_precision: str, pv_precision: str = "fp4") -> torch.Tensor:
+                  qk_precision: str, pv_precision: str = "auto") -> torch.Tensor:
     """``sageattn3_blackwell`` as one op for compiled graphs: the self-check, the fallback and
     the kernels run here, at run time. Contiguous (B, Hq, Sq, D) output, as its fake says."""
     return _eager_call(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance, qk_scale_search,
@@ -300,7 +302,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
 
 @_attention_op.register_fake
 def _attention_op_fake(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance, qk_scale_search, qk_precision,
-                       pv_precision="fp4"):
+                       pv_precision="auto"):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -370,12 +372,12 @@ def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: flo
     kw = {"is_causal": is_causal, "sm_scale": sm_scale, "out_dtype": q.dtype, "workspace_limit": limit}
     if isinstance(picked, str):  # every head FP4 Q·Kᵀ, and P·V as pv_precision says ("auto": FP4)
         if choice is not None:
-            choice.append(QkChoice.fp4_path(q, qk_precision, picked))
+            choice.append(_all_pv8(QkChoice.fp4_path(q, qk_precision, picked), pv_precision))
         if pv_precision == "fp8":
             return _pv8.attention_pv8(pre, *_pv8.quant_mxfp8_cols(v, _attn.SEQ_PAD), **kw)
         return _attn.attention_from_preprocessed(pre, trusted=True, **kw)
     if choice is not None:
-        choice.append(picked.choice(qk_precision, pv_rule))
+        choice.append(_all_pv8(picked.choice(qk_precision, pv_rule), pv_precision))
     q8, q8s, k8, k8s = _kernels.mxfp8_smooth_quant_qk(q, k, pre, picked.sel_q, picked.sel_k, _attn.SEQ_PAD)
     qk8 = {"head_sel": picked.sel_q, "q8": q8, "q8_scales": q8s, "k8": k8, "k8_scales": k8s}
     if pv_precision == "fp8":
@@ -384,6 +386,13 @@ def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: flo
         v8, v8s = _pv8.quant_mxfp8_cols(v, _attn.SEQ_PAD, sel=picked.sel_v)
         return _pv8.attention_pv8(pre, v8, v8s, **qk8, by_head=True, **kw)
     return _attn.attention_qk8(pre, picked.sel_q, q8, q8s, k8, k8s, **kw)
+
+
+def _all_pv8(choice: QkChoice, pv_precision: str) -> QkChoice:
+    """The debug return with pv_precision="fp8": every head's P·V in FP8."""
+    if pv_precision != "fp8":
+        return choice
+    return dataclasses.replace(choice, pv_fp8=torch.ones_like(choice.fp8))
 
 
 def _pv8_built() -> bool:

@@ -220,7 +220,7 @@ def test_public_api_takes_pv_precision(fp4, d, causal, qk):  # noqa: F811
 @pytest.mark.parametrize("d", [64, 128])
 def test_large_logits_in_fp16_end_to_end(fp4, d, causal):  # noqa: F811
     """What FP8 P·V is for: large logits in fp16 (the accuracy table's inputs), where NVFP4 P·V
-    leaves the defaults below 0.98 at D 128. sageattn3_blackwell(..., pv_precision="fp8") equals
+    stays below 0.98 at D 128. sageattn3_blackwell(..., pv_precision="fp8") equals
     the reference (>= 0.9999) and reaches >= 0.99 against exact attention."""
     _pv8_or_skip()
     from sageattn3 import reference as ref

@@ -50,6 +50,8 @@ def test_p_estimate_matches_the_reference(fp4, case, b, hq, hk, sq, sk, d, optio
     assert rel < 2e-3, (err_pv, want)
     pv8 = err_pv > ref.PV_ERROR_LIMIT
     assert torch.equal((sel_q >> 1).bool(), pv8)
+    far = (want - ref.PV_ERROR_LIMIT).abs() > 1e-3  # the reference's choice, where the two cannot straddle it
+    assert torch.equal(pv8.cpu()[far], (want > ref.PV_ERROR_LIMIT)[far])
     assert torch.equal(sel_v.bool(), pv8.view(b, hk, hq // hk).any(-1))
     # the Q·Kᵀ choice is the one without P's estimate
     e2, q2, k2, pv_nan, v2 = _rule(q, k, v, pre, -1.0)

@@ -138,7 +138,7 @@ def sageattn3(
     ``qk_precision``: "auto" (the default) multiplies Q·Kᵀ of the heads the rule picks
     (``choose_qk_precision``, ``qk_fp4_error``) with MXFP8 operands (``quantize_mxfp8_rows`` of the
     same smoothed rows), the others in FP4; "fp4" every head in FP4 (the rule never runs), "fp8"
-    every head in MXFP8. P·V stays NVFP4. FP8 needs head dim 64/128 ("auto" keeps FP4 elsewhere);
+    every head in MXFP8 (P·V: ``pv_precision`` below). FP8 needs head dim 64/128 ("auto" keeps FP4 elsewhere);
     with ``qk_rotation`` the rule estimates on, and FP8 multiplies, the rotated rows. ``k_block_mean`` (reference only): K smoothed per 128-key block with the
     exact correction (``Preprocessed.k_block_corr``).
 
@@ -161,7 +161,7 @@ def sageattn3(
       acc_t = acc_{t-1} · exp2(m_{t-1} - m_t) + P̂ · Vd_t.
     - O_i = acc / l.
 
-    ``pv_precision="fp8"`` (reference only, opt-in; the default "fp4" is the above): P·V with
+    ``pv_precision="fp8"`` ("fp4" is the above; "auto", the default, picks per head below): P·V with
     MXFP8 operands, for the MMA ``kind::mxf8f6f4.block_scale.scale_vec::1X`` (E4M3 x E4M3, UE8M0
     scales, float32 accumulation), every head (any head dim; block_n a multiple of 32):
 

@@ -308,8 +308,8 @@ def preprocess(
 
 def _pv_rule(q, k, v, pre: Preprocessed, pv: str, pad: int, sm_scale, pv_limit) -> None:
     """Where the rule runs, with pv_precision "auto" (and ``pad`` a multiple of 32): P's estimate, the
-    heads it gives FP8 P·V, V's MXFP8."""
-    if pv != "auto" or pad % MX_BLOCK:
+    heads it gives FP8 P·V, V's MXFP8. A negative ``pv_limit`` turns it off (as the kernels' op)."""
+    if pv != "auto" or pad % MX_BLOCK or (pv_limit is not None and pv_limit < 0):
         return
     pre.pv_error = pv_p_error(q, k, v, pre, sm_scale)
     pre.pv_fp8 = choose_pv_precision("auto", pre.pv_error, pv_limit)
