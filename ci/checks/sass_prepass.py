@@ -11,14 +11,19 @@ one query head per kv head).
 - rule (``qk_rule_kernel<bf16, D>``, ``preprocess/qk_rule.cu``): with qk_precision 'auto' (the
   default) or 'fp8', wherever the FP8 path can run (no Q/K rotation, D 64/128, the delta_s
   workspace holds a row). One CTA of 8 warps per sampled 128-row Q block (``kSampled`` per head at
-  most) and head; its loop goes over the sampled keys ``kChunk`` at a time.
+  most) and head; its loop goes over the sampled keys ``kChunk`` at a time. It is launched
+  ``RULE_LAUNCHES`` times with the defaults: Q·Kᵀ's estimate, then P's (pv_precision 'auto'); both
+  walk the same loop, whose body holds P's quantization too (only the second launch takes it: a
+  small overcount for the first).
 - MXFP8 (``mxfp8_rotated_kernel<bf16, D>``, ``quant/quant_mxfp8.cu``): the FP8 heads' Q and K
   rows, rotated (FP8 Q·Kᵀ always multiplies rotated rows; without qk_rotation the kernel also
   rotates the means), a lane per 16 values; one iteration of its grid-stride loop (8 warps)
   quantizes 8 x 512 / D rows. The loop without the balance exponents is counted (qk_balance is
   off by default).
-- MXFP8 V (``quant_mxfp8_cols_kernel<bf16>``, ``quant/quant_mxfp8_cols.cu``): with pv_precision
-  'fp8' only, V along the sequence; a CTA per 128 keys x 64 channels, no loop (counted whole).
+- MXFP8 V (``quant_mxfp8_cols_kernel<bf16>``, ``quant/quant_mxfp8_cols.cu``): for the kv heads
+  that take FP8 P·V (the rule's, or every head with pv_precision 'fp8'), V along the sequence; a
+  CTA per 128 keys x 64 channels, no loop (counted whole). For the other heads of an "auto" call its
+  CTAs read one byte and exit: not counted.
 
 Counting: the main loop's instructions per iteration and any other named loop's, each times its
 trip count, plus the rest of the function up to its last EXIT once per CTA (loops in that rest
@@ -96,9 +101,12 @@ def _rule_shape(ref: Ref) -> tuple[int, int, int]:
     return sampled, constant(path, "kRows"), constant(path, "kChunk")
 
 
+RULE_LAUNCHES = 2  # Q·Kᵀ's estimate, then P's (csrc/preprocess/qk_rule.cu, a.pv)
+
+
 def _rule_per_tile(d: int, ref: Ref) -> tuple[float, ...]:
     sampled, _, chunk = _rule_shape(ref)
-    tiles = ref.blocks * ref.blocks  # per head
+    tiles = ref.blocks * ref.blocks / RULE_LAUNCHES  # per head, per launch
     return sampled / tiles, sampled * sampled * 128 / chunk / tiles
 
 
@@ -106,7 +114,8 @@ def _rule_dram(d: int, ref: Ref) -> float:
     # the sampled rows read once: Q (bf16, packed FP4 + scales) and K, V (bf16) + K packed
     sampled, rows, _ = _rule_shape(ref)
     fp4_row = d // 2 + d // 16
-    return (sampled * rows * (2 * d + fp4_row) + sampled * 128 * (4 * d + fp4_row)) / (ref.blocks * ref.blocks)
+    once = sampled * rows * (2 * d + fp4_row) + sampled * 128 * (4 * d + fp4_row)
+    return RULE_LAUNCHES * once / (ref.blocks * ref.blocks)
 
 
 def _mxfp8_rows(ref: Ref) -> float:
@@ -141,7 +150,7 @@ PREPASSES = {
         "loop over query blocks (kMUnroll query blocks x 128 keys)", _delta_s_per_tile, _delta_s_dram),
     "rule": PrePass(
         "rule", "preprocess/qk_rule.cu", "preprocess/qk_rule.cu", r"qk_rule_kernelINS_6bf16_tELi{d}E",
-        (Loop(r"chunk_scores<D>\(sm, warp, g, t\);"),),
+        (Loop(r"chunk_scores<D>\(sm, warp, g, t, a\.pv\);"),),
         "key loop (kChunk sampled keys x 16 sampled query rows)", _rule_per_tile, _rule_dram),
     "MXFP8": PrePass(
         "MXFP8", "quant/quant_mxfp8.cu", "quant/quant_mxfp8.cu", r"mxfp8_rotated_kernelINS_6bf16_tELi{d}E",
@@ -149,7 +158,8 @@ PREPASSES = {
         "grid-stride loop (256 lanes x 16 values)", _mxfp8_per_tile, _mxfp8_dram,
         rest_note="the code outside its loop, once per CTA, not counted (its CTAs per head follow the SM "
                   "count and the number of heads: about 1 warp-instruction per tile)"),
-    # FP8 P·V only (pv_precision "fp8"): V along the sequence, bf16 (the fp16 copy is the same code)
+    # the FP8 P·V heads (the rule's, or every head with pv_precision "fp8"): V along the sequence, bf16
+    # (the fp16 copy is the same code)
     "MXFP8 V": PrePass(
         "MXFP8 V", "quant/quant_mxfp8_cols.cu", "quant/quant_mxfp8_cols.cu", r"quant_mxfp8_cols_kernelINS_6bf16_tEEEv",
         (), "CTA (128 keys x 64 channels, no loop)", _v_mxfp8_per_tile, _v_mxfp8_dram),

@@ -24,9 +24,10 @@ int quant_fp4_cols(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, 
 // MXFP8 along the sequence (V of the FP8 P.V path; quant/quant_mxfp8_cols.cu, bit-exact with
 // reference.quantize_mxfp8_transposed): x (G, S, D) bf16/fp16, D a multiple of 16 -> codes
 // (G, D, Sp) E4M3 bytes and scales (G, D, Sp/32) UE8M0 bytes, Sp >= S a multiple of 32; tokens
-// S..Sp-1 are zeros. x and codes 16-byte aligned.
+// S..Sp-1 are zeros. x and codes 16-byte aligned. sel (G bytes) or null: a group whose byte is 0 is
+// skipped (its codes and scales left as they were: the kv heads no head reads in FP8).
 int quant_mxfp8_cols(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, int64_t Sp, uint8_t* codes,
-                     uint8_t* scales, cudaStream_t stream);
+                     uint8_t* scales, const uint8_t* sel, cudaStream_t stream);
 
 // Q/K rotation (rotate, D 64 or 128 only): rows are rotated before the mean is subtracted,
 // x -> x S H / 8 (S = diag(+-1) from fixed sign bits, H the Walsh-Hadamard matrix, fp32
@@ -115,7 +116,7 @@ int smooth_quant_k_delta(const void* k, DType dtype, int64_t B, int64_t Hq, int6
 // quantize_mxfp8_rows): x (H, S, D) bf16/fp16/fp32 -> codes (H, Sp, D) E4M3 bytes and scales
 // (H, Sp, D/32) UE8M0 bytes of x * 2^(balance_sign * balance[h / rep]) - mean[h, r / 128 or 0];
 // mean (H, mean_rows, D) fp32; balance (H / rep, D) fp32 exponents or null; sel (H) bytes or null:
-// heads whose sel byte is 0 are skipped (outputs untouched). D a multiple of 32.
+// heads whose sel byte has bit 0 clear are skipped (outputs untouched). D a multiple of 32.
 struct Mxfp8Args {
   const void* x;
   DType dtype;
@@ -180,6 +181,15 @@ struct QkRuleArgs {
   // (quant16, plain scales) instead of read from the codes; the error combined with the first's.
   bool requant;
   bool combine;
+  // P's error for the FP8 P.V choice (reference.pv_p_error), where error_pv is set: one more launch
+  // after the above writes each head's estimate to error_pv and, with the selection, sets bit 1 of
+  // sel_q where it exceeds pv_limit and sel_v (B*Hkv bytes, zeroed first) of that head's kv head
+  // to 1; a pv_limit below 0 (or NaN) skips that launch and fills error_pv with NaN. The launcher
+  // sets `pv` for that launch.
+  float* error_pv;
+  uint8_t* sel_v;
+  float pv_limit;
+  bool pv;
 };
 int qk_rule_error(const QkRuleArgs& args, cudaStream_t stream);
 

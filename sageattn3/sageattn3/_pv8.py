@@ -1,8 +1,8 @@
-"""The FP8 P·V path's kernels from Python (opt-in, ``pv_precision="fp8"``): V's MXFP8 quantizer
-(``torch.ops.sageattn3.quant_mxfp8_cols``, csrc/quant/quant_mxfp8_cols.cu) and the attention with
-P·V in MXFP8 (``torch.ops.sageattn3.blockscaled_attn_pv8``, the kPV8 kernels of
-csrc/attn/attn_fwd_kernel.cuh), with FP4 Q·Kᵀ or the per-head FP8 Q·Kᵀ: what
-``sageattn3_blackwell(..., pv_precision="fp8")`` runs (opt-in, every head of the call).
+"""The FP8 P·V path's kernels from Python: V's MXFP8 quantizer (``torch.ops.sageattn3.quant_mxfp8_cols``,
+csrc/quant/quant_mxfp8_cols.cu) and the attention with P·V in MXFP8 (the kPV8 kernels of
+csrc/attn/attn_fwd_kernel.cuh): ``blockscaled_attn_pv8`` for every head of a call, with FP4 Q·Kᵀ
+or the per-head FP8 Q·Kᵀ (``sageattn3_blackwell(..., pv_precision="fp8")``), and
+``blockscaled_attn_mixed`` for the heads the rule picks (``pv_precision="auto"``, the default).
 
 V (B, Hkv, Sk, D) becomes ``reference.quantize_mxfp8_transposed`` of V padded with zero keys to
 a multiple of the key padding: codes (B, Hkv, D, Sk_p) E4M3 and scales (B, Hkv, D, Sk_p/32)
@@ -40,11 +40,14 @@ def check_v(v, seq_pad: int) -> None:
         raise ValueError(f"seq_pad must be a positive multiple of {MX_BLOCK}, got {seq_pad!r}")
 
 
-def quant_mxfp8_cols(v: torch.Tensor, seq_pad: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_mxfp8_cols(v: torch.Tensor, seq_pad: int = 128,
+                     sel: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """V (..., S, D) fp16/bf16 on the GPU -> (codes float8_e4m3fn (..., D, Sp), scales uint8
     (..., D, Sp/32)), Sp = S rounded up to ``seq_pad`` (a multiple of 32; zero keys): MXFP8 along
     the sequence, ``reference.quantize_mxfp8_transposed(reference.pad_dim(v, -2, seq_pad))`` bit for
-    bit. A non-contiguous or misaligned v is copied first."""
+    bit. A non-contiguous or misaligned v is copied first. ``sel``: None (every head), or one uint8
+    per (..., ) group (the rule's sel_v): groups whose byte is 0 are skipped, their outputs left
+    uninitialised (no kernel reads them)."""
     check_v(v, seq_pad)
     if not v.is_contiguous() or v.data_ptr() % 16:
         v = v.clone(memory_format=torch.contiguous_format)
@@ -52,7 +55,11 @@ def quant_mxfp8_cols(v: torch.Tensor, seq_pad: int = 128) -> tuple[torch.Tensor,
     sp = -(-s // seq_pad) * seq_pad
     codes = torch.empty((*lead, d, sp), dtype=torch.float8_e4m3fn, device=v.device)
     scales = torch.empty((*lead, d, sp // MX_BLOCK), dtype=torch.uint8, device=v.device)
-    op("quant_mxfp8_cols")(v, codes, scales)
+    if sel is not None and (sel.dtype != torch.uint8 or sel.numel() != math.prod(lead) or sel.device != v.device):
+        raise ValueError(f"sel must be uint8 with one byte per group of v {tuple(lead)} on {v.device}, got "
+                         f"{sel.dtype} of shape {tuple(sel.shape)} on {sel.device}")
+    none = _kernels._none(v.device, 11)
+    op("quant_mxfp8_cols")(v, none if sel is None else sel.contiguous(), codes, scales)
     return codes, scales
 
 
@@ -60,14 +67,16 @@ def attention_pv8(pre, v8: torch.Tensor, v8_scales: torch.Tensor, *, head_sel: t
                   q8: torch.Tensor | None = None, q8_scales: torch.Tensor | None = None,
                   k8: torch.Tensor | None = None, k8_scales: torch.Tensor | None = None, is_causal: bool = False,
                   sm_scale: float | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                  workspace_limit: int | None = None) -> torch.Tensor:
+                  workspace_limit: int | None = None, by_head: bool = False) -> torch.Tensor:
     """The attention with P·V in MXFP8 (``reference.sageattn3(..., pv_precision="fp8")``) on a
     ``reference.Preprocessed`` straight from the preprocessing (pad=128): v8 (B, Hkv, D, Sk_p) E4M3
     and v8_scales (B, Hkv, D, Sk_p/32) UE8M0 (``quant_mxfp8_cols(v, 128)``, or ``pre.v8`` /
     ``pre.v8_scales`` of the reference). Q·Kᵀ in FP4, or with ``head_sel`` (B, Hq) per head as
     ``_attn.attention_qk8`` (q8, q8_scales, k8, k8_scales then required). Like FP8 Q·Kᵀ it reads
     delta_s rows: with per-block Q means the workspace must hold one (batch, q head) row
-    (``_attn.fp8_workspace_fits``)."""
+    (``_attn.fp8_workspace_fits``). ``by_head``: both precisions per head from ``head_sel``'s bits
+    (the rule's sel_q: bit 0 FP8 Q·Kᵀ, bit 1 FP8 P·V; pre's NVFP4 V for heads without bit 1, v8
+    needed only for the kv heads of those with it)."""
     q = pre.q_packed
     d = 2 * q.shape[3]
     v8, v8_scales = v8.contiguous(), v8_scales.contiguous()  # the reference's codes are a transposed view
@@ -87,7 +96,9 @@ def attention_pv8(pre, v8: torch.Tensor, v8_scales: torch.Tensor, *, head_sel: t
         sel, q8, q8_scales, k8, k8_scales = none, none, none, none, none
     else:
         sel = head_sel.to(torch.uint8).contiguous()
-    op("blockscaled_attn_pv8")(q, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales, pre.mean_q,
-                               pre.mean_q_global, pre.delta_key, k_res, work, out, sel, q8, q8_scales, k8, k8_scales,
-                               v8, v8_scales, pre.seq_q, pre.seq_k, scale, is_causal)
+    if by_head and head_sel is None:
+        raise ValueError("attention_pv8(by_head=True) needs head_sel")
+    op("blockscaled_attn_mixed" if by_head else "blockscaled_attn_pv8")(q, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales, pre.mean_q,
+        pre.mean_q_global, pre.delta_key, k_res, work, out, sel, q8, q8_scales, k8, k8_scales, v8, v8_scales,
+        pre.seq_q, pre.seq_k, scale, is_causal)
     return out

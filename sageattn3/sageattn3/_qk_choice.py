@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -25,6 +26,8 @@ class QkChoice:
     fp8: torch.Tensor
     error: torch.Tensor | None
     note: str = ""
+    pv_fp8: torch.Tensor | None = None  # (B, Hq) bool: the heads whose P·V ran in MXFP8 (pv_precision "auto")
+    pv_error: torch.Tensor | None = None  # (B, Hq) float32: the rule's P estimate (reference.pv_p_error)
 
     @staticmethod
     def fp4_path(q: torch.Tensor, precision: str, note: str) -> "QkChoice":
@@ -36,17 +39,43 @@ class QkChoice:
             return f"qk_precision={self.precision!r}: every head FP4 ({self.note or 'the rule did not run'})"
         err, sel = self.error.float().cpu(), self.fp8.cpu()
         heads = ", ".join(f"{'fp8' if bool(f) else 'fp4'} ({float(e):.3f})" for f, e in zip(sel.flatten(), err.flatten()))
-        return (f"qk_precision={self.precision!r}, limit {reference.AUTO_ERROR_LIMIT}: "
-                f"{int(sel.sum())} of {sel.numel()} heads FP8; per head: {heads}")
+        out = (f"qk_precision={self.precision!r}, limit {reference.AUTO_ERROR_LIMIT}: "
+               f"{int(sel.sum())} of {sel.numel()} heads FP8; per head: {heads}")
+        if self.pv_fp8 is not None and self.pv_error is not None:
+            pe, ps = self.pv_error.float().cpu(), self.pv_fp8.cpu()
+            heads = ", ".join(f"{'fp8' if bool(f) else 'fp4'} ({float(e):.3f})" for f, e in zip(ps.flatten(), pe.flatten()))
+            out += (f"; P·V (pv_precision='auto', limit {reference.PV_ERROR_LIMIT}): {int(ps.sum())} of "
+                    f"{ps.numel()} heads FP8; per head: {heads}")
+        return out
+
+
+class Picked(NamedTuple):
+    """What the rule picked (``_qk_selection``; the order of ``qk_rule_select``'s outputs): error
+    (B, Hq) the Q·Kᵀ estimate; sel_q (B, Hq) uint8, bit 0 FP8 Q·Kᵀ, bit 1 FP8 P·V; sel_k (B, Hkv)
+    uint8, 1 where a q head has bit 0; error_pv (B, Hq) P's estimate (NaN where not asked); sel_v
+    (B, Hkv) uint8, 1 where a q head has bit 1."""
+
+    error: torch.Tensor
+    sel_q: torch.Tensor
+    sel_k: torch.Tensor
+    error_pv: torch.Tensor
+    sel_v: torch.Tensor
+
+    def choice(self, precision: str, pv: bool) -> QkChoice:
+        """The debug return: ``pv`` where the P·V rule ran (pv_precision "auto")."""
+        if not pv:
+            return QkChoice(precision, (self.sel_q & 1).bool(), self.error)
+        return QkChoice(precision, (self.sel_q & 1).bool(), self.error, pv_fp8=(self.sel_q & 2).bool(),
+                        pv_error=self.error_pv)
 
 def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float | None,
-                  workspace_limit: int | None = None):
-    """(sel_q (B, Hq) uint8, sel_k (B, Hkv) uint8, error (B, Hq)) where the per-head precision
-    applies: sel_q 1 where a q head's Q·Kᵀ runs in FP8, sel_k 1 where any q head of a kv head does;
-    else the reason (str) every head stays FP4: "fp4" asked, or FP8 unavailable with "auto"
-    ("fp8" raises then). On the kernels, one op computes all three (no synchronisation); q, k, v
-    are then contiguous and 16-byte aligned (``_kernels.aligned``). ``workspace_limit``: the
-    delta_s workspace's bytes (``_attn.fp8_workspace_fits``'s ``limit``)."""
+                  workspace_limit: int | None = None, pv_limit: float = -1.0):
+    """A ``Picked`` where the per-head precision applies (sel_q bit 0 where a q head's Q·Kᵀ runs in
+    FP8; with ``pv_limit`` >= 0, bit 1 where its P·V does, P's estimate above pv_limit); else the
+    reason (str) every head stays FP4: "fp4" asked, or FP8 unavailable with "auto" ("fp8" raises
+    then). On the kernels, one op computes it all (no synchronisation); q, k, v are then contiguous
+    and 16-byte aligned (``_kernels.aligned``). ``workspace_limit``: the delta_s workspace's bytes
+    (``_attn.fp8_workspace_fits``'s ``limit``)."""
     precision = reference.qk_precision_arg(qk_precision)
     if precision == "fp4":
         return "qk_precision='fp4'"
@@ -63,13 +92,18 @@ def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float
             raise ValueError(why)
         return why
     if _rule_kernel_serves(q, pre):
-        err, sel_q, sel_k = _kernels.qk_rule_select(q, k, v, pre, _scale(q, sm_scale), reference.AUTO_ERROR_LIMIT,
-                                                    precision == "fp8")
-        return sel_q, sel_k, err
+        return Picked(*_kernels.qk_rule_select(q, k, v, pre, _scale(q, sm_scale), reference.AUTO_ERROR_LIMIT,
+                                               precision == "fp8", pv_limit))
     err = _qk_error(q, k, v, pre, sm_scale)
     fp8 = reference.choose_qk_precision(precision, err)
+    if pv_limit >= 0:
+        err_pv = reference.pv_p_error(q, k, v, pre, sm_scale)
+        pv8 = reference.choose_pv_precision("auto", err_pv, pv_limit)
+    else:
+        err_pv, pv8 = torch.full_like(err, float("nan")), torch.zeros_like(fp8)
     hk = k.shape[1]
-    return fp8.to(torch.uint8), fp8.view(b, hk, hq // hk).any(dim=-1).to(torch.uint8), err
+    kv = lambda x: x.view(b, hk, hq // hk).any(dim=-1).to(torch.uint8)  # noqa: E731
+    return Picked(err, fp8.to(torch.uint8) | (pv8.to(torch.uint8) << 1), kv(fp8), err_pv, kv(pv8))
 
 
 def _scale(q, sm_scale: float | None) -> float:
@@ -92,18 +126,23 @@ def _qk_error(q, k, v, pre: Preprocessed, sm_scale: float | None) -> torch.Tenso
 
 def qk_choice(q, k, v, is_causal: bool = False, per_block_mean: bool = True,
               qk_rotation: bool = reference.QK_ROTATION_DEFAULT, qk_balance: bool = reference.QK_BALANCE_DEFAULT,
-              qk_scale_search: bool | None = None, qk_precision: str = reference.QK_PRECISION_DEFAULT) -> QkChoice:
+              qk_scale_search: bool | None = None, qk_precision: str = reference.QK_PRECISION_DEFAULT,
+              pv_precision: str = reference.PV_PRECISION_DEFAULT) -> QkChoice:
     """The per-head Q·Kᵀ precision ``sageattn3_blackwell`` picks for these inputs (the rule alone:
-    preprocessing and the estimate, no attention), on any device (the reference on the CPU)."""
+    preprocessing and the estimate, no attention), on any device (the reference on the CPU), and
+    with ``pv_precision="auto"`` (the default) the heads whose P·V it runs in MXFP8."""
     _check_qkv(q, k, v)
     precision = reference.qk_precision_arg(qk_precision)
+    pv_precision = reference.pv_precision_arg(pv_precision)
     rot, bal = _flags(qk_rotation=qk_rotation, qk_balance=qk_balance)
     pre = preprocess(q, k, v, per_block_mean, _attn.SEQ_PAD, rot, bal, qk_scale_search)
     if _use_kernels(q):
         q, k, v = _kernels.aligned(q), _kernels.aligned(k), _kernels.aligned(v)
-    picked = _qk_selection(q, k, v, pre, precision, None)
+    # the P·V rule where the call would run it: the reference, or a build with the FP8 P·V kernels
+    # (the self-check of those kernels is the call's, not part of this)
+    pv = pv_precision == "auto" and (not _use_kernels(q) or hasattr(torch.ops.sageattn3, "blockscaled_attn_mixed"))
+    picked = _qk_selection(q, k, v, pre, precision, None, pv_limit=reference.PV_ERROR_LIMIT if pv else -1.0)
     if isinstance(picked, str):
         return QkChoice.fp4_path(q, precision, picked)
-    sel_q, _, err = picked
-    return QkChoice(precision, sel_q.view(torch.bool), err)
+    return picked.choice(precision, pv)
 

@@ -9,10 +9,11 @@ only run through a software model; and D 64 bf16 causal with MXFP8 Q·Kᵀ on ro
 preprocessing rotated, the path "auto" takes with ``qk_rotation``; a handful of small kernel
 launches, microseconds of GPU time) and compares them with ``sageattn3.reference.sageattn3``
 computed on the CPU. On a mismatch: ONE loud ``RuntimeWarning`` with the figures, and
-``sageattn3_blackwell`` uses torch SDPA on that device for the rest of the process. The opt-in
-FP8 P·V kernels (``pv_precision="fp8"``) get their own check (``PV8_CASES``) on the first call
-that asks for them on a device; if it fails, such calls run NVFP4 P·V there (one warning). ``SAGEATTN3_SKIP_SELFCHECK=1`` skips the check. Cost: a few
-small kernel launches on the GPU plus the reference on the CPU: the whole check took 31 ms on an
+``sageattn3_blackwell`` uses torch SDPA on that device for the rest of the process. The FP8 P·V
+kernels get their own check (``PV8_CASES``: every head, and the rule's per-head path) on a
+device's first call that may take them (``pv_precision="fp8"``, or the default "auto" with the
+rule on); if it fails, such calls run NVFP4 P·V there (one warning).
+``SAGEATTN3_SKIP_SELFCHECK=1`` skips the check. Cost: a few small kernel launches on the GPU plus the reference on the CPU: the whole check took 31 ms on an
 H100 host (113 ms as the first kernel calls of a process, which load the kernels), where the
 MMA-model test flavour's software MMA made the two calls take 5.7 ms of GPU time.
 
@@ -57,16 +58,21 @@ MAX_REL_L2 = 0.05
 
 # (batch, q heads, kv heads, seq, head_dim, dtype, causal, Q·Kᵀ precision, other options of the
 # call): two 128-token Q blocks each.
+# The FP8 Q·Kᵀ cases pin P·V to NVFP4: the FP8 P·V kernels have their own group.
 CASES = (
     (1, 2, 1, 256, 128, torch.bfloat16, False, "fp4", {}),
     (1, 1, 1, 256, 64, torch.float16, True, "fp4", {}),
-    (1, 2, 1, 256, 128, torch.bfloat16, False, "fp8", {}),
-    (1, 2, 1, 256, 64, torch.bfloat16, True, "fp8", {"qk_rotation": True}),
+    (1, 2, 1, 256, 128, torch.bfloat16, False, "fp8", {"pv_precision": "fp4"}),
+    (1, 2, 1, 256, 64, torch.bfloat16, True, "fp8", {"qk_rotation": True, "pv_precision": "fp4"}),
 )
-# The opt-in FP8 P·V kernels (FP4 and FP8 Q·Kᵀ), checked on a device's first call that asks for them.
+# The FP8 P·V kernels (FP4 and FP8 Q·Kᵀ), checked on a device's first call that may take them
+# (pv_precision "fp8", or "auto" with the rule): every head, and the rule's per-head path
+# (blockscaled_attn_mixed, V's MXFP8 of the chosen kv heads) with a limit of 0, so that every head
+# of the case takes it (these inputs estimate far below the real limit).
 PV8_CASES = (
     (1, 2, 1, 256, 128, torch.bfloat16, False, "fp4", {"pv_precision": "fp8"}),
     (1, 1, 1, 256, 64, torch.float16, True, "fp8", {"pv_precision": "fp8"}),
+    (1, 2, 1, 256, 128, torch.bfloat16, True, "auto", {"pv_precision": "auto", "pv_limit": 0.0}),
 )
 GROUPS = {"default": CASES, "pv8": PV8_CASES}
 Q_DRIFT = 4  # Q's offset per block: -Q_DRIFT, +Q_DRIFT times a per-channel offset of up to 1
@@ -165,7 +171,7 @@ def describe(device) -> str:
     out += "".join(f"; left out: {x}" for x in r.left_out)
     pv8 = _results.get(_group_key(device, "pv8"))
     if pv8 is not None:
-        out += f"; FP8 P·V self-check {'passed' if pv8.ok else 'FAILED (pv_precision=fp8 runs NVFP4 P·V)'}"
+        out += f"; FP8 P·V self-check {'passed' if pv8.ok else 'FAILED (every head runs NVFP4 P·V)'}"
     return out
 
 
@@ -272,7 +278,7 @@ def _runnable(case, res: Result) -> bool:
     from sageattn3 import _attn
 
     b, hq, _, s, _, _, _, precision, opts = case
-    pv8 = opts.get("pv_precision") == "fp8"  # FP8 P·V reads delta_s rows too
+    pv8 = opts.get("pv_precision") in ("fp8", "auto")  # FP8 P·V reads delta_s rows too
     if precision in ("auto", "fp4") and not pv8:
         return True
     try:
@@ -295,7 +301,7 @@ class _null:
 
 def ensure(device, attention, group: str = "default") -> Result | None:
     """The check of ``group`` (``GROUPS``: "default", the paths every call can take; "pv8", the
-    opt-in FP8 P·V kernels) for ``device``, run once per process (cached): returns the result, or
+    FP8 P·V kernels, which the rule or pv_precision="fp8" may take) for ``device``, run once per process (cached): returns the result, or
     None when skipped (``SAGEATTN3_SKIP_SELFCHECK=1``) or impossible right now (inside CUDA graph
     capture; the next call outside capture runs it). On a failure, warns once, loudly."""
     key = _group_key(device, group)
@@ -322,7 +328,7 @@ def ensure(device, attention, group: str = "default") -> Result | None:
                 pass
         what, then = ("FP4", "sageattn3_blackwell falls back to torch scaled_dot_product_attention")
         if group == "pv8":
-            what, then = ("FP8 P·V", "sageattn3_blackwell(..., pv_precision='fp8') runs NVFP4 P·V instead")
+            what, then = ("FP8 P·V", "sageattn3_blackwell runs NVFP4 P·V instead (pv_precision 'fp8' and 'auto')")
         warnings.warn(
             f"sageattn3: {what} SELF-CHECK FAILED on {key}{name}. The {what} attention kernel disagrees with "
             f"sageattn3.reference on a known-answer test: {r.summary()}. {then} on this device for the rest of "

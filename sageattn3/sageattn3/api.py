@@ -11,6 +11,8 @@ it, at run time), so ``sageattn3_blackwell`` compiles with ``fullgraph=True`` wi
 
 from __future__ import annotations
 
+import dataclasses
+
 import warnings
 from dataclasses import dataclass
 from typing import Literal
@@ -229,12 +231,16 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     heads always multiply rotated rows (rotated for them alone where ``qk_rotation`` is off:
     outliers Q and K share then spread over every block); with ``qk_rotation`` the rule also
     estimates on the rotated rows.
-    ``pv_precision``: "fp4" (the default) NVFP4 P·V; "fp8" (opt-in; D 64/128, as every kernel
-    path: other head dims take SDPA) P and V in MXFP8
-    (``sageattn3.reference.sageattn3(..., pv_precision="fp8")``), with FP4 or FP8 Q·Kᵀ per
-    ``qk_precision``; it needs the delta_s workspace with per-block Q means (ValueError where
-    ``SAGEATTN3_DELTA_S_WORKSPACE_MIB`` cannot hold one row). ``return_qk_choice=True`` (outside torch.compile) returns
-    ``(out, QkChoice)``: which heads ran FP8 and the rule's estimates (``qk_choice``).
+    ``pv_precision``: "auto" (the default) P and V in MXFP8 for the heads whose P the rule finds too
+    coarse for NVFP4 (``sageattn3.reference.pv_p_error`` above ``PV_ERROR_LIMIT``: peaky rows whose
+    output comes from keys far below the row max, e.g. large logits in fp16), NVFP4 P·V elsewhere;
+    the rule runs with the Q·Kᵀ rule ("auto"/"fp8"; with qk_precision="fp4" every head keeps NVFP4
+    P·V). "fp4": every head NVFP4; "fp8": every head MXFP8 (D 64/128, as every kernel path: other
+    head dims take SDPA; ``sageattn3.reference.sageattn3(..., pv_precision="fp8")``), with FP4 or
+    FP8 Q·Kᵀ per ``qk_precision``; it needs the delta_s workspace with per-block Q means
+    (ValueError where ``SAGEATTN3_DELTA_S_WORKSPACE_MIB`` cannot hold one row; "auto" then keeps
+    NVFP4). ``return_qk_choice=True`` (outside torch.compile) returns ``(out, QkChoice)``: which
+    heads ran FP8 Q·Kᵀ and P·V, and the rule's estimates (``qk_choice``).
 
     Under ``torch.compile`` (``fullgraph=True`` works): the path is decided when tracing; the
     FP4 path is the custom op ``torch.ops.sageattn3.attention`` (not differentiable, like the
@@ -273,8 +279,9 @@ def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool,
     if why is _UNDECIDED:
         why = _decide(*key)
     if why is None:
-        if pv_precision == "fp8" and not _selfcheck.pv8_usable(q.device, _fp4_attention):
-            pv_precision = "fp4"  # its self-check failed on this device (warned once, loudly)
+        if pv_precision == "fp8" or (pv_precision == "auto" and qk_precision != "fp4" and _pv8_built()):
+            if not _selfcheck.pv8_usable(q.device, _fp4_attention):
+                pv_precision = "fp4"  # its self-check failed on this device (warned once, loudly)
         return _fp4_attention(q, k, v, is_causal, per_block_mean, qk_rotation=qk_rotation, qk_balance=qk_balance,
                               qk_scale_search=qk_scale_search, qk_precision=qk_precision, choice=choice,
                               pv_precision=pv_precision)
@@ -286,7 +293,7 @@ def _eager_call(q, k, v, is_causal: bool, per_block_mean: bool,
 @torch.library.custom_op("sageattn3::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                   per_block_mean: bool, qk_rotation: bool, qk_balance: bool, qk_scale_search: bool,
-                  qk_precision: str, pv_precision: str = "fp4") -> torch.Tensor:
+                  qk_precision: str, pv_precision: str = "auto") -> torch.Tensor:
     """``sageattn3_blackwell`` as one op for compiled graphs: the self-check, the fallback and
     the kernels run here, at run time. Contiguous (B, Hq, Sq, D) output, as its fake says."""
     return _eager_call(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance, qk_scale_search,
@@ -295,7 +302,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
 
 @_attention_op.register_fake
 def _attention_op_fake(q, k, v, is_causal, per_block_mean, qk_rotation, qk_balance, qk_scale_search, qk_precision,
-                       pv_precision="fp4"):
+                       pv_precision="auto"):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -343,7 +350,7 @@ def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: flo
                    qk_rotation: bool = reference.QK_ROTATION_DEFAULT,
                    qk_balance: bool = reference.QK_BALANCE_DEFAULT, qk_scale_search: bool = False,
                    qk_precision: str = "fp4", choice: list | None = None,
-                   pv_precision: str = reference.PV_PRECISION_DEFAULT) -> torch.Tensor:
+                   pv_precision: str = reference.PV_PRECISION_DEFAULT, pv_limit: float | None = None) -> torch.Tensor:
     """The FP4 path on validated, non-empty q, k, v: preprocess (new tensors; the inputs are
     only read), then the attention kernel; output (B, Hq, Sq, D) in q's dtype. Every
     allocation names q's device and every op sets its device itself: no device switch here.
@@ -352,41 +359,46 @@ def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: flo
     where FP8 cannot run, with "auto"): exactly the FP4 path. ``choice``: a list the QkChoice is
     appended to (the debug return). q, k, v are made contiguous and aligned once, here, for every
     op; the delta_s workspace's limit (``SAGEATTN3_DELTA_S_WORKSPACE_MIB``) is read once.
-    ``pv_precision`` "fp8": V in MXFP8 (``_pv8.quant_mxfp8_cols``) and the FP8 P·V kernels."""
+    ``pv_precision`` "fp8": V in MXFP8 (``_pv8.quant_mxfp8_cols``) and the FP8 P·V kernels for
+    every head; "auto" (where the Q·Kᵀ rule runs and the build has them): for the heads whose P's
+    estimate exceeds ``pv_limit`` (None: ``reference.PV_ERROR_LIMIT``; the self-check sets its own)."""
     q, k, v = _kernels.aligned_eager(q), _kernels.aligned_eager(k), _kernels.aligned_eager(v)
     pre = _preprocess_kernels(q, k, v, per_block_mean, _attn.SEQ_PAD, qk_rotation, qk_balance, qk_scale_search,
                               inputs_aligned=True)
     limit = _attn.delta_s_workspace_limit() if pre.mean_q.shape[2] > 1 else 0  # unused with one Q mean
-    picked = _qk_selection(q, k, v, pre, qk_precision, sm_scale, limit)
-    if pv_precision == "fp8":
-        return _pv8_attention(q, k, v, pre, picked, qk_precision, is_causal, sm_scale, limit, choice)
-    if isinstance(picked, str):
-        if choice is not None:
-            choice.append(QkChoice.fp4_path(q, qk_precision, picked))
-        return _attn.attention_from_preprocessed(pre, is_causal=is_causal, sm_scale=sm_scale, out_dtype=q.dtype,
-                                                 trusted=True, workspace_limit=limit)
-    sel_q, sel_k, err = picked
-    if choice is not None:
-        choice.append(QkChoice(qk_precision, sel_q.view(torch.bool), err))
-    q8, q8s, k8, k8s = _kernels.mxfp8_smooth_quant_qk(q, k, pre, sel_q, sel_k, _attn.SEQ_PAD)
-    return _attn.attention_qk8(pre, sel_q, q8, q8s, k8, k8s, is_causal=is_causal, sm_scale=sm_scale, out_dtype=q.dtype,
-                               workspace_limit=limit)
-
-
-def _pv8_attention(q, k, v, pre, picked, qk_precision: str, is_causal: bool, sm_scale, limit: int,
-                   choice: list | None) -> torch.Tensor:
-    """_fp4_attention's FP8 P·V tail: ``picked`` is _qk_selection's answer (a reason: every head FP4)."""
-    v8, v8s = _pv8.quant_mxfp8_cols(v, _attn.SEQ_PAD)
+    pv_rule = pv_precision == "auto" and _pv8_built()
+    pv_limit = reference.PV_ERROR_LIMIT if pv_limit is None else pv_limit
+    picked = _qk_selection(q, k, v, pre, qk_precision, sm_scale, limit, pv_limit=pv_limit if pv_rule else -1.0)
     kw = {"is_causal": is_causal, "sm_scale": sm_scale, "out_dtype": q.dtype, "workspace_limit": limit}
-    if isinstance(picked, str):
+    if isinstance(picked, str):  # every head FP4 Q·Kᵀ, and P·V as pv_precision says ("auto": FP4)
         if choice is not None:
-            choice.append(QkChoice.fp4_path(q, qk_precision, picked))
-        return _pv8.attention_pv8(pre, v8, v8s, **kw)
-    sel_q, sel_k, err = picked
+            choice.append(_all_pv8(QkChoice.fp4_path(q, qk_precision, picked), pv_precision))
+        if pv_precision == "fp8":
+            return _pv8.attention_pv8(pre, *_pv8.quant_mxfp8_cols(v, _attn.SEQ_PAD), **kw)
+        return _attn.attention_from_preprocessed(pre, trusted=True, **kw)
     if choice is not None:
-        choice.append(QkChoice(qk_precision, sel_q.view(torch.bool), err))
-    q8, q8s, k8, k8s = _kernels.mxfp8_smooth_quant_qk(q, k, pre, sel_q, sel_k, _attn.SEQ_PAD)
-    return _pv8.attention_pv8(pre, v8, v8s, head_sel=sel_q, q8=q8, q8_scales=q8s, k8=k8, k8_scales=k8s, **kw)
+        choice.append(_all_pv8(picked.choice(qk_precision, pv_rule), pv_precision))
+    q8, q8s, k8, k8s = _kernels.mxfp8_smooth_quant_qk(q, k, pre, picked.sel_q, picked.sel_k, _attn.SEQ_PAD)
+    qk8 = {"head_sel": picked.sel_q, "q8": q8, "q8_scales": q8s, "k8": k8, "k8_scales": k8s}
+    if pv_precision == "fp8":
+        return _pv8.attention_pv8(pre, *_pv8.quant_mxfp8_cols(v, _attn.SEQ_PAD), **qk8, **kw)
+    if pv_rule:  # V's MXFP8 for the kv heads whose q heads the rule gave FP8 P·V (sel_v), then one launch per byte
+        v8, v8s = _pv8.quant_mxfp8_cols(v, _attn.SEQ_PAD, sel=picked.sel_v)
+        return _pv8.attention_pv8(pre, v8, v8s, **qk8, by_head=True, **kw)
+    return _attn.attention_qk8(pre, picked.sel_q, q8, q8s, k8, k8s, **kw)
+
+
+def _all_pv8(choice: QkChoice, pv_precision: str) -> QkChoice:
+    """The debug return with pv_precision="fp8": every head's P·V in FP8."""
+    if pv_precision != "fp8":
+        return choice
+    return dataclasses.replace(choice, pv_fp8=torch.ones_like(choice.fp8))
+
+
+def _pv8_built() -> bool:
+    """Whether this build has the FP8 P·V kernels (the ops of the per-head and every-head paths)."""
+    ops = torch.ops.sageattn3
+    return hasattr(ops, "blockscaled_attn_mixed") and hasattr(ops, "blockscaled_attn_pv8")
 
 
 def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool = True, sm_scale: float | None = None,
@@ -409,7 +421,7 @@ def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool 
             "(falls back to SDPA) or sageattn3.reference.sageattn3"
         )
     _check_qkv(q, k, v)
-    if pv == "fp8" and not hasattr(torch.ops.sageattn3, "blockscaled_attn_pv8"):
+    if pv == "fp8" and not _pv8_built():
         raise NotImplementedError("sageattn3.blockscaled_fp4_attn: pv_precision='fp8' needs a build with the FP8 P·V "
                                   "kernel (no blockscaled_attn_pv8 op)")
     path = _attention_path(q.device, q.shape[3])
@@ -419,6 +431,8 @@ def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool 
         return q.new_empty(q.shape)
     if not _checked(q.device):
         raise RuntimeError(f"sageattn3.blockscaled_fp4_attn: {_selfcheck.fallback_reason(_selfcheck.failure(q.device))}")
+    if pv == "auto" and qk_precision != "fp4" and _pv8_built() and not _selfcheck.pv8_usable(q.device, _fp4_attention):
+        pv = "fp4"  # the FP8 P·V self-check failed: the rule keeps NVFP4 P·V (warned once, loudly)
     if pv == "fp8" and not _selfcheck.pv8_usable(q.device, _fp4_attention):
         raise RuntimeError("sageattn3.blockscaled_fp4_attn: the FP8 P·V self-check failed on this device: "
                            f"{_selfcheck.ensure(q.device, _fp4_attention, 'pv8').summary()}; use pv_precision='fp4'")

@@ -13,15 +13,18 @@ computed in float64 from the bf16 inputs):
   plain NVFP4 scales, delta_s = mean_q · K_sᵀ materialised);
 - "auto (default)": ``sageattn3.reference.sageattn3`` with this package's defaults: the per-head
   Q·Kᵀ precision (qk_precision="auto": FP8 Q·Kᵀ for the heads the rule picks, FP4 elsewhere;
-  docs/accuracy-auto.md), delta_s = delta_key + r · K̂ᵀ (K̂ the quantized K plus its quantization
+  docs/accuracy-auto.md) and P·V precision (pv_precision="auto": MXFP8 P·V for the heads whose
+  P the rule finds too coarse, NVFP4 elsewhere), delta_s = delta_key + r · K̂ᵀ (K̂ the quantized K plus its quantization
   residual), no balance, no rotation of the FP4 heads (the FP8 heads multiply rotated rows:
   ``sageattn3.reference.fp8_rows``), plain scales;
-- "FP4 Q·Kᵀ": the same with qk_precision="fp4" (every head FP4: the defaults before "auto");
+- "FP8 heads": how many heads the rule gives FP8 Q·Kᵀ and FP8 P·V with the defaults;
+- "FP4 Q·Kᵀ": the same with qk_precision="fp4" (every head FP4, the rule does not run, so P·V is
+  NVFP4 too: the defaults before "auto");
   "FP4 + balance": that with qk_balance=True (the Q/K channel balance); "auto + balance +
   rotation": the defaults ("auto") with qk_balance=True and qk_rotation=True (balanced, then
   rotated; the rule runs on those rows, options as floors); "auto + all three": those two and Q
   and K quantized with the scale search (qk_scale_search=True); "FP8 Q·Kᵀ": qk_precision="fp8"
-  (every head FP8);
+  (every head FP8 Q·Kᵀ, P·V as the rule picks);
 - with --gpu: "kernels": ``sageattn3_blackwell`` (the preprocessing and attention kernels, the
   defaults) and its cos-sim against "auto (default)" on the same inputs; "kernels, all three": the
   same with the balance, the rotation and the scale search, against "auto + all three".
@@ -102,8 +105,10 @@ def measure(ref, gpu: bool) -> list[dict]:
                                          qk_scale_search=True),
                     "fp8": ref.sageattn3(q, k, v, is_causal=causal, qk_precision="fp8"),
                 }
-                heads = ref.preprocess(q, k, v, qk_precision="auto").qk_fp8
-                row = {"case": case, "d": d, "causal": causal, "fp8_heads": int(heads.sum()), "heads": heads.numel()}
+                pre = ref.preprocess(q, k, v, qk_precision="auto")
+                heads = pre.qk_fp8
+                row = {"case": case, "d": d, "causal": causal, "fp8_heads": int(heads.sum()), "heads": heads.numel(),
+                       "pv8_heads": int(pre.pv_fp8.sum()) if pre.pv_fp8 is not None else 0}
                 for name, out in outs.items():
                     row[name] = (ac.cos_sim(out, exact), ac.rel_l1(out, exact))
                 if gpu:
@@ -126,14 +131,15 @@ def measure(ref, gpu: bool) -> list[dict]:
 
 
 def table(rows: list[dict], gpu: bool) -> str:
-    head = ["inputs", "D", "causal", "paper: cos / rel-L1", "auto (default): cos / rel-L1", "FP8 heads",
+    head = ["inputs", "D", "causal", "paper: cos / rel-L1", "auto (default): cos / rel-L1", "FP8 heads: Q·Kᵀ, P·V",
             "FP4 Q·Kᵀ", "FP4 + balance", "auto + balance + rotation", "auto + all three", "FP8 Q·Kᵀ"]
     if gpu:
         head += ["kernels: cos / rel-L1", "kernels vs ours (cos)", "kernels, all three", "vs auto + all three (cos)"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         cells = [LABELS[r["case"]], str(r["d"]), "yes" if r["causal"] else "no"]
-        cells += [f"{r[n][0]:.4f} / {r[n][1]:.3f}" for n in ("paper", "ours")] + [f"{r['fp8_heads']}/{r['heads']}"]
+        cells += [f"{r[n][0]:.4f} / {r[n][1]:.3f}" for n in ("paper", "ours")]
+        cells += [f"{r['fp8_heads']}/{r['heads']}, {r['pv8_heads']}/{r['heads']}"]
         cells += [f"{r[n][0]:.4f} / {r[n][1]:.3f}" for n in ("fp4", "bal", "balrot", "all", "fp8")]
         if gpu:
             cells += [f"{r['kernels'][0]:.4f} / {r['kernels'][1]:.3f}", f"{r['kernels_vs_ours']:.6f}",

@@ -10,6 +10,8 @@ events (median of 15 after warm-up):
   options as floors);
 - the MXFP8 quantization of Q and K for every head, and with no head selected (the launch the
   "auto" path makes when the rule picks none);
+- the FP8 P·V choice (``pv_precision="auto"``, the default): the rule op with P's estimate (its
+  last launch) against the same op without it, and V's MXFP8 for every kv head and for none;
 - with --call (needs the attention kernel): the whole call with qk_precision "fp4", "auto" on
   zero-mean data (no head picked) and "fp8" at each --call-seq (fp8 only at the first). On an H100 the attention kernel is the MMA-model test
   flavour (SAGEATTN3_FORCE_FP4=1): its own time is meaningless there; the differences between the
@@ -66,12 +68,26 @@ def main() -> int:
           f"no head picked {t_q8_none:.3f} ms")
     print(f"rule with the balance and the rotation (two launches): {t_rule_opts:.3f} ms "
           f"({t_rule_opts / t_rule:.2f}x the defaults' rule)")
+    from sageattn3 import _pv8
+
+    lim = reference.AUTO_ERROR_LIMIT
+    t_sel = time_ms(lambda: _kernels.qk_rule_select(q, k, v, pre, 128 ** -0.5, lim, False, -1.0))
+    t_sel_pv = time_ms(lambda: _kernels.qk_rule_select(q, k, v, pre, 128 ** -0.5, lim, False, reference.PV_ERROR_LIMIT))
+    err_pv = _kernels.qk_rule_select(q, k, v, pre, 128 ** -0.5, lim, False, reference.PV_ERROR_LIMIT)[3]
+    kv_ones = torch.ones(shape[:2], dtype=torch.uint8, device=dev)
+    t_v8 = time_ms(lambda: _pv8.quant_mxfp8_cols(v, 128, sel=kv_ones))
+    t_v8_none = time_ms(lambda: _pv8.quant_mxfp8_cols(v, 128, sel=torch.zeros_like(kv_ones)))
+    print(f"rule op (qk_rule_select) without P's estimate {t_sel:.3f} ms, with it {t_sel_pv:.3f} ms (+"
+          f"{t_sel_pv - t_sel:.3f} ms; P estimates {err_pv.min().item():.3f}-{err_pv.max().item():.3f}, limit "
+          f"{reference.PV_ERROR_LIMIT}) | V's MXFP8 every kv head {t_v8:.3f} ms, none {t_v8_none:.3f} ms")
     for n, s in enumerate(args.call_seq if args.call else []):
         qc, kc, vc = q[:, :, :s].contiguous(), k[:, :, :s].contiguous(), v[:, :, :s].contiguous()
         res = {p: time_ms(lambda p=p: sageattn3.sageattn3_blackwell(qc, kc, vc, qk_precision=p), iters=5)
                for p in (("fp4", "auto", "fp8") if n == 0 else ("fp4", "auto"))}
+        res["auto, P·V fp4"] = time_ms(lambda: sageattn3.sageattn3_blackwell(qc, kc, vc, pv_precision="fp4"), iters=5)
         print(f"whole call, {s} tokens: " + ", ".join(f"{p} {ms:.3f} ms" for p, ms in res.items())
-              + f" (auto - fp4 = {res['auto'] - res['fp4']:.3f} ms)")
+              + f" (auto - fp4 = {res['auto'] - res['fp4']:.3f} ms; the P·V choice: "
+              f"{res['auto'] - res['auto, P·V fp4']:.3f} ms)")
     return 0
 
 

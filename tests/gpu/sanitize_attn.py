@@ -26,7 +26,8 @@ def main() -> None:
     # FP8 P·V (pv_precision="fp8"): FP4 Q·Kᵀ, and FP8 Q·Kᵀ on every other head
     from sageattn3 import _pv8
 
-    for d, causal, sq, sk, hq, hk in ((128, True, 200, 200, 2, 1), (64, False, 130, 300, 2, 2)):
+    for d, causal, sq, sk, hq, hk in ((128, True, 200, 200, 2, 1), (64, False, 130, 300, 2, 2),
+                                      (128, False, 300, 260, 4, 1)):
         q, k, v = make_qkv(1, hq, hk, sq, sk, d, torch.bfloat16)
         pre = ref.preprocess(q, k, v, pad=128, qk_precision="fp8", pv_precision="fp8")
         v8, v8s = _pv8.quant_mxfp8_cols(v, 128)
@@ -36,6 +37,15 @@ def main() -> None:
                                   k8_scales=pre.k8_scales, is_causal=causal)
         torch.cuda.synchronize()
         print("pv8", d, causal, sq, sk, float(out.float().abs().mean()), float(out8.float().abs().mean()))
+        # both precisions per head (the rule's bits: head h takes byte h % 4), V's MXFP8 of the kv
+        # heads that need it only (blockscaled_attn_mixed)
+        bits = (torch.arange(hq, device="cuda") % 4).to(torch.uint8).view(1, hq)
+        sel_v = (bits >> 1).view(1, hk, hq // hk).amax(-1).contiguous()
+        v8m, v8ms = _pv8.quant_mxfp8_cols(v, 128, sel=sel_v)
+        outm = _pv8.attention_pv8(pre, v8m, v8ms, head_sel=bits, q8=pre.q8, q8_scales=pre.q8_scales, k8=pre.k8,
+                                  k8_scales=pre.k8_scales, is_causal=causal, by_head=True)
+        torch.cuda.synchronize()
+        print("mixed", d, causal, sq, sk, float(outm.float().abs().mean()))
     a = torch.randint(0, 256, (4, 16, 32), dtype=torch.uint8, device="cuda")
     b = torch.randint(0, 256, (4, 8, 32), dtype=torch.uint8, device="cuda")
     s = torch.full((4, 16, 4), 0x38, dtype=torch.uint8, device="cuda")

@@ -87,8 +87,9 @@ def _on_cpu(pre):
 
 
 def _rule_kernel() -> int:
-    """The "auto" rule (qk_rule_select: one launch, two with an option) on ragged shapes, plain,
-    rotated, balanced and with the scale search, against the reference's estimate (rel 1e-3)."""
+    """The "auto" rule (qk_rule_select: Q·Kᵀ's estimate in one launch, two with an option, then P's)
+    on ragged shapes, plain, rotated, balanced and with the scale search, against the reference's
+    estimates (rel 1e-3; P's 2e-3)."""
     import sageattn3
     from sageattn3 import _kernels
     from sageattn3 import reference as ref
@@ -101,11 +102,15 @@ def _rule_kernel() -> int:
                 k = torch.randn(b, hk, sk, d, dtype=dtype, device="cuda") + 1
                 v = torch.randn(b, hk, sk, d, dtype=dtype, device="cuda")
                 pre = sageattn3.preprocess(q, k, v, **kw)
-                err, sel_q, sel_k = _kernels.qk_rule_select(q, k, v, pre, d ** -0.5, ref.AUTO_ERROR_LIMIT, False)
+                err, sel_q, sel_k, err_pv, sel_v = _kernels.qk_rule_select(q, k, v, pre, d ** -0.5, ref.AUTO_ERROR_LIMIT,
+                                                                          False, ref.PV_ERROR_LIMIT)
                 cpu = _on_cpu(pre)
                 want = ref.qk_fp4_error(q.cpu(), k.cpu(), v.cpu(), cpu)
                 ok = bool((((err.cpu() - want).abs() / want.abs().clamp_min(1e-12)) < 1e-3).all())
-                ok = ok and torch.equal(sel_q.cpu().bool(), err.cpu() > ref.AUTO_ERROR_LIMIT)
+                ok = ok and torch.equal((sel_q.cpu() & 1).bool(), err.cpu() > ref.AUTO_ERROR_LIMIT)
+                want_pv = ref.pv_p_error(q.cpu(), k.cpu(), v.cpu(), cpu)
+                ok = ok and bool((((err_pv.cpu() - want_pv).abs() / want_pv.abs().clamp_min(1e-12)) < 2e-3).all())
+                ok = ok and torch.equal((sel_q.cpu() >> 1).bool(), err_pv.cpu() > ref.PV_ERROR_LIMIT)
                 bad += not ok
                 print(f"qk_rule_select {str(dtype):15s} {(b, hq, hk, sq, sk, d)} {sorted(kw)}: "
                       f"{'ok' if ok else 'MISMATCH'}")

@@ -183,13 +183,13 @@ def test_rule_and_mxfp8_outputs_are_separate_and_valid_alone(balance):
     pre = sa.preprocess(q, k, v, per_block_mean=True, qk_balance=balance)
 
     def rule():
-        return _kernels.qk_rule_select(q, k, v, pre, 0.088, 0.1, True)
+        return _kernels.qk_rule_select(q, k, v, pre, 0.088, 0.1, True, 0.1)
 
     sel = rule()
     bal = _kernels._none(q.device, 8) if pre.balance is None else pre.balance
     _check_outputs(sel, _kernels._qk_rule_select_fake(q, k, v, pre.q_packed, pre.q_scales, pre.k_packed,
                                                       pre.k_scales, pre.mean_q, pre.mean_k, bal, 0.088, False, False, 0.1,
-                                                          True))
+                                                          True, 0.1))
     _each_survives_alone(rule)
 
     def mxfp8():

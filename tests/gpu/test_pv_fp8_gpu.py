@@ -129,15 +129,16 @@ def test_the_op_refuses_bad_outputs():
     """A direct torch.ops call never reaches the kernel with outputs of the wrong size."""
     _quantizer_or_skip()
     v = torch.zeros(1, 1, 100, 64, dtype=torch.bfloat16, device="cuda")
+    none = torch.empty(0, device="cuda")
     codes = torch.empty(1, 1, 64, 96, dtype=torch.uint8, device="cuda")  # 96 < S = 100
     scales = torch.empty(1, 1, 64, 3, dtype=torch.uint8, device="cuda")
     with pytest.raises(RuntimeError, match="padded to a multiple of 32"):
-        torch.ops.sageattn3.quant_mxfp8_cols(v, codes, scales)
+        torch.ops.sageattn3.quant_mxfp8_cols(v, none, codes, scales)
     codes = torch.empty(1, 1, 64, 128, dtype=torch.uint8, device="cuda")
     with pytest.raises(RuntimeError, match="output sizes"):
-        torch.ops.sageattn3.quant_mxfp8_cols(v, codes, scales)
+        torch.ops.sageattn3.quant_mxfp8_cols(v, none, codes, scales)
     with pytest.raises(RuntimeError, match="float16 or bfloat16"):
-        torch.ops.sageattn3.quant_mxfp8_cols(v.float(), codes, torch.empty(1, 1, 64, 4, dtype=torch.uint8,
+        torch.ops.sageattn3.quant_mxfp8_cols(v.float(), none, codes, torch.empty(1, 1, 64, 4, dtype=torch.uint8,
                                                                            device="cuda"))
 
 
@@ -219,7 +220,7 @@ def test_public_api_takes_pv_precision(fp4, d, causal, qk):  # noqa: F811
 @pytest.mark.parametrize("d", [64, 128])
 def test_large_logits_in_fp16_end_to_end(fp4, d, causal):  # noqa: F811
     """What FP8 P·V is for: large logits in fp16 (the accuracy table's inputs), where NVFP4 P·V
-    leaves the defaults below 0.98 at D 128. sageattn3_blackwell(..., pv_precision="fp8") equals
+    stays below 0.98 at D 128. sageattn3_blackwell(..., pv_precision="fp8") equals
     the reference (>= 0.9999) and reaches >= 0.99 against exact attention."""
     _pv8_or_skip()
     from sageattn3 import reference as ref

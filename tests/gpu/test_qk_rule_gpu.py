@@ -63,9 +63,11 @@ def _check_select(q, k, v, pre, scale, error):
     for limit in limits:
         for select_all in (False, True):
             for _ in range(2):
-                err, sel_q, sel_k = _kernels.qk_rule_select(q, k, v, pre, scale, limit, select_all)
-                fake = _kernels._qk_rule_select_fake(q, k, v, *[None] * 11, select_all)
-                assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in (err, sel_q, sel_k)]
+                out = _kernels.qk_rule_select(q, k, v, pre, scale, limit, select_all)
+                err, sel_q, sel_k, err_pv, sel_v = out
+                fake = _kernels._qk_rule_select_fake(q, k, v, *[None] * 11, select_all, -1.0)
+                assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in out]
+                assert bool(err_pv.isnan().all()) and not bool(sel_v.any()), "no P estimate was asked"
                 assert sel_q.dtype == torch.uint8 and sel_k.dtype == torch.uint8
                 assert torch.equal(err, error), "qk_rule_select's estimate differs from qk_rule_error's"
                 want = torch.ones_like(error, dtype=torch.bool) if select_all else error > limit

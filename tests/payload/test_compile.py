@@ -84,11 +84,11 @@ class RefKernel:
 
     def __call__(self, q, k, v, is_causal, per_block_mean, sm_scale=None, qk_rotation=ref.QK_ROTATION_DEFAULT,
                  qk_balance=ref.QK_BALANCE_DEFAULT, qk_scale_search=False, qk_precision="fp4", choice=None,
-                 pv_precision="fp4"):
+                 pv_precision="fp4", pv_limit=None):
         self.calls += 1
         return ref.sageattn3(q, k, v, is_causal=is_causal, per_block_mean=per_block_mean,
                              qk_rotation=qk_rotation, qk_balance=qk_balance, qk_scale_search=qk_scale_search,
-                             qk_precision=qk_precision, pv_precision=pv_precision).to(q.dtype)
+                             qk_precision=qk_precision, pv_precision=pv_precision, pv_limit=pv_limit).to(q.dtype)
 
 
 def fp4_on_cpu(monkeypatch):

@@ -178,11 +178,11 @@ class Kernel:
 
     def __call__(self, q, k, v, is_causal, per_block_mean, sm_scale=None, qk_rotation=ref.QK_ROTATION_DEFAULT,
                  qk_balance=ref.QK_BALANCE_DEFAULT, qk_scale_search=False, qk_precision="fp4", choice=None,
-                 pv_precision="fp4"):
+                 pv_precision="fp4", pv_limit=None):
         self.calls.append((tuple(q.shape), tuple(k.shape), q.dtype, is_causal, per_block_mean))
         out = ref.sageattn3(q, k, v, is_causal=is_causal, per_block_mean=per_block_mean, sm_scale=sm_scale,
                             qk_rotation=qk_rotation, qk_balance=qk_balance, qk_scale_search=qk_scale_search,
-                            qk_precision=qk_precision, pv_precision=pv_precision)
+                            qk_precision=qk_precision, pv_precision=pv_precision, pv_limit=pv_limit)
         if self.corrupt is not None:
             out = self.corrupt(q, k, v, is_causal, out)
         return out.to(q.dtype)
@@ -226,7 +226,7 @@ def test_fp4_path_is_wired(monkeypatch, dtype, causal):
                                           (2, 4, 77, 64), (2, 4, 77, 64)]
     r = _selfcheck.result(q.device)
     assert r.ok and [f["qk"] for f in r.figures] == ["fp4", "fp4", "fp8", "fp8"]
-    assert [f["options"] for f in r.figures] == ["", "", "", "qk_rotation=True"]
+    assert [f["options"] for f in r.figures] == ["", "", "pv_precision='fp4'", "qk_rotation=True, pv_precision='fp4'"]
     assert all(f["cos"] > 0.99999 for f in r.figures)
 
 
@@ -248,7 +248,7 @@ def test_fp8_pv_has_its_own_check_on_first_use(monkeypatch):
     monkeypatch.setattr(Kernel, "__call__", spy)
     (out, out2), msgs = calls_with_warnings(lambda: sageattn3.sageattn3_blackwell(q, k, v, pv_precision="fp8"), 2)
     assert msgs == [] and _selfcheck.run_count == 2
-    assert seen == ["fp8"] * (len(_selfcheck.PV8_CASES) + 2)  # its cases, then the two calls
+    assert seen == [c[8]["pv_precision"] for c in _selfcheck.PV8_CASES] + ["fp8"] * 2  # its cases, then the calls
     want = ref.sageattn3(q, k, v, pv_precision="fp8").bfloat16()
     assert torch.equal(out, want) and torch.equal(out2, want)
     assert "FP8 P·V self-check passed" in _selfcheck.describe(q.device)
@@ -276,7 +276,8 @@ def test_failed_fp8_pv_check_runs_fp4_pv_with_one_warning(monkeypatch):
     assert "FP8 P·V self-check FAILED" in _selfcheck.describe(q.device)
     # the kernel itself, without fallback, refuses instead
     monkeypatch.setattr(_kernels, "has_attention_kernel", lambda: True)
-    monkeypatch.setattr(torch.ops.sageattn3, "blockscaled_attn_pv8", object(), raising=False)
+    for name in ("blockscaled_attn_pv8", "blockscaled_attn_mixed"):
+        monkeypatch.setattr(torch.ops.sageattn3, name, object(), raising=False)
     with pytest.raises(RuntimeError, match="FP8 P·V self-check failed on this device: D=128.*use pv_precision='fp4'"):
         sageattn3.blockscaled_fp4_attn(q, k, v, pv_precision="fp8")
     assert torch.equal(sageattn3.blockscaled_fp4_attn(q, k, v), want)

@@ -1,8 +1,8 @@
-"""MXFP8 P·V in the reference (``pv_precision="fp8"``, opt-in): V's MXFP8 quantizer along the
+"""MXFP8 P·V in the reference (``pv_precision="fp8"``, every head): V's MXFP8 quantizer along the
 sequence bit for bit against an independent E4M3 grid, the attention's definition against a
 float64 emulation of it, and its accuracy against float64 exact attention on the cases of
-tests/attention_cases.py (at least FP4 P·V's everywhere). The default (``pv_precision="fp4"``)
-stays bit for bit today's path."""
+tests/attention_cases.py (at least FP4 P·V's everywhere). The default (``pv_precision="auto"``)
+stays bit for bit the NVFP4 path where no head needs FP8 P·V (the rule: test_reference_pv_rule.py)."""
 
 import pytest
 import torch
@@ -158,10 +158,11 @@ def test_definition_against_a_float64_emulation(causal):
     assert float((fp4 - want).abs().max() / want.abs().max()) > 1e-3
 
 
-def test_default_is_todays_path_bit_for_bit():
+def test_default_is_todays_path_bit_for_bit_where_no_head_needs_fp8_pv():
     q, k, v = ac.make("mixed_heads", 1, 4, 2, 200, 200, 128, seed=2)
-    assert ref.PV_PRECISION_DEFAULT == "fp4"
+    assert ref.PV_PRECISION_DEFAULT == "auto"
     base = ref.sageattn3(q, k, v)
+    assert not bool(ref.preprocess(q, k, v, qk_precision="auto").pv_fp8.any())
     assert torch.equal(base, ref.sageattn3(q, k, v, pv_precision="fp4"))
     assert ref.preprocess(q, k, v).v8 is None
     pre = ref.preprocess(q, k, v, pv_precision="fp8")
@@ -174,7 +175,7 @@ def test_default_is_todays_path_bit_for_bit():
 
 def test_arguments():
     q, k, v = ac.make("randn", 1, 2, 1, 64, 64, 64, seed=1)
-    for bad in ("FP8", "auto", None):
+    for bad in ("FP8", "AUTO", None):
         with pytest.raises(ValueError, match="pv_precision must be one of"):
             ref.sageattn3(q, k, v, pv_precision=bad)
     with pytest.raises(ValueError, match="multiple of 32"):

@@ -71,6 +71,9 @@ struct Fp4AttnArgs {
   // V; v and v_sf are then unused). Like FP8 Q.K^T, needs delta_s rows (not the bounded-memory mode).
   const void* v8;
   const void* v8_sf;
+  // Both precisions per head (blockscaled_attn_mixed): head_sel bit 0 FP8 Q.K^T, bit 1 FP8 P.V from
+  // v8 (v for the heads without it); one launch per byte value 0-3.
+  bool v8_by_head;
 };
 
 // Launches the attention forward on `stream` (device = current device). Returns a cudaError_t;

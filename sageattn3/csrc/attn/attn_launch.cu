@@ -91,6 +91,33 @@ int launch_attn(AttnParams& p, int sms, cudaStream_t stream, bool spread_heads =
   return cudaGetLastError();
 }
 
+// dst computes src's (batch, q head) rows (the chunk of the workspace), tiles whose byte is `want`.
+void same_rows(AttnParams& dst, const AttnParams& src, int want) {
+  dst.bh0 = src.bh0;
+  dst.bh_count = src.bh_count;
+  dst.ds_key = src.ds_key;
+  dst.ds_bh_stride = src.ds_bh_stride;
+  dst.ds_m_stride = src.ds_m_stride;
+  dst.head_sel_want = want;
+}
+
+// Both precisions per head (v8_by_head): four launches over p's rows, one per head_sel byte value
+// (bit 0 FP8 Q.K^T, bit 1 FP8 P.V): p (FP4/FP4, its grid as the plain FP4 path), p8 (the MXFP8 Q/K
+// maps), pv (V's MXFP8 map) and p8v (both). The three that compute the heads the rule picked spread
+// them; a launch with no such head only walks the selection bytes. Delta_s rows only.
+template <int D>
+int launch_mixed(AttnParams& p, AttnParams& p8, AttnParams& pv, AttnParams& p8v, int sms, cudaStream_t stream) {
+  p.head_sel_want = 0;
+  int rc = launch_attn<D, false, false, false>(p, sms, stream);
+  same_rows(p8, p, 1);
+  if (rc == cudaSuccess) rc = launch_attn<D, false, true, false>(p8, sms, stream, /*spread_heads=*/true);
+  same_rows(pv, p, 2);
+  if (rc == cudaSuccess) rc = launch_attn<D, false, false, true>(pv, sms, stream, /*spread_heads=*/true);
+  same_rows(p8v, p, 3);
+  if (rc == cudaSuccess) rc = launch_attn<D, false, true, true>(p8v, sms, stream, /*spread_heads=*/true);
+  return rc;
+}
+
 // One attention launch over p's (batch, q head) rows: the FP4 kernel for every tile, or, with the
 // per-head precision (p8: p with the MXFP8 Q/K maps), the FP4 kernel for the tiles whose head_sel
 // byte is 0 and the FP8 one for those whose byte is 1 (each skips the other's tiles on the device).
@@ -105,16 +132,22 @@ int launch_both(AttnParams& p, AttnParams* p8, int sms, cudaStream_t stream) {
     p.head_sel_want = 0;
     int rc = launch_attn<D, kInLoopResidual, false, kPV8>(p, sms, stream);
     if (rc != cudaSuccess) return rc;
-    p8->bh0 = p.bh0;
-    p8->bh_count = p.bh_count;
-    p8->ds_key = p.ds_key;
-    p8->ds_bh_stride = p.ds_bh_stride;
-    p8->ds_m_stride = p.ds_m_stride;
-    p8->head_sel_want = 1;
+    same_rows(*p8, p, 1);
     // The FP4 launch keeps its grid (where no head takes FP8 its work is exactly the FP4 path's);
     // the FP8 one, usually a few heads, spreads them.
     return launch_attn<D, false, true, kPV8>(*p8, sms, stream, /*spread_heads=*/true);
   }
+}
+
+// pv and p8v (copies of p and of p8) get V's MXFP8 map and scales (v8_by_head); false if the map fails.
+template <int D>
+bool with_v8(const Fp4AttnArgs& a, uint64_t bk, AttnParams& pv, AttnParams& p8v) {
+  if (!make_map(&pv.tm_v, a.v8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a.seq_k_pad, bk * D, kBlockN, D, swizzle_for(kBlockN)))
+    return false;
+  pv.v_sf = static_cast<const uint8_t*>(a.v8_sf);
+  p8v.tm_v = pv.tm_v;
+  p8v.v_sf = pv.v_sf;
+  return true;
 }
 
 template <int D>
@@ -131,7 +164,7 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
                  swizzle_for(D / 2));
   ok &= make_map(&p.tm_k_sf, a.k_sf, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 128, bk * a.seq_k_pad * (D / 16) / 128, 128,
                  kBlockN * (D / 16) / 128, CU_TENSOR_MAP_SWIZZLE_NONE);
-  const bool pv8 = a.v8 != nullptr;  // V in MXFP8: (B*Hkv*D rows, Sk_pad bytes), box 128 x D
+  const bool pv8 = a.v8 != nullptr && !a.v8_by_head;  // V in MXFP8: (B*Hkv*D rows, Sk_pad bytes), box 128 x D
   ok &= pv8 ? make_map(&p.tm_v, a.v8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a.seq_k_pad, bk * D, kBlockN, D,
                        swizzle_for(kBlockN))
             : make_map(&p.tm_v, a.v, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a.seq_k_pad / 2, bk * D, kBlockN / 2, D,
@@ -175,8 +208,14 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
     p8 = &p8_store;
   }
 
+  // both precisions per head: the FP8 P.V launches' copies with V's MXFP8 map
+  AttnParams pv_store = p, p8v_store = p8_store;
+  if (a.v8_by_head && (p8 == nullptr || !with_v8<D>(a, bk, pv_store, p8v_store))) return cudaErrorInvalidValue;
+
   const int sms = sm_count();
   auto both = [&](bool in_loop) {
+    if (a.v8_by_head)
+      return in_loop ? cudaErrorInvalidValue : launch_mixed<D>(p, *p8, pv_store, p8v_store, sms, stream);
     if (pv8) return in_loop ? cudaErrorInvalidValue : launch_both<D, false, true>(p, p8, sms, stream);
     return in_loop ? launch_both<D, true>(p, p8, sms, stream) : launch_both<D, false>(p, p8, sms, stream);
   };
@@ -248,6 +287,7 @@ int fp4_attn_fwd(const Fp4AttnArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (a.v8 != nullptr && (a.v8_sf == nullptr || !attn::aligned(a.v8, 16) || !attn::aligned(a.v8_sf, 4)))
     return cudaErrorInvalidValue;
+  if (a.v8_by_head && (a.v8 == nullptr || a.head_sel == nullptr)) return cudaErrorInvalidValue;
   switch (a.head_dim) {
     case 64: return attn::launch<64>(a, stream);
     case 128: return attn::launch<128>(a, stream);

@@ -26,6 +26,14 @@
 // head to finish (an integer counter per head, reset by that block) adds the head's partials in
 // block order and writes sqrt(num / max(den, 1e-30)). No floating-point atomics: the result is
 // the same on every run.
+//
+// P's error (a.pv, reference.pv_p_error): one more launch of the same kernel, after the above, for
+// the FP8 P.V choice. Both kinds then take the same exact scores of the whole rows, L = c * Q K_s^T
+// (Q's rows balanced and rotated as the first launch's, but not minus their mean: the scores then
+// differ from the attention's only by a constant per row), and the FP4 kind's P, P * 2688 relative
+// to the running max of its 32-key chunks, is quantized to NVFP4 along the keys (16-key blocks,
+// requantize16) before P V (V exact): O_P = P^ V / (2688 sum P) against O = P V / sum P. A head
+// whose estimate exceeds a.limit takes FP8 P.V: bit 1 of sel_q, and sel_v of its kv head set.
 #include <cuda_fp16.h>
 
 #include <type_traits>
@@ -45,6 +53,7 @@ constexpr int kChunk = 32;     // keys per staged chunk
 constexpr int kBlock = 128;    // the sampled blocks' rows
 constexpr int kSampled = 8;    // reference.MEAN_SAMPLE_BLOCKS
 constexpr int kSLd = kChunk + 4;
+constexpr float kPScale = 2688.0f;  // 448 * 6: P's row max at the top of E4M3 x E2M1 (the attention's level 1)
 
 template <int D>
 struct Smem {
@@ -393,7 +402,7 @@ struct KeyChunk {
 
 // scores: warp -> keys (warp % 4) * 8.., half of D (warp / 4); both kinds, into the S area.
 template <int D>
-__device__ __forceinline__ void chunk_scores(float* sm, int warp, int g, int t) {
+__device__ __forceinline__ void chunk_scores(float* sm, int warp, int g, int t, bool pv) {
   using L = Smem<D>;
   const int n0 = (warp & 3) * 8, half = warp >> 2;
   // four independent accumulation chains: hi*hi, hi*lo, lo*hi, the FP4 products
@@ -422,7 +431,10 @@ __device__ __forceinline__ void chunk_scores(float* sm, int warp, int g, int t) 
     mma_tf32(s4, ad, bd);
   }
 #pragma unroll
-  for (int j = 0; j < 4; ++j) s[j] = __fadd_rn(s[j], __fadd_rn(sx[j], sy[j]));
+  for (int j = 0; j < 4; ++j) {
+    s[j] = __fadd_rn(s[j], __fadd_rn(sx[j], sy[j]));
+    if (pv) s4[j] = s[j];  // P's estimate: both kinds take the exact scores
+  }
   float* s0 = sm + L::kS + (0 * 2 + half) * kRows * kSLd;
   float* s1 = sm + L::kS + (1 * 2 + half) * kRows * kSLd;
   const int c = n0 + 2 * t;
@@ -437,10 +449,11 @@ __device__ __forceinline__ void chunk_scores(float* sm, int warp, int g, int t) 
 }
 
 // online softmax: lane = key (keys off + lane < count are real); P's tf32 parts go where the two
-// halves' sums were, each row's alpha to the alpha area.
+// halves' sums were, each row's alpha to the alpha area. With pv the FP4 kind's P * 2688 goes
+// unsplit to the first half's place (quantize_p quantizes and splits it).
 template <int D>
 __device__ __forceinline__ void chunk_softmax(float* sm, float scale, int off, int count, int warp, int lane,
-                                              float (&m_run)[4], float (&l_run)[4]) {
+                                              float (&m_run)[4], float (&l_run)[4], bool pv) {
   using L = Smem<D>;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -456,9 +469,30 @@ __device__ __forceinline__ void chunk_softmax(float* sm, float scale, int off, i
     m_run[i] = m_new;
     uint32_t ph, pl;
     split_tf32(e, ph, pl);
-    h0[lane] = __uint_as_float(ph);
+    h0[lane] = pv && kind == 1 ? __fmul_rn(e, kPScale) : __uint_as_float(ph);
     h1[lane] = __uint_as_float(pl);
     if (lane == 0) sm[L::kAlpha + p] = alpha;
+  }
+}
+
+// P's estimate (a.pv): the FP4 kind's P * 2688 of the chunk, NVFP4 per row and 16-key block
+// (requantize16: reference.quantize_rows), then / 2688 and split into tf32 parts. 32 threads, one
+// block each; called by the whole block between two __syncthreads.
+template <int D>
+__device__ __forceinline__ void quantize_p(float* sm, int tid) {
+  using L = Smem<D>;
+  if (tid >= 2 * kRows) return;
+  const int r = tid >> 1, k0 = (tid & 1) * 16;
+  float* h0 = sm + L::kS + (1 * 2 + 0) * kRows * kSLd + r * kSLd + k0;
+  float* h1 = sm + L::kS + (1 * 2 + 1) * kRows * kSLd + r * kSLd + k0;
+  float q[16];
+  requantize16(h0, q);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    uint32_t ph, pl;
+    split_tf32(__fdiv_rn(q[i], kPScale), ph, pl);
+    h0[i] = __uint_as_float(ph);
+    h1[i] = __uint_as_float(pl);
   }
 }
 
@@ -575,6 +609,13 @@ __device__ __forceinline__ void head_error(const QkRuleArgs& a, int64_t bh, int 
     }
     a.error[bh] = e;
     a.counter[bh] = 0;  // ready for the next launch
+    if (a.pv) {  // FP8 P.V: bit 1 of the head's byte (the Q.K^T launches wrote bit 0 before)
+      if (a.sel_q != nullptr && e > a.limit) {
+        a.sel_q[bh] |= 2;
+        a.sel_v[(bh / a.Hq) * a.Hkv + (bh % a.Hq) / (a.Hq / a.Hkv)] = 1;
+      }
+      return;
+    }
     if (a.sel_q != nullptr) {
       const bool fp8 = a.select_all != 0 || e > a.limit;
       a.sel_q[bh] = fp8 ? 1 : 0;
@@ -591,6 +632,12 @@ __device__ __forceinline__ RowPlan row_plan(const QkRuleArgs& a, float* sm, int 
   using L = Smem<D>;
   RowPlan pl{a.rotate, a.requant, a.mean_q + (bh * a.mean_rows + (a.mean_rows > 1 ? tq : 0)) * D, a.mean_k + bk * D,
              a.balance == nullptr ? nullptr : a.balance + bk * D};
+  if (a.pv) {  // P's estimate: Q's rows whole (a zero mean), the first launch's K_s
+    for (int d = threadIdx.x; d < D; d += kThreads) sm[L::kMeans + d] = 0.0f;
+    __syncthreads();
+    pl.mean_q = sm + L::kMeans;
+    return pl;
+  }
   if (!a.requant) return pl;
   options_free_means<D>(a, sm + L::kMeans, sm + L::kMeans + D, pl.mean_q, pl.mean_k, pl.bal, warp);
   __syncthreads();
@@ -646,10 +693,14 @@ __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(QkRuleArgs a) {
     if (c + 1 < nchunks) next.fetch(a, bk, tid, c + 1);
     __syncthreads();
     if (pl.rotate || pl.requant) finish_k_rows<D>(pl, sm, tid, warp, min(kChunk, count - off));
-    chunk_scores<D>(sm, warp, g, t);
+    chunk_scores<D>(sm, warp, g, t, a.pv);
     __syncthreads();
-    chunk_softmax<D>(sm, a.scale, off, count, warp, lane, m_run, l_run);
+    chunk_softmax<D>(sm, a.scale, off, count, warp, lane, m_run, l_run, a.pv);
     __syncthreads();
+    if (a.pv) {
+      quantize_p<D>(sm, tid);
+      __syncthreads();
+    }
     chunk_pv<D>(sm, warp, g, t, acc);
   }
 
@@ -659,6 +710,21 @@ __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(QkRuleArgs a) {
 #else
   __trap();  // mma.sync tf32 needs sm_80 or newer (the builds target sm_90 and sm_120 families)
 #endif
+}
+
+// The options-as-floors launch (a.floor).
+template <typename T, int D>
+cudaError_t launch_plain(const QkRuleArgs& a, dim3 grid, cudaStream_t stream) {
+  using L = Smem<D>;
+  // the defaults' rows (options as floors): the counters are zero again (the first launch's last
+  // block of each head reset them), sel_k keeps the first launch's ones, and every head's error
+  // and sel_q are rewritten from the larger estimate
+  QkRuleArgs plain = a;  // keeps rotate and balance: the kernel takes the means back through them
+  plain.requant = plain.combine = true;
+  plain.pv = false;
+  if (a.rotate) plain.scale = a.scale * static_cast<float>(D / 64);  // the unrotated scores' scale (exact)
+  qk_rule_kernel<T, D><<<grid, kThreads, L::kBytes, stream>>>(plain);
+  return cudaGetLastError();
 }
 
 template <typename T, int D>
@@ -671,21 +737,25 @@ int launch(const QkRuleArgs& a, cudaStream_t stream) {
   if (a.sel_q != nullptr) {  // the selection's zeros, stream-ordered before the blocks that count and set them
     err = cudaMemsetAsync(a.counter, 0, sizeof(int32_t) * static_cast<size_t>(a.B * a.Hq), stream);
     if (err == cudaSuccess) err = cudaMemsetAsync(a.sel_k, 0, static_cast<size_t>(a.B * a.Hkv), stream);
+    if (err == cudaSuccess && a.sel_v != nullptr)
+      err = cudaMemsetAsync(a.sel_v, 0, static_cast<size_t>(a.B * a.Hkv), stream);
     if (err != cudaSuccess) return err;
   }
   const dim3 grid(static_cast<unsigned>(a.B * a.Hq), static_cast<unsigned>(sampled_count(a.Sq)));
   QkRuleArgs first = a;
-  first.requant = first.combine = false;
+  first.requant = first.combine = first.pv = false;
   kernel<<<grid, kThreads, L::kBytes, stream>>>(first);
   err = cudaGetLastError();
-  if (err != cudaSuccess || !a.floor) return err;
-  // the defaults' rows (options as floors): the counters are zero again (the first launch's last
-  // block of each head reset them), sel_k keeps the first launch's ones, and every head's error
-  // and sel_q are rewritten from the larger estimate
-  QkRuleArgs plain = a;  // keeps rotate and balance: the kernel takes the means back through them
-  plain.requant = plain.combine = true;
-  if (a.rotate) plain.scale = a.scale * static_cast<float>(D / 64);  // the unrotated scores' scale (exact)
-  kernel<<<grid, kThreads, L::kBytes, stream>>>(plain);
+  if (err == cudaSuccess && a.floor) err = launch_plain<T, D>(a, grid, stream);
+  if (err != cudaSuccess || a.error_pv == nullptr) return err;
+  if (!(a.pv_limit >= 0.0f))  // no P estimate asked: error_pv all NaN (0xFF bytes), bit 1 never set
+    return cudaMemsetAsync(a.error_pv, 0xFF, sizeof(float) * static_cast<size_t>(a.B * a.Hq), stream);
+  // P's error (a.pv): the counters are zero again; bit 1 of sel_q and sel_v from its estimate
+  QkRuleArgs pv = first;
+  pv.pv = true;
+  pv.error = a.error_pv;
+  pv.limit = a.pv_limit;
+  kernel<<<grid, kThreads, L::kBytes, stream>>>(pv);
   return cudaGetLastError();
 }
 

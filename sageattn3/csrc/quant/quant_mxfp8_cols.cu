@@ -45,10 +45,11 @@ __device__ __forceinline__ float widen(uint32_t word, int half) {
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     quant_mxfp8_cols_kernel(const T* __restrict__ x, int64_t S, int64_t D, int64_t Sp, uint8_t* __restrict__ codes,
-                            uint8_t* __restrict__ scales) {
+                            uint8_t* __restrict__ scales, const uint8_t* __restrict__ sel) {
   __shared__ __align__(16) uint32_t tile[kTS][kWords];
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   const int64_t g = blockIdx.z;
+  if (sel != nullptr && sel[g] == 0) return;  // a group no head reads in FP8 (left as it was)
   const int64_t s0 = static_cast<int64_t>(blockIdx.x) * kTS, d0 = static_cast<int64_t>(blockIdx.y) * kTC;
 
   // 1. load (tokens >= S and channels >= D as zeros)
@@ -95,7 +96,7 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T>
 int launch(const void* x, int64_t G, int64_t S, int64_t D, int64_t Sp, uint8_t* codes, uint8_t* scales,
-           cudaStream_t stream) {
+           const uint8_t* sel, cudaStream_t stream) {
   const int64_t s_tiles = ceil_div(Sp, static_cast<int64_t>(kTS)), d_tiles = ceil_div(D, static_cast<int64_t>(kTC));
   if (G == 0 || s_tiles == 0) return cudaSuccess;
   if (s_tiles > 0x7FFFFFFF || d_tiles > 65535) return cudaErrorInvalidValue;
@@ -104,7 +105,8 @@ int launch(const void* x, int64_t G, int64_t S, int64_t D, int64_t Sp, uint8_t* 
     const int64_t ng = G - g0 < 65535 ? G - g0 : 65535;
     const dim3 grid(static_cast<unsigned>(s_tiles), static_cast<unsigned>(d_tiles), static_cast<unsigned>(ng));
     quant_mxfp8_cols_kernel<T><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x) + g0 * S * D, S, D, Sp,
-                                                              codes + g0 * D * Sp, scales + g0 * D * (Sp / 32));
+                                                              codes + g0 * D * Sp, scales + g0 * D * (Sp / 32),
+                                                              sel == nullptr ? nullptr : sel + g0);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
@@ -114,11 +116,11 @@ int launch(const void* x, int64_t G, int64_t S, int64_t D, int64_t Sp, uint8_t* 
 }  // namespace
 
 int quant_mxfp8_cols(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, int64_t Sp, uint8_t* codes,
-                     uint8_t* scales, cudaStream_t stream) {
+                     uint8_t* scales, const uint8_t* sel, cudaStream_t stream) {
   if (G < 0 || S < 0 || D <= 0 || D % 16 || Sp % 32 || Sp < S) return cudaErrorInvalidValue;
   switch (dtype) {
-    case DType::kFloat16: return launch<f16_t>(x, G, S, D, Sp, codes, scales, stream);
-    case DType::kBFloat16: return launch<bf16_t>(x, G, S, D, Sp, codes, scales, stream);
+    case DType::kFloat16: return launch<f16_t>(x, G, S, D, Sp, codes, scales, sel, stream);
+    case DType::kBFloat16: return launch<bf16_t>(x, G, S, D, Sp, codes, scales, sel, stream);
     case DType::kFloat32: break;  // V is 16-bit: the op refuses fp32 with a message
   }
   return cudaErrorInvalidValue;

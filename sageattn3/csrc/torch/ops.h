@@ -32,7 +32,7 @@
 #define SAGEATTN3_OPS(X)                                                                                            \
   X(quant_fp4_rows, "quant_fp4_rows(Tensor x, Tensor(a!) packed, Tensor(b!) scales) -> ()")                         \
   X(quant_fp4_cols, "quant_fp4_cols(Tensor x, Tensor(a!) packed, Tensor(b!) scales) -> ()")                         \
-  X(quant_mxfp8_cols, "quant_mxfp8_cols(Tensor x, Tensor(a!) codes, Tensor(b!) scales) -> ()")                     \
+  X(quant_mxfp8_cols, "quant_mxfp8_cols(Tensor x, Tensor sel, Tensor(a!) codes, Tensor(b!) scales) -> ()")         \
   X(smooth_quant_rows, "smooth_quant_rows(Tensor x, Tensor(a!) mean, bool compute_mean, int mean_block, "           \
                        "Tensor(b!) packed, Tensor(c!) scales, bool rotate, bool search) -> ()")                                  \
   X(smooth_quant_seq, "smooth_quant_seq(Tensor x, Tensor(a!) mean, Tensor(b!) partial, Tensor(c!) packed, "         \
@@ -62,6 +62,11 @@
                           "Tensor v_sf, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor k_res, Tensor(b!) ds_work, " \
                           "Tensor(a!) out, Tensor head_sel, Tensor q8, Tensor q8_sf, Tensor k8, Tensor k8_sf, "     \
                           "Tensor v8, Tensor v8_sf, int seq_q, int seq_k, float sm_scale, bool causal) -> ()")      \
+  X(blockscaled_attn_mixed, "blockscaled_attn_mixed(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, "       \
+                            "Tensor v_sf, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor k_res, "                \
+                            "Tensor(b!) ds_work, Tensor(a!) out, Tensor head_sel, Tensor q8, Tensor q8_sf, "        \
+                            "Tensor k8, Tensor k8_sf, Tensor v8, Tensor v8_sf, int seq_q, int seq_k, "              \
+                            "float sm_scale, bool causal) -> ()")                                                   \
   X(mxfp8_smooth_quant, "mxfp8_smooth_quant(Tensor x, Tensor mean, Tensor balance, int balance_sign, Tensor sel, "  \
                         "Tensor(a!) codes, Tensor(b!) scales, int rotate, float row_scale) -> ()")               \
   X(qk_rule_error, "qk_rule_error(Tensor q, Tensor k, Tensor v, Tensor q_packed, Tensor q_scales, "              \
@@ -73,8 +78,8 @@
                            "Tensor, Tensor, Tensor)")                                                            \
   X(qk_rule_select, "qk_rule_select(Tensor q, Tensor k, Tensor v, Tensor q_packed, Tensor q_scales, "               \
                     "Tensor k_packed, Tensor k_scales, Tensor mean_q, Tensor mean_k, Tensor balance, "              \
-                    "float sm_scale, bool rotate, bool floor, float limit, bool select_all) -> (Tensor, Tensor, "  \
-                    "Tensor)")                                                                                      \
+                    "float sm_scale, bool rotate, bool floor, float limit, bool select_all, float pv_limit) -> " \
+                    "(Tensor, Tensor, Tensor, Tensor, Tensor)")                                                    \
   X(fp4_mma_probe, "fp4_mma_probe(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, Tensor(a!) d, int tid_a, " \
                    "int tid_b) -> ()")
 

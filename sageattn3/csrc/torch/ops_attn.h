@@ -158,19 +158,11 @@ void blockscaled_attn_qk8(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qba
   check_cuda_kernel<T>(fp4_attn_fwd(a, TensorApi<T>::stream(q)), "blockscaled_attn_qk8");
 }
 
-// blockscaled_attn_pv8(<blockscaled_attn_qk8's operands>, v8, v8_sf, ...): P.V in MXFP8
-// (pv_precision "fp8"): v8 (B, Hkv, D, Sk_p) E4M3 and v8_sf (B, Hkv, D, Sk_p/32) UE8M0 bytes
-// (quant_mxfp8_cols of V); v and v_sf are checked but unused. An empty head_sel: every head's
-// Q.K^T in FP4 (q8, q8_sf, k8, k8_sf unused, may be empty), else per head as blockscaled_attn_qk8.
-// Like the FP8 Q.K^T path, needs the delta_s workspace with per-block Q means.
+// V's MXFP8 operands into a (attn/attn_api.h): v8 (B, Hkv, D, Sk_p) E4M3 and v8_sf (B, Hkv, D,
+// Sk_p/32) UE8M0 bytes (quant_mxfp8_cols of V). Like the FP8 Q.K^T path, the FP8 P.V path needs
+// the delta_s workspace with per-block Q means.
 template <class T>
-void blockscaled_attn_pv8(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
-                          T out, T head_sel, T q8, T q8_sf, T k8, T k8_sf, T v8, T v8_sf, int64_t seq_q,
-                          int64_t seq_k, double sm_scale, bool causal) {
-  DeviceScope scope(device_index(q));
-  Fp4AttnArgs a =
-      attn_args(q, q_sf, k, k_sf, v, v_sf, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale, causal);
-  if (head_sel.numel() > 0) set_qk8(a, q, head_sel, q8, q8_sf, k8, k8_sf);
+void set_pv8(Fp4AttnArgs& a, const T& q, const T& v8, const T& v8_sf) {
   check_code_tensor(v8, q, "v8");
   check_code_tensor(v8_sf, q, "v8_sf");
   const int64_t BH = static_cast<int64_t>(a.batch) * a.heads_kv, D = a.head_dim, Skp = a.seq_k_pad;
@@ -182,7 +174,38 @@ void blockscaled_attn_pv8(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qba
             "with ", a.mean_qblocks, " Q means per head");
   a.v8 = v8.data_ptr();
   a.v8_sf = v8_sf.data_ptr();
+}
+
+// blockscaled_attn_pv8(<blockscaled_attn_qk8's operands>, v8, v8_sf, ...): P.V in MXFP8 for every
+// head (pv_precision "fp8"; set_pv8); v and v_sf are checked but unused. An empty head_sel: every
+// head's Q.K^T in FP4 (q8, q8_sf, k8, k8_sf unused, may be empty), else per head as
+// blockscaled_attn_qk8.
+template <class T>
+void blockscaled_attn_pv8(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
+                          T out, T head_sel, T q8, T q8_sf, T k8, T k8_sf, T v8, T v8_sf, int64_t seq_q,
+                          int64_t seq_k, double sm_scale, bool causal) {
+  DeviceScope scope(device_index(q));
+  Fp4AttnArgs a =
+      attn_args(q, q_sf, k, k_sf, v, v_sf, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale, causal);
+  if (head_sel.numel() > 0) set_qk8(a, q, head_sel, q8, q8_sf, k8, k8_sf);
+  set_pv8(a, q, v8, v8_sf);
   check_cuda_kernel<T>(fp4_attn_fwd(a, TensorApi<T>::stream(q)), "blockscaled_attn_pv8");
+}
+
+// blockscaled_attn_mixed(<blockscaled_attn_pv8's operands>): both precisions chosen per head (the
+// rule, qk_rule_select): head_sel (B, Hq) bytes, bit 0 FP8 Q.K^T (q8, k8), bit 1 FP8 P.V (v8, the
+// kv heads of such q heads quantized; v and v_sf for the others). One launch per byte value.
+template <class T>
+void blockscaled_attn_mixed(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
+                            T out, T head_sel, T q8, T q8_sf, T k8, T k8_sf, T v8, T v8_sf, int64_t seq_q,
+                            int64_t seq_k, double sm_scale, bool causal) {
+  DeviceScope scope(device_index(q));
+  Fp4AttnArgs a =
+      attn_args(q, q_sf, k, k_sf, v, v_sf, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale, causal);
+  set_qk8(a, q, head_sel, q8, q8_sf, k8, k8_sf);
+  set_pv8(a, q, v8, v8_sf);
+  a.v8_by_head = true;
+  check_cuda_kernel<T>(fp4_attn_fwd(a, TensorApi<T>::stream(q)), "blockscaled_attn_mixed");
 }
 
 }  // namespace sageattn3::torch_ops

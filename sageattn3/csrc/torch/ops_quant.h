@@ -55,11 +55,12 @@ void quant_fp4_cols(T x, T packed, T scales) {
                        "quant_fp4_cols");
 }
 
-// quant_mxfp8_cols(x, codes!, scales!): V of the FP8 P.V path, x (..., S, D) bf16/fp16 -> codes
+// quant_mxfp8_cols(x, sel, codes!, scales!): V of the FP8 P.V path, x (..., S, D) bf16/fp16 -> codes
 // (..., D, Sp) E4M3 bytes, scales (..., D, Sp/32) UE8M0 bytes, Sp >= S a multiple of 32 (the zero
-// padding keys), each channel's 32 consecutive tokens sharing one scale.
+// padding keys), each channel's 32 consecutive tokens sharing one scale. sel: empty (every group)
+// or one byte per group (x's leading dims), 0 skips the group (its outputs left as they were).
 template <class T>
-void quant_mxfp8_cols(T x, T codes, T scales) {
+void quant_mxfp8_cols(T x, T sel, T codes, T scales) {
   check_input(x);
   check_code_tensor(codes, x, "codes");
   check_code_tensor(scales, x, "scales");
@@ -78,9 +79,15 @@ void quant_mxfp8_cols(T x, T codes, T scales) {
   SA3_CHECK(T, codes.numel() == G * D * Sp && scales.numel() == G * D * Sp / 32,
             "sageattn3: output sizes do not match x: expected codes ", dims(G, D, Sp), " and scales ",
             dims(G, D, Sp / 32), " (flattened), got ", shape(codes), " and ", shape(scales));
+  if (sel.numel() > 0) {
+    check_code_tensor(sel, x, "sel");
+    SA3_CHECK(T, sel.numel() == G, "sageattn3: sel must be empty or hold one byte per group of x (", G, "), got ",
+              shape(sel));
+  }
   DeviceScope scope(device_index(x));
   check_cuda_kernel<T>(sageattn3::quant_mxfp8_cols(x.data_ptr(), dtype_of(x, "x"), G, S, D, Sp, bytes(codes),
-                                                   bytes(scales), TensorApi<T>::stream(x)),
+                                                   bytes(scales), sel.numel() > 0 ? bytes(sel) : nullptr,
+                                                   TensorApi<T>::stream(x)),
                        "quant_mxfp8_cols");
 }
 

@@ -119,33 +119,40 @@ void qk_rule_error(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales
 }
 
 // qk_rule_select(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale,
-// rotate, floor, limit, select_all) -> (error, sel_q, sel_k): the estimate and
+// rotate, floor, limit, select_all, pv_limit) -> (error, sel_q, sel_k, error_pv, sel_v): the estimate and
 // the selection in one op, which allocates its outputs and its workspace (one host call for the
 // whole rule): error (B, Hq) fp32 as qk_rule_error; sel_q (B, Hq) bytes, 1 where the head's Q.K^T
 // runs in FP8 (every head with select_all, else error > limit; a NaN estimate keeps FP4); sel_k (B, Hkv) bytes, 1 where any
-// of its q heads is 1. Each output and the workspace its own allocation (torch/outputs.h).
+// of its q heads is 1. P's error (sageattn3.h; pv_limit >= 0): error_pv (B, Hq) fp32, bit 1 of sel_q
+// where it exceeds pv_limit (the head's P.V runs in FP8), sel_v (B, Hkv) 1 where any of its q heads
+// has bit 1; with pv_limit < 0 error_pv is NaN and no bit 1 is set. Each output and the workspace its
+// own allocation (torch/outputs.h).
 template <class T>
-std::tuple<T, T, T> qk_rule_select(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales, T mean_q, T mean_k,
-                                   T balance, double sm_scale, bool rotate, bool floor, double limit,
-                                   bool select_all) {
+std::tuple<T, T, T, T, T> qk_rule_select(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales, T mean_q,
+                                         T mean_k, T balance, double sm_scale, bool rotate, bool floor, double limit,
+                                         bool select_all, double pv_limit) {
   QkRuleArgs a = rule_args(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, rotate,
                            floor);
   DeviceScope scope(device_index(q));
-  // error, sel_q, sel_k, then the workspace: partial (B * Hq * 16 floats), then the counters (B * Hq
-  // int32, zeroed by the launch); torch/outputs.h
+  // error, sel_q, sel_k, error_pv, sel_v, then the workspace: partial (B * Hq * 16 floats), then the
+  // counters (B * Hq int32, zeroed by the launch); torch/outputs.h
   const OutputSpec specs[] = {{{a.B, a.Hq}, Kind::kFloat}, {{a.B, a.Hq}, Kind::kByte}, {{a.B, a.Hkv}, Kind::kByte},
+                              {{a.B, a.Hq}, Kind::kFloat}, {{a.B, a.Hkv}, Kind::kByte},
                               {{a.B * a.Hq * 17}, Kind::kFloat}};
   auto out = allocate_outputs(specs, q);
-  const T &error = out[0], &sel_q = out[1], &sel_k = out[2];
-  a.partial = floats(out[3]);
+  const T &error = out[0], &sel_q = out[1], &sel_k = out[2], &error_pv = out[3], &sel_v = out[4];
+  a.partial = floats(out[5]);
   a.counter = reinterpret_cast<int32_t*>(a.partial + a.B * a.Hq * 16);
   a.error = floats(error);
   a.sel_q = bytes(sel_q);
   a.sel_k = bytes(sel_k);
   a.limit = static_cast<float>(limit);
   a.select_all = select_all ? 1 : 0;
+  a.error_pv = floats(error_pv);
+  a.sel_v = bytes(sel_v);
+  a.pv_limit = static_cast<float>(pv_limit);
   check_cuda_kernel<T>(sageattn3::qk_rule_error(a, TensorApi<T>::stream(q)), "qk_rule_select");
-  return {error, sel_q, sel_k};
+  return {error, sel_q, sel_k, error_pv, sel_v};
 }
 
 }  // namespace sageattn3::torch_ops

@@ -98,6 +98,8 @@ from .precision import (
     fp8_applies,
     fp8_unavailable,
     pv_precision_arg,
+    pv_p_error,
+    choose_pv_precision,
     options_free_means,
     qk_fp4_error,
     rule_has_options,
@@ -165,6 +167,15 @@ AUTO_QUERY_STRIDE = 8
 # and V dominates there), those of outlier channels, near-one-hot rows, RoPE'd biased keys and a
 # huge K channel 0.25-0.71.
 AUTO_ERROR_LIMIT = 0.2
+# A head's P·V runs in MXFP8 (pv_precision "auto", the default) when the rule's estimate of the
+# relative output error NVFP4 P causes (``pv_p_error``) exceeds this. Calibrated on
+# tests/attention_cases.py (docs/accuracy-auto.md; 4 q heads over 2, D 64 and 128, six seeds):
+# zero-mean heads (randn, k_bias, mixed_heads' first) estimate 0.087-0.101 at 256-4096 tokens, the
+# most of any case that needs no FP8 P·V (every other case stays below 0.07); the large-logit fp16
+# heads 0.093-0.34 at 1024 tokens, and those whose NVFP4 P·V output falls below cos 0.98 against
+# exact attention (causal) 0.110 and up, but for one head at 0.097 (seed 6: missed). The margin is
+# thin on both sides (docs/accuracy-auto.md, "The P·V choice").
+PV_ERROR_LIMIT = 0.105
 # The per-head treatments (opt-in, reference only, not wired into any default): a head keeps the
 # treatments it is given (its floors: none without options) where ``treatment_errors`` estimates
 # the relative output error of plain FP4 and of its floors at most TREATMENT_KEEP_LIMIT (zero-mean
@@ -241,6 +252,9 @@ __all__ = [
     "pad_dim",
     "preprocess",
     "pv_precision_arg",
+    "pv_p_error",
+    "choose_pv_precision",
+    "PV_ERROR_LIMIT",
     "q_block_index",
     "q_mean",
     "options_free_means",

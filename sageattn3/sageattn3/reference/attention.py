@@ -131,13 +131,14 @@ def sageattn3(
     k_block_mean: bool = False,
     pv_precision: str = PV_PRECISION_DEFAULT,
     qk_fp8_rotated: bool = True,
+    pv_limit: float | None = None,
 ) -> torch.Tensor:
     """The quantized attention sageattn3 computes, float32 output (B, Hq, Sq, D).
 
     ``qk_precision``: "auto" (the default) multiplies Q·Kᵀ of the heads the rule picks
     (``choose_qk_precision``, ``qk_fp4_error``) with MXFP8 operands (``quantize_mxfp8_rows`` of the
     same smoothed rows), the others in FP4; "fp4" every head in FP4 (the rule never runs), "fp8"
-    every head in MXFP8. P·V stays NVFP4. FP8 needs head dim 64/128 ("auto" keeps FP4 elsewhere);
+    every head in MXFP8 (P·V: ``pv_precision`` below). FP8 needs head dim 64/128 ("auto" keeps FP4 elsewhere);
     with ``qk_rotation`` the rule estimates on, and FP8 multiplies, the rotated rows. ``k_block_mean`` (reference only): K smoothed per 128-key block with the
     exact correction (``Preprocessed.k_block_corr``).
 
@@ -160,7 +161,7 @@ def sageattn3(
       acc_t = acc_{t-1} · exp2(m_{t-1} - m_t) + P̂ · Vd_t.
     - O_i = acc / l.
 
-    ``pv_precision="fp8"`` (reference only, opt-in; the default "fp4" is the above): P·V with
+    ``pv_precision="fp8"`` ("fp4" is the above; "auto", the default, picks per head below): P·V with
     MXFP8 operands, for the MMA ``kind::mxf8f6f4.block_scale.scale_vec::1X`` (E4M3 x E4M3, UE8M0
     scales, float32 accumulation), every head (any head dim; block_n a multiple of 32):
 
@@ -177,6 +178,11 @@ def sageattn3(
       acc_t = acc_{t-1} · exp2(m_{t-1} - m_t) + P̂ · Vd8_t; O_i = acc / l.
 
     Q·Kᵀ, the scores and the running max are exactly as with "fp4" (any ``qk_precision``).
+
+    ``pv_precision="auto"`` (the default): where the Q·Kᵀ rule runs (``qk_precision`` "auto" or
+    "fp8"), the heads whose P the rule finds too coarse (``pv_p_error`` above ``pv_limit``, None:
+    ``PV_ERROR_LIMIT``; ``Preprocessed.pv_fp8``) take "fp8"'s P·V, the others "fp4"'s; elsewhere
+    as "fp4". (The per-head choice reads ``pv_fp8.any()``: a host synchronisation on a GPU.)
 
     FP8 Q·Kᵀ ("fp8", or the heads "auto" picks) always multiplies rotated rows (D 64/128): with
     ``qk_rotation`` the MXFP8 of the rotated (and balanced) smoothed rows (``preprocess``); without
@@ -196,12 +202,18 @@ def sageattn3(
         raise ValueError(f"pv_precision='fp8' needs block_n to be a multiple of {MX_BLOCK}")
     pre = preprocess(q, k, v, per_block_mean, pad=block_n, qk_rotation=qk_rotation, qk_balance=qk_balance,
                      qk_scale_search=qk_scale_search, qk_precision=qk_precision, sm_scale=sm_scale,
-                     k_block_mean=k_block_mean, pv_precision=pv_precision, qk_fp8_rotated=qk_fp8_rotated)
+                     k_block_mean=k_block_mean, pv_precision=pv_precision, qk_fp8_rotated=qk_fp8_rotated,
+                     pv_limit=pv_limit)
     qd, kd, vd = _dequantized(pre, hq, pv_fp8)
     ds_rows = _delta_rows(pre, sq)  # (B, Hq, Sq, Sk_p)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     c = scale / rotation_score_factor(d, pre.qk_rotation) * LOG2E
-    return _tiled_attention(qd, kd, vd, ds_rows, k.shape[-2], is_causal, c, block_n, pv_fp8)
+    out = _tiled_attention(qd, kd, vd, ds_rows, k.shape[-2], is_causal, c, block_n, pv_fp8)
+    if pre.pv_fp8 is None or not bool(pre.pv_fp8.any()):
+        return out
+    vd8 = _dequantized(pre, hq, True)[2]
+    out8 = _tiled_attention(qd, kd, vd8, ds_rows, k.shape[-2], is_causal, c, block_n, True)
+    return torch.where(pre.pv_fp8[:, :, None, None], out8, out)
 
 
 def sageattn3_paper(

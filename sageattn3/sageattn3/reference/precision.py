@@ -46,10 +46,12 @@ from .transforms import (
 QK_PRECISIONS = ("fp4", "fp8", "auto")
 QK_PRECISION_DEFAULT = "auto"
 FP8_HEAD_DIMS = (64, 128)
-# P·V: "fp4" (the default: P two-level NVFP4, V NVFP4 along the sequence) or "fp8" (P and V in
-# MXFP8: ``reference.sageattn3``'s docstring). Reference only so far: opt-in.
-PV_PRECISIONS = ("fp4", "fp8")
-PV_PRECISION_DEFAULT = "fp4"
+PV_CHUNK = 32  # keys per running-max step of ``pv_p_error`` (the rule kernel's staged chunk)
+# P·V: "auto" (the default: NVFP4 P·V, P two-level NVFP4 and V NVFP4 along the sequence, but MXFP8
+# for the heads whose P the rule finds too coarse: ``pv_p_error``, ``choose_pv_precision``), "fp4"
+# (NVFP4 for every head) or "fp8" (P and V in MXFP8 for every head: ``reference.sageattn3``).
+PV_PRECISIONS = ("fp4", "fp8", "auto")
+PV_PRECISION_DEFAULT = "auto"
 
 
 def qk_precision_arg(value) -> str:
@@ -60,7 +62,7 @@ def qk_precision_arg(value) -> str:
 
 
 def pv_precision_arg(value) -> str:
-    """Checks a ``pv_precision`` argument: one of "fp4", "fp8"."""
+    """Checks a ``pv_precision`` argument: one of "fp4", "fp8", "auto"."""
     if not isinstance(value, str) or value not in PV_PRECISIONS:
         raise ValueError(f"pv_precision must be one of {', '.join(map(repr, PV_PRECISIONS))}, got {value!r}")
     return value
@@ -196,6 +198,58 @@ def choose_qk_precision(precision: str, error: torch.Tensor) -> torch.Tensor:
         return error > _package.AUTO_ERROR_LIMIT
     return torch.full_like(error, precision == "fp8", dtype=torch.bool)
 
+
+
+def pv_p_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_scale: float | None = None) -> torch.Tensor:
+    """The rule's estimate, per q head, of the relative output error NVFP4 P causes: (B, Hq) float32,
+    torch ops on q's device (the oracle of the rule kernel's last launch, csrc/preprocess/qk_rule.cu).
+    The rows and keys of ``qk_fp4_error``'s first estimate (``pre``'s balanced, rotated rows), but Q
+    whole (its mean not removed: the scores then differ from the attention's only by a constant per
+    row, so P's peaks are the attention's):
+
+    1. L = c · Q K_sᵀ (c the softmax scale over ``rotation_score_factor``), every sampled key.
+    2. The keys in chunks of 32 (the sampled blocks' chunks; a partial last block's tail -inf);
+       per chunk the running max m_c (the max of L over the chunks so far); P = e^(L - m_c) · 2688,
+       NVFP4 along the keys (16-key blocks, ``quantize_rows``) and / 2688: P̂.
+    3. O = softmax(L) V; O_P = Σ_c e^(m_c - m_last) P̂_c V_c / Σ e^(L - m_last) (V exact).
+    4. error = ||O_P - O|| / ||O|| over the head's sampled rows.
+
+    Peaky rows whose other keys carry the output (large logits: a sink takes the row max and the
+    rest sit at e^-10 of it) lose the most: most of their P falls below a 16-key block's smallest
+    FP4 step. V's own NVFP4 error is left out: on zero-mean data it is as large as P's would be on
+    those rows, and it does not tell them apart."""
+    b, hq, sq, d = q.shape
+    sk = k.shape[2]
+    scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)) / rotation_score_factor(d, pre.qk_rotation)
+    turn = rotate if pre.qk_rotation else (lambda x: x)
+    cq = 1.0 if pre.balance is None else expand_kv(torch.exp2(-pre.balance), hq)
+    ck = 1.0 if pre.balance is None else torch.exp2(pre.balance)
+    cat = lambda views: torch.cat(views, dim=-2)  # noqa: E731
+    qs = turn(cat(_sampled_rows(q, sq, _package.AUTO_QUERY_STRIDE)).float() * cq)
+    ks = expand_kv(turn(cat(_sampled_rows(k, sk, 1)).float() * ck) - pre.mean_k, hq)
+    vs = expand_kv(cat(_sampled_rows(v, sk, 1)).float(), hq)
+    lg = torch.matmul(qs, ks.transpose(-1, -2)) * scale
+    o = torch.matmul(torch.softmax(lg, dim=-1), vs)
+    n = lg.shape[-1]
+    nc = -(-n // PV_CHUNK)
+    chunks = torch.nn.functional.pad(lg, (0, nc * PV_CHUNK - n), value=float("-inf")).unflatten(-1, (nc, PV_CHUNK))
+    run = torch.cummax(chunks.amax(dim=-1), dim=-1).values  # (B, Hq, R, nc)
+    p = torch.exp(chunks - run.unsqueeze(-1)) * (E4M3_MAX * FP4_MAX)
+    ph = dequantize_rows(*quantize_rows(p.flatten(-2))).unflatten(-1, (nc, PV_CHUNK)) / (E4M3_MAX * FP4_MAX)
+    last = run[..., -1:]
+    ph = (ph * torch.exp(run - last).unsqueeze(-1)).flatten(-2)[..., :n]
+    o_p = torch.matmul(ph, vs) / torch.exp(lg - last).sum(dim=-1, keepdim=True)
+    num = (o_p - o).square().sum(dim=(-1, -2))
+    return torch.sqrt(num / o.square().sum(dim=(-1, -2)).clamp_min(1e-30))
+
+
+def choose_pv_precision(precision: str, error: torch.Tensor | None, limit: float | None = None) -> torch.Tensor | None:
+    """(B, Hq) bool, True where a q head's P·V runs in MXFP8, for ``pv_precision`` "auto" (the heads
+    whose ``pv_p_error`` exceeds ``limit``, None: ``PV_ERROR_LIMIT``; a NaN estimate keeps FP4); None
+    for "fp4" and "fp8" (every head the same) and where the rule did not run (``error`` None)."""
+    if pv_precision_arg(precision) != "auto" or error is None:
+        return None
+    return error > (_package.PV_ERROR_LIMIT if limit is None else limit)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,9 +19,11 @@ from .formats import (
 )
 from .precision import (
     PV_PRECISION_DEFAULT,
+    choose_pv_precision,
     choose_qk_precision,
     fp8_applies,
     fp8_unavailable,
+    pv_p_error,
     pv_precision_arg,
     qk_fp4_error,
     qk_precision_arg,
@@ -124,7 +126,10 @@ class Preprocessed:
       b get Q_i · (mu_b - mean_k) back (float64 products from the unquantized, balanced Q).
     - v8 (B, Hkv, D, Sk_p) float8_e4m3fn and v8_scales (B, Hkv, D, Sk_p/32) uint8, or None: V in
       MXFP8 along the sequence (``quantize_mxfp8_transposed``), with pv_precision "fp8" (the FP8
-      P·V path, reference only); Sk_p is then a multiple of 32.
+      P·V path), or "auto" where the rule ran; Sk_p is then a multiple of 32.
+    - pv_fp8 (B, Hq) bool or None: with pv_precision "auto", the q heads whose P·V runs in MXFP8
+      (``choose_pv_precision``; None: the rule did not run, every head as pv_precision says), and
+      pv_error (B, Hq) float32 the estimate it came from (``pv_p_error``).
     """
 
     q_packed: torch.Tensor
@@ -152,6 +157,8 @@ class Preprocessed:
     k_block_corr: torch.Tensor | None = None
     v8: torch.Tensor | None = None
     v8_scales: torch.Tensor | None = None
+    pv_fp8: torch.Tensor | None = None
+    pv_error: torch.Tensor | None = None
 
     @property
     def q_mean_residual(self) -> torch.Tensor:
@@ -215,31 +222,33 @@ def preprocess(
     k_block_mean: bool = False,
     pv_precision: str = PV_PRECISION_DEFAULT,
     qk_fp8_rotated: bool = True,
+    pv_limit: float | None = None,
 ) -> Preprocessed:
     """The reference of the preprocessing kernels. ``qk_rotation``: rotate Q and K (head dims 64
-    and 128; other head dims are never rotated). The means are computed on the raw inputs, then
-    balanced and rotated (as the kernels do). ``mean_q`` / ``mean_k`` / ``mean_q_global`` let a
-    test feed the means a kernel computed (float32 sums depend on the summation order), so that
-    the quantized tensors can be compared bit for bit; without per_block_mean, mean_q_global
-    defaults to mean_q. Given means are balanced and rotated already (as the kernels write
-    them). ``qk_balance``: the channel balance where it applies (``balance_applies``),
-    with the exponents ``balance`` (B, Hkv, 1, D) when given (a kernel's), else
-    ``balance_exponents``; Q and K are balanced first and then rotated when both are asked for.
+    and 128 only). The means are computed on the raw inputs, then balanced and rotated (as the
+    kernels do). ``mean_q`` / ``mean_k`` / ``mean_q_global`` let a test feed a kernel's means
+    (float32 sums depend on the order) to compare the quantized tensors bit for bit; without
+    per_block_mean, mean_q_global defaults to mean_q. Given means are balanced and rotated already
+    (as the kernels write them). ``qk_balance``: the channel balance where it applies
+    (``balance_applies``), with the exponents ``balance`` (B, Hkv, 1, D) when given (a kernel's),
+    else ``balance_exponents``; Q and K are balanced first and then rotated when both are asked.
     ``qk_scale_search``: Q and K quantized with ``quantize_rows(..., scale_search=True)`` at head
     dims 64/128 (None: ``QK_SCALE_SEARCH``; ``scale_search_applies``). ``qk_precision``
     ("fp4", "fp8", "auto"; ``choose_qk_precision``) and ``sm_scale`` (the rule's softmax scale,
     default 1/sqrt(D)) fill qk_fp8, q8, k8 and qk_error; ``k_block_mean`` (reference only, no
     rotation) smooths K per 128-key block (``Preprocessed.k_block_corr``). ``pv_precision``
-    "fp8" (reference only) also fills v8/v8_scales (``pad`` must then be a multiple of 32).
+    "fp8" also fills v8/v8_scales (``pad`` a multiple of 32); "auto" (the default) where the rule
+    runs (qk_precision "auto"/"fp8", D 64/128, ``pad`` a multiple of 32) fills pv_error, pv_fp8
+    (``pv_limit``, None: ``PV_ERROR_LIMIT``) and v8.
     With the rotation, q8/k8 are the MXFP8 of the rotated smoothed rows (as the kernels make them)
     and "auto"'s rule estimates on the rotated rows. Without the rotation, q8/k8 are still the
     MXFP8 of rotated rows (``fp8_rows``) where ``qk_fp8_rotated`` (the default; False: of the
     unrotated smoothed rows, the earlier path, reference only)."""
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     precision = qk_precision_arg(qk_precision)
-    pv_fp8 = pv_precision_arg(pv_precision) == "fp8"
+    pv = pv_precision_arg(pv_precision)
     qk_fp8_rotated = flag(qk_fp8_rotated, "qk_fp8_rotated")
-    if pv_fp8 and pad % MX_BLOCK:
+    if pv == "fp8" and pad % MX_BLOCK:
         raise ValueError(f"pv_precision='fp8' needs the key padding (block_n) to be a multiple of {MX_BLOCK}, got {pad}")
     k_block_mean = flag(k_block_mean, "k_block_mean")
     if k_block_mean and precision != "fp4":
@@ -280,7 +289,7 @@ def preprocess(
     dk = pad_dim(delta_s(mg, ks).squeeze(-2), -1, pad)
     kr = quantize_residual(pad_dim(ks, -2, pad), kp, ksc) if per_block_mean else None
     pre = Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk, mg, dk, rot, bal, search, kr, k_block_corr=corr)
-    if pv_fp8:
+    if pv == "fp8":
         pre.v8, pre.v8_scales = quantize_mxfp8_transposed(pad_dim(v.float(), -2, pad))
     if precision != "fp4":
         if not fp8_applies(rot, d):
@@ -289,11 +298,22 @@ def preprocess(
             return pre
         pre.qk_error = qk_fp4_error(q, k, v, pre, sm_scale)
         pre.qk_fp8 = choose_qk_precision(precision, pre.qk_error)
+        _pv_rule(q, k, v, pre, pv, pad, sm_scale, pv_limit)
         if qk_fp8_rotated and not rot and rotation_applies(d) and not k_block_mean:
             qs, ks = fp8_rows(q.float() * cq, mq, k.float() * ck, mk)
         pre.q8, pre.q8_scales = quantize_mxfp8_rows(pad_dim(qs, -2, pad))
         pre.k8, pre.k8_scales = quantize_mxfp8_rows(pad_dim(ks, -2, pad))
     return pre
+
+
+def _pv_rule(q, k, v, pre: Preprocessed, pv: str, pad: int, sm_scale, pv_limit) -> None:
+    """Where the rule runs, with pv_precision "auto" (and ``pad`` a multiple of 32): P's estimate, the
+    heads it gives FP8 P·V, V's MXFP8. A negative ``pv_limit`` turns it off (as the kernels' op)."""
+    if pv != "auto" or pad % MX_BLOCK or (pv_limit is not None and pv_limit < 0):
+        return
+    pre.pv_error = pv_p_error(q, k, v, pre, sm_scale)
+    pre.pv_fp8 = choose_pv_precision("auto", pre.pv_error, pv_limit)
+    pre.v8, pre.v8_scales = quantize_mxfp8_transposed(pad_dim(v.float(), -2, pad))
 
 
 def fp8_rows(qb: torch.Tensor, mean_q: torch.Tensor, kb: torch.Tensor, mean_k: torch.Tensor):
