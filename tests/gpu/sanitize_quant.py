@@ -102,7 +102,7 @@ def _rule_kernel() -> int:
                 k = torch.randn(b, hk, sk, d, dtype=dtype, device="cuda") + 1
                 v = torch.randn(b, hk, sk, d, dtype=dtype, device="cuda")
                 pre = sageattn3.preprocess(q, k, v, **kw)
-                causal = bool(kw)  # P's estimate with the causal mask where an option is on
+                causal = sq > 1  # P's estimate with the causal mask but on the one-row shape
                 err, sel_q, sel_k, err_pv, sel_v = _kernels.qk_rule_select(q, k, v, pre, d ** -0.5, ref.AUTO_ERROR_LIMIT,
                                                                           False, ref.PV_ERROR_LIMIT, causal)
                 cpu = _on_cpu(pre)

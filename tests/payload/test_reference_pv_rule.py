@@ -158,3 +158,20 @@ def test_the_rule_runs_with_the_qk_rule_only():
                        ref.sageattn3(q, k, v, qk_precision="fp4", pv_precision="fp4"))
     # a negative limit turns the P·V rule off, as the kernels' op reads it
     assert ref.preprocess(q, k, v, qk_precision="auto", pv_limit=-1.0).pv_fp8 is None
+
+
+def test_qk_choice_takes_the_calls_causality():
+    """sageattn3.qk_choice on CPU tensors (the reference branch of the rule) passes is_causal to P's
+    estimate: seed 6, D 64, head 2 is 0.097 unmasked (NVFP4 P·V) and 0.191 masked (FP8 P·V), the
+    same choice as the reference preprocessing's for each, and the Q·Kᵀ choice does not move."""
+    import sageattn3
+
+    q, k, v = ac.make("large_logits", 1, 4, 2, 1024, 1024, 64, seed=6)
+    plain, causal = sageattn3.qk_choice(q, k, v), sageattn3.qk_choice(q, k, v, is_causal=True)
+    assert plain.pv_fp8.tolist() == [[True, True, False, True]], plain.describe()
+    assert bool(causal.pv_fp8.all()), causal.describe()
+    assert 0.09 < float(plain.pv_error[0, 2]) < ref.PV_ERROR_LIMIT < 0.15 < float(causal.pv_error[0, 2])
+    for c, choice in ((False, plain), (True, causal)):
+        pre = ref.preprocess(q, k, v, qk_precision="auto", is_causal=c)
+        assert torch.equal(choice.pv_fp8, pre.pv_fp8) and torch.equal(choice.pv_error, pre.pv_error)
+        assert torch.equal(choice.fp8, pre.qk_fp8) and torch.equal(choice.error, pre.qk_error)
