@@ -190,6 +190,9 @@ struct QkRuleArgs {
   uint8_t* sel_v;
   float pv_limit;
   bool pv;
+  // The attention is causal: P's estimate masks a sampled key after the sampled row's position
+  // (reference.pv_p_error's is_causal); the Q.K^T estimate stays a statistic of the whole rows.
+  bool causal;
 };
 int qk_rule_error(const QkRuleArgs& args, cudaStream_t stream);
 

@@ -355,19 +355,21 @@ def qk_rule_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale:
 
 
 def qk_rule_select(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale: float, limit: float,
-                   select_all: bool, pv_limit: float = -1.0) -> tuple[torch.Tensor, ...]:
+                   select_all: bool, pv_limit: float = -1.0, causal: bool = False) -> tuple[torch.Tensor, ...]:
     """``qk_rule_error`` and the selection from it in one op (no synchronisation): returns error
     (B, Hq) float32, sel_q (B, Hq) uint8 (bit 0: the head's Q·Kᵀ in FP8; every head with
     ``select_all``, else error > limit, a NaN estimate keeping FP4), sel_k (B, Hkv) uint8 (1 where
     any of its q heads has bit 0), as ``reference.choose_qk_precision`` decides; then, with
     ``pv_limit`` >= 0, P's estimate error_pv (B, Hq) (``reference.pv_p_error``), bit 1 of sel_q where
     it exceeds pv_limit (the head's P·V in FP8) and sel_v (B, Hkv) uint8 (1 where any of its q heads
-    has bit 1); pv_limit < 0: error_pv NaN, no bit 1, sel_v zeros. q, k, v contiguous and 16-byte
+    has bit 1); pv_limit < 0: error_pv NaN, no bit 1, sel_v zeros; ``causal``: P's estimate masks the keys
+    a causal attention hides (``pv_p_error``'s is_causal). q, k, v contiguous and 16-byte
     aligned (``aligned``), ``pre`` straight from the preprocessing kernels: passed as they are (the
     op refuses others, naming them)."""
     return op("qk_rule_select")(q, k, v, pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.mean_q,
                                 pre.mean_k, _none(q.device, 10) if pre.balance is None else pre.balance,
-                                *_rule_scale(pre, q.shape[3], scale), float(limit), bool(select_all), float(pv_limit))
+                                *_rule_scale(pre, q.shape[3], scale), float(limit), bool(select_all), float(pv_limit),
+                                bool(causal))
 
 
 def _rule_scale(pre, d: int, scale: float) -> tuple[float, bool, bool]:
@@ -443,7 +445,7 @@ OUTPUT_WRITING_OPS = (
 # Ops of the library that allocate and return their outputs, with the fakes that give those
 # outputs' shapes (kept next to the op's wrapper above).
 def _qk_rule_select_fake(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, rotate,
-                         floor, limit, select_all, pv_limit):
+                         floor, limit, select_all, pv_limit, causal=False):
     b, hq, hk = q.shape[0], q.shape[1], k.shape[1]
     f32, u8 = torch.float32, torch.uint8
     return (q.new_empty((b, hq), dtype=f32), q.new_empty((b, hq), dtype=u8), q.new_empty((b, hk), dtype=u8),

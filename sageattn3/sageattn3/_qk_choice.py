@@ -69,13 +69,14 @@ class Picked(NamedTuple):
                         pv_error=self.error_pv)
 
 def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float | None,
-                  workspace_limit: int | None = None, pv_limit: float = -1.0):
+                  workspace_limit: int | None = None, pv_limit: float = -1.0, is_causal: bool = False):
     """A ``Picked`` where the per-head precision applies (sel_q bit 0 where a q head's Q·Kᵀ runs in
     FP8; with ``pv_limit`` >= 0, bit 1 where its P·V does, P's estimate above pv_limit); else the
     reason (str) every head stays FP4: "fp4" asked, or FP8 unavailable with "auto" ("fp8" raises
     then). On the kernels, one op computes it all (no synchronisation); q, k, v are then contiguous
     and 16-byte aligned (``_kernels.aligned``). ``workspace_limit``: the delta_s workspace's bytes
-    (``_attn.fp8_workspace_fits``'s ``limit``)."""
+    (``_attn.fp8_workspace_fits``'s ``limit``). ``is_causal``: the call's; P's estimate then masks the
+    keys each sampled row does not see (``reference.pv_p_error``)."""
     precision = reference.qk_precision_arg(qk_precision)
     if precision == "fp4":
         return "qk_precision='fp4'"
@@ -93,11 +94,11 @@ def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float
         return why
     if _rule_kernel_serves(q, pre):
         return Picked(*_kernels.qk_rule_select(q, k, v, pre, _scale(q, sm_scale), reference.AUTO_ERROR_LIMIT,
-                                               precision == "fp8", pv_limit))
+                                               precision == "fp8", pv_limit, is_causal))
     err = _qk_error(q, k, v, pre, sm_scale)
     fp8 = reference.choose_qk_precision(precision, err)
     if pv_limit >= 0:
-        err_pv = reference.pv_p_error(q, k, v, pre, sm_scale)
+        err_pv = reference.pv_p_error(q, k, v, pre, sm_scale, is_causal)
         pv8 = reference.choose_pv_precision("auto", err_pv, pv_limit)
     else:
         err_pv, pv8 = torch.full_like(err, float("nan")), torch.zeros_like(fp8)
@@ -130,7 +131,8 @@ def qk_choice(q, k, v, is_causal: bool = False, per_block_mean: bool = True,
               pv_precision: str = reference.PV_PRECISION_DEFAULT) -> QkChoice:
     """The per-head Q·Kᵀ precision ``sageattn3_blackwell`` picks for these inputs (the rule alone:
     preprocessing and the estimate, no attention), on any device (the reference on the CPU), and
-    with ``pv_precision="auto"`` (the default) the heads whose P·V it runs in MXFP8."""
+    with ``pv_precision="auto"`` (the default) the heads whose P·V it runs in MXFP8 (``is_causal`` as the
+    call's: P's estimate depends on it)."""
     _check_qkv(q, k, v)
     precision = reference.qk_precision_arg(qk_precision)
     pv_precision = reference.pv_precision_arg(pv_precision)
@@ -141,7 +143,8 @@ def qk_choice(q, k, v, is_causal: bool = False, per_block_mean: bool = True,
     # the P·V rule where the call would run it: the reference, or a build with the FP8 P·V kernels
     # (the self-check of those kernels is the call's, not part of this)
     pv = pv_precision == "auto" and (not _use_kernels(q) or hasattr(torch.ops.sageattn3, "blockscaled_attn_mixed"))
-    picked = _qk_selection(q, k, v, pre, precision, None, pv_limit=reference.PV_ERROR_LIMIT if pv else -1.0)
+    picked = _qk_selection(q, k, v, pre, precision, None, pv_limit=reference.PV_ERROR_LIMIT if pv else -1.0,
+                           is_causal=reference.flag(is_causal, "is_causal"))
     if isinstance(picked, str):
         return QkChoice.fp4_path(q, precision, picked)
     return picked.choice(precision, pv)

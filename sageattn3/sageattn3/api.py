@@ -368,7 +368,8 @@ def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: flo
     limit = _attn.delta_s_workspace_limit() if pre.mean_q.shape[2] > 1 else 0  # unused with one Q mean
     pv_rule = pv_precision == "auto" and _pv8_built()
     pv_limit = reference.PV_ERROR_LIMIT if pv_limit is None else pv_limit
-    picked = _qk_selection(q, k, v, pre, qk_precision, sm_scale, limit, pv_limit=pv_limit if pv_rule else -1.0)
+    picked = _qk_selection(q, k, v, pre, qk_precision, sm_scale, limit, pv_limit=pv_limit if pv_rule else -1.0,
+                           is_causal=is_causal)
     kw = {"is_causal": is_causal, "sm_scale": sm_scale, "out_dtype": q.dtype, "workspace_limit": limit}
     if isinstance(picked, str):  # every head FP4 Q·Kᵀ, and P·V as pv_precision says ("auto": FP4)
         if choice is not None:

@@ -105,7 +105,7 @@ def measure(ref, gpu: bool) -> list[dict]:
                                          qk_scale_search=True),
                     "fp8": ref.sageattn3(q, k, v, is_causal=causal, qk_precision="fp8"),
                 }
-                pre = ref.preprocess(q, k, v, qk_precision="auto")
+                pre = ref.preprocess(q, k, v, qk_precision="auto", is_causal=causal)
                 heads = pre.qk_fp8
                 row = {"case": case, "d": d, "causal": causal, "fp8_heads": int(heads.sum()), "heads": heads.numel(),
                        "pv8_heads": int(pre.pv_fp8.sum()) if pre.pv_fp8 is not None else 0}

@@ -21,18 +21,20 @@ from test_pv_fp8_gpu import _pre_to, _pv8_or_skip
 FIGURES: list[str] = []
 
 
-def _rule(q, k, v, pre, limit_pv, select_all=False):
+def _rule(q, k, v, pre, limit_pv, select_all=False, causal=False):
     from sageattn3 import _kernels, reference as ref
 
-    return _kernels.qk_rule_select(q, k, v, pre, q.shape[-1] ** -0.5, ref.AUTO_ERROR_LIMIT, select_all, limit_pv)
+    return _kernels.qk_rule_select(q, k, v, pre, q.shape[-1] ** -0.5, ref.AUTO_ERROR_LIMIT, select_all, limit_pv,
+                                   causal)
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("options", [{}, {"qk_rotation": True}, {"qk_balance": True, "qk_rotation": True}])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("case, b, hq, hk, sq, sk", [("large_logits", 1, 4, 2, 1024, 1024),
                                                     ("randn", 2, 4, 1, 700, 333), ("k_sink", 1, 2, 2, 1000, 1300),
                                                     ("rope_bias", 1, 4, 2, 129, 2000)])
-def test_p_estimate_matches_the_reference(fp4, case, b, hq, hk, sq, sk, d, options):  # noqa: F811
+def test_p_estimate_matches_the_reference(fp4, case, b, hq, hk, sq, sk, d, options, causal):  # noqa: F811
     _pv8_or_skip()
     from sageattn3 import _kernels, reference as ref
 
@@ -40,21 +42,21 @@ def test_p_estimate_matches_the_reference(fp4, case, b, hq, hk, sq, sk, d, optio
         pytest.skip("this wheel has no qk_rule kernel")
     q, k, v = ac.make(case, b, hq, hk, sq, sk, d, seed=sq + d)
     pre_cpu = ref.preprocess(q, k, v, **options)
-    want = ref.pv_p_error(q, k, v, pre_cpu)
+    want = ref.pv_p_error(q, k, v, pre_cpu, is_causal=causal)
     pre = _pre_to(pre_cpu, "cuda")
     q, k, v = q.cuda(), k.cuda(), v.cuda()
-    err, sel_q, sel_k, err_pv, sel_v = _rule(q, k, v, pre, ref.PV_ERROR_LIMIT)
+    err, sel_q, sel_k, err_pv, sel_v = _rule(q, k, v, pre, ref.PV_ERROR_LIMIT, causal=causal)
     rel = float(((err_pv.cpu() - want).abs() / want.abs()).max())
-    FIGURES.append(f"{case} D={d} {sorted(options)}: P estimate kernel {err_pv.flatten().tolist()} vs reference "
-                   f"max rel {rel:.1e}")
+    FIGURES.append(f"{case} D={d} {sorted(options)} causal={causal}: P estimate kernel {err_pv.flatten().tolist()} "
+                   f"vs reference max rel {rel:.1e}")
     assert rel < 2e-3, (err_pv, want)
     pv8 = err_pv > ref.PV_ERROR_LIMIT
     assert torch.equal((sel_q >> 1).bool(), pv8)
     far = (want - ref.PV_ERROR_LIMIT).abs() > 1e-3  # the reference's choice, where the two cannot straddle it
     assert torch.equal(pv8.cpu()[far], (want > ref.PV_ERROR_LIMIT)[far])
     assert torch.equal(sel_v.bool(), pv8.view(b, hk, hq // hk).any(-1))
-    # the Q·Kᵀ choice is the one without P's estimate
-    e2, q2, k2, pv_nan, v2 = _rule(q, k, v, pre, -1.0)
+    # the Q·Kᵀ choice is the one without P's estimate (and the mask does not touch it)
+    e2, q2, k2, pv_nan, v2 = _rule(q, k, v, pre, -1.0, causal=not causal)
     assert torch.equal(e2, err) and torch.equal(q2, sel_q & 1) and torch.equal(k2, sel_k)
     assert bool(pv_nan.isnan().all()) and not bool(v2.any())
     if case == "large_logits":
@@ -93,6 +95,32 @@ def test_large_logits_by_default(fp4, d, causal):  # noqa: F811
                    f"{c_exact:.5f}; {choice.describe()}")
     assert bool(choice.pv_fp8.all()), choice.describe()
     assert c_ref >= 0.99999 and c_exact >= 0.99
+
+
+def test_causal_call_takes_the_masked_estimate(fp4):  # noqa: F811
+    """Large logits, seed 6, D 64, causal: one head's unmasked estimate is 0.097 (NVFP4 P·V, cos 0.9685
+    against exact attention), its masked one 0.191. The causal call gives every head FP8 P·V, as the
+    reference does, and every head reaches cos 0.98; the same inputs without the mask keep that head
+    on NVFP4, as the reference's choice does."""
+    _pv8_or_skip()
+    from sageattn3 import reference as ref
+
+    q, k, v = ac.make("large_logits", 1, 4, 2, 1024, 1024, 64, seed=6)
+    for causal in (True, False):
+        out, choice = fp4.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal, return_qk_choice=True)
+        want_sel = ref.preprocess(q, k, v, qk_precision="auto", is_causal=causal).pv_fp8
+        assert torch.equal(choice.pv_fp8.cpu(), want_sel), choice.describe()
+        out = out.float().cpu()
+        want = ref.sageattn3(q, k, v, is_causal=causal)
+        heads = [ac.cos_sim(out[:, h], ref.exact_attention(q, k, v, is_causal=causal)[:, h]) for h in range(4)]
+        c_ref = ac.cos_sim(out, want)
+        FIGURES.append(f"large_logits seed 6 D=64 causal={causal}: {choice.describe()}; kernel vs reference "
+                       f"{c_ref:.7f}, per head vs exact {[round(c, 4) for c in heads]}")
+        assert c_ref >= 0.99999
+        if causal:
+            assert bool(choice.pv_fp8.all()) and min(heads) >= 0.98, heads
+        else:
+            assert choice.pv_fp8.tolist() == [[True, True, False, True]]
 
 
 @pytest.mark.parametrize("qk", ["auto", "fp8"])

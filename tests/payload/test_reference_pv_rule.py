@@ -13,12 +13,13 @@ from sageattn3 import reference as ref
 import attention_cases as ac
 
 
-def _p_error_loop(q, k, v, pre):
+def _p_error_loop(q, k, v, pre, causal=False, sm_scale=None):
     """pv_p_error's definition, one sampled row and one 32-key chunk at a time, in float64 (the
-    NVFP4 of each 16-key block from ref.quantize_rows on float32 values, as the kernel quantizes)."""
+    NVFP4 of each 16-key block from ref.quantize_rows on float32 values, as the kernel quantizes);
+    ``causal``: a key after the row's position takes no part (its P is 0, its score -inf)."""
     b, hq, sq, d = q.shape
     sk, rep = k.shape[2], q.shape[1] // k.shape[1]
-    scale = 1.0 / math.sqrt(d)
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     rows = torch.cat([torch.arange(t * 128, min(sq, t * 128 + 128), ref.AUTO_QUERY_STRIDE)
                       for t in ref.sample_blocks(sq)])
     keys = torch.cat([torch.arange(t * 128, min(sk, t * 128 + 128)) for t in ref.sample_blocks(sk)])
@@ -30,6 +31,8 @@ def _p_error_loop(q, k, v, pre):
             num = den = 0.0
             for r in rows:
                 lg = (q[bi, h, r].double() @ ks.T) * scale
+                if causal:
+                    lg = lg.masked_fill(keys > r, -math.inf)
                 o = torch.softmax(lg, 0) @ vs
                 acc, l_sum, m = torch.zeros(d, dtype=torch.float64), 0.0, -math.inf
                 for c0 in range(0, len(keys), 32):
@@ -49,13 +52,27 @@ def _p_error_loop(q, k, v, pre):
     return out
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case,d,s", [("large_logits", 64, 300), ("randn", 128, 260), ("k_sink", 64, 200)])
-def test_estimate_matches_its_definition(case, d, s):
+def test_estimate_matches_its_definition(case, d, s, causal):
     q, k, v = ac.make(case, 1, 2, 1, s, s + 37, d, seed=4)
     pre = ref.preprocess(q, k, v)
-    got = ref.pv_p_error(q, k, v, pre).double()
-    want = _p_error_loop(q, k, v, pre)
+    got = ref.pv_p_error(q, k, v, pre, is_causal=causal).double()
+    want = _p_error_loop(q, k, v, pre, causal)
     assert torch.allclose(got, want, rtol=2e-3, atol=1e-6), (got, want)
+
+
+def test_estimate_with_its_own_scale_and_one_q_mean():
+    """A custom softmax scale enters the scores (the estimate changes with it and matches its
+    definition), and the estimate does not read Q's means: per_block_mean=False gives the same."""
+    q, k, v = ac.make("large_logits", 1, 2, 1, 384, 384, 64, seed=3)
+    pre = ref.preprocess(q, k, v)
+    for causal in (False, True):
+        got = ref.pv_p_error(q, k, v, pre, sm_scale=0.2, is_causal=causal).double()
+        assert torch.allclose(got, _p_error_loop(q, k, v, pre, causal, sm_scale=0.2), rtol=2e-3, atol=1e-6)
+        assert not torch.allclose(got, ref.pv_p_error(q, k, v, pre, is_causal=causal).double(), rtol=1e-2)
+        one = ref.preprocess(q, k, v, per_block_mean=False)
+        assert torch.equal(ref.pv_p_error(q, k, v, one, is_causal=causal), ref.pv_p_error(q, k, v, pre, is_causal=causal))
 
 
 def _head_cos(a, b):
@@ -65,30 +82,35 @@ def _head_cos(a, b):
 
 def test_limit_keeps_every_other_case_on_fp4():
     """The calibration (reference.PV_ERROR_LIMIT's comment): on the accuracy table's shapes no head
-    of any case but the large logits estimates above the limit."""
+    of any case but the large logits estimates above the limit, causal or not (the causal estimate
+    of zero-mean heads is the lower: 0.07 against 0.09)."""
     for case in ac.CASES:
         if case == "large_logits":
             continue
         for d in (64, 128):
             q, k, v = ac.make(case, 1, 4, 2, 1024, 1024, d, seed=0)
-            err = ref.pv_p_error(q, k, v, ref.preprocess(q, k, v))
-            assert float(err.max()) < ref.PV_ERROR_LIMIT, (case, d, err)
+            pre = ref.preprocess(q, k, v)
+            for causal in (False, True):
+                err = ref.pv_p_error(q, k, v, pre, is_causal=causal)
+                assert float(err.max()) < ref.PV_ERROR_LIMIT, (case, d, causal, err)
 
 
-@pytest.mark.parametrize("seed", [0, 2, 2025])
+@pytest.mark.parametrize("seed", [0, 2, 6, 2025])
 def test_limit_catches_the_large_logit_heads_nvfp4_leaves_below_098(seed):
     """Per head (causal, against exact attention): a large-logit head whose NVFP4 P·V output is below
-    cos 0.98 estimates above the limit (seed 6 has one that does not: docs/accuracy-auto.md), and
-    with seeds 0 and 2025 every head's default output (the rule's choice) is at or above 0.98. With
-    seed 2, D 64, two heads stay below 0.98 with FP8 P·V too (their Q·Kᵀ error: FP8 Q·Kᵀ would lift
-    them, and the Q·Kᵀ rule does not pick it)."""
+    cos 0.98 estimates above the limit (with the causal mask: seed 6, D 64 has a head the unmasked
+    estimate put at 0.097, 0.191 masked), and with seeds 0, 6 and 2025 every head's default output
+    (the rule's choice) is at or above 0.98. With seed 2, D 64, two heads stay below 0.98 with FP8
+    P·V too (their Q·Kᵀ error: FP8 Q·Kᵀ would lift them, and the Q·Kᵀ rule does not pick it)."""
     for d in (64, 128):
         q, k, v = ac.make("large_logits", 1, 4, 2, 1024, 1024, d, seed=seed)
-        err = ref.pv_p_error(q, k, v, ref.preprocess(q, k, v))[0]
+        err = ref.pv_p_error(q, k, v, ref.preprocess(q, k, v), is_causal=True)[0]
         exact = ref.exact_attention(q, k, v, is_causal=True)
         c4 = _head_cos(ref.sageattn3(q, k, v, is_causal=True, pv_precision="fp4"), exact)[0]
         assert bool((err[c4 < 0.98] > ref.PV_ERROR_LIMIT).all()), (seed, d, err, c4)
         default = _head_cos(ref.sageattn3(q, k, v, is_causal=True), exact)[0]
+        assert torch.equal(ref.preprocess(q, k, v, qk_precision="auto", is_causal=True).pv_fp8[0],
+                           err > ref.PV_ERROR_LIMIT)  # the call's choice is the causal estimate's
         if seed != 2:
             assert float(default.min()) >= 0.98, (seed, d, err, default)
         else:
@@ -136,3 +158,20 @@ def test_the_rule_runs_with_the_qk_rule_only():
                        ref.sageattn3(q, k, v, qk_precision="fp4", pv_precision="fp4"))
     # a negative limit turns the P·V rule off, as the kernels' op reads it
     assert ref.preprocess(q, k, v, qk_precision="auto", pv_limit=-1.0).pv_fp8 is None
+
+
+def test_qk_choice_takes_the_calls_causality():
+    """sageattn3.qk_choice on CPU tensors (the reference branch of the rule) passes is_causal to P's
+    estimate: seed 6, D 64, head 2 is 0.097 unmasked (NVFP4 P·V) and 0.191 masked (FP8 P·V), the
+    same choice as the reference preprocessing's for each, and the Q·Kᵀ choice does not move."""
+    import sageattn3
+
+    q, k, v = ac.make("large_logits", 1, 4, 2, 1024, 1024, 64, seed=6)
+    plain, causal = sageattn3.qk_choice(q, k, v), sageattn3.qk_choice(q, k, v, is_causal=True)
+    assert plain.pv_fp8.tolist() == [[True, True, False, True]], plain.describe()
+    assert bool(causal.pv_fp8.all()), causal.describe()
+    assert 0.09 < float(plain.pv_error[0, 2]) < ref.PV_ERROR_LIMIT < 0.15 < float(causal.pv_error[0, 2])
+    for c, choice in ((False, plain), (True, causal)):
+        pre = ref.preprocess(q, k, v, qk_precision="auto", is_causal=c)
+        assert torch.equal(choice.pv_fp8, pre.pv_fp8) and torch.equal(choice.pv_error, pre.pv_error)
+        assert torch.equal(choice.fp8, pre.qk_fp8) and torch.equal(choice.error, pre.qk_error)

@@ -34,6 +34,9 @@
 // to the running max of its 32-key chunks, is quantized to NVFP4 along the keys (16-key blocks,
 // requantize16) before P V (V exact): O_P = P^ V / (2688 sum P) against O = P V / sum P. A head
 // whose estimate exceeds a.limit takes FP8 P.V: bit 1 of sel_q, and sel_v of its kv head set.
+// For a causal attention (a.causal) that launch masks the sampled keys after each sampled row's
+// position, as the attention does (key 0 is sampled and seen by every row, so each row's running
+// max is finite from the first chunk on).
 #include <cuda_fp16.h>
 
 #include <type_traits>
@@ -448,19 +451,21 @@ __device__ __forceinline__ void chunk_scores(float* sm, int warp, int g, int t, 
   s1[(g + 8) * kSLd + c + 1] = s4[3];
 }
 
-// online softmax: lane = key (keys off + lane < count are real); P's tf32 parts go where the two
-// halves' sums were, each row's alpha to the alpha area. With pv the FP4 kind's P * 2688 goes
-// unsplit to the first half's place (quantize_p quantizes and splits it).
+// online softmax: lane = key (keys off + lane < count are real; with `causal`, those at positions
+// key0 + lane up to the row's, row0 + 8r); P's tf32 parts go where the two halves' sums were, each
+// row's alpha to the alpha area. With pv the FP4 kind's P * 2688 goes unsplit to the first half's
+// place (quantize_p quantizes and splits it).
 template <int D>
 __device__ __forceinline__ void chunk_softmax(float* sm, float scale, int off, int count, int warp, int lane,
-                                              float (&m_run)[4], float (&l_run)[4], bool pv) {
+                                              float (&m_run)[4], float (&l_run)[4], bool pv, bool causal,
+                                              int64_t key0, int64_t row0) {
   using L = Smem<D>;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int p = warp * 4 + i, kind = p / kRows, r = p % kRows;
     float* h0 = sm + L::kS + (kind * 2 + 0) * kRows * kSLd + r * kSLd;
     float* h1 = sm + L::kS + (kind * 2 + 1) * kRows * kSLd + r * kSLd;
-    const bool live = off + lane < count;
+    const bool live = off + lane < count && (!causal || key0 + lane <= row0 + static_cast<int64_t>(r) * kStride);
     const float x = __fmul_rn(__fadd_rn(h0[lane], h1[lane]), scale);
     const float m_new = fmaxf(m_run[i], warp_max(live ? x : -INFINITY));
     const float alpha = expf(m_run[i] - m_new);
@@ -686,8 +691,8 @@ __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(QkRuleArgs a) {
   next.fetch(a, bk, tid, 0);
   for (int c = 0; c < nchunks; ++c) {
     const int off = (c % (kBlock / kChunk)) * kChunk;
-    const int count = static_cast<int>(
-        min(static_cast<int64_t>(kBlock), a.Sk - sampled_block(a.Sk, c / (kBlock / kChunk)) * kBlock));
+    const int64_t tk = sampled_block(a.Sk, c / (kBlock / kChunk));
+    const int count = static_cast<int>(min(static_cast<int64_t>(kBlock), a.Sk - tk * kBlock));
     __syncthreads();  // the previous chunk's reads are done
     next.stage(sm, tid, pl);
     if (c + 1 < nchunks) next.fetch(a, bk, tid, c + 1);
@@ -695,7 +700,8 @@ __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(QkRuleArgs a) {
     if (pl.rotate || pl.requant) finish_k_rows<D>(pl, sm, tid, warp, min(kChunk, count - off));
     chunk_scores<D>(sm, warp, g, t, a.pv);
     __syncthreads();
-    chunk_softmax<D>(sm, a.scale, off, count, warp, lane, m_run, l_run, a.pv);
+    chunk_softmax<D>(sm, a.scale, off, count, warp, lane, m_run, l_run, a.pv, a.pv && a.causal, tk * kBlock + off,
+                     tq * kBlock);
     __syncthreads();
     if (a.pv) {
       quantize_p<D>(sm, tid);

@@ -78,8 +78,8 @@
                            "Tensor, Tensor, Tensor)")                                                            \
   X(qk_rule_select, "qk_rule_select(Tensor q, Tensor k, Tensor v, Tensor q_packed, Tensor q_scales, "               \
                     "Tensor k_packed, Tensor k_scales, Tensor mean_q, Tensor mean_k, Tensor balance, "              \
-                    "float sm_scale, bool rotate, bool floor, float limit, bool select_all, float pv_limit) -> " \
-                    "(Tensor, Tensor, Tensor, Tensor, Tensor)")                                                    \
+                    "float sm_scale, bool rotate, bool floor, float limit, bool select_all, float pv_limit, "   \
+                    "bool causal) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")                                    \
   X(fp4_mma_probe, "fp4_mma_probe(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, Tensor(a!) d, int tid_a, " \
                    "int tid_b) -> ()")
 

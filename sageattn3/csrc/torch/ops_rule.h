@@ -119,18 +119,19 @@ void qk_rule_error(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales
 }
 
 // qk_rule_select(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale,
-// rotate, floor, limit, select_all, pv_limit) -> (error, sel_q, sel_k, error_pv, sel_v): the estimate and
+// rotate, floor, limit, select_all, pv_limit, causal) -> (error, sel_q, sel_k, error_pv, sel_v): the estimate and
 // the selection in one op, which allocates its outputs and its workspace (one host call for the
 // whole rule): error (B, Hq) fp32 as qk_rule_error; sel_q (B, Hq) bytes, 1 where the head's Q.K^T
 // runs in FP8 (every head with select_all, else error > limit; a NaN estimate keeps FP4); sel_k (B, Hkv) bytes, 1 where any
 // of its q heads is 1. P's error (sageattn3.h; pv_limit >= 0): error_pv (B, Hq) fp32, bit 1 of sel_q
 // where it exceeds pv_limit (the head's P.V runs in FP8), sel_v (B, Hkv) 1 where any of its q heads
-// has bit 1; with pv_limit < 0 error_pv is NaN and no bit 1 is set. Each output and the workspace its
-// own allocation (torch/outputs.h).
+// has bit 1; with pv_limit < 0 error_pv is NaN and no bit 1 is set; causal: P's estimate masks the keys
+// after each sampled row (the attention is causal). Each output and the workspace its own
+// allocation (torch/outputs.h).
 template <class T>
 std::tuple<T, T, T, T, T> qk_rule_select(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales, T mean_q,
                                          T mean_k, T balance, double sm_scale, bool rotate, bool floor, double limit,
-                                         bool select_all, double pv_limit) {
+                                         bool select_all, double pv_limit, bool causal) {
   QkRuleArgs a = rule_args(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, rotate,
                            floor);
   DeviceScope scope(device_index(q));
@@ -151,6 +152,7 @@ std::tuple<T, T, T, T, T> qk_rule_select(T q, T k, T v, T q_packed, T q_scales, 
   a.error_pv = floats(error_pv);
   a.sel_v = bytes(sel_v);
   a.pv_limit = static_cast<float>(pv_limit);
+  a.causal = causal;
   check_cuda_kernel<T>(sageattn3::qk_rule_error(a, TensorApi<T>::stream(q)), "qk_rule_select");
   return {error, sel_q, sel_k, error_pv, sel_v};
 }

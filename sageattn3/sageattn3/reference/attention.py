@@ -203,7 +203,7 @@ def sageattn3(
     pre = preprocess(q, k, v, per_block_mean, pad=block_n, qk_rotation=qk_rotation, qk_balance=qk_balance,
                      qk_scale_search=qk_scale_search, qk_precision=qk_precision, sm_scale=sm_scale,
                      k_block_mean=k_block_mean, pv_precision=pv_precision, qk_fp8_rotated=qk_fp8_rotated,
-                     pv_limit=pv_limit)
+                     pv_limit=pv_limit, is_causal=is_causal)
     qd, kd, vd = _dequantized(pre, hq, pv_fp8)
     ds_rows = _delta_rows(pre, sq)  # (B, Hq, Sq, Sk_p)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)

@@ -37,6 +37,7 @@ from .transforms import (
     Q_MEAN_BLOCK,
     balance_exponents,
     expand_kv,
+    flag,
     rotate,
     rotation_score_factor,
     sample_blocks,
@@ -200,14 +201,18 @@ def choose_qk_precision(precision: str, error: torch.Tensor) -> torch.Tensor:
 
 
 
-def pv_p_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_scale: float | None = None) -> torch.Tensor:
+def pv_p_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_scale: float | None = None,
+               is_causal: bool = False) -> torch.Tensor:
     """The rule's estimate, per q head, of the relative output error NVFP4 P causes: (B, Hq) float32,
     torch ops on q's device (the oracle of the rule kernel's last launch, csrc/preprocess/qk_rule.cu).
     The rows and keys of ``qk_fp4_error``'s first estimate (``pre``'s balanced, rotated rows), but Q
     whole (its mean not removed: the scores then differ from the attention's only by a constant per
     row, so P's peaks are the attention's):
 
-    1. L = c · Q K_sᵀ (c the softmax scale over ``rotation_score_factor``), every sampled key.
+    1. L = c · Q K_sᵀ (c the softmax scale over ``rotation_score_factor``), every sampled key; with
+       ``is_causal`` a sampled key after the sampled row's position is masked (-inf), as the attention
+       masks it (key 0 is always sampled and seen, so every row keeps a finite max from its first
+       chunk on).
     2. The keys in chunks of 32 (the sampled blocks' chunks; a partial last block's tail -inf);
        per chunk the running max m_c (the max of L over the chunks so far); P = e^(L - m_c) · 2688,
        NVFP4 along the keys (16-key blocks, ``quantize_rows``) and / 2688: P̂.
@@ -217,7 +222,9 @@ def pv_p_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_scale:
     Peaky rows whose other keys carry the output (large logits: a sink takes the row max and the
     rest sit at e^-10 of it) lose the most: most of their P falls below a 16-key block's smallest
     FP4 step. V's own NVFP4 error is left out: on zero-mean data it is as large as P's would be on
-    those rows, and it does not tell them apart."""
+    those rows, and it does not tell them apart. The mask matters for causal calls: there the early
+    rows see few keys besides a sink, so a peaky head's P loses more than the whole rows show, and
+    a zero-mean head's less (docs/accuracy-auto.md, "The P·V choice")."""
     b, hq, sq, d = q.shape
     sk = k.shape[2]
     scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)) / rotation_score_factor(d, pre.qk_rotation)
@@ -229,6 +236,10 @@ def pv_p_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_scale:
     ks = expand_kv(turn(cat(_sampled_rows(k, sk, 1)).float() * ck) - pre.mean_k, hq)
     vs = expand_kv(cat(_sampled_rows(v, sk, 1)).float(), hq)
     lg = torch.matmul(qs, ks.transpose(-1, -2)) * scale
+    if flag(is_causal, "is_causal"):
+        masked = _sampled_positions(sk, 1, q.device)[None, :] > _sampled_positions(sq, _package.AUTO_QUERY_STRIDE,
+                                                                                    q.device)[:, None]
+        lg = lg.masked_fill(masked, float("-inf"))
     o = torch.matmul(torch.softmax(lg, dim=-1), vs)
     n = lg.shape[-1]
     nc = -(-n // PV_CHUNK)

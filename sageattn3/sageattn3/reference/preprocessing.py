@@ -223,6 +223,7 @@ def preprocess(
     pv_precision: str = PV_PRECISION_DEFAULT,
     qk_fp8_rotated: bool = True,
     pv_limit: float | None = None,
+    is_causal: bool = False,
 ) -> Preprocessed:
     """The reference of the preprocessing kernels. ``qk_rotation``: rotate Q and K (head dims 64
     and 128 only). The means are computed on the raw inputs, then balanced and rotated (as the
@@ -234,20 +235,19 @@ def preprocess(
     else ``balance_exponents``; Q and K are balanced first and then rotated when both are asked.
     ``qk_scale_search``: Q and K quantized with ``quantize_rows(..., scale_search=True)`` at head
     dims 64/128 (None: ``QK_SCALE_SEARCH``; ``scale_search_applies``). ``qk_precision``
-    ("fp4", "fp8", "auto"; ``choose_qk_precision``) and ``sm_scale`` (the rule's softmax scale,
-    default 1/sqrt(D)) fill qk_fp8, q8, k8 and qk_error; ``k_block_mean`` (reference only, no
-    rotation) smooths K per 128-key block (``Preprocessed.k_block_corr``). ``pv_precision``
+    ("fp4", "fp8", "auto"; ``choose_qk_precision``) and ``sm_scale`` (the rule's softmax scale, default
+    1/sqrt(D)) fill qk_fp8, q8, k8, qk_error; ``k_block_mean`` (reference only, no rotation) smooths
+    K per 128-key block (``Preprocessed.k_block_corr``). ``pv_precision``
     "fp8" also fills v8/v8_scales (``pad`` a multiple of 32); "auto" (the default) where the rule
     runs (qk_precision "auto"/"fp8", D 64/128, ``pad`` a multiple of 32) fills pv_error, pv_fp8
-    (``pv_limit``, None: ``PV_ERROR_LIMIT``) and v8.
-    With the rotation, q8/k8 are the MXFP8 of the rotated smoothed rows (as the kernels make them)
-    and "auto"'s rule estimates on the rotated rows. Without the rotation, q8/k8 are still the
+    (``pv_limit``, None: ``PV_ERROR_LIMIT``) and v8; ``is_causal``: P's estimate masks the keys a
+    causal call hides (``pv_p_error``). With the rotation, q8/k8 are the MXFP8 of the rotated rows
+    (as the kernels make them), on which "auto"'s rule estimates. Without it q8/k8 are still the
     MXFP8 of rotated rows (``fp8_rows``) where ``qk_fp8_rotated`` (the default; False: of the
     unrotated smoothed rows, the earlier path, reference only)."""
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    precision = qk_precision_arg(qk_precision)
-    pv = pv_precision_arg(pv_precision)
-    qk_fp8_rotated = flag(qk_fp8_rotated, "qk_fp8_rotated")
+    precision, pv = qk_precision_arg(qk_precision), pv_precision_arg(pv_precision)
+    qk_fp8_rotated, is_causal = flag(qk_fp8_rotated, "qk_fp8_rotated"), flag(is_causal, "is_causal")
     if pv == "fp8" and pad % MX_BLOCK:
         raise ValueError(f"pv_precision='fp8' needs the key padding (block_n) to be a multiple of {MX_BLOCK}, got {pad}")
     k_block_mean = flag(k_block_mean, "k_block_mean")
@@ -298,7 +298,7 @@ def preprocess(
             return pre
         pre.qk_error = qk_fp4_error(q, k, v, pre, sm_scale)
         pre.qk_fp8 = choose_qk_precision(precision, pre.qk_error)
-        _pv_rule(q, k, v, pre, pv, pad, sm_scale, pv_limit)
+        _pv_rule(q, k, v, pre, pv, pad, sm_scale, pv_limit, is_causal)
         if qk_fp8_rotated and not rot and rotation_applies(d) and not k_block_mean:
             qs, ks = fp8_rows(q.float() * cq, mq, k.float() * ck, mk)
         pre.q8, pre.q8_scales = quantize_mxfp8_rows(pad_dim(qs, -2, pad))
@@ -306,12 +306,12 @@ def preprocess(
     return pre
 
 
-def _pv_rule(q, k, v, pre: Preprocessed, pv: str, pad: int, sm_scale, pv_limit) -> None:
+def _pv_rule(q, k, v, pre: Preprocessed, pv: str, pad: int, sm_scale, pv_limit, is_causal: bool = False) -> None:
     """Where the rule runs, with pv_precision "auto" (and ``pad`` a multiple of 32): P's estimate, the
     heads it gives FP8 P·V, V's MXFP8. A negative ``pv_limit`` turns it off (as the kernels' op)."""
     if pv != "auto" or pad % MX_BLOCK or (pv_limit is not None and pv_limit < 0):
         return
-    pre.pv_error = pv_p_error(q, k, v, pre, sm_scale)
+    pre.pv_error = pv_p_error(q, k, v, pre, sm_scale, is_causal)
     pre.pv_fp8 = choose_pv_precision("auto", pre.pv_error, pv_limit)
     pre.v8, pre.v8_scales = quantize_mxfp8_transposed(pad_dim(v.float(), -2, pad))
 
