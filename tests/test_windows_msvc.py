@@ -209,6 +209,45 @@ def test_a_drifted_attention_unit_stops_before_any_compile(tmp_path, monkeypatch
     assert not ran
 
 
+class _Runs:
+    """A wine stand-in for the rerun rule of ``msvc_gate._run_compile`` alone (the compiles
+    themselves are the real ones above): answers with the given (exit status, output) in turn."""
+
+    def __init__(self, *answers):
+        self.answers, self.calls = list(answers), 0
+
+    def run(self, exe, args, env=None, cwd=None):
+        import subprocess
+
+        self.calls += 1
+        rc, out = self.answers.pop(0)
+        return subprocess.CompletedProcess([exe, *args], rc, out, "")
+
+
+@pytest.mark.parametrize("answers, ok, calls, note", [
+    ([(1, "Can't recognize 'ptxas -arch=sm_121a' as an internal or external command"), (0, "")], True, 2, "rerun once"),
+    ([(2, "unit.cu(3): error C2719: 'x': formal parameter won't be aligned"), (0, "")], False, 1, ""),
+    ([(1, "no words of note"), (1, "still nothing")], False, 2, "rerun once"),
+    ([(0, "")], True, 1, ""),
+])
+def test_a_silent_failure_under_wine_is_run_once_more(monkeypatch, answers, ok, calls, note):
+    """A failed compile with no error line (wine's cmd.exe failing to start a step) is run a second
+    time and the second result stands, noted; one with compiler errors is reported at once; a
+    failure that stays silent reports its last output lines instead of nothing."""
+    from types import SimpleNamespace
+
+    runs = _Runs(*answers)
+    tc = SimpleNamespace(wine=runs, msvc=SimpleNamespace(environ=dict), cuda=SimpleNamespace(home=Path("/cuda")))
+    bc = SimpleNamespace(compile_command=lambda tools, profile, unit, obj, inc: ["nvcc.exe", unit, obj],
+                         build_environment=lambda profile, home: {})
+    monkeypatch.setattr(msvc_gate, "_tools", lambda tc, bc: {})
+    res = msvc_gate._run_compile(tc, bc, {}, PAYLOAD, "csrc/x.cu", [], "csrc/x.cu")
+    assert (res.ok, runs.calls) == (ok, calls)
+    assert res.notes.startswith(note) if note else res.notes == ""
+    if not ok:
+        assert res.errors and all(res.errors)  # never an empty list for a failure
+
+
 @need_wine
 def test_standins_are_exactly_what_the_unit_imports_and_lacks(matrix, toolchain, tmp_path):
     from ci.payload.interface import build_commands
