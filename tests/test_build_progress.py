@@ -56,6 +56,22 @@ def test_run_logged_passes_each_progress_line_on_while_the_child_runs(tmp_path):
     assert (tmp_path / "build.log").read_text().splitlines() == lines
 
 
+def test_a_progress_line_glued_to_another_threads_echo_is_still_shown(tmp_path):
+    """Seen in a full local run: setuptools' echo of one unit's nvcc command, then another
+    thread's progress line, then the echo's newline, all on one line of the output."""
+    from ci.stages.build import run_logged
+
+    child = tmp_path / "child.py"
+    child.write_text("import sys\n"
+                     "sys.stdout.write('nvcc -c csrc/a.cu -Ibuild/roots/python')\n"
+                     "print('sageattn3: compiled 5/11 csrc/preprocess/k_delta.cu (5 s)')\n"
+                     "print('sageattn3: compiled 6/11 csrc/b.cu (6 s)')\n")
+    seen: list[str] = []
+    rc, lines = run_logged([sys.executable, str(child)], dict(os.environ), tmp_path / "build.log", seen.append)
+    assert rc == 0 and lines[0].startswith("nvcc -c csrc/a.cu")
+    assert seen == ["[build] compiled 5/11 csrc/preprocess/k_delta.cu (5 s)", "[build] compiled 6/11 csrc/b.cu (6 s)"]
+
+
 def test_the_cibuildwheel_hook_streams_the_factorys_output_as_it_comes(tmp_path):
     """The hook's own hop: pip runs build_wheel with stdout on a pipe, and the backend runs the
     factory's build (here a stand-in for ci/release/cibw/__main__.py that prints like it) under

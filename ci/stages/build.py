@@ -229,8 +229,12 @@ def run_logged(cmd: list[str], env: dict, log_path: Path, log=default_log) -> tu
             f.flush()
             line = line.rstrip("\n")
             lines.append(line)
-            if line.lstrip().startswith(PROGRESS_PREFIX):
-                log(f"[build] {line.strip()[len('sageattn3: '):]}")
+            # anywhere in the line: the payload's compile threads print under a lock, but setuptools'
+            # echo of the next unit's command does not, and print() writes a line and its newline
+            # separately, so a progress line can land after another thread's echo, before its newline
+            at = line.find(PROGRESS_PREFIX)
+            if at >= 0:
+                log(f"[build] {line[at + len('sageattn3: '):].strip()}")
                 _flush_stdout()
         returncode = proc.wait()
     return returncode, lines
