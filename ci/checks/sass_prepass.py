@@ -101,7 +101,7 @@ def _rule_shape(ref: Ref) -> tuple[int, int, int]:
     return sampled, constant(path, "kRows"), constant(path, "kChunk")
 
 
-RULE_LAUNCHES = 2  # Q·Kᵀ's estimate, then P's (csrc/preprocess/qk_rule.cu, a.pv)
+RULE_LAUNCHES = 2  # Q·Kᵀ's estimate and P's: one launch, blockIdx.z (csrc/preprocess/qk_rule.cu, kPv)
 
 
 def _rule_per_tile(d: int, ref: Ref) -> tuple[float, ...]:
@@ -150,7 +150,7 @@ PREPASSES = {
         "loop over query blocks (kMUnroll query blocks x 128 keys)", _delta_s_per_tile, _delta_s_dram),
     "rule": PrePass(
         "rule", "preprocess/qk_rule.cu", "preprocess/qk_rule.cu", r"qk_rule_kernelINS_6bf16_tELi{d}E",
-        (Loop(r"chunk_scores<D>\(sm, warp, g, t, a\.pv\);"),),
+        (Loop(r"chunk_scores<D>\(sm, warp, g, t, role\.pv\);"),),
         "key loop (kChunk sampled keys x 16 sampled query rows)", _rule_per_tile, _rule_dram),
     "MXFP8": PrePass(
         "MXFP8", "quant/quant_mxfp8.cu", "quant/quant_mxfp8.cu", r"mxfp8_rotated_kernelINS_6bf16_tELi{d}E",
