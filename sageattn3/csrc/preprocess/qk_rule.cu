@@ -166,6 +166,7 @@ __device__ __forceinline__ int64_t sampled_block(int64_t seq, int i) {
 struct RowPlan {
   bool rotate;
   bool requant;
+  bool pv;              // P's estimate: exact scores only, Qd and Kd neither read nor multiplied
   const float* mean_q;  // this block's Q mean row (D floats)
   const float* bal;     // the balance exponents of its kv head, or null
   // in shared memory (row_plan): K's mean at Smem::kMeans + D, the balance's factor per channel
@@ -241,9 +242,9 @@ __device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, const RowPlan&
         lo[j] = __uint_as_float(l2);
       }
       const int64_t e = (bh * a.Sqp + row) * D + d0;
-      if (pl.requant) {
+      if (pl.requant || pl.pv) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) qd[j] = 0.0f;  // finish_q_rows quantizes the rows
+        for (int j = 0; j < 8; ++j) qd[j] = 0.0f;  // finish_q_rows quantizes the rows (requant)
       } else {
         fp4x8(*reinterpret_cast<const uint32_t*>(a.q_packed + e / 2), a.q_scales[e / 16], qd);
       }
@@ -375,7 +376,8 @@ struct KeyChunk {
   bool rlive[kUnits];
 
   // chunk c of the sampled key blocks whose first rows and real-key counts are tk_tab, cnt_tab
-  __device__ __forceinline__ void fetch(const QkRuleArgs& a, bool requant, const int64_t* tk_tab, const int* cnt_tab,
+  // (codes: K's FP4 codes and scales too)
+  __device__ __forceinline__ void fetch(const QkRuleArgs& a, bool codes, const int64_t* tk_tab, const int* cnt_tab,
                                         int64_t bk, int tid, int c) {
     const int64_t tk = tk_tab[c / (kBlock / kChunk)];
     const int off = (c % (kBlock / kChunk)) * kChunk;
@@ -388,7 +390,7 @@ struct KeyChunk {
         const int64_t row = tk + off + r;
         rk[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.k) + (bk * a.Sk + row) * D + d0));
         rv[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.v) + (bk * a.Sk + row) * D + d0));
-        if (!requant) {  // the defaults' launch quantizes K itself
+        if (codes) {  // the defaults' rows quantize K here; P's estimate takes no Kd
           const int64_t e = (bk * a.Skp + row) * D + d0;
           rp[i] = __ldg(reinterpret_cast<const uint32_t*>(a.k_packed + e / 2));
           rs[i] = a.k_scales[e / 16];
@@ -399,11 +401,11 @@ struct KeyChunk {
 
   // K_s = k * 2^e - mean_k, Kd and V of the fetched chunk into shared memory (dead keys zero);
   // `rotate`: k * 2^e alone (finish_k_rows rotates it and subtracts the mean); `requant`: Kd
-  // left to finish_k_rows.
+  // left to finish_k_rows; `pv`: Kd zeros (P's estimate takes no FP4 scores).
   __device__ __forceinline__ void stage(float* sm, int tid, const RowPlan& pl) const {
     using L = Smem<D>;
     const float* mean_k = sm + L::kMeans + D;
-    const bool rotate = pl.rotate, requant = pl.requant;
+    const bool rotate = pl.rotate, no_codes = pl.requant || pl.pv;
 #pragma unroll
     for (int i = 0; i < kUnits; ++i) {
       const int u = tid + i * kThreads, r = u / (D / 8), d0 = (u % (D / 8)) * 8;
@@ -417,9 +419,9 @@ struct KeyChunk {
           const float cf = sm[L::kCf + D + d0 + j];
           ks[j] = rotate ? __fmul_rn(x[j], cf) : __fsub_rn(__fmul_rn(x[j], cf), mean_k[d0 + j]);
         }
-        if (requant) {
+        if (no_codes) {
 #pragma unroll
-          for (int j = 0; j < 8; ++j) kd[j] = 0.0f;  // finish_k_rows quantizes the rows
+          for (int j = 0; j < 8; ++j) kd[j] = 0.0f;  // finish_k_rows quantizes the rows (requant)
         } else {
           fp4x8(rp[i], rs[i], kd);
         }
@@ -462,7 +464,7 @@ __device__ __forceinline__ void chunk_scores(float* sm, int warp, int g, int t, 
     mma_tf32(sx, alo, bhi);
     mma_tf32(sy, ahi, blo);
     mma_tf32(s, ahi, bhi);
-    mma_tf32(s4, ad, bd);
+    if (!pv) mma_tf32(s4, ad, bd);  // P's estimate takes the exact scores for both kinds
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -674,7 +676,7 @@ template <int D>
 __device__ __forceinline__ RowPlan row_plan(const QkRuleArgs& a, const Role& role, float* sm, int warp, int64_t bh,
                                             int64_t bk, int64_t tq) {
   using L = Smem<D>;
-  RowPlan pl{a.rotate, role.requant, a.mean_q + (bh * a.mean_rows + (a.mean_rows > 1 ? tq : 0)) * D,
+  RowPlan pl{a.rotate, role.requant, role.pv, a.mean_q + (bh * a.mean_rows + (a.mean_rows > 1 ? tq : 0)) * D,
              a.balance == nullptr ? nullptr : a.balance + bk * D};
   const float* mean_k = a.mean_k + bk * D;
   const bool balanced = pl.bal != nullptr && !role.requant;
@@ -688,7 +690,7 @@ __device__ __forceinline__ RowPlan row_plan(const QkRuleArgs& a, const Role& rol
   if (role.requant)
     options_free_means<D>(a, sm + L::kMeans, sm + L::kMeans + D, pl.mean_q, mean_k, pl.bal, warp);
   __syncthreads();
-  if (role.requant) return RowPlan{false, true, sm + L::kMeans, nullptr};
+  if (role.requant) return RowPlan{false, true, false, sm + L::kMeans, nullptr};
   if (role.pv) pl.mean_q = sm + L::kMeans;
   return pl;
 }
@@ -837,14 +839,14 @@ __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(const __grid_const
   const int kb0 = si * kblocks / nsplit, kb1 = (si + 1) * kblocks / nsplit;
   const int c0 = kb0 * kPer, c1 = (kb1 - 1) * kPer + (cnt_tab[kb1 - 1] + kChunk - 1) / kChunk;
   KeyChunk<T, D> next;
-  next.fetch(a, pl.requant, tk_tab, cnt_tab, bk, tid, c0);
+  next.fetch(a, !pl.requant && !pl.pv, tk_tab, cnt_tab, bk, tid, c0);
   for (int c = c0; c < c1; ++c) {
     const int off = (c % kPer) * kChunk;
     const int64_t key0 = tk_tab[c / kPer];
     const int count = cnt_tab[c / kPer];
     __syncthreads();  // the previous chunk's reads are done
     next.stage(sm, tid, pl);
-    if (c + 1 < c1) next.fetch(a, pl.requant, tk_tab, cnt_tab, bk, tid, c + 1);
+    if (c + 1 < c1) next.fetch(a, !pl.requant && !pl.pv, tk_tab, cnt_tab, bk, tid, c + 1);
     __syncthreads();
     if (pl.rotate || pl.requant) finish_k_rows<D>(pl, sm, tid, warp, min(kChunk, count - off));
     chunk_scores<D>(sm, warp, g, t, role.pv);
