@@ -11,10 +11,10 @@ one query head per kv head).
 - rule (``qk_rule_kernel<bf16, D>``, ``preprocess/qk_rule.cu``): with qk_precision 'auto' (the
   default) or 'fp8', wherever the FP8 path can run (no Q/K rotation, D 64/128, the delta_s
   workspace holds a row). One CTA of 8 warps per sampled 128-row Q block (``kSampled`` per head at
-  most) and head; its loop goes over the sampled keys ``kChunk`` at a time. It is launched
-  ``RULE_LAUNCHES`` times with the defaults: Q·Kᵀ's estimate, then P's (pv_precision 'auto'); both
-  walk the same loop, whose body holds P's quantization too (only the second launch takes it: a
-  small overcount for the first).
+  most), head and estimate; its loop goes over the sampled keys ``kChunk`` at a time (at the
+  reference shape the keys are not split). The defaults make ``RULE_ESTIMATES`` estimates in its
+  one launch: Q·Kᵀ's and P's (pv_precision 'auto'); both walk the same loop, whose body holds P's
+  quantization too (only P's CTAs take it: a small overcount for the others).
 - MXFP8 (``mxfp8_rotated_kernel<bf16, D>``, ``quant/quant_mxfp8.cu``): the FP8 heads' Q and K
   rows, rotated (FP8 Q·Kᵀ always multiplies rotated rows; without qk_rotation the kernel also
   rotates the means), a lane per 16 values; one iteration of its grid-stride loop (8 warps)
@@ -101,12 +101,12 @@ def _rule_shape(ref: Ref) -> tuple[int, int, int]:
     return sampled, constant(path, "kRows"), constant(path, "kChunk")
 
 
-RULE_LAUNCHES = 2  # Q·Kᵀ's estimate, then P's (csrc/preprocess/qk_rule.cu, a.pv)
+RULE_ESTIMATES = 2  # Q·Kᵀ's and P's, one launch: blockIdx.z (csrc/preprocess/qk_rule.cu, kPv)
 
 
 def _rule_per_tile(d: int, ref: Ref) -> tuple[float, ...]:
     sampled, _, chunk = _rule_shape(ref)
-    tiles = ref.blocks * ref.blocks / RULE_LAUNCHES  # per head, per launch
+    tiles = ref.blocks * ref.blocks / RULE_ESTIMATES  # per head, per estimate
     return sampled / tiles, sampled * sampled * 128 / chunk / tiles
 
 
@@ -115,7 +115,7 @@ def _rule_dram(d: int, ref: Ref) -> float:
     sampled, rows, _ = _rule_shape(ref)
     fp4_row = d // 2 + d // 16
     once = sampled * rows * (2 * d + fp4_row) + sampled * 128 * (4 * d + fp4_row)
-    return RULE_LAUNCHES * once / (ref.blocks * ref.blocks)
+    return RULE_ESTIMATES * once / (ref.blocks * ref.blocks)
 
 
 def _mxfp8_rows(ref: Ref) -> float:
@@ -150,7 +150,7 @@ PREPASSES = {
         "loop over query blocks (kMUnroll query blocks x 128 keys)", _delta_s_per_tile, _delta_s_dram),
     "rule": PrePass(
         "rule", "preprocess/qk_rule.cu", "preprocess/qk_rule.cu", r"qk_rule_kernelINS_6bf16_tELi{d}E",
-        (Loop(r"chunk_scores<D>\(sm, warp, g, t, a\.pv\);"),),
+        (Loop(r"chunk_scores<D>\(sm, warp, g, t, role\.pv\);"),),
         "key loop (kChunk sampled keys x 16 sampled query rows)", _rule_per_tile, _rule_dram),
     "MXFP8": PrePass(
         "MXFP8", "quant/quant_mxfp8.cu", "quant/quant_mxfp8.cu", r"mxfp8_rotated_kernelINS_6bf16_tELi{d}E",

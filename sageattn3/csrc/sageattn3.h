@@ -141,8 +141,11 @@ int smooth_quant_mxfp8(const Mxfp8Args& args, cudaStream_t stream);
 // reference.qk_fp4_error) in one launch: q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) fp16/bf16,
 // D 64 or 128; q_packed (B, Hq, Sqp, D/2) / q_scales (.., D/16) and k_packed (B, Hkv, Skp, D/2) /
 // k_scales as the preprocessing wrote them; mean_q (B, Hq, mean_rows, D), mean_k (B, Hkv, D),
-// balance (B, Hkv, D) exponents or null; scale the softmax scale. partial (B * Hq, 8, 2) fp32
-// workspace; counter (B * Hq) int32, zero on entry and left zero; error (B * Hq) fp32 out.
+// balance (B, Hkv, D) exponents or null; scale the softmax scale. One launch makes every estimate
+// (Q.K^T's, the floor's, P's), each sampled Q block's keys split over qk_rule_split_floats' blocks
+// where the grid is small. Workspace: partial (3, B * Hq, 8, 2) fp32; counter B * Hq * 25 int32
+// (zeroed by the launch); split_state qk_rule_split_floats(args) fp32 (null: no key splits).
+// error (B * Hq) fp32 out.
 struct QkRuleArgs {
   const void* q;
   const void* k;
@@ -163,37 +166,33 @@ struct QkRuleArgs {
   float scale;
   float* partial;
   int32_t* counter;
+  float* split_state;
   float* error;
-  // The selection (qk_rule_select), or null (qk_rule_error): the launch zeroes counter and sel_k
-  // first; the block that writes a head's error sets sel_q[head] = select_all || error > limit
+  // The selection, or null (the estimate alone): the launch zeroes sel_k first; the block that writes a head's error sets sel_q[head] = select_all || error > limit
   // (a NaN estimate keeps FP4) and, where set, sel_k of its kv head to 1.
   uint8_t* sel_q;
   uint8_t* sel_k;
   float limit;
   int select_all;
   // Options as floors (reference.qk_fp4_error, step 5): with `floor` (the preprocessing had the
-  // balance, the rotation or the scale search) a second launch estimates the defaults' rows (raw
+  // balance, the rotation or the scale search) the launch also estimates the defaults' rows (raw
   // minus the means taken back without the balance and the rotation, reference.options_free_means,
   // quantized in the kernel) and each head's error becomes the larger of the two (NaN if either
   // is), its selection from that.
   bool floor;
-  // Set by the launcher for that second launch: Qd/Kd quantized in the kernel from Q_s/K_s
-  // (quant16, plain scales) instead of read from the codes; the error combined with the first's.
-  bool requant;
-  bool combine;
-  // P's error for the FP8 P.V choice (reference.pv_p_error), where error_pv is set: one more launch
-  // after the above writes each head's estimate to error_pv and, with the selection, sets bit 1 of
-  // sel_q where it exceeds pv_limit and sel_v (B*Hkv bytes, zeroed first) of that head's kv head
-  // to 1; a pv_limit below 0 (or NaN) skips that launch and fills error_pv with NaN. The launcher
-  // sets `pv` for that launch.
+  // P's error for the FP8 P.V choice (reference.pv_p_error), where error_pv is set: the launch
+  // also writes each head's estimate to error_pv and, with the selection, sets bit 1 of sel_q
+  // where it exceeds pv_limit and sel_v (B*Hkv bytes, zeroed first) of that head's kv head to 1;
+  // a pv_limit below 0 (or NaN) skips it and fills error_pv with NaN.
   float* error_pv;
   uint8_t* sel_v;
   float pv_limit;
-  bool pv;
   // The attention is causal: P's estimate masks a sampled key after the sampled row's position
   // (reference.pv_p_error's is_causal); the Q.K^T estimate stays a statistic of the whole rows.
   bool causal;
 };
 int qk_rule_error(const QkRuleArgs& args, cudaStream_t stream);
+// The split_state floats a launch with these shapes (B, Hq, Sq, Sk, D) needs: 0 where it does not split.
+int64_t qk_rule_split_floats(const QkRuleArgs& args);
 
 }  // namespace sageattn3

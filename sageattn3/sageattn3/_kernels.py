@@ -102,8 +102,8 @@ def has_attention_kernel() -> bool:
 
 
 def has_rule_kernel() -> bool:
-    """Whether the fused "auto" rule kernel (``qk_rule_error``) is built."""
-    return loaded() and hasattr(torch.ops.sageattn3, "qk_rule_error")
+    """Whether the fused "auto" rule kernel (``qk_rule_select``) is built."""
+    return loaded() and hasattr(torch.ops.sageattn3, "qk_rule_select")
 
 
 _op_cache: dict = {}
@@ -338,20 +338,11 @@ def mxfp8_smooth_quant(x: torch.Tensor, mean: torch.Tensor, balance: torch.Tenso
 
 
 def qk_rule_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale: float) -> torch.Tensor:
-    """The "auto" rule's estimate (``reference.qk_fp4_error``) in one launch: q (B, Hq, Sq, D), k
-    and v (B, Hkv, Sk, D) float16/bfloat16, D 64/128, and their ``Preprocessed`` (without K's
-    per-block means; rotated or not), ``scale`` the softmax scale of the unrotated scores. Returns
-    (B, Hq) float32 on q's device (no host synchronisation)."""
-    b, hq = q.shape[:2]
-    partial = torch.empty((b, hq, 8, 2), dtype=torch.float32, device=q.device)
-    counter = torch.zeros((b, hq), dtype=torch.int32, device=q.device)
-    error = torch.empty((b, hq), dtype=torch.float32, device=q.device)
-    op("qk_rule_error")(aligned(q), aligned(k), aligned(v), aligned(pre.q_packed), aligned(pre.q_scales),
-                        aligned(pre.k_packed), aligned(pre.k_scales),
-                        aligned(pre.mean_q), aligned(pre.mean_k),
-                        _none(q.device, 10) if pre.balance is None else aligned(pre.balance),
-                        *_rule_scale(pre, q.shape[3], scale), partial, counter, error)
-    return error
+    """The "auto" rule's estimate (``reference.qk_fp4_error``) alone: ``qk_rule_select`` without P's
+    estimate, its error output. q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) float16/bfloat16, D 64/128,
+    and their ``Preprocessed`` (without K's per-block means; rotated or not), ``scale`` the softmax
+    scale of the unrotated scores. Returns (B, Hq) float32 on q's device (no host synchronisation)."""
+    return qk_rule_select(aligned(q), aligned(k), aligned(v), pre, scale, float("inf"), False)[0]
 
 
 def qk_rule_select(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale: float, limit: float,
@@ -440,7 +431,7 @@ def delta_s(k: torch.Tensor, mean_k: torch.Tensor, mean_q: torch.Tensor, seq_pad
 OUTPUT_WRITING_OPS = (
     "quant_fp4_rows", "quant_fp4_cols", "quant_mxfp8_cols", "smooth_quant_rows", "smooth_quant_seq",
     "smooth_quant_qk", "qk_balance", "delta_s", "smooth_quant_k_delta", "blockscaled_fp4_attn",
-    "blockscaled_attn_qk8", "blockscaled_attn_pv8", "blockscaled_attn_mixed", "mxfp8_smooth_quant", "qk_rule_error", "fp4_mma_probe",
+    "blockscaled_attn_qk8", "blockscaled_attn_pv8", "blockscaled_attn_mixed", "mxfp8_smooth_quant", "fp4_mma_probe",
 )
 # Ops of the library that allocate and return their outputs, with the fakes that give those
 # outputs' shapes (kept next to the op's wrapper above).

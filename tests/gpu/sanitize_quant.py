@@ -87,16 +87,18 @@ def _on_cpu(pre):
 
 
 def _rule_kernel() -> int:
-    """The "auto" rule (qk_rule_select: Q·Kᵀ's estimate in one launch, two with an option, then P's)
-    on ragged shapes, plain, rotated, balanced and with the scale search, against the reference's
-    estimates (rel 1e-3; P's 2e-3)."""
+    """The "auto" rule (qk_rule_select: Q·Kᵀ's estimate, the floor's with an option and P's in one
+    launch; the keys of a Q block split over 2 and 8 blocks on the last two shapes) on ragged shapes,
+    plain, rotated, balanced and with the scale search, against the reference's estimates (rel
+    1e-3; P's 2e-3)."""
     import sageattn3
     from sageattn3 import _kernels
     from sageattn3 import reference as ref
 
     bad = 0
     for dtype in (torch.bfloat16, torch.float16):
-        for (b, hq, hk, sq, sk, d) in [(1, 2, 1, 1, 1, 64), (1, 4, 2, 130, 17, 128), (2, 2, 1, 1100, 300, 64)]:
+        for (b, hq, hk, sq, sk, d) in [(1, 2, 1, 1, 1, 64), (1, 4, 2, 130, 17, 128), (2, 2, 1, 1100, 300, 64),
+                                       (1, 1, 1, 1100, 1030, 128)]:
             for kw in ({}, {"qk_rotation": True}, {"qk_balance": True, "qk_rotation": True, "qk_scale_search": True}):
                 q = torch.randn(b, hq, sq, d, dtype=dtype, device="cuda") * 3
                 k = torch.randn(b, hk, sk, d, dtype=dtype, device="cuda") + 1
@@ -128,7 +130,8 @@ def _mxfp8_kernels() -> int:
 
     bad = 0
     for dtype in (torch.bfloat16, torch.float16):
-        for (b, hq, hk, sq, sk, d) in [(1, 2, 1, 1, 1, 64), (1, 4, 2, 130, 17, 128), (2, 2, 1, 1100, 300, 64)]:
+        for (b, hq, hk, sq, sk, d) in [(1, 2, 1, 1, 1, 64), (1, 4, 2, 130, 17, 128), (2, 2, 1, 1100, 300, 64),
+                                       (1, 1, 1, 1100, 1030, 128)]:
             for kw in ({}, {"qk_rotation": True}, {"qk_balance": True}):
                 q = torch.randn(b, hq, sq, d, dtype=dtype, device="cuda") * 3
                 k = torch.randn(b, hk, sk, d, dtype=dtype, device="cuda") + 1

@@ -4,8 +4,9 @@ to a relative 1e-3 and the same FP8/FP4 decision on every case of tests/attentio
 (hard and easy), at D 64 and 128, bf16 and fp16, with and without the channel balance, the
 rotation and per-block Q means, GQA, ragged lengths and sequences long enough that 8 blocks are
 sampled. Also:
-the same bits on a second launch (no floating-point atomics), and the API's choice comes from
-the kernel on CUDA."""
+the same bits on a second launch (no floating-point atomics), the API's choice comes from
+the kernel on CUDA, and a head's estimates are the same whether its sampled Q blocks' keys are
+split over several blocks (calls with few heads) or not."""
 
 from __future__ import annotations
 
@@ -105,6 +106,43 @@ def test_rule_kernel_options(fp4, dtype, balance):  # noqa: F811
 def test_short_sequences(fp4):  # noqa: F811
     for sq, sk in ((1, 1), (7, 5), (8, 9), (127, 128), (128, 129)):
         _compare(fp4, "randn", 1, 2, 1, sq, sk, 128)
+
+
+def test_many_heads_take_one_pass(fp4):  # noqa: F811
+    """16 heads x 8 sampled Q blocks: the grid is large enough that no key split is made."""
+    _compare(fp4, "mixed_heads", 2, 8, 2, 1024, 1024, 128)
+    _compare(fp4, "k_outliers", 2, 8, 4, 1100, 1500, 64, dtype=torch.float16, balance=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_key_splits_agree_with_one_pass(fp4, d, causal):  # noqa: F811
+    """A call with few heads splits each sampled Q block's keys over up to 8 blocks for the Q·Kᵀ
+    estimate and merges their softmax states; a call with many does not (the split follows the
+    shapes only). Heads are independent, so a head alone (split 8 ways) and the same head among 16
+    (one pass) must give the same Q·Kᵀ estimate up to float rounding, and the same bits. P's
+    estimate is never split (it quantizes P against the running max of the keys before it): the
+    same value exactly, causal (masked) or not."""
+    from sageattn3 import _kernels
+
+    q, k, v = (t.cuda() for t in ac.make("large_logits", 2, 8, 2, 2048, 2048, d, seed=5))
+    scale = d ** -0.5
+
+    def rule(q, k, v):
+        pre = fp4.preprocess(q, k, v)
+        return _kernels.qk_rule_select(q, k, v, pre, scale, 0.2, False, 0.105, causal)
+
+    err, sel_q, _, err_pv, _ = rule(q, k, v)
+    assert not bool(err.isnan().any() or err_pv.isnan().any())
+    for b, h in ((0, 0), (1, 5), (1, 7)):
+        kv = h // 4
+        one = rule(*(t[b:b + 1, i:i + 1].contiguous() for t, i in ((q, h), (k, kv), (v, kv))))
+        for name, whole, alone in (("Q·Kᵀ", err[b, h], one[0][0, 0]), ("P", err_pv[b, h], one[3][0, 0])):
+            rel = abs(float(whole) - float(alone)) / float(whole)
+            FIGURES.append(f"key splits D={d} causal={causal} head ({b}, {h}) {name}: {float(whole):.6f} one pass, "
+                           f"{float(alone):.6f} split, rel {rel:.1e}")
+            assert rel < 1e-5 if name == "Q·Kᵀ" else rel == 0.0, FIGURES[-1]
+        assert int(one[1][0, 0]) == int(sel_q[b, h])
 
 
 def test_api_choice_comes_from_the_kernel(fp4):  # noqa: F811

@@ -1,9 +1,10 @@
-// The "auto" Q.K^T precision rule's estimate (reference.qk_fp4_error) in one launch.
+// The "auto" rule's estimates (reference.qk_fp4_error, reference.pv_p_error) in one launch.
 //
-// One block per (sampled 128-row block of Q, batch * q head). Its query rows are every 8th row
-// of that block (at most 16, one m16 tile): Q_s = q * 2^-e - mean_q (e the balance, mean_q the
-// block's or the one mean) and Qd, the dequantized FP4 rows of q_packed. The keys are every row
-// of K's sampled blocks (at most 1024): K_s = k * 2^e - mean_k, Kd likewise, and V's rows.
+// Blocks per (batch * q head: blockIdx.x; sampled 128-row block of Q and key split: blockIdx.y;
+// estimate: blockIdx.z). A block's query rows are every 8th row of its Q block (at most 16, one
+// m16 tile): Q_s = q * 2^-e - mean_q (e the balance, mean_q the block's or the one mean) and Qd,
+// the dequantized FP4 rows of q_packed. The keys are the rows of K's sampled blocks (at most
+// 1024), or of its split's share of them: K_s = k * 2^e - mean_k, Kd likewise, and V's rows.
 // Keys go through in chunks of 32 (staged in shared memory), with an online softmax per row for
 // both score sets, L = c * Q_s K_s^T and L4 = c * Qd Kd^T, and the two outputs O = softmax(L) V,
 // O4 = softmax(L4) V accumulated in registers.
@@ -11,10 +12,10 @@
 // With the rotation (a.rotate) Q_s and K_s are the rotated balanced rows minus the rotated means:
 // the rows are staged balanced, rotated in shared memory (rotation.cuh, one warp per row), then
 // their means subtracted; Qd and Kd are the rotated FP4 codes as they are.
-// Options as floors (a.floor): a second launch of the same kernel estimates the defaults' rows,
-// raw minus the options-free means (each block takes its means back through the rotation and the
-// balance), their Qd and Kd quantized here (quant16, plain scales) instead of read; each head
-// keeps the larger estimate (reference.qk_fp4_error, step 5).
+// Options as floors (a.floor; estimate kFloor): more blocks of the launch estimate the defaults'
+// rows, raw minus the options-free means (each block takes its means back through the rotation
+// and the balance), their Qd and Kd quantized here (quant16, plain scales) instead of read; each
+// head keeps the larger estimate (reference.qk_fp4_error, step 5).
 //
 // Products on tensor cores (mma.m16n8k8 tf32, fp32 accumulation) at float32-level accuracy:
 // - Qd Kd^T: the FP4 values (E2M1 x E4M3, at most 6 significant bits) are exact in tf32.
@@ -22,21 +23,25 @@
 //   hi*hi + hi*lo + lo*hi (about 21 bits of each operand).
 // - P V: V (fp16/bf16) is exact in tf32; P split as above, P_hi V + P_lo V.
 //
-// Each block writes its rows' sum of (O4 - O)^2 and of O^2 to `partial`; the last block of a
-// head to finish (an integer counter per head, reset by that block) adds the head's partials in
-// block order and writes sqrt(num / max(den, 1e-30)). No floating-point atomics: the result is
-// the same on every run.
+// Each Q block's sum of (O4 - O)^2 and of O^2 over its rows goes to `partial`; the last block of
+// a head to finish, over every estimate of the grid (an integer counter per head, reset by that
+// block), adds each estimate's partials in block order and writes sqrt(num / max(den, 1e-30)) and
+// the selection. Key splits (calls with few heads: `splits`, from the shapes alone; the Q.K^T
+// estimates only, P's quantizes P against the running max of the keys before it): each split
+// writes its rows' softmax state (max, sum, unnormalized outputs) to split_state, and the last
+// split of the Q block to finish merges them in split order (flash-decoding) before the sums. No
+// floating-point atomics: the result is the same on every run.
 //
-// P's error (a.pv, reference.pv_p_error): one more launch of the same kernel, after the above, for
-// the FP8 P.V choice. Both kinds then take the same exact scores of the whole rows, L = c * Q K_s^T
-// (Q's rows balanced and rotated as the first launch's, but not minus their mean: the scores then
-// differ from the attention's only by a constant per row), and the FP4 kind's P, P * 2688 relative
-// to the running max of its 32-key chunks, is quantized to NVFP4 along the keys (16-key blocks,
-// requantize16) before P V (V exact): O_P = P^ V / (2688 sum P) against O = P V / sum P. A head
-// whose estimate exceeds a.limit takes FP8 P.V: bit 1 of sel_q, and sel_v of its kv head set.
-// For a causal attention (a.causal) that launch masks the sampled keys after each sampled row's
-// position, as the attention does (key 0 is sampled and seen by every row, so each row's running
-// max is finite from the first chunk on).
+// P's error (estimate kPv, reference.pv_p_error), for the FP8 P.V choice: both kinds then take
+// the same exact scores of the whole rows, L = c * Q K_s^T (Q's rows balanced and rotated as the
+// first estimate's, but not minus their mean: the scores then differ from the attention's only by
+// a constant per row), and the FP4 kind's P, P * 2688 relative to the running max of its 32-key
+// chunks, is quantized to NVFP4 along the keys (16-key blocks, requantize16) before P V (V
+// exact): O_P = P^ V / (2688 sum P) against O = P V / sum P. A head whose estimate exceeds
+// a.pv_limit takes FP8 P.V: bit 1 of sel_q, and sel_v of its kv head set. For a causal attention
+// (a.causal) those blocks mask the sampled keys after each sampled row's position, as the
+// attention does (key 0 is sampled and seen by every row, so each row's running max is finite
+// from the first chunk on).
 #include <cuda_fp16.h>
 
 #include <type_traits>
@@ -72,7 +77,8 @@ struct Smem {
   static constexpr int kAlpha = kS + 2 * 2 * kRows * kSLd;  // [kind][row]
   static constexpr int kL = kAlpha + 2 * kRows;             // [kind][row]
   static constexpr int kMeans = kL + 2 * kRows;             // the defaults' launch: mean_q row, mean_k
-  static constexpr int kFloats = kMeans + 2 * D;
+  static constexpr int kCf = kMeans + 2 * D;                // the balance's factors per channel: Q's, K's
+  static constexpr int kFloats = kCf + 2 * D;
   static constexpr size_t kBytes = static_cast<size_t>(kFloats) * sizeof(float);
 };
 
@@ -124,6 +130,12 @@ __device__ __forceinline__ void unpack8(const uint4& r, float (&v)[8]) {
   }
 }
 
+// 8 floats to 16-byte aligned shared memory, two 16-byte stores
+__device__ __forceinline__ void store8(float* dst, const float (&v)[8]) {
+  reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(dst)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, o));
@@ -154,9 +166,32 @@ __device__ __forceinline__ int64_t sampled_block(int64_t seq, int i) {
 struct RowPlan {
   bool rotate;
   bool requant;
+  bool pv;              // P's estimate: exact scores only, Qd and Kd neither read nor multiplied
   const float* mean_q;  // this block's Q mean row (D floats)
-  const float* mean_k;  // its kv head's K mean (D floats)
   const float* bal;     // the balance exponents of its kv head, or null
+  // in shared memory (row_plan): K's mean at Smem::kMeans + D, the balance's factor per channel
+  // at Smem::kCf (Q's, 2^-e) and kCf + D (K's, 2^e), 1 without the balance
+};
+
+// What one block estimates (blockIdx.z picks it): Q.K^T's error on the preprocessed rows, the
+// same on the defaults' rows (options as floors), or P's error.
+enum Estimate : int { kFirst = 0, kFloor = 1, kPv = 2 };
+
+// The launch: the arguments, the estimates of its grid (blockIdx.z -> Estimate), and the key
+// splits (blockIdx.y = sampled Q block * nsplit + split).
+struct RuleGrid {
+  QkRuleArgs a;
+  int estimate[3];
+  int nest;
+  int nsplit;
+  float floor_scale;  // the defaults' rows' scores' scale (the unrotated one)
+};
+
+// How a block's rows are treated, from its estimate.
+struct Role {
+  bool pv;       // P's error
+  bool requant;  // the defaults' rows, Qd/Kd quantized here
+  float scale;
 };
 
 template <int D>
@@ -189,7 +224,6 @@ __device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, const RowPlan&
                                              int64_t tq, int rows) {
   using L = Smem<D>;
   const bool deferred = pl.rotate || pl.requant;
-  const float* bal = pl.bal;
   for (int u = tid; u < kRows * D / 8; u += kThreads) {
     const int r = u / (D / 8), d0 = (u % (D / 8)) * 8;
     float hi[8], lo[8], qd[8];
@@ -200,7 +234,7 @@ __device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, const RowPlan&
       const float* mean = pl.mean_q + d0;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float c = bal == nullptr ? 1.0f : ldexpf(1.0f, -static_cast<int>(bal[d0 + j]));
+        const float c = sm[L::kCf + d0 + j];
         const float y = pl.rotate ? __fmul_rn(x[j], c) : __fsub_rn(__fmul_rn(x[j], c), mean[j]);
         uint32_t h2, l2;
         split_tf32(y, h2, l2);
@@ -208,9 +242,9 @@ __device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, const RowPlan&
         lo[j] = __uint_as_float(l2);
       }
       const int64_t e = (bh * a.Sqp + row) * D + d0;
-      if (pl.requant) {
+      if (pl.requant || pl.pv) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) qd[j] = 0.0f;  // finish_q_rows quantizes the rows
+        for (int j = 0; j < 8; ++j) qd[j] = 0.0f;  // finish_q_rows quantizes the rows (requant)
       } else {
         fp4x8(*reinterpret_cast<const uint32_t*>(a.q_packed + e / 2), a.q_scales[e / 16], qd);
       }
@@ -324,7 +358,7 @@ __device__ __forceinline__ void finish_k_rows(const RowPlan& pl, float* sm, int 
     float* y = sm + L::kKs + r * L::kLd + d0;
     if (pl.rotate) {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) y[i] = __fsub_rn(y[i], pl.mean_k[d0 + i]);
+      for (int i = 0; i < 16; ++i) y[i] = __fsub_rn(y[i], sm[L::kMeans + D + d0 + i]);
     }
     if (pl.requant) requantize16(y, sm + L::kKd + r * L::kLd + d0);
   }
@@ -341,19 +375,22 @@ struct KeyChunk {
   uint32_t rp[kUnits], rs[kUnits];
   bool rlive[kUnits];
 
-  __device__ __forceinline__ void fetch(const QkRuleArgs& a, int64_t bk, int tid, int c) {
-    const int64_t tk = sampled_block(a.Sk, c / (kBlock / kChunk));
+  // chunk c of the sampled key blocks whose first rows and real-key counts are tk_tab, cnt_tab
+  // (codes: K's FP4 codes and scales too)
+  __device__ __forceinline__ void fetch(const QkRuleArgs& a, bool codes, const int64_t* tk_tab, const int* cnt_tab,
+                                        int64_t bk, int tid, int c) {
+    const int64_t tk = tk_tab[c / (kBlock / kChunk)];
     const int off = (c % (kBlock / kChunk)) * kChunk;
-    const int count = static_cast<int>(min(static_cast<int64_t>(kBlock), a.Sk - tk * kBlock));
+    const int count = cnt_tab[c / (kBlock / kChunk)];
 #pragma unroll
     for (int i = 0; i < kUnits; ++i) {
       const int u = tid + i * kThreads, r = u / (D / 8), d0 = (u % (D / 8)) * 8;
       rlive[i] = off + r < count;
       if (rlive[i]) {
-        const int64_t row = tk * kBlock + off + r;
+        const int64_t row = tk + off + r;
         rk[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.k) + (bk * a.Sk + row) * D + d0));
         rv[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.v) + (bk * a.Sk + row) * D + d0));
-        if (!a.requant) {  // the defaults' launch quantizes K itself
+        if (codes) {  // the defaults' rows quantize K here; P's estimate takes no Kd
           const int64_t e = (bk * a.Skp + row) * D + d0;
           rp[i] = __ldg(reinterpret_cast<const uint32_t*>(a.k_packed + e / 2));
           rs[i] = a.k_scales[e / 16];
@@ -364,12 +401,11 @@ struct KeyChunk {
 
   // K_s = k * 2^e - mean_k, Kd and V of the fetched chunk into shared memory (dead keys zero);
   // `rotate`: k * 2^e alone (finish_k_rows rotates it and subtracts the mean); `requant`: Kd
-  // left to finish_k_rows.
+  // left to finish_k_rows; `pv`: Kd zeros (P's estimate takes no FP4 scores).
   __device__ __forceinline__ void stage(float* sm, int tid, const RowPlan& pl) const {
     using L = Smem<D>;
-    const float* bal = pl.bal;
-    const float* mean_k = pl.mean_k;
-    const bool rotate = pl.rotate, requant = pl.requant;
+    const float* mean_k = sm + L::kMeans + D;
+    const bool rotate = pl.rotate, no_codes = pl.requant || pl.pv;
 #pragma unroll
     for (int i = 0; i < kUnits; ++i) {
       const int u = tid + i * kThreads, r = u / (D / 8), d0 = (u % (D / 8)) * 8;
@@ -380,12 +416,12 @@ struct KeyChunk {
         unpack8<T>(rv[i], vv);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float cf = bal == nullptr ? 1.0f : ldexpf(1.0f, static_cast<int>(bal[d0 + j]));
+          const float cf = sm[L::kCf + D + d0 + j];
           ks[j] = rotate ? __fmul_rn(x[j], cf) : __fsub_rn(__fmul_rn(x[j], cf), mean_k[d0 + j]);
         }
-        if (requant) {
+        if (no_codes) {
 #pragma unroll
-          for (int j = 0; j < 8; ++j) kd[j] = 0.0f;  // finish_k_rows quantizes the rows
+          for (int j = 0; j < 8; ++j) kd[j] = 0.0f;  // finish_k_rows quantizes the rows (requant)
         } else {
           fp4x8(rp[i], rs[i], kd);
         }
@@ -393,12 +429,9 @@ struct KeyChunk {
 #pragma unroll
         for (int j = 0; j < 8; ++j) ks[j] = kd[j] = vv[j] = 0.0f;
       }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        sm[L::kKs + r * L::kLd + d0 + j] = ks[j];
-        sm[L::kKd + r * L::kLd + d0 + j] = kd[j];
-        sm[L::kV + r * L::kVLd + d0 + j] = vv[j];
-      }
+      store8(sm + L::kKs + r * L::kLd + d0, ks);
+      store8(sm + L::kKd + r * L::kLd + d0, kd);
+      store8(sm + L::kV + r * L::kVLd + d0, vv);
     }
   }
 };
@@ -431,7 +464,7 @@ __device__ __forceinline__ void chunk_scores(float* sm, int warp, int g, int t, 
     mma_tf32(sx, alo, bhi);
     mma_tf32(sy, ahi, blo);
     mma_tf32(s, ahi, bhi);
-    mma_tf32(s4, ad, bd);
+    if (!pv) mma_tf32(s4, ad, bd);  // P's estimate takes the exact scores for both kinds
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -468,7 +501,9 @@ __device__ __forceinline__ void chunk_softmax(float* sm, float scale, int off, i
     const bool live = off + lane < count && (!causal || key0 + lane <= row0 + static_cast<int64_t>(r) * kStride);
     const float x = __fmul_rn(__fadd_rn(h0[lane], h1[lane]), scale);
     const float m_new = fmaxf(m_run[i], warp_max(live ? x : -INFINITY));
-    const float alpha = expf(m_run[i] - m_new);
+    // a row that has seen no live key yet (a key split whose first keys a causal row does not
+    // see) keeps its empty state: -inf - -inf would be NaN
+    const float alpha = m_new == -INFINITY ? 1.0f : expf(m_run[i] - m_new);
     const float e = live ? expf(x - m_new) : 0.0f;
     l_run[i] = l_run[i] * alpha + warp_sum(e);
     m_run[i] = m_new;
@@ -588,65 +623,165 @@ __device__ __forceinline__ void block_error(float* sm, int warp, int lane, int g
   }
 }
 
-// Thread 0: the block's partial sums (from `red`) to `partial`; the last block of the head to
-// finish adds the head's partials in block order and writes its error.
-__device__ __forceinline__ void head_error(const QkRuleArgs& a, int64_t bh, int qi, const float* red) {
-  float n = 0.0f, d = 0.0f;
-  for (int w = 0; w < 4; ++w) {
-    n += red[w];
-    d += red[8 + w];
-  }
-  a.partial[(bh * kSampled + qi) * 2] = n;
-  a.partial[(bh * kSampled + qi) * 2 + 1] = d;
+// Thread 0, with the block's sums (n, d) over its sampled Q block: they go to `partial`; the last
+// block of the head to finish (of every estimate in the grid) adds each estimate's partials in
+// block order and writes the head's errors and selection.
+__device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int qi, int z, float n, float d) {
+  const QkRuleArgs& a = G.a;
+  const int64_t BH = a.B * a.Hq;
+  a.partial[((z * BH + bh) * kSampled + qi) * 2] = n;
+  a.partial[((z * BH + bh) * kSampled + qi) * 2 + 1] = d;
   __threadfence();
   const int nq = sampled_count(a.Sq);
-  if (atomicAdd(a.counter + bh, 1) == nq - 1) {
-    __threadfence();
+  if (atomicAdd(a.counter + bh, 1) != nq * G.nest - 1) return;
+  __threadfence();
+  const auto estimate = [&](int zz) {  // estimate zz of the grid from its partials, in block order
     float sn = 0.0f, sd = 0.0f;
     for (int i = 0; i < nq; ++i) {
-      sn += __ldcg(a.partial + (bh * kSampled + i) * 2);
-      sd += __ldcg(a.partial + (bh * kSampled + i) * 2 + 1);
+      sn += __ldcg(a.partial + ((zz * BH + bh) * kSampled + i) * 2);
+      sd += __ldcg(a.partial + ((zz * BH + bh) * kSampled + i) * 2 + 1);
     }
-    float e = sqrtf(sn / fmaxf(sd, 1e-30f));
-    if (a.combine) {  // the larger of this and the first launch's estimate, NaN if either is
-      const float first = a.error[bh];
-      e = (e != e || first != first) ? __int_as_float(0x7fc00000) : fmaxf(e, first);
-    }
-    a.error[bh] = e;
-    a.counter[bh] = 0;  // ready for the next launch
-    if (a.pv) {  // FP8 P.V: bit 1 of the head's byte (the Q.K^T launches wrote bit 0 before)
-      if (a.sel_q != nullptr && e > a.limit) {
-        a.sel_q[bh] |= 2;
-        a.sel_v[(bh / a.Hq) * a.Hkv + (bh % a.Hq) / (a.Hq / a.Hkv)] = 1;
-      }
-      return;
-    }
-    if (a.sel_q != nullptr) {
-      const bool fp8 = a.select_all != 0 || e > a.limit;
-      a.sel_q[bh] = fp8 ? 1 : 0;
-      if (fp8) a.sel_k[(bh / a.Hq) * a.Hkv + (bh % a.Hq) / (a.Hq / a.Hkv)] = 1;
+    return sqrtf(sn / fmaxf(sd, 1e-30f));
+  };
+  a.counter[bh] = 0;  // ready for the next launch
+  float err = estimate(0);
+  int next = 1;
+  if (next < G.nest && G.estimate[next] == kFloor) {  // the larger of the two, NaN if either is
+    const float fl = estimate(next++);
+    err = (err != err || fl != fl) ? __int_as_float(0x7fc00000) : fmaxf(err, fl);
+  }
+  a.error[bh] = err;
+  const int64_t kv = (bh / a.Hq) * a.Hkv + (bh % a.Hq) / (a.Hq / a.Hkv);
+  uint32_t byte = 0;
+  if (a.sel_q != nullptr && (a.select_all != 0 || err > a.limit)) {  // a NaN estimate keeps FP4
+    byte = 1;
+    a.sel_k[kv] = 1;
+  }
+  if (a.error_pv != nullptr) {  // FP8 P.V: bit 1 of the head's byte
+    const bool has_pv = next < G.nest && G.estimate[next] == kPv;
+    const float epv = has_pv ? estimate(next) : __int_as_float(0x7fc00000);
+    a.error_pv[bh] = epv;
+    if (a.sel_q != nullptr && has_pv && epv > a.pv_limit) {
+      byte |= 2;
+      a.sel_v[kv] = 1;
     }
   }
+  if (a.sel_q != nullptr) a.sel_q[bh] = static_cast<uint8_t>(byte);
 }
 
-// The block's RowPlan: in the defaults' launch (a.requant) the options-free means go to shared
-// memory (whole block: ends with a __syncthreads) and the rows are neither balanced nor rotated.
+// The block's RowPlan: in the defaults' launch (requant) the options-free means go to shared
+// memory and the rows are neither balanced nor rotated; otherwise K's mean is copied there. The
+// balance's factors per channel go to shared memory too. Whole block; ends with a __syncthreads.
 template <int D>
-__device__ __forceinline__ RowPlan row_plan(const QkRuleArgs& a, float* sm, int warp, int64_t bh, int64_t bk,
-                                            int64_t tq) {
+__device__ __forceinline__ RowPlan row_plan(const QkRuleArgs& a, const Role& role, float* sm, int warp, int64_t bh,
+                                            int64_t bk, int64_t tq) {
   using L = Smem<D>;
-  RowPlan pl{a.rotate, a.requant, a.mean_q + (bh * a.mean_rows + (a.mean_rows > 1 ? tq : 0)) * D, a.mean_k + bk * D,
+  RowPlan pl{a.rotate, role.requant, role.pv, a.mean_q + (bh * a.mean_rows + (a.mean_rows > 1 ? tq : 0)) * D,
              a.balance == nullptr ? nullptr : a.balance + bk * D};
-  if (a.pv) {  // P's estimate: Q's rows whole (a zero mean), the first launch's K_s
-    for (int d = threadIdx.x; d < D; d += kThreads) sm[L::kMeans + d] = 0.0f;
-    __syncthreads();
-    pl.mean_q = sm + L::kMeans;
-    return pl;
+  const float* mean_k = a.mean_k + bk * D;
+  const bool balanced = pl.bal != nullptr && !role.requant;
+  for (int d = threadIdx.x; d < D; d += kThreads) {
+    const int e = balanced ? static_cast<int>(pl.bal[d]) : 0;
+    sm[L::kCf + d] = ldexpf(1.0f, -e);
+    sm[L::kCf + D + d] = ldexpf(1.0f, e);
+    if (!role.requant) sm[L::kMeans + D + d] = mean_k[d];
+    if (role.pv) sm[L::kMeans + d] = 0.0f;  // P's estimate: Q's rows whole (a zero mean), the first launch's K_s
   }
-  if (!a.requant) return pl;
-  options_free_means<D>(a, sm + L::kMeans, sm + L::kMeans + D, pl.mean_q, pl.mean_k, pl.bal, warp);
+  if (role.requant)
+    options_free_means<D>(a, sm + L::kMeans, sm + L::kMeans + D, pl.mean_q, mean_k, pl.bal, warp);
   __syncthreads();
-  return RowPlan{false, true, sm + L::kMeans, sm + L::kMeans + D, nullptr};
+  if (role.requant) return RowPlan{false, true, false, sm + L::kMeans, nullptr};
+  if (role.pv) pl.mean_q = sm + L::kMeans;
+  return pl;
+}
+
+// With key splits: the block's softmax state (m, l and the unnormalized output of each (kind,
+// row)) to its slot of a.split_state; the last split of the sampled Q block to finish merges the
+// slots in split order (flash-decoding) into O and O4 in shared memory and returns the sums of
+// (O4 - O)^2 and O^2 over its rows < `rows` in (n, d) of thread 0. Returns false in the other blocks.
+template <int D>
+__device__ __forceinline__ bool merge_splits(const RuleGrid& G, float* sm, int64_t bh, int qi, int si, int z, int warp,
+                                             int lane, int g, int t, int rows, const float (&m_run)[4],
+                                             const float (&l_run)[4], const float (&acc)[D / 32][4], float& n, float& d) {
+  using L = Smem<D>;
+  constexpr int kNt = D / 32, kRow = D + 2, kSlot = 2 * kRows * kRow;
+  const QkRuleArgs& a = G.a;
+  const int64_t group = (z * a.B * a.Hq + bh) * kSampled + qi;
+  float* slots = a.split_state + group * G.nsplit * kSlot;
+  float* mine = slots + si * kSlot;  // [kind][row][m, l, acc[D]]
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int p = warp * 4 + i;
+    if (lane == 0) {
+      mine[p * kRow] = m_run[i];
+      mine[p * kRow + 1] = l_run[i];
+    }
+  }
+  const int kind = warp >> 2;
+#pragma unroll
+  for (int i = 0; i < kNt; ++i) {
+    const int c = ((warp & 3) + 4 * i) * 8 + 2 * t;
+    *reinterpret_cast<float2*>(mine + (kind * kRows + g) * kRow + 2 + c) = make_float2(acc[i][0], acc[i][1]);
+    *reinterpret_cast<float2*>(mine + (kind * kRows + g + 8) * kRow + 2 + c) = make_float2(acc[i][2], acc[i][3]);
+  }
+  __threadfence();
+  __syncthreads();
+  int* last = reinterpret_cast<int*>(sm + L::kAlpha);
+  if (threadIdx.x == 0) {
+    int32_t* ctr = a.counter + a.B * a.Hq + group;
+    *last = atomicAdd(ctr, 1) == G.nsplit - 1;
+    if (*last) *ctr = 0;  // ready for the next launch
+  }
+  __syncthreads();
+  if (!*last) return false;
+  __threadfence();
+  // per (kind, row): each split's weight exp(m_s - M) and 1 / sum_s weight * l_s
+  float* w = sm + L::kS;  // [2 * kRows][8], then [2 * kRows] inverses
+  if (threadIdx.x < 2 * kRows) {
+    const int p = threadIdx.x;
+    float mx = -INFINITY;
+    for (int s = 0; s < G.nsplit; ++s) mx = fmaxf(mx, __ldcg(slots + s * kSlot + p * kRow));
+    float l = 0.0f;
+    for (int s = 0; s < G.nsplit; ++s) {
+      const float m = __ldcg(slots + s * kSlot + p * kRow);
+      const float ws = m == -INFINITY ? 0.0f : expf(m - mx);
+      w[p * 8 + s] = ws;
+      l += ws * __ldcg(slots + s * kSlot + p * kRow + 1);
+    }
+    w[2 * kRows * 8 + p] = l > 0.0f ? 1.0f / l : 0.0f;
+  }
+  __syncthreads();
+  float* o = sm + L::kKs;   // O: [kRows][kLd]
+  float* o4 = sm + L::kKd;  // O4
+  for (int e = threadIdx.x; e < 2 * kRows * D; e += kThreads) {
+    const int p = e / D, c = e % D;
+    float x = 0.0f;
+    for (int s = 0; s < G.nsplit; ++s) x += w[p * 8 + s] * __ldcg(slots + s * kSlot + p * kRow + 2 + c);
+    (p < kRows ? o : o4)[(p % kRows) * L::kLd + c] = x * w[2 * kRows * 8 + p];
+  }
+  __syncthreads();
+  float num = 0.0f, den = 0.0f;
+  for (int e = threadIdx.x; e < rows * D; e += kThreads) {
+    const int r = e / D, c = e % D;
+    const float x = o[r * L::kLd + c], dlt = o4[r * L::kLd + c] - x;
+    num += dlt * dlt;
+    den += x * x;
+  }
+  num = warp_sum(num);
+  den = warp_sum(den);
+  float* red = sm + L::kAlpha + 1;  // 2 x 8 floats, after the flag
+  __syncthreads();
+  if (lane == 0) {
+    red[warp] = num;
+    red[8 + warp] = den;
+  }
+  __syncthreads();
+  n = d = 0.0f;
+  for (int w8 = 0; w8 < kThreads / 32; ++w8) {
+    n += red[w8];
+    d += red[8 + w8];
+  }
+  return true;
 }
 
 /* ---------- the kernel: one block's rows and keys, phase by phase ---------- */
@@ -655,18 +790,32 @@ template <typename T, int D>
 // At least two blocks per SM in the register budget (the shared memory allows two at D 64 on sm_120's
 // 100 KB, one at D 128): ptxas then keeps D 64 under 128 registers rather than at 80 with a spill
 // in the key loop.
-__global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(QkRuleArgs a) {
+__global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(const __grid_constant__ RuleGrid G) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using L = Smem<D>;
-  extern __shared__ float sm[];
+  extern __shared__ __align__(16) float sm[];
+  __shared__ int64_t tk_tab[kSampled];
+  __shared__ int cnt_tab[kSampled];
+  const QkRuleArgs& a = G.a;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int64_t bh = blockIdx.x;  // batch * Hq + q head
-  const int qi = blockIdx.y;       // which sampled block of Q
+  const int qi = blockIdx.y / G.nsplit, si = blockIdx.y % G.nsplit;  // sampled block of Q, key split
+  const int z = blockIdx.z;
+  const Role role{G.estimate[z] == kPv, G.estimate[z] == kFloor, G.estimate[z] == kFloor ? G.floor_scale : a.scale};
+  // P's estimate quantizes P against the running max of the keys before it, in order: its blocks
+  // take every key of the Q block (split 0; the others have nothing to do)
+  const int nsplit = role.pv ? 1 : G.nsplit;
+  if (si >= nsplit) return;
   const int64_t b = bh / a.Hq, h = bh % a.Hq;
   const int64_t bk = b * a.Hkv + h / (a.Hq / a.Hkv);  // its kv head, flattened
   const int64_t tq = sampled_block(a.Sq, qi);
   const int rows = static_cast<int>(ceil_div(min(static_cast<int64_t>(kBlock), a.Sq - tq * kBlock), kStride));
-  const RowPlan pl = row_plan<D>(a, sm, warp, bh, bk, tq);
+  const int kblocks = sampled_count(a.Sk);
+  if (tid < kblocks) {
+    tk_tab[tid] = sampled_block(a.Sk, tid) * kBlock;
+    cnt_tab[tid] = static_cast<int>(min(static_cast<int64_t>(kBlock), a.Sk - tk_tab[tid]));
+  }
+  const RowPlan pl = row_plan<D>(a, role, sm, warp, bh, bk, tq);  // ends with a __syncthreads
 
   stage_q_rows<T, D>(a, pl, sm, tid, bh, tq, rows);
   if (pl.rotate || pl.requant) finish_q_rows<D>(pl, sm, tid, warp, rows);
@@ -684,53 +833,65 @@ __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(QkRuleArgs a) {
 #pragma unroll
   for (int i = 0; i < kNt; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
-  const int kblocks = sampled_count(a.Sk);
-  const int last = static_cast<int>(min(static_cast<int64_t>(kBlock), a.Sk - sampled_block(a.Sk, kblocks - 1) * kBlock));
-  const int nchunks = (kblocks - 1) * (kBlock / kChunk) + (last + kChunk - 1) / kChunk;
+  // this split's chunks: those of its sampled key blocks that hold a real key (only the last
+  // sampled block can be partial)
+  constexpr int kPer = kBlock / kChunk;
+  const int kb0 = si * kblocks / nsplit, kb1 = (si + 1) * kblocks / nsplit;
+  const int c0 = kb0 * kPer, c1 = (kb1 - 1) * kPer + (cnt_tab[kb1 - 1] + kChunk - 1) / kChunk;
   KeyChunk<T, D> next;
-  next.fetch(a, bk, tid, 0);
-  for (int c = 0; c < nchunks; ++c) {
-    const int off = (c % (kBlock / kChunk)) * kChunk;
-    const int64_t tk = sampled_block(a.Sk, c / (kBlock / kChunk));
-    const int count = static_cast<int>(min(static_cast<int64_t>(kBlock), a.Sk - tk * kBlock));
+  next.fetch(a, !pl.requant && !pl.pv, tk_tab, cnt_tab, bk, tid, c0);
+  for (int c = c0; c < c1; ++c) {
+    const int off = (c % kPer) * kChunk;
+    const int64_t key0 = tk_tab[c / kPer];
+    const int count = cnt_tab[c / kPer];
     __syncthreads();  // the previous chunk's reads are done
     next.stage(sm, tid, pl);
-    if (c + 1 < nchunks) next.fetch(a, bk, tid, c + 1);
+    if (c + 1 < c1) next.fetch(a, !pl.requant && !pl.pv, tk_tab, cnt_tab, bk, tid, c + 1);
     __syncthreads();
     if (pl.rotate || pl.requant) finish_k_rows<D>(pl, sm, tid, warp, min(kChunk, count - off));
-    chunk_scores<D>(sm, warp, g, t, a.pv);
+    chunk_scores<D>(sm, warp, g, t, role.pv);
     __syncthreads();
-    chunk_softmax<D>(sm, a.scale, off, count, warp, lane, m_run, l_run, a.pv, a.pv && a.causal, tk * kBlock + off,
+    chunk_softmax<D>(sm, role.scale, off, count, warp, lane, m_run, l_run, role.pv, role.pv && a.causal, key0 + off,
                      tq * kBlock);
     __syncthreads();
-    if (a.pv) {
+    if (role.pv) {
       quantize_p<D>(sm, tid);
       __syncthreads();
     }
     chunk_pv<D>(sm, warp, g, t, acc);
   }
 
-  block_error<D>(sm, warp, lane, g, t, rows, l_run, acc);
-  __syncthreads();
-  if (tid == 0) head_error(a, bh, qi, sm + L::kAlpha);
+  float n = 0.0f, d = 0.0f;
+  if (nsplit > 1) {
+    __syncthreads();  // the last chunk's reads of the staging area are done
+    if (!merge_splits<D>(G, sm, bh, qi, si, z, warp, lane, g, t, rows, m_run, l_run, acc, n, d)) return;
+  } else {
+    block_error<D>(sm, warp, lane, g, t, rows, l_run, acc);
+    __syncthreads();
+    const float* red = sm + L::kAlpha;
+    for (int w4 = 0; w4 < 4; ++w4) {
+      n += red[w4];
+      d += red[8 + w4];
+    }
+  }
+  if (tid == 0) head_error(G, bh, qi, z, n, d);
 #else
   __trap();  // mma.sync tf32 needs sm_80 or newer (the builds target sm_90 and sm_120 families)
 #endif
 }
 
-// The options-as-floors launch (a.floor).
-template <typename T, int D>
-cudaError_t launch_plain(const QkRuleArgs& a, dim3 grid, cudaStream_t stream) {
-  using L = Smem<D>;
-  // the defaults' rows (options as floors): the counters are zero again (the first launch's last
-  // block of each head reset them), sel_k keeps the first launch's ones, and every head's error
-  // and sel_q are rewritten from the larger estimate
-  QkRuleArgs plain = a;  // keeps rotate and balance: the kernel takes the means back through them
-  plain.requant = plain.combine = true;
-  plain.pv = false;
-  if (a.rotate) plain.scale = a.scale * static_cast<float>(D / 64);  // the unrotated scores' scale (exact)
-  qk_rule_kernel<T, D><<<grid, kThreads, L::kBytes, stream>>>(plain);
-  return cudaGetLastError();
+// The key splits of a launch, from the shapes alone (so that a result does not depend on the
+// GPU): while the grid of the sampled Q blocks has at most kSplitBlocks / 2 blocks per estimate,
+// the sampled key blocks are split in two more, up to one per split. Calls with few heads then
+// fill the GPU: the blocks' chunk loops are serial.
+constexpr int64_t kSplitBlocks = 128;
+
+int splits(const QkRuleArgs& a) {
+  const int64_t grid = a.B * a.Hq * sampled_count(a.Sq);
+  const int kb = sampled_count(a.Sk);
+  int s = 1;
+  while (2 * s <= kb && grid * 2 * s <= kSplitBlocks) s *= 2;
+  return s;
 }
 
 template <typename T, int D>
@@ -740,28 +901,21 @@ int launch(const QkRuleArgs& a, cudaStream_t stream) {
   static KernelSetup setup;  // its shared-memory ceiling, set once per device
   cudaError_t err = setup.smem(kernel, static_cast<int>(L::kBytes));
   if (err != cudaSuccess) return err;
-  if (a.sel_q != nullptr) {  // the selection's zeros, stream-ordered before the blocks that count and set them
-    err = cudaMemsetAsync(a.counter, 0, sizeof(int32_t) * static_cast<size_t>(a.B * a.Hq), stream);
-    if (err == cudaSuccess) err = cudaMemsetAsync(a.sel_k, 0, static_cast<size_t>(a.B * a.Hkv), stream);
-    if (err == cudaSuccess && a.sel_v != nullptr)
-      err = cudaMemsetAsync(a.sel_v, 0, static_cast<size_t>(a.B * a.Hkv), stream);
-    if (err != cudaSuccess) return err;
-  }
-  const dim3 grid(static_cast<unsigned>(a.B * a.Hq), static_cast<unsigned>(sampled_count(a.Sq)));
-  QkRuleArgs first = a;
-  first.requant = first.combine = first.pv = false;
-  kernel<<<grid, kThreads, L::kBytes, stream>>>(first);
-  err = cudaGetLastError();
-  if (err == cudaSuccess && a.floor) err = launch_plain<T, D>(a, grid, stream);
-  if (err != cudaSuccess || a.error_pv == nullptr) return err;
-  if (!(a.pv_limit >= 0.0f))  // no P estimate asked: error_pv all NaN (0xFF bytes), bit 1 never set
-    return cudaMemsetAsync(a.error_pv, 0xFF, sizeof(float) * static_cast<size_t>(a.B * a.Hq), stream);
-  // P's error (a.pv): the counters are zero again; bit 1 of sel_q and sel_v from its estimate
-  QkRuleArgs pv = first;
-  pv.pv = true;
-  pv.error = a.error_pv;
-  pv.limit = a.pv_limit;
-  kernel<<<grid, kThreads, L::kBytes, stream>>>(pv);
+  RuleGrid G{a, {kFirst, kFirst, kFirst}, 1, a.split_state == nullptr ? 1 : splits(a),
+             a.rotate ? a.scale * static_cast<float>(D / 64) : a.scale};  // the unrotated scores' scale (exact)
+  if (a.floor) G.estimate[G.nest++] = kFloor;
+  if (a.error_pv != nullptr && a.pv_limit >= 0.0f) G.estimate[G.nest++] = kPv;
+  // the counters (per head, then per estimate, head and sampled Q block) and the selection's
+  // zeros, stream-ordered before the blocks that count and set them
+  const int64_t BH = a.B * a.Hq;
+  err = cudaMemsetAsync(a.counter, 0, sizeof(int32_t) * static_cast<size_t>(BH * (G.nsplit > 1 ? 1 + 3 * kSampled : 1)),
+                        stream);
+  if (err == cudaSuccess && a.sel_q != nullptr) err = cudaMemsetAsync(a.sel_k, 0, static_cast<size_t>(a.B * a.Hkv), stream);
+  if (err == cudaSuccess && a.sel_v != nullptr) err = cudaMemsetAsync(a.sel_v, 0, static_cast<size_t>(a.B * a.Hkv), stream);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(BH), static_cast<unsigned>(sampled_count(a.Sq) * G.nsplit),
+                  static_cast<unsigned>(G.nest));
+  kernel<<<grid, kThreads, L::kBytes, stream>>>(G);
   return cudaGetLastError();
 }
 
@@ -771,6 +925,12 @@ int launch_d(const QkRuleArgs& a, cudaStream_t stream) {
 }
 
 }  // namespace
+
+int64_t qk_rule_split_floats(const QkRuleArgs& a) {
+  if ((a.D != 64 && a.D != 128) || a.B < 1 || a.Hq < 1 || a.Sq < 1 || a.Sk < 1) return 0;
+  const int s = splits(a);
+  return s > 1 ? 3 * a.B * a.Hq * kSampled * s * 2 * kRows * (a.D + 2) : 0;
+}
 
 int qk_rule_error(const QkRuleArgs& a, cudaStream_t stream) {
   if ((a.D != 64 && a.D != 128) || a.B < 1 || a.Hq < 1 || a.Hkv < 1 || a.Hq % a.Hkv || a.Sq < 1 || a.Sk < 1 ||

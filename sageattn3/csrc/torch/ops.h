@@ -69,10 +69,6 @@
                             "float sm_scale, bool causal) -> ()")                                                   \
   X(mxfp8_smooth_quant, "mxfp8_smooth_quant(Tensor x, Tensor mean, Tensor balance, int balance_sign, Tensor sel, "  \
                         "Tensor(a!) codes, Tensor(b!) scales, int rotate, float row_scale) -> ()")               \
-  X(qk_rule_error, "qk_rule_error(Tensor q, Tensor k, Tensor v, Tensor q_packed, Tensor q_scales, "              \
-                   "Tensor k_packed, Tensor k_scales, Tensor mean_q, Tensor mean_k, Tensor balance, "            \
-                   "float sm_scale, bool rotate, bool floor, Tensor(a!) partial, Tensor(b!) counter, "            \
-                   "Tensor(c!) error) -> ()")                                                                     \
   X(mxfp8_smooth_quant_qk, "mxfp8_smooth_quant_qk(Tensor q, Tensor k, Tensor mean_q, Tensor mean_k, "              \
                            "Tensor balance, Tensor sel_q, Tensor sel_k, int seq_pad, int rotate) -> (Tensor, "  \
                            "Tensor, Tensor, Tensor)")                                                            \

@@ -11,16 +11,14 @@
 
 namespace sageattn3::torch_ops {
 
-// qk_rule_error(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale,
-// rotate, floor, partial!, counter!, error!): the "auto" rule's estimate per
-// (batch, q head) (sageattn3.h, qk_rule_error): q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) fp16/bf16,
-// D 64/128; the preprocessing's q_packed (B, Hq, Sqp, D/2), q_scales (.., D/16), k_packed (B, Hkv, Skp, D/2), k_scales, mean_q
-// (B, Hq, 1 or ceil(Sq/128), D), mean_k (B, Hkv, 1, D), balance (B, Hkv, 1, D) or empty;
-// rotate: the preprocessing rotated Q and K (their codes and means are rotated; sm_scale is the
-// one the scores take, already divided by D/64); floor: the preprocessing had an option (the
-// balance, the rotation, the scale search): also estimate the defaults' rows (sageattn3.h); partial
-// (B, Hq, 8, 2) fp32, counter (B, Hq) int32 zeros, error (B, Hq) fp32.
-// The operands' checks shared by both rule ops, into the launch's arguments (without the
+// The rule op's operands (qk_rule_select): q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) fp16/bf16, D
+// 64/128; the preprocessing's q_packed (B, Hq, Sqp, D/2), q_scales (.., D/16), k_packed (B, Hkv,
+// Skp, D/2), k_scales, mean_q (B, Hq, 1 or ceil(Sq/128), D), mean_k (B, Hkv, 1, D), balance (B,
+// Hkv, 1, D) or empty; rotate: the preprocessing rotated Q and K (their codes and means are
+// rotated; sm_scale is the one the scores take, already divided by D/64); floor: the
+// preprocessing had an option (the balance, the rotation, the scale search): also estimate the
+// defaults' rows (sageattn3.h).
+// Their checks, into the launch's arguments (without the
 // outputs and the workspace).
 template <class T>
 QkRuleArgs rule_args(const T& q, const T& k, const T& v, const T& q_packed, const T& q_scales, const T& k_packed,
@@ -33,17 +31,17 @@ QkRuleArgs rule_args(const T& q, const T& k, const T& v, const T& q_packed, cons
     check_aligned(*t, "k/v");
   }
   SA3_CHECK(T, q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-            "sageattn3: qk_rule_error needs 4-D q, k, v, got ", shape(q), ", ", shape(k), " and ", shape(v));
+            "sageattn3: qk_rule_select needs 4-D q, k, v, got ", shape(q), ", ", shape(k), " and ", shape(v));
   const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3), Hkv = k.size(1), Sk = k.size(2);
   const DType dt = dtype_of(q, "q");
   SA3_CHECK(T, dt != DType::kFloat32 && TensorApi<T>::kind(k) == TensorApi<T>::kind(q) &&
                    TensorApi<T>::kind(v) == TensorApi<T>::kind(q),
-            "sageattn3: qk_rule_error needs q, k and v all float16 or all bfloat16, got ", dtype_name(q), ", ",
+            "sageattn3: qk_rule_select needs q, k and v all float16 or all bfloat16, got ", dtype_name(q), ", ",
             dtype_name(k), " and ", dtype_name(v));
   SA3_CHECK(T, (D == 64 || D == 128) && Sq >= 1 && Sk >= 1 && Hkv >= 1 && Hq % Hkv == 0 && k.size(0) == B &&
                    k.size(3) == D && v.size(0) == B && v.size(1) == Hkv && v.size(2) == Sk &&
                    v.size(3) == D,
-            "sageattn3: qk_rule_error needs q (B, Hq, Sq >= 1, D 64/128) and k, v (B, Hkv, Sk >= 1, D), Hq a "
+            "sageattn3: qk_rule_select needs q (B, Hq, Sq >= 1, D 64/128) and k, v (B, Hkv, Sk >= 1, D), Hq a "
             "multiple of Hkv, got ", shape(q), ", ", shape(k), " and ", shape(v));
   for (const T* t : {&q_packed, &q_scales, &k_packed, &k_scales}) check_code_tensor(*t, q, "an FP4 operand");
   const int64_t Sqp = q_packed.numel() / (B * Hq * (D / 2)), Skp = k_packed.numel() / (B * Hkv * (D / 2));
@@ -95,33 +93,10 @@ QkRuleArgs rule_args(const T& q, const T& k, const T& v, const T& q_packed, cons
   return a;
 }
 
-// qk_rule_error(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale,
-// rotate, floor, partial!, counter!, error!): the estimate alone, into outputs
-// the caller allocated.
-template <class T>
-void qk_rule_error(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales, T mean_q, T mean_k, T balance,
-                   double sm_scale, bool rotate, bool floor, T partial, T counter, T error) {
-  QkRuleArgs a = rule_args(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, rotate,
-                           floor);
-  const int64_t B = a.B, Hq = a.Hq;
-  check_f32_on(partial, q, "partial");
-  check_f32_on(error, q, "error");
-  check_cuda(counter, q, "counter");
-  check_i32(counter, "counter");
-  SA3_CHECK(T, partial.numel() == B * Hq * 16 && counter.numel() == B * Hq && error.numel() == B * Hq,
-            "sageattn3: partial must be (B, Hq, 8, 2), counter and error (B, Hq) = ", dims(B, Hq, 8, 2), " and ",
-            dims(B, Hq), ", got ", shape(partial), ", ", shape(counter), " and ", shape(error));
-  DeviceScope scope(device_index(q));
-  a.partial = floats(partial);
-  a.counter = ints(counter);
-  a.error = floats(error);
-  check_cuda_kernel<T>(sageattn3::qk_rule_error(a, TensorApi<T>::stream(q)), "qk_rule_error");
-}
-
 // qk_rule_select(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale,
 // rotate, floor, limit, select_all, pv_limit, causal) -> (error, sel_q, sel_k, error_pv, sel_v): the estimate and
 // the selection in one op, which allocates its outputs and its workspace (one host call for the
-// whole rule): error (B, Hq) fp32 as qk_rule_error; sel_q (B, Hq) bytes, 1 where the head's Q.K^T
+// whole rule, one kernel launch): error (B, Hq) fp32, the estimate (reference.qk_fp4_error); sel_q (B, Hq) bytes, 1 where the head's Q.K^T
 // runs in FP8 (every head with select_all, else error > limit; a NaN estimate keeps FP4); sel_k (B, Hkv) bytes, 1 where any
 // of its q heads is 1. P's error (sageattn3.h; pv_limit >= 0): error_pv (B, Hq) fp32, bit 1 of sel_q
 // where it exceeds pv_limit (the head's P.V runs in FP8), sel_v (B, Hkv) 1 where any of its q heads
@@ -135,15 +110,18 @@ std::tuple<T, T, T, T, T> qk_rule_select(T q, T k, T v, T q_packed, T q_scales, 
   QkRuleArgs a = rule_args(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, rotate,
                            floor);
   DeviceScope scope(device_index(q));
-  // error, sel_q, sel_k, error_pv, sel_v, then the workspace: partial (B * Hq * 16 floats), then the
-  // counters (B * Hq int32, zeroed by the launch); torch/outputs.h
+  // error, sel_q, sel_k, error_pv, sel_v, then the workspace: partial (3 * B * Hq * 16 floats), the
+  // counters (B * Hq * 25 int32, zeroed by the launch; B * Hq * 26 places keep the next part 8-byte
+  // aligned), the key splits' state (sageattn3.h); torch/outputs.h
+  const int64_t BH = a.B * a.Hq, split = qk_rule_split_floats(a);
   const OutputSpec specs[] = {{{a.B, a.Hq}, Kind::kFloat}, {{a.B, a.Hq}, Kind::kByte}, {{a.B, a.Hkv}, Kind::kByte},
                               {{a.B, a.Hq}, Kind::kFloat}, {{a.B, a.Hkv}, Kind::kByte},
-                              {{a.B * a.Hq * 17}, Kind::kFloat}};
+                              {{BH * (48 + 26) + split}, Kind::kFloat}};
   auto out = allocate_outputs(specs, q);
   const T &error = out[0], &sel_q = out[1], &sel_k = out[2], &error_pv = out[3], &sel_v = out[4];
   a.partial = floats(out[5]);
-  a.counter = reinterpret_cast<int32_t*>(a.partial + a.B * a.Hq * 16);
+  a.counter = reinterpret_cast<int32_t*>(a.partial + BH * 48);
+  a.split_state = split > 0 ? a.partial + BH * (48 + 26) : nullptr;
   a.error = floats(error);
   a.sel_q = bytes(sel_q);
   a.sel_k = bytes(sel_k);
