@@ -36,7 +36,7 @@
 // the same exact scores of the whole rows, L = c * Q K_s^T (Q's rows balanced and rotated as the
 // first estimate's, but not minus their mean: the scores then differ from the attention's only by
 // a constant per row), and the FP4 kind's P, P * 2688 relative to the running max of its 32-key
-// chunks, is quantized to NVFP4 along the keys (16-key blocks, requantize16) before P V (V
+// chunks, is quantized to NVFP4 along the keys (16-key blocks, quantize_p) before P V (V
 // exact): O_P = P^ V / (2688 sum P) against O = P V / sum P. A head whose estimate exceeds
 // a.pv_limit takes FP8 P.V: bit 1 of sel_q, and sel_v of its kv head set. For a causal attention
 // (a.causal) those blocks mask the sampled keys after each sampled row's position, as the
@@ -515,20 +515,30 @@ __device__ __forceinline__ void chunk_softmax(float* sm, float scale, int off, i
   }
 }
 
-// P's estimate (a.pv): the FP4 kind's P * 2688 of the chunk, NVFP4 per row and 16-key block
-// (requantize16: reference.quantize_rows), then / 2688 and split into tf32 parts. 32 threads, one
-// block each; called by the whole block between two __syncthreads.
+// P's estimate (kPv): the FP4 kind's P * 2688 of the chunk, NVFP4 per row and 16-key block
+// (reference.quantize_rows: the block's amax, its E4M3 scale, each value's E2M1 code: quant16's
+// steps), then / 2688 and split into tf32 parts. Every thread: 8 lanes per block (16 rows x 2
+// blocks), 2 keys each, the amax across the 8 by shuffles (max.NaN: the same bits in any order);
+// called by the whole block between two __syncthreads.
 template <int D>
 __device__ __forceinline__ void quantize_p(float* sm, int tid) {
   using L = Smem<D>;
-  if (tid >= 2 * kRows) return;
-  const int r = tid >> 1, k0 = (tid & 1) * 16;
-  float* h0 = sm + L::kS + (1 * 2 + 0) * kRows * kSLd + r * kSLd + k0;
-  float* h1 = sm + L::kS + (1 * 2 + 1) * kRows * kSLd + r * kSLd + k0;
-  float q[16];
-  requantize16(h0, q);
+  const int blk = tid >> 3, r = blk >> 1, k = (blk & 1) * 16 + 2 * (tid & 7);
+  float* h0 = sm + L::kS + (1 * 2 + 0) * kRows * kSLd + r * kSLd + k;
+  float* h1 = sm + L::kS + (1 * 2 + 1) * kRows * kSLd + r * kSLd + k;
+  const float x0 = h0[0], x1 = h0[1];
+  float amax = abs_max_nan(abs_max_nan(0.0f, x0), x1);
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
+  for (int o = 1; o < 8; o <<= 1) amax = abs_max_nan(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+  const uint32_t sbyte = e4m3_scale_byte(amax);
+  // codes16 of the block with this lane's two values in places 0 and 1 (its codes are per value)
+  const float v[16] = {x0, x1, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  const uint32_t codes = codes16(v, sbyte).x & 0xFFu;
+  const float s = __fmul_rn(e4m3_value(sbyte), 16384.0f);  // e2m1x2_scaled gives values * 2^-14 (fp4x8)
+  const float2 f = e2m1x2_scaled(codes);
+  const float q[2] = {__fmul_rn(f.x, s), __fmul_rn(f.y, s)};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
     uint32_t ph, pl;
     split_tf32(__fdiv_rn(q[i], kPScale), ph, pl);
     h0[i] = __uint_as_float(ph);
@@ -661,7 +671,7 @@ __device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int qi
     const bool has_pv = next < G.nest && G.estimate[next] == kPv;
     const float epv = has_pv ? estimate(next) : __int_as_float(0x7fc00000);
     a.error_pv[bh] = epv;
-    if (a.sel_q != nullptr && has_pv && epv > a.pv_limit) {
+    if (a.sel_q != nullptr && has_pv && epv > a.pv_limit) {  // sel_v set: qk_rule_error checks it
       byte |= 2;
       a.sel_v[kv] = 1;
     }
@@ -935,7 +945,8 @@ int64_t qk_rule_split_floats(const QkRuleArgs& a) {
 int qk_rule_error(const QkRuleArgs& a, cudaStream_t stream) {
   if ((a.D != 64 && a.D != 128) || a.B < 1 || a.Hq < 1 || a.Hkv < 1 || a.Hq % a.Hkv || a.Sq < 1 || a.Sk < 1 ||
       a.Sqp < a.Sq || a.Skp < a.Sk || a.mean_rows < 1 || (a.mean_rows > 1 && a.mean_rows * kBlock < a.Sq) ||
-      a.B * a.Hq > 0x7FFFFFFF || ((a.sel_q == nullptr) != (a.sel_k == nullptr)))
+      a.B * a.Hq > 0x7FFFFFFF || ((a.sel_q == nullptr) != (a.sel_k == nullptr)) ||
+      (a.sel_q != nullptr && a.error_pv != nullptr && a.sel_v == nullptr))
     return cudaErrorInvalidValue;
   switch (a.dtype) {
     case DType::kFloat16: return launch_d<f16_t>(a, stream);
