@@ -366,8 +366,8 @@ def qk_rule_select(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale
 def _rule_scale(pre, d: int, scale: float) -> tuple[float, bool, bool]:
     """The rule ops' (sm_scale, rotate, floor): on rotated rows the scores are (D/64)·Q·Kᵀ, so the
     scale the op applies is divided by that (``reference.rotation_score_factor``); ``floor`` where
-    ``pre`` has an option (``reference.rule_has_options``): the op's second launch estimates the
-    defaults' rows too (options as floors; ``reference.qk_fp4_error``)."""
+    ``pre`` has an option (``reference.rule_has_options``): the op also estimates the defaults'
+    rows (options as floors; ``reference.qk_fp4_error``)."""
     from . import reference
 
     rot = bool(pre.qk_rotation)

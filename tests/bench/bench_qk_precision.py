@@ -4,14 +4,16 @@ events (median of 15 after warm-up):
     python tests/bench/bench_qk_precision.py [--seq S] [--heads H]
 
 - preprocessing alone (``sageattn3.preprocess``: the FP4 path's first step);
-- the rule: the fused kernel the API uses on CUDA (``_kernels.qk_rule_error``, one launch) and its
+- the rule: the fused kernel the API uses on CUDA (``_kernels.qk_rule_error``, its estimate alone) and its
   torch-op oracle (``reference.qk_fp4_error`` on the same preprocessed tensors, on the device);
-  and with the balance and the rotation (the rotated rows, then the defaults' rows: two launches,
+  and with the balance and the rotation (the rotated rows and the defaults' rows: two estimates,
   options as floors);
 - the MXFP8 quantization of Q and K for every head, and with no head selected (the launch the
   "auto" path makes when the rule picks none);
 - the FP8 P·V choice (``pv_precision="auto"``, the default): the rule op with P's estimate (its
-  last launch) against the same op without it, and V's MXFP8 for every kv head and for none;
+  blocks) against the same op without it, and V's MXFP8 for every kv head and for none;
+- with --rule: only the rule op as the defaults run it (P's estimate on; causal too) and without P's
+  estimate, beside the preprocessing, at D 128 and 64, 24 heads x 32k tokens and 8 heads x 4096;
 - with --call (needs the attention kernel): the whole call with qk_precision "fp4", "auto" on
   zero-mean data (no head picked) and "fp8" at each --call-seq (fp8 only at the first). On an H100 the attention kernel is the MMA-model test
   flavour (SAGEATTN3_FORCE_FP4=1): its own time is meaningless there; the differences between the
@@ -33,7 +35,10 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=24)
     ap.add_argument("--call", action="store_true", help="also time whole calls (slow with the MMA model)")
     ap.add_argument("--call-seq", type=int, nargs="+", default=[4096])
+    ap.add_argument("--rule", action="store_true", help="only the rule op, as the defaults run it, at four shapes")
     args = ap.parse_args()
+    if args.rule:
+        return rule_shapes()
     os.environ.setdefault("SAGEATTN3_FORCE_FP4", "1")
     import sageattn3
     from bench_kernels import time_ms  # this folder's (imports sageattn3: after the setting above)
@@ -66,7 +71,7 @@ def main() -> int:
           f"{t_rule_ops:.3f} ms | MXFP8 Q+K all heads "
           f"{t_q8:.3f} ms ({t_q8 / t_pre:.2f}x; unrotated, as before: {t_q8_plain:.3f} ms) | MXFP8 launches, "
           f"no head picked {t_q8_none:.3f} ms")
-    print(f"rule with the balance and the rotation (two launches): {t_rule_opts:.3f} ms "
+    print(f"rule with the balance and the rotation (two estimates): {t_rule_opts:.3f} ms "
           f"({t_rule_opts / t_rule:.2f}x the defaults' rule)")
     from sageattn3 import _pv8
 
@@ -88,6 +93,45 @@ def main() -> int:
         print(f"whole call, {s} tokens: " + ", ".join(f"{p} {ms:.3f} ms" for p, ms in res.items())
               + f" (auto - fp4 = {res['auto'] - res['fp4']:.3f} ms; the P·V choice: "
               f"{res['auto'] - res['auto, P·V fp4']:.3f} ms)")
+    return 0
+
+
+def rule_shapes(reps: int = 30) -> int:
+    """The rule op as the defaults run it (``qk_rule_select`` with P's estimate; causal too) and
+    without P's estimate, beside the preprocessing, at D 128 and 64, 24 heads x 32k tokens and 8
+    heads x 4096 (bf16, zero-mean data; median of ``reps`` calls, CUDA events around each)."""
+    os.environ.setdefault("SAGEATTN3_FORCE_FP4", "1")
+    import sageattn3
+    from sageattn3 import _kernels, reference
+
+    def median_ms(fn) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        return sorted(times)[len(times) // 2]
+
+    dev = torch.device("cuda")
+    print(f"device: {torch.cuda.get_device_name()}; {sageattn3.backend()}")
+    lim, pv_lim = reference.AUTO_ERROR_LIMIT, reference.PV_ERROR_LIMIT
+    for d in (128, 64):
+        for heads, seq in ((24, 32768), (8, 4096)):
+            g = torch.Generator(device=dev).manual_seed(0)
+            q, k, v = (torch.randn((1, heads, seq, d), generator=g, device=dev, dtype=torch.bfloat16) for _ in range(3))
+            pre = sageattn3.preprocess(q, k, v)
+            s = d ** -0.5
+            t = [median_ms(lambda pv=pv, c=c: _kernels.qk_rule_select(q, k, v, pre, s, lim, False, pv, c))
+                 for pv, c in ((pv_lim, False), (-1.0, False), (pv_lim, True))]
+            t_pre = median_ms(lambda: sageattn3.preprocess(q, k, v))
+            print(f"D {d} {heads} heads x {seq}: rule+P {t[0]:.3f} ms, rule only {t[1]:.3f} ms, causal {t[2]:.3f} ms, "
+                  f"preprocess {t_pre:.3f} ms", flush=True)
     return 0
 
 

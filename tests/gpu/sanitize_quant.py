@@ -96,6 +96,7 @@ def _rule_kernel() -> int:
     from sageattn3 import reference as ref
 
     bad = 0
+    torch.manual_seed(11)  # the same inputs on every run
     for dtype in (torch.bfloat16, torch.float16):
         for (b, hq, hk, sq, sk, d) in [(1, 2, 1, 1, 1, 64), (1, 4, 2, 130, 17, 128), (2, 2, 1, 1100, 300, 64),
                                        (1, 1, 1, 1100, 1030, 128)]:
@@ -109,14 +110,16 @@ def _rule_kernel() -> int:
                                                                           False, ref.PV_ERROR_LIMIT, causal)
                 cpu = _on_cpu(pre)
                 want = ref.qk_fp4_error(q.cpu(), k.cpu(), v.cpu(), cpu)
-                ok = bool((((err.cpu() - want).abs() / want.abs().clamp_min(1e-12)) < 1e-3).all())
+                rel = ((err.cpu() - want).abs() / want.abs().clamp_min(1e-12)).max().item()
+                ok = rel < 1e-3
                 ok = ok and torch.equal((sel_q.cpu() & 1).bool(), err.cpu() > ref.AUTO_ERROR_LIMIT)
                 want_pv = ref.pv_p_error(q.cpu(), k.cpu(), v.cpu(), cpu, is_causal=causal)
-                ok = ok and bool((((err_pv.cpu() - want_pv).abs() / want_pv.abs().clamp_min(1e-12)) < 2e-3).all())
+                rel_pv = ((err_pv.cpu() - want_pv).abs() / want_pv.abs().clamp_min(1e-12)).max().item()
+                ok = ok and rel_pv < 2e-3
                 ok = ok and torch.equal((sel_q.cpu() >> 1).bool(), err_pv.cpu() > ref.PV_ERROR_LIMIT)
                 bad += not ok
                 print(f"qk_rule_select {str(dtype):15s} {(b, hq, hk, sq, sk, d)} {sorted(kw)} causal={causal}: "
-                      f"{'ok' if ok else 'MISMATCH'}")
+                      f"{'ok' if ok else 'MISMATCH'} (rel {rel:.1e}, P's {rel_pv:.1e})")
     return bad
 
 

@@ -1,6 +1,6 @@
 """The rule's FP8 P·V choice on the GPU (``pv_precision="auto"``, the default):
 
-- P's estimate in the rule kernel (``qk_rule_select``'s last launch) against ``reference.pv_p_error``
+- P's estimate in the rule kernel (``qk_rule_select``'s P blocks) against ``reference.pv_p_error``
   on the reference's own preprocessing, plain and with every option, and the selection bits it sets
   (bit 1 of sel_q, sel_v per kv head), leaving the Q·Kᵀ choice as it was;
 - V's MXFP8 quantizer with a selection (the chosen kv heads bit for bit, the others untouched);

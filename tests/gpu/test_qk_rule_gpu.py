@@ -53,8 +53,8 @@ def _compare(sa, case, b, hq, hk, sq, sk, d, *, dtype=torch.bfloat16, seed=2025,
 
 
 def _check_select(q, k, v, pre, scale, error):
-    """qk_rule_select (the estimate and the selection in one op): the same estimate bit for bit as
-    qk_rule_error, sel_q = error > limit (or every head with select_all), sel_k = any over each kv
+    """qk_rule_select (the estimate and the selection in one op): the same estimate bit for bit on
+    every launch, whatever the limit (qk_rule_error is its estimate alone), sel_q = error > limit (or every head with select_all), sel_k = any over each kv
     head's q heads; at the default limit and at limits that split the heads, twice each (the
     counters and sel_k are zeroed by every launch)."""
     from sageattn3 import _kernels, reference as ref
@@ -70,7 +70,7 @@ def _check_select(q, k, v, pre, scale, error):
                 assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in out]
                 assert bool(err_pv.isnan().all()) and not bool(sel_v.any()), "no P estimate was asked"
                 assert sel_q.dtype == torch.uint8 and sel_k.dtype == torch.uint8
-                assert torch.equal(err, error), "qk_rule_select's estimate differs from qk_rule_error's"
+                assert torch.equal(err, error), "qk_rule_select's estimate differs between launches"
                 want = torch.ones_like(error, dtype=torch.bool) if select_all else error > limit
                 assert torch.equal(sel_q, want.to(torch.uint8)), (limit, select_all, sel_q, error)
                 assert torch.equal(sel_k, want.view(b, hk, hq // hk).any(-1).to(torch.uint8)), (limit, sel_k)

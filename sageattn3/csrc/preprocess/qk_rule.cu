@@ -36,7 +36,7 @@
 // the same exact scores of the whole rows, L = c * Q K_s^T (Q's rows balanced and rotated as the
 // first estimate's, but not minus their mean: the scores then differ from the attention's only by
 // a constant per row), and the FP4 kind's P, P * 2688 relative to the running max of its 32-key
-// chunks, is quantized to NVFP4 along the keys (16-key blocks, requantize16) before P V (V
+// chunks, is quantized to NVFP4 along the keys (16-key blocks, quantize_p) before P V (V
 // exact): O_P = P^ V / (2688 sum P) against O = P V / sum P. A head whose estimate exceeds
 // a.pv_limit takes FP8 P.V: bit 1 of sel_q, and sel_v of its kv head set. For a causal attention
 // (a.causal) those blocks mask the sampled keys after each sampled row's position, as the
@@ -76,11 +76,16 @@ struct Smem {
   static constexpr int kS = kV + kChunk * kVLd;            // [kind][half][row][kSLd]
   static constexpr int kAlpha = kS + 2 * 2 * kRows * kSLd;  // [kind][row]
   static constexpr int kL = kAlpha + 2 * kRows;             // [kind][row]
-  static constexpr int kMeans = kL + 2 * kRows;             // the defaults' launch: mean_q row, mean_k
-  static constexpr int kCf = kMeans + 2 * D;                // the balance's factors per channel: Q's, K's
-  static constexpr int kFloats = kCf + 2 * D;
+  static constexpr int kMeans = kL + 2 * kRows;             // mean_q row (floor, P), mean_k
+  static constexpr int kCf = kMeans + 2 * D;                // the balance's factor per channel of K
+  static constexpr int kFloats = kCf + D;
   static constexpr size_t kBytes = static_cast<size_t>(kFloats) * sizeof(float);
 };
+// The kernel's static shared memory (the sampled key blocks' first rows and real-key counts).
+constexpr size_t kStaticBytes = kSampled * (sizeof(int64_t) + sizeof(int));
+// Two blocks per SM at D 64 on sm_120/121 (100 KB of shared memory per SM, 1 KB of it reserved
+// per block): one more row of D floats would leave one.
+static_assert(2 * (Smem<64>::kBytes + kStaticBytes + 1024) <= 100 * 1024, "D 64 must fit two blocks per SM on sm_120");
 
 __device__ __forceinline__ uint32_t to_tf32(float x) {
   uint32_t r;
@@ -161,7 +166,7 @@ __device__ __forceinline__ int64_t sampled_block(int64_t seq, int i) {
 /* ---------- qk_rule_kernel's phases, in the order a block runs them ---------- */
 
 // How a block's Q and K rows are made: the preprocessing's (rotated where a.rotate, balanced by
-// `bal`, minus its means, Qd/Kd its codes) or, in the defaults' launch (a.requant), raw minus the
+// `bal`, minus its means, Qd/Kd its codes) or, in the floor's blocks (requant), raw minus the
 // options-free means, Qd/Kd quantized here.
 struct RowPlan {
   bool rotate;
@@ -170,7 +175,7 @@ struct RowPlan {
   const float* mean_q;  // this block's Q mean row (D floats)
   const float* bal;     // the balance exponents of its kv head, or null
   // in shared memory (row_plan): K's mean at Smem::kMeans + D, the balance's factor per channel
-  // at Smem::kCf (Q's, 2^-e) and kCf + D (K's, 2^e), 1 without the balance
+  // of K at Smem::kCf (2^e, 1 without the balance)
 };
 
 // What one block estimates (blockIdx.z picks it): Q.K^T's error on the preprocessed rows, the
@@ -197,7 +202,7 @@ struct Role {
 template <int D>
 __device__ __forceinline__ void unrotate_row(float* row);
 
-// The defaults' launch: the options' means of this block taken back (reference.options_free_means:
+// The floor's blocks: the options' means of this block taken back (reference.options_free_means:
 // unrotate = the butterflies, then each channel times its sign and 64/D (as one factor), then
 // the balance undone: Q's times 2^e, K's times 2^-e) into shared memory. Warps 0 (Q) and 1 (K).
 template <int D>
@@ -234,7 +239,7 @@ __device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, const RowPlan&
       const float* mean = pl.mean_q + d0;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float c = sm[L::kCf + d0 + j];
+        const float c = pl.bal == nullptr ? 1.0f : ldexpf(1.0f, -static_cast<int>(pl.bal[d0 + j]));
         const float y = pl.rotate ? __fmul_rn(x[j], c) : __fsub_rn(__fmul_rn(x[j], c), mean[j]);
         uint32_t h2, l2;
         split_tf32(y, h2, l2);
@@ -312,7 +317,7 @@ __device__ __forceinline__ void requantize16(const float* row, float* out) {
   }
 }
 
-// With the rotation or the in-kernel quantization (a.rotate, a.requant): Q's staged rows (y
+// With the rotation or the in-kernel quantization (a.rotate, RowPlan::requant): Q's staged rows (y
 // unsplit in the hi area) rotated, minus their (rotated) mean, quantized (requant: Qd), then split
 // into tf32 parts, as stage_q_rows does at once otherwise. Called by the whole block after it.
 template <int D>
@@ -416,7 +421,7 @@ struct KeyChunk {
         unpack8<T>(rv[i], vv);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float cf = sm[L::kCf + D + d0 + j];
+          const float cf = sm[L::kCf + d0 + j];
           ks[j] = rotate ? __fmul_rn(x[j], cf) : __fsub_rn(__fmul_rn(x[j], cf), mean_k[d0 + j]);
         }
         if (no_codes) {
@@ -501,8 +506,9 @@ __device__ __forceinline__ void chunk_softmax(float* sm, float scale, int off, i
     const bool live = off + lane < count && (!causal || key0 + lane <= row0 + static_cast<int64_t>(r) * kStride);
     const float x = __fmul_rn(__fadd_rn(h0[lane], h1[lane]), scale);
     const float m_new = fmaxf(m_run[i], warp_max(live ? x : -INFINITY));
-    // a row that has seen no live key yet (a key split whose first keys a causal row does not
-    // see) keeps its empty state: -inf - -inf would be NaN
+    // a row that has seen no live key yet keeps its empty state (-inf - -inf would be NaN); key 0
+    // is seen by every row and only the Q.K^T estimates, which mask nothing, are split, so this
+    // is a guard
     const float alpha = m_new == -INFINITY ? 1.0f : expf(m_run[i] - m_new);
     const float e = live ? expf(x - m_new) : 0.0f;
     l_run[i] = l_run[i] * alpha + warp_sum(e);
@@ -515,20 +521,30 @@ __device__ __forceinline__ void chunk_softmax(float* sm, float scale, int off, i
   }
 }
 
-// P's estimate (a.pv): the FP4 kind's P * 2688 of the chunk, NVFP4 per row and 16-key block
-// (requantize16: reference.quantize_rows), then / 2688 and split into tf32 parts. 32 threads, one
-// block each; called by the whole block between two __syncthreads.
+// P's estimate (kPv): the FP4 kind's P * 2688 of the chunk, NVFP4 per row and 16-key block
+// (reference.quantize_rows: the block's amax, its E4M3 scale, each value's E2M1 code: quant16's
+// steps), then / 2688 and split into tf32 parts. Every thread: 8 lanes per block (16 rows x 2
+// blocks), 2 keys each, the amax across the 8 by shuffles (max.NaN: the same bits in any order);
+// called by the whole block between two __syncthreads.
 template <int D>
 __device__ __forceinline__ void quantize_p(float* sm, int tid) {
   using L = Smem<D>;
-  if (tid >= 2 * kRows) return;
-  const int r = tid >> 1, k0 = (tid & 1) * 16;
-  float* h0 = sm + L::kS + (1 * 2 + 0) * kRows * kSLd + r * kSLd + k0;
-  float* h1 = sm + L::kS + (1 * 2 + 1) * kRows * kSLd + r * kSLd + k0;
-  float q[16];
-  requantize16(h0, q);
+  const int blk = tid >> 3, r = blk >> 1, k = (blk & 1) * 16 + 2 * (tid & 7);
+  float* h0 = sm + L::kS + (1 * 2 + 0) * kRows * kSLd + r * kSLd + k;
+  float* h1 = sm + L::kS + (1 * 2 + 1) * kRows * kSLd + r * kSLd + k;
+  const float x0 = h0[0], x1 = h0[1];
+  float amax = abs_max_nan(abs_max_nan(0.0f, x0), x1);
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
+  for (int o = 1; o < 8; o <<= 1) amax = abs_max_nan(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+  const uint32_t sbyte = e4m3_scale_byte(amax);
+  // codes16 of the block with this lane's two values in places 0 and 1 (its codes are per value)
+  const float v[16] = {x0, x1, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  const uint32_t codes = codes16(v, sbyte).x & 0xFFu;
+  const float s = __fmul_rn(e4m3_value(sbyte), 16384.0f);  // e2m1x2_scaled gives values * 2^-14 (fp4x8)
+  const float2 f = e2m1x2_scaled(codes);
+  const float q[2] = {__fmul_rn(f.x, s), __fmul_rn(f.y, s)};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
     uint32_t ph, pl;
     split_tf32(__fdiv_rn(q[i], kPScale), ph, pl);
     h0[i] = __uint_as_float(ph);
@@ -644,10 +660,15 @@ __device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int qi
     return sqrtf(sn / fmaxf(sd, 1e-30f));
   };
   a.counter[bh] = 0;  // ready for the next launch
-  float err = estimate(0);
-  int next = 1;
-  if (next < G.nest && G.estimate[next] == kFloor) {  // the larger of the two, NaN if either is
-    const float fl = estimate(next++);
+  int z_first = 0, z_floor = -1, z_pv = -1;
+  for (int zz = 0; zz < G.nest; ++zz) {
+    if (G.estimate[zz] == kFirst) z_first = zz;
+    if (G.estimate[zz] == kFloor) z_floor = zz;
+    if (G.estimate[zz] == kPv) z_pv = zz;
+  }
+  float err = estimate(z_first);
+  if (z_floor >= 0) {  // the larger of the two, NaN if either is
+    const float fl = estimate(z_floor);
     err = (err != err || fl != fl) ? __int_as_float(0x7fc00000) : fmaxf(err, fl);
   }
   a.error[bh] = err;
@@ -658,10 +679,9 @@ __device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int qi
     a.sel_k[kv] = 1;
   }
   if (a.error_pv != nullptr) {  // FP8 P.V: bit 1 of the head's byte
-    const bool has_pv = next < G.nest && G.estimate[next] == kPv;
-    const float epv = has_pv ? estimate(next) : __int_as_float(0x7fc00000);
+    const float epv = z_pv >= 0 ? estimate(z_pv) : __int_as_float(0x7fc00000);
     a.error_pv[bh] = epv;
-    if (a.sel_q != nullptr && has_pv && epv > a.pv_limit) {
+    if (a.sel_q != nullptr && z_pv >= 0 && epv > a.pv_limit) {  // sel_v set: qk_rule_error checks it
       byte |= 2;
       a.sel_v[kv] = 1;
     }
@@ -669,7 +689,7 @@ __device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int qi
   if (a.sel_q != nullptr) a.sel_q[bh] = static_cast<uint8_t>(byte);
 }
 
-// The block's RowPlan: in the defaults' launch (requant) the options-free means go to shared
+// The block's RowPlan: in the floor's blocks (requant) the options-free means go to shared
 // memory and the rows are neither balanced nor rotated; otherwise K's mean is copied there. The
 // balance's factors per channel go to shared memory too. Whole block; ends with a __syncthreads.
 template <int D>
@@ -682,10 +702,9 @@ __device__ __forceinline__ RowPlan row_plan(const QkRuleArgs& a, const Role& rol
   const bool balanced = pl.bal != nullptr && !role.requant;
   for (int d = threadIdx.x; d < D; d += kThreads) {
     const int e = balanced ? static_cast<int>(pl.bal[d]) : 0;
-    sm[L::kCf + d] = ldexpf(1.0f, -e);
-    sm[L::kCf + D + d] = ldexpf(1.0f, e);
+    sm[L::kCf + d] = ldexpf(1.0f, e);
     if (!role.requant) sm[L::kMeans + D + d] = mean_k[d];
-    if (role.pv) sm[L::kMeans + d] = 0.0f;  // P's estimate: Q's rows whole (a zero mean), the first launch's K_s
+    if (role.pv) sm[L::kMeans + d] = 0.0f;  // P's estimate: Q's rows whole (a zero mean), K_s as Q.K^T's
   }
   if (role.requant)
     options_free_means<D>(a, sm + L::kMeans, sm + L::kMeans + D, pl.mean_q, mean_k, pl.bal, warp);
@@ -901,10 +920,13 @@ int launch(const QkRuleArgs& a, cudaStream_t stream) {
   static KernelSetup setup;  // its shared-memory ceiling, set once per device
   cudaError_t err = setup.smem(kernel, static_cast<int>(L::kBytes));
   if (err != cudaSuccess) return err;
-  RuleGrid G{a, {kFirst, kFirst, kFirst}, 1, a.split_state == nullptr ? 1 : splits(a),
+  // P's blocks first (blockIdx.z 0, scheduled first): never split, they are the longest where the
+  // others are
+  RuleGrid G{a, {kFirst, kFirst, kFirst}, 0, a.split_state == nullptr ? 1 : splits(a),
              a.rotate ? a.scale * static_cast<float>(D / 64) : a.scale};  // the unrotated scores' scale (exact)
-  if (a.floor) G.estimate[G.nest++] = kFloor;
   if (a.error_pv != nullptr && a.pv_limit >= 0.0f) G.estimate[G.nest++] = kPv;
+  G.estimate[G.nest++] = kFirst;
+  if (a.floor) G.estimate[G.nest++] = kFloor;
   // the counters (per head, then per estimate, head and sampled Q block) and the selection's
   // zeros, stream-ordered before the blocks that count and set them
   const int64_t BH = a.B * a.Hq;
@@ -935,7 +957,8 @@ int64_t qk_rule_split_floats(const QkRuleArgs& a) {
 int qk_rule_error(const QkRuleArgs& a, cudaStream_t stream) {
   if ((a.D != 64 && a.D != 128) || a.B < 1 || a.Hq < 1 || a.Hkv < 1 || a.Hq % a.Hkv || a.Sq < 1 || a.Sk < 1 ||
       a.Sqp < a.Sq || a.Skp < a.Sk || a.mean_rows < 1 || (a.mean_rows > 1 && a.mean_rows * kBlock < a.Sq) ||
-      a.B * a.Hq > 0x7FFFFFFF || ((a.sel_q == nullptr) != (a.sel_k == nullptr)))
+      a.B * a.Hq > 0x7FFFFFFF || ((a.sel_q == nullptr) != (a.sel_k == nullptr)) ||
+      (a.sel_q != nullptr && a.error_pv != nullptr && a.sel_v == nullptr))
     return cudaErrorInvalidValue;
   switch (a.dtype) {
     case DType::kFloat16: return launch_d<f16_t>(a, stream);
