@@ -111,13 +111,12 @@ def _rule_per_tile(d: int, ref: Ref) -> tuple[float, ...]:
 
 
 def _rule_dram(d: int, ref: Ref) -> float:
-    # the sampled rows read once per estimate: Q·Kᵀ's Q (bf16, packed FP4 + scales) and K, V (bf16)
-    # + K packed; P's the bf16 rows alone (its blocks take no FP4 codes)
+    # the sampled rows, each read from DRAM once: Q (bf16, packed FP4 + scales) and K, V (bf16) + K
+    # packed; P's blocks read the same bf16 rows in the same launch (no FP4 codes: nothing more)
     sampled, rows, _ = _rule_shape(ref)
     fp4_row = d // 2 + d // 16
-    qk = sampled * rows * (2 * d + fp4_row) + sampled * 128 * (4 * d + fp4_row)
-    pv = sampled * rows * 2 * d + sampled * 128 * 4 * d
-    return (qk + pv) / (ref.blocks * ref.blocks)
+    once = sampled * rows * (2 * d + fp4_row) + sampled * 128 * (4 * d + fp4_row)
+    return once / (ref.blocks * ref.blocks)
 
 
 def _mxfp8_rows(ref: Ref) -> float:

@@ -1,5 +1,5 @@
 """What the per-head Q·Kᵀ precision costs around the attention kernel, timed on a GPU with CUDA
-events (median of 15 after warm-up):
+events (median of 10 after warm-up; --rule: of 30):
 
     python tests/bench/bench_qk_precision.py [--seq S] [--heads H]
 
@@ -99,7 +99,8 @@ def main() -> int:
 def rule_shapes(reps: int = 30) -> int:
     """The rule op as the defaults run it (``qk_rule_select`` with P's estimate; causal too) and
     without P's estimate, beside the preprocessing, at D 128 and 64, 24 heads x 32k tokens and 8
-    heads x 4096 (bf16, zero-mean data; median of ``reps`` calls, CUDA events around each)."""
+    heads x 4096 (bf16, zero-mean data; median of ``reps`` calls, CUDA events around each, the GPU
+    idle before each: a figure holds the op's host work too, its allocation and its launches)."""
     os.environ.setdefault("SAGEATTN3_FORCE_FP4", "1")
     import sageattn3
     from sageattn3 import _kernels, reference

@@ -81,7 +81,8 @@ struct Smem {
   static constexpr int kFloats = kCf + D;
   static constexpr size_t kBytes = static_cast<size_t>(kFloats) * sizeof(float);
 };
-// The kernel's static shared memory (the sampled key blocks' first rows and real-key counts).
+// The kernel's static shared memory: qk_rule_kernel's tk_tab and cnt_tab (the sampled key
+// blocks' first rows and real-key counts; ptxas -v reports it as the kernel's smem).
 constexpr size_t kStaticBytes = kSampled * (sizeof(int64_t) + sizeof(int));
 // Two blocks per SM at D 64 on sm_120/121 (100 KB of shared memory per SM, 1 KB of it reserved
 // per block): one more row of D floats would leave one.
@@ -690,8 +691,9 @@ __device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int qi
 }
 
 // The block's RowPlan: in the floor's blocks (requant) the options-free means go to shared
-// memory and the rows are neither balanced nor rotated; otherwise K's mean is copied there. The
-// balance's factors per channel go to shared memory too. Whole block; ends with a __syncthreads.
+// memory and the rows are neither balanced nor rotated; otherwise K's mean is copied there. K's
+// balance factor per channel goes to shared memory too (Q's rows take theirs once, in
+// stage_q_rows). Whole block; ends with a __syncthreads.
 template <int D>
 __device__ __forceinline__ RowPlan row_plan(const QkRuleArgs& a, const Role& role, float* sm, int warp, int64_t bh,
                                             int64_t bk, int64_t tq) {
@@ -813,7 +815,7 @@ __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(const __grid_const
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using L = Smem<D>;
   extern __shared__ __align__(16) float sm[];
-  __shared__ int64_t tk_tab[kSampled];
+  __shared__ int64_t tk_tab[kSampled];  // kStaticBytes counts these two
   __shared__ int cnt_tab[kSampled];
   const QkRuleArgs& a = G.a;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -958,7 +960,7 @@ int qk_rule_error(const QkRuleArgs& a, cudaStream_t stream) {
   if ((a.D != 64 && a.D != 128) || a.B < 1 || a.Hq < 1 || a.Hkv < 1 || a.Hq % a.Hkv || a.Sq < 1 || a.Sk < 1 ||
       a.Sqp < a.Sq || a.Skp < a.Sk || a.mean_rows < 1 || (a.mean_rows > 1 && a.mean_rows * kBlock < a.Sq) ||
       a.B * a.Hq > 0x7FFFFFFF || ((a.sel_q == nullptr) != (a.sel_k == nullptr)) ||
-      (a.sel_q != nullptr && a.error_pv != nullptr && a.sel_v == nullptr))
+      (a.sel_q != nullptr && a.error_pv != nullptr && a.pv_limit >= 0.0f && a.sel_v == nullptr))
     return cudaErrorInvalidValue;
   switch (a.dtype) {
     case DType::kFloat16: return launch_d<f16_t>(a, stream);

@@ -204,7 +204,7 @@ def choose_qk_precision(precision: str, error: torch.Tensor) -> torch.Tensor:
 def pv_p_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_scale: float | None = None,
                is_causal: bool = False) -> torch.Tensor:
     """The rule's estimate, per q head, of the relative output error NVFP4 P causes: (B, Hq) float32,
-    torch ops on q's device (the oracle of the rule kernel's last launch, csrc/preprocess/qk_rule.cu).
+    torch ops on q's device (the oracle of the rule kernel's P blocks, csrc/preprocess/qk_rule.cu).
     The rows and keys of ``qk_fp4_error``'s first estimate (``pre``'s balanced, rotated rows), but Q
     whole (its mean not removed: the scores then differ from the attention's only by a constant per
     row, so P's peaks are the attention's):
