@@ -103,21 +103,11 @@ def rule_shapes(reps: int = 30) -> int:
     idle before each: a figure holds the op's host work too, its allocation and its launches)."""
     os.environ.setdefault("SAGEATTN3_FORCE_FP4", "1")
     import sageattn3
+    from bench_kernels import time_ms  # this folder's (imports sageattn3: after the setting above)
     from sageattn3 import _kernels, reference
 
     def median_ms(fn) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        return sorted(times)[len(times) // 2]
+        return time_ms(fn, iters=reps)
 
     dev = torch.device("cuda")
     print(f"device: {torch.cuda.get_device_name()}; {sageattn3.backend()}")
