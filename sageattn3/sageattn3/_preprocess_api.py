@@ -97,8 +97,9 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
     ``qk_balance=True`` (D 64/128, per_block_mean; off by default): the channel balance
     (``reference.balance_exponents``) from the same sampled blocks; Q and K are scaled by it in
     registers (``Preprocessed.balance``), before the rotation when both are on.
-    ``qk_scale_search=True`` (D 64/128; None: ``reference.QK_SCALE_SEARCH``, off unless set): Q
-    and K quantized with the NVFP4 scale search (``reference.quantize_rows``).
+    ``qk_scale_search=True`` (D 64/128; None: ``reference.QK_SCALE_SEARCH``, off unless set, and
+    on with ``qk_rotation``: ``reference.scale_search_on``): Q and K quantized with the NVFP4
+    scale search (``reference.quantize_rows``).
     Bytes that must move: Q, K, V read (3 x 2 bytes/element) + FP4 written (3 x 0.5625) + the
     sampled blocks (up to 8 x 128 rows per head) and the means. Figures:
     tests/bench/bench_kernels.py. Elsewhere: the reference."""
@@ -109,11 +110,12 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
         raise ValueError(f"pad must be a positive multiple of 16, got {pad!r}")
     if not _use_kernels(q) or q.shape[2] == 0 or q.shape[0] == 0 or q.shape[1] == 0:
         return reference.preprocess(q, k, v, per_block_mean, pad, qk_rotation=qk_rotation, qk_balance=qk_balance,
-                                    qk_scale_search=_search(qk_scale_search))
+                                    qk_scale_search=_search(qk_scale_search, qk_rotation))
     d = q.shape[3]
     if d % 16 or d > 256:
         raise ValueError(f"head_dim {d} not supported by the preprocessing kernels (multiple of 16, <= 256)")
-    return _preprocess_kernels(q, k, v, per_block_mean, pad, qk_rotation, qk_balance, _search(qk_scale_search))
+    return _preprocess_kernels(q, k, v, per_block_mean, pad, qk_rotation, qk_balance,
+                               _search(qk_scale_search, qk_rotation))
 
 
 def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bool,

@@ -63,7 +63,9 @@ CASES = (
     (1, 2, 1, 256, 128, torch.bfloat16, False, "fp4", {}),
     (1, 1, 1, 256, 64, torch.float16, True, "fp4", {}),
     (1, 2, 1, 256, 128, torch.bfloat16, False, "fp8", {"pv_precision": "fp4"}),
-    (1, 2, 1, 256, 64, torch.bfloat16, True, "fp8", {"qk_rotation": True, "pv_precision": "fp4"}),
+    # (what a call with qk_rotation=True runs: the rotation brings the scale search)
+    (1, 2, 1, 256, 64, torch.bfloat16, True, "fp8",
+     {"qk_rotation": True, "qk_scale_search": True, "pv_precision": "fp4"}),
 )
 # The FP8 P·V kernels (FP4 and FP8 Q·Kᵀ), checked on a device's first call that may take them
 # (pv_precision "fp8", or "auto" with the rule): every head, and the rule's per-head path

@@ -63,8 +63,8 @@ def _flags(**named) -> tuple[bool, ...]:
     return values  # the common case: every one a bool already
 
 
-def _search(qk_scale_search: bool | None) -> bool:
-    """The scale search a call asked for (None: ``reference.QK_SCALE_SEARCH``), as a bool."""
-    return reference.flag(reference.QK_SCALE_SEARCH if qk_scale_search is None else qk_scale_search,
-                          "qk_scale_search")
+def _search(qk_scale_search: bool | None, qk_rotation: bool) -> bool:
+    """The scale search a call asked for, as a bool (None: ``reference.QK_SCALE_SEARCH``, or on
+    with the rotation: ``reference.scale_search_on``)."""
+    return reference.scale_search_on(qk_scale_search, qk_rotation)
 

@@ -222,7 +222,9 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     K outlier channels). ``qk_scale_search=True``: Q and K quantized with
     the NVFP4 scale search (``sageattn3.reference.quantize_rows``; D 64/128), more accurate
     everywhere but the preprocessing is much slower on an H100 (README, "Accuracy"); None (the
-    default) takes ``sageattn3.reference.QK_SCALE_SEARCH`` (False unless set).
+    default) takes ``sageattn3.reference.QK_SCALE_SEARCH`` (False unless set), and is on with
+    ``qk_rotation`` (``sageattn3.reference.scale_search_on``: the rotation alone rounds a little
+    below the defaults on heads that need no help; pass False to turn it off).
     ``qk_precision``: "auto" (the default) decides per head, on the device, whether Q·Kᵀ runs
     with FP4 or MXFP8 operands (``sageattn3.reference.qk_fp4_error`` and ``AUTO_ERROR_LIMIT``: heads
     whose estimated output error from FP4 Q·Kᵀ is large, e.g. RoPE'd biased keys, near-one-hot rows,
@@ -251,7 +253,7 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
             "is_causal=True for causal masking or torch.nn.functional.scaled_dot_product_attention"
         )
     flags = _flags(is_causal=is_causal, per_block_mean=per_block_mean, qk_rotation=qk_rotation, qk_balance=qk_balance)
-    search = _search(qk_scale_search)
+    search = _search(qk_scale_search, flags[2])
     precision = reference.qk_precision_arg(qk_precision)
     pv = reference.pv_precision_arg(pv_precision)
     if reference.flag(return_qk_choice, "return_qk_choice"):
@@ -440,6 +442,6 @@ def blockscaled_fp4_attn(q, k, v, is_causal: bool = False, per_block_mean: bool 
     causal, pbm, rot, bal = _flags(is_causal=is_causal, per_block_mean=per_block_mean, qk_rotation=qk_rotation,
                                    qk_balance=qk_balance)
     return _fp4_attention(q, k, v, causal, pbm, sm_scale, qk_rotation=rot, qk_balance=bal,
-                          qk_scale_search=_search(qk_scale_search),
+                          qk_scale_search=_search(qk_scale_search, rot),
                           qk_precision=reference.qk_precision_arg(qk_precision), pv_precision=pv)
 

@@ -18,13 +18,15 @@ computed in float64 from the bf16 inputs):
   residual), no balance, no rotation of the FP4 heads (the FP8 heads multiply rotated rows:
   ``sageattn3.reference.fp8_rows``), plain scales;
 - "FP8 heads": how many heads the rule gives FP8 Q·Kᵀ and FP8 P·V with the defaults;
-- "FP4 Q·Kᵀ": the same with qk_precision="fp4" (every head FP4, the rule does not run, so P·V is
-  NVFP4 too: the defaults before "auto");
-  "FP4 + balance": that with qk_balance=True (the Q/K channel balance); "auto + balance +
-  rotation": the defaults ("auto") with qk_balance=True and qk_rotation=True (balanced, then
-  rotated; the rule runs on those rows, options as floors); "auto + all three": those two and Q
-  and K quantized with the scale search (qk_scale_search=True); "FP8 Q·Kᵀ": qk_precision="fp8"
-  (every head FP8 Q·Kᵀ, P·V as the rule picks);
+- the accuracy options, each on top of the defaults ("auto"; the rule runs on the rows they
+  make, options as floors): "auto + balance" (qk_balance=True, the Q/K channel balance), "auto +
+  rotation" (qk_rotation=True, which brings the scale search with it unless told otherwise),
+  "auto + scale search" (qk_scale_search=True), "auto + all three" (balanced, then rotated, and
+  quantized with the scale search); "FP8 Q·Kᵀ": qk_precision="fp8" (every head FP8 Q·Kᵀ, P·V as
+  the rule picks);
+- the speed choice: "FP4 Q·Kᵀ (speed)": qk_precision="fp4" (every head FP4, the rule does not
+  run, so P·V is NVFP4 too: the defaults before "auto"), and "FP4 + balance": that with
+  qk_balance=True;
 - with --gpu: "kernels": ``sageattn3_blackwell`` (the preprocessing and attention kernels, the
   defaults) and its cos-sim against "auto (default)" on the same inputs; "kernels, all three": the
   same with the balance, the rotation and the scale search, against "auto + all three".
@@ -58,8 +60,8 @@ SUMMARY_START, SUMMARY_END = "<!-- accuracy-summary:start -->", "<!-- accuracy-s
 # The README's few rows (case, D, causal) and columns (by header) of the full table.
 SUMMARY_ROWS = [("randn", 128, False), ("q_outliers", 128, False), ("k_outliers", 128, False),
                 ("qk_outliers", 128, False), ("peaky", 128, False), ("rope_bias", 128, False)]
-SUMMARY_COLUMNS = ["inputs", "auto (default): cos / rel-L1", "FP4 Q·Kᵀ", "auto + balance + rotation",
-                   "auto + all three"]
+SUMMARY_COLUMNS = ["inputs", "auto (default): cos / rel-L1", "auto + rotation", "auto + all three",
+                   "FP4 Q·Kᵀ (speed)"]
 LABELS = {
     "randn": "zero-mean Q, K, V",
     "q_offset_x1": "Q channel offsets x1",
@@ -98,12 +100,14 @@ def measure(ref, gpu: bool) -> list[dict]:
                 outs = {
                     "paper": ref.sageattn3_paper(q, k, v, is_causal=causal),
                     "ours": ref.sageattn3(q, k, v, is_causal=causal),
-                    "fp4": ref.sageattn3(q, k, v, is_causal=causal, qk_precision="fp4"),
-                    "bal": ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True, qk_precision="fp4"),
-                    "balrot": ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True, qk_rotation=True),
+                    "bal": ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True),
+                    "rot": ref.sageattn3(q, k, v, is_causal=causal, qk_rotation=True),
+                    "search": ref.sageattn3(q, k, v, is_causal=causal, qk_scale_search=True),
                     "all": ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True, qk_rotation=True,
                                          qk_scale_search=True),
                     "fp8": ref.sageattn3(q, k, v, is_causal=causal, qk_precision="fp8"),
+                    "fp4": ref.sageattn3(q, k, v, is_causal=causal, qk_precision="fp4"),
+                    "fp4bal": ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True, qk_precision="fp4"),
                 }
                 pre = ref.preprocess(q, k, v, qk_precision="auto", is_causal=causal)
                 heads = pre.qk_fp8
@@ -123,7 +127,8 @@ def measure(ref, gpu: bool) -> list[dict]:
                     row["kernels_all"] = (ac.cos_sim(kern, exact), ac.rel_l1(kern, exact))
                     row["kernels_all_vs_all"] = ac.cos_sim(kern, outs["all"])
                 rows.append(row)
-                names = [n for n in ("paper", "ours", "fp4", "bal", "balrot", "all", "fp8", "kernels", "kernels_all")
+                names = [n for n in ("paper", "ours", "bal", "rot", "search", "all", "fp8", "fp4", "fp4bal", "kernels",
+                                      "kernels_all")
                          if n in row]
                 print(f"  {case:12s} D={d:3d} causal={causal!s:5s} " + "  ".join(
                     f"{n} {row[n][0]:.4f}/{row[n][1]:.3f}" for n in names), file=sys.stderr, flush=True)
@@ -132,7 +137,8 @@ def measure(ref, gpu: bool) -> list[dict]:
 
 def table(rows: list[dict], gpu: bool) -> str:
     head = ["inputs", "D", "causal", "paper: cos / rel-L1", "auto (default): cos / rel-L1", "FP8 heads: Q·Kᵀ, P·V",
-            "FP4 Q·Kᵀ", "FP4 + balance", "auto + balance + rotation", "auto + all three", "FP8 Q·Kᵀ"]
+            "auto + balance", "auto + rotation", "auto + scale search", "auto + all three", "FP8 Q·Kᵀ",
+            "FP4 Q·Kᵀ (speed)", "FP4 + balance"]
     if gpu:
         head += ["kernels: cos / rel-L1", "kernels vs ours (cos)", "kernels, all three", "vs auto + all three (cos)"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -140,17 +146,38 @@ def table(rows: list[dict], gpu: bool) -> str:
         cells = [LABELS[r["case"]], str(r["d"]), "yes" if r["causal"] else "no"]
         cells += [f"{r[n][0]:.4f} / {r[n][1]:.3f}" for n in ("paper", "ours")]
         cells += [f"{r['fp8_heads']}/{r['heads']}, {r['pv8_heads']}/{r['heads']}"]
-        cells += [f"{r[n][0]:.4f} / {r[n][1]:.3f}" for n in ("fp4", "bal", "balrot", "all", "fp8")]
+        cells += [f"{r[n][0]:.4f} / {r[n][1]:.3f}" for n in ("bal", "rot", "search", "all", "fp8", "fp4", "fp4bal")]
         if gpu:
             cells += [f"{r['kernels'][0]:.4f} / {r['kernels'][1]:.3f}", f"{r['kernels_vs_ours']:.6f}",
                       f"{r['kernels_all'][0]:.4f} / {r['kernels_all'][1]:.3f}", f"{r['kernels_all_vs_all']:.6f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + floors(rows)
+
+
+OPTION_COLUMNS = {"bal": "auto + balance", "rot": "auto + rotation", "search": "auto + scale search",
+                  "all": "auto + all three", "fp8": "FP8 Q·Kᵀ"}
+
+
+def floors(rows: list[dict]) -> str:
+    """One sentence under the table: each accuracy option's cos-sim against the defaults', cell by
+    cell, unrounded (the table's four digits can hide or make a difference of 0.00005)."""
+    worst = []
+    for name, label in OPTION_COLUMNS.items():
+        where = min(rows, key=lambda r: r[name][0] - r["ours"][0])
+        gap = where[name][0] - where["ours"][0]
+        worst.append(f"{label} {gap:+.5f} ({LABELS[where['case']]}, D {where['d']}, "
+                     f"{'causal' if where['causal'] else 'non-causal'})")
+    below = sum(r[n][0] < r["ours"][0] for r in rows for n in OPTION_COLUMNS)
+    shown = sum(f"{r[n][0]:.4f}" < f"{r['ours'][0]:.4f}" for r in rows for n in OPTION_COLUMNS)
+    return (f"The accuracy options against the defaults, cos-sim unrounded, the smallest difference in each "
+            f"column: {'; '.join(worst)}. Cells below the defaults: {below} of {len(rows) * len(OPTION_COLUMNS)} "
+            f"unrounded, {shown} at the four digits shown.")
 
 
 def summary(text: str) -> str:
     """The README's rows of the full table ``text`` (SUMMARY_ROWS, D 128, SUMMARY_COLUMNS)."""
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.strip().splitlines()]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.strip().splitlines()
+            if line.startswith("|")]
     head = rows[0]
     missing = [c for c in SUMMARY_COLUMNS if c not in head]
     if missing:

@@ -69,7 +69,7 @@ def _check_against_reference(pre, q, k, v, per_block_mean, rotation, outliers, h
     assert pre.qk_rotation is (rotation and d in (64, 128))
     assert (pre.balance is not None) is (per_block_mean and d in (64, 128))
     want = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), per_block_mean=per_block_mean, qk_rotation=rotation,
-                          qk_balance=True)
+                          qk_balance=True, qk_scale_search=ref.QK_SCALE_SEARCH)
     bal = None
     if pre.balance is not None:
         bal = pre.balance.cpu()
@@ -77,13 +77,13 @@ def _check_against_reference(pre, q, k, v, per_block_mean, rotation, outliers, h
         if outliers and sq > 1:  # one token: Q minus its mean is 0, nothing to balance
             assert bool((bal != 0).any())
         want = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), per_block_mean=per_block_mean, qk_rotation=rotation,
-                              qk_balance=True, balance=bal)
+                              qk_balance=True, balance=bal, qk_scale_search=ref.QK_SCALE_SEARCH)
     for name in ("mean_q", "mean_k", "mean_q_global"):
         assert torch.allclose(getattr(pre, name).cpu(), getattr(want, name), rtol=1e-5, atol=1e-5), name
     # bit-exact quantization given the kernel's own means (and balance exponents)
     exact = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), per_block_mean=per_block_mean, mean_q=pre.mean_q.cpu(),
                            mean_k=pre.mean_k.cpu(), mean_q_global=pre.mean_q_global.cpu(), qk_rotation=rotation,
-                           qk_balance=True, balance=bal)
+                           qk_balance=True, balance=bal, qk_scale_search=ref.QK_SCALE_SEARCH)
     for name in ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales"):
         got, ref_t = getattr(pre, name), getattr(exact, name)
         assert got.shape == ref_t.shape, name

@@ -226,7 +226,7 @@ def test_fp4_path_is_wired(monkeypatch, dtype, causal):
                                           (2, 4, 77, 64), (2, 4, 77, 64)]
     r = _selfcheck.result(q.device)
     assert r.ok and [f["qk"] for f in r.figures] == ["fp4", "fp4", "fp8", "fp8"]
-    assert [f["options"] for f in r.figures] == ["", "", "pv_precision='fp4'", "qk_rotation=True, pv_precision='fp4'"]
+    assert [f["options"] for f in r.figures] == ["", "", "pv_precision='fp4'", "qk_rotation=True, qk_scale_search=True, pv_precision='fp4'"]
     assert all(f["cos"] > 0.99999 for f in r.figures)
 
 

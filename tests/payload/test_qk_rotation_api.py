@@ -55,14 +55,14 @@ def test_keyword_reaches_the_fp4_path(monkeypatch):
         assert torch.equal(plain, ref.sageattn3(q, k, v).to(q.dtype))
         assert not torch.equal(ref.sageattn3(q, k, v, qk_rotation=True, qk_precision="fp4"),
                                ref.sageattn3(q, k, v, qk_precision="fp4"))
-        # the scale search: the keyword, else the module default, reaches the FP4 path as a bool
+        # the scale search: the keyword, else the module default (or the rotation), reaches the FP4 path as a bool
         both = sageattn3.sageattn3_blackwell(q, k, v, qk_balance=True, qk_rotation=True, qk_scale_search=True)
         assert torch.equal(both, ref.sageattn3(q, k, v, qk_balance=True, qk_rotation=True,
                                                qk_scale_search=True).to(q.dtype))
         monkeypatch.setattr(ref, "QK_SCALE_SEARCH", 1)
         sageattn3.sageattn3_blackwell(q, k, v)
         sageattn3.sageattn3_blackwell(q, k, v, qk_scale_search=False)
-        assert searched == [False, False, False, True, True, False]
+        assert searched == [False, True, False, True, True, False]  # the rotation brought it (second call)
         assert all(type(x) is bool for x in searched)
     finally:
         _selfcheck.reset()

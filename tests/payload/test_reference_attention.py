@@ -103,9 +103,9 @@ def test_preprocess_with_given_means_is_the_quantizer(d):
     assert pre.qk_rotation is (d == 64)  # where it applies
     turn = ref.rotate if d == 64 else (lambda x: x.float())
     qs = turn(q) - mq[:, :, ref.q_block_index(130, 2)]
-    p, s = ref.quantize_rows(ref.pad_dim(qs, -2, 16), scale_search=ref.QK_SCALE_SEARCH)
+    p, s = ref.quantize_rows(ref.pad_dim(qs, -2, 16), scale_search=pre.qk_scale_search)  # on with the rotation
     assert torch.equal(p, pre.q_packed) and torch.equal(s.view(torch.uint8), pre.q_scales.view(torch.uint8))
-    p, s = ref.quantize_rows(ref.pad_dim(turn(k) - mk, -2, 16), scale_search=ref.QK_SCALE_SEARCH)
+    p, s = ref.quantize_rows(ref.pad_dim(turn(k) - mk, -2, 16), scale_search=pre.qk_scale_search)
     assert torch.equal(p, pre.k_packed)
 
 

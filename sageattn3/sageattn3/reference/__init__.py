@@ -79,6 +79,7 @@ from .transforms import (
     sample_blocks,
     sample_mean,
     scale_search_applies,
+    scale_search_on,
 )
 from .precision import (
     BALANCE,
@@ -146,7 +147,8 @@ from .attention import (
 # 0.382-0.383 -> 0.705-0.710 ms (+85%: every block is converted twice, in software on that GPU) for a
 # cos-sim gain of about 0.002 on random data and 0.005-0.01 with Q outlier channels (README,
 # "Accuracy"). Set it to True (or pass qk_scale_search=True) for the most accurate quantization
-# of Q and K.
+# of Q and K. A call with qk_rotation=True that does not say takes the scale search whatever
+# this is (``scale_search_on``).
 QK_SCALE_SEARCH = False
 # K's mean and Q's mean over the whole sequence (mean_q_global, and Q's only mean without
 # per_block_mean) come from up to this many evenly spaced 128-token blocks (``sample_blocks``).
@@ -280,6 +282,7 @@ __all__ = [
     "sample_blocks",
     "sample_mean",
     "scale_search_applies",
+    "scale_search_on",
     "smooth_q",
     "treatment_applies",
     "treatment_errors",

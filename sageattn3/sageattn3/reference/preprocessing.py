@@ -255,7 +255,7 @@ def preprocess(
         raise ValueError("k_block_mean is measured with FP4 Q·Kᵀ only: pass qk_precision='fp4' with it")
     per_block_mean, qk_rotation, qk_balance = (flag(per_block_mean, "per_block_mean"), flag(qk_rotation, "qk_rotation"),
                                                flag(qk_balance, "qk_balance"))
-    search = scale_search_applies(qk_scale_search, d)
+    search = scale_search_applies(qk_scale_search, d, qk_rotation)
     rot = qk_rotation and rotation_applies(d)
     turn = rotate if rot else (lambda x: x.float())
     bal = None
