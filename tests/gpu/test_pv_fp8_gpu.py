@@ -200,9 +200,9 @@ def test_kernel_matches_the_reference(fp4, case, sq, sk, d, causal, qk):  # noqa
 def test_second_term_of_p_where_a_sink_flushes_its_block(fp4, d, causal, qk, monkeypatch):  # noqa: F811
     """Large logits against sink keys (512 tokens, seed 2025: where one MXFP8 term of P left heads
     at 0.93-0.98): the sink's 32-key block takes P's second term (reference.mxfp8_p), and the
-    kernel follows it (>= 0.99999 against the reference, visibly closer than to the one-term
-    reference, which differs from it), with every head at or above 0.98 against exact attention
-    when Q·Kᵀ is FP8 too."""
+    kernel follows it (>= 0.99999 against the reference, closer than to the one-term reference,
+    which at D 64 differs from it by 0.02-0.04), with every head at or above 0.98 against exact
+    attention when Q·Kᵀ is FP8 too."""
     pv8 = _pv8_or_skip()
     from sageattn3 import reference as ref
     from sageattn3.reference import attention as ref_attention
@@ -223,7 +223,9 @@ def test_second_term_of_p_where_a_sink_flushes_its_block(fp4, d, causal, qk, mon
     fig = (f"large_logits S=512 D={d} causal={causal} qk={qk}: kernel vs reference cos={c:.7f}, vs one-term "
            f"reference {c1:.5f}; per head vs exact {min(heads):.4f}-{max(heads):.4f}")
     FIGURES.append(fig)
-    assert c >= 0.99999 and c_terms < 0.9999 and c1 < c, fig
+    # (at D 128 the sink's block holds less of each row's output: the one-term reference is within
+    # 0.00006 of the two-term one there, against 0.02-0.04 at D 64)
+    assert c >= 0.99999 and c1 < c - 1e-5 and (d == 128 or c_terms < 0.999), fig
     if qk == "fp8":
         assert min(heads) >= 0.98, fig
 

@@ -27,9 +27,6 @@ __device__ __forceinline__ uint32_t ue8m0_byte(float amax, bool nan) {
   return ue8m0_byte(nan ? __uint_as_float(0x7FC00000u) : amax);
 }
 
-// E4M3's smallest normal value: a scaled value below it is subnormal (steps of 2^-9) or zero.
-constexpr float kE4m3MinNormal = 0x1p-6f;
-
 // 2^(127 - b): what a block's values are multiplied by before the E4M3 conversion.
 __device__ __forceinline__ float ue8m0_inverse(uint32_t b) { return __uint_as_float((254u - b) << 23); }
 
