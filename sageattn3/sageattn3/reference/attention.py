@@ -146,7 +146,8 @@ def sageattn3(
     With Qd, Kd, Vd the dequantized NVFP4 tensors of ``preprocess`` (rotated Q and K with
     ``qk_rotation`` at head dims 64/128; Q and K in the balanced space with ``qk_balance``,
     which leaves every score unchanged but moves FP4 error away from Q's and K's outlier channels; Q and
-    K quantized with the scale search with ``qk_scale_search`` (None: ``QK_SCALE_SEARCH``)) and
+    K quantized with the scale search with ``qk_scale_search`` (None: ``QK_SCALE_SEARCH``, or on
+    with ``qk_rotation``: ``scale_search_on``)) and
     c = sm_scale / rotation_score_factor · log2(e):
 
     - scores, per query row i and key j: t_ij = c · (Qd_i · Kd_j + delta_s[i // 128 or 0, j])
