@@ -129,6 +129,8 @@ def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bo
     (``_kernels.aligned``), as the FP4 path passes them."""
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
+    if type(qk_scale_search) is not bool:  # resolved by the caller (_search: None takes the rotation into account)
+        raise TypeError(f"_preprocess_kernels: qk_scale_search must be a resolved bool, got {qk_scale_search!r}")
     if d in reference.ROTATION_HEAD_DIMS and hq // hk <= _kernels.max_correction_heads(d):
         bal = bool(qk_balance) and per_block_mean and reference.balance_applies(d)
         search = reference.scale_search_applies(qk_scale_search, d)

@@ -1,6 +1,7 @@
 """sageattn3_blackwell end to end (the preprocessing kernels, their per-key correction, the
 attention kernel) on the hard inputs of tests/attention_cases.py, against the CPU reference on
-the same inputs and against exact attention; the defaults, the Q/K rotation alone, and the
+the same inputs and against exact attention; the defaults, the Q/K rotation (with the scale search
+it brings), and the
 channel balance with the rotation and the NVFP4 scale search (the most accurate setting). On an
 H100 this runs the MMA-model test flavour (SAGEATTN3_FORCE_FP4=1, set by the fixture)."""
 

@@ -356,8 +356,60 @@ __device__ __forceinline__ void pv8_mma(float (&o)[4], const uint32_t (&pa)[4], 
   mma_fp8<0, C>(o, pa, vb, o, p_sf, v_sf);
 }
 
-// Chunks C0 .. C0 + G - 1 of P.V (G = 1, 2 or 4): P's chunks to MXFP8, then per 8 channels the
-// chunks' MMAs (the channel's scale word once). bm[q][h][r]: as in consumer (chunk 2q + h).
+// Whether one of four E4M3 codes is zero or subnormal (exponent bits 0): a P that its block's
+// scale leaves below E4M3's normal range. Any zero byte of w & 0x78787878, by the borrow trick.
+__device__ __forceinline__ bool e4m3_subnormal_in(uint32_t w) {
+  const uint32_t e = w & 0x78787878u;
+  return ((e - 0x01010101u) & ~e & 0x80808080u) != 0u;
+}
+
+// The second term of P's chunk C (reference.mxfp8_p), for the rows whose block holds a zero or
+// subnormal E4M3 code: the residual P - hi (hi: the first term's codes pa, dequantized) to MXFP8
+// with its own scale, times V by one more MMA per 8 channels; the other rows' residuals count as
+// zero (codes 0, adding nothing). Called only where a lane of the warp holds such a code
+// (warp-uniform), so other chunks pay the check alone; per row, the flag is the OR over the row's
+// four lanes, and the row's first-term scale byte comes from lane t ^ 1 for the other row.
+template <int C, int D>
+__device__ __forceinline__ void pv8_second(float (&o)[D / 8][4], const float (&s)[kBlockN / 8][4],
+                                           const uint32_t (&hi)[4], uint32_t hi_sf, int t, uint32_t v_tile,
+                                           uint32_t v_lane, uint32_t vsf_lane) {
+  constexpr int j = 4 * C;
+  const uint32_t other_sf = __shfl_xor_sync(0xffffffffu, hi_sf, 1);
+  uint32_t pa[4], p_sf = 0;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {  // row g + 8r: this lane's keys 32C + 8t + 2jj + h in s[j + jj][2r + h]
+    const float scale = __uint_as_float((((t & 1) == r) ? hi_sf : other_sf) << 23);  // 2^(b - 127)
+    int small = e4m3_subnormal_in(hi[r]) || e4m3_subnormal_in(hi[2 + r]);
+    small |= __shfl_xor_sync(0xffffffffu, small, 1);
+    small |= __shfl_xor_sync(0xffffffffu, small, 2);
+    float res[8], amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t code = (hi[(i / 4) * 2 + r] >> (8 * (i % 4))) & 0xFFu;
+      const float h = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code),
+                                                                   __NV_E4M3)));
+      res[i] = small ? __fsub_rn(s[j + i / 2][2 * r + i % 2], __fmul_rn(h, scale)) : 0.0f;
+      amax = fmaxf(amax, fabsf(res[i]));
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const uint32_t b2 = ue8m0_byte(amax);
+    const float inv2 = ue8m0_inverse(b2);
+    pa[r] = e4m3x4_rn(res[0], res[1], res[2], res[3], inv2);
+    pa[2 + r] = e4m3x4_rn(res[4], res[5], res[6], res[7], inv2);
+    if ((t & 1) == r) p_sf = b2;
+  }
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    const uint32_t v_sf = lds_u32(vsf_lane + 32 * n);
+    pv8_mma<C>(o[n], pa, p_sf, v_tile + n * 8 * kBlockN, v_lane, v_sf);
+  }
+}
+
+// Chunks C0 .. C0 + G - 1 of P.V (G = 1, 2 or 4): P's chunks to MXFP8; each chunk's second term
+// where a lane of the warp holds a zero or subnormal code (pv8_second); then per 8 channels the
+// chunks' MMAs (the channel's scale word once). The second terms come before the first terms'
+// MMAs: after them, ptxas spilled 448 bytes at D 128 with FP8 Q.K^T.
 template <int C0, int G, int D>
 __device__ __forceinline__ void pv8_pass(float (&o)[D / 8][4], const float (&s)[kBlockN / 8][4], int t,
                                          uint32_t v_tile, uint32_t v_lane, uint32_t vsf_lane) {
@@ -368,6 +420,21 @@ __device__ __forceinline__ void pv8_pass(float (&o)[D / 8][4], const float (&s)[
   if constexpr (G > 2) {
     pv8_quantize<C0 + 2>(s, t, pa[2], p_sf[2]);
     pv8_quantize<C0 + 3>(s, t, pa[3], p_sf[3]);
+  }
+#pragma unroll
+  for (int c = 0; c < G; ++c) {
+    const bool small = e4m3_subnormal_in(pa[c][0]) || e4m3_subnormal_in(pa[c][1]) || e4m3_subnormal_in(pa[c][2]) ||
+                       e4m3_subnormal_in(pa[c][3]);
+    if (__any_sync(0xffffffffu, small)) {
+      if (c == 0) pv8_second<C0, D>(o, s, pa[0], p_sf[0], t, v_tile, v_lane, vsf_lane);
+      if constexpr (G > 1) {
+        if (c == 1) pv8_second<C0 + 1, D>(o, s, pa[1], p_sf[1], t, v_tile, v_lane, vsf_lane);
+      }
+      if constexpr (G > 2) {
+        if (c == 2) pv8_second<C0 + 2, D>(o, s, pa[2], p_sf[2], t, v_tile, v_lane, vsf_lane);
+        if (c == 3) pv8_second<C0 + 3, D>(o, s, pa[3], p_sf[3], t, v_tile, v_lane, vsf_lane);
+      }
+    }
   }
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {

@@ -13,6 +13,7 @@ from .formats import (
     FP4_MAX,
     MX_BLOCK,
     dequantize_mxfp8_rows,
+    mxfp8_p,
     dequantize_mxfp8_transposed,
     dequantize_rows,
     dequantize_transposed,
@@ -77,7 +78,7 @@ def _tiled_attention(qd, kd, vd, delta_rows, seq_k: int, is_causal: bool, c: flo
         if pv_fp8:
             p = torch.exp2(t - m_safe)
             p = torch.where(live, p, torch.zeros_like(p))
-            ph = dequantize_mxfp8_rows(*quantize_mxfp8_rows(p))
+            ph = mxfp8_p(p)
         else:
             p = torch.exp2(t - m_safe) * P_SCALE
             p = torch.where(live, p, torch.zeros_like(p))
@@ -145,7 +146,8 @@ def sageattn3(
     With Qd, Kd, Vd the dequantized NVFP4 tensors of ``preprocess`` (rotated Q and K with
     ``qk_rotation`` at head dims 64/128; Q and K in the balanced space with ``qk_balance``,
     which leaves every score unchanged but moves FP4 error away from Q's and K's outlier channels; Q and
-    K quantized with the scale search with ``qk_scale_search`` (None: ``QK_SCALE_SEARCH``)) and
+    K quantized with the scale search with ``qk_scale_search`` (None: ``QK_SCALE_SEARCH``, or on
+    with ``qk_rotation``: ``scale_search_on``)) and
     c = sm_scale / rotation_score_factor · log2(e):
 
     - scores, per query row i and key j: t_ij = c · (Qd_i · Kd_j + delta_s[i // 128 or 0, j])
@@ -173,7 +175,9 @@ def sageattn3(
       P̂ = ``quantize_mxfp8_rows``(P) along the keys: per row and 32-key block of the tile, the
       UE8M0 byte of the block's amax (``ue8m0_scale_byte``: the smallest power of two putting the
       amax at or below 448), P · 2^(127 - b) rounded to E4M3 (nearest even; nothing saturates:
-      P <= 1); a block whose keys are all masked gets byte 1 and codes 0.
+      P <= 1); a block whose keys are all masked gets byte 1 and codes 0. A block holding a value
+      below E4M3's normal range once scaled adds the MXFP8 of its residual (``mxfp8_p``: a
+      second MMA in the kernel).
     - l_t = l_{t-1} · exp2(m_{t-1} - m_t) + Σ_j P_ij (unquantized P, this domain),
       acc_t = acc_{t-1} · exp2(m_{t-1} - m_t) + P̂ · Vd8_t; O_i = acc / l.
 

@@ -280,6 +280,26 @@ def dequantize_mxfp8_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Te
     return (vals * ue8m0_value(scales).unsqueeze(-1)).reshape(codes.shape)
 
 
+def mxfp8_p(p: torch.Tensor) -> torch.Tensor:
+    """P as the FP8 P·V kernels multiply it, dequantized (float32, same shape): P >= 0 along the
+    keys (the last dim, a multiple of 32). Per row and 32-key block: hi = MXFP8 of P
+    (``quantize_mxfp8_rows``); where hi holds a zero or subnormal code (exponent bits 0: a P that
+    the block's scale leaves below E4M3's normal range, 2^-6, or rounds to zero), also lo = MXFP8
+    of the residual P - hi (float32) with its own scale, and P̂ = hi + lo (the kernel: one more MMA
+    of the block with the same V). The block's largest value sits at 256-448 once scaled, so such
+    a P is more than about e^10 below it: E4M3 keeps it in a few steps of 2^-9 or as zero. A row
+    whose max is an attention sink loses the other keys of the sink's block that way (28 of 32
+    keys in the large-logit case), which left FP8 P·V below cos 0.98 there."""
+    n = p.shape[-1]
+    codes, scales = quantize_mxfp8_rows(p)
+    hi = dequantize_mxfp8_rows(codes, scales)
+    bits = codes.view(torch.uint8).reshape(*p.shape[:-1], n // MX_BLOCK, MX_BLOCK)
+    small = ((bits & 0x78) == 0).any(dim=-1, keepdim=True)
+    r = (p.float() - hi).reshape(bits.shape)
+    r = torch.where(small, r, torch.zeros_like(r)).reshape(p.shape)
+    return hi + dequantize_mxfp8_rows(*quantize_mxfp8_rows(r))
+
+
 def quantize_mxfp8_transposed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 along the sequence (V of the FP8 P·V path): x (..., S, D) -> (codes float8_e4m3fn
     (..., D, S32), scales uint8 (..., D, S32/32) UE8M0), S32 = S rounded up to a multiple of 32

@@ -22,6 +22,7 @@ from .formats import (
     FP4_MAX,
     MX_BLOCK,
     dequantize_mxfp8_rows,
+    mxfp8_p,
     dequantize_mxfp8_transposed,
     dequantize_rows,
     dequantize_transposed,
@@ -422,7 +423,7 @@ def treatment_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_
         p = torch.exp2(t - t.amax(dim=-1, keepdim=True))
         pp = _pad_keys(p, -1)
         if s & PV_FP8:
-            ph = dequantize_mxfp8_rows(*quantize_mxfp8_rows(pp))[..., :n_keys]
+            ph = mxfp8_p(pp)[..., :n_keys]
         else:
             ph = dequantize_rows(*quantize_rows(pp * (E4M3_MAX * FP4_MAX)))[..., :n_keys] / (E4M3_MAX * FP4_MAX)
         o_t = torch.matmul(ph, vq[bool(s & PV_FP8)]) / p.sum(dim=-1, keepdim=True)

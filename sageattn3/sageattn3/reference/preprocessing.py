@@ -234,7 +234,7 @@ def preprocess(
     (``balance_applies``), with the exponents ``balance`` (B, Hkv, 1, D) when given (a kernel's),
     else ``balance_exponents``; Q and K are balanced first and then rotated when both are asked.
     ``qk_scale_search``: Q and K quantized with ``quantize_rows(..., scale_search=True)`` at head
-    dims 64/128 (None: ``QK_SCALE_SEARCH``; ``scale_search_applies``). ``qk_precision``
+    dims 64/128 (None: ``QK_SCALE_SEARCH``, or on with ``qk_rotation``; ``scale_search_applies``). ``qk_precision``
     ("fp4", "fp8", "auto"; ``choose_qk_precision``) and ``sm_scale`` (the rule's softmax scale, default
     1/sqrt(D)) fill qk_fp8, q8, k8, qk_error; ``k_block_mean`` (reference only, no rotation) smooths
     K per 128-key block (``Preprocessed.k_block_corr``). ``pv_precision``

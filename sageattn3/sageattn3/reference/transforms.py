@@ -114,8 +114,8 @@ def scale_search_on(qk_scale_search: bool | None, qk_rotation: bool = False) -> 
     unless the call says False: rotated rows round differently in FP4, below the unrotated rows on
     about half of the heads that need no help (up to 0.0003 cos-sim on a cell of the accuracy
     table), and the scale search's gain on those heads (0.0005-0.002) keeps the rotation at or
-    above the defaults (docs/accuracy-auto.md, "Options and the rule"). The balance does not
-    bring it: where no channel stands out it changes nothing, bit for bit."""
+    above the defaults (docs/accuracy-auto.md, "The options against the defaults"). The balance
+    does not bring it: where no channel stands out it changes nothing, bit for bit."""
     rotation = flag(qk_rotation, "qk_rotation")
     if qk_scale_search is None:
         return flag(_package.QK_SCALE_SEARCH, "qk_scale_search") or rotation
