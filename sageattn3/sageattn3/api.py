@@ -225,7 +225,7 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     default) takes ``sageattn3.reference.QK_SCALE_SEARCH`` (False unless set), and is on with
     ``qk_rotation`` (``sageattn3.reference.scale_search_on``: the rotation alone rounds a little
     below the defaults on heads that need no help; pass False to turn it off, at that price: up to
-    0.0007 cos-sim below the defaults on the documented cases).
+    0.0017 cos-sim below the defaults on the documented cases).
     ``qk_precision``: "auto" (the default) decides per head, on the device, whether Q·Kᵀ runs
     with FP4 or MXFP8 operands (``sageattn3.reference.qk_fp4_error`` and ``AUTO_ERROR_LIMIT``: heads
     whose estimated output error from FP4 Q·Kᵀ is large, e.g. RoPE'd biased keys, near-one-hot rows,
