@@ -26,6 +26,20 @@ def _mx_oracle(x: torch.Tensor) -> torch.Tensor:
     return (_nearest_e4m3(xb / s) * s).reshape(x.shape)
 
 
+def _mx_p_oracle(p: torch.Tensor) -> torch.Tensor:
+    """P as FP8 P·V multiplies it (reference.mxfp8_p's definition), from _mx_oracle: the first term,
+    and where a 32-key block's first term holds a value below E4M3's normal range once scaled
+    (|value| / 2^e < 2^-6: a subnormal or zero code) the MXFP8 of the residual as well."""
+    hi = _mx_oracle(p)
+    pb, hb = p.double().reshape(*p.shape[:-1], -1, 32), hi.reshape(*p.shape[:-1], -1, 32)
+    amax = pb.abs().amax(dim=-1, keepdim=True)
+    e = torch.ceil(torch.log2(amax.clamp_min(1e-300) / 448.0)).clamp(-126, 126)
+    e = torch.where(amax > 0, e, torch.full_like(e, -126.0))
+    small = ((hb / torch.exp2(e)).abs() < 2.0**-6).any(dim=-1, keepdim=True)
+    r = torch.where(small, pb - hb, torch.zeros_like(pb)).reshape(p.shape)
+    return hi + _mx_oracle(r)
+
+
 # ---------------------------------------------------------------------------------------------
 # V's quantizer: MXFP8 along the sequence
 # ---------------------------------------------------------------------------------------------
@@ -137,7 +151,7 @@ def _emulate_fp8_pv(q, k, v, is_causal, block_n, qk_precision="auto"):
         m_new = torch.maximum(m, t.amax(dim=-1, keepdim=True))  # every row sees key 0 in tile 0
         alpha = torch.exp2(m - m_new).double()
         p = torch.exp2(t - m_new)
-        acc = acc * alpha + _mx_oracle(p) @ vd[..., j0:j0 + block_n, :]
+        acc = acc * alpha + _mx_p_oracle(p) @ vd[..., j0:j0 + block_n, :]
         l = l * alpha + p.double().sum(dim=-1, keepdim=True)
         m = m_new
     return acc / l

@@ -175,9 +175,8 @@ def sageattn3(
       P̂ = ``quantize_mxfp8_rows``(P) along the keys: per row and 32-key block of the tile, the
       UE8M0 byte of the block's amax (``ue8m0_scale_byte``: the smallest power of two putting the
       amax at or below 448), P · 2^(127 - b) rounded to E4M3 (nearest even; nothing saturates:
-      P <= 1); a block whose keys are all masked gets byte 1 and codes 0. A block holding a value
-      below E4M3's normal range once scaled adds the MXFP8 of its residual (``mxfp8_p``: a
-      second MMA in the kernel).
+      P <= 1); a block whose keys are all masked gets byte 1 and codes 0; a block holding a zero
+      or subnormal code adds the MXFP8 of its residual (``mxfp8_p``, a second MMA in the kernel).
     - l_t = l_{t-1} · exp2(m_{t-1} - m_t) + Σ_j P_ij (unquantized P, this domain),
       acc_t = acc_{t-1} · exp2(m_{t-1} - m_t) + P̂ · Vd8_t; O_i = acc / l.
 
