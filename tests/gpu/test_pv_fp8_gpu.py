@@ -162,6 +162,20 @@ def _pv8_or_skip():
     return _pv8
 
 
+def _kernel_and_reference(pv8, q, k, v, causal, qk, **out):
+    """The FP8 P·V kernel on the reference's own preprocessing (FP8 Q·Kᵀ heads where ``qk`` says)
+    and the reference's output: (kernel output, reference output, the preprocessing on the GPU)."""
+    from sageattn3 import reference as ref
+
+    kw = {"pv_precision": "fp8", "qk_precision": qk}
+    pre = ref.preprocess(q, k, v, **kw)
+    want = ref.sageattn3(q, k, v, is_causal=causal, **kw)
+    g = _pre_to(pre, "cuda")
+    sel = {} if qk == "fp4" else {"head_sel": g.qk_fp8, "q8": g.q8, "q8_scales": g.q8_scales, "k8": g.k8,
+                                  "k8_scales": g.k8_scales}
+    return pv8.attention_pv8(g, g.v8, g.v8_scales, is_causal=causal, **sel, **out), want, g, sel
+
+
 @pytest.mark.parametrize("qk", ["fp4", "fp8"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
@@ -172,13 +186,7 @@ def test_kernel_matches_the_reference(fp4, case, sq, sk, d, causal, qk):  # noqa
     from sageattn3 import reference as ref
 
     q, k, v = ac.make(case, 2, 4, 2, sq, sk, d, seed=sq + d)  # GQA: 2 q heads per kv head
-    kw = {"pv_precision": "fp8", "qk_precision": qk}
-    pre = ref.preprocess(q, k, v, **kw)
-    want = ref.sageattn3(q, k, v, is_causal=causal, **kw)
-    g = _pre_to(pre, "cuda")
-    sel = {} if qk == "fp4" else {"head_sel": g.qk_fp8, "q8": g.q8, "q8_scales": g.q8_scales, "k8": g.k8,
-                                  "k8_scales": g.k8_scales}
-    got = pv8.attention_pv8(g, g.v8, g.v8_scales, is_causal=causal, **sel)
+    got, want, g, sel = _kernel_and_reference(pv8, q, k, v, causal, qk)
     c = ac.cos_sim(got.float().cpu(), want)
     exact = ref.exact_attention(q, k, v, is_causal=causal)
     c_exact = ac.cos_sim(got.float().cpu(), exact)
@@ -210,14 +218,10 @@ def test_second_term_of_p_where_a_sink_flushes_its_block(fp4, d, causal, qk, mon
 
     q, k, v = ac.make("large_logits", 1, 4, 2, 512, 512, d, seed=2025)
     kw = {"pv_precision": "fp8", "qk_precision": qk}
-    pre = ref.preprocess(q, k, v, **kw)
-    want = ref.sageattn3(q, k, v, is_causal=causal, **kw)
-    g = _pre_to(pre, "cuda")
-    sel = {} if qk == "fp4" else {"head_sel": g.qk_fp8, "q8": g.q8, "q8_scales": g.q8_scales, "k8": g.k8,
-                                  "k8_scales": g.k8_scales}
     # fp16 output: bf16's rounding alone would put the kernel at cos 0.9999986 against the reference,
     # where a kernel that got the second term's rows wrong lands too
-    got = pv8.attention_pv8(g, g.v8, g.v8_scales, is_causal=causal, out_dtype=torch.float16, **sel).float().cpu()
+    got, want, _, _ = _kernel_and_reference(pv8, q, k, v, causal, qk, out_dtype=torch.float16)
+    got = got.float().cpu()
     monkeypatch.setattr(ref_attention, "mxfp8_p", lambda p: ref.dequantize_mxfp8_rows(*ref.quantize_mxfp8_rows(p)))
     one_term = ref.sageattn3(q, k, v, is_causal=causal, **kw)
     exact = ref.exact_attention(q, k, v, is_causal=causal)

@@ -19,11 +19,15 @@ def _mx_oracle(x: torch.Tensor) -> torch.Tensor:
     the smallest integer such that amax <= 448 * 2^e (at least 2^-126), each value / 2^e rounded
     to E4M3, times 2^e."""
     xb = x.double().reshape(*x.shape[:-1], -1, 32)
+    s = _mx_oracle_scale(xb)
+    return (_nearest_e4m3(xb / s) * s).reshape(x.shape)
+
+
+def _mx_oracle_scale(xb: torch.Tensor) -> torch.Tensor:
+    """_mx_oracle's scale 2^e per 32-block (xb: (..., blocks, 32), float64)."""
     amax = xb.abs().amax(dim=-1, keepdim=True)
     e = torch.ceil(torch.log2(amax.clamp_min(1e-300) / 448.0)).clamp(-126, 126)
-    e = torch.where(amax > 0, e, torch.full_like(e, -126.0))
-    s = torch.exp2(e)
-    return (_nearest_e4m3(xb / s) * s).reshape(x.shape)
+    return torch.exp2(torch.where(amax > 0, e, torch.full_like(e, -126.0)))
 
 
 def _mx_p_oracle(p: torch.Tensor) -> torch.Tensor:
@@ -32,10 +36,7 @@ def _mx_p_oracle(p: torch.Tensor) -> torch.Tensor:
     (|value| / 2^e < 2^-6: a subnormal or zero code) the MXFP8 of the residual as well."""
     hi = _mx_oracle(p)
     pb, hb = p.double().reshape(*p.shape[:-1], -1, 32), hi.reshape(*p.shape[:-1], -1, 32)
-    amax = pb.abs().amax(dim=-1, keepdim=True)
-    e = torch.ceil(torch.log2(amax.clamp_min(1e-300) / 448.0)).clamp(-126, 126)
-    e = torch.where(amax > 0, e, torch.full_like(e, -126.0))
-    small = ((hb / torch.exp2(e)).abs() < 2.0**-6).any(dim=-1, keepdim=True)
+    small = ((hb / _mx_oracle_scale(pb)).abs() < 2.0**-6).any(dim=-1, keepdim=True)
     r = torch.where(small, pb - hb, torch.zeros_like(pb)).reshape(p.shape)
     return hi + _mx_oracle(r)
 
