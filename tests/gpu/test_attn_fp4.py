@@ -150,27 +150,32 @@ def test_fp4_attention_deterministic():
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_fp4_attention_delta_s_modes_agree_bit_for_bit(monkeypatch, d, causal):
-    """delta_s per query block and key precomputed for every head at once, in chunks of two heads
-    (SAGEATTN3_DELTA_S_WORKSPACE_MIB=1: 512 KiB rows), and corrected in the kernel's loop without
-    a workspace (=0, the bounded-memory mode): the same output bit for bit, at the reference."""
+@pytest.mark.parametrize("shape", [(2, 6, 2, 4000, 4096, 2), (1, 6, 2, 8300, 1000, 3)], ids=["32x4096", "65x1000"])
+def test_fp4_attention_delta_s_modes_agree_bit_for_bit(monkeypatch, d, causal, shape):
+    """delta_s per query block and key precomputed for every head at once, in chunks of the heads
+    whose rows fit SAGEATTN3_DELTA_S_WORKSPACE_MIB=1 (2 heads of 32 x 4096 floats, 3 of 65 x 1024),
+    and corrected in the kernel's loop without a workspace (=0, the bounded-memory mode): the same
+    output bit for bit, at the reference. 65 query blocks are two of delta_s_blocks_kernel's groups
+    of 64, the second one block (its loop runs on three zero rows of r it does not store)."""
     attn_or_skip()
     from sageattn3 import _attn, reference as ref
 
-    q, k, v = attention_cases.make("q_drift", 2, 6, 2, 4000, 4096, d, seed=11 + d, device="cuda")
+    b, hq, hk, sq, sk, chunk = shape
+    q, k, v = attention_cases.make("q_drift", b, hq, hk, sq, sk, d, seed=11 + d, device="cuda")
     pre = ref.preprocess(q, k, v, per_block_mean=True, pad=128)
+    row = -(-sq // 128) * pre.k_packed.shape[2]
     outs = {}
-    for mib, rows in ((None, 12), ("1", 2), ("0", 0)):
+    for mib, rows in ((None, b * hq), ("1", chunk), ("0", 0)):
         if mib is None:
             monkeypatch.delenv(_attn.WORKSPACE_ENV, raising=False)
         else:
             monkeypatch.setenv(_attn.WORKSPACE_ENV, mib)
-        work = _attn.delta_s_workspace(2, 6, pre.mean_q.shape[2], 4000, pre.k_packed.shape[2], q.device)
-        assert work.numel() == rows * 32 * 4096, (mib, work.numel())
+        work = _attn.delta_s_workspace(b, hq, pre.mean_q.shape[2], sq, pre.k_packed.shape[2], q.device)
+        assert work.numel() == rows * row, (mib, work.numel())
         outs[mib] = _attn.attention_from_preprocessed(pre, is_causal=causal, out_dtype=torch.bfloat16)
     torch.cuda.synchronize()
     assert torch.equal(outs[None], outs["1"]) and torch.equal(outs[None], outs["0"])
-    rows = check_rows(4000).to(q.device)
+    rows = check_rows(sq).to(q.device)
     want = ref_rows(pre, rows, causal, 1.0 / math.sqrt(d))
     got = outs[None][..., rows, :].float()
     assert cos_sim(got, want) >= 0.99999

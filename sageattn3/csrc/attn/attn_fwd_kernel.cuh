@@ -704,8 +704,8 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
         // chunks per pass (P's codes of G chunks live at once), what spills least at sm_120a (ptxas
         // 13.0, D 128; D 64 spills none either way): with FP4 Q.K^T four passes of one (none as
         // shipped, 32/48 bytes with the MSVC patch; two of two: none and 60/88; one of four: 60/96
-        // as shipped); with FP8 Q.K^T one pass of four (20/20 bytes outside the key loop, as the
-        // FP8 Q.K^T kernel alone, 24/28 with the MSVC patch; two of two: 32/36)
+        // as shipped); with FP8 Q.K^T one pass of four (20/36 bytes with P's second term, 20/20 before
+        // it, as the FP8 Q.K^T kernel alone; before it too: 24/28 with the MSVC patch, two of two 32/36)
         constexpr int G = (kQK8 && D == 128) ? 4 : 1;
         const uint32_t v_tile = stage + L::kStageV, vsf_lane = stage + L::kStageVSf + v_sf_lane;
         pv8_pass<0, G, D>(o, s, t, v_tile, v_lane, vsf_lane);

@@ -22,7 +22,8 @@
 
 namespace sageattn3::attn {
 
-constexpr int kDeltaMGroup = 32;  // query blocks per CTA of delta_s_blocks_kernel
+constexpr int kDeltaMGroup = 64;  // query blocks per CTA of delta_s_blocks_kernel (a multiple of kMUnroll)
+constexpr int kMUnroll = 4;       // query blocks per step of its loop
 
 struct DeltaSBlocksParams {
   const uint8_t* k;       // K codes (B*Hkv*seq_k_pad rows, D/2 bytes)
@@ -55,13 +56,18 @@ __global__ void __launch_bounds__(2 * kBlockN) delta_s_blocks_kernel(const Delta
   const int kb_all = (p.seq_k + kBlockN - 1) / kBlockN;
   if (kb >= kb_all || mb_begin >= mb_end) return;
 
-  // r of the group: thread i < (mb_end - mb_begin) * D/4 writes 4 floats
-  for (int i = threadIdx.x; i < (mb_end - mb_begin) * (D / 4); i += blockDim.x) {
+  // r of the group: thread i < rows * D/4 writes 4 floats; rows past mb_end up to a multiple of
+  // kMUnroll are zeros (computed on, never stored), so the loop below needs no clamp.
+  const int rows = mb_end - mb_begin, rows_padded = (rows + kMUnroll - 1) / kMUnroll * kMUnroll;
+  for (int i = threadIdx.x; i < rows_padded * (D / 4); i += blockDim.x) {
     const int m = i / (D / 4), d = 4 * (i % (D / 4));
-    const float4 mq = __ldg(reinterpret_cast<const float4*>(p.mean_q + (static_cast<int64_t>(bh_q) * p.mean_qblocks + mb_begin + m) * D + d));
-    const float4 g = __ldg(reinterpret_cast<const float4*>(p.qbar + static_cast<int64_t>(bh_q) * D + d));
-    *reinterpret_cast<float4*>(&r_smem[m][d + (d >= D / 2 ? 4 : 0)]) =
-        make_float4(__fsub_rn(mq.x, g.x), __fsub_rn(mq.y, g.y), __fsub_rn(mq.z, g.z), __fsub_rn(mq.w, g.w));
+    float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (m < rows) {
+      const float4 mq = __ldg(reinterpret_cast<const float4*>(p.mean_q + (static_cast<int64_t>(bh_q) * p.mean_qblocks + mb_begin + m) * D + d));
+      const float4 g = __ldg(reinterpret_cast<const float4*>(p.qbar + static_cast<int64_t>(bh_q) * D + d));
+      r = make_float4(__fsub_rn(mq.x, g.x), __fsub_rn(mq.y, g.y), __fsub_rn(mq.z, g.z), __fsub_rn(mq.w, g.w));
+    }
+    *reinterpret_cast<float4*>(&r_smem[m][d + (d >= D / 2 ? 4 : 0)]) = r;
   }
 
   // K^ of this thread's half-row, x 2^-14 (exact), and the blocks' scales x 2^14
@@ -101,11 +107,13 @@ __global__ void __launch_bounds__(2 * kBlockN) delta_s_blocks_kernel(const Delta
   __syncthreads();
 
   const float dk = __ldg(p.ds_key + static_cast<int64_t>(bh_q) * p.seq_k_pad + k0 + key);
-  float* out = p.out + (static_cast<int64_t>(bh_local) * p.num_m_blocks) * p.seq_k_pad + k0 + key;
+  // The output row of query block mb_begin; each step of the loop moves it kMUnroll rows on.
+  const int64_t row_step = p.seq_k_pad;
+  float* out = p.out + (static_cast<int64_t>(bh_local) * p.num_m_blocks + mb_begin) * row_step + k0 + key;
+  const float* r_rows = &r_smem[0][half * (D / 2 + 4)];
   // kMUnroll query blocks at a time: independent fma chains (each in its own fixed order), so the
-  // chains' latency overlaps. Blocks past mb_end compute on r of another block and are not stored.
-  constexpr int kMUnroll = 4;
-  for (int mb = mb_begin; mb < mb_end; mb += kMUnroll) {
+  // chains' latency overlaps. Blocks past mb_end compute on zero rows and are not stored.
+  for (int mb = mb_begin; mb < mb_end; mb += kMUnroll, out += kMUnroll * row_step, r_rows += kMUnroll * kRowFloats) {
     float total[kMUnroll];
 #pragma unroll
     for (int u = 0; u < kMUnroll; ++u) total[u] = 0.f;
@@ -118,8 +126,7 @@ __global__ void __launch_bounds__(2 * kBlockN) delta_s_blocks_kernel(const Delta
       for (int q = 0; q < 4; ++q) {
 #pragma unroll
         for (int u = 0; u < kMUnroll; ++u) {
-          const int m_row = min(mb + u, mb_end - 1) - mb_begin;
-          const float4 m = *reinterpret_cast<const float4*>(&r_smem[m_row][half * (D / 2 + 4) + 16 * blk + 4 * q]);
+          const float4 m = *reinterpret_cast<const float4*>(r_rows + u * kRowFloats + 16 * blk + 4 * q);
           acc[u] = fmaf(m.x, kh[blk][4 * q + 0], acc[u]);
           acc[u] = fmaf(m.y, kh[blk][4 * q + 1], acc[u]);
           acc[u] = fmaf(m.z, kh[blk][4 * q + 2], acc[u]);
@@ -132,7 +139,7 @@ __global__ void __launch_bounds__(2 * kBlockN) delta_s_blocks_kernel(const Delta
 #pragma unroll
     for (int u = 0; u < kMUnroll; ++u) {
       const float res = __fadd_rn(total[u], __shfl_xor_sync(0xffffffffu, total[u], 1));
-      if (half == 0 && mb + u < mb_end) out[static_cast<int64_t>(mb + u) * p.seq_k_pad] = __fadd_rn(dk, res);
+      if (half == 0 && mb + u < mb_end) out[u * row_step] = __fadd_rn(dk, res);
     }
   }
 }
