@@ -142,9 +142,9 @@ int smooth_quant_mxfp8(const Mxfp8Args& args, cudaStream_t stream);
 // D 64 or 128; q_packed (B, Hq, Sqp, D/2) / q_scales (.., D/16) and k_packed (B, Hkv, Skp, D/2) /
 // k_scales as the preprocessing wrote them; mean_q (B, Hq, mean_rows, D), mean_k (B, Hkv, D),
 // balance (B, Hkv, D) exponents or null; scale the softmax scale. One launch makes every estimate
-// (Q.K^T's, the floor's, P's), each sampled Q block's keys split over qk_rule_split_floats' blocks
-// where the grid is small. Workspace: partial (3, B * Hq, 8, 2) fp32; counter B * Hq * 25 int32
-// (zeroed by the launch); split_state qk_rule_split_floats(args) fp32 (null: no key splits).
+// (Q.K^T's, the floor's, P's), each sampled Q block's keys split over several blocks where the
+// grid is small. Workspace: qk_rule_workspace_floats(args) fp32, which qk_rule_bind_workspace
+// carves into partial, the counters (zeroed by the launch) and the key splits' state.
 // error (B * Hq) fp32 out.
 struct QkRuleArgs {
   const void* q;
@@ -168,7 +168,7 @@ struct QkRuleArgs {
   int32_t* counter;
   float* split_state;
   float* error;
-  // The selection, or null (the estimate alone): the launch zeroes sel_k first; the block that writes a head's error sets sel_q[head] = select_all || error > limit
+  // The selection (both required): the launch zeroes sel_k first; the block that writes a head's error sets sel_q[head] = select_all || error > limit
   // (a NaN estimate keeps FP4) and, where set, sel_k of its kv head to 1.
   uint8_t* sel_q;
   uint8_t* sel_k;
@@ -193,7 +193,9 @@ struct QkRuleArgs {
   bool causal;
 };
 int qk_rule_error(const QkRuleArgs& args, cudaStream_t stream);
-// The split_state floats a launch with these shapes (B, Hq, Sq, Sk, D) needs: 0 where it does not split.
-int64_t qk_rule_split_floats(const QkRuleArgs& args);
+// The workspace floats a launch with these shapes (B, Hq, Sq, Sk, D) needs, and the pointers into
+// it (partial, counter, split_state: null where the launch does not split its keys).
+int64_t qk_rule_workspace_floats(const QkRuleArgs& args);
+void qk_rule_bind_workspace(QkRuleArgs& args, float* workspace);
 
 }  // namespace sageattn3

@@ -24,6 +24,7 @@ namespace sageattn3::attn {
 
 constexpr int kDeltaMGroup = 64;  // query blocks per CTA of delta_s_blocks_kernel (a multiple of kMUnroll)
 constexpr int kMUnroll = 4;       // query blocks per step of its loop
+static_assert(kDeltaMGroup % kMUnroll == 0, "r's zero rows (up to a multiple of kMUnroll) must fit the group");
 
 struct DeltaSBlocksParams {
   const uint8_t* k;       // K codes (B*Hkv*seq_k_pad rows, D/2 bytes)

@@ -169,10 +169,16 @@ __device__ __forceinline__ int64_t sampled_block(int64_t seq, int i) {
 // How a block's Q and K rows are made: the preprocessing's (rotated where a.rotate, balanced by
 // `bal`, minus its means, Qd/Kd its codes) or, in the floor's blocks (requant), raw minus the
 // options-free means, Qd/Kd quantized here.
+// How a block's rows are treated, from its estimate.
+struct Role {
+  bool pv;       // P's error: exact scores only, Qd and Kd neither read nor multiplied
+  bool requant;  // the defaults' rows, Qd/Kd quantized here
+  float scale;
+};
+
 struct RowPlan {
   bool rotate;
-  bool requant;
-  bool pv;              // P's estimate: exact scores only, Qd and Kd neither read nor multiplied
+  Role role;
   const float* mean_q;  // this block's Q mean row (D floats)
   const float* bal;     // the balance exponents of its kv head, or null
   // in shared memory (row_plan): K's mean at Smem::kMeans + D, the balance's factor per channel
@@ -191,13 +197,6 @@ struct RuleGrid {
   int nest;
   int nsplit;
   float floor_scale;  // the defaults' rows' scores' scale (the unrotated one)
-};
-
-// How a block's rows are treated, from its estimate.
-struct Role {
-  bool pv;       // P's error
-  bool requant;  // the defaults' rows, Qd/Kd quantized here
-  float scale;
 };
 
 template <int D>
@@ -229,7 +228,7 @@ template <typename T, int D>
 __device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, const RowPlan& pl, float* sm, int tid, int64_t bh,
                                              int64_t tq, int rows) {
   using L = Smem<D>;
-  const bool deferred = pl.rotate || pl.requant;
+  const bool deferred = pl.rotate || pl.role.requant;
   for (int u = tid; u < kRows * D / 8; u += kThreads) {
     const int r = u / (D / 8), d0 = (u % (D / 8)) * 8;
     float hi[8], lo[8], qd[8];
@@ -248,7 +247,7 @@ __device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, const RowPlan&
         lo[j] = __uint_as_float(l2);
       }
       const int64_t e = (bh * a.Sqp + row) * D + d0;
-      if (pl.requant || pl.pv) {
+      if (pl.role.requant || pl.role.pv) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) qd[j] = 0.0f;  // finish_q_rows quantizes the rows (requant)
       } else {
@@ -318,7 +317,7 @@ __device__ __forceinline__ void requantize16(const float* row, float* out) {
   }
 }
 
-// With the rotation or the in-kernel quantization (a.rotate, RowPlan::requant): Q's staged rows (y
+// With the rotation or the in-kernel quantization (a.rotate, Role::requant): Q's staged rows (y
 // unsplit in the hi area) rotated, minus their (rotated) mean, quantized (requant: Qd), then split
 // into tf32 parts, as stage_q_rows does at once otherwise. Called by the whole block after it.
 template <int D>
@@ -337,7 +336,7 @@ __device__ __forceinline__ void finish_q_rows(const RowPlan& pl, float* sm, int 
 #pragma unroll
       for (int i = 0; i < 16; ++i) y[i] = __fsub_rn(y[i], mean[d0 + i]);
     }
-    if (pl.requant) requantize16(y, sm + L::kQd + r * L::kLd + d0);
+    if (pl.role.requant) requantize16(y, sm + L::kQd + r * L::kLd + d0);
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       uint32_t h2, l2;
@@ -366,7 +365,7 @@ __device__ __forceinline__ void finish_k_rows(const RowPlan& pl, float* sm, int 
 #pragma unroll
       for (int i = 0; i < 16; ++i) y[i] = __fsub_rn(y[i], sm[L::kMeans + D + d0 + i]);
     }
-    if (pl.requant) requantize16(y, sm + L::kKd + r * L::kLd + d0);
+    if (pl.role.requant) requantize16(y, sm + L::kKd + r * L::kLd + d0);
   }
   __syncthreads();
 }
@@ -411,7 +410,7 @@ struct KeyChunk {
   __device__ __forceinline__ void stage(float* sm, int tid, const RowPlan& pl) const {
     using L = Smem<D>;
     const float* mean_k = sm + L::kMeans + D;
-    const bool rotate = pl.rotate, no_codes = pl.requant || pl.pv;
+    const bool rotate = pl.rotate, no_codes = pl.role.requant || pl.role.pv;
 #pragma unroll
     for (int i = 0; i < kUnits; ++i) {
       const int u = tid + i * kThreads, r = u / (D / 8), d0 = (u % (D / 8)) * 8;
@@ -675,19 +674,19 @@ __device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int qi
   a.error[bh] = err;
   const int64_t kv = (bh / a.Hq) * a.Hkv + (bh % a.Hq) / (a.Hq / a.Hkv);
   uint32_t byte = 0;
-  if (a.sel_q != nullptr && (a.select_all != 0 || err > a.limit)) {  // a NaN estimate keeps FP4
+  if (a.select_all != 0 || err > a.limit) {  // a NaN estimate keeps FP4
     byte = 1;
     a.sel_k[kv] = 1;
   }
   if (a.error_pv != nullptr) {  // FP8 P.V: bit 1 of the head's byte
     const float epv = z_pv >= 0 ? estimate(z_pv) : __int_as_float(0x7fc00000);
     a.error_pv[bh] = epv;
-    if (a.sel_q != nullptr && z_pv >= 0 && epv > a.pv_limit) {  // sel_v set: qk_rule_error checks it
+    if (z_pv >= 0 && epv > a.pv_limit) {  // sel_v set: qk_rule_error checks it
       byte |= 2;
       a.sel_v[kv] = 1;
     }
   }
-  if (a.sel_q != nullptr) a.sel_q[bh] = static_cast<uint8_t>(byte);
+  a.sel_q[bh] = static_cast<uint8_t>(byte);
 }
 
 // The block's RowPlan: in the floor's blocks (requant) the options-free means go to shared
@@ -698,7 +697,7 @@ template <int D>
 __device__ __forceinline__ RowPlan row_plan(const QkRuleArgs& a, const Role& role, float* sm, int warp, int64_t bh,
                                             int64_t bk, int64_t tq) {
   using L = Smem<D>;
-  RowPlan pl{a.rotate, role.requant, role.pv, a.mean_q + (bh * a.mean_rows + (a.mean_rows > 1 ? tq : 0)) * D,
+  RowPlan pl{a.rotate, role, a.mean_q + (bh * a.mean_rows + (a.mean_rows > 1 ? tq : 0)) * D,
              a.balance == nullptr ? nullptr : a.balance + bk * D};
   const float* mean_k = a.mean_k + bk * D;
   const bool balanced = pl.bal != nullptr && !role.requant;
@@ -711,7 +710,7 @@ __device__ __forceinline__ RowPlan row_plan(const QkRuleArgs& a, const Role& rol
   if (role.requant)
     options_free_means<D>(a, sm + L::kMeans, sm + L::kMeans + D, pl.mean_q, mean_k, pl.bal, warp);
   __syncthreads();
-  if (role.requant) return RowPlan{false, true, false, sm + L::kMeans, nullptr};
+  if (role.requant) return RowPlan{false, role, sm + L::kMeans, nullptr};
   if (role.pv) pl.mean_q = sm + L::kMeans;
   return pl;
 }
@@ -839,7 +838,7 @@ __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(const __grid_const
   const RowPlan pl = row_plan<D>(a, role, sm, warp, bh, bk, tq);  // ends with a __syncthreads
 
   stage_q_rows<T, D>(a, pl, sm, tid, bh, tq, rows);
-  if (pl.rotate || pl.requant) finish_q_rows<D>(pl, sm, tid, warp, rows);
+  if (pl.rotate || pl.role.requant) finish_q_rows<D>(pl, sm, tid, warp, rows);
 
   // softmax state of the 4 (kind, row) pairs this warp owns: pair p = warp * 4 + i, kind p / 16
   float m_run[4], l_run[4];
@@ -860,16 +859,16 @@ __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(const __grid_const
   const int kb0 = si * kblocks / nsplit, kb1 = (si + 1) * kblocks / nsplit;
   const int c0 = kb0 * kPer, c1 = (kb1 - 1) * kPer + (cnt_tab[kb1 - 1] + kChunk - 1) / kChunk;
   KeyChunk<T, D> next;
-  next.fetch(a, !pl.requant && !pl.pv, tk_tab, cnt_tab, bk, tid, c0);
+  next.fetch(a, !pl.role.requant && !pl.role.pv, tk_tab, cnt_tab, bk, tid, c0);
   for (int c = c0; c < c1; ++c) {
     const int off = (c % kPer) * kChunk;
     const int64_t key0 = tk_tab[c / kPer];
     const int count = cnt_tab[c / kPer];
     __syncthreads();  // the previous chunk's reads are done
     next.stage(sm, tid, pl);
-    if (c + 1 < c1) next.fetch(a, !pl.requant && !pl.pv, tk_tab, cnt_tab, bk, tid, c + 1);
+    if (c + 1 < c1) next.fetch(a, !pl.role.requant && !pl.role.pv, tk_tab, cnt_tab, bk, tid, c + 1);
     __syncthreads();
-    if (pl.rotate || pl.requant) finish_k_rows<D>(pl, sm, tid, warp, min(kChunk, count - off));
+    if (pl.rotate || pl.role.requant) finish_k_rows<D>(pl, sm, tid, warp, min(kChunk, count - off));
     chunk_scores<D>(sm, warp, g, t, role.pv);
     __syncthreads();
     chunk_softmax<D>(sm, role.scale, off, count, warp, lane, m_run, l_run, role.pv, role.pv && a.causal, key0 + off,
@@ -906,6 +905,12 @@ __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(const __grid_const
 // the sampled key blocks are split in two more, up to one per split. Calls with few heads then
 // fill the GPU: the blocks' chunk loops are serial.
 constexpr int64_t kSplitBlocks = 128;
+// The workspace per (batch, q head): partial, (n, d) of each estimate and sampled Q block; the
+// counters, one per head and one per (estimate, sampled Q block) for the key splits, an even count
+// so that the split state after them stays 8-byte aligned.
+constexpr int64_t kPartialFloats = 3 * kSampled * 2;
+constexpr int64_t kCounters = 1 + 3 * kSampled;
+constexpr int64_t kCounterWords = (kCounters + 1) / 2 * 2;
 
 int splits(const QkRuleArgs& a) {
   const int64_t grid = a.B * a.Hq * sampled_count(a.Sq);
@@ -932,9 +937,8 @@ int launch(const QkRuleArgs& a, cudaStream_t stream) {
   // the counters (per head, then per estimate, head and sampled Q block) and the selection's
   // zeros, stream-ordered before the blocks that count and set them
   const int64_t BH = a.B * a.Hq;
-  err = cudaMemsetAsync(a.counter, 0, sizeof(int32_t) * static_cast<size_t>(BH * (G.nsplit > 1 ? 1 + 3 * kSampled : 1)),
-                        stream);
-  if (err == cudaSuccess && a.sel_q != nullptr) err = cudaMemsetAsync(a.sel_k, 0, static_cast<size_t>(a.B * a.Hkv), stream);
+  err = cudaMemsetAsync(a.counter, 0, sizeof(int32_t) * static_cast<size_t>(BH * (G.nsplit > 1 ? kCounters : 1)), stream);
+  if (err == cudaSuccess) err = cudaMemsetAsync(a.sel_k, 0, static_cast<size_t>(a.B * a.Hkv), stream);
   if (err == cudaSuccess && a.sel_v != nullptr) err = cudaMemsetAsync(a.sel_v, 0, static_cast<size_t>(a.B * a.Hkv), stream);
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(BH), static_cast<unsigned>(sampled_count(a.Sq) * G.nsplit),
@@ -948,19 +952,30 @@ int launch_d(const QkRuleArgs& a, cudaStream_t stream) {
   return a.D == 64 ? launch<T, 64>(a, stream) : launch<T, 128>(a, stream);
 }
 
-}  // namespace
-
-int64_t qk_rule_split_floats(const QkRuleArgs& a) {
+int64_t split_floats(const QkRuleArgs& a) {
   if ((a.D != 64 && a.D != 128) || a.B < 1 || a.Hq < 1 || a.Sq < 1 || a.Sk < 1) return 0;
   const int s = splits(a);
   return s > 1 ? 3 * a.B * a.Hq * kSampled * s * 2 * kRows * (a.D + 2) : 0;
 }
 
+}  // namespace
+
+int64_t qk_rule_workspace_floats(const QkRuleArgs& a) {
+  return a.B * a.Hq * (kPartialFloats + kCounterWords) + split_floats(a);
+}
+
+void qk_rule_bind_workspace(QkRuleArgs& a, float* ws) {
+  const int64_t BH = a.B * a.Hq;
+  a.partial = ws;
+  a.counter = reinterpret_cast<int32_t*>(ws + BH * kPartialFloats);
+  a.split_state = split_floats(a) > 0 ? ws + BH * (kPartialFloats + kCounterWords) : nullptr;
+}
+
 int qk_rule_error(const QkRuleArgs& a, cudaStream_t stream) {
   if ((a.D != 64 && a.D != 128) || a.B < 1 || a.Hq < 1 || a.Hkv < 1 || a.Hq % a.Hkv || a.Sq < 1 || a.Sk < 1 ||
       a.Sqp < a.Sq || a.Skp < a.Sk || a.mean_rows < 1 || (a.mean_rows > 1 && a.mean_rows * kBlock < a.Sq) ||
-      a.B * a.Hq > 0x7FFFFFFF || ((a.sel_q == nullptr) != (a.sel_k == nullptr)) ||
-      (a.sel_q != nullptr && a.error_pv != nullptr && a.pv_limit >= 0.0f && a.sel_v == nullptr))
+      a.B * a.Hq > 0x7FFFFFFF || a.sel_q == nullptr || a.sel_k == nullptr || a.partial == nullptr ||
+      a.counter == nullptr || (a.error_pv != nullptr && a.pv_limit >= 0.0f && a.sel_v == nullptr))
     return cudaErrorInvalidValue;
   switch (a.dtype) {
     case DType::kFloat16: return launch_d<f16_t>(a, stream);

@@ -110,18 +110,14 @@ std::tuple<T, T, T, T, T> qk_rule_select(T q, T k, T v, T q_packed, T q_scales, 
   QkRuleArgs a = rule_args(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, rotate,
                            floor);
   DeviceScope scope(device_index(q));
-  // error, sel_q, sel_k, error_pv, sel_v, then the workspace: partial (3 * B * Hq * 16 floats), the
-  // counters (B * Hq * 25 int32, zeroed by the launch; B * Hq * 26 places keep the next part 8-byte
-  // aligned), the key splits' state (sageattn3.h); torch/outputs.h
-  const int64_t BH = a.B * a.Hq, split = qk_rule_split_floats(a);
+  // error, sel_q, sel_k, error_pv, sel_v, then the workspace (its layout: qk_rule_bind_workspace,
+  // sageattn3.h); torch/outputs.h
   const OutputSpec specs[] = {{{a.B, a.Hq}, Kind::kFloat}, {{a.B, a.Hq}, Kind::kByte}, {{a.B, a.Hkv}, Kind::kByte},
                               {{a.B, a.Hq}, Kind::kFloat}, {{a.B, a.Hkv}, Kind::kByte},
-                              {{BH * (48 + 26) + split}, Kind::kFloat}};
+                              {{qk_rule_workspace_floats(a)}, Kind::kFloat}};
   auto out = allocate_outputs(specs, q);
   const T &error = out[0], &sel_q = out[1], &sel_k = out[2], &error_pv = out[3], &sel_v = out[4];
-  a.partial = floats(out[5]);
-  a.counter = reinterpret_cast<int32_t*>(a.partial + BH * 48);
-  a.split_state = split > 0 ? a.partial + BH * (48 + 26) : nullptr;
+  qk_rule_bind_workspace(a, floats(out[5]));
   a.error = floats(error);
   a.sel_q = bytes(sel_q);
   a.sel_k = bytes(sel_k);
