@@ -181,10 +181,10 @@ struct QkRuleArgs {
   // is), its selection from that.
   bool floor;
   // P's error for the FP8 P.V choice (reference.pv_p_error), where error_pv is set: the launch
-  // also writes each head's estimate to error_pv and, with the selection, sets bit 1 of sel_q
-  // where it exceeds pv_limit and sel_v (B*Hkv bytes, zeroed first) of that head's kv head to 1;
-  // a pv_limit below 0 (or NaN) skips it and fills error_pv with NaN. With the selection and a
-  // pv_limit >= 0, sel_v must be set (the launch refuses a null one).
+  // also writes each head's estimate to error_pv and sets bit 1 of sel_q where it exceeds
+  // pv_limit and sel_v (B*Hkv bytes, zeroed first) of that head's kv head to 1; a pv_limit below
+  // 0 (or NaN) skips it and fills error_pv with NaN. With a pv_limit >= 0, sel_v must be set (the
+  // launch refuses a null one).
   float* error_pv;
   uint8_t* sel_v;
   float pv_limit;

@@ -166,9 +166,6 @@ __device__ __forceinline__ int64_t sampled_block(int64_t seq, int i) {
 
 /* ---------- qk_rule_kernel's phases, in the order a block runs them ---------- */
 
-// How a block's Q and K rows are made: the preprocessing's (rotated where a.rotate, balanced by
-// `bal`, minus its means, Qd/Kd its codes) or, in the floor's blocks (requant), raw minus the
-// options-free means, Qd/Kd quantized here.
 // How a block's rows are treated, from its estimate.
 struct Role {
   bool pv;       // P's error: exact scores only, Qd and Kd neither read nor multiplied
@@ -176,6 +173,9 @@ struct Role {
   float scale;
 };
 
+// How a block's Q and K rows are made: the preprocessing's (rotated where a.rotate, balanced by
+// `bal`, minus its means, Qd/Kd its codes) or, in the floor's blocks (requant), raw minus the
+// options-free means, Qd/Kd quantized here.
 struct RowPlan {
   bool rotate;
   Role role;
