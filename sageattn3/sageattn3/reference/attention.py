@@ -17,6 +17,7 @@ from .formats import (
     dequantize_mxfp8_transposed,
     dequantize_rows,
     dequantize_transposed,
+    dequantize_transposed_tiled,
     pad_dim,
     quantize_mxfp8_rows,
     quantize_rows,
@@ -29,7 +30,7 @@ from .precision import (
     treatment_kwargs,
     treatment_names,
 )
-from .preprocessing import Preprocessed, delta_s, preprocess, q_block_index
+from .preprocessing import Preprocessed, delta_s, preprocess, q_block_index, tile_v
 from .transforms import QK_BALANCE_DEFAULT, QK_ROTATION_DEFAULT, Q_MEAN_BLOCK, expand_kv, flag, rotation_score_factor
 
 P_SCALE = E4M3_MAX * FP4_MAX  # 2688: where the row max of P is mapped (two-level quantization)
@@ -103,7 +104,9 @@ def _dequantized(pre: Preprocessed, hq: int, pv_fp8: bool = False):
     if pv_fp8:
         vd = expand_kv(dequantize_mxfp8_transposed(pre.v8, pre.v8_scales, pre.v8.shape[-1]), hq)
     else:
-        vd = expand_kv(dequantize_transposed(pre.v_packed, pre.v_scales, pre.v_packed.shape[-1] * 2), hq)
+        n = pre.v_packed.shape[-1] * 2
+        vd = expand_kv(dequantize_transposed(pre.v_packed, pre.v_scales, n) if pre.v_exp is None else
+                       dequantize_transposed_tiled(pre.v_packed, pre.v_scales, pre.v_exp, n), hq)
     return qd, kd, vd
 
 
@@ -133,8 +136,11 @@ def sageattn3(
     pv_precision: str = PV_PRECISION_DEFAULT,
     qk_fp8_rotated: bool = True,
     pv_limit: float | None = None,
+    v_tile_exponent: bool = False,
 ) -> torch.Tensor:
     """The quantized attention sageattn3 computes, float32 output (B, Hq, Sq, D).
+    ``v_tile_exponent`` (reference only, not in the kernels yet): V quantized with a power-of-two
+    factor per 128-key tile (``tile_v``), so that V of any scale gives the same result.
 
     ``qk_precision``: "auto" (the default) multiplies Q·Kᵀ of the heads the rule picks
     (``choose_qk_precision``, ``qk_fp4_error``) with MXFP8 operands (``quantize_mxfp8_rows`` of the
@@ -207,15 +213,24 @@ def sageattn3(
                      qk_scale_search=qk_scale_search, qk_precision=qk_precision, sm_scale=sm_scale,
                      k_block_mean=k_block_mean, pv_precision=pv_precision, qk_fp8_rotated=qk_fp8_rotated,
                      pv_limit=pv_limit, is_causal=is_causal)
+    if flag(v_tile_exponent, "v_tile_exponent"):
+        tile_v(pre, v, block_n)
+    return _attend(pre, hq, sq, d, sm_scale, is_causal, block_n, pv_fp8)
+
+
+def _attend(pre: Preprocessed, hq: int, sq: int, d: int, sm_scale: float | None, is_causal: bool, block_n: int,
+            pv_fp8: bool) -> torch.Tensor:
+    """``sageattn3``'s loop on preprocessed tensors: every head with ``pv_fp8``'s P·V, and where
+    the rule gave heads FP8 P·V (``pre.pv_fp8``) those heads' output from the FP8 P·V loop."""
     qd, kd, vd = _dequantized(pre, hq, pv_fp8)
     ds_rows = _delta_rows(pre, sq)  # (B, Hq, Sq, Sk_p)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     c = scale / rotation_score_factor(d, pre.qk_rotation) * LOG2E
-    out = _tiled_attention(qd, kd, vd, ds_rows, k.shape[-2], is_causal, c, block_n, pv_fp8)
+    out = _tiled_attention(qd, kd, vd, ds_rows, pre.seq_k, is_causal, c, block_n, pv_fp8)
     if pre.pv_fp8 is None or not bool(pre.pv_fp8.any()):
         return out
     vd8 = _dequantized(pre, hq, True)[2]
-    out8 = _tiled_attention(qd, kd, vd8, ds_rows, k.shape[-2], is_causal, c, block_n, True)
+    out8 = _tiled_attention(qd, kd, vd8, ds_rows, pre.seq_k, is_causal, c, block_n, True)
     return torch.where(pre.pv_fp8[:, :, None, None], out8, out)
 
 

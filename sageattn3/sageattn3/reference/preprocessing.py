@@ -16,6 +16,7 @@ from .formats import (
     quantize_residual,
     quantize_rows,
     quantize_transposed,
+    quantize_transposed_tiled,
 )
 from .precision import (
     PV_PRECISION_DEFAULT,
@@ -130,6 +131,8 @@ class Preprocessed:
     - pv_fp8 (B, Hq) bool or None: with pv_precision "auto", the q heads whose P·V runs in MXFP8
       (``choose_pv_precision``; None: the rule did not run, every head as pv_precision says), and
       pv_error (B, Hq) float32 the estimate it came from (``pv_p_error``).
+    - v_exp (B, Hkv, Sk_p/128) int32 or None (``tile_v``, reference only, not in the kernels yet):
+      V's codes and scales are then those of V · 2^e per 128-key tile (``quantize_transposed_tiled``).
     """
 
     q_packed: torch.Tensor
@@ -159,6 +162,7 @@ class Preprocessed:
     v8_scales: torch.Tensor | None = None
     pv_fp8: torch.Tensor | None = None
     pv_error: torch.Tensor | None = None
+    v_exp: torch.Tensor | None = None
 
     @property
     def q_mean_residual(self) -> torch.Tensor:
@@ -303,6 +307,14 @@ def preprocess(
             qs, ks = fp8_rows(q.float() * cq, mq, k.float() * ck, mk)
         pre.q8, pre.q8_scales = quantize_mxfp8_rows(pad_dim(qs, -2, pad))
         pre.k8, pre.k8_scales = quantize_mxfp8_rows(pad_dim(ks, -2, pad))
+    return pre
+
+
+def tile_v(pre: Preprocessed, v: torch.Tensor, pad: int) -> Preprocessed:
+    """V's NVFP4 again, with a power-of-two factor per 128-key tile (``quantize_transposed_tiled``;
+    ``pad`` a multiple of 128): v_packed, v_scales and v_exp of ``pre``, in place. Reference only:
+    what a kernel with V's factor would compute (docs/accuracy.md, "The range of V's values")."""
+    pre.v_packed, pre.v_scales, pre.v_exp = quantize_transposed_tiled(pad_dim(v.float(), -2, pad))
     return pre
 
 
