@@ -17,11 +17,11 @@ import attention_cases as ac
 TOLERANCE = 0.005  # cos-sim against V at unit scale (the spread of the range measured: 0.001)
 
 
-def _cos(v_scale: float, q_scale: float = 1.0) -> float:
+def _cos(v_scale: float, q_scale: float = 1.0, v_tile_exponent: bool = False) -> float:
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 512, 128, generator=g) for _ in range(3))
     q, k, v = (q * q_scale).half(), (k / q_scale).half(), (v * v_scale).half()
-    out = ref.sageattn3(q, k, v)
+    out = ref.sageattn3(q, k, v, v_tile_exponent=v_tile_exponent)
     return ac.cos_sim(out, ref.exact_attention(q, k, v)) if bool(out.abs().sum() > 0) else 0.0
 
 
@@ -48,18 +48,11 @@ def test_v_outside_the_range_is_still_lost(unit, scale):
     assert _cos(scale) >= unit - TOLERANCE, (scale, unit)
 
 
-def _cos_tiled(v_scale: float) -> float:
-    g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 2, 512, 128, generator=g) for _ in range(3))
-    q, k, v = q.half(), k.half(), (v * v_scale).half()
-    return ac.cos_sim(ref.sageattn3(q, k, v, v_tile_exponent=True), ref.exact_attention(q, k, v))
-
-
 @pytest.mark.parametrize("scale", [0.001, 0.003, 3000.0, 10000.0])
 def test_v_tile_exponent_gives_the_unit_scale_result_outside_the_range(unit, scale):
     """V's power-of-two factor per 128-key tile (reference only, v_tile_exponent=True): the scales
     the plain NVFP4 of V loses come back to the unit-scale result."""
-    assert _cos_tiled(scale) >= unit - TOLERANCE, (scale, unit)
+    assert _cos(scale, v_tile_exponent=True) >= unit - TOLERANCE, (scale, unit)
 
 
 @pytest.mark.parametrize("case", ["randn", "large_logits", "mixed_heads"])

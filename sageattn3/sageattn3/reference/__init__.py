@@ -126,7 +126,6 @@ from .preprocessing import (
     q_block_index,
     q_mean,
     smooth_q,
-    tile_v,
 )
 from .attention import (
     LOG2E,
@@ -278,7 +277,6 @@ __all__ = [
     "quantize_rows",
     "quantize_transposed",
     "quantize_transposed_tiled",
-    "tile_v",
     "v_tile_exponents",
     "residual_scales",
     "rotate",

@@ -30,7 +30,7 @@ from .precision import (
     treatment_kwargs,
     treatment_names,
 )
-from .preprocessing import Preprocessed, delta_s, preprocess, q_block_index, tile_v
+from .preprocessing import Preprocessed, delta_s, preprocess, q_block_index
 from .transforms import QK_BALANCE_DEFAULT, QK_ROTATION_DEFAULT, Q_MEAN_BLOCK, expand_kv, flag, rotation_score_factor
 
 P_SCALE = E4M3_MAX * FP4_MAX  # 2688: where the row max of P is mapped (two-level quantization)
@@ -140,7 +140,7 @@ def sageattn3(
 ) -> torch.Tensor:
     """The quantized attention sageattn3 computes, float32 output (B, Hq, Sq, D).
     ``v_tile_exponent`` (reference only, not in the kernels yet): V quantized with a power-of-two
-    factor per 128-key tile (``tile_v``), so that V of any scale gives the same result.
+    factor per 128-key tile (``preprocess``'s v_exp), so that V of any scale gives the same result.
 
     ``qk_precision``: "auto" (the default) multiplies Q·Kᵀ of the heads the rule picks
     (``choose_qk_precision``, ``qk_fp4_error``) with MXFP8 operands (``quantize_mxfp8_rows`` of the
@@ -212,16 +212,14 @@ def sageattn3(
     pre = preprocess(q, k, v, per_block_mean, pad=block_n, qk_rotation=qk_rotation, qk_balance=qk_balance,
                      qk_scale_search=qk_scale_search, qk_precision=qk_precision, sm_scale=sm_scale,
                      k_block_mean=k_block_mean, pv_precision=pv_precision, qk_fp8_rotated=qk_fp8_rotated,
-                     pv_limit=pv_limit, is_causal=is_causal)
-    if flag(v_tile_exponent, "v_tile_exponent"):
-        tile_v(pre, v, block_n)
-    return _attend(pre, hq, sq, d, sm_scale, is_causal, block_n, pv_fp8)
+                     pv_limit=pv_limit, is_causal=is_causal, v_tile_exponent=v_tile_exponent)
+    return _attend(pre, sm_scale, is_causal, block_n, pv_fp8)
 
 
-def _attend(pre: Preprocessed, hq: int, sq: int, d: int, sm_scale: float | None, is_causal: bool, block_n: int,
-            pv_fp8: bool) -> torch.Tensor:
+def _attend(pre: Preprocessed, sm_scale: float | None, is_causal: bool, block_n: int, pv_fp8: bool) -> torch.Tensor:
     """``sageattn3``'s loop on preprocessed tensors: every head with ``pv_fp8``'s P·V, and where
     the rule gave heads FP8 P·V (``pre.pv_fp8``) those heads' output from the FP8 P·V loop."""
+    hq, sq, d = pre.q_packed.shape[1], pre.seq_q, pre.q_packed.shape[-1] * 2
     qd, kd, vd = _dequantized(pre, hq, pv_fp8)
     ds_rows = _delta_rows(pre, sq)  # (B, Hq, Sq, Sk_p)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)

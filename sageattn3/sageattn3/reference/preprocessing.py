@@ -131,7 +131,7 @@ class Preprocessed:
     - pv_fp8 (B, Hq) bool or None: with pv_precision "auto", the q heads whose P·V runs in MXFP8
       (``choose_pv_precision``; None: the rule did not run, every head as pv_precision says), and
       pv_error (B, Hq) float32 the estimate it came from (``pv_p_error``).
-    - v_exp (B, Hkv, Sk_p/128) int32 or None (``tile_v``, reference only, not in the kernels yet):
+    - v_exp (B, Hkv, Sk_p/128) int32 or None (``v_tile_exponent``, reference only, not in the kernels yet):
       V's codes and scales are then those of V · 2^e per 128-key tile (``quantize_transposed_tiled``).
     """
 
@@ -228,6 +228,7 @@ def preprocess(
     qk_fp8_rotated: bool = True,
     pv_limit: float | None = None,
     is_causal: bool = False,
+    v_tile_exponent: bool = False,
 ) -> Preprocessed:
     """The reference of the preprocessing kernels. ``qk_rotation``: rotate Q and K (head dims 64
     and 128 only). The means are computed on the raw inputs, then balanced and rotated (as the
@@ -248,7 +249,9 @@ def preprocess(
     causal call hides (``pv_p_error``). With the rotation, q8/k8 are the MXFP8 of the rotated rows
     (as the kernels make them), on which "auto"'s rule estimates. Without it q8/k8 are still the
     MXFP8 of rotated rows (``fp8_rows``) where ``qk_fp8_rotated`` (the default; False: of the
-    unrotated smoothed rows, the earlier path, reference only)."""
+    unrotated smoothed rows, the earlier path, reference only). ``v_tile_exponent`` (reference only,
+    not in the kernels yet): V's NVFP4 with a power-of-two factor per 128-key tile, v_exp
+    (``quantize_transposed_tiled``; ``pad`` a multiple of 128)."""
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     precision, pv = qk_precision_arg(qk_precision), pv_precision_arg(pv_precision)
     qk_fp8_rotated, is_causal = flag(qk_fp8_rotated, "qk_fp8_rotated"), flag(is_causal, "is_causal")
@@ -262,8 +265,7 @@ def preprocess(
     search = scale_search_applies(qk_scale_search, d, qk_rotation)
     rot = qk_rotation and rotation_applies(d)
     turn = rotate if rot else (lambda x: x.float())
-    bal = None
-    cq = ck = 1.0
+    bal, cq, ck = None, 1.0, 1.0
     if qk_balance and per_block_mean and balance_applies(d):
         bal = balance_exponents(q, k) if balance is None else balance.float()
         ck = torch.exp2(bal)
@@ -271,12 +273,8 @@ def preprocess(
     # balanced (exact float32 products) and then rotated
     mq = turn(q_mean(q, per_block_mean) * cq) if mean_q is None else mean_q.float()
     mk = turn(k_mean(k) * ck) if mean_k is None else mean_k.float()
-    if mean_q_global is not None:
-        mg = mean_q_global.float()
-    elif not per_block_mean:
-        mg = mq
-    else:
-        mg = turn(q_mean(q, False) * cq)
+    mg = (mean_q_global.float() if mean_q_global is not None else
+          turn(q_mean(q, False) * cq) if per_block_mean else mq)
     qs = smooth_q(turn(q.float() * cq), mq)
     corr = None
     if k_block_mean:
@@ -289,10 +287,12 @@ def preprocess(
         ks = turn(k.float() * ck) - mk
     qp, qsc = quantize_rows(pad_dim(qs, -2, pad), search)
     kp, ksc = quantize_rows(pad_dim(ks, -2, pad), search)
-    vp, vsc = quantize_transposed(pad_dim(v.float(), -2, pad))
+    vq = (quantize_transposed_tiled if flag(v_tile_exponent, "v_tile_exponent") else
+          lambda x: (*quantize_transposed(x), None))(pad_dim(v.float(), -2, pad))
     dk = pad_dim(delta_s(mg, ks).squeeze(-2), -1, pad)
     kr = quantize_residual(pad_dim(ks, -2, pad), kp, ksc) if per_block_mean else None
-    pre = Preprocessed(qp, qsc, kp, ksc, vp, vsc, mq, mk, sq, sk, mg, dk, rot, bal, search, kr, k_block_corr=corr)
+    pre = Preprocessed(qp, qsc, kp, ksc, *vq[:2], mq, mk, sq, sk, mg, dk, rot, bal, search, kr, k_block_corr=corr,
+                       v_exp=vq[2])
     if pv == "fp8":
         pre.v8, pre.v8_scales = quantize_mxfp8_transposed(pad_dim(v.float(), -2, pad))
     if precision != "fp4":
@@ -307,14 +307,6 @@ def preprocess(
             qs, ks = fp8_rows(q.float() * cq, mq, k.float() * ck, mk)
         pre.q8, pre.q8_scales = quantize_mxfp8_rows(pad_dim(qs, -2, pad))
         pre.k8, pre.k8_scales = quantize_mxfp8_rows(pad_dim(ks, -2, pad))
-    return pre
-
-
-def tile_v(pre: Preprocessed, v: torch.Tensor, pad: int) -> Preprocessed:
-    """V's NVFP4 again, with a power-of-two factor per 128-key tile (``quantize_transposed_tiled``;
-    ``pad`` a multiple of 128): v_packed, v_scales and v_exp of ``pre``, in place. Reference only:
-    what a kernel with V's factor would compute (docs/accuracy.md, "The range of V's values")."""
-    pre.v_packed, pre.v_scales, pre.v_exp = quantize_transposed_tiled(pad_dim(v.float(), -2, pad))
     return pre
 
 
