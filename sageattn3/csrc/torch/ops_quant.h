@@ -27,7 +27,7 @@ void quant_fp4_rows(T x, T packed, T scales) {
             " elements, got ", packed.numel(), " and ", scales.numel());
   DeviceScope scope(device_index(x));
   check_cuda_kernel<T>(sageattn3::quant_fp4_rows(x.data_ptr(), dtype_of(x, "x"), n, cols, bytes(packed),
-                                                 bytes(scales), nullptr, TensorApi<T>::stream(x)),
+                                                 bytes(scales), TensorApi<T>::stream(x)),
                        "quant_fp4_rows");
 }
 
