@@ -81,7 +81,9 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
     On CUDA with the kernels (at head dims 64/128 with up to ``_kernels.max_correction_heads`` q
     heads per kv head, one op, ``torch.ops.sageattn3.preprocess_qkv``, allocates every output
     and makes these launches from C++):
-    1. V along the sequence (transposed through shared memory);
+    1. V along the sequence (transposed through shared memory), with V's power-of-two exponent
+       per tile of 128 keys and 32 channels (``Preprocessed.v_exp``: the codes are those of
+       V · 2^e, so that no block of V vanishes or clips; the attention divides it out);
     2. two small launches read up to 8 evenly spaced 128-row blocks of each head of Q and K and
        make K's mean, each q head's mean_q_global (``reference.sample_mean``) and, with the
        balance, its exponents from them;
