@@ -64,7 +64,8 @@ struct SmemLayout {
   static constexpr int kStageDelta = kStageKSf + kKSfBytes;
   static constexpr int kStageVSf = kStageDelta + kDeltaBytes;
   // Per 32-channel group of V (V's tile exponents, FP4 P.V), written by D/32 threads of the last
-  // warp: 2^(e_t - e_(t-1)) (16 bytes), then 2^-e_t (16 bytes)
+  // warp: 2^(e_t - e_(t-1)) (16 bytes), then 2^-e_t (16 bytes, read in the tile's last stage by
+  // the bounded-memory instantiation: see consumer)
   static constexpr int kStageVExp = kStageVSf + kVSfBytes;
   static constexpr int kVExpBytes = 32;
   static constexpr int kStageBytes = ((kStageVExp + kVExpBytes + 1023) / 1024) * 1024;
@@ -463,6 +464,10 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   constexpr int kNT = kBlockN / 8;      // n-tiles of S
   constexpr int kDT = D / 8;            // n-tiles of O
   constexpr int kVGroups = D / 32;      // 32-channel groups of V's tile exponents (4 n-tiles each)
+  // Where O goes back from V's exponents: in the tile's last stage (a branch in the key loop: the
+  // bounded-memory instantiation, whose registers it spares), else in the epilogue (ptxas 13.0
+  // spills least so: docs/performance.md)
+  constexpr bool kBackInLoop = kInLoopResidual && !kPV8;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
   uint64_t* q_full = bars + 0;
   uint64_t* q_empty = bars + 1;
@@ -596,7 +601,6 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
         if constexpr (!kPV8) {
           // V's tile exponents: the factor 2^(e_kb - e_(kb-1)) that moves O to this tile's scale
           // (exact, at most 2^126: |e| <= 63), 1 for the first tile (O is 0) or without exponents
-          // and 2^-e_kb (O back to V's scale after the last stage)
           if (threadIdx.x >= kThreads - kVGroups) {
             const int x = threadIdx.x - (kThreads - kVGroups);
             int e = 0, prev = 0;
@@ -606,7 +610,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
               prev = kb > 0 ? __ldg(ep - kVGroups) : e;
             }
             sts_f32(stage + L::kStageVExp + 4 * x, __int_as_float((e - prev + 127) << 23));
-            sts_f32(stage + L::kStageVExp + 16 + 4 * x, __int_as_float((127 - e) << 23));
+            if constexpr (kBackInLoop) sts_f32(stage + L::kStageVExp + 16 + 4 * x, __int_as_float((127 - e) << 23));
           }
         }
       }
@@ -810,8 +814,8 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
           mma_fp4<0, 1>(o[n], pa[1], b1, o[n], p_sf[1], v_sf);
         }
       }
-      if constexpr (!kPV8) {
-        // the last stage: O back from V's exponents (2^-e of this stage's groups, exact), read
+      if constexpr (kBackInLoop) {
+        // the tile's last stage: O back from V's exponents (2^-e of its groups, exact), read
         // before the stage is released
         if (kb + 1 == c.num_kb) {
 #pragma unroll
@@ -834,7 +838,15 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
       row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
     }
-    store_output<D>(p, c.b * p.heads_q + c.hq, row_g, o, row_sum);
+    // O back from V's exponents: 2^-e of the last stage's groups (exact; 1 without exponents),
+    // folded into 1 / l per group (the bounded-memory instantiation did it in its last stage)
+    float v_back[kVGroups];
+#pragma unroll
+    for (int x = 0; x < kVGroups; ++x)
+      v_back[x] = kPV8 || kBackInLoop || p.v_exp == nullptr
+                      ? 1.f
+                      : __int_as_float((127 - static_cast<int>(__ldg(p.v_exp + v_exp_row + (c.num_kb - 1) * kVGroups + x))) << 23);
+    store_output<D>(p, c.b * p.heads_q + c.hq, row_g, o, row_sum, v_back);
   }
 }
 
