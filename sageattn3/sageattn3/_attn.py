@@ -179,8 +179,8 @@ def fp4_attention(
     sk_p = k.shape[2]
     if v.shape[3] * 2 > sk_p or v_sf.shape[3] * 16 > sk_p:
         raise ValueError(f"v covers more keys ({v.shape[3] * 2}) than k ({sk_p})")
+    v_exp = _v_exp(v_exp, b, hk, v.shape[3] * 2, sk_p, d, q.device)
     v, v_sf = _pad_to(v, 3, sk_p // 2), _pad_to(v_sf, 3, sk_p // 16)
-    v_exp = _v_exp(v_exp, b, hk, sk_p, d, q.device)
     mean_q = _kernels.aligned(mean_q)
     nblk = mean_q.shape[2]
     if mean_q.shape[:2] != (b, hq) or mean_q.shape[3] != d or nblk not in (1, q.shape[2] // SEQ_PAD):
@@ -213,16 +213,18 @@ def fp4_attention(
                    int(seq_k), sm_scale, bool(is_causal), out_dtype, bool(qk_rotation), k_residual, v_exp=v_exp)
 
 
-def _v_exp(v_exp: torch.Tensor | None, b: int, hk: int, sk_p: int, d: int, device: torch.device) -> torch.Tensor | None:
-    """V's tile exponents checked and zero-padded to sk_p / 128 tiles, as uint8 (the op's bytes)."""
+def _v_exp(v_exp: torch.Tensor | None, b: int, hk: int, v_keys: int, sk_p: int, d: int,
+           device: torch.device) -> torch.Tensor | None:
+    """V's tile exponents checked against v (v_keys keys: one exponent tile per 128 of them) and
+    zero-padded to sk_p / 128 tiles (the padding keys' codes are zeros), as uint8 (the op's bytes)."""
     if v_exp is None:
         return None
     if not isinstance(v_exp, torch.Tensor) or v_exp.dtype not in (torch.int8, torch.uint8):
         raise TypeError(f"v_exp must be an int8 tensor (Preprocessed.v_exp), got {getattr(v_exp, 'dtype', type(v_exp))}")
-    if v_exp.dim() != 4 or v_exp.shape[:2] != (b, hk) or v_exp.shape[3] != d // 32 or v_exp.shape[2] > sk_p // 128 \
-            or v_exp.device != device:
-        raise ValueError(f"v_exp must be (B, Hkv, Sk_p/128, D/32) = ({b}, {hk}, {sk_p // 128}, {d // 32}) on {device}, "
-                         f"got {tuple(v_exp.shape)} on {v_exp.device}")
+    tiles = -(-v_keys // 128)
+    if v_exp.dim() != 4 or v_exp.shape != (b, hk, tiles, d // 32) or v_exp.device != device:
+        raise ValueError(f"v_exp must be (B, Hkv, ceil(v's keys / 128), D/32) = ({b}, {hk}, {tiles}, {d // 32}) on "
+                         f"{device}, got {tuple(v_exp.shape)} on {v_exp.device}")
     return _kernels.aligned(_pad_to(v_exp.view(torch.uint8), 2, sk_p // 128))
 
 

@@ -76,7 +76,7 @@ def test_v_tile_exponent_leaves_in_range_data_bit_for_bit(case):
 
 def test_v_tile_exponents_put_each_tile_at_the_top_of_nvfp4():
     """amax · 2^e <= 2688 < amax · 2^(e+1) per tile of 128 rows and 32 channels (from the bits,
-    checked in float64), 0 for zeros, clamped at +-63; rows past a multiple of 128 form a last,
+    checked in float64), 0 for zeros and NaN, clamped at +-40; rows past a multiple of 128 form a last,
     shorter tile; the dequantized tiles keep V's scale."""
     g = torch.Generator().manual_seed(9)
     f = torch.exp2(torch.randint(-20, 21, (2, 3, 4, 1, 2, 1), generator=g).float())
@@ -89,10 +89,28 @@ def test_v_tile_exponents_put_each_tile_at_the_top_of_nvfp4():
     live = amax > 0
     top = amax * torch.exp2(e.double())
     assert bool((top[live] <= 2688).all() and (2 * top[live] > 2688).all()) and int(e[0, 0, 0, 0]) == 0
-    assert int(ref.v_tile_exponents(torch.full((1, 128, 32), 1e-30))[0, 0, 0]) == 63
-    assert int(ref.v_tile_exponents(torch.full((1, 128, 32), 1e30))[0, 0, 0]) == -63
+    assert int(ref.v_tile_exponents(torch.full((1, 128, 32), 1e-30))[0, 0, 0]) == ref.V_TILE_EXP_MAX == 40
+    assert int(ref.v_tile_exponents(torch.full((1, 128, 32), 1e30))[0, 0, 0]) == -40
+    assert int(ref.v_tile_exponents(torch.full((1, 128, 32), float("nan")))[0, 0, 0]) == 0
     p, s, ee = ref.quantize_transposed_tiled(x)
     back = ref.dequantize_transposed_tiled(p, s, ee, 500)
     assert float((back - x).norm() / x.norm()) < 0.15
     with pytest.raises(ValueError, match="multiple of 32"):
         ref.v_tile_exponents(x[..., :48])
+
+
+def test_a_group_shares_its_exponent():
+    """The price of one exponent per 32 channels: a channel 2^18 above the other 31 of its group
+    keeps its values (plain NVFP4 clips it), and those 31 fall to E4M3 subnormal or zero scales (the
+    plain path keeps them). The other groups are untouched, and the whole output gains."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 384, 64, generator=g) for _ in range(3))
+    v[..., 0] *= 2.0 ** 18
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    exact = ref.exact_attention(q, k, v)
+    tiled, plain = ref.sageattn3(q, k, v), ref.sageattn3(q, k, v, v_tile_exponent=False)
+    big, rest, other = slice(0, 1), slice(1, 32), slice(32, 64)
+    assert ac.cos_sim(tiled[..., big], exact[..., big]) > 0.97 > ac.cos_sim(plain[..., big], exact[..., big])
+    assert ac.cos_sim(tiled[..., rest], exact[..., rest]) < 0.9 < ac.cos_sim(plain[..., rest], exact[..., rest])
+    assert torch.equal(tiled[..., other], plain[..., other])
+    assert ac.cos_sim(tiled, exact) > ac.cos_sim(plain, exact) + 0.1

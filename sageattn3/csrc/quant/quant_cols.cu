@@ -50,11 +50,12 @@ __device__ __forceinline__ int chunk_slot(int w, int pair) { return pair ^ (w & 
 
 // The exponent of a V tile whose largest |value| has float bits a (reference.v_tile_exponents):
 // 2688 = 1.3125 · 2^11, so amax = 1.f · 2^(E - 127) gives 11 - (E - 127), one less where
-// 1.f > 1.3125; 0 for zeros; clamped to +-63 (2^(e - e') stays a normal float).
+// 1.f > 1.3125; 0 for zeros and NaN; clamped to +-kVExpMax.
+constexpr int kVExpMax = 40;
 __device__ __forceinline__ int v_tile_exponent(uint32_t a) {
-  if (a == 0u) return 0;
+  if (a == 0u || a > 0x7F800000u) return 0;
   const int e = 138 - static_cast<int>(a >> 23) - ((a & 0x7FFFFFu) > 0x280000u ? 1 : 0);
-  return e < -63 ? -63 : (e > 63 ? 63 : e);
+  return e < -kVExpMax ? -kVExpMax : (e > kVExpMax ? kVExpMax : e);
 }
 
 // amax bits (as float bits) of word column `lane` over the 16 rows of block `seg`: for 16-bit

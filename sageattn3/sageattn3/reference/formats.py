@@ -232,7 +232,10 @@ def dequantize_transposed(packed: torch.Tensor, scales: torch.Tensor, seq_len: i
 
 V_TILE = 128  # keys per tile of V's power-of-two factor (the attention's key tile)
 V_GROUP = 32  # channels per group of V's power-of-two factor (a group's exponent is local to V's quantization CTA)
-V_TILE_EXP_MAX = 63  # |e| at most: 2^(e_t - e_(t-1)) stays a normal float32, and V · 2^e finite for fp16/bf16 V
+# |e| at most. The attention keeps O in the current tile's units, so a tile 2^80 below the one
+# before it scales O up by at most 2^80: with P's 2688 per key and V's 2688 per value, O stays
+# finite in float32 up to about a million keys (2^±40 also covers every fp16 V: e in -5 .. 35).
+V_TILE_EXP_MAX = 40
 
 
 def _v_tiles(x: torch.Tensor) -> torch.Tensor:
@@ -246,9 +249,11 @@ def v_tile_exponents(x: torch.Tensor) -> torch.Tensor:
     """x (..., S, D) float32, D a multiple of V_GROUP -> (..., ceil(S / V_TILE), D / V_GROUP) int8:
     per tile of V_TILE rows and V_GROUP channels, the largest e with amax · 2^e <= 2688 (448 · 6,
     the top of an NVFP4 block), amax the group's largest |value|; 0 for a group of zeros; clamped
-    to +-V_TILE_EXP_MAX. From amax's bits (2688 = 1.3125 · 2^11): amax = 1.f · 2^(E - 127) gives
-    e = 11 - (E - 127), one less where 1.f > 1.3125. Then every block scale of x · 2^e is at most
-    448 and the group's largest sits in E4M3's top binade."""
+    to +-V_TILE_EXP_MAX (0 for a NaN amax). From amax's bits (2688 = 1.3125 · 2^11): amax = 1.f ·
+    2^(E - 127) gives e = 11 - (E - 127), one less where 1.f > 1.3125. Then every block scale of
+    x · 2^e is at most 448 and the group's largest sits in E4M3's top binade. The group shares e:
+    where its values span more than about 2^15, its smallest blocks get E4M3 subnormal or zero
+    scales (the price of not clipping its largest)."""
     if x.shape[-1] % V_GROUP:
         raise ValueError(f"V's tile exponents need the head dim to be a multiple of {V_GROUP}, got {x.shape[-1]}")
     amax = _v_tiles(x.abs()).amax(dim=(-3, -1)).float().contiguous()

@@ -132,9 +132,11 @@ class Preprocessed:
     - pv_fp8 (B, Hq) bool or None: with pv_precision "auto", the q heads whose P·V runs in MXFP8
       (``choose_pv_precision``; None: the rule did not run, every head as pv_precision says), and
       pv_error (B, Hq) float32 the estimate it came from (``pv_p_error``).
-    - v_exp (B, Hkv, ceil(Sk_p/128), D/32) int8, or None (``v_tile_exponent`` False): V's codes and
-      scales are those of V · 2^e per tile of 128 keys and 32 channels (``quantize_transposed_tiled``);
-      the attention multiplies by 2^-e again (the kernels: in the online softmax's rescale).
+    - v_exp (B, Hkv, ceil(Sk_p/128), D/32) int8, or None (``v_tile_exponent`` False, or D not a
+      multiple of 32): v_packed and v_scales are then the NVFP4 of V · 2^e per tile of 128 keys and
+      32 channels (``quantize_transposed_tiled``), not of V: dequantize them with
+      ``dequantize_transposed_tiled``, and pass v_exp with them to the attention, which multiplies
+      by 2^-e again (the kernels: in the online softmax's rescale and the epilogue).
     """
 
     q_packed: torch.Tensor
