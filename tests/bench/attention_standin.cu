@@ -120,7 +120,7 @@ auto set_ds_work(A& a, float* w, int64_t n, int) -> decltype(a.ds_work = w, void
 template <class A>
 void set_ds_work(A&, float*, int64_t, long) {}
 
-X
+// Fp4AttnArgs::v_exp (V's tile exponents) where the tree has it: exponents of 0 to 3 (the
 // factors are powers of two whatever they are; real ones are read and applied as shipped).
 template <class A>
 auto set_v_exp(A& a, int hkv, int pad, int D, int) -> decltype(a.v_exp = nullptr, true) {

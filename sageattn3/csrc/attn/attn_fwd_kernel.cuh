@@ -63,7 +63,12 @@ struct SmemLayout {
   static constexpr int kStageKSf = kStageV + kVBytes;
   static constexpr int kStageDelta = kStageKSf + kKSfBytes;
   static constexpr int kStageVSf = kStageDelta + kDeltaBytes;
-  static constexpr int kStageBytes = ((kStageVSf + kVSfBytes + 1023) / 1024) * 1024;
+  // Per 32-channel group of V (V's tile exponents, FP4 P.V), written by D/32 threads of the last
+  // warp: 2^(e_t - e_(t-1)) (16 bytes), then 2^-e_t (16 bytes, read in the tile's last stage by
+  // the bounded-memory instantiation: see consumer)
+  static constexpr int kStageVExp = kStageVSf + kVSfBytes;
+  static constexpr int kVExpBytes = 32;
+  static constexpr int kStageBytes = ((kStageVExp + kVExpBytes + 1023) / 1024) * 1024;
   static constexpr int kBarriers = kStage0 + kStages * kStageBytes;
   static constexpr int kBarrierBytes = 8 * (2 + 2 * kStages);
   static constexpr int kProducerState = kBarriers + kBarrierBytes;  // thread 0's cursor (see Producer)
@@ -77,6 +82,7 @@ struct SmemLayout {
   // tensor map's stride must be when Sk_pad/128 is odd).
   static constexpr uint32_t kStageTx = kKBytes + kVBytes + kKSfBytes;
   static constexpr uint32_t kQTx = kQBytes + kQSfBytes;
+  static_assert(D / 32 * 4 <= 16 && kStageVExp % 16 == 0, "V's group factors: two 16-byte slots");
 };
 
 // Byte offset of key pair i (keys 2i, 2i+1) in a stage's delta_s vector: the four pairs a quarter
@@ -449,29 +455,6 @@ __device__ __forceinline__ void pv8_pass(float (&o)[D / 8][4], const float (&s)[
   }
 }
 
-// V's tile exponents of one 128-key tile, a signed byte per 32-channel group (G of them), as one
-// word: the groups of a tile are adjacent in p.v_exp, G bytes aligned to G.
-template <int G>
-struct VExpWord;
-template <>
-struct VExpWord<4> {
-  static __device__ __forceinline__ uint32_t load(const int8_t* p) { return __ldg(reinterpret_cast<const uint32_t*>(p)); }
-};
-template <>
-struct VExpWord<2> {
-  static __device__ __forceinline__ uint32_t load(const int8_t* p) {
-    return __ldg(reinterpret_cast<const unsigned short*>(p));
-  }
-};
-
-__device__ __forceinline__ int v_exp_byte(uint32_t word, int x) { return static_cast<int8_t>(word >> (8 * x)); }
-
-// 2^(e - e') of group x, e from this tile's word and e' from the previous one: exact, and a normal
-// float (|e|, |e'| <= 63).
-__device__ __forceinline__ float v_group_factor(uint32_t cur, uint32_t prev, int x) {
-  return __int_as_float((v_exp_byte(cur, x) - v_exp_byte(prev, x) + 127) << 23);
-}
-
 template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false>
 __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int warp) {
   using L = SmemLayout<D, kQK8, kPV8>;
@@ -615,6 +598,21 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
           const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(v_sf_copy + k0 / (kPV8 ? 32 : 16)));
           asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage + L::kStageVSf + 4 * threadIdx.x), "r"(w) : "memory");
         }
+        if constexpr (!kPV8) {
+          // V's tile exponents: the factor 2^(e_kb - e_(kb-1)) that moves O to this tile's scale
+          // (exact, at most 2^80: |e| <= 40), 1 for the first tile (O is 0) or without exponents
+          if (threadIdx.x >= kThreads - kVGroups) {
+            const int x = threadIdx.x - (kThreads - kVGroups);
+            int e = 0, prev = 0;
+            if (p.v_exp != nullptr) {
+              const int8_t* ep = p.v_exp + v_exp_row + kb * kVGroups + x;
+              e = __ldg(ep);
+              prev = kb > 0 ? __ldg(ep - kVGroups) : e;
+            }
+            sts_f32(stage + L::kStageVExp + 4 * x, __int_as_float((e - prev + 127) << 23));
+            if constexpr (kBackInLoop) sts_f32(stage + L::kStageVExp + 16 + 4 * x, __int_as_float((127 - e) << 23));
+          }
+        }
       }
       __syncthreads();
 
@@ -664,18 +662,6 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       }
       }
 
-      // ---- V's tile exponents of this stage and the one before (one word: a byte per group) ----
-      // (with FP8 Q.K^T read where used, after P's quantization: fewer registers live)
-      uint32_t ve_cur = 0u, ve_prev = 0u;
-      auto load_v_exps = [&] {
-        if (p.v_exp != nullptr) {
-          const int8_t* ve = p.v_exp + v_exp_row + kb * kVGroups;
-          ve_cur = VExpWord<kVGroups>::load(ve);
-          ve_prev = VExpWord<kVGroups>::load(kb > 0 ? ve - kVGroups : ve);
-        }
-      };
-      if constexpr (!kPV8 && !kQK8) load_v_exps();
-
       // ---- masks: keys past seq_k, and the causal diagonal ----
       const bool tail = k0 + kBlockN > p.seq_k;
       const bool diag = p.causal && (k0 + kBlockN - 1 > m0 + row_in_tile);
@@ -714,8 +700,13 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
 #pragma unroll
       for (int x = 0; x < kVGroups; ++x) vf[x] = 1.f;
       if constexpr (!kPV8 && !kLateRescale) {
-#pragma unroll
-        for (int x = 0; x < kVGroups; ++x) vf[x] = v_group_factor(ve_cur, ve_prev, x);
+        if constexpr (kVGroups == 4) {
+          const float4 f4 = lds_f4(stage + L::kStageVExp);
+          vf[0] = f4.x; vf[1] = f4.y; vf[2] = f4.z; vf[3] = f4.w;
+        } else {
+          const float2 f2 = lds_f2(stage + L::kStageVExp);
+          vf[0] = f2.x; vf[1] = f2.y;
+        }
       }
       float bias[2];
 #pragma unroll
@@ -797,10 +788,9 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
           quantize_p_chunk(pv, amax, pa[q], p_sf[q]);
         }
         if constexpr (kLateRescale) {
-          load_v_exps();
 #pragma unroll
           for (int x = 0; x < kVGroups; ++x) {
-            const float f = v_group_factor(ve_cur, ve_prev, x);
+            const float f = __uint_as_float(lds_u32(stage + L::kStageVExp + 4 * x));
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
               const float ag = o_scale[r] * f;
@@ -825,11 +815,12 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
         }
       }
       if constexpr (kBackInLoop) {
-        // the tile's last stage: O back from V's exponents (2^-e of its groups, exact)
+        // the tile's last stage: O back from V's exponents (2^-e of its groups, exact), read
+        // before the stage is released
         if (kb + 1 == c.num_kb) {
 #pragma unroll
           for (int x = 0; x < kVGroups; ++x) {
-            const float back = __int_as_float((127 - v_exp_byte(ve_cur, x)) << 23);
+            const float back = __uint_as_float(lds_u32(stage + L::kStageVExp + 16 + 4 * x));
 #pragma unroll
             for (int n = 4 * x; n < 4 * x + 4; ++n)
 #pragma unroll
