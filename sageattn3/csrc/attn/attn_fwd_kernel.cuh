@@ -464,10 +464,11 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   constexpr int kNT = kBlockN / 8;      // n-tiles of S
   constexpr int kDT = D / 8;            // n-tiles of O
   constexpr int kVGroups = D / 32;      // 32-channel groups of V's tile exponents (4 n-tiles each)
-  // Where O goes back from V's exponents: in the tile's last stage (a branch in the key loop: the
-  // bounded-memory instantiation, whose registers it spares), else in the epilogue (ptxas 13.0
-  // spills least so: docs/performance.md)
-  constexpr bool kBackInLoop = kInLoopResidual && !kPV8;
+  // Where O goes back from V's exponents: in the tile's last stage (a branch in the key loop) at
+  // D 128 and in the bounded-memory instantiation, else in the epilogue. Measured on the H200
+  // stand-in and ptxas 13.0's spills: the epilogue costs D 128 5% there (docs/performance.md,
+  // "V's tile exponents"); the branch costs D 64's issue-bound count 64 multiplies.
+  constexpr bool kBackInLoop = (kInLoopResidual || D == 128) && !kPV8;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
   uint64_t* q_full = bars + 0;
   uint64_t* q_empty = bars + 1;
