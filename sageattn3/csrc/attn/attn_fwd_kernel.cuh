@@ -467,7 +467,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   // Where O goes back from V's exponents: in the tile's last stage (a branch in the key loop) at
   // D 128 and in the bounded-memory instantiation, else in the epilogue. Measured on the H200
   // stand-in and ptxas 13.0's spills: the epilogue costs D 128 5% there (docs/performance.md,
-  // "V's tile exponents"); the branch costs D 64's issue-bound count 64 multiplies.
+  // "V's tile exponents"); at D 64 the branch would add 32 multiplies to its issue-bound count.
   constexpr bool kBackInLoop = (kInLoopResidual || D == 128) && !kPV8;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
   uint64_t* q_full = bars + 0;
