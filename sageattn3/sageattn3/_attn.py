@@ -149,7 +149,8 @@ def fp4_attention(
     quantized K alone (r · Kdᵀ, as ``reference.Preprocessed.delta_s`` computes without a
     residual) instead of the paper's r · K_sᵀ. ``v_exp`` (B, Hkv, Sk_p/128, D/32) int8: V's tile
     exponents (``reference.Preprocessed.v_exp``) when v and v_sf are the NVFP4 of V · 2^e
-    (``reference.quantize_transposed_tiled``); None: every exponent 0 (plain NVFP4 of V)."""
+    (``reference.quantize_transposed_tiled``), each in [-40, 40] as the preprocessing writes them
+    (the kernel does not check them); None: every exponent 0 (plain NVFP4 of V)."""
     q, q_sf, k, k_sf = _bytes(q, "q"), _bytes(q_sf, "q_sf"), _bytes(k, "k"), _bytes(k_sf, "k_sf")
     v, v_sf = _bytes(v, "v"), _bytes(v_sf, "v_sf")
     for name, t in (("q", q), ("q_sf", q_sf), ("k", k), ("k_sf", k_sf), ("v", v), ("v_sf", v_sf), ("mean_q", mean_q),
