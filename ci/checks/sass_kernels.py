@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "sageattn3" / "csrc"
 KERNEL = CSRC / "attn" / "attn_fwd_kernel.cuh"
 PRODUCER_STAGE, PRODUCER_TILE = "producer, per stage", "producer, per query tile"
+LAST_STAGE = "a query tile's last stage (V's exponents)"
 # The pre-passes each instantiation takes with the default arguments (qk_precision 'auto': the rule
 # runs wherever the FP8 path can, FP4 heads included; the bounded mode cannot take FP8, so no rule)
 TAKES = {"defaults": ("delta_s", "rule"), "one Q mean": ("rule",), "FP8": ("delta_s", "rule", "MXFP8"), "bounded": (),
@@ -47,6 +48,8 @@ def ours_regions(kernel: Path = KERNEL) -> dict[str, list[tuple[int, int]]]:
         PRODUCER_TILE: [(q_issue[0] + 1, q_issue[1]), (advance[0] + 1, advance[1])],
         PRODUCER_STAGE: [block_lines(kernel, r"^struct Producer")],
         "mask (tail / causal diagonal)": [block_lines(kernel, r"if \(tail \|\| diag\) \{")],
+        # once per query tile (its last key tile): O back from V's exponents, 64 or 32 multiplies
+        LAST_STAGE: [block_lines(kernel, r"if \(kb \+ 1 == c\.num_kb\) \{")],
         "residual": [block_lines(kernel, r"^struct ResidualHalf"), block_lines(kernel, r"float delta_s_part\("),
                      block_lines(kernel, r"if \(kInLoopResidual && has_residual\) \{"), block_lines(kernel, r"float2 e4m3x2_value\(")],
     }

@@ -17,9 +17,11 @@ int quant_fp4_rows(const void* x, DType dtype, int64_t n, int64_t cols, uint8_t*
                    cudaStream_t stream);
 
 // NVFP4 along the sequence: x (G, S, D) -> packed (G, D, Sp/2), scales (G, D, Sp/16), with
-// Sp >= S a multiple of 16; tokens S..Sp-1 are zeros.
+// Sp >= S a multiple of 16; tokens S..Sp-1 are zeros. exps (G, ceil(Sp/128), D/32) int8, or null:
+// V's tile exponents (D a multiple of 32): the codes and scales are then those of x · 2^e per
+// tile of 128 tokens and 32 channels (reference.quantize_transposed_tiled, bit for bit).
 int quant_fp4_cols(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, int64_t Sp, uint8_t* packed,
-                   uint8_t* scales, cudaStream_t stream);
+                   uint8_t* scales, int8_t* exps, cudaStream_t stream);
 
 // MXFP8 along the sequence (V of the FP8 P.V path; quant/quant_mxfp8_cols.cu, bit-exact with
 // reference.quantize_mxfp8_transposed): x (G, S, D) bf16/fp16, D a multiple of 16 -> codes

@@ -136,6 +136,7 @@ def fp4_attention(
     is_causal: bool = False,
     out_dtype: torch.dtype = torch.bfloat16,
     qk_rotation: bool = False,
+    v_exp: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Runs the FP4 attention kernel on preprocessed NVFP4 tensors (layouts: module doc) and
     returns (B, Hq, seq_q, D) in ``out_dtype`` (bfloat16 or float16). Sequence dims that are
@@ -146,7 +147,10 @@ def fp4_attention(
     then gives mean_q == mean_q_global and there is nothing for it to correct; a caller whose one
     mean_q row differs from mean_q_global should pass it, or that difference multiplies the
     quantized K alone (r · Kdᵀ, as ``reference.Preprocessed.delta_s`` computes without a
-    residual) instead of the paper's r · K_sᵀ."""
+    residual) instead of the paper's r · K_sᵀ. ``v_exp`` (B, Hkv, Sk_p/128, D/32) int8: V's tile
+    exponents (``reference.Preprocessed.v_exp``) when v and v_sf are the NVFP4 of V · 2^e
+    (``reference.quantize_transposed_tiled``), each in [-40, 40] as the preprocessing writes them
+    (the kernel does not check them); None: every exponent 0 (plain NVFP4 of V)."""
     q, q_sf, k, k_sf = _bytes(q, "q"), _bytes(q_sf, "q_sf"), _bytes(k, "k"), _bytes(k_sf, "k_sf")
     v, v_sf = _bytes(v, "v"), _bytes(v_sf, "v_sf")
     for name, t in (("q", q), ("q_sf", q_sf), ("k", k), ("k_sf", k_sf), ("v", v), ("v_sf", v_sf), ("mean_q", mean_q),
@@ -176,6 +180,7 @@ def fp4_attention(
     sk_p = k.shape[2]
     if v.shape[3] * 2 > sk_p or v_sf.shape[3] * 16 > sk_p:
         raise ValueError(f"v covers more keys ({v.shape[3] * 2}) than k ({sk_p})")
+    v_exp = _v_exp(v_exp, b, hk, v.shape[3] * 2, sk_p, d, q.device)
     v, v_sf = _pad_to(v, 3, sk_p // 2), _pad_to(v_sf, 3, sk_p // 16)
     mean_q = _kernels.aligned(mean_q)
     nblk = mean_q.shape[2]
@@ -206,14 +211,31 @@ def fp4_attention(
             raise ValueError(f"k_residual covers more keys ({k_residual.shape[2]}) than k ({sk_p})")
         k_residual = _kernels.aligned(_pad_to(k_residual, 2, sk_p))
     return _launch(q, q_sf, k, k_sf, v.contiguous(), v_sf.contiguous(), mean_q, mean_q_global, delta_key, int(seq_q),
-                   int(seq_k), sm_scale, bool(is_causal), out_dtype, bool(qk_rotation), k_residual)
+                   int(seq_k), sm_scale, bool(is_causal), out_dtype, bool(qk_rotation), k_residual, v_exp=v_exp)
+
+
+def _v_exp(v_exp: torch.Tensor | None, b: int, hk: int, v_keys: int, sk_p: int, d: int,
+           device: torch.device) -> torch.Tensor | None:
+    """V's tile exponents checked against v (v_keys keys: one exponent tile per 128 of them) and
+    zero-padded to sk_p / 128 tiles (the padding keys' codes are zeros), as uint8 (the op's bytes)."""
+    if v_exp is None:
+        return None
+    if not isinstance(v_exp, torch.Tensor) or v_exp.dtype not in (torch.int8, torch.uint8):
+        raise TypeError(f"v_exp must be an int8 tensor (Preprocessed.v_exp), got {getattr(v_exp, 'dtype', type(v_exp))}")
+    tiles = -(-v_keys // 128)
+    if v_exp.dim() != 4 or v_exp.shape != (b, hk, tiles, d // 32) or v_exp.device != device:
+        raise ValueError(f"v_exp must be (B, Hkv, ceil(v's keys / 128), D/32) = ({b}, {hk}, {tiles}, {d // 32}) on "
+                         f"{device}, got {tuple(v_exp.shape)} on {v_exp.device}")
+    return _kernels.aligned(_pad_to(v_exp.view(torch.uint8), 2, sk_p // 128))
 
 
 def _launch(q, q_sf, k, k_sf, v, v_sf, mean_q, mean_q_global, delta_key, seq_q: int, seq_k: int,
             sm_scale: float | None, is_causal: bool, out_dtype: torch.dtype, qk_rotation: bool,
-            k_residual: torch.Tensor | None = None, workspace_limit: int | None = None) -> torch.Tensor:
+            k_residual: torch.Tensor | None = None, workspace_limit: int | None = None,
+            v_exp: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel call itself, on operands in the kernel's layout (the op checks them again);
-    ``workspace_limit``: ``delta_s_workspace``'s ``limit``."""
+    ``workspace_limit``: ``delta_s_workspace``'s ``limit``; ``v_exp``: V's tile exponents
+    (uint8 or int8) or None."""
     d = 2 * q.shape[3]
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
     if qk_rotation:
@@ -221,9 +243,14 @@ def _launch(q, q_sf, k, k_sf, v, v_sf, mean_q, mean_q_global, delta_key, seq_q: 
     out = torch.empty((q.shape[0], q.shape[1], seq_q, d), dtype=out_dtype, device=q.device)
     k_res = _kernels._none(q.device, 6) if k_residual is None else k_residual
     work = delta_s_workspace(q.shape[0], q.shape[1], mean_q.shape[2], seq_q, k.shape[2], q.device, workspace_limit)
-    _kernels.op("blockscaled_fp4_attn")(q, q_sf, k, k_sf, v, v_sf, mean_q, mean_q_global, delta_key, k_res, work, out,
-                                        seq_q, seq_k, scale, is_causal)
+    _kernels.op("blockscaled_fp4_attn")(q, q_sf, k, k_sf, v, v_sf, v_exp_bytes(v_exp, q.device), mean_q, mean_q_global,
+                                        delta_key, k_res, work, out, seq_q, seq_k, scale, is_causal)
     return out
+
+
+def v_exp_bytes(v_exp: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The attention ops' v_exp operand: V's tile exponents as uint8, or an empty tensor (all 0)."""
+    return _kernels._none(device, 13) if v_exp is None else v_exp.view(torch.uint8)
 
 
 def fp8_workspace_fits(batch: int, heads_q: int, nblk: int, seq_q: int, seq_k_pad: int,
@@ -260,7 +287,8 @@ def attention_qk8(pre, head_sel: torch.Tensor, q8: torch.Tensor, q8_scales: torc
                              workspace_limit)
     sel = head_sel if head_sel.dtype == torch.uint8 and head_sel.is_contiguous() else head_sel.to(torch.uint8).contiguous()
     _kernels.op("blockscaled_attn_qk8")(q, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
-                                        pre.mean_q, pre.mean_q_global, pre.delta_key, k_res, work, out, sel,
+                                        v_exp_bytes(pre.v_exp, q.device), pre.mean_q, pre.mean_q_global,
+                                        pre.delta_key, k_res, work, out, sel,
                                         _bytes(q8, "q8"), q8_scales, _bytes(k8, "k8"), k8_scales, pre.seq_q,
                                         pre.seq_k, scale, is_causal)
     return out
@@ -277,12 +305,12 @@ def attention_from_preprocessed(pre, *, is_causal: bool = False, sm_scale: float
     if trusted:
         return _launch(pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
                        pre.mean_q, pre.mean_q_global, pre.delta_key, pre.seq_q, pre.seq_k, sm_scale, is_causal,
-                       out_dtype, pre.qk_rotation, pre.k_residual, workspace_limit)
+                       out_dtype, pre.qk_rotation, pre.k_residual, workspace_limit, pre.v_exp)
     return fp4_attention(pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
                          pre.mean_q, mean_q_global=pre.mean_q_global, delta_key=pre.delta_key,
                          k_residual=pre.k_residual, seq_q=pre.seq_q,
                          seq_k=pre.seq_k, sm_scale=sm_scale, is_causal=is_causal, out_dtype=out_dtype,
-                         qk_rotation=pre.qk_rotation)
+                         qk_rotation=pre.qk_rotation, v_exp=pre.v_exp)
 
 
 def mma_probe(a: torch.Tensor, b: torch.Tensor, sfa: torch.Tensor, sfb: torch.Tensor, c: torch.Tensor,

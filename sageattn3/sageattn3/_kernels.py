@@ -126,15 +126,18 @@ def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scales
 
 
-def quant_cols(x: torch.Tensor, seq_pad: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., S, D) contiguous -> (..., D, Sp/2), (..., D, Sp/16), Sp = S up to seq_pad."""
+def quant_cols(x: torch.Tensor, seq_pad: int = 16, exps: bool = False) -> tuple[torch.Tensor, ...]:
+    """x (..., S, D) contiguous -> (..., D, Sp/2), (..., D, Sp/16), Sp = S up to seq_pad; with
+    ``exps`` (D a multiple of 32) also V's tile exponents (..., ceil(Sp/128), D/32) int8, the codes
+    and scales then those of x · 2^e (``reference.quantize_transposed_tiled``)."""
     *lead, s, d = x.shape
     sp = -(-s // seq_pad) * seq_pad
     dev = x.device
     packed = torch.empty((*lead, d, sp // 2), dtype=torch.uint8, device=dev)
     scales = torch.empty((*lead, d, sp // 16), dtype=torch.float8_e4m3fn, device=dev)
-    op("quant_fp4_cols")(x, packed, scales)
-    return packed, scales
+    e = torch.empty((*lead, -(-sp // 128), d // 32), dtype=torch.uint8, device=dev) if exps else _none(dev, 12)
+    op("quant_fp4_cols")(x, packed, scales, e)
+    return (packed, scales, e.view(torch.int8)) if exps else (packed, scales)
 
 
 def smooth_quant_rows(x: torch.Tensor, mean: torch.Tensor, compute_mean: bool, mean_block: int,
@@ -303,9 +306,9 @@ def preprocess_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: int, 
     """Every output of ``sageattn3.preprocess`` from one op, which allocates them and makes all
     the launches (V first) in C++: q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) contiguous and
     16-byte aligned, D 64/128, Hq/Hkv <= ``max_correction_heads``. Returns (q_packed, q_scales,
-    k_packed, k_scales, v_packed, v_scales, mean_q, mean_k, qbar, ds_key, balance, k_residual) in
-    the shapes of ``reference.Preprocessed`` (qbar and k_residual empty without per_block_mean,
-    balance empty without it).
+    k_packed, k_scales, v_packed, v_scales, mean_q, mean_k, qbar, ds_key, balance, k_residual,
+    v_exp) in the shapes of ``reference.Preprocessed`` (qbar and k_residual empty without
+    per_block_mean, balance empty without it; v_exp int8 values as uint8).
     Outside autograd (as the ops that write into outputs allocated here): an op returning new
     tensors would give them a grad_fn when an input requires grad."""
     f = op("preprocess_qkv")
@@ -406,7 +409,8 @@ def _preprocess_qkv_fake(q, k, v, pad, per_block_mean, rotate, balance, search):
             new((b, hk, d, skp // 2), u8), new((b, hk, d, skp // 16), e4),
             new((b, hq, nm, d), f32), new((b, hk, 1, d), f32),
             new((b if per_block_mean else 0, hq, 1, d), f32), new((b, hq, skp), f32),
-            new((b if balance else 0, hk, 1, d), f32), new((b if per_block_mean else 0, hk, skp, d), e4))
+            new((b if balance else 0, hk, 1, d), f32), new((b if per_block_mean else 0, hk, skp, d), e4),
+            new((b, hk, -(-skp // 128), d // 32), u8))
 
 
 def delta_s(k: torch.Tensor, mean_k: torch.Tensor, mean_q: torch.Tensor, seq_pad: int) -> torch.Tensor:

@@ -81,7 +81,9 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
     On CUDA with the kernels (at head dims 64/128 with up to ``_kernels.max_correction_heads`` q
     heads per kv head, one op, ``torch.ops.sageattn3.preprocess_qkv``, allocates every output
     and makes these launches from C++):
-    1. V along the sequence (transposed through shared memory);
+    1. V along the sequence (transposed through shared memory), with V's power-of-two exponent
+       per tile of 128 keys and 32 channels (``Preprocessed.v_exp``: the codes are those of
+       V · 2^e, so that no block of V vanishes or clips; the attention divides it out);
     2. two small launches read up to 8 evenly spaced 128-row blocks of each head of Q and K and
        make K's mean, each q head's mean_q_global (``reference.sample_mean``) and, with the
        balance, its exponents from them;
@@ -137,13 +139,15 @@ def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bo
         rot = bool(qk_rotation)
         if not inputs_aligned:
             q, k, v = _kernels.aligned(q), _kernels.aligned(k), _kernels.aligned(v)
-        qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps, k_res = _kernels.preprocess_qkv(
+        qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps, k_res, v_exp = _kernels.preprocess_qkv(
             q, k, v, pad, per_block_mean, rot, bal, search)
         return Preprocessed(qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, sq, sk, qbar if per_block_mean else mean_q,
-                            ds_key, rot, exps if bal else None, search, k_res if per_block_mean else None)
+                            ds_key, rot, exps if bal else None, search, k_res if per_block_mean else None,
+                            v_exp=v_exp.view(torch.int8))
     # the rest: head dims other than 64/128, or more q heads per kv head than the K kernels take
     # for the per-key correction (delta_key from torch ops then)
-    vp, vsc = _kernels.quant_cols(_kernels.aligned(v), pad)
+    vq = _kernels.quant_cols(_kernels.aligned(v), pad, exps=d % reference.V_GROUP == 0)  # V's exponents as the reference
+    vp, vsc, v_exp = vq if len(vq) == 3 else (*vq, None)
     q, k = _kernels.aligned(q), _kernels.aligned(k)
     k3, q3 = k.view(b * hk, sk, d), q.view(b * hq, sq, d)
     rot = bool(qk_rotation) and d in reference.ROTATION_HEAD_DIMS
@@ -173,7 +177,7 @@ def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bo
         kp.view(b, hk, -1, d // 2), ksc.view(b, hk, -1, d // 16),
         vp, vsc, mean_q.view(b, hq, -1, d), mean_k.view(b, hk, 1, d), sq, sk,
         qbar.view(b, hq, 1, d), ds_key.view(b, hq, -1), rot, None if exps is None else exps.view(b, hk, 1, d),
-        search, None if k_res is None else k_res.view(b, hk, -1, d),
+        search, None if k_res is None else k_res.view(b, hk, -1, d), v_exp=v_exp,
     )
 
 

@@ -98,7 +98,8 @@ def attention_pv8(pre, v8: torch.Tensor, v8_scales: torch.Tensor, *, head_sel: t
         sel = head_sel.to(torch.uint8).contiguous()
     if by_head and head_sel is None:
         raise ValueError("attention_pv8(by_head=True) needs head_sel")
-    op("blockscaled_attn_mixed" if by_head else "blockscaled_attn_pv8")(q, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales, pre.mean_q,
+    op("blockscaled_attn_mixed" if by_head else "blockscaled_attn_pv8")(q, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
+        _attn.v_exp_bytes(pre.v_exp, q.device), pre.mean_q,
         pre.mean_q_global, pre.delta_key, k_res, work, out, sel, q8, q8_scales, k8, k8_scales, v8, v8_scales,
         pre.seq_q, pre.seq_k, scale, is_causal)
     return out

@@ -120,6 +120,20 @@ auto set_ds_work(A& a, float* w, int64_t n, int) -> decltype(a.ds_work = w, void
 template <class A>
 void set_ds_work(A&, float*, int64_t, long) {}
 
+// Fp4AttnArgs::v_exp (V's tile exponents) where the tree has it: exponents of 0 to 3 (the
+// factors are powers of two whatever they are; real ones are read and applied as shipped).
+template <class A>
+auto set_v_exp(A& a, int hkv, int pad, int D, int) -> decltype(a.v_exp = nullptr, true) {
+  int8_t* e = nullptr;
+  const int64_t n = int64_t{hkv} * (pad / 128) * (D / 32);
+  if (!ok(cudaMalloc(&e, n), "malloc")) return false;
+  fill_bytes<<<1024, 256>>>(reinterpret_cast<uint8_t*>(e), n, 9, 0x03, 0);
+  a.v_exp = e;
+  return true;
+}
+template <class A>
+bool set_v_exp(A&, int, int, int, long) { return true; }  // a baseline tree from before V's exponents
+
 // Fp4AttnArgs::head_sel (the per-head Q.K^T precision) where the tree has it: every head's byte
 // `sel` (0: the FP4 kernel runs every tile and the FP8 one skips them all; 1: the other way round).
 template <class A>
@@ -219,6 +233,7 @@ int main(int argc, char** argv) {
     if (!ok(cudaMalloc(&ws, n * 4), "malloc")) return 1;
     set_ds_work(a, ws, n, 0);
   }
+  if (!set_v_exp(a, hkv, pad, D, 0)) return 1;
   if ((auto_fp4 || all_fp8) && !set_head_sel(a, hq, hkv, pad, D, all_fp8 ? 1 : 0, 0)) return 1;
   if ((pv8 || qk8_pv8) && !set_v8(a, hkv, pad, D, 0)) return 1;
   if (!ok(static_cast<cudaError_t>(fp4_attn_fwd(a, nullptr)), "fp4_attn_fwd") || !ok(cudaDeviceSynchronize(), "run"))

@@ -69,7 +69,7 @@ def raw_call(pre, out: torch.Tensor, causal: bool = False) -> None:
     torch.ops.sageattn3.blockscaled_fp4_attn(
         pre.q_packed.view(torch.uint8), pre.q_scales.view(torch.uint8), pre.k_packed.view(torch.uint8),
         pre.k_scales.view(torch.uint8), pre.v_packed.view(torch.uint8), pre.v_scales.view(torch.uint8),
-        pre.mean_q, pre.mean_q_global, pre.delta_key,
+        _attn.v_exp_bytes(pre.v_exp, out.device), pre.mean_q, pre.mean_q_global, pre.delta_key,
         torch.empty(0, device=out.device) if pre.k_residual is None else pre.k_residual,
         _attn.delta_s_workspace(out.shape[0], out.shape[1], pre.mean_q.shape[2], int(pre.seq_q),
                                 pre.k_packed.shape[2], out.device), out, int(pre.seq_q),

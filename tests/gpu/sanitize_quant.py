@@ -43,6 +43,9 @@ def main() -> int:
                 want = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), pbm, mean_q=pre.mean_q.cpu(), mean_k=pre.mean_k.cpu())
                 ok = all(torch.equal(getattr(pre, n).view(torch.uint8).cpu(), getattr(want, n).view(torch.uint8))
                          for n in ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales"))
+                # V's tile exponents: at head dims that are multiples of 32 (the reference's too)
+                ok = ok and (pre.v_exp is None) == (want.v_exp is None) == (d % 32 != 0)
+                ok = ok and (pre.v_exp is None or torch.equal(pre.v_exp.cpu(), want.v_exp))
                 bad += not ok
                 print(f"preprocess {str(dtype):15s} {(b, hq, hk, sq, sk, d)} pbm={pbm}: {'ok' if ok else 'MISMATCH'}")
     for dtype in (torch.bfloat16, torch.float32):

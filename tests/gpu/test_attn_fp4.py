@@ -29,7 +29,9 @@ def ref_rows(pre, rows: torch.Tensor, is_causal: bool, sm_scale: float) -> torch
     sk = pre.seq_k
     qd = ref.dequantize_rows(pre.q_packed, pre.q_scales)[..., rows, :]
     kd = ref.expand_kv(ref.dequantize_rows(pre.k_packed, pre.k_scales), hq)
-    vd = ref.expand_kv(ref.dequantize_transposed(pre.v_packed, pre.v_scales, pre.v_packed.shape[-1] * 2), hq)
+    n = pre.v_packed.shape[-1] * 2
+    vd = ref.expand_kv(ref.dequantize_transposed(pre.v_packed, pre.v_scales, n) if pre.v_exp is None else
+                       ref.dequantize_transposed_tiled(pre.v_packed, pre.v_scales, pre.v_exp, n), hq)
     delta_s = pre.delta_s  # delta_key + r . K^T (K^: Kd + residual); the kernel: precomputed, or per tile (bounded mode)
     nblk = delta_s.shape[-2]
     ds_rows = delta_s[..., (rows // 128) if nblk > 1 else torch.zeros_like(rows), :]
@@ -191,14 +193,15 @@ def test_fp4_attention_needs_k_residual_with_block_means():
     q, k, v = attention_cases.make("q_drift", 1, 4, 2, 512, 384, 128, seed=8, device="cuda")
     pre = ref.preprocess(q, k, v, per_block_mean=True, pad=128)
     ops = (pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales, pre.mean_q)
-    kw = dict(mean_q_global=pre.mean_q_global, delta_key=pre.delta_key, seq_q=512, seq_k=384)
+    kw = dict(mean_q_global=pre.mean_q_global, delta_key=pre.delta_key, seq_q=512, seq_k=384, v_exp=pre.v_exp)
     with pytest.raises(ValueError, match="k_residual"):
         _attn.fp4_attention(*ops, **kw)
     with pytest.raises(ValueError, match="k_residual must be"):
         _attn.fp4_attention(*ops, k_residual=pre.k_residual[..., :64], **kw)
     out = torch.empty(1, 4, 512, 128, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(RuntimeError, match="k_res"):
-        torch.ops.sageattn3.blockscaled_fp4_attn(*(t.view(torch.uint8) if t.dtype != torch.float32 else t for t in ops),
+        torch.ops.sageattn3.blockscaled_fp4_attn(*(t.view(torch.uint8) if t.dtype != torch.float32 else t for t in ops[:6]),
+                                                 pre.v_exp.view(torch.uint8), ops[6],
                                                  pre.mean_q_global, pre.delta_key, torch.empty(0, device="cuda"),
                                                  torch.empty(0, device="cuda"), out,
                                                  512, 384, 0.125, False)

@@ -84,7 +84,10 @@ def _check_against_reference(pre, q, k, v, per_block_mean, rotation, outliers, h
     exact = ref.preprocess(q.cpu(), k.cpu(), v.cpu(), per_block_mean=per_block_mean, mean_q=pre.mean_q.cpu(),
                            mean_k=pre.mean_k.cpu(), mean_q_global=pre.mean_q_global.cpu(), qk_rotation=rotation,
                            qk_balance=True, balance=bal, qk_scale_search=ref.QK_SCALE_SEARCH)
-    for name in ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales"):
+    # V's tile exponents: at head dims that are multiples of 32, in the kernels as in the reference
+    assert (pre.v_exp is None) is (exact.v_exp is None) is (d % 32 != 0)
+    for name in ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales") + (
+            ("v_exp",) if exact.v_exp is not None else ()):
         got, ref_t = getattr(pre, name), getattr(exact, name)
         assert got.shape == ref_t.shape, name
         assert same_bytes(got, ref_t), name
@@ -489,7 +492,7 @@ def test_one_op_equals_the_stage_ops(dtype, per_block_mean, rotate, balance, sea
 
     q, k, v = qkv(b, hq, hk, sq, sk, d, dtype, seed=hq + sk, outliers=True)
     got = _kernels.preprocess_qkv(q, k, v, pad, per_block_mean, rotate, balance, search)
-    vp, vsc = _kernels.quant_cols(v, pad)
+    vp, vsc, v_exp = _kernels.quant_cols(v, pad, exps=True)
     q3, k3 = q.view(b * hq, sq, d), k.view(b * hk, sk, d)
     if per_block_mean:
         qp, qsc, mean_q, kp, ksc, mean_k, qbar, ds_key, exps, k_res = _kernels.smooth_quant_qk_key(
@@ -501,14 +504,15 @@ def test_one_op_equals_the_stage_ops(dtype, per_block_mean, rotate, balance, sea
         k_res = torch.empty(0, dtype=torch.float8_e4m3fn, device="cuda")
     if exps is None:
         exps = torch.empty(0, device="cuda")
-    want = (qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps, k_res)
+    want = (qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps, k_res, v_exp)
     sqp, skp = -(-sq // pad) * pad, -(-sk // pad) * pad
     shapes = [(b, hq, sqp, d // 2), (b, hq, sqp, d // 16), (b, hk, skp, d // 2), (b, hk, skp, d // 16),
               (b, hk, d, skp // 2), (b, hk, d, skp // 16), (b, hq, -(-sq // 128) if per_block_mean else 1, d),
               (b, hk, 1, d), (b if per_block_mean else 0, hq, 1, d), (b, hq, skp), (b if balance else 0, hk, 1, d),
-              (b if per_block_mean else 0, hk, skp, d)]
+              (b if per_block_mean else 0, hk, skp, d), (b, hk, -(-skp // 128), d // 32)]
     assert [tuple(t.shape) for t in got] == shapes
     for i, (a, w) in enumerate(zip(got, want)):
+        w = w.view(torch.uint8) if w.dtype == torch.int8 else w
         assert a.dtype == w.dtype and a.numel() == w.numel() and same_bytes(a.reshape(-1), w.reshape(-1)), i
     if balance and sq >= 128 and sk >= 128:
         assert bool((got[10] != 0).any()), "outlier channels: some exponent is not 0"
@@ -586,7 +590,7 @@ def test_preprocess_qkv_fake_matches_the_op(per_block_mean, balance):
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
         fake = torch.ops.sageattn3.preprocess_qkv(fq, fk, fv, 128, per_block_mean, False, balance, False)
-    assert len(fake) == len(real) == 12
+    assert len(fake) == len(real) == 13
     for a, b in zip(fake, real):
         assert (a.shape, a.dtype, a.stride(), a.device) == (b.shape, b.dtype, b.stride(), b.device)
 

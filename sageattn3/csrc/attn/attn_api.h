@@ -5,6 +5,11 @@
 //   q_sf   uint8 (B, Hq,  Sq_pad, D/16)  E4M3 scale of each 16 elements
 //   k      uint8 (B, Hkv, Sk_pad, D/2),  k_sf (B, Hkv, Sk_pad, D/16)       (K smoothed: mean removed)
 //   v      uint8 (B, Hkv, D, Sk_pad/2),  v_sf (B, Hkv, D, Sk_pad/16)       (V^T: 16-blocks along keys)
+//   v_exp  int8  (B, Hkv, Sk_pad/128, D/32), or null (all 0): V's tile exponents, each in [-40, 40]
+//          (not checked: as quant_fp4_cols writes them). v and v_sf are
+//          then the NVFP4 of V · 2^e per tile of 128 keys and 32 channels (quant_fp4_cols with
+//          exps); the kernel keeps O in the current tile's scale (the online softmax's rescale
+//          times 2^(e_t - e_(t-1)) per group, exact) and multiplies by 2^-e of the last tile at the end.
 //   mean_q fp32  (B, Hq, mean_qblocks, D): the Q means removed from q; mean_qblocks is Sq_pad/128
 //          (one per 128-query block, per_block_mean) or 1 (one Q mean).
 //   qbar   fp32  (B, Hq, 1, D): Q's mean for the whole sequence (sampled: reference.sample_mean).
@@ -43,6 +48,7 @@ struct Fp4AttnArgs {
   const void* k_sf;
   const void* v;
   const void* v_sf;
+  const int8_t* v_exp;
   const float* mean_q;
   const float* qbar;
   const float* ds_key;

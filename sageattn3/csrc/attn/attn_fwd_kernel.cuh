@@ -63,7 +63,12 @@ struct SmemLayout {
   static constexpr int kStageKSf = kStageV + kVBytes;
   static constexpr int kStageDelta = kStageKSf + kKSfBytes;
   static constexpr int kStageVSf = kStageDelta + kDeltaBytes;
-  static constexpr int kStageBytes = ((kStageVSf + kVSfBytes + 1023) / 1024) * 1024;
+  // Per 32-channel group of V (V's tile exponents, FP4 P.V), written by D/32 threads of the last
+  // warp: 2^(e_t - e_(t-1)) (16 bytes), then 2^-e_t (16 bytes, read in the tile's last stage by
+  // the bounded-memory instantiation: see consumer)
+  static constexpr int kStageVExp = kStageVSf + kVSfBytes;
+  static constexpr int kVExpBytes = 32;
+  static constexpr int kStageBytes = ((kStageVExp + kVExpBytes + 1023) / 1024) * 1024;
   static constexpr int kBarriers = kStage0 + kStages * kStageBytes;
   static constexpr int kBarrierBytes = 8 * (2 + 2 * kStages);
   static constexpr int kProducerState = kBarriers + kBarrierBytes;  // thread 0's cursor (see Producer)
@@ -77,6 +82,7 @@ struct SmemLayout {
   // tensor map's stride must be when Sk_pad/128 is odd).
   static constexpr uint32_t kStageTx = kKBytes + kVBytes + kKSfBytes;
   static constexpr uint32_t kQTx = kQBytes + kQSfBytes;
+  static_assert(D / 32 * 4 <= 16 && kStageVExp % 16 == 0, "V's group factors: two 16-byte slots");
 };
 
 // Byte offset of key pair i (keys 2i, 2i+1) in a stage's delta_s vector: the four pairs a quarter
@@ -457,6 +463,12 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   constexpr int kChunks = kRow / 32;    // MMA k-chunks of the head dim (32 bytes each: k64 FP4, k32 FP8)
   constexpr int kNT = kBlockN / 8;      // n-tiles of S
   constexpr int kDT = D / 8;            // n-tiles of O
+  constexpr int kVGroups = D / 32;      // 32-channel groups of V's tile exponents (4 n-tiles each)
+  // Where O goes back from V's exponents: in the tile's last stage (a branch in the key loop) at
+  // D 128 and in the bounded-memory instantiation, else in the epilogue. Measured on the H200
+  // stand-in and ptxas 13.0's spills: the epilogue costs D 128 5% there (docs/performance.md,
+  // "V's tile exponents"); at D 64 the branch would add 32 multiplies to its issue-bound count.
+  constexpr bool kBackInLoop = (kInLoopResidual || D == 128) && !kPV8;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
   uint64_t* q_full = bars + 0;
   uint64_t* q_empty = bars + 1;
@@ -555,6 +567,8 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
         kPV8 ? p.v_sf + (static_cast<int64_t>(kv_bh) * D + threadIdx.x) * (p.seq_k_pad / 32)
              : v_sf_head + static_cast<int64_t>(threadIdx.x >> 1) * (p.seq_k_pad / 16) + 4 * (threadIdx.x & 1);
     const uint32_t v_sf_lane = kPV8 ? 4 * g : g * 8 + 4 * (t & 1);
+    // V's tile exponents of this kv head: tile kb, group x at p.v_exp[v_exp_row + kb * kVGroups + x]
+    const int v_exp_row = kv_bh * (p.seq_k_pad / kBlockN) * kVGroups;  // < 2^31: k's rows are int too
 
     for (int kb = 0; kb < c.num_kb; ++kb, ring.advance()) {
       const int k0 = kb * kBlockN;
@@ -584,6 +598,21 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
         if (threadIdx.x < (kPV8 ? D : 2 * D)) {
           const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(v_sf_copy + k0 / (kPV8 ? 32 : 16)));
           asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage + L::kStageVSf + 4 * threadIdx.x), "r"(w) : "memory");
+        }
+        if constexpr (!kPV8) {
+          // V's tile exponents: the factor 2^(e_kb - e_(kb-1)) that moves O to this tile's scale
+          // (exact, at most 2^80: |e| <= 40), 1 for the first tile (O is 0) or without exponents
+          if (threadIdx.x >= kThreads - kVGroups) {
+            const int x = threadIdx.x - (kThreads - kVGroups);
+            int e = 0, prev = 0;
+            if (p.v_exp != nullptr) {
+              const int8_t* ep = p.v_exp + v_exp_row + kb * kVGroups + x;
+              e = __ldg(ep);
+              prev = kb > 0 ? __ldg(ep - kVGroups) : e;
+            }
+            sts_f32(stage + L::kStageVExp + 4 * x, __int_as_float((e - prev + 127) << 23));
+            if constexpr (kBackInLoop) sts_f32(stage + L::kStageVExp + 16 + 4 * x, __int_as_float((127 - e) << 23));
+          }
         }
       }
       __syncthreads();
@@ -666,6 +695,20 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
             for (int jj = 1; jj < 4; ++jj) m = fmaxf(m, fmaxf(s[8 * q + 4 * h + jj][2 * r], s[8 * q + 4 * h + jj][2 * r + 1]));
             bm[q][h][r] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
           }
+      // V's group factors of this stage, 2^(e_kb - e_(kb-1)) (1 without exponents, and for FP8 P.V)
+      constexpr bool kLateRescale = kQK8 && !kPV8;
+      float vf[kVGroups], o_scale[2];
+#pragma unroll
+      for (int x = 0; x < kVGroups; ++x) vf[x] = 1.f;
+      if constexpr (!kPV8 && !kLateRescale) {
+        if constexpr (kVGroups == 4) {
+          const float4 f4 = lds_f4(stage + L::kStageVExp);
+          vf[0] = f4.x; vf[1] = f4.y; vf[2] = f4.z; vf[3] = f4.w;
+        } else {
+          const float2 f2 = lds_f2(stage + L::kStageVExp);
+          vf[0] = f2.x; vf[1] = f2.y;
+        }
+      }
       float bias[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -681,10 +724,19 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
         const float alpha = fast_exp2(row_max[r] - m_use);      // exp2(-inf) = 0 on the first block
         row_max[r] = m_new;
         row_sum[r] *= alpha;
+        // alpha times V's group factor of this stage (exact: a power of two); with FP8 Q.K^T and
+        // FP4 P.V once P is in registers (below): S is dead then, and registers scarce here
+        o_scale[r] = alpha;
+        if constexpr (!kLateRescale) {
 #pragma unroll
-        for (int n = 0; n < kDT; ++n) {
-          o[n][2 * r] *= alpha;
-          o[n][2 * r + 1] *= alpha;
+          for (int x = 0; x < kVGroups; ++x) {
+            const float ag = alpha * vf[x];
+#pragma unroll
+            for (int n = 4 * x; n < 4 * x + 4; ++n) {
+              o[n][2 * r] *= ag;
+              o[n][2 * r + 1] *= ag;
+            }
+          }
         }
         bias[r] = (kPV8 ? 0.f : kLog2P2Max) - m_use;  // FP8 P: P = exp2(t - m), no 2688 factor
       }
@@ -736,6 +788,21 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
             for (int r = 0; r < 2; ++r) amax[h][r] = fast_exp2(fmaf(bm[q][h][r], p.scale_log2, bias[r]));
           quantize_p_chunk(pv, amax, pa[q], p_sf[q]);
         }
+        if constexpr (kLateRescale) {
+#pragma unroll
+          for (int x = 0; x < kVGroups; ++x) {
+            const float f = __uint_as_float(lds_u32(stage + L::kStageVExp + 4 * x));
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const float ag = o_scale[r] * f;
+#pragma unroll
+              for (int n = 4 * x; n < 4 * x + 4; ++n) {
+                o[n][2 * r] *= ag;
+                o[n][2 * r + 1] *= ag;
+              }
+            }
+          }
+        }
 #pragma unroll
         for (int n = 0; n < kDT; ++n) {
           // V^T rows d = 8n .. 8n+7; matrices = key bytes [0,16) [16,32) [32,48) [48,64)
@@ -748,6 +815,20 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
           mma_fp4<0, 1>(o[n], pa[1], b1, o[n], p_sf[1], v_sf);
         }
       }
+      if constexpr (kBackInLoop) {
+        // the tile's last stage: O back from V's exponents (2^-e of its groups, exact), read
+        // before the stage is released
+        if (kb + 1 == c.num_kb) {
+#pragma unroll
+          for (int x = 0; x < kVGroups; ++x) {
+            const float back = __uint_as_float(lds_u32(stage + L::kStageVExp + 16 + 4 * x));
+#pragma unroll
+            for (int n = 4 * x; n < 4 * x + 4; ++n)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) o[n][e] *= back;
+          }
+        }
+      }
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[st]);
     }
@@ -758,7 +839,15 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
       row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
     }
-    store_output<D>(p, c.b * p.heads_q + c.hq, row_g, o, row_sum);
+    // O back from V's exponents: 2^-e of the last stage's groups (exact; 1 without exponents),
+    // folded into 1 / l per group (the bounded-memory instantiation did it in its last stage)
+    float v_back[kVGroups];
+#pragma unroll
+    for (int x = 0; x < kVGroups; ++x)
+      v_back[x] = kPV8 || kBackInLoop || p.v_exp == nullptr
+                      ? 1.f
+                      : __int_as_float((127 - static_cast<int>(__ldg(p.v_exp + v_exp_row + (c.num_kb - 1) * kVGroups + x))) << 23);
+    store_output<D>(p, c.b * p.heads_q + c.hq, row_g, o, row_sum, v_back);
   }
 }
 

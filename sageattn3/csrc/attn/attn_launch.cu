@@ -145,8 +145,10 @@ bool with_v8(const Fp4AttnArgs& a, uint64_t bk, AttnParams& pv, AttnParams& p8v)
   if (!make_map(&pv.tm_v, a.v8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a.seq_k_pad, bk * D, kBlockN, D, swizzle_for(kBlockN)))
     return false;
   pv.v_sf = static_cast<const uint8_t*>(a.v8_sf);
+  pv.v_exp = nullptr;
   p8v.tm_v = pv.tm_v;
   p8v.v_sf = pv.v_sf;
+  p8v.v_exp = nullptr;
   return true;
 }
 
@@ -171,6 +173,7 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
                        swizzle_for(kBlockN / 2));
   if (!ok) return cudaErrorInvalidValue;
   p.v_sf = static_cast<const uint8_t*>(pv8 ? a.v8_sf : a.v_sf);
+  p.v_exp = pv8 ? nullptr : a.v_exp;
   p.mean_q = a.mean_q;
   p.qbar = a.qbar;
   p.ds_key = a.ds_key;

@@ -22,6 +22,7 @@ struct AttnParams {
   CUtensorMap tm_k_sf;   // K scales as 128-byte lines
   CUtensorMap tm_v;      // V^T packed (B*Hkv*D rows, Sk_pad/2 bytes), box 64 x D, swizzled
   const uint8_t* v_sf;   // V scales (B, Hkv, D, Sk_pad/16) bytes
+  const int8_t* v_exp;   // V's tile exponents (B, Hkv, Sk_pad/128, D/32), or null (all 0; FP8 P.V: unused)
   const float* mean_q;   // Q means fp32 (B*Hq*mean_qblocks rows, D)
   const float* qbar;     // Q means for the whole sequence (sampled) fp32 (B*Hq rows, D)
   // delta_s row of tile (bh, mb): ds_key + (bh - bh0) * ds_bh_stride + mb * ds_m_stride. Either

@@ -17,6 +17,12 @@
 //   3. store: each channel's 128 bytes of codes by 8 consecutive threads as 16-byte streaming
 //      stores (8-byte ones where the output rows are not 16-byte aligned), each channel's 16
 //      scale bytes as one 16-byte store (8-byte or single ones where unaligned or at the end).
+// With V's tile exponents (kExp, preprocess_qkv): before 2., each 128-token half of the tile and
+// 32-channel group gets e, the largest with amax · 2^e <= 2688 (v_tile_exponent; the amax from
+// the same raw patterns, reduced over the group's lanes and the half's 8 warps through shared
+// memory), and 2. quantizes x · 2^e (exact: a power of two) with the block amax times 2^e. The
+// two halves of a tile are the attention's 128-key tiles; 32 channels are one warp's 16 lanes
+// (16-bit input) or all 32 (fp32), so every group lies inside one CTA.
 #include <type_traits>
 
 #include "common/launch.cuh"
@@ -42,10 +48,38 @@ __host__ __device__ constexpr int channels() { return kRowBytes / static_cast<in
 // channel's 8 chunks by 8 consecutive threads.
 __device__ __forceinline__ int chunk_slot(int w, int pair) { return pair ^ (w & 7); }
 
-template <typename T, int kMinBlocks>
+// The exponent of a V tile whose largest |value| has float bits a (reference.v_tile_exponents):
+// 2688 = 1.3125 · 2^11, so amax = 1.f · 2^(E - 127) gives 11 - (E - 127), one less where
+// 1.f > 1.3125; 0 for zeros and NaN; clamped to +-kVExpMax.
+constexpr int kVExpMax = 40;
+__device__ __forceinline__ int v_tile_exponent(uint32_t a) {
+  if (a == 0u || a > 0x7F800000u) return 0;
+  const int e = 138 - static_cast<int>(a >> 23) - ((a & 0x7FFFFFu) > 0x280000u ? 1 : 0);
+  return e < -kVExpMax ? -kVExpMax : (e > kVExpMax ? kVExpMax : e);
+}
+
+// amax bits (as float bits) of word column `lane` over the 16 rows of block `seg`: for 16-bit
+// input the larger of the word's two channels.
+template <typename T>
+__device__ __forceinline__ uint32_t block_amax_bits(const uint32_t (*tile)[kWords], int seg, int lane) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) m = sizeof(T) == 2 ? __vmaxu2(m, tile[seg * 16 + i][lane] & 0x7FFF7FFFu)
+                                                   : max(m, tile[seg * 16 + i][lane] & 0x7FFFFFFFu);
+  if constexpr (std::is_same_v<T, bf16_t>) return max(m << 16, m & 0xFFFF0000u);
+  if constexpr (std::is_same_v<T, f16_t>) {
+    const uint32_t lo = __float_as_uint(__half2float(__ushort_as_half(static_cast<unsigned short>(m & 0xFFFFu))));
+    const uint32_t hi = __float_as_uint(__half2float(__ushort_as_half(static_cast<unsigned short>(m >> 16))));
+    return max(lo, hi);
+  }
+  return m;
+}
+
+template <typename T, int kMinBlocks, bool kExp>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     quant_cols_kernel(const T* __restrict__ x, int64_t S, int64_t D, int64_t Sp, int codes16,
-                      int scales_align, uint8_t* __restrict__ packed, uint8_t* __restrict__ scales) {
+                      int scales_align, uint8_t* __restrict__ packed, uint8_t* __restrict__ scales,
+                      int8_t* __restrict__ exps) {
   constexpr int kCh = channels<T>();
   constexpr int kPerWord = 4 / static_cast<int>(sizeof(T));  // channels per word (2 or 1)
   constexpr int kChunks = kRowBytes / 16;                    // 16-byte chunks per tile row
@@ -54,6 +88,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   __shared__ __align__(16) uint32_t tile[kTS][kWords];
   __shared__ __align__(16) uint2 out_codes[kCh][kSegs];
   __shared__ __align__(16) uint8_t out_scales[kCh][kSegs];
+  constexpr int kGroups = kCh / 32;        // 32-channel groups of the exponent
+  constexpr int kGroupLanes = 32 / kGroups;  // lanes per group (a lane holds kPerWord channels)
+  __shared__ uint32_t group_amax[2][kGroups][kThreads / 32];
 
   const int t = threadIdx.x;
   const int lane = t & 31, warp = t >> 5;
@@ -78,6 +115,32 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 #pragma unroll
     for (int k = 0; k < kPasses; ++k) *reinterpret_cast<uint4*>(&tile[r0 + k * kRowsPerPass][cc * 4]) = buf[k];
     __syncthreads();
+
+    // 1b. (kExp) the exponent of each 128-token half k (job k below) and group; fac[k]: 2^e
+    static_assert(kWords * kSegs / kThreads == 2 && kSegs == 16, "job k of a warp is 16-token block warp + 8k, half k");
+    float fac[2] = {1.f, 1.f};
+    if constexpr (kExp) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        uint32_t m = block_amax_bits<T>(tile, warp + k * (kThreads / 32), lane);
+#pragma unroll
+        for (int off = 1; off < kGroupLanes; off *= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
+        if (lane % kGroupLanes == 0) group_amax[k][lane / kGroupLanes][warp] = m;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        uint32_t m = 0;
+#pragma unroll
+        for (int w = 0; w < kThreads / 32; ++w) m = max(m, group_amax[k][lane / kGroupLanes][w]);
+        const int e = v_tile_exponent(m);
+        fac[k] = __int_as_float((e + 127) << 23);
+        // one lane per (half, group) stores e: (g, tile s0/128 + k, group d0/32 + lane/kGroupLanes)
+        const int64_t tile128 = s0 / 128 + k, grp = d0 / 32 + lane / kGroupLanes;
+        if (warp == 0 && lane % kGroupLanes == 0 && tile128 * 128 < Sp && grp * 32 < D)
+          exps[(blockIdx.z * ((Sp + 127) / 128) + tile128) * (D / 32) + grp] = static_cast<int8_t>(e);
+      }
+    }
 
     // 2. convert: job = (16-token block `seg`, word column `lane`)
 #pragma unroll
@@ -106,6 +169,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
           uint32_t amax;
           if constexpr (std::is_same_v<T, bf16_t>) amax = mh << 16;
           else amax = __float_as_uint(__half2float(__ushort_as_half(static_cast<unsigned short>(mh))));
+          if constexpr (kExp) {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(v[i], fac[k]);
+            amax = __float_as_uint(__fmul_rn(__uint_as_float(amax), fac[k]));
+          }
           uint32_t sb;
           const uint2 c = quant16_with_amax(v, amax, sb);
           out_codes[2 * lane + h][2 * chunk_slot(lane, seg / 2) + seg % 2] = c;
@@ -114,7 +182,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       } else {
         float v[16];
 #pragma unroll
-        for (int i = 0; i < 16; ++i) v[i] = __uint_as_float(raw[i]);
+        for (int i = 0; i < 16; ++i) v[i] = kExp ? __fmul_rn(__uint_as_float(raw[i]), fac[k]) : __uint_as_float(raw[i]);
         uint32_t sb;
         const uint2 c = quant16(v, sb);
         out_codes[lane][2 * chunk_slot(lane, seg / 2) + seg % 2] = c;
@@ -161,9 +229,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   }
 }
 
-template <typename T, int kMinBlocks = 4>
+template <typename T, bool kExp, int kMinBlocks = 4>
 int launch(const void* x, int64_t G, int64_t S, int64_t D, int64_t Sp, uint8_t* packed, uint8_t* scales,
-           cudaStream_t stream) {
+           int8_t* exps, cudaStream_t stream) {
   const int64_t s_tiles = ceil_div(Sp, kTS), d_tiles = ceil_div(D, channels<T>());
   if (G == 0 || s_tiles == 0) return cudaSuccess;
   if (s_tiles > 0x7FFFFFFF || d_tiles > 65535) return cudaErrorInvalidValue;
@@ -174,12 +242,13 @@ int launch(const void* x, int64_t G, int64_t S, int64_t D, int64_t Sp, uint8_t* 
     const T* xg = static_cast<const T*>(x) + g0 * S * D;
     uint8_t* pg = packed + g0 * D * (Sp / 2);
     uint8_t* sg = scales + g0 * D * (Sp / 16);
+    int8_t* eg = kExp ? exps + g0 * ((Sp + 127) / 128) * (D / 32) : nullptr;
     const int codes16 = (Sp % 32 == 0 && reinterpret_cast<uintptr_t>(pg) % 16 == 0) ? 1 : 0;
     const int scales_align = (Sp % 256 == 0 && reinterpret_cast<uintptr_t>(sg) % 16 == 0)  ? 16
                              : (Sp % 128 == 0 && reinterpret_cast<uintptr_t>(sg) % 8 == 0) ? 8
                                                                                             : 1;
     const dim3 grid(static_cast<unsigned>(s_tiles), static_cast<unsigned>(d_tiles), static_cast<unsigned>(ng));
-    quant_cols_kernel<T, kMinBlocks><<<grid, kThreads, 0, stream>>>(xg, S, D, Sp, codes16, scales_align, pg, sg);
+    quant_cols_kernel<T, kMinBlocks, kExp><<<grid, kThreads, 0, stream>>>(xg, S, D, Sp, codes16, scales_align, pg, sg, eg);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
@@ -189,12 +258,18 @@ int launch(const void* x, int64_t G, int64_t S, int64_t D, int64_t Sp, uint8_t* 
 }  // namespace
 
 int quant_fp4_cols(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, int64_t Sp, uint8_t* packed,
-                   uint8_t* scales, cudaStream_t stream) {
-  if (D % 16 || Sp % 16 || Sp < S) return cudaErrorInvalidValue;
+                   uint8_t* scales, int8_t* exps, cudaStream_t stream) {
+  if (D % 16 || Sp % 16 || Sp < S || (exps != nullptr && D % 32)) return cudaErrorInvalidValue;
   switch (dtype) {
-    case DType::kFloat16: return launch<f16_t>(x, G, S, D, Sp, packed, scales, stream);
-    case DType::kBFloat16: return launch<bf16_t>(x, G, S, D, Sp, packed, scales, stream);
-    case DType::kFloat32: return launch<float>(x, G, S, D, Sp, packed, scales, stream);
+    case DType::kFloat16:
+      return exps ? launch<f16_t, true>(x, G, S, D, Sp, packed, scales, exps, stream)
+                  : launch<f16_t, false>(x, G, S, D, Sp, packed, scales, nullptr, stream);
+    case DType::kBFloat16:
+      return exps ? launch<bf16_t, true>(x, G, S, D, Sp, packed, scales, exps, stream)
+                  : launch<bf16_t, false>(x, G, S, D, Sp, packed, scales, nullptr, stream);
+    case DType::kFloat32:
+      return exps ? launch<float, true>(x, G, S, D, Sp, packed, scales, exps, stream)
+                  : launch<float, false>(x, G, S, D, Sp, packed, scales, nullptr, stream);
   }
   return cudaErrorInvalidValue;
 }

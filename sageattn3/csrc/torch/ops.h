@@ -31,7 +31,7 @@
 // The op table: X(name, schema) for every op; both units register exactly these.
 #define SAGEATTN3_OPS(X)                                                                                            \
   X(quant_fp4_rows, "quant_fp4_rows(Tensor x, Tensor(a!) packed, Tensor(b!) scales) -> ()")                         \
-  X(quant_fp4_cols, "quant_fp4_cols(Tensor x, Tensor(a!) packed, Tensor(b!) scales) -> ()")                         \
+  X(quant_fp4_cols, "quant_fp4_cols(Tensor x, Tensor(a!) packed, Tensor(b!) scales, Tensor(c!) exps) -> ()")       \
   X(quant_mxfp8_cols, "quant_mxfp8_cols(Tensor x, Tensor sel, Tensor(a!) codes, Tensor(b!) scales) -> ()")         \
   X(smooth_quant_rows, "smooth_quant_rows(Tensor x, Tensor(a!) mean, bool compute_mean, int mean_block, "           \
                        "Tensor(b!) packed, Tensor(c!) scales, bool rotate, bool search) -> ()")                                  \
@@ -44,26 +44,26 @@
   X(qk_balance, "qk_balance(Tensor q, Tensor k, Tensor(a!) part, Tensor(b!) exps) -> ()")                           \
   X(preprocess_qkv, "preprocess_qkv(Tensor q, Tensor k, Tensor v, int pad, bool per_block_mean, bool rotate, "      \
                     "bool balance, bool search) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "      \
-                    "Tensor, Tensor, Tensor, Tensor, Tensor)")                                                      \
+                    "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")                                              \
   X(delta_s, "delta_s(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) out) -> ()")                               \
   X(smooth_quant_k_delta, "smooth_quant_k_delta(Tensor k, Tensor mean_k, Tensor mean_q, Tensor(a!) packed, "        \
                           "Tensor(b!) scales, Tensor(c!) delta) -> ()")                                             \
   X(blockscaled_fp4_attn, "blockscaled_fp4_attn(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, "           \
-                          "Tensor v_sf, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor k_res, Tensor(b!) ds_work, " \
+                          "Tensor v_sf, Tensor v_exp, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor k_res, Tensor(b!) ds_work, " \
                           "Tensor(a!) out, "                                                                        \
                           "int seq_q, "                                                                             \
                           "int seq_k, float sm_scale, "                                                             \
                           "bool causal) -> ()")                                                                     \
   X(blockscaled_attn_qk8, "blockscaled_attn_qk8(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, "           \
-                          "Tensor v_sf, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor k_res, Tensor(b!) ds_work, " \
+                          "Tensor v_sf, Tensor v_exp, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor k_res, Tensor(b!) ds_work, " \
                           "Tensor(a!) out, Tensor head_sel, Tensor q8, Tensor q8_sf, Tensor k8, Tensor k8_sf, "     \
                           "int seq_q, int seq_k, float sm_scale, bool causal) -> ()")                               \
   X(blockscaled_attn_pv8, "blockscaled_attn_pv8(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, "           \
-                          "Tensor v_sf, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor k_res, Tensor(b!) ds_work, " \
+                          "Tensor v_sf, Tensor v_exp, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor k_res, Tensor(b!) ds_work, " \
                           "Tensor(a!) out, Tensor head_sel, Tensor q8, Tensor q8_sf, Tensor k8, Tensor k8_sf, "     \
                           "Tensor v8, Tensor v8_sf, int seq_q, int seq_k, float sm_scale, bool causal) -> ()")      \
   X(blockscaled_attn_mixed, "blockscaled_attn_mixed(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, "       \
-                            "Tensor v_sf, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor k_res, "                \
+                            "Tensor v_sf, Tensor v_exp, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor k_res, "  \
                             "Tensor(b!) ds_work, Tensor(a!) out, Tensor head_sel, Tensor q8, Tensor q8_sf, "        \
                             "Tensor k8, Tensor k8_sf, Tensor v8, Tensor v8_sf, int seq_q, int seq_k, "              \
                             "float sm_scale, bool causal) -> ()")                                                   \

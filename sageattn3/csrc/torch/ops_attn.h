@@ -11,19 +11,21 @@
 
 namespace sageattn3::torch_ops {
 
-// blockscaled_fp4_attn(q, q_sf, k, k_sf, v, v_sf, mean_q, out!, seq_q, seq_k, sm_scale, causal):
+// blockscaled_fp4_attn(q, q_sf, k, k_sf, v, v_sf, v_exp, mean_q, qbar, ds_key, k_res, ds_work!, out!,
+// seq_q, seq_k, sm_scale, causal):
 // layouts in attn/attn_api.h (sequence dims padded to multiples of 128, zeros); mean_q
 // (B, Hq, 1 or Sq_p/128, D), qbar (B, Hq, 1, D), ds_key (B, Hq, Sk_p) fp32, k_res (B, Hkv, Sk_p, D)
 // E4M3 (K's quantization residual; needed with more than one Q mean, else may be empty): the
 // kernel adds delta_s = ds_key + (mean_q - qbar) . (dequant(k) + k_res)^T itself; ds_work fp32
 // (any shape, contiguous): the workspace that delta_s per query block and key is precomputed
-// into (attn/attn_api.h), or empty (the bounded-memory mode).
+// into (attn/attn_api.h), or empty (the bounded-memory mode); v_exp (B, Hkv, Sk_p/128, D/32) int8
+// values as uint8 (V's tile exponents, preprocess_qkv), or empty (every exponent 0).
 template <class T>
-Fp4AttnArgs attn_args(const T& q, const T& q_sf, const T& k, const T& k_sf, const T& v, const T& v_sf, const T& mean_q,
-                      const T& qbar, const T& ds_key, const T& k_res, const T& ds_work, const T& out, int64_t seq_q,
-                      int64_t seq_k, double sm_scale, bool causal) {
+Fp4AttnArgs attn_args(const T& q, const T& q_sf, const T& k, const T& k_sf, const T& v, const T& v_sf, const T& v_exp,
+                      const T& mean_q, const T& qbar, const T& ds_key, const T& k_res, const T& ds_work, const T& out,
+                      int64_t seq_q, int64_t seq_k, double sm_scale, bool causal) {
   check_cuda(q, q, "q");
-  for (const T* t : {&q_sf, &k, &k_sf, &v, &v_sf, &mean_q, &qbar, &ds_key, &k_res, &ds_work, &out})
+  for (const T* t : {&q_sf, &k, &k_sf, &v, &v_sf, &v_exp, &mean_q, &qbar, &ds_key, &k_res, &ds_work, &out})
     check_cuda(*t, q, "an attention operand");
   check_bytes(q, "q");
   check_bytes(q_sf, "q_sf");
@@ -68,6 +70,12 @@ Fp4AttnArgs attn_args(const T& q, const T& q_sf, const T& k, const T& k_sf, cons
             "sageattn3: ds_key shape must be (B, Hq, Sk_p) = ", dims(B, Hq, Skp), ", got ", shape(ds_key));
   SA3_CHECK(T, same(out, B, Hq, seq_q, D), "sageattn3: out shape must be (B, Hq, seq_q, D) = ", dims(B, Hq, seq_q, D),
             ", got ", shape(out));
+  if (v_exp.numel() > 0) {
+    check_code_tensor(v_exp, q, "v_exp");
+    SA3_CHECK(T, v_exp.dim() == 4 && same(v_exp, B, Hkv, Skp / 128, D / 32),
+              "sageattn3: v_exp (V's tile exponents) must be empty or (B, Hkv, Sk_p/128, D/32) = ",
+              dims(B, Hkv, Skp / 128, D / 32), ", got ", shape(v_exp));
+  }
   const bool residual = k_res.numel() > 0;
   SA3_CHECK(T, residual || nblk == 1, "sageattn3: k_res (K's quantization residual) is needed with per-block Q means, ",
             "got an empty k_res with ", nblk, " Q means per head");
@@ -83,6 +91,7 @@ Fp4AttnArgs attn_args(const T& q, const T& q_sf, const T& k, const T& k_sf, cons
   a.k_sf = k_sf.data_ptr();
   a.v = v.data_ptr();
   a.v_sf = v_sf.data_ptr();
+  a.v_exp = v_exp.numel() > 0 ? reinterpret_cast<const int8_t*>(v_exp.data_ptr()) : nullptr;
   a.mean_q = floats(mean_q);
   a.qbar = floats(qbar);
   a.ds_key = floats(ds_key);
@@ -107,11 +116,12 @@ Fp4AttnArgs attn_args(const T& q, const T& q_sf, const T& k, const T& k_sf, cons
 }
 
 template <class T>
-void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
+void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T v_exp, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
                           T out, int64_t seq_q, int64_t seq_k, double sm_scale, bool causal) {
   DeviceScope scope(device_index(q));
   const Fp4AttnArgs a =
-      attn_args(q, q_sf, k, k_sf, v, v_sf, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale, causal);
+      attn_args(q, q_sf, k, k_sf, v, v_sf, v_exp, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale,
+                causal);
   check_cuda_kernel<T>(fp4_attn_fwd(a, TensorApi<T>::stream(q)), "blockscaled_fp4_attn");
 }
 
@@ -148,12 +158,13 @@ void set_qk8(Fp4AttnArgs& a, const T& q, const T& head_sel, const T& q8, const T
 // per-head Q.K^T precision (set_qk8). ds_work must hold at least one (batch, q head) row with
 // per-block Q means (no bounded-memory mode here).
 template <class T>
-void blockscaled_attn_qk8(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
+void blockscaled_attn_qk8(T q, T q_sf, T k, T k_sf, T v, T v_sf, T v_exp, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
                           T out, T head_sel, T q8, T q8_sf, T k8, T k8_sf, int64_t seq_q, int64_t seq_k,
                           double sm_scale, bool causal) {
   DeviceScope scope(device_index(q));
   Fp4AttnArgs a =
-      attn_args(q, q_sf, k, k_sf, v, v_sf, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale, causal);
+      attn_args(q, q_sf, k, k_sf, v, v_sf, v_exp, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale,
+                causal);
   set_qk8(a, q, head_sel, q8, q8_sf, k8, k8_sf);
   check_cuda_kernel<T>(fp4_attn_fwd(a, TensorApi<T>::stream(q)), "blockscaled_attn_qk8");
 }
@@ -181,12 +192,13 @@ void set_pv8(Fp4AttnArgs& a, const T& q, const T& v8, const T& v8_sf) {
 // head's Q.K^T in FP4 (q8, q8_sf, k8, k8_sf unused, may be empty), else per head as
 // blockscaled_attn_qk8.
 template <class T>
-void blockscaled_attn_pv8(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
+void blockscaled_attn_pv8(T q, T q_sf, T k, T k_sf, T v, T v_sf, T v_exp, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
                           T out, T head_sel, T q8, T q8_sf, T k8, T k8_sf, T v8, T v8_sf, int64_t seq_q,
                           int64_t seq_k, double sm_scale, bool causal) {
   DeviceScope scope(device_index(q));
   Fp4AttnArgs a =
-      attn_args(q, q_sf, k, k_sf, v, v_sf, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale, causal);
+      attn_args(q, q_sf, k, k_sf, v, v_sf, v_exp, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale,
+                causal);
   if (head_sel.numel() > 0) set_qk8(a, q, head_sel, q8, q8_sf, k8, k8_sf);
   set_pv8(a, q, v8, v8_sf);
   check_cuda_kernel<T>(fp4_attn_fwd(a, TensorApi<T>::stream(q)), "blockscaled_attn_pv8");
@@ -196,12 +208,13 @@ void blockscaled_attn_pv8(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qba
 // rule, qk_rule_select): head_sel (B, Hq) bytes, bit 0 FP8 Q.K^T (q8, k8), bit 1 FP8 P.V (v8, the
 // kv heads of such q heads quantized; v and v_sf for the others). One launch per byte value.
 template <class T>
-void blockscaled_attn_mixed(T q, T q_sf, T k, T k_sf, T v, T v_sf, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
+void blockscaled_attn_mixed(T q, T q_sf, T k, T k_sf, T v, T v_sf, T v_exp, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
                             T out, T head_sel, T q8, T q8_sf, T k8, T k8_sf, T v8, T v8_sf, int64_t seq_q,
                             int64_t seq_k, double sm_scale, bool causal) {
   DeviceScope scope(device_index(q));
   Fp4AttnArgs a =
-      attn_args(q, q_sf, k, k_sf, v, v_sf, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale, causal);
+      attn_args(q, q_sf, k, k_sf, v, v_sf, v_exp, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale,
+                causal);
   set_qk8(a, q, head_sel, q8, q8_sf, k8, k8_sf);
   set_pv8(a, q, v8, v8_sf);
   a.v8_by_head = true;

@@ -226,12 +226,13 @@ void qk_balance(T q, T k, T part, T exps) {
 // mean_k (B, Hkv, 1, D), qbar (B, Hq, 1, D) (empty without per_block_mean: mean_q is Q's one
 // mean then), ds_key (B, Hq, Skp), balance exponents (B, Hkv, 1, D) (empty without balance), K's
 // quantization residual k_res (B, Hkv, Skp, D) E4M3 (empty without per_block_mean: no block
-// residuals then).
+// residuals then), V's tile exponents v_exp (B, Hkv, ceil(Skp/128), D/32) int8 values in uint8
+// (quant_fp4_cols).
 // Each output its own allocation (torch/outputs.h). Launch order: V first (the
 // rest of the host work overlaps it), then the launches of smooth_quant_qk (or of smooth_quant_seq
 // for Q, then for K with the correction).
 template <class T>
-std::tuple<T, T, T, T, T, T, T, T, T, T, T, T> preprocess_qkv(T q, T k, T v, int64_t pad, bool per_block_mean,
+std::tuple<T, T, T, T, T, T, T, T, T, T, T, T, T> preprocess_qkv(T q, T k, T v, int64_t pad, bool per_block_mean,
                                                            bool rotate, bool balance, bool search) {
   for (const auto& [t, name] : {std::pair<const T*, const char*>{&q, "q"}, {&k, "k"}, {&v, "v"}}) {
     check_cuda(*t, q, name);
@@ -265,20 +266,23 @@ std::tuple<T, T, T, T, T, T, T, T, T, T, T, T> preprocess_qkv(T q, T k, T v, int
   const int64_t Bm = per_block_mean ? B : 0, Bb = balance ? B : 0;
   // workspace: the sampled tiles' sums of K, then of Q, then (balance) their squares, Q's then K's
   const int64_t ws_rows = Gk * nsk + Gq * nsq + (balance ? Gq * nsq + Gk * nsk : 0);
-  // the 12 outputs in the order returned, then the workspace (torch/outputs.h)
+  // the 13 outputs in the order returned, then the workspace (torch/outputs.h)
   const OutputSpec specs[] = {{{B, Hq, Sqp, D / 2}, Kind::kByte}, {{B, Hq, Sqp, D / 16}, Kind::kFloat8e4m3fn},
                               {{B, Hk, Skp, D / 2}, Kind::kByte}, {{B, Hk, Skp, D / 16}, Kind::kFloat8e4m3fn},
                               {{B, Hk, D, Skp / 2}, Kind::kByte}, {{B, Hk, D, Skp / 16}, Kind::kFloat8e4m3fn},
                               {{B, Hq, nm, D}, Kind::kFloat},     {{B, Hk, 1, D}, Kind::kFloat},
                               {{Bm, Hq, 1, D}, Kind::kFloat},     {{B, Hq, Skp}, Kind::kFloat},
                               {{Bb, Hk, 1, D}, Kind::kFloat},     {{Bm, Hk, Skp, D}, Kind::kFloat8e4m3fn},
+                              {{B, Hk, (Skp + 127) / 128, D / 32}, Kind::kByte},
                               {{ws_rows, D}, Kind::kFloat}};
   auto out = allocate_outputs(specs, q);
   const T &qp = out[0], &qsc = out[1], &kp = out[2], &ksc = out[3], &vp = out[4], &vsc = out[5];
   const T &mean_q = out[6], &mean_k = out[7], &qbar = out[8], &ds_key = out[9], &exps = out[10], &k_res = out[11];
-  check_cuda_kernel<T>(sageattn3::quant_fp4_cols(v.data_ptr(), dt, Gk, Sk, D, Skp, bytes(vp), bytes(vsc), stream),
+  const T& v_exp = out[12];
+  check_cuda_kernel<T>(sageattn3::quant_fp4_cols(v.data_ptr(), dt, Gk, Sk, D, Skp, bytes(vp), bytes(vsc),
+                                                 reinterpret_cast<int8_t*>(bytes(v_exp)), stream),
                        "preprocess_qkv (V)");
-  float* part_k = floats(out[12]);
+  float* part_k = floats(out[13]);
   float* part_q = part_k + Gk * nsk * D;
   float* bal_part = balance ? part_q + Gq * nsq * D : nullptr;
   if (per_block_mean) {
@@ -297,7 +301,7 @@ std::tuple<T, T, T, T, T, T, T, T, T, T, T, T> preprocess_qkv(T q, T k, T v, int
                                                      floats(ds_key), stream),
                          "preprocess_qkv (K)");
   }
-  return {qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps, k_res};
+  return {qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps, k_res, v_exp};
 }
 
 // The operands delta_s and smooth_quant_k_delta share, against k (B, Hkv, Sk, D): mean_q (B, Hq, nblk, D)

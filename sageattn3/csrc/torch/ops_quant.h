@@ -32,9 +32,12 @@ void quant_fp4_rows(T x, T packed, T scales) {
 }
 
 
-// quant_fp4_cols(x, packed!, scales!): x (..., S, D) -> packed (..., D, Sp/2), scales (..., D, Sp/16).
+// quant_fp4_cols(x, packed!, scales!, exps!): x (..., S, D) -> packed (..., D, Sp/2), scales (..., D,
+// Sp/16); exps empty, or V's tile exponents (..., ceil(Sp/128), D/32) int8 values as uint8 (D a
+// multiple of 32): packed and scales are then the NVFP4 of x · 2^e per tile of 128 tokens and 32
+// channels (sageattn3.h).
 template <class T>
-void quant_fp4_cols(T x, T packed, T scales) {
+void quant_fp4_cols(T x, T packed, T scales, T exps) {
   check_input(x);
   check_codes(packed, scales, x);
   SA3_CHECK(T, x.dim() >= 2 && packed.dim() >= 2,
@@ -49,9 +52,19 @@ void quant_fp4_cols(T x, T packed, T scales) {
   SA3_CHECK(T, packed.numel() == G * D * Sp / 2 && scales.numel() == G * D * Sp / 16,
             "sageattn3: output sizes do not match x: expected packed ", dims(G, D, Sp / 2), " and scales ",
             dims(G, D, Sp / 16), " (flattened), got ", shape(packed), " and ", shape(scales));
+  const bool with_exps = exps.numel() > 0;
+  if (with_exps) {
+    check_code_tensor(exps, x, "exps");
+    SA3_CHECK(T, D % 32 == 0 && exps.numel() == G * ((Sp + 127) / 128) * (D / 32),
+              "sageattn3: exps (V's tile exponents) must be (..., ceil(Sp/128), D/32) = ",
+              dims(G, (Sp + 127) / 128, D / 32), " (flattened) with D a multiple of 32, got ", shape(exps),
+              " for D = ", D);
+  }
   DeviceScope scope(device_index(x));
   check_cuda_kernel<T>(sageattn3::quant_fp4_cols(x.data_ptr(), dtype_of(x, "x"), G, S, D, Sp, bytes(packed),
-                                                 bytes(scales), TensorApi<T>::stream(x)),
+                                                 bytes(scales),
+                                                 with_exps ? reinterpret_cast<int8_t*>(bytes(exps)) : nullptr,
+                                                 TensorApi<T>::stream(x)),
                        "quant_fp4_cols");
 }
 

@@ -136,11 +136,12 @@ def sageattn3(
     pv_precision: str = PV_PRECISION_DEFAULT,
     qk_fp8_rotated: bool = True,
     pv_limit: float | None = None,
-    v_tile_exponent: bool = False,
+    v_tile_exponent: bool = True,
 ) -> torch.Tensor:
     """The quantized attention sageattn3 computes, float32 output (B, Hq, Sq, D).
-    ``v_tile_exponent`` (reference only, not in the kernels yet): V quantized with a power-of-two
-    factor per 128-key tile (``preprocess``'s v_exp), so that V of any scale gives the same result.
+    ``v_tile_exponent`` (the default, as the kernels do): V quantized with a power-of-two factor per
+    tile of 128 keys and 32 channels (``preprocess``'s v_exp), so that V of any scale gives the same
+    result; False: plain NVFP4 of V, the earlier path.
 
     ``qk_precision``: "auto" (the default) multiplies Q·Kᵀ of the heads the rule picks
     (``choose_qk_precision``, ``qk_fp4_error``) with MXFP8 operands (``quantize_mxfp8_rows`` of the

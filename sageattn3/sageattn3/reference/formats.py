@@ -230,42 +230,59 @@ def dequantize_transposed(packed: torch.Tensor, scales: torch.Tensor, seq_len: i
     return dequantize_rows(packed, scales)[..., :seq_len].transpose(-1, -2)
 
 
-V_TILE = 128  # keys per tile of V's power-of-two factor (the attention's key tile; v_tile_exponent)
-V_TILE_EXP_MAX = 64  # |e| at most: V · 2^e stays finite and normal in float32 for any fp16/bf16 V
+V_TILE = 128  # keys per tile of V's power-of-two factor (the attention's key tile)
+V_GROUP = 32  # channels per group of V's power-of-two factor (a group's exponent is local to V's quantization CTA)
+# |e| at most. The attention keeps O in the current tile's units, so a tile 2^80 below the one
+# before it scales O up by at most 2^80: with P's 2688 per key and V's 2688 per value, O stays
+# finite in float32 up to about a million keys (2^±40 also covers every fp16 V: e in -5 .. 35).
+V_TILE_EXP_MAX = 40
+
+
+def _v_tiles(x: torch.Tensor) -> torch.Tensor:
+    """x (..., S, D) -> (..., T, V_TILE, D / V_GROUP, V_GROUP) with zero rows up to T · V_TILE."""
+    s = x.shape[-2]
+    x = torch.nn.functional.pad(x, (0, 0, 0, -s % V_TILE))
+    return x.unflatten(-1, (-1, V_GROUP)).unflatten(-3, (-1, V_TILE))
 
 
 def v_tile_exponents(x: torch.Tensor) -> torch.Tensor:
-    """x (..., S, D) float32, S a multiple of V_TILE -> (..., S / V_TILE) int32: per tile, the
-    largest e with amax · 2^e <= 2688 (448 · 6, the top of an NVFP4 block), amax the tile's largest
-    |value|; 0 for a tile of zeros; clamped to +-V_TILE_EXP_MAX. From amax's bits (2688 = 1.3125 ·
-    2^11): amax = 1.f · 2^(E - 127) gives e = 11 - (E - 127), one less where 1.f > 1.3125. Then
-    every block scale of x · 2^e is at most 448 and the tile's largest sits in E4M3's top binade."""
-    amax = x.abs().unflatten(-2, (-1, V_TILE)).amax(dim=(-1, -2)).float().contiguous()
+    """x (..., S, D) float32, D a multiple of V_GROUP -> (..., ceil(S / V_TILE), D / V_GROUP) int8:
+    per tile of V_TILE rows and V_GROUP channels, the largest e with amax · 2^e <= 2688 (448 · 6,
+    the top of an NVFP4 block), amax the group's largest |value|; 0 for a group of zeros; clamped
+    to +-V_TILE_EXP_MAX (0 for a NaN amax). From amax's bits (2688 = 1.3125 · 2^11): amax = 1.f ·
+    2^(E - 127) gives e = 11 - (E - 127), one less where 1.f > 1.3125. Then every block scale of
+    x · 2^e is at most 448 and the group's largest sits in E4M3's top binade. The group shares e:
+    where its values span more than about 2^15, its smallest blocks get E4M3 subnormal or zero
+    scales (the price of not clipping its largest)."""
+    if x.shape[-1] % V_GROUP:
+        raise ValueError(f"V's tile exponents need the head dim to be a multiple of {V_GROUP}, got {x.shape[-1]}")
+    amax = _v_tiles(x.abs()).amax(dim=(-3, -1)).float().contiguous()
     bits = amax.view(torch.int32)
     e = 138 - ((bits >> 23) & 0xFF) - ((bits & 0x7FFFFF) > 0x280000).to(torch.int32)
-    return torch.where(amax > 0, e, torch.zeros_like(e)).clamp(-V_TILE_EXP_MAX, V_TILE_EXP_MAX)
+    e = torch.where(amax > 0, e, torch.zeros_like(e)).clamp(-V_TILE_EXP_MAX, V_TILE_EXP_MAX)
+    return e.to(torch.int8)
 
 
-def _tile_factor(e: torch.Tensor, sign: int) -> torch.Tensor:
-    """(..., T) exponents -> (..., T * V_TILE, 1) float32 factors 2^(sign · e), one per row."""
-    return torch.exp2(sign * e.to(torch.float32)).repeat_interleave(V_TILE, dim=-1).unsqueeze(-1)
+def _tile_factor(e: torch.Tensor, sign: int, rows: int) -> torch.Tensor:
+    """(..., T, D / V_GROUP) exponents -> (..., rows, D) float32 factors 2^(sign · e)."""
+    f = torch.exp2(sign * e.to(torch.float32)).repeat_interleave(V_TILE, dim=-2).repeat_interleave(V_GROUP, dim=-1)
+    return f[..., :rows, :]
 
 
 def quantize_transposed_tiled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_transposed`` of x · 2^e per V_TILE rows (``v_tile_exponents``), and e: the NVFP4
-    of V whose blocks neither vanish (a block of V below about 0.006 gets scale 0 without it) nor
-    clip (above 2688). x (..., S, D), S a multiple of V_TILE. Powers of two are exact: where every
-    block's scale is an E4M3 normal both ways, the codes are ``quantize_transposed``'s."""
-    if x.shape[-2] % V_TILE:
-        raise ValueError(f"quantize_transposed_tiled needs the rows padded to a multiple of {V_TILE}, got {x.shape[-2]}")
+    """``quantize_transposed`` of x · 2^e per tile of V_TILE rows and V_GROUP channels
+    (``v_tile_exponents``), and e: the NVFP4 of V whose blocks neither vanish (a block of V below
+    about 0.006 gets scale 0 without it) nor clip (above 2688). x (..., S, D). Powers of two are
+    exact: where every block's scale is an E4M3 normal both ways, the codes are
+    ``quantize_transposed``'s."""
     e = v_tile_exponents(x.float())
-    return (*quantize_transposed(x.float() * _tile_factor(e, 1)), e)
+    return (*quantize_transposed(x.float() * _tile_factor(e, 1, x.shape[-2])), e)
 
 
 def dequantize_transposed_tiled(packed: torch.Tensor, scales: torch.Tensor, e: torch.Tensor, seq_len: int) -> torch.Tensor:
     """Inverse of ``quantize_transposed_tiled``: back to (..., seq_len, D) float32."""
-    rows = dequantize_transposed(packed, scales, e.shape[-1] * V_TILE)
-    return (rows * _tile_factor(e, -1))[..., :seq_len, :]
+    rows = dequantize_transposed(packed, scales, seq_len)
+    return rows * _tile_factor(e, -1, seq_len)
 
 
 # ---------------------------------------------------------------------------------------------

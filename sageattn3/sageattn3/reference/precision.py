@@ -25,13 +25,16 @@ from .formats import (
     mxfp8_p,
     dequantize_mxfp8_transposed,
     dequantize_rows,
+    V_GROUP,
     dequantize_transposed,
+    dequantize_transposed_tiled,
     e4m3_decode,
     pad_dim,
     quantize_mxfp8_rows,
     quantize_mxfp8_transposed,
     quantize_rows,
     quantize_transposed,
+    quantize_transposed_tiled,
     unpack_codes,
 )
 from .transforms import (
@@ -394,7 +397,8 @@ def treatment_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_
     o = torch.matmul(torch.softmax(s_exact, dim=-1), vx)
     corr = torch.matmul(mq_rows, expand_kv(k_rows - pre.mean_k, hq).transpose(-1, -2)) * scale
     n_keys = k_rows.shape[-2]
-    vq = {False: expand_kv(dequantize_transposed(*quantize_transposed(v_rows), n_keys), hq),
+    vq = {False: expand_kv(dequantize_transposed_tiled(*quantize_transposed_tiled(v_rows), n_keys) if d % V_GROUP == 0
+                           else dequantize_transposed(*quantize_transposed(v_rows), n_keys), hq),
           True: expand_kv(dequantize_mxfp8_transposed(*quantize_mxfp8_transposed(v_rows), n_keys), hq)}
     bal = balance_exponents(q, k) if (d in FP8_HEAD_DIMS and per_block_mean) else None
     wanted = set(range(TREATMENT_SETS)) if sets is None else {int(s) for s in sets}

@@ -16,6 +16,7 @@ from .formats import (
     quantize_residual,
     quantize_rows,
     quantize_transposed,
+    V_GROUP,
     quantize_transposed_tiled,
 )
 from .precision import (
@@ -131,8 +132,11 @@ class Preprocessed:
     - pv_fp8 (B, Hq) bool or None: with pv_precision "auto", the q heads whose P·V runs in MXFP8
       (``choose_pv_precision``; None: the rule did not run, every head as pv_precision says), and
       pv_error (B, Hq) float32 the estimate it came from (``pv_p_error``).
-    - v_exp (B, Hkv, Sk_p/128) int32 or None (``v_tile_exponent``, reference only, not in the kernels yet):
-      V's codes and scales are then those of V · 2^e per 128-key tile (``quantize_transposed_tiled``).
+    - v_exp (B, Hkv, ceil(Sk_p/128), D/32) int8, or None (``v_tile_exponent`` False, or D not a
+      multiple of 32): v_packed and v_scales are then the NVFP4 of V · 2^e per tile of 128 keys and
+      32 channels (``quantize_transposed_tiled``), not of V: dequantize them with
+      ``dequantize_transposed_tiled``, and pass v_exp with them to the attention, which multiplies
+      by 2^-e again (the kernels: in the online softmax's rescale and the epilogue).
     """
 
     q_packed: torch.Tensor
@@ -228,7 +232,7 @@ def preprocess(
     qk_fp8_rotated: bool = True,
     pv_limit: float | None = None,
     is_causal: bool = False,
-    v_tile_exponent: bool = False,
+    v_tile_exponent: bool = True,
 ) -> Preprocessed:
     """The reference of the preprocessing kernels. ``qk_rotation``: rotate Q and K (head dims 64
     and 128 only). The means are computed on the raw inputs, then balanced and rotated (as the
@@ -249,9 +253,10 @@ def preprocess(
     causal call hides (``pv_p_error``). With the rotation, q8/k8 are the MXFP8 of the rotated rows
     (as the kernels make them), on which "auto"'s rule estimates. Without it q8/k8 are still the
     MXFP8 of rotated rows (``fp8_rows``) where ``qk_fp8_rotated`` (the default; False: of the
-    unrotated smoothed rows, the earlier path, reference only). ``v_tile_exponent`` (reference only,
-    not in the kernels yet): V's NVFP4 with a power-of-two factor per 128-key tile, v_exp
-    (``quantize_transposed_tiled``; ``pad`` a multiple of 128)."""
+    unrotated smoothed rows, the earlier path, reference only). ``v_tile_exponent`` (the default,
+    as the kernels do): V's NVFP4 with a power-of-two factor per tile of 128 keys and 32 channels,
+    v_exp (``quantize_transposed_tiled``); False: plain NVFP4 of V (v_exp None, the earlier path,
+    which loses blocks of V below about 0.006 and clips above 2688; also where D is not a multiple of 32)."""
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     precision, pv = qk_precision_arg(qk_precision), pv_precision_arg(pv_precision)
     qk_fp8_rotated, is_causal = flag(qk_fp8_rotated, "qk_fp8_rotated"), flag(is_causal, "is_causal")
@@ -287,7 +292,7 @@ def preprocess(
         ks = turn(k.float() * ck) - mk
     qp, qsc = quantize_rows(pad_dim(qs, -2, pad), search)
     kp, ksc = quantize_rows(pad_dim(ks, -2, pad), search)
-    vq = (quantize_transposed_tiled if flag(v_tile_exponent, "v_tile_exponent") else
+    vq = (quantize_transposed_tiled if flag(v_tile_exponent, "v_tile_exponent") and d % V_GROUP == 0 else
           lambda x: (*quantize_transposed(x), None))(pad_dim(v.float(), -2, pad))
     dk = pad_dim(delta_s(mg, ks).squeeze(-2), -1, pad)
     kr = quantize_residual(pad_dim(ks, -2, pad), kp, ksc) if per_block_mean else None
