@@ -167,10 +167,10 @@ def test_the_report_and_this_test_share_one_spill_allowance():
     base = "_ZN9sageattn34attn19fp4_attn_fwd_kernelILi128E{}EEvPKNS0_10AttnParamsE"
     assert spill_allowance(base.format("Lb0ELb0E")) == 0
     assert spill_allowance(base.format("Lb1ELb0E")) == 32
-    assert spill_allowance(base.format("Lb0ELb1E")) == 64
+    assert spill_allowance(base.format("Lb0ELb1E")) == 72
     # FP8 P·V: with FP4 Q·Kᵀ its own allowance, with FP8 Q·Kᵀ the FP8 Q·Kᵀ one (the report's comment)
     assert spill_allowance(base.format("Lb0ELb0ELb1E")) == 48
-    assert spill_allowance(base.format("Lb0ELb1ELb1E")) == 64
+    assert spill_allowance(base.format("Lb0ELb1ELb1E")) == 72
 
 
 MXFP8_COLS_CU = CSRC / "quant" / "quant_mxfp8_cols.cu"

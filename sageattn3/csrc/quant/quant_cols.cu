@@ -75,6 +75,62 @@ __device__ __forceinline__ uint32_t block_amax_bits(const uint32_t (*tile)[kWord
   return m;
 }
 
+// 1b of the kernel (kExp): per 128-token half k of the tile and 32-channel group, the group's
+// amax (this lane's two channels or one, the group's lanes by shuffles, the half's 8 warps through
+// shared memory), its exponent e into exps (one lane per half and group) and 2^e into fac[k].
+template <typename T, int kGroups>
+__device__ __forceinline__ void tile_exponents(const uint32_t (*tile)[kWords], uint32_t (*group_amax)[kGroups][kThreads / 32],
+                                               int warp, int lane, int64_t s0, int64_t d0, int64_t Sp, int64_t D,
+                                               int8_t* __restrict__ exps, float (&fac)[2]) {
+  constexpr int kGroupLanes = 32 / kGroups;  // lanes per group (a lane holds 2 channels or 1)
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    uint32_t m = block_amax_bits<T>(tile, warp + k * (kThreads / 32), lane);
+#pragma unroll
+    for (int off = 1; off < kGroupLanes; off *= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if (lane % kGroupLanes == 0) group_amax[k][lane / kGroupLanes][warp] = m;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) m = max(m, group_amax[k][lane / kGroupLanes][w]);
+    const int e = v_tile_exponent(m);
+    fac[k] = __int_as_float((e + 127) << 23);
+    // one lane per (half, group) stores e: (g, tile s0/128 + k, group d0/32 + lane/kGroupLanes)
+    const int64_t tile128 = s0 / 128 + k, grp = d0 / 32 + lane / kGroupLanes;
+    if (warp == 0 && lane % kGroupLanes == 0 && tile128 * 128 < Sp && grp * 32 < D)
+      exps[(blockIdx.z * ((Sp + 127) / 128) + tile128) * (D / 32) + grp] = static_cast<int8_t>(e);
+  }
+}
+
+// 3b of the kernel: each channel's scale bytes of the tile, as one 16-byte store (8-byte or single
+// ones where unaligned or at the end).
+template <int kCh>
+__device__ __forceinline__ void store_scales(const uint8_t (*out_scales)[kSegs], int t, int nseg, int scales_align,
+                                             int64_t d0, int64_t D, int64_t row0, int64_t Sp, int64_t s0,
+                                             uint8_t* __restrict__ scales) {
+  if (nseg == kSegs && scales_align == 16) {
+    if (t < kCh && d0 + t < D)
+      __stcs(reinterpret_cast<uint4*>(scales + (row0 + t) * (Sp / 16) + s0 / 16),
+             *reinterpret_cast<const uint4*>(out_scales[t]));
+  } else if (nseg == kSegs && scales_align == 8) {
+    if (t < 2 * kCh && d0 + t / 2 < D)
+      __stcs(reinterpret_cast<uint2*>(scales + (row0 + t / 2) * (Sp / 16) + s0 / 16) + t % 2,
+             reinterpret_cast<const uint2*>(out_scales[t / 2])[t % 2]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kCh * kSegs / kThreads; ++k) {
+      const int j = t + k * kThreads;
+      const int c = j / kSegs, seg = j % kSegs;
+      if (d0 + c < D && seg < nseg)
+        __stcs(reinterpret_cast<char*>(scales + (row0 + c) * (Sp / 16) + s0 / 16 + seg),
+               static_cast<char>(out_scales[c][seg]));
+    }
+  }
+}
+
 template <typename T, int kMinBlocks, bool kExp>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     quant_cols_kernel(const T* __restrict__ x, int64_t S, int64_t D, int64_t Sp, int codes16,
@@ -88,8 +144,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   __shared__ __align__(16) uint32_t tile[kTS][kWords];
   __shared__ __align__(16) uint2 out_codes[kCh][kSegs];
   __shared__ __align__(16) uint8_t out_scales[kCh][kSegs];
-  constexpr int kGroups = kCh / 32;        // 32-channel groups of the exponent
-  constexpr int kGroupLanes = 32 / kGroups;  // lanes per group (a lane holds kPerWord channels)
+  constexpr int kGroups = kCh / 32;  // 32-channel groups of the exponent
   __shared__ uint32_t group_amax[2][kGroups][kThreads / 32];
 
   const int t = threadIdx.x;
@@ -119,28 +174,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     // 1b. (kExp) the exponent of each 128-token half k (job k below) and group; fac[k]: 2^e
     static_assert(kWords * kSegs / kThreads == 2 && kSegs == 16, "job k of a warp is 16-token block warp + 8k, half k");
     float fac[2] = {1.f, 1.f};
-    if constexpr (kExp) {
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        uint32_t m = block_amax_bits<T>(tile, warp + k * (kThreads / 32), lane);
-#pragma unroll
-        for (int off = 1; off < kGroupLanes; off *= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
-        if (lane % kGroupLanes == 0) group_amax[k][lane / kGroupLanes][warp] = m;
-      }
-      __syncthreads();
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        uint32_t m = 0;
-#pragma unroll
-        for (int w = 0; w < kThreads / 32; ++w) m = max(m, group_amax[k][lane / kGroupLanes][w]);
-        const int e = v_tile_exponent(m);
-        fac[k] = __int_as_float((e + 127) << 23);
-        // one lane per (half, group) stores e: (g, tile s0/128 + k, group d0/32 + lane/kGroupLanes)
-        const int64_t tile128 = s0 / 128 + k, grp = d0 / 32 + lane / kGroupLanes;
-        if (warp == 0 && lane % kGroupLanes == 0 && tile128 * 128 < Sp && grp * 32 < D)
-          exps[(blockIdx.z * ((Sp + 127) / 128) + tile128) * (D / 32) + grp] = static_cast<int8_t>(e);
-      }
-    }
+    if constexpr (kExp) tile_exponents<T>(tile, group_amax, warp, lane, s0, d0, Sp, D, exps, fac);
 
     // 2. convert: job = (16-token block `seg`, word column `lane`)
 #pragma unroll
@@ -208,24 +242,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
         }
       }
     }
-    if (nseg == kSegs && scales_align == 16) {
-      if (t < kCh && d0 + t < D)
-        __stcs(reinterpret_cast<uint4*>(scales + (row0 + t) * (Sp / 16) + s0 / 16),
-               *reinterpret_cast<const uint4*>(out_scales[t]));
-    } else if (nseg == kSegs && scales_align == 8) {
-      if (t < 2 * kCh && d0 + t / 2 < D)
-        __stcs(reinterpret_cast<uint2*>(scales + (row0 + t / 2) * (Sp / 16) + s0 / 16) + t % 2,
-               reinterpret_cast<const uint2*>(out_scales[t / 2])[t % 2]);
-    } else {
-#pragma unroll
-      for (int k = 0; k < kCh * kSegs / kThreads; ++k) {
-        const int j = t + k * kThreads;
-        const int c = j / kSegs, seg = j % kSegs;
-        if (d0 + c < D && seg < nseg)
-          __stcs(reinterpret_cast<char*>(scales + (row0 + c) * (Sp / 16) + s0 / 16 + seg),
-                 static_cast<char>(out_scales[c][seg]));
-      }
-    }
+    store_scales<kCh>(out_scales, t, nseg, scales_align, d0, D, row0, Sp, s0, scales);
   }
 }
 

@@ -212,6 +212,12 @@ def k_block_correction(qb: torch.Tensor, dmu: torch.Tensor, pad: int) -> torch.T
     return pad_dim(corr, -1, pad // Q_MEAN_BLOCK) if pad >= Q_MEAN_BLOCK else corr
 
 
+def _quantize_v(v: torch.Tensor, tiled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """V's NVFP4 along the sequence: with its tile exponents (``quantize_transposed_tiled``) or
+    plain (exponents None)."""
+    return quantize_transposed_tiled(v) if tiled else (*quantize_transposed(v), None)
+
+
 def preprocess(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -292,8 +298,7 @@ def preprocess(
         ks = turn(k.float() * ck) - mk
     qp, qsc = quantize_rows(pad_dim(qs, -2, pad), search)
     kp, ksc = quantize_rows(pad_dim(ks, -2, pad), search)
-    vq = (quantize_transposed_tiled if flag(v_tile_exponent, "v_tile_exponent") and d % V_GROUP == 0 else
-          lambda x: (*quantize_transposed(x), None))(pad_dim(v.float(), -2, pad))
+    vq = _quantize_v(pad_dim(v.float(), -2, pad), flag(v_tile_exponent, "v_tile_exponent") and d % V_GROUP == 0)
     dk = pad_dim(delta_s(mg, ks).squeeze(-2), -1, pad)
     kr = quantize_residual(pad_dim(ks, -2, pad), kp, ksc) if per_block_mean else None
     pre = Preprocessed(qp, qsc, kp, ksc, *vq[:2], mq, mk, sq, sk, mg, dk, rot, bal, search, kr, k_block_corr=corr,
