@@ -165,6 +165,6 @@ def test_the_report_fails_exactly_where_the_compile_test_would():
     base = "_ZN9sageattn34attn19fp4_attn_fwd_kernelILi128E{}EEvNS0_10AttnParamsE"
     kernels = [Kernel(base.format("Lb0ELb0E"), "sm_120a", spill_stores=0, spill_loads=0),
                Kernel(base.format("Lb1ELb0E"), "sm_120a", spill_stores=32, spill_loads=32),   # at the allowance
-               Kernel(base.format("Lb0ELb1E"), "sm_120a", spill_stores=64, spill_loads=65),   # one byte over
+               Kernel(base.format("Lb0ELb1E"), "sm_120a", spill_stores=72, spill_loads=73),   # one byte over
                Kernel("_ZN9sageattn312other_kernelEv", "sm_120a", spill_stores=100, spill_loads=100)]
     assert [k.name for k in spill_failures(kernels)] == [base.format("Lb0ELb1E")]
