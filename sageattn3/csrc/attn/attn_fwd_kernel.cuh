@@ -527,7 +527,14 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       has_residual = __syncthreads_or(nonzero) != 0;
       if (has_residual) ResidualHalf<D>::prefetch(p.k_res, kres_row0, ds_k, ds_half);  // the first stage's
     }
+    // This thread's delta_s entry of the tile's first stage; each stage moves it kBlockN keys on
+    // (kWalk), and the V scales' pointer below likewise: an address from two registers instead
+    // of 64-bit arithmetic per stage. Not with FP8 Q.K^T at D 128, where the walking pointers took
+    // ptxas 13.0 from 20/20 bytes of spills to 68/84 (FP4 P.V; 40/56 with only delta_s's walking) and
+    // from 12/16 to 20/36 (FP8 P.V): there each stage adds its offset to fixed pointers, as before.
+    constexpr bool kWalk = !(kQK8 && D == 128);
     const float* ds_key_row = p.ds_key + static_cast<int64_t>(bh_q - p.bh0) * p.ds_bh_stride + c.mb * p.ds_m_stride;
+    const float* ds_key_ptr = ds_key_row + ds_k;
 
     // ---- Q fragments and scales into registers, then hand the Q buffer back ----
     mbar_wait(q_full, q_round & 1u);
@@ -563,6 +570,8 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
     // into the stage (d x 8 bytes); lane 4g + t reads d = 8n + g, bytes 4(t & 1) (key chunk t & 1).
     // kPV8 (v_sf: (B, Hkv, D, Sk_pad/32) UE8M0): thread i < D copies channel i's 4 bytes of the stage
     // into the stage (D x 4 bytes); lane 4g + t reads channel 8n + g's word (byte = key chunk).
+    // (the first stage's bytes; each stage moves the pointer kVSfStep bytes on)
+    constexpr int kVSfStep = kWalk ? kBlockN / (kPV8 ? 32 : 16) : 0;
     const uint8_t* v_sf_copy =
         kPV8 ? p.v_sf + (static_cast<int64_t>(kv_bh) * D + threadIdx.x) * (p.seq_k_pad / 32)
              : v_sf_head + static_cast<int64_t>(threadIdx.x >> 1) * (p.seq_k_pad / 16) + 4 * (threadIdx.x & 1);
@@ -570,7 +579,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
     // V's tile exponents of this kv head: tile kb, group x at p.v_exp[v_exp_row + kb * kVGroups + x]
     const int v_exp_row = kv_bh * (p.seq_k_pad / kBlockN) * kVGroups;  // < 2^31: k's rows are int too
 
-    for (int kb = 0; kb < c.num_kb; ++kb, ring.advance()) {
+    for (int kb = 0; kb < c.num_kb; ++kb, ring.advance(), ds_key_ptr += kWalk ? kBlockN : 0, v_sf_copy += kVSfStep) {
       const int k0 = kb * kBlockN;
       if (is_producer) prod.run(p, smem, ring.n + kStages);
       __syncwarp();
@@ -592,11 +601,13 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
               delta_s_part<D>(stage + L::kStageK, stage + L::kStageKSf, s_base + L::kMeanQ, ds_k, ds_half, kres);
           res = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, 1));
         }
+        const float ds = !kWalk           ? __fadd_rn(__ldg(ds_key_row + k0 + ds_k), res)
+                         : kInLoopResidual ? __fadd_rn(__ldg(ds_key_ptr), res)
+                                           : __ldg(ds_key_ptr);
         // pair layout {d[2i], d[2i+1], d[2i], d[2i+1]}: the two threads of key ds_k write a copy each
-        sts_f32(stage + L::kStageDelta + delta_pair_offset(ds_k >> 1) + 8 * ds_half + 4 * (ds_k & 1),
-                __fadd_rn(__ldg(ds_key_row + k0 + ds_k), res));
+        sts_f32(stage + L::kStageDelta + delta_pair_offset(ds_k >> 1) + 8 * ds_half + 4 * (ds_k & 1), ds);
         if (threadIdx.x < (kPV8 ? D : 2 * D)) {
-          const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(v_sf_copy + k0 / (kPV8 ? 32 : 16)));
+          const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(v_sf_copy + (kWalk ? 0 : k0 / (kPV8 ? 32 : 16))));
           asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage + L::kStageVSf + 4 * threadIdx.x), "r"(w) : "memory");
         }
         if constexpr (!kPV8) {
