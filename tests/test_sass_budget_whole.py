@@ -63,6 +63,20 @@ def test_the_producer_is_warp_0s_and_the_sms():
     assert b.issue_all() == pytest.approx((8 * 4 + 3.5) / 4)
 
 
+def test_the_last_warps_own_lines_count_once_per_sm():
+    """Lines only one consumer warp runs (V's exponent factors, by the last warp's D/32 threads)
+    count once per SM, like the producer, and make that warp the busiest where they outweigh it."""
+    instrs = sb.parse_disassembly(KEY_LOOP)["_Z6kernelv"]
+    classify = lambda ins: sk.LAST_WARP if 30 in {n for f, n in ins.frames if f.endswith("k.cuh")} else None  # noqa: E731
+    b = sb.budget(instrs, label="t", head_dim=128, warps=8, tma_bytes=0, classify=classify)
+    assert b.instructions == 6 and b.set_aside == {sk.LAST_WARP: 3}
+    b.last_warp, b.producer = b.set_aside[sk.LAST_WARP], 2.0
+    assert b.sm_instructions == 8 * 6 + 2 + 3 and b.busiest_warp == 6 + 3
+    assert b.bounds(sb.GPUS[0])["issue"] == pytest.approx((8 * 6 + 2 + 3) / 4)
+    row = next(r for r in table([b]).splitlines() if r.startswith("| last warp's own"))
+    assert "| 3 " in row
+
+
 # A pre-pass: 2 instructions before its loops, a main loop of 3 (source line 3), a second loop of
 # 3 (line 5), the EXIT, then an out-of-line stub after it (not counted).
 PREPASS = """\

@@ -19,7 +19,9 @@ the kernels it is counted for, this project's and upstream's, are in :mod:`ci.ch
 4. The producer: thread 0 of warp 0 issues the TMA loads inline (its source lines, set aside
    from the consumer's count, are counted as warp 0's extra work per key tile; the work it does
    once per query tile is amortized over the key tiles of the reference shape, `REF`). Warp 0 is
-   the busiest warp; the SM issues 8 consumer warps + the producer per tile.
+   the busiest warp; the SM issues 8 consumer warps + the producer per tile. Likewise the lines
+   only the last warp runs (V's exponent factors of each stage, by D/32 of its threads) count
+   once per SM, not in every consumer warp.
 5. Pre-passes (:mod:`ci.checks.sass_prepass`): kernels that run before the attention kernel on
    the same stream (delta_s per query block and key, the Q·Kᵀ precision rule, MXFP8), counted
    from their SASS per unit of their work and converted to warp-instructions and DRAM bytes per
@@ -299,6 +301,7 @@ class Budget:
     global_bytes_cta: int = 0      # per CTA, loads every warp makes of the same bytes
     tma_bytes: int = 0             # per CTA
     producer: float | None = 0.0   # the producer's warp-instructions per key tile (None: not counted)
+    last_warp: float = 0.0         # what one consumer warp (not warp 0) alone runs per key tile, on top
     dram_bytes: float = 0.0        # the attention kernel's compulsory DRAM bytes per tile at REF
     prepasses: dict = field(default_factory=dict)          # name -> PerTile
 
@@ -309,13 +312,14 @@ class Budget:
     @property
     def busiest_warp(self) -> float:
         """Warp 0: a consumer warp plus the producer (where the producer is a warp of its own,
-        the busiest of that and a consumer)."""
-        return self.instructions + (self.producer or 0.0)
+        the busiest of that and a consumer), or the last warp with its own share, if larger."""
+        return self.instructions + max(self.producer or 0.0, self.last_warp)
 
     @property
     def sm_instructions(self) -> float:
-        """The attention kernel's warp-instructions per SM per tile: every consumer warp and the producer."""
-        return self.instructions * self.warps + (self.producer or 0.0)
+        """The attention kernel's warp-instructions per SM per tile: every consumer warp, the
+        producer, and the last warp's share."""
+        return self.instructions * self.warps + (self.producer or 0.0) + self.last_warp
 
     @property
     def pre_instructions(self) -> float:

@@ -23,6 +23,7 @@ CSRC = ROOT / "sageattn3" / "csrc"
 KERNEL = CSRC / "attn" / "attn_fwd_kernel.cuh"
 PRODUCER_STAGE, PRODUCER_TILE = "producer, per stage", "producer, per query tile"
 LAST_STAGE = "a query tile's last stage (V's exponents)"
+LAST_WARP = "the last warp's V exponent factors"
 # The pre-passes each instantiation takes with the default arguments (qk_precision 'auto': the rule
 # runs wherever the FP8 path can, FP4 heads included; the bounded mode cannot take FP8, so no rule)
 TAKES = {"defaults": ("delta_s", "rule"), "one Q mean": ("rule",), "FP8": ("delta_s", "rule", "MXFP8"), "bounded": (),
@@ -44,12 +45,16 @@ def ours_regions(kernel: Path = KERNEL) -> dict[str, list[tuple[int, int]]]:
     Q; step to the next tile), the bodies of those two blocks of Producer::run. Earlier entries
     win: the per-query-tile blocks lie inside Producer."""
     q_issue, advance = block_lines(kernel, r"if \(kb == 0\) \{"), block_lines(kernel, r"if \(\+\+kb == c\.num_kb\) \{")
+    writer = block_lines(kernel, r"if \(threadIdx\.x >= kThreads - kVGroups\) \{")
     return {
         PRODUCER_TILE: [(q_issue[0] + 1, q_issue[1]), (advance[0] + 1, advance[1])],
         PRODUCER_STAGE: [block_lines(kernel, r"^struct Producer")],
         "mask (tail / causal diagonal)": [block_lines(kernel, r"if \(tail \|\| diag\) \{")],
         # once per query tile (its last key tile): O back from V's exponents, 64 or 32 multiplies
         LAST_STAGE: [block_lines(kernel, r"if \(kb \+ 1 == c\.num_kb\) \{")],
+        # per stage, by D/32 threads of the last warp only (every warp runs the test, not the body):
+        # counted once per SM, as the producer is (Budget.last_warp)
+        LAST_WARP: [(writer[0] + 1, writer[1])],
         "residual": [block_lines(kernel, r"^struct ResidualHalf"), block_lines(kernel, r"float delta_s_part\("),
                      block_lines(kernel, r"if \(kInLoopResidual && has_residual\) \{"), block_lines(kernel, r"float2 e4m3x2_value\(")],
     }
@@ -172,6 +177,7 @@ def ours_budgets(cubin: Path, prepass_cubins: dict[str, Path], bounded: bool = T
             b = budget(instrs, label=label, head_dim=d, warps=8, tma_bytes=tma, classify=ours_classifier(res),
                        cta_shared=shared)
             b.producer = producer_share(b, ref)
+            b.last_warp = b.set_aside[LAST_WARP]
             b.dram_bytes = ours_dram_bytes(d, kind, ref)
             b.prepasses = {n: pre[d][n] for n in TAKES[kind]}
             out.append(b)

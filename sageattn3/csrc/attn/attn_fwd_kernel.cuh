@@ -527,7 +527,15 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       has_residual = __syncthreads_or(nonzero) != 0;
       if (has_residual) ResidualHalf<D>::prefetch(p.k_res, kres_row0, ds_k, ds_half);  // the first stage's
     }
+    // At D 64 (issue-bound), this thread's delta_s entry of the tile's first stage; each stage moves
+    // it kBlockN keys on (kWalk), and the V scales' pointer below likewise: an address from two
+    // registers instead of 64-bit arithmetic per stage (14 fewer warp-instructions per stage). Not
+    // at D 128 (tensor-bound on sm_120): there the H200 stand-in ran 3% slower with them, and with
+    // FP8 Q.K^T ptxas 13.0 spilled more (20/20 -> 68/84 bytes; with FP8 P.V, 12/16 -> 20/36); each
+    // stage adds its offset to fixed pointers instead (docs/performance.md, "V's tile exponents").
+    constexpr bool kWalk = D == 64;
     const float* ds_key_row = p.ds_key + static_cast<int64_t>(bh_q - p.bh0) * p.ds_bh_stride + c.mb * p.ds_m_stride;
+    const float* ds_key_ptr = ds_key_row + ds_k;
 
     // ---- Q fragments and scales into registers, then hand the Q buffer back ----
     mbar_wait(q_full, q_round & 1u);
@@ -563,6 +571,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
     // into the stage (d x 8 bytes); lane 4g + t reads d = 8n + g, bytes 4(t & 1) (key chunk t & 1).
     // kPV8 (v_sf: (B, Hkv, D, Sk_pad/32) UE8M0): thread i < D copies channel i's 4 bytes of the stage
     // into the stage (D x 4 bytes); lane 4g + t reads channel 8n + g's word (byte = key chunk).
+    // (the first stage's bytes; with kWalk each stage moves the pointer on by its bytes)
     const uint8_t* v_sf_copy =
         kPV8 ? p.v_sf + (static_cast<int64_t>(kv_bh) * D + threadIdx.x) * (p.seq_k_pad / 32)
              : v_sf_head + static_cast<int64_t>(threadIdx.x >> 1) * (p.seq_k_pad / 16) + 4 * (threadIdx.x & 1);
@@ -593,10 +602,15 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
           res = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, 1));
         }
         // pair layout {d[2i], d[2i+1], d[2i], d[2i+1]}: the two threads of key ds_k write a copy each
-        sts_f32(stage + L::kStageDelta + delta_pair_offset(ds_k >> 1) + 8 * ds_half + 4 * (ds_k & 1),
-                __fadd_rn(__ldg(ds_key_row + k0 + ds_k), res));
+        if constexpr (kWalk) {
+          sts_f32(stage + L::kStageDelta + delta_pair_offset(ds_k >> 1) + 8 * ds_half + 4 * (ds_k & 1),
+                  kInLoopResidual ? __fadd_rn(__ldg(ds_key_ptr), res) : __ldg(ds_key_ptr));
+        } else {
+          sts_f32(stage + L::kStageDelta + delta_pair_offset(ds_k >> 1) + 8 * ds_half + 4 * (ds_k & 1),
+                  __fadd_rn(__ldg(ds_key_row + k0 + ds_k), res));
+        }
         if (threadIdx.x < (kPV8 ? D : 2 * D)) {
-          const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(v_sf_copy + k0 / (kPV8 ? 32 : 16)));
+          const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(kWalk ? v_sf_copy : v_sf_copy + k0 / (kPV8 ? 32 : 16)));
           asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage + L::kStageVSf + 4 * threadIdx.x), "r"(w) : "memory");
         }
         if constexpr (!kPV8) {
@@ -831,6 +845,10 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[st]);
+      if constexpr (kWalk) {
+        ds_key_ptr += kBlockN;
+        v_sf_copy += kBlockN / (kPV8 ? 32 : 16);
+      }
     }
 
     // ---- epilogue ----
