@@ -297,6 +297,7 @@ class Budget:
     counts: Counter = field(default_factory=Counter)      # pipe -> warp-instructions
     set_aside: Counter = field(default_factory=Counter)   # region -> warp-instructions (not counted)
     smem_bytes: int = 0            # per warp
+    smem_bytes_cta: int = 0        # per CTA, what one warp alone moves (the last warp's own lines)
     global_bytes_warp: int = 0     # per warp, loads distinct per warp
     global_bytes_cta: int = 0      # per CTA, loads every warp makes of the same bytes
     tma_bytes: int = 0             # per CTA
@@ -351,7 +352,7 @@ class Budget:
             "mufu": c["mufu"] * w * 32 / MUFU_LANES_PER_CLK,
             "cvt": c["cvt"] * w * 32 / CVT_LANES_PER_CLK,
             "shfl": c["shfl"] * w * 32 / SHFL_LANES_PER_CLK,
-            "smem": self.smem_bytes * w / SMEM_B_PER_CLK,
+            "smem": (self.smem_bytes * w + self.smem_bytes_cta) / SMEM_B_PER_CLK,
             "l2": self.l2_bytes / gpu.l2_bytes_per_clk_sm,
             "memory": self.dram_bytes / gpu.dram_bytes_per_clk_sm,
         }
@@ -384,13 +385,20 @@ class Budget:
 
 
 def budget(instrs: list[Instr], *, label: str, head_dim: int, warps: int, tma_bytes: int,
-           classify: Classifier = lambda ins: None, cta_shared: Callable[[Instr], bool] = lambda ins: False) -> Budget:
+           classify: Classifier = lambda ins: None, cta_shared: Callable[[Instr], bool] = lambda ins: False,
+           once_per_cta: tuple[str, ...] = ()) -> Budget:
+    """``once_per_cta``: set-aside regions that one warp of the CTA runs (the last warp's own
+    lines): their bytes count once per CTA, their instructions in ``set_aside`` (for the caller to
+    count once, e.g. ``Budget.last_warp``)."""
     lo, hi = key_loop(instrs)
     b = Budget(label, head_dim, warps, tma_bytes=tma_bytes)
     for ins in instrs[lo:hi + 1]:
         region = classify(ins)
         if region is not None:
             b.set_aside[region] += 1
+            if region in once_per_cta:
+                b.smem_bytes_cta += ins.smem_bytes()
+                b.global_bytes_cta += ins.global_bytes()
             continue
         b.counts[ins.pipe] += 1
         b.smem_bytes += ins.smem_bytes()

@@ -3,11 +3,11 @@ defaults fall short of cos-sim 0.98, and why (docs/accuracy-auto.md, "Massive sh
 
 Every head takes FP8 Q·Kᵀ on rotated rows there, and P·V stays NVFP4. The error is in Q·Kᵀ:
   - with the scores exact (float32 products of the inputs) and the defaults' NVFP4 P·V, every head
-    reaches 0.995;
-  - with the defaults' FP8 scores and P·V exact (float64), heads stay at 0.973-0.984.
-So FP8 P·V does not close the gap; a Q·Kᵀ more precise than MXFP8 for such heads would. That is
-not built, and the gap is kept measured here: the strict xfails turn into failures once it closes.
-All on the CPU reference, which the kernels match bit for bit (tests/gpu)."""
+    reaches 0.9949 or more;
+  - with the defaults' FP8 scores and P·V exact (float64), the worst heads stay at 0.973-0.984.
+So FP8 P·V does not close the gap (it adds about 0.004); a Q·Kᵀ more precise than MXFP8 for such
+heads would. That is not built, and the gap is kept measured here: the strict xfails turn into
+failures once it closes. All on the CPU reference, which the kernels follow (tests/gpu)."""
 
 from __future__ import annotations
 

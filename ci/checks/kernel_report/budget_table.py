@@ -34,7 +34,8 @@ def table(budgets: list[Budget], gpus=GPUS, calibration: float | None = None) ->
     rows.append(("producer per key tile (warp 0's thread 0; upstream: its producer warp)",
                  *(_num(b.producer) for b in budgets)))
     rows.append(("last warp's own per key tile (V's exponent factors)", *(f"{b.last_warp:,.0f}" for b in budgets)))
-    rows.append(("busiest warp (consumer + producer)", *(f"{b.busiest_warp:,.0f}" for b in budgets)))
+    rows.append(("busiest warp (consumer + the larger of producer and last warp's own)",
+                 *(f"{b.busiest_warp:,.0f}" for b in budgets)))
     rows.append(("per SM per tile: all consumer warps + producer + last warp's own",
                  *(f"{b.sm_instructions:,.0f}" for b in budgets)))
     rows.append(("shared memory bytes / warp", *(f"{b.smem_bytes:,}" for b in budgets)))
