@@ -17,6 +17,8 @@ computed in float64 from the bf16 inputs):
   P the rule finds too coarse, NVFP4 elsewhere), delta_s = delta_key + r · K̂ᵀ (K̂ the quantized K plus its quantization
   residual), no balance, no rotation of the FP4 heads (the FP8 heads multiply rotated rows:
   ``sageattn3.reference.fp8_rows``), plain scales;
+- "auto, seeds 0-7": the defaults on the same case drawn with seeds 0-7 (the other columns are
+  seed 2025): the lowest cos-sim of a whole call, and of a single q head, against exact attention;
 - "FP8 heads": how many heads the rule gives FP8 Q·Kᵀ and FP8 P·V with the defaults;
 - the accuracy options, each on top of the defaults ("auto"; the rule runs on the rows they
   make, options as floors): "auto + balance" (qk_balance=True, the Q/K channel balance), "auto +
@@ -55,6 +57,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import attention_cases as ac  # noqa: E402
 
 SEQ = 1024
+SEEDS = 8  # the defaults' column over other draws of each case: seeds 0 .. SEEDS - 1
 MARK_START, MARK_END = "<!-- accuracy:start -->", "<!-- accuracy:end -->"
 SUMMARY_START, SUMMARY_END = "<!-- accuracy-summary:start -->", "<!-- accuracy-summary:end -->"
 # The README's few rows (case, D, causal) and columns (by header) of the full table.
@@ -109,12 +112,14 @@ def measure(ref, gpu: bool) -> list[dict]:
                     "fp4": ref.sageattn3(q, k, v, is_causal=causal, qk_precision="fp4"),
                     "fp4bal": ref.sageattn3(q, k, v, is_causal=causal, qk_balance=True, qk_precision="fp4"),
                 }
+                row_seeds = _other_seeds(ref, case, d, causal)
                 pre = ref.preprocess(q, k, v, qk_precision="auto", is_causal=causal)
                 heads = pre.qk_fp8
                 row = {"case": case, "d": d, "causal": causal, "fp8_heads": int(heads.sum()), "heads": heads.numel(),
                        "pv8_heads": int(pre.pv_fp8.sum()) if pre.pv_fp8 is not None else 0}
                 for name, out in outs.items():
                     row[name] = (ac.cos_sim(out, exact), ac.rel_l1(out, exact))
+                row["seeds"] = row_seeds
                 if gpu:
                     import sageattn3
 
@@ -135,8 +140,21 @@ def measure(ref, gpu: bool) -> list[dict]:
     return rows
 
 
+def _other_seeds(ref, case: str, d: int, causal: bool) -> tuple[float, float]:
+    """The defaults on the same case drawn with seeds 0 .. SEEDS - 1: the lowest cos-sim of a whole
+    call and of a single q head against exact attention (one seed can hide what others show)."""
+    call, head = 1.0, 1.0
+    for seed in range(SEEDS):
+        q, k, v = ac.make(case, 1, 4, 2, SEQ, SEQ, d, seed=seed)
+        exact, out = ref.exact_attention(q, k, v, is_causal=causal), ref.sageattn3(q, k, v, is_causal=causal)
+        call = min(call, ac.cos_sim(out, exact))
+        head = min([head] + [ac.cos_sim(out[:, h], exact[:, h]) for h in range(q.shape[1])])
+    return call, head
+
+
 def table(rows: list[dict], gpu: bool) -> str:
-    head = ["inputs", "D", "causal", "paper: cos / rel-L1", "auto (default): cos / rel-L1", "FP8 heads: Q·Kᵀ, P·V",
+    head = ["inputs", "D", "causal", "paper: cos / rel-L1", "auto (default): cos / rel-L1",
+            f"auto, seeds 0-{SEEDS - 1}: lowest call / head cos", "FP8 heads: Q·Kᵀ, P·V",
             "auto + balance", "auto + rotation", "auto + scale search", "auto + all three", "FP8 Q·Kᵀ",
             "FP4 Q·Kᵀ (speed)", "FP4 + balance"]
     if gpu:
@@ -145,6 +163,7 @@ def table(rows: list[dict], gpu: bool) -> str:
     for r in rows:
         cells = [LABELS[r["case"]], str(r["d"]), "yes" if r["causal"] else "no"]
         cells += [f"{r[n][0]:.4f} / {r[n][1]:.3f}" for n in ("paper", "ours")]
+        cells += [f"{r['seeds'][0]:.4f} / {r['seeds'][1]:.4f}"]
         cells += [f"{r['fp8_heads']}/{r['heads']}, {r['pv8_heads']}/{r['heads']}"]
         cells += [f"{r[n][0]:.4f} / {r[n][1]:.3f}" for n in ("bal", "rot", "search", "all", "fp8", "fp4", "fp4bal")]
         if gpu:
