@@ -68,9 +68,10 @@ def test_the_last_warps_own_lines_count_once_per_sm():
     count once per SM, like the producer, and make that warp the busiest where they outweigh it."""
     instrs = sb.parse_disassembly(KEY_LOOP)["_Z6kernelv"]
     classify = lambda ins: sk.LAST_WARP if 30 in {n for f, n in ins.frames if f.endswith("k.cuh")} else None  # noqa: E731
-    b = sb.budget(instrs, label="t", head_dim=128, warps=8, tma_bytes=0, classify=classify)
-    assert b.instructions == 6 and b.set_aside == {sk.LAST_WARP: 3}
-    b.last_warp, b.producer = b.set_aside[sk.LAST_WARP], 2.0
+    b = sb.budget(instrs, label="t", head_dim=128, warps=8, tma_bytes=0, classify=classify, once_per_cta=(sk.LAST_WARP,))
+    assert b.instructions == 6 and b.set_aside == {sk.LAST_WARP: 3} and b.last_warp == 3
+    assert sb.budget(instrs, label="t", head_dim=128, warps=8, tma_bytes=0, classify=classify).last_warp == 0
+    b.producer = 2.0
     assert b.sm_instructions == 8 * 6 + 2 + 3 and b.busiest_warp == 6 + 3
     assert b.bounds(sb.GPUS[0])["issue"] == pytest.approx((8 * 6 + 2 + 3) / 4)
     row = next(r for r in table([b]).splitlines() if r.startswith("| last warp's own"))

@@ -387,9 +387,9 @@ class Budget:
 def budget(instrs: list[Instr], *, label: str, head_dim: int, warps: int, tma_bytes: int,
            classify: Classifier = lambda ins: None, cta_shared: Callable[[Instr], bool] = lambda ins: False,
            once_per_cta: tuple[str, ...] = ()) -> Budget:
-    """``once_per_cta``: set-aside regions that one warp of the CTA runs (the last warp's own
-    lines): their bytes count once per CTA, their instructions in ``set_aside`` (for the caller to
-    count once, e.g. ``Budget.last_warp``)."""
+    """``once_per_cta``: set-aside regions that one consumer warp of the CTA runs (the last
+    warp's own lines): their instructions are ``Budget.last_warp`` (counted once per SM) and their
+    bytes count once per CTA."""
     lo, hi = key_loop(instrs)
     b = Budget(label, head_dim, warps, tma_bytes=tma_bytes)
     for ins in instrs[lo:hi + 1]:
@@ -406,6 +406,7 @@ def budget(instrs: list[Instr], *, label: str, head_dim: int, warps: int, tma_by
             b.global_bytes_cta += ins.global_bytes()
         else:
             b.global_bytes_warp += ins.global_bytes()
+    b.last_warp = sum(b.set_aside[r] for r in once_per_cta)
     return b
 
 

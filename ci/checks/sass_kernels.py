@@ -181,7 +181,6 @@ def ours_budgets(cubin: Path, prepass_cubins: dict[str, Path], bounded: bool = T
             b = budget(instrs, label=label, head_dim=d, warps=8, tma_bytes=tma, classify=ours_classifier(res),
                        cta_shared=shared, once_per_cta=(LAST_WARP,))
             b.producer = producer_share(b, ref)
-            b.last_warp = b.set_aside[LAST_WARP]
             b.dram_bytes = ours_dram_bytes(d, kind, ref)
             b.prepasses = {n: pre[d][n] for n in TAKES[kind]}
             out.append(b)

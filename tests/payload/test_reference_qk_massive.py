@@ -24,20 +24,26 @@ SEQ, HQ, HK, D = 1024, 4, 2, 64
 SHORT_SEEDS = (3, 7, 10)  # D 64, non-causal, bf16: the defaults at 0.9723-0.9793 (seeds 0-11: 5 of 12 below 0.98)
 
 
+C = ref.LOG2E / math.sqrt(D)  # the softmax scale in the exp2 domain (FP8 rows keep the unrotated units)
+
+
+def _rows(seed: int, causal: bool = False):
+    """q, k, v of the case and what the defaults multiply: Qd, Kd (every head FP8 Q·Kᵀ on rotated
+    rows), Vd (NVFP4 P·V's V) and delta_s per query row and key."""
+    q, k, v = ac.make("qk_massive", 1, HQ, HK, SEQ, SEQ, D, seed=seed)
+    pre = ref.preprocess(q, k, v, is_causal=causal, qk_precision="auto")
+    assert bool(pre.qk_fp8.all()) and not bool(pre.pv_fp8.any()), "every head FP8 Q·Kᵀ, NVFP4 P·V"
+    return (q, k, v, *ref._dequantized(pre, HQ), ref.attention._delta_rows(pre, SEQ))
+
+
 def _per_head(seed: int, causal: bool = False) -> dict[str, list[float]]:
     """Per q head cos-sim against exact attention: the defaults; exact scores with the defaults'
     NVFP4 P·V; the defaults' scores with exact P·V."""
-    q, k, v = ac.make("qk_massive", 1, HQ, HK, SEQ, SEQ, D, seed=seed)
+    q, k, v, qd, kd, vd, delta = _rows(seed, causal)
     exact = ref.exact_attention(q, k, v, is_causal=causal)
-    pre = ref.preprocess(q, k, v, is_causal=causal, qk_precision="auto")
-    assert bool(pre.qk_fp8.all()) and not bool(pre.pv_fp8.any()), "every head FP8 Q·Kᵀ, NVFP4 P·V"
-    qd, kd, vd = ref._dequantized(pre, HQ)
-    delta = ref.attention._delta_rows(pre, SEQ)
-    c = ref.LOG2E / math.sqrt(D)
     keys = torch.nn.functional.pad(ref.expand_kv(k.float(), HQ), (0, 0, 0, vd.shape[-2] - SEQ))
-    exact_scores = ref._tiled_attention(q.float(), keys, vd, torch.zeros_like(delta), SEQ, causal, c, 128)
-    # rotated FP8 rows: Q8 · K8ᵀ in the unrotated units (fp8_rows), so the softmax scale is c's
-    t = (qd @ kd.transpose(-1, -2) + delta)[..., :SEQ].double() * (c * math.log(2))
+    exact_scores = ref._tiled_attention(q.float(), keys, vd, torch.zeros_like(delta), SEQ, causal, C, 128)
+    t = (qd @ kd.transpose(-1, -2) + delta)[..., :SEQ].double() * (C * math.log(2))
     if causal:
         t = t.masked_fill(~torch.ones(SEQ, SEQ, dtype=torch.bool).tril(), float("-inf"))
     exact_pv = torch.softmax(t, dim=-1) @ ref.expand_kv(v.double(), HQ)
@@ -56,12 +62,8 @@ def test_the_loss_is_the_fp8_scores(seed):
 
 def test_the_default_rows_are_what_the_loss_is_measured_on():
     """The decomposition's own check: the defaults' scores with the defaults' P·V give the defaults."""
-    q, k, v = ac.make("qk_massive", 1, HQ, HK, SEQ, SEQ, D, seed=7)
-    pre = ref.preprocess(q, k, v, qk_precision="auto")
-    qd, kd, vd = ref._dequantized(pre, HQ)
-    delta = ref.attention._delta_rows(pre, SEQ)
-    again = ref._tiled_attention(qd, kd, vd, delta, SEQ, False, ref.LOG2E / math.sqrt(D), 128)
-    assert torch.equal(again, ref.sageattn3(q, k, v))
+    q, k, v, qd, kd, vd, delta = _rows(7)
+    assert torch.equal(ref._tiled_attention(qd, kd, vd, delta, SEQ, False, C, 128), ref.sageattn3(q, k, v))
 
 
 @pytest.mark.xfail(strict=True, reason="massive shared outliers at D 64: MXFP8 Q·Kᵀ is not precise enough "
