@@ -107,7 +107,7 @@ def qk_operands(q8, q8_scales, k8, k8_scales) -> tuple:
     def one(x, s, name):
         if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16:
             x = x.contiguous().view(torch.uint8)
-            s = torch.empty(0, dtype=torch.uint8, device=x.device) if s is None else s
+            s = x.new_empty((*x.shape[:-1], 0)) if s is None else s  # (B, H, Sp, 0) uint8
         return _bytes(x, name), s
     return (*one(q8, q8_scales, "q8"), *one(k8, k8_scales, "k8"))
 
