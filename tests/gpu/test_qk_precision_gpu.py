@@ -93,9 +93,14 @@ def test_rotated_mxfp8_quantization_is_bit_exact(fp4, dtype, balance, d, pre_rot
         wq, wk = (ref.qk16_rows(ref.pad_dim(x, -2, 128)) for x in (qs, ks))
         assert pq.shape == (2, 4, 384, 128) and pqs.numel() == 0 and pks.numel() == 0
         assert torch.equal(pq.cpu(), wq.view(torch.uint8)) and torch.equal(pk.cpu(), wk.view(torch.uint8))
-        assert not bool(wk[:, :, 200:].float().abs().gt(0).any())  # padding rows +0
+        assert int(pk[:, :, 200:].count_nonzero()) == 0  # the kernel's padding rows: +0 bytes
         bq, _ = _kernels.mxfp8_smooth_quant(qc, pre.mean_q, pre.balance, -1, sel_q, 128, bf16=True, **mode)
         assert torch.equal(bq.cpu()[sel].view(torch.uint8), wq.view(torch.uint8)[sel])
+        assert torch.equal(ref.dequantize_qk_rows(pq.cpu(), pqs.cpu()), wq.float())  # the op's form read back
+        # the unrotated bf16 rows (rotate=0: the smoothed rows as they are)
+        bp, bps = _kernels.mxfp8_smooth_quant(kc, pre.mean_k, pre.balance, 1, None, 128, bf16=True)
+        plain = ref.qk16_rows(ref.pad_dim(k.float() * ck - pre.mean_k.cpu(), -2, 128))
+        assert bps.numel() == 0 and torch.equal(bp.cpu().view(torch.uint8), plain.view(torch.uint8))
     else:
         assert torch.equal(pq.cpu(), wq.view(torch.uint8)) and torch.equal(pk.cpu(), wk.view(torch.uint8))
         assert torch.equal(pqs.cpu(), wqs) and torch.equal(pks.cpu(), wks)

@@ -24,7 +24,8 @@
 // its amax (and whether it holds a NaN) through one shuffle.
 //
 // bf16_out (the 16-bit Q.K^T rows, reference.qk16_rows): the same fp32 values rounded to bf16
-// (nearest even) instead of MXFP8, no scales; padding rows +0.
+// (nearest even) instead of MXFP8, no scales; padding rows +0. A NaN stays a NaN (the canonical
+// 0x7FFF here; torch's conversion may keep another NaN's bits).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
