@@ -73,9 +73,8 @@ def ours_dram_bytes(d: int, kind: str, ref: Ref = REF) -> float:
     key (the defaults and the FP8 heads: read for every tile) or ds_key per key (one Q mean, the
     bounded mode: once per head). ``kind``: a key of ``TAKES``."""
     fp8, pv8 = kind in ("FP8", "FP8 Q·Kᵀ and P·V"), kind.endswith("P·V")
-    kv = 128 * (d if fp8 else d // 2) + 128 * (d if pv8 else d // 2) + 128 * (d // 32 if fp8 else d // 16)
-    kv += 128 * (d // 32 if pv8 else d // 16)
-    q = 128 * (d if fp8 else d // 2) + 128 * (d // 32 if fp8 else d // 16)
+    kv = _k_bytes(d, fp8) + 128 * (d if pv8 else d // 2) + 128 * (d // 32 if pv8 else d // 16)
+    q = _k_bytes(d, fp8)  # Q's 128 rows, as K's
     if kind == "bounded":
         kv += 128 * d
         q += 2 * d * 4  # mean_q and qbar rows
@@ -125,15 +124,23 @@ def _qk8(name: str) -> bool:
     return re.search(r"fp4_attn_fwd_kernelILi\d+ELb0ELb1E", name) is not None
 
 
+def _k_bytes(d: int, qk8: bool) -> int:
+    """K's bytes per 128-key stage: FP4 codes and E4M3 scales; the precise Q·Kᵀ's E4M3 codes and
+    UE8M0 scales (D 128) or bf16 rows without scales (D 64, the 16-bit Q·Kᵀ)."""
+    if not qk8:
+        return 128 * d // 2 + 128 * d // 16
+    return 128 * 2 * d if d == 64 else 128 * d + 128 * d // 32
+
+
 def ours_tma_bytes_qk8(d: int) -> int:
-    """K codes (one byte per element) + V codes + K's UE8M0 scales (one per 32) per stage."""
-    return 128 * d + 128 * d // 2 + 128 * d // 32
+    """The precise Q·Kᵀ's K (``_k_bytes``) + V codes per stage."""
+    return _k_bytes(d, True) + 128 * d // 2
 
 
 def ours_tma_bytes_pv8(d: int, qk8: bool) -> int:
-    """K codes (FP4 or E4M3) + V's E4M3 codes + K's scales per stage (V's scales are copied by
-    the consumer threads, as in every instantiation)."""
-    return 128 * (d if qk8 else d // 2) + 128 * d + 128 * (d // 32 if qk8 else d // 16)
+    """K (FP4, or the precise Q·Kᵀ's: ``_k_bytes``) + V's E4M3 codes per stage (V's scales are
+    copied by the consumer threads, as in every instantiation)."""
+    return _k_bytes(d, qk8) + 128 * d
 
 
 def _pv8(name: str) -> bool:
@@ -167,11 +174,14 @@ def ours_budgets(cubin: Path, prepass_cubins: dict[str, Path], bounded: bool = T
     order = lambda kv: (-_head_dim_of(kv[0]), _pv8(kv[0]), _in_loop_residual(kv[0]), _qk8(kv[0]))  # noqa: E731
     for name, instrs in sorted(kernels, key=order):
         d = _head_dim_of(name)
-        if _pv8(name):  # opt-in pv_precision "fp8", FP4 or FP8 Q·Kᵀ
+        # the heads that leave FP4: MXFP8 Q·Kᵀ at D 128, the 16-bit Q·Kᵀ (bf16 rows) at D 64
+        precise = "16-bit" if d == 64 else "FP8"
+        if _pv8(name):  # opt-in pv_precision "fp8", FP4 or the precise Q·Kᵀ
             kind = "FP8 Q·Kᵀ and P·V" if _qk8(name) else "FP8 P·V"
-            runs = ((kind, False, f"ours D{d}, {kind} (pv_precision fp8)", ours_tma_bytes_pv8(d, _qk8(name))),)
+            label = f"{precise} Q·Kᵀ and FP8 P·V" if _qk8(name) else kind
+            runs = ((kind, False, f"ours D{d}, {label} (pv_precision fp8)", ours_tma_bytes_pv8(d, _qk8(name))),)
         elif _qk8(name):
-            runs = (("FP8", False, f"ours D{d}, FP8 Q·Kᵀ (heads qk_precision picks)", ours_tma_bytes_qk8(d)),)
+            runs = (("FP8", False, f"ours D{d}, {precise} Q·Kᵀ (heads qk_precision picks)", ours_tma_bytes_qk8(d)),)
         elif _in_loop_residual(name):
             runs = (("bounded", True, f"ours D{d}, bounded mode (in-loop correction)", ours_tma_bytes(d)),) if bounded else ()
         else:

@@ -16,7 +16,7 @@ one query head per kv head).
   one launch: Q·Kᵀ's and P's (pv_precision 'auto'); both walk the same loop, whose body holds P's
   quantization too (only P's CTAs take it: a small overcount for the others).
 - MXFP8 (``mxfp8_rotated_kernel<bf16, D>``, ``quant/quant_mxfp8.cu``): the FP8 heads' Q and K
-  rows, rotated (FP8 Q·Kᵀ always multiplies rotated rows; without qk_rotation the kernel also
+  rows (at D 64 their bf16 rows instead: the 16-bit Q·Kᵀ, the same loop with a bf16 store), rotated (FP8 Q·Kᵀ always multiplies rotated rows; without qk_rotation the kernel also
   rotates the means), a lane per 16 values; one iteration of its grid-stride loop (8 warps)
   quantizes 8 x 512 / D rows. The loop without the balance exponents is counted (qk_balance is
   off by default).
@@ -130,8 +130,10 @@ def _mxfp8_per_tile(d: int, ref: Ref) -> tuple[float, ...]:
 
 
 def _mxfp8_dram(d: int, ref: Ref) -> float:
-    # a row read (bf16) and written (E4M3 + one scale per 32); the mean row per 128 rows
-    return _mxfp8_rows(ref) * (2 * d + d + d // 32 + d * 4 / 128)
+    # a row read (bf16) and written (E4M3 + one scale per 32; at D 64 the 16-bit Q·Kᵀ's bf16 row,
+    # no scales); the mean row per 128 rows
+    written = 2 * d if d == 64 else d + d // 32
+    return _mxfp8_rows(ref) * (2 * d + written + d * 4 / 128)
 
 
 def _v_mxfp8_per_tile(d: int, ref: Ref) -> tuple[float, ...]:

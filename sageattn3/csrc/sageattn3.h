@@ -136,6 +136,9 @@ struct Mxfp8Args {
   // (reference.fp8_rows); else they come rotated already
   bool rotate_mean = false;
   float row_scale = 1.f;  // a power of two every row is multiplied by after the mean (1: none; rotate_mean only)
+  // The 16-bit Q.K^T rows (reference.qk16_rows) instead: codes (H, Sp, D) bf16 values (2 bytes
+  // each, round to nearest even; padding rows +0), scales unused (may be null).
+  bool bf16_out = false;
 };
 int smooth_quant_mxfp8(const Mxfp8Args& args, cudaStream_t stream);
 

@@ -100,6 +100,18 @@ def _bytes(x: torch.Tensor, name: str) -> torch.Tensor:
     return x.contiguous()
 
 
+def qk_operands(q8, q8_scales, k8, k8_scales) -> tuple:
+    """The precise Q·Kᵀ rung's operands as the attention ops take them: MXFP8 codes and scales (D
+    128) as they are; bfloat16 rows (D 64: ``reference.qk16_rows``) as their bytes (..., 2D), their
+    scales an empty uint8 tensor (``_kernels.mxfp8_smooth_quant_qk`` returns them so already)."""
+    def one(x, s, name):
+        if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16:
+            x = x.contiguous().view(torch.uint8)
+            s = x.new_empty((*x.shape[:-1], 0)) if s is None else s  # (B, H, Sp, 0) uint8
+        return _bytes(x, name), s
+    return (*one(q8, q8_scales, "q8"), *one(k8, k8_scales, "k8"))
+
+
 def _pad_seq(x: torch.Tensor, dim: int, multiple: int = SEQ_PAD) -> torch.Tensor:
     size = x.shape[dim]
     target = -(-size // multiple) * multiple
@@ -268,7 +280,8 @@ def attention_qk8(pre, head_sel: torch.Tensor, q8: torch.Tensor, q8_scales: torc
                   out_dtype: torch.dtype = torch.bfloat16, workspace_limit: int | None = None) -> torch.Tensor:
     """The attention with the per-head Q·Kᵀ precision, on a ``reference.Preprocessed`` straight from
     the preprocessing kernels (pad=128): head_sel (B, Hq) bool/uint8, 1 where the
-    head's Q·Kᵀ runs in FP8 from q8/k8 (MXFP8 of the same smoothed rows, rotated:
+    head's Q·Kᵀ runs in FP8 from q8/k8 (MXFP8 of the same smoothed rows, rotated, at D 128; at D 64
+    their bfloat16 rows, the 16-bit Q·Kᵀ: ``qk_operands``;
     ``_kernels.mxfp8_smooth_quant_qk``; only the selected heads' rows, and the kv heads any
     selected q head reads, need be filled). Two launches, each skipping the other's heads on the
     device; one where head_sel is all zeros is FP4's output bit for bit. With the rotation
@@ -289,7 +302,7 @@ def attention_qk8(pre, head_sel: torch.Tensor, q8: torch.Tensor, q8_scales: torc
     _kernels.op("blockscaled_attn_qk8")(q, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
                                         v_exp_bytes(pre.v_exp, q.device), pre.mean_q, pre.mean_q_global,
                                         pre.delta_key, k_res, work, out, sel,
-                                        _bytes(q8, "q8"), q8_scales, _bytes(k8, "k8"), k8_scales, pre.seq_q,
+                                        *qk_operands(q8, q8_scales, k8, k8_scales), pre.seq_q,
                                         pre.seq_k, scale, is_causal)
     return out
 

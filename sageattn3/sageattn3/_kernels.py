@@ -320,7 +320,7 @@ def preprocess_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: int, 
 
 def mxfp8_smooth_quant(x: torch.Tensor, mean: torch.Tensor, balance: torch.Tensor | None, balance_sign: int,
                        sel: torch.Tensor | None, seq_pad: int, rotate: int = 0,
-                       row_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                       row_scale: float = 1.0, bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 of x's smoothed rows for the FP8 Q·Kᵀ path (``reference.quantize_mxfp8_rows`` of x ·
     2^(balance_sign · balance) - mean, bit for bit): x (B, H, S, D) contiguous and aligned, mean
     (B, H, 1 or ceil(S/128), D) fp32, balance (B, Hkv, 1, D) exponents or None, sel (B, H) uint8
@@ -329,15 +329,17 @@ def mxfp8_smooth_quant(x: torch.Tensor, mean: torch.Tensor, balance: torch.Tenso
     ``reference.preprocess(..., qk_rotation=True, qk_precision="fp8")`` makes them; 2: the mean
     (unrotated) rotated here too, and the rows then times ``row_scale`` (a power of two: 64/D for
     Q, 1 for K), as ``reference.fp8_rows`` makes them. Returns codes (B, H, Sp, D) float8_e4m3fn
-    and scales (B, H, Sp, D/32) uint8, Sp = S rounded up to seq_pad."""
+    and scales (B, H, Sp, D/32) uint8, Sp = S rounded up to seq_pad. ``bf16`` (D 64): the same rows
+    in bfloat16 instead (``reference.qk16_rows``, the 16-bit Q·Kᵀ), codes (B, H, Sp, D) bfloat16
+    and scales empty."""
     b, h, s, d = x.shape
     sp = -(-s // seq_pad) * seq_pad
-    codes = torch.empty((b, h, sp, d), dtype=torch.uint8, device=x.device)
-    scales = torch.empty((b, h, sp, d // 32), dtype=torch.uint8, device=x.device)
+    codes = torch.empty((b, h, sp, 2 * d if bf16 else d), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((b, h, sp, 0 if bf16 else d // 32), dtype=torch.uint8, device=x.device)
     op("mxfp8_smooth_quant")(x, aligned(mean), _none(x.device, 8) if balance is None else aligned(balance),
                               int(balance_sign), _none(x.device, 9) if sel is None else sel.contiguous(), codes, scales,
                               int(rotate), float(row_scale))
-    return codes.view(torch.float8_e4m3fn), scales
+    return codes.view(torch.bfloat16 if bf16 else torch.float8_e4m3fn), scales
 
 
 def qk_rule_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale: float) -> torch.Tensor:
@@ -381,7 +383,9 @@ def mxfp8_smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, pre, sel_q: torch.Te
                           seq_pad: int) -> tuple[torch.Tensor, ...]:
     """Both MXFP8 operands of the per-head FP8 Q·Kᵀ (``mxfp8_smooth_quant`` of Q with sel_q and of K
     with sel_k, balance signs -1 and +1) from one op that allocates them: (q8, q8_scales, k8,
-    k8_scales), codes uint8 (B, H, Sp, D), scales uint8 (B, H, Sp, D/32); always of rotated rows:
+    k8_scales), codes uint8 (B, H, Sp, D), scales uint8 (B, H, Sp, D/32); at D 64 the 16-bit Q·Kᵀ
+    instead: the same rows in bfloat16 (``reference.qk16_rows``) as bytes (B, H, Sp, 2D), scales
+    (B, H, Sp, 0); always of rotated rows:
     rotated as ``pre`` is, or, where ``pre`` is not, rotated here with Q's rows times 64/D
     (``reference.fp8_rows``: the scores stay in the unrotated units). q and k contiguous and
     16-byte aligned, ``pre`` straight from the preprocessing kernels, as ``qk_rule_select`` takes
@@ -451,8 +455,9 @@ def _mxfp8_smooth_quant_qk_fake(q, k, mean_q, mean_k, balance, sel_q, sel_k, seq
     (b, hq, sq, d), hk, sk = q.shape, k.shape[1], k.shape[2]
     sqp, skp = -(-sq // seq_pad) * seq_pad, -(-sk // seq_pad) * seq_pad
     u8 = torch.uint8
-    return (q.new_empty((b, hq, sqp, d), dtype=u8), q.new_empty((b, hq, sqp, d // 32), dtype=u8),
-            q.new_empty((b, hk, skp, d), dtype=u8), q.new_empty((b, hk, skp, d // 32), dtype=u8))
+    row, sf = (2 * d, 0) if d == 64 else (d, d // 32)  # D 64: bf16 rows, no scales (the 16-bit Q·Kᵀ)
+    return (q.new_empty((b, hq, sqp, row), dtype=u8), q.new_empty((b, hq, sqp, sf), dtype=u8),
+            q.new_empty((b, hk, skp, row), dtype=u8), q.new_empty((b, hk, skp, sf), dtype=u8))
 
 
 ALLOCATING_OPS = {"preprocess_qkv": _preprocess_qkv_fake, "qk_rule_select": _qk_rule_select_fake,

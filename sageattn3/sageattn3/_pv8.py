@@ -96,6 +96,7 @@ def attention_pv8(pre, v8: torch.Tensor, v8_scales: torch.Tensor, *, head_sel: t
         sel, q8, q8_scales, k8, k8_scales = none, none, none, none, none
     else:
         sel = head_sel.to(torch.uint8).contiguous()
+        q8, q8_scales, k8, k8_scales = _attn.qk_operands(q8, q8_scales, k8, k8_scales)
     if by_head and head_sel is None:
         raise ValueError("attention_pv8(by_head=True) needs head_sel")
     op("blockscaled_attn_mixed" if by_head else "blockscaled_attn_pv8")(q, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,

@@ -5,8 +5,9 @@ an H100 through a software model of the FP4 MMA). So before ``sageattn3_blackwel
 kernel on a device, it runs four small attentions (256 x 256 each: D 128 bf16 GQA 2:1
 non-causal, D 64 fp16 causal, both with FP4 Q·Kᵀ; D 128 bf16 GQA 2:1 with MXFP8 Q·Kᵀ on every
 head, the path "auto" takes for the heads that need it, whose block-scaled FP8 MMA was likewise
-only run through a software model; and D 64 bf16 causal with MXFP8 Q·Kᵀ on rows the
-preprocessing rotated, the path "auto" takes with ``qk_rotation``; a handful of small kernel
+only run through a software model; and D 64 bf16 causal with the 16-bit Q·Kᵀ (bf16 rows: what
+D 64 heads that leave FP4 multiply) on rows the preprocessing rotated, the path "auto" takes
+with ``qk_rotation``; a handful of small kernel
 launches, microseconds of GPU time) and compares them with ``sageattn3.reference.sageattn3``
 computed on the CPU. On a mismatch: ONE loud ``RuntimeWarning`` with the figures, and
 ``sageattn3_blackwell`` uses torch SDPA on that device for the rest of the process. The FP8 P·V

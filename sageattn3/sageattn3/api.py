@@ -227,7 +227,8 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     below the defaults on heads that need no help; pass False to turn it off, at that price: up to
     0.0017 cos-sim below the defaults on the documented cases).
     ``qk_precision``: "auto" (the default) decides per head, on the device, whether Q·Kᵀ runs
-    with FP4 or MXFP8 operands (``sageattn3.reference.qk_fp4_error`` and ``AUTO_ERROR_LIMIT``: heads
+    with FP4 operands or the precise rung: MXFP8 at head dim 128, bf16 rows at head dim 64 (the
+    16-bit Q·Kᵀ; "fp8" below means that rung too) (``sageattn3.reference.qk_fp4_error`` and ``AUTO_ERROR_LIMIT``: heads
     whose estimated output error from FP4 Q·Kᵀ is large, e.g. RoPE'd biased keys, near-one-hot rows,
     outlier channels; docs/accuracy-auto.md); where no head needs it the output is FP4's bit for
     bit. "fp4": every head FP4 (the rule does not run); "fp8": every head FP8 (D 64/128). FP8

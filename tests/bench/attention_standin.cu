@@ -134,18 +134,27 @@ auto set_v_exp(A& a, int hkv, int pad, int D, int) -> decltype(a.v_exp = nullptr
 template <class A>
 bool set_v_exp(A&, int, int, int, long) { return true; }  // a baseline tree from before V's exponents
 
+// Fp4AttnArgs::qk16 (the 16-bit Q.K^T of D 64's precise heads) where the tree has it.
+template <class A>
+auto set_qk16(A& a, int D, int) -> decltype(a.qk16 = true, void()) { a.qk16 = D == 64; }
+template <class A>
+void set_qk16(A&, int, long) {}
+
 // Fp4AttnArgs::head_sel (the per-head Q.K^T precision) where the tree has it: every head's byte
-// `sel` (0: the FP4 kernel runs every tile and the FP8 one skips them all; 1: the other way round).
+// `sel` (0: the FP4 kernel runs every tile and the precise one skips them all; 1: the other way
+// round). The rows are allocated at two bytes per element, enough for bf16 rows (D 64, qk16) and
+// for E4M3 ones; finite values either way (0xBB clears the bf16 exponent's top bit).
 template <class A>
 auto set_head_sel(A& a, int hq, int hkv, int pad, int D, uint8_t sel, int) -> decltype(a.head_sel = nullptr, true) {
   uint8_t *hs, *q8, *q8s, *k8, *k8s;
   const int64_t nq = int64_t{hq} * pad * D, nk = int64_t{hkv} * pad * D;
-  if (!ok(cudaMalloc(&hs, hq), "malloc") || !ok(cudaMalloc(&q8, nq), "malloc") || !ok(cudaMalloc(&k8, nk), "malloc") ||
+  set_qk16(a, D, 0);
+  if (!ok(cudaMalloc(&hs, hq), "malloc") || !ok(cudaMalloc(&q8, 2 * nq), "malloc") || !ok(cudaMalloc(&k8, 2 * nk), "malloc") ||
       !ok(cudaMalloc(&q8s, nq / 32), "malloc") || !ok(cudaMalloc(&k8s, nk / 32), "malloc"))
     return false;
   cudaMemset(hs, sel, hq);
-  fill_bytes<<<1024, 256>>>(q8, nq, 6, 0xBB, 0);
-  fill_bytes<<<1024, 256>>>(k8, nk, 7, 0xBB, 0);
+  fill_bytes<<<1024, 256>>>(q8, 2 * nq, 6, 0xBB, 0);
+  fill_bytes<<<1024, 256>>>(k8, 2 * nk, 7, 0xBB, 0);
   cudaMemset(q8s, 127, nq / 32);
   cudaMemset(k8s, 127, nk / 32);
   a.head_sel = hs; a.q8 = q8; a.q8_sf = q8s; a.k8 = k8; a.k8_sf = k8s;

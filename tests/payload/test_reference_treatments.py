@@ -54,7 +54,8 @@ def test_massive_shared_outliers_need_the_rotation_with_fp8_qk(d):
     (and FP8 P·V) reaches 0.98. Every option on ("auto" on the rotated rows picks FP8 for these
     heads) reaches it too; with FP4 Q·Kᵀ on the rotated rows it stays below 0.97. The defaults
     reach it since their FP8 heads multiply rotated rows (``fp8_rows``); FP8 on the unrotated
-    rows (``qk_fp8_rotated=False``) does not."""
+    rows (``qk_fp8_rotated=False``) does not. At D 64 the heads that leave FP4 multiply 16-bit rows
+    (``qk16_rows``), rotated or not: there the unrotated rows reach it as well."""
     q, k, v = ac.make("qk_massive", 1, 4, 2, SEQ, SEQ, d, seed=2025)
     exact = ref.exact_attention(q, k, v)
     cos = {name: ac.cos_sim(ref.sageattn3(q, k, v, **kw), exact) for name, kw in (
@@ -63,7 +64,8 @@ def test_massive_shared_outliers_need_the_rotation_with_fp8_qk(d):
         ("all three fp4", {"qk_balance": True, "qk_rotation": True, "qk_scale_search": True,
                            "qk_precision": "fp4"}),
         ("rot fp8", {"qk_rotation": True, "qk_precision": "fp8", "qk_fp8_rotated": True, "pv_precision": "fp8"}))}
-    assert cos["default"] >= 0.98 and cos["fp8"] < 0.95 and cos["all three fp4"] < 0.97, cos
+    assert cos["default"] >= 0.98 and cos["all three fp4"] < 0.97, cos
+    assert cos["fp8"] >= 0.99 if d == 64 else cos["fp8"] < 0.95, cos
     assert cos["rot fp8"] >= 0.98 and cos["all three"] >= 0.98, cos
 
 

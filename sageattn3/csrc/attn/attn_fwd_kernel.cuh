@@ -39,11 +39,14 @@ namespace sageattn3::attn {
 // two stages instead of three to stay within sm_120's 99 KiB of shared memory per CTA.
 // kPV8: the FP8 P.V instantiation (pv_precision "fp8": P and V in MXFP8, V's tile one E4M3 byte per
 // element, D rows of 128 keys, TMA-swizzled by 128 bytes; one UE8M0 scale per channel and 32 keys).
-template <int D, bool kQK8 = false, bool kPV8 = false>
+// kQK16 (with kQK8, D 64 only): the 16-bit Q.K^T instantiation (bf16 Q and K rows, 128 bytes each as
+// the FP8 rows at D 128, and no scales; mma_bf16). At D 128 its tiles would not fit three stages.
+template <int D, bool kQK8 = false, bool kPV8 = false, bool kQK16 = false>
 struct SmemLayout {
+  static_assert(!kQK16 || (kQK8 && D == 64), "16-bit Q.K^T: the FP8 path's layout at D 64 only");
   static constexpr int kStages = (kQK8 && D == 128) ? 2 : ::sageattn3::attn::kStages;
-  static constexpr int kRowBytes = kQK8 ? D : D / 2;     // bytes per row of Q / K
-  static constexpr int kSfRowBytes = kQK8 ? D / 32 : D / 16;  // scale bytes per row of Q / K
+  static constexpr int kRowBytes = kQK16 ? 2 * D : kQK8 ? D : D / 2;     // bytes per row of Q / K
+  static constexpr int kSfRowBytes = kQK16 ? 0 : kQK8 ? D / 32 : D / 16;  // scale bytes per row of Q / K
   static constexpr int kQBytes = kBlockM * kRowBytes;
   static constexpr int kQSfBytes = kBlockM * kSfRowBytes;
   static constexpr int kKBytes = kBlockN * kRowBytes;
@@ -123,9 +126,9 @@ __device__ __forceinline__ TileCoord decode_tile(const AttnParams& p, int tile) 
 // tile's Q when it enters the tile. Thread 0 is also a consumer, so it never waits for a stage that
 // its own warp has not released: stage n + kStages - 1 is issued at the start of iteration n,
 // after every warp (its own included) released stage n - 1.
-template <int D, bool kQK8 = false, bool kSelect = true, bool kPV8 = false>
+template <int D, bool kQK8 = false, bool kSelect = true, bool kPV8 = false, bool kQK16 = false>
 struct Producer {
-  using L = SmemLayout<D, kQK8, kPV8>;
+  using L = SmemLayout<D, kQK8, kPV8, kQK16>;
   static constexpr int kStages = L::kStages;
   // Lives in shared memory: only thread 0 touches it, and keeping it out of registers leaves the
   // register budget (identical for all threads) to the MMA accumulators.
@@ -159,7 +162,7 @@ struct Producer {
         mbar_wait(q_empty, (q_round & 1u) ^ 1u);
         mbar_arrive_expect_tx(q_full, L::kQTx);
         tma_load_2d(smem + L::kQ, &p.tm_q, q_full, 0, q_row0);
-        tma_load_2d(smem + L::kQSf, &p.tm_q_sf, q_full, 0, q_row0 / kBlockM * L::kSfRowBytes);
+        if constexpr (!kQK16) tma_load_2d(smem + L::kQSf, &p.tm_q_sf, q_full, 0, q_row0 / kBlockM * L::kSfRowBytes);
         ++q_round;
       }
       const uint32_t st = n % kStages;
@@ -169,7 +172,7 @@ struct Producer {
       const int kv_bh = c.b * p.heads_kv + c.hk;
       const int k_row0 = kv_bh * p.seq_k_pad + kb * kBlockN;
       tma_load_2d(stage + L::kStageK, &p.tm_k, &full[st], 0, k_row0);
-      tma_load_2d(stage + L::kStageKSf, &p.tm_k_sf, &full[st], 0, k_row0 / kBlockN * L::kSfRowBytes);
+      if constexpr (!kQK16) tma_load_2d(stage + L::kStageKSf, &p.tm_k_sf, &full[st], 0, k_row0 / kBlockN * L::kSfRowBytes);
       tma_load_2d(stage + L::kStageV, &p.tm_v, &full[st], kb * L::kVRowBytes, kv_bh * D);
       ++n;
       if (++kb == c.num_kb) {
@@ -300,15 +303,21 @@ __device__ __forceinline__ uint32_t lds_sf_row(uint32_t saddr) {
 
 // S += Q K^T over bytes [64H, 64H + 64) of the FP8 rows (k-chunks 2H and 2H+1, 32 E4M3 values each,
 // with scale bytes 2H and 2H+1 of q_sf / k_sf). Lane L reads key row `row` (= key_of(j, L & 7)),
-// bytes 64H + 16(L >> 3): matrices 0/1 are chunk 2H's b0/b1, matrices 2/3 chunk 2H+1's.
-template <int H, int kRow>
+// bytes 64H + 16(L >> 3): matrices 0/1 are chunk 2H's b0/b1, matrices 2/3 chunk 2H+1's. kQK16: the
+// same bytes are bf16 rows (32 bytes = one k16 chunk), multiplied by mma_bf16 without scales.
+template <int H, int kRow, bool kQK16 = false>
 __device__ __forceinline__ void qk8_half(float (&s)[4], const uint32_t (&a0)[4], const uint32_t (&a1)[4],
                                          uint32_t k_tile, int row, int lane, uint32_t q_sf, uint32_t k_sf) {
   uint32_t kf[4];
   ldmatrix_x4(kf, k_tile + swizzled<kRow>(row * kRow + 64 * H + 16 * (lane >> 3)));
   const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
-  mma_fp8<2 * H, 2 * H>(s, a0, b0, s, q_sf, k_sf);
-  mma_fp8<2 * H + 1, 2 * H + 1>(s, a1, b1, s, q_sf, k_sf);
+  if constexpr (kQK16) {
+    mma_bf16(s, a0, b0);
+    mma_bf16(s, a1, b1);
+  } else {
+    mma_fp8<2 * H, 2 * H>(s, a0, b0, s, q_sf, k_sf);
+    mma_fp8<2 * H + 1, 2 * H + 1>(s, a1, b1, s, q_sf, k_sf);
+  }
 }
 
 // P.V in MXFP8 (kPV8), with
@@ -455,9 +464,9 @@ __device__ __forceinline__ void pv8_pass(float (&o)[D / 8][4], const float (&s)[
   }
 }
 
-template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false>
+template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false, bool kQK16 = false>
 __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int warp) {
-  using L = SmemLayout<D, kQK8, kPV8>;
+  using L = SmemLayout<D, kQK8, kPV8, kQK16>;
   constexpr int kStages = L::kStages;
   constexpr int kRow = L::kRowBytes;
   constexpr int kChunks = kRow / 32;    // MMA k-chunks of the head dim (32 bytes each: k64 FP4, k32 FP8)
@@ -479,7 +488,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   const int row_in_tile = warp * 16;
 
   const bool is_producer = threadIdx.x == 0;
-  using Prod = Producer<D, kQK8, !kInLoopResidual, kPV8>;
+  using Prod = Producer<D, kQK8, !kInLoopResidual, kPV8, kQK16>;
   Prod& prod = *reinterpret_cast<Prod*>(smem + L::kProducerState);
   if (is_producer) prod.start(p);
 
@@ -549,8 +558,10 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
     }
     // FP4: lane 4g+t: row g + 8(t&1), k-chunk t>>1 (SF_A with thread-id-a = chunk). FP8: lane 4g+t:
     // all of row g + 8(t&1)'s scale bytes (SF_A with thread-id-a 0, byte-id = chunk).
-    uint32_t q_sf;
-    if constexpr (kQK8) {
+    // kQK16: no scales.
+    uint32_t q_sf = 0;
+    if constexpr (kQK16) {
+    } else if constexpr (kQK8) {
       q_sf = lds_sf_row<L::kSfRowBytes>(s_base + L::kQSf + (row_in_tile + g + 8 * (t & 1)) * L::kSfRowBytes);
     } else {
       q_sf = lds_u32(s_base + L::kQSf + (row_in_tile + g + 8 * (t & 1)) * (D / 16) + 4 * (kChunks == 2 ? (t >> 1) : 0));
@@ -649,9 +660,11 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
 #pragma unroll
         for (int j = 0; j < kNT; ++j) {
           const int row = key_of(j, 0) + key_of(0, lane & 7);
-          const uint32_t k_sf = lds_sf_row<L::kSfRowBytes>(stage + L::kStageKSf + (key_of(j, 0) + key_of(0, g)) * L::kSfRowBytes);
-          qk8_half<0, kRow>(s[j], qa[0], qa[1], stage + L::kStageK, row, lane, q_sf, k_sf);
-          if constexpr (kRow == 128) qk8_half<1, kRow>(s[j], qa[2], qa[3], stage + L::kStageK, row, lane, q_sf, k_sf);
+          uint32_t k_sf = 0;
+          if constexpr (!kQK16)
+            k_sf = lds_sf_row<L::kSfRowBytes>(stage + L::kStageKSf + (key_of(j, 0) + key_of(0, g)) * L::kSfRowBytes);
+          qk8_half<0, kRow, kQK16>(s[j], qa[0], qa[1], stage + L::kStageK, row, lane, q_sf, k_sf);
+          if constexpr (kRow == 128) qk8_half<1, kRow, kQK16>(s[j], qa[2], qa[3], stage + L::kStageK, row, lane, q_sf, k_sf);
         }
       } else {
       // Key rows of n-tile j: key_of(j, x) = key_of(j, 0) + key_of(0, x), and the swizzle XOR of
@@ -869,9 +882,9 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   }
 }
 
-template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false>
+template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false, bool kQK16 = false>
 __device__ __forceinline__ void attn_fwd_body(const AttnParams& p) {
-  using L = SmemLayout<D, kQK8, kPV8>;
+  using L = SmemLayout<D, kQK8, kPV8, kQK16>;
   constexpr int kStages = L::kStages;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -887,7 +900,7 @@ __device__ __forceinline__ void attn_fwd_body(const AttnParams& p) {
     mbar_init_fence();
   }
   __syncthreads();
-  consumer<D, kInLoopResidual, kQK8, kPV8>(p, smem, warp);
+  consumer<D, kInLoopResidual, kQK8, kPV8, kQK16>(p, smem, warp);
 }
 
 }  // namespace sageattn3::attn

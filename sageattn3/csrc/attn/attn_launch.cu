@@ -20,10 +20,11 @@ namespace attn {
 // key by delta_s_blocks_kernel), true corrects ds_key by r . K^ per key tile in its loop (per-block
 // Q means without a workspace for delta_s: the bounded-memory mode); kQK8 computes Q.K^T from the
 // MXFP8 operands (the heads the per-head precision picked; delta_s read as without kInLoopResidual).
-// kPV8 (pv_precision "fp8", with either Q.K^T; delta_s rows only) computes P.V in MXFP8.
-template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false>
+// kPV8 (pv_precision "fp8", with either Q.K^T; delta_s rows only) computes P.V in MXFP8. kQK16
+// (with kQK8, D 64) takes the selected heads' Q.K^T from bf16 rows instead of MXFP8 (Fp4AttnArgs.qk16).
+template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false, bool kQK16 = false>
 __global__ void __launch_bounds__(kThreads, 1) fp4_attn_fwd_kernel(const __grid_constant__ AttnParams p) {
-  attn_fwd_body<D, kInLoopResidual, kQK8, kPV8>(p);
+  attn_fwd_body<D, kInLoopResidual, kQK8, kPV8, kQK16>(p);
 }
 
 namespace {
@@ -72,11 +73,11 @@ int coprime_grid(int grid, int bh_count) {
   return 1;
 }
 
-template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false>
+template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false, bool kQK16 = false>
 int launch_attn(AttnParams& p, int sms, cudaStream_t stream, bool spread_heads = false) {
-  using L = SmemLayout<D, kQK8, kPV8>;
+  using L = SmemLayout<D, kQK8, kPV8, kQK16>;
   static_assert(L::kTotal <= 99 * 1024, "sm_120's shared memory per CTA");
-  auto kernel = fp4_attn_fwd_kernel<D, kInLoopResidual, kQK8, kPV8>;
+  auto kernel = fp4_attn_fwd_kernel<D, kInLoopResidual, kQK8, kPV8, kQK16>;
   static KernelSetup setup;  // this instantiation's shared-memory ceiling and occupancy, per device
   cudaError_t err = setup.smem(kernel, L::kTotal);
   if (err != cudaSuccess) return err;
@@ -104,17 +105,18 @@ void same_rows(AttnParams& dst, const AttnParams& src, int want) {
 // Both precisions per head (v8_by_head): four launches over p's rows, one per head_sel byte value
 // (bit 0 FP8 Q.K^T, bit 1 FP8 P.V): p (FP4/FP4, its grid as the plain FP4 path), p8 (the MXFP8 Q/K
 // maps), pv (V's MXFP8 map) and p8v (both). The three that compute the heads the rule picked spread
-// them; a launch with no such head only walks the selection bytes. Delta_s rows only.
-template <int D>
+// them; a launch with no such head only walks the selection bytes. Delta_s rows only. kQK16: p8
+// and p8v have the bf16 Q/K maps, and bit 0's heads take the 16-bit Q.K^T kernels.
+template <int D, bool kQK16 = false>
 int launch_mixed(AttnParams& p, AttnParams& p8, AttnParams& pv, AttnParams& p8v, int sms, cudaStream_t stream) {
   p.head_sel_want = 0;
   int rc = launch_attn<D, false, false, false>(p, sms, stream);
   same_rows(p8, p, 1);
-  if (rc == cudaSuccess) rc = launch_attn<D, false, true, false>(p8, sms, stream, /*spread_heads=*/true);
+  if (rc == cudaSuccess) rc = launch_attn<D, false, true, false, kQK16>(p8, sms, stream, /*spread_heads=*/true);
   same_rows(pv, p, 2);
   if (rc == cudaSuccess) rc = launch_attn<D, false, false, true>(pv, sms, stream, /*spread_heads=*/true);
   same_rows(p8v, p, 3);
-  if (rc == cudaSuccess) rc = launch_attn<D, false, true, true>(p8v, sms, stream, /*spread_heads=*/true);
+  if (rc == cudaSuccess) rc = launch_attn<D, false, true, true, kQK16>(p8v, sms, stream, /*spread_heads=*/true);
   return rc;
 }
 
@@ -122,7 +124,7 @@ int launch_mixed(AttnParams& p, AttnParams& p8, AttnParams& pv, AttnParams& p8v,
 // per-head precision (p8: p with the MXFP8 Q/K maps), the FP4 kernel for the tiles whose head_sel
 // byte is 0 and the FP8 one for those whose byte is 1 (each skips the other's tiles on the device).
 // kPV8: the FP8 P.V kernels (p's V map and scales are V's MXFP8), which read delta_s rows only.
-template <int D, bool kInLoopResidual, bool kPV8 = false>
+template <int D, bool kInLoopResidual, bool kPV8 = false, bool kQK16 = false>
 int launch_both(AttnParams& p, AttnParams* p8, int sms, cudaStream_t stream) {
   if constexpr (kPV8 && kInLoopResidual) {
     return cudaErrorInvalidValue;  // no bounded-memory FP8 P.V kernel
@@ -135,7 +137,7 @@ int launch_both(AttnParams& p, AttnParams* p8, int sms, cudaStream_t stream) {
     same_rows(*p8, p, 1);
     // The FP4 launch keeps its grid (where no head takes FP8 its work is exactly the FP4 path's);
     // the FP8 one, usually a few heads, spreads them.
-    return launch_attn<D, false, true, kPV8>(*p8, sms, stream, /*spread_heads=*/true);
+    return launch_attn<D, false, true, kPV8, kQK16>(*p8, sms, stream, /*spread_heads=*/true);
   }
 }
 
@@ -199,7 +201,15 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
   p.head_sel_want = 0;
   AttnParams p8_store = p;
   AttnParams* p8 = nullptr;
-  if (a.head_sel != nullptr) {
+  if (a.head_sel != nullptr && a.qk16) {
+    // the bf16 Q and K rows (2D bytes per row, no scales: the FP4 scale maps stay, unused)
+    ok &= make_map(&p8_store.tm_q, a.q8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 2 * D, bq * a.seq_q_pad, 2 * D, kBlockM,
+                   swizzle_for(2 * D));
+    ok &= make_map(&p8_store.tm_k, a.k8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 2 * D, bk * a.seq_k_pad, 2 * D, kBlockN,
+                   swizzle_for(2 * D));
+    if (!ok) return cudaErrorInvalidValue;
+    p8 = &p8_store;
+  } else if (a.head_sel != nullptr) {
     // the MXFP8 Q and K (D bytes per row, one UE8M0 byte per 32 values)
     ok &= make_map(&p8_store.tm_q, a.q8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, D, bq * a.seq_q_pad, D, kBlockM, swizzle_for(D));
     ok &= make_map(&p8_store.tm_q_sf, a.q8_sf, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 128, bq * a.seq_q_pad * (D / 32) / 128,
@@ -216,11 +226,13 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
   if (a.v8_by_head && (p8 == nullptr || !with_v8<D>(a, bk, pv_store, p8v_store))) return cudaErrorInvalidValue;
 
   const int sms = sm_count();
+  // D 64: the heads that leave FP4 take the 16-bit Q.K^T (a.qk16; no MXFP8 Q.K^T kernel at D 64)
+  constexpr bool k16 = D == 64;
   auto both = [&](bool in_loop) {
     if (a.v8_by_head)
-      return in_loop ? cudaErrorInvalidValue : launch_mixed<D>(p, *p8, pv_store, p8v_store, sms, stream);
-    if (pv8) return in_loop ? cudaErrorInvalidValue : launch_both<D, false, true>(p, p8, sms, stream);
-    return in_loop ? launch_both<D, true>(p, p8, sms, stream) : launch_both<D, false>(p, p8, sms, stream);
+      return in_loop ? cudaErrorInvalidValue : launch_mixed<D, k16>(p, *p8, pv_store, p8v_store, sms, stream);
+    if (pv8) return in_loop ? cudaErrorInvalidValue : launch_both<D, false, true, k16>(p, p8, sms, stream);
+    return in_loop ? launch_both<D, true, false, k16>(p, p8, sms, stream) : launch_both<D, false, false, k16>(p, p8, sms, stream);
   };
   if (a.mean_qblocks == 1) return both(false);
 
@@ -284,10 +296,13 @@ int fp4_attn_fwd(const Fp4AttnArgs& a, cudaStream_t stream) {
       !attn::aligned(a.qbar, 16) || !attn::aligned(a.ds_key, 4) || !attn::aligned(a.ds_work, 4) || !attn::aligned(a.k_res, 16) ||
       !attn::aligned(a.q_sf, 16) || !attn::aligned(a.k_sf, 16) || !attn::aligned(a.v_sf, 4) || !attn::aligned(a.out, 4))
     return cudaErrorInvalidValue;
-  if (a.head_sel != nullptr && (a.q8 == nullptr || a.k8 == nullptr || a.q8_sf == nullptr || a.k8_sf == nullptr ||
-                                !attn::aligned(a.q8, 16) || !attn::aligned(a.k8, 16) || !attn::aligned(a.q8_sf, 16) ||
-                                !attn::aligned(a.k8_sf, 16)))
+  if (a.head_sel != nullptr && (a.q8 == nullptr || a.k8 == nullptr || !attn::aligned(a.q8, 16) || !attn::aligned(a.k8, 16)))
     return cudaErrorInvalidValue;
+  if (a.head_sel != nullptr && !a.qk16 && (a.q8_sf == nullptr || a.k8_sf == nullptr || !attn::aligned(a.q8_sf, 16) ||
+                                           !attn::aligned(a.k8_sf, 16)))
+    return cudaErrorInvalidValue;
+  // the selected heads' Q.K^T: 16-bit rows at D 64, MXFP8 at D 128
+  if (a.head_sel != nullptr && a.qk16 != (a.head_dim == 64)) return cudaErrorInvalidValue;
   if (a.v8 != nullptr && (a.v8_sf == nullptr || !attn::aligned(a.v8, 16) || !attn::aligned(a.v8_sf, 4)))
     return cudaErrorInvalidValue;
   if (a.v8_by_head && (a.v8 == nullptr || a.head_sel == nullptr)) return cudaErrorInvalidValue;

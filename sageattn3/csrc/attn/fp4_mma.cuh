@@ -272,4 +272,24 @@ __device__ __forceinline__ void mma_fp8(float (&d)[4], const uint32_t (&a)[4], c
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// The 16-bit Q.K^T instruction (D 64 heads the rule gives more than FP4: bf16 rows of the same
+// smoothed, rotated values the FP8 path quantizes; reference.qk16_rows):
+//
+//   mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
+//
+// Fragments (PTX ISA, m16n8k16 with 16-bit elements; the low half of a register is the lower k):
+// A a0: row g, k 2t, 2t+1; a1: row g+8, k 2t..; a2: row g, k 8+2t..; a3: row g+8, k 8+2t..; B b0:
+// col g, k 2t, 2t+1; b1: col g, k 8+2t... In bytes (32 per k16 chunk) this is the FP8
+// instruction's layout above, so the FP8 path's ldmatrix loads feed it unchanged. No scales. The
+// products of two bf16 values are exact in fp32; the instruction is native on sm_90 and sm_120,
+// so the test flavour runs it too (no model).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 }  // namespace sageattn3::attn

@@ -22,6 +22,11 @@
 // units. A row's D/16 16-value blocks sit in consecutive lanes (the rotation's
 // layout), a warp takes 32 / (D/16) rows at a time, and the two lanes of a 32-value block share
 // its amax (and whether it holds a NaN) through one shuffle.
+//
+// bf16_out (the 16-bit Q.K^T rows, reference.qk16_rows): the same fp32 values rounded to bf16
+// (nearest even) instead of MXFP8, no scales; padding rows +0. A NaN stays a NaN (the canonical
+// 0x7FFF here; torch's conversion may keep another NaN's bits).
+#include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
 #include "common/launch.cuh"
@@ -50,6 +55,17 @@ __device__ __forceinline__ float load_value<float>(const float* p, int i) {
   return p[i];
 }
 
+// 8 values -> 8 bf16 (round to nearest even), element 0 in the low half of the first word.
+__device__ __forceinline__ uint4 bf16x8(const float* v) {
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+    w[j] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads) mxfp8_kernel(Mxfp8Args a) {
   const int64_t blocks_per_row = a.D / 32;
@@ -60,10 +76,16 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(Mxfp8Args a) {
        i += static_cast<int64_t>(gridDim.y) * kThreads) {
     const int64_t blk = i % blocks_per_row;
     const int64_t row = i / blocks_per_row;
-    uint8_t* out = a.codes + (h * a.Sp + row) * a.D + blk * 32;
-    uint8_t* sf = a.scales + (h * a.Sp + row) * blocks_per_row + blk;
+    const int64_t width = a.bf16_out ? 2 : 1;  // bytes per value
+    uint8_t* out = a.codes + ((h * a.Sp + row) * a.D + blk * 32) * width;
+    uint8_t* sf = a.bf16_out ? nullptr : a.scales + (h * a.Sp + row) * blocks_per_row + blk;
     if (row >= a.S) {
       const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+      if (a.bf16_out) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) reinterpret_cast<uint4*>(out)[j] = z;
+        continue;
+      }
       reinterpret_cast<uint4*>(out)[0] = z;
       reinterpret_cast<uint4*>(out)[1] = z;
       *sf = 1;
@@ -83,6 +105,11 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(Mxfp8Args a) {
       v[j] = __fsub_rn(x0, mean[j]);
       amax = fmaxf(amax, fabsf(v[j]));
       nan |= v[j] != v[j];
+    }
+    if (a.bf16_out) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) reinterpret_cast<uint4*>(out)[j] = bf16x8(v + 8 * j);
+      continue;
     }
     const uint32_t b = ue8m0_byte(amax, nan);  // common/mxfp8.cuh
     const float inv = ue8m0_inverse(b);
@@ -150,6 +177,12 @@ __global__ void __launch_bounds__(kThreads) mxfp8_rotated_kernel(Mxfp8Args a) {
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the other half of the 32-value block
     nan = __shfl_xor_sync(0xffffffffu, static_cast<int>(nan), 1) != 0 || nan;
     if (row >= a.Sp) continue;
+    if (a.bf16_out) {
+      uint4* dst = reinterpret_cast<uint4*>(a.codes + ((h * a.Sp + row) * kD + cb * 16) * 2);
+      dst[0] = bf16x8(v);
+      dst[1] = bf16x8(v + 8);
+      continue;
+    }
     const uint32_t b = ue8m0_byte(amax, nan);
     const float inv = ue8m0_inverse(b);
     reinterpret_cast<uint4*>(a.codes + (h * a.Sp + row) * kD)[cb] = e4m3_codes16(v, inv);

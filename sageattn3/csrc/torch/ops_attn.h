@@ -126,7 +126,9 @@ void blockscaled_fp4_attn(T q, T q_sf, T k, T k_sf, T v, T v_sf, T v_exp, T mean
 }
 
 // The per-head FP8 Q.K^T operands into a (attn/attn_api.h): head_sel (B, Hq) uint8 (1: FP8 Q.K^T),
-// q8 (B, Hq, Sq_p, D) / k8 (B, Hkv, Sk_p, D) E4M3, q8_sf / k8_sf (..., D/32) UE8M0 bytes.
+// q8 (B, Hq, Sq_p, D) / k8 (B, Hkv, Sk_p, D) E4M3, q8_sf / k8_sf (..., D/32) UE8M0 bytes. At D 64
+// the 16-bit Q.K^T instead (a.qk16): q8 (B, Hq, Sq_p, 2D) / k8 (B, Hkv, Sk_p, 2D) bytes, bf16 rows,
+// and q8_sf / k8_sf empty (mxfp8_smooth_quant_qk's outputs at D 64).
 template <class T>
 void set_qk8(Fp4AttnArgs& a, const T& q, const T& head_sel, const T& q8, const T& q8_sf, const T& k8,
              const T& k8_sf) {
@@ -138,12 +140,17 @@ void set_qk8(Fp4AttnArgs& a, const T& q, const T& head_sel, const T& q8, const T
   }
   SA3_CHECK(T, head_sel.numel() == B * Hq, "sageattn3: head_sel must be (B, Hq) = (", B, ", ", Hq, ") bytes, got ",
             shape(head_sel));
-  SA3_CHECK(T, q8.numel() == B * Hq * Sqp * D && q8_sf.numel() == B * Hq * Sqp * (D / 32),
-            "sageattn3: q8 must be (B, Hq, Sq_p, D) = (", B, ", ", Hq, ", ", Sqp, ", ", D, "), q8_sf (..., D/32), got ",
-            shape(q8), " and ", shape(q8_sf));
-  SA3_CHECK(T, k8.numel() == B * Hkv * Skp * D && k8_sf.numel() == B * Hkv * Skp * (D / 32),
-            "sageattn3: k8 must be (B, Hkv, Sk_p, D) = (", B, ", ", Hkv, ", ", Skp, ", ", D,
-            "), k8_sf (..., D/32), got ", shape(k8), " and ", shape(k8_sf));
+  // D 64: bf16 rows (2D bytes each), no scales; D 128: MXFP8
+  const bool qk16 = D == 64;
+  const int64_t row = qk16 ? 2 * D : D, sf = qk16 ? 0 : D / 32;
+  SA3_CHECK(T, q8.numel() == B * Hq * Sqp * row && q8_sf.numel() == B * Hq * Sqp * sf,
+            "sageattn3: q8 must be (B, Hq, Sq_p, ", qk16 ? "2D" : "D", ") = (", B, ", ", Hq, ", ", Sqp, ", ", row,
+            ") bytes and q8_sf (..., ", sf, ") (at D 64 the bf16 rows of mxfp8_smooth_quant_qk), got ", shape(q8),
+            " and ", shape(q8_sf));
+  SA3_CHECK(T, k8.numel() == B * Hkv * Skp * row && k8_sf.numel() == B * Hkv * Skp * sf,
+            "sageattn3: k8 must be (B, Hkv, Sk_p, ", qk16 ? "2D" : "D", ") = (", B, ", ", Hkv, ", ", Skp, ", ", row,
+            ") bytes and k8_sf (..., ", sf, ") (at D 64 the bf16 rows of mxfp8_smooth_quant_qk), got ", shape(k8),
+            " and ", shape(k8_sf));
   SA3_CHECK(T, a.mean_qblocks == 1 || a.ds_work != nullptr,
             "sageattn3: the FP8 Q.K^T path needs the delta_s workspace with per-block Q means, got an empty ds_work "
             "with ", a.mean_qblocks, " Q means per head");
@@ -152,6 +159,7 @@ void set_qk8(Fp4AttnArgs& a, const T& q, const T& head_sel, const T& q8, const T
   a.q8_sf = q8_sf.data_ptr();
   a.k8 = k8.data_ptr();
   a.k8_sf = k8_sf.data_ptr();
+  a.qk16 = qk16;
 }
 
 // blockscaled_attn_qk8(<blockscaled_fp4_attn's operands>, head_sel, q8, q8_sf, k8, k8_sf, ...): the

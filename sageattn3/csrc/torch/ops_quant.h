@@ -109,7 +109,8 @@ void quant_mxfp8_cols(T x, T sel, T codes, T scales) {
 // multiple of Hb), sel (B, H) bytes or empty; codes (B, H, Sp, D), scales (B, H, Sp, D/32) bytes;
 // rotate: 0 none; 1 the rows rotated before the mean, which comes rotated; 2 the mean rotated here
 // too (D 64/128 with 1 or 2); row_scale: a power of two the rows are multiplied by after the mean,
-// 1 unless rotate is 2 (sageattn3.h, smooth_quant_mxfp8).
+// 1 unless rotate is 2 (sageattn3.h, smooth_quant_mxfp8). The 16-bit Q.K^T rows instead (D 64:
+// reference.qk16_rows): codes (B, H, Sp, 2D) bytes, the bf16 values, and scales empty.
 template <class T>
 void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T codes, T scales, int64_t rotate,
                         double row_scale) {
@@ -120,6 +121,7 @@ void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T c
   SA3_CHECK(T, x.dim() == 4 && codes.dim() == 4 && mean.dim() == 4, "sageattn3: x, mean and codes must be 4-D, got ",
             x.dim(), ", ", mean.dim(), " and ", codes.dim(), " dims");
   const int64_t B = x.size(0), H = x.size(1), S = x.size(2), D = x.size(3), Sp = codes.size(2);
+  const bool bf16_out = D == 64 && codes.size(3) == 2 * D && scales.numel() == 0;
   SA3_CHECK(T, D % 32 == 0 && S >= 1, "sageattn3: mxfp8_smooth_quant needs D a multiple of 32 and S >= 1, got D ", D,
             " and S ", S);
   SA3_CHECK(T, rotate >= 0 && rotate <= 2, "sageattn3: mxfp8_smooth_quant's rotate must be 0, 1 or 2, got ", rotate);
@@ -130,10 +132,11 @@ void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T c
                    (row_scale == 1.0 || rotate == 2),
             "sageattn3: mxfp8_smooth_quant's row_scale must be a power of two from 2^-31 to 2^29, and 1 unless "
             "rotate is 2, got ", row_scale);
-  SA3_CHECK(T, codes.size(0) == B && codes.size(1) == H && codes.size(3) == D && Sp >= S &&
-                   scales.numel() == B * H * Sp * (D / 32),
+  SA3_CHECK(T, codes.size(0) == B && codes.size(1) == H && Sp >= S &&
+                   (bf16_out || (codes.size(3) == D && scales.numel() == B * H * Sp * (D / 32))),
             "sageattn3: codes must be (B, H, Sp >= S, D) and scales (B, H, Sp, D/32) for x (", B, ", ", H, ", ", S,
-            ", ", D, "), got codes ", shape(codes), " and scales ", shape(scales));
+            ", ", D, "), or at D 64 codes (B, H, Sp, 2D) bf16 bytes and scales empty, got codes ", shape(codes),
+            " and scales ", shape(scales));
   const int64_t mr = mean.size(2);
   SA3_CHECK(T, mean.size(0) == B && mean.size(1) == H && mean.size(3) == D && (mr == 1 || mr * 128 >= S),
             "sageattn3: mean must be (B, H, 1 or ceil(S/128), D) = (", B, ", ", H, ", 1 or ", (S + 127) / 128, ", ",
@@ -167,7 +170,8 @@ void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T c
   a.rep = rep;
   a.sel = sel.numel() > 0 ? bytes(sel) : nullptr;
   a.codes = bytes(codes);
-  a.scales = bytes(scales);
+  a.scales = bf16_out ? nullptr : bytes(scales);
+  a.bf16_out = bf16_out;
   a.rotate = rotate != 0;
   a.rotate_mean = rotate == 2;
   a.row_scale = static_cast<float>(row_scale);
@@ -179,7 +183,9 @@ void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T c
 // rows scaled by 2^-balance, K's by 2^+balance, rotated with `rotate` (0, 1, 2: mxfp8_smooth_quant's;
 // with 2 Q's rows are then multiplied by 64/D: reference.fp8_rows) (mxfp8_smooth_quant each;
 // the heads whose sel byte is 0 are skipped, their rows stay uninitialised); codes (B, H, Sp, D)
-// and scales (B, H, Sp, D/32) bytes, Sp = S rounded up to seq_pad; each its own allocation.
+// and scales (B, H, Sp, D/32) bytes, Sp = S rounded up to seq_pad; each its own allocation. At D 64
+// the heads that leave FP4 take the 16-bit Q.K^T: codes (B, H, Sp, 2D) bytes (bf16 rows of the
+// same values, reference.qk16_rows) and scales (B, H, Sp, 0).
 template <class T>
 std::tuple<T, T, T, T> mxfp8_smooth_quant_qk(T q, T k, T mean_q, T mean_k, T balance, T sel_q, T sel_k,
                                             int64_t seq_pad, int64_t rotate) {
@@ -195,8 +201,10 @@ std::tuple<T, T, T, T> mxfp8_smooth_quant_qk(T q, T k, T mean_q, T mean_k, T bal
             shape(k));
   const int64_t Sqp = (Sq + seq_pad - 1) / seq_pad * seq_pad, Skp = (Sk + seq_pad - 1) / seq_pad * seq_pad;
   DeviceScope scope(device_index(q));
-  const OutputSpec specs[] = {{{B, Hq, Sqp, D}, Kind::kByte}, {{B, Hq, Sqp, D / 32}, Kind::kByte},
-                              {{B, Hk, Skp, D}, Kind::kByte}, {{B, Hk, Skp, D / 32}, Kind::kByte}};
+  const bool qk16 = D == 64;
+  const int64_t row = qk16 ? 2 * D : D, sf = qk16 ? 0 : D / 32;
+  const OutputSpec specs[] = {{{B, Hq, Sqp, row}, Kind::kByte}, {{B, Hq, Sqp, sf}, Kind::kByte},
+                              {{B, Hk, Skp, row}, Kind::kByte}, {{B, Hk, Skp, sf}, Kind::kByte}};
   auto out = allocate_outputs(specs, q);  // torch/outputs.h
   mxfp8_smooth_quant<T>(q, mean_q, balance, -1, sel_q, out[0], out[1], rotate, rotate == 2 ? 64.0 / D : 1.0);
   mxfp8_smooth_quant<T>(k, mean_k, balance, 1, sel_k, out[2], out[3], rotate, 1.0);

@@ -12,7 +12,7 @@ from .formats import (
     E4M3_MAX,
     FP4_MAX,
     MX_BLOCK,
-    dequantize_mxfp8_rows,
+    dequantize_qk_rows,
     mxfp8_p,
     dequantize_mxfp8_transposed,
     dequantize_rows,
@@ -99,8 +99,8 @@ def _dequantized(pre: Preprocessed, hq: int, pv_fp8: bool = False):
     kd = expand_kv(dequantize_rows(pre.k_packed, pre.k_scales), hq)
     if pre.qk_fp8 is not None:
         sel = pre.qk_fp8[:, :, None, None]
-        qd = torch.where(sel, dequantize_mxfp8_rows(pre.q8, pre.q8_scales)[..., :sq, :], qd)
-        kd = torch.where(sel, expand_kv(dequantize_mxfp8_rows(pre.k8, pre.k8_scales), hq), kd)
+        qd = torch.where(sel, dequantize_qk_rows(pre.q8, pre.q8_scales)[..., :sq, :], qd)
+        kd = torch.where(sel, expand_kv(dequantize_qk_rows(pre.k8, pre.k8_scales), hq), kd)
     if pv_fp8:
         vd = expand_kv(dequantize_mxfp8_transposed(pre.v8, pre.v8_scales, pre.v8.shape[-1]), hq)
     else:

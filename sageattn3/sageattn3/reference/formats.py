@@ -335,6 +335,27 @@ def dequantize_mxfp8_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Te
     return (vals * ue8m0_value(scales).unsqueeze(-1)).reshape(codes.shape)
 
 
+QK16_HEAD_DIM = 64  # the head dim whose precise Q·Kᵀ rung is 16-bit (``qk16_rows``), not MXFP8
+
+
+def qk16_rows(x: torch.Tensor) -> torch.Tensor:
+    """The 16-bit Q·Kᵀ operand (D 64 heads that leave FP4): x (float32) rounded to bfloat16 (to
+    nearest even), as the kernels write it (``mxfp8_smooth_quant_qk`` at D 64) and multiply it
+    (``mma.sync m16n8k16`` bf16, fp32 accumulation): bit for bit on finite values, infinities and
+    zeros (a NaN stays a NaN, its bits may differ). Products of two bf16 values are exact in
+    float32 (short of overflow and underflow); the operand keeps 8 significant bits against
+    MXFP8's 4."""
+    return x.to(torch.bfloat16)
+
+
+def dequantize_qk_rows(codes: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """The precise Q·Kᵀ rung's operand as float32: ``qk16_rows`` (scales None, or the kernels'
+    form: bf16 rows as uint8 bytes (..., 2D) with empty scales) or MXFP8 rows."""
+    if scales is None or scales.numel() == 0:
+        return (codes.view(torch.bfloat16) if codes.dtype == torch.uint8 else codes).float()
+    return dequantize_mxfp8_rows(codes, scales)
+
+
 def mxfp8_p(p: torch.Tensor) -> torch.Tensor:
     """P as the FP8 P·V kernels multiply it, dequantized (float32, same shape): P >= 0 along the
     keys (the last dim, a multiple of 32). Per row and 32-key block: hi = MXFP8 of P

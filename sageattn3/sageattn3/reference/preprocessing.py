@@ -11,6 +11,8 @@ from .formats import (
     MX_BLOCK,
     dequantize_rows,
     pad_dim,
+    QK16_HEAD_DIM,
+    qk16_rows,
     quantize_mxfp8_rows,
     quantize_mxfp8_transposed,
     quantize_residual,
@@ -116,11 +118,13 @@ class Preprocessed:
       error times r_i, which is large where Q's block means drift along the sequence: there it
       lost up to 0.06 cos-sim against the paper; with the residual the two agree to 0.0001 on
       every case of tests/bench/accuracy.py (README, "Accuracy").
-    - qk_fp8 (B, Hq) bool or None: the q heads whose Q·Kᵀ runs in FP8 (``qk_precision``; None:
-      every head in FP4, today's path). q8/q8_scales (B, Hq, Sq_p, D) float8_e4m3fn + (B, Hq, Sq_p,
-      D/32) uint8 and k8/k8_scales (B, Hkv, Sk_p, D) + (B, Hkv, Sk_p, D/32): the same smoothed Q and
-      K rows as q_packed/k_packed in MXFP8 (``quantize_mxfp8_rows``); the reference fills every
-      head, the kernels only the heads that use them (a kv head when any of its q heads does).
+    - qk_fp8 (B, Hq) bool or None: the q heads whose Q·Kᵀ leaves FP4 for the precise rung
+      (``qk_precision``; None: every head in FP4, today's path). At D 128 that is MXFP8: q8/q8_scales
+      (B, Hq, Sq_p, D) float8_e4m3fn + (B, Hq, Sq_p, D/32) uint8 and k8/k8_scales (B, Hkv, Sk_p, D)
+      + (B, Hkv, Sk_p, D/32): the same smoothed Q and K rows as q_packed/k_packed in MXFP8
+      (``quantize_mxfp8_rows``). At D 64 it is 16-bit: q8/k8 the same rows in bfloat16
+      (``qk16_rows``) and q8_scales/k8_scales None. The reference fills every head, the kernels
+      only the heads that use them (a kv head when any of its q heads does).
     - qk_error (B, Hq) float32 or None: the rule's estimate of the relative output error FP4
       Q·Kᵀ causes (``qk_fp4_error``; with qk_precision "auto").
     - k_block_corr (B, Hq, Sq, Sk_p/128) float32 or None (``k_block_mean``, reference only): K is
@@ -315,8 +319,9 @@ def preprocess(
         _pv_rule(q, k, v, pre, pv, pad, sm_scale, pv_limit, is_causal)
         if qk_fp8_rotated and not rot and rotation_applies(d) and not k_block_mean:
             qs, ks = fp8_rows(q.float() * cq, mq, k.float() * ck, mk)
-        pre.q8, pre.q8_scales = quantize_mxfp8_rows(pad_dim(qs, -2, pad))
-        pre.k8, pre.k8_scales = quantize_mxfp8_rows(pad_dim(ks, -2, pad))
+        rows = (lambda x: (qk16_rows(x), None)) if d == QK16_HEAD_DIM else quantize_mxfp8_rows
+        pre.q8, pre.q8_scales = rows(pad_dim(qs, -2, pad))
+        pre.k8, pre.k8_scales = rows(pad_dim(ks, -2, pad))
     return pre
 
 
