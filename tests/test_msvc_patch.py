@@ -79,7 +79,7 @@ def test_patch_is_small_and_leaves_the_kernel_body_alone(patch):
     body = "\n".join(ln[1:] for ln in added)
     # entry: a pointer to the params in global memory, body bound to a reference to *params
     assert re.search(r"fp4_attn_fwd_kernel\(const AttnParams\* __restrict__ \w+\)", body)
-    assert "attn_fwd_body<D, kInLoopResidual, kQK8, kPV8>(*pp)" in body
+    assert "attn_fwd_body<D, kInLoopResidual, kQK8, kPV8, kQK16>(*pp)" in body
     assert "__grid_constant__" not in body
     # descriptors read from global memory: acquire fence of the tensormap proxy, 128 bytes each
     assert "fence.proxy.tensormap::generic.acquire.sys [%0], 128;" in body

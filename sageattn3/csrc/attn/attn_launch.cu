@@ -141,6 +141,28 @@ int launch_both(AttnParams& p, AttnParams* p8, int sms, cudaStream_t stream) {
   }
 }
 
+// p8 (a copy of p) gets the Q and K maps of the heads that leave FP4: at D 64 (a.qk16) the bf16
+// rows, 2D bytes per row and no scales (the FP4 scale maps stay, unused); at D 128 the MXFP8
+// codes, D bytes per row, and their UE8M0 bytes, one per 32 values. False if a map fails.
+template <int D>
+bool precise_maps(const Fp4AttnArgs& a, uint64_t bq, uint64_t bk, AttnParams& p8) {
+  bool ok = true;
+  if (a.qk16) {
+    ok &= make_map(&p8.tm_q, a.q8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 2 * D, bq * a.seq_q_pad, 2 * D, kBlockM,
+                   swizzle_for(2 * D));
+    ok &= make_map(&p8.tm_k, a.k8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 2 * D, bk * a.seq_k_pad, 2 * D, kBlockN,
+                   swizzle_for(2 * D));
+    return ok;
+  }
+  ok &= make_map(&p8.tm_q, a.q8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, D, bq * a.seq_q_pad, D, kBlockM, swizzle_for(D));
+  ok &= make_map(&p8.tm_q_sf, a.q8_sf, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 128, bq * a.seq_q_pad * (D / 32) / 128, 128,
+                 kBlockM * (D / 32) / 128, CU_TENSOR_MAP_SWIZZLE_NONE);
+  ok &= make_map(&p8.tm_k, a.k8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, D, bk * a.seq_k_pad, D, kBlockN, swizzle_for(D));
+  ok &= make_map(&p8.tm_k_sf, a.k8_sf, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 128, bk * a.seq_k_pad * (D / 32) / 128, 128,
+                 kBlockN * (D / 32) / 128, CU_TENSOR_MAP_SWIZZLE_NONE);
+  return ok;
+}
+
 // pv and p8v (copies of p and of p8) get V's MXFP8 map and scales (v8_by_head); false if the map fails.
 template <int D>
 bool with_v8(const Fp4AttnArgs& a, uint64_t bk, AttnParams& pv, AttnParams& p8v) {
@@ -201,23 +223,8 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
   p.head_sel_want = 0;
   AttnParams p8_store = p;
   AttnParams* p8 = nullptr;
-  if (a.head_sel != nullptr && a.qk16) {
-    // the bf16 Q and K rows (2D bytes per row, no scales: the FP4 scale maps stay, unused)
-    ok &= make_map(&p8_store.tm_q, a.q8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 2 * D, bq * a.seq_q_pad, 2 * D, kBlockM,
-                   swizzle_for(2 * D));
-    ok &= make_map(&p8_store.tm_k, a.k8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 2 * D, bk * a.seq_k_pad, 2 * D, kBlockN,
-                   swizzle_for(2 * D));
-    if (!ok) return cudaErrorInvalidValue;
-    p8 = &p8_store;
-  } else if (a.head_sel != nullptr) {
-    // the MXFP8 Q and K (D bytes per row, one UE8M0 byte per 32 values)
-    ok &= make_map(&p8_store.tm_q, a.q8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, D, bq * a.seq_q_pad, D, kBlockM, swizzle_for(D));
-    ok &= make_map(&p8_store.tm_q_sf, a.q8_sf, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 128, bq * a.seq_q_pad * (D / 32) / 128,
-                   128, kBlockM * (D / 32) / 128, CU_TENSOR_MAP_SWIZZLE_NONE);
-    ok &= make_map(&p8_store.tm_k, a.k8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, D, bk * a.seq_k_pad, D, kBlockN, swizzle_for(D));
-    ok &= make_map(&p8_store.tm_k_sf, a.k8_sf, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 128, bk * a.seq_k_pad * (D / 32) / 128,
-                   128, kBlockN * (D / 32) / 128, CU_TENSOR_MAP_SWIZZLE_NONE);
-    if (!ok) return cudaErrorInvalidValue;
+  if (a.head_sel != nullptr) {
+    if (!precise_maps<D>(a, bq, bk, p8_store)) return cudaErrorInvalidValue;
     p8 = &p8_store;
   }
 

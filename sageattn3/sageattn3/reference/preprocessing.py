@@ -319,10 +319,14 @@ def preprocess(
         _pv_rule(q, k, v, pre, pv, pad, sm_scale, pv_limit, is_causal)
         if qk_fp8_rotated and not rot and rotation_applies(d) and not k_block_mean:
             qs, ks = fp8_rows(q.float() * cq, mq, k.float() * ck, mk)
-        rows = (lambda x: (qk16_rows(x), None)) if d == QK16_HEAD_DIM else quantize_mxfp8_rows
-        pre.q8, pre.q8_scales = rows(pad_dim(qs, -2, pad))
-        pre.k8, pre.k8_scales = rows(pad_dim(ks, -2, pad))
+        (pre.q8, pre.q8_scales), (pre.k8, pre.k8_scales) = (_precise_rows(pad_dim(x, -2, pad)) for x in (qs, ks))
     return pre
+
+
+def _precise_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The operand of the heads that leave FP4: bf16 rows at D 64 (``qk16_rows``, no scales),
+    MXFP8 rows otherwise (``quantize_mxfp8_rows``)."""
+    return (qk16_rows(x), None) if x.shape[-1] == QK16_HEAD_DIM else quantize_mxfp8_rows(x)
 
 
 def _pv_rule(q, k, v, pre: Preprocessed, pv: str, pad: int, sm_scale, pv_limit, is_causal: bool = False) -> None:
