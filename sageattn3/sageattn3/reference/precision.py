@@ -21,6 +21,7 @@ from .formats import (
     E4M3_MAX,
     FP4_MAX,
     MX_BLOCK,
+    QK16_HEAD_DIM,
     dequantize_mxfp8_rows,
     mxfp8_p,
     dequantize_mxfp8_transposed,
@@ -35,6 +36,7 @@ from .formats import (
     quantize_rows,
     quantize_transposed,
     quantize_transposed_tiled,
+    qk16_rows,
     unpack_codes,
 )
 from .transforms import (
@@ -387,7 +389,8 @@ def treatment_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_
     1. the target O = softmax(c · Q Kᵀ) V in float64 from the inputs (c the softmax scale);
     2. per set: Q and K balanced (``balance_exponents``) and/or rotated as ``preprocess`` does
        them, minus their (balanced, rotated) means, quantized to NVFP4 (with the scale search) or
-       MXFP8 exactly as the kernels' operands (bit for bit on these rows); scores
+       to the precise rung (FP8 Q·Kᵀ: MXFP8, at D 64 bf16 rows, ``qk16_rows``) exactly as the
+       kernels' operands (bit for bit on these rows); scores
        L = c / ``rotation_score_factor`` · Qd Kdᵀ + c · mean_q · (K - mean_k)ᵀ (the correction in
        float32 from the unquantized means, as the paper's delta_s); per row, P = exp2((L - max)
        · log2 e), quantized as the kernel's P: NVFP4 of P · 2688 along the keys (16-key blocks), or
@@ -439,9 +442,9 @@ def treatment_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_
         turn = rotate if s & ROTATION else (lambda x: x.float())
         qs = turn(q_rows * cq) - turn(mq_rows * cq)
         ks = turn(k_rows * ck) - turn(pre.mean_k * ck)
-        if s & QK_FP8:
-            qd = dequantize_mxfp8_rows(*quantize_mxfp8_rows(qs))
-            kd = dequantize_mxfp8_rows(*quantize_mxfp8_rows(ks))
+        if s & QK_FP8:  # the precise rung: bf16 rows at D 64 (the 16-bit Q·Kᵀ), MXFP8 rows otherwise
+            qd, kd = (qk16_rows(x).float() if d == QK16_HEAD_DIM else dequantize_mxfp8_rows(*quantize_mxfp8_rows(x))
+                      for x in (qs, ks))
         else:
             qd = dequantize_rows(*quantize_rows(qs, bool(s & SCALE_SEARCH)))
             kd = dequantize_rows(*quantize_rows(ks, bool(s & SCALE_SEARCH)))
