@@ -91,8 +91,9 @@ def _on_cpu(pre):
 
 def _rule_kernel() -> int:
     """The "auto" rule (qk_rule_select: Q·Kᵀ's estimate, the floor's with an option and P's in one
-    launch; the keys of a Q block split over 2 and 8 blocks on the third and fourth shapes; the
-    fifth reads every row, 24 row groups of 16 whose keys split over 2 blocks) on ragged shapes,
+    launch; the third reads every 2nd row, 32 row groups a head; the fourth splits each row group's
+    keys over 8 blocks; the fifth reads every row, 24 row groups of 16 whose keys split over 2
+    blocks) on ragged shapes,
     plain, rotated, balanced and with the scale search, against the reference's estimates (rel
     1e-3; P's 2e-3)."""
     import sageattn3

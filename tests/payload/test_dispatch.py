@@ -377,6 +377,19 @@ def test_self_check_inputs_are_exact():
             assert torch.equal(s32.double(), x.sum(dim=-2)) and torch.equal(s32, s32_rev)
 
 
+def test_self_check_auto_case_splits_the_heads():
+    """The "auto" case's inputs: the rule keeps head 0 in FP4 and gives head 1 the 16-bit Q·Kᵀ, by
+    a margin (estimates about 0.06 and 0.29 against the limit 0.2), so the check runs the per-head
+    launches of a default call at D 64."""
+    i = next(i for i, c in enumerate(_selfcheck.CASES) if c[7] == "auto")
+    case = _selfcheck.CASES[i]
+    assert case[4] == 64 and case[1] == 2
+    pre = ref.preprocess(*_selfcheck._inputs(case, seed=20250 + i), qk_precision="auto")
+    assert pre.qk_fp8.flatten().tolist() == [False, True]
+    err = pre.qk_error.flatten()
+    assert float(err[0]) < ref.AUTO_ERROR_LIMIT - 0.1 and float(err[1]) > ref.AUTO_ERROR_LIMIT + 0.05, err
+
+
 def _variant_attention(variant):
     """The reference with one part of its correction broken, as a faulty kernel would have it:
     K's quantization residual dropped, the Q block residuals r ignored, or the other block's r."""

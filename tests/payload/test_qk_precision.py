@@ -165,13 +165,15 @@ def test_rule_reads_only_sampled_rows_and_is_per_head():
 
 
 def test_short_calls_read_more_rows():
-    """query_stride: every row while the rows times the keys stay within a long call's 128 x 1024,
-    then every 2nd, 4th, and every 8th (AUTO_QUERY_STRIDE) from there on; cross-attention to a
-    short K reads every row of Q's sampled blocks."""
-    sizes = (1, 300, 362, 363, 512, 513, 600, 724, 725, 1024, 4096)
-    assert [ref.query_stride(s, s) for s in sizes] == [1, 1, 1, 2, 2, 4, 4, 4, 8, 8, 8]
+    """query_stride: every row while the rows times the keys stay within 1.5 x a long call's
+    128 x 1024, then every 2nd, 4th, and every 8th (AUTO_QUERY_STRIDE) from there on, every call
+    of more than 1024 tokens included; cross-attention to a short K reads every row of Q's sampled
+    blocks."""
+    sizes = (1, 300, 443, 444, 600, 626, 627, 885, 886, 1024, 1025, 4096, 32768)
+    assert [ref.query_stride(s, s) for s in sizes] == [1, 1, 1, 2, 2, 2, 4, 4, 8, 8, 8, 8, 8]
     assert ref.query_stride(4096, 77) == 1 and ref.query_stride(77, 4096) == 1
-    assert ref.query_stride(9000, 300) == 4
+    assert ref.query_stride(9000, 300) == 2 and ref.query_stride(4096, 512) == 4
+    assert all(ref.query_stride(sq, sk) == 8 for sq in (1025, 2000, 9000) for sk in (1025, 2000, 9000))
 
 
 @pytest.mark.parametrize("d, sq, seed, head", [(64, 300, 3, 2), (128, 256, 2, 1)])

@@ -3,7 +3,7 @@
 // Blocks per (batch * q head: blockIdx.x; row group of a sampled 128-row block of Q and key
 // split: blockIdx.y; estimate: blockIdx.z). The query rows are every s-th row of Q's sampled
 // blocks, s = query_stride (reference.query_stride: 8 on long calls, down to 1 on short ones,
-// where the rows times the keys stay within a long call's), 16 of them (one m16 tile) to a block:
+// where the rows times the keys stay within 1.5 x a long call's), 16 of them (one m16 tile) to a block:
 // group j of a sampled block takes its strided rows 16j to 16j + 15. Q_s = q * 2^-e - mean_q (e the balance, mean_q the block's or the one mean) and Qd,
 // the dequantized FP4 rows of q_packed. The keys are the rows of K's sampled blocks (at most
 // 1024), or of its split's share of them: K_s = k * 2^e - mean_k, Kd likewise, and V's rows.
@@ -63,8 +63,8 @@ constexpr int kChunk = 32;     // keys per staged chunk
 constexpr int kBlock = 128;    // the sampled blocks' rows
 constexpr int kSampled = 8;    // reference.MEAN_SAMPLE_BLOCKS
 constexpr int kUnits = kSampled * kBlock / kRows;  // a head's most row groups (stride 1)
-// reference.query_stride's budget: a long call's sampled rows times its sampled keys
-constexpr int64_t kRowKeyBudget = static_cast<int64_t>(kSampled) * kBlock / kStride * kSampled * kBlock;
+// reference.query_stride's budget: 1.5 x a long call's sampled rows times its sampled keys
+constexpr int64_t kRowKeyBudget = static_cast<int64_t>(kSampled) * kBlock / kStride * kSampled * kBlock * 3 / 2;
 constexpr int kSLd = kChunk + 4;
 constexpr float kPScale = 2688.0f;  // 448 * 6: P's row max at the top of E4M3 x E2M1 (the attention's level 1)
 

@@ -172,7 +172,7 @@ QK_SCALE_SEARCH = False
 MEAN_SAMPLE_BLOCKS = 8
 # The rule reads every AUTO_QUERY_STRIDE-th query row of Q's sampled blocks (``sample_blocks``:
 # up to 8 x 16 rows) against every key of K's sampled blocks (up to 1024 keys); a shorter call,
-# every 4th, 2nd or every row, as long as its rows times its keys stay within that
+# every 4th, 2nd or every row, as long as its rows times its keys stay within 1.5 times that
 # (``query_stride``).
 AUTO_QUERY_STRIDE = 8
 # A head takes FP8 Q·Kᵀ when the rule's estimate of the relative output error FP4 Q·Kᵀ causes
