@@ -147,8 +147,9 @@ int smooth_quant_mxfp8(const Mxfp8Args& args, cudaStream_t stream);
 // D 64 or 128; q_packed (B, Hq, Sqp, D/2) / q_scales (.., D/16) and k_packed (B, Hkv, Skp, D/2) /
 // k_scales as the preprocessing wrote them; mean_q (B, Hq, mean_rows, D), mean_k (B, Hkv, D),
 // balance (B, Hkv, D) exponents or null; scale the softmax scale. One launch makes every estimate
-// (Q.K^T's, the floor's, P's), each sampled Q block's keys split over several blocks where the
-// grid is small. Workspace: qk_rule_workspace_floats(args) fp32, which qk_rule_bind_workspace
+// (Q.K^T's, the floor's, P's), over row groups of 16 sampled query rows (every 8th row of a
+// sampled Q block on long calls, more on short ones), each group's keys split over several blocks
+// where the grid is small. Workspace: qk_rule_workspace_floats(args) fp32, which qk_rule_bind_workspace
 // carves into partial, the counters (zeroed by the launch) and the key splits' state.
 // error (B * Hq) fp32 out.
 struct QkRuleArgs {

@@ -35,7 +35,7 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=24)
     ap.add_argument("--call", action="store_true", help="also time whole calls (slow with the MMA model)")
     ap.add_argument("--call-seq", type=int, nargs="+", default=[4096])
-    ap.add_argument("--rule", action="store_true", help="only the rule op, as the defaults run it, at four shapes")
+    ap.add_argument("--rule", action="store_true", help="only the rule op, as the defaults run it, at eight shapes")
     args = ap.parse_args()
     if args.rule:
         return rule_shapes()
@@ -99,7 +99,7 @@ def main() -> int:
 def rule_shapes(reps: int = 30) -> int:
     """The rule op as the defaults run it (``qk_rule_select`` with P's estimate; causal too) and
     without P's estimate, beside the preprocessing, at D 128 and 64, 24 heads x 32k tokens and 8
-    heads x 4096 (bf16, zero-mean data; median of ``reps`` calls, CUDA events around each, the GPU
+    heads x 4096, 512 and 300 (the short calls read every 2nd row and every row) (bf16, zero-mean data; median of ``reps`` calls, CUDA events around each, the GPU
     idle before each: a figure holds the op's host work too, its allocation and its launches)."""
     os.environ.setdefault("SAGEATTN3_FORCE_FP4", "1")
     import sageattn3
@@ -113,7 +113,7 @@ def rule_shapes(reps: int = 30) -> int:
     print(f"device: {torch.cuda.get_device_name()}; {sageattn3.backend()}")
     lim, pv_lim = reference.AUTO_ERROR_LIMIT, reference.PV_ERROR_LIMIT
     for d in (128, 64):
-        for heads, seq in ((24, 32768), (8, 4096)):
+        for heads, seq in ((24, 32768), (8, 4096), (8, 512), (8, 300)):
             g = torch.Generator(device=dev).manual_seed(0)
             q, k, v = (torch.randn((1, heads, seq, d), generator=g, device=dev, dtype=torch.bfloat16) for _ in range(3))
             pre = sageattn3.preprocess(q, k, v)

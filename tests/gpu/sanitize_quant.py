@@ -91,7 +91,9 @@ def _on_cpu(pre):
 
 def _rule_kernel() -> int:
     """The "auto" rule (qk_rule_select: Q·Kᵀ's estimate, the floor's with an option and P's in one
-    launch; the keys of a Q block split over 2 and 8 blocks on the last two shapes) on ragged shapes,
+    launch; the third reads every 2nd row, 32 row groups a head; the fourth splits each row group's
+    keys over 8 blocks; the fifth reads every row, 24 row groups of 16 whose keys split over 2
+    blocks) on ragged shapes,
     plain, rotated, balanced and with the scale search, against the reference's estimates (rel
     1e-3; P's 2e-3)."""
     import sageattn3
@@ -102,7 +104,7 @@ def _rule_kernel() -> int:
     torch.manual_seed(11)  # the same inputs on every run
     for dtype in (torch.bfloat16, torch.float16):
         for (b, hq, hk, sq, sk, d) in [(1, 2, 1, 1, 1, 64), (1, 4, 2, 130, 17, 128), (2, 2, 1, 1100, 300, 64),
-                                       (1, 1, 1, 1100, 1030, 128)]:
+                                       (1, 1, 1, 1100, 1030, 128), (1, 1, 1, 300, 300, 64)]:
             for kw in ({}, {"qk_rotation": True}, {"qk_balance": True, "qk_rotation": True, "qk_scale_search": True}):
                 q = torch.randn(b, hq, sq, d, dtype=dtype, device="cuda") * 3
                 k = torch.randn(b, hk, sk, d, dtype=dtype, device="cuda") + 1

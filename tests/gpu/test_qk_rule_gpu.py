@@ -108,24 +108,41 @@ def test_short_sequences(fp4):  # noqa: F811
         _compare(fp4, "randn", 1, 2, 1, sq, sk, 128)
 
 
+@pytest.mark.parametrize("d, sq, seed, head", [(64, 300, 3, 2), (128, 256, 2, 1)])
+def test_short_calls_read_every_row(fp4, d, sq, seed, head):  # noqa: F811
+    """A short call's rule reads every row (reference.query_stride 1: 8 row groups of 16 per
+    sampled block, the last block's partly empty), and finds the head whose FP4 error sits on 2
+    of its 300 rows (every 8th row estimated 0.0), as the reference does; every 2nd and 4th row
+    (600 and 700 tokens) likewise."""
+    from sageattn3 import reference as ref
+
+    _, want = _compare(fp4, "qk_massive", 1, 4, 2, sq, sq, d, seed=seed)
+    assert float(want[0, head]) > ref.AUTO_ERROR_LIMIT, want
+    for n, stride in ((600, 2), (700, 4)):
+        assert ref.query_stride(n, n) == stride
+        _compare(fp4, "qk_massive", 1, 4, 2, n, n, d, seed=seed)
+
+
 def test_many_heads_take_one_pass(fp4):  # noqa: F811
     """16 heads x 8 sampled Q blocks: the grid is large enough that no key split is made."""
     _compare(fp4, "mixed_heads", 2, 8, 2, 1024, 1024, 128)
     _compare(fp4, "k_outliers", 2, 8, 4, 1100, 1500, 64, dtype=torch.float16, balance=True)
 
 
+@pytest.mark.parametrize("seq", [2048, 300])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_key_splits_agree_with_one_pass(fp4, d, causal):  # noqa: F811
+def test_key_splits_agree_with_one_pass(fp4, d, causal, seq):  # noqa: F811
     """A call with few heads splits each sampled Q block's keys over up to 8 blocks for the Q·Kᵀ
     estimate and merges their softmax states; a call with many does not (the split follows the
     shapes only). Heads are independent, so a head alone (split 8 ways) and the same head among 16
     (one pass) must give the same Q·Kᵀ estimate up to float rounding, and the same bits. P's
     estimate is never split (it quantizes P against the running max of the keys before it): the
-    same value exactly, causal (masked) or not."""
+    same value exactly, causal (masked) or not. At 300 tokens the rule reads every row (24 row
+    groups a head): a head alone splits its keys 2 ways."""
     from sageattn3 import _kernels
 
-    q, k, v = (t.cuda() for t in ac.make("large_logits", 2, 8, 2, 2048, 2048, d, seed=5))
+    q, k, v = (t.cuda() for t in ac.make("large_logits", 2, 8, 2, seq, seq, d, seed=5))
     scale = d ** -0.5
 
     def rule(q, k, v):
@@ -139,7 +156,7 @@ def test_key_splits_agree_with_one_pass(fp4, d, causal):  # noqa: F811
         one = rule(*(t[b:b + 1, i:i + 1].contiguous() for t, i in ((q, h), (k, kv), (v, kv))))
         for name, whole, alone in (("Q·Kᵀ", err[b, h], one[0][0, 0]), ("P", err_pv[b, h], one[3][0, 0])):
             rel = abs(float(whole) - float(alone)) / float(whole)
-            FIGURES.append(f"key splits D={d} causal={causal} head ({b}, {h}) {name}: {float(whole):.6f} one pass, "
+            FIGURES.append(f"key splits S={seq} D={d} causal={causal} head ({b}, {h}) {name}: {float(whole):.6f} one pass, "
                            f"{float(alone):.6f} split, rel {rel:.1e}")
             assert rel < 1e-5 if name == "Q·Kᵀ" else rel == 0.0, FIGURES[-1]
         assert int(one[1][0, 0]) == int(sel_q[b, h])

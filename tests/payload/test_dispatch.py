@@ -220,13 +220,13 @@ def test_fp4_path_is_wired(monkeypatch, dtype, causal):
     for t, c in zip((q, k, v), copies):
         assert torch.equal(t, c)
     # the self-check ran once (its own calls: FP4 at D 128 and 64, FP8 Q·Kᵀ at D 128, FP8 Q·Kᵀ on
-    # rotated rows at D 64), then the two user calls
+    # rotated rows at D 64, "auto" at D 64), then the two user calls
     assert _selfcheck.run_count == 1
     assert [c[0] for c in kern.calls] == [(1, 2, 256, 128), (1, 1, 256, 64), (1, 2, 256, 128), (1, 2, 256, 64),
-                                          (2, 4, 77, 64), (2, 4, 77, 64)]
+                                          (1, 2, 256, 64), (2, 4, 77, 64), (2, 4, 77, 64)]
     r = _selfcheck.result(q.device)
-    assert r.ok and [f["qk"] for f in r.figures] == ["fp4", "fp4", "fp8", "fp8"]
-    assert [f["options"] for f in r.figures] == ["", "", "pv_precision='fp4'", "qk_rotation=True, qk_scale_search=True, pv_precision='fp4'"]
+    assert r.ok and [f["qk"] for f in r.figures] == ["fp4", "fp4", "fp8", "fp8", "auto"]
+    assert [f["options"] for f in r.figures] == ["", "", "pv_precision='fp4'", "qk_rotation=True, qk_scale_search=True, pv_precision='fp4'", "pv_precision='fp4'"]
     assert all(f["cos"] > 0.99999 for f in r.figures)
 
 
@@ -371,10 +371,23 @@ def test_self_check_inputs_are_exact():
     for i, case in enumerate(_selfcheck.CASES):
         for t in _selfcheck._inputs(case, seed=20250 + i):
             x = t.double()
-            assert torch.equal((x * 8).round(), x * 8) and x.abs().max() <= 8
+            assert torch.equal((x * 8).round(), x * 8) and x.abs().max() <= 32
             s32 = t.float().sum(dim=-2)
             s32_rev = t.float().flip(-2).cumsum(dim=-2)[..., -1, :]
             assert torch.equal(s32.double(), x.sum(dim=-2)) and torch.equal(s32, s32_rev)
+
+
+def test_self_check_auto_case_splits_the_heads():
+    """The "auto" case's inputs: the rule keeps head 0 in FP4 and gives head 1 the 16-bit Q·Kᵀ, by
+    a margin (estimates about 0.06 and 0.29 against the limit 0.2), so the check runs the per-head
+    launches of a default call at D 64."""
+    i = next(i for i, c in enumerate(_selfcheck.CASES) if c[7] == "auto")
+    case = _selfcheck.CASES[i]
+    assert case[4] == 64 and case[1] == 2
+    pre = ref.preprocess(*_selfcheck._inputs(case, seed=20250 + i), qk_precision="auto")
+    assert pre.qk_fp8.flatten().tolist() == [False, True]
+    err = pre.qk_error.flatten()
+    assert float(err[0]) < ref.AUTO_ERROR_LIMIT - 0.1 and float(err[1]) > ref.AUTO_ERROR_LIMIT + 0.05, err
 
 
 def _variant_attention(variant):
@@ -419,7 +432,8 @@ def test_self_check_runs_the_whole_correction():
 
 def test_self_check_leaves_out_what_the_bounded_mode_never_runs(monkeypatch):
     """With SAGEATTN3_DELTA_S_WORKSPACE_MIB=0 no call can take FP8 Q·Kᵀ ("auto" stays FP4, "fp8"
-    raises), so the check runs the FP4 cases only, says so, and passes: a user who bounds the
+    raises), so the check runs the FP4 cases only (not "auto"'s, whose reference leaves FP4 on one
+    head), says so, and passes: a user who bounds the
     memory keeps the FP4 kernel. With the default workspace every case runs."""
     from sageattn3 import _attn
 
@@ -434,7 +448,8 @@ def test_self_check_leaves_out_what_the_bounded_mode_never_runs(monkeypatch):
     monkeypatch.setenv(_attn.WORKSPACE_ENV, "0")
     r = _selfcheck.run("cpu", attention)
     assert r.ok and calls == [("fp4", "fp4")] * 2 and len(r.figures) == 2, r.summary()
-    assert len(r.left_out) == 2 and all(_attn.WORKSPACE_ENV in x and "fp8" in x for x in r.left_out)
+    assert len(r.left_out) == 3 and all(_attn.WORKSPACE_ENV in x for x in r.left_out)
+    assert ["fp8" in x for x in r.left_out] == [True, True, False] and "auto Q·Kᵀ" in r.left_out[2]
     calls.clear()
     r = _selfcheck.run("cpu", attention, _selfcheck.PV8_CASES)  # FP8 P·V reads delta_s rows too
     assert r.ok and calls == [] and not r.figures and len(r.left_out) == len(_selfcheck.PV8_CASES)

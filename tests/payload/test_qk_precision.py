@@ -164,6 +164,37 @@ def test_rule_reads_only_sampled_rows_and_is_per_head():
     assert sel.flatten().tolist() == [False] * 6 + [True, False]
 
 
+def test_short_calls_read_more_rows():
+    """query_stride: every row while the rows times the keys stay within 1.5 x a long call's
+    128 x 1024, then every 2nd, 4th, and every 8th (AUTO_QUERY_STRIDE) from there on, every call
+    of more than 1024 tokens included; cross-attention to a short K reads every row of Q's sampled
+    blocks."""
+    sizes = (1, 300, 443, 444, 600, 626, 627, 885, 886, 1024, 1025, 4096, 32768)
+    assert [ref.query_stride(s, s) for s in sizes] == [1, 1, 1, 2, 2, 2, 4, 4, 8, 8, 8, 8, 8]
+    assert ref.query_stride(4096, 77) == 1 and ref.query_stride(77, 4096) == 1
+    assert ref.query_stride(9000, 300) == 2 and ref.query_stride(4096, 512) == 4
+    assert all(ref.query_stride(sq, sk) == 8 for sq in (1025, 2000, 9000) for sk in (1025, 2000, 9000))
+
+
+@pytest.mark.parametrize("d, sq, seed, head", [(64, 300, 3, 2), (128, 256, 2, 1)])
+def test_short_calls_catch_the_rows_that_flip(monkeypatch, d, sq, seed, head):
+    """Massive shared outliers on a short call: a head whose FP4 error sits on the 2 of its 300
+    rows whose top two scores are close (D 64) estimated 0.0 at every 8th row and kept FP4 (cos
+    0.925); read every row, the rule gives it the precise Q·Kᵀ and it meets the target."""
+    from sageattn3.reference import precision
+
+    q, k, v = ac.make("qk_massive", 1, 4, 2, sq, sq, d, seed=seed)
+    exact = ref.exact_attention(q, k, v)
+    assert ref.query_stride(sq, sq) == 1
+    pre = ref.preprocess(q, k, v, qk_precision="auto")
+    assert bool(pre.qk_fp8[0, head]), pre.qk_error
+    assert ac.cos_sim(ref.sageattn3(q, k, v)[:, head], exact[:, head]) > 0.98
+    monkeypatch.setattr(precision, "query_stride", lambda sq, sk: 8)  # the stride of long calls
+    pre8 = ref.preprocess(q, k, v, qk_precision="auto")
+    assert not bool(pre8.qk_fp8[0, head]) and float(pre8.qk_error[0, head]) < 0.2
+    assert ac.cos_sim(ref.sageattn3(q, k, v)[:, head], exact[:, head]) < 0.95
+
+
 def test_k_block_means_restore_the_scores():
     """K smoothed per 128-key block: Q_s·K_sᵀ + delta + the block correction equals Q·Kᵀ up to a
     constant per query row (float64 check of the definition)."""

@@ -20,7 +20,7 @@ def _p_error_loop(q, k, v, pre, causal=False, sm_scale=None):
     b, hq, sq, d = q.shape
     sk, rep = k.shape[2], q.shape[1] // k.shape[1]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    rows = torch.cat([torch.arange(t * 128, min(sq, t * 128 + 128), ref.AUTO_QUERY_STRIDE)
+    rows = torch.cat([torch.arange(t * 128, min(sq, t * 128 + 128), ref.query_stride(sq, sk))
                       for t in ref.sample_blocks(sq)])
     keys = torch.cat([torch.arange(t * 128, min(sk, t * 128 + 128)) for t in ref.sample_blocks(sk)])
     out = torch.zeros(b, hq, dtype=torch.float64)

@@ -147,6 +147,25 @@ def test_estimate_tracks_the_true_error_per_head():
             assert bool(((ratio > 1 / 1.3) & (ratio < 1.3)).all()), (case, s, est[..., s], true)
 
 
+def test_estimate_of_fp8_qk_at_d64_is_the_16bit_rung(monkeypatch):
+    """At D 64 the heads that leave FP4 multiply bf16 rows (``qk16_rows``), and so does the
+    estimate of a set with FP8 Q·Kᵀ: it tracks the true error of ``sageattn3_treated`` (within
+    30%), where MXFP8 rows would estimate several times that on massive shared outliers."""
+    from sageattn3.reference import precision
+
+    q, k, v = ac.make("qk_massive", 1, 4, 2, 1024, 1024, 64, seed=2025)
+    exact = ref.exact_attention(q, k, v).double()
+    s = ref.ROTATION | ref.QK_FP8
+    pre = ref.preprocess(q, k, v, qk_precision="fp4")
+    est = ref.treatment_errors(q, k, v, pre, sets=[s])[..., s].double()
+    out = ref.sageattn3_treated(q, k, v, s).double()
+    true = ((out - exact).square().sum(dim=(-1, -2)) / exact.square().sum(dim=(-1, -2))).sqrt()
+    assert bool(((est / true > 1 / 1.3) & (est / true < 1.3)).all()), (est, true)
+    monkeypatch.setattr(precision, "QK16_HEAD_DIM", 0)  # MXFP8 rows at D 64, as before
+    mx = ref.treatment_errors(q, k, v, pre, sets=[s])[..., s].double()
+    assert bool((mx > 2 * est).all()), (mx, est)
+
+
 def test_estimate_reads_the_sample_per_head_and_checks_its_input():
     q, k, v = ac.make("randn", 1, 4, 2, 1200, 1200, 64, seed=5)
     pre = ref.preprocess(q, k, v, qk_precision="fp4")

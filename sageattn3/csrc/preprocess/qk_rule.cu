@@ -1,8 +1,10 @@
 // The "auto" rule's estimates (reference.qk_fp4_error, reference.pv_p_error) in one launch.
 //
-// Blocks per (batch * q head: blockIdx.x; sampled 128-row block of Q and key split: blockIdx.y;
-// estimate: blockIdx.z). A block's query rows are every 8th row of its Q block (at most 16, one
-// m16 tile): Q_s = q * 2^-e - mean_q (e the balance, mean_q the block's or the one mean) and Qd,
+// Blocks per (batch * q head: blockIdx.x; row group of a sampled 128-row block of Q and key
+// split: blockIdx.y; estimate: blockIdx.z). The query rows are every s-th row of Q's sampled
+// blocks, s = query_stride (reference.query_stride: 8 on long calls, down to 1 on short ones,
+// where the rows times the keys stay within 1.5 x a long call's), 16 of them (one m16 tile) to a block:
+// group j of a sampled block takes its strided rows 16j to 16j + 15. Q_s = q * 2^-e - mean_q (e the balance, mean_q the block's or the one mean) and Qd,
 // the dequantized FP4 rows of q_packed. The keys are the rows of K's sampled blocks (at most
 // 1024), or of its split's share of them: K_s = k * 2^e - mean_k, Kd likewise, and V's rows.
 // Keys go through in chunks of 32 (staged in shared memory), with an online softmax per row for
@@ -23,13 +25,13 @@
 //   hi*hi + hi*lo + lo*hi (about 21 bits of each operand).
 // - P V: V (fp16/bf16) is exact in tf32; P split as above, P_hi V + P_lo V.
 //
-// Each Q block's sum of (O4 - O)^2 and of O^2 over its rows goes to `partial`; the last block of
+// Each row group's sum of (O4 - O)^2 and of O^2 over its rows goes to `partial`; the last block of
 // a head to finish, over every estimate of the grid (an integer counter per head, reset by that
-// block), adds each estimate's partials in block order and writes sqrt(num / max(den, 1e-30)) and
+// block), adds each estimate's partials in group order and writes sqrt(num / max(den, 1e-30)) and
 // the selection. Key splits (calls with few heads: `splits`, from the shapes alone; the Q.K^T
 // estimates only, P's quantizes P against the running max of the keys before it): each split
 // writes its rows' softmax state (max, sum, unnormalized outputs) to split_state, and the last
-// split of the Q block to finish merges them in split order (flash-decoding) before the sums. No
+// split of the row group to finish merges them in split order (flash-decoding) before the sums. No
 // floating-point atomics: the result is the same on every run.
 //
 // P's error (estimate kPv, reference.pv_p_error), for the FP8 P.V choice: both kinds then take
@@ -55,11 +57,14 @@ namespace sageattn3 {
 namespace {
 
 constexpr int kThreads = 256;  // 8 warps
-constexpr int kRows = 16;      // query rows per block (128 / AUTO_QUERY_STRIDE)
-constexpr int kStride = 8;     // reference.AUTO_QUERY_STRIDE
+constexpr int kRows = 16;      // query rows per block (a row group)
+constexpr int kStride = 8;     // reference.AUTO_QUERY_STRIDE: the rows' stride on long calls
 constexpr int kChunk = 32;     // keys per staged chunk
 constexpr int kBlock = 128;    // the sampled blocks' rows
 constexpr int kSampled = 8;    // reference.MEAN_SAMPLE_BLOCKS
+constexpr int kUnits = kSampled * kBlock / kRows;  // a head's most row groups (stride 1)
+// reference.query_stride's budget: 1.5 x a long call's sampled rows times its sampled keys
+constexpr int64_t kRowKeyBudget = static_cast<int64_t>(kSampled) * kBlock / kStride * kSampled * kBlock * 3 / 2;
 constexpr int kSLd = kChunk + 4;
 constexpr float kPScale = 2688.0f;  // 448 * 6: P's row max at the top of E4M3 x E2M1 (the attention's level 1)
 
@@ -159,9 +164,28 @@ __host__ __device__ __forceinline__ int sampled_count(int64_t seq) {
   return static_cast<int>(n < kSampled ? n : kSampled);
 }
 
-__device__ __forceinline__ int64_t sampled_block(int64_t seq, int i) {
+__host__ __device__ __forceinline__ int64_t sampled_block(int64_t seq, int i) {
   const int64_t n = ceil_div(seq, kBlock);
   return (static_cast<int64_t>(i) * n) / sampled_count(seq);
+}
+
+// The rows of sampled block i at stride s (its real rows, every s-th from its first).
+__host__ __device__ __forceinline__ int64_t block_rows(int64_t seq, int i, int s) {
+  const int64_t left = seq - sampled_block(seq, i) * kBlock;
+  return ceil_div(left < kBlock ? left : kBlock, s);
+}
+
+// reference.query_stride, from the shapes alone: the smallest s of 1, 2, 4 whose sampled rows
+// times the sampled keys stay within kRowKeyBudget, else kStride.
+int query_stride(const QkRuleArgs& a) {
+  int64_t keys = 0;
+  for (int i = 0; i < sampled_count(a.Sk); ++i) keys += block_rows(a.Sk, i, 1);
+  for (int s = 1; s < kStride; s *= 2) {
+    int64_t rows = 0;
+    for (int i = 0; i < sampled_count(a.Sq); ++i) rows += block_rows(a.Sq, i, s);
+    if (rows * keys <= kRowKeyBudget) return s;
+  }
+  return kStride;
 }
 
 /* ---------- qk_rule_kernel's phases, in the order a block runs them ---------- */
@@ -189,14 +213,17 @@ struct RowPlan {
 // same on the defaults' rows (options as floors), or P's error.
 enum Estimate : int { kFirst = 0, kFloor = 1, kPv = 2 };
 
-// The launch: the arguments, the estimates of its grid (blockIdx.z -> Estimate), and the key
-// splits (blockIdx.y = sampled Q block * nsplit + split).
+// The launch: the arguments, the estimates of its grid (blockIdx.z -> Estimate), the rows'
+// stride and row groups (blockIdx.y = (sampled Q block * groups + group) * nsplit + key split).
 struct RuleGrid {
   QkRuleArgs a;
   int estimate[3];
   int nest;
   int nsplit;
   float floor_scale;  // the defaults' rows' scores' scale (the unrotated one)
+  int stride;         // query_stride
+  int groups;         // row groups per sampled block: kBlock / stride / kRows
+  int units;          // row groups per head: sampled_count(Sq) * groups
 };
 
 template <int D>
@@ -223,17 +250,18 @@ __device__ __forceinline__ void options_free_means(const QkRuleArgs& a, float* o
   }
 }
 
-// Q's rows: Q_s split into tf32 parts, Qd (rows beyond `rows` zero), into shared memory.
+// Q's rows row0 + stride * r: Q_s split into tf32 parts, Qd (rows r >= `rows` zero), into shared
+// memory.
 template <typename T, int D>
 __device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, const RowPlan& pl, float* sm, int tid, int64_t bh,
-                                             int64_t tq, int rows) {
+                                             int64_t row0, int stride, int rows) {
   using L = Smem<D>;
   const bool deferred = pl.rotate || pl.role.requant;
   for (int u = tid; u < kRows * D / 8; u += kThreads) {
     const int r = u / (D / 8), d0 = (u % (D / 8)) * 8;
     float hi[8], lo[8], qd[8];
     if (r < rows) {
-      const int64_t row = tq * kBlock + static_cast<int64_t>(r) * kStride;
+      const int64_t row = row0 + static_cast<int64_t>(r) * stride;
       float x[8];
       Load8<T>::run(static_cast<const T*>(a.q) + (bh * a.Sq + row) * D + d0, x);
       const float* mean = pl.mean_q + d0;
@@ -490,20 +518,20 @@ __device__ __forceinline__ void chunk_scores(float* sm, int warp, int g, int t, 
 }
 
 // online softmax: lane = key (keys off + lane < count are real; with `causal`, those at positions
-// key0 + lane up to the row's, row0 + 8r); P's tf32 parts go where the two halves' sums were, each
+// key0 + lane up to the row's, row0 + stride * r); P's tf32 parts go where the two halves' sums were, each
 // row's alpha to the alpha area. With pv the FP4 kind's P * 2688 goes unsplit to the first half's
 // place (quantize_p quantizes and splits it).
 template <int D>
 __device__ __forceinline__ void chunk_softmax(float* sm, float scale, int off, int count, int warp, int lane,
                                               float (&m_run)[4], float (&l_run)[4], bool pv, bool causal,
-                                              int64_t key0, int64_t row0) {
+                                              int64_t key0, int64_t row0, int stride) {
   using L = Smem<D>;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int p = warp * 4 + i, kind = p / kRows, r = p % kRows;
     float* h0 = sm + L::kS + (kind * 2 + 0) * kRows * kSLd + r * kSLd;
     float* h1 = sm + L::kS + (kind * 2 + 1) * kRows * kSLd + r * kSLd;
-    const bool live = off + lane < count && (!causal || key0 + lane <= row0 + static_cast<int64_t>(r) * kStride);
+    const bool live = off + lane < count && (!causal || key0 + lane <= row0 + static_cast<int64_t>(r) * stride);
     const float x = __fmul_rn(__fadd_rn(h0[lane], h1[lane]), scale);
     const float m_new = fmaxf(m_run[i], warp_max(live ? x : -INFINITY));
     // a row that has seen no live key yet keeps its empty state (-inf - -inf would be NaN); key 0
@@ -639,23 +667,22 @@ __device__ __forceinline__ void block_error(float* sm, int warp, int lane, int g
   }
 }
 
-// Thread 0, with the block's sums (n, d) over its sampled Q block: they go to `partial`; the last
+// Thread 0, with the block's sums (n, d) over its row group `unit`: they go to `partial`; the last
 // block of the head to finish (of every estimate in the grid) adds each estimate's partials in
-// block order and writes the head's errors and selection.
-__device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int qi, int z, float n, float d) {
+// row group order and writes the head's errors and selection.
+__device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int unit, int z, float n, float d) {
   const QkRuleArgs& a = G.a;
   const int64_t BH = a.B * a.Hq;
-  a.partial[((z * BH + bh) * kSampled + qi) * 2] = n;
-  a.partial[((z * BH + bh) * kSampled + qi) * 2 + 1] = d;
+  a.partial[((z * BH + bh) * kUnits + unit) * 2] = n;
+  a.partial[((z * BH + bh) * kUnits + unit) * 2 + 1] = d;
   __threadfence();
-  const int nq = sampled_count(a.Sq);
-  if (atomicAdd(a.counter + bh, 1) != nq * G.nest - 1) return;
+  if (atomicAdd(a.counter + bh, 1) != G.units * G.nest - 1) return;
   __threadfence();
-  const auto estimate = [&](int zz) {  // estimate zz of the grid from its partials, in block order
+  const auto estimate = [&](int zz) {  // estimate zz of the grid from its partials, in row group order
     float sn = 0.0f, sd = 0.0f;
-    for (int i = 0; i < nq; ++i) {
-      sn += __ldcg(a.partial + ((zz * BH + bh) * kSampled + i) * 2);
-      sd += __ldcg(a.partial + ((zz * BH + bh) * kSampled + i) * 2 + 1);
+    for (int i = 0; i < G.units; ++i) {
+      sn += __ldcg(a.partial + ((zz * BH + bh) * kUnits + i) * 2);
+      sd += __ldcg(a.partial + ((zz * BH + bh) * kUnits + i) * 2 + 1);
     }
     return sqrtf(sn / fmaxf(sd, 1e-30f));
   };
@@ -716,17 +743,17 @@ __device__ __forceinline__ RowPlan row_plan(const QkRuleArgs& a, const Role& rol
 }
 
 // With key splits: the block's softmax state (m, l and the unnormalized output of each (kind,
-// row)) to its slot of a.split_state; the last split of the sampled Q block to finish merges the
+// row)) to its slot of a.split_state; the last split of the row group to finish merges the
 // slots in split order (flash-decoding) into O and O4 in shared memory and returns the sums of
 // (O4 - O)^2 and O^2 over its rows < `rows` in (n, d) of thread 0. Returns false in the other blocks.
 template <int D>
-__device__ __forceinline__ bool merge_splits(const RuleGrid& G, float* sm, int64_t bh, int qi, int si, int z, int warp,
+__device__ __forceinline__ bool merge_splits(const RuleGrid& G, float* sm, int64_t bh, int unit, int si, int z, int warp,
                                              int lane, int g, int t, int rows, const float (&m_run)[4],
                                              const float (&l_run)[4], const float (&acc)[D / 32][4], float& n, float& d) {
   using L = Smem<D>;
   constexpr int kNt = D / 32, kRow = D + 2, kSlot = 2 * kRows * kRow;
   const QkRuleArgs& a = G.a;
-  const int64_t group = (z * a.B * a.Hq + bh) * kSampled + qi;
+  const int64_t group = (z * a.B * a.Hq + bh) * G.units + unit;  // the split state: G.units per head
   float* slots = a.split_state + group * G.nsplit * kSlot;
   float* mine = slots + si * kSlot;  // [kind][row][m, l, acc[D]]
 #pragma unroll
@@ -748,7 +775,7 @@ __device__ __forceinline__ bool merge_splits(const RuleGrid& G, float* sm, int64
   __syncthreads();
   int* last = reinterpret_cast<int*>(sm + L::kAlpha);
   if (threadIdx.x == 0) {
-    int32_t* ctr = a.counter + a.B * a.Hq + group;
+    int32_t* ctr = a.counter + a.B * a.Hq + (z * a.B * a.Hq + bh) * kUnits + unit;
     *last = atomicAdd(ctr, 1) == G.nsplit - 1;
     if (*last) *ctr = 0;  // ready for the next launch
   }
@@ -819,7 +846,8 @@ __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(const __grid_const
   const QkRuleArgs& a = G.a;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int64_t bh = blockIdx.x;  // batch * Hq + q head
-  const int qi = blockIdx.y / G.nsplit, si = blockIdx.y % G.nsplit;  // sampled block of Q, key split
+  const int unit = blockIdx.y / G.nsplit, si = blockIdx.y % G.nsplit;  // row group, key split
+  const int qi = unit / G.groups;  // its sampled block of Q
   const int z = blockIdx.z;
   const Role role{G.estimate[z] == kPv, G.estimate[z] == kFloor, G.estimate[z] == kFloor ? G.floor_scale : a.scale};
   // P's estimate quantizes P against the running max of the keys before it, in order: its blocks
@@ -829,7 +857,13 @@ __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(const __grid_const
   const int64_t b = bh / a.Hq, h = bh % a.Hq;
   const int64_t bk = b * a.Hkv + h / (a.Hq / a.Hkv);  // its kv head, flattened
   const int64_t tq = sampled_block(a.Sq, qi);
-  const int rows = static_cast<int>(ceil_div(min(static_cast<int64_t>(kBlock), a.Sq - tq * kBlock), kStride));
+  const int first = (unit % G.groups) * kRows;  // the group's first row among the block's strided rows
+  const int64_t row0 = tq * kBlock + static_cast<int64_t>(first) * G.stride;
+  const int rows = static_cast<int>(min(static_cast<int64_t>(kRows), block_rows(a.Sq, qi, G.stride) - first));
+  if (rows <= 0) {  // a group past a partial last block's rows: nothing to estimate, it still reports
+    if (si == 0 && tid == 0) head_error(G, bh, unit, z, 0.0f, 0.0f);
+    return;
+  }
   const int kblocks = sampled_count(a.Sk);
   if (tid < kblocks) {
     tk_tab[tid] = sampled_block(a.Sk, tid) * kBlock;
@@ -837,7 +871,7 @@ __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(const __grid_const
   }
   const RowPlan pl = row_plan<D>(a, role, sm, warp, bh, bk, tq);  // ends with a __syncthreads
 
-  stage_q_rows<T, D>(a, pl, sm, tid, bh, tq, rows);
+  stage_q_rows<T, D>(a, pl, sm, tid, bh, row0, G.stride, rows);
   if (pl.rotate || pl.role.requant) finish_q_rows<D>(pl, sm, tid, warp, rows);
 
   // softmax state of the 4 (kind, row) pairs this warp owns: pair p = warp * 4 + i, kind p / 16
@@ -872,7 +906,7 @@ __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(const __grid_const
     chunk_scores<D>(sm, warp, g, t, role.pv);
     __syncthreads();
     chunk_softmax<D>(sm, role.scale, off, count, warp, lane, m_run, l_run, role.pv, role.pv && a.causal, key0 + off,
-                     tq * kBlock);
+                     row0, G.stride);
     __syncthreads();
     if (role.pv) {
       quantize_p<D>(sm, tid);
@@ -884,7 +918,7 @@ __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(const __grid_const
   float n = 0.0f, d = 0.0f;
   if (nsplit > 1) {
     __syncthreads();  // the last chunk's reads of the staging area are done
-    if (!merge_splits<D>(G, sm, bh, qi, si, z, warp, lane, g, t, rows, m_run, l_run, acc, n, d)) return;
+    if (!merge_splits<D>(G, sm, bh, unit, si, z, warp, lane, g, t, rows, m_run, l_run, acc, n, d)) return;
   } else {
     block_error<D>(sm, warp, lane, g, t, rows, l_run, acc);
     __syncthreads();
@@ -894,26 +928,29 @@ __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(const __grid_const
       d += red[8 + w4];
     }
   }
-  if (tid == 0) head_error(G, bh, qi, z, n, d);
+  if (tid == 0) head_error(G, bh, unit, z, n, d);
 #else
   __trap();  // mma.sync tf32 needs sm_80 or newer (the builds target sm_90 and sm_120 families)
 #endif
 }
 
 // The key splits of a launch, from the shapes alone (so that a result does not depend on the
-// GPU): while the grid of the sampled Q blocks has at most kSplitBlocks / 2 blocks per estimate,
+// GPU): while the grid of the row groups has at most kSplitBlocks / 2 blocks per estimate,
 // the sampled key blocks are split in two more, up to one per split. Calls with few heads then
 // fill the GPU: the blocks' chunk loops are serial.
 constexpr int64_t kSplitBlocks = 128;
-// The workspace per (batch, q head): partial, (n, d) of each estimate and sampled Q block; the
-// counters, one per head and one per (estimate, sampled Q block) for the key splits, an even count
-// so that the split state after them stays 8-byte aligned.
-constexpr int64_t kPartialFloats = 3 * kSampled * 2;
-constexpr int64_t kCounters = 1 + 3 * kSampled;
+// The workspace per (batch, q head): partial, (n, d) of each estimate and row group; the
+// counters, one per head and one per (estimate, row group) for the key splits, an even count so
+// that the split state after them stays 8-byte aligned.
+constexpr int64_t kPartialFloats = 3 * kUnits * 2;
+constexpr int64_t kCounters = 1 + 3 * kUnits;
+
+// The row groups of a head at stride s: kRows strided rows each, every sampled block alike.
+int units(const QkRuleArgs& a, int s) { return sampled_count(a.Sq) * (kBlock / s / kRows); }
 constexpr int64_t kCounterWords = (kCounters + 1) / 2 * 2;
 
 int splits(const QkRuleArgs& a) {
-  const int64_t grid = a.B * a.Hq * sampled_count(a.Sq);
+  const int64_t grid = a.B * a.Hq * units(a, query_stride(a));
   const int kb = sampled_count(a.Sk);
   int s = 1;
   while (2 * s <= kb && grid * 2 * s <= kSplitBlocks) s *= 2;
@@ -929,8 +966,10 @@ int launch(const QkRuleArgs& a, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   // P's blocks first (blockIdx.z 0, scheduled first): never split, they are the longest where the
   // others are
+  const int stride = query_stride(a);
   RuleGrid G{a, {kFirst, kFirst, kFirst}, 0, a.split_state == nullptr ? 1 : splits(a),
-             a.rotate ? a.scale * static_cast<float>(D / 64) : a.scale};  // the unrotated scores' scale (exact)
+             a.rotate ? a.scale * static_cast<float>(D / 64) : a.scale,  // the unrotated scores' scale (exact)
+             stride, kBlock / stride / kRows, units(a, stride)};
   if (a.error_pv != nullptr && a.pv_limit >= 0.0f) G.estimate[G.nest++] = kPv;
   G.estimate[G.nest++] = kFirst;
   if (a.floor) G.estimate[G.nest++] = kFloor;
@@ -941,7 +980,7 @@ int launch(const QkRuleArgs& a, cudaStream_t stream) {
   if (err == cudaSuccess) err = cudaMemsetAsync(a.sel_k, 0, static_cast<size_t>(a.B * a.Hkv), stream);
   if (err == cudaSuccess && a.sel_v != nullptr) err = cudaMemsetAsync(a.sel_v, 0, static_cast<size_t>(a.B * a.Hkv), stream);
   if (err != cudaSuccess) return err;
-  const dim3 grid(static_cast<unsigned>(BH), static_cast<unsigned>(sampled_count(a.Sq) * G.nsplit),
+  const dim3 grid(static_cast<unsigned>(BH), static_cast<unsigned>(G.units * G.nsplit),
                   static_cast<unsigned>(G.nest));
   kernel<<<grid, kThreads, L::kBytes, stream>>>(G);
   return cudaGetLastError();
@@ -955,7 +994,7 @@ int launch_d(const QkRuleArgs& a, cudaStream_t stream) {
 int64_t split_floats(const QkRuleArgs& a) {
   if ((a.D != 64 && a.D != 128) || a.B < 1 || a.Hq < 1 || a.Sq < 1 || a.Sk < 1) return 0;
   const int s = splits(a);
-  return s > 1 ? 3 * a.B * a.Hq * kSampled * s * 2 * kRows * (a.D + 2) : 0;
+  return s > 1 ? 3 * a.B * a.Hq * units(a, query_stride(a)) * s * 2 * kRows * (a.D + 2) : 0;
 }
 
 }  // namespace

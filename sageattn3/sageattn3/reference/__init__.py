@@ -113,6 +113,7 @@ from .precision import (
     choose_pv_precision,
     options_free_means,
     qk_fp4_error,
+    query_stride,
     rule_has_options,
     qk_precision_arg,
     treatment_applies,
@@ -170,7 +171,9 @@ QK_SCALE_SEARCH = False
 # each is read once.
 MEAN_SAMPLE_BLOCKS = 8
 # The rule reads every AUTO_QUERY_STRIDE-th query row of Q's sampled blocks (``sample_blocks``:
-# up to 8 x 16 rows) against every key of K's sampled blocks (up to 1024 keys).
+# up to 8 x 16 rows) against every key of K's sampled blocks (up to 1024 keys); a shorter call,
+# every 4th, 2nd or every row, as long as its rows times its keys stay within 1.5 times that
+# (``query_stride``).
 AUTO_QUERY_STRIDE = 8
 # A head takes FP8 Q·Kᵀ when the rule's estimate of the relative output error FP4 Q·Kᵀ causes
 # (``qk_fp4_error``) exceeds this. Calibrated on tests/attention_cases.py (docs/accuracy-auto.md;
@@ -276,6 +279,7 @@ __all__ = [
     "q_mean",
     "options_free_means",
     "qk_fp4_error",
+    "query_stride",
     "rule_has_options",
     "qk_precision_arg",
     "qk16_rows",

@@ -21,6 +21,7 @@ from .formats import (
     E4M3_MAX,
     FP4_MAX,
     MX_BLOCK,
+    QK16_HEAD_DIM,
     dequantize_mxfp8_rows,
     mxfp8_p,
     dequantize_mxfp8_transposed,
@@ -35,6 +36,7 @@ from .formats import (
     quantize_rows,
     quantize_transposed,
     quantize_transposed_tiled,
+    qk16_rows,
     unpack_codes,
 )
 from .transforms import (
@@ -92,6 +94,32 @@ def _sampled_rows(x: torch.Tensor, seq: int, stride: int) -> list[torch.Tensor]:
     return [x[..., t * Q_MEAN_BLOCK : min(seq, (t + 1) * Q_MEAN_BLOCK) : stride, :] for t in sample_blocks(seq)]
 
 
+def _sampled_count(seq: int, stride: int) -> int:
+    """How many rows ``_sampled_rows`` takes at ``stride``."""
+    return sum(len(range(t * Q_MEAN_BLOCK, min(seq, (t + 1) * Q_MEAN_BLOCK), stride)) for t in sample_blocks(seq))
+
+
+def query_stride(sq: int, sk: int) -> int:
+    """The stride of the rule's query rows in a call of ``sq`` queries and ``sk`` keys, from the
+    shapes alone: the smallest of 1, 2, 4, ... below ``AUTO_QUERY_STRIDE`` at which the sampled
+    rows times the sampled keys stay within 1.5 times a long call's (``MEAN_SAMPLE_BLOCKS`` blocks
+    of 128 / ``AUTO_QUERY_STRIDE`` rows against as many blocks of 128 keys: 1.5 x 128 x 1024),
+    else ``AUTO_QUERY_STRIDE``. A short call so reads every row (up to 443 tokens), or every 2nd
+    (up to 627) or 4th (up to 886): on a near-one-hot head of a few hundred rows, the few rows
+    whose top two scores are close carry FP4's error, and every 8th row can miss them all. A
+    budget of 1.5 keeps every call of more than 1024 tokens at ``AUTO_QUERY_STRIDE`` (twice a long
+    call's would read every 4th row of them all)."""
+    stride = _package.AUTO_QUERY_STRIDE
+    budget = (_package.MEAN_SAMPLE_BLOCKS * Q_MEAN_BLOCK) ** 2 // stride * 3 // 2
+    keys = _sampled_count(sk, 1)
+    s = 1
+    while s < stride:
+        if _sampled_count(sq, s) * keys <= budget:
+            return s
+        s *= 2
+    return stride
+
+
 def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes -> float32 by arithmetic (no table: nothing copied from the host)."""
     m = (codes & 7).to(torch.float32)
@@ -113,10 +141,11 @@ def qk_fp4_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre,
     float32, computed with torch ops on q's device (no host synchronisation, no host data).
     ``pre``: the ``Preprocessed`` that ``preprocess`` made of q, k, v.
 
-    1. Query rows: every ``AUTO_QUERY_STRIDE``-th row of Q's sampled 128-row blocks
-       (``sample_blocks``), smoothed as the preprocessing smoothed them (balanced, rotated where
-       ``pre.qk_rotation``, minus their block's mean: Q_s), and the same rows of the FP4 Q the
-       kernel reads (Qd, dequantized).
+    1. Query rows: every s-th row of Q's sampled 128-row blocks (``sample_blocks``; s =
+       ``query_stride``: ``AUTO_QUERY_STRIDE`` on long calls, down to 1 on short ones), smoothed
+       as the preprocessing smoothed them (balanced, rotated where ``pre.qk_rotation``, minus
+       their block's mean: Q_s), and the same rows of the FP4 Q the kernel reads (Qd,
+       dequantized).
     2. Keys: every row of K's sampled blocks, K_s (balanced, rotated, minus mean_k) and Kd
        likewise; V's same rows.
     3. L = c · Q_s K_sᵀ and L4 = c · Qd Kdᵀ with c the softmax scale (default 1/sqrt(D)), divided
@@ -174,7 +203,8 @@ def _fp4_error(q, k, v, pre, sm_scale, plain: bool) -> torch.Tensor:
     mean_q, mean_k = options_free_means(pre) if plain else (pre.mean_q, pre.mean_k)
     cat = lambda views: torch.cat(views, dim=-2)  # noqa: E731  (one gather per operand)
     nm = mean_q.shape[-2]
-    q_rows = _sampled_rows(q, sq, _package.AUTO_QUERY_STRIDE)
+    stride = query_stride(sq, sk)
+    q_rows = _sampled_rows(q, sq, stride)
     means = cat([mean_q[..., (t if nm > 1 else 0):(t if nm > 1 else 0) + 1, :].expand(b, hq, blk.shape[-2], d)
                  for t, blk in zip(sample_blocks(sq), q_rows)])
     qs = turn(cat(q_rows).float() * cq) - means
@@ -182,8 +212,8 @@ def _fp4_error(q, k, v, pre, sm_scale, plain: bool) -> torch.Tensor:
     if plain:
         qd, kd = _dequantize_fp4_rows(*quantize_rows(qs)), _dequantize_fp4_rows(*quantize_rows(ks))
     else:
-        qd = _dequantize_fp4_rows(cat(_sampled_rows(pre.q_packed, sq, _package.AUTO_QUERY_STRIDE)),
-                                  cat(_sampled_rows(pre.q_scales, sq, _package.AUTO_QUERY_STRIDE)))
+        qd = _dequantize_fp4_rows(cat(_sampled_rows(pre.q_packed, sq, stride)),
+                                  cat(_sampled_rows(pre.q_scales, sq, stride)))
         kd = _dequantize_fp4_rows(cat(_sampled_rows(pre.k_packed, sk, 1)), cat(_sampled_rows(pre.k_scales, sk, 1)))
     vs = cat(_sampled_rows(v, sk, 1)).float()
     ks, kd, vs = expand_kv(ks, hq), expand_kv(kd, hq), expand_kv(vs, hq)
@@ -236,13 +266,13 @@ def pv_p_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_scale:
     cq = 1.0 if pre.balance is None else expand_kv(torch.exp2(-pre.balance), hq)
     ck = 1.0 if pre.balance is None else torch.exp2(pre.balance)
     cat = lambda views: torch.cat(views, dim=-2)  # noqa: E731
-    qs = turn(cat(_sampled_rows(q, sq, _package.AUTO_QUERY_STRIDE)).float() * cq)
+    stride = query_stride(sq, sk)
+    qs = turn(cat(_sampled_rows(q, sq, stride)).float() * cq)
     ks = expand_kv(turn(cat(_sampled_rows(k, sk, 1)).float() * ck) - pre.mean_k, hq)
     vs = expand_kv(cat(_sampled_rows(v, sk, 1)).float(), hq)
     lg = torch.matmul(qs, ks.transpose(-1, -2)) * scale
     if flag(is_causal, "is_causal"):
-        masked = _sampled_positions(sk, 1, q.device)[None, :] > _sampled_positions(sq, _package.AUTO_QUERY_STRIDE,
-                                                                                    q.device)[:, None]
+        masked = _sampled_positions(sk, 1, q.device)[None, :] > _sampled_positions(sq, stride, q.device)[:, None]
         lg = lg.masked_fill(masked, float("-inf"))
     o = torch.matmul(torch.softmax(lg, dim=-1), vs)
     n = lg.shape[-1]
@@ -353,7 +383,7 @@ def treatment_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_
     ``pre``: ``preprocess(q, k, v, per_block_mean, qk_balance=False, qk_rotation=False)`` (its
     means; any precision). Opt-in: no default path calls it.
 
-    On the rule's sample (``qk_fp4_error``'s: every ``AUTO_QUERY_STRIDE``-th row of Q's sampled
+    On the rule's sample (``qk_fp4_error``'s: every ``query_stride``-th row of Q's sampled
     128-row blocks against every key of K's sampled blocks; with ``is_causal`` a sampled key after
     a sampled row's position is masked, as the attention masks it: key 0 is always sampled, so
     every row keeps one):
@@ -361,7 +391,8 @@ def treatment_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_
     1. the target O = softmax(c · Q Kᵀ) V in float64 from the inputs (c the softmax scale);
     2. per set: Q and K balanced (``balance_exponents``) and/or rotated as ``preprocess`` does
        them, minus their (balanced, rotated) means, quantized to NVFP4 (with the scale search) or
-       MXFP8 exactly as the kernels' operands (bit for bit on these rows); scores
+       to the precise rung (FP8 Q·Kᵀ: MXFP8, at D 64 bf16 rows, ``qk16_rows``) exactly as the
+       kernels' operands (bit for bit on these rows); scores
        L = c / ``rotation_score_factor`` · Qd Kdᵀ + c · mean_q · (K - mean_k)ᵀ (the correction in
        float32 from the unquantized means, as the paper's delta_s); per row, P = exp2((L - max)
        · log2 e), quantized as the kernel's P: NVFP4 of P · 2688 along the keys (16-key blocks), or
@@ -380,7 +411,7 @@ def treatment_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_
         raise ValueError("treatment_errors: pass the Preprocessed of preprocess(q, k, v, per_block_mean, "
                          "qk_balance=False, qk_rotation=False) (its raw means)")
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
-    stride = _package.AUTO_QUERY_STRIDE
+    stride = query_stride(sq, sk)
     cat = lambda views: torch.cat(views, dim=-2)  # noqa: E731
     q_rows = cat(_sampled_rows(q, sq, stride)).float()  # (B, Hq, R, D)
     k_rows = cat(_sampled_rows(k, sk, 1)).float()  # (B, Hkv, N, D)
@@ -413,9 +444,9 @@ def treatment_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_
         turn = rotate if s & ROTATION else (lambda x: x.float())
         qs = turn(q_rows * cq) - turn(mq_rows * cq)
         ks = turn(k_rows * ck) - turn(pre.mean_k * ck)
-        if s & QK_FP8:
-            qd = dequantize_mxfp8_rows(*quantize_mxfp8_rows(qs))
-            kd = dequantize_mxfp8_rows(*quantize_mxfp8_rows(ks))
+        if s & QK_FP8:  # the precise rung: bf16 rows at D 64 (the 16-bit Q·Kᵀ), MXFP8 rows otherwise
+            qd, kd = (qk16_rows(x).float() if d == QK16_HEAD_DIM else dequantize_mxfp8_rows(*quantize_mxfp8_rows(x))
+                      for x in (qs, ks))
         else:
             qd = dequantize_rows(*quantize_rows(qs, bool(s & SCALE_SEARCH)))
             kd = dequantize_rows(*quantize_rows(ks, bool(s & SCALE_SEARCH)))
