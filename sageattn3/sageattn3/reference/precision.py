@@ -104,11 +104,10 @@ def query_stride(sq: int, sk: int) -> int:
     shapes alone: the smallest of 1, 2, 4, ... below ``AUTO_QUERY_STRIDE`` at which the sampled
     rows times the sampled keys stay within 1.5 times a long call's (``MEAN_SAMPLE_BLOCKS`` blocks
     of 128 / ``AUTO_QUERY_STRIDE`` rows against as many blocks of 128 keys: 1.5 x 128 x 1024),
-    else ``AUTO_QUERY_STRIDE``. A short call so reads every row (up to 443 tokens), or every 2nd
-    (up to 627) or 4th (up to 886): on a near-one-hot head of a few hundred rows, the few rows
-    whose top two scores are close carry FP4's error, and every 8th row can miss them all. A
-    budget of 1.5 keeps every call of more than 1024 tokens at ``AUTO_QUERY_STRIDE`` (twice a long
-    call's would read every 4th row of them all)."""
+    else ``AUTO_QUERY_STRIDE``. A short call reads every row (up to 443 tokens), every 2nd (up to
+    626) or every 4th (up to 885): on a near-one-hot head of a few hundred rows, FP4's error sits on
+    the few rows whose top two scores are close, which every 8th row can miss. 1.5 keeps every call
+    of more than 1024 tokens at ``AUTO_QUERY_STRIDE`` (2 would read every 4th row of them all)."""
     stride = _package.AUTO_QUERY_STRIDE
     budget = (_package.MEAN_SAMPLE_BLOCKS * Q_MEAN_BLOCK) ** 2 // stride * 3 // 2
     keys = _sampled_count(sk, 1)
