@@ -395,6 +395,10 @@ def mxfp8_smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, pre, sel_q: torch.Te
                                        1 if pre.qk_rotation else 2)
 
 
+def _attention_call_fake(q, k, v, *args):  # sageattn3._call: its output, (B, Hq, Sq, D) in q's dtype
+    return q.new_empty(q.shape)
+
+
 def _preprocess_qkv_fake(q, k, v, pad, per_block_mean, rotate, balance, search):
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
@@ -461,7 +465,7 @@ def _mxfp8_smooth_quant_qk_fake(q, k, mean_q, mean_k, balance, sel_q, sel_k, seq
 
 
 ALLOCATING_OPS = {"preprocess_qkv": _preprocess_qkv_fake, "qk_rule_select": _qk_rule_select_fake,
-                  "mxfp8_smooth_quant_qk": _mxfp8_smooth_quant_qk_fake}
+                  "mxfp8_smooth_quant_qk": _mxfp8_smooth_quant_qk_fake, "attention_call": _attention_call_fake}
 # Ops defined in Python (sageattn3.api), with their own fakes.
 PYTHON_OPS = ("attention",)
 

@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from sageattn3 import _attn, _kernels, _pv8, _selfcheck, reference
+from sageattn3 import _attn, _call, _kernels, _pv8, _selfcheck, reference
 from sageattn3._preprocess_api import (  # noqa: F401  (public names re-exported here)
     _delta_key_torch,
     _kernels_serve,
@@ -363,15 +363,19 @@ def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: flo
     where FP8 cannot run, with "auto"): exactly the FP4 path. ``choice``: a list the QkChoice is
     appended to (the debug return). q, k, v are made contiguous and aligned once, here, for every
     op; the delta_s workspace's limit (``SAGEATTN3_DELTA_S_WORKSPACE_MIB``) is read once.
+    Where ``sageattn3._call`` serves the call (no ``choice``), one op makes every launch below.
     ``pv_precision`` "fp8": V in MXFP8 (``_pv8.quant_mxfp8_cols``) and the FP8 P·V kernels for
     every head; "auto" (where the Q·Kᵀ rule runs and the build has them): for the heads whose P's
     estimate exceeds ``pv_limit`` (None: ``reference.PV_ERROR_LIMIT``; the self-check sets its own)."""
     q, k, v = _kernels.aligned_eager(q), _kernels.aligned_eager(k), _kernels.aligned_eager(v)
+    pv_rule = pv_precision == "auto" and _pv8_built()
+    pv_limit = reference.PV_ERROR_LIMIT if pv_limit is None else pv_limit
+    if choice is None and _call.serves(q, k, pv_rule, pv_precision):  # the same launches from one op
+        return _call.call(q, k, v, is_causal, per_block_mean, sm_scale, qk_rotation, qk_balance, qk_scale_search,
+                          qk_precision, pv_precision, pv_rule, pv_limit)
     pre = _preprocess_kernels(q, k, v, per_block_mean, _attn.SEQ_PAD, qk_rotation, qk_balance, qk_scale_search,
                               inputs_aligned=True)
     limit = _attn.delta_s_workspace_limit() if pre.mean_q.shape[2] > 1 else 0  # unused with one Q mean
-    pv_rule = pv_precision == "auto" and _pv8_built()
-    pv_limit = reference.PV_ERROR_LIMIT if pv_limit is None else pv_limit
     picked = _qk_selection(q, k, v, pre, qk_precision, sm_scale, limit, pv_limit=pv_limit if pv_rule else -1.0,
                            is_causal=is_causal)
     kw = {"is_causal": is_causal, "sm_scale": sm_scale, "out_dtype": q.dtype, "workspace_limit": limit}

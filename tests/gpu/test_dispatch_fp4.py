@@ -168,10 +168,14 @@ def test_forced_mismatch_warns_once_then_sdpa(fp4, monkeypatch):
     """A corrupted kernel (its output's channels reversed, as a wrong fragment layout would do),
     with FP4 and with FP8 Q·Kᵀ: the self-check catches it, warns once with the figures, and SDPA
     answers from then on."""
-    from sageattn3 import _attn, _selfcheck
+    from sageattn3 import _attn, _call, _selfcheck
 
-    real, real8 = _attn.attention_from_preprocessed, _attn.attention_qk8
+    real, real8, real_call = _attn.attention_from_preprocessed, _attn.attention_qk8, _call.call
     calls = []
+
+    def corrupted_call(q, *args, **kw):  # the one-op call (sageattn3._call), where it serves
+        calls.append(q.shape[2])
+        return real_call(q, *args, **kw).flip(-1)
 
     def corrupted(pre, **kw):
         calls.append(pre.seq_q)
@@ -183,6 +187,7 @@ def test_forced_mismatch_warns_once_then_sdpa(fp4, monkeypatch):
 
     monkeypatch.setattr(_attn, "attention_from_preprocessed", corrupted)
     monkeypatch.setattr(_attn, "attention_qk8", corrupted8)
+    monkeypatch.setattr(_call, "call", corrupted_call)
     q, k, v = make_qkv(2, 4, 2, 333, 333, 128, torch.float16)
     copies = [t.clone() for t in (q, k, v)]
     outs, msgs = sa_warnings(lambda: fp4.sageattn3_blackwell(q, k, v, is_causal=True), 3)

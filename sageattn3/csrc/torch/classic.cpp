@@ -36,7 +36,7 @@ struct TensorApi<at::Tensor> {
     return c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
   }
   [[noreturn]] static void fail(const std::string& msg) { TORCH_CHECK(false, msg); }
-  // A new contiguous tensor (kByte, kFloat8e4m3fn or kFloat) on like's CUDA device.
+  // A new contiguous tensor (kByte, kFloat8e4m3fn, kFloat, kHalf or kBFloat16) on like's CUDA device.
   static at::Tensor empty(std::initializer_list<int64_t> sizes, Kind k, const at::Tensor& like) {
     return at::empty(at::IntArrayRef(sizes.begin(), sizes.size()), like.options().dtype(scalar_type(k)));
   }
@@ -44,7 +44,11 @@ struct TensorApi<at::Tensor> {
     return at::empty(at::IntArrayRef(sizes, static_cast<size_t>(ndim)), like.options().dtype(scalar_type(k)));
   }
   static at::ScalarType scalar_type(Kind k) {
-    return k == Kind::kByte ? at::kByte : k == Kind::kFloat8e4m3fn ? at::kFloat8_e4m3fn : at::kFloat;
+    return k == Kind::kByte           ? at::kByte
+           : k == Kind::kFloat8e4m3fn ? at::kFloat8_e4m3fn
+           : k == Kind::kHalf         ? at::kHalf
+           : k == Kind::kBFloat16     ? at::kBFloat16
+                                      : at::kFloat;
   }
   template <auto F>
   static auto kernel() {

@@ -9,20 +9,23 @@
 //   torch/ops_preprocess.h  smoothing + NVFP4 of Q and K, the channel balance, preprocess_qkv, delta_s
 //   torch/ops_attn.h        the FP4 attention (its per-head FP8 Q.K^T and its FP8 P.V variants)
 //   torch/ops_rule.h        the "auto" Q.K^T precision rule's estimate
+//   torch/ops_call.h        the whole eager call (preprocessing, the rule, the FP8 operands, attention)
 //   torch/ops_probe.h       one block-scaled FP4 MMA, for checking layouts
 // Here: the op table (names and schemas) that both units register, and the module init.
 //
 // Ops write into outputs the Python side allocated and validated (shapes, dtypes, devices are
-// checked there with messages naming the argument), except preprocess_qkv, qk_rule_select and
-// mxfp8_smooth_quant_qk, which allocate and return their own (one allocation per output,
-// torch/outputs.h); the ops re-check the invariants the kernels rely on (torch/checks.h), so
-// a direct torch.ops call can never reach a kernel with bad memory.
+// checked there with messages naming the argument), except preprocess_qkv, qk_rule_select,
+// mxfp8_smooth_quant_qk (one allocation per output, torch/outputs.h) and attention_call (its output
+// and one allocation for everything it computes on the way, torch/ops_call.h), which allocate their
+// own; the ops re-check the invariants the kernels rely on (torch/checks.h), so a direct torch.ops
+// call can never reach a kernel with bad memory.
 #pragma once
 
 #include <Python.h>
 
 #include "torch/checks.h"
 #include "torch/ops_attn.h"
+#include "torch/ops_call.h"
 #include "torch/ops_preprocess.h"
 #include "torch/ops_probe.h"
 #include "torch/ops_quant.h"
@@ -76,6 +79,9 @@
                     "Tensor k_packed, Tensor k_scales, Tensor mean_q, Tensor mean_k, Tensor balance, "              \
                     "float sm_scale, bool rotate, bool floor, float limit, bool select_all, float pv_limit, "   \
                     "bool causal) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")                                    \
+  X(attention_call, "attention_call(Tensor q, Tensor k, Tensor v, bool causal, bool per_block_mean, bool rotate, " \
+                    "bool balance, bool search, int qk_mode, int pv_mode, float sm_scale, float rule_scale, "      \
+                    "bool rule_floor, float limit, float pv_limit, int ws_limit) -> Tensor")                       \
   X(fp4_mma_probe, "fp4_mma_probe(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, Tensor(a!) d, int tid_a, " \
                    "int tid_b) -> ()")
 

@@ -11,6 +11,51 @@
 
 namespace sageattn3::torch_ops {
 
+// The attention's operands by address (attn/attn_api.h's order, checked by the caller).
+struct AttnOperands {
+  const void *q, *q_sf, *k, *k_sf, *v, *v_sf;
+  const int8_t* v_exp;
+  const float *mean_q, *qbar, *ds_key;
+  const void* k_res;
+  float* ds_work;
+  int64_t ds_work_floats;
+  void* out;
+};
+
+// The launch's arguments from checked operands and their shapes (nblk: Q means per head).
+inline Fp4AttnArgs attn_fill(const AttnOperands& o, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t seq_q,
+                             int64_t seq_k, int64_t Sqp, int64_t Skp, int64_t nblk, double sm_scale, bool causal,
+                             DType out_dtype) {
+  Fp4AttnArgs a{};
+  a.q = o.q;
+  a.q_sf = o.q_sf;
+  a.k = o.k;
+  a.k_sf = o.k_sf;
+  a.v = o.v;
+  a.v_sf = o.v_sf;
+  a.v_exp = o.v_exp;
+  a.mean_q = o.mean_q;
+  a.qbar = o.qbar;
+  a.ds_key = o.ds_key;
+  a.k_res = o.k_res;
+  a.ds_work = o.ds_work;
+  a.ds_work_floats = o.ds_work_floats;
+  a.out = o.out;
+  a.batch = static_cast<int>(B);
+  a.heads_q = static_cast<int>(Hq);
+  a.heads_kv = static_cast<int>(Hkv);
+  a.head_dim = static_cast<int>(D);
+  a.seq_q = static_cast<int>(seq_q);
+  a.seq_k = static_cast<int>(seq_k);
+  a.seq_q_pad = static_cast<int>(Sqp);
+  a.seq_k_pad = static_cast<int>(Skp);
+  a.mean_qblocks = static_cast<int>(nblk);
+  a.sm_scale = static_cast<float>(sm_scale);
+  a.causal = causal ? 1 : 0;
+  a.out_dtype = out_dtype;
+  return a;
+}
+
 // blockscaled_fp4_attn(q, q_sf, k, k_sf, v, v_sf, v_exp, mean_q, qbar, ds_key, k_res, ds_work!, out!,
 // seq_q, seq_k, sm_scale, causal):
 // layouts in attn/attn_api.h (sequence dims padded to multiples of 128, zeros); mean_q
@@ -84,33 +129,12 @@ Fp4AttnArgs attn_args(const T& q, const T& q_sf, const T& k, const T& k_sf, cons
     SA3_CHECK(T, k_res.dim() == 4 && same(k_res, B, Hkv, Skp, D), "sageattn3: k_res shape must be (B, Hkv, Sk_p, D) = ",
               dims(B, Hkv, Skp, D), ", got ", shape(k_res));
   }
-  Fp4AttnArgs a{};
-  a.q = q.data_ptr();
-  a.q_sf = q_sf.data_ptr();
-  a.k = k.data_ptr();
-  a.k_sf = k_sf.data_ptr();
-  a.v = v.data_ptr();
-  a.v_sf = v_sf.data_ptr();
-  a.v_exp = v_exp.numel() > 0 ? reinterpret_cast<const int8_t*>(v_exp.data_ptr()) : nullptr;
-  a.mean_q = floats(mean_q);
-  a.qbar = floats(qbar);
-  a.ds_key = floats(ds_key);
-  a.k_res = residual ? k_res.data_ptr() : nullptr;
-  a.ds_work = ds_work.numel() > 0 ? floats(ds_work) : nullptr;
-  a.ds_work_floats = ds_work.numel();
-  a.out = out.data_ptr();
-  a.batch = static_cast<int>(B);
-  a.heads_q = static_cast<int>(Hq);
-  a.heads_kv = static_cast<int>(Hkv);
-  a.head_dim = static_cast<int>(D);
-  a.seq_q = static_cast<int>(seq_q);
-  a.seq_k = static_cast<int>(seq_k);
-  a.seq_q_pad = static_cast<int>(Sqp);
-  a.seq_k_pad = static_cast<int>(Skp);
-  a.mean_qblocks = static_cast<int>(nblk);
-  a.sm_scale = static_cast<float>(sm_scale);
-  a.causal = causal ? 1 : 0;
-  a.out_dtype = dtype_of(out, "out");
+  const Fp4AttnArgs a = attn_fill({q.data_ptr(), q_sf.data_ptr(), k.data_ptr(), k_sf.data_ptr(), v.data_ptr(),
+                                    v_sf.data_ptr(),
+                                    v_exp.numel() > 0 ? reinterpret_cast<const int8_t*>(v_exp.data_ptr()) : nullptr,
+                                    floats(mean_q), floats(qbar), floats(ds_key), residual ? k_res.data_ptr() : nullptr,
+                                    ds_work.numel() > 0 ? floats(ds_work) : nullptr, ds_work.numel(), out.data_ptr()},
+                                   B, Hq, Hkv, D, seq_q, seq_k, Sqp, Skp, nblk, sm_scale, causal, dtype_of(out, "out"));
   SA3_CHECK(T, a.out_dtype != DType::kFloat32, "sageattn3: out must be float16 or bfloat16, got ", dtype_name(out));
   return a;
 }

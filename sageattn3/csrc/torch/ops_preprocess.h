@@ -3,6 +3,7 @@
 // delta_s (csrc/preprocess/delta_s.cu, k_delta.cu).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <initializer_list>
 #include <tuple>
@@ -227,13 +228,33 @@ void qk_balance(T q, T k, T part, T exps) {
 // mean then), ds_key (B, Hq, Skp), balance exponents (B, Hkv, 1, D) (empty without balance), K's
 // quantization residual k_res (B, Hkv, Skp, D) E4M3 (empty without per_block_mean: no block
 // residuals then), V's tile exponents v_exp (B, Hkv, ceil(Skp/128), D/32) int8 values in uint8
-// (quant_fp4_cols).
-// Each output its own allocation (torch/outputs.h). Launch order: V first (the
-// rest of the host work overlaps it), then the launches of smooth_quant_qk (or of smooth_quant_seq
-// for Q, then for K with the correction).
+// (quant_fp4_cols). Each output its own allocation (torch/outputs.h); the launches: prep_launch.
+// (attention_call, torch/ops_call.h, makes the same launches into one allocation of its own.)
+
+// preprocess_qkv's shapes, from its checked inputs (prep_plan): the 13 outputs in the order
+// returned, then the workspace (the sampled tiles' sums of K, then of Q, then with the balance
+// their squares, Q's then K's).
+struct PrepPlan {
+  int64_t B, Hq, Sq, D, Hk, Sk, Sqp, Skp, Gq, Gk, nm, nsq, nsk;
+  DType dt;
+  bool per_block_mean, balance;
+  static constexpr int kOutputs = 14;
+  std::array<OutputSpec, kOutputs> specs() const {
+    const int64_t Bm = per_block_mean ? B : 0, Bb = balance ? B : 0;
+    const int64_t ws_rows = Gk * nsk + Gq * nsq + (balance ? Gq * nsq + Gk * nsk : 0);
+    return {OutputSpec{{B, Hq, Sqp, D / 2}, Kind::kByte}, {{B, Hq, Sqp, D / 16}, Kind::kFloat8e4m3fn},
+            {{B, Hk, Skp, D / 2}, Kind::kByte},           {{B, Hk, Skp, D / 16}, Kind::kFloat8e4m3fn},
+            {{B, Hk, D, Skp / 2}, Kind::kByte},           {{B, Hk, D, Skp / 16}, Kind::kFloat8e4m3fn},
+            {{B, Hq, nm, D}, Kind::kFloat},               {{B, Hk, 1, D}, Kind::kFloat},
+            {{Bm, Hq, 1, D}, Kind::kFloat},               {{B, Hq, Skp}, Kind::kFloat},
+            {{Bb, Hk, 1, D}, Kind::kFloat},               {{Bm, Hk, Skp, D}, Kind::kFloat8e4m3fn},
+            {{B, Hk, (Skp + 127) / 128, D / 32}, Kind::kByte}, {{ws_rows, D}, Kind::kFloat}};
+  }
+};
+
+// preprocess_qkv's checks of its inputs, into its plan.
 template <class T>
-std::tuple<T, T, T, T, T, T, T, T, T, T, T, T, T> preprocess_qkv(T q, T k, T v, int64_t pad, bool per_block_mean,
-                                                           bool rotate, bool balance, bool search) {
+PrepPlan prep_plan(const T& q, const T& k, const T& v, int64_t pad, bool per_block_mean, bool balance) {
   for (const auto& [t, name] : {std::pair<const T*, const char*>{&q, "q"}, {&k, "k"}, {&v, "v"}}) {
     check_cuda(*t, q, name);
     check_aligned(*t, name);
@@ -259,49 +280,52 @@ std::tuple<T, T, T, T, T, T, T, T, T, T, T, T, T> preprocess_qkv(T q, T k, T v, 
   SA3_CHECK(T, per_block_mean || !balance, "sageattn3: the channel balance needs per_block_mean, got balance true with "
             "per_block_mean false");
   const int64_t Sqp = (Sq + pad - 1) / pad * pad, Skp = (Sk + pad - 1) / pad * pad;
-  const int64_t Gq = B * Hq, Gk = B * Hk, nm = per_block_mean ? (Sq + 127) / 128 : 1;
-  const int64_t nsq = sageattn3::sampled_tiles(Sq), nsk = sageattn3::sampled_tiles(Sk);
-  DeviceScope scope(device_index(q));
-  const cudaStream_t stream = TensorApi<T>::stream(q);
-  const int64_t Bm = per_block_mean ? B : 0, Bb = balance ? B : 0;
-  // workspace: the sampled tiles' sums of K, then of Q, then (balance) their squares, Q's then K's
-  const int64_t ws_rows = Gk * nsk + Gq * nsq + (balance ? Gq * nsq + Gk * nsk : 0);
-  // the 13 outputs in the order returned, then the workspace (torch/outputs.h)
-  const OutputSpec specs[] = {{{B, Hq, Sqp, D / 2}, Kind::kByte}, {{B, Hq, Sqp, D / 16}, Kind::kFloat8e4m3fn},
-                              {{B, Hk, Skp, D / 2}, Kind::kByte}, {{B, Hk, Skp, D / 16}, Kind::kFloat8e4m3fn},
-                              {{B, Hk, D, Skp / 2}, Kind::kByte}, {{B, Hk, D, Skp / 16}, Kind::kFloat8e4m3fn},
-                              {{B, Hq, nm, D}, Kind::kFloat},     {{B, Hk, 1, D}, Kind::kFloat},
-                              {{Bm, Hq, 1, D}, Kind::kFloat},     {{B, Hq, Skp}, Kind::kFloat},
-                              {{Bb, Hk, 1, D}, Kind::kFloat},     {{Bm, Hk, Skp, D}, Kind::kFloat8e4m3fn},
-                              {{B, Hk, (Skp + 127) / 128, D / 32}, Kind::kByte},
-                              {{ws_rows, D}, Kind::kFloat}};
-  auto out = allocate_outputs(specs, q);
-  const T &qp = out[0], &qsc = out[1], &kp = out[2], &ksc = out[3], &vp = out[4], &vsc = out[5];
-  const T &mean_q = out[6], &mean_k = out[7], &qbar = out[8], &ds_key = out[9], &exps = out[10], &k_res = out[11];
-  const T& v_exp = out[12];
-  check_cuda_kernel<T>(sageattn3::quant_fp4_cols(v.data_ptr(), dt, Gk, Sk, D, Skp, bytes(vp), bytes(vsc),
-                                                 reinterpret_cast<int8_t*>(bytes(v_exp)), stream),
+  return PrepPlan{B, Hq, Sq, D, Hk, Sk, Sqp, Skp, B * Hq, B * Hk, per_block_mean ? (Sq + 127) / 128 : 1,
+                  sageattn3::sampled_tiles(Sq), sageattn3::sampled_tiles(Sk), dt, per_block_mean, balance};
+}
+
+// preprocess_qkv's launches into the plan's outputs (out[i]: where output i of specs() lies),
+// on the current device. Launch order: V first (the rest of the host work overlaps it), then the
+// launches of smooth_quant_qk (or of smooth_quant_seq for Q, then for K with the correction).
+template <class T>
+void prep_launch(const PrepPlan& p, const void* q, const void* k, const void* v, void* const (&out)[PrepPlan::kOutputs],
+                 bool rotate, bool search, cudaStream_t stream) {
+  auto u8 = [&](int i) { return static_cast<uint8_t*>(out[i]); };
+  auto f32 = [&](int i) { return static_cast<float*>(out[i]); };
+  check_cuda_kernel<T>(sageattn3::quant_fp4_cols(v, p.dt, p.Gk, p.Sk, p.D, p.Skp, u8(4), u8(5),
+                                                 reinterpret_cast<int8_t*>(u8(12)), stream),
                        "preprocess_qkv (V)");
-  float* part_k = floats(out[13]);
-  float* part_q = part_k + Gk * nsk * D;
-  float* bal_part = balance ? part_q + Gq * nsq * D : nullptr;
-  if (per_block_mean) {
-    check_cuda_kernel<T>(sageattn3::smooth_quant_qk(q.data_ptr(), k.data_ptr(), dt, Gq, Sq, Gk, Sk, D, floats(mean_q),
-                                                    Sqp, bytes(qp), bytes(qsc), floats(mean_k), part_k, Skp, bytes(kp),
-                                                    bytes(ksc), rotate, search, part_q, floats(qbar), floats(ds_key),
-                                                    balance ? floats(exps) : nullptr, bal_part, bytes(k_res), stream),
+  float* part_k = f32(13);
+  float* part_q = part_k + p.Gk * p.nsk * p.D;
+  float* bal_part = p.balance ? part_q + p.Gq * p.nsq * p.D : nullptr;
+  if (p.per_block_mean) {
+    check_cuda_kernel<T>(sageattn3::smooth_quant_qk(q, k, p.dt, p.Gq, p.Sq, p.Gk, p.Sk, p.D, f32(6), p.Sqp, u8(0),
+                                                    u8(1), f32(7), part_k, p.Skp, u8(2), u8(3), rotate, search, part_q,
+                                                    f32(8), f32(9), p.balance ? f32(10) : nullptr, bal_part, u8(11),
+                                                    stream),
                          "preprocess_qkv (Q and K)");
   } else {
-    check_cuda_kernel<T>(sageattn3::smooth_quant_seq(q.data_ptr(), dt, Gq, Sq, D, floats(mean_q), part_q, Sqp,
-                                                     bytes(qp), bytes(qsc), rotate, search, nullptr, 1, nullptr,
-                                                     stream),
+    check_cuda_kernel<T>(sageattn3::smooth_quant_seq(q, p.dt, p.Gq, p.Sq, p.D, f32(6), part_q, p.Sqp, u8(0), u8(1),
+                                                     rotate, search, nullptr, 1, nullptr, stream),
                          "preprocess_qkv (Q)");
-    check_cuda_kernel<T>(sageattn3::smooth_quant_seq(k.data_ptr(), dt, Gk, Sk, D, floats(mean_k), part_k, Skp,
-                                                     bytes(kp), bytes(ksc), rotate, search, floats(mean_q), Hq / Hk,
-                                                     floats(ds_key), stream),
+    check_cuda_kernel<T>(sageattn3::smooth_quant_seq(k, p.dt, p.Gk, p.Sk, p.D, f32(7), part_k, p.Skp, u8(2), u8(3),
+                                                     rotate, search, f32(6), p.Hq / p.Hk, f32(9), stream),
                          "preprocess_qkv (K)");
   }
-  return {qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps, k_res, v_exp};
+}
+
+template <class T>
+std::tuple<T, T, T, T, T, T, T, T, T, T, T, T, T> preprocess_qkv(T q, T k, T v, int64_t pad, bool per_block_mean,
+                                                           bool rotate, bool balance, bool search) {
+  const PrepPlan p = prep_plan(q, k, v, pad, per_block_mean, balance);
+  DeviceScope scope(device_index(q));
+  auto out = allocate_outputs(p.specs(), q);  // each output its own allocation (torch/outputs.h)
+  void* const ptrs[PrepPlan::kOutputs] = {out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(), out[3].data_ptr(),
+                                          out[4].data_ptr(), out[5].data_ptr(), out[6].data_ptr(), out[7].data_ptr(),
+                                          out[8].data_ptr(), out[9].data_ptr(), out[10].data_ptr(), out[11].data_ptr(),
+                                          out[12].data_ptr(), out[13].data_ptr()};
+  prep_launch<T>(p, q.data_ptr(), k.data_ptr(), v.data_ptr(), ptrs, rotate, search, TensorApi<T>::stream(q));
+  return {out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7], out[8], out[9], out[10], out[11], out[12]};
 }
 
 // The operands delta_s and smooth_quant_k_delta share, against k (B, Hkv, Sk, D): mean_q (B, Hq, nblk, D)

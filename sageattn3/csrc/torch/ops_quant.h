@@ -104,6 +104,33 @@ void quant_mxfp8_cols(T x, T sel, T codes, T scales) {
                        "quant_mxfp8_cols");
 }
 
+// The launch's arguments from checked operands (mxfp8_smooth_quant's rotate and row_scale).
+inline Mxfp8Args mxfp8_fill(const void* x, DType dt, int64_t H, int64_t S, int64_t Sp, int64_t D, const float* mean,
+                            int64_t mean_rows, const float* balance, int64_t balance_sign, int64_t rep,
+                            const uint8_t* sel, uint8_t* codes, uint8_t* scales, bool bf16_out, int64_t rotate,
+                            double row_scale) {
+  Mxfp8Args a{};
+  a.x = x;
+  a.dtype = dt;
+  a.H = H;
+  a.S = S;
+  a.Sp = Sp;
+  a.D = D;
+  a.mean = mean;
+  a.mean_rows = mean_rows;
+  a.balance = balance;
+  a.balance_sign = balance_sign < 0 ? -1 : 1;
+  a.rep = rep;
+  a.sel = sel;
+  a.codes = codes;
+  a.scales = scales;
+  a.bf16_out = bf16_out;
+  a.rotate = rotate != 0;
+  a.rotate_mean = rotate == 2;
+  a.row_scale = static_cast<float>(row_scale);
+  return a;
+}
+
 // mxfp8_smooth_quant(x, mean, balance, balance_sign, sel, codes!, scales!, rotate): x (B, H, S, D),
 // mean (B, H, 1 or ceil(S/128), D) fp32, balance (B, Hb, 1, D) fp32 exponents or empty (H a
 // multiple of Hb), sel (B, H) bytes or empty; codes (B, H, Sp, D), scales (B, H, Sp, D/32) bytes;
@@ -156,25 +183,10 @@ void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T c
     SA3_CHECK(T, sel.numel() == B * H, "sageattn3: sel must be (B, H) bytes = ", dims(B, H), ", got ", shape(sel));
   }
   DeviceScope scope(device_index(x));
-  Mxfp8Args a{};
-  a.x = x.data_ptr();
-  a.dtype = dtype_of(x, "x");
-  a.H = B * H;
-  a.S = S;
-  a.Sp = Sp;
-  a.D = D;
-  a.mean = floats(mean);
-  a.mean_rows = mr;
-  a.balance = balance.numel() > 0 ? floats(balance) : nullptr;
-  a.balance_sign = balance_sign < 0 ? -1 : 1;
-  a.rep = rep;
-  a.sel = sel.numel() > 0 ? bytes(sel) : nullptr;
-  a.codes = bytes(codes);
-  a.scales = bf16_out ? nullptr : bytes(scales);
-  a.bf16_out = bf16_out;
-  a.rotate = rotate != 0;
-  a.rotate_mean = rotate == 2;
-  a.row_scale = static_cast<float>(row_scale);
+  const Mxfp8Args a = mxfp8_fill(x.data_ptr(), dtype_of(x, "x"), B * H, S, Sp, D, floats(mean), mr,
+                                 balance.numel() > 0 ? floats(balance) : nullptr, balance_sign, rep,
+                                 sel.numel() > 0 ? bytes(sel) : nullptr, bytes(codes), bf16_out ? nullptr : bytes(scales),
+                                 bf16_out, rotate, row_scale);
   check_cuda_kernel<T>(smooth_quant_mxfp8(a, TensorApi<T>::stream(x)), "mxfp8_smooth_quant");
 }
 

@@ -11,6 +11,53 @@
 
 namespace sageattn3::torch_ops {
 
+// The launch's arguments (without the outputs and the workspace) from checked operands.
+inline QkRuleArgs rule_fill(const void* q, const void* k, const void* v, DType dt, int64_t B, int64_t Hq, int64_t Hkv,
+                            int64_t Sq, int64_t Sk, int64_t D, int64_t Sqp, int64_t Skp, const uint8_t* q_packed,
+                            const uint8_t* q_scales, const uint8_t* k_packed, const uint8_t* k_scales,
+                            const float* mean_q, int64_t mean_rows, const float* mean_k, const float* balance,
+                            bool rotate, double sm_scale, bool floor) {
+  QkRuleArgs a{};
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  a.dtype = dt;
+  a.B = B;
+  a.Hq = Hq;
+  a.Hkv = Hkv;
+  a.Sq = Sq;
+  a.Sk = Sk;
+  a.D = D;
+  a.Sqp = Sqp;
+  a.Skp = Skp;
+  a.q_packed = q_packed;
+  a.q_scales = q_scales;
+  a.k_packed = k_packed;
+  a.k_scales = k_scales;
+  a.mean_q = mean_q;
+  a.mean_rows = mean_rows;
+  a.mean_k = mean_k;
+  a.balance = balance;
+  a.rotate = rotate;
+  a.scale = static_cast<float>(sm_scale);
+  a.floor = floor;
+  return a;
+}
+
+// The selection's outputs and limits into a (qk_rule_select's; the workspace bound by the caller).
+inline void rule_select(QkRuleArgs& a, float* error, uint8_t* sel_q, uint8_t* sel_k, float* error_pv, uint8_t* sel_v,
+                        double limit, bool select_all, double pv_limit, bool causal) {
+  a.error = error;
+  a.sel_q = sel_q;
+  a.sel_k = sel_k;
+  a.limit = static_cast<float>(limit);
+  a.select_all = select_all ? 1 : 0;
+  a.error_pv = error_pv;
+  a.sel_v = sel_v;
+  a.pv_limit = static_cast<float>(pv_limit);
+  a.causal = causal;
+}
+
 // The rule op's operands (qk_rule_select): q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) fp16/bf16, D
 // 64/128; the preprocessing's q_packed (B, Hq, Sqp, D/2), q_scales (.., D/16), k_packed (B, Hkv,
 // Skp, D/2), k_scales, mean_q (B, Hq, 1 or ceil(Sq/128), D), mean_k (B, Hkv, 1, D), balance (B,
@@ -66,31 +113,9 @@ QkRuleArgs rule_args(const T& q, const T& k, const T& v, const T& q_packed, cons
     SA3_CHECK(T, balance.numel() == B * Hkv * D, "sageattn3: balance must be (B, Hkv, 1, D) or empty, expected ",
               dims(B, Hkv, 1, D), ", got ", shape(balance));
   }
-  QkRuleArgs a{};
-  a.q = q.data_ptr();
-  a.k = k.data_ptr();
-  a.v = v.data_ptr();
-  a.dtype = dt;
-  a.B = B;
-  a.Hq = Hq;
-  a.Hkv = Hkv;
-  a.Sq = Sq;
-  a.Sk = Sk;
-  a.D = D;
-  a.Sqp = Sqp;
-  a.Skp = Skp;
-  a.q_packed = bytes(q_packed);
-  a.q_scales = bytes(q_scales);
-  a.k_packed = bytes(k_packed);
-  a.k_scales = bytes(k_scales);
-  a.mean_q = floats(mean_q);
-  a.mean_rows = mr;
-  a.mean_k = floats(mean_k);
-  a.balance = balance.numel() > 0 ? floats(balance) : nullptr;
-  a.rotate = rotate;
-  a.scale = static_cast<float>(sm_scale);
-  a.floor = floor;
-  return a;
+  return rule_fill(q.data_ptr(), k.data_ptr(), v.data_ptr(), dt, B, Hq, Hkv, Sq, Sk, D, Sqp, Skp, bytes(q_packed),
+                   bytes(q_scales), bytes(k_packed), bytes(k_scales), floats(mean_q), mr, floats(mean_k),
+                   balance.numel() > 0 ? floats(balance) : nullptr, rotate, sm_scale, floor);
 }
 
 // qk_rule_select(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale,
@@ -118,15 +143,8 @@ std::tuple<T, T, T, T, T> qk_rule_select(T q, T k, T v, T q_packed, T q_scales, 
   auto out = allocate_outputs(specs, q);
   const T &error = out[0], &sel_q = out[1], &sel_k = out[2], &error_pv = out[3], &sel_v = out[4];
   qk_rule_bind_workspace(a, floats(out[5]));
-  a.error = floats(error);
-  a.sel_q = bytes(sel_q);
-  a.sel_k = bytes(sel_k);
-  a.limit = static_cast<float>(limit);
-  a.select_all = select_all ? 1 : 0;
-  a.error_pv = floats(error_pv);
-  a.sel_v = bytes(sel_v);
-  a.pv_limit = static_cast<float>(pv_limit);
-  a.causal = causal;
+  rule_select(a, floats(error), bytes(sel_q), bytes(sel_k), floats(error_pv), bytes(sel_v), limit, select_all, pv_limit,
+              causal);
   check_cuda_kernel<T>(sageattn3::qk_rule_error(a, TensorApi<T>::stream(q)), "qk_rule_select");
   return {error, sel_q, sel_k, error_pv, sel_v};
 }

@@ -35,19 +35,36 @@ struct OutputSpec {
 };
 
 template <class T, size_t N, size_t... I>
-std::array<T, N> make_outputs(const OutputSpec (&specs)[N], const T& like, std::index_sequence<I...>) {
+std::array<T, N> make_outputs(const OutputSpec* specs, const T& like, std::index_sequence<I...>) {
   return {TensorApi<T>::empty_n(specs[I].sizes, specs[I].ndim, specs[I].kind, like)...};
 }
 
-// The outputs `specs` describes, in their order, on like's CUDA device, each a new contiguous
+// The outputs specs[0, N) describe, in their order, on like's CUDA device, each a new contiguous
 // tensor of its own.
 template <class T, size_t N>
-std::array<T, N> allocate_outputs(const OutputSpec (&specs)[N], const T& like) {
+std::array<T, N> allocate_outputs_n(const OutputSpec* specs, const T& like) {
   for (size_t i = 0; i < N; ++i)
     SA3_CHECK(T, specs[i].ndim <= kMaxOutputDims && output_kind(specs[i].kind),
               "sageattn3: an output must have at most ", kMaxOutputDims, " dims and be uint8, float8_e4m3fn or ",
               "float32, got ", specs[i].ndim, " dims of ", specs[i].kind);
-  return make_outputs(specs, like, std::make_index_sequence<N>{});
+  return make_outputs<T, N>(specs, like, std::make_index_sequence<N>{});
+}
+
+template <class T, size_t N>
+std::array<T, N> allocate_outputs(const OutputSpec (&specs)[N], const T& like) {
+  return allocate_outputs_n<T, N>(specs, like);
+}
+
+template <class T, size_t N>
+std::array<T, N> allocate_outputs(const std::array<OutputSpec, N>& specs, const T& like) {
+  return allocate_outputs_n<T, N>(specs.data(), like);
+}
+
+// An OutputSpec's bytes (uint8 and float8_e4m3fn 1 each, float32 4).
+inline int64_t output_bytes(const OutputSpec& s) {
+  int64_t n = s.kind == Kind::kFloat ? 4 : 1;
+  for (int64_t i = 0; i < s.ndim && i < kMaxOutputDims; ++i) n *= s.sizes[i];
+  return n;
 }
 
 }  // namespace sageattn3::torch_ops

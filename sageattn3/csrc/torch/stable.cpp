@@ -45,7 +45,7 @@ struct TensorApi<StableTensor> {
     return static_cast<cudaStream_t>(s);
   }
   [[noreturn]] static void fail(const std::string& msg) { throw std::runtime_error(msg); }
-  // A new contiguous tensor (kByte, kFloat8e4m3fn or kFloat) on like's CUDA device. Through
+  // A new contiguous tensor (kByte, kFloat8e4m3fn, kFloat, kHalf or kBFloat16) on like's CUDA device. Through
   // the shim's aoti_torch_empty_strided (a direct at::empty_strided call) rather than
   // torch::stable::new_empty, which goes through the boxed dispatcher.
   static StableTensor empty(std::initializer_list<int64_t> sizes, Kind k, const StableTensor& like) {
@@ -71,6 +71,8 @@ struct TensorApi<StableTensor> {
   static int32_t dtype(Kind k) {
     return k == Kind::kByte            ? aoti_torch_dtype_uint8()
            : k == Kind::kFloat8e4m3fn ? aoti_torch_dtype_float8_e4m3fn()
+           : k == Kind::kHalf         ? aoti_torch_dtype_float16()
+           : k == Kind::kBFloat16     ? aoti_torch_dtype_bfloat16()
                                       : aoti_torch_dtype_float32();
   }
   template <auto F>
