@@ -241,6 +241,19 @@ def _v_exp(v_exp: torch.Tensor | None, b: int, hk: int, v_keys: int, sk_p: int, 
     return _kernels.aligned(_pad_to(v_exp.view(torch.uint8), 2, sk_p // 128))
 
 
+def attention_scale(d: int, sm_scale: float | None, rotated: bool) -> float:
+    """The softmax scale the attention kernels take: ``sm_scale`` (default 1/sqrt(D)), divided by
+    D/64 on rotated rows (rotate(q) . rotate(k) = (D/64) q . k; exact, a power of two)."""
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
+    return scale * 64.0 / d if rotated else scale
+
+
+QK8_WORKSPACE_REFUSAL = ("the FP8 Q·Kᵀ kernel needs the delta_s workspace to hold one (batch, head) row "
+                         f"({WORKSPACE_ENV} is too small for these sequence lengths)")
+PV8_WORKSPACE_REFUSAL = ("the FP8 P·V kernel needs the delta_s workspace to hold one (batch, q head) row: raise "
+                         f"{WORKSPACE_ENV} or pass per_block_mean=False")
+
+
 def _launch(q, q_sf, k, k_sf, v, v_sf, mean_q, mean_q_global, delta_key, seq_q: int, seq_k: int,
             sm_scale: float | None, is_causal: bool, out_dtype: torch.dtype, qk_rotation: bool,
             k_residual: torch.Tensor | None = None, workspace_limit: int | None = None,
@@ -249,9 +262,7 @@ def _launch(q, q_sf, k, k_sf, v, v_sf, mean_q, mean_q_global, delta_key, seq_q: 
     ``workspace_limit``: ``delta_s_workspace``'s ``limit``; ``v_exp``: V's tile exponents
     (uint8 or int8) or None."""
     d = 2 * q.shape[3]
-    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
-    if qk_rotation:
-        scale *= 64.0 / d  # rotate(q) . rotate(k) = (D/64) q . k (exact: a power of two)
+    scale = attention_scale(d, sm_scale, qk_rotation)
     out = torch.empty((q.shape[0], q.shape[1], seq_q, d), dtype=out_dtype, device=q.device)
     k_res = _kernels._none(q.device, 6) if k_residual is None else k_residual
     work = delta_s_workspace(q.shape[0], q.shape[1], mean_q.shape[2], seq_q, k.shape[2], q.device, workspace_limit)
@@ -291,9 +302,7 @@ def attention_qk8(pre, head_sel: torch.Tensor, q8: torch.Tensor, q8_scales: torc
     ``delta_s_workspace``'s ``limit``."""
     q = pre.q_packed
     d = 2 * q.shape[3]
-    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
-    if pre.qk_rotation:
-        scale *= 64.0 / d  # rotate(q) . rotate(k) = (D/64) q . k (exact: a power of two)
+    scale = attention_scale(d, sm_scale, pre.qk_rotation)
     out = torch.empty((q.shape[0], q.shape[1], pre.seq_q, d), dtype=out_dtype, device=q.device)
     k_res = _kernels._none(q.device, 6) if pre.k_residual is None else pre.k_residual
     work = delta_s_workspace(q.shape[0], q.shape[1], pre.mean_q.shape[2], pre.seq_q, pre.k_packed.shape[2], q.device,

@@ -1,6 +1,7 @@
 """The eager FP4 call in one op (``torch.ops.sageattn3.attention_call``, csrc/torch/ops_call.h).
 
-``sageattn3_blackwell`` outside torch.compile used to make four op calls on the "auto" path
+``sageattn3_blackwell`` (eager, and inside the ``sageattn3::attention`` op that torch.compile keeps
+in its graphs) used to make four op calls on the "auto" path
 (``preprocess_qkv``, ``qk_rule_select``, ``mxfp8_smooth_quant_qk``, the attention) and 20 or more
 allocations, one per tensor between them; the host time of a call was theirs. Here Python decides
 what those ops would run, from the shapes and the options alone (no synchronisation), and one op
@@ -12,11 +13,12 @@ the debug return ``return_qk_choice``), the multi-op path runs as before.
 
 from __future__ import annotations
 
-import math
+from types import SimpleNamespace
 
 import torch
 
 from sageattn3 import _attn, _kernels, reference
+from sageattn3._qk_choice import _scale, fp8_refusal
 from sageattn3._validate import _ATTN_DTYPES
 
 QK_MODES = {"fp4": 0, "auto": 1, "fp8": 2}  # attention_call's qk_mode
@@ -42,34 +44,33 @@ def call(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None,
          qk_balance: bool, qk_scale_search: bool, qk_precision: str, pv_precision: str, pv_rule: bool,
          pv_limit: float) -> torch.Tensor:
     """The call of ``api._fp4_attention`` on q, k, v (contiguous, 16-byte aligned), as one op:
-    the modes the multi-op path would take (``_qk_choice._qk_selection``'s reasons for keeping every
-    head FP4, ``_pv8.attention_pv8``'s refusal without the delta_s workspace), then the op."""
+    the modes the multi-op path would take, decided by the same helpers (``_qk_choice.fp8_refusal``
+    for keeping every head FP4 or refusing "fp8", ``_attn.PV8_WORKSPACE_REFUSAL`` for FP8 P·V without
+    the delta_s workspace, ``_kernels._rule_scale`` for the rule's scale and floor,
+    ``_attn.attention_scale``), then the op."""
+    if type(qk_scale_search) is not bool:  # resolved by the caller, as _preprocess_kernels takes it
+        raise TypeError(f"_call.call: qk_scale_search must be a resolved bool, got {qk_scale_search!r}")
     b, hq, sq, d = q.shape
     skp = -(-k.shape[2] // _attn.SEQ_PAD) * _attn.SEQ_PAD
-    bal = bool(qk_balance) and per_block_mean and reference.balance_applies(d)
-    search = reference.scale_search_applies(qk_scale_search, d)
-    rot = bool(qk_rotation)
+    opts = SimpleNamespace(qk_rotation=bool(qk_rotation), qk_scale_search=reference.scale_search_applies(qk_scale_search, d),
+                           balance=True if qk_balance and per_block_mean and reference.balance_applies(d) else None)
     nblk = -(-sq // _attn.SEQ_PAD) if per_block_mean else 1
     limit = _attn.delta_s_workspace_limit() if nblk > 1 else 0
     fits = _attn.fp8_workspace_fits(b, hq, nblk, sq, skp, limit)
     qk_mode = QK_MODES[reference.qk_precision_arg(qk_precision)]
-    if qk_mode and (not reference.fp8_applies(rot, d) or not fits):
-        why = (reference.fp8_unavailable(rot, d) if not reference.fp8_applies(rot, d) else
-               f"the FP8 Q·Kᵀ kernel needs the delta_s workspace to hold one (batch, head) row "
-               f"({_attn.WORKSPACE_ENV} is too small for these sequence lengths)")
+    why = fp8_refusal(opts.qk_rotation, d, fits) if qk_mode else None
+    if why is not None:
         if qk_mode == QK_MODES["fp8"]:
             raise ValueError(why)
         qk_mode = 0
     pv_mode = PV_MODES["fp8"] if pv_precision == "fp8" else PV_MODES["auto"] if pv_rule and qk_mode else 0
     if pv_mode == PV_MODES["fp8"] and not fits:
-        raise ValueError("the FP8 P·V kernel needs the delta_s workspace to hold one (batch, q head) row: raise "
-                         f"{_attn.WORKSPACE_ENV} or pass per_block_mean=False")
-    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
-    attn_scale = scale * 64.0 / d if rot else scale  # rotate(q) . rotate(k) = (D/64) q . k (a power of two)
-    rule_scale = scale / (d / 64.0) if rot else scale  # _kernels._rule_scale
-    floor = rot or bal or search  # reference.rule_has_options
-    args = (q, k, v, bool(is_causal), bool(per_block_mean), rot, bal, search, qk_mode, pv_mode, attn_scale,
-            rule_scale, floor, float(reference.AUTO_ERROR_LIMIT), float(pv_limit), int(limit))
+        raise ValueError(_attn.PV8_WORKSPACE_REFUSAL)
+    scale = _scale(q, sm_scale)
+    rule_scale, _, floor = _kernels._rule_scale(opts, d, scale)  # the options as the Preprocessed would hold them
+    args = (q, k, v, bool(is_causal), bool(per_block_mean), opts.qk_rotation, opts.balance is not None,
+            opts.qk_scale_search, qk_mode, pv_mode, _attn.attention_scale(d, sm_scale, opts.qk_rotation), rule_scale,
+            floor, float(reference.AUTO_ERROR_LIMIT), float(pv_limit), int(limit))
     if q.requires_grad or k.requires_grad or v.requires_grad:
         with torch.no_grad():  # a returned tensor would get a grad_fn; the kernels are not differentiable
             return _kernels.op("attention_call")(*args)

@@ -396,6 +396,7 @@ def mxfp8_smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, pre, sel_q: torch.Te
 
 
 def _attention_call_fake(q, k, v, *args):  # sageattn3._call: its output, (B, Hq, Sq, D) in q's dtype
+    torch._check(q.shape[3] in (64, 128), lambda: f"sageattn3: attention_call needs head dim 64 or 128, got {q.shape}")
     return q.new_empty(q.shape)
 
 

@@ -80,13 +80,10 @@ def attention_pv8(pre, v8: torch.Tensor, v8_scales: torch.Tensor, *, head_sel: t
     q = pre.q_packed
     d = 2 * q.shape[3]
     v8, v8_scales = v8.contiguous(), v8_scales.contiguous()  # the reference's codes are a transposed view
-    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
-    if pre.qk_rotation:
-        scale *= 64.0 / d  # rotate(q) . rotate(k) = (D/64) q . k (exact: a power of two)
+    scale = _attn.attention_scale(d, sm_scale, pre.qk_rotation)
     nblk = pre.mean_q.shape[2]
     if not _attn.fp8_workspace_fits(q.shape[0], q.shape[1], nblk, pre.seq_q, pre.k_packed.shape[2], workspace_limit):
-        raise ValueError("the FP8 P·V kernel needs the delta_s workspace to hold one (batch, q head) row: raise "
-                         f"{_attn.WORKSPACE_ENV} or pass per_block_mean=False")
+        raise ValueError(_attn.PV8_WORKSPACE_REFUSAL)
     out = torch.empty((q.shape[0], q.shape[1], pre.seq_q, d), dtype=out_dtype, device=q.device)
     k_res = _kernels._none(q.device, 6) if pre.k_residual is None else pre.k_residual
     work = _attn.delta_s_workspace(q.shape[0], q.shape[1], nblk, pre.seq_q, pre.k_packed.shape[2], q.device,

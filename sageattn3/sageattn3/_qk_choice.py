@@ -82,13 +82,9 @@ def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float
     if precision == "fp4":
         return "qk_precision='fp4'"
     b, hq, sq, d = q.shape
-    why = None
     # with the rotation the rule estimates on the rotated rows, and FP8 runs on them
-    if not reference.fp8_applies(pre.qk_rotation, d):
-        why = reference.fp8_unavailable(pre.qk_rotation, d)
-    elif not _attn.fp8_workspace_fits(b, hq, pre.mean_q.shape[2], sq, pre.k_packed.shape[2], workspace_limit):
-        why = (f"the FP8 Q·Kᵀ kernel needs the delta_s workspace to hold one (batch, head) row "
-               f"({_attn.WORKSPACE_ENV} is too small for these sequence lengths)")
+    why = fp8_refusal(pre.qk_rotation, d, _attn.fp8_workspace_fits(b, hq, pre.mean_q.shape[2], sq, pre.k_packed.shape[2],
+                                                                  workspace_limit))
     if why is not None:
         if precision == "fp8":
             raise ValueError(why)
@@ -106,6 +102,14 @@ def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float
     hk = k.shape[1]
     kv = lambda x: x.view(b, hk, hq // hk).any(dim=-1).to(torch.uint8)  # noqa: E731
     return Picked(err, fp8.to(torch.uint8) | (pv8.to(torch.uint8) << 1), kv(fp8), err_pv, kv(pv8))
+
+
+def fp8_refusal(rotated: bool, d: int, workspace_fits: bool) -> str | None:
+    """Why no head's Q·Kᵀ can run in FP8 (None: it can): the head dim, or a delta_s workspace
+    (``_attn.fp8_workspace_fits``) that cannot hold one (batch, q head) row."""
+    if not reference.fp8_applies(rotated, d):
+        return reference.fp8_unavailable(rotated, d)
+    return None if workspace_fits else _attn.QK8_WORKSPACE_REFUSAL
 
 
 def _scale(q, sm_scale: float | None) -> float:

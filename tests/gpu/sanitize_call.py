@@ -1,5 +1,8 @@
 """The one-op eager call (``attention_call``: every launch of a call from one allocation) for
-compute-sanitizer (memcheck / racecheck), on each path it can take:
+compute-sanitizer (memcheck / racecheck), over the precision pairs, the options, one Q mean and
+the bounded mode (no delta_s workspace). Its pieces share one allocation, so an overrun into the
+next piece is not an error here: the same kernels with separate allocations are sanitize_attn.py's
+and sanitize_quant.py's.
     compute-sanitizer --tool memcheck python3 tests/gpu/sanitize_call.py
 Needs a wheel whose attention kernel runs on this GPU (the MMA-model flavour on sm_90, where the
 FP4 path is forced on here)."""
@@ -25,7 +28,8 @@ def main() -> None:
                                                    ("mixed_heads", 64, False, 130, 300, 4, 2, torch.float16),
                                                    ("large_logits", 128, False, 260, 300, 2, 1, torch.float16)):
         q, k, v = ac.make(case, 1, hq, hk, sq, sk, d, seed=3, dtype=dtype, device="cuda")
-        for qk, pv in (("fp4", "fp4"), ("auto", "auto"), ("fp8", "fp4"), ("auto", "fp8"), ("fp4", "fp8")):
+        for qk, pv in (("fp4", "fp4"), ("auto", "auto"), ("fp8", "fp4"), ("auto", "fp8"), ("fp4", "fp8"),
+                       ("fp8", "auto"), ("fp8", "fp8")):
             for opts in ({}, {"qk_rotation": True, "qk_balance": True, "qk_scale_search": True}):
                 out = api.sageattn3_blackwell(q, k, v, is_causal=causal, qk_precision=qk, pv_precision=pv, **opts)
                 torch.cuda.synchronize()
@@ -33,6 +37,11 @@ def main() -> None:
         out = api.sageattn3_blackwell(q, k, v, is_causal=causal, per_block_mean=False)
         torch.cuda.synchronize()
         print(case, d, "one Q mean", float(out.float().abs().mean()))
+        os.environ["SAGEATTN3_DELTA_S_WORKSPACE_MIB"] = "0"
+        out = api.sageattn3_blackwell(q, k, v, is_causal=causal)
+        torch.cuda.synchronize()
+        del os.environ["SAGEATTN3_DELTA_S_WORKSPACE_MIB"]
+        print(case, d, "bounded mode", float(out.float().abs().mean()))
 
 
 if __name__ == "__main__":

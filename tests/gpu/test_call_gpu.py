@@ -26,10 +26,11 @@ CASES = [
     ("large_logits", 2, 2, 1, 256, 400, 64, torch.float16, False),
     ("randn", 1, 6, 3, 129, 1100, 128, torch.bfloat16, False),
     ("q_outliers", 1, 2, 2, 700, 700, 64, torch.bfloat16, True),
+    ("q_outliers", 1, 8, 1, 300, 300, 128, torch.bfloat16, False),  # 8 q heads per kv head
 ]
 MODES = [  # (qk_precision, pv_precision)
     ("auto", "auto"), ("fp4", "fp4"), ("fp8", "fp4"), ("auto", "fp8"), ("fp4", "fp8"), ("auto", "fp4"),
-    ("fp4", "auto"), ("fp8", "auto"),
+    ("fp4", "auto"), ("fp8", "auto"), ("fp8", "fp8"),
 ]
 OPTIONS = [{}, {"qk_rotation": True}, {"qk_balance": True, "qk_scale_search": True},
            {"qk_balance": True, "qk_rotation": True, "qk_scale_search": True}, {"per_block_mean": False}]
@@ -40,11 +41,18 @@ def _inputs(case, b, hq, hk, sq, sk, d, dtype):
 
 
 def _both(fp4, q, k, v, causal, qk, pv, opts, sm_scale=None):  # noqa: F811
-    from sageattn3 import api
+    """The one-op call (checked to have run) and the multi-op path's, on the same inputs."""
+    from sageattn3 import _call, api
 
     kw = {"qk_rotation": False, "qk_balance": False, "qk_scale_search": False, "per_block_mean": True, **opts}
     pbm = kw.pop("per_block_mean")
-    one = api._fp4_attention(q, k, v, causal, pbm, sm_scale, qk_precision=qk, pv_precision=pv, **kw)
+    real, ran = _call.call, []
+    _call.call = lambda *a, **k_: ran.append(1) or real(*a, **k_)
+    try:
+        one = api._fp4_attention(q, k, v, causal, pbm, sm_scale, qk_precision=qk, pv_precision=pv, **kw)
+    finally:
+        _call.call = real
+    assert ran == [1], "the one-op call did not serve this call"
     choice: list = []
     ops = api._fp4_attention(q, k, v, causal, pbm, sm_scale, qk_precision=qk, pv_precision=pv, choice=choice, **kw)
     return one, ops, choice[0]
@@ -120,3 +128,18 @@ def test_the_same_refusals(fp4, monkeypatch):  # noqa: F811
         fp4.sageattn3_blackwell(q, k, v, qk_precision="fp4", pv_precision="fp8")
     auto = api._fp4_attention(q, k, v, False, True, qk_precision="auto", pv_precision="auto")
     assert same_bytes(auto, api._fp4_attention(q, k, v, False, True, qk_precision="fp4", pv_precision="fp4"))
+
+
+@pytest.mark.parametrize("mib", ["1", "0"])
+def test_a_partial_or_no_workspace_gives_the_multi_op_output(fp4, monkeypatch, mib):  # noqa: F811
+    """SAGEATTN3_DELTA_S_WORKSPACE_MIB=1 holds 2 of the 4 heads' delta_s rows at 4,096 tokens (512 KiB
+    each: the kernels take the heads in chunks); 0 holds none (the bounded mode: FP4 only, "auto"
+    keeps every head FP4)."""
+    q, k, v = _inputs("mixed_heads", 1, 4, 2, 4096, 4096, 128, torch.bfloat16)
+    fp4.sageattn3_blackwell(q[:, :, :256], k[:, :, :256], v[:, :, :256])
+    monkeypatch.setenv("SAGEATTN3_DELTA_S_WORKSPACE_MIB", mib)
+    modes = [("auto", "auto"), ("fp8", "fp4"), ("fp4", "fp8"), ("fp4", "fp4")] if mib == "1" else \
+        [("auto", "auto"), ("fp4", "fp4"), ("auto", "fp4")]
+    for qk, pv in modes:
+        one, ops, choice = _both(fp4, q, k, v, False, qk, pv, {})
+        assert same_bytes(one, ops), (mib, qk, pv, choice.describe())

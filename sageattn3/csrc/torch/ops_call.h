@@ -3,7 +3,8 @@
 // the same order and with the same arguments, but with one host call and one allocation for every
 // intermediate tensor (and one for the output). The intermediates are never outputs, so carving
 // them from one allocation breaks no aliasing rule (torch/outputs.h). The Python side decides what
-// the separate ops would run (sageattn3.api._fp4_attention) and passes it as qk_mode / pv_mode.
+// the separate ops would run (sageattn3/_call.py) and passes it as qk_mode / pv_mode. Each piece has
+// the size of the tensor the separate op allocates, at a 256-byte boundary.
 #pragma once
 
 #include <algorithm>
@@ -55,13 +56,13 @@ T attention_call(T q, T k, T v, bool causal, bool per_block_mean, bool rotate, b
             "sageattn3: attention_call's qk_mode and pv_mode must be 0, 1 or 2, pv_mode 1 only with the rule "
             "(qk_mode 1 or 2), got ", qk_mode, " and ", pv_mode);
   SA3_CHECK(T, ws_limit >= 0, "sageattn3: attention_call's ws_limit must be >= 0 bytes, got ", ws_limit);
-  const PrepPlan p = prep_plan(q, k, v, 128, per_block_mean, balance);
+  const PrepPlan p = prep_plan(q, k, v, 128, per_block_mean, balance, "attention_call");
   SA3_CHECK(T, p.dt != DType::kFloat32, "sageattn3: attention_call takes float16 or bfloat16 q, k and v, got ",
             dtype_name(q));
   const auto specs = p.specs();
   Carve c;
   CallPieces at;
-  for (int i = 0; i < PrepPlan::kOutputs; ++i) at.prep[i] = c.take(output_bytes(specs[i]));
+  for (int i = 0; i < PrepPlan::kOutputs; ++i) at.prep[i] = c.take(output_bytes<T>(specs[i]));
   // the delta_s workspace: whole (batch, q head) rows of ceil(Sq/128) x Skp floats (_attn.delta_s_workspace)
   const int64_t row = (p.Sq + 127) / 128 * p.Skp;
   const int64_t rows = p.nm > 1 ? std::min(p.Gq, ws_limit / (4 * row)) : 0;

@@ -252,9 +252,10 @@ struct PrepPlan {
   }
 };
 
-// preprocess_qkv's checks of its inputs, into its plan.
+// preprocess_qkv's checks of its inputs, into its plan (op: the op named in the messages).
 template <class T>
-PrepPlan prep_plan(const T& q, const T& k, const T& v, int64_t pad, bool per_block_mean, bool balance) {
+PrepPlan prep_plan(const T& q, const T& k, const T& v, int64_t pad, bool per_block_mean, bool balance,
+                   const char* op = "preprocess_qkv") {
   for (const auto& [t, name] : {std::pair<const T*, const char*>{&q, "q"}, {&k, "k"}, {&v, "v"}}) {
     check_cuda(*t, q, name);
     check_aligned(*t, name);
@@ -269,7 +270,7 @@ PrepPlan prep_plan(const T& q, const T& k, const T& v, int64_t pad, bool per_blo
                    v.size(3) == D,
             "sageattn3: k and v must be (B, Hkv, Sk, D) with q's B and D, got q ", shape(q), ", k ", shape(k),
             " and v ", shape(v));
-  SA3_CHECK(T, D == 64 || D == 128, "sageattn3: preprocess_qkv needs head dim 64 or 128, got ", D);
+  SA3_CHECK(T, D == 64 || D == 128, "sageattn3: ", op, " needs head dim 64 or 128, got ", D);
   SA3_CHECK(T, B >= 1 && Hk >= 1 && Sq >= 1 && Sk >= 1, "sageattn3: q, k and v must not be empty, got ", shape(q), ", ",
             shape(k), " and ", shape(v));
   SA3_CHECK(T, Hq % Hk == 0 && Hq / Hk >= 1 && Hq / Hk <= sageattn3::max_correction_heads(D),

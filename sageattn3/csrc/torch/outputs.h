@@ -60,10 +60,14 @@ std::array<T, N> allocate_outputs(const std::array<OutputSpec, N>& specs, const 
   return allocate_outputs_n<T, N>(specs.data(), like);
 }
 
-// An OutputSpec's bytes (uint8 and float8_e4m3fn 1 each, float32 4).
-inline int64_t output_bytes(const OutputSpec& s) {
+// An OutputSpec's bytes (uint8 and float8_e4m3fn 1 each, float32 4), refusing what allocate_outputs
+// refuses.
+template <class T>
+int64_t output_bytes(const OutputSpec& s) {
+  SA3_CHECK(T, s.ndim <= kMaxOutputDims && output_kind(s.kind), "sageattn3: an output must have at most ",
+            kMaxOutputDims, " dims and be uint8, float8_e4m3fn or float32, got ", s.ndim, " dims of ", s.kind);
   int64_t n = s.kind == Kind::kFloat ? 4 : 1;
-  for (int64_t i = 0; i < s.ndim && i < kMaxOutputDims; ++i) n *= s.sizes[i];
+  for (int64_t i = 0; i < s.ndim; ++i) n *= s.sizes[i];
   return n;
 }
 

@@ -1,0 +1,107 @@
+"""The one-op call (``sageattn3._call``) decides what the separate ops would have run: compared here,
+without a GPU, by recording the ops each path calls (``_kernels.op`` replaced by recorders that give
+the allocating ops their fakes' outputs) over the shapes, options, precisions, workspace limits and
+scales a call can take. The kernels' own equality (one op against the separate ops, bit for bit) is
+tests/gpu/test_call_gpu.py's."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from sageattn3 import _attn, _call, _kernels, _pv8, _qk_choice, api
+
+SHAPES = [(1, 4, 2, 300, 300, 64), (2, 6, 3, 129, 1100, 128), (1, 2, 2, 100, 50, 128), (1, 8, 1, 1000, 1000, 128)]
+OPTIONS = [{}, {"qk_rotation": True, "qk_scale_search": True}, {"qk_balance": True},
+           {"qk_rotation": True, "qk_balance": True, "qk_scale_search": False}]
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Every op call of ``api._fp4_attention`` on CPU tensors, as (name, args); the op path forced."""
+    calls: list = []
+
+    def op(name):
+        fake = _kernels.ALLOCATING_OPS.get(name)
+
+        def record(*args):
+            calls.append((name, args))
+            return fake(*args) if fake else None
+        return record
+
+    monkeypatch.setattr(_kernels, "op", op)
+    monkeypatch.setattr(_pv8, "op", op)
+    monkeypatch.setattr(_pv8, "check_v", lambda v, pad: None)
+    monkeypatch.setattr(_qk_choice, "_rule_kernel_serves", lambda q, pre: True)
+    monkeypatch.setattr(api, "_pv8_built", lambda: True)
+    monkeypatch.setattr(_call, "serves", lambda q, k, pv_rule, pv: True)
+    return calls
+
+
+def _run(calls, one: bool, *args, **kw):
+    calls.clear()
+    try:
+        api._fp4_attention(*args, **kw, **({} if one else {"choice": []}))
+    except (ValueError, TypeError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    return list(calls), None
+
+
+def _separate(calls) -> dict:
+    """What the separate ops ran: the preprocessing's options, the modes, the kernels' arguments."""
+    d = dict(calls)
+    rule = d.get("qk_rule_select")
+    (attn,) = [n for n, _ in calls if n.startswith("blockscaled")]
+    a = d[attn]
+    mx, vq = d.get("mxfp8_smooth_quant_qk"), d.get("quant_mxfp8_cols")
+    return dict(pre=tuple(d["preprocess_qkv"][3:]), qk=0 if rule is None else (2 if rule[14] else 1),
+                pv={"blockscaled_fp4_attn": 0, "blockscaled_attn_qk8": 0, "blockscaled_attn_pv8": 2,
+                    "blockscaled_attn_mixed": 1}[attn], scale=a[-2], causal=a[-1], ws=a[11].numel(),
+                rule=None if rule is None else (rule[10], rule[11], rule[12], rule[13], rule[15], rule[16]),
+                mxrot=None if mx is None else mx[8], vsel=None if vq is None else vq[1].numel() > 0)
+
+
+def _one(calls) -> dict:
+    """The same, from the one op's arguments (the delta_s workspace as the op carves it)."""
+    assert [n for n, _ in calls] == ["attention_call"], calls
+    q, k, v, causal, pbm, rot, bal, search, qk, pv, sm, rs, floor, lim, pvl, wsl = calls[0][1]
+    b, hq, sq, _ = q.shape
+    row = -(-sq // 128) * (-(-k.shape[2] // 128) * 128)
+    rows = min(b * hq, wsl // (4 * row)) if pbm and sq > 128 else 0
+    return dict(pre=(128, pbm, rot, bal, search), qk=qk, pv=pv, scale=sm, causal=causal, ws=rows * row,
+                rule=None if qk == 0 else (rs, rot, floor, lim, pvl if pv == 1 else -1.0, causal),
+                mxrot=None if qk == 0 else (1 if rot else 2), vsel=None if pv == 0 else pv == 1)
+
+
+@pytest.mark.parametrize("mib", ["", "0", "1", "3"])
+def test_the_one_op_runs_what_the_separate_ops_run(recorded, monkeypatch, mib):
+    if mib:
+        monkeypatch.setenv(_attn.WORKSPACE_ENV, mib)
+    else:
+        monkeypatch.delenv(_attn.WORKSPACE_ENV, raising=False)
+    seen = set()
+    for (b, hq, hk, sq, sk, d), opts, pbm, qk, pv, causal, sm, pv_limit in itertools.product(
+            SHAPES, OPTIONS, (True, False), ("fp4", "auto", "fp8"), ("fp4", "auto", "fp8"), (False, True),
+            (None, 0.05), (None, 0.0)):
+        dt = torch.float16 if (sq + causal) % 2 else torch.bfloat16
+        q, k = torch.zeros(b, hq, sq, d, dtype=dt), torch.zeros(b, hk, sk, d, dtype=dt)
+        args, kw = (q, k, torch.zeros_like(k), causal, pbm, sm), dict(qk_precision=qk, pv_precision=pv,
+                                                                     pv_limit=pv_limit, **opts)
+        old, old_err = _run(recorded, False, *args, **kw)
+        new, new_err = _run(recorded, True, *args, **kw)
+        where = (mib, (b, hq, hk, sq, sk, d), opts, pbm, qk, pv, causal, sm, pv_limit)
+        assert old_err == new_err, where
+        if old_err is None:
+            got = _one(new)
+            assert _separate(old) == got, where
+            seen.add((got["qk"], got["pv"], got["ws"] > 0))
+    if mib != "0":
+        assert {(1, 1, True), (2, 2, True), (0, 0, False), (0, 2, True)} <= seen, seen
+
+
+def test_an_unresolved_scale_search_is_refused():
+    q = torch.zeros(1, 2, 10, 64)
+    with pytest.raises(TypeError, match="resolved bool"):
+        _call.call(q, q, q, False, True, None, False, False, None, "auto", "auto", True, 0.1)
