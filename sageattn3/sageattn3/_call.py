@@ -1,8 +1,8 @@
 """The eager FP4 call in one op (``torch.ops.sageattn3.attention_call``, csrc/torch/ops_call.h).
 
 ``sageattn3_blackwell`` (eager, and inside the ``sageattn3::attention`` op that torch.compile keeps
-in its graphs) used to make four op calls on the "auto" path
-(``preprocess_qkv``, ``qk_rule_select``, ``mxfp8_smooth_quant_qk``, the attention) and 20 or more
+in its graphs) used to make five op calls on the default path (``preprocess_qkv``,
+``qk_rule_select``, ``mxfp8_smooth_quant_qk``, V's ``quant_mxfp8_cols``, the attention) and over 20
 allocations, one per tensor between them; the host time of a call was theirs. Here Python decides
 what those ops would run, from the shapes and the options alone (no synchronisation), and one op
 makes the same launches with the same arguments into one allocation: the output is the multi-op
@@ -58,7 +58,7 @@ def call(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None,
     limit = _attn.delta_s_workspace_limit() if nblk > 1 else 0
     fits = _attn.fp8_workspace_fits(b, hq, nblk, sq, skp, limit)
     qk_mode = QK_MODES[reference.qk_precision_arg(qk_precision)]
-    why = fp8_refusal(opts.qk_rotation, d, fits) if qk_mode else None
+    why = fp8_refusal(opts.qk_rotation, d, lambda: fits) if qk_mode else None
     if why is not None:
         if qk_mode == QK_MODES["fp8"]:
             raise ValueError(why)

@@ -83,8 +83,8 @@ def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float
         return "qk_precision='fp4'"
     b, hq, sq, d = q.shape
     # with the rotation the rule estimates on the rotated rows, and FP8 runs on them
-    why = fp8_refusal(pre.qk_rotation, d, _attn.fp8_workspace_fits(b, hq, pre.mean_q.shape[2], sq, pre.k_packed.shape[2],
-                                                                  workspace_limit))
+    why = fp8_refusal(pre.qk_rotation, d, lambda: _attn.fp8_workspace_fits(b, hq, pre.mean_q.shape[2], sq,
+                                                                          pre.k_packed.shape[2], workspace_limit))
     if why is not None:
         if precision == "fp8":
             raise ValueError(why)
@@ -104,12 +104,13 @@ def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float
     return Picked(err, fp8.to(torch.uint8) | (pv8.to(torch.uint8) << 1), kv(fp8), err_pv, kv(pv8))
 
 
-def fp8_refusal(rotated: bool, d: int, workspace_fits: bool) -> str | None:
-    """Why no head's Q·Kᵀ can run in FP8 (None: it can): the head dim, or a delta_s workspace
+def fp8_refusal(rotated: bool, d: int, workspace_fits) -> str | None:
+    """Why no head's Q·Kᵀ can run in FP8 (None: it can): the head dim, then (``workspace_fits()``,
+    asked only where the head dim allows FP8: it reads the workspace limit) a delta_s workspace
     (``_attn.fp8_workspace_fits``) that cannot hold one (batch, q head) row."""
     if not reference.fp8_applies(rotated, d):
         return reference.fp8_unavailable(rotated, d)
-    return None if workspace_fits else _attn.QK8_WORKSPACE_REFUSAL
+    return None if workspace_fits() else _attn.QK8_WORKSPACE_REFUSAL
 
 
 def _scale(q, sm_scale: float | None) -> float:

@@ -105,3 +105,15 @@ def test_an_unresolved_scale_search_is_refused():
     q = torch.zeros(1, 2, 10, 64)
     with pytest.raises(TypeError, match="resolved bool"):
         _call.call(q, q, q, False, True, None, False, False, None, "auto", "auto", True, 0.1)
+
+
+def test_the_head_dim_is_refused_before_the_workspace_limit_is_read(monkeypatch):
+    """At a head dim without FP8 the reason is the head dim, whatever the workspace variable holds
+    (the limit is not even read)."""
+    from sageattn3 import reference
+
+    monkeypatch.setenv(_attn.WORKSPACE_ENV, "not a number")
+    never = lambda: pytest.fail("the workspace limit was read")  # noqa: E731
+    assert _qk_choice.fp8_refusal(False, 96, never) == reference.fp8_unavailable(False, 96)
+    assert _qk_choice.fp8_refusal(True, 128, lambda: False) == _attn.QK8_WORKSPACE_REFUSAL
+    assert _qk_choice.fp8_refusal(False, 64, lambda: True) is None

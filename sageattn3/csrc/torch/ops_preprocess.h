@@ -295,7 +295,7 @@ void prep_launch(const PrepPlan& p, const void* q, const void* k, const void* v,
   auto f32 = [&](int i) { return static_cast<float*>(out[i]); };
   check_cuda_kernel<T>(sageattn3::quant_fp4_cols(v, p.dt, p.Gk, p.Sk, p.D, p.Skp, u8(4), u8(5),
                                                  reinterpret_cast<int8_t*>(u8(12)), stream),
-                       "preprocess_qkv (V)");
+                       "the preprocessing (V)");
   float* part_k = f32(13);
   float* part_q = part_k + p.Gk * p.nsk * p.D;
   float* bal_part = p.balance ? part_q + p.Gq * p.nsq * p.D : nullptr;
@@ -304,14 +304,14 @@ void prep_launch(const PrepPlan& p, const void* q, const void* k, const void* v,
                                                     u8(1), f32(7), part_k, p.Skp, u8(2), u8(3), rotate, search, part_q,
                                                     f32(8), f32(9), p.balance ? f32(10) : nullptr, bal_part, u8(11),
                                                     stream),
-                         "preprocess_qkv (Q and K)");
+                         "the preprocessing (Q and K)");
   } else {
     check_cuda_kernel<T>(sageattn3::smooth_quant_seq(q, p.dt, p.Gq, p.Sq, p.D, f32(6), part_q, p.Sqp, u8(0), u8(1),
                                                      rotate, search, nullptr, 1, nullptr, stream),
-                         "preprocess_qkv (Q)");
+                         "the preprocessing (Q)");
     check_cuda_kernel<T>(sageattn3::smooth_quant_seq(k, p.dt, p.Gk, p.Sk, p.D, f32(7), part_k, p.Skp, u8(2), u8(3),
                                                      rotate, search, f32(6), p.Hq / p.Hk, f32(9), stream),
-                         "preprocess_qkv (K)");
+                         "the preprocessing (K)");
   }
 }
 
