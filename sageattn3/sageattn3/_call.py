@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import torch
 
 from sageattn3 import _attn, _kernels, reference
+from sageattn3._preprocess_api import kernel_options
 from sageattn3._qk_choice import _scale, fp8_refusal
 from sageattn3._validate import _ATTN_DTYPES
 
@@ -25,19 +26,13 @@ QK_MODES = {"fp4": 0, "auto": 1, "fp8": 2}  # attention_call's qk_mode
 PV_MODES = {"fp4": 0, "auto": 1, "fp8": 2}  # and pv_mode
 
 
-def serves(q, k, pv_rule: bool, pv_precision: str) -> bool:
+def serves(q, k) -> bool:
     """Whether ``attention_call`` runs this call: head dims 64/128, up to ``max_correction_heads``
-    q heads per kv head, fp16/bf16, and a build with the op, the rule kernel and (where the call
-    takes them) the FP8 P·V kernels."""
+    q heads per kv head, fp16/bf16, and a build with the op (the same op table holds the rule's,
+    the MXFP8 and the FP8 P·V ops it launches for: csrc/torch/ops.h)."""
     d = q.shape[3]
     return (d in reference.ROTATION_HEAD_DIMS and q.shape[1] // k.shape[1] <= _kernels.max_correction_heads(d)
-            and q.dtype in _ATTN_DTYPES and _kernels.loaded() and hasattr(torch.ops.sageattn3, "attention_call")
-            and _kernels.has_rule_kernel() and (pv_rule or pv_precision != "fp8" or _pv8_ops()))
-
-
-def _pv8_ops() -> bool:
-    ops = torch.ops.sageattn3
-    return hasattr(ops, "blockscaled_attn_mixed") and hasattr(ops, "blockscaled_attn_pv8")
+            and q.dtype in _ATTN_DTYPES and _kernels.loaded() and hasattr(torch.ops.sageattn3, "attention_call"))
 
 
 def call(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None, qk_rotation: bool,
@@ -52,8 +47,8 @@ def call(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None,
         raise TypeError(f"_call.call: qk_scale_search must be a resolved bool, got {qk_scale_search!r}")
     b, hq, sq, d = q.shape
     skp = -(-k.shape[2] // _attn.SEQ_PAD) * _attn.SEQ_PAD
-    opts = SimpleNamespace(qk_rotation=bool(qk_rotation), qk_scale_search=reference.scale_search_applies(qk_scale_search, d),
-                           balance=True if qk_balance and per_block_mean and reference.balance_applies(d) else None)
+    rot, bal, search = kernel_options(d, per_block_mean, qk_rotation, qk_balance, qk_scale_search)
+    opts = SimpleNamespace(qk_rotation=rot, qk_scale_search=search, balance=True if bal else None)
     nblk = -(-sq // _attn.SEQ_PAD) if per_block_mean else 1
     limit = _attn.delta_s_workspace_limit() if nblk > 1 else 0
     fits = _attn.fp8_workspace_fits(b, hq, nblk, sq, skp, limit)

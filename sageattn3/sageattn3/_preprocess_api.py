@@ -134,9 +134,7 @@ def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bo
     if type(qk_scale_search) is not bool:  # resolved by the caller (_search: None takes the rotation into account)
         raise TypeError(f"_preprocess_kernels: qk_scale_search must be a resolved bool, got {qk_scale_search!r}")
     if d in reference.ROTATION_HEAD_DIMS and hq // hk <= _kernels.max_correction_heads(d):
-        bal = bool(qk_balance) and per_block_mean and reference.balance_applies(d)
-        search = reference.scale_search_applies(qk_scale_search, d)
-        rot = bool(qk_rotation)
+        rot, bal, search = kernel_options(d, per_block_mean, qk_rotation, qk_balance, qk_scale_search)
         if not inputs_aligned:
             q, k, v = _kernels.aligned(q), _kernels.aligned(k), _kernels.aligned(v)
         qp, qsc, kp, ksc, vp, vsc, mean_q, mean_k, qbar, ds_key, exps, k_res, v_exp = _kernels.preprocess_qkv(
@@ -150,9 +148,7 @@ def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bo
     vp, vsc, v_exp = vq if len(vq) == 3 else (*vq, None)
     q, k = _kernels.aligned(q), _kernels.aligned(k)
     k3, q3 = k.view(b * hk, sk, d), q.view(b * hq, sq, d)
-    rot = bool(qk_rotation) and d in reference.ROTATION_HEAD_DIMS
-    bal = bool(qk_balance) and per_block_mean and reference.balance_applies(d)
-    search = reference.scale_search_applies(qk_scale_search, d)
+    rot, bal, search = kernel_options(d, per_block_mean, qk_rotation, qk_balance, qk_scale_search)
     exps = None
     if bal:
         # balanced float32 copies (exact: powers of two), so that every kernel below works in
@@ -179,6 +175,15 @@ def _preprocess_kernels(q, k, v, per_block_mean: bool, pad: int, qk_rotation: bo
         qbar.view(b, hq, 1, d), ds_key.view(b, hq, -1), rot, None if exps is None else exps.view(b, hk, 1, d),
         search, None if k_res is None else k_res.view(b, hk, -1, d), v_exp=v_exp,
     )
+
+
+def kernel_options(d: int, per_block_mean: bool, qk_rotation: bool, qk_balance: bool,
+                   qk_scale_search: bool) -> tuple[bool, bool, bool]:
+    """(rotation, balance, scale search) as the preprocessing kernels take them at head dim ``d``:
+    each where it applies (the balance with per-block Q means)."""
+    return (bool(qk_rotation) and d in reference.ROTATION_HEAD_DIMS,
+            bool(qk_balance) and per_block_mean and reference.balance_applies(d),
+            reference.scale_search_applies(qk_scale_search, d))
 
 
 def _delta_key_torch(q, k, qbar, mean_k, rot: bool, skp: int):

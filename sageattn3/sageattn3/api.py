@@ -370,7 +370,7 @@ def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: flo
     q, k, v = _kernels.aligned_eager(q), _kernels.aligned_eager(k), _kernels.aligned_eager(v)
     pv_rule = pv_precision == "auto" and _pv8_built()
     pv_limit = reference.PV_ERROR_LIMIT if pv_limit is None else pv_limit
-    if choice is None and _call.serves(q, k, pv_rule, pv_precision):  # the same launches from one op
+    if choice is None and _call.serves(q, k):  # the same launches from one op
         return _call.call(q, k, v, is_causal, per_block_mean, sm_scale, qk_rotation, qk_balance, qk_scale_search,
                           qk_precision, pv_precision, pv_rule, pv_limit)
     pre = _preprocess_kernels(q, k, v, per_block_mean, _attn.SEQ_PAD, qk_rotation, qk_balance, qk_scale_search,

@@ -36,7 +36,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(_pv8, "check_v", lambda v, pad: None)
     monkeypatch.setattr(_qk_choice, "_rule_kernel_serves", lambda q, pre: True)
     monkeypatch.setattr(api, "_pv8_built", lambda: True)
-    monkeypatch.setattr(_call, "serves", lambda q, k, pv_rule, pv: True)
+    monkeypatch.setattr(_call, "serves", lambda q, k: True)
     return calls
 
 

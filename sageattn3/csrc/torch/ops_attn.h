@@ -56,6 +56,25 @@ inline Fp4AttnArgs attn_fill(const AttnOperands& o, int64_t B, int64_t Hq, int64
   return a;
 }
 
+// The per-head Q.K^T precision's operands into a (set_qk8's, checked by the caller): at D 64 the
+// 16-bit Q.K^T (bf16 rows, no scales), at D 128 MXFP8.
+inline void qk8_fill(Fp4AttnArgs& a, const uint8_t* head_sel, const void* q8, const void* q8_sf, const void* k8,
+                     const void* k8_sf) {
+  a.head_sel = head_sel;
+  a.q8 = q8;
+  a.q8_sf = q8_sf;
+  a.k8 = k8;
+  a.k8_sf = k8_sf;
+  a.qk16 = a.head_dim == 64;
+}
+
+// V's MXFP8 operands into a (set_pv8's, checked by the caller); by_head: per head from head_sel's bit 1.
+inline void pv8_fill(Fp4AttnArgs& a, const void* v8, const void* v8_sf, bool by_head) {
+  a.v8 = v8;
+  a.v8_sf = v8_sf;
+  a.v8_by_head = by_head;
+}
+
 // blockscaled_fp4_attn(q, q_sf, k, k_sf, v, v_sf, v_exp, mean_q, qbar, ds_key, k_res, ds_work!, out!,
 // seq_q, seq_k, sm_scale, causal):
 // layouts in attn/attn_api.h (sequence dims padded to multiples of 128, zeros); mean_q
@@ -178,12 +197,7 @@ void set_qk8(Fp4AttnArgs& a, const T& q, const T& head_sel, const T& q8, const T
   SA3_CHECK(T, a.mean_qblocks == 1 || a.ds_work != nullptr,
             "sageattn3: the FP8 Q.K^T path needs the delta_s workspace with per-block Q means, got an empty ds_work "
             "with ", a.mean_qblocks, " Q means per head");
-  a.head_sel = bytes(head_sel);
-  a.q8 = q8.data_ptr();
-  a.q8_sf = q8_sf.data_ptr();
-  a.k8 = k8.data_ptr();
-  a.k8_sf = k8_sf.data_ptr();
-  a.qk16 = qk16;
+  qk8_fill(a, bytes(head_sel), q8.data_ptr(), q8_sf.data_ptr(), k8.data_ptr(), k8_sf.data_ptr());
 }
 
 // blockscaled_attn_qk8(<blockscaled_fp4_attn's operands>, head_sel, q8, q8_sf, k8, k8_sf, ...): the
@@ -205,7 +219,7 @@ void blockscaled_attn_qk8(T q, T q_sf, T k, T k_sf, T v, T v_sf, T v_exp, T mean
 // Sk_p/32) UE8M0 bytes (quant_mxfp8_cols of V). Like the FP8 Q.K^T path, the FP8 P.V path needs
 // the delta_s workspace with per-block Q means.
 template <class T>
-void set_pv8(Fp4AttnArgs& a, const T& q, const T& v8, const T& v8_sf) {
+void set_pv8(Fp4AttnArgs& a, const T& q, const T& v8, const T& v8_sf, bool by_head = false) {
   check_code_tensor(v8, q, "v8");
   check_code_tensor(v8_sf, q, "v8_sf");
   const int64_t BH = static_cast<int64_t>(a.batch) * a.heads_kv, D = a.head_dim, Skp = a.seq_k_pad;
@@ -215,8 +229,7 @@ void set_pv8(Fp4AttnArgs& a, const T& q, const T& v8, const T& v8_sf) {
   SA3_CHECK(T, a.mean_qblocks == 1 || a.ds_work != nullptr,
             "sageattn3: the FP8 P.V path needs the delta_s workspace with per-block Q means, got an empty ds_work "
             "with ", a.mean_qblocks, " Q means per head");
-  a.v8 = v8.data_ptr();
-  a.v8_sf = v8_sf.data_ptr();
+  pv8_fill(a, v8.data_ptr(), v8_sf.data_ptr(), by_head);
 }
 
 // blockscaled_attn_pv8(<blockscaled_attn_qk8's operands>, v8, v8_sf, ...): P.V in MXFP8 for every
@@ -248,8 +261,7 @@ void blockscaled_attn_mixed(T q, T q_sf, T k, T k_sf, T v, T v_sf, T v_exp, T me
       attn_args(q, q_sf, k, k_sf, v, v_sf, v_exp, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale,
                 causal);
   set_qk8(a, q, head_sel, q8, q8_sf, k8, k8_sf);
-  set_pv8(a, q, v8, v8_sf);
-  a.v8_by_head = true;
+  set_pv8(a, q, v8, v8_sf, true);
   check_cuda_kernel<T>(fp4_attn_fwd(a, TensorApi<T>::stream(q)), "blockscaled_attn_mixed");
 }
 

@@ -130,20 +130,13 @@ T attention_call(T q, T k, T v, bool causal, bool per_block_mean, bool rotate, b
                                                        sf8 ? ptr(at.k8_sf) : nullptr, sf8 == 0, rot, 1.0),
                                             stream),
                          "attention_call (K's FP8 rows)");
-    a.head_sel = ptr(at.sel_q);
-    a.q8 = ptr(at.q8);
-    a.q8_sf = ptr(at.q8_sf);
-    a.k8 = ptr(at.k8);
-    a.k8_sf = ptr(at.k8_sf);
-    a.qk16 = D == 64;
+    qk8_fill(a, ptr(at.sel_q), ptr(at.q8), ptr(at.q8_sf), ptr(at.k8), ptr(at.k8_sf));
   }
   if (pv_mode > 0) {
     check_cuda_kernel<T>(sageattn3::quant_mxfp8_cols(v.data_ptr(), p.dt, p.Gk, p.Sk, D, p.Skp, ptr(at.v8),
                                                      ptr(at.v8_sf), pv_mode == 1 ? ptr(at.sel_v) : nullptr, stream),
                          "attention_call (V's MXFP8)");
-    a.v8 = ptr(at.v8);
-    a.v8_sf = ptr(at.v8_sf);
-    a.v8_by_head = pv_mode == 1;
+    pv8_fill(a, ptr(at.v8), ptr(at.v8_sf), pv_mode == 1);
   }
   check_cuda_kernel<T>(fp4_attn_fwd(a, stream), "attention_call (the attention)");
   return out;

@@ -39,14 +39,18 @@ std::array<T, N> make_outputs(const OutputSpec* specs, const T& like, std::index
   return {TensorApi<T>::empty_n(specs[I].sizes, specs[I].ndim, specs[I].kind, like)...};
 }
 
+// Refuses a spec the unit cannot allocate: more than kMaxOutputDims dims, or another dtype.
+template <class T>
+void check_output_spec(const OutputSpec& s) {
+  SA3_CHECK(T, s.ndim <= kMaxOutputDims && output_kind(s.kind), "sageattn3: an output must have at most ",
+            kMaxOutputDims, " dims and be uint8, float8_e4m3fn or float32, got ", s.ndim, " dims of ", s.kind);
+}
+
 // The outputs specs[0, N) describe, in their order, on like's CUDA device, each a new contiguous
 // tensor of its own.
 template <class T, size_t N>
 std::array<T, N> allocate_outputs_n(const OutputSpec* specs, const T& like) {
-  for (size_t i = 0; i < N; ++i)
-    SA3_CHECK(T, specs[i].ndim <= kMaxOutputDims && output_kind(specs[i].kind),
-              "sageattn3: an output must have at most ", kMaxOutputDims, " dims and be uint8, float8_e4m3fn or ",
-              "float32, got ", specs[i].ndim, " dims of ", specs[i].kind);
+  for (size_t i = 0; i < N; ++i) check_output_spec<T>(specs[i]);
   return make_outputs<T, N>(specs, like, std::make_index_sequence<N>{});
 }
 
@@ -64,8 +68,7 @@ std::array<T, N> allocate_outputs(const std::array<OutputSpec, N>& specs, const 
 // refuses.
 template <class T>
 int64_t output_bytes(const OutputSpec& s) {
-  SA3_CHECK(T, s.ndim <= kMaxOutputDims && output_kind(s.kind), "sageattn3: an output must have at most ",
-            kMaxOutputDims, " dims and be uint8, float8_e4m3fn or float32, got ", s.ndim, " dims of ", s.kind);
+  check_output_spec<T>(s);
   int64_t n = s.kind == Kind::kFloat ? 4 : 1;
   for (int64_t i = 0; i < s.ndim; ++i) n *= s.sizes[i];
   return n;
