@@ -141,6 +141,9 @@ struct Mxfp8Args {
   bool bf16_out = false;
 };
 int smooth_quant_mxfp8(const Mxfp8Args& args, cudaStream_t stream);
+// Two row sets in one launch (Q's and K's: the same dtype, D, rotate and bf16_out), each as
+// smooth_quant_mxfp8 makes it.
+int smooth_quant_mxfp8_pair(const Mxfp8Args& first, const Mxfp8Args& second, cudaStream_t stream);
 
 // The "auto" Q.K^T precision rule's estimate per (batch, q head) (preprocess/qk_rule.cu;
 // reference.qk_fp4_error) in one launch: q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) fp16/bf16,
@@ -150,7 +153,9 @@ int smooth_quant_mxfp8(const Mxfp8Args& args, cudaStream_t stream);
 // (Q.K^T's, the floor's, P's), over row groups of 16 sampled query rows (every 8th row of a
 // sampled Q block on long calls, more on short ones), each group's keys split over several blocks
 // where the grid is small. Workspace: qk_rule_workspace_floats(args) fp32, which qk_rule_bind_workspace
-// carves into partial, the counters (zeroed by the launch) and the key splits' state.
+// carves into partial, the key splits' state and, last, the counters. The launch zeroes the
+// counters, sel_k and sel_v first: in one memset where sel_k starts at the workspace's end and
+// sel_v at sel_k's (attention_call lays them out so), else one each.
 // error (B * Hq) fp32 out.
 struct QkRuleArgs {
   const void* q;

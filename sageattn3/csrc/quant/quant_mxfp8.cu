@@ -66,10 +66,19 @@ __device__ __forceinline__ uint4 bf16x8(const float* v) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// Two row sets in one launch (Q's and K's): grid columns below first.H take first's heads, the
+// rest second's.
+struct Mxfp8Pair {
+  Mxfp8Args first, second;
+};
+
 template <typename T>
-__global__ void __launch_bounds__(kThreads) mxfp8_kernel(Mxfp8Args a) {
+__global__ void __launch_bounds__(kThreads) mxfp8_kernel(Mxfp8Pair pair) {
+  const bool one = blockIdx.x < pair.first.H;
+  const Mxfp8Args a = one ? pair.first : pair.second;
   const int64_t blocks_per_row = a.D / 32;
-  const int64_t h = blockIdx.x;  // one head per grid column: a skipped head costs its blocks one byte read
+  // one head per grid column: a skipped head costs its blocks one byte read
+  const int64_t h = one ? blockIdx.x : blockIdx.x - pair.first.H;
   if (a.sel != nullptr && (a.sel[h] & 1) == 0) return;
   const int64_t n = a.Sp * blocks_per_row;
   for (int64_t i = static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x; i < n;
@@ -123,9 +132,11 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(Mxfp8Args a) {
 }
 
 template <typename T, int kD>
-__global__ void __launch_bounds__(kThreads) mxfp8_rotated_kernel(Mxfp8Args a) {
+__global__ void __launch_bounds__(kThreads) mxfp8_rotated_kernel(Mxfp8Pair pair) {
   constexpr int kBpr = kD / 16, kRows = 32 / kBpr, kWarps = kThreads / 32;
-  const int64_t h = blockIdx.x;
+  const bool one = blockIdx.x < pair.first.H;
+  const Mxfp8Args a = one ? pair.first : pair.second;
+  const int64_t h = one ? blockIdx.x : blockIdx.x - pair.first.H;
   if (a.sel != nullptr && (a.sel[h] & 1) == 0) return;
   const int lane = threadIdx.x & 31, cb = lane % kBpr;
   const int64_t groups = ceil_div(a.Sp, kRows);
@@ -190,37 +201,51 @@ __global__ void __launch_bounds__(kThreads) mxfp8_rotated_kernel(Mxfp8Args a) {
   }
 }
 
+// Grid rows per head: enough for the head's rows, about 8 blocks per SM over all heads.
+int64_t grid_rows(const Mxfp8Args& a, int64_t heads) {
+  if (a.H == 0) return 0;
+  const int64_t per_head = std::max<int64_t>(1, static_cast<int64_t>(sm_count()) * 8 / heads);
+  const int64_t work = a.rotate ? ceil_div(ceil_div(a.Sp, a.D == 64 ? 8 : 4), kThreads / 32)  // rows per warp
+                                : ceil_div(a.Sp * (a.D / 32), static_cast<int64_t>(kThreads));
+  return std::min<int64_t>({work, per_head, 65535});
+}
+
 template <typename T>
-int launch(const Mxfp8Args& a, cudaStream_t stream) {
-  const int64_t n = a.Sp * (a.D / 32);  // per head
-  if (n == 0 || a.H == 0) return cudaSuccess;
-  const int64_t per_head = std::max<int64_t>(1, static_cast<int64_t>(sm_count()) * 8 / a.H);
-  if (a.rotate) {
-    const int rows = a.D == 64 ? 8 : 4;  // per warp
-    const int64_t gy = std::min<int64_t>({ceil_div(ceil_div(a.Sp, rows), kThreads / 32), per_head, 65535});
-    const dim3 grid(static_cast<unsigned>(a.H), static_cast<unsigned>(gy));
-    if (a.D == 64) mxfp8_rotated_kernel<T, 64><<<grid, kThreads, 0, stream>>>(a);
-    else mxfp8_rotated_kernel<T, 128><<<grid, kThreads, 0, stream>>>(a);
-    return cudaGetLastError();
-  }
-  const int64_t gy = std::min<int64_t>({ceil_div(n, static_cast<int64_t>(kThreads)), per_head, 65535});
-  mxfp8_kernel<T><<<dim3(static_cast<unsigned>(a.H), static_cast<unsigned>(gy)), kThreads, 0, stream>>>(a);
+int launch(const Mxfp8Pair& pair, cudaStream_t stream) {
+  const int64_t heads = pair.first.H + pair.second.H;
+  const int64_t gy = std::max(grid_rows(pair.first, heads), grid_rows(pair.second, heads));
+  if (gy == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(heads), static_cast<unsigned>(gy));
+  if (!pair.first.rotate) mxfp8_kernel<T><<<grid, kThreads, 0, stream>>>(pair);
+  else if (pair.first.D == 64) mxfp8_rotated_kernel<T, 64><<<grid, kThreads, 0, stream>>>(pair);
+  else mxfp8_rotated_kernel<T, 128><<<grid, kThreads, 0, stream>>>(pair);
   return cudaGetLastError();
+}
+
+bool valid(const Mxfp8Args& a) {
+  return !(a.D <= 0 || a.D % 32 || a.S < 1 || a.Sp < a.S || a.H < 1 || a.mean_rows < 1 || a.rep < 1 ||
+           (a.mean_rows > 1 && a.mean_rows * 128 < a.S) || (a.rotate && !rotation_applies(static_cast<int>(a.D))) ||
+           (!a.rotate && a.rotate_mean) || (a.row_scale != 1.f && !a.rotate_mean) || !(a.row_scale > 0.f));
 }
 
 }  // namespace
 
-int smooth_quant_mxfp8(const Mxfp8Args& a, cudaStream_t stream) {
-  if (a.D <= 0 || a.D % 32 || a.S < 1 || a.Sp < a.S || a.H < 1 || a.mean_rows < 1 || a.rep < 1 ||
-      (a.mean_rows > 1 && a.mean_rows * 128 < a.S) || (a.rotate && !rotation_applies(static_cast<int>(a.D))) ||
-      (!a.rotate && a.rotate_mean) || (a.row_scale != 1.f && !a.rotate_mean) || !(a.row_scale > 0.f))
+int smooth_quant_mxfp8_pair(const Mxfp8Args& first, const Mxfp8Args& second, cudaStream_t stream) {
+  const bool two = second.H > 0;
+  if (!valid(first) || (two && (!valid(second) || second.dtype != first.dtype || second.D != first.D ||
+                                second.rotate != first.rotate || second.bf16_out != first.bf16_out)) ||
+      first.H + second.H > 0x7FFFFFFF)
     return cudaErrorInvalidValue;
-  switch (a.dtype) {
-    case DType::kFloat16: return launch<f16_t>(a, stream);
-    case DType::kBFloat16: return launch<bf16_t>(a, stream);
-    case DType::kFloat32: return launch<float>(a, stream);
+  Mxfp8Pair pair{first, second};
+  if (!two) pair.second.H = 0;
+  switch (first.dtype) {
+    case DType::kFloat16: return launch<f16_t>(pair, stream);
+    case DType::kBFloat16: return launch<bf16_t>(pair, stream);
+    case DType::kFloat32: return launch<float>(pair, stream);
   }
   return cudaErrorInvalidValue;
 }
+
+int smooth_quant_mxfp8(const Mxfp8Args& a, cudaStream_t stream) { return smooth_quant_mxfp8_pair(a, Mxfp8Args{}, stream); }
 
 }  // namespace sageattn3

@@ -77,10 +77,13 @@ T attention_call(T q, T k, T v, bool causal, bool per_block_mean, bool rotate, b
                   nullptr, nullptr, nullptr, nullptr, nullptr, p.nm, nullptr, nullptr, rotate, rule_scale, rule_floor);
     at.error = c.take(4 * p.Gq);
     at.sel_q = c.take(p.Gq);
-    at.sel_k = c.take(p.Gk);
     at.error_pv = c.take(4 * p.Gq);
-    at.sel_v = c.take(p.Gk);
-    at.rule_ws = c.take(4 * qk_rule_workspace_floats(r));
+    // the workspace, sel_k and sel_v end to end: the rule zeroes its counters (the workspace's
+    // end) and both selections in one memset (qk_rule_bind_workspace)
+    const int64_t ws = 4 * qk_rule_workspace_floats(r);
+    at.rule_ws = c.take(ws + 2 * p.Gk);
+    at.sel_k = at.rule_ws + ws;
+    at.sel_v = at.sel_k + p.Gk;
     at.q8 = c.take(p.Gq * p.Sqp * row8);
     at.q8_sf = c.take(p.Gq * p.Sqp * sf8);
     at.k8 = c.take(p.Gk * p.Skp * row8);
@@ -119,17 +122,12 @@ T attention_call(T q, T k, T v, bool causal, bool per_block_mean, bool rotate, b
     check_cuda_kernel<T>(sageattn3::qk_rule_error(r, stream), "attention_call (the rule)");
     // mxfp8_smooth_quant_qk: rows rotated as the preprocessing's, or here with Q's times 64/D
     const int64_t rot = rotate ? 1 : 2;
-    check_cuda_kernel<T>(smooth_quant_mxfp8(mxfp8_fill(q.data_ptr(), p.dt, p.Gq, p.Sq, p.Sqp, D, f32(at.prep[6]), p.nm,
-                                                       exps, -1, exps ? p.Hq / p.Hk : 1, ptr(at.sel_q), ptr(at.q8),
-                                                       sf8 ? ptr(at.q8_sf) : nullptr, sf8 == 0, rot,
-                                                       rot == 2 ? 64.0 / D : 1.0),
-                                            stream),
-                         "attention_call (Q's FP8 rows)");
-    check_cuda_kernel<T>(smooth_quant_mxfp8(mxfp8_fill(k.data_ptr(), p.dt, p.Gk, p.Sk, p.Skp, D, f32(at.prep[7]), 1,
-                                                       exps, 1, 1, ptr(at.sel_k), ptr(at.k8),
-                                                       sf8 ? ptr(at.k8_sf) : nullptr, sf8 == 0, rot, 1.0),
-                                            stream),
-                         "attention_call (K's FP8 rows)");
+    const Mxfp8Args aq = mxfp8_fill(q.data_ptr(), p.dt, p.Gq, p.Sq, p.Sqp, D, f32(at.prep[6]), p.nm, exps, -1,
+                                    exps ? p.Hq / p.Hk : 1, ptr(at.sel_q), ptr(at.q8), sf8 ? ptr(at.q8_sf) : nullptr,
+                                    sf8 == 0, rot, rot == 2 ? 64.0 / D : 1.0);
+    const Mxfp8Args ak = mxfp8_fill(k.data_ptr(), p.dt, p.Gk, p.Sk, p.Skp, D, f32(at.prep[7]), 1, exps, 1, 1,
+                                    ptr(at.sel_k), ptr(at.k8), sf8 ? ptr(at.k8_sf) : nullptr, sf8 == 0, rot, 1.0);
+    check_cuda_kernel<T>(smooth_quant_mxfp8_pair(aq, ak, stream), "attention_call (Q's and K's FP8 rows)");
     qk8_fill(a, ptr(at.sel_q), ptr(at.q8), ptr(at.q8_sf), ptr(at.k8), ptr(at.k8_sf));
   }
   if (pv_mode > 0) {

@@ -138,9 +138,10 @@ inline Mxfp8Args mxfp8_fill(const void* x, DType dt, int64_t H, int64_t S, int64
 // too (D 64/128 with 1 or 2); row_scale: a power of two the rows are multiplied by after the mean,
 // 1 unless rotate is 2 (sageattn3.h, smooth_quant_mxfp8). The 16-bit Q.K^T rows instead (D 64:
 // reference.qk16_rows): codes (B, H, Sp, 2D) bytes, the bf16 values, and scales empty.
+// Its checks, into the launch's arguments (mxfp8_smooth_quant_qk launches two at once).
 template <class T>
-void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T codes, T scales, int64_t rotate,
-                        double row_scale) {
+Mxfp8Args mxfp8_args(const T& x, const T& mean, const T& balance, int64_t balance_sign, const T& sel, const T& codes,
+                     const T& scales, int64_t rotate, double row_scale) {
   check_input(x);
   check_f32_on(mean, x, "mean");
   check_code_tensor(codes, x, "codes");
@@ -182,11 +183,17 @@ void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T c
     check_bytes(sel, "sel");
     SA3_CHECK(T, sel.numel() == B * H, "sageattn3: sel must be (B, H) bytes = ", dims(B, H), ", got ", shape(sel));
   }
+  return mxfp8_fill(x.data_ptr(), dtype_of(x, "x"), B * H, S, Sp, D, floats(mean), mr,
+                    balance.numel() > 0 ? floats(balance) : nullptr, balance_sign, rep,
+                    sel.numel() > 0 ? bytes(sel) : nullptr, bytes(codes), bf16_out ? nullptr : bytes(scales), bf16_out,
+                    rotate, row_scale);
+}
+
+template <class T>
+void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T codes, T scales, int64_t rotate,
+                        double row_scale) {
+  const Mxfp8Args a = mxfp8_args(x, mean, balance, balance_sign, sel, codes, scales, rotate, row_scale);
   DeviceScope scope(device_index(x));
-  const Mxfp8Args a = mxfp8_fill(x.data_ptr(), dtype_of(x, "x"), B * H, S, Sp, D, floats(mean), mr,
-                                 balance.numel() > 0 ? floats(balance) : nullptr, balance_sign, rep,
-                                 sel.numel() > 0 ? bytes(sel) : nullptr, bytes(codes), bf16_out ? nullptr : bytes(scales),
-                                 bf16_out, rotate, row_scale);
   check_cuda_kernel<T>(smooth_quant_mxfp8(a, TensorApi<T>::stream(x)), "mxfp8_smooth_quant");
 }
 
@@ -218,8 +225,9 @@ std::tuple<T, T, T, T> mxfp8_smooth_quant_qk(T q, T k, T mean_q, T mean_k, T bal
   const OutputSpec specs[] = {{{B, Hq, Sqp, row}, Kind::kByte}, {{B, Hq, Sqp, sf}, Kind::kByte},
                               {{B, Hk, Skp, row}, Kind::kByte}, {{B, Hk, Skp, sf}, Kind::kByte}};
   auto out = allocate_outputs(specs, q);  // torch/outputs.h
-  mxfp8_smooth_quant<T>(q, mean_q, balance, -1, sel_q, out[0], out[1], rotate, rotate == 2 ? 64.0 / D : 1.0);
-  mxfp8_smooth_quant<T>(k, mean_k, balance, 1, sel_k, out[2], out[3], rotate, 1.0);
+  const Mxfp8Args aq = mxfp8_args(q, mean_q, balance, -1, sel_q, out[0], out[1], rotate, rotate == 2 ? 64.0 / D : 1.0);
+  const Mxfp8Args ak = mxfp8_args(k, mean_k, balance, 1, sel_k, out[2], out[3], rotate, 1.0);
+  check_cuda_kernel<T>(smooth_quant_mxfp8_pair(aq, ak, TensorApi<T>::stream(q)), "mxfp8_smooth_quant_qk");
   return {out[0], out[1], out[2], out[3]};
 }
 
