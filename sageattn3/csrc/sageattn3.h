@@ -57,7 +57,8 @@ int smooth_quant_rows(const void* x, DType dtype, int64_t G, int64_t S, int64_t 
 // sums by xor butterfly), 0 for rows S..Sp-1. Null qbar and ds_key: none.
 int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, float* mean, float* partial,
                      int64_t Sp, uint8_t* packed, uint8_t* scales, bool rotate, bool search, const float* qbar,
-                     int64_t rep, float* ds_key, cudaStream_t stream);
+                     int64_t rep, float* ds_key, cudaStream_t stream, uint32_t* zero = nullptr,
+                     int64_t zero_words = 0);
 
 // Q and K: Q's 128-row block means + smoothing + NVFP4 (as smooth_quant_rows with compute_mean:
 // mean_q (Gq, ceil(Sq/128), D), q_packed (Gq, Sqp, D/2), q_scales (Gq, Sqp, D/16)) and K's
@@ -84,7 +85,10 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
                     int64_t D, float* mean_q, int64_t Sqp, uint8_t* q_packed, uint8_t* q_scales, float* mean_k,
                     float* partial_k, int64_t Skp, uint8_t* k_packed, uint8_t* k_scales, bool rotate,
                     bool search, float* partial_q, float* qbar, float* ds_key, float* balance, float* balance_part,
-                    uint8_t* k_res, cudaStream_t stream);
+                    uint8_t* k_res, cudaStream_t stream, uint32_t* zero = nullptr, int64_t zero_words = 0);
+// zero (both smooth_quant_seq and smooth_quant_qk), or null: zero_words 32-bit words the means
+// launch zeroes, stream-ordered before every later launch (attention_call's rule counters and
+// selections: no memset of their own).
 
 // Sampled 128-row tiles per group of a sequence of S >= 0 rows: min(8, ceil(S/128)) (the rows
 // of the sampled-sums workspaces and balance_part per group).
@@ -154,8 +158,8 @@ int smooth_quant_mxfp8_pair(const Mxfp8Args& first, const Mxfp8Args& second, cud
 // sampled Q block on long calls, more on short ones), each group's keys split over several blocks
 // where the grid is small. Workspace: qk_rule_workspace_floats(args) fp32, which qk_rule_bind_workspace
 // carves into partial, the key splits' state and, last, the counters. The launch zeroes the
-// counters, sel_k and sel_v first: in one memset where sel_k starts at the workspace's end and
-// sel_v at sel_k's (attention_call lays them out so), else one each.
+// counters, sel_k and sel_v first (unless `zeroed`): in one memset where sel_k starts at the
+// workspace's end and sel_v at sel_k's, else one each.
 // error (B * Hq) fp32 out.
 struct QkRuleArgs {
   const void* q;
@@ -202,6 +206,9 @@ struct QkRuleArgs {
   // The attention is causal: P's estimate masks a sampled key after the sampled row's position
   // (reference.pv_p_error's is_causal); the Q.K^T estimate stays a statistic of the whole rows.
   bool causal;
+  // The caller zeroed the counters (the workspace's end), sel_k and sel_v (where set) in stream
+  // order before the launch (attention_call, through the preprocessing's means launch): no memset.
+  bool zeroed;
 };
 int qk_rule_error(const QkRuleArgs& args, cudaStream_t stream);
 // The workspace floats a launch with these shapes (B, Hq, Sq, Sk, D) needs, and the pointers into

@@ -999,7 +999,7 @@ int launch(const QkRuleArgs& a, cudaStream_t stream) {
   const size_t nkv = static_cast<size_t>(a.B * a.Hkv);
   const Zeros zeros[] = {{a.counter, sizeof(int32_t) * static_cast<size_t>(BH * kCounters)},
                          {a.sel_k, nkv}, {a.sel_v, a.sel_v != nullptr ? nkv : 0}};
-  err = zero_runs(zeros, 3, stream);
+  err = a.zeroed ? cudaSuccess : zero_runs(zeros, 3, stream);
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(BH), static_cast<unsigned>(G.units * G.nsplit),
                   static_cast<unsigned>(G.nest));

@@ -78,10 +78,10 @@ T attention_call(T q, T k, T v, bool causal, bool per_block_mean, bool rotate, b
     at.error = c.take(4 * p.Gq);
     at.sel_q = c.take(p.Gq);
     at.error_pv = c.take(4 * p.Gq);
-    // the workspace, sel_k and sel_v end to end: the rule zeroes its counters (the workspace's
-    // end) and both selections in one memset (qk_rule_bind_workspace)
+    // the workspace, sel_k and sel_v end to end: the counters (the workspace's end) and both
+    // selections are one run of words to zero (qk_rule_bind_workspace)
     const int64_t ws = 4 * qk_rule_workspace_floats(r);
-    at.rule_ws = c.take(ws + 2 * p.Gk);
+    at.rule_ws = c.take(ws + 2 * p.Gk + 3);  // + 3: the zeroed words' last may pass sel_v's end
     at.sel_k = at.rule_ws + ws;
     at.sel_v = at.sel_k + p.Gk;
     at.q8 = c.take(p.Gq * p.Sqp * row8);
@@ -102,7 +102,17 @@ T attention_call(T q, T k, T v, bool causal, bool per_block_mean, bool rotate, b
   const cudaStream_t stream = TensorApi<T>::stream(q);
   void* prep[PrepPlan::kOutputs];
   for (int i = 0; i < PrepPlan::kOutputs; ++i) prep[i] = ptr(at.prep[i]);
-  prep_launch<T>(p, q.data_ptr(), k.data_ptr(), v.data_ptr(), prep, rotate, search, stream);
+  // the rule's counters (its workspace's end), sel_k and sel_v: zeroed by the preprocessing's
+  // means launch, not by a memset of the rule's own
+  uint32_t* zero = nullptr;
+  int64_t zero_words = 0;
+  if (qk_mode > 0) {
+    qk_rule_bind_workspace(r, f32(at.rule_ws));
+    r.zeroed = true;
+    zero = reinterpret_cast<uint32_t*>(r.counter);
+    zero_words = (ptr(at.sel_v) + p.Gk - reinterpret_cast<uint8_t*>(zero) + 3) / 4;  // within the piece's padding
+  }
+  prep_launch<T>(p, q.data_ptr(), k.data_ptr(), v.data_ptr(), prep, rotate, search, stream, zero, zero_words);
   float* exps = balance ? f32(at.prep[10]) : nullptr;
   Fp4AttnArgs a = attn_fill({prep[0], prep[1], prep[2], prep[3], prep[4], prep[5], static_cast<int8_t*>(prep[12]),
                              f32(at.prep[6]), per_block_mean ? f32(at.prep[8]) : f32(at.prep[6]), f32(at.prep[9]),
@@ -116,7 +126,6 @@ T attention_call(T q, T k, T v, bool causal, bool per_block_mean, bool rotate, b
     r.mean_q = f32(at.prep[6]);
     r.mean_k = f32(at.prep[7]);
     r.balance = exps;
-    qk_rule_bind_workspace(r, f32(at.rule_ws));
     rule_select(r, f32(at.error), ptr(at.sel_q), ptr(at.sel_k), f32(at.error_pv), ptr(at.sel_v), limit, qk_mode == 2,
                 pv_mode == 1 ? pv_limit : -1.0, causal);
     check_cuda_kernel<T>(sageattn3::qk_rule_error(r, stream), "attention_call (the rule)");
