@@ -114,6 +114,25 @@ def test_a_call_is_one_op_and_two_allocations(fp4, precision):  # noqa: F811
     assert len([n for n in many if n in ("aten::empty", "aten::empty_strided")]) >= 13, many
 
 
+@pytest.mark.parametrize("precision", ["fp4", "auto", "fp8"])
+def test_a_call_makes_no_memset_and_one_mxfp8_launch(fp4, precision):  # noqa: F811
+    """The host calls the launch count sets: the rule's zeros come with the preprocessing's means
+    launch (no memset), Q's and K's MXFP8 rows are one launch, the means and the rule one each."""
+    q, k, v = _inputs("mixed_heads", 1, 4, 2, 300, 300, 128, torch.bfloat16)
+    fp4.sageattn3_blackwell(q, k, v, qk_precision=precision)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fp4.sageattn3_blackwell(q, k, v, qk_precision=precision)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    kernels = [n for n in names if "sageattn3::" in n and "kernel" in n]
+    assert not [n for n in names if n.startswith("cudaMemset")], names
+    assert len([n for n in kernels if "sample_means_kernel" in n]) == 1, kernels
+    rule = 0 if precision == "fp4" else 1
+    assert len([n for n in kernels if "qk_rule_kernel" in n]) == rule, kernels
+    assert len([n for n in kernels if "mxfp8_kernel" in n or "mxfp8_rotated_kernel" in n]) == rule, kernels
+
+
 def test_the_same_refusals(fp4, monkeypatch):  # noqa: F811
     """Where the delta_s workspace cannot hold one row, "fp8" Q·Kᵀ and FP8 P·V refuse as before, and
     "auto" keeps every head FP4 (the FP4 path's output)."""
