@@ -157,9 +157,8 @@ int smooth_quant_mxfp8_pair(const Mxfp8Args& first, const Mxfp8Args& second, cud
 // (Q.K^T's, the floor's, P's), over row groups of 16 sampled query rows (every 8th row of a
 // sampled Q block on long calls, more on short ones), each group's keys split over several blocks
 // where the grid is small. Workspace: qk_rule_workspace_floats(args) fp32, which qk_rule_bind_workspace
-// carves into partial, the key splits' state and, last, the counters. The launch zeroes the
-// counters, sel_k and sel_v first (unless `zeroed`): in one memset where sel_k starts at the
-// workspace's end and sel_v at sel_k's, else one each.
+// carves into partial, the key splits' state and, last, the counters (from `counter` to the
+// workspace's end), which the launch zeroes first unless `zeroed`.
 // error (B * Hq) fp32 out.
 struct QkRuleArgs {
   const void* q;
@@ -183,7 +182,7 @@ struct QkRuleArgs {
   int32_t* counter;
   float* split_state;
   float* error;
-  // The selection (both required): the launch zeroes sel_k first; the block that writes a head's error sets sel_q[head] = select_all || error > limit
+  // The selection (both required): the launch zeroes sel_k first (unless `zeroed`); the block that writes a head's error sets sel_q[head] = select_all || error > limit
   // (a NaN estimate keeps FP4) and, where set, sel_k of its kv head to 1.
   uint8_t* sel_q;
   uint8_t* sel_k;
@@ -197,7 +196,7 @@ struct QkRuleArgs {
   bool floor;
   // P's error for the FP8 P.V choice (reference.pv_p_error), where error_pv is set: the launch
   // also writes each head's estimate to error_pv and sets bit 1 of sel_q where it exceeds
-  // pv_limit and sel_v (B*Hkv bytes, zeroed first) of that head's kv head to 1; a pv_limit below
+  // pv_limit and sel_v (B*Hkv bytes, zeroed first unless `zeroed`) of that head's kv head to 1; a pv_limit below
   // 0 (or NaN) skips it and fills error_pv with NaN. With a pv_limit >= 0, sel_v must be set (the
   // launch refuses a null one).
   float* error_pv;
@@ -206,8 +205,9 @@ struct QkRuleArgs {
   // The attention is causal: P's estimate masks a sampled key after the sampled row's position
   // (reference.pv_p_error's is_causal); the Q.K^T estimate stays a statistic of the whole rows.
   bool causal;
-  // The caller zeroed the counters (the workspace's end), sel_k and sel_v (where set) in stream
-  // order before the launch (attention_call, through the preprocessing's means launch): no memset.
+  // The caller zeroed the counters (from `counter` to the workspace's end), sel_k and sel_v
+  // (where set) in stream order before the launch (attention_call, through the preprocessing's
+  // means launch): no memset.
   bool zeroed;
 };
 int qk_rule_error(const QkRuleArgs& args, cudaStream_t stream);

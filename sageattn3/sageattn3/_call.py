@@ -52,19 +52,23 @@ def call(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None,
     ``_attn.attention_scale``), then the op."""
     if type(qk_scale_search) is not bool:  # resolved by the caller, as _preprocess_kernels takes it
         raise TypeError(f"_call.call: qk_scale_search must be a resolved bool, got {qk_scale_search!r}")
-    nblk = -(-q.shape[2] // _attn.SEQ_PAD) if per_block_mean else 1
+    b, hq, sq, d = q.shape
+    qblk = -(-sq // _attn.SEQ_PAD)
+    nblk = qblk if per_block_mean else 1
     limit = _attn.delta_s_workspace_limit() if nblk > 1 else 0  # read on every call (it may change)
-    # the decisions depend on the shapes, the options, the limit and the rule's limit alone: made
-    # once per signature (a refusal is raised, never kept)
-    key = (q.shape, k.shape, q.dtype, is_causal, per_block_mean, sm_scale, qk_rotation, qk_balance, qk_scale_search,
-           qk_precision, pv_precision, pv_rule, pv_limit, limit, reference.AUTO_ERROR_LIMIT)
+    scale = None if sm_scale is None else float(sm_scale)
+    # the decisions depend on these alone (the lengths through their 128-row blocks): made once
+    # per signature (a refusal is raised, never kept; a NaN scale is never a key)
+    key = (b, hq, qblk, d, -(-k.shape[2] // _attn.SEQ_PAD), is_causal, per_block_mean, scale, qk_rotation, qk_balance,
+           qk_scale_search, qk_precision, pv_precision, pv_rule, pv_limit, limit, reference.AUTO_ERROR_LIMIT)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _plan(q, k, is_causal, per_block_mean, sm_scale, qk_rotation, qk_balance, qk_scale_search,
+        plan = _plan(q, k, is_causal, per_block_mean, scale, qk_rotation, qk_balance, qk_scale_search,
                      qk_precision, pv_precision, pv_rule, pv_limit, nblk, limit)
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+        if scale == scale:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
     if q.requires_grad or k.requires_grad or v.requires_grad:
         with torch.no_grad():  # a returned tensor would get a grad_fn; the kernels are not differentiable
             return _kernels.op("attention_call")(q, k, v, *plan)

@@ -948,27 +948,6 @@ constexpr int64_t kCounters = 1 + 3 * kUnits;
 // The row groups of a head at stride s: kRows strided rows each, every sampled block alike.
 int units(const QkRuleArgs& a, int s) { return sampled_count(a.Sq) * (kBlock / s / kRows); }
 
-// Byte ranges a launch zeroes first: one memset per run of ranges that lie end to end
-// (attention_call lays the counters, sel_k and sel_v out so; the separate op's are three).
-struct Zeros {
-  void* p;
-  size_t n;
-};
-cudaError_t zero_runs(const Zeros* z, int n, cudaStream_t stream) {
-  for (int i = 0; i < n;) {
-    uint8_t* p = static_cast<uint8_t*>(z[i].p);
-    size_t len = z[i].n;
-    int j = i + 1;
-    for (; j < n && z[j].n > 0 && z[j].p == p + len; ++j) len += z[j].n;
-    if (len > 0) {
-      const cudaError_t err = cudaMemsetAsync(p, 0, len, stream);
-      if (err != cudaSuccess) return err;
-    }
-    i = j;
-  }
-  return cudaSuccess;
-}
-
 int splits(const QkRuleArgs& a) {
   const int64_t grid = a.B * a.Hq * units(a, query_stride(a));
   const int kb = sampled_count(a.Sk);
@@ -995,12 +974,16 @@ int launch(const QkRuleArgs& a, cudaStream_t stream) {
   if (a.floor) G.estimate[G.nest++] = kFloor;
   // the counters (per head, then per estimate, head and sampled Q block) and the selection's
   // zeros, stream-ordered before the blocks that count and set them
+  // (unless the caller zeroed them: attention_call)
   const int64_t BH = a.B * a.Hq;
-  const size_t nkv = static_cast<size_t>(a.B * a.Hkv);
-  const Zeros zeros[] = {{a.counter, sizeof(int32_t) * static_cast<size_t>(BH * kCounters)},
-                         {a.sel_k, nkv}, {a.sel_v, a.sel_v != nullptr ? nkv : 0}};
-  err = a.zeroed ? cudaSuccess : zero_runs(zeros, 3, stream);
-  if (err != cudaSuccess) return err;
+  if (!a.zeroed) {
+    err = cudaMemsetAsync(a.counter, 0, sizeof(int32_t) * static_cast<size_t>(BH * (G.nsplit > 1 ? kCounters : 1)),
+                          stream);
+    if (err == cudaSuccess) err = cudaMemsetAsync(a.sel_k, 0, static_cast<size_t>(a.B * a.Hkv), stream);
+    if (err == cudaSuccess && a.sel_v != nullptr)
+      err = cudaMemsetAsync(a.sel_v, 0, static_cast<size_t>(a.B * a.Hkv), stream);
+    if (err != cudaSuccess) return err;
+  }
   const dim3 grid(static_cast<unsigned>(BH), static_cast<unsigned>(G.units * G.nsplit),
                   static_cast<unsigned>(G.nest));
   kernel<<<grid, kThreads, L::kBytes, stream>>>(G);

@@ -1,10 +1,13 @@
-// attention_call: the whole eager FP4 call of sageattn3_blackwell in one op, the launches of
+// attention_call: the whole eager FP4 call of sageattn3_blackwell in one op, the kernels of
 // preprocess_qkv, qk_rule_select, mxfp8_smooth_quant_qk, quant_mxfp8_cols and the attention op in
-// the same order and with the same arguments, but with one host call and one allocation for every
-// intermediate tensor (and one for the output). The intermediates are never outputs, so carving
-// them from one allocation breaks no aliasing rule (torch/outputs.h). The Python side decides what
-// the separate ops would run (sageattn3/_call.py) and passes it as qk_mode / pv_mode. Each piece has
-// the size of the tensor the separate op allocates, at a 256-byte boundary.
+// the same order and with the same arguments (the values they write are the same), but with one
+// host call and one allocation for every intermediate tensor (and one for the output), and fewer
+// host calls into the runtime: the rule's zeros are written by the preprocessing's means launch
+// (no memsets), V's MXFP8 comes with the FP8 rows' launch. The intermediates are never outputs, so
+// carving them from one allocation breaks no aliasing rule (torch/outputs.h). The Python side
+// decides what the separate ops would run (sageattn3/_call.py) and passes it as qk_mode / pv_mode.
+// Each piece has the size of the tensor the separate op allocates, at a 256-byte boundary, but for
+// the rule's workspace, which holds sel_k and sel_v after it (one run of words to zero).
 #pragma once
 
 #include <algorithm>

@@ -200,8 +200,9 @@ void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T c
 // mxfp8_smooth_quant_qk(q, k, mean_q, mean_k, balance, sel_q, sel_k, seq_pad, rotate) -> (q8, q8_sf,
 // k8, k8_sf): both MXFP8 operands of the per-head FP8 Q.K^T in one op, which allocates them: Q's
 // rows scaled by 2^-balance, K's by 2^+balance, rotated with `rotate` (0, 1, 2: mxfp8_smooth_quant's;
-// with 2 Q's rows are then multiplied by 64/D: reference.fp8_rows) (mxfp8_smooth_quant each;
-// the heads whose sel byte is 0 are skipped, their rows stay uninitialised); codes (B, H, Sp, D)
+// with 2 Q's rows are then multiplied by 64/D: reference.fp8_rows) (mxfp8_smooth_quant's rows for
+// each, in one launch: smooth_quant_mxfp8_pair; the heads whose sel byte is 0 are skipped, their
+// rows stay uninitialised); codes (B, H, Sp, D)
 // and scales (B, H, Sp, D/32) bytes, Sp = S rounded up to seq_pad; each its own allocation. At D 64
 // the heads that leave FP4 take the 16-bit Q.K^T: codes (B, H, Sp, 2D) bytes (bf16 rows of the
 // same values, reference.qk16_rows) and scales (B, H, Sp, 0).
@@ -218,6 +219,9 @@ std::tuple<T, T, T, T> mxfp8_smooth_quant_qk(T q, T k, T mean_q, T mean_k, T bal
   SA3_CHECK(T, D % 32 == 0 && k.size(0) == B && k.size(3) == D,
             "sageattn3: q and k must be (B, H, S, D) with the same B and D, a multiple of 32, got ", shape(q), " and ",
             shape(k));
+  SA3_CHECK(T, q.size(1) >= 1 && k.size(1) >= 1 && dtype_of(q, "q") == dtype_of(k, "k"),
+            "sageattn3: mxfp8_smooth_quant_qk needs q and k with at least one head each and the same dtype, got ",
+            shape(q), " ", dtype_name(q), " and ", shape(k), " ", dtype_name(k));
   const int64_t Sqp = (Sq + seq_pad - 1) / seq_pad * seq_pad, Skp = (Sk + seq_pad - 1) / seq_pad * seq_pad;
   DeviceScope scope(device_index(q));
   const bool qk16 = D == 64;
