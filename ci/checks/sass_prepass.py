@@ -156,7 +156,7 @@ PREPASSES = {
         (Loop(r"chunk_scores<D>\(sm, warp, g, t, role\.pv\);"),),
         "key loop (kChunk sampled keys x 16 sampled query rows)", _rule_per_tile, _rule_dram),
     "MXFP8": PrePass(
-        "MXFP8", "quant/quant_mxfp8.cu", "quant/quant_mxfp8.cu", r"mxfp8_rotated_kernelINS_6bf16_tELi{d}E",
+        "MXFP8", "quant/quant_mxfp8.cu", "quant/quant_mxfp8.cu", r"mxfp8_rotated_kernelINS_6bf16_tELi{d}ELb0E",
         (Loop(r"e4m3_codes16\(v, inv\);", without=r"ldexpf\(1\.f, a\.balance_sign"),),
         "grid-stride loop (256 lanes x 16 values)", _mxfp8_per_tile, _mxfp8_dram,
         rest_note="the code outside its loop, once per CTA, not counted (its CTAs per head follow the SM "

@@ -145,9 +145,20 @@ struct Mxfp8Args {
   bool bf16_out = false;
 };
 int smooth_quant_mxfp8(const Mxfp8Args& args, cudaStream_t stream);
+// V's MXFP8 along the sequence as quant_mxfp8_cols takes it (x (G, S, D) 16-bit, codes (G, D, Sp),
+// scales (G, D, Sp/32), sel (G bytes) or null), for smooth_quant_mxfp8_pair to make as well.
+struct Mxfp8ColsArgs {
+  const void* x;
+  int64_t G, S, D, Sp;
+  uint8_t* codes;
+  uint8_t* scales;
+  const uint8_t* sel;
+};
 // Two row sets in one launch (Q's and K's: the same dtype, D, rotate and bf16_out), each as
-// smooth_quant_mxfp8 makes it.
-int smooth_quant_mxfp8_pair(const Mxfp8Args& first, const Mxfp8Args& second, cudaStream_t stream);
+// smooth_quant_mxfp8 makes it; with cols (x in first's dtype, 16-bit), V's MXFP8 in the same
+// launch, as quant_mxfp8_cols makes it.
+int smooth_quant_mxfp8_pair(const Mxfp8Args& first, const Mxfp8Args& second, cudaStream_t stream,
+                            const Mxfp8ColsArgs* cols = nullptr);
 
 // The "auto" Q.K^T precision rule's estimate per (batch, q head) (preprocess/qk_rule.cu;
 // reference.qk_fp4_error) in one launch: q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) fp16/bf16,

@@ -116,10 +116,10 @@ def test_a_call_is_one_op_and_two_allocations(fp4, precision):  # noqa: F811
 
 @pytest.mark.parametrize("precision", ["fp4", "auto", "fp8"])
 @pytest.mark.parametrize("per_block_mean", [True, False])
-def test_a_call_makes_no_memset_and_one_mxfp8_launch(fp4, precision, per_block_mean):  # noqa: F811
+def test_a_call_makes_no_memset_and_one_fp8_operand_launch(fp4, precision, per_block_mean):  # noqa: F811
     """The host calls the launch count sets: the rule's zeros come with the preprocessing's means
-    launch (no memset), Q's and K's MXFP8 rows are one launch, the rule one (the means: one, or
-    Q's and K's with one Q mean)."""
+    launch (no memset), Q's and K's MXFP8 rows are one launch with V's MXFP8 (P·V "auto": no
+    launch of its own), the rule one (the means: one, or Q's and K's with one Q mean)."""
     q, k, v = _inputs("mixed_heads", 1, 4, 2, 300, 300, 128, torch.bfloat16)
     call = lambda: fp4.sageattn3_blackwell(q, k, v, qk_precision=precision, per_block_mean=per_block_mean)  # noqa: E731
     call()
@@ -134,6 +134,7 @@ def test_a_call_makes_no_memset_and_one_mxfp8_launch(fp4, precision, per_block_m
     rule = 0 if precision == "fp4" else 1
     assert len([n for n in kernels if "qk_rule_kernel" in n]) == rule, kernels
     assert len([n for n in kernels if "mxfp8_kernel" in n or "mxfp8_rotated_kernel" in n]) == rule, kernels
+    assert not [n for n in kernels if "quant_mxfp8_cols_kernel" in n], kernels
 
 
 def _poison_the_allocator() -> None:

@@ -33,6 +33,7 @@
 #include "common/mxfp8.cuh"
 #include "common/nvfp4.cuh"
 #include "preprocess/rotation.cuh"
+#include "quant/mxfp8_cols.cuh"
 #include "sageattn3.h"
 
 namespace sageattn3 {
@@ -67,13 +68,31 @@ __device__ __forceinline__ uint4 bf16x8(const float* v) {
 }
 
 // Two row sets in one launch (Q's and K's): grid columns below first.H take first's heads, the
-// rest second's.
+// next second.H second's; with kCols the columns after those take V's tiles (cols, `tiles` of
+// them: s_tiles along the sequence, then d_tiles, then the groups), gridDim.y tiles a column.
 struct Mxfp8Pair {
   Mxfp8Args first, second;
+  Mxfp8ColsArgs cols;
+  int64_t s_tiles, d_tiles, tiles;
 };
 
+// A block of V's tiles (kCols): quant_mxfp8_cols' tile (quant/mxfp8_cols.cuh).
 template <typename T>
+__device__ __forceinline__ void cols_block(const Mxfp8Pair& pair) {
+  __shared__ __align__(16) uint32_t tile[mxfp8_cols::kTS][mxfp8_cols::kWords];
+  const int64_t i = (static_cast<int64_t>(blockIdx.x) - pair.first.H - pair.second.H) * gridDim.y + blockIdx.y;
+  if (i >= pair.tiles) return;  // the whole block
+  const Mxfp8ColsArgs& c = pair.cols;
+  const int64_t per_group = pair.s_tiles * pair.d_tiles, r = i % per_group;
+  mxfp8_cols::cols_tile<T>(static_cast<const T*>(c.x), c.S, c.D, c.Sp, c.codes, c.scales, c.sel, r % pair.s_tiles,
+                           r / pair.s_tiles, i / per_group, tile);
+}
+
+template <typename T, bool kCols>
 __global__ void __launch_bounds__(kThreads) mxfp8_kernel(Mxfp8Pair pair) {
+  if constexpr (kCols) {
+    if (blockIdx.x >= pair.first.H + pair.second.H) return cols_block<T>(pair);
+  }
   const bool one = blockIdx.x < pair.first.H;
   const Mxfp8Args a = one ? pair.first : pair.second;
   const int64_t blocks_per_row = a.D / 32;
@@ -131,8 +150,11 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(Mxfp8Pair pair) {
   }
 }
 
-template <typename T, int kD>
+template <typename T, int kD, bool kCols>
 __global__ void __launch_bounds__(kThreads) mxfp8_rotated_kernel(Mxfp8Pair pair) {
+  if constexpr (kCols) {
+    if (blockIdx.x >= pair.first.H + pair.second.H) return cols_block<T>(pair);
+  }
   constexpr int kBpr = kD / 16, kRows = 32 / kBpr, kWarps = kThreads / 32;
   const bool one = blockIdx.x < pair.first.H;
   const Mxfp8Args a = one ? pair.first : pair.second;
@@ -210,16 +232,39 @@ int64_t grid_rows(const Mxfp8Args& a, int64_t heads) {
   return std::min<int64_t>({work, per_head, 65535});
 }
 
-template <typename T>
+template <typename T, bool kCols>
 int launch(const Mxfp8Pair& pair, cudaStream_t stream) {
   const int64_t heads = pair.first.H + pair.second.H;
   const int64_t gy = std::max(grid_rows(pair.first, heads), grid_rows(pair.second, heads));
   if (gy == 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>(heads), static_cast<unsigned>(gy));
-  if (!pair.first.rotate) mxfp8_kernel<T><<<grid, kThreads, 0, stream>>>(pair);
-  else if (pair.first.D == 64) mxfp8_rotated_kernel<T, 64><<<grid, kThreads, 0, stream>>>(pair);
-  else mxfp8_rotated_kernel<T, 128><<<grid, kThreads, 0, stream>>>(pair);
+  const int64_t columns = heads + (kCols ? ceil_div(pair.tiles, gy) : 0);
+  if (columns > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(columns), static_cast<unsigned>(gy));
+  if (!pair.first.rotate) mxfp8_kernel<T, kCols><<<grid, kThreads, 0, stream>>>(pair);
+  else if (pair.first.D == 64) mxfp8_rotated_kernel<T, 64, kCols><<<grid, kThreads, 0, stream>>>(pair);
+  else mxfp8_rotated_kernel<T, 128, kCols><<<grid, kThreads, 0, stream>>>(pair);
   return cudaGetLastError();
+}
+
+template <typename T>
+int launch(const Mxfp8Pair& pair, cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, float>) {
+    return pair.tiles > 0 ? cudaErrorInvalidValue : launch<T, false>(pair, stream);  // V is 16-bit
+  } else {
+    return pair.tiles > 0 ? launch<T, true>(pair, stream) : launch<T, false>(pair, stream);
+  }
+}
+
+// V's tiles as quant_mxfp8_cols makes them (its checks), into pair; false if cols is invalid.
+bool with_cols(const Mxfp8ColsArgs& c, Mxfp8Pair& pair) {
+  if (c.G < 1 || c.S < 0 || c.D <= 0 || c.D % 16 || c.Sp % 32 || c.Sp < c.S || c.x == nullptr ||
+      c.codes == nullptr || c.scales == nullptr)
+    return false;
+  pair.cols = c;
+  pair.s_tiles = ceil_div(c.Sp, static_cast<int64_t>(mxfp8_cols::kTS));
+  pair.d_tiles = ceil_div(c.D, static_cast<int64_t>(mxfp8_cols::kTC));
+  pair.tiles = pair.s_tiles * pair.d_tiles * c.G;
+  return true;
 }
 
 bool valid(const Mxfp8Args& a) {
@@ -230,14 +275,16 @@ bool valid(const Mxfp8Args& a) {
 
 }  // namespace
 
-int smooth_quant_mxfp8_pair(const Mxfp8Args& first, const Mxfp8Args& second, cudaStream_t stream) {
+int smooth_quant_mxfp8_pair(const Mxfp8Args& first, const Mxfp8Args& second, cudaStream_t stream,
+                            const Mxfp8ColsArgs* cols) {
   const bool two = second.H > 0;
   if (!valid(first) || (two && (!valid(second) || second.dtype != first.dtype || second.D != first.D ||
                                 second.rotate != first.rotate || second.bf16_out != first.bf16_out)) ||
       first.H + second.H > 0x7FFFFFFF)
     return cudaErrorInvalidValue;
-  Mxfp8Pair pair{first, second};
+  Mxfp8Pair pair{first, second, Mxfp8ColsArgs{}, 0, 0, 0};
   if (!two) pair.second.H = 0;
+  if (cols != nullptr && cols->Sp > 0 && !with_cols(*cols, pair)) return cudaErrorInvalidValue;
   switch (first.dtype) {
     case DType::kFloat16: return launch<f16_t>(pair, stream);
     case DType::kBFloat16: return launch<bf16_t>(pair, stream);

@@ -121,6 +121,9 @@ T attention_call(T q, T k, T v, bool causal, bool per_block_mean, bool rotate, b
                              f32(at.prep[6]), per_block_mean ? f32(at.prep[8]) : f32(at.prep[6]), f32(at.prep[9]),
                              per_block_mean ? prep[11] : nullptr, f32(at.work), rows * row, out.data_ptr()},
                             p.B, p.Hq, p.Hk, D, p.Sq, p.Sk, p.Sqp, p.Skp, p.nm, sm_scale, causal, p.dt);
+  // V's MXFP8 for FP8 P.V (quant_mxfp8_cols; with pv_mode 1 only the kv heads sel_v marks)
+  const Mxfp8ColsArgs v8{v.data_ptr(), p.Gk, p.Sk, D, p.Skp, ptr(at.v8), ptr(at.v8_sf),
+                         pv_mode == 1 ? ptr(at.sel_v) : nullptr};
   if (qk_mode > 0) {
     r.q_packed = ptr(at.prep[0]);
     r.q_scales = ptr(at.prep[1]);
@@ -139,13 +142,16 @@ T attention_call(T q, T k, T v, bool causal, bool per_block_mean, bool rotate, b
                                     sf8 == 0, rot, rot == 2 ? 64.0 / D : 1.0);
     const Mxfp8Args ak = mxfp8_fill(k.data_ptr(), p.dt, p.Gk, p.Sk, p.Skp, D, f32(at.prep[7]), 1, exps, 1, 1,
                                     ptr(at.sel_k), ptr(at.k8), sf8 ? ptr(at.k8_sf) : nullptr, sf8 == 0, rot, 1.0);
-    check_cuda_kernel<T>(smooth_quant_mxfp8_pair(aq, ak, stream), "attention_call (Q's and K's FP8 rows)");
+    // Q's and K's rows, and V's MXFP8 where P.V may run in FP8, in one launch
+    check_cuda_kernel<T>(smooth_quant_mxfp8_pair(aq, ak, stream, pv_mode > 0 ? &v8 : nullptr),
+                         "attention_call (the FP8 operands)");
     qk8_fill(a, ptr(at.sel_q), ptr(at.q8), ptr(at.q8_sf), ptr(at.k8), ptr(at.k8_sf));
   }
   if (pv_mode > 0) {
-    check_cuda_kernel<T>(sageattn3::quant_mxfp8_cols(v.data_ptr(), p.dt, p.Gk, p.Sk, D, p.Skp, ptr(at.v8),
-                                                     ptr(at.v8_sf), pv_mode == 1 ? ptr(at.sel_v) : nullptr, stream),
-                         "attention_call (V's MXFP8)");
+    if (qk_mode == 0)
+      check_cuda_kernel<T>(sageattn3::quant_mxfp8_cols(v8.x, p.dt, v8.G, v8.S, v8.D, v8.Sp, v8.codes, v8.scales, v8.sel,
+                                                       stream),
+                           "attention_call (V's MXFP8)");
     pv8_fill(a, ptr(at.v8), ptr(at.v8_sf), pv_mode == 1);
   }
   check_cuda_kernel<T>(fp4_attn_fwd(a, stream), "attention_call (the attention)");
