@@ -155,8 +155,8 @@ struct Mxfp8ColsArgs {
   const uint8_t* sel;
 };
 // Two row sets in one launch (Q's and K's: the same dtype, D, rotate and bf16_out), each as
-// smooth_quant_mxfp8 makes it; with cols (x in first's dtype, 16-bit), V's MXFP8 in the same
-// launch, as quant_mxfp8_cols makes it.
+// smooth_quant_mxfp8 makes it; with cols (x in first's dtype, 16-bit; rotated rows only), V's
+// MXFP8 in the same launch, as quant_mxfp8_cols makes it.
 int smooth_quant_mxfp8_pair(const Mxfp8Args& first, const Mxfp8Args& second, cudaStream_t stream,
                             const Mxfp8ColsArgs* cols = nullptr);
 
@@ -169,7 +169,7 @@ int smooth_quant_mxfp8_pair(const Mxfp8Args& first, const Mxfp8Args& second, cud
 // sampled Q block on long calls, more on short ones), each group's keys split over several blocks
 // where the grid is small. Workspace: qk_rule_workspace_floats(args) fp32, which qk_rule_bind_workspace
 // carves into partial, the key splits' state and, last, the counters (from `counter` to the
-// workspace's end), which the launch zeroes first unless `zeroed`.
+// workspace's end), which the launch zeroes first (those it uses) unless `zeroed`.
 // error (B * Hq) fp32 out.
 struct QkRuleArgs {
   const void* q;

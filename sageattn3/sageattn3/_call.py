@@ -4,9 +4,10 @@
 in its graphs) used to make five op calls on the default path (``preprocess_qkv``,
 ``qk_rule_select``, ``mxfp8_smooth_quant_qk``, V's ``quant_mxfp8_cols``, the attention) and over 20
 allocations, one per tensor between them; the host time of a call was theirs. Here Python decides
-what those ops would run, from the shapes and the options alone (no synchronisation), and one op
-makes the same launches with the same arguments into one allocation: the output is the multi-op
-path's bit for bit (tests/gpu/test_call_gpu.py). Where the op does not serve a call (other head dims,
+what those ops would run, from the shapes and the options alone (no synchronisation; once per call
+signature), and one op runs the same kernels with the same arguments into one allocation, in fewer
+launches (no memsets; V's MXFP8 with Q's and K's: csrc/torch/ops_call.h): the output is the
+multi-op path's bit for bit (tests/gpu/test_call_gpu.py). Where the op does not serve a call (other head dims,
 more q heads per kv head than the K kernels correct, a build without the op or the rule kernel,
 the debug return ``return_qk_choice``), the multi-op path runs as before.
 """
@@ -57,15 +58,16 @@ def call(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None,
     nblk = qblk if per_block_mean else 1
     limit = _attn.delta_s_workspace_limit() if nblk > 1 else 0  # read on every call (it may change)
     scale = None if sm_scale is None else float(sm_scale)
+    pvl, auto = float(pv_limit), float(reference.AUTO_ERROR_LIMIT)
     # the decisions depend on these alone (the lengths through their 128-row blocks): made once
-    # per signature (a refusal is raised, never kept; a NaN scale is never a key)
+    # per signature (a refusal is raised, never kept; a NaN is never a key)
     key = (b, hq, qblk, d, -(-k.shape[2] // _attn.SEQ_PAD), is_causal, per_block_mean, scale, qk_rotation, qk_balance,
-           qk_scale_search, qk_precision, pv_precision, pv_rule, pv_limit, limit, reference.AUTO_ERROR_LIMIT)
+           qk_scale_search, qk_precision, pv_precision, pv_rule, pvl, limit, auto)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(q, k, is_causal, per_block_mean, scale, qk_rotation, qk_balance, qk_scale_search,
-                     qk_precision, pv_precision, pv_rule, pv_limit, nblk, limit)
-        if scale == scale:
+                     qk_precision, pv_precision, pv_rule, pvl, nblk, limit)
+        if scale == scale and pvl == pvl and auto == auto:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             _PLANS[key] = plan

@@ -35,6 +35,12 @@ constexpr int kRowsPerPass = kThreads / kChunks;   // tile rows one pass of load
 constexpr int kPasses = kTS / kRowsPerPass;
 static_assert(kThreads / 32 == 2 * (kTS / 32), "a warp per 32-token block and half of the channels");
 
+// The arguments quant_mxfp8_cols takes (and the pair launch with V's tiles): G, S >= 0, D a
+// positive multiple of 16, Sp >= S a multiple of 32.
+inline bool args_fit(int64_t G, int64_t S, int64_t D, int64_t Sp) {
+  return G >= 0 && S >= 0 && D > 0 && D % 16 == 0 && Sp % 32 == 0 && Sp >= S;
+}
+
 // Channel `half` (0: low 16 bits) of a word of two 16-bit values, widened to fp32 (exact).
 template <typename T>
 __device__ __forceinline__ float widen(uint32_t word, int half) {

@@ -40,6 +40,7 @@ namespace sageattn3 {
 namespace {
 
 constexpr int kThreads = 256;
+static_assert(kThreads == mxfp8_cols::kThreads, "V's tiles take the rows' blocks");
 
 template <typename T>
 __device__ __forceinline__ float load_value(const T* p, int i);
@@ -88,11 +89,8 @@ __device__ __forceinline__ void cols_block(const Mxfp8Pair& pair) {
                            r / pair.s_tiles, i / per_group, tile);
 }
 
-template <typename T, bool kCols>
+template <typename T>
 __global__ void __launch_bounds__(kThreads) mxfp8_kernel(Mxfp8Pair pair) {
-  if constexpr (kCols) {
-    if (blockIdx.x >= pair.first.H + pair.second.H) return cols_block<T>(pair);
-  }
   const bool one = blockIdx.x < pair.first.H;
   const Mxfp8Args a = one ? pair.first : pair.second;
   const int64_t blocks_per_row = a.D / 32;
@@ -240,8 +238,11 @@ int launch(const Mxfp8Pair& pair, cudaStream_t stream) {
   const int64_t columns = heads + (kCols ? ceil_div(pair.tiles, gy) : 0);
   if (columns > 0x7FFFFFFF) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(columns), static_cast<unsigned>(gy));
-  if (!pair.first.rotate) mxfp8_kernel<T, kCols><<<grid, kThreads, 0, stream>>>(pair);
-  else if (pair.first.D == 64) mxfp8_rotated_kernel<T, 64, kCols><<<grid, kThreads, 0, stream>>>(pair);
+  // V's tiles ride with rotated rows only (the FP8 Q.K^T rows always are: attention_call)
+  if (!pair.first.rotate) {
+    if constexpr (kCols) return cudaErrorInvalidValue;
+    else mxfp8_kernel<T><<<grid, kThreads, 0, stream>>>(pair);
+  } else if (pair.first.D == 64) mxfp8_rotated_kernel<T, 64, kCols><<<grid, kThreads, 0, stream>>>(pair);
   else mxfp8_rotated_kernel<T, 128, kCols><<<grid, kThreads, 0, stream>>>(pair);
   return cudaGetLastError();
 }
@@ -255,11 +256,12 @@ int launch(const Mxfp8Pair& pair, cudaStream_t stream) {
   }
 }
 
-// V's tiles as quant_mxfp8_cols makes them (its checks), into pair; false if cols is invalid.
+// V's tiles as quant_mxfp8_cols makes them (its checks: mxfp8_cols::args_fit), into pair; false if
+// cols is invalid. No tiles (G or Sp 0): nothing to add.
 bool with_cols(const Mxfp8ColsArgs& c, Mxfp8Pair& pair) {
-  if (c.G < 1 || c.S < 0 || c.D <= 0 || c.D % 16 || c.Sp % 32 || c.Sp < c.S || c.x == nullptr ||
-      c.codes == nullptr || c.scales == nullptr)
-    return false;
+  if (!mxfp8_cols::args_fit(c.G, c.S, c.D, c.Sp)) return false;
+  if (c.G == 0 || c.Sp == 0) return true;
+  if (c.x == nullptr || c.codes == nullptr || c.scales == nullptr) return false;
   pair.cols = c;
   pair.s_tiles = ceil_div(c.Sp, static_cast<int64_t>(mxfp8_cols::kTS));
   pair.d_tiles = ceil_div(c.D, static_cast<int64_t>(mxfp8_cols::kTC));
@@ -284,7 +286,7 @@ int smooth_quant_mxfp8_pair(const Mxfp8Args& first, const Mxfp8Args& second, cud
     return cudaErrorInvalidValue;
   Mxfp8Pair pair{first, second, Mxfp8ColsArgs{}, 0, 0, 0};
   if (!two) pair.second.H = 0;
-  if (cols != nullptr && cols->Sp > 0 && !with_cols(*cols, pair)) return cudaErrorInvalidValue;
+  if (cols != nullptr && !with_cols(*cols, pair)) return cudaErrorInvalidValue;
   switch (first.dtype) {
     case DType::kFloat16: return launch<f16_t>(pair, stream);
     case DType::kBFloat16: return launch<bf16_t>(pair, stream);

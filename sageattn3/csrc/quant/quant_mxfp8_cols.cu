@@ -41,7 +41,7 @@ int launch(const void* x, int64_t G, int64_t S, int64_t D, int64_t Sp, uint8_t* 
 
 int quant_mxfp8_cols(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, int64_t Sp, uint8_t* codes,
                      uint8_t* scales, const uint8_t* sel, cudaStream_t stream) {
-  if (G < 0 || S < 0 || D <= 0 || D % 16 || Sp % 32 || Sp < S) return cudaErrorInvalidValue;
+  if (!mxfp8_cols::args_fit(G, S, D, Sp)) return cudaErrorInvalidValue;
   switch (dtype) {
     case DType::kFloat16: return launch<f16_t>(x, G, S, D, Sp, codes, scales, sel, stream);
     case DType::kBFloat16: return launch<bf16_t>(x, G, S, D, Sp, codes, scales, sel, stream);
