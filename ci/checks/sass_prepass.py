@@ -23,7 +23,9 @@ one query head per kv head).
 - MXFP8 V (``quant_mxfp8_cols_kernel<bf16>``, ``quant/quant_mxfp8_cols.cu``): for the kv heads
   that take FP8 P·V (the rule's, or every head with pv_precision 'fp8'), V along the sequence; a
   CTA per 128 keys x 64 channels, no loop (counted whole). For the other heads of an "auto" call its
-  CTAs read one byte and exit: not counted.
+  CTAs read one byte and exit: not counted. With the rule its tiles run in the MXFP8 launch
+  (``mxfp8_rotated_kernel<bf16, D, true>``: the same tile code behind a 64-bit tile index, about
+  100 instructions a CTA more, not counted here); the separate kernel is the one counted.
 
 Counting: the main loop's instructions per iteration and any other named loop's, each times its
 trip count, plus the rest of the function up to its last EXIT once per CTA (loops in that rest
@@ -156,7 +158,7 @@ PREPASSES = {
         (Loop(r"chunk_scores<D>\(sm, warp, g, t, role\.pv\);"),),
         "key loop (kChunk sampled keys x 16 sampled query rows)", _rule_per_tile, _rule_dram),
     "MXFP8": PrePass(
-        "MXFP8", "quant/quant_mxfp8.cu", "quant/quant_mxfp8.cu", r"mxfp8_rotated_kernelINS_6bf16_tELi{d}E",
+        "MXFP8", "quant/quant_mxfp8.cu", "quant/quant_mxfp8.cu", r"mxfp8_rotated_kernelINS_6bf16_tELi{d}ELb0E",
         (Loop(r"e4m3_codes16\(v, inv\);", without=r"ldexpf\(1\.f, a\.balance_sign"),),
         "grid-stride loop (256 lanes x 16 values)", _mxfp8_per_tile, _mxfp8_dram,
         rest_note="the code outside its loop, once per CTA, not counted (its CTAs per head follow the SM "

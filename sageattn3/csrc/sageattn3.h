@@ -57,7 +57,8 @@ int smooth_quant_rows(const void* x, DType dtype, int64_t G, int64_t S, int64_t 
 // sums by xor butterfly), 0 for rows S..Sp-1. Null qbar and ds_key: none.
 int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, float* mean, float* partial,
                      int64_t Sp, uint8_t* packed, uint8_t* scales, bool rotate, bool search, const float* qbar,
-                     int64_t rep, float* ds_key, cudaStream_t stream);
+                     int64_t rep, float* ds_key, cudaStream_t stream, uint32_t* zero = nullptr,
+                     int64_t zero_words = 0);
 
 // Q and K: Q's 128-row block means + smoothing + NVFP4 (as smooth_quant_rows with compute_mean:
 // mean_q (Gq, ceil(Sq/128), D), q_packed (Gq, Sqp, D/2), q_scales (Gq, Sqp, D/16)) and K's
@@ -84,7 +85,10 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
                     int64_t D, float* mean_q, int64_t Sqp, uint8_t* q_packed, uint8_t* q_scales, float* mean_k,
                     float* partial_k, int64_t Skp, uint8_t* k_packed, uint8_t* k_scales, bool rotate,
                     bool search, float* partial_q, float* qbar, float* ds_key, float* balance, float* balance_part,
-                    uint8_t* k_res, cudaStream_t stream);
+                    uint8_t* k_res, cudaStream_t stream, uint32_t* zero = nullptr, int64_t zero_words = 0);
+// zero (both smooth_quant_seq and smooth_quant_qk), or null: zero_words 32-bit words the means
+// launch zeroes, stream-ordered before every later launch (attention_call's rule counters and
+// selections: no memset of their own).
 
 // Sampled 128-row tiles per group of a sequence of S >= 0 rows: min(8, ceil(S/128)) (the rows
 // of the sampled-sums workspaces and balance_part per group).
@@ -141,6 +145,20 @@ struct Mxfp8Args {
   bool bf16_out = false;
 };
 int smooth_quant_mxfp8(const Mxfp8Args& args, cudaStream_t stream);
+// V's MXFP8 along the sequence as quant_mxfp8_cols takes it (x (G, S, D) 16-bit, codes (G, D, Sp),
+// scales (G, D, Sp/32), sel (G bytes) or null), for smooth_quant_mxfp8_pair to make as well.
+struct Mxfp8ColsArgs {
+  const void* x;
+  int64_t G, S, D, Sp;
+  uint8_t* codes;
+  uint8_t* scales;
+  const uint8_t* sel;
+};
+// Two row sets in one launch (Q's and K's: the same dtype, D, rotate and bf16_out), each as
+// smooth_quant_mxfp8 makes it; with cols (x in first's dtype, 16-bit; rotated rows only), V's
+// MXFP8 in the same launch, as quant_mxfp8_cols makes it.
+int smooth_quant_mxfp8_pair(const Mxfp8Args& first, const Mxfp8Args& second, cudaStream_t stream,
+                            const Mxfp8ColsArgs* cols = nullptr);
 
 // The "auto" Q.K^T precision rule's estimate per (batch, q head) (preprocess/qk_rule.cu;
 // reference.qk_fp4_error) in one launch: q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) fp16/bf16,
@@ -150,7 +168,8 @@ int smooth_quant_mxfp8(const Mxfp8Args& args, cudaStream_t stream);
 // (Q.K^T's, the floor's, P's), over row groups of 16 sampled query rows (every 8th row of a
 // sampled Q block on long calls, more on short ones), each group's keys split over several blocks
 // where the grid is small. Workspace: qk_rule_workspace_floats(args) fp32, which qk_rule_bind_workspace
-// carves into partial, the counters (zeroed by the launch) and the key splits' state.
+// carves into partial, the key splits' state and, last, the counters (from `counter` to the
+// workspace's end), which the launch zeroes first (those it uses) unless `zeroed`.
 // error (B * Hq) fp32 out.
 struct QkRuleArgs {
   const void* q;
@@ -174,7 +193,7 @@ struct QkRuleArgs {
   int32_t* counter;
   float* split_state;
   float* error;
-  // The selection (both required): the launch zeroes sel_k first; the block that writes a head's error sets sel_q[head] = select_all || error > limit
+  // The selection (both required): the launch zeroes sel_k first (unless `zeroed`); the block that writes a head's error sets sel_q[head] = select_all || error > limit
   // (a NaN estimate keeps FP4) and, where set, sel_k of its kv head to 1.
   uint8_t* sel_q;
   uint8_t* sel_k;
@@ -188,7 +207,7 @@ struct QkRuleArgs {
   bool floor;
   // P's error for the FP8 P.V choice (reference.pv_p_error), where error_pv is set: the launch
   // also writes each head's estimate to error_pv and sets bit 1 of sel_q where it exceeds
-  // pv_limit and sel_v (B*Hkv bytes, zeroed first) of that head's kv head to 1; a pv_limit below
+  // pv_limit and sel_v (B*Hkv bytes, zeroed first unless `zeroed`) of that head's kv head to 1; a pv_limit below
   // 0 (or NaN) skips it and fills error_pv with NaN. With a pv_limit >= 0, sel_v must be set (the
   // launch refuses a null one).
   float* error_pv;
@@ -197,6 +216,10 @@ struct QkRuleArgs {
   // The attention is causal: P's estimate masks a sampled key after the sampled row's position
   // (reference.pv_p_error's is_causal); the Q.K^T estimate stays a statistic of the whole rows.
   bool causal;
+  // The caller zeroed the counters (from `counter` to the workspace's end), sel_k and sel_v
+  // (where set) in stream order before the launch (attention_call, through the preprocessing's
+  // means launch): no memset.
+  bool zeroed;
 };
 int qk_rule_error(const QkRuleArgs& args, cudaStream_t stream);
 // The workspace floats a launch with these shapes (B, Hq, Sq, Sk, D) needs, and the pointers into

@@ -116,9 +116,20 @@ _lock = threading.Lock()
 run_count = 0  # how many checks ran in this process (tests)
 
 
+_GROUP_KEYS: dict = {}  # (device, group) -> _group_key's answer, for devices that name their index
+
+
 def _group_key(device, group: str) -> str:
-    """The cache key of ``group``'s check on ``device`` (the default group's is the device's)."""
-    return _key(torch.device(device)) + ("" if group == "default" else f" [{group}]")
+    """The cache key of ``group``'s check on ``device`` (the default group's is the device's).
+    Asked on every call that may take FP8 P·V: kept per (device, group) where the device names its
+    index (a bare "cuda" means the current device, asked each time)."""
+    key = _GROUP_KEYS.get((device, group))
+    if key is None:
+        d = torch.device(device)
+        key = _key(d) + ("" if group == "default" else f" [{group}]")
+        if d.type != "cuda" or d.index is not None:
+            _GROUP_KEYS[(device, group)] = key
+    return key
 
 
 def _key(device: torch.device) -> str:

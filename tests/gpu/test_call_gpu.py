@@ -114,6 +114,62 @@ def test_a_call_is_one_op_and_two_allocations(fp4, precision):  # noqa: F811
     assert len([n for n in many if n in ("aten::empty", "aten::empty_strided")]) >= 13, many
 
 
+@pytest.mark.parametrize("precision", ["fp4", "auto", "fp8"])
+@pytest.mark.parametrize("per_block_mean", [True, False])
+def test_a_call_makes_no_memset_and_one_fp8_operand_launch(fp4, precision, per_block_mean):  # noqa: F811
+    """The host calls the launch count sets: the rule's zeros come with the preprocessing's means
+    launch (no memset), Q's and K's MXFP8 rows are one launch with V's MXFP8 (P·V "auto": no
+    launch of its own), the rule one (the means: one, or Q's and K's with one Q mean)."""
+    q, k, v = _inputs("mixed_heads", 1, 4, 2, 300, 300, 128, torch.bfloat16)
+    call = lambda: fp4.sageattn3_blackwell(q, k, v, qk_precision=precision, per_block_mean=per_block_mean)  # noqa: E731
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    kernels = [n for n in names if "sageattn3::" in n and "kernel" in n]
+    assert not [n for n in names if n.startswith("cudaMemset")], names
+    assert len([n for n in kernels if "sample_means_kernel" in n]) == (1 if per_block_mean else 2), kernels
+    rule = 0 if precision == "fp4" else 1
+    assert len([n for n in kernels if "qk_rule_kernel" in n]) == rule, kernels
+    assert len([n for n in kernels if "mxfp8_kernel" in n or "mxfp8_rotated_kernel" in n]) == rule, kernels
+    assert not [n for n in kernels if "quant_mxfp8_cols_kernel" in n], kernels
+
+
+def _poison_the_allocator() -> None:
+    """The caching allocator's free blocks filled with 0xFF bytes, as far as it lets us: first new
+    blocks of each pool's sizes, then every free block it lists, each allocated back at its size
+    (largest first), filled and freed. The one op's allocation is then carved from poisoned memory,
+    so a piece it reads before writing holds garbage rather than a lucky zero."""
+    torch.cuda.synchronize()
+    blocks = [torch.full((n,), 255, dtype=torch.uint8, device="cuda") for n in (1 << 19, 1 << 20, 8 << 20, 64 << 20)]
+    del blocks
+    free = sorted((b["size"] for seg in torch.cuda.memory_snapshot() for b in seg["blocks"] if b["state"] == "inactive"),
+                  reverse=True)
+    blocks = [torch.full((n,), 255, dtype=torch.uint8, device="cuda") for n in free]
+    torch.cuda.synchronize()
+    del blocks
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[5]], ids=["no-key-splits", "key-splits"])
+@pytest.mark.parametrize("precision", ["auto", "fp8"])
+@pytest.mark.parametrize("per_block_mean", [True, False])
+def test_the_rule_zeros_hold_on_a_poisoned_allocator(fp4, case, precision, per_block_mean):  # noqa: F811
+    """The rule's counters and selections get their zeros from the preprocessing's means launch:
+    on memory full of 0xFF the one op still gives the multi-op path's output (whose rule op
+    zeroes them with memsets). A counter left at 0xFFFFFFFF would keep every head from being
+    finished: its selection byte would stay 0xFF (FP8 Q·Kᵀ and P·V). The second case splits the
+    rule's keys over several blocks (their counters too)."""
+    q, k, v = _inputs(*case[:8])
+    for _ in range(2):  # the second call after the first's blocks went back to the poisoned cache
+        _poison_the_allocator()
+        one, ops, choice = _both(fp4, q, k, v, case[8], precision, "auto", {"per_block_mean": per_block_mean})
+        assert same_bytes(one, ops), (precision, per_block_mean)
+    if case is CASES[0] and precision == "auto" and per_block_mean:  # the data tells the heads apart
+        assert bool(choice.fp8.any()) and not bool(choice.fp8.all()), choice
+
+
 def test_the_same_refusals(fp4, monkeypatch):  # noqa: F811
     """Where the delta_s workspace cannot hold one row, "fp8" Q·Kᵀ and FP8 P·V refuse as before, and
     "auto" keeps every head FP4 (the FP4 path's output)."""

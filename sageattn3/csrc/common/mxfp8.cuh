@@ -5,7 +5,7 @@
 //   (the smallest 2^(b-127) with amax <= 448 * 2^(b-127));
 //   each value times 2^(127 - b) (exact: a power of two, normal for b in [1, 253]), converted to
 //   E4M3 with round to nearest even, saturating at +-448 (only Inf reaches it; NaN stays NaN).
-// Used by the Q/K MXFP8 quantizer (quant/quant_mxfp8.cu), V's (quant/quant_mxfp8_cols.cu) and the
+// Used by the Q/K MXFP8 quantizer (quant/quant_mxfp8.cu), V's (quant/mxfp8_cols.cuh) and the
 // attention kernel's FP8 P (attn/attn_fwd_kernel.cuh, kPV8).
 #pragma once
 #include <cstdint>

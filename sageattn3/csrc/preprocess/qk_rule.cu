@@ -939,15 +939,14 @@ __global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(const __grid_const
 // the sampled key blocks are split in two more, up to one per split. Calls with few heads then
 // fill the GPU: the blocks' chunk loops are serial.
 constexpr int64_t kSplitBlocks = 128;
-// The workspace per (batch, q head): partial, (n, d) of each estimate and row group; the
-// counters, one per head and one per (estimate, row group) for the key splits, an even count so
-// that the split state after them stays 8-byte aligned.
+// The workspace per (batch, q head): partial, (n, d) of each estimate and row group (an even
+// count: the split state after them stays 8-byte aligned); the counters, one per head and one per
+// (estimate, row group) for the key splits.
 constexpr int64_t kPartialFloats = 3 * kUnits * 2;
 constexpr int64_t kCounters = 1 + 3 * kUnits;
 
 // The row groups of a head at stride s: kRows strided rows each, every sampled block alike.
 int units(const QkRuleArgs& a, int s) { return sampled_count(a.Sq) * (kBlock / s / kRows); }
-constexpr int64_t kCounterWords = (kCounters + 1) / 2 * 2;
 
 int splits(const QkRuleArgs& a) {
   const int64_t grid = a.B * a.Hq * units(a, query_stride(a));
@@ -975,11 +974,16 @@ int launch(const QkRuleArgs& a, cudaStream_t stream) {
   if (a.floor) G.estimate[G.nest++] = kFloor;
   // the counters (per head, then per estimate, head and sampled Q block) and the selection's
   // zeros, stream-ordered before the blocks that count and set them
+  // (unless the caller zeroed them: attention_call)
   const int64_t BH = a.B * a.Hq;
-  err = cudaMemsetAsync(a.counter, 0, sizeof(int32_t) * static_cast<size_t>(BH * (G.nsplit > 1 ? kCounters : 1)), stream);
-  if (err == cudaSuccess) err = cudaMemsetAsync(a.sel_k, 0, static_cast<size_t>(a.B * a.Hkv), stream);
-  if (err == cudaSuccess && a.sel_v != nullptr) err = cudaMemsetAsync(a.sel_v, 0, static_cast<size_t>(a.B * a.Hkv), stream);
-  if (err != cudaSuccess) return err;
+  if (!a.zeroed) {
+    err = cudaMemsetAsync(a.counter, 0, sizeof(int32_t) * static_cast<size_t>(BH * (G.nsplit > 1 ? kCounters : 1)),
+                          stream);
+    if (err == cudaSuccess) err = cudaMemsetAsync(a.sel_k, 0, static_cast<size_t>(a.B * a.Hkv), stream);
+    if (err == cudaSuccess && a.sel_v != nullptr)
+      err = cudaMemsetAsync(a.sel_v, 0, static_cast<size_t>(a.B * a.Hkv), stream);
+    if (err != cudaSuccess) return err;
+  }
   const dim3 grid(static_cast<unsigned>(BH), static_cast<unsigned>(G.units * G.nsplit),
                   static_cast<unsigned>(G.nest));
   kernel<<<grid, kThreads, L::kBytes, stream>>>(G);
@@ -1000,14 +1004,15 @@ int64_t split_floats(const QkRuleArgs& a) {
 }  // namespace
 
 int64_t qk_rule_workspace_floats(const QkRuleArgs& a) {
-  return a.B * a.Hq * (kPartialFloats + kCounterWords) + split_floats(a);
+  return a.B * a.Hq * (kPartialFloats + kCounters) + split_floats(a);
 }
 
+// partial, the key splits' state, then the counters last: the workspace's end is theirs (sageattn3.h)
 void qk_rule_bind_workspace(QkRuleArgs& a, float* ws) {
-  const int64_t BH = a.B * a.Hq;
+  const int64_t BH = a.B * a.Hq, split = split_floats(a);
   a.partial = ws;
-  a.counter = reinterpret_cast<int32_t*>(ws + BH * kPartialFloats);
-  a.split_state = split_floats(a) > 0 ? ws + BH * (kPartialFloats + kCounterWords) : nullptr;
+  a.split_state = split > 0 ? ws + BH * kPartialFloats : nullptr;
+  a.counter = reinterpret_cast<int32_t*>(ws + BH * kPartialFloats + split);
 }
 
 int qk_rule_error(const QkRuleArgs& a, cudaStream_t stream) {

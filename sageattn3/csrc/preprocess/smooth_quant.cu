@@ -306,6 +306,8 @@ struct SampleMeans {
   int64_t q_rows;
   float* qbar;          // (G * rep, D)
   float* exps;          // (G, D) balance exponents, or null: no balance
+  uint32_t* zero;       // zero_words words the launch zeroes (a later launch's counters), or null
+  int64_t zero_words;
 };
 
 // The mean of n sum rows src[j * D + d] (in order) over `rows` rows, times f, into vec[d] and
@@ -328,6 +330,8 @@ __global__ void __launch_bounds__(kRowThreads) sample_means_kernel(const SampleM
   __shared__ float wsum[2][kRowThreads / 32];
   const int64_t g = blockIdx.x;
   const int d = threadIdx.x;
+  for (int64_t i = g * kRowThreads + d; i < f.zero_words; i += static_cast<int64_t>(gridDim.x) * kRowThreads)
+    f.zero[i] = 0u;
   float e = 0.f;
   if (f.exps != nullptr) {
     // Q's and K's mean squares over the group's sampled tiles (sums of their ss_d, in order, /
@@ -579,7 +583,7 @@ int smooth_quant_rows(const void* x, DType dtype, int64_t G, int64_t S, int64_t 
 
 int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, float* mean, float* partial,
                      int64_t Sp, uint8_t* packed, uint8_t* scales, bool rotate, bool search, const float* qbar,
-                     int64_t rep, float* ds_key, cudaStream_t stream) {
+                     int64_t rep, float* ds_key, cudaStream_t stream, uint32_t* zero, int64_t zero_words) {
   if (D % 16 || D <= 0 || D > kMaxD || Sp < S || S < 1 || ceil_div(Sp, kRows) > 0x7FFFFFFF)
     return cudaErrorInvalidValue;
   if ((qbar != nullptr) != (ds_key != nullptr) || (qbar && (rep < 1 || rep > max_correction_heads(static_cast<int>(D)))) ||
@@ -593,6 +597,8 @@ int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D
   f.nsk = s.ns;
   f.k_rows = sample_rows(S, s.nt, s.ns);
   f.mean_k = mean;
+  f.zero = zero;
+  f.zero_words = zero != nullptr ? zero_words : 0;
   RowsJob j = rows_job(x, G, S, Sp, mean, false, false, packed, scales);
   j.search = search;
   if (qbar != nullptr) {
@@ -609,7 +615,7 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
                     int64_t D, float* mean_q, int64_t Sqp, uint8_t* q_packed, uint8_t* q_scales, float* mean_k,
                     float* partial_k, int64_t Skp, uint8_t* k_packed, uint8_t* k_scales, bool rotate,
                     bool search, float* partial_q, float* qbar, float* ds_key, float* balance, float* balance_part,
-                    uint8_t* k_res, cudaStream_t stream) {
+                    uint8_t* k_res, cudaStream_t stream, uint32_t* zero, int64_t zero_words) {
   if (D % 16 || D <= 0 || D > kMaxD || Sqp < Sq || Skp < Sk || Sk < 1 || Gk < 1 || Gk > 0x7FFFFFFF || Gq < 0 ||
       Gq > 0x7FFFFFFF || Gq % Gk != 0 || (Gq > 0 && Sq < 1) || ceil_div(Sqp, kRows) > 0x7FFFFFFF ||
       ceil_div(Skp, kRows) > 0x7FFFFFFF)
@@ -635,6 +641,8 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
   f.k_rows = sample_rows(Sk, sk.nt, sk.ns);
   f.mean_k = mean_k;
   f.rep = rep;
+  f.zero = zero;
+  f.zero_words = zero != nullptr ? zero_words : 0;
   if (Gq > 0 && (global || balance)) {
     f.nsq = sq.ns;
     f.q_rows = sample_rows(Sq, sq.nt, sq.ns);

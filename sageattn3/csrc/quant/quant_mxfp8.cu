@@ -33,12 +33,14 @@
 #include "common/mxfp8.cuh"
 #include "common/nvfp4.cuh"
 #include "preprocess/rotation.cuh"
+#include "quant/mxfp8_cols.cuh"
 #include "sageattn3.h"
 
 namespace sageattn3 {
 namespace {
 
 constexpr int kThreads = 256;
+static_assert(kThreads == mxfp8_cols::kThreads, "V's tiles take the rows' blocks");
 
 template <typename T>
 __device__ __forceinline__ float load_value(const T* p, int i);
@@ -66,10 +68,34 @@ __device__ __forceinline__ uint4 bf16x8(const float* v) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// Two row sets in one launch (Q's and K's): grid columns below first.H take first's heads, the
+// next second.H second's; with kCols the columns after those take V's tiles (cols, `tiles` of
+// them: s_tiles along the sequence, then d_tiles, then the groups), gridDim.y tiles a column.
+struct Mxfp8Pair {
+  Mxfp8Args first, second;
+  Mxfp8ColsArgs cols;
+  int64_t s_tiles, d_tiles, tiles;
+};
+
+// A block of V's tiles (kCols): quant_mxfp8_cols' tile (quant/mxfp8_cols.cuh).
 template <typename T>
-__global__ void __launch_bounds__(kThreads) mxfp8_kernel(Mxfp8Args a) {
+__device__ __forceinline__ void cols_block(const Mxfp8Pair& pair) {
+  __shared__ __align__(16) uint32_t tile[mxfp8_cols::kTS][mxfp8_cols::kWords];
+  const int64_t i = (static_cast<int64_t>(blockIdx.x) - pair.first.H - pair.second.H) * gridDim.y + blockIdx.y;
+  if (i >= pair.tiles) return;  // the whole block
+  const Mxfp8ColsArgs& c = pair.cols;
+  const int64_t per_group = pair.s_tiles * pair.d_tiles, r = i % per_group;
+  mxfp8_cols::cols_tile<T>(static_cast<const T*>(c.x), c.S, c.D, c.Sp, c.codes, c.scales, c.sel, r % pair.s_tiles,
+                           r / pair.s_tiles, i / per_group, tile);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) mxfp8_kernel(Mxfp8Pair pair) {
+  const bool one = blockIdx.x < pair.first.H;
+  const Mxfp8Args a = one ? pair.first : pair.second;
   const int64_t blocks_per_row = a.D / 32;
-  const int64_t h = blockIdx.x;  // one head per grid column: a skipped head costs its blocks one byte read
+  // one head per grid column: a skipped head costs its blocks one byte read
+  const int64_t h = one ? blockIdx.x : blockIdx.x - pair.first.H;
   if (a.sel != nullptr && (a.sel[h] & 1) == 0) return;
   const int64_t n = a.Sp * blocks_per_row;
   for (int64_t i = static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x; i < n;
@@ -122,10 +148,15 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(Mxfp8Args a) {
   }
 }
 
-template <typename T, int kD>
-__global__ void __launch_bounds__(kThreads) mxfp8_rotated_kernel(Mxfp8Args a) {
+template <typename T, int kD, bool kCols>
+__global__ void __launch_bounds__(kThreads) mxfp8_rotated_kernel(Mxfp8Pair pair) {
+  if constexpr (kCols) {
+    if (blockIdx.x >= pair.first.H + pair.second.H) return cols_block<T>(pair);
+  }
   constexpr int kBpr = kD / 16, kRows = 32 / kBpr, kWarps = kThreads / 32;
-  const int64_t h = blockIdx.x;
+  const bool one = blockIdx.x < pair.first.H;
+  const Mxfp8Args a = one ? pair.first : pair.second;
+  const int64_t h = one ? blockIdx.x : blockIdx.x - pair.first.H;
   if (a.sel != nullptr && (a.sel[h] & 1) == 0) return;
   const int lane = threadIdx.x & 31, cb = lane % kBpr;
   const int64_t groups = ceil_div(a.Sp, kRows);
@@ -190,37 +221,80 @@ __global__ void __launch_bounds__(kThreads) mxfp8_rotated_kernel(Mxfp8Args a) {
   }
 }
 
-template <typename T>
-int launch(const Mxfp8Args& a, cudaStream_t stream) {
-  const int64_t n = a.Sp * (a.D / 32);  // per head
-  if (n == 0 || a.H == 0) return cudaSuccess;
-  const int64_t per_head = std::max<int64_t>(1, static_cast<int64_t>(sm_count()) * 8 / a.H);
-  if (a.rotate) {
-    const int rows = a.D == 64 ? 8 : 4;  // per warp
-    const int64_t gy = std::min<int64_t>({ceil_div(ceil_div(a.Sp, rows), kThreads / 32), per_head, 65535});
-    const dim3 grid(static_cast<unsigned>(a.H), static_cast<unsigned>(gy));
-    if (a.D == 64) mxfp8_rotated_kernel<T, 64><<<grid, kThreads, 0, stream>>>(a);
-    else mxfp8_rotated_kernel<T, 128><<<grid, kThreads, 0, stream>>>(a);
-    return cudaGetLastError();
-  }
-  const int64_t gy = std::min<int64_t>({ceil_div(n, static_cast<int64_t>(kThreads)), per_head, 65535});
-  mxfp8_kernel<T><<<dim3(static_cast<unsigned>(a.H), static_cast<unsigned>(gy)), kThreads, 0, stream>>>(a);
+// Grid rows per head: enough for the head's rows, about 8 blocks per SM over all heads.
+int64_t grid_rows(const Mxfp8Args& a, int64_t heads) {
+  if (a.H == 0) return 0;
+  const int64_t per_head = std::max<int64_t>(1, static_cast<int64_t>(sm_count()) * 8 / heads);
+  const int64_t work = a.rotate ? ceil_div(ceil_div(a.Sp, a.D == 64 ? 8 : 4), kThreads / 32)  // rows per warp
+                                : ceil_div(a.Sp * (a.D / 32), static_cast<int64_t>(kThreads));
+  return std::min<int64_t>({work, per_head, 65535});
+}
+
+template <typename T, bool kCols>
+int launch(const Mxfp8Pair& pair, cudaStream_t stream) {
+  const int64_t heads = pair.first.H + pair.second.H;
+  const int64_t gy = std::max(grid_rows(pair.first, heads), grid_rows(pair.second, heads));
+  if (gy == 0) return cudaSuccess;
+  const int64_t columns = heads + (kCols ? ceil_div(pair.tiles, gy) : 0);
+  if (columns > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(columns), static_cast<unsigned>(gy));
+  // V's tiles ride with rotated rows only (the FP8 Q.K^T rows always are: attention_call)
+  if (!pair.first.rotate) {
+    if constexpr (kCols) return cudaErrorInvalidValue;
+    else mxfp8_kernel<T><<<grid, kThreads, 0, stream>>>(pair);
+  } else if (pair.first.D == 64) mxfp8_rotated_kernel<T, 64, kCols><<<grid, kThreads, 0, stream>>>(pair);
+  else mxfp8_rotated_kernel<T, 128, kCols><<<grid, kThreads, 0, stream>>>(pair);
   return cudaGetLastError();
+}
+
+template <typename T>
+int launch(const Mxfp8Pair& pair, cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, float>) {
+    return pair.tiles > 0 ? cudaErrorInvalidValue : launch<T, false>(pair, stream);  // V is 16-bit
+  } else {
+    return pair.tiles > 0 ? launch<T, true>(pair, stream) : launch<T, false>(pair, stream);
+  }
+}
+
+// V's tiles as quant_mxfp8_cols makes them (its checks: mxfp8_cols::args_fit), into pair; false if
+// cols is invalid. No tiles (G or Sp 0): nothing to add.
+bool with_cols(const Mxfp8ColsArgs& c, Mxfp8Pair& pair) {
+  if (!mxfp8_cols::args_fit(c.G, c.S, c.D, c.Sp)) return false;
+  if (c.G == 0 || c.Sp == 0) return true;
+  if (c.x == nullptr || c.codes == nullptr || c.scales == nullptr) return false;
+  pair.cols = c;
+  pair.s_tiles = ceil_div(c.Sp, static_cast<int64_t>(mxfp8_cols::kTS));
+  pair.d_tiles = ceil_div(c.D, static_cast<int64_t>(mxfp8_cols::kTC));
+  pair.tiles = pair.s_tiles * pair.d_tiles * c.G;
+  return true;
+}
+
+bool valid(const Mxfp8Args& a) {
+  return !(a.D <= 0 || a.D % 32 || a.S < 1 || a.Sp < a.S || a.H < 1 || a.mean_rows < 1 || a.rep < 1 ||
+           (a.mean_rows > 1 && a.mean_rows * 128 < a.S) || (a.rotate && !rotation_applies(static_cast<int>(a.D))) ||
+           (!a.rotate && a.rotate_mean) || (a.row_scale != 1.f && !a.rotate_mean) || !(a.row_scale > 0.f));
 }
 
 }  // namespace
 
-int smooth_quant_mxfp8(const Mxfp8Args& a, cudaStream_t stream) {
-  if (a.D <= 0 || a.D % 32 || a.S < 1 || a.Sp < a.S || a.H < 1 || a.mean_rows < 1 || a.rep < 1 ||
-      (a.mean_rows > 1 && a.mean_rows * 128 < a.S) || (a.rotate && !rotation_applies(static_cast<int>(a.D))) ||
-      (!a.rotate && a.rotate_mean) || (a.row_scale != 1.f && !a.rotate_mean) || !(a.row_scale > 0.f))
+int smooth_quant_mxfp8_pair(const Mxfp8Args& first, const Mxfp8Args& second, cudaStream_t stream,
+                            const Mxfp8ColsArgs* cols) {
+  const bool two = second.H > 0;
+  if (!valid(first) || (two && (!valid(second) || second.dtype != first.dtype || second.D != first.D ||
+                                second.rotate != first.rotate || second.bf16_out != first.bf16_out)) ||
+      first.H + second.H > 0x7FFFFFFF)
     return cudaErrorInvalidValue;
-  switch (a.dtype) {
-    case DType::kFloat16: return launch<f16_t>(a, stream);
-    case DType::kBFloat16: return launch<bf16_t>(a, stream);
-    case DType::kFloat32: return launch<float>(a, stream);
+  Mxfp8Pair pair{first, second, Mxfp8ColsArgs{}, 0, 0, 0};
+  if (!two) pair.second.H = 0;
+  if (cols != nullptr && !with_cols(*cols, pair)) return cudaErrorInvalidValue;
+  switch (first.dtype) {
+    case DType::kFloat16: return launch<f16_t>(pair, stream);
+    case DType::kBFloat16: return launch<bf16_t>(pair, stream);
+    case DType::kFloat32: return launch<float>(pair, stream);
   }
   return cudaErrorInvalidValue;
 }
+
+int smooth_quant_mxfp8(const Mxfp8Args& a, cudaStream_t stream) { return smooth_quant_mxfp8_pair(a, Mxfp8Args{}, stream); }
 
 }  // namespace sageattn3

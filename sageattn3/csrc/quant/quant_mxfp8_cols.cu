@@ -1,97 +1,21 @@
-// MXFP8 along the sequence (V of the FP8 P.V path; reference.quantize_mxfp8_transposed of V
-// padded with zero keys): x (G, S, D) bf16/fp16 -> codes (G, D, Sp) E4M3 bytes and scales
-// (G, D, Sp/32) UE8M0 bytes, Sp >= S a multiple of 32; channel c's 32 consecutive tokens share
-// one scale (common/mxfp8.cuh: the byte rule, NaN handling and the E4M3 conversion, the same as
-// the Q/K MXFP8 quantizer's). Tokens S..Sp-1 are zeros (a block of them: zero codes, byte 1).
-//
-// A CTA transposes one tile of 128 tokens x 64 channels (128 bytes of each token's row) through
-// shared memory:
-//   1. load: each token's 128-byte row segment is 8 16-byte streaming loads by 8 consecutive
-//      threads (a quarter warp stores one whole row to shared memory: no bank conflicts);
-//   2. convert: warp w takes the tile's 32-token block w / 2 and channels 32 (w % 2) + lane; a
-//      lane reads its channel's 16-bit half of a word over the block's 32 tokens (a warp reads
-//      16 consecutive words of a row: conflict-free), amax, scale byte, 32 codes;
-//   3. store: each lane writes its channel's 32 codes (two 16-byte stores: whole sectors) and
-//      its scale byte.
-#include <type_traits>
-
-#include "common/launch.cuh"
-#include "common/mxfp8.cuh"
-#include "common/nvfp4.cuh"
-#include "sageattn3.h"
+// MXFP8 along the sequence for V (quant_mxfp8_cols; the tile's device code and what it computes:
+// quant/mxfp8_cols.cuh).
+#include "quant/mxfp8_cols.cuh"
 
 namespace sageattn3 {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kTS = 128;                           // tokens per tile
-constexpr int kTC = 64;                            // channels per tile (16-bit: 128 bytes a token)
-constexpr int kWords = kTC / 2;                    // 32-bit words per tile row
-constexpr int kChunks = kTC * 2 / 16;              // 16-byte chunks per tile row
-constexpr int kRowsPerPass = kThreads / kChunks;   // tile rows one pass of loads covers
-constexpr int kPasses = kTS / kRowsPerPass;
-static_assert(kThreads / 32 == 2 * (kTS / 32), "a warp per 32-token block and half of the channels");
-
-// Channel `half` (0: low 16 bits) of a word of two 16-bit values, widened to fp32 (exact).
-template <typename T>
-__device__ __forceinline__ float widen(uint32_t word, int half) {
-  if constexpr (std::is_same_v<T, bf16_t>) {
-    return __uint_as_float(half ? word & 0xFFFF0000u : word << 16);
-  } else {
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(half ? word >> 16 : word & 0xFFFFu)));
-  }
-}
+using mxfp8_cols::kTC;
+using mxfp8_cols::kThreads;
+using mxfp8_cols::kTS;
+using mxfp8_cols::kWords;
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     quant_mxfp8_cols_kernel(const T* __restrict__ x, int64_t S, int64_t D, int64_t Sp, uint8_t* __restrict__ codes,
                             uint8_t* __restrict__ scales, const uint8_t* __restrict__ sel) {
   __shared__ __align__(16) uint32_t tile[kTS][kWords];
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  const int64_t g = blockIdx.z;
-  if (sel != nullptr && sel[g] == 0) return;  // a group no head reads in FP8 (left as it was)
-  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * kTS, d0 = static_cast<int64_t>(blockIdx.y) * kTC;
-
-  // 1. load (tokens >= S and channels >= D as zeros)
-  const int cc = t % kChunks, r0 = t / kChunks;
-  const int64_t d = d0 + cc * 8;
-  const T* src = x + (g * S + s0 + r0) * D + d;
-  uint4 buf[kPasses];
-#pragma unroll
-  for (int k = 0; k < kPasses; ++k) {
-    buf[k] = make_uint4(0u, 0u, 0u, 0u);
-    if (s0 + r0 + k * kRowsPerPass < S && d < D)
-      buf[k] = __ldcs(reinterpret_cast<const uint4*>(src + static_cast<int64_t>(k * kRowsPerPass) * D));
-  }
-#pragma unroll
-  for (int k = 0; k < kPasses; ++k) *reinterpret_cast<uint4*>(&tile[r0 + k * kRowsPerPass][cc * 4]) = buf[k];
-  __syncthreads();
-
-  // 2. convert: 32-token block `blk` of the tile, channel d0 + c
-  const int blk = warp >> 1, c = (warp & 1) * 32 + lane;
-  const int64_t s = s0 + blk * 32;
-  if (s >= Sp || d0 + c >= D) return;
-  float v[32];
-  float amax = 0.f;
-  bool nan = false;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    v[i] = widen<T>(tile[blk * 32 + i][c >> 1], c & 1);
-    amax = fmaxf(amax, fabsf(v[i]));
-    nan |= v[i] != v[i];
-  }
-  const uint32_t b = ue8m0_byte(amax, nan);
-  const float inv = ue8m0_inverse(b);
-  uint32_t w[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) w[j] = e4m3x4(v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3], inv);
-
-  // 3. store
-  const int64_t row = g * D + d0 + c;
-  uint4* out = reinterpret_cast<uint4*>(codes + row * Sp + s);
-  __stcs(out, make_uint4(w[0], w[1], w[2], w[3]));
-  __stcs(out + 1, make_uint4(w[4], w[5], w[6], w[7]));
-  scales[row * (Sp / 32) + s / 32] = static_cast<uint8_t>(b);
+  mxfp8_cols::cols_tile<T>(x, S, D, Sp, codes, scales, sel, blockIdx.x, blockIdx.y, blockIdx.z, tile);
 }
 
 template <typename T>
@@ -117,7 +41,7 @@ int launch(const void* x, int64_t G, int64_t S, int64_t D, int64_t Sp, uint8_t* 
 
 int quant_mxfp8_cols(const void* x, DType dtype, int64_t G, int64_t S, int64_t D, int64_t Sp, uint8_t* codes,
                      uint8_t* scales, const uint8_t* sel, cudaStream_t stream) {
-  if (G < 0 || S < 0 || D <= 0 || D % 16 || Sp % 32 || Sp < S) return cudaErrorInvalidValue;
+  if (!mxfp8_cols::args_fit(G, S, D, Sp)) return cudaErrorInvalidValue;
   switch (dtype) {
     case DType::kFloat16: return launch<f16_t>(x, G, S, D, Sp, codes, scales, sel, stream);
     case DType::kBFloat16: return launch<bf16_t>(x, G, S, D, Sp, codes, scales, sel, stream);

@@ -1,10 +1,13 @@
-// attention_call: the whole eager FP4 call of sageattn3_blackwell in one op, the launches of
+// attention_call: the whole eager FP4 call of sageattn3_blackwell in one op, the kernels of
 // preprocess_qkv, qk_rule_select, mxfp8_smooth_quant_qk, quant_mxfp8_cols and the attention op in
-// the same order and with the same arguments, but with one host call and one allocation for every
-// intermediate tensor (and one for the output). The intermediates are never outputs, so carving
-// them from one allocation breaks no aliasing rule (torch/outputs.h). The Python side decides what
-// the separate ops would run (sageattn3/_call.py) and passes it as qk_mode / pv_mode. Each piece has
-// the size of the tensor the separate op allocates, at a 256-byte boundary.
+// the same order and with the same arguments (the values they write are the same), but with one
+// host call and one allocation for every intermediate tensor (and one for the output), and fewer
+// host calls into the runtime: the rule's zeros are written by the preprocessing's means launch
+// (no memsets), V's MXFP8 comes with the FP8 rows' launch. The intermediates are never outputs, so
+// carving them from one allocation breaks no aliasing rule (torch/outputs.h). The Python side
+// decides what the separate ops would run (sageattn3/_call.py) and passes it as qk_mode / pv_mode.
+// Each piece has the size of the tensor the separate op allocates, at a 256-byte boundary, but for
+// the rule's workspace, which holds sel_k and sel_v after it (one run of words to zero).
 #pragma once
 
 #include <algorithm>
@@ -77,10 +80,13 @@ T attention_call(T q, T k, T v, bool causal, bool per_block_mean, bool rotate, b
                   nullptr, nullptr, nullptr, nullptr, nullptr, p.nm, nullptr, nullptr, rotate, rule_scale, rule_floor);
     at.error = c.take(4 * p.Gq);
     at.sel_q = c.take(p.Gq);
-    at.sel_k = c.take(p.Gk);
     at.error_pv = c.take(4 * p.Gq);
-    at.sel_v = c.take(p.Gk);
-    at.rule_ws = c.take(4 * qk_rule_workspace_floats(r));
+    // the workspace, sel_k and sel_v end to end: the counters (the workspace's end) and both
+    // selections are one run of words to zero (qk_rule_bind_workspace)
+    const int64_t ws = 4 * qk_rule_workspace_floats(r);
+    at.rule_ws = c.take(ws + 2 * p.Gk + 3);  // + 3: the zeroed words' last may pass sel_v's end
+    at.sel_k = at.rule_ws + ws;
+    at.sel_v = at.sel_k + p.Gk;
     at.q8 = c.take(p.Gq * p.Sqp * row8);
     at.q8_sf = c.take(p.Gq * p.Sqp * sf8);
     at.k8 = c.take(p.Gk * p.Skp * row8);
@@ -99,12 +105,25 @@ T attention_call(T q, T k, T v, bool causal, bool per_block_mean, bool rotate, b
   const cudaStream_t stream = TensorApi<T>::stream(q);
   void* prep[PrepPlan::kOutputs];
   for (int i = 0; i < PrepPlan::kOutputs; ++i) prep[i] = ptr(at.prep[i]);
-  prep_launch<T>(p, q.data_ptr(), k.data_ptr(), v.data_ptr(), prep, rotate, search, stream);
+  // the rule's counters (its workspace's end), sel_k and sel_v: zeroed by the preprocessing's
+  // means launch, not by a memset of the rule's own
+  uint32_t* zero = nullptr;
+  int64_t zero_words = 0;
+  if (qk_mode > 0) {
+    qk_rule_bind_workspace(r, f32(at.rule_ws));
+    r.zeroed = true;
+    zero = reinterpret_cast<uint32_t*>(r.counter);
+    zero_words = (ptr(at.sel_v) + p.Gk - reinterpret_cast<uint8_t*>(zero) + 3) / 4;  // within the piece's padding
+  }
+  prep_launch<T>(p, q.data_ptr(), k.data_ptr(), v.data_ptr(), prep, rotate, search, stream, zero, zero_words);
   float* exps = balance ? f32(at.prep[10]) : nullptr;
   Fp4AttnArgs a = attn_fill({prep[0], prep[1], prep[2], prep[3], prep[4], prep[5], static_cast<int8_t*>(prep[12]),
                              f32(at.prep[6]), per_block_mean ? f32(at.prep[8]) : f32(at.prep[6]), f32(at.prep[9]),
                              per_block_mean ? prep[11] : nullptr, f32(at.work), rows * row, out.data_ptr()},
                             p.B, p.Hq, p.Hk, D, p.Sq, p.Sk, p.Sqp, p.Skp, p.nm, sm_scale, causal, p.dt);
+  // V's MXFP8 for FP8 P.V (quant_mxfp8_cols; with pv_mode 1 only the kv heads sel_v marks)
+  const Mxfp8ColsArgs v8{v.data_ptr(), p.Gk, p.Sk, D, p.Skp, ptr(at.v8), ptr(at.v8_sf),
+                         pv_mode == 1 ? ptr(at.sel_v) : nullptr};
   if (qk_mode > 0) {
     r.q_packed = ptr(at.prep[0]);
     r.q_scales = ptr(at.prep[1]);
@@ -113,29 +132,26 @@ T attention_call(T q, T k, T v, bool causal, bool per_block_mean, bool rotate, b
     r.mean_q = f32(at.prep[6]);
     r.mean_k = f32(at.prep[7]);
     r.balance = exps;
-    qk_rule_bind_workspace(r, f32(at.rule_ws));
     rule_select(r, f32(at.error), ptr(at.sel_q), ptr(at.sel_k), f32(at.error_pv), ptr(at.sel_v), limit, qk_mode == 2,
                 pv_mode == 1 ? pv_limit : -1.0, causal);
     check_cuda_kernel<T>(sageattn3::qk_rule_error(r, stream), "attention_call (the rule)");
     // mxfp8_smooth_quant_qk: rows rotated as the preprocessing's, or here with Q's times 64/D
     const int64_t rot = rotate ? 1 : 2;
-    check_cuda_kernel<T>(smooth_quant_mxfp8(mxfp8_fill(q.data_ptr(), p.dt, p.Gq, p.Sq, p.Sqp, D, f32(at.prep[6]), p.nm,
-                                                       exps, -1, exps ? p.Hq / p.Hk : 1, ptr(at.sel_q), ptr(at.q8),
-                                                       sf8 ? ptr(at.q8_sf) : nullptr, sf8 == 0, rot,
-                                                       rot == 2 ? 64.0 / D : 1.0),
-                                            stream),
-                         "attention_call (Q's FP8 rows)");
-    check_cuda_kernel<T>(smooth_quant_mxfp8(mxfp8_fill(k.data_ptr(), p.dt, p.Gk, p.Sk, p.Skp, D, f32(at.prep[7]), 1,
-                                                       exps, 1, 1, ptr(at.sel_k), ptr(at.k8),
-                                                       sf8 ? ptr(at.k8_sf) : nullptr, sf8 == 0, rot, 1.0),
-                                            stream),
-                         "attention_call (K's FP8 rows)");
+    const Mxfp8Args aq = mxfp8_fill(q.data_ptr(), p.dt, p.Gq, p.Sq, p.Sqp, D, f32(at.prep[6]), p.nm, exps, -1,
+                                    exps ? p.Hq / p.Hk : 1, ptr(at.sel_q), ptr(at.q8), sf8 ? ptr(at.q8_sf) : nullptr,
+                                    sf8 == 0, rot, rot == 2 ? 64.0 / D : 1.0);
+    const Mxfp8Args ak = mxfp8_fill(k.data_ptr(), p.dt, p.Gk, p.Sk, p.Skp, D, f32(at.prep[7]), 1, exps, 1, 1,
+                                    ptr(at.sel_k), ptr(at.k8), sf8 ? ptr(at.k8_sf) : nullptr, sf8 == 0, rot, 1.0);
+    // Q's and K's rows, and V's MXFP8 where P.V may run in FP8, in one launch
+    check_cuda_kernel<T>(smooth_quant_mxfp8_pair(aq, ak, stream, pv_mode > 0 ? &v8 : nullptr),
+                         "attention_call (the FP8 operands)");
     qk8_fill(a, ptr(at.sel_q), ptr(at.q8), ptr(at.q8_sf), ptr(at.k8), ptr(at.k8_sf));
   }
   if (pv_mode > 0) {
-    check_cuda_kernel<T>(sageattn3::quant_mxfp8_cols(v.data_ptr(), p.dt, p.Gk, p.Sk, D, p.Skp, ptr(at.v8),
-                                                     ptr(at.v8_sf), pv_mode == 1 ? ptr(at.sel_v) : nullptr, stream),
-                         "attention_call (V's MXFP8)");
+    if (qk_mode == 0)
+      check_cuda_kernel<T>(sageattn3::quant_mxfp8_cols(v8.x, p.dt, v8.G, v8.S, v8.D, v8.Sp, v8.codes, v8.scales, v8.sel,
+                                                       stream),
+                           "attention_call (V's MXFP8)");
     pv8_fill(a, ptr(at.v8), ptr(at.v8_sf), pv_mode == 1);
   }
   check_cuda_kernel<T>(fp4_attn_fwd(a, stream), "attention_call (the attention)");

@@ -288,9 +288,10 @@ PrepPlan prep_plan(const T& q, const T& k, const T& v, int64_t pad, bool per_blo
 // preprocess_qkv's launches into the plan's outputs (out[i]: where output i of specs() lies),
 // on the current device. Launch order: V first (the rest of the host work overlaps it), then the
 // launches of smooth_quant_qk (or of smooth_quant_seq for Q, then for K with the correction).
+// zero (zero_words words) or null: zeroed by the means launch (sageattn3.h; attention_call's rule).
 template <class T>
 void prep_launch(const PrepPlan& p, const void* q, const void* k, const void* v, void* const (&out)[PrepPlan::kOutputs],
-                 bool rotate, bool search, cudaStream_t stream) {
+                 bool rotate, bool search, cudaStream_t stream, uint32_t* zero = nullptr, int64_t zero_words = 0) {
   auto u8 = [&](int i) { return static_cast<uint8_t*>(out[i]); };
   auto f32 = [&](int i) { return static_cast<float*>(out[i]); };
   check_cuda_kernel<T>(sageattn3::quant_fp4_cols(v, p.dt, p.Gk, p.Sk, p.D, p.Skp, u8(4), u8(5),
@@ -303,14 +304,15 @@ void prep_launch(const PrepPlan& p, const void* q, const void* k, const void* v,
     check_cuda_kernel<T>(sageattn3::smooth_quant_qk(q, k, p.dt, p.Gq, p.Sq, p.Gk, p.Sk, p.D, f32(6), p.Sqp, u8(0),
                                                     u8(1), f32(7), part_k, p.Skp, u8(2), u8(3), rotate, search, part_q,
                                                     f32(8), f32(9), p.balance ? f32(10) : nullptr, bal_part, u8(11),
-                                                    stream),
+                                                    stream, zero, zero_words),
                          "the preprocessing (Q and K)");
   } else {
     check_cuda_kernel<T>(sageattn3::smooth_quant_seq(q, p.dt, p.Gq, p.Sq, p.D, f32(6), part_q, p.Sqp, u8(0), u8(1),
                                                      rotate, search, nullptr, 1, nullptr, stream),
                          "the preprocessing (Q)");
     check_cuda_kernel<T>(sageattn3::smooth_quant_seq(k, p.dt, p.Gk, p.Sk, p.D, f32(7), part_k, p.Skp, u8(2), u8(3),
-                                                     rotate, search, f32(6), p.Hq / p.Hk, f32(9), stream),
+                                                     rotate, search, f32(6), p.Hq / p.Hk, f32(9), stream, zero,
+                                                     zero_words),
                          "the preprocessing (K)");
   }
 }

@@ -138,9 +138,10 @@ inline Mxfp8Args mxfp8_fill(const void* x, DType dt, int64_t H, int64_t S, int64
 // too (D 64/128 with 1 or 2); row_scale: a power of two the rows are multiplied by after the mean,
 // 1 unless rotate is 2 (sageattn3.h, smooth_quant_mxfp8). The 16-bit Q.K^T rows instead (D 64:
 // reference.qk16_rows): codes (B, H, Sp, 2D) bytes, the bf16 values, and scales empty.
+// Its checks, into the launch's arguments (mxfp8_smooth_quant_qk launches two at once).
 template <class T>
-void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T codes, T scales, int64_t rotate,
-                        double row_scale) {
+Mxfp8Args mxfp8_args(const T& x, const T& mean, const T& balance, int64_t balance_sign, const T& sel, const T& codes,
+                     const T& scales, int64_t rotate, double row_scale) {
   check_input(x);
   check_f32_on(mean, x, "mean");
   check_code_tensor(codes, x, "codes");
@@ -182,19 +183,26 @@ void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T c
     check_bytes(sel, "sel");
     SA3_CHECK(T, sel.numel() == B * H, "sageattn3: sel must be (B, H) bytes = ", dims(B, H), ", got ", shape(sel));
   }
+  return mxfp8_fill(x.data_ptr(), dtype_of(x, "x"), B * H, S, Sp, D, floats(mean), mr,
+                    balance.numel() > 0 ? floats(balance) : nullptr, balance_sign, rep,
+                    sel.numel() > 0 ? bytes(sel) : nullptr, bytes(codes), bf16_out ? nullptr : bytes(scales), bf16_out,
+                    rotate, row_scale);
+}
+
+template <class T>
+void mxfp8_smooth_quant(T x, T mean, T balance, int64_t balance_sign, T sel, T codes, T scales, int64_t rotate,
+                        double row_scale) {
+  const Mxfp8Args a = mxfp8_args(x, mean, balance, balance_sign, sel, codes, scales, rotate, row_scale);
   DeviceScope scope(device_index(x));
-  const Mxfp8Args a = mxfp8_fill(x.data_ptr(), dtype_of(x, "x"), B * H, S, Sp, D, floats(mean), mr,
-                                 balance.numel() > 0 ? floats(balance) : nullptr, balance_sign, rep,
-                                 sel.numel() > 0 ? bytes(sel) : nullptr, bytes(codes), bf16_out ? nullptr : bytes(scales),
-                                 bf16_out, rotate, row_scale);
   check_cuda_kernel<T>(smooth_quant_mxfp8(a, TensorApi<T>::stream(x)), "mxfp8_smooth_quant");
 }
 
 // mxfp8_smooth_quant_qk(q, k, mean_q, mean_k, balance, sel_q, sel_k, seq_pad, rotate) -> (q8, q8_sf,
 // k8, k8_sf): both MXFP8 operands of the per-head FP8 Q.K^T in one op, which allocates them: Q's
 // rows scaled by 2^-balance, K's by 2^+balance, rotated with `rotate` (0, 1, 2: mxfp8_smooth_quant's;
-// with 2 Q's rows are then multiplied by 64/D: reference.fp8_rows) (mxfp8_smooth_quant each;
-// the heads whose sel byte is 0 are skipped, their rows stay uninitialised); codes (B, H, Sp, D)
+// with 2 Q's rows are then multiplied by 64/D: reference.fp8_rows) (mxfp8_smooth_quant's rows for
+// each, in one launch: smooth_quant_mxfp8_pair; the heads whose sel byte is 0 are skipped, their
+// rows stay uninitialised); codes (B, H, Sp, D)
 // and scales (B, H, Sp, D/32) bytes, Sp = S rounded up to seq_pad; each its own allocation. At D 64
 // the heads that leave FP4 take the 16-bit Q.K^T: codes (B, H, Sp, 2D) bytes (bf16 rows of the
 // same values, reference.qk16_rows) and scales (B, H, Sp, 0).
@@ -211,6 +219,9 @@ std::tuple<T, T, T, T> mxfp8_smooth_quant_qk(T q, T k, T mean_q, T mean_k, T bal
   SA3_CHECK(T, D % 32 == 0 && k.size(0) == B && k.size(3) == D,
             "sageattn3: q and k must be (B, H, S, D) with the same B and D, a multiple of 32, got ", shape(q), " and ",
             shape(k));
+  SA3_CHECK(T, q.size(1) >= 1 && k.size(1) >= 1 && dtype_of(q, "q") == dtype_of(k, "k"),
+            "sageattn3: mxfp8_smooth_quant_qk needs q and k with at least one head each and the same dtype, got ",
+            shape(q), " ", dtype_name(q), " and ", shape(k), " ", dtype_name(k));
   const int64_t Sqp = (Sq + seq_pad - 1) / seq_pad * seq_pad, Skp = (Sk + seq_pad - 1) / seq_pad * seq_pad;
   DeviceScope scope(device_index(q));
   const bool qk16 = D == 64;
@@ -218,8 +229,9 @@ std::tuple<T, T, T, T> mxfp8_smooth_quant_qk(T q, T k, T mean_q, T mean_k, T bal
   const OutputSpec specs[] = {{{B, Hq, Sqp, row}, Kind::kByte}, {{B, Hq, Sqp, sf}, Kind::kByte},
                               {{B, Hk, Skp, row}, Kind::kByte}, {{B, Hk, Skp, sf}, Kind::kByte}};
   auto out = allocate_outputs(specs, q);  // torch/outputs.h
-  mxfp8_smooth_quant<T>(q, mean_q, balance, -1, sel_q, out[0], out[1], rotate, rotate == 2 ? 64.0 / D : 1.0);
-  mxfp8_smooth_quant<T>(k, mean_k, balance, 1, sel_k, out[2], out[3], rotate, 1.0);
+  const Mxfp8Args aq = mxfp8_args(q, mean_q, balance, -1, sel_q, out[0], out[1], rotate, rotate == 2 ? 64.0 / D : 1.0);
+  const Mxfp8Args ak = mxfp8_args(k, mean_k, balance, 1, sel_k, out[2], out[3], rotate, 1.0);
+  check_cuda_kernel<T>(smooth_quant_mxfp8_pair(aq, ak, TensorApi<T>::stream(q)), "mxfp8_smooth_quant_qk");
   return {out[0], out[1], out[2], out[3]};
 }
 
