@@ -117,3 +117,62 @@ def test_the_head_dim_is_refused_before_the_workspace_limit_is_read(monkeypatch)
     assert _qk_choice.fp8_refusal(False, 96, never) == reference.fp8_unavailable(False, 96)
     assert _qk_choice.fp8_refusal(True, 128, lambda: False) == _attn.QK8_WORKSPACE_REFUSAL
     assert _qk_choice.fp8_refusal(False, 64, lambda: True) is None
+
+
+def test_a_kept_plan_is_the_one_made_afresh(monkeypatch):
+    """``_call.call`` keeps its decisions per call signature (the lengths through their 128-row
+    blocks): over calls whose signatures collide or nearly do (lengths in the same blocks or the
+    next, other kv heads, other dtypes, a scale given as a numpy scalar, other workspace limits),
+    every call's op arguments equal those made with an empty cache; a NaN limit or scale is never
+    kept."""
+    import numpy as np
+
+    args = []
+    monkeypatch.setattr(_kernels, "op", lambda name: (lambda *a: args.append(a[3:])))
+    rng = np.random.default_rng(0)
+    pick = lambda xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
+    for _ in range(40):  # a base call, then variations of it
+        b, hq, d = pick([1, 2]), pick([2, 4]), pick([64, 128])
+        flags = [bool(rng.random() < p) for p in (0.5, 0.7, 0.3, 0.3, 0.3, 0.8)]
+        qk, pv, pvl = pick(["fp4", "auto", "fp8"]), pick(["fp4", "auto", "fp8"]), pick([0.0, 0.05])
+        for _ in range(30):
+            hk, sq, sk = pick([1, 2]), pick([129, 256, 257, 300]), pick([128, 1000, 100_000])
+            q = torch.zeros(b, hq, sq, d, dtype=pick([torch.float16, torch.bfloat16]))
+            k = torch.zeros(b, hk, sk, d, dtype=q.dtype)
+            mib = pick(["", "0", "1"])  # 1 MiB: one 100,000-key row of 2 Q blocks fits, of 3 not
+            if mib:
+                monkeypatch.setenv(_attn.WORKSPACE_ENV, mib)
+            else:
+                monkeypatch.delenv(_attn.WORKSPACE_ENV, raising=False)
+            call = (q, k, k, flags[0], flags[1], pick([None, 0.05, np.float64(0.05), np.array(0.05)]), flags[2],
+                    flags[3], flags[4], qk, pv, flags[5], pvl)
+            outcomes = []
+            for fresh in (False, True):
+                if fresh:
+                    _call._PLANS.clear()
+                args.clear()
+                try:
+                    _call.call(*call)
+                    outcomes.append(args[0])
+                except ValueError as e:
+                    outcomes.append(str(e))
+            assert outcomes[0] == outcomes[1], (b, hq, hk, sq, sk, d, mib, call[3:])
+    # the lengths' blocks are in the key: at 1 MiB one delta_s row of 100,000 keys fits with 2 Q
+    # blocks (the rule runs) and not with 3 (every head FP4), whatever came first
+    monkeypatch.setenv(_attn.WORKSPACE_ENV, "1")
+    k = torch.zeros(1, 2, 100_000, 128, dtype=torch.bfloat16)
+    for order in ((256, 300), (300, 256)):
+        modes = {}
+        for sq in order:
+            args.clear()
+            _call.call(torch.zeros(1, 2, sq, 128, dtype=torch.bfloat16), k, k, False, True, None, False, False, False,
+                       "auto", "auto", True, 0.05)
+            modes[sq] = args[0][5]
+        assert modes == {256: 1, 300: 0}, (order, modes)
+    for bad in ({"sm_scale": float("nan")}, {"pv_limit": float("nan")}):
+        _call._PLANS.clear()
+        q = torch.zeros(1, 2, 300, 128, dtype=torch.bfloat16)
+        kw = {"sm_scale": None, "pv_limit": 0.05, **bad}
+        for _ in range(3):
+            _call.call(q, q, q, False, True, kw["sm_scale"], False, False, False, "auto", "auto", True, kw["pv_limit"])
+        assert not _call._PLANS, bad
