@@ -14,6 +14,7 @@ the debug return ``return_qk_choice``), the multi-op path runs as before.
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import torch
@@ -27,19 +28,22 @@ QK_MODES = {"fp4": 0, "auto": 1, "fp8": 2}  # attention_call's qk_mode
 PV_MODES = {"fp4": 0, "auto": 1, "fp8": 2}  # and pv_mode
 
 
-_built: list = []  # whether this build has the op: asked once (the extension loads with _kernels)
 _PLANS: dict = {}  # call's arguments after q, k, v, per call signature (bounded: cleared when full)
 _MAX_PLANS = 1024
+
+
+@functools.cache
+def _op_built() -> bool:
+    """Whether this build has the op (asked once: the extension loads with ``_kernels``)."""
+    return _kernels.loaded() and hasattr(torch.ops.sageattn3, "attention_call")
 
 
 def serves(q, k) -> bool:
     """Whether ``attention_call`` runs this call: head dims 64/128, up to ``max_correction_heads``
     q heads per kv head, fp16/bf16, and a build with the op (the same op table holds the rule's,
     the MXFP8 and the FP8 P·V ops it launches for: csrc/torch/ops.h)."""
-    if not _built:
-        _built.append(_kernels.loaded() and hasattr(torch.ops.sageattn3, "attention_call"))
     d = q.shape[3]
-    return (_built[0] and d in reference.ROTATION_HEAD_DIMS and q.dtype in _ATTN_DTYPES
+    return (_op_built() and d in reference.ROTATION_HEAD_DIMS and q.dtype in _ATTN_DTYPES
             and q.shape[1] // k.shape[1] <= _kernels.max_correction_heads(d))
 
 
@@ -66,7 +70,7 @@ def call(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None,
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(q, k, is_causal, per_block_mean, scale, qk_rotation, qk_balance, qk_scale_search,
-                     qk_precision, pv_precision, pv_rule, pvl, nblk, limit)
+                     qk_precision, pv_precision, pv_rule, pvl, nblk, limit, auto)
         if scale == scale and pvl == pvl and auto == auto:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
@@ -79,9 +83,10 @@ def call(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None,
 
 def _plan(q, k, is_causal: bool, per_block_mean: bool, sm_scale: float | None, qk_rotation: bool, qk_balance: bool,
           qk_scale_search: bool, qk_precision: str, pv_precision: str, pv_rule: bool, pv_limit: float, nblk: int,
-          limit: int) -> tuple:
+          limit: int, auto_limit: float) -> tuple:
     """``attention_call``'s arguments after q, k, v for this call (call's decisions; ``nblk`` Q's
-    mean rows, ``limit`` the delta_s workspace's bytes, 0 with one Q mean)."""
+    mean rows, ``limit`` the delta_s workspace's bytes, 0 with one Q mean; ``auto_limit`` the
+    rule's limit, ``reference.AUTO_ERROR_LIMIT`` as the key read it)."""
     b, hq, sq, d = q.shape
     skp = -(-k.shape[2] // _attn.SEQ_PAD) * _attn.SEQ_PAD
     rot, bal, search = kernel_options(d, per_block_mean, qk_rotation, qk_balance, qk_scale_search)
@@ -100,4 +105,4 @@ def _plan(q, k, is_causal: bool, per_block_mean: bool, sm_scale: float | None, q
     rule_scale, _, floor = _kernels._rule_scale(opts, d, scale)  # the options as the Preprocessed would hold them
     return (bool(is_causal), bool(per_block_mean), opts.qk_rotation, opts.balance is not None, opts.qk_scale_search,
             qk_mode, pv_mode, _attn.attention_scale(d, sm_scale, opts.qk_rotation), rule_scale, floor,
-            float(reference.AUTO_ERROR_LIMIT), float(pv_limit), int(limit))
+            auto_limit, float(pv_limit), int(limit))

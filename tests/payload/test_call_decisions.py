@@ -169,6 +169,15 @@ def test_a_kept_plan_is_the_one_made_afresh(monkeypatch):
                        "auto", "auto", True, 0.05)
             modes[sq] = args[0][5]
         assert modes == {256: 1, 300: 0}, (order, modes)
+    # the rule's limit is a knob users may set at run time: a call after a change takes the new one
+    from sageattn3 import reference
+
+    q = torch.zeros(1, 2, 300, 128, dtype=torch.bfloat16)
+    for limit in (0.2, 0.3, 0.2):
+        monkeypatch.setattr(reference, "AUTO_ERROR_LIMIT", limit)
+        args.clear()
+        _call.call(q, q, q, False, True, None, False, False, False, "auto", "auto", True, 0.05)
+        assert args[0][10] == limit, (limit, args[0])
     for bad in ({"sm_scale": float("nan")}, {"pv_limit": float("nan")}):
         _call._PLANS.clear()
         q = torch.zeros(1, 2, 300, 128, dtype=torch.bfloat16)
