@@ -217,7 +217,9 @@ def fp4_attention(
         if not isinstance(k_residual, torch.Tensor) or k_residual.dtype != torch.float16:
             raise TypeError("k_residual must be the float16 tensor reference.quantize_residual or "
                             f"sageattn3.preprocess makes (Preprocessed.k_residual), got "
-                            f"{getattr(k_residual, 'dtype', type(k_residual).__name__)}")
+                            f"{getattr(k_residual, 'dtype', type(k_residual).__name__)} (a one-byte E4M3 "
+                            "residual of an earlier release is in the same units: .to(torch.float16) converts "
+                            "it exactly; or run sageattn3.preprocess again)")
         if k_residual.dim() != 4 or k_residual.shape[:2] != (b, hk) or k_residual.shape[3] != d \
                 or k_residual.device != q.device:
             raise ValueError(f"k_residual must be (B, Hkv, Sk_p, D) = ({b}, {hk}, ..., {d}) on {q.device}, "

@@ -208,7 +208,9 @@ template <class T>
 void check_residual(const T& t, const T& x, const char* name) {
   check_cuda(t, x, name);
   SA3_CHECK(T, TensorApi<T>::kind(t) == Kind::kHalf, "sageattn3: ", name,
-            " (K's quantization residual, reference.quantize_residual) must be float16, got ", dtype_name(t));
+            " (K's quantization residual, reference.quantize_residual) must be float16, got ", dtype_name(t),
+            " (a one-byte E4M3 residual of an earlier release is in the same units: .to(torch.float16) "
+            "converts it exactly; or run the preprocessing again)");
   check_aligned(t, name);
 }
 

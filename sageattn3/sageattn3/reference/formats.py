@@ -1,4 +1,4 @@
-"""The number formats: NVFP4 (rows and transposed), K's E4M3 quantization residual and MXFP8.
+"""The number formats: NVFP4 (rows and transposed), K's float16 quantization residual and MXFP8.
 
 NVFP4 quantization (bit-exact with the CUDA kernels)
 -----------------------------------------------------
@@ -160,7 +160,8 @@ def quantize_rows(x: torch.Tensor, scale_search: bool = False) -> tuple[torch.Te
 # scale / RESIDUAL_UNIT: |x / scale - E2M1(code)| <= 1 where the scale is a normal E4M3 number below
 # 448 (half an E2M1 step, or 0.4 past 6), and <= 3 where amax / 6 rounds to the smallest subnormal,
 # so the stored values stay below 192 and keep float16's 11 significant bits (2^-11 relative) down
-# to 2^-24 of the unit, 2^-30 of the scale. A block whose scale byte is 0 (amax / 6 below 2^-10:
+# to 2^-14 of the unit; below that float16's subnormals resolve 2^-24 of the unit (2^-30 of the
+# scale). A block whose scale byte is 0 (amax / 6 below 2^-10:
 # codes all 0) keeps its values in the residual, in units of E4M3's smallest subnormal 2^-9 / 64
 # (``residual_scales``): |x| <= 6 * 2^-10 there, so those values stay below 192 too. (It was E4M3,
 # one byte, until the options' rounding showed through it: accuracy-auto.md, "K's residual in float16".)
@@ -179,8 +180,9 @@ def dequantize_rows(packed: torch.Tensor, scales: torch.Tensor, residual: torch.
     """Inverse of ``quantize_rows`` (float32). With ``residual`` (``quantize_residual``), each
     value is (E2M1(code) + residual / 64) * scale (the scale of ``residual_scales``): the quantized
     x to within float16 rounding (2^-11 relative) of its quantization error, and of the rounding of
-    x * (1/scale); E2M1(code) + residual / 64 is rounded once to float32 (the kernels' fma), and
-    its product with the scale is exact."""
+    x * (1/scale); E2M1(code) + residual / 64 is rounded once to float32 (the kernels' fma); its
+    product with the scale rounds again where that sum has more than 20 significant bits (the
+    kernels multiply per-block sums by the scale instead, so they do not form this product)."""
     vals = e2m1_decode(unpack_codes(packed))
     if residual is not None:
         vals = vals + residual.float() / RESIDUAL_UNIT
