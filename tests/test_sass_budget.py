@@ -129,7 +129,7 @@ def test_budget_of_the_attention_kernel(tmp_path):
         # the bounded mode's loop holds the in-loop correction (counted), the others none of it
         assert "residual" not in full.set_aside and not lean.set_aside["residual"]
         assert full.instructions - lean.instructions > 200
-        assert full.l2_bytes - lean.l2_bytes >= 128 * d  # K's residual, a byte per element
+        assert full.l2_bytes - lean.l2_bytes >= 256 * d  # K's residual, a float16 per element
         # issue 29's target: the D 128 defaults at most 900 warp-instructions per tile, the attention
         # kernel at the tensor bound (with its producer)
         if d == 128:

@@ -56,7 +56,7 @@ def ours_regions(kernel: Path = KERNEL) -> dict[str, list[tuple[int, int]]]:
         # counted once per SM, as the producer is (Budget.last_warp)
         LAST_WARP: [(writer[0] + 1, writer[1])],
         "residual": [block_lines(kernel, r"^struct ResidualHalf"), block_lines(kernel, r"float delta_s_part\("),
-                     block_lines(kernel, r"if \(kInLoopResidual && has_residual\) \{"), block_lines(kernel, r"float2 e4m3x2_value\(")],
+                     block_lines(kernel, r"if \(kInLoopResidual && has_residual\) \{"), block_lines(kernel, r"float2 f16x2_value\(")],
     }
 
 
@@ -68,7 +68,7 @@ def producer_share(b: Budget, ref: Ref = REF) -> float:
 
 def ours_dram_bytes(d: int, kind: str, ref: Ref = REF) -> float:
     """The attention kernel's compulsory DRAM bytes per tile at ``ref``: K and V of a key tile
-    (codes and scales; K's residual in the bounded mode) once per head, so over the query blocks;
+    (codes and scales; K's residual, float16, in the bounded mode) once per head, so over the query blocks;
     Q of a query block and its output (bf16) over the key tiles; delta_s rows per query block and
     key (the defaults and the FP8 heads: read for every tile) or ds_key per key (one Q mean, the
     bounded mode: once per head). ``kind``: a key of ``TAKES``."""
@@ -76,7 +76,7 @@ def ours_dram_bytes(d: int, kind: str, ref: Ref = REF) -> float:
     kv = _k_bytes(d, fp8) + 128 * (d if pv8 else d // 2) + 128 * (d // 32 if pv8 else d // 16)
     q = _k_bytes(d, fp8)  # Q's 128 rows, as K's
     if kind == "bounded":
-        kv += 128 * d
+        kv += 128 * d * 2
         q += 2 * d * 4  # mean_q and qbar rows
     ds = 128 * 4 if kind not in ("one Q mean", "bounded") else 128 * 4 / ref.blocks
     return kv / ref.blocks + (q + 128 * d * 2) / ref.blocks + ds

@@ -92,9 +92,9 @@ def _delta_s_per_tile(d: int, ref: Ref) -> tuple[float, ...]:
 
 
 def _delta_s_dram(d: int, ref: Ref) -> float:
-    # delta_s written (fp32 per query block and key); K's codes, scales and residual, ds_key of
-    # the key tile and mean_q of the query block read once per head
-    return 128 * 4 + (128 * (d // 2 + d // 16 + d) + 128 * 4) / ref.blocks + d * 4 / ref.blocks
+    # delta_s written (fp32 per query block and key); K's codes, scales and residual (float16),
+    # ds_key of the key tile and mean_q of the query block read once per head
+    return 128 * 4 + (128 * (d // 2 + d // 16 + 2 * d) + 128 * 4) / ref.blocks + d * 4 / ref.blocks
 
 
 def _rule_shape(ref: Ref) -> tuple[int, int, int]:

@@ -78,14 +78,14 @@ int smooth_quant_seq(const void* x, DType dtype, int64_t G, int64_t S, int64_t D
 // x * 2^e - mean_k (balanced first, then rotated with rotate), with mean_q, qbar and mean_k
 // written balanced (times 2^-e or 2^e, then rotated); ds_key is qbar . the balanced smoothed K
 // row (the same products). search: as smooth_quant_rows, for Q and K.
-// With k_res (Gk, Skp, D) bytes (needs the per-key correction): K's quantization residual,
-// reference.quantize_residual (E4M3 of (K_s - Kd) / scale * 64 per element, zeros in rows
+// With k_res (Gk, Skp, D) float16 (needs the per-key correction): K's quantization residual,
+// reference.quantize_residual (fp16 of (K_s - Kd) / scale * 64 per element, zeros in rows
 // Sk..Skp-1), from the registers the row is quantized from.
 int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64_t Sq, int64_t Gk, int64_t Sk,
                     int64_t D, float* mean_q, int64_t Sqp, uint8_t* q_packed, uint8_t* q_scales, float* mean_k,
                     float* partial_k, int64_t Skp, uint8_t* k_packed, uint8_t* k_scales, bool rotate,
                     bool search, float* partial_q, float* qbar, float* ds_key, float* balance, float* balance_part,
-                    uint8_t* k_res, cudaStream_t stream, uint32_t* zero = nullptr, int64_t zero_words = 0);
+                    uint16_t* k_res, cudaStream_t stream, uint32_t* zero = nullptr, int64_t zero_words = 0);
 // zero (both smooth_quant_seq and smooth_quant_qk), or null: zero_words 32-bit words the means
 // launch zeroes, stream-ordered before every later launch (attention_call's rule counters and
 // selections: no memset of their own).

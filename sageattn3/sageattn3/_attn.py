@@ -12,7 +12,7 @@ produce (all sequence dims padded with zeros to a multiple of 128):
 - mean_q (B, Hq, nblk, D) float32, nblk = Sq_p/128 (per-block Q means) or 1: the Q means
   removed from q; mean_q_global (B, Hq, 1, D) float32: Q's mean for the whole sequence
   (``reference.sample_mean``); delta_key (B, Hq, Sk_p) float32: mean_q_global · K_sᵀ per key
-  (the unquantized smoothed K, from preprocessing); k_residual (B, Hkv, Sk_p, D) float8_e4m3fn:
+  (the unquantized smoothed K, from preprocessing); k_residual (B, Hkv, Sk_p, D) float16:
   K's quantization residual (``reference.quantize_residual``; needed with per-block Q means). The
   kernel adds delta_s = delta_key + (mean_q - mean_q_global) · K̂ᵀ (K̂ =
   ``reference.dequantize_rows`` of k with the residual, or of k alone without it) to Q·Kᵀ before the
@@ -214,7 +214,12 @@ def fp4_attention(
             raise ValueError("k_residual (K's quantization residual, Preprocessed.k_residual) is required with "
                              "per-block Q means (mean_q with more than one row)")
     else:
-        k_residual = _bytes(k_residual, "k_residual")
+        if not isinstance(k_residual, torch.Tensor) or k_residual.dtype != torch.float16:
+            raise TypeError("k_residual must be the float16 tensor reference.quantize_residual or "
+                            f"sageattn3.preprocess makes (Preprocessed.k_residual), got "
+                            f"{getattr(k_residual, 'dtype', type(k_residual).__name__)} (a one-byte E4M3 "
+                            "residual of an earlier release is in the same units: .to(torch.float16) converts "
+                            "it exactly; or run sageattn3.preprocess again)")
         if k_residual.dim() != 4 or k_residual.shape[:2] != (b, hk) or k_residual.shape[3] != d \
                 or k_residual.device != q.device:
             raise ValueError(f"k_residual must be (B, Hkv, Sk_p, D) = ({b}, {hk}, ..., {d}) on {q.device}, "

@@ -243,7 +243,7 @@ def smooth_quant_qk_key(q: torch.Tensor, k: torch.Tensor, seq_pad: int, rotate: 
     quantization. ``balance``: the channel balance (``reference.balance_exponents``,
     from the same sampled blocks of Q and K), Q and K and their means in the balanced space. Returns the 6
     tensors of ``smooth_quant_qk``, qbar, ds_key, the balance exponents (Gk, 1, D) or None, then K's
-    quantization residual (Gk, Skp, D) float8_e4m3fn (``reference.quantize_residual``)."""
+    quantization residual (Gk, Skp, D) float16 (``reference.quantize_residual``)."""
     return _smooth_quant_qk(q, k, seq_pad, rotate, True, balance, search)
 
 
@@ -280,7 +280,7 @@ def _smooth_quant_qk(q, k, seq_pad, rotate, key, balance, search):
         partial_q = torch.empty((gq, nblk, d), dtype=torch.float32, device=dev)
         qbar = torch.empty((gq, 1, d), dtype=torch.float32, device=dev)
         ds_key = torch.empty((gq, k_packed.shape[1]), dtype=torch.float32, device=dev)
-        k_res = torch.empty((gk, k_packed.shape[1], d), dtype=torch.float8_e4m3fn, device=dev)
+        k_res = torch.empty((gk, k_packed.shape[1], d), dtype=torch.float16, device=dev)
     else:
         partial_q, qbar, ds_key, k_res = _none(dev, 0), _none(dev, 1), _none(dev, 2), _none(dev, 5)
     if balance:
@@ -418,7 +418,7 @@ def _preprocess_qkv_fake(q, k, v, pad, per_block_mean, rotate, balance, search):
             new((b, hk, d, skp // 2), u8), new((b, hk, d, skp // 16), e4),
             new((b, hq, nm, d), f32), new((b, hk, 1, d), f32),
             new((b if per_block_mean else 0, hq, 1, d), f32), new((b, hq, skp), f32),
-            new((b if balance else 0, hk, 1, d), f32), new((b if per_block_mean else 0, hk, skp, d), e4),
+            new((b if balance else 0, hk, 1, d), f32), new((b if per_block_mean else 0, hk, skp, d), torch.float16),
             new((b, hk, -(-skp // 128), d // 32), u8))
 
 

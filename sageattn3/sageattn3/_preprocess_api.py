@@ -91,7 +91,7 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
        registers: Q's tiles with their block means (per_block_mean) or mean_q_global, K's with
        K's mean; K's tiles also write delta_key = mean_q_global · K_sᵀ per key and q head (the
        unquantized smoothed row as quantized, from registers) and, with per_block_mean, K's
-       quantization residual (``reference.quantize_residual``, one E4M3 byte per element); the
+       quantization residual (``reference.quantize_residual``, a float16 per element); the
        attention launch adds the block residuals' part from both: precomputed per query block
        and key into a bounded workspace before the attention kernel, or per K tile in it
        (``Preprocessed.delta_s`` materialises it all; ``_attn.delta_s_workspace``).
@@ -103,7 +103,8 @@ def preprocess(q, k, v, per_block_mean: bool = True, pad: int = 128,
     on with ``qk_rotation``: ``reference.scale_search_on``): Q and K quantized with the NVFP4
     scale search (``reference.quantize_rows``).
     Bytes that must move: Q, K, V read (3 x 2 bytes/element) + FP4 written (3 x 0.5625) + the
-    sampled blocks (up to 8 x 128 rows per head) and the means. Figures:
+    sampled blocks (up to 8 x 128 rows per head) and the means, + with per_block_mean K's
+    residual written (2 bytes per element of K). Figures:
     tests/bench/bench_kernels.py. Elsewhere: the reference."""
     _check_qkv(q, k, v)
     per_block_mean, qk_rotation, qk_balance = _flags(per_block_mean=per_block_mean, qk_rotation=qk_rotation,

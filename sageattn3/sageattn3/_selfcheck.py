@@ -26,7 +26,7 @@ whole correction runs (r · K̂ from K's codes and quantization residual, per ke
 delta_key. On these inputs an attention that dropped K's residual from the correction would be
 off by a relative L2 error of 0.09-0.13, one that ignored r by 0.7, one that took the other
 block's r by 1.0 (reference variants, measured on the CPU): all fail the bars below. Smaller
-faults in the residual (one byte in eight lost, say) land near the bars; the residual's exact
+faults in the residual (one value in eight lost, say) land near the bars; the residual's exact
 bytes are checked by the GPU tests, not here.
 
 Why the thresholds are what they are. The inputs are dyadic (multiples of 1/8, |x| <= 32): every

@@ -169,7 +169,7 @@ def bench_preprocess(bw: float) -> None:
     ns = min(8, -(-s // 128))
     sample_bytes = 2 * b * h * ns * 128 * d * 2 + 2 * 2 * b * h * ns * d * 4
     mean_bytes = mean_q.numel() * 4 + mean_k.numel() * 4
-    res_bytes = k.numel()  # K's quantization residual, one E4M3 byte per element (per-block means)
+    res_bytes = 2 * k.numel()  # K's quantization residual, a float16 per element (per-block means)
     extra = sample_bytes + mean_bytes + res_bytes
     bound = (floor_bytes + extra) / bw * 1e3
     print(f"  bytes-moved bound with per-block means (floor + sampled blocks and means "

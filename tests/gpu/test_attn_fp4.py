@@ -198,13 +198,17 @@ def test_fp4_attention_needs_k_residual_with_block_means():
         _attn.fp4_attention(*ops, **kw)
     with pytest.raises(ValueError, match="k_residual must be"):
         _attn.fp4_attention(*ops, k_residual=pre.k_residual[..., :64], **kw)
+    # the one-byte E4M3 residual of older releases: refused, naming the dtype it needs
+    with pytest.raises(TypeError, match="float16"):
+        _attn.fp4_attention(*ops, k_residual=pre.k_residual.to(torch.float8_e4m3fn), **kw)
     out = torch.empty(1, 4, 512, 128, dtype=torch.bfloat16, device="cuda")
-    with pytest.raises(RuntimeError, match="k_res"):
-        torch.ops.sageattn3.blockscaled_fp4_attn(*(t.view(torch.uint8) if t.dtype != torch.float32 else t for t in ops[:6]),
-                                                 pre.v_exp.view(torch.uint8), ops[6],
-                                                 pre.mean_q_global, pre.delta_key, torch.empty(0, device="cuda"),
-                                                 torch.empty(0, device="cuda"), out,
-                                                 512, 384, 0.125, False)
+    codes = [t.view(torch.uint8) if t.dtype != torch.float32 else t for t in ops[:6]]
+    for res, match in ((torch.empty(0, device="cuda"), "k_res"),
+                       (pre.k_residual.to(torch.float8_e4m3fn), "k_res .* must be float16, got float8_e4m3fn")):
+        with pytest.raises(RuntimeError, match=match):
+            torch.ops.sageattn3.blockscaled_fp4_attn(*codes, pre.v_exp.view(torch.uint8), ops[6], pre.mean_q_global,
+                                                     pre.delta_key, res, torch.empty(0, device="cuda"), out,
+                                                     512, 384, 0.125, False)
     with_res = _attn.fp4_attention(*ops, k_residual=pre.k_residual, **kw)
     zeros = _attn.fp4_attention(*ops, k_residual=torch.zeros_like(pre.k_residual), **kw)
     assert not torch.equal(with_res, zeros)

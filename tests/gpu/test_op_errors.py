@@ -50,6 +50,18 @@ CASES = {
         " torch.empty(4, 4, dtype=torch.int32, device='cuda'))",
         "scales must be uint8 or float8_e4m3fn, got int32",
     ),
+    # the preprocessing op handed the one-byte E4M3 residual of earlier releases for K's residual
+    "residual dtype": (
+        "from sageattn3 import _kernels\n"
+        "real = _kernels.op\n"
+        "_kernels.op = lambda name: (lambda *a: real(name)(*a[:-1], a[-1].to(torch.float8_e4m3fn))) "
+        "if name == 'smooth_quant_qk' else real(name)\n"
+        "q = torch.randn(2, 256, 64, device='cuda', dtype=torch.bfloat16)\n"
+        "_kernels.smooth_quant_qk_key(q, q.clone(), 128)",
+        "k_res (K's quantization residual, reference.quantize_residual) must be float16, got float8_e4m3fn "
+        "(a one-byte E4M3 residual of an earlier release is in the same units: .to(torch.float16) converts it "
+        "exactly; or run the preprocessing again)",
+    ),
 }
 
 

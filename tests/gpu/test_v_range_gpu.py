@@ -105,7 +105,7 @@ def test_bad_v_exp_is_refused():
     with pytest.raises(RuntimeError, match="v_exp"):
         torch.ops.sageattn3.blockscaled_fp4_attn(
             *(t.view(torch.uint8) for t in ops[:6]), pre.v_exp.view(torch.uint8)[:, :, :2].contiguous(), pre.mean_q,
-            pre.mean_q_global, pre.delta_key, pre.k_residual.view(torch.uint8), torch.empty(0, device="cuda"), out,
+            pre.mean_q_global, pre.delta_key, pre.k_residual, torch.empty(0, device="cuda"), out,
             300, 300, 0.125, False)
     x = torch.randn(2, 300, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="exps"):

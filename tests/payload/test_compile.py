@@ -237,7 +237,7 @@ def test_fakes_cover_the_op_table_and_run_under_fake_tensors(tmp_path):
                 want = [((2, 6, 384, 32), u8), ((2, 6, 384, 4), e4), ((2, 3, 256, 32), u8), ((2, 3, 256, 4), e4),
                         ((2, 3, 64, 128), u8), ((2, 3, 64, 16), e4), ((2, 6, 3 if pbm else 1, 64), f32),
                         ((2, 3, 1, 64), f32), ((2 if pbm else 0, 6, 1, 64), f32), ((2, 6, 256), f32),
-                        ((2 if bal else 0, 3, 1, 64), f32), ((2 if pbm else 0, 3, 256, 64), e4), ((2, 3, 2, 2), u8)]
+                        ((2 if bal else 0, 3, 1, 64), f32), ((2 if pbm else 0, 3, 256, 64), torch.float16), ((2, 3, 2, 2), u8)]
                 assert got == want, got
                 out = torch.ops.sageattn3.attention_call(q, kv, kv, False, pbm, False, bal, False, 1, 1, 0.125, 0.125,
                                                          False, 0.2, 0.1, 0)

@@ -281,12 +281,12 @@ OPTION_SETS = ({"qk_balance": True}, {"qk_rotation": True}, {"qk_balance": True,
 DISTINCT_OPTION_SETS = tuple(kw for kw in OPTION_SETS if not (kw.get("qk_rotation") and "qk_scale_search" in kw)) + (
     {"qk_precision": "fp8"}, {"qk_precision": "fp8", "qk_balance": True})
 # How far an option may land below the defaults: an option changes K's FP4 codes, and with them
-# K^ (codes plus residual), from which delta_s corrects the scores of every head, FP8 heads
-# included; measured up to 0.00013 cos-sim below on FP8 heads and on heads whose output hangs on
-# delta_s (drifting Q means), seeds 2025 and 7 at 512 tokens, 0.00003 at 1024 (seed 2025), and up
-# to 0.00025 with seed 11 (RoPE'd keys, mixed heads: FP8 heads). One case more, where FP4's own
-# rounding of rotated rows still shows through the scale search: large logits at 512 tokens, D 64,
-# causal, whose heads' P·V error P's second term took away, 0.00046 below with the rotation.
+# FP4's rounding of every head, and K^ (codes plus residual), from which delta_s corrects the scores
+# of every head. With K's residual in float16 (one E4M3 byte before) K^'s part is gone to a few
+# millionths; what is left at 512 tokens, seed 2025, is FP4's own rounding: the balance 0.00013 on
+# drifting Q means (D 64, causal) and 0.00009 on the huge K channel (D 128), and large logits at
+# D 64, causal, whose heads' P·V error P's second term took away, 0.00047 below with the rotation
+# (its scale search included).
 K_HAT_ROUNDING = 5e-4
 
 

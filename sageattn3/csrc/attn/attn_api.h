@@ -26,7 +26,7 @@
 //          kernel computes the residual part per K tile on the CUDA cores instead (the
 //          bounded-memory mode, slower), skipped for a query tile whose residual
 //          mean_q[i] - qbar (fp32) is all zeros. Both give the same delta_s bit for bit.
-//   k_res  E4M3 (B, Hkv, Sk_pad, D): K's quantization residual (reference.quantize_residual),
+//   k_res  float16 (B, Hkv, Sk_pad, D): K's quantization residual (reference.quantize_residual),
 //          or null with one Q mean (mean_qblocks 1: the residual r is 0).
 //   ds_work fp32 workspace of ds_work_floats floats, or null (see ds_key). Its size for all rows
 //          at once: B x Hq x ceil(Sq/128) x Sk_pad x 4 bytes (32 MiB per (batch, head) at 32k

@@ -206,41 +206,41 @@ __device__ __forceinline__ void sts_f32(uint32_t saddr, float v) {
   asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(saddr), "f"(v) : "memory");
 }
 
-// Two E4M3 bytes (element 0 in the low byte) -> their values as fp32 (exact).
-__device__ __forceinline__ float2 e4m3x2_value(uint32_t x) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x & 0xFFFFu), __NV_E4M3);
-  return __half22float2(__half2(h));
+// Two float16s (element 0 in the low half) -> their values as fp32 (exact).
+__device__ __forceinline__ float2 f16x2_value(uint32_t x) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&x));
 }
 
-// This thread's share of K's quantization residual for delta_s_part: the D/2 E4M3 bytes of half
-// `half` of key row `key` (global) of the stage starting at key row k_row0, one 16-byte word
-// per 16-element block; zeros without k_res (r . Kd then). The bytes are prefetched into L1 one
-// stage ahead (prefetch: no registers held across the stage wait).
+// This thread's share of K's quantization residual for delta_s_part: the D/2 float16s (D bytes)
+// of half `half` of key row `key` (global) of the stage starting at key row k_row0, two 16-byte
+// words per 16-element block; zeros without k_res (r . Kd then). The bytes are prefetched into L1
+// one stage ahead (prefetch: no registers held across the stage wait; D bytes: one line at D 128,
+// half of one at D 64).
 template <int D>
 struct ResidualHalf {
-  uint4 w[D / 32];
+  uint4 w[D / 16];
   static __device__ __forceinline__ const uint8_t* addr(const uint8_t* k_res, int64_t k_row0, int key, int half) {
-    return k_res + (k_row0 + key) * D + half * (D / 2);
+    return k_res + ((k_row0 + key) * D + half * (D / 2)) * 2;
   }
   static __device__ __forceinline__ void prefetch(const uint8_t* k_res, int64_t k_row0, int key, int half) {
     if (k_res != nullptr) asm volatile("prefetch.global.L1 [%0];" ::"l"(addr(k_res, k_row0, key, half)));
   }
   __device__ __forceinline__ void load(const uint8_t* k_res, int64_t k_row0, int key, int half) {
 #pragma unroll
-    for (int b = 0; b < D / 32; ++b) w[b] = make_uint4(0u, 0u, 0u, 0u);
+    for (int b = 0; b < D / 16; ++b) w[b] = make_uint4(0u, 0u, 0u, 0u);
     if (k_res == nullptr) return;
     const uint4* src = reinterpret_cast<const uint4*>(addr(k_res, k_row0, key, half));
 #pragma unroll
-    for (int b = 0; b < D / 32; ++b) w[b] = __ldg(src + b);
+    for (int b = 0; b < D / 16; ++b) w[b] = __ldg(src + b);
   }
 };
 
 // One thread's half of r . K^ for key row `key` of a stage's K tile: sum over the elements
 // d = half*D/2 .. half*D/2 + D/2 - 1 of r[d] * K^[key][d], K^ = (E2M1(code) + res / 64) x E4M3
-// scale (res: the residual's E4M3 value; scale byte 0 counts as 1). Order (fixed): per 16-element
+// scale (res: the residual's float16 value; scale byte 0 counts as 1). Order (fixed): per 16-element
 // block, a sequential fp32 fma chain over the block's elements in order of r[d] times
-// (E2M1(code) + res / 64) x 2^-14 (exact in fp32: at most 19 significant bits), then times
-// (scale x 2^14); block results summed in order.
+// (E2M1(code) + res / 64) x 2^-14 (one fma: rounded once to fp32, as the reference's float32 sum),
+// then times (scale x 2^14); block results summed in order.
 template <int D>
 __device__ __forceinline__ float delta_s_part(uint32_t k_tile, uint32_t ksf_tile, uint32_t mean_q, int key, int half,
                                               const ResidualHalf<D>& res) {
@@ -263,8 +263,8 @@ __device__ __forceinline__ float delta_s_part(uint32_t k_tile, uint32_t ksf_tile
 #pragma unroll
     for (int bb = 0; bb < 2; ++bb) {
       const uint32_t m_addr = mean_q + 4 * (half * (D / 2 + 4) + 16 * (b + bb));
-      const uint4 rw = res.w[b + bb];
-      const uint32_t rwords[4] = {rw.x, rw.y, rw.z, rw.w};
+      const uint4 r0 = res.w[2 * (b + bb)], r1 = res.w[2 * (b + bb) + 1];
+      const uint32_t rwords[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
       float acc = 0.f;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
@@ -273,8 +273,8 @@ __device__ __forceinline__ float delta_s_part(uint32_t k_tile, uint32_t ksf_tile
         // elements 4q .. 4q+3 of the block: codes, then residuals (x 2^-14 / 64: kResidualStep)
         const float2 v0 = e2m1x2_scaled(word >> (16 * (q & 1)));
         const float2 v1 = e2m1x2_scaled(word >> (16 * (q & 1) + 8));
-        const float2 e0 = e4m3x2_value(rwords[q]);
-        const float2 e1 = e4m3x2_value(rwords[q] >> 16);
+        const float2 e0 = f16x2_value(rwords[2 * q]);
+        const float2 e1 = f16x2_value(rwords[2 * q + 1]);
         acc = fmaf(m.x, fmaf(e0.x, kResidualStep, v0.x), acc);
         acc = fmaf(m.y, fmaf(e0.y, kResidualStep, v0.y), acc);
         acc = fmaf(m.z, fmaf(e1.x, kResidualStep, v1.x), acc);

@@ -30,7 +30,7 @@ struct AttnParams {
   // or the precomputed delta_s per query block and key (delta_s_blocks.cuh).
   const float* ds_key;
   int64_t ds_bh_stride, ds_m_stride;
-  const uint8_t* k_res;  // K's quantization residual, E4M3 (B*Hkv*seq_k_pad rows, D), or null (one Q mean)
+  const uint8_t* k_res;  // K's quantization residual, float16 (B*Hkv*seq_k_pad rows, 2D bytes), or null (one Q mean)
   void* out;             // (B, Hq, Sq, D), bf16 or fp16
   int batch, heads_q, heads_kv;
   int seq_q, seq_k, seq_q_pad, seq_k_pad;

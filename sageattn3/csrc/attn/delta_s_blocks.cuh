@@ -1,7 +1,7 @@
 // delta_s per query block and key, computed before the attention kernel (the default path with
 // per-block Q means):
 //   ds[bh][mb][j] = ds_key[bh][j] + r_mb . K^[j],   r_mb = mean_q[bh][mb] - qbar[bh]  (fp32)
-// with K^ = (E2M1(code) + k_res / 64) x E4M3 scale, in exactly the arithmetic and order of the
+// with K^ = (E2M1(code) + k_res / 64) x E4M3 scale (k_res float16), in exactly the arithmetic and order of the
 // in-kernel correction (delta_s_part in attn_fwd_kernel.cuh): per 16-element block a sequential
 // fp32 fma chain of r[d] times (E2M1(code) + res / 64) x 2^-14, then times (scale x 2^14); block
 // results summed in order per half of the head dim, the two halves added, then ds_key added. So
@@ -16,7 +16,7 @@
 #pragma once
 #include <cstdint>
 
-#include "attn/attn_fwd_kernel.cuh"  // e4m3x2_value
+#include "attn/attn_fwd_kernel.cuh"  // f16x2_value
 #include "attn/attn_params.h"
 #include "common/nvfp4.cuh"
 
@@ -29,7 +29,7 @@ static_assert(kDeltaMGroup % kMUnroll == 0, "r's zero rows (up to a multiple of 
 struct DeltaSBlocksParams {
   const uint8_t* k;       // K codes (B*Hkv*seq_k_pad rows, D/2 bytes)
   const uint8_t* k_sf;    // K scales (rows, D/16 bytes)
-  const uint8_t* k_res;   // K's residual, E4M3 (rows, D bytes)
+  const uint8_t* k_res;   // K's residual, float16 (rows, 2D bytes)
   const float* mean_q;    // (B*Hq, mean_qblocks, D)
   const float* qbar;      // (B*Hq, D)
   const float* ds_key;    // (B*Hq, seq_k_pad)
@@ -83,20 +83,20 @@ __global__ void __launch_bounds__(2 * kBlockN) delta_s_blocks_kernel(const Delta
       sf = __ldg(reinterpret_cast<const uint16_t*>(p.k_sf + row * (D / 16) + half * kBlocks));
     }
     const uint2* codes = reinterpret_cast<const uint2*>(p.k + row * (D / 2) + half * (D / 4));
-    const uint4* res = reinterpret_cast<const uint4*>(p.k_res + row * D + half * (D / 2));
+    const uint4* res = reinterpret_cast<const uint4*>(p.k_res + (row * D + half * (D / 2)) * 2);
 #pragma unroll
     for (int blk = 0; blk < kBlocks; ++blk) {
       const uint2 cw = __ldg(codes + blk);
-      const uint4 rw = __ldg(res + blk);
+      const uint4 r0 = __ldg(res + 2 * blk), r1 = __ldg(res + 2 * blk + 1);
       const uint32_t words[2] = {cw.x, cw.y};
-      const uint32_t rwords[4] = {rw.x, rw.y, rw.z, rw.w};
+      const uint32_t rwords[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const uint32_t word = words[q >> 1];
         const float2 v0 = e2m1x2_scaled(word >> (16 * (q & 1)));
         const float2 v1 = e2m1x2_scaled(word >> (16 * (q & 1) + 8));
-        const float2 e0 = e4m3x2_value(rwords[q]);
-        const float2 e1 = e4m3x2_value(rwords[q] >> 16);
+        const float2 e0 = f16x2_value(rwords[2 * q]);
+        const float2 e1 = f16x2_value(rwords[2 * q + 1]);
         kh[blk][4 * q + 0] = fmaf(e0.x, kResidualStep, v0.x);
         kh[blk][4 * q + 1] = fmaf(e0.y, kResidualStep, v0.y);
         kh[blk][4 * q + 2] = fmaf(e1.x, kResidualStep, v1.x);

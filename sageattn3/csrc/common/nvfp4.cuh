@@ -57,18 +57,28 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 
 // K's quantization residual (reference.quantize_residual) of two values y whose signed E2M1 grid
 // values are g (y = x * (1/scale), both times 2^-14 where the software conversion takes them
-// pre-scaled): two E4M3 bytes, a's in the low one, e4m3_rn_satfinite((y - g) * 64) (the
-// subtraction is exact: y and its grid value are within a factor of 2, or the value is 0); the
-// attention kernel adds it back to the E2M1 values for its correction delta_s.
+// pre-scaled): two float16s, a's in the low half, fp16_rn((y - g) * 64) saturated at +-65504 (the
+// subtraction is exact: y and its grid value are within a factor of 2, or the value is 0; y - g
+// is never NaN: a NaN value makes the scale NaN, and its block's residual 0); the attention kernel
+// adds it back to the E2M1 values for its correction delta_s.
 constexpr float kResidualUnit = 64.0f;
 // One residual unit on the grid of the values times 2^-14 (e2m1x2_scaled's): 2^-14 / 64 = 2^-20.
 constexpr float kResidualStep = kE2M1Prescale / kResidualUnit;
 
 __device__ __forceinline__ uint32_t residual_pair(float ya, float ga, float yb, float gb) {
   constexpr float kUnit = SAGEATTN3_HW_E2M1 ? kResidualUnit : kResidualUnit * 0x1p14f;
-  const float2 r = make_float2(__fmul_rn(__fsub_rn(ya, ga), kUnit), __fmul_rn(__fsub_rn(yb, gb), kUnit));
-  return __nv_cvt_float2_to_fp8x2(r, __NV_SATFINITE, __NV_E4M3);  // r.x in the low byte
+  constexpr float kMax = 65504.f;
+  const auto sat = [](float r) { return fminf(fmaxf(r, -kMax), kMax); };
+  const float2 r = make_float2(sat(__fmul_rn(__fsub_rn(ya, ga), kUnit)), sat(__fmul_rn(__fsub_rn(yb, gb), kUnit)));
+  const __half2 h = __float22half2_rn(r);  // r.x in the low half
+  return *reinterpret_cast<const uint32_t*>(&h);
 }
+
+// The residual of one 16-element block: elements 0-7 in lo (element i in half i: 0-1 in lo.x),
+// 8-15 in hi; 32 bytes, stored in element order.
+struct Residual16 {
+  uint4 lo, hi;
+};
 
 // |g| with y's sign. y - that is +0 where y sits on the grid, as y - E2M1(code) is (the code
 // carries y's sign, zero included).
@@ -77,10 +87,10 @@ __device__ __forceinline__ float with_sign_of(float g, float y) {
 }
 
 // 8 pre-scaled values -> 8 codes in one word, element 0 in the low nibble. kRes: also their
-// residual (residual_pair) into res, element i in byte i (bytes 0-3 in res.x), from the
+// residual (residual_pair) into res, element i in half i (halves 0-1 in res.x), from the
 // conversion's own grid values (no decoding of the codes).
 template <bool kClamp, bool kRes = false>
-__device__ __forceinline__ uint32_t e2m1x8_sw(const float (&y)[8], uint2* res = nullptr) {
+__device__ __forceinline__ uint32_t e2m1x8_sw(const float (&y)[8], uint4* res = nullptr) {
 #if defined(SAGEATTN3_TIMING_STANDIN_E2M1)
   // Timing experiment only (tests/bench/conversion_standin.py; no build defines it): WRONG codes
   // at the issue cost of a hardware conversion, one instruction per two values (sm_90 has the
@@ -92,7 +102,7 @@ __device__ __forceinline__ uint32_t e2m1x8_sw(const float (&y)[8], uint2* res = 
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(y[2 * j + 1]), "f"(y[2 * j]));
     e[j] = h;
   }
-  if constexpr (kRes) *res = make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16));
+  if constexpr (kRes) *res = make_uint4(e[0] | (e[1] << 16), e[2] | (e[3] << 16), 0u, 0u);
   return prmt(e[0] | (e[1] << 16), e[2] | (e[3] << 16), 0x6420);
 #else
   // Elements j and j + 4 share an fp16 pair: codes at bits 9-11 and 25-27, shifted into
@@ -104,13 +114,12 @@ __device__ __forceinline__ uint32_t e2m1x8_sw(const float (&y)[8], uint2* res = 
     const float ga = e2m1_grid_sw<kClamp>(y[j]), gb = e2m1_grid_sw<kClamp>(y[j + 4]);
     const __half2 p = __floats2half2_rn(ga, gb);
     r[j] = *reinterpret_cast<const uint32_t*>(&p);
-    // elements j (low byte) and j + 4
+    // elements j (low half) and j + 4
     if constexpr (kRes) e[j] = residual_pair(y[j], with_sign_of(ga, y[j]), y[j + 4], with_sign_of(gb, y[j + 4]));
   }
-  if constexpr (kRes) {  // bytes j0 j4 j1 j5 | j2 j6 j3 j7 -> j0 j1 j2 j3 | j4 j5 j6 j7
-    const uint32_t lo = e[0] | (e[1] << 16), hi = e[2] | (e[3] << 16);
-    *res = make_uint2(prmt(lo, hi, 0x6420), prmt(lo, hi, 0x7531));
-  }
+  if constexpr (kRes)  // halves j0 j4 | j1 j5 | j2 j6 | j3 j7 -> j0 j1 | j2 j3 | j4 j5 | j6 j7
+    *res = make_uint4(prmt(e[0], e[1], 0x5410), prmt(e[2], e[3], 0x5410), prmt(e[0], e[1], 0x7632),
+                      prmt(e[2], e[3], 0x7632));
   uint32_t w = (r[0] >> 9) | (r[1] >> 5) | (r[2] >> 1) | (r[3] << 3);
   w |= prmt(__float_as_uint(y[0]), __float_as_uint(y[4]), 0x0F0B) & 0x00080008u;
   w |= prmt(__float_as_uint(y[1]), __float_as_uint(y[5]), 0x0F0B) & 0x00800080u;
@@ -205,26 +214,25 @@ __device__ __forceinline__ float2 e2m1x2_scaled(uint32_t x) {
 }
 
 // The residual (residual_pair) of 8 values y against the codes `word` (decoded; codes 0 for a
-// zero scale): element i in byte i.
-__device__ __forceinline__ uint2 residual8(const float (&y)[8], uint32_t word) {
+// zero scale): element i in half i.
+__device__ __forceinline__ uint4 residual8(const float (&y)[8], uint32_t word) {
   // grid values come as E2M1 x 2^-14; y too without the hardware conversion
   constexpr float kGrid = SAGEATTN3_HW_E2M1 ? 0x1p14f : 1.0f;
-  uint32_t out[2];
+  uint32_t out[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float2 f = e2m1x2_scaled(word >> (8 * i));  // elements 2i (low nibble), 2i + 1
-    const uint32_t pair = residual_pair(y[2 * i], __fmul_rn(f.x, kGrid), y[2 * i + 1], __fmul_rn(f.y, kGrid));
-    out[i / 2] = (i & 1) ? (out[i / 2] | (pair << 16)) : pair;
+    out[i] = residual_pair(y[2 * i], __fmul_rn(f.x, kGrid), y[2 * i + 1], __fmul_rn(f.y, kGrid));
   }
-  return make_uint2(out[0], out[1]);
+  return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
 // 16 values (fp32) of one block -> codes of elements 0-7 (x) and 8-15 (y) for the scale byte
 // `sbyte` (codes 0 when the scale is 0 or NaN); with want_res, also the block's quantization
-// residual into res (residual8: bytes 0-7 in res.x/y, 8-15 in res.z/w; zeros when the scale is
-// NaN). A zero scale byte stands for 2^-9 (E4M3's smallest subnormal) in the residual
+// residual into res (residual8: elements 0-7 in res.lo, 8-15 in res.hi; zeros when the scale
+// is NaN). A zero scale byte stands for 2^-9 (E4M3's smallest subnormal) in the residual
 // (reference.residual_scales): its values are kept there, against codes 0.
-__device__ __forceinline__ uint2 codes16(const float (&v)[16], uint32_t sbyte, uint4& res, bool want_res) {
+__device__ __forceinline__ uint2 codes16(const float (&v)[16], uint32_t sbyte, Residual16& res, bool want_res) {
   const float s = e4m3_value(sbyte);
   const bool ok = s > 0.f;  // false for 0 and NaN
   const bool zero = sbyte == 0u;
@@ -244,9 +252,7 @@ __device__ __forceinline__ uint2 codes16(const float (&v)[16], uint32_t sbyte, u
 #else
   if (sbyte >= 8u && sbyte < 0x7Eu) {  // normal scale below 448: |v * inv| <= 6.4 (not NaN: 0x7F)
     if (want_res) {
-      uint2 r0, r1;
-      w = make_uint2(e2m1x8_sw<false, true>(y0, &r0), e2m1x8_sw<false, true>(y1, &r1));
-      res = make_uint4(r0.x, r0.y, r1.x, r1.y);
+      w = make_uint2(e2m1x8_sw<false, true>(y0, &res.lo), e2m1x8_sw<false, true>(y1, &res.hi));
       decoded = false;
     } else {
       w = make_uint2(e2m1x8_sw<false>(y0), e2m1x8_sw<false>(y1));
@@ -256,14 +262,15 @@ __device__ __forceinline__ uint2 codes16(const float (&v)[16], uint32_t sbyte, u
   }
 #endif
   if (want_res && decoded) {  // against the codes kept, unclamped y
-    const uint2 r0 = residual8(y0, ok ? w.x : 0u), r1 = residual8(y1, ok ? w.y : 0u);
-    res = ok || zero ? make_uint4(r0.x, r0.y, r1.x, r1.y) : make_uint4(0u, 0u, 0u, 0u);
+    const uint4 none = make_uint4(0u, 0u, 0u, 0u);
+    res.lo = ok || zero ? residual8(y0, ok ? w.x : 0u) : none;
+    res.hi = ok || zero ? residual8(y1, ok ? w.y : 0u) : none;
   }
   return ok ? w : make_uint2(0u, 0u);
 }
 
 __device__ __forceinline__ uint2 codes16(const float (&v)[16], uint32_t sbyte) {
-  uint4 unused;
+  Residual16 unused;
   return codes16(v, sbyte, unused, false);
 }
 
@@ -310,13 +317,13 @@ __device__ __forceinline__ float amax16(const float (&v)[16]) {
 }
 
 // With want_res: the block's quantization residual into res (codes16).
-__device__ __forceinline__ uint2 quant16(const float (&v)[16], uint32_t& sbyte, uint4& res, bool want_res) {
+__device__ __forceinline__ uint2 quant16(const float (&v)[16], uint32_t& sbyte, Residual16& res, bool want_res) {
   sbyte = e4m3_scale_byte(amax16(v));
   return codes16(v, sbyte, res, want_res);
 }
 
 __device__ __forceinline__ uint2 quant16(const float (&v)[16], uint32_t& sbyte) {
-  uint4 unused;
+  Residual16 unused;
   return quant16(v, sbyte, unused, false);
 }
 
@@ -325,10 +332,10 @@ __device__ __forceinline__ uint2 quant16(const float (&v)[16], uint32_t& sbyte) 
 // squared error (block_sq_error) is strictly smaller. A block whose values sit near 5/6 of its
 // max (between E2M1's 4 and 6) loses less with the max mapped onto 4.
 // With want_res: the kept codes' quantization residual into res (codes16).
-__device__ __forceinline__ uint2 quant16_search(const float (&v)[16], uint32_t& sbyte, uint4& res, bool want_res) {
+__device__ __forceinline__ uint2 quant16_search(const float (&v)[16], uint32_t& sbyte, Residual16& res, bool want_res) {
   const float a = amax16(v);
   const uint32_t b6 = e4m3_scale_byte(a), b4 = e4m3_scale_byte(a, 4.0f);
-  uint4 r6 = make_uint4(0u, 0u, 0u, 0u), r4 = r6;
+  Residual16 r6{make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)}, r4 = r6;
   const uint2 w6 = codes16(v, b6, r6, want_res);
   if (b4 == b6) {
     sbyte = b6;
@@ -343,7 +350,7 @@ __device__ __forceinline__ uint2 quant16_search(const float (&v)[16], uint32_t& 
 }
 
 __device__ __forceinline__ uint2 quant16_search(const float (&v)[16], uint32_t& sbyte) {
-  uint4 unused;
+  Residual16 unused;
   return quant16_search(v, sbyte, unused, false);
 }
 

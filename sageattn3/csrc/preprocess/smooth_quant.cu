@@ -98,13 +98,13 @@ struct Tile {
   // dk[h * Sp + row] = u[h] . (the smoothed
   // fp32 row, as quantized): per thread a 16-term fma chain over its block from 0, then the
   // block sums of the row added by an xor butterfly over its lanes (1, 2, 4); 0 for padding rows.
-  // res (null: none): the quantization residual of every row (codes16), (G, Sp, D) bytes, zeros
-  // for padding rows.
+  // res (null: none): the quantization residual of every row (codes16), (G, Sp, D) float16
+  // (2-byte words), zeros for padding rows.
   __device__ __forceinline__ void quantize(const RowMap& m, const float* mu, int64_t g, int64_t row0, int64_t r1,
                                            int64_t Sp, uint2* __restrict__ packed, uint8_t* __restrict__ scales,
                                            bool rotate, bool search, const float* cs = nullptr, const float* u = nullptr,
                                            int nh = 0, int ustride = 0, float* __restrict__ dk = nullptr,
-                                           uint8_t* __restrict__ res = nullptr) const {
+                                           uint16_t* __restrict__ res = nullptr) const {
     const int bpr = m.bpr;
 #pragma unroll
     for (int p = 0; p < P; ++p) {
@@ -153,12 +153,15 @@ struct Tile {
       if (!stored) continue;
       uint32_t sb = 0;
       uint2 w = make_uint2(0u, 0u);
-      uint4 e = make_uint4(0u, 0u, 0u, 0u);
+      Residual16 e{make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
       if (real) w = search ? quant16_search(v, sb, e, res != nullptr) : quant16(v, sb, e, res != nullptr);
       const int64_t ob = (g * Sp + row) * bpr + m.cb;  // output block index
       __stcs(packed + ob, w);
       __stcs(reinterpret_cast<char*>(scales + ob), static_cast<char>(sb));
-      if (res != nullptr) __stcs(reinterpret_cast<uint4*>(res) + ob, e);
+      if (res != nullptr) {
+        __stcs(reinterpret_cast<uint4*>(res) + 2 * ob, e.lo);
+        __stcs(reinterpret_cast<uint4*>(res) + 2 * ob + 1, e.hi);
+      }
     }
   }
 };
@@ -404,7 +407,7 @@ struct RowsJob {
   uint32_t rep;
   float* ds_key;          // (G * rep, Sp)
   bool search;            // NVFP4 with the scale search (quant16_search)
-  uint8_t* res;           // the quantization residual (G, Sp, D) (codes16), or null
+  uint16_t* res;          // the quantization residual (G, Sp, D) float16 (codes16), or null
 };
 
 // One CTA per tile: those of a, then those of b (G 0: none). Shared vectors padded (padded()):
@@ -615,7 +618,7 @@ int smooth_quant_qk(const void* q, const void* k, DType dtype, int64_t Gq, int64
                     int64_t D, float* mean_q, int64_t Sqp, uint8_t* q_packed, uint8_t* q_scales, float* mean_k,
                     float* partial_k, int64_t Skp, uint8_t* k_packed, uint8_t* k_scales, bool rotate,
                     bool search, float* partial_q, float* qbar, float* ds_key, float* balance, float* balance_part,
-                    uint8_t* k_res, cudaStream_t stream, uint32_t* zero, int64_t zero_words) {
+                    uint16_t* k_res, cudaStream_t stream, uint32_t* zero, int64_t zero_words) {
   if (D % 16 || D <= 0 || D > kMaxD || Sqp < Sq || Skp < Sk || Sk < 1 || Gk < 1 || Gk > 0x7FFFFFFF || Gq < 0 ||
       Gq > 0x7FFFFFFF || Gq % Gk != 0 || (Gq > 0 && Sq < 1) || ceil_div(Sqp, kRows) > 0x7FFFFFFF ||
       ceil_div(Skp, kRows) > 0x7FFFFFFF)

@@ -203,6 +203,17 @@ void check_code_tensor(const T& t, const T& x, const char* name) {
   check_aligned(t, name);
 }
 
+// K's quantization residual (reference.quantize_residual), on x's device: float16, 16-byte aligned.
+template <class T>
+void check_residual(const T& t, const T& x, const char* name) {
+  check_cuda(t, x, name);
+  SA3_CHECK(T, TensorApi<T>::kind(t) == Kind::kHalf, "sageattn3: ", name,
+            " (K's quantization residual, reference.quantize_residual) must be float16, got ", dtype_name(t),
+            " (a one-byte E4M3 residual of an earlier release is in the same units: .to(torch.float16) "
+            "converts it exactly; or run the preprocessing again)");
+  check_aligned(t, name);
+}
+
 template <class T>
 void check_codes(const T& packed, const T& scales, const T& x) {
   check_code_tensor(packed, x, "packed");

@@ -79,7 +79,7 @@ inline void pv8_fill(Fp4AttnArgs& a, const void* v8, const void* v8_sf, bool by_
 // seq_q, seq_k, sm_scale, causal):
 // layouts in attn/attn_api.h (sequence dims padded to multiples of 128, zeros); mean_q
 // (B, Hq, 1 or Sq_p/128, D), qbar (B, Hq, 1, D), ds_key (B, Hq, Sk_p) fp32, k_res (B, Hkv, Sk_p, D)
-// E4M3 (K's quantization residual; needed with more than one Q mean, else may be empty): the
+// float16 (K's quantization residual; needed with more than one Q mean, else may be empty): the
 // kernel adds delta_s = ds_key + (mean_q - qbar) . (dequant(k) + k_res)^T itself; ds_work fp32
 // (any shape, contiguous): the workspace that delta_s per query block and key is precomputed
 // into (attn/attn_api.h), or empty (the bounded-memory mode); v_exp (B, Hkv, Sk_p/128, D/32) int8
@@ -144,7 +144,7 @@ Fp4AttnArgs attn_args(const T& q, const T& q_sf, const T& k, const T& k_sf, cons
   SA3_CHECK(T, residual || nblk == 1, "sageattn3: k_res (K's quantization residual) is needed with per-block Q means, ",
             "got an empty k_res with ", nblk, " Q means per head");
   if (residual) {
-    check_code_tensor(k_res, q, "k_res");
+    check_residual(k_res, q, "k_res");
     SA3_CHECK(T, k_res.dim() == 4 && same(k_res, B, Hkv, Skp, D), "sageattn3: k_res shape must be (B, Hkv, Sk_p, D) = ",
               dims(B, Hkv, Skp, D), ", got ", shape(k_res));
   }

@@ -93,7 +93,7 @@ void smooth_quant_seq(T x, T mean, T partial, T packed, T scales, bool rotate, b
 // partial_k (Gk, ceil(Sk/128), D) fp32; partial_q (Gq, ceil(Sq/128), D),
 // qbar (Gq, D), ds_key (Gq, Skp) fp32, all empty for no per-key correction; balance (Gk, D) and
 // balance_part (Gq * min(8, ceil(Sq/128)) + Gk * min(8, ceil(Sk/128)), D) fp32, both empty for no
-// channel balance (D 64/128); k_res (Gk, Skp, D) bytes, K's quantization residual (needs the
+// channel balance (D 64/128); k_res (Gk, Skp, D) float16, K's quantization residual (needs the
 // per-key correction), empty for none;
 // the means are sampled (sageattn3.h).
 template <class T>
@@ -165,9 +165,9 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
             ", ", D / 2, ") and ", dims(Gk, Skp, D / 16), ", got ", shape(k_packed), " and ", shape(k_scales));
   const bool residual = k_res.numel() > 0;
   if (residual) {
-    check_code_tensor(k_res, q, "k_res");
+    check_residual(k_res, q, "k_res");
     SA3_CHECK(T, correction && k_res.numel() == Gk * Skp * D,
-              "sageattn3: k_res must be (Gk, Skp, D) bytes, with the per-key correction: expected ", dims(Gk, Skp, D),
+              "sageattn3: k_res must be (Gk, Skp, D) float16, with the per-key correction: expected ", dims(Gk, Skp, D),
               ", got ", shape(k_res), correction ? "" : " without the per-key correction");
   }
   DeviceScope scope(device_index(q));
@@ -180,7 +180,7 @@ void smooth_quant_qk(T q, T k, T mean_q, T q_packed, T q_scales, T mean_k, T k_p
                                                   correction ? floats(ds_key) : nullptr,
                                                   balanced ? floats(balance) : nullptr,
                                                   balanced ? floats(balance_part) : nullptr,
-                                                  residual ? bytes(k_res) : nullptr, TensorApi<T>::stream(q)),
+                                                  residual ? static_cast<uint16_t*>(k_res.data_ptr()) : nullptr, TensorApi<T>::stream(q)),
                        "smooth_quant_qk");
 }
 
@@ -226,7 +226,7 @@ void qk_balance(T q, T k, T part, T exps) {
 // Hkv, Skp), v_packed (B, Hkv, D, Skp/2), v_scales (B, Hkv, D, Skp/16), mean_q (B, Hq, nm, D),
 // mean_k (B, Hkv, 1, D), qbar (B, Hq, 1, D) (empty without per_block_mean: mean_q is Q's one
 // mean then), ds_key (B, Hq, Skp), balance exponents (B, Hkv, 1, D) (empty without balance), K's
-// quantization residual k_res (B, Hkv, Skp, D) E4M3 (empty without per_block_mean: no block
+// quantization residual k_res (B, Hkv, Skp, D) float16 (empty without per_block_mean: no block
 // residuals then), V's tile exponents v_exp (B, Hkv, ceil(Skp/128), D/32) int8 values in uint8
 // (quant_fp4_cols). Each output its own allocation (torch/outputs.h); the launches: prep_launch.
 // (attention_call, torch/ops_call.h, makes the same launches into one allocation of its own.)
@@ -247,7 +247,7 @@ struct PrepPlan {
             {{B, Hk, D, Skp / 2}, Kind::kByte},           {{B, Hk, D, Skp / 16}, Kind::kFloat8e4m3fn},
             {{B, Hq, nm, D}, Kind::kFloat},               {{B, Hk, 1, D}, Kind::kFloat},
             {{Bm, Hq, 1, D}, Kind::kFloat},               {{B, Hq, Skp}, Kind::kFloat},
-            {{Bb, Hk, 1, D}, Kind::kFloat},               {{Bm, Hk, Skp, D}, Kind::kFloat8e4m3fn},
+            {{Bb, Hk, 1, D}, Kind::kFloat},               {{Bm, Hk, Skp, D}, Kind::kHalf},
             {{B, Hk, (Skp + 127) / 128, D / 32}, Kind::kByte}, {{ws_rows, D}, Kind::kFloat}};
   }
 };
@@ -303,7 +303,8 @@ void prep_launch(const PrepPlan& p, const void* q, const void* k, const void* v,
   if (p.per_block_mean) {
     check_cuda_kernel<T>(sageattn3::smooth_quant_qk(q, k, p.dt, p.Gq, p.Sq, p.Gk, p.Sk, p.D, f32(6), p.Sqp, u8(0),
                                                     u8(1), f32(7), part_k, p.Skp, u8(2), u8(3), rotate, search, part_q,
-                                                    f32(8), f32(9), p.balance ? f32(10) : nullptr, bal_part, u8(11),
+                                                    f32(8), f32(9), p.balance ? f32(10) : nullptr, bal_part,
+                                                    static_cast<uint16_t*>(out[11]),
                                                     stream, zero, zero_words),
                          "the preprocessing (Q and K)");
   } else {

@@ -18,7 +18,9 @@ namespace sageattn3::torch_ops {
 constexpr int kMaxOutputDims = 4;
 
 // The dtypes an output may have (those TensorApi<T>::empty_n makes).
-inline bool output_kind(Kind k) { return k == Kind::kByte || k == Kind::kFloat8e4m3fn || k == Kind::kFloat; }
+inline bool output_kind(Kind k) {
+  return k == Kind::kByte || k == Kind::kFloat8e4m3fn || k == Kind::kHalf || k == Kind::kFloat;
+}
 
 // One output: its shape (at most kMaxOutputDims dims) and dtype.
 struct OutputSpec {
@@ -43,7 +45,7 @@ std::array<T, N> make_outputs(const OutputSpec* specs, const T& like, std::index
 template <class T>
 void check_output_spec(const OutputSpec& s) {
   SA3_CHECK(T, s.ndim <= kMaxOutputDims && output_kind(s.kind), "sageattn3: an output must have at most ",
-            kMaxOutputDims, " dims and be uint8, float8_e4m3fn or float32, got ", s.ndim, " dims of ", s.kind);
+            kMaxOutputDims, " dims and be uint8, float8_e4m3fn, float16 or float32, got ", s.ndim, " dims of ", s.kind);
 }
 
 // The outputs specs[0, N) describe, in their order, on like's CUDA device, each a new contiguous
@@ -64,12 +66,12 @@ std::array<T, N> allocate_outputs(const std::array<OutputSpec, N>& specs, const 
   return allocate_outputs_n<T, N>(specs.data(), like);
 }
 
-// An OutputSpec's bytes (uint8 and float8_e4m3fn 1 each, float32 4), refusing what allocate_outputs
+// An OutputSpec's bytes (uint8 and float8_e4m3fn 1 each, float16 2, float32 4), refusing what allocate_outputs
 // refuses.
 template <class T>
 int64_t output_bytes(const OutputSpec& s) {
   check_output_spec<T>(s);
-  int64_t n = s.kind == Kind::kFloat ? 4 : 1;
+  int64_t n = s.kind == Kind::kFloat ? 4 : s.kind == Kind::kHalf ? 2 : 1;
   for (int64_t i = 0; i < s.ndim; ++i) n *= s.sizes[i];
   return n;
 }

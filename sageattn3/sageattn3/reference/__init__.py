@@ -4,7 +4,7 @@ Runs on any device (CPU included); everything is computed in float32.
 
 The modules, each importing only those before it:
 
-- ``formats``: NVFP4 (rows and transposed; the bit-exact definition is there), K's E4M3
+- ``formats``: NVFP4 (rows and transposed; the bit-exact definition is there), K's float16
   quantization residual, MXFP8.
 - ``transforms``: the Q/K rotation, the channel balance, the sampled blocks of the means.
 - ``precision``: the Q·Kᵀ precision per head (the "auto" rule).
@@ -31,6 +31,7 @@ from .formats import (
     BLOCK,
     E2M1_VALUES,
     E4M3_MAX,
+    F16_MAX,
     FP4_MAX,
     MX_BLOCK,
     RESIDUAL_UNIT,
@@ -211,6 +212,7 @@ __all__ = [
     "BLOCK",
     "E2M1_VALUES",
     "E4M3_MAX",
+    "F16_MAX",
     "FP4_MAX",
     "FP8_HEAD_DIMS",
     "LOG2E",

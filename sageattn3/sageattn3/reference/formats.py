@@ -1,4 +1,4 @@
-"""The number formats: NVFP4 (rows and transposed), K's E4M3 quantization residual and MXFP8.
+"""The number formats: NVFP4 (rows and transposed), K's float16 quantization residual and MXFP8.
 
 NVFP4 quantization (bit-exact with the CUDA kernels)
 -----------------------------------------------------
@@ -156,14 +156,17 @@ def quantize_rows(x: torch.Tensor, scale_search: bool = False) -> tuple[torch.Te
     return packed, sbyte.reshape(*x.shape[:-1], n // BLOCK).view(torch.float8_e4m3fn)
 
 
-# K's quantization residual (``quantize_residual``) is stored as E4M3 in units of the block's
+# K's quantization residual (``quantize_residual``) is stored as float16 in units of the block's
 # scale / RESIDUAL_UNIT: |x / scale - E2M1(code)| <= 1 where the scale is a normal E4M3 number below
 # 448 (half an E2M1 step, or 0.4 past 6), and <= 3 where amax / 6 rounds to the smallest subnormal,
-# so the stored values stay below 192 and their relative precision (2^-4) reaches down to 2^-12 of
-# the scale. A block whose scale byte is 0 (amax / 6 below 2^-10: codes all 0) keeps its values in
-# the residual, in units of E4M3's smallest subnormal 2^-9 / 64 (``residual_scales``): |x| <= 6 *
-# 2^-10 there, so those bytes stay below 192 too.
+# so the stored values stay below 192 and keep float16's 11 significant bits (2^-11 relative) down
+# to 2^-14 of the unit; below that float16's subnormals resolve 2^-24 of the unit (2^-30 of the
+# scale). A block whose scale byte is 0 (amax / 6 below 2^-10:
+# codes all 0) keeps its values in the residual, in units of E4M3's smallest subnormal 2^-9 / 64
+# (``residual_scales``): |x| <= 6 * 2^-10 there, so those values stay below 192 too. (It was E4M3,
+# one byte, until the options' rounding showed through it: accuracy-auto.md, "K's residual in float16".)
 RESIDUAL_UNIT = 64.0
+F16_MAX = 65504.0
 
 
 def residual_scales(scales: torch.Tensor) -> torch.Tensor:
@@ -176,9 +179,10 @@ def residual_scales(scales: torch.Tensor) -> torch.Tensor:
 def dequantize_rows(packed: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of ``quantize_rows`` (float32). With ``residual`` (``quantize_residual``), each
     value is (E2M1(code) + residual / 64) * scale (the scale of ``residual_scales``): the quantized
-    x to within E4M3 rounding (2^-4 relative) of its quantization error, and of the rounding of
-    x * (1/scale); E2M1(code) + residual / 64 is exact in float32 (at most 19 significant bits),
-    as is its product with the scale."""
+    x to within float16 rounding (2^-11 relative) of its quantization error, and of the rounding of
+    x * (1/scale); E2M1(code) + residual / 64 is rounded once to float32 (the kernels' fma); its
+    product with the scale rounds again where that sum has more than 20 significant bits (the
+    kernels multiply per-block sums by the scale instead, so they do not form this product)."""
     vals = e2m1_decode(unpack_codes(packed))
     if residual is not None:
         vals = vals + residual.float() / RESIDUAL_UNIT
@@ -192,19 +196,20 @@ def dequantize_rows(packed: torch.Tensor, scales: torch.Tensor, residual: torch.
 def quantize_residual(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """K's NVFP4 quantization residual, what the FP4 codes miss of the smoothed K that the
     correction delta_s multiplies: x (..., N) float32 as it was quantized into (packed, scales)
-    (``quantize_rows``) -> float8_e4m3fn (..., N), per element e4m3((y - E2M1(code)) * 64) with
-    y = x * (1/scale) the float32 value the E2M1 conversion rounded (the subtraction is exact: y
-    and its grid value are within a factor of two, or the grid value is 0; times 64 is exact),
-    round to nearest even, saturating at +-448; in a block whose scale byte is 0 (codes 0) the scale
-    is 2^-9 (``residual_scales``), so y = x * 2^9 keeps its values; 0 in blocks whose scale is NaN.
+    (``quantize_rows``) -> float16 (..., N), per element fp16((y - E2M1(code)) * 64) with y = x *
+    (1/scale) the float32 value the E2M1 conversion rounded (the subtraction is exact: y and its
+    grid value are within a factor of two, or the grid value is 0; times 64 is exact), round to
+    nearest even, saturating at +-65504 (float16's largest finite value: a block whose scale saturates at 448 keeps
+    its values' excess up to 1023 scales); in a block whose scale byte is 0 (codes 0) the scale is 2^-9
+    (``residual_scales``), so y = x * 2^9 keeps its values; 0 in blocks whose scale is NaN.
     ``dequantize_rows(packed, scales, residual)`` adds it back."""
     n = x.shape[-1]
     xf = x.float().reshape(*x.shape[:-1], n // BLOCK, BLOCK)
     codes = unpack_codes(packed).reshape(xf.shape)
     ok, inv = _reciprocal(residual_scales(scales).unsqueeze(-1))
     r = (xf * inv - e2m1_decode(codes)) * RESIDUAL_UNIT
-    r = torch.where(ok, r.clamp(-E4M3_MAX, E4M3_MAX), torch.zeros_like(r))
-    return r.reshape(x.shape).to(torch.float8_e4m3fn)
+    r = torch.where(ok, r.clamp(-F16_MAX, F16_MAX), torch.zeros_like(r))
+    return r.reshape(x.shape).to(torch.float16)
 
 
 def pad_dim(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:

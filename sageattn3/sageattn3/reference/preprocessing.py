@@ -99,21 +99,21 @@ class Preprocessed:
       delta_key are unchanged by it. With the rotation too, Q and K are balanced first and then
       rotated (the means likewise).
     - qk_scale_search: whether q_packed/k_packed were quantized with the scale search.
-    - k_residual (B, Hkv, Sk_p, D) float8_e4m3fn, with per_block_mean (else None): K's quantization
+    - k_residual (B, Hkv, Sk_p, D) float16, with per_block_mean (else None): K's quantization
       residual (``quantize_residual`` of the smoothed K rows k_packed holds; 0 in padded rows).
     - delta_s (a property; the kernel never materialises it) (B, Hq, nblk, Sk_p): the correction
       added to Qd·Kdᵀ, delta_s[i, j] = delta_key[j] + r_i · K̂_j with r_i = mean_q[i] -
       mean_q_global (float32 subtraction) and K̂ = ``dequantize_rows``(k_packed, k_scales,
       k_residual), the dequantized smoothed K plus its quantization residual (Kd alone where
       k_residual is None: then r = 0). SageAttention2/3 add mean_q · K_sᵀ (K_s = K - mean_k,
-      unquantized) = delta_key + r_i · K_s: the two differ by r_i · (K̂ - K_s), the E4M3 rounding
-      of K's quantization error (at most 1/16 of it) times the block residual. Without
+      unquantized) = delta_key + r_i · K_s: the two differ by r_i · (K̂ - K_s), the float16 rounding
+      of K's quantization error (at most 2^-11 of it) times the block residual. Without
       per_block_mean r = 0: the paper's correction exactly. The attention kernel adds delta_key
       per key and computes r_i · K̂_j per 128-key tile from the K tile it holds and the residual
-      bytes (skipped where r_i is zero). Why this form: materialising mean_q · K_sᵀ costs
+      values (skipped where r_i is zero). Why this form: materialising mean_q · K_sᵀ costs
       (B, Hq, Sq/128, Sk) fp32 (~800 MB at 24 heads x 32k tokens); delta_key is (B, Hq, Sk) (3 MB
       there) and costs K's quantization one dot product per key and q head over the row it
-      already holds, the residual one byte per element of K (100 MB there) written from the same
+      already holds, the residual two bytes per element of K (200 MB there) written from the same
       registers. Through Kd alone (no residual) r_i · (Kd - K_s) is the whole of K's quantization
       error times r_i, which is large where Q's block means drift along the sequence: there it
       lost up to 0.06 cos-sim against the paper; with the residual the two agree to 0.0001 on
