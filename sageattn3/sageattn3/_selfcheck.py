@@ -80,6 +80,10 @@ CASES = (
 PV8_CASES = (
     (1, 2, 1, 256, 128, torch.bfloat16, False, "fp4", {"pv_precision": "fp8"}),
     (1, 1, 1, 256, 64, torch.float16, True, "fp8", {"pv_precision": "fp8"}),
+    # the other two FP8 P.V kernels: FP4 Q.K^T at D 64 (the defaults' large-logit heads there),
+    # MXFP8 Q.K^T at D 128
+    (1, 1, 1, 256, 64, torch.bfloat16, False, "fp4", {"pv_precision": "fp8"}),
+    (1, 2, 1, 256, 128, torch.float16, True, "fp8", {"pv_precision": "fp8"}),
     (1, 2, 1, 256, 128, torch.bfloat16, True, "auto", {"pv_precision": "auto", "pv_limit": 0.0}),
 )
 GROUPS = {"default": CASES, "pv8": PV8_CASES}

@@ -468,3 +468,11 @@ def test_self_check_thresholds():
     assert not _selfcheck._passes({**ok, "cos": 0.998})
     assert not _selfcheck._passes({**ok, "rel_l2": 0.06})
     assert not _selfcheck._passes({**ok, "finite": False})
+
+
+def test_the_fp8_pv_self_check_runs_every_fp8_pv_kernel():
+    """Each FP8 P·V kernel a call can take (D 64 and 128; FP4 Q·Kᵀ, or the precise one: MXFP8 at
+    D 128, 16-bit at D 64) has a self-check case that runs it on every head, whatever the rule
+    would estimate."""
+    every_head = {(c[4], c[7]) for c in _selfcheck.PV8_CASES if c[8].get("pv_precision") == "fp8"}
+    assert every_head >= {(64, "fp4"), (64, "fp8"), (128, "fp4"), (128, "fp8")}, every_head
