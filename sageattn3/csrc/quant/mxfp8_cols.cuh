@@ -22,6 +22,7 @@
 #include "common/launch.cuh"
 #include "common/mxfp8.cuh"
 #include "common/nvfp4.cuh"
+#include "common/tile_rows.cuh"
 #include "sageattn3.h"
 
 namespace sageattn3::mxfp8_cols {
@@ -65,17 +66,7 @@ __device__ __forceinline__ void cols_tile(const T* __restrict__ x, int64_t S, in
   // 1. load (tokens >= S and channels >= D as zeros)
   const int cc = t % kChunks, r0 = t / kChunks;
   const int64_t d = d0 + cc * 8;
-  const T* src = x + (g * S + s0 + r0) * D + d;
-  uint4 buf[kPasses];
-#pragma unroll
-  for (int k = 0; k < kPasses; ++k) {
-    buf[k] = make_uint4(0u, 0u, 0u, 0u);
-    if (s0 + r0 + k * kRowsPerPass < S && d < D)
-      buf[k] = __ldcs(reinterpret_cast<const uint4*>(src + static_cast<int64_t>(k * kRowsPerPass) * D));
-  }
-#pragma unroll
-  for (int k = 0; k < kPasses; ++k) *reinterpret_cast<uint4*>(&tile[r0 + k * kRowsPerPass][cc * 4]) = buf[k];
-  __syncthreads();
+  stage_rows<T, kPasses, kRowsPerPass, kWords>(x, S, D, g, s0, r0, cc, d, tile);
 
   // 2. convert: 32-token block `blk` of the tile, channel d0 + c
   const int blk = warp >> 1, c = (warp & 1) * 32 + lane;

@@ -27,6 +27,7 @@
 
 #include "common/launch.cuh"
 #include "common/nvfp4.cuh"
+#include "common/tile_rows.cuh"
 #include "sageattn3.h"
 
 namespace sageattn3 {
@@ -159,17 +160,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   {
     const int64_t g = blockIdx.z;
     // 1. load
-    uint4 buf[kPasses];
-    const T* src = x + (g * S + s0 + r0) * D + d;
-#pragma unroll
-    for (int k = 0; k < kPasses; ++k) {
-      buf[k] = make_uint4(0u, 0u, 0u, 0u);
-      if (s0 + r0 + k * kRowsPerPass < S && d < D)
-        buf[k] = __ldcs(reinterpret_cast<const uint4*>(src + static_cast<int64_t>(k * kRowsPerPass) * D));
-    }
-#pragma unroll
-    for (int k = 0; k < kPasses; ++k) *reinterpret_cast<uint4*>(&tile[r0 + k * kRowsPerPass][cc * 4]) = buf[k];
-    __syncthreads();
+    stage_rows<T, kPasses, kRowsPerPass, kWords>(x, S, D, g, s0, r0, cc, d, tile);
 
     // 1b. (kExp) the exponent of each 128-token half k (job k below) and group; fac[k]: 2^e
     static_assert(kWords * kSegs / kThreads == 2 && kSegs == 16, "job k of a warp is 16-token block warp + 8k, half k");
