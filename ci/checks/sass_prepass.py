@@ -159,7 +159,7 @@ PREPASSES = {
         "loop over query blocks (kMUnroll query blocks x 128 keys)", _delta_s_per_tile, _delta_s_dram),
     "rule": PrePass(
         "rule", "preprocess/qk_rule.cu", "preprocess/qk_rule.cu", r"qk_rule_kernelINS_6bf16_tELi{d}E",
-        (Loop(r"chunk_scores<T, D>\(sm16, tiles, parts, fp4, s, lane\);"),),
+        (Loop(r"else chunk_scores<T, 3, D>\(sm16 \+ L::kK, tiles, s, lane\);"),),
         "key loop (kChunk sampled keys x kPairs row groups)", _rule_per_tile, _rule_dram,
         warps=2 * constant(CSRC / "preprocess" / "qk_rule.cu", "kPairs")),
     "MXFP8": PrePass(

@@ -419,38 +419,37 @@ struct KeyChunk {
 };
 
 // The warp's 16 x 32 scores of the chunk, accumulator layout (n-tile nt: keys 8 nt .. 8 nt + 7):
-// the FP4 values' (fp4: Q's times K's, bf16) or the exact ones (`parts` parts of Q's tile times
-// raw K, in T).
-template <typename T, int D>
-__device__ __forceinline__ void chunk_scores(const uint16_t* sm16, const uint16_t* tiles, int parts, bool fp4,
-                                             float (&s)[4][4], int lane) {
+// kParts tiles of Q (from `q`, one tile apart) times the chunk's keys at `kb`, MMAs of TM. Three
+// sets of accumulators (one per part, or per k-step modulo 3 with one part) keep the dependent
+// MMA chains short; the sets are added at the end, the smallest first.
+template <typename TM, int kParts, int D>
+__device__ __forceinline__ void chunk_scores(const uint16_t* kb, const uint16_t* q, float (&s)[4][4], int lane) {
   using L = Smem<D>;
+  float acc[3][4][4];
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+  for (int i = 0; i < 3; ++i)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.0f;
   const int ar = (lane & 7) + ((lane >> 3) & 1) * 8, ac = (lane >> 4) * 8;  // A: row, column of lane's address
   const int bn = (lane & 7) + (lane >> 4) * 8, bc = ((lane >> 3) & 1) * 8;  // B: key, column
-  const uint16_t* kb = sm16 + (fp4 ? L::kKd : L::kK);
 #pragma unroll
   for (int k0 = 0; k0 < D; k0 += 16) {
     uint32_t b[2][4];
     ldsm4(b[0], kb + bn * L::kP + k0 + bc);
     ldsm4(b[1], kb + (16 + bn) * L::kP + k0 + bc);
-    if (fp4) {
-      uint32_t a4[4];
-      ldsm4(a4, tiles + 3 * L::kTile + ar * L::kP + k0 + ac);
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) mma16<bf16_t>(s[nt], a4, b[nt >> 1][(nt & 1) * 2], b[nt >> 1][(nt & 1) * 2 + 1]);
-      continue;
-    }
-#pragma unroll
-    for (int p = 0; p < 3; ++p) {
-      if (p >= parts) break;
+    for (int p = 0; p < kParts; ++p) {
       uint32_t a[4];
-      ldsm4(a, tiles + p * L::kTile + ar * L::kP + k0 + ac);
+      ldsm4(a, q + p * L::kTile + ar * L::kP + k0 + ac);
+      const int set = kParts == 1 ? (k0 / 16) % 3 : p;
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) mma16<T>(s[nt], a, b[nt >> 1][(nt & 1) * 2], b[nt >> 1][(nt & 1) * 2 + 1]);
+      for (int nt = 0; nt < 4; ++nt) mma16<TM>(acc[set][nt], a, b[nt >> 1][(nt & 1) * 2], b[nt >> 1][(nt & 1) * 2 + 1]);
     }
   }
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) s[nt][j] = __fadd_rn(__fadd_rn(acc[2][nt][j], acc[1][nt][j]), acc[0][nt][j]);
 }
 
 // Online softmax of the chunk's scores times `scale`, in registers: keys off + key < count are
@@ -663,7 +662,6 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(const __grid_constant
 
   // the warp's kind: the exact scores (kind 0, and both of P's estimate) or the FP4 ones
   const bool fp4 = kind == 1 && est != kPv;
-  const int parts = est == kPv ? 1 : 3;                  // the exact scores' parts of Q
   const int p_parts = est == kPv && kind == 1 ? 1 : 2;    // P's parts (the quantized P is exact)
   const float scale = est == kFirst && kind == 1 ? a.scale : G.scale_exact;
   const bool causal = est == kPv && a.causal;
@@ -686,7 +684,9 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(const __grid_constant
     __syncthreads();
     if (u.rows > 0) {
       float s[4][4];
-      chunk_scores<T, D>(sm16, tiles, parts, fp4, s, lane);
+      if (fp4) chunk_scores<bf16_t, 1, D>(sm16 + L::kKd, tiles + 3 * L::kTile, s, lane);  // Qd Kd^T
+      else if (est == kPv) chunk_scores<T, 1, D>(sm16 + L::kK, tiles, s, lane);        // q k^T
+      else chunk_scores<T, 3, D>(sm16 + L::kK, tiles, s, lane);                        // (q - w) k^T
       chunk_softmax<D>(s, scale, off, count, causal, key0, u.row0, G.stride, m, l, o, lane);
       if (est == kPv && kind == 1) quantize_p(s);
       chunk_pv<T, D>(sm16, s, p_parts, o, lane);
