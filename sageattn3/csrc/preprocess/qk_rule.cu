@@ -452,26 +452,29 @@ __device__ __forceinline__ void chunk_scores(const uint16_t* kb, const uint16_t*
     for (int j = 0; j < 4; ++j) s[nt][j] = __fadd_rn(__fadd_rn(acc[2][nt][j], acc[1][nt][j]), acc[0][nt][j]);
 }
 
-// Online softmax of the chunk's scores times `scale`, in registers: keys off + key < count are
-// real (with `causal`, those at positions key0 + key up to the row's); s becomes e^(x - m) (0
-// for a dead key), m and l the running max and sum of rows g (index 0) and g + 8 (1) (l per
-// thread: the quad's sum at the end), O rescaled.
+// 2^x (ex2.approx: a relative error of about 2^-22; 2^-inf = +0, NaN stays NaN)
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Online softmax of the chunk's scores in base 2 (scale2: the scores' scale times log2 e), in
+// registers: the keys below live[h] are real for rows g (h 0) and g + 8 (h 1); s becomes
+// 2^(x - m) = e^(scaled score - max) (0 for a dead key), m and l the running max (base 2) and sum
+// (per thread: the quad's sum at the end), O rescaled.
 template <int D>
-__device__ __forceinline__ void chunk_softmax(float (&s)[4][4], float scale, int off, int count, bool causal,
-                                              int64_t key0, int64_t row0, int stride, float (&m)[2], float (&l)[2],
-                                              float (&o)[D / 8][4], int lane) {
-  const int g = lane >> 2, t = lane & 3;
+__device__ __forceinline__ void chunk_softmax(float (&s)[4][4], float scale2, const int (&live)[2], float (&m)[2],
+                                              float (&l)[2], float (&o)[D / 8][4], int lane) {
+  const int t = lane & 3;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int64_t pos = row0 + static_cast<int64_t>(g + 8 * h) * stride;
     float mx = -INFINITY;
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const int key = nt * 8 + 2 * t + j;
-        const bool live = off + key < count && (!causal || key0 + key <= pos);
-        const float x = live ? __fmul_rn(s[nt][2 * h + j], scale) : -INFINITY;
+        const float x = nt * 8 + 2 * t + j < live[h] ? __fmul_rn(s[nt][2 * h + j], scale2) : -INFINITY;
         s[nt][2 * h + j] = x;
         mx = fmaxf(mx, x);
       }
@@ -481,14 +484,14 @@ __device__ __forceinline__ void chunk_softmax(float (&s)[4][4], float scale, int
     const float mn = fmaxf(m[h], mx);
     // a row that has seen no live key yet keeps its empty state (-inf - -inf would be NaN); key 0
     // is seen by every row, so this is a guard
-    const float alpha = mn == -INFINITY ? 1.0f : expf(m[h] - mn);
+    const float base = mn == -INFINITY ? 0.0f : mn;
+    const float alpha = exp2_approx(m[h] - base);
     float sum = 0.0f;
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const float x = s[nt][2 * h + j];
-        const float e = x == -INFINITY ? 0.0f : expf(x - mn);
+        const float e = exp2_approx(s[nt][2 * h + j] - base);
         s[nt][2 * h + j] = e;
         sum += e;
       }
@@ -663,7 +666,7 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(const __grid_constant
   // the warp's kind: the exact scores (kind 0, and both of P's estimate) or the FP4 ones
   const bool fp4 = kind == 1 && est != kPv;
   const int p_parts = est == kPv && kind == 1 ? 1 : 2;    // P's parts (the quantized P is exact)
-  const float scale = est == kFirst && kind == 1 ? a.scale : G.scale_exact;
+  const float scale2 = (est == kFirst && kind == 1 ? a.scale : G.scale_exact) * 1.4426950408889634f;  // base 2
   const bool causal = est == kPv && a.causal;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   float o[D / 8][4];
@@ -683,11 +686,21 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(const __grid_constant
     if (c + 1 < nchunks) next.fetch(a, est, tk_tab, cnt_tab, bk, tid, c + 1);
     __syncthreads();
     if (u.rows > 0) {
+      // the keys of the chunk below live[h] are real (and, causal, at or before row g + 8 h)
+      int live[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        live[hh] = count - off;
+        if (causal) {
+          const int64_t cut = u.row0 + static_cast<int64_t>((lane >> 2) + 8 * hh) * G.stride - key0 + 1;
+          live[hh] = static_cast<int>(min(static_cast<int64_t>(live[hh]), max(cut, static_cast<int64_t>(0))));
+        }
+      }
       float s[4][4];
       if (fp4) chunk_scores<bf16_t, 1, D>(sm16 + L::kKd, tiles + 3 * L::kTile, s, lane);  // Qd Kd^T
       else if (est == kPv) chunk_scores<T, 1, D>(sm16 + L::kK, tiles, s, lane);        // q k^T
       else chunk_scores<T, 3, D>(sm16 + L::kK, tiles, s, lane);                        // (q - w) k^T
-      chunk_softmax<D>(s, scale, off, count, causal, key0, u.row0, G.stride, m, l, o, lane);
+      chunk_softmax<D>(s, scale2, live, m, l, o, lane);
       if (est == kPv && kind == 1) quantize_p(s);
       chunk_pv<T, D>(sm16, s, p_parts, o, lane);
     }
