@@ -506,42 +506,58 @@ __device__ __forceinline__ void chunk_softmax(float (&s)[4][4], float scale2, co
   }
 }
 
-// P's estimate, FP4 kind: the chunk's P * 2688 to NVFP4 per row and 16-key block (n-tiles 0-1,
-// 2-3; reference.quantize_rows: the block's amax, its E4M3 scale, each value's E2M1 code), in
-// place as the values code x scale (P-hat x 2688: exact in 16 bits). Each thread holds 4 values
-// of a block, the quad the other 12 (amax by shuffles, max.NaN: the same bits in any order).
+// P's estimate: the chunk's P * 2688 to NVFP4 per row and 16-key block (n-tiles 0-1, 2-3;
+// reference.quantize_rows: the block's amax, its E4M3 scale, each value's E2M1 code), in place
+// as the values code x scale (P-hat x 2688: exact in 16 bits). Each thread holds 4 values of a
+// block, the quad the other 12 (amax by shuffles, max.NaN: the same bits in any order); one
+// conversion takes a row's 4 + 4 values of both blocks, each times its block's 1/scale (codes16's
+// steps; the clamp keeps every |value| < 7 at its code, nvfp4.cuh), and a block whose scale is 0
+// or NaN gets codes 0.
 __device__ __forceinline__ void quantize_p(float (&s)[4][4]) {
 #pragma unroll
-  for (int b = 0; b < 2; ++b) {
+  for (int h = 0; h < 2; ++h) {
+    float y[8], sc[2];
+    bool ok[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float* x[4] = {&s[2 * b][2 * h], &s[2 * b][2 * h + 1], &s[2 * b + 1][2 * h], &s[2 * b + 1][2 * h + 1]};
-      float v[16] = {};
+    for (int b = 0; b < 2; ++b) {
+      const float v[4] = {__fmul_rn(s[2 * b][2 * h], kPScale), __fmul_rn(s[2 * b][2 * h + 1], kPScale),
+                          __fmul_rn(s[2 * b + 1][2 * h], kPScale), __fmul_rn(s[2 * b + 1][2 * h + 1], kPScale)};
       float amax = 0.0f;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        v[i] = __fmul_rn(*x[i], kPScale);
-        amax = abs_max_nan(amax, v[i]);
-      }
+      for (int i = 0; i < 4; ++i) amax = abs_max_nan(amax, v[i]);
       amax = abs_max_nan(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
       amax = abs_max_nan(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
-      const uint32_t sbyte = e4m3_scale_byte(amax);
-      const uint32_t codes = codes16(v, sbyte).x;  // v's places 0-3: the thread's own values
-      const float sc = __fmul_rn(e4m3_value(sbyte), 16384.0f);  // e2m1x2_scaled gives values * 2^-14
-      const float2 f0 = e2m1x2_scaled(codes & 0xFFu), f1 = e2m1x2_scaled((codes >> 8) & 0xFFu);
-      *x[0] = __fmul_rn(f0.x, sc);
-      *x[1] = __fmul_rn(f0.y, sc);
-      *x[2] = __fmul_rn(f1.x, sc);
-      *x[3] = __fmul_rn(f1.y, sc);
+      sc[b] = e4m3_value(e4m3_scale_byte(amax));
+      ok[b] = sc[b] > 0.0f;  // false for 0 and NaN
+      const float inv = ok[b] ? __frcp_rn(sc[b]) : 0.0f;
+      const float mul = SAGEATTN3_HW_E2M1 ? inv : inv * kE2M1Prescale;  // the software conversion's pre-scale
+#pragma unroll
+      for (int i = 0; i < 4; ++i) y[4 * b + i] = __fmul_rn(v[i], mul);
+    }
+#if SAGEATTN3_HW_E2M1
+    uint32_t w = e2m1x8_hw(y);
+#else
+    uint32_t w = e2m1x8_sw<true>(y);
+#endif
+    if (!ok[0]) w &= 0xFFFF0000u;
+    if (!ok[1]) w &= 0x0000FFFFu;
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const float s14 = __fmul_rn(sc[b], 16384.0f);  // e2m1x2_scaled gives values * 2^-14
+      const float2 f0 = e2m1x2_scaled((w >> (16 * b)) & 0xFFu), f1 = e2m1x2_scaled((w >> (16 * b + 8)) & 0xFFu);
+      s[2 * b][2 * h] = __fmul_rn(f0.x, s14);
+      s[2 * b][2 * h + 1] = __fmul_rn(f0.y, s14);
+      s[2 * b + 1][2 * h] = __fmul_rn(f1.x, s14);
+      s[2 * b + 1][2 * h + 1] = __fmul_rn(f1.y, s14);
     }
   }
 }
 
-// O += P V over the chunk, P from the scores' fragments (keys 16 kk .. 16 kk + 15: n-tiles 2 kk
-// and 2 kk + 1, whose accumulators are the A operand's registers), in `parts` parts of T (2:
-// P = hi + lo; 1: P's values are exact in T).
-template <typename T, int D>
-__device__ __forceinline__ void chunk_pv(const uint16_t* sm16, const float (&s)[4][4], int parts, float (&o)[D / 8][4],
+// O += P V over the chunk for kCols channels of V from `v` (n-tiles kNt0 .. of o), P from the
+// scores' fragments (keys 16 kk .. 16 kk + 15: n-tiles 2 kk and 2 kk + 1, whose accumulators are
+// the A operand's registers), in `parts` parts of T (2: P = hi + lo; 1: P's values are exact in T).
+template <typename T, int D, int kCols, int kNt0>
+__device__ __forceinline__ void chunk_pv(const uint16_t* v, const float (&s)[4][4], int parts, float (&o)[D / 8][4],
                                          int lane) {
   using L = Smem<D>;
   const int vk = (lane & 7) + ((lane >> 3) & 1) * 8, vc = (lane >> 4) * 8;  // V: key, column of lane's address
@@ -560,10 +576,10 @@ __device__ __forceinline__ void chunk_pv(const uint16_t* sm16, const float (&s)[
     const uint32_t lo[4] = {pack2<T>(xl[0], xl[1]), pack2<T>(xl[2], xl[3]), pack2<T>(xl[4], xl[5]),
                             pack2<T>(xl[6], xl[7])};
 #pragma unroll
-    for (int n0 = 0; n0 < D; n0 += 16) {
+    for (int n0 = 0; n0 < kCols; n0 += 16) {
       uint32_t b[4];
-      ldsm4_t(b, sm16 + L::kV + (kk * 16 + vk) * L::kP + n0 + vc);
-      const int nt = n0 / 8;
+      ldsm4_t(b, v + (kk * 16 + vk) * L::kP + n0 + vc);
+      const int nt = kNt0 + n0 / 8;
       mma16<T>(o[nt], hi, b[0], b[1]);
       mma16<T>(o[nt + 1], hi, b[2], b[3]);
       if (parts > 1) {
@@ -571,6 +587,76 @@ __device__ __forceinline__ void chunk_pv(const uint16_t* sm16, const float (&s)[
         mma16<T>(o[nt + 1], lo, b[2], b[3]);
       }
     }
+  }
+}
+
+// n, d = the warp's sums of (O4 - O)^2 and O^2 over the real rows (r < rows): O4 from o4s
+// (shared memory, [kRows][kOPitch]), or with kPv O_P from o's n-tiles D / 16 .. (O in 0 ..).
+template <int D, bool kPv>
+__device__ __forceinline__ void error_sums(const float (&o)[D / 8][4], const float* o4s, const float (&inv)[2],
+                                           const float (&inv_p)[2], int rows, int lane, float& n, float& d) {
+  using L = Smem<D>;
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < (kPv ? D / 16 : D / 8); ++nt) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int r = g + (j >> 1) * 8, col = nt * 8 + 2 * t + (j & 1);
+      if (r < rows) {
+        const float e = o[nt][j] * inv[j >> 1];
+        float other;
+        if constexpr (kPv) other = o[nt + D / 16][j] * inv_p[j >> 1];
+        else other = o4s[r * L::kOPitch + col];
+        const float dlt = other - e;
+        n += dlt * dlt;
+        d += e * e;
+      }
+    }
+  }
+  n = warp_sum(n);
+  d = warp_sum(d);
+}
+
+// The group's sums of (O4 - O)^2 and O^2 over its real rows (r < rows), into n and d of lane 0
+// of its first warp (kind 0), the outputs normalized (O_P by 2688 too: P-hat x 2688 went in).
+// Q.K^T's estimates: the second warp's O4 through `x` (the pair's Q area) to the first. P's: each
+// warp sums over its half of the channels (O in n-tiles 0 .., O_P in D / 16 ..), the second's
+// sums through `x`. Called by every warp of the block (two block-wide barriers).
+template <int D>
+__device__ __forceinline__ void group_error(const float (&o)[D / 8][4], float (&l)[2], bool pv, int kind, int rows,
+                                            float* x, int lane, float& n, float& d) {
+  using L = Smem<D>;
+  const int g = lane >> 2, t = lane & 3;
+  float inv[2], inv_p[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 2);
+    inv[h] = 1.0f / l[h];
+    inv_p[h] = 1.0f / (l[h] * kPScale);
+  }
+  __syncthreads();  // every warp's reads of the Q tiles are done
+  if (pv) {
+    error_sums<D, true>(o, nullptr, inv, inv_p, rows, lane, n, d);
+    if (kind == 1 && lane == 0) {
+      x[0] = n;
+      x[1] = d;
+    }
+  } else if (kind == 1 && rows > 0) {
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      const int col = nt * 8 + 2 * t;
+      *reinterpret_cast<float2*>(x + g * L::kOPitch + col) = make_float2(o[nt][0] * inv[0], o[nt][1] * inv[0]);
+      *reinterpret_cast<float2*>(x + (g + 8) * L::kOPitch + col) = make_float2(o[nt][2] * inv[1], o[nt][3] * inv[1]);
+    }
+  }
+  __syncthreads();
+  if (kind != 0) return;
+  if (pv) {
+    n += x[0];
+    d += x[1];
+  } else {
+    error_sums<D, false>(o, x, inv, inv_p, rows, lane, n, d);
   }
 }
 
@@ -665,7 +751,6 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(const __grid_constant
 
   // the warp's kind: the exact scores (kind 0, and both of P's estimate) or the FP4 ones
   const bool fp4 = kind == 1 && est != kPv;
-  const int p_parts = est == kPv && kind == 1 ? 1 : 2;    // P's parts (the quantized P is exact)
   const float scale2 = (est == kFirst && kind == 1 ? a.scale : G.scale_exact) * 1.4426950408889634f;  // base 2
   const bool causal = est == kPv && a.causal;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
@@ -701,53 +786,24 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(const __grid_constant
       else if (est == kPv) chunk_scores<T, 1, D>(sm16 + L::kK, tiles, s, lane);        // q k^T
       else chunk_scores<T, 3, D>(sm16 + L::kK, tiles, s, lane);                        // (q - w) k^T
       chunk_softmax<D>(s, scale2, live, m, l, o, lane);
-      if (est == kPv && kind == 1) quantize_p(s);
-      chunk_pv<T, D>(sm16, s, p_parts, o, lane);
+      if (est == kPv) {  // each warp both kinds over its half of the channels: O (n-tiles 0..), O_P
+        float q[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) q[nt][j] = s[nt][j];
+        quantize_p(q);
+        chunk_pv<T, D, D / 2, 0>(sm16 + L::kV + kind * (D / 2), s, 2, o, lane);
+        chunk_pv<T, D, D / 2, D / 16>(sm16 + L::kV + kind * (D / 2), q, 1, o, lane);
+      } else {
+        chunk_pv<T, D, D, 0>(sm16 + L::kV, s, 2, o, lane);
+      }
     }
   }
 
-  // the outputs normalized (P's FP4 kind: P-hat x 2688 went in); the second warp's O4 through
-  // the pair's Q area to the first, which sums over the real rows and reports the group
-  float inv[2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    l[hh] += __shfl_xor_sync(0xFFFFFFFFu, l[hh], 1);
-    l[hh] += __shfl_xor_sync(0xFFFFFFFFu, l[hh], 2);
-    inv[hh] = 1.0f / (est == kPv && kind == 1 ? l[hh] * kPScale : l[hh]);
-  }
-  const int g = lane >> 2, t = lane & 3;
-  float* o4 = reinterpret_cast<float*>(tiles);  // [kRows][kOPitch]
-  __syncthreads();  // every warp's reads of the Q tiles are done
-  if (kind == 1 && u.rows > 0) {
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      const int col = nt * 8 + 2 * t;
-      *reinterpret_cast<float2*>(o4 + g * L::kOPitch + col) = make_float2(o[nt][0] * inv[0], o[nt][1] * inv[0]);
-      *reinterpret_cast<float2*>(o4 + (g + 8) * L::kOPitch + col) = make_float2(o[nt][2] * inv[1], o[nt][3] * inv[1]);
-    }
-  }
-  __syncthreads();
-  if (kind == 0) {
-    float n = 0.0f, d = 0.0f;
-    if (u.rows > 0) {
-#pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int r = g + (j >> 1) * 8, col = nt * 8 + 2 * t + (j & 1);
-          if (r < u.rows) {
-            const float x = o[nt][j] * inv[j >> 1];
-            const float dlt = o4[r * L::kOPitch + col] - x;
-            n += dlt * dlt;
-            d += x * x;
-          }
-        }
-      }
-    }
-    n = warp_sum(n);
-    d = warp_sum(d);
-    if (lane == 0 && u.report) head_error(G, bh, u.unit, z, n, d);
-  }
+  float n = 0.0f, d = 0.0f;
+  group_error<D>(o, l, est == kPv, kind, u.rows, reinterpret_cast<float*>(tiles), lane, n, d);
+  if (kind == 0 && lane == 0 && u.report) head_error(G, bh, u.unit, z, n, d);
 #else
   __trap();  // mma.sync m16n8k16 and ldmatrix need sm_80 or newer (the builds target sm_90 and sm_120 families)
 #endif
