@@ -462,21 +462,33 @@ __device__ __forceinline__ float exp2_approx(float x) {
 // Online softmax of the chunk's scores in base 2 (scale2: the scores' scale times log2 e), in
 // registers: the keys below live[h] are real for rows g (h 0) and g + 8 (h 1); s becomes
 // 2^(x - m) = e^(scaled score - max) (0 for a dead key), m and l the running max (base 2) and sum
-// (per thread: the quad's sum at the end), O rescaled.
+// (per thread: the quad's sum at the end), O rescaled where a row's max moved.
 template <int D>
 __device__ __forceinline__ void chunk_softmax(float (&s)[4][4], float scale2, const int (&live)[2], float (&m)[2],
                                               float (&l)[2], float (&o)[D / 8][4], int lane) {
   const int t = lane & 3;
+  float a2[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float mx = -INFINITY;
+    if (live[h] >= kChunk) {  // every key real (the common case: no compare)
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
+      for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const float x = nt * 8 + 2 * t + j < live[h] ? __fmul_rn(s[nt][2 * h + j], scale2) : -INFINITY;
-        s[nt][2 * h + j] = x;
-        mx = fmaxf(mx, x);
+        for (int j = 0; j < 2; ++j) {
+          s[nt][2 * h + j] = __fmul_rn(s[nt][2 * h + j], scale2);
+          mx = fmaxf(mx, s[nt][2 * h + j]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const float x = nt * 8 + 2 * t + j < live[h] ? __fmul_rn(s[nt][2 * h + j], scale2) : -INFINITY;
+          s[nt][2 * h + j] = x;
+          mx = fmaxf(mx, x);
+        }
       }
     }
     mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
@@ -498,10 +510,16 @@ __device__ __forceinline__ void chunk_softmax(float (&s)[4][4], float scale2, co
     }
     l[h] = l[h] * alpha + sum;
     m[h] = mn;
+    a2[h] = alpha;
+  }
+  // O rescaled, unless no row of the warp's max moved (alpha 1: the product would not change O)
+  if (__any_sync(0xFFFFFFFFu, a2[0] != 1.0f || a2[1] != 1.0f)) {
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) {
-      o[i][2 * h] *= alpha;
-      o[i][2 * h + 1] *= alpha;
+      o[i][0] *= a2[0];
+      o[i][1] *= a2[0];
+      o[i][2] *= a2[1];
+      o[i][3] *= a2[1];
     }
   }
 }
