@@ -611,8 +611,8 @@ __device__ __forceinline__ void chunk_pv(const uint16_t* v, const float (&s)[4][
 // n, d = the warp's sums of (O4 - O)^2 and O^2 over the real rows (r < rows): O4 from o4s
 // (shared memory, [kRows][kOPitch]), or with kPv O_P from o's n-tiles D / 16 .. (O in 0 ..).
 template <int D, bool kPv>
-__device__ __forceinline__ void error_sums(const float (&o)[D / 8][4], const float* o4s, const float (&inv)[2],
-                                           const float (&inv_p)[2], int rows, int lane, float& n, float& d) {
+__device__ __forceinline__ void error_sums(const float (&o)[D / 8][4], const float* o4s, const float (&inv)[2], int rows,
+                                           int lane, float& n, float& d) {
   using L = Smem<D>;
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -623,7 +623,7 @@ __device__ __forceinline__ void error_sums(const float (&o)[D / 8][4], const flo
       if (r < rows) {
         const float e = o[nt][j] * inv[j >> 1];
         float other;
-        if constexpr (kPv) other = o[nt + D / 16][j] * inv_p[j >> 1];
+        if constexpr (kPv) other = __fdiv_rn(o[nt + D / 16][j], kPScale) * inv[j >> 1];  // as P-hat / 2688 first
         else other = o4s[r * L::kOPitch + col];
         const float dlt = other - e;
         n += dlt * dlt;
@@ -636,7 +636,8 @@ __device__ __forceinline__ void error_sums(const float (&o)[D / 8][4], const flo
 }
 
 // The group's sums of (O4 - O)^2 and O^2 over its real rows (r < rows), into n and d of lane 0
-// of its first warp (kind 0), the outputs normalized (O_P by 2688 too: P-hat x 2688 went in).
+// of its first warp (kind 0), the outputs normalized (O_P divided by 2688 first: P-hat x 2688
+// went in, and a P-hat of 1 then gives O exactly, as the reference's P-hat / 2688 does).
 // Q.K^T's estimates: the second warp's O4 through `x` (the pair's Q area) to the first. P's: each
 // warp sums over its half of the channels (O in n-tiles 0 .., O_P in D / 16 ..), the second's
 // sums through `x`. Called by every warp of the block (two block-wide barriers).
@@ -645,17 +646,16 @@ __device__ __forceinline__ void group_error(const float (&o)[D / 8][4], float (&
                                             float* x, int lane, float& n, float& d) {
   using L = Smem<D>;
   const int g = lane >> 2, t = lane & 3;
-  float inv[2], inv_p[2];
+  float inv[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 1);
     l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 2);
     inv[h] = 1.0f / l[h];
-    inv_p[h] = 1.0f / (l[h] * kPScale);
   }
   __syncthreads();  // every warp's reads of the Q tiles are done
   if (pv) {
-    error_sums<D, true>(o, nullptr, inv, inv_p, rows, lane, n, d);
+    error_sums<D, true>(o, nullptr, inv, rows, lane, n, d);
     if (kind == 1 && lane == 0) {
       x[0] = n;
       x[1] = d;
@@ -674,7 +674,7 @@ __device__ __forceinline__ void group_error(const float (&o)[D / 8][4], float (&
     n += x[0];
     d += x[1];
   } else {
-    error_sums<D, false>(o, x, inv, inv_p, rows, lane, n, d);
+    error_sums<D, false>(o, x, inv, rows, lane, n, d);
   }
 }
 
