@@ -879,7 +879,6 @@ int64_t qk_rule_workspace_floats(const QkRuleArgs& a) { return a.B * a.Hq * (kPa
 void qk_rule_bind_workspace(QkRuleArgs& a, float* ws) {
   const int64_t BH = a.B * a.Hq;
   a.partial = ws;
-  a.split_state = nullptr;
   a.counter = reinterpret_cast<int32_t*>(ws + BH * kPartialFloats);
 }
 
