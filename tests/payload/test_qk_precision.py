@@ -85,7 +85,7 @@ def test_auto_picks_fp8_for_hard_heads_and_meets_the_targets(case):
         if case in TARGET:
             assert auto > fp4 + 0.01, (d, causal, auto, fp4)
             assert auto >= TARGET[case], (d, causal, auto)
-        else:  # outliers Q and K share: FP8 helps a little, the target is not met (docs/accuracy-auto.md)
+        else:  # outliers Q and K share: FP8 helps a little, the target is not met (docs/accuracy-auto-details.md)
             assert auto >= fp4 and auto >= 0.945, (d, causal, auto, fp4)
 
 
@@ -206,7 +206,7 @@ def test_k_block_means_restore_the_scores():
     s = s + pre.k_block_corr.double()[..., torch.arange(300) // 128]
     diff = s - torch.matmul(q.double(), ref.expand_kv(k.double(), 2).transpose(-1, -2))
     assert float((diff - diff[..., :1]).abs().max()) < 1e-3
-    # measured: it barely helps RoPE'd keys (docs/accuracy-auto.md)
+    # measured: it barely helps RoPE'd keys (docs/accuracy-auto-details.md)
     exact = ref.exact_attention(q, k, v)
     kbm = ac.cos_sim(ref.sageattn3(q, k, v, qk_precision="fp4", k_block_mean=True), exact)
     assert kbm > 0.88

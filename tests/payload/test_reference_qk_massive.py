@@ -1,6 +1,6 @@
 """Massive outliers shared by Q and K (tests/attention_cases.py ``qk_massive``) at D 64: the heads
 that leave FP4 multiply 16-bit rows there (``reference.qk16_rows``), because MXFP8 Q·Kᵀ was not
-precise enough (docs/accuracy-auto.md, "Massive shared outliers").
+precise enough (docs/accuracy-auto-details.md, "Massive shared outliers").
 
 Every head leaves FP4 on this data, and P·V stays NVFP4. Per head, against exact attention:
   - with MXFP8 rows (the earlier rung) the worst heads stayed at 0.966-0.984 on seeds 0-11;

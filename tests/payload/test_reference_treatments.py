@@ -108,7 +108,8 @@ def test_qk_fp8_rotated_quantizes_the_rotated_rows():
 
 CHOICE_CONFIGS = ((128, False), (64, True))  # (D, causal), 1024 tokens, GQA 4:2, seed 2025
 # each option alone, the three FP4 options together, FP8 Q·Kᵀ, FP8 P·V (the study measured every
-# combination of the three and some pairs with FP8: tests/bench/treatments.py, docs/accuracy-auto.md)
+# combination of the three and some pairs with FP8: tests/bench/treatments.py,
+# docs/accuracy-auto-details.md, "The study")
 OPTION_FLOORS = [ref.BALANCE, ref.ROTATION, ref.SCALE_SEARCH, ref.BALANCE | ref.ROTATION | ref.SCALE_SEARCH,
                  ref.QK_FP8, ref.PV_FP8]
 

@@ -177,29 +177,30 @@ MEAN_SAMPLE_BLOCKS = 8
 # (``query_stride``).
 AUTO_QUERY_STRIDE = 8
 # A head takes FP8 Q·Kᵀ when the rule's estimate of the relative output error FP4 Q·Kᵀ causes
-# (``qk_fp4_error``) exceeds this. Calibrated on tests/attention_cases.py (docs/accuracy-auto.md;
-# 4 heads, 512 tokens, D 128 and 64, seed 2025): the heads of zero-mean data, channel offsets, K
-# biases and drifting offsets estimate 0.005-0.16 (FP4 Q·Kᵀ costs them little: the FP4 error of P
-# and V dominates there), those of outlier channels, near-one-hot rows, RoPE'd biased keys and a
-# huge K channel 0.25-0.71.
+# (``qk_fp4_error``) exceeds this. Calibrated on tests/attention_cases.py
+# (docs/accuracy-auto-details.md, "The rule"; 4 heads, 512 tokens, D 128 and 64, seed 2025): the
+# heads of zero-mean data, channel offsets, K biases and drifting offsets estimate 0.005-0.16 (FP4
+# Q·Kᵀ costs them little: the FP4 error of P and V dominates there), those of outlier channels,
+# near-one-hot rows, RoPE'd biased keys and a huge K channel 0.25-0.71.
 AUTO_ERROR_LIMIT = 0.2
 # A head's P·V runs in MXFP8 (pv_precision "auto", the default) when the rule's estimate of the
 # relative output error NVFP4 P causes (``pv_p_error``) exceeds this. Calibrated on
-# tests/attention_cases.py (docs/accuracy-auto.md; 4 q heads over 2, D 64 and 128, six seeds):
+# tests/attention_cases.py (docs/accuracy-auto-details.md, "The P·V choice"; 4 q heads over 2, D 64
+# and 128, six seeds):
 # zero-mean heads (randn, k_bias, mixed_heads' first) estimate 0.087-0.101 at 256-4096 tokens, the
 # most of any case that needs no FP8 P·V (every other case stays below 0.07); the large-logit fp16
 # heads 0.093-0.34 at 1024 tokens. For a causal call the estimate masks the keys each sampled row
 # does not see: zero-mean heads then estimate at most 0.075 and the large-logit heads whose NVFP4
 # P·V output falls below cos 0.98 against exact attention (causal) 0.13 and up (seed 6's head that
 # the unmasked estimate put at 0.097: 0.191). The margin of non-causal calls is thin on both sides
-# (docs/accuracy-auto.md, "The P·V choice").
+# (docs/accuracy-auto-details.md, "The P·V choice").
 PV_ERROR_LIMIT = 0.105
 # The per-head treatments (opt-in, reference only, not wired into any default): a head keeps the
 # treatments it is given (its floors: none without options) where ``treatment_errors`` estimates
 # the relative output error of plain FP4 and of its floors at most TREATMENT_KEEP_LIMIT (zero-mean
 # heads: 0.18-0.21); otherwise ``choose_treatments`` adds the cheapest treatments whose estimate
 # is at most TREATMENT_ERROR_LIMIT (0.18: cos-sim 0.98 with the estimate's ~10% noise).
-# Calibration: docs/accuracy-auto.md, "Treatments per head".
+# Calibration: docs/accuracy-auto-details.md, "Treatments per head".
 TREATMENT_ERROR_LIMIT = 0.18
 TREATMENT_KEEP_LIMIT = 0.23
 

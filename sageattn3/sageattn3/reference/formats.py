@@ -164,7 +164,8 @@ def quantize_rows(x: torch.Tensor, scale_search: bool = False) -> tuple[torch.Te
 # scale). A block whose scale byte is 0 (amax / 6 below 2^-10:
 # codes all 0) keeps its values in the residual, in units of E4M3's smallest subnormal 2^-9 / 64
 # (``residual_scales``): |x| <= 6 * 2^-10 there, so those values stay below 192 too. (It was E4M3,
-# one byte, until the options' rounding showed through it: accuracy-auto.md, "K's residual in float16".)
+# one byte, until the options' rounding showed through it: docs/accuracy-auto-details.md, "K's residual
+# in float16".)
 RESIDUAL_UNIT = 64.0
 F16_MAX = 65504.0
 
