@@ -123,10 +123,28 @@ def test_short_calls_read_every_row(fp4, d, sq, seed, head):  # noqa: F811
         _compare(fp4, "qk_massive", 1, 4, 2, n, n, d, seed=seed)
 
 
-def test_many_heads_take_one_pass(fp4):  # noqa: F811
+def test_many_heads(fp4):  # noqa: F811
     """16 heads x 8 sampled Q blocks, two row groups to a block."""
     _compare(fp4, "mixed_heads", 2, 8, 2, 1024, 1024, 128)
     _compare(fp4, "k_outliers", 2, 8, 4, 1100, 1500, 64, dtype=torch.float16, balance=True)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_an_odd_number_of_row_groups(fp4, d):  # noqa: F811
+    """890 tokens: 7 sampled blocks of one row group each, so a head's last block holds one group
+    and its second pair of warps has none (it stages, waits at the barriers and reports nothing):
+    the Q·Kᵀ estimate and P's (causal) against the reference."""
+    from sageattn3 import _kernels, reference as ref
+
+    assert ref.query_stride(890, 890) == 8  # 7 row groups a head
+    _compare(fp4, "qk_massive", 1, 4, 2, 890, 890, d)
+    q, k, v = ac.make("large_logits", 1, 4, 2, 890, 890, d, seed=4)
+    pre = fp4.preprocess(q.cuda(), k.cuda(), v.cuda())
+    err_pv = _kernels.qk_rule_select(q.cuda(), k.cuda(), v.cuda(), pre, d ** -0.5, 0.2, False, 0.105, True)[3]
+    want = ref.pv_p_error(q, k, v, _cpu(pre), is_causal=True)
+    rel = float(((err_pv.cpu() - want).abs() / want.abs()).max())
+    FIGURES.append(f"odd row groups D={d}: P estimate vs reference max rel {rel:.1e}")
+    assert rel < 2e-3, (err_pv, want)
 
 
 @pytest.mark.parametrize("seq", [2048, 300])

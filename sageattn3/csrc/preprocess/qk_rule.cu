@@ -61,6 +61,10 @@ constexpr int kUnits = kSampled * kBlock / kRows;  // a head's most row groups (
 // reference.query_stride's budget: 1.5 x a long call's sampled rows times its sampled keys
 constexpr int64_t kRowKeyBudget = static_cast<int64_t>(kSampled) * kBlock / kStride * kSampled * kBlock * 3 / 2;
 constexpr float kPScale = 2688.0f;  // 448 * 6: P's row max at the top of E4M3 x E2M1 (the attention's level 1)
+// P in two fp16 parts is scaled up by 2^14 first: P of large-logit rows sits near e^-10, below
+// fp16's smallest normal (2^-14), where both parts would lose bits. bf16 has fp32's exponents.
+template <typename T>
+constexpr float kPUp = std::is_same_v<T, f16_t> ? 0x1p14f : 1.0f;
 
 // Shared memory, in 16-bit elements then floats. Rows of kP elements: the 8 rows an ldmatrix
 // reads land 16 bytes apart modulo 128 (no bank conflict).
@@ -352,6 +356,7 @@ __device__ __forceinline__ void stage_q(const QkRuleArgs& a, Estimate est, const
 template <typename T, int D>
 struct KeyChunk {
   static constexpr int kU = kChunk * D / 16 / kThreads;
+  static_assert(kU >= 1 && kU * kThreads == kChunk * D / 16, "the block's threads stage a chunk in whole units");
   uint4 rk[kU][2], rv[kU][2];
   uint2 rc[kU];
   uint32_t rs[kU];
@@ -573,7 +578,8 @@ __device__ __forceinline__ void quantize_p(float (&s)[4][4]) {
 
 // O += P V over the chunk for kCols channels of V from `v` (n-tiles kNt0 .. of o), P from the
 // scores' fragments (keys 16 kk .. 16 kk + 15: n-tiles 2 kk and 2 kk + 1, whose accumulators are
-// the A operand's registers), in `parts` parts of T (2: P = hi + lo; 1: P's values are exact in T).
+// the A operand's registers), in `parts` parts of T (2: P x kPUp = hi + lo, so O comes out kPUp
+// times too large; 1: P's values are exact in T, as they are).
 template <typename T, int D, int kCols, int kNt0>
 __device__ __forceinline__ void chunk_pv(const uint16_t* v, const float (&s)[4][4], int parts, float (&o)[D / 8][4],
                                          int lane) {
@@ -586,8 +592,9 @@ __device__ __forceinline__ void chunk_pv(const uint16_t* v, const float (&s)[4][
     float xh[8], xl[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      xh[i] = round16<T>(x[i]);
-      xl[i] = __fsub_rn(x[i], xh[i]);
+      const float xs = parts > 1 ? __fmul_rn(x[i], kPUp<T>) : x[i];  // exact: a power of two
+      xh[i] = round16<T>(xs);
+      xl[i] = __fsub_rn(xs, xh[i]);
     }
     const uint32_t hi[4] = {pack2<T>(xh[0], xh[1]), pack2<T>(xh[2], xh[3]), pack2<T>(xh[4], xh[5]),
                             pack2<T>(xh[6], xh[7])};
@@ -610,9 +617,10 @@ __device__ __forceinline__ void chunk_pv(const uint16_t* v, const float (&s)[4][
 
 // n, d = the warp's sums of (O4 - O)^2 and O^2 over the real rows (r < rows): O4 from o4s
 // (shared memory, [kRows][kOPitch]), or with kPv O_P from o's n-tiles D / 16 .. (O in 0 ..).
+// inv: 1 / (the row sum x kPUp) for the outputs of P in two parts, inv_p: 1 / the row sum.
 template <int D, bool kPv>
-__device__ __forceinline__ void error_sums(const float (&o)[D / 8][4], const float* o4s, const float (&inv)[2], int rows,
-                                           int lane, float& n, float& d) {
+__device__ __forceinline__ void error_sums(const float (&o)[D / 8][4], const float* o4s, const float (&inv)[2],
+                                           const float (&inv_p)[2], int rows, int lane, float& n, float& d) {
   using L = Smem<D>;
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -623,7 +631,7 @@ __device__ __forceinline__ void error_sums(const float (&o)[D / 8][4], const flo
       if (r < rows) {
         const float e = o[nt][j] * inv[j >> 1];
         float other;
-        if constexpr (kPv) other = __fdiv_rn(o[nt + D / 16][j], kPScale) * inv[j >> 1];  // as P-hat / 2688 first
+        if constexpr (kPv) other = __fdiv_rn(o[nt + D / 16][j], kPScale) * inv_p[j >> 1];  // as P-hat / 2688 first
         else other = o4s[r * L::kOPitch + col];
         const float dlt = other - e;
         n += dlt * dlt;
@@ -636,26 +644,28 @@ __device__ __forceinline__ void error_sums(const float (&o)[D / 8][4], const flo
 }
 
 // The group's sums of (O4 - O)^2 and O^2 over its real rows (r < rows), into n and d of lane 0
-// of its first warp (kind 0), the outputs normalized (O_P divided by 2688 first: P-hat x 2688
-// went in, and a P-hat of 1 then gives O exactly, as the reference's P-hat / 2688 does).
+// of its first warp (kind 0), the outputs normalized (the outputs of P in two parts divided by
+// kPUp too; O_P divided by 2688 first: P-hat x 2688 went in, and a P-hat of 1 then gives O
+// exactly, as the reference's P-hat / 2688 does).
 // Q.K^T's estimates: the second warp's O4 through `x` (the pair's Q area) to the first. P's: each
 // warp sums over its half of the channels (O in n-tiles 0 .., O_P in D / 16 ..), the second's
 // sums through `x`. Called by every warp of the block (two block-wide barriers).
-template <int D>
+template <typename T, int D>
 __device__ __forceinline__ void group_error(const float (&o)[D / 8][4], float (&l)[2], bool pv, int kind, int rows,
                                             float* x, int lane, float& n, float& d) {
   using L = Smem<D>;
   const int g = lane >> 2, t = lane & 3;
-  float inv[2];
+  float inv[2], inv_p[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 1);
     l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 2);
-    inv[h] = 1.0f / l[h];
+    inv_p[h] = 1.0f / l[h];
+    inv[h] = __fmul_rn(inv_p[h], 1.0f / kPUp<T>);  // exact: a power of two
   }
   __syncthreads();  // every warp's reads of the Q tiles are done
   if (pv) {
-    error_sums<D, true>(o, nullptr, inv, rows, lane, n, d);
+    error_sums<D, true>(o, nullptr, inv, inv_p, rows, lane, n, d);
     if (kind == 1 && lane == 0) {
       x[0] = n;
       x[1] = d;
@@ -674,7 +684,7 @@ __device__ __forceinline__ void group_error(const float (&o)[D / 8][4], float (&
     n += x[0];
     d += x[1];
   } else {
-    error_sums<D, false>(o, x, inv, rows, lane, n, d);
+    error_sums<D, false>(o, x, inv, inv_p, rows, lane, n, d);
   }
 }
 
@@ -820,7 +830,7 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(const __grid_constant
   }
 
   float n = 0.0f, d = 0.0f;
-  group_error<D>(o, l, est == kPv, kind, u.rows, reinterpret_cast<float*>(tiles), lane, n, d);
+  group_error<T, D>(o, l, est == kPv, kind, u.rows, reinterpret_cast<float*>(tiles), lane, n, d);
   if (kind == 0 && lane == 0 && u.report) head_error(G, bh, u.unit, z, n, d);
 #else
   __trap();  // mma.sync m16n8k16 and ldmatrix need sm_80 or newer (the builds target sm_90 and sm_120 families)
