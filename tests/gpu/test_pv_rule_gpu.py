@@ -203,7 +203,3 @@ def test_pv8_self_check_covers_the_mixed_op(fp4):  # noqa: F811
 def test_figures(capsys):
     with capsys.disabled():
         print("\n" + "\n".join(FIGURES))
-
-
-def test_zz_report_figures():
-    print("\n".join(FIGURES))
