@@ -147,7 +147,9 @@ def _compile_unit(src: Path, arch: str, obj: Path, kernel: str, count: int, what
 @pytest.mark.parametrize("arch", ["120a", "121a"])
 def test_rule_kernel_compiles_without_spill(arch, tmp_path):
     """The fused "auto" rule kernel (preprocess/qk_rule.cu): its four instantiations (fp16/bf16 x
-    D 64/128) compile for the Blackwell consumer archs without spilling, and use tf32 MMAs."""
+    D 64/128) compile for the Blackwell consumer archs without spilling, and multiply on the
+    tensor cores in 16 bits (m16n8k16, fp32 accumulation: bf16, and fp16 for fp16 inputs), with
+    no tf32 MMA left."""
     obj = tmp_path / f"rule_{arch}.o"
     _compile_unit(RULE_CU, arch, obj, "qk_rule_kernel", 4, "fp16/bf16 x D 64/128")
     cuobjdump = _tool("cuobjdump", "nvidia-cuda-cuobjdump")
@@ -157,8 +159,10 @@ def test_rule_kernel_compiles_without_spill(arch, tmp_path):
     env = dict(os.environ, PATH=f"{nvdisasm.parent}{os.pathsep}{os.environ.get('PATH', '')}")
     sass = subprocess.run([str(cuobjdump), "-sass", str(obj)], capture_output=True, text=True, env=env)
     assert sass.returncode == 0, sass.stderr
-    # mma.m16n8k8 tf32 is HMMA.1688.F32.TF32 in sm_120a SASS (192: 48 per instantiation)
-    assert re.search(r"HMMA\.\d+\.F32\.TF32", sass.stdout), "no tf32 MMA in the rule kernel's SASS"
+    # mma.m16n8k16 with fp32 accumulation is HMMA.16816.F32.BF16 (bf16) and HMMA.16816.F32 (fp16)
+    assert re.search(r"HMMA\.16816\.F32\.BF16", sass.stdout), "no bf16 MMA in the rule kernel's SASS"
+    assert re.search(r"HMMA\.16816\.F32 ", sass.stdout), "no fp16 MMA in the rule kernel's SASS"
+    assert not re.search(r"HMMA\.\d+\.F32\.TF32", sass.stdout), "a tf32 MMA in the rule kernel's SASS"
 
 
 def test_the_report_and_this_test_share_one_spill_allowance():

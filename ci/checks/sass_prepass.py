@@ -9,12 +9,13 @@ one query head per kv head).
   A CTA of 8 warps owns 128 keys of one head for ``kDeltaMGroup`` query blocks; each iteration of
   its loop over them does ``kMUnroll`` query blocks; a loop before it stages r of the group.
 - rule (``qk_rule_kernel<bf16, D>``, ``preprocess/qk_rule.cu``): with qk_precision 'auto' (the
-  default) or 'fp8', wherever the FP8 path can run (no Q/K rotation, D 64/128, the delta_s
-  workspace holds a row). One CTA of 8 warps per sampled 128-row Q block (``kSampled`` per head at
-  most), head and estimate; its loop goes over the sampled keys ``kChunk`` at a time (at the
-  reference shape the keys are not split). The defaults make ``RULE_ESTIMATES`` estimates in its
-  one launch: Q·Kᵀ's and P's (pv_precision 'auto'); both walk the same loop, whose body holds P's
-  quantization too (only P's CTAs take it: a small overcount for the others).
+  default) or 'fp8', wherever the FP8 path can run (D 64/128, the delta_s workspace holds a row).
+  One CTA of ``2 * kPairs`` warps per ``kPairs`` row groups (16 sampled query rows each: one per
+  sampled 128-row Q block at the long calls' stride ``kStride``), head and estimate; its loop goes
+  over the sampled keys ``kChunk`` at a time. The defaults make ``RULE_ESTIMATES`` estimates in its
+  one launch: Q·Kᵀ's and P's (pv_precision 'auto'). Every warp's loop body is counted whole: it
+  holds the exact scores' MMAs, the FP4 ones and P's quantization, of which each warp runs its
+  kind's (an overcount).
 - MXFP8 (``mxfp8_rotated_kernel<bf16, D>``, ``quant/quant_mxfp8.cu``): the FP8 heads' Q and K
   rows (at D 64 their bf16 rows instead: the 16-bit Q·Kᵀ, the same loop with a bf16 store), rotated (FP8 Q·Kᵀ always multiplies rotated rows; without qk_rotation the kernel also
   rotates the means), a lane per 16 values; one iteration of its grid-stride loop (8 warps)
@@ -44,7 +45,7 @@ from ci.checks.sass_budget import REF, Instr, PerTile, Ref, disassemble, end_of_
 from ci.toolchain.flags import device_flags
 
 CSRC = Path(__file__).resolve().parents[2] / "sageattn3" / "csrc"
-WARPS = 8  # 256 threads per CTA, every pre-pass kernel
+WARPS = 8  # 256 threads per CTA, every pre-pass kernel but the rule (PrePass.warps)
 
 
 def constant(path: Path, name: str) -> int:
@@ -81,6 +82,7 @@ class PrePass:
     per_tile: Callable[[int, Ref], tuple[float, ...]]
     dram: Callable[[int, Ref], float]
     rest_note: str = ""
+    warps: int = WARPS  # warps per CTA
 
 
 def _delta_s_per_tile(d: int, ref: Ref) -> tuple[float, ...]:
@@ -97,25 +99,27 @@ def _delta_s_dram(d: int, ref: Ref) -> float:
     return 128 * 4 + (128 * (d // 2 + d // 16 + 2 * d) + 128 * 4) / ref.blocks + d * 4 / ref.blocks
 
 
-def _rule_shape(ref: Ref) -> tuple[int, int, int]:
+def _rule_shape(ref: Ref) -> tuple[int, int, int, int, int]:
     path = CSRC / "preprocess" / "qk_rule.cu"
     sampled = min(constant(path, "kSampled"), ref.blocks)
-    return sampled, constant(path, "kRows"), constant(path, "kChunk")
+    return (sampled, constant(path, "kRows"), constant(path, "kChunk"), constant(path, "kPairs"),
+            constant(path, "kStride"))
 
 
 RULE_ESTIMATES = 2  # Q·Kᵀ's and P's, one launch: blockIdx.z (csrc/preprocess/qk_rule.cu, kPv)
 
 
 def _rule_per_tile(d: int, ref: Ref) -> tuple[float, ...]:
-    sampled, _, chunk = _rule_shape(ref)
+    sampled, rows, chunk, pairs, stride = _rule_shape(ref)
+    ctas = sampled * (128 // stride // rows) / pairs  # per head and estimate
     tiles = ref.blocks * ref.blocks / RULE_ESTIMATES  # per head, per estimate
-    return sampled / tiles, sampled * sampled * 128 / chunk / tiles
+    return ctas / tiles, ctas * sampled * 128 / chunk / tiles
 
 
 def _rule_dram(d: int, ref: Ref) -> float:
     # the sampled rows, each read from DRAM once: Q (bf16, packed FP4 + scales) and K, V (bf16) + K
     # packed; P's blocks read the same bf16 rows in the same launch (no FP4 codes: nothing more)
-    sampled, rows, _ = _rule_shape(ref)
+    sampled, rows, *_ = _rule_shape(ref)
     fp4_row = d // 2 + d // 16
     once = sampled * rows * (2 * d + fp4_row) + sampled * 128 * (4 * d + fp4_row)
     return once / (ref.blocks * ref.blocks)
@@ -155,8 +159,9 @@ PREPASSES = {
         "loop over query blocks (kMUnroll query blocks x 128 keys)", _delta_s_per_tile, _delta_s_dram),
     "rule": PrePass(
         "rule", "preprocess/qk_rule.cu", "preprocess/qk_rule.cu", r"qk_rule_kernelINS_6bf16_tELi{d}E",
-        (Loop(r"chunk_scores<D>\(sm, warp, g, t, role\.pv\);"),),
-        "key loop (kChunk sampled keys x 16 sampled query rows)", _rule_per_tile, _rule_dram),
+        (Loop(r"else chunk_scores<T, 3, D>\(sm16 \+ L::kK, tiles, s, lane\);"),),
+        "key loop (kChunk sampled keys x kPairs row groups)", _rule_per_tile, _rule_dram,
+        warps=2 * constant(CSRC / "preprocess" / "qk_rule.cu", "kPairs")),
     "MXFP8": PrePass(
         "MXFP8", "quant/quant_mxfp8.cu", "quant/quant_mxfp8.cu", r"mxfp8_rotated_kernelINS_6bf16_tELi{d}ELb0E",
         (Loop(r"e4m3_codes16\(v, inv\);", without=r"ldexpf\(1\.f, a\.balance_sign"),),
@@ -177,7 +182,7 @@ def _holds(path_suffix: str, line: int) -> Callable[[list[Instr]], bool]:
 
 def count(pre: PrePass, instrs: list[Instr], d: int, ref: Ref = REF, root: Path = CSRC) -> PerTile:
     """The pre-pass ``pre`` of head dim ``d`` from its function's instructions, per attention tile:
-    8 warps x (the rest x CTAs per tile + each loop's body x its iterations per tile). ``root``:
+    its warps x (the rest x CTAs per tile + each loop's body x its iterations per tile). ``root``:
     where ``pre.lines`` lies (csrc)."""
     path = root / pre.lines
     ranges = []
@@ -189,12 +194,12 @@ def count(pre: PrePass, instrs: list[Instr], d: int, ref: Ref = REF, root: Path 
     rest = sum(1 for i in range(end + 1) if not any(lo <= i <= hi for lo, hi in ranges))
     bodies = [hi - lo + 1 for lo, hi in ranges]
     ctas, *iters = pre.per_tile(d, ref)
-    total = WARPS * (rest * ctas + sum(b * n for b, n in zip(bodies, iters)))
+    total = pre.warps * (rest * ctas + sum(b * n for b, n in zip(bodies, iters)))
     parts = [f"{bodies[0]:,} warp-instructions per warp per iteration of its {pre.unit}, "
-             f"x {iters[0] * WARPS:.4g} warp-iterations per tile"] if bodies else []
-    parts += [f"another loop's {b:,} x {n * WARPS:.4g}" for b, n in zip(bodies[1:], iters[1:])]
+             f"x {iters[0] * pre.warps:.4g} warp-iterations per tile"] if bodies else []
+    parts += [f"another loop's {b:,} x {n * pre.warps:.4g}" for b, n in zip(bodies[1:], iters[1:])]
     what = "the rest of the kernel" if bodies else f"the whole kernel (one {pre.unit})"
-    parts.append(pre.rest_note or f"{what}, {rest:,} per warp once per CTA, x {ctas * WARPS:.4g}")
+    parts.append(pre.rest_note or f"{what}, {rest:,} per warp once per CTA, x {ctas * pre.warps:.4g}")
     note = f"{pre.name} ({pre.source}): " + "; ".join(parts) + f" = {total:,.0f} per tile"
     return PerTile(total, pre.dram(d, ref), note)
 

@@ -166,10 +166,10 @@ int smooth_quant_mxfp8_pair(const Mxfp8Args& first, const Mxfp8Args& second, cud
 // k_scales as the preprocessing wrote them; mean_q (B, Hq, mean_rows, D), mean_k (B, Hkv, D),
 // balance (B, Hkv, D) exponents or null; scale the softmax scale. One launch makes every estimate
 // (Q.K^T's, the floor's, P's), over row groups of 16 sampled query rows (every 8th row of a
-// sampled Q block on long calls, more on short ones), each group's keys split over several blocks
-// where the grid is small. Workspace: qk_rule_workspace_floats(args) fp32, which qk_rule_bind_workspace
-// carves into partial, the key splits' state and, last, the counters (from `counter` to the
-// workspace's end), which the launch zeroes first (those it uses) unless `zeroed`.
+// sampled Q block on long calls, more on short ones), a pair of warps per group.
+// Workspace: qk_rule_workspace_floats(args) fp32, which qk_rule_bind_workspace carves into
+// partial and, last, the counters (from `counter` to the workspace's end), which the launch
+// zeroes first unless `zeroed`.
 // error (B * Hq) fp32 out.
 struct QkRuleArgs {
   const void* q;
@@ -191,7 +191,6 @@ struct QkRuleArgs {
   float scale;
   float* partial;
   int32_t* counter;
-  float* split_state;
   float* error;
   // The selection (both required): the launch zeroes sel_k first (unless `zeroed`); the block that writes a head's error sets sel_q[head] = select_all || error > limit
   // (a NaN estimate keeps FP4) and, where set, sel_k of its kv head to 1.
@@ -223,7 +222,7 @@ struct QkRuleArgs {
 };
 int qk_rule_error(const QkRuleArgs& args, cudaStream_t stream);
 // The workspace floats a launch with these shapes (B, Hq, Sq, Sk, D) needs, and the pointers into
-// it (partial, counter, split_state: null where the launch does not split its keys).
+// it (partial, counter).
 int64_t qk_rule_workspace_floats(const QkRuleArgs& args);
 void qk_rule_bind_workspace(QkRuleArgs& args, float* workspace);
 

@@ -62,7 +62,8 @@ MARK_START, MARK_END = "<!-- accuracy:start -->", "<!-- accuracy:end -->"
 SUMMARY_START, SUMMARY_END = "<!-- accuracy-summary:start -->", "<!-- accuracy-summary:end -->"
 # The README's few rows (case, D, causal) and columns (by header) of the full table.
 SUMMARY_ROWS = [("randn", 128, False), ("q_outliers", 128, False), ("k_outliers", 128, False),
-                ("qk_outliers", 128, False), ("peaky", 128, False), ("rope_bias", 128, False)]
+                ("qk_outliers", 128, False), ("qk_massive", 128, False), ("peaky", 128, False),
+                ("rope_bias", 128, False), ("large_logits", 128, False)]
 SUMMARY_COLUMNS = ["inputs", "auto (default): cos / rel-L1", "auto + rotation", "auto + all three",
                    "FP4 Q·Kᵀ (speed)"]
 LABELS = {

@@ -91,9 +91,8 @@ def _on_cpu(pre):
 
 def _rule_kernel() -> int:
     """The "auto" rule (qk_rule_select: Q·Kᵀ's estimate, the floor's with an option and P's in one
-    launch; the third reads every 2nd row, 32 row groups a head; the fourth splits each row group's
-    keys over 8 blocks; the fifth reads every row, 24 row groups of 16 whose keys split over 2
-    blocks) on ragged shapes,
+    launch; the third reads every 2nd row, 32 row groups a head; the fourth has one head of 8 row
+    groups; the fifth reads every row, 24 row groups of 16) on ragged shapes,
     plain, rotated, balanced and with the scale search, against the reference's estimates (rel
     1e-3; P's 2e-3)."""
     import sageattn3

@@ -152,15 +152,15 @@ def _poison_the_allocator() -> None:
     del blocks
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[5]], ids=["no-key-splits", "key-splits"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[5]], ids=["many-heads", "few-heads"])
 @pytest.mark.parametrize("precision", ["auto", "fp8"])
 @pytest.mark.parametrize("per_block_mean", [True, False])
 def test_the_rule_zeros_hold_on_a_poisoned_allocator(fp4, case, precision, per_block_mean):  # noqa: F811
     """The rule's counters and selections get their zeros from the preprocessing's means launch:
     on memory full of 0xFF the one op still gives the multi-op path's output (whose rule op
     zeroes them with memsets). A counter left at 0xFFFFFFFF would keep every head from being
-    finished: its selection byte would stay 0xFF (FP8 Q·Kᵀ and P·V). The second case splits the
-    rule's keys over several blocks (their counters too)."""
+    finished: its selection byte would stay 0xFF (FP8 Q·Kᵀ and P·V). The second case has few heads
+    (a small grid)."""
     q, k, v = _inputs(*case[:8])
     for _ in range(2):  # the second call after the first's blocks went back to the poisoned cache
         _poison_the_allocator()

@@ -1,49 +1,43 @@
 // The "auto" rule's estimates (reference.qk_fp4_error, reference.pv_p_error) in one launch.
 //
-// Blocks per (batch * q head: blockIdx.x; row group of a sampled 128-row block of Q and key
-// split: blockIdx.y; estimate: blockIdx.z). The query rows are every s-th row of Q's sampled
-// blocks, s = query_stride (reference.query_stride: 8 on long calls, down to 1 on short ones,
-// where the rows times the keys stay within 1.5 x a long call's), 16 of them (one m16 tile) to a block:
-// group j of a sampled block takes its strided rows 16j to 16j + 15. Q_s = q * 2^-e - mean_q (e the balance, mean_q the block's or the one mean) and Qd,
-// the dequantized FP4 rows of q_packed. The keys are the rows of K's sampled blocks (at most
-// 1024), or of its split's share of them: K_s = k * 2^e - mean_k, Kd likewise, and V's rows.
-// Keys go through in chunks of 32 (staged in shared memory), with an online softmax per row for
-// both score sets, L = c * Q_s K_s^T and L4 = c * Qd Kd^T, and the two outputs O = softmax(L) V,
-// O4 = softmax(L4) V accumulated in registers.
+// What each estimate compares, per q head, on the rule's sample (every s-th row of Q's sampled
+// 128-row blocks, s = query_stride: 8 on long calls, down to 1 on short ones; every row of K's
+// sampled blocks, at most 1024 keys): the output of exact scores against the output of the
+// scores or the P that FP4 gives.
+// - Q.K^T's (kFirst): L = c * Q_s K_s^T (the preprocessing's smoothed rows) against
+//   L4 = c * Qd Kd^T (their FP4 codes, dequantized); O = softmax(L) V, O4 = softmax(L4) V.
+// - The floor's (kFloor, options as floors: reference.qk_fp4_error step 5): the same on the
+//   defaults' rows, raw minus the options-free means, their codes quantized here (quant16).
+// - P's (kPv, the FP8 P.V choice): the exact scores of the whole rows, P = e^(L - m) * 2688 per
+//   32-key chunk (m the running max) quantized to NVFP4 along the keys, against P unquantized.
 //
-// With the rotation (a.rotate) Q_s and K_s are the rotated balanced rows minus the rotated means:
-// the rows are staged balanced, rotated in shared memory (rotation.cuh, one warp per row), then
-// their means subtracted; Qd and Kd are the rotated FP4 codes as they are.
-// Options as floors (a.floor; estimate kFloor): more blocks of the launch estimate the defaults'
-// rows, raw minus the options-free means (each block takes its means back through the rotation
-// and the balance), their Qd and Kd quantized here (quant16, plain scales) instead of read; each
-// head keeps the larger estimate (reference.qk_fp4_error, step 5).
+// The exact scores, up to a constant per row (which no softmax sees): the balance's powers of
+// two cancel in each channel's product, the rotation scales every dot product by D/64 (which
+// the score scale takes back), and K's mean only adds a constant per row. So for each estimate
+// L = c' * (q - w) k^T + const(row), with q and k the raw fp16/bf16 rows, c' the scale of the
+// unrotated scores and w Q's options-free mean (reference.options_free_means; zero for P's
+// estimate, whose rows keep their mean). q - w is split into three 16-bit parts and k is exact
+// in its own type, so three m16n8k16 MMAs with fp32 accumulation give the scores to fp32
+// accuracy. The FP4 values (E2M1 x E4M3: at most 6 significant bits) are exact in bf16, P's
+// quantized values times 2688 too; P itself goes in two 16-bit parts.
 //
-// Products on tensor cores (mma.m16n8k8 tf32, fp32 accumulation) at float32-level accuracy:
-// - Qd Kd^T: the FP4 values (E2M1 x E4M3, at most 6 significant bits) are exact in tf32.
-// - Q_s K_s^T: each operand split into a tf32 high part and a tf32 low part of the rest,
-//   hi*hi + hi*lo + lo*hi (about 21 bits of each operand).
-// - P V: V (fp16/bf16) is exact in tf32; P split as above, P_hi V + P_lo V.
+// Layout: a block holds kPairs row groups (16 sampled rows each) of one (batch, q head) and one
+// estimate (blockIdx.z); each group is a pair of warps, the first on the exact scores, the
+// second on the FP4 ones, each with its online softmax and output in registers (flash-attention
+// style: the scores' accumulator fragments are P.V's operand fragments). The block stages each
+// 32-key chunk of K, V and K's FP4 values in shared memory once for its groups, the next chunk's
+// bytes loaded into registers meanwhile. At the end each pair's second warp hands O4 to the
+// first through shared memory, which sums (O4 - O)^2 and O^2 over its real rows into
+// `partial`; the last warp of a head to report, over every estimate of the grid (an integer
+// counter per head, which it resets), adds each estimate's partials in row group order and
+// writes sqrt(num / max(den, 1e-30)) and the selection. No floating-point atomics: the result
+// is the same on every run.
 //
-// Each row group's sum of (O4 - O)^2 and of O^2 over its rows goes to `partial`; the last block of
-// a head to finish, over every estimate of the grid (an integer counter per head, reset by that
-// block), adds each estimate's partials in group order and writes sqrt(num / max(den, 1e-30)) and
-// the selection. Key splits (calls with few heads: `splits`, from the shapes alone; the Q.K^T
-// estimates only, P's quantizes P against the running max of the keys before it): each split
-// writes its rows' softmax state (max, sum, unnormalized outputs) to split_state, and the last
-// split of the row group to finish merges them in split order (flash-decoding) before the sums. No
-// floating-point atomics: the result is the same on every run.
-//
-// P's error (estimate kPv, reference.pv_p_error), for the FP8 P.V choice: both kinds then take
-// the same exact scores of the whole rows, L = c * Q K_s^T (Q's rows balanced and rotated as the
-// first estimate's, but not minus their mean: the scores then differ from the attention's only by
-// a constant per row), and the FP4 kind's P, P * 2688 relative to the running max of its 32-key
-// chunks, is quantized to NVFP4 along the keys (16-key blocks, quantize_p) before P V (V
-// exact): O_P = P^ V / (2688 sum P) against O = P V / sum P. A head whose estimate exceeds
-// a.pv_limit takes FP8 P.V: bit 1 of sel_q, and sel_v of its kv head set. For a causal attention
-// (a.causal) those blocks mask the sampled keys after each sampled row's position, as the
-// attention does (key 0 is sampled and seen by every row, so each row's running max is finite
-// from the first chunk on).
+// P's estimate (kPv): a head whose estimate exceeds a.pv_limit takes FP8 P.V: bit 1 of sel_q,
+// and sel_v of its kv head set. For a causal attention (a.causal) it masks the sampled keys
+// after each sampled row's position, as the attention does (key 0 is sampled and seen by every
+// row, so each row's running max is finite from the first chunk on).
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <type_traits>
@@ -56,101 +50,134 @@
 namespace sageattn3 {
 namespace {
 
-constexpr int kThreads = 256;  // 8 warps
-constexpr int kRows = 16;      // query rows per block (a row group)
-constexpr int kStride = 8;     // reference.AUTO_QUERY_STRIDE: the rows' stride on long calls
-constexpr int kChunk = 32;     // keys per staged chunk
-constexpr int kBlock = 128;    // the sampled blocks' rows
-constexpr int kSampled = 8;    // reference.MEAN_SAMPLE_BLOCKS
+constexpr int kPairs = 2;            // row groups per block
+constexpr int kThreads = 64 * kPairs;  // a pair of warps per group
+constexpr int kRows = 16;            // query rows per group (one m16 tile)
+constexpr int kStride = 8;           // reference.AUTO_QUERY_STRIDE: the rows' stride on long calls
+constexpr int kChunk = 32;           // keys per staged chunk (reference.PV_CHUNK)
+constexpr int kBlock = 128;          // the sampled blocks' rows
+constexpr int kSampled = 8;          // reference.MEAN_SAMPLE_BLOCKS
 constexpr int kUnits = kSampled * kBlock / kRows;  // a head's most row groups (stride 1)
 // reference.query_stride's budget: 1.5 x a long call's sampled rows times its sampled keys
 constexpr int64_t kRowKeyBudget = static_cast<int64_t>(kSampled) * kBlock / kStride * kSampled * kBlock * 3 / 2;
-constexpr int kSLd = kChunk + 4;
 constexpr float kPScale = 2688.0f;  // 448 * 6: P's row max at the top of E4M3 x E2M1 (the attention's level 1)
+// P in two fp16 parts is scaled up by 2^14 first: P of large-logit rows sits near e^-10, below
+// fp16's smallest normal (2^-14), where both parts would lose bits. bf16 has fp32's exponents.
+template <typename T>
+constexpr float kPUp = std::is_same_v<T, f16_t> ? 0x1p14f : 1.0f;
 
+// Shared memory, in 16-bit elements then floats. Rows of kP elements: the 8 rows an ldmatrix
+// reads land 16 bytes apart modulo 128 (no bank conflict).
 template <int D>
 struct Smem {
-  static constexpr int kLd = D + 4;  // Q/K rows: fragment loads hit 32 distinct banks
-  static constexpr int kVLd = D + 8;  // V rows, read down the key dim
-  static constexpr int kQHi = 0;
-  static constexpr int kQLo = kQHi + kRows * kLd;
-  static constexpr int kQd = kQLo + kRows * kLd;
-  static constexpr int kKs = kQd + kRows * kLd;
-  static constexpr int kKd = kKs + kChunk * kLd;
-  static constexpr int kV = kKd + kChunk * kLd;
-  static constexpr int kS = kV + kChunk * kVLd;            // [kind][half][row][kSLd]
-  static constexpr int kAlpha = kS + 2 * 2 * kRows * kSLd;  // [kind][row]
-  static constexpr int kL = kAlpha + 2 * kRows;             // [kind][row]
-  static constexpr int kMeans = kL + 2 * kRows;             // mean_q row (floor, P), mean_k
-  static constexpr int kCf = kMeans + 2 * D;                // the balance's factor per channel of K
-  static constexpr int kFloats = kCf + D;
+  static constexpr int kP = D + 8;
+  static constexpr int kTile = kRows * kP;
+  static constexpr int kQ = 0;                      // [pair][exact parts 0, 1, 2, FP4 values][kRows][kP]
+  static constexpr int kK = kQ + kPairs * 4 * kTile;  // the chunk's raw K [kChunk][kP]
+  static constexpr int kKd = kK + kChunk * kP;        // its FP4 values (bf16)
+  static constexpr int kV = kKd + kChunk * kP;        // its V
+  static constexpr int kHalves = kV + kChunk * kP;
+  static constexpr int kW = kHalves / 2;           // floats: [pair][D] Q's options-free mean
+  static constexpr int kMk = kW + kPairs * D;      // K's options-free mean (the floor's rows)
+  static constexpr int kFloats = kMk + D;
   static constexpr size_t kBytes = static_cast<size_t>(kFloats) * sizeof(float);
+  static constexpr int kOPitch = D + 4;  // O4 handed over (floats, over the pair's Q area)
+  static_assert(kRows * kOPitch * 2 <= 4 * kTile, "O4 fits the pair's Q area");
 };
-// The kernel's static shared memory: qk_rule_kernel's tk_tab and cnt_tab (the sampled key
-// blocks' first rows and real-key counts; ptxas -v reports it as the kernel's smem).
+// The kernel's static shared memory: the sampled key blocks' first rows and real-key counts.
 constexpr size_t kStaticBytes = kSampled * (sizeof(int64_t) + sizeof(int));
-// Two blocks per SM at D 64 on sm_120/121 (100 KB of shared memory per SM, 1 KB of it reserved
-// per block): one more row of D floats would leave one.
-static_assert(2 * (Smem<64>::kBytes + kStaticBytes + 1024) <= 100 * 1024, "D 64 must fit two blocks per SM on sm_120");
+static_assert(2 * (Smem<64>::kBytes + kStaticBytes + 1024) <= 100 * 1024, "D 64: two blocks per SM on sm_120");
+static_assert(Smem<128>::kBytes + kStaticBytes + 1024 <= 100 * 1024, "D 128 fits sm_120");
 
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
+/* ---------- 16-bit operands and the MMA ---------- */
+
+// x rounded to T (bf16 or fp16), as a float
+template <typename T>
+__device__ __forceinline__ float round16(float x) {
+  if constexpr (std::is_same_v<T, bf16_t>) return __bfloat162float(__float2bfloat16_rn(x));
+  else return __half2float(__float2half_rn(x));
 }
 
-// x = hi + lo (both tf32 bit patterns)
-__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-  hi = to_tf32(x);
-  lo = to_tf32(__fsub_rn(x, __uint_as_float(hi)));
+// two floats -> one word of T (lo in the low half), rounded to nearest
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
 }
 
-__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+// c += a b (m16n8k16, fp32 accumulation), a and b of T
+template <typename T>
+__device__ __forceinline__ void mma16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
 }
 
-// 8 FP4 values (codes in `word`, element i in nibble i) times the E4M3 scale byte, exactly.
-__device__ __forceinline__ void fp4x8(uint32_t word, uint32_t sbyte, float (&out)[8]) {
+// Four 8x8 16-bit matrices from shared memory; lane l gives the address of row l % 8 of matrix
+// l / 8 (trans: each matrix transposed).
+__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const uint16_t* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+}
+
+__device__ __forceinline__ void ldsm4_t(uint32_t (&r)[4], const uint16_t* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+}
+
+// 16 values (floats, each exact in T or bf16) to 16-bit shared memory, two 16-byte stores
+template <typename T>
+__device__ __forceinline__ void store16(uint16_t* dst, const float (&v)[16]) {
+  uint32_t w[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w[i] = pack2<T>(v[2 * i], v[2 * i + 1]);
+  reinterpret_cast<uint4*>(dst)[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  reinterpret_cast<uint4*>(dst)[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
+// One NVFP4 block's 16 codes (8 bytes, element i in nibble i) times its E4M3 scale byte, exactly.
+__device__ __forceinline__ void fp4_values16(uint2 codes, uint32_t sbyte, float (&out)[16]) {
   const float s = __fmul_rn(e4m3_value(sbyte), 16384.0f);  // e2m1x2_scaled gives values * 2^-14
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = e2m1x2_scaled((word >> (8 * i)) & 0xFFu);
+  for (int i = 0; i < 8; ++i) {
+    const float2 f = e2m1x2_scaled(((i < 4 ? codes.x : codes.y) >> (8 * (i % 4))) & 0xFFu);
     out[2 * i] = __fmul_rn(f.x, s);
     out[2 * i + 1] = __fmul_rn(f.y, s);
   }
 }
 
-// 8 fp16/bf16 values held in a uint4 -> float
+// 16 consecutive fp16/bf16 values from global memory, as floats
 template <typename T>
-__device__ __forceinline__ void unpack8(const uint4& r, float (&v)[8]) {
-  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+__device__ __forceinline__ void load16(const T* p, float (&v)[16]) {
+  float a[8], b[8];
+  Load8<T>::run(p, a);
+  Load8<T>::run(p + 8, b);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if constexpr (std::is_same_v<T, bf16_t>) {
-      v[2 * i] = bf16_lo(w[i]);
-      v[2 * i + 1] = bf16_hi(w[i]);
-    } else {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-      v[2 * i] = f.x;
-      v[2 * i + 1] = f.y;
-    }
+  for (int i = 0; i < 8; ++i) {
+    v[i] = a[i];
+    v[8 + i] = b[i];
   }
-}
-
-// 8 floats to 16-byte aligned shared memory, two 16-byte stores
-__device__ __forceinline__ void store8(float* dst, const float (&v)[8]) {
-  reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
-  reinterpret_cast<float4*>(dst)[1] = make_float4(v[4], v[5], v[6], v[7]);
-}
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, o));
-  return x;
 }
 
 __device__ __forceinline__ float warp_sum(float x) {
@@ -188,129 +215,47 @@ int query_stride(const QkRuleArgs& a) {
   return kStride;
 }
 
-/* ---------- qk_rule_kernel's phases, in the order a block runs them ---------- */
-
-// How a block's rows are treated, from its estimate.
-struct Role {
-  bool pv;       // P's error: exact scores only, Qd and Kd neither read nor multiplied
-  bool requant;  // the defaults' rows, Qd/Kd quantized here
-  float scale;
-};
-
-// How a block's Q and K rows are made: the preprocessing's (rotated where a.rotate, balanced by
-// `bal`, minus its means, Qd/Kd its codes) or, in the floor's blocks (requant), raw minus the
-// options-free means, Qd/Kd quantized here.
-struct RowPlan {
-  bool rotate;
-  Role role;
-  const float* mean_q;  // this block's Q mean row (D floats)
-  const float* bal;     // the balance exponents of its kv head, or null
-  // in shared memory (row_plan): K's mean at Smem::kMeans + D, the balance's factor per channel
-  // of K at Smem::kCf (2^e, 1 without the balance)
-};
+/* ---------- the launch's plan, and a row group's place ---------- */
 
 // What one block estimates (blockIdx.z picks it): Q.K^T's error on the preprocessed rows, the
 // same on the defaults' rows (options as floors), or P's error.
 enum Estimate : int { kFirst = 0, kFloor = 1, kPv = 2 };
 
 // The launch: the arguments, the estimates of its grid (blockIdx.z -> Estimate), the rows'
-// stride and row groups (blockIdx.y = (sampled Q block * groups + group) * nsplit + key split).
+// stride and row groups.
 struct RuleGrid {
   QkRuleArgs a;
   int estimate[3];
   int nest;
-  int nsplit;
-  float floor_scale;  // the defaults' rows' scores' scale (the unrotated one)
+  float scale_exact;  // the unrotated scores' scale (a.scale times D/64 with the rotation; exact)
   int stride;         // query_stride
   int groups;         // row groups per sampled block: kBlock / stride / kRows
   int units;          // row groups per head: sampled_count(Sq) * groups
 };
 
-template <int D>
-__device__ __forceinline__ void unrotate_row(float* row);
+// A row group: rows row0 + stride * r for r < rows (0 for a group past a partial last block,
+// which still reports; `report` false past the head's last group).
+struct Group {
+  int unit;
+  bool report;
+  int64_t tq;    // its sampled Q block's first row / kBlock
+  int64_t row0;
+  int rows;
+};
 
-// The floor's blocks: the options' means of this block taken back (reference.options_free_means:
-// unrotate = the butterflies, then each channel times its sign and 64/D (as one factor), then
-// the balance undone: Q's times 2^e, K's times 2^-e) into shared memory. Warps 0 (Q) and 1 (K).
-template <int D>
-__device__ __forceinline__ void options_free_means(const QkRuleArgs& a, float* out_q, float* out_k,
-                                                   const float* mq, const float* mk, const float* bal, int warp) {
-  if (warp > 1) return;
-  const int lane = threadIdx.x & 31;
-  const float* src = warp == 0 ? mq : mk;
-  float* dst = warp == 0 ? out_q : out_k;
-  for (int d = lane; d < D; d += 32) dst[d] = src[d];
-  __syncwarp();
-  if (a.rotate) {
-    unrotate_row<D>(dst);
-  }
-  if (bal != nullptr) {
-    for (int d = lane; d < D; d += 32)
-      dst[d] = __fmul_rn(dst[d], ldexpf(1.0f, warp == 0 ? static_cast<int>(bal[d]) : -static_cast<int>(bal[d])));
-  }
+__device__ __forceinline__ Group group_of(const RuleGrid& G, int unit) {
+  Group u{unit, unit < G.units, 0, 0, 0};
+  if (!u.report) return u;
+  const int qi = unit / G.groups;
+  const int first = (unit % G.groups) * kRows;  // the group's first row among the block's strided rows
+  u.tq = sampled_block(G.a.Sq, qi);
+  u.row0 = u.tq * kBlock + static_cast<int64_t>(first) * G.stride;
+  const int64_t left = block_rows(G.a.Sq, qi, G.stride) - first;
+  u.rows = static_cast<int>(left < 0 ? 0 : (left < kRows ? left : kRows));
+  return u;
 }
 
-// Q's rows row0 + stride * r: Q_s split into tf32 parts, Qd (rows r >= `rows` zero), into shared
-// memory.
-template <typename T, int D>
-__device__ __forceinline__ void stage_q_rows(const QkRuleArgs& a, const RowPlan& pl, float* sm, int tid, int64_t bh,
-                                             int64_t row0, int stride, int rows) {
-  using L = Smem<D>;
-  const bool deferred = pl.rotate || pl.role.requant;
-  for (int u = tid; u < kRows * D / 8; u += kThreads) {
-    const int r = u / (D / 8), d0 = (u % (D / 8)) * 8;
-    float hi[8], lo[8], qd[8];
-    if (r < rows) {
-      const int64_t row = row0 + static_cast<int64_t>(r) * stride;
-      float x[8];
-      Load8<T>::run(static_cast<const T*>(a.q) + (bh * a.Sq + row) * D + d0, x);
-      const float* mean = pl.mean_q + d0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float c = pl.bal == nullptr ? 1.0f : ldexpf(1.0f, -static_cast<int>(pl.bal[d0 + j]));
-        const float y = pl.rotate ? __fmul_rn(x[j], c) : __fsub_rn(__fmul_rn(x[j], c), mean[j]);
-        uint32_t h2, l2;
-        split_tf32(y, h2, l2);
-        hi[j] = deferred ? y : __uint_as_float(h2);  // finish_q_rows splits it later
-        lo[j] = __uint_as_float(l2);
-      }
-      const int64_t e = (bh * a.Sqp + row) * D + d0;
-      if (pl.role.requant || pl.role.pv) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) qd[j] = 0.0f;  // finish_q_rows quantizes the rows (requant)
-      } else {
-        fp4x8(*reinterpret_cast<const uint32_t*>(a.q_packed + e / 2), a.q_scales[e / 16], qd);
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) hi[j] = lo[j] = qd[j] = 0.0f;
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      sm[L::kQHi + r * L::kLd + d0 + j] = hi[j];
-      sm[L::kQLo + r * L::kLd + d0 + j] = lo[j];
-      sm[L::kQd + r * L::kLd + d0 + j] = qd[j];
-    }
-  }
-}
-
-// Rotates rows [0, nrows) of the fp32 matrix at `rows` (row stride ld) in place, one warp per
-// row on 32 lanes (rotation.cuh: the signs, then hadamard_lanes; the bits of reference.rotate).
-// Every warp of the block calls it, between two __syncthreads.
-template <int D>
-__device__ __forceinline__ void rotate_rows(float* rows, int ld, int nrows, int warp) {
-  constexpr int kV = D / 32;
-  const int lane = threadIdx.x & 31;
-  for (int r = warp; r < nrows; r += kThreads / 32) {
-    float* row = rows + r * ld + lane * kV;
-    float v[kV];
-#pragma unroll
-    for (int i = 0; i < kV; ++i) v[i] = __fmul_rn(row[i], rotation_sign(lane * kV + i));
-    hadamard_lanes<D>(v, lane);
-#pragma unroll
-    for (int i = 0; i < kV; ++i) row[i] = v[i];
-  }
-}
+/* ---------- a block's phases, in the order it runs them ---------- */
 
 // reference.unrotate of one D-vector in shared memory, by one warp: hadamard_lanes, then each
 // channel times its sign and 64/D.
@@ -328,74 +273,81 @@ __device__ __forceinline__ void unrotate_row(float* row) {
   __syncwarp();
 }
 
-// 16 values of a staged row (fp32, one NVFP4 block) -> their FP4 codes' values (quant16, plain
-// scales, as reference.quantize_rows), into out.
-__device__ __forceinline__ void requantize16(const float* row, float* out) {
-  float v[16];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] = row[i];
-  uint32_t sbyte;
-  const uint2 w = quant16(v, sbyte);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float vals[8];
-    fp4x8(h ? w.y : w.x, sbyte, vals);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) out[8 * h + i] = vals[i];
+// reference.options_free_means of one mean row (D floats at src) into shared memory, by one
+// warp: unrotated (a.rotate), then the balance undone: `sign` +1 for Q's (times 2^e), -1 for
+// K's (times 2^-e).
+template <int D>
+__device__ __forceinline__ void options_free_mean(const QkRuleArgs& a, float* out, const float* src, const float* bal,
+                                                  int sign) {
+  const int lane = threadIdx.x & 31;
+  for (int d = lane; d < D; d += 32) out[d] = src[d];
+  __syncwarp();
+  if (a.rotate) unrotate_row<D>(out);
+  if (bal != nullptr) {
+    for (int d = lane; d < D; d += 32) out[d] = __fmul_rn(out[d], ldexpf(1.0f, sign * static_cast<int>(bal[d])));
   }
+  __syncwarp();
 }
 
-// With the rotation or the in-kernel quantization (a.rotate, Role::requant): Q's staged rows (y
-// unsplit in the hi area) rotated, minus their (rotated) mean, quantized (requant: Qd), then split
-// into tf32 parts, as stage_q_rows does at once otherwise. Called by the whole block after it.
-template <int D>
-__device__ __forceinline__ void finish_q_rows(const RowPlan& pl, float* sm, int tid, int warp, int rows) {
-  using L = Smem<D>;
-  __syncthreads();
-  if (pl.rotate) {
-    rotate_rows<D>(sm + L::kQHi, L::kLd, rows, warp);
-    __syncthreads();
-  }
-  const float* mean = pl.mean_q;
-  for (int u = tid; u < rows * D / 16; u += kThreads) {
-    const int r = u / (D / 16), d0 = (u % (D / 16)) * 16;
-    float* y = sm + L::kQHi + r * L::kLd + d0;
-    if (pl.rotate) {
+// 16 raw fp16/bf16 values held in two uint4 -> floats
+template <typename T>
+__device__ __forceinline__ void unpack16(const uint4 (&r)[2], float (&v)[16]) {
+  const uint32_t w[8] = {r[0].x, r[0].y, r[0].z, r[0].w, r[1].x, r[1].y, r[1].z, r[1].w};
 #pragma unroll
-      for (int i = 0; i < 16; ++i) y[i] = __fsub_rn(y[i], mean[d0 + i]);
-    }
-    if (pl.role.requant) requantize16(y, sm + L::kQd + r * L::kLd + d0);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      uint32_t h2, l2;
-      split_tf32(y[i], h2, l2);
-      y[i] = __uint_as_float(h2);
-      sm[L::kQLo + r * L::kLd + d0 + i] = __uint_as_float(l2);
+  for (int i = 0; i < 8; ++i) {
+    if constexpr (std::is_same_v<T, bf16_t>) {
+      v[2 * i] = bf16_lo(w[i]);
+      v[2 * i + 1] = bf16_hi(w[i]);
+    } else {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      v[2 * i] = f.x;
+      v[2 * i + 1] = f.y;
     }
   }
 }
 
-// With the rotation or the in-kernel quantization: the staged chunk's K rows (the first `live`
-// real; balanced, and minus K's mean unless rotated) rotated, minus K's (rotated) mean, and
-// quantized into Kd (requant); dead rows stay zero. Called by the whole block after
-// KeyChunk::stage and a __syncthreads; ends with one.
-template <int D>
-__device__ __forceinline__ void finish_k_rows(const RowPlan& pl, float* sm, int tid, int warp, int live) {
+// A group's Q rows into its pair's tiles (rows past `rows` zero), by the pair's 64 threads:
+// q - w in three parts of T (q itself, exact, for P's estimate) and the FP4 values: the
+// preprocessing's codes (kFirst), or those of q - w quantized here (kFloor: the defaults' rows).
+template <typename T, int D>
+__device__ __forceinline__ void stage_q(const QkRuleArgs& a, Estimate est, const Group& u, int64_t bh, int stride,
+                                        const float* w, uint16_t* tiles, int t64) {
   using L = Smem<D>;
-  if (pl.rotate) {
-    rotate_rows<D>(sm + L::kKs, L::kLd, live, warp);
-    __syncthreads();
-  }
-  for (int u = tid; u < live * D / 16; u += kThreads) {
-    const int r = u / (D / 16), d0 = (u % (D / 16)) * 16;
-    float* y = sm + L::kKs + r * L::kLd + d0;
-    if (pl.rotate) {
+  for (int x = t64; x < kRows * D / 16; x += 64) {
+    const int r = x / (D / 16), d0 = (x % (D / 16)) * 16;
+    float p0[16], p1[16], p2[16], qd[16];
+    if (r < u.rows) {
+      const int64_t row = u.row0 + static_cast<int64_t>(r) * stride;
+      float y[16];
+      load16<T>(static_cast<const T*>(a.q) + (bh * a.Sq + row) * D + d0, y);
 #pragma unroll
-      for (int i = 0; i < 16; ++i) y[i] = __fsub_rn(y[i], sm[L::kMeans + D + d0 + i]);
+      for (int j = 0; j < 16; ++j) {
+        if (est != kPv) y[j] = __fsub_rn(y[j], w[d0 + j]);
+        p0[j] = round16<T>(y[j]);
+        const float r1 = __fsub_rn(y[j], p0[j]);
+        p1[j] = round16<T>(r1);
+        p2[j] = round16<T>(__fsub_rn(r1, p1[j]));
+      }
+      if (est == kFirst) {
+        const int64_t e = (bh * a.Sqp + row) * D + d0;
+        fp4_values16(*reinterpret_cast<const uint2*>(a.q_packed + e / 2), a.q_scales[e / 16], qd);
+      } else if (est == kFloor) {
+        uint32_t sbyte;
+        const uint2 c = quant16(y, sbyte);
+        fp4_values16(c, sbyte, qd);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) qd[j] = 0.0f;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) p0[j] = p1[j] = p2[j] = qd[j] = 0.0f;
     }
-    if (pl.role.requant) requantize16(y, sm + L::kKd + r * L::kLd + d0);
+    store16<T>(tiles + 0 * L::kTile + r * L::kP + d0, p0);
+    store16<T>(tiles + 1 * L::kTile + r * L::kP + d0, p1);
+    store16<T>(tiles + 2 * L::kTile + r * L::kP + d0, p2);
+    store16<bf16_t>(tiles + 3 * L::kTile + r * L::kP + d0, qd);
   }
-  __syncthreads();
 }
 
 // The next key chunk's raw bytes (K, V, K's FP4 codes and scale), loaded into registers while the
@@ -403,271 +355,340 @@ __device__ __forceinline__ void finish_k_rows(const RowPlan& pl, float* sm, int 
 // key (only the last sampled block can be partial, so they are the first `nchunks`).
 template <typename T, int D>
 struct KeyChunk {
-  static constexpr int kUnits = kChunk * D / 8 / kThreads;
-  uint4 rk[kUnits], rv[kUnits];
-  uint32_t rp[kUnits], rs[kUnits];
-  bool rlive[kUnits];
+  static constexpr int kU = kChunk * D / 16 / kThreads;
+  static_assert(kU >= 1 && kU * kThreads == kChunk * D / 16, "the block's threads stage a chunk in whole units");
+  uint4 rk[kU][2], rv[kU][2];
+  uint2 rc[kU];
+  uint32_t rs[kU];
+  bool live[kU];
 
-  // chunk c of the sampled key blocks whose first rows and real-key counts are tk_tab, cnt_tab
-  // (codes: K's FP4 codes and scales too)
-  __device__ __forceinline__ void fetch(const QkRuleArgs& a, bool codes, const int64_t* tk_tab, const int* cnt_tab,
+  __device__ __forceinline__ void fetch(const QkRuleArgs& a, Estimate est, const int64_t* tk_tab, const int* cnt_tab,
                                         int64_t bk, int tid, int c) {
     const int64_t tk = tk_tab[c / (kBlock / kChunk)];
     const int off = (c % (kBlock / kChunk)) * kChunk;
     const int count = cnt_tab[c / (kBlock / kChunk)];
 #pragma unroll
-    for (int i = 0; i < kUnits; ++i) {
-      const int u = tid + i * kThreads, r = u / (D / 8), d0 = (u % (D / 8)) * 8;
-      rlive[i] = off + r < count;
-      if (rlive[i]) {
+    for (int i = 0; i < kU; ++i) {
+      const int x = tid + i * kThreads, r = x / (D / 16), d0 = (x % (D / 16)) * 16;
+      live[i] = off + r < count;
+      if (live[i]) {
         const int64_t row = tk + off + r;
-        rk[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.k) + (bk * a.Sk + row) * D + d0));
-        rv[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.v) + (bk * a.Sk + row) * D + d0));
-        if (codes) {  // the defaults' rows quantize K here; P's estimate takes no Kd
+        const uint4* pk = reinterpret_cast<const uint4*>(static_cast<const T*>(a.k) + (bk * a.Sk + row) * D + d0);
+        const uint4* pv = reinterpret_cast<const uint4*>(static_cast<const T*>(a.v) + (bk * a.Sk + row) * D + d0);
+        rk[i][0] = __ldg(pk);
+        rk[i][1] = __ldg(pk + 1);
+        rv[i][0] = __ldg(pv);
+        rv[i][1] = __ldg(pv + 1);
+        if (est == kFirst) {  // the floor's rows quantize K here; P's estimate takes no FP4 keys
           const int64_t e = (bk * a.Skp + row) * D + d0;
-          rp[i] = __ldg(reinterpret_cast<const uint32_t*>(a.k_packed + e / 2));
+          rc[i] = __ldg(reinterpret_cast<const uint2*>(a.k_packed + e / 2));
           rs[i] = a.k_scales[e / 16];
         }
       }
     }
   }
 
-  // K_s = k * 2^e - mean_k, Kd and V of the fetched chunk into shared memory (dead keys zero);
-  // `rotate`: k * 2^e alone (finish_k_rows rotates it and subtracts the mean); `requant`: Kd
-  // left to finish_k_rows; `pv`: Kd zeros (P's estimate takes no FP4 scores).
-  __device__ __forceinline__ void stage(float* sm, int tid, const RowPlan& pl) const {
+  // K and V as they are, and K's FP4 values (kFirst: its codes; kFloor: k - K's options-free
+  // mean `mk` quantized here) into shared memory; dead keys zero.
+  __device__ __forceinline__ void stage(uint16_t* sm16, const float* mk, Estimate est, int tid) const {
     using L = Smem<D>;
-    const float* mean_k = sm + L::kMeans + D;
-    const bool rotate = pl.rotate, no_codes = pl.role.requant || pl.role.pv;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-    for (int i = 0; i < kUnits; ++i) {
-      const int u = tid + i * kThreads, r = u / (D / 8), d0 = (u % (D / 8)) * 8;
-      float ks[8], kd[8], vv[8];
-      if (rlive[i]) {
-        float x[8];
-        unpack8<T>(rk[i], x);
-        unpack8<T>(rv[i], vv);
+    for (int i = 0; i < kU; ++i) {
+      const int x = tid + i * kThreads, r = x / (D / 16), d0 = (x % (D / 16)) * 16;
+      uint4* k16 = reinterpret_cast<uint4*>(sm16 + L::kK + r * L::kP + d0);
+      uint4* v16 = reinterpret_cast<uint4*>(sm16 + L::kV + r * L::kP + d0);
+      k16[0] = live[i] ? rk[i][0] : zero;
+      k16[1] = live[i] ? rk[i][1] : zero;
+      v16[0] = live[i] ? rv[i][0] : zero;
+      v16[1] = live[i] ? rv[i][1] : zero;
+      if (est == kPv) continue;
+      float kd[16];
+      if (!live[i]) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float cf = sm[L::kCf + d0 + j];
-          ks[j] = rotate ? __fmul_rn(x[j], cf) : __fsub_rn(__fmul_rn(x[j], cf), mean_k[d0 + j]);
-        }
-        if (no_codes) {
-#pragma unroll
-          for (int j = 0; j < 8; ++j) kd[j] = 0.0f;  // finish_k_rows quantizes the rows (requant)
-        } else {
-          fp4x8(rp[i], rs[i], kd);
-        }
+        for (int j = 0; j < 16; ++j) kd[j] = 0.0f;
+      } else if (est == kFirst) {
+        fp4_values16(rc[i], rs[i], kd);
       } else {
+        float y[16];
+        unpack16<T>(rk[i], y);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) ks[j] = kd[j] = vv[j] = 0.0f;
+        for (int j = 0; j < 16; ++j) y[j] = __fsub_rn(y[j], mk[d0 + j]);
+        uint32_t sbyte;
+        const uint2 c = quant16(y, sbyte);
+        fp4_values16(c, sbyte, kd);
       }
-      store8(sm + L::kKs + r * L::kLd + d0, ks);
-      store8(sm + L::kKd + r * L::kLd + d0, kd);
-      store8(sm + L::kV + r * L::kVLd + d0, vv);
+      store16<bf16_t>(sm16 + L::kKd + r * L::kP + d0, kd);
     }
   }
 };
 
-// scores: warp -> keys (warp % 4) * 8.., half of D (warp / 4); both kinds, into the S area.
-template <int D>
-__device__ __forceinline__ void chunk_scores(float* sm, int warp, int g, int t, bool pv) {
+// The warp's 16 x 32 scores of the chunk, accumulator layout (n-tile nt: keys 8 nt .. 8 nt + 7):
+// kParts tiles of Q (from `q`, one tile apart) times the chunk's keys at `kb`, MMAs of TM. Three
+// sets of accumulators (one per part, or per k-step modulo 3 with one part) keep the dependent
+// MMA chains short; the sets are added at the end, the smallest first.
+template <typename TM, int kParts, int D>
+__device__ __forceinline__ void chunk_scores(const uint16_t* kb, const uint16_t* q, float (&s)[4][4], int lane) {
   using L = Smem<D>;
-  const int n0 = (warp & 3) * 8, half = warp >> 2;
-  // four independent accumulation chains: hi*hi, hi*lo, lo*hi, the FP4 products
-  float s[4] = {0.f, 0.f, 0.f, 0.f}, sx[4] = {0.f, 0.f, 0.f, 0.f}, sy[4] = {0.f, 0.f, 0.f, 0.f},
-        s4[4] = {0.f, 0.f, 0.f, 0.f};
+  float acc[3][4][4];
 #pragma unroll
-  for (int k0 = half * (D / 2); k0 < (half + 1) * (D / 2); k0 += 8) {
-    const float* qh = sm + L::kQHi;
-    const float* ql = sm + L::kQLo;
-    const float* qd = sm + L::kQd;
-    const int i0 = g * L::kLd + k0 + t, i1 = (g + 8) * L::kLd + k0 + t;
-    const uint32_t ahi[4] = {__float_as_uint(qh[i0]), __float_as_uint(qh[i1]), __float_as_uint(qh[i0 + 4]),
-                             __float_as_uint(qh[i1 + 4])};
-    const uint32_t alo[4] = {__float_as_uint(ql[i0]), __float_as_uint(ql[i1]), __float_as_uint(ql[i0 + 4]),
-                             __float_as_uint(ql[i1 + 4])};
-    const uint32_t ad[4] = {__float_as_uint(qd[i0]), __float_as_uint(qd[i1]), __float_as_uint(qd[i0 + 4]),
-                            __float_as_uint(qd[i1 + 4])};
-    const int j0 = (n0 + g) * L::kLd + k0 + t;
-    uint32_t bhi[2], blo[2];
-    split_tf32(sm[L::kKs + j0], bhi[0], blo[0]);
-    split_tf32(sm[L::kKs + j0 + 4], bhi[1], blo[1]);
-    const uint32_t bd[2] = {__float_as_uint(sm[L::kKd + j0]), __float_as_uint(sm[L::kKd + j0 + 4])};
-    mma_tf32(sx, alo, bhi);
-    mma_tf32(sy, ahi, blo);
-    mma_tf32(s, ahi, bhi);
-    if (!pv) mma_tf32(s4, ad, bd);  // P's estimate takes the exact scores for both kinds
-  }
+  for (int i = 0; i < 3; ++i)
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    s[j] = __fadd_rn(s[j], __fadd_rn(sx[j], sy[j]));
-    if (pv) s4[j] = s[j];  // P's estimate: both kinds take the exact scores
-  }
-  float* s0 = sm + L::kS + (0 * 2 + half) * kRows * kSLd;
-  float* s1 = sm + L::kS + (1 * 2 + half) * kRows * kSLd;
-  const int c = n0 + 2 * t;
-  s0[g * kSLd + c] = s[0];
-  s0[g * kSLd + c + 1] = s[1];
-  s0[(g + 8) * kSLd + c] = s[2];
-  s0[(g + 8) * kSLd + c + 1] = s[3];
-  s1[g * kSLd + c] = s4[0];
-  s1[g * kSLd + c + 1] = s4[1];
-  s1[(g + 8) * kSLd + c] = s4[2];
-  s1[(g + 8) * kSLd + c + 1] = s4[3];
-}
-
-// online softmax: lane = key (keys off + lane < count are real; with `causal`, those at positions
-// key0 + lane up to the row's, row0 + stride * r); P's tf32 parts go where the two halves' sums were, each
-// row's alpha to the alpha area. With pv the FP4 kind's P * 2688 goes unsplit to the first half's
-// place (quantize_p quantizes and splits it).
-template <int D>
-__device__ __forceinline__ void chunk_softmax(float* sm, float scale, int off, int count, int warp, int lane,
-                                              float (&m_run)[4], float (&l_run)[4], bool pv, bool causal,
-                                              int64_t key0, int64_t row0, int stride) {
-  using L = Smem<D>;
+    for (int nt = 0; nt < 4; ++nt) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.0f;
+  const int ar = (lane & 7) + ((lane >> 3) & 1) * 8, ac = (lane >> 4) * 8;  // A: row, column of lane's address
+  const int bn = (lane & 7) + (lane >> 4) * 8, bc = ((lane >> 3) & 1) * 8;  // B: key, column
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int p = warp * 4 + i, kind = p / kRows, r = p % kRows;
-    float* h0 = sm + L::kS + (kind * 2 + 0) * kRows * kSLd + r * kSLd;
-    float* h1 = sm + L::kS + (kind * 2 + 1) * kRows * kSLd + r * kSLd;
-    const bool live = off + lane < count && (!causal || key0 + lane <= row0 + static_cast<int64_t>(r) * stride);
-    const float x = __fmul_rn(__fadd_rn(h0[lane], h1[lane]), scale);
-    const float m_new = fmaxf(m_run[i], warp_max(live ? x : -INFINITY));
-    // a row that has seen no live key yet keeps its empty state (-inf - -inf would be NaN); key 0
-    // is seen by every row and only the Q.K^T estimates, which mask nothing, are split, so this
-    // is a guard
-    const float alpha = m_new == -INFINITY ? 1.0f : expf(m_run[i] - m_new);
-    const float e = live ? expf(x - m_new) : 0.0f;
-    l_run[i] = l_run[i] * alpha + warp_sum(e);
-    m_run[i] = m_new;
-    uint32_t ph, pl;
-    split_tf32(e, ph, pl);
-    h0[lane] = pv && kind == 1 ? __fmul_rn(e, kPScale) : __uint_as_float(ph);
-    h1[lane] = __uint_as_float(pl);
-    if (lane == 0) sm[L::kAlpha + p] = alpha;
-  }
-}
-
-// P's estimate (kPv): the FP4 kind's P * 2688 of the chunk, NVFP4 per row and 16-key block
-// (reference.quantize_rows: the block's amax, its E4M3 scale, each value's E2M1 code: quant16's
-// steps), then / 2688 and split into tf32 parts. Every thread: 8 lanes per block (16 rows x 2
-// blocks), 2 keys each, the amax across the 8 by shuffles (max.NaN: the same bits in any order);
-// called by the whole block between two __syncthreads.
-template <int D>
-__device__ __forceinline__ void quantize_p(float* sm, int tid) {
-  using L = Smem<D>;
-  const int blk = tid >> 3, r = blk >> 1, k = (blk & 1) * 16 + 2 * (tid & 7);
-  float* h0 = sm + L::kS + (1 * 2 + 0) * kRows * kSLd + r * kSLd + k;
-  float* h1 = sm + L::kS + (1 * 2 + 1) * kRows * kSLd + r * kSLd + k;
-  const float x0 = h0[0], x1 = h0[1];
-  float amax = abs_max_nan(abs_max_nan(0.0f, x0), x1);
+  for (int k0 = 0; k0 < D; k0 += 16) {
+    uint32_t b[2][4];
+    ldsm4(b[0], kb + bn * L::kP + k0 + bc);
+    ldsm4(b[1], kb + (16 + bn) * L::kP + k0 + bc);
 #pragma unroll
-  for (int o = 1; o < 8; o <<= 1) amax = abs_max_nan(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-  const uint32_t sbyte = e4m3_scale_byte(amax);
-  // codes16 of the block with this lane's two values in places 0 and 1 (its codes are per value)
-  const float v[16] = {x0, x1, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  const uint32_t codes = codes16(v, sbyte).x & 0xFFu;
-  const float s = __fmul_rn(e4m3_value(sbyte), 16384.0f);  // e2m1x2_scaled gives values * 2^-14 (fp4x8)
-  const float2 f = e2m1x2_scaled(codes);
-  const float q[2] = {__fmul_rn(f.x, s), __fmul_rn(f.y, s)};
+    for (int p = 0; p < kParts; ++p) {
+      uint32_t a[4];
+      ldsm4(a, q + p * L::kTile + ar * L::kP + k0 + ac);
+      const int set = kParts == 1 ? (k0 / 16) % 3 : p;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    uint32_t ph, pl;
-    split_tf32(__fdiv_rn(q[i], kPScale), ph, pl);
-    h0[i] = __uint_as_float(ph);
-    h1[i] = __uint_as_float(pl);
-  }
-}
-
-// O (kind warp / 4) = O * alpha + P V
-template <int D>
-__device__ __forceinline__ void chunk_pv(const float* sm, int warp, int g, int t, float (&acc)[D / 32][4]) {
-  using L = Smem<D>;
-  constexpr int kNt = D / 32;
-  const int kind = warp >> 2;
-  const float al0 = sm[L::kAlpha + kind * kRows + g], al1 = sm[L::kAlpha + kind * kRows + g + 8];
-#pragma unroll
-  for (int i = 0; i < kNt; ++i) {
-    acc[i][0] *= al0;
-    acc[i][1] *= al0;
-    acc[i][2] *= al1;
-    acc[i][3] *= al1;
-  }
-  const float* ph = sm + L::kS + (kind * 2 + 0) * kRows * kSLd;
-  const float* pl = sm + L::kS + (kind * 2 + 1) * kRows * kSLd;
-#pragma unroll
-  for (int k0 = 0; k0 < kChunk; k0 += 8) {
-    const int i0 = g * kSLd + k0 + t, i1 = (g + 8) * kSLd + k0 + t;
-    const uint32_t ahi[4] = {__float_as_uint(ph[i0]), __float_as_uint(ph[i1]), __float_as_uint(ph[i0 + 4]),
-                             __float_as_uint(ph[i1 + 4])};
-    const uint32_t alo[4] = {__float_as_uint(pl[i0]), __float_as_uint(pl[i1]), __float_as_uint(pl[i0 + 4]),
-                             __float_as_uint(pl[i1 + 4])};
-#pragma unroll
-    for (int i = 0; i < kNt; ++i) {
-      const int n0 = ((warp & 3) + 4 * i) * 8;
-      const uint32_t bv[2] = {__float_as_uint(sm[L::kV + (k0 + t) * L::kVLd + n0 + g]),
-                              __float_as_uint(sm[L::kV + (k0 + t + 4) * L::kVLd + n0 + g])};
-      mma_tf32(acc[i], alo, bv);
-      mma_tf32(acc[i], ahi, bv);
+      for (int nt = 0; nt < 4; ++nt) mma16<TM>(acc[set][nt], a, b[nt >> 1][(nt & 1) * 2], b[nt >> 1][(nt & 1) * 2 + 1]);
     }
   }
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) s[nt][j] = __fadd_rn(__fadd_rn(acc[2][nt][j], acc[1][nt][j]), acc[0][nt][j]);
 }
 
-// row sums, then O4 to shared memory (over K's staging area) for the exact-kind warps; the
-// exact-kind warps' sums of (O4 - O)^2 and O^2 over their rows < `rows`, per warp, into `red`
-// (2 x 8 floats over the alpha area).
+// 2^x (ex2.approx: a relative error of about 2^-22; 2^-inf = +0, NaN stays NaN)
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Online softmax of the chunk's scores in base 2 (scale2: the scores' scale times log2 e), in
+// registers: the keys below live[h] are real for rows g (h 0) and g + 8 (h 1); s becomes
+// 2^(x - m) = e^(scaled score - max) (0 for a dead key), m and l the running max (base 2) and sum
+// (per thread: the quad's sum at the end), O rescaled where a row's max moved.
 template <int D>
-__device__ __forceinline__ void block_error(float* sm, int warp, int lane, int g, int t, int rows,
-                                            const float (&l_run)[4], const float (&acc)[D / 32][4]) {
-  using L = Smem<D>;
-  constexpr int kNt = D / 32;
+__device__ __forceinline__ void chunk_softmax(float (&s)[4][4], float scale2, const int (&live)[2], float (&m)[2],
+                                              float (&l)[2], float (&o)[D / 8][4], int lane) {
+  const int t = lane & 3;
+  float a2[2];
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
-    if (lane == 0) sm[L::kL + warp * 4 + i] = l_run[i];
-  __syncthreads();
-  const int kind = warp >> 2;
-  const float inv0 = 1.0f / sm[L::kL + kind * kRows + g], inv1 = 1.0f / sm[L::kL + kind * kRows + g + 8];
-  float* o4 = sm + L::kKs;  // [kRows][kLd]
-  if (kind == 1) {
+  for (int h = 0; h < 2; ++h) {
+    float mx = -INFINITY;
+    if (live[h] >= kChunk) {  // every key real (the common case: no compare)
 #pragma unroll
-    for (int i = 0; i < kNt; ++i) {
-      const int c = ((warp & 3) + 4 * i) * 8 + 2 * t;
-      o4[g * L::kLd + c] = acc[i][0] * inv0;
-      o4[g * L::kLd + c + 1] = acc[i][1] * inv0;
-      o4[(g + 8) * L::kLd + c] = acc[i][2] * inv1;
-      o4[(g + 8) * L::kLd + c + 1] = acc[i][3] * inv1;
-    }
-  }
-  __syncthreads();
-  float num = 0.0f, den = 0.0f;
-  if (kind == 0) {
+      for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
-    for (int i = 0; i < kNt; ++i) {
-      const int c = ((warp & 3) + 4 * i) * 8 + 2 * t;
+        for (int j = 0; j < 2; ++j) {
+          s[nt][2 * h + j] = __fmul_rn(s[nt][2 * h + j], scale2);
+          mx = fmaxf(mx, s[nt][2 * h + j]);
+        }
+      }
+    } else {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int r = g + (j >> 1) * 8, cc = c + (j & 1);
-        if (r < rows) {
-          const float o = acc[i][j] * (j < 2 ? inv0 : inv1);
-          const float dlt = o4[r * L::kLd + cc] - o;
-          num += dlt * dlt;
-          den += o * o;
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const float x = nt * 8 + 2 * t + j < live[h] ? __fmul_rn(s[nt][2 * h + j], scale2) : -INFINITY;
+          s[nt][2 * h + j] = x;
+          mx = fmaxf(mx, x);
         }
       }
     }
+    mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
+    const float mn = fmaxf(m[h], mx);
+    // a row that has seen no live key yet keeps its empty state (-inf - -inf would be NaN); key 0
+    // is seen by every row, so this is a guard
+    const float base = mn == -INFINITY ? 0.0f : mn;
+    const float alpha = exp2_approx(m[h] - base);
+    float sum = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float e = exp2_approx(s[nt][2 * h + j] - base);
+        s[nt][2 * h + j] = e;
+        sum += e;
+      }
+    }
+    l[h] = l[h] * alpha + sum;
+    m[h] = mn;
+    a2[h] = alpha;
   }
-  num = warp_sum(num);
-  den = warp_sum(den);
-  __syncthreads();  // o4 reads done before the area is reused
-  float* red = sm + L::kAlpha;  // 2 x 8 floats
-  if (lane == 0) {
-    red[warp] = num;
-    red[8 + warp] = den;
+  // O rescaled, unless no row of the warp's max moved (alpha 1: the product would not change O)
+  if (__any_sync(0xFFFFFFFFu, a2[0] != 1.0f || a2[1] != 1.0f)) {
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      o[i][0] *= a2[0];
+      o[i][1] *= a2[0];
+      o[i][2] *= a2[1];
+      o[i][3] *= a2[1];
+    }
   }
 }
 
-// Thread 0, with the block's sums (n, d) over its row group `unit`: they go to `partial`; the last
+// P's estimate: the chunk's P * 2688 to NVFP4 per row and 16-key block (n-tiles 0-1, 2-3;
+// reference.quantize_rows: the block's amax, its E4M3 scale, each value's E2M1 code), in place
+// as the values code x scale (P-hat x 2688: exact in 16 bits). Each thread holds 4 values of a
+// block, the quad the other 12 (amax by shuffles, max.NaN: the same bits in any order); one
+// conversion takes a row's 4 + 4 values of both blocks, each times its block's 1/scale (codes16's
+// steps; the clamp keeps every |value| < 7 at its code, nvfp4.cuh), and a block whose scale is 0
+// or NaN gets codes 0.
+__device__ __forceinline__ void quantize_p(float (&s)[4][4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float y[8], sc[2];
+    bool ok[2];
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const float v[4] = {__fmul_rn(s[2 * b][2 * h], kPScale), __fmul_rn(s[2 * b][2 * h + 1], kPScale),
+                          __fmul_rn(s[2 * b + 1][2 * h], kPScale), __fmul_rn(s[2 * b + 1][2 * h + 1], kPScale)};
+      float amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) amax = abs_max_nan(amax, v[i]);
+      amax = abs_max_nan(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+      amax = abs_max_nan(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+      sc[b] = e4m3_value(e4m3_scale_byte(amax));
+      ok[b] = sc[b] > 0.0f;  // false for 0 and NaN
+      const float inv = ok[b] ? __frcp_rn(sc[b]) : 0.0f;
+      const float mul = SAGEATTN3_HW_E2M1 ? inv : inv * kE2M1Prescale;  // the software conversion's pre-scale
+#pragma unroll
+      for (int i = 0; i < 4; ++i) y[4 * b + i] = __fmul_rn(v[i], mul);
+    }
+#if SAGEATTN3_HW_E2M1
+    uint32_t w = e2m1x8_hw(y);
+#else
+    uint32_t w = e2m1x8_sw<true>(y);
+#endif
+    if (!ok[0]) w &= 0xFFFF0000u;
+    if (!ok[1]) w &= 0x0000FFFFu;
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const float s14 = __fmul_rn(sc[b], 16384.0f);  // e2m1x2_scaled gives values * 2^-14
+      const float2 f0 = e2m1x2_scaled((w >> (16 * b)) & 0xFFu), f1 = e2m1x2_scaled((w >> (16 * b + 8)) & 0xFFu);
+      s[2 * b][2 * h] = __fmul_rn(f0.x, s14);
+      s[2 * b][2 * h + 1] = __fmul_rn(f0.y, s14);
+      s[2 * b + 1][2 * h] = __fmul_rn(f1.x, s14);
+      s[2 * b + 1][2 * h + 1] = __fmul_rn(f1.y, s14);
+    }
+  }
+}
+
+// O += P V over the chunk for kCols channels of V from `v` (n-tiles kNt0 .. of o), P from the
+// scores' fragments (keys 16 kk .. 16 kk + 15: n-tiles 2 kk and 2 kk + 1, whose accumulators are
+// the A operand's registers), in `parts` parts of T (2: P x kPUp = hi + lo, so O comes out kPUp
+// times too large; 1: P's values are exact in T, as they are).
+template <typename T, int D, int kCols, int kNt0>
+__device__ __forceinline__ void chunk_pv(const uint16_t* v, const float (&s)[4][4], int parts, float (&o)[D / 8][4],
+                                         int lane) {
+  using L = Smem<D>;
+  const int vk = (lane & 7) + ((lane >> 3) & 1) * 8, vc = (lane >> 4) * 8;  // V: key, column of lane's address
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    const float x[8] = {s[2 * kk][0], s[2 * kk][1], s[2 * kk][2], s[2 * kk][3],
+                        s[2 * kk + 1][0], s[2 * kk + 1][1], s[2 * kk + 1][2], s[2 * kk + 1][3]};
+    float xh[8], xl[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float xs = parts > 1 ? __fmul_rn(x[i], kPUp<T>) : x[i];  // exact: a power of two
+      xh[i] = round16<T>(xs);
+      xl[i] = __fsub_rn(xs, xh[i]);
+    }
+    const uint32_t hi[4] = {pack2<T>(xh[0], xh[1]), pack2<T>(xh[2], xh[3]), pack2<T>(xh[4], xh[5]),
+                            pack2<T>(xh[6], xh[7])};
+    const uint32_t lo[4] = {pack2<T>(xl[0], xl[1]), pack2<T>(xl[2], xl[3]), pack2<T>(xl[4], xl[5]),
+                            pack2<T>(xl[6], xl[7])};
+#pragma unroll
+    for (int n0 = 0; n0 < kCols; n0 += 16) {
+      uint32_t b[4];
+      ldsm4_t(b, v + (kk * 16 + vk) * L::kP + n0 + vc);
+      const int nt = kNt0 + n0 / 8;
+      mma16<T>(o[nt], hi, b[0], b[1]);
+      mma16<T>(o[nt + 1], hi, b[2], b[3]);
+      if (parts > 1) {
+        mma16<T>(o[nt], lo, b[0], b[1]);
+        mma16<T>(o[nt + 1], lo, b[2], b[3]);
+      }
+    }
+  }
+}
+
+// n, d = the warp's sums of (O4 - O)^2 and O^2 over the real rows (r < rows): O4 from o4s
+// (shared memory, [kRows][kOPitch]), or with kPv O_P from o's n-tiles D / 16 .. (O in 0 ..).
+// inv: 1 / (the row sum x kPUp) for the outputs of P in two parts, inv_p: 1 / the row sum.
+template <int D, bool kPv>
+__device__ __forceinline__ void error_sums(const float (&o)[D / 8][4], const float* o4s, const float (&inv)[2],
+                                           const float (&inv_p)[2], int rows, int lane, float& n, float& d) {
+  using L = Smem<D>;
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < (kPv ? D / 16 : D / 8); ++nt) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int r = g + (j >> 1) * 8, col = nt * 8 + 2 * t + (j & 1);
+      if (r < rows) {
+        const float e = o[nt][j] * inv[j >> 1];
+        float other;
+        if constexpr (kPv) other = __fdiv_rn(o[nt + D / 16][j], kPScale) * inv_p[j >> 1];  // as P-hat / 2688 first
+        else other = o4s[r * L::kOPitch + col];
+        const float dlt = other - e;
+        n += dlt * dlt;
+        d += e * e;
+      }
+    }
+  }
+  n = warp_sum(n);
+  d = warp_sum(d);
+}
+
+// The group's sums of (O4 - O)^2 and O^2 over its real rows (r < rows), into n and d of lane 0
+// of its first warp (kind 0), the outputs normalized (the outputs of P in two parts divided by
+// kPUp too; O_P divided by 2688 first: P-hat x 2688 went in, and a P-hat of 1 then gives O
+// exactly, as the reference's P-hat / 2688 does).
+// Q.K^T's estimates: the second warp's O4 through `x` (the pair's Q area) to the first. P's: each
+// warp sums over its half of the channels (O in n-tiles 0 .., O_P in D / 16 ..), the second's
+// sums through `x`. Called by every warp of the block (two block-wide barriers).
+template <typename T, int D>
+__device__ __forceinline__ void group_error(const float (&o)[D / 8][4], float (&l)[2], bool pv, int kind, int rows,
+                                            float* x, int lane, float& n, float& d) {
+  using L = Smem<D>;
+  const int g = lane >> 2, t = lane & 3;
+  float inv[2], inv_p[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 2);
+    inv_p[h] = 1.0f / l[h];
+    inv[h] = __fmul_rn(inv_p[h], 1.0f / kPUp<T>);  // exact: a power of two
+  }
+  __syncthreads();  // every warp's reads of the Q tiles are done
+  if (pv) {
+    error_sums<D, true>(o, nullptr, inv, inv_p, rows, lane, n, d);
+    if (kind == 1 && lane == 0) {
+      x[0] = n;
+      x[1] = d;
+    }
+  } else if (kind == 1 && rows > 0) {
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      const int col = nt * 8 + 2 * t;
+      *reinterpret_cast<float2*>(x + g * L::kOPitch + col) = make_float2(o[nt][0] * inv[0], o[nt][1] * inv[0]);
+      *reinterpret_cast<float2*>(x + (g + 8) * L::kOPitch + col) = make_float2(o[nt][2] * inv[1], o[nt][3] * inv[1]);
+    }
+  }
+  __syncthreads();
+  if (kind != 0) return;
+  if (pv) {
+    n += x[0];
+    d += x[1];
+  } else {
+    error_sums<D, false>(o, x, inv, inv_p, rows, lane, n, d);
+  }
+}
+
+// Lane 0 of a group's first warp, with the group's sums (n, d) (row group `unit`): they go to `partial`; the last
 // block of the head to finish (of every estimate in the grid) adds each estimate's partials in
 // row group order and writes the head's errors and selection.
 __device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int unit, int z, float n, float d) {
@@ -716,245 +737,112 @@ __device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int un
   a.sel_q[bh] = static_cast<uint8_t>(byte);
 }
 
-// The block's RowPlan: in the floor's blocks (requant) the options-free means go to shared
-// memory and the rows are neither balanced nor rotated; otherwise K's mean is copied there. K's
-// balance factor per channel goes to shared memory too (Q's rows take theirs once, in
-// stage_q_rows). Whole block; ends with a __syncthreads.
-template <int D>
-__device__ __forceinline__ RowPlan row_plan(const QkRuleArgs& a, const Role& role, float* sm, int warp, int64_t bh,
-                                            int64_t bk, int64_t tq) {
-  using L = Smem<D>;
-  RowPlan pl{a.rotate, role, a.mean_q + (bh * a.mean_rows + (a.mean_rows > 1 ? tq : 0)) * D,
-             a.balance == nullptr ? nullptr : a.balance + bk * D};
-  const float* mean_k = a.mean_k + bk * D;
-  const bool balanced = pl.bal != nullptr && !role.requant;
-  for (int d = threadIdx.x; d < D; d += kThreads) {
-    const int e = balanced ? static_cast<int>(pl.bal[d]) : 0;
-    sm[L::kCf + d] = ldexpf(1.0f, e);
-    if (!role.requant) sm[L::kMeans + D + d] = mean_k[d];
-    if (role.pv) sm[L::kMeans + d] = 0.0f;  // P's estimate: Q's rows whole (a zero mean), K_s as Q.K^T's
-  }
-  if (role.requant)
-    options_free_means<D>(a, sm + L::kMeans, sm + L::kMeans + D, pl.mean_q, mean_k, pl.bal, warp);
-  __syncthreads();
-  if (role.requant) return RowPlan{false, role, sm + L::kMeans, nullptr};
-  if (role.pv) pl.mean_q = sm + L::kMeans;
-  return pl;
-}
 
-// With key splits: the block's softmax state (m, l and the unnormalized output of each (kind,
-// row)) to its slot of a.split_state; the last split of the row group to finish merges the
-// slots in split order (flash-decoding) into O and O4 in shared memory and returns the sums of
-// (O4 - O)^2 and O^2 over its rows < `rows` in (n, d) of thread 0. Returns false in the other blocks.
-template <int D>
-__device__ __forceinline__ bool merge_splits(const RuleGrid& G, float* sm, int64_t bh, int unit, int si, int z, int warp,
-                                             int lane, int g, int t, int rows, const float (&m_run)[4],
-                                             const float (&l_run)[4], const float (&acc)[D / 32][4], float& n, float& d) {
-  using L = Smem<D>;
-  constexpr int kNt = D / 32, kRow = D + 2, kSlot = 2 * kRows * kRow;
-  const QkRuleArgs& a = G.a;
-  const int64_t group = (z * a.B * a.Hq + bh) * G.units + unit;  // the split state: G.units per head
-  float* slots = a.split_state + group * G.nsplit * kSlot;
-  float* mine = slots + si * kSlot;  // [kind][row][m, l, acc[D]]
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int p = warp * 4 + i;
-    if (lane == 0) {
-      mine[p * kRow] = m_run[i];
-      mine[p * kRow + 1] = l_run[i];
-    }
-  }
-  const int kind = warp >> 2;
-#pragma unroll
-  for (int i = 0; i < kNt; ++i) {
-    const int c = ((warp & 3) + 4 * i) * 8 + 2 * t;
-    *reinterpret_cast<float2*>(mine + (kind * kRows + g) * kRow + 2 + c) = make_float2(acc[i][0], acc[i][1]);
-    *reinterpret_cast<float2*>(mine + (kind * kRows + g + 8) * kRow + 2 + c) = make_float2(acc[i][2], acc[i][3]);
-  }
-  __threadfence();
-  __syncthreads();
-  int* last = reinterpret_cast<int*>(sm + L::kAlpha);
-  if (threadIdx.x == 0) {
-    int32_t* ctr = a.counter + a.B * a.Hq + (z * a.B * a.Hq + bh) * kUnits + unit;
-    *last = atomicAdd(ctr, 1) == G.nsplit - 1;
-    if (*last) *ctr = 0;  // ready for the next launch
-  }
-  __syncthreads();
-  if (!*last) return false;
-  __threadfence();
-  // per (kind, row): each split's weight exp(m_s - M) and 1 / sum_s weight * l_s
-  float* w = sm + L::kS;  // [2 * kRows][8], then [2 * kRows] inverses
-  if (threadIdx.x < 2 * kRows) {
-    const int p = threadIdx.x;
-    float mx = -INFINITY;
-    for (int s = 0; s < G.nsplit; ++s) mx = fmaxf(mx, __ldcg(slots + s * kSlot + p * kRow));
-    float l = 0.0f;
-    for (int s = 0; s < G.nsplit; ++s) {
-      const float m = __ldcg(slots + s * kSlot + p * kRow);
-      const float ws = m == -INFINITY ? 0.0f : expf(m - mx);
-      w[p * 8 + s] = ws;
-      l += ws * __ldcg(slots + s * kSlot + p * kRow + 1);
-    }
-    w[2 * kRows * 8 + p] = l > 0.0f ? 1.0f / l : 0.0f;
-  }
-  __syncthreads();
-  float* o = sm + L::kKs;   // O: [kRows][kLd]
-  float* o4 = sm + L::kKd;  // O4
-  for (int e = threadIdx.x; e < 2 * kRows * D; e += kThreads) {
-    const int p = e / D, c = e % D;
-    float x = 0.0f;
-    for (int s = 0; s < G.nsplit; ++s) x += w[p * 8 + s] * __ldcg(slots + s * kSlot + p * kRow + 2 + c);
-    (p < kRows ? o : o4)[(p % kRows) * L::kLd + c] = x * w[2 * kRows * 8 + p];
-  }
-  __syncthreads();
-  float num = 0.0f, den = 0.0f;
-  for (int e = threadIdx.x; e < rows * D; e += kThreads) {
-    const int r = e / D, c = e % D;
-    const float x = o[r * L::kLd + c], dlt = o4[r * L::kLd + c] - x;
-    num += dlt * dlt;
-    den += x * x;
-  }
-  num = warp_sum(num);
-  den = warp_sum(den);
-  float* red = sm + L::kAlpha + 1;  // 2 x 8 floats, after the flag
-  __syncthreads();
-  if (lane == 0) {
-    red[warp] = num;
-    red[8 + warp] = den;
-  }
-  __syncthreads();
-  n = d = 0.0f;
-  for (int w8 = 0; w8 < kThreads / 32; ++w8) {
-    n += red[w8];
-    d += red[8 + w8];
-  }
-  return true;
-}
-
-/* ---------- the kernel: one block's rows and keys, phase by phase ---------- */
+/* ---------- the kernel ---------- */
 
 template <typename T, int D>
-// At least two blocks per SM in the register budget (the shared memory allows two at D 64 on sm_120's
-// 100 KB, one at D 128): ptxas then keeps D 64 under 128 registers rather than at 80 with a spill
-// in the key loop.
-__global__ void __launch_bounds__(kThreads, 2) qk_rule_kernel(const __grid_constant__ RuleGrid G) {
+__global__ void __launch_bounds__(kThreads) qk_rule_kernel(const __grid_constant__ RuleGrid G) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using L = Smem<D>;
   extern __shared__ __align__(16) float sm[];
   __shared__ int64_t tk_tab[kSampled];  // kStaticBytes counts these two
   __shared__ int cnt_tab[kSampled];
+  uint16_t* sm16 = reinterpret_cast<uint16_t*>(sm);
   const QkRuleArgs& a = G.a;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, pair = warp >> 1, kind = warp & 1;
   const int64_t bh = blockIdx.x;  // batch * Hq + q head
-  const int unit = blockIdx.y / G.nsplit, si = blockIdx.y % G.nsplit;  // row group, key split
-  const int qi = unit / G.groups;  // its sampled block of Q
   const int z = blockIdx.z;
-  const Role role{G.estimate[z] == kPv, G.estimate[z] == kFloor, G.estimate[z] == kFloor ? G.floor_scale : a.scale};
-  // P's estimate quantizes P against the running max of the keys before it, in order: its blocks
-  // take every key of the Q block (split 0; the others have nothing to do)
-  const int nsplit = role.pv ? 1 : G.nsplit;
-  if (si >= nsplit) return;
+  const Estimate est = static_cast<Estimate>(G.estimate[z]);
   const int64_t b = bh / a.Hq, h = bh % a.Hq;
   const int64_t bk = b * a.Hkv + h / (a.Hq / a.Hkv);  // its kv head, flattened
-  const int64_t tq = sampled_block(a.Sq, qi);
-  const int first = (unit % G.groups) * kRows;  // the group's first row among the block's strided rows
-  const int64_t row0 = tq * kBlock + static_cast<int64_t>(first) * G.stride;
-  const int rows = static_cast<int>(min(static_cast<int64_t>(kRows), block_rows(a.Sq, qi, G.stride) - first));
-  if (rows <= 0) {  // a group past a partial last block's rows: nothing to estimate, it still reports
-    if (si == 0 && tid == 0) head_error(G, bh, unit, z, 0.0f, 0.0f);
-    return;
-  }
+  const Group u = group_of(G, blockIdx.y * kPairs + pair);
+  uint16_t* tiles = sm16 + L::kQ + pair * 4 * L::kTile;
+  float* w = sm + L::kW + pair * D;
   const int kblocks = sampled_count(a.Sk);
   if (tid < kblocks) {
     tk_tab[tid] = sampled_block(a.Sk, tid) * kBlock;
     cnt_tab[tid] = static_cast<int>(min(static_cast<int64_t>(kBlock), a.Sk - tk_tab[tid]));
   }
-  const RowPlan pl = row_plan<D>(a, role, sm, warp, bh, bk, tq);  // ends with a __syncthreads
-
-  stage_q_rows<T, D>(a, pl, sm, tid, bh, row0, G.stride, rows);
-  if (pl.rotate || pl.role.requant) finish_q_rows<D>(pl, sm, tid, warp, rows);
-
-  // softmax state of the 4 (kind, row) pairs this warp owns: pair p = warp * 4 + i, kind p / 16
-  float m_run[4], l_run[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    m_run[i] = -INFINITY;
-    l_run[i] = 0.0f;
-  }
-  // P.V accumulators: kind warp / 4, n-tiles (warp % 4) + 4 i
-  constexpr int kNt = D / 32;
-  float acc[kNt][4];
-#pragma unroll
-  for (int i = 0; i < kNt; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-
-  // this split's chunks: those of its sampled key blocks that hold a real key (only the last
-  // sampled block can be partial)
-  constexpr int kPer = kBlock / kChunk;
-  const int kb0 = si * kblocks / nsplit, kb1 = (si + 1) * kblocks / nsplit;
-  const int c0 = kb0 * kPer, c1 = (kb1 - 1) * kPer + (cnt_tab[kb1 - 1] + kChunk - 1) / kChunk;
-  KeyChunk<T, D> next;
-  next.fetch(a, !pl.role.requant && !pl.role.pv, tk_tab, cnt_tab, bk, tid, c0);
-  for (int c = c0; c < c1; ++c) {
-    const int off = (c % kPer) * kChunk;
-    const int64_t key0 = tk_tab[c / kPer];
-    const int count = cnt_tab[c / kPer];
-    __syncthreads();  // the previous chunk's reads are done
-    next.stage(sm, tid, pl);
-    if (c + 1 < c1) next.fetch(a, !pl.role.requant && !pl.role.pv, tk_tab, cnt_tab, bk, tid, c + 1);
-    __syncthreads();
-    if (pl.rotate || pl.role.requant) finish_k_rows<D>(pl, sm, tid, warp, min(kChunk, count - off));
-    chunk_scores<D>(sm, warp, g, t, role.pv);
-    __syncthreads();
-    chunk_softmax<D>(sm, role.scale, off, count, warp, lane, m_run, l_run, role.pv, role.pv && a.causal, key0 + off,
-                     row0, G.stride);
-    __syncthreads();
-    if (role.pv) {
-      quantize_p<D>(sm, tid);
-      __syncthreads();
+  // the pair's w (Q's options-free mean; zero for P's estimate) and, in the floor's blocks, K's
+  const float* bal = a.balance == nullptr ? nullptr : a.balance + bk * D;
+  if (kind == 0) {
+    if (est == kPv) {
+      for (int d = lane; d < D; d += 32) w[d] = 0.0f;
+    } else {
+      options_free_mean<D>(a, w, a.mean_q + (bh * a.mean_rows + (a.mean_rows > 1 ? u.tq : 0)) * D, bal, 1);
     }
-    chunk_pv<D>(sm, warp, g, t, acc);
+  } else if (pair == 0 && est == kFloor) {
+    options_free_mean<D>(a, sm + L::kMk, a.mean_k + bk * D, bal, -1);
+  }
+  __syncthreads();
+  stage_q<T, D>(a, est, u, bh, G.stride, w, tiles, tid & 63);
+
+  // the warp's kind: the exact scores (kind 0, and both of P's estimate) or the FP4 ones
+  const bool fp4 = kind == 1 && est != kPv;
+  const float scale2 = (est == kFirst && kind == 1 ? a.scale : G.scale_exact) * 1.4426950408889634f;  // base 2
+  const bool causal = est == kPv && a.causal;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  float o[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+
+  constexpr int kPer = kBlock / kChunk;
+  const int nchunks = (kblocks - 1) * kPer + (cnt_tab[kblocks - 1] + kChunk - 1) / kChunk;
+  KeyChunk<T, D> next;
+  next.fetch(a, est, tk_tab, cnt_tab, bk, tid, 0);
+  for (int c = 0; c < nchunks; ++c) {
+    const int off = (c % kPer) * kChunk;
+    const int64_t key0 = tk_tab[c / kPer] + off;
+    const int count = cnt_tab[c / kPer];
+    __syncthreads();  // the previous chunk's reads are done (the first time: Q's tiles are written)
+    next.stage(sm16, sm + L::kMk, est, tid);
+    if (c + 1 < nchunks) next.fetch(a, est, tk_tab, cnt_tab, bk, tid, c + 1);
+    __syncthreads();
+    if (u.rows > 0) {
+      // the keys of the chunk below live[h] are real (and, causal, at or before row g + 8 h)
+      int live[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        live[hh] = count - off;
+        if (causal) {
+          const int64_t cut = u.row0 + static_cast<int64_t>((lane >> 2) + 8 * hh) * G.stride - key0 + 1;
+          live[hh] = static_cast<int>(min(static_cast<int64_t>(live[hh]), max(cut, static_cast<int64_t>(0))));
+        }
+      }
+      float s[4][4];
+      if (fp4) chunk_scores<bf16_t, 1, D>(sm16 + L::kKd, tiles + 3 * L::kTile, s, lane);  // Qd Kd^T
+      else if (est == kPv) chunk_scores<T, 1, D>(sm16 + L::kK, tiles, s, lane);        // q k^T
+      else chunk_scores<T, 3, D>(sm16 + L::kK, tiles, s, lane);                        // (q - w) k^T
+      chunk_softmax<D>(s, scale2, live, m, l, o, lane);
+      if (est == kPv) {  // each warp both kinds over its half of the channels: O (n-tiles 0..), O_P
+        float q[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) q[nt][j] = s[nt][j];
+        quantize_p(q);
+        chunk_pv<T, D, D / 2, 0>(sm16 + L::kV + kind * (D / 2), s, 2, o, lane);
+        chunk_pv<T, D, D / 2, D / 16>(sm16 + L::kV + kind * (D / 2), q, 1, o, lane);
+      } else {
+        chunk_pv<T, D, D, 0>(sm16 + L::kV, s, 2, o, lane);
+      }
+    }
   }
 
   float n = 0.0f, d = 0.0f;
-  if (nsplit > 1) {
-    __syncthreads();  // the last chunk's reads of the staging area are done
-    if (!merge_splits<D>(G, sm, bh, unit, si, z, warp, lane, g, t, rows, m_run, l_run, acc, n, d)) return;
-  } else {
-    block_error<D>(sm, warp, lane, g, t, rows, l_run, acc);
-    __syncthreads();
-    const float* red = sm + L::kAlpha;
-    for (int w4 = 0; w4 < 4; ++w4) {
-      n += red[w4];
-      d += red[8 + w4];
-    }
-  }
-  if (tid == 0) head_error(G, bh, unit, z, n, d);
+  group_error<T, D>(o, l, est == kPv, kind, u.rows, reinterpret_cast<float*>(tiles), lane, n, d);
+  if (kind == 0 && lane == 0 && u.report) head_error(G, bh, u.unit, z, n, d);
 #else
-  __trap();  // mma.sync tf32 needs sm_80 or newer (the builds target sm_90 and sm_120 families)
+  __trap();  // mma.sync m16n8k16 and ldmatrix need sm_80 or newer (the builds target sm_90 and sm_120 families)
 #endif
 }
 
-// The key splits of a launch, from the shapes alone (so that a result does not depend on the
-// GPU): while the grid of the row groups has at most kSplitBlocks / 2 blocks per estimate,
-// the sampled key blocks are split in two more, up to one per split. Calls with few heads then
-// fill the GPU: the blocks' chunk loops are serial.
-constexpr int64_t kSplitBlocks = 128;
-// The workspace per (batch, q head): partial, (n, d) of each estimate and row group (an even
-// count: the split state after them stays 8-byte aligned); the counters, one per head and one per
-// (estimate, row group) for the key splits.
+// The workspace per (batch, q head): partial, (n, d) of each estimate and row group, then the
+// counters last, one per head.
 constexpr int64_t kPartialFloats = 3 * kUnits * 2;
-constexpr int64_t kCounters = 1 + 3 * kUnits;
 
 // The row groups of a head at stride s: kRows strided rows each, every sampled block alike.
 int units(const QkRuleArgs& a, int s) { return sampled_count(a.Sq) * (kBlock / s / kRows); }
-
-int splits(const QkRuleArgs& a) {
-  const int64_t grid = a.B * a.Hq * units(a, query_stride(a));
-  const int kb = sampled_count(a.Sk);
-  int s = 1;
-  while (2 * s <= kb && grid * 2 * s <= kSplitBlocks) s *= 2;
-  return s;
-}
 
 template <typename T, int D>
 int launch(const QkRuleArgs& a, cudaStream_t stream) {
@@ -963,28 +851,26 @@ int launch(const QkRuleArgs& a, cudaStream_t stream) {
   static KernelSetup setup;  // its shared-memory ceiling, set once per device
   cudaError_t err = setup.smem(kernel, static_cast<int>(L::kBytes));
   if (err != cudaSuccess) return err;
-  // P's blocks first (blockIdx.z 0, scheduled first): never split, they are the longest where the
-  // others are
+  // P's blocks first (blockIdx.z 0, scheduled first): they are the longest (two warps of exact
+  // scores in the FP4 kind's place)
   const int stride = query_stride(a);
-  RuleGrid G{a, {kFirst, kFirst, kFirst}, 0, a.split_state == nullptr ? 1 : splits(a),
+  RuleGrid G{a, {kFirst, kFirst, kFirst}, 0,
              a.rotate ? a.scale * static_cast<float>(D / 64) : a.scale,  // the unrotated scores' scale (exact)
              stride, kBlock / stride / kRows, units(a, stride)};
   if (a.error_pv != nullptr && a.pv_limit >= 0.0f) G.estimate[G.nest++] = kPv;
   G.estimate[G.nest++] = kFirst;
   if (a.floor) G.estimate[G.nest++] = kFloor;
-  // the counters (per head, then per estimate, head and sampled Q block) and the selection's
-  // zeros, stream-ordered before the blocks that count and set them
-  // (unless the caller zeroed them: attention_call)
+  // the counters and the selection's zeros, stream-ordered before the blocks that count and set
+  // them (unless the caller zeroed them: attention_call)
   const int64_t BH = a.B * a.Hq;
   if (!a.zeroed) {
-    err = cudaMemsetAsync(a.counter, 0, sizeof(int32_t) * static_cast<size_t>(BH * (G.nsplit > 1 ? kCounters : 1)),
-                          stream);
+    err = cudaMemsetAsync(a.counter, 0, sizeof(int32_t) * static_cast<size_t>(BH), stream);
     if (err == cudaSuccess) err = cudaMemsetAsync(a.sel_k, 0, static_cast<size_t>(a.B * a.Hkv), stream);
     if (err == cudaSuccess && a.sel_v != nullptr)
       err = cudaMemsetAsync(a.sel_v, 0, static_cast<size_t>(a.B * a.Hkv), stream);
     if (err != cudaSuccess) return err;
   }
-  const dim3 grid(static_cast<unsigned>(BH), static_cast<unsigned>(G.units * G.nsplit),
+  const dim3 grid(static_cast<unsigned>(BH), static_cast<unsigned>(ceil_div(G.units, kPairs)),
                   static_cast<unsigned>(G.nest));
   kernel<<<grid, kThreads, L::kBytes, stream>>>(G);
   return cudaGetLastError();
@@ -995,24 +881,15 @@ int launch_d(const QkRuleArgs& a, cudaStream_t stream) {
   return a.D == 64 ? launch<T, 64>(a, stream) : launch<T, 128>(a, stream);
 }
 
-int64_t split_floats(const QkRuleArgs& a) {
-  if ((a.D != 64 && a.D != 128) || a.B < 1 || a.Hq < 1 || a.Sq < 1 || a.Sk < 1) return 0;
-  const int s = splits(a);
-  return s > 1 ? 3 * a.B * a.Hq * units(a, query_stride(a)) * s * 2 * kRows * (a.D + 2) : 0;
-}
-
 }  // namespace
 
-int64_t qk_rule_workspace_floats(const QkRuleArgs& a) {
-  return a.B * a.Hq * (kPartialFloats + kCounters) + split_floats(a);
-}
+int64_t qk_rule_workspace_floats(const QkRuleArgs& a) { return a.B * a.Hq * (kPartialFloats + 1); }
 
-// partial, the key splits' state, then the counters last: the workspace's end is theirs (sageattn3.h)
+// partial, then the counters last: the workspace's end is theirs (sageattn3.h)
 void qk_rule_bind_workspace(QkRuleArgs& a, float* ws) {
-  const int64_t BH = a.B * a.Hq, split = split_floats(a);
+  const int64_t BH = a.B * a.Hq;
   a.partial = ws;
-  a.split_state = split > 0 ? ws + BH * kPartialFloats : nullptr;
-  a.counter = reinterpret_cast<int32_t*>(ws + BH * kPartialFloats + split);
+  a.counter = reinterpret_cast<int32_t*>(ws + BH * kPartialFloats);
 }
 
 int qk_rule_error(const QkRuleArgs& a, cudaStream_t stream) {
