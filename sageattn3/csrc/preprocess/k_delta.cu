@@ -22,6 +22,7 @@
 #include <cuda_fp16.h>
 
 #include "common/launch.cuh"
+#include "common/mma16.cuh"
 #include "common/nvfp4.cuh"
 #include "preprocess/rowblock.cuh"
 #include "sageattn3.h"
@@ -49,13 +50,6 @@ struct Mma<bf16_t> {
       r = __fsub_rn(r, __bfloat162float(h));
     }
   }
-  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
 };
 
 template <>
@@ -70,24 +64,7 @@ struct Mma<f16_t> {
       r = __fsub_rn(r, __half2float(h));
     }
   }
-  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
 };
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
@@ -209,7 +186,7 @@ __device__ __forceinline__ void mean_dot_mean(float* cs, uint16_t* tile, int ld,
       ldmatrix_x4(a, tile + (p * kMCh + warp * 16 + arow) * ld + kt * 16 + acol);
 #pragma unroll
       for (int q = 0; q < NP; ++q)
-        M::mma(acc, a, static_cast<uint32_t>(q0[q]) | (static_cast<uint32_t>(q1[q]) << 16),
+        mma_m16n8k16<T>(acc, a, static_cast<uint32_t>(q0[q]) | (static_cast<uint32_t>(q1[q]) << 16),
                static_cast<uint32_t>(q8[q]) | (static_cast<uint32_t>(q9[q]) << 16));
     }
   }
@@ -241,7 +218,7 @@ __device__ __forceinline__ void delta_rows(float* __restrict__ out, uint16_t* ti
           uint32_t a[4];
           ldmatrix_x4(a, tile + (p * kMCh + mt * 16 + arow) * ld + kt * 16 + acol);
 #pragma unroll
-          for (int nt = 0; nt < 4; ++nt) M::mma(acc[nt], a, bf[kt][nt][0], bf[kt][nt][1]);
+          for (int nt = 0; nt < 4; ++nt) mma_m16n8k16<T>(acc[nt], a, bf[kt][nt][0], bf[kt][nt][1]);
         }
       }
     }

@@ -43,6 +43,7 @@
 #include <type_traits>
 
 #include "common/launch.cuh"
+#include "common/mma16.cuh"
 #include "common/nvfp4.cuh"
 #include "preprocess/rotation.cuh"
 #include "sageattn3.h"
@@ -108,42 +109,6 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
     const __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&h);
   }
-}
-
-// c += a b (m16n8k16, fp32 accumulation), a and b of T
-template <typename T>
-__device__ __forceinline__ void mma16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, bf16_t>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-// Four 8x8 16-bit matrices from shared memory; lane l gives the address of row l % 8 of matrix
-// l / 8 (trans: each matrix transposed).
-__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const uint16_t* p) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a)
-               : "memory");
-}
-
-__device__ __forceinline__ void ldsm4_t(uint32_t (&r)[4], const uint16_t* p) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a)
-               : "memory");
 }
 
 // 16 values (floats, each exact in T or bf16) to 16-bit shared memory, two 16-byte stores
@@ -440,15 +405,15 @@ __device__ __forceinline__ void chunk_scores(const uint16_t* kb, const uint16_t*
 #pragma unroll
   for (int k0 = 0; k0 < D; k0 += 16) {
     uint32_t b[2][4];
-    ldsm4(b[0], kb + bn * L::kP + k0 + bc);
-    ldsm4(b[1], kb + (16 + bn) * L::kP + k0 + bc);
+    ldmatrix_x4(b[0], kb + bn * L::kP + k0 + bc);
+    ldmatrix_x4(b[1], kb + (16 + bn) * L::kP + k0 + bc);
 #pragma unroll
     for (int p = 0; p < kParts; ++p) {
       uint32_t a[4];
-      ldsm4(a, q + p * L::kTile + ar * L::kP + k0 + ac);
+      ldmatrix_x4(a, q + p * L::kTile + ar * L::kP + k0 + ac);
       const int set = kParts == 1 ? (k0 / 16) % 3 : p;
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) mma16<TM>(acc[set][nt], a, b[nt >> 1][(nt & 1) * 2], b[nt >> 1][(nt & 1) * 2 + 1]);
+      for (int nt = 0; nt < 4; ++nt) mma_m16n8k16<TM>(acc[set][nt], a, b[nt >> 1][(nt & 1) * 2], b[nt >> 1][(nt & 1) * 2 + 1]);
     }
   }
 #pragma unroll
@@ -603,13 +568,13 @@ __device__ __forceinline__ void chunk_pv(const uint16_t* v, const float (&s)[4][
 #pragma unroll
     for (int n0 = 0; n0 < kCols; n0 += 16) {
       uint32_t b[4];
-      ldsm4_t(b, v + (kk * 16 + vk) * L::kP + n0 + vc);
+      ldmatrix_x4<true>(b, v + (kk * 16 + vk) * L::kP + n0 + vc);
       const int nt = kNt0 + n0 / 8;
-      mma16<T>(o[nt], hi, b[0], b[1]);
-      mma16<T>(o[nt + 1], hi, b[2], b[3]);
+      mma_m16n8k16<T>(o[nt], hi, b[0], b[1]);
+      mma_m16n8k16<T>(o[nt + 1], hi, b[2], b[3]);
       if (parts > 1) {
-        mma16<T>(o[nt], lo, b[0], b[1]);
-        mma16<T>(o[nt + 1], lo, b[2], b[3]);
+        mma_m16n8k16<T>(o[nt], lo, b[0], b[1]);
+        mma_m16n8k16<T>(o[nt + 1], lo, b[2], b[3]);
       }
     }
   }
