@@ -1,13 +1,18 @@
 // The FP4 attention forward kernel (SageAttention3 algorithm) for the sm_120 family.
 //
-// One CTA = 8 warps (16 query rows each, 128 rows per tile); thread 0 doubles as the TMA
-// producer that streams Q tiles and K/V stages through an mbarrier ring (a dedicated
-// producer warp would cost the register budget of 4 warps: registers are allocated per 4 warps). Tiles
+// One CTA = 8 consumer warps (16 query rows each, 128 rows per tile) and, in every instantiation
+// but the bounded mode's, a producer warpgroup of its own (warps 8-11, producer_warpgroup): it
+// streams Q tiles and K/V stages through an mbarrier ring and fills each stage's delta_s vector,
+// V scales and V exponent factors, so the consumers never wait on a CTA barrier per stage. The
+// registers follow the roles (setmaxnreg): 40 a producer thread, 232 a consumer thread (launched
+// at 168 for 384 threads). The bounded mode (kInLoopResidual: its consumers compute delta_s's
+// correction in the loop, two threads a key) keeps 8 warps, thread 0 issuing the TMA between its
+// own MMA work (Producer) and the CTA filling each stage before a barrier. Tiles
 // (batch x q-head x 128-row block) are distributed over a persistent grid sized from the
 // device's SM count; causal tiles are visited longest first.
 //
-// Per 128-key stage, the CTA first writes the stage's delta_s vector (128 floats, each key pair
-// twice: delta_pair_offset), read from a row of p.ds_key: with one Q mean preprocessing's ds_key
+// Per 128-key stage, the stage's delta_s vector (128 floats, each key pair twice:
+// delta_pair_offset) is first written, read from a row of p.ds_key: with one Q mean preprocessing's ds_key
 // (qbar . K_s[j], the unquantized smoothed K); with per-block Q means the row of this query block
 // in the workspace that delta_s_blocks_kernel filled before (delta_s_blocks.cuh: ds_key[j] +
 // r . K^[j], r = mean_q - qbar). The kInLoopResidual instantiation (the bounded-memory mode, no
@@ -56,7 +61,7 @@ struct SmemLayout {
   // delta_s of keys 2i, 2i+1, twice: 16 bytes per pair, 16 bytes of padding after every 8 pairs
   // (delta_pair_offset)
   static constexpr int kDeltaBytes = kBlockN * 8 + kBlockN;
-  static constexpr int kVSfBytes = D * kBlockN / 16;  // the stage's V scales, copied by the consumers
+  static constexpr int kVSfBytes = D * kBlockN / 16;  // the stage's V scales (copied in, not TMA-loaded)
   // Offsets from a 1024-aligned base; every swizzled tile starts on a 1024 boundary.
   static constexpr int kQ = 0;
   static constexpr int kQSf = kQ + kQBytes;
@@ -67,7 +72,7 @@ struct SmemLayout {
   static constexpr int kStageDelta = kStageKSf + kKSfBytes;
   static constexpr int kStageVSf = kStageDelta + kDeltaBytes;
   // Per 32-channel group of V (V's tile exponents, FP4 P.V), written by D/32 threads of the last
-  // warp: 2^(e_t - e_(t-1)) (16 bytes), then 2^-e_t (16 bytes, read in the tile's last stage by
+  // warp (of the producer warpgroup, or of the CTA in the bounded mode): 2^(e_t - e_(t-1)) (16 bytes), then 2^-e_t (16 bytes, read in the tile's last stage by
   // the bounded-memory instantiation: see consumer)
   static constexpr int kStageVExp = kStageVSf + kVSfBytes;
   static constexpr int kVExpBytes = 32;
@@ -80,8 +85,8 @@ struct SmemLayout {
   static constexpr int kMeanQ = kProducerState + 64;
   static constexpr int kMeanQBytes = D * 4 + 16;
   static constexpr int kTotal = kMeanQ + kMeanQBytes + 1024;        // + slack to align the base
-  // The stage's delta_s vector (kStageDelta) and V scales (kStageVSf) are written by the
-  // consumers, not by TMA (V's scale rows are Sk_pad/16 bytes apart: not the multiple of 16 a
+  // The stage's delta_s vector (kStageDelta) and V scales (kStageVSf) are written by threads
+  // (the producer warpgroup's; the bounded mode's consumers), not by TMA (V's scale rows are Sk_pad/16 bytes apart: not the multiple of 16 a
   // tensor map's stride must be when Sk_pad/128 is odd).
   static constexpr uint32_t kStageTx = kKBytes + kVBytes + kKSfBytes;
   static constexpr uint32_t kQTx = kQBytes + kQSfBytes;
@@ -121,7 +126,7 @@ __device__ __forceinline__ TileCoord decode_tile(const AttnParams& p, int tile) 
   return c;
 }
 
-// The TMA producer: thread 0 of the CTA, run between its own MMA work. It walks this CTA's
+// The bounded mode's TMA producer: thread 0 of the CTA, run between its own MMA work. It walks this CTA's
 // (tile, key block) sequence ahead of the consumers, at most kStages stages ahead, and issues each
 // tile's Q when it enters the tile. Thread 0 is also a consumer, so it never waits for a stage that
 // its own warp has not released: stage n + kStages - 1 is issued at the start of iteration n,
@@ -966,8 +971,10 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
           }
         }
       }
+      // kWS: every lane arrives (count 256), so that each lane's own reads of the stage are
+      // released to the producer warpgroup's stores into it, not through a warp barrier
       __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[st]);
+      if (kWS || lane == 0) mbar_arrive(&empty[st]);
       if constexpr (kWalk) {
         ds_key_ptr += kBlockN;
         v_sf_copy += kBlockN / (kPV8 ? 32 : 16);
@@ -1006,7 +1013,7 @@ __device__ __forceinline__ void attn_fwd_body(const AttnParams& p) {
     mbar_init(&bars[1], kConsumerWarps);      // q_empty: one arrival per consumer warp
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&bars[2 + s], kWS ? 1 + kProducerThreads : 1);  // full (kWS: see producer_warpgroup)
-      mbar_init(&bars[2 + kStages + s], kConsumerWarps);         // empty
+      mbar_init(&bars[2 + kStages + s], kWS ? kThreads : kConsumerWarps);  // empty (kWS: every lane)
     }
     mbar_init_fence();
   }
