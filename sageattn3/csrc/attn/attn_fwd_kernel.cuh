@@ -563,7 +563,7 @@ __device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t*
           const int x = tid - (kProducerThreads - kVGroups);
           int e = 0, prev = 0;
           if (p.v_exp != nullptr) {
-            const int8_t* ep = p.v_exp + v_exp_row + kb * kVGroups + x;
+            const int8_t* ep = p.v_exp + (v_exp_row + kb * kVGroups + x);  // one 64-bit add: nothing 64-bit held across tiles
             e = __ldg(ep);
             prev = kb > 0 ? __ldg(ep - kVGroups) : e;
           }
