@@ -125,6 +125,47 @@ def test_sm120a_sass_has_block_scaled_fp4_mma(cubins):
     print(f"{count} x {OMMA} in sm_120a SASS")
 
 
+def _sass_by_kernel(sass: str) -> dict[str, str]:
+    """cuobjdump -sass's text per attention kernel entry (its `Function :` sections)."""
+    out, cur = {}, None
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            cur = m.group(1) if "fp4_attn_fwd_kernel" in m.group(1) else None
+            if cur:
+                out[cur] = ""
+        elif cur:
+            out[cur] += line + "\n"
+    return out
+
+
+@pytest.mark.parametrize("arch", ["120a", "121a"])
+def test_the_warp_specialized_kernels_keep_their_register_split(cubins, arch):
+    """Every instantiation but the bounded mode's gives its producer warpgroup 40 registers and
+    its consumers 232 (setmaxnreg, attn_params.h). ptxas drops setmaxnreg without an error where the
+    kernel holds an external call (info C7506: the `.shared::cluster` TMA form on sm_120a did): the
+    consumers then run at the launch's 168 and spill. So: both reallocations in the SASS, no call
+    through an absolute address, no C7506 in ptxas's log; the bounded mode (256 threads) none."""
+    cuobjdump = _tool("cuobjdump", "nvidia-cuda-cuobjdump")
+    nvdisasm = _tool("nvdisasm", "nvidia-cuda-nvdisasm")
+    if cuobjdump is None or nvdisasm is None:
+        pytest.skip("cuobjdump/nvdisasm not available (PATH or pip install nvidia-cuda-cuobjdump/-nvdisasm)")
+    obj, log = cubins[arch]
+    assert "C7506" not in log, log
+    env = dict(os.environ, PATH=f"{nvdisasm.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    sass = subprocess.run([str(cuobjdump), "-sass", str(obj)], capture_output=True, text=True, env=env)
+    assert sass.returncode == 0, sass.stderr
+    kernels = _sass_by_kernel(sass.stdout)
+    assert len(kernels) == 10, list(kernels)
+    for name, text in kernels.items():
+        if re.search(r"ILi\d+ELb1E", name):  # the bounded mode: thread 0 the producer, 256 threads
+            assert "USETMAXREG" not in text, name
+            continue
+        assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), f"{name}: the producer keeps 168 registers"
+        assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", text), f"{name}: the consumers stay at 168"
+        assert "CALL.ABS" not in text, f"{name}: a call to an external routine (setmaxnreg would be dropped)"
+
+
 RULE_CU = CSRC / "preprocess" / "qk_rule.cu"
 
 
