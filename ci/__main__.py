@@ -107,7 +107,7 @@ def _build_wheels(args: argparse.Namespace) -> int:
         from ci.stages.pipeline import build_test_wheel
 
         for t in targets:
-            build_test_wheel(t, matrix, Path(args.dist))
+            build_test_wheel(t, matrix, Path(args.dist), force_patches=tuple(args.force_patch or ()))
         return 0
     _refuse_windows_here(targets)
     pythons = args.verify_python or ["%d.%d" % sys.version_info[:2]]

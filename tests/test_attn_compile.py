@@ -125,6 +125,114 @@ def test_sm120a_sass_has_block_scaled_fp4_mma(cubins):
     print(f"{count} x {OMMA} in sm_120a SASS")
 
 
+def _sass_by_kernel(sass: str) -> dict[str, str]:
+    """cuobjdump -sass's text per attention kernel entry (its `Function :` sections)."""
+    out, cur = {}, None
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            cur = m.group(1) if "fp4_attn_fwd_kernel" in m.group(1) else None
+            if cur:
+                out[cur] = ""
+        elif cur:
+            out[cur] += line + "\n"
+    return out
+
+
+@pytest.mark.parametrize("arch", ["120a", "121a"])
+def test_the_warp_specialized_kernels_keep_their_register_split(cubins, arch):
+    """Every instantiation but the bounded mode's gives its producer warpgroup 40 registers and
+    its consumers 232 (setmaxnreg, attn_params.h). ptxas drops setmaxnreg without an error where the
+    kernel holds an external call (info C7506: the `.shared::cluster` TMA form on sm_120a did): the
+    consumers then run at the launch's 168 and spill. So: both reallocations in the SASS, no call
+    through an absolute address, no C7506 in ptxas's log; the bounded mode (256 threads) none."""
+    cuobjdump = _tool("cuobjdump", "nvidia-cuda-cuobjdump")
+    nvdisasm = _tool("nvdisasm", "nvidia-cuda-nvdisasm")
+    if cuobjdump is None or nvdisasm is None:
+        pytest.skip("cuobjdump/nvdisasm not available (PATH or pip install nvidia-cuda-cuobjdump/-nvdisasm)")
+    obj, log = cubins[arch]
+    assert "C7506" not in log, log
+    env = dict(os.environ, PATH=f"{nvdisasm.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    sass = subprocess.run([str(cuobjdump), "-sass", str(obj)], capture_output=True, text=True, env=env)
+    assert sass.returncode == 0, sass.stderr
+    kernels = _sass_by_kernel(sass.stdout)
+    assert len(kernels) == 10, list(kernels)
+    for name, text in kernels.items():
+        if re.search(r"ILi\d+ELb1E", name):  # the bounded mode: thread 0 the producer, 256 threads
+            assert "USETMAXREG" not in text, name
+            continue
+        assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), f"{name}: the producer keeps 168 registers"
+        assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", text), f"{name}: the consumers stay at 168"
+        assert "CALL.ABS" not in text, f"{name}: a call to an external routine (setmaxnreg would be dropped)"
+
+
+def _matrix_cuda_lines() -> list[str]:
+    """The CUDA lines the build matrix compiles with (ci/targets.toml's [cuda."X.Y"] tables)."""
+    text = (ROOT / "ci" / "targets.toml").read_text()
+    return sorted(set(re.findall(r'^\[cuda\."(\d+\.\d+)"\]', text, re.M)), key=lambda v: tuple(map(int, v.split("."))))
+
+
+def _ptxas_of(line: str) -> Path | None:
+    """ptxas of CUDA ``line`` from its PyPI nvcc wheel (which holds ptxas even where it holds no
+    nvcc: 12.8), installed once into the test-tool cache."""
+    major = int(line.split(".")[0])
+    package, sub = (f"nvidia-cuda-nvcc-cu{major}", "cuda_nvcc") if major == 12 else ("nvidia-cuda-nvcc", f"cu{major}")
+    cache = Path(os.environ.get("SAGEATTN3_TOOL_CACHE", cache_root() / "test-tools")) / f"ptxas-{line}"
+    exe = cache / "nvidia" / sub / "bin" / "ptxas"
+    if not exe.exists():
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(cache),
+                            f"{package}=={line}.*"], capture_output=True, text=True)
+        if r.returncode != 0 or not exe.exists():
+            return None
+    exe.chmod(exe.stat().st_mode | 0o111)
+    return exe
+
+
+@pytest.fixture(scope="module")
+def attn_ptx(tmp_path_factory) -> Path:
+    nvcc, _ = _nvcc()
+    ptx = tmp_path_factory.mktemp("ptx") / "attn_sm_120a.ptx"
+    r = subprocess.run([str(nvcc), "-ptx", str(ATTN_CU), "-o", str(ptx), "-gencode=arch=compute_120a,code=sm_120a",
+                        "-O3", "-std=c++20", f"-I{CSRC}"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return ptx
+
+
+@pytest.mark.parametrize("line", _matrix_cuda_lines())
+def test_every_cuda_lines_ptxas_keeps_the_register_split(attn_ptx, line, tmp_path):
+    """The register split by role (setmaxnreg) rests on ptxas, which drops it without an error
+    (info C7506). The wheels of each CUDA line of the matrix are assembled by that line's ptxas:
+    here each one assembles this nvcc's PTX for sm_120a (the PTX ISA version lowered to 8.7 for
+    CUDA 12.x, whose ptxas reads no later one: the frontend is this nvcc's, not the line's own,
+    which only the release's runners run). Each warp-specialized kernel keeps both reallocations
+    and no external call, and no kernel spills beyond its allowance."""
+    from ci.checks import sass_budget as sb
+
+    ptxas = _ptxas_of(line)
+    if ptxas is None:
+        pytest.skip(f"ptxas of CUDA {line} not installable here (pip nvidia-cuda-nvcc for {line})")
+    text = attn_ptx.read_text()
+    if line.startswith("12."):
+        text = re.sub(r"^\.version \d+\.\d+", ".version 8.7", text, count=1, flags=re.M)
+    ptx, cubin = tmp_path / "a.ptx", tmp_path / "a.cubin"
+    ptx.write_text(text)
+    r = subprocess.run([str(ptxas), "-arch=sm_120a", "-O3", "-v", "-o", str(cubin), str(ptx)], capture_output=True,
+                       text=True)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0 and "C7506" not in log, log[-3000:]
+    check_spills(log, f"ptxas {line}")
+    kernels = {n: [i.text for i in ins] for n, ins in sb.disassemble(cubin).items() if "fp4_attn_fwd_kernel" in n}
+    assert len(kernels) == 10, list(kernels)
+    for name, sass in kernels.items():
+        realloc = [x for x in sass if "USETMAXREG" in x]
+        if re.search(r"ILi\d+ELb1E", name):
+            assert not realloc, name
+            continue
+        assert any("DEALLOC" in x and x.endswith("0x28") for x in realloc), (line, name, realloc)
+        assert any("TRY_ALLOC" in x and x.endswith("0xe8") for x in realloc), (line, name, realloc)
+        assert not [x for x in sass if "CALL.ABS" in x], (line, name)
+
+
 RULE_CU = CSRC / "preprocess" / "qk_rule.cu"
 
 

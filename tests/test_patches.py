@@ -151,3 +151,25 @@ def test_torch_msvc_status_detects_an_unguarded_header(tmp_path):
     h.write_text("#ifdef _WIN32\n  TORCH_INTERNAL_ASSERT(false);\n#else\nif constexpr (x) {}\n#endif\n")
     assert status(tmp_path) == "guarded"  # torch 2.7/2.8's form
     assert status(tmp_path / "nothing") == "absent"
+
+
+def test_the_test_flavour_takes_forced_patches(monkeypatch, tmp_path):
+    """`build-wheels --test-flavour --force-patch NAME`, the command tests/gpu/test_msvc_patch_gpu.py
+    names for its wheel, resolves the test flavour's toolchain with that patch forced (it once
+    dropped the option and built an unpatched wheel)."""
+    from ci.__main__ import main
+    from ci.stages import pipeline
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def resolve_toolchain(target, matrix, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(pipeline.resolve, "resolve_toolchain", resolve_toolchain)
+    with pytest.raises(Stop):
+        main(["build-wheels", "--test-flavour", "--force-patch", "msvc-pointer-params", "--dist", str(tmp_path)])
+    assert seen == {"force_patches": ("msvc-pointer-params",), "mma_model": True}

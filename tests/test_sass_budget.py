@@ -3,9 +3,11 @@
 - The parser and the loop finder on a disassembly listing written out here (no tools needed).
 - The budget of the real attention kernel compiled for sm_120a (nvcc >= 12.9; nvdisasm from
   PyPI into the factory cache when not on PATH): 64/32 OMMAs per warp per tile at D 128/64, the
-  producer and the mask set aside from the consumer's count (the producer counted as warp 0's
-  own), the block-residual correction only on the default path, the pre-passes each instantiation
-  takes (tests/test_sass_budget_whole.py checks their arithmetic on listings written out).
+  mask set aside from the consumer's count; the producer: the bounded mode's inline one set aside
+  too (counted as warp 0's own), every other instantiation's producer warpgroup counted from its
+  own key loop (its first thread's TMA issue once, not in all four warps); the block-residual
+  correction only on the default path, the pre-passes each instantiation takes
+  (tests/test_sass_budget_whole.py checks their arithmetic on listings written out).
 - The timing stand-ins are never in a shipped build: nvcc refuses them without the MMA model,
   and no build configuration of the factory or the payload defines them."""
 
@@ -86,6 +88,57 @@ def _nvcc() -> Path:
     return nvcc
 
 
+def _check_loops(cubin: Path) -> None:
+    """No spill reloads inside the key-tile loop of any instantiation (tests/test_attn_compile.py);
+    the producer warpgroup's key loop: no MMA (not the consumer's), and its TMA loads all in the
+    leader's lines (what ws_producer counts once, not in all four warps)."""
+    leader = sk.producer_warp_lines().blocks[0][0]  # the producer warpgroup's `if (leader) {` bodies
+    for name, instrs in sb.disassemble(cubin).items():
+        if "fp4_attn_fwd_kernel" in name:
+            first, last = sb.key_loop(instrs)
+            assert not [i.text for i in instrs[first:last + 1] if i.opcode.startswith("LDL")], name
+            if not sk._in_loop_residual(name):
+                (lo, hi), _ = sk.producer_loops(instrs)
+                loads = [i for i in instrs[lo:hi + 1] if i.opcode.startswith("UTMALDG")]
+                assert not any(i.pipe == "omma" for i in instrs[lo:hi + 1]) and len(loads) >= 2, name
+                assert all(sb.in_ranges(i, "attn/attn_fwd_kernel.cuh", leader) for i in loads), name
+
+
+def _check_producers(full: sb.Budget, own: tuple[sb.Budget, ...], d: int) -> None:
+    """The bounded mode's producer inline (``full``); every other instantiation's (``own``, the
+    defaults first) a warpgroup of its own."""
+    # the bounded mode: thread 0 of warp 0 issues the TMA loads inline (its per-stage work: wait,
+    # expect_tx, three TMA loads; its share of the per-query-tile work), set aside from the
+    # consumer's count, counted on warp 0 and in the SM's issue
+    assert full.producer_warps == 0 and full.set_aside[sk.PRODUCER_STAGE] > 0 and full.set_aside[sk.PRODUCER_TILE] > 0
+    assert 50 < full.producer < 300 and full.busiest_warp == full.instructions + full.producer
+    # its last warp's V exponent factors per stage (D/32 writer threads): counted once per SM;
+    # every warp's test of threadIdx stays in the consumer's count
+    assert 5 < full.last_warp < 40 and full.last_warp == full.set_aside[sk.LAST_WARP]
+    assert full.bounds(sb.GPUS[0])["issue"] == pytest.approx((8 * full.instructions + full.producer + full.last_warp) / 4)
+    # every other instantiation: the producer warpgroup (4 warps of its own) fills the stages;
+    # none of its lines in the consumer's loop, none the last consumer warp runs alone
+    for b in own:
+        assert b.producer_warps == 4 and b.last_warp == 0, b.label
+        assert not b.set_aside[sk.PRODUCER_STAGE] and not b.set_aside[sk.PRODUCER_TILE] and not b.set_aside[sk.LAST_WARP]
+        # from its own key loop, per stage: 3 TMA loads (2 with the 16-bit Q·Kᵀ) and their
+        # expect_tx (the first thread's, in warp 0 only), the empty wait and full arrival, the
+        # delta_s vector (warps 0 and 1), V's scales and exponent factors; its tile loop's rest
+        # over the key tiles
+        assert 150 < b.producer < 500 and 60 < b.producer_own < 150, b.label
+        # the first thread's lines once, not in all four warps: well under 4 x the busiest warp
+        assert b.producer < 4 * b.producer_own - 80, b.label
+        # the busiest warp: a consumer warp or a producer warp, not their sum; the SM issues both
+        assert b.busiest_warp == max(b.instructions, b.producer_own) == b.instructions, b.label
+        assert b.bounds(sb.GPUS[0])["issue"] == pytest.approx((8 * b.instructions + b.producer) / 4), b.label
+        # its loads are the CTA's only ones besides the TMA's (the consumers load nothing in their loop)
+        assert b.global_bytes_warp == 0 and b.l2_bytes == b.tma_bytes + b.global_bytes_cta, b.label
+    # the producer's loads per stage: delta_s rows (128 keys x 4 bytes), V's scales (128 keys x D / 16
+    # bytes), V's exponents (2 x 32 bytes); its stores into the stage once per CTA, not per consumer warp
+    assert own[0].global_bytes_cta == 128 * 4 + 128 * d // 16 + 2 * 32
+    assert own[0].smem_bytes_cta >= 128 * 4 * 2 + 128 * d // 16
+
+
 def test_budget_of_the_attention_kernel(tmp_path):
     from ci.checks.kernel_report import toolkit_cuda
 
@@ -94,11 +147,7 @@ def test_budget_of_the_attention_kernel(tmp_path):
     nvcc = _nvcc()
     cubin = sk.compile_ours(nvcc, tmp_path, toolkit_cuda(nvcc))
     budgets = {b.label: b for b in sk.ours_budgets(cubin, compile_prepasses(nvcc, tmp_path, toolkit_cuda(nvcc)))}
-    # no spill reloads inside the key-tile loop of any instantiation (tests/test_attn_compile.py)
-    for name, instrs in sb.disassemble(cubin).items():
-        if "fp4_attn_fwd_kernel" in name:
-            first, last = sb.key_loop(instrs)
-            assert not [i.text for i in instrs[first:last + 1] if i.opcode.startswith("LDL")], name
+    _check_loops(cubin)
     for d, ommas in ((128, 64), (64, 32)):
         full, lean = budgets[f"ours D{d}, bounded mode (in-loop correction)"], budgets[f"ours D{d}, one Q mean"]
         default = budgets[f"ours D{d}, defaults (delta_s precomputed)"]
@@ -107,14 +156,7 @@ def test_budget_of_the_attention_kernel(tmp_path):
         assert "residual" not in default.set_aside
         for b in (full, lean):
             assert b.counts["omma"] == ommas  # 16x8x64 MMAs per warp per 128-key tile: S and P.V
-            assert b.counts["tma"] == 0 and b.set_aside[sk.PRODUCER_STAGE] > 0 and b.set_aside[sk.PRODUCER_TILE] > 0
-            # warp 0's producer: its per-stage work (wait, expect_tx, three TMA loads) and its share of
-            # the per-query-tile work; counted on warp 0 and in the SM's issue
-            assert 100 < b.producer < 300 and b.busiest_warp == b.instructions + b.producer
-            # the last warp's V exponent factors per stage (its D/32 writer threads): counted once
-            # per SM; every warp's test of threadIdx stays in the consumer's count
-            assert 5 < b.last_warp < 40 and b.last_warp == b.set_aside[sk.LAST_WARP]
-            assert b.bounds(sb.GPUS[0])["issue"] == pytest.approx((8 * b.instructions + b.producer + b.last_warp) / 4)
+            assert b.counts["tma"] == 0
             assert b.set_aside["mask (tail / causal diagonal)"] > 0
             kind, clk = b.bound(sb.GPUS[0])
             assert clk >= b.bounds(sb.GPUS[0])["tensor"] == pytest.approx(ommas * 8 * 4, rel=1e-3)
@@ -153,9 +195,13 @@ def test_budget_of_the_attention_kernel(tmp_path):
         assert pv8.counts["omma"] == 2 * ommas + ommas // 2 and both.counts["omma"] == s_precise + 4 * s4
         assert list(pv8.prepasses) == ["delta_s", "rule", "MXFP8 V"] and pv8.prepasses["MXFP8 V"].instructions > 0
         assert list(both.prepasses) == ["delta_s", "rule", "MXFP8", "MXFP8 V"]
-        # (less the FP4 P·V kernels' two loads of V's exponent bytes: the last warp's, 2 x 32 bytes per CTA)
-        assert pv8.l2_bytes - default.l2_bytes == both.l2_bytes - fp8.l2_bytes == 128 * d // 2 - 2 * 32
+        # (less the FP4 P·V kernels' two loads of V's exponent bytes, the producer's last warp's: 2 x 32
+        # bytes per CTA; and at D 128 half the V scale bytes, one UE8M0 byte per 32 keys: at D 64 the FP8
+        # P·V producer's one load, which half its threads take, counts in all four warps, as statically)
+        assert (pv8.l2_bytes - default.l2_bytes == both.l2_bytes - fp8.l2_bytes
+                == 128 * d // 2 - 2 * 32 - (128 * d // 32 if d == 128 else 0))
         assert pv8.dram_bytes > default.dram_bytes and both.dram_bytes > fp8.dram_bytes
+        _check_producers(full, (default, lean, fp8, pv8, both), d)
 
 
 @pytest.mark.parametrize("define", STANDINS)

@@ -2,7 +2,9 @@
 on listings and numbers written out here, no tools needed:
 
 - the producer's share of a key tile (its per-stage work, its per-query-tile work over the key
-  tiles) on warp 0 and in the SM's issue;
+  tiles): inline, on warp 0 and in the SM's issue; on warps of its own (the producer warpgroup,
+  upstream's producer warp), counted from its own loops per warp that issues each line, in the
+  SM's issue and not on top of a consumer warp;
 - a pre-pass counted from its SASS (main loop x iterations, another loop, the rest once per CTA,
   nothing after the last EXIT) and converted per attention tile; its time added to the attention
   kernel's bound, not hidden under it;
@@ -76,6 +78,113 @@ def test_the_last_warps_own_lines_count_once_per_sm():
     assert b.bounds(sb.GPUS[0])["issue"] == pytest.approx((8 * 6 + 2 + 3) / 4)
     row = next(r for r in table([b]).splitlines() if r.startswith("| last warp's own"))
     assert "| 3 " in row
+
+
+# A producer warpgroup (lines of PRODUCER_SOURCE): its tile loop (0x10-0x110) around its key loop
+# (0x50-0x100). The key loop: 6 lines every warp runs, 3 of the leader's (warp 0), 2 of the delta_s
+# vector's (warps 0 and 1), 1 of V's exponents' (warp 3); the rest of the tile loop: 4 every warp
+# runs (the leader block's reconvergence, BSYNC, included), 1 of the leader's (a tile's Q).
+PRODUCER_SOURCE = """\
+// the producer warpgroup
+void producer_warpgroup(int tid) {
+  const bool leader = tid == 0;
+  for (int tile = 0; tile < n; ++tile) {
+    if (leader) {
+      load_q();
+    }
+    for (int kb = 0; kb < m; ++kb) {
+      wait_empty();
+      if (leader) {
+        load_k();
+        load_v();
+      }
+      if (tid < kBlockN / 2) {
+        store_delta();
+      }
+      if (tid >= kProducerThreads - kVGroups) {
+        store_v_exponents();
+      }
+      mbar_arrive(&full[st]);
+    }
+  }
+}
+"""
+_AT = '\t//## File "/src/attn/attn_fwd_kernel.cuh", line {}\n'
+PRODUCER_LOOPS = f"""\
+.text._Z2wsv:
+        /*0000*/                   S2R R0, SR_TID.X ;
+.L_x_0:
+{_AT.format(4)}        /*0010*/                   IMAD R1, R1, R1, RZ ;
+{_AT.format(5)}        /*0020*/               @P0 BRA `(.L_x_2) ;
+{_AT.format(6)}        /*0030*/                   UTMALDG.2D [UR8], [UR4] ;
+.L_x_2:
+        /*0040*/                   BSYNC B0 ;
+.L_x_1:
+{_AT.format(9)}        /*0050*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R3 ;
+{_AT.format(10)}        /*0060*/               @P0 BRA `(.L_x_3) ;
+{_AT.format(11)}        /*0070*/                   SYNCS.ARRIVE.TRANS64 RZ, [UR4], R6 ;
+        /*0080*/                   UTMALDG.2D [UR8], [UR4] ;
+{_AT.format(12)}        /*0090*/                   UTMALDG.2D [UR8], [UR6] ;
+.L_x_3:
+{_AT.format(14)}        /*00a0*/               @P1 BRA `(.L_x_4) ;
+{_AT.format(15)}        /*00b0*/                   LDG.E.64 R4, desc[UR4][R2.64] ;
+        /*00c0*/                   STS.128 [R5], R4 ;
+.L_x_4:
+{_AT.format(17)}        /*00d0*/               @P2 BRA `(.L_x_5) ;
+{_AT.format(18)}        /*00e0*/                   STS [R5], R4 ;
+.L_x_5:
+{_AT.format(20)}        /*00f0*/                   SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR4], RZ ;
+{_AT.format(8)}        /*0100*/               @P3 BRA `(.L_x_1) ;
+{_AT.format(4)}        /*0110*/               @P4 BRA `(.L_x_0) ;
+        /*0120*/                   EXIT ;
+"""
+
+
+def test_a_producer_of_its_own_counts_per_warp_and_not_on_a_consumer_warp(tmp_path):
+    (tmp_path / "attn_fwd_kernel.cuh").write_text(PRODUCER_SOURCE)
+    (tmp_path / "attn_params.h").write_text("constexpr int kBlockN = 128;\nconstexpr int kProducerThreads = 128;\n")
+    lines = sk.producer_warp_lines(tmp_path / "attn_fwd_kernel.cuh")
+    assert lines.warps == 4 and lines.arrive == 20
+    assert lines.blocks == [([(6, 7), (11, 13)], {0}), ([(15, 16)], {0, 1}), ([(18, 19)], {3})]
+    instrs = sb.parse_disassembly(PRODUCER_LOOPS)["_Z2wsv"]
+    ref = sb.Ref(tokens=4 * 128)  # 4 key tiles per query tile
+    # per warp: key loop 11, 8, 6, 7; the rest of the tile loop 5, 4, 4, 4 over the 4 key tiles
+    counted = sk.ws_producer(instrs, lines, ref)
+    total, own = counted.instructions, counted.busiest
+    assert (total, own) == (11 + 8 + 6 + 7 + 17 / 4, 11 + 5 / 4)
+    # its bytes per stage: the delta_s rows (8-byte loads, 16-byte stores) in warps 0 and 1, V's exponents' store in warp 3
+    assert counted.global_bytes == 2 * 32 * 8 and counted.smem_bytes == 2 * 32 * 16 + 32 * 4
+    # not 4 x every line: the leader's lines once, the delta_s vector's twice, V's exponents' once
+    assert total < 4 * (12 + 5 / 4)
+    # two stages an iteration (ptxas unrolled the loop): each stage half the loop
+    two = PRODUCER_LOOPS.replace("SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR4], RZ ;", "SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR4], RZ ;\n"
+                                 "        /*00f8*/                   SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR6], RZ ;")
+    assert sk.ws_producer(sb.parse_disassembly(two)["_Z2wsv"], lines, ref) == ((12 + 9 + 7 + 8) / 2 + 17 / 4, 12 / 2 + 5 / 4,
+                                                                             (2 * 32 * 16 + 32 * 4) / 2, 2 * 32 * 8 / 2)
+
+    # the busiest warp: a consumer warp (164 warp-instructions), not a consumer warp + the producer;
+    # the SM issues all 8 consumer warps and all the producer's warps
+    gpu = sb.GPUS[0]
+    b = _tensor_bound_budget(producer=total, producer_warps=4, producer_warp=own)
+    assert b.producer_own == own and b.busiest_warp == 164
+    assert b.sm_instructions == 8 * 164 + total
+    assert b.bounds(gpu)["issue"] == pytest.approx((8 * 164 + total) / 4) and b.issue_all() == b.bounds(gpu)["issue"]
+    # a producer warp busier than the consumer warps (10 each, the last 12 with its own share of 2) is the busiest
+    small = dict(counts=Counter({"omma": 1, "fp32": 9}), producer=total, producer_warps=4, producer_warp=own)
+    assert sb.Budget("t", 128, 8, **small).busiest_warp == own
+    assert sb.Budget("t", 128, 8, last_warp=2, **small).busiest_warp == own
+    assert sb.Budget("t", 128, 8, last_warp=4, **small).busiest_warp == 14
+    # no busiest warp given: an even split of the producer
+    assert sb.Budget("t", 128, 8, counts=Counter({"fp32": 5}), producer=36.0, producer_warps=4).busiest_warp == 9
+    # inline (producer_warps 0, the bounded mode): warp 0 runs a consumer's work and the producer's
+    inline = sb.Budget("t", 128, 8, counts=Counter({"omma": 1, "fp32": 9}), producer=total)
+    assert inline.busiest_warp == 10 + total and inline.sm_instructions == 8 * 10 + total
+    rows = table([b, sb.Budget("t", 128, 8, **small), inline]).splitlines()
+    busiest = next(r for r in rows if r.startswith("| busiest warp"))
+    assert "164 (a consumer warp)" in busiest and "12 (a producer warp)" in busiest
+    assert f"{10 + total:,.0f} (warp 0: consumer + producer)" in busiest
+    producer = next(r for r in rows if r.startswith("| producer"))
+    assert f"{total:,.0f} (4 warps, the busiest 12)" in producer and f"{total:,.0f} (inline, warp 0)" in producer
 
 
 # A pre-pass: 2 instructions before its loops, a main loop of 3 (source line 3), a second loop of
@@ -170,7 +279,9 @@ def test_compulsory_dram_bytes_at_the_reference_shape():
 
 def test_the_stored_upstream_counts_its_producer_warp():
     up = sk.stored_upstream_budgets(sb.Ref(32768))[0]
-    assert up.producer == 102 + 146 / 256 and up.busiest_warp == 850 + up.producer
+    # a warp of its own: in the SM's issue, not on top of a consumer warp (850 warp-instructions)
+    assert up.producer == 102 + 146 / 256 and up.producer_warps == 1
+    assert up.busiest_warp == 850 and up.sm_instructions == 8 * 850 + up.producer
     assert up.prepasses["delta_s"].instructions is None  # torch's matmul: bytes only
     row = next(r for r in table([up]).splitlines() if r.startswith("| producer"))
     assert "103" in row

@@ -15,12 +15,18 @@ the kernels it is counted for, this project's and upstream's, are in :mod:`ci.ch
    reads the line info, never by guessing at branches.
 3. Bytes: shared memory read and written per warp from the SASS widths (LDS/STS/LDSM x 32
    lanes); L2 bytes per CTA = the tile's TMA bytes (from the kernel's layout) + global loads
-   x warps (loads that every warp makes of the same bytes count once).
-4. The producer: thread 0 of warp 0 issues the TMA loads inline (its source lines, set aside
-   from the consumer's count, are counted as warp 0's extra work per key tile; the work it does
-   once per query tile is amortized over the key tiles of the reference shape, `REF`). Warp 0 is
-   the busiest warp; the SM issues 8 consumer warps + the producer per tile. Likewise the lines
-   only the last warp runs (V's exponent factors of each stage, by D/32 of its threads) count
+   x warps (loads that every warp makes of the same bytes count once; a producer of its own's
+   loads, and its shared-memory stores, once per CTA, in each of its warps that makes them).
+4. The producer (``Budget.producer``: its warp-instructions per key tile, all its warps; the
+   work it does once per query tile amortized over the key tiles of the reference shape, `REF`).
+   Inline (``producer_warps`` 0: the bounded mode's thread 0 of warp 0 issuing the TMA loads
+   between its MMA work): its source lines, set aside from the consumer's count, are warp 0's
+   extra work, and warp 0 is the busiest warp. On warps of its own (``producer_warps`` > 0: this
+   project's producer warpgroup, upstream's producer warp): counted from its own key loop (the
+   innermost loop issuing two TMA loads or more, :mod:`ci.checks.sass_kernels`); the busiest warp
+   is the larger of a consumer warp and its busiest warp (``producer_warp``). Either way the SM
+   issues the consumer warps + the producer per tile. Likewise the lines only the last consumer
+   warp runs (the bounded mode's V exponent factors of each stage, by D/32 of its threads) count
    once per SM, not in every consumer warp.
 5. Pre-passes (:mod:`ci.checks.sass_prepass`): kernels that run before the attention kernel on
    the same stream (delta_s per query block and key, the Q·Kᵀ precision rule, MXFP8), counted
@@ -297,11 +303,13 @@ class Budget:
     counts: Counter = field(default_factory=Counter)      # pipe -> warp-instructions
     set_aside: Counter = field(default_factory=Counter)   # region -> warp-instructions (not counted)
     smem_bytes: int = 0            # per warp
-    smem_bytes_cta: int = 0        # per CTA, what one warp alone moves (the last warp's own lines)
+    smem_bytes_cta: int = 0        # per CTA, what not every consumer warp moves (the last warp's own lines, a producer's)
     global_bytes_warp: int = 0     # per warp, loads distinct per warp
-    global_bytes_cta: int = 0      # per CTA, loads every warp makes of the same bytes
+    global_bytes_cta: int = 0      # per CTA, loads every warp makes of the same bytes, and a producer of its own's
     tma_bytes: int = 0             # per CTA
-    producer: float | None = 0.0   # the producer's warp-instructions per key tile (None: not counted)
+    producer: float | None = 0.0   # the producer's warp-instructions per key tile, all its warps (None: not counted)
+    producer_warps: int = 0        # the warps of its own the producer runs on (0: inline, on warp 0)
+    producer_warp: float = 0.0     # the busiest of those warps' own per key tile (0: producer / producer_warps)
     last_warp: float = 0.0         # what one consumer warp (not warp 0) alone runs per key tile, on top
     dram_bytes: float = 0.0        # the attention kernel's compulsory DRAM bytes per tile at REF
     prepasses: dict = field(default_factory=dict)          # name -> PerTile
@@ -311,15 +319,25 @@ class Budget:
         return sum(self.counts.values())
 
     @property
+    def producer_own(self) -> float:
+        """The busiest producer warp's own warp-instructions per key tile (inline: the producer's)."""
+        if self.producer_warps and self.producer_warp:
+            return self.producer_warp
+        return (self.producer or 0.0) / max(self.producer_warps, 1)
+
+    @property
     def busiest_warp(self) -> float:
-        """Warp 0: a consumer warp plus the producer (where the producer is a warp of its own,
-        the busiest of that and a consumer), or the last warp with its own share, if larger."""
-        return self.instructions + max(self.producer or 0.0, self.last_warp)
+        """Inline producer: warp 0, a consumer warp plus the producer, or the last warp with its own
+        share, if larger. A producer on warps of its own: the larger of a consumer warp (the last,
+        with its own share) and the busiest producer warp."""
+        if not self.producer_warps:
+            return self.instructions + max(self.producer or 0.0, self.last_warp)
+        return max(self.instructions + self.last_warp, self.producer_own)
 
     @property
     def sm_instructions(self) -> float:
         """The attention kernel's warp-instructions per SM per tile: every consumer warp, the
-        producer, and the last warp's share."""
+        producer (all its warps), and the last warp's share."""
         return self.instructions * self.warps + (self.producer or 0.0) + self.last_warp
 
     @property
@@ -421,17 +439,27 @@ def calibrate(budget_: Budget, gpu: Gpu, measured_tops: float) -> float:
 def block_lines(path: Path, start: str) -> tuple[int, int]:
     """1-based line range of the first block whose opening line matches the regex `start`,
     through its matching closing brace."""
+    return blocks_lines(path, start)[0]
+
+
+def blocks_lines(path: Path, start: str, within: tuple[int, int] | None = None) -> list[tuple[int, int]]:
+    """1-based line ranges of every block whose opening line matches the regex `start` (and lies
+    in the line range ``within``, when given), each through its matching closing brace."""
     lines = path.read_text().splitlines()
-    for i, line in enumerate(lines):
-        if re.search(start, line):
+    lo, hi = within or (1, len(lines))
+    out = []
+    for i in range(lo - 1, hi):
+        if re.search(start, lines[i]):
             depth, seen = 0, False
             for j in range(i, len(lines)):
                 depth += lines[j].count("{") - lines[j].count("}")
                 seen = seen or "{" in lines[j]
                 if seen and depth <= 0:
-                    return i + 1, j + 1
-            break
-    raise ValueError(f"{path.name}: no block matching {start!r}")
+                    out.append((i + 1, j + 1))
+                    break
+    if not out:
+        raise ValueError(f"{path.name}: no block matching {start!r}")
+    return out
 
 
 def in_ranges(ins: Instr, file_suffix: str, ranges: list[tuple[int, int]]) -> bool:

@@ -11,9 +11,11 @@ import subprocess
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, NamedTuple
 
-from ci.checks.sass_budget import (GPUS, REF, Budget, Classifier, Gpu, Instr, PerTile, Ref, block_lines, budget,
-                                   disassemble, in_ranges, innermost_loop, loops)
+from ci.checks.sass_budget import (GPUS, REF, Budget, Classifier, Gpu, Instr, PerTile, Ref, block_lines, blocks_lines,
+                                   budget, disassemble, in_ranges, innermost_loop, loops)
+from ci.checks.sass_prepass import constant
 from ci.toolchain.flags import device_flags
 
 # -- this project's kernel (sageattn3/csrc/attn) ------------------------------------------------
@@ -40,10 +42,12 @@ def _line_of(path: Path, pattern: str) -> int:
 def ours_regions(kernel: Path = KERNEL) -> dict[str, list[tuple[int, int]]]:
     """Line ranges of attn_fwd_kernel.cuh that the steady state of a consumer warp does not run,
     or runs only on the default path (per-block Q means). P's second term of the FP8 P·V path is
-    counted (the static rule: its worst case, every 32-key block taking it; on peaky data most do). The producer's (thread 0's, in warp 0)
-    are counted as its own: what it does per stage, and what it does once per query tile (issue
-    Q; step to the next tile), the bodies of those two blocks of Producer::run. Earlier entries
-    win: the per-query-tile blocks lie inside Producer."""
+    counted (the static rule: its worst case, every 32-key block taking it; on peaky data most do).
+    The bounded mode's producer (thread 0's, in warp 0: Producer) is counted as its own: what it
+    does per stage, and what it does once per query tile (issue Q; step to the next tile), the
+    bodies of those two blocks of Producer::run. Earlier entries win: the per-query-tile blocks lie
+    inside Producer. (The other instantiations' producer warpgroup runs no line of the consumer's
+    loop: ``ws_producer`` counts it from its own.)"""
     q_issue, advance = block_lines(kernel, r"if \(kb == 0\) \{"), block_lines(kernel, r"if \(\+\+kb == c\.num_kb\) \{")
     writer = block_lines(kernel, r"if \(threadIdx\.x >= kThreads - kVGroups\) \{")
     return {
@@ -64,6 +68,89 @@ def producer_share(b: Budget, ref: Ref = REF) -> float:
     """The producer's warp-instructions per key tile: its per-stage work, and its per-query-tile
     work amortized over the key tiles of a query tile at the reference shape."""
     return b.set_aside[PRODUCER_STAGE] + b.set_aside[PRODUCER_TILE] / ref.blocks
+
+
+# -- the producer warpgroup (every instantiation but the bounded mode's: producer_warpgroup) -----
+
+class ProducerLines(NamedTuple):
+    """Where a producer of its own runs what, by source line (``producer_warp_lines``)."""
+    blocks: list[tuple[list[tuple[int, int]], frozenset[int]]]  # a block's body lines, the warps that run it
+    arrive: int                                                   # the line of its arrival on a stage's full barrier
+    warps: int                                                    # its warps
+
+
+def producer_warp_lines(kernel: Path = KERNEL) -> ProducerLines:
+    """The producer warpgroup's (kProducerThreads / 32 warps) blocks that only some of its warps
+    run, each body's lines with the warps (0-3 of the group) that run it: its first thread's
+    (``if (leader) {``: a tile's Q, each stage's expect_tx and TMA loads) warp 0; the delta_s
+    vector's (threads below kBlockN / 2) warps 0 and 1; V's exponent factors' (the last D/32
+    threads) warp 3. A warp none of whose threads pass a block's test branches over its body (the
+    SASS branches, not predicates, these bodies); every other line every warp runs. And the line of
+    its arrival on a stage's ``full`` barrier: one per stage (how many stages an iteration of its
+    key loop holds, where ptxas unrolled it)."""
+    body = block_lines(kernel, r"void producer_warpgroup\(")
+    params = kernel.parent / "attn_params.h"
+    threads, block_n = constant(params, "kProducerThreads"), constant(params, "kBlockN")
+    inner = lambda start: [(a + 1, b) for a, b in blocks_lines(kernel, start, body)]  # noqa: E731
+    blocks = [(inner(r"if \(leader\) \{"), frozenset({0})),
+              (inner(r"if \(tid < kBlockN / 2\) \{"), frozenset(range((block_n // 2 - 1) // 32 + 1))),
+              (inner(r"if \(tid >= kProducerThreads - kVGroups\) \{"), frozenset({(threads - 1) // 32}))]
+    text = kernel.read_text().splitlines()
+    arrive = next(n for n in range(body[0], body[1] + 1) if re.search(r"mbar_arrive\(&full\[st\]\);", text[n - 1]))
+    return ProducerLines(blocks, arrive, threads // 32)
+
+
+def producer_loops(instrs: list[Instr]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A producer of its own's key loop, the shortest loop issuing two TMA loads or more (the loads
+    of a stage; an elected thread's retry loop around one load is shorter but issues one), and its
+    tile loop, the shortest loop around that one: index ranges [lo, hi]."""
+    lo, hi = innermost_loop(instrs, lambda body: sum(x.opcode.startswith("UTMALDG") for x in body) >= 2,
+                            "issuing two TMA loads")
+    around = [(a, b) for a, b in loops(instrs) if a <= lo and b >= hi and (a, b) != (lo, hi)]
+    return (lo, hi), min(around, key=lambda r: r[1] - r[0])
+
+
+class OwnProducer(NamedTuple):
+    """A producer of its own per key tile (``ws_producer``)."""
+    instructions: float  # its warp-instructions, all its warps
+    busiest: float       # its busiest warp's
+    smem_bytes: int      # shared memory bytes its key loop moves per stage, all its warps
+    global_bytes: int    # bytes its key loop loads from global memory (L2) per stage, all its warps
+
+
+def ws_producer(instrs: list[Instr], lines: ProducerLines, ref: Ref = REF,
+                file: str = "attn/attn_fwd_kernel.cuh") -> OwnProducer:
+    """The producer warpgroup per key tile. Static, as the consumer's count: every instruction of
+    its key loop (``producer_loops``) counts, per stage (the loop's count / the stages it holds, by
+    its arrivals on ``full``), and the rest of its tile loop once per query tile, over the key tiles
+    of ``ref``; each in every warp that issues it: the blocks of ``lines`` in their warps only (the
+    leader's TMA issue once, not in all four), the rest in all (a block's reconvergence, BSYNC,
+    every warp passes). Its bytes (the delta_s rows, V's scales and exponents it copies into the
+    stage), as the consumer's, from its key loop alone."""
+    (lo, hi), (a, b) = producer_loops(instrs)
+
+    def runs(ins: Instr) -> frozenset[int] | range:
+        if not ins.opcode.startswith("BSYNC"):
+            for ranges, who in lines.blocks:
+                if in_ranges(ins, file, ranges):
+                    return who
+        return range(lines.warps)
+
+    def per_warp(part: list[Instr], weight: Callable[[Instr], int] = lambda ins: 1) -> list[int]:
+        n = [0] * lines.warps
+        for ins in part:
+            for w in runs(ins):
+                n[w] += weight(ins)
+        return n
+
+    at = [(lines.arrive, lines.arrive)]
+    loop = instrs[lo:hi + 1]
+    stages = sum(x.opcode.startswith("SYNCS.ARRIVE") and in_ranges(x, file, at) for x in loop)
+    if not stages:
+        raise ValueError("the producer's key loop holds no arrival on a stage's full barrier")
+    own = [n / stages + t / ref.blocks for n, t in zip(per_warp(loop), per_warp(instrs[a:lo] + instrs[hi + 1:b + 1]))]
+    return OwnProducer(sum(own), max(own), round(sum(per_warp(loop, Instr.smem_bytes)) / stages),
+                       round(sum(per_warp(loop, Instr.global_bytes)) / stages))
 
 
 def ours_dram_bytes(d: int, kind: str, ref: Ref = REF) -> float:
@@ -157,7 +244,8 @@ def ours_budgets(cubin: Path, prepass_cubins: dict[str, Path], bounded: bool = T
     """Per head dim: the defaults (delta_s precomputed per query block and key, read per tile),
     one Q mean (the same loop), the FP8 Q·Kᵀ heads, FP8 P·V (opt-in, with FP4 or FP8 Q·Kᵀ), and
     with ``bounded`` the in-loop correction of
-    the bounded-memory mode; each with its producer share, compulsory DRAM bytes and the
+    the bounded-memory mode; each with its producer (the bounded mode: thread 0's inline share,
+    ``producer_share``; the others: the producer warpgroup, ``ws_producer``), compulsory DRAM bytes and the
     pre-passes it takes (``TAKES``; ``prepass_cubins``: ci.checks.sass_prepass.compile_prepasses)."""
     from ci.checks.sass_prepass import prepass_costs
 
@@ -169,7 +257,7 @@ def ours_budgets(cubin: Path, prepass_cubins: dict[str, Path], bounded: bool = T
     shared = lambda ins: any(f.endswith("attn/attn_fwd_kernel.cuh") and n in shared_lines for f, n in ins.frames)
     cubins = {**prepass_cubins, "attn/attn_launch.cu": cubin}
     pre = {d: prepass_costs(cubins, d, ref) for d in {_head_dim_of(n) for n in funcs} - {None}}
-    out = []
+    out, warp_lines = [], producer_warp_lines()
     kernels = [(name, instrs) for name, instrs in funcs.items() if _head_dim_of(name) is not None]
     order = lambda kv: (-_head_dim_of(kv[0]), _pv8(kv[0]), _in_loop_residual(kv[0]), _qk8(kv[0]))  # noqa: E731
     for name, instrs in sorted(kernels, key=order):
@@ -190,7 +278,13 @@ def ours_budgets(cubin: Path, prepass_cubins: dict[str, Path], bounded: bool = T
         for kind, res, label, tma in runs:
             b = budget(instrs, label=label, head_dim=d, warps=8, tma_bytes=tma, classify=ours_classifier(res),
                        cta_shared=shared, once_per_cta=(LAST_WARP,))
-            b.producer = producer_share(b, ref)
+            if kind == "bounded":  # thread 0 of warp 0, inline
+                b.producer = producer_share(b, ref)
+            else:  # the producer warpgroup, its bytes once per CTA
+                own = ws_producer(instrs, warp_lines, ref)
+                b.producer, b.producer_warp, b.producer_warps = own.instructions, own.busiest, warp_lines.warps
+                b.smem_bytes_cta += own.smem_bytes
+                b.global_bytes_cta += own.global_bytes
             b.dram_bytes = ours_dram_bytes(d, kind, ref)
             b.prepasses = {n: pre[d][n] for n in TAKES[kind]}
             out.append(b)
@@ -257,13 +351,9 @@ def _upstream_head_dim(name: str) -> int | None:
 
 def upstream_producer(instrs: list[Instr]) -> tuple[int, int]:
     """Upstream's producer warp (its mainloop producer, one elected thread issuing the TMA loads):
-    (the warp-instructions of its key loop, the shortest loop issuing two TMA loads or more: one per
-    key tile; the rest of the tile loop around it: once per query tile, the first key tile's loads
-    included)."""
-    lo, hi = innermost_loop(instrs, lambda body: sum(x.opcode.startswith("UTMALDG") for x in body) >= 2,
-                            "issuing two TMA loads")
-    around = [(a, b) for a, b in loops(instrs) if a <= lo and b >= hi and (a, b) != (lo, hi)]
-    a, b = min(around, key=lambda r: r[1] - r[0])
+    (the warp-instructions of its key loop, ``producer_loops``: one per key tile; the rest of the
+    tile loop around it: once per query tile, the first key tile's loads included)."""
+    (lo, hi), (a, b) = producer_loops(instrs)
     return hi - lo + 1, (b - a + 1) - (hi - lo + 1)
 
 
@@ -285,7 +375,8 @@ def upstream_prepass(d: int, ref: Ref = REF) -> dict[str, PerTile]:
 
 
 def upstream_budgets(cubin: Path, ref: Ref = REF) -> list[Budget]:
-    """Upstream's consumer loop: 8 MMA warps; its producer warp (a separate warpgroup) per key tile."""
+    """Upstream's consumer loop: 8 MMA warps; its producer warp (a separate warpgroup) per key tile,
+    a warp of its own (``producer_warps`` 1: the busiest warp is a consumer or it, not their sum)."""
     out = []
     funcs = disassemble(cubin)
     for name, instrs in sorted(funcs.items(), key=lambda kv: -(_upstream_head_dim(kv[0]) or 0)):
@@ -294,7 +385,7 @@ def upstream_budgets(cubin: Path, ref: Ref = REF) -> list[Budget]:
             continue
         b = budget(instrs, label=f"upstream D{d}", head_dim=d, warps=8, tma_bytes=upstream_tma_bytes(d))
         per_stage, per_tile = upstream_producer(instrs)
-        b.producer = per_stage + per_tile / ref.blocks
+        b.producer, b.producer_warps = per_stage + per_tile / ref.blocks, 1
         b.dram_bytes = upstream_dram_bytes(d, ref)
         b.prepasses = upstream_prepass(d, ref)
         out.append(b)
@@ -317,7 +408,8 @@ UPSTREAM_STORED = {
 def stored_upstream_budgets(ref: Ref = REF) -> list[Budget]:
     return [Budget(f"upstream D{d} ({UPSTREAM_COMMIT[:7]})", d, 8, counts=Counter(v["counts"]),
                    smem_bytes=v["smem_bytes"], tma_bytes=upstream_tma_bytes(d),
-                   producer=v["producer"][0] + v["producer"][1] / ref.blocks, dram_bytes=upstream_dram_bytes(d, ref),
+                   producer=v["producer"][0] + v["producer"][1] / ref.blocks, producer_warps=1,
+                   dram_bytes=upstream_dram_bytes(d, ref),
                    prepasses=upstream_prepass(d, ref))
             for d, v in UPSTREAM_STORED.items()]
 

@@ -196,10 +196,13 @@ def install_hint(dist: Path, runs: list[TargetRun]) -> list[str]:
     return lines
 
 
-def build_test_wheel(target: Target, matrix: Matrix, dist: Path, log=default_log) -> Path:
+def build_test_wheel(target: Target, matrix: Matrix, dist: Path, *, force_patches: tuple[str, ...] = (),
+                     log=default_log) -> Path:
     """The test flavour of a target (sm_90a added, FP4 MMA modelled) into dist/test/, repaired
-    and recorded, outside dist/wheels and the index: for running GPU tests on Hopper."""
-    tc = resolve.resolve_toolchain(target, matrix, mma_model=True)
+    and recorded, outside dist/wheels and the index: for running GPU tests on Hopper.
+    ``force_patches``: patches applied whatever their predicate (e.g. the MSVC one, for its GPU
+    test on Linux)."""
+    tc = resolve.resolve_toolchain(target, matrix, force_patches=force_patches, mma_model=True)
     result = buildmod.build(tc, matrix, dist / "raw" / f"{target.id}-test", log=log)
     out = dist / "test"
     repaired = repairmod.repair(result.wheel, out, target.os.platform, settings=tc.settings, log=log)

@@ -167,7 +167,10 @@ def graph_capture() -> dict:
             torch.cuda.synchronize()
             ok &= same(out, want)
         res["replay_matches"] = ok
-        names = ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales", "mean_q")
+        # every input the call reads (raw_call): codes, scales, V's tile exponents, the means,
+        # delta_s's key row and K's residual
+        names = tuple(n for n in ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales", "v_exp",
+                                  "mean_q", "mean_q_global", "delta_key", "k_residual") if getattr(pre, n) is not None)
         for n in names:
             getattr(pre, n).copy_(getattr(pre2, n))
         g.replay()

@@ -18,6 +18,7 @@ msvc-pointer-params`, or tests/gpu/msvc_patch_build.py for plain pip builds).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -40,8 +41,10 @@ def test_binary_has_pointer_entry(patched):
     """The record and the binary agree: the kernel entries take `const AttnParams*`."""
     so = next(Path(patched.__file__).parent.glob("_C*.so"))
     blob = so.read_bytes()
-    assert b"fp4_attn_fwd_kernelILi128EEEvPKNS0_10AttnParamsE" in blob
-    assert b"fp4_attn_fwd_kernelILi128EEEvNS0_10AttnParamsE" not in blob
+    # every instantiation (<D, kInLoopResidual, kQK8, kPV8, kQK16>) takes the pointer, none the struct
+    by_pointer = set(re.findall(rb"fp4_attn_fwd_kernelI(Li\d+E(?:Lb[01]E)+)EEvPKNS0_10AttnParamsE", blob))
+    by_value = set(re.findall(rb"fp4_attn_fwd_kernelI(Li\d+E(?:Lb[01]E)+)EEvNS0_10AttnParamsE", blob))
+    assert {b"Li128ELb0ELb0ELb0ELb0E", b"Li64ELb1ELb0ELb0ELb0E"} <= by_pointer and not by_value, (by_pointer, by_value)
 
 
 @pytest.fixture(scope="module")

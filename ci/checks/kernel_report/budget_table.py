@@ -18,6 +18,29 @@ def _bound_cell(b: Budget, g: Gpu) -> str:
     return f"{clk + pre[1]:,.0f} clk = {clk:,.0f} ({k}) + {pre[1]:,.0f} (pre-passes, {pre[0]})"
 
 
+def _producer_cell(b: Budget) -> str:
+    """The producer's warp-instructions per key tile, all its warps, and where it runs."""
+    if b.producer is None:
+        return _num(None)
+    if not b.producer_warps:
+        return f"{b.producer:,.0f} (inline, warp 0)"
+    if b.producer_warps == 1:
+        return f"{b.producer:,.0f} (a warp of its own)"
+    return f"{b.producer:,.0f} ({b.producer_warps} warps, the busiest {b.producer_own:,.0f})"
+
+
+def _busiest_cell(b: Budget) -> str:
+    """The busiest warp's warp-instructions per key tile, and which warp it is."""
+    if not b.producer_warps:
+        which = ("warp 0: consumer + producer" if (b.producer or 0.0) >= b.last_warp
+                 else "the last warp: consumer + its own")
+    elif b.producer_own > b.instructions + b.last_warp:
+        which = "a producer warp"
+    else:
+        which = "a consumer warp" + (" + its own" if b.last_warp else "")
+    return f"{b.busiest_warp:,.0f} ({which})"
+
+
 def _prepass_cell(b: Budget, name: str) -> str:
     p = b.prepasses.get(name)
     if p is None:
@@ -31,11 +54,10 @@ def table(budgets: list[Budget], gpus=GPUS, calibration: float | None = None) ->
     for p in PIPES:
         if any(b.counts[p] for b in budgets):
             rows.append((f"  {p}", *(f"{b.counts[p]:,}" for b in budgets)))
-    rows.append(("producer per key tile (warp 0's thread 0; upstream: its producer warp)",
-                 *(_num(b.producer) for b in budgets)))
-    rows.append(("last warp's own per key tile (V's exponent factors)", *(f"{b.last_warp:,.0f}" for b in budgets)))
-    rows.append(("busiest warp (consumer + the larger of producer and last warp's own)",
-                 *(f"{b.busiest_warp:,.0f}" for b in budgets)))
+    rows.append(("producer per key tile, all its warps (where it runs)", *(_producer_cell(b) for b in budgets)))
+    rows.append(("last warp's own per key tile (V's exponent factors, in a consumer warp)",
+                 *(f"{b.last_warp:,.0f}" for b in budgets)))
+    rows.append(("busiest warp (which)", *(_busiest_cell(b) for b in budgets)))
     rows.append(("per SM per tile: all consumer warps + producer + last warp's own",
                  *(f"{b.sm_instructions:,.0f}" for b in budgets)))
     rows.append(("shared memory bytes / warp", *(f"{b.smem_bytes:,}" for b in budgets)))
@@ -72,11 +94,16 @@ def notes(budgets: list[Budget]) -> list[str]:
     out = [
         f"reference shape of the amortized figures: {REF.tokens:,} tokens (queries = keys), non-causal, one query "
         f"head per kv head, batch 1: {REF.blocks} query blocks x {REF.blocks} key tiles per head",
-        "producer: ours, thread 0 of warp 0 inline: the Producer lines in the key loop's SASS, per stage as "
-        "counted (static: a TMA load's never-taken cluster path counts too), its per-query-tile blocks (Q issue, "
-        "the step to the next tile) / key tiles per query tile; upstream, its producer warp's key loop + the rest "
-        "of its tile loop / key tiles (its epilogue warp's stores, once per query tile, not counted, as neither "
-        "kernel's epilogue is)",
+        "producer: ours but the bounded mode, the producer warpgroup (4 warps of its own): its key loop's SASS "
+        "(the shortest loop issuing two TMA loads or more) per stage + the rest of its tile loop / key tiles per "
+        "query tile, each instruction counted in every warp that issues it (by source line: the first thread's "
+        "TMA issue and a tile's Q in one warp, the delta_s vector in two, V's exponent factors in one, the rest in "
+        "all four; static, as the consumer's count); the busiest warp is then a consumer warp or a producer warp, "
+        "not their sum. The bounded mode, thread 0 of warp 0 inline: the Producer lines in the key loop's SASS, "
+        "per stage as counted, its per-query-tile blocks (Q issue, the step to the next tile) / key tiles per "
+        "query tile, on top of warp 0's consumer work; its last warp's own lines (V's exponent factors) once per "
+        "SM. Upstream, its producer warp (a warp of its own): its key loop + the rest of its tile loop / key "
+        "tiles (its epilogue warp's stores, once per query tile, not counted, as neither kernel's epilogue is)",
         "DRAM bytes: what the kernel must move at the reference shape with K and V read once per head (reused "
         "through L2 by the query blocks), Q and the output once per query block, delta_s rows per query block and "
         "key every tile; the L2 bytes per CTA over the DRAM bandwidth would bound upstream's D 128 at about 120 "

@@ -1,13 +1,18 @@
 // The FP4 attention forward kernel (SageAttention3 algorithm) for the sm_120 family.
 //
-// One CTA = 8 warps (16 query rows each, 128 rows per tile); thread 0 doubles as the TMA
-// producer that streams Q tiles and K/V stages through an mbarrier ring (a dedicated
-// producer warp would cost the register budget of 4 warps: registers are allocated per 4 warps). Tiles
+// One CTA = 8 consumer warps (16 query rows each, 128 rows per tile) and, in every instantiation
+// but the bounded mode's, a producer warpgroup of its own (warps 8-11, producer_warpgroup): it
+// streams Q tiles and K/V stages through an mbarrier ring and fills each stage's delta_s vector,
+// V scales and V exponent factors, so the consumers never wait on a CTA barrier per stage. The
+// registers follow the roles (setmaxnreg): 40 a producer thread, 232 a consumer thread (launched
+// at 168 for 384 threads). The bounded mode (kInLoopResidual: its consumers compute delta_s's
+// correction in the loop, two threads a key) keeps 8 warps, thread 0 issuing the TMA between its
+// own MMA work (Producer) and the CTA filling each stage before a barrier. Tiles
 // (batch x q-head x 128-row block) are distributed over a persistent grid sized from the
 // device's SM count; causal tiles are visited longest first.
 //
-// Per 128-key stage, the CTA first writes the stage's delta_s vector (128 floats, each key pair
-// twice: delta_pair_offset), read from a row of p.ds_key: with one Q mean preprocessing's ds_key
+// Per 128-key stage, the stage's delta_s vector (128 floats, each key pair twice:
+// delta_pair_offset) is first written, read from a row of p.ds_key: with one Q mean preprocessing's ds_key
 // (qbar . K_s[j], the unquantized smoothed K); with per-block Q means the row of this query block
 // in the workspace that delta_s_blocks_kernel filled before (delta_s_blocks.cuh: ds_key[j] +
 // r . K^[j], r = mean_q - qbar). The kInLoopResidual instantiation (the bounded-memory mode, no
@@ -56,7 +61,7 @@ struct SmemLayout {
   // delta_s of keys 2i, 2i+1, twice: 16 bytes per pair, 16 bytes of padding after every 8 pairs
   // (delta_pair_offset)
   static constexpr int kDeltaBytes = kBlockN * 8 + kBlockN;
-  static constexpr int kVSfBytes = D * kBlockN / 16;  // the stage's V scales, copied by the consumers
+  static constexpr int kVSfBytes = D * kBlockN / 16;  // the stage's V scales (copied in, not TMA-loaded)
   // Offsets from a 1024-aligned base; every swizzled tile starts on a 1024 boundary.
   static constexpr int kQ = 0;
   static constexpr int kQSf = kQ + kQBytes;
@@ -67,7 +72,7 @@ struct SmemLayout {
   static constexpr int kStageDelta = kStageKSf + kKSfBytes;
   static constexpr int kStageVSf = kStageDelta + kDeltaBytes;
   // Per 32-channel group of V (V's tile exponents, FP4 P.V), written by D/32 threads of the last
-  // warp: 2^(e_t - e_(t-1)) (16 bytes), then 2^-e_t (16 bytes, read in the tile's last stage by
+  // warp (of the producer warpgroup, or of the CTA in the bounded mode): 2^(e_t - e_(t-1)) (16 bytes), then 2^-e_t (16 bytes, read in the tile's last stage by
   // the bounded-memory instantiation: see consumer)
   static constexpr int kStageVExp = kStageVSf + kVSfBytes;
   static constexpr int kVExpBytes = 32;
@@ -80,8 +85,8 @@ struct SmemLayout {
   static constexpr int kMeanQ = kProducerState + 64;
   static constexpr int kMeanQBytes = D * 4 + 16;
   static constexpr int kTotal = kMeanQ + kMeanQBytes + 1024;        // + slack to align the base
-  // The stage's delta_s vector (kStageDelta) and V scales (kStageVSf) are written by the
-  // consumers, not by TMA (V's scale rows are Sk_pad/16 bytes apart: not the multiple of 16 a
+  // The stage's delta_s vector (kStageDelta) and V scales (kStageVSf) are written by threads
+  // (the producer warpgroup's; the bounded mode's consumers), not by TMA (V's scale rows are Sk_pad/16 bytes apart: not the multiple of 16 a
   // tensor map's stride must be when Sk_pad/128 is odd).
   static constexpr uint32_t kStageTx = kKBytes + kVBytes + kKSfBytes;
   static constexpr uint32_t kQTx = kQBytes + kQSfBytes;
@@ -121,7 +126,7 @@ __device__ __forceinline__ TileCoord decode_tile(const AttnParams& p, int tile) 
   return c;
 }
 
-// The TMA producer: thread 0 of the CTA, run between its own MMA work. It walks this CTA's
+// The bounded mode's TMA producer: thread 0 of the CTA, run between its own MMA work. It walks this CTA's
 // (tile, key block) sequence ahead of the consumers, at most kStages stages ahead, and issues each
 // tile's Q when it enters the tile. Thread 0 is also a consumer, so it never waits for a stage that
 // its own warp has not released: stage n + kStages - 1 is issued at the start of iteration n,
@@ -464,6 +469,113 @@ __device__ __forceinline__ void pv8_pass(float (&o)[D / 8][4], const float (&s)[
   }
 }
 
+// Where O goes back from V's exponents (see consumer): in the tile's last stage, which then reads
+// a second slot of the stage's V exponent factors.
+template <int D, bool kInLoopResidual, bool kPV8>
+constexpr bool kBackInLoopOf = (kInLoopResidual || D == 128) && !kPV8;
+
+template <int n>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(n));
+}
+
+template <int n>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(n));
+}
+
+// The producer warpgroup (warps 8-11 of a warp-specialized CTA). It walks the CTA's (tile, key
+// block) sequence as the consumers do, kStages stages ahead at most. Per stage, once the consumer
+// warps released it (`empty`): its first thread issues the TMA loads of K, K's scales and V (and
+// a tile's Q on entering it), and its 128 threads write the stage's delta_s vector (ds_key's row,
+// each key pair twice: delta_pair_offset), V's scales and V's tile exponent factors, then each
+// arrives on `full` (count 1 + 128: the first thread's expect_tx arrival and every thread's own,
+// which releases its stores to the consumers' wait). No CTA barrier per stage.
+template <int D, bool kQK8, bool kPV8, bool kQK16>
+__device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t* smem) {
+  using L = SmemLayout<D, kQK8, kPV8, kQK16>;
+  constexpr int kStages = L::kStages;
+  constexpr int kVGroups = D / 32;
+  constexpr int kVsfWords = kPV8 ? D : 2 * D;  // 4-byte words of V scales per stage
+  constexpr bool kBackInLoop = kBackInLoopOf<D, false, kPV8>;
+  static_assert(kBlockN / 2 <= kProducerThreads && kVGroups <= kProducerThreads, "one key pair per thread");
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
+  uint64_t* q_full = bars + 0;
+  uint64_t* q_empty = bars + 1;
+  uint64_t* full = bars + 2;
+  uint64_t* empty = bars + 2 + kStages;
+  const int tid = threadIdx.x - kThreads;
+  const bool leader = tid == 0;
+  const uint32_t s_base = smem_u32(smem);
+  if (leader) {
+    tma_prefetch_desc(&p.tm_q);
+    tma_prefetch_desc(&p.tm_q_sf);
+    tma_prefetch_desc(&p.tm_k);
+    tma_prefetch_desc(&p.tm_k_sf);
+    tma_prefetch_desc(&p.tm_v);
+  }
+  uint32_t n = 0, q_round = 0;
+  for (int tile = next_tile<true>(p, blockIdx.x); tile < p.num_tiles; tile = next_tile<true>(p, tile + gridDim.x), ++q_round) {
+    const TileCoord c = decode_tile(p, tile);
+    const int bh_q = c.b * p.heads_q + c.hq, kv_bh = c.b * p.heads_kv + c.hk;
+    if (leader) {
+      const int q_row0 = bh_q * p.seq_q_pad + c.mb * kBlockM;
+      mbar_wait(q_empty, (q_round & 1u) ^ 1u);
+      mbar_arrive_expect_tx(q_full, L::kQTx);
+      tma_load_2d(smem + L::kQ, &p.tm_q, q_full, 0, q_row0);
+      if constexpr (!kQK16) tma_load_2d(smem + L::kQSf, &p.tm_q_sf, q_full, 0, q_row0 / kBlockM * L::kSfRowBytes);
+    }
+    const float* ds_row = p.ds_key + static_cast<int64_t>(bh_q - p.bh0) * p.ds_bh_stride + c.mb * p.ds_m_stride;
+    const uint8_t* v_sf = p.v_sf + static_cast<int64_t>(kv_bh) * D * (p.seq_k_pad / (kPV8 ? 32 : 16));
+    const int v_exp_row = kv_bh * (p.seq_k_pad / kBlockN) * kVGroups;
+    for (int kb = 0; kb < c.num_kb; ++kb, ++n) {
+      const uint32_t st = n % kStages;
+      const int k0 = kb * kBlockN;
+      uint8_t* stage = smem + L::kStage0 + st * L::kStageBytes;
+      const uint32_t sstage = s_base + L::kStage0 + st * L::kStageBytes;
+      mbar_wait(&empty[st], ((n / kStages) & 1u) ^ 1u);
+      if (leader) {
+        mbar_arrive_expect_tx(&full[st], L::kStageTx);
+        const int k_row0 = kv_bh * p.seq_k_pad + k0;
+        tma_load_2d(stage + L::kStageK, &p.tm_k, &full[st], 0, k_row0);
+        if constexpr (!kQK16) tma_load_2d(stage + L::kStageKSf, &p.tm_k_sf, &full[st], 0, k_row0 / kBlockN * L::kSfRowBytes);
+        tma_load_2d(stage + L::kStageV, &p.tm_v, &full[st], kb * L::kVRowBytes, kv_bh * D);
+      }
+      if (tid < kBlockN / 2) {  // keys 2 tid, 2 tid + 1: {d0, d1, d0, d1}
+        const float d0 = __ldg(ds_row + k0 + 2 * tid), d1 = __ldg(ds_row + k0 + 2 * tid + 1);
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(sstage + L::kStageDelta + delta_pair_offset(tid)),
+                     "f"(d0), "f"(d1), "f"(d0), "f"(d1)
+                     : "memory");
+      }
+      // V scales: FP4, word i = channel i / 2's bytes 4 (i & 1) .. +3 of the stage's 8; FP8 P.V,
+      // word i = channel i's 4 bytes (one per 32 keys)
+#pragma unroll
+      for (int i = tid; i < kVsfWords; i += kProducerThreads) {
+        const uint8_t* src = kPV8 ? v_sf + static_cast<int64_t>(i) * (p.seq_k_pad / 32) + k0 / 32
+                                  : v_sf + static_cast<int64_t>(i >> 1) * (p.seq_k_pad / 16) + k0 / 16 + 4 * (i & 1);
+        const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(src));
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sstage + L::kStageVSf + 4 * i), "r"(w) : "memory");
+      }
+      if constexpr (!kPV8) {
+        // V's tile exponents: 2^(e_kb - e_(kb-1)) (exact, at most 2^80), 1 for a tile's first stage
+        // or without exponents; and 2^-e_kb where the last stage takes O back
+        if (tid >= kProducerThreads - kVGroups) {
+          const int x = tid - (kProducerThreads - kVGroups);
+          int e = 0, prev = 0;
+          if (p.v_exp != nullptr) {
+            const int8_t* ep = p.v_exp + (v_exp_row + kb * kVGroups + x);  // one 64-bit add: nothing 64-bit held across tiles
+            e = __ldg(ep);
+            prev = kb > 0 ? __ldg(ep - kVGroups) : e;
+          }
+          sts_f32(sstage + L::kStageVExp + 4 * x, __int_as_float((e - prev + 127) << 23));
+          if constexpr (kBackInLoop) sts_f32(sstage + L::kStageVExp + 16 + 4 * x, __int_as_float((127 - e) << 23));
+        }
+      }
+      mbar_arrive(&full[st]);
+    }
+  }
+}
+
 template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false, bool kQK16 = false>
 __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int warp) {
   using L = SmemLayout<D, kQK8, kPV8, kQK16>;
@@ -477,7 +589,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   // D 128 and in the bounded-memory instantiation, else in the epilogue. Measured on the H200
   // stand-in and ptxas 13.0's spills: the epilogue costs D 128 5% there (docs/performance.md,
   // "V's tile exponents"); at D 64 the branch would add 32 multiplies to its issue-bound count.
-  constexpr bool kBackInLoop = (kInLoopResidual || D == 128) && !kPV8;
+  constexpr bool kBackInLoop = kBackInLoopOf<D, kInLoopResidual, kPV8>;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
   uint64_t* q_full = bars + 0;
   uint64_t* q_empty = bars + 1;
@@ -487,7 +599,10 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   const uint32_t s_base = smem_u32(smem);
   const int row_in_tile = warp * 16;
 
-  const bool is_producer = threadIdx.x == 0;
+  // kWS: the producer warpgroup (producer_warpgroup) fills the stages; else thread 0 issues the
+  // TMA between its own MMA work and the CTA fills each stage's vectors before a CTA barrier.
+  constexpr bool kWS = !kInLoopResidual;
+  const bool is_producer = !kWS && threadIdx.x == 0;
   using Prod = Producer<D, kQK8, !kInLoopResidual, kPV8, kQK16>;
   Prod& prod = *reinterpret_cast<Prod*>(smem + L::kProducerState);
   if (is_producer) prod.start(p);
@@ -601,8 +716,8 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       // ---- delta_s of this stage's keys (whole CTA), into the stage's vector ----
       // delta_s[j] = ds_key[j] + (part_0 + part_1), the two halves of r . K^[j] (0 without residual).
       // The vector of stage st is rewritten kStages iterations later, after 2 more barriers: by
-      // then every warp has read it.
-      {
+      // then every warp has read it. (kWS: the producer warpgroup wrote them before its arrival.)
+      if constexpr (!kWS) {
         float res = 0.f;
         if (kInLoopResidual && has_residual) {
           ResidualHalf<D> kres;
@@ -639,8 +754,8 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
             if constexpr (kBackInLoop) sts_f32(stage + L::kStageVExp + 16 + 4 * x, __int_as_float((127 - e) << 23));
           }
         }
+        __syncthreads();
       }
-      __syncthreads();
 
       // ---- S = delta_s + Q K^T ----
       float s[kNT][4];
@@ -856,8 +971,10 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
           }
         }
       }
+      // kWS: every lane arrives (count 256), so that each lane's own reads of the stage are
+      // released to the producer warpgroup's stores into it, not through a warp barrier
       __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[st]);
+      if (kWS || lane == 0) mbar_arrive(&empty[st]);
       if constexpr (kWalk) {
         ds_key_ptr += kBlockN;
         v_sf_copy += kBlockN / (kPV8 ? 32 : 16);
@@ -888,18 +1005,27 @@ __device__ __forceinline__ void attn_fwd_body(const AttnParams& p) {
   constexpr int kStages = L::kStages;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  constexpr bool kWS = !kInLoopResidual;
   const int warp = threadIdx.x >> 5;
   if (threadIdx.x == 0) {
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
     mbar_init(&bars[0], 1);                   // q_full: producer's expect_tx arrival
     mbar_init(&bars[1], kConsumerWarps);      // q_empty: one arrival per consumer warp
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&bars[2 + s], 1);
-      mbar_init(&bars[2 + kStages + s], kConsumerWarps);
+      mbar_init(&bars[2 + s], kWS ? 1 + kProducerThreads : 1);  // full (kWS: see producer_warpgroup)
+      mbar_init(&bars[2 + kStages + s], kWS ? kThreads : kConsumerWarps);  // empty (kWS: every lane)
     }
     mbar_init_fence();
   }
   __syncthreads();
+  if constexpr (kWS) {
+    if (warp >= kConsumerWarps) {
+      setmaxnreg_dec<kProducerRegs>();
+      producer_warpgroup<D, kQK8, kPV8, kQK16>(p, smem);
+      return;
+    }
+    setmaxnreg_inc<kConsumerRegs>();
+  }
   consumer<D, kInLoopResidual, kQK8, kPV8, kQK16>(p, smem, warp);
 }
 

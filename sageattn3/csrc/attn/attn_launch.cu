@@ -23,7 +23,7 @@ namespace attn {
 // kPV8 (pv_precision "fp8", with either Q.K^T; delta_s rows only) computes P.V in MXFP8. kQK16
 // (with kQK8, D 64) takes the selected heads' Q.K^T from bf16 rows instead of MXFP8 (Fp4AttnArgs.qk16).
 template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false, bool kQK16 = false>
-__global__ void __launch_bounds__(kThreads, 1) fp4_attn_fwd_kernel(const __grid_constant__ AttnParams p) {
+__global__ void __launch_bounds__(kCtaThreads<kInLoopResidual>, 1) fp4_attn_fwd_kernel(const __grid_constant__ AttnParams p) {
   attn_fwd_body<D, kInLoopResidual, kQK8, kPV8, kQK16>(p);
 }
 
@@ -82,13 +82,13 @@ int launch_attn(AttnParams& p, int sms, cudaStream_t stream, bool spread_heads =
   cudaError_t err = setup.smem(kernel, L::kTotal);
   if (err != cudaSuccess) return err;
   int per_sm = 0;
-  err = setup.blocks_per_sm(&per_sm, kernel, kThreads, L::kTotal);
+  err = setup.blocks_per_sm(&per_sm, kernel, kCtaThreads<kInLoopResidual>, L::kTotal);
   if (err != cudaSuccess) return err;
   p.num_tiles = p.bh_count * p.num_m_blocks;
   int grid = std::max(1, std::min(p.num_tiles, sms * std::max(per_sm, 1)));
   if (spread_heads && grid < p.num_tiles) grid = coprime_grid(grid, p.bh_count);
   // The launch site of the attention kernel (see attn_params.h for why it matters).
-  kernel<<<grid, kThreads, L::kTotal, stream>>>(p);
+  kernel<<<grid, kCtaThreads<kInLoopResidual>, L::kTotal, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -12,8 +12,23 @@ namespace sageattn3::attn {
 constexpr int kBlockM = 128;         // query rows per tile (= the Q smoothing block of mean_q)
 constexpr int kBlockN = 128;         // keys per pipeline stage
 constexpr int kConsumerWarps = 8;    // 16 query rows each
-constexpr int kThreads = kConsumerWarps * 32;       // thread 0 also issues the TMA loads
+constexpr int kThreads = kConsumerWarps * 32;       // the consumer warps' threads
 constexpr int kStages = 3;
+// Warp specialization (every instantiation but the bounded mode's): a producer warpgroup of its
+// own (warps 8-11) issues the TMA loads and fills each stage's delta_s, V scales and V exponents.
+// Registers are set per warpgroup (setmaxnreg): the launch gives 384 threads 168 each, then the
+// producer drops to kProducerRegs and the consumers rise to kConsumerRegs
+// (4 x 32 x 40 + 8 x 32 x 232 = 384 x 168 = 64,512 of the SM's 65,536).
+constexpr int kProducerThreads = 128;
+constexpr int kWsThreads = kThreads + kProducerThreads;
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+static_assert(kProducerThreads * kProducerRegs + kThreads * kConsumerRegs <= kWsThreads * (65536 / kWsThreads / 8 * 8),
+              "the registers the launch gives the CTA");
+// Threads of a CTA: the bounded mode (its consumers correct delta_s in the key loop, two threads a
+// key) keeps thread 0 as the producer.
+template <bool kInLoopResidual>
+constexpr int kCtaThreads = kInLoopResidual ? kThreads : kWsThreads;
 
 struct AttnParams {
   CUtensorMap tm_q;      // Q packed  (B*Hq*Sq_pad rows, D/2 bytes), box D/2 x 128, swizzled

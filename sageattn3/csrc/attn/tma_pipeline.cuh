@@ -49,10 +49,13 @@ __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
 }
 
 // 2D tile load: box at element coordinates (c0 = innermost, c1), completion counted on `bar`.
-// Out-of-bounds elements are filled with zeros.
+// Out-of-bounds elements are filled with zeros. The `.shared::cta` destination (PTX ISA 8.6): with
+// `.shared::cluster`, ptxas 13.0 for sm_120a makes each load a call into an external routine, and a
+// kernel with such a call keeps no setmaxnreg (ptxas C7506, "ignored to maintain compatibility
+// into 'extern' call"), which the warp-specialized kernel needs.
 __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
   asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
+      "cp.async.bulk.tensor.2d.shared::cta.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
           smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
       : "memory");
