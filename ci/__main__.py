@@ -100,7 +100,8 @@ def _build_wheels(args: argparse.Namespace) -> int:
                 raise MatrixError(f"{t.id}: the proof flavour needs a per-torch {host_os_key()} target whose torch "
                                   f"installs here; these are: {', '.join(o.id for o in per_torch)}")
             others = [o for o in per_torch if o.torch_lines != t.torch_lines] + stable_here
-            rep = build_proof_wheel(t, matrix, Path(args.dist), foreign=others)
+            rep = build_proof_wheel(t, matrix, Path(args.dist), foreign=others,
+                                    force_patches=tuple(args.force_patch or ()))
             print(f"proof-flavour wheel: {rep.wheel}")
         return 0
     if args.test_flavour:

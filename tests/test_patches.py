@@ -173,3 +173,14 @@ def test_the_test_flavour_takes_forced_patches(monkeypatch, tmp_path):
     with pytest.raises(Stop):
         main(["build-wheels", "--test-flavour", "--force-patch", "msvc-pointer-params", "--dist", str(tmp_path)])
     assert seen == {"force_patches": ("msvc-pointer-params",), "mma_model": True}
+    # the proof flavour too (a per-torch target whose torch installs here, built with the local CUDA 13)
+    from ci.toolchain.targets import Matrix
+
+    matrix = Matrix.load()
+    per_torch = next((t for t in matrix.targets if not t.variant.stable and t.os.key == "linux-x86_64"), None)
+    if per_torch is None:
+        pytest.skip("no per-torch linux-x86_64 target in the matrix")
+    seen.clear()
+    with pytest.raises(Stop):
+        pipeline.build_proof_wheel(per_torch, matrix, tmp_path, force_patches=("msvc-pointer-params",))
+    assert seen == {"force_patches": ("msvc-pointer-params",), "proof": True}

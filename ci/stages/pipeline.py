@@ -234,17 +234,18 @@ class ProofReport:
 
 
 def build_proof_wheel(target: Target, matrix: Matrix, dist: Path, *, foreign: list[Target] | None = None,
-                      log=default_log) -> ProofReport:
+                      force_patches: tuple[str, ...] = (), log=default_log) -> ProofReport:
     """The proof flavour of a per-torch target (see ci.stages.build.PROOF_CUDA): build, repair, tag into
     dist/proof/ (never indexed or published), then install it with real pip into a fresh venv
     holding the target's own torch and import it there with no GPU (the dynamic loader resolves
     every symbol of _C at import); then into venvs with the torch of each ``foreign`` target,
-    where the ABI guard must refuse it with its message."""
+    where the ABI guard must refuse it with its message. ``force_patches``: as for the other
+    flavours, patches applied whatever their predicate."""
     from ci.toolchain import torch_source as torch_sources
 
     if target.variant.stable:
         raise buildmod.BuildError(f"{target.id}: the proof flavour is for per-torch targets")
-    tc = resolve.resolve_toolchain(target, matrix, proof=True)
+    tc = resolve.resolve_toolchain(target, matrix, force_patches=force_patches, proof=True)
     result = buildmod.build(tc, matrix, dist / "raw" / f"{target.id}-proof", log=log)
     repaired = repairmod.repair(result.wheel, dist / "repaired" / f"{target.id}-proof", target.os.platform,
                                 settings=tc.settings, log=log)
