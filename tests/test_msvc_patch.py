@@ -7,6 +7,7 @@ PTX). The GPU half is tests/gpu/test_msvc_patch_gpu.py."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -160,7 +161,7 @@ def compiled(staged, tmp_path_factory):
     res = subprocess.run([str(nvcc), "-ptx", str(csrc / "attn" / "attn_launch.cu"), "-o", str(ptx),
                           "-arch=sm_120a", "-O3", "-std=c++20", f"-I{csrc}"], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
-    return logs, ptx.read_text()
+    return logs, ptx.read_text(), out
 
 
 # (kInLoopResidual, kQK8, kPV8, kQK16) of the attention kernel's instantiations per head dim: delta_s
@@ -180,6 +181,30 @@ def test_patched_sources_compile(compiled, arch):
     from test_attn_compile import check_spills
 
     check_spills(log, f"patched sm_{arch}")
+
+
+@pytest.mark.parametrize("arch", ["120a", "121a"])
+def test_patched_kernels_keep_the_register_split(compiled, arch):
+    """The Windows wheels' kernels (this patch) split the registers by role as the Linux ones do:
+    reading the params through a pointer adds no external call, which would make ptxas drop
+    setmaxnreg (info C7506) and leave the consumers at the launch's 168 registers."""
+    from test_attn_compile import _sass_by_kernel, _tool
+
+    log = compiled[0][arch]
+    assert "C7506" not in log, log
+    cuobjdump, nvdisasm = _tool("cuobjdump", "nvidia-cuda-cuobjdump"), _tool("nvdisasm", "nvidia-cuda-nvdisasm")
+    if cuobjdump is None or nvdisasm is None:
+        pytest.skip("cuobjdump/nvdisasm not available (PATH or pip install nvidia-cuda-cuobjdump/-nvdisasm)")
+    env = dict(os.environ, PATH=f"{nvdisasm.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    sass = subprocess.run([str(cuobjdump), "-sass", str(compiled[2] / f"a_{arch}.o")], capture_output=True, text=True,
+                          env=env)
+    assert sass.returncode == 0, sass.stderr
+    kernels = _sass_by_kernel(sass.stdout)
+    assert len(kernels) == 10, list(kernels)
+    for name, text in kernels.items():
+        split = re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text) and re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", text)
+        bounded = re.search(r"ILi\d+ELb1E", name) is not None
+        assert bool(split) != bounded and "CALL.ABS" not in text, name
 
 
 def test_patched_ptx_takes_a_pointer_and_fences_the_descriptors(compiled):
