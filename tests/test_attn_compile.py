@@ -55,18 +55,24 @@ def cubins(tmp_path_factory):
     return res
 
 
-def _kernel_reports(log: str) -> dict[str, str]:
-    """ptxas -v lines per attention kernel entry."""
-    reports, cur = {}, None
-    for line in log.splitlines():
-        m = re.search(r"Compiling entry function '(\S+)'", line)
+def _sections(text: str, header: str) -> dict[str, str]:
+    """The lines after each line matching ``header`` (its group 1: a function's mangled name), up
+    to the next such line, per attention kernel."""
+    out, cur = {}, None
+    for line in text.splitlines():
+        m = re.search(header, line)
         if m:
             cur = m.group(1) if "fp4_attn_fwd_kernel" in m.group(1) else None
             if cur:
-                reports[cur] = ""
+                out[cur] = ""
         elif cur:
-            reports[cur] += line + "\n"
-    return reports
+            out[cur] += line + "\n"
+    return out
+
+
+def _kernel_reports(log: str) -> dict[str, str]:
+    """ptxas -v lines per attention kernel entry."""
+    return _sections(log, r"Compiling entry function '(\S+)'")
 
 
 # The spill allowance per instantiation: ci.checks.kernel_report.spill_allowance (the report's
@@ -94,76 +100,69 @@ def test_attention_kernels_do_not_spill(cubins, arch):
     check_spills(log, f"sm_{arch}")
 
 
-def _tool(name: str, package: str) -> Path | None:
-    found = shutil.which(name)
+def _tool(name: str, package: str, spec: str = "13.*", from_path: bool = True) -> Path | None:
+    """A CUDA binary tool: from PATH (``from_path``), else from PyPI's ``package==spec``, installed
+    once into the factory's cache (so `nox -s clean` clears it with the rest); None if neither."""
+    found = shutil.which(name) if from_path else None
     if found:
         return Path(found)
-    # in the factory's cache, so `nox -s clean` clears it with the rest
-    cache = Path(os.environ.get("SAGEATTN3_TOOL_CACHE", cache_root() / "test-tools")) / package
+    cache = Path(os.environ.get("SAGEATTN3_TOOL_CACHE", cache_root() / "test-tools"))
+    cache = cache / (package if spec == "13.*" else f"{package}-{spec.rstrip('.*')}")
     exe = next(iter(cache.glob(f"**/bin/{name}")), None) if cache.exists() else None
     if exe is None:
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(cache), f"{package}==13.*"],
-                           capture_output=True, text=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(cache),
+                            f"{package}=={spec}"], capture_output=True, text=True)
         if r.returncode != 0:
             return None
         exe = next(iter(cache.glob(f"**/bin/{name}")), None)
+    if exe is not None:
+        exe.chmod(exe.stat().st_mode | 0o111)
     return exe
 
 
-def test_sm120a_sass_has_block_scaled_fp4_mma(cubins):
+def _sass(obj: Path) -> str:
+    """cuobjdump -sass of an object or cubin (skips where cuobjdump/nvdisasm are not to be had)."""
     cuobjdump = _tool("cuobjdump", "nvidia-cuda-cuobjdump")
     nvdisasm = _tool("nvdisasm", "nvidia-cuda-nvdisasm")
     if cuobjdump is None or nvdisasm is None:
         pytest.skip("cuobjdump/nvdisasm not available (PATH or pip install nvidia-cuda-cuobjdump/-nvdisasm)")
-    obj, _ = cubins["120a"]
     env = dict(os.environ, PATH=f"{nvdisasm.parent}{os.pathsep}{os.environ.get('PATH', '')}")
     sass = subprocess.run([str(cuobjdump), "-sass", str(obj)], capture_output=True, text=True, env=env)
     assert sass.returncode == 0, sass.stderr
-    count = sass.stdout.count(OMMA)
+    return sass.stdout
+
+
+def test_sm120a_sass_has_block_scaled_fp4_mma(cubins):
+    obj, _ = cubins["120a"]
+    count = _sass(obj).count(OMMA)
     # D=128: 2 (QK^T) x 16 n-tiles + 2 (PV) x 16; D=64: 16 + 2 x 8, unless the compiler rolls loops.
     assert count >= 2, f"{OMMA} not found in the sm_120a SASS ({count} hits)"
     print(f"{count} x {OMMA} in sm_120a SASS")
 
 
-def _sass_by_kernel(sass: str) -> dict[str, str]:
-    """cuobjdump -sass's text per attention kernel entry (its `Function :` sections)."""
-    out, cur = {}, None
-    for line in sass.splitlines():
-        m = re.search(r"Function : (\S+)", line)
-        if m:
-            cur = m.group(1) if "fp4_attn_fwd_kernel" in m.group(1) else None
-            if cur:
-                out[cur] = ""
-        elif cur:
-            out[cur] += line + "\n"
-    return out
+def check_register_split(obj: Path, log: str, what: str) -> None:
+    """Every instantiation but the bounded mode's gives its producer warpgroup 40 registers and
+    its consumers 232 (setmaxnreg, attn_params.h). ptxas drops setmaxnreg without an error where the
+    kernel holds an external call (info C7506: the `.shared::cluster` TMA form on sm_120a did): the
+    consumers then run at the launch's 168 and spill. So, in ``obj`` (ptxas's ``log``): no C7506,
+    the ten attention kernels, both reallocations in each warp-specialized one and no call through
+    an absolute address; the bounded mode (256 threads) none."""
+    assert "C7506" not in log, f"{what}:\n{log[-3000:]}"
+    kernels = _sections(_sass(obj), r"Function : (\S+)")
+    assert len(kernels) == 10, f"{what}: {list(kernels)}"
+    for name, text in kernels.items():
+        if re.search(r"ILi\d+ELb1E", name):  # the bounded mode: thread 0 the producer, 256 threads
+            assert "USETMAXREG" not in text, f"{what} {name}"
+            continue
+        assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), f"{what} {name}: the producer keeps 168 registers"
+        assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", text), f"{what} {name}: the consumers stay at 168"
+        assert "CALL.ABS" not in text, f"{what} {name}: a call to an external routine (setmaxnreg would be dropped)"
 
 
 @pytest.mark.parametrize("arch", ["120a", "121a"])
 def test_the_warp_specialized_kernels_keep_their_register_split(cubins, arch):
-    """Every instantiation but the bounded mode's gives its producer warpgroup 40 registers and
-    its consumers 232 (setmaxnreg, attn_params.h). ptxas drops setmaxnreg without an error where the
-    kernel holds an external call (info C7506: the `.shared::cluster` TMA form on sm_120a did): the
-    consumers then run at the launch's 168 and spill. So: both reallocations in the SASS, no call
-    through an absolute address, no C7506 in ptxas's log; the bounded mode (256 threads) none."""
-    cuobjdump = _tool("cuobjdump", "nvidia-cuda-cuobjdump")
-    nvdisasm = _tool("nvdisasm", "nvidia-cuda-nvdisasm")
-    if cuobjdump is None or nvdisasm is None:
-        pytest.skip("cuobjdump/nvdisasm not available (PATH or pip install nvidia-cuda-cuobjdump/-nvdisasm)")
     obj, log = cubins[arch]
-    assert "C7506" not in log, log
-    env = dict(os.environ, PATH=f"{nvdisasm.parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    sass = subprocess.run([str(cuobjdump), "-sass", str(obj)], capture_output=True, text=True, env=env)
-    assert sass.returncode == 0, sass.stderr
-    kernels = _sass_by_kernel(sass.stdout)
-    assert len(kernels) == 10, list(kernels)
-    for name, text in kernels.items():
-        if re.search(r"ILi\d+ELb1E", name):  # the bounded mode: thread 0 the producer, 256 threads
-            assert "USETMAXREG" not in text, name
-            continue
-        assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), f"{name}: the producer keeps 168 registers"
-        assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", text), f"{name}: the consumers stay at 168"
-        assert "CALL.ABS" not in text, f"{name}: a call to an external routine (setmaxnreg would be dropped)"
+    check_register_split(obj, log, f"sm_{arch}")
 
 
 def _matrix_cuda_lines() -> list[str]:
@@ -174,18 +173,9 @@ def _matrix_cuda_lines() -> list[str]:
 
 def _ptxas_of(line: str) -> Path | None:
     """ptxas of CUDA ``line`` from its PyPI nvcc wheel (which holds ptxas even where it holds no
-    nvcc: 12.8), installed once into the test-tool cache."""
-    major = int(line.split(".")[0])
-    package, sub = (f"nvidia-cuda-nvcc-cu{major}", "cuda_nvcc") if major == 12 else ("nvidia-cuda-nvcc", f"cu{major}")
-    cache = Path(os.environ.get("SAGEATTN3_TOOL_CACHE", cache_root() / "test-tools")) / f"ptxas-{line}"
-    exe = cache / "nvidia" / sub / "bin" / "ptxas"
-    if not exe.exists():
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(cache),
-                            f"{package}=={line}.*"], capture_output=True, text=True)
-        if r.returncode != 0 or not exe.exists():
-            return None
-    exe.chmod(exe.stat().st_mode | 0o111)
-    return exe
+    nvcc: 12.8), never the one on PATH."""
+    package = "nvidia-cuda-nvcc-cu12" if line.startswith("12.") else "nvidia-cuda-nvcc"
+    return _tool("ptxas", package, f"{line}.*", from_path=False)
 
 
 @pytest.fixture(scope="module")
@@ -200,14 +190,12 @@ def attn_ptx(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("line", _matrix_cuda_lines())
 def test_every_cuda_lines_ptxas_keeps_the_register_split(attn_ptx, line, tmp_path):
-    """The register split by role (setmaxnreg) rests on ptxas, which drops it without an error
-    (info C7506). The wheels of each CUDA line of the matrix are assembled by that line's ptxas:
+    """The register split by role (setmaxnreg, ``check_register_split``) rests on ptxas, which
+    drops it without an error (info C7506). The wheels of each CUDA line of the matrix are assembled by that line's ptxas:
     here each one assembles this nvcc's PTX for sm_120a (the PTX ISA version lowered to 8.7 for
     CUDA 12.x, whose ptxas reads no later one: the frontend is this nvcc's, not the line's own,
     which only the release's runners run). Each warp-specialized kernel keeps both reallocations
     and no external call, and no kernel spills beyond its allowance."""
-    from ci.checks import sass_budget as sb
-
     ptxas = _ptxas_of(line)
     if ptxas is None:
         pytest.skip(f"ptxas of CUDA {line} not installable here (pip nvidia-cuda-nvcc for {line})")
@@ -219,18 +207,9 @@ def test_every_cuda_lines_ptxas_keeps_the_register_split(attn_ptx, line, tmp_pat
     r = subprocess.run([str(ptxas), "-arch=sm_120a", "-O3", "-v", "-o", str(cubin), str(ptx)], capture_output=True,
                        text=True)
     log = r.stdout + r.stderr
-    assert r.returncode == 0 and "C7506" not in log, log[-3000:]
+    assert r.returncode == 0, log[-3000:]
     check_spills(log, f"ptxas {line}")
-    kernels = {n: [i.text for i in ins] for n, ins in sb.disassemble(cubin).items() if "fp4_attn_fwd_kernel" in n}
-    assert len(kernels) == 10, list(kernels)
-    for name, sass in kernels.items():
-        realloc = [x for x in sass if "USETMAXREG" in x]
-        if re.search(r"ILi\d+ELb1E", name):
-            assert not realloc, name
-            continue
-        assert any("DEALLOC" in x and x.endswith("0x28") for x in realloc), (line, name, realloc)
-        assert any("TRY_ALLOC" in x and x.endswith("0xe8") for x in realloc), (line, name, realloc)
-        assert not [x for x in sass if "CALL.ABS" in x], (line, name)
+    check_register_split(cubin, log, f"ptxas {line}")
 
 
 RULE_CU = CSRC / "preprocess" / "qk_rule.cu"
@@ -260,17 +239,11 @@ def test_rule_kernel_compiles_without_spill(arch, tmp_path):
     no tf32 MMA left."""
     obj = tmp_path / f"rule_{arch}.o"
     _compile_unit(RULE_CU, arch, obj, "qk_rule_kernel", 4, "fp16/bf16 x D 64/128")
-    cuobjdump = _tool("cuobjdump", "nvidia-cuda-cuobjdump")
-    nvdisasm = _tool("nvdisasm", "nvidia-cuda-nvdisasm")
-    if cuobjdump is None or nvdisasm is None:
-        pytest.skip("cuobjdump/nvdisasm not available for the SASS check (the compile and spill checks passed)")
-    env = dict(os.environ, PATH=f"{nvdisasm.parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    sass = subprocess.run([str(cuobjdump), "-sass", str(obj)], capture_output=True, text=True, env=env)
-    assert sass.returncode == 0, sass.stderr
+    sass = _sass(obj)  # skips past the compile and spill checks where cuobjdump/nvdisasm are missing
     # mma.m16n8k16 with fp32 accumulation is HMMA.16816.F32.BF16 (bf16) and HMMA.16816.F32 (fp16)
-    assert re.search(r"HMMA\.16816\.F32\.BF16", sass.stdout), "no bf16 MMA in the rule kernel's SASS"
-    assert re.search(r"HMMA\.16816\.F32 ", sass.stdout), "no fp16 MMA in the rule kernel's SASS"
-    assert not re.search(r"HMMA\.\d+\.F32\.TF32", sass.stdout), "a tf32 MMA in the rule kernel's SASS"
+    assert re.search(r"HMMA\.16816\.F32\.BF16", sass), "no bf16 MMA in the rule kernel's SASS"
+    assert re.search(r"HMMA\.16816\.F32 ", sass), "no fp16 MMA in the rule kernel's SASS"
+    assert not re.search(r"HMMA\.\d+\.F32\.TF32", sass), "a tf32 MMA in the rule kernel's SASS"
 
 
 def test_the_report_and_this_test_share_one_spill_allowance():

@@ -7,7 +7,6 @@ PTX). The GPU half is tests/gpu/test_msvc_patch_gpu.py."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -188,23 +187,9 @@ def test_patched_kernels_keep_the_register_split(compiled, arch):
     """The Windows wheels' kernels (this patch) split the registers by role as the Linux ones do:
     reading the params through a pointer adds no external call, which would make ptxas drop
     setmaxnreg (info C7506) and leave the consumers at the launch's 168 registers."""
-    from test_attn_compile import _sass_by_kernel, _tool
+    from test_attn_compile import check_register_split
 
-    log = compiled[0][arch]
-    assert "C7506" not in log, log
-    cuobjdump, nvdisasm = _tool("cuobjdump", "nvidia-cuda-cuobjdump"), _tool("nvdisasm", "nvidia-cuda-nvdisasm")
-    if cuobjdump is None or nvdisasm is None:
-        pytest.skip("cuobjdump/nvdisasm not available (PATH or pip install nvidia-cuda-cuobjdump/-nvdisasm)")
-    env = dict(os.environ, PATH=f"{nvdisasm.parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    sass = subprocess.run([str(cuobjdump), "-sass", str(compiled[2] / f"a_{arch}.o")], capture_output=True, text=True,
-                          env=env)
-    assert sass.returncode == 0, sass.stderr
-    kernels = _sass_by_kernel(sass.stdout)
-    assert len(kernels) == 10, list(kernels)
-    for name, text in kernels.items():
-        split = re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text) and re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", text)
-        bounded = re.search(r"ILi\d+ELb1E", name) is not None
-        assert bool(split) != bounded and "CALL.ABS" not in text, name
+    check_register_split(compiled[2] / f"a_{arch}.o", compiled[0][arch], f"patched sm_{arch}")
 
 
 def test_patched_ptx_takes_a_pointer_and_fences_the_descriptors(compiled):
