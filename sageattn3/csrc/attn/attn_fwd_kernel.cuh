@@ -84,7 +84,10 @@ struct SmemLayout {
   // (no bank conflict between the two threads of a key, see delta_s_part).
   static constexpr int kMeanQ = kProducerState + 64;
   static constexpr int kMeanQBytes = D * 4 + 16;
-  static constexpr int kTotal = kMeanQ + kMeanQBytes + 1024;        // + slack to align the base
+  // 1 / s for every E4M3 byte s of P's block scales (p_inv_table; unused by FP8 P.V)
+  static constexpr int kPInv = kMeanQ + kMeanQBytes;
+  static constexpr int kPInvBytes = kPScaleBytes * 4;
+  static constexpr int kTotal = kPInv + kPInvBytes + 1024;        // + slack to align the base
   // The stage's delta_s vector (kStageDelta) and V scales (kStageVSf) are written by threads
   // (the producer warpgroup's; the bounded mode's consumers), not by TMA (V's scale rows are Sk_pad/16 bytes apart: not the multiple of 16 a
   // tensor map's stride must be when Sk_pad/128 is odd).
@@ -928,7 +931,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
           for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int r = 0; r < 2; ++r) amax[h][r] = fast_exp2(fmaf(bm[q][h][r], p.scale_log2, bias[r]));
-          quantize_p_chunk(pv, amax, pa[q], p_sf[q]);
+          quantize_p_chunk(pv, amax, s_base + L::kPInv, pa[q], p_sf[q]);
         }
         if constexpr (kLateRescale) {
 #pragma unroll
@@ -1016,6 +1019,9 @@ __device__ __forceinline__ void attn_fwd_body(const AttnParams& p) {
       mbar_init(&bars[2 + kStages + s], kWS ? kThreads : kConsumerWarps);  // empty (kWS: every lane)
     }
     mbar_init_fence();
+  }
+  if constexpr (!kPV8) {
+    if (threadIdx.x < kPScaleBytes) p_inv_table(smem + L::kPInv, threadIdx.x);
   }
   __syncthreads();
   if constexpr (kWS) {

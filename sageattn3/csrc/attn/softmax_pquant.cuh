@@ -37,17 +37,35 @@ __device__ __forceinline__ float rcp_scale(float s) {
   return fmaf(r, fmaf(-s, r, 1.f), r);
 }
 
-// e4m3_scale_byte(amax) for P's block amax (>= 0, at most 2688, no denormal after
-// ex2.approx.ftz), bit-identical: amax / 6 through the compiler's own fast path of the IEEE
-// division (the reciprocal of 6 refined once, the quotient and one correction step), without
-// the FCHK range test whose slow path (a call, its branches and reconvergence, 8 per tile) only
-// operands outside that range take.
-__device__ __forceinline__ uint32_t p_scale_byte(float amax) {
+// P's block scale for a block amax (>= 0, at most 2688, no denormal after ex2.approx.ftz):
+// RN(amax / 6) through the compiler's own fast path of the IEEE division (the reciprocal of 6
+// refined once, the quotient and one correction step), without the FCHK range test whose slow
+// path (a call, its branches and reconvergence, 8 per tile) only operands outside that range take.
+// p_scale_bytes then rounds two of them to E4M3 (e4m3_scale_byte's byte, as the reference).
+__device__ __forceinline__ float p_scale_quot(float amax) {
   const float y0 = 0x1.555556p-3f;  // RN(1/6), the compiler's starting reciprocal
   const float y = __fmaf_rn(__fmaf_rn(y0, -6.f, 1.f), y0, y0);
   const float q0 = __fmaf_rn(amax, y, 0.f);
-  const float q = __fmaf_rn(y, __fmaf_rn(q0, -6.f, amax), q0);
-  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3)) & 0x7Fu;
+  return __fmaf_rn(y, __fmaf_rn(q0, -6.f, amax), q0);
+}
+
+// Two scales to E4M3 bytes in one conversion (the instruction __nv_cvt_float_to_fp8 issues for
+// one, satfinite): lo in bits 0-7, hi in bits 8-15, bits 16-31 zero. A NaN converts to a NaN
+// byte of either sign; the callers clear the sign bits (quantize_p_chunk).
+__device__ __forceinline__ uint32_t p_scale_bytes(float lo, float hi) {
+  uint32_t w;
+  asm("{\n .reg .b16 h;\n cvt.rn.satfinite.e4m3x2.f32 h, %1, %2;\n cvt.u32.u16 %0, h;\n}\n" : "=r"(w) : "f"(hi), "f"(lo));
+  return w;
+}
+
+// The reciprocals of P's block scales, a table in shared memory indexed by a scale byte b:
+// entry b is rcp_scale(e4m3_value(b & 0x7F)), 0 where that value is 0 or NaN (b & 0x7F = 0, 0x7F):
+// the same bits quantize_p_chunk computed per block before (from the masked byte), in one shared
+// load instead of the byte's decode, a compare, MUFU.RCP, two fmas and a select, 8 times a tile.
+constexpr int kPScaleBytes = 256;
+__device__ __forceinline__ void p_inv_table(uint8_t* table, int b) {
+  const float s = e4m3_value(static_cast<uint32_t>(b) & 0x7Fu);
+  reinterpret_cast<float*>(table)[b] = s > 0.f ? rcp_scale(s) : 0.f;
 }
 
 // NVFP4 numerics of P, the same rules as sageattn3.reference.quantize_rows (the hardware
@@ -84,28 +102,31 @@ __device__ __forceinline__ uint32_t e2m1x8(const float (&v)[8], float inv) {
 // The scale register of lane 4g + t holds the 4 block scales of row g + 8(t&1), so it serves as
 // SF_A with thread-id-a 0 (and 1).
 // amax[h][r]: the largest value of the 16-key block 32h + 16(t>>1) of row g + 8r (lanes t and t^1
-// share it), computed by the caller.
-__device__ __forceinline__ void quantize_p_chunk(const float (&p)[2][2][8], const float (&amax)[2][2], uint32_t (&a)[4],
-                                                 uint32_t& sf) {
+// share it), computed by the caller. p_inv: the shared address of p_inv_table's table.
+__device__ __forceinline__ void quantize_p_chunk(const float (&p)[2][2][8], const float (&amax)[2][2], uint32_t p_inv,
+                                                 uint32_t (&a)[4], uint32_t& sf) {
   const int t = threadIdx.x & 3;
-  uint32_t byte[2][2];  // [h][r]
+  // bytes[r]: the scale bytes of row g + 8r's blocks h = 0 (bits 0-7) and h = 1 (bits 8-15)
+  uint32_t bytes[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) bytes[r] = p_scale_bytes(p_scale_quot(amax[0][r]), p_scale_quot(amax[1][r]));
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const uint32_t sb = p_scale_byte(amax[h][r]);
-      const float s = e4m3_value(sb);
-      const float inv = s > 0.f ? rcp_scale(s) : 0.f;
+      const uint32_t sb = (bytes[r] >> (8 * h)) & 0xFFu;
+      float inv;
+      asm("ld.shared.f32 %0, [%1];\n" : "=f"(inv) : "r"(p_inv + 4 * sb));  // the table is fixed: not volatile
       a[2 * h + r] = e2m1x8(p[h][r], inv);
-      byte[h][r] = sb;
     }
   }
-  // Lane t owns blocks (t>>1) and 2 + (t>>1) of row g + 8(t&1); lane t^2 owns the other two.
-  const uint32_t r = t & 1;
-  const uint32_t mine = r ? (byte[0][1] | (byte[1][1] << 8)) : (byte[0][0] | (byte[1][0] << 8));
+  // Lane t owns blocks (t>>1) and 2 + (t>>1) of row g + 8(t&1) (bytes 0, 1 of `mine`); lane t^2
+  // owns the other two. sf's bytes: blocks 0, 1, 2, 3 of the row, i.e. {lo.0, hi.0, lo.1, hi.1}
+  // with lo the lane of t>>1 = 0 (byte_perm selectors: 0-3 the first word's bytes, 4-7 the
+  // second's), each byte's sign bit cleared.
+  const uint32_t mine = (t & 1) ? bytes[1] : bytes[0];
   const uint32_t other = __shfl_xor_sync(0xffffffffu, mine, 2);
-  const uint32_t lo = (t >> 1) ? other : mine, hi = (t >> 1) ? mine : other;
-  sf = (lo & 0xffu) | ((hi & 0xffu) << 8) | ((lo >> 8) << 16) | ((hi >> 8) << 24);
+  sf = __byte_perm(mine, other, (t >> 1) ? 0x1504 : 0x5140) & 0x7F7F7F7Fu;
 }
 
 }  // namespace sageattn3::attn
