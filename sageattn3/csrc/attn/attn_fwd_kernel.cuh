@@ -84,10 +84,10 @@ struct SmemLayout {
   // (no bank conflict between the two threads of a key, see delta_s_part).
   static constexpr int kMeanQ = kProducerState + 64;
   static constexpr int kMeanQBytes = D * 4 + 16;
-  // 1 / s for every E4M3 byte s of P's block scales (p_inv_table; unused by FP8 P.V)
-  static constexpr int kPInv = kMeanQ + kMeanQBytes;
-  static constexpr int kPInvBytes = kPScaleBytes * 4;
-  static constexpr int kTotal = kPInv + kPInvBytes + 1024;        // + slack to align the base
+  // {s, log2 s} for every E4M3 byte s of P's block scales (p_scale_table; unused by FP8 P.V)
+  static constexpr int kPScale = kMeanQ + kMeanQBytes;
+  static constexpr int kPScaleTableBytes = kPScaleBytes * 8;
+  static constexpr int kTotal = kPScale + kPScaleTableBytes + 1024;  // + slack to align the base
   // The stage's delta_s vector (kStageDelta) and V scales (kStageVSf) are written by threads
   // (the producer warpgroup's; the bounded mode's consumers), not by TMA (V's scale rows are Sk_pad/16 bytes apart: not the multiple of 16 a
   // tensor map's stride must be when Sk_pad/128 is odd).
@@ -885,17 +885,16 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
         }
         bias[r] = (kPV8 ? 0.f : kLog2P2Max) - m_use;  // FP8 P: P = exp2(t - m), no 2688 factor
       }
-#pragma unroll
-      for (int j = 0; j < kNT; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float v = fast_exp2(fmaf(s[j][e], p.scale_log2, bias[e >> 1]));
-          s[j][e] = v;
-          row_sum[e >> 1] += v;
-        }
-      }
-
       if constexpr (kPV8) {
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float v = fast_exp2(fmaf(s[j][e], p.scale_log2, bias[e >> 1]));
+            s[j][e] = v;
+            row_sum[e >> 1] += v;
+          }
+        }
         // ---- P -> MXFP8 and O += P V, per 32-key chunk (pv8_quantize, pv8_mma) ----
         static_assert(kBlockN == 128, "four 32-key chunks per stage");
         // chunks per pass (P's codes of G chunks live at once), what spills least at sm_120a (ptxas
@@ -912,11 +911,11 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
           pv8_pass<3, G, D>(o, s, t, v_tile, v_lane, vsf_lane);
         }
       } else {
-        // ---- P2 -> NVFP4 (level 2) and O += P V ----
+        // ---- P2 -> NVFP4 (level 2, folded into P's exponent: p_chunk_nvfp4) and O += P V ----
         uint32_t pa[kBlockN / 64][4], p_sf[kBlockN / 64];
 #pragma unroll
         for (int q = 0; q < kBlockN / 64; ++q) {
-          float pv[2][2][8];  // [h][r][i]: row g+8r, keys 64q + 32h + 8t + i
+          float pv[2][2][8];  // [h][r][i]: S of row g+8r, keys 64q + 32h + 8t + i
 #pragma unroll
           for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -931,7 +930,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
           for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int r = 0; r < 2; ++r) amax[h][r] = fast_exp2(fmaf(bm[q][h][r], p.scale_log2, bias[r]));
-          quantize_p_chunk(pv, amax, s_base + L::kPInv, pa[q], p_sf[q]);
+          p_chunk_nvfp4(pv, amax, bias, p.scale_log2, s_base + L::kPScale, row_sum, pa[q], p_sf[q]);
         }
         if constexpr (kLateRescale) {
 #pragma unroll
@@ -1021,7 +1020,7 @@ __device__ __forceinline__ void attn_fwd_body(const AttnParams& p) {
     mbar_init_fence();
   }
   if constexpr (!kPV8) {
-    if (threadIdx.x < kPScaleBytes) p_inv_table(smem + L::kPInv, threadIdx.x);
+    if (threadIdx.x < kPScaleBytes) p_scale_table(smem + L::kPScale, threadIdx.x);
   }
   __syncthreads();
   if constexpr (kWS) {

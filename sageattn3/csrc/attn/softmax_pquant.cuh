@@ -4,8 +4,10 @@
 //   P2 = exp2(S*scale*log2(e) - m + log2(2688)),  so a row's largest P2 is 2688 in the block that
 //   holds the row max and <= 2688 elsewhere (the per-row fp32 factor is folded into the exponent).
 //   Row sums l are accumulated from the same P2 (fp32, before level 2), so O/l cancels the factor.
-// Level 2: NVFP4 of P2 along the keys: per 16 keys an E4M3 scale amax/6 (<= 448), values
-//   multiplied by 1/scale and rounded to E2M1 (nearest even, saturating), like the input quantizer.
+// Level 2: NVFP4 of P2 along the keys: per 16 keys an E4M3 scale s = amax/6 (<= 448), values
+//   P2 / s rounded to E2M1 (nearest even, saturating), like the input quantizer. The division is
+//   folded into the exponent too: P2 / s = exp2(S*scale*log2(e) - m + log2(2688) - log2(s)), the
+//   block's amax (exp2 of its largest exponent) and s coming first (p_chunk_nvfp4).
 #pragma once
 #include <cstdint>
 #include <cuda_fp8.h>
@@ -23,18 +25,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
-}
-
-// 1 / s for a block scale s of P (an E4M3 value in [2^-9, 448]), bit-identical to __frcp_rn(s):
-// __frcp_rn compiles to a fast path (the hardware approximation and one fma refinement) guarded by
-// an exponent test that branches to an out-of-line slow path for operands where that path could
-// round wrongly (denormals, huge values, Inf, NaN). Every E4M3 value is inside the fast path's
-// range, so this takes it always, with the compiler's own sequence: 8 branches per tile, their
-// reconvergence and the slow-path calls leave the loop (docs/performance.md: ideas tried).
-__device__ __forceinline__ float rcp_scale(float s) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(s));
-  return fmaf(r, fmaf(-s, r, 1.f), r);
 }
 
 // P's block scale for a block amax (>= 0, at most 2688, no denormal after ex2.approx.ftz):
@@ -58,14 +48,14 @@ __device__ __forceinline__ uint32_t p_scale_bytes(float lo, float hi) {
   return w;
 }
 
-// The reciprocals of P's block scales, a table in shared memory indexed by a scale byte b:
-// entry b is rcp_scale(e4m3_value(b & 0x7F)), 0 where that value is 0 or NaN (b & 0x7F = 0, 0x7F):
-// the same bits quantize_p_chunk computed per block before (from the masked byte), in one shared
-// load instead of the byte's decode, a compare, MUFU.RCP, two fmas and a select, 8 times a tile.
+// P's block scales by E4M3 byte b, a table in shared memory: {s, log2(s)} for s = e4m3_value(b &
+// 0x7F) > 0; {1, 0} where s is 0 or NaN (b & 0x7F = 0, 0x7F): there the values stay P2 (their codes
+// round to 0 below 0.25: a zero scale's block holds P2 < 2^-10 * 6; the MMA's scale byte 0 drops
+// them anyway) and the row sum still gets P2. One 8-byte shared load per block.
 constexpr int kPScaleBytes = 256;
-__device__ __forceinline__ void p_inv_table(uint8_t* table, int b) {
+__device__ __forceinline__ void p_scale_table(uint8_t* table, int b) {
   const float s = e4m3_value(static_cast<uint32_t>(b) & 0x7Fu);
-  reinterpret_cast<float*>(table)[b] = s > 0.f ? rcp_scale(s) : 0.f;
+  reinterpret_cast<float2*>(table)[b] = s > 0.f ? make_float2(s, log2f(s)) : make_float2(1.f, 0.f);
 }
 
 // NVFP4 numerics of P, the same rules as sageattn3.reference.quantize_rows (the hardware
@@ -79,10 +69,7 @@ __device__ __forceinline__ uint32_t p_e2m1_code(float x) {
 
 // Eight non-negative floats (already divided by their block scale) -> eight E2M1 codes, element i
 // in bits [4i, 4i+4).
-__device__ __forceinline__ uint32_t e2m1x8(const float (&v)[8], float inv) {
-  float y[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(v[i], inv);
+__device__ __forceinline__ uint32_t e2m1x8(const float (&y)[8]) {
 #if defined(SAGEATTN3_TIMING_STANDIN_E2M1)
   // timing stand-in (test flavour only, see common/nvfp4.cuh): the issue cost of sm_120's
   // hardware conversion, wrong codes
@@ -97,14 +84,18 @@ __device__ __forceinline__ uint32_t e2m1x8(const float (&v)[8], float inv) {
 #endif
 }
 
-// One 64-key chunk of P for one warp: the A fragment (a0..a3) and the scale operand.
-// p[h][r][i]: row g + 8r, keys 32h + 8t + i of the chunk (lane = 4g + t).
+// One 64-key chunk of P for one warp, from its scores: the A fragment (a0..a3) and the scale
+// operand, and the chunk's P2 added to row_sum (in key order per row, as before the fold: each
+// value's P2 is y * s, 1 ulp or so from exp2 of the unscaled exponent).
+// sc[h][r][i]: S of row g + 8r, keys 32h + 8t + i of the chunk (lane = 4g + t); bias[r]: row g + 8r's
+// exponent offset (log2(2688) - m); amax[h][r]: the P2 of the largest S in the 16-key block
+// 32h + 16(t>>1) of row g + 8r (lanes t and t^1 share it), computed by the caller; p_tab: the
+// shared address of p_scale_table's table.
 // The scale register of lane 4g + t holds the 4 block scales of row g + 8(t&1), so it serves as
 // SF_A with thread-id-a 0 (and 1).
-// amax[h][r]: the largest value of the 16-key block 32h + 16(t>>1) of row g + 8r (lanes t and t^1
-// share it), computed by the caller. p_inv: the shared address of p_inv_table's table.
-__device__ __forceinline__ void quantize_p_chunk(const float (&p)[2][2][8], const float (&amax)[2][2], uint32_t p_inv,
-                                                 uint32_t (&a)[4], uint32_t& sf) {
+__device__ __forceinline__ void p_chunk_nvfp4(const float (&sc)[2][2][8], const float (&amax)[2][2], const float (&bias)[2],
+                                              float scale_log2, uint32_t p_tab, float (&row_sum)[2], uint32_t (&a)[4],
+                                              uint32_t& sf) {
   const int t = threadIdx.x & 3;
   // bytes[r]: the scale bytes of row g + 8r's blocks h = 0 (bits 0-7) and h = 1 (bits 8-15)
   uint32_t bytes[2];
@@ -115,9 +106,16 @@ __device__ __forceinline__ void quantize_p_chunk(const float (&p)[2][2][8], cons
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const uint32_t sb = (bytes[r] >> (8 * h)) & 0xFFu;
-      float inv;
-      asm("ld.shared.f32 %0, [%1];\n" : "=f"(inv) : "r"(p_inv + 4 * sb));  // the table is fixed: not volatile
-      a[2 * h + r] = e2m1x8(p[h][r], inv);
+      float2 e;  // {s, log2 s}; the table is fixed: not volatile
+      asm("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(e.x), "=f"(e.y) : "r"(p_tab + 8 * sb));
+      const float b = __fsub_rn(bias[r], e.y);
+      float y[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        y[i] = fast_exp2(fmaf(sc[h][r][i], scale_log2, b));
+        row_sum[r] = fmaf(y[i], e.x, row_sum[r]);
+      }
+      a[2 * h + r] = e2m1x8(y);
     }
   }
   // Lane t owns blocks (t>>1) and 2 + (t>>1) of row g + 8(t&1) (bytes 0, 1 of `mine`); lane t^2
