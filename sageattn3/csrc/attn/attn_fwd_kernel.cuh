@@ -22,7 +22,8 @@
 // summation order), skipped when the tile's r is all zeros. Then each consumer warp computes
 //   S  = delta_s + Q K^T            (block-scaled FP4 MMA, fp32 accumulate, S keys permuted: key_of)
 //   online softmax in exp2 domain, P2 = exp2(S*scale*log2e - m + log2 2688)   (level 1)
-//   P2 -> NVFP4 in registers (level 2), O = O*alpha + P2 V    (block-scaled FP4 MMA)
+//   P2 -> NVFP4 in registers (level 2: per 16-key block s = E4M3(amax/6), P2/s computed as
+//     exp2(... - log2 s), softmax_pquant.cuh), O = O*alpha + P2 V    (block-scaled FP4 MMA)
 // and finally O / l in bf16/fp16.
 #pragma once
 #include <cstdint>

@@ -41,7 +41,7 @@ __device__ __forceinline__ float p_scale_quot(float amax) {
 
 // Two scales to E4M3 bytes in one conversion (the instruction __nv_cvt_float_to_fp8 issues for
 // one, satfinite): lo in bits 0-7, hi in bits 8-15, bits 16-31 zero. A NaN converts to a NaN
-// byte of either sign; the callers clear the sign bits (quantize_p_chunk).
+// byte of either sign; the caller clears the sign bits (p_chunk_nvfp4).
 __device__ __forceinline__ uint32_t p_scale_bytes(float lo, float hi) {
   uint32_t w;
   asm("{\n .reg .b16 h;\n cvt.rn.satfinite.e4m3x2.f32 h, %1, %2;\n cvt.u32.u16 %0, h;\n}\n" : "=r"(w) : "f"(hi), "f"(lo));
