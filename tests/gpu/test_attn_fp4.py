@@ -236,6 +236,41 @@ def test_fp4_attention_with_zero_scale_k_blocks():
     assert rel_l1(got, exact) < 1.05 * rel_l1(ref.sageattn3_paper(q, k, v), exact) + 2e-3
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp4_attention_zero_scale_p_blocks_count_in_the_row_sum(d):
+    """One sink key (key 0) about 20 e2-folds above the 4095 others: after the first key tile
+    every 16-key block of P holds P2 < 2688 * 2^-19.8, whose E4M3 scale (amax / 6) rounds to 0.
+    Those blocks add nothing to O (scale 0), but their P2 still belongs in the row sum, where
+    they are about 0.4% of it: the reference's output with the sink 40 e2-folds up instead (the
+    others' P2 then vanishes) differs by more than 2e-3, and the kernel must agree with the
+    reference to 1e-4."""
+    attn_or_skip()
+    from sageattn3 import _attn, reference as ref
+
+    def inputs(lift: float):
+        g = torch.Generator().manual_seed(11)
+        q = 0.1 * torch.randn(1, 2, 256, d, generator=g)
+        k = 0.1 * torch.randn(1, 1, 4096, d, generator=g)
+        v = torch.randn(1, 1, 4096, d, generator=g)
+        q[..., 0] = lift * (12.0 if d == 128 else 8.5)  # the sink's score: 156 or 110.5 before the scale
+        k[:, :, 0, 0] = 13.0
+        v[:, :, 0, :] = 1.0
+        gap = float(q[0, 0, 0, 0] * k[0, 0, 0, 0]) / math.sqrt(d) * math.log2(math.e)
+        return gap, [x.bfloat16() for x in (q, k, v)]
+
+    gap, (q, k, v) = inputs(1.0)
+    assert 19.8 < gap < 20.2  # P2 of the others: 2688 * 2^-gap, their scale amax/6 < 2^-10: byte 0
+    pre = ref.preprocess(q.cuda(), k.cuda(), v.cuda(), pad=128)
+    got = _attn.attention_from_preprocessed(pre).float().cpu()
+    want = ref.sageattn3(q, k, v)
+    far = ref.sageattn3(*inputs(2.0)[1])
+    share = float((want - far).abs().max() / want.abs().max())
+    err = float((got - want).abs().max() / want.abs().max())
+    FIGURES.append(f"zero-scale P blocks, D={d}: their share {share:.1e}, kernel vs reference max rel {err:.1e}")
+    assert share > 2e-3
+    assert err < 1e-4
+
+
 # cos-sim floors vs exact attention on the hard cases (1000 tokens, GQA 8:2), low enough for every
 # mode the tests run (FP4 Q·Kᵀ rotated, on K outlier channels, is the lowest: about 0.89 at D 64)
 EXACT_FLOOR = {"randn": 0.975, "q_offset_x1": 0.998, "q_offset_x3": 0.994, "q_offset_x8": 0.991,
