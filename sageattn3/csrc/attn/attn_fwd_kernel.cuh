@@ -85,9 +85,9 @@ struct SmemLayout {
   // (no bank conflict between the two threads of a key, see delta_s_part).
   static constexpr int kMeanQ = kProducerState + 64;
   static constexpr int kMeanQBytes = D * 4 + 16;
-  // {s, log2 s} for every E4M3 byte s of P's block scales (p_scale_table; unused by FP8 P.V)
+  // {s, log2 s} for every E4M3 byte s of P's block scales (p_scale_table: FP4 Q.K^T and P.V only)
   static constexpr int kPScale = kMeanQ + kMeanQBytes;
-  static constexpr int kPScaleTableBytes = kPScaleBytes * 8;
+  static constexpr int kPScaleTableBytes = (kPV8 || kQK8) ? 0 : kPScaleBytes * kPScaleEntry;
   static constexpr int kTotal = kPScale + kPScaleTableBytes + 1024;  // + slack to align the base
   // The stage's delta_s vector (kStageDelta) and V scales (kStageVSf) are written by threads
   // (the producer warpgroup's; the bounded mode's consumers), not by TMA (V's scale rows are Sk_pad/16 bytes apart: not the multiple of 16 a
@@ -886,7 +886,9 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
         }
         bias[r] = (kPV8 ? 0.f : kLog2P2Max) - m_use;  // FP8 P: P = exp2(t - m), no 2688 factor
       }
-      if constexpr (kPV8) {
+      // P / s in the exponent with FP4 Q.K^T (p_chunk_nvfp4); else the exponentials first (quantize_p_chunk)
+      constexpr bool kFoldP = !kPV8 && !kQK8;
+      if constexpr (!kFoldP) {
 #pragma unroll
         for (int j = 0; j < kNT; ++j) {
 #pragma unroll
@@ -896,6 +898,8 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
             row_sum[e >> 1] += v;
           }
         }
+      }
+      if constexpr (kPV8) {
         // ---- P -> MXFP8 and O += P V, per 32-key chunk (pv8_quantize, pv8_mma) ----
         static_assert(kBlockN == 128, "four 32-key chunks per stage");
         // chunks per pass (P's codes of G chunks live at once), what spills least at sm_120a (ptxas
@@ -912,11 +916,11 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
           pv8_pass<3, G, D>(o, s, t, v_tile, v_lane, vsf_lane);
         }
       } else {
-        // ---- P2 -> NVFP4 (level 2, folded into P's exponent: p_chunk_nvfp4) and O += P V ----
+        // ---- P2 -> NVFP4 (level 2; with FP4 Q.K^T folded into P's exponent: p_chunk_nvfp4) and O += P V ----
         uint32_t pa[kBlockN / 64][4], p_sf[kBlockN / 64];
 #pragma unroll
         for (int q = 0; q < kBlockN / 64; ++q) {
-          float pv[2][2][8];  // [h][r][i]: S of row g+8r, keys 64q + 32h + 8t + i
+          float pv[2][2][8];  // [h][r][i]: S (kFoldP) or P2 of row g+8r, keys 64q + 32h + 8t + i
 #pragma unroll
           for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -931,7 +935,8 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
           for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int r = 0; r < 2; ++r) amax[h][r] = fast_exp2(fmaf(bm[q][h][r], p.scale_log2, bias[r]));
-          p_chunk_nvfp4(pv, amax, bias, p.scale_log2, s_base + L::kPScale, row_sum, pa[q], p_sf[q]);
+          if constexpr (kFoldP) p_chunk_nvfp4(pv, amax, bias, p.scale_log2, s_base + L::kPScale, row_sum, pa[q], p_sf[q]);
+          else quantize_p_chunk(pv, amax, pa[q], p_sf[q]);
         }
         if constexpr (kLateRescale) {
 #pragma unroll
@@ -1020,7 +1025,8 @@ __device__ __forceinline__ void attn_fwd_body(const AttnParams& p) {
     }
     mbar_init_fence();
   }
-  if constexpr (!kPV8) {
+  if constexpr (L::kPScaleTableBytes > 0) {
+    static_assert(kCtaThreads<kInLoopResidual> >= kPScaleBytes, "one table entry a thread");
     if (threadIdx.x < kPScaleBytes) p_scale_table(smem + L::kPScale, threadIdx.x);
   }
   __syncthreads();

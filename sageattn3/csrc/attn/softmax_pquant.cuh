@@ -27,6 +27,18 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// 1 / s for a block scale s of P (an E4M3 value in [2^-9, 448]), bit-identical to __frcp_rn(s):
+// __frcp_rn compiles to a fast path (the hardware approximation and one fma refinement) guarded by
+// an exponent test that branches to an out-of-line slow path for operands where that path could
+// round wrongly (denormals, huge values, Inf, NaN). Every E4M3 value is inside the fast path's
+// range, so this takes it always, with the compiler's own sequence (docs/performance.md: ideas
+// tried).
+__device__ __forceinline__ float rcp_scale(float s) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(s));
+  return fmaf(r, fmaf(-s, r, 1.f), r);
+}
+
 // P's block scale for a block amax (>= 0, at most 2688, no denormal after ex2.approx.ftz):
 // RN(amax / 6) through the compiler's own fast path of the IEEE division (the reciprocal of 6
 // refined once, the quotient and one correction step), without the FCHK range test whose slow
@@ -48,11 +60,13 @@ __device__ __forceinline__ uint32_t p_scale_bytes(float lo, float hi) {
   return w;
 }
 
-// P's block scales by E4M3 byte b, a table in shared memory: {s, log2(s)} for s = e4m3_value(b &
-// 0x7F) > 0; {1, 0} where s is 0 or NaN (b & 0x7F = 0, 0x7F): there the values stay P2 (their codes
-// round to 0 below 0.25: a zero scale's block holds P2 < 2^-10 * 6; the MMA's scale byte 0 drops
-// them anyway) and the row sum still gets P2. One 8-byte shared load per block.
+// P's block scales by E4M3 byte b, a table in shared memory for p_chunk_nvfp4, 8 bytes an
+// entry: {s, log2(s)} for s = e4m3_value(b & 0x7F) > 0; {1, 0} where s is 0 or NaN (b & 0x7F = 0,
+// 0x7F). Where s is 0 the values stay P2 and the row sum still gets P2: such a block holds
+// P2 <= 2^-10 * 6, whose codes round to 0, and the MMA's scale byte 0 drops it anyway. (Where s
+// is NaN, P2 is too: the output is NaN, as before the table.)
 constexpr int kPScaleBytes = 256;
+constexpr int kPScaleEntry = 8;
 __device__ __forceinline__ void p_scale_table(uint8_t* table, int b) {
   const float s = e4m3_value(static_cast<uint32_t>(b) & 0x7Fu);
   reinterpret_cast<float2*>(table)[b] = s > 0.f ? make_float2(s, log2f(s)) : make_float2(1.f, 0.f);
@@ -84,13 +98,13 @@ __device__ __forceinline__ uint32_t e2m1x8(const float (&y)[8]) {
 #endif
 }
 
-// One 64-key chunk of P for one warp, from its scores: the A fragment (a0..a3) and the scale
-// operand, and the chunk's P2 added to row_sum (in key order per row, as before the fold: each
-// value's P2 is y * s, 1 ulp or so from exp2 of the unscaled exponent).
-// sc[h][r][i]: S of row g + 8r, keys 32h + 8t + i of the chunk (lane = 4g + t); bias[r]: row g + 8r's
-// exponent offset (log2(2688) - m); amax[h][r]: the P2 of the largest S in the 16-key block
-// 32h + 16(t>>1) of row g + 8r (lanes t and t^1 share it), computed by the caller; p_tab: the
-// shared address of p_scale_table's table.
+// One 64-key chunk of P for one warp, from its scores (the FP4 Q.K^T instantiations): the A
+// fragment (a0..a3) and the scale operand, P / s computed in the exponent, and the chunk's P2
+// added to row_sum (in key order per row, as the exponentials before: each value's P2 as y * s).
+// sc[h][r][i]: S of row g + 8r, keys 32h + 8t + i of the chunk (lane = 4g + t); bias[r]: row
+// g + 8r's exponent offset (log2(2688) - m); amax[h][r]: the P2 of the largest S in the 16-key
+// block 32h + 16(t>>1) of row g + 8r (lanes t and t^1 share it), computed by the caller; p_tab:
+// the shared address of p_scale_table's table.
 // The scale register of lane 4g + t holds the 4 block scales of row g + 8(t&1), so it serves as
 // SF_A with thread-id-a 0 (and 1).
 __device__ __forceinline__ void p_chunk_nvfp4(const float (&sc)[2][2][8], const float (&amax)[2][2], const float (&bias)[2],
@@ -107,7 +121,7 @@ __device__ __forceinline__ void p_chunk_nvfp4(const float (&sc)[2][2][8], const 
     for (int r = 0; r < 2; ++r) {
       const uint32_t sb = (bytes[r] >> (8 * h)) & 0xFFu;
       float2 e;  // {s, log2 s}; the table is fixed: not volatile
-      asm("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(e.x), "=f"(e.y) : "r"(p_tab + 8 * sb));
+      asm("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(e.x), "=f"(e.y) : "r"(p_tab + kPScaleEntry * sb));
       const float b = __fsub_rn(bias[r], e.y);
       float y[8];
 #pragma unroll
@@ -125,6 +139,37 @@ __device__ __forceinline__ void p_chunk_nvfp4(const float (&sc)[2][2][8], const 
   const uint32_t mine = (t & 1) ? bytes[1] : bytes[0];
   const uint32_t other = __shfl_xor_sync(0xffffffffu, mine, 2);
   sf = __byte_perm(mine, other, (t >> 1) ? 0x1504 : 0x5140) & 0x7F7F7F7Fu;
+}
+
+// The same chunk from its P2 (the FP8 / 16-bit Q.K^T instantiations, whose row sums the caller
+// took from P2): the values are P2 x (1 / s), 1 / s in registers, each block's scale byte
+// converted alone and the scale word packed with shifts, the code as before the table: the
+// timing stand-in measured these kernels 2-3% slower with the folded path and with the table's
+// reciprocals (docs/performance.md). p[h][r][i]: P2 of row g + 8r, keys 32h + 8t + i.
+__device__ __forceinline__ void quantize_p_chunk(const float (&p)[2][2][8], const float (&amax)[2][2], uint32_t (&a)[4],
+                                                 uint32_t& sf) {
+  const int t = threadIdx.x & 3;
+  uint32_t byte[2][2];  // [h][r]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint32_t sb = static_cast<uint32_t>(__nv_cvt_float_to_fp8(p_scale_quot(amax[h][r]), __NV_SATFINITE, __NV_E4M3)) & 0x7Fu;
+      const float s = e4m3_value(sb);
+      const float inv = s > 0.f ? rcp_scale(s) : 0.f;
+      float y[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(p[h][r][i], inv);
+      a[2 * h + r] = e2m1x8(y);
+      byte[h][r] = sb;
+    }
+  }
+  // Lane t owns blocks (t>>1) and 2 + (t>>1) of row g + 8(t&1); lane t^2 owns the other two.
+  const uint32_t r = t & 1;
+  const uint32_t mine = r ? (byte[0][1] | (byte[1][1] << 8)) : (byte[0][0] | (byte[1][0] << 8));
+  const uint32_t other = __shfl_xor_sync(0xffffffffu, mine, 2);
+  const uint32_t lo = (t >> 1) ? other : mine, hi = (t >> 1) ? mine : other;
+  sf = (lo & 0xffu) | ((hi & 0xffu) << 8) | ((lo >> 8) << 16) | ((hi >> 8) << 24);
 }
 
 }  // namespace sageattn3::attn
