@@ -236,6 +236,48 @@ def test_fp4_attention_with_zero_scale_k_blocks():
     assert rel_l1(got, exact) < 1.05 * rel_l1(ref.sageattn3_paper(q, k, v), exact) + 2e-3
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp4_attention_zero_scale_p_blocks_count_in_the_row_sum(d):
+    """One sink key (key 0) whose P2 is 2^20 times the 4095 others': after the first key tile
+    every 16-key block of P holds P2 <= 2688 * 2^-19.8, whose E4M3 scale (amax / 6) rounds to 0.
+    Those blocks add nothing to O (scale 0), but their P2 still belongs in the row sum, where
+    they are about 0.4% of it (exact attention: 0.41% / 0.42%). With the sink's score doubled
+    their P2 vanishes, and the output rises by that share. The kernel's share must be the
+    reference's (both outputs in bf16, as the kernel writes them; a kernel that dropped those
+    blocks from its row sum would show none, one that counted them twice twice as much), and the
+    outputs must agree to cos-sim 0.99999."""
+    attn_or_skip()
+    from sageattn3 import _attn, reference as ref
+
+    def inputs(lift: float):
+        g = torch.Generator().manual_seed(11)
+        q = 0.1 * torch.randn(1, 2, 256, d, generator=g)
+        k = 0.1 * torch.randn(1, 1, 4096, d, generator=g)
+        v = torch.randn(1, 1, 4096, d, generator=g)
+        q[..., 0] = lift * (12.0 if d == 128 else 8.5)  # the sink's score: 156 or 110.5 before the scale
+        k[:, :, 0, 0] = 13.0
+        v[:, :, 0, :] = 1.0
+        gap = float(q[0, 0, 0, 0] * k[0, 0, 0, 0]) / math.sqrt(d) * math.log2(math.e)
+        return gap, [x.bfloat16() for x in (q, k, v)]
+
+    def kernel(qkv):
+        pre = ref.preprocess(*(x.cuda() for x in qkv), pad=128)
+        return _attn.attention_from_preprocessed(pre).float().cpu()
+
+    gap, near = inputs(1.0)
+    assert 19.8 < gap < 20.2  # P2 of the others: 2688 * 2^-gap, their scale amax/6 < 2^-10: byte 0
+    far = inputs(2.0)[1]
+    got, got_far = kernel(near), kernel(far)
+    want, want_far = (ref.sageattn3(*x).bfloat16().float() for x in (near, far))
+    share = 1.0 - float((got / got_far).median())
+    share_ref = 1.0 - float((want / want_far).median())
+    FIGURES.append(f"zero-scale P blocks, D={d}: their share of the row sum {share:.3%} (reference {share_ref:.3%}), "
+                   f"cos-sim {cos_sim(got, want):.7f}")
+    assert share_ref > 2e-3
+    assert abs(share - share_ref) < 0.05 * share_ref
+    assert cos_sim(got, want) >= 0.99999 and cos_sim(got_far, want_far) >= 0.99999
+
+
 # cos-sim floors vs exact attention on the hard cases (1000 tokens, GQA 8:2), low enough for every
 # mode the tests run (FP4 Q·Kᵀ rotated, on K outlier channels, is the lowest: about 0.89 at D 64)
 EXACT_FLOOR = {"randn": 0.975, "q_offset_x1": 0.998, "q_offset_x3": 0.994, "q_offset_x8": 0.991,

@@ -22,7 +22,8 @@
 // summation order), skipped when the tile's r is all zeros. Then each consumer warp computes
 //   S  = delta_s + Q K^T            (block-scaled FP4 MMA, fp32 accumulate, S keys permuted: key_of)
 //   online softmax in exp2 domain, P2 = exp2(S*scale*log2e - m + log2 2688)   (level 1)
-//   P2 -> NVFP4 in registers (level 2), O = O*alpha + P2 V    (block-scaled FP4 MMA)
+//   P2 -> NVFP4 in registers (level 2: per 16-key block s = E4M3(amax/6), P2/s computed as
+//     exp2(... - log2 s), softmax_pquant.cuh), O = O*alpha + P2 V    (block-scaled FP4 MMA)
 // and finally O / l in bf16/fp16.
 #pragma once
 #include <cstdint>
@@ -84,7 +85,10 @@ struct SmemLayout {
   // (no bank conflict between the two threads of a key, see delta_s_part).
   static constexpr int kMeanQ = kProducerState + 64;
   static constexpr int kMeanQBytes = D * 4 + 16;
-  static constexpr int kTotal = kMeanQ + kMeanQBytes + 1024;        // + slack to align the base
+  // {s, log2 s} for every E4M3 byte s of P's block scales (p_scale_table: FP4 Q.K^T and P.V only)
+  static constexpr int kPScale = kMeanQ + kMeanQBytes;
+  static constexpr int kPScaleTableBytes = (kPV8 || kQK8) ? 0 : kPScaleBytes * kPScaleEntry;
+  static constexpr int kTotal = kPScale + kPScaleTableBytes + 1024;  // + slack to align the base
   // The stage's delta_s vector (kStageDelta) and V scales (kStageVSf) are written by threads
   // (the producer warpgroup's; the bounded mode's consumers), not by TMA (V's scale rows are Sk_pad/16 bytes apart: not the multiple of 16 a
   // tensor map's stride must be when Sk_pad/128 is odd).
@@ -882,16 +886,19 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
         }
         bias[r] = (kPV8 ? 0.f : kLog2P2Max) - m_use;  // FP8 P: P = exp2(t - m), no 2688 factor
       }
+      // P / s in the exponent with FP4 Q.K^T (p_chunk_nvfp4); else the exponentials first (quantize_p_chunk)
+      constexpr bool kFoldP = !kPV8 && !kQK8;
+      if constexpr (!kFoldP) {
 #pragma unroll
-      for (int j = 0; j < kNT; ++j) {
+        for (int j = 0; j < kNT; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float v = fast_exp2(fmaf(s[j][e], p.scale_log2, bias[e >> 1]));
-          s[j][e] = v;
-          row_sum[e >> 1] += v;
+          for (int e = 0; e < 4; ++e) {
+            const float v = fast_exp2(fmaf(s[j][e], p.scale_log2, bias[e >> 1]));
+            s[j][e] = v;
+            row_sum[e >> 1] += v;
+          }
         }
       }
-
       if constexpr (kPV8) {
         // ---- P -> MXFP8 and O += P V, per 32-key chunk (pv8_quantize, pv8_mma) ----
         static_assert(kBlockN == 128, "four 32-key chunks per stage");
@@ -909,11 +916,11 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
           pv8_pass<3, G, D>(o, s, t, v_tile, v_lane, vsf_lane);
         }
       } else {
-        // ---- P2 -> NVFP4 (level 2) and O += P V ----
+        // ---- P2 -> NVFP4 (level 2; with FP4 Q.K^T folded into P's exponent: p_chunk_nvfp4) and O += P V ----
         uint32_t pa[kBlockN / 64][4], p_sf[kBlockN / 64];
 #pragma unroll
         for (int q = 0; q < kBlockN / 64; ++q) {
-          float pv[2][2][8];  // [h][r][i]: row g+8r, keys 64q + 32h + 8t + i
+          float pv[2][2][8];  // [h][r][i]: S (kFoldP) or P2 of row g+8r, keys 64q + 32h + 8t + i
 #pragma unroll
           for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -928,7 +935,8 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
           for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int r = 0; r < 2; ++r) amax[h][r] = fast_exp2(fmaf(bm[q][h][r], p.scale_log2, bias[r]));
-          quantize_p_chunk(pv, amax, pa[q], p_sf[q]);
+          if constexpr (kFoldP) p_chunk_nvfp4(pv, amax, bias, p.scale_log2, s_base + L::kPScale, row_sum, pa[q], p_sf[q]);
+          else quantize_p_chunk(pv, amax, pa[q], p_sf[q]);
         }
         if constexpr (kLateRescale) {
 #pragma unroll
@@ -1016,6 +1024,10 @@ __device__ __forceinline__ void attn_fwd_body(const AttnParams& p) {
       mbar_init(&bars[2 + kStages + s], kWS ? kThreads : kConsumerWarps);  // empty (kWS: every lane)
     }
     mbar_init_fence();
+  }
+  if constexpr (L::kPScaleTableBytes > 0) {
+    static_assert(kCtaThreads<kInLoopResidual> >= kPScaleBytes, "one table entry a thread");
+    if (threadIdx.x < kPScaleBytes) p_scale_table(smem + L::kPScale, threadIdx.x);
   }
   __syncthreads();
   if constexpr (kWS) {

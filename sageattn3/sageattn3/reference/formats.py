@@ -19,7 +19,9 @@ Along the quantized dimension, every 16 consecutive values form a block:
 
 The kernels compute exactly this: ``amax / 6.0f``, ``__nv_cvt_float_to_fp8(satfinite, e4m3)``,
 ``__frcp_rn``, one float32 multiply, then the hardware ``cvt.rn.satfinite.e2m1x2.f32`` (never
-fed a NaN) or an equivalent software conversion.
+fed a NaN) or an equivalent software conversion. (One exception: the attention kernel's P with
+FP4 Q·Kᵀ, whose values reach step 4 as exp2 of an exponent that already subtracts log2 of the
+scale, within a few fp32 ulps of the multiply: ``reference.sageattn3``'s layout notes.)
 
 Layouts
 -------
