@@ -135,9 +135,10 @@ __device__ __forceinline__ TileCoord decode_tile(const AttnParams& p, int tile) 
 // tile's Q when it enters the tile. Thread 0 is also a consumer, so it never waits for a stage that
 // its own warp has not released: stage n + kStages - 1 is issued at the start of iteration n,
 // after every warp (its own included) released stage n - 1.
-template <int D, bool kQK8 = false, bool kSelect = true, bool kPV8 = false, bool kQK16 = false>
+// FP4 operands only (the bounded mode's), every tile of the grid (no per-head selection bytes).
+template <int D>
 struct Producer {
-  using L = SmemLayout<D, kQK8, kPV8, kQK16>;
+  using L = SmemLayout<D>;
   static constexpr int kStages = L::kStages;
   // Lives in shared memory: only thread 0 touches it, and keeping it out of registers leaves the
   // register budget (identical for all threads) to the MMA accumulators.
@@ -148,7 +149,7 @@ struct Producer {
   __device__ __forceinline__ void start(const AttnParams& p) {
     n = 0;
     q_round = 0;
-    tile = next_tile<kSelect>(p, blockIdx.x);
+    tile = next_tile<false>(p, blockIdx.x);
     kb = 0;
     if (tile < p.num_tiles) c = decode_tile(p, tile);
     tma_prefetch_desc(&p.tm_q);
@@ -171,7 +172,7 @@ struct Producer {
         mbar_wait(q_empty, (q_round & 1u) ^ 1u);
         mbar_arrive_expect_tx(q_full, L::kQTx);
         tma_load_2d(smem + L::kQ, &p.tm_q, q_full, 0, q_row0);
-        if constexpr (!kQK16) tma_load_2d(smem + L::kQSf, &p.tm_q_sf, q_full, 0, q_row0 / kBlockM * L::kSfRowBytes);
+        tma_load_2d(smem + L::kQSf, &p.tm_q_sf, q_full, 0, q_row0 / kBlockM * L::kSfRowBytes);
         ++q_round;
       }
       const uint32_t st = n % kStages;
@@ -181,12 +182,12 @@ struct Producer {
       const int kv_bh = c.b * p.heads_kv + c.hk;
       const int k_row0 = kv_bh * p.seq_k_pad + kb * kBlockN;
       tma_load_2d(stage + L::kStageK, &p.tm_k, &full[st], 0, k_row0);
-      if constexpr (!kQK16) tma_load_2d(stage + L::kStageKSf, &p.tm_k_sf, &full[st], 0, k_row0 / kBlockN * L::kSfRowBytes);
+      tma_load_2d(stage + L::kStageKSf, &p.tm_k_sf, &full[st], 0, k_row0 / kBlockN * L::kSfRowBytes);
       tma_load_2d(stage + L::kStageV, &p.tm_v, &full[st], kb * L::kVRowBytes, kv_bh * D);
       ++n;
       if (++kb == c.num_kb) {
         kb = 0;
-        tile = next_tile<kSelect>(p, tile + gridDim.x);
+        tile = next_tile<false>(p, tile + gridDim.x);
         if (tile < p.num_tiles) c = decode_tile(p, tile);
       }
     }
@@ -607,7 +608,8 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   // TMA between its own MMA work and the CTA fills each stage's vectors before a CTA barrier.
   constexpr bool kWS = !kInLoopResidual;
   const bool is_producer = !kWS && threadIdx.x == 0;
-  using Prod = Producer<D, kQK8, !kInLoopResidual, kPV8, kQK16>;
+  static_assert(kWS || (!kQK8 && !kPV8 && !kQK16), "the bounded mode: FP4 Q.K^T and P.V only");
+  using Prod = Producer<D>;  // the bounded mode's (is_producer is false in every other instantiation)
   Prod& prod = *reinterpret_cast<Prod*>(smem + L::kProducerState);
   if (is_producer) prod.start(p);
 
@@ -697,14 +699,12 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
     const int kv_bh = c.b * p.heads_kv + c.hk;
     const uint8_t* v_sf_head = p.v_sf + static_cast<int64_t>(kv_bh) * D * (p.seq_k_pad / 16);
     const int row_g = m0 + row_in_tile + g;  // this lane's rows: row_g, row_g + 8
-    // V scales of a stage: thread i < 2D copies row d = i / 2, bytes 4(i & 1) .. +3 of the stage's 8
-    // into the stage (d x 8 bytes); lane 4g + t reads d = 8n + g, bytes 4(t & 1) (key chunk t & 1).
-    // kPV8 (v_sf: (B, Hkv, D, Sk_pad/32) UE8M0): thread i < D copies channel i's 4 bytes of the stage
-    // into the stage (D x 4 bytes); lane 4g + t reads channel 8n + g's word (byte = key chunk).
-    // (the first stage's bytes; with kWalk each stage moves the pointer on by its bytes)
-    const uint8_t* v_sf_copy =
-        kPV8 ? p.v_sf + (static_cast<int64_t>(kv_bh) * D + threadIdx.x) * (p.seq_k_pad / 32)
-             : v_sf_head + static_cast<int64_t>(threadIdx.x >> 1) * (p.seq_k_pad / 16) + 4 * (threadIdx.x & 1);
+    // V scales of a stage (copied into it by the producer warpgroup, or in the bounded mode by thread
+    // i < 2D: row d = i / 2, bytes 4(i & 1) .. +3 of the stage's 8, from v_sf_copy: the first stage's
+    // bytes, with kWalk moved on by each stage's): d x 8 bytes, lane 4g + t reads d = 8n + g, bytes
+    // 4(t & 1) (key chunk t & 1). kPV8 (v_sf: (B, Hkv, D, Sk_pad/32) UE8M0): channel i's 4 bytes of
+    // the stage at word i (D x 4 bytes); lane 4g + t reads channel 8n + g's word (byte = key chunk).
+    const uint8_t* v_sf_copy = v_sf_head + static_cast<int64_t>(threadIdx.x >> 1) * (p.seq_k_pad / 16) + 4 * (threadIdx.x & 1);
     const uint32_t v_sf_lane = kPV8 ? 4 * g : g * 8 + 4 * (t & 1);
     // V's tile exponents of this kv head: tile kb, group x at p.v_exp[v_exp_row + kb * kVGroups + x]
     const int v_exp_row = kv_bh * (p.seq_k_pad / kBlockN) * kVGroups;  // < 2^31: k's rows are int too
@@ -723,7 +723,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       // then every warp has read it. (kWS: the producer warpgroup wrote them before its arrival.)
       if constexpr (!kWS) {
         float res = 0.f;
-        if (kInLoopResidual && has_residual) {
+        if (has_residual) {
           ResidualHalf<D> kres;
           kres.load(p.k_res, kres_row0 + k0, ds_k, ds_half);
           if (kb + 1 < c.num_kb) ResidualHalf<D>::prefetch(p.k_res, kres_row0 + k0 + kBlockN, ds_k, ds_half);
@@ -734,29 +734,27 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
         // pair layout {d[2i], d[2i+1], d[2i], d[2i+1]}: the two threads of key ds_k write a copy each
         if constexpr (kWalk) {
           sts_f32(stage + L::kStageDelta + delta_pair_offset(ds_k >> 1) + 8 * ds_half + 4 * (ds_k & 1),
-                  kInLoopResidual ? __fadd_rn(__ldg(ds_key_ptr), res) : __ldg(ds_key_ptr));
+                  __fadd_rn(__ldg(ds_key_ptr), res));
         } else {
           sts_f32(stage + L::kStageDelta + delta_pair_offset(ds_k >> 1) + 8 * ds_half + 4 * (ds_k & 1),
                   __fadd_rn(__ldg(ds_key_row + k0 + ds_k), res));
         }
-        if (threadIdx.x < (kPV8 ? D : 2 * D)) {
-          const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(kWalk ? v_sf_copy : v_sf_copy + k0 / (kPV8 ? 32 : 16)));
+        if (threadIdx.x < 2 * D) {
+          const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(kWalk ? v_sf_copy : v_sf_copy + k0 / 16));
           asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage + L::kStageVSf + 4 * threadIdx.x), "r"(w) : "memory");
         }
-        if constexpr (!kPV8) {
-          // V's tile exponents: the factor 2^(e_kb - e_(kb-1)) that moves O to this tile's scale
-          // (exact, at most 2^80: |e| <= 40), 1 for the first tile (O is 0) or without exponents
-          if (threadIdx.x >= kThreads - kVGroups) {
-            const int x = threadIdx.x - (kThreads - kVGroups);
-            int e = 0, prev = 0;
-            if (p.v_exp != nullptr) {
-              const int8_t* ep = p.v_exp + v_exp_row + kb * kVGroups + x;
-              e = __ldg(ep);
-              prev = kb > 0 ? __ldg(ep - kVGroups) : e;
-            }
-            sts_f32(stage + L::kStageVExp + 4 * x, __int_as_float((e - prev + 127) << 23));
-            if constexpr (kBackInLoop) sts_f32(stage + L::kStageVExp + 16 + 4 * x, __int_as_float((127 - e) << 23));
+        // V's tile exponents: the factor 2^(e_kb - e_(kb-1)) that moves O to this tile's scale
+        // (exact, at most 2^80: |e| <= 40), 1 for the first tile (O is 0) or without exponents
+        if (threadIdx.x >= kThreads - kVGroups) {
+          const int x = threadIdx.x - (kThreads - kVGroups);
+          int e = 0, prev = 0;
+          if (p.v_exp != nullptr) {
+            const int8_t* ep = p.v_exp + v_exp_row + kb * kVGroups + x;
+            e = __ldg(ep);
+            prev = kb > 0 ? __ldg(ep - kVGroups) : e;
           }
+          sts_f32(stage + L::kStageVExp + 4 * x, __int_as_float((e - prev + 127) << 23));
+          if constexpr (kBackInLoop) sts_f32(stage + L::kStageVExp + 16 + 4 * x, __int_as_float((127 - e) << 23));
         }
         __syncthreads();
       }
@@ -902,11 +900,11 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       if constexpr (kPV8) {
         // ---- P -> MXFP8 and O += P V, per 32-key chunk (pv8_quantize, pv8_mma) ----
         static_assert(kBlockN == 128, "four 32-key chunks per stage");
-        // chunks per pass (P's codes of G chunks live at once), what spills least at sm_120a (ptxas
-        // 13.0, D 128; D 64 spills none either way): with FP4 Q.K^T four passes of one (none as
-        // shipped, 32/48 bytes with the MSVC patch; two of two: none and 60/88; one of four: 60/96
-        // as shipped); with FP8 Q.K^T one pass of four (20/36 bytes with P's second term, 20/20 before
-        // it, as the FP8 Q.K^T kernel alone; before it too: 24/28 with the MSVC patch, two of two 32/36)
+        // chunks per pass (P's codes of G chunks live at once): what spilled least at D 128 when
+        // chosen (ptxas 13.0, sm_120a, before the producer warpgroup; D 64 spills none either way):
+        // with FP4 Q.K^T four passes of one, with FP8 Q.K^T one pass of four. Spills now
+        // (`python -m ci.checks.kernel_report` at c65bb61, in bytes stored): FP4 Q.K^T 12 at sm_120a,
+        // none at sm_121a; FP8 Q.K^T none at sm_120a, 20 at sm_121a.
         constexpr int G = (kQK8 && D == 128) ? 4 : 1;
         const uint32_t v_tile = stage + L::kStageV, vsf_lane = stage + L::kStageVSf + v_sf_lane;
         pv8_pass<0, G, D>(o, s, t, v_tile, v_lane, vsf_lane);
@@ -983,9 +981,9 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       // released to the producer warpgroup's stores into it, not through a warp barrier
       __syncwarp();
       if (kWS || lane == 0) mbar_arrive(&empty[st]);
-      if constexpr (kWalk) {
+      if constexpr (kWalk && !kWS) {
         ds_key_ptr += kBlockN;
-        v_sf_copy += kBlockN / (kPV8 ? 32 : 16);
+        v_sf_copy += kBlockN / 16;
       }
     }
 
