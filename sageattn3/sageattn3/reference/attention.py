@@ -81,6 +81,8 @@ def _tiled_attention(qd, kd, vd, delta_rows, seq_k: int, is_causal: bool, c: flo
             p = torch.where(live, p, torch.zeros_like(p))
             ph = mxfp8_p(p)
         else:
+            # the FP4 Q·Kᵀ kernels compute P / s per 16-key block as exp2(t - m + log2 2688 - log2 s)
+            # and l from that times s: within a few float32 ulps of this P and its quantization
             p = torch.exp2(t - m_safe) * P_SCALE
             p = torch.where(live, p, torch.zeros_like(p))
             pp, psc = quantize_rows(p)
@@ -164,9 +166,7 @@ def sageattn3(
       the running row max m_t = max(m_{t-1}, max_{j in t} t_ij), and
       P_ij = exp2(t_ij - m_t) · 2688   (row max mapped to 448·6: the per-row factor exp2(-m_t)
       and the constant 2688, both folded into the exponent in the kernel),
-      P̂ = NVFP4(P) along the keys (16-key blocks, the same quantizer as everything else; the
-      FP4 Q·Kᵀ kernels compute P / s as exp2(t_ij - m_t + log2 2688 - log2 s) per block and
-      take P back as that times s for l: within a few fp32 ulps of this),
+      P̂ = NVFP4(P) along the keys (16-key blocks, the same quantizer as everything else),
       l_t = l_{t-1} · exp2(m_{t-1} - m_t) + Σ_j P_ij   (row sums of the unquantized P, in the
       same scaled domain),
       acc_t = acc_{t-1} · exp2(m_{t-1} - m_t) + P̂ · Vd_t.

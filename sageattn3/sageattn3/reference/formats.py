@@ -19,9 +19,7 @@ Along the quantized dimension, every 16 consecutive values form a block:
 
 The kernels compute exactly this: ``amax / 6.0f``, ``__nv_cvt_float_to_fp8(satfinite, e4m3)``,
 ``__frcp_rn``, one float32 multiply, then the hardware ``cvt.rn.satfinite.e2m1x2.f32`` (never
-fed a NaN) or an equivalent software conversion. (One exception: the attention kernel's P with
-FP4 Q·Kᵀ, whose values reach step 4 as exp2 of an exponent that already subtracts log2 of the
-scale, within a few fp32 ulps of the multiply: ``reference.sageattn3``'s layout notes.)
+fed a NaN) or an equivalent software conversion.
 
 Layouts
 -------
@@ -35,6 +33,10 @@ Layouts
   the FP8 P·V path): x (..., S, D) -> codes (..., D, S32), scales (..., D, S32/32), S32 = S
   rounded up to a multiple of 32 (zero padding).
 """
+# One exception to "the kernels compute exactly this" above: the attention kernel's P with FP4
+# Q·Kᵀ reaches step 4 as exp2 of an exponent that already subtracts log2 of its block scale,
+# within a few float32 ulps of the multiply (sageattn3/csrc/attn/softmax_pquant.cuh,
+# p_chunk_nvfp4; reference.sageattn3 models it as the multiply).
 
 from __future__ import annotations
 
