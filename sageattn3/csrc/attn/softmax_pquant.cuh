@@ -101,6 +101,8 @@ __device__ __forceinline__ uint32_t e2m1x8(const float (&y)[8]) {
 // One 64-key chunk of P for one warp, from its scores (the FP4 Q.K^T instantiations): the A
 // fragment (a0..a3) and the scale operand, P / s computed in the exponent, and the chunk's P2
 // added to row_sum (in key order per row, as the exponentials before: each value's P2 as y * s).
+// y differs from RN(P2 * RN(1 / s)) by the rounding of bias - log2(s): half an ulp of |bias| in
+// the exponent, about 2.6e-6 relative where |m| = 100 in log2 units (docs/performance.md).
 // sc[h][r][i]: S of row g + 8r, keys 32h + 8t + i of the chunk (lane = 4g + t); bias[r]: row
 // g + 8r's exponent offset (log2(2688) - m); amax[h][r]: the P2 of the largest S in the 16-key
 // block 32h + 16(t>>1) of row g + 8r (lanes t and t^1 share it), computed by the caller; p_tab:

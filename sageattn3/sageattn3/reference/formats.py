@@ -35,7 +35,8 @@ Layouts
 """
 # One exception to "the kernels compute exactly this" above: the attention kernel's P with FP4
 # Q·Kᵀ reaches step 4 as exp2 of an exponent that already subtracts log2 of its block scale,
-# within a few float32 ulps of the multiply (sageattn3/csrc/attn/softmax_pquant.cuh,
+# within about 2.6e-6 relative of the multiply where the row's max is 100 in log2 units, growing
+# with it (sageattn3/csrc/attn/softmax_pquant.cuh,
 # p_chunk_nvfp4; reference.sageattn3 models it as the multiply).
 
 from __future__ import annotations
