@@ -9,13 +9,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ci.checks.kernel_report import spill_allowance
-from ci.toolchain.tools import cache_root
+from ci.checks.sass_budget import NVDISASM_PIN
+from ci.toolchain import tools
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "sageattn3" / "csrc"
@@ -100,32 +100,12 @@ def test_attention_kernels_do_not_spill(cubins, arch):
     check_spills(log, f"sm_{arch}")
 
 
-def _tool(name: str, package: str, spec: str = "13.*", from_path: bool = True) -> Path | None:
-    """A CUDA binary tool: from PATH (``from_path``), else from PyPI's ``package==spec``, installed
-    once into the factory's cache (so `nox -s clean` clears it with the rest); None if neither."""
-    found = shutil.which(name) if from_path else None
-    if found:
-        return Path(found)
-    cache = Path(os.environ.get("SAGEATTN3_TOOL_CACHE", cache_root() / "test-tools"))
-    cache = cache / (package if spec == "13.*" else f"{package}-{spec.rstrip('.*')}")
-    exe = next(iter(cache.glob(f"**/bin/{name}")), None) if cache.exists() else None
-    if exe is None:
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(cache),
-                            f"{package}=={spec}"], capture_output=True, text=True)
-        if r.returncode != 0:
-            return None
-        exe = next(iter(cache.glob(f"**/bin/{name}")), None)
-    if exe is not None:
-        exe.chmod(exe.stat().st_mode | 0o111)
-    return exe
-
-
 def _sass(obj: Path) -> str:
     """cuobjdump -sass of an object or cubin (skips where cuobjdump/nvdisasm are not to be had)."""
-    cuobjdump = _tool("cuobjdump", "nvidia-cuda-cuobjdump")
-    nvdisasm = _tool("nvdisasm", "nvidia-cuda-nvdisasm")
-    if cuobjdump is None or nvdisasm is None:
-        pytest.skip("cuobjdump/nvdisasm not available (PATH or pip install nvidia-cuda-cuobjdump/-nvdisasm)")
+    try:
+        cuobjdump, nvdisasm = tools.cuobjdump(), tools.cuda_tool("nvdisasm", NVDISASM_PIN)
+    except tools.ToolchainError as e:
+        pytest.skip(f"cuobjdump/nvdisasm not available: {e}")
     env = dict(os.environ, PATH=f"{nvdisasm.parent}{os.pathsep}{os.environ.get('PATH', '')}")
     sass = subprocess.run([str(cuobjdump), "-sass", str(obj)], capture_output=True, text=True, env=env)
     assert sass.returncode == 0, sass.stderr
@@ -175,7 +155,10 @@ def _ptxas_of(line: str) -> Path | None:
     """ptxas of CUDA ``line`` from its PyPI nvcc wheel (which holds ptxas even where it holds no
     nvcc: 12.8), never the one on PATH."""
     package = "nvidia-cuda-nvcc-cu12" if line.startswith("12.") else "nvidia-cuda-nvcc"
-    return _tool("ptxas", package, f"{line}.*", from_path=False)
+    try:
+        return tools.cuda_tool("ptxas", f"{package}=={line}.*", from_path=False)
+    except tools.ToolchainError:
+        return None
 
 
 @pytest.fixture(scope="module")

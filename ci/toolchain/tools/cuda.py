@@ -169,19 +169,23 @@ def cutlass_include() -> Path:
 CUOBJDUMP_PIN = "nvidia-cuda-cuobjdump==13.2.86"  # reads cubins of every CUDA 12.8+/13.x build
 
 
-def cuda_tool(name: str, pin: str) -> Path:
-    """A CUDA binary tool the system toolkit here lacks (cuobjdump, nvdisasm): from PATH, else
-    its PyPI wheel (``pin``) installed once into the cache."""
-    found = shutil.which(name)
+def cuda_tool(name: str, pin: str, from_path: bool = True) -> Path:
+    """A CUDA binary tool the system toolkit here lacks (cuobjdump, nvdisasm; a given CUDA line's
+    ptxas): from PATH (``from_path``), else its PyPI wheel (``pin``, a version or a ``X.Y.*``
+    spec) installed once into the cache. The wheels keep it under nvidia/<cu13|cuda_nvcc...>/bin."""
+    found = shutil.which(name) if from_path else None
     if found:
         return Path(found)
-    dest = cache_root() / "tools" / pin.replace("==", "-")
-    exe = dest / "nvidia" / "cu13" / "bin" / name
-    if not exe.exists():
+    dest = cache_root() / "tools" / pin.replace("==", "-").replace(".*", "")
+    exe = next(iter(sorted(dest.glob(f"nvidia/*/bin/{name}"))), None)
+    if exe is None:
         try:
             run_pip([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(dest), pin])
         except subprocess.CalledProcessError as e:
             raise ToolchainError(f"{name} is missing: `pip install {pin}` failed") from e
+        exe = next(iter(sorted(dest.glob(f"nvidia/*/bin/{name}"))), None)
+        if exe is None:
+            raise ToolchainError(f"{pin} holds no bin/{name}")
         exe.chmod(exe.stat().st_mode | 0o111)
     return exe
 

@@ -85,9 +85,11 @@ struct SmemLayout {
   // (no bank conflict between the two threads of a key, see delta_s_part).
   static constexpr int kMeanQ = kProducerState + 64;
   static constexpr int kMeanQBytes = D * 4 + 16;
-  // {s, log2 s} for every E4M3 byte s of P's block scales (p_scale_table: FP4 Q.K^T and P.V only)
+  // {s, log2 s} for every E4M3 byte s of P's block scales (p_scale_table), where P / s is computed in
+  // P's exponent (kFoldP: FP4 Q.K^T and P.V; the FP8 / 16-bit Q.K^T kernels keep the multiply)
+  static constexpr bool kFoldP = !kQK8 && !kPV8;
   static constexpr int kPScale = kMeanQ + kMeanQBytes;
-  static constexpr int kPScaleTableBytes = (kPV8 || kQK8) ? 0 : kPScaleBytes * kPScaleEntry;
+  static constexpr int kPScaleTableBytes = kFoldP ? kPScaleBytes * kPScaleEntry : 0;
   static constexpr int kTotal = kPScale + kPScaleTableBytes + 1024;  // + slack to align the base
   // The stage's delta_s vector (kStageDelta) and V scales (kStageVSf) are written by threads
   // (the producer warpgroup's; the bounded mode's consumers), not by TMA (V's scale rows are Sk_pad/16 bytes apart: not the multiple of 16 a
@@ -885,7 +887,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
         bias[r] = (kPV8 ? 0.f : kLog2P2Max) - m_use;  // FP8 P: P = exp2(t - m), no 2688 factor
       }
       // P / s in the exponent with FP4 Q.K^T (p_chunk_nvfp4); else the exponentials first (quantize_p_chunk)
-      constexpr bool kFoldP = !kPV8 && !kQK8;
+      constexpr bool kFoldP = L::kFoldP;
       if constexpr (!kFoldP) {
 #pragma unroll
         for (int j = 0; j < kNT; ++j) {
@@ -1023,7 +1025,7 @@ __device__ __forceinline__ void attn_fwd_body(const AttnParams& p) {
     }
     mbar_init_fence();
   }
-  if constexpr (L::kPScaleTableBytes > 0) {
+  if constexpr (L::kFoldP) {
     static_assert(kCtaThreads<kInLoopResidual> >= kPScaleBytes, "one table entry a thread");
     if (threadIdx.x < kPScaleBytes) p_scale_table(smem + L::kPScale, threadIdx.x);
   }
