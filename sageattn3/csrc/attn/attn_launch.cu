@@ -273,7 +273,7 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
     const int n = std::min(chunk, static_cast<int>(bq) - bh0);
     dp.bh0 = bh0;
     const dim3 grid((a.seq_k + kBlockN - 1) / kBlockN, n, (p.num_m_blocks + kDeltaMGroup - 1) / kDeltaMGroup);
-    delta_s_blocks_kernel<D><<<grid, 2 * kBlockN, 0, stream>>>(dp);
+    delta_s_blocks_kernel<D><<<grid, kDeltaThreads<D>, 0, stream>>>(dp);
     rc = cudaGetLastError();
     if (rc != cudaSuccess) break;
     p.bh0 = bh0;
