@@ -261,6 +261,26 @@ def test_a_prepass_loop_counts_its_own_instructions_and_warps_per_head_dim(tmp_p
     assert sp.count(pre, instrs, 128, root=tmp_path).instructions == 4 * 15.5
 
 
+def test_nested_loops_count_each_instruction_once():
+    """Three named loops A > B > C: A's own body leaves out B (with C in it) once, not C twice."""
+    a, b, c = (0, 99), (10, 59), (20, 29)
+    assert sp._children([a, b, c], a) == [b] and sp._children([a, b, c], b) == [c]
+    assert sp._children([a, b, c], c) == [] and sp._children([b, c, (70, 79)], a) == [b, (70, 79)]
+
+
+def test_the_delta_s_prepass_model_reads_its_kernel():
+    """The delta_s pre-pass's figures come from its header: its threads (kDeltaThreads: two keys
+    a thread, both halves of a row at D 64, one at D 128), and at the reference shape (256 query
+    blocks, a CTA's group) one step of kMUnroll query blocks per 4 tiles, no one-row steps, 4 chunks
+    of r; every loop marker names a line of the header."""
+    assert sp._delta_s_threads(64) == 64 and sp._delta_s_threads(128) == 128
+    assert sp.PREPASSES["delta_s"].warps_of(64) == 2 and sp.PREPASSES["delta_s"].warps_of(128) == 4
+    assert sp._delta_s_per_tile(128, sb.REF) == (1 / 256, 0.25, 0.0, 4 / 256)
+    for pre in sp.PREPASSES.values():
+        for loop in pre.loops:
+            sp._line(sp.CSRC / pre.lines, loop.marker)
+
+
 def _tensor_bound_budget(**kw) -> sb.Budget:
     """64 OMMAs and 100 other warp-instructions per warp: 2,048 clk of tensor work on an RTX 5090."""
     return sb.Budget("t", 128, 8, counts=Counter({"omma": 64, "fp32": 100}), **kw)

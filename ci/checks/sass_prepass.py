@@ -31,8 +31,10 @@ one query head per kv head).
   100 instructions a CTA more, not counted here); the separate kernel is the one counted.
 
 Counting: the main loop's instructions per iteration and any other named loop's, each times its
-trip count, plus the rest of the function up to its last EXIT once per CTA (loops in that rest
-once); out-of-line code after the last EXIT (retry stubs, slow 64-bit divisions) is not counted.
+trip count (a named loop that holds others: its own instructions, those of the named loops directly
+inside it left to them), plus the rest of the function up to its last EXIT once per CTA (loops in
+that rest once); out-of-line code after the last EXIT (retry stubs, slow 64-bit divisions) is not
+counted.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from ci.checks.sass_budget import REF, Instr, PerTile, Ref, disassemble, end_of_
 from ci.toolchain.flags import device_flags
 
 CSRC = Path(__file__).resolve().parents[2] / "sageattn3" / "csrc"
-WARPS = 8  # 256 threads per CTA, every pre-pass kernel but the rule (PrePass.warps)
+WARPS = 8  # 256 threads per CTA: the MXFP8 pre-passes (PrePass.warps; the rule's and delta_s's are their own)
 
 
 def constant(path: Path, name: str) -> int:
@@ -80,7 +82,7 @@ class PrePass:
     loops: tuple[Loop, ...]   # the counted loops, the main one first
     unit: str                 # what one iteration of the main loop does
     # per attention tile at a shape: (CTAs, i.e. runs of the code outside the loops), then each
-    # loop's iterations (of all 8 warps); and the compulsory DRAM bytes
+    # loop's iterations (each run by every warp of the CTA); and the compulsory DRAM bytes
     per_tile: Callable[[int, Ref], tuple[float, ...]]
     dram: Callable[[int, Ref], float]
     rest_note: str = ""
@@ -197,10 +199,20 @@ def _holds(path_suffix: str, line: int) -> Callable[[list[Instr]], bool]:
     return lambda body: any(f.endswith(path_suffix) and n == line for ins in body for f, n in ins.frames)
 
 
+def _inside(inner: tuple[int, int], outer: tuple[int, int]) -> bool:
+    return inner != outer and outer[0] <= inner[0] and inner[1] <= outer[1]
+
+
+def _children(ranges: list[tuple[int, int]], outer: tuple[int, int]) -> list[tuple[int, int]]:
+    """The ranges directly inside ``outer``: inside it and inside no other range that is."""
+    inner = [r for r in ranges if _inside(r, outer)]
+    return [r for r in inner if not any(_inside(r, o) for o in inner)]
+
+
 def count(pre: PrePass, instrs: list[Instr], d: int, ref: Ref = REF, root: Path = CSRC) -> PerTile:
     """The pre-pass ``pre`` of head dim ``d`` from its function's instructions, per attention tile:
-    its warps x (the rest x CTAs per tile + each loop's body x its iterations per tile). ``root``:
-    where ``pre.lines`` lies (csrc)."""
+    its warps x (the rest x CTAs per tile + each loop's own body x its iterations per tile; the
+    named loops directly inside a named loop are theirs). ``root``: where ``pre.lines`` lies (csrc)."""
     path = root / pre.lines
     ranges = []
     for loop in pre.loops:
@@ -209,9 +221,7 @@ def count(pre: PrePass, instrs: list[Instr], d: int, ref: Ref = REF, root: Path 
         ranges.append(innermost_loop(instrs, lambda body: has(body) and not hasnt(body), f"holding {loop.marker!r}"))
     end = end_of_body(instrs)
     rest = sum(1 for i in range(end + 1) if not any(lo <= i <= hi for lo, hi in ranges))
-    # a loop's own instructions: those of the counted loops nested in it are theirs
-    bodies = [hi - lo + 1 - sum(h - l + 1 for l, h in ranges if (l, h) != (lo, hi) and lo <= l and h <= hi)
-              for lo, hi in ranges]
+    bodies = [hi - lo + 1 - sum(h - l + 1 for l, h in _children(ranges, (lo, hi))) for lo, hi in ranges]
     ctas, *iters = pre.per_tile(d, ref)
     warps = pre.warps_of(d)
     total = warps * (rest * ctas + sum(b * n for b, n in zip(bodies, iters)))

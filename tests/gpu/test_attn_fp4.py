@@ -185,6 +185,32 @@ def test_fp4_attention_delta_s_modes_agree_bit_for_bit(monkeypatch, d, causal, s
     assert cos_sim(got, want) >= 0.99999
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp4_attention_workspace_only_4_byte_aligned(monkeypatch, d):
+    """The op takes a delta_s workspace aligned to 4 bytes (a float32 slice one element in): the
+    precompute's 8-byte stores (D 64) then start one float further in it, and the output is the
+    aligned workspace's bit for bit."""
+    attn_or_skip()
+    from sageattn3 import _attn, reference as ref
+
+    q, k, v = attention_cases.make("q_drift", 1, 4, 2, 700, 500, d, seed=3, device="cuda")
+    pre = ref.preprocess(q, k, v, per_block_mean=True, pad=128)
+    want = _attn.attention_from_preprocessed(pre, is_causal=False, out_dtype=torch.bfloat16)
+    real = _attn.delta_s_workspace
+
+    def shifted(*args, **kw):
+        work = real(*args, **kw)
+        assert work.numel() > 0 and work.data_ptr() % 8 == 0
+        slack = torch.full((work.numel() + 1,), float("nan"), dtype=torch.float32, device=work.device)
+        assert slack[1:].data_ptr() % 8 == 4
+        return slack[1:]
+
+    monkeypatch.setattr(_attn, "delta_s_workspace", shifted)
+    got = _attn.attention_from_preprocessed(pre, is_causal=False, out_dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+
+
 def test_fp4_attention_needs_k_residual_with_block_means():
     """With per-block Q means the kernel needs K's quantization residual: refused with a message
     that names it (Python and the op), and accepted without it for one Q mean. Without the

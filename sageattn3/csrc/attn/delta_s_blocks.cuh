@@ -29,13 +29,14 @@ constexpr int kDeltaRRows = 64;    // of which r in shared memory at once
 constexpr int kMUnroll = 4;        // query blocks per step of its loop
 constexpr int kDeltaKeys = 2;      // keys per thread
 constexpr int kDeltaFullRowD = 64;  // head dims up to which a thread takes both halves of a key's row
-static_assert(kDeltaMGroup % kDeltaRRows == 0, "whole chunks of r per group");
+static_assert(kDeltaMGroup % kDeltaRRows == 0, "a group of query blocks is whole chunks of r");
 
 // Halves of the head dim per thread, and threads per CTA, of delta_s_blocks_kernel<D>
 template <int D>
 constexpr int kDeltaHalves = D <= kDeltaFullRowD ? 2 : 1;
 template <int D>
 constexpr int kDeltaThreads = kBlockN / kDeltaKeys * 2 / kDeltaHalves<D>;
+static_assert(kDeltaThreads<64> % 32 == 0 && kDeltaThreads<128> % 32 == 0, "whole warps (the D 128 pairs' shuffle)");
 
 struct DeltaSBlocksParams {
   const uint8_t* k;       // K codes (B*Hkv*seq_k_pad rows, D/2 bytes)
@@ -192,14 +193,13 @@ __global__ void __launch_bounds__(kDeltaThreads<D>) delta_s_blocks_kernel(const 
     // r of query blocks c0 .. c0 + rows - 1
     const int rows = min(kDeltaRRows, mb_end - c0);
     __syncthreads();  // every thread is done with the previous rows
+    // every row of r_smem written, those past `rows` from the last row (never read): no branch per pass
 #pragma unroll
     for (int pass = 0; pass < kDeltaRRows / kStageRows; ++pass) {
       const int m = r_m + pass * kStageRows;
-      if (m < rows) {
-        const float4 mq = __ldg(reinterpret_cast<const float4*>(mq_head + static_cast<int64_t>(c0 + m) * D));
-        *reinterpret_cast<float4*>(r_dst + m * kRowFloats) =
-            make_float4(__fsub_rn(mq.x, g.x), __fsub_rn(mq.y, g.y), __fsub_rn(mq.z, g.z), __fsub_rn(mq.w, g.w));
-      }
+      const float4 mq = __ldg(reinterpret_cast<const float4*>(mq_head + static_cast<int64_t>(c0 + min(m, rows - 1)) * D));
+      *reinterpret_cast<float4*>(r_dst + m * kRowFloats) =
+          make_float4(__fsub_rn(mq.x, g.x), __fsub_rn(mq.y, g.y), __fsub_rn(mq.z, g.z), __fsub_rn(mq.w, g.w));
     }
     __syncthreads();
 
