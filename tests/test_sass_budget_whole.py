@@ -229,6 +229,58 @@ def test_a_prepass_per_attention_tile(tmp_path):
     assert sp.count(_prepass(0.5, 0.0, 0.25), instrs, 128, root=tmp_path).instructions == 66 - 8 * 6
 
 
+# An outer loop (line 6) around the inner one (line 3), the inner one's body counted once
+PREPASS_NESTED = """
+.text._Z3prev:
+        /*0000*/                   S2R R0, SR_TID.X ;
+.L_x_0:
+	//## File "/src/pre.cu", line 6
+        /*0010*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+.L_x_1:
+	//## File "/src/pre.cu", line 3
+        /*0020*/                   FFMA R2, R2, R2, R2 ;
+        /*0030*/                   FFMA R2, R2, R2, R2 ;
+        /*0040*/               @P0 BRA `(.L_x_1) ;
+	//## File "/src/pre.cu", line 6
+        /*0050*/                   IADD3 R1, PT, PT, R1, 0x1, RZ ;
+        /*0060*/               @P1 BRA `(.L_x_0) ;
+	//## File "/src/pre.cu", line 1
+        /*0070*/                   EXIT ;
+"""
+
+
+def test_a_prepass_loop_counts_its_own_instructions_and_warps_per_head_dim(tmp_path):
+    """A counted loop nested in another is counted as itself alone: the outer one's body is its own
+    3 instructions (BAR, IADD3, BRA), not the inner one's too; ``warps`` may depend on the head dim."""
+    (tmp_path / "pre.cu").write_text(PREPASS_SOURCE + "outer();\n")
+    instrs = sb.parse_disassembly(PREPASS_NESTED)["_Z3prev"]
+    pre = sp.PrePass("p", "pre.cu", "pre.cu", r"_Z3prev", (sp.Loop(r"work_a"), sp.Loop(r"outer")), "loop",
+                     lambda d, ref: (1.0, 4.0, 0.5), lambda d, ref: 0.0, warps=lambda d: d // 32)
+    # rest 2 (S2R EXIT) x 1 + inner 3 x 4 + outer's own 3 x 0.5 = 15.5 per warp
+    assert sp.count(pre, instrs, 64, root=tmp_path).instructions == 2 * 15.5
+    assert sp.count(pre, instrs, 128, root=tmp_path).instructions == 4 * 15.5
+
+
+def test_nested_loops_count_each_instruction_once():
+    """Three named loops A > B > C: A's own body leaves out B (with C in it) once, not C twice."""
+    a, b, c = (0, 99), (10, 59), (20, 29)
+    assert sp._children([a, b, c], a) == [b] and sp._children([a, b, c], b) == [c]
+    assert sp._children([a, b, c], c) == [] and sp._children([b, c, (70, 79)], a) == [b, (70, 79)]
+
+
+def test_the_delta_s_prepass_model_reads_its_kernel():
+    """The delta_s pre-pass's figures come from its header: its threads (kDeltaThreads: two keys
+    a thread, both halves of a row at D 64, one at D 128), and at the reference shape (256 query
+    blocks, a CTA's group) one step of kMUnroll query blocks per 4 tiles, no one-row steps, 4 chunks
+    of r; every loop marker names a line of the header."""
+    assert sp._delta_s_threads(64) == 64 and sp._delta_s_threads(128) == 128
+    assert sp.PREPASSES["delta_s"].warps_of(64) == 2 and sp.PREPASSES["delta_s"].warps_of(128) == 4
+    assert sp._delta_s_per_tile(128, sb.REF) == (1 / 256, 0.25, 0.0, 4 / 256)
+    for pre in sp.PREPASSES.values():
+        for loop in pre.loops:
+            sp._line(sp.CSRC / pre.lines, loop.marker)
+
+
 def _tensor_bound_budget(**kw) -> sb.Budget:
     """64 OMMAs and 100 other warp-instructions per warp: 2,048 clk of tensor work on an RTX 5090."""
     return sb.Budget("t", 128, 8, counts=Counter({"omma": 64, "fp32": 100}), **kw)

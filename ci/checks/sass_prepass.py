@@ -6,8 +6,10 @@ one query head per kv head).
 
 - delta_s (``delta_s_blocks_kernel<D>``, ``attn/delta_s_blocks.cuh``, built in
   ``attn/attn_launch.cu``): per-block Q means with a workspace (the defaults; the FP8 heads too).
-  A CTA of 8 warps owns 128 keys of one head for ``kDeltaMGroup`` query blocks; each iteration of
-  its loop over them does ``kMUnroll`` query blocks; a loop before it stages r of the group.
+  A CTA (``kDeltaThreads<D>``: 2 warps at D 64, 4 at D 128) owns 128 keys of one head for
+  ``kDeltaMGroup`` query blocks, ``kDeltaKeys`` keys per thread; its loop over the query blocks
+  does ``kMUnroll`` of them an iteration (a second loop the rows left over one at a time), within
+  a loop over chunks of ``kDeltaRRows`` rows of r, which it stages in shared memory.
 - rule (``qk_rule_kernel<bf16, D>``, ``preprocess/qk_rule.cu``): with qk_precision 'auto' (the
   default) or 'fp8', wherever the FP8 path can run (D 64/128, the delta_s workspace holds a row).
   One CTA of ``2 * kPairs`` warps per ``kPairs`` row groups (16 sampled query rows each: one per
@@ -29,8 +31,10 @@ one query head per kv head).
   100 instructions a CTA more, not counted here); the separate kernel is the one counted.
 
 Counting: the main loop's instructions per iteration and any other named loop's, each times its
-trip count, plus the rest of the function up to its last EXIT once per CTA (loops in that rest
-once); out-of-line code after the last EXIT (retry stubs, slow 64-bit divisions) is not counted.
+trip count (a named loop that holds others: its own instructions, those of the named loops directly
+inside it left to them), plus the rest of the function up to its last EXIT once per CTA (loops in
+that rest once); out-of-line code after the last EXIT (retry stubs, slow 64-bit divisions) is not
+counted.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from ci.checks.sass_budget import REF, Instr, PerTile, Ref, disassemble, end_of_
 from ci.toolchain.flags import device_flags
 
 CSRC = Path(__file__).resolve().parents[2] / "sageattn3" / "csrc"
-WARPS = 8  # 256 threads per CTA, every pre-pass kernel but the rule (PrePass.warps)
+WARPS = 8  # 256 threads per CTA: the MXFP8 pre-passes (PrePass.warps; the rule's and delta_s's are their own)
 
 
 def constant(path: Path, name: str) -> int:
@@ -78,19 +82,32 @@ class PrePass:
     loops: tuple[Loop, ...]   # the counted loops, the main one first
     unit: str                 # what one iteration of the main loop does
     # per attention tile at a shape: (CTAs, i.e. runs of the code outside the loops), then each
-    # loop's iterations (of all 8 warps); and the compulsory DRAM bytes
+    # loop's iterations (each run by every warp of the CTA); and the compulsory DRAM bytes
     per_tile: Callable[[int, Ref], tuple[float, ...]]
     dram: Callable[[int, Ref], float]
     rest_note: str = ""
-    warps: int = WARPS  # warps per CTA
+    warps: int | Callable[[int], int] = WARPS  # warps per CTA (or per head dim)
+
+    def warps_of(self, d: int) -> int:
+        return self.warps(d) if callable(self.warps) else self.warps
+
+
+def _delta_s_threads(d: int) -> int:
+    """Threads per CTA of delta_s_blocks_kernel<d> (kDeltaThreads): kDeltaKeys keys each, both halves
+    of a key's row up to kDeltaFullRowD, one half above."""
+    path = CSRC / "attn" / "delta_s_blocks.cuh"
+    halves = 2 if d <= constant(path, "kDeltaFullRowD") else 1
+    return 128 // constant(path, "kDeltaKeys") * 2 // halves
 
 
 def _delta_s_per_tile(d: int, ref: Ref) -> tuple[float, ...]:
     path = CSRC / "attn" / "delta_s_blocks.cuh"
     group = min(constant(path, "kDeltaMGroup"), ref.blocks)
-    unroll = constant(path, "kMUnroll")
-    r_trips = -(-group * (d // 4) // (WARPS * 32))
-    return 1 / group, -(-group // unroll) / group, r_trips / group
+    unroll, r_rows = constant(path, "kMUnroll"), constant(path, "kDeltaRRows")
+    chunks = [min(r_rows, group - c) for c in range(0, group, r_rows)]
+    steps = sum(rows // unroll for rows in chunks)
+    singles = sum(rows % unroll for rows in chunks)  # a chunk's rows left over go one at a time
+    return 1 / group, steps / group, singles / group, len(chunks) / group
 
 
 def _delta_s_dram(d: int, ref: Ref) -> float:
@@ -155,8 +172,10 @@ def _v_mxfp8_dram(d: int, ref: Ref) -> float:
 PREPASSES = {
     "delta_s": PrePass(
         "delta_s", "attn/attn_launch.cu", "attn/delta_s_blocks.cuh", r"delta_s_blocks_kernelILi{d}E",
-        (Loop(r"if \(half == 0 && mb \+ u < mb_end\) out\["), Loop(r"reinterpret_cast<float4\*>\(&r_smem\[m\]")),
-        "loop over query blocks (kMUnroll query blocks x 128 keys)", _delta_s_per_tile, _delta_s_dram),
+        (Loop(r"for \(; m \+ kMUnroll <= rows; m \+= kMUnroll\) delta_s_rows"), Loop(r"for \(; m < rows; \+\+m\) delta_s_rows"),
+         Loop(r"__syncthreads\(\);  // every thread is done with the previous rows")),
+        "loop over query blocks (kMUnroll query blocks x 128 keys)", _delta_s_per_tile, _delta_s_dram,
+        warps=lambda d: _delta_s_threads(d) // 32),
     "rule": PrePass(
         "rule", "preprocess/qk_rule.cu", "preprocess/qk_rule.cu", r"qk_rule_kernelINS_6bf16_tELi{d}E",
         (Loop(r"else chunk_scores<T, 3, D>\(sm16 \+ L::kK, tiles, s, lane\);"),),
@@ -180,10 +199,20 @@ def _holds(path_suffix: str, line: int) -> Callable[[list[Instr]], bool]:
     return lambda body: any(f.endswith(path_suffix) and n == line for ins in body for f, n in ins.frames)
 
 
+def _inside(inner: tuple[int, int], outer: tuple[int, int]) -> bool:
+    return inner != outer and outer[0] <= inner[0] and inner[1] <= outer[1]
+
+
+def _children(ranges: list[tuple[int, int]], outer: tuple[int, int]) -> list[tuple[int, int]]:
+    """The ranges directly inside ``outer``: inside it and inside no other range that is."""
+    inner = [r for r in ranges if _inside(r, outer)]
+    return [r for r in inner if not any(_inside(r, o) for o in inner)]
+
+
 def count(pre: PrePass, instrs: list[Instr], d: int, ref: Ref = REF, root: Path = CSRC) -> PerTile:
     """The pre-pass ``pre`` of head dim ``d`` from its function's instructions, per attention tile:
-    its warps x (the rest x CTAs per tile + each loop's body x its iterations per tile). ``root``:
-    where ``pre.lines`` lies (csrc)."""
+    its warps x (the rest x CTAs per tile + each loop's own body x its iterations per tile; the
+    named loops directly inside a named loop are theirs). ``root``: where ``pre.lines`` lies (csrc)."""
     path = root / pre.lines
     ranges = []
     for loop in pre.loops:
@@ -192,14 +221,15 @@ def count(pre: PrePass, instrs: list[Instr], d: int, ref: Ref = REF, root: Path 
         ranges.append(innermost_loop(instrs, lambda body: has(body) and not hasnt(body), f"holding {loop.marker!r}"))
     end = end_of_body(instrs)
     rest = sum(1 for i in range(end + 1) if not any(lo <= i <= hi for lo, hi in ranges))
-    bodies = [hi - lo + 1 for lo, hi in ranges]
+    bodies = [hi - lo + 1 - sum(h - l + 1 for l, h in _children(ranges, (lo, hi))) for lo, hi in ranges]
     ctas, *iters = pre.per_tile(d, ref)
-    total = pre.warps * (rest * ctas + sum(b * n for b, n in zip(bodies, iters)))
+    warps = pre.warps_of(d)
+    total = warps * (rest * ctas + sum(b * n for b, n in zip(bodies, iters)))
     parts = [f"{bodies[0]:,} warp-instructions per warp per iteration of its {pre.unit}, "
-             f"x {iters[0] * pre.warps:.4g} warp-iterations per tile"] if bodies else []
-    parts += [f"another loop's {b:,} x {n * pre.warps:.4g}" for b, n in zip(bodies[1:], iters[1:])]
+             f"x {iters[0] * warps:.4g} warp-iterations per tile"] if bodies else []
+    parts += [f"another loop's {b:,} x {n * warps:.4g}" for b, n in zip(bodies[1:], iters[1:])]
     what = "the rest of the kernel" if bodies else f"the whole kernel (one {pre.unit})"
-    parts.append(pre.rest_note or f"{what}, {rest:,} per warp once per CTA, x {ctas * pre.warps:.4g}")
+    parts.append(pre.rest_note or f"{what}, {rest:,} per warp once per CTA, x {ctas * warps:.4g}")
     note = f"{pre.name} ({pre.source}): " + "; ".join(parts) + f" = {total:,.0f} per tile"
     return PerTile(total, pre.dram(d, ref), note)
 

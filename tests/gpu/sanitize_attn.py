@@ -19,9 +19,12 @@ def main() -> None:
 
     # the first two: a tile or two per CTA; then the stage ring wrapping inside one tile (8 key
     # tiles, 3 stages), and more tiles than an H100/H200 has SMs (136 > 132: some CTAs run two
-    # tiles, so Q's buffer and the ring pass from one tile to the next, the producer a tile ahead)
+    # tiles, so Q's buffer and the ring pass from one tile to the next, the producer a tile ahead);
+    # then 66 query blocks: the delta_s pre-pass stages r in two chunks, the second of 2 rows (its
+    # one-row loop), causal and not
     for d, causal, sq, sk, hq, hk in ((128, True, 200, 200, 2, 1), (64, False, 130, 300, 2, 2),
-                                      (128, False, 128, 1024, 1, 1), (64, False, 128, 256, 136, 8)):
+                                      (128, False, 128, 1024, 1, 1), (64, False, 128, 256, 136, 8),
+                                      (128, False, 8400, 200, 2, 1), (64, True, 8400, 384, 1, 1)):
         q, k, v = make_qkv(1, hq, hk, sq, sk, d, torch.bfloat16)
         pre = ref.preprocess(q, k, v, pad=128)
         out = _attn.attention_from_preprocessed(pre, is_causal=causal)

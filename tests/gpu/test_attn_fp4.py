@@ -152,13 +152,15 @@ def test_fp4_attention_deterministic():
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("shape", [(2, 6, 2, 4000, 4096, 2), (1, 6, 2, 8300, 1000, 3)], ids=["32x4096", "65x1000"])
+@pytest.mark.parametrize("shape", [(2, 6, 2, 4000, 4096, 2), (1, 6, 2, 8300, 1000, 3), (1, 2, 1, 32901, 300, 2)],
+                         ids=["32x4096", "65x1000", "258x300"])
 def test_fp4_attention_delta_s_modes_agree_bit_for_bit(monkeypatch, d, causal, shape):
     """delta_s per query block and key precomputed for every head at once, in chunks of the heads
-    whose rows fit SAGEATTN3_DELTA_S_WORKSPACE_MIB=1 (2 heads of 32 x 4096 floats, 3 of 65 x 1024),
-    and corrected in the kernel's loop without a workspace (=0, the bounded-memory mode): the same
-    output bit for bit, at the reference. 65 query blocks are two of delta_s_blocks_kernel's groups
-    of 64, the second one block (its loop runs on three zero rows of r it does not store)."""
+    whose rows fit SAGEATTN3_DELTA_S_WORKSPACE_MIB=1 (2 heads of 32 x 4096 floats, 3 of 65 x 1024,
+    2 of 258 x 384), and corrected in the kernel's loop without a workspace (=0, the bounded-memory
+    mode): the same output bit for bit, at the reference. delta_s_blocks_kernel stages r 64 query
+    blocks at a time and takes 4 a step: 65 blocks are a chunk of 64 and one of 1 (its one-row
+    loop); 258 are two CTAs' groups of 256 and 2, the first in four chunks."""
     attn_or_skip()
     from sageattn3 import _attn, reference as ref
 
@@ -181,6 +183,32 @@ def test_fp4_attention_delta_s_modes_agree_bit_for_bit(monkeypatch, d, causal, s
     want = ref_rows(pre, rows, causal, 1.0 / math.sqrt(d))
     got = outs[None][..., rows, :].float()
     assert cos_sim(got, want) >= 0.99999
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp4_attention_workspace_only_4_byte_aligned(monkeypatch, d):
+    """The op takes a delta_s workspace aligned to 4 bytes (a float32 slice one element in): the
+    precompute's 8-byte stores (D 64) then start one float further in it, and the output is the
+    aligned workspace's bit for bit."""
+    attn_or_skip()
+    from sageattn3 import _attn, reference as ref
+
+    q, k, v = attention_cases.make("q_drift", 1, 4, 2, 700, 500, d, seed=3, device="cuda")
+    pre = ref.preprocess(q, k, v, per_block_mean=True, pad=128)
+    want = _attn.attention_from_preprocessed(pre, is_causal=False, out_dtype=torch.bfloat16)
+    real = _attn.delta_s_workspace
+
+    def shifted(*args, **kw):
+        work = real(*args, **kw)
+        assert work.numel() > 0 and work.data_ptr() % 8 == 0
+        slack = torch.full((work.numel() + 1,), float("nan"), dtype=torch.float32, device=work.device)
+        assert slack[1:].data_ptr() % 8 == 4
+        return slack[1:]
+
+    monkeypatch.setattr(_attn, "delta_s_workspace", shifted)
+    got = _attn.attention_from_preprocessed(pre, is_causal=False, out_dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
 
 
 def test_fp4_attention_needs_k_residual_with_block_means():

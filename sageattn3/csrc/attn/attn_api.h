@@ -21,7 +21,7 @@
 //          unquantized smoothed K to within E4M3 rounding of its quantization error
 //          (reference.dequantize_rows with the residual). With per-block Q means, delta_s is
 //          precomputed per query block and key into ds_work (a kernel before the attention's, K^
-//          decoded once per 64 query blocks), in chunks of (batch, q head) rows that fit it;
+//          decoded once per 256 query blocks), in chunks of (batch, q head) rows that fit it;
 //          without ds_work (or too small for one row: ceil(Sq/128) x Sk_pad floats) the attention
 //          kernel computes the residual part per K tile on the CUDA cores instead (the
 //          bounded-memory mode, slower), skipped for a query tile whose residual

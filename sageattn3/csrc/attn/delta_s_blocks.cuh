@@ -8,10 +8,12 @@
 // the attention kernel that reads it computes the same S bit for bit as the one that corrects
 // in its loop, and sageattn3/reference/preprocessing.py describes both.
 //
-// One CTA = 128 keys x 2 halves (thread i: key i >> 1, half i & 1) of one (batch, q head) for
-// kDeltaMGroup query blocks: K^ of its half-row is decoded once into registers and reused for every
-// query block of the group (the in-kernel correction decodes it again for every query tile).
-// r of the group's query blocks sits in shared memory, each LDS.128 broadcast to the warp.
+// One CTA = 128 keys of one (batch, q head) for up to kDeltaMGroup query blocks. Each thread holds
+// K^ of two adjacent keys in registers, decoded once and reused for every query block of the CTA
+// (the in-kernel correction decodes it again for every query tile): at D 64 both halves of the head
+// dim (64 threads), at D 128 one half (128 threads; the two threads of a key pair exchange their
+// halves' sums with one shuffle). r of kDeltaRRows query blocks at a time sits in shared memory,
+// each LDS.128 broadcast to the warp and used by both keys (8 fmas per load).
 // Query blocks that never see the CTA's key block (causal) are skipped.
 #pragma once
 #include <cstdint>
@@ -22,9 +24,19 @@
 
 namespace sageattn3::attn {
 
-constexpr int kDeltaMGroup = 64;  // query blocks per CTA of delta_s_blocks_kernel (a multiple of kMUnroll)
-constexpr int kMUnroll = 4;       // query blocks per step of its loop
-static_assert(kDeltaMGroup % kMUnroll == 0, "r's zero rows (up to a multiple of kMUnroll) must fit the group");
+constexpr int kDeltaMGroup = 256;  // query blocks per CTA of delta_s_blocks_kernel
+constexpr int kDeltaRRows = 64;    // of which r in shared memory at once
+constexpr int kMUnroll = 4;        // query blocks per step of its loop
+constexpr int kDeltaKeys = 2;      // keys per thread
+constexpr int kDeltaFullRowD = 64;  // head dims up to which a thread takes both halves of a key's row
+static_assert(kDeltaMGroup % kDeltaRRows == 0, "a group of query blocks is whole chunks of r");
+
+// Halves of the head dim per thread, and threads per CTA, of delta_s_blocks_kernel<D>
+template <int D>
+constexpr int kDeltaHalves = D <= kDeltaFullRowD ? 2 : 1;
+template <int D>
+constexpr int kDeltaThreads = kBlockN / kDeltaKeys * 2 / kDeltaHalves<D>;
+static_assert(kDeltaThreads<64> % 32 == 0 && kDeltaThreads<128> % 32 == 0, "whole warps (the D 128 pairs' shuffle)");
 
 struct DeltaSBlocksParams {
   const uint8_t* k;       // K codes (B*Hkv*seq_k_pad rows, D/2 bytes)
@@ -38,110 +50,165 @@ struct DeltaSBlocksParams {
   int mean_qblocks, seq_k, seq_k_pad, num_m_blocks, causal;
 };
 
+// K^ of half `half` of key row `row` (x 2^-14, exact) into kh, its blocks' scales (x 2^14) into scale
 template <int D>
-__global__ void __launch_bounds__(2 * kBlockN) delta_s_blocks_kernel(const DeltaSBlocksParams p) {
+__device__ __forceinline__ void delta_s_decode(const DeltaSBlocksParams& p, int64_t row, int half,
+                                               float (&kh)[D / 32][16], float (&scale)[D / 32]) {
+  constexpr int kBlocks = D / 32;
+  uint32_t sf;
+  if constexpr (kBlocks == 4) {
+    sf = __ldg(reinterpret_cast<const uint32_t*>(p.k_sf + row * (D / 16) + half * kBlocks));
+  } else {
+    sf = __ldg(reinterpret_cast<const uint16_t*>(p.k_sf + row * (D / 16) + half * kBlocks));
+  }
+  const uint2* codes = reinterpret_cast<const uint2*>(p.k + row * (D / 2) + half * (D / 4));
+  const uint4* res = reinterpret_cast<const uint4*>(p.k_res + (row * D + half * (D / 2)) * 2);
+#pragma unroll
+  for (int blk = 0; blk < kBlocks; ++blk) {
+    const uint2 cw = __ldg(codes + blk);
+    const uint4 r0 = __ldg(res + 2 * blk), r1 = __ldg(res + 2 * blk + 1);
+    const uint32_t words[2] = {cw.x, cw.y};
+    const uint32_t rwords[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const uint32_t word = words[q >> 1];
+      const float2 v0 = e2m1x2_scaled(word >> (16 * (q & 1)));
+      const float2 v1 = e2m1x2_scaled(word >> (16 * (q & 1) + 8));
+      const float2 e0 = f16x2_value(rwords[2 * q]);
+      const float2 e1 = f16x2_value(rwords[2 * q + 1]);
+      kh[blk][4 * q + 0] = fmaf(e0.x, kResidualStep, v0.x);
+      kh[blk][4 * q + 1] = fmaf(e0.y, kResidualStep, v0.y);
+      kh[blk][4 * q + 2] = fmaf(e1.x, kResidualStep, v1.x);
+      kh[blk][4 * q + 3] = fmaf(e1.y, kResidualStep, v1.y);
+    }
+    scale[blk] = e4m3_value(max((sf >> (8 * blk)) & 0xffu, 1u)) * 16384.f;
+  }
+}
+
+// U query blocks (r rows r_rows, r_rows + kRowFloats, ...) for this thread's keys: independent fma
+// chains (each in its own fixed order), so their latency overlaps; then delta_s = ds_key + (half
+// 0's sum + half 1's sum) into out, out + row_step, ...
+template <int D, int U>
+__device__ __forceinline__ void delta_s_rows(const float (&kh)[kDeltaKeys][kDeltaHalves<D>][D / 32][16],
+                                             const float (&scale)[kDeltaKeys][kDeltaHalves<D>][D / 32],
+                                             const float (&dk)[kDeltaKeys], const float* r_rows, float* out,
+                                             int64_t row_step) {
+  constexpr int kBlocks = D / 32;
+  constexpr int kHalves = kDeltaHalves<D>;
+  constexpr int kRowFloats = D + 4;
+  float total[U][kDeltaKeys][kHalves];
+#pragma unroll
+  for (int hh = 0; hh < kHalves; ++hh) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int s = 0; s < kDeltaKeys; ++s) total[u][s][hh] = 0.f;
+#pragma unroll
+    for (int blk = 0; blk < kBlocks; ++blk) {
+      float acc[U][kDeltaKeys];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int s = 0; s < kDeltaKeys; ++s) acc[u][s] = 0.f;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const float4 r = *reinterpret_cast<const float4*>(r_rows + u * kRowFloats + hh * (D / 2 + 4) + 16 * blk + 4 * q);
+#pragma unroll
+          for (int s = 0; s < kDeltaKeys; ++s) {
+            acc[u][s] = fmaf(r.x, kh[s][hh][blk][4 * q + 0], acc[u][s]);
+            acc[u][s] = fmaf(r.y, kh[s][hh][blk][4 * q + 1], acc[u][s]);
+            acc[u][s] = fmaf(r.z, kh[s][hh][blk][4 * q + 2], acc[u][s]);
+            acc[u][s] = fmaf(r.w, kh[s][hh][blk][4 * q + 3], acc[u][s]);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int s = 0; s < kDeltaKeys; ++s) total[u][s][hh] = fmaf(acc[u][s], scale[s][hh][blk], total[u][s][hh]);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if constexpr (kHalves == 2) {
+      *reinterpret_cast<float2*>(out + u * row_step) = make_float2(__fadd_rn(dk[0], __fadd_rn(total[u][0][0], total[u][0][1])),
+                                                                   __fadd_rn(dk[1], __fadd_rn(total[u][1][0], total[u][1][1])));
+    } else {
+      const float other = __shfl_xor_sync(0xffffffffu, total[u][1][0], 1);  // the partner's half of key slot 0
+      out[u * row_step] = __fadd_rn(dk[0], __fadd_rn(total[u][0][0], other));
+    }
+  }
+}
+
+template <int D>
+__global__ void __launch_bounds__(kDeltaThreads<D>) delta_s_blocks_kernel(const DeltaSBlocksParams p) {
   constexpr int kBlocks = D / 32;  // 16-element blocks per half
+  constexpr int kHalves = kDeltaHalves<D>;
   constexpr int kRowFloats = D + 4;  // r of one query block; the second half 16 bytes further
-  __shared__ __align__(16) float r_smem[kDeltaMGroup][kRowFloats];
+  __shared__ __align__(16) float r_smem[kDeltaRRows][kRowFloats];
   const int kb = blockIdx.x, bh_local = blockIdx.y, mb0 = blockIdx.z * kDeltaMGroup;
   const int bh_q = p.bh0 + bh_local;
   const int hq = bh_q % p.heads_q, b = bh_q / p.heads_q;
   const int kv_bh = b * p.heads_kv + hq / (p.heads_q / p.heads_kv);
-  const int key = threadIdx.x >> 1, half = threadIdx.x & 1;
+  // keys 2 pair, 2 pair + 1; D 128: half `half0` of both, and slot 0 is the key this thread
+  // finishes (2 pair + half0), slot 1 its partner's (lane ^ 1, the other half)
+  const int pair = kHalves == 2 ? threadIdx.x : threadIdx.x >> 1;
+  const int half0 = kHalves == 2 ? 0 : threadIdx.x & 1;
   const int k0 = kb * kBlockN;
 
   // Query blocks of the group that see this key block: all, or (causal) mb with kb < num_kb(mb).
-  int mb_end = min(p.num_m_blocks, mb0 + kDeltaMGroup);
+  const int mb_end = min(p.num_m_blocks, mb0 + kDeltaMGroup);
   int mb_begin = mb0;
   if (p.causal) mb_begin = max(mb0, k0 / kBlockM);  // the kernel's num_kb: kb <= (mb*128 + 127) / 128
   const int kb_all = (p.seq_k + kBlockN - 1) / kBlockN;
   if (kb >= kb_all || mb_begin >= mb_end) return;
 
-  // r of the group: thread i < rows * D/4 writes 4 floats; rows past mb_end up to a multiple of
-  // kMUnroll are zeros (computed on, never stored), so the loop below needs no clamp.
-  const int rows = mb_end - mb_begin, rows_padded = (rows + kMUnroll - 1) / kMUnroll * kMUnroll;
-  for (int i = threadIdx.x; i < rows_padded * (D / 4); i += blockDim.x) {
-    const int m = i / (D / 4), d = 4 * (i % (D / 4));
-    float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (m < rows) {
-      const float4 mq = __ldg(reinterpret_cast<const float4*>(p.mean_q + (static_cast<int64_t>(bh_q) * p.mean_qblocks + mb_begin + m) * D + d));
-      const float4 g = __ldg(reinterpret_cast<const float4*>(p.qbar + static_cast<int64_t>(bh_q) * D + d));
-      r = make_float4(__fsub_rn(mq.x, g.x), __fsub_rn(mq.y, g.y), __fsub_rn(mq.z, g.z), __fsub_rn(mq.w, g.w));
-    }
-    *reinterpret_cast<float4*>(&r_smem[m][d + (d >= D / 2 ? 4 : 0)]) = r;
-  }
-
-  // K^ of this thread's half-row, x 2^-14 (exact), and the blocks' scales x 2^14
-  const int64_t row = static_cast<int64_t>(kv_bh) * p.seq_k_pad + k0 + key;
-  float kh[kBlocks][16];
-  float scale[kBlocks];
-  {
-    uint32_t sf;
-    if constexpr (kBlocks == 4) {
-      sf = __ldg(reinterpret_cast<const uint32_t*>(p.k_sf + row * (D / 16) + half * kBlocks));
-    } else {
-      sf = __ldg(reinterpret_cast<const uint16_t*>(p.k_sf + row * (D / 16) + half * kBlocks));
-    }
-    const uint2* codes = reinterpret_cast<const uint2*>(p.k + row * (D / 2) + half * (D / 4));
-    const uint4* res = reinterpret_cast<const uint4*>(p.k_res + (row * D + half * (D / 2)) * 2);
+  float kh[kDeltaKeys][kHalves][kBlocks][16];
+  float scale[kDeltaKeys][kHalves][kBlocks];
+  float dk[kDeltaKeys];
 #pragma unroll
-    for (int blk = 0; blk < kBlocks; ++blk) {
-      const uint2 cw = __ldg(codes + blk);
-      const uint4 r0 = __ldg(res + 2 * blk), r1 = __ldg(res + 2 * blk + 1);
-      const uint32_t words[2] = {cw.x, cw.y};
-      const uint32_t rwords[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
+  for (int s = 0; s < kDeltaKeys; ++s) {
+    const int key = 2 * pair + (s ^ half0);
+    const int64_t row = static_cast<int64_t>(kv_bh) * p.seq_k_pad + k0 + key;
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const uint32_t word = words[q >> 1];
-        const float2 v0 = e2m1x2_scaled(word >> (16 * (q & 1)));
-        const float2 v1 = e2m1x2_scaled(word >> (16 * (q & 1) + 8));
-        const float2 e0 = f16x2_value(rwords[2 * q]);
-        const float2 e1 = f16x2_value(rwords[2 * q + 1]);
-        kh[blk][4 * q + 0] = fmaf(e0.x, kResidualStep, v0.x);
-        kh[blk][4 * q + 1] = fmaf(e0.y, kResidualStep, v0.y);
-        kh[blk][4 * q + 2] = fmaf(e1.x, kResidualStep, v1.x);
-        kh[blk][4 * q + 3] = fmaf(e1.y, kResidualStep, v1.y);
-      }
-      scale[blk] = e4m3_value(max((sf >> (8 * blk)) & 0xffu, 1u)) * 16384.f;
-    }
+    for (int hh = 0; hh < kHalves; ++hh) delta_s_decode<D>(p, row, half0 + hh, kh[s][hh], scale[s][hh]);
+    dk[s] = __ldg(p.ds_key + static_cast<int64_t>(bh_q) * p.seq_k_pad + k0 + key);
   }
-  __syncthreads();
-
-  const float dk = __ldg(p.ds_key + static_cast<int64_t>(bh_q) * p.seq_k_pad + k0 + key);
-  // The output row of query block mb_begin; each step of the loop moves it kMUnroll rows on.
   const int64_t row_step = p.seq_k_pad;
-  float* out = p.out + (static_cast<int64_t>(bh_local) * p.num_m_blocks + mb_begin) * row_step + k0 + key;
-  const float* r_rows = &r_smem[0][half * (D / 2 + 4)];
-  // kMUnroll query blocks at a time: independent fma chains (each in its own fixed order), so the
-  // chains' latency overlaps. Blocks past mb_end compute on zero rows and are not stored.
-  for (int mb = mb_begin; mb < mb_end; mb += kMUnroll, out += kMUnroll * row_step, r_rows += kMUnroll * kRowFloats) {
-    float total[kMUnroll];
+  // this thread's output: keys 2 pair, 2 pair + 1 (D 64, one 8-byte store) or key 2 pair + half0
+  float* out_head = p.out + static_cast<int64_t>(bh_local) * p.num_m_blocks * row_step + k0 + 2 * pair + half0;
+
+  // This thread's 4 channels of r in every row it stages (kStageRows rows a pass), and qbar's there.
+  constexpr int kQuads = D / 4;
+  constexpr int kStageRows = kDeltaThreads<D> / kQuads;
+  static_assert(kDeltaThreads<D> % kQuads == 0 && kDeltaRRows % kStageRows == 0, "a fixed 4 channels of r per thread");
+  const int r_d = 4 * (threadIdx.x % kQuads), r_m = threadIdx.x / kQuads;
+  const float4 g = __ldg(reinterpret_cast<const float4*>(p.qbar + static_cast<int64_t>(bh_q) * D + r_d));
+  const float* mq_head = p.mean_q + static_cast<int64_t>(bh_q) * p.mean_qblocks * D + r_d;
+  float* r_dst = &r_smem[0][r_d + (r_d >= D / 2 ? 4 : 0)];
+
+  for (int c0 = mb_begin; c0 < mb_end; c0 += kDeltaRRows) {
+    // r of query blocks c0 .. c0 + rows - 1
+    const int rows = min(kDeltaRRows, mb_end - c0);
+    __syncthreads();  // every thread is done with the previous rows
+    // every row of r_smem written, those past `rows` from the last row (never read): no branch per pass
 #pragma unroll
-    for (int u = 0; u < kMUnroll; ++u) total[u] = 0.f;
-#pragma unroll
-    for (int blk = 0; blk < kBlocks; ++blk) {
-      float acc[kMUnroll];
-#pragma unroll
-      for (int u = 0; u < kMUnroll; ++u) acc[u] = 0.f;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-#pragma unroll
-        for (int u = 0; u < kMUnroll; ++u) {
-          const float4 m = *reinterpret_cast<const float4*>(r_rows + u * kRowFloats + 16 * blk + 4 * q);
-          acc[u] = fmaf(m.x, kh[blk][4 * q + 0], acc[u]);
-          acc[u] = fmaf(m.y, kh[blk][4 * q + 1], acc[u]);
-          acc[u] = fmaf(m.z, kh[blk][4 * q + 2], acc[u]);
-          acc[u] = fmaf(m.w, kh[blk][4 * q + 3], acc[u]);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kMUnroll; ++u) total[u] = fmaf(acc[u], scale[blk], total[u]);
+    for (int pass = 0; pass < kDeltaRRows / kStageRows; ++pass) {
+      const int m = r_m + pass * kStageRows;
+      const float4 mq = __ldg(reinterpret_cast<const float4*>(mq_head + static_cast<int64_t>(c0 + min(m, rows - 1)) * D));
+      *reinterpret_cast<float4*>(r_dst + m * kRowFloats) =
+          make_float4(__fsub_rn(mq.x, g.x), __fsub_rn(mq.y, g.y), __fsub_rn(mq.z, g.z), __fsub_rn(mq.w, g.w));
     }
-#pragma unroll
-    for (int u = 0; u < kMUnroll; ++u) {
-      const float res = __fadd_rn(total[u], __shfl_xor_sync(0xffffffffu, total[u], 1));
-      if (half == 0 && mb + u < mb_end) out[u * row_step] = __fadd_rn(dk, res);
-    }
+    __syncthreads();
+
+    float* out = out_head + static_cast<int64_t>(c0) * row_step;
+    const float* r_rows = &r_smem[0][half0 * (D / 2 + 4)];
+    // kMUnroll query blocks a step, then the chunk's last rows one at a time
+    int m = 0;
+    for (; m + kMUnroll <= rows; m += kMUnroll) delta_s_rows<D, kMUnroll>(kh, scale, dk, r_rows + m * kRowFloats, out + m * row_step, row_step);
+    for (; m < rows; ++m) delta_s_rows<D, 1>(kh, scale, dk, r_rows + m * kRowFloats, out + m * row_step, row_step);
   }
 }
 
