@@ -13,6 +13,8 @@ on listings and numbers written out here, no tools needed:
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections import Counter
 
 import pytest
@@ -259,6 +261,10 @@ def test_a_prepass_loop_counts_its_own_instructions_and_warps_per_head_dim(tmp_p
     # rest 2 (S2R EXIT) x 1 + inner 3 x 4 + outer's own 3 x 0.5 = 15.5 per warp
     assert sp.count(pre, instrs, 64, root=tmp_path).instructions == 2 * 15.5
     assert sp.count(pre, instrs, 128, root=tmp_path).instructions == 4 * 15.5
+    # two markers of one loop: refused, not counted twice
+    twice = dataclasses.replace(pre, loops=(sp.Loop(r"work_a"), sp.Loop(r"work_a")))
+    with pytest.raises(ValueError, match="same loop"):
+        sp.count(twice, instrs, 64, root=tmp_path)
 
 
 def test_nested_loops_count_each_instruction_once():
@@ -276,6 +282,8 @@ def test_the_delta_s_prepass_model_reads_its_kernel():
     assert sp._delta_s_threads(64) == 64 and sp._delta_s_threads(128) == 128
     assert sp.PREPASSES["delta_s"].warps_of(64) == 2 and sp.PREPASSES["delta_s"].warps_of(128) == 4
     assert sp._delta_s_per_tile(128, sb.REF) == (1 / 256, 0.25, 0.0, 4 / 256)
+    # 66 query blocks: a chunk of 64 (16 steps) and one of 2 (2 one-row steps)
+    assert sp._delta_s_per_tile(128, sb.Ref(tokens=66 * 128)) == (1 / 66, 16 / 66, 2 / 66, 2 / 66)
     for pre in sp.PREPASSES.values():
         for loop in pre.loops:
             sp._line(sp.CSRC / pre.lines, loop.marker)

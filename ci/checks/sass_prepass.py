@@ -171,7 +171,7 @@ def _v_mxfp8_dram(d: int, ref: Ref) -> float:
 
 PREPASSES = {
     "delta_s": PrePass(
-        "delta_s", "attn/attn_launch.cu", "attn/delta_s_blocks.cuh", r"delta_s_blocks_kernelILi{d}E",
+        "delta_s", "attn/attn_launch.cu", "attn/delta_s_blocks.cuh", r"delta_s_blocks_kernelILi{d}ELb1E",
         (Loop(r"for \(; m \+ kMUnroll <= rows; m \+= kMUnroll\) delta_s_rows"), Loop(r"for \(; m < rows; \+\+m\) delta_s_rows"),
          Loop(r"__syncthreads\(\);  // every thread is done with the previous rows")),
         "loop over query blocks (kMUnroll query blocks x 128 keys)", _delta_s_per_tile, _delta_s_dram,
@@ -221,6 +221,8 @@ def count(pre: PrePass, instrs: list[Instr], d: int, ref: Ref = REF, root: Path 
         ranges.append(innermost_loop(instrs, lambda body: has(body) and not hasnt(body), f"holding {loop.marker!r}"))
     end = end_of_body(instrs)
     rest = sum(1 for i in range(end + 1) if not any(lo <= i <= hi for lo, hi in ranges))
+    if len(set(ranges)) != len(ranges):
+        raise ValueError(f"{pre.name}: two loop markers name the same loop ({ranges})")
     bodies = [hi - lo + 1 - sum(h - l + 1 for l, h in _children(ranges, (lo, hi))) for lo, hi in ranges]
     ctas, *iters = pre.per_tile(d, ref)
     warps = pre.warps_of(d)

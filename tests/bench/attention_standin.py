@@ -1,5 +1,5 @@
 """The FP4 attention kernel timed on an H100 through a timing stand-in:
-python tests/bench/attention_standin.py [--quick] [--precision-only] [--json FILE] [--baseline TREE]
+python tests/bench/attention_standin.py [--quick] [--precision-only] [--heads H] [--json FILE] [--baseline TREE]
 
 The H100 has no block-scaled FP4 MMA; the test flavour runs it as a software model, which makes
 the kernel's time meaningless. This builds tests/bench/attention_standin.cu against the kernel's
@@ -19,6 +19,7 @@ and with one Q mean (no block residuals), next to torch SDPA (bf16; FlashAttenti
 when installed) on the same GPU. TOPS = 4 x heads x S^2 x D (half that when causal) / time. --baseline TREE: also the kernel of
 another source tree (its sageattn3/csrc, e.g. `git worktree add` of an earlier commit) in the same
 run, the "before" of a change (in the precision tables too: its all-FP8 Q·Kᵀ and FP8 P·V runs).
+--heads H: the first table alone, with H heads (no GQA rows): few heads, few CTAs.
 Needs nvcc (CUDA_HOME or PATH) and a GPU of compute capability 9.0; torch only for SDPA."""
 
 from __future__ import annotations
@@ -136,8 +137,10 @@ def main(argv: list[str]) -> int:
               f"{rate['clock_mhz']} MHz nominal clock ({rate['sms']} SMs); the sm_120 FP4 MMA: {sm120:.0f} FLOP/clk/SM, "
               f"so x4 runs the MMAs {sm120 / rate['flop_per_clk_sm']:.2f}x slower per clock than sm_120 would")
         seqs = (4096, 32768) if quick else SEQS
-        configs = [(d, s, HEADS, HEADS, c) for d in (128, 64) for c in (0, 1) for s in seqs]
-        configs += [(128, s, hq, hkv, c) for hq, hkv in GQA for c in (0, 1) for s in (8192, 32768)]
+        heads = int(argv[argv.index("--heads") + 1]) if "--heads" in argv else HEADS
+        configs = [(d, s, heads, heads, c) for d in (128, 64) for c in (0, 1) for s in seqs]
+        if "--heads" not in argv:
+            configs += [(128, s, hq, hkv, c) for hq, hkv in GQA for c in (0, 1) for s in (8192, 32768)]
         if "--precision-only" in argv:  # only the tables of the per-head Q·Kᵀ precision and of FP8 P·V
             configs = []
         hdr = (f"{'D':>4} {'tokens':>6} {'heads':>6} {'causal':>6} | {'SDPA ms':>8} {'TOPS':>5} | "
@@ -165,38 +168,39 @@ def main(argv: list[str]) -> int:
                   f"{row.get('x2 defaults', float('nan')):11.3f} {row.get('x2 one-mean', float('nan')):11.3f}"
                   + (f" | flash_attn {row['flash_attn']:.3f} ms" if "flash_attn" in row else ""))
             results["rows"].append(row)
-        # the per-head Q·Kᵀ precision: today's FP4 path, "auto" where no head needs help (the FP8
-        # kernel launched and skipping every tile), every head in FP8
-        print("\nper-head Q·Kᵀ precision (x4 stand-in; FP8 MMAs issued as FP4's: half the work at half the rate)")
-        print(f"{'D':>4} {'tokens':>6} {'heads':>6} {'causal':>6} | {'fp4 ms':>8} {'auto, no FP8 head ms':>20} "
-              f"{'all FP8 ms':>10} | {'auto/fp4':>8} {'fp8/fp4':>7}" + (" | before: fp4 ms  all FP8 ms  fp8/fp4" if base else ""))
-        for d, s in [(d, s) for d in (128, 64) for s in ((8192, 32768) if not quick else (32768,))]:
-            row = {"D": d, "S": s, "hq": HEADS, "hkv": HEADS, "causal": 0, "qk": True}
-            for m in QK_MODES:
-                row[m] = run(exe4, d, s, HEADS, HEADS, 0, m)["ms"]
-                if base and m != "auto-fp4":
-                    row[f"before {m}"] = run(base[0], d, s, HEADS, HEADS, 0, m)["ms"]
-            print(f"{d:>4} {s:>6} {f'{HEADS}/{HEADS}':>6} {0:>6} | {row['defaults']:8.3f} {row['auto-fp4']:20.3f} "
-                  f"{row['fp8']:10.3f} | {row['auto-fp4'] / row['defaults']:8.3f} {row['fp8'] / row['defaults']:7.3f}"
-                  + (f" | {row['before defaults']:14.3f} {row['before fp8']:11.3f} "
-                     f"{row['before fp8'] / row['before defaults']:7.3f}" if base else ""))
-            results["rows"].append(row)
-        # FP8 P·V (pv_precision="fp8", opt-in): every head, with FP4 or FP8 Q·Kᵀ
-        print("\nFP8 P·V (x4 stand-in; FP8 MMAs issued as FP4's: half the work at half the rate)")
-        print(f"{'D':>4} {'tokens':>6} {'heads':>6} {'causal':>6} | {'fp4 ms':>8} {'pv8 ms':>8} {'qk8 ms':>8} "
-              f"{'qk8+pv8 ms':>10} | {'pv8/fp4':>7} {'qk8+pv8/qk8':>11}"
-              + (" | before: pv8 ms  qk8+pv8 ms" if base else ""))
-        for d, s, c in [(d, s, c) for d in (128, 64) for c in (0, 1) for s in ((8192, 32768) if not quick else (32768,))]:
-            row = {"D": d, "S": s, "hq": HEADS, "hkv": HEADS, "causal": c, "pv": True}
-            for m in PV_MODES:
-                row[m] = run(exe4, d, s, HEADS, HEADS, c, m)["ms"]
-                if base and m in ("pv8", "qk8-pv8"):
-                    row[f"before {m}"] = run(base[0], d, s, HEADS, HEADS, c, m)["ms"]
-            print(f"{d:>4} {s:>6} {f'{HEADS}/{HEADS}':>6} {c:>6} | {row['defaults']:8.3f} {row['pv8']:8.3f} "
-                  f"{row['fp8']:8.3f} {row['qk8-pv8']:10.3f} | {row['pv8'] / row['defaults']:7.3f} "
-                  f"{row['qk8-pv8'] / row['fp8']:11.3f}"
-                  + (f" | {row['before pv8']:14.3f} {row['before qk8-pv8']:11.3f}" if base else ""))
-            results["rows"].append(row)
+        if "--heads" not in argv:
+            # the per-head Q·Kᵀ precision: today's FP4 path, "auto" where no head needs help (the FP8
+            # kernel launched and skipping every tile), every head in FP8
+            print("\nper-head Q·Kᵀ precision (x4 stand-in; FP8 MMAs issued as FP4's: half the work at half the rate)")
+            print(f"{'D':>4} {'tokens':>6} {'heads':>6} {'causal':>6} | {'fp4 ms':>8} {'auto, no FP8 head ms':>20} "
+                  f"{'all FP8 ms':>10} | {'auto/fp4':>8} {'fp8/fp4':>7}" + (" | before: fp4 ms  all FP8 ms  fp8/fp4" if base else ""))
+            for d, s in [(d, s) for d in (128, 64) for s in ((8192, 32768) if not quick else (32768,))]:
+                row = {"D": d, "S": s, "hq": HEADS, "hkv": HEADS, "causal": 0, "qk": True}
+                for m in QK_MODES:
+                    row[m] = run(exe4, d, s, HEADS, HEADS, 0, m)["ms"]
+                    if base and m != "auto-fp4":
+                        row[f"before {m}"] = run(base[0], d, s, HEADS, HEADS, 0, m)["ms"]
+                print(f"{d:>4} {s:>6} {f'{HEADS}/{HEADS}':>6} {0:>6} | {row['defaults']:8.3f} {row['auto-fp4']:20.3f} "
+                      f"{row['fp8']:10.3f} | {row['auto-fp4'] / row['defaults']:8.3f} {row['fp8'] / row['defaults']:7.3f}"
+                      + (f" | {row['before defaults']:14.3f} {row['before fp8']:11.3f} "
+                         f"{row['before fp8'] / row['before defaults']:7.3f}" if base else ""))
+                results["rows"].append(row)
+            # FP8 P·V (pv_precision="fp8", opt-in): every head, with FP4 or FP8 Q·Kᵀ
+            print("\nFP8 P·V (x4 stand-in; FP8 MMAs issued as FP4's: half the work at half the rate)")
+            print(f"{'D':>4} {'tokens':>6} {'heads':>6} {'causal':>6} | {'fp4 ms':>8} {'pv8 ms':>8} {'qk8 ms':>8} "
+                  f"{'qk8+pv8 ms':>10} | {'pv8/fp4':>7} {'qk8+pv8/qk8':>11}"
+                  + (" | before: pv8 ms  qk8+pv8 ms" if base else ""))
+            for d, s, c in [(d, s, c) for d in (128, 64) for c in (0, 1) for s in ((8192, 32768) if not quick else (32768,))]:
+                row = {"D": d, "S": s, "hq": HEADS, "hkv": HEADS, "causal": c, "pv": True}
+                for m in PV_MODES:
+                    row[m] = run(exe4, d, s, HEADS, HEADS, c, m)["ms"]
+                    if base and m in ("pv8", "qk8-pv8"):
+                        row[f"before {m}"] = run(base[0], d, s, HEADS, HEADS, c, m)["ms"]
+                print(f"{d:>4} {s:>6} {f'{HEADS}/{HEADS}':>6} {c:>6} | {row['defaults']:8.3f} {row['pv8']:8.3f} "
+                      f"{row['fp8']:8.3f} {row['qk8-pv8']:10.3f} | {row['pv8'] / row['defaults']:7.3f} "
+                      f"{row['qk8-pv8'] / row['fp8']:11.3f}"
+                      + (f" | {row['before pv8']:14.3f} {row['before qk8-pv8']:11.3f}" if base else ""))
+                results["rows"].append(row)
     if json_out:
         json_out.write_text(json.dumps(results, indent=1))
     return 0

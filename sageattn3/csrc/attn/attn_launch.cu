@@ -247,16 +247,15 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
   // in chunks of (batch, q head) rows that fit it; without one (or too small for one row), the
   // kernel corrects ds_key in its loop (the bounded-memory mode). Both give the same delta_s.
   const int64_t row_floats = static_cast<int64_t>(p.num_m_blocks) * a.seq_k_pad;
-  // The precompute stores two floats at once at D 64 (8-byte aligned from an 8-byte aligned start):
-  // a workspace that is only 4-byte aligned starts one float further.
-  float* ws = a.ds_work;
-  int64_t ws_floats = a.ds_work_floats;
-  if (ws != nullptr && !attn::aligned(ws, 8)) ++ws, --ws_floats;
   // at most 65535 rows per chunk: the precompute's grid.y
-  const int64_t rows = ws == nullptr ? 0
-      : std::min<int64_t>(std::min<int64_t>(static_cast<int64_t>(bq), ws_floats / row_floats), 65535);
+  const int64_t rows = a.ds_work == nullptr ? 0
+      : std::min<int64_t>(std::min<int64_t>(static_cast<int64_t>(bq), a.ds_work_floats / row_floats), 65535);
   if (rows < 1) return both(true);
   const int chunk = static_cast<int>(rows);
+  float* ws = a.ds_work;
+  // At D 64 the precompute stores a thread's two keys at once (8 bytes): a workspace only 4-byte
+  // aligned takes its two-store copy.
+  const bool pair_store = attn::aligned(ws, 8);
   DeltaSBlocksParams dp{};
   dp.k = static_cast<const uint8_t*>(a.k);
   dp.k_sf = static_cast<const uint8_t*>(a.k_sf);
@@ -277,7 +276,15 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
     const int n = std::min(chunk, static_cast<int>(bq) - bh0);
     dp.bh0 = bh0;
     const dim3 grid((a.seq_k + kBlockN - 1) / kBlockN, n, (p.num_m_blocks + kDeltaMGroup - 1) / kDeltaMGroup);
-    delta_s_blocks_kernel<D><<<grid, kDeltaThreads<D>, 0, stream>>>(dp);
+    if constexpr (D == 64) {
+      if (!pair_store) {
+        delta_s_blocks_kernel<D, false><<<grid, kDeltaThreads<D>, 0, stream>>>(dp);
+      } else {
+        delta_s_blocks_kernel<D><<<grid, kDeltaThreads<D>, 0, stream>>>(dp);
+      }
+    } else {
+      delta_s_blocks_kernel<D><<<grid, kDeltaThreads<D>, 0, stream>>>(dp);
+    }
     rc = cudaGetLastError();
     if (rc != cudaSuccess) break;
     p.bh0 = bh0;

@@ -13,7 +13,8 @@
 // (the in-kernel correction decodes it again for every query tile): at D 64 both halves of the head
 // dim (64 threads), at D 128 one half (128 threads; the two threads of a key pair exchange their
 // halves' sums with one shuffle). r of kDeltaRRows query blocks at a time sits in shared memory,
-// each LDS.128 broadcast to the warp and used by both keys (8 fmas per load).
+// each LDS.128 a broadcast (at D 128 two addresses, one per half, in different banks) used by
+// both keys (8 fmas per load).
 // Query blocks that never see the CTA's key block (causal) are skipped.
 #pragma once
 #include <cstdint>
@@ -87,8 +88,9 @@ __device__ __forceinline__ void delta_s_decode(const DeltaSBlocksParams& p, int6
 
 // U query blocks (r rows r_rows, r_rows + kRowFloats, ...) for this thread's keys: independent fma
 // chains (each in its own fixed order), so their latency overlaps; then delta_s = ds_key + (half
-// 0's sum + half 1's sum) into out, out + row_step, ...
-template <int D, int U>
+// 0's sum + half 1's sum) into out, out + row_step, ... (D 64: a thread's two keys in one 8-byte
+// store, or where the workspace is only 4-byte aligned (!kPairStore) in two)
+template <int D, int U, bool kPairStore>
 __device__ __forceinline__ void delta_s_rows(const float (&kh)[kDeltaKeys][kDeltaHalves<D>][D / 32][16],
                                              const float (&scale)[kDeltaKeys][kDeltaHalves<D>][D / 32],
                                              const float (&dk)[kDeltaKeys], const float* r_rows, float* out,
@@ -133,8 +135,14 @@ __device__ __forceinline__ void delta_s_rows(const float (&kh)[kDeltaKeys][kDelt
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     if constexpr (kHalves == 2) {
-      *reinterpret_cast<float2*>(out + u * row_step) = make_float2(__fadd_rn(dk[0], __fadd_rn(total[u][0][0], total[u][0][1])),
-                                                                   __fadd_rn(dk[1], __fadd_rn(total[u][1][0], total[u][1][1])));
+      const float2 v = make_float2(__fadd_rn(dk[0], __fadd_rn(total[u][0][0], total[u][0][1])),
+                                   __fadd_rn(dk[1], __fadd_rn(total[u][1][0], total[u][1][1])));
+      if constexpr (kPairStore) {
+        *reinterpret_cast<float2*>(out + u * row_step) = v;
+      } else {
+        out[u * row_step] = v.x;
+        out[u * row_step + 1] = v.y;
+      }
     } else {
       const float other = __shfl_xor_sync(0xffffffffu, total[u][1][0], 1);  // the partner's half of key slot 0
       out[u * row_step] = __fadd_rn(dk[0], __fadd_rn(total[u][0][0], other));
@@ -142,7 +150,7 @@ __device__ __forceinline__ void delta_s_rows(const float (&kh)[kDeltaKeys][kDelt
   }
 }
 
-template <int D>
+template <int D, bool kPairStore = true>
 __global__ void __launch_bounds__(kDeltaThreads<D>) delta_s_blocks_kernel(const DeltaSBlocksParams p) {
   constexpr int kBlocks = D / 32;  // 16-element blocks per half
   constexpr int kHalves = kDeltaHalves<D>;
@@ -207,8 +215,8 @@ __global__ void __launch_bounds__(kDeltaThreads<D>) delta_s_blocks_kernel(const 
     const float* r_rows = &r_smem[0][half0 * (D / 2 + 4)];
     // kMUnroll query blocks a step, then the chunk's last rows one at a time
     int m = 0;
-    for (; m + kMUnroll <= rows; m += kMUnroll) delta_s_rows<D, kMUnroll>(kh, scale, dk, r_rows + m * kRowFloats, out + m * row_step, row_step);
-    for (; m < rows; ++m) delta_s_rows<D, 1>(kh, scale, dk, r_rows + m * kRowFloats, out + m * row_step, row_step);
+    for (; m + kMUnroll <= rows; m += kMUnroll) delta_s_rows<D, kMUnroll, kPairStore>(kh, scale, dk, r_rows + m * kRowFloats, out + m * row_step, row_step);
+    for (; m < rows; ++m) delta_s_rows<D, 1, kPairStore>(kh, scale, dk, r_rows + m * kRowFloats, out + m * row_step, row_step);
   }
 }
 
