@@ -60,7 +60,8 @@ def ours_regions(kernel: Path = KERNEL) -> dict[str, list[tuple[int, int]]]:
         # counted once per SM, as the producer is (Budget.last_warp)
         LAST_WARP: [(writer[0] + 1, writer[1])],
         "residual": [block_lines(kernel, r"^struct ResidualHalf"), block_lines(kernel, r"float delta_s_part\("),
-                     block_lines(kernel, r"if \(has_residual\) \{"), block_lines(kernel, r"float2 f16x2_value\(")],
+                     block_lines(kernel, r"if \(has_residual\) \{"), block_lines(kernel, r"float2 f16x2_value\("),
+                     block_lines(kernel, r"^struct KHat4"), block_lines(kernel, r"float khat_scale\(")],
     }
 
 

@@ -223,6 +223,30 @@ __device__ __forceinline__ float2 f16x2_value(uint32_t x) {
   return __half22float2(*reinterpret_cast<const __half2*>(&x));
 }
 
+// K^ x 2^-14 of elements 4q .. 4q+3 of a 16-element block of K, (E2M1(code) + res / 64) x 2^-14,
+// from the block's codes word holding them (`word`: bytes 2(q & 1), 2(q & 1) + 1) and their two
+// float16x2 residual words; element i (at<i>) in one fma (kResidualStep = 2^-20), evaluated where
+// it is used. delta_s_part and the precompute (delta_s_blocks.cuh) both decode through it: the same bits.
+struct KHat4 {
+  float2 v0, v1, e0, e1;
+  __device__ __forceinline__ KHat4(uint32_t word, int q, uint32_t res01, uint32_t res23)
+      : v0(e2m1x2_scaled(word >> (16 * (q & 1)))), v1(e2m1x2_scaled(word >> (16 * (q & 1) + 8))),
+        e0(f16x2_value(res01)), e1(f16x2_value(res23)) {}
+  template <int i>
+  __device__ __forceinline__ float at() const {
+    if constexpr (i == 0) return fmaf(e0.x, kResidualStep, v0.x);
+    if constexpr (i == 1) return fmaf(e0.y, kResidualStep, v0.y);
+    if constexpr (i == 2) return fmaf(e1.x, kResidualStep, v1.x);
+    return fmaf(e1.y, kResidualStep, v1.y);
+  }
+};
+
+// Block `blk`'s scale x 2^14 from the word of a half-row's E4M3 scale bytes; a zero byte counts as
+// 2^-9 (the residual's unit where the codes are 0): reference.residual_scales
+__device__ __forceinline__ float khat_scale(uint32_t sf_word, int blk) {
+  return e4m3_value(max((sf_word >> (8 * blk)) & 0xffu, 1u)) * 16384.f;
+}
+
 // This thread's share of K's quantization residual for delta_s_part: the D/2 float16s (D bytes)
 // of half `half` of key row `key` (global) of the stage starting at key row k_row0, two 16-byte
 // words per 16-element block; zeros without k_res (r . Kd then). The bytes are prefetched into L1
@@ -281,20 +305,13 @@ __device__ __forceinline__ float delta_s_part(uint32_t k_tile, uint32_t ksf_tile
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const float4 m = lds_f4(m_addr + 16 * q);
-        const uint32_t word = words[2 * bb + (q >> 1)];
-        // elements 4q .. 4q+3 of the block: codes, then residuals (x 2^-14 / 64: kResidualStep)
-        const float2 v0 = e2m1x2_scaled(word >> (16 * (q & 1)));
-        const float2 v1 = e2m1x2_scaled(word >> (16 * (q & 1) + 8));
-        const float2 e0 = f16x2_value(rwords[2 * q]);
-        const float2 e1 = f16x2_value(rwords[2 * q + 1]);
-        acc = fmaf(m.x, fmaf(e0.x, kResidualStep, v0.x), acc);
-        acc = fmaf(m.y, fmaf(e0.y, kResidualStep, v0.y), acc);
-        acc = fmaf(m.z, fmaf(e1.x, kResidualStep, v1.x), acc);
-        acc = fmaf(m.w, fmaf(e1.y, kResidualStep, v1.y), acc);
+        const KHat4 k(words[2 * bb + (q >> 1)], q, rwords[2 * q], rwords[2 * q + 1]);
+        acc = fmaf(m.x, k.at<0>(), acc);
+        acc = fmaf(m.y, k.at<1>(), acc);
+        acc = fmaf(m.z, k.at<2>(), acc);
+        acc = fmaf(m.w, k.at<3>(), acc);
       }
-      // a zero scale byte is 2^-9 here (the residual's unit; the codes are 0): reference.residual_scales
-      const float scale = e4m3_value(max((sf >> (8 * (b + bb))) & 0xffu, 1u)) * 16384.f;
-      total = fmaf(acc, scale, total);
+      total = fmaf(acc, khat_scale(sf, b + bb), total);
     }
   }
   return total;

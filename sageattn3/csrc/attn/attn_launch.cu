@@ -276,15 +276,11 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
     const int n = std::min(chunk, static_cast<int>(bq) - bh0);
     dp.bh0 = bh0;
     const dim3 grid((a.seq_k + kBlockN - 1) / kBlockN, n, (p.num_m_blocks + kDeltaMGroup - 1) / kDeltaMGroup);
+    auto kernel = delta_s_blocks_kernel<D>;
     if constexpr (D == 64) {
-      if (!pair_store) {
-        delta_s_blocks_kernel<D, false><<<grid, kDeltaThreads<D>, 0, stream>>>(dp);
-      } else {
-        delta_s_blocks_kernel<D><<<grid, kDeltaThreads<D>, 0, stream>>>(dp);
-      }
-    } else {
-      delta_s_blocks_kernel<D><<<grid, kDeltaThreads<D>, 0, stream>>>(dp);
+      if (!pair_store) kernel = delta_s_blocks_kernel<D, false>;
     }
+    kernel<<<grid, kDeltaThreads<D>, 0, stream>>>(dp);
     rc = cudaGetLastError();
     if (rc != cudaSuccess) break;
     p.bh0 = bh0;

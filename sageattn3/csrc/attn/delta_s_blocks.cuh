@@ -19,7 +19,7 @@
 #pragma once
 #include <cstdint>
 
-#include "attn/attn_fwd_kernel.cuh"  // f16x2_value
+#include "attn/attn_fwd_kernel.cuh"  // KHat4, khat_scale
 #include "attn/attn_params.h"
 #include "common/nvfp4.cuh"
 
@@ -72,17 +72,13 @@ __device__ __forceinline__ void delta_s_decode(const DeltaSBlocksParams& p, int6
     const uint32_t rwords[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const uint32_t word = words[q >> 1];
-      const float2 v0 = e2m1x2_scaled(word >> (16 * (q & 1)));
-      const float2 v1 = e2m1x2_scaled(word >> (16 * (q & 1) + 8));
-      const float2 e0 = f16x2_value(rwords[2 * q]);
-      const float2 e1 = f16x2_value(rwords[2 * q + 1]);
-      kh[blk][4 * q + 0] = fmaf(e0.x, kResidualStep, v0.x);
-      kh[blk][4 * q + 1] = fmaf(e0.y, kResidualStep, v0.y);
-      kh[blk][4 * q + 2] = fmaf(e1.x, kResidualStep, v1.x);
-      kh[blk][4 * q + 3] = fmaf(e1.y, kResidualStep, v1.y);
+      const KHat4 k(words[q >> 1], q, rwords[2 * q], rwords[2 * q + 1]);
+      kh[blk][4 * q + 0] = k.at<0>();
+      kh[blk][4 * q + 1] = k.at<1>();
+      kh[blk][4 * q + 2] = k.at<2>();
+      kh[blk][4 * q + 3] = k.at<3>();
     }
-    scale[blk] = e4m3_value(max((sf >> (8 * blk)) & 0xffu, 1u)) * 16384.f;
+    scale[blk] = khat_scale(sf, blk);
   }
 }
 
