@@ -563,8 +563,9 @@ __device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t*
       // before it). Keys 2 tid, 2 tid + 1 of delta_s; V scales: FP4, word i = channel i / 2's
       // bytes 4 (i & 1) .. +3 of the stage's 8; FP8 P.V, word i = channel i's 4 bytes (one per
       // 32 keys); V's tile exponents e_kb and e_(kb-1).
+      const bool ds_thread = tid < kBlockN / 2;
       float d0 = 0.f, d1 = 0.f;
-      if (tid < kBlockN / 2) {
+      if (ds_thread) {
         d0 = __ldg(ds_row + k0 + 2 * tid);
         d1 = __ldg(ds_row + k0 + 2 * tid + 1);
       }
