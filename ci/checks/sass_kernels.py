@@ -95,7 +95,7 @@ def producer_warp_lines(kernel: Path = KERNEL) -> ProducerLines:
     inner = lambda start: [(a + 1, b) for a, b in blocks_lines(kernel, start, body)]  # noqa: E731
     blocks = [(inner(r"if \(leader\) \{"), frozenset({0})),
               (inner(r"if \(tid < kBlockN / 2\) \{"), frozenset(range((block_n // 2 - 1) // 32 + 1))),
-              (inner(r"if \(exp_thread\) \{"), frozenset({(threads - 1) // 32}))]
+              (inner(r"if \(tid >= kProducerThreads - kVGroups\) \{"), frozenset({(threads - 1) // 32}))]
     text = kernel.read_text().splitlines()
     arrive = next(n for n in range(body[0], body[1] + 1) if re.search(r"mbar_arrive\(&full\[st\]\);", text[n - 1]))
     return ProducerLines(blocks, arrive, threads // 32)
