@@ -525,10 +525,10 @@ __device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t*
   // Whether a stage's delta_s row and V scales are read before the wait for the stage (D 64 with
   // FP4 Q.K^T), or each read then stored after it. At D 64 a stage takes the consumers about 2.2 us
   // on the H200 stand-in, and the reads in series (with the defaults a delta_s row from DRAM) kept
-  // the producer on their critical path: reading first cut the defaults' time 4-5% there. Where
-  // the consumers' stage is longer (D 128, the 16-bit Q.K^T) it bought nothing, and ptxas
-  // rescheduled those kernels' consumer loops on the stand-in 2-9% slower; they keep the reads
-  // after the wait (docs/performance.md, "The producer's reads before its wait").
+  // the producer on their critical path: reading first cut the defaults' time 3.7-5.0% there at
+  // 16k-32k tokens. Where the consumers' stage is longer (D 128, the 16-bit Q.K^T) it bought
+  // nothing, and ptxas rescheduled those kernels' consumer loops on the stand-in 2-9% slower; they
+  // keep the reads after the wait (docs/performance.md, "The producer's reads before its wait").
   constexpr bool kReadsFirst = D == 64 && !kQK16;
   static_assert(!kReadsFirst || kVsfWords <= kProducerThreads, "one V scale word per thread read first");
   static_assert(kBlockN / 2 <= kProducerThreads && kVGroups <= kProducerThreads, "one key pair per thread");
