@@ -21,8 +21,8 @@ def main() -> None:
     # tiles, 3 stages), and more tiles than an H100/H200 has SMs (136 > 132: some CTAs run two
     # tiles, so Q's buffer and the ring pass from one tile to the next, the producer a tile ahead);
     # then 66 query blocks: the delta_s pre-pass stages r in two chunks, the second of 2 rows (its
-    # one-row loop), causal and not; then D 64's ring wrapping inside one tile (5 key tiles: its
-    # producer reads a stage's delta_s row and V scales before the stage is free)
+    # one-row loop), causal and not; then D 64's ring wrapping inside one tile (5 key tiles for 3
+    # stages: the producer warpgroup refills stages of the tile the consumers still work on)
     for d, causal, sq, sk, hq, hk in ((128, True, 200, 200, 2, 1), (64, False, 130, 300, 2, 2),
                                       (128, False, 128, 1024, 1, 1), (64, False, 128, 256, 136, 8),
                                       (128, False, 8400, 200, 2, 1), (64, True, 8400, 384, 1, 1),
