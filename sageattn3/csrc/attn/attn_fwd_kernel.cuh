@@ -522,15 +522,13 @@ __device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t*
   constexpr int kVGroups = D / 32;
   constexpr int kVsfWords = kPV8 ? D : 2 * D;  // 4-byte words of V scales per stage
   constexpr bool kBackInLoop = kBackInLoopOf<D, false, kPV8>;
-  // Whether a stage's delta_s pair and V scale word are read together, before the wait for the
-  // stage (D 64 with FP4 Q.K^T), or each read then stored in turn after it. In turn, a thread's two
-  // reads are two round trips in series (a shared store with a memory clobber orders the next read
-  // after it), the delta_s one from DRAM with the defaults; at D 64, where a stage takes the
-  // consumers about 2.1 us on the H200 stand-in, that chain held the defaults back: together, their
-  // time fell 4-5% at 16k-32k tokens with one Q mean's unmoved, and the same code reading in turn
-  // lost it again (docs/performance.md, "The producer's reads: together, before its wait"). D 128
-  // and the 16-bit Q.K^T kernels keep the reads in turn: there the change measured nothing but
-  // ptxas's rescheduling of their consumer loops in the stand-in's build.
+  // Whether a thread's delta_s pair and V scale word of a stage are read together, before the wait
+  // for the stage (D 64 with FP4 Q.K^T), or each read and stored in turn after it (a shared store
+  // with a memory clobber orders the next read after it: two round trips in series, the delta_s
+  // one from DRAM with the defaults). At D 64 reading them together cut defaults / one Q mean by
+  // 3-5% on the H200 stand-in against the same code reading in turn, in one run; D 128 and the
+  // 16-bit Q.K^T kernels keep the reads in turn, where the change showed no gain (docs/performance.md,
+  // "The producer's reads together").
   constexpr bool kReadsFirst = D == 64 && !kQK16;
   static_assert(!kReadsFirst || kVsfWords <= kProducerThreads, "one V scale word per thread read first");
   static_assert(kBlockN / 2 <= kProducerThreads && kVGroups <= kProducerThreads, "one key pair per thread");
