@@ -21,10 +21,12 @@ def main() -> None:
     # tiles, 3 stages), and more tiles than an H100/H200 has SMs (136 > 132: some CTAs run two
     # tiles, so Q's buffer and the ring pass from one tile to the next, the producer a tile ahead);
     # then 66 query blocks: the delta_s pre-pass stages r in two chunks, the second of 2 rows (its
-    # one-row loop), causal and not
+    # one-row loop), causal and not; then D 64's ring wrapping inside one tile (5 key tiles for 3
+    # stages: the producer warpgroup refills stages of the tile the consumers still work on)
     for d, causal, sq, sk, hq, hk in ((128, True, 200, 200, 2, 1), (64, False, 130, 300, 2, 2),
                                       (128, False, 128, 1024, 1, 1), (64, False, 128, 256, 136, 8),
-                                      (128, False, 8400, 200, 2, 1), (64, True, 8400, 384, 1, 1)):
+                                      (128, False, 8400, 200, 2, 1), (64, True, 8400, 384, 1, 1),
+                                      (64, False, 200, 640, 2, 1), (64, True, 640, 640, 1, 1)):
         q, k, v = make_qkv(1, hq, hk, sq, sk, d, torch.bfloat16)
         pre = ref.preprocess(q, k, v, pad=128)
         out = _attn.attention_from_preprocessed(pre, is_causal=causal)
@@ -34,7 +36,7 @@ def main() -> None:
     from sageattn3 import _pv8
 
     for d, causal, sq, sk, hq, hk in ((128, True, 200, 200, 2, 1), (64, False, 130, 300, 2, 2),
-                                      (128, False, 300, 260, 4, 1)):
+                                      (128, False, 300, 260, 4, 1), (64, False, 130, 640, 2, 2)):
         q, k, v = make_qkv(1, hq, hk, sq, sk, d, torch.bfloat16)
         pre = ref.preprocess(q, k, v, pad=128, qk_precision="fp8", pv_precision="fp8")
         v8, v8s = _pv8.quant_mxfp8_cols(v, 128)

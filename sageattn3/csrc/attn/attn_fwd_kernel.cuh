@@ -522,6 +522,15 @@ __device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t*
   constexpr int kVGroups = D / 32;
   constexpr int kVsfWords = kPV8 ? D : 2 * D;  // 4-byte words of V scales per stage
   constexpr bool kBackInLoop = kBackInLoopOf<D, false, kPV8>;
+  // Whether a thread's delta_s pair and V scale word of a stage are read together, before the wait
+  // for the stage (D 64 with FP4 Q.K^T), or each read and stored in turn after it (a shared store
+  // with a memory clobber orders the next read after it: two round trips in series, the delta_s
+  // one from DRAM with the defaults). At D 64 reading them together cut defaults / one Q mean by
+  // 3-5% on the H200 stand-in against the same code reading in turn, in one run; D 128 and the
+  // 16-bit Q.K^T kernels keep the reads in turn, where the change showed no gain (docs/performance.md,
+  // "The producer's reads together").
+  constexpr bool kReadsFirst = D == 64 && !kQK16;
+  static_assert(!kReadsFirst || kVsfWords <= kProducerThreads, "one V scale word per thread read first");
   static_assert(kBlockN / 2 <= kProducerThreads && kVGroups <= kProducerThreads, "one key pair per thread");
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
   uint64_t* q_full = bars + 0;
@@ -552,11 +561,26 @@ __device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t*
     const float* ds_row = p.ds_key + static_cast<int64_t>(bh_q - p.bh0) * p.ds_bh_stride + c.mb * p.ds_m_stride;
     const uint8_t* v_sf = p.v_sf + static_cast<int64_t>(kv_bh) * D * (p.seq_k_pad / (kPV8 ? 32 : 16));
     const int v_exp_row = kv_bh * (p.seq_k_pad / kBlockN) * kVGroups;
+    // V scales: FP4, word i = channel i / 2's bytes 4 (i & 1) .. +3 of the stage's 8; FP8 P.V,
+    // word i = channel i's 4 bytes (one per 32 keys)
+    auto vsf_src = [&](int i, int k0) {
+      return kPV8 ? v_sf + static_cast<int64_t>(i) * (p.seq_k_pad / 32) + k0 / 32
+                  : v_sf + static_cast<int64_t>(i >> 1) * (p.seq_k_pad / 16) + k0 / 16 + 4 * (i & 1);
+    };
     for (int kb = 0; kb < c.num_kb; ++kb, ++n) {
       const uint32_t st = n % kStages;
       const int k0 = kb * kBlockN;
       uint8_t* stage = smem + L::kStage0 + st * L::kStageBytes;
       const uint32_t sstage = s_base + L::kStage0 + st * L::kStageBytes;
+      // kReadsFirst: this thread's delta_s pair and V scale word into registers before the wait
+      // (they do not need the stage): their latency passes during it, one round trip a thread
+      // instead of one per vector. Each store below is still ordered after its read.
+      float ds_first[2] = {0.f, 0.f};
+      uint32_t vsf_first = 0;
+      if constexpr (kReadsFirst) {
+        if (tid < kBlockN / 2) ds_first[0] = __ldg(ds_row + k0 + 2 * tid), ds_first[1] = __ldg(ds_row + k0 + 2 * tid + 1);
+        if (tid < kVsfWords) vsf_first = __ldg(reinterpret_cast<const uint32_t*>(vsf_src(tid, k0)));
+      }
       mbar_wait(&empty[st], ((n / kStages) & 1u) ^ 1u);
       if (leader) {
         mbar_arrive_expect_tx(&full[st], L::kStageTx);
@@ -566,18 +590,18 @@ __device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t*
         tma_load_2d(stage + L::kStageV, &p.tm_v, &full[st], kb * L::kVRowBytes, kv_bh * D);
       }
       if (tid < kBlockN / 2) {  // keys 2 tid, 2 tid + 1: {d0, d1, d0, d1}
-        const float d0 = __ldg(ds_row + k0 + 2 * tid), d1 = __ldg(ds_row + k0 + 2 * tid + 1);
+        float d0, d1;
+        if constexpr (kReadsFirst) d0 = ds_first[0], d1 = ds_first[1];
+        else d0 = __ldg(ds_row + k0 + 2 * tid), d1 = __ldg(ds_row + k0 + 2 * tid + 1);
         asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(sstage + L::kStageDelta + delta_pair_offset(tid)),
                      "f"(d0), "f"(d1), "f"(d0), "f"(d1)
                      : "memory");
       }
-      // V scales: FP4, word i = channel i / 2's bytes 4 (i & 1) .. +3 of the stage's 8; FP8 P.V,
-      // word i = channel i's 4 bytes (one per 32 keys)
 #pragma unroll
       for (int i = tid; i < kVsfWords; i += kProducerThreads) {
-        const uint8_t* src = kPV8 ? v_sf + static_cast<int64_t>(i) * (p.seq_k_pad / 32) + k0 / 32
-                                  : v_sf + static_cast<int64_t>(i >> 1) * (p.seq_k_pad / 16) + k0 / 16 + 4 * (i & 1);
-        const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(src));
+        uint32_t w;
+        if constexpr (kReadsFirst) w = vsf_first;
+        else w = __ldg(reinterpret_cast<const uint32_t*>(vsf_src(i, k0)));
         asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sstage + L::kStageVSf + 4 * i), "r"(w) : "memory");
       }
       if constexpr (!kPV8) {
