@@ -142,6 +142,36 @@ PRODUCER_LOOPS = f"""\
 """
 
 
+# D 64's reads before the stage's wait: a one-statement test that ptxas predicates instead of
+# branching over it (on the wait's line here, so that no line moves)
+PREDICATED_SOURCE = PRODUCER_SOURCE.replace("      wait_empty();\n",
+                                            "      if (tid < kBlockN / 2) d = ldg_delta(); wait_empty();\n")
+PREDICATED_LOOPS = PRODUCER_LOOPS.replace(
+    f"{_AT.format(9)}        /*0050*/",
+    f"{_AT.format(9)}        /*0048*/               @!P5 LDG.E.64 R8, desc[UR4][R2.64] ;\n{_AT.format(9)}        /*0050*/")
+
+
+def _producer_lines(d, source):
+    d.mkdir()
+    (d / "attn_fwd_kernel.cuh").write_text(source)
+    (d / "attn_params.h").write_text("constexpr int kBlockN = 128;\nconstexpr int kProducerThreads = 128;\n")
+    return sk.producer_warp_lines(d / "attn_fwd_kernel.cuh")
+
+
+def test_a_predicated_read_counts_in_every_warp_and_its_bytes_in_its_own(tmp_path):
+    lines = _producer_lines(tmp_path / "predicated", PREDICATED_SOURCE)
+    assert lines.predicated == (([(9, 9)], frozenset({0, 1})),)
+    ref = sb.Ref(tokens=4 * 128)
+    base = sk.ws_producer(sb.parse_disassembly(PRODUCER_LOOPS)["_Z2wsv"], _producer_lines(tmp_path / "plain", PRODUCER_SOURCE), ref)
+    instrs = sb.parse_disassembly(PREDICATED_LOOPS)["_Z2wsv"]
+    counted = sk.ws_producer(instrs, lines, ref)
+    # every warp issues the LDG (predicated off in warps 2 and 3); warps 0 and 1 read 32 x 8 bytes each
+    assert counted.instructions == base.instructions + 4 and counted.busiest == base.busiest + 1
+    assert counted.global_bytes == base.global_bytes + 2 * 32 * 8
+    # without the one-statement test known, all four warps would be taken to read
+    assert sk.ws_producer(instrs, lines._replace(predicated=()), ref).global_bytes == base.global_bytes + 4 * 32 * 8
+
+
 def test_a_producer_of_its_own_counts_per_warp_and_not_on_a_consumer_warp(tmp_path):
     (tmp_path / "attn_fwd_kernel.cuh").write_text(PRODUCER_SOURCE)
     (tmp_path / "attn_params.h").write_text("constexpr int kBlockN = 128;\nconstexpr int kProducerThreads = 128;\n")

@@ -78,6 +78,9 @@ class ProducerLines(NamedTuple):
     blocks: list[tuple[list[tuple[int, int]], frozenset[int]]]  # a block's body lines, the warps that run it
     arrive: int                                                   # the line of its arrival on a stage's full barrier
     warps: int                                                    # its warps
+    # single-statement tests (`if (tid < kBlockN / 2) x = ...;`) that ptxas predicates: every warp
+    # issues the statement's instructions, only these warps move its bytes
+    predicated: tuple[tuple[list[tuple[int, int]], frozenset[int]], ...] = ()
 
 
 def producer_warp_lines(kernel: Path = KERNEL) -> ProducerLines:
@@ -86,9 +89,11 @@ def producer_warp_lines(kernel: Path = KERNEL) -> ProducerLines:
     (``if (leader) {``: a tile's Q, each stage's expect_tx and TMA loads) warp 0; the delta_s
     vector's (threads below kBlockN / 2) warps 0 and 1; V's exponent factors' (the last D/32
     threads) warp 3. A warp none of whose threads pass a block's test branches over its body (the
-    SASS branches, not predicates, these bodies); every other line every warp runs. And the line of
-    its arrival on a stage's ``full`` barrier: one per stage (how many stages an iteration of its
-    key loop holds, where ptxas unrolled it)."""
+    SASS branches, not predicates, these bodies); every other line every warp runs, the delta_s
+    reads of a one-statement test (D 64's reads before the stage's wait, which ptxas predicates)
+    included, whose bytes only warps 0 and 1 move (``predicated``). And the line of its arrival on
+    a stage's ``full`` barrier: one per stage (how many stages an iteration of its key loop holds,
+    where ptxas unrolled it)."""
     body = block_lines(kernel, r"void producer_warpgroup\(")
     params = kernel.parent / "attn_params.h"
     threads, block_n = constant(params, "kProducerThreads"), constant(params, "kBlockN")
@@ -98,7 +103,9 @@ def producer_warp_lines(kernel: Path = KERNEL) -> ProducerLines:
               (inner(r"if \(tid >= kProducerThreads - kVGroups\) \{"), frozenset({(threads - 1) // 32}))]
     text = kernel.read_text().splitlines()
     arrive = next(n for n in range(body[0], body[1] + 1) if re.search(r"mbar_arrive\(&full\[st\]\);", text[n - 1]))
-    return ProducerLines(blocks, arrive, threads // 32)
+    one = [(n, n) for n in range(body[0], body[1] + 1) if re.search(r"^\s*if \(tid < kBlockN / 2\) [^{]*;\s*$", text[n - 1])]
+    predicated = ((one, frozenset(range((block_n // 2 - 1) // 32 + 1))),) if one else ()
+    return ProducerLines(blocks, arrive, threads // 32, predicated)
 
 
 def producer_loops(instrs: list[Instr]) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -127,20 +134,22 @@ def ws_producer(instrs: list[Instr], lines: ProducerLines, ref: Ref = REF,
     of ``ref``; each in every warp that issues it: the blocks of ``lines`` in their warps only (the
     leader's TMA issue once, not in all four), the rest in all (a block's reconvergence, BSYNC,
     every warp passes). Its bytes (the delta_s rows, V's scales and exponents it copies into the
-    stage), as the consumer's, from its key loop alone."""
+    stage), as the consumer's, from its key loop alone, a predicated one-statement test's
+    (``lines.predicated``) in its warps only."""
     (lo, hi), (a, b) = producer_loops(instrs)
 
-    def runs(ins: Instr) -> frozenset[int] | range:
+    def runs(ins: Instr, moves: bool) -> frozenset[int] | range:
         if not ins.opcode.startswith("BSYNC"):
-            for ranges, who in lines.blocks:
+            for ranges, who in lines.blocks + list(lines.predicated if moves else ()):
                 if in_ranges(ins, file, ranges):
                     return who
         return range(lines.warps)
 
-    def per_warp(part: list[Instr], weight: Callable[[Instr], int] = lambda ins: 1) -> list[int]:
+    def per_warp(part: list[Instr], weight: Callable[[Instr], int] = lambda ins: 1, moves: bool = False) -> list[int]:
+        """``weight`` over the warps that issue each instruction, or (``moves``: bytes) that move its bytes"""
         n = [0] * lines.warps
         for ins in part:
-            for w in runs(ins):
+            for w in runs(ins, moves):
                 n[w] += weight(ins)
         return n
 
@@ -150,8 +159,8 @@ def ws_producer(instrs: list[Instr], lines: ProducerLines, ref: Ref = REF,
     if not stages:
         raise ValueError("the producer's key loop holds no arrival on a stage's full barrier")
     own = [n / stages + t / ref.blocks for n, t in zip(per_warp(loop), per_warp(instrs[a:lo] + instrs[hi + 1:b + 1]))]
-    return OwnProducer(sum(own), max(own), round(sum(per_warp(loop, Instr.smem_bytes)) / stages),
-                       round(sum(per_warp(loop, Instr.global_bytes)) / stages))
+    return OwnProducer(sum(own), max(own), round(sum(per_warp(loop, Instr.smem_bytes, True)) / stages),
+                       round(sum(per_warp(loop, Instr.global_bytes, True)) / stages))
 
 
 def ours_dram_bytes(d: int, kind: str, ref: Ref = REF) -> float:
