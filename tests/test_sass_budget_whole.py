@@ -161,6 +161,7 @@ def _producer_lines(d, source):
 def test_a_predicated_read_counts_in_every_warp_and_its_bytes_in_its_own(tmp_path):
     lines = _producer_lines(tmp_path / "predicated", PREDICATED_SOURCE)
     assert lines.predicated == (([(9, 9)], frozenset({0, 1})),)
+    assert lines.blocks == _producer_lines(tmp_path / "braced", PRODUCER_SOURCE).blocks
     ref = sb.Ref(tokens=4 * 128)
     base = sk.ws_producer(sb.parse_disassembly(PRODUCER_LOOPS)["_Z2wsv"], _producer_lines(tmp_path / "plain", PRODUCER_SOURCE), ref)
     instrs = sb.parse_disassembly(PREDICATED_LOOPS)["_Z2wsv"]
@@ -173,11 +174,10 @@ def test_a_predicated_read_counts_in_every_warp_and_its_bytes_in_its_own(tmp_pat
 
 
 def test_a_producer_of_its_own_counts_per_warp_and_not_on_a_consumer_warp(tmp_path):
-    (tmp_path / "attn_fwd_kernel.cuh").write_text(PRODUCER_SOURCE)
-    (tmp_path / "attn_params.h").write_text("constexpr int kBlockN = 128;\nconstexpr int kProducerThreads = 128;\n")
-    lines = sk.producer_warp_lines(tmp_path / "attn_fwd_kernel.cuh")
+    lines = _producer_lines(tmp_path / "src", PRODUCER_SOURCE)
     assert lines.warps == 4 and lines.arrive == 20
     assert lines.blocks == [([(6, 7), (11, 13)], {0}), ([(15, 16)], {0, 1}), ([(18, 19)], {3})]
+    assert lines.predicated == ()
     instrs = sb.parse_disassembly(PRODUCER_LOOPS)["_Z2wsv"]
     ref = sb.Ref(tokens=4 * 128)  # 4 key tiles per query tile
     # per warp: key loop 11, 8, 6, 7; the rest of the tile loop 5, 4, 4, 4 over the 4 key tiles

@@ -84,28 +84,29 @@ class ProducerLines(NamedTuple):
 
 
 def producer_warp_lines(kernel: Path = KERNEL) -> ProducerLines:
-    """The producer warpgroup's (kProducerThreads / 32 warps) blocks that only some of its warps
-    run, each body's lines with the warps (0-3 of the group) that run it: its first thread's
-    (``if (leader) {``: a tile's Q, each stage's expect_tx and TMA loads) warp 0; the delta_s
-    vector's (threads below kBlockN / 2) warps 0 and 1; V's exponent factors' (the last D/32
-    threads) warp 3. A warp none of whose threads pass a block's test branches over its body (the
-    SASS branches, not predicates, these bodies); every other line every warp runs, the delta_s
-    reads of a one-statement test (D 64's reads before the stage's wait, which ptxas predicates)
-    included, whose bytes only warps 0 and 1 move (``predicated``). And the line of its arrival on
-    a stage's ``full`` barrier: one per stage (how many stages an iteration of its key loop holds,
-    where ptxas unrolled it)."""
+    """The producer warpgroup's (kProducerThreads / 32 warps) code that only some of its warps
+    run, by the test that guards it, with the warps (0-3 of the group) whose threads pass it: its
+    first thread's (``leader``: a tile's Q, each stage's expect_tx and TMA loads) warp 0; the
+    delta_s vector's (threads below kBlockN / 2) warps 0 and 1; V's exponent factors' (the last
+    D/32 threads) warp 3. A braced body of such a test (``if (test) {``) is a block: a warp none
+    of whose threads pass the test branches over it (the SASS branches, not predicates, these
+    bodies), so it counts in those warps only. A one-statement test (``if (test) x = ...;``, D
+    64's reads before the stage's wait) ptxas predicates: every warp issues it, only those warps
+    move its bytes (``predicated``). Every other line every warp runs. And the line of its arrival
+    on a stage's ``full`` barrier: one per stage (how many stages an iteration of its key loop
+    holds, where ptxas unrolled it)."""
     body = block_lines(kernel, r"void producer_warpgroup\(")
     params = kernel.parent / "attn_params.h"
     threads, block_n = constant(params, "kProducerThreads"), constant(params, "kBlockN")
-    inner = lambda start: [(a + 1, b) for a, b in blocks_lines(kernel, start, body)]  # noqa: E731
-    blocks = [(inner(r"if \(leader\) \{"), frozenset({0})),
-              (inner(r"if \(tid < kBlockN / 2\) \{"), frozenset(range((block_n // 2 - 1) // 32 + 1))),
-              (inner(r"if \(tid >= kProducerThreads - kVGroups\) \{"), frozenset({(threads - 1) // 32}))]
+    tests = ((r"leader", frozenset({0})),
+             (r"tid < kBlockN / 2", frozenset(range((block_n // 2 - 1) // 32 + 1))),
+             (r"tid >= kProducerThreads - kVGroups", frozenset({(threads - 1) // 32})))
     text = kernel.read_text().splitlines()
+    blocks = [([(a + 1, b) for a, b in blocks_lines(kernel, rf"if \({test}\) \{{", body)], who) for test, who in tests]
+    one = [([(n, n) for n in range(body[0], body[1] + 1) if re.search(rf"^\s*if \({test}\) [^{{]*;\s*$", text[n - 1])], who)
+           for test, who in tests]
     arrive = next(n for n in range(body[0], body[1] + 1) if re.search(r"mbar_arrive\(&full\[st\]\);", text[n - 1]))
-    one = [(n, n) for n in range(body[0], body[1] + 1) if re.search(r"^\s*if \(tid < kBlockN / 2\) [^{]*;\s*$", text[n - 1])]
-    predicated = ((one, frozenset(range((block_n // 2 - 1) // 32 + 1))),) if one else ()
-    return ProducerLines(blocks, arrive, threads // 32, predicated)
+    return ProducerLines(blocks, arrive, threads // 32, tuple((lines, who) for lines, who in one if lines))
 
 
 def producer_loops(instrs: list[Instr]) -> tuple[tuple[int, int], tuple[int, int]]:
