@@ -145,9 +145,10 @@ def test_nvcc_exe_compiles_a_kernel_unit_to_sm_120a_and_sm_121a(matrix, toolchai
     obj = tmp_path / "quant_rows.obj"
     cmd = bc.compile_command(msvc_gate._tools(toolchain, bc), profile, "csrc/quant/quant_rows.cu", str(winemod.z_path(obj)),
                              msvc_gate._includes(toolchain, bc, PAYLOAD / "csrc", torch.torch_dir, None))
-    proc = toolchain.wine.run(cmd[0], cmd[1:], env={**toolchain.msvc.environ(),
-                                                     **bc.build_environment(profile, str(winemod.z_path(toolchain.cuda.home)))},
-                              cwd=PAYLOAD)
+    # nvcc.exe's steps under wine: a silent failure (cmd.exe not starting cl.exe) is run once more
+    proc, _ = toolchain.wine.run_compile(cmd[0], cmd[1:], env={**toolchain.msvc.environ(),
+                                                               **bc.build_environment(profile, str(winemod.z_path(toolchain.cuda.home)))},
+                                         cwd=PAYLOAD)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = obj.read_bytes()
     # /bigobj objects start with the big-object header (0x0000, 0xFFFF, version), machine at 6.
@@ -246,6 +247,18 @@ def test_a_silent_failure_under_wine_is_run_once_more(monkeypatch, answers, ok, 
     assert res.notes.startswith(note) if note else res.notes == ""
     if not ok:
         assert res.errors and all(res.errors)  # never an empty list for a failure
+
+
+def test_wine_run_compile_reruns_a_silent_failure_only(monkeypatch):
+    """Wine.run_compile (the build's lone unit and the gate's compiles go through it): a failure
+    with no error line is run once more and the second result stands; one with an error line is not."""
+    wine = winemod.Wine(Path("/wine64"), "wine-8.0", Path("/prefix"))
+    for answers, rc, calls, note in (([(1, "Can't recognize 'cl.exe /std:c++20' as an internal or external command"), (0, "")], 0, 2, True),
+                                     ([(2, "x.cu(3): error C2719: 'p': formal parameter won't be aligned"), (0, "")], 2, 1, False)):
+        runs = _Runs(*answers)
+        monkeypatch.setattr(winemod.Wine, "run", lambda self, exe, args, **kw: runs.run(exe, args))
+        proc, notes = wine.run_compile("nvcc.exe", ["-c", "x.cu"])
+        assert (proc.returncode, runs.calls, notes.startswith("rerun once")) == (rc, calls, note)
 
 
 @need_wine

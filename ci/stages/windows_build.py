@@ -147,11 +147,12 @@ def make_standins(tc: wintc.WindowsToolchain, unit_obj: Path, link_libs: list[st
 
 def compile_unit(tc: wintc.WindowsToolchain, profile: dict, staging: Path, unit: str, obj: Path,
                  includes: list, bc) -> subprocess.CompletedProcess:
-    """``unit`` (relative to ``staging``) through the build's own compile command, under wine."""
+    """``unit`` (relative to ``staging``) through the build's own compile command, under wine (run
+    once more if it fails without an error line: ``Wine.run_compile``)."""
     tools = bc.tools("msvc", _ws(tc.cuda.home), cxx=_ws(tc.msvc.tool("cl.exe")), linker=_ws(tc.msvc.tool("link.exe")))
     cmd = bc.compile_command(tools, profile, unit, _ws(obj), includes)
     env = {**tc.msvc.environ(), **bc.build_environment(profile, _ws(tc.cuda.home))}
-    return tc.wine.run(cmd[0], cmd[1:], env=env, cwd=staging)
+    return tc.wine.run_compile(cmd[0], cmd[1:], env=env, cwd=staging)[0]
 
 
 # -- the build config ---------------------------------------------------------------------

@@ -8,8 +8,10 @@ Windows CPython headers) is provisioned by :mod:`ci.toolchain.windows_toolchain`
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PureWindowsPath
 
@@ -46,6 +48,25 @@ def run_captured(cmd: list, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, errors="replace", **kw)
 
 
+def error_lines(text: str) -> list[str]:
+    """A compiler's error lines in ``text`` (MSVC's and nvcc's: those with the word error), at most 10."""
+    return [ln.strip() for ln in text.splitlines() if re.search(r"\berror\b", ln)][:10]
+
+
+def rerun_if_silent(run: Callable[[], subprocess.CompletedProcess]) -> tuple[subprocess.CompletedProcess, str]:
+    """``run()``, a compile under wine, and once more when it fails without a compiler error line:
+    under load, wine's cmd.exe has been seen to fail to start nvcc.exe's own steps ("Can't
+    recognize 'ptxas ...' as an internal or external command", the same for 'cl.exe ...'), which
+    says nothing about the unit. The second result stands, with a note of the first; a failure with
+    error lines is never rerun."""
+    proc = run()
+    out = proc.stdout + proc.stderr
+    if proc.returncode == 0 or error_lines(out):
+        return proc, ""
+    tail = [ln.strip() for ln in out.splitlines() if ln.strip()][-3:]
+    return run(), f"rerun once: the first run exited {proc.returncode} with no error line ({' | '.join(tail)[:300]})"
+
+
 # -- wine --------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -60,6 +81,11 @@ class Wine:
     def run(self, exe, args: list, *, env: dict[str, str] | None = None, cwd=None,
             timeout: float | None = None) -> subprocess.CompletedProcess:
         return run_captured([self.loader, exe, *args], env=self.environ(env), cwd=cwd, timeout=timeout)
+
+    def run_compile(self, exe, args: list, *, env: dict[str, str] | None = None,
+                    cwd=None) -> tuple[subprocess.CompletedProcess, str]:
+        """A compile (nvcc.exe or cl.exe) under wine: ``run``, through :func:`rerun_if_silent`."""
+        return rerun_if_silent(lambda: self.run(exe, args, env=env, cwd=cwd))
 
 
 # Where Debian's wine64 package puts its loader when the `wine` package (which adds it to PATH)

@@ -25,7 +25,6 @@ into ``ci/evidence.json`` (``windows_gate``), naming the commit they were made f
 
 from __future__ import annotations
 
-import re
 import shutil
 import tempfile
 import time
@@ -74,10 +73,6 @@ def _bc():
     return build_commands()
 
 
-def _errors(text: str) -> list[str]:
-    return [ln.strip() for ln in text.splitlines() if re.search(r"\berror\b", ln)][:10]
-
-
 def _ws(p) -> str:
     return str(winemod.z_path(p))
 
@@ -103,23 +98,15 @@ def _includes(tc: wintc.WindowsToolchain, bc, csrc: Path, torch_dir: Path, overl
 
 def _run_compile(tc: wintc.WindowsToolchain, bc, profile: dict, root: Path, unit: str, includes: list,
                  what: str) -> CompileResult:
-    """One compile under wine. A failure that prints no compiler error line is run once more: under
-    load, wine's cmd.exe has been seen to fail to start nvcc.exe's own steps ("Can't recognize
-    'ptxas ...' as an internal or external command"), which says nothing about the unit. The second
-    result stands, with a note of the first; a failure with error lines is never rerun."""
-    notes = ""
-    for attempt in (1, 2):
-        with tempfile.TemporaryDirectory(prefix="sageattn3-msvc-gate-") as tmp:
-            cmd = bc.compile_command(_tools(tc, bc), profile, unit, _ws(Path(tmp) / "unit.obj"), includes)
-            env = {**tc.msvc.environ(), **bc.build_environment(profile, _ws(tc.cuda.home))}
-            t0 = time.monotonic()
-            proc = tc.wine.run(cmd[0], cmd[1:], env=env, cwd=root)
-            out = proc.stdout + proc.stderr
-        errors = _errors(out)
-        if proc.returncode == 0 or errors or attempt == 2:
-            break
-        tail = [ln.strip() for ln in out.splitlines() if ln.strip()][-3:]
-        notes = f"rerun once: the first run exited {proc.returncode} with no error line ({' | '.join(tail)[:300]})"
+    """One compile under wine, run once more if it fails silently (``winemod.rerun_if_silent``); a
+    failure with no error line reports the output's last lines."""
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="sageattn3-msvc-gate-") as tmp:
+        cmd = bc.compile_command(_tools(tc, bc), profile, unit, _ws(Path(tmp) / "unit.obj"), includes)
+        env = {**tc.msvc.environ(), **bc.build_environment(profile, _ws(tc.cuda.home))}
+        proc, notes = winemod.rerun_if_silent(lambda: tc.wine.run(cmd[0], cmd[1:], env=env, cwd=root))
+    out = proc.stdout + proc.stderr
+    errors = winemod.error_lines(out)
     if proc.returncode != 0 and not errors:  # still nothing to show: the output's last lines
         errors = [ln.strip() for ln in out.splitlines() if ln.strip()][-5:] or [f"exit status {proc.returncode}, no output"]
     return CompileResult(what, proc.returncode == 0, round(time.monotonic() - t0, 1), errors, notes)
