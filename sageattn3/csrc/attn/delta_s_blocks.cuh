@@ -26,7 +26,7 @@
 namespace sageattn3::attn {
 
 constexpr int kDeltaMGroup = 256;  // query blocks per CTA of delta_s_blocks_kernel
-constexpr int kDeltaRRows = 32;    // of which r in shared memory at once
+constexpr int kDeltaRRows = 64;    // of which r in shared memory at once
 constexpr int kMUnroll = 4;        // query blocks per step of its loop
 constexpr int kDeltaKeys = 2;      // keys per thread
 constexpr int kDeltaFullRowD = 64;  // head dims up to which a thread takes both halves of a key's row
@@ -37,12 +37,6 @@ template <int D>
 constexpr int kDeltaHalves = D <= kDeltaFullRowD ? 2 : 1;
 template <int D>
 constexpr int kDeltaThreads = kBlockN / kDeltaKeys * 2 / kDeltaHalves<D>;
-// CTAs of delta_s_blocks_kernel<D> an SM is to hold (its __launch_bounds__): 12 warps, 3 a scheduler,
-// which caps a thread at 168 registers (at 2 warps a scheduler, ptxas took 220-240 and the FMA pipe
-// waited on its few warps' dependent fmas: docs/performance.md, "The delta_s pre-pass"). Their r
-// (kDeltaRRows rows) takes 51-52 KB of shared memory, within sm_120's 100 KB an SM.
-template <int D>
-constexpr int kDeltaMinCtas = 12 * 32 / kDeltaThreads<D>;
 static_assert(kDeltaThreads<64> % 32 == 0 && kDeltaThreads<128> % 32 == 0, "whole warps (the D 128 pairs' shuffle)");
 
 struct DeltaSBlocksParams {
@@ -153,7 +147,7 @@ __device__ __forceinline__ void delta_s_rows(const float (&kh)[kDeltaKeys][kDelt
 }
 
 template <int D, bool kPairStore = true>
-__global__ void __launch_bounds__(kDeltaThreads<D>, kDeltaMinCtas<D>) delta_s_blocks_kernel(const DeltaSBlocksParams p) {
+__global__ void __launch_bounds__(kDeltaThreads<D>) delta_s_blocks_kernel(const DeltaSBlocksParams p) {
   constexpr int kBlocks = D / 32;  // 16-element blocks per half
   constexpr int kHalves = kDeltaHalves<D>;
   constexpr int kRowFloats = D + 4;  // r of one query block; the second half 16 bytes further
