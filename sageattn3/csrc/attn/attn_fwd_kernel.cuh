@@ -45,17 +45,26 @@ namespace sageattn3::attn {
 // two stages instead of three to stay within sm_120's 99 KiB of shared memory per CTA.
 // kPV8: the FP8 P.V instantiation (pv_precision "fp8": P and V in MXFP8, V's tile one E4M3 byte per
 // element, D rows of 128 keys, TMA-swizzled by 128 bytes; one UE8M0 scale per channel and 32 keys).
-// kQK16 (with kQK8, D 64 only): the 16-bit Q.K^T instantiation (bf16 Q and K rows, 128 bytes each as
-// the FP8 rows at D 128, and no scales; mma_bf16). At D 128 its tiles would not fit three stages.
+// kQK16 (with kQK8): the 16-bit Q.K^T instantiation (bf16 Q and K rows and no scales; mma_bf16). At
+// D 64 a row is 128 bytes, the FP8 rows' layout at D 128. At D 128 (256 bytes a row) the rows go in
+// kParts = 4 column parts of 64 bytes (32 channels, TMA-swizzled by 64 bytes as the FP4 rows at
+// D 128): a stage holds K's four parts one after the other (two stages: a bf16 K tile is 32 KB), and
+// Q passes through one part's buffer (8 KB) four times a tile, each part taken into registers before
+// the next is loaded, so a whole bf16 Q tile (32 KB) never sits in shared memory. With FP8 P.V (a
+// 16 KB V tile) one stage.
 template <int D, bool kQK8 = false, bool kPV8 = false, bool kQK16 = false>
 struct SmemLayout {
-  static_assert(!kQK16 || (kQK8 && D == 64), "16-bit Q.K^T: the FP8 path's layout at D 64 only");
-  static constexpr int kStages = (kQK8 && D == 128) ? 2 : ::sageattn3::attn::kStages;
-  static constexpr int kRowBytes = kQK16 ? 2 * D : kQK8 ? D : D / 2;     // bytes per row of Q / K
+  static_assert(!kQK16 || kQK8, "16-bit Q.K^T: the FP8 path's layout");
+  // one stage for the 16-bit Q.K^T with FP8 P.V at D 128 (its V tile is 16 KB: two stages of 51 KB
+  // would not fit)
+  static constexpr int kStages = (kQK16 && kPV8 && D == 128) ? 1 : (kQK8 && D == 128) ? 2 : ::sageattn3::attn::kStages;
+  static constexpr int kParts = (kQK16 && D == 128) ? 4 : 1;             // column parts of a Q / K row
+  static constexpr int kRowBytes = (kQK16 ? 2 * D : kQK8 ? D : D / 2) / kParts;  // bytes per row of a part
   static constexpr int kSfRowBytes = kQK16 ? 0 : kQK8 ? D / 32 : D / 16;  // scale bytes per row of Q / K
-  static constexpr int kQBytes = kBlockM * kRowBytes;
+  static constexpr int kQBytes = kBlockM * kRowBytes;                     // one part of Q
   static constexpr int kQSfBytes = kBlockM * kSfRowBytes;
-  static constexpr int kKBytes = kBlockN * kRowBytes;
+  static constexpr int kKPartBytes = kBlockN * kRowBytes;
+  static constexpr int kKBytes = kParts * kKPartBytes;
   static constexpr int kKSfBytes = kBlockN * kSfRowBytes;
   static constexpr int kVRowBytes = kPV8 ? kBlockN : kBlockN / 2;  // bytes per channel row of the V tile
   static constexpr int kVBytes = D * kVRowBytes;
@@ -95,7 +104,7 @@ struct SmemLayout {
   // (the producer warpgroup's; the bounded mode's consumers), not by TMA (V's scale rows are Sk_pad/16 bytes apart: not the multiple of 16 a
   // tensor map's stride must be when Sk_pad/128 is odd).
   static constexpr uint32_t kStageTx = kKBytes + kVBytes + kKSfBytes;
-  static constexpr uint32_t kQTx = kQBytes + kQSfBytes;
+  static constexpr uint32_t kQTx = kQBytes + kQSfBytes;  // a part of Q (and its scales)
   static_assert(D / 32 * 4 <= 16 && kStageVExp % 16 == 0, "V's group factors: two 16-byte slots");
 };
 
@@ -553,10 +562,14 @@ __device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t*
     const int bh_q = c.b * p.heads_q + c.hq, kv_bh = c.b * p.heads_kv + c.hk;
     if (leader) {
       const int q_row0 = bh_q * p.seq_q_pad + c.mb * kBlockM;
-      mbar_wait(q_empty, (q_round & 1u) ^ 1u);
-      mbar_arrive_expect_tx(q_full, L::kQTx);
-      tma_load_2d(smem + L::kQ, &p.tm_q, q_full, 0, q_row0);
-      if constexpr (!kQK16) tma_load_2d(smem + L::kQSf, &p.tm_q_sf, q_full, 0, q_row0 / kBlockM * L::kSfRowBytes);
+      // a part at a time (kParts > 1: each waits for the consumers to take the one before)
+#pragma unroll
+      for (int part = 0; part < L::kParts; ++part) {
+        mbar_wait(q_empty, ((q_round * L::kParts + part) & 1u) ^ 1u);
+        mbar_arrive_expect_tx(q_full, L::kQTx);
+        tma_load_2d(smem + L::kQ, &p.tm_q, q_full, part * L::kRowBytes, q_row0);
+        if constexpr (!kQK16) tma_load_2d(smem + L::kQSf, &p.tm_q_sf, q_full, 0, q_row0 / kBlockM * L::kSfRowBytes);
+      }
     }
     const float* ds_row = p.ds_key + static_cast<int64_t>(bh_q - p.bh0) * p.ds_bh_stride + c.mb * p.ds_m_stride;
     const uint8_t* v_sf = p.v_sf + static_cast<int64_t>(kv_bh) * D * (p.seq_k_pad / (kPV8 ? 32 : 16));
@@ -585,7 +598,9 @@ __device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t*
       if (leader) {
         mbar_arrive_expect_tx(&full[st], L::kStageTx);
         const int k_row0 = kv_bh * p.seq_k_pad + k0;
-        tma_load_2d(stage + L::kStageK, &p.tm_k, &full[st], 0, k_row0);
+#pragma unroll
+        for (int part = 0; part < L::kParts; ++part)
+          tma_load_2d(stage + L::kStageK + part * L::kKPartBytes, &p.tm_k, &full[st], part * L::kRowBytes, k_row0);
         if constexpr (!kQK16) tma_load_2d(stage + L::kStageKSf, &p.tm_k_sf, &full[st], 0, k_row0 / kBlockN * L::kSfRowBytes);
         tma_load_2d(stage + L::kStageV, &p.tm_v, &full[st], kb * L::kVRowBytes, kv_bh * D);
       }
@@ -628,8 +643,10 @@ template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false, boo
 __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int warp) {
   using L = SmemLayout<D, kQK8, kPV8, kQK16>;
   constexpr int kStages = L::kStages;
-  constexpr int kRow = L::kRowBytes;
-  constexpr int kChunks = kRow / 32;    // MMA k-chunks of the head dim (32 bytes each: k64 FP4, k32 FP8)
+  constexpr int kRow = L::kRowBytes;   // a part's row (the whole row but for the 16-bit Q.K^T at D 128)
+  constexpr int kParts = L::kParts;
+  constexpr int kPartChunks = kRow / 32;  // MMA k-chunks of a part (32 bytes each: k64 FP4, k32 FP8, k16 bf16)
+  constexpr int kChunks = kParts * kPartChunks;  // of the head dim
   constexpr int kNT = kBlockN / 8;      // n-tiles of S
   constexpr int kDT = D / 8;            // n-tiles of O
   constexpr int kVGroups = D / 32;      // 32-channel groups of V's tile exponents (4 n-tiles each)
@@ -710,15 +727,22 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
     const float* ds_key_row = p.ds_key + static_cast<int64_t>(bh_q - p.bh0) * p.ds_bh_stride + c.mb * p.ds_m_stride;
     const float* ds_key_ptr = ds_key_row + ds_k;
 
-    // ---- Q fragments and scales into registers, then hand the Q buffer back ----
-    mbar_wait(q_full, q_round & 1u);
+    // ---- Q fragments and scales into registers, then hand the Q buffer back (each part's) ----
     uint32_t qa[kChunks][4];
 #pragma unroll
-    for (int ch = 0; ch < kChunks; ++ch) {
-      // matrices: rows 0-7 / 8-15 of the warp's 16, bytes [32ch, +16) then [32ch+16, +16)
-      const int r = row_in_tile + (lane & 7) + 8 * ((lane >> 3) & 1);
-      const int byte = 32 * ch + 16 * (lane >> 4);
-      ldmatrix_x4(qa[ch], s_base + L::kQ + swizzled<kRow>(r * kRow + byte));
+    for (int part = 0; part < kParts; ++part) {
+      if (part > 0) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(q_empty);
+      }
+      mbar_wait(q_full, (q_round * kParts + part) & 1u);
+#pragma unroll
+      for (int ch = 0; ch < kPartChunks; ++ch) {
+        // matrices: rows 0-7 / 8-15 of the warp's 16, bytes [32ch, +16) then [32ch+16, +16)
+        const int r = row_in_tile + (lane & 7) + 8 * ((lane >> 3) & 1);
+        const int byte = 32 * ch + 16 * (lane >> 4);
+        ldmatrix_x4(qa[part * kPartChunks + ch], s_base + L::kQ + swizzled<kRow>(r * kRow + byte));
+      }
     }
     // FP4: lane 4g+t: row g + 8(t&1), k-chunk t>>1 (SF_A with thread-id-a = chunk). FP8: lane 4g+t:
     // all of row g + 8(t&1)'s scale bytes (SF_A with thread-id-a 0, byte-id = chunk).
@@ -823,8 +847,12 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
           uint32_t k_sf = 0;
           if constexpr (!kQK16)
             k_sf = lds_sf_row<L::kSfRowBytes>(stage + L::kStageKSf + (key_of(j, 0) + key_of(0, g)) * L::kSfRowBytes);
-          qk8_half<0, kRow, kQK16>(s[j], qa[0], qa[1], stage + L::kStageK, row, lane, q_sf, k_sf);
-          if constexpr (kRow == 128) qk8_half<1, kRow, kQK16>(s[j], qa[2], qa[3], stage + L::kStageK, row, lane, q_sf, k_sf);
+#pragma unroll
+          for (int part = 0; part < kParts; ++part) {
+            const uint32_t k_part = stage + L::kStageK + part * L::kKPartBytes;
+            qk8_half<0, kRow, kQK16>(s[j], qa[2 * part], qa[2 * part + 1], k_part, row, lane, q_sf, k_sf);
+            if constexpr (kRow == 128) qk8_half<1, kRow, kQK16>(s[j], qa[2 * part + 2], qa[2 * part + 3], k_part, row, lane, q_sf, k_sf);
+          }
         }
       } else {
       // Key rows of n-tile j: key_of(j, x) = key_of(j, 0) + key_of(0, x), and the swizzle XOR of

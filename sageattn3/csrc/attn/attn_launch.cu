@@ -6,6 +6,7 @@
 
 #include <mutex>
 #include <numeric>
+#include <type_traits>
 
 #include "attn/attn_api.h"
 #include "attn/attn_fwd_kernel.cuh"
@@ -141,17 +142,19 @@ int launch_both(AttnParams& p, AttnParams* p8, int sms, cudaStream_t stream) {
   }
 }
 
-// p8 (a copy of p) gets the Q and K maps of the heads that leave FP4: at D 64 (a.qk16) the bf16
-// rows, 2D bytes per row and no scales (the FP4 scale maps stay, unused); at D 128 the MXFP8
+// p8 (a copy of p) gets the Q and K maps of the heads that leave FP4: with a.qk16 (always at D 64)
+// the bf16 rows, 2D bytes per row and no scales (the FP4 scale maps stay, unused), a box a part of
+// the row wide (SmemLayout::kParts: the whole row at D 64, a quarter at D 128); else the MXFP8
 // codes, D bytes per row, and their UE8M0 bytes, one per 32 values. False if a map fails.
 template <int D>
 bool precise_maps(const Fp4AttnArgs& a, uint64_t bq, uint64_t bk, AttnParams& p8) {
   bool ok = true;
   if (a.qk16) {
-    ok &= make_map(&p8.tm_q, a.q8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 2 * D, bq * a.seq_q_pad, 2 * D, kBlockM,
-                   swizzle_for(2 * D));
-    ok &= make_map(&p8.tm_k, a.k8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 2 * D, bk * a.seq_k_pad, 2 * D, kBlockN,
-                   swizzle_for(2 * D));
+    constexpr uint32_t kBox = SmemLayout<D, true, false, true>::kRowBytes;
+    ok &= make_map(&p8.tm_q, a.q8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 2 * D, bq * a.seq_q_pad, kBox, kBlockM,
+                   swizzle_for(kBox));
+    ok &= make_map(&p8.tm_k, a.k8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 2 * D, bk * a.seq_k_pad, kBox, kBlockN,
+                   swizzle_for(kBox));
     return ok;
   }
   ok &= make_map(&p8.tm_q, a.q8, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, D, bq * a.seq_q_pad, D, kBlockM, swizzle_for(D));
@@ -233,13 +236,24 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
   if (a.v8_by_head && (p8 == nullptr || !with_v8<D>(a, bk, pv_store, p8v_store))) return cudaErrorInvalidValue;
 
   const int sms = sm_count();
-  // D 64: the heads that leave FP4 take the 16-bit Q.K^T (a.qk16; no MXFP8 Q.K^T kernel at D 64)
-  constexpr bool k16 = D == 64;
+  // The heads that leave FP4 take the 16-bit Q.K^T with a.qk16 (always at D 64: no MXFP8 Q.K^T
+  // kernel there), else MXFP8 Q.K^T.
+  auto with_k16 = [&](auto k16) {
+    return [&, k16](bool in_loop) {
+      constexpr bool kK16 = decltype(k16)::value;
+      if (a.v8_by_head)
+        return in_loop ? cudaErrorInvalidValue : launch_mixed<D, kK16>(p, *p8, pv_store, p8v_store, sms, stream);
+      if (pv8) return in_loop ? cudaErrorInvalidValue : launch_both<D, false, true, kK16>(p, p8, sms, stream);
+      return in_loop ? launch_both<D, true, false, kK16>(p, p8, sms, stream)
+                     : launch_both<D, false, false, kK16>(p, p8, sms, stream);
+    };
+  };
   auto both = [&](bool in_loop) {
-    if (a.v8_by_head)
-      return in_loop ? cudaErrorInvalidValue : launch_mixed<D, k16>(p, *p8, pv_store, p8v_store, sms, stream);
-    if (pv8) return in_loop ? cudaErrorInvalidValue : launch_both<D, false, true, k16>(p, p8, sms, stream);
-    return in_loop ? launch_both<D, true, false, k16>(p, p8, sms, stream) : launch_both<D, false, false, k16>(p, p8, sms, stream);
+    if constexpr (D == 64) {
+      return with_k16(std::true_type{})(in_loop);
+    } else {
+      return a.qk16 ? with_k16(std::true_type{})(in_loop) : with_k16(std::false_type{})(in_loop);
+    }
   };
   if (a.mean_qblocks == 1) return both(false);
 
@@ -315,8 +329,8 @@ int fp4_attn_fwd(const Fp4AttnArgs& a, cudaStream_t stream) {
   if (a.head_sel != nullptr && !a.qk16 && (a.q8_sf == nullptr || a.k8_sf == nullptr || !attn::aligned(a.q8_sf, 16) ||
                                            !attn::aligned(a.k8_sf, 16)))
     return cudaErrorInvalidValue;
-  // the selected heads' Q.K^T: 16-bit rows at D 64, MXFP8 at D 128
-  if (a.head_sel != nullptr && a.qk16 != (a.head_dim == 64)) return cudaErrorInvalidValue;
+  // the selected heads' Q.K^T: 16-bit rows at D 64, 16-bit rows or MXFP8 at D 128
+  if (a.head_sel != nullptr && a.head_dim == 64 && !a.qk16) return cudaErrorInvalidValue;
   if (a.v8 != nullptr && (a.v8_sf == nullptr || !attn::aligned(a.v8, 16) || !attn::aligned(a.v8_sf, 4)))
     return cudaErrorInvalidValue;
   if (a.v8_by_head && (a.v8 == nullptr || a.head_sel == nullptr)) return cudaErrorInvalidValue;
