@@ -105,6 +105,7 @@ from .precision import (
     SCALE_SEARCH,
     TREATMENT_SETS,
     TREATMENTS,
+    choose_qk16,
     choose_qk_precision,
     choose_treatments,
     fp8_applies,
@@ -113,6 +114,7 @@ from .precision import (
     pv_p_error,
     choose_pv_precision,
     options_free_means,
+    qk16_stat,
     qk_fp4_error,
     query_stride,
     rule_has_options,
@@ -195,6 +197,13 @@ AUTO_ERROR_LIMIT = 0.2
 # the unmasked estimate put at 0.097: 0.191). The margin of non-causal calls is thin on both sides
 # (docs/accuracy-auto-details.md, "The P·V choice").
 PV_ERROR_LIMIT = 0.105
+# At D 128 a head that leaves FP4 multiplies its raw 16-bit rows (Q·Kᵀ from the fp16/bf16 inputs as
+# they are: ``Preprocessed.qk16``) instead of MXFP8 rows when ``qk16_stat``, the scale of MXFP8's
+# logit error (the softmax scale times the RMS norms of the smoothed rows over the rule's sample,
+# over sqrt(D)), exceeds this. Calibrated on tests/attention_cases.py at D 128, 1024 tokens, 4 q
+# heads over 2, seeds 2025 and 0-7 (docs/accuracy-auto-details.md, "Massive shared outliers"): the
+# massive-outlier heads 42.7-46.0 (MXFP8 0.972-0.992 there), every other case at most 10.6.
+QK16_STAT_LIMIT = 20.0
 # The per-head treatments (opt-in, reference only, not wired into any default): a head keeps the
 # treatments it is given (its floors: none without options) where ``treatment_errors`` estimates
 # the relative output error of plain FP4 and of its floors at most TREATMENT_KEEP_LIMIT (zero-mean
@@ -247,6 +256,7 @@ __all__ = [
     "balance_applies",
     "balance_exponents",
     "block_sq_error",
+    "choose_qk16",
     "choose_qk_precision",
     "choose_treatments",
     "cosine_similarity",
@@ -278,6 +288,7 @@ __all__ = [
     "pv_p_error",
     "choose_pv_precision",
     "PV_ERROR_LIMIT",
+    "QK16_STAT_LIMIT",
     "q_block_index",
     "q_mean",
     "options_free_means",
@@ -286,6 +297,7 @@ __all__ = [
     "rule_has_options",
     "qk_precision_arg",
     "qk16_rows",
+    "qk16_stat",
     "QK16_HEAD_DIM",
     "quantize_mxfp8_rows",
     "quantize_mxfp8_transposed",

@@ -228,6 +228,13 @@ def _attend(pre: Preprocessed, sm_scale: float | None, is_causal: bool, block_n:
     ds_rows = _delta_rows(pre, sq)  # (B, Hq, Sq, Sk_p)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     c = scale / rotation_score_factor(d, pre.qk_rotation) * LOG2E
+    raw = pre.qk16 is not None and bool(pre.qk16.any())
+    if raw:  # the raw 16-bit heads (pre.qk16): q·kᵀ of the inputs, no delta_s, unrotated scale
+        sel = pre.qk16[:, :, None, None]
+        qd = torch.where(sel, pre.q16.float(), qd)
+        kd = torch.where(sel, expand_kv(pad_dim(pre.k16.float(), -2, kd.shape[-2]), hq), kd)
+        ds_rows = torch.where(sel, torch.zeros_like(ds_rows), ds_rows)
+        c = torch.where(sel, torch.tensor(scale * LOG2E, device=qd.device), torch.tensor(c, device=qd.device))
     out = _tiled_attention(qd, kd, vd, ds_rows, pre.seq_k, is_causal, c, block_n, pv_fp8)
     if pre.pv_fp8 is None or not bool(pre.pv_fp8.any()):
         return out

@@ -223,6 +223,41 @@ def _fp4_error(q, k, v, pre, sm_scale, plain: bool) -> torch.Tensor:
     return torch.sqrt(num / den)
 
 
+def qk16_stat(q: torch.Tensor, k: torch.Tensor, pre, sm_scale: float | None = None) -> torch.Tensor:
+    """The rule's second statistic, per q head: (B, Hq) float32, the scale of the logit error
+    MXFP8 Q·Kᵀ would leave, c · sqrt(mean |q - w|^2) · sqrt(mean |k - w_k|^2) / sqrt(D) over the
+    rule's sample (``qk_fp4_error``'s rows: every s-th row of Q's sampled blocks, minus their
+    block's options-free mean w; every row of K's sampled blocks, minus K's options-free mean w_k;
+    ``options_free_means``), c the unrotated softmax scale (default 1/sqrt(D)). MXFP8 keeps 4
+    significant bits an element and the rotation spreads a row's norm over its channels, so its
+    error on a score grows with the product of the two rows' norms: where this is large (massive
+    outliers shared by Q and K: 43-46 against at most 11 on every other hard case at D 128), even
+    MXFP8 moves the scores by logits. Sums of squares in float32 (the rule kernel's, up to order)."""
+    b, hq, sq, d = q.shape
+    sk = k.shape[2]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    mean_q, mean_k = options_free_means(pre)
+    nm = mean_q.shape[-2]
+    stride = query_stride(sq, sk)
+    q_rows = _sampled_rows(q, sq, stride)
+    means = torch.cat([mean_q[..., (t if nm > 1 else 0):(t if nm > 1 else 0) + 1, :].expand(b, hq, blk.shape[-2], d)
+                       for t, blk in zip(sample_blocks(sq), q_rows)], dim=-2)
+    qs = torch.cat(q_rows, dim=-2).float() - means
+    ks = torch.cat(_sampled_rows(k, sk, 1), dim=-2).float() - mean_k.float()
+    q2 = qs.square().sum(dim=(-1, -2)) / qs.shape[-2]
+    k2 = expand_kv(ks.square().sum(dim=(-1, -2)).unsqueeze(-1).unsqueeze(-1) / ks.shape[-2], hq)[..., 0, 0]
+    return (scale * torch.sqrt(q2 * k2 / d)).float()
+
+
+def choose_qk16(qk_fp8: torch.Tensor, stat: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(B, Hq) bool, True where a head that leaves FP4 (``qk_fp8``) multiplies its raw 16-bit
+    rows instead of MXFP8 (D 128 only; at D 64 the precise rung is 16-bit already): ``qk16_stat``
+    above ``QK16_STAT_LIMIT`` (a NaN keeps MXFP8)."""
+    if head_dim == QK16_HEAD_DIM:
+        return torch.zeros_like(qk_fp8)
+    return qk_fp8 & (stat > _package.QK16_STAT_LIMIT)
+
+
 def choose_qk_precision(precision: str, error: torch.Tensor) -> torch.Tensor:
     """(B, Hq) bool, True where a q head's Q·Kᵀ runs in FP8: "fp8" every head, "fp4" none,
     "auto" the heads whose ``qk_fp4_error`` exceeds ``AUTO_ERROR_LIMIT`` (a NaN estimate, from
