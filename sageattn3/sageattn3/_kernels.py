@@ -347,11 +347,20 @@ def qk_rule_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale:
     estimate, its error output. q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) float16/bfloat16, D 64/128,
     and their ``Preprocessed`` (without K's per-block means; rotated or not), ``scale`` the softmax
     scale of the unrotated scores. Returns (B, Hq) float32 on q's device (no host synchronisation)."""
-    return qk_rule_select(aligned(q), aligned(k), aligned(v), pre, scale, float("inf"), False)[0]
+    return qk_rule_select(aligned(q), aligned(k), aligned(v), pre, scale, float("inf"), False, qk16_limit=-1.0)[0]
+
+
+def rule_qk16_limit(d: int, limit: float | None = None) -> float:
+    """The rule ops' qk16_limit: ``reference.QK16_STAT_LIMIT`` (or ``limit``) at D 128, where a head
+    that leaves FP4 may take the raw 16-bit rows (bit 2 of sel_q); -1 (off) at other head dims."""
+    from . import reference
+
+    return float(reference.QK16_STAT_LIMIT if limit is None else limit) if d == 128 else -1.0
 
 
 def qk_rule_select(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale: float, limit: float,
-                   select_all: bool, pv_limit: float = -1.0, causal: bool = False) -> tuple[torch.Tensor, ...]:
+                   select_all: bool, pv_limit: float = -1.0, causal: bool = False,
+                   qk16_limit: float | None = None) -> tuple[torch.Tensor, ...]:
     """``qk_rule_error`` and the selection from it in one op (no synchronisation): returns error
     (B, Hq) float32, sel_q (B, Hq) uint8 (bit 0: the head's Q·Kᵀ in FP8; every head with
     ``select_all``, else error > limit, a NaN estimate keeping FP4), sel_k (B, Hkv) uint8 (1 where
@@ -359,13 +368,18 @@ def qk_rule_select(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale
     ``pv_limit`` >= 0, P's estimate error_pv (B, Hq) (``reference.pv_p_error``), bit 1 of sel_q where
     it exceeds pv_limit (the head's P·V in FP8) and sel_v (B, Hkv) uint8 (1 where any of its q heads
     has bit 1); pv_limit < 0: error_pv NaN, no bit 1, sel_v zeros; ``causal``: P's estimate masks the keys
-    a causal attention hides (``pv_p_error``'s is_causal). q, k, v contiguous and 16-byte
-    aligned (``aligned``), ``pre`` straight from the preprocessing kernels: passed as they are (the
-    op refuses others, naming them)."""
+    a causal attention hides (``pv_p_error``'s is_causal). At D 128 (``rule_qk16_limit``; None:
+    ``reference.QK16_STAT_LIMIT``, below 0: off) also qk16_stat (B, Hq) float32
+    (``reference.qk16_stat``; NaN where off) and bit 2 of sel_q where a head with bit 0 exceeds the
+    limit: its Q·Kᵀ from q and k as they are (``reference.choose_qk16``). Returns (error, sel_q,
+    sel_k, error_pv, sel_v, qk16_stat). q, k, v contiguous and 16-byte aligned (``aligned``), ``pre``
+    straight from the preprocessing kernels: passed as they are (the op refuses others, naming them)."""
+    d = q.shape[3]
+    q16 = rule_qk16_limit(d, qk16_limit) if qk16_limit is None or qk16_limit >= 0 else -1.0
     return op("qk_rule_select")(q, k, v, pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.mean_q,
                                 pre.mean_k, _none(q.device, 10) if pre.balance is None else pre.balance,
-                                *_rule_scale(pre, q.shape[3], scale), float(limit), bool(select_all), float(pv_limit),
-                                bool(causal))
+                                *_rule_scale(pre, d, scale), float(limit), bool(select_all), float(pv_limit),
+                                bool(causal), q16)
 
 
 def _rule_scale(pre, d: int, scale: float) -> tuple[float, bool, bool]:
@@ -449,11 +463,11 @@ OUTPUT_WRITING_OPS = (
 # Ops of the library that allocate and return their outputs, with the fakes that give those
 # outputs' shapes (kept next to the op's wrapper above).
 def _qk_rule_select_fake(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, rotate,
-                         floor, limit, select_all, pv_limit, causal=False):
+                         floor, limit, select_all, pv_limit, causal=False, qk16_limit=-1.0):
     b, hq, hk = q.shape[0], q.shape[1], k.shape[1]
     f32, u8 = torch.float32, torch.uint8
     return (q.new_empty((b, hq), dtype=f32), q.new_empty((b, hq), dtype=u8), q.new_empty((b, hk), dtype=u8),
-            q.new_empty((b, hq), dtype=f32), q.new_empty((b, hk), dtype=u8))
+            q.new_empty((b, hq), dtype=f32), q.new_empty((b, hk), dtype=u8), q.new_empty((b, hq), dtype=f32))
 
 
 def _mxfp8_smooth_quant_qk_fake(q, k, mean_q, mean_k, balance, sel_q, sel_k, seq_pad, rotate):

@@ -45,20 +45,24 @@ namespace sageattn3::attn {
 // two stages instead of three to stay within sm_120's 99 KiB of shared memory per CTA.
 // kPV8: the FP8 P.V instantiation (pv_precision "fp8": P and V in MXFP8, V's tile one E4M3 byte per
 // element, D rows of 128 keys, TMA-swizzled by 128 bytes; one UE8M0 scale per channel and 32 keys).
-// kQK16 (with kQK8): the 16-bit Q.K^T instantiation (bf16 Q and K rows and no scales; mma_bf16). At
-// D 64 a row is 128 bytes, the FP8 rows' layout at D 128. At D 128 (256 bytes a row) the rows go in
+// kQK16 (with kQK8): the 16-bit Q.K^T instantiation (16-bit Q and K rows and no scales; 1: bf16,
+// mma_bf16; 2: fp16, mma_f16). At D 64 (bf16 only) the rows are the smoothed, rotated values the
+// MXFP8 launch writes (reference.qk16_rows), 128 bytes as the FP8 rows at D 128. At D 128 (kRaw) they
+// are the call's fp16/bf16 inputs as they are (reference, Preprocessed.qk16): S = q.k^T, no delta_s
+// (the means are in the rows; K's adds a constant a row). Their 256-byte rows go in
 // kParts = 4 column parts of 64 bytes (32 channels, TMA-swizzled by 64 bytes as the FP4 rows at
 // D 128): a stage holds K's four parts one after the other (two stages: a bf16 K tile is 32 KB), and
 // Q passes through one part's buffer (8 KB) four times a tile, each part taken into registers before
 // the next is loaded, so a whole bf16 Q tile (32 KB) never sits in shared memory. With FP8 P.V (a
 // 16 KB V tile) one stage.
-template <int D, bool kQK8 = false, bool kPV8 = false, bool kQK16 = false>
+template <int D, bool kQK8 = false, bool kPV8 = false, int kQK16 = 0>
 struct SmemLayout {
   static_assert(!kQK16 || kQK8, "16-bit Q.K^T: the FP8 path's layout");
   // one stage for the 16-bit Q.K^T with FP8 P.V at D 128 (its V tile is 16 KB: two stages of 51 KB
   // would not fit)
   static constexpr int kStages = (kQK16 && kPV8 && D == 128) ? 1 : (kQK8 && D == 128) ? 2 : ::sageattn3::attn::kStages;
-  static constexpr int kParts = (kQK16 && D == 128) ? 4 : 1;             // column parts of a Q / K row
+  static constexpr bool kRaw = kQK16 != 0 && D == 128;                    // the raw input rows
+  static constexpr int kParts = kRaw ? 4 : 1;                             // column parts of a Q / K row
   static constexpr int kRowBytes = (kQK16 ? 2 * D : kQK8 ? D : D / 2) / kParts;  // bytes per row of a part
   static constexpr int kSfRowBytes = kQK16 ? 0 : kQK8 ? D / 32 : D / 16;  // scale bytes per row of Q / K
   static constexpr int kQBytes = kBlockM * kRowBytes;                     // one part of Q
@@ -343,13 +347,16 @@ __device__ __forceinline__ uint32_t lds_sf_row(uint32_t saddr) {
 // with scale bytes 2H and 2H+1 of q_sf / k_sf). Lane L reads key row `row` (= key_of(j, L & 7)),
 // bytes 64H + 16(L >> 3): matrices 0/1 are chunk 2H's b0/b1, matrices 2/3 chunk 2H+1's. kQK16: the
 // same bytes are bf16 rows (32 bytes = one k16 chunk), multiplied by mma_bf16 without scales.
-template <int H, int kRow, bool kQK16 = false>
+template <int H, int kRow, int kQK16 = 0>
 __device__ __forceinline__ void qk8_half(float (&s)[4], const uint32_t (&a0)[4], const uint32_t (&a1)[4],
                                          uint32_t k_tile, int row, int lane, uint32_t q_sf, uint32_t k_sf) {
   uint32_t kf[4];
   ldmatrix_x4(kf, k_tile + swizzled<kRow>(row * kRow + 64 * H + 16 * (lane >> 3)));
   const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
-  if constexpr (kQK16) {
+  if constexpr (kQK16 == 2) {
+    mma_f16(s, a0, b0);
+    mma_f16(s, a1, b1);
+  } else if constexpr (kQK16) {
     mma_bf16(s, a0, b0);
     mma_bf16(s, a1, b1);
   } else {
@@ -524,7 +531,7 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 // each key pair twice: delta_pair_offset), V's scales and V's tile exponent factors, then each
 // arrives on `full` (count 1 + 128: the first thread's expect_tx arrival and every thread's own,
 // which releases its stores to the consumers' wait). No CTA barrier per stage.
-template <int D, bool kQK8, bool kPV8, bool kQK16>
+template <int D, bool kQK8, bool kPV8, int kQK16>
 __device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t* smem) {
   using L = SmemLayout<D, kQK8, kPV8, kQK16>;
   constexpr int kStages = L::kStages;
@@ -561,7 +568,8 @@ __device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t*
     const TileCoord c = decode_tile(p, tile);
     const int bh_q = c.b * p.heads_q + c.hq, kv_bh = c.b * p.heads_kv + c.hk;
     if (leader) {
-      const int q_row0 = bh_q * p.seq_q_pad + c.mb * kBlockM;
+      // kRaw: the inputs' rows (seq_q a head, unpadded; rows past it are masked or never written)
+      const int q_row0 = bh_q * (L::kRaw ? p.seq_q : p.seq_q_pad) + c.mb * kBlockM;
       // a part at a time (kParts > 1: each waits for the consumers to take the one before)
 #pragma unroll
       for (int part = 0; part < L::kParts; ++part) {
@@ -597,14 +605,14 @@ __device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t*
       mbar_wait(&empty[st], ((n / kStages) & 1u) ^ 1u);
       if (leader) {
         mbar_arrive_expect_tx(&full[st], L::kStageTx);
-        const int k_row0 = kv_bh * p.seq_k_pad + k0;
+        const int k_row0 = kv_bh * (L::kRaw ? p.seq_k : p.seq_k_pad) + k0;
 #pragma unroll
         for (int part = 0; part < L::kParts; ++part)
           tma_load_2d(stage + L::kStageK + part * L::kKPartBytes, &p.tm_k, &full[st], part * L::kRowBytes, k_row0);
         if constexpr (!kQK16) tma_load_2d(stage + L::kStageKSf, &p.tm_k_sf, &full[st], 0, k_row0 / kBlockN * L::kSfRowBytes);
         tma_load_2d(stage + L::kStageV, &p.tm_v, &full[st], kb * L::kVRowBytes, kv_bh * D);
       }
-      if (tid < kBlockN / 2) {  // keys 2 tid, 2 tid + 1: {d0, d1, d0, d1}
+      if (!L::kRaw && tid < kBlockN / 2) {  // keys 2 tid, 2 tid + 1: {d0, d1, d0, d1} (kRaw: no delta_s)
         float d0, d1;
         if constexpr (kReadsFirst) d0 = ds_first[0], d1 = ds_first[1];
         else d0 = __ldg(ds_row + k0 + 2 * tid), d1 = __ldg(ds_row + k0 + 2 * tid + 1);
@@ -639,7 +647,7 @@ __device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t*
   }
 }
 
-template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false, bool kQK16 = false>
+template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false, int kQK16 = 0>
 __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int warp) {
   using L = SmemLayout<D, kQK8, kPV8, kQK16>;
   constexpr int kStages = L::kStages;
@@ -830,6 +838,10 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       float s[kNT][4];
 #pragma unroll
       for (int j = 0; j < kNT; ++j) {
+        if constexpr (L::kRaw) {  // no delta_s: S = q.k^T of the raw rows
+          s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+          continue;
+        }
         // rows g and g + 8 of keys 2i, 2i+1 in one load straight into the accumulator's registers
         // (a pair loaded once took four register moves: docs/performance.md, section 3)
         // pair key_of(j, 0) / 2 + 4t: the carry into bit 3 of the pair index comes from t alone
@@ -1076,7 +1088,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   }
 }
 
-template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false, bool kQK16 = false>
+template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false, int kQK16 = 0>
 __device__ __forceinline__ void attn_fwd_body(const AttnParams& p) {
   using L = SmemLayout<D, kQK8, kPV8, kQK16>;
   constexpr int kStages = L::kStages;
