@@ -753,11 +753,10 @@ __device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int un
       a.sel_v[kv] = 1;
     }
   }
-  if (stat_on(a)) {  // the raw 16-bit rows: bit 2, for a head that leaves FP4 (a NaN keeps MXFP8)
-    const float st = head_stat(G, bh);
-    if (a.qk16_stat != nullptr) a.qk16_stat[bh] = st;
-    if ((byte & 1u) != 0u && st > a.qk16_limit) byte |= 4;
-  }
+  // the raw 16-bit rows: bit 2, for a head that leaves FP4 (a NaN keeps MXFP8); NaN where off
+  const float st = stat_on(a) ? head_stat(G, bh) : __int_as_float(0x7fc00000);
+  if (a.qk16_stat != nullptr) a.qk16_stat[bh] = st;
+  if ((byte & 1u) != 0u && st > a.qk16_limit) byte |= 4;
   a.sel_q[bh] = static_cast<uint8_t>(byte);
 }
 
