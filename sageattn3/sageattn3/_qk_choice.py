@@ -114,7 +114,7 @@ def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float
     hk = k.shape[1]
     kv = lambda x: x.view(b, hk, hq // hk).any(dim=-1).to(torch.uint8)  # noqa: E731
     stat, raw = None, torch.zeros_like(fp8)
-    if d == 128:  # the raw 16-bit rows (reference.choose_qk16)
+    if d == reference.QK16_RAW_HEAD_DIM:  # the raw 16-bit rows (reference.choose_qk16)
         stat = reference.qk16_stat(q, k, pre, sm_scale)
         raw = reference.choose_qk16(fp8, stat, d)
     sel_q = fp8.to(torch.uint8) | (pv8.to(torch.uint8) << 1) | (raw.to(torch.uint8) << 2)

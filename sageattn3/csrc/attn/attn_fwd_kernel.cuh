@@ -51,21 +51,24 @@ namespace sageattn3::attn {
 // are the call's fp16/bf16 inputs as they are (reference, Preprocessed.qk16): S = q.k^T, no delta_s
 // (the means are in the rows; K's adds a constant a row). Their 256-byte rows go in
 // kParts = 4 column parts of 64 bytes (32 channels, TMA-swizzled by 64 bytes as the FP4 rows at
-// D 128): a stage holds K's four parts one after the other (two stages: a bf16 K tile is 32 KB), and
-// Q passes through one part's buffer (8 KB) four times a tile, each part taken into registers before
-// the next is loaded, so a whole bf16 Q tile (32 KB) never sits in shared memory. With FP8 P.V (a
-// 16 KB V tile) one stage.
+// D 128): a stage holds K's four parts one after the other (a bf16 K tile is 32 KB), and the Q tile's
+// four parts stay in shared memory for the whole tile (kQResident: each key tile reads their
+// fragments again). So one stage: Q (32 KB) and two stages would not fit sm_120's 99 KB. Held in
+// registers instead (32 a thread), the Q fragments made ptxas spill in the key loop (40-84 bytes,
+// 7-17 local accesses an iteration at sm_120a), and with one part resident (8 more) still 13.
 template <int D, bool kQK8 = false, bool kPV8 = false, int kQK16 = 0>
 struct SmemLayout {
   static_assert(!kQK16 || kQK8, "16-bit Q.K^T: the FP8 path's layout");
-  // one stage for the 16-bit Q.K^T with FP8 P.V at D 128 (its V tile is 16 KB: two stages of 51 KB
-  // would not fit)
-  static constexpr int kStages = (kQK16 && kPV8 && D == 128) ? 1 : (kQK8 && D == 128) ? 2 : ::sageattn3::attn::kStages;
+  // one stage for the raw 16-bit rows at D 128 (the Q tile resident: see above)
+  static constexpr int kStages = (kQK16 && D == 128) ? 1 : (kQK8 && D == 128) ? 2 : ::sageattn3::attn::kStages;
   static constexpr bool kRaw = kQK16 != 0 && D == 128;                    // the raw input rows
   static constexpr int kParts = kRaw ? 4 : 1;                             // column parts of a Q / K row
   static constexpr int kRowBytes = (kQK16 ? 2 * D : kQK8 ? D : D / 2) / kParts;  // bytes per row of a part
   static constexpr int kSfRowBytes = kQK16 ? 0 : kQK8 ? D / 32 : D / 16;  // scale bytes per row of Q / K
   static constexpr int kQBytes = kBlockM * kRowBytes;                     // one part of Q
+  static constexpr int kQBufs = kRaw ? kParts : 1;                        // Q's part buffers
+  static constexpr int kQSteps = kParts / kQBufs;                         // Q's loads a tile
+  static constexpr int kQResident = kRaw ? kQBufs : 0;                    // parts read from shared memory
   static constexpr int kQSfBytes = kBlockM * kSfRowBytes;
   static constexpr int kKPartBytes = kBlockN * kRowBytes;
   static constexpr int kKBytes = kParts * kKPartBytes;
@@ -78,7 +81,7 @@ struct SmemLayout {
   static constexpr int kVSfBytes = D * kBlockN / 16;  // the stage's V scales (copied in, not TMA-loaded)
   // Offsets from a 1024-aligned base; every swizzled tile starts on a 1024 boundary.
   static constexpr int kQ = 0;
-  static constexpr int kQSf = kQ + kQBytes;
+  static constexpr int kQSf = kQ + kQBufs * kQBytes;
   static constexpr int kStage0 = ((kQSf + kQSfBytes + 1023) / 1024) * 1024;
   static constexpr int kStageK = 0;
   static constexpr int kStageV = kKBytes;
@@ -108,7 +111,7 @@ struct SmemLayout {
   // (the producer warpgroup's; the bounded mode's consumers), not by TMA (V's scale rows are Sk_pad/16 bytes apart: not the multiple of 16 a
   // tensor map's stride must be when Sk_pad/128 is odd).
   static constexpr uint32_t kStageTx = kKBytes + kVBytes + kKSfBytes;
-  static constexpr uint32_t kQTx = kQBytes + kQSfBytes;  // a part of Q (and its scales)
+  static constexpr uint32_t kQTx = kQBufs * kQBytes + kQSfBytes;  // a step of Q (and its scales)
   static_assert(D / 32 * 4 <= 16 && kStageVExp % 16 == 0, "V's group factors: two 16-byte slots");
 };
 
@@ -570,12 +573,14 @@ __device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t*
     if (leader) {
       // kRaw: the inputs' rows (seq_q a head, unpadded; rows past it are masked or never written)
       const int q_row0 = bh_q * (L::kRaw ? p.seq_q : p.seq_q_pad) + c.mb * kBlockM;
-      // a part at a time (kParts > 1: each waits for the consumers to take the one before)
+      // a step at a time (kQSteps > 1: each waits for the consumers to take the one before)
 #pragma unroll
-      for (int part = 0; part < L::kParts; ++part) {
-        mbar_wait(q_empty, ((q_round * L::kParts + part) & 1u) ^ 1u);
+      for (int step = 0; step < L::kQSteps; ++step) {
+        mbar_wait(q_empty, ((q_round * L::kQSteps + step) & 1u) ^ 1u);
         mbar_arrive_expect_tx(q_full, L::kQTx);
-        tma_load_2d(smem + L::kQ, &p.tm_q, q_full, part * L::kRowBytes, q_row0);
+#pragma unroll
+        for (int b = 0; b < L::kQBufs; ++b)
+          tma_load_2d(smem + L::kQ + b * L::kQBytes, &p.tm_q, q_full, (step * L::kQBufs + b) * L::kRowBytes, q_row0);
         if constexpr (!kQK16) tma_load_2d(smem + L::kQSf, &p.tm_q_sf, q_full, 0, q_row0 / kBlockM * L::kSfRowBytes);
       }
     }
@@ -612,7 +617,8 @@ __device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t*
         if constexpr (!kQK16) tma_load_2d(stage + L::kStageKSf, &p.tm_k_sf, &full[st], 0, k_row0 / kBlockN * L::kSfRowBytes);
         tma_load_2d(stage + L::kStageV, &p.tm_v, &full[st], kb * L::kVRowBytes, kv_bh * D);
       }
-      if (!L::kRaw && tid < kBlockN / 2) {  // keys 2 tid, 2 tid + 1: {d0, d1, d0, d1} (kRaw: no delta_s)
+      // (the raw 16-bit rows' consumers read no delta_s: written all the same, one code for all)
+      if (tid < kBlockN / 2) {  // keys 2 tid, 2 tid + 1: {d0, d1, d0, d1}
         float d0, d1;
         if constexpr (kReadsFirst) d0 = ds_first[0], d1 = ds_first[1];
         else d0 = __ldg(ds_row + k0 + 2 * tid), d1 = __ldg(ds_row + k0 + 2 * tid + 1);
@@ -735,21 +741,23 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
     const float* ds_key_row = p.ds_key + static_cast<int64_t>(bh_q - p.bh0) * p.ds_bh_stride + c.mb * p.ds_m_stride;
     const float* ds_key_ptr = ds_key_row + ds_k;
 
-    // ---- Q fragments and scales into registers, then hand the Q buffer back (each part's) ----
-    uint32_t qa[kChunks][4];
+    // ---- Q fragments and scales into registers, then hand the Q buffer back (each step's; the
+    // resident parts' at the tile's end) ----
+    // matrices: rows 0-7 / 8-15 of the warp's 16, bytes [32ch, +16) then [32ch+16, +16)
+    const uint32_t q_lane = (row_in_tile + (lane & 7) + 8 * ((lane >> 3) & 1)) * kRow + 16 * (lane >> 4);
+    constexpr int kHeld = kParts - L::kQResident;  // parts whose fragments stay in registers
+    uint32_t qa[kChunks][4];  // the held parts' (the resident parts' entries unused)
 #pragma unroll
-    for (int part = 0; part < kParts; ++part) {
-      if (part > 0) {
+    for (int step = 0; step < L::kQSteps; ++step) {
+      if (step > 0) {
         __syncwarp();
         if (lane == 0) mbar_arrive(q_empty);
       }
-      mbar_wait(q_full, (q_round * kParts + part) & 1u);
+      mbar_wait(q_full, (q_round * L::kQSteps + step) & 1u);
 #pragma unroll
       for (int ch = 0; ch < kPartChunks; ++ch) {
-        // matrices: rows 0-7 / 8-15 of the warp's 16, bytes [32ch, +16) then [32ch+16, +16)
-        const int r = row_in_tile + (lane & 7) + 8 * ((lane >> 3) & 1);
-        const int byte = 32 * ch + 16 * (lane >> 4);
-        ldmatrix_x4(qa[part * kPartChunks + ch], s_base + L::kQ + swizzled<kRow>(r * kRow + byte));
+        if (step < kHeld)  // one buffer a step here (kQBufs 1, or no part held)
+          ldmatrix_x4(qa[step * kPartChunks + ch], s_base + L::kQ + swizzled<kRow>(q_lane + 32 * ch));
       }
     }
     // FP4: lane 4g+t: row g + 8(t&1), k-chunk t>>1 (SF_A with thread-id-a = chunk). FP8: lane 4g+t:
@@ -762,8 +770,10 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
     } else {
       q_sf = lds_u32(s_base + L::kQSf + (row_in_tile + g + 8 * (t & 1)) * (D / 16) + 4 * (kChunks == 2 ? (t >> 1) : 0));
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(q_empty);
+    if constexpr (L::kQResident == 0) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(q_empty);
+    }
 
     float o[kDT][4];
 #pragma unroll
@@ -853,6 +863,11 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
         // FP8: per n-tile j, one ldmatrix.x4 per 64 bytes of the key rows (lane L: row key_of(j, L&7),
         // bytes 64h + 16(L>>3)): chunk 2h in kf[0..1], chunk 2h+1 in kf[2..3]; the K scale word of
         // key column g (all its chunks) in every lane of quad g.
+        // the resident parts' fragments (kQResident), read once a key tile
+        uint32_t qr[L::kQResident > 0 ? L::kQResident * kPartChunks : 1][4];
+#pragma unroll
+        for (int x = 0; x < L::kQResident * kPartChunks; ++x)
+          ldmatrix_x4(qr[x], s_base + L::kQ + (x / kPartChunks) * L::kQBytes + swizzled<kRow>(q_lane + 32 * (x % kPartChunks)));
 #pragma unroll
         for (int j = 0; j < kNT; ++j) {
           const int row = key_of(j, 0) + key_of(0, lane & 7);
@@ -862,7 +877,11 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
 #pragma unroll
           for (int part = 0; part < kParts; ++part) {
             const uint32_t k_part = stage + L::kStageK + part * L::kKPartBytes;
-            qk8_half<0, kRow, kQK16>(s[j], qa[2 * part], qa[2 * part + 1], k_part, row, lane, q_sf, k_sf);
+            constexpr int kHeldParts = kParts - L::kQResident;
+            const int rp = part - kHeldParts;  // its resident index (below 0: held in qa)
+            const uint32_t(&a0)[4] = rp < 0 ? qa[2 * part] : qr[rp < 0 ? 0 : 2 * rp];
+            const uint32_t(&a1)[4] = rp < 0 ? qa[2 * part + 1] : qr[rp < 0 ? 0 : 2 * rp + 1];
+            qk8_half<0, kRow, kQK16>(s[j], a0, a1, k_part, row, lane, q_sf, k_sf);
             if constexpr (kRow == 128) qk8_half<1, kRow, kQK16>(s[j], qa[2 * part + 2], qa[2 * part + 3], k_part, row, lane, q_sf, k_sf);
           }
         }
@@ -1068,6 +1087,10 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
         ds_key_ptr += kBlockN;
         v_sf_copy += kBlockN / 16;
       }
+    }
+    if constexpr (L::kQResident > 0) {  // the resident Q parts read for the last time: their buffers back
+      __syncwarp();
+      if (lane == 0) mbar_arrive(q_empty);
     }
 
     // ---- epilogue ----

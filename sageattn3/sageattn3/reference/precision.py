@@ -22,6 +22,7 @@ from .formats import (
     FP4_MAX,
     MX_BLOCK,
     QK16_HEAD_DIM,
+    QK16_RAW_HEAD_DIM,
     dequantize_mxfp8_rows,
     mxfp8_p,
     dequantize_mxfp8_transposed,
@@ -253,7 +254,7 @@ def choose_qk16(qk_fp8: torch.Tensor, stat: torch.Tensor, head_dim: int) -> torc
     """(B, Hq) bool, True where a head that leaves FP4 (``qk_fp8``) multiplies its raw 16-bit
     rows instead of MXFP8 (D 128 only; at D 64 the precise rung is 16-bit already): ``qk16_stat``
     above ``QK16_STAT_LIMIT`` (a NaN keeps MXFP8)."""
-    if head_dim == QK16_HEAD_DIM:
+    if head_dim != QK16_RAW_HEAD_DIM:
         return torch.zeros_like(qk_fp8)
     return qk_fp8 & (stat > _package.QK16_STAT_LIMIT)
 
@@ -425,7 +426,8 @@ def treatment_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_
     1. the target O = softmax(c · Q Kᵀ) V in float64 from the inputs (c the softmax scale);
     2. per set: Q and K balanced (``balance_exponents``) and/or rotated as ``preprocess`` does
        them, minus their (balanced, rotated) means, quantized to NVFP4 (with the scale search) or
-       to the precise rung (FP8 Q·Kᵀ: MXFP8, at D 64 bf16 rows, ``qk16_rows``) exactly as the
+       to the precise rung (FP8 Q·Kᵀ: MXFP8, at D 64 bf16 rows, ``qk16_rows``; at D 128 the raw
+       16-bit rows for the heads ``choose_qk16`` picks, scores q·kᵀ of the inputs) exactly as the
        kernels' operands (bit for bit on these rows); scores
        L = c / ``rotation_score_factor`` · Qd Kdᵀ + c · mean_q · (K - mean_k)ᵀ (the correction in
        float32 from the unquantized means, as the paper's delta_s); per row, P = exp2((L - max)
@@ -469,6 +471,12 @@ def treatment_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_
     wanted = set(range(TREATMENT_SETS)) if sets is None else {int(s) for s in sets}
     out = torch.full((b, hq, TREATMENT_SETS), float("inf"), dtype=torch.float32, device=q.device)
     den = o.square().sum(dim=(-1, -2)).clamp_min(1e-300)
+    # at D 128 the precise rung of the heads ``choose_qk16`` picks: the raw 16-bit rows (their scores
+    # q·kᵀ of the inputs, no correction)
+    raw = None
+    if d == QK16_RAW_HEAD_DIM and any(int(s) & QK_FP8 for s in wanted):
+        raw = (qk16_stat(q, k, pre, sm_scale) > _package.QK16_STAT_LIMIT)[..., None, None]
+        lg_raw = torch.matmul(q_rows, expand_kv(k_rows, hq).transpose(-1, -2)) * scale
     for s in sorted(wanted):
         if not treatment_applies(s, d, per_block_mean):
             continue
@@ -486,6 +494,8 @@ def treatment_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_
             kd = dequantize_rows(*quantize_rows(ks, bool(s & SCALE_SEARCH)))
         c = scale / rotation_score_factor(d, bool(s & ROTATION))
         lg = torch.matmul(qd, expand_kv(kd, hq).transpose(-1, -2)) * c + corr
+        if raw is not None and s & QK_FP8:
+            lg = torch.where(raw, lg_raw, lg)
         if masked is not None:
             lg = lg.masked_fill(masked, float("-inf"))
         t = lg * 1.4426950408889634

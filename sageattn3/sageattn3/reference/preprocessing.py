@@ -12,6 +12,7 @@ from .formats import (
     dequantize_rows,
     pad_dim,
     QK16_HEAD_DIM,
+    QK16_RAW_HEAD_DIM,
     qk16_rows,
     quantize_mxfp8_rows,
     quantize_mxfp8_transposed,
@@ -327,7 +328,7 @@ def preprocess(
             return pre
         pre.qk_error = qk_fp4_error(q, k, v, pre, sm_scale)
         pre.qk_fp8 = choose_qk_precision(precision, pre.qk_error)
-        if d != QK16_HEAD_DIM:
+        if d == QK16_RAW_HEAD_DIM:
             pre.qk16_stat = qk16_stat(q, k, pre, sm_scale)
             pre.qk16 = choose_qk16(pre.qk_fp8, pre.qk16_stat, d)
             pre.q16, pre.k16 = q, k
