@@ -228,8 +228,8 @@ def qk16_stat(q: torch.Tensor, k: torch.Tensor, pre, sm_scale: float | None = No
     """The rule's second statistic, per q head: (B, Hq) float32, the scale of the logit error
     MXFP8 Q·Kᵀ would leave, c · sqrt(mean |q - w|^2) · sqrt(mean |k - w_k|^2) / sqrt(D) over the
     rule's sample (``qk_fp4_error``'s rows: every s-th row of Q's sampled blocks, minus their
-    block's options-free mean w; every row of K's sampled blocks, minus K's options-free mean w_k;
-    ``options_free_means``), c the unrotated softmax scale (default 1/sqrt(D)). MXFP8 keeps 4
+    block's options-free mean w; the rows of K's first sampled block, minus K's options-free mean
+    w_k; ``options_free_means``), c the unrotated softmax scale (default 1/sqrt(D)). MXFP8 keeps 4
     significant bits an element and the rotation spreads a row's norm over its channels, so its
     error on a score grows with the product of the two rows' norms: where this is large (massive
     outliers shared by Q and K: 43-46 against at most 11 on every other hard case at D 128), even
@@ -244,7 +244,7 @@ def qk16_stat(q: torch.Tensor, k: torch.Tensor, pre, sm_scale: float | None = No
     means = torch.cat([mean_q[..., (t if nm > 1 else 0):(t if nm > 1 else 0) + 1, :].expand(b, hq, blk.shape[-2], d)
                        for t, blk in zip(sample_blocks(sq), q_rows)], dim=-2)
     qs = torch.cat(q_rows, dim=-2).float() - means
-    ks = torch.cat(_sampled_rows(k, sk, 1), dim=-2).float() - mean_k.float()
+    ks = _sampled_rows(k, sk, 1)[0].float() - mean_k.float()  # K's first sampled block
     q2 = qs.square().sum(dim=(-1, -2)) / qs.shape[-2]
     k2 = expand_kv(ks.square().sum(dim=(-1, -2)).unsqueeze(-1).unsqueeze(-1) / ks.shape[-2], hq)[..., 0, 0]
     return (scale * torch.sqrt(q2 * k2 / d)).float()
