@@ -234,7 +234,9 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     bit. "fp4": every head FP4 (the rule does not run); "fp8": every head FP8 (D 64/128). FP8
     heads always multiply rotated rows (rotated for them alone where ``qk_rotation`` is off:
     outliers Q and K share then spread over every block); with ``qk_rotation`` the rule also
-    estimates on the rotated rows.
+    estimates on the rotated rows. At head dim 128, an FP8 head whose MXFP8 logit error the rule
+    measures as large (``sageattn3.reference.qk16_stat`` above ``QK16_STAT_LIMIT``: massive outliers
+    Q and K share) multiplies its raw fp16/bf16 rows instead (``QkChoice.qk16``).
     ``pv_precision``: "auto" (the default) P and V in MXFP8 for the heads whose P the rule finds too
     coarse for NVFP4 (``sageattn3.reference.pv_p_error`` above ``PV_ERROR_LIMIT``: peaky rows whose
     output comes from keys far below the row max, e.g. large logits in fp16), NVFP4 P·V elsewhere;
