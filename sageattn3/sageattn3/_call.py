@@ -87,7 +87,7 @@ def _plan(q, k, is_causal: bool, per_block_mean: bool, sm_scale: float | None, q
     """``attention_call``'s arguments after q, k, v for this call (call's decisions; ``nblk`` Q's
     mean rows, ``limit`` the delta_s workspace's bytes, 0 with one Q mean; ``auto_limit`` the
     rule's limit, ``reference.AUTO_ERROR_LIMIT`` as the key read it; ``qk16_limit``
-    ``reference.QK16_STAT_LIMIT``, the raw 16-bit rows' at D 128: ``rule_qk16_limit``)."""
+    ``reference.QK16_STAT_LIMIT``, the raw 16-bit rows' at D 128)."""
     b, hq, sq, d = q.shape
     skp = -(-k.shape[2] // _attn.SEQ_PAD) * _attn.SEQ_PAD
     rot, bal, search = kernel_options(d, per_block_mean, qk_rotation, qk_balance, qk_scale_search)
@@ -106,4 +106,4 @@ def _plan(q, k, is_causal: bool, per_block_mean: bool, sm_scale: float | None, q
     rule_scale, _, floor = _kernels._rule_scale(opts, d, scale)  # the options as the Preprocessed would hold them
     return (bool(is_causal), bool(per_block_mean), opts.qk_rotation, opts.balance is not None, opts.qk_scale_search,
             qk_mode, pv_mode, _attn.attention_scale(d, sm_scale, opts.qk_rotation), rule_scale, floor,
-            auto_limit, float(pv_limit), _kernels.rule_qk16_limit(d, qk16_limit), int(limit))
+            auto_limit, float(pv_limit), float(qk16_limit) if d == 128 else -1.0, int(limit))

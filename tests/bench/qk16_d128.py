@@ -28,10 +28,10 @@ sys.path[:0] = [str(ROOT / "sageattn3"), str(ROOT / "tests")]
 
 import attention_cases as ac  # noqa: E402
 from sageattn3 import reference as ref  # noqa: E402
-from sageattn3.reference import precision, preprocessing  # noqa: E402
+from sageattn3.reference import precision, preprocessing, treatments  # noqa: E402
 
 HARD = ("q_outliers", "k_outliers", "qk_outliers", "peaky", "rope_bias", "k_sink", "mixed_heads", "qk_massive")
-ROTATED_FP8 = precision.ROTATION | precision.QK_FP8
+ROTATED_FP8 = treatments.ROTATION | treatments.QK_FP8
 THRESHOLDS = (0.16, 0.17, 0.18, 0.19, 0.2)
 
 
@@ -48,7 +48,7 @@ def heads(case: str, seed: int, causal: bool, seq: int) -> list[dict]:
     limit = ref.QK16_STAT_LIMIT
     ref.QK16_STAT_LIMIT = float("inf")  # no raw 16-bit rows: the rungs under study alone
     try:
-        est = precision.treatment_errors(q, k, v, pre, sets=[ROTATED_FP8], is_causal=causal)[0, :, ROTATED_FP8]
+        est = treatments.treatment_errors(q, k, v, pre, sets=[ROTATED_FP8], is_causal=causal)[0, :, ROTATED_FP8]
         for rung, head_dim in (("mxfp8", 64), ("bf16", 128)):
             precise_rung(head_dim)
             try:

@@ -6,7 +6,6 @@
 
 #include <mutex>
 #include <numeric>
-#include <type_traits>
 
 #include "attn/attn_api.h"
 #include "attn/attn_fwd_kernel.cuh"
@@ -195,6 +194,31 @@ int launch_raw(const Fp4AttnArgs& a, const AttnParams& p, AttnParams& p16, AttnP
   return rc;
 }
 
+// Every launch over p's (batch, q head) rows: the FP4 kernel, or with the per-head precision (p8)
+// each byte value's. The heads that leave FP4 take the 16-bit Q.K^T at D 64 (a.qk16: no MXFP8 Q.K^T
+// kernel there), MXFP8 Q.K^T at D 128, and there those with bit 2 the raw 16-bit rows (launch_raw).
+// in_loop: the bounded mode (FP4 only).
+template <int D>
+int launch_rows(const Fp4AttnArgs& a, AttnParams& p, AttnParams* p8, AttnParams& pv, AttnParams& p8v,
+                AttnParams& p16, AttnParams& p16v, bool pv8, bool in_loop, int sms, cudaStream_t stream) {
+  constexpr int kK16 = D == 64 ? 1 : 0;
+  int rc;
+  if (a.v8_by_head) {
+    rc = in_loop ? cudaErrorInvalidValue : launch_mixed<D, kK16>(p, *p8, pv, p8v, sms, stream);
+  } else if (pv8) {
+    rc = in_loop ? cudaErrorInvalidValue : launch_both<D, false, true, kK16>(p, p8, sms, stream);
+  } else {
+    rc = in_loop ? launch_both<D, true, false, kK16>(p, p8, sms, stream)
+                 : launch_both<D, false, false, kK16>(p, p8, sms, stream);
+  }
+  if constexpr (D == 128) {
+    if (rc == cudaSuccess && a.q_raw != nullptr)
+      rc = a.raw_f16 ? launch_raw<D, 2>(a, p, p16, p16v, pv8, sms, stream)
+                     : launch_raw<D, 1>(a, p, p16, p16v, pv8, sms, stream);
+  }
+  return rc;
+}
+
 // pv and p8v (copies of p and of p8) get V's MXFP8 map and scales (v8_by_head); false if the map fails.
 template <int D>
 bool with_v8(const Fp4AttnArgs& a, uint64_t bk, AttnParams& pv, AttnParams& p8v) {
@@ -269,28 +293,8 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
 
   const int sms = sm_count();
-  // The heads that leave FP4 take the 16-bit Q.K^T at D 64 (a.qk16: no MXFP8 Q.K^T kernel there),
-  // MXFP8 Q.K^T at D 128, and there those with bit 2 the raw 16-bit rows (launch_raw).
-  auto with_k16 = [&](auto k16) {
-    return [&, k16](bool in_loop) {
-      constexpr int kK16 = decltype(k16)::value ? 1 : 0;
-      if (a.v8_by_head)
-        return in_loop ? cudaErrorInvalidValue : launch_mixed<D, kK16>(p, *p8, pv_store, p8v_store, sms, stream);
-      if (pv8) return in_loop ? cudaErrorInvalidValue : launch_both<D, false, true, kK16>(p, p8, sms, stream);
-      return in_loop ? launch_both<D, true, false, kK16>(p, p8, sms, stream)
-                     : launch_both<D, false, false, kK16>(p, p8, sms, stream);
-    };
-  };
   auto both = [&](bool in_loop) {
-    if constexpr (D == 64) {
-      return with_k16(std::true_type{})(in_loop);
-    } else {
-      int rc = with_k16(std::false_type{})(in_loop);
-      if (rc == cudaSuccess && a.q_raw != nullptr)
-        rc = a.raw_f16 ? launch_raw<D, 2>(a, p, p16_store, p16v_store, pv8, sms, stream)
-                       : launch_raw<D, 1>(a, p, p16_store, p16v_store, pv8, sms, stream);
-      return rc;
-    }
+    return launch_rows<D>(a, p, p8, pv_store, p8v_store, p16_store, p16v_store, pv8, in_loop, sms, stream);
   };
   if (a.mean_qblocks == 1) return both(false);
 

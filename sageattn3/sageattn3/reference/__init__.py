@@ -94,21 +94,13 @@ from .transforms import (
     scale_search_on,
 )
 from .precision import (
-    BALANCE,
     FP8_HEAD_DIMS,
-    PV_FP8,
     PV_PRECISION_DEFAULT,
     PV_PRECISIONS,
-    QK_FP8,
     QK_PRECISION_DEFAULT,
     QK_PRECISIONS,
-    ROTATION,
-    SCALE_SEARCH,
-    TREATMENT_SETS,
-    TREATMENTS,
     choose_qk16,
     choose_qk_precision,
-    choose_treatments,
     fp8_applies,
     fp8_unavailable,
     pv_precision_arg,
@@ -120,11 +112,6 @@ from .precision import (
     query_stride,
     rule_has_options,
     qk_precision_arg,
-    treatment_applies,
-    treatment_errors,
-    treatment_kwargs,
-    treatment_names,
-    treatment_set,
 )
 from .preprocessing import (
     Preprocessed,
@@ -137,6 +124,21 @@ from .preprocessing import (
     q_block_index,
     q_mean,
     smooth_q,
+)
+from .treatments import (
+    BALANCE,
+    PV_FP8,
+    QK_FP8,
+    ROTATION,
+    SCALE_SEARCH,
+    TREATMENT_SETS,
+    TREATMENTS,
+    choose_treatments,
+    treatment_applies,
+    treatment_errors,
+    treatment_kwargs,
+    treatment_names,
+    treatment_set,
 )
 from .attention import (
     LOG2E,

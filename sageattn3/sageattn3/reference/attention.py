@@ -22,14 +22,8 @@ from .formats import (
     quantize_mxfp8_rows,
     quantize_rows,
 )
-from .precision import (
-    PV_PRECISION_DEFAULT,
-    QK_PRECISION_DEFAULT,
-    pv_precision_arg,
-    treatment_applies,
-    treatment_kwargs,
-    treatment_names,
-)
+from .precision import PV_PRECISION_DEFAULT, QK_PRECISION_DEFAULT, pv_precision_arg
+from .treatments import treatment_applies, treatment_kwargs, treatment_names
 from .preprocessing import Preprocessed, delta_s, preprocess, q_block_index
 from .transforms import QK_BALANCE_DEFAULT, QK_ROTATION_DEFAULT, Q_MEAN_BLOCK, expand_kv, flag, rotation_score_factor
 
@@ -286,7 +280,7 @@ def sageattn3_treated(
 ) -> torch.Tensor:
     """The quantized attention with a treatment set per q head (reference only, opt-in):
     ``treatments`` an int (every head) or a (B, Hq) integer tensor of sets
-    (``precision.TREATMENTS`` bits: balance, rotation, scale search, FP8 Q·Kᵀ, FP8 P·V), e.g.
+    (``treatments.TREATMENTS`` bits: balance, rotation, scale search, FP8 Q·Kᵀ, FP8 P·V), e.g.
     from ``choose_treatments``. Head h's output is ``sageattn3``'s with set h's keywords
     (``treatment_kwargs``) on every head: heads are independent, and a kv head whose q heads
     differ is quantized once per set (what kernels would do per set of heads). Sets that do not

@@ -328,10 +328,7 @@ def preprocess(
             return pre
         pre.qk_error = qk_fp4_error(q, k, v, pre, sm_scale)
         pre.qk_fp8 = choose_qk_precision(precision, pre.qk_error)
-        if d == QK16_RAW_HEAD_DIM:
-            pre.qk16_stat = qk16_stat(q, k, pre, sm_scale)
-            pre.qk16 = choose_qk16(pre.qk_fp8, pre.qk16_stat, d)
-            pre.q16, pre.k16 = q, k
+        _raw_rule(q, k, pre, sm_scale)
         _pv_rule(q, k, v, pre, pv, pad, sm_scale, pv_limit, is_causal)
         if qk_fp8_rotated and not rot and rotation_applies(d) and not k_block_mean:
             qs, ks = fp8_rows(q.float() * cq, mq, k.float() * ck, mk)
@@ -343,6 +340,14 @@ def _precise_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The operand of the heads that leave FP4: bf16 rows at D 64 (``qk16_rows``, no scales),
     MXFP8 rows otherwise (``quantize_mxfp8_rows``)."""
     return (qk16_rows(x), None) if x.shape[-1] == QK16_HEAD_DIM else quantize_mxfp8_rows(x)
+
+
+def _raw_rule(q, k, pre: Preprocessed, sm_scale) -> None:
+    """At D 128, where the rule ran: its second statistic and the heads it gives the raw 16-bit rows."""
+    if q.shape[-1] == QK16_RAW_HEAD_DIM:
+        pre.qk16_stat = qk16_stat(q, k, pre, sm_scale)
+        pre.qk16 = choose_qk16(pre.qk_fp8, pre.qk16_stat, q.shape[-1])
+        pre.q16, pre.k16 = q, k
 
 
 def _pv_rule(q, k, v, pre: Preprocessed, pv: str, pad: int, sm_scale, pv_limit, is_causal: bool = False) -> None:
