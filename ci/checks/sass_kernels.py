@@ -30,7 +30,8 @@ LAST_WARP = "the last warp's V exponent factors"
 # runs wherever the FP8 path can, FP4 heads included; the bounded mode cannot take FP8, so no rule)
 TAKES = {"defaults": ("delta_s", "rule"), "one Q mean": ("rule",), "FP8": ("delta_s", "rule", "MXFP8"), "bounded": (),
          "FP8 P·V": ("delta_s", "rule", "MXFP8 V"), "FP8 Q·Kᵀ and P·V": ("delta_s", "rule", "MXFP8", "MXFP8 V"),
-         # the raw 16-bit rows (D 128): no delta_s read, but the pre-pass still fills their rows
+         # the raw 16-bit rows (D 128): delta_s unused, but the pre-pass fills their rows and the
+         # producer copies them
          "raw 16-bit": ("delta_s", "rule"), "raw 16-bit and FP8 P·V": ("delta_s", "rule", "MXFP8 V")}
 
 
@@ -180,7 +181,8 @@ def ours_dram_bytes(d: int, kind: str, ref: Ref = REF) -> float:
     if kind == "bounded":
         kv += 128 * d * 2
         q += 2 * d * 4  # mean_q and qbar rows
-    ds = 0 if raw else 128 * 4 if kind not in ("one Q mean", "bounded") else 128 * 4 / ref.blocks
+    # (the raw rows' producer copies the delta_s row too, unused: one code for every kernel)
+    ds = 128 * 4 if kind not in ("one Q mean", "bounded") else 128 * 4 / ref.blocks
     return kv / ref.blocks + (q + 128 * d * 2) / ref.blocks + ds
 
 

@@ -315,6 +315,7 @@ def attention_qk8(pre, head_sel: torch.Tensor, q8: torch.Tensor, q8_scales: torc
     work = delta_s_workspace(q.shape[0], q.shape[1], pre.mean_q.shape[2], pre.seq_q, pre.k_packed.shape[2], q.device,
                              workspace_limit)
     sel = head_sel if head_sel.dtype == torch.uint8 and head_sel.is_contiguous() else head_sel.to(torch.uint8).contiguous()
+    sel = without_raw_bit(sel, raw)
     _kernels.op("blockscaled_attn_qk8")(q, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
                                         v_exp_bytes(pre.v_exp, q.device), pre.mean_q, pre.mean_q_global,
                                         pre.delta_key, k_res, work, out, sel,
@@ -322,6 +323,13 @@ def attention_qk8(pre, head_sel: torch.Tensor, q8: torch.Tensor, q8_scales: torc
                                         *raw_operands(raw, d, sm_scale, q.device), pre.seq_q, pre.seq_k, scale,
                                         is_causal)
     return out
+
+
+def without_raw_bit(sel: torch.Tensor, raw: tuple | None) -> torch.Tensor:
+    """Selection bytes for a launch without the raw rows (``raw`` None): bit 2 cleared (on the
+    device), so those heads run MXFP8 rather than no kernel at all (bytes 5 and 7 launch only with
+    q_raw)."""
+    return sel if raw is not None else sel & 3
 
 
 def raw_operands(raw: tuple | None, d: int, sm_scale: float | None, device: torch.device) -> tuple:

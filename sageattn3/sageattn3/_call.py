@@ -75,6 +75,8 @@ def call(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None,
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             _PLANS[key] = plan
+    if d == reference.QK16_RAW_HEAD_DIM and not reference.raw16_fits(q, k):  # the raw rows need a TMA box of rows
+        plan = plan[:12] + (-1.0,) + plan[13:]
     if q.requires_grad or k.requires_grad or v.requires_grad:
         with torch.no_grad():  # a returned tensor would get a grad_fn; the kernels are not differentiable
             return _kernels.op("attention_call")(q, k, v, *plan)

@@ -92,7 +92,7 @@ def attention_pv8(pre, v8: torch.Tensor, v8_scales: torch.Tensor, *, head_sel: t
     if head_sel is None:
         sel, q8, q8_scales, k8, k8_scales = none, none, none, none, none
     else:
-        sel = head_sel.to(torch.uint8).contiguous()
+        sel = _attn.without_raw_bit(head_sel.to(torch.uint8).contiguous(), raw)
         q8, q8_scales, k8, k8_scales = _attn.qk_operands(q8, q8_scales, k8, k8_scales)
     if by_head and head_sel is None:
         raise ValueError("attention_pv8(by_head=True) needs head_sel")

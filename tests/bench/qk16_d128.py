@@ -28,7 +28,7 @@ sys.path[:0] = [str(ROOT / "sageattn3"), str(ROOT / "tests")]
 
 import attention_cases as ac  # noqa: E402
 from sageattn3 import reference as ref  # noqa: E402
-from sageattn3.reference import precision, preprocessing, treatments  # noqa: E402
+from sageattn3.reference import preprocessing, treatments  # noqa: E402
 
 HARD = ("q_outliers", "k_outliers", "qk_outliers", "peaky", "rope_bias", "k_sink", "mixed_heads", "qk_massive")
 ROTATED_FP8 = treatments.ROTATION | treatments.QK_FP8
@@ -37,7 +37,7 @@ THRESHOLDS = (0.16, 0.17, 0.18, 0.19, 0.2)
 
 def precise_rung(head_dim: int) -> None:
     """The head dim whose precise rung is bf16 rows (the reference's modules hold the constant)."""
-    precision.QK16_HEAD_DIM = preprocessing.QK16_HEAD_DIM = head_dim
+    treatments.QK16_HEAD_DIM = preprocessing.QK16_HEAD_DIM = head_dim
 
 
 def heads(case: str, seed: int, causal: bool, seq: int) -> list[dict]:

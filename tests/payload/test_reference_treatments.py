@@ -158,7 +158,7 @@ def test_estimate_of_fp8_qk_at_d64_is_the_16bit_rung(monkeypatch):
     """At D 64 the heads that leave FP4 multiply bf16 rows (``qk16_rows``), and so does the
     estimate of a set with FP8 Q·Kᵀ: it tracks the true error of ``sageattn3_treated`` (within
     30%), where MXFP8 rows would estimate several times that on massive shared outliers."""
-    from sageattn3.reference import precision
+    from sageattn3.reference import treatments
 
     q, k, v = ac.make("qk_massive", 1, 4, 2, 1024, 1024, 64, seed=2025)
     exact = ref.exact_attention(q, k, v).double()
@@ -168,7 +168,7 @@ def test_estimate_of_fp8_qk_at_d64_is_the_16bit_rung(monkeypatch):
     out = ref.sageattn3_treated(q, k, v, s).double()
     true = ((out - exact).square().sum(dim=(-1, -2)) / exact.square().sum(dim=(-1, -2))).sqrt()
     assert bool(((est / true > 1 / 1.3) & (est / true < 1.3)).all()), (est, true)
-    monkeypatch.setattr(precision, "QK16_HEAD_DIM", 0)  # MXFP8 rows at D 64, as before
+    monkeypatch.setattr(treatments, "QK16_HEAD_DIM", 0)  # MXFP8 rows at D 64, as before
     mx = ref.treatment_errors(q, k, v, pre, sets=[s])[..., s].double()
     assert bool((mx > 2 * est).all()), (mx, est)
 
@@ -287,7 +287,7 @@ def test_bf16_rows_at_d128_would_lift_the_massive_outlier_heads_and_the_estimate
     import sys
     from pathlib import Path
 
-    from sageattn3.reference import precision, preprocessing
+    from sageattn3.reference import preprocessing, treatments
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import qk16_d128 as study
@@ -297,4 +297,4 @@ def test_bf16_rows_at_d128_would_lift_the_massive_outlier_heads_and_the_estimate
     assert len(low) == 2 and all(r["bf16"] > 0.99 and r["estimate"] > 0.18 for r in low), massive
     rope = study.heads("rope_bias", 2025, False, SEQ)
     assert all(r["mxfp8"] >= 0.98 and r["estimate"] <= 0.18 for r in rope), rope
-    assert precision.QK16_HEAD_DIM == preprocessing.QK16_HEAD_DIM == 64
+    assert treatments.QK16_HEAD_DIM == preprocessing.QK16_HEAD_DIM == 64

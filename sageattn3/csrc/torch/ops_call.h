@@ -133,7 +133,9 @@ T attention_call(T q, T k, T v, bool causal, bool per_block_mean, bool rotate, b
     r.mean_q = f32(at.prep[6]);
     r.mean_k = f32(at.prep[7]);
     r.balance = exps;
-    const bool raw = D == 128 && qk16_limit >= 0.0;  // bit 2: the raw 16-bit rows (q and k as they are)
+    // bit 2: the raw 16-bit rows (q and k as they are), where Q and K each hold a 128-row TMA box
+    // (reference.raw16_fits)
+    const bool raw = D == 128 && qk16_limit >= 0.0 && p.Gq * p.Sq >= 128 && p.Gk * p.Sk >= 128;
     rule_select(r, f32(at.error), ptr(at.sel_q), ptr(at.sel_k), f32(at.error_pv), ptr(at.sel_v), limit, qk_mode == 2,
                 pv_mode == 1 ? pv_limit : -1.0, causal, raw ? qk16_limit : -1.0);
     check_cuda_kernel<T>(sageattn3::qk_rule_error(r, stream), "attention_call (the rule)");
