@@ -165,8 +165,9 @@ def compiled(staged, tmp_path_factory):
 
 # (kInLoopResidual, kQK8, kPV8, kQK16) of the attention kernel's instantiations per head dim: delta_s
 # precomputed, corrected in the loop, the precise Q·Kᵀ (MXFP8 at D 128, 16-bit at D 64), FP8 P·V,
-# both
+# both; at D 128 also the raw 16-bit rows (kQK16 1 bf16, 2 fp16) with FP4 and FP8 P·V
 INSTANTIATIONS = {d: ((0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, int(d == 64)), (0, 0, 1, 0), (0, 1, 1, int(d == 64)))
+                  + (() if d == 64 else ((0, 1, 0, 1), (0, 1, 0, 2), (0, 1, 1, 1), (0, 1, 1, 2)))
                   for d in (64, 128)}
 
 
@@ -174,7 +175,7 @@ INSTANTIATIONS = {d: ((0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, int(d == 64)), (0, 0
 def test_patched_sources_compile(compiled, arch):
     log = compiled[0][arch]
     entries = re.findall(r"Compiling entry function '(\S*fp4_attn_fwd_kernel\S*)'", log)
-    assert sorted(entries) == sorted(f"_ZN9sageattn34attn19fp4_attn_fwd_kernelILi{d}ELb{b}ELb{f}ELb{v}ELb{x}EEEvPKNS0_10AttnParamsE"
+    assert sorted(entries) == sorted(f"_ZN9sageattn34attn19fp4_attn_fwd_kernelILi{d}ELb{b}ELb{f}ELb{v}ELi{x}EEEvPKNS0_10AttnParamsE"
                                      for d in (64, 128) for b, f, v, x in INSTANTIATIONS[d]), entries
     assert "Compiling entry function '_ZN9sageattn34attn10put_paramsENS0_10ParamWordsEP5uint4'" in log
     from test_attn_compile import check_spills
@@ -196,8 +197,9 @@ def test_patched_ptx_takes_a_pointer_and_fences_the_descriptors(compiled):
     ptx = compiled[1]
     for d in (64, 128):
         for b, f, v, x in INSTANTIATIONS[d]:
-            m = re.search(rf"\.entry _ZN9sageattn34attn19fp4_attn_fwd_kernelILi{d}ELb{b}ELb{f}ELb{v}ELb{x}EEEvPKNS0_10AttnParamsE\(\s*"
+            m = re.search(rf"\.entry _ZN9sageattn34attn19fp4_attn_fwd_kernelILi{d}ELb{b}ELb{f}ELb{v}ELi{x}EEEvPKNS0_10AttnParamsE\(\s*"
                           r"\.param \.u64[^)]*\)", ptx)
             assert m, f"D={d} ({b}, {f}, {v}, {x}): entry with one 64-bit pointer param not found"
-    # 5 descriptors x 2 head dims x 5 instantiations
-    assert len(re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.sys \[%rd\d+\], 128;", ptx)) == 50
+    # 5 descriptors x the instantiations (5 a head dim, and the raw 16-bit rows' 4 at D 128)
+    n = sum(len(v) for v in INSTANTIATIONS.values())
+    assert len(re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.sys \[%rd\d+\], 128;", ptx)) == 5 * n

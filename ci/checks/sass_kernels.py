@@ -29,7 +29,10 @@ LAST_WARP = "the last warp's V exponent factors"
 # The pre-passes each instantiation takes with the default arguments (qk_precision 'auto': the rule
 # runs wherever the FP8 path can, FP4 heads included; the bounded mode cannot take FP8, so no rule)
 TAKES = {"defaults": ("delta_s", "rule"), "one Q mean": ("rule",), "FP8": ("delta_s", "rule", "MXFP8"), "bounded": (),
-         "FP8 P·V": ("delta_s", "rule", "MXFP8 V"), "FP8 Q·Kᵀ and P·V": ("delta_s", "rule", "MXFP8", "MXFP8 V")}
+         "FP8 P·V": ("delta_s", "rule", "MXFP8 V"), "FP8 Q·Kᵀ and P·V": ("delta_s", "rule", "MXFP8", "MXFP8 V"),
+         # the raw 16-bit rows (D 128): delta_s unused, but the pre-pass fills their rows and the
+         # producer copies them
+         "raw 16-bit": ("delta_s", "rule"), "raw 16-bit and FP8 P·V": ("delta_s", "rule", "MXFP8 V")}
 
 
 def _line_of(path: Path, pattern: str) -> int:
@@ -171,11 +174,14 @@ def ours_dram_bytes(d: int, kind: str, ref: Ref = REF) -> float:
     key (the defaults and the FP8 heads: read for every tile) or ds_key per key (one Q mean, the
     bounded mode: once per head). ``kind``: a key of ``TAKES``."""
     fp8, pv8 = kind in ("FP8", "FP8 Q·Kᵀ and P·V"), kind.endswith("P·V")
-    kv = _k_bytes(d, fp8) + 128 * (d if pv8 else d // 2) + 128 * (d // 32 if pv8 else d // 16)
-    q = _k_bytes(d, fp8)  # Q's 128 rows, as K's
+    raw = kind.startswith("raw")
+    k_bytes = 128 * 2 * d if raw else _k_bytes(d, fp8)  # the raw rows: the inputs' 16-bit values
+    kv = k_bytes + 128 * (d if pv8 else d // 2) + 128 * (d // 32 if pv8 else d // 16)
+    q = k_bytes  # Q's 128 rows, as K's
     if kind == "bounded":
         kv += 128 * d * 2
         q += 2 * d * 4  # mean_q and qbar rows
+    # (the raw rows' producer copies the delta_s row too, unused: one code for every kernel)
     ds = 128 * 4 if kind not in ("one Q mean", "bounded") else 128 * 4 / ref.blocks
     return kv / ref.blocks + (q + 128 * d * 2) / ref.blocks + ds
 
@@ -241,6 +247,12 @@ def ours_tma_bytes_pv8(d: int, qk8: bool) -> int:
     return _k_bytes(d, qk8) + 128 * d
 
 
+def _raw16(name: str) -> int:
+    """The raw 16-bit rows' instantiations (kQK16 at D 128: 1 bf16, 2 fp16; 0 for any other)."""
+    m = re.search(r"fp4_attn_fwd_kernelILi128ELb0ELb1ELb[01]ELi([12])E", name)
+    return int(m.group(1)) if m else 0
+
+
 def _pv8(name: str) -> bool:
     """An FP8 P·V instantiation (kPV8, pv_precision "fp8", opt-in)."""
     return re.search(r"fp4_attn_fwd_kernelILi\d+ELb[01]ELb[01]ELb1E", name) is not None
@@ -270,12 +282,20 @@ def ours_budgets(cubin: Path, prepass_cubins: dict[str, Path], bounded: bool = T
     pre = {d: prepass_costs(cubins, d, ref) for d in {_head_dim_of(n) for n in funcs} - {None}}
     out, warp_lines = [], producer_warp_lines()
     kernels = [(name, instrs) for name, instrs in funcs.items() if _head_dim_of(name) is not None]
-    order = lambda kv: (-_head_dim_of(kv[0]), _pv8(kv[0]), _in_loop_residual(kv[0]), _qk8(kv[0]))  # noqa: E731
+    order = lambda kv: (-_head_dim_of(kv[0]), _pv8(kv[0]), _in_loop_residual(kv[0]), _qk8(kv[0]),  # noqa: E731
+                        _raw16(kv[0]))
     for name, instrs in sorted(kernels, key=order):
         d = _head_dim_of(name)
         # the heads that leave FP4: MXFP8 Q·Kᵀ at D 128, the 16-bit Q·Kᵀ (bf16 rows) at D 64
         precise = "16-bit" if d == 64 else "FP8"
-        if _pv8(name):  # opt-in pv_precision "fp8", FP4 or the precise Q·Kᵀ
+        if _raw16(name) == 2:  # the fp16 rows' copy: the bf16 one's code but for the MMA's type
+            continue
+        if _raw16(name):  # D 128's raw 16-bit rows (the heads the second statistic picks), one stage
+            kind = "raw 16-bit and FP8 P·V" if _pv8(name) else "raw 16-bit"
+            tma = 128 * 2 * d + 128 * (d if _pv8(name) else d // 2)
+            runs = ((kind, False, f"ours D{d}, raw 16-bit Q·Kᵀ{' and FP8 P·V' if _pv8(name) else ''} (heads the "
+                     "second statistic picks)", tma),)
+        elif _pv8(name):  # opt-in pv_precision "fp8", FP4 or the precise Q·Kᵀ
             kind = "FP8 Q·Kᵀ and P·V" if _qk8(name) else "FP8 P·V"
             label = f"{precise} Q·Kᵀ and FP8 P·V" if _qk8(name) else kind
             runs = ((kind, False, f"ours D{d}, {label} (pv_precision fp8)", ours_tma_bytes_pv8(d, _qk8(name))),)

@@ -215,6 +215,11 @@ struct QkRuleArgs {
   // The attention is causal: P's estimate masks a sampled key after the sampled row's position
   // (reference.pv_p_error's is_causal); the Q.K^T estimate stays a statistic of the whole rows.
   bool causal;
+  // D 128: the second statistic (reference.qk16_stat, the scale of MXFP8's logit error), written to
+  // qk16_stat (B*Hq floats) where set; where it exceeds qk16_limit (>= 0; below 0 or NaN: off) a head
+  // that leaves FP4 also gets bit 2 of sel_q: the raw 16-bit rows (reference.choose_qk16).
+  float qk16_limit;
+  float* qk16_stat;
   // The caller zeroed the counters (from `counter` to the workspace's end), sel_k and sel_v
   // (where set) in stream order before the launch (attention_call, through the preprocessing's
   // means launch): no memset.

@@ -293,7 +293,8 @@ def fp8_workspace_fits(batch: int, heads_q: int, nblk: int, seq_q: int, seq_k_pa
 
 def attention_qk8(pre, head_sel: torch.Tensor, q8: torch.Tensor, q8_scales: torch.Tensor, k8: torch.Tensor,
                   k8_scales: torch.Tensor, *, is_causal: bool = False, sm_scale: float | None = None,
-                  out_dtype: torch.dtype = torch.bfloat16, workspace_limit: int | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype = torch.bfloat16, workspace_limit: int | None = None,
+                  raw: tuple | None = None) -> torch.Tensor:
     """The attention with the per-head Q·Kᵀ precision, on a ``reference.Preprocessed`` straight from
     the preprocessing kernels (pad=128): head_sel (B, Hq) bool/uint8, 1 where the
     head's Q·Kᵀ runs in FP8 from q8/k8 (MXFP8 of the same smoothed rows, rotated, at D 128; at D 64
@@ -304,7 +305,8 @@ def attention_qk8(pre, head_sel: torch.Tensor, q8: torch.Tensor, q8_scales: torc
     (``pre.qk_rotation``) q8/k8 are MXFP8 of the rows the preprocessing rotated and the softmax
     scale is divided by D/64, as for FP4; without it q8 carries the 64/D itself
     (``reference.fp8_rows``) and the scale is the plain one. ``workspace_limit``:
-    ``delta_s_workspace``'s ``limit``."""
+    ``delta_s_workspace``'s ``limit``. ``raw``: at D 128 the call's (q, k), contiguous and 16-byte
+    aligned, for the heads whose head_sel has bit 2 (the rule's raw 16-bit rows: ``raw_operands``)."""
     q = pre.q_packed
     d = 2 * q.shape[3]
     scale = attention_scale(d, sm_scale, pre.qk_rotation)
@@ -313,12 +315,30 @@ def attention_qk8(pre, head_sel: torch.Tensor, q8: torch.Tensor, q8_scales: torc
     work = delta_s_workspace(q.shape[0], q.shape[1], pre.mean_q.shape[2], pre.seq_q, pre.k_packed.shape[2], q.device,
                              workspace_limit)
     sel = head_sel if head_sel.dtype == torch.uint8 and head_sel.is_contiguous() else head_sel.to(torch.uint8).contiguous()
+    sel = without_raw_bit(sel, raw)
     _kernels.op("blockscaled_attn_qk8")(q, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
                                         v_exp_bytes(pre.v_exp, q.device), pre.mean_q, pre.mean_q_global,
                                         pre.delta_key, k_res, work, out, sel,
-                                        *qk_operands(q8, q8_scales, k8, k8_scales), pre.seq_q,
-                                        pre.seq_k, scale, is_causal)
+                                        *qk_operands(q8, q8_scales, k8, k8_scales),
+                                        *raw_operands(raw, d, sm_scale, q.device), pre.seq_q, pre.seq_k, scale,
+                                        is_causal)
     return out
+
+
+def without_raw_bit(sel: torch.Tensor, raw: tuple | None) -> torch.Tensor:
+    """Selection bytes for a launch without the raw rows (``raw`` None): bit 2 cleared (on the
+    device), so those heads run MXFP8 rather than no kernel at all (bytes 5 and 7 launch only with
+    q_raw)."""
+    return sel if raw is not None else sel & 3
+
+
+def raw_operands(raw: tuple | None, d: int, sm_scale: float | None, device: torch.device) -> tuple:
+    """The attention ops' (q_raw, k_raw, raw_scale): the call's q and k (``raw``; the heads whose
+    head_sel has bit 2 multiply them as they are, D 128) and their softmax scale (unrotated), or
+    empty tensors where ``raw`` is None."""
+    if raw is None:
+        return _kernels._none(device, 14), _kernels._none(device, 15), 0.0
+    return raw[0], raw[1], float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d))
 
 
 def attention_from_preprocessed(pre, *, is_causal: bool = False, sm_scale: float | None = None,

@@ -62,19 +62,21 @@ def call(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None,
     nblk = qblk if per_block_mean else 1
     limit = _attn.delta_s_workspace_limit() if nblk > 1 else 0  # read on every call (it may change)
     scale = None if sm_scale is None else float(sm_scale)
-    pvl, auto = float(pv_limit), float(reference.AUTO_ERROR_LIMIT)
+    pvl, auto, q16 = float(pv_limit), float(reference.AUTO_ERROR_LIMIT), float(reference.QK16_STAT_LIMIT)
     # the decisions depend on these alone (the lengths through their 128-row blocks): made once
     # per signature (a refusal is raised, never kept; a NaN is never a key)
     key = (b, hq, qblk, d, -(-k.shape[2] // _attn.SEQ_PAD), is_causal, per_block_mean, scale, qk_rotation, qk_balance,
-           qk_scale_search, qk_precision, pv_precision, pv_rule, pvl, limit, auto)
+           qk_scale_search, qk_precision, pv_precision, pv_rule, pvl, limit, auto, q16)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(q, k, is_causal, per_block_mean, scale, qk_rotation, qk_balance, qk_scale_search,
-                     qk_precision, pv_precision, pv_rule, pvl, nblk, limit, auto)
-        if scale == scale and pvl == pvl and auto == auto:
+                     qk_precision, pv_precision, pv_rule, pvl, nblk, limit, auto, q16)
+        if scale == scale and pvl == pvl and auto == auto and q16 == q16:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             _PLANS[key] = plan
+    if d == reference.QK16_RAW_HEAD_DIM and not reference.raw16_fits(q, k):  # the raw rows need a TMA box of rows
+        plan = plan[:12] + (-1.0,) + plan[13:]
     if q.requires_grad or k.requires_grad or v.requires_grad:
         with torch.no_grad():  # a returned tensor would get a grad_fn; the kernels are not differentiable
             return _kernels.op("attention_call")(q, k, v, *plan)
@@ -83,10 +85,11 @@ def call(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None,
 
 def _plan(q, k, is_causal: bool, per_block_mean: bool, sm_scale: float | None, qk_rotation: bool, qk_balance: bool,
           qk_scale_search: bool, qk_precision: str, pv_precision: str, pv_rule: bool, pv_limit: float, nblk: int,
-          limit: int, auto_limit: float) -> tuple:
+          limit: int, auto_limit: float, qk16_limit: float) -> tuple:
     """``attention_call``'s arguments after q, k, v for this call (call's decisions; ``nblk`` Q's
     mean rows, ``limit`` the delta_s workspace's bytes, 0 with one Q mean; ``auto_limit`` the
-    rule's limit, ``reference.AUTO_ERROR_LIMIT`` as the key read it)."""
+    rule's limit, ``reference.AUTO_ERROR_LIMIT`` as the key read it; ``qk16_limit``
+    ``reference.QK16_STAT_LIMIT``, the raw 16-bit rows' at D 128)."""
     b, hq, sq, d = q.shape
     skp = -(-k.shape[2] // _attn.SEQ_PAD) * _attn.SEQ_PAD
     rot, bal, search = kernel_options(d, per_block_mean, qk_rotation, qk_balance, qk_scale_search)
@@ -105,4 +108,4 @@ def _plan(q, k, is_causal: bool, per_block_mean: bool, sm_scale: float | None, q
     rule_scale, _, floor = _kernels._rule_scale(opts, d, scale)  # the options as the Preprocessed would hold them
     return (bool(is_causal), bool(per_block_mean), opts.qk_rotation, opts.balance is not None, opts.qk_scale_search,
             qk_mode, pv_mode, _attn.attention_scale(d, sm_scale, opts.qk_rotation), rule_scale, floor,
-            auto_limit, float(pv_limit), int(limit))
+            auto_limit, float(pv_limit), float(qk16_limit) if d == 128 else -1.0, int(limit))

@@ -347,25 +347,28 @@ def qk_rule_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale:
     estimate, its error output. q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) float16/bfloat16, D 64/128,
     and their ``Preprocessed`` (without K's per-block means; rotated or not), ``scale`` the softmax
     scale of the unrotated scores. Returns (B, Hq) float32 on q's device (no host synchronisation)."""
-    return qk_rule_select(aligned(q), aligned(k), aligned(v), pre, scale, float("inf"), False)[0]
+    return qk_rule_select(aligned(q), aligned(k), aligned(v), pre, scale, float("inf"), False, qk16_limit=-1.0)[0]
 
 
 def qk_rule_select(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale: float, limit: float,
-                   select_all: bool, pv_limit: float = -1.0, causal: bool = False) -> tuple[torch.Tensor, ...]:
-    """``qk_rule_error`` and the selection from it in one op (no synchronisation): returns error
-    (B, Hq) float32, sel_q (B, Hq) uint8 (bit 0: the head's Q·Kᵀ in FP8; every head with
-    ``select_all``, else error > limit, a NaN estimate keeping FP4), sel_k (B, Hkv) uint8 (1 where
-    any of its q heads has bit 0), as ``reference.choose_qk_precision`` decides; then, with
-    ``pv_limit`` >= 0, P's estimate error_pv (B, Hq) (``reference.pv_p_error``), bit 1 of sel_q where
-    it exceeds pv_limit (the head's P·V in FP8) and sel_v (B, Hkv) uint8 (1 where any of its q heads
-    has bit 1); pv_limit < 0: error_pv NaN, no bit 1, sel_v zeros; ``causal``: P's estimate masks the keys
-    a causal attention hides (``pv_p_error``'s is_causal). q, k, v contiguous and 16-byte
-    aligned (``aligned``), ``pre`` straight from the preprocessing kernels: passed as they are (the
-    op refuses others, naming them)."""
+                   select_all: bool, pv_limit: float = -1.0, causal: bool = False,
+                   qk16_limit: float | None = None) -> tuple[torch.Tensor, ...]:
+    """``qk_rule_error`` and the selection in one op (no synchronisation): error (B, Hq) float32,
+    sel_q (B, Hq) uint8 (bit 0: FP8 Q·Kᵀ, every head with ``select_all``, else error > limit, NaN
+    keeping FP4), sel_k (B, Hkv) uint8 (1 where a q head has bit 0: ``reference.choose_qk_precision``);
+    with ``pv_limit`` >= 0 P's estimate error_pv (B, Hq) (``reference.pv_p_error``, masked with
+    ``causal``), bit 1 of sel_q above pv_limit and sel_v (B, Hkv) (1 where a q head has bit 1), else
+    error_pv NaN, no bit 1, sel_v zeros; at D 128 (``qk16_limit``, None: ``reference.QK16_STAT_LIMIT``,
+    below 0: off) qk16_stat (B, Hq) float32 (NaN where off) and bit 2 of sel_q
+    (``reference.choose_qk16``). q, k, v contiguous and 16-byte aligned, ``pre`` from the kernels."""
+    from . import reference
+
+    d = q.shape[3]
+    q16 = float(reference.QK16_STAT_LIMIT if qk16_limit is None else qk16_limit) if d == 128 else -1.0
     return op("qk_rule_select")(q, k, v, pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.mean_q,
                                 pre.mean_k, _none(q.device, 10) if pre.balance is None else pre.balance,
-                                *_rule_scale(pre, q.shape[3], scale), float(limit), bool(select_all), float(pv_limit),
-                                bool(causal))
+                                *_rule_scale(pre, d, scale), float(limit), bool(select_all), float(pv_limit),
+                                bool(causal), q16)
 
 
 def _rule_scale(pre, d: int, scale: float) -> tuple[float, bool, bool]:
@@ -381,15 +384,12 @@ def _rule_scale(pre, d: int, scale: float) -> tuple[float, bool, bool]:
 
 def mxfp8_smooth_quant_qk(q: torch.Tensor, k: torch.Tensor, pre, sel_q: torch.Tensor, sel_k: torch.Tensor,
                           seq_pad: int) -> tuple[torch.Tensor, ...]:
-    """Both MXFP8 operands of the per-head FP8 Q·Kᵀ (``mxfp8_smooth_quant`` of Q with sel_q and of K
-    with sel_k, balance signs -1 and +1) from one op that allocates them: (q8, q8_scales, k8,
-    k8_scales), codes uint8 (B, H, Sp, D), scales uint8 (B, H, Sp, D/32); at D 64 the 16-bit Q·Kᵀ
-    instead: the same rows in bfloat16 (``reference.qk16_rows``) as bytes (B, H, Sp, 2D), scales
-    (B, H, Sp, 0); always of rotated rows:
-    rotated as ``pre`` is, or, where ``pre`` is not, rotated here with Q's rows times 64/D
-    (``reference.fp8_rows``: the scores stay in the unrotated units). q and k contiguous and
-    16-byte aligned, ``pre`` straight from the preprocessing kernels, as ``qk_rule_select`` takes
-    them."""
+    """Both MXFP8 operands of the per-head FP8 Q·Kᵀ (``mxfp8_smooth_quant`` of Q with sel_q, which
+    skips the raw 16-bit heads, and of K with sel_k, balance signs -1 and +1) from one op that
+    allocates them: (q8, q8_scales, k8, k8_scales), codes uint8 (B, H, Sp, D), scales uint8
+    (B, H, Sp, D/32); at D 64 the 16-bit Q·Kᵀ's bf16 rows (``reference.qk16_rows``) as bytes
+    (B, H, Sp, 2D), scales (B, H, Sp, 0); rotated as ``pre`` is, or here with Q's rows times 64/D
+    (``reference.fp8_rows``). q and k contiguous and 16-byte aligned, ``pre`` from the kernels."""
     bal = _none(q.device, 8) if pre.balance is None else pre.balance
     return op("mxfp8_smooth_quant_qk")(q, k, pre.mean_q, pre.mean_k, bal, sel_q, sel_k, int(seq_pad),
                                        1 if pre.qk_rotation else 2)
@@ -449,11 +449,11 @@ OUTPUT_WRITING_OPS = (
 # Ops of the library that allocate and return their outputs, with the fakes that give those
 # outputs' shapes (kept next to the op's wrapper above).
 def _qk_rule_select_fake(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, rotate,
-                         floor, limit, select_all, pv_limit, causal=False):
+                         floor, limit, select_all, pv_limit, causal=False, qk16_limit=-1.0):
     b, hq, hk = q.shape[0], q.shape[1], k.shape[1]
     f32, u8 = torch.float32, torch.uint8
     return (q.new_empty((b, hq), dtype=f32), q.new_empty((b, hq), dtype=u8), q.new_empty((b, hk), dtype=u8),
-            q.new_empty((b, hq), dtype=f32), q.new_empty((b, hk), dtype=u8))
+            q.new_empty((b, hq), dtype=f32), q.new_empty((b, hk), dtype=u8), q.new_empty((b, hq), dtype=f32))
 
 
 def _mxfp8_smooth_quant_qk_fake(q, k, mean_q, mean_k, balance, sel_q, sel_k, seq_pad, rotate):

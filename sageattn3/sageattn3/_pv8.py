@@ -67,7 +67,7 @@ def attention_pv8(pre, v8: torch.Tensor, v8_scales: torch.Tensor, *, head_sel: t
                   q8: torch.Tensor | None = None, q8_scales: torch.Tensor | None = None,
                   k8: torch.Tensor | None = None, k8_scales: torch.Tensor | None = None, is_causal: bool = False,
                   sm_scale: float | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                  workspace_limit: int | None = None, by_head: bool = False) -> torch.Tensor:
+                  workspace_limit: int | None = None, by_head: bool = False, raw: tuple | None = None) -> torch.Tensor:
     """The attention with P·V in MXFP8 (``reference.sageattn3(..., pv_precision="fp8")``) on a
     ``reference.Preprocessed`` straight from the preprocessing (pad=128): v8 (B, Hkv, D, Sk_p) E4M3
     and v8_scales (B, Hkv, D, Sk_p/32) UE8M0 (``quant_mxfp8_cols(v, 128)``, or ``pre.v8`` /
@@ -76,7 +76,7 @@ def attention_pv8(pre, v8: torch.Tensor, v8_scales: torch.Tensor, *, head_sel: t
     delta_s rows: with per-block Q means the workspace must hold one (batch, q head) row
     (``_attn.fp8_workspace_fits``). ``by_head``: both precisions per head from ``head_sel``'s bits
     (the rule's sel_q: bit 0 FP8 Q·Kᵀ, bit 1 FP8 P·V; pre's NVFP4 V for heads without bit 1, v8
-    needed only for the kv heads of those with it)."""
+    needed only for the kv heads of those with it). ``raw``: as ``_attn.attention_qk8``'s."""
     q = pre.q_packed
     d = 2 * q.shape[3]
     v8, v8_scales = v8.contiguous(), v8_scales.contiguous()  # the reference's codes are a transposed view
@@ -92,12 +92,13 @@ def attention_pv8(pre, v8: torch.Tensor, v8_scales: torch.Tensor, *, head_sel: t
     if head_sel is None:
         sel, q8, q8_scales, k8, k8_scales = none, none, none, none, none
     else:
-        sel = head_sel.to(torch.uint8).contiguous()
+        sel = _attn.without_raw_bit(head_sel.to(torch.uint8).contiguous(), raw)
         q8, q8_scales, k8, k8_scales = _attn.qk_operands(q8, q8_scales, k8, k8_scales)
     if by_head and head_sel is None:
         raise ValueError("attention_pv8(by_head=True) needs head_sel")
     op("blockscaled_attn_mixed" if by_head else "blockscaled_attn_pv8")(q, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed, pre.v_scales,
         _attn.v_exp_bytes(pre.v_exp, q.device), pre.mean_q,
         pre.mean_q_global, pre.delta_key, k_res, work, out, sel, q8, q8_scales, k8, k8_scales, v8, v8_scales,
-        pre.seq_q, pre.seq_k, scale, is_causal)
+        *_attn.raw_operands(raw if head_sel is not None else None, d, sm_scale, q.device), pre.seq_q, pre.seq_k,
+        scale, is_causal)
     return out

@@ -29,6 +29,10 @@ class QkChoice:
     note: str = ""
     pv_fp8: torch.Tensor | None = None  # (B, Hq) bool: the heads whose P·V ran in MXFP8 (pv_precision "auto")
     pv_error: torch.Tensor | None = None  # (B, Hq) float32: the rule's P estimate (reference.pv_p_error)
+    # D 128: (B, Hq) bool, the heads of ``fp8`` whose Q·Kᵀ multiplied the raw 16-bit rows instead of
+    # MXFP8 (reference.choose_qk16), and (B, Hq) float32 the statistic it came from (reference.qk16_stat)
+    qk16: torch.Tensor | None = None
+    qk16_stat: torch.Tensor | None = None
 
     @staticmethod
     def fp4_path(q: torch.Tensor, precision: str, note: str) -> "QkChoice":
@@ -39,9 +43,14 @@ class QkChoice:
         if self.error is None:
             return f"qk_precision={self.precision!r}: every head FP4 ({self.note or 'the rule did not run'})"
         err, sel = self.error.float().cpu(), self.fp8.cpu()
-        heads = ", ".join(f"{'fp8' if bool(f) else 'fp4'} ({float(e):.3f})" for f, e in zip(sel.flatten(), err.flatten()))
+        raw = self.qk16.cpu().flatten() if self.qk16 is not None else torch.zeros(sel.numel(), dtype=torch.bool)
+        kind = lambda f, r: "16-bit" if bool(r) else "fp8" if bool(f) else "fp4"  # noqa: E731
+        heads = ", ".join(f"{kind(f, r)} ({float(e):.3f})" for f, r, e in zip(sel.flatten(), raw, err.flatten()))
         out = (f"qk_precision={self.precision!r}, limit {reference.AUTO_ERROR_LIMIT}: "
-               f"{int(sel.sum())} of {sel.numel()} heads FP8; per head: {heads}")
+               f"{int(sel.sum())} of {sel.numel()} heads FP8")
+        if self.qk16 is not None:
+            out += f" ({int(raw.sum())} of them the raw 16-bit rows, qk16_stat above {reference.QK16_STAT_LIMIT})"
+        out += f"; per head: {heads}"
         if self.pv_fp8 is not None and self.pv_error is not None:
             pe, ps = self.pv_error.float().cpu(), self.pv_fp8.cpu()
             heads = ", ".join(f"{'fp8' if bool(f) else 'fp4'} ({float(e):.3f})" for f, e in zip(ps.flatten(), pe.flatten()))
@@ -61,13 +70,16 @@ class Picked(NamedTuple):
     sel_k: torch.Tensor
     error_pv: torch.Tensor
     sel_v: torch.Tensor
+    qk16_stat: torch.Tensor | None = None  # D 128: reference.qk16_stat; bit 2 of sel_q where it picked the raw rows
 
     def choice(self, precision: str, pv: bool) -> QkChoice:
         """The debug return: ``pv`` where the P·V rule ran (pv_precision "auto")."""
+        raw = {} if self.qk16_stat is None or not bool(torch.isfinite(self.qk16_stat).any()) else \
+            {"qk16": (self.sel_q & 4).bool(), "qk16_stat": self.qk16_stat}
         if not pv:
-            return QkChoice(precision, (self.sel_q & 1).bool(), self.error)
+            return QkChoice(precision, (self.sel_q & 1).bool(), self.error, **raw)
         return QkChoice(precision, (self.sel_q & 1).bool(), self.error, pv_fp8=(self.sel_q & 2).bool(),
-                        pv_error=self.error_pv)
+                        pv_error=self.error_pv, **raw)
 
 def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float | None,
                   workspace_limit: int | None = None, pv_limit: float = -1.0, is_causal: bool = False):
@@ -90,8 +102,9 @@ def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float
             raise ValueError(why)
         return why
     if _rule_kernel_serves(q, pre):
+        q16 = None if reference.raw16_fits(q, k) else -1.0  # bit 2 where the raw rows can serve the call
         return Picked(*_kernels.qk_rule_select(q, k, v, pre, _scale(q, sm_scale), reference.AUTO_ERROR_LIMIT,
-                                               precision == "fp8", pv_limit, is_causal))
+                                               precision == "fp8", pv_limit, is_causal, qk16_limit=q16))
     err = _qk_error(q, k, v, pre, sm_scale)
     fp8 = reference.choose_qk_precision(precision, err)
     if pv_limit >= 0:
@@ -101,7 +114,12 @@ def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float
         err_pv, pv8 = torch.full_like(err, float("nan")), torch.zeros_like(fp8)
     hk = k.shape[1]
     kv = lambda x: x.view(b, hk, hq // hk).any(dim=-1).to(torch.uint8)  # noqa: E731
-    return Picked(err, fp8.to(torch.uint8) | (pv8.to(torch.uint8) << 1), kv(fp8), err_pv, kv(pv8))
+    stat, raw = None, torch.zeros_like(fp8)
+    if d == reference.QK16_RAW_HEAD_DIM and reference.raw16_fits(q, k):  # the raw 16-bit rows (choose_qk16)
+        stat = reference.qk16_stat(q, k, pre, sm_scale)
+        raw = reference.choose_qk16(fp8, stat, d)
+    sel_q = fp8.to(torch.uint8) | (pv8.to(torch.uint8) << 1) | (raw.to(torch.uint8) << 2)
+    return Picked(err, sel_q, kv(fp8), err_pv, kv(pv8), stat)
 
 
 def fp8_refusal(rotated: bool, d: int, workspace_fits) -> str | None:

@@ -2,14 +2,16 @@
 
 Nobody who wrote the sm_120 kernel could run it on real Blackwell hardware (it was verified on
 an H100 through a software model of the FP4 MMA). So before ``sageattn3_blackwell`` trusts the
-kernel on a device, it runs five small attentions (256 x 256 each: D 128 bf16 GQA 2:1
+kernel on a device, it runs six small attentions (256 x 256 each: D 128 bf16 GQA 2:1
 non-causal, D 64 fp16 causal, both with FP4 Q·Kᵀ; D 128 bf16 GQA 2:1 with MXFP8 Q·Kᵀ on every
 head, the path "auto" takes for the heads that need it, whose block-scaled FP8 MMA was likewise
 only run through a software model; D 64 bf16 causal with the 16-bit Q·Kᵀ (bf16 rows: what
 D 64 heads that leave FP4 multiply) on rows the preprocessing rotated, the path "auto" takes
-with ``qk_rotation``; and D 64 fp16 GQA 2:1 with "auto" itself, whose rule gives the second head,
+with ``qk_rotation``; D 64 fp16 GQA 2:1 with "auto" itself, whose rule gives the second head,
 its Q times ``PEAKY`` (near-one-hot rows), the 16-bit Q·Kᵀ and keeps the first in FP4: the rule
-kernel and the per-head launches of a default call at D 64; a handful of small kernel
+kernel and the per-head launches of a default call at D 64; and D 128 fp16 GQA 2:1 with "auto",
+whose second head, its Q times ``MASSIVE``, multiplies the raw 16-bit rows (the rule's second
+statistic, the D 128 path of massive outliers) beside an FP4 one; a handful of small kernel
 launches, microseconds of GPU time) and compares them with ``sageattn3.reference.sageattn3``
 computed on the CPU. On a mismatch: ONE loud ``RuntimeWarning`` with the figures, and
 ``sageattn3_blackwell`` uses torch SDPA on that device for the rest of the process. The FP8 P·V
@@ -72,6 +74,9 @@ CASES = (
      {"qk_rotation": True, "qk_scale_search": True, "pv_precision": "fp4"}),
     # the rule at D 64: head 0 estimates 0.06 (FP4), head 1 0.29 (the 16-bit Q·Kᵀ; the limit is 0.2)
     (1, 2, 1, 256, 64, torch.float16, False, "auto", {"pv_precision": "fp4"}),
+    # the rule at D 128: head 0 FP4 (0.06), head 1 (Q times MASSIVE) the raw 16-bit rows (its
+    # estimate 0.54, qk16_stat 45 against the limit 15)
+    (1, 2, 1, 256, 128, torch.float16, False, "auto", {"pv_precision": "fp4"}),
 )
 # The FP8 P·V kernels (FP4 and FP8 Q·Kᵀ), checked on a device's first call that may take them
 # (pv_precision "fp8", or "auto" with the rule): every head, and the rule's per-head path
@@ -84,11 +89,15 @@ PV8_CASES = (
     # MXFP8 Q.K^T at D 128
     (1, 1, 1, 256, 64, torch.bfloat16, False, "fp4", {"pv_precision": "fp8"}),
     (1, 2, 1, 256, 128, torch.float16, True, "fp8", {"pv_precision": "fp8"}),
+    # (its last head's Q times MASSIVE: the raw 16-bit rows with FP8 P.V)
     (1, 2, 1, 256, 128, torch.bfloat16, True, "auto", {"pv_precision": "auto", "pv_limit": 0.0}),
 )
 GROUPS = {"default": CASES, "pv8": PV8_CASES}
 Q_DRIFT = 4  # Q's offset per block: -Q_DRIFT, +Q_DRIFT times a per-channel offset of up to 1
 PEAKY = 4  # the last q head's Q in an "auto" case: scores 4x wider, the rule's estimate 0.06 -> 0.29
+# The last q head's Q in an "auto" case at D 128 (both groups): scores 32x wider, qk16_stat 1.4 -> 45,
+# so that head multiplies the raw 16-bit rows (exact products of these dyadic inputs)
+MASSIVE = 32
 
 
 @dataclass
@@ -223,7 +232,9 @@ def _inputs(case, seed: int):
     blk = torch.arange(s) // 128
     ramp = 2 * blk.float() / max(1, int(blk[-1])) - 1
     q = q + Q_DRIFT * ramp[:, None] * off
-    if case[7] == "auto" and case in CASES:  # the rule's case: its last head leaves FP4
+    if case[7] == "auto" and d == 128:  # the rule's cases at D 128: the last head takes the raw rows
+        q[:, -1] *= MASSIVE
+    elif case[7] == "auto" and case in CASES:  # the rule's case: its last head leaves FP4
         q[:, -1] *= PEAKY
     return q.to(dtype), k.to(dtype), v.to(dtype)
 

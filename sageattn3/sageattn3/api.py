@@ -234,7 +234,9 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     bit. "fp4": every head FP4 (the rule does not run); "fp8": every head FP8 (D 64/128). FP8
     heads always multiply rotated rows (rotated for them alone where ``qk_rotation`` is off:
     outliers Q and K share then spread over every block); with ``qk_rotation`` the rule also
-    estimates on the rotated rows.
+    estimates on the rotated rows. At head dim 128, an FP8 head whose MXFP8 logit error the rule
+    measures as large (``sageattn3.reference.qk16_stat`` above ``QK16_STAT_LIMIT``: massive outliers
+    Q and K share) multiplies its raw fp16/bf16 rows instead (``QkChoice.qk16``).
     ``pv_precision``: "auto" (the default) P and V in MXFP8 for the heads whose P the rule finds too
     coarse for NVFP4 (``sageattn3.reference.pv_p_error`` above ``PV_ERROR_LIMIT``: peaky rows whose
     output comes from keys far below the row max, e.g. large logits in fp16), NVFP4 P·V elsewhere;
@@ -388,13 +390,14 @@ def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: flo
     if choice is not None:
         choice.append(_all_pv8(picked.choice(qk_precision, pv_rule), pv_precision))
     q8, q8s, k8, k8s = _kernels.mxfp8_smooth_quant_qk(q, k, pre, picked.sel_q, picked.sel_k, _attn.SEQ_PAD)
-    qk8 = {"head_sel": picked.sel_q, "q8": q8, "q8_scales": q8s, "k8": k8, "k8_scales": k8s}
+    qk8 = {"head_sel": picked.sel_q, "q8": q8, "q8_scales": q8s, "k8": k8, "k8_scales": k8s,
+           "raw": (q, k) if q.shape[3] == 128 and reference.raw16_fits(q, k) else None}  # bit 2's raw rows
     if pv_precision == "fp8":
         return _pv8.attention_pv8(pre, *_pv8.quant_mxfp8_cols(v, _attn.SEQ_PAD), **qk8, **kw)
     if pv_rule:  # V's MXFP8 for the kv heads whose q heads the rule gave FP8 P·V (sel_v), then one launch per byte
         v8, v8s = _pv8.quant_mxfp8_cols(v, _attn.SEQ_PAD, sel=picked.sel_v)
         return _pv8.attention_pv8(pre, v8, v8s, **qk8, by_head=True, **kw)
-    return _attn.attention_qk8(pre, picked.sel_q, q8, q8s, k8, k8s, **kw)
+    return _attn.attention_qk8(pre, picked.sel_q, q8, q8s, k8, k8s, raw=qk8["raw"], **kw)
 
 
 def _all_pv8(choice: QkChoice, pv_precision: str) -> QkChoice:

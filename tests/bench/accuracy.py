@@ -19,7 +19,8 @@ computed in float64 from the bf16 inputs):
   ``sageattn3.reference.fp8_rows``), plain scales;
 - "auto, seeds 0-7": the defaults on the same case drawn with seeds 0-7 (the other columns are
   seed 2025): the lowest cos-sim of a whole call, and of a single q head, against exact attention;
-- "FP8 heads": how many heads the rule gives FP8 Q·Kᵀ and FP8 P·V with the defaults;
+- "FP8 heads": how many heads the rule gives FP8 Q·Kᵀ and FP8 P·V with the defaults ("raw": of the
+  FP8 Q·Kᵀ heads, those that multiply the raw 16-bit rows at D 128, ``Preprocessed.qk16``);
 - the accuracy options, each on top of the defaults ("auto"; the rule runs on the rows they
   make, options as floors): "auto + balance" (qk_balance=True, the Q/K channel balance), "auto +
   rotation" (qk_rotation=True, which brings the scale search with it unless told otherwise),
@@ -117,7 +118,8 @@ def measure(ref, gpu: bool) -> list[dict]:
                 pre = ref.preprocess(q, k, v, qk_precision="auto", is_causal=causal)
                 heads = pre.qk_fp8
                 row = {"case": case, "d": d, "causal": causal, "fp8_heads": int(heads.sum()), "heads": heads.numel(),
-                       "pv8_heads": int(pre.pv_fp8.sum()) if pre.pv_fp8 is not None else 0}
+                       "pv8_heads": int(pre.pv_fp8.sum()) if pre.pv_fp8 is not None else 0,
+                       "raw_heads": int(pre.qk16.sum()) if pre.qk16 is not None else 0}
                 for name, out in outs.items():
                     row[name] = (ac.cos_sim(out, exact), ac.rel_l1(out, exact))
                 row["seeds"] = row_seeds
@@ -165,7 +167,8 @@ def table(rows: list[dict], gpu: bool) -> str:
         cells = [LABELS[r["case"]], str(r["d"]), "yes" if r["causal"] else "no"]
         cells += [f"{r[n][0]:.4f} / {r[n][1]:.3f}" for n in ("paper", "ours")]
         cells += [f"{r['seeds'][0]:.4f} / {r['seeds'][1]:.4f}"]
-        cells += [f"{r['fp8_heads']}/{r['heads']}, {r['pv8_heads']}/{r['heads']}"]
+        raw = f" ({r['raw_heads']} raw)" if r.get("raw_heads") else ""
+        cells += [f"{r['fp8_heads']}/{r['heads']}{raw}, {r['pv8_heads']}/{r['heads']}"]
         cells += [f"{r[n][0]:.4f} / {r[n][1]:.3f}" for n in ("bal", "rot", "search", "all", "fp8", "fp4", "fp4bal")]
         if gpu:
             cells += [f"{r['kernels'][0]:.4f} / {r['kernels'][1]:.3f}", f"{r['kernels_vs_ours']:.6f}",

@@ -166,6 +166,24 @@ bool set_head_sel(A&, int, int, int, int, uint8_t, long) {
   return false;
 }
 
+// Fp4AttnArgs::q_raw (the raw 16-bit rows, D 128) where the tree has it: bf16 Q and K rows as the
+// call's inputs (finite: 0xBB clears the exponent's top bit), the plain softmax scale.
+template <class A>
+auto set_raw(A& a, int hq, int hkv, int S, int D, int) -> decltype(a.q_raw = nullptr, true) {
+  uint8_t *qr, *kr;
+  const int64_t nq = int64_t{hq} * S * D * 2, nk = int64_t{hkv} * S * D * 2;
+  if (!ok(cudaMalloc(&qr, nq), "malloc") || !ok(cudaMalloc(&kr, nk), "malloc")) return false;
+  fill_bytes<<<1024, 256>>>(qr, nq, 8, 0xBB, 0);
+  fill_bytes<<<1024, 256>>>(kr, nk, 9, 0xBB, 0);
+  a.q_raw = qr; a.k_raw = kr; a.raw_f16 = false; a.raw_sm_scale = a.sm_scale;
+  return true;
+}
+template <class A>
+bool set_raw(A&, int, int, int, int, long) {
+  std::fprintf(stderr, "attention_standin: this tree has no raw 16-bit rows\n");
+  return false;
+}
+
 // Fp4AttnArgs::v8 (P.V in MXFP8) where the tree has it: V's E4M3 codes and UE8M0 scales (1.0).
 template <class A>
 auto set_v8(A& a, int hkv, int pad, int D, int) -> decltype(a.v8 = nullptr, true) {
@@ -186,7 +204,7 @@ bool set_v8(A&, int, int, int, long) {
 int main(int argc, char** argv) {
   if (argc == 2 && std::strcmp(argv[1], "mma") == 0) return run_mma_rate();
   if (argc != 7) {
-    std::fprintf(stderr, "usage: attention_standin mma | D S HQ HKV CAUSAL defaults|bounded|one-mean|auto-fp4|fp8|pv8|qk8-pv8\n");
+    std::fprintf(stderr, "usage: attention_standin mma | D S HQ HKV CAUSAL defaults|bounded|one-mean|auto-fp4|fp8|pv8|qk8-pv8|raw16|raw16-pv8\n");
     return 2;
   }
   const int D = std::atoi(argv[1]), S = std::atoi(argv[2]), hq = std::atoi(argv[3]), hkv = std::atoi(argv[4]);
@@ -194,12 +212,15 @@ int main(int argc, char** argv) {
   // auto-fp4: the "auto" path where the rule picked no head (both kernels launched, FP8 skips all);
   // fp8: every head's Q.K^T in FP8. Both with the defaults' workspace.
   // pv8: P.V in MXFP8 with FP4 Q.K^T; qk8-pv8: both in FP8 (every head).
-  const bool pv8 = std::strcmp(argv[6], "pv8") == 0, qk8_pv8 = std::strcmp(argv[6], "qk8-pv8") == 0;
-  const bool auto_fp4 = std::strcmp(argv[6], "auto-fp4") == 0, all_fp8 = std::strcmp(argv[6], "fp8") == 0 || qk8_pv8;
+  // raw16 (D 128): every head's Q.K^T from the raw 16-bit rows (head_sel byte 5); raw16-pv8: with
+  // P.V in MXFP8 too.
+  const bool raw16_pv8 = std::strcmp(argv[6], "raw16-pv8") == 0, raw16 = std::strcmp(argv[6], "raw16") == 0 || raw16_pv8;
+  const bool pv8 = std::strcmp(argv[6], "pv8") == 0, qk8_pv8 = std::strcmp(argv[6], "qk8-pv8") == 0 || raw16_pv8;
+  const bool auto_fp4 = std::strcmp(argv[6], "auto-fp4") == 0, all_fp8 = std::strcmp(argv[6], "fp8") == 0 || qk8_pv8 || raw16;
   const bool work = std::strcmp(argv[6], "defaults") == 0 || auto_fp4 || all_fp8 || pv8;
   const bool blocks = work || std::strcmp(argv[6], "bounded") == 0;
   if (!blocks && std::strcmp(argv[6], "one-mean") != 0) {
-    std::fprintf(stderr, "attention_standin: mode must be defaults, bounded, one-mean, auto-fp4, fp8, pv8 or qk8-pv8, got %s\n", argv[6]);
+    std::fprintf(stderr, "attention_standin: mode must be defaults, bounded, one-mean, auto-fp4, fp8, pv8, qk8-pv8, raw16 or raw16-pv8, got %s\n", argv[6]);
     return 2;
   }
   const int pad = (S + 127) / 128 * 128, mblocks = blocks ? pad / 128 : 1;
@@ -245,7 +266,8 @@ int main(int argc, char** argv) {
     set_ds_work(a, ws, n, 0);
   }
   if (!set_v_exp(a, hkv, pad, D, 0)) return 1;
-  if ((auto_fp4 || all_fp8) && !set_head_sel(a, hq, hkv, pad, D, all_fp8 ? 1 : 0, 0)) return 1;
+  if ((auto_fp4 || all_fp8) && !set_head_sel(a, hq, hkv, pad, D, raw16 ? 5 : all_fp8 ? 1 : 0, 0)) return 1;
+  if (raw16 && (D != 128 || !set_raw(a, hq, hkv, S, D, 0))) return 1;
   if ((pv8 || qk8_pv8) && !set_v8(a, hkv, pad, D, 0)) return 1;
   if (!ok(static_cast<cudaError_t>(fp4_attn_fwd(a, nullptr)), "fp4_attn_fwd") || !ok(cudaDeviceSynchronize(), "run"))
     return 1;

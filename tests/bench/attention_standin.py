@@ -19,7 +19,8 @@ and with one Q mean (no block residuals), next to torch SDPA (bf16; FlashAttenti
 when installed) on the same GPU. TOPS = 4 x heads x S^2 x D (half that when causal) / time. --baseline TREE: also the kernel of
 another source tree (its sageattn3/csrc, e.g. `git worktree add` of an earlier commit) in the same
 run, the "before" of a change (in the precision tables too: its all-FP8 Q·Kᵀ and FP8 P·V runs).
---heads H: the first table alone, with H heads (no GQA rows): few heads, few CTAs.
+--heads H: the first table alone, with H heads (no GQA rows): few heads, few CTAs. The last
+table: D 128's raw 16-bit rows (every head), beside FP4 and MXFP8 Q·Kᵀ (``raw16_table``).
 Needs nvcc (CUDA_HOME or PATH) and a GPU of compute capability 9.0; torch only for SDPA."""
 
 from __future__ import annotations
@@ -109,6 +110,23 @@ def sdpa_ms(d: int, s: int, hq: int, hkv: int, causal: int) -> dict[str, float]:
     except ImportError:
         pass
     return res
+
+
+def raw16_table(exe: Path, quick: bool, results: dict) -> None:
+    """D 128's raw 16-bit rows (the heads the rule's second statistic picks): every head on them,
+    with FP4 and FP8 P·V, beside FP4 and MXFP8 Q·Kᵀ. Their bf16 MMAs are the H200's own instruction
+    and the FP4 ones x4 fp16 stand-ins: Hopper's cost of the extra MMAs, not sm_120's rate."""
+    print("\nraw 16-bit rows at D 128 (x4 stand-in; bf16 MMAs native)")
+    print(f"{'tokens':>6} {'causal':>6} | {'fp4 ms':>8} {'fp8 ms':>8} {'raw16 ms':>8} {'qk8+pv8 ms':>10} "
+          f"{'raw16+pv8 ms':>12} | {'raw16/fp4':>9} {'raw16/fp8':>9} {'raw16+pv8/qk8+pv8':>17}")
+    for s, c in [(s, c) for c in (0, 1) for s in ((8192, 32768) if not quick else (32768,))]:
+        row = {"D": 128, "S": s, "hq": HEADS, "hkv": HEADS, "causal": c, "raw16": True}
+        for m in ("defaults", "fp8", "raw16", "qk8-pv8", "raw16-pv8"):
+            row[m] = run(exe, 128, s, HEADS, HEADS, c, m)["ms"]
+        print(f"{s:>6} {c:>6} | {row['defaults']:8.3f} {row['fp8']:8.3f} {row['raw16']:8.3f} {row['qk8-pv8']:10.3f} "
+              f"{row['raw16-pv8']:12.3f} | {row['raw16'] / row['defaults']:9.3f} {row['raw16'] / row['fp8']:9.3f} "
+              f"{row['raw16-pv8'] / row['qk8-pv8']:17.3f}")
+        results["rows"].append({**row, "D": 128})
 
 
 def main(argv: list[str]) -> int:
@@ -201,6 +219,7 @@ def main(argv: list[str]) -> int:
                       f"{row['qk8-pv8'] / row['fp8']:11.3f}"
                       + (f" | {row['before pv8']:14.3f} {row['before qk8-pv8']:11.3f}" if base else ""))
                 results["rows"].append(row)
+            raw16_table(exe4, quick, results)
     if json_out:
         json_out.write_text(json.dumps(results, indent=1))
     return 0

@@ -1,5 +1,6 @@
-"""What a 16-bit Q·Kᵀ at D 128 would buy, and how the rule could pick its heads (CPU reference;
-no kernel has this path):
+"""What bf16 rows at D 128 would buy against MXFP8 rows, and how the rule could pick their heads (CPU
+reference; the study behind the raw 16-bit rows, which the rule now picks by ``qk16_stat``; here
+turned off for both rungs):
 
     python tests/bench/qk16_d128.py                      # seeds 2025 0 1 2 3, every hard case
     python tests/bench/qk16_d128.py --seeds 2025 --cases qk_massive
@@ -27,30 +28,35 @@ sys.path[:0] = [str(ROOT / "sageattn3"), str(ROOT / "tests")]
 
 import attention_cases as ac  # noqa: E402
 from sageattn3 import reference as ref  # noqa: E402
-from sageattn3.reference import precision, preprocessing  # noqa: E402
+from sageattn3.reference import preprocessing, treatments  # noqa: E402
 
 HARD = ("q_outliers", "k_outliers", "qk_outliers", "peaky", "rope_bias", "k_sink", "mixed_heads", "qk_massive")
-ROTATED_FP8 = precision.ROTATION | precision.QK_FP8
+ROTATED_FP8 = treatments.ROTATION | treatments.QK_FP8
 THRESHOLDS = (0.16, 0.17, 0.18, 0.19, 0.2)
 
 
 def precise_rung(head_dim: int) -> None:
     """The head dim whose precise rung is bf16 rows (the reference's modules hold the constant)."""
-    precision.QK16_HEAD_DIM = preprocessing.QK16_HEAD_DIM = head_dim
+    treatments.QK16_HEAD_DIM = preprocessing.QK16_HEAD_DIM = head_dim
 
 
 def heads(case: str, seed: int, causal: bool, seq: int) -> list[dict]:
     q, k, v = ac.make(case, 1, 4, 2, seq, seq, 128, seed=seed)
     exact = ref.exact_attention(q, k, v, is_causal=causal).double()
     pre = ref.preprocess(q, k, v, per_block_mean=True)
-    est = precision.treatment_errors(q, k, v, pre, sets=[ROTATED_FP8], is_causal=causal)[0, :, ROTATED_FP8]
     outs = {}
-    for rung, head_dim in (("mxfp8", 64), ("bf16", 128)):
-        precise_rung(head_dim)
-        try:
-            outs[rung] = ref.sageattn3(q, k, v, is_causal=causal, qk_precision="fp8")
-        finally:
-            precise_rung(64)
+    limit = ref.QK16_STAT_LIMIT
+    ref.QK16_STAT_LIMIT = float("inf")  # no raw 16-bit rows: the rungs under study alone
+    try:
+        est = treatments.treatment_errors(q, k, v, pre, sets=[ROTATED_FP8], is_causal=causal)[0, :, ROTATED_FP8]
+        for rung, head_dim in (("mxfp8", 64), ("bf16", 128)):
+            precise_rung(head_dim)
+            try:
+                outs[rung] = ref.sageattn3(q, k, v, is_causal=causal, qk_precision="fp8")
+            finally:
+                precise_rung(64)
+    finally:
+        ref.QK16_STAT_LIMIT = limit
     return [dict(case=case, seed=seed, causal=causal, head=h, estimate=float(est[h]),
                  **{rung: ac.cos_sim(o[0, h].double(), exact[0, h]) for rung, o in outs.items()}) for h in range(4)]
 

@@ -43,3 +43,15 @@ def rel_l1(a: torch.Tensor, b: torch.Tensor) -> float:
     """sum |a - b| / sum |b|."""
     a, b = a.double(), b.double()
     return float((a - b).abs().sum() / b.abs().sum().clamp_min(1e-300))
+
+
+def reference_selection(pre) -> dict:
+    """The attention ops' per-head selection from a reference ``Preprocessed`` on the GPU (its
+    qk_fp8, and at D 128 qk16 as bit 2 with the raw rows it multiplies: q16, k16), as keywords of
+    ``_attn.attention_qk8`` / ``_pv8.attention_pv8`` (head_sel, raw)."""
+    sel = pre.qk_fp8.to(torch.uint8)
+    raw = None
+    if pre.qk16 is not None:
+        sel = sel | (pre.qk16.to(torch.uint8) << 2)
+        raw = (pre.q16.contiguous(), pre.k16.contiguous())
+    return {"head_sel": sel.contiguous(), "raw": raw}

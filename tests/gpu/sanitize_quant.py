@@ -110,7 +110,7 @@ def _rule_kernel() -> int:
                 v = torch.randn(b, hk, sk, d, dtype=dtype, device="cuda")
                 pre = sageattn3.preprocess(q, k, v, **kw)
                 causal = sq > 1  # P's estimate with the causal mask but on the one-row shape
-                err, sel_q, sel_k, err_pv, sel_v = _kernels.qk_rule_select(q, k, v, pre, d ** -0.5, ref.AUTO_ERROR_LIMIT,
+                err, sel_q, sel_k, err_pv, sel_v, _ = _kernels.qk_rule_select(q, k, v, pre, d ** -0.5, ref.AUTO_ERROR_LIMIT,
                                                                           False, ref.PV_ERROR_LIMIT, causal)
                 cpu = _on_cpu(pre)
                 want = ref.qk_fp4_error(q.cpu(), k.cpu(), v.cpu(), cpu)
@@ -120,7 +120,7 @@ def _rule_kernel() -> int:
                 want_pv = ref.pv_p_error(q.cpu(), k.cpu(), v.cpu(), cpu, is_causal=causal)
                 rel_pv = ((err_pv.cpu() - want_pv).abs() / want_pv.abs().clamp_min(1e-12)).max().item()
                 ok = ok and rel_pv < 2e-3
-                ok = ok and torch.equal((sel_q.cpu() >> 1).bool(), err_pv.cpu() > ref.PV_ERROR_LIMIT)
+                ok = ok and torch.equal(((sel_q.cpu() >> 1) & 1).bool(), err_pv.cpu() > ref.PV_ERROR_LIMIT)
                 bad += not ok
                 print(f"qk_rule_select {str(dtype):15s} {(b, hq, hk, sq, sk, d)} {sorted(kw)} causal={causal}: "
                       f"{'ok' if ok else 'MISMATCH'} (rel {rel:.1e}, P's {rel_pv:.1e})")

@@ -41,10 +41,12 @@ def test_binary_has_pointer_entry(patched):
     """The record and the binary agree: the kernel entries take `const AttnParams*`."""
     so = next(Path(patched.__file__).parent.glob("_C*.so"))
     blob = so.read_bytes()
-    # every instantiation (<D, kInLoopResidual, kQK8, kPV8, kQK16>) takes the pointer, none the struct
-    by_pointer = set(re.findall(rb"fp4_attn_fwd_kernelI(Li\d+E(?:Lb[01]E)+)EEvPKNS0_10AttnParamsE", blob))
-    by_value = set(re.findall(rb"fp4_attn_fwd_kernelI(Li\d+E(?:Lb[01]E)+)EEvNS0_10AttnParamsE", blob))
-    assert {b"Li128ELb0ELb0ELb0ELb0E", b"Li64ELb1ELb0ELb0ELb0E"} <= by_pointer and not by_value, (by_pointer, by_value)
+    # every instantiation (<D, kInLoopResidual, kQK8, kPV8, kQK16>, kQK16 an int) takes the pointer,
+    # none the struct
+    by_pointer = set(re.findall(rb"fp4_attn_fwd_kernelI(Li\d+E(?:Lb[01]E)+Li\dE)EEvPKNS0_10AttnParamsE", blob))
+    by_value = set(re.findall(rb"fp4_attn_fwd_kernelI(Li\d+E(?:Lb[01]E)+Li\dE)EEvNS0_10AttnParamsE", blob))
+    want = {b"Li128ELb0ELb0ELb0ELi0E", b"Li64ELb1ELb0ELb0ELi0E", b"Li128ELb0ELb1ELb0ELi1E", b"Li128ELb0ELb1ELb1ELi2E"}
+    assert want <= by_pointer and not by_value, (by_pointer, by_value)
 
 
 @pytest.fixture(scope="module")

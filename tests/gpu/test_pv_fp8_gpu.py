@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import attention_cases as ac
+from attn_common import reference_selection
 from gpu_common import kernels_or_skip, same_bytes
 from test_dispatch_fp4 import fp4  # noqa: F401  (the fixture)
 
@@ -171,8 +172,8 @@ def _kernel_and_reference(pv8, q, k, v, causal, qk, **out):
     pre = ref.preprocess(q, k, v, **kw)
     want = ref.sageattn3(q, k, v, is_causal=causal, **kw)
     g = _pre_to(pre, "cuda")
-    sel = {} if qk == "fp4" else {"head_sel": g.qk_fp8, "q8": g.q8, "q8_scales": g.q8_scales, "k8": g.k8,
-                                  "k8_scales": g.k8_scales}
+    sel = {} if qk == "fp4" else {"q8": g.q8, "q8_scales": g.q8_scales, "k8": g.k8, "k8_scales": g.k8_scales,
+                                  **reference_selection(g)}
     return pv8.attention_pv8(g, g.v8, g.v8_scales, is_causal=causal, **sel, **out), want, g, sel
 
 

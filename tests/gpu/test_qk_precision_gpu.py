@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import attention_cases as ac
+from attn_common import reference_selection
 from test_dispatch_fp4 import fp4  # noqa: F401  (the fixture)
 
 FIGURES: list[str] = []
@@ -127,7 +128,8 @@ def test_fp8_with_the_rotation_matches_the_reference(fp4, case, causal, d):  # n
     pre = ref.preprocess(q, k, v, qk_precision="fp8", qk_rotation=True, qk_balance=True)
     want = ref.sageattn3(q, k, v, is_causal=causal, qk_precision="fp8", qk_rotation=True, qk_balance=True)
     g = _pre_to(pre, "cuda")
-    got = _attn.attention_qk8(g, g.qk_fp8, g.q8, g.q8_scales, g.k8, g.k8_scales, is_causal=causal).float().cpu()
+    got = _attn.attention_qk8(g, q8=g.q8, q8_scales=g.q8_scales, k8=g.k8, k8_scales=g.k8_scales, is_causal=causal,
+                              **reference_selection(g)).float().cpu()
     c = ac.cos_sim(got, want)
     out, choice = fp4.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal, qk_precision="fp8",
                                           qk_rotation=True, qk_balance=True, return_qk_choice=True)
@@ -160,7 +162,8 @@ def test_auto_with_the_rotation_matches_the_reference(fp4, balance, causal, d): 
     assert pre.qk_fp8.any() and not pre.qk_fp8.all(), pre.qk_error
     want = ref.sageattn3(q, k, v, is_causal=causal, **kw)
     g = _pre_to(pre, "cuda")
-    got = _attn.attention_qk8(g, g.qk_fp8, g.q8, g.q8_scales, g.k8, g.k8_scales, is_causal=causal).float().cpu()
+    got = _attn.attention_qk8(g, q8=g.q8, q8_scales=g.q8_scales, k8=g.k8, k8_scales=g.k8_scales, is_causal=causal,
+                              **reference_selection(g)).float().cpu()
     c = ac.cos_sim(got, want)
     out, choice = fp4.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal, return_qk_choice=True, **kw)
     assert torch.equal(choice.fp8.cpu(), pre.qk_fp8), (choice.describe(), pre.qk_error)
@@ -214,11 +217,89 @@ def test_fp8_kernel_matches_the_reference(fp4, case, causal, d):  # noqa: F811
     pre = ref.preprocess(q, k, v, qk_precision=precision)
     want = ref.sageattn3(q, k, v, is_causal=causal, qk_precision=precision)
     g = _pre_to(pre, "cuda")
-    got = _attn.attention_qk8(g, g.qk_fp8, g.q8, g.q8_scales, g.k8, g.k8_scales, is_causal=causal).float().cpu()
+    got = _attn.attention_qk8(g, q8=g.q8, q8_scales=g.q8_scales, k8=g.k8, k8_scales=g.k8_scales, is_causal=causal,
+                              **reference_selection(g)).float().cpu()
     c = ac.cos_sim(got, want)
     fig = f"{case} D={d} causal={causal} heads fp8={pre.qk_fp8.flatten().tolist()}: kernel vs reference cos={c:.7f}"
     FIGURES.append(fig)
     assert c >= 0.99999, fig
+
+
+def _massive_and_rope(dtype, sq: int, sk: int):
+    """8 q heads over 2 kv heads, D 128: the first kv head's 4 from qk_massive (massive outliers shared
+    by Q and K: the raw 16-bit rows), the second's from rope_bias (MXFP8 Q·Kᵀ)."""
+    a = ac.make("qk_massive", 1, 4, 1, sq, sk, 128, seed=2025, dtype=dtype)
+    b = ac.make("rope_bias", 1, 4, 1, sq, sk, 128, seed=3, dtype=dtype)
+    return tuple(torch.cat([x, y], dim=1) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("shape", [(1000, 1000), (700, 1300)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_raw_16bit_rows_match_the_reference(fp4, causal, dtype, shape):  # noqa: F811
+    """D 128: the heads whose second statistic picks the raw 16-bit rows (bit 2: Q·Kᵀ from q and k
+    as they are, fp16 or bf16, no delta_s) beside MXFP8 heads in one call; lengths that are not
+    multiples of 128 (the raw rows of a head's last tile run into the next head's, masked) and
+    cross-attention (Sq != Sk, not causal). The attention kernel on the reference's preprocessing
+    and selection (>= 0.99999, P·V in FP4); the defaults end to end, through the one op and through
+    the separate ops (the debug return): the same output bit for bit, the reference's choice, the
+    reference's output (>= 0.9999) and every head >= 0.98 against exact attention."""
+    from sageattn3 import _attn, reference as ref
+
+    sq, sk = shape
+    if causal and sq != sk:
+        pytest.skip("causal: square")
+    q, k, v = _massive_and_rope(dtype, sq, sk)
+    pre = ref.preprocess(q, k, v, qk_precision="auto", pv_precision="fp4")
+    assert bool(pre.qk16[0, :4].all()) and not bool(pre.qk16[0, 4:].any()), (pre.qk16_stat, pre.qk_fp8)
+    want = ref.sageattn3(q, k, v, is_causal=causal, pv_precision="fp4")
+    g = _pre_to(pre, "cuda")
+    got = _attn.attention_qk8(g, q8=g.q8, q8_scales=g.q8_scales, k8=g.k8, k8_scales=g.k8_scales, is_causal=causal,
+                              out_dtype=dtype, **reference_selection(g)).float().cpu()
+    c = ac.cos_sim(got, want)
+    qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
+    out = fp4.sageattn3_blackwell(qc, kc, vc, is_causal=causal)
+    out_ops, choice = fp4.sageattn3_blackwell(qc, kc, vc, is_causal=causal, return_qk_choice=True)
+    want_pre = ref.preprocess(q, k, v, qk_precision="auto", is_causal=causal)
+    assert torch.equal(choice.qk16.cpu(), want_pre.qk16) and torch.equal(choice.fp8.cpu(), want_pre.qk_fp8), \
+        choice.describe()
+    exact = ref.exact_attention(q, k, v, is_causal=causal)
+    heads = [ac.cos_sim(out[0, h].float().cpu(), exact[0, h]) for h in range(8)]
+    c_end = ac.cos_sim(out.float().cpu(), ref.sageattn3(q, k, v, is_causal=causal))
+    fig = (f"raw 16-bit rows {str(dtype)[6:]} {sq}x{sk} causal={causal}: kernel vs reference cos={c:.7f}, whole "
+           f"call {c_end:.6f}, heads vs exact {min(heads):.4f}-{max(heads):.4f}; {choice.describe()}")
+    FIGURES.append(fig)
+    assert c >= 0.99999 and c_end >= 0.9999 and min(heads) >= 0.98, fig
+    assert torch.equal(out, out_ops), "the one op and the separate ops differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_raw_16bit_rows_with_fp8_pv_match_the_reference(fp4, dtype):  # noqa: F811
+    """The raw 16-bit rows with P·V in MXFP8 (the kernels of bytes 5 under pv_precision="fp8" and 7
+    per head: one stage, the V tile 16 KB): massive and RoPE'd heads in one call, the kernel on the
+    reference's preprocessing and selection against the reference (>= 0.99999), every head and
+    by head (bit 1 on the first two heads of each kind)."""
+    from sageattn3 import _pv8, reference as ref
+
+    q, k, v = _massive_and_rope(dtype, 1000, 1000)
+    pre = ref.preprocess(q, k, v, qk_precision="auto", pv_precision="fp8")
+    assert bool(pre.qk16[0, :4].all()) and not bool(pre.qk16[0, 4:].any()), pre.qk16_stat
+    g = _pre_to(pre, "cuda")
+    qk8 = {"q8": g.q8, "q8_scales": g.q8_scales, "k8": g.k8, "k8_scales": g.k8_scales, **reference_selection(g)}
+    want = ref.sageattn3(q, k, v, qk_precision="auto", pv_precision="fp8")
+    got = _pv8.attention_pv8(g, g.v8, g.v8_scales, out_dtype=dtype, **qk8).float().cpu()
+    c = ac.cos_sim(got, want)
+    pv = torch.tensor([[True, True, False, False, True, True, False, False]])
+    pre.pv_fp8 = pv  # the reference's per-head P·V: the FP8 loop where pv_fp8 says
+    sel = dict(qk8, head_sel=qk8["head_sel"] | (pv.cuda().to(torch.uint8) << 1))
+    got_mixed = _pv8.attention_pv8(g, g.v8, g.v8_scales, out_dtype=dtype, by_head=True, **sel).float().cpu()
+    from sageattn3.reference.attention import _attend
+
+    want_mixed = _attend(pre, None, False, 128, False)
+    c_mixed = ac.cos_sim(got_mixed, want_mixed)
+    fig = f"raw 16-bit rows + FP8 P·V {str(dtype)[6:]}: every head cos={c:.7f}, by head cos={c_mixed:.7f}"
+    FIGURES.append(fig)
+    assert c >= 0.99999 and c_mixed >= 0.99999, fig
 
 
 TARGET = {"rope_bias": 0.98, "q_outliers": 0.98, "k_outliers": 0.98, "k_sink": 0.98, "peaky": 0.97,

@@ -49,6 +49,12 @@ def _compare(sa, case, b, hq, hk, sq, sk, d, *, dtype=torch.bfloat16, seed=2025,
     FIGURES.append(fig)
     assert rel < 1e-3, fig
     assert torch.equal(got > ref.AUTO_ERROR_LIMIT, want > ref.AUTO_ERROR_LIMIT), fig
+    if d == 128:  # the second statistic (the raw 16-bit rows' choice) against the reference's
+        stat = _kernels.qk_rule_select(qc, kc, vc, pre, scale, ref.AUTO_ERROR_LIMIT, False)[5].cpu()
+        stat_want = ref.qk16_stat(q, k, _cpu(pre), sm_scale)
+        srel = ((stat - stat_want).abs() / stat_want.abs().clamp_min(1e-12)).max().item()
+        FIGURES.append(f"{fig}; qk16_stat {stat_want.min():.2f}-{stat_want.max():.2f}, max rel diff {srel:.2e}")
+        assert srel < 1e-4, (fig, stat, stat_want)
     return got, want
 
 
@@ -65,14 +71,18 @@ def _check_select(q, k, v, pre, scale, error):
         for select_all in (False, True):
             for _ in range(2):
                 out = _kernels.qk_rule_select(q, k, v, pre, scale, limit, select_all)
-                err, sel_q, sel_k, err_pv, sel_v = out
+                err, sel_q, sel_k, err_pv, sel_v, stat = out
                 fake = _kernels._qk_rule_select_fake(q, k, v, *[None] * 11, select_all, -1.0)
                 assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in out]
                 assert bool(err_pv.isnan().all()) and not bool(sel_v.any()), "no P estimate was asked"
                 assert sel_q.dtype == torch.uint8 and sel_k.dtype == torch.uint8
                 assert torch.equal(err, error), "qk_rule_select's estimate differs between launches"
                 want = torch.ones_like(error, dtype=torch.bool) if select_all else error > limit
-                assert torch.equal(sel_q, want.to(torch.uint8)), (limit, select_all, sel_q, error)
+                assert torch.equal(sel_q & 3, want.to(torch.uint8)), (limit, select_all, sel_q, error)
+                # bit 2 (D 128): the raw 16-bit rows where a selected head's second statistic exceeds its limit
+                raw = want & (stat > ref.QK16_STAT_LIMIT) if q.shape[3] == 128 else torch.zeros_like(want)
+                assert torch.equal(sel_q >> 2, raw.to(torch.uint8)), (limit, select_all, sel_q, stat)
+                assert q.shape[3] == 128 or bool(stat.isnan().all()), "no second statistic at D 64"
                 assert torch.equal(sel_k, want.view(b, hk, hq // hk).any(-1).to(torch.uint8)), (limit, sel_k)
 
 
@@ -163,7 +173,7 @@ def test_a_heads_estimates_do_not_depend_on_the_others(fp4, d, causal, seq):  # 
         pre = fp4.preprocess(q, k, v)
         return _kernels.qk_rule_select(q, k, v, pre, scale, 0.2, False, 0.105, causal)
 
-    err, sel_q, _, err_pv, _ = rule(q, k, v)
+    err, sel_q, _, err_pv, _, _ = rule(q, k, v)
     assert not bool(err.isnan().any() or err_pv.isnan().any())
     for b, h in ((0, 0), (1, 5), (1, 7)):
         kv = h // 4

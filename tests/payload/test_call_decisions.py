@@ -59,19 +59,19 @@ def _separate(calls) -> dict:
     return dict(pre=tuple(d["preprocess_qkv"][3:]), qk=0 if rule is None else (2 if rule[14] else 1),
                 pv={"blockscaled_fp4_attn": 0, "blockscaled_attn_qk8": 0, "blockscaled_attn_pv8": 2,
                     "blockscaled_attn_mixed": 1}[attn], scale=a[-2], causal=a[-1], ws=a[11].numel(),
-                rule=None if rule is None else (rule[10], rule[11], rule[12], rule[13], rule[15], rule[16]),
+                rule=None if rule is None else (rule[10], rule[11], rule[12], rule[13], rule[15], rule[16], rule[17]),
                 mxrot=None if mx is None else mx[8], vsel=None if vq is None else vq[1].numel() > 0)
 
 
 def _one(calls) -> dict:
     """The same, from the one op's arguments (the delta_s workspace as the op carves it)."""
     assert [n for n, _ in calls] == ["attention_call"], calls
-    q, k, v, causal, pbm, rot, bal, search, qk, pv, sm, rs, floor, lim, pvl, wsl = calls[0][1]
+    q, k, v, causal, pbm, rot, bal, search, qk, pv, sm, rs, floor, lim, pvl, q16, wsl = calls[0][1]
     b, hq, sq, _ = q.shape
     row = -(-sq // 128) * (-(-k.shape[2] // 128) * 128)
     rows = min(b * hq, wsl // (4 * row)) if pbm and sq > 128 else 0
     return dict(pre=(128, pbm, rot, bal, search), qk=qk, pv=pv, scale=sm, causal=causal, ws=rows * row,
-                rule=None if qk == 0 else (rs, rot, floor, lim, pvl if pv == 1 else -1.0, causal),
+                rule=None if qk == 0 else (rs, rot, floor, lim, pvl if pv == 1 else -1.0, causal, q16),
                 mxrot=None if qk == 0 else (1 if rot else 2), vsel=None if pv == 0 else pv == 1)
 
 

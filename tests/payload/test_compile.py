@@ -240,7 +240,7 @@ def test_fakes_cover_the_op_table_and_run_under_fake_tensors(tmp_path):
                         ((2 if bal else 0, 3, 1, 64), f32), ((2 if pbm else 0, 3, 256, 64), torch.float16), ((2, 3, 2, 2), u8)]
                 assert got == want, got
                 out = torch.ops.sageattn3.attention_call(q, kv, kv, False, pbm, False, bal, False, 1, 1, 0.125, 0.125,
-                                                         False, 0.2, 0.1, 0)
+                                                         False, 0.2, 0.1, -1.0, 0)
                 assert (tuple(out.shape), out.dtype) == ((2, 6, 300, 64), torch.bfloat16), out
             for name, s in schemas.items():
                 if name in _kernels.ALLOCATING_OPS:

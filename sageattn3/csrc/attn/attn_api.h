@@ -84,6 +84,15 @@ struct Fp4AttnArgs {
   // Both precisions per head (blockscaled_attn_mixed): head_sel bit 0 FP8 Q.K^T, bit 1 FP8 P.V from
   // v8 (v for the heads without it); one launch per byte value 0-3.
   bool v8_by_head;
+  // The raw 16-bit Q.K^T (D 128; null q_raw: no head takes it): the heads whose head_sel byte also
+  // has bit 2 (with bit 0; the rule's qk16_stat) multiply the call's inputs as they are, q_raw
+  // (B, Hq, seq_q, D) and k_raw (B, Hkv, seq_k, D), contiguous, fp16 (raw_f16) or bf16, with no
+  // delta_s (reference: Preprocessed.qk16); raw_sm_scale: their softmax scale (unrotated units).
+  // Values 5 and 7 (FP4 and FP8 P.V) launch after 0-3.
+  const void* q_raw;
+  const void* k_raw;
+  bool raw_f16;
+  float raw_sm_scale;
 };
 
 // Launches the attention forward on `stream` (device = current device). Returns a cudaError_t;

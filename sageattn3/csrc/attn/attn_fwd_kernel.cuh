@@ -45,17 +45,33 @@ namespace sageattn3::attn {
 // two stages instead of three to stay within sm_120's 99 KiB of shared memory per CTA.
 // kPV8: the FP8 P.V instantiation (pv_precision "fp8": P and V in MXFP8, V's tile one E4M3 byte per
 // element, D rows of 128 keys, TMA-swizzled by 128 bytes; one UE8M0 scale per channel and 32 keys).
-// kQK16 (with kQK8, D 64 only): the 16-bit Q.K^T instantiation (bf16 Q and K rows, 128 bytes each as
-// the FP8 rows at D 128, and no scales; mma_bf16). At D 128 its tiles would not fit three stages.
-template <int D, bool kQK8 = false, bool kPV8 = false, bool kQK16 = false>
+// kQK16 (with kQK8): the 16-bit Q.K^T instantiation (16-bit Q and K rows and no scales; 1: bf16,
+// mma_bf16; 2: fp16, mma_f16). At D 64 (bf16 only) the rows are the smoothed, rotated values the
+// MXFP8 launch writes (reference.qk16_rows), 128 bytes as the FP8 rows at D 128. At D 128 (kRaw) they
+// are the call's fp16/bf16 inputs as they are (reference, Preprocessed.qk16): S = q.k^T, no delta_s
+// (the means are in the rows; K's adds a constant a row). Their 256-byte rows go in
+// kParts = 4 column parts of 64 bytes (32 channels, TMA-swizzled by 64 bytes as the FP4 rows at
+// D 128): a stage holds K's four parts one after the other (a bf16 K tile is 32 KB), and the Q tile's
+// four parts stay in shared memory for the whole tile (kQResident: each key tile reads their
+// fragments again). So one stage: Q (32 KB) and two stages would not fit sm_120's 99 KB. Held in
+// registers instead (32 a thread), the Q fragments made ptxas spill in the key loop (40-84 bytes,
+// 7-17 local accesses an iteration at sm_120a), and with one part resident (8 more) still 13.
+template <int D, bool kQK8 = false, bool kPV8 = false, int kQK16 = 0>
 struct SmemLayout {
-  static_assert(!kQK16 || (kQK8 && D == 64), "16-bit Q.K^T: the FP8 path's layout at D 64 only");
-  static constexpr int kStages = (kQK8 && D == 128) ? 2 : ::sageattn3::attn::kStages;
-  static constexpr int kRowBytes = kQK16 ? 2 * D : kQK8 ? D : D / 2;     // bytes per row of Q / K
+  static_assert(!kQK16 || kQK8, "16-bit Q.K^T: the FP8 path's layout");
+  // one stage for the raw 16-bit rows at D 128 (the Q tile resident: see above)
+  static constexpr int kStages = (kQK16 && D == 128) ? 1 : (kQK8 && D == 128) ? 2 : ::sageattn3::attn::kStages;
+  static constexpr bool kRaw = kQK16 != 0 && D == 128;                    // the raw input rows
+  static constexpr int kParts = kRaw ? 4 : 1;                             // column parts of a Q / K row
+  static constexpr int kRowBytes = (kQK16 ? 2 * D : kQK8 ? D : D / 2) / kParts;  // bytes per row of a part
   static constexpr int kSfRowBytes = kQK16 ? 0 : kQK8 ? D / 32 : D / 16;  // scale bytes per row of Q / K
-  static constexpr int kQBytes = kBlockM * kRowBytes;
+  static constexpr int kQBytes = kBlockM * kRowBytes;                     // one part of Q
+  static constexpr int kQBufs = kRaw ? kParts : 1;                        // Q's part buffers
+  static constexpr int kQSteps = kParts / kQBufs;                         // Q's loads a tile
+  static constexpr int kQResident = kRaw ? kQBufs : 0;                    // parts read from shared memory
   static constexpr int kQSfBytes = kBlockM * kSfRowBytes;
-  static constexpr int kKBytes = kBlockN * kRowBytes;
+  static constexpr int kKPartBytes = kBlockN * kRowBytes;
+  static constexpr int kKBytes = kParts * kKPartBytes;
   static constexpr int kKSfBytes = kBlockN * kSfRowBytes;
   static constexpr int kVRowBytes = kPV8 ? kBlockN : kBlockN / 2;  // bytes per channel row of the V tile
   static constexpr int kVBytes = D * kVRowBytes;
@@ -65,7 +81,7 @@ struct SmemLayout {
   static constexpr int kVSfBytes = D * kBlockN / 16;  // the stage's V scales (copied in, not TMA-loaded)
   // Offsets from a 1024-aligned base; every swizzled tile starts on a 1024 boundary.
   static constexpr int kQ = 0;
-  static constexpr int kQSf = kQ + kQBytes;
+  static constexpr int kQSf = kQ + kQBufs * kQBytes;
   static constexpr int kStage0 = ((kQSf + kQSfBytes + 1023) / 1024) * 1024;
   static constexpr int kStageK = 0;
   static constexpr int kStageV = kKBytes;
@@ -95,7 +111,7 @@ struct SmemLayout {
   // (the producer warpgroup's; the bounded mode's consumers), not by TMA (V's scale rows are Sk_pad/16 bytes apart: not the multiple of 16 a
   // tensor map's stride must be when Sk_pad/128 is odd).
   static constexpr uint32_t kStageTx = kKBytes + kVBytes + kKSfBytes;
-  static constexpr uint32_t kQTx = kQBytes + kQSfBytes;
+  static constexpr uint32_t kQTx = kQBufs * kQBytes + kQSfBytes;  // a step of Q (and its scales)
   static_assert(D / 32 * 4 <= 16 && kStageVExp % 16 == 0, "V's group factors: two 16-byte slots");
 };
 
@@ -334,13 +350,16 @@ __device__ __forceinline__ uint32_t lds_sf_row(uint32_t saddr) {
 // with scale bytes 2H and 2H+1 of q_sf / k_sf). Lane L reads key row `row` (= key_of(j, L & 7)),
 // bytes 64H + 16(L >> 3): matrices 0/1 are chunk 2H's b0/b1, matrices 2/3 chunk 2H+1's. kQK16: the
 // same bytes are bf16 rows (32 bytes = one k16 chunk), multiplied by mma_bf16 without scales.
-template <int H, int kRow, bool kQK16 = false>
+template <int H, int kRow, int kQK16 = 0>
 __device__ __forceinline__ void qk8_half(float (&s)[4], const uint32_t (&a0)[4], const uint32_t (&a1)[4],
                                          uint32_t k_tile, int row, int lane, uint32_t q_sf, uint32_t k_sf) {
   uint32_t kf[4];
   ldmatrix_x4(kf, k_tile + swizzled<kRow>(row * kRow + 64 * H + 16 * (lane >> 3)));
   const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
-  if constexpr (kQK16) {
+  if constexpr (kQK16 == 2) {
+    mma_f16(s, a0, b0);
+    mma_f16(s, a1, b1);
+  } else if constexpr (kQK16) {
     mma_bf16(s, a0, b0);
     mma_bf16(s, a1, b1);
   } else {
@@ -515,7 +534,7 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 // each key pair twice: delta_pair_offset), V's scales and V's tile exponent factors, then each
 // arrives on `full` (count 1 + 128: the first thread's expect_tx arrival and every thread's own,
 // which releases its stores to the consumers' wait). No CTA barrier per stage.
-template <int D, bool kQK8, bool kPV8, bool kQK16>
+template <int D, bool kQK8, bool kPV8, int kQK16>
 __device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t* smem) {
   using L = SmemLayout<D, kQK8, kPV8, kQK16>;
   constexpr int kStages = L::kStages;
@@ -552,11 +571,18 @@ __device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t*
     const TileCoord c = decode_tile(p, tile);
     const int bh_q = c.b * p.heads_q + c.hq, kv_bh = c.b * p.heads_kv + c.hk;
     if (leader) {
-      const int q_row0 = bh_q * p.seq_q_pad + c.mb * kBlockM;
-      mbar_wait(q_empty, (q_round & 1u) ^ 1u);
-      mbar_arrive_expect_tx(q_full, L::kQTx);
-      tma_load_2d(smem + L::kQ, &p.tm_q, q_full, 0, q_row0);
-      if constexpr (!kQK16) tma_load_2d(smem + L::kQSf, &p.tm_q_sf, q_full, 0, q_row0 / kBlockM * L::kSfRowBytes);
+      // kRaw: the inputs' rows (seq_q a head, unpadded; rows past it are masked or never written)
+      const int q_row0 = bh_q * (L::kRaw ? p.seq_q : p.seq_q_pad) + c.mb * kBlockM;
+      // a step at a time (kQSteps > 1: each waits for the consumers to take the one before)
+#pragma unroll
+      for (int step = 0; step < L::kQSteps; ++step) {
+        mbar_wait(q_empty, ((q_round * L::kQSteps + step) & 1u) ^ 1u);
+        mbar_arrive_expect_tx(q_full, L::kQTx);
+#pragma unroll
+        for (int b = 0; b < L::kQBufs; ++b)
+          tma_load_2d(smem + L::kQ + b * L::kQBytes, &p.tm_q, q_full, (step * L::kQBufs + b) * L::kRowBytes, q_row0);
+        if constexpr (!kQK16) tma_load_2d(smem + L::kQSf, &p.tm_q_sf, q_full, 0, q_row0 / kBlockM * L::kSfRowBytes);
+      }
     }
     const float* ds_row = p.ds_key + static_cast<int64_t>(bh_q - p.bh0) * p.ds_bh_stride + c.mb * p.ds_m_stride;
     const uint8_t* v_sf = p.v_sf + static_cast<int64_t>(kv_bh) * D * (p.seq_k_pad / (kPV8 ? 32 : 16));
@@ -584,11 +610,14 @@ __device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t*
       mbar_wait(&empty[st], ((n / kStages) & 1u) ^ 1u);
       if (leader) {
         mbar_arrive_expect_tx(&full[st], L::kStageTx);
-        const int k_row0 = kv_bh * p.seq_k_pad + k0;
-        tma_load_2d(stage + L::kStageK, &p.tm_k, &full[st], 0, k_row0);
+        const int k_row0 = kv_bh * (L::kRaw ? p.seq_k : p.seq_k_pad) + k0;
+#pragma unroll
+        for (int part = 0; part < L::kParts; ++part)
+          tma_load_2d(stage + L::kStageK + part * L::kKPartBytes, &p.tm_k, &full[st], part * L::kRowBytes, k_row0);
         if constexpr (!kQK16) tma_load_2d(stage + L::kStageKSf, &p.tm_k_sf, &full[st], 0, k_row0 / kBlockN * L::kSfRowBytes);
         tma_load_2d(stage + L::kStageV, &p.tm_v, &full[st], kb * L::kVRowBytes, kv_bh * D);
       }
+      // (the raw 16-bit rows' consumers read no delta_s: written all the same, one code for all)
       if (tid < kBlockN / 2) {  // keys 2 tid, 2 tid + 1: {d0, d1, d0, d1}
         float d0, d1;
         if constexpr (kReadsFirst) d0 = ds_first[0], d1 = ds_first[1];
@@ -624,12 +653,14 @@ __device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t*
   }
 }
 
-template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false, bool kQK16 = false>
+template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false, int kQK16 = 0>
 __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int warp) {
   using L = SmemLayout<D, kQK8, kPV8, kQK16>;
   constexpr int kStages = L::kStages;
-  constexpr int kRow = L::kRowBytes;
-  constexpr int kChunks = kRow / 32;    // MMA k-chunks of the head dim (32 bytes each: k64 FP4, k32 FP8)
+  constexpr int kRow = L::kRowBytes;   // a part's row (the whole row but for the 16-bit Q.K^T at D 128)
+  constexpr int kParts = L::kParts;
+  constexpr int kPartChunks = kRow / 32;  // MMA k-chunks of a part (32 bytes each: k64 FP4, k32 FP8, k16 bf16)
+  constexpr int kChunks = kParts * kPartChunks;  // of the head dim
   constexpr int kNT = kBlockN / 8;      // n-tiles of S
   constexpr int kDT = D / 8;            // n-tiles of O
   constexpr int kVGroups = D / 32;      // 32-channel groups of V's tile exponents (4 n-tiles each)
@@ -710,15 +741,24 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
     const float* ds_key_row = p.ds_key + static_cast<int64_t>(bh_q - p.bh0) * p.ds_bh_stride + c.mb * p.ds_m_stride;
     const float* ds_key_ptr = ds_key_row + ds_k;
 
-    // ---- Q fragments and scales into registers, then hand the Q buffer back ----
-    mbar_wait(q_full, q_round & 1u);
-    uint32_t qa[kChunks][4];
+    // ---- Q fragments and scales into registers, then hand the Q buffer back (each step's; the
+    // resident parts' at the tile's end) ----
+    // matrices: rows 0-7 / 8-15 of the warp's 16, bytes [32ch, +16) then [32ch+16, +16)
+    const uint32_t q_lane = (row_in_tile + (lane & 7) + 8 * ((lane >> 3) & 1)) * kRow + 16 * (lane >> 4);
+    constexpr int kHeld = kParts - L::kQResident;  // parts whose fragments stay in registers
+    uint32_t qa[kChunks][4];  // the held parts' (the resident parts' entries unused)
 #pragma unroll
-    for (int ch = 0; ch < kChunks; ++ch) {
-      // matrices: rows 0-7 / 8-15 of the warp's 16, bytes [32ch, +16) then [32ch+16, +16)
-      const int r = row_in_tile + (lane & 7) + 8 * ((lane >> 3) & 1);
-      const int byte = 32 * ch + 16 * (lane >> 4);
-      ldmatrix_x4(qa[ch], s_base + L::kQ + swizzled<kRow>(r * kRow + byte));
+    for (int step = 0; step < L::kQSteps; ++step) {
+      if (step > 0) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(q_empty);
+      }
+      mbar_wait(q_full, (q_round * L::kQSteps + step) & 1u);
+#pragma unroll
+      for (int ch = 0; ch < kPartChunks; ++ch) {
+        if (step < kHeld)  // one buffer a step here (kQBufs 1, or no part held)
+          ldmatrix_x4(qa[step * kPartChunks + ch], s_base + L::kQ + swizzled<kRow>(q_lane + 32 * ch));
+      }
     }
     // FP4: lane 4g+t: row g + 8(t&1), k-chunk t>>1 (SF_A with thread-id-a = chunk). FP8: lane 4g+t:
     // all of row g + 8(t&1)'s scale bytes (SF_A with thread-id-a 0, byte-id = chunk).
@@ -730,8 +770,10 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
     } else {
       q_sf = lds_u32(s_base + L::kQSf + (row_in_tile + g + 8 * (t & 1)) * (D / 16) + 4 * (kChunks == 2 ? (t >> 1) : 0));
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(q_empty);
+    if constexpr (L::kQResident == 0) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(q_empty);
+    }
 
     float o[kDT][4];
 #pragma unroll
@@ -806,6 +848,10 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
       float s[kNT][4];
 #pragma unroll
       for (int j = 0; j < kNT; ++j) {
+        if constexpr (L::kRaw) {  // no delta_s: S = q.k^T of the raw rows
+          s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+          continue;
+        }
         // rows g and g + 8 of keys 2i, 2i+1 in one load straight into the accumulator's registers
         // (a pair loaded once took four register moves: docs/performance.md, section 3)
         // pair key_of(j, 0) / 2 + 4t: the carry into bit 3 of the pair index comes from t alone
@@ -817,14 +863,27 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
         // FP8: per n-tile j, one ldmatrix.x4 per 64 bytes of the key rows (lane L: row key_of(j, L&7),
         // bytes 64h + 16(L>>3)): chunk 2h in kf[0..1], chunk 2h+1 in kf[2..3]; the K scale word of
         // key column g (all its chunks) in every lane of quad g.
+        // the resident parts' fragments (kQResident), read once a key tile
+        uint32_t qr[L::kQResident > 0 ? L::kQResident * kPartChunks : 1][4];
+#pragma unroll
+        for (int x = 0; x < L::kQResident * kPartChunks; ++x)
+          ldmatrix_x4(qr[x], s_base + L::kQ + (x / kPartChunks) * L::kQBytes + swizzled<kRow>(q_lane + 32 * (x % kPartChunks)));
 #pragma unroll
         for (int j = 0; j < kNT; ++j) {
           const int row = key_of(j, 0) + key_of(0, lane & 7);
           uint32_t k_sf = 0;
           if constexpr (!kQK16)
             k_sf = lds_sf_row<L::kSfRowBytes>(stage + L::kStageKSf + (key_of(j, 0) + key_of(0, g)) * L::kSfRowBytes);
-          qk8_half<0, kRow, kQK16>(s[j], qa[0], qa[1], stage + L::kStageK, row, lane, q_sf, k_sf);
-          if constexpr (kRow == 128) qk8_half<1, kRow, kQK16>(s[j], qa[2], qa[3], stage + L::kStageK, row, lane, q_sf, k_sf);
+#pragma unroll
+          for (int part = 0; part < kParts; ++part) {
+            const uint32_t k_part = stage + L::kStageK + part * L::kKPartBytes;
+            constexpr int kHeldParts = kParts - L::kQResident;
+            const int rp = part - kHeldParts;  // its resident index (below 0: held in qa)
+            const uint32_t(&a0)[4] = rp < 0 ? qa[2 * part] : qr[rp < 0 ? 0 : 2 * rp];
+            const uint32_t(&a1)[4] = rp < 0 ? qa[2 * part + 1] : qr[rp < 0 ? 0 : 2 * rp + 1];
+            qk8_half<0, kRow, kQK16>(s[j], a0, a1, k_part, row, lane, q_sf, k_sf);
+            if constexpr (kRow == 128) qk8_half<1, kRow, kQK16>(s[j], qa[2 * part + 2], qa[2 * part + 3], k_part, row, lane, q_sf, k_sf);
+          }
         }
       } else {
       // Key rows of n-tile j: key_of(j, x) = key_of(j, 0) + key_of(0, x), and the swizzle XOR of
@@ -1029,6 +1088,10 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
         v_sf_copy += kBlockN / 16;
       }
     }
+    if constexpr (L::kQResident > 0) {  // the resident Q parts read for the last time: their buffers back
+      __syncwarp();
+      if (lane == 0) mbar_arrive(q_empty);
+    }
 
     // ---- epilogue ----
 #pragma unroll
@@ -1048,7 +1111,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
   }
 }
 
-template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false, bool kQK16 = false>
+template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false, int kQK16 = 0>
 __device__ __forceinline__ void attn_fwd_body(const AttnParams& p) {
   using L = SmemLayout<D, kQK8, kPV8, kQK16>;
   constexpr int kStages = L::kStages;

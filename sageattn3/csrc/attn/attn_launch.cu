@@ -21,8 +21,9 @@ namespace attn {
 // Q means without a workspace for delta_s: the bounded-memory mode); kQK8 computes Q.K^T from the
 // MXFP8 operands (the heads the per-head precision picked; delta_s read as without kInLoopResidual).
 // kPV8 (pv_precision "fp8", with either Q.K^T; delta_s rows only) computes P.V in MXFP8. kQK16
-// (with kQK8, D 64) takes the selected heads' Q.K^T from bf16 rows instead of MXFP8 (Fp4AttnArgs.qk16).
-template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false, bool kQK16 = false>
+// (with kQK8) takes the selected heads' Q.K^T from 16-bit rows instead of MXFP8: at D 64 bf16 rows
+// (Fp4AttnArgs.qk16), at D 128 the raw inputs (Fp4AttnArgs.q_raw; 1 bf16, 2 fp16).
+template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false, int kQK16 = 0>
 __global__ void __launch_bounds__(kCtaThreads<kInLoopResidual>, 1) fp4_attn_fwd_kernel(const __grid_constant__ AttnParams p) {
   attn_fwd_body<D, kInLoopResidual, kQK8, kPV8, kQK16>(p);
 }
@@ -73,7 +74,7 @@ int coprime_grid(int grid, int bh_count) {
   return 1;
 }
 
-template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false, bool kQK16 = false>
+template <int D, bool kInLoopResidual, bool kQK8 = false, bool kPV8 = false, int kQK16 = 0>
 int launch_attn(AttnParams& p, int sms, cudaStream_t stream, bool spread_heads = false) {
   using L = SmemLayout<D, kQK8, kPV8, kQK16>;
   static_assert(L::kTotal <= 99 * 1024, "sm_120's shared memory per CTA");
@@ -107,7 +108,7 @@ void same_rows(AttnParams& dst, const AttnParams& src, int want) {
 // maps), pv (V's MXFP8 map) and p8v (both). The three that compute the heads the rule picked spread
 // them; a launch with no such head only walks the selection bytes. Delta_s rows only. kQK16: p8
 // and p8v have the bf16 Q/K maps, and bit 0's heads take the 16-bit Q.K^T kernels.
-template <int D, bool kQK16 = false>
+template <int D, int kQK16 = 0>
 int launch_mixed(AttnParams& p, AttnParams& p8, AttnParams& pv, AttnParams& p8v, int sms, cudaStream_t stream) {
   p.head_sel_want = 0;
   int rc = launch_attn<D, false, false, false>(p, sms, stream);
@@ -124,7 +125,7 @@ int launch_mixed(AttnParams& p, AttnParams& p8, AttnParams& pv, AttnParams& p8v,
 // per-head precision (p8: p with the MXFP8 Q/K maps), the FP4 kernel for the tiles whose head_sel
 // byte is 0 and the FP8 one for those whose byte is 1 (each skips the other's tiles on the device).
 // kPV8: the FP8 P.V kernels (p's V map and scales are V's MXFP8), which read delta_s rows only.
-template <int D, bool kInLoopResidual, bool kPV8 = false, bool kQK16 = false>
+template <int D, bool kInLoopResidual, bool kPV8 = false, int kQK16 = 0>
 int launch_both(AttnParams& p, AttnParams* p8, int sms, cudaStream_t stream) {
   if constexpr (kPV8 && kInLoopResidual) {
     return cudaErrorInvalidValue;  // no bounded-memory FP8 P.V kernel
@@ -141,8 +142,9 @@ int launch_both(AttnParams& p, AttnParams* p8, int sms, cudaStream_t stream) {
   }
 }
 
-// p8 (a copy of p) gets the Q and K maps of the heads that leave FP4: at D 64 (a.qk16) the bf16
-// rows, 2D bytes per row and no scales (the FP4 scale maps stay, unused); at D 128 the MXFP8
+// p8 (a copy of p) gets the Q and K maps of the heads that leave FP4: with a.qk16 (always at D 64)
+// the bf16 rows, 2D bytes per row and no scales (the FP4 scale maps stay, unused), a box a part of
+// the row wide (SmemLayout::kParts: the whole row at D 64, a quarter at D 128); else the MXFP8
 // codes, D bytes per row, and their UE8M0 bytes, one per 32 values. False if a map fails.
 template <int D>
 bool precise_maps(const Fp4AttnArgs& a, uint64_t bq, uint64_t bk, AttnParams& p8) {
@@ -161,6 +163,60 @@ bool precise_maps(const Fp4AttnArgs& a, uint64_t bq, uint64_t bk, AttnParams& p8
   ok &= make_map(&p8.tm_k_sf, a.k8_sf, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 128, bk * a.seq_k_pad * (D / 32) / 128, 128,
                  kBlockN * (D / 32) / 128, CU_TENSOR_MAP_SWIZZLE_NONE);
   return ok;
+}
+
+// p16 (a copy of p8) gets the raw 16-bit rows' maps (Fp4AttnArgs.q_raw; D 128): the inputs' rows,
+// 2D bytes each, a box of a part of the row (SmemLayout::kParts) by 128 rows; and its softmax scale.
+// False if a map fails.
+template <int D>
+bool raw_maps(const Fp4AttnArgs& a, uint64_t bq, uint64_t bk, AttnParams& p16) {
+  constexpr uint32_t kBox = SmemLayout<D, true, false, 1>::kRowBytes;
+  bool ok = make_map(&p16.tm_q, a.q_raw, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 2 * D, bq * a.seq_q, kBox, kBlockM,
+                     swizzle_for(kBox));
+  ok &= make_map(&p16.tm_k, a.k_raw, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 2 * D, bk * a.seq_k, kBox, kBlockN,
+                 swizzle_for(kBox));
+  p16.scale_log2 = a.raw_sm_scale * 1.4426950408889634f;
+  return ok;
+}
+
+// The raw 16-bit Q.K^T's launches over p's rows (Fp4AttnArgs.q_raw): byte 5 (FP4 P.V, or every
+// head's P.V with a call-wide FP8 P.V: kPV8) from p16, and with v8_by_head byte 7 from p16v.
+template <int D, int kQK16>
+int launch_raw(const Fp4AttnArgs& a, const AttnParams& p, AttnParams& p16, AttnParams& p16v, bool pv8, int sms,
+               cudaStream_t stream) {
+  same_rows(p16, p, 5);
+  int rc = pv8 ? launch_attn<D, false, true, true, kQK16>(p16, sms, stream, /*spread_heads=*/true)
+               : launch_attn<D, false, true, false, kQK16>(p16, sms, stream, /*spread_heads=*/true);
+  if (rc == cudaSuccess && a.v8_by_head) {
+    same_rows(p16v, p, 7);
+    rc = launch_attn<D, false, true, true, kQK16>(p16v, sms, stream, /*spread_heads=*/true);
+  }
+  return rc;
+}
+
+// Every launch over p's (batch, q head) rows: the FP4 kernel, or with the per-head precision (p8)
+// each byte value's. The heads that leave FP4 take the 16-bit Q.K^T at D 64 (a.qk16: no MXFP8 Q.K^T
+// kernel there), MXFP8 Q.K^T at D 128, and there those with bit 2 the raw 16-bit rows (launch_raw).
+// in_loop: the bounded mode (FP4 only).
+template <int D>
+int launch_rows(const Fp4AttnArgs& a, AttnParams& p, AttnParams* p8, AttnParams& pv, AttnParams& p8v,
+                AttnParams& p16, AttnParams& p16v, bool pv8, bool in_loop, int sms, cudaStream_t stream) {
+  constexpr int kK16 = D == 64 ? 1 : 0;
+  int rc;
+  if (a.v8_by_head) {
+    rc = in_loop ? cudaErrorInvalidValue : launch_mixed<D, kK16>(p, *p8, pv, p8v, sms, stream);
+  } else if (pv8) {
+    rc = in_loop ? cudaErrorInvalidValue : launch_both<D, false, true, kK16>(p, p8, sms, stream);
+  } else {
+    rc = in_loop ? launch_both<D, true, false, kK16>(p, p8, sms, stream)
+                 : launch_both<D, false, false, kK16>(p, p8, sms, stream);
+  }
+  if constexpr (D == 128) {
+    if (rc == cudaSuccess && a.q_raw != nullptr)
+      rc = a.raw_f16 ? launch_raw<D, 2>(a, p, p16, p16v, pv8, sms, stream)
+                     : launch_raw<D, 1>(a, p, p16, p16v, pv8, sms, stream);
+  }
+  return rc;
 }
 
 // pv and p8v (copies of p and of p8) get V's MXFP8 map and scales (v8_by_head); false if the map fails.
@@ -231,15 +287,14 @@ int launch(const Fp4AttnArgs& a, cudaStream_t stream) {
   // both precisions per head: the FP8 P.V launches' copies with V's MXFP8 map
   AttnParams pv_store = p, p8v_store = p8_store;
   if (a.v8_by_head && (p8 == nullptr || !with_v8<D>(a, bk, pv_store, p8v_store))) return cudaErrorInvalidValue;
+  // the raw 16-bit Q.K^T's copies (D 128, bit 2): p8's, then the raw maps; p16v with V's MXFP8 too
+  AttnParams p16_store = p8_store, p16v_store = p8v_store;
+  if (a.q_raw != nullptr && (!raw_maps<D>(a, bq, bk, p16_store) || !raw_maps<D>(a, bq, bk, p16v_store)))
+    return cudaErrorInvalidValue;
 
   const int sms = sm_count();
-  // D 64: the heads that leave FP4 take the 16-bit Q.K^T (a.qk16; no MXFP8 Q.K^T kernel at D 64)
-  constexpr bool k16 = D == 64;
   auto both = [&](bool in_loop) {
-    if (a.v8_by_head)
-      return in_loop ? cudaErrorInvalidValue : launch_mixed<D, k16>(p, *p8, pv_store, p8v_store, sms, stream);
-    if (pv8) return in_loop ? cudaErrorInvalidValue : launch_both<D, false, true, k16>(p, p8, sms, stream);
-    return in_loop ? launch_both<D, true, false, k16>(p, p8, sms, stream) : launch_both<D, false, false, k16>(p, p8, sms, stream);
+    return launch_rows<D>(a, p, p8, pv_store, p8v_store, p16_store, p16v_store, pv8, in_loop, sms, stream);
   };
   if (a.mean_qblocks == 1) return both(false);
 
@@ -315,8 +370,11 @@ int fp4_attn_fwd(const Fp4AttnArgs& a, cudaStream_t stream) {
   if (a.head_sel != nullptr && !a.qk16 && (a.q8_sf == nullptr || a.k8_sf == nullptr || !attn::aligned(a.q8_sf, 16) ||
                                            !attn::aligned(a.k8_sf, 16)))
     return cudaErrorInvalidValue;
-  // the selected heads' Q.K^T: 16-bit rows at D 64, MXFP8 at D 128
+  // the selected heads' Q.K^T: 16-bit rows at D 64, MXFP8 at D 128 (and there the raw rows for bit 2)
   if (a.head_sel != nullptr && a.qk16 != (a.head_dim == 64)) return cudaErrorInvalidValue;
+  if (a.q_raw != nullptr && (a.head_dim != 128 || a.head_sel == nullptr || a.k_raw == nullptr ||
+                             !attn::aligned(a.q_raw, 16) || !attn::aligned(a.k_raw, 16)))
+    return cudaErrorInvalidValue;
   if (a.v8 != nullptr && (a.v8_sf == nullptr || !attn::aligned(a.v8, 16) || !attn::aligned(a.v8_sf, 4)))
     return cudaErrorInvalidValue;
   if (a.v8_by_head && (a.v8 == nullptr || a.head_sel == nullptr)) return cudaErrorInvalidValue;

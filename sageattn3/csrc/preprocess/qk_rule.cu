@@ -33,6 +33,14 @@
 // writes sqrt(num / max(den, 1e-30)) and the selection. No floating-point atomics: the result
 // is the same on every run.
 //
+// The second statistic (D 128, a.qk16_limit >= 0; reference.qk16_stat): the Q.K^T blocks (kFirst)
+// also sum the squares of their sampled rows minus w (each row group its own) and of the keys of K's
+// first sampled block minus K's options-free mean (its chunks c with c % gridDim.y == blockIdx.y,
+// each block a share: summed over all 1024 sampled keys the statistic cost the D 128 rule 0.02 ms of
+// its 0.09 on the H200 at 24 heads x 32k); the last warp adds them in order:
+// c' sqrt(q2 / rows * k2 / keys / D). A head that leaves FP4 and exceeds the limit gets bit 2 of
+// sel_q (the raw 16-bit rows).
+//
 // P's estimate (kPv): a head whose estimate exceeds a.pv_limit takes FP8 P.V: bit 1 of sel_q,
 // and sel_v of its kv head set. For a causal attention (a.causal) it masks the sampled keys
 // after each sampled row's position, as the attention does (key 0 is sampled and seen by every
@@ -276,7 +284,7 @@ __device__ __forceinline__ void unpack16(const uint4 (&r)[2], float (&v)[16]) {
 // preprocessing's codes (kFirst), or those of q - w quantized here (kFloor: the defaults' rows).
 template <typename T, int D>
 __device__ __forceinline__ void stage_q(const QkRuleArgs& a, Estimate est, const Group& u, int64_t bh, int stride,
-                                        const float* w, uint16_t* tiles, int t64) {
+                                        const float* w, uint16_t* tiles, int t64, float& q2) {
   using L = Smem<D>;
   for (int x = t64; x < kRows * D / 16; x += 64) {
     const int r = x / (D / 16), d0 = (x % (D / 16)) * 16;
@@ -294,6 +302,8 @@ __device__ __forceinline__ void stage_q(const QkRuleArgs& a, Estimate est, const
         p2[j] = round16<T>(__fsub_rn(r1, p1[j]));
       }
       if (est == kFirst) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) q2 = fmaf(y[j], y[j], q2);  // the second statistic's |q - w|^2
         const int64_t e = (bh * a.Sqp + row) * D + d0;
         fp4_values16(*reinterpret_cast<const uint2*>(a.q_packed + e / 2), a.q_scales[e / 16], qd);
       } else if (est == kFloor) {
@@ -351,6 +361,25 @@ struct KeyChunk {
         }
       }
     }
+  }
+
+  // The sum of (k - mk)^2 over this thread's live keys' values (the second statistic; mk: K's
+  // options-free mean)
+  __device__ __forceinline__ float sq_dev(const float* mk, int tid) const {
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kU; ++i) {
+      if (!live[i]) continue;
+      const int d0 = ((tid + i * kThreads) % (D / 16)) * 16;
+      float y[16];
+      unpack16<T>(rk[i], y);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float e = __fsub_rn(y[j], mk[d0 + j]);
+        acc = fmaf(e, e, acc);
+      }
+    }
+    return acc;
   }
 
   // K and V as they are, and K's FP4 values (kFirst: its codes; kFloor: k - K's options-free
@@ -656,11 +685,38 @@ __device__ __forceinline__ void group_error(const float (&o)[D / 8][4], float (&
 // Lane 0 of a group's first warp, with the group's sums (n, d) (row group `unit`): they go to `partial`; the last
 // block of the head to finish (of every estimate in the grid) adds each estimate's partials in
 // row group order and writes the head's errors and selection.
-__device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int unit, int z, float n, float d) {
+// The second statistic's partial sums, after the estimates' (n, d): per head, the row groups' q2, then
+// the blocks' k2 (blockIdx.y).
+__device__ __forceinline__ float* stat_partial(const QkRuleArgs& a, int64_t bh) {
+  return a.partial + 3 * (a.B * a.Hq) * kUnits * 2 + bh * 2 * kUnits;
+}
+
+// Whether a launch computes the second statistic (reference.qk16_stat): D 128 with a limit.
+__device__ __forceinline__ bool stat_on(const QkRuleArgs& a) { return a.D == 128 && a.qk16_limit >= 0.0f; }
+
+// The head's second statistic from the partials (the last warp): c' sqrt(q2 / rows * k2 / keys / D).
+__device__ __forceinline__ float head_stat(const RuleGrid& G, int64_t bh) {
+  const QkRuleArgs& a = G.a;
+  const float* sp = stat_partial(a, bh);
+  float q2 = 0.0f, k2 = 0.0f;
+  int64_t rows = 0, keys = 0;
+  for (int i = 0; i < G.units; ++i) {
+    q2 += __ldcg(sp + i);
+    rows += group_of(G, i).rows;
+  }
+  for (int y = 0; y < static_cast<int>(gridDim.y); ++y) k2 += __ldcg(sp + kUnits + y);
+  keys = block_rows(a.Sk, 0, 1);  // K's first sampled block
+  const float q_ms = q2 / static_cast<float>(max(rows, static_cast<int64_t>(1)));
+  const float k_ms = k2 / static_cast<float>(max(keys, static_cast<int64_t>(1)));
+  return G.scale_exact * sqrtf(q_ms * k_ms / static_cast<float>(a.D));
+}
+
+__device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int unit, int z, float n, float d, float q2) {
   const QkRuleArgs& a = G.a;
   const int64_t BH = a.B * a.Hq;
   a.partial[((z * BH + bh) * kUnits + unit) * 2] = n;
   a.partial[((z * BH + bh) * kUnits + unit) * 2 + 1] = d;
+  if (G.estimate[z] == kFirst && stat_on(a)) stat_partial(a, bh)[unit] = q2;
   __threadfence();
   if (atomicAdd(a.counter + bh, 1) != G.units * G.nest - 1) return;
   __threadfence();
@@ -699,6 +755,10 @@ __device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int un
       a.sel_v[kv] = 1;
     }
   }
+  // the raw 16-bit rows: bit 2, for a head that leaves FP4 (a NaN keeps MXFP8); NaN where off
+  const float st = stat_on(a) ? head_stat(G, bh) : __int_as_float(0x7fc00000);
+  if (a.qk16_stat != nullptr) a.qk16_stat[bh] = st;
+  if ((byte & 1u) != 0u && st > a.qk16_limit) byte |= 4;
   a.sel_q[bh] = static_cast<uint8_t>(byte);
 }
 
@@ -736,11 +796,13 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(const __grid_constant
     } else {
       options_free_mean<D>(a, w, a.mean_q + (bh * a.mean_rows + (a.mean_rows > 1 ? u.tq : 0)) * D, bal, 1);
     }
-  } else if (pair == 0 && est == kFloor) {
+  } else if (pair == 0 && (est == kFloor || (est == kFirst && stat_on(a)))) {
     options_free_mean<D>(a, sm + L::kMk, a.mean_k + bk * D, bal, -1);
   }
   __syncthreads();
-  stage_q<T, D>(a, est, u, bh, G.stride, w, tiles, tid & 63);
+  float q2 = 0.0f, k2 = 0.0f;  // the second statistic's sums (kFirst)
+  stage_q<T, D>(a, est, u, bh, G.stride, w, tiles, tid & 63, q2);
+  const bool stat = est == kFirst && stat_on(a);  // block-uniform
 
   // the warp's kind: the exact scores (kind 0, and both of P's estimate) or the FP4 ones
   const bool fp4 = kind == 1 && est != kPv;
@@ -761,6 +823,8 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(const __grid_constant
     const int count = cnt_tab[c / kPer];
     __syncthreads();  // the previous chunk's reads are done (the first time: Q's tiles are written)
     next.stage(sm16, sm + L::kMk, est, tid);
+    if (stat && c < kPer && c % static_cast<int>(gridDim.y) == static_cast<int>(blockIdx.y))
+      k2 += next.sq_dev(sm + L::kMk, tid);  // K's first sampled block (its chunks 0 .. kPer - 1)
     if (c + 1 < nchunks) next.fetch(a, est, tk_tab, cnt_tab, bk, tid, c + 1);
     __syncthreads();
     if (u.rows > 0) {
@@ -794,9 +858,23 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(const __grid_constant
     }
   }
 
+  if (stat) {  // the sums by warp into the pairs' w (dead since stage_q), then the block's k2 and each group's q2
+    const float qw = warp_sum(q2), kw = warp_sum(k2);
+    __syncthreads();
+    if (lane == 0) sm[L::kW + 2 * warp] = qw, sm[L::kW + 2 * warp + 1] = kw;
+    __syncthreads();
+    if (tid == 0) {
+      float kb = 0.0f;
+      for (int i = 0; i < kThreads / 32; ++i) kb += sm[L::kW + 2 * i + 1];
+      stat_partial(a, bh)[kUnits + blockIdx.y] = kb;
+      __threadfence();
+    }
+    q2 = sm[L::kW + 4 * pair] + sm[L::kW + 4 * pair + 2];  // the pair's two warps
+    __syncthreads();  // thread 0's k2 before any group of the block reports
+  }
   float n = 0.0f, d = 0.0f;
   group_error<T, D>(o, l, est == kPv, kind, u.rows, reinterpret_cast<float*>(tiles), lane, n, d);
-  if (kind == 0 && lane == 0 && u.report) head_error(G, bh, u.unit, z, n, d);
+  if (kind == 0 && lane == 0 && u.report) head_error(G, bh, u.unit, z, n, d, q2);
 #else
   __trap();  // mma.sync m16n8k16 and ldmatrix need sm_80 or newer (the builds target sm_90 and sm_120 families)
 #endif
@@ -804,7 +882,7 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(const __grid_constant
 
 // The workspace per (batch, q head): partial, (n, d) of each estimate and row group, then the
 // counters last, one per head.
-constexpr int64_t kPartialFloats = 3 * kUnits * 2;
+constexpr int64_t kPartialFloats = 3 * kUnits * 2 + 2 * kUnits;  // + the second statistic's (stat_partial)
 
 // The row groups of a head at stride s: kRows strided rows each, every sampled block alike.
 int units(const QkRuleArgs& a, int s) { return sampled_count(a.Sq) * (kBlock / s / kRows); }

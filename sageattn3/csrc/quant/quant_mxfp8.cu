@@ -7,8 +7,9 @@
 // amax, the UE8M0 byte b = E(amax) - 8 + (frac(amax) > 0.75) clamped to >= 1 (the smallest 2^(b-127)
 // with amax <= 448 * 2^(b-127)), and each value times 2^(127-b) (exact), clamped to +-448 and
 // converted to E4M3 (round to nearest even). Rows S..Sp-1 get zero codes and scale byte 1, as the
-// reference gives zero rows. A head whose sel byte has bit 0 clear (bit 1, FP8 P.V, is not Q's or
-// K's) is skipped entirely (its outputs are left as they are): the launch is made for every call of
+// reference gives zero rows. A head whose sel byte has bit 0 clear, or bit 2 set (Q's heads that
+// multiply the raw 16-bit rows instead; bit 1, FP8 P.V, is not Q's or K's), is skipped entirely
+// (its outputs are left as they are): the launch is made for every call of
 // the "auto" path, and costs next to nothing
 // where the rule chose FP4 everywhere (each block reads its head's byte first). One thread per
 // 32-value block; grid (head, blocks over the head's rows).
@@ -96,7 +97,7 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(Mxfp8Pair pair) {
   const int64_t blocks_per_row = a.D / 32;
   // one head per grid column: a skipped head costs its blocks one byte read
   const int64_t h = one ? blockIdx.x : blockIdx.x - pair.first.H;
-  if (a.sel != nullptr && (a.sel[h] & 1) == 0) return;
+  if (a.sel != nullptr && (a.sel[h] & 5) != 1) return;
   const int64_t n = a.Sp * blocks_per_row;
   for (int64_t i = static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.y) * kThreads) {
@@ -153,7 +154,7 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(Mxfp8Pair pair) {
 template <typename T, int kD>
 __device__ __forceinline__ void rotated_rows(const Mxfp8Args& a, int64_t h) {
   constexpr int kBpr = kD / 16, kRows = 32 / kBpr, kWarps = kThreads / 32;
-  if (a.sel != nullptr && (a.sel[h] & 1) == 0) return;
+  if (a.sel != nullptr && (a.sel[h] & 5) != 1) return;
   const int lane = threadIdx.x & 31, cb = lane % kBpr;
   const int64_t groups = ceil_div(a.Sp, kRows);
   // warp-uniform bounds: every lane of a warp takes part in the rotation's shuffles

@@ -60,16 +60,18 @@
   X(blockscaled_attn_qk8, "blockscaled_attn_qk8(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, "           \
                           "Tensor v_sf, Tensor v_exp, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor k_res, Tensor(b!) ds_work, " \
                           "Tensor(a!) out, Tensor head_sel, Tensor q8, Tensor q8_sf, Tensor k8, Tensor k8_sf, "     \
+                          "Tensor q_raw, Tensor k_raw, float raw_scale, "                                           \
                           "int seq_q, int seq_k, float sm_scale, bool causal) -> ()")                               \
   X(blockscaled_attn_pv8, "blockscaled_attn_pv8(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, "           \
                           "Tensor v_sf, Tensor v_exp, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor k_res, Tensor(b!) ds_work, " \
                           "Tensor(a!) out, Tensor head_sel, Tensor q8, Tensor q8_sf, Tensor k8, Tensor k8_sf, "     \
-                          "Tensor v8, Tensor v8_sf, int seq_q, int seq_k, float sm_scale, bool causal) -> ()")      \
+                          "Tensor v8, Tensor v8_sf, Tensor q_raw, Tensor k_raw, float raw_scale, "                  \
+                          "int seq_q, int seq_k, float sm_scale, bool causal) -> ()")                               \
   X(blockscaled_attn_mixed, "blockscaled_attn_mixed(Tensor q, Tensor q_sf, Tensor k, Tensor k_sf, Tensor v, "       \
                             "Tensor v_sf, Tensor v_exp, Tensor mean_q, Tensor qbar, Tensor ds_key, Tensor k_res, "  \
                             "Tensor(b!) ds_work, Tensor(a!) out, Tensor head_sel, Tensor q8, Tensor q8_sf, "        \
-                            "Tensor k8, Tensor k8_sf, Tensor v8, Tensor v8_sf, int seq_q, int seq_k, "              \
-                            "float sm_scale, bool causal) -> ()")                                                   \
+                            "Tensor k8, Tensor k8_sf, Tensor v8, Tensor v8_sf, Tensor q_raw, Tensor k_raw, "        \
+                            "float raw_scale, int seq_q, int seq_k, float sm_scale, bool causal) -> ()")            \
   X(mxfp8_smooth_quant, "mxfp8_smooth_quant(Tensor x, Tensor mean, Tensor balance, int balance_sign, Tensor sel, "  \
                         "Tensor(a!) codes, Tensor(b!) scales, int rotate, float row_scale) -> ()")               \
   X(mxfp8_smooth_quant_qk, "mxfp8_smooth_quant_qk(Tensor q, Tensor k, Tensor mean_q, Tensor mean_k, "              \
@@ -78,10 +80,10 @@
   X(qk_rule_select, "qk_rule_select(Tensor q, Tensor k, Tensor v, Tensor q_packed, Tensor q_scales, "               \
                     "Tensor k_packed, Tensor k_scales, Tensor mean_q, Tensor mean_k, Tensor balance, "              \
                     "float sm_scale, bool rotate, bool floor, float limit, bool select_all, float pv_limit, "   \
-                    "bool causal) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")                                    \
+                    "bool causal, float qk16_limit) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")         \
   X(attention_call, "attention_call(Tensor q, Tensor k, Tensor v, bool causal, bool per_block_mean, bool rotate, " \
                     "bool balance, bool search, int qk_mode, int pv_mode, float sm_scale, float rule_scale, "      \
-                    "bool rule_floor, float limit, float pv_limit, int ws_limit) -> Tensor")                       \
+                    "bool rule_floor, float limit, float pv_limit, float qk16_limit, int ws_limit) -> Tensor")     \
   X(fp4_mma_probe, "fp4_mma_probe(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, Tensor(a!) d, int tid_a, " \
                    "int tid_b) -> ()")
 

@@ -200,18 +200,49 @@ void set_qk8(Fp4AttnArgs& a, const T& q, const T& head_sel, const T& q8, const T
   qk8_fill(a, bytes(head_sel), q8.data_ptr(), q8_sf.data_ptr(), k8.data_ptr(), k8_sf.data_ptr());
 }
 
+// The raw 16-bit Q.K^T's operands into a (attn/attn_api.h; none where q_raw is empty): q_raw (B, Hq,
+// seq_q, D) and k_raw (B, Hkv, seq_k, D), the call's float16/bfloat16 inputs (contiguous, 16-byte
+// aligned), for the heads whose head_sel byte has bit 2 (qk_rule_select with a qk16_limit; D 128);
+// raw_scale: their softmax scale, unrotated. Set after set_qk8.
+template <class T>
+void set_raw(Fp4AttnArgs& a, const T& q, const T& q_raw, const T& k_raw, double raw_scale) {
+  if (q_raw.numel() == 0 && k_raw.numel() == 0) return;
+  check_cuda(q_raw, q, "q_raw");
+  check_cuda(k_raw, q, "k_raw");
+  check_aligned(q_raw, "q_raw");
+  check_aligned(k_raw, "k_raw");
+  const DType dt = dtype_of(q_raw, "q_raw");
+  SA3_CHECK(T, dt != DType::kFloat32 && dtype_of(k_raw, "k_raw") == dt,
+            "sageattn3: q_raw and k_raw must be both float16 or both bfloat16, got ", dtype_name(q_raw), " and ",
+            dtype_name(k_raw));
+  SA3_CHECK(T, a.head_dim == 128 && a.head_sel != nullptr,
+            "sageattn3: the raw 16-bit Q.K^T (q_raw, k_raw) is for head_dim 128 with head_sel, got head_dim ",
+            a.head_dim, a.head_sel == nullptr ? " and no head_sel" : "");
+  SA3_CHECK(T, q_raw.dim() == 4 && k_raw.dim() == 4 && q_raw.size(0) == a.batch && q_raw.size(1) == a.heads_q &&
+                   q_raw.size(2) == a.seq_q && q_raw.size(3) == 128 && k_raw.size(0) == a.batch &&
+                   k_raw.size(1) == a.heads_kv && k_raw.size(2) == a.seq_k && k_raw.size(3) == 128,
+            "sageattn3: q_raw must be (B, Hq, seq_q, D) = ", dims(a.batch, a.heads_q, a.seq_q, 128),
+            " and k_raw (B, Hkv, seq_k, D) = ", dims(a.batch, a.heads_kv, a.seq_k, 128), ", got ", shape(q_raw),
+            " and ", shape(k_raw));
+  a.q_raw = q_raw.data_ptr();
+  a.k_raw = k_raw.data_ptr();
+  a.raw_f16 = dt == DType::kFloat16;
+  a.raw_sm_scale = static_cast<float>(raw_scale);
+}
+
 // blockscaled_attn_qk8(<blockscaled_fp4_attn's operands>, head_sel, q8, q8_sf, k8, k8_sf, ...): the
 // per-head Q.K^T precision (set_qk8). ds_work must hold at least one (batch, q head) row with
-// per-block Q means (no bounded-memory mode here).
+// per-block Q means (no bounded-memory mode here). q_raw, k_raw, raw_scale: set_raw (empty: none).
 template <class T>
 void blockscaled_attn_qk8(T q, T q_sf, T k, T k_sf, T v, T v_sf, T v_exp, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
-                          T out, T head_sel, T q8, T q8_sf, T k8, T k8_sf, int64_t seq_q, int64_t seq_k,
-                          double sm_scale, bool causal) {
+                          T out, T head_sel, T q8, T q8_sf, T k8, T k8_sf, T q_raw, T k_raw, double raw_scale,
+                          int64_t seq_q, int64_t seq_k, double sm_scale, bool causal) {
   DeviceScope scope(device_index(q));
   Fp4AttnArgs a =
       attn_args(q, q_sf, k, k_sf, v, v_sf, v_exp, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale,
                 causal);
   set_qk8(a, q, head_sel, q8, q8_sf, k8, k8_sf);
+  set_raw(a, q, q_raw, k_raw, raw_scale);
   check_cuda_kernel<T>(fp4_attn_fwd(a, TensorApi<T>::stream(q)), "blockscaled_attn_qk8");
 }
 
@@ -232,19 +263,21 @@ void set_pv8(Fp4AttnArgs& a, const T& q, const T& v8, const T& v8_sf, bool by_he
   pv8_fill(a, v8.data_ptr(), v8_sf.data_ptr(), by_head);
 }
 
-// blockscaled_attn_pv8(<blockscaled_attn_qk8's operands>, v8, v8_sf, ...): P.V in MXFP8 for every
+// blockscaled_attn_pv8(<blockscaled_attn_qk8's operands but the raw ones>, v8, v8_sf, <q_raw, k_raw,
+// raw_scale>, ...): P.V in MXFP8 for every
 // head (pv_precision "fp8"; set_pv8); v and v_sf are checked but unused. An empty head_sel: every
 // head's Q.K^T in FP4 (q8, q8_sf, k8, k8_sf unused, may be empty), else per head as
 // blockscaled_attn_qk8.
 template <class T>
 void blockscaled_attn_pv8(T q, T q_sf, T k, T k_sf, T v, T v_sf, T v_exp, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
-                          T out, T head_sel, T q8, T q8_sf, T k8, T k8_sf, T v8, T v8_sf, int64_t seq_q,
-                          int64_t seq_k, double sm_scale, bool causal) {
+                          T out, T head_sel, T q8, T q8_sf, T k8, T k8_sf, T v8, T v8_sf, T q_raw, T k_raw,
+                          double raw_scale, int64_t seq_q, int64_t seq_k, double sm_scale, bool causal) {
   DeviceScope scope(device_index(q));
   Fp4AttnArgs a =
       attn_args(q, q_sf, k, k_sf, v, v_sf, v_exp, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale,
                 causal);
   if (head_sel.numel() > 0) set_qk8(a, q, head_sel, q8, q8_sf, k8, k8_sf);
+  set_raw(a, q, q_raw, k_raw, raw_scale);
   set_pv8(a, q, v8, v8_sf);
   check_cuda_kernel<T>(fp4_attn_fwd(a, TensorApi<T>::stream(q)), "blockscaled_attn_pv8");
 }
@@ -254,13 +287,14 @@ void blockscaled_attn_pv8(T q, T q_sf, T k, T k_sf, T v, T v_sf, T v_exp, T mean
 // kv heads of such q heads quantized; v and v_sf for the others). One launch per byte value.
 template <class T>
 void blockscaled_attn_mixed(T q, T q_sf, T k, T k_sf, T v, T v_sf, T v_exp, T mean_q, T qbar, T ds_key, T k_res, T ds_work,
-                            T out, T head_sel, T q8, T q8_sf, T k8, T k8_sf, T v8, T v8_sf, int64_t seq_q,
-                            int64_t seq_k, double sm_scale, bool causal) {
+                            T out, T head_sel, T q8, T q8_sf, T k8, T k8_sf, T v8, T v8_sf, T q_raw, T k_raw,
+                            double raw_scale, int64_t seq_q, int64_t seq_k, double sm_scale, bool causal) {
   DeviceScope scope(device_index(q));
   Fp4AttnArgs a =
       attn_args(q, q_sf, k, k_sf, v, v_sf, v_exp, mean_q, qbar, ds_key, k_res, ds_work, out, seq_q, seq_k, sm_scale,
                 causal);
   set_qk8(a, q, head_sel, q8, q8_sf, k8, k8_sf);
+  set_raw(a, q, q_raw, k_raw, raw_scale);
   set_pv8(a, q, v8, v8_sf, true);
   check_cuda_kernel<T>(fp4_attn_fwd(a, TensorApi<T>::stream(q)), "blockscaled_attn_mixed");
 }

@@ -42,19 +42,20 @@ struct CallPieces {
 };
 
 // attention_call(q, k, v, causal, per_block_mean, rotate, balance, search, qk_mode, pv_mode, sm_scale,
-// rule_scale, rule_floor, limit, pv_limit, ws_limit) -> out (B, Hq, Sq, D) in q's dtype: q (B, Hq,
+// rule_scale, rule_floor, limit, pv_limit, qk16_limit, ws_limit) -> out (B, Hq, Sq, D) in q's dtype: q (B, Hq,
 // Sq, D), k and v (B, Hkv, Sk, D) float16/bfloat16 as preprocess_qkv takes them (pad 128).
 // qk_mode 0: every head's Q.K^T in FP4 (the rule does not run); 1: the rule picks per head (limit;
 // qk_rule_select); 2: every head FP8 (select_all). pv_mode 0: NVFP4 P.V; 1 (with qk_mode > 0): the
 // rule picks per head (pv_limit; blockscaled_attn_mixed); 2: every head MXFP8. sm_scale: the
 // attention's softmax scale (divided by D/64 already with the rotation); rule_scale and rule_floor:
-// qk_rule_select's sm_scale and floor; ws_limit: the most bytes of the delta_s workspace
+// qk_rule_select's sm_scale and floor; qk16_limit (D 128, >= 0; -1 off): qk_rule_select's, the heads it
+// gives bit 2 multiplying q and k as they are (Fp4AttnArgs.q_raw); ws_limit: the most bytes of the delta_s workspace
 // (SAGEATTN3_DELTA_S_WORKSPACE_MIB; it must hold one (batch, q head) row where an FP8 path runs with
 // per-block Q means).
 template <class T>
 T attention_call(T q, T k, T v, bool causal, bool per_block_mean, bool rotate, bool balance, bool search,
                  int64_t qk_mode, int64_t pv_mode, double sm_scale, double rule_scale, bool rule_floor, double limit,
-                 double pv_limit, int64_t ws_limit) {
+                 double pv_limit, double qk16_limit, int64_t ws_limit) {
   SA3_CHECK(T, qk_mode >= 0 && qk_mode <= 2 && pv_mode >= 0 && pv_mode <= 2 && (pv_mode != 1 || qk_mode > 0),
             "sageattn3: attention_call's qk_mode and pv_mode must be 0, 1 or 2, pv_mode 1 only with the rule "
             "(qk_mode 1 or 2), got ", qk_mode, " and ", pv_mode);
@@ -132,8 +133,11 @@ T attention_call(T q, T k, T v, bool causal, bool per_block_mean, bool rotate, b
     r.mean_q = f32(at.prep[6]);
     r.mean_k = f32(at.prep[7]);
     r.balance = exps;
+    // bit 2: the raw 16-bit rows (q and k as they are), where Q and K each hold a 128-row TMA box
+    // (reference.raw16_fits)
+    const bool raw = D == 128 && qk16_limit >= 0.0 && p.Gq * p.Sq >= 128 && p.Gk * p.Sk >= 128;
     rule_select(r, f32(at.error), ptr(at.sel_q), ptr(at.sel_k), f32(at.error_pv), ptr(at.sel_v), limit, qk_mode == 2,
-                pv_mode == 1 ? pv_limit : -1.0, causal);
+                pv_mode == 1 ? pv_limit : -1.0, causal, raw ? qk16_limit : -1.0);
     check_cuda_kernel<T>(sageattn3::qk_rule_error(r, stream), "attention_call (the rule)");
     // mxfp8_smooth_quant_qk: rows rotated as the preprocessing's, or here with Q's times 64/D
     const int64_t rot = rotate ? 1 : 2;
@@ -146,6 +150,12 @@ T attention_call(T q, T k, T v, bool causal, bool per_block_mean, bool rotate, b
     check_cuda_kernel<T>(smooth_quant_mxfp8_pair(aq, ak, stream, pv_mode > 0 ? &v8 : nullptr),
                          "attention_call (the FP8 operands)");
     qk8_fill(a, ptr(at.sel_q), ptr(at.q8), ptr(at.q8_sf), ptr(at.k8), ptr(at.k8_sf));
+    if (raw) {  // their softmax scale in unrotated units (sm_scale is divided by D/64 with the rotation)
+      a.q_raw = q.data_ptr();
+      a.k_raw = k.data_ptr();
+      a.raw_f16 = p.dt == DType::kFloat16;
+      a.raw_sm_scale = static_cast<float>(rotate ? sm_scale * (D / 64.0) : sm_scale);
+    }
   }
   if (pv_mode > 0) {
     if (qk_mode == 0)

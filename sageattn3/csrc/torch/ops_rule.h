@@ -41,12 +41,16 @@ inline QkRuleArgs rule_fill(const void* q, const void* k, const void* v, DType d
   a.rotate = rotate;
   a.scale = static_cast<float>(sm_scale);
   a.floor = floor;
+  a.qk16_limit = -1.0f;  // no second statistic unless rule_select sets a limit
   return a;
 }
 
 // The selection's outputs and limits into a (qk_rule_select's; the workspace bound by the caller).
 inline void rule_select(QkRuleArgs& a, float* error, uint8_t* sel_q, uint8_t* sel_k, float* error_pv, uint8_t* sel_v,
-                        double limit, bool select_all, double pv_limit, bool causal) {
+                        double limit, bool select_all, double pv_limit, bool causal, double qk16_limit = -1.0,
+                        float* qk16_stat = nullptr) {
+  a.qk16_limit = static_cast<float>(qk16_limit);
+  a.qk16_stat = qk16_stat;
   a.error = error;
   a.sel_q = sel_q;
   a.sel_k = sel_k;
@@ -126,12 +130,13 @@ QkRuleArgs rule_args(const T& q, const T& k, const T& v, const T& q_packed, cons
 // of its q heads is 1. P's error (sageattn3.h; pv_limit >= 0): error_pv (B, Hq) fp32, bit 1 of sel_q
 // where it exceeds pv_limit (the head's P.V runs in FP8), sel_v (B, Hkv) 1 where any of its q heads
 // has bit 1; with pv_limit < 0 error_pv is NaN and no bit 1 is set; causal: P's estimate masks the keys
-// after each sampled row (the attention is causal). Each output and the workspace its own
-// allocation (torch/outputs.h).
+// after each sampled row (the attention is causal). qk16_limit (>= 0, D 128): bit 2 of sel_q where a head
+// with bit 0 has qk16_stat (B, Hq) fp32 (reference.qk16_stat; NaN without) above it, the raw 16-bit
+// rows (reference.choose_qk16). Each output and the workspace its own allocation (torch/outputs.h).
 template <class T>
-std::tuple<T, T, T, T, T> qk_rule_select(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales, T mean_q,
-                                         T mean_k, T balance, double sm_scale, bool rotate, bool floor, double limit,
-                                         bool select_all, double pv_limit, bool causal) {
+std::tuple<T, T, T, T, T, T> qk_rule_select(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales, T mean_q,
+                                            T mean_k, T balance, double sm_scale, bool rotate, bool floor, double limit,
+                                            bool select_all, double pv_limit, bool causal, double qk16_limit) {
   QkRuleArgs a = rule_args(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, rotate,
                            floor);
   DeviceScope scope(device_index(q));
@@ -139,14 +144,17 @@ std::tuple<T, T, T, T, T> qk_rule_select(T q, T k, T v, T q_packed, T q_scales, 
   // sageattn3.h); torch/outputs.h
   const OutputSpec specs[] = {{{a.B, a.Hq}, Kind::kFloat}, {{a.B, a.Hq}, Kind::kByte}, {{a.B, a.Hkv}, Kind::kByte},
                               {{a.B, a.Hq}, Kind::kFloat}, {{a.B, a.Hkv}, Kind::kByte},
-                              {{qk_rule_workspace_floats(a)}, Kind::kFloat}};
+                              {{a.B, a.Hq}, Kind::kFloat}, {{qk_rule_workspace_floats(a)}, Kind::kFloat}};
   auto out = allocate_outputs(specs, q);
-  const T &error = out[0], &sel_q = out[1], &sel_k = out[2], &error_pv = out[3], &sel_v = out[4];
-  qk_rule_bind_workspace(a, floats(out[5]));
+  const T &error = out[0], &sel_q = out[1], &sel_k = out[2], &error_pv = out[3], &sel_v = out[4], &stat = out[5];
+  qk_rule_bind_workspace(a, floats(out[6]));
+  SA3_CHECK(T, !(qk16_limit >= 0.0) || a.D == 128,
+            "sageattn3: qk_rule_select's qk16_limit (the raw 16-bit rows) is for head_dim 128, got ", a.D,
+            " (pass -1)");
   rule_select(a, floats(error), bytes(sel_q), bytes(sel_k), floats(error_pv), bytes(sel_v), limit, select_all, pv_limit,
-              causal);
+              causal, qk16_limit, floats(stat));
   check_cuda_kernel<T>(sageattn3::qk_rule_error(a, TensorApi<T>::stream(q)), "qk_rule_select");
-  return {error, sel_q, sel_k, error_pv, sel_v};
+  return {error, sel_q, sel_k, error_pv, sel_v, stat};
 }
 
 }  // namespace sageattn3::torch_ops

@@ -54,6 +54,7 @@ from .formats import (
     pad_dim,
     qk16_rows,
     QK16_HEAD_DIM,
+    QK16_RAW_HEAD_DIM,
     quantize_mxfp8_rows,
     quantize_mxfp8_transposed,
     quantize_residual,
@@ -93,35 +94,24 @@ from .transforms import (
     scale_search_on,
 )
 from .precision import (
-    BALANCE,
     FP8_HEAD_DIMS,
-    PV_FP8,
     PV_PRECISION_DEFAULT,
     PV_PRECISIONS,
-    QK_FP8,
     QK_PRECISION_DEFAULT,
     QK_PRECISIONS,
-    ROTATION,
-    SCALE_SEARCH,
-    TREATMENT_SETS,
-    TREATMENTS,
+    choose_qk16,
     choose_qk_precision,
-    choose_treatments,
     fp8_applies,
     fp8_unavailable,
     pv_precision_arg,
     pv_p_error,
     choose_pv_precision,
     options_free_means,
+    qk16_stat,
     qk_fp4_error,
     query_stride,
     rule_has_options,
     qk_precision_arg,
-    treatment_applies,
-    treatment_errors,
-    treatment_kwargs,
-    treatment_names,
-    treatment_set,
 )
 from .preprocessing import (
     Preprocessed,
@@ -131,9 +121,25 @@ from .preprocessing import (
     k_block_means,
     k_mean,
     preprocess,
+    raw16_fits,
     q_block_index,
     q_mean,
     smooth_q,
+)
+from .treatments import (
+    BALANCE,
+    PV_FP8,
+    QK_FP8,
+    ROTATION,
+    SCALE_SEARCH,
+    TREATMENT_SETS,
+    TREATMENTS,
+    choose_treatments,
+    treatment_applies,
+    treatment_errors,
+    treatment_kwargs,
+    treatment_names,
+    treatment_set,
 )
 from .attention import (
     LOG2E,
@@ -195,6 +201,18 @@ AUTO_ERROR_LIMIT = 0.2
 # the unmasked estimate put at 0.097: 0.191). The margin of non-causal calls is thin on both sides
 # (docs/accuracy-auto-details.md, "The P·V choice").
 PV_ERROR_LIMIT = 0.105
+# At D 128 a head that leaves FP4 multiplies its raw 16-bit rows (Q·Kᵀ from the fp16/bf16 inputs as
+# they are: ``Preprocessed.qk16``) instead of MXFP8 rows when ``qk16_stat``, the scale of MXFP8's
+# logit error (the softmax scale times the RMS norms of the smoothed rows over the rule's sample,
+# over sqrt(D); K's first sampled block), exceeds this. Calibrated at D 128, 1024 tokens, 4 q heads
+# over 2, seeds 2025 and 0-7 (docs/accuracy-auto-details.md, "The raw 16-bit rows at D 128"): the 16
+# cases of tests/attention_cases.py measure at most 10.7 but for the massive-outlier heads (35.9-48.3,
+# MXFP8 0.972-0.992 there); zero-mean Gaussian Q and K scaled up, the statistic's growth alone, leave
+# MXFP8 at 0.9834 at 14.4 and 0.9805 at 17.5 (0.98 near 18.5), so 15.
+QK16_STAT_LIMIT = 15.0
+# The raw rows go in 128-row TMA boxes over the inputs' rows: a call with fewer rows of Q or of K
+# (batch x heads x sequence) keeps MXFP8 for those heads.
+QK16_MIN_ROWS = 128
 # The per-head treatments (opt-in, reference only, not wired into any default): a head keeps the
 # treatments it is given (its floors: none without options) where ``treatment_errors`` estimates
 # the relative output error of plain FP4 and of its floors at most TREATMENT_KEEP_LIMIT (zero-mean
@@ -247,6 +265,7 @@ __all__ = [
     "balance_applies",
     "balance_exponents",
     "block_sq_error",
+    "choose_qk16",
     "choose_qk_precision",
     "choose_treatments",
     "cosine_similarity",
@@ -278,6 +297,8 @@ __all__ = [
     "pv_p_error",
     "choose_pv_precision",
     "PV_ERROR_LIMIT",
+    "QK16_MIN_ROWS",
+    "QK16_STAT_LIMIT",
     "q_block_index",
     "q_mean",
     "options_free_means",
@@ -286,7 +307,10 @@ __all__ = [
     "rule_has_options",
     "qk_precision_arg",
     "qk16_rows",
+    "qk16_stat",
+    "raw16_fits",
     "QK16_HEAD_DIM",
+    "QK16_RAW_HEAD_DIM",
     "quantize_mxfp8_rows",
     "quantize_mxfp8_transposed",
     "quantize_residual",

@@ -22,14 +22,8 @@ from .formats import (
     quantize_mxfp8_rows,
     quantize_rows,
 )
-from .precision import (
-    PV_PRECISION_DEFAULT,
-    QK_PRECISION_DEFAULT,
-    pv_precision_arg,
-    treatment_applies,
-    treatment_kwargs,
-    treatment_names,
-)
+from .precision import PV_PRECISION_DEFAULT, QK_PRECISION_DEFAULT, pv_precision_arg
+from .treatments import treatment_applies, treatment_kwargs, treatment_names
 from .preprocessing import Preprocessed, delta_s, preprocess, q_block_index
 from .transforms import QK_BALANCE_DEFAULT, QK_ROTATION_DEFAULT, Q_MEAN_BLOCK, expand_kv, flag, rotation_score_factor
 
@@ -228,6 +222,13 @@ def _attend(pre: Preprocessed, sm_scale: float | None, is_causal: bool, block_n:
     ds_rows = _delta_rows(pre, sq)  # (B, Hq, Sq, Sk_p)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     c = scale / rotation_score_factor(d, pre.qk_rotation) * LOG2E
+    raw = pre.qk16 is not None and bool(pre.qk16.any())
+    if raw:  # the raw 16-bit heads (pre.qk16): q·kᵀ of the inputs, no delta_s, unrotated scale
+        sel = pre.qk16[:, :, None, None]
+        qd = torch.where(sel, pre.q16.float(), qd)
+        kd = torch.where(sel, expand_kv(pad_dim(pre.k16.float(), -2, kd.shape[-2]), hq), kd)
+        ds_rows = torch.where(sel, torch.zeros_like(ds_rows), ds_rows)
+        c = torch.where(sel, torch.tensor(scale * LOG2E, device=qd.device), torch.tensor(c, device=qd.device))
     out = _tiled_attention(qd, kd, vd, ds_rows, pre.seq_k, is_causal, c, block_n, pv_fp8)
     if pre.pv_fp8 is None or not bool(pre.pv_fp8.any()):
         return out
@@ -279,7 +280,7 @@ def sageattn3_treated(
 ) -> torch.Tensor:
     """The quantized attention with a treatment set per q head (reference only, opt-in):
     ``treatments`` an int (every head) or a (B, Hq) integer tensor of sets
-    (``precision.TREATMENTS`` bits: balance, rotation, scale search, FP8 Q·Kᵀ, FP8 P·V), e.g.
+    (``treatments.TREATMENTS`` bits: balance, rotation, scale search, FP8 Q·Kᵀ, FP8 P·V), e.g.
     from ``choose_treatments``. Head h's output is ``sageattn3``'s with set h's keywords
     (``treatment_kwargs``) on every head: heads are independent, and a kv head whose q heads
     differ is quantized once per set (what kernels would do per set of heads). Sets that do not

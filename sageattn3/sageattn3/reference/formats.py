@@ -347,6 +347,9 @@ def dequantize_mxfp8_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Te
 
 
 QK16_HEAD_DIM = 64  # the head dim whose precise Q·Kᵀ rung is 16-bit (``qk16_rows``), not MXFP8
+# the head dim where the rule may give a head that leaves FP4 the raw 16-bit rows instead of MXFP8
+# (``choose_qk16``, ``Preprocessed.qk16``)
+QK16_RAW_HEAD_DIM = 128
 
 
 def qk16_rows(x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,7 @@
 """The Q·Kᵀ precision per head: FP4, or MXFP8 where the rule ("auto") estimates that FP4 Q·Kᵀ
-costs the output too much (``qk_fp4_error``, ``choose_qk_precision``). Opt-in and not wired into
-any default: the estimate of every treatment set's output error per head
-(``treatment_errors``) and the choice of the cheapest set meeting the target
-(``choose_treatments``).
+costs the output too much (``qk_fp4_error``, ``choose_qk_precision``; at D 128 the raw 16-bit rows
+where ``qk16_stat`` says MXFP8 is not enough), and the P·V precision (``pv_p_error``). The
+treatments per head (opt-in, reference only) are in ``treatments``.
 
 The rule reads a ``preprocessing.Preprocessed`` (its quantized Q and K, means and balance) and
 is called by ``preprocess``: it sits below the preprocessing and names no type of it.
@@ -20,28 +19,14 @@ from .formats import (
     BLOCK,
     E4M3_MAX,
     FP4_MAX,
-    MX_BLOCK,
-    QK16_HEAD_DIM,
-    dequantize_mxfp8_rows,
-    mxfp8_p,
-    dequantize_mxfp8_transposed,
+    QK16_RAW_HEAD_DIM,
     dequantize_rows,
-    V_GROUP,
-    dequantize_transposed,
-    dequantize_transposed_tiled,
     e4m3_decode,
-    pad_dim,
-    quantize_mxfp8_rows,
-    quantize_mxfp8_transposed,
     quantize_rows,
-    quantize_transposed,
-    quantize_transposed_tiled,
-    qk16_rows,
     unpack_codes,
 )
 from .transforms import (
     Q_MEAN_BLOCK,
-    balance_exponents,
     expand_kv,
     flag,
     rotate,
@@ -223,6 +208,42 @@ def _fp4_error(q, k, v, pre, sm_scale, plain: bool) -> torch.Tensor:
     return torch.sqrt(num / den)
 
 
+def qk16_stat(q: torch.Tensor, k: torch.Tensor, pre, sm_scale: float | None = None) -> torch.Tensor:
+    """The rule's second statistic, per q head: (B, Hq) float32, the scale of the logit error
+    MXFP8 Q·Kᵀ would leave, c · sqrt(mean |q - w|^2) · sqrt(mean |k - w_k|^2) / sqrt(D) over the
+    rule's sample (``qk_fp4_error``'s rows: every s-th row of Q's sampled blocks, minus their
+    block's options-free mean w; the rows of K's first sampled block, minus K's options-free mean
+    w_k; ``options_free_means``), c the unrotated softmax scale (default 1/sqrt(D)). MXFP8 keeps 4
+    significant bits an element and the rotation spreads a row's norm over its channels, so its
+    error on a score grows with the product of the two rows' norms: where this is large (massive
+    outliers shared by Q and K: 35.9-48.3 against at most 10.7 on every other case of
+    tests/attention_cases.py at D 128), even MXFP8 moves the scores by logits. Sums of squares in float32 (the rule kernel's, up to order)."""
+    b, hq, sq, d = q.shape
+    sk = k.shape[2]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    mean_q, mean_k = options_free_means(pre)
+    nm = mean_q.shape[-2]
+    stride = query_stride(sq, sk)
+    q_rows = _sampled_rows(q, sq, stride)
+    means = torch.cat([mean_q[..., (t if nm > 1 else 0):(t if nm > 1 else 0) + 1, :].expand(b, hq, blk.shape[-2], d)
+                       for t, blk in zip(sample_blocks(sq), q_rows)], dim=-2)
+    qs = torch.cat(q_rows, dim=-2).float() - means
+    ks = _sampled_rows(k, sk, 1)[0].float() - mean_k.float()  # K's first sampled block
+    q2 = qs.square().sum(dim=(-1, -2)) / qs.shape[-2]
+    k2 = expand_kv(ks.square().sum(dim=(-1, -2)).unsqueeze(-1).unsqueeze(-1) / ks.shape[-2], hq)[..., 0, 0]
+    return (scale * torch.sqrt(q2 * k2 / d)).float()
+
+
+def choose_qk16(qk_fp8: torch.Tensor, stat: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(B, Hq) bool, True where a head that leaves FP4 (``qk_fp8``) multiplies its raw 16-bit
+    rows instead of MXFP8 (D 128 only; at D 64 the precise rung is 16-bit already): ``qk16_stat``
+    above ``QK16_STAT_LIMIT`` (a NaN keeps MXFP8)."""
+    limit = _package.QK16_STAT_LIMIT
+    if head_dim != QK16_RAW_HEAD_DIM or not limit >= 0:  # a negative (or NaN) limit: off, as the kernels
+        return torch.zeros_like(qk_fp8)
+    return qk_fp8 & (stat > limit)
+
+
 def choose_qk_precision(precision: str, error: torch.Tensor) -> torch.Tensor:
     """(B, Hq) bool, True where a q head's Q·Kᵀ runs in FP8: "fp8" every head, "fp4" none,
     "auto" the heads whose ``qk_fp4_error`` exceeds ``AUTO_ERROR_LIMIT`` (a NaN estimate, from
@@ -296,205 +317,7 @@ def choose_pv_precision(precision: str, error: torch.Tensor | None, limit: float
     return error > (_package.PV_ERROR_LIMIT if limit is None else limit)
 
 
-# ---------------------------------------------------------------------------------------------
-# Treatments per head (opt-in, reference only: not wired into any default)
-# ---------------------------------------------------------------------------------------------
-
-# The treatments a head may get, one bit each; a treatment set is an int 0..31 (0: plain FP4,
-# today's path with qk_precision="fp4"). The bits double as the cost: a set costs its int value,
-# so the cheapest set meeting the target is the smallest int. The order (balance < rotation <
-# scale search < FP8 Q·Kᵀ < FP8 P·V) follows the measured costs: the balance +5% of the
-# preprocessing, the rotation +45%, the scale search +85% (the preprocessing is ~1% of a long
-# call), FP8 Q·Kᵀ +25% of the attention kernel (its Q·Kᵀ MMAs doubled), FP8 P·V its P·V MMAs
-# doubled plus a 32-key amax and an E4M3 conversion of P per tile and twice V's bytes; with
-# power-of-two weights any set of cheaper treatments costs less than one dearer treatment.
-TREATMENTS = ("balance", "rotation", "scale_search", "qk_fp8", "pv_fp8")
-BALANCE, ROTATION, SCALE_SEARCH, QK_FP8, PV_FP8 = (1 << i for i in range(len(TREATMENTS)))
-TREATMENT_SETS = 1 << len(TREATMENTS)
-
-
-def treatment_names(s: int) -> tuple[str, ...]:
-    """The treatments of set ``s`` (int), in TREATMENTS order; () for plain FP4."""
-    return tuple(n for i, n in enumerate(TREATMENTS) if (int(s) >> i) & 1)
-
-
-def treatment_set(names) -> int:
-    """The set (int) of an iterable of TREATMENTS names."""
-    s = 0
-    for n in names:
-        if n not in TREATMENTS:
-            raise ValueError(f"unknown treatment {n!r}: one of {', '.join(TREATMENTS)}")
-        s |= 1 << TREATMENTS.index(n)
-    return s
-
-
-def treatment_kwargs(s: int) -> dict:
-    """The keywords of ``reference.sageattn3`` that give set ``s`` on every head (qk_precision
-    "fp4" or "fp8", never "auto"; qk_fp8_rotated with FP8 Q·Kᵀ: True with the rotation, False
-    without it, so that FP8 Q·Kᵀ alone multiplies the unrotated rows the estimate takes)."""
-    s = int(s)
-    kw = {"qk_balance": bool(s & BALANCE), "qk_rotation": bool(s & ROTATION),
-          "qk_scale_search": bool(s & SCALE_SEARCH), "qk_precision": "fp8" if s & QK_FP8 else "fp4",
-          "pv_precision": "fp8" if s & PV_FP8 else "fp4"}
-    if s & QK_FP8:
-        kw["qk_fp8_rotated"] = bool(s & ROTATION)
-    return kw
-
-
-def treatment_applies(s: int, head_dim: int, per_block_mean: bool = True) -> bool:
-    """Whether every treatment of set ``s`` exists at ``head_dim``: the balance, the rotation, the
-    scale search and FP8 Q·Kᵀ at head dims 64/128 only (the balance also needs per-block Q
-    means), FP8 P·V at any head dim. A set the reference would silently run without one of its
-    treatments does not apply."""
-    s = int(s)
-    if s & (ROTATION | SCALE_SEARCH | QK_FP8 | BALANCE) and head_dim not in FP8_HEAD_DIMS:
-        return False
-    return not (s & BALANCE and not per_block_mean)
-
-
-def _mean_rows(means: torch.Tensor, seq: int, stride: int) -> torch.Tensor:
-    """The Q mean (B, H, nblk, D) of every row ``_sampled_rows`` takes, stacked like them."""
-    nm = means.shape[-2]
-    parts = []
-    for t in sample_blocks(seq):
-        rows = len(range(t * Q_MEAN_BLOCK, min(seq, (t + 1) * Q_MEAN_BLOCK), stride))
-        i = t if nm > 1 else 0
-        parts.append(means[..., i:i + 1, :].expand(*means.shape[:-2], rows, means.shape[-1]))
-    return torch.cat(parts, dim=-2)
-
-
 def _sampled_positions(seq: int, stride: int, device=None) -> torch.Tensor:
     """The sequence positions of the rows ``_sampled_rows`` takes, in their order."""
     return torch.cat([torch.arange(t * Q_MEAN_BLOCK, min(seq, (t + 1) * Q_MEAN_BLOCK), stride, device=device)
                       for t in sample_blocks(seq)])
-
-
-def _pad_keys(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Zero-pad ``dim`` to a multiple of 32 (the sampled keys' last block may be partial)."""
-    return pad_dim(x, dim, MX_BLOCK)
-
-
-def treatment_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_scale: float | None = None,
-                     per_block_mean: bool = True, sets=None, is_causal: bool = False) -> torch.Tensor:
-    """The estimate, per q head and treatment set, of the relative output error of the quantized
-    attention under that set: (B, Hq, TREATMENT_SETS) float32 (+inf for a set that does not apply,
-    ``treatment_applies``; ``sets``: an iterable of the set ints to compute, the others +inf).
-    ``pre``: ``preprocess(q, k, v, per_block_mean, qk_balance=False, qk_rotation=False)`` (its
-    means; any precision). Opt-in: no default path calls it.
-
-    On the rule's sample (``qk_fp4_error``'s: every ``query_stride``-th row of Q's sampled
-    128-row blocks against every key of K's sampled blocks; with ``is_causal`` a sampled key after
-    a sampled row's position is masked, as the attention masks it: key 0 is always sampled, so
-    every row keeps one):
-
-    1. the target O = softmax(c · Q Kᵀ) V in float64 from the inputs (c the softmax scale);
-    2. per set: Q and K balanced (``balance_exponents``) and/or rotated as ``preprocess`` does
-       them, minus their (balanced, rotated) means, quantized to NVFP4 (with the scale search) or
-       to the precise rung (FP8 Q·Kᵀ: MXFP8, at D 64 bf16 rows, ``qk16_rows``) exactly as the
-       kernels' operands (bit for bit on these rows); scores
-       L = c / ``rotation_score_factor`` · Qd Kdᵀ + c · mean_q · (K - mean_k)ᵀ (the correction in
-       float32 from the unquantized means, as the paper's delta_s); per row, P = exp2((L - max)
-       · log2 e), quantized as the kernel's P: NVFP4 of P · 2688 along the keys (16-key blocks), or
-       MXFP8 (32-key blocks); V̂ = V quantized along the sequence (NVFP4, or MXFP8 with FP8 P·V),
-       the same blocks as the kernel's (the sampled blocks start at multiples of 128);
-       O_T = P̂ V̂ / Σ P (row sums of the unquantized P, as the kernel's);
-    3. error = ||O_T - O|| / ||O|| over the head's sampled rows (Frobenius norms).
-
-    Unlike ``qk_fp4_error`` it counts every error the kernel makes (Q·Kᵀ, P, V) against exact
-    attention, including P's on rows the correction (Q's mean) makes peaky, and (with the mask)
-    on the short rows of a causal call. One row max per sampled row stands for the kernel's
-    running max per tile."""
-    b, hq, sq, d = q.shape
-    sk = k.shape[2]
-    if pre.balance is not None or pre.qk_rotation or pre.k_block_corr is not None:
-        raise ValueError("treatment_errors: pass the Preprocessed of preprocess(q, k, v, per_block_mean, "
-                         "qk_balance=False, qk_rotation=False) (its raw means)")
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
-    stride = query_stride(sq, sk)
-    cat = lambda views: torch.cat(views, dim=-2)  # noqa: E731
-    q_rows = cat(_sampled_rows(q, sq, stride)).float()  # (B, Hq, R, D)
-    k_rows = cat(_sampled_rows(k, sk, 1)).float()  # (B, Hkv, N, D)
-    v_rows = cat(_sampled_rows(v, sk, 1)).float()
-    mq_rows = _mean_rows(pre.mean_q, sq, stride)  # raw means, per sampled row
-    # the target, float64 from the inputs, and the correction (same for every set)
-    qx, kx, vx = q_rows.double(), expand_kv(k_rows, hq).double(), expand_kv(v_rows, hq).double()
-    masked = None
-    if is_causal:
-        masked = _sampled_positions(sk, 1, q.device)[None, :] > _sampled_positions(sq, stride, q.device)[:, None]
-    s_exact = torch.matmul(qx, kx.transpose(-1, -2)) * scale
-    if masked is not None:
-        s_exact = s_exact.masked_fill(masked, float("-inf"))
-    o = torch.matmul(torch.softmax(s_exact, dim=-1), vx)
-    corr = torch.matmul(mq_rows, expand_kv(k_rows - pre.mean_k, hq).transpose(-1, -2)) * scale
-    n_keys = k_rows.shape[-2]
-    vq = {False: expand_kv(dequantize_transposed_tiled(*quantize_transposed_tiled(v_rows), n_keys) if d % V_GROUP == 0
-                           else dequantize_transposed(*quantize_transposed(v_rows), n_keys), hq),
-          True: expand_kv(dequantize_mxfp8_transposed(*quantize_mxfp8_transposed(v_rows), n_keys), hq)}
-    bal = balance_exponents(q, k) if (d in FP8_HEAD_DIMS and per_block_mean) else None
-    wanted = set(range(TREATMENT_SETS)) if sets is None else {int(s) for s in sets}
-    out = torch.full((b, hq, TREATMENT_SETS), float("inf"), dtype=torch.float32, device=q.device)
-    den = o.square().sum(dim=(-1, -2)).clamp_min(1e-300)
-    for s in sorted(wanted):
-        if not treatment_applies(s, d, per_block_mean):
-            continue
-        cq = ck = 1.0
-        if s & BALANCE:
-            ck, cq = torch.exp2(bal), expand_kv(torch.exp2(-bal), hq)
-        turn = rotate if s & ROTATION else (lambda x: x.float())
-        qs = turn(q_rows * cq) - turn(mq_rows * cq)
-        ks = turn(k_rows * ck) - turn(pre.mean_k * ck)
-        if s & QK_FP8:  # the precise rung: bf16 rows at D 64 (the 16-bit Q·Kᵀ), MXFP8 rows otherwise
-            qd, kd = (qk16_rows(x).float() if d == QK16_HEAD_DIM else dequantize_mxfp8_rows(*quantize_mxfp8_rows(x))
-                      for x in (qs, ks))
-        else:
-            qd = dequantize_rows(*quantize_rows(qs, bool(s & SCALE_SEARCH)))
-            kd = dequantize_rows(*quantize_rows(ks, bool(s & SCALE_SEARCH)))
-        c = scale / rotation_score_factor(d, bool(s & ROTATION))
-        lg = torch.matmul(qd, expand_kv(kd, hq).transpose(-1, -2)) * c + corr
-        if masked is not None:
-            lg = lg.masked_fill(masked, float("-inf"))
-        t = lg * 1.4426950408889634
-        p = torch.exp2(t - t.amax(dim=-1, keepdim=True))
-        pp = _pad_keys(p, -1)
-        if s & PV_FP8:
-            ph = mxfp8_p(pp)[..., :n_keys]
-        else:
-            ph = dequantize_rows(*quantize_rows(pp * (E4M3_MAX * FP4_MAX)))[..., :n_keys] / (E4M3_MAX * FP4_MAX)
-        o_t = torch.matmul(ph, vq[bool(s & PV_FP8)]) / p.sum(dim=-1, keepdim=True)
-        num = (o_t.double() - o).square().sum(dim=(-1, -2))
-        out[..., s] = torch.sqrt(num / den).float()
-    return out
-
-
-def choose_treatments(errors: torch.Tensor, floors=0, limit: float | None = None,
-                      keep: float | None = None) -> torch.Tensor:
-    """Per q head, the treatment set to run, from ``treatment_errors``' estimates (B, Hq,
-    TREATMENT_SETS); (B, Hq) int64. ``floors``: the treatments a call forces on (an int set, or a
-    (B, Hq) integer tensor; 0: none): every set chosen contains them, and the rule may add others.
-
-    1. A head that plain FP4 (set 0) and its floor set both estimate at most ``keep`` (None:
-       ``TREATMENT_KEEP_LIMIT``) keeps its floors: heads whose FP4 error sits near the target by
-       nature (zero-mean data: 0.18-0.21, the estimate's noise around it) stay on today's path,
-       with or without options; a head FP4 serves badly gets no such slack.
-    2. Otherwise the cheapest set containing the floors (the smallest int: the bits are the
-       cost order) whose estimate is at most ``limit`` (None: ``TREATMENT_ERROR_LIMIT``).
-    3. Where none meets it, the set containing the floors with the smallest estimate (the
-       cheaper of equal ones).
-
-    Sets that do not apply (+inf) and NaN estimates (NaN inputs) never qualify; a head with no
-    finite estimate keeps its floors."""
-    limit = _package.TREATMENT_ERROR_LIMIT if limit is None else limit
-    keep = _package.TREATMENT_KEEP_LIMIT if keep is None else keep
-    if errors.shape[-1] != TREATMENT_SETS:
-        raise ValueError(f"choose_treatments: errors must be (..., {TREATMENT_SETS}), got {tuple(errors.shape)}")
-    sets = torch.arange(TREATMENT_SETS, device=errors.device)
-    fl = torch.as_tensor(floors, device=errors.device).to(torch.int64).expand(errors.shape[:-1])
-    allowed = (sets & fl.unsqueeze(-1)) == fl.unsqueeze(-1)  # (B, Hq, S)
-    err = torch.where(allowed & ~torch.isnan(errors), errors, torch.full_like(errors, float("inf")))
-    big = torch.full_like(err, TREATMENT_SETS, dtype=torch.int64)
-    cheapest = torch.where(err <= limit, sets.expand_as(err), big).amin(dim=-1)
-    best = torch.where(torch.isfinite(err.amin(dim=-1)), err.argmin(dim=-1), fl)  # argmin: the first minimum
-    chosen = torch.where(cheapest < TREATMENT_SETS, cheapest, best)
-    floor_err = torch.gather(err, -1, fl.unsqueeze(-1)).squeeze(-1)
-    plain = torch.where(torch.isnan(errors[..., 0]), torch.full_like(errors[..., 0], float("inf")), errors[..., 0])
-    return torch.where((floor_err <= keep) & (plain <= keep), fl, chosen)

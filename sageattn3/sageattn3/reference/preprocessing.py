@@ -12,6 +12,7 @@ from .formats import (
     dequantize_rows,
     pad_dim,
     QK16_HEAD_DIM,
+    QK16_RAW_HEAD_DIM,
     qk16_rows,
     quantize_mxfp8_rows,
     quantize_mxfp8_transposed,
@@ -24,11 +25,13 @@ from .formats import (
 from .precision import (
     PV_PRECISION_DEFAULT,
     choose_pv_precision,
+    choose_qk16,
     choose_qk_precision,
     fp8_applies,
     fp8_unavailable,
     pv_p_error,
     pv_precision_arg,
+    qk16_stat,
     qk_fp4_error,
     qk_precision_arg,
 )
@@ -127,6 +130,11 @@ class Preprocessed:
       only the heads that use them (a kv head when any of its q heads does).
     - qk_error (B, Hq) float32 or None: the rule's estimate of the relative output error FP4
       Q·Kᵀ causes (``qk_fp4_error``; with qk_precision "auto").
+    - qk16 (B, Hq) bool or None (D 128, where the rule runs): the heads of qk_fp8 whose Q·Kᵀ
+      multiplies the raw 16-bit rows instead of MXFP8 (``choose_qk16`` of ``qk16_stat``, kept in
+      qk16_stat): the scores are q·kᵀ of the fp16/bf16 inputs as they are (q16, k16: the inputs;
+      exact products, float32 sums), in unrotated units, with no delta_s (K's and Q's means are
+      in the raw rows already, and K's adds one constant a row); the kernels read the inputs.
     - k_block_corr (B, Hq, Sq, Sk_p/128) float32 or None (``k_block_mean``, reference only): K is
       smoothed by its mean per 128-key block mu_b instead of one mean, and the scores of key block
       b get Q_i · (mu_b - mean_k) back (float64 products from the unquantized, balanced Q).
@@ -165,6 +173,10 @@ class Preprocessed:
     k8: torch.Tensor | None = None
     k8_scales: torch.Tensor | None = None
     qk_error: torch.Tensor | None = None
+    qk16: torch.Tensor | None = None
+    qk16_stat: torch.Tensor | None = None
+    q16: torch.Tensor | None = None
+    k16: torch.Tensor | None = None
     k_block_corr: torch.Tensor | None = None
     v8: torch.Tensor | None = None
     v8_scales: torch.Tensor | None = None
@@ -316,6 +328,7 @@ def preprocess(
             return pre
         pre.qk_error = qk_fp4_error(q, k, v, pre, sm_scale)
         pre.qk_fp8 = choose_qk_precision(precision, pre.qk_error)
+        _raw_rule(q, k, pre, sm_scale)
         _pv_rule(q, k, v, pre, pv, pad, sm_scale, pv_limit, is_causal)
         if qk_fp8_rotated and not rot and rotation_applies(d) and not k_block_mean:
             qs, ks = fp8_rows(q.float() * cq, mq, k.float() * ck, mk)
@@ -327,6 +340,24 @@ def _precise_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The operand of the heads that leave FP4: bf16 rows at D 64 (``qk16_rows``, no scales),
     MXFP8 rows otherwise (``quantize_mxfp8_rows``)."""
     return (qk16_rows(x), None) if x.shape[-1] == QK16_HEAD_DIM else quantize_mxfp8_rows(x)
+
+
+def _raw_rule(q, k, pre: Preprocessed, sm_scale) -> None:
+    """At D 128, where the rule ran: its second statistic and the heads it gives the raw 16-bit rows
+    (``raw16_fits``: none where Q or K has fewer rows than a TMA box)."""
+    if q.shape[-1] == QK16_RAW_HEAD_DIM and raw16_fits(q, k):
+        pre.qk16_stat = qk16_stat(q, k, pre, sm_scale)
+        pre.qk16 = choose_qk16(pre.qk_fp8, pre.qk16_stat, q.shape[-1])
+        pre.q16, pre.k16 = q, k
+
+
+def raw16_fits(q, k) -> bool:
+    """Whether the raw 16-bit rows can serve this call: Q and K each hold at least
+    ``QK16_MIN_ROWS`` rows (batch x heads x sequence), one TMA box of the kernels."""
+    from sageattn3 import reference as _package
+
+    rows = lambda x: x.shape[0] * x.shape[1] * x.shape[2]  # noqa: E731
+    return rows(q) >= _package.QK16_MIN_ROWS and rows(k) >= _package.QK16_MIN_ROWS
 
 
 def _pv_rule(q, k, v, pre: Preprocessed, pv: str, pad: int, sm_scale, pv_limit, is_causal: bool = False) -> None:
