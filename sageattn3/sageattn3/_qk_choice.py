@@ -74,8 +74,7 @@ class Picked(NamedTuple):
 
     def choice(self, precision: str, pv: bool) -> QkChoice:
         """The debug return: ``pv`` where the P·V rule ran (pv_precision "auto")."""
-        raw = {} if self.qk16_stat is None or not bool(torch.isfinite(self.qk16_stat).any()) else \
-            {"qk16": (self.sel_q & 4).bool(), "qk16_stat": self.qk16_stat}
+        raw = {} if self.qk16_stat is None else {"qk16": (self.sel_q & 4).bool(), "qk16_stat": self.qk16_stat}
         if not pv:
             return QkChoice(precision, (self.sel_q & 1).bool(), self.error, **raw)
         return QkChoice(precision, (self.sel_q & 1).bool(), self.error, pv_fp8=(self.sel_q & 2).bool(),
@@ -102,9 +101,10 @@ def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float
             raise ValueError(why)
         return why
     if _rule_kernel_serves(q, pre):
-        q16 = None if reference.raw16_fits(q, k) else -1.0  # bit 2 where the raw rows can serve the call
-        return Picked(*_kernels.qk_rule_select(q, k, v, pre, _scale(q, sm_scale), reference.AUTO_ERROR_LIMIT,
-                                               precision == "fp8", pv_limit, is_causal, qk16_limit=q16))
+        raw = d == reference.QK16_RAW_HEAD_DIM and reference.raw16_fits(q, k)  # bit 2 where the raw rows serve
+        *picked, stat = _kernels.qk_rule_select(q, k, v, pre, _scale(q, sm_scale), reference.AUTO_ERROR_LIMIT,
+                                                precision == "fp8", pv_limit, is_causal, qk16_limit=None if raw else -1.0)
+        return Picked(*picked, stat if raw else None)
     err = _qk_error(q, k, v, pre, sm_scale)
     fp8 = reference.choose_qk_precision(precision, err)
     if pv_limit >= 0:

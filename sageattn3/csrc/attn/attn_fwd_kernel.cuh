@@ -66,9 +66,7 @@ struct SmemLayout {
   static constexpr int kRowBytes = (kQK16 ? 2 * D : kQK8 ? D : D / 2) / kParts;  // bytes per row of a part
   static constexpr int kSfRowBytes = kQK16 ? 0 : kQK8 ? D / 32 : D / 16;  // scale bytes per row of Q / K
   static constexpr int kQBytes = kBlockM * kRowBytes;                     // one part of Q
-  static constexpr int kQBufs = kRaw ? kParts : 1;                        // Q's part buffers
-  static constexpr int kQSteps = kParts / kQBufs;                         // Q's loads a tile
-  static constexpr int kQResident = kRaw ? kQBufs : 0;                    // parts read from shared memory
+  static constexpr bool kQResident = kRaw;                                // Q read from shared memory a key tile
   static constexpr int kQSfBytes = kBlockM * kSfRowBytes;
   static constexpr int kKPartBytes = kBlockN * kRowBytes;
   static constexpr int kKBytes = kParts * kKPartBytes;
@@ -81,7 +79,7 @@ struct SmemLayout {
   static constexpr int kVSfBytes = D * kBlockN / 16;  // the stage's V scales (copied in, not TMA-loaded)
   // Offsets from a 1024-aligned base; every swizzled tile starts on a 1024 boundary.
   static constexpr int kQ = 0;
-  static constexpr int kQSf = kQ + kQBufs * kQBytes;
+  static constexpr int kQSf = kQ + kParts * kQBytes;
   static constexpr int kStage0 = ((kQSf + kQSfBytes + 1023) / 1024) * 1024;
   static constexpr int kStageK = 0;
   static constexpr int kStageV = kKBytes;
@@ -111,7 +109,7 @@ struct SmemLayout {
   // (the producer warpgroup's; the bounded mode's consumers), not by TMA (V's scale rows are Sk_pad/16 bytes apart: not the multiple of 16 a
   // tensor map's stride must be when Sk_pad/128 is odd).
   static constexpr uint32_t kStageTx = kKBytes + kVBytes + kKSfBytes;
-  static constexpr uint32_t kQTx = kQBufs * kQBytes + kQSfBytes;  // a step of Q (and its scales)
+  static constexpr uint32_t kQTx = kParts * kQBytes + kQSfBytes;  // Q's parts (and its scales)
   static_assert(D / 32 * 4 <= 16 && kStageVExp % 16 == 0, "V's group factors: two 16-byte slots");
 };
 
@@ -573,16 +571,12 @@ __device__ __forceinline__ void producer_warpgroup(const AttnParams& p, uint8_t*
     if (leader) {
       // kRaw: the inputs' rows (seq_q a head, unpadded; rows past it are masked or never written)
       const int q_row0 = bh_q * (L::kRaw ? p.seq_q : p.seq_q_pad) + c.mb * kBlockM;
-      // a step at a time (kQSteps > 1: each waits for the consumers to take the one before)
+      mbar_wait(q_empty, (q_round & 1u) ^ 1u);
+      mbar_arrive_expect_tx(q_full, L::kQTx);
 #pragma unroll
-      for (int step = 0; step < L::kQSteps; ++step) {
-        mbar_wait(q_empty, ((q_round * L::kQSteps + step) & 1u) ^ 1u);
-        mbar_arrive_expect_tx(q_full, L::kQTx);
-#pragma unroll
-        for (int b = 0; b < L::kQBufs; ++b)
-          tma_load_2d(smem + L::kQ + b * L::kQBytes, &p.tm_q, q_full, (step * L::kQBufs + b) * L::kRowBytes, q_row0);
-        if constexpr (!kQK16) tma_load_2d(smem + L::kQSf, &p.tm_q_sf, q_full, 0, q_row0 / kBlockM * L::kSfRowBytes);
-      }
+      for (int part = 0; part < L::kParts; ++part)
+        tma_load_2d(smem + L::kQ + part * L::kQBytes, &p.tm_q, q_full, part * L::kRowBytes, q_row0);
+      if constexpr (!kQK16) tma_load_2d(smem + L::kQSf, &p.tm_q_sf, q_full, 0, q_row0 / kBlockM * L::kSfRowBytes);
     }
     const float* ds_row = p.ds_key + static_cast<int64_t>(bh_q - p.bh0) * p.ds_bh_stride + c.mb * p.ds_m_stride;
     const uint8_t* v_sf = p.v_sf + static_cast<int64_t>(kv_bh) * D * (p.seq_k_pad / (kPV8 ? 32 : 16));
@@ -741,24 +735,15 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
     const float* ds_key_row = p.ds_key + static_cast<int64_t>(bh_q - p.bh0) * p.ds_bh_stride + c.mb * p.ds_m_stride;
     const float* ds_key_ptr = ds_key_row + ds_k;
 
-    // ---- Q fragments and scales into registers, then hand the Q buffer back (each step's; the
-    // resident parts' at the tile's end) ----
+    // ---- Q fragments and scales into registers, then hand the Q buffer back (the resident Q's at
+    // the tile's end: its key tiles read the fragments again) ----
     // matrices: rows 0-7 / 8-15 of the warp's 16, bytes [32ch, +16) then [32ch+16, +16)
     const uint32_t q_lane = (row_in_tile + (lane & 7) + 8 * ((lane >> 3) & 1)) * kRow + 16 * (lane >> 4);
-    constexpr int kHeld = kParts - L::kQResident;  // parts whose fragments stay in registers
-    uint32_t qa[kChunks][4];  // the held parts' (the resident parts' entries unused)
+    mbar_wait(q_full, q_round & 1u);
+    uint32_t qa[kChunks][4];
+    if constexpr (!L::kQResident) {
 #pragma unroll
-    for (int step = 0; step < L::kQSteps; ++step) {
-      if (step > 0) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(q_empty);
-      }
-      mbar_wait(q_full, (q_round * L::kQSteps + step) & 1u);
-#pragma unroll
-      for (int ch = 0; ch < kPartChunks; ++ch) {
-        if (step < kHeld)  // one buffer a step here (kQBufs 1, or no part held)
-          ldmatrix_x4(qa[step * kPartChunks + ch], s_base + L::kQ + swizzled<kRow>(q_lane + 32 * ch));
-      }
+      for (int ch = 0; ch < kChunks; ++ch) ldmatrix_x4(qa[ch], s_base + L::kQ + swizzled<kRow>(q_lane + 32 * ch));
     }
     // FP4: lane 4g+t: row g + 8(t&1), k-chunk t>>1 (SF_A with thread-id-a = chunk). FP8: lane 4g+t:
     // all of row g + 8(t&1)'s scale bytes (SF_A with thread-id-a 0, byte-id = chunk).
@@ -770,7 +755,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
     } else {
       q_sf = lds_u32(s_base + L::kQSf + (row_in_tile + g + 8 * (t & 1)) * (D / 16) + 4 * (kChunks == 2 ? (t >> 1) : 0));
     }
-    if constexpr (L::kQResident == 0) {
+    if constexpr (!L::kQResident) {
       __syncwarp();
       if (lane == 0) mbar_arrive(q_empty);
     }
@@ -863,11 +848,15 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
         // FP8: per n-tile j, one ldmatrix.x4 per 64 bytes of the key rows (lane L: row key_of(j, L&7),
         // bytes 64h + 16(L>>3)): chunk 2h in kf[0..1], chunk 2h+1 in kf[2..3]; the K scale word of
         // key column g (all its chunks) in every lane of quad g.
-        // the resident parts' fragments (kQResident), read once a key tile
-        uint32_t qr[L::kQResident > 0 ? L::kQResident * kPartChunks : 1][4];
+        // the resident Q's fragments (kQResident), read once a key tile; else those held since the
+        // tile began
+        uint32_t qr[kChunks][4];
+        if constexpr (L::kQResident) {
 #pragma unroll
-        for (int x = 0; x < L::kQResident * kPartChunks; ++x)
-          ldmatrix_x4(qr[x], s_base + L::kQ + (x / kPartChunks) * L::kQBytes + swizzled<kRow>(q_lane + 32 * (x % kPartChunks)));
+          for (int x = 0; x < kChunks; ++x)
+            ldmatrix_x4(qr[x], s_base + L::kQ + (x / kPartChunks) * L::kQBytes + swizzled<kRow>(q_lane + 32 * (x % kPartChunks)));
+        }
+        const uint32_t(&qf)[kChunks][4] = L::kQResident ? qr : qa;
 #pragma unroll
         for (int j = 0; j < kNT; ++j) {
           const int row = key_of(j, 0) + key_of(0, lane & 7);
@@ -877,12 +866,8 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
 #pragma unroll
           for (int part = 0; part < kParts; ++part) {
             const uint32_t k_part = stage + L::kStageK + part * L::kKPartBytes;
-            constexpr int kHeldParts = kParts - L::kQResident;
-            const int rp = part - kHeldParts;  // its resident index (below 0: held in qa)
-            const uint32_t(&a0)[4] = rp < 0 ? qa[2 * part] : qr[rp < 0 ? 0 : 2 * rp];
-            const uint32_t(&a1)[4] = rp < 0 ? qa[2 * part + 1] : qr[rp < 0 ? 0 : 2 * rp + 1];
-            qk8_half<0, kRow, kQK16>(s[j], a0, a1, k_part, row, lane, q_sf, k_sf);
-            if constexpr (kRow == 128) qk8_half<1, kRow, kQK16>(s[j], qa[2 * part + 2], qa[2 * part + 3], k_part, row, lane, q_sf, k_sf);
+            qk8_half<0, kRow, kQK16>(s[j], qf[2 * part], qf[2 * part + 1], k_part, row, lane, q_sf, k_sf);
+            if constexpr (kRow == 128) qk8_half<1, kRow, kQK16>(s[j], qf[2 * part + 2], qf[2 * part + 3], k_part, row, lane, q_sf, k_sf);
           }
         }
       } else {
@@ -1088,7 +1073,7 @@ __device__ __forceinline__ void consumer(const AttnParams& p, uint8_t* smem, int
         v_sf_copy += kBlockN / 16;
       }
     }
-    if constexpr (L::kQResident > 0) {  // the resident Q parts read for the last time: their buffers back
+    if constexpr (L::kQResident) {  // the resident Q read for the last time: its buffers back
       __syncwarp();
       if (lane == 0) mbar_arrive(q_empty);
     }

@@ -79,6 +79,17 @@ def _sampled_rows(x: torch.Tensor, seq: int, stride: int) -> list[torch.Tensor]:
     return [x[..., t * Q_MEAN_BLOCK : min(seq, (t + 1) * Q_MEAN_BLOCK) : stride, :] for t in sample_blocks(seq)]
 
 
+def _mean_rows(means: torch.Tensor, seq: int, stride: int) -> torch.Tensor:
+    """The Q mean (B, H, nblk, D) of every row ``_sampled_rows`` takes, stacked like them."""
+    nm = means.shape[-2]
+    parts = []
+    for t in sample_blocks(seq):
+        rows = len(range(t * Q_MEAN_BLOCK, min(seq, (t + 1) * Q_MEAN_BLOCK), stride))
+        i = t if nm > 1 else 0
+        parts.append(means[..., i:i + 1, :].expand(*means.shape[:-2], rows, means.shape[-1]))
+    return torch.cat(parts, dim=-2)
+
+
 def _sampled_count(seq: int, stride: int) -> int:
     """How many rows ``_sampled_rows`` takes at ``stride``."""
     return sum(len(range(t * Q_MEAN_BLOCK, min(seq, (t + 1) * Q_MEAN_BLOCK), stride)) for t in sample_blocks(seq))
@@ -186,12 +197,9 @@ def _fp4_error(q, k, v, pre, sm_scale, plain: bool) -> torch.Tensor:
     ck = 1.0 if bal is None else torch.exp2(bal)
     mean_q, mean_k = options_free_means(pre) if plain else (pre.mean_q, pre.mean_k)
     cat = lambda views: torch.cat(views, dim=-2)  # noqa: E731  (one gather per operand)
-    nm = mean_q.shape[-2]
     stride = query_stride(sq, sk)
     q_rows = _sampled_rows(q, sq, stride)
-    means = cat([mean_q[..., (t if nm > 1 else 0):(t if nm > 1 else 0) + 1, :].expand(b, hq, blk.shape[-2], d)
-                 for t, blk in zip(sample_blocks(sq), q_rows)])
-    qs = turn(cat(q_rows).float() * cq) - means
+    qs = turn(cat(q_rows).float() * cq) - _mean_rows(mean_q, sq, stride)
     ks = turn(cat(_sampled_rows(k, sk, 1)).float() * ck) - mean_k
     if plain:
         qd, kd = _dequantize_fp4_rows(*quantize_rows(qs)), _dequantize_fp4_rows(*quantize_rows(ks))
@@ -222,12 +230,8 @@ def qk16_stat(q: torch.Tensor, k: torch.Tensor, pre, sm_scale: float | None = No
     sk = k.shape[2]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     mean_q, mean_k = options_free_means(pre)
-    nm = mean_q.shape[-2]
     stride = query_stride(sq, sk)
-    q_rows = _sampled_rows(q, sq, stride)
-    means = torch.cat([mean_q[..., (t if nm > 1 else 0):(t if nm > 1 else 0) + 1, :].expand(b, hq, blk.shape[-2], d)
-                       for t, blk in zip(sample_blocks(sq), q_rows)], dim=-2)
-    qs = torch.cat(q_rows, dim=-2).float() - means
+    qs = torch.cat(_sampled_rows(q, sq, stride), dim=-2).float() - _mean_rows(mean_q, sq, stride)
     ks = _sampled_rows(k, sk, 1)[0].float() - mean_k.float()  # K's first sampled block
     q2 = qs.square().sum(dim=(-1, -2)) / qs.shape[-2]
     k2 = expand_kv(ks.square().sum(dim=(-1, -2)).unsqueeze(-1).unsqueeze(-1) / ks.shape[-2], hq)[..., 0, 0]

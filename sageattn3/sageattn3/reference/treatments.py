@@ -32,8 +32,8 @@ from .formats import (
     quantize_transposed,
     quantize_transposed_tiled,
 )
-from .precision import FP8_HEAD_DIMS, _sampled_positions, _sampled_rows, qk16_stat, query_stride
-from .transforms import Q_MEAN_BLOCK, balance_exponents, expand_kv, rotate, rotation_score_factor, sample_blocks
+from .precision import FP8_HEAD_DIMS, _mean_rows, _sampled_positions, _sampled_rows, qk16_stat, query_stride
+from .transforms import balance_exponents, expand_kv, rotate, rotation_score_factor
 
 
 # The treatments a head may get, one bit each; a treatment set is an int 0..31 (0: plain FP4,
@@ -86,17 +86,6 @@ def treatment_applies(s: int, head_dim: int, per_block_mean: bool = True) -> boo
     if s & (ROTATION | SCALE_SEARCH | QK_FP8 | BALANCE) and head_dim not in FP8_HEAD_DIMS:
         return False
     return not (s & BALANCE and not per_block_mean)
-
-
-def _mean_rows(means: torch.Tensor, seq: int, stride: int) -> torch.Tensor:
-    """The Q mean (B, H, nblk, D) of every row ``_sampled_rows`` takes, stacked like them."""
-    nm = means.shape[-2]
-    parts = []
-    for t in sample_blocks(seq):
-        rows = len(range(t * Q_MEAN_BLOCK, min(seq, (t + 1) * Q_MEAN_BLOCK), stride))
-        i = t if nm > 1 else 0
-        parts.append(means[..., i:i + 1, :].expand(*means.shape[:-2], rows, means.shape[-1]))
-    return torch.cat(parts, dim=-2)
 
 
 def _pad_keys(x: torch.Tensor, dim: int) -> torch.Tensor:
