@@ -94,6 +94,7 @@ from .transforms import (
     scale_search_on,
 )
 from .precision import (
+    AUTO_ERROR_SPREAD,
     FP8_HEAD_DIMS,
     PV_PRECISION_DEFAULT,
     PV_PRECISIONS,
@@ -110,6 +111,7 @@ from .precision import (
     qk16_stat,
     qk_fp4_error,
     query_stride,
+    spread_bound,
     rule_has_options,
     qk_precision_arg,
 )
@@ -224,6 +226,7 @@ TREATMENT_KEEP_LIMIT = 0.23
 
 __all__ = [
     "AUTO_ERROR_LIMIT",
+    "AUTO_ERROR_SPREAD",
     "AUTO_QUERY_STRIDE",
     "BALANCE",
     "BALANCE_HEAD_DIMS",
@@ -303,6 +306,7 @@ __all__ = [
     "q_mean",
     "options_free_means",
     "qk_fp4_error",
+    "spread_bound",
     "query_stride",
     "rule_has_options",
     "qk_precision_arg",
