@@ -11,6 +11,9 @@ Cases (none of tests/attention_cases.py; Gaussian unless said, 4 q heads over 2,
 - ``student_t3``, ``student_t2.5``: Q and K elements from Student's t (3 and 2.5 degrees of
   freedom: heavy tails);
 - ``low_rank2/4/16``: Q and K in a shared random subspace of that rank;
+- ``k_massive``: three channels of K alone scaled by 20, 40 and 60 (not the spread's case: every
+  head leaves FP4 either way, and at D 128 MXFP8 is what limits it; the raw 16-bit rows' statistic
+  reads 6-7 there, below its limit);
 - ``zero_mean``: plain Gaussian Q, K, V, the data that needs no help (its heads must stay FP4).
 
 Columns per case: heads below 0.98 with the plain ratio's choice and with the bound's, the lowest
@@ -35,7 +38,7 @@ from sageattn3 import reference as ref  # noqa: E402
 from sageattn3.reference import precision  # noqa: E402
 
 CASES = ("key_norm_x10", "key_norm_x30", "key_norm_x60", "student_t3", "student_t2.5", "low_rank2", "low_rank4",
-         "low_rank16", "zero_mean")
+         "low_rank16", "k_massive", "zero_mean")
 
 
 def make(case: str, seq: int, d: int, seed: int, hq: int = 4, hk: int = 2):
@@ -45,6 +48,9 @@ def make(case: str, seq: int, d: int, seed: int, hq: int = 4, hk: int = 2):
     q, k, v = torch.randn(shape_q, generator=g), torch.randn(shape_k, generator=g), torch.randn(shape_k, generator=g)
     if case.startswith("key_norm_x"):
         k[..., 0, :] *= float(case.removeprefix("key_norm_x"))
+    elif case == "k_massive":
+        channels = torch.randperm(d, generator=g)[:3]
+        k[..., channels] *= torch.tensor([20.0, 40.0, 60.0])
     elif case.startswith("student_t"):
         t = torch.distributions.StudentT(float(case.removeprefix("student_t")))
         torch.manual_seed(seed)
