@@ -1,5 +1,5 @@
 """The rule's spread bound on data whose FP4 error sits on a few rows: per head, the plain ratio
-of ``reference.qk_fp4_error`` (``AUTO_ERROR_SPREAD`` = 0) against the bound (the default), and
+of ``reference.qk_fp4_error`` (``precision.AUTO_ERROR_SPREAD`` = 0) against the bound (the default), and
 where each sends the head, against float64 exact attention (the reference, CPU):
 
     python tests/bench/rule_spread.py                 # the summary and every head that misses 0.98
@@ -101,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--seqs", nargs="+", type=int, default=[768, 2048])
     args = ap.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     limit = ref.AUTO_ERROR_LIMIT
     print(f"AUTO_ERROR_LIMIT {limit}, AUTO_ERROR_SPREAD {precision.AUTO_ERROR_SPREAD}; D 64 and 128, "
           f"{args.seqs} tokens, seeds {args.seeds}, 4 q heads over 2, bf16, not causal")

@@ -741,16 +741,21 @@ __device__ __forceinline__ float head_stat(const RuleGrid& G, int64_t bh) {
   return G.scale_exact * sqrtf(q_ms * k_ms / static_cast<float>(a.D));
 }
 
-// Q.K^T's estimate with the spread of its rows (reference.qk_fp4_error): r = n / d over the sample
-// plus kSpreadZ standard errors of that ratio (the rows' n_r - r d_r, their sums of squares and
-// products sv), r + z sqrt(sum (n_r - r d_r)^2 rows / (rows - 1)) / d, in double; its square root.
-__device__ __forceinline__ float spread_bound(float n, float d, const float (&sv)[3], int64_t rows) {
+// Q.K^T's estimate with the spread of its rows (reference.spread_bound): r = n / d over the sample
+// plus kSpreadZ standard errors of that ratio, from the rows' n_r - r d_r (their sums of squares
+// and products sv) with the finite-population factor 1 - rows / seq (0 where every query row is
+// read: no sampling error left): r + z sqrt(sum (n_r - r d_r)^2 rows / (rows - 1) (1 - rows / seq))
+// / d, in double, and its square root; the plain sqrt(r) where that is not finite (sums of squares
+// past float32's range, |V| beyond about 1e8).
+__device__ __forceinline__ float spread_bound(float n, float d, const float (&sv)[3], int64_t rows, int64_t seq) {
   const float r = n / fmaxf(d, 1e-30f);
-  if (rows < 2 || !(d > 0.0f)) return sqrtf(r);
+  if (rows < 2 || !(d > 0.0f) || rows >= seq) return sqrtf(r);
   const double rr = r;
-  const double res = fmax(static_cast<double>(sv[0]) - 2.0 * rr * sv[2] + rr * rr * sv[1], 0.0);
-  const double se = sqrt(res * static_cast<double>(rows) / static_cast<double>(rows - 1)) / d;
-  return static_cast<float>(sqrt(rr + kSpreadZ * se));
+  const double res = static_cast<double>(sv[0]) - 2.0 * rr * sv[2] + rr * rr * sv[1];
+  const double fpc = 1.0 - static_cast<double>(rows) / static_cast<double>(seq);
+  const double se = sqrt(fmax(res, 0.0) * static_cast<double>(rows) / static_cast<double>(rows - 1) * fpc) / d;
+  const double bound = sqrt(rr + kSpreadZ * se);
+  return isfinite(res) && isfinite(bound) ? static_cast<float>(bound) : sqrtf(r);
 }
 
 __device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int unit, int z, float n, float d,
@@ -776,7 +781,7 @@ __device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int un
       rows += group_of(G, i).rows;
     }
     if (G.estimate[zz] == kPv) return sqrtf(sn / fmaxf(sd, 1e-30f));  // P's: the ratio alone
-    return spread_bound(sn, sd, sv, rows);
+    return spread_bound(sn, sd, sv, rows, a.Sq);
   };
   a.counter[bh] = 0;  // ready for the next launch
   int z_first = 0, z_floor = -1, z_pv = -1;

@@ -94,7 +94,6 @@ from .transforms import (
     scale_search_on,
 )
 from .precision import (
-    AUTO_ERROR_SPREAD,
     FP8_HEAD_DIMS,
     PV_PRECISION_DEFAULT,
     PV_PRECISIONS,
@@ -190,7 +189,7 @@ AUTO_QUERY_STRIDE = 8
 # heads of zero-mean data, channel offsets, K biases and drifting offsets estimate 0.005-0.16 (FP4
 # Q·Kᵀ costs them little: the FP4 error of P and V dominates there), those of outlier channels,
 # near-one-hot rows, RoPE'd biased keys and a huge K channel 0.25-0.71 (the plain ratio; the
-# estimate adds the sample's spread, ``precision.AUTO_ERROR_SPREAD``: zero-mean heads then reach 0.18).
+# estimate adds the sample's spread, ``precision.AUTO_ERROR_SPREAD``).
 AUTO_ERROR_LIMIT = 0.2
 # A head's P·V runs in MXFP8 (pv_precision "auto", the default) when the rule's estimate of the
 # relative output error NVFP4 P causes (``pv_p_error``) exceeds this. Calibrated on
@@ -227,7 +226,6 @@ TREATMENT_KEEP_LIMIT = 0.23
 
 __all__ = [
     "AUTO_ERROR_LIMIT",
-    "AUTO_ERROR_SPREAD",
     "AUTO_QUERY_STRIDE",
     "BALANCE",
     "BALANCE_HEAD_DIMS",
