@@ -195,5 +195,34 @@ def test_api_choice_comes_from_the_kernel(fp4):  # noqa: F811
     assert choice.fp8.any() and not choice.fp8.all()
 
 
+def test_the_rows_spread_sends_a_huge_norm_keys_head_to_fp8(fp4):  # noqa: F811
+    """tests/bench/rule_spread.py's key_norm_x60 (key 0 of each kv head 60 times the others' norm;
+    D 128, 2048 tokens: every 8th row): the kernel's estimate, the rows' spread included, against
+    the reference's (1e-3); head 3, whose plain ratio (about 0.13) would keep FP4 (0.954 against
+    exact attention), takes FP8 Q·Kᵀ, and with the defaults every head is >= 0.98."""
+    import sys
+    from pathlib import Path
+
+    from sageattn3 import _kernels, reference as ref
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import rule_spread
+
+    q, k, v = rule_spread.make("key_norm_x60", 2048, 128, 0)
+    qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
+    pre = fp4.preprocess(qc, kc, vc)
+    got = _kernels.qk_rule_error(qc, kc, vc, pre, 128 ** -0.5).cpu()
+    want = ref.qk_fp4_error(q, k, v, _cpu(pre))
+    rel = ((got - want).abs() / want.abs()).max().item()
+    out, choice = fp4.sageattn3_blackwell(qc, kc, vc, return_qk_choice=True)
+    exact = ref.exact_attention(qc, kc, vc)
+    heads = [ac.cos_sim(out[0, h].float(), exact[0, h]) for h in range(4)]
+    fig = (f"key_norm_x60 D 128 2048: kernel estimates {[round(float(x), 4) for x in got[0]]}, max rel diff "
+           f"{rel:.1e}; heads vs exact {min(heads):.4f}-{max(heads):.4f}; {choice.describe()[:120]}")
+    FIGURES.append(fig)
+    assert rel < 1e-3 and float(got[0, 3]) > ref.AUTO_ERROR_LIMIT and bool(choice.fp8[0, 3]), fig
+    assert min(heads) >= 0.98, fig
+
+
 def test_zz_report_figures():
     print("\n".join(FIGURES))

@@ -176,11 +176,14 @@ def test_short_calls_read_more_rows():
     assert all(ref.query_stride(sq, sk) == 8 for sq in (1025, 2000, 9000) for sk in (1025, 2000, 9000))
 
 
-@pytest.mark.parametrize("d, sq, seed, head", [(64, 300, 3, 2), (128, 256, 2, 1)])
-def test_short_calls_catch_the_rows_that_flip(monkeypatch, d, sq, seed, head):
+@pytest.mark.parametrize("d, sq, seed, head, bound_catches", [(64, 300, 3, 2, False), (128, 256, 2, 1, True)])
+def test_short_calls_catch_the_rows_that_flip(monkeypatch, d, sq, seed, head, bound_catches):
     """Massive shared outliers on a short call: a head whose FP4 error sits on the 2 of its 300
     rows whose top two scores are close (D 64) estimated 0.0 at every 8th row and kept FP4 (cos
-    0.925); read every row, the rule gives it the precise Q·Kᵀ and it meets the target."""
+    0.925); read every row, the rule gives it the precise Q·Kᵀ and it meets the target. At every
+    8th row the plain ratio misses both heads; the ratio's standard error (``precision.AUTO_ERROR_SPREAD``)
+    catches the D 128 one, whose sample holds some of its rows, not the D 64 one, whose sample
+    holds none (estimate 1e-7)."""
     from sageattn3.reference import precision
 
     q, k, v = ac.make("qk_massive", 1, 4, 2, sq, sq, d, seed=seed)
@@ -190,6 +193,9 @@ def test_short_calls_catch_the_rows_that_flip(monkeypatch, d, sq, seed, head):
     assert bool(pre.qk_fp8[0, head]), pre.qk_error
     assert ac.cos_sim(ref.sageattn3(q, k, v)[:, head], exact[:, head]) > 0.98
     monkeypatch.setattr(precision, "query_stride", lambda sq, sk: 8)  # the stride of long calls
+    pre8 = ref.preprocess(q, k, v, qk_precision="auto")  # the spread of the rows: where the sample holds them
+    assert bool(pre8.qk_fp8[0, head]) == bound_catches, pre8.qk_error
+    monkeypatch.setattr(precision, "AUTO_ERROR_SPREAD", 0.0)  # the plain ratio misses it
     pre8 = ref.preprocess(q, k, v, qk_precision="auto")
     assert not bool(pre8.qk_fp8[0, head]) and float(pre8.qk_error[0, head]) < 0.2
     assert ac.cos_sim(ref.sageattn3(q, k, v)[:, head], exact[:, head]) < 0.95
@@ -345,3 +351,82 @@ def test_the_known_price_of_rotated_fp8_is_still_there():
     if dflt < 0.98:
         pytest.fail(f"the defaults fell below 0.98 on k_sink: {dflt:.4f}")  # not the expected failure
     assert dflt >= unrotated - 0.001, (dflt, unrotated)
+
+
+def _rule_spread():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import rule_spread
+
+    return rule_spread
+
+
+def test_spread_bound_is_the_ratio_plus_its_standard_error():
+    """``spread_bound`` against the same statistic written from the residuals in float64:
+    sqrt(r + z · sqrt(Σ (n_r - r d_r)² / (rows - 1) / rows · (1 - rows / seq)) / mean d), r =
+    Σ n / Σ d, z = 3; never below the ratio; the plain ratio with one row, with every row read
+    (rows = seq: nothing left to sample), with z = 0, and where the sums of squares overflow
+    float32."""
+    from sageattn3.reference import precision
+
+    g = torch.Generator().manual_seed(7)
+    num, den = torch.rand(3, 5, 40, generator=g) ** 3, torch.rand(3, 5, 40, generator=g) + 0.5
+    n, d = num.double(), den.double()
+    r = n.sum(-1) / d.sum(-1)
+    for seq in (320, 4096, 10**9):
+        se = ((n - r[..., None] * d).square().sum(-1) / 39 / 40 * (1 - 40 / seq)).sqrt() / d.mean(-1)
+        want = (r + 3.0 * se).sqrt()
+        got = ref.spread_bound(num, den, seq)
+        assert got.dtype == torch.float32 and torch.allclose(got.double(), want, rtol=1e-5), (seq, got, want)
+        assert bool((got >= r.sqrt().float()).all()) and bool((got > r.sqrt().float() * 1.001).any())
+    assert precision.AUTO_ERROR_SPREAD == 3.0
+    plain = (num.sum(-1) / den.sum(-1)).sqrt()
+    assert torch.allclose(ref.spread_bound(num, den, 40), plain)  # every row read
+    assert torch.allclose(ref.spread_bound(num[..., :1], den[..., :1], 100), (num[..., 0] / den[..., 0]).sqrt())
+    huge = ref.spread_bound(num * 1e20, den * 1e20, 4096)  # n_r² past float32's range
+    assert torch.isfinite(huge).all() and torch.allclose(huge, plain, rtol=1e-5), huge
+    old, precision.AUTO_ERROR_SPREAD = precision.AUTO_ERROR_SPREAD, 0.0
+    try:
+        assert torch.allclose(ref.spread_bound(num, den, 4096).double(), r.sqrt(), rtol=1e-6)
+    finally:
+        precision.AUTO_ERROR_SPREAD = old
+
+
+def test_the_spread_of_the_rows_catches_a_key_of_huge_norm():
+    """Key 0 of each kv head 60 times the others' norm (tests/bench/rule_spread.py's key_norm_x60,
+    D 128, 2048 tokens: every 8th row): head 3's FP4 error sits on the few rows whose score on
+    that key is near their others'. The plain ratio keeps it in FP4 (about 0.13), where it lands
+    at 0.954 against exact attention; the bound (about 0.24) sends it to FP8 Q·Kᵀ: >= 0.98."""
+    rows = _rule_spread().heads("key_norm_x60", 2048, 128, 0)
+    h = rows[3]
+    assert h["plain"] < ref.AUTO_ERROR_LIMIT - 0.05 and h["fp4"] < 0.96, h
+    assert h["bound"] > ref.AUTO_ERROR_LIMIT + 0.02 and h["fp8"] > 0.98, h
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_zero_mean_heads_stay_fp4_with_the_spread(d):
+    """The data that needs no help keeps FP4 under the bound: zero-mean Gaussian heads, 300 to
+    2048 tokens (every row to every 8th), seeds 0-3, stay below the limit (at most about 0.19);
+    short queries (2 to 64 rows, against as many keys or 2048) read every row, where the bound is
+    the plain ratio."""
+    from sageattn3.reference import precision
+
+    worst = 0.0
+    for seq in (300, 512, 700, 1024, 2048):
+        for seed in range(4):
+            q, k, v = ac.make("randn", 1, 4, 2, seq, seq, d, seed=seed)
+            pre = ref.preprocess(q, k, v, qk_precision="auto")
+            worst = max(worst, float(pre.qk_error.max()))
+            assert not bool(pre.qk_fp8.any()), (seq, seed, pre.qk_error)
+    assert worst < ref.AUTO_ERROR_LIMIT, worst
+    for sq, sk in ((2, 2), (8, 8), (8, 2048), (16, 2048), (64, 64), (64, 2048)):
+        q, k, v = ac.make("randn", 1, 4, 2, sq, sk, d, seed=1)
+        pre = ref.preprocess(q, k, v, qk_precision="fp4")
+        bound = ref.qk_fp4_error(q, k, v, pre)
+        old, precision.AUTO_ERROR_SPREAD = precision.AUTO_ERROR_SPREAD, 0.0
+        try:
+            assert torch.equal(bound, ref.qk_fp4_error(q, k, v, pre)), (sq, sk)
+        finally:
+            precision.AUTO_ERROR_SPREAD = old

@@ -30,8 +30,10 @@
 // first through shared memory, which sums (O4 - O)^2 and O^2 over its real rows into
 // `partial`; the last warp of a head to report, over every estimate of the grid (an integer
 // counter per head, which it resets), adds each estimate's partials in row group order and
-// writes sqrt(num / max(den, 1e-30)) and the selection. No floating-point atomics: the result
-// is the same on every run.
+// writes sqrt(num / max(den, 1e-30)) (P's) or, for Q.K^T's, that ratio plus kSpreadZ standard
+// errors of it under the square root (spread_bound: a head whose error sits on a few rows, as
+// near a key with a huge norm, varies most from sample to sample), and the selection. No
+// floating-point atomics: the result is the same on every run.
 //
 // The second statistic (D 128, a.qk16_limit >= 0; reference.qk16_stat): the Q.K^T blocks (kFirst)
 // also sum the squares of their sampled rows minus w (each row group its own) and of the keys of K's
@@ -69,6 +71,8 @@ constexpr int kSampled = 8;          // reference.MEAN_SAMPLE_BLOCKS
 constexpr int kUnits = kSampled * kBlock / kRows;  // a head's most row groups (stride 1)
 // reference.query_stride's budget: 1.5 x a long call's sampled rows times its sampled keys
 constexpr int64_t kRowKeyBudget = static_cast<int64_t>(kSampled) * kBlock / kStride * kSampled * kBlock * 3 / 2;
+constexpr int kSums = 5;            // a row group's partial sums: n, d, the rows' sum n^2, d^2, n d
+constexpr double kSpreadZ = 3.0;     // reference.AUTO_ERROR_SPREAD: standard errors added to Q.K^T's estimates
 constexpr float kPScale = 2688.0f;  // 448 * 6: P's row max at the top of E4M3 x E2M1 (the attention's level 1)
 // P in two fp16 parts is scaled up by 2^14 first: P of large-logit rows sits near e^-10, below
 // fp16's smallest normal (2^-14), where both parts would lose bits. bf16 has fp32's exponents.
@@ -612,11 +616,15 @@ __device__ __forceinline__ void chunk_pv(const uint16_t* v, const float (&s)[4][
 // n, d = the warp's sums of (O4 - O)^2 and O^2 over the real rows (r < rows): O4 from o4s
 // (shared memory, [kRows][kOPitch]), or with kPv O_P from o's n-tiles D / 16 .. (O in 0 ..).
 // inv: 1 / (the row sum x kPUp) for the outputs of P in two parts, inv_p: 1 / the row sum.
+// Without kPv also the spread of the rows' own sums (a row's n_r and d_r): v = (sum n_r^2,
+// sum d_r^2, sum n_r d_r) over the warp's rows (n and d themselves keep their order of sums).
 template <int D, bool kPv>
 __device__ __forceinline__ void error_sums(const float (&o)[D / 8][4], const float* o4s, const float (&inv)[2],
-                                           const float (&inv_p)[2], int rows, int lane, float& n, float& d) {
+                                           const float (&inv_p)[2], int rows, int lane, float& n, float& d,
+                                           float (&v)[3]) {
   using L = Smem<D>;
   const int g = lane >> 2, t = lane & 3;
+  float rn[2] = {0.0f, 0.0f}, rd[2] = {0.0f, 0.0f};  // rows g and g + 8: this lane's share
 #pragma unroll
   for (int nt = 0; nt < (kPv ? D / 16 : D / 8); ++nt) {
 #pragma unroll
@@ -630,11 +638,32 @@ __device__ __forceinline__ void error_sums(const float (&o)[D / 8][4], const flo
         const float dlt = other - e;
         n += dlt * dlt;
         d += e * e;
+        if constexpr (!kPv) {
+          rn[j >> 1] += dlt * dlt;
+          rd[j >> 1] += e * e;
+        }
       }
     }
   }
   n = warp_sum(n);
   d = warp_sum(d);
+  v[0] = v[1] = v[2] = 0.0f;
+  if constexpr (!kPv) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the row's sums over its quad, then its products (lane t 0 counts them)
+      rn[h] += __shfl_xor_sync(0xFFFFFFFFu, rn[h], 1);
+      rn[h] += __shfl_xor_sync(0xFFFFFFFFu, rn[h], 2);
+      rd[h] += __shfl_xor_sync(0xFFFFFFFFu, rd[h], 1);
+      rd[h] += __shfl_xor_sync(0xFFFFFFFFu, rd[h], 2);
+      if (t == 0) {
+        v[0] += rn[h] * rn[h];
+        v[1] += rd[h] * rd[h];
+        v[2] += rn[h] * rd[h];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 3; ++i) v[i] = warp_sum(v[i]);
+  }
 }
 
 // The group's sums of (O4 - O)^2 and O^2 over its real rows (r < rows), into n and d of lane 0
@@ -646,7 +675,7 @@ __device__ __forceinline__ void error_sums(const float (&o)[D / 8][4], const flo
 // sums through `x`. Called by every warp of the block (two block-wide barriers).
 template <typename T, int D>
 __device__ __forceinline__ void group_error(const float (&o)[D / 8][4], float (&l)[2], bool pv, int kind, int rows,
-                                            float* x, int lane, float& n, float& d) {
+                                            float* x, int lane, float& n, float& d, float (&v)[3]) {
   using L = Smem<D>;
   const int g = lane >> 2, t = lane & 3;
   float inv[2], inv_p[2];
@@ -658,8 +687,9 @@ __device__ __forceinline__ void group_error(const float (&o)[D / 8][4], float (&
     inv[h] = __fmul_rn(inv_p[h], 1.0f / kPUp<T>);  // exact: a power of two
   }
   __syncthreads();  // every warp's reads of the Q tiles are done
+  v[0] = v[1] = v[2] = 0.0f;
   if (pv) {
-    error_sums<D, true>(o, nullptr, inv, inv_p, rows, lane, n, d);
+    error_sums<D, true>(o, nullptr, inv, inv_p, rows, lane, n, d, v);
     if (kind == 1 && lane == 0) {
       x[0] = n;
       x[1] = d;
@@ -678,7 +708,7 @@ __device__ __forceinline__ void group_error(const float (&o)[D / 8][4], float (&
     n += x[0];
     d += x[1];
   } else {
-    error_sums<D, false>(o, x, inv, inv_p, rows, lane, n, d);
+    error_sums<D, false>(o, x, inv, inv_p, rows, lane, n, d, v);
   }
 }
 
@@ -688,7 +718,7 @@ __device__ __forceinline__ void group_error(const float (&o)[D / 8][4], float (&
 // The second statistic's partial sums, after the estimates' (n, d): per head, the row groups' q2, then
 // the blocks' k2 (blockIdx.y).
 __device__ __forceinline__ float* stat_partial(const QkRuleArgs& a, int64_t bh) {
-  return a.partial + 3 * (a.B * a.Hq) * kUnits * 2 + bh * 2 * kUnits;
+  return a.partial + 3 * (a.B * a.Hq) * kUnits * kSums + bh * 2 * kUnits;
 }
 
 // Whether a launch computes the second statistic (reference.qk16_stat): D 128 with a limit.
@@ -711,22 +741,47 @@ __device__ __forceinline__ float head_stat(const RuleGrid& G, int64_t bh) {
   return G.scale_exact * sqrtf(q_ms * k_ms / static_cast<float>(a.D));
 }
 
-__device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int unit, int z, float n, float d, float q2) {
+// Q.K^T's estimate with the spread of its rows (reference.spread_bound): r = n / d over the sample
+// plus kSpreadZ standard errors of that ratio, from the rows' n_r - r d_r (their sums of squares
+// and products sv) with the finite-population factor 1 - rows / seq (0 where every query row is
+// read: no sampling error left): r + z sqrt(sum (n_r - r d_r)^2 rows / (rows - 1) (1 - rows / seq))
+// / d, in double, and its square root; the plain sqrt(r) where that is not finite (sums of squares
+// past float32's range, |V| beyond about 1e8).
+__device__ __forceinline__ float spread_bound(float n, float d, const float (&sv)[3], int64_t rows, int64_t seq) {
+  const float r = n / fmaxf(d, 1e-30f);
+  if (rows < 2 || !(d > 0.0f) || rows >= seq) return sqrtf(r);
+  const double rr = r;
+  const double res = static_cast<double>(sv[0]) - 2.0 * rr * sv[2] + rr * rr * sv[1];
+  const double fpc = 1.0 - static_cast<double>(rows) / static_cast<double>(seq);
+  const double se = sqrt(fmax(res, 0.0) * static_cast<double>(rows) / static_cast<double>(rows - 1) * fpc) / d;
+  const double bound = sqrt(rr + kSpreadZ * se);
+  return isfinite(res) && isfinite(bound) ? static_cast<float>(bound) : sqrtf(r);
+}
+
+__device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int unit, int z, float n, float d,
+                                           const float (&v)[3], float q2) {
   const QkRuleArgs& a = G.a;
   const int64_t BH = a.B * a.Hq;
-  a.partial[((z * BH + bh) * kUnits + unit) * 2] = n;
-  a.partial[((z * BH + bh) * kUnits + unit) * 2 + 1] = d;
+  float* mine = a.partial + ((z * BH + bh) * kUnits + unit) * kSums;
+  mine[0] = n;
+  mine[1] = d;
+  for (int i = 0; i < 3; ++i) mine[2 + i] = v[i];
   if (G.estimate[z] == kFirst && stat_on(a)) stat_partial(a, bh)[unit] = q2;
   __threadfence();
   if (atomicAdd(a.counter + bh, 1) != G.units * G.nest - 1) return;
   __threadfence();
   const auto estimate = [&](int zz) {  // estimate zz of the grid from its partials, in row group order
-    float sn = 0.0f, sd = 0.0f;
+    float sn = 0.0f, sd = 0.0f, sv[3] = {0.0f, 0.0f, 0.0f};
+    int64_t rows = 0;
     for (int i = 0; i < G.units; ++i) {
-      sn += __ldcg(a.partial + ((zz * BH + bh) * kUnits + i) * 2);
-      sd += __ldcg(a.partial + ((zz * BH + bh) * kUnits + i) * 2 + 1);
+      const float* p = a.partial + ((zz * BH + bh) * kUnits + i) * kSums;
+      sn += __ldcg(p);
+      sd += __ldcg(p + 1);
+      for (int k = 0; k < 3; ++k) sv[k] += __ldcg(p + 2 + k);
+      rows += group_of(G, i).rows;
     }
-    return sqrtf(sn / fmaxf(sd, 1e-30f));
+    if (G.estimate[zz] == kPv) return sqrtf(sn / fmaxf(sd, 1e-30f));  // P's: the ratio alone
+    return spread_bound(sn, sd, sv, rows, a.Sq);
   };
   a.counter[bh] = 0;  // ready for the next launch
   int z_first = 0, z_floor = -1, z_pv = -1;
@@ -872,17 +927,17 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(const __grid_constant
     q2 = sm[L::kW + 4 * pair] + sm[L::kW + 4 * pair + 2];  // the pair's two warps
     __syncthreads();  // thread 0's k2 before any group of the block reports
   }
-  float n = 0.0f, d = 0.0f;
-  group_error<T, D>(o, l, est == kPv, kind, u.rows, reinterpret_cast<float*>(tiles), lane, n, d);
-  if (kind == 0 && lane == 0 && u.report) head_error(G, bh, u.unit, z, n, d, q2);
+  float n = 0.0f, d = 0.0f, v[3];
+  group_error<T, D>(o, l, est == kPv, kind, u.rows, reinterpret_cast<float*>(tiles), lane, n, d, v);
+  if (kind == 0 && lane == 0 && u.report) head_error(G, bh, u.unit, z, n, d, v, q2);
 #else
   __trap();  // mma.sync m16n8k16 and ldmatrix need sm_80 or newer (the builds target sm_90 and sm_120 families)
 #endif
 }
 
-// The workspace per (batch, q head): partial, (n, d) of each estimate and row group, then the
-// counters last, one per head.
-constexpr int64_t kPartialFloats = 3 * kUnits * 2 + 2 * kUnits;  // + the second statistic's (stat_partial)
+// The workspace per (batch, q head): partial, (n, d and the rows' spread: kSums) of each estimate
+// and row group, then the counters last, one per head.
+constexpr int64_t kPartialFloats = 3 * kUnits * kSums + 2 * kUnits;  // + the second statistic's (stat_partial)
 
 // The row groups of a head at stride s: kRows strided rows each, every sampled block alike.
 int units(const QkRuleArgs& a, int s) { return sampled_count(a.Sq) * (kBlock / s / kRows); }

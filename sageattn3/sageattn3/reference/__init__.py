@@ -110,6 +110,7 @@ from .precision import (
     qk16_stat,
     qk_fp4_error,
     query_stride,
+    spread_bound,
     rule_has_options,
     qk_precision_arg,
 )
@@ -187,7 +188,8 @@ AUTO_QUERY_STRIDE = 8
 # (docs/accuracy-auto-details.md, "The rule"; 4 heads, 512 tokens, D 128 and 64, seed 2025): the
 # heads of zero-mean data, channel offsets, K biases and drifting offsets estimate 0.005-0.16 (FP4
 # Q·Kᵀ costs them little: the FP4 error of P and V dominates there), those of outlier channels,
-# near-one-hot rows, RoPE'd biased keys and a huge K channel 0.25-0.71.
+# near-one-hot rows, RoPE'd biased keys and a huge K channel 0.25-0.71 (the plain ratio; the
+# estimate adds the sample's spread, ``precision.AUTO_ERROR_SPREAD``).
 AUTO_ERROR_LIMIT = 0.2
 # A head's P·V runs in MXFP8 (pv_precision "auto", the default) when the rule's estimate of the
 # relative output error NVFP4 P causes (``pv_p_error``) exceeds this. Calibrated on
@@ -303,6 +305,7 @@ __all__ = [
     "q_mean",
     "options_free_means",
     "qk_fp4_error",
+    "spread_bound",
     "query_stride",
     "rule_has_options",
     "qk_precision_arg",

@@ -38,6 +38,14 @@ from .transforms import (
 QK_PRECISIONS = ("fp4", "fp8", "auto")
 QK_PRECISION_DEFAULT = "auto"
 FP8_HEAD_DIMS = (64, 128)
+# Standard errors of the sampled ratio that ``qk_fp4_error`` adds (``spread_bound``; the rule
+# kernel's kSpreadZ: a constant of the build, not one of the package's knobs, so it is not exported
+# there). A head whose FP4 error sits on a few of its rows (near a key of huge norm, or low-rank Q
+# and K) varies most between samples: at every 4th or 8th row the plain ratio put such heads at
+# 0.09-0.2 that land at cos 0.95-0.98 against exact attention; the bound lifts most of them over
+# AUTO_ERROR_LIMIT, while zero-mean heads, whose rows agree, stay below it (docs/accuracy-auto-details.md,
+# "The spread of the rows").
+AUTO_ERROR_SPREAD = 3.0
 PV_CHUNK = 32  # keys per running-max step of ``pv_p_error`` (the rule kernel's staged chunk)
 # P·V: "auto" (the default: NVFP4 P·V, P two-level NVFP4 and V NVFP4 along the sequence, but MXFP8
 # for the heads whose P the rule finds too coarse: ``pv_p_error``, ``choose_pv_precision``), "fp4"
@@ -146,7 +154,11 @@ def qk_fp4_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre,
     3. L = c · Q_s K_sᵀ and L4 = c · Qd Kdᵀ with c the softmax scale (default 1/sqrt(D)), divided
        by D/64 on rotated rows (``rotation_score_factor``); O = softmax(L) V and O4 = softmax(L4) V
        (no mask: a statistic of the head).
-    4. error = ||O4 - O|| / ||O|| over the head's sampled rows (Frobenius norms).
+    4. error = sqrt(r + z · se): r = ||O4 - O||² / ||O||² over the head's sampled rows (Frobenius
+       norms), se the standard error of r as an estimate of the same ratio over all the head's rows
+       (from how much the sampled rows' terms differ; 0 where every row is read) and z =
+       ``AUTO_ERROR_SPREAD`` (``spread_bound``): a head whose error sits on a few rows, which a
+       sample of every 4th or 8th row may under-count, leaves FP4 on the doubt.
     5. Options are floors: where ``pre`` has the balance, the rotation or the scale search
        (``rule_has_options``), the estimate is the larger (NaN if either is) of step 4's and the
        same estimate for the defaults' rows: Q and K minus ``options_free_means(pre)``, with their
@@ -211,9 +223,30 @@ def _fp4_error(q, k, v, pre, sm_scale, plain: bool) -> torch.Tensor:
     ks, kd, vs = expand_kv(ks, hq), expand_kv(kd, hq), expand_kv(vs, hq)
     o = torch.matmul(torch.softmax(torch.matmul(qs, ks.transpose(-1, -2)) * scale, dim=-1), vs)
     o4 = torch.matmul(torch.softmax(torch.matmul(qd, kd.transpose(-1, -2)) * scale, dim=-1), vs)
-    num = (o4 - o).square().sum(dim=(-1, -2))
-    den = o.square().sum(dim=(-1, -2)).clamp_min(1e-30)
-    return torch.sqrt(num / den)
+    return spread_bound((o4 - o).square().sum(dim=-1), o.square().sum(dim=-1), sq)
+
+
+def spread_bound(num_rows: torch.Tensor, den_rows: torch.Tensor, seq: int) -> torch.Tensor:
+    """Step 4 of ``qk_fp4_error`` from each sampled row's n_r = ||O4_r - O_r||² and d_r = ||O_r||²
+    (..., rows) of a head of ``seq`` query rows: sqrt(r + z · se), r = Σ n_r / Σ d_r (float32 sums,
+    d clamped at 1e-30), se the standard error of that ratio over the sample,
+    sqrt(Σ (n_r - r d_r)² · rows / (rows - 1) · (1 - rows / seq)) / Σ d_r (from the float32 sums of
+    n_r², d_r² and n_r d_r; 1 - rows / seq the finite-population factor: 0 where every row is read,
+    so is the spread), z = ``AUTO_ERROR_SPREAD``, combined in float64 (the rule kernel's
+    spread_bound). The plain sqrt(r) with fewer than 2 rows, Σ d_r = 0, z = 0, or where the
+    combination is not finite (the sums of squares overflow float32 when |V| exceeds about 1e8)."""
+    n, d = num_rows.sum(dim=-1), den_rows.sum(dim=-1)
+    r = n / d.clamp_min(1e-30)
+    rows = num_rows.shape[-1]
+    if rows < 2 or rows >= seq or AUTO_ERROR_SPREAD == 0:
+        return torch.sqrt(r)
+    snn, sdd, snd = (num_rows * num_rows).sum(-1), (den_rows * den_rows).sum(-1), (num_rows * den_rows).sum(-1)
+    rr = r.double()
+    res = snn.double() - 2.0 * rr * snd.double() + rr * rr * sdd.double()
+    se = torch.sqrt(res.clamp_min(0.0) * rows / (rows - 1) * (1.0 - rows / seq)) / d.double()
+    bound = torch.sqrt(rr + AUTO_ERROR_SPREAD * se)
+    ok = (d > 0) & torch.isfinite(res) & torch.isfinite(bound)
+    return torch.where(ok, bound.float(), torch.sqrt(r))
 
 
 def qk16_stat(q: torch.Tensor, k: torch.Tensor, pre, sm_scale: float | None = None) -> torch.Tensor:
