@@ -20,8 +20,9 @@ class QkChoice:
     """Which heads of a call ran Q·Kᵀ in FP8 (at head dim 64: bf16 rows, the 16-bit Q·Kᵀ; still
     named "fp8" here), and why (``qk_precision``): ``fp8`` (B, Hq) bool and
     ``error`` (B, Hq) float32 (the rule's estimate of the relative output error FP4 Q·Kᵀ causes,
-    an upper bound on a sample: the sampled rows' ratio plus 3 of its standard errors,
-    ``reference.qk_fp4_error``; None where the rule did not run), both on the inputs' device;
+    sqrt(r + 3·se) with r the squared error ratio over the sampled rows and se its standard error,
+    0 where every row is read: ``reference.qk_fp4_error``; None where the rule did not run), both
+    on the inputs' device;
     ``precision`` the argument; ``note`` why the rule did not run, if it did not."""
 
     precision: str
