@@ -62,7 +62,9 @@ def call(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None,
     nblk = qblk if per_block_mean else 1
     limit = _attn.delta_s_workspace_limit() if nblk > 1 else 0  # read on every call (it may change)
     scale = None if sm_scale is None else float(sm_scale)
-    pvl, auto, q16 = float(pv_limit), float(reference.AUTO_ERROR_LIMIT), float(reference.QK16_STAT_LIMIT)
+    pvl, auto = float(pv_limit), float(reference.AUTO_ERROR_LIMIT)
+    # the raw 16-bit rows' limit, off (-1) where Q or K holds fewer rows than a TMA box of them
+    q16 = float(reference.QK16_STAT_LIMIT) if reference.raw16_fits(q, k) else -1.0
     # the decisions depend on these alone (the lengths through their 128-row blocks): made once
     # per signature (a refusal is raised, never kept; a NaN is never a key)
     key = (b, hq, qblk, d, -(-k.shape[2] // _attn.SEQ_PAD), is_causal, per_block_mean, scale, qk_rotation, qk_balance,
@@ -75,8 +77,6 @@ def call(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None,
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             _PLANS[key] = plan
-    if d == reference.QK16_RAW_HEAD_DIM and not reference.raw16_fits(q, k):  # the raw rows need a TMA box of rows
-        plan = plan[:12] + (-1.0,) + plan[13:]
     if q.requires_grad or k.requires_grad or v.requires_grad:
         with torch.no_grad():  # a returned tensor would get a grad_fn; the kernels are not differentiable
             return _kernels.op("attention_call")(q, k, v, *plan)

@@ -103,7 +103,7 @@ def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float
             raise ValueError(why)
         return why
     if _rule_kernel_serves(q, pre):
-        raw = d == reference.QK16_RAW_HEAD_DIM and reference.raw16_fits(q, k)  # bit 2 where the raw rows serve
+        raw = reference.raw16_fits(q, k)  # bit 2 where the raw rows serve
         *picked, stat = _kernels.qk_rule_select(q, k, v, pre, _scale(q, sm_scale), reference.AUTO_ERROR_LIMIT,
                                                 precision == "fp8", pv_limit, is_causal, qk16_limit=None if raw else -1.0)
         return Picked(*picked, stat if raw else None)
@@ -117,7 +117,7 @@ def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float
     hk = k.shape[1]
     kv = lambda x: x.view(b, hk, hq // hk).any(dim=-1).to(torch.uint8)  # noqa: E731
     stat, raw = None, torch.zeros_like(fp8)
-    if d == reference.QK16_RAW_HEAD_DIM and reference.raw16_fits(q, k):  # the raw 16-bit rows (choose_qk16)
+    if reference.raw16_fits(q, k):  # the raw 16-bit rows (choose_qk16)
         stat = reference.qk16_stat(q, k, pre, sm_scale)
         raw = reference.choose_qk16(fp8, stat, d)
     sel_q = fp8.to(torch.uint8) | (pv8.to(torch.uint8) << 1) | (raw.to(torch.uint8) << 2)

@@ -391,7 +391,7 @@ def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: flo
         choice.append(_all_pv8(picked.choice(qk_precision, pv_rule), pv_precision))
     q8, q8s, k8, k8s = _kernels.mxfp8_smooth_quant_qk(q, k, pre, picked.sel_q, picked.sel_k, _attn.SEQ_PAD)
     qk8 = {"head_sel": picked.sel_q, "q8": q8, "q8_scales": q8s, "k8": k8, "k8_scales": k8s,
-           "raw": (q, k) if q.shape[3] == 128 and reference.raw16_fits(q, k) else None}  # bit 2's raw rows
+           "raw": (q, k) if reference.raw16_fits(q, k) else None}  # bit 2's raw rows
     if pv_precision == "fp8":
         return _pv8.attention_pv8(pre, *_pv8.quant_mxfp8_cols(v, _attn.SEQ_PAD), **qk8, **kw)
     if pv_rule:  # V's MXFP8 for the kv heads whose q heads the rule gave FP8 P·V (sel_v), then one launch per byte

@@ -51,7 +51,7 @@ def make(case: str, seq: int, d: int, seed: int, hq: int = 4, hk: int = 2):
         k[..., 0, :] *= float(case.removeprefix("key_norm_x"))
     elif case == "k_massive":
         channels = torch.randperm(d, generator=g)[:3]
-        k[..., channels] *= torch.tensor([20.0, 40.0, 60.0])
+        k[..., channels] *= torch.tensor(ac.MASSIVE_SCALES)
     elif case.startswith("student_t"):
         t = torch.distributions.StudentT(float(case.removeprefix("student_t")))
         torch.manual_seed(seed)
@@ -66,17 +66,23 @@ def make(case: str, seq: int, d: int, seed: int, hq: int = 4, hk: int = 2):
     return q.bfloat16(), k.bfloat16(), v.bfloat16()
 
 
+def estimates(q, k, v, pre) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.qk_fp4_error`` as the rule computes it (the bound) and without the spread (the
+    plain ratio: ``precision.AUTO_ERROR_SPREAD`` 0 for the one call)."""
+    bound = ref.qk_fp4_error(q, k, v, pre)
+    spread, precision.AUTO_ERROR_SPREAD = precision.AUTO_ERROR_SPREAD, 0.0
+    try:
+        return bound, ref.qk_fp4_error(q, k, v, pre)
+    finally:
+        precision.AUTO_ERROR_SPREAD = spread
+
+
 def heads(case: str, seq: int, d: int, seed: int) -> list[dict]:
     """Each head's plain ratio, bound, and cos-sim against exact attention with FP4 and FP8 Q·Kᵀ."""
     q, k, v = make(case, seq, d, seed)
     exact = ref.exact_attention(q, k, v)
     pre = ref.preprocess(q, k, v, qk_precision="fp4")
-    bound = ref.qk_fp4_error(q, k, v, pre)
-    spread, precision.AUTO_ERROR_SPREAD = precision.AUTO_ERROR_SPREAD, 0.0
-    try:
-        plain = ref.qk_fp4_error(q, k, v, pre)
-    finally:
-        precision.AUTO_ERROR_SPREAD = spread
+    bound, plain = estimates(q, k, v, pre)
     o4, o8 = ref.sageattn3(q, k, v, qk_precision="fp4"), ref.sageattn3(q, k, v, qk_precision="fp8")
     return [{"plain": float(plain[0, h]), "bound": float(bound[0, h]), "fp4": ac.cos_sim(o4[0, h], exact[0, h]),
              "fp8": ac.cos_sim(o8[0, h], exact[0, h]), "where": f"{case} D{d} {seq} seed {seed} head {h}"}
@@ -115,12 +121,7 @@ def easy(seqs=(128, 300, 512, 700, 1024, 2048), seeds=range(8)) -> int:
                 for seed in seeds:
                     q, k, v = ac.make(case, 1, 4, 2, seq, seq, d, seed=seed)
                     pre = ref.preprocess(q, k, v, qk_precision="fp4")
-                    bound = ref.qk_fp4_error(q, k, v, pre)[0]
-                    spread, precision.AUTO_ERROR_SPREAD = precision.AUTO_ERROR_SPREAD, 0.0
-                    try:
-                        plain = ref.qk_fp4_error(q, k, v, pre)[0]
-                    finally:
-                        precision.AUTO_ERROR_SPREAD = spread
+                    bound, plain = (x[0] for x in estimates(q, k, v, pre))
                     plains += plain.tolist()
                     bounds += bound.tolist()
                     moved += [f"{case} D{d} {seq} seed {seed} head {h}: {float(plain[h]):.3f} -> {float(bound[h]):.3f}"

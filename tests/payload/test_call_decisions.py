@@ -172,6 +172,19 @@ def test_a_kept_plan_is_the_one_made_afresh(monkeypatch):
     # the rule's limit is a knob users may set at run time: a call after a change takes the new one
     from sageattn3 import reference
 
+    # the raw 16-bit rows' limit is off where K holds fewer rows than a TMA box (batch x heads x
+    # sequence), whatever came first: 1 and 2 kv heads of 100 keys share every other part of the key
+    q = torch.zeros(1, 2, 300, 128, dtype=torch.bfloat16)
+    for order in ((1, 2), (2, 1)):
+        _call._PLANS.clear()
+        q16 = {}
+        for hk in order:
+            k = torch.zeros(1, hk, 100, 128, dtype=torch.bfloat16)
+            args.clear()
+            _call.call(q, k, k, False, True, None, False, False, False, "auto", "auto", True, 0.05)
+            q16[hk] = args[0][12]
+        assert q16 == {1: -1.0, 2: reference.QK16_STAT_LIMIT}, (order, q16)
+
     q = torch.zeros(1, 2, 300, 128, dtype=torch.bfloat16)
     for limit in (0.2, 0.3, 0.2):
         monkeypatch.setattr(reference, "AUTO_ERROR_LIMIT", limit)

@@ -363,7 +363,7 @@ def _rule_spread():
     return rule_spread
 
 
-def test_spread_bound_is_the_ratio_plus_its_standard_error():
+def test_spread_bound_is_the_ratio_plus_its_standard_error(monkeypatch):
     """``spread_bound`` against the same statistic written from the residuals in float64:
     sqrt(r + z · sqrt(Σ (n_r - r d_r)² / (rows - 1) / rows · (1 - rows / seq)) / mean d), r =
     Σ n / Σ d, z = 3; never below the ratio; the plain ratio with one row, with every row read
@@ -387,11 +387,8 @@ def test_spread_bound_is_the_ratio_plus_its_standard_error():
     assert torch.allclose(ref.spread_bound(num[..., :1], den[..., :1], 100), (num[..., 0] / den[..., 0]).sqrt())
     huge = ref.spread_bound(num * 1e20, den * 1e20, 4096)  # n_r² past float32's range
     assert torch.isfinite(huge).all() and torch.allclose(huge, plain, rtol=1e-5), huge
-    old, precision.AUTO_ERROR_SPREAD = precision.AUTO_ERROR_SPREAD, 0.0
-    try:
-        assert torch.allclose(ref.spread_bound(num, den, 4096).double(), r.sqrt(), rtol=1e-6)
-    finally:
-        precision.AUTO_ERROR_SPREAD = old
+    monkeypatch.setattr(precision, "AUTO_ERROR_SPREAD", 0.0)
+    assert torch.allclose(ref.spread_bound(num, den, 4096).double(), r.sqrt(), rtol=1e-6)
 
 
 def test_the_spread_of_the_rows_catches_a_key_of_huge_norm():
@@ -411,8 +408,7 @@ def test_zero_mean_heads_stay_fp4_with_the_spread(d):
     2048 tokens (every row to every 8th), seeds 0-3, stay below the limit (at most about 0.19);
     short queries (2 to 64 rows, against as many keys or 2048) read every row, where the bound is
     the plain ratio."""
-    from sageattn3.reference import precision
-
+    estimates = _rule_spread().estimates
     worst = 0.0
     for seq in (300, 512, 700, 1024, 2048):
         for seed in range(4):
@@ -423,10 +419,5 @@ def test_zero_mean_heads_stay_fp4_with_the_spread(d):
     assert worst < ref.AUTO_ERROR_LIMIT, worst
     for sq, sk in ((2, 2), (8, 8), (8, 2048), (16, 2048), (64, 64), (64, 2048)):
         q, k, v = ac.make("randn", 1, 4, 2, sq, sk, d, seed=1)
-        pre = ref.preprocess(q, k, v, qk_precision="fp4")
-        bound = ref.qk_fp4_error(q, k, v, pre)
-        old, precision.AUTO_ERROR_SPREAD = precision.AUTO_ERROR_SPREAD, 0.0
-        try:
-            assert torch.equal(bound, ref.qk_fp4_error(q, k, v, pre)), (sq, sk)
-        finally:
-            precision.AUTO_ERROR_SPREAD = old
+        bound, plain = estimates(q, k, v, ref.preprocess(q, k, v, qk_precision="fp4"))
+        assert torch.equal(bound, plain), (sq, sk)

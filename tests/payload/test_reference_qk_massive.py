@@ -105,5 +105,6 @@ def test_d128_massive_heads_take_the_raw_rows_and_rope_heads_keep_mxfp8(seed, dt
     assert min(heads[:2]) >= 0.99 and min(heads[2:]) >= 0.98, heads
     small = tuple(x[..., :60, :] for x in (q, k, v))  # 4 x 60 rows of Q, 2 x 60 of K: below one box
     assert not ref.raw16_fits(small[0], small[1])
+    assert ref.raw16_fits(q, k) and not ref.raw16_fits(q[..., :64], k[..., :64])  # D 128 only
     pre_small = ref.preprocess(*small, qk_precision="auto")
     assert pre_small.qk16 is None and pre_small.qk16_stat is None

@@ -74,7 +74,7 @@ struct Fp4AttnArgs {
   const void* k8_sf;
   // 16-bit Q.K^T (D 64 only): q8 (B, Hq, Sq_pad, D) and k8 (B, Hkv, Sk_pad, D) are bf16 rows of the
   // same smoothed, rotated values (reference.qk16_rows), q8_sf and k8_sf unused; the heads whose
-  // head_sel bit 0 is set take Q.K^T from them (mma_bf16) instead of MXFP8.
+  // head_sel bit 0 is set take Q.K^T from them (mma_m16n8k16<bf16_t>) instead of MXFP8.
   bool qk16;
   // P.V in MXFP8 (pv_precision "fp8"; null v8: NVFP4 P.V, as before): v8 (B, Hkv, D, Sk_pad) E4M3
   // bytes and v8_sf (B, Hkv, D, Sk_pad/32) UE8M0 (reference.quantize_mxfp8_transposed of the padded

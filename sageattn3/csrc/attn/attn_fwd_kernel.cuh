@@ -27,6 +27,7 @@
 // and finally O / l in bf16/fp16.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -46,8 +47,8 @@ namespace sageattn3::attn {
 // kPV8: the FP8 P.V instantiation (pv_precision "fp8": P and V in MXFP8, V's tile one E4M3 byte per
 // element, D rows of 128 keys, TMA-swizzled by 128 bytes; one UE8M0 scale per channel and 32 keys).
 // kQK16 (with kQK8): the 16-bit Q.K^T instantiation (16-bit Q and K rows and no scales; 1: bf16,
-// mma_bf16; 2: fp16, mma_f16). At D 64 (bf16 only) the rows are the smoothed, rotated values the
-// MXFP8 launch writes (reference.qk16_rows), 128 bytes as the FP8 rows at D 128. At D 128 (kRaw) they
+// 2: fp16; common/mma16.cuh's mma_m16n8k16). At D 64 (bf16 only) the rows are the smoothed,
+// rotated values the MXFP8 launch writes (reference.qk16_rows), 128 bytes as the FP8 rows at D 128. At D 128 (kRaw) they
 // are the call's fp16/bf16 inputs as they are (reference, Preprocessed.qk16): S = q.k^T, no delta_s
 // (the means are in the rows; K's adds a constant a row). Their 256-byte rows go in
 // kParts = 4 column parts of 64 bytes (32 channels, TMA-swizzled by 64 bytes as the FP4 rows at
@@ -347,19 +348,17 @@ __device__ __forceinline__ uint32_t lds_sf_row(uint32_t saddr) {
 // S += Q K^T over bytes [64H, 64H + 64) of the FP8 rows (k-chunks 2H and 2H+1, 32 E4M3 values each,
 // with scale bytes 2H and 2H+1 of q_sf / k_sf). Lane L reads key row `row` (= key_of(j, L & 7)),
 // bytes 64H + 16(L >> 3): matrices 0/1 are chunk 2H's b0/b1, matrices 2/3 chunk 2H+1's. kQK16: the
-// same bytes are bf16 rows (32 bytes = one k16 chunk), multiplied by mma_bf16 without scales.
+// same bytes are 16-bit rows (32 bytes = one k16 chunk), multiplied by mma_m16n8k16 without scales.
 template <int H, int kRow, int kQK16 = 0>
 __device__ __forceinline__ void qk8_half(float (&s)[4], const uint32_t (&a0)[4], const uint32_t (&a1)[4],
                                          uint32_t k_tile, int row, int lane, uint32_t q_sf, uint32_t k_sf) {
   uint32_t kf[4];
   ldmatrix_x4(kf, k_tile + swizzled<kRow>(row * kRow + 64 * H + 16 * (lane >> 3)));
   const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
-  if constexpr (kQK16 == 2) {
-    mma_f16(s, a0, b0);
-    mma_f16(s, a1, b1);
-  } else if constexpr (kQK16) {
-    mma_bf16(s, a0, b0);
-    mma_bf16(s, a1, b1);
+  if constexpr (kQK16 != 0) {
+    using T = std::conditional_t<kQK16 == 2, f16_t, bf16_t>;
+    mma_m16n8k16<T>(s, a0, b0[0], b0[1]);
+    mma_m16n8k16<T>(s, a1, b1[0], b1[1]);
   } else {
     mma_fp8<2 * H, 2 * H>(s, a0, b0, s, q_sf, k_sf);
     mma_fp8<2 * H + 1, 2 * H + 1>(s, a1, b1, s, q_sf, k_sf);

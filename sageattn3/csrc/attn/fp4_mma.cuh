@@ -34,6 +34,8 @@
 #pragma once
 #include <cstdint>
 
+#include "common/mma16.cuh"  // mma_m16n8k16<T>: the 16-bit Q.K^T
+
 #if defined(SAGEATTN3_TIMING_STANDIN_MMA) && !defined(SAGEATTN3_MMA_MODEL)
 #error "SAGEATTN3_TIMING_STANDIN_MMA gives wrong values: a timing experiment of the test flavour only"
 #endif
@@ -273,32 +275,17 @@ __device__ __forceinline__ void mma_fp8(float (&d)[4], const uint32_t (&a)[4], c
 }
 
 // ---------------------------------------------------------------------------------------------
-// The 16-bit Q.K^T instruction (D 64 heads the rule gives more than FP4: bf16 rows of the same
-// smoothed, rotated values the FP8 path quantizes; reference.qk16_rows):
+// The 16-bit Q.K^T (D 64 heads the rule gives more than FP4: bf16 rows of the same smoothed,
+// rotated values the FP8 path quantizes, reference.qk16_rows; at D 128 the raw 16-bit rows, bf16
+// or fp16) is common/mma16.cuh's mma_m16n8k16<T>:
 //
-//   mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
+//   mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32
 //
 // Fragments (PTX ISA, m16n8k16 with 16-bit elements; the low half of a register is the lower k):
 // A a0: row g, k 2t, 2t+1; a1: row g+8, k 2t..; a2: row g, k 8+2t..; a3: row g+8, k 8+2t..; B b0:
 // col g, k 2t, 2t+1; b1: col g, k 8+2t... In bytes (32 per k16 chunk) this is the FP8
 // instruction's layout above, so the FP8 path's ldmatrix loads feed it unchanged. No scales. The
-// products of two bf16 values are exact in fp32; the instruction is native on sm_90 and sm_120,
+// products of two 16-bit values are exact in fp32; the instruction is native on sm_90 and sm_120,
 // so the test flavour runs it too (no model).
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// The same with fp16 operands (the raw 16-bit rows of an fp16 call): products exact in fp32.
-__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 
 }  // namespace sageattn3::attn

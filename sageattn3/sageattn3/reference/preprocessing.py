@@ -345,19 +345,21 @@ def _precise_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
 def _raw_rule(q, k, pre: Preprocessed, sm_scale) -> None:
     """At D 128, where the rule ran: its second statistic and the heads it gives the raw 16-bit rows
     (``raw16_fits``: none where Q or K has fewer rows than a TMA box)."""
-    if q.shape[-1] == QK16_RAW_HEAD_DIM and raw16_fits(q, k):
+    if raw16_fits(q, k):
         pre.qk16_stat = qk16_stat(q, k, pre, sm_scale)
         pre.qk16 = choose_qk16(pre.qk_fp8, pre.qk16_stat, q.shape[-1])
         pre.q16, pre.k16 = q, k
 
 
 def raw16_fits(q, k) -> bool:
-    """Whether the raw 16-bit rows can serve this call: Q and K each hold at least
-    ``QK16_MIN_ROWS`` rows (batch x heads x sequence), one TMA box of the kernels."""
+    """Whether the raw 16-bit rows can serve this call: head dim ``QK16_RAW_HEAD_DIM``, and Q and K
+    each hold at least ``QK16_MIN_ROWS`` rows (batch x heads x sequence), one TMA box of the
+    kernels."""
     from sageattn3 import reference as _package
 
     rows = lambda x: x.shape[0] * x.shape[1] * x.shape[2]  # noqa: E731
-    return rows(q) >= _package.QK16_MIN_ROWS and rows(k) >= _package.QK16_MIN_ROWS
+    return (q.shape[-1] == QK16_RAW_HEAD_DIM and rows(q) >= _package.QK16_MIN_ROWS
+            and rows(k) >= _package.QK16_MIN_ROWS)
 
 
 def _pv_rule(q, k, v, pre: Preprocessed, pv: str, pad: int, sm_scale, pv_limit, is_causal: bool = False) -> None:
