@@ -62,7 +62,7 @@ def call(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: float | None,
     nblk = qblk if per_block_mean else 1
     limit = _attn.delta_s_workspace_limit() if nblk > 1 else 0  # read on every call (it may change)
     scale = None if sm_scale is None else float(sm_scale)
-    pvl, auto = float(pv_limit), float(reference.AUTO_ERROR_LIMIT)
+    pvl, auto = float(pv_limit), reference.rule_limit(sq)  # -1 on short queries: every head leaves FP4
     # the raw 16-bit rows' limit, off (-1) where Q or K holds fewer rows than a TMA box of them
     q16 = float(reference.QK16_STAT_LIMIT) if reference.raw16_fits(q, k) else -1.0
     # the decisions depend on these alone (the lengths through their 128-row blocks): made once
@@ -88,7 +88,7 @@ def _plan(q, k, is_causal: bool, per_block_mean: bool, sm_scale: float | None, q
           limit: int, auto_limit: float, qk16_limit: float) -> tuple:
     """``attention_call``'s arguments after q, k, v for this call (call's decisions; ``nblk`` Q's
     mean rows, ``limit`` the delta_s workspace's bytes, 0 with one Q mean; ``auto_limit`` the
-    rule's limit, ``reference.AUTO_ERROR_LIMIT`` as the key read it; ``qk16_limit``
+    rule's limit, ``reference.rule_limit(sq)`` as the key read it; ``qk16_limit``
     ``reference.QK16_STAT_LIMIT``, the raw 16-bit rows' at D 128)."""
     b, hq, sq, d = q.shape
     skp = -(-k.shape[2] // _attn.SEQ_PAD) * _attn.SEQ_PAD

@@ -35,6 +35,9 @@ class QkChoice:
     # MXFP8 (reference.choose_qk16), and (B, Hq) float32 the statistic it came from (reference.qk16_stat)
     qk16: torch.Tensor | None = None
     qk16_stat: torch.Tensor | None = None
+    # the limit the estimates were compared with (``reference.rule_limit``; -1 on a short query:
+    # every head leaves FP4); None where the rule did not run
+    limit: float | None = None
 
     @staticmethod
     def fp4_path(q: torch.Tensor, precision: str, note: str) -> "QkChoice":
@@ -48,7 +51,9 @@ class QkChoice:
         raw = self.qk16.cpu().flatten() if self.qk16 is not None else torch.zeros(sel.numel(), dtype=torch.bool)
         kind = lambda f, r: "16-bit" if bool(r) else "fp8" if bool(f) else "fp4"  # noqa: E731
         heads = ", ".join(f"{kind(f, r)} ({float(e):.3f})" for f, r, e in zip(sel.flatten(), raw, err.flatten()))
-        out = (f"qk_precision={self.precision!r}, limit {reference.AUTO_ERROR_LIMIT}: "
+        limit = reference.AUTO_ERROR_LIMIT if self.limit is None else self.limit
+        short = " (a short query: every head leaves FP4)" if limit < 0 and self.precision == "auto" else ""
+        out = (f"qk_precision={self.precision!r}, limit {limit}{short}: "
                f"{int(sel.sum())} of {sel.numel()} heads FP8")
         if self.qk16 is not None:
             out += f" ({int(raw.sum())} of them the raw 16-bit rows, qk16_stat above {reference.QK16_STAT_LIMIT})"
@@ -74,13 +79,14 @@ class Picked(NamedTuple):
     sel_v: torch.Tensor
     qk16_stat: torch.Tensor | None = None  # D 128: reference.qk16_stat; bit 2 of sel_q where it picked the raw rows
 
-    def choice(self, precision: str, pv: bool) -> QkChoice:
-        """The debug return: ``pv`` where the P·V rule ran (pv_precision "auto")."""
+    def choice(self, precision: str, pv: bool, limit: float) -> QkChoice:
+        """The debug return: ``pv`` where the P·V rule ran (pv_precision "auto"); ``limit`` the
+        rule's (``reference.rule_limit``)."""
         raw = {} if self.qk16_stat is None else {"qk16": (self.sel_q & 4).bool(), "qk16_stat": self.qk16_stat}
         if not pv:
-            return QkChoice(precision, (self.sel_q & 1).bool(), self.error, **raw)
+            return QkChoice(precision, (self.sel_q & 1).bool(), self.error, limit=limit, **raw)
         return QkChoice(precision, (self.sel_q & 1).bool(), self.error, pv_fp8=(self.sel_q & 2).bool(),
-                        pv_error=self.error_pv, **raw)
+                        pv_error=self.error_pv, limit=limit, **raw)
 
 def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float | None,
                   workspace_limit: int | None = None, pv_limit: float = -1.0, is_causal: bool = False):
@@ -104,11 +110,11 @@ def _qk_selection(q, k, v, pre: Preprocessed, qk_precision: str, sm_scale: float
         return why
     if _rule_kernel_serves(q, pre):
         raw = reference.raw16_fits(q, k)  # bit 2 where the raw rows serve
-        *picked, stat = _kernels.qk_rule_select(q, k, v, pre, _scale(q, sm_scale), reference.AUTO_ERROR_LIMIT,
+        *picked, stat = _kernels.qk_rule_select(q, k, v, pre, _scale(q, sm_scale), reference.rule_limit(sq),
                                                 precision == "fp8", pv_limit, is_causal, qk16_limit=None if raw else -1.0)
         return Picked(*picked, stat if raw else None)
     err = _qk_error(q, k, v, pre, sm_scale)
-    fp8 = reference.choose_qk_precision(precision, err)
+    fp8 = reference.choose_qk_precision(precision, err, reference.rule_limit(sq))
     if pv_limit >= 0:
         err_pv = reference.pv_p_error(q, k, v, pre, sm_scale, is_causal)
         pv8 = reference.choose_pv_precision("auto", err_pv, pv_limit)
@@ -173,5 +179,5 @@ def qk_choice(q, k, v, is_causal: bool = False, per_block_mean: bool = True,
                            is_causal=reference.flag(is_causal, "is_causal"))
     if isinstance(picked, str):
         return QkChoice.fp4_path(q, precision, picked)
-    return picked.choice(precision, pv)
+    return picked.choice(precision, pv, reference.rule_limit(q.shape[2]))
 

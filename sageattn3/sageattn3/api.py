@@ -231,7 +231,8 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     16-bit Q·Kᵀ; "fp8" below means that rung too) (``sageattn3.reference.qk_fp4_error`` and ``AUTO_ERROR_LIMIT``: heads
     whose estimated output error from FP4 Q·Kᵀ is large, e.g. RoPE'd biased keys, near-one-hot rows,
     outlier channels; docs/accuracy-auto.md); where no head needs it the output is FP4's bit for
-    bit. "fp4": every head FP4 (the rule does not run); "fp8": every head FP8 (D 64/128). FP8
+    bit. On 2 to 127 query rows (``AUTO_SHORT_QUERY_ROWS``) every head takes the precise rung: the
+    estimate misses heads there (``sageattn3.reference.rule_limit``). "fp4": every head FP4 (the rule does not run); "fp8": every head FP8 (D 64/128). FP8
     heads always multiply rotated rows (rotated for them alone where ``qk_rotation`` is off:
     outliers Q and K share then spread over every block); with ``qk_rotation`` the rule also
     estimates on the rotated rows. At head dim 128, an FP8 head whose MXFP8 logit error the rule
@@ -388,7 +389,8 @@ def _fp4_attention(q, k, v, is_causal: bool, per_block_mean: bool, sm_scale: flo
             return _pv8.attention_pv8(pre, *_pv8.quant_mxfp8_cols(v, _attn.SEQ_PAD), **kw)
         return _attn.attention_from_preprocessed(pre, trusted=True, **kw)
     if choice is not None:
-        choice.append(_all_pv8(picked.choice(qk_precision, pv_rule), pv_precision))
+        picked_choice = picked.choice(qk_precision, pv_rule, reference.rule_limit(q.shape[2]))
+        choice.append(_all_pv8(picked_choice, pv_precision))
     q8, q8s, k8, k8s = _kernels.mxfp8_smooth_quant_qk(q, k, pre, picked.sel_q, picked.sel_k, _attn.SEQ_PAD)
     qk8 = {"head_sel": picked.sel_q, "q8": q8, "q8_scales": q8s, "k8": k8, "k8_scales": k8s,
            "raw": (q, k) if reference.raw16_fits(q, k) else None}  # bit 2's raw rows

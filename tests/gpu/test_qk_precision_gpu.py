@@ -421,3 +421,30 @@ def test_choice_and_errors(fp4):  # noqa: F811
 
 def test_zz_report_figures():
     print("\n".join(FIGURES))
+
+
+@pytest.mark.parametrize("case,sq,sk,d,seed", [("qk_outliers", 8, 2048, 128, 5), ("qk_massive", 8, 2048, 64, 3),
+                                                ("randn", 100, 700, 64, 1), ("randn", 1, 700, 128, 1)])
+def test_short_queries_on_the_kernels(fp4, case, sq, sk, d, seed):  # noqa: F811
+    """"auto" on 2 to 127 query rows: every head FP8 Q·Kᵀ (``reference.rule_limit``), the one op as
+    the reference (cos-sim >= 0.99999) and the hard heads the estimate used to miss at >= 0.98; one
+    query row keeps the rule's limit (its estimate 0 here: every head FP4 Q·Kᵀ)."""
+    from sageattn3 import reference as ref
+
+    q, k, v = ac.make(case, 1, 4, 2, sq, sk, d, seed=seed)
+    qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
+    out, choice = fp4.sageattn3_blackwell(qc, kc, vc, return_qk_choice=True)
+    assert bool(choice.fp8.all()) == (1 < sq < 128) and choice.limit == ref.rule_limit(sq), choice.describe()
+    one = fp4.sageattn3_blackwell(qc, kc, vc)  # the one op (return_qk_choice runs the separate ops)
+    assert torch.equal(one, out)
+    want = ref.sageattn3(q, k, v)
+    exact = ref.exact_attention(q, k, v)
+    heads = [ac.cos_sim(one[:, h].float().cpu(), exact[:, h]) for h in range(4)]
+    c_ref = ac.cos_sim(one.float().cpu(), want)
+    FIGURES.append(f"short query {case} {sq}x{sk} D={d}: kernels vs reference {c_ref:.7f}; heads vs exact "
+                   f"{', '.join(f'{c:.4f}' for c in heads)}; {choice.describe()}")
+    assert c_ref >= 0.99999, FIGURES[-1]
+    if sq == 1:
+        assert not bool(choice.fp8.any()), FIGURES[-1]
+    else:
+        assert min(heads) >= 0.98, FIGURES[-1]

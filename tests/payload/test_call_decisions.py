@@ -13,7 +13,8 @@ import torch
 
 from sageattn3 import _attn, _call, _kernels, _pv8, _qk_choice, api
 
-SHAPES = [(1, 4, 2, 300, 300, 64), (2, 6, 3, 129, 1100, 128), (1, 2, 2, 100, 50, 128), (1, 8, 1, 1000, 1000, 128)]
+SHAPES = [(1, 4, 2, 300, 300, 64), (2, 6, 3, 129, 1100, 128), (1, 2, 2, 100, 50, 128), (1, 8, 1, 1000, 1000, 128),
+          (1, 4, 2, 1, 300, 64)]  # 100 and 1 query rows: the short queries' limit (-1) and a single row's (the rule's)
 OPTIONS = [{}, {"qk_rotation": True, "qk_scale_search": True}, {"qk_balance": True},
            {"qk_rotation": True, "qk_balance": True, "qk_scale_search": False}]
 
@@ -136,7 +137,7 @@ def test_a_kept_plan_is_the_one_made_afresh(monkeypatch):
         flags = [bool(rng.random() < p) for p in (0.5, 0.7, 0.3, 0.3, 0.3, 0.8)]
         qk, pv, pvl = pick(["fp4", "auto", "fp8"]), pick(["fp4", "auto", "fp8"]), pick([0.0, 0.05])
         for _ in range(30):
-            hk, sq, sk = pick([1, 2]), pick([129, 256, 257, 300]), pick([128, 1000, 100_000])
+            hk, sq, sk = pick([1, 2]), pick([1, 8, 127, 128, 129, 256, 257, 300]), pick([128, 1000, 100_000])
             q = torch.zeros(b, hq, sq, d, dtype=pick([torch.float16, torch.bfloat16]))
             k = torch.zeros(b, hk, sk, d, dtype=q.dtype)
             mib = pick(["", "0", "1"])  # 1 MiB: one 100,000-key row of 2 Q blocks fits, of 3 not
@@ -191,6 +192,13 @@ def test_a_kept_plan_is_the_one_made_afresh(monkeypatch):
         args.clear()
         _call.call(q, q, q, False, True, None, False, False, False, "auto", "auto", True, 0.05)
         assert args[0][10] == limit, (limit, args[0])
+        # a short query (2 to 127 rows) takes -1, every head FP8; one row and 128 the rule's limit,
+        # though 1, 8 and 127 rows share one 128-row block of the key
+        for sq in (1, 8, 127, 128, 1):
+            args.clear()
+            qs = torch.zeros(1, 2, sq, 128, dtype=torch.bfloat16)
+            _call.call(qs, q, q, False, True, None, False, False, False, "auto", "auto", True, 0.05)
+            assert args[0][10] == (-1.0 if 1 < sq < 128 else limit), (sq, limit, args[0])
     for bad in ({"sm_scale": float("nan")}, {"pv_limit": float("nan")}):
         _call._PLANS.clear()
         q = torch.zeros(1, 2, 300, 128, dtype=torch.bfloat16)

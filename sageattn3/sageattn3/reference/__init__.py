@@ -101,6 +101,7 @@ from .precision import (
     QK_PRECISIONS,
     choose_qk16,
     choose_qk_precision,
+    rule_limit,
     fp8_applies,
     fp8_unavailable,
     pv_precision_arg,
@@ -191,6 +192,13 @@ AUTO_QUERY_STRIDE = 8
 # near-one-hot rows, RoPE'd biased keys and a huge K channel 0.25-0.71 (the plain ratio; the
 # estimate adds the sample's spread, ``precision.AUTO_ERROR_SPREAD``).
 AUTO_ERROR_LIMIT = 0.2
+# Calls of 2 to AUTO_SHORT_QUERY_ROWS - 1 query rows: "auto" gives every head FP8 Q·Kᵀ (the rule's
+# limit -1, ``rule_limit``). Few rows make Q's mean a large part of every score, which the
+# estimate leaves out (it compares the scores of the smoothed rows), and few rows to sample: at
+# 8-64 query rows against 512-4096 keys the estimate put heads of outlier channels and massive
+# outliers at 0.001-0.19 that FP4 Q·Kᵀ left at 0.58-0.98 (docs/accuracy-auto-details.md, "Short
+# queries"). One row is exact in FP4: it is its own mean, all of it in the fp32 correction.
+AUTO_SHORT_QUERY_ROWS = 128
 # A head's P·V runs in MXFP8 (pv_precision "auto", the default) when the rule's estimate of the
 # relative output error NVFP4 P causes (``pv_p_error``) exceeds this. Calibrated on
 # tests/attention_cases.py (docs/accuracy-auto-details.md, "The P·V choice"; 4 q heads over 2, D 64
@@ -226,6 +234,7 @@ TREATMENT_KEEP_LIMIT = 0.23
 
 __all__ = [
     "AUTO_ERROR_LIMIT",
+    "AUTO_SHORT_QUERY_ROWS",
     "AUTO_QUERY_STRIDE",
     "BALANCE",
     "BALANCE_HEAD_DIMS",
@@ -269,6 +278,7 @@ __all__ = [
     "block_sq_error",
     "choose_qk16",
     "choose_qk_precision",
+    "rule_limit",
     "choose_treatments",
     "cosine_similarity",
     "delta_s",

@@ -281,13 +281,20 @@ def choose_qk16(qk_fp8: torch.Tensor, stat: torch.Tensor, head_dim: int) -> torc
     return qk_fp8 & (stat > limit)
 
 
-def choose_qk_precision(precision: str, error: torch.Tensor) -> torch.Tensor:
+def rule_limit(sq: int) -> float:
+    """The limit "auto" compares each head's ``qk_fp4_error`` with on a call of ``sq`` query rows:
+    ``AUTO_ERROR_LIMIT``, or -1 (every head leaves FP4) where ``1 < sq < AUTO_SHORT_QUERY_ROWS``.
+    The kernels' rule takes the same number (``qk_rule_select``'s and ``attention_call``'s limit)."""
+    return -1.0 if 1 < sq < _package.AUTO_SHORT_QUERY_ROWS else float(_package.AUTO_ERROR_LIMIT)
+
+
+def choose_qk_precision(precision: str, error: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """(B, Hq) bool, True where a q head's Q·Kᵀ runs in FP8: "fp8" every head, "fp4" none,
-    "auto" the heads whose ``qk_fp4_error`` exceeds ``AUTO_ERROR_LIMIT`` (a NaN estimate, from
-    NaN inputs, keeps FP4)."""
+    "auto" the heads whose ``qk_fp4_error`` exceeds ``limit`` (``rule_limit`` of the call; None:
+    ``AUTO_ERROR_LIMIT``); a NaN estimate, from NaN inputs, keeps FP4."""
     precision = qk_precision_arg(precision)
     if precision == "auto":
-        return error > _package.AUTO_ERROR_LIMIT
+        return error > (_package.AUTO_ERROR_LIMIT if limit is None else limit)
     return torch.full_like(error, precision == "fp8", dtype=torch.bool)
 
 

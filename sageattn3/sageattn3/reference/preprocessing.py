@@ -34,6 +34,7 @@ from .precision import (
     qk16_stat,
     qk_fp4_error,
     qk_precision_arg,
+    rule_limit,
 )
 from .transforms import (
     QK_BALANCE_DEFAULT,
@@ -327,7 +328,7 @@ def preprocess(
                 raise ValueError(fp8_unavailable(rot, d))
             return pre
         pre.qk_error = qk_fp4_error(q, k, v, pre, sm_scale)
-        pre.qk_fp8 = choose_qk_precision(precision, pre.qk_error)
+        pre.qk_fp8 = choose_qk_precision(precision, pre.qk_error, rule_limit(q.shape[2]))
         _raw_rule(q, k, pre, sm_scale)
         _pv_rule(q, k, v, pre, pv, pad, sm_scale, pv_limit, is_causal)
         if qk_fp8_rotated and not rot and rotation_applies(d) and not k_block_mean:

@@ -1,0 +1,93 @@
+"""Short queries against longer keys: what "auto" gives with the rule's limit on every call (before
+``AUTO_SHORT_QUERY_ROWS``) and with today's defaults (a call of 2 to 127 query rows gives every head
+FP8 Q·Kᵀ: ``reference.rule_limit``), per head, against float64 exact attention (the reference, CPU):
+
+    python tests/bench/short_queries.py                       # the summary and every head below 0.98
+    python tests/bench/short_queries.py --sqs 8 --sks 2048 --cases qk_outliers --seeds 5
+
+Cases: tests/attention_cases.py's hard ones (``HARD_CASES`` and ``TREATMENT_CASES``) and the ones
+that need no help (``EASY_CASES``), 4 q heads over 2, each in its own dtype, not causal.
+
+Per head dim, query rows and keys: the heads below 0.98 and the lowest head with the rule's limit
+on every call ("rule") and with the defaults; then each head below 0.98 either way, with the
+rule's estimate (``qk_fp4_error``): with few rows the estimate misses heads whose FP4 Q·Kᵀ error is
+large (Q's mean, a large part of every score there, is not in the scores it compares).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "sageattn3"))  # the source tree's reference (no build needed)
+
+import attention_cases as ac  # noqa: E402
+from sageattn3 import reference as ref  # noqa: E402
+
+CASES = ac.HARD_CASES + ac.TREATMENT_CASES + ac.EASY_CASES
+
+
+def head_cos(out: torch.Tensor, exact: torch.Tensor) -> list[float]:
+    """Cos-sim of each q head of a batch-1 output against exact attention (float64)."""
+    o, e = out[0].double().flatten(1), exact[0].double().flatten(1)
+    return torch.nn.functional.cosine_similarity(o, e, dim=-1).tolist()
+
+
+def defaults(q, k, v, short_rows: int) -> torch.Tensor:
+    """``ref.sageattn3`` with the defaults and ``AUTO_SHORT_QUERY_ROWS`` set to ``short_rows`` (0:
+    the rule's limit on every call)."""
+    keep = ref.AUTO_SHORT_QUERY_ROWS
+    ref.AUTO_SHORT_QUERY_ROWS = short_rows
+    try:
+        return ref.sageattn3(q, k, v)
+    finally:
+        ref.AUTO_SHORT_QUERY_ROWS = keep
+
+
+def heads(case: str, sq: int, sk: int, d: int, seed: int) -> list[dict]:
+    """One dict per q head: where, the rule's estimate, cos-sim with the rule's limit and with the
+    defaults."""
+    q, k, v = ac.make(case, 1, 4, 2, sq, sk, d, seed=seed)
+    exact = ref.exact_attention(q, k, v)
+    est = ref.qk_fp4_error(q, k, v, ref.preprocess(q, k, v, qk_precision="fp4"))[0].tolist()
+    rule = head_cos(defaults(q, k, v, 0), exact)
+    now = head_cos(defaults(q, k, v, ref.AUTO_SHORT_QUERY_ROWS), exact)
+    return [{"where": f"{case} D{d} {sq}x{sk} seed {seed} head {h}", "est": est[h], "rule": rule[h], "now": now[h]}
+            for h in range(4)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    ap.add_argument("--sqs", nargs="+", type=int, default=[1, 2, 4, 8, 32, 64, 96, 128])
+    ap.add_argument("--sks", nargs="+", type=int, default=[512, 4096])
+    args = ap.parse_args(argv)
+    print(f"AUTO_ERROR_LIMIT {ref.AUTO_ERROR_LIMIT}, AUTO_SHORT_QUERY_ROWS {ref.AUTO_SHORT_QUERY_ROWS}; "
+          f"cases {len(args.cases)}, seeds {args.seeds}, 4 q heads over 2, not causal")
+    print("\n| D | query rows | keys | heads | < 0.98, rule | < 0.98, defaults | lowest head: rule / defaults |\n"
+          "| --- | --- | --- | --- | --- | --- | --- |")
+    below = []
+    for d in (64, 128):
+        for sq in args.sqs:
+            for sk in args.sks:
+                rows = [r for case in args.cases for seed in args.seeds for r in heads(case, sq, sk, d, seed)]
+                n_rule = sum(r["rule"] < 0.98 for r in rows)
+                n_now = sum(r["now"] < 0.98 for r in rows)
+                low_rule, low_now = min(r["rule"] for r in rows), min(r["now"] for r in rows)
+                print(f"| {d} | {sq} | {sk} | {len(rows)} | {n_rule} | {n_now} | {low_rule:.4f} / {low_now:.4f} |",
+                      flush=True)
+                below += [r for r in rows if min(r["rule"], r["now"]) < 0.98]
+    print("\nHeads below 0.98 either way (estimate; rule -> defaults):")
+    for r in below:
+        print(f"  {r['where']}: estimate {r['est']:.3f}; {r['rule']:.4f} -> {r['now']:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
