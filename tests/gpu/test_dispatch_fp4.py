@@ -68,7 +68,11 @@ def run_case(sa, dtype, d, causal, shape, per_block_mean=True, seed=0):
     b, hq, hk, sq, sk = shape
     q, k, v = make_qkv(b, hq, hk, sq, sk, d, dtype, seed=seed)
     copies = [t.clone() for t in (q, k, v)]
-    (out,), msgs = sa_warnings(lambda: sa.sageattn3_blackwell(q, k, v, is_causal=causal, per_block_mean=per_block_mean))
+    # the defaults ("auto": every head FP4 on this data), but on 2 to 127 query rows "auto" gives
+    # every head FP8 (reference.rule_limit): there FP4 is asked for, the path this compares
+    kw = {"qk_precision": "fp4"} if 1 < sq < ref.AUTO_SHORT_QUERY_ROWS else {}
+    (out,), msgs = sa_warnings(lambda: sa.sageattn3_blackwell(q, k, v, is_causal=causal, per_block_mean=per_block_mean,
+                                                              **kw))
     torch.cuda.synchronize()
     assert msgs == [], msgs
     for t, c in zip((q, k, v), copies):
@@ -87,7 +91,7 @@ def run_case(sa, dtype, d, causal, shape, per_block_mean=True, seed=0):
            f"cos={cq:.6f} maxabs={float((got - want_q).abs().max()):.2e}; vs exact cos={cx:.6f} "
            f"relL1={rel_l1(got, want_x):.3e}")
     if sq * sk <= 1000 * 1000:  # and the oracle itself, preprocessing included
-        full = ref.sageattn3(q, k, v, is_causal=causal, per_block_mean=per_block_mean)
+        full = ref.sageattn3(q, k, v, is_causal=causal, per_block_mean=per_block_mean, **kw)
         fig += f"; vs sageattn3.reference cos={cos_sim(got, full[..., rows, :]):.6f}"
     FIGURES.append(fig)
     print(fig)
