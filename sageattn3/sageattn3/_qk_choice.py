@@ -52,9 +52,9 @@ class QkChoice:
         kind = lambda f, r: "16-bit" if bool(r) else "fp8" if bool(f) else "fp4"  # noqa: E731
         heads = ", ".join(f"{kind(f, r)} ({float(e):.3f})" for f, r, e in zip(sel.flatten(), raw, err.flatten()))
         limit = reference.AUTO_ERROR_LIMIT if self.limit is None else self.limit
-        short = " (a short query: every head leaves FP4)" if limit < 0 and self.precision == "auto" else ""
-        out = (f"qk_precision={self.precision!r}, limit {limit}{short}: "
-               f"{int(sel.sum())} of {sel.numel()} heads FP8")
+        rule = "" if self.precision != "auto" else f", limit {limit}" + (
+            " (below 0: every head with an estimate leaves FP4, as on 2-127 query rows)" if limit < 0 else "")
+        out = f"qk_precision={self.precision!r}{rule}: {int(sel.sum())} of {sel.numel()} heads FP8"
         if self.qk16 is not None:
             out += f" ({int(raw.sum())} of them the raw 16-bit rows, qk16_stat above {reference.QK16_STAT_LIMIT})"
         out += f"; per head: {heads}"

@@ -4,6 +4,7 @@ FP8 Q·Kᵀ: ``reference.rule_limit``), per head, against float64 exact attentio
 
     python tests/bench/short_queries.py                       # the summary and every head below 0.98
     python tests/bench/short_queries.py --sqs 8 --sks 2048 --cases qk_outliers --seeds 5
+    python tests/bench/short_queries.py --mean-term   # why: the estimate with Q's mean in its scores
 
 Cases: tests/attention_cases.py's hard ones (``HARD_CASES`` and ``TREATMENT_CASES``) and the ones
 that need no help (``EASY_CASES``), 4 q heads over 2, each in its own dtype, not causal.
@@ -61,13 +62,50 @@ def heads(case: str, sq: int, sk: int, d: int, seed: int) -> list[dict]:
             for h in range(4)]
 
 
+# The cold review's two heads: (case, sq, sk, D, seed, head)
+REVIEW_HEADS = (("qk_outliers", 8, 2048, 128, 5, 3), ("qk_massive", 8, 2048, 64, 3, 2))
+
+
+def mean_term(case: str, sq: int, sk: int, d: int, seed: int) -> dict:
+    """The rule's estimate (defaults, not rotated) three ways, per q head: as built; with the
+    correction ``mean_q · K_sᵀ`` added to both scores (the real scores' shape); and that over every
+    key block, not the sampled ones. The rows are every query row (``query_stride`` is 1 here)."""
+    from sageattn3.reference import precision as pr
+
+    q, k, v = ac.make(case, 1, 4, 2, sq, sk, d, seed=seed)
+    pre = ref.preprocess(q, k, v, qk_precision="fp4")
+    assert pr.query_stride(sq, sk) == 1 and not pre.qk_rotation
+    qs, qd = q.float() - pre.mean_q[..., :1, :], ref.dequantize_rows(pre.q_packed, pre.q_scales)[..., :sq, :]
+    ks_all = k.float() - pre.mean_k
+    kd_all = ref.dequantize_rows(pre.k_packed, pre.k_scales)[..., :sk, :]
+    blocks = torch.cat([torch.arange(b * 128, min(sk, b * 128 + 128)) for b in ref.sample_blocks(sk)])
+    scale = d ** -0.5
+
+    def estimate(keys, with_mean: bool) -> list[float]:
+        ks, kd, vs = (ref.expand_kv(x[..., keys, :], 4) for x in (ks_all, kd_all, v.float()))
+        ds = pre.mean_q[..., :1, :] @ ks.transpose(-1, -2) if with_mean else 0.0
+        o = torch.softmax((qs @ ks.transpose(-1, -2) + ds) * scale, -1) @ vs
+        o4 = torch.softmax((qd @ kd.transpose(-1, -2) + ds) * scale, -1) @ vs
+        return pr.spread_bound((o4 - o).square().sum(-1), o.square().sum(-1), sq)[0].tolist()
+
+    return {"built": ref.qk_fp4_error(q, k, v, pre)[0].tolist(), "with mean": estimate(blocks, True),
+            "with mean, every key": estimate(torch.arange(sk), True)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--sqs", nargs="+", type=int, default=[1, 2, 4, 8, 32, 64, 96, 128])
     ap.add_argument("--sks", nargs="+", type=int, default=[512, 4096])
+    ap.add_argument("--mean-term", action="store_true", help="only the review's two heads' estimates, three ways")
     args = ap.parse_args(argv)
+    if args.mean_term:
+        for case, sq, sk, d, seed, h in REVIEW_HEADS:
+            est = mean_term(case, sq, sk, d, seed)
+            print(f"{case} D{d} {sq}x{sk} seed {seed} head {h}: "
+                  + "; ".join(f"{name} {vals[h]:.3f}" for name, vals in est.items()))
+        return 0
     print(f"AUTO_ERROR_LIMIT {ref.AUTO_ERROR_LIMIT}, AUTO_SHORT_QUERY_ROWS {ref.AUTO_SHORT_QUERY_ROWS}; "
           f"cases {len(args.cases)}, seeds {args.seeds}, 4 q heads over 2, not causal")
     print("\n| D | query rows | keys | heads | < 0.98, rule | < 0.98, defaults | lowest head: rule / defaults |\n"

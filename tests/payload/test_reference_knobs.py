@@ -8,7 +8,7 @@ from sageattn3 import reference as ref
 
 import attention_cases as ac
 
-KNOBS = ("QK_SCALE_SEARCH", "MEAN_SAMPLE_BLOCKS", "AUTO_QUERY_STRIDE", "AUTO_ERROR_LIMIT")
+KNOBS = ("QK_SCALE_SEARCH", "MEAN_SAMPLE_BLOCKS", "AUTO_QUERY_STRIDE", "AUTO_ERROR_LIMIT", "AUTO_SHORT_QUERY_ROWS")
 SUBMODULES = (ref.formats, ref.transforms, ref.precision, ref.preprocessing, ref.attention)
 
 

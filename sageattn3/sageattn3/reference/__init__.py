@@ -195,8 +195,8 @@ AUTO_ERROR_LIMIT = 0.2
 # Calls of 2 to AUTO_SHORT_QUERY_ROWS - 1 query rows: "auto" gives every head FP8 Q·Kᵀ (the rule's
 # limit -1, ``rule_limit``). Few rows make Q's mean a large part of every score, which the
 # estimate leaves out (it compares the scores of the smoothed rows), and few rows to sample: at
-# 8-64 query rows against 512-4096 keys the estimate put heads of outlier channels and massive
-# outliers at 0.001-0.19 that FP4 Q·Kᵀ left at 0.58-0.98 (docs/accuracy-auto-details.md, "Short
+# 2-96 query rows against 512-4096 keys the estimate put heads of outlier channels and massive
+# outliers at 0.000-0.199 that FP4 Q·Kᵀ left at 0.32-0.98 (docs/accuracy-auto-details.md, "Short
 # queries"). One row is exact in FP4: it is its own mean, all of it in the fp32 correction.
 AUTO_SHORT_QUERY_ROWS = 128
 # A head's P·V runs in MXFP8 (pv_precision "auto", the default) when the rule's estimate of the
