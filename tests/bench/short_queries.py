@@ -5,6 +5,7 @@ FP8 Q·Kᵀ: ``reference.rule_limit``), per head, against float64 exact attentio
     python tests/bench/short_queries.py                       # the summary and every head below 0.98
     python tests/bench/short_queries.py --sqs 8 --sks 2048 --cases qk_outliers --seeds 5
     python tests/bench/short_queries.py --mean-term   # why: the estimate with Q's mean in its scores
+    python tests/bench/short_queries.py --mean-study  # that estimate (every key) against the rule's, per head
 
 Cases: tests/attention_cases.py's hard ones (``HARD_CASES`` and ``TREATMENT_CASES``) and the ones
 that need no help (``EASY_CASES``), 4 q heads over 2, each in its own dtype, not causal.
@@ -92,6 +93,49 @@ def mean_term(case: str, sq: int, sk: int, d: int, seed: int) -> dict:
             "with mean, every key": estimate(torch.arange(sk), True)}
 
 
+def mean_study(sqs, sks, seeds, cases) -> int:
+    """Over the grid (2 to 127 query rows): which heads each estimate sends to the precise Q·Kᵀ
+    (above ``AUTO_ERROR_LIMIT``), the rule's as built and one with Q's mean in both scores over
+    every key (``mean_term``), against what the heads need: a head "needs it" where FP4 Q·Kᵀ is
+    below 0.98 and FP8 Q·Kᵀ reaches 0.98 (NVFP4 P·V in both: P's error is the P·V rule's, which
+    this estimate does not replace). Missed: needs it, kept FP4; needless: FP4 reaches 0.98, sent."""
+    limit = ref.AUTO_ERROR_LIMIT
+    tally = {"heads": 0, "need": 0, "missed built": 0, "missed mean": 0, "needless built": 0, "needless mean": 0}
+    missed = []
+    for d in (64, 128):
+        for sq in [s for s in sqs if 1 < s < ref.AUTO_SHORT_QUERY_ROWS]:
+            for sk in sks:
+                for case in cases:
+                    for seed in seeds:
+                        q, k, v = ac.make(case, 1, 4, 2, sq, sk, d, seed=seed)
+                        exact = ref.exact_attention(q, k, v)
+                        fp4 = head_cos(defaults_qk(q, k, v, "fp4"), exact)
+                        fp8 = head_cos(defaults_qk(q, k, v, "fp8"), exact)
+                        est = mean_term(case, sq, sk, d, seed)
+                        for h in range(4):
+                            b, m = est["built"][h], est["with mean, every key"][h]
+                            need, fine = fp4[h] < 0.98 <= fp8[h], fp4[h] >= 0.98
+                            tally["heads"] += 1
+                            tally["need"] += need
+                            tally["missed built"] += need and b <= limit
+                            tally["missed mean"] += need and m <= limit
+                            tally["needless built"] += fine and b > limit
+                            tally["needless mean"] += fine and m > limit
+                            if need and m <= limit:
+                                missed.append(f"{case} D{d} {sq}x{sk} seed {seed} head {h}: FP4 {fp4[h]:.4f}, "
+                                              f"FP8 {fp8[h]:.4f}; estimate built {b:.3f}, with the mean {m:.3f}")
+    print("; ".join(f"{k} {v}" for k, v in tally.items()))
+    print("Missed with the mean's term:")
+    for line in missed:
+        print(f"  {line}")
+    return 0
+
+
+def defaults_qk(q, k, v, precision: str) -> torch.Tensor:
+    """The defaults with ``qk_precision`` forced and NVFP4 P·V."""
+    return ref.sageattn3(q, k, v, qk_precision=precision, pv_precision="fp4")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
@@ -99,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sqs", nargs="+", type=int, default=[1, 2, 4, 8, 32, 64, 96, 128])
     ap.add_argument("--sks", nargs="+", type=int, default=[512, 4096])
     ap.add_argument("--mean-term", action="store_true", help="only the review's two heads' estimates, three ways")
+    ap.add_argument("--mean-study", action="store_true", help="the estimate with Q's mean against the rule's")
     args = ap.parse_args(argv)
+    if args.mean_study:
+        return mean_study(args.sqs, args.sks, args.seeds, args.cases)
     if args.mean_term:
         for case, sq, sk, d, seed, h in REVIEW_HEADS:
             est = mean_term(case, sq, sk, d, seed)
