@@ -224,5 +224,29 @@ def test_the_rows_spread_sends_a_huge_norm_keys_head_to_fp8(fp4):  # noqa: F811
     assert min(heads) >= 0.98, fig
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_spread_does_not_depend_on_vs_scale(fp4, d):  # noqa: F811
+    """V times 2^-40 (about 1e-12) and 2^30 (about 1e9), bf16: the rule reads V as it is, so its
+    outputs and each row's n_r, d_r scale by powers of two exactly, and the estimate, the rows'
+    spread included (its squares summed in double), is the same bits as at V's own scale, and the
+    reference's (1e-3). In float32 those squares fall below its range at 2^-40 and past it at
+    2^30. 2048 tokens: every 8th row is read, so the spread counts."""
+    from sageattn3 import _kernels, reference as ref
+
+    q, k, v = ac.make("k_sink", 1, 4, 2, 2048, 2048, d, seed=3, dtype=torch.bfloat16)
+    qc, kc = q.cuda(), k.cuda()
+    pre = fp4.preprocess(qc, kc, v.cuda())
+    base = _kernels.qk_rule_error(qc, kc, v.cuda(), pre, d ** -0.5).cpu()
+    for e in (-40, 30):
+        vs = v * 2.0 ** e
+        got = _kernels.qk_rule_error(qc, kc, vs.cuda(), fp4.preprocess(qc, kc, vs.cuda()), d ** -0.5).cpu()
+        want = ref.qk_fp4_error(q, k, vs, _cpu(pre))
+        rel = ((got - want).abs() / want.abs()).max().item()
+        FIGURES.append(f"V x 2^{e}, D {d}: kernel estimates {[round(float(x), 4) for x in got[0]]} "
+                       f"(at V's scale {[round(float(x), 4) for x in base[0]]}), max rel diff to the reference {rel:.1e}")
+        assert torch.equal(got, base), (e, got, base)
+        assert rel < 1e-3, FIGURES[-1]
+
+
 def test_zz_report_figures():
     print("\n".join(FIGURES))

@@ -367,8 +367,9 @@ def test_spread_bound_is_the_ratio_plus_its_standard_error(monkeypatch):
     """``spread_bound`` against the same statistic written from the residuals in float64:
     sqrt(r + z · sqrt(Σ (n_r - r d_r)² / (rows - 1) / rows · (1 - rows / seq)) / mean d), r =
     Σ n / Σ d, z = 3; never below the ratio; the plain ratio with one row, with every row read
-    (rows = seq: nothing left to sample), with z = 0, and where the sums of squares overflow
-    float32."""
+    (rows = seq: nothing left to sample), and with z = 0. Scale-invariant where the row terms'
+    squares leave float32's range (they are summed in float64): n_r, d_r times 1e20 or 1e-25 give
+    the same bound."""
     from sageattn3.reference import precision
 
     g = torch.Generator().manual_seed(7)
@@ -385,8 +386,11 @@ def test_spread_bound_is_the_ratio_plus_its_standard_error(monkeypatch):
     plain = (num.sum(-1) / den.sum(-1)).sqrt()
     assert torch.allclose(ref.spread_bound(num, den, 40), plain)  # every row read
     assert torch.allclose(ref.spread_bound(num[..., :1], den[..., :1], 100), (num[..., 0] / den[..., 0]).sqrt())
-    huge = ref.spread_bound(num * 1e20, den * 1e20, 4096)  # n_r² past float32's range
-    assert torch.isfinite(huge).all() and torch.allclose(huge, plain, rtol=1e-5), huge
+    bound = ref.spread_bound(num, den, 4096)
+    assert bool((bound > plain * 1.001).any())
+    for f in (1e20, 1e-25):  # n_r² past float32's range, above and below
+        scaled = ref.spread_bound(num * f, den * f, 4096)
+        assert torch.isfinite(scaled).all() and torch.allclose(scaled, bound, rtol=1e-5), (f, scaled, bound)
     monkeypatch.setattr(precision, "AUTO_ERROR_SPREAD", 0.0)
     assert torch.allclose(ref.spread_bound(num, den, 4096).double(), r.sqrt(), rtol=1e-6)
 
@@ -400,6 +404,18 @@ def test_the_spread_of_the_rows_catches_a_key_of_huge_norm():
     h = rows[3]
     assert h["plain"] < ref.AUTO_ERROR_LIMIT - 0.05 and h["fp4"] < 0.96, h
     assert h["bound"] > ref.AUTO_ERROR_LIMIT + 0.02 and h["fp8"] > 0.98, h
+
+
+def test_the_huge_norm_keys_head_takes_fp8_whatever_vs_scale():
+    """The same head with V times 2^30 or 2^-40 (bf16): the estimate is the same bits (its rows'
+    squares summed in float64), so the head still takes FP8 Q·Kᵀ. With those squares in float32 the
+    spread was lost past 1e8 (the plain ratio, FP4) and changed below 1e-11."""
+    q, k, v = _rule_spread().make("key_norm_x60", 2048, 128, 0)
+    base = ref.qk_fp4_error(q, k, v, ref.preprocess(q, k, v))
+    assert float(base[0, 3]) > ref.AUTO_ERROR_LIMIT, base
+    for e in (30, -40):
+        vs = v * 2.0 ** e
+        assert torch.equal(ref.qk_fp4_error(q, k, vs, ref.preprocess(q, k, vs)), base), e
 
 
 @pytest.mark.parametrize("d", [64, 128])

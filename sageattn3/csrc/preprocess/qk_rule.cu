@@ -71,7 +71,10 @@ constexpr int kSampled = 8;          // reference.MEAN_SAMPLE_BLOCKS
 constexpr int kUnits = kSampled * kBlock / kRows;  // a head's most row groups (stride 1)
 // reference.query_stride's budget: 1.5 x a long call's sampled rows times its sampled keys
 constexpr int64_t kRowKeyBudget = static_cast<int64_t>(kSampled) * kBlock / kStride * kSampled * kBlock * 3 / 2;
-constexpr int kSums = 5;            // a row group's partial sums: n, d, the rows' sum n^2, d^2, n d
+// A row group's partial sums, in floats: n, d, then the rows' sums of n^2, d^2 and n d as three doubles
+// (floats 2-7: squares of float32 row sums leave float32's range where |V| is below about 1e-11 or
+// above about 1e8, and the spread would stop being scale-invariant).
+constexpr int kSums = 8;
 constexpr double kSpreadZ = 3.0;     // reference.AUTO_ERROR_SPREAD: standard errors added to Q.K^T's estimates
 constexpr float kPScale = 2688.0f;  // 448 * 6: P's row max at the top of E4M3 x E2M1 (the attention's level 1)
 // P in two fp16 parts is scaled up by 2^14 first: P of large-logit rows sits near e^-10, below
@@ -158,6 +161,12 @@ __device__ __forceinline__ void load16(const T* p, float (&v)[16]) {
 }
 
 __device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xFFFFFFFFu, x, o);
+  return x;
+}
+
+__device__ __forceinline__ double warp_sum_d(double x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xFFFFFFFFu, x, o);
   return x;
@@ -621,7 +630,7 @@ __device__ __forceinline__ void chunk_pv(const uint16_t* v, const float (&s)[4][
 template <int D, bool kPv>
 __device__ __forceinline__ void error_sums(const float (&o)[D / 8][4], const float* o4s, const float (&inv)[2],
                                            const float (&inv_p)[2], int rows, int lane, float& n, float& d,
-                                           float (&v)[3]) {
+                                           double (&v)[3]) {
   using L = Smem<D>;
   const int g = lane >> 2, t = lane & 3;
   float rn[2] = {0.0f, 0.0f}, rd[2] = {0.0f, 0.0f};  // rows g and g + 8: this lane's share
@@ -647,7 +656,7 @@ __device__ __forceinline__ void error_sums(const float (&o)[D / 8][4], const flo
   }
   n = warp_sum(n);
   d = warp_sum(d);
-  v[0] = v[1] = v[2] = 0.0f;
+  v[0] = v[1] = v[2] = 0.0;
   if constexpr (!kPv) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // the row's sums over its quad, then its products (lane t 0 counts them)
@@ -655,14 +664,14 @@ __device__ __forceinline__ void error_sums(const float (&o)[D / 8][4], const flo
       rn[h] += __shfl_xor_sync(0xFFFFFFFFu, rn[h], 2);
       rd[h] += __shfl_xor_sync(0xFFFFFFFFu, rd[h], 1);
       rd[h] += __shfl_xor_sync(0xFFFFFFFFu, rd[h], 2);
-      if (t == 0) {
-        v[0] += rn[h] * rn[h];
-        v[1] += rd[h] * rd[h];
-        v[2] += rn[h] * rd[h];
+      if (t == 0) {  // float x float is exact in double
+        v[0] += static_cast<double>(rn[h]) * rn[h];
+        v[1] += static_cast<double>(rd[h]) * rd[h];
+        v[2] += static_cast<double>(rn[h]) * rd[h];
       }
     }
 #pragma unroll
-    for (int i = 0; i < 3; ++i) v[i] = warp_sum(v[i]);
+    for (int i = 0; i < 3; ++i) v[i] = warp_sum_d(v[i]);
   }
 }
 
@@ -675,7 +684,7 @@ __device__ __forceinline__ void error_sums(const float (&o)[D / 8][4], const flo
 // sums through `x`. Called by every warp of the block (two block-wide barriers).
 template <typename T, int D>
 __device__ __forceinline__ void group_error(const float (&o)[D / 8][4], float (&l)[2], bool pv, int kind, int rows,
-                                            float* x, int lane, float& n, float& d, float (&v)[3]) {
+                                            float* x, int lane, float& n, float& d, double (&v)[3]) {
   using L = Smem<D>;
   const int g = lane >> 2, t = lane & 3;
   float inv[2], inv_p[2];
@@ -687,7 +696,7 @@ __device__ __forceinline__ void group_error(const float (&o)[D / 8][4], float (&
     inv[h] = __fmul_rn(inv_p[h], 1.0f / kPUp<T>);  // exact: a power of two
   }
   __syncthreads();  // every warp's reads of the Q tiles are done
-  v[0] = v[1] = v[2] = 0.0f;
+  v[0] = v[1] = v[2] = 0.0;
   if (pv) {
     error_sums<D, true>(o, nullptr, inv, inv_p, rows, lane, n, d, v);
     if (kind == 1 && lane == 0) {
@@ -745,13 +754,14 @@ __device__ __forceinline__ float head_stat(const RuleGrid& G, int64_t bh) {
 // plus kSpreadZ standard errors of that ratio, from the rows' n_r - r d_r (their sums of squares
 // and products sv) with the finite-population factor 1 - rows / seq (0 where every query row is
 // read: no sampling error left): r + z sqrt(sum (n_r - r d_r)^2 rows / (rows - 1) (1 - rows / seq))
-// / d, in double, and its square root; the plain sqrt(r) where that is not finite (sums of squares
-// past float32's range, |V| beyond about 1e8).
-__device__ __forceinline__ float spread_bound(float n, float d, const float (&sv)[3], int64_t rows, int64_t seq) {
+// / d, in double (the row terms' squares summed in double: error_sums), and its square root; the
+// plain sqrt(r) where that is not finite (the float32 row terms themselves out of range: |V| near
+// 1e18).
+__device__ __forceinline__ float spread_bound(float n, float d, const double (&sv)[3], int64_t rows, int64_t seq) {
   const float r = n / fmaxf(d, 1e-30f);
   if (rows < 2 || !(d > 0.0f) || rows >= seq) return sqrtf(r);
   const double rr = r;
-  const double res = static_cast<double>(sv[0]) - 2.0 * rr * sv[2] + rr * rr * sv[1];
+  const double res = sv[0] - 2.0 * rr * sv[2] + rr * rr * sv[1];
   const double fpc = 1.0 - static_cast<double>(rows) / static_cast<double>(seq);
   const double se = sqrt(fmax(res, 0.0) * static_cast<double>(rows) / static_cast<double>(rows - 1) * fpc) / d;
   const double bound = sqrt(rr + kSpreadZ * se);
@@ -759,25 +769,26 @@ __device__ __forceinline__ float spread_bound(float n, float d, const float (&sv
 }
 
 __device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int unit, int z, float n, float d,
-                                           const float (&v)[3], float q2) {
+                                           const double (&v)[3], float q2) {
   const QkRuleArgs& a = G.a;
   const int64_t BH = a.B * a.Hq;
   float* mine = a.partial + ((z * BH + bh) * kUnits + unit) * kSums;
   mine[0] = n;
   mine[1] = d;
-  for (int i = 0; i < 3; ++i) mine[2 + i] = v[i];
+  for (int i = 0; i < 3; ++i) reinterpret_cast<double*>(mine + 2)[i] = v[i];  // 8-byte aligned: kSums even
   if (G.estimate[z] == kFirst && stat_on(a)) stat_partial(a, bh)[unit] = q2;
   __threadfence();
   if (atomicAdd(a.counter + bh, 1) != G.units * G.nest - 1) return;
   __threadfence();
   const auto estimate = [&](int zz) {  // estimate zz of the grid from its partials, in row group order
-    float sn = 0.0f, sd = 0.0f, sv[3] = {0.0f, 0.0f, 0.0f};
+    float sn = 0.0f, sd = 0.0f;
+    double sv[3] = {0.0, 0.0, 0.0};
     int64_t rows = 0;
     for (int i = 0; i < G.units; ++i) {
       const float* p = a.partial + ((zz * BH + bh) * kUnits + i) * kSums;
       sn += __ldcg(p);
       sd += __ldcg(p + 1);
-      for (int k = 0; k < 3; ++k) sv[k] += __ldcg(p + 2 + k);
+      for (int k = 0; k < 3; ++k) sv[k] += __ldcg(reinterpret_cast<const double*>(p + 2) + k);
       rows += group_of(G, i).rows;
     }
     if (G.estimate[zz] == kPv) return sqrtf(sn / fmaxf(sd, 1e-30f));  // P's: the ratio alone
@@ -927,7 +938,8 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(const __grid_constant
     q2 = sm[L::kW + 4 * pair] + sm[L::kW + 4 * pair + 2];  // the pair's two warps
     __syncthreads();  // thread 0's k2 before any group of the block reports
   }
-  float n = 0.0f, d = 0.0f, v[3];
+  float n = 0.0f, d = 0.0f;
+  double v[3];
   group_error<T, D>(o, l, est == kPv, kind, u.rows, reinterpret_cast<float*>(tiles), lane, n, d, v);
   if (kind == 0 && lane == 0 && u.report) head_error(G, bh, u.unit, z, n, d, v, q2);
 #else

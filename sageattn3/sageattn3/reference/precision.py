@@ -230,19 +230,21 @@ def spread_bound(num_rows: torch.Tensor, den_rows: torch.Tensor, seq: int) -> to
     """Step 4 of ``qk_fp4_error`` from each sampled row's n_r = ||O4_r - O_r||² and d_r = ||O_r||²
     (..., rows) of a head of ``seq`` query rows: sqrt(r + z · se), r = Σ n_r / Σ d_r (float32 sums,
     d clamped at 1e-30), se the standard error of that ratio over the sample,
-    sqrt(Σ (n_r - r d_r)² · rows / (rows - 1) · (1 - rows / seq)) / Σ d_r (from the float32 sums of
-    n_r², d_r² and n_r d_r; 1 - rows / seq the finite-population factor: 0 where every row is read,
-    so is the spread), z = ``AUTO_ERROR_SPREAD``, combined in float64 (the rule kernel's
-    spread_bound). The plain sqrt(r) with fewer than 2 rows, Σ d_r = 0, z = 0, or where the
-    combination is not finite (the sums of squares overflow float32 when |V| exceeds about 1e8)."""
+    sqrt(Σ (n_r - r d_r)² · rows / (rows - 1) · (1 - rows / seq)) / Σ d_r (from the float64 sums of
+    n_r², d_r² and n_r d_r, so the spread stays scale-invariant where those squares would leave
+    float32's range, |V| below about 1e-11 or above about 1e8; 1 - rows / seq the finite-population
+    factor: 0 where every row is read, so is the spread), z = ``AUTO_ERROR_SPREAD``, combined in
+    float64 (the rule kernel's spread_bound). The plain sqrt(r) with fewer than 2 rows, Σ d_r = 0,
+    z = 0, or where the combination is not finite (the float32 row terms themselves out of range)."""
     n, d = num_rows.sum(dim=-1), den_rows.sum(dim=-1)
     r = n / d.clamp_min(1e-30)
     rows = num_rows.shape[-1]
     if rows < 2 or rows >= seq or AUTO_ERROR_SPREAD == 0:
         return torch.sqrt(r)
-    snn, sdd, snd = (num_rows * num_rows).sum(-1), (den_rows * den_rows).sum(-1), (num_rows * den_rows).sum(-1)
+    nr, dr = num_rows.double(), den_rows.double()
+    snn, sdd, snd = (nr * nr).sum(-1), (dr * dr).sum(-1), (nr * dr).sum(-1)
     rr = r.double()
-    res = snn.double() - 2.0 * rr * snd.double() + rr * rr * sdd.double()
+    res = snn - 2.0 * rr * snd + rr * rr * sdd
     se = torch.sqrt(res.clamp_min(0.0) * rows / (rows - 1) * (1.0 - rows / seq)) / d.double()
     bound = torch.sqrt(rr + AUTO_ERROR_SPREAD * se)
     ok = (d > 0) & torch.isfinite(res) & torch.isfinite(bound)
