@@ -32,6 +32,11 @@ Every case starts from i.i.d. standard normal Q, K, V and adds one kind of struc
   sinks' V zero (sinks carry no value). Each row's max is a sink, and the output comes from the
   other keys, whose P is ~e^-11 of the row max: P's quantization error dominates (the scores
   are mostly the exact correction mean_q · K).
+- ``v_sink``: attention sinks that carry a small value: Q = noise + a channel offset mu, four
+  sink keys at the start with K += 12 / sqrt(D) x mu (scores 12 e-folds above the others after
+  the softmax scale), V x30 but the sinks' V x1. The sinks take nearly all of each row's P, so the
+  output is mostly their V, which sits at 1/30 of its 16-key blocks' largest value: NVFP4 V
+  rounds it to zero (V's error dominates; FP8 P·V keeps it).
 - ``mixed_heads``: heads of different kinds in one call (4 q heads over 2 kv heads expected):
   kv head 0 zero-mean, its q heads zero-mean and near-one-hot (x4); kv head 1 and its q heads
   from ``rope_bias``. Other head counts: q head h takes the kind of h % 4.
@@ -44,7 +49,8 @@ from __future__ import annotations
 import torch
 
 CASES = ("randn", "q_offset_x1", "q_offset_x3", "q_offset_x8", "q_outliers", "k_outliers", "qk_outliers", "k_bias",
-         "peaky", "zero_mean_v", "q_drift", "rope_bias", "k_sink", "mixed_heads", "qk_massive", "large_logits")
+         "peaky", "zero_mean_v", "q_drift", "rope_bias", "k_sink", "mixed_heads", "qk_massive", "large_logits",
+         "v_sink")
 # The cases FP4 Q·Kᵀ alone fails on (issue targets: RoPE'd >= 0.98, outliers >= 0.98, near-one-hot
 # >= 0.97 with the defaults) and those where no head needs help.
 HARD_CASES = ("q_outliers", "k_outliers", "qk_outliers", "peaky", "rope_bias", "k_sink", "mixed_heads")
@@ -53,6 +59,10 @@ EASY_CASES = ("randn", "q_offset_x1", "q_offset_x3", "q_offset_x8", "k_bias", "z
 # tests/bench/treatments.py): massive outliers Q and K share, and large logits whose P's FP4
 # error dominates.
 TREATMENT_CASES = ("qk_massive", "large_logits")
+# The cases whose P·V needs MXFP8 (the rule's P·V estimate sends their heads there): P's error
+# (large logits) or V's (sinks whose V is small).
+PV_CASES = ("large_logits", "v_sink")
+V_SINK_SCORE = 12.0  # v_sink: the sinks' extra score after the softmax scale (in e-folds)
 ROPE_BASE = 10000.0
 OUTLIER_SCALES = (8.0, 12.0, 16.0, 20.0)
 MASSIVE_SCALES = (20.0, 40.0, 60.0)
@@ -116,6 +126,11 @@ def make(case: str, b: int, hq: int, hk: int, sq: int, sk: int, d: int, *, seed:
         k[..., :4, :] += SINK_SCORE / d**0.5 * offsets[0]
         v = 30.0 * v
         v[..., :4, :] = 0.0
+    elif case == "v_sink":
+        q = q + offsets[0]
+        k[..., :4, :] += V_SINK_SCORE / d**0.5 * offsets[0]
+        v = 30.0 * v
+        v[..., :4, :] /= 30.0
     return q.to(dtype).to(device), k.to(dtype).to(device), v.to(dtype).to(device)
 
 

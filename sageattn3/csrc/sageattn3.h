@@ -181,6 +181,12 @@ struct QkRuleArgs {
   const uint8_t* q_scales;
   const uint8_t* k_packed;
   const uint8_t* k_scales;
+  // V's NVFP4 as the preprocessing wrote it (v_packed (B, Hkv, D, Skp/2), v_scales (.., Skp/16),
+  // v_exp (B, Hkv, Skp/128, D/32) or null), for V's share of P's estimate (reference.pv_p_error):
+  // read only where P's estimate runs (error_pv set, pv_limit >= 0), then Skp a multiple of 128.
+  const uint8_t* v_packed;
+  const uint8_t* v_scales;
+  const int8_t* v_exp;
   const float* mean_q;
   int64_t mean_rows;
   const float* mean_k;

@@ -365,7 +365,9 @@ def qk_rule_select(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale
 
     d = q.shape[3]
     q16 = float(reference.QK16_STAT_LIMIT if qk16_limit is None else qk16_limit) if d == 128 else -1.0
-    return op("qk_rule_select")(q, k, v, pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.mean_q,
+    v_exp = _none(q.device, 11) if pre.v_exp is None else pre.v_exp.view(torch.uint8)
+    return op("qk_rule_select")(q, k, v, pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed,
+                                pre.v_scales, v_exp, pre.mean_q,
                                 pre.mean_k, _none(q.device, 10) if pre.balance is None else pre.balance,
                                 *_rule_scale(pre, d, scale), float(limit), bool(select_all), float(pv_limit),
                                 bool(causal), q16)
@@ -448,8 +450,8 @@ OUTPUT_WRITING_OPS = (
 )
 # Ops of the library that allocate and return their outputs, with the fakes that give those
 # outputs' shapes (kept next to the op's wrapper above).
-def _qk_rule_select_fake(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, rotate,
-                         floor, limit, select_all, pv_limit, causal=False, qk16_limit=-1.0):
+def _qk_rule_select_fake(q, k, v, q_packed, q_scales, k_packed, k_scales, v_packed, v_scales, v_exp, mean_q, mean_k,
+                         balance, sm_scale, rotate, floor, limit, select_all, pv_limit, causal=False, qk16_limit=-1.0):
     b, hq, hk = q.shape[0], q.shape[1], k.shape[1]
     f32, u8 = torch.float32, torch.uint8
     return (q.new_empty((b, hq), dtype=f32), q.new_empty((b, hq), dtype=u8), q.new_empty((b, hk), dtype=u8),

@@ -84,6 +84,7 @@ LABELS = {
     "mixed_heads": "mixed heads: zero-mean, near-one-hot, 2 x RoPE'd",
     "qk_massive": "Q and K massive outliers x20..x60, same channels",
     "large_logits": "large logits: 4 sink keys, V x30 (fp16)",
+    "v_sink": "4 sink keys whose V is 1/30 of the others'",
 }
 
 

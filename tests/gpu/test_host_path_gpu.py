@@ -188,7 +188,8 @@ def test_rule_and_mxfp8_outputs_are_separate_and_valid_alone(balance):
     sel = rule()
     bal = _kernels._none(q.device, 8) if pre.balance is None else pre.balance
     _check_outputs(sel, _kernels._qk_rule_select_fake(q, k, v, pre.q_packed, pre.q_scales, pre.k_packed,
-                                                      pre.k_scales, pre.mean_q, pre.mean_k, bal, 0.088, False, False, 0.1,
+                                                      pre.k_scales, pre.v_packed, pre.v_scales, pre.v_exp, pre.mean_q,
+                                                      pre.mean_k, bal, 0.088, False, False, 0.1,
                                                           True, 0.1))
     _each_survives_alone(rule)
 

@@ -56,7 +56,8 @@ def test_p_estimate_fp16_large_logits_over_seeds(fp4, seed, d, causal):  # noqa:
 @pytest.mark.parametrize("case, b, hq, hk, sq, sk", [("large_logits", 1, 4, 2, 1024, 1024),
                                                     ("randn", 2, 4, 1, 700, 333), ("k_sink", 1, 2, 2, 1000, 1300),
                                                     ("rope_bias", 1, 4, 2, 129, 2000),
-                                                    ("large_logits", 1, 4, 2, 300, 300)])
+                                                    ("large_logits", 1, 4, 2, 300, 300),
+                                                    ("v_sink", 1, 4, 2, 1024, 1024), ("v_sink", 2, 4, 1, 500, 777)])
 def test_p_estimate_matches_the_reference(fp4, case, b, hq, hk, sq, sk, d, options, causal):  # noqa: F811
     _pv8_or_skip()
     from sageattn3 import _kernels, reference as ref
@@ -82,7 +83,7 @@ def test_p_estimate_matches_the_reference(fp4, case, b, hq, hk, sq, sk, d, optio
     e2, q2, k2, pv_nan, v2, _ = _rule(q, k, v, pre, -1.0, causal=not causal)
     assert torch.equal(e2, err) and torch.equal(q2, sel_q & 5) and torch.equal(k2, sel_k)
     assert bool(pv_nan.isnan().all()) and not bool(v2.any())
-    if case == "large_logits":
+    if case in ac.PV_CASES:
         assert bool(pv8.any()), err_pv
     else:
         assert not bool(pv8.any()), err_pv
@@ -98,6 +99,29 @@ def test_v_quantizer_with_a_selection(fp4):  # noqa: F811
     assert same_bytes(codes[pick], full_c[pick]) and same_bytes(scales[pick], full_s[pick])
     with pytest.raises(ValueError, match="one byte per group"):
         pv8.quant_mxfp8_cols(v, 128, sel=sel[:1])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_small_v_sinks_by_default(fp4, d, causal):  # noqa: F811
+    """Attention sinks whose V is 1/30 of the others' (``v_sink``, bf16): NVFP4 V rounds the sinks'
+    V to zero (about 0.4 against exact attention); V's share of the rule's P·V estimate gives every
+    head FP8 P·V, by the kernels' own estimate (the one op); they equal the reference (>= 0.99999)
+    and reach >= 0.99 against exact attention."""
+    _pv8_or_skip()
+    from sageattn3 import reference as ref
+
+    q, k, v = ac.make("v_sink", 1, 4, 2, 1024, 1024, d, seed=0)
+    out, choice = fp4.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal, return_qk_choice=True)
+    out = out.float().cpu()
+    want = ref.sageattn3(q, k, v, is_causal=causal)
+    exact = ref.exact_attention(q, k, v, is_causal=causal)
+    fp4_pv = fp4.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal, pv_precision="fp4").float().cpu()
+    c_ref, c_exact, c_fp4 = ac.cos_sim(out, want), ac.cos_sim(out, exact), ac.cos_sim(fp4_pv, exact)
+    FIGURES.append(f"v_sink bf16 D={d} causal={causal}, defaults: kernel vs reference {c_ref:.7f}, vs exact "
+                   f"{c_exact:.5f} (NVFP4 P·V {c_fp4:.4f}); {choice.describe()}")
+    assert bool(choice.pv_fp8.all()), choice.describe()
+    assert c_ref >= 0.99999 and c_exact >= 0.99 and c_fp4 < 0.6
 
 
 @pytest.mark.parametrize("causal", [False, True])

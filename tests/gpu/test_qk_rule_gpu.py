@@ -72,7 +72,7 @@ def _check_select(q, k, v, pre, scale, error):
             for _ in range(2):
                 out = _kernels.qk_rule_select(q, k, v, pre, scale, limit, select_all)
                 err, sel_q, sel_k, err_pv, sel_v, stat = out
-                fake = _kernels._qk_rule_select_fake(q, k, v, *[None] * 11, select_all, -1.0)
+                fake = _kernels._qk_rule_select_fake(q, k, v, *[None] * 14, select_all, -1.0)
                 assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in out]
                 assert bool(err_pv.isnan().all()) and not bool(sel_v.any()), "no P estimate was asked"
                 assert sel_q.dtype == torch.uint8 and sel_k.dtype == torch.uint8

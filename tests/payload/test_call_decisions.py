@@ -57,10 +57,10 @@ def _separate(calls) -> dict:
     (attn,) = [n for n, _ in calls if n.startswith("blockscaled")]
     a = d[attn]
     mx, vq = d.get("mxfp8_smooth_quant_qk"), d.get("quant_mxfp8_cols")
-    return dict(pre=tuple(d["preprocess_qkv"][3:]), qk=0 if rule is None else (2 if rule[14] else 1),
+    return dict(pre=tuple(d["preprocess_qkv"][3:]), qk=0 if rule is None else (2 if rule[17] else 1),
                 pv={"blockscaled_fp4_attn": 0, "blockscaled_attn_qk8": 0, "blockscaled_attn_pv8": 2,
                     "blockscaled_attn_mixed": 1}[attn], scale=a[-2], causal=a[-1], ws=a[11].numel(),
-                rule=None if rule is None else (rule[10], rule[11], rule[12], rule[13], rule[15], rule[16], rule[17]),
+                rule=None if rule is None else (rule[13], rule[14], rule[15], rule[16], rule[18], rule[19], rule[20]),
                 mxrot=None if mx is None else mx[8], vsel=None if vq is None else vq[1].numel() > 0)
 
 

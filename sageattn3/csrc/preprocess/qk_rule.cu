@@ -77,6 +77,9 @@ constexpr int64_t kRowKeyBudget = static_cast<int64_t>(kSampled) * kBlock / kStr
 constexpr int kSums = 8;
 constexpr double kSpreadZ = 3.0;     // reference.AUTO_ERROR_SPREAD: standard errors added to Q.K^T's estimates
 constexpr float kPScale = 2688.0f;  // 448 * 6: P's row max at the top of E4M3 x E2M1 (the attention's level 1)
+constexpr float kVFactor = 1.5f;    // reference.PV_V_FACTOR: V's share of P's estimate counts against pv_limit x this
+constexpr int kVTile = 128;         // keys per V tile exponent (reference.V_TILE)
+constexpr int kVGroup = 32;         // channels per V tile exponent (reference.V_GROUP)
 // P in two fp16 parts is scaled up by 2^14 first: P of large-logit rows sits near e^-10, below
 // fp16's smallest normal (2^-14), where both parts would lose bits. bf16 has fp32's exponents.
 template <typename T>
@@ -95,7 +98,8 @@ struct Smem {
   static constexpr int kHalves = kV + kChunk * kP;
   static constexpr int kW = kHalves / 2;           // floats: [pair][D] Q's options-free mean
   static constexpr int kMk = kW + kPairs * D;      // K's options-free mean (the floor's rows)
-  static constexpr int kFloats = kMk + D;
+  static constexpr int kEps = kMk + D;             // P's blocks: [D / 32][kChunk] V's squared error per key, by channel group
+  static constexpr int kFloats = kEps + D / 32 * kChunk;
   static constexpr size_t kBytes = static_cast<size_t>(kFloats) * sizeof(float);
   static constexpr int kOPitch = D + 4;  // O4 handed over (floats, over the pair's Q area)
   static_assert(kRows * kOPitch * 2 <= 4 * kTile, "O4 fits the pair's Q area");
@@ -430,6 +434,90 @@ struct KeyChunk {
   }
 };
 
+// One step of a reduce-scatter over the warp: values 0 .. 2W - 1 to 0 .. W - 1, the lanes with bit
+// 2W set keeping the upper W (their partner, across that bit, the lower)
+template <int W>
+__device__ __forceinline__ void scatter_step(float (&p)[16], int lane) {
+  const bool up = (lane & (2 * W)) != 0;
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    const float send = up ? p[j] : p[j + W];
+    const float keep = up ? p[j + W] : p[j];
+    p[j] = __fadd_rn(keep, __shfl_xor_sync(0xFFFFFFFFu, send, 2 * W));
+  }
+}
+
+// V's share of P's estimate (reference.pv_p_error, step 5): eps_j = ||V-hat_j - V_j||^2 of the
+// chunk's keys, V-hat the attention's NVFP4 V (the preprocessing's v_packed, v_scales and v_exp,
+// dequantized exactly). The block's threads take (channel, 16-key block) units: the unit's 8 code
+// bytes, its scale byte and its tile exponent are fetched a chunk ahead (with KeyChunk's), then
+// its 16 squared errors against the staged V are summed over the warp's 32 channels (lane l ends
+// with key l / 2's sum) into kEps[channel group][key]; a reader adds the D / 32 groups in order.
+template <typename T, int D>
+struct VHatChunk {
+  static constexpr int kU = 2 * D / kThreads;  // units a thread (2 blocks of 16 keys x D channels)
+  static_assert(kU >= 1 && kU * kThreads == 2 * D && kThreads % 32 == 0, "whole units, a warp's in one block");
+  uint2 code[kU];
+  uint32_t sbyte[kU];
+  int exp[kU];
+
+  __device__ __forceinline__ void fetch(const QkRuleArgs& a, int64_t bk, int64_t key0, int tid) {
+#pragma unroll
+    for (int i = 0; i < kU; ++i) {
+      const int x = tid + i * kThreads, c = x % D, blk = x / D;
+      const int64_t krow = key0 + 16 * blk;  // within Skp: the sampled blocks are whole 128-key tiles
+      const int64_t e = (bk * D + c) * a.Skp + krow;
+      code[i] = __ldg(reinterpret_cast<const uint2*>(a.v_packed + e / 2));
+      sbyte[i] = a.v_scales[e / 16];
+      exp[i] = a.v_exp == nullptr ? 0 : a.v_exp[(bk * (a.Skp / kVTile) + krow / kVTile) * (D / kVGroup) + c / kVGroup];
+    }
+  }
+
+  // The units' squared errors into kEps, summed over each warp's 32 channels (V staged at kV)
+  __device__ __forceinline__ void partials(const uint16_t* sm16, float* sm, int tid) const {
+    using L = Smem<D>;
+    const int lane = tid & 31;
+#pragma unroll
+    for (int i = 0; i < kU; ++i) {
+      const int x = tid + i * kThreads, c = x % D, blk = x / D;
+      float vh[16], p[16];
+      fp4_values16(code[i], sbyte[i], vh);
+      const float f = __int_as_float((127 - exp[i]) << 23);  // 2^-e, |e| <= 40: exact
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const uint16_t raw = sm16[L::kV + (16 * blk + j) * L::kP + c];
+        const float vr = std::is_same_v<T, bf16_t> ? __uint_as_float(static_cast<uint32_t>(raw) << 16)
+                                                   : __half2float(__ushort_as_half(raw));
+        const float dv = __fsub_rn(__fmul_rn(vh[j], f), vr);
+        p[j] = __fmul_rn(dv, dv);
+      }
+      // reduce-scatter over the warp: after the steps of 16, 8, 4 and 2 lane l holds key l / 2's
+      // sum over 16 lanes, after the step of 1 over all 32
+      scatter_step<8>(p, lane);
+      scatter_step<4>(p, lane);
+      scatter_step<2>(p, lane);
+      scatter_step<1>(p, lane);
+      p[0] = __fadd_rn(p[0], __shfl_xor_sync(0xFFFFFFFFu, p[0], 1));
+      if ((lane & 1) == 0) sm[L::kEps + (c / kVGroup) * kChunk + 16 * blk + (lane >> 1)] = p[0];
+    }
+  }
+};
+
+// The chunk's eps of keys col and col + 1 (the D / 32 channel groups' sums, in order)
+template <int D>
+__device__ __forceinline__ float2 eps_pair(const float* sm, int col) {
+  using L = Smem<D>;
+  float2 e = *reinterpret_cast<const float2*>(sm + L::kEps + col);
+#pragma unroll
+  for (int g = 1; g < D / kVGroup; ++g) {
+    const float2 x = *reinterpret_cast<const float2*>(sm + L::kEps + g * kChunk + col);
+    e.x = __fadd_rn(e.x, x.x);
+    e.y = __fadd_rn(e.y, x.y);
+  }
+  return e;
+}
+
+
 // The warp's 16 x 32 scores of the chunk, accumulator layout (n-tile nt: keys 8 nt .. 8 nt + 7):
 // kParts tiles of Q (from `q`, one tile apart) times the chunk's keys at `kb`, MMAs of TM. Three
 // sets of accumulators (one per part, or per k-step modulo 3 with one part) keep the dependent
@@ -532,6 +620,29 @@ __device__ __forceinline__ void chunk_softmax(float (&s)[4][4], float scale2, co
       o[i][1] *= a2[0];
       o[i][2] *= a2[1];
       o[i][3] *= a2[1];
+    }
+  }
+}
+
+// P's rows' sums of P^2 eps over the chunk (kind 0 of P's estimate, after chunk_softmax: s = e^(L - m)
+// with the running max m, which moved from m_old): pe rescaled by the square of the rescale of O.
+template <int D>
+__device__ __forceinline__ void chunk_pe(const float (&s)[4][4], const float (&m_old)[2], const float (&m)[2],
+                                         const float* sm, int lane, float (&pe)[2]) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float base = m[h] == -INFINITY ? 0.0f : m[h];
+    const float alpha = exp2_approx(m_old[h] - base);  // chunk_softmax's
+    pe[h] = __fmul_rn(pe[h], __fmul_rn(alpha, alpha));
+  }
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    const float2 e = eps_pair<D>(sm, nt * 8 + 2 * t);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      pe[h] = fmaf(__fmul_rn(s[nt][2 * h], s[nt][2 * h]), e.x, pe[h]);
+      pe[h] = fmaf(__fmul_rn(s[nt][2 * h + 1], s[nt][2 * h + 1]), e.y, pe[h]);
     }
   }
 }
@@ -683,8 +794,9 @@ __device__ __forceinline__ void error_sums(const float (&o)[D / 8][4], const flo
 // warp sums over its half of the channels (O in n-tiles 0 .., O_P in D / 16 ..), the second's
 // sums through `x`. Called by every warp of the block (two block-wide barriers).
 template <typename T, int D>
-__device__ __forceinline__ void group_error(const float (&o)[D / 8][4], float (&l)[2], bool pv, int kind, int rows,
-                                            float* x, int lane, float& n, float& d, double (&v)[3]) {
+__device__ __forceinline__ void group_error(const float (&o)[D / 8][4], float (&l)[2], float (&pe)[2], bool pv,
+                                            int kind, int rows, float* x, int lane, float& n, float& d,
+                                            double (&v)[3]) {
   using L = Smem<D>;
   const int g = lane >> 2, t = lane & 3;
   float inv[2], inv_p[2];
@@ -716,6 +828,15 @@ __device__ __forceinline__ void group_error(const float (&o)[D / 8][4], float (&
   if (pv) {
     n += x[0];
     d += x[1];
+    // V's share: sum over the real rows of pe / l^2 (pe over the row's quad first), into v[0]
+    float nv = 0.0f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      pe[h] = __fadd_rn(pe[h], __shfl_xor_sync(0xFFFFFFFFu, pe[h], 1));
+      pe[h] = __fadd_rn(pe[h], __shfl_xor_sync(0xFFFFFFFFu, pe[h], 2));
+      if (t == 0 && g + 8 * h < rows) nv = fmaf(pe[h], __fmul_rn(inv_p[h], inv_p[h]), nv);
+    }
+    v[0] = warp_sum(nv);
   } else {
     error_sums<D, false>(o, x, inv, inv_p, rows, lane, n, d, v);
   }
@@ -791,7 +912,10 @@ __device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int un
       for (int k = 0; k < 3; ++k) sv[k] += __ldcg(reinterpret_cast<const double*>(p + 2) + k);
       rows += group_of(G, i).rows;
     }
-    if (G.estimate[zz] == kPv) return sqrtf(sn / fmaxf(sd, 1e-30f));  // P's: the ratio alone
+    if (G.estimate[zz] == kPv) {  // P's: its ratio, and V's share over kVFactor (NaN if either is)
+      const float ep = sqrtf(sn / fmaxf(sd, 1e-30f)), ev = sqrtf(static_cast<float>(sv[0]) / fmaxf(sd, 1e-30f));
+      return (ep != ep || ev != ev) ? __int_as_float(0x7fc00000) : fmaxf(ep, ev / kVFactor);
+    }
     return spread_bound(sn, sd, sv, rows, a.Sq);
   };
   a.counter[bh] = 0;  // ready for the next launch
@@ -828,6 +952,28 @@ __device__ __forceinline__ void head_error(const RuleGrid& G, int64_t bh, int un
   a.sel_q[bh] = static_cast<uint8_t>(byte);
 }
 
+
+// The second statistic's sums at the loop's end (every thread of a block with `stat`): by warp into
+// the pairs' w (dead since stage_q), then the block's k2 to its partial (thread 0) and the pair's q2
+// (returned).
+template <int D>
+__device__ __forceinline__ float stat_sums(const QkRuleArgs& a, int64_t bh, float* sm, int tid, float q2, float k2) {
+  using L = Smem<D>;
+  const int warp = tid >> 5, lane = tid & 31, pair = warp >> 1;
+  const float qw = warp_sum(q2), kw = warp_sum(k2);
+  __syncthreads();
+  if (lane == 0) sm[L::kW + 2 * warp] = qw, sm[L::kW + 2 * warp + 1] = kw;
+  __syncthreads();
+  if (tid == 0) {
+    float kb = 0.0f;
+    for (int i = 0; i < kThreads / 32; ++i) kb += sm[L::kW + 2 * i + 1];
+    stat_partial(a, bh)[kUnits + blockIdx.y] = kb;
+    __threadfence();
+  }
+  const float mine = sm[L::kW + 4 * pair] + sm[L::kW + 4 * pair + 2];  // the pair's two warps
+  __syncthreads();  // thread 0's k2 before any group of the block reports
+  return mine;
+}
 
 /* ---------- the kernel ---------- */
 
@@ -883,6 +1029,9 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(const __grid_constant
   const int nchunks = (kblocks - 1) * kPer + (cnt_tab[kblocks - 1] + kChunk - 1) / kChunk;
   KeyChunk<T, D> next;
   next.fetch(a, est, tk_tab, cnt_tab, bk, tid, 0);
+  VHatChunk<T, D> vh;  // P's blocks: V-hat's bytes a chunk ahead, for V's share
+  float pe[2] = {0.0f, 0.0f};
+  if (est == kPv) vh.fetch(a, bk, tk_tab[0], tid);
   for (int c = 0; c < nchunks; ++c) {
     const int off = (c % kPer) * kChunk;
     const int64_t key0 = tk_tab[c / kPer] + off;
@@ -893,6 +1042,11 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(const __grid_constant
       k2 += next.sq_dev(sm + L::kMk, tid);  // K's first sampled block (its chunks 0 .. kPer - 1)
     if (c + 1 < nchunks) next.fetch(a, est, tk_tab, cnt_tab, bk, tid, c + 1);
     __syncthreads();
+    if (est == kPv) {  // block-uniform: the chunk's eps, then the next chunk's bytes
+      vh.partials(sm16, sm, tid);
+      if (c + 1 < nchunks) vh.fetch(a, bk, tk_tab[(c + 1) / kPer] + ((c + 1) % kPer) * kChunk, tid);
+      __syncthreads();
+    }
     if (u.rows > 0) {
       // the keys of the chunk below live[h] are real (and, causal, at or before row g + 8 h)
       int live[2];
@@ -908,7 +1062,9 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(const __grid_constant
       if (fp4) chunk_scores<bf16_t, 1, D>(sm16 + L::kKd, tiles + 3 * L::kTile, s, lane);  // Qd Kd^T
       else if (est == kPv) chunk_scores<T, 1, D>(sm16 + L::kK, tiles, s, lane);        // q k^T
       else chunk_scores<T, 3, D>(sm16 + L::kK, tiles, s, lane);                        // (q - w) k^T
+      const float m_old[2] = {m[0], m[1]};
       chunk_softmax<D>(s, scale2, live, m, l, o, lane);
+      if (est == kPv && kind == 0) chunk_pe<D>(s, m_old, m, sm, lane, pe);
       if (est == kPv) {  // each warp both kinds over its half of the channels: O (n-tiles 0..), O_P
         float q[4][4];
 #pragma unroll
@@ -924,23 +1080,10 @@ __global__ void __launch_bounds__(kThreads) qk_rule_kernel(const __grid_constant
     }
   }
 
-  if (stat) {  // the sums by warp into the pairs' w (dead since stage_q), then the block's k2 and each group's q2
-    const float qw = warp_sum(q2), kw = warp_sum(k2);
-    __syncthreads();
-    if (lane == 0) sm[L::kW + 2 * warp] = qw, sm[L::kW + 2 * warp + 1] = kw;
-    __syncthreads();
-    if (tid == 0) {
-      float kb = 0.0f;
-      for (int i = 0; i < kThreads / 32; ++i) kb += sm[L::kW + 2 * i + 1];
-      stat_partial(a, bh)[kUnits + blockIdx.y] = kb;
-      __threadfence();
-    }
-    q2 = sm[L::kW + 4 * pair] + sm[L::kW + 4 * pair + 2];  // the pair's two warps
-    __syncthreads();  // thread 0's k2 before any group of the block reports
-  }
+  if (stat) q2 = stat_sums<D>(a, bh, sm, tid, q2, k2);
   float n = 0.0f, d = 0.0f;
   double v[3];
-  group_error<T, D>(o, l, est == kPv, kind, u.rows, reinterpret_cast<float*>(tiles), lane, n, d, v);
+  group_error<T, D>(o, l, pe, est == kPv, kind, u.rows, reinterpret_cast<float*>(tiles), lane, n, d, v);
   if (kind == 0 && lane == 0 && u.report) head_error(G, bh, u.unit, z, n, d, v, q2);
 #else
   __trap();  // mma.sync m16n8k16 and ldmatrix need sm_80 or newer (the builds target sm_90 and sm_120 families)
@@ -1006,7 +1149,9 @@ int qk_rule_error(const QkRuleArgs& a, cudaStream_t stream) {
   if ((a.D != 64 && a.D != 128) || a.B < 1 || a.Hq < 1 || a.Hkv < 1 || a.Hq % a.Hkv || a.Sq < 1 || a.Sk < 1 ||
       a.Sqp < a.Sq || a.Skp < a.Sk || a.mean_rows < 1 || (a.mean_rows > 1 && a.mean_rows * kBlock < a.Sq) ||
       a.B * a.Hq > 0x7FFFFFFF || a.sel_q == nullptr || a.sel_k == nullptr || a.partial == nullptr ||
-      a.counter == nullptr || (a.error_pv != nullptr && a.pv_limit >= 0.0f && a.sel_v == nullptr))
+      a.counter == nullptr ||
+      (a.error_pv != nullptr && a.pv_limit >= 0.0f &&
+       (a.sel_v == nullptr || a.v_packed == nullptr || a.v_scales == nullptr || a.Skp % kVTile != 0)))
     return cudaErrorInvalidValue;
   switch (a.dtype) {
     case DType::kFloat16: return launch_d<f16_t>(a, stream);

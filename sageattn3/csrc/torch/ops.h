@@ -78,7 +78,8 @@
                            "Tensor balance, Tensor sel_q, Tensor sel_k, int seq_pad, int rotate) -> (Tensor, "  \
                            "Tensor, Tensor, Tensor)")                                                            \
   X(qk_rule_select, "qk_rule_select(Tensor q, Tensor k, Tensor v, Tensor q_packed, Tensor q_scales, "               \
-                    "Tensor k_packed, Tensor k_scales, Tensor mean_q, Tensor mean_k, Tensor balance, "              \
+                    "Tensor k_packed, Tensor k_scales, Tensor v_packed, Tensor v_scales, Tensor v_exp, "            \
+                    "Tensor mean_q, Tensor mean_k, Tensor balance, "                                               \
                     "float sm_scale, bool rotate, bool floor, float limit, bool select_all, float pv_limit, "   \
                     "bool causal, float qk16_limit) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")         \
   X(attention_call, "attention_call(Tensor q, Tensor k, Tensor v, bool causal, bool per_block_mean, bool rotate, " \

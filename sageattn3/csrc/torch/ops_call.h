@@ -130,6 +130,9 @@ T attention_call(T q, T k, T v, bool causal, bool per_block_mean, bool rotate, b
     r.q_scales = ptr(at.prep[1]);
     r.k_packed = ptr(at.prep[2]);
     r.k_scales = ptr(at.prep[3]);
+    r.v_packed = ptr(at.prep[4]);
+    r.v_scales = ptr(at.prep[5]);
+    r.v_exp = static_cast<const int8_t*>(prep[12]);
     r.mean_q = f32(at.prep[6]);
     r.mean_k = f32(at.prep[7]);
     r.balance = exps;

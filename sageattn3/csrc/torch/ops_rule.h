@@ -64,7 +64,9 @@ inline void rule_select(QkRuleArgs& a, float* error, uint8_t* sel_q, uint8_t* se
 
 // The rule op's operands (qk_rule_select): q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) fp16/bf16, D
 // 64/128; the preprocessing's q_packed (B, Hq, Sqp, D/2), q_scales (.., D/16), k_packed (B, Hkv,
-// Skp, D/2), k_scales, mean_q (B, Hq, 1 or ceil(Sq/128), D), mean_k (B, Hkv, 1, D), balance (B,
+// Skp, D/2), k_scales, v_packed (B, Hkv, D, Skp/2), v_scales (.., Skp/16) and v_exp (B, Hkv, Skp/128,
+// D/32, int8 values as uint8) or empty (V's NVFP4, for V's share of P's estimate: Skp a multiple of
+// 128), mean_q (B, Hq, 1 or ceil(Sq/128), D), mean_k (B, Hkv, 1, D), balance (B,
 // Hkv, 1, D) or empty; rotate: the preprocessing rotated Q and K (their codes and means are
 // rotated; sm_scale is the one the scores take, already divided by D/64); floor: the
 // preprocessing had an option (the balance, the rotation, the scale search): also estimate the
@@ -73,8 +75,8 @@ inline void rule_select(QkRuleArgs& a, float* error, uint8_t* sel_q, uint8_t* se
 // outputs and the workspace).
 template <class T>
 QkRuleArgs rule_args(const T& q, const T& k, const T& v, const T& q_packed, const T& q_scales, const T& k_packed,
-                     const T& k_scales, const T& mean_q, const T& mean_k, const T& balance, double sm_scale,
-                     bool rotate, bool floor) {
+                     const T& k_scales, const T& v_packed, const T& v_scales, const T& v_exp, const T& mean_q,
+                     const T& mean_k, const T& balance, double sm_scale, bool rotate, bool floor) {
   check_cuda(q, q, "q");
   check_aligned(q, "q");
   for (const T* t : {&k, &v}) {
@@ -104,6 +106,17 @@ QkRuleArgs rule_args(const T& q, const T& k, const T& v, const T& q_packed, cons
             "sageattn3: k_packed must be (B, Hkv, Skp >= Sk, D/2) and k_scales (B, Hkv, Skp, D/16) = (", B, ", ", Hkv,
             ", >= ", Sk, ", ", D / 2, ") and (", B, ", ", Hkv, ", Skp, ", D / 16, "), got ", shape(k_packed), " and ",
             shape(k_scales));
+  for (const T* t : {&v_packed, &v_scales}) check_code_tensor(*t, q, "V's NVFP4 operand");
+  SA3_CHECK(T, Skp % 128 == 0 && v_packed.numel() == B * Hkv * D * (Skp / 2) && v_scales.numel() == B * Hkv * D * (Skp / 16),
+            "sageattn3: v_packed must be (B, Hkv, D, Skp/2) and v_scales (B, Hkv, D, Skp/16) with Skp (K's padded "
+            "length) a multiple of 128 = (", B, ", ", Hkv, ", ", D, ", ", Skp / 2, ") and (..., ", Skp / 16, "), got ",
+            shape(v_packed), " and ", shape(v_scales));
+  if (v_exp.numel() > 0) {
+    check_code_tensor(v_exp, q, "v_exp");
+    SA3_CHECK(T, v_exp.numel() == B * Hkv * (Skp / 128) * (D / 32),
+              "sageattn3: v_exp (V's tile exponents) must be empty or (B, Hkv, Skp/128, D/32) = ",
+              dims(B, Hkv, Skp / 128, D / 32), ", got ", shape(v_exp));
+  }
   check_f32_on(mean_q, q, "mean_q");
   check_f32_on(mean_k, q, "mean_k");
   const int64_t mr = mean_q.numel() / (B * Hq * D);
@@ -117,12 +130,16 @@ QkRuleArgs rule_args(const T& q, const T& k, const T& v, const T& q_packed, cons
     SA3_CHECK(T, balance.numel() == B * Hkv * D, "sageattn3: balance must be (B, Hkv, 1, D) or empty, expected ",
               dims(B, Hkv, 1, D), ", got ", shape(balance));
   }
-  return rule_fill(q.data_ptr(), k.data_ptr(), v.data_ptr(), dt, B, Hq, Hkv, Sq, Sk, D, Sqp, Skp, bytes(q_packed),
-                   bytes(q_scales), bytes(k_packed), bytes(k_scales), floats(mean_q), mr, floats(mean_k),
-                   balance.numel() > 0 ? floats(balance) : nullptr, rotate, sm_scale, floor);
+  QkRuleArgs a = rule_fill(q.data_ptr(), k.data_ptr(), v.data_ptr(), dt, B, Hq, Hkv, Sq, Sk, D, Sqp, Skp,
+                           bytes(q_packed), bytes(q_scales), bytes(k_packed), bytes(k_scales), floats(mean_q), mr,
+                           floats(mean_k), balance.numel() > 0 ? floats(balance) : nullptr, rotate, sm_scale, floor);
+  a.v_packed = bytes(v_packed);
+  a.v_scales = bytes(v_scales);
+  a.v_exp = v_exp.numel() > 0 ? reinterpret_cast<const int8_t*>(bytes(v_exp)) : nullptr;
+  return a;
 }
 
-// qk_rule_select(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale,
+// qk_rule_select(q, k, v, q_packed, q_scales, k_packed, k_scales, v_packed, v_scales, v_exp, mean_q, mean_k, balance, sm_scale,
 // rotate, floor, limit, select_all, pv_limit, causal) -> (error, sel_q, sel_k, error_pv, sel_v): the estimate and
 // the selection in one op, which allocates its outputs and its workspace (one host call for the
 // whole rule, one kernel launch): error (B, Hq) fp32, the estimate (reference.qk_fp4_error); sel_q (B, Hq) bytes, 1 where the head's Q.K^T
@@ -134,11 +151,12 @@ QkRuleArgs rule_args(const T& q, const T& k, const T& v, const T& q_packed, cons
 // with bit 0 has qk16_stat (B, Hq) fp32 (reference.qk16_stat; NaN without) above it, the raw 16-bit
 // rows (reference.choose_qk16). Each output and the workspace its own allocation (torch/outputs.h).
 template <class T>
-std::tuple<T, T, T, T, T, T> qk_rule_select(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales, T mean_q,
-                                            T mean_k, T balance, double sm_scale, bool rotate, bool floor, double limit,
-                                            bool select_all, double pv_limit, bool causal, double qk16_limit) {
-  QkRuleArgs a = rule_args(q, k, v, q_packed, q_scales, k_packed, k_scales, mean_q, mean_k, balance, sm_scale, rotate,
-                           floor);
+std::tuple<T, T, T, T, T, T> qk_rule_select(T q, T k, T v, T q_packed, T q_scales, T k_packed, T k_scales, T v_packed,
+                                            T v_scales, T v_exp, T mean_q, T mean_k, T balance, double sm_scale,
+                                            bool rotate, bool floor, double limit, bool select_all, double pv_limit,
+                                            bool causal, double qk16_limit) {
+  QkRuleArgs a = rule_args(q, k, v, q_packed, q_scales, k_packed, k_scales, v_packed, v_scales, v_exp, mean_q, mean_k,
+                           balance, sm_scale, rotate, floor);
   DeviceScope scope(device_index(q));
   // error, sel_q, sel_k, error_pv, sel_v, then the workspace (its layout: qk_rule_bind_workspace,
   // sageattn3.h); torch/outputs.h

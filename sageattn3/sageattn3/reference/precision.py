@@ -21,6 +21,8 @@ from .formats import (
     FP4_MAX,
     QK16_RAW_HEAD_DIM,
     dequantize_rows,
+    dequantize_transposed,
+    dequantize_transposed_tiled,
     e4m3_decode,
     quantize_rows,
     unpack_codes,
@@ -47,6 +49,13 @@ FP8_HEAD_DIMS = (64, 128)
 # "The spread of the rows").
 AUTO_ERROR_SPREAD = 3.0
 PV_CHUNK = 32  # keys per running-max step of ``pv_p_error`` (the rule kernel's staged chunk)
+# V's part of ``pv_p_error`` counts against PV_ERROR_LIMIT times this (the rule kernel's kVFactor: a
+# constant of the build, as AUTO_ERROR_SPREAD). NVFP4 V's own error, e_V, is 0.01-0.12 on every case of
+# tests/attention_cases.py (its blocks' rounding, the same for every head: zero-mean heads 0.09-0.11),
+# and 0.43-1.0 where a key that takes most of a row's P has a V row small beside its 16-key block's
+# (attention sinks whose V is 1/10 or less of the other keys': cos-sim 0.06-0.92 with NVFP4 V, 0.99
+# with MXFP8; docs/accuracy-auto-details.md, "V's share of the P·V estimate").
+PV_V_FACTOR = 1.5
 # P·V: "auto" (the default: NVFP4 P·V, P two-level NVFP4 and V NVFP4 along the sequence, but MXFP8
 # for the heads whose P the rule finds too coarse: ``pv_p_error``, ``choose_pv_precision``), "fp4"
 # (NVFP4 for every head) or "fp8" (P and V in MXFP8 for every head: ``reference.sageattn3``).
@@ -317,12 +326,19 @@ def pv_p_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_scale:
        per chunk the running max m_c (the max of L over the chunks so far); P = e^(L - m_c) · 2688,
        NVFP4 along the keys (16-key blocks, ``quantize_rows``) and / 2688: P̂.
     3. O = softmax(L) V; O_P = Σ_c e^(m_c - m_last) P̂_c V_c / Σ e^(L - m_last) (V exact).
-    4. error = ||O_P - O|| / ||O|| over the head's sampled rows.
+    4. e_P = ||O_P - O|| / ||O|| over the head's sampled rows.
+    5. V's share: e_V = sqrt(Σ_r Σ_j P_rj² ε_j / Σ_r ||O_r||²), P = softmax(L) (exact), ε_j =
+       ||V̂_j - V_j||² over the channels, V̂ the attention's NVFP4 V (``pre``'s v_packed, v_scales
+       and v_exp, dequantized): the error V̂ gives O where the keys' errors are independent,
+       exactly so where one key takes a row's P.
+    6. error = max(e_P, e_V / ``PV_V_FACTOR``) (NaN if either is).
 
     Peaky rows whose other keys carry the output (large logits: a sink takes the row max and the
-    rest sit at e^-10 of it) lose the most: most of their P falls below a 16-key block's smallest
-    FP4 step. V's own NVFP4 error is left out: on zero-mean data it is as large as P's would be on
-    those rows, and it does not tell them apart. The mask matters for causal calls: there the early
+    rest sit at e^-10 of it) lose the most to P: most of their P falls below a 16-key block's
+    smallest FP4 step. V's rounding alone (e_V about 0.1 on zero-mean data, as large as P's error on
+    those rows) does not tell them apart, hence its factor; what it catches is a key that takes a
+    row's P with a V row small beside the others of its 16-key block (an attention sink whose V is
+    small), which NVFP4 V rounds to zero. The mask matters for causal calls: there the early
     rows see few keys besides a sink, so a peaky head's P loses more than the whole rows show, and
     a zero-mean head's less (docs/accuracy-auto.md, "The P·V choice")."""
     b, hq, sq, d = q.shape
@@ -340,7 +356,8 @@ def pv_p_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_scale:
     if flag(is_causal, "is_causal"):
         masked = _sampled_positions(sk, 1, q.device)[None, :] > _sampled_positions(sq, stride, q.device)[:, None]
         lg = lg.masked_fill(masked, float("-inf"))
-    o = torch.matmul(torch.softmax(lg, dim=-1), vs)
+    p_exact = torch.softmax(lg, dim=-1)
+    o = torch.matmul(p_exact, vs)
     n = lg.shape[-1]
     nc = -(-n // PV_CHUNK)
     chunks = torch.nn.functional.pad(lg, (0, nc * PV_CHUNK - n), value=float("-inf")).unflatten(-1, (nc, PV_CHUNK))
@@ -351,7 +368,20 @@ def pv_p_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_scale:
     ph = (ph * torch.exp(run - last).unsqueeze(-1)).flatten(-2)[..., :n]
     o_p = torch.matmul(ph, vs) / torch.exp(lg - last).sum(dim=-1, keepdim=True)
     num = (o_p - o).square().sum(dim=(-1, -2))
-    return torch.sqrt(num / o.square().sum(dim=(-1, -2)).clamp_min(1e-30))
+    den = o.square().sum(dim=(-1, -2)).clamp_min(1e-30)
+    vh = expand_kv(cat(_sampled_rows(v_hat(pre, sk), sk, 1)), hq)
+    eps = (vh - vs).square().sum(dim=-1)  # (B, Hq, keys)
+    num_v = (p_exact.square() * eps.unsqueeze(-2)).sum(dim=(-1, -2))
+    return torch.maximum(torch.sqrt(num / den), torch.sqrt(num_v / den) / PV_V_FACTOR)
+
+
+def v_hat(pre, seq: int) -> torch.Tensor:
+    """V as the attention's NVFP4 P·V multiplies it: ``pre``'s v_packed and v_scales (and v_exp, where
+    set) dequantized, (B, Hkv, seq, D) float32."""
+    pad = pre.v_packed.shape[-1] * 2
+    if pre.v_exp is not None:
+        return dequantize_transposed_tiled(pre.v_packed, pre.v_scales, pre.v_exp, pad)[..., :seq, :]
+    return dequantize_transposed(pre.v_packed, pre.v_scales, pad)[..., :seq, :]
 
 
 def choose_pv_precision(precision: str, error: torch.Tensor | None, limit: float | None = None) -> torch.Tensor | None:
