@@ -312,7 +312,10 @@ EXACT_FLOOR = {"randn": 0.975, "q_offset_x1": 0.998, "q_offset_x3": 0.994, "q_of
                "q_outliers": 0.93, "k_outliers": 0.87, "qk_outliers": 0.87, "k_bias": 0.975, "peaky": 0.94,
                "zero_mean_v": 0.985, "q_drift": 0.994, "rope_bias": 0.88, "k_sink": 0.85, "mixed_heads": 0.9,
                # the reference (CPU) at these tests' shapes: 0.81-0.94 and 0.978-0.986
-               "qk_massive": 0.78, "large_logits": 0.96}
+               "qk_massive": 0.78, "large_logits": 0.96,
+               # the FP4 path here rounds the sinks' small V to zero (reference, CPU: 0.40-0.42 at these
+               # shapes); the defaults take FP8 P·V there (test_pv_rule_gpu.test_small_v_sinks_by_default)
+               "v_sink": 0.35}
 
 
 @pytest.mark.parametrize("case", attention_cases.CASES)
