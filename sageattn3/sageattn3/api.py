@@ -238,9 +238,11 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal: bool = False, per_bl
     estimates on the rotated rows. At head dim 128, an FP8 head whose MXFP8 logit error the rule
     measures as large (``sageattn3.reference.qk16_stat`` above ``QK16_STAT_LIMIT``: massive outliers
     Q and K share) multiplies its raw fp16/bf16 rows instead (``QkChoice.qk16``).
-    ``pv_precision``: "auto" (the default) P and V in MXFP8 for the heads whose P the rule finds too
-    coarse for NVFP4 (``sageattn3.reference.pv_p_error`` above ``PV_ERROR_LIMIT``: peaky rows whose
-    output comes from keys far below the row max, e.g. large logits in fp16), NVFP4 P·V elsewhere;
+    ``pv_precision``: "auto" (the default) P and V in MXFP8 for the heads whose P or V the rule finds
+    too coarse for NVFP4 (``sageattn3.reference.pv_p_error`` above ``PV_ERROR_LIMIT``: peaky rows
+    whose output comes from keys far below the row max, e.g. large logits in fp16; or keys that take
+    most of a row's P with a V small beside their 16-key block's, e.g. attention sinks with a small
+    V), NVFP4 P·V elsewhere;
     the rule runs with the Q·Kᵀ rule ("auto"/"fp8"; with qk_precision="fp4" every head keeps NVFP4
     P·V). "fp4": every head NVFP4; "fp8": every head MXFP8 (D 64/128, as every kernel path: other
     head dims take SDPA; ``sageattn3.reference.sageattn3(..., pv_precision="fp8")``), with FP4 or

@@ -9,7 +9,9 @@
 // - The floor's (kFloor, options as floors: reference.qk_fp4_error step 5): the same on the
 //   defaults' rows, raw minus the options-free means, their codes quantized here (quant16).
 // - P's (kPv, the FP8 P.V choice): the exact scores of the whole rows, P = e^(L - m) * 2688 per
-//   32-key chunk (m the running max) quantized to NVFP4 along the keys, against P unquantized.
+//   32-key chunk (m the running max) quantized to NVFP4 along the keys, against P unquantized;
+//   and V's share (VHatChunk): each key's squared NVFP4 V error weighted by its exact P squared,
+//   over kVFactor; the head's estimate is the larger of the two.
 //
 // The exact scores, up to a constant per row (which no softmax sees): the balance's powers of
 // two cancel in each channel's product, the rotation scales every dot product by D/64 (which

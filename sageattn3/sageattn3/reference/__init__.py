@@ -200,7 +200,9 @@ AUTO_ERROR_LIMIT = 0.2
 # queries"). One row is exact in FP4: it is its own mean, all of it in the fp32 correction.
 AUTO_SHORT_QUERY_ROWS = 128
 # A head's P·V runs in MXFP8 (pv_precision "auto", the default) when the rule's estimate of the
-# relative output error NVFP4 P causes (``pv_p_error``) exceeds this. Calibrated on
+# relative output error NVFP4 P·V causes (``pv_p_error``: P's, or V's share over PV_V_FACTOR; V's
+# share at most 0.087 after the factor on every other case of tests/attention_cases.py, 0.59-0.67
+# on v_sink, sinks whose V is 1/30 of the others') exceeds this. P's part calibrated on
 # tests/attention_cases.py (docs/accuracy-auto-details.md, "The P·V choice"; 4 q heads over 2, D 64
 # and 128, six seeds):
 # zero-mean heads (randn, k_bias, mixed_heads' first) estimate 0.087-0.101 at 256-4096 tokens, the
