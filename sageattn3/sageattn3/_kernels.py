@@ -354,23 +354,21 @@ def qk_rule_select(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, scale
                    select_all: bool, pv_limit: float = -1.0, causal: bool = False,
                    qk16_limit: float | None = None) -> tuple[torch.Tensor, ...]:
     """``qk_rule_error`` and the selection in one op (no synchronisation): error (B, Hq) float32,
-    sel_q (B, Hq) uint8 (bit 0: FP8 Q·Kᵀ, every head with ``select_all``, else error > limit, NaN
-    keeping FP4), sel_k (B, Hkv) uint8 (1 where a q head has bit 0: ``reference.choose_qk_precision``);
-    with ``pv_limit`` >= 0 P's estimate error_pv (B, Hq) (``reference.pv_p_error``, masked with
-    ``causal``), bit 1 of sel_q above pv_limit and sel_v (B, Hkv) (1 where a q head has bit 1), else
-    error_pv NaN, no bit 1, sel_v zeros; at D 128 (``qk16_limit``, None: ``reference.QK16_STAT_LIMIT``,
-    below 0: off) qk16_stat (B, Hq) float32 (NaN where off) and bit 2 of sel_q
-    (``reference.choose_qk16``). q, k, v contiguous and 16-byte aligned, ``pre`` from the kernels."""
+    sel_q (B, Hq) uint8 (bit 0: FP8 Q·Kᵀ, every head with ``select_all``, else error > limit, NaN keeping
+    FP4), sel_k (B, Hkv) uint8 (1 where a q head has bit 0: ``reference.choose_qk_precision``); with
+    ``pv_limit`` >= 0 the P·V estimate error_pv (B, Hq) (``reference.pv_p_error``, masked with ``causal``),
+    bit 1 of sel_q above pv_limit and sel_v (B, Hkv) (1 where a q head has bit 1), else error_pv NaN, no
+    bit 1, sel_v zeros; at D 128 (``qk16_limit``, None: ``reference.QK16_STAT_LIMIT``, below 0: off)
+    qk16_stat (B, Hq) float32 (NaN where off), bit 2 of sel_q (``reference.choose_qk16``). q, k, v
+    contiguous, 16-byte aligned; ``pre`` from the kernels (V's NVFP4 too)."""
     from . import reference
-
     d = q.shape[3]
     q16 = float(reference.QK16_STAT_LIMIT if qk16_limit is None else qk16_limit) if d == 128 else -1.0
+    bal = _none(q.device, 10) if pre.balance is None else pre.balance
     v_exp = _none(q.device, 11) if pre.v_exp is None else pre.v_exp.view(torch.uint8)
     return op("qk_rule_select")(q, k, v, pre.q_packed, pre.q_scales, pre.k_packed, pre.k_scales, pre.v_packed,
-                                pre.v_scales, v_exp, pre.mean_q,
-                                pre.mean_k, _none(q.device, 10) if pre.balance is None else pre.balance,
-                                *_rule_scale(pre, d, scale), float(limit), bool(select_all), float(pv_limit),
-                                bool(causal), q16)
+                                pre.v_scales, v_exp, pre.mean_q, pre.mean_k, bal, *_rule_scale(pre, d, scale),
+                                float(limit), bool(select_all), float(pv_limit), bool(causal), q16)
 
 
 def _rule_scale(pre, d: int, scale: float) -> tuple[float, bool, bool]:

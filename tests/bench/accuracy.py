@@ -14,7 +14,7 @@ computed in float64 from the bf16 inputs):
 - "auto (default)": ``sageattn3.reference.sageattn3`` with this package's defaults: the per-head
   Q·Kᵀ precision (qk_precision="auto": FP8 Q·Kᵀ for the heads the rule picks, FP4 elsewhere;
   docs/accuracy-auto.md) and P·V precision (pv_precision="auto": MXFP8 P·V for the heads whose
-  P the rule finds too coarse, NVFP4 elsewhere), delta_s = delta_key + r · K̂ᵀ (K̂ the quantized K plus its quantization
+  P or V the rule finds too coarse, NVFP4 elsewhere), delta_s = delta_key + r · K̂ᵀ (K̂ the quantized K plus its quantization
   residual), no balance, no rotation of the FP4 heads (the FP8 heads multiply rotated rows:
   ``sageattn3.reference.fp8_rows``), plain scales;
 - "auto, seeds 0-7": the defaults on the same case drawn with seeds 0-7 (the other columns are

@@ -39,6 +39,8 @@ def test_end_to_end_hard_cases(fp4, case, causal, mode):  # noqa: F811
     # rounding boundary may differ, hence 0.9999 here and 0.99999 on the same quantized inputs
     assert c_ref >= 0.9999, fig
     assert c_exact >= EXACT_FLOOR[case], fig
+    if case == "v_sink":  # every mode keeps "auto" P·V, whose V share gives every head MXFP8 P·V
+        assert c_exact >= 0.99, fig
 
 
 def test_zz_report_figures():

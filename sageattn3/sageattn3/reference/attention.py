@@ -187,7 +187,7 @@ def sageattn3(
     Q·Kᵀ, the scores and the running max are exactly as with "fp4" (any ``qk_precision``).
 
     ``pv_precision="auto"`` (the default): where the Q·Kᵀ rule runs (``qk_precision`` "auto" or
-    "fp8"), the heads whose P the rule finds too coarse (``pv_p_error`` above ``pv_limit``, None:
+    "fp8"), the heads whose P or V the rule finds too coarse (``pv_p_error`` above ``pv_limit``, None:
     ``PV_ERROR_LIMIT``; ``Preprocessed.pv_fp8``) take "fp8"'s P·V, the others "fp4"'s; elsewhere
     as "fp4". (The per-head choice reads ``pv_fp8.any()``: a host synchronisation on a GPU.)
 

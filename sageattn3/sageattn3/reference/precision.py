@@ -20,9 +20,9 @@ from .formats import (
     E4M3_MAX,
     FP4_MAX,
     QK16_RAW_HEAD_DIM,
+    V_GROUP,
     dequantize_rows,
     dequantize_transposed,
-    dequantize_transposed_tiled,
     e4m3_decode,
     quantize_rows,
     unpack_codes,
@@ -50,14 +50,14 @@ FP8_HEAD_DIMS = (64, 128)
 AUTO_ERROR_SPREAD = 3.0
 PV_CHUNK = 32  # keys per running-max step of ``pv_p_error`` (the rule kernel's staged chunk)
 # V's part of ``pv_p_error`` counts against PV_ERROR_LIMIT times this (the rule kernel's kVFactor: a
-# constant of the build, as AUTO_ERROR_SPREAD). NVFP4 V's own error, e_V, is 0.01-0.12 on every case of
+# constant of the build, as AUTO_ERROR_SPREAD). NVFP4 V's own error, e_V, is 0.008-0.131 on every other case of
 # tests/attention_cases.py (its blocks' rounding, the same for every head: zero-mean heads 0.09-0.11),
 # and 0.43-1.0 where a key that takes most of a row's P has a V row small beside its 16-key block's
 # (attention sinks whose V is 1/10 or less of the other keys': cos-sim 0.06-0.92 with NVFP4 V, 0.99
-# with MXFP8; docs/accuracy-auto-details.md, "V's share of the P·V estimate").
+# with MXFP8; docs/accuracy-auto-details.md, "V's share of the P·V estimate", with what it misses).
 PV_V_FACTOR = 1.5
 # P·V: "auto" (the default: NVFP4 P·V, P two-level NVFP4 and V NVFP4 along the sequence, but MXFP8
-# for the heads whose P the rule finds too coarse: ``pv_p_error``, ``choose_pv_precision``), "fp4"
+# for the heads whose P or V the rule finds too coarse: ``pv_p_error``, ``choose_pv_precision``), "fp4"
 # (NVFP4 for every head) or "fp8" (P and V in MXFP8 for every head: ``reference.sageattn3``).
 PV_PRECISIONS = ("fp4", "fp8", "auto")
 PV_PRECISION_DEFAULT = "auto"
@@ -312,7 +312,8 @@ def choose_qk_precision(precision: str, error: torch.Tensor, limit: float | None
 
 def pv_p_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_scale: float | None = None,
                is_causal: bool = False) -> torch.Tensor:
-    """The rule's estimate, per q head, of the relative output error NVFP4 P causes: (B, Hq) float32,
+    """The rule's estimate, per q head, of the relative output error NVFP4 P·V causes (P's, or V's share
+    over ``PV_V_FACTOR``): (B, Hq) float32,
     torch ops on q's device (the oracle of the rule kernel's P blocks, csrc/preprocess/qk_rule.cu).
     The rows and keys of ``qk_fp4_error``'s first estimate (``pre``'s balanced, rotated rows), but Q
     whole (its mean not removed: the scores then differ from the attention's only by a constant per
@@ -369,19 +370,24 @@ def pv_p_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre, sm_scale:
     o_p = torch.matmul(ph, vs) / torch.exp(lg - last).sum(dim=-1, keepdim=True)
     num = (o_p - o).square().sum(dim=(-1, -2))
     den = o.square().sum(dim=(-1, -2)).clamp_min(1e-30)
-    vh = expand_kv(cat(_sampled_rows(v_hat(pre, sk), sk, 1)), hq)
+    vh = expand_kv(_sampled_v_hat(pre, sk), hq)
     eps = (vh - vs).square().sum(dim=-1)  # (B, Hq, keys)
     num_v = (p_exact.square() * eps.unsqueeze(-2)).sum(dim=(-1, -2))
     return torch.maximum(torch.sqrt(num / den), torch.sqrt(num_v / den) / PV_V_FACTOR)
 
 
-def v_hat(pre, seq: int) -> torch.Tensor:
-    """V as the attention's NVFP4 P·V multiplies it: ``pre``'s v_packed and v_scales (and v_exp, where
-    set) dequantized, (B, Hkv, seq, D) float32."""
-    pad = pre.v_packed.shape[-1] * 2
-    if pre.v_exp is not None:
-        return dequantize_transposed_tiled(pre.v_packed, pre.v_scales, pre.v_exp, pad)[..., :seq, :]
-    return dequantize_transposed(pre.v_packed, pre.v_scales, pad)[..., :seq, :]
+def _sampled_v_hat(pre, seq: int) -> torch.Tensor:
+    """V as the attention's NVFP4 P·V multiplies it, on the rows ``_sampled_rows(v, seq, 1)`` takes:
+    ``pre``'s v_packed and v_scales of each sampled 128-key block dequantized (times 2^-e of its tile,
+    v_exp, where set), (B, Hkv, rows, D) float32. Only the sampled blocks are decoded."""
+    blocks = []
+    for t in sample_blocks(seq):
+        x = dequantize_transposed(pre.v_packed[..., t * 64:(t + 1) * 64], pre.v_scales[..., t * 8:(t + 1) * 8],
+                                  Q_MEAN_BLOCK)
+        if pre.v_exp is not None:
+            x = x * torch.exp2(-pre.v_exp[..., t, :].float()).repeat_interleave(V_GROUP, dim=-1).unsqueeze(-2)
+        blocks.append(x[..., : min(seq, (t + 1) * Q_MEAN_BLOCK) - t * Q_MEAN_BLOCK, :])
+    return torch.cat(blocks, dim=-2)
 
 
 def choose_pv_precision(precision: str, error: torch.Tensor | None, limit: float | None = None) -> torch.Tensor | None:
