@@ -22,7 +22,9 @@ def _cos(v_scale: float, q_scale: float = 1.0, v_tile_exponent: bool = True) -> 
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 512, 128, generator=g) for _ in range(3))
     q, k, v = (q * q_scale).half(), (k / q_scale).half(), (v * v_scale).half()
-    out = ref.sageattn3(q, k, v, v_tile_exponent=v_tile_exponent)
+    # NVFP4 P·V pinned: these tests are about NVFP4 V's range ("auto" moves a head whose V the range
+    # clips to MXFP8 P·V: test_the_default_takes_fp8_pv_where_nvfp4_v_loses)
+    out = ref.sageattn3(q, k, v, v_tile_exponent=v_tile_exponent, pv_precision="fp4")
     return ac.cos_sim(out, ref.exact_attention(q, k, v)) if bool(out.abs().sum() > 0) else 0.0
 
 
@@ -108,9 +110,23 @@ def test_a_group_shares_its_exponent():
     v[..., 0] *= 2.0 ** 18
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
     exact = ref.exact_attention(q, k, v)
-    tiled, plain = ref.sageattn3(q, k, v), ref.sageattn3(q, k, v, v_tile_exponent=False)
+    tiled = ref.sageattn3(q, k, v, pv_precision="fp4")
+    plain = ref.sageattn3(q, k, v, v_tile_exponent=False, pv_precision="fp4")
     big, rest, other = slice(0, 1), slice(1, 32), slice(32, 64)
     assert ac.cos_sim(tiled[..., big], exact[..., big]) > 0.97 > ac.cos_sim(plain[..., big], exact[..., big])
     assert ac.cos_sim(tiled[..., rest], exact[..., rest]) < 0.9 < ac.cos_sim(plain[..., rest], exact[..., rest])
     assert torch.equal(tiled[..., other], plain[..., other])
     assert ac.cos_sim(tiled, exact) > ac.cos_sim(plain, exact) + 0.1
+
+
+@pytest.mark.parametrize("scale", [0.001, 3000.0])
+def test_the_default_takes_fp8_pv_where_nvfp4_v_loses(unit, scale):
+    """Plain NVFP4 V (v_tile_exponent=False) at scales it cannot hold: the P·V rule's V share moves
+    every head to MXFP8 P·V, at or above the unit-scale result."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 512, 128, generator=g) for _ in range(3))
+    q, k, v = q.half(), k.half(), (v * scale).half()
+    pre = ref.preprocess(q, k, v, qk_precision="auto", v_tile_exponent=False)
+    assert bool(pre.pv_fp8.all()), pre.pv_error
+    out = ref.sageattn3(q, k, v, v_tile_exponent=False)
+    assert ac.cos_sim(out, ref.exact_attention(q, k, v)) >= unit - TOLERANCE
