@@ -314,7 +314,7 @@ EXACT_FLOOR = {"randn": 0.975, "q_offset_x1": 0.998, "q_offset_x3": 0.994, "q_of
                # the reference (CPU) at these tests' shapes: 0.81-0.94 and 0.978-0.986
                "qk_massive": 0.78, "large_logits": 0.96,
                # the FP4 path here rounds the sinks' small V to zero (reference, CPU: 0.40-0.42 at these
-               # shapes); the defaults take FP8 P·V there (test_pv_rule_gpu.test_small_v_sinks_by_default)
+               # shapes); the defaults take FP8 P·V there (test_pv_rule_gpu.test_pv_cases_by_default)
                "v_sink": 0.35}
 
 

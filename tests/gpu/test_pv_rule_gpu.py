@@ -103,43 +103,30 @@ def test_v_quantizer_with_a_selection(fp4):  # noqa: F811
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_small_v_sinks_by_default(fp4, d, causal):  # noqa: F811
-    """Attention sinks whose V is 1/30 of the others' (``v_sink``, bf16): NVFP4 V rounds the sinks'
-    V to zero (about 0.4 against exact attention); V's share of the rule's P·V estimate gives every
-    head FP8 P·V, by the kernels' own estimate (the one op); they equal the reference (>= 0.99999)
-    and reach >= 0.99 against exact attention."""
+@pytest.mark.parametrize("case", ac.PV_CASES)
+def test_pv_cases_by_default(fp4, case, d, causal):  # noqa: F811
+    """The accuracy table's cases whose P·V needs MXFP8, with the defaults: large logits in fp16 (P's
+    error) and attention sinks whose V is 1/30 of the others' (``v_sink``, bf16: NVFP4 V rounds the
+    sinks' V to zero, NVFP4 P·V below 0.6 against exact attention; V's share of the estimate). The
+    rule gives every head FP8 P·V by the kernels' own estimate (the one op); the kernels equal the
+    reference (>= 0.99999) and reach >= 0.99 against exact attention."""
     _pv8_or_skip()
     from sageattn3 import reference as ref
 
-    q, k, v = ac.make("v_sink", 1, 4, 2, 1024, 1024, d, seed=0)
-    out, choice = fp4.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal, return_qk_choice=True)
-    out = out.float().cpu()
-    want = ref.sageattn3(q, k, v, is_causal=causal)
-    exact = ref.exact_attention(q, k, v, is_causal=causal)
-    fp4_pv = fp4.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal, pv_precision="fp4").float().cpu()
-    c_ref, c_exact, c_fp4 = ac.cos_sim(out, want), ac.cos_sim(out, exact), ac.cos_sim(fp4_pv, exact)
-    FIGURES.append(f"v_sink bf16 D={d} causal={causal}, defaults: kernel vs reference {c_ref:.7f}, vs exact "
-                   f"{c_exact:.5f} (NVFP4 P·V {c_fp4:.4f}); {choice.describe()}")
-    assert bool(choice.pv_fp8.all()), choice.describe()
-    assert c_ref >= 0.99999 and c_exact >= 0.99 and c_fp4 < 0.6
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
-def test_large_logits_by_default(fp4, d, causal):  # noqa: F811
-    """The accuracy table's large-logit fp16 inputs with the defaults: the rule gives every head FP8
-    P·V; the kernels equal the reference (>= 0.99999) and reach >= 0.99 against exact attention."""
-    _pv8_or_skip()
-    from sageattn3 import reference as ref
-
-    q, k, v = ac.make("large_logits", 1, 4, 2, 1024, 1024, d, seed=0)
+    q, k, v = ac.make(case, 1, 4, 2, 1024, 1024, d, seed=0)
     out, choice = fp4.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal, return_qk_choice=True)
     out = out.float().cpu()
     want = ref.sageattn3(q, k, v, is_causal=causal)
     exact = ref.exact_attention(q, k, v, is_causal=causal)
     c_ref, c_exact = ac.cos_sim(out, want), ac.cos_sim(out, exact)
-    FIGURES.append(f"large_logits fp16 D={d} causal={causal}, defaults: kernel vs reference {c_ref:.7f}, vs exact "
-                   f"{c_exact:.5f}; {choice.describe()}")
+    fig = (f"{case} {str(q.dtype)[6:]} D={d} causal={causal}, defaults: kernel vs reference {c_ref:.7f}, "
+           f"vs exact {c_exact:.5f}")
+    if case == "v_sink":
+        fp4_pv = fp4.sageattn3_blackwell(q.cuda(), k.cuda(), v.cuda(), is_causal=causal, pv_precision="fp4")
+        c_fp4 = ac.cos_sim(fp4_pv.float().cpu(), exact)
+        fig += f" (NVFP4 P·V {c_fp4:.4f})"
+        assert c_fp4 < 0.6, fig
+    FIGURES.append(f"{fig}; {choice.describe()}")
     assert bool(choice.pv_fp8.all()), choice.describe()
     assert c_ref >= 0.99999 and c_exact >= 0.99
 
